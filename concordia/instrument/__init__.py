@@ -1,0 +1,1 @@
+"""PTX instrumentation: exit hooks, pause gates and store tracking inserted into kernels as they load."""

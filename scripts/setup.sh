@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Sets up Concordia on a fresh Debian machine: the libpmem1 package (when we are
+# root and apt is there), a virtual environment in .venv, and the package with the
+# extras named in $CONCORDIA_EXTRAS (default: test). Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! ldconfig -p 2>/dev/null | grep -q 'libpmem\.so\.1'; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing libpmem1 (Debian) for the persistent-memory path" >&2
+    (apt-get install -y -qq libpmem1 >/dev/null 2>&1 \
+      || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq libpmem1 >/dev/null 2>&1; }) \
+      || echo "setup: libpmem1 could not be installed; logs will use mmap + msync" >&2
+  else
+    echo "setup: libpmem1 absent and not root; logs will use mmap + msync" >&2
+  fi
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+extras=${CONCORDIA_EXTRAS:-test}
+stamp=.venv/.concordia-installed-$extras
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[$extras]"
+  touch "$stamp"
+fi

@@ -1,0 +1,1 @@
+"""The `concordia` and `concordia-wal` command lines."""
