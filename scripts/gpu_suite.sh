@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The whole GPU check-and-benchmark run, on the H200 machine, from the repo root.
+# Needs .whl/ (scripts/fetch_device_wheels.sh) carried along and $OUT set.
+# Installs the wheels and the project into /tmp/site, then runs every
+# scripts/gpu/<part>.sh (or only those named as arguments) with a time limit
+# each, keeping each part's log under $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+: "${OUT:?set OUT to a folder for results}"
+export PYTHONUNBUFFERED=1 CUDA_MODULE_LOADING=EAGER
+site=/tmp/site
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
+  || { echo "gpu_suite: wheel install failed"; exit 2; }
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$site" .whl/crcmod-*.tar.gz \
+  || echo "gpu_suite: crcmod not installed (tests that need it will say so)"
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$site" . \
+  || { echo "gpu_suite: project install failed"; exit 2; }
+export PYTHONPATH="$site" PATH="$site/bin:$PATH"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+python3 -c 'import cupy, numpy, sys; print("python", sys.version.split()[0], "cupy", cupy.__version__, "numpy", numpy.__version__)' | tee -a "$OUT/gpu.txt"
+
+parts=("$@")
+if [ ${#parts[@]} -eq 0 ]; then
+  for f in scripts/gpu/*.sh; do parts+=("$(basename "$f" .sh)"); done
+fi
+limit=${PART_LIMIT_S:-240}
+status=0
+for p in "${parts[@]}"; do
+  echo "=== $p"
+  start=$(date +%s)
+  timeout -k 10 "$limit" bash "scripts/gpu/$p.sh" >"$OUT/$p.log" 2>&1
+  rc=$?
+  echo "=== $p rc=$rc $(( $(date +%s) - start ))s"
+  tail -n 25 "$OUT/$p.log"
+  [ $rc -eq 0 ] || status=1
+done
+exit $status
