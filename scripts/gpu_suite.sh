@@ -7,6 +7,12 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to a folder for results}"
+# Only a few files may come back from the machine: parts write into a staging
+# folder, and everything is packed into $OUT/results.tgz at the end.
+final_out=$OUT
+export OUT=/tmp/gpu-out
+rm -rf "$OUT"; mkdir -p "$OUT"
+trap 'tar -C "$OUT" -czf "$final_out/results.tgz" . ; cp "$OUT/summary.txt" "$final_out/" 2>/dev/null' EXIT
 export PYTHONUNBUFFERED=1 CUDA_MODULE_LOADING=EAGER
 site=/tmp/site
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
@@ -30,7 +36,7 @@ for p in "${parts[@]}"; do
   start=$(date +%s)
   timeout -k 10 "$limit" bash "scripts/gpu/$p.sh" >"$OUT/$p.log" 2>&1
   rc=$?
-  echo "=== $p rc=$rc $(( $(date +%s) - start ))s"
+  echo "=== $p rc=$rc $(( $(date +%s) - start ))s" | tee -a "$OUT/summary.txt"
   tail -n 25 "$OUT/$p.log"
   [ $rc -eq 0 ] || status=1
 done
