@@ -32,7 +32,7 @@ try:
     ptr = host.ctypes.data
     try:
         cp.cuda.runtime.hostRegister(ptr, n, 2)  # cudaHostRegisterMapped
-        dptr = cp.cuda.runtime.hostGetDevicePointer(ptr, 0)
+        dptr = ptr  # unified addressing: a mapped registration has the same address on the device
         mem = cp.cuda.UnownedMemory(dptr, n, None)
         dev = cp.ndarray(n, dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(mem, 0))
         src = cp.arange(n, dtype=cp.uint32).view(cp.uint8)[:n]
