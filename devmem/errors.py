@@ -75,3 +75,19 @@ class CudaUnavailableError(DevmemError):
 
 class HostRegisterRefusedError(DevmemError):
     """The kernel or driver refuses to pin this mapping for the GPU."""
+
+
+class OutOfRangeError(DevmemError):
+    """An offset / length pair does not lie inside the mapping."""
+
+
+class BackendClosedError(DevmemError):
+    """The backend was used after `close()`."""
+
+
+class BadSpecError(DevmemError):
+    """A log name (`dax:`, `pmem:`, `shm:`, `file:`, `pinned:`, `memory:`) cannot be parsed."""
+
+
+class InjectedFaultError(DevmemError):
+    """A failure injected on purpose by `fault.FaultInjectingBackend`."""

@@ -1,0 +1,348 @@
+"""The `Backend` interface every memory tier implements, what a tier survives,
+and `open_backend`: the one way a log's home is named (CLI and API alike).
+
+A name is `KIND:REST` or a plain path:
+
+    dax:/dev/dax0.0       device DAX (CXL memory, NVDIMM namespace in devdax mode)
+    pmem:/mnt/pmem/log    a file on an fsdax mount, mapped through libpmem
+    shm:NAME              a file in /dev/shm (or shm:/dev/shm/NAME)
+    file:PATH             a plain page-cache file, mmap + msync
+    pinned:               cudaHostAlloc memory (volatile; GPU loss only)
+    memory:               an anonymous mapping (volatile; for tests)
+    /some/path            detected: a DAX character device, a file under a tmpfs,
+                          a file on a dax-mounted file system, else a plain file
+
+The tiers themselves live in `tiers.py` (file, shm, pmem, memory), `devdax.py`
+and `pinned.py`; this module owns only the contract and the dispatch.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import errno
+import os
+import stat
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import (
+    BackendClosedError,
+    BadSpecError,
+    DevmemError,
+    OutOfRangeError,
+    PathNotFoundError,
+    PermissionDeniedError,
+    ReadOnlyError,
+)
+
+__all__ = ["Survives", "Backend", "Spec", "parse_spec", "open_backend", "SHM_DIR"]
+
+SHM_DIR = "/dev/shm"
+KINDS = ("devdax", "pmem", "shm", "file", "pinned", "memory")
+_PREFIX = {"dax": "devdax", "devdax": "devdax", "pmem": "pmem", "shm": "shm", "file": "file",
+           "pinned": "pinned", "memory": "memory"}
+
+
+class Survives(enum.IntEnum):
+    """The worst failure a tier's contents outlive (ordered: a larger value
+    survives everything a smaller one does)."""
+
+    GPU_LOSS = 1        # host memory of this process: lost with the process
+    PROCESS_CRASH = 2   # shared memory: outlives the writer, not a reboot
+    HOST_CRASH = 3      # page cache after msync: outlives a kernel crash / reboot
+    POWER_LOSS = 4      # persistent memory after flush + drain
+
+
+class Backend(abc.ABC):
+    """One mapped, byte-addressable home for a log.
+
+    Contract:
+      * `view` is a writable memoryview of all `size` bytes (read-only when opened
+        `readonly`); `array` is a numpy uint8 view of the same bytes, no copy.
+      * Bytes written into the view are durable to the level `survives` names only
+        after `persist(offset, length)` returned, or after `flush` of the range
+        followed by `drain()`.  Until then a failure may keep or lose each of them.
+      * `persist_path` says how persistence is done: "libpmem" (user-space cache
+        flushes), "msync", or "none" (volatile tiers: persist orders nothing).
+      * `address` is the virtual address of byte 0 (for GPU host registration).
+      * `close()` unmaps once no view taken from this backend is still alive;
+        using the backend afterwards raises `BackendClosedError`.
+
+    Subclasses set the capability attributes and implement `_persist`, `_flush`,
+    `_drain` and `_release`; range checking and the closed state live here.
+    """
+
+    kind: str = "?"
+    survives: Survives = Survives.GPU_LOSS
+    gpu_mappable: bool = False
+
+    def __init__(self, *, path: str | None, size: int, alignment: int, view: memoryview,
+                 address: int, is_pmem: bool = False, persist_path: str = "none",
+                 readonly: bool = False):
+        self.path = path
+        self.size = int(size)
+        self.alignment = int(alignment)
+        self.is_pmem = bool(is_pmem)
+        self.persist_path = persist_path
+        self.readonly = readonly
+        self.address = int(address)
+        self._view: memoryview | None = view
+        self._array: np.ndarray | None = None
+
+    # -- capabilities -------------------------------------------------------------
+    @property
+    def durable(self) -> bool:
+        """True when persisted bytes outlive a host crash."""
+        return self.survives >= Survives.HOST_CRASH
+
+    @property
+    def closed(self) -> bool:
+        return self._view is None
+
+    @property
+    def where(self) -> str:
+        return f"{self.kind}:{self.path}" if self.path else f"{self.kind}:"
+
+    def info(self) -> dict:
+        """What a person (or `concordia-wal info`) wants to know about this tier."""
+        return {
+            "kind": self.kind, "path": self.path, "size": self.size, "alignment": self.alignment,
+            "survives": self.survives.name.lower(), "durable": self.durable,
+            "gpu_mappable": self.gpu_mappable, "is_pmem": self.is_pmem,
+            "persist_path": self.persist_path, "readonly": self.readonly,
+        }
+
+    # -- the bytes ----------------------------------------------------------------
+    @property
+    def view(self) -> memoryview:
+        if self._view is None:
+            raise BackendClosedError("backend is closed", where=self.where)
+        return self._view
+
+    @property
+    def array(self) -> np.ndarray:
+        if self._array is None:
+            self._array = np.frombuffer(self.view, dtype=np.uint8)
+        return self._array
+
+    # -- persistence --------------------------------------------------------------
+    def persist(self, offset: int, length: int) -> None:
+        """Make bytes [offset, offset+length) durable (to the level `survives`
+        names) before returning."""
+        if self._check(offset, length):
+            self._persist(offset, length)
+
+    def flush(self, offset: int, length: int) -> None:
+        """Start making [offset, offset+length) durable; durable only once a
+        later `drain()` returns."""
+        if self._check(offset, length):
+            self._flush(offset, length)
+
+    def drain(self) -> None:
+        """Wait until every range flushed so far is durable."""
+        self.view  # raises when closed
+        self._drain()
+
+    def close(self) -> None:
+        """Unmap (deferred while views taken from this backend are alive).
+        Calling it twice is harmless."""
+        if self._view is None:
+            return
+        self._array = None
+        view, self._view = self._view, None
+        try:
+            view.release()
+        except BufferError:
+            pass  # a caller still holds a view: the mapping goes when it does
+        self._release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{self.size} bytes"
+        return f"<{type(self).__name__} {self.where} {state} persist={self.persist_path}>"
+
+    def _check(self, offset: int, length: int) -> bool:
+        self.view
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise OutOfRangeError(f"range [{offset:#x}, {offset + length:#x}) outside a "
+                                  f"mapping of {self.size:#x} bytes", where=self.where)
+        if self.readonly and length:
+            raise ReadOnlyError("persist on a backend opened read-only", where=self.where)
+        return length > 0
+
+    # -- what a tier provides -----------------------------------------------------
+    @abc.abstractmethod
+    def _persist(self, offset: int, length: int) -> None: ...
+
+    def _flush(self, offset: int, length: int) -> None:
+        self._persist(offset, length)   # tiers without a split flush/drain: persist now
+
+    def _drain(self) -> None:
+        pass
+
+    @abc.abstractmethod
+    def _release(self) -> None:
+        """Drop the mapping (the view is already released or still exported)."""
+
+
+# -- naming a log -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Spec:
+    """A parsed log name: the tier and the path (None for pinned / memory)."""
+
+    kind: str
+    path: str | None
+    text: str
+
+
+def parse_spec(spec: str) -> Spec:
+    """Turn a log name into a `Spec`; plain paths are classified by `detect_kind`.
+
+    Raises BadSpecError for an unknown prefix or a prefix without the path it needs.
+    """
+    if not isinstance(spec, (str, os.PathLike)):
+        raise BadSpecError(f"a log name must be a string, not {type(spec).__name__}")
+    text = os.fspath(spec)
+    if not text:
+        raise BadSpecError("empty log name")
+    prefix, sep, rest = text.partition(":")
+    if sep and prefix in _PREFIX:
+        kind = _PREFIX[prefix]
+        if kind in ("pinned", "memory"):
+            if rest:
+                raise BadSpecError(f"{prefix}: takes no path, got {rest!r}", where=text)
+            return Spec(kind, None, text)
+        if not rest:
+            raise BadSpecError(f"{prefix}: needs a path", where=text,
+                               hint=f"e.g. {prefix}:{'NAME' if kind == 'shm' else '/path/log'}")
+        if kind == "shm" and "/" not in rest:
+            rest = os.path.join(SHM_DIR, rest)
+        return Spec(kind, os.path.abspath(rest), text)
+    if sep and prefix.isalnum() and len(prefix) > 1 and not os.path.exists(text):
+        raise BadSpecError(f"unknown log kind {prefix!r}", where=text,
+                           hint="use dax:, pmem:, shm:, file:, pinned:, memory: or a path")
+    path = os.path.abspath(text)
+    return Spec(detect_kind(path), path, text)
+
+
+def detect_kind(path: str) -> str:
+    """Classify a plain path: a character device -> devdax; a file on tmpfs ->
+    shm; a file on a mount with a `dax` option -> pmem; anything else -> file.
+    A path that does not exist yet is classified by the file system it would be in."""
+    try:
+        st = os.stat(path)
+        if stat.S_ISCHR(st.st_mode):
+            return "devdax"
+    except OSError:
+        pass
+    mount = _mount_of(path)
+    if mount is not None:
+        fstype, options = mount
+        if fstype == "tmpfs":
+            return "shm"
+        if any(o == "dax" or o.startswith("dax=") and o != "dax=never" for o in options):
+            return "pmem"
+    return "file"
+
+
+def _mount_of(path: str) -> tuple[str, list[str]] | None:
+    """(fstype, options) of the mount holding `path` (deepest mount point wins)."""
+    probe = os.path.realpath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    best = None
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                fields, rfields = left.split(), right.split()
+                if len(fields) < 6 or len(rfields) < 3:
+                    continue
+                point = fields[4].replace("\\040", " ")
+                if probe == point or probe.startswith(point.rstrip("/") + "/"):
+                    if best is None or len(point) >= len(best[0]):
+                        opts = fields[5].split(",") + rfields[2].split(",")
+                        best = (point, rfields[0], opts)
+    except OSError:
+        return None
+    return None if best is None else (best[1], best[2])
+
+
+def open_backend(spec, size: int | None = None, create: bool = False, readonly: bool = False,
+                 numa_node: int | None = None, libpmem: str = "auto",
+                 allow_foreign_owner: bool = False) -> Backend:
+    """Open (or with `create=True`, create) the log home named by `spec`.
+
+    size:      bytes to map; required when creating; for an existing file the
+               file's length when None.  Must be a positive multiple of the tier's
+               alignment.
+    create:    create the file / shm object (mode 0600) when absent, grow it to
+               `size` when shorter; never shrinks.
+    readonly:  map read-only; `persist` then refuses.
+    numa_node: shm only: bind the pages to this NUMA node.
+    libpmem:   "auto" (use libpmem when it loads), "require" (fail with
+               LibpmemUnavailableError when it does not), "off" (mmap + msync).
+    allow_foreign_owner: open a log owned by another user (refused by default).
+
+    Bad input raises a one-line DevmemError subclass and creates or changes nothing.
+    """
+    if isinstance(spec, Backend):
+        return spec
+    if libpmem not in ("auto", "require", "off"):
+        raise BadSpecError(f"libpmem must be 'auto', 'require' or 'off', not {libpmem!r}")
+    if create and readonly:
+        raise ReadOnlyError("cannot create a log read-only", where=str(spec))
+    s = parse_spec(spec)
+    if numa_node is not None and s.kind != "shm":
+        raise BadSpecError(f"numa_node applies to shm logs, not {s.kind}", where=s.text)
+    if size is not None and (not isinstance(size, (int, np.integer)) or isinstance(size, bool)):
+        raise BadSpecError(f"size must be an integer, not {type(size).__name__}", where=s.text)
+    common = dict(size=None if size is None else int(size), create=create, readonly=readonly)
+    if s.kind == "memory":
+        from .tiers import MemoryBackend
+        return MemoryBackend.open(size)
+    if s.kind == "pinned":
+        from .pinned import PinnedBackend
+        return PinnedBackend.open(size)
+    owner = dict(allow_foreign_owner=allow_foreign_owner, libpmem=libpmem)
+    if s.kind == "file":
+        from .tiers import FileBackend
+        return FileBackend.open(s.path, **common, **owner)
+    if s.kind == "shm":
+        from .tiers import ShmBackend
+        return ShmBackend.open(s.path, numa_node=numa_node, **common, **owner)
+    if s.kind == "pmem":
+        from .tiers import PmemBackend
+        return PmemBackend.open(s.path, **common, **owner)
+    from .devdax import DevDaxBackend
+    return DevDaxBackend.open(s.path, **common, **owner)
+
+
+# -- errno -> DevmemError -----------------------------------------------------------
+
+_HINTS = {
+    errno.ENOENT: (PathNotFoundError, "check the path, or create the log first"),
+    errno.EACCES: (PermissionDeniedError, "run as the log's owner or fix its permissions"),
+    errno.EPERM: (PermissionDeniedError, "run as the log's owner or fix its permissions"),
+    errno.EROFS: (ReadOnlyError, "the file system is mounted read-only; open with readonly=True"),
+    errno.ENOSPC: (DevmemError, "free space on the device or choose a smaller size"),
+    errno.ENOMEM: (DevmemError, "not enough memory for the mapping; choose a smaller size"),
+    errno.ENODEV: (DevmemError, "this file system does not support shared mappings"),
+    errno.EISDIR: (BadSpecError, "name a file, not a directory"),
+    errno.ENOTDIR: (PathNotFoundError, "a component of the path is not a directory"),
+}
+
+
+def os_error(exc: OSError, where: str, doing: str) -> DevmemError:
+    """Map an OSError to the DevmemError subclass for its errno, with a remedy hint."""
+    cls, hint = _HINTS.get(exc.errno, (DevmemError, None))
+    reason = exc.strerror or str(exc)
+    return cls(f"{doing}: {reason}", where=where, hint=hint)

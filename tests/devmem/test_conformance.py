@@ -1,0 +1,114 @@
+"""Every tier runs the same conformance class (see conformance.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+
+from concordia.devmem import Survives, open_backend
+from concordia.devmem import libpmem as libpmem_mod
+
+from .conformance import BackendConformance
+
+needs_libpmem = pytest.mark.skipif(not libpmem_mod.available(),
+                                   reason="libpmem1 is not installed (scripts/setup.sh installs it)")
+
+
+def _dir(tmp_path):
+    os.makedirs(tmp_path, exist_ok=True)
+    return tmp_path
+
+
+class TestFile(BackendConformance):
+    kind = "file"
+    survives_at_least = Survives.HOST_CRASH
+
+    def make(self, tmp_path, size):
+        return open_backend(f"file:{_dir(tmp_path) / 'log'}", size=size, create=True)
+
+    def reopen(self, tmp_path, b):
+        return open_backend(f"file:{b.path}")
+
+
+class TestShm(BackendConformance):
+    kind = "shm"
+    gpu_mappable = True
+    persist_paths = ("none",)
+    survives_at_least = Survives.PROCESS_CRASH
+
+    @pytest.fixture(autouse=True)
+    def _cleanup(self):
+        self.made = []
+        yield
+        for p in self.made:
+            if os.path.exists(p):
+                os.unlink(p)
+
+    def make(self, tmp_path, size):
+        name = "concordia-test-" + hashlib.sha1(str(tmp_path).encode()).hexdigest()[:16]
+        b = open_backend(f"shm:{name}", size=size, create=True)
+        self.made.append(b.path)
+        return b
+
+    def reopen(self, tmp_path, b):
+        return open_backend(f"shm:{os.path.basename(b.path)}")
+
+
+class TestMemory(BackendConformance):
+    kind = "memory"
+    gpu_mappable = True
+    persist_paths = ("none",)
+    creates_files = False
+
+    def make(self, tmp_path, size):
+        return open_backend("memory:", size=size)
+
+
+class _Pmem(BackendConformance):
+    kind = "pmem"
+    survives_at_least = Survives.HOST_CRASH
+    libpmem = "auto"
+
+    def make(self, tmp_path, size):
+        return open_backend(f"pmem:{_dir(tmp_path) / 'log'}", size=size, create=True,
+                            libpmem=self.libpmem)
+
+    def reopen(self, tmp_path, b):
+        return open_backend(f"pmem:{b.path}", libpmem=self.libpmem)
+
+
+@needs_libpmem
+class TestPmemWithLibpmem(_Pmem):
+    libpmem = "require"
+    persist_paths = ("libpmem", "msync")
+
+    def test_mapped_through_libpmem(self, backend):
+        assert backend.mapped_by == "libpmem"
+
+
+class TestPmemWithoutLibpmem(_Pmem):
+    libpmem = "off"
+
+    def test_mapped_through_mmap(self, backend):
+        assert backend.mapped_by == "mmap" and not backend.is_pmem
+
+
+@needs_libpmem
+class TestPmemForced(_Pmem):
+    """pmem on a plain file with PMEM_IS_PMEM_FORCE=1: libpmem treats it as pmem,
+    so persistence is user-space flushing.  libpmem reads the variable when it is
+    loaded, so this class runs in its own process (test_forced_pmem.py)."""
+
+    libpmem = "require"
+    persist_paths = ("libpmem",)
+    survives_at_least = Survives.POWER_LOSS
+
+    @pytest.fixture(autouse=True)
+    def _only_when_forced(self):
+        if os.environ.get("PMEM_IS_PMEM_FORCE") != "1":
+            pytest.skip("runs in a child process with PMEM_IS_PMEM_FORCE=1 (test_forced_pmem.py)")
+
+    def test_is_pmem_honestly_reported(self, backend):
+        assert backend.is_pmem and backend.persist_path == "libpmem"
