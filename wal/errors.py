@@ -1,0 +1,79 @@
+"""Errors of the write-ahead log.
+
+Every corruption names where it is (`segment N @ 0xOFFSET`, the offset inside
+the backend mapping) and what was expected, so a person can find the bytes.
+Classes whose `exit_code` is 1 mean "problems found in the data"; the rest are
+usage or I/O errors (2).
+"""
+
+from __future__ import annotations
+
+from concordia.devmem.errors import ConcordiaError
+
+
+class WalError(ConcordiaError):
+    """Something about a log is wrong or was used wrongly."""
+
+
+class CorruptionError(WalError):
+    """Bytes on media fail a validity condition of FORMAT.md."""
+
+    exit_code = 1
+
+
+class TornTailError(CorruptionError):
+    """The end of the log holds a partly written record (ABSOLUTE mode refuses it)."""
+
+
+class ChainError(CorruptionError):
+    """A segment's header does not name the segment before it (FORMAT.md §4, V-S5)."""
+
+
+class SuperblockError(CorruptionError):
+    """Neither superblock slot is valid."""
+
+
+class NotALogError(WalError):
+    """The target holds no Concordia volume (no superblock magic)."""
+
+    exit_code = 1
+
+
+class FormatVersionError(WalError):
+    """The volume needs a major version or an incompatible feature this code lacks."""
+
+
+class ReadOnlyFeatureError(FormatVersionError):
+    """The volume carries a ro-compat feature this code lacks: it may be read, not written."""
+
+
+class LogFullError(WalError):
+    """No free segment is left to roll over into (compaction reclaims segments)."""
+
+
+class RecordTooLargeError(WalError):
+    """A record cannot fit in one segment."""
+
+
+class RegionError(WalError):
+    """A region is unknown, or defined twice with different attributes."""
+
+
+class UsageError(WalError):
+    """An API was called out of order (e.g. commit with reservations unfinished)."""
+
+
+__all__ = [
+    "WalError",
+    "CorruptionError",
+    "TornTailError",
+    "ChainError",
+    "SuperblockError",
+    "NotALogError",
+    "FormatVersionError",
+    "ReadOnlyFeatureError",
+    "LogFullError",
+    "RecordTooLargeError",
+    "RegionError",
+    "UsageError",
+]

@@ -1,0 +1,710 @@
+"""Pure codecs for the bytes of a Concordia volume.
+
+Everything here mirrors `wal/FORMAT.md` (the single source of truth): each
+structure is one `struct.Struct` defined once, citing its FORMAT.md section.
+No function here does I/O; the volume, appender and reader do.  Decoders treat
+their input as untrusted: every length, count and offset is checked against the
+buffer before it is used, and nothing is allocated from an unchecked length.
+
+Byte order is little-endian throughout.  CRC32C is Castagnoli (init 0xFFFFFFFF,
+reflected, final xor 0xFFFFFFFF), computed by the `crc32c` package.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from typing import NamedTuple
+
+import numpy as np
+from crc32c import crc32c as _crc32c
+
+from .errors import CorruptionError, WalError
+
+# --------------------------------------------------------------------------
+# Checksums (FORMAT.md §1)
+
+
+def crc32c(data, value: int = 0) -> int:
+    """CRC32C of `data` (bytes-like or C-contiguous numpy array), continuing
+    from the CRC `value` of the bytes before it."""
+    if isinstance(data, np.ndarray):
+        data = memoryview(np.ascontiguousarray(data)).cast("B")
+    return _crc32c(data, value)
+
+
+CRC_OF_EMPTY = 0  # crc32c(b"")
+
+# --------------------------------------------------------------------------
+# Constants (FORMAT.md §1, §2)
+
+MAJOR_VERSION = 1
+MINOR_VERSION = 0
+
+#: feature bits this code understands (FORMAT.md §2.3); none are defined yet
+KNOWN_COMPAT = 0
+KNOWN_INCOMPAT = 0
+KNOWN_RO_COMPAT = 0
+
+VOLUME_MAGIC = b"CNCRDVOL"
+SEGMENT_MAGIC = b"CNCRDSEG"
+
+RECORD_ALIGN = 64
+SEGMENT_ALIGN = 1 << 20  # segments start and end on 1 MiB boundaries
+SLOT_ALIGN = 4096
+MAX_PAGE_BYTES = 1 << 26
+MAX_SEGMENTS = 1 << 20
+
+
+def align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def align64(n: int) -> int:
+    return (n + 63) & ~63
+
+
+# --------------------------------------------------------------------------
+# Superblock (FORMAT.md §3)
+
+SUPERBLOCK = struct.Struct(
+    "<8sIIQQQ16s"  # magic, major, minor, compat, incompat, ro_compat, uuid      0..56
+    "QQQQQII"  # sequence, volume_bytes, slot_bytes, segments_off, segment_bytes,
+    #            segment_count, flags                                         56..104
+    "QQQQQQQQ"  # next_lsn, next_segment_seq, oldest_lsn, oldest_epoch,
+    #             catalog_lsn, retain_epochs, retain_bytes, created_ns      104..168
+    "84sI"  # reserved (zero), crc                                          168..256
+)
+SUPERBLOCK_SIZE = 256
+SUPERBLOCK_CRC_OFF = 252
+SLOT_COUNT = 2
+
+SEGMENT_ENTRY = struct.Struct("<QQIIII")  # base_lsn, seq, salt, state, header_crc, reserved
+SEGMENT_ENTRY_SIZE = 32
+
+SEG_FREE = 0
+SEG_LIVE = 1
+
+
+class Superblock(NamedTuple):
+    """One decoded superblock slot (FORMAT.md §3).  `segments` is a list of
+    SegmentEntry, one per physical segment."""
+
+    uuid: bytes
+    sequence: int
+    volume_bytes: int
+    slot_bytes: int
+    segments_off: int
+    segment_bytes: int
+    segment_count: int
+    next_lsn: int
+    next_segment_seq: int
+    oldest_lsn: int
+    oldest_epoch: int
+    catalog_lsn: int
+    retain_epochs: int
+    retain_bytes: int
+    created_ns: int
+    segments: tuple
+    compat: int = 0
+    incompat: int = 0
+    ro_compat: int = 0
+    major: int = MAJOR_VERSION
+    minor: int = MINOR_VERSION
+    flags: int = 0
+
+
+class SegmentEntry(NamedTuple):
+    base_lsn: int
+    seq: int
+    salt: int
+    state: int
+    header_crc: int
+
+
+def slot_bytes_for(segment_count: int) -> int:
+    """Bytes reserved for one superblock slot holding `segment_count` entries."""
+    return align(SUPERBLOCK_SIZE + SEGMENT_ENTRY_SIZE * segment_count, SLOT_ALIGN)
+
+
+def encode_superblock(sb: Superblock) -> bytes:
+    """Superblock slot bytes (header + segment table), CRC filled in."""
+    if len(sb.segments) != sb.segment_count:
+        raise WalError(f"superblock has {len(sb.segments)} table entries for {sb.segment_count} segments")
+    table = b"".join(
+        SEGMENT_ENTRY.pack(e.base_lsn, e.seq, e.salt, e.state, e.header_crc, 0) for e in sb.segments
+    )
+    head = SUPERBLOCK.pack(
+        VOLUME_MAGIC, sb.major, sb.minor, sb.compat, sb.incompat, sb.ro_compat, sb.uuid,
+        sb.sequence, sb.volume_bytes, sb.slot_bytes, sb.segments_off, sb.segment_bytes,
+        sb.segment_count, sb.flags,
+        sb.next_lsn, sb.next_segment_seq, sb.oldest_lsn, sb.oldest_epoch,
+        sb.catalog_lsn, sb.retain_epochs, sb.retain_bytes, sb.created_ns,
+        bytes(84), 0,
+    )
+    crc = crc32c(table, crc32c(head[:SUPERBLOCK_CRC_OFF]))
+    return head[:SUPERBLOCK_CRC_OFF] + struct.pack("<I", crc) + table
+
+
+def decode_superblock(buf, *, where: str = "superblock") -> Superblock:
+    """Decode and validate one slot (FORMAT.md §3.2, conditions V-B1..V-B6).
+    Raises CorruptionError (or NotALogError / FormatVersionError) naming the problem."""
+    from .errors import FormatVersionError, NotALogError
+
+    buf = memoryview(buf).cast("B") if not isinstance(buf, memoryview) else buf.cast("B")
+    if len(buf) < SUPERBLOCK_SIZE:
+        raise CorruptionError(f"superblock truncated to {len(buf)} bytes", where=where)
+    f = SUPERBLOCK.unpack_from(buf, 0)
+    (magic, major, minor, compat, incompat, ro_compat, uuid, sequence, volume_bytes, slot_bytes,
+     segments_off, segment_bytes, segment_count, flags, next_lsn, next_seq, oldest_lsn,
+     oldest_epoch, catalog_lsn, retain_epochs, retain_bytes, created_ns, reserved, crc) = f
+    if magic != VOLUME_MAGIC:  # V-B1
+        if bytes(buf[:8]) == bytes(8):
+            raise NotALogError("no volume magic (zero bytes)", where=where)
+        raise NotALogError(f"bad volume magic {bytes(magic)!r}", where=where)
+    if not (0 < segment_count <= MAX_SEGMENTS):  # V-B2, before the table is touched
+        raise CorruptionError(f"segment count {segment_count} out of range", where=where)
+    table_end = SUPERBLOCK_SIZE + SEGMENT_ENTRY_SIZE * segment_count
+    if slot_bytes != slot_bytes_for(segment_count) or table_end > len(buf):
+        raise CorruptionError(
+            f"slot size {slot_bytes} does not hold {segment_count} segment entries", where=where)
+    computed = crc32c(buf[SUPERBLOCK_SIZE:table_end], crc32c(buf[:SUPERBLOCK_CRC_OFF]))
+    if computed != crc:  # V-B3
+        raise CorruptionError(
+            f"superblock CRC mismatch, stored 0x{crc:08x}, computed 0x{computed:08x}", where=where)
+    if major != MAJOR_VERSION:  # V-B4
+        raise FormatVersionError(f"volume major version {major}, this code reads {MAJOR_VERSION}",
+                                 where=where, hint="upgrade Concordia")
+    if incompat & ~KNOWN_INCOMPAT:
+        raise FormatVersionError(f"unknown incompatible features 0x{incompat & ~KNOWN_INCOMPAT:x}",
+                                 where=where, hint="upgrade Concordia")
+    if any(reserved):  # V-B5
+        raise CorruptionError("reserved superblock bytes are not zero", where=where)
+    if (segment_bytes % SEGMENT_ALIGN or segment_bytes < SEGMENT_ALIGN
+            or segments_off % SEGMENT_ALIGN or segments_off < 2 * slot_bytes
+            or segments_off + segment_count * segment_bytes > volume_bytes):  # V-B6
+        raise CorruptionError(
+            f"geometry inconsistent: {segment_count} x {segment_bytes} bytes at 0x{segments_off:x} "
+            f"in a {volume_bytes}-byte volume", where=where)
+    entries = tuple(
+        SegmentEntry(*SEGMENT_ENTRY.unpack_from(buf, SUPERBLOCK_SIZE + i * SEGMENT_ENTRY_SIZE)[:5])
+        for i in range(segment_count)
+    )
+    return Superblock(
+        uuid=bytes(uuid), sequence=sequence, volume_bytes=volume_bytes, slot_bytes=slot_bytes,
+        segments_off=segments_off, segment_bytes=segment_bytes, segment_count=segment_count,
+        next_lsn=next_lsn, next_segment_seq=next_seq, oldest_lsn=oldest_lsn,
+        oldest_epoch=oldest_epoch, catalog_lsn=catalog_lsn, retain_epochs=retain_epochs,
+        retain_bytes=retain_bytes, created_ns=created_ns, segments=entries, compat=compat,
+        incompat=incompat, ro_compat=ro_compat, major=major, minor=minor, flags=flags,
+    )
+
+
+# --------------------------------------------------------------------------
+# Segment header (FORMAT.md §4)
+
+SEGMENT_HEADER = struct.Struct(
+    "<8sIIQQQ16s"  # magic, major, minor, compat, incompat, ro_compat, uuid   0..56
+    "QQQII"  # seq, base_lsn, segment_bytes, index, salt                    56..88
+    "QIIQ"  # prev_seq, prev_header_crc, reserved0, created_ns              88..112
+    "140sI"  # reserved (zero), header_crc                                 112..256
+)
+SEGMENT_HEADER_SIZE = 256
+SEGMENT_HEADER_CRC_OFF = 252
+
+
+class SegmentHeader(NamedTuple):
+    uuid: bytes
+    seq: int
+    base_lsn: int
+    segment_bytes: int
+    index: int
+    salt: int
+    prev_seq: int
+    prev_header_crc: int
+    created_ns: int
+    header_crc: int = 0
+    compat: int = 0
+    incompat: int = 0
+    ro_compat: int = 0
+
+
+def encode_segment_header(h: SegmentHeader) -> bytes:
+    body = SEGMENT_HEADER.pack(
+        SEGMENT_MAGIC, MAJOR_VERSION, MINOR_VERSION, h.compat, h.incompat, h.ro_compat, h.uuid,
+        h.seq, h.base_lsn, h.segment_bytes, h.index, h.salt,
+        h.prev_seq, h.prev_header_crc, 0, h.created_ns, bytes(140), 0,
+    )
+    crc = crc32c(body[:SEGMENT_HEADER_CRC_OFF])
+    return body[:SEGMENT_HEADER_CRC_OFF] + struct.pack("<I", crc)
+
+
+def decode_segment_header(buf) -> tuple[SegmentHeader | None, str | None]:
+    """(header, None) when valid per FORMAT.md §4.2 V-S1..V-S3, else (None, reason)."""
+    buf = memoryview(buf).cast("B")
+    if len(buf) < SEGMENT_HEADER_SIZE:
+        return None, "segment header truncated"
+    f = SEGMENT_HEADER.unpack_from(buf, 0)
+    (magic, major, minor, compat, incompat, ro_compat, uuid, seq, base_lsn, segment_bytes, index,
+     salt, prev_seq, prev_crc, reserved0, created_ns, reserved, crc) = f
+    if magic != SEGMENT_MAGIC:
+        return None, ("segment header is zero" if not any(buf[:SEGMENT_HEADER_SIZE])
+                      else f"bad segment magic {bytes(magic)!r}")
+    computed = crc32c(buf[:SEGMENT_HEADER_CRC_OFF])
+    if computed != crc:
+        return None, f"segment header CRC mismatch, stored 0x{crc:08x}, computed 0x{computed:08x}"
+    if major != MAJOR_VERSION or incompat & ~KNOWN_INCOMPAT:
+        return None, f"segment needs major version {major} / features 0x{incompat:x}"
+    if reserved0 or any(reserved):
+        return None, "reserved segment header bytes are not zero"
+    return SegmentHeader(bytes(uuid), seq, base_lsn, segment_bytes, index, salt, prev_seq,
+                         prev_crc, created_ns, crc, compat, incompat, ro_compat), None
+
+
+# --------------------------------------------------------------------------
+# Record header (FORMAT.md §5; docs/internals.md "WAL record layout")
+
+RECORD_HEADER = struct.Struct("<QBBHIQQIIIIQII")
+RECORD_HEADER_SIZE = 64
+RECORD_HEADER_CRC_OFF = 60
+
+# offsets of the fields, for kernels and byte-poking tests
+OFF_LENGTH, OFF_TYPE, OFF_FLAGS, OFF_RESERVED0, OFF_REGION = 0, 8, 9, 10, 12
+OFF_LSN, OFF_EPOCH, OFF_SALT, OFF_BODY_CRC = 16, 24, 32, 36
+OFF_COUNT, OFF_PAGE_BYTES, OFF_AUX, OFF_RESERVED1, OFF_HEADER_CRC = 40, 44, 48, 56, 60
+
+TYPE_IGNORABLE = 0x80
+TYPE_MASK = 0x7F
+
+REC_PAGE_BATCH = 0x01
+REC_REGION = 0x02
+REC_COMMIT = 0x03
+REC_CATALOG = 0x04  # snapshot catalog (FORMAT.md §9, written by wal.snapshot)
+REC_SNAPSHOT = 0x05  # snapshot begin/end marker (FORMAT.md §9, written by wal.snapshot)
+REC_PAD = 0x7E  # always written with TYPE_IGNORABLE: 0xFE
+
+TYPE_NAMES = {
+    REC_PAGE_BATCH: "page_batch", REC_REGION: "region", REC_COMMIT: "commit",
+    REC_CATALOG: "catalog", REC_SNAPSHOT: "snapshot", REC_PAD: "pad",
+}
+
+FLAG_BASE = 0x01
+NO_REGION = 0xFFFFFFFF
+
+
+class RecordHeader(NamedTuple):
+    length: int
+    type: int  # the full type byte, ignorable bit included
+    flags: int
+    region_id: int
+    lsn: int
+    epoch: int
+    salt: int
+    body_crc: int
+    count: int
+    page_bytes: int
+    aux: int
+    header_crc: int = 0
+
+    @property
+    def kind(self) -> int:
+        return self.type & TYPE_MASK
+
+    @property
+    def ignorable(self) -> bool:
+        return bool(self.type & TYPE_IGNORABLE)
+
+
+def encode_record_header_into(dst, *, length, type, lsn, epoch, region_id=NO_REGION, salt,
+                              body_crc, count, page_bytes=0, aux=0, flags=0) -> None:
+    """Write a 64-byte record header at dst[0:64] with its header CRC."""
+    RECORD_HEADER.pack_into(dst, 0, length, type, flags, 0, region_id, lsn, epoch, salt,
+                            body_crc, count, page_bytes, aux, 0, 0)
+    mv = memoryview(dst).cast("B") if isinstance(dst, np.ndarray) else dst
+    struct.pack_into("<I", dst, RECORD_HEADER_CRC_OFF, _crc32c(mv[:RECORD_HEADER_CRC_OFF]))
+
+
+def encode_record_header(**fields) -> bytes:
+    buf = bytearray(RECORD_HEADER_SIZE)
+    encode_record_header_into(buf, **fields)
+    return bytes(buf)
+
+
+def decode_record_header(buf, off: int = 0) -> RecordHeader:
+    """Decode the 64-byte header at buf[off:]; raises CorruptionError when the
+    header CRC (V-R2) or reserved bytes (V-R4) are wrong.  Placement checks
+    (length, LSN, salt) need the segment and are done by the reader."""
+    problem = check_record_header_bytes(buf, off)
+    if problem:
+        raise CorruptionError(problem, where=f"record @ 0x{off:x}")
+    return RecordHeader(*_unpack_header(buf, off))
+
+
+def _unpack_header(buf, off):
+    f = RECORD_HEADER.unpack_from(buf, off)
+    # drop reserved0 (index 3) and reserved1 (index 12)
+    return f[0], f[1], f[2], f[4], f[5], f[6], f[7], f[8], f[9], f[10], f[11], f[13]
+
+
+def check_record_header_bytes(buf, off: int = 0) -> str | None:
+    """None when the header at buf[off:off+64] passes V-R1..V-R4, else the reason."""
+    if off < 0 or off + RECORD_HEADER_SIZE > len(buf):
+        return "record header runs past the end of the buffer"
+    f = RECORD_HEADER.unpack_from(buf, off)
+    length, stored = f[0], f[13]
+    mv = buf if isinstance(buf, memoryview) else memoryview(buf)
+    computed = _crc32c(mv[off:off + RECORD_HEADER_CRC_OFF])
+    if computed != stored:
+        return f"record header CRC mismatch, stored 0x{stored:08x}, computed 0x{computed:08x}"
+    if length < RECORD_HEADER_SIZE or length % RECORD_ALIGN:
+        return f"record length {length} is not a positive multiple of 64"
+    if f[3] or f[12]:
+        return "reserved record header bytes are not zero"
+    return None
+
+
+# --------------------------------------------------------------------------
+# Generic records (FORMAT.md §5.3): body of `count` bytes right after the header
+
+
+def record_length(body_bytes: int) -> int:
+    return RECORD_HEADER_SIZE + align64(body_bytes)
+
+
+def encode_record_into(dst, *, type, lsn, epoch, salt, body, region_id=NO_REGION, flags=0,
+                       aux=0, page_bytes=0) -> int:
+    """Write a record whose body is `body` (bytes-like) into dst (writable
+    buffer or uint8 array, zero beyond the body up to the 64-byte boundary is
+    written too).  Returns the record length."""
+    body = memoryview(body).cast("B")
+    n = len(body)
+    length = record_length(n)
+    if len(dst) < length:
+        raise WalError(f"record of {length} bytes does not fit a {len(dst)}-byte buffer")
+    mv = memoryview(dst).cast("B") if isinstance(dst, np.ndarray) else memoryview(dst)
+    mv[RECORD_HEADER_SIZE:RECORD_HEADER_SIZE + n] = body
+    mv[RECORD_HEADER_SIZE + n:length] = bytes(length - RECORD_HEADER_SIZE - n)
+    encode_record_header_into(mv, length=length, type=type, lsn=lsn, epoch=epoch,
+                              region_id=region_id, salt=salt, body_crc=_crc32c(body), count=n,
+                              page_bytes=page_bytes, aux=aux, flags=flags)
+    return length
+
+
+def generic_body(buf, hdr: RecordHeader, off: int = 0) -> memoryview:
+    """Body of a generic record (all types but the page batch); bounds-checked."""
+    if RECORD_HEADER_SIZE + hdr.count > hdr.length:
+        raise CorruptionError(f"body of {hdr.count} bytes does not fit a {hdr.length}-byte record",
+                              where=f"record @ 0x{off:x}")
+    mv = memoryview(buf).cast("B") if isinstance(buf, np.ndarray) else memoryview(buf)
+    return mv[off + RECORD_HEADER_SIZE: off + RECORD_HEADER_SIZE + hdr.count]
+
+
+# --------------------------------------------------------------------------
+# Page batch (FORMAT.md §6)
+
+MAX_BATCH_PAGES = 1 << 24
+
+
+def page_batch_tables_bytes(count: int) -> int:
+    """Index table + CRC table, padded so the payload is 64-byte aligned."""
+    return align64(8 * count)
+
+
+def page_batch_payload_offset(count: int) -> int:
+    return RECORD_HEADER_SIZE + page_batch_tables_bytes(count)
+
+
+def page_batch_length(count: int, page_bytes: int) -> int:
+    """length = 64 + align64(8 * count) + count * page_bytes."""
+    return RECORD_HEADER_SIZE + align64(8 * count) + count * page_bytes
+
+
+def page_crcs_of(pages: np.ndarray) -> np.ndarray:
+    """CRC32C of each row of a (count, page_bytes) uint8 array, as uint32."""
+    count, pb = pages.shape
+    mv = memoryview(np.ascontiguousarray(pages)).cast("B")
+    f = _crc32c
+    return np.fromiter((f(mv[i:i + pb]) for i in range(0, count * pb, pb)), dtype=np.uint32,
+                       count=count)
+
+
+def _as_pages(pages, count: int, page_bytes: int) -> np.ndarray:
+    arr = pages if isinstance(pages, np.ndarray) else np.frombuffer(pages, dtype=np.uint8)
+    if arr.dtype != np.uint8:
+        arr = arr.view(np.uint8) if arr.flags.c_contiguous else np.ascontiguousarray(arr).view(np.uint8)
+    if arr.size != count * page_bytes:
+        raise WalError(f"pages hold {arr.size} bytes, expected {count} x {page_bytes}")
+    return arr.reshape(count, page_bytes)
+
+
+def encode_page_batch_into(dst_u8, *, lsn, epoch, region_id, salt, page_ids, pages, page_bytes,
+                           flags=0, page_crcs=None) -> int:
+    """Write one page-batch record into `dst_u8` (a writable uint8 array, e.g.
+    a Reservation's view) and return its length.
+
+    page_ids: the page numbers (strictly increasing, any integer array).
+    pages:    the page payloads, a C-contiguous uint8 array of shape
+              (count, page_bytes) or any buffer of count * page_bytes bytes,
+              page i at i * page_bytes; a region's short last page must be
+              zero-padded by the caller.
+    page_crcs: the CRC32C of each page when already known (e.g. computed on the
+              GPU); computed here when None.
+    """
+    ids = np.asarray(page_ids)
+    count = int(ids.size)
+    if count == 0 or count > MAX_BATCH_PAGES:
+        raise WalError(f"a page batch holds 1..{MAX_BATCH_PAGES} pages, not {count}")
+    if page_bytes <= 0 or page_bytes % RECORD_ALIGN or page_bytes > MAX_PAGE_BYTES:
+        raise WalError(f"page_bytes {page_bytes} is not a positive multiple of 64")
+    if count > 1 and not np.all(ids[1:] > ids[:-1]):
+        raise WalError("page ids of a batch must be strictly increasing")
+    if ids[0] < 0 or ids[-1] > 0xFFFFFFFF:
+        raise WalError("page ids must fit in u32")
+    length = page_batch_length(count, page_bytes)
+    if dst_u8.size < length:
+        raise WalError(f"page batch of {length} bytes does not fit a {dst_u8.size}-byte reservation")
+    src = _as_pages(pages, count, page_bytes)
+    poff = page_batch_payload_offset(count)
+    payload = dst_u8[poff:poff + count * page_bytes].reshape(count, page_bytes)
+    np.copyto(payload, src)
+    if page_crcs is None:
+        crcs = page_crcs_of(payload)  # from the destination: the bytes as they now lie in the log
+    else:
+        crcs = np.asarray(page_crcs, dtype=np.uint32)
+        if crcs.size != count:
+            raise WalError(f"{crcs.size} page CRCs for {count} pages")
+    tables = dst_u8[RECORD_HEADER_SIZE:poff]
+    t32 = tables.view("<u4")
+    t32[:count] = ids
+    t32[count:2 * count] = crcs
+    tables[8 * count:] = 0
+    body_crc = _crc32c(memoryview(tables[:8 * count]))
+    encode_record_header_into(dst_u8, length=length, type=REC_PAGE_BATCH, lsn=lsn, epoch=epoch,
+                              region_id=region_id, salt=salt, body_crc=body_crc, count=count,
+                              page_bytes=page_bytes, flags=flags)
+    return length
+
+
+class PageBatch(NamedTuple):
+    page_ids: np.ndarray  # uint32 (count,), a view into the record
+    page_crcs: np.ndarray  # uint32 (count,), a view
+    payload: np.ndarray  # uint8 (count, page_bytes), a view
+    header: RecordHeader
+
+
+def _u8(buf) -> np.ndarray:
+    if isinstance(buf, np.ndarray):
+        return buf.reshape(-1).view(np.uint8)
+    return np.frombuffer(buf, dtype=np.uint8)
+
+
+def page_batch_problem(buf, hdr: RecordHeader, off: int = 0, *, check_pages=True):
+    """None when the page batch at buf[off:] satisfies FORMAT.md §6.2 (V-P1..V-P5),
+    else (reason, byte offset of the problem relative to buf)."""
+    count, pb = hdr.count, hdr.page_bytes
+    if count == 0 or count > MAX_BATCH_PAGES:
+        return f"page batch count {count} out of range", off + OFF_COUNT
+    if pb == 0 or pb % RECORD_ALIGN or pb > MAX_PAGE_BYTES:
+        return f"page_bytes {pb} is not a positive multiple of 64", off + OFF_PAGE_BYTES
+    if page_batch_length(count, pb) != hdr.length:
+        return (f"length {hdr.length} disagrees with {count} pages of {pb} bytes "
+                f"(expected {page_batch_length(count, pb)})"), off
+    if off + hdr.length > len(buf):
+        return "page batch runs past the end of the buffer", off
+    u8 = _u8(buf)
+    tables = u8[off + RECORD_HEADER_SIZE: off + RECORD_HEADER_SIZE + 8 * count]
+    body_crc = _crc32c(memoryview(tables))
+    if body_crc != hdr.body_crc:
+        return (f"page table CRC mismatch, stored 0x{hdr.body_crc:08x}, "
+                f"computed 0x{body_crc:08x}"), off + RECORD_HEADER_SIZE
+    t32 = tables.view("<u4")
+    if count > 1 and not np.all(t32[1:count] > t32[:count - 1]):
+        return "page ids are not strictly increasing", off + RECORD_HEADER_SIZE
+    pad = u8[off + RECORD_HEADER_SIZE + 8 * count: off + page_batch_payload_offset(count)]
+    if pad.any():
+        return "page table padding is not zero", off + RECORD_HEADER_SIZE + 8 * count
+    if check_pages:
+        poff = off + page_batch_payload_offset(count)
+        mv = memoryview(u8[poff:poff + count * pb])
+        crcs = t32[count:]
+        f = _crc32c
+        got = np.fromiter((f(mv[i:i + pb]) for i in range(0, count * pb, pb)), dtype=np.uint32,
+                          count=count)
+        bad = np.flatnonzero(got != crcs)
+        if bad.size:
+            i = int(bad[0])
+            more = f" (and {bad.size - 1} more pages)" if bad.size > 1 else ""
+            return (f"page CRC mismatch for page {int(t32[i])}, stored 0x{int(crcs[i]):08x}, "
+                    f"computed 0x{int(got[i]):08x}{more}"), poff + i * pb
+    return None
+
+
+def decode_page_batch(buf, off: int = 0, *, check_pages: bool = True) -> PageBatch:
+    """Decode the page-batch record at buf[off:] with every checksum checked;
+    the arrays returned are views into `buf` (no copy).  Raises CorruptionError."""
+    hdr = decode_record_header(buf, off)
+    if hdr.kind != REC_PAGE_BATCH:
+        raise CorruptionError(f"record type 0x{hdr.type:02x} is not a page batch",
+                              where=f"record @ 0x{off:x}")
+    problem = page_batch_problem(buf, hdr, off, check_pages=check_pages)
+    if problem:
+        raise CorruptionError(problem[0], where=f"record @ 0x{problem[1]:x}")
+    u8 = _u8(buf)
+    count, pb = hdr.count, hdr.page_bytes
+    t32 = u8[off + RECORD_HEADER_SIZE: off + RECORD_HEADER_SIZE + 8 * count].view("<u4")
+    poff = off + page_batch_payload_offset(count)
+    payload = u8[poff:poff + count * pb].reshape(count, pb)
+    return PageBatch(t32[:count], t32[count:], payload, hdr)
+
+
+def region_digest(page_crcs) -> int:
+    """CRC32C over the u32 little-endian array of every page's CRC32C, in page order."""
+    arr = np.ascontiguousarray(np.asarray(page_crcs, dtype="<u4"))
+    return _crc32c(memoryview(arr).cast("B"))
+
+
+# --------------------------------------------------------------------------
+# Region descriptor (FORMAT.md §7)
+
+REGION_BODY = struct.Struct("<HBBBBHQ")  # name_len, dtype_len, kind_len, ndim, 0, 0, nbytes
+REGION_BODY_SIZE = 16
+MAX_NAME = 1024
+MAX_NDIM = 32
+_DTYPE_RE = re.compile(r"^[<>|=]?[biufcV]\d{1,3}$")
+_KIND_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+
+
+class RegionInfo(NamedTuple):
+    id: int
+    name: str
+    dtype: str  # numpy dtype string, e.g. "<f2"
+    shape: tuple
+    page_bytes: int
+    kind: str
+    nbytes: int
+    pages: int
+
+
+def region_pages(nbytes: int, page_bytes: int) -> int:
+    return -(-nbytes // page_bytes)
+
+
+def check_dtype(dtype) -> str:
+    """The dtype as a numpy dtype string, refused unless it is a plain numeric type."""
+    s = np.dtype(dtype).str if not isinstance(dtype, str) or not _DTYPE_RE.match(dtype) else dtype
+    if not _DTYPE_RE.match(s):
+        raise WalError(f"dtype {dtype!r} is not a plain numeric type")
+    return s
+
+
+def encode_region_body(name: str, dtype, shape, page_bytes: int, kind: str) -> bytes:
+    nb = name.encode("utf-8")
+    ds = check_dtype(dtype).encode("ascii")
+    kb = kind.encode("ascii")
+    shape = tuple(int(s) for s in shape)
+    if not (1 <= len(nb) <= MAX_NAME):
+        raise WalError(f"region name must be 1..{MAX_NAME} bytes")
+    if not _KIND_RE.match(kind):
+        raise WalError(f"region kind {kind!r} must be a short lower-case word")
+    if len(shape) > MAX_NDIM or any(s < 0 for s in shape):
+        raise WalError(f"bad region shape {shape}")
+    if page_bytes <= 0 or page_bytes % RECORD_ALIGN or page_bytes > MAX_PAGE_BYTES:
+        raise WalError(f"page_bytes {page_bytes} is not a positive multiple of 64")
+    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(ds.decode()).itemsize
+    if region_pages(nbytes, page_bytes) > 0xFFFFFFFF:
+        raise WalError("region has more than 2**32 pages")
+    return (REGION_BODY.pack(len(nb), len(ds), len(kb), len(shape), 0, 0, nbytes)
+            + struct.pack(f"<{len(shape)}Q", *shape) + nb + ds + kb)
+
+
+def decode_region_body(body, region_id: int, page_bytes: int) -> RegionInfo:
+    """Decode a region descriptor body (FORMAT.md §7.2 V-G1..V-G4); raises CorruptionError
+    (without `where`: the caller adds it)."""
+    body = memoryview(body).cast("B")
+    if len(body) < REGION_BODY_SIZE:
+        raise CorruptionError("region descriptor body too short")
+    name_len, dtype_len, kind_len, ndim, r0, r1, nbytes = REGION_BODY.unpack_from(body, 0)
+    if r0 or r1:
+        raise CorruptionError("reserved region descriptor bytes are not zero")
+    if ndim > MAX_NDIM or not (1 <= name_len <= MAX_NAME):
+        raise CorruptionError(f"region descriptor ndim {ndim} / name length {name_len} out of range")
+    need = REGION_BODY_SIZE + 8 * ndim + name_len + dtype_len + kind_len
+    if need != len(body):
+        raise CorruptionError(f"region descriptor body is {len(body)} bytes, fields need {need}")
+    shape = struct.unpack_from(f"<{ndim}Q", body, REGION_BODY_SIZE)
+    p = REGION_BODY_SIZE + 8 * ndim
+    try:
+        name = bytes(body[p:p + name_len]).decode("utf-8")
+        dtype = bytes(body[p + name_len:p + name_len + dtype_len]).decode("ascii")
+        kind = bytes(body[p + name_len + dtype_len:need]).decode("ascii")
+    except UnicodeDecodeError as exc:
+        raise CorruptionError(f"region descriptor text is not valid ({exc.reason})") from None
+    if not _DTYPE_RE.match(dtype) or not _KIND_RE.match(kind):
+        raise CorruptionError(f"region descriptor dtype {dtype!r} / kind {kind!r} not allowed")
+    if page_bytes <= 0 or page_bytes % RECORD_ALIGN or page_bytes > MAX_PAGE_BYTES:
+        raise CorruptionError(f"region page_bytes {page_bytes} is not a positive multiple of 64")
+    itemsize = np.dtype(dtype).itemsize
+    total = itemsize
+    for s in shape:
+        total *= s
+        if total > 1 << 62:
+            raise CorruptionError("region shape too large")
+    if total != nbytes:
+        raise CorruptionError(f"region nbytes {nbytes} disagrees with shape {shape} of {dtype}")
+    return RegionInfo(region_id, name, dtype, tuple(shape), page_bytes, kind, nbytes,
+                      region_pages(nbytes, page_bytes))
+
+
+# --------------------------------------------------------------------------
+# Commit record (FORMAT.md §8)
+
+COMMIT_BODY = struct.Struct("<QQQII")  # record_count, record_bytes, first_lsn, n_regions, 0
+COMMIT_BODY_SIZE = 32
+COMMIT_DIGEST = struct.Struct("<II")  # region_id, digest
+COMMIT_DIGEST_SIZE = 8
+MAX_COMMIT_REGIONS = 1 << 16
+
+
+class CommitInfo(NamedTuple):
+    epoch: int
+    record_count: int
+    record_bytes: int
+    first_lsn: int
+    digests: dict  # {region_id: digest}
+    prev_commit_lsn: int
+    lsn: int = 0
+
+
+def encode_commit_body(record_count: int, record_bytes: int, first_lsn: int,
+                       digests: dict) -> bytes:
+    if len(digests) > MAX_COMMIT_REGIONS:
+        raise WalError(f"a commit names at most {MAX_COMMIT_REGIONS} regions")
+    items = sorted((int(k), int(v) & 0xFFFFFFFF) for k, v in digests.items())
+    return COMMIT_BODY.pack(record_count, record_bytes, first_lsn, len(items), 0) + b"".join(
+        COMMIT_DIGEST.pack(k, v) for k, v in items)
+
+
+def decode_commit_body(body, hdr: RecordHeader) -> CommitInfo:
+    body = memoryview(body).cast("B")
+    if len(body) < COMMIT_BODY_SIZE:
+        raise CorruptionError("commit body too short")
+    count, nbytes, first_lsn, n, r = COMMIT_BODY.unpack_from(body, 0)
+    if r:
+        raise CorruptionError("reserved commit bytes are not zero")
+    if n > MAX_COMMIT_REGIONS or COMMIT_BODY_SIZE + n * COMMIT_DIGEST_SIZE != len(body):
+        raise CorruptionError(f"commit names {n} regions in a {len(body)}-byte body")
+    digests = {}
+    for i in range(n):
+        rid, d = COMMIT_DIGEST.unpack_from(body, COMMIT_BODY_SIZE + i * COMMIT_DIGEST_SIZE)
+        digests[rid] = d
+    return CommitInfo(hdr.epoch, count, nbytes, first_lsn, digests, hdr.aux, hdr.lsn)
+
+
+# --------------------------------------------------------------------------
+# Pad record (FORMAT.md §5.4): covers the unused end of a finished extent
+
+
+def encode_pad_header_into(dst, *, length: int, lsn: int, epoch: int, salt: int) -> None:
+    """Header only: the pad body is not checksummed and is normally zero."""
+    encode_record_header_into(dst, length=length, type=REC_PAD | TYPE_IGNORABLE, lsn=lsn,
+                              epoch=epoch, salt=salt, body_crc=0, count=0)
