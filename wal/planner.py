@@ -1,0 +1,641 @@
+"""The recovery planner: which bytes of the log rebuild each region at a target.
+
+A plan is made before anything is copied, so a person (or `concordia-wal
+recover --plan`) can see exactly what a restore will read.  For every region it
+takes the newest valid base snapshot at or before the target epoch, then the
+committed deltas after that base in (epoch, LSN) order; the last writer of a
+page wins, so each page is copied once, from the record that wrote it last.
+Pages nobody wrote since the region began are zero and are not read at all.
+
+The planner works in two steps that are kept apart so the second can be tested
+without a log:
+
+* `scan(log)` reads record metadata only (headers, page index tables, commit
+  and catalog records) into a `History`;
+* `plan_history(history, target, mode)` is pure: it resolves the target, finds
+  damage that matters, falls back as the recovery mode says, and picks the
+  source of every page.
+
+Recovery modes (names as `RecoveryMode` in `concordia.wal`):
+
+* ``absolute``: any damaged or torn record anywhere is an error.
+* ``tolerate_tail``: a torn tail after the last commit is dropped silently
+  (reported); damage to a record the target needs is an error.
+* ``point_in_time``: the target falls back to the newest epoch at or before
+  it that every region can reach without a damaged record; what was given up
+  is listed in `Plan.dropped`.
+* ``skip_corrupt``: each region falls back on its own to the newest epoch it
+  can reach; regions may end at different epochs (each says which).
+
+`Plan.to_json()` keys (stable):
+
+``target`` (what was asked), ``epoch`` (epoch restored; per region in
+``regions[*].epoch`` for skip_corrupt), ``mode``, ``bytes_to_read`` (payload
+bytes the plan copies), ``naive_bytes`` (payload bytes of every committed
+delta and base up to the target: what replaying every record would read),
+``bandwidth`` (bytes/s used for the estimate), ``est_seconds``,
+``segments`` (sorted segment numbers read), ``regions`` (by name: ``id``,
+``epoch``, ``base_epoch`` (null without a base), ``pages``, ``pages_read``,
+``zero_pages``, ``bytes_to_read``, ``segments``, ``records``, ``est_seconds``,
+``sources`` (list of ``{"lsn", "epoch", "base", "segment", "pages"}`` where
+``pages`` is the page count and ``page_ids`` the page numbers taken)),
+``dropped`` (list of ``{"where", "segment", "offset", "lsn", "epoch",
+"region", "reason", "gave_up"}``; ``gave_up`` is ``{"epochs": [first, last],
+"regions": [names]}`` or null when the damage cost nothing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import numpy as np
+
+from concordia.wal.errors import CorruptionError, TornTailError, WalError
+
+#: page batch flag bit 0: the record is part of a base snapshot (FORMAT.md)
+FLAG_BASE = 0x01
+
+#: bytes/s used for `est_seconds` when the caller gives none: a conservative
+#: host-memory copy rate (restore reads the log mapping once).
+DEFAULT_BANDWIDTH = 8e9
+
+MODES = ("tolerate_tail", "absolute", "point_in_time", "skip_corrupt")
+
+
+class PlanError(WalError):
+    """The target cannot be planned (not committed, older than retention, no such region)."""
+
+
+def mode_name(mode) -> str:
+    """'tolerate_tail' | 'absolute' | 'point_in_time' | 'skip_corrupt' from a
+    RecoveryMode member, its value or its name (any case, '-' or '_')."""
+    if mode is None:
+        return "tolerate_tail"
+    for cand in (getattr(mode, "name", None), getattr(mode, "value", None), mode):
+        if isinstance(cand, str):
+            key = cand.strip().lower().replace("-", "_")
+            if key in MODES:
+                return key
+            if key in ("tolerate", "tail"):
+                return "tolerate_tail"
+            if key in ("pit", "point"):
+                return "point_in_time"
+            if key in ("skip", "skip_any_corrupted"):
+                return "skip_corrupt"
+    raise PlanError(f"unknown recovery mode {mode!r}", hint="one of " + ", ".join(MODES))
+
+
+# --------------------------------------------------------------------------- history
+
+
+@dataclass(frozen=True)
+class RegionMeta:
+    """What the planner needs of a region descriptor."""
+
+    id: int
+    name: str
+    dtype: str
+    shape: tuple
+    page_bytes: int
+    nbytes: int
+
+    @property
+    def pages(self) -> int:
+        return -(-self.nbytes // self.page_bytes) if self.nbytes else 0
+
+
+@dataclass(frozen=True, eq=False)
+class Batch:
+    """One valid page batch: header fields, its page numbers and stored page CRCs.
+
+    `payload` is a (count, page_bytes) uint8 view of the record's pages (in the
+    log mapping for a real log; the planner never reads it).
+    """
+
+    lsn: int
+    epoch: int
+    region_id: int
+    base: bool
+    page_ids: np.ndarray
+    page_crcs: np.ndarray
+    page_bytes: int
+    segment: int
+    offset: int
+    length: int
+    payload: object = None
+
+
+@dataclass(frozen=True)
+class Commit:
+    epoch: int
+    lsn: int
+    first_lsn: int = 0  # the epoch's records lie in [first_lsn, lsn)
+    digests: dict = field(default_factory=dict)
+    records: int | None = None  # page batches the commit counts, when known
+    segment: int = -1
+    offset: int = -1
+
+
+@dataclass(frozen=True)
+class BaseEntry:
+    """A catalog entry: the base snapshot of one region at one epoch, made of the
+    BASE page batches of that region and epoch with LSN in [first_lsn, last_lsn]."""
+
+    region_id: int
+    epoch: int
+    first_lsn: int
+    last_lsn: int
+    records: int
+    pages: int
+    digest: int
+
+
+@dataclass(frozen=True)
+class Damage:
+    """A record the scan could not trust.  epoch/region_id are None when the
+    header itself is unreadable.  `tail` marks a torn end of the log."""
+
+    segment: int
+    offset: int
+    lsn: int | None
+    reason: str
+    epoch: int | None = None
+    region_id: int | None = None
+    tail: bool = False
+
+    @property
+    def where(self) -> str:
+        return f"segment {self.segment} @ {self.offset:#x}"
+
+
+@dataclass
+class History:
+    """Record metadata of a log, as the planner sees it."""
+
+    regions: dict  # id -> RegionMeta
+    batches: list  # Batch, in LSN order
+    commits: dict  # epoch -> Commit
+    bases: list  # BaseEntry, from the current catalog
+    damage: list = field(default_factory=list)  # Damage
+    floor_epoch: int = 0  # oldest epoch retention still keeps (0 = all)
+
+    def committed_epochs(self) -> list:
+        eps = set(self.commits)
+        eps.update(b.epoch for b in self.bases)
+        return sorted(e for e in eps if e >= self.floor_epoch)
+
+
+# --------------------------------------------------------------------------- plan objects
+
+
+@dataclass
+class Source:
+    """Pages a region takes from one record: rows `rows` of its payload go to
+    page numbers `page_ids`."""
+
+    batch: Batch
+    rows: np.ndarray
+    page_ids: np.ndarray
+
+    def to_json(self) -> dict:
+        return {
+            "lsn": self.batch.lsn,
+            "epoch": self.batch.epoch,
+            "base": self.batch.base,
+            "segment": self.batch.segment,
+            "pages": int(self.page_ids.size),
+            "page_ids": self.page_ids.tolist(),
+        }
+
+
+@dataclass
+class RegionPlan:
+    region: RegionMeta
+    epoch: int
+    base_epoch: int | None
+    sources: list  # Source, oldest first
+    zero_page_ids: np.ndarray
+    digest: int | None  # expected region digest, when a commit or catalog states it
+    bandwidth: float = DEFAULT_BANDWIDTH
+
+    @property
+    def name(self) -> str:
+        return self.region.name
+
+    @property
+    def pages(self) -> int:
+        return self.region.pages
+
+    @property
+    def pages_read(self) -> int:
+        return int(sum(s.page_ids.size for s in self.sources))
+
+    @property
+    def bytes_to_read(self) -> int:
+        return self.pages_read * self.region.page_bytes
+
+    @property
+    def segments(self) -> list:
+        return sorted({s.batch.segment for s in self.sources})
+
+    @property
+    def est_seconds(self) -> float:
+        return self.bytes_to_read / self.bandwidth
+
+    def to_json(self) -> dict:
+        return {
+            "id": self.region.id,
+            "epoch": self.epoch,
+            "base_epoch": self.base_epoch,
+            "pages": self.pages,
+            "pages_read": self.pages_read,
+            "zero_pages": int(self.zero_page_ids.size),
+            "bytes_to_read": self.bytes_to_read,
+            "segments": self.segments,
+            "records": len(self.sources),
+            "est_seconds": self.est_seconds,
+            "digest": self.digest,
+            "sources": [s.to_json() for s in self.sources],
+        }
+
+
+@dataclass
+class Dropped:
+    damage: Damage
+    region: str | None
+    gave_up_epochs: tuple | None  # (first, last) epochs no longer restorable
+    gave_up_regions: list | None
+
+    def to_json(self) -> dict:
+        d = self.damage
+        gave = None
+        if self.gave_up_epochs is not None:
+            gave = {"epochs": list(self.gave_up_epochs), "regions": self.gave_up_regions}
+        return {
+            "where": d.where,
+            "segment": d.segment,
+            "offset": d.offset,
+            "lsn": d.lsn,
+            "epoch": d.epoch,
+            "region": self.region,
+            "reason": d.reason,
+            "gave_up": gave,
+        }
+
+    def one_line(self) -> str:
+        text = f"{self.damage.where} (lsn {self.damage.lsn}): {self.damage.reason}"
+        if self.gave_up_epochs:
+            a, b = self.gave_up_epochs
+            text += f"; gave up epochs {a}..{b}" + (
+                f" of {', '.join(self.gave_up_regions)}" if self.gave_up_regions else ""
+            )
+        return text
+
+
+@dataclass
+class Plan:
+    target: object
+    epoch: int
+    mode: str
+    regions: dict  # name -> RegionPlan
+    dropped: list  # Dropped
+    naive_bytes: int
+    bandwidth: float = DEFAULT_BANDWIDTH
+
+    @property
+    def bytes_to_read(self) -> int:
+        return sum(r.bytes_to_read for r in self.regions.values())
+
+    @property
+    def segments(self) -> list:
+        return sorted({s for r in self.regions.values() for s in r.segments})
+
+    @property
+    def est_seconds(self) -> float:
+        return self.bytes_to_read / self.bandwidth
+
+    def to_json(self) -> dict:
+        t = self.target
+        return {
+            "target": list(t) if isinstance(t, tuple) else t,
+            "epoch": self.epoch,
+            "mode": self.mode,
+            "bytes_to_read": self.bytes_to_read,
+            "naive_bytes": self.naive_bytes,
+            "bandwidth": self.bandwidth,
+            "est_seconds": self.est_seconds,
+            "segments": self.segments,
+            "regions": {n: r.to_json() for n, r in self.regions.items()},
+            "dropped": [d.to_json() for d in self.dropped],
+        }
+
+
+# --------------------------------------------------------------------------- pure planning
+
+
+class _Index:
+    """Derived views of a History used while planning."""
+
+    def __init__(self, h: History):
+        self.h = h
+        self.committed = h.committed_epochs()
+        committed = set(self.committed)
+        # deltas that belong to a commit: epoch committed and written before the commit
+        self.deltas = {}  # region_id -> [Batch] in (epoch, lsn) order
+        counts = {}
+        for b in h.batches:
+            if b.base:
+                continue
+            c = h.commits.get(b.epoch)
+            if c is None or not (c.first_lsn <= b.lsn < c.lsn):
+                continue  # not committed, or left by an attempt the commit does not cover
+            counts[b.epoch] = counts.get(b.epoch, 0) + 1
+            self.deltas.setdefault(b.region_id, []).append(b)
+        for lst in self.deltas.values():
+            lst.sort(key=lambda b: (b.epoch, b.lsn))
+        # bases: catalog entries whose records are all present and valid
+        by_key = {}
+        for b in h.batches:
+            if b.base:
+                by_key.setdefault((b.region_id, b.epoch), []).append(b)
+        self.bases = {}  # region_id -> [(BaseEntry, [Batch])] newest first
+        self.damage_of_base = {}
+        for e in h.bases:
+            recs = [b for b in by_key.get((e.region_id, e.epoch), ()) if e.first_lsn <= b.lsn <= e.last_lsn]
+            self.bases.setdefault(e.region_id, []).append((e, recs))
+        for lst in self.bases.values():
+            lst.sort(key=lambda x: -x[0].epoch)
+        # damage attributed to (region, epoch); region None = every region
+        self.bad = []  # (Damage, epoch, region_id|None, base: bool)
+        for d in h.damage:
+            if d.epoch is None:
+                continue  # unattributable on its own; found through commit counts below
+            self.bad.append((d, d.epoch, d.region_id, False))
+        for ep, c in h.commits.items():
+            known = sum(1 for d in h.damage if d.epoch == ep and not d.tail)
+            # at or below the floor, compaction may have reclaimed some of the records
+            if ep > h.floor_epoch and c.records is not None and counts.get(ep, 0) + known < c.records:
+                # a record of this epoch is lost and no attributed damage explains it
+                found = counts.get(ep, 0)
+                # a lost record of this epoch: name the unattributed damage, if any, as its cause
+                cause = next((d for d in h.damage if d.epoch is None and not d.tail), None)
+                d = Damage(
+                    segment=cause.segment if cause else c.segment,
+                    offset=cause.offset if cause else c.offset,
+                    lsn=cause.lsn if cause else c.lsn,
+                    reason=(cause.reason + "; " if cause else "")
+                    + f"commit of epoch {ep} counts {c.records} page batches, {found} readable",
+                    epoch=ep,
+                )
+                self.bad.append((d, ep, None, False))
+        self.committed_set = committed
+
+    def base_usable(self, entry: BaseEntry, recs: list) -> Damage | None:
+        """None when the base is whole; else the damage that breaks it."""
+        for d, ep, rid, _ in self.bad:
+            if ep == entry.epoch and (rid is None or rid == entry.region_id):
+                if d.lsn is None or entry.first_lsn <= d.lsn <= entry.last_lsn:
+                    return d
+        if len(recs) != entry.records:
+            return Damage(
+                segment=-1, offset=-1, lsn=entry.first_lsn,
+                reason=f"base of region {entry.region_id} at epoch {entry.epoch} lists "
+                f"{entry.records} records, {len(recs)} readable",
+                epoch=entry.epoch, region_id=entry.region_id,
+            )
+        return None
+
+    def chain(self, rid: int, target: int):
+        """(base entry|None, base batches, deltas, damage|None) for region `rid` at `target`.
+
+        damage is the first damaged record the chain needs (the plan cannot use it)."""
+        base, base_recs, bad_base = None, [], None
+        floor = self.h.floor_epoch
+        for entry, recs in self.bases.get(rid, ()):
+            if entry.epoch > target:
+                continue
+            why = self.base_usable(entry, recs)
+            if why is None:
+                base, base_recs = entry, recs
+                break
+            bad_base = bad_base or why
+        start = base.epoch if base else 0
+        if base is None and floor > 1:
+            # deltas before the floor were reclaimed: without a base nothing is whole
+            return None, [], [], bad_base or Damage(
+                segment=-1, offset=-1, lsn=None,
+                reason=f"no usable base of region {rid} at or before epoch {target} "
+                f"and deltas before epoch {floor} were reclaimed",
+                epoch=target, region_id=rid,
+            )
+        deltas = [b for b in self.deltas.get(rid, ()) if start < b.epoch <= target]
+        for d, ep, drid, _ in sorted(self.bad, key=lambda x: x[1]):
+            if start < ep <= target and (drid is None or drid == rid) and not d.tail:
+                return base, base_recs, deltas, d
+        return base, base_recs, deltas, None
+
+
+def _select(region: RegionMeta, base_recs: list, deltas: list):
+    """Last writer per page wins: walk records newest first, give each page to
+    the first record that has it.  Returns (sources oldest first, zero page ids)."""
+    n = region.pages
+    owned = np.zeros(n, dtype=bool)
+    left = n
+    picked = []
+    for b in list(reversed(deltas)) + sorted(base_recs, key=lambda b: -b.lsn):
+        if left == 0:
+            break
+        ids = b.page_ids
+        valid = ids < n
+        take = valid & ~owned[np.minimum(ids, max(n - 1, 0))] if n else valid & False
+        if not take.any():
+            continue
+        rows = np.flatnonzero(take).astype(np.int64)
+        pids = ids[rows].astype(np.int64)
+        owned[pids] = True
+        left -= pids.size
+        picked.append(Source(batch=b, rows=rows, page_ids=pids))
+    picked.reverse()
+    return picked, np.flatnonzero(~owned).astype(np.int64)
+
+
+def _resolve_target(h: History, idx: _Index, target) -> int:
+    committed = idx.committed
+    if target is None or target == "latest":
+        if not committed:
+            raise PlanError("the log holds no committed epoch", hint="nothing to restore")
+        return committed[-1]
+    if isinstance(target, tuple) and len(target) == 2 and target[0] == "lsn":
+        n = int(target[1])
+        eps = [c.epoch for c in h.commits.values() if c.lsn <= n and c.epoch >= h.floor_epoch]
+        if not eps:
+            raise PlanError(f"no epoch committed at or before lsn {n}")
+        return max(eps)
+    if isinstance(target, (int, np.integer)) and not isinstance(target, bool):
+        e = int(target)
+        if h.floor_epoch and e < h.floor_epoch:
+            raise PlanError(
+                f"epoch {e} is older than retention keeps (oldest restorable epoch {h.floor_epoch})"
+            )
+        if e not in idx.committed_set and e not in {b.epoch for b in h.bases}:
+            latest = committed[-1] if committed else None
+            raise PlanError(f"epoch {e} was never committed", hint=f"latest committed epoch is {latest}")
+        return e
+    raise PlanError(f"bad target {target!r}", hint="'latest', an epoch number or ('lsn', N)")
+
+
+def _expected_digest(h: History, rid: int, epoch: int, base, deltas) -> int | None:
+    """The region digest the restored region must match: the commit of the
+    newest epoch that wrote the region (state is unchanged after it), or the
+    catalog's when the base is newest."""
+    last = max((b.epoch for b in deltas), default=None)
+    if last is None or (base is not None and base.epoch >= last):
+        if base is not None:
+            return base.digest
+        c = h.commits.get(epoch)
+        return c.digests.get(rid) if c else None
+    # any commit from `last` to `epoch` that states a digest for rid is valid
+    for ep in range(epoch, last - 1, -1):
+        c = h.commits.get(ep)
+        if c is not None and rid in c.digests:
+            return c.digests[rid]
+    return None
+
+
+def _consistent_epoch(h: History, idx: _Index, rid: int, target: int):
+    """Newest committed epoch <= target at which region rid's chain is whole.
+    Returns (epoch|None, first damage met)."""
+    first = None
+    for ep in reversed(idx.committed):
+        if ep > target:
+            continue
+        base, _, _, bad = idx.chain(rid, ep)
+        if bad is None:
+            return ep, first
+        first = first or bad
+    return None, first
+
+
+def plan_history(
+    h: History,
+    target="latest",
+    mode="tolerate_tail",
+    *,
+    regions: Iterable[str] | None = None,
+    bandwidth: float | None = None,
+) -> Plan:
+    """Plan a restore of `h` at `target` under recovery `mode` (pure; see module doc)."""
+    mode = mode_name(mode)
+    bw = float(bandwidth or DEFAULT_BANDWIDTH)
+    idx = _Index(h)
+    dropped: list = []
+    name_of = {r.id: r.name for r in h.regions.values()}
+
+    tail = [d for d in h.damage if d.tail]
+    if mode == "absolute" and h.damage:
+        d = h.damage[0]
+        cls = TornTailError if d.tail else CorruptionError
+        raise cls(f"{d.reason} (lsn {d.lsn})", where=d.where, hint="absolute mode accepts no damage")
+    for d in tail:
+        dropped.append(Dropped(d, name_of.get(d.region_id), None, None))
+
+    want = _resolve_target(h, idx, target)
+    chosen = list(h.regions.values())
+    if regions is not None:
+        names = {r.name: r for r in chosen}
+        missing = [n for n in regions if n not in names]
+        if missing:
+            raise PlanError(f"no region named {missing[0]!r}", hint="regions: " + ", ".join(sorted(names)))
+        chosen = [names[n] for n in regions]
+
+    # epoch each region restores to
+    per_region = {}
+    if mode in ("tolerate_tail", "absolute"):
+        for r in chosen:
+            _, _, _, bad = idx.chain(r.id, want)
+            if bad is not None:
+                raise CorruptionError(
+                    f"region {r.name!r} at epoch {want} needs a damaged record (lsn {bad.lsn}): {bad.reason}",
+                    where=bad.where if bad.segment >= 0 else None,
+                    hint="recover with mode point_in_time or skip_corrupt to fall back",
+                )
+            per_region[r.id] = want
+    elif mode == "point_in_time":
+        # newest committed epoch <= want at which every region's chain is whole
+        ep = None
+        for cand in reversed(idx.committed):
+            if cand <= want and all(idx.chain(r.id, cand)[3] is None for r in chosen):
+                ep = cand
+                break
+        if ep is None:
+            bad = next(b for b in (idx.chain(r.id, want)[3] for r in chosen) if b is not None)
+            raise CorruptionError(
+                f"no epoch at or before {want} is consistent: {bad.reason} (lsn {bad.lsn})",
+                where=bad.where if bad.segment >= 0 else None,
+            )
+        for r in chosen:
+            per_region[r.id] = ep
+        if ep != want:
+            gave = [r.name for r in chosen]
+            newer = [e for e in idx.committed if ep < e <= want]
+            seen = set()
+            for r in chosen:
+                _, _, _, bad = idx.chain(r.id, want)
+                if bad is not None and id(bad) not in seen:
+                    seen.add(id(bad))
+                    dropped.append(Dropped(bad, name_of.get(bad.region_id), (newer[0], want), gave))
+    else:  # skip_corrupt: each region on its own
+        for r in chosen:
+            ep, bad = _consistent_epoch(h, idx, r.id, want)
+            if ep is None:
+                dropped.append(Dropped(bad, r.name, (idx.committed[0], want), [r.name]))
+                continue
+            per_region[r.id] = ep
+            if ep != want:
+                newer = [e for e in idx.committed if ep < e <= want]
+                dropped.append(Dropped(bad, r.name, (newer[0], want), [r.name]))
+
+    plans = {}
+    naive = 0
+    for r in chosen:
+        if r.id not in per_region:
+            continue
+        ep = per_region[r.id]
+        base, base_recs, deltas, _ = idx.chain(r.id, ep)
+        sources, zeros = _select(r, base_recs, deltas)
+        plans[r.name] = RegionPlan(
+            region=r,
+            epoch=ep,
+            base_epoch=base.epoch if base else None,
+            sources=sources,
+            zero_page_ids=zeros,
+            digest=_expected_digest(h, r.id, ep, base, deltas),
+            bandwidth=bw,
+        )
+        # naive replay: the base used, then every committed delta up to ep still in the log
+        naive += sum(b.page_ids.size * b.page_bytes for b in base_recs)
+        naive += sum(b.page_ids.size * b.page_bytes for b in idx.deltas.get(r.id, ()) if b.epoch <= ep)
+    # damage that the plan did not need still gets reported
+    listed = {id(x.damage) for x in dropped}
+    for d, _, rid, _ in idx.bad:
+        if id(d) not in listed and not d.tail:
+            dropped.append(Dropped(d, name_of.get(rid), None, None))
+            listed.add(id(d))
+    for d in h.damage:
+        if id(d) not in listed and not d.tail and d.epoch is None:
+            dropped.append(Dropped(d, None, None, None))
+            listed.add(id(d))
+    effective = min(per_region.values()) if per_region else want
+    return Plan(
+        target=target, epoch=effective if mode != "skip_corrupt" else want, mode=mode,
+        regions=plans, dropped=dropped, naive_bytes=naive, bandwidth=bw,
+    )
+
+
+__all__ = [
+    "FLAG_BASE", "DEFAULT_BANDWIDTH", "MODES", "PlanError", "mode_name",
+    "RegionMeta", "Batch", "Commit", "BaseEntry", "Damage", "History",
+    "Source", "RegionPlan", "Dropped", "Plan", "plan_history",
+]
