@@ -353,7 +353,10 @@ class ShmBackend(FileBackedBackend):
         self.numa_node = numa_node
         if numa_node is not None:
             from .numa import bind
-            bind(self.address, self.size, numa_node, where=path)
+            # the file's pages already exist (fallocate): map them here first so the
+            # bind moves them; later pages follow the file's policy
+            int(self.array[::PAGE].sum())
+            bind(self.address, -(-self.size // PAGE) * PAGE, numa_node, where=path)
 
     @classmethod
     def open(cls, path, *, numa_node=None, **kw):

@@ -82,8 +82,10 @@ class BackendConformance:
         backend.drain()
         assert np.array_equal(backend.array, data)
 
-    @pytest.mark.parametrize("off,n", [(-1, 1), (0, -1), (SIZE, 1), (SIZE - 4, 8)])
+    @pytest.mark.parametrize("off,n", [(-1, 1), (0, -1), (0, 1), (-4, 8)])
     def test_out_of_range_is_refused(self, backend, off, n):
+        if (off, n) in ((0, 1), (-4, 8)):
+            off += backend.size          # relative to the end: just past it, straddling it
         with pytest.raises(OutOfRangeError) as ei:
             backend.persist(off, n)
         assert "\n" not in str(ei.value)

@@ -112,3 +112,64 @@ class TestPmemForced(_Pmem):
 
     def test_is_pmem_honestly_reported(self, backend):
         assert backend.is_pmem and backend.persist_path == "libpmem"
+
+
+class _DevDaxEmulated(BackendConformance):
+    """Device DAX with a regular file standing in for /dev/daxX.Y (CI has none)."""
+
+    kind = "devdax"
+    size = 4 << 20              # two 2 MiB alignment units
+    survives_at_least = Survives.HOST_CRASH
+    libpmem = "auto"
+    creates_files = False       # a device is never created
+
+    def make(self, tmp_path, size):
+        from concordia.devmem.devdax import DevDaxBackend
+        path = _dir(tmp_path) / "dax-standin"
+        with open(path, "wb") as f:
+            f.truncate(size)
+        os.chmod(path, 0o600)
+        return DevDaxBackend.emulate(str(path), alignment=2 << 20, libpmem=self.libpmem)
+
+    def reopen(self, tmp_path, b):
+        from concordia.devmem.devdax import DevDaxBackend
+        return DevDaxBackend.emulate(b.path, alignment=2 << 20, libpmem=self.libpmem)
+
+    def test_whole_device_and_geometry(self, backend):
+        assert backend.emulated and backend.geometry == (self.size, 2 << 20)
+        assert backend.info()["device_size"] == self.size
+
+
+@needs_libpmem
+class TestDevDaxEmulatedWithLibpmem(_DevDaxEmulated):
+    libpmem = "require"
+    persist_paths = ("libpmem", "msync")
+
+
+class TestDevDaxEmulatedWithoutLibpmem(_DevDaxEmulated):
+    libpmem = "off"
+
+
+@needs_libpmem
+class TestDevDaxEmulatedForced(_DevDaxEmulated):
+    """As TestPmemForced: runs in a child with PMEM_IS_PMEM_FORCE=1."""
+
+    libpmem = "require"
+    persist_paths = ("libpmem",)
+    survives_at_least = Survives.POWER_LOSS
+
+    @pytest.fixture(autouse=True)
+    def _only_when_forced(self):
+        if os.environ.get("PMEM_IS_PMEM_FORCE") != "1":
+            pytest.skip("runs in a child process with PMEM_IS_PMEM_FORCE=1 (test_forced_pmem.py)")
+
+
+@pytest.mark.gpu
+class TestPinned(BackendConformance):
+    kind = "pinned"
+    gpu_mappable = True
+    persist_paths = ("none",)
+    creates_files = False
+
+    def make(self, tmp_path, size):
+        return open_backend("pinned:", size=size)

@@ -1,0 +1,126 @@
+"""CUDA host registration of a backend's mapping, so GPU kernels write the log
+directly (zero copy).  CuPy is imported on first use.
+
+`register(backend)` pins the mapping with cudaHostRegister (mapped | portable),
+in 4 KiB-aligned chunks no larger than `chunk_bytes` (huge device-DAX mappings
+are pinned piecewise), and returns the device address of byte 0.  Tiers whose
+mappings the kernel will not pin for long (pmem files on fsdax, page-cache
+files) are refused up front with HostRegisterRefusedError, before CUDA is
+touched: callers then write through a pinned staging ring.  `pinned` backends
+are already mapped: only their device address is looked up.
+"""
+
+from __future__ import annotations
+
+from .backend import Backend
+from .errors import HostRegisterRefusedError
+from .pinned import cupy_or_raise
+
+__all__ = ["register", "HostRegistration", "CHUNK"]
+
+HOST_REGISTER_PORTABLE = 0x01
+HOST_REGISTER_MAPPED = 0x02
+PAGE = 4096
+CHUNK = 1 << 30
+
+
+class HostRegistration:
+    """A live registration: `device_ptr` is the device address of the backend's
+    byte 0, valid for `nbytes` bytes until `unregister()` (also on context exit).
+    It keeps the mapping alive while registered, even if the backend is closed."""
+
+    def __init__(self, backend: Backend, device_ptr: int, nbytes: int, chunks, runtime):
+        self.backend = backend
+        self.device_ptr = int(device_ptr)
+        self.nbytes = int(nbytes)
+        self.chunks = list(chunks)          # [(host address, length)] registered by us
+        self._runtime = runtime
+        self._keep = memoryview(backend.view)
+
+    @property
+    def registered(self) -> bool:
+        return self._keep is not None
+
+    def unregister(self) -> None:
+        """Unpin every chunk this registration pinned.  Idempotent."""
+        if self._keep is None:
+            return
+        for addr, _ in reversed(self.chunks):
+            try:
+                self._runtime.hostUnregister(addr)
+            except Exception:
+                pass   # already gone with its context; nothing left to undo
+        self.chunks = []
+        self._keep.release()
+        self._keep = None
+
+    def as_cupy(self, dtype="uint8", count: int | None = None):
+        """A CuPy array over the registered bytes (no copy; the GPU writes the log)."""
+        import cupy
+
+        itemsize = cupy.dtype(dtype).itemsize
+        n = self.nbytes // itemsize if count is None else count
+        mem = cupy.cuda.UnownedMemory(self.device_ptr, n * itemsize, self)
+        return cupy.ndarray((n,), dtype=dtype, memptr=cupy.cuda.MemoryPointer(mem, 0))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.unregister()
+
+    def __repr__(self):
+        return f"<HostRegistration {self.backend.where} dev={self.device_ptr:#x} {self.nbytes} bytes>"
+
+
+def register(backend: Backend, chunk_bytes: int = CHUNK) -> HostRegistration:
+    """Pin `backend`'s mapping for the current CUDA device and return its device
+    address.  Raises HostRegisterRefusedError for tiers that cannot be pinned or
+    when the driver refuses (nothing stays registered), CudaUnavailableError
+    without CuPy or a device."""
+    where = backend.where
+    if not backend.gpu_mappable:
+        raise HostRegisterRefusedError(
+            f"{backend.kind} mappings cannot be pinned for the GPU", where=where,
+            hint="write through a pinned staging ring, or put the log on shm:, dax: or pinned:")
+    view = backend.view   # raises when closed
+    if chunk_bytes <= 0 or chunk_bytes % PAGE:
+        raise HostRegisterRefusedError(f"chunk size {chunk_bytes} is not a positive multiple of "
+                                       f"{PAGE}", where=where)
+    addr, size = backend.address, len(view)
+    if addr % PAGE:
+        raise HostRegisterRefusedError(f"mapping at {addr:#x} is not {PAGE}-byte aligned",
+                                       where=where)
+    cupy = cupy_or_raise(where)
+    rt = cupy.cuda.runtime
+    if backend.kind == "pinned":
+        return HostRegistration(backend, rt.hostGetDevicePointer(addr, 0), size, [], rt)
+    span = -(-size // PAGE) * PAGE         # the mapping covers whole pages
+    done: list[tuple[int, int]] = []
+    try:
+        for off in range(0, span, chunk_bytes):
+            n = min(chunk_bytes, span - off)
+            rt.hostRegister(addr + off, n, HOST_REGISTER_MAPPED | HOST_REGISTER_PORTABLE)
+            done.append((addr + off, n))
+        base = rt.hostGetDevicePointer(addr, 0)
+        for a, _ in done[1:]:
+            if rt.hostGetDevicePointer(a, 0) != base + (a - addr):
+                raise HostRegisterRefusedError("chunks did not land at contiguous device "
+                                               "addresses", where=where,
+                                               hint="register with one chunk (chunk_bytes >= size)")
+    except HostRegisterRefusedError:
+        _undo(rt, done)
+        raise
+    except Exception as exc:   # cupy.cuda.runtime.CUDARuntimeError
+        _undo(rt, done)
+        raise HostRegisterRefusedError(f"cudaHostRegister refused: {exc}", where=where,
+                                       hint="write through a pinned staging ring") from None
+    return HostRegistration(backend, base, size, done, rt)
+
+
+def _undo(rt, done):
+    for a, _ in reversed(done):
+        try:
+            rt.hostUnregister(a)
+        except Exception:
+            pass
