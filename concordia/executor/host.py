@@ -1,0 +1,370 @@
+"""The host side of the task ring: submitting with back-pressure, waiting with
+deadlines, lazy relaunch of an idle consumer, the watchdog, shutdown and hot swap.
+
+A consumer (`cpu.CpuExecutor`, `gpu.GpuExecutor`) is anything with::
+
+    executor_id: int
+    launch(instance)      start an instance; it runs only after the previous one exited
+    is_resident() -> bool an instance is running or queued
+    join(timeout) -> bool wait (bounded) until no instance is resident
+    prepare()             load what the consumer needs; called only while none is resident
+
+Every wait here is bounded: a deadline, the watchdog's stall deadline, or both.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import (ExecutorError, ExecutorStalledError, ExecutorStoppedError,
+                     RingFullError)
+from .ring import NO_REGION, Completion, ConsumerState, Op, Ring, Status
+
+# States after which a new instance may be launched on the next submit.
+_RELAUNCHABLE = (ConsumerState.NEVER_RAN, ConsumerState.IDLE_EXIT, ConsumerState.LIFETIME_EXIT)
+_BUSY_SPINS = 4000  # polls before a waiter starts yielding the CPU (a GPU consumer needs no GIL)
+
+
+class Watchdog:
+    """Detects a stalled consumer: tasks pending while `tail` has not moved for
+    longer than `deadline_s`.  `check()` is pure bookkeeping over the ring (the
+    clock is injectable); `start()` runs it on a thread and reports by callback."""
+
+    def __init__(self, ring: Ring, deadline_s: float = 10.0, *, clock=time.monotonic):
+        if deadline_s <= 0:
+            raise ExecutorError(f"watchdog deadline {deadline_s} s is not positive", where=ring.where)
+        self.ring = ring
+        self.deadline_s = deadline_s
+        self.clock = clock
+        self._tail = ring.tail
+        self._since = clock()
+        self._thread = None
+        self._halt = threading.Event()
+        self.reported: ExecutorStalledError | None = None
+
+    def check(self, now: float | None = None) -> ExecutorStalledError | None:
+        """The stall, if the consumer is stalled now; else None."""
+        now = self.clock() if now is None else now
+        tail, head = self.ring.tail, self.ring.head
+        if tail != self._tail or head == tail:
+            self._tail, self._since = tail, now
+            return None
+        idle = now - self._since
+        if idle <= self.deadline_s:
+            return None
+        r = self.ring
+        i = tail & r.mask
+        op = int(r.t_op[i])
+        name = Op(op).name if op in Op._value2member_map_ else f"op {op}"
+        return ExecutorStalledError(
+            f"no task completed for {idle:.3f} s with {head - tail} pending; next is {name}, "
+            f"consumer {r.state.name.lower()} (executor {r.executor_id}, instance {r.instance})",
+            where=r.slot_where(tail), hint="a handler hangs or the consumer died; stop and relaunch it")
+
+    def start(self, on_stall, interval_s: float | None = None) -> None:
+        """Check every `interval_s` on a daemon thread; call `on_stall(err)` once."""
+        interval_s = interval_s or self.deadline_s / 4
+
+        def loop():
+            while not self._halt.wait(interval_s):
+                err = self.check()
+                if err is not None:
+                    self.reported = err
+                    on_stall(err)
+                    return
+
+        self._thread = threading.Thread(target=loop, name="executor-watchdog", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._halt.set()
+        if self._thread is not None:
+            self._thread.join(timeout=1.0)
+
+
+@dataclass(frozen=True)
+class SwapReport:
+    """Timings of one hot swap, seconds, as the host saw them."""
+
+    quiesce_s: float      # QUIESCE published -> its completion read back
+    handover_s: float     # completion read -> new consumer launched (old one gone, new one prepared)
+    gap_s: float          # QUIESCE completion read -> first completion of the new consumer read
+    first_seq: int        # seq of the new consumer's first completed task
+    old_executor: int
+    new_executor: int
+
+    def to_json(self):
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+class Submitter:
+    """Publishes tasks into a ring and reads their completions back.
+
+    Thread-safe: publishing and reaping hold one lock (whose acquire is also the
+    store->load fence of the relaunch handshake, ring.py step 5)."""
+
+    def __init__(self, ring: Ring, consumer=None, *, stall_deadline_s: float = 10.0, on_reap=None):
+        self.ring = ring
+        self.consumer = consumer
+        self.watchdog = Watchdog(ring, stall_deadline_s)
+        self.on_reap = on_reap          # called with each reaped batch (structured array copy)
+        self._lock = threading.RLock()
+        self._wanted: dict[int, Completion | None] = {}
+        self._instance = ring.instance
+        self._swapping = False
+        self.completed = 0
+        self.failed = 0                 # completions whose status was not OK
+        self.launches = 0
+        # A CPU consumer needs the GIL the waiter holds while it spins: yield at once.
+        self._busy = getattr(consumer, "host_busy_spins", _BUSY_SPINS)
+
+    # -- publishing ------------------------------------------------------------
+
+    def try_submit(self, op: int, *, region: int = NO_REGION, tag: int = 0, args=(), keep: bool = True) -> int | None:
+        """Publish one task if there is room now; its seq, or None when full."""
+        with self._lock:
+            self._check_open(op)
+            if self.ring.free_slots() <= 0:
+                self._reap_locked()
+                if self.ring.free_slots() <= 0:
+                    return None
+            seq = self.ring.publish(op, region=region, tag=tag, args=args)
+            if keep:
+                self._wanted[seq] = None
+            self._after_publish()
+            return seq
+
+    def submit(self, op: int, *, region: int = NO_REGION, tag: int = 0, args=(), keep: bool = True,
+               timeout: float | None = 10.0) -> int:
+        """Publish one task, waiting for room up to `timeout` seconds (None: the
+        watchdog alone bounds the wait).  Raises RingFullError after the timeout."""
+        seq = self.try_submit(op, region=region, tag=tag, args=args, keep=keep)
+        if seq is not None:
+            return seq
+        deadline = None if timeout is None else time.monotonic() + timeout
+        spins = 0
+        while True:
+            seq = self.try_submit(op, region=region, tag=tag, args=args, keep=keep)
+            if seq is not None:
+                return seq
+            if deadline is not None and time.monotonic() > deadline:
+                r = self.ring
+                raise RingFullError(f"ring full ({r.capacity} slots, {r.pending()} pending) for {timeout} s",
+                                    where=r.slot_where(r.head), hint="the consumer is slower than the producer")
+            spins = self._pause(spins)
+
+    def submit_batch(self, ops, *, tags=None, timeout: float | None = 10.0) -> tuple[int, int]:
+        """Publish many tasks (no arguments) as fast as room allows; their
+        completions are counted, not kept.  Returns (first seq, count)."""
+        ops = np.asarray(ops, dtype="<u2")
+        tags = None if tags is None else np.asarray(tags, dtype="<u8")
+        first, done, spins = None, 0, 0
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while done < ops.size:
+            with self._lock:
+                self._check_open(int(ops[done]))
+                self._reap_locked()
+                room = min(self.ring.free_slots(), ops.size - done)
+                if room > 0:
+                    s, k = self.ring.publish_batch(ops[done:done + room],
+                                                   tags=None if tags is None else tags[done:done + room])
+                    first = s if first is None else first
+                    done += k
+                    self._after_publish()
+                    spins = 0
+                    continue
+            if deadline is not None and time.monotonic() > deadline:
+                raise RingFullError(f"ring full for {timeout} s after {done} of {ops.size} tasks",
+                                    where=self.ring.slot_where(self.ring.head))
+            spins = self._pause(spins)
+        return (first or self.ring.head + 1), int(ops.size)
+
+    def _check_open(self, op: int) -> None:
+        r = self.ring
+        if r.stop_sent:
+            raise ExecutorStoppedError(f"{Op(op).name if op in Op._value2member_map_ else op} "
+                                       f"submitted after STOP", where=r.slot_where(r.head))
+        if r.state == ConsumerState.FAULT:
+            raise ExecutorError("the consumer faulted; no task is taken", where=r.slot_where(r.tail))
+
+    def _after_publish(self) -> None:
+        """Relaunch an idle consumer (called with the lock held: the acquire
+        fenced the stores that published the task before this load)."""
+        c = self.consumer
+        if c is None or self._swapping:
+            return
+        if self.ring.state in _RELAUNCHABLE and self.ring.instance >= self._instance:
+            self._launch_locked()
+
+    def _launch_locked(self) -> None:
+        self._instance += 1
+        self.launches += 1
+        self.consumer.launch(self._instance)
+
+    def launch(self) -> None:
+        """Start the consumer now (instead of lazily on the first submit)."""
+        with self._lock:
+            self._launch_locked()
+
+    # -- completions -----------------------------------------------------------
+
+    def reap(self) -> int:
+        """Read back every completion that is ready; returns how many."""
+        with self._lock:
+            return self._reap_locked()
+
+    def _reap_locked(self) -> int:
+        r = self.ring
+        lo, hi = r.reap_range()
+        if hi <= lo:
+            return 0
+        if hi - lo == 1 and self.on_reap is None:
+            c = r.read_completion(lo)
+            if c.seq in self._wanted:
+                self._wanted[c.seq] = c
+            self.failed += c.status != Status.OK
+        else:
+            comps = r.completions(lo, hi)
+            if self.on_reap is not None:
+                self.on_reap(comps)
+            self.failed += int(np.count_nonzero(comps["status"]))
+            if self._wanted:
+                for seq in range(lo + 1, hi + 1):
+                    if seq in self._wanted:
+                        self._wanted[seq] = _completion(comps[seq - lo - 1])
+        r.reaped = hi
+        self.completed += hi - lo
+        return hi - lo
+
+    def wait(self, seq: int, timeout: float | None = 10.0) -> Completion:
+        """The completion of task `seq` (submitted with keep=True).  Bounded by
+        `timeout` (ExecutorError) and by the watchdog (ExecutorStalledError)."""
+        if seq not in self._wanted:
+            raise ExecutorError(f"task {seq} was not submitted with keep=True or was already waited on",
+                                where=self.ring.where)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        spins = 0
+        while True:
+            with self._lock:
+                c = self._wanted.get(seq)
+                if c is None:
+                    self._reap_locked()
+                    c = self._wanted.get(seq)
+                if c is not None:
+                    del self._wanted[seq]
+                    return c
+            spins = self._pause(spins)
+            if spins % 64 == 0:
+                self._check_progress(deadline, f"task {seq}")
+
+    def wait_tail(self, seq: int, timeout: float | None = 10.0) -> None:
+        """Wait until every task up to `seq` has completed (and reap them)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        spins = 0
+        while self.ring.tail < seq:
+            spins = self._pause(spins)
+            if spins % 64 == 0:
+                self._check_progress(deadline, f"tasks up to {seq}")
+        self.reap()
+
+    def drain(self, timeout: float | None = 10.0) -> None:
+        """Wait until every published task has completed."""
+        self.wait_tail(self.ring.head, timeout)
+
+    def call(self, op: int, *, region: int = NO_REGION, tag: int = 0, args=(), timeout: float = 10.0) -> Completion:
+        """Submit one task and wait for its completion."""
+        return self.wait(self.submit(op, region=region, tag=tag, args=args, timeout=timeout), timeout)
+
+    def _pause(self, spins: int) -> int:
+        if spins >= self._busy:
+            time.sleep(0 if spins < self._busy + 20000 else 1e-4)
+        return spins + 1
+
+    def _check_progress(self, deadline, what: str) -> None:
+        r = self.ring
+        st = r.state
+        if st == ConsumerState.FAULT:
+            raise ExecutorError(f"the consumer faulted while waiting for {what}", where=r.slot_where(r.tail))
+        if st == ConsumerState.STOPPED and r.tail < r.head:
+            raise ExecutorStoppedError(f"consumer stopped with {r.head - r.tail} task(s) not taken, "
+                                       f"waiting for {what}", where=r.slot_where(r.tail))
+        # Safety net for the relaunch handshake: pending work, nobody resident.
+        if (self.consumer is not None and not self._swapping and r.tail < r.head
+                and st in _RELAUNCHABLE and not self.consumer.is_resident()):
+            with self._lock:
+                self._instance = max(self._instance, r.instance)
+                self._launch_locked()
+        err = self.watchdog.check()
+        if err is not None:
+            raise err
+        if deadline is not None and time.monotonic() > deadline:
+            raise ExecutorError(f"timed out waiting for {what} ({r.head - r.tail} pending, consumer "
+                                f"{st.name.lower()})", where=r.slot_where(r.tail))
+
+    # -- shutdown and hot swap -------------------------------------------------
+
+    def stop(self, timeout: float = 10.0) -> Completion | None:
+        """Publish STOP behind everything pending, wait for it and for the
+        consumer to exit.  Returns STOP's completion (None if already stopped)."""
+        if self.ring.stop_sent:
+            return None
+        seq = self.submit(Op.STOP, timeout=timeout)
+        c = self.wait(seq, timeout)
+        if self.consumer is not None and not self.consumer.join(timeout):
+            raise ExecutorError(f"consumer did not exit within {timeout} s after STOP", where=self.ring.where)
+        return c
+
+    def swap(self, new_consumer, timeout: float = 10.0) -> SwapReport:
+        """Hand the ring from the current consumer to `new_consumer` with no task
+        lost or run twice: QUIESCE makes the old one stop at a slot boundary (it
+        completes QUIESCE, then exits); the new one resumes at `tail`.  Tasks
+        published meanwhile wait in the ring."""
+        old = self.consumer
+        if old is None:
+            raise ExecutorError("no consumer to swap from; launch one first", where=self.ring.where)
+        t0 = time.perf_counter()
+        with self._lock:
+            self._swapping = True
+        try:
+            seq = self.submit(Op.QUIESCE, timeout=timeout)
+            if not old.is_resident() and self.ring.state in _RELAUNCHABLE:
+                # Nobody is consuming: start the old consumer so QUIESCE is taken in order.
+                with self._lock:
+                    self._instance = max(self._instance, self.ring.instance)
+                    self._launch_locked()
+            qc = self.wait(seq, timeout)
+            t1 = time.perf_counter()
+            if qc.status != Status.OK:
+                raise ExecutorError(f"QUIESCE failed with status {qc.status.name}", where=self.ring.slot_where(seq - 1))
+            if not old.join(timeout):
+                raise ExecutorError(f"old consumer did not exit within {timeout} s after QUIESCE",
+                                    where=self.ring.where)
+            new_consumer.prepare()
+            with self._lock:
+                self.consumer = new_consumer
+                self._busy = getattr(new_consumer, "host_busy_spins", _BUSY_SPINS)
+                self._instance = max(self._instance, self.ring.instance)
+                self._launch_locked()
+                self._swapping = False
+            t2 = time.perf_counter()
+            probe = None
+            if self.ring.head == seq:   # nothing queued behind QUIESCE: probe with a PING
+                probe = self.submit(Op.PING, timeout=timeout)
+            self.wait_tail(seq + 1, timeout)
+            t3 = time.perf_counter()
+            if probe is not None:
+                self.wait(probe, timeout)
+            return SwapReport(t1 - t0, t2 - t1, t3 - t1, seq + 1, old.executor_id, new_consumer.executor_id)
+        finally:
+            with self._lock:
+                self._swapping = False
+
+
+def _completion(row) -> Completion:
+    return Completion(int(row["seq"]), Op(int(row["op"])), Status(int(row["status"])), int(row["executor_id"]),
+                      int(row["tag"]), int(row["pages"]), int(row["bytes"]), int(row["lsn_first"]),
+                      int(row["lsn_last"]), int(row["region"]))
