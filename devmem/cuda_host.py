@@ -60,7 +60,8 @@ class HostRegistration:
 
         itemsize = cupy.dtype(dtype).itemsize
         n = self.nbytes // itemsize if count is None else count
-        mem = cupy.cuda.UnownedMemory(self.device_ptr, n * itemsize, self)
+        mem = cupy.cuda.UnownedMemory(self.device_ptr, n * itemsize, self,
+                                       device_id=cupy.cuda.runtime.getDevice())
         return cupy.ndarray((n,), dtype=dtype, memptr=cupy.cuda.MemoryPointer(mem, 0))
 
     def __enter__(self):
