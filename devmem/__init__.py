@@ -5,10 +5,11 @@ wrapper for crash tests.  Imports nothing of the rest of Concordia."""
 
 from .errors import *  # noqa: F401,F403
 from .backend import Backend, Spec, Survives, detect_kind, open_backend, parse_spec
+from .devdax import DevDaxBackend
 from .fault import FaultInjectingBackend
 from .tiers import FileBackend, MemoryBackend, PmemBackend, ShmBackend
 
 __all__ = [
     "Backend", "Survives", "Spec", "open_backend", "parse_spec", "detect_kind",
-    "FaultInjectingBackend", "FileBackend", "MemoryBackend", "PmemBackend", "ShmBackend",
+    "FaultInjectingBackend", "DevDaxBackend", "FileBackend", "MemoryBackend", "PmemBackend", "ShmBackend",
 ]

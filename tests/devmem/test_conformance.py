@@ -173,3 +173,28 @@ class TestPinned(BackendConformance):
 
     def make(self, tmp_path, size):
         return open_backend("pinned:", size=size)
+
+
+class TestFileWithLibpmemRequired(TestFile):
+    """The file tier maps with mmap whatever libpmem does; asking for libpmem only
+    checks that it loads."""
+
+    @pytest.fixture(autouse=True)
+    def _needs(self):
+        if not libpmem_mod.available():
+            pytest.skip("libpmem1 is not installed")
+
+    def make(self, tmp_path, size):
+        return open_backend(f"file:{_dir(tmp_path) / 'log'}", size=size, create=True,
+                            libpmem="require")
+
+    def test_still_msync(self, backend):
+        assert backend.mapped_by == "mmap" and backend.persist_path == "msync"
+
+
+class TestShmWithoutLibpmem(TestShm):
+    def make(self, tmp_path, size):
+        name = "concordia-test-nolib-" + hashlib.sha1(str(tmp_path).encode()).hexdigest()[:16]
+        b = open_backend(f"shm:{name}", size=size, create=True, libpmem="off")
+        self.made.append(b.path)
+        return b

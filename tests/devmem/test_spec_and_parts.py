@@ -154,3 +154,30 @@ def test_registration_without_cuda_says_so():
     with open_backend("memory:", size=1 << 16) as b:
         with pytest.raises(E.CudaUnavailableError):
             register(b)
+
+
+# -- what `survives` promises, checked by killing the writer ------------------------------
+
+@pytest.mark.parametrize("kind", ["shm", "file"])
+def test_persisted_bytes_outlive_a_killed_writer(tmp_path, kind):
+    import signal
+
+    spec = f"shm:concordia-kill-{os.getpid()}" if kind == "shm" else f"file:{tmp_path / 'log'}"
+    data = np.random.default_rng(5).integers(0, 256, 1 << 16, dtype=np.uint8)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            b = open_backend(spec, size=1 << 16, create=True)
+            b.array[:] = data
+            b.persist(0, b.size)
+        finally:
+            os.kill(os.getpid(), signal.SIGKILL)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    with open_backend(spec) as b:
+        try:
+            assert b.survives >= Survives.PROCESS_CRASH
+            assert np.array_equal(b.array, data)
+        finally:
+            if kind == "shm":
+                os.unlink(b.path)
