@@ -132,18 +132,27 @@ class Backend(abc.ABC):
         """Make bytes [offset, offset+length) durable (to the level `survives`
         names) before returning."""
         if self._check(offset, length):
-            self._persist(offset, length)
+            try:
+                self._persist(offset, length)
+            except OSError as exc:
+                raise os_error(exc, f"{self.where} @ {offset:#x}", "persist failed") from None
 
     def flush(self, offset: int, length: int) -> None:
         """Start making [offset, offset+length) durable; durable only once a
         later `drain()` returns."""
         if self._check(offset, length):
-            self._flush(offset, length)
+            try:
+                self._flush(offset, length)
+            except OSError as exc:
+                raise os_error(exc, f"{self.where} @ {offset:#x}", "flush failed") from None
 
     def drain(self) -> None:
         """Wait until every range flushed so far is durable."""
         self.view  # raises when closed
-        self._drain()
+        try:
+            self._drain()
+        except OSError as exc:
+            raise os_error(exc, self.where, "drain failed") from None
 
     def close(self) -> None:
         """Unmap (deferred while views taken from this backend are alive).

@@ -209,7 +209,7 @@ class OpenedFile:
             raise BadSizeError(f"file is {length} bytes, smaller than the {size} asked for",
                                where=where, hint="pass create=True to grow it")
         try:
-            fd = os.open(path, (os.O_RDONLY if readonly else os.O_RDWR) | os.O_CLOEXEC | os.O_NOFOLLOW)
+            fd = os.open(path, (os.O_RDONLY if readonly else os.O_RDWR) | os.O_CLOEXEC)
         except OSError as exc:
             raise os_error(exc, where, "cannot open") from None
         self.fd = fd

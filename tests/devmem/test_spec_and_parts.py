@@ -181,3 +181,36 @@ def test_persisted_bytes_outlive_a_killed_writer(tmp_path, kind):
         finally:
             if kind == "shm":
                 os.unlink(b.path)
+
+
+def test_a_symlinked_log_opens(tmp_path):
+    with open_backend(f"file:{tmp_path / 'real'}", size=8192, create=True) as b:
+        b.view[:2] = b"ok"
+        b.persist(0, 2)
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    with open_backend(f"file:{tmp_path / 'link'}") as b:
+        assert bytes(b.view[:2]) == b"ok"
+
+
+def test_an_os_failure_while_persisting_is_a_devmem_error_naming_the_offset():
+    """The base class turns a tier's OSError (an msync hitting EIO) into a one-line
+    DevmemError with backend and offset."""
+    from concordia.devmem import Backend
+
+    class FailingTier(Backend):
+        kind = "file"
+
+        def _persist(self, offset, length):
+            raise OSError(5, "Input/output error")
+
+        def _release(self):
+            pass
+
+    buf = bytearray(8192)
+    b = FailingTier(path="/x/log", size=8192, alignment=4096, view=memoryview(buf), address=0)
+    with pytest.raises(E.DevmemError) as ei:
+        b.persist(4096, 10)
+    assert str(ei.value) == "file:/x/log @ 0x1000: persist failed: Input/output error"
+    with pytest.raises(E.DevmemError):
+        b.flush(0, 1)
+    b.close()
