@@ -164,6 +164,7 @@ class Damage:
     epoch: int | None = None
     region_id: int | None = None
     tail: bool = False
+    base: bool = False  # the damaged record is part of a base snapshot
 
     @property
     def where(self) -> str:
@@ -372,9 +373,9 @@ class _Index:
         for d in h.damage:
             if d.epoch is None:
                 continue  # unattributable on its own; found through commit counts below
-            self.bad.append((d, d.epoch, d.region_id, False))
+            self.bad.append((d, d.epoch, d.region_id, d.base))
         for ep, c in h.commits.items():
-            known = sum(1 for d in h.damage if d.epoch == ep and not d.tail)
+            known = sum(1 for d in h.damage if d.epoch == ep and not d.tail and not d.base)
             # at or below the floor, compaction may have reclaimed some of the records
             if ep > h.floor_epoch and c.records is not None and counts.get(ep, 0) + known < c.records:
                 # a record of this epoch is lost and no attributed damage explains it
@@ -395,7 +396,7 @@ class _Index:
     def base_usable(self, entry: BaseEntry, recs: list) -> Damage | None:
         """None when the base is whole; else the damage that breaks it."""
         for d, ep, rid, _ in self.bad:
-            if ep == entry.epoch and (rid is None or rid == entry.region_id):
+            if ep == entry.epoch and (rid is None or rid == entry.region_id) and (d.base or rid is None):
                 if d.lsn is None or entry.first_lsn <= d.lsn <= entry.last_lsn:
                     return d
         if len(recs) != entry.records:
@@ -431,8 +432,8 @@ class _Index:
                 epoch=target, region_id=rid,
             )
         deltas = [b for b in self.deltas.get(rid, ()) if start < b.epoch <= target]
-        for d, ep, drid, _ in sorted(self.bad, key=lambda x: x[1]):
-            if start < ep <= target and (drid is None or drid == rid) and not d.tail:
+        for d, ep, drid, is_base in sorted(self.bad, key=lambda x: x[1]):
+            if start < ep <= target and (drid is None or drid == rid) and not d.tail and not is_base:
                 return base, base_recs, deltas, d
         return base, base_recs, deltas, None
 

@@ -1,0 +1,272 @@
+"""The appender: hands out space in the current segment (straight views into
+backend memory, the bytes GPU kernels fill in place), persists what was
+written, and makes epochs durable by the commit protocol (FORMAT.md §10):
+
+    records persisted  ->  commit record written  ->  commit record persisted
+
+One appender per volume, one thread.  A reservation is a promise: `commit`
+refuses while any reservation is neither persisted nor finished, because a
+commit must never precede a record it could depend on.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import format as F
+from .errors import RecordTooLargeError, UsageError
+from .volume import SegmentInfo, Volume
+
+_ids = itertools.count(1)
+
+
+@dataclass
+class Reservation:
+    """Space for one record (or, as an Extent, many) in backend memory.
+
+    view:    writable uint8 array over exactly the reserved bytes (no copy)
+    offset:  absolute offset of view[0] in the backend mapping
+    lsn:     LSN of view[0]; a record at view[k] has lsn + k
+    salt:    the segment's salt, to be written into each record header
+    segment: physical segment index
+    """
+
+    view: np.ndarray
+    offset: int
+    lsn: int
+    salt: int
+    segment: int
+    length: int
+    id: int = 0
+    extent: bool = False
+
+
+class Extent(Reservation):
+    pass
+
+
+class Appender:
+    def __init__(self, vol: Volume, *, segment: SegmentInfo | None, pos: int | None,
+                 last_committed_epoch: int = 0, last_commit_lsn: int = 0):
+        self.vol = vol
+        self.backend = vol.backend
+        self.seg = segment
+        self.pos = pos  # absolute offset of the next free byte in self.seg
+        self.outstanding: dict[int, Reservation] = {}
+        self.stats: dict[int, list] = {}  # epoch -> [records, bytes, first_lsn]
+        self.last_committed_epoch = last_committed_epoch
+        self.last_commit_lsn = last_commit_lsn
+        self._pmem = self.backend.persist_path == "libpmem"
+        self._volatile = self.backend.persist_path == "none"
+        self._dirty: list[list[int]] = []  # [start, end) ranges to persist at the next commit
+        self.on_write = None  # called after every record write (the Log's rescan flag)
+
+    # -- space --------------------------------------------------------------------
+    @property
+    def segment_capacity(self) -> int:
+        """The largest record (or extent) one segment holds."""
+        return self.vol.segment_bytes - F.SEGMENT_HEADER_SIZE
+
+    def _roll(self) -> None:
+        old = self.seg
+        if old is not None and self.pos + 64 <= old.offset + old.nbytes:
+            # an explicit end marker: the old segment's data ends here
+            self.backend.array[self.pos:self.pos + 64] = 0
+            self.backend.persist(self.pos, 64)
+        self.seg = self.vol.take_segment(old)
+        self.pos = self.seg.offset + F.SEGMENT_HEADER_SIZE
+
+    def _take(self, nbytes: int, cls) -> Reservation:
+        n = F.align64(int(nbytes))
+        if n <= 0:
+            raise UsageError(f"cannot reserve {nbytes} bytes")
+        if n > self.segment_capacity:
+            raise RecordTooLargeError(f"{n} bytes do not fit one segment ({self.segment_capacity} usable)",
+                                      hint="split the batch or create the log with larger segments")
+        if self.seg is None or self.pos + n > self.seg.offset + self.seg.nbytes:
+            self._roll()
+        off = self.pos
+        self.pos += n
+        seg = self.seg
+        res = cls(self.backend.array[off:off + n], off, seg.base_lsn + (off - seg.offset), seg.salt,
+                  seg.index, n, next(_ids), cls is Extent)
+        self.outstanding[res.id] = res
+        return res
+
+    def reserve(self, nbytes: int) -> Reservation:
+        """Space for one record of `nbytes` (rounded up to 64).  Fill res.view with
+        the record (header lsn = res.lsn, salt = res.salt), then `persist(res)`."""
+        return self._take(nbytes, Reservation)
+
+    def reserve_extent(self, nbytes: int) -> Extent:
+        """Space for many records written back to back by a producer (e.g. a GPU
+        kernel); close it with `finish_extent`."""
+        return self._take(nbytes, Extent)
+
+    # -- making written records durable ----------------------------------------------
+    def _account(self, res: Reservation, used: int | None, records: int | None) -> int:
+        """Walk the record headers written into `res`, check them (a producer bug is
+        caught here, not at recovery) and count them per epoch.  Returns the bytes used."""
+        mv = memoryview(res.view)
+        limit = res.length if used is None else used
+        if limit % 64 or not 0 <= limit <= res.length:
+            raise UsageError(f"used bytes {used} must be a multiple of 64 within the {res.length}-byte reservation")
+        pos, n = 0, 0
+        unpack = F.RECORD_HEADER.unpack_from
+        while pos < limit:
+            h = unpack(mv, pos)
+            if h[0] == 0 and used is None:
+                break
+            problem = F.check_record_header_bytes(mv, pos)
+            if problem is None and (h[5] != res.lsn + pos or h[7] != res.salt):
+                problem = (f"record header names lsn 0x{h[5]:x} salt 0x{h[7]:08x}, "
+                           f"expected lsn 0x{res.lsn + pos:x} salt 0x{res.salt:08x}")
+            if problem is None and pos + h[0] > limit:
+                problem = f"record of {h[0]} bytes overruns the {limit} bytes used"
+            if problem:
+                raise UsageError(f"invalid record written into a reservation: {problem}",
+                                 where=f"segment {res.segment} @ 0x{res.offset + pos:x}")
+            kind = h[1] & F.TYPE_MASK
+            if kind not in (F.REC_PAD, F.REC_COMMIT, F.REC_REGION):
+                self._count(h[6], h[0], h[5])
+            pos += h[0]
+            n += 1
+        if records is not None and records != n:
+            raise UsageError(f"extent holds {n} records, producer said {records}",
+                             where=f"segment {res.segment} @ 0x{res.offset:x}")
+        return pos
+
+    def _count(self, epoch, length, lsn):
+        st = self.stats.get(epoch)
+        if st is None:
+            self.stats[epoch] = [1, length, lsn]
+        else:
+            st[0] += 1
+            st[1] += length
+
+    def _pad(self, res: Reservation, used: int) -> None:
+        if used < res.length:
+            F.encode_pad_header_into(res.view[used:used + 64], length=res.length - used,
+                                     lsn=res.lsn + used, epoch=0, salt=res.salt)
+
+    def persist(self, res: Reservation) -> None:
+        """The records written into `res` become durable before this returns.
+        Unused space at its end is covered by a pad record."""
+        if self.outstanding.pop(res.id, None) is None:
+            raise UsageError("reservation already persisted or not from this appender")
+        used = self._account(res, None, None)
+        self._pad(res, used)
+        self.backend.persist(res.offset, res.length)
+        self._wrote()
+
+    def finish_extent(self, ext: Extent, used_bytes: int, records: int) -> None:
+        """The producer wrote `records` records into the first `used_bytes` of
+        `ext`; check, pad the rest, persist."""
+        if self.outstanding.pop(ext.id, None) is None:
+            raise UsageError("extent already finished or not from this appender")
+        used = self._account(ext, F.align64(used_bytes), records)
+        self._pad(ext, used)
+        self.backend.persist(ext.offset, ext.length)
+        self._wrote()
+
+    def _wrote(self):
+        if self.on_write is not None:
+            self.on_write()
+
+    # -- CPU convenience ----------------------------------------------------------------
+    def append_page_batch(self, epoch: int, region_id: int, page_ids, pages, *, page_bytes: int | None = None,
+                          base: bool = False, page_crcs=None) -> int:
+        """Encode and append one page batch; returns its LSN.  `pages` is a
+        (count, page_bytes) uint8 array (or any array of count * page_bytes bytes
+        with page_bytes given).  The record is durable no later than the next
+        `commit` (flushed now on pmem, persisted with the commit elsewhere)."""
+        if epoch <= self.last_committed_epoch:
+            raise UsageError(f"epoch {epoch} is already committed (last {self.last_committed_epoch})")
+        ids = np.asarray(page_ids)
+        count = int(ids.size)
+        if page_bytes is None:
+            if not isinstance(pages, np.ndarray) or pages.ndim != 2:
+                raise UsageError("pass page_bytes, or pages as a (count, page_bytes) array")
+            page_bytes = int(pages.shape[1]) * pages.itemsize
+        length = F.page_batch_length(count, page_bytes)
+        res = self._take(length, Reservation)
+        del self.outstanding[res.id]
+        F.encode_page_batch_into(res.view, lsn=res.lsn, epoch=epoch, region_id=region_id, salt=res.salt,
+                                 page_ids=ids, pages=pages, page_bytes=page_bytes,
+                                 flags=F.FLAG_BASE if base else 0, page_crcs=page_crcs)
+        self._count(epoch, length, res.lsn)
+        self._defer(res.offset, length)
+        self._wrote()
+        return res.lsn
+
+    def append_record(self, *, type: int, epoch: int, body, region_id: int = F.NO_REGION, flags: int = 0,
+                      aux: int = 0, page_bytes: int = 0, persist: bool = True) -> int:
+        """Append one generic-body record (FORMAT.md §5.3; e.g. snapshot records)
+        and persist it now (or with the next commit when persist=False); returns its LSN."""
+        body = memoryview(body).cast("B")
+        res = self._take(F.record_length(len(body)), Reservation)
+        del self.outstanding[res.id]
+        F.encode_record_into(res.view, type=type, lsn=res.lsn, epoch=epoch, salt=res.salt, body=body,
+                             region_id=region_id, flags=flags, aux=aux, page_bytes=page_bytes)
+        if type & F.TYPE_MASK not in (F.REC_PAD, F.REC_COMMIT, F.REC_REGION):
+            self._count(epoch, res.length, res.lsn)
+        if persist:
+            self.backend.persist(res.offset, res.length)
+        else:
+            self._defer(res.offset, res.length)
+        self._wrote()
+        return res.lsn
+
+    def _defer(self, off: int, n: int) -> None:
+        if self._volatile:
+            return
+        if self._pmem:
+            self.backend.flush(off, n)  # cache lines still hot; drained at commit
+            self._dirty.append([off, off + n])
+            return
+        d = self._dirty
+        if d and d[-1][1] == off:
+            d[-1][1] = off + n
+        else:
+            d.append([off, off + n])
+
+    def sync(self) -> None:
+        """Persist every record appended so far (what commit does first)."""
+        if self._pmem:
+            if self._dirty:
+                self.backend.drain()
+        else:
+            for start, end in self._dirty:
+                self.backend.persist(start, end - start)
+        self._dirty.clear()
+
+    # -- commit ---------------------------------------------------------------------------
+    def commit(self, epoch: int, digests: dict | None = None) -> int:
+        """Make `epoch` durable: persist its records, then write and persist its
+        commit record (record count, bytes, region digests).  Returns the commit's LSN.
+        When this returns, recovery will restore the epoch."""
+        if self.outstanding:
+            raise UsageError(f"commit of epoch {epoch} with {len(self.outstanding)} reservations not yet "
+                             "persisted or finished", hint="persist or finish them first")
+        if epoch <= self.last_committed_epoch:
+            raise UsageError(f"epoch {epoch} does not follow the last committed epoch {self.last_committed_epoch}")
+        self.sync()
+        count, nbytes, first = self.stats.pop(epoch, (0, 0, 0))
+        body = F.encode_commit_body(count, nbytes, first, digests or {})
+        lsn = self.append_record(type=F.REC_COMMIT, epoch=epoch, body=body, aux=self.last_commit_lsn)
+        self.last_committed_epoch = epoch
+        self.last_commit_lsn = lsn
+        return lsn
+
+    @property
+    def write_lsn(self) -> int:
+        """LSN of the next byte to be reserved."""
+        if self.seg is None:
+            return self.vol.superblock.next_lsn
+        return self.seg.base_lsn + (self.pos - self.seg.offset)
+
+
+__all__ = ["Appender", "Reservation", "Extent"]

@@ -1,0 +1,219 @@
+"""`Log`: a volume, its recovered state and its appender, behind one object.
+
+    log = Log.create("shm:name", size=1 << 30)
+    rid = log.define_region("kv", np.float16, (n, 4096), 4096, "kv")
+    log.appender.append_page_batch(1, rid, ids, pages)
+    log.appender.commit(1, digests={rid: d})
+    log.close()
+    log = Log.open("shm:name", mode=RecoveryMode.TOLERATE_TAIL, reporter=print)
+
+Opening for writing cuts the log after its last valid commit (FORMAT.md §10.5);
+that is only done in TOLERATE_TAIL and ABSOLUTE mode, the modes that never
+drop anything before the last commit.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import numpy as np
+
+from concordia.devmem import Backend, open_backend
+
+from . import format as F
+from .appender import Appender
+from .errors import RegionError, UsageError
+from .reader import Dropped, Record, RecoveryMode, ScanResult, recover, verify
+from .volume import Volume
+
+
+class Log:
+    def __init__(self, vol: Volume, result: ScanResult, mode: RecoveryMode, *, writable: bool,
+                 appender: Appender | None):
+        self.volume = vol
+        self.backend = vol.backend
+        self.mode = mode
+        self.writable = writable
+        self._result = result
+        self._appender = appender
+        self._stale = False
+        self._regions = {info.id: info for info in result.regions.values()}
+        if appender is not None:
+            appender.on_write = self._mark_stale
+
+    # -- opening ----------------------------------------------------------------
+    @classmethod
+    def create(cls, target, *, size: int | None = None, segment_size: int = 64 << 20,
+               zero: bool = True) -> "Log":
+        """Format `target` (a Backend or a log name) as an empty log, writable."""
+        vol = Volume.create(target, size=size, segment_size=segment_size, zero=zero)
+        return cls(vol, ScanResult(), RecoveryMode.TOLERATE_TAIL, writable=True,
+                   appender=Appender(vol, segment=None, pos=None))
+
+    @classmethod
+    def open(cls, target, *, writable: bool = True, mode=RecoveryMode.TOLERATE_TAIL,
+             reporter: Callable[[Dropped], None] | None = None, check_pages: bool = True) -> "Log":
+        """Open and recover a log.  Every dropped byte range reaches `reporter`.
+        With writable=True the space after the last valid commit is zeroed and
+        writing continues there."""
+        mode = RecoveryMode.parse(mode)
+        if writable and mode not in (RecoveryMode.TOLERATE_TAIL, RecoveryMode.ABSOLUTE):
+            raise UsageError(f"a log is opened for writing only in tolerate_tail or absolute mode, not {mode.value}",
+                             hint="open read-only to inspect it in this mode")
+        if isinstance(target, Backend):
+            backend = target
+        else:
+            backend = open_backend(target, readonly=not writable)
+        vol = Volume.open(backend, writable=writable)
+        res = recover(vol, mode, reporter, check_pages=check_pages)
+        appender = cls._prepare_write(vol, res) if writable else None
+        return cls(vol, res, mode, writable=writable, appender=appender)
+
+    @staticmethod
+    def _prepare_write(vol: Volume, res: ScanResult) -> Appender:
+        """Cut after the last commit: free later live segments, zero the rest of the
+        cut segment, write again the region descriptors that lay after the cut."""
+        live = [s for s in vol.live_segments() if s.index not in res.bad_segments]
+        all_live = vol.live_segments()
+        if res.cut is not None:
+            seg, pos = res.cut
+        elif live:
+            seg, pos = live[0], live[0].offset + F.SEGMENT_HEADER_SIZE
+        else:
+            seg, pos = None, None
+        if seg is not None:
+            later = [s.index for s in all_live if s.seq > seg.seq]
+            if later:
+                vol.free_segments(later)
+            end = seg.offset + seg.nbytes
+            arr = vol.backend.array
+            if arr[pos:end].any():
+                arr[pos:end] = 0
+                vol.backend.persist(pos, end - pos)
+        elif all_live:
+            vol.free_segments([s.index for s in all_live])
+        app = Appender(vol, segment=seg, pos=pos, last_committed_epoch=res.last_committed_epoch,
+                       last_commit_lsn=res.last_commit_lsn)
+        for rec in res.tail_regions:
+            body = bytes(rec.body)  # copy: the bytes are about to be zeroed or reused
+            app.append_record(type=F.REC_REGION, epoch=0, body=body, region_id=rec.region_id,
+                              page_bytes=rec.page_bytes)
+        return app
+
+    # -- state ------------------------------------------------------------------------
+    def _mark_stale(self):
+        self._stale = True
+
+    def _fresh(self) -> ScanResult:
+        """The recovered state, rescanned when this process appended since."""
+        if self._stale:
+            self._result = recover(self.volume, RecoveryMode.TOLERATE_TAIL, None)
+            self._stale = False
+        return self._result
+
+    @property
+    def appender(self) -> Appender:
+        if self._appender is None:
+            raise UsageError("log opened read-only: no appender")
+        return self._appender
+
+    @property
+    def regions(self) -> dict:
+        """{name: RegionInfo(id, name, dtype, shape, page_bytes, kind, nbytes, pages)}"""
+        return {info.name: info for info in sorted(self._regions.values(), key=lambda r: r.id)}
+
+    def region(self, key) -> F.RegionInfo:
+        """A region by name or id."""
+        if isinstance(key, (int, np.integer)):
+            if int(key) in self._regions:
+                return self._regions[int(key)]
+        else:
+            for info in self._regions.values():
+                if info.name == key:
+                    return info
+        raise RegionError(f"no region {key!r} in this log")
+
+    def define_region(self, name: str, dtype, shape, page_bytes: int, kind: str = "opaque") -> int:
+        """Describe a region in the log (persisted at once); returns its id.  The same
+        name with the same attributes returns the existing id."""
+        body = F.encode_region_body(name, dtype, shape, page_bytes, kind)
+        for info in self._regions.values():
+            if info.name == name:
+                want = F.decode_region_body(body, info.id, page_bytes)
+                if want != info:
+                    raise RegionError(f"region {name!r} is already defined as {info.dtype}{list(info.shape)} "
+                                      f"pages of {info.page_bytes} ({info.kind})")
+                return info.id
+        rid = max(self._regions, default=-1) + 1
+        self.appender.append_record(type=F.REC_REGION, epoch=0, body=body, region_id=rid, page_bytes=page_bytes)
+        self._regions[rid] = F.decode_region_body(body, rid, page_bytes)
+        return rid
+
+    @property
+    def last_committed_epoch(self) -> int:
+        if self._appender is not None:
+            return self._appender.last_committed_epoch
+        return self._result.last_committed_epoch
+
+    @property
+    def commits(self) -> list:
+        """CommitInfo of every committed epoch, oldest first."""
+        return list(self._fresh().commits)
+
+    @property
+    def dropped(self) -> list:
+        """What recovery at open gave up (Dropped ranges)."""
+        return list(self._result.dropped)
+
+    @property
+    def incomplete_epochs(self) -> list:
+        return list(self._result.incomplete_epochs)
+
+    def records(self, start_lsn: int | None = None, end_lsn: int | None = None, *,
+                committed_only: bool = True) -> Iterator[Record]:
+        """Valid records in LSN order, every checksum checked at recovery.  With
+        committed_only (the default) records of epochs without a commit are left out."""
+        res = self._fresh()
+        committed = {c.epoch for c in res.commits}
+        for rec in res.records:
+            if start_lsn is not None and rec.lsn < start_lsn:
+                continue
+            if end_lsn is not None and rec.lsn >= end_lsn:
+                break
+            if committed_only and rec.epoch and rec.epoch not in committed:
+                continue
+            yield rec
+
+    def verify(self, *, check_pages: bool = True) -> dict:
+        """Check every checksum; report all problems (see reader.verify)."""
+        return verify(self.volume, check_pages=check_pages)
+
+    def info(self) -> dict:
+        sb = self.volume.superblock
+        live = self.volume.live_segments()
+        return {
+            "uuid": sb.uuid.hex(), "volume_bytes": sb.volume_bytes, "segment_bytes": sb.segment_bytes,
+            "segments": sb.segment_count, "live_segments": len(live), "next_lsn": sb.next_lsn,
+            "oldest_lsn": sb.oldest_lsn, "oldest_epoch": sb.oldest_epoch, "catalog_lsn": sb.catalog_lsn,
+            "last_committed_epoch": self.last_committed_epoch,
+            "regions": [r._asdict() for r in self.regions.values()],
+            "backend": self.backend.info(),
+        }
+
+    def close(self) -> None:
+        if self._appender is not None and self._appender.outstanding:
+            raise UsageError(f"{len(self._appender.outstanding)} reservations not persisted at close")
+        if self._appender is not None:
+            self._appender.sync()
+        self._result = ScanResult()
+        self._appender = None
+        self.volume.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if exc[0] is None:
+            self.close()
+        else:
+            self.volume.close()

@@ -1,0 +1,275 @@
+"""Base snapshots and the snapshot catalog.
+
+A base snapshot is a full image of one region at one committed epoch, written
+as page batches carrying the BASE flag (FORMAT.md "Snapshots and compaction").
+It becomes part of the log only when a catalog record lists it and the
+superblock's `catalog_lsn` points at that catalog: the superblock switch is the
+commit point, so a crash while a base is written leaves the previous catalog in
+force and the half-written base unused.
+
+Catalog record (type 0x04, generic record: header `count` = body bytes, `aux` =
+LSN of the catalog it replaces, `epoch` = newest base epoch listed)::
+
+    head   <QIIQQ   sequence, entries, keep_bases, floor_epoch, reserved(0)   32 bytes
+    entry  <IIQQQQII region_id, records, epoch, first_lsn, last_lsn, pages,
+                    digest, reserved(0)                                      48 bytes each
+
+A base of region R at epoch E is the set of BASE page batches of R with epoch
+E and LSN in [first_lsn, last_lsn]; there must be `records` of them, together
+covering every page of the region once; `digest` is the region digest.
+`floor_epoch` is the oldest epoch retention still restores (0 = every epoch);
+`keep_bases` the retention policy that produced the catalog (0 = keep all).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import numpy as np
+
+from concordia.wal.errors import CorruptionError, RegionError, WalError
+from concordia.wal.planner import BaseEntry
+
+CATALOG_HEAD = struct.Struct("<QIIQQ")
+CATALOG_HEAD_SIZE = 32
+CATALOG_ENTRY = struct.Struct("<IIQQQQII")
+CATALOG_ENTRY_SIZE = 48
+MAX_CATALOG_ENTRIES = 1 << 20
+
+#: pages written per BASE record unless the caller says otherwise
+DEFAULT_CHUNK_BYTES = 8 << 20
+
+assert CATALOG_HEAD.size == CATALOG_HEAD_SIZE and CATALOG_ENTRY.size == CATALOG_ENTRY_SIZE
+
+
+@dataclass(frozen=True)
+class Catalog:
+    sequence: int
+    entries: tuple  # BaseEntry, sorted by (region_id, epoch)
+    keep_bases: int = 0
+    floor_epoch: int = 0
+    lsn: int = 0  # where it lies in the log (0 = not written / none)
+
+    @property
+    def newest_epoch(self) -> int:
+        return max((e.epoch for e in self.entries), default=0)
+
+    def of_region(self, region_id: int) -> list:
+        return sorted((e for e in self.entries if e.region_id == region_id), key=lambda e: e.epoch)
+
+
+EMPTY_CATALOG = Catalog(sequence=0, entries=())
+
+
+def encode_catalog_body(cat: Catalog) -> bytes:
+    entries = sorted(cat.entries, key=lambda e: (e.region_id, e.epoch))
+    if len(entries) > MAX_CATALOG_ENTRIES:
+        raise WalError(f"a catalog lists at most {MAX_CATALOG_ENTRIES} bases")
+    return CATALOG_HEAD.pack(cat.sequence, len(entries), cat.keep_bases, cat.floor_epoch, 0) + b"".join(
+        CATALOG_ENTRY.pack(e.region_id, e.records, e.epoch, e.first_lsn, e.last_lsn, e.pages,
+                           e.digest & 0xFFFFFFFF, 0)
+        for e in entries
+    )
+
+
+def decode_catalog_body(body, *, lsn: int = 0) -> Catalog:
+    """Decode a catalog body (untrusted: every count is checked against the
+    length).  Raises CorruptionError without `where` (the caller adds it)."""
+    body = memoryview(body).cast("B")
+    if len(body) < CATALOG_HEAD_SIZE:
+        raise CorruptionError(f"catalog body of {len(body)} bytes is shorter than its head")
+    seq, n, keep, floor, r = CATALOG_HEAD.unpack_from(body, 0)
+    if r:
+        raise CorruptionError("reserved catalog bytes are not zero")
+    if n > MAX_CATALOG_ENTRIES or CATALOG_HEAD_SIZE + n * CATALOG_ENTRY_SIZE != len(body):
+        raise CorruptionError(f"catalog lists {n} bases in a {len(body)}-byte body")
+    entries = []
+    for i in range(n):
+        rid, recs, ep, lo, hi, pages, dig, r = CATALOG_ENTRY.unpack_from(body, CATALOG_HEAD_SIZE + i * CATALOG_ENTRY_SIZE)
+        if r or lo > hi or recs == 0:
+            raise CorruptionError(f"catalog entry {i} is malformed (lsn {lo}..{hi}, {recs} records)")
+        entries.append(BaseEntry(rid, ep, lo, hi, recs, pages, dig))
+    return Catalog(sequence=seq, entries=tuple(entries), keep_bases=keep, floor_epoch=floor, lsn=lsn)
+
+
+# --------------------------------------------------------------------------- log side
+
+
+def _region(log, region):
+    regions = log.regions
+    if isinstance(region, str):
+        if region not in regions:
+            raise RegionError(f"no region named {region!r}", hint="regions: " + ", ".join(sorted(regions)))
+        return regions[region]
+    for r in regions.values():
+        if r.id == region:
+            return r
+    raise RegionError(f"no region with id {region}")
+
+
+def _page_source(info, data) -> Callable[[int, int], np.ndarray]:
+    """A function (lo, hi) -> (hi-lo, page_bytes) uint8 pages of the region image
+    `data` (array of the region's dtype/shape, any buffer of nbytes bytes, or
+    already such a function)."""
+    if callable(data):
+        return data
+    pb = info.page_bytes
+    arr = data if isinstance(data, np.ndarray) else np.frombuffer(memoryview(data), dtype=np.uint8)
+    if arr.nbytes != info.nbytes:
+        raise WalError(f"image of region {info.name!r} has {arr.nbytes} bytes, the region {info.nbytes}")
+    flat = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+    full = info.nbytes // pb
+
+    def pages(lo: int, hi: int) -> np.ndarray:
+        if hi <= full:
+            return flat[lo * pb:hi * pb].reshape(hi - lo, pb)
+        out = np.zeros((hi - lo, pb), np.uint8)
+        out.reshape(-1)[: info.nbytes - lo * pb] = flat[lo * pb:]
+        return out
+
+    return pages
+
+
+def write_base_records(log, info, source, epoch: int, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                       progress: Callable[[int], None] | None = None) -> BaseEntry:
+    """Append the BASE page batches of a full image of region `info` at `epoch`,
+    chunk by chunk (memory: one chunk), and return the catalog entry that would
+    list them.  Nothing is listed yet: the caller writes the catalog."""
+    from concordia.wal.format import page_crcs_of, region_digest
+
+    pb = info.page_bytes
+    per = max(1, min(chunk_bytes // pb, (1 << 24)))
+    crcs = np.zeros(info.pages, dtype=np.uint32)
+    app = log.appender
+    first = last = None
+    records = 0
+    for lo in range(0, info.pages, per):
+        hi = min(info.pages, lo + per)
+        pages = np.ascontiguousarray(source(lo, hi), dtype=np.uint8).reshape(hi - lo, pb)
+        c = page_crcs_of(pages)
+        crcs[lo:hi] = c
+        lsn = app.append_page_batch(epoch, info.id, np.arange(lo, hi, dtype=np.uint32), pages, base=True)
+        first = lsn if first is None else first
+        last = lsn
+        records += 1
+        if progress:
+            progress((hi - lo) * pb)
+    if first is None:
+        raise WalError(f"region {info.name!r} has no pages to snapshot")
+    return BaseEntry(info.id, int(epoch), int(first), int(last), records, info.pages, region_digest(crcs))
+
+
+def current_catalog(log) -> Catalog:
+    """The catalog the superblock points at (EMPTY_CATALOG when none)."""
+    from concordia.wal import format as fmt
+
+    lsn = int(getattr(log.superblock, "catalog_lsn", 0) or 0)
+    if not lsn:
+        return EMPTY_CATALOG
+    rec = log.record_at(lsn)
+    if rec.type & fmt.TYPE_MASK != fmt.REC_CATALOG:
+        raise CorruptionError(f"superblock names lsn {lsn} as the catalog, but it holds record type "
+                              f"0x{rec.type:02x}", where=f"segment {rec.segment} @ {rec.offset:#x}")
+    try:
+        return decode_catalog_body(rec.body, lsn=lsn)
+    except CorruptionError as exc:
+        raise CorruptionError(exc.message, where=f"segment {rec.segment} @ {rec.offset:#x}") from None
+
+
+def write_catalog(log, cat: Catalog, *, switch: bool = True, oldest_epoch: int | None = None,
+                  oldest_lsn: int | None = None) -> Catalog:
+    """Append catalog `cat` (its sequence one above the current) and, when
+    `switch`, make it current through the superblock slot switch."""
+    from concordia.wal import format as fmt
+
+    prev = current_catalog(log)
+    cat = Catalog(prev.sequence + 1, tuple(cat.entries), cat.keep_bases, cat.floor_epoch)
+    body = encode_catalog_body(cat)
+    lsn = log.appender.append_record(fmt.REC_CATALOG, body, epoch=cat.newest_epoch, aux=prev.lsn)
+    cat = Catalog(cat.sequence, cat.entries, cat.keep_bases, cat.floor_epoch, lsn)
+    if switch:
+        fields = {"catalog_lsn": lsn}
+        if oldest_epoch is not None:
+            fields["oldest_epoch"] = oldest_epoch
+        if oldest_lsn is not None:
+            fields["oldest_lsn"] = oldest_lsn
+        log.update_superblock(**fields)
+    return cat
+
+
+def create_base_snapshot(log, region, data_or_source, epoch: int | None = None, *,
+                         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                         progress: Callable[[int], None] | None = None) -> BaseEntry:
+    """Write a base snapshot of `region` (name or id) holding `data_or_source`
+    (an array of the region's dtype and shape, a buffer of its bytes, or a
+    function (lo, hi) -> pages) as the region's state at committed `epoch`
+    (default: the last committed), then list it in a new catalog.
+
+    When the commit of `epoch` states a digest for the region, the image must
+    match it: a base that disagrees with its epoch is refused before the
+    catalog switch, so it never becomes visible."""
+    info = _region(log, region)
+    last = log.last_committed_epoch
+    epoch = last if epoch is None else int(epoch)
+    if not epoch or epoch > (last or 0):
+        raise WalError(f"epoch {epoch} is not committed", hint=f"last committed epoch is {last}")
+    entry = write_base_records(log, info, _page_source(info, data_or_source), epoch,
+                               chunk_bytes=chunk_bytes, progress=progress)
+    want = _commit_digest(log, info.id, epoch)
+    if want is not None and want != entry.digest:
+        raise WalError(f"image of region {info.name!r} does not match epoch {epoch}: digest "
+                       f"0x{entry.digest:08x}, commit states 0x{want:08x}",
+                       hint="snapshot the region as it was at that epoch")
+    prev = current_catalog(log)
+    keep = [e for e in prev.entries if not (e.region_id == info.id and e.epoch == epoch)]
+    write_catalog(log, Catalog(0, tuple(keep) + (entry,), prev.keep_bases, prev.floor_epoch))
+    return entry
+
+
+def _commit_digest(log, region_id: int, epoch: int):
+    from concordia.wal.planner import scan
+
+    h = scan(log, payload=False)
+    c = h.commits.get(epoch)
+    if c is None:
+        return None
+    if region_id in c.digests:
+        return c.digests[region_id]
+    return None
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    region: str
+    region_id: int
+    epoch: int
+    records: int
+    pages: int
+    bytes: int
+    first_lsn: int
+    last_lsn: int
+    digest: int
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+def list_snapshots(log) -> list:
+    """The base snapshots the current catalog lists, oldest first per region."""
+    cat = current_catalog(log)
+    names = {r.id: r for r in log.regions.values()}
+    out = []
+    for e in sorted(cat.entries, key=lambda e: (e.region_id, e.epoch)):
+        r = names.get(e.region_id)
+        out.append(SnapshotInfo(r.name if r else f"#{e.region_id}", e.region_id, e.epoch, e.records,
+                                e.pages, e.pages * (r.page_bytes if r else 0), e.first_lsn, e.last_lsn,
+                                e.digest))
+    return out
+
+
+__all__ = [
+    "Catalog", "EMPTY_CATALOG", "encode_catalog_body", "decode_catalog_body", "current_catalog",
+    "write_catalog", "write_base_records", "create_base_snapshot", "list_snapshots", "SnapshotInfo",
+]

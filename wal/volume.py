@@ -1,0 +1,317 @@
+"""The volume: two superblock slots, the segment table and the segments
+(FORMAT.md §2-§4).  It owns every superblock write and every segment taken
+into use or given back; the appender writes records, the reader reads them.
+
+Internal API used by snapshots and compaction (docs/internals.md):
+
+    vol.superblock                      # the current Superblock (format.Superblock)
+    vol.write_superblock(**changes)     # atomic update of catalog_lsn, oldest_lsn,
+                                        # oldest_epoch, retain_epochs, retain_bytes
+    vol.live_segments()                 # [SegmentInfo] in LSN order
+    vol.reclaim_segments(before_lsn, **changes)   # free whole segments below an LSN
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from concordia.devmem import Backend, open_backend
+
+from . import format as F
+from .errors import (
+    CorruptionError,
+    FormatVersionError,
+    LogFullError,
+    NotALogError,
+    ReadOnlyFeatureError,
+    SuperblockError,
+    UsageError,
+    WalError,
+)
+
+#: superblock fields callers may change through write_superblock
+SETTABLE = ("catalog_lsn", "oldest_lsn", "oldest_epoch", "retain_epochs", "retain_bytes")
+
+
+@dataclass(frozen=True)
+class SegmentInfo:
+    """A live segment incarnation, as the superblock table and header name it."""
+
+    index: int
+    seq: int
+    base_lsn: int
+    salt: int
+    offset: int  # absolute offset of byte 0 in the backend
+    nbytes: int  # segment_bytes
+    header_crc: int
+
+    @property
+    def end_lsn(self) -> int:
+        return self.base_lsn + self.nbytes
+
+    def where(self, abs_offset: int) -> str:
+        return f"segment {self.index} @ 0x{abs_offset:x}"
+
+
+def _random_salt(avoid: int) -> int:
+    while True:
+        s = int.from_bytes(os.urandom(4), "little")
+        if s and s != avoid:
+            return s
+
+
+class Volume:
+    """A formatted volume on a backend.  Not thread-safe: one writer."""
+
+    def __init__(self, backend: Backend, sb: F.Superblock, *, writable: bool,
+                 slot_problems: list[tuple[str, str]]):
+        self.backend = backend
+        self.writable = writable
+        self._sb = sb
+        #: [(where, reason)] for superblock slots found invalid at open
+        self.slot_problems = slot_problems
+
+    # -- creating and opening -------------------------------------------------
+    @classmethod
+    def create(cls, target, *, size: int | None = None, segment_size: int = 64 << 20,
+               zero: bool = True) -> "Volume":
+        """Format `target` (a Backend or a log name) as an empty volume.
+
+        zero: clear every byte first; pass False only for a target known to be
+        zero (a file just created), the segments are then taken as preallocated.
+        """
+        backend = open_backend(target, size=size, create=True) if not isinstance(target, Backend) else target
+        if segment_size % F.SEGMENT_ALIGN or segment_size < F.SEGMENT_ALIGN:
+            raise WalError(f"segment size {segment_size} is not a positive multiple of 1 MiB")
+        total = backend.size
+        count = max(0, (total - 2 * F.SLOT_ALIGN) // segment_size)
+        while count > 0:
+            slot = F.slot_bytes_for(count)
+            off = F.align(2 * slot, F.SEGMENT_ALIGN)
+            if off + count * segment_size <= total:
+                break
+            count -= 1
+        if count < 2:
+            raise WalError(f"a {total}-byte target holds fewer than 2 segments of {segment_size} bytes",
+                           where=backend.where, hint="use a larger size or a smaller segment size")
+        count = min(count, F.MAX_SEGMENTS)
+        slot = F.slot_bytes_for(count)
+        off = F.align(2 * slot, F.SEGMENT_ALIGN)
+        if zero:
+            backend.array[:] = 0
+            backend.persist(0, total)
+        else:
+            backend.array[:2 * slot] = 0
+        sb = F.Superblock(
+            uuid=os.urandom(16), sequence=0, volume_bytes=total, slot_bytes=slot, segments_off=off,
+            segment_bytes=segment_size, segment_count=count, next_lsn=segment_size,
+            next_segment_seq=1, oldest_lsn=0, oldest_epoch=0, catalog_lsn=0, retain_epochs=0,
+            retain_bytes=0, created_ns=time.time_ns(),
+            segments=tuple(F.SegmentEntry(0, 0, 0, F.SEG_FREE, 0) for _ in range(count)))
+        vol = cls(backend, sb, writable=True, slot_problems=[])
+        vol._store(sb)  # sequence 0 -> slot A
+        return vol
+
+    @classmethod
+    def open(cls, target, *, writable: bool = False) -> "Volume":
+        """Open an existing volume; one bad superblock slot is survived (and listed in
+        `slot_problems`), two are a SuperblockError."""
+        backend = target if isinstance(target, Backend) else open_backend(target, readonly=not writable)
+        arr = backend.array
+        found, problems = [], []
+        first_err = None
+        slot_guess = F.SLOT_ALIGN
+        for i in range(F.SLOT_COUNT):
+            # slot B's place depends on slot_bytes, which slot A (or B) states
+            off = 0 if i == 0 else slot_guess
+            where = f"superblock slot {'AB'[i]} @ 0x{off:x}"
+            try:
+                sb = cls._decode_slot(arr, off, where)
+                if sb.sequence % 2 != i:  # V-B7
+                    raise CorruptionError(f"slot holds sequence {sb.sequence}, which belongs to the other slot",
+                                          where=where)
+                if i == 0:
+                    slot_guess = sb.slot_bytes
+                found.append(sb)
+            except (FormatVersionError,):
+                raise
+            except (CorruptionError, NotALogError) as exc:
+                if i == 0:
+                    # slot A unreadable: find B by trying the slot sizes in use
+                    slot_guess = cls._find_slot_b(arr)
+                problems.append((where, exc.message))
+                first_err = first_err or exc
+        if not found:
+            if all("magic" in p for _, p in problems) and isinstance(first_err, NotALogError):
+                raise NotALogError("no Concordia volume here (no superblock magic in either slot)",
+                                   where=backend.where)
+            raise SuperblockError("both superblock slots are invalid: "
+                                  + "; ".join(f"{w}: {p}" for w, p in problems), where=backend.where)
+        sb = max(found, key=lambda s: s.sequence)
+        if writable and sb.ro_compat & ~F.KNOWN_RO_COMPAT:
+            raise ReadOnlyFeatureError(f"unknown ro-compat features 0x{sb.ro_compat:x}",
+                                       where=backend.where, hint="open read-only")
+        if writable and backend.readonly:
+            raise UsageError("backend is read-only", where=backend.where)
+        return cls(backend, sb, writable=writable, slot_problems=problems)
+
+    @staticmethod
+    def _decode_slot(arr, off, where) -> F.Superblock:
+        if off + F.SUPERBLOCK_SIZE > arr.size:
+            raise CorruptionError("slot lies past the end of the target", where=where)
+        head = memoryview(arr[off:off + F.SUPERBLOCK_SIZE])
+        if bytes(head[:8]) != F.VOLUME_MAGIC:
+            return F.decode_superblock(head, where=where)  # raises with the reason
+        count = int.from_bytes(head[96:100], "little")
+        if not 0 < count <= F.MAX_SEGMENTS:
+            raise CorruptionError(f"segment count {count} out of range", where=where)
+        n = F.SUPERBLOCK_SIZE + F.SEGMENT_ENTRY_SIZE * count
+        if off + n > arr.size:
+            raise CorruptionError("segment table runs past the end of the target", where=where)
+        return F.decode_superblock(memoryview(arr[off:off + n]), where=where)
+
+    @staticmethod
+    def _find_slot_b(arr) -> int:
+        for off in range(F.SLOT_ALIGN, min(arr.size, 64 << 20), F.SLOT_ALIGN):
+            if bytes(arr[off:off + 8]) == F.VOLUME_MAGIC:
+                return off
+        return F.SLOT_ALIGN
+
+    # -- the superblock -------------------------------------------------------
+    @property
+    def superblock(self) -> F.Superblock:
+        return self._sb
+
+    @property
+    def uuid(self) -> bytes:
+        return self._sb.uuid
+
+    def _store(self, sb: F.Superblock) -> None:
+        """Write `sb` into slot sequence % 2 and persist it (FORMAT.md §3)."""
+        raw = F.encode_superblock(sb)
+        off = (sb.sequence % 2) * sb.slot_bytes
+        self.backend.array[off:off + len(raw)] = np.frombuffer(raw, np.uint8)
+        self.backend.persist(off, len(raw))
+        self._sb = sb
+
+    def _update(self, **changes) -> F.Superblock:
+        if not self.writable:
+            raise UsageError("volume opened read-only", where=self.backend.where)
+        sb = self._sb._replace(sequence=self._sb.sequence + 1, **changes)
+        self._store(sb)
+        return sb
+
+    def write_superblock(self, **changes) -> F.Superblock:
+        """Atomically change the fields named in SETTABLE (catalog_lsn,
+        oldest_lsn, oldest_epoch, retain_epochs, retain_bytes); returns the new
+        superblock.  Durable when it returns."""
+        bad = set(changes) - set(SETTABLE)
+        if bad:
+            raise UsageError(f"superblock fields {sorted(bad)} cannot be set; settable: {', '.join(SETTABLE)}")
+        for k, v in changes.items():
+            if not isinstance(v, (int, np.integer)) or not 0 <= int(v) < 1 << 64:
+                raise UsageError(f"superblock field {k} must be a u64, not {v!r}")
+        return self._update(**{k: int(v) for k, v in changes.items()})
+
+    # -- segments -------------------------------------------------------------
+    @property
+    def segment_bytes(self) -> int:
+        return self._sb.segment_bytes
+
+    def segment_offset(self, index: int) -> int:
+        return self._sb.segments_off + index * self._sb.segment_bytes
+
+    def live_segments(self) -> list[SegmentInfo]:
+        """Live segments in LSN (= seq) order, as the superblock table lists them."""
+        out = [SegmentInfo(i, e.seq, e.base_lsn, e.salt, self.segment_offset(i), self._sb.segment_bytes,
+                           e.header_crc)
+               for i, e in enumerate(self._sb.segments) if e.state == F.SEG_LIVE]
+        out.sort(key=lambda s: s.seq)
+        return out
+
+    def check_segment_header(self, seg: SegmentInfo, prev: SegmentInfo | None) -> str | None:
+        """None when the header of live segment `seg` satisfies V-S1..V-S5, else why not."""
+        end = seg.offset + F.SEGMENT_HEADER_SIZE
+        if end > self.backend.size:
+            return "segment header lies past the end of the target (truncated volume)"
+        hdr, why = F.decode_segment_header(memoryview(self.backend.array[seg.offset:end]))
+        if why:
+            return why
+        if prev is not None and prev.seq == seg.seq - 1 and (
+                hdr.prev_seq != prev.seq or hdr.prev_header_crc != prev.header_crc):
+            return (f"segment chain broken: header names previous segment seq {hdr.prev_seq} "
+                    f"crc 0x{hdr.prev_header_crc:08x}, expected seq {prev.seq} crc 0x{prev.header_crc:08x}")
+        if hdr.uuid != self._sb.uuid:
+            return "segment header belongs to another volume (uuid differs)"
+        if hdr.index != seg.index or hdr.segment_bytes != self._sb.segment_bytes:
+            return f"segment header says index {hdr.index}, size {hdr.segment_bytes}"
+        if (hdr.seq, hdr.base_lsn, hdr.salt, hdr.header_crc) != (seg.seq, seg.base_lsn, seg.salt, seg.header_crc):
+            return (f"segment header (seq {hdr.seq}, base_lsn 0x{hdr.base_lsn:x}, salt 0x{hdr.salt:08x}) "
+                    f"disagrees with the superblock (seq {seg.seq}, base_lsn 0x{seg.base_lsn:x}, "
+                    f"salt 0x{seg.salt:08x})")
+        return None
+
+    def take_segment(self, after: SegmentInfo | None) -> SegmentInfo:
+        """Roll over: take the next free segment (cyclically after `after`), give it a
+        new salt and base_lsn, write and persist its header, then record it live in
+        the superblock (FORMAT.md §3.4).  Raises LogFullError when none is free."""
+        sb = self._sb
+        n = sb.segment_count
+        start = 0 if after is None else (after.index + 1) % n
+        for k in range(n):
+            i = (start + k) % n
+            if sb.segments[i].state == F.SEG_FREE:
+                break
+        else:
+            raise LogFullError(f"all {n} segments are live", where=self.backend.where,
+                               hint="compact the log to reclaim segments, or create a larger one")
+        old = sb.segments[i]
+        prev = self.live_segments()[-1] if self.live_segments() else None
+        salt = _random_salt(old.salt)
+        h = F.SegmentHeader(sb.uuid, sb.next_segment_seq, sb.next_lsn, sb.segment_bytes, i, salt,
+                            prev.seq if prev else 0, prev.header_crc if prev else 0, time.time_ns())
+        raw = F.encode_segment_header(h)
+        crc = int.from_bytes(raw[F.SEGMENT_HEADER_CRC_OFF:], "little")
+        off = self.segment_offset(i)
+        arr = self.backend.array
+        arr[off:off + F.SEGMENT_HEADER_SIZE] = np.frombuffer(raw, np.uint8)
+        # the first record slot starts zero, so a fresh segment ends cleanly at once
+        arr[off + F.SEGMENT_HEADER_SIZE:off + F.SEGMENT_HEADER_SIZE + F.RECORD_HEADER_SIZE] = 0
+        self.backend.persist(off, F.SEGMENT_HEADER_SIZE + F.RECORD_HEADER_SIZE)
+        entries = list(sb.segments)
+        entries[i] = F.SegmentEntry(h.base_lsn, h.seq, salt, F.SEG_LIVE, crc)
+        self._update(segments=tuple(entries), next_lsn=h.base_lsn + sb.segment_bytes,
+                     next_segment_seq=h.seq + 1)
+        return SegmentInfo(i, h.seq, h.base_lsn, salt, off, sb.segment_bytes, crc)
+
+    def free_segments(self, indexes, **changes) -> None:
+        """Mark segments free in one superblock write (with other `changes`)."""
+        entries = list(self._sb.segments)
+        for i in indexes:
+            e = entries[i]
+            entries[i] = F.SegmentEntry(e.base_lsn, e.seq, e.salt, F.SEG_FREE, e.header_crc)
+        self._update(segments=tuple(entries), **changes)
+
+    def reclaim_segments(self, before_lsn: int, *, keep_index: int | None = None, **changes) -> list[int]:
+        """Free every live segment whose whole LSN range lies below `before_lsn`
+        (never the newest live segment, nor `keep_index`), raise oldest_lsn to
+        `before_lsn` and apply `changes` (SETTABLE fields), all in one atomic
+        superblock write.  Returns the freed physical indexes."""
+        bad = set(changes) - set(SETTABLE)
+        if bad:
+            raise UsageError(f"superblock fields {sorted(bad)} cannot be set")
+        live = self.live_segments()
+        newest = live[-1].index if live else None
+        freed = [s.index for s in live
+                 if s.end_lsn <= before_lsn and s.index not in (newest, keep_index)]
+        changes = {k: int(v) for k, v in changes.items()}
+        changes["oldest_lsn"] = max(self._sb.oldest_lsn, int(before_lsn), changes.get("oldest_lsn", 0))
+        self.free_segments(freed, **changes)
+        return freed
+
+    def close(self) -> None:
+        self.backend.close()
