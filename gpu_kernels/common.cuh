@@ -1,0 +1,181 @@
+// Shared device code of Concordia's page kernels: byte types, bounded 16-byte
+// loads over a region whose last page may be short, and CRC32C (Castagnoli,
+// reflected) by slicing-by-8 tables in shared memory, split across the lanes
+// of a warp and recombined with GF(2) shift operators.
+//
+// Compiled by NVRTC (gpu_kernels/jit.py, which inlines this file) and by
+// `nvcc --ptx` in CI; no standard headers, so both see the same code.
+//
+// Specialisation (-D): PAGE_BYTES, a positive multiple of 64.
+#pragma once
+
+typedef unsigned char u8;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define CRC_POLY 0x82F63B78u
+#define NO_SLOT 0xFFFFFFFFFFFFFFFFull
+#define WARP 32
+#define FULL_MASK 0xFFFFFFFFu
+
+// ---- CRC32C tables --------------------------------------------------------
+// T[k][i]: register after byte i followed by k zero bytes.  8 KiB of shared
+// memory; built by the whole block before any warp uses it.
+#define CRC_TABLE_WORDS (8 * 256)
+
+__device__ __forceinline__ void crc_tables_build(u32* T) {
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+        u32 c = (u32)i;
+        for (int b = 0; b < 8; ++b) c = (c & 1u) ? (c >> 1) ^ CRC_POLY : (c >> 1);
+        T[i] = c;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+        u32 c = T[i];
+        for (int k = 1; k < 8; ++k) {
+            c = (c >> 8) ^ T[c & 0xFFu];
+            T[k * 256 + i] = c;
+        }
+    }
+    __syncthreads();
+}
+
+// Feed 4 bytes (little-endian word w) into the raw register.
+__device__ __forceinline__ u32 crc_word(const u32* T, u32 crc, u32 w) {
+    w ^= crc;
+    return T[3 * 256 + (w & 0xFFu)] ^ T[2 * 256 + ((w >> 8) & 0xFFu)] ^
+           T[1 * 256 + ((w >> 16) & 0xFFu)] ^ T[(w >> 24)];
+}
+
+// Feed 8 bytes (words lo, hi in memory order).
+__device__ __forceinline__ u32 crc_dword(const u32* T, u32 crc, u32 lo, u32 hi) {
+    lo ^= crc;
+    return T[7 * 256 + (lo & 0xFFu)] ^ T[6 * 256 + ((lo >> 8) & 0xFFu)] ^
+           T[5 * 256 + ((lo >> 16) & 0xFFu)] ^ T[4 * 256 + (lo >> 24)] ^
+           T[3 * 256 + (hi & 0xFFu)] ^ T[2 * 256 + ((hi >> 8) & 0xFFu)] ^
+           T[1 * 256 + ((hi >> 16) & 0xFFu)] ^ T[(hi >> 24)];
+}
+
+__device__ __forceinline__ u32 crc_chunk(const u32* T, u32 crc, uint4 v) {
+    crc = crc_dword(T, crc, v.x, v.y);
+    return crc_dword(T, crc, v.z, v.w);
+}
+
+// a * b modulo the polynomial, reflected bit order.
+__device__ __forceinline__ u32 gf2_multmodp(u32 a, u32 b) {
+    u32 m = 1u << 31, p = 0;
+    while (a) {
+        if (a & m) {
+            p ^= b;
+            a &= ~m;
+        }
+        m >>= 1;
+        b = (b & 1u) ? (b >> 1) ^ CRC_POLY : (b >> 1);
+    }
+    return p;
+}
+
+// x^(8n) mod p: multiplying a raw register by it feeds n zero bytes.
+__device__ __forceinline__ u32 xpow8n(u64 n) {
+    u32 result = 1u << 31, base = 1u << 23;
+    while (n) {
+        if (n & 1) result = gf2_multmodp(result, base);
+        base = gf2_multmodp(base, base);
+        n >>= 1;
+    }
+    return result;
+}
+
+// ---- bounded loads --------------------------------------------------------
+// 16 bytes at p + off of a page with `valid` real bytes; bytes past `valid`
+// read as zero (the zero-padded last page).  p + off is 16-byte aligned.
+__device__ __forceinline__ uint4 load16(const u8* p, u32 off, u32 valid) {
+    if (off + 16 <= valid) return __ldcs(reinterpret_cast<const uint4*>(p + off));
+    u32 w[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (u32 b = 0; b < 16; ++b)
+        if (off + b < valid) w[b >> 2] |= (u32)p[off + b] << (8 * (b & 3));
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// Store the first `n` (< 16) bytes of v.
+__device__ __forceinline__ void store_partial(u8* p, uint4 v, u32 n) {
+    const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (u32 b = 0; b < 16; ++b)
+        if (b < n) p[b] = (u8)(w[b >> 2] >> (8 * (b & 3)));
+}
+
+__device__ __forceinline__ bool differs(uint4 a, uint4 b) {
+    return ((a.x ^ b.x) | (a.y ^ b.y) | (a.z ^ b.z) | (a.w ^ b.w)) != 0;
+}
+
+__device__ __forceinline__ u32 warp_xor(u32 v) {
+    for (int o = 16; o; o >>= 1) v ^= __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+__device__ __forceinline__ u64 warp_sum64(u64 v) {
+    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+#ifdef PAGE_BYTES
+#if (PAGE_BYTES % 64) != 0 || PAGE_BYTES <= 0
+#error "PAGE_BYTES must be a positive multiple of 64"
+#endif
+#define PAGE_CHUNKS (PAGE_BYTES / 16)                       // 16-byte chunks per page
+#define LANE_CHUNKS ((PAGE_CHUNKS + WARP - 1) / WARP)       // chunks per lane, lane-strided
+#define CRC_STEP (16 * ((PAGE_CHUNKS + WARP - 1) / WARP))   // bytes of a lane's CRC slice
+
+// Per-lane constants of the split page CRC: the shift over the bytes after the
+// lane's slice, and the term that turns the XOR of raw registers into CRC32C
+// (initial value's shift over the page, final inversion).
+struct PageCrc {
+    u32 lane_shift;
+    u32 finish;
+};
+
+__device__ __forceinline__ PageCrc page_crc_setup(int lane) {
+    u32 hi = (u32)(lane + 1) * CRC_STEP;
+    if (hi > PAGE_BYTES) hi = PAGE_BYTES;
+    PageCrc c;
+    c.lane_shift = xpow8n(PAGE_BYTES - hi);
+    c.finish = gf2_multmodp(xpow8n(PAGE_BYTES), 0xFFFFFFFFu) ^ 0xFFFFFFFFu;
+    return c;
+}
+
+// CRC32C of one page (valid real bytes, zero-padded to PAGE_BYTES), computed by
+// the whole warp; every lane returns the result.
+__device__ __forceinline__ u32 warp_page_crc(const u32* T, const u8* page, u32 valid, int lane,
+                                             PageCrc k) {
+    u32 lo = (u32)lane * CRC_STEP, hi = lo + CRC_STEP;
+    if (lo > PAGE_BYTES) lo = PAGE_BYTES;
+    if (hi > PAGE_BYTES) hi = PAGE_BYTES;
+    u32 raw = 0;
+    for (u32 off = lo; off < hi; off += 16) raw = crc_chunk(T, raw, load16(page, off, valid));
+    raw = gf2_multmodp(k.lane_shift, raw);
+    return warp_xor(raw) ^ k.finish;
+}
+#endif  // PAGE_BYTES
+
+// Raw CRC register of n_words little-endian u32 words, computed by the whole
+// block (slices per thread, recombined); `red` is blockDim.x/32 words of shared
+// memory.  Every thread returns the result.
+__device__ __forceinline__ u32 block_raw_crc_words(const u32* T, const u32* data, u64 n_words,
+                                                   u32* red) {
+    u64 per = (n_words + blockDim.x - 1) / blockDim.x;
+    u64 lo = per * threadIdx.x, hi = lo + per;
+    if (lo > n_words) lo = n_words;
+    if (hi > n_words) hi = n_words;
+    u32 raw = 0;
+    for (u64 i = lo; i < hi; ++i) raw = crc_word(T, raw, data[i]);
+    raw = gf2_multmodp(xpow8n(4 * (n_words - hi)), raw);
+    raw = warp_xor(raw);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = raw;
+    __syncthreads();
+    u32 all = 0;
+    for (u32 w = 0; w < (blockDim.x + 31) / 32; ++w) all ^= red[w];
+    return all;
+}

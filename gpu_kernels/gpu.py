@@ -1,0 +1,328 @@
+"""CuPy launchers of the page kernels: the same functions, arguments and
+results as `reference.py`, on device arrays.
+
+Regions, shadows and record buffers are CuPy arrays; a host mapping registered
+with CUDA (or pinned memory) is used through `device_buffer(ptr, nbytes)`
+(under unified addressing a mapped registration has the same address on the
+device).  Page lists are device uint32 arrays, sorted and unique as the
+detectors produce them.  Launches go to the current stream; the launchers that
+return a page list synchronise once to learn its length, the staging launcher
+never does (the extent's cursor, on the device, says where records went).
+
+The `launch_*` functions are the bare kernels with caller-provided outputs,
+for benchmarks and for work queued without any host synchronisation.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from . import jit
+from . import reference as ref
+from .errors import KernelInputError
+
+THREADS = 256
+WARPS_PER_BLOCK = THREADS // 32
+
+
+def _cp():
+    return jit._cupy()
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device_id: int) -> int:
+    cp = _cp()
+    return int(cp.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"])
+
+
+def _warp_grid(items: int) -> tuple[int]:
+    """Blocks for one warp per item, capped at a few waves (kernels grid-stride)."""
+    cp = _cp()
+    cap = _sm_count(cp.cuda.Device().id) * 16
+    return (max(1, min(-(-items // WARPS_PER_BLOCK), cap)),)
+
+
+def _bytes_of(a, what: str):
+    cp = _cp()
+    if not isinstance(a, cp.ndarray):
+        raise KernelInputError(f"{what} must be a CuPy array, got {type(a).__name__}", where=what)
+    if not a.flags.c_contiguous:
+        raise KernelInputError(f"{what} must be C-contiguous", where=what)
+    return a.reshape(-1).view(cp.uint8)
+
+
+def _u32(a, what: str):
+    cp = _cp()
+    a = cp.asarray(a)
+    if a.dtype != cp.uint32:
+        a = a.astype(cp.uint32)
+    return cp.ascontiguousarray(a.reshape(-1))
+
+
+def _null():
+    return np.uint64(0)
+
+
+def _aligned(a, n: int, what: str):
+    if a.data.ptr % n:
+        raise KernelInputError(f"{what} is not {n}-byte aligned", where=what)
+
+
+def device_buffer(ptr: int, nbytes: int, owner=None):
+    """A uint8 CuPy array over `nbytes` at `ptr`: device memory, pinned memory
+    or a host mapping registered with CUDA (same address under unified
+    addressing).  `owner` is kept alive with the array."""
+    cp = _cp()
+    mem = cp.cuda.UnownedMemory(int(ptr), int(nbytes), owner, cp.cuda.Device().id)
+    return cp.ndarray((int(nbytes),), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(mem, 0))
+
+
+def pinned_buffer(nbytes: int):
+    """(numpy view, device view) of a fresh pinned host buffer, for a staging
+    ring or for tests: the GPU writes the device view, the host reads numpy."""
+    cp = _cp()
+    mem = cp.cuda.alloc_pinned_memory(int(nbytes))
+    host = np.frombuffer(mem, np.uint8, int(nbytes))
+    return host, device_buffer(mem.ptr, nbytes, mem)
+
+
+# --- dirty detection ---------------------------------------------------------
+
+
+def launch_shadow_diff(r, s, flags, *, page_bytes: int, update: bool = True) -> None:
+    n = ref.num_pages(r.size, page_bytes)
+    k = jit.function("shadow_diff", "shadow_diff", {"PAGE_BYTES": page_bytes})
+    k(_warp_grid(n), (THREADS,), (r, s, flags, np.uint64(n), np.uint64(r.size), np.int32(bool(update))))
+
+
+def shadow_diff(region, shadow, *, page_bytes: int, update: bool = True):
+    """Sorted uint32 ids of the pages of `region` that differ from `shadow`;
+    with `update` the shadow takes those pages.  See reference.shadow_diff."""
+    cp = _cp()
+    pb = ref._check_page_bytes(page_bytes)
+    r, s = _bytes_of(region, "region"), _bytes_of(shadow, "shadow")
+    if r.size != s.size:
+        raise KernelInputError(f"shadow has {s.size} bytes, region {r.size}", where="shadow")
+    _aligned(r, 16, "region"), _aligned(s, 16, "shadow")
+    flags = cp.empty(ref.num_pages(r.size, pb), cp.uint8)
+    if flags.size:
+        launch_shadow_diff(r, s, flags, page_bytes=pb, update=update)
+    return cp.flatnonzero(flags).astype(cp.uint32)
+
+
+def launch_fingerprint(r, fps, flags=None, *, page_bytes: int, update: bool = True) -> None:
+    n = ref.num_pages(r.size, page_bytes)
+    k = jit.function("fingerprint", "fingerprint", {"PAGE_BYTES": page_bytes})
+    k(_warp_grid(n), (THREADS,), (r, fps, _null() if flags is None else flags, np.uint64(n),
+                                  np.uint64(r.size), np.int32(bool(update))))
+
+
+def fingerprint_pages(region, *, page_bytes: int, out=None):
+    """uint64 fingerprint per page (see reference.fingerprint_pages)."""
+    cp = _cp()
+    pb = ref._check_page_bytes(page_bytes)
+    r = _bytes_of(region, "region")
+    _aligned(r, 16, "region")
+    n = ref.num_pages(r.size, pb)
+    if out is None:
+        out = cp.empty(n, cp.uint64)
+    elif out.shape != (n,) or out.dtype != cp.uint64:
+        raise KernelInputError(f"out must be uint64[{n}]", where="fingerprints")
+    if n:
+        launch_fingerprint(r, out, page_bytes=pb)
+    return out
+
+
+def fingerprint_dirty(region, fingerprints, *, page_bytes: int, update: bool = True):
+    """Sorted uint32 ids of pages whose fingerprint moved (see reference)."""
+    cp = _cp()
+    pb = ref._check_page_bytes(page_bytes)
+    r = _bytes_of(region, "region")
+    _aligned(r, 16, "region")
+    n = ref.num_pages(r.size, pb)
+    if fingerprints.shape != (n,) or fingerprints.dtype != cp.uint64:
+        raise KernelInputError(f"fingerprints must be uint64[{n}]", where="fingerprints")
+    flags = cp.empty(n, cp.uint8)
+    if n:
+        launch_fingerprint(r, fingerprints, flags, page_bytes=pb, update=update)
+    return cp.flatnonzero(flags).astype(cp.uint32)
+
+
+def kv_dirty_blocks(block_tables, seq_lens, ckpt_lens, *, block_size: int, kv_heads: int,
+                    head_dim: int, dtype_bytes: int, page_bytes: int, num_blocks: int,
+                    num_layers: int = 1, advance: bool = True):
+    """Sorted unique uint32 page ids of a paged KV cache dirtied by the tokens
+    added since the last checkpoint (see reference.kv_dirty_blocks).  One warp
+    per sequence: the cost follows the new tokens, not the cache size."""
+    cp = _cp()
+    pb = ref._check_page_bytes(page_bytes)
+    for a, what in ((block_tables, "block_tables"), (seq_lens, "seq_lens"), (ckpt_lens, "ckpt_lens")):
+        if not isinstance(a, cp.ndarray) or a.dtype != cp.int32 or not a.flags.c_contiguous:
+            raise KernelInputError(f"{what} must be a C-contiguous int32 CuPy array", where=what)
+    if block_tables.ndim != 2 or seq_lens.shape != (block_tables.shape[0],) or ckpt_lens.shape != seq_lens.shape:
+        raise KernelInputError("block_tables must be [seqs, max_blocks], seq_lens and "
+                               "ckpt_lens [seqs]", where="kv_dirty_blocks")
+    geo = ref.kv_layout(block_size=block_size, kv_heads=kv_heads, head_dim=head_dim,
+                        dtype_bytes=dtype_bytes, num_blocks=num_blocks, num_layers=num_layers)
+    name, defines = jit.kv_spec(page_bytes=pb, block_size=block_size, kv_heads=kv_heads,
+                                head_dim=head_dim, dtype_bytes=dtype_bytes)
+    k = jit.function(name, "kv_scan", defines)
+    seqs, max_blocks = block_tables.shape
+    cap = max(1024, 8 * seqs * num_layers)
+    while True:
+        out = cp.empty(cap, cp.uint32)
+        counters = cp.zeros(2, cp.uint32)
+        if seqs:
+            k(_warp_grid(seqs), (THREADS,), (block_tables, np.int32(max_blocks), seq_lens, ckpt_lens,
+                                             np.int32(seqs), np.int32(num_blocks), np.int32(num_layers),
+                                             np.uint64(geo["layer"]), out, np.uint32(cap), counters))
+        count, bad = (int(x) for x in counters.get())
+        if bad:
+            raise KernelInputError(f"{bad} block-table entries name a block outside "
+                                   f"[0, {num_blocks}) or lie past the table", where="kv_dirty_blocks")
+        if count <= cap:
+            break
+        cap = count
+    ids = cp.unique(out[:count]).astype(cp.uint32)
+    if advance:
+        ckpt_lens[...] = seq_lens
+    return ids
+
+
+def adapter_dirty_pages(slot_versions, seen_versions, *, pages_per_slot: int, num_pages: int,
+                        advance: bool = True):
+    """Sorted uint32 page ids of adapter slots whose version moved (see
+    reference.adapter_dirty_pages).  Versions are 8-byte integer CuPy arrays."""
+    cp = _cp()
+    v, seen = slot_versions, seen_versions
+    if (not isinstance(v, cp.ndarray) or not isinstance(seen, cp.ndarray) or v.shape != seen.shape
+            or v.ndim != 1 or v.dtype.itemsize != 8 or seen.dtype.itemsize != 8):
+        raise KernelInputError("slot_versions and seen_versions must be equal 1-D 8-byte "
+                               "integer CuPy arrays", where="adapter_dirty_pages")
+    cap = max(1, min(v.size * int(pages_per_slot), int(num_pages)))
+    out = cp.empty(cap, cp.uint32)
+    counters = cp.zeros(2, cp.uint32)
+    if v.size:
+        k = jit.function("kv_scan", "adapter_scan", {})
+        blocks = max(1, min(-(-v.size // THREADS), 1024))
+        k((blocks,), (THREADS,), (v, seen, np.int32(v.size), np.uint32(pages_per_slot),
+                                  np.uint32(num_pages), out, np.uint32(cap), counters))
+    count, bad = (int(x) for x in counters.get())
+    if bad:
+        raise KernelInputError(f"{bad} changed slots start past page {num_pages}",
+                               where="adapter_dirty_pages")
+    ids = cp.sort(out[:count])
+    if advance:
+        seen[...] = v
+    return ids
+
+
+# --- checksums ---------------------------------------------------------------
+
+
+def crc32c_pages(region, page_ids=None, *, page_bytes: int, out=None):
+    """uint32 CRC32C of each listed page (all when None), last page zero-padded."""
+    cp = _cp()
+    pb = ref._check_page_bytes(page_bytes)
+    r = _bytes_of(region, "region")
+    _aligned(r, 16, "region")
+    ids = None if page_ids is None else _u32(page_ids, "page_ids")
+    count = ref.num_pages(r.size, pb) if ids is None else ids.size
+    if out is None:
+        out = cp.empty(count, cp.uint32)
+    if count:
+        k = jit.function("crc32c", "crc32c_pages", {"PAGE_BYTES": pb})
+        k(_warp_grid(count), (THREADS,), (r, _null() if ids is None else ids, np.uint64(count),
+                                          np.uint64(r.size), out))
+    return out
+
+
+def region_digest(page_crcs) -> int:
+    """CRC32C over the little-endian u32 array of a region's page CRCs."""
+    cp = _cp()
+    crcs = _u32(page_crcs, "page_crcs")
+    out = cp.empty(1, cp.uint32)
+    k = jit.function("crc32c", "crc32c_words", {})
+    k((1,), (1024,), (crcs, np.uint64(crcs.size), out))
+    return int(out.get()[0])
+
+
+# --- staging -----------------------------------------------------------------
+
+
+def new_cursor(used: int = 0):
+    """A staging cursor (u64[4] on the device) over an empty extent."""
+    cp = _cp()
+    return cp.asarray(ref.new_cursor(used))
+
+
+def stage_page_batch(region, page_ids, dst, cursor, *, page_bytes: int, base_lsn: int, epoch: int,
+                     region_id: int, salt: int, flags: int = 0, crcs=None):
+    """Queue one page-batch record of the listed pages into `dst` at the
+    device cursor; returns the record's length.  No host synchronisation: the
+    GPU claims its space (cursor[CURSOR_USED]; a record that does not fit is
+    counted in cursor[CURSOR_REFUSED] and not written) and writes the index
+    table, CRC table, payload and, last, the header.  `crcs` (device uint32
+    [count]) receives the page CRCs when given.  See reference.stage_page_batch
+    for the bytes; page_ids must be sorted and unique (the detectors' output)."""
+    cp = _cp()
+    pb = ref._check_page_bytes(page_bytes)
+    r = _bytes_of(region, "region")
+    _aligned(r, 16, "region")
+    ids = _u32(page_ids, "page_ids")
+    d = _bytes_of(dst, "dst")
+    _aligned(d, 64, "dst")
+    if not isinstance(cursor, cp.ndarray) or cursor.dtype != cp.uint64 or cursor.size < ref.CURSOR_WORDS:
+        raise KernelInputError("cursor must be a device uint64[4] (gpu.new_cursor)", where="cursor")
+    count = ids.size
+    if count == 0:
+        raise KernelInputError("a page batch needs at least one page", where="page_ids")
+    length = ref.page_batch_length(count, pb)
+    if crcs is None:
+        crcs = cp.empty(count, cp.uint32)
+    slot = cp.empty(1, cp.uint64)
+    defines = {"PAGE_BYTES": pb}
+    jit.function("stage", "stage_alloc", defines)(
+        (1,), (1,), (cursor, np.uint64(d.size), np.uint64(length), slot))
+    jit.function("stage", "stage_payload", defines)(
+        _warp_grid(count), (THREADS,),
+        (r, ids, np.uint64(count), np.uint64(r.size), d, slot, crcs))
+    jit.function("stage", "stage_finalize", defines)(
+        (1,), (THREADS,),
+        (ids, crcs, np.uint64(count), d, slot, np.uint64(length), np.uint64(base_lsn),
+         np.uint64(epoch), np.uint32(region_id), np.uint32(salt), np.uint32(flags)))
+    return length
+
+
+# --- recovery ----------------------------------------------------------------
+
+
+def scatter_pages(src, src_offsets, page_ids, region, *, page_bytes: int, expected_crcs=None):
+    """Apply pages from log bytes `src` into `region`, checking each page's
+    CRC32C first when expected_crcs is given; returns the sorted positions
+    (int64, on the device) that mismatched and were not applied.  See
+    reference.scatter_pages; src offsets must be 16-byte aligned."""
+    cp = _cp()
+    pb = ref._check_page_bytes(page_bytes)
+    s = _bytes_of(src, "src")
+    r = _bytes_of(region, "region")
+    _aligned(s, 16, "src"), _aligned(r, 16, "region")
+    ids = _u32(page_ids, "page_ids")
+    offs = cp.ascontiguousarray(cp.asarray(src_offsets, dtype=cp.uint64).reshape(-1))
+    if offs.size != ids.size:
+        raise KernelInputError("src_offsets and page_ids differ in length", where="src_offsets")
+    count = ids.size
+    bad = cp.zeros(count, cp.uint8)
+    if count:
+        n = ref.num_pages(r.size, pb)
+        if bool((offs % 16 != 0).any()) or int(offs.max()) + pb > s.size:
+            raise KernelInputError("a source page is unaligned or lies outside the log bytes",
+                                   where="src_offsets")
+        if int(ids.max()) >= n:
+            raise KernelInputError(f"page id out of range [0, {n})", where="page_ids")
+        exp = _null() if expected_crcs is None else _u32(expected_crcs, "expected_crcs")
+        k = jit.function("scatter", "scatter_pages", {"PAGE_BYTES": pb})
+        k(_warp_grid(count), (THREADS,), (s, offs, ids, exp, np.uint64(count), r, np.uint64(r.size), bad))
+    return cp.flatnonzero(bad)

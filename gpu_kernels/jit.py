@@ -1,0 +1,171 @@
+"""The one loader of Concordia's `.cu` sources: `-D` specialisation per region,
+NVRTC through CuPy, a module cache per device, and ahead-of-time compilation.
+
+A *spec* is a module name (`shadow_diff`, `fingerprint`, `crc32c`, `stage`,
+`scatter`, `kv_scan`) and a dict of `-D` constants (page size, KV layout).
+`module(name, defines)` compiles on first use for the current device and keeps
+the result; CuPy also caches the compiled binary on disk (`CUPY_CACHE_DIR`),
+so a second process skips NVRTC.  `precompile(specs)` compiles and loads every
+module a session needs before any persistent kernel is launched: loading a
+module while a resident kernel runs can deadlock.
+
+`nvcc_ptx(name, defines)` compiles the same source with `nvcc --ptx` for
+sm_90; CI uses it on every specialisation the product uses (`CI_SPECS`).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import subprocess
+import tempfile
+import threading
+
+from .errors import GpuUnavailableError, KernelCompileError, KernelInputError
+
+SOURCE_DIR = pathlib.Path(__file__).resolve().parent
+COMMON = "common.cuh"
+
+# kernels each module defines (extern "C" names)
+KERNELS = {
+    "shadow_diff": ("shadow_diff",),
+    "fingerprint": ("fingerprint",),
+    "crc32c": ("crc32c_pages", "crc32c_words"),
+    "stage": ("stage_alloc", "stage_payload", "stage_finalize"),
+    "scatter": ("scatter_pages",),
+    "kv_scan": ("kv_scan", "adapter_scan"),
+}
+
+# -D constants each module needs
+REQUIRED = {
+    "shadow_diff": ("PAGE_BYTES",),
+    "fingerprint": ("PAGE_BYTES",),
+    "crc32c": (),
+    "stage": ("PAGE_BYTES",),
+    "scatter": ("PAGE_BYTES",),
+    "kv_scan": (),
+}
+KV_DEFINES = ("PAGE_BYTES", "KV_BLOCK_SIZE", "KV_HEADS", "KV_HEAD_DIM", "KV_DTYPE_BYTES")
+
+NVRTC_OPTIONS = ("-std=c++17",)
+
+
+def page_specs(page_bytes: int) -> list[tuple[str, dict]]:
+    """Every module a region of `page_bytes` pages uses (detect, stage, scatter)."""
+    d = {"PAGE_BYTES": int(page_bytes)}
+    return [("shadow_diff", d), ("fingerprint", d), ("crc32c", d), ("stage", d), ("scatter", d)]
+
+
+def kv_spec(*, page_bytes: int, block_size: int, kv_heads: int, head_dim: int, dtype_bytes: int):
+    return ("kv_scan", {"PAGE_BYTES": int(page_bytes), "KV_BLOCK_SIZE": int(block_size),
+                        "KV_HEADS": int(kv_heads), "KV_HEAD_DIM": int(head_dim),
+                        "KV_DTYPE_BYTES": int(dtype_bytes)})
+
+
+# The specialisations the product and its benchmark use; CI compiles each.
+CI_SPECS = (
+    page_specs(64) + page_specs(4096) + page_specs(65536)
+    + [kv_spec(page_bytes=4096, block_size=16, kv_heads=8, head_dim=128, dtype_bytes=2),
+       kv_spec(page_bytes=32768, block_size=16, kv_heads=4, head_dim=64, dtype_bytes=4),
+       ("crc32c", {}), ("kv_scan", {})]
+)
+
+
+def _check(name: str, defines: dict) -> tuple[tuple[str, int], ...]:
+    if name not in KERNELS:
+        raise KernelInputError(f"no kernel module {name!r} (have {', '.join(KERNELS)})",
+                               where="gpu_kernels.jit")
+    for key in REQUIRED[name]:
+        if key not in defines:
+            raise KernelInputError(f"module {name} needs -D{key}", where="gpu_kernels.jit")
+    pb = defines.get("PAGE_BYTES")
+    if pb is not None and (int(pb) <= 0 or int(pb) % 64):
+        raise KernelInputError(f"PAGE_BYTES {pb} is not a positive multiple of 64",
+                               where="gpu_kernels.jit")
+    return tuple(sorted((str(k), int(v)) for k, v in defines.items()))
+
+
+def source(name: str) -> str:
+    """The module's source with common.cuh inlined (NVRTC sees one text, and
+    CuPy's disk cache keys on the whole of it)."""
+    common = (SOURCE_DIR / COMMON).read_text()
+    text = (SOURCE_DIR / f"{name}.cu").read_text()
+    return text.replace(f'#include "{COMMON}"', common, 1)
+
+
+def define_options(defines) -> tuple[str, ...]:
+    return tuple(f"-D{k}={v}" for k, v in defines)
+
+
+_lock = threading.Lock()
+_modules: dict[tuple, object] = {}
+
+
+def _cupy():
+    try:
+        import cupy
+    except Exception as exc:  # ImportError or a broken CUDA install
+        raise GpuUnavailableError(f"CuPy is not importable ({type(exc).__name__}: {exc})",
+                                  hint="GPU kernels need CuPy and a CUDA device") from None
+    return cupy
+
+
+def module(name: str, defines: dict | None = None, device: int | None = None):
+    """The compiled, loaded `cupy.RawModule` of `name` specialised by `defines`
+    on `device` (default: the current device)."""
+    cupy = _cupy()
+    key_defs = _check(name, defines or {})
+    dev = cupy.cuda.Device(device) if device is not None else cupy.cuda.Device()
+    key = (dev.id, name, key_defs)
+    mod = _modules.get(key)
+    if mod is not None:
+        return mod
+    with _lock:
+        mod = _modules.get(key)
+        if mod is None:
+            with dev:
+                mod = cupy.RawModule(code=source(name), options=NVRTC_OPTIONS + define_options(key_defs))
+                try:
+                    for k in KERNELS[name]:
+                        mod.get_function(k)  # compiles and loads on this device now
+                except cupy.cuda.compiler.CompileException as exc:
+                    first = str(exc).strip().splitlines()[0] if str(exc).strip() else "failed"
+                    raise KernelCompileError(f"NVRTC: {first}", where=f"{name}.cu {key_defs}") from None
+            _modules[key] = mod
+    return mod
+
+
+def function(name: str, kernel: str, defines: dict | None = None, device: int | None = None):
+    """One kernel (`cupy.RawKernel`) of a specialised module."""
+    return module(name, defines, device).get_function(kernel)
+
+
+def precompile(specs, device: int | None = None) -> int:
+    """Compile and load every (name, defines) in `specs` now; returns how many
+    modules are loaded.  Call before launching any persistent kernel."""
+    for name, defines in specs:
+        module(name, defines, device)
+    return len(_modules)
+
+
+def loaded() -> list[tuple]:
+    return sorted(_modules)
+
+
+def nvcc_ptx(name: str, defines: dict | None = None, *, arch: str = "sm_90", nvcc: str | None = None) -> str:
+    """PTX of `name` specialised by `defines`, compiled by `nvcc --ptx` (CI's
+    check that every source compiles for Hopper)."""
+    key_defs = _check(name, defines or {})
+    nvcc = nvcc or shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    if not os.path.exists(nvcc) and not shutil.which(nvcc):
+        raise KernelCompileError("nvcc not found", where=name, hint="install the CUDA toolkit")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = pathlib.Path(tmp) / f"{name}.ptx"
+        cmd = [nvcc, "--ptx", f"-arch={arch}", "-std=c++17", f"-I{SOURCE_DIR}",
+               *define_options(key_defs), str(SOURCE_DIR / f"{name}.cu"), "-o", str(out)]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            msg = " ".join((res.stderr or res.stdout).split())[:400]
+            raise KernelCompileError(f"nvcc: {msg}", where=f"{name}.cu {key_defs}")
+        return out.read_text()

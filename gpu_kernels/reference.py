@@ -1,0 +1,503 @@
+"""numpy twins of every GPU kernel: the test oracle and Concordia's CPU path.
+
+Each function here has the same name, arguments and result as its CuPy
+launcher in `gpu.py`; given the same inputs the two produce the same bytes.
+Regions are C-contiguous arrays of any dtype, seen as bytes and cut into pages
+of `page_bytes` (a positive multiple of 64); a region's last page may be short
+and counts as zero-padded wherever a page is hashed or checksummed
+(docs/internals.md, "WAL record layout").
+
+The record written by `stage_page_batch` is a page batch exactly as
+`concordia.wal.format.encode_page_batch_into` writes it; the layout constants
+are repeated here from docs/internals.md so the kernels and their twins need
+nothing at run time from the WAL, and a test holds the two encoders equal.
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+
+import numpy as np
+from crc32c import crc32c as _crc32c
+
+from .errors import KernelInputError
+
+# --- record layout (docs/internals.md, "WAL record layout") -----------------
+HEADER_BYTES = 64
+RECORD_ALIGN = 64
+TYPE_PAGE_BATCH = 0x01
+NO_REGION = 0xFFFFFFFF
+MAX_PAGE_BYTES = 1 << 26
+# length, type, flags, reserved, region_id, lsn, epoch, salt, body_crc, count,
+# page_bytes, aux, reserved, header_crc
+HEADER = struct.Struct("<QBBHIQQIIIIQII")
+assert HEADER.size == HEADER_BYTES
+
+# --- staging cursor: u64 words shared by every record written into one extent
+CURSOR_USED = 0      # next free byte of the extent (a multiple of 64)
+CURSOR_RECORDS = 1   # records written
+CURSOR_REFUSED = 2   # records that did not fit and were not written
+CURSOR_WORDS = 4     # word 3 is reserved
+
+# --- CRC32C (Castagnoli, reflected) ------------------------------------------
+POLY = 0x82F63B78
+
+# --- page fingerprint constants (gpu_kernels/fingerprint.cu uses the same) ----
+FP_K1 = 0x9E3779B97F4A7C15
+FP_K2 = 0xBF58476D1CE4E5B9
+FP_M1 = 0xBF58476D1CE4E5B9
+FP_M2 = 0x94D049BB133111EB
+FP_SHIFT = 29
+
+_CHUNK_BYTES = 32 << 20  # bytes compared / hashed per numpy pass (bounds temporaries)
+_U64 = np.uint64
+
+
+def align64(n: int) -> int:
+    return (n + 63) & ~63
+
+
+def page_batch_length(count: int, page_bytes: int) -> int:
+    """Bytes of a page-batch record holding `count` pages."""
+    return HEADER_BYTES + align64(8 * count) + count * page_bytes
+
+
+def payload_offset(count: int) -> int:
+    """Offset of the first page's payload from the record start."""
+    return HEADER_BYTES + align64(8 * count)
+
+
+def num_pages(nbytes: int, page_bytes: int) -> int:
+    return -(-nbytes // page_bytes)
+
+
+# --- GF(2) arithmetic behind CRC combination (the GPU kernels do the same) ----
+
+
+def gf2_multmodp(a: int, b: int) -> int:
+    """a * b modulo the CRC32C polynomial, both in reflected bit order."""
+    m, p = 1 << 31, 0
+    while a:
+        if a & m:
+            p ^= b
+            a &= ~m
+        m >>= 1
+        b = (b >> 1) ^ POLY if b & 1 else b >> 1
+    return p
+
+
+def xpow8n(n: int) -> int:
+    """x^(8n) modulo the polynomial (reflected): the operator that shifts a raw
+    CRC register over n zero bytes."""
+    result, base = 1 << 31, 1 << 23  # x^0, x^8
+    while n:
+        if n & 1:
+            result = gf2_multmodp(result, base)
+        base = gf2_multmodp(base, base)
+        n >>= 1
+    return result
+
+
+def crc32c_shift(raw: int, nbytes: int) -> int:
+    """Raw CRC register after feeding `nbytes` zero bytes."""
+    return gf2_multmodp(xpow8n(nbytes), raw)
+
+
+@functools.lru_cache(maxsize=1)
+def crc32c_table() -> np.ndarray:
+    """The byte-wise table of the reflected CRC32C (256 x u32)."""
+    t = np.zeros(256, np.uint32)
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (c >> 1) ^ POLY if c & 1 else c >> 1
+        t[i] = c
+    return t
+
+
+def crc32c_raw(data, raw: int = 0) -> int:
+    """The CRC register fed with `data` from `raw`, no pre- or post-inversion."""
+    t = crc32c_table()
+    for b in bytes(data):
+        raw = int(t[(raw ^ b) & 0xFF]) ^ (raw >> 8)
+    return raw
+
+
+def split_crc32c(data, parts: int) -> int:
+    """CRC32C of `data` computed the way the kernels do: cut into `parts`
+    slices of a multiple of 16 bytes, a raw CRC per slice, each slice's register
+    shifted over the bytes after it and XOR-ed, then the initial value's shift
+    and the final inversion applied.  Equal to `crc32c(data)`."""
+    data = bytes(data)
+    n = len(data)
+    step = 16 * -(-n // (16 * parts))
+    acc = 0
+    for i in range(parts):
+        lo, hi = min(i * step, n), min((i + 1) * step, n)
+        acc ^= crc32c_shift(crc32c_raw(data[lo:hi]), n - hi)
+    return (acc ^ crc32c_shift(0xFFFFFFFF, n)) ^ 0xFFFFFFFF
+
+
+def crc32c(data, value: int = 0) -> int:
+    return _crc32c(data, value)
+
+
+# --- argument checks ---------------------------------------------------------
+
+
+def _bytes_of(a, what: str) -> np.ndarray:
+    """A C-contiguous array seen as a flat uint8 view (no copy)."""
+    a = np.asarray(a) if not isinstance(a, np.ndarray) else a
+    if not a.flags.c_contiguous:
+        raise KernelInputError(f"{what} must be C-contiguous", where=what,
+                               hint="pass the array itself, not a strided view")
+    return a.reshape(-1).view(np.uint8)
+
+
+def _check_page_bytes(page_bytes: int) -> int:
+    page_bytes = int(page_bytes)
+    if page_bytes <= 0 or page_bytes % 64 or page_bytes > MAX_PAGE_BYTES:
+        raise KernelInputError(f"page_bytes {page_bytes} is not a positive multiple of 64 "
+                               f"up to {MAX_PAGE_BYTES}", where="page_bytes")
+    return page_bytes
+
+
+def _check_page_ids(page_ids, npages: int, *, strict: bool = True) -> np.ndarray:
+    ids = np.asarray(page_ids)
+    if ids.ndim != 1:
+        raise KernelInputError("page_ids must be one-dimensional", where="page_ids")
+    if ids.size and (ids.min() < 0 or ids.max() >= npages):
+        raise KernelInputError(f"page id out of range [0, {npages})", where="page_ids")
+    if strict and ids.size > 1 and not np.all(ids[1:] > ids[:-1]):
+        raise KernelInputError("page ids are not strictly increasing", where="page_ids")
+    return ids.astype(np.uint32, copy=False)
+
+
+# --- dirty detection ---------------------------------------------------------
+
+
+def shadow_diff(region, shadow, *, page_bytes: int, update: bool = True) -> np.ndarray:
+    """Pages of `region` that differ from `shadow` (same byte size), as sorted
+    uint32 page ids; with `update` the shadow takes the region's bytes of those
+    pages, so the next call reports only later changes."""
+    pb = _check_page_bytes(page_bytes)
+    r, s = _bytes_of(region, "region"), _bytes_of(shadow, "shadow")
+    if r.size != s.size:
+        raise KernelInputError(f"shadow has {s.size} bytes, region {r.size}", where="shadow")
+    full = r.size // pb
+    words = pb // 8
+    step = max(1, _CHUNK_BYTES // pb)
+    found = []
+    for p0 in range(0, full, step):
+        p1 = min(full, p0 + step)
+        a = r[p0 * pb:p1 * pb].view(np.uint64).reshape(-1, words)
+        b = s[p0 * pb:p1 * pb].view(np.uint64).reshape(-1, words)
+        d = np.flatnonzero((a != b).any(axis=1))
+        if d.size:
+            if update:
+                b[d] = a[d]
+            found.append(d + p0)
+    if r.size % pb:
+        lo = full * pb
+        if not np.array_equal(r[lo:], s[lo:]):
+            if update:
+                s[lo:] = r[lo:]
+            found.append(np.array([full]))
+    if not found:
+        return np.zeros(0, np.uint32)
+    return np.concatenate(found).astype(np.uint32)
+
+
+@functools.lru_cache(maxsize=16)
+def _fp_salt(words: int) -> np.ndarray:
+    # word index j mixed into each word so that moving data within a page shows
+    return np.arange(words, dtype=_U64) * _U64(FP_K1)
+
+
+def _fmix64(z: np.ndarray) -> np.ndarray:
+    z ^= z >> _U64(30)
+    z *= _U64(FP_M1)
+    z ^= z >> _U64(27)
+    z *= _U64(FP_M2)
+    z ^= z >> _U64(31)
+    return z
+
+
+def _fp_rows(rows: np.ndarray, pb: int) -> np.ndarray:
+    x = rows ^ _fp_salt(pb // 8)
+    x *= _U64(FP_K2)
+    x ^= x >> _U64(FP_SHIFT)
+    h = x.sum(axis=1, dtype=_U64)
+    h ^= _U64(pb)
+    return _fmix64(h)
+
+
+def fingerprint_pages(region, *, page_bytes: int, out=None) -> np.ndarray:
+    """A 64-bit fingerprint of every page (uint64 per page, 8 bytes per page:
+    0.2% of a 4 KiB-paged region).  For words w_j of a page (little-endian u64,
+    the last page zero-padded): x_j = (w_j ^ j*K1) * K2, x_j ^= x_j >> 29,
+    fp = fmix64(sum_j x_j mod 2^64 ^ page_bytes).  Each x_j is a bijection of
+    w_j, so a change confined to one word always changes the fingerprint."""
+    pb = _check_page_bytes(page_bytes)
+    r = _bytes_of(region, "region")
+    n = num_pages(r.size, pb)
+    if out is None:
+        out = np.empty(n, _U64)
+    elif out.shape != (n,) or out.dtype != _U64:
+        raise KernelInputError(f"out must be uint64[{n}]", where="fingerprints")
+    full = r.size // pb
+    step = max(1, _CHUNK_BYTES // pb)
+    for p0 in range(0, full, step):
+        p1 = min(full, p0 + step)
+        out[p0:p1] = _fp_rows(r[p0 * pb:p1 * pb].view(np.uint64).reshape(-1, pb // 8), pb)
+    if full < n:
+        last = np.zeros(pb, np.uint8)
+        last[:r.size - full * pb] = r[full * pb:]
+        out[full] = _fp_rows(last.view(np.uint64).reshape(1, -1), pb)[0]
+    return out
+
+
+def fingerprint_dirty(region, fingerprints, *, page_bytes: int, update: bool = True) -> np.ndarray:
+    """Pages whose fingerprint differs from `fingerprints` (uint64 per page),
+    as sorted uint32 ids; with `update` the stored fingerprints are refreshed."""
+    pb = _check_page_bytes(page_bytes)
+    n = num_pages(_bytes_of(region, "region").size, pb)
+    if fingerprints.shape != (n,) or fingerprints.dtype != _U64:
+        raise KernelInputError(f"fingerprints must be uint64[{n}]", where="fingerprints")
+    new = fingerprint_pages(region, page_bytes=pb)
+    d = np.flatnonzero(new != fingerprints)
+    if update:
+        fingerprints[d] = new[d]
+    return d.astype(np.uint32)
+
+
+def kv_layout(*, block_size: int, kv_heads: int, head_dim: int, dtype_bytes: int,
+              num_blocks: int, num_layers: int = 1) -> dict:
+    """Byte geometry of a PagedAttention cache [layers][num_blocks, 2,
+    block_size, kv_heads, head_dim]: token, half-block (K or V), block and layer
+    strides."""
+    token = kv_heads * head_dim * dtype_bytes
+    half = block_size * token
+    block = 2 * half
+    return {"token": token, "half": half, "block": block, "layer": num_blocks * block,
+            "nbytes": num_layers * num_blocks * block}
+
+
+def kv_dirty_blocks(block_tables, seq_lens, ckpt_lens, *, block_size: int, kv_heads: int,
+                    head_dim: int, dtype_bytes: int, page_bytes: int, num_blocks: int,
+                    num_layers: int = 1, advance: bool = True) -> np.ndarray:
+    """Pages of a paged KV cache written since the last checkpoint, from the
+    block tables alone (cost follows the new tokens, not the cache size).
+
+    block_tables: int32 [seqs, max_blocks] physical block per logical block
+    (negative = none); seq_lens: int32 [seqs] tokens held now; ckpt_lens: int32
+    [seqs] tokens held at the last checkpoint (a sequence now shorter than that
+    was replaced and counts from token 0).  New tokens [start, seq_len) of every
+    sequence dirty the pages holding their K and V slots in every layer.
+    Returns sorted unique uint32 page ids of the cache region; with `advance`
+    ckpt_lens takes seq_lens.  Entries naming a block outside [0, num_blocks) or
+    a logical block past the table are an error."""
+    pb = _check_page_bytes(page_bytes)
+    geo = kv_layout(block_size=block_size, kv_heads=kv_heads, head_dim=head_dim,
+                    dtype_bytes=dtype_bytes, num_blocks=num_blocks, num_layers=num_layers)
+    bt = np.asarray(block_tables)
+    lens = np.asarray(seq_lens).astype(np.int64)
+    prev = np.asarray(ckpt_lens).astype(np.int64)
+    if bt.ndim != 2 or lens.shape != (bt.shape[0],) or prev.shape != lens.shape:
+        raise KernelInputError("block_tables must be [seqs, max_blocks], seq_lens and "
+                               "ckpt_lens [seqs]", where="kv_dirty_blocks")
+    start = np.where(lens >= prev, prev, 0)
+    seqs, lbs, t0s, t1s = [], [], [], []
+    for s in np.flatnonzero(lens > start):
+        a, b = int(start[s]), int(lens[s])
+        lb = np.arange(a // block_size, (b - 1) // block_size + 1)
+        seqs.append(np.full(lb.size, s))
+        lbs.append(lb)
+        t0s.append(np.maximum(a, lb * block_size) - lb * block_size)
+        t1s.append(np.minimum(b, (lb + 1) * block_size) - lb * block_size)
+    if not seqs:
+        ids = np.zeros(0, np.uint32)
+    else:
+        seq, lb = np.concatenate(seqs), np.concatenate(lbs)
+        t0, t1 = np.concatenate(t0s), np.concatenate(t1s)
+        if lb.max() >= bt.shape[1]:
+            raise KernelInputError(f"a sequence holds more tokens than its {bt.shape[1]} "
+                                   "table entries cover", where="kv_dirty_blocks")
+        phys = bt[seq, lb].astype(np.int64)
+        if phys.max() >= num_blocks:
+            raise KernelInputError(f"block table names block {int(phys.max())} of "
+                                   f"{num_blocks}", where="kv_dirty_blocks")
+        keep = phys >= 0
+        phys, t0, t1 = phys[keep], t0[keep], t1[keep]
+        layer = np.arange(num_layers, dtype=np.int64)[:, None, None] * geo["layer"]
+        half = np.arange(2, dtype=np.int64)[None, :, None] * geo["half"]
+        lo = (layer + half + (phys * geo["block"] + t0 * geo["token"])[None, None, :]).ravel()
+        hi = lo + np.broadcast_to((t1 - t0) * geo["token"], (num_layers, 2, phys.size)).ravel()
+        first, last = lo // pb, (hi - 1) // pb
+        counts = last - first + 1
+        rel = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+        ids = np.unique(np.repeat(first, counts) + rel).astype(np.uint32)
+    if advance:
+        ckpt_lens[...] = seq_lens
+    return ids
+
+
+def adapter_dirty_pages(slot_versions, seen_versions, *, pages_per_slot: int, num_pages: int,
+                        advance: bool = True) -> np.ndarray:
+    """Pages of an adapter region whose slot's version counter moved.
+
+    The adapter region holds `len(slot_versions)` slots (one LoRA adapter or
+    one layer's A/B pair each) of `pages_per_slot` pages; whoever writes a slot
+    bumps its counter.  Returns sorted uint32 page ids of every slot whose
+    version differs from `seen_versions`; with `advance` those are updated.
+    Cost follows the number of slots and changed pages, not the region size."""
+    v, seen = np.asarray(slot_versions), np.asarray(seen_versions)
+    if v.shape != seen.shape or v.ndim != 1:
+        raise KernelInputError("slot_versions and seen_versions must be equal 1-D arrays",
+                               where="adapter_dirty_pages")
+    changed = np.flatnonzero(v != seen)
+    if changed.size and (changed.max() * pages_per_slot >= num_pages):
+        raise KernelInputError(f"slot {int(changed.max())} starts past page {num_pages}",
+                               where="adapter_dirty_pages")
+    lo = changed * pages_per_slot
+    hi = np.minimum(lo + pages_per_slot, num_pages)
+    counts = hi - lo
+    rel = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    if advance:
+        seen_versions[changed] = v[changed]
+    return (np.repeat(lo, counts) + rel).astype(np.uint32)
+
+
+# --- checksums ---------------------------------------------------------------
+
+
+def _page(r: np.ndarray, pb: int, p: int):
+    lo = p * pb
+    if lo + pb <= r.size:
+        return r[lo:lo + pb]
+    page = np.zeros(pb, np.uint8)
+    page[:r.size - lo] = r[lo:]
+    return page
+
+
+def crc32c_pages(region, page_ids=None, *, page_bytes: int) -> np.ndarray:
+    """CRC32C of each listed page (all pages when page_ids is None), the last
+    page zero-padded: uint32 array in the order of page_ids."""
+    pb = _check_page_bytes(page_bytes)
+    r = _bytes_of(region, "region")
+    n = num_pages(r.size, pb)
+    ids = np.arange(n) if page_ids is None else _check_page_ids(page_ids, n, strict=False)
+    return np.fromiter((_crc32c(_page(r, pb, int(p))) for p in ids), np.uint32, ids.size)
+
+
+def region_digest(page_crcs) -> int:
+    """CRC32C over the little-endian u32 array of a region's page CRCs."""
+    return _crc32c(np.ascontiguousarray(page_crcs, dtype="<u4").tobytes())
+
+
+# --- staging -----------------------------------------------------------------
+
+
+def new_cursor(used: int = 0) -> np.ndarray:
+    """A staging cursor over an empty extent (see CURSOR_*)."""
+    c = np.zeros(CURSOR_WORDS, _U64)
+    c[CURSOR_USED] = used
+    return c
+
+
+def encode_header(*, length: int, lsn: int, epoch: int, region_id: int, salt: int, body_crc: int,
+                  count: int, page_bytes: int, flags: int = 0) -> bytes:
+    head = HEADER.pack(length, TYPE_PAGE_BATCH, flags, 0, region_id, lsn, epoch, salt,
+                       body_crc, count, page_bytes, 0, 0, 0)
+    return head[:60] + struct.pack("<I", _crc32c(head[:60]))
+
+
+def stage_page_batch(region, page_ids, dst, cursor, *, page_bytes: int, base_lsn: int, epoch: int,
+                     region_id: int, salt: int, flags: int = 0) -> int:
+    """Write one page-batch record of the listed pages (sorted, unique) into
+    `dst` at the cursor, and advance the cursor.
+
+    dst is the granted extent (uint8, in backend memory or a staging buffer);
+    the record goes at byte cursor[CURSOR_USED] and its LSN is base_lsn plus
+    that offset.  A record that does not fit is not written: cursor[CURSOR_REFUSED]
+    counts it.  Returns the record's length (written or not)."""
+    pb = _check_page_bytes(page_bytes)
+    r = _bytes_of(region, "region")
+    n = num_pages(r.size, pb)
+    ids = _check_page_ids(page_ids, n)
+    count = ids.size
+    if count == 0:
+        raise KernelInputError("a page batch needs at least one page", where="page_ids")
+    length = page_batch_length(count, pb)
+    off = int(cursor[CURSOR_USED])
+    if off % RECORD_ALIGN:
+        raise KernelInputError(f"cursor {off} is not 64-byte aligned", where="cursor")
+    if off + length > dst.size:
+        cursor[CURSOR_REFUSED] += 1
+        return length
+    rec = dst[off:off + length]
+    tables = rec[HEADER_BYTES:HEADER_BYTES + 8 * count]
+    tables[:4 * count].view("<u4")[:] = ids
+    pay = payload_offset(count)
+    rec[HEADER_BYTES + 8 * count:pay] = 0
+    payload = rec[pay:].reshape(count, pb)
+    full = r.size // pb
+    body = ids < full
+    if body.all():
+        np.take(r[:full * pb].reshape(full, pb), ids, axis=0, out=payload, mode="clip")
+    else:
+        # only the region's last page can be short: it is the last id
+        np.take(r[:full * pb].reshape(full, pb), ids[:-1], axis=0, out=payload[:-1], mode="clip")
+        payload[-1] = _page(r, pb, int(ids[-1]))
+    crcs = tables[4 * count:].view("<u4")
+    for i in range(count):
+        crcs[i] = _crc32c(payload[i])
+    rec[:HEADER_BYTES] = np.frombuffer(encode_header(
+        length=length, lsn=base_lsn + off, epoch=epoch, region_id=region_id, salt=salt,
+        body_crc=_crc32c(tables), count=count, page_bytes=pb, flags=flags), np.uint8)
+    cursor[CURSOR_USED] = off + length
+    cursor[CURSOR_RECORDS] += 1
+    return length
+
+
+def record_payload_offsets(record_offset: int, count: int, page_bytes: int, positions=None) -> np.ndarray:
+    """Byte offsets (uint64) of the payload of pages `positions` (all when None)
+    of a page-batch record of `count` pages starting at `record_offset`: the
+    `src_offsets` argument of `scatter_pages`."""
+    pos = np.arange(count, dtype=_U64) if positions is None else np.asarray(positions, _U64)
+    return _U64(record_offset + payload_offset(count)) + pos * _U64(page_bytes)
+
+
+# --- recovery ------------------------------------------------------------------
+
+
+def scatter_pages(src, src_offsets, page_ids, region, *, page_bytes: int,
+                  expected_crcs=None) -> np.ndarray:
+    """Copy page i of the log bytes `src` (at src_offsets[i], page_bytes long)
+    into page page_ids[i] of `region` (the last page truncated to the region).
+
+    With expected_crcs every source page is checked first; pages whose CRC32C
+    differs are not applied.  Returns the sorted positions i that mismatched
+    (int64).  page_ids must be unique (order is free)."""
+    pb = _check_page_bytes(page_bytes)
+    s = _bytes_of(src, "src")
+    r = _bytes_of(region, "region")
+    n = num_pages(r.size, pb)
+    ids = _check_page_ids(page_ids, n, strict=False)
+    offs = np.asarray(src_offsets, dtype=np.int64)
+    if offs.shape != ids.shape:
+        raise KernelInputError("src_offsets and page_ids differ in length", where="src_offsets")
+    if offs.size and (offs.min() < 0 or offs.max() + pb > s.size):
+        raise KernelInputError("a source page lies outside the log bytes", where="src_offsets")
+    bad = []
+    exp = None if expected_crcs is None else np.asarray(expected_crcs, np.uint32)
+    for i in range(ids.size):
+        page = s[offs[i]:offs[i] + pb]
+        if exp is not None and _crc32c(page) != int(exp[i]):
+            bad.append(i)
+            continue
+        lo = int(ids[i]) * pb
+        hi = min(lo + pb, r.size)
+        r[lo:hi] = page[:hi - lo]
+    return np.array(bad, np.int64)

@@ -1,0 +1,64 @@
+// Shadow diff: which pages of a region differ from its device shadow.
+//
+// One warp per page (grid-stride), 16-byte streaming loads, UNROLL chunks of
+// both buffers in flight per lane before the first compare.  Where a chunk
+// differs and `update` is set, the region's chunk is stored into the shadow
+// from registers, so a dirty page's shadow ends equal to the region without a
+// second read.  flags[p] gets 1 for a dirty page, 0 otherwise (every page is
+// written).  Twin: reference.shadow_diff.
+//
+// -D PAGE_BYTES (multiple of 64).
+#include "common.cuh"
+
+#ifndef UNROLL
+#define UNROLL 8
+#endif
+
+extern "C" __global__ void __launch_bounds__(256)
+shadow_diff(const u8* __restrict__ region, u8* __restrict__ shadow, u8* __restrict__ flags,
+            u64 num_pages, u64 region_bytes, int update) {
+    const int lane = threadIdx.x & 31;
+    const u64 warps = (u64)gridDim.x * (blockDim.x >> 5);
+    for (u64 p = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; p < num_pages; p += warps) {
+        const u64 base = p * PAGE_BYTES;
+        const u8* r = region + base;
+        u8* s = shadow + base;
+        unsigned diff = 0;
+        if (base + PAGE_BYTES <= region_bytes) {
+#pragma unroll 1
+            for (int k0 = 0; k0 < LANE_CHUNKS; k0 += UNROLL) {
+                uint4 a[UNROLL], b[UNROLL];
+#pragma unroll
+                for (int u = 0; u < UNROLL; ++u) {
+                    const int c = lane + WARP * (k0 + u);
+                    if (k0 + u < LANE_CHUNKS && c < PAGE_CHUNKS) {
+                        a[u] = __ldcs(reinterpret_cast<const uint4*>(r) + c);
+                        b[u] = __ldcs(reinterpret_cast<const uint4*>(s) + c);
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < UNROLL; ++u) {
+                    const int c = lane + WARP * (k0 + u);
+                    if (k0 + u < LANE_CHUNKS && c < PAGE_CHUNKS && differs(a[u], b[u])) {
+                        diff = 1;
+                        if (update) reinterpret_cast<uint4*>(s)[c] = a[u];
+                    }
+                }
+            }
+        } else {
+            // the region's short last page: compare only its real bytes
+            const u32 valid = (u32)(region_bytes - base);
+            for (u32 c = lane; c * 16 < valid; c += WARP) {
+                const uint4 a = load16(r, c * 16, valid), b = load16(s, c * 16, valid);
+                if (differs(a, b)) {
+                    diff = 1;
+                    if (!update) continue;
+                    if (c * 16 + 16 <= valid) reinterpret_cast<uint4*>(s)[c] = a;
+                    else store_partial(s + c * 16, a, valid - c * 16);
+                }
+            }
+        }
+        diff = __any_sync(FULL_MASK, diff);
+        if (lane == 0) flags[p] = (u8)diff;
+    }
+}
