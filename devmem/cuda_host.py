@@ -95,7 +95,7 @@ def register(backend: Backend, chunk_bytes: int = CHUNK) -> HostRegistration:
     cupy = cupy_or_raise(where)
     rt = cupy.cuda.runtime
     if backend.kind == "pinned":
-        return HostRegistration(backend, rt.hostGetDevicePointer(addr, 0), size, [], rt)
+        return HostRegistration(backend, _device_pointer(rt, addr), size, [], rt)
     span = -(-size // PAGE) * PAGE         # the mapping covers whole pages
     done: list[tuple[int, int]] = []
     try:
@@ -103,9 +103,9 @@ def register(backend: Backend, chunk_bytes: int = CHUNK) -> HostRegistration:
             n = min(chunk_bytes, span - off)
             rt.hostRegister(addr + off, n, HOST_REGISTER_MAPPED | HOST_REGISTER_PORTABLE)
             done.append((addr + off, n))
-        base = rt.hostGetDevicePointer(addr, 0)
+        base = _device_pointer(rt, addr)
         for a, _ in done[1:]:
-            if rt.hostGetDevicePointer(a, 0) != base + (a - addr):
+            if _device_pointer(rt, a) != base + (a - addr):
                 raise HostRegisterRefusedError("chunks did not land at contiguous device "
                                                "addresses", where=where,
                                                hint="register with one chunk (chunk_bytes >= size)")
@@ -117,6 +117,15 @@ def register(backend: Backend, chunk_bytes: int = CHUNK) -> HostRegistration:
         raise HostRegisterRefusedError(f"cudaHostRegister refused: {exc}", where=where,
                                        hint="write through a pinned staging ring") from None
     return HostRegistration(backend, base, size, done, rt)
+
+
+def _device_pointer(rt, host_addr: int) -> int:
+    """Device address of mapped, registered host memory.  CuPy 14 does not wrap
+    cudaHostGetDevicePointer; with unified addressing (every 64-bit Linux CUDA
+    system) a mapped registration is reachable on the device at its host
+    address, which is what that call would return."""
+    get = getattr(rt, "hostGetDevicePointer", None)
+    return int(get(host_addr, 0)) if get is not None else int(host_addr)
 
 
 def _undo(rt, done):
