@@ -135,6 +135,7 @@ class SchedulerTables:
             ("slot_req", (s,)),          # request served by the slot, -1 none
             ("next_token", (s,)),        # input token of the slot's next step
             ("block_owner", (nb,)),      # slot owning each block, -1 free
+            ("block_stamp", (nb,)),      # 1 + step of the last write into each block
             ("req_state", (r,)),         # WAITING | ACTIVE | DONE
             ("req_len", (r,)),           # tokens (prompt + generated) of each request
         ]
@@ -149,7 +150,7 @@ class SchedulerTables:
     @staticmethod
     def size(cfg: WorkloadConfig) -> int:
         s, mb = cfg.max_slots, cfg.max_blocks_per_seq
-        return s * mb + 4 * s + cfg.num_blocks + 2 * cfg.n_requests
+        return s * mb + 4 * s + 2 * cfg.num_blocks + 2 * cfg.n_requests
 
 
 def _weights(cfg: WorkloadConfig) -> dict[str, np.ndarray]:
@@ -217,6 +218,12 @@ class Workload:
             "meta": (self.meta, "opaque"),
         }
 
+    def kv_blocks(self) -> dict:
+        """What a KV block-table scanner needs: live views of the block tables,
+        the sequence lengths and the per-block write stamps."""
+        t = self._sched_views
+        return {"block_tables": t.block_tables, "seq_lens": t.seq_lens, "block_stamp": t.block_stamp}
+
     @property
     def step_index(self) -> int:
         return int(self.meta[META_STEP])
@@ -273,6 +280,7 @@ class Workload:
         pos = h.seq_lens.copy()
         tok = np.where(active, h.next_token, 0).astype(np.int32)
         blk = np.where(active, h.block_tables[np.arange(S), np.minimum(pos // cfg.block_size, cfg.max_blocks_per_seq - 1)], 0)
+        h.block_stamp[blk[active]] = step + 1  # what a block-table scanner reads
         self.sched[...] = xp.asarray(h.buf)  # block tables must be on the device before the forward pass
 
         u = None

@@ -1,0 +1,67 @@
+"""When to checkpoint: every N steps, every T milliseconds, or once B bytes are
+dirty, whichever comes first.  The policy is pure bookkeeping; the session asks
+it at every `step()` and takes the checkpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+
+@dataclasses.dataclass
+class Policy:
+    """every_steps / every_ms / every_bytes: None disables that trigger.  With
+    all three None, checkpoints happen only when `checkpoint()` is called."""
+
+    every_steps: int | None = None
+    every_ms: float | None = None
+    every_bytes: int | None = None
+
+    def __post_init__(self):
+        for name in ("every_steps", "every_ms", "every_bytes"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"policy {name} must be positive, got {v!r}")
+        self._steps = 0
+        self._since = time.monotonic()
+
+    @classmethod
+    def parse(cls, text: str) -> "Policy":
+        """'steps=4,ms=500,bytes=64M' -> Policy (for command lines)."""
+        from concordia.tools.common import parse_size
+
+        kw = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, _, val = part.partition("=")
+            key = key.strip()
+            if key == "steps":
+                kw["every_steps"] = int(val)
+            elif key == "ms":
+                kw["every_ms"] = float(val)
+            elif key == "bytes":
+                kw["every_bytes"] = parse_size(val)
+            else:
+                raise ValueError(f"unknown policy trigger {key!r} (use steps=, ms=, bytes=)")
+        return cls(**kw)
+
+    @property
+    def needs_dirty_bytes(self) -> bool:
+        return self.every_bytes is not None
+
+    def note_step(self, n: int = 1) -> None:
+        self._steps += n
+
+    def due(self, dirty_bytes: int | None = None) -> str | None:
+        """The trigger that fires now, or None."""
+        if self.every_steps is not None and self._steps >= self.every_steps:
+            return "steps"
+        if self.every_ms is not None and (time.monotonic() - self._since) * 1e3 >= self.every_ms:
+            return "time"
+        if self.every_bytes is not None and dirty_bytes is not None and dirty_bytes >= self.every_bytes:
+            return "bytes"
+        return None
+
+    def reset(self) -> None:
+        """A checkpoint was taken."""
+        self._steps = 0
+        self._since = time.monotonic()

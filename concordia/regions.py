@@ -1,0 +1,338 @@
+"""Registered regions: what the session knows about each protected array.
+
+A region is a C-contiguous array (numpy, CuPy, or a PyTorch tensor seen through
+DLPack) cut into pages of `page_bytes`.  This module adapts the array, keeps
+the per-region checkpoint state (page CRC table of the last committed epoch,
+the shadow copy or fingerprints a detector needs) and finds the dirty pages:
+
+    kv        block-table scanner (`gpu_kernels.kv_dirty_blocks`) when the
+              caller gives block tables and sequence lengths, else shadow diff
+    adapter   slot-version scanner (`adapter_dirty_pages`) when the caller
+              gives slot versions, else shadow diff
+    scheduler, opaque   shadow diff
+
+Every detector runs on the array's own device: the numpy twins in
+`gpu_kernels.reference` for host arrays, `gpu_kernels.gpu` for CuPy arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from concordia.errors import ShapeChangedError, UnsupportedArrayError
+from concordia.gpu_kernels import reference as ref
+
+KINDS = ("kv", "adapter", "scheduler", "opaque")
+DETECTORS = ("auto", "shadow", "fingerprint", "blocks", "versions", "all")
+
+
+# ----------------------------------------------------------------- arrays
+def _cupy():
+    try:
+        import cupy
+    except Exception:  # ImportError or a broken CUDA install
+        return None
+    return cupy
+
+
+def is_cupy(a) -> bool:
+    return type(a).__module__.split(".")[0] == "cupy"
+
+
+def is_torch(a) -> bool:
+    return type(a).__module__.split(".")[0] == "torch"
+
+
+def adapt(obj, where: str):
+    """(array, xp, owner): the numpy or CuPy array sharing obj's memory, its
+    array module, and the object whose shape and storage are checked later."""
+    if isinstance(obj, np.ndarray):
+        return obj, np, obj
+    if is_cupy(obj):
+        return obj, _cupy(), obj
+    if is_torch(obj):
+        if obj.is_cuda:
+            cp = _cupy()
+            if cp is None:
+                raise UnsupportedArrayError("a CUDA tensor needs CuPy to be protected", where=where)
+            try:
+                return cp.from_dlpack(obj.detach()), cp, obj
+            except Exception as exc:
+                raise UnsupportedArrayError(f"tensor cannot be shared through DLPack: {exc}",
+                                            where=where, hint="bfloat16 may be viewed as int16") from None
+        try:
+            return np.from_dlpack(obj.detach()), np, obj
+        except Exception as exc:
+            raise UnsupportedArrayError(f"tensor cannot be shared through DLPack: {exc}",
+                                        where=where, hint="bfloat16 may be viewed as int16") from None
+    if hasattr(obj, "__dlpack__"):
+        for mod in (np, _cupy()):
+            if mod is None:
+                continue
+            try:
+                return mod.from_dlpack(obj), mod, obj
+            except Exception:
+                continue
+    raise UnsupportedArrayError(f"cannot protect a {type(obj).__module__}.{type(obj).__name__}; "
+                                "give a numpy or CuPy array or a DLPack tensor", where=where)
+
+
+def storage_of(owner) -> tuple:
+    """(shape, dtype string, data address): what must not change under a registered region."""
+    if is_torch(owner):
+        return tuple(owner.shape), str(owner.dtype), owner.data_ptr()
+    if is_cupy(owner):
+        return tuple(owner.shape), owner.dtype.str, owner.data.ptr
+    return tuple(owner.shape), owner.dtype.str, owner.__array_interface__["data"][0]
+
+
+def to_host(a) -> np.ndarray:
+    return a if isinstance(a, np.ndarray) else a.get()
+
+
+# ----------------------------------------------------------------- kernels
+class _Ops:
+    """Dispatch of the page kernels to the numpy twins or the CuPy launchers."""
+
+    def __init__(self, xp):
+        self.xp = xp
+        self.gpu = None
+        if xp is not np:
+            try:
+                from concordia.gpu_kernels import gpu
+
+                self.gpu = gpu
+            except ImportError:
+                self.gpu = None
+
+    def _gpu_has(self, name):
+        return self.gpu is not None and hasattr(self.gpu, name)
+
+    def shadow_diff(self, flat, shadow, page_bytes):
+        if self.xp is np:
+            return ref.shadow_diff(flat, shadow, page_bytes=page_bytes, update=True)
+        if self._gpu_has("shadow_diff"):
+            return to_host(self.gpu.shadow_diff(flat, shadow, page_bytes=page_bytes, update=True))
+        return _cupy_shadow_diff(self.xp, flat, shadow, page_bytes)
+
+    def fingerprint_dirty(self, flat, fps, page_bytes):
+        if self.xp is np:
+            return ref.fingerprint_dirty(flat, fps, page_bytes=page_bytes, update=True)
+        if self._gpu_has("fingerprint_dirty"):
+            return to_host(self.gpu.fingerprint_dirty(flat, fps, page_bytes=page_bytes, update=True))
+        host = to_host(fps)
+        d = ref.fingerprint_dirty(to_host(flat), host, page_bytes=page_bytes, update=True)
+        fps[...] = self.xp.asarray(host)
+        return d
+
+    def fingerprints(self, flat, page_bytes):
+        if self.xp is np:
+            return ref.fingerprint_pages(flat, page_bytes=page_bytes)
+        if self._gpu_has("fingerprint_pages"):
+            return self.gpu.fingerprint_pages(flat, page_bytes=page_bytes)
+        return self.xp.asarray(ref.fingerprint_pages(to_host(flat), page_bytes=page_bytes))
+
+
+def _cupy_shadow_diff(cp, flat, shadow, pb):
+    """CuPy expression of `reference.shadow_diff` (used until a kernel is available)."""
+    full = flat.size // pb
+    found = []
+    if full:
+        a = flat[:full * pb].view(cp.uint64).reshape(full, pb // 8)
+        b = shadow[:full * pb].view(cp.uint64).reshape(full, pb // 8)
+        d = cp.flatnonzero((a != b).any(axis=1))
+        if d.size:
+            b[d] = a[d]
+            found.append(d.get())
+    if flat.size % pb:
+        lo = full * pb
+        if not bool((flat[lo:] == shadow[lo:]).all()):
+            shadow[lo:] = flat[lo:]
+            found.append(np.array([full]))
+    if not found:
+        return np.zeros(0, np.uint32)
+    return np.concatenate(found).astype(np.uint32)
+
+
+# ----------------------------------------------------------------- regions
+@dataclasses.dataclass
+class KvGeometry:
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+
+    @classmethod
+    def of(cls, shape, itemsize: int, where: str) -> "KvGeometry":
+        """[..., num_blocks, 2, block_size, kv_heads, head_dim] (PagedAttention)."""
+        if len(shape) < 5 or shape[-4] != 2:
+            raise ShapeChangedError(f"a KV region scanned by block tables must be shaped "
+                                    f"[..., num_blocks, 2, block_size, kv_heads, head_dim], not "
+                                    f"{list(shape)}", where=where)
+        lead = int(np.prod(shape[:-5])) if len(shape) > 5 else 1
+        return cls(lead, int(shape[-5]), int(shape[-3]), int(shape[-2]), int(shape[-1]), itemsize)
+
+
+@dataclasses.dataclass
+class Region:
+    """One registered array and its checkpoint state."""
+
+    name: str
+    kind: str
+    page_bytes: int
+    array: object          # numpy or CuPy view of the caller's memory
+    xp: object
+    owner: object          # what the caller gave (checked for shape/storage changes)
+    storage: tuple         # (shape, dtype, address) at registration
+    detect: str            # "shadow" | "fingerprint" | "blocks" | "versions" | "all"
+    hints: dict
+    id: int | None = None  # region id in the log
+    crcs: np.ndarray | None = None      # page CRCs of the last committed epoch (None: no base yet)
+    shadow: object = None               # shadow copy (shadow detector)
+    fps: object = None                  # fingerprints (fingerprint detector)
+    kv_prev: dict | None = None         # block tables, lens, stamps, seq ids at the last checkpoint
+    seen_versions: np.ndarray | None = None
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self.array.dtype)
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(int(n) for n in self.array.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.array.nbytes)
+
+    @property
+    def pages(self) -> int:
+        return -(-self.nbytes // self.page_bytes)
+
+    @property
+    def flat(self):
+        return self.array.reshape(-1).view("u1")
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.xp is not np
+
+    def check_unchanged(self) -> None:
+        now = storage_of(self.owner)
+        if now != self.storage:
+            was = self.storage
+            raise ShapeChangedError(
+                f"array changed since registration: was {was[1]}{list(was[0])} at 0x{was[2]:x}, "
+                f"now {now[1]}{list(now[0])} at 0x{now[2]:x}",
+                where=f"region {self.name!r}", hint="register a new region for the new array")
+
+    # ------------------------------------------------------------- detection
+    def reset_detectors(self) -> None:
+        """The caller's array now equals the committed state: (re)arm every detector."""
+        flat = self.flat
+        if self.detect == "shadow":
+            if self.shadow is None:
+                self.shadow = self.xp.empty(self.nbytes, dtype=self.xp.uint8)
+            self.shadow[...] = flat
+        elif self.detect == "fingerprint":
+            self.fps = _Ops(self.xp).fingerprints(flat, self.page_bytes)
+        elif self.detect == "blocks":
+            self.kv_prev = self._kv_now()
+        elif self.detect == "versions":
+            self.seen_versions = to_host(self.hints["slot_versions"]).copy()
+
+    def dirty_pages(self, *, advance: bool) -> np.ndarray:
+        """Sorted uint32 ids of the pages changed since the last checkpoint.
+        With `advance` the detector takes the current state as its new baseline
+        (only when the pages found are about to be logged)."""
+        if self.crcs is None or self.detect == "all":
+            return np.arange(self.pages, dtype=np.uint32)
+        ops = _Ops(self.xp)
+        if self.detect == "shadow":
+            if not advance:
+                tmp = self.shadow.copy()
+                return ops.shadow_diff(self.flat, tmp, self.page_bytes)
+            return ops.shadow_diff(self.flat, self.shadow, self.page_bytes)
+        if self.detect == "fingerprint":
+            fps = self.fps if advance else self.fps.copy()
+            return ops.fingerprint_dirty(self.flat, fps, self.page_bytes)
+        if self.detect == "blocks":
+            return self._kv_dirty(advance)
+        if self.detect == "versions":
+            seen = self.seen_versions if advance else self.seen_versions.copy()
+            return ref.adapter_dirty_pages(to_host(self.hints["slot_versions"]), seen,
+                                           pages_per_slot=int(self.hints["pages_per_slot"]),
+                                           num_pages=self.pages, advance=True)
+        raise AssertionError(self.detect)
+
+    def _kv_now(self) -> dict:
+        h = self.hints
+        now = {"tables": to_host(h["block_tables"]).astype(np.int64),
+               "lens": to_host(h["seq_lens"]).astype(np.int64)}
+        if h.get("block_stamp") is not None:
+            now["stamp"] = to_host(h["block_stamp"]).astype(np.int64)
+        if h.get("seq_ids") is not None:
+            now["ids"] = to_host(h["seq_ids"]).astype(np.int64)
+        return now
+
+    def _kv_dirty(self, advance: bool) -> np.ndarray:
+        """New tokens of every sequence (kv_dirty_blocks), plus whole blocks
+        whose write stamp rose while no sequence held them across the interval
+        (blocks freed, or freed and handed on, since the last checkpoint)."""
+        g: KvGeometry = self.hints["geometry"]
+        prev, now = self.kv_prev, self._kv_now()
+        same = (now["ids"] == prev["ids"]) if "ids" in now else (now["lens"] >= prev["lens"])
+        ckpt_lens = np.where(same, prev["lens"], 0).astype(np.int32)
+        ids = ref.kv_dirty_blocks(now["tables"].astype(np.int32), now["lens"].astype(np.int32), ckpt_lens,
+                                  block_size=g.block_size, kv_heads=g.kv_heads, head_dim=g.head_dim,
+                                  dtype_bytes=g.dtype_bytes, page_bytes=self.page_bytes,
+                                  num_blocks=g.num_blocks, num_layers=g.num_layers, advance=False)
+        if "stamp" in now:
+            rose = now["stamp"] > prev["stamp"]
+            # blocks one sequence held from the last checkpoint until now: only it wrote them
+            held = np.zeros(g.num_blocks, bool)
+            for s in np.flatnonzero(same):
+                nblk = -(-int(prev["lens"][s]) // g.block_size)
+                row_prev, row_now = prev["tables"][s, :nblk], now["tables"][s, :nblk]
+                keep = (row_prev == row_now) & (row_now >= 0)
+                held[row_now[keep]] = True
+            whole = np.flatnonzero(rose & ~held)
+            if whole.size:
+                ids = np.union1d(ids, _kv_block_pages(g, whole, self.page_bytes)).astype(np.uint32)
+        if advance:
+            self.kv_prev = now
+        return ids
+
+
+def _kv_block_pages(g: KvGeometry, blocks: np.ndarray, pb: int) -> np.ndarray:
+    """Every page of the given blocks, K and V, in every layer."""
+    block_bytes = 2 * g.block_size * g.kv_heads * g.head_dim * g.dtype_bytes
+    layer_bytes = g.num_blocks * block_bytes
+    lo = (np.arange(g.num_layers, dtype=np.int64)[:, None] * layer_bytes
+          + blocks.astype(np.int64)[None, :] * block_bytes).ravel()
+    first, last = lo // pb, (lo + block_bytes - 1) // pb
+    counts = last - first + 1
+    rel = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    return np.unique(np.repeat(first, counts) + rel)
+
+
+def gather_pages(region: Region, ids: np.ndarray) -> np.ndarray:
+    """Host uint8 [len(ids), page_bytes] copy of the listed pages (last page zero-padded)."""
+    pb, flat, xp = region.page_bytes, region.flat, region.xp
+    full = region.nbytes // pb
+    out = np.zeros((ids.size, pb), np.uint8)
+    body = ids[ids < full]
+    if body.size:
+        rows = flat[:full * pb].reshape(full, pb)
+        if xp is np:
+            np.take(rows, body, axis=0, out=out[:body.size])
+        else:
+            out[:body.size] = xp.take(rows, xp.asarray(body.astype(np.int64)), axis=0).get()
+    if body.size < ids.size:  # the short last page
+        tail = flat[full * pb:]
+        out[-1, :tail.size] = to_host(tail)
+    return out

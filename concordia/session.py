@@ -1,0 +1,449 @@
+"""`Session`: the public API that protects a program's GPU (or host) state.
+
+    s = Session("shm:agent-7")                    # open, or create, a log on any tier
+    s.register("kv", kv, kind="kv", page_bytes=4096, block_tables=bt, seq_lens=lens)
+    s.register("adapter", lora, kind="adapter")
+    s.checkpoint()                                # one durable epoch across all regions
+    ...
+    arrays = Session("shm:agent-7").recover()     # {name: array} as of the last commit
+
+A checkpoint is one epoch: for every region the dirty pages are found (see
+`concordia.regions`), staged as page-batch records into reserved log space,
+persisted, and then one commit record carries every region's digest.  The first
+checkpoint of a region in a log writes all its pages (as ordinary page batches
+of that epoch: the BASE flag of FORMAT.md §12 belongs to base snapshots listed
+in a catalog, which compaction writes).  An
+epoch without its commit never reaches a region, so a crash at any point leaves
+the state of the previous commit.
+
+Bad input raises a one-line `SessionError` subclass before anything is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from concordia.errors import (ConcordiaError, DuplicateRegionError, NotALogError, NothingToRecoverError,
+                              PathNotFoundError, RecoverMismatchError, RegionMismatchError, SessionClosedError,
+                              SessionError, UnknownRegionError, UnsupportedArrayError)
+from concordia.gpu_kernels import reference as ref
+from concordia.policy import Policy
+from concordia.regions import DETECTORS, KINDS, KvGeometry, Region, adapt, gather_pages, storage_of, to_host
+
+DEFAULT_SIZE = 256 << 20
+#: most payload bytes in one page-batch record (records must fit a segment)
+MAX_BATCH_BYTES = 8 << 20
+
+
+@dataclasses.dataclass
+class CheckpointStats:
+    """What one checkpoint did.  Times in milliseconds."""
+
+    epoch: int
+    reason: str
+    pages: dict            # region name -> pages written
+    base: list             # regions written whole (first checkpoint in this log)
+    bytes: int             # payload bytes written
+    log_bytes: int         # record bytes written (headers and tables included)
+    detect_ms: float
+    stage_ms: float
+    commit_ms: float
+
+    @property
+    def total_ms(self) -> float:
+        return self.detect_ms + self.stage_ms + self.commit_ms
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["total_ms"] = self.total_ms
+        return d
+
+
+@dataclasses.dataclass
+class RecoveryStats:
+    epoch: int
+    plan_ms: float
+    restore_ms: float
+    bytes: int             # payload bytes read from the log
+    pages: int
+    regions: dict          # name -> bytes of the region
+    dropped: list
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _wal():
+    from concordia import wal
+    from concordia.wal import Log
+
+    return wal, Log
+
+
+class Session:
+    """Protects registered arrays by checkpointing them into one log.
+
+    log: a log name (``file:PATH``, ``shm:NAME``, ``pmem:PATH``, ``dax:/dev/daxX.Y``,
+    a plain path), a `devmem` backend, or an open `concordia.wal.Log`.
+    create: format a new log when the target holds none.  overwrite: format
+    even when it holds one (its contents are lost).  size / segment_size: of a
+    new log.  policy: when `step()` checkpoints (a `Policy`).
+    """
+
+    def __init__(self, log, *, create: bool = True, size: int | None = None,
+                 segment_size: int | None = None, policy: Policy | None = None,
+                 overwrite: bool = False):
+        self.policy = policy or Policy()
+        self._regions: dict[str, Region] = {}
+        self._closed = False
+        self.log, self._owns_log = _open_log(log, create=create, size=size,
+                                             segment_size=segment_size, overwrite=overwrite)
+        self._next_epoch = _max_epoch(self.log) + 1
+        self.checkpoints: list[CheckpointStats] = []
+        self.last_recovery: RecoveryStats | None = None
+
+    # ------------------------------------------------------------ lifecycle
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self) -> None:
+        """Close the log (when this session opened it).  Registered arrays are
+        left as they are; committed epochs stay in the log."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._owns_log:
+            self.log.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self, doing: str) -> None:
+        if self._closed:
+            raise SessionClosedError(f"cannot {doing}: the session is closed",
+                                     hint="open a new Session on the same log")
+
+    @property
+    def epoch(self) -> int:
+        """The last committed epoch of the log (0 when none)."""
+        return int(self.log.last_committed_epoch or 0)
+
+    @property
+    def regions(self) -> dict[str, Region]:
+        return dict(self._regions)
+
+    # ------------------------------------------------------------ register
+    def register(self, name: str, array, kind: str = "opaque", page_bytes: int = 4096, *,
+                 detect: str = "auto", block_tables=None, seq_lens=None, block_stamp=None,
+                 seq_ids=None, slot_versions=None, pages_per_slot: int | None = None) -> Region:
+        """Protect `array` (numpy, CuPy, or a PyTorch tensor through DLPack) as
+        region `name`.  The array must stay the same object and be updated in
+        place; its shape, dtype and storage are checked at every checkpoint.
+
+        kind="kv" with block_tables and seq_lens (live arrays, [seqs, max_blocks]
+        and [seqs]) scans the block tables instead of diffing the cache; add
+        block_stamp (per-block counter the caller raises on every write) so
+        blocks freed between checkpoints are seen, and seq_ids (per-slot
+        sequence id) so a slot handed to a new sequence is seen.
+        kind="adapter" with slot_versions (a counter per slot the caller bumps
+        on every write) and pages_per_slot scans versions instead of diffing.
+        """
+        self._check_open(f"register region {name!r}")
+        where = f"region {name!r}"
+        if not isinstance(name, str) or not name or len(name) > 255:
+            raise SessionError("a region name is a non-empty string of at most 255 characters",
+                               where=f"region {name!r}")
+        if kind not in KINDS:
+            raise SessionError(f"unknown kind {kind!r} (use {', '.join(KINDS)})", where=where)
+        if detect not in DETECTORS:
+            raise SessionError(f"unknown detector {detect!r} (use {', '.join(DETECTORS)})", where=where)
+        if not isinstance(page_bytes, (int, np.integer)) or page_bytes <= 0 or page_bytes % 64:
+            raise SessionError(f"page_bytes must be a positive multiple of 64, not {page_bytes!r}",
+                               where=where)
+        if name in self._regions:
+            raise DuplicateRegionError("a region of this name is already registered", where=where)
+        arr, xp, owner = adapt(array, where)
+        if not arr.flags.c_contiguous:
+            raise UnsupportedArrayError("the array is not C-contiguous", where=where,
+                                        hint="protect the contiguous base array")
+        if arr.nbytes == 0:
+            raise UnsupportedArrayError("the array is empty", where=where)
+        if arr.dtype.kind not in "biufc":
+            raise UnsupportedArrayError(f"dtype {arr.dtype} cannot be logged", where=where)
+
+        hints: dict = {}
+        if detect == "auto":
+            if kind == "kv" and block_tables is not None and seq_lens is not None:
+                detect = "blocks"
+            elif kind == "adapter" and slot_versions is not None:
+                detect = "versions"
+            else:
+                detect = "shadow"
+        if detect == "blocks":
+            if block_tables is None or seq_lens is None:
+                raise SessionError("the block-table scanner needs block_tables and seq_lens", where=where)
+            hints.update(block_tables=block_tables, seq_lens=seq_lens, block_stamp=block_stamp,
+                         seq_ids=seq_ids, geometry=KvGeometry.of(arr.shape, arr.dtype.itemsize, where))
+        if detect == "versions":
+            if slot_versions is None or not pages_per_slot:
+                raise SessionError("the version scanner needs slot_versions and pages_per_slot",
+                                   where=where)
+            hints.update(slot_versions=slot_versions, pages_per_slot=int(pages_per_slot))
+
+        region = Region(name=name, kind=kind, page_bytes=int(page_bytes), array=arr, xp=xp, owner=owner,
+                        storage=storage_of(owner), detect=detect, hints=hints)
+        info = self.log.regions.get(name)
+        if info is not None:
+            _check_same(info, region)
+            region.id = int(info.id)
+        else:
+            region.id = int(self.log.define_region(name, arr.dtype.str, region.shape, region.page_bytes, kind))
+        self._regions[name] = region
+        return region
+
+    # ------------------------------------------------------------ checkpoint
+    def step(self, n: int = 1) -> CheckpointStats | None:
+        """Count `n` steps of the caller's loop and checkpoint when the policy says so."""
+        self._check_open("step")
+        self.policy.note_step(n)
+        return self.maybe_checkpoint()
+
+    def maybe_checkpoint(self) -> CheckpointStats | None:
+        """Checkpoint if a trigger of the policy fires (steps, time, dirty bytes)."""
+        self._check_open("checkpoint")
+        dirty = self.dirty_bytes() if self.policy.needs_dirty_bytes else None
+        reason = self.policy.due(dirty)
+        return self.checkpoint(reason=reason) if reason else None
+
+    def dirty_bytes(self) -> int:
+        """Bytes a checkpoint taken now would write (detectors are not advanced)."""
+        self._check_open("measure dirty bytes")
+        return sum(int(r.dirty_pages(advance=False).size) * r.page_bytes for r in self._regions.values())
+
+    def checkpoint(self, *, reason: str = "manual") -> CheckpointStats:
+        """One durable epoch across every registered region; returns what it wrote."""
+        self._check_open("checkpoint")
+        if not self._regions:
+            raise SessionError("nothing to checkpoint: no region is registered")
+        for r in self._regions.values():
+            r.check_unchanged()  # before anything is written
+        epoch = self._next_epoch
+        self._next_epoch += 1  # never reused, even if this epoch fails
+        app = self.log.appender
+        pages, base, nbytes, log_bytes = {}, [], 0, 0
+        detect_s = stage_s = 0.0
+        try:
+            for r in self._regions.values():
+                t0 = time.perf_counter()
+                is_base = r.crcs is None
+                ids = r.dirty_pages(advance=True)
+                t1 = time.perf_counter()
+                if is_base:
+                    r.crcs = np.zeros(r.pages, np.uint32)
+                    base.append(r.name)
+                lb = _stage_region(app, r, ids, epoch, is_base)
+                t2 = time.perf_counter()
+                detect_s += t1 - t0
+                stage_s += t2 - t1
+                pages[r.name] = int(ids.size)
+                nbytes += int(ids.size) * r.page_bytes
+                log_bytes += lb
+            t3 = time.perf_counter()
+            digests = {r.id: ref.region_digest(r.crcs) for r in self._regions.values()}
+            app.commit(epoch, digests=digests)
+            commit_s = time.perf_counter() - t3
+        except BaseException:
+            # The detectors may have advanced past pages that never got committed:
+            # make the next checkpoint of every region a full base again.
+            for r in self._regions.values():
+                r.crcs = None
+            raise
+        if base:  # a region written whole now has a baseline for its detector
+            for name in base:
+                self._regions[name].reset_detectors()
+        self.policy.reset()
+        stats = CheckpointStats(epoch, reason, pages, base, nbytes, log_bytes,
+                                detect_s * 1e3, stage_s * 1e3, commit_s * 1e3)
+        self.checkpoints.append(stats)
+        return stats
+
+    # ------------------------------------------------------------ recover
+    def recover(self, target="latest", *, into=None, device: str | None = None, mode=None,
+                regions=None) -> dict:
+        """Rebuild regions as of `target` ("latest" or an epoch number).
+
+        into=None: new arrays (numpy, or CuPy with device="cupy").
+        into="registered": into this session's registered arrays, in place; the
+        next checkpoint then continues from the recovered epoch as a delta.
+        into={name: array}: into the given arrays, in place.
+        Shapes and dtypes must match the log's regions exactly.
+        """
+        self._check_open("recover")
+        if into is not None and not (into == "registered" or isinstance(into, dict)):
+            raise SessionError("into must be None, 'registered' or a {name: array} dict")
+        if device not in (None, "numpy", "cpu", "cupy", "cuda"):
+            raise SessionError(f"unknown device {device!r} (use numpy or cupy)")
+        targets = self._recover_targets(into)
+        want = regions if regions is not None else (list(targets) if targets is not None else None)
+        if want is not None:
+            missing = [n for n in want if n not in self.log.regions]
+            if missing:
+                raise UnknownRegionError(f"the log holds no region {missing[0]!r} "
+                                         f"(it holds {sorted(self.log.regions)})", where=str(self.log_name))
+        if targets is not None:  # check every target before restoring anything
+            for name, arr in targets.items():
+                _check_target(self.log.regions[name], name, arr)
+        if not self.log.last_committed_epoch:
+            raise NothingToRecoverError("the log holds no committed epoch", where=str(self.log_name))
+        t0 = time.perf_counter()
+        plan, arrays, plan_s = _plan_and_apply(self.log, target, mode, want)
+        out = {}
+        for name, host in arrays.items():
+            if targets is not None and name in targets:
+                dst = targets[name]
+                dst_arr, xp, _ = adapt(dst, f"region {name!r}")
+                dst_arr[...] = host if xp is np else xp.asarray(host)
+                out[name] = dst
+            elif device in ("cupy", "cuda"):
+                import cupy
+
+                out[name] = cupy.asarray(host)
+            else:
+                out[name] = host
+        if into == "registered":
+            for name, r in self._regions.items():
+                r.crcs = ref.crc32c_pages(arrays[name], page_bytes=r.page_bytes) \
+                    if r.page_bytes == self.log.regions[name].page_bytes else None
+                r.reset_detectors()
+        t2 = time.perf_counter()
+        self.last_recovery = RecoveryStats(
+            epoch=int(plan.epoch), plan_ms=plan_s * 1e3, restore_ms=(t2 - t0 - plan_s) * 1e3, bytes=int(getattr(plan, "bytes_to_read", 0)),
+            pages=int(sum(getattr(rp, "pages_read", 0) for rp in plan.regions.values())),
+            regions={n: int(a.nbytes) for n, a in arrays.items()},
+            dropped=[d.to_json() if hasattr(d, "to_json") else str(d) for d in (plan.dropped or [])])
+        return out
+
+    def _recover_targets(self, into):
+        if into is None:
+            return None
+        if into == "registered":
+            if not self._regions:
+                raise SessionError("recover(into='registered') with no region registered")
+            return {n: r.owner for n, r in self._regions.items()}
+        return dict(into)
+
+    @property
+    def log_name(self) -> str:
+        return getattr(self.log, "name", None) or getattr(getattr(self.log, "backend", None), "where", "log")
+
+
+# ---------------------------------------------------------------- helpers
+def _open_log(log, *, create, size, segment_size, overwrite):
+    """(Log, owned): open the named log, or create it where allowed."""
+    wal, Log = _wal()
+    if isinstance(log, Log):
+        return log, False
+    kw = {} if segment_size is None else {"segment_size": segment_size}
+    volatile = isinstance(log, str) and log.split(":", 1)[0] in ("memory", "pinned")
+    if overwrite or volatile:  # a volatile tier holds nothing before this process made it
+        return Log.create(log, size=size or DEFAULT_SIZE, **kw), True
+    try:
+        return Log.open(log, writable=True), True
+    except (PathNotFoundError, NotALogError):
+        if not create:
+            raise
+    return Log.create(log, size=size or DEFAULT_SIZE, **kw), True
+
+
+def _max_epoch(log) -> int:
+    """The highest epoch any record of the log carries (committed or not), so a
+    new epoch never shares its number with records of a crashed one."""
+    best = int(log.last_committed_epoch or 0)
+    top = getattr(log, "max_epoch", None)
+    if top is not None:
+        return max(best, int(top))
+    for rec in log.records():
+        if rec.epoch > best:
+            best = int(rec.epoch)
+    return best
+
+
+def _check_same(info, r: Region) -> None:
+    """A region already in the log must be the same region."""
+    diffs = []
+    if np.dtype(info.dtype) != r.dtype:
+        diffs.append(f"dtype {np.dtype(info.dtype)} vs {r.dtype}")
+    if tuple(info.shape) != r.shape:
+        diffs.append(f"shape {list(info.shape)} vs {list(r.shape)}")
+    if int(info.page_bytes) != r.page_bytes:
+        diffs.append(f"page_bytes {info.page_bytes} vs {r.page_bytes}")
+    if info.kind != r.kind:
+        diffs.append(f"kind {info.kind} vs {r.kind}")
+    if diffs:
+        raise RegionMismatchError("the log already holds this region with other attributes (log vs array: "
+                                  + "; ".join(diffs) + ")", where=f"region {r.name!r}",
+                                  hint="use another log or another region name")
+
+
+def _check_target(info, name, arr) -> None:
+    a, _, _ = adapt(arr, f"region {name!r}")
+    if np.dtype(a.dtype) != np.dtype(info.dtype):
+        raise RecoverMismatchError(f"cannot recover {np.dtype(info.dtype)} data into a {a.dtype} array",
+                                   where=f"region {name!r}")
+    if tuple(a.shape) != tuple(info.shape):
+        raise RecoverMismatchError(f"cannot recover shape {list(info.shape)} into shape {list(a.shape)}",
+                                   where=f"region {name!r}")
+    if not a.flags.c_contiguous:
+        raise RecoverMismatchError("the target array is not C-contiguous", where=f"region {name!r}")
+
+
+def _stage_region(app, r: Region, ids: np.ndarray, epoch: int, base: bool) -> int:
+    """Write the listed pages as page-batch records of `epoch`; fill r.crcs.
+    Returns record bytes written."""
+    from concordia.wal import format as fmt
+
+    if ids.size == 0:
+        return 0
+    flags = 0  # a full first write is part of its epoch, not a catalogued base (FORMAT.md §12.1)
+    per = max(1, MAX_BATCH_BYTES // r.page_bytes)
+    written = 0
+    for lo in range(0, ids.size, per):
+        chunk = ids[lo:lo + per]
+        length = fmt.page_batch_length(int(chunk.size), r.page_bytes)
+        res = app.reserve(length)
+        if r.on_gpu:
+            pages = gather_pages(r, chunk)
+            fmt.encode_page_batch_into(res.view, lsn=res.lsn, epoch=epoch, region_id=r.id, salt=res.salt,
+                                       page_ids=chunk, pages=pages, page_bytes=r.page_bytes, flags=flags)
+        else:
+            cursor = ref.new_cursor()
+            ref.stage_page_batch(r.flat, chunk, res.view, cursor, page_bytes=r.page_bytes, base_lsn=res.lsn,
+                                 epoch=epoch, region_id=r.id, salt=res.salt, flags=flags)
+        n = int(chunk.size)
+        r.crcs[chunk] = res.view[64 + 4 * n:64 + 8 * n].view("<u4")
+        app.persist(res)
+        written += length
+    return written
+
+
+def _plan_and_apply(log, target, mode, regions):
+    """Plan the restore with the recovery planner and apply it on the host."""
+    from concordia.wal.apply import apply_plan_numpy
+    from concordia.wal.planner import plan as make_plan
+
+    kw = {} if mode is None else {"mode": mode}
+    t0 = time.perf_counter()
+    p = make_plan(log, target=target, **kw)
+    plan_s = time.perf_counter() - t0
+    arrays = apply_plan_numpy(log, p, regions=regions)
+    return p, arrays, plan_s
+
+
+__all__ = ["Session", "Policy", "CheckpointStats", "RecoveryStats", "ConcordiaError"]

@@ -1,0 +1,162 @@
+"""Bad input ends in one clear line, and loses nothing: the log and the arrays
+are as they were, and the session still works once the input is fixed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from concordia import Session
+from concordia.errors import (ConcordiaError, DuplicateRegionError, NothingToRecoverError, PathNotFoundError,
+                              RecoverMismatchError, RegionMismatchError, SessionClosedError, SessionError,
+                              ShapeChangedError, UnknownRegionError, UnsupportedArrayError)
+
+from .state import LOG_SIZE, SEGMENT, assert_same, copy, make_state, register_all
+
+
+def one_line(exc: ConcordiaError, *words):
+    text = str(exc)
+    assert "\n" not in text
+    for w in words:
+        assert w in text, (w, text)
+
+
+@pytest.fixture
+def session(file_log):
+    s = Session(file_log, size=LOG_SIZE, segment_size=SEGMENT)
+    yield s
+    s.close()
+
+
+def records(s):
+    return [(r.type, r.epoch, r.lsn) for r in s.log.records()]
+
+
+def test_register_after_close(session):
+    session.close()
+    with pytest.raises(SessionClosedError) as ei:
+        session.register("kv", np.zeros(16, np.float32))
+    one_line(ei.value, "closed", "'kv'")
+    with pytest.raises(SessionClosedError):
+        session.checkpoint()
+
+
+def test_array_that_changed_shape_is_refused_and_nothing_is_written(session):
+    state = make_state()
+    register_all(session, state)
+    session.checkpoint()
+    before = records(session)
+    state["sched"].shape = (150, 2)  # same memory, new shape
+    state["kv"][0, 0, 0, 0] += 1
+    with pytest.raises(ShapeChangedError) as ei:
+        session.checkpoint()
+    one_line(ei.value, "'sched'", "[300]", "[150, 2]")
+    assert records(session) == before and session.epoch == 1
+    state["sched"].shape = (300,)
+    st = session.checkpoint()  # fixed: the pending KV change is still caught
+    assert st.epoch == 2 and st.pages["kv"] == 1  # the refused attempt used no epoch
+    assert_same(session.recover(), state)
+
+
+def test_region_of_another_program_in_the_log(file_log):
+    with Session(file_log, size=LOG_SIZE, segment_size=SEGMENT) as s:
+        s.register("kv", np.zeros((4, 4), np.float32), kind="kv")
+        s.checkpoint()
+    with Session(file_log, create=False) as s:
+        before = records(s)
+        with pytest.raises(RegionMismatchError) as ei:
+            s.register("kv", np.zeros((4, 4), np.float16), kind="kv")
+        one_line(ei.value, "'kv'", "float32", "float16")
+        with pytest.raises(RegionMismatchError) as ei:
+            s.register("kv", np.zeros((8, 4), np.float32), kind="kv")
+        one_line(ei.value, "[4, 4]", "[8, 4]")
+        with pytest.raises(RegionMismatchError):
+            s.register("kv", np.zeros((4, 4), np.float32), kind="adapter")
+        assert records(s) == before
+        assert s.recover()["kv"].dtype == np.float32  # the log is intact
+
+
+def test_dtype_mismatch_on_recover_leaves_the_target_untouched(session):
+    state = make_state()
+    register_all(session, state)
+    session.checkpoint()
+    target = np.full(state["adapter"].shape, 7.0, np.float64)
+    other = np.zeros_like(state["kv"])
+    with pytest.raises(RecoverMismatchError) as ei:
+        session.recover(into={"kv": other, "adapter": target})
+    one_line(ei.value, "'adapter'", "float32", "float64")
+    assert (target == 7.0).all() and not other.any()  # checked before anything was restored
+    with pytest.raises(RecoverMismatchError) as ei:
+        session.recover(into={"adapter": np.zeros((4, 2, 8, 64), np.float32)})
+    one_line(ei.value, "shape")
+
+
+def test_recover_names_a_region_the_log_lacks(session):
+    session.register("a", np.zeros(64, np.int32))
+    session.checkpoint()
+    with pytest.raises(UnknownRegionError) as ei:
+        session.recover(into={"b": np.zeros(64, np.int32)})
+    one_line(ei.value, "'b'")
+
+
+def test_recover_from_a_log_without_a_commit(session):
+    session.register("a", np.zeros(64, np.int32))
+    with pytest.raises(NothingToRecoverError) as ei:
+        session.recover()
+    one_line(ei.value, "no committed epoch")
+
+
+def test_opening_a_missing_log_without_create(tmp_path):
+    with pytest.raises(PathNotFoundError):
+        Session(f"file:{tmp_path / 'absent.log'}", create=False)
+    assert not (tmp_path / "absent.log").exists()
+
+
+@pytest.mark.parametrize("args, kw, err, words", [
+    (("x", [1, 2, 3]), {}, UnsupportedArrayError, ["'x'", "list"]),
+    (("x", np.zeros((8, 8), np.float32)[:, ::2]), {}, UnsupportedArrayError, ["contiguous"]),
+    (("x", np.zeros(0, np.float32)), {}, UnsupportedArrayError, ["empty"]),
+    (("x", np.zeros(4, object)), {}, UnsupportedArrayError, ["dtype"]),
+    (("x", np.zeros(64, np.float32)), {"kind": "weights"}, SessionError, ["kind", "weights"]),
+    (("x", np.zeros(64, np.float32)), {"page_bytes": 100}, SessionError, ["page_bytes", "64"]),
+    (("x", np.zeros(64, np.float32)), {"detect": "blocks"}, SessionError, ["block_tables"]),
+    (("", np.zeros(64, np.float32)), {}, SessionError, ["name"]),
+])
+def test_bad_registrations(session, args, kw, err, words):
+    with pytest.raises(err) as ei:
+        session.register(*args, **kw)
+    one_line(ei.value, *words)
+    assert session.regions == {}
+
+
+def test_the_same_name_twice(session):
+    a = np.zeros(64, np.float32)
+    session.register("a", a)
+    with pytest.raises(DuplicateRegionError) as ei:
+        session.register("a", a.copy())
+    one_line(ei.value, "'a'")
+
+
+def test_checkpoint_with_nothing_registered(session):
+    with pytest.raises(SessionError) as ei:
+        session.checkpoint()
+    one_line(ei.value, "no region")
+
+
+def test_a_failed_checkpoint_loses_nothing(session):
+    state = make_state()
+    register_all(session, state)
+    session.checkpoint()
+    state["kv"][1, 1, 1, 1] += 3
+    real = session.log.appender.commit
+
+    def broken(*a, **k):
+        raise OSError(5, "Input/output error")
+
+    session.log.appender.commit = broken
+    with pytest.raises(OSError):
+        session.checkpoint()
+    session.log.appender.commit = real
+    st = session.checkpoint()  # the detectors were reset: everything is written again
+    assert sorted(st.base) == sorted(state)
+    assert_same(session.recover(), copy(state))
