@@ -60,7 +60,6 @@ class Appender:
         self.last_committed_epoch = last_committed_epoch
         self.last_commit_lsn = last_commit_lsn
         self._pmem = self.backend.persist_path == "libpmem"
-        self._volatile = self.backend.persist_path == "none"
         self._dirty: list[list[int]] = []  # [start, end) ranges to persist at the next commit
         self.on_write = None  # called after every record write (the Log's rescan flag)
 
@@ -91,6 +90,10 @@ class Appender:
         off = self.pos
         self.pos += n
         seg = self.seg
+        if self.pos + 64 <= seg.offset + seg.nbytes:
+            # the header slot after this reservation starts zero, so that after a crash
+            # the data ends cleanly there even in a recycled segment full of stale bytes
+            self.backend.array[self.pos:self.pos + 64] = 0
         res = cls(self.backend.array[off:off + n], off, seg.base_lsn + (off - seg.offset), seg.salt,
                   seg.index, n, next(_ids), cls is Extent)
         self.outstanding[res.id] = res
@@ -221,8 +224,6 @@ class Appender:
         return res.lsn
 
     def _defer(self, off: int, n: int) -> None:
-        if self._volatile:
-            return
         if self._pmem:
             self.backend.flush(off, n)  # cache lines still hot; drained at commit
             self._dirty.append([off, off + n])

@@ -39,8 +39,8 @@ from concordia.wal.snapshot import (
     DEFAULT_CHUNK_BYTES,
     Catalog,
     _page_source,
+    append_catalog,
     current_catalog,
-    encode_catalog_body,
     write_base_records,
 )
 
@@ -212,42 +212,29 @@ def compact(log, epoch: int | None = None, *, live: dict | None = None, keep_bas
         return rep  # nothing changes: write nothing
 
     cat = Catalog(prev.sequence + 1, tuple(kept), keep_bases, floor)
-    cat_lsn = _append_catalog(log, cat, prev.lsn)
-    changes = dict(catalog_lsn=cat_lsn, oldest_epoch=floor, retain_epochs=keep_epochs)
     low = needed_from(h, kept, cut, floor) if reclaim else None
-    if low is not None and reclaim:
-        low = min(low, cat_lsn, _descriptors_kept_from(log, low))
-        rep.segments_freed = log.volume.reclaim_segments(low, **changes)
-        rep.oldest_lsn = log.volume.superblock.oldest_lsn
+    if low is not None and h.region_lsns and min(h.region_lsns.values()) < low:
+        _rewrite_descriptors(log)  # they would go with their segment
+    cat_lsn = append_catalog(log, cat, prev.lsn)
+    changes = dict(catalog_lsn=cat_lsn, oldest_epoch=floor, retain_epochs=keep_epochs)
+    if low is not None:
+        rep.segments_freed = log.volume.reclaim_segments(min(low, cat_lsn), **changes)
     else:
         log.volume.write_superblock(**changes)
+    rep.oldest_lsn = log.volume.superblock.oldest_lsn
     rep.seconds = time.perf_counter() - t0
     return rep
 
 
-def _append_catalog(log, cat: Catalog, prev_lsn: int) -> int:
-    """Append a catalog record (not yet current) and persist it; returns its LSN."""
+def _rewrite_descriptors(log) -> None:
+    """Append every region descriptor again (same id and attributes) so the log
+    keeps describing itself once the segments holding the old ones are freed."""
     from concordia.wal import format as F
 
-    body = encode_catalog_body(cat)
     app = log.appender
-    res = app.reserve(F.record_length(len(body)))
-    F.encode_record_into(res.view, type=F.REC_CATALOG, lsn=res.lsn, epoch=max(cat.floor_epoch,
-                         max((e.epoch for e in cat.entries), default=0)), salt=res.salt, body=body,
-                         aux=prev_lsn)
-    app.persist(res)
-    return res.lsn
-
-
-def _descriptors_kept_from(log, low: int) -> int:
-    """Region descriptors below `low` would be reclaimed with their segment:
-    write them again above it first, so the log keeps describing itself."""
-    rewrite = getattr(log, "rewrite_region_descriptors", None)
-    if rewrite is not None:
-        rewrite(below_lsn=low)
-        return low
-    lows = [lsn for lsn in getattr(log, "region_lsns", {}).values()]
-    return min([low] + lows)
+    for info in log.regions.values():
+        body = F.encode_region_body(info.name, info.dtype, info.shape, info.page_bytes, info.kind)
+        app.append_record(type=F.REC_REGION, epoch=0, body=body, region_id=info.id, page_bytes=info.page_bytes)
 
 
 __all__ = ["compact", "CompactReport", "retention", "needed_from"]

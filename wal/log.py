@@ -74,6 +74,8 @@ class Log:
         """Cut after the last commit: free later live segments, zero the rest of the
         cut segment, write again the region descriptors that lay after the cut."""
         live = [s for s in vol.live_segments() if s.index not in res.bad_segments]
+        # copies: the bytes are about to be zeroed or reused
+        tail_regions = [(rec.region_id, rec.page_bytes, bytes(rec.body)) for rec in res.tail_regions]
         all_live = vol.live_segments()
         if res.cut is not None:
             seg, pos = res.cut
@@ -84,20 +86,19 @@ class Log:
         if seg is not None:
             later = [s.index for s in all_live if s.seq > seg.seq]
             if later:
-                vol.free_segments(later)
+                vol.free_segments(later, invalidate=True)
             end = seg.offset + seg.nbytes
             arr = vol.backend.array
             if arr[pos:end].any():
                 arr[pos:end] = 0
                 vol.backend.persist(pos, end - pos)
         elif all_live:
-            vol.free_segments([s.index for s in all_live])
+            vol.free_segments([s.index for s in all_live], invalidate=True)
         app = Appender(vol, segment=seg, pos=pos, last_committed_epoch=res.last_committed_epoch,
                        last_commit_lsn=res.last_commit_lsn)
-        for rec in res.tail_regions:
-            body = bytes(rec.body)  # copy: the bytes are about to be zeroed or reused
-            app.append_record(type=F.REC_REGION, epoch=0, body=body, region_id=rec.region_id,
-                              page_bytes=rec.page_bytes)
+        for region_id, page_bytes, body in tail_regions:
+            app.append_record(type=F.REC_REGION, epoch=0, body=body, region_id=region_id,
+                              page_bytes=page_bytes)
         return app
 
     # -- state ------------------------------------------------------------------------

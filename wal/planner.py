@@ -181,6 +181,7 @@ class History:
     bases: list  # BaseEntry, from the current catalog
     damage: list = field(default_factory=list)  # Damage
     floor_epoch: int = 0  # oldest epoch retention still keeps (0 = all)
+    region_lsns: dict = field(default_factory=dict)  # id -> LSN of its newest descriptor
 
     def committed_epochs(self) -> list:
         eps = set(self.commits)
@@ -423,8 +424,9 @@ class _Index:
                 break
             bad_base = bad_base or why
         start = base.epoch if base else 0
-        if base is None and floor > 1:
-            # deltas before the floor were reclaimed: without a base nothing is whole
+        if base is None and floor > 0 and bad_base is not None:
+            # compaction based this region, and its deltas before the base may be
+            # reclaimed: without a usable base nothing is whole
             return None, [], [], bad_base or Damage(
                 segment=-1, offset=-1, lsn=None,
                 reason=f"no usable base of region {rid} at or before epoch {target} "
@@ -635,8 +637,146 @@ def plan_history(
     )
 
 
+
+
+# --------------------------------------------------------------------------- reading a log
+
+
+def _volume(log):
+    vol = getattr(log, "volume", None) or getattr(log, "_volume", None) or getattr(log, "vol", None)
+    if vol is None and hasattr(log, "live_segments"):
+        vol = log
+    if vol is None:
+        raise PlanError(f"cannot read records of {type(log).__name__}", hint="pass an open Log")
+    return vol
+
+
+def scan(log, *, payload: bool = True, check_pages: bool = False) -> History:
+    """Read the metadata of every record of `log` into a History.
+
+    The scan is record-level and tolerant: every damaged range becomes a
+    `Damage` (attributed to its epoch and region when the record header is
+    intact), and the planner decides what the recovery mode does with it.
+    Page payloads are CRC-checked only with check_pages=True; the applier
+    checks every page it copies anyway.  With payload=True each Batch carries a
+    view of its pages in the log mapping (no copy)."""
+    from concordia.wal import format as F
+    from concordia.wal.reader import ScanResult, Scanner
+    from concordia.wal.snapshot import decode_catalog_body
+
+    vol = _volume(log)
+    sb = vol.superblock
+    arr = vol.backend.array
+    mv = vol.backend.view
+    items = list(Scanner(vol, check_pages=check_pages).items(ScanResult()))
+    last_commit = -1
+    for i, it in enumerate(items):
+        if it[0] == 0 and it[3][1] & F.TYPE_MASK == F.REC_COMMIT:
+            last_commit = i
+
+    regions, batches, commits, damage, catalogs, region_lsns = {}, [], {}, [], {}, {}
+    prev_commit = None  # (lsn, epoch) of the last commit seen
+    for i, it in enumerate(items):
+        seg, off = it[1], it[2]
+        lsn_here = seg.base_lsn + (off - seg.offset)
+        if it[0] != 0:  # damaged range
+            reason = it[4]
+            epoch = rid = None
+            base = False
+            if off + 64 <= arr.size and F.check_record_header_bytes(mv, off) is None:
+                h = F.RecordHeader(*F._unpack_header(mv, off))
+                if h.lsn == lsn_here:
+                    kind = h.kind
+                    if kind == F.REC_PAGE_BATCH:
+                        epoch, rid, base = h.epoch, h.region_id, bool(h.flags & FLAG_BASE)
+                    elif kind == F.REC_COMMIT:
+                        epoch, reason = h.epoch, f"commit of epoch {h.epoch}: {reason}"
+                    elif kind == F.REC_REGION:
+                        reason = f"region descriptor {h.region_id}: {reason}"
+            damage.append(Damage(seg.index, off, lsn_here, reason, epoch, rid, tail=i > last_commit, base=base))
+            continue
+        h = it[3]
+        length, typ, flags, rid, lsn, epoch = h[0], h[1], h[2], h[4], h[5], h[6]
+        kind = typ & F.TYPE_MASK
+        if kind == F.REC_PAGE_BATCH:
+            count, pb = h[9], h[10]
+            t = arr[off + 64: off + 64 + 8 * count].view("<u4")
+            poff = off + F.page_batch_payload_offset(count)
+            batches.append(Batch(
+                lsn=lsn, epoch=epoch, region_id=rid, base=bool(flags & FLAG_BASE),
+                page_ids=t[:count], page_crcs=t[count:], page_bytes=pb, segment=seg.index,
+                offset=off, length=length,
+                payload=arr[poff: poff + count * pb].reshape(count, pb) if payload else None))
+        elif kind == F.REC_COMMIT:
+            hdr = F.RecordHeader(*F._unpack_header(mv, off))
+            try:
+                info = F.decode_commit_body(mv[off + 64: off + 64 + h[9]], hdr)
+            except CorruptionError as exc:
+                damage.append(Damage(seg.index, off, lsn, f"commit of epoch {epoch}: {exc.message}", epoch,
+                                     tail=i > last_commit))
+                continue
+            if prev_commit is not None and info.prev_commit_lsn != prev_commit[0]:
+                # the commit before this one is lost: every epoch after the last
+                # intact commit up to this one may miss records
+                damage.append(Damage(seg.index, off, lsn,
+                                     f"commit of epoch {epoch} names previous commit at lsn "
+                                     f"{info.prev_commit_lsn}, found {prev_commit[0]}: a commit is missing",
+                                     prev_commit[1] + 1))
+            commits[epoch] = Commit(epoch, lsn, info.first_lsn, dict(info.digests), info.record_count,
+                                    seg.index, off)
+            prev_commit = (lsn, epoch)
+        elif kind == F.REC_REGION:
+            try:
+                r = F.decode_region_body(mv[off + 64: off + 64 + h[9]], rid, h[10])
+            except CorruptionError as exc:
+                damage.append(Damage(seg.index, off, lsn, f"region descriptor {rid}: {exc.message}"))
+                continue
+            regions[rid] = RegionMeta(rid, r.name, r.dtype, tuple(r.shape), r.page_bytes, r.nbytes)
+            region_lsns[rid] = lsn
+        elif kind == F.REC_CATALOG:
+            catalogs[lsn] = (seg.index, off, h[9])
+
+    bases, floor = [], int(sb.oldest_epoch)
+    if sb.catalog_lsn:
+        found = catalogs.get(sb.catalog_lsn)
+        if found is None:
+            damage.append(Damage(-1, 0, sb.catalog_lsn,
+                                 f"the catalog the superblock names (lsn {sb.catalog_lsn}) is missing or damaged"))
+        else:
+            seg_i, off, count = found
+            try:
+                cat = decode_catalog_body(mv[off + 64: off + 64 + count], lsn=sb.catalog_lsn)
+            except CorruptionError as exc:
+                damage.append(Damage(seg_i, off, sb.catalog_lsn, f"catalog: {exc.message}"))
+            else:
+                bases = list(cat.entries)
+                floor = max(floor, cat.floor_epoch)
+    if not regions and hasattr(log, "regions"):
+        for r in log.regions.values():
+            regions[r.id] = RegionMeta(r.id, r.name, r.dtype, tuple(r.shape), r.page_bytes, r.nbytes)
+    return History(regions=regions, batches=batches, commits=commits, bases=bases, damage=damage,
+                   floor_epoch=floor, region_lsns=region_lsns)
+
+
+def plan(log, target="latest", mode=None, *, regions=None, bandwidth: float | None = None,
+         check_pages: bool | None = None) -> Plan:
+    """Plan a restore of the open `log` at `target` ("latest", an epoch, or
+    ("lsn", n)) under recovery `mode` (default: the mode the log was opened
+    with, else tolerate_tail).  See the module doc for what the plan holds.
+
+    check_pages (default: only for point_in_time and skip_corrupt, whose
+    fallback must know every damaged page before it chooses) CRC-checks every
+    page of the log during the scan; otherwise the applier checks the pages it
+    copies and a damaged one ends the restore with an error naming it."""
+    if mode is None:
+        mode = getattr(log, "mode", None)
+    if check_pages is None:
+        check_pages = mode_name(mode) in ("point_in_time", "skip_corrupt")
+    return plan_history(scan(log, check_pages=check_pages), target, mode, regions=regions, bandwidth=bandwidth)
+
+
 __all__ = [
     "FLAG_BASE", "DEFAULT_BANDWIDTH", "MODES", "PlanError", "mode_name",
     "RegionMeta", "Batch", "Commit", "BaseEntry", "Damage", "History",
-    "Source", "RegionPlan", "Dropped", "Plan", "plan_history",
+    "Source", "RegionPlan", "Dropped", "Plan", "plan_history", "scan", "plan",
 ]

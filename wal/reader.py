@@ -163,7 +163,11 @@ class Scanner:
             if why:
                 result.bad_segments.add(seg.index)
                 end = min(seg.offset + seg.nbytes, self.backend.size)
-                yield _DMG, seg, seg.offset, max(0, end - seg.offset), why
+                # records inside may still check (the table names salt and base LSN):
+                # a valid commit among them means this damage hides committed data
+                hides_commit = any(it[0] == _REC and it[3][1] & F.TYPE_MASK == F.REC_COMMIT
+                                   for it in self._segment(seg))
+                yield _DMG, seg, seg.offset, max(0, end - seg.offset), why, hides_commit
                 continue
             yield from self._segment(seg)
 
@@ -249,6 +253,8 @@ class Scanner:
             return None if p is None else (p[0] if p[1] == pos else f"{p[0]} (at 0x{p[1]:x})")
         if kind == F.REC_PAD:
             return None
+        if kind not in F.TYPE_NAMES and not typ & F.TYPE_IGNORABLE:
+            return f"unknown record type 0x{typ:02x} (not marked ignorable)"
         length = h[0]
         if 64 + count > length or F.align64(count) + 64 != length:
             return f"body of {count} bytes does not match record length {length}"
@@ -257,8 +263,6 @@ class Scanner:
             return f"body CRC mismatch, stored 0x{h[8]:08x}, computed 0x{got:08x}"
         if self.arr[pos + 64 + count:pos + length].any():
             return "record padding is not zero"
-        if kind not in F.TYPE_NAMES and not typ & F.TYPE_IGNORABLE:
-            return f"unknown record type 0x{typ:02x} (not marked ignorable)"
         return None
 
 
@@ -286,8 +290,8 @@ def recover(vol: Volume, mode: RecoveryMode = RecoveryMode.TOLERATE_TAIL,
     # the last structurally valid commit decides what is tail and what is corruption
     last_commit = -1
     for i, it in enumerate(items):
-        if it[0] == _REC and it[3][1] & F.TYPE_MASK == F.REC_COMMIT:
-            last_commit = i
+        if (it[0] == _REC and it[3][1] & F.TYPE_MASK == F.REC_COMMIT) or (it[0] == _DMG and len(it) > 5 and it[5]):
+            last_commit = i + 1 if it[0] == _DMG else i
 
     stats: dict[int, list] = {}  # epoch -> [count, bytes, first_lsn, seg, first_off]
     last_epoch = 0

@@ -132,6 +132,22 @@ def _page_source(info, data) -> Callable[[int, int], np.ndarray]:
     return pages
 
 
+def _append_base_batch(log, epoch: int, region_id: int, page_ids, pages, page_crcs) -> int:
+    """Append one BASE page batch at a committed epoch (the appender's
+    append_page_batch refuses committed epochs: base records are outside epoch
+    accounting, FORMAT.md V-N1) and persist it; returns its LSN."""
+    from concordia.wal import format as F
+
+    count, pb = pages.shape
+    app = log.appender
+    res = app.reserve(F.page_batch_length(count, pb))
+    F.encode_page_batch_into(res.view, lsn=res.lsn, epoch=epoch, region_id=region_id, salt=res.salt,
+                             page_ids=page_ids, pages=pages, page_bytes=pb, flags=F.FLAG_BASE,
+                             page_crcs=page_crcs)
+    app.persist(res)
+    return res.lsn
+
+
 def write_base_records(log, info, source, epoch: int, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                        progress: Callable[[int], None] | None = None) -> BaseEntry:
     """Append the BASE page batches of a full image of region `info` at `epoch`,
@@ -140,9 +156,8 @@ def write_base_records(log, info, source, epoch: int, *, chunk_bytes: int = DEFA
     from concordia.wal.format import page_crcs_of, region_digest
 
     pb = info.page_bytes
-    per = max(1, min(chunk_bytes // pb, (1 << 24)))
+    per = max(1, min(chunk_bytes // pb, 1 << 20))
     crcs = np.zeros(info.pages, dtype=np.uint32)
-    app = log.appender
     first = last = None
     records = 0
     for lo in range(0, info.pages, per):
@@ -150,7 +165,7 @@ def write_base_records(log, info, source, epoch: int, *, chunk_bytes: int = DEFA
         pages = np.ascontiguousarray(source(lo, hi), dtype=np.uint8).reshape(hi - lo, pb)
         c = page_crcs_of(pages)
         crcs[lo:hi] = c
-        lsn = app.append_page_batch(epoch, info.id, np.arange(lo, hi, dtype=np.uint32), pages, base=True)
+        lsn = _append_base_batch(log, epoch, info.id, np.arange(lo, hi, dtype=np.uint32), pages, c)
         first = lsn if first is None else first
         last = lsn
         records += 1
@@ -161,42 +176,64 @@ def write_base_records(log, info, source, epoch: int, *, chunk_bytes: int = DEFA
     return BaseEntry(info.id, int(epoch), int(first), int(last), records, info.pages, region_digest(crcs))
 
 
+def record_at(log, lsn: int):
+    """(segment index, absolute offset, RecordHeader) of the valid record at `lsn`;
+    raises CorruptionError naming the place when there is none."""
+    from concordia.wal import format as F
+
+    vol = log.volume
+    for seg in vol.live_segments():
+        if seg.base_lsn <= lsn < seg.end_lsn:
+            off = seg.offset + (lsn - seg.base_lsn)
+            where = f"segment {seg.index} @ {off:#x}"
+            problem = F.check_record_header_bytes(vol.backend.view, off)
+            if problem:
+                raise CorruptionError(problem, where=where)
+            h = F.RecordHeader(*F._unpack_header(vol.backend.view, off))
+            if h.lsn != lsn or h.salt != seg.salt:
+                raise CorruptionError(f"no record of lsn {lsn} here (found lsn {h.lsn})", where=where)
+            return seg.index, off, h
+    raise CorruptionError(f"lsn {lsn} lies in no live segment")
+
+
 def current_catalog(log) -> Catalog:
     """The catalog the superblock points at (EMPTY_CATALOG when none)."""
-    from concordia.wal import format as fmt
+    from concordia.wal import format as F
+    from crc32c import crc32c as _crc
 
-    lsn = int(getattr(log.superblock, "catalog_lsn", 0) or 0)
+    lsn = int(log.volume.superblock.catalog_lsn)
     if not lsn:
         return EMPTY_CATALOG
-    rec = log.record_at(lsn)
-    if rec.type & fmt.TYPE_MASK != fmt.REC_CATALOG:
+    seg, off, h = record_at(log, lsn)
+    where = f"segment {seg} @ {off:#x}"
+    if h.kind != F.REC_CATALOG:
         raise CorruptionError(f"superblock names lsn {lsn} as the catalog, but it holds record type "
-                              f"0x{rec.type:02x}", where=f"segment {rec.segment} @ {rec.offset:#x}")
+                              f"0x{h.type:02x}", where=where)
+    body = log.volume.backend.view[off + 64: off + 64 + h.count]
+    if _crc(body) != h.body_crc:
+        raise CorruptionError("catalog body CRC mismatch", where=where)
     try:
-        return decode_catalog_body(rec.body, lsn=lsn)
+        return decode_catalog_body(body, lsn=lsn)
     except CorruptionError as exc:
-        raise CorruptionError(exc.message, where=f"segment {rec.segment} @ {rec.offset:#x}") from None
+        raise CorruptionError(exc.message, where=where) from None
 
 
-def write_catalog(log, cat: Catalog, *, switch: bool = True, oldest_epoch: int | None = None,
-                  oldest_lsn: int | None = None) -> Catalog:
-    """Append catalog `cat` (its sequence one above the current) and, when
-    `switch`, make it current through the superblock slot switch."""
-    from concordia.wal import format as fmt
+def append_catalog(log, cat: Catalog, prev_lsn: int) -> int:
+    """Append catalog `cat` (not yet current) and persist it; returns its LSN."""
+    from concordia.wal import format as F
 
+    return log.appender.append_record(type=F.REC_CATALOG, epoch=cat.newest_epoch,
+                                      body=encode_catalog_body(cat), aux=prev_lsn)
+
+
+def write_catalog(log, cat: Catalog) -> Catalog:
+    """Append catalog `cat` with the next sequence number and make it current
+    (one superblock write: the commit point)."""
     prev = current_catalog(log)
     cat = Catalog(prev.sequence + 1, tuple(cat.entries), cat.keep_bases, cat.floor_epoch)
-    body = encode_catalog_body(cat)
-    lsn = log.appender.append_record(fmt.REC_CATALOG, body, epoch=cat.newest_epoch, aux=prev.lsn)
-    cat = Catalog(cat.sequence, cat.entries, cat.keep_bases, cat.floor_epoch, lsn)
-    if switch:
-        fields = {"catalog_lsn": lsn}
-        if oldest_epoch is not None:
-            fields["oldest_epoch"] = oldest_epoch
-        if oldest_lsn is not None:
-            fields["oldest_lsn"] = oldest_lsn
-        log.update_superblock(**fields)
-    return cat
+    lsn = append_catalog(log, cat, prev.lsn)
+    log.volume.write_superblock(catalog_lsn=lsn)
+    return Catalog(cat.sequence, cat.entries, cat.keep_bases, cat.floor_epoch, lsn)
 
 
 def create_base_snapshot(log, region, data_or_source, epoch: int | None = None, *,

@@ -74,6 +74,8 @@ class Volume:
         self._sb = sb
         #: [(where, reason)] for superblock slots found invalid at open
         self.slot_problems = slot_problems
+        #: segments taken into use that the superblock in force does not list (FORMAT.md §3.4)
+        self.adopted: list[SegmentInfo] = []
 
     # -- creating and opening -------------------------------------------------
     @classmethod
@@ -157,7 +159,46 @@ class Volume:
                                        where=backend.where, hint="open read-only")
         if writable and backend.readonly:
             raise UsageError("backend is read-only", where=backend.where)
-        return cls(backend, sb, writable=writable, slot_problems=problems)
+        vol = cls(backend, sb, writable=writable, slot_problems=problems)
+        vol._adopt()
+        return vol
+
+    def _adopt(self) -> None:
+        """A free segment whose valid header continues the chain of the newest live
+        one was taken into use by a superblock write that is not in force (a crash
+        between header and superblock, or the newer slot lost): list it as live."""
+        live = self.live_segments()
+        while live:
+            last = live[-1]
+            nxt = None
+            for i, e in enumerate(self._sb.segments):
+                if e.state != F.SEG_FREE:
+                    continue
+                off = self.segment_offset(i)
+                if off + F.SEGMENT_HEADER_SIZE > self.backend.size:
+                    continue
+                hdr, why = F.decode_segment_header(memoryview(self.backend.array[off:off + F.SEGMENT_HEADER_SIZE]))
+                if (why is None and hdr.uuid == self._sb.uuid and hdr.seq == last.seq + 1
+                        and hdr.prev_seq == last.seq and hdr.prev_header_crc == last.header_crc
+                        and hdr.index == i and hdr.segment_bytes == self._sb.segment_bytes
+                        and hdr.base_lsn >= last.end_lsn):
+                    nxt = SegmentInfo(i, hdr.seq, hdr.base_lsn, hdr.salt, off, hdr.segment_bytes, hdr.header_crc)
+                    break
+            if nxt is None:
+                break
+            self.adopted.append(nxt)
+            live.append(nxt)
+        if self.adopted:
+            entries = list(self._sb.segments)
+            for s in self.adopted:
+                entries[s.index] = F.SegmentEntry(s.base_lsn, s.seq, s.salt, F.SEG_LIVE, s.header_crc)
+            last = self.adopted[-1]
+            changes = dict(segments=tuple(entries), next_lsn=max(self._sb.next_lsn, last.end_lsn),
+                           next_segment_seq=max(self._sb.next_segment_seq, last.seq + 1))
+            if self.writable:
+                self._update(**changes)
+            else:
+                self._sb = self._sb._replace(**changes)
 
     @staticmethod
     def _decode_slot(arr, off, where) -> F.Superblock:
@@ -288,13 +329,20 @@ class Volume:
                      next_segment_seq=h.seq + 1)
         return SegmentInfo(i, h.seq, h.base_lsn, salt, off, sb.segment_bytes, crc)
 
-    def free_segments(self, indexes, **changes) -> None:
-        """Mark segments free in one superblock write (with other `changes`)."""
+    def free_segments(self, indexes, *, invalidate: bool = False, **changes) -> None:
+        """Mark segments free in one superblock write (with other `changes`).
+        invalidate: also zero their headers afterwards, so they are never adopted
+        again (used when cutting a tail; compaction keeps them readable)."""
         entries = list(self._sb.segments)
         for i in indexes:
             e = entries[i]
             entries[i] = F.SegmentEntry(e.base_lsn, e.seq, e.salt, F.SEG_FREE, e.header_crc)
         self._update(segments=tuple(entries), **changes)
+        if invalidate:
+            for i in indexes:
+                off = self.segment_offset(i)
+                self.backend.array[off:off + F.SEGMENT_HEADER_SIZE] = 0
+                self.backend.persist(off, F.SEGMENT_HEADER_SIZE)
 
     def reclaim_segments(self, before_lsn: int, *, keep_index: int | None = None, **changes) -> list[int]:
         """Free every live segment whose whole LSN range lies below `before_lsn`
