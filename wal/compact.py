@@ -145,7 +145,15 @@ def needed_from(h: History, kept, cut: dict, floor: int) -> int | None:
     for ep, c in h.commits.items():
         if ep > min_cut or ep >= floor:
             lows.append(c.lsn)
-    return min(lows) if lows else None
+    if not lows:
+        return None
+    low = min(lows)
+    # never split an epoch: a commit kept keeps every record it counts (V-C4)
+    while True:
+        firsts = [c.first_lsn for c in h.commits.values() if c.lsn >= low and 0 < c.first_lsn < low]
+        if not firsts:
+            return low
+        low = min(firsts)
 
 
 def compact(log, epoch: int | None = None, *, live: dict | None = None, keep_bases: int | None = None,
