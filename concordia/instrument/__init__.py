@@ -1,1 +1,80 @@
-"""PTX instrumentation: exit hooks, pause gates and store tracking inserted into kernels as they load."""
+"""PTX instrumentation: exit hooks, pause gates and store tracking inserted into kernels as they load.
+
+    from concordia import instrument
+    rep = instrument.enable(track_stores=True)     # CuPy kernels compiled from now on are rewritten
+    gate = instrument.Gate(); instrument.set_gate(gate)
+    region = instrument.track_array("kv", kv, page_bytes=4096); instrument.set_regions([region])
+    ... run kernels ...; region.dirty_pages(); gate.close(); gate.open()
+    print(rep.summary()); instrument.disable()
+
+Below CuPy, `concordia.instrument.shim` builds an LD_PRELOAD library that does
+the same for modules loaded through the CUDA driver by any framework.
+"""
+
+from __future__ import annotations
+
+from concordia.instrument.errors import InstrumentError
+from concordia.instrument.report import ModuleRecord, Report, Skipped
+from concordia.instrument.rewrite import KernelInfo, Options, RewriteResult, rewrite
+from concordia.instrument.runtime import Gate, TrackedRegion, epochs, track_array
+
+_hook = None
+
+
+def enable(*, exit_hooks: bool = True, pause_gate: bool = True, track_stores: bool = False,
+           max_regions: int = 8, gate: Gate | None = None, compiler=None) -> Report:
+    """Rewrite every CuPy kernel compiled from now on; return the live report.
+    `compiler` defaults to `cupy.cuda.compiler`."""
+    global _hook
+    from concordia.instrument.cupy_hook import CupyHook, clear_cupy_memos
+
+    if _hook is not None:
+        raise InstrumentError("instrumentation is already enabled", hint="call disable() first")
+    if compiler is None:
+        try:
+            from cupy.cuda import compiler
+        except Exception as exc:
+            raise InstrumentError(f"CuPy is not importable ({type(exc).__name__}: {exc})") from None
+    opts = Options(exit_hooks=exit_hooks, pause_gate=pause_gate, track_stores=track_stores,
+                   max_regions=max_regions)
+    hook = CupyHook(compiler, opts, Report(), gate)
+    hook.install()
+    clear_cupy_memos()
+    _hook = hook
+    return hook.report
+
+
+def disable() -> Report | None:
+    """Restore CuPy's compiler; kernels already loaded keep their hooks."""
+    global _hook
+    from concordia.instrument.cupy_hook import clear_cupy_memos
+
+    hook, _hook = _hook, None
+    if hook is None:
+        return None
+    hook.uninstall()
+    clear_cupy_memos()
+    return hook.report
+
+
+def report() -> Report | None:
+    return _hook.report if _hook is not None else None
+
+
+def set_gate(gate: Gate | None) -> None:
+    _require().set_gate(gate)
+
+
+def set_regions(regions: list[TrackedRegion]) -> None:
+    _require().set_regions(regions)
+
+
+def _require():
+    if _hook is None:
+        raise InstrumentError("instrumentation is not enabled", hint="call instrument.enable() first")
+    return _hook
+
+
+__all__ = ["enable", "disable", "report", "set_gate", "set_regions", "rewrite", "Options",
+           "RewriteResult", "KernelInfo", "Report", "ModuleRecord", "Skipped", "Gate",
+           "TrackedRegion", "track_array", "epochs", "InstrumentError"]

@@ -1,0 +1,113 @@
+"""The CuPy interposition's control flow, run against a compiler module with
+CuPy's call shape (CuPy is not installed in CI; the GPU tests run the real one)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from concordia import instrument
+from concordia.instrument.rewrite import EPOCHS
+
+PTX = (".version 8.0\n.target sm_90\n.address_size 64\n"
+       ".visible .entry k(.param .u64 p)\n{\n\t.reg .b64 %rd<2>;\n"
+       "\tld.param.u64 %rd1, [p];\n\tst.global.u32 [%rd1], 1;\n\tret;\n}\n")
+
+
+class Module:
+    def __init__(self):
+        self.loaded = None
+
+    def load(self, data):
+        self.loaded = data
+
+
+def fake_compiler():
+    """The three functions of cupy.cuda.compiler the hook replaces, with the
+    signatures CuPy 13/14 give them; `calls` records what reached them."""
+    c = types.SimpleNamespace(calls=[])
+
+    def _get_arch():
+        return "90"
+
+    def _get_arch_for_options_for_nvrtc(arch=None):
+        return f"-arch=sm_{arch or '90'}", "cubin"
+
+    def compile_using_nvrtc(source, options=(), arch=None, filename="kern.cu",
+                            name_expressions=None, log_stream=None, cache_in_memory=False,
+                            jitify=False):
+        opt, method = c._get_arch_for_options_for_nvrtc(arch)
+        c.calls.append(("nvrtc", opt, method, cache_in_memory))
+        if method == "cubin":
+            return b"\x7fELF....", None
+        return source.encode(), {"k": "k"}
+
+    def _compile_with_cache_cuda(source, options, arch, cache_dir, extra_source=None,
+                                 backend="nvrtc", enable_cooperative_groups=False,
+                                 name_expressions=None, log_stream=None, cache_in_memory=False,
+                                 jitify=False):
+        c.calls.append(("cache", backend, cache_in_memory))
+        mod = Module()
+        if backend == "nvrtc":
+            mod.load(c.compile_using_nvrtc(source, options, arch, "x.cu", name_expressions,
+                                           log_stream, cache_in_memory, jitify)[0])
+        else:
+            mod.load(b"\x7fELF-from-nvcc")
+        return mod
+
+    c._get_arch = _get_arch
+    c._get_arch_for_options_for_nvrtc = _get_arch_for_options_for_nvrtc
+    c.compile_using_nvrtc = compile_using_nvrtc
+    c._compile_with_cache_cuda = _compile_with_cache_cuda
+    return c
+
+
+@pytest.fixture
+def hooked(monkeypatch):
+    import concordia.instrument.cupy_hook as ch
+
+    attached = []
+    monkeypatch.setattr(ch.runtime, "attach", lambda mod, res, gate, regions: attached.append(mod))
+    c = fake_compiler()
+    originals = {n: getattr(c, n) for n in ("compile_using_nvrtc", "_compile_with_cache_cuda",
+                                             "_get_arch_for_options_for_nvrtc")}
+    rep = instrument.enable(track_stores=True, compiler=c)
+    yield c, rep, attached, originals
+    instrument.disable()
+
+
+def test_loaded_module_is_instrumented_ptx_compiled_in_memory(hooked):
+    c, rep, attached, _ = hooked
+    mod = c._compile_with_cache_cuda(PTX, (), None, "/nonexistent")
+    assert EPOCHS.encode() in mod.loaded
+    assert ("cache", "nvrtc", True) in c.calls          # never through the disk cache
+    assert ("nvrtc", "-arch=compute_90", "ptx", True) in c.calls  # PTX, not a cubin
+    assert rep.kernels == ["k"] and rep.stores_tracked == 1 and rep.hook_sites == 1
+    assert rep.modules[0].handle is mod and attached == [mod]
+    assert rep.find("k") is rep.modules[0]
+
+
+def test_nvcc_backend_is_reported_as_skipped(hooked):
+    c, rep, attached, _ = hooked
+    mod = c._compile_with_cache_cuda(PTX, (), None, "/x", None, "nvcc")
+    assert mod.loaded.startswith(b"\x7fELF")
+    assert rep.skipped and "nvcc" in rep.skipped[0].reason
+    assert rep.modules == [] and attached == []
+
+
+def test_unparseable_output_is_loaded_unchanged_and_reported(hooked):
+    c, rep, _, _ = hooked
+    mod = c._compile_with_cache_cuda("not ptx at all", (), None, "/x")
+    assert mod.loaded == b"not ptx at all"
+    assert "not a PTX module" in rep.skipped[0].reason
+
+
+def test_disable_restores_cupy_and_enable_twice_is_refused(hooked):
+    c, rep, _, originals = hooked
+    with pytest.raises(instrument.InstrumentError, match="already enabled"):
+        instrument.enable(compiler=c)
+    instrument.disable()
+    for name, fn in originals.items():
+        assert getattr(c, name) is fn
+    instrument.enable(compiler=c)  # the fixture's disable() pairs with this one
