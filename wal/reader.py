@@ -384,17 +384,11 @@ def recover(vol: Volume, mode: RecoveryMode = RecoveryMode.TOLERATE_TAIL,
             st[1] += rec.length
         res.records.append(rec)
 
-    # valid records of epochs never committed: dropped, never applied
+    # valid records of epochs never committed: reported dropped; they stay in
+    # res.records (tools may show them) but Log.records() leaves them out by default
     if stats:
         committed = {c.epoch for c in res.commits}
-        keep = []
-        dropped_epochs = {e for e in stats if e not in committed}
-        for rec in res.records:
-            if rec.epoch in dropped_epochs and rec.kind not in (F.REC_COMMIT, F.REC_REGION):
-                continue
-            keep.append(rec)
-        res.records = keep
-        for e in sorted(dropped_epochs):
+        for e in sorted(x for x in stats if x not in committed):
             count, nbytes, first_lsn, seg, first_off = stats[e]
             report(Dropped(seg.index, first_off, nbytes,
                            f"epoch {e} has no commit record: {count} records dropped", "uncommitted",
