@@ -2,7 +2,7 @@
 
 Three runs of the reference workload (`concordia.workload`):
 
-1. reference: uninterrupted, in this process, to the last step;
+1. reference: uninterrupted, to the last step;
 2. worker: a child process that checkpoints into the log every few steps and
    is killed with SIGKILL after a chosen step (between two checkpoints, so the
    steps since the last commit are lost and must be recomputed);
@@ -109,6 +109,16 @@ def worker_main(args) -> int:
     return 0
 
 
+def reference_main(args) -> int:
+    """The uninterrupted run, in a process set up exactly like the others."""
+    t0 = time.perf_counter()
+    wl = Workload(_config(args), xp=array_module(args.device))
+    wl.run(args.steps)
+    np.savez(args.state_out, **wl.snapshot())
+    _emit({"event": "reference", "seconds": time.perf_counter() - t0})
+    return 0
+
+
 def resume_main(args) -> int:
     """Recover from the log, recompute the lost steps, continue to the end."""
     t_start = time.perf_counter()
@@ -151,8 +161,27 @@ def resume_main(args) -> int:
 
 # ---------------------------------------------------------------- parent
 def _child(mode: str, argv: list[str], **popen):
+    """Every run is a child with the same environment: one BLAS thread (the
+    model is small; more threads only fight over the cores), so the three runs
+    do exactly the same arithmetic."""
+    env = dict(os.environ)
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env.setdefault(var, "1")
     cmd = [sys.executable, "-m", "concordia.demo", mode, *argv]
-    return subprocess.Popen(cmd, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)
+    return subprocess.Popen(cmd, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, **popen)
+
+
+def _run_child(mode: str, argv: list[str]) -> dict:
+    proc = _child(mode, argv)
+    stdout, stderr = proc.communicate()
+    if proc.returncode != 0:
+        raise DemoError(f"{mode} process failed (exit {proc.returncode}): {_last_line(stderr)}")
+    return [json.loads(x) for x in stdout.splitlines() if x.startswith("{")][-1]
+
+
+def _load(path: str) -> dict:
+    with np.load(path) as z:
+        return {k: z[k] for k in z.files}
 
 
 def _lines(proc):
@@ -192,16 +221,22 @@ def run_demo(*, log: str = DEFAULT_LOG, steps: int = DEFAULT_STEPS, kill_at="ran
     cfg = WorkloadConfig(seed=seed)
     common = ["--log", log, "--steps", str(steps), "--seed", str(seed), "--every", str(every), "--device", dev]
 
+    tmp = tempfile.TemporaryDirectory(prefix="concordia-demo-")
+    try:
+        return _run(log, steps, kill, seed, every, dev, cfg, common, tmp.name, say)
+    finally:
+        tmp.cleanup()
+
+
+def _run(log, steps, kill, seed, every, dev, cfg, common, tmp, say) -> dict:
     say(f"reference run: {steps} steps uninterrupted")
-    t0 = time.perf_counter()
-    ref = Workload(cfg, xp=xp)
-    ref.run(steps)
-    ref_state, ref_out = ref.snapshot(), ref.outputs()
-    ref_s = time.perf_counter() - t0
+    ref_npz = os.path.join(tmp, "reference.npz")
+    ref_s = _run_child("reference", common + ["--state-out", ref_npz])["seconds"]
+    ref_state = _load(ref_npz)
+    ref_out = _outputs_of(cfg, ref_state)
 
     say(f"worker: checkpoint every {every} steps into {log}; SIGKILL after step {kill}")
-    env = dict(os.environ)
-    w = _child("worker", common, stdin=subprocess.PIPE, env=env)
+    w = _child("worker", common, stdin=subprocess.PIPE)
     checkpoints, last_commit_step, killed_at = [], 0, None
     t_kill = t_dead = None
     try:
@@ -231,18 +266,10 @@ def run_demo(*, log: str = DEFAULT_LOG, steps: int = DEFAULT_STEPS, kill_at="ran
     w.stdin.close()
 
     say(f"recovery: fresh process restores the last commit (step {last_commit_step}) and continues")
-    with tempfile.TemporaryDirectory() as tmp:
-        out_npz = os.path.join(tmp, "final.npz")
-        t_spawn = time.perf_counter()
-        r = _child("resume", common + ["--lost-until", str(killed_at), "--state-out", out_npz])
-        stdout, stderr = r.communicate()
-        t_end = time.perf_counter()
-        if r.returncode != 0:
-            raise DemoError(f"recovery process failed (exit {r.returncode}): {_last_line(stderr)}")
-        res = [json.loads(x) for x in stdout.splitlines() if x.startswith("{")][-1]
-        with np.load(out_npz) as z:
-            got = {k: z[k] for k in z.files}
-    del t_end
+    out_npz = os.path.join(tmp, "final.npz")
+    t_spawn = time.perf_counter()
+    res = _run_child("resume", common + ["--lost-until", str(killed_at), "--state-out", out_npz])
+    got = _load(out_npz)
 
     compare = {}
     for name, arr in ref_state.items():
@@ -256,8 +283,10 @@ def run_demo(*, log: str = DEFAULT_LOG, steps: int = DEFAULT_STEPS, kill_at="ran
         {"phase": "detect", "ms": (t_dead - t_kill) * 1e3,
          "what": "worker death seen (SIGKILL sent, exit status reaped)"},
         {"phase": "isolate", "ms": (t_spawn - t_dead) * 1e3 + spawn_to_open_ms,
-         "what": f"fresh process started, log opened, dead worker's uncommitted tail fenced off "
-                 f"({_kib(res['uncommitted_bytes_dropped'])} of uncommitted records after epoch {res['epoch']} cut away)"},
+         "what": "fresh process started, log opened at the last commit (epoch "
+                 f"{res['epoch']}); " + (f"{_kib(res['uncommitted_bytes_dropped'])} of uncommitted records cut away"
+                                         if res["uncommitted_bytes_dropped"] else
+                                         "nothing uncommitted on media: the lost steps died with the worker")},
         {"phase": "restore", "ms": res["plan_ms"] + res["restore_ms"],
          "what": f"epoch {res['epoch']} planned ({res['plan_ms']:.1f} ms) and applied, "
                  f"{_mib(res['restore_bytes'])} read, digests verified"},
@@ -347,7 +376,7 @@ def format_report(rep: dict) -> str:
 # ---------------------------------------------------------------- entry
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m concordia.demo")
-    p.add_argument("mode", choices=["worker", "resume"])
+    p.add_argument("mode", choices=["reference", "worker", "resume"])
     p.add_argument("--log", required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--seed", type=int, default=0)
@@ -359,7 +388,7 @@ def main(argv=None) -> int:
     from concordia.errors import ConcordiaError
 
     try:
-        return worker_main(args) if args.mode == "worker" else resume_main(args)
+        return {"reference": reference_main, "worker": worker_main, "resume": resume_main}[args.mode](args)
     except ConcordiaError as exc:
         sys.stderr.write(f"error: {exc.one_line()}\n")
         return exc.exit_code

@@ -16,7 +16,7 @@ try:  # the log's errors; absent only while the log package is incomplete
 except ImportError:  # pragma: no cover
     pass
 
-for _mod in ("concordia.gpu_kernels.errors", "concordia.executor.errors"):
+for _mod in ("concordia.gpu_kernels.errors", "concordia.executor.errors", "concordia.instrument.errors"):
     try:
         _m = __import__(_mod, fromlist=["*"])
     except ImportError:  # pragma: no cover - optional parts

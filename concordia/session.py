@@ -31,7 +31,7 @@ from concordia.errors import (ConcordiaError, DuplicateRegionError, NotALogError
                               SessionError, UnknownRegionError, UnsupportedArrayError)
 from concordia.gpu_kernels import reference as ref
 from concordia.policy import Policy
-from concordia.regions import DETECTORS, KINDS, KvGeometry, Region, adapt, gather_pages, storage_of, to_host
+from concordia.regions import DETECTORS, KINDS, KvGeometry, Region, adapt, gather_pages, storage_of
 
 DEFAULT_SIZE = 256 << 20
 #: most payload bytes in one page-batch record (records must fit a segment)
