@@ -20,17 +20,47 @@ EXIT_PROBLEMS = 1
 EXIT_USAGE = 2
 
 
+class Where:
+    """What a command is reading right now, so that an unexpected failure on
+    damaged input can still be reported as one line naming the place.
+
+    Commands set `target` once the log is opened and `at` ("segment N @ 0xOFF")
+    while they walk it; `data` says the bytes were recognised as a log, which
+    makes an unexpected failure a problem found in the data (exit 1) rather
+    than an I/O or usage error (exit 2)."""
+
+    target: str | None = None
+    at: str | None = None
+    data: bool = False
+
+    @classmethod
+    def reset(cls) -> None:
+        cls.target = cls.at = None
+        cls.data = False
+
+
 def guarded(fn):
     """Run a click command body; turn any ConcordiaError or OSError into one line
-    on stderr and the documented exit code."""
+    on stderr and the documented exit code.  Anything else that escapes (a
+    library failing on bytes it did not expect) also becomes one line, naming
+    the place being read, never a traceback."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        Where.reset()
         try:
             return fn(*args, **kwargs)
+        except click.exceptions.ClickException:
+            raise
+        except click.exceptions.Exit:
+            raise
         except ConcordiaError as exc:
             click.echo(f"error: {exc.one_line()}", err=True)
             sys.exit(exc.exit_code)
+        except BrokenPipeError:
+            # `concordia-wal dump LOG | head`: the reader left; that is not an error
+            _silence_stdout()
+            sys.exit(EXIT_OK)
         except OSError as exc:
             where = f"{exc.filename}: " if exc.filename else ""
             click.echo(f"error: {where}{exc.strerror or exc}", err=True)
@@ -38,8 +68,27 @@ def guarded(fn):
         except KeyboardInterrupt:
             click.echo("error: interrupted", err=True)
             sys.exit(130)
+        except Exception as exc:  # noqa: BLE001 - the boundary: one line, never a traceback
+            place = Where.at or Where.target
+            text = " ".join(f"{type(exc).__name__}: {exc}".split())
+            lead = f"{place}: " if place else ""
+            what = "unreadable data" if Where.data else "unexpected failure"
+            click.echo(f"error: {lead}{what} ({text})", err=True)
+            sys.exit(EXIT_PROBLEMS if Where.data else EXIT_USAGE)
 
     return wrapper
+
+
+def _silence_stdout() -> None:
+    """After a broken pipe, point stdout at /dev/null so the interpreter's final
+    flush does not complain."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 def emit_json(obj) -> None:
@@ -84,3 +133,54 @@ class SizeType(click.ParamType):
 
 
 SIZE = SizeType()
+
+
+class LsnType(click.ParamType):
+    """An LSN as a person types it: decimal or 0x-prefixed hex."""
+
+    name = "LSN"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        try:
+            n = int(str(value), 0)
+        except ValueError:
+            self.fail(f"not an LSN: {value!r} (decimal or 0x hex)", param, ctx)
+        if n < 0:
+            self.fail(f"an LSN is not negative: {value!r}", param, ctx)
+        return n
+
+
+LSN = LsnType()
+
+
+def open_volume(spec: str, *, writable: bool = False):
+    """Open the volume named by `spec`; read-only unless `writable`, and then
+    mapped read-only so that not one byte can change.  A target without a
+    superblock becomes NotALogError("not a Concordia log ...")."""
+    from concordia.devmem import open_backend
+    from concordia.wal import Volume
+    from concordia.wal.errors import NotALogError
+
+    # reading another user's log is how an operator inspects it; the
+    # permission bits still decide whether that is allowed
+    backend = open_backend(spec, readonly=not writable, allow_foreign_owner=not writable)
+    Where.target = backend.where
+    try:
+        vol = Volume.open(backend, writable=writable)
+    except NotALogError:
+        backend.close()
+        raise NotALogError("not a Concordia log (no superblock magic at offset 0)",
+                           where=backend.where) from None
+    except BaseException:
+        backend.close()
+        raise
+    Where.data = True
+    return vol
+
+
+def progress_bar(length: int, label: str):
+    """A click progress bar on stderr (hidden when stderr is not a terminal)."""
+    return click.progressbar(length=max(1, int(length)), label=label, file=sys.stderr,
+                             show_pos=False, show_percent=True)

@@ -1,4 +1,10 @@
-"""`concordia-wal`: inspect, verify, compact, snapshot and restore a log."""
+"""`concordia-wal`: inspect, verify, compact, snapshot and restore a log.
+
+One click function per subcommand, each in the module of its kind:
+`wal_cmd_inspect` (format, info, dump), `wal_cmd_check` (verify, recover),
+`wal_cmd_state` (compact, snapshot, restore).  Exit codes and the JSON
+schemas are documented in docs/cli.md.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ import click
 from concordia import __version__
 
 from .bench import bench
+from .wal_cmd_inspect import dump_cmd, format_cmd, info_cmd
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -21,4 +28,6 @@ def main():
     """
 
 
+for _cmd in (format_cmd, info_cmd, dump_cmd):
+    main.add_command(_cmd)
 main.add_command(bench)
