@@ -35,6 +35,7 @@ KERNELS = {
     "stage": ("stage_alloc", "stage_payload", "stage_finalize"),
     "scatter": ("scatter_pages",),
     "kv_scan": ("kv_scan", "adapter_scan"),
+    "bandwidth": ("read_probe",),
 }
 
 # -D constants each module needs
@@ -45,6 +46,7 @@ REQUIRED = {
     "stage": ("PAGE_BYTES",),
     "scatter": ("PAGE_BYTES",),
     "kv_scan": (),
+    "bandwidth": (),
 }
 KV_DEFINES = ("PAGE_BYTES", "KV_BLOCK_SIZE", "KV_HEADS", "KV_HEAD_DIM", "KV_DTYPE_BYTES")
 
@@ -68,7 +70,7 @@ CI_SPECS = (
     page_specs(64) + page_specs(4096) + page_specs(65536)
     + [kv_spec(page_bytes=4096, block_size=16, kv_heads=8, head_dim=128, dtype_bytes=2),
        kv_spec(page_bytes=32768, block_size=16, kv_heads=4, head_dim=64, dtype_bytes=4),
-       ("crc32c", {}), ("kv_scan", {})]
+       ("crc32c", {}), ("kv_scan", {}), ("bandwidth", {})]
 )
 
 

@@ -1,0 +1,594 @@
+"""`concordia-wal bench checkpoint`: delta checkpoints on the GPU, against
+ceilings measured in the same run.
+
+Four parts (GPU):
+  detect   shadow diff over regions of several sizes and dirty fractions, as
+           read bandwidth (region + shadow bytes / time) over the device-memory
+           read bandwidth of a plain read kernel on the same buffers;
+  stage    page-batch records written by the GPU straight into pinned host
+           memory, as bandwidth over a pinned device-to-host copy of the same
+           bytes;
+  e2e      one dirty page: detect, stage into a real log on a /dev/shm
+           mapping registered with CUDA, persist, commit with region digests;
+           against host-side scanning (whole region to pinned host, numpy
+           compare with a host shadow, append the delta, commit);
+  kv       the KV block-table scanner for a fixed number of new tokens as the
+           cache grows (the cache is never read, so the time should stay flat).
+Device times come from CUDA events (median of repeats after warm-up);
+end-to-end times from the host clock around whole checkpoints.
+
+`--cpu` runs the numpy twins instead (the CPU path), with numpy's own copy
+bandwidth as the ceiling.
+
+Example:
+
+    concordia-wal bench checkpoint --json --plot checkpoint.png
+    concordia-wal bench checkpoint --cpu --quick
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+
+import click
+import numpy as np
+
+from concordia.gpu_kernels import reference as ref
+from concordia.gpu_kernels.errors import GpuUnavailableError
+from concordia.tools.common import emit_json, guarded, parse_size
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+DEFAULT = {
+    "sizes": "256M,1G,4G,16G",
+    "fractions": "page,0.001,0.01,0.1,0.5",
+    "e2e_sizes": "256M,1G,4G,8G",
+    "stage_region": "1G",
+    "kv_cache_sizes": "1G,4G,16G,64G,256G",
+}
+QUICK = {
+    "sizes": "64M,256M",
+    "fractions": "page,0.01,0.5",
+    "e2e_sizes": "64M,256M",
+    "stage_region": "256M",
+    "kv_cache_sizes": "1G,16G,256G",
+}
+CPU_QUICK = {
+    "sizes": "4M,16M",
+    "fractions": "page,0.01,0.5",
+    "e2e_sizes": "4M,16M",
+    "stage_region": "16M",
+    "kv_cache_sizes": "1G,16G",
+}
+
+
+def _sizes(text: str) -> list[int]:
+    return [parse_size(t) for t in text.split(",") if t.strip()]
+
+
+def _fractions(text: str) -> list[str | float]:
+    return ["page" if t.strip() == "page" else float(t) for t in text.split(",") if t.strip()]
+
+
+def _dirty_count(frac, npages: int) -> int:
+    return 1 if frac == "page" else max(1, int(npages * frac))
+
+
+def _median(xs):
+    return statistics.median(xs)
+
+
+# --- GPU -----------------------------------------------------------------------
+
+
+class _Gpu:
+    def __init__(self, page_bytes: int, reps: int):
+        try:
+            import cupy as cp
+
+            if cp.cuda.runtime.getDeviceCount() < 1:
+                raise RuntimeError("no device")
+        except Exception as exc:
+            raise GpuUnavailableError(f"a CUDA device is needed ({type(exc).__name__}: {exc})",
+                                      where="bench checkpoint", hint="run with --cpu for the CPU path") from None
+        from concordia.gpu_kernels import gpu, jit
+
+        self.cp, self.gpu, self.jit = cp, gpu, jit
+        self.pb, self.reps = page_bytes, reps
+        jit.precompile(jit.page_specs(page_bytes) + [("crc32c", {}), ("bandwidth", {})])
+        props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+        self.device = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+        self.sms = int(props["multiProcessorCount"])
+
+    def time(self, fn, reps=None, warm=2) -> float:
+        """Median seconds of fn() between CUDA events."""
+        cp = self.cp
+        for _ in range(warm):
+            fn()
+        out = []
+        for _ in range(reps or self.reps):
+            a, b = cp.cuda.Event(), cp.cuda.Event()
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            out.append(cp.cuda.get_elapsed_time(a, b) / 1e3)
+        return _median(out)
+
+    def random_region(self, nbytes: int):
+        cp = self.cp
+        r = cp.empty(nbytes, cp.uint8)
+        step = 256 * MiB
+        for lo in range(0, nbytes, step):
+            n = min(step, nbytes - lo)
+            r[lo:lo + n] = cp.random.random(-(-n // 4), dtype=cp.float32).view(cp.uint8)[:n]
+        return r
+
+    def free(self):
+        self.cp.get_default_memory_pool().free_all_blocks()
+
+    def read_bw(self, buf) -> float:
+        cp = self.cp
+        k = self.jit.function("bandwidth", "read_probe", {})
+        sink = cp.zeros(1024, cp.uint32)
+        n = buf.size // 16
+        grid = (self.sms * 8,)
+        t = self.time(lambda: k(grid, (256,), (buf, np.uint64(n), sink)))
+        return n * 16 / t
+
+    def copy_bw(self, buf) -> float:
+        cp = self.cp
+        dst = cp.empty_like(buf)
+        t = self.time(lambda: dst.__setitem__(Ellipsis, buf))
+        del dst
+        return 2 * buf.size / t
+
+    def dirty(self, region, npages: int, count: int, rng):
+        cp = self.cp
+        pages = np.sort(rng.choice(npages, size=count, replace=False))
+        at = pages * self.pb + rng.integers(0, min(self.pb, region.size - pages.max() * self.pb), size=count)
+        idx = cp.asarray(at)
+        region[idx] = region[idx] ^ cp.uint8(0xA5)
+        return pages
+
+    # detect ---------------------------------------------------------------------
+    def detect(self, sizes, fractions, rng) -> list[dict]:
+        cp, gpu = self.cp, self.gpu
+        rows = []
+        for size in sizes:
+            region = self.random_region(size)
+            shadow = region.copy()
+            read = self.read_bw(region)
+            copy = self.copy_bw(region)
+            npages = ref.num_pages(size, self.pb)
+            flags = cp.empty(npages, cp.uint8)
+            for frac in fractions:
+                shadow[...] = region
+                count = _dirty_count(frac, npages)
+                self.dirty(region, npages, count, rng)
+                # update=False keeps the dirty set for every repeat
+                t = self.time(lambda: gpu.launch_shadow_diff(region, shadow, flags, page_bytes=self.pb, update=False))
+                found = int(cp.count_nonzero(flags))
+                bw = 2 * size / t
+                rows.append({"region_bytes": size, "dirty_pages": count, "fraction": frac if frac == "page" else float(frac),
+                             "found": found, "diff_s": t, "diff_read_Bps": bw, "hbm_read_Bps": read,
+                             "d2d_copy_Bps": copy, "ratio_to_read": bw / read})
+                assert found == count, (found, count)
+            del region, shadow, flags
+            self.free()
+        return rows
+
+    # stage ----------------------------------------------------------------------
+    def stage(self, region_bytes, fractions, rng) -> list[dict]:
+        cp, gpu = self.cp, self.gpu
+        region = self.random_region(region_bytes)
+        npages = ref.num_pages(region_bytes, self.pb)
+        biggest = max(_dirty_count(f, npages) for f in fractions)
+        cap = ref.page_batch_length(biggest, self.pb) + 4096
+        host, dst = gpu.pinned_buffer(cap)
+        src = cp.empty(cap, cp.uint8)
+        cursor = gpu.new_cursor()
+        crcs = cp.empty(biggest, cp.uint32)
+        rows = []
+        for frac in fractions:
+            count = _dirty_count(frac, npages)
+            ids = cp.asarray(np.sort(rng.choice(npages, size=count, replace=False)).astype(np.uint32))
+            length = ref.page_batch_length(count, self.pb)
+
+            def one():
+                cursor.fill(0)
+                gpu.stage_page_batch(region, ids, dst, cursor, page_bytes=self.pb, base_lsn=0, epoch=1,
+                                     region_id=0, salt=1, crcs=crcs[:count])
+
+            t_stage = self.time(one)
+            assert int(cursor.get()[ref.CURSOR_RECORDS]) == 1
+            stream = cp.cuda.get_current_stream()
+            t_d2h = self.time(lambda: cp.cuda.runtime.memcpyAsync(host.ctypes.data, src.data.ptr, length, 2, stream.ptr))
+            rows.append({"region_bytes": region_bytes, "dirty_pages": count,
+                         "fraction": frac, "record_bytes": length, "stage_s": t_stage,
+                         "stage_Bps": length / t_stage, "pinned_d2h_Bps": length / t_d2h,
+                         "ratio_to_d2h": t_d2h / t_stage})
+        del region, dst, src
+        self.free()
+        return rows
+
+    # end to end -----------------------------------------------------------------
+    def e2e(self, sizes, rng, reps) -> list[dict]:
+        cp, gpu = self.cp, self.gpu
+        from concordia.devmem import cuda_host, open_backend
+        from concordia.wal import Log
+
+        log_bytes = 256 * MiB
+        name = f"concordia-bench-{os.getpid()}"
+        backend = open_backend(f"shm:{name}", size=log_bytes, create=True)
+        rows = []
+        try:
+            log = Log.create(backend, size=log_bytes, segment_size=32 * MiB)
+            reg = cuda_host.register(backend)
+            app = log.appender
+            epoch = 0
+            for size in sizes:
+                region = self.random_region(size)
+                shadow = region.copy()
+                npages = ref.num_pages(size, self.pb)
+                rid = log.define_region(f"r{size}", "uint8", (size,), self.pb, "opaque")
+                crcs_all = gpu.crc32c_pages(region, page_bytes=self.pb)
+                crcs = cp.empty(npages, cp.uint32)
+                cursor = gpu.new_cursor()
+
+                def gpu_checkpoint():
+                    nonlocal epoch
+                    epoch += 1
+                    ids = gpu.shadow_diff(region, shadow, page_bytes=self.pb)
+                    n = int(ids.size)
+                    if n:
+                        length = ref.page_batch_length(n, self.pb)
+                        res = app.reserve(length)
+                        dst = gpu.device_buffer(reg.device_ptr + res.offset, length, reg)
+                        cursor.fill(0)
+                        gpu.stage_page_batch(region, ids, dst, cursor, page_bytes=self.pb, base_lsn=res.lsn,
+                                             epoch=epoch, region_id=rid, salt=res.salt, crcs=crcs[:n])
+                        crcs_all[ids] = crcs[:n]
+                    digest = gpu.region_digest(crcs_all)  # synchronises: the record is in the log
+                    if n:
+                        app.persist(res)
+                    app.commit(epoch, digests={rid: digest})
+                    return n
+
+                times = []
+                for i in range(reps + 2):
+                    self.dirty(region, npages, 1, rng)
+                    cp.cuda.get_current_stream().synchronize()
+                    t0 = time.perf_counter()
+                    n = gpu_checkpoint()
+                    times.append(time.perf_counter() - t0)
+                    assert n == 1
+                t_gpu = _median(times[2:])
+
+                # host-side scanning of the same region
+                from cupyx import empty_pinned
+
+                pinned = empty_pinned(size, np.uint8)
+                hshadow = region.get()
+                hcrcs = crcs_all.get()
+                stream = cp.cuda.get_current_stream()
+
+                def host_checkpoint():
+                    nonlocal epoch
+                    epoch += 1
+                    cp.cuda.runtime.memcpyAsync(pinned.ctypes.data, region.data.ptr, size, 2, stream.ptr)
+                    stream.synchronize()
+                    ids = ref.shadow_diff(pinned, hshadow, page_bytes=self.pb)
+                    if ids.size:
+                        length = ref.page_batch_length(ids.size, self.pb)
+                        res = app.reserve(length)
+                        cur = ref.new_cursor()
+                        ref.stage_page_batch(pinned, ids, res.view, cur, page_bytes=self.pb, base_lsn=res.lsn,
+                                             epoch=epoch, region_id=rid, salt=res.salt)
+                        hcrcs[ids] = res.view[64 + 4 * ids.size:64 + 8 * ids.size].view("<u4")
+                        app.persist(res)
+                    app.commit(epoch, digests={rid: ref.region_digest(hcrcs)})
+                    return ids.size
+
+                host_reps = 3 if size <= GiB else 2
+                htimes = []
+                for i in range(host_reps + 1):
+                    self.dirty(region, npages, 1, rng)
+                    cp.cuda.get_current_stream().synchronize()
+                    t0 = time.perf_counter()
+                    assert host_checkpoint() == 1
+                    htimes.append(time.perf_counter() - t0)
+                t_host = _median(htimes[1:])
+                rows.append({"region_bytes": size, "dirty_pages": 1, "gpu_checkpoint_s": t_gpu,
+                             "host_scan_checkpoint_s": t_host, "speedup": t_host / t_gpu,
+                             "log": backend.kind})
+                del region, shadow, crcs_all, crcs, pinned, hshadow
+                self.free()
+            reg.unregister()
+            log.close()
+        finally:
+            path = getattr(backend, "path", None)
+            try:
+                backend.close()
+            except Exception:
+                pass
+            if path and os.path.exists(path):
+                os.unlink(path)
+        return rows
+
+    # kv ---------------------------------------------------------------------------
+    def kv(self, cache_sizes, rng, seqs=256, new_tokens=1) -> list[dict]:
+        cp, gpu = self.cp, self.gpu
+        geo = dict(block_size=16, kv_heads=8, head_dim=128, dtype_bytes=2)
+        layers = 8
+        block_bytes = ref.kv_layout(num_blocks=1, **geo)["block"]
+        rows = []
+        for cache in cache_sizes:
+            nb = max(256, cache // (layers * block_bytes))
+            maxb = 64
+            tables = cp.asarray(rng.integers(0, nb, size=(seqs, maxb)).astype(np.int32))
+            lens = cp.asarray(rng.integers(new_tokens, maxb * 16 - 1, seqs).astype(np.int32))
+            ckpt = lens - new_tokens
+            kw = dict(num_blocks=nb, num_layers=layers, page_bytes=self.pb, **geo)
+            self.jit.precompile([self.jit.kv_spec(page_bytes=self.pb, **geo)])
+
+            def scan():
+                c = ckpt.copy()
+                return gpu.kv_dirty_blocks(tables, lens, c, **kw)
+
+            t = self.time(scan)
+            pages = int(scan().size)
+            diff_equiv = 2 * layers * nb * block_bytes
+            rows.append({"cache_bytes": layers * nb * block_bytes, "num_blocks": nb, "layers": layers,
+                         "seqs": seqs, "new_tokens_per_seq": new_tokens, "dirty_pages": pages,
+                         "scan_s": t, "shadow_diff_bytes_avoided": diff_equiv})
+        return rows
+
+
+# --- CPU -----------------------------------------------------------------------
+
+
+class _Cpu:
+    device = "cpu (numpy twins)"
+
+    def __init__(self, page_bytes: int, reps: int):
+        self.pb, self.reps = page_bytes, reps
+
+    def time(self, fn, reps=None, warm=1) -> float:
+        for _ in range(warm):
+            fn()
+        out = []
+        for _ in range(reps or self.reps):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+        return _median(out)
+
+    def random_region(self, nbytes, rng):
+        return rng.integers(0, 256, size=nbytes, dtype=np.uint8)
+
+    def dirty(self, region, npages, count, rng):
+        pages = np.sort(rng.choice(npages, size=count, replace=False))
+        region[np.minimum(pages * self.pb + 7, region.size - 1)] ^= 0xA5
+        return pages
+
+    def detect(self, sizes, fractions, rng):
+        rows = []
+        for size in sizes:
+            region = self.random_region(size, rng)
+            shadow = region.copy()
+            dst = np.empty_like(region)
+            copy = 2 * size / self.time(lambda: np.copyto(dst, region))
+            npages = ref.num_pages(size, self.pb)
+            for frac in fractions:
+                shadow[...] = region
+                count = _dirty_count(frac, npages)
+                self.dirty(region, npages, count, rng)
+                t = self.time(lambda: ref.shadow_diff(region, shadow, page_bytes=self.pb, update=False))
+                bw = 2 * size / t
+                rows.append({"region_bytes": size, "dirty_pages": count, "fraction": frac, "diff_s": t,
+                             "diff_read_Bps": bw, "memcpy_Bps": copy, "ratio_to_memcpy": bw / copy})
+        return rows
+
+    def stage(self, region_bytes, fractions, rng):
+        region = self.random_region(region_bytes, rng)
+        npages = ref.num_pages(region_bytes, self.pb)
+        rows = []
+        for frac in fractions:
+            count = _dirty_count(frac, npages)
+            ids = np.sort(rng.choice(npages, size=count, replace=False))
+            length = ref.page_batch_length(count, self.pb)
+            dst = np.empty(length, np.uint8)
+            src = np.empty(length, np.uint8)
+            t = self.time(lambda: ref.stage_page_batch(region, ids, dst, ref.new_cursor(), page_bytes=self.pb,
+                                                       base_lsn=0, epoch=1, region_id=0, salt=1))
+            tc = self.time(lambda: np.copyto(dst, src))
+            rows.append({"region_bytes": region_bytes, "dirty_pages": count, "fraction": frac,
+                         "record_bytes": length, "stage_s": t, "stage_Bps": length / t,
+                         "memcpy_Bps": length / tc, "ratio_to_memcpy": tc / t})
+        return rows
+
+    def e2e(self, sizes, rng, reps):
+        rows = []
+        for size in sizes:
+            region = self.random_region(size, rng)
+            shadow = region.copy()
+            npages = ref.num_pages(size, self.pb)
+            dst = np.zeros(1 << 20, np.uint8)
+            times = []
+            for _ in range(reps):
+                self.dirty(region, npages, 1, rng)
+                t0 = time.perf_counter()
+                ids = ref.shadow_diff(region, shadow, page_bytes=self.pb)
+                ref.stage_page_batch(region, ids, dst, ref.new_cursor(), page_bytes=self.pb, base_lsn=0,
+                                     epoch=1, region_id=0, salt=1)
+                times.append(time.perf_counter() - t0)
+                assert ids.size == 1
+            rows.append({"region_bytes": size, "dirty_pages": 1, "cpu_checkpoint_s": _median(times)})
+        return rows
+
+    def kv(self, cache_sizes, rng, seqs=256, new_tokens=1):
+        geo = dict(block_size=16, kv_heads=8, head_dim=128, dtype_bytes=2)
+        layers = 8
+        block_bytes = ref.kv_layout(num_blocks=1, **geo)["block"]
+        rows = []
+        for cache in cache_sizes:
+            nb = max(256, cache // (layers * block_bytes))
+            tables = rng.integers(0, nb, size=(seqs, 64)).astype(np.int32)
+            lens = rng.integers(new_tokens, 64 * 16 - 1, seqs).astype(np.int32)
+            ckpt = lens - new_tokens
+            t = self.time(lambda: ref.kv_dirty_blocks(tables, lens, ckpt.copy(), num_blocks=nb, num_layers=layers,
+                                                      page_bytes=self.pb, **geo))
+            rows.append({"cache_bytes": layers * nb * block_bytes, "num_blocks": nb, "layers": layers, "seqs": seqs,
+                         "new_tokens_per_seq": new_tokens, "scan_s": t})
+        return rows
+
+
+# --- report ----------------------------------------------------------------------
+
+
+def _summary(result: dict) -> dict:
+    s = {}
+    det = [r for r in result["detect"] if r.get("ratio_to_read") is not None]
+    if det:
+        s["shadow_diff_min_ratio_to_hbm_read"] = min(r["ratio_to_read"] for r in det)
+        s["shadow_diff_goal"] = 0.85
+    st = [r for r in result["stage"] if "ratio_to_d2h" in r and r["record_bytes"] >= 64 * MiB]
+    if st:
+        s["staging_min_ratio_to_pinned_d2h_(records>=64MiB)"] = min(r["ratio_to_d2h"] for r in st)
+        s["staging_goal"] = 0.85
+    e2e = [r for r in result["e2e"] if "speedup" in r]
+    if e2e:
+        s["e2e_min_speedup_one_page"] = min(r["speedup"] for r in e2e)
+        s["e2e_goal"] = 300
+    kv = result["kv"]
+    if kv:
+        ts = [r["scan_s"] for r in kv]
+        s["kv_scan_max_over_min"] = max(ts) / min(ts)
+    return s
+
+
+def _table(result: dict) -> str:
+    lines = [f"device: {result['device']}  page_bytes: {result['page_bytes']}"]
+    lines.append("detect (shadow diff)")
+    for r in result["detect"]:
+        ratio = r.get("ratio_to_read", r.get("ratio_to_memcpy"))
+        lines.append(f"  {r['region_bytes'] / MiB:>8.0f} MiB  dirty {r['dirty_pages']:>9}  "
+                     f"{r['diff_s'] * 1e3:9.3f} ms  {r['diff_read_Bps'] / 1e9:8.1f} GB/s  ratio {ratio:.2f}")
+    lines.append("stage (records)")
+    for r in result["stage"]:
+        ratio = r.get("ratio_to_d2h", r.get("ratio_to_memcpy"))
+        lines.append(f"  dirty {r['dirty_pages']:>9}  {r['record_bytes'] / MiB:9.2f} MiB  "
+                     f"{r['stage_s'] * 1e3:9.3f} ms  {r['stage_Bps'] / 1e9:8.1f} GB/s  ratio {ratio:.2f}")
+    lines.append("end to end, one dirty page")
+    for r in result["e2e"]:
+        if "speedup" in r:
+            lines.append(f"  {r['region_bytes'] / MiB:>8.0f} MiB  gpu {r['gpu_checkpoint_s'] * 1e3:9.3f} ms  "
+                         f"host scan {r['host_scan_checkpoint_s'] * 1e3:10.1f} ms  speedup {r['speedup']:8.1f}x")
+        else:
+            lines.append(f"  {r['region_bytes'] / MiB:>8.0f} MiB  cpu {r['cpu_checkpoint_s'] * 1e3:9.3f} ms")
+    lines.append("kv scanner, fixed new tokens")
+    for r in result["kv"]:
+        lines.append(f"  cache {r['cache_bytes'] / GiB:8.1f} GiB  {r['scan_s'] * 1e6:9.1f} us")
+    for k, v in result["summary"].items():
+        lines.append(f"{k}: {v:.3g}" if isinstance(v, float) else f"{k}: {v}")
+    return "\n".join(lines)
+
+
+def _plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(2, 2, figsize=(12, 9))
+    det = result["detect"]
+    for size in sorted({r["region_bytes"] for r in det}):
+        rs = [r for r in det if r["region_bytes"] == size]
+        ax[0, 0].plot([r["dirty_pages"] for r in rs], [r["diff_read_Bps"] / 1e9 for r in rs], "o-",
+                      label=f"{size / GiB:g} GiB")
+    ceil = [r.get("hbm_read_Bps", r.get("memcpy_Bps")) for r in det]
+    if ceil:
+        ax[0, 0].axhline(statistics.median(ceil) / 1e9, ls="--", c="k", label="read ceiling")
+    ax[0, 0].set(xscale="log", xlabel="dirty pages", ylabel="GB/s read", title="shadow diff")
+    ax[0, 0].legend(fontsize=8)
+    st = result["stage"]
+    ax[0, 1].plot([r["record_bytes"] for r in st], [r["stage_Bps"] / 1e9 for r in st], "o-", label="staging")
+    ax[0, 1].plot([r["record_bytes"] for r in st], [r.get("pinned_d2h_Bps", r.get("memcpy_Bps")) / 1e9 for r in st],
+                  "s--", label="ceiling (copy)")
+    ax[0, 1].set(xscale="log", xlabel="record bytes", ylabel="GB/s", title="staging")
+    ax[0, 1].legend(fontsize=8)
+    e2e = result["e2e"]
+    xs = [r["region_bytes"] / GiB for r in e2e]
+    key = "gpu_checkpoint_s" if e2e and "gpu_checkpoint_s" in e2e[0] else "cpu_checkpoint_s"
+    ax[1, 0].plot(xs, [r[key] * 1e3 for r in e2e], "o-", label=key.split("_")[0])
+    if e2e and "host_scan_checkpoint_s" in e2e[0]:
+        ax[1, 0].plot(xs, [r["host_scan_checkpoint_s"] * 1e3 for r in e2e], "s--", label="host scan")
+    ax[1, 0].set(xscale="log", yscale="log", xlabel="region GiB", ylabel="ms per checkpoint",
+                 title="one dirty page, end to end")
+    ax[1, 0].legend(fontsize=8)
+    kv = result["kv"]
+    ax[1, 1].plot([r["cache_bytes"] / GiB for r in kv], [r["scan_s"] * 1e6 for r in kv], "o-")
+    ax[1, 1].set(xscale="log", xlabel="KV cache GiB", ylabel="us", title="KV scanner, fixed new tokens",
+                 ylim=(0, None))
+    fig.suptitle(f"Concordia checkpoint: {result['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+@click.command("checkpoint")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+@click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON to this file.")
+@click.option("--plot", type=click.Path(dir_okay=False), help="Write a PNG of the four curves.")
+@click.option("--quick", is_flag=True, help="Small sizes (CI smoke test).")
+@click.option("--cpu", is_flag=True, help="Run the numpy twins (no GPU needed).")
+@click.option("--sizes", help="Region sizes for the detect sweep, e.g. 256M,1G,4G,16G.")
+@click.option("--fractions", help="Dirty fractions: 'page' (one page) and floats, e.g. page,0.01,0.5.")
+@click.option("--e2e-sizes", help="Region sizes for the end-to-end comparison, e.g. 256M,1G,4G,8G.")
+@click.option("--stage-region", help="Region size for the staging sweep.")
+@click.option("--kv-cache-sizes", help="KV cache sizes for the scanner sweep (not allocated).")
+@click.option("--page-bytes", type=int, default=4096, show_default=True)
+@click.option("--reps", type=int, default=10, show_default=True, help="Timed repeats (median).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@guarded
+def command(as_json, out, plot, quick, cpu, sizes, fractions, e2e_sizes, stage_region, kv_cache_sizes,
+            page_bytes, reps, seed):
+    """Delta checkpoint: shadow diff vs device read bandwidth, staging vs
+    pinned device-to-host copies, one dirty page end to end vs host-side
+    scanning, and the KV scanner vs cache size.  Needs a CUDA device unless
+    --cpu.
+
+    Example:
+
+        concordia-wal bench checkpoint --json --out checkpoint.json --plot checkpoint.png
+    """
+    ref._check_page_bytes(page_bytes)
+    preset = CPU_QUICK if (cpu and quick) else QUICK if quick else DEFAULT
+    if cpu and not quick:
+        preset = {**DEFAULT, "sizes": "64M,256M", "e2e_sizes": "64M,256M", "stage_region": "256M"}
+    opt = {"sizes": sizes, "fractions": fractions, "e2e_sizes": e2e_sizes, "stage_region": stage_region,
+           "kv_cache_sizes": kv_cache_sizes}
+    cfg = {k: (v or preset[k]) for k, v in opt.items()}
+    rng = np.random.default_rng(seed)
+    runner = _Cpu(page_bytes, reps) if cpu else _Gpu(page_bytes, reps)
+    result = {"bench": "checkpoint", "device": runner.device, "page_bytes": page_bytes, "reps": reps,
+              "config": cfg, "cpu": bool(cpu)}
+    fr = _fractions(cfg["fractions"])
+    result["detect"] = runner.detect(_sizes(cfg["sizes"]), fr, rng)
+    result["stage"] = runner.stage(_sizes(cfg["stage_region"])[0], fr, rng)
+    result["e2e"] = runner.e2e(_sizes(cfg["e2e_sizes"]), rng, max(3, reps))
+    result["kv"] = runner.kv(_sizes(cfg["kv_cache_sizes"]), rng)
+    result["summary"] = _summary(result)
+    if out:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=2)
+    if plot:
+        _plot(result, plot)
+    if as_json:
+        emit_json(result)
+    else:
+        click.echo(_table(result))
