@@ -37,6 +37,19 @@ def _page_crcs(src: np.ndarray) -> np.ndarray:
     return np.fromiter((_crc32c(mv[i:i + pb]) for i in range(0, k * pb, pb)), dtype=np.uint32, count=k)
 
 
+def _run_of(idx: np.ndarray) -> bool:
+    """True when idx is a run of consecutive integers (then a slice does)."""
+    return idx.size > 0 and int(idx[-1]) - int(idx[0]) + 1 == idx.size
+
+
+def take_rows(payload: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Rows of a record's payload: a view when they are consecutive (the common
+    case: a record's pages are mostly all still current), else a gathered copy."""
+    if _run_of(rows):
+        return payload[int(rows[0]):int(rows[-1]) + 1]
+    return payload[rows]
+
+
 def _chunks(rp: RegionPlan, chunk_bytes: int):
     per = max(1, chunk_bytes // max(1, rp.region.page_bytes))
     for s in rp.sources:
@@ -44,36 +57,55 @@ def _chunks(rp: RegionPlan, chunk_bytes: int):
             yield s, s.rows[i:i + per], s.page_ids[i:i + per]
 
 
+def _row_crcs(payload: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """CRC32C of the given rows of a record's (count, page_bytes) payload, read
+    in place (no gathered copy)."""
+    pb = payload.shape[1]
+    mv = memoryview(payload.reshape(-1)) if payload.flags.c_contiguous else None
+    if mv is None:
+        return _page_crcs(payload[rows])
+    return np.fromiter((_crc32c(mv[r * pb:(r + 1) * pb]) for r in rows.tolist()), dtype=np.uint32,
+                       count=rows.size)
+
+
 def _copy_chunk(rp: RegionPlan, dst: np.ndarray, crcs: np.ndarray, src_batch, rows, pids, check: bool):
     """Verify the pages `rows` of one record, then copy them to page numbers `pids`
-    of the flat uint8 buffer `dst` (whose last page may be short)."""
+    of the flat uint8 buffer `dst` (whose last page may be short).  Long runs
+    (consecutive rows to consecutive pages) go slice to slice; scattered pages
+    through one gather/scatter."""
     pb = rp.region.page_bytes
     payload = src_batch.payload
     if payload is None:
         raise WalError(f"record at lsn {src_batch.lsn} carries no payload view", hint="plan from an open log")
-    src = payload[rows]  # (k, pb) gathered copy: releases the GIL
     stored = np.asarray(src_batch.page_crcs)[rows]
     if check:
-        got = _page_crcs(src)
+        got = _row_crcs(payload, rows)
         bad = np.flatnonzero(got != stored)
         if bad.size:
             i = int(bad[0])
-            row = int(rows[i])
-            off = src_batch.offset + (src_batch.length - src_batch.page_ids.size * pb) + row * pb
+            off = src_batch.offset + (src_batch.length - src_batch.page_ids.size * pb) + int(rows[i]) * pb
             raise CorruptionError(
-                f"page CRC mismatch for page {int(pids[i])} of region {rp.name!r} "
-                f"in record lsn {src_batch.lsn}, stored 0x{int(stored[i]):08x}, computed 0x{int(got[i]):08x}",
+                f"page CRC mismatch for page {int(pids[i])} of region {rp.name!r} in record lsn "
+                f"{src_batch.lsn}, stored 0x{int(stored[i]):08x}, computed 0x{int(got[i]):08x}",
                 where=f"segment {src_batch.segment} @ {off:#x}",
             )
     crcs[pids] = stored
     full = dst.size // pb
-    last_short = dst.size % pb != 0 and pids.size and int(pids[-1]) == full
-    if last_short:
-        n = dst.size - full * pb
-        dst[full * pb:] = src[-1, :n]
-        src, pids = src[:-1], pids[:-1]
-    if pids.size:
-        dst[: full * pb].reshape(full, pb)[pids] = src
+    pages = dst[: full * pb].reshape(full, pb)
+    if pids.size and int(pids[-1]) >= full:  # the region's short last page
+        dst[full * pb:] = payload[int(rows[-1]), : dst.size - full * pb]
+        rows, pids = rows[:-1], pids[:-1]
+    if not pids.size:
+        return
+    brk = np.flatnonzero((np.diff(rows) != 1) | (np.diff(pids) != 1)) + 1
+    if brk.size * 16 > rows.size:  # short runs: one fancy gather/scatter
+        pages[pids] = payload[rows]
+        return
+    starts = np.concatenate(([0], brk)).tolist()
+    ends = np.concatenate((brk, [rows.size])).tolist()
+    for s0, e0 in zip(starts, ends):
+        r0, p0, n = int(rows[s0]), int(pids[s0]), e0 - s0
+        pages[p0:p0 + n] = payload[r0:r0 + n]
 
 
 def _finish_region(rp: RegionPlan, crcs: np.ndarray, check: bool) -> None:

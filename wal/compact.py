@@ -33,6 +33,7 @@ from typing import Callable
 
 import numpy as np
 
+from concordia.wal.apply import take_rows
 from concordia.wal.errors import CorruptionError, WalError
 from concordia.wal.planner import BaseEntry, History, RegionPlan, plan_history, scan
 from concordia.wal.snapshot import (
@@ -86,9 +87,9 @@ def _fold_source(rp: RegionPlan) -> Callable[[int, int], np.ndarray]:
             at = np.flatnonzero(own == i)
             s = rp.sources[int(i)]
             rows = row[lo + at]
-            got = s.batch.payload[rows]
+            got = take_rows(s.batch.payload, rows)
             stored = np.asarray(s.batch.page_crcs)[rows]
-            mv = memoryview(got).cast("B")
+            mv = memoryview(np.ascontiguousarray(got)).cast("B")
             for k in range(at.size):
                 c = _crc(mv[k * pb:(k + 1) * pb])
                 if c != stored[k]:
