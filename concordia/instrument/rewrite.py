@@ -499,7 +499,7 @@ def _split_address(expr: str) -> tuple[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m concordia.instrument.rewrite [--track-stores] [--no-gate]
+    """`python -m concordia.instrument [--track-stores] [--no-gate]
     [--no-exits] [--report FILE] < in.ptx > out.ptx`.
 
     Exit 0: rewritten PTX on stdout.  Exit 3: the module was left alone (reason
@@ -508,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import json
 
-    ap = argparse.ArgumentParser(prog="python -m concordia.instrument.rewrite",
+    ap = argparse.ArgumentParser(prog="python -m concordia.instrument",
                                  description="Instrument one PTX module read from stdin.")
     ap.add_argument("--track-stores", action="store_true")
     ap.add_argument("--no-gate", action="store_true")

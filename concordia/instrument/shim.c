@@ -6,7 +6,7 @@
  * obtained through cuGetProcAddress (how the CUDA runtime and many frameworks
  * resolve driver entry points), and looks at each image:
  *
- *   PTX text           rewritten by `python -m concordia.instrument.rewrite`
+ *   PTX text           rewritten by `python -m concordia.instrument`
  *                      (input in a temporary file, output on a pipe) and the
  *                      rewritten text is loaded instead;
  *   fatbin (0xBA55ED50) its PTX members (zstd or LZ4 compressed ones are
@@ -218,7 +218,7 @@ static char *run_rewriter(const char *ptx, const char **why) {
         const char *rep = getenv("CONCORDIA_SHIM_REPORT");
         char *argv[16]; int a = 0;
         argv[a++] = (char *)(py && *py ? py : "python3");
-        argv[a++] = "-m"; argv[a++] = "concordia.instrument.rewrite";
+        argv[a++] = "-m"; argv[a++] = "concordia.instrument";
         if (rep && *rep) { argv[a++] = "--report"; argv[a++] = (char *)rep; }
         char extra_buf[256] = "";
         if (extra && *extra) {

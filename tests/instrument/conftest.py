@@ -26,8 +26,8 @@ def nvcc_ptx(src: pathlib.Path, out_dir: pathlib.Path, *flags: str) -> pathlib.P
     return out
 
 
-def ptxas(ptx_text: str, tmp: pathlib.Path, arch: str = "sm_90") -> subprocess.CompletedProcess:
+def ptxas(ptx_text: str, tmp: pathlib.Path, arch: str = "sm_90", *extra: str) -> subprocess.CompletedProcess:
     f = tmp / "in.ptx"
     f.write_text(ptx_text)
-    return subprocess.run([tool("ptxas"), f"-arch={arch}", str(f), "-o", str(tmp / "out.cubin")],
+    return subprocess.run([tool("ptxas"), f"-arch={arch}", *extra, str(f), "-o", str(tmp / "out.cubin")],
                           capture_output=True, text=True)

@@ -26,15 +26,15 @@ def _arch(text: str) -> str:
     return "sm_90a" if ".target sm_90a" in text else "sm_90"
 
 
-def _check(text: str, tmp_path: pathlib.Path) -> None:
-    base = ptxas(text, tmp_path, _arch(text))
+def _check(text: str, tmp_path: pathlib.Path, *extra: str) -> None:
+    base = ptxas(text, tmp_path, _arch(text), *extra)
     assert base.returncode == 0, f"corpus module itself does not assemble: {base.stderr}"
     for mode, opts in MODES.items():
         res = rewrite(text, opts)
         assert res.kernels, "no kernels found"
         if opts.exit_hooks:
             assert all(k.exit_sites >= 1 for k in res.kernels)
-        p = ptxas(res.ptx, tmp_path, _arch(text))
+        p = ptxas(res.ptx, tmp_path, _arch(text), *extra)
         assert p.returncode == 0, f"{mode}: ptxas rejected the rewritten module:\n{p.stderr}"
 
 
@@ -81,10 +81,16 @@ def test_project_kernels(src, tmp_path):
     p = subprocess.run([nvcc, "--ptx", "-arch=sm_90", "-std=c++17", f"-I{src.parent}",
                         *_project_defines(src.stem), str(src), "-o", str(out)],
                        capture_output=True, text=True)
+    extra: tuple[str, ...] = ()
+    if p.returncode != 0 and "separate compilation" in p.stderr:  # device-side launches
+        extra = ("-c",)  # relocatable: the device runtime is linked later
+        p = subprocess.run([nvcc, "--ptx", "-arch=sm_90", "-std=c++17", "-rdc=true",
+                            f"-I{src.parent}", *_project_defines(src.stem), str(src), "-o", str(out)],
+                           capture_output=True, text=True)
     if p.returncode != 0:
         pytest.skip(f"{src.name} needs -D specialisation constants to compile on its own "
                     f"(its own tests compile every specialisation): {p.stderr.strip()[:120]}")
     text = out.read_text()
     if ".entry" not in text:
         pytest.skip(f"{src.name} defines no kernel entry on its own")
-    _check(text, tmp_path)
+    _check(text, tmp_path, *extra)

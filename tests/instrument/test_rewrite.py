@@ -166,14 +166,14 @@ def test_bytes_with_trailing_nul_are_accepted():
 def test_cli_rewrites_and_reports(tmp_path):
     report = tmp_path / "r.jsonl"
     src = entry("\t.reg .b64 %rd<2>;\n\tst.global.u32 [%rd1], 1;\n\tret;")
-    p = subprocess.run([sys.executable, "-m", "concordia.instrument.rewrite", "--track-stores",
+    p = subprocess.run([sys.executable, "-m", "concordia.instrument", "--track-stores",
                         "--report", str(report), "--name", "m1"],
                        input=src.encode(), capture_output=True)
     assert p.returncode == 0, p.stderr
     assert EPOCHS.encode() in p.stdout
     rec = json.loads(report.read_text().splitlines()[0])
     assert rec["module"] == "m1" and rec["stores_tracked"] == 1 and rec["hook_sites"] == 1
-    bad = subprocess.run([sys.executable, "-m", "concordia.instrument.rewrite", "--report",
+    bad = subprocess.run([sys.executable, "-m", "concordia.instrument", "--report",
                           str(report)], input=b"\x7fELF\x02\x01", capture_output=True)
     assert bad.returncode == 3 and bad.stdout == b""
     assert bad.stderr.decode().count("\n") == 1 and "skipped" in bad.stderr.decode()
