@@ -91,7 +91,7 @@ def _check(name: str, defines: dict) -> tuple[tuple[str, int], ...]:
 def source(name: str) -> str:
     """The module's source with common.cuh inlined (NVRTC sees one text, and
     CuPy's disk cache keys on the whole of it)."""
-    common = (SOURCE_DIR / COMMON).read_text()
+    common = (SOURCE_DIR / COMMON).read_text().replace("#pragma once", "", 1)
     text = (SOURCE_DIR / f"{name}.cu").read_text()
     return text.replace(f'#include "{COMMON}"', common, 1)
 
