@@ -74,3 +74,17 @@ def test_gpu_launchers_say_when_cupy_is_missing():
 
     with pytest.raises(GpuUnavailableError, match="CuPy"):
         gpu.shadow_diff(np.zeros(64, np.uint8), np.zeros(64, np.uint8), page_bytes=64)
+
+
+@needs_nvcc
+def test_the_text_nvrtc_receives_compiles_alone(tmp_path):
+    """jit.source() is what NVRTC compiles: it must stand alone (no include path)."""
+    import subprocess
+
+    defs = ["-DPAGE_BYTES=4096", "-DKV_BLOCK_SIZE=16", "-DKV_HEADS=8", "-DKV_HEAD_DIM=128", "-DKV_DTYPE_BYTES=2"]
+    for name in jit.KERNELS:
+        f = tmp_path / f"{name}.cu"
+        f.write_text(jit.source(name))
+        res = subprocess.run(["nvcc", "--ptx", "-arch=sm_90", *jit.NVRTC_OPTIONS, *defs, str(f),
+                              "-o", str(tmp_path / f"{name}.ptx")], capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr
