@@ -407,6 +407,46 @@ class Workload:
         a[1] *= xp.float32(cfg.lora_decay)
         a[1] += xp.float32(cfg.lora_lr) * (u[:, None] * coef[None, :])
 
+    def prefill(self, tokens):
+        """Dense causal forward of whole prompts, int32 tokens [batch, T] with
+        T <= max_len: the work of rebuilding their KV cache from scratch (the
+        re-prefill a system without a log pays after a crash).  Returns
+        (K, V), each [layers, batch, T, kv_heads, head_dim]."""
+        cfg, xp, w = self.cfg, self.xp, self.w
+        tok = xp.asarray(tokens)
+        B, T = tok.shape
+        H, KVH, Dh = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        G = H // KVH
+        causal = xp.tril(xp.ones((T, T), dtype=bool))
+        scale = xp.float32(1.0 / np.sqrt(Dh))
+        x = w["emb"][tok] + w["pos"][:T][None]
+        ks, vs = [], []
+        for l in range(cfg.n_layers):
+            hn = _rms(xp, x)
+            a = self.adapter[l]
+            q = (hn @ w["wq"][l] + (hn @ a[0]) @ a[1].T).reshape(B, T, KVH, G, Dh)
+            k = (hn @ w["wk"][l]).reshape(B, T, KVH, Dh)
+            v = (hn @ w["wv"][l]).reshape(B, T, KVH, Dh)
+            ks.append(k)
+            vs.append(v)
+            qt = q.transpose(0, 2, 3, 1, 4)                       # [B, KVH, G, T, Dh]
+            sc = (qt @ k.transpose(0, 2, 3, 1)[:, :, None]) * scale  # [B, KVH, G, T, T]
+            sc = xp.where(causal, sc, xp.float32(-1e30))
+            sc = sc - sc.max(axis=-1, keepdims=True)
+            pr = xp.exp(sc)
+            pr = pr / pr.sum(axis=-1, keepdims=True)
+            o = (pr @ v.transpose(0, 2, 1, 3)[:, :, None])         # [B, KVH, G, T, Dh]
+            o = o.transpose(0, 3, 1, 2, 4).reshape(B, T, -1)
+            x = x + o @ w["wo"][l]
+            hn = _rms(xp, x)
+            x = x + xp.maximum(hn @ w["w1"][l], xp.float32(0)) @ w["w2"][l]
+        return xp.stack(ks), xp.stack(vs)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        c = self.cfg
+        return c.n_layers * 2 * c.n_kv_heads * c.head_dim * 4
+
     def run(self, until_step: int, on_step=None) -> None:
         while self.step_index < until_step:
             info = self.step()

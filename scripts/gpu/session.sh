@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Session on the GPU: the gpu-marked session tests, the demo on the device,
+# and bench recover at modest sizes.  Run from the repository root; results
+# go to "$OUT" (session-tests.xml, demo.json, recover.json, recover.png).
+set -uo pipefail
+OUT=${OUT:-./gpu-out}
+mkdir -p "$OUT"
+rc=0
+timeout 90 python3 -m pytest tests/session/test_gpu.py -q -m gpu -p no:cacheprovider \
+  --junitxml="$OUT/session-tests.xml" 2>&1 | tail -15 || rc=1
+timeout 60 python3 -m concordia.tools.cli demo --device gpu --steps 160 --json \
+  --log "file:$OUT/demo-work/demo.log" > "$OUT/demo.json" || rc=1
+rm -rf "$OUT/demo-work"
+python3 -c "import json; d=json.load(open('$OUT/demo.json')); print('demo identical:', d['identical'], 'timeline ms:', [(p['phase'], round(p['ms'],1)) for p in d['timeline']])" || rc=1
+timeout 150 python3 -c "import sys; from concordia.tools.wal_cli import main; sys.argv[0] = 'concordia-wal'; main()" bench recover --sizes "${RECOVER_SIZES:-1,4}" \
+  --json --plot --out "$OUT/recover.json" > /dev/null || rc=1
+python3 -c "
+import json; d=json.load(open('$OUT/recover.json'))
+print('ceiling', round(d['ceiling']['GBps'],1), 'GB/s')
+for r in d['rows']: print(r['tier'], round(r['GiB'],2), 'GiB total', round(r['total_s'],3), 's', round(100*r['ratio_to_ceiling']), '% of ceiling', r['via'])
+" || rc=1
+exit $rc

@@ -1,0 +1,69 @@
+"""The Session and the demo on a CUDA device (CuPy arrays; torch CUDA tensors through DLPack)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from concordia import Session
+
+from .state import LOG_SIZE, SEGMENT
+
+pytestmark = pytest.mark.gpu
+
+
+def _cp():
+    import cupy
+
+    return cupy
+
+
+def test_cupy_regions_checkpoint_and_recover_on_device(shm_log):
+    cp = _cp()
+    kv = cp.arange(1 << 18, dtype=cp.float32).reshape(4, 16, 2, 8, 2, 32)
+    ad = cp.ones((4, 2, 64, 8), cp.float32)
+    with Session(shm_log, size=LOG_SIZE, segment_size=SEGMENT) as s:
+        s.register("kv", kv, kind="kv", page_bytes=4096)
+        s.register("adapter", ad, kind="adapter", page_bytes=4096)
+        first = s.checkpoint()
+        kv[1, 2, 0, 3] = -1.0
+        ad[2, 1, 5] = 3.0
+        second = s.checkpoint()
+        assert second.pages == {"kv": 1, "adapter": 1} and first.base
+    with Session(shm_log, create=False) as s:
+        got = s.recover(device="cupy")
+        assert isinstance(got["kv"], cp.ndarray)
+        assert bool((got["kv"] == kv).all()) and bool((got["adapter"] == ad).all())
+        host = s.recover()
+        assert np.array_equal(host["kv"], kv.get())
+
+
+def test_file_log_restores_through_bounce_buffers(file_log):
+    cp = _cp()
+    a = cp.random.default_rng(1).random(3 << 20, dtype=cp.float32)
+    with Session(file_log, size=64 << 20, segment_size=16 << 20) as s:
+        s.register("a", a, kind="kv", page_bytes=65536)
+        s.checkpoint()
+    with Session(file_log, create=False) as s:
+        got = s.recover(device="cupy")["a"]
+    assert bool((got == a).all())
+
+
+def test_torch_cuda_tensor_through_dlpack(shm_log):
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+    t = torch.arange(1 << 16, dtype=torch.float16, device="cuda").reshape(256, 256)
+    with Session(shm_log, size=LOG_SIZE, segment_size=SEGMENT) as s:
+        s.register("t", t, kind="adapter", page_bytes=4096)
+        s.checkpoint()
+        t[7] = 0.5
+        assert s.checkpoint().pages["t"] == 1
+        got = s.recover()["t"]
+    assert got.tobytes() == t.cpu().numpy().tobytes()
+
+
+def test_gpu_demo_is_bit_identical(tmp_path):
+    from concordia.demo import run_demo
+
+    rep = run_demo(log=f"file:{tmp_path / 'demo.log'}", steps=48, kill_at=21, every=4, device="gpu")
+    assert rep["device"] == "gpu"
+    assert rep["identical"], rep["compared"]

@@ -1,0 +1,326 @@
+"""`concordia-wal bench recover`: restore KV state from a log onto the GPU,
+beside the ceilings and the alternatives, all measured in the same run.
+
+For each size and tier (shm, file) a log is written by a `Session` checkpoint
+of a device KV region of that size, then recovered as a fresh reader would:
+open the log, plan, and restore straight into device memory
+(`session.apply_plan_cupy`: the scatter kernel reads a registered shm mapping
+directly; a file log goes through pinned bounce buffers), every page CRC and
+the region digest checked on the device.  Beside it:
+
+* ceiling: pinned host-to-device copy bandwidth (cupy, pinned buffer);
+* re-prefill: the reference model rebuilding the same number of tokens' KV
+  from scratch (measured on a batch, scaled by tokens);
+* torch: `torch.save` / `torch.load(map_location="cuda")` of the same bytes
+  as one tensor, in the same directory as the log (when PyTorch is present).
+
+Without a GPU (`--quick` in CI) the same steps run on the host: numpy
+applier, memcpy as the ceiling, the model on numpy.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+import uuid
+
+import click
+import numpy as np
+
+from .common import emit_json, guarded
+
+GIB = 1 << 30
+
+
+def _gpu():
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            return cupy
+    except Exception:
+        return None
+    return None
+
+
+def _sync(xp):
+    if xp is not np:
+        xp.cuda.get_current_stream().synchronize()
+
+
+def _ceiling(xp, nbytes: int) -> dict:
+    """Pinned host->device bandwidth (GPU) or host memcpy (CPU), best of 5."""
+    nbytes = max(1 << 20, min(nbytes, 2 * GIB))
+    if xp is np:
+        src = np.ones(nbytes, np.uint8)
+        dst = np.empty_like(src)
+        best = min(_timed(lambda: np.copyto(dst, src)) for _ in range(5))
+        return {"what": "host memcpy", "bytes": nbytes, "GBps": nbytes / best / 1e9}
+    mem = xp.cuda.alloc_pinned_memory(nbytes)
+    host = np.frombuffer(mem, np.uint8, nbytes)
+    host[:] = 1
+    dev = xp.empty(nbytes, xp.uint8)
+    dev.set(host)
+    _sync(xp)
+
+    def one():
+        dev.set(host)
+        _sync(xp)
+
+    best = min(_timed(one) for _ in range(5))
+    return {"what": "pinned host-to-device copy", "bytes": nbytes, "GBps": nbytes / best / 1e9}
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _spec(tier: str, workdir: str) -> str:
+    if tier == "shm":
+        return f"shm:concordia-bench-{uuid.uuid4().hex[:10]}"
+    return f"file:{os.path.join(workdir, 'recover.log')}"
+
+
+def _remove(spec: str) -> None:
+    kind, _, path = spec.partition(":")
+    path = os.path.join("/dev/shm", path) if kind == "shm" else path
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _write_log(xp, spec: str, nbytes: int, page_bytes: int) -> dict:
+    """A log whose one committed epoch holds a KV region of `nbytes`."""
+    from concordia.session import Session
+
+    kv = xp.empty(nbytes // 2, xp.float16)
+    flat = kv.view(xp.uint8)
+    rng = np.random.default_rng(7)
+    block = xp.asarray(rng.integers(0, 256, size=min(nbytes, 64 << 20), dtype=np.uint8))
+    for i, off in enumerate(range(0, nbytes, block.size)):
+        n = min(block.size, nbytes - off)
+        flat[off:off + n] = block[:n] ^ np.uint8(i & 0xFF)
+    mib = 1 << 20
+    seg = min(1 << 30, max(16 * mib, -(-(nbytes // 8) // mib) * mib))  # records are at most 8 MiB
+    log_size = -(-(nbytes + nbytes // 16 + 4 * seg) // seg) * seg
+    t0 = time.perf_counter()
+    with Session(spec, overwrite=True, size=log_size, segment_size=seg) as s:
+        s.register("kv", kv, kind="kv", page_bytes=page_bytes)
+        s.checkpoint()
+    secs = time.perf_counter() - t0
+    digest = _digest(xp, kv, page_bytes)
+    del kv, flat, block
+    return {"write_s": secs, "digest": digest}
+
+
+def _digest(xp, arr, page_bytes):
+    from concordia.gpu_kernels import reference as ref
+
+    if xp is np:
+        return ref.region_digest(ref.crc32c_pages(arr, page_bytes=page_bytes))
+    from concordia.gpu_kernels import gpu
+
+    return gpu.region_digest(gpu.crc32c_pages(arr, page_bytes=page_bytes))
+
+
+def _restore(xp, spec: str) -> dict:
+    """Open, plan and restore the log's KV region onto the device (or host)."""
+    from concordia.session import apply_plan_cupy
+    from concordia.wal import Log
+    from concordia.wal.apply import apply_plan_numpy
+    from concordia.wal.planner import plan
+
+    t0 = time.perf_counter()
+    log = Log.open(spec, writable=False, check_pages=False)  # pages are checked where they land
+    t1 = time.perf_counter()
+    p = plan(log)
+    t2 = time.perf_counter()
+    st: dict = {}
+    if xp is np:
+        out = apply_plan_numpy(log, p)
+        st["via"] = "numpy applier"
+    else:
+        out = apply_plan_cupy(log, p, stats=st)
+        _sync(xp)
+    t3 = time.perf_counter()
+    nbytes = int(out["kv"].nbytes)
+    log.close()
+    del out
+    total = t3 - t0
+    restore = t3 - t2
+    return {"open_s": t1 - t0, "plan_s": t2 - t1, "restore_s": restore, "total_s": total,
+            "register_s": st.get("register_s", 0.0), "scatter_s": st.get("scatter_s", restore),
+            "verify_s": st.get("verify_s", 0.0), "via": st.get("via"), "bytes": nbytes,
+            "GBps": nbytes / restore / 1e9,
+            "GBps_excl_register": nbytes / max(1e-9, restore - st.get("register_s", 0.0)) / 1e9}
+
+
+def _prefill(xp, nbytes: int, quick: bool) -> dict:
+    """Seconds for the reference model to rebuild nbytes of KV from tokens."""
+    from concordia.workload import Workload, WorkloadConfig
+
+    wl = Workload(WorkloadConfig(), xp=xp)
+    T = wl.cfg.max_len
+    batch = 4 if quick else 256
+    toks = np.random.default_rng(0).integers(0, wl.cfg.vocab, (batch, T)).astype(np.int32)
+    wl.prefill(toks[:1])  # warm up (kernels, allocator)
+    _sync(xp)
+    t0 = time.perf_counter()
+    wl.prefill(toks)
+    _sync(xp)
+    secs = time.perf_counter() - t0
+    tps = batch * T / secs
+    tokens = nbytes / wl.kv_bytes_per_token
+    return {"tokens": int(tokens), "tokens_per_s": tps, "seconds": tokens / tps,
+            "measured_tokens": batch * T, "kv_bytes_per_token": wl.kv_bytes_per_token}
+
+
+def _torch(xp, nbytes: int, directory: str) -> dict | None:
+    try:
+        import torch
+    except Exception:
+        return None
+    dev = "cuda" if xp is not np and torch.cuda.is_available() else "cpu"
+    t = torch.ones(nbytes, dtype=torch.uint8, device=dev)
+    path = os.path.join(directory, f"concordia-bench-{uuid.uuid4().hex[:8]}.pt")
+    try:
+        t0 = time.perf_counter()
+        torch.save(t, path)
+        t1 = time.perf_counter()
+        del t
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        back = torch.load(path, map_location=dev)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        del back
+    finally:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    return {"save_s": t1 - t0, "load_s": t3 - t2, "device": dev}
+
+
+def run(sizes_bytes, tiers, quick: bool, page_bytes: int) -> dict:
+    gpu = _gpu()
+    xp = gpu if gpu is not None else np
+    work = tempfile.mkdtemp(prefix="concordia-bench-recover-", dir=os.environ.get("CONCORDIA_BENCH_DIR"))
+    rows = []
+    try:
+        ceiling = _ceiling(xp, max(sizes_bytes))
+        for nbytes in sizes_bytes:
+            pre = _prefill(xp, nbytes, quick)
+            for tier in tiers:
+                spec = _spec(tier, work)
+                try:
+                    w = _write_log(xp, spec, nbytes, page_bytes)
+                    r = _restore(xp, spec)
+                finally:
+                    _remove(spec)
+                directory = "/dev/shm" if tier == "shm" else work
+                tr = _torch(xp, nbytes, directory)
+                rows.append({"tier": tier, "bytes": nbytes, "GiB": nbytes / GIB, "write_s": w["write_s"],
+                             **{k: v for k, v in r.items() if k != "bytes"},
+                             "ratio_to_ceiling": r["GBps"] / ceiling["GBps"],
+                             "ratio_to_ceiling_excl_register": r["GBps_excl_register"] / ceiling["GBps"],
+                             "reprefill_s": pre["seconds"], "reprefill_tokens": pre["tokens"],
+                             "speedup_vs_reprefill": pre["seconds"] / r["total_s"],
+                             "torch_save_s": tr and tr["save_s"], "torch_load_s": tr and tr["load_s"],
+                             "speedup_vs_torch_load": (tr["load_s"] / r["total_s"]) if tr else None})
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return {"device": "gpu" if gpu is not None else "cpu", "page_bytes": page_bytes, "ceiling": ceiling,
+            "goals": {"ratio_to_ceiling": 0.8, "total_s_at_10GiB": 1.0}, "rows": rows}
+
+
+def _table(res: dict) -> str:
+    c = res["ceiling"]
+    lines = [f"ceiling: {c['what']} {c['GBps']:.1f} GB/s (device: {res['device']})",
+             f"{'tier':<5} {'GiB':>6} {'open':>7} {'plan':>7} {'restore':>8} {'total':>8} {'GB/s':>7} "
+             f"{'ceil%':>6} {'re-prefill':>11} {'torch.load':>11}  via"]
+    for r in res["rows"]:
+        tl = f"{r['torch_load_s']:.3f}s" if r["torch_load_s"] is not None else "-"
+        lines.append(f"{r['tier']:<5} {r['GiB']:>6.2f} {r['open_s']:>6.3f}s {r['plan_s']:>6.3f}s "
+                     f"{r['restore_s']:>7.3f}s {r['total_s']:>7.3f}s {r['GBps']:>7.1f} "
+                     f"{100 * r['ratio_to_ceiling']:>5.0f}% {r['reprefill_s']:>10.2f}s {tl:>11}  {r['via']}")
+    return "\n".join(lines)
+
+
+def _plot(res: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for tier in sorted({r["tier"] for r in res["rows"]}):
+        rs = [r for r in res["rows"] if r["tier"] == tier]
+        ax.plot([r["GiB"] for r in rs], [r["total_s"] for r in rs], "o-", label=f"Concordia restore ({tier} log)")
+        tl = [(r["GiB"], r["torch_load_s"]) for r in rs if r["torch_load_s"] is not None]
+        if tl:
+            ax.plot(*zip(*tl), "s--", label=f"torch.load ({tier})")
+    rs = sorted({(r["GiB"], r["reprefill_s"]) for r in res["rows"]})
+    ax.plot([a for a, _ in rs], [b for _, b in rs], "^:", label="re-prefill (model)")
+    gib = sorted({r["GiB"] for r in res["rows"]})
+    ax.plot(gib, [g * GIB / (res["ceiling"]["GBps"] * 1e9) for g in gib], "k-", lw=0.8,
+            label=f"ceiling: {res['ceiling']['what']}")
+    ax.set_xlabel("KV state restored (GiB)")
+    ax.set_ylabel("seconds")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    ax.set_title(f"Recovery of KV state ({res['device'].upper()})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+@click.command("recover")
+@click.option("--sizes", default="1,10,40", show_default=True,
+              help="KV sizes in GiB, comma-separated (fractions allowed).")
+@click.option("--tiers", default="shm,file", show_default=True, help="Log tiers: shm, file.")
+@click.option("--page-bytes", default=65536, show_default=True, type=int, help="Page size of the KV region.")
+@click.option("--quick", is_flag=True, help="Small sizes (CI smoke test; runs on the CPU).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+@click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
+@click.option("--plot", is_flag=True, help="Draw seconds per size to a PNG (beside --out, or ./bench-recover.png).")
+@guarded
+def command(sizes, tiers, page_bytes, quick, as_json, out, plot):
+    """Restore KV state from shm and file logs onto the GPU, beside pinned
+    host-to-device bandwidth, re-prefill with the model and torch.load.
+
+    Example:
+
+        concordia-wal bench recover --sizes 1,10,40 --json --plot --out recover.json
+    """
+    try:
+        gib = [float(x) for x in sizes.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"not a list of GiB: {sizes!r}", param_hint="--sizes") from None
+    tier_list = [t.strip() for t in tiers.split(",") if t.strip()]
+    bad = [t for t in tier_list if t not in ("shm", "file")]
+    if bad or not tier_list:
+        raise click.BadParameter(f"unknown tier {bad[0] if bad else tiers!r} (use shm, file)", param_hint="--tiers")
+    if quick:
+        gib = [4 / 1024, 16 / 1024]
+    sizes_bytes = [max(page_bytes, int(g * GIB) // page_bytes * page_bytes) for g in gib]
+    res = run(sizes_bytes, tier_list, quick, page_bytes)
+    if out:
+        import json
+
+        with open(out, "w") as f:
+            json.dump(res, f, indent=2)
+    if plot:
+        path = (os.path.splitext(out)[0] + ".png") if out else "bench-recover.png"
+        _plot(res, path)
+        res["plot"] = path
+    if as_json:
+        emit_json(res)
+    else:
+        click.echo(_table(res))
