@@ -182,5 +182,10 @@ def open_volume(spec: str, *, writable: bool = False):
 
 def progress_bar(length: int, label: str):
     """A click progress bar on stderr (hidden when stderr is not a terminal)."""
+    import inspect
+
+    kw = {}
+    if "hidden" in inspect.signature(click.progressbar).parameters:
+        kw["hidden"] = not sys.stderr.isatty()  # scripts and pipes get no bar residue
     return click.progressbar(length=max(1, int(length)), label=label, file=sys.stderr,
-                             show_pos=False, show_percent=True)
+                             show_pos=False, show_percent=True, **kw)

@@ -13,7 +13,9 @@ import click
 from concordia import __version__
 
 from .bench import bench
+from .wal_cmd_check import recover_cmd, verify_cmd
 from .wal_cmd_inspect import dump_cmd, format_cmd, info_cmd
+from .wal_cmd_state import compact_cmd, restore_cmd, snapshot_grp
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -28,6 +30,6 @@ def main():
     """
 
 
-for _cmd in (format_cmd, info_cmd, dump_cmd):
+for _cmd in (format_cmd, info_cmd, dump_cmd, verify_cmd, recover_cmd, compact_cmd, snapshot_grp, restore_cmd):
     main.add_command(_cmd)
 main.add_command(bench)

@@ -1,0 +1,312 @@
+"""`concordia-wal verify` and `recover --plan`: check every checksum and say
+what recovery would do, without changing a byte (`verify --repair` is the one
+exception, and it only ever cuts a torn tail, after a backup)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+
+import click
+
+from . import render as R
+from .common import EXIT_OK, EXIT_PROBLEMS, Where, emit_json, guarded, open_volume
+
+VERIFY_SCHEMA = "concordia-wal/verify/1"
+PLAN_SCHEMA = "concordia-wal/plan/1"
+
+MODES = ["tolerate-tail", "absolute", "point-in-time", "skip-corrupt"]
+
+
+def _mode(value: str) -> str:
+    return value.replace("-", "_")
+
+
+def _counts(kind: str, mode: str) -> bool:
+    """Whether a reported range is a problem under `mode`: corruption always,
+    a torn tail only in absolute mode, an uncommitted epoch never (it is what
+    a crash between checkpoints leaves)."""
+    if kind in ("corrupt", "superblock", "segment"):
+        return True
+    if kind == "torn":
+        return mode == "absolute"
+    return False
+
+
+def _recovery(vol, mode: str) -> dict:
+    """What recovery in `mode` would restore: the planner's answer, or why it
+    would refuse."""
+    from concordia.devmem.errors import ConcordiaError
+    from concordia.wal.planner import plan_history, scan
+
+    try:
+        # pages are checked in every mode: verify reads them all anyway, and a
+        # plan that the applier would then refuse is not what recovery does
+        p = plan_history(scan(vol, payload=False, check_pages=True), "latest", mode)
+    except ConcordiaError as exc:
+        return {"epoch": None, "error": exc.one_line(), "dropped": []}
+    return {"epoch": p.epoch or None, "error": None, "dropped": [d.one_line() for d in p.dropped]}
+
+
+def run_verify(vol, mode: str) -> dict:
+    """The documented verify JSON (docs/cli.md) for an open volume."""
+    from concordia.wal.reader import verify
+
+    rep = verify(vol, check_pages=True)
+    problems = []
+    for p in rep["problems"]:
+        p = dict(p, counts=_counts(p["kind"], mode))
+        problems.append(p)
+    kinds = [p["kind"] for p in problems]
+    out = {
+        "schema": VERIFY_SCHEMA,
+        "log": vol.backend.where,
+        "mode": mode,
+        "ok": not any(p["counts"] for p in problems),
+        "problems": problems,
+        "corrupt": kinds.count("corrupt"),
+        "torn": kinds.count("torn"),
+        "uncommitted": kinds.count("uncommitted"),
+        "superblock": kinds.count("superblock"),
+        "records": rep["records"],
+        "commits": rep["commits"],
+        "last_committed_epoch": rep["last_committed_epoch"],
+        "incomplete_epochs": list(rep["incomplete_epochs"]),
+        "bytes_checked": rep["bytes_checked"],
+        "seconds": rep["seconds"],
+        "gb_per_s": rep["gb_per_s"],
+        "recovery": _recovery(vol, mode),
+        "repair": None,
+    }
+    return out
+
+
+def _problem_line(p: dict) -> str:
+    return f"{p['where']}: {p['reason']} ({p['kind']}, {p['length']} bytes)"
+
+
+def _backup_path(vol, spec: str) -> str:
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    path = vol.backend.path or "log"
+    if vol.backend.kind in ("file", "pmem"):
+        return f"{path}.bak-{stamp}"
+    # shm objects and devices: the copy goes to the working directory as a plain file
+    return f"{os.path.basename(path)}.bak-{stamp}"
+
+
+def _plan_cut(vol, problems: list) -> tuple[dict | None, str | None]:
+    """(cut, None) or (None, why not): the torn tail to cut, which must lie in
+    the last live segment, after its header."""
+    torn = [p for p in problems if p["kind"] == "torn" and p["segment"] >= 0]
+    if not torn:
+        return None, "nothing to cut: no torn tail"
+    live = vol.live_segments()
+    last = live[-1]
+    elsewhere = [p for p in torn if p["segment"] != last.index]
+    if elsewhere:
+        return None, (f"torn damage at {elsewhere[0]['where']} is not in the last segment "
+                      f"(segment {last.index}); repair only cuts the tail of the last segment")
+    start = min(p["offset"] for p in torn)
+    from concordia.wal import format as F
+
+    if start < last.offset + F.SEGMENT_HEADER_SIZE:
+        return None, f"the header of segment {last.index} is damaged; repair cuts records, never a header"
+    end = min(last.offset + last.nbytes, vol.backend.size)
+    damaged = sum(p["length"] for p in torn)
+    return {"segment": last.index, "offset": start, "length": end - start, "damaged_bytes": damaged,
+            "lsn": last.base_lsn + (start - last.offset), "where": last.where(start)}, None
+
+
+def _repair(log: str, vol, report: dict, backup: str | None) -> dict:
+    """Cut the torn tail: copy the whole target to `backup` first, then zero
+    from the first torn byte to the end of the last segment and persist."""
+    from concordia.devmem import open_backend
+
+    cut, why = _plan_cut(vol, report["problems"])
+    if cut is None:
+        return {"cut": None, "backup": None, "refused": why}
+    path = backup or _backup_path(vol, log)
+    src = vol.backend.array
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        step = 64 << 20
+        for start in range(0, src.size, step):
+            f.write(memoryview(src[start:start + step]))
+        f.flush()
+        os.fsync(f.fileno())
+    vol.close()
+    w = open_backend(log)
+    try:
+        w.array[cut["offset"]:cut["offset"] + cut["length"]] = 0
+        w.persist(cut["offset"], cut["length"])
+    finally:
+        w.close()
+    return {"cut": cut, "backup": path, "refused": None}
+
+
+@click.command("verify")
+@click.argument("log")
+@click.option("--mode", type=click.Choice(MODES), default="tolerate-tail", show_default=True,
+              help="Recovery mode whose rules decide what counts as a problem.")
+@click.option("--repair", is_flag=True,
+              help="Cut the torn tail of the last segment (after writing a backup) and verify again.")
+@click.option("--backup", type=click.Path(dir_okay=False), default=None,
+              help="Where --repair copies the log first (default LOG.bak-<time>).")
+@click.option("--quiet", "-q", is_flag=True, help="Print only the problems, nothing when clean.")
+@click.option("--json", "as_json", is_flag=True, help="Print the documented JSON instead of text.")
+@guarded
+def verify_cmd(log, mode, repair, backup, quiet, as_json):
+    """Check every checksum of LOG (superblock slots, segment headers, record
+    headers, bodies and every page) and report every problem, not only the
+    first, with segment and offset.  Read-only unless --repair.
+
+    Corruption is always a problem; a torn tail after the last commit only in
+    absolute mode; an epoch without a commit (a crash between checkpoints)
+    never.  Also says which epoch recovery in the mode would restore.
+    Exit 0 clean, 1 problems found, 2 usage or I/O error.
+
+    Example:
+
+        concordia-wal verify file:./concordia-data/demo.log
+        concordia-wal verify file:./concordia-data/demo.log --mode absolute --json
+    """
+    if backup and not repair:
+        raise click.UsageError("--backup goes with --repair")
+    m = _mode(mode)
+    vol = open_volume(log)
+    try:
+        rep = run_verify(vol, m)
+        if repair:
+            rep["repair"] = _repair(log, vol, rep, backup)
+            if rep["repair"]["cut"] is not None:
+                vol = open_volume(log)
+                after = run_verify(vol, m)
+                after["repair"] = rep["repair"]
+                after["repair"]["problems_before"] = len(rep["problems"])
+                rep = after
+    finally:
+        if not vol.backend.closed:
+            vol.close()
+    if as_json:
+        emit_json(rep)
+    elif quiet:
+        for p in rep["problems"]:
+            if p["counts"]:
+                click.echo(_problem_line(p))
+    else:
+        click.echo("\n".join(_render_verify(rep)))
+    sys.exit(EXIT_OK if rep["ok"] else EXIT_PROBLEMS)
+
+
+def _render_verify(rep: dict) -> list[str]:
+    lines = [f"verify {rep['log']} (mode {rep['mode']})"]
+    for p in rep["problems"]:
+        lines.append(f"{'problem' if p['counts'] else 'note':<9}{_problem_line(p)}")
+    lines.append(f"checked  {rep['records']} records, {rep['commits']} commits, "
+                 f"{R.size(rep['bytes_checked'])} in {rep['seconds']:.3f} s ({rep['gb_per_s']:.2f} GB/s)")
+    rc = rep["recovery"]
+    if rc["error"]:
+        lines.append(f"recovery {rep['mode']} would refuse: {rc['error']}")
+    else:
+        lines.append(f"recovery {rep['mode']} restores epoch {rc['epoch'] if rc['epoch'] else '- (nothing committed)'}")
+        for d in rc["dropped"]:
+            lines.append(f"         gives up {d}")
+    r = rep.get("repair")
+    if r is not None:
+        if r["cut"]:
+            c = r["cut"]
+            lines.append(f"repair   cut the torn tail at {c['where']} (lsn 0x{c['lsn']:x}): {c['damaged_bytes']} "
+                         f"damaged bytes, zeroed to the end of segment {c['segment']} ({c['length']} bytes); "
+                         f"backup {r['backup']}")
+        else:
+            lines.append(f"repair   nothing cut: {r['refused']}")
+    n = sum(p["counts"] for p in rep["problems"])
+    lines.append("result   OK" if rep["ok"] else f"result   {n} problem{'s' if n != 1 else ''} found")
+    return lines
+
+
+# --------------------------------------------------------------------------- recover --plan
+
+def _target(epoch, lsn):
+    if epoch is not None and lsn is not None:
+        raise click.UsageError("give --epoch or --lsn, not both")
+    if lsn is not None:
+        return ("lsn", lsn)
+    return "latest" if epoch is None else epoch
+
+
+@click.command("recover")
+@click.argument("log")
+@click.option("--plan", "show_plan", is_flag=True, help="Print the recovery plan (required: nothing is applied).")
+@click.option("--epoch", type=click.IntRange(1, None), default=None, help="Target epoch (default: the latest).")
+@click.option("--mode", type=click.Choice(MODES), default="tolerate-tail", show_default=True,
+              help="Recovery mode: what to do with damaged records.")
+@click.option("--sources", is_flag=True, help="Also list every record read, with its page count.")
+@click.option("--check-pages/--no-check-pages", default=True, show_default=True,
+              help="CRC-check every page while planning, so damage the restore would meet is found now.")
+@click.option("--json", "as_json", is_flag=True, help="Print the documented JSON instead of text.")
+@guarded
+def recover_cmd(log, show_plan, epoch, mode, sources, check_pages, as_json):
+    """Print the recovery plan for LOG without applying it: for every region,
+    the base snapshot and committed deltas read, pages and bytes, segments
+    touched, and what damage made it give up.  Read-only.
+
+    Restoring into a running program is done through the Session API;
+    `concordia-wal restore` writes one region to a .npy file.
+    Exit 0 when nothing is given up, 1 when the plan drops damaged data or
+    the mode refuses it.
+
+    Example:
+
+        concordia-wal recover file:./concordia-data/demo.log --plan
+        concordia-wal recover file:./concordia-data/demo.log --plan --epoch 2 --json
+    """
+    if not show_plan:
+        raise click.UsageError("recover only plans here: add --plan (restore writes a region to .npy; "
+                               "the Session API restores into a running program)")
+    from concordia.wal.planner import plan_history, scan
+
+    m = _mode(mode)
+    vol = open_volume(log)
+    try:
+        Where.at = None
+        p = plan_history(scan(vol, payload=False, check_pages=check_pages), _target(epoch, None), m)
+        d = dict({"schema": PLAN_SCHEMA, "log": vol.backend.where}, **p.to_json())
+    finally:
+        vol.close()
+    if as_json:
+        emit_json(d)
+    else:
+        click.echo("\n".join(_render_plan(d, sources)))
+    sys.exit(EXIT_PROBLEMS if d["dropped"] else EXIT_OK)
+
+
+def _render_plan(d: dict, sources: bool) -> list[str]:
+    lines = [f"plan     {d['log']}: epoch {d['epoch']} (target {d['target']}, mode {d['mode']})"]
+    rows = []
+    for name, r in d["regions"].items():
+        rows.append([name, r["epoch"], "-" if r["base_epoch"] is None else r["base_epoch"], r["pages"],
+                     r["pages_read"], r["zero_pages"], R.size(r["bytes_to_read"]), r["records"],
+                     ",".join(map(str, r["segments"])) or "-",
+                     "-" if r["digest"] is None else f"0x{r['digest']:08x}"])
+    lines += R.table(rows, ["region", "epoch", "base", "pages", "read", "zero", "bytes", "records",
+                            "segments", "digest"])
+    if sources:
+        for name, r in d["regions"].items():
+            for s in r["sources"]:
+                lines.append(f"  {name}: lsn 0x{s['lsn']:x} epoch {s['epoch']} segment {s['segment']}"
+                             f"{' base' if s['base'] else ''}: {s['pages']} pages")
+    naive = d["naive_bytes"]
+    lines.append(f"read     {R.size(d['bytes_to_read'])} of {R.size(naive)} a full replay reads, "
+                 f"segments {','.join(map(str, d['segments'])) or '-'}, about {d['est_seconds'] * 1e3:.1f} ms "
+                 f"at {d['bandwidth'] / 1e9:.0f} GB/s")
+    for x in d["dropped"]:
+        gave = ""
+        if x["gave_up"]:
+            a, b = x["gave_up"]["epochs"]
+            gave = f"; gave up epochs {a}..{b}" + (f" of {', '.join(x['gave_up']['regions'])}"
+                                                   if x["gave_up"]["regions"] else "")
+        lines.append(f"dropped  {x['where']}: {x['reason']}{gave}")
+    return lines

@@ -1,0 +1,284 @@
+"""`concordia-wal compact`, `snapshot list|create` and `restore`: fold the
+log into base snapshots, list them, and take one region's state out of the log
+into a `.npy` file.  `snapshot list` and `restore` are read-only."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from . import render as R
+from .common import EXIT_OK, Where, emit_json, guarded, open_volume, progress_bar
+
+
+def _open_log_writable(spec: str):
+    """A writable Log over `spec`.  Opening for writing cuts what follows the
+    last commit (FORMAT.md §10.5): run these commands only while no writer is
+    attached to the log."""
+    from concordia.wal import Log
+
+    vol = open_volume(spec)  # the same messages as the read-only commands for a bad target
+    vol.close()
+    log = Log.open(spec, writable=True)
+    Where.target = log.backend.where
+    Where.data = True
+    return log
+
+
+class _Bar:
+    """A progress bar that learns its length at the first callback."""
+
+    def __init__(self, label: str):
+        self.label = label
+        self.bar = None
+        self.done = 0
+
+    def absolute(self, done: int, total: int) -> None:
+        if self.bar is None:
+            self.bar = progress_bar(total, self.label).__enter__()
+        self.bar.update(done - self.done)
+        self.done = done
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(None, None, None)
+
+
+# --------------------------------------------------------------------------- compact
+
+def _dry_run(log, upto, keep) -> dict:
+    """What compaction would do, computed with the same pure functions it uses,
+    writing nothing."""
+    from concordia.wal.compact import needed_from, retention
+    from concordia.wal.planner import BaseEntry, plan_history, scan
+    from concordia.wal.snapshot import current_catalog
+
+    h = scan(log, payload=False)
+    p = plan_history(h, "latest" if upto is None else upto, "tolerate_tail")
+    sb = log.volume.superblock
+    prev = current_catalog(log)
+    keep_bases = prev.keep_bases if keep is None else keep
+    keep_epochs = int(sb.retain_epochs)
+    todo = [rp for rp in p.regions.values() if rp.base_epoch != p.epoch]
+    # the new bases would be written at or above the write position, which
+    # lies in the newest live segment: next_lsn stands for it (that segment is
+    # never freed, so the estimate of what is freed does not change)
+    at = sb.next_lsn
+    new = [BaseEntry(rp.region.id, p.epoch, at, at, 1, rp.region.pages, 0) for rp in todo]
+    replaced = {(e.region_id, e.epoch) for e in new}
+    entries = [e for e in prev.entries if (e.region_id, e.epoch) not in replaced] + new
+    kept, floor, cut = retention(entries, h.committed_epochs(), keep_bases, keep_epochs,
+                                 [r.id for r in h.regions.values()])
+    floor = max(floor, prev.floor_epoch)
+    low = needed_from(h, kept, cut, floor)
+    live = log.volume.live_segments()
+    freed = [s.index for s in live[:-1] if low is not None and s.end_lsn <= low]
+    return {"epoch": p.epoch, "dry_run": True, "folded": [rp.name for rp in todo],
+            "unchanged": [n for n, rp in p.regions.items() if rp.base_epoch == p.epoch],
+            "bytes_written": sum(rp.region.pages * rp.region.page_bytes for rp in todo),
+            "bases_kept": len(kept), "bases_dropped": len(entries) - len(kept), "floor_epoch": floor,
+            "segments_freed": freed}
+
+
+@click.command("compact")
+@click.argument("log")
+@click.option("--upto", type=click.IntRange(1, None), default=None,
+              help="Committed epoch to fold into new base snapshots (default: the latest).")
+@click.option("--keep", type=click.IntRange(0, None), default=None,
+              help="Base snapshots kept per region (0 = all; default: the log's current policy).")
+@click.option("--dry-run", "dry_run", is_flag=True, help="Say what would be written and freed; change nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@guarded
+def compact_cmd(log, upto, keep, dry_run, as_json):
+    """Fold each region's newest base and the deltas after it into a new base
+    snapshot at epoch --upto, then let retention (--keep) give back the
+    segments nobody needs.  One superblock write switches to the result, so
+    a crash leaves either the old log or the new one.  Shows a progress bar.
+
+    Run it while no writer is attached: opening for writing cuts any
+    uncommitted tail.
+
+    Example:
+
+        concordia-wal compact file:./concordia-data/demo.log --keep 1 --dry-run
+        concordia-wal compact file:./concordia-data/demo.log --keep 1
+    """
+    from concordia.wal.compact import compact
+
+    if dry_run:
+        from concordia.wal import Log
+
+        vol = open_volume(log)
+        lg = Log.open(vol.backend, writable=False)
+        try:
+            rep = _dry_run(lg, upto, keep)
+        finally:
+            lg.close()
+    else:
+        lg = _open_log_writable(log)
+        bar = _Bar("compacting")
+        try:
+            rep = compact(lg, upto, keep_bases=keep, progress=bar.absolute).to_json()
+        finally:
+            bar.close()
+            lg.close()
+        rep["dry_run"] = False
+    if as_json:
+        emit_json(rep)
+    else:
+        would = "would " if dry_run else ""
+        click.echo(f"compact {would}fold epoch {rep['epoch']}: "
+                   f"{', '.join(rep['folded']) or 'nothing'} ({R.size(rep['bytes_written'])} of new bases)"
+                   + (f"; already based: {', '.join(rep['unchanged'])}" if rep["unchanged"] else ""))
+        click.echo(f"retention {would}keep {rep['bases_kept']} bases, drop {rep['bases_dropped']}; "
+                   f"restorable from epoch {rep['floor_epoch'] or 1}")
+        freed = rep["segments_freed"]
+        click.echo(f"segments {would}free {len(freed)}" + (f" ({', '.join(map(str, freed))})" if freed else ""))
+    sys.exit(EXIT_OK)
+
+
+# --------------------------------------------------------------------------- snapshot
+
+@click.group("snapshot")
+def snapshot_grp():
+    """List and create base snapshots (full images of a region at an epoch).
+
+    Example:
+
+        concordia-wal snapshot list file:./concordia-data/demo.log
+    """
+
+
+def snapshot_rows(vol) -> list:
+    """The current catalog's bases, as `snapshot list --json` prints them."""
+    from concordia.wal.planner import scan
+
+    h = scan(vol, payload=False)
+    out = []
+    for b in sorted(h.bases, key=lambda b: (b.region_id, b.epoch)):
+        r = h.regions.get(b.region_id)
+        out.append({"region": r.name if r else f"#{b.region_id}", "region_id": b.region_id,
+                    "epoch": b.epoch, "records": b.records, "pages": b.pages,
+                    "bytes": b.pages * (r.page_bytes if r else 0), "first_lsn": b.first_lsn,
+                    "last_lsn": b.last_lsn, "digest": b.digest})
+    return out
+
+
+@snapshot_grp.command("list")
+@click.argument("log")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list instead of a table.")
+@guarded
+def snapshot_list(log, as_json):
+    """List the base snapshots the current catalog holds.  Read-only.
+
+    Example:
+
+        concordia-wal snapshot list file:./concordia-data/demo.log --json
+    """
+    vol = open_volume(log)
+    try:
+        rows = snapshot_rows(vol)
+        floor = vol.superblock.oldest_epoch
+    finally:
+        vol.close()
+    if as_json:
+        emit_json({"schema": "concordia-wal/snapshots/1", "floor_epoch": floor, "snapshots": rows})
+        return
+    if not rows:
+        click.echo("no base snapshots (every region is restored from its deltas)")
+        return
+    click.echo("\n".join(R.table(
+        [[s["region"], s["epoch"], s["records"], s["pages"], R.size(s["bytes"]),
+          f"0x{s['first_lsn']:x}..0x{s['last_lsn']:x}", f"0x{s['digest']:08x}"] for s in rows],
+        ["region", "epoch", "records", "pages", "bytes", "lsn", "digest"], indent="")))
+
+
+@snapshot_grp.command("create")
+@click.argument("log")
+@click.option("--region", "regions", multiple=True, help="Region to snapshot (repeatable; default: all).")
+@click.option("--epoch", type=click.IntRange(1, None), default=None,
+              help="Committed epoch the snapshot shows (default: the latest).")
+@guarded
+def snapshot_create(log, regions, epoch):
+    """Write a base snapshot of each region at a committed epoch, built from
+    the log itself (newest base plus deltas, every page CRC-checked), and
+    list it in a new catalog.  Shows a progress bar.  Run it while no writer
+    is attached.
+
+    Example:
+
+        concordia-wal snapshot create file:./concordia-data/demo.log --region kv
+    """
+    from concordia.wal.compact import _fold_source
+    from concordia.wal.planner import plan_history, scan
+    from concordia.wal.snapshot import create_base_snapshot
+
+    lg = _open_log_writable(log)
+    try:
+        known = list(lg.regions)
+        for name in regions:
+            if name not in known:
+                raise click.BadParameter(f"no region {name!r} in this log (regions: {', '.join(known) or 'none'})",
+                                         param_hint="--region")
+        names = list(regions) or known
+        p = plan_history(scan(lg), "latest" if epoch is None else epoch, "tolerate_tail", regions=names)
+        total = sum(p.regions[n].region.pages * p.regions[n].region.page_bytes for n in names)
+        made = []
+        with progress_bar(total, "snapshot") as bar:
+            for name in names:
+                rp = p.regions[name]
+                e = create_base_snapshot(lg, name, _fold_source(rp), p.epoch, progress=bar.update)
+                made.append((name, e))
+    finally:
+        lg.close()
+    for name, e in made:
+        click.echo(f"snapshot {name} at epoch {e.epoch}: {e.pages} pages in {e.records} records, "
+                   f"lsn 0x{e.first_lsn:x}..0x{e.last_lsn:x}, digest 0x{e.digest:08x}")
+
+
+# --------------------------------------------------------------------------- restore
+
+@click.command("restore")
+@click.argument("log")
+@click.option("--region", required=True, help="Region to restore.")
+@click.option("--epoch", type=click.IntRange(1, None), default=None, help="Committed epoch (default: the latest).")
+@click.option("--out", "out", required=True, type=click.Path(dir_okay=False),
+              help="The .npy file to write (dtype and shape of the region).")
+@click.option("--mode", type=click.Choice(["tolerate-tail", "absolute", "point-in-time", "skip-corrupt"]),
+              default="tolerate-tail", show_default=True, help="Recovery mode.")
+@click.option("--force", is_flag=True, help="Overwrite --out when it exists.")
+@guarded
+def restore_cmd(log, region, epoch, out, mode, force):
+    """Write one region's state at a committed epoch to a .npy file, every
+    page checked against its CRC and the region against the digest its commit
+    states.  Read-only on the log.  (Restoring into GPU arrays is done through
+    the Session API.)
+
+    Example:
+
+        concordia-wal restore file:./concordia-data/demo.log --region kv --out kv.npy --force
+    """
+    from concordia.wal.apply import restore_region_npy
+    from concordia.wal.planner import plan_history, scan
+
+    if os.path.exists(out) and not force:
+        raise click.UsageError(f"{out} exists; pass --force to overwrite it")
+    vol = open_volume(log)
+    try:
+        h = scan(vol)
+        names = {r.name for r in h.regions.values()}
+        if region not in names:
+            raise click.BadParameter(f"no region {region!r} in this log (regions: {', '.join(sorted(names)) or 'none'})",
+                                     param_hint="--region")
+        p = plan_history(h, "latest" if epoch is None else epoch, mode.replace("-", "_"), regions=[region])
+        rp = p.regions[region]
+        restore_region_npy(vol, p, region, out)
+    finally:
+        vol.close()
+    r = rp.region
+    click.echo(f"restored {region} at epoch {rp.epoch}: {r.dtype}{list(r.shape)}, {r.pages} pages "
+               f"({rp.pages_read} read from {len(rp.sources)} records, {rp.zero_page_ids.size} zero) -> {out}")
+    for d in p.dropped:
+        click.echo(f"dropped  {d.one_line()}", err=True)
