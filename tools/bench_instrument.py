@@ -1,0 +1,138 @@
+"""`concordia-wal bench instrument`: what the PTX hooks cost on memory-bound
+kernels, measured side by side with the same kernels uninstrumented.
+
+Variants of one streaming kernel (`y[i] = a * x[i] + y[i]`, 12 bytes moved per
+element), each compiled through CuPy with `concordia.instrument` set as named:
+
+  plain         no instrumentation (the baseline)
+  exit-hooks    exit hooks and epoch counters, no gate attached
+  exit+gate     exit hooks with an open gate in mapped host memory (one poll per launch)
+  store-track   exit hooks, gate, and the store tracker with the output registered
+
+Times are CUDA-event medians over `--repeat` launches after warm-up; overhead
+is relative to `plain`, and bandwidth is a ratio to a device-to-device copy
+measured in the same run (the ceiling).  The goal for exit hooks is at most 5%.
+"""
+
+from __future__ import annotations
+
+import click
+import numpy as np
+
+from .common import SIZE, emit_json, guarded
+
+SRC = r"""
+extern "C" __global__ void stream_axpy(const float* x, float* y, float a, long long n) {
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  y[i] = a * x[i] + y[i];
+}
+"""
+VARIANTS = ("plain", "exit-hooks", "exit+gate", "store-track")
+
+
+def _cupy():
+    from concordia.instrument.errors import InstrumentError
+
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            raise RuntimeError("no device")
+    except Exception as exc:
+        raise InstrumentError(f"no CUDA device with CuPy ({type(exc).__name__}: {exc})",
+                              where="bench instrument", hint="run it on a GPU machine") from None
+    return cupy
+
+
+def _time(cp, fn, repeat: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    for _ in range(repeat):
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, stop) / 1e3)
+    return float(np.median(times))
+
+
+def run(nbytes: int, repeat: int) -> dict:
+    cp = _cupy()
+    from concordia import instrument
+
+    n = max(1024, nbytes // 4)
+    x = cp.random.standard_normal(n, dtype=cp.float32)
+    y = cp.zeros(n, dtype=cp.float32)
+    grid, block = ((n + 255) // 256,), (256,)
+    args = (x, y, np.float32(0.5), np.int64(n))
+    copy_dst = cp.empty_like(x)
+    ceiling_s = _time(cp, lambda: copy_dst.__setitem__(Ellipsis, x), repeat)
+    ceiling_bw = 2 * x.nbytes / ceiling_s
+    gate = instrument.Gate()
+    kernels = {}
+    try:
+        for v in VARIANTS:
+            instrument.disable()
+            if v != "plain":
+                rep = instrument.enable(track_stores=(v == "store-track"),
+                                        gate=gate if v != "exit-hooks" else None)
+            f = cp.RawModule(code=SRC, options=(f"-DVARIANT_{v.replace('-', '_').replace('+', '_')}",)
+                             ).get_function("stream_axpy")
+            if v == "store-track":
+                region = instrument.track_array("y", y, 4096)
+                instrument.set_regions([region])
+                assert rep.stores_tracked >= 1
+            kernels[v] = f
+        instrument.disable()
+        rows = []
+        base = None
+        for v in VARIANTS:
+            f = kernels[v]
+            secs = _time(cp, lambda: f(grid, block, args), repeat)
+            base = secs if v == "plain" else base
+            bw = 3 * 4 * n / secs
+            rows.append({"variant": v, "median_us": secs * 1e6, "overhead": secs / base - 1.0,
+                         "bandwidth_GBps": bw / 1e9, "ratio_to_copy": bw / ceiling_bw})
+    finally:
+        instrument.disable()
+        gate.free()
+    return {"bytes_per_array": n * 4, "launch": {"grid": grid[0], "block": block[0]},
+            "repeat": repeat, "ceiling": {"what": "device-to-device copy (read + write)",
+                                          "bandwidth_GBps": ceiling_bw / 1e9},
+            "variants": rows, "goal": {"exit_hooks_max_overhead": 0.05}}
+
+
+@click.command("instrument")
+@click.option("--size", type=SIZE, default="256M", show_default=True, help="bytes per array")
+@click.option("--repeat", type=int, default=50, show_default=True)
+@click.option("--quick", is_flag=True, help="small and fast (CI smoke test)")
+@click.option("--json", "as_json", is_flag=True, help="print JSON instead of the table")
+@click.option("--out", type=click.Path(dir_okay=False), help="also write the JSON here")
+@guarded
+def command(size, repeat, quick, as_json, out):
+    """Overhead of exit hooks, the pause gate and store tracking on a
+    memory-bound kernel, beside the uninstrumented kernel.
+
+    Example:
+
+        concordia-wal bench instrument --json
+    """
+    if quick:
+        size, repeat = min(size, 16 << 20), min(repeat, 10)
+    res = run(size, repeat)
+    if out:
+        import json
+
+        with open(out, "w") as f:
+            json.dump(res, f, indent=2)
+    if as_json:
+        emit_json(res)
+        return
+    click.echo(f"ceiling (D2D copy): {res['ceiling']['bandwidth_GBps']:.0f} GB/s")
+    click.echo(f"{'variant':<12} {'median us':>10} {'overhead':>9} {'GB/s':>8} {'/copy':>6}")
+    for r in res["variants"]:
+        click.echo(f"{r['variant']:<12} {r['median_us']:>10.1f} {r['overhead']:>8.1%} "
+                   f"{r['bandwidth_GBps']:>8.0f} {r['ratio_to_copy']:>6.2f}")
