@@ -203,8 +203,8 @@ CHILD_CUPY = textwrap.dedent("""
     y = cupy.ones(1000, dtype=cupy.float32)
     f((4,), (256,), (y, np.int32(1000)))
     cupy.cuda.Device().synchronize()
-    ep = m.get_global("__concordia_epochs")
-    print(json.dumps({"y": float(y[5]), "epochs": int(ep.view(cupy.uint64)[0])}))
+    ep = cupy.ndarray((1,), cupy.uint64, memptr=m.get_global("__concordia_epochs"))
+    print(json.dumps({"y": float(y[5]), "epochs": int(ep[0])}))
 """)
 
 CHILD_TORCH = textwrap.dedent("""
