@@ -15,11 +15,12 @@ rm -rf "$OUT"; mkdir -p "$OUT"
 trap 'tar -C "$OUT" -czf "$final_out/results.tgz" . ; cp "$OUT/summary.txt" "$final_out/" 2>/dev/null' EXIT
 export PYTHONUNBUFFERED=1 CUDA_MODULE_LOADING=EAGER
 site=/tmp/site
+rm -rf "$site"   # pip --target keeps an older copy of a package unless told to replace it
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
   || { echo "gpu_suite: wheel install failed"; exit 2; }
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$site" .whl/crcmod-*.tar.gz \
   || echo "gpu_suite: crcmod not installed (tests that need it will say so)"
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$site" . \
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target "$site" . \
   || { echo "gpu_suite: project install failed"; exit 2; }
 export PYTHONPATH="$site" PATH="$site/bin:$PATH"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
