@@ -75,9 +75,9 @@ class CpuExecutor:
     def prepare(self) -> None:
         """Nothing to load on the CPU."""
 
-    def launch(self, instance: int) -> None:
+    def launch(self, instance: int, resume: bool = False) -> None:
         prev = self._thread
-        t = threading.Thread(target=self._run, args=(prev, instance),
+        t = threading.Thread(target=self._run, args=(prev, instance, resume),
                              name=f"cpu-executor-{self.executor_id}.{instance}", daemon=True)
         self._thread = t
         self.instances += 1
@@ -100,10 +100,12 @@ class CpuExecutor:
 
     # -- the loop --------------------------------------------------------------
 
-    def _run(self, prev: threading.Thread | None, instance: int) -> None:
+    def _run(self, prev: threading.Thread | None, instance: int, resume: bool) -> None:
         if prev is not None:
             prev.join()   # instances never overlap (as kernels on one stream)
         ring = self.ring
+        if not resume and ring.state in _FINAL:
+            return        # a lazy launch queued behind a QUIESCE / STOP: not ours to run
         n = ring.consumer_begin(self.executor_id, instance)
         idle_since = time.monotonic()
         spins = 0
@@ -170,6 +172,7 @@ class CpuExecutor:
 
 
 _OK = Result()
+_FINAL = (ConsumerState.QUIESCED, ConsumerState.STOPPED, ConsumerState.FAULT)
 
 
 # -- numpy handlers over raw host addresses (the CPU twin of executor.cu) -------------

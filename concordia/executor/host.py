@@ -4,7 +4,10 @@ deadlines, lazy relaunch of an idle consumer, the watchdog, shutdown and hot swa
 A consumer (`cpu.CpuExecutor`, `gpu.GpuExecutor`) is anything with::
 
     executor_id: int
-    launch(instance)      start an instance; it runs only after the previous one exited
+    launch(instance, resume)
+                          start an instance; it runs only after the previous one exited;
+                          unless `resume`, an instance that finds the ring QUIESCED,
+                          STOPPED or FAULT leaves at once (a lazy launch that lost a race)
     is_resident() -> bool an instance is running or queued
     join(timeout) -> bool wait (bounded) until no instance is resident
     prepare()             load what the consumer needs; called only while none is resident
@@ -22,10 +25,12 @@ import numpy as np
 
 from .errors import (ExecutorError, ExecutorStalledError, ExecutorStoppedError,
                      RingFullError)
-from .ring import NO_REGION, Completion, ConsumerState, Op, Ring, Status
+from .ring import (NO_REGION, OFF_HEAD, OFF_INSTANCE, OFF_STATE, OFF_STOP_SENT, OFF_TAIL, Completion,
+                   ConsumerState, Op, Ring, Status)
 
 # States after which a new instance may be launched on the next submit.
 _RELAUNCHABLE = (ConsumerState.NEVER_RAN, ConsumerState.IDLE_EXIT, ConsumerState.LIFETIME_EXIT)
+_RELAUNCHABLE_INT = frozenset(int(s) for s in _RELAUNCHABLE)
 _BUSY_SPINS = 4000  # polls before a waiter starts yielding the CPU (a GPU consumer needs no GIL)
 
 
@@ -45,6 +50,10 @@ class Watchdog:
         self._thread = None
         self._halt = threading.Event()
         self.reported: ExecutorStalledError | None = None
+
+    def touch(self) -> None:
+        """Work arrives at an empty ring: the stall clock starts now."""
+        self._tail, self._since = self.ring.tail, self.clock()
 
     def check(self, now: float | None = None) -> ExecutorStalledError | None:
         """The stall, if the consumer is stalled now; else None."""
@@ -115,7 +124,6 @@ class Submitter:
         self._lock = threading.RLock()
         self._wanted: dict[int, Completion | None] = {}
         self._instance = ring.instance
-        self._swapping = False
         self.completed = 0
         self.failed = 0                 # completions whose status was not OK
         self.launches = 0
@@ -132,6 +140,8 @@ class Submitter:
                 self._reap_locked()
                 if self.ring.free_slots() <= 0:
                     return None
+            if self.ring.head == self.ring.tail:
+                self.watchdog.touch()
             seq = self.ring.publish(op, region=region, tag=tag, args=args)
             if keep:
                 self._wanted[seq] = None
@@ -170,6 +180,8 @@ class Submitter:
                 self._reap_locked()
                 room = min(self.ring.free_slots(), ops.size - done)
                 if room > 0:
+                    if self.ring.head == self.ring.tail:
+                        self.watchdog.touch()
                     s, k = self.ring.publish_batch(ops[done:done + room],
                                                    tags=None if tags is None else tags[done:done + room])
                     first = s if first is None else first
@@ -185,30 +197,60 @@ class Submitter:
 
     def _check_open(self, op: int) -> None:
         r = self.ring
-        if r.stop_sent:
+        if r.hdr64[OFF_STOP_SENT // 8]:
             raise ExecutorStoppedError(f"{Op(op).name if op in Op._value2member_map_ else op} "
                                        f"submitted after STOP", where=r.slot_where(r.head))
-        if r.state == ConsumerState.FAULT:
+        if r.hdr32[OFF_STATE // 4] == ConsumerState.FAULT:
             raise ExecutorError("the consumer faulted; no task is taken", where=r.slot_where(r.tail))
 
     def _after_publish(self) -> None:
         """Relaunch an idle consumer (called with the lock held: the acquire
         fenced the stores that published the task before this load)."""
         c = self.consumer
-        if c is None or self._swapping:
+        if c is None:
             return
-        if self.ring.state in _RELAUNCHABLE and self.ring.instance >= self._instance:
+        r = self.ring
+        if r.hdr32[OFF_STATE // 4] in _RELAUNCHABLE_INT and r.hdr32[OFF_INSTANCE // 4] >= self._instance:
             self._launch_locked()
 
-    def _launch_locked(self) -> None:
+    def _launch_locked(self, resume: bool = False) -> None:
         self._instance += 1
         self.launches += 1
-        self.consumer.launch(self._instance)
+        self.consumer.launch(self._instance, resume)
 
     def launch(self) -> None:
-        """Start the consumer now (instead of lazily on the first submit)."""
+        """Start the consumer now (instead of lazily on the first submit), also
+        after QUIESCE.  The caller knows no instance of it is running."""
         with self._lock:
-            self._launch_locked()
+            self._instance = max(self._instance, self.ring.instance)
+            self._launch_locked(resume=True)
+
+    def ping(self, timeout: float = 1.0) -> float:
+        """One PING round trip on the shortest host path (no allocation, no
+        enum); returns its seconds.  Used to measure latency."""
+        r = self.ring
+        h64, mask = r.hdr64, r.mask
+        t0 = time.perf_counter()
+        with self._lock:
+            self._reap_locked()
+            n = int(h64[OFF_HEAD // 8])
+            if n - r.reaped >= r.capacity or h64[OFF_STOP_SENT // 8]:
+                raise RingFullError("no room for a PING", where=r.slot_where(n))
+            i = n & mask
+            r.t_op[i] = Op.PING
+            r.t_tag[i] = n
+            r.t_seq[i] = n + 1
+            h64[OFF_HEAD // 8] = n + 1
+            self._after_publish()
+        spins = 0
+        while h64[OFF_TAIL // 8] <= n:
+            spins += 1
+            if spins & 0xFFF == 0:
+                self._check_progress(t0 + timeout, f"ping {n + 1}")
+        dt = time.perf_counter() - t0
+        with self._lock:
+            self._reap_locked()
+        return dt
 
     # -- completions -----------------------------------------------------------
 
@@ -293,7 +335,7 @@ class Submitter:
             raise ExecutorStoppedError(f"consumer stopped with {r.head - r.tail} task(s) not taken, "
                                        f"waiting for {what}", where=r.slot_where(r.tail))
         # Safety net for the relaunch handshake: pending work, nobody resident.
-        if (self.consumer is not None and not self._swapping and r.tail < r.head
+        if (self.consumer is not None and r.tail < r.head
                 and st in _RELAUNCHABLE and not self.consumer.is_resident()):
             with self._lock:
                 self._instance = max(self._instance, r.instance)
@@ -318,6 +360,18 @@ class Submitter:
             raise ExecutorError(f"consumer did not exit within {timeout} s after STOP", where=self.ring.where)
         return c
 
+    def quiesce(self, timeout: float = 10.0) -> Completion | None:
+        """Make the consumer stop at a slot boundary and wait until it has left
+        (None if it already had); `launch()` resumes it, `swap()` replaces it."""
+        if self.ring.state == ConsumerState.QUIESCED and not (self.consumer and self.consumer.is_resident()):
+            return None
+        c = self.wait(self.submit(Op.QUIESCE, timeout=timeout), timeout)
+        if c.status != Status.OK:
+            raise ExecutorError(f"QUIESCE failed with status {c.status.name}", where=self.ring.slot_where(c.seq - 1))
+        if self.consumer is not None and not self.consumer.join(timeout):
+            raise ExecutorError(f"consumer did not leave within {timeout} s after QUIESCE", where=self.ring.where)
+        return c
+
     def swap(self, new_consumer, timeout: float = 10.0) -> SwapReport:
         """Hand the ring from the current consumer to `new_consumer` with no task
         lost or run twice: QUIESCE makes the old one stop at a slot boundary (it
@@ -327,41 +381,27 @@ class Submitter:
         if old is None:
             raise ExecutorError("no consumer to swap from; launch one first", where=self.ring.where)
         t0 = time.perf_counter()
+        # Lazy relaunches while QUIESCE is pending are still right (someone must
+        # take it); once taken, state QUIESCED allows none, and an instance
+        # launched lazily before that leaves at once (see launch's `resume`).
+        self.quiesce(timeout)
+        t1 = time.perf_counter()
+        seq = self.ring.tail          # the new consumer's first task is number `seq` (seq + 1)
+        new_consumer.prepare()
         with self._lock:
-            self._swapping = True
-        try:
-            seq = self.submit(Op.QUIESCE, timeout=timeout)
-            if not old.is_resident() and self.ring.state in _RELAUNCHABLE:
-                # Nobody is consuming: start the old consumer so QUIESCE is taken in order.
-                with self._lock:
-                    self._instance = max(self._instance, self.ring.instance)
-                    self._launch_locked()
-            qc = self.wait(seq, timeout)
-            t1 = time.perf_counter()
-            if qc.status != Status.OK:
-                raise ExecutorError(f"QUIESCE failed with status {qc.status.name}", where=self.ring.slot_where(seq - 1))
-            if not old.join(timeout):
-                raise ExecutorError(f"old consumer did not exit within {timeout} s after QUIESCE",
-                                    where=self.ring.where)
-            new_consumer.prepare()
-            with self._lock:
-                self.consumer = new_consumer
-                self._busy = getattr(new_consumer, "host_busy_spins", _BUSY_SPINS)
-                self._instance = max(self._instance, self.ring.instance)
-                self._launch_locked()
-                self._swapping = False
-            t2 = time.perf_counter()
-            probe = None
-            if self.ring.head == seq:   # nothing queued behind QUIESCE: probe with a PING
-                probe = self.submit(Op.PING, timeout=timeout)
-            self.wait_tail(seq + 1, timeout)
-            t3 = time.perf_counter()
-            if probe is not None:
-                self.wait(probe, timeout)
-            return SwapReport(t1 - t0, t2 - t1, t3 - t1, seq + 1, old.executor_id, new_consumer.executor_id)
-        finally:
-            with self._lock:
-                self._swapping = False
+            self.consumer = new_consumer
+            self._busy = getattr(new_consumer, "host_busy_spins", _BUSY_SPINS)
+            self._instance = max(self._instance, self.ring.instance)
+            self._launch_locked(resume=True)
+        t2 = time.perf_counter()
+        probe = None
+        if self.ring.head == seq:   # nothing queued behind QUIESCE: probe with a PING
+            probe = self.submit(Op.PING, timeout=timeout)
+        self.wait_tail(seq + 1, timeout)
+        t3 = time.perf_counter()
+        if probe is not None:
+            self.wait(probe, timeout)
+        return SwapReport(t1 - t0, t2 - t1, t3 - t1, seq + 1, old.executor_id, new_consumer.executor_id)
 
 
 def _completion(row) -> Completion:

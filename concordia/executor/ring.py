@@ -62,7 +62,8 @@ Protocol (one writer per index; no read-modify-write across host and device):
 4. QUIESCE and STOP complete like any task, then the consumer writes ``state``
    (QUIESCED / STOPPED) and exits; a new consumer resumes at ``tail``.  Only one
    consumer runs at a time (a thread joins its predecessor; kernel launches on
-   one stream run in order).
+   one stream run in order).  An instance launched lazily (not as a resume)
+   that finds QUIESCED, STOPPED or FAULT leaves without touching the ring.
 5. A consumer that idles past its interval writes ``state = IDLE_EXIT``, fences,
    and checks the next slot once more before exiting; the host, after
    publishing, fences and reads ``state``: if it is not RUNNING, it launches a

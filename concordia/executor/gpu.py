@@ -1,0 +1,218 @@
+"""The GPU executor: the persistent kernel of `gpu_kernels/executor.cu` as a
+consumer of the task ring (see host.py for the consumer interface).
+
+Rules this module keeps (ARCHITECTURE.md, pitfalls):
+
+- every module is compiled and loaded before any executor is launched, and never
+  while one is resident (`ExecutorModule.load` refuses);
+- the kernel runs on a non-blocking stream; the host never synchronises the
+  device, only queries that stream (`is_resident`) or waits on other streams;
+- all device memory the kernel needs (the scratch line) is allocated before launch;
+- the ring sits in page-aligned host memory registered as mapped, used on the
+  device at its host address (unified addressing);
+- every wait on the host is bounded; the kernel leaves on its own after an idle
+  interval (the host relaunches it lazily) or its lifetime.
+
+CuPy is imported lazily: importing this module needs no GPU.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import time
+import weakref
+from pathlib import Path
+
+import numpy as np
+
+from .errors import ExecutorError
+from .ring import Op, Ring, ring_bytes
+
+KERNEL_SOURCE = Path(__file__).resolve().parents[2] / "gpu_kernels" / "executor.cu"
+BENCH_SOURCE = KERNEL_SOURCE.with_name("executor_bench.cu")
+HANDLER_OPS = (Op.CHECKPOINT, Op.APPEND_LOG, Op.RECOVER)
+ALL_OPS_MASK = sum(1 << int(op) for op in Op)
+
+_IDS = itertools.count(1001)
+_RESIDENT: "weakref.WeakSet[GpuExecutor]" = weakref.WeakSet()
+_HOST_REGISTER_PORTABLE_MAPPED = 0x1 | 0x2
+
+
+def _cupy():
+    try:
+        import cupy
+    except Exception as exc:
+        raise ExecutorError(f"CuPy is not importable ({type(exc).__name__}: {exc})", where="gpu executor",
+                            hint="the GPU executor needs CuPy and a CUDA device; use CpuExecutor") from None
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            raise RuntimeError("no device")
+    except Exception as exc:
+        raise ExecutorError(f"no CUDA device ({exc})", where="gpu executor",
+                            hint="use CpuExecutor") from None
+    return cupy
+
+
+def kernel_source(path: Path = KERNEL_SOURCE) -> str:
+    try:
+        return path.read_text()
+    except OSError as exc:
+        raise ExecutorError(f"cannot read kernel source: {exc.strerror}", where=str(path)) from None
+
+
+def compile_options(*, child: bool, ops_mask: int = ALL_OPS_MASK) -> tuple[str, ...]:
+    """NVRTC / nvcc options of one executor module variant."""
+    opts = (f"-DCX_CHILD={int(child)}", f"-DCX_OPS=0x{ops_mask:x}u")
+    return opts + (("-rdc=true",) if child else ())
+
+
+def any_resident() -> bool:
+    return any(e.is_resident() for e in list(_RESIDENT))
+
+
+class ExecutorModule:
+    """One compiled variant of executor.cu: `child` selects dynamic-parallelism
+    handlers (-rdc=true) or handlers run by the resident warp; `ops` the operator
+    table compiled in.  Compiling and loading happen together in `load()`."""
+
+    def __init__(self, *, child: bool = True, ops=HANDLER_OPS):
+        self.child = child
+        self.ops = tuple(int(o) for o in ops)
+        self.ops_mask = sum(1 << o for o in self.ops) | (1 << Op.PING) | (1 << Op.QUIESCE) | (1 << Op.STOP)
+        self.options = compile_options(child=child, ops_mask=self.ops_mask)
+        self.functions: dict | None = None
+        self.load_s: float | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{'child' if self.child else 'inline'}/ops=0x{self.ops_mask:x}"
+
+    def load(self) -> "ExecutorModule":
+        """Compile (NVRTC, CuPy's cache) and load.  Refused while any executor is
+        resident: loading a module beside a persistent kernel can deadlock."""
+        if self.functions is not None:
+            return self
+        if any_resident():
+            raise ExecutorError("module load while a persistent executor is resident", where=f"module {self.name}",
+                                hint="load every module before launch, or quiesce first")
+        cupy = _cupy()
+        t0 = time.perf_counter()
+        try:
+            mod = cupy.RawModule(code=kernel_source(), options=self.options)
+            fns = {n: mod.get_function(n) for n in ("cx_executor", "cx_checkpoint", "cx_copy", "cx_scatter")}
+        except ExecutorError:
+            raise
+        except Exception as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ExecutorError(f"compile or load failed: {first}", where=f"module {self.name}") from None
+        self.functions = fns
+        self.load_s = time.perf_counter() - t0
+        return self
+
+
+class GpuRing:
+    """A task ring in mapped pinned host memory, plus the device scratch line
+    and the non-blocking stream every executor of this ring launches on (so
+    instances run strictly one after another)."""
+
+    def __init__(self, capacity: int = 1024, *, where: str = "gpu ring"):
+        cupy = _cupy()
+        n = ring_bytes(capacity)
+        self._mm = mmap.mmap(-1, (n + 4095) // 4096 * 4096)
+        host = np.frombuffer(self._mm, dtype=np.uint8)
+        self.ptr = host.ctypes.data
+        try:
+            cupy.cuda.runtime.hostRegister(self.ptr, len(self._mm), _HOST_REGISTER_PORTABLE_MAPPED)
+        except Exception as exc:
+            raise ExecutorError(f"cannot register the ring with CUDA: {exc}", where=where) from None
+        self._registered = True
+        self.ring = Ring.format(host, capacity, where=where)
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        with self.stream:
+            self.scratch = cupy.zeros(8, dtype=cupy.uint64)  # cx_scratch, 64 bytes
+        self.stream.synchronize()
+        self.n_sm = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["multiProcessorCount"]
+
+    def is_busy(self) -> bool:
+        return not self.stream.done
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Unregister the ring; refused (ExecutorError) while a kernel is still on its stream."""
+        if not self._registered:
+            return
+        t0 = time.monotonic()
+        while self.is_busy():
+            if time.monotonic() - t0 > timeout:
+                raise ExecutorError("ring still in use by a resident kernel; stop it first", where=self.ring.where)
+            time.sleep(1e-3)
+        import cupy
+        cupy.cuda.runtime.hostUnregister(self.ptr)
+        self._registered = False
+
+
+class GpuExecutor:
+    """The persistent kernel as a ring consumer.
+
+    idle_s: the kernel leaves after this long without a task (released
+    residency; the host relaunches on the next submit).  lifetime_s: it leaves
+    after this long in any case.  child_timeout_s: a handler grid that runs
+    longer fails its task and faults the executor.  poll_max_ns: longest sleep
+    between two polls of host memory while idle."""
+
+    kind = "gpu"
+    host_busy_spins = 20000   # the waiter spins on host memory; nothing needs its GIL
+
+    def __init__(self, gring: GpuRing, module: ExecutorModule, *, executor_id: int | None = None,
+                 idle_s: float = 0.002, lifetime_s: float = 60.0, child_timeout_s: float = 20.0,
+                 poll_max_ns: int = 2000):
+        self.gring = gring
+        self.ring = gring.ring
+        self.module = module
+        self.executor_id = next(_IDS) if executor_id is None else executor_id
+        self.idle_ns = int(idle_s * 1e9)
+        self.lifetime_ns = int(lifetime_s * 1e9)
+        self.child_timeout_ns = int(child_timeout_s * 1e9)
+        self.poll_max_ns = int(poll_max_ns)
+        self.launches = 0
+
+    # -- consumer interface ------------------------------------------------------
+
+    def prepare(self) -> None:
+        self.module.load()
+
+    def launch(self, instance: int, resume: bool = False) -> None:
+        if self.module.functions is None:
+            self.module.load()   # refuses while anything is resident
+        fn = self.module.functions["cx_executor"]
+        g = self.gring
+        with g.stream:
+            fn((1,), (32,), (np.uint64(g.ptr), np.uint32(self.ring.capacity), np.uint32(self.executor_id),
+                             np.uint32(instance), g.scratch, np.uint32(g.n_sm), np.uint64(self.idle_ns),
+                             np.uint64(self.lifetime_ns), np.uint64(self.child_timeout_ns),
+                             np.uint32(self.poll_max_ns), np.uint32(bool(resume))))
+        self.launches += 1
+        _RESIDENT.add(self)
+
+    def is_resident(self) -> bool:
+        return self.gring.is_busy()
+
+    def join(self, timeout: float) -> bool:
+        t0 = time.monotonic()
+        while self.gring.is_busy():
+            if time.monotonic() - t0 > timeout:
+                return False
+            time.sleep(5e-5)
+        return True
+
+    # -- direct launches of the same handlers (the baseline) ----------------------
+
+    def direct_grid(self, warps: int) -> int:
+        return max(1, min(-(-warps // 8), self.gring.n_sm * 8))
+
+
+def host_address(array) -> int:
+    """Device address of a CuPy array (or host address of a numpy array)."""
+    if hasattr(array, "data") and hasattr(array.data, "ptr"):
+        return int(array.data.ptr)
+    return int(array.ctypes.data)

@@ -1,0 +1,465 @@
+// The persistent executor: one resident warp takes tasks from the ring in mapped
+// host memory (layout: concordia/executor/ring.py) and runs each task's handler.
+//
+// Footprint: one block of 32 threads, no shared memory.  Lane 0 is the only
+// thread that polls host memory (one 8-byte acquire load of the next slot's
+// sequence number, with a growing __nanosleep back-off); the warp reads a slot
+// in one coalesced 128-byte load and writes a completion in one 64-byte store.
+//
+// Handlers run at full GPU width as child grids launched by lane 0 (dynamic
+// parallelism, CX_CHILD=1, needs -rdc=true); lane 0 then waits on a counter in
+// device memory (never host memory) that each child block bumps when done.
+// With CX_CHILD=0 the same handler bodies run on the resident warp itself
+// (no -rdc; slow, for devices or toolchains without device-side launch).
+// Every handler is also a __global__ kernel the host can launch directly
+// (the "direct" baseline the benchmark compares against).
+//
+// Bounded: the control loop leaves after `idle_ns` without a task (state
+// IDLE_EXIT, after re-checking the slot once: ring.py protocol step 5), after
+// `lifetime_ns` in total (LIFETIME_EXIT), and a child that does not finish
+// within `child_timeout_ns` fails its task with TIMEOUT and the executor with FAULT.
+//
+// -D options: CX_CHILD (0/1), CX_OPS (bit mask of op codes compiled into the
+// operator table; PING, QUIESCE and STOP are always there).
+
+#ifndef CX_CHILD
+#define CX_CHILD 1
+#endif
+#ifndef CX_OPS
+#define CX_OPS 0xFFFFu
+#endif
+
+typedef unsigned long long u64;
+typedef unsigned int u32;
+typedef unsigned char u8;
+
+// Ring layout (ring.py).
+#define CX_HDR_BYTES 256
+#define CX_TASK_BYTES 128
+#define CX_COMP_BYTES 64
+#define CX_OFF_TAIL 128
+#define CX_OFF_STATE 136
+#define CX_OFF_EXECUTOR_ID 140
+#define CX_OFF_POLLS 144
+#define CX_OFF_INSTANCE 152
+
+// Op codes (ring.Op).
+#define OP_PING 1
+#define OP_CHECKPOINT 2
+#define OP_APPEND_LOG 3
+#define OP_RECOVER 4
+#define OP_QUIESCE 5
+#define OP_STOP 6
+
+// Status (ring.Status).
+#define ST_OK 0
+#define ST_UNSUPPORTED_OP 1
+#define ST_BAD_ARGS 2
+#define ST_LAUNCH_FAILED 3
+#define ST_TIMEOUT 4
+
+// Consumer state (ring.ConsumerState).
+#define CS_RUNNING 1
+#define CS_IDLE_EXIT 2
+#define CS_QUIESCED 3
+#define CS_STOPPED 4
+#define CS_FAULT 5
+#define CS_LIFETIME_EXIT 6
+
+#define FULL 0xFFFFFFFFu
+#define CHILD_THREADS 256
+
+// Device-memory scratch shared by the control warp and its child grids.
+struct cx_scratch {
+    u64 pages;        // pages found / applied (atomicAdd by handler warps)
+    u64 bytes;        // reserved
+    u32 done_blocks;  // child blocks finished
+    u32 errors;       // pages rejected by bounds checks
+    u64 reserved[5];
+};
+
+__device__ __forceinline__ u64 ld_acquire_sys(const u64* p) {
+    u64 v;
+    asm volatile("ld.acquire.sys.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void st_release_sys(u64* p, u64 v) {
+    asm volatile("st.release.sys.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ u64 now_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+__device__ __forceinline__ bool differs(uint4 a, uint4 b) {
+    return ((a.x ^ b.x) | (a.y ^ b.y) | (a.z ^ b.z) | (a.w ^ b.w)) != 0;
+}
+
+// ---- handler bodies: one warp per page, any number of warps ------------------
+
+// CHECKPOINT: pages of src (nbytes, a multiple of 16) that differ from shadow are
+// copied to out[slot] (zero-padded past nbytes) with out_ids[slot] = page, and
+// into shadow.  Slots are taken with an atomic counter, so their order is arbitrary.
+__device__ void checkpoint_body(const uint4* __restrict__ src, uint4* __restrict__ shadow,
+                                uint4* __restrict__ out, u32* __restrict__ out_ids, u64 nbytes,
+                                u64 page_bytes, cx_scratch* sc, u64 warp, u64 nwarps, u32 lane) {
+    const u64 vpp = page_bytes >> 4;
+    const u64 nvec = nbytes >> 4;
+    const u64 npages = (nbytes + page_bytes - 1) / page_bytes;
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    for (u64 p = warp; p < npages; p += nwarps) {
+        const u64 v0 = p * vpp;
+        const u64 v1 = min(v0 + vpp, nvec);
+        bool diff = false;
+        for (u64 v = v0 + lane; v < v1; v += 32) diff |= differs(src[v], shadow[v]);
+        if (!__any_sync(FULL, diff)) continue;
+        u64 slot = 0;
+        if (lane == 0) slot = atomicAdd(&sc->pages, 1ull);
+        slot = __shfl_sync(FULL, slot, 0);
+        uint4* o = out + slot * vpp;
+        for (u64 v = v0 + lane; v < v0 + vpp; v += 32) {
+            const uint4 a = v < v1 ? src[v] : zero;
+            o[v - v0] = a;
+            if (v < v1) shadow[v] = a;
+        }
+        if (lane == 0) out_ids[slot] = (u32)p;
+    }
+}
+
+// APPEND_LOG: copy nbytes from src to dst (16-byte vectors when both are aligned).
+__device__ void copy_body(u8* __restrict__ dst, const u8* __restrict__ src, u64 nbytes, u64 tid, u64 nthreads) {
+    if ((((u64)dst | (u64)src) & 15) == 0) {
+        const u64 nvec = nbytes >> 4;
+        const uint4* s = (const uint4*)src;
+        uint4* d = (uint4*)dst;
+        for (u64 v = tid; v < nvec; v += nthreads) d[v] = s[v];
+        for (u64 b = (nvec << 4) + tid; b < nbytes; b += nthreads) dst[b] = src[b];
+    } else {
+        for (u64 b = tid; b < nbytes; b += nthreads) dst[b] = src[b];
+    }
+}
+
+// RECOVER: page j of src goes to page ids[j] of dst (region_bytes, multiple of 16);
+// ids out of range are counted in sc->errors and skipped.
+__device__ void scatter_body(uint4* __restrict__ dst, const uint4* __restrict__ src, const u32* __restrict__ ids,
+                             u64 count, u64 page_bytes, u64 region_bytes, cx_scratch* sc, u64 warp, u64 nwarps,
+                             u32 lane) {
+    const u64 vpp = page_bytes >> 4;
+    const u64 nvec = region_bytes >> 4;
+    for (u64 j = warp; j < count; j += nwarps) {
+        const u64 p = ids[j];
+        const u64 v0 = p * vpp;
+        if (v0 >= nvec) {
+            if (lane == 0) atomicAdd(&sc->errors, 1u);
+            continue;
+        }
+        const u64 v1 = min(v0 + vpp, nvec);
+        for (u64 v = v0 + lane; v < v1; v += 32) dst[v] = src[j * vpp + (v - v0)];
+        if (lane == 0) atomicAdd(&sc->pages, 1ull);
+    }
+}
+
+__device__ __forceinline__ void block_done(cx_scratch* sc) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(&sc->done_blocks, 1u);
+    }
+}
+
+// ---- handler kernels (child grids, or launched directly by the host) ---------
+
+extern "C" __global__ void cx_checkpoint(const uint4* src, uint4* shadow, uint4* out, u32* out_ids, u64 nbytes,
+                                         u64 page_bytes, cx_scratch* sc) {
+    const u64 t = blockIdx.x * (u64)blockDim.x + threadIdx.x;
+    checkpoint_body(src, shadow, out, out_ids, nbytes, page_bytes, sc, t >> 5, (gridDim.x * (u64)blockDim.x) >> 5,
+                    threadIdx.x & 31);
+    block_done(sc);
+}
+
+extern "C" __global__ void cx_copy(u8* dst, const u8* src, u64 nbytes, cx_scratch* sc) {
+    copy_body(dst, src, nbytes, blockIdx.x * (u64)blockDim.x + threadIdx.x, gridDim.x * (u64)blockDim.x);
+    block_done(sc);
+}
+
+extern "C" __global__ void cx_scatter(uint4* dst, const uint4* src, const u32* ids, u64 count, u64 page_bytes,
+                                      u64 region_bytes, cx_scratch* sc) {
+    const u64 t = blockIdx.x * (u64)blockDim.x + threadIdx.x;
+    scatter_body(dst, src, ids, count, page_bytes, region_bytes, sc, t >> 5, (gridDim.x * (u64)blockDim.x) >> 5,
+                 threadIdx.x & 31);
+    block_done(sc);
+}
+
+// ---- the control warp -------------------------------------------------------
+
+#if CX_CHILD
+// A fire-and-forget child runs beside its still-running parent; where the
+// toolchain does not name that stream, the block's implicit stream is used.
+#if defined(cudaStreamFireAndForget)
+#define CX_CHILD_STREAM cudaStreamFireAndForget
+#else
+#define CX_CHILD_STREAM 0
+#endif
+
+// Lane 0 only: wait (bounded) until `blocks` child blocks have finished.
+__device__ int wait_children(cx_scratch* sc, u32 blocks, u64 timeout_ns) {
+    const u64 t0 = now_ns();
+    u32 nap = 0;
+    while (*(volatile u32*)&sc->done_blocks < blocks) {
+        if (now_ns() - t0 > timeout_ns) return ST_TIMEOUT;
+        nap = nap ? min(nap * 2, 1024u) : 32u;
+        __nanosleep(nap);
+    }
+    __threadfence();
+    return ST_OK;
+}
+
+__device__ __forceinline__ u32 child_grid(u64 warps_needed, u32 n_sm) {
+    const u64 per_block = CHILD_THREADS / 32;
+    u64 g = (warps_needed + per_block - 1) / per_block;
+    const u64 cap = (u64)n_sm * 8;
+    if (g > cap) g = cap;
+    return g ? (u32)g : 1u;
+}
+#endif
+
+__device__ __forceinline__ void reset_scratch(cx_scratch* sc) {
+    sc->pages = 0;
+    sc->bytes = 0;
+    sc->done_blocks = 0;
+    sc->errors = 0;
+    __threadfence();
+}
+
+// Runs one task's handler on the whole warp; returns the status (valid in all
+// lanes) and leaves pages in *pages (lane 0).
+__device__ int run_handler(u32 op, const u64* a, cx_scratch* sc, u32 n_sm, u64 child_timeout_ns, u32 lane,
+                           u64* pages) {
+    int status = ST_UNSUPPORTED_OP;
+    *pages = 0;
+    switch (op) {
+#if (CX_OPS >> OP_CHECKPOINT) & 1
+    case OP_CHECKPOINT: {
+        const u64 nbytes = a[4], pb = a[5];
+        if (pb == 0 || (pb & 15) || (nbytes & 15) || nbytes == 0 || ((a[0] | a[1] | a[2]) & 15)) {
+            status = ST_BAD_ARGS;
+            break;
+        }
+#if CX_CHILD
+        if (lane == 0) {
+            reset_scratch(sc);
+            const u32 g = child_grid((nbytes + pb - 1) / pb, n_sm);
+            cx_checkpoint<<<g, CHILD_THREADS, 0, CX_CHILD_STREAM>>>((const uint4*)a[0], (uint4*)a[1], (uint4*)a[2],
+                                                                    (u32*)a[3], nbytes, pb, sc);
+            status = cudaGetLastError() == cudaSuccess ? wait_children(sc, g, child_timeout_ns) : ST_LAUNCH_FAILED;
+        }
+        status = __shfl_sync(FULL, status, 0);
+#else
+        if (lane == 0) reset_scratch(sc);
+        __syncwarp();
+        checkpoint_body((const uint4*)a[0], (uint4*)a[1], (uint4*)a[2], (u32*)a[3], nbytes, pb, sc, 0, 1, lane);
+        __syncwarp();
+        status = ST_OK;
+#endif
+        break;
+    }
+#endif
+#if (CX_OPS >> OP_APPEND_LOG) & 1
+    case OP_APPEND_LOG: {
+        if (a[0] == 0 || a[1] == 0) {
+            status = ST_BAD_ARGS;
+            break;
+        }
+#if CX_CHILD
+        if (lane == 0) {
+            reset_scratch(sc);
+            const u32 g = child_grid((a[2] + 16 * CHILD_THREADS - 1) / (16 * 32), n_sm);
+            cx_copy<<<g, CHILD_THREADS, 0, CX_CHILD_STREAM>>>((u8*)a[0], (const u8*)a[1], a[2], sc);
+            status = cudaGetLastError() == cudaSuccess ? wait_children(sc, g, child_timeout_ns) : ST_LAUNCH_FAILED;
+        }
+        status = __shfl_sync(FULL, status, 0);
+#else
+        copy_body((u8*)a[0], (const u8*)a[1], a[2], lane, 32);
+        __syncwarp();
+        status = ST_OK;
+#endif
+        break;
+    }
+#endif
+#if (CX_OPS >> OP_RECOVER) & 1
+    case OP_RECOVER: {
+        const u64 pb = a[4], rb = a[5];
+        if (pb == 0 || (pb & 15) || (rb & 15) || ((a[0] | a[1]) & 15)) {
+            status = ST_BAD_ARGS;
+            break;
+        }
+#if CX_CHILD
+        if (lane == 0) {
+            reset_scratch(sc);
+            const u32 g = child_grid(a[3], n_sm);
+            cx_scatter<<<g, CHILD_THREADS, 0, CX_CHILD_STREAM>>>((uint4*)a[0], (const uint4*)a[1], (const u32*)a[2],
+                                                                 a[3], pb, rb, sc);
+            status = cudaGetLastError() == cudaSuccess ? wait_children(sc, g, child_timeout_ns) : ST_LAUNCH_FAILED;
+        }
+        status = __shfl_sync(FULL, status, 0);
+#else
+        if (lane == 0) reset_scratch(sc);
+        __syncwarp();
+        scatter_body((uint4*)a[0], (const uint4*)a[1], (const u32*)a[2], a[3], pb, rb, sc, 0, 1, lane);
+        __syncwarp();
+        status = ST_OK;
+#endif
+        if (status == ST_OK && lane == 0 && *(volatile u32*)&sc->errors) status = ST_BAD_ARGS;
+        status = __shfl_sync(FULL, status, 0);
+        break;
+    }
+#endif
+    default:
+        break;
+    }
+    if (lane == 0 && status == ST_OK && (op == OP_CHECKPOINT || op == OP_RECOVER)) *pages = *(volatile u64*)&sc->pages;
+    return status;
+}
+
+extern "C" __global__ void __launch_bounds__(32, 1)
+    cx_executor(u8* ring, u32 capacity, u32 executor_id, u32 instance, cx_scratch* sc, u32 n_sm, u64 idle_ns,
+                u64 lifetime_ns, u64 child_timeout_ns, u32 poll_max_ns, u32 resume) {
+    if (blockIdx.x != 0 || threadIdx.x >= 32) return;
+    const u32 lane = threadIdx.x;
+    const u64 mask = capacity - 1;
+    u8* tasks = ring + CX_HDR_BYTES;
+    u8* comps = tasks + (u64)capacity * CX_TASK_BYTES;
+    volatile u32* state = (volatile u32*)(ring + CX_OFF_STATE);
+    volatile u64* polls = (volatile u64*)(ring + CX_OFF_POLLS);
+
+    // A lazy launch queued behind a QUIESCE / STOP is not ours to run (ring.py step 4).
+    int gone = 0;
+    if (lane == 0 && !resume) {
+        const u32 st = *state;
+        gone = st == CS_QUIESCED || st == CS_STOPPED || st == CS_FAULT;
+    }
+    if (__shfl_sync(FULL, gone, 0)) return;
+
+    u64 n = 0;
+    if (lane == 0) {
+        *(volatile u32*)(ring + CX_OFF_EXECUTOR_ID) = executor_id;
+        *(volatile u32*)(ring + CX_OFF_INSTANCE) = instance;
+        *polls = 0;
+        *state = CS_RUNNING;
+        __threadfence_system();
+        n = *(volatile u64*)(ring + CX_OFF_TAIL);
+    }
+    n = __shfl_sync(FULL, n, 0);
+    const u64 t_start = now_ns();
+    u64 t_idle = t_start;
+    u64 taken = 0;
+
+    for (;;) {
+        // 1. Lane 0 waits for slot n to be published (or leaves when idle too long).
+        int cmd = 0;  // 1 = task, 2 = leave
+        if (lane == 0) {
+            const u64* seqp = (const u64*)(tasks + (n & mask) * CX_TASK_BYTES);
+            u32 spins = 0, nap = 0;
+            for (;;) {
+                if (ld_acquire_sys(seqp) == n + 1) {
+                    cmd = 1;
+                    break;
+                }
+                const u64 t = now_ns();
+                const bool old = t - t_start > lifetime_ns;
+                if (old || t - t_idle > idle_ns) {
+                    *state = old ? CS_LIFETIME_EXIT : CS_IDLE_EXIT;
+                    __threadfence_system();  // state store before the re-check load (handshake)
+                    if (ld_acquire_sys(seqp) == n + 1) {
+                        *state = CS_RUNNING;
+                        __threadfence_system();
+                        cmd = 1;
+                    } else {
+                        cmd = 2;
+                    }
+                    break;
+                }
+                if (++spins > 64) {
+                    nap = nap ? min(nap * 2, poll_max_ns) : 32u;
+                    __nanosleep(nap);
+                }
+            }
+        }
+        cmd = __shfl_sync(FULL, cmd, 0);
+        if (cmd == 2) return;
+        __syncwarp();  // orders lane 0's acquire before the other lanes' slot loads
+
+        // 2. The warp reads the 128-byte slot in one load: lane i holds word i.
+        const volatile u64* slot = (const volatile u64*)(tasks + (n & mask) * CX_TASK_BYTES);
+        const u64 word = lane < 16 ? slot[lane] : 0;
+        const u64 w1 = __shfl_sync(FULL, word, 1);
+        const u64 tag = __shfl_sync(FULL, word, 2);
+        const u32 op = (u32)(w1 & 0xFFFF);
+        const u32 region = (u32)(w1 >> 32);
+        u64 a[7];
+#pragma unroll
+        for (int i = 0; i < 7; ++i) a[i] = __shfl_sync(FULL, word, 3 + i);
+
+        // 3. Dispatch through the operator table.
+        int status = ST_OK;
+        u64 pages = 0, bytes = 0, lsn0 = 0, lsn1 = 0;
+        int leave = 0;
+        if (op == OP_PING) {
+        } else if (op == OP_QUIESCE) {
+            leave = CS_QUIESCED;
+        } else if (op == OP_STOP) {
+            leave = CS_STOPPED;
+        } else {
+            status = run_handler(op, a, sc, n_sm, child_timeout_ns, lane, &pages);
+            if (status == ST_OK) {
+                if (op == OP_CHECKPOINT) {
+                    bytes = pages * a[5];
+                    lsn0 = a[6];
+                    lsn1 = a[6] + bytes;
+                } else if (op == OP_APPEND_LOG) {
+                    bytes = a[2];
+                    lsn0 = a[3];
+                    lsn1 = a[3] + bytes;
+                } else if (op == OP_RECOVER) {
+                    bytes = pages * a[4];
+                    lsn0 = lsn1 = a[6];
+                }
+            }
+            if (status == ST_TIMEOUT) leave = CS_FAULT;
+        }
+
+        // 4. Completion: lanes 1..7 store words 1..7, then lane 0 fences, stores
+        //    seq and releases tail (ring.py protocol step 3).
+        volatile u64* comp = (volatile u64*)(comps + (n & mask) * CX_COMP_BYTES);
+        u64 cw = 0;
+        switch (lane) {
+        case 1: cw = (u64)op | ((u64)(u32)status << 16) | ((u64)executor_id << 32); break;
+        case 2: cw = tag; break;
+        case 3: cw = pages; break;
+        case 4: cw = bytes; break;
+        case 5: cw = lsn0; break;
+        case 6: cw = lsn1; break;
+        case 7: cw = (u64)region; break;
+        default: break;
+        }
+        if (lane >= 1 && lane <= 7) comp[lane] = cw;
+        __syncwarp();
+        if (lane == 0) {
+            __threadfence_system();
+            comp[0] = n + 1;
+            st_release_sys((u64*)(ring + CX_OFF_TAIL), n + 1);
+            *polls = ++taken;
+            if (leave) {
+                __threadfence_system();
+                *state = (u32)leave;
+                __threadfence_system();
+            }
+        }
+        ++n;
+        if (leave) return;
+        t_idle = now_ns();
+    }
+}
