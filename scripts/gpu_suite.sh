@@ -22,7 +22,10 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile
   || echo "gpu_suite: crcmod not installed (tests that need it will say so)"
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target "$site" . \
   || { echo "gpu_suite: project install failed"; exit 2; }
-export PYTHONPATH="$site" PATH="$site/bin:$PATH"
+# PYTHONSAFEPATH: `python -m` and `python -c` would otherwise put the repo root
+# first on sys.path, where the bare concordia/ folder (without its wal/, devmem/,
+# gpu_kernels/, tools/ siblings mapped in) shadows the installed package.
+export PYTHONPATH="$site" PATH="$site/bin:$PATH" PYTHONSAFEPATH=1
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 -c 'import cupy, numpy, sys; print("python", sys.version.split()[0], "cupy", cupy.__version__, "numpy", numpy.__version__)' | tee -a "$OUT/gpu.txt"
 
