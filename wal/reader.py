@@ -179,10 +179,14 @@ class Scanner:
         if n <= 0:
             return None
         words = self.arr[start:start + n * 64].view("<u8").reshape(n, 8)
+        lsns = words[:, 2]
+        nz = np.flatnonzero(lsns)  # zero fill, the common case, is skipped at memory speed
+        if nz.size == 0:
+            return None
         first = seg.base_lsn + (start - seg.offset)
-        expected = np.arange(n, dtype=np.uint64) * np.uint64(64) + np.uint64(first)
-        cand = np.flatnonzero((words[:, 2] == expected)
-                              & ((words[:, 4] & np.uint64(0xFFFFFFFF)) == np.uint64(seg.salt)))
+        expected = nz.astype(np.uint64) * np.uint64(64) + np.uint64(first)
+        ok = (lsns[nz] == expected) & ((words[nz, 4] & np.uint64(0xFFFFFFFF)) == np.uint64(seg.salt))
+        cand = nz[ok]
         for c in cand[:4096]:
             pos = start + int(c) * 64
             if F.check_record_header_bytes(self.mv, pos) is None:
@@ -192,6 +196,34 @@ class Scanner:
         return None
 
     def _segment(self, seg: SegmentInfo):
+        out, pending = [], []
+        self._walk(seg, out, pending)
+        self._check_pages(out, pending)
+        yield from out
+
+    def _check_pages(self, out: list, pending: list) -> None:
+        """V-P5 for every page batch of a segment: the per-page CRC table, folded,
+        must equal one CRC32C over the payload (format.fold_page_crcs); a record
+        that fails is checked page by page for the exact diagnostic."""
+        groups: dict[tuple, list] = {}
+        for p in pending:
+            groups.setdefault((p[2], p[3]), []).append(p)
+        arr = self.arr
+        for (count, pb), items in groups.items():
+            tables = np.stack([arr[pos + 64 + 4 * count:pos + 64 + 8 * count] for _, pos, _, _, _ in items])
+            folded = F.fold_page_crcs(tables.view("<u4"), pb)
+            actual = np.fromiter((it[4] for it in items), dtype=np.uint32, count=len(items))
+            for k in np.flatnonzero(folded != actual):
+                idx, pos = items[k][0], items[k][1]
+                item = out[idx]
+                hdr = F.RecordHeader(*F._unpack_header(self.mv, pos))
+                problem = F.page_batch_problem(arr, hdr, pos, check_pages=True)
+                reason = ("page CRC table does not fold to the payload CRC" if problem is None
+                          else (problem[0] if problem[1] == pos else f"{problem[0]} (at 0x{problem[1]:x})"))
+                self.bytes_checked -= hdr.length
+                out[idx] = (_DMG, item[1], pos, hdr.length, reason)
+
+    def _walk(self, seg: SegmentInfo, out: list, pending: list) -> None:
         mv, arr = self.mv, self.arr
         seg_end = seg.offset + seg.nbytes
         end = min(seg_end, self.backend.size)  # a truncated volume reads as zero beyond its end
@@ -213,7 +245,7 @@ class Scanner:
                         return
                     what = ("zero length word" if length == 0 else
                             f"stale record (lsn 0x{h[5]:x}, salt 0x{h[7]:08x}; expected lsn 0x{pos + base_rel:x}, salt 0x{salt:08x})")
-                    yield _DMG, seg, pos, nxt - pos, f"{what} followed by valid records at 0x{nxt:x} (a record was lost)"
+                    out.append((_DMG, seg, pos, nxt - pos, f"{what} followed by valid records at 0x{nxt:x} (a record was lost)"))
                     pos = nxt
                     continue
             else:
@@ -223,13 +255,13 @@ class Scanner:
             if problem is not None:
                 nxt = self._next_valid(seg, pos + 64, end)
                 stop = end if nxt is None else nxt
-                yield _DMG, seg, pos, stop - pos, problem
+                out.append((_DMG, seg, pos, stop - pos, problem))
                 if nxt is None:
                     return
                 pos = nxt
                 continue
             if pos + length > end:
-                yield _DMG, seg, pos, end - pos, "record runs past the end of the target (truncated volume)"
+                out.append((_DMG, seg, pos, end - pos, "record runs past the end of the target (truncated volume)"))
                 return
             lsn = h[5]
             if lsn < self.oldest:
@@ -237,10 +269,14 @@ class Scanner:
                 continue
             problem = self._body_problem(h, pos)
             if problem is not None:
-                yield _DMG, seg, pos, length, problem
+                out.append((_DMG, seg, pos, length, problem))
             else:
                 self.bytes_checked += length
-                yield _REC, seg, pos, h
+                if self.check_pages and h[1] == F.REC_PAGE_BATCH:
+                    # page CRCs are checked for the whole segment at once (_check_pages)
+                    poff = pos + F.page_batch_payload_offset(h[9])
+                    pending.append((len(out), pos, h[9], h[10], _crc32c(mv[poff:poff + h[9] * h[10]])))
+                out.append((_REC, seg, pos, h))
             pos += length
 
     def _body_problem(self, h, pos) -> str | None:
@@ -249,7 +285,7 @@ class Scanner:
         count = h[9]
         if kind == F.REC_PAGE_BATCH and not typ & F.TYPE_IGNORABLE:
             hdr = F.RecordHeader(*F._unpack_header(self.mv, pos))
-            p = F.page_batch_problem(self.arr, hdr, pos, check_pages=self.check_pages)
+            p = F.page_batch_problem(self.arr, hdr, pos, check_pages=False)  # pages: _check_pages
             return None if p is None else (p[0] if p[1] == pos else f"{p[0]} (at 0x{p[1]:x})")
         if kind == F.REC_PAD:
             return None
