@@ -1,1 +1,24 @@
-"""The persistent executor: a resident kernel (or a CPU thread) fed by a lock-free task ring."""
+"""The persistent executor: a resident kernel (or a CPU thread) fed by a lock-free task ring.
+
+    ring.py   layout of the ring in memory and the pure protocol steps
+    host.py   Submitter (back-pressure, waits, lazy relaunch, STOP, hot swap), Watchdog
+    cpu.py    CpuExecutor, OperatorTable, numpy handlers
+    gpu.py    GpuExecutor (gpu_kernels/executor.cu), GpuRing, ExecutorModule (CuPy, lazily)
+
+Example::
+
+    ring = Ring.allocate(1024)
+    sub = Submitter(ring, CpuExecutor(ring, numpy_operators()))
+    sub.call(Op.PING)
+    sub.stop()
+"""
+
+from .cpu import CpuExecutor, OperatorTable, numpy_operators
+from .errors import (ExecutorError, ExecutorStalledError, ExecutorStoppedError, ProtocolError, RingFullError,
+                     RingLayoutError)
+from .host import Submitter, SwapReport, Watchdog
+from .ring import Completion, ConsumerState, Op, Result, Ring, Status, TaskView
+
+__all__ = ["CpuExecutor", "OperatorTable", "numpy_operators", "ExecutorError", "ExecutorStalledError",
+           "ExecutorStoppedError", "ProtocolError", "RingFullError", "RingLayoutError", "Submitter", "SwapReport",
+           "Watchdog", "Completion", "ConsumerState", "Op", "Result", "Ring", "Status", "TaskView"]

@@ -216,3 +216,51 @@ def host_address(array) -> int:
     if hasattr(array, "data") and hasattr(array.data, "ptr"):
         return int(array.data.ptr)
     return int(array.ctypes.data)
+
+
+class MappedHostBuffer:
+    """Page-aligned host memory registered as mapped: a numpy view on the host,
+    the same address on the device.  Unregistered by `close()` (only when no
+    kernel that uses it is running)."""
+
+    def __init__(self, nbytes: int, *, where: str = "mapped buffer"):
+        cupy = _cupy()
+        self._mm = mmap.mmap(-1, max(4096, (nbytes + 4095) // 4096 * 4096))
+        self.array = np.frombuffer(self._mm, dtype=np.uint8)[:nbytes]
+        self.ptr = self.array.ctypes.data
+        try:
+            cupy.cuda.runtime.hostRegister(self.ptr, len(self._mm), _HOST_REGISTER_PORTABLE_MAPPED)
+        except Exception as exc:
+            raise ExecutorError(f"cannot register {nbytes} bytes with CUDA: {exc}", where=where) from None
+        self._registered = True
+
+    def close(self) -> None:
+        if self._registered:
+            import cupy
+            cupy.cuda.runtime.hostUnregister(self.ptr)
+            self._registered = False
+
+
+def load_bench_kernels() -> dict:
+    """cx_noop and cx_naive_spin (gpu_kernels/executor_bench.cu), loaded now."""
+    if any_resident():
+        raise ExecutorError("module load while a persistent executor is resident", where="bench kernels")
+    cupy = _cupy()
+    mod = cupy.RawModule(code=kernel_source(BENCH_SOURCE))
+    return {n: mod.get_function(n) for n in ("cx_noop", "cx_naive_spin")}
+
+
+def direct_checkpoint(module: ExecutorModule, scratch, stream, n_sm: int, src, shadow, out, out_ids,
+                      nbytes: int, page_bytes: int) -> int:
+    """The CHECKPOINT handler launched from the host (the baseline): reset the
+    counter, launch the same grid the executor would, read the page count back,
+    synchronise `stream` only.  Returns pages found."""
+    cupy = _cupy()
+    fn = module.load().functions["cx_checkpoint"]
+    npages = -(-nbytes // page_bytes)
+    grid = max(1, min(-(-npages // 8), n_sm * 8))
+    with stream:
+        cupy.cuda.runtime.memsetAsync(scratch.data.ptr, 0, 64, stream.ptr)
+        fn((grid,), (256,), (src, shadow, out, out_ids, np.uint64(nbytes), np.uint64(page_bytes), scratch))
+        pages = scratch[:1].get(stream=stream)
+    return int(pages[0])

@@ -26,7 +26,7 @@ import numpy as np
 from .errors import (ExecutorError, ExecutorStalledError, ExecutorStoppedError,
                      RingFullError)
 from .ring import (NO_REGION, OFF_HEAD, OFF_INSTANCE, OFF_STATE, OFF_STOP_SENT, OFF_TAIL, Completion,
-                   ConsumerState, Op, Ring, Status)
+                   ConsumerState, Op, Ring, Status, op_or_int)
 
 # States after which a new instance may be launched on the next submit.
 _RELAUNCHABLE = (ConsumerState.NEVER_RAN, ConsumerState.IDLE_EXIT, ConsumerState.LIFETIME_EXIT)
@@ -405,6 +405,6 @@ class Submitter:
 
 
 def _completion(row) -> Completion:
-    return Completion(int(row["seq"]), Op(int(row["op"])), Status(int(row["status"])), int(row["executor_id"]),
+    return Completion(int(row["seq"]), op_or_int(int(row["op"])), Status(int(row["status"])), int(row["executor_id"]),
                       int(row["tag"]), int(row["pages"]), int(row["bytes"]), int(row["lsn_first"]),
                       int(row["lsn_last"]), int(row["region"]))

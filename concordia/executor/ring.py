@@ -141,6 +141,12 @@ class Op(enum.IntEnum):
 CONTROL_OPS = frozenset({Op.QUIESCE, Op.STOP})
 
 
+def op_or_int(code: int):
+    """Op for known codes; the bare number for others (a completion of an
+    unknown op carries UNSUPPORTED_OP and must still be readable)."""
+    return Op(code) if code in Op._value2member_map_ else code
+
+
 class Status(enum.IntEnum):
     OK = 0
     UNSUPPORTED_OP = 1
@@ -190,7 +196,7 @@ class Completion:
     """One completion as the host read it back."""
 
     seq: int          # task number + 1
-    op: Op
+    op: int           # an Op, or the bare code of an unknown op
     status: Status
     executor_id: int
     tag: int
@@ -400,7 +406,7 @@ class Ring:
         seq = int(self.c_seq[i])
         if seq != n + 1:
             raise ProtocolError(f"completion seq {seq}, expected {n + 1}", where=self.slot_where(n))
-        return Completion(seq, Op(int(self.c_op[i])), Status(int(self.c_status[i])), int(self.c_exec[i]),
+        return Completion(seq, op_or_int(int(self.c_op[i])), Status(int(self.c_status[i])), int(self.c_exec[i]),
                           int(self.c_tag[i]), int(self.c_pages[i]), int(self.c_bytes[i]),
                           int(self.c_lsn0[i]), int(self.c_lsn1[i]), int(self.c_region[i]))
 

@@ -314,3 +314,11 @@ def test_numpy_handlers_checkpoint_append_recover():
     with pytest.raises(ExecutorError, match="bad buffer address"):
         host_view(0, 8)
     sub.stop()
+
+
+def test_an_unknown_op_completes_as_unsupported():
+    ring = Ring.allocate(4)
+    sub = Submitter(ring, CpuExecutor(ring))
+    c = sub.call(99)
+    assert c.status == Status.UNSUPPORTED_OP and c.op == 99
+    sub.stop()
