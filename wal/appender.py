@@ -60,6 +60,9 @@ class Appender:
         self.last_committed_epoch = last_committed_epoch
         self.last_commit_lsn = last_commit_lsn
         self._pmem = self.backend.persist_path == "libpmem"
+        #: one sync per commit (records and commit record together, the commit flagged
+        #: ONE_SYNC) where a sync costs a device round trip: msync tiers
+        self.one_sync = self.backend.persist_path == "msync"
         self._dirty: list[list[int]] = []  # [start, end) ranges to persist at the next commit
         self.on_write = None  # called after every record write (the Log's rescan flag)
 
@@ -254,10 +257,18 @@ class Appender:
                              "persisted or finished", hint="persist or finish them first")
         if epoch <= self.last_committed_epoch:
             raise UsageError(f"epoch {epoch} does not follow the last committed epoch {self.last_committed_epoch}")
-        self.sync()
         count, nbytes, first = self.stats.pop(epoch, (0, 0, 0))
         body = F.encode_commit_body(count, nbytes, first, digests or {})
-        lsn = self.append_record(type=F.REC_COMMIT, epoch=epoch, body=body, aux=self.last_commit_lsn)
+        if self.one_sync and not self._pmem:
+            # FORMAT.md §10 step 4b: one sync covers the records and the commit; a crash
+            # inside it leaves a last commit whose records do not all verify (V-C4),
+            # which the reader treats as not committed
+            lsn = self.append_record(type=F.REC_COMMIT, epoch=epoch, body=body, aux=self.last_commit_lsn,
+                                     flags=F.FLAG_ONE_SYNC, persist=False)
+            self.sync()
+        else:
+            self.sync()
+            lsn = self.append_record(type=F.REC_COMMIT, epoch=epoch, body=body, aux=self.last_commit_lsn)
         self.last_committed_epoch = epoch
         self.last_commit_lsn = lsn
         return lsn

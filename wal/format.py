@@ -288,7 +288,8 @@ TYPE_NAMES = {
     REC_CATALOG: "catalog", REC_SNAPSHOT: "snapshot", REC_PAD: "pad",
 }
 
-FLAG_BASE = 0x01
+FLAG_BASE = 0x01  # page batch: part of a base snapshot
+FLAG_ONE_SYNC = 0x02  # commit: persisted by the same sync as the records it counts (FORMAT.md §10)
 NO_REGION = 0xFFFFFFFF
 
 

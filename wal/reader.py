@@ -329,6 +329,16 @@ def recover(vol: Volume, mode: RecoveryMode = RecoveryMode.TOLERATE_TAIL,
         if (it[0] == _REC and it[3][1] & F.TYPE_MASK == F.REC_COMMIT) or (it[0] == _DMG and len(it) > 5 and it[5]):
             last_commit = i + 1 if it[0] == _DMG else i
 
+    # a last commit written by one sync with its records (FLAG_ONE_SYNC) is in flight
+    # at a crash until that sync returns: damage between it and the commit before it is
+    # a torn tail, and the commit itself stands only if its records all verify (V-C4)
+    torn_commit = -1
+    if last_commit >= 0 and items[last_commit][0] == _REC and items[last_commit][3][2] & F.FLAG_ONE_SYNC:
+        prev_commit = max((i for i in range(last_commit)
+                           if items[i][0] == _REC and items[i][3][1] & F.TYPE_MASK == F.REC_COMMIT), default=-1)
+        if any(items[i][0] == _DMG for i in range(prev_commit + 1, last_commit)):
+            torn_commit, last_commit = last_commit, prev_commit
+
     stats: dict[int, list] = {}  # epoch -> [count, bytes, first_lsn, seg, first_off]
     last_epoch = 0
     last_commit_lsn = 0
@@ -372,6 +382,12 @@ def recover(vol: Volume, mode: RecoveryMode = RecoveryMode.TOLERATE_TAIL,
                 info = None
             else:
                 problem = _commit_problem(info, stats.get(rec.epoch), last_epoch, last_commit_lsn, oldest)
+            if problem is not None and i == torn_commit:
+                if mode is RecoveryMode.ABSOLUTE:
+                    fail(TornTailError, seg, off, f"torn tail: {problem}")
+                report(Dropped(seg.index, off, rec.length, f"{problem}; written by one sync with its "
+                               "records, so the sync did not complete", "torn", rec.lsn))
+                continue
             if problem is not None:
                 if mode in (RecoveryMode.TOLERATE_TAIL, RecoveryMode.ABSOLUTE):
                     fail(CorruptionError, seg, off, problem)

@@ -10,7 +10,7 @@ import pytest
 from concordia.devmem import FaultInjectingBackend, MemoryBackend, open_backend
 from concordia.wal import Log, RecoveryMode
 from concordia.wal import format as F
-from concordia.wal.errors import TornTailError
+from concordia.wal.errors import CorruptionError, TornTailError
 
 from .helpers import MiB, Model, build_log, image, reopen, replay
 
@@ -82,13 +82,15 @@ class Recorder(FaultInjectingBackend):
         self._snap()
 
 
+@pytest.mark.parametrize("one_sync", [False, True], ids=["two-phase", "one-sync"])
 @pytest.mark.parametrize("modes", [("drop",), ("torn",)])
-def test_fault_injection_at_every_persist_boundary(modes):
+def test_fault_injection_at_every_persist_boundary(modes, one_sync):
     model = Model(npages=32, page_bytes=4096, batches=2, per_batch=8)
     fb = Recorder(open_backend("memory:", size=4 * MiB), ())
     log = Log.create(fb, segment_size=MiB)
     rid = log.define_region("r", np.uint8, (32 * 4096,), 4096, "kv")
     fb.modes = modes  # crash points from here on: the log exists
+    log.appender.one_sync = one_sync  # the commit protocol of msync tiers (FORMAT.md §10)
     for e in range(1, 25):  # 64 KiB per epoch: rolls over segments
         model.write_epoch(log, rid, e)
         fb.committed = e
@@ -102,4 +104,36 @@ def test_fault_injection_at_every_persist_boundary(modes):
         assert not any(r.epoch > e for r in got.records())
         assert (replay(got, model.npages, model.page_bytes) == model.state_after(e)).all()
         assert [c.digests[rid] for c in got.commits] == [model.digest(k) for k in range(1, e + 1)]
-        assert not [d for d in got.dropped if d.kind == "corrupt"]
+        assert not [d for d in got.dropped if d.kind == "corrupt"], got.dropped
+        if one_sync:
+            assert all(c.lsn for c in got.commits)
+
+
+def test_one_sync_commit_whose_records_did_not_all_land_is_torn_not_corrupt():
+    """A sync that wrote the commit record's page but not all the records' pages:
+    on a one-sync log the last epoch is simply not committed; a two-phase log
+    cannot get there, so the same bytes there are corruption."""
+    for one_sync in (True, False):
+        model = Model(npages=32, page_bytes=4096, batches=2, per_batch=8)
+        log = Log.create(open_backend("memory:", size=4 * MiB), segment_size=MiB)
+        rid = log.define_region("r", np.uint8, (32 * 4096,), 4096, "kv")
+        log.appender.one_sync = one_sync
+        for e in range(1, 6):
+            model.write_epoch(log, rid, e)
+        rec = [r for r in log.records() if r.epoch == 5 and r.kind == F.REC_PAGE_BATCH][0]
+        img = image(log.backend)
+        img[rec.offset + rec.length - 4096:rec.offset + rec.length] = bytes(4096)  # a page never written
+        if not one_sync:
+            with pytest.raises(CorruptionError, match="page CRC mismatch"):
+                reopen(img, writable=False)
+            continue
+        dropped = []
+        got = reopen(img, writable=False, reporter=dropped.append)
+        assert got.last_committed_epoch == 4
+        assert (replay(got, model.npages, model.page_bytes) == model.state_after(4)).all()
+        assert any(d.kind == "torn" and "one sync" in d.reason for d in dropped)
+        with pytest.raises(TornTailError):
+            reopen(img, writable=False, mode=RecoveryMode.ABSOLUTE)
+        w = reopen(img, writable=True)  # the cut drops epoch 5; writing goes on
+        model.write_epoch(w, rid, 5)
+        assert Log.open(w.backend, writable=False, mode=RecoveryMode.ABSOLUTE).last_committed_epoch == 5
