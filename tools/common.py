@@ -189,3 +189,17 @@ def progress_bar(length: int, label: str):
         kw["hidden"] = not sys.stderr.isatty()  # scripts and pipes get no bar residue
     return click.progressbar(length=max(1, int(length)), label=label, file=sys.stderr,
                              show_pos=False, show_percent=True, **kw)
+
+
+def unwritten_slot(vol) -> str | None:
+    """'A' or 'B' when that superblock slot was never written (all zero) on a
+    volume whose superblock has not been updated since it was formatted: the
+    slot is unused, not damaged.  None otherwise."""
+    sb = vol.superblock
+    if sb.sequence != 0:
+        return None
+    off = sb.slot_bytes  # sequence 0 lives in slot A; slot B is written first at sequence 1
+    arr = vol.backend.array
+    if off + sb.slot_bytes <= arr.size and not arr[off:off + sb.slot_bytes].any():
+        return "B"
+    return None

@@ -12,7 +12,7 @@ import time
 import click
 
 from . import render as R
-from .common import EXIT_OK, EXIT_PROBLEMS, Where, emit_json, guarded, open_volume
+from .common import EXIT_OK, EXIT_PROBLEMS, Where, emit_json, guarded, open_volume, unwritten_slot
 
 VERIFY_SCHEMA = "concordia-wal/verify/1"
 PLAN_SCHEMA = "concordia-wal/plan/1"
@@ -56,7 +56,10 @@ def run_verify(vol, mode: str) -> dict:
 
     rep = verify(vol, check_pages=True)
     problems = []
+    unused = unwritten_slot(vol)
     for p in rep["problems"]:
+        if unused and p["kind"] == "superblock" and f"slot {unused}" in p["reason"]:
+            continue  # a slot never written since formatting is unused, not damaged
         p = dict(p, counts=_counts(p["kind"], mode))
         problems.append(p)
     kinds = [p["kind"] for p in problems]
@@ -169,6 +172,7 @@ def verify_cmd(log, mode, repair, backup, quiet, as_json):
 
     Example:
 
+    \b
         concordia-wal verify file:./concordia-data/demo.log
         concordia-wal verify file:./concordia-data/demo.log --mode absolute --json
     """
@@ -260,6 +264,7 @@ def recover_cmd(log, show_plan, epoch, mode, sources, check_pages, as_json):
 
     Example:
 
+    \b
         concordia-wal recover file:./concordia-data/demo.log --plan
         concordia-wal recover file:./concordia-data/demo.log --plan --epoch 2 --json
     """

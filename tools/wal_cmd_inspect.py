@@ -12,7 +12,7 @@ import click
 from concordia.wal import format as F
 
 from . import render as R
-from .common import EXIT_OK, EXIT_PROBLEMS, LSN, SIZE, Where, emit_json, guarded, open_volume
+from .common import EXIT_OK, EXIT_PROBLEMS, LSN, SIZE, Where, emit_json, guarded, open_volume, unwritten_slot
 from .wal_cmd_scan import DMG, REC, classify, record_dict, region_names, walk
 
 INFO_SCHEMA = "concordia-wal/info/1"
@@ -36,6 +36,7 @@ def format_cmd(log, size, segment_size, force):
 
     Example:
 
+    \b
         concordia-wal format file:./concordia-data/scratch.log --size 64M --segment-size 8M
     """
     from concordia.devmem import open_backend
@@ -100,6 +101,9 @@ def _slot_report(vol, i: int, off: int, hexdump: bool) -> dict:
         buf = memoryview(arr[off:off + F.slot_bytes_for(count)])
     else:
         buf = memoryview(arr[off:off + F.SUPERBLOCK_SIZE])
+    if unwritten_slot(vol) == name:
+        out.update(ok=None, problem="never written (the volume has not been updated since it was formatted)")
+        return out
     try:
         sb = F.decode_superblock(buf, where=where)
     except Exception as exc:  # the reason the slot is invalid is what info reports
@@ -165,6 +169,9 @@ def collect_info(vol, *, stats: bool, hexdump: bool) -> dict:
     backend = vol.backend
     problems = []
     res = recover(vol, RecoveryMode.SKIP_CORRUPT, problems.append, check_pages=False)
+    unused = unwritten_slot(vol)
+    if unused:
+        problems = [p for p in problems if not (p.kind == "superblock" and f"slot {unused}" in p.reason)]
     used = {}
     for r in res.records:
         used[r.segment] = max(used.get(r.segment, 0), r.offset + r.length - vol.segment_offset(r.segment))
@@ -187,7 +194,7 @@ def collect_info(vol, *, stats: bool, hexdump: bool) -> dict:
     bad = [p for p in problems if p.kind in ("corrupt", "superblock", "segment")]
     out = {
         "schema": INFO_SCHEMA,
-        "ok": not bad and all(s["ok"] for s in slots) and all(
+        "ok": not bad and all(s["ok"] is not False for s in slots) and all(
             s["header_ok"] is not False for s in segments),
         "target": dict(backend.info(), writer_persist_path=_persist_path_for_writers(backend)),
         "volume": {
@@ -255,6 +262,8 @@ def render_info(d: dict, hexdump: bool) -> list[str]:
     for s in d["slots"]:
         crc = "" if s["crc_stored"] is None else f"crc 0x{s['crc_stored']:08x} "
         state = f"sequence {s['sequence']}" + (" (in force)" if s["in_force"] else "") if s["ok"] else s["problem"]
+        if s["ok"] is None:
+            crc = ""
         lines.append(f"  {s['slot']} @ 0x{s['offset']:06x}  {crc}{R.mark(s['ok'])}  {state}")
         if hexdump and "hex" in s:
             lines += R.hexdump(bytes.fromhex(s["hex"]), s["offset"])
@@ -336,6 +345,7 @@ def info_cmd(log, as_json, headers_hex, stats):
 
     Example:
 
+    \b
         concordia-wal info file:./concordia-data/demo.log --stats
     """
     vol = open_volume(log)
@@ -420,6 +430,7 @@ def dump_cmd(log, start, end, region, typ, epoch, limit, stats, as_json, follow,
 
     Example:
 
+    \b
         concordia-wal dump file:./concordia-data/demo.log --type commit --limit 5
         concordia-wal dump file:./concordia-data/demo.log --region kv --stats
     """

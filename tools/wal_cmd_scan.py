@@ -20,9 +20,16 @@ REC, DMG = 0, 1
 
 def walk(vol, *, check_pages: bool = True, from_lsn: int = 0):
     """Scanner items of every live segment whose LSN range reaches `from_lsn`:
-    (REC, seg, offset, header tuple) or (DMG, seg, offset, length, reason).
+    (REC, seg, offset, header tuple) or (DMG, seg, offset, length, reason[, hides_commit]).
     A live segment with an invalid header is one damaged range."""
+    from concordia.wal.reader import ScanResult
+
     sc = Scanner(vol, check_pages=check_pages)
+    if not from_lsn:
+        for it in sc.items(ScanResult()):
+            Where.at = it[1].where(it[2])
+            yield it
+        return
     prev = None
     end = vol.backend.size
     for seg in vol.live_segments():
@@ -48,6 +55,8 @@ def classify(items: list) -> list:
     for i, it in enumerate(items):
         if it[0] == REC and it[3][1] & F.TYPE_MASK == F.REC_COMMIT:
             last_commit = i
+        elif it[0] == DMG and len(it) > 5 and it[5]:
+            last_commit = i  # a damaged segment header hiding a valid commit: corruption
     return [it[0] == DMG and i > last_commit for i, it in enumerate(items)]
 
 

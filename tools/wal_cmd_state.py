@@ -102,6 +102,7 @@ def compact_cmd(log, upto, keep, dry_run, as_json):
 
     Example:
 
+    \b
         concordia-wal compact file:./concordia-data/demo.log --keep 1 --dry-run
         concordia-wal compact file:./concordia-data/demo.log --keep 1
     """
@@ -147,6 +148,7 @@ def snapshot_grp():
 
     Example:
 
+    \b
         concordia-wal snapshot list file:./concordia-data/demo.log
     """
 
@@ -175,6 +177,7 @@ def snapshot_list(log, as_json):
 
     Example:
 
+    \b
         concordia-wal snapshot list file:./concordia-data/demo.log --json
     """
     vol = open_volume(log)
@@ -209,6 +212,7 @@ def snapshot_create(log, regions, epoch):
 
     Example:
 
+    \b
         concordia-wal snapshot create file:./concordia-data/demo.log --region kv
     """
     from concordia.wal.compact import _fold_source
@@ -258,6 +262,7 @@ def restore_cmd(log, region, epoch, out, mode, force):
 
     Example:
 
+    \b
         concordia-wal restore file:./concordia-data/demo.log --region kv --out kv.npy --force
     """
     from concordia.wal.apply import restore_region_npy
