@@ -76,11 +76,11 @@ class ExecutorModule:
     handlers (-rdc=true) or handlers run by the resident warp; `ops` the operator
     table compiled in.  Compiling and loading happen together in `load()`."""
 
-    def __init__(self, *, child: bool = True, ops=HANDLER_OPS):
+    def __init__(self, *, child: bool = True, ops=HANDLER_OPS, extra_options: tuple[str, ...] = ()):
         self.child = child
         self.ops = tuple(int(o) for o in ops)
         self.ops_mask = sum(1 << o for o in self.ops) | (1 << Op.PING) | (1 << Op.QUIESCE) | (1 << Op.STOP)
-        self.options = compile_options(child=child, ops_mask=self.ops_mask)
+        self.options = compile_options(child=child, ops_mask=self.ops_mask) + tuple(extra_options)
         self.functions: dict | None = None
         self.load_s: float | None = None
 

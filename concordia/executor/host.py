@@ -244,7 +244,7 @@ class Submitter:
             self._after_publish()
         spins = 0
         while h64[OFF_TAIL // 8] <= n:
-            spins += 1
+            spins = self._pause(spins)
             if spins & 0xFFF == 0:
                 self._check_progress(t0 + timeout, f"ping {n + 1}")
         dt = time.perf_counter() - t0
@@ -322,8 +322,11 @@ class Submitter:
         return self.wait(self.submit(op, region=region, tag=tag, args=args, timeout=timeout), timeout)
 
     def _pause(self, spins: int) -> int:
+        """Spin, then yield, then sleep: a waiter must neither add latency to a
+        fast consumer nor starve a CPU consumer that needs the GIL."""
         if spins >= self._busy:
-            time.sleep(0 if spins < self._busy + 20000 else 1e-4)
+            k = spins - self._busy
+            time.sleep(0 if k < 50 else 5e-5 if k < 250 else 5e-4)
         return spins + 1
 
     def _check_progress(self, deadline, what: str) -> None:

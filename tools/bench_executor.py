@@ -1,0 +1,437 @@
+"""`concordia-wal bench executor`: the persistent executor against what it
+replaces, every ceiling measured in the same run.
+
+On a GPU (one run):
+  round trip   PING through the ring (median, p99) / empty kernel launch +
+               stream synchronise (goal: at most 0.5)
+  residency    slowdown of an fp16 GEMM, a decode-shaped GEMV and a streaming
+               add while the executor is resident and idle, after it released
+               residency, and beside a naive resident block spinning on host
+               memory (goal: at most 2 %)
+  checkpoint   region scan + copy of changed pages through the executor (child
+               grids, or the resident warp itself) / the same kernel launched
+               from the host (goal: at least 0.8)
+  hot swap     QUIESCE -> first task of the new executor, module preloaded, and
+               with the new module compiled and loaded inside the gap
+With `--cpu`: the CPU executor's round trip against a queue hand-off between two
+threads, PING throughput against the ring protocol without threads, and a
+numpy checkpoint through the executor against calling the handler directly.
+Without a GPU (and no `--cpu`): one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+import time
+
+import click
+import numpy as np
+
+from concordia.executor.cpu import CpuExecutor, checkpoint_handler, numpy_operators
+from concordia.executor.host import Submitter
+from concordia.executor.ring import N_ARGS, Op, Ring, TaskView
+
+from .common import emit_json, guarded
+
+
+def _stats(samples) -> dict:
+    a = np.asarray(samples, dtype=np.float64) * 1e6
+    return {"median_us": round(float(np.median(a)), 3), "p99_us": round(float(np.percentile(a, 99)), 3),
+            "n": int(a.size)}
+
+
+# -- CPU -----------------------------------------------------------------------------
+
+def run_cpu(quick: bool) -> dict:
+    n_rt = 300 if quick else 3000
+    n_tp = 100_000 if quick else 1_000_000
+    ring = Ring.allocate(1024)
+    sub = Submitter(ring, CpuExecutor(ring, numpy_operators()))
+    sub.call(Op.PING)
+    rt = []
+    for _ in range(n_rt):
+        rt.append(sub.ping(timeout=5))
+    # ceiling: a round trip through two queue.Queue between two threads
+    q_in, q_out = queue.Queue(), queue.Queue()
+
+    def echo():
+        while (x := q_in.get()) is not None:
+            q_out.put(x)
+
+    th = threading.Thread(target=echo, daemon=True)
+    th.start()
+    qt = []
+    for i in range(n_rt):
+        t0 = time.perf_counter()
+        q_in.put(i)
+        q_out.get(timeout=5)
+        qt.append(time.perf_counter() - t0)
+    q_in.put(None)
+    th.join(5)
+    # throughput: batched PINGs through the thread vs the same protocol steps in one thread
+    t0 = time.perf_counter()
+    sub.submit_batch(np.full(n_tp, Op.PING), timeout=120)
+    sub.drain(120)
+    thread_s = time.perf_counter() - t0
+    r2 = Ring.allocate(1024)
+    z = np.zeros(1024, np.uint64)
+    t0 = time.perf_counter()
+    done = 0
+    while done < n_tp:
+        k = min(1024, n_tp - done)
+        r2.publish_batch(np.full(k, Op.PING))
+        idx, ops, regions, tags, _ = r2.take(done, k)
+        r2.complete(done, idx, 1, ops, regions, tags, 0, z[:k], z[:k], z[:k], z[:k])
+        r2.completions(done, done + k)
+        r2.reaped = done = done + k
+    inline_s = time.perf_counter() - t0
+    # checkpoint: numpy handler through the executor vs called directly
+    size, pb = (8 << 20, 4096) if quick else (64 << 20, 4096)
+    rng = np.random.default_rng(0)
+    src = rng.integers(0, 256, size, dtype=np.uint8)
+    npages = size // pb
+    dirty = rng.choice(npages, npages // 10, replace=False)
+    out = np.zeros(size, np.uint8)
+    ids = np.zeros(npages, np.uint32)
+    shadows = [src.copy(), src.copy()]
+    reps = 3 if quick else 5
+    t_ex, t_direct = [], []
+    for _ in range(reps):
+        src[dirty * pb] += 1
+        for which, sink in ((0, t_ex), (1, t_direct)):
+            args = (src.ctypes.data, shadows[which].ctypes.data, out.ctypes.data, ids.ctypes.data, size, pb, 0)
+            t0 = time.perf_counter()
+            if which == 0:
+                c = sub.call(Op.CHECKPOINT, args=args, timeout=60)
+                pages = c.pages
+            else:
+                pages = checkpoint_handler(TaskView(0, Op.CHECKPOINT, 0, 0, 0, args + (0,) * (N_ARGS - 7))).pages
+            sink.append(time.perf_counter() - t0)
+            assert pages == dirty.size
+    # hot swap between two CPU executors
+    gaps = [sub.swap(CpuExecutor(ring, numpy_operators()), timeout=10).gap_s for _ in range(5 if quick else 20)]
+    sub.stop()
+    rts, qts = _stats(rt), _stats(qt)
+    ex_gbs, d_gbs = size / np.median(t_ex) / 1e9, size / np.median(t_direct) / 1e9
+    return {
+        "benchmark": "executor", "device": "cpu", "quick": quick,
+        "round_trip": {"executor": rts, "ceiling_queue_handoff": qts,
+                       "ratio_median": round(rts["median_us"] / qts["median_us"], 3)},
+        "throughput": {"tasks": n_tp, "thread_tasks_per_s": round(n_tp / thread_s),
+                       "ceiling_no_thread_tasks_per_s": round(n_tp / inline_s),
+                       "ratio": round(inline_s / thread_s, 3)},
+        "checkpoint": {"region_bytes": size, "page_bytes": pb, "dirty_pages": int(dirty.size),
+                       "executor_gb_per_s": round(ex_gbs, 3), "direct_gb_per_s": round(d_gbs, 3),
+                       "ratio": round(ex_gbs / d_gbs, 3)},
+        "hot_swap": {"gap_median_us": round(float(np.median(gaps)) * 1e6, 1),
+                     "gap_max_us": round(float(np.max(gaps)) * 1e6, 1), "swaps": len(gaps)},
+    }
+
+
+# -- GPU -----------------------------------------------------------------------------
+
+def run_gpu(quick: bool) -> dict:
+    os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+    from concordia.executor import gpu
+
+    cp = gpu._cupy()  # one-line ExecutorError (exit 2) without CuPy or a device
+    doc = {"benchmark": "executor", "device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+           "quick": quick}
+    # 1. Every module and every CuPy kernel is loaded before any executor runs.
+    t0 = time.perf_counter()
+    child = gpu.ExecutorModule(child=True).load()
+    inline = gpu.ExecutorModule(child=False).load()
+    swap_b = gpu.ExecutorModule(child=True, ops=(Op.CHECKPOINT, Op.RECOVER)).load()
+    bench = gpu.load_bench_kernels()
+    doc["compile_s"] = {"child": round(child.load_s, 3), "inline": round(inline.load_s, 3),
+                        "total": round(time.perf_counter() - t0, 3)}
+    ws = cp.cuda.Stream(non_blocking=True)
+    workloads = _workloads(cp, ws, quick)
+    for w in workloads.values():
+        w()
+        w()
+    ws.synchronize()
+    ckpt = _checkpoint_setup(cp, quick)
+
+    gring = gpu.GpuRing(1024)
+    flag = gpu.MappedHostBuffer(8)
+    ex = gpu.GpuExecutor(gring, child, idle_s=30.0, lifetime_s=120.0)
+    sub = Submitter(gring.ring, ex, stall_deadline_s=30.0)
+    try:
+        doc["round_trip"] = _round_trip(cp, bench, sub, quick)
+        doc["checkpoint"] = _checkpoint(cp, gpu, gring, sub, child, inline, quick, ckpt)
+        doc["residency"] = _residency(cp, gpu, bench, ws, workloads, gring, sub, flag, quick)
+        doc["hot_swap"] = _hot_swap(gpu, gring, sub, child, swap_b, quick)
+        sub.stop(timeout=30)
+    finally:
+        flag.array.view(np.uint64)[0] = 1
+        if sub.consumer.is_resident() and not gring.ring.stop_sent:
+            sub.stop(timeout=30)
+        sub.consumer.join(30)
+        gring.close()
+        flag.close()
+    doc["goals"] = {
+        "round_trip_ratio<=0.5": doc["round_trip"]["ratio_median"] <= 0.5,
+        "resident_idle_slowdown<=2%": all(v["executor_resident_idle_pct"] <= 2.0
+                                          for v in doc["residency"]["workloads"].values()),
+        "checkpoint_ratio>=0.8": doc["checkpoint"]["chosen_ratio"] >= 0.8,
+    }
+    return doc
+
+
+def _workloads(cp, ws, quick):
+    n = 4096 if quick else 8192
+    a = cp.random.standard_normal((n, n), dtype=cp.float32).astype(cp.float16)
+    b = cp.random.standard_normal((n, n), dtype=cp.float32).astype(cp.float16)
+    x = cp.random.standard_normal((n,), dtype=cp.float32).astype(cp.float16)
+    m = (16 if quick else 64) << 20
+    s1 = cp.random.standard_normal(m, dtype=cp.float32)
+    s2 = cp.random.standard_normal(m, dtype=cp.float32)
+    s3 = cp.empty_like(s1)
+    reps = {"gemm": 4 if quick else 10, "gemv": 50 if quick else 200, "stream": 20 if quick else 50}
+
+    def gemm():
+        with ws:
+            for _ in range(reps["gemm"]):
+                cp.matmul(a, b)
+
+    def gemv():
+        with ws:
+            for _ in range(reps["gemv"]):
+                cp.matmul(a, x)
+
+    def stream():
+        with ws:
+            for _ in range(reps["stream"]):
+                cp.add(s1, s2, out=s3)
+
+    return {f"gemm_fp16_{n}^3": gemm, f"gemv_fp16_{n}x{n}": gemv, f"stream_add_fp32_{m >> 20}M": stream}
+
+
+def _round_trip(cp, bench, sub, quick):
+    n = 2000 if quick else 20000
+    s = cp.cuda.Stream(non_blocking=True)
+    noop = bench["cx_noop"]
+    launch = []
+    for i in range(n + 200):
+        t0 = time.perf_counter()
+        with s:
+            noop((1,), (1,), (np.uint64(0),))
+        s.synchronize()
+        if i >= 200:
+            launch.append(time.perf_counter() - t0)
+    sub.launch()
+    for _ in range(200):
+        sub.ping(timeout=10)
+    rt = [sub.ping(timeout=10) for _ in range(n)]
+    r, l_ = _stats(rt), _stats(launch)
+    return {"executor_ping": r, "ceiling_launch_sync": l_, "ratio_median": round(r["median_us"] / l_["median_us"], 3),
+            "ratio_p99": round(r["p99_us"] / l_["p99_us"], 3)}
+
+
+def _checkpoint_setup(cp, quick):
+    """Buffers and warmed kernels of the checkpoint comparison (before any executor runs)."""
+    size = (64 << 20) if quick else (1 << 30)
+    pb = 4096
+    npages = size // pb
+    src = cp.random.randint(0, 255, size, dtype=cp.uint8)
+    shadow = src.copy()
+    out = cp.empty(size, cp.uint8)
+    ids = cp.empty(npages, cp.uint32)
+    scratch = cp.zeros(8, cp.uint64)
+    dirty = cp.asarray(np.random.default_rng(0).choice(npages, npages // 10, replace=False).astype(np.int64) * pb)
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        src[dirty] += 1          # loads the scatter kernels now
+        cp.copyto(shadow, src)
+    s.synchronize()
+    return dict(size=size, pb=pb, npages=npages, src=src, shadow=shadow, out=out, ids=ids, scratch=scratch,
+                dirty=dirty, s=s)
+
+
+def _checkpoint(cp, gpu, gring, sub, child, inline, quick, b):
+    size, pb, npages, src, shadow, out, ids, scratch, dirty, s = (
+        b[k] for k in ("size", "pb", "npages", "src", "shadow", "out", "ids", "scratch", "dirty", "s"))
+    args = (src.data.ptr, shadow.data.ptr, out.data.ptr, ids.data.ptr, size, pb, 0)
+
+    def dirty_again():
+        with s:
+            src[dirty] += 1
+        s.synchronize()
+
+    reps = 5 if quick else 15
+    times = {"executor_child": [], "direct": []}
+    for _ in range(reps):
+        for mode in times:
+            dirty_again()
+            t0 = time.perf_counter()
+            if mode == "direct":
+                pages = gpu.direct_checkpoint(child, scratch, s, gring.n_sm, src, shadow, out, ids, size, pb)
+            else:
+                pages = sub.call(Op.CHECKPOINT, args=args, timeout=60).pages
+            times[mode].append(time.perf_counter() - t0)
+            if pages != npages // 10:
+                raise gpu.ExecutorError(f"{mode} checkpoint found {pages} pages, expected {npages // 10}",
+                                        where="bench executor")
+    # The resident warp doing the work itself (no child grids), measured on a smaller slice.
+    sub.swap(gpu.GpuExecutor(gring, inline, idle_s=30.0, lifetime_s=120.0), timeout=60)
+    small = min(size, 64 << 20)
+    t_inline = []
+    for _ in range(2):
+        dirty_again()
+        t0 = time.perf_counter()
+        sub.call(Op.CHECKPOINT, args=(src.data.ptr, shadow.data.ptr, out.data.ptr, ids.data.ptr, small, pb, 0),
+                 timeout=60)
+        t_inline.append(time.perf_counter() - t0)
+    sub.swap(gpu.GpuExecutor(gring, child, idle_s=30.0, lifetime_s=120.0), timeout=60)
+    gbs = {m: size / float(np.median(t)) / 1e9 for m, t in times.items()}
+    gbs["executor_inline"] = small / float(np.median(t_inline)) / 1e9
+    chosen = max(("executor_child", "executor_inline"), key=lambda m: gbs[m])
+    return {"region_bytes": size, "page_bytes": pb, "dirty_fraction": 0.1, "reps": reps,
+            "gb_per_s_scanned": {m: round(v, 2) for m, v in gbs.items()},
+            "median_ms": {m: round(float(np.median(t)) * 1e3, 3) for m, t in times.items()},
+            "chosen": chosen, "chosen_ratio": round(gbs[chosen] / gbs["direct"], 3),
+            "why": "handlers need the whole GPU: child grids keep the resident footprint at one warp "
+                   "while the handler runs at full width; the resident warp alone scans far slower"}
+
+
+def _residency(cp, gpu, bench, ws, workloads, gring, sub, flag, quick):
+    reps = 3 if quick else 7
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    spin_stream = cp.cuda.Stream(non_blocking=True)
+    idle_exec = gpu.GpuExecutor(gring, sub.consumer.module, idle_s=30.0, lifetime_s=120.0)
+    release_exec = gpu.GpuExecutor(gring, sub.consumer.module, idle_s=0.002, lifetime_s=120.0)
+
+    def timed(w):
+        start.record(ws)
+        w()
+        end.record(ws)
+        end.synchronize()
+        return cp.cuda.get_elapsed_time(start, end) / 1e3
+
+    def measure(cond, w):
+        if cond in ("none", "naive_resident_block"):
+            sub.quiesce(timeout=30)          # no executor resident
+        if cond == "none":
+            return timed(w)
+        if cond in ("executor_resident_idle", "executor_released"):
+            sub.swap(idle_exec if cond == "executor_resident_idle" else release_exec, timeout=30)
+            sub.ping(timeout=10)
+            if cond == "executor_released" and not sub.consumer.join(5):
+                raise gpu.ExecutorError("executor did not release residency", where="bench executor")
+            return timed(w)
+        flag.array.view(np.uint64)[0] = 0
+        with spin_stream:
+            bench["cx_naive_spin"]((1,), (32,), (np.uint64(flag.ptr), np.uint64(60_000_000_000)))
+        time.sleep(1e-3)
+        try:
+            return timed(w)
+        finally:
+            flag.array.view(np.uint64)[0] = 1
+            t0 = time.monotonic()
+            while not spin_stream.done:
+                if time.monotonic() - t0 > 30:
+                    raise gpu.ExecutorError("naive spinner did not leave", where="bench executor")
+                time.sleep(1e-4)
+
+    conds = ["none", "executor_resident_idle", "executor_released", "naive_resident_block"]
+    result = {}
+    for name, w in workloads.items():
+        samples = {c: [] for c in conds}
+        for r in range(reps):
+            for c in conds[r % len(conds):] + conds[: r % len(conds)]:
+                samples[c].append(measure(c, w))
+        med = {c: float(np.median(v)) for c, v in samples.items()}
+        base = med["none"]
+        spread = float(np.max(samples["none"]) / np.min(samples["none"]) - 1) * 100
+        result[name] = {"median_ms": {c: round(v * 1e3, 4) for c, v in med.items()},
+                        "baseline_spread_pct": round(spread, 2),
+                        "executor_resident_idle_pct": round((med["executor_resident_idle"] / base - 1) * 100, 2),
+                        "executor_released_pct": round((med["executor_released"] / base - 1) * 100, 2),
+                        "naive_resident_block_pct": round((med["naive_resident_block"] / base - 1) * 100, 2)}
+    return {"reps": reps, "workloads": result,
+            "executor": {"threads": 32, "shared_bytes": 0, "poll_max_ns": idle_exec.poll_max_ns,
+                         "released_after_idle_s": release_exec.idle_ns / 1e9}}
+
+
+def _hot_swap(gpu, gring, sub, child, swap_b, quick):
+    n = 10 if quick else 40
+    warm, loaded = [], []
+    mods = [swap_b, child]
+    for i in range(n):
+        r = sub.swap(gpu.GpuExecutor(gring, mods[i % 2], idle_s=30.0, lifetime_s=120.0), timeout=30)
+        warm.append(r.gap_s)
+    # with tasks queued behind QUIESCE
+    for i in range(n // 2):
+        for _ in range(32):
+            sub.submit(Op.PING, keep=False)
+        r = sub.swap(gpu.GpuExecutor(gring, mods[i % 2], idle_s=30.0, lifetime_s=120.0), timeout=30)
+        loaded.append(r.gap_s)
+    # the new module compiled and loaded inside the gap (a variant no cache holds)
+    cold = []
+    for i in range(2):
+        m = gpu.ExecutorModule(child=True, extra_options=(f"-DCX_BUILD_NONCE={time.time_ns()}{i}",))
+        cold.append(sub.swap(gpu.GpuExecutor(gring, m, idle_s=30.0, lifetime_s=120.0), timeout=60).gap_s)
+    sub.swap(gpu.GpuExecutor(gring, child, idle_s=30.0, lifetime_s=120.0), timeout=30)
+    return {"preloaded": _stats(warm), "preloaded_with_32_queued": _stats(loaded),
+            "compile_in_gap": _stats(cold)}
+
+
+def _table(doc: dict) -> str:
+    lines = [f"executor on {doc['device']}" + (" (quick)" if doc.get("quick") else "")]
+    rt = doc["round_trip"]
+    if doc["device"] == "cpu":
+        lines.append(f"round trip  median {rt['executor']['median_us']:.1f} us  p99 {rt['executor']['p99_us']:.1f} us"
+                     f"  vs queue hand-off {rt['ceiling_queue_handoff']['median_us']:.1f} us"
+                     f"  ratio {rt['ratio_median']:.2f}")
+        tp = doc["throughput"]
+        lines.append(f"throughput  {tp['thread_tasks_per_s']:,} tasks/s  vs no thread "
+                     f"{tp['ceiling_no_thread_tasks_per_s']:,}  ratio {tp['ratio']:.2f}")
+        ck = doc["checkpoint"]
+        lines.append(f"checkpoint  {ck['executor_gb_per_s']:.2f} GB/s  vs direct {ck['direct_gb_per_s']:.2f}"
+                     f"  ratio {ck['ratio']:.2f}")
+        lines.append(f"hot swap    gap median {doc['hot_swap']['gap_median_us']:.0f} us")
+        return "\n".join(lines)
+    lines.append(f"round trip  median {rt['executor_ping']['median_us']:.2f} us  p99 {rt['executor_ping']['p99_us']:.2f} us"
+                 f"  vs launch+sync {rt['ceiling_launch_sync']['median_us']:.2f} us  ratio {rt['ratio_median']:.2f}")
+    ck = doc["checkpoint"]
+    lines.append("checkpoint  " + "  ".join(f"{m} {v:.1f} GB/s" for m, v in ck["gb_per_s_scanned"].items())
+                 + f"  chosen {ck['chosen']} ratio {ck['chosen_ratio']:.2f}")
+    lines.append(f"{'residency slowdown %':<28}{'resident idle':>14}{'released':>10}{'naive':>8}{'spread':>8}")
+    for name, v in doc["residency"]["workloads"].items():
+        lines.append(f"{name:<28}{v['executor_resident_idle_pct']:>14.2f}{v['executor_released_pct']:>10.2f}"
+                     f"{v['naive_resident_block_pct']:>8.2f}{v['baseline_spread_pct']:>8.2f}")
+    hs = doc["hot_swap"]
+    lines.append(f"hot swap    preloaded {hs['preloaded']['median_us']:.0f} us  with queue "
+                 f"{hs['preloaded_with_32_queued']['median_us']:.0f} us  compile in gap "
+                 f"{hs['compile_in_gap']['median_us'] / 1e3:.0f} ms")
+    lines.append("goals       " + "  ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in doc["goals"].items()))
+    return "\n".join(lines)
+
+
+@click.command("executor")
+@click.option("--cpu", "on_cpu", is_flag=True, help="benchmark the CPU executor (runs without a GPU)")
+@click.option("--quick", is_flag=True, help="small sizes, few repetitions (CI smoke run)")
+@click.option("--json", "as_json", is_flag=True, help="print JSON instead of the table")
+@click.option("--out", type=click.Path(dir_okay=False), default=None, help="also write JSON here")
+@guarded
+def command(on_cpu, quick, as_json, out):
+    """Task round trip, residency cost, checkpoint throughput and hot-swap gap
+    of the persistent executor, beside the launches it replaces.
+
+    Example:
+
+        concordia-wal bench executor --json --out executor.json
+        concordia-wal bench executor --cpu --quick
+    """
+    doc = run_cpu(quick) if on_cpu else run_gpu(quick)
+    if out:
+        with open(out, "w") as f:
+            json.dump(doc, f, indent=2)
+    if as_json:
+        emit_json(doc)
+    else:
+        click.echo(_table(doc))
