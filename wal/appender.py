@@ -135,8 +135,7 @@ class Appender:
             if problem:
                 raise UsageError(f"invalid record written into a reservation: {problem}",
                                  where=f"segment {res.segment} @ 0x{res.offset + pos:x}")
-            kind = h[1] & F.TYPE_MASK
-            if kind not in (F.REC_PAD, F.REC_COMMIT, F.REC_REGION):
+            if F.counted_in_epoch(h[1], h[2]):
                 self._count(h[6], h[0], h[5])
             pos += h[0]
             n += 1
@@ -189,7 +188,7 @@ class Appender:
         (count, page_bytes) uint8 array (or any array of count * page_bytes bytes
         with page_bytes given).  The record is durable no later than the next
         `commit` (flushed now on pmem, persisted with the commit elsewhere)."""
-        if epoch <= self.last_committed_epoch:
+        if epoch <= self.last_committed_epoch and not base:
             raise UsageError(f"epoch {epoch} is already committed (last {self.last_committed_epoch})")
         ids = np.asarray(page_ids)
         count = int(ids.size)
@@ -203,7 +202,8 @@ class Appender:
         F.encode_page_batch_into(res.view, lsn=res.lsn, epoch=epoch, region_id=region_id, salt=res.salt,
                                  page_ids=ids, pages=pages, page_bytes=page_bytes,
                                  flags=F.FLAG_BASE if base else 0, page_crcs=page_crcs)
-        self._count(epoch, length, res.lsn)
+        if not base:  # BASE batches are outside epoch accounting (V-N1)
+            self._count(epoch, length, res.lsn)
         self._defer(res.offset, length)
         self._wrote()
         return res.lsn
@@ -217,7 +217,7 @@ class Appender:
         del self.outstanding[res.id]
         F.encode_record_into(res.view, type=type, lsn=res.lsn, epoch=epoch, salt=res.salt, body=body,
                              region_id=region_id, flags=flags, aux=aux, page_bytes=page_bytes)
-        if type & F.TYPE_MASK not in (F.REC_PAD, F.REC_COMMIT, F.REC_REGION):
+        if F.counted_in_epoch(type, flags):
             self._count(epoch, res.length, res.lsn)
         if persist:
             self.backend.persist(res.offset, res.length)

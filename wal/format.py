@@ -290,6 +290,15 @@ TYPE_NAMES = {
 
 FLAG_BASE = 0x01  # page batch: part of a base snapshot
 FLAG_ONE_SYNC = 0x02  # commit: persisted by the same sync as the records it counts (FORMAT.md §10)
+
+
+def counted_in_epoch(type_byte: int, flags: int) -> bool:
+    """Whether a record counts in its epoch's commit (V-C4): pad, commit, region and
+    snapshot records and BASE page batches do not (FORMAT.md §8, V-N1)."""
+    kind = type_byte & 0x7F
+    if kind == REC_PAGE_BATCH:
+        return not flags & FLAG_BASE
+    return kind not in (REC_PAD, REC_COMMIT, REC_REGION, REC_CATALOG, REC_SNAPSHOT)
 NO_REGION = 0xFFFFFFFF
 
 

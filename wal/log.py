@@ -77,8 +77,20 @@ class Log:
         # copies: the bytes are about to be zeroed or reused
         tail_regions = [(rec.region_id, rec.page_bytes, bytes(rec.body)) for rec in res.tail_regions]
         all_live = vol.live_segments()
-        if res.cut is not None:
-            seg, pos = res.cut
+        cut = res.cut
+        cat_lsn = vol.superblock.catalog_lsn
+        if cat_lsn:
+            # V-N2: a switched snapshot or compaction no commit has followed yet is kept
+            for rec in res.records:
+                if rec.lsn == cat_lsn and rec.kind == F.REC_CATALOG:
+                    cat_seg = next(s for s in live if s.index == rec.segment)
+                    if cut is None or rec.lsn > res.last_commit_lsn:
+                        cut = (cat_seg, rec.offset + rec.length)
+                        tail_regions = [(r.region_id, r.page_bytes, bytes(r.body)) for r in res.tail_regions
+                                        if r.lsn > rec.lsn]
+                    break
+        if cut is not None:
+            seg, pos = cut
         elif live:
             seg, pos = live[0], live[0].offset + F.SEGMENT_HEADER_SIZE
         else:

@@ -333,7 +333,8 @@ def recover(vol: Volume, mode: RecoveryMode = RecoveryMode.TOLERATE_TAIL,
     # at a crash until that sync returns: damage between it and the commit before it is
     # a torn tail, and the commit itself stands only if its records all verify (V-C4)
     torn_commit = -1
-    if last_commit >= 0 and items[last_commit][0] == _REC and items[last_commit][3][2] & F.FLAG_ONE_SYNC:
+    if (0 <= last_commit < len(items) and items[last_commit][0] == _REC
+            and items[last_commit][3][2] & F.FLAG_ONE_SYNC):
         prev_commit = max((i for i in range(last_commit)
                            if items[i][0] == _REC and items[i][3][1] & F.TYPE_MASK == F.REC_COMMIT), default=-1)
         if any(items[i][0] == _DMG for i in range(prev_commit + 1, last_commit)):
@@ -421,6 +422,9 @@ def recover(vol: Volume, mode: RecoveryMode = RecoveryMode.TOLERATE_TAIL,
             res.records.append(rec)
             continue
         if kind == F.REC_PAD:
+            continue
+        if not F.counted_in_epoch(rec.type, rec.flags):
+            res.records.append(rec)  # BASE batches, snapshot records: the catalog decides (V-N1)
             continue
         if rec.epoch <= last_epoch and rec.epoch != 0:
             # a record of an epoch already committed (a crashed writer's leftover that

@@ -96,6 +96,10 @@ def d_broken_chain(img, recs, segs, sb):
     fix_segment_crc(img, s.offset)
 
 
+def d_last_segment_header(img, recs, segs, sb):
+    img[segs[-1].offset + 70] ^= 0x01  # base_lsn, header CRC left stale
+
+
 def _newest_slot(sb):
     return (sb.sequence % 2) * sb.slot_bytes
 
@@ -135,6 +139,10 @@ TABLE = [
     ("broken chain", d_broken_chain, r"segment chain broken",
      {M.TOLERATE_TAIL: RAISE_C, M.ABSOLUTE: RAISE_C, M.POINT_IN_TIME: ("epoch", None),
       M.SKIP_CORRUPT: ("epoch", EPOCHS)}, None),
+    # a bad header on the last segment hides the commits in it: corruption, not a tail
+    ("last segment header", d_last_segment_header, r"segment header CRC mismatch",
+     {M.TOLERATE_TAIL: RAISE_C, M.ABSOLUTE: RAISE_C, M.POINT_IN_TIME: ("epoch", None),
+      M.SKIP_CORRUPT: ("epoch", None)}, None),
     ("one superblock slot bad", d_one_slot, r"superblock slot [AB] .*CRC mismatch.*other slot", ALL_OK, []),
     ("both superblock slots bad", d_both_slots, r"both superblock slots are invalid",
      {m: ("raise", SuperblockError) for m in M}, None),
