@@ -57,8 +57,6 @@ def test_info_text_and_json(log_path):
     assert all(s["ok"] for s in d["slots"]) and sum(s["in_force"] for s in d["slots"]) == 1
 
 
-@pytest.mark.xfail(strict=True, reason="wal reader IndexError on a damaged last segment header "
-                   "(see READER_INDEX_BUG in test_damaged.py)")
 def test_info_marks_a_bad_segment_header(log_path):
     d = json.loads(cli("info", log_path, "--json").output)
     seg = [s for s in d["segments"] if s["state"] == "live"][1]

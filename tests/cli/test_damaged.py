@@ -44,21 +44,14 @@ def layout(path: str) -> dict:
         log.close()
 
 
-#: wal/reader.py recover() sets last_commit = i + 1 for a damaged segment header
-#: that hides a commit and then reads items[last_commit], past the end when that
-#: segment is the last item: the CLI reports it as one line (exit 1) instead of
-#: naming the segment.  Strict, so the marker must go once the reader is fixed.
-READER_INDEX_BUG = pytest.mark.xfail(strict=True, reason="wal reader IndexError on a damaged last segment header")
-
-
 def _cases():
     """(id, damage(path, lay), expected verify exit code, expected 'segment N @ 0xOFF' or None)."""
     return [
         ("slot-A-bitflip", lambda p, l: flip(p, l["slot_a"] + 64), 1, "slot A"),
         ("slot-B-bitflip", lambda p, l: flip(p, l["slot_b"] + 100, 3), 1, "slot B"),
         ("both-slots", lambda p, l: (flip(p, l["slot_a"] + 64), flip(p, l["slot_b"] + 64)), 1, "superblock"),
-        pytest.param("segment-header", lambda p, l: flip(p, l["seg1_header"] + 70), 1,
-                     lambda l: f"segment {l['seg1_index']} @ 0x{l['seg1_header']:x}", marks=READER_INDEX_BUG),
+        ("segment-header", lambda p, l: flip(p, l["seg1_header"] + 70), 1,
+         lambda l: f"segment {l['seg1_index']} @ 0x{l['seg1_header']:x}"),
         ("record-header", lambda p, l: flip(p, l["batch"][1] + 24), 1,
          lambda l: f"segment {l['batch'][0]} @ 0x{l['batch'][1]:x}"),
         ("page-payload", lambda p, l: flip(p, l["payload"][2], 5), 1,
@@ -93,8 +86,7 @@ def run(args):
     return res
 
 
-@pytest.mark.parametrize("name,damage,code,where", CASES,
-                         ids=[c.values[0] if hasattr(c, "values") else c[0] for c in CASES])
+@pytest.mark.parametrize("name,damage,code,where", CASES, ids=[c[0] for c in CASES])
 def test_damaged_log(log_path, name, damage, code, where):
     lay = layout(log_path)
     damage(log_path, lay)

@@ -59,3 +59,11 @@ def test_examples_through_the_shell(workdir):
         r = subprocess.run(example.replace("concordia-wal", shlex.quote(WAL), 1), shell=True,
                            capture_output=True, text=True, timeout=60, cwd=workdir)
         assert r.returncode == 0, (example, r.stderr)
+
+
+def test_examples_are_in_the_reference():
+    import os
+
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "cli.md"), encoding="utf-8").read()
+    missing = [e for _, e in ALL if e not in doc]
+    assert not missing, f"docs/cli.md lacks the --help examples {missing}"
