@@ -50,7 +50,18 @@ REQUIRED = {
 }
 KV_DEFINES = ("PAGE_BYTES", "KV_BLOCK_SIZE", "KV_HEADS", "KV_HEAD_DIM", "KV_DTYPE_BYTES")
 
+# kernels compiled only when a -D constant is given (#ifdef'd in the source)
+KERNEL_NEEDS = {
+    "crc32c_pages": "PAGE_BYTES",
+    "kv_scan": "KV_BLOCK_SIZE",
+}
+
 NVRTC_OPTIONS = ("-std=c++17",)
+
+
+def kernels_in(name: str, defines: dict) -> tuple[str, ...]:
+    """The kernels a module defines under `defines` (some are #ifdef'd out)."""
+    return tuple(k for k in KERNELS[name] if KERNEL_NEEDS.get(k) is None or KERNEL_NEEDS[k] in defines)
 
 
 def page_specs(page_bytes: int) -> list[tuple[str, dict]]:
@@ -129,7 +140,7 @@ def module(name: str, defines: dict | None = None, device: int | None = None):
             with dev:
                 mod = cupy.RawModule(code=source(name), options=NVRTC_OPTIONS + define_options(key_defs))
                 try:
-                    for k in KERNELS[name]:
+                    for k in kernels_in(name, dict(key_defs)):
                         mod.get_function(k)  # compiles and loads on this device now
                 except cupy.cuda.compiler.CompileException as exc:
                     first = str(exc).strip().splitlines()[0] if str(exc).strip() else "failed"

@@ -25,7 +25,9 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile
 # PYTHONSAFEPATH: `python -m` and `python -c` would otherwise put the repo root
 # first on sys.path, where the bare concordia/ folder (without its wal/, devmem/,
 # gpu_kernels/, tools/ siblings mapped in) shadows the installed package.
-export PYTHONPATH="$site" PATH="$site/bin:$PATH" PYTHONSAFEPATH=1
+# The repo root comes after the installed copy only so that tests can import
+# their shared helpers as `tests.<part>....`, as they do under pytest here.
+export PYTHONPATH="$site:$PWD" PATH="$site/bin:$PATH" PYTHONSAFEPATH=1
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 -c 'import cupy, numpy, sys; print("python", sys.version.split()[0], "cupy", cupy.__version__, "numpy", numpy.__version__)' | tee -a "$OUT/gpu.txt"
 

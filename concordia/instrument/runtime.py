@@ -52,7 +52,10 @@ class Gate:
         self._host = self._rt.hostAlloc(8, _HOST_ALLOC_MAPPED)
         self.words = np.ctypeslib.as_array((ctypes.c_uint32 * 2).from_address(self._host))
         self.words[:] = 0
-        self.device_ptr = int(self._rt.hostGetDevicePointer(self._host, 0))
+        # CuPy 14 does not wrap cudaHostGetDevicePointer; under unified
+        # addressing mapped host memory has the same address on the device.
+        get = getattr(self._rt, "hostGetDevicePointer", None)
+        self.device_ptr = int(get(self._host, 0)) if get is not None else int(self._host)
 
     def close(self) -> None:
         """Hold every instrumented launch that completes from now on."""
