@@ -204,6 +204,15 @@ extern "C" __global__ void cx_scatter(uint4* dst, const uint4* src, const u32* i
 #define CX_CHILD_STREAM 0
 #endif
 
+// Whether the device-side launch was accepted.  CX_NO_LAUNCH_STATUS drops the
+// check for toolchains that do not declare the device runtime's cudaGetLastError;
+// a launch that failed then shows as a child timeout.
+#if defined(CX_NO_LAUNCH_STATUS)
+#define CX_LAUNCHED() true
+#else
+#define CX_LAUNCHED() (cudaGetLastError() == cudaSuccess)
+#endif
+
 // Lane 0 only: wait (bounded) until `blocks` child blocks have finished.
 __device__ int wait_children(cx_scratch* sc, u32 blocks, u64 timeout_ns) {
     const u64 t0 = now_ns();
@@ -254,7 +263,7 @@ __device__ int run_handler(u32 op, const u64* a, cx_scratch* sc, u32 n_sm, u64 c
             const u32 g = child_grid((nbytes + pb - 1) / pb, n_sm);
             cx_checkpoint<<<g, CHILD_THREADS, 0, CX_CHILD_STREAM>>>((const uint4*)a[0], (uint4*)a[1], (uint4*)a[2],
                                                                     (u32*)a[3], nbytes, pb, sc);
-            status = cudaGetLastError() == cudaSuccess ? wait_children(sc, g, child_timeout_ns) : ST_LAUNCH_FAILED;
+            status = CX_LAUNCHED() ? wait_children(sc, g, child_timeout_ns) : ST_LAUNCH_FAILED;
         }
         status = __shfl_sync(FULL, status, 0);
 #else
@@ -278,7 +287,7 @@ __device__ int run_handler(u32 op, const u64* a, cx_scratch* sc, u32 n_sm, u64 c
             reset_scratch(sc);
             const u32 g = child_grid((a[2] + 16 * CHILD_THREADS - 1) / (16 * 32), n_sm);
             cx_copy<<<g, CHILD_THREADS, 0, CX_CHILD_STREAM>>>((u8*)a[0], (const u8*)a[1], a[2], sc);
-            status = cudaGetLastError() == cudaSuccess ? wait_children(sc, g, child_timeout_ns) : ST_LAUNCH_FAILED;
+            status = CX_LAUNCHED() ? wait_children(sc, g, child_timeout_ns) : ST_LAUNCH_FAILED;
         }
         status = __shfl_sync(FULL, status, 0);
 #else
@@ -302,7 +311,7 @@ __device__ int run_handler(u32 op, const u64* a, cx_scratch* sc, u32 n_sm, u64 c
             const u32 g = child_grid(a[3], n_sm);
             cx_scatter<<<g, CHILD_THREADS, 0, CX_CHILD_STREAM>>>((uint4*)a[0], (const uint4*)a[1], (const u32*)a[2],
                                                                  a[3], pb, rb, sc);
-            status = cudaGetLastError() == cudaSuccess ? wait_children(sc, g, child_timeout_ns) : ST_LAUNCH_FAILED;
+            status = CX_LAUNCHED() ? wait_children(sc, g, child_timeout_ns) : ST_LAUNCH_FAILED;
         }
         status = __shfl_sync(FULL, status, 0);
 #else

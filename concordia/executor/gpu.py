@@ -98,9 +98,18 @@ class ExecutorModule:
                                 hint="load every module before launch, or quiesce first")
         cupy = _cupy()
         t0 = time.perf_counter()
+        names = ("cx_executor", "cx_checkpoint", "cx_copy", "cx_scatter")
         try:
-            mod = cupy.RawModule(code=kernel_source(), options=self.options)
-            fns = {n: mod.get_function(n) for n in ("cx_executor", "cx_checkpoint", "cx_copy", "cx_scatter")}
+            try:
+                mod = cupy.RawModule(code=kernel_source(), options=self.options)
+                fns = {n: mod.get_function(n) for n in names}
+            except cupy.cuda.compiler.CompileException as exc:
+                if not (self.child and "cudaGetLastError" in str(exc)):
+                    raise
+                # NVRTC without the device runtime's declarations: launch failures show as timeouts.
+                self.options += ("-DCX_NO_LAUNCH_STATUS",)
+                mod = cupy.RawModule(code=kernel_source(), options=self.options)
+                fns = {n: mod.get_function(n) for n in names}
         except ExecutorError:
             raise
         except Exception as exc:
