@@ -767,4 +767,4 @@ def fold_page_crcs(page_crcs: np.ndarray, page_bytes: int) -> np.ndarray:
         x = x.reshape(r, -1, 2)
         x = _zshift(x[:, :, 0], length) ^ x[:, :, 1]
         length *= 2
-    return x[:, 0]
+    return x[:, 0].copy()

@@ -238,3 +238,21 @@ def test_segment_header_roundtrip():
     bad[64] ^= 1
     assert F.decode_segment_header(bytes(bad)) == (None, F.decode_segment_header(bytes(bad))[1])
     assert "CRC mismatch" in F.decode_segment_header(bytes(bad))[1]
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 7, 64, 100])
+def test_fold_page_crcs_equals_payload_crc(count):
+    rng = np.random.default_rng(count)
+    pages = rng.integers(0, 256, (3, count, 128), dtype=np.uint8)
+    crcs = np.array([[crc_ref(pages[r, i].tobytes()) for i in range(count)] for r in range(3)], np.uint32)
+    folded = F.fold_page_crcs(crcs, 128)
+    assert [int(x) for x in folded] == [crc_ref(pages[r].tobytes()) for r in range(3)]
+    crcs[1, count // 2] ^= 1
+    assert F.fold_page_crcs(crcs, 128)[1] != folded[1]
+
+
+def test_counted_in_epoch():
+    assert F.counted_in_epoch(F.REC_PAGE_BATCH, 0)
+    assert not F.counted_in_epoch(F.REC_PAGE_BATCH, F.FLAG_BASE)
+    for t in (F.REC_COMMIT, F.REC_REGION, F.REC_CATALOG, F.REC_SNAPSHOT, F.REC_PAD | F.TYPE_IGNORABLE):
+        assert not F.counted_in_epoch(t, 0)
