@@ -205,7 +205,7 @@ def test_watchdog_catches_a_stalled_consumer():
     with pytest.raises(ExecutorStalledError, match=r"slot 0 \(task 1\): no task completed for .* with 2 pending; "
                                                    r"next is APPEND_LOG, consumer running"):
         sub.wait(seq, timeout=10)
-    assert 0.2 <= time.monotonic() - t0 < 3
+    assert 0.15 <= time.monotonic() - t0 < 3     # the stall clock started at submit, before t0
     gate.set()
     sub.watchdog.deadline_s = 5.0           # the stall is over: let the handler finish
     assert sub.wait(seq, 5).ok
