@@ -24,12 +24,16 @@ import time
 import weakref
 from pathlib import Path
 
+import concordia.gpu_kernels as _gpu_kernels_pkg
+
 import numpy as np
 
 from .errors import ExecutorError
 from .ring import Op, Ring, ring_bytes
 
-KERNEL_SOURCE = Path(__file__).resolve().parents[2] / "gpu_kernels" / "executor.cu"
+# The sources ship inside concordia.gpu_kernels (package data), wherever the
+# package is installed; the source tree's layout is not assumed.
+KERNEL_SOURCE = Path(_gpu_kernels_pkg.__file__).resolve().parent / "executor.cu"
 BENCH_SOURCE = KERNEL_SOURCE.with_name("executor_bench.cu")
 HANDLER_OPS = (Op.CHECKPOINT, Op.APPEND_LOG, Op.RECOVER)
 ALL_OPS_MASK = sum(1 << int(op) for op in Op)
