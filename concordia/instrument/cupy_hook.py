@@ -22,6 +22,7 @@ memos); enable before first use.
 from __future__ import annotations
 
 import inspect
+import itertools
 import threading
 
 from concordia.instrument import runtime
@@ -29,6 +30,7 @@ from concordia.instrument.errors import InstrumentError
 from concordia.instrument.report import ModuleRecord, Report
 from concordia.instrument.rewrite import Options, rewrite
 
+_generation = itertools.count(1)
 _PATCHED = ("compile_using_nvrtc", "_compile_with_cache_cuda", "_get_arch_for_options_for_nvrtc")
 
 
@@ -41,6 +43,10 @@ class CupyHook:
         self.regions: list = []
         self.saved: dict[str, object] = {}
         self.local = threading.local()
+        # How often each replacement ran: the first thing to look at when a
+        # CuPy release routes compilation elsewhere and nothing gets rewritten.
+        self.calls = {"compile": 0, "nvrtc": 0, "arch": 0}
+        self.salt = f"-DCONCORDIA_INSTRUMENT={next(_generation)}"
 
     # installation ---------------------------------------------------------
     def install(self) -> None:
@@ -64,10 +70,12 @@ class CupyHook:
 
     # replacements ---------------------------------------------------------
     def _ptx_arch(self, arch=None, *args, **kwargs):
+        self.calls["arch"] += 1
         arch = arch or self.compiler._get_arch()
         return f"-arch=compute_{arch}", "ptx"
 
     def _compile_using_nvrtc(self, *args, **kwargs):
+        self.calls["nvrtc"] += 1
         out = self.saved["compile_using_nvrtc"](*args, **kwargs)
         binary, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
         new = self._instrument(binary)
@@ -92,6 +100,7 @@ class CupyHook:
         return res.ptx.encode() if isinstance(binary, (bytes, bytearray)) else res.ptx
 
     def _compile_with_cache_cuda(self, *args, **kwargs):
+        self.calls["compile"] += 1
         bound = self._cache_sig.bind(*args, **kwargs)
         bound.apply_defaults()
         a = bound.arguments
@@ -100,6 +109,10 @@ class CupyHook:
             return self.saved["_compile_with_cache_cuda"](*bound.args, **bound.kwargs)
         if "cache_in_memory" in a:
             a["cache_in_memory"] = True
+        # A define of its own per enable() gives the rewritten binary its own
+        # cache key, so no cache (on disk or in memory) hands back a module
+        # compiled without this hook, nor one compiled under an earlier one.
+        a["options"] = tuple(a.get("options") or ()) + (self.salt,)
         self.local.pending = []
         try:
             mod = self.saved["_compile_with_cache_cuda"](*bound.args, **bound.kwargs)

@@ -255,12 +255,23 @@ static char *run_rewriter(const char *ptx, const char **why) {
 
 /* ---------- resolution of the real entry points ---------- */
 
+/* glibc's own dlsym: this library exports a dlsym of its own (below). */
+static void *(*real_dlsym)(void *, const char *);
+
+static void *next_dlsym(void *handle, const char *name) {
+    if (!real_dlsym) {
+        real_dlsym = (void *(*)(void *, const char *))dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
+        if (!real_dlsym) real_dlsym = (void *(*)(void *, const char *))dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5");
+    }
+    return real_dlsym ? real_dlsym(handle, name) : NULL;
+}
+
 static void *cuda_sym(const char *name) {
     if (!libcuda) {
         libcuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
         if (!libcuda) libcuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
     }
-    return libcuda ? dlsym(libcuda, name) : NULL;
+    return libcuda ? next_dlsym(libcuda, name) : NULL;
 }
 
 static void resolve(void) {
@@ -375,6 +386,8 @@ CUresult cuLibraryLoadData(CUlibrary *lib, const void *code, void *jo, void **jv
 /* Entry points handed out through cuGetProcAddress are swapped for ours. */
 static void swap(const char *symbol, void **pfn) {
     if (!pfn || !*pfn) return;
+    if (*pfn == (void *)cuModuleLoadData || *pfn == (void *)cuModuleLoadDataEx ||
+        *pfn == (void *)cuLibraryLoadData) return;
     if (strcmp(symbol, "cuModuleLoadData") == 0) { if (!real_load) real_load = *pfn; *pfn = (void *)cuModuleLoadData; }
     else if (strcmp(symbol, "cuModuleLoadDataEx") == 0) { if (!real_load_ex) real_load_ex = *pfn; *pfn = (void *)cuModuleLoadDataEx; }
     else if (strcmp(symbol, "cuLibraryLoadData") == 0) { if (!real_lib_load) real_lib_load = *pfn; *pfn = (void *)cuLibraryLoadData; }
@@ -394,4 +407,23 @@ CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int ver, unsigned l
     CUresult r = real_gpa2(symbol, pfn, ver, flags, status);
     if (r == 0) swap(symbol, pfn);
     return r;
+}
+
+/* Loaders that open libcuda themselves and look entry points up with
+ * dlsym(handle, ...) (cuda-bindings, the CUDA runtime) never see LD_PRELOAD's
+ * symbol order, so the lookup itself hands out our entry points. */
+void *dlsym(void *handle, const char *name) {
+    void *p = next_dlsym(handle, name);
+    if (!p || strncmp(name, "cu", 2) != 0) return p;
+    if (strcmp(name, "cuGetProcAddress") == 0 && p != (void *)cuGetProcAddress) {
+        if (!real_gpa) real_gpa = p;
+        return (void *)cuGetProcAddress;
+    }
+    if (strcmp(name, "cuGetProcAddress_v2") == 0 && p != (void *)cuGetProcAddress_v2) {
+        if (!real_gpa2) real_gpa2 = p;
+        return (void *)cuGetProcAddress_v2;
+    }
+    void *q = p;
+    swap(name, &q);
+    return q;
 }

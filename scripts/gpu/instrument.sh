@@ -3,7 +3,8 @@
 # results, epoch counts, store-tracked dirty pages = shadow diff, pause gate on
 # CuPy and PyTorch stream work, the LD_PRELOAD shim under CuPy, PyTorch and
 # Triton), then the overhead benchmark.  Run from the repo root with $OUT set;
-# writes $OUT/instrument-tests.txt, $OUT/instrument-pytest.xml and
+# writes $OUT/instrument-probe.txt (and CuPy's compiler sources under
+# $OUT/probe/), $OUT/instrument-tests.txt, $OUT/instrument-pytest.xml and
 # $OUT/instrument.json.  About three minutes at most.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -11,10 +12,13 @@ cd "$(dirname "$0")/../.."
 mkdir -p "$OUT"
 export CUPY_CACHE_IN_MEMORY=1
 status=0
-timeout -k 5 120 python3 -m pytest tests/instrument -m gpu -q -p no:cacheprovider -o addopts= -rs \
+# What this CuPy does with the hook in place (compile path, driver linkage,
+# a shim child's report): the log's first section, for when a test fails.
+timeout -k 5 35 python3 tests/instrument/gpu_probe.py 2>&1 | tee "$OUT/instrument-probe.txt"
+timeout -k 5 100 python3 -m pytest tests/instrument -m gpu -q -p no:cacheprovider -o addopts= -rs \
   --junitxml="$OUT/instrument-pytest.xml" 2>&1 | tee "$OUT/instrument-tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-timeout -k 5 50 python3 -c "from concordia.tools.wal_cli import main; main()" bench instrument --json \
+timeout -k 5 40 python3 -c "from concordia.tools.wal_cli import main; main()" bench instrument --json \
   --out "$OUT/instrument.json" > /dev/null 2> "$OUT/instrument-bench.err" || status=1
 cat "$OUT/instrument-bench.err"
 exit $status
