@@ -243,12 +243,13 @@ __device__ __forceinline__ void reset_scratch(cx_scratch* sc) {
     __threadfence();
 }
 
-// Runs one task's handler on the whole warp; returns the status (valid in all
-// lanes) and leaves pages in *pages (lane 0).
+// Runs one task's handler on the whole warp; returns the status and leaves the
+// page count in *pages, both valid in every lane (the completion is written by
+// lanes 1..7, so a value only lane 0 holds would reach the host as 0).
 __device__ int run_handler(u32 op, const u64* a, cx_scratch* sc, u32 n_sm, u64 child_timeout_ns, u32 lane,
                            u64* pages) {
     int status = ST_UNSUPPORTED_OP;
-    *pages = 0;
+    u64 found = 0;
     switch (op) {
 #if (CX_OPS >> OP_CHECKPOINT) & 1
     case OP_CHECKPOINT: {
@@ -329,8 +330,11 @@ __device__ int run_handler(u32 op, const u64* a, cx_scratch* sc, u32 n_sm, u64 c
     default:
         break;
     }
-    if (lane == 0 && status == ST_OK && (op == OP_CHECKPOINT || op == OP_RECOVER)) *pages = *(volatile u64*)&sc->pages;
-    return status;
+    // Lane 0 waited for the child grid (or did the counting itself): it reads
+    // the counter, the warp gets it from lane 0.
+    if (lane == 0 && status == ST_OK && (op == OP_CHECKPOINT || op == OP_RECOVER)) found = *(volatile u64*)&sc->pages;
+    *pages = __shfl_sync(FULL, found, 0);
+    return __shfl_sync(FULL, status, 0);
 }
 
 extern "C" __global__ void __launch_bounds__(32, 1)

@@ -31,8 +31,9 @@ import click
 import numpy as np
 
 from concordia.executor.cpu import CpuExecutor, checkpoint_handler, numpy_operators
+from concordia.executor.errors import ExecutorError
 from concordia.executor.host import Submitter
-from concordia.executor.ring import N_ARGS, Op, Ring, TaskView
+from concordia.executor.ring import N_ARGS, ConsumerState, Op, Ring, TaskView
 
 from .common import emit_json, guarded
 
@@ -160,12 +161,29 @@ def run_gpu(quick: bool) -> dict:
     flag = gpu.MappedHostBuffer(8)
     ex = gpu.GpuExecutor(gring, child, idle_s=30.0, lifetime_s=120.0)
     sub = Submitter(gring.ring, ex, stall_deadline_s=30.0)
+    stages = {
+        "round_trip": lambda: _round_trip(cp, bench, sub, quick),
+        "checkpoint": lambda: _checkpoint(cp, gpu, gring, sub, child, inline, quick, ckpt),
+        "residency": lambda: _residency(cp, gpu, bench, ws, workloads, gring, sub, flag, quick),
+        "hot_swap": lambda: _hot_swap(gpu, gring, sub, child, swap_b, quick),
+    }
+    errors = {}
     try:
-        doc["round_trip"] = _round_trip(cp, bench, sub, quick)
-        doc["checkpoint"] = _checkpoint(cp, gpu, gring, sub, child, inline, quick, ckpt)
-        doc["residency"] = _residency(cp, gpu, bench, ws, workloads, gring, sub, flag, quick)
-        doc["hot_swap"] = _hot_swap(gpu, gring, sub, child, swap_b, quick)
-        sub.stop(timeout=30)
+        # A stage that fails is recorded and the rest still run (while the ring
+        # is usable), so that one run reports every figure it can.
+        for name, stage in stages.items():
+            if gring.ring.state in (ConsumerState.FAULT, ConsumerState.STOPPED):
+                errors[name] = f"not run: consumer {gring.ring.state.name.lower()}"
+                continue
+            try:
+                doc[name] = stage()
+            except ExecutorError as exc:
+                errors[name] = exc.one_line()
+            except Exception as exc:  # a CUDA or CuPy failure: recorded, the run goes on
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                errors[name] = f"{type(exc).__name__}: {first}"[:300]
+        if not gring.ring.stop_sent and gring.ring.state != ConsumerState.FAULT:
+            sub.stop(timeout=30)
     finally:
         flag.array.view(np.uint64)[0] = 1
         if sub.consumer.is_resident() and not gring.ring.stop_sent:
@@ -173,12 +191,17 @@ def run_gpu(quick: bool) -> dict:
         sub.consumer.join(30)
         gring.close()
         flag.close()
-    doc["goals"] = {
-        "round_trip_ratio<=0.5": doc["round_trip"]["ratio_median"] <= 0.5,
-        "resident_idle_slowdown<=2%": all(v["executor_resident_idle_pct"] <= 2.0
-                                          for v in doc["residency"]["workloads"].values()),
-        "checkpoint_ratio>=0.8": doc["checkpoint"]["chosen_ratio"] >= 0.8,
-    }
+    goals = {}
+    if "round_trip" in doc:
+        goals["round_trip_ratio<=0.5"] = doc["round_trip"]["ratio_median"] <= 0.5
+    if "residency" in doc:
+        goals["resident_idle_slowdown<=2%"] = all(v["executor_resident_idle_pct"] <= 2.0
+                                                  for v in doc["residency"]["workloads"].values())
+    if "checkpoint" in doc:
+        goals["checkpoint_ratio>=0.8"] = doc["checkpoint"]["chosen_ratio"] >= 0.8
+    doc["goals"] = goals
+    if errors:
+        doc["errors"] = errors
     return doc
 
 
@@ -268,13 +291,16 @@ def _checkpoint(cp, gpu, gring, sub, child, inline, quick, b):
         for mode in times:
             dirty_again()
             t0 = time.perf_counter()
+            c = None
             if mode == "direct":
                 pages = gpu.direct_checkpoint(child, scratch, s, gring.n_sm, src, shadow, out, ids, size, pb)
             else:
-                pages = sub.call(Op.CHECKPOINT, args=args, timeout=60).pages
+                c = sub.call(Op.CHECKPOINT, args=args, timeout=60)
+                pages = c.pages
             times[mode].append(time.perf_counter() - t0)
             if pages != npages // 10:
-                raise gpu.ExecutorError(f"{mode} checkpoint found {pages} pages, expected {npages // 10}",
+                seen = f"completion {c}, executor scratch {gring.scratch.get().tolist()}" if c else "direct launch"
+                raise gpu.ExecutorError(f"{mode} checkpoint found {pages} pages, expected {npages // 10} ({seen})",
                                         where="bench executor")
     # The resident warp doing the work itself (no child grids), measured on a smaller slice.
     sub.swap(gpu.GpuExecutor(gring, inline, idle_s=30.0, lifetime_s=120.0), timeout=60)
@@ -354,6 +380,7 @@ def _residency(cp, gpu, bench, ws, workloads, gring, sub, flag, quick):
                         "naive_resident_block_pct": round((med["naive_resident_block"] / base - 1) * 100, 2)}
     return {"reps": reps, "workloads": result,
             "executor": {"threads": 32, "shared_bytes": 0, "poll_max_ns": idle_exec.poll_max_ns,
+                         "registers_per_thread": getattr(idle_exec.module.functions["cx_executor"], "num_regs", None),
                          "released_after_idle_s": release_exec.idle_ns / 1e9}}
 
 
@@ -382,7 +409,7 @@ def _hot_swap(gpu, gring, sub, child, swap_b, quick):
 
 def _table(doc: dict) -> str:
     lines = [f"executor on {doc['device']}" + (" (quick)" if doc.get("quick") else "")]
-    rt = doc["round_trip"]
+    rt = doc.get("round_trip")
     if doc["device"] == "cpu":
         lines.append(f"round trip  median {rt['executor']['median_us']:.1f} us  p99 {rt['executor']['p99_us']:.1f} us"
                      f"  vs queue hand-off {rt['ceiling_queue_handoff']['median_us']:.1f} us"
@@ -395,20 +422,27 @@ def _table(doc: dict) -> str:
                      f"  ratio {ck['ratio']:.2f}")
         lines.append(f"hot swap    gap median {doc['hot_swap']['gap_median_us']:.0f} us")
         return "\n".join(lines)
-    lines.append(f"round trip  median {rt['executor_ping']['median_us']:.2f} us  p99 {rt['executor_ping']['p99_us']:.2f} us"
-                 f"  vs launch+sync {rt['ceiling_launch_sync']['median_us']:.2f} us  ratio {rt['ratio_median']:.2f}")
-    ck = doc["checkpoint"]
-    lines.append("checkpoint  " + "  ".join(f"{m} {v:.1f} GB/s" for m, v in ck["gb_per_s_scanned"].items())
-                 + f"  chosen {ck['chosen']} ratio {ck['chosen_ratio']:.2f}")
-    lines.append(f"{'residency slowdown %':<28}{'resident idle':>14}{'released':>10}{'naive':>8}{'spread':>8}")
-    for name, v in doc["residency"]["workloads"].items():
-        lines.append(f"{name:<28}{v['executor_resident_idle_pct']:>14.2f}{v['executor_released_pct']:>10.2f}"
-                     f"{v['naive_resident_block_pct']:>8.2f}{v['baseline_spread_pct']:>8.2f}")
-    hs = doc["hot_swap"]
-    lines.append(f"hot swap    preloaded {hs['preloaded']['median_us']:.0f} us  with queue "
-                 f"{hs['preloaded_with_32_queued']['median_us']:.0f} us  compile in gap "
-                 f"{hs['compile_in_gap']['median_us'] / 1e3:.0f} ms")
+    if rt is not None:
+        lines.append(f"round trip  median {rt['executor_ping']['median_us']:.2f} us  "
+                     f"p99 {rt['executor_ping']['p99_us']:.2f} us  vs launch+sync "
+                     f"{rt['ceiling_launch_sync']['median_us']:.2f} us  ratio {rt['ratio_median']:.2f}")
+    ck = doc.get("checkpoint")
+    if ck is not None:
+        lines.append("checkpoint  " + "  ".join(f"{m} {v:.1f} GB/s" for m, v in ck["gb_per_s_scanned"].items())
+                     + f"  chosen {ck['chosen']} ratio {ck['chosen_ratio']:.2f}")
+    if "residency" in doc:
+        lines.append(f"{'residency slowdown %':<28}{'resident idle':>14}{'released':>10}{'naive':>8}{'spread':>8}")
+        for name, v in doc["residency"]["workloads"].items():
+            lines.append(f"{name:<28}{v['executor_resident_idle_pct']:>14.2f}{v['executor_released_pct']:>10.2f}"
+                         f"{v['naive_resident_block_pct']:>8.2f}{v['baseline_spread_pct']:>8.2f}")
+    hs = doc.get("hot_swap")
+    if hs is not None:
+        lines.append(f"hot swap    preloaded {hs['preloaded']['median_us']:.0f} us  with queue "
+                     f"{hs['preloaded_with_32_queued']['median_us']:.0f} us  compile in gap "
+                     f"{hs['compile_in_gap']['median_us'] / 1e3:.0f} ms")
     lines.append("goals       " + "  ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in doc["goals"].items()))
+    for name, err in doc.get("errors", {}).items():
+        lines.append(f"FAILED      {name}: {err}")
     return "\n".join(lines)
 
 
@@ -435,3 +469,6 @@ def command(on_cpu, quick, as_json, out):
         emit_json(doc)
     else:
         click.echo(_table(doc))
+    if doc.get("errors"):
+        name, first = next(iter(doc["errors"].items()))
+        raise ExecutorError(f"{len(doc['errors'])} stage(s) failed, first {name}: {first}", where="bench executor")
