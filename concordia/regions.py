@@ -191,7 +191,9 @@ class Region:
     detect: str            # "shadow" | "fingerprint" | "blocks" | "versions" | "all"
     hints: dict
     id: int | None = None  # region id in the log
-    crcs: np.ndarray | None = None      # page CRCs of the last committed epoch (None: no base yet)
+    crcs: object = None                 # page CRCs of the last committed epoch (None: no base yet),
+                                        # numpy, or CuPy when the region is staged on the device
+    digest: int | None = None           # region digest of `crcs` (None: to be computed)
     shadow: object = None               # shadow copy (shadow detector)
     fps: object = None                  # fingerprints (fingerprint detector)
     kv_prev: dict | None = None         # block tables, lens, stamps, seq ids at the last checkpoint
@@ -220,6 +222,11 @@ class Region:
     @property
     def on_gpu(self) -> bool:
         return self.xp is not np
+
+    @property
+    def device_aligned(self) -> bool:
+        """The page kernels read regions with 16-byte loads."""
+        return not self.on_gpu or self.flat.data.ptr % 16 == 0
 
     def check_unchanged(self) -> None:
         now = storage_of(self.owner)
@@ -268,6 +275,21 @@ class Region:
                                            pages_per_slot=int(self.hints["pages_per_slot"]),
                                            num_pages=self.pages, advance=True)
         raise AssertionError(self.detect)
+
+    def launch_detect(self, kernels, flags) -> bool:
+        """Queue this region's detector as a device kernel writing one flag byte
+        per page into `flags`, advancing it as dirty_pages(advance=True) does.
+        False (nothing queued) when there is no base yet or the detector scans
+        host-side tables (block tables, slot versions): use dirty_pages then."""
+        if self.crcs is None or self.detect == "all":
+            return False
+        if self.detect == "shadow":
+            kernels.launch_shadow_diff(self.flat, self.shadow, flags, page_bytes=self.page_bytes, update=True)
+            return True
+        if self.detect == "fingerprint":
+            kernels.launch_fingerprint(self.flat, self.fps, flags, page_bytes=self.page_bytes, update=True)
+            return True
+        return False
 
     def _kv_now(self) -> dict:
         h = self.hints

@@ -16,11 +16,32 @@ in a catalog, which compaction writes).  An
 epoch without its commit never reaches a region, so a crash at any point leaves
 the state of the previous commit.
 
+Where the pages go (`staging=`, `CheckpointStats.via` says which path each
+region took):
+
+    gpu-mapped  CuPy regions on a log the GPU can address (shm, devdax, pinned,
+                memory): the mapping is registered with CUDA once and kept; the
+                kernels detect, checksum and write page-batch records straight
+                into extents the appender granted (zero copy)
+    gpu-ring    CuPy regions on other tiers (file, pmem): the same records are
+                written into a pinned staging ring and copied into each extent
+                with one memcpy while the GPU stages the next
+    host        numpy regions, and CuPy regions when anything the device path
+                needs is missing: pages are gathered and encoded on the CPU
+    cpu-mapped, cpu-ring   the extent pipeline driven by the numpy twins
+                (staging="mapped" / "ring" on numpy regions)
+
+Every path writes the same record bytes for the same state.  The device path
+reads the device back twice per checkpoint at most: the dirty-page counts (to
+size the extents) and, after staging, the extents' cursors with the region
+digests (computed on the device from a per-page CRC table kept there).
+
 Bad input raises a one-line `SessionError` subclass before anything is written.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 
@@ -31,11 +52,15 @@ from concordia.errors import (ConcordiaError, DuplicateRegionError, NotALogError
                               SessionError, UnknownRegionError, UnsupportedArrayError)
 from concordia.gpu_kernels import reference as ref
 from concordia.policy import Policy
-from concordia.regions import DETECTORS, KINDS, KvGeometry, Region, adapt, gather_pages, storage_of
+from concordia.regions import DETECTORS, KINDS, KvGeometry, Region, adapt, gather_pages, storage_of, to_host
 
 DEFAULT_SIZE = 256 << 20
 #: most payload bytes in one page-batch record (records must fit a segment)
 MAX_BATCH_BYTES = 8 << 20
+#: the extent pipeline packs a checkpoint's records into extents of at most this
+#: many bytes (a larger record gets one of its own); the staging ring holds two
+EXTENT_BYTES = 16 << 20
+STAGING = ("auto", "mapped", "ring", "host")
 
 
 @dataclasses.dataclass
@@ -51,6 +76,8 @@ class CheckpointStats:
     detect_ms: float
     stage_ms: float
     commit_ms: float
+    via: dict = dataclasses.field(default_factory=dict)  # region name -> path (module docstring)
+    device_reads: int = 0  # host waits on the device in the extent pipeline
 
     @property
     def total_ms(self) -> float:
@@ -90,12 +117,23 @@ class Session:
     a plain path), a `devmem` backend, or an open `concordia.wal.Log`.
     create: format a new log when the target holds none.  overwrite: format
     even when it holds one (its contents are lost).  size / segment_size: of a
-    new log.  policy: when `step()` checkpoints (a `Policy`).
+    new log.  policy: when `step()` checkpoints (a `Policy`).  staging: how
+    pages reach the log ("auto", "mapped", "ring", "host"; see the module
+    docstring): "auto" stages CuPy regions on the device (zero copy where the
+    tier allows it) and numpy regions on the host.
     """
 
     def __init__(self, log, *, create: bool = True, size: int | None = None,
                  segment_size: int | None = None, policy: Policy | None = None,
-                 overwrite: bool = False):
+                 overwrite: bool = False, staging: str = "auto"):
+        if staging not in STAGING:
+            raise SessionError(f"unknown staging {staging!r} (use {', '.join(STAGING)})")
+        self.staging = staging
+        self._stagers: dict[str, _Stager | None] = {}
+        #: why the device path is not used (None while it is, or was never needed)
+        self.gpu_fallback: str | None = None
+        #: how many region checkpoints took each path
+        self.paths: collections.Counter = collections.Counter()
         self.policy = policy or Policy()
         self._regions: dict[str, Region] = {}
         self._closed = False
@@ -118,6 +156,10 @@ class Session:
         if self._closed:
             return
         self._closed = True
+        for st in self._stagers.values():
+            if st is not None:
+                st.close()
+        self._stagers.clear()
         if self._owns_log:
             self.log.close()
 
@@ -237,26 +279,47 @@ class Session:
         epoch = self._next_epoch
         self._next_epoch += 1  # never reused, even if this epoch fails
         app = self.log.appender
-        pages, base, nbytes, log_bytes = {}, [], 0, 0
+        pages, base, nbytes, log_bytes, via = {}, [], 0, 0, {}
         detect_s = stage_s = 0.0
+        reads = 0
+        routes = self._route()
         try:
-            for r in self._regions.values():
+            base = [r.name for r in self._regions.values() if r.crcs is None]
+            for r in routes[None]:
                 t0 = time.perf_counter()
                 is_base = r.crcs is None
                 ids = r.dirty_pages(advance=True)
                 t1 = time.perf_counter()
                 if is_base:
                     r.crcs = np.zeros(r.pages, np.uint32)
-                    base.append(r.name)
+                elif not isinstance(r.crcs, np.ndarray):
+                    r.crcs = to_host(r.crcs)  # the region left the device path
                 lb = _stage_region(app, r, ids, epoch, is_base)
+                if ids.size or r.digest is None:
+                    r.digest = ref.region_digest(r.crcs)
                 t2 = time.perf_counter()
                 detect_s += t1 - t0
                 stage_s += t2 - t1
                 pages[r.name] = int(ids.size)
                 nbytes += int(ids.size) * r.page_bytes
                 log_bytes += lb
+                via[r.name] = "host"
+            for key in ("gpu", "cpu"):
+                if routes.get(key):
+                    st = self._stagers[key]
+                    got = st.run(app, routes[key], epoch)
+                    detect_s += got["detect_s"]
+                    stage_s += got["stage_s"]
+                    reads += got["device_reads"]
+                    log_bytes += got["log_bytes"]
+                    for r in routes[key]:
+                        n = got["pages"][r.name]
+                        pages[r.name] = n
+                        nbytes += n * r.page_bytes
+                        via[r.name] = st.label
+            pages = {name: pages[name] for name in self._regions}
             t3 = time.perf_counter()
-            digests = {r.id: ref.region_digest(r.crcs) for r in self._regions.values()}
+            digests = {r.id: r.digest for r in self._regions.values()}
             app.commit(epoch, digests=digests)
             commit_s = time.perf_counter() - t3
         except BaseException:
@@ -264,15 +327,65 @@ class Session:
             # make the next checkpoint of every region a full base again.
             for r in self._regions.values():
                 r.crcs = None
+                r.digest = None
             raise
         if base:  # a region written whole now has a baseline for its detector
             for name in base:
                 self._regions[name].reset_detectors()
         self.policy.reset()
         stats = CheckpointStats(epoch, reason, pages, base, nbytes, log_bytes,
-                                detect_s * 1e3, stage_s * 1e3, commit_s * 1e3)
+                                detect_s * 1e3, stage_s * 1e3, commit_s * 1e3, via, reads)
+        self.paths.update(via.values())
         self.checkpoints.append(stats)
         return stats
+
+    # ------------------------------------------------------------ staging paths
+    def _route(self) -> dict:
+        """{None: host-path regions, "gpu": ..., "cpu": ...} for this checkpoint."""
+        out: dict = {None: [], "gpu": [], "cpu": []}
+        for r in self._regions.values():
+            key = None
+            if self.staging != "host":
+                if r.on_gpu:
+                    st = self._stager("gpu")
+                    if st is not None and r.device_aligned and st.kernels.prepare(r.page_bytes):
+                        key = "gpu"
+                    elif st is not None and self.gpu_fallback is None:
+                        self.gpu_fallback = (f"region {r.name!r}: " + ("not 16-byte aligned" if not r.device_aligned
+                                                                        else st.kernels.failed))
+                elif self.staging in ("mapped", "ring"):
+                    key = "cpu"
+                    self._stager("cpu")
+            out[key].append(r)
+        return out
+
+    def _stager(self, key: str):
+        """The extent pipeline for device ("gpu") or host ("cpu") regions, made
+        once: a device one registers the log mapping with CUDA here and keeps it."""
+        if key in self._stagers:
+            return self._stagers[key]
+        backend = self.log.backend
+        st = None
+        if key == "cpu":
+            st = _Stager(_HostKernels(), "ring" if self.staging == "ring" else "mapped", None)
+        else:
+            try:
+                kernels = _DeviceKernels()
+            except Exception as exc:  # CuPy, CUDA or the kernel sources missing
+                if self.staging != "auto":
+                    raise SessionError(f"staging={self.staging!r} needs the GPU kernels: {exc}") from None
+                self.gpu_fallback = f"GPU kernels unavailable ({type(exc).__name__}: {exc})"
+            else:
+                reg, why = None, None
+                if self.staging in ("auto", "mapped"):
+                    reg, why = _register(backend)
+                    if reg is None and self.staging == "mapped":
+                        raise SessionError(f"staging='mapped' needs a log the GPU can address: {why}",
+                                           where=str(self.log_name), hint="use staging='ring' or 'auto'")
+                st = _Stager(kernels, "mapped" if reg is not None else "ring", reg)
+                st.why_ring = why
+        self._stagers[key] = st
+        return st
 
     # ------------------------------------------------------------ recover
     def recover(self, target="latest", *, into=None, device: str | None = None, mode=None,
@@ -303,8 +416,10 @@ class Session:
         if not self.log.last_committed_epoch:
             raise NothingToRecoverError("the log holds no committed epoch", where=str(self.log_name))
         t0 = time.perf_counter()
+        st = self._stagers.get("gpu")
         plan, arrays, plan_s = _plan_and_apply(self.log, target, mode, want,
-                                               on_device=device in ("cupy", "cuda") and targets is None)
+                                               on_device=device in ("cupy", "cuda") and targets is None,
+                                               registration=getattr(st, "registration", None))
         out = {}
         for name, host in arrays.items():
             if targets is not None and name in targets:
@@ -320,8 +435,8 @@ class Session:
                 out[name] = host
         if into == "registered":
             for name, r in self._regions.items():
-                r.crcs = ref.crc32c_pages(arrays[name], page_bytes=r.page_bytes) \
-                    if r.page_bytes == self.log.regions[name].page_bytes else None
+                r.crcs = _page_crcs(r) if r.page_bytes == self.log.regions[name].page_bytes else None
+                r.digest = None
                 r.reset_detectors()
         t2 = time.perf_counter()
         self.last_recovery = RecoveryStats(
@@ -434,7 +549,385 @@ def _stage_region(app, r: Region, ids: np.ndarray, epoch: int, base: bool) -> in
     return written
 
 
-def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = 64 << 20, stats: dict | None = None) -> dict:
+# ---------------------------------------------------------------- extent pipeline
+@dataclasses.dataclass
+class Batch:
+    """One page-batch record of a checkpoint: dirty ids [lo, hi) of `region`."""
+
+    region: Region
+    lo: int
+    hi: int
+    length: int
+
+
+def plan_batches(region: Region, count: int) -> list[Batch]:
+    """The records `count` dirty pages of `region` become (as the host path cuts them)."""
+    from concordia.wal import format as fmt
+
+    per = max(1, MAX_BATCH_BYTES // region.page_bytes)
+    return [Batch(region, lo, min(count, lo + per), fmt.page_batch_length(min(count, lo + per) - lo,
+                                                                          region.page_bytes))
+            for lo in range(0, count, per)]
+
+
+def plan_extents(batches: list[Batch], cap: int) -> list[list[Batch]]:
+    """Pack records, in order, into extents of at most `cap` bytes (a larger
+    record gets an extent of its own)."""
+    out: list[list[Batch]] = []
+    cur: list[Batch] = []
+    used = 0
+    for b in batches:
+        if cur and used + b.length > cap:
+            out.append(cur)
+            cur, used = [], 0
+        cur.append(b)
+        used += b.length
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _register(backend):
+    """(registration, None) for a mapping CUDA will pin, else (None, why)."""
+    from concordia.devmem import cuda_host
+
+    if not backend.gpu_mappable:
+        return None, f"{backend.kind} mappings cannot be pinned for the GPU"
+    try:
+        return cuda_host.register(backend), None
+    except ConcordiaError as exc:
+        return None, str(exc)
+
+
+def _page_crcs(r: Region):
+    """The page CRC table of a region's current contents, where the region lives."""
+    if r.on_gpu:
+        try:
+            from concordia.gpu_kernels import gpu
+
+            if r.device_aligned:
+                return gpu.crc32c_pages(r.flat, page_bytes=r.page_bytes)
+        except Exception:  # no kernels: the host computes it (the host path converts as needed)
+            pass
+        return ref.crc32c_pages(to_host(r.flat), page_bytes=r.page_bytes)
+    return ref.crc32c_pages(r.flat, page_bytes=r.page_bytes)
+
+
+class _DeviceKernels:
+    """The CuPy side of the extent pipeline.  Work is queued on the current
+    stream; results come back through small pinned mailboxes, each read after
+    synchronising that stream only (never the whole device)."""
+
+    name = "gpu"
+
+    def __init__(self):
+        import cupy as cp
+
+        from concordia.gpu_kernels import gpu, jit
+
+        if cp.cuda.runtime.getDeviceCount() < 1:
+            raise RuntimeError("no CUDA device")
+        self.cp, self.gpu, self.jit = cp, gpu, jit
+        self.xp = cp
+        self.reads = 0
+        self.failed: str | None = None
+        self._ready: dict[int, bool] = {}
+        self._mail: list = [None, None]
+
+    def prepare(self, page_bytes: int) -> bool:
+        """Compile the kernels for `page_bytes` now (not midway through a checkpoint)."""
+        if page_bytes not in self._ready:
+            try:
+                self.jit.precompile(self.jit.page_specs(page_bytes) + [("crc32c", {})])
+                self._ready[page_bytes] = True
+            except Exception as exc:
+                self.failed = f"kernels for {page_bytes}-byte pages unavailable ({type(exc).__name__}: {exc})"
+                self._ready[page_bytes] = False
+        return self._ready[page_bytes]
+
+    @property
+    def stream(self):
+        return self.cp.cuda.get_current_stream()
+
+    def detect(self, regions) -> list:
+        """[(device ids, count)] per region; one read of every flag detector's count."""
+        cp, gpu = self.cp, self.gpu
+        out, pending = [], []
+        for r in regions:
+            if r.crcs is None or r.detect == "all":
+                out.append((cp.arange(r.pages, dtype=cp.uint32), r.pages))
+                continue
+            flags = cp.empty(r.pages, cp.uint8)
+            if r.launch_detect(gpu, flags):
+                pos, count = gpu.dirty_positions(flags)
+                pending.append((len(out), flags, pos, count))
+                out.append(None)
+            else:  # block tables / slot versions: scanned on the host
+                ids = r.dirty_pages(advance=True)
+                out.append((cp.asarray(ids), int(ids.size)))
+        if pending:
+            counts = self.wait(self.fetch(0, [cp.stack([p[3] for p in pending])]))[0]
+            for (i, flags, pos, _), n in zip(pending, counts):
+                out[i] = (gpu.compact_flags(flags, pos, int(n)), int(n))
+        return out
+
+    def empty_u32(self, n):
+        return self.cp.empty(n, self.cp.uint32)
+
+    def zeros_u32(self, n):
+        return self.cp.zeros(n, self.cp.uint32)
+
+    def cursors(self, n):
+        return self.cp.zeros((n, 4), self.cp.uint64)
+
+    def table(self, crcs):
+        return crcs if isinstance(crcs, self.cp.ndarray) else self.cp.asarray(crcs)
+
+    def stage(self, r: Region, ids, dst, cursor, crcs, **kw) -> None:
+        self.gpu.stage_page_batch(r.flat, ids, dst, cursor, page_bytes=r.page_bytes, crcs=crcs, **kw)
+
+    def mapped_view(self, registration, ext):
+        return self.gpu.device_buffer(registration.device_ptr + ext.offset, ext.length, registration)
+
+    def staging_buffer(self, nbytes: int):
+        return self.gpu.pinned_buffer(nbytes)
+
+    def update(self, table, ids, crcs) -> None:
+        table[ids] = crcs
+
+    def digest_into(self, table, out) -> None:
+        self.gpu.launch_region_digest(table, out)
+
+    def fetch(self, slot: int, arrays: list):
+        """Queue copies of small device arrays into mailbox `slot`; `wait` reads them."""
+        cp = self.cp
+        sizes = [-(-int(a.nbytes) // 8) * 8 for a in arrays]
+        need = max(64, sum(sizes))
+        box = self._mail[slot]
+        if box is None or box[0].size < need:
+            box = self._mail[slot] = self.gpu.pinned_buffer(max(need, 4096))
+        host = box[0]
+        stream = self.stream
+        views, off = [], 0
+        for a, n in zip(arrays, sizes):
+            a = cp.ascontiguousarray(a)
+            if a.nbytes:
+                cp.cuda.runtime.memcpyAsync(host.ctypes.data + off, a.data.ptr, a.nbytes, 2, stream.ptr)
+            views.append(host[off:off + a.nbytes].view(a.dtype).reshape(a.shape))
+            off += n
+        return stream.record(), views
+
+    def wait(self, handle) -> list:
+        event, views = handle
+        event.synchronize()
+        self.reads += 1
+        return [v.copy() for v in views]
+
+    def sync(self) -> None:
+        self.stream.synchronize()
+
+
+class _HostKernels:
+    """The numpy twins behind the same pipeline (numpy regions with staging=
+    "mapped" or "ring"): "device" arrays are numpy arrays and results are ready
+    at once."""
+
+    name = "cpu"
+    xp = np
+    failed = None
+
+    def __init__(self):
+        self.reads = 0
+
+    def prepare(self, page_bytes: int) -> bool:
+        return True
+
+    def detect(self, regions) -> list:
+        out = []
+        for r in regions:
+            ids = r.dirty_pages(advance=True)
+            out.append((ids, int(ids.size)))
+        return out
+
+    def empty_u32(self, n):
+        return np.empty(n, np.uint32)
+
+    def zeros_u32(self, n):
+        return np.zeros(n, np.uint32)
+
+    def cursors(self, n):
+        return np.zeros((n, 4), np.uint64)
+
+    def table(self, crcs):
+        return to_host(crcs)
+
+    def stage(self, r: Region, ids, dst, cursor, crcs, **kw) -> None:
+        off = int(cursor[ref.CURSOR_USED])
+        ref.stage_page_batch(r.flat, ids, dst, cursor, page_bytes=r.page_bytes, **kw)
+        if int(cursor[ref.CURSOR_USED]) != off:  # written, not refused: its CRC table
+            n = int(ids.size)
+            crcs[:] = dst[off + 64 + 4 * n:off + 64 + 8 * n].view("<u4")
+
+    def mapped_view(self, registration, ext):
+        return ext.view
+
+    def staging_buffer(self, nbytes: int):
+        buf = np.zeros(nbytes, np.uint8)
+        return buf, buf
+
+    def update(self, table, ids, crcs) -> None:
+        table[ids] = crcs
+
+    def digest_into(self, table, out) -> None:
+        out[0] = ref.region_digest(table)
+
+    def fetch(self, slot: int, arrays: list):
+        return [np.array(a) for a in arrays]
+
+    def wait(self, handle) -> list:
+        return handle
+
+    def sync(self) -> None:
+        pass
+
+
+class _Stager:
+    """Stages the page batches of many regions into extents reserved from the
+    appender, with one device cursor per extent (the kernels claim their own
+    space in it; no host round trip per record), then finishes the extents
+    from the cursors and leaves the region digests for the commit.
+
+    mode "mapped": the kernels write the extents in the log mapping itself
+    (`registration` makes it addressable), all extents in one round.
+    mode "ring": one extent per round, staged into one half of a pinned ring
+    while the host copies the previous round out of the other half."""
+
+    def __init__(self, kernels, mode: str, registration):
+        self.kernels = kernels
+        self.mode = mode
+        self.registration = registration
+        self.why_ring: str | None = None
+        self._ring: list = [None, None]
+
+    @property
+    def label(self) -> str:
+        return f"{self.kernels.name}-{self.mode}"
+
+    def close(self) -> None:
+        self._ring = [None, None]
+        if self.registration is not None:
+            self.registration.unregister()
+            self.registration = None
+
+    def _slot(self, slot: int, nbytes: int):
+        buf = self._ring[slot]
+        if buf is None or buf[0].size < nbytes:
+            buf = self._ring[slot] = self.kernels.staging_buffer(max(nbytes, EXTENT_BYTES))
+        return buf
+
+    def run(self, app, regions: list[Region], epoch: int) -> dict:
+        """Detect, stage and finish one epoch's records of `regions`; sets each
+        region's CRC table and digest.  The caller commits."""
+        k = self.kernels
+        reads0 = k.reads
+        t0 = time.perf_counter()
+        found = k.detect(regions)
+        t1 = time.perf_counter()
+        ids, staged, batches = {}, {}, []
+        for r, (rid, n) in zip(regions, found):
+            if r.crcs is None:
+                r.crcs = k.zeros_u32(r.pages)
+                r.digest = None
+            else:
+                r.crcs = k.table(r.crcs)
+            if n:
+                ids[r.name] = rid
+                staged[r.name] = k.empty_u32(n)
+                batches += plan_batches(r, n)
+        cap = min(max([EXTENT_BYTES] + [b.length for b in batches]), app.segment_capacity)
+        extents = plan_extents(batches, cap)
+        sizes = [sum(b.length for b in e) for e in extents]
+        if self.mode == "mapped":
+            rounds = [list(range(len(extents)))]
+        else:
+            rounds = [[e] for e in range(len(extents))] or [[]]
+        cursors = k.cursors(max(1, len(extents)))
+        want_digest = [r for r in regions if r.name in staged or r.digest is None]
+        digests = k.empty_u32(max(1, len(want_digest)))
+        opened: dict = {}
+        got_digests = None
+        try:
+            prev = None
+            for i, round_ in enumerate(rounds):
+                slot = i % 2
+                for e in round_:
+                    ext = app.reserve_extent(sizes[e])
+                    opened[e] = ext
+                    if self.mode == "mapped":
+                        dst = k.mapped_view(self.registration, ext)
+                    else:
+                        dst = self._slot(slot, sizes[e])[1][:sizes[e]]
+                    for b in extents[e]:
+                        r = b.region
+                        k.stage(r, ids[r.name][b.lo:b.hi], dst, cursors[e], staged[r.name][b.lo:b.hi],
+                                base_lsn=ext.lsn, epoch=epoch, region_id=r.id, salt=ext.salt)
+                fetch = [cursors[round_[0]:round_[-1] + 1]] if round_ else []
+                if i == len(rounds) - 1:  # the CRC tables and digests follow the last records
+                    for j, r in enumerate(want_digest):
+                        if r.name in staged:
+                            k.update(r.crcs, ids[r.name], staged[r.name])
+                        k.digest_into(r.crcs, digests[j:j + 1])
+                    fetch.append(digests)
+                handle = k.fetch(slot, fetch)
+                if prev is not None:
+                    self._finish(app, extents, sizes, opened, *prev)
+                prev = (round_, slot, handle)
+            got_digests = self._finish(app, extents, sizes, opened, *prev)[-1]
+        except BaseException:
+            self._abort(app, opened)
+            raise
+        for j, r in enumerate(want_digest):
+            r.digest = int(got_digests[j])
+        t2 = time.perf_counter()
+        return {"pages": {r.name: int(n) for r, (_, n) in zip(regions, found)}, "log_bytes": sum(sizes),
+                "detect_s": t1 - t0, "stage_s": t2 - t1, "device_reads": k.reads - reads0}
+
+    def _finish(self, app, extents, sizes, opened, round_, slot, handle) -> list:
+        """Wait for one round, check its cursors, copy ring halves into their
+        extents and finish them.  Returns the fetched arrays."""
+        got = self.kernels.wait(handle)
+        if round_:
+            cur = got[0].reshape(-1, 4)
+            for j, e in enumerate(round_):
+                used, records, refused = (int(x) for x in cur[j, :3])
+                ext = opened[e]
+                if refused or used != sizes[e] or records != len(extents[e]):
+                    raise SessionError(f"staging wrote {records} records in {used} bytes ({refused} refused), "
+                                       f"expected {len(extents[e])} in {sizes[e]}",
+                                       where=f"segment {ext.segment} @ {ext.offset:#x}")
+                if self.mode == "ring":
+                    np.copyto(ext.view[:used], self._ring[slot][0][:used])
+                app.finish_extent(ext, used, records)
+                del opened[e]
+        return got
+
+    def _abort(self, app, opened) -> None:
+        """Close the extents of a failed checkpoint as padding, so the appender
+        can go on (their epoch never commits)."""
+        try:
+            self.kernels.sync()  # nothing may still be writing into the mapping
+        except Exception:
+            pass
+        for ext in opened.values():
+            try:
+                app.finish_extent(ext, 0, 0)
+            except Exception:
+                pass
+        opened.clear()
+
+
+def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = 64 << 20, stats: dict | None = None,
+                    registration=None) -> dict:
     """Restore the regions of `plan` straight into new CuPy arrays.
 
     GPU-mappable logs (shm, pinned, memory) are registered with CUDA and the
@@ -443,7 +936,9 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = 64 << 20, sta
     pinned bounce buffers: the host copies a chunk of payload into one while the
     previous chunk crosses the bus and is scattered.  Each region's digest is
     then recomputed on the device and compared with its commit.
-    `stats`, when given, receives register/scatter/verify seconds."""
+    `stats`, when given, receives register/scatter/verify seconds.
+    `registration`: the mapping's live registration (a session's checkpoint
+    path keeps one), used as is and left registered."""
     import cupy as cp
 
     from concordia.devmem import cuda_host
@@ -456,8 +951,8 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = 64 << 20, sta
     out, plans = {}, [rp for name, rp in plan.regions.items() if regions is None or name in regions]
     backend = log.backend
     t0 = time.perf_counter()
-    reg = None
-    if backend.gpu_mappable:
+    reg = registration
+    if reg is None and backend.gpu_mappable:
         try:
             reg = cuda_host.register(backend)
         except ConcordiaError:
@@ -494,7 +989,7 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = 64 << 20, sta
                                           f"states 0x{rp.digest:08x}", where=f"epoch {rp.epoch}")
         st["verify_s"] = time.perf_counter() - t2
     finally:
-        if reg is not None:
+        if reg is not None and reg is not registration:
             reg.unregister()
     return {name: a.view(np.dtype(rp.region.dtype)).reshape(rp.region.shape)
             for (name, a), rp in zip(out.items(), plans)}
@@ -554,7 +1049,7 @@ def _bounce(arr, base_off, rows, pids, crcs, dst, pb, chunk_bytes, rp, batch):
         _raise_bad(bad, pids[lo:lo + per], rp, batch)
 
 
-def _plan_and_apply(log, target, mode, regions, *, on_device: bool = False):
+def _plan_and_apply(log, target, mode, regions, *, on_device: bool = False, registration=None):
     """Plan the restore with the recovery planner and apply it on the host
     (or straight into device arrays with on_device)."""
     from concordia.wal.apply import apply_plan_numpy
@@ -565,9 +1060,9 @@ def _plan_and_apply(log, target, mode, regions, *, on_device: bool = False):
     p = make_plan(log, target=target, **kw)
     plan_s = time.perf_counter() - t0
     if on_device:
-        return p, apply_plan_cupy(log, p, regions=regions), plan_s
+        return p, apply_plan_cupy(log, p, regions=regions, registration=registration), plan_s
     arrays = apply_plan_numpy(log, p, regions=regions)
     return p, arrays, plan_s
 
 
-__all__ = ["Session", "Policy", "CheckpointStats", "RecoveryStats", "ConcordiaError"]
+__all__ = ["Session", "Policy", "CheckpointStats", "RecoveryStats", "ConcordiaError", "STAGING"]

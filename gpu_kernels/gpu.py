@@ -326,3 +326,40 @@ def scatter_pages(src, src_offsets, page_ids, region, *, page_bytes: int, expect
         k = jit.function("scatter", "scatter_pages", {"PAGE_BYTES": pb})
         k(_warp_grid(count), (THREADS,), (s, offs, ids, exp, np.uint64(count), r, np.uint64(r.size), bad))
     return cp.flatnonzero(bad)
+
+
+# --- checkpoint pipeline helpers (queued work, no host synchronisation) --------
+
+
+def dirty_positions(flags):
+    """(positions, count) of a per-page flag array from a `launch_*` detector:
+    the inclusive running count of set flags (int64) and, as a 0-d device
+    array, their number.  Nothing is synchronised; the caller fetches the
+    counts of every region at once, then calls `compact_flags`."""
+    cp = _cp()
+    pos = cp.cumsum(flags, dtype=cp.int64)
+    return pos, pos[-1:].reshape(()) if flags.size else cp.zeros((), cp.int64)
+
+
+def compact_flags(flags, positions, count: int):
+    """Sorted uint32 ids of the set flags, given `dirty_positions` and the
+    count (known on the host).  Queued without synchronising: unlike
+    `cupy.flatnonzero`, which reads the count back itself."""
+    cp = _cp()
+    if count == 0:
+        return cp.empty(0, cp.uint32)
+    # set flags land at 1..count; every clear flag writes the discarded slot 0
+    slot = cp.where(flags != 0, positions, 0)
+    out = cp.empty(int(count) + 1, cp.uint32)
+    out[slot] = cp.arange(flags.size, dtype=cp.uint32)
+    return out[1:]
+
+
+def launch_region_digest(page_crcs, out) -> None:
+    """Queue `region_digest(page_crcs)` into out[0] (device uint32) without
+    synchronising; the checkpoint reads every region's digest in one fetch."""
+    crcs = _u32(page_crcs, "page_crcs")
+    if crcs.size == 0:
+        raise KernelInputError("a region digest needs at least one page CRC", where="page_crcs")
+    k = jit.function("crc32c", "crc32c_words", {})
+    k((1,), (1024,), (crcs, np.uint64(crcs.size), out))
