@@ -62,6 +62,7 @@ def _time(cp, fn, repeat: int) -> float:
 def run(nbytes: int, repeat: int) -> dict:
     cp = _cupy()
     from concordia import instrument
+    from concordia.instrument.errors import InstrumentError
 
     n = max(1024, nbytes // 4)
     x = cp.random.standard_normal(n, dtype=cp.float32)
@@ -84,7 +85,10 @@ def run(nbytes: int, repeat: int) -> dict:
             if v == "store-track":
                 region = instrument.track_array("y", y, 4096)
                 instrument.set_regions([region])
-                assert rep.stores_tracked >= 1
+                if rep.stores_tracked < 1:
+                    raise InstrumentError("the store tracker instrumented no store of stream_axpy",
+                                          where="bench instrument",
+                                          hint=f"hook calls {instrument._hook.calls}")
             kernels[v] = f
         instrument.disable()
         rows = []

@@ -2,13 +2,14 @@
 
 Every CuPy kernel (RawModule, RawKernel, ElementwiseKernel, ReductionKernel and
 CuPy's own ufuncs) is compiled by `cupy.cuda.compiler._compile_with_cache_cuda`,
-which calls the module-level `compile_using_nvrtc` and loads the result with
+which calls the module-level NVRTC entry point (`_compile_using_nvrtc_no_warning`
+in CuPy 14, `compile_using_nvrtc` before) and loads the result with
 `function.Module.load`.  Both are looked up by name at call time, so replacing
 them on the module reaches every path without touching user code:
 
 - `_get_arch_for_options_for_nvrtc` is made to answer `compute_XX` / "ptx", so
   NVRTC returns PTX (which the rewriter needs) instead of a cubin;
-- `compile_using_nvrtc` rewrites the PTX it returns;
+- the NVRTC entry point rewrites the PTX it returns;
 - `_compile_with_cache_cuda` is asked to compile in memory, so an instrumented
   binary never lands in CuPy's disk cache (and an uninstrumented cached one is
   never loaded while enabled); it records the loaded module and attaches the
@@ -31,7 +32,12 @@ from concordia.instrument.report import ModuleRecord, Report
 from concordia.instrument.rewrite import Options, rewrite
 
 _generation = itertools.count(1)
-_PATCHED = ("compile_using_nvrtc", "_compile_with_cache_cuda", "_get_arch_for_options_for_nvrtc")
+# The NVRTC entry point that `_compile_with_cache_cuda` calls: CuPy 14 calls
+# `_compile_using_nvrtc_no_warning` (the public `compile_using_nvrtc` is a thin
+# wrapper around it); CuPy 12 and 13 call `compile_using_nvrtc`.  Only the
+# innermost one present is replaced, so no module is rewritten twice.
+_NVRTC_NAMES = ("_compile_using_nvrtc_no_warning", "compile_using_nvrtc")
+_PATCHED = (*_NVRTC_NAMES, "_compile_with_cache_cuda", "_get_arch_for_options_for_nvrtc")
 
 
 class CupyHook:
@@ -51,14 +57,15 @@ class CupyHook:
     # installation ---------------------------------------------------------
     def install(self) -> None:
         c = self.compiler
-        for name in _PATCHED:
-            if hasattr(c, name):
+        self.nvrtc_name = next((n for n in _NVRTC_NAMES if hasattr(c, n)), None)
+        for name in (self.nvrtc_name, "_compile_with_cache_cuda", "_get_arch_for_options_for_nvrtc"):
+            if name is not None and hasattr(c, name):
                 self.saved[name] = getattr(c, name)
-        if "compile_using_nvrtc" not in self.saved or "_compile_with_cache_cuda" not in self.saved:
+        if self.nvrtc_name is None or "_compile_with_cache_cuda" not in self.saved:
             raise InstrumentError("this CuPy has no compile_using_nvrtc/_compile_with_cache_cuda",
                                   where="cupy.cuda.compiler", hint="CuPy 12 to 14 are supported")
         self._cache_sig = inspect.signature(self.saved["_compile_with_cache_cuda"])
-        c.compile_using_nvrtc = self._compile_using_nvrtc
+        setattr(c, self.nvrtc_name, self._compile_using_nvrtc)
         c._compile_with_cache_cuda = self._compile_with_cache_cuda
         if "_get_arch_for_options_for_nvrtc" in self.saved:
             c._get_arch_for_options_for_nvrtc = self._ptx_arch
@@ -76,7 +83,9 @@ class CupyHook:
 
     def _compile_using_nvrtc(self, *args, **kwargs):
         self.calls["nvrtc"] += 1
-        out = self.saved["compile_using_nvrtc"](*args, **kwargs)
+        out = self.saved[self.nvrtc_name](*args, **kwargs)
+        if getattr(self.local, "ltoir", False):
+            return out  # LTO IR for nvJitLink, not PTX: nothing to rewrite
         binary, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
         new = self._instrument(binary)
         return (new, *rest) if rest is not None else new
@@ -114,11 +123,16 @@ class CupyHook:
         # compiled without this hook, nor one compiled under an earlier one.
         a["options"] = tuple(a.get("options") or ()) + (self.salt,)
         self.local.pending = []
+        self.local.ltoir = bool(a.get("to_ltoir", False))
         try:
             mod = self.saved["_compile_with_cache_cuda"](*bound.args, **bound.kwargs)
             results = self.local.pending
         finally:
             self.local.pending = None
+            self.local.ltoir = False
+        if a.get("to_ltoir", False):  # bytes for a later nvJitLink link, not a loaded module
+            self.report.skip("cupy:ltoir", "LTO IR is not PTX; linked code is not instrumented")
+            return mod
         for res in results:
             rec = ModuleRecord("cupy:" + ",".join(k.name for k in res.kernels), res, handle=mod)
             runtime.attach(mod, res, self.gate, self.regions)

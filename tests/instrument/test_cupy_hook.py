@@ -111,3 +111,77 @@ def test_disable_restores_cupy_and_enable_twice_is_refused(hooked):
     for name, fn in originals.items():
         assert getattr(c, name) is fn
     instrument.enable(compiler=c)  # the fixture's disable() pairs with this one
+
+
+def cupy14_compiler():
+    """CuPy 14.2's shape: `_compile_with_cache_cuda` (no cache_dir, a `to_ltoir`
+    flag) calls `_compile_using_nvrtc_no_warning`, of which the public
+    `compile_using_nvrtc` is a wrapper."""
+    c = types.SimpleNamespace(calls=[])
+    c._get_arch = lambda: "90"
+    c._get_arch_for_options_for_nvrtc = lambda arch=None: (f"-arch=sm_{arch or '90'}", "cubin")
+
+    def _compile_using_nvrtc_no_warning(source, options=(), arch=None, filename="kern.cu",
+                                        name_expressions=None, log_stream=None,
+                                        cache_in_memory=False, jitify=None, method=None):
+        opt, m = (f"-arch=compute_{arch}", "lto") if method else c._get_arch_for_options_for_nvrtc(arch)
+        c.calls.append(("nvrtc", opt, m, options))
+        if m == "cubin":
+            return b"\x7fELF....", None
+        return (b"LTOIR" if m == "lto" else source.encode()), None
+
+    def compile_using_nvrtc(*args, **kwargs):
+        return c._compile_using_nvrtc_no_warning(*args, **kwargs)
+
+    def _compile_with_cache_cuda(source, options, arch, extra_source=None, backend="nvrtc",
+                                 enable_cooperative_groups=False, name_expressions=None,
+                                 log_stream=None, cache_in_memory=False, jitify=False,
+                                 to_ltoir=False):
+        out, _ = c._compile_using_nvrtc_no_warning(source, options, arch, "", name_expressions,
+                                                   log_stream, cache_in_memory, jitify,
+                                                   "lto" if to_ltoir else None)
+        if to_ltoir:
+            return out
+        mod = Module()
+        mod.load(out)
+        return mod
+
+    c._compile_using_nvrtc_no_warning = _compile_using_nvrtc_no_warning
+    c.compile_using_nvrtc = compile_using_nvrtc
+    c._compile_with_cache_cuda = _compile_with_cache_cuda
+    return c
+
+
+def test_cupy14_inner_nvrtc_entry_is_hooked_once_with_its_own_cache_key(monkeypatch):
+    import concordia.instrument.cupy_hook as ch
+
+    monkeypatch.setattr(ch.runtime, "attach", lambda *a: None)
+    c = cupy14_compiler()
+    public = c.compile_using_nvrtc
+    rep = instrument.enable(compiler=c)
+    try:
+        assert c.compile_using_nvrtc is public      # only the inner entry point is replaced
+        mod = c._compile_with_cache_cuda(PTX, ("-DX",), None)
+        assert mod.loaded.count(EPOCHS.encode()) >= 1 and rep.kernels == ["k"]
+        (_, opt, method, options), = c.calls
+        assert (opt, method) == ("-arch=compute_90", "ptx")
+        salt = [o for o in options if o.startswith("-DCONCORDIA_INSTRUMENT=")]
+        assert len(salt) == 1 and "-DX" in options
+        # a direct call of the public wrapper is rewritten exactly once
+        out, _ = c.compile_using_nvrtc(PTX)
+        assert rep.modules[-1].handle is None and len(rep.modules) == 2
+        from concordia.instrument.rewrite import rewrite
+        with pytest.raises(instrument.InstrumentError):
+            rewrite(out, rep.modules[-1].result.options)   # already instrumented: refused
+        assert c._compile_with_cache_cuda(PTX, (), None, to_ltoir=True) == b"LTOIR"
+        assert "LTO IR" in rep.skipped[-1].reason and len(rep.modules) == 2
+    finally:
+        instrument.disable()
+    assert c._compile_using_nvrtc_no_warning.__name__ == "_compile_using_nvrtc_no_warning"
+    instrument.enable(compiler=c)
+    try:
+        c._compile_with_cache_cuda(PTX, (), None)
+        later = [o for o in c.calls[-1][3] if o.startswith("-DCONCORDIA_INSTRUMENT=")]
+        assert later and later != salt                # a new enable() gets a new cache key
+    finally:
+        instrument.disable()

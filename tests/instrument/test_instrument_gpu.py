@@ -6,6 +6,7 @@ and the LD_PRELOAD shim catches modules loaded by CuPy, PyTorch and Triton."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -238,6 +239,10 @@ def _run_child(code, tmp_path, **kw):
     p = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
                        timeout=100)
     rows = shim.read_report(report)
+    if os.environ.get("OUT"):  # keep what the shim saw for the results page
+        with open(os.path.join(os.environ["OUT"], "instrument-shim.jsonl"), "a") as f:
+            for row in rows:
+                f.write(json.dumps({"child": tmp_path.name, **row}) + "\n")
     assert p.returncode == 0, (p.stderr[-2000:], rows[:10])
     return json.loads(p.stdout.strip().splitlines()[-1]), rows
 
