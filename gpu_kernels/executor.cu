@@ -20,7 +20,8 @@
 // within `child_timeout_ns` fails its task with TIMEOUT and the executor with FAULT.
 //
 // -D options: CX_CHILD (0/1), CX_OPS (bit mask of op codes compiled into the
-// operator table; PING, QUIESCE and STOP are always there).
+// operator table; PING, QUIESCE and STOP are always there), CX_MAXNREG
+// (register cap of the control warp).
 
 #ifndef CX_CHILD
 #define CX_CHILD 1
@@ -337,7 +338,17 @@ __device__ int run_handler(u32 op, const u64* a, cx_scratch* sc, u32 n_sm, u64 c
     return __shfl_sync(FULL, status, 0);
 }
 
-extern "C" __global__ void __launch_bounds__(32, 1)
+// Registers: CX_MAXNREG caps the control warp (spilling only on the handler
+// paths) so that it fits beside a block that takes nearly the whole register
+// file, as large GEMM tiles do (32 registers x 32 threads = 1024, the smallest
+// footprint the warp can have); without it, the compiler's choice.
+#if defined(CX_MAXNREG)
+#define CX_EXECUTOR_BOUNDS __maxnreg__(CX_MAXNREG)
+#else
+#define CX_EXECUTOR_BOUNDS __launch_bounds__(32, 1)
+#endif
+
+extern "C" __global__ void CX_EXECUTOR_BOUNDS
     cx_executor(u8* ring, u32 capacity, u32 executor_id, u32 instance, cx_scratch* sc, u32 n_sm, u64 idle_ns,
                 u64 lifetime_ns, u64 child_timeout_ns, u32 poll_max_ns, u32 resume) {
     if (blockIdx.x != 0 || threadIdx.x >= 32) return;
@@ -444,8 +455,11 @@ extern "C" __global__ void __launch_bounds__(32, 1)
             if (status == ST_TIMEOUT) leave = CS_FAULT;
         }
 
-        // 4. Completion: lanes 1..7 store words 1..7, then lane 0 fences, stores
-        //    seq and releases tail (ring.py protocol step 3).
+        // 4. Completion: lanes 1..7 store words 1..7, then lane 0 stores seq and
+        //    releases tail (ring.py protocol step 3).  One system-scope release
+        //    orders all of it: __syncwarp makes the other lanes' stores precede
+        //    lane 0's release, which is cumulative (a separate fence before seq
+        //    would add a second system fence to every round trip).
         volatile u64* comp = (volatile u64*)(comps + (n & mask) * CX_COMP_BYTES);
         u64 cw = 0;
         switch (lane) {
@@ -461,7 +475,6 @@ extern "C" __global__ void __launch_bounds__(32, 1)
         if (lane >= 1 && lane <= 7) comp[lane] = cw;
         __syncwarp();
         if (lane == 0) {
-            __threadfence_system();
             comp[0] = n + 1;
             st_release_sys((u64*)(ring + CX_OFF_TAIL), n + 1);
             *polls = ++taken;

@@ -65,9 +65,14 @@ def kernel_source(path: Path = KERNEL_SOURCE) -> str:
         raise ExecutorError(f"cannot read kernel source: {exc.strerror}", where=str(path)) from None
 
 
+# Register cap of the control warp (executor.cu, CX_MAXNREG): 32 x 32 threads is
+# the 1024 registers a GEMM block that fills the rest of the register file leaves.
+MAXNREG_OPTION = "-DCX_MAXNREG=32"
+
+
 def compile_options(*, child: bool, ops_mask: int = ALL_OPS_MASK) -> tuple[str, ...]:
     """NVRTC / nvcc options of one executor module variant."""
-    opts = (f"-DCX_CHILD={int(child)}", f"-DCX_OPS=0x{ops_mask:x}u")
+    opts = (f"-DCX_CHILD={int(child)}", f"-DCX_OPS=0x{ops_mask:x}u", MAXNREG_OPTION)
     return opts + (("-rdc=true",) if child else ())
 
 
@@ -104,16 +109,20 @@ class ExecutorModule:
         t0 = time.perf_counter()
         names = ("cx_executor", "cx_checkpoint", "cx_copy", "cx_scatter")
         try:
-            try:
-                mod = cupy.RawModule(code=kernel_source(), options=self.options)
-                fns = {n: mod.get_function(n) for n in names}
-            except cupy.cuda.compiler.CompileException as exc:
-                if not (self.child and "cudaGetLastError" in str(exc)):
-                    raise
-                # NVRTC without the device runtime's declarations: launch failures show as timeouts.
-                self.options += ("-DCX_NO_LAUNCH_STATUS",)
-                mod = cupy.RawModule(code=kernel_source(), options=self.options)
-                fns = {n: mod.get_function(n) for n in names}
+            while True:
+                try:
+                    mod = cupy.RawModule(code=kernel_source(), options=self.options)
+                    fns = {n: mod.get_function(n) for n in names}
+                    break
+                except cupy.cuda.compiler.CompileException as exc:
+                    if self.child and "cudaGetLastError" in str(exc) and "-DCX_NO_LAUNCH_STATUS" not in self.options:
+                        # NVRTC without the device runtime's declarations: launch failures show as timeouts.
+                        self.options += ("-DCX_NO_LAUNCH_STATUS",)
+                    elif MAXNREG_OPTION in self.options:
+                        # a compiler without __maxnreg__ (CUDA < 12.4): the compiler's register count
+                        self.options = tuple(o for o in self.options if o != MAXNREG_OPTION)
+                    else:
+                        raise
         except ExecutorError:
             raise
         except Exception as exc:

@@ -25,12 +25,13 @@ import numpy as np
 
 from .errors import (ExecutorError, ExecutorStalledError, ExecutorStoppedError,
                      RingFullError)
-from .ring import (NO_REGION, OFF_HEAD, OFF_INSTANCE, OFF_STATE, OFF_STOP_SENT, OFF_TAIL, Completion,
-                   ConsumerState, Op, Ring, Status, op_or_int)
+from .ring import (HEADER_BYTES, NO_REGION, OFF_HEAD, OFF_INSTANCE, OFF_STATE, OFF_STOP_SENT, OFF_TAIL,
+                   TASK_BYTES, Completion, ConsumerState, Op, Ring, Status, op_or_int)
 
 # States after which a new instance may be launched on the next submit.
 _RELAUNCHABLE = (ConsumerState.NEVER_RAN, ConsumerState.IDLE_EXIT, ConsumerState.LIFETIME_EXIT)
 _RELAUNCHABLE_INT = frozenset(int(s) for s in _RELAUNCHABLE)
+_PING = int(Op.PING)
 _BUSY_SPINS = 4000  # polls before a waiter starts yielding the CPU (a GPU consumer needs no GIL)
 
 
@@ -226,31 +227,50 @@ class Submitter:
             self._launch_locked(resume=True)
 
     def ping(self, timeout: float = 1.0) -> float:
-        """One PING round trip on the shortest host path (no allocation, no
-        enum); returns its seconds.  Used to measure latency."""
+        """One PING round trip on the shortest host path; returns its seconds.
+        Used to measure latency.  The same protocol steps as `publish` (body,
+        then seq, then head; ring.py step 2) and the same relaunch check as
+        `_after_publish`, made with plain word stores and loads on memoryviews
+        (a fraction of a numpy scalar access); completions are reaped only when
+        room runs short or after the clock stopped."""
         r = self.ring
-        h64, mask = r.hdr64, r.mask
+        w64, w32, w16 = self._words()
+        mask, cap = r.mask, r.capacity
+        head_w, tail_w = OFF_HEAD // 8, OFF_TAIL // 8
         t0 = time.perf_counter()
         with self._lock:
-            self._reap_locked()
-            n = int(h64[OFF_HEAD // 8])
-            if n - r.reaped >= r.capacity or h64[OFF_STOP_SENT // 8]:
+            n = w64[head_w]
+            if n - r.reaped >= cap - 1:
+                self._reap_locked()
+            if n - r.reaped >= cap or w64[OFF_STOP_SENT // 8]:
                 raise RingFullError("no room for a PING", where=r.slot_where(n))
-            i = n & mask
-            r.t_op[i] = Op.PING
-            r.t_tag[i] = n
-            r.t_seq[i] = n + 1
-            h64[OFF_HEAD // 8] = n + 1
-            self._after_publish()
-        spins = 0
-        while h64[OFF_TAIL // 8] <= n:
-            spins = self._pause(spins)
-            if spins & 0xFFF == 0:
-                self._check_progress(t0 + timeout, f"ping {n + 1}")
+            slot = (HEADER_BYTES + (n & mask) * TASK_BYTES) // 8
+            w16[(slot + 1) * 4] = _PING                # op
+            w64[slot + 2] = n                           # tag
+            w64[slot] = n + 1                           # seq: publishes the slot
+            w64[head_w] = n + 1
+            if self.consumer is not None and w32[OFF_STATE // 4] in _RELAUNCHABLE_INT \
+                    and w32[OFF_INSTANCE // 4] >= self._instance:
+                self._launch_locked()
+        spins, busy = 0, self._busy
+        while w64[tail_w] <= n:
+            spins += 1
+            if spins > busy:
+                self._pause(spins)
+                if spins & 0xFFF == 0:
+                    self._check_progress(t0 + timeout, f"ping {n + 1}")
         dt = time.perf_counter() - t0
         with self._lock:
             self._reap_locked()
         return dt
+
+    def _words(self):
+        """u64 / u32 / u16 memoryviews over the whole ring (made once)."""
+        w = self.__dict__.get("_word_views")
+        if w is None or w[3] is not self.ring:
+            mv = memoryview(self.ring.raw)
+            w = self._word_views = (mv.cast("Q"), mv.cast("I"), mv.cast("H"), self.ring)
+        return w[:3]
 
     # -- completions -----------------------------------------------------------
 

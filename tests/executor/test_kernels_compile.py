@@ -30,7 +30,9 @@ def test_executor_variants_compile(tmp_path, child, ops):
     for name in ("cx_executor", "cx_checkpoint", "cx_copy", "cx_scatter"):
         assert f".entry {name}(" in text
     assert "ld.acquire.sys" in text and "st.release.sys" in text
-    assert ".shared" not in text.split(".entry cx_executor(")[1].split(".entry")[0]
+    executor = text.split(".entry cx_executor(")[1].split(".entry")[0]
+    assert ".shared" not in executor
+    assert ".maxnreg 32" in executor       # fits beside a block that fills the register file
     if child and ops & (1 << Op.CHECKPOINT):
         assert "LaunchDevice" in text      # handlers are child grids
     if not child:
