@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from concordia.instrument import rewrite as R
+# Not `from concordia.instrument import rewrite`: the package re-exports the
+# function `rewrite` under that name, which hides the module.
+from concordia.instrument.rewrite import EPOCHS, GATE, NREGIONS, REGION_WORDS, REGIONS, RewriteResult
 from concordia.instrument.errors import InstrumentError
 
 _HOST_ALLOC_MAPPED = 2  # cudaHostAllocMapped
@@ -123,29 +125,29 @@ def region_table(regions: list[TrackedRegion], max_regions: int) -> np.ndarray:
     if len(regions) > max_regions:
         raise InstrumentError(f"{len(regions)} tracked regions, at most {max_regions}",
                               hint="raise Options.max_regions before enable()")
-    table = np.zeros(R.REGION_WORDS * max_regions, dtype=np.uint64)
+    table = np.zeros(REGION_WORDS * max_regions, dtype=np.uint64)
     for i, reg in enumerate(regions):
-        table[R.REGION_WORDS * i : R.REGION_WORDS * (i + 1)] = reg.row()
+        table[REGION_WORDS * i : REGION_WORDS * (i + 1)] = reg.row()
     return table
 
 
-def attach(module, result: R.RewriteResult, gate: Gate | None,
+def attach(module, result: RewriteResult, gate: Gate | None,
            regions: list[TrackedRegion] | None = None) -> None:
     """Point a loaded instrumented module at `gate` (None = no gate) and, when it
     tracks stores, at `regions`."""
-    g = module_global(module, R.GATE, 1, np.uint64)
+    g = module_global(module, GATE, 1, np.uint64)
     g.set(np.array([gate.device_ptr if gate else 0], dtype=np.uint64))
     if result.options.track_stores:
         table = region_table(regions or [], result.options.max_regions)
-        module_global(module, R.REGIONS, table.size, np.uint64).set(table)
-        module_global(module, R.NREGIONS, 1, np.uint32).set(
+        module_global(module, REGIONS, table.size, np.uint64).set(table)
+        module_global(module, NREGIONS, 1, np.uint32).set(
             np.array([len(regions or [])], dtype=np.uint32))
 
 
-def epochs(module, result: R.RewriteResult, stream=None) -> dict[str, int]:
+def epochs(module, result: RewriteResult, stream=None) -> dict[str, int]:
     """Completed launches per kernel of a loaded instrumented module.  Pass a
     non-blocking stream to read while a launch is held at the gate."""
     n = len(result.kernels) + 1
-    arr = module_global(module, R.EPOCHS, n, np.uint64)
+    arr = module_global(module, EPOCHS, n, np.uint64)
     host = arr.get(stream=stream) if stream is not None else arr.get()
     return {k.name: int(host[k.index]) for k in result.kernels}

@@ -185,3 +185,13 @@ def test_cupy14_inner_nvrtc_entry_is_hooked_once_with_its_own_cache_key(monkeypa
         assert later and later != salt                # a new enable() gets a new cache key
     finally:
         instrument.disable()
+
+
+def test_runtime_sees_the_rewriter_module_not_the_function_of_the_same_name():
+    from concordia.instrument import rewrite as R
+    from concordia.instrument import runtime
+
+    assert callable(R)                            # the package's re-exported function
+    table = runtime.region_table([], 4)           # reads the layout constants
+    from concordia.instrument.rewrite import REGION_WORDS
+    assert table.size == 4 * REGION_WORDS and not table.any()
