@@ -96,10 +96,10 @@ def to_host(a) -> np.ndarray:
 class _Ops:
     """Dispatch of the page kernels to the numpy twins or the CuPy launchers."""
 
-    def __init__(self, xp):
+    def __init__(self, xp, aligned: bool = True):
         self.xp = xp
         self.gpu = None
-        if xp is not np:
+        if xp is not np and aligned:  # the page kernels read with 16-byte loads
             try:
                 from concordia.gpu_kernels import gpu
 
@@ -140,8 +140,9 @@ def _cupy_shadow_diff(cp, flat, shadow, pb):
     full = flat.size // pb
     found = []
     if full:
-        a = flat[:full * pb].view(cp.uint64).reshape(full, pb // 8)
-        b = shadow[:full * pb].view(cp.uint64).reshape(full, pb // 8)
+        word = cp.uint64 if flat.data.ptr % 8 == 0 else cp.uint8  # no misaligned wide loads
+        a = flat[:full * pb].view(word).reshape(full, -1)
+        b = shadow[:full * pb].view(word).reshape(full, -1)
         d = cp.flatnonzero((a != b).any(axis=1))
         if d.size:
             b[d] = a[d]
@@ -246,7 +247,7 @@ class Region:
                 self.shadow = self.xp.empty(self.nbytes, dtype=self.xp.uint8)
             self.shadow[...] = flat
         elif self.detect == "fingerprint":
-            self.fps = _Ops(self.xp).fingerprints(flat, self.page_bytes)
+            self.fps = _Ops(self.xp, self.device_aligned).fingerprints(flat, self.page_bytes)
         elif self.detect == "blocks":
             self.kv_prev = self._kv_now()
         elif self.detect == "versions":
@@ -258,7 +259,7 @@ class Region:
         (only when the pages found are about to be logged)."""
         if self.crcs is None or self.detect == "all":
             return np.arange(self.pages, dtype=np.uint32)
-        ops = _Ops(self.xp)
+        ops = _Ops(self.xp, self.device_aligned)
         if self.detect == "shadow":
             if not advance:
                 tmp = self.shadow.copy()

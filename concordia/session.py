@@ -348,7 +348,7 @@ class Session:
             if self.staging != "host":
                 if r.on_gpu:
                     st = self._stager("gpu")
-                    if st is not None and r.device_aligned and st.kernels.prepare(r.page_bytes):
+                    if st is not None and r.device_aligned and st.kernels.prepare(r):
                         key = "gpu"
                     elif st is not None and self.gpu_fallback is None:
                         self.gpu_fallback = (f"region {r.name!r}: " + ("not 16-byte aligned" if not r.device_aligned
@@ -434,8 +434,11 @@ class Session:
             else:
                 out[name] = host
         if into == "registered":
+            # deltas continue from the recovered state only when it is the log's
+            # latest: after an older epoch the next checkpoint writes every page
+            latest = int(plan.epoch) == int(self.log.last_committed_epoch or 0)
             for name, r in self._regions.items():
-                r.crcs = _page_crcs(r) if r.page_bytes == self.log.regions[name].page_bytes else None
+                r.crcs = _page_crcs(r) if latest and r.page_bytes == self.log.regions[name].page_bytes else None
                 r.digest = None
                 r.reset_detectors()
         t2 = time.perf_counter()
@@ -631,19 +634,24 @@ class _DeviceKernels:
         self.xp = cp
         self.reads = 0
         self.failed: str | None = None
-        self._ready: dict[int, bool] = {}
+        self._ready: dict[tuple, bool] = {}
         self._mail: list = [None, None]
 
-    def prepare(self, page_bytes: int) -> bool:
-        """Compile the kernels for `page_bytes` now (not midway through a checkpoint)."""
-        if page_bytes not in self._ready:
+    def prepare(self, r: Region) -> bool:
+        """Compile the kernels `r` needs now (not midway through a checkpoint)."""
+        d = {"PAGE_BYTES": r.page_bytes}
+        specs = [("stage", d), ("crc32c", d), ("crc32c", {})]
+        if r.detect in ("shadow", "fingerprint"):
+            specs.append(("shadow_diff" if r.detect == "shadow" else "fingerprint", d))
+        key = tuple((name, tuple(sorted(x.items()))) for name, x in specs)
+        if key not in self._ready:
             try:
-                self.jit.precompile(self.jit.page_specs(page_bytes) + [("crc32c", {})])
-                self._ready[page_bytes] = True
+                self.jit.precompile(specs)
+                self._ready[key] = True
             except Exception as exc:
-                self.failed = f"kernels for {page_bytes}-byte pages unavailable ({type(exc).__name__}: {exc})"
-                self._ready[page_bytes] = False
-        return self._ready[page_bytes]
+                self.failed = f"kernels for {r.page_bytes}-byte pages unavailable ({type(exc).__name__}: {exc})"
+                self._ready[key] = False
+        return self._ready[key]
 
     @property
     def stream(self):
@@ -739,7 +747,7 @@ class _HostKernels:
     def __init__(self):
         self.reads = 0
 
-    def prepare(self, page_bytes: int) -> bool:
+    def prepare(self, r: Region) -> bool:
         return True
 
     def detect(self, regions) -> list:
@@ -847,12 +855,14 @@ class _Stager:
         cap = min(max([EXTENT_BYTES] + [b.length for b in batches]), app.segment_capacity)
         extents = plan_extents(batches, cap)
         sizes = [sum(b.length for b in e) for e in extents]
+        want_digest = [r for r in regions if r.name in staged or r.digest is None]
         if self.mode == "mapped":
             rounds = [list(range(len(extents)))]
         else:
             rounds = [[e] for e in range(len(extents))] or [[]]
+        if not extents and not want_digest:
+            rounds = []  # a clean epoch: nothing to stage, every digest known
         cursors = k.cursors(max(1, len(extents)))
-        want_digest = [r for r in regions if r.name in staged or r.digest is None]
         digests = k.empty_u32(max(1, len(want_digest)))
         opened: dict = {}
         got_digests = None
@@ -882,7 +892,8 @@ class _Stager:
                 if prev is not None:
                     self._finish(app, extents, sizes, opened, *prev)
                 prev = (round_, slot, handle)
-            got_digests = self._finish(app, extents, sizes, opened, *prev)[-1]
+            if prev is not None:
+                got_digests = self._finish(app, extents, sizes, opened, *prev)[-1]
         except BaseException:
             self._abort(app, opened)
             raise

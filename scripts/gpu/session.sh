@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# Session on the GPU: the gpu-marked session tests, the demo on the device,
+# Session on the GPU: the gpu-marked session tests (device staging included), the demo on the device,
 # and bench recover at modest sizes.  Run from the repository root; results
 # go to "$OUT" (session-tests.xml, demo.json, recover.json, recover.png).
 set -uo pipefail
 OUT=${OUT:-./gpu-out}
 mkdir -p "$OUT"
 rc=0
-timeout 90 python3 -m pytest tests/session/test_gpu.py -q -m gpu -p no:cacheprovider \
-  --junitxml="$OUT/session-tests.xml" 2>&1 | tail -15 || rc=1
+# test_gpu_staging.py: checkpoints staged on the device (zero copy into a
+# registered shm mapping, pinned ring for file logs) byte-identical to numpy's
+timeout 120 python3 -m pytest tests/session/test_gpu.py tests/session/test_gpu_staging.py -q -m gpu \
+  -p no:cacheprovider --junitxml="$OUT/session-tests.xml" 2>&1 | tail -25
+[ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 timeout 60 python3 -m concordia.tools.cli demo --device gpu --steps 160 --json \
   --log "file:$OUT/demo-work/demo.log" > "$OUT/demo.json" || rc=1
 rm -rf "$OUT/demo-work"

@@ -96,3 +96,24 @@ def test_a_failure_while_staging_leaves_the_log_and_the_session_usable(file_log,
 def test_unknown_staging_is_refused(file_log):
     with pytest.raises(SessionError, match="unknown staging"):
         Session(file_log, staging="teleport")
+
+
+@pytest.mark.parametrize("staging", ["host", "mapped"])
+def test_recover_an_older_epoch_in_place_then_continue(file_log, staging):
+    # epoch 2 stays in the log: continuing from epoch 1's contents must not
+    # leave epoch 2's pages under the next epoch, so it is written whole
+    state = make_state(6)
+    with Session(file_log, size=LOG_SIZE, segment_size=SEGMENT, staging=staging) as s:
+        register_all(s, state)
+        s.checkpoint()
+        at1 = copy(state)
+        mutate(state, 1)
+        s.checkpoint()
+        s.recover(target=1, into="registered")
+        assert_same(state, at1)
+        mutate(state, 3)
+        third = s.checkpoint()
+        assert sorted(third.base) == sorted(state)
+        at3 = copy(state)
+    with Session(file_log, create=False) as s:
+        assert_same(s.recover(), at3)
