@@ -9,7 +9,8 @@ Four parts (GPU):
            memory, as bandwidth over a pinned device-to-host copy of the same
            bytes;
   e2e      one dirty page: detect, stage into a real log on a /dev/shm
-           mapping registered with CUDA, persist, commit with region digests;
+           mapping registered with CUDA, persist, commit with region digests
+           (the Session's device path: two small reads of the device);
            against host-side scanning (whole region to pinned host, numpy
            compare with a host shadow, append the delta, commit);
   kv       the KV block-table scanner for a fixed number of new tokens as the
@@ -238,25 +239,48 @@ class _Gpu:
                 rid = log.define_region(f"r{size}", "uint8", (size,), self.pb, "opaque")
                 crcs_all = gpu.crc32c_pages(region, page_bytes=self.pb)
                 crcs = cp.empty(npages, cp.uint32)
+
+                flags = cp.empty(npages, cp.uint8)
                 cursor = gpu.new_cursor()
+                digest = cp.empty(1, cp.uint32)
+                mail, _ = gpu.pinned_buffer(4096)
+                stream = cp.cuda.get_current_stream()
+
+                def read_back(parts):
+                    """One stream-ordered copy of small device arrays into the pinned mailbox."""
+                    off = 0
+                    for a in parts:
+                        cp.cuda.runtime.memcpyAsync(mail.ctypes.data + off, a.data.ptr, a.nbytes, 2, stream.ptr)
+                        off += -(-a.nbytes // 8) * 8
+                    stream.synchronize()
 
                 def gpu_checkpoint():
+                    """The Session's device path: flags, one read of the count, page list
+                    compacted on the device, records staged at the extent's cursor in the
+                    registered log mapping, CRC table and digest on the device, one read
+                    of cursor and digest, finish_extent, commit."""
                     nonlocal epoch
                     epoch += 1
-                    ids = gpu.shadow_diff(region, shadow, page_bytes=self.pb)
-                    n = int(ids.size)
+                    gpu.launch_shadow_diff(region, shadow, flags, page_bytes=self.pb, update=True)
+                    pos, count = gpu.dirty_positions(flags)
+                    read_back([count])
+                    n = int(mail[:8].view(np.int64)[0])
+                    ext = None
                     if n:
+                        ids = gpu.compact_flags(flags, pos, n)
                         length = ref.page_batch_length(n, self.pb)
-                        res = app.reserve(length)
-                        dst = gpu.device_buffer(reg.device_ptr + res.offset, length, reg)
+                        ext = app.reserve_extent(length)
+                        dst = gpu.device_buffer(reg.device_ptr + ext.offset, length, reg)
                         cursor.fill(0)
-                        gpu.stage_page_batch(region, ids, dst, cursor, page_bytes=self.pb, base_lsn=res.lsn,
-                                             epoch=epoch, region_id=rid, salt=res.salt, crcs=crcs[:n])
+                        gpu.stage_page_batch(region, ids, dst, cursor, page_bytes=self.pb, base_lsn=ext.lsn,
+                                             epoch=epoch, region_id=rid, salt=ext.salt, crcs=crcs[:n])
                         crcs_all[ids] = crcs[:n]
-                    digest = gpu.region_digest(crcs_all)  # synchronises: the record is in the log
-                    if n:
-                        app.persist(res)
-                    app.commit(epoch, digests={rid: digest})
+                    gpu.launch_region_digest(crcs_all, digest)
+                    read_back([cursor, digest])  # the records are in the log mapping now
+                    if ext is not None:
+                        used, records = (int(x) for x in mail[:16].view(np.uint64))
+                        app.finish_extent(ext, used, records)
+                    app.commit(epoch, digests={rid: int(mail[32:36].view(np.uint32)[0])})
                     return n
 
                 times = []
