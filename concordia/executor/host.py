@@ -32,6 +32,7 @@ from .ring import (HEADER_BYTES, NO_REGION, OFF_HEAD, OFF_INSTANCE, OFF_STATE, O
 _RELAUNCHABLE = (ConsumerState.NEVER_RAN, ConsumerState.IDLE_EXIT, ConsumerState.LIFETIME_EXIT)
 _RELAUNCHABLE_INT = frozenset(int(s) for s in _RELAUNCHABLE)
 _PING = int(Op.PING)
+_CONTROL = frozenset((int(Op.QUIESCE), int(Op.STOP)))
 _BUSY_SPINS = 4000  # polls before a waiter starts yielding the CPU (a GPU consumer needs no GIL)
 
 
@@ -127,6 +128,7 @@ class Submitter:
         self._instance = ring.instance
         self.completed = 0
         self.failed = 0                 # completions whose status was not OK
+        self._control_waiting = 0       # QUIESCE / STOP submits waiting for room (they go first)
         self.launches = 0
         # A CPU consumer needs the GIL the waiter holds while it spins: yield at once.
         self._busy = getattr(consumer, "host_busy_spins", _BUSY_SPINS)
@@ -134,7 +136,10 @@ class Submitter:
     # -- publishing ------------------------------------------------------------
 
     def try_submit(self, op: int, *, region: int = NO_REGION, tag: int = 0, args=(), keep: bool = True) -> int | None:
-        """Publish one task if there is room now; its seq, or None when full."""
+        """Publish one task if there is room now; its seq, or None when full
+        (also while a QUIESCE or STOP waits for room: control tasks go first)."""
+        if self._control_waiting and op not in _CONTROL:
+            return None
         with self._lock:
             self._check_open(op)
             if self.ring.free_slots() <= 0:
@@ -158,15 +163,27 @@ class Submitter:
             return seq
         deadline = None if timeout is None else time.monotonic() + timeout
         spins = 0
-        while True:
-            seq = self.try_submit(op, region=region, tag=tag, args=args, keep=keep)
-            if seq is not None:
-                return seq
-            if deadline is not None and time.monotonic() > deadline:
-                r = self.ring
-                raise RingFullError(f"ring full ({r.capacity} slots, {r.pending()} pending) for {timeout} s",
-                                    where=r.slot_where(r.head), hint="the consumer is slower than the producer")
-            spins = self._pause(spins)
+        r = self.ring
+        control = op in _CONTROL
+        if control:
+            with self._lock:
+                self._control_waiting += 1
+        try:
+            while True:
+                # Full ring: wait without the lock, so that a producer spinning
+                # here cannot keep other threads (a swap, a waiter) from it.
+                if r.head - r.tail < r.capacity or control:
+                    seq = self.try_submit(op, region=region, tag=tag, args=args, keep=keep)
+                    if seq is not None:
+                        return seq
+                if deadline is not None and time.monotonic() > deadline:
+                    raise RingFullError(f"ring full ({r.capacity} slots, {r.pending()} pending) for {timeout} s",
+                                        where=r.slot_where(r.head), hint="the consumer is slower than the producer")
+                spins = self._pause(spins)
+        finally:
+            if control:
+                with self._lock:
+                    self._control_waiting -= 1
 
     def submit_batch(self, ops, *, tags=None, timeout: float | None = 10.0) -> tuple[int, int]:
         """Publish many tasks (no arguments) as fast as room allows; their
@@ -175,21 +192,24 @@ class Submitter:
         tags = None if tags is None else np.asarray(tags, dtype="<u8")
         first, done, spins = None, 0, 0
         deadline = None if timeout is None else time.monotonic() + timeout
+        r = self.ring
         while done < ops.size:
-            with self._lock:
-                self._check_open(int(ops[done]))
-                self._reap_locked()
-                room = min(self.ring.free_slots(), ops.size - done)
-                if room > 0:
-                    if self.ring.head == self.ring.tail:
-                        self.watchdog.touch()
-                    s, k = self.ring.publish_batch(ops[done:done + room],
-                                                   tags=None if tags is None else tags[done:done + room])
-                    first = s if first is None else first
-                    done += k
-                    self._after_publish()
-                    spins = 0
-                    continue
+            # Full, or a QUIESCE / STOP waits for room: wait without the lock.
+            if not self._control_waiting and r.head - r.tail < r.capacity:
+                with self._lock:
+                    self._check_open(int(ops[done]))
+                    self._reap_locked()
+                    room = min(r.free_slots(), ops.size - done)
+                    if room > 0:
+                        if r.head == r.tail:
+                            self.watchdog.touch()
+                        s, k = r.publish_batch(ops[done:done + room],
+                                               tags=None if tags is None else tags[done:done + room])
+                        first = s if first is None else first
+                        done += k
+                        self._after_publish()
+                        spins = 0
+                        continue
             if deadline is not None and time.monotonic() > deadline:
                 raise RingFullError(f"ring full for {timeout} s after {done} of {ops.size} tasks",
                                     where=self.ring.slot_where(self.ring.head))

@@ -88,6 +88,31 @@ def test_back_pressure_when_the_ring_is_full():
     sub.stop()
 
 
+def test_a_waiting_quiesce_takes_the_next_free_slot_before_a_producer():
+    """A producer that keeps the ring full must not starve QUIESCE (a swap
+    under load): while QUIESCE waits for room, other tasks are refused."""
+    ring = Ring.allocate(8)
+    sub = Submitter(ring)                    # no consumer yet: the ring stays full
+    seqs = [sub.try_submit(Op.PING) for _ in range(8)]
+    got = []
+    th = threading.Thread(target=lambda: got.append(sub.submit(Op.QUIESCE, timeout=10)))
+    th.start()
+    t0 = time.monotonic()
+    while not sub._control_waiting and time.monotonic() - t0 < 5:
+        time.sleep(1e-3)
+    assert sub._control_waiting == 1
+    sub.consumer = CpuExecutor(ring)
+    sub.launch()
+    refused = 0
+    while th.is_alive() and time.monotonic() - t0 < 10:   # a producer racing for every freed slot
+        refused += sub.try_submit(Op.PING, keep=False) is None
+    th.join(5)
+    assert got == [9] and refused > 0 and sub._control_waiting == 0
+    assert [sub.wait(s, 5).seq for s in seqs] == seqs
+    assert sub.wait(9, 5).op == Op.QUIESCE
+    assert sub.consumer.join(5) and ring.state == ConsumerState.QUIESCED
+
+
 def test_a_blocked_submit_proceeds_when_the_consumer_catches_up():
     ring = Ring.allocate(4)
     gate = threading.Event()

@@ -245,7 +245,6 @@ def test_swap_under_load_between_modules(rig, g):
         th.join(60)
     assert not errors, errors
     n = produced[0]
-    assert len(reports) == 9, f"the producer ended after {n} tasks, before the 9th swap"
     sub.drain(60)
     got = np.concatenate(parts)
     work = got[got["op"] == Op.CHECKPOINT]
@@ -258,6 +257,8 @@ def test_swap_under_load_between_modules(rig, g):
     ids_seen = got["executor_id"]
     runs = [int(ids_seen[0])] + [int(b) for a, b in zip(ids_seen[:-1], ids_seen[1:]) if a != b]
     assert runs == order[: len(runs)]
+    assert len(reports) == 9, (f"the producer ended after {n} tasks, before the 9th swap; "
+                               f"swaps {[(r.first_seq, round(r.quiesce_s, 4)) for r in reports]}")
     assert all(r.gap_s < 5 for r in reports), [r.gap_s for r in reports]
     sub.stop(timeout=10)
 
