@@ -5,36 +5,56 @@ is copied, and every region against the digest its commit (or its base
 snapshot's catalog entry) states, so a restore either returns exact state or
 raises `CorruptionError` naming the record (`segment N @ 0xOFFSET`, LSN, page).
 
-Work is cut into chunks of about `chunk_bytes` of pages from one record and run
-on a small thread pool: numpy's fancy-index copy and the `crc32c` package both
-release the GIL on large buffers, so independent chunks overlap.  The GPU
-applier (scatter on the device) lives with the GPU kernels.
+A region is rebuilt in destination order, a chunk of pages (`chunk_bytes`) at
+a time: one numpy gather of 64-byte blocks copies every page of the chunk from
+wherever its last writer's record lies in the log mapping straight into place
+(record payloads are 64-byte aligned), then the CRC of each page is computed
+from the destination while the chunk is still in cache and compared with the
+stored one.  So each byte is read from the log once, written once, and the
+bytes checked are the bytes restored.  Per page there is one `crc32c` call
+driven by `map` and no Python code; the `crc32c` package hashes one buffer per
+call, so this per-call cost is what remains above a plain memcpy.  Chunks are
+independent and run on a small thread pool (numpy's gather releases the GIL;
+the CRC calls are asked to release it when threads share the work).  Sources
+that do not lie in one buffer (plans built from loose arrays) are copied per
+record through a small per-thread buffer instead.  The GPU applier (scatter on
+the device) lives with the GPU kernels.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from crc32c import crc32c as _crc32c
 
-from concordia.wal.errors import CorruptionError, WalError
+from concordia.wal.errors import CorruptionError, UsageError, WalError
 from concordia.wal.planner import Plan, RegionPlan
 
 #: pages of one record copied per task
-DEFAULT_CHUNK_BYTES = 4 << 20
+DEFAULT_CHUNK_BYTES = 1 << 20
 
 
 def default_threads() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
-def _page_crcs(src: np.ndarray) -> np.ndarray:
-    """CRC32C of each row of a (k, page_bytes) uint8 array."""
-    k, pb = src.shape
-    mv = memoryview(np.ascontiguousarray(src)).cast("B")
-    return np.fromiter((_crc32c(mv[i:i + pb]) for i in range(0, k * pb, pb)), dtype=np.uint32, count=k)
+def page_crcs(pages: np.ndarray, *, release_gil: bool = False) -> np.ndarray:
+    """CRC32C of each row of a C-contiguous (k, page_bytes) uint8 array: one
+    `crc32c` call per page, driven by `map` (no Python frame per page).  With
+    release_gil each call lets other threads run while it hashes."""
+    k = pages.shape[0]
+    if release_gil:
+        calls = map(_crc32c, pages, itertools.repeat(0), itertools.repeat(1))
+    else:
+        calls = map(_crc32c, pages)
+    return np.fromiter(calls, dtype=np.uint32, count=k)
+
+
+_page_crcs = page_crcs
 
 
 def _run_of(idx: np.ndarray) -> bool:
@@ -57,55 +77,193 @@ def _chunks(rp: RegionPlan, chunk_bytes: int):
             yield s, s.rows[i:i + per], s.page_ids[i:i + per]
 
 
-def _row_crcs(payload: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """CRC32C of the given rows of a record's (count, page_bytes) payload, read
-    in place (no gathered copy)."""
-    pb = payload.shape[1]
-    mv = memoryview(payload.reshape(-1)) if payload.flags.c_contiguous else None
-    if mv is None:
-        return _page_crcs(payload[rows])
-    return np.fromiter((_crc32c(mv[r * pb:(r + 1) * pb]) for r in rows.tolist()), dtype=np.uint32,
-                       count=rows.size)
+def _as_items(pages: np.ndarray) -> np.ndarray:
+    """A (k, page_bytes) C-contiguous uint8 array seen as k items of one page
+    each, so numpy gathers and scatters whole pages with one memcpy per page."""
+    return pages.reshape(-1).view(np.dtype((np.void, pages.shape[1])))
 
 
-def _copy_chunk(rp: RegionPlan, dst: np.ndarray, crcs: np.ndarray, src_batch, rows, pids, check: bool):
+_scratch = threading.local()
+
+
+def _scratch_pages(n: int, pb: int) -> np.ndarray:
+    """A per-thread (n, pb) buffer, reused across chunks so it stays in cache."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.shape[1] != pb or buf.shape[0] < n:
+        buf = _scratch.buf = np.empty((n, pb), dtype=np.uint8)
+    return buf[:n]
+
+
+def _bad_page(rp: RegionPlan, batch, rows, pids, stored, got, i: int) -> CorruptionError:
+    pb = rp.region.page_bytes
+    off = batch.offset + (batch.length - batch.page_ids.size * pb) + int(rows[i]) * pb
+    return CorruptionError(
+        f"page CRC mismatch for page {int(pids[i])} of region {rp.name!r} in record lsn "
+        f"{batch.lsn}, stored 0x{int(stored[i]):08x}, computed 0x{int(got[i]):08x}",
+        where=f"segment {batch.segment} @ {off:#x}",
+    )
+
+
+def _copy_chunk(rp: RegionPlan, dst: np.ndarray, crcs: np.ndarray, src_batch, rows, pids, check: bool,
+                release_gil: bool = False):
     """Verify the pages `rows` of one record, then copy them to page numbers `pids`
-    of the flat uint8 buffer `dst` (whose last page may be short).  Long runs
-    (consecutive rows to consecutive pages) go slice to slice; scattered pages
-    through one gather/scatter."""
+    of the flat uint8 buffer `dst` (whose last page may be short).
+
+    One pass over the source per page: scattered rows are first gathered into a
+    small per-thread buffer (which stays in cache), their CRCs computed there,
+    then scattered to the destination; a run of consecutive rows is checked in
+    place and copied slice to slice while it is still in cache.  Either way the
+    bytes checked are exactly the bytes copied."""
     pb = rp.region.page_bytes
     payload = src_batch.payload
     if payload is None:
         raise WalError(f"record at lsn {src_batch.lsn} carries no payload view", hint="plan from an open log")
+    if not rows.size:
+        return
+    count = payload.shape[0]
+    full = dst.size // pb
+    # np.take / np.put below run with mode="clip", which would hide a bad index
+    if rows.size != pids.size or int(rows.min()) < 0 or int(rows.max()) >= count \
+            or int(pids.min()) < 0 or int(pids.max()) > full - (dst.size == full * pb):
+        raise WalError(f"plan source of record lsn {src_batch.lsn} names rows or pages out of range",
+                       hint="the plan does not belong to this log")
     stored = np.asarray(src_batch.page_crcs)[rows]
+    if not payload.flags.c_contiguous:
+        payload = np.ascontiguousarray(payload)
+    if _run_of(rows):
+        src = payload[int(rows[0]):int(rows[-1]) + 1]
+    else:
+        src = _scratch_pages(rows.size, pb)
+        np.take(_as_items(payload), rows, out=_as_items(src), mode="clip")
     if check:
-        got = _row_crcs(payload, rows)
+        got = page_crcs(src, release_gil=release_gil)
         bad = np.flatnonzero(got != stored)
         if bad.size:
-            i = int(bad[0])
-            off = src_batch.offset + (src_batch.length - src_batch.page_ids.size * pb) + int(rows[i]) * pb
-            raise CorruptionError(
-                f"page CRC mismatch for page {int(pids[i])} of region {rp.name!r} in record lsn "
-                f"{src_batch.lsn}, stored 0x{int(stored[i]):08x}, computed 0x{int(got[i]):08x}",
-                where=f"segment {src_batch.segment} @ {off:#x}",
-            )
+            raise _bad_page(rp, src_batch, rows, pids, stored, got, int(bad[0]))
     crcs[pids] = stored
-    full = dst.size // pb
+    if int(pids[-1]) >= full:  # the region's short last page
+        dst[full * pb:] = src[-1, : dst.size - full * pb]
+        src, pids = src[:-1], pids[:-1]
+        if not pids.size:
+            return
     pages = dst[: full * pb].reshape(full, pb)
-    if pids.size and int(pids[-1]) >= full:  # the region's short last page
-        dst[full * pb:] = payload[int(rows[-1]), : dst.size - full * pb]
-        rows, pids = rows[:-1], pids[:-1]
-    if not pids.size:
-        return
-    brk = np.flatnonzero((np.diff(rows) != 1) | (np.diff(pids) != 1)) + 1
-    if brk.size * 16 > rows.size:  # short runs: one fancy gather/scatter
-        pages[pids] = payload[rows]
-        return
-    starts = np.concatenate(([0], brk)).tolist()
-    ends = np.concatenate((brk, [rows.size])).tolist()
-    for s0, e0 in zip(starts, ends):
-        r0, p0, n = int(rows[s0]), int(pids[s0]), e0 - s0
-        pages[p0:p0 + n] = payload[r0:r0 + n]
+    if _run_of(pids):
+        np.copyto(pages[int(pids[0]):int(pids[-1]) + 1], src)
+    else:
+        np.put(_as_items(pages), pids, _as_items(np.ascontiguousarray(src)), mode="clip")
+
+
+BLOCK = 64  # record payloads start 64-byte aligned (FORMAT.md), so a page is whole blocks
+
+
+def _root(a: np.ndarray) -> np.ndarray:
+    """The outermost ndarray a view was taken from (for a real log: the
+    backend mapping every record payload lies in)."""
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a
+
+
+def _gather_map(rp: RegionPlan):
+    """(root, offsets, stored, owner, rows) for a region whose sources all lie
+    in one C-contiguous buffer, 64-byte aligned: for every region page, the byte
+    offset of its source page in `root` (-1 for a zero page), its stored CRC,
+    and which source / row it comes from (for naming a damaged page).  None when
+    the sources do not share such a buffer (then pages are copied per source)."""
+    r = rp.region
+    pb = r.page_bytes
+    if not rp.sources or pb % BLOCK:
+        return None
+    roots = {}
+    for s in rp.sources:
+        pay = s.batch.payload
+        if not isinstance(pay, np.ndarray) or not pay.flags.c_contiguous or pay.dtype != np.uint8:
+            return None
+        root = _root(pay)
+        roots[id(root)] = root
+        if len(roots) > 1 or not root.flags.c_contiguous:
+            return None
+    root = roots.popitem()[1]
+    base = root.ctypes.data
+    offsets = np.full(r.pages, -1, dtype=np.int64)
+    stored = np.zeros(r.pages, dtype=np.uint32)
+    owner = np.full(r.pages, -1, dtype=np.int32)
+    rows_of = np.zeros(r.pages, dtype=np.int64)
+    for i, s in enumerate(rp.sources):
+        pay = s.batch.payload
+        off = pay.ctypes.data - base
+        if off < 0 or off % BLOCK or off + pay.nbytes > root.nbytes:
+            return None
+        _check_source(s.batch, s.rows, s.page_ids, r.pages)
+        offsets[s.page_ids] = off + s.rows.astype(np.int64) * pb
+        stored[s.page_ids] = np.asarray(s.batch.page_crcs)[s.rows]
+        owner[s.page_ids] = i
+        rows_of[s.page_ids] = s.rows
+    return root, offsets, stored, owner, rows_of
+
+
+def _check_source(batch, rows, pids, pages: int) -> None:
+    """Rows within the record, page numbers within the region (the gathers below
+    run with mode="clip", which would otherwise hide a bad index)."""
+    count = batch.payload.shape[0]
+    if rows.size != pids.size or (rows.size and (int(rows.min()) < 0 or int(rows.max()) >= count
+                                                 or int(pids.min()) < 0 or int(pids.max()) >= pages)):
+        raise WalError(f"plan source of record lsn {batch.lsn} names rows or pages out of range",
+                       hint="the plan does not belong to this log")
+
+
+def _gather_pages(rp: RegionPlan, gm, dst: np.ndarray, crcs: np.ndarray, lo: int, hi: int, check: bool,
+                  release_gil: bool) -> None:
+    """Region pages [lo, hi) (all whole pages of `dst`) in page order: one gather
+    of 64-byte blocks from wherever each page lies in the log straight into the
+    destination (one copy, destination written sequentially), then the CRC of
+    each destination page while it is still in cache, against the CRC stored
+    in its record."""
+    root, offsets, stored, owner, rows_of = gm
+    pb = rp.region.page_bytes
+    off = offsets[lo:hi]
+    have = off >= 0
+    if not have.any():
+        return  # zero pages: the destination starts zero
+    per = pb // BLOCK
+    blocks = (np.where(have, off, 0) // BLOCK)[:, None] + np.arange(per, dtype=np.int64)
+    src = root.reshape(-1)[: root.nbytes // BLOCK * BLOCK].view(np.dtype((np.void, BLOCK)))
+    out = dst[lo * pb:hi * pb]
+    np.take(src, blocks.reshape(-1), out=out.view(np.dtype((np.void, BLOCK))), mode="clip")
+    pages = out.reshape(hi - lo, pb)
+    zero = np.flatnonzero(~have)
+    if zero.size:
+        pages[zero] = 0
+    exp = stored[lo:hi]
+    if check:
+        got = page_crcs(pages, release_gil=release_gil)
+        bad = np.flatnonzero((got != exp) & have)
+        if bad.size:
+            i = int(bad[0])
+            s = rp.sources[int(owner[lo + i])]
+            raise _bad_page(rp, s.batch, rows_of[lo:hi], np.arange(lo, hi), exp, got, i)
+    crcs[lo:hi][have] = exp[have]
+
+
+def _region_jobs(rp: RegionPlan, dst: np.ndarray, crcs: np.ndarray, check: bool, chunk_bytes: int,
+                 release_gil: bool) -> list:
+    """The work of restoring one region into the flat uint8 buffer `dst` (whose
+    last page may be short), as independent jobs."""
+    pb = rp.region.page_bytes
+    gm = _gather_map(rp)
+    if gm is None:  # sources in separate buffers: per source, gathered through a small buffer
+        return [lambda s=s, rows=rows, pids=pids: _copy_chunk(rp, dst, crcs, s.batch, rows, pids, check,
+                                                              release_gil)
+                for s, rows, pids in _chunks(rp, chunk_bytes)]
+    full = dst.size // pb
+    per = max(1, chunk_bytes // pb)
+    jobs = [lambda lo=lo: _gather_pages(rp, gm, dst, crcs, lo, min(full, lo + per), check, release_gil)
+            for lo in range(0, full, per)]
+    if full < rp.region.pages and gm[1][full] >= 0:  # the short last page, from its record
+        s = rp.sources[int(gm[3][full])]
+        row = gm[4][full:full + 1]
+        jobs.append(lambda: _copy_chunk(rp, dst, crcs, s.batch, row, np.array([full]), check))
+    return jobs
 
 
 def _finish_region(rp: RegionPlan, crcs: np.ndarray, check: bool) -> None:
@@ -134,30 +292,64 @@ def _run(jobs, threads: int):
             f.result()
 
 
+def _zero_pages(rp: RegionPlan, dst: np.ndarray) -> None:
+    """Zero the pages nobody wrote (for a destination that does not start zero)."""
+    pb = rp.region.page_bytes
+    ids = rp.zero_page_ids
+    if not ids.size:
+        return
+    full = dst.size // pb
+    whole = ids[ids < full]
+    if whole.size:
+        np.put(_as_items(dst[: full * pb].reshape(full, pb)), whole, np.zeros(1, np.dtype((np.void, pb))))
+    if ids[-1] >= full:
+        dst[full * pb:] = 0
+
+
+def _target(name: str, r, arr) -> np.ndarray:
+    """The flat uint8 bytes of a caller's array for region `r`, checked."""
+    if not isinstance(arr, np.ndarray) or arr.dtype != np.dtype(r.dtype) or arr.shape != tuple(r.shape) \
+            or not arr.flags.c_contiguous or not arr.flags.writeable:
+        got = (f"{arr.dtype} {arr.shape}" if isinstance(arr, np.ndarray) else type(arr).__name__)
+        raise UsageError(f"out[{name!r}] must be a writable C-contiguous {np.dtype(r.dtype)} array of shape "
+                         f"{tuple(r.shape)}, not {got}")
+    return arr.reshape(-1).view(np.uint8)
+
+
 def apply_plan_numpy(log, plan: Plan, *, check: bool = True, threads: int | None = None,
-                     chunk_bytes: int = DEFAULT_CHUNK_BYTES, regions=None) -> dict:
+                     chunk_bytes: int = DEFAULT_CHUNK_BYTES, regions=None, out: dict | None = None) -> dict:
     """Restore every region of `plan` into a new numpy array of the region's
     dtype and shape; returns {name: array}.  Pages are CRC-checked and each
     region's digest compared with its commit unless check=False.  `log` keeps
-    the mapping the plan's records point into alive; it is not otherwise used."""
+    the mapping the plan's records point into alive; it is not otherwise used.
+
+    out: {name: array} restores those regions into the caller's arrays instead
+    (C-contiguous, the region's dtype and shape; e.g. the live buffers of a
+    restarted process), which are returned as they are."""
     threads = default_threads() if threads is None else max(1, int(threads))
-    out, flats, crcs, jobs = {}, {}, {}, []
+    out = dict(out or {})
+    unknown = sorted(set(out) - set(plan.regions))
+    if unknown:
+        raise UsageError(f"out names regions the plan does not hold: {', '.join(map(repr, unknown))}")
+    result, crcs, jobs = {}, {}, []
     for name, rp in plan.regions.items():
         if regions is not None and name not in regions:
             continue
         r = rp.region
-        flat = np.zeros(r.pages * r.page_bytes, dtype=np.uint8)
-        flats[name] = flat
+        if name in out:
+            flat = _target(name, r, out[name])
+            _zero_pages(rp, flat)
+            result[name] = out[name]
+        else:
+            flat = np.zeros(r.pages * r.page_bytes, dtype=np.uint8)
+            result[name] = flat[: r.nbytes].view(np.dtype(r.dtype)).reshape(r.shape)
         crcs[name] = np.zeros(r.pages, dtype=np.uint32)
-        out[name] = flat[: r.nbytes].view(np.dtype(r.dtype)).reshape(r.shape)
-        for s, rows, pids in _chunks(rp, chunk_bytes):
-            jobs.append(lambda rp=rp, flat=flat, c=crcs[name], s=s, rows=rows, pids=pids:
-                        _copy_chunk(rp, flat, c, s.batch, rows, pids, check))
+        jobs += _region_jobs(rp, flat, crcs[name], check, chunk_bytes, threads > 1)
     _run(jobs, threads)
     for name, rp in plan.regions.items():
-        if name in flats:
+        if name in crcs:
             _finish_region(rp, crcs[name], check)
-    return out
+    return result
 
 
 def restore_region_npy(log, plan: Plan, region: str, path, *, check: bool = True,
@@ -175,8 +367,7 @@ def restore_region_npy(log, plan: Plan, region: str, path, *, check: bool = True
     try:
         flat = mm.reshape(-1).view(np.uint8) if mm.size else np.zeros(0, np.uint8)
         crcs = np.zeros(r.pages, dtype=np.uint32)
-        jobs = [lambda s=s, rows=rows, pids=pids: _copy_chunk(rp, flat, crcs, s.batch, rows, pids, check)
-                for s, rows, pids in _chunks(rp, chunk_bytes)]
+        jobs = _region_jobs(rp, flat, crcs, check, chunk_bytes, threads > 1)
         _run(jobs, threads)  # zero pages: open_memmap's file starts zero-filled
         _finish_region(rp, crcs, check)
         mm.flush()
