@@ -20,8 +20,10 @@
 // within `child_timeout_ns` fails its task with TIMEOUT and the executor with FAULT.
 //
 // -D options: CX_CHILD (0/1), CX_OPS (bit mask of op codes compiled into the
-// operator table; PING, QUIESCE and STOP are always there), CX_MAXNREG
-// (register cap of the control warp).
+// operator table; PING, QUIESCE and STOP are always there).
+// (A 32-register cap on the control warp, so that it fits beside a GEMM block
+// that fills the register file, was measured on the H200: the GEMM slowed just
+// as much, so the block slot, not registers, is what residency costs.)
 
 #ifndef CX_CHILD
 #define CX_CHILD 1
@@ -338,17 +340,7 @@ __device__ int run_handler(u32 op, const u64* a, cx_scratch* sc, u32 n_sm, u64 c
     return __shfl_sync(FULL, status, 0);
 }
 
-// Registers: CX_MAXNREG caps the control warp (spilling only on the handler
-// paths) so that it fits beside a block that takes nearly the whole register
-// file, as large GEMM tiles do (32 registers x 32 threads = 1024, the smallest
-// footprint the warp can have); without it, the compiler's choice.
-#if defined(CX_MAXNREG)
-#define CX_EXECUTOR_BOUNDS __maxnreg__(CX_MAXNREG)
-#else
-#define CX_EXECUTOR_BOUNDS __launch_bounds__(32, 1)
-#endif
-
-extern "C" __global__ void CX_EXECUTOR_BOUNDS
+extern "C" __global__ void __launch_bounds__(32, 1)
     cx_executor(u8* ring, u32 capacity, u32 executor_id, u32 instance, cx_scratch* sc, u32 n_sm, u64 idle_ns,
                 u64 lifetime_ns, u64 child_timeout_ns, u32 poll_max_ns, u32 resume) {
     if (blockIdx.x != 0 || threadIdx.x >= 32) return;

@@ -65,14 +65,9 @@ def kernel_source(path: Path = KERNEL_SOURCE) -> str:
         raise ExecutorError(f"cannot read kernel source: {exc.strerror}", where=str(path)) from None
 
 
-# Register cap of the control warp (executor.cu, CX_MAXNREG): 32 x 32 threads is
-# the 1024 registers a GEMM block that fills the rest of the register file leaves.
-MAXNREG_OPTION = "-DCX_MAXNREG=32"
-
-
 def compile_options(*, child: bool, ops_mask: int = ALL_OPS_MASK) -> tuple[str, ...]:
     """NVRTC / nvcc options of one executor module variant."""
-    opts = (f"-DCX_CHILD={int(child)}", f"-DCX_OPS=0x{ops_mask:x}u", MAXNREG_OPTION)
+    opts = (f"-DCX_CHILD={int(child)}", f"-DCX_OPS=0x{ops_mask:x}u")
     return opts + (("-rdc=true",) if child else ())
 
 
@@ -118,9 +113,6 @@ class ExecutorModule:
                     if self.child and "cudaGetLastError" in str(exc) and "-DCX_NO_LAUNCH_STATUS" not in self.options:
                         # NVRTC without the device runtime's declarations: launch failures show as timeouts.
                         self.options += ("-DCX_NO_LAUNCH_STATUS",)
-                    elif MAXNREG_OPTION in self.options:
-                        # a compiler without __maxnreg__ (CUDA < 12.4): the compiler's register count
-                        self.options = tuple(o for o in self.options if o != MAXNREG_OPTION)
                     else:
                         raise
         except ExecutorError:
