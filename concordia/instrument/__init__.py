@@ -45,7 +45,8 @@ def enable(*, exit_hooks: bool = True, pause_gate: bool = True, track_stores: bo
 
 
 def disable() -> Report | None:
-    """Restore CuPy's compiler; kernels already loaded keep their hooks."""
+    """Restore CuPy's compiler.  Kernels already loaded keep their exit hooks
+    but are detached from the gate and the tracked regions."""
     global _hook
     from concordia.instrument.cupy_hook import clear_cupy_memos
 

@@ -74,6 +74,14 @@ class CupyHook:
         for name, fn in self.saved.items():
             setattr(self.compiler, name, fn)
         self.saved.clear()
+        # CuPy keeps compiled kernels in caches clear_memo() does not reach
+        # (ufuncs, ElementwiseKernel instances), so modules of this session stay
+        # in use after it ends.  They must stop polling a gate and marking
+        # bitmaps that the caller is about to free (and whose memory the pool
+        # hands to the next session's arrays): exit hooks stay, the rest goes.
+        for rec in self.report.modules:
+            if rec.handle is not None:
+                runtime.attach(rec.handle, rec.result, None, [])
 
     # replacements ---------------------------------------------------------
     def _ptx_arch(self, arch=None, *args, **kwargs):

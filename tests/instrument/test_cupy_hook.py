@@ -195,3 +195,21 @@ def test_runtime_sees_the_rewriter_module_not_the_function_of_the_same_name():
     table = runtime.region_table([], 4)           # reads the layout constants
     from concordia.instrument.rewrite import REGION_WORDS
     assert table.size == 4 * REGION_WORDS and not table.any()
+
+
+def test_disable_detaches_loaded_modules_from_gate_and_regions(monkeypatch):
+    import concordia.instrument.cupy_hook as ch
+
+    calls = []
+    monkeypatch.setattr(ch.runtime, "attach", lambda mod, res, gate, regions: calls.append(
+        (mod, gate, list(regions))))
+    c = fake_compiler()
+    gate, region = object(), object()
+    instrument.enable(track_stores=True, compiler=c, gate=gate)
+    try:
+        mod = c._compile_with_cache_cuda(PTX, (), None, "/x")
+        instrument.set_regions([region])
+        assert calls[-1] == (mod, gate, [region])
+    finally:
+        instrument.disable()
+    assert calls[-1] == (mod, None, [])       # no stale gate or bitmap after disable()

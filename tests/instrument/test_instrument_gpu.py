@@ -81,7 +81,7 @@ def test_instrumented_kernels_compute_identical_results(cp):
     assert instrument.epochs(rec.handle, rec.result)["axpy"] == 5
 
     ew = cp.ElementwiseKernel("float32 a, float32 b", "float32 z", "z = a * 2 + b", "cc_ew")
-    red = cp.ReductionKernel("float32 a", "float32 s", "a", "_j + _k", "s = _j", "0", "cc_sum")
+    red = cp.ReductionKernel("float32 v", "float32 s", "v", "a + b", "s = a", "0", "cc_sum")
     z = ew(x, y0)
     s = red(x)
     assert cp.array_equal(z, x * 2 + y0) or np.array_equal(z.get(), x.get() * 2 + y0.get())
