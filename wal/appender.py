@@ -15,12 +15,54 @@ import itertools
 from dataclasses import dataclass
 
 import numpy as np
+from crc32c import crc32c as _crc32c
 
 from . import format as F
-from .errors import RecordTooLargeError, UsageError
+from .errors import RecordTooLargeError, UsageError, WalError
 from .volume import SegmentInfo, Volume
 
 _ids = itertools.count(1)
+
+
+def page_crcs_of(pages: np.ndarray) -> np.ndarray:
+    """CRC32C of each row of a C-contiguous (count, page_bytes) uint8 array, one
+    `crc32c` call per page driven by `map` (no Python frame per page)."""
+    return np.fromiter(map(_crc32c, pages), dtype=np.uint32, count=pages.shape[0])
+
+
+_ZERO_HEADER = bytes(F.RECORD_HEADER_SIZE)
+
+
+def page_batch_head(page_ids: np.ndarray, page_crcs, page_bytes: int) -> np.ndarray:
+    """Header and tables of a page batch (everything before its payload), the
+    bytes `format.encode_page_batch_into` writes there, with the same checks;
+    the header fields that depend on where the record goes are filled by the
+    caller with `format.encode_record_header_into`."""
+    count = int(page_ids.size)
+    if count == 0 or count > F.MAX_BATCH_PAGES:
+        raise WalError(f"a page batch holds 1..{F.MAX_BATCH_PAGES} pages, not {count}")
+    if page_bytes <= 0 or page_bytes % F.RECORD_ALIGN or page_bytes > F.MAX_PAGE_BYTES:
+        raise WalError(f"page_bytes {page_bytes} is not a positive multiple of 64")
+    if count > 1 and not np.all(page_ids[1:] > page_ids[:-1]):
+        raise WalError("page ids of a batch must be strictly increasing")
+    if page_ids[0] < 0 or page_ids[-1] > 0xFFFFFFFF:
+        raise WalError("page ids must fit in u32")
+    crcs = np.asarray(page_crcs, dtype=np.uint32)
+    if crcs.size != count:
+        raise WalError(f"{crcs.size} page CRCs for {count} pages")
+    head = np.zeros(F.page_batch_payload_offset(count), dtype=np.uint8)
+    t32 = head[F.RECORD_HEADER_SIZE:].view("<u4")
+    t32[:count] = page_ids
+    t32[count:2 * count] = crcs
+    return head
+
+
+def _page_rows(pages, count: int, page_bytes: int):
+    """`pages` as a C-contiguous (count, page_bytes) uint8 array without a copy,
+    or None when it is not one (the encoder then copies and checks it)."""
+    if not isinstance(pages, np.ndarray) or not pages.flags.c_contiguous or pages.nbytes != count * page_bytes:
+        return None
+    return pages.reshape(-1).view(np.uint8).reshape(count, page_bytes)
 
 
 @dataclass
@@ -64,6 +106,9 @@ class Appender:
         #: ONE_SYNC) where a sync costs a device round trip: msync tiers
         self.one_sync = self.backend.persist_path == "msync"
         self._dirty: list[list[int]] = []  # [start, end) ranges to persist at the next commit
+        #: page-cache files: CPU-encoded records go in with pwritev from the caller's
+        #: pages (no page fault per page after each msync); the mapping stays for reads
+        self._write_at = getattr(self.backend, "write_at", None)
         self.on_write = None  # called after every record write (the Log's rescan flag)
 
     # -- space --------------------------------------------------------------------
@@ -81,7 +126,7 @@ class Appender:
         self.seg = self.vol.take_segment(old)
         self.pos = self.seg.offset + F.SEGMENT_HEADER_SIZE
 
-    def _take(self, nbytes: int, cls) -> Reservation:
+    def _take(self, nbytes: int, cls, zero_next: bool = True) -> Reservation:
         n = F.align64(int(nbytes))
         if n <= 0:
             raise UsageError(f"cannot reserve {nbytes} bytes")
@@ -93,7 +138,7 @@ class Appender:
         off = self.pos
         self.pos += n
         seg = self.seg
-        if self.pos + 64 <= seg.offset + seg.nbytes:
+        if zero_next and self.pos + 64 <= seg.offset + seg.nbytes:
             # the header slot after this reservation starts zero, so that after a crash
             # the data ends cleanly there even in a recycled segment full of stale bytes
             self.backend.array[self.pos:self.pos + 64] = 0
@@ -197,11 +242,29 @@ class Appender:
                 raise UsageError("pass page_bytes, or pages as a (count, page_bytes) array")
             page_bytes = int(pages.shape[1]) * pages.itemsize
         length = F.page_batch_length(count, page_bytes)
-        res = self._take(length, Reservation)
-        del self.outstanding[res.id]
-        F.encode_page_batch_into(res.view, lsn=res.lsn, epoch=epoch, region_id=region_id, salt=res.salt,
-                                 page_ids=ids, pages=pages, page_bytes=page_bytes,
-                                 flags=F.FLAG_BASE if base else 0, page_crcs=page_crcs)
+        src = _page_rows(pages, count, page_bytes)
+        if page_crcs is None and src is not None:
+            # CRC each source page (the copy that follows then reads it from cache)
+            page_crcs = page_crcs_of(src)
+        flags = F.FLAG_BASE if base else 0
+        if self._write_at is not None and src is not None:
+            head = page_batch_head(ids, page_crcs, page_bytes)  # checks before space is taken
+            res = self._take(length, Reservation, zero_next=False)
+            del self.outstanding[res.id]
+            F.encode_record_header_into(head, length=length, type=F.REC_PAGE_BATCH, lsn=res.lsn, epoch=epoch,
+                                        region_id=region_id, salt=res.salt,
+                                        body_crc=_crc32c(head[F.RECORD_HEADER_SIZE:F.RECORD_HEADER_SIZE + 8 * count]),
+                                        count=count, page_bytes=page_bytes, flags=flags)
+            parts = [head, src]
+            if self.pos + 64 <= self.seg.offset + self.seg.nbytes:
+                parts.append(_ZERO_HEADER)  # the next header slot starts zero (see _take)
+            self._write_at(res.offset, parts)
+        else:
+            res = self._take(length, Reservation)
+            del self.outstanding[res.id]
+            F.encode_page_batch_into(res.view, lsn=res.lsn, epoch=epoch, region_id=region_id, salt=res.salt,
+                                     page_ids=ids, pages=pages if src is None else src, page_bytes=page_bytes,
+                                     flags=flags, page_crcs=page_crcs)
         if not base:  # BASE batches are outside epoch accounting (V-N1)
             self._count(epoch, length, res.lsn)
         self._defer(res.offset, length)
