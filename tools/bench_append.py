@@ -181,6 +181,21 @@ def _lmdb(path: str, src, npp: int, nrec: int, commit_bytes: int, synced: bool) 
         shutil.rmtree(path, ignore_errors=True)
 
 
+def _fstype(path: str) -> str | None:
+    """The file system type holding `path` (what the file log is measured on)."""
+    best, kind = "", None
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 2 and (path == fields[1] or path.startswith(fields[1].rstrip("/") + "/")) \
+                        and len(fields[1]) >= len(best):
+                    best, kind = fields[1], fields[2]
+    except OSError:
+        pass
+    return kind
+
+
 def run(total: int, sizes, commit_bytes: int, media, workdir: str, repeat: int) -> dict:
     src = _source()
     rows = []
@@ -241,7 +256,7 @@ def run(total: int, sizes, commit_bytes: int, media, workdir: str, repeat: int) 
     if verify:
         goals["verify_ge_5_gb_per_s"] = verify["gb_per_s"] >= 5.0
     return {"benchmark": "append", "page_bytes": PAGE, "total_bytes": total, "commit_bytes": commit_bytes,
-            "repeat": repeat, "cpu_count": os.cpu_count(), "file_dir": workdir, "results": rows,
+            "repeat": repeat, "cpu_count": os.cpu_count(), "file_fs": _fstype(workdir), "results": rows,
             "verify": verify, "goals": goals}
 
 
