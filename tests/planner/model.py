@@ -187,7 +187,11 @@ class ModelHistory:
             self.batches = [b for b in self.batches
                             if (b.base and (b.region_id, b.epoch) in live)
                             or (not b.base and b.epoch > cut[b.region_id])]
-            self.commits = {e: c for e, c in self.commits.items() if e >= self.floor}
+            # a commit stays while any region may still read a delta of its
+            # epoch (as compact.needed_from keeps it on media): dropping it would
+            # make that delta look uncommitted
+            min_cut = min(cut.values())
+            self.commits = {e: c for e, c in self.commits.items() if e >= self.floor or e > min_cut}
 
     def history(self, damage=()):
         return History(regions=dict(self.regions), batches=list(self.batches), commits=dict(self.commits),
