@@ -26,6 +26,10 @@ def snapshot(*dirs) -> dict:
     sizes, modification times and contents."""
     out = {}
     for d in dirs:
+        d = str(d)
+        if not os.path.isdir(d):   # one path: its state, or that it is absent
+            out[d] = _state(d) if os.path.lexists(d) else None
+            continue
         for base, subdirs, files in os.walk(d):
             for name in subdirs + files:
                 p = os.path.join(base, name)
@@ -36,6 +40,21 @@ def snapshot(*dirs) -> dict:
                         digest = hashlib.sha256(f.read()).hexdigest()
                 out[p] = (st.st_mode, st.st_uid, st.st_size, st.st_mtime_ns, digest)
     return out
+
+
+def _state(p):
+    st = os.lstat(p)
+    digest = None
+    if os.path.isfile(p) and not os.path.islink(p):
+        with open(p, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+    return (st.st_mode, st.st_uid, st.st_size, st.st_mtime_ns, digest)
+
+
+def shm_path(name):
+    """The one /dev/shm entry a test may touch: /dev/shm as a whole changes
+    under other tests running in parallel."""
+    return os.path.join("/dev/shm", name)
 
 
 def refused(cls, fn, *dirs):
@@ -85,7 +104,7 @@ def test_missing_parent_directory_when_creating(tmp_path):
 
 
 def test_missing_shm_object(shm_name):
-    refused(E.PathNotFoundError, lambda: open_backend(f"shm:{shm_name}"), "/dev/shm")
+    refused(E.PathNotFoundError, lambda: open_backend(f"shm:{shm_name}"), shm_path(shm_name))
 
 
 def test_missing_dax_device(tmp_path):
@@ -132,7 +151,7 @@ def test_foreign_owner_refused_unless_allowed(existing, kind, shm_name):
         os.chmod(path, 0o600)
     os.chown(path, NOBODY, NOBODY)
     spec = f"shm:{shm_name}" if kind == "shm" else f"{kind}:{path}"
-    where = "/dev/shm" if kind == "shm" else existing.parent
+    where = shm_path(shm_name) if kind == "shm" else existing.parent
     err = refused(E.ForeignOwnerError, lambda: open_backend(spec), where)
     assert f"uid {NOBODY}" in str(err) and "allow_foreign_owner" in str(err)
     with open_backend(spec, allow_foreign_owner=True) as b:
@@ -159,7 +178,7 @@ def test_bad_size_when_creating(tmp_path, kind, size):
 
 def test_bad_size_shm(shm_name):
     refused(E.BadSizeError, lambda: open_backend(f"shm:{shm_name}", size=1000, create=True),
-            "/dev/shm")
+            shm_path(shm_name))
 
 
 def test_creating_without_a_size(tmp_path):
@@ -331,7 +350,7 @@ def test_bad_libpmem_mode(tmp_path):
 @pytest.mark.parametrize("node", [4096, -1, "0"])
 def test_numa_node_that_does_not_exist(shm_name, node):
     err = refused(E.NumaNodeError, lambda: open_backend(f"shm:{shm_name}", size=1 << 16,
-                                                        create=True, numa_node=node), "/dev/shm")
+                                                        create=True, numa_node=node), shm_path(shm_name))
     assert str(node) in str(err)
 
 
