@@ -18,7 +18,6 @@ and LMDB, verify >= 5 GB/s on one core.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sqlite3
@@ -32,7 +31,7 @@ from crc32c import crc32c
 from concordia.devmem import open_backend
 from concordia.wal import Log
 
-from .common import SIZE, emit_json, guarded
+from .common import SIZE, guarded, report
 
 PAGE = 4096
 SIZES = (1, 4, 16, 64, 256, 1024)
@@ -316,10 +315,4 @@ def command(total, sizes, commit_bytes, media, workdir, repeat, quick, as_json, 
         doc = run(total, sizes, commit_bytes, media or MEDIA, scratch, repeat)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    if out:
-        with open(out, "w") as f:
-            json.dump(doc, f, indent=2)
-    if as_json:
-        emit_json(doc)
-    else:
-        click.echo(_table(doc))
+    report(doc, as_json=as_json, out=out, table=_table)

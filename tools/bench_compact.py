@@ -19,7 +19,7 @@ import click
 import numpy as np
 
 from .bench_restore import build_log
-from .common import SIZE, emit_json, guarded
+from .common import SIZE, guarded, report
 
 
 def run(size: int, epochs: int, dirty: float, page_bytes: int, chunk: int) -> dict:
@@ -116,12 +116,4 @@ def command(size, epochs, dirty, page_bytes, chunk, quick, as_json, out):
     if size <= 0 or epochs < 1 or not 0 < dirty <= 1 or page_bytes <= 0 or page_bytes % 64 or chunk < page_bytes:
         raise click.BadParameter("size, epochs positive, dirty in (0, 1], page bytes a multiple of 64, chunk >= a page")
     doc = run(size, epochs, dirty, page_bytes, chunk)
-    if out:
-        import json
-
-        with open(out, "w") as f:
-            json.dump(doc, f, indent=2)
-    if as_json:
-        emit_json(doc)
-    else:
-        click.echo(_table(doc))
+    report(doc, as_json=as_json, out=out, table=_table)

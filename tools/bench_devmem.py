@@ -21,7 +21,7 @@ import numpy as np
 
 from concordia.devmem import libpmem, open_backend
 
-from .common import SIZE, emit_json, guarded
+from .common import SIZE, guarded, report
 
 TIERS = ("memory", "shm", "file", "pmem", "pmem-nolibpmem", "devdax-emulated", "pinned")
 
@@ -172,12 +172,4 @@ def command(size, chunk, repeat, tiers, workdir, quick, as_json, out):
         doc = run(size, chunk, repeat, tiers or TIERS, scratch)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    if out:
-        import json
-
-        with open(out, "w") as f:
-            json.dump(doc, f, indent=2)
-    if as_json:
-        emit_json(doc)
-    else:
-        click.echo(_table(doc))
+    report(doc, as_json=as_json, out=out, table=_table)

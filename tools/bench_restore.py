@@ -21,7 +21,7 @@ import time
 import click
 import numpy as np
 
-from .common import SIZE, emit_json, guarded
+from .common import SIZE, guarded, report
 
 
 def build_log(size: int, epochs: int, dirty: float, page_bytes: int, seed: int = 7):
@@ -185,12 +185,4 @@ def command(size, epochs, dirty, page_bytes, repeat, threads, quick, as_json, ou
     if size <= 0 or epochs < 1 or repeat < 1 or not 0 < dirty <= 1 or page_bytes <= 0 or page_bytes % 64:
         raise click.BadParameter("size, epochs, repeat must be positive, dirty in (0, 1], page bytes a multiple of 64")
     doc = run(size, epochs, dirty, page_bytes, repeat, threads)
-    if out:
-        import json
-
-        with open(out, "w") as f:
-            json.dump(doc, f, indent=2)
-    if as_json:
-        emit_json(doc)
-    else:
-        click.echo(_table(doc))
+    report(doc, as_json=as_json, out=out, table=_table)

@@ -203,3 +203,15 @@ def unwritten_slot(vol) -> str | None:
     if off + sb.slot_bytes <= arr.size and not arr[off:off + sb.slot_bytes].any():
         return "B"
     return None
+
+
+def report(doc: dict, *, as_json: bool, out: str | None, table) -> None:
+    """How every benchmark ends: JSON to `out` when asked, then JSON or the
+    table (`table(doc) -> str`) on stdout."""
+    if out:
+        with open(out, "w") as f:
+            json.dump(doc, f, indent=2, allow_nan=False, default=_jsonable)
+    if as_json:
+        emit_json(doc)
+    else:
+        click.echo(table(doc))
