@@ -18,9 +18,9 @@ import os
 import stat
 
 from . import libpmem as _libpmem
-from .backend import Backend, Survives, os_error
+from .backend import Survives, os_error
 from .errors import BadSizeError, NotADaxDeviceError, PathNotFoundError
-from .tiers import MmapMapping, PmemMapping, check_existing, check_size
+from .tiers import MappedBackend, MmapMapping, PmemMapping, check_existing, check_size
 
 __all__ = ["DevDaxBackend", "DaxGeometry", "read_dax_geometry", "SYSFS"]
 
@@ -68,7 +68,7 @@ def read_dax_geometry(rdev: int, where: str, sysfs: str = SYSFS) -> DaxGeometry:
     return DaxGeometry(size, align)
 
 
-class DevDaxBackend(Backend):
+class DevDaxBackend(MappedBackend):
     """A whole device-DAX instance.  Survives power loss when persisted through
     libpmem; GPU-mappable (register in chunks, see cuda_host)."""
 
@@ -161,15 +161,3 @@ class DevDaxBackend(Backend):
         d.update(mapped_by=self.mapped_by, map_sync=self.map_sync, emulated=self.emulated,
                  device_size=self.geometry.size)
         return d
-
-    def _persist(self, offset, length):
-        self._mapping.persist(offset, length)
-
-    def _flush(self, offset, length):
-        self._mapping.flush(offset, length)
-
-    def _drain(self):
-        self._mapping.drain()
-
-    def _release(self):
-        self._mapping.release()

@@ -263,7 +263,24 @@ class OpenedFile:
             self.fd = -1
 
 
-class FileBackedBackend(Backend):
+class MappedBackend(Backend):
+    """A backend whose bytes are one MmapMapping or PmemMapping (`_mapping`):
+    persistence is whatever that mapping does."""
+
+    def _persist(self, offset, length):
+        self._mapping.persist(offset, length)
+
+    def _flush(self, offset, length):
+        self._mapping.flush(offset, length)
+
+    def _drain(self):
+        self._mapping.drain()
+
+    def _release(self):
+        self._mapping.release()
+
+
+class FileBackedBackend(MappedBackend):
     """A tier over one mapped file; subclasses pick the mapping and capabilities."""
 
     use_libpmem = False      # map through pmem_map_file when libpmem loads
@@ -314,17 +331,6 @@ class FileBackedBackend(Backend):
         d.update(mapped_by=self.mapped_by, map_sync=self.map_sync)
         return d
 
-    def _persist(self, offset, length):
-        self._mapping.persist(offset, length)
-
-    def _flush(self, offset, length):
-        self._mapping.flush(offset, length)
-
-    def _drain(self):
-        self._mapping.drain()
-
-    def _release(self):
-        self._mapping.release()
 
 
 class FileBackend(FileBackedBackend):
