@@ -34,6 +34,14 @@ _RELAUNCHABLE_INT = frozenset(int(s) for s in _RELAUNCHABLE)
 _PING = int(Op.PING)
 _CONTROL = frozenset((int(Op.QUIESCE), int(Op.STOP)))
 _BUSY_SPINS = 4000  # polls before a waiter starts yielding the CPU (a GPU consumer needs no GIL)
+# CPython hands the GIL to a waiting thread only when the holder blocks, or when
+# a switch interval passes with no hand-over at all; a holder that drops and
+# retakes the GIL without blocking restarts the waiter's wait each time.  A
+# thread that publishes into a ring drained by a GPU never blocks, and starved
+# a swap thread for seconds on the H200.  So a publishing thread sleeps for real
+# for FAIR_SLEEP_S once every FAIR_EVERY_S (about 2 % of its time).
+FAIR_EVERY_S = 0.005
+FAIR_SLEEP_S = 1e-4
 
 
 class Watchdog:
@@ -129,6 +137,13 @@ class Submitter:
         self.completed = 0
         self.failed = 0                 # completions whose status was not OK
         self._control_waiting = 0       # QUIESCE / STOP submits waiting for room (they go first)
+        # While a swap or STOP is under way, other tasks wait on _gate (blocked,
+        # off the GIL) instead of competing with it for slots, the lock and the GIL.
+        self._held = 0                  # swaps / STOPs under way
+        self._gate = threading.Condition(threading.Lock())
+        self._swap_lock = threading.Lock()
+        self.fair_every_s = FAIR_EVERY_S
+        self._last_yield = time.monotonic()
         self.launches = 0
         # A CPU consumer needs the GIL the waiter holds while it spins: yield at once.
         self._busy = getattr(consumer, "host_busy_spins", _BUSY_SPINS)
@@ -137,9 +152,16 @@ class Submitter:
 
     def try_submit(self, op: int, *, region: int = NO_REGION, tag: int = 0, args=(), keep: bool = True) -> int | None:
         """Publish one task if there is room now; its seq, or None when full
-        (also while a QUIESCE or STOP waits for room: control tasks go first)."""
-        if self._control_waiting and op not in _CONTROL:
+        (also while a QUIESCE or STOP waits for room or a swap is under way:
+        control tasks go first)."""
+        if (self._control_waiting or self._held) and op not in _CONTROL:
             return None
+        seq = self._publish_now(op, region=region, tag=tag, args=args, keep=keep)
+        if seq is not None:
+            self._fair_yield()
+        return seq
+
+    def _publish_now(self, op: int, *, region: int = NO_REGION, tag: int = 0, args=(), keep: bool = True):
         with self._lock:
             self._check_open(op)
             if self.ring.free_slots() <= 0:
@@ -153,6 +175,30 @@ class Submitter:
                 self._wanted[seq] = None
             self._after_publish()
             return seq
+
+    def _fair_yield(self) -> None:
+        """Sleep briefly if this submitter has not blocked for `fair_every_s`
+        (see FAIR_EVERY_S): lets a waiting thread take the GIL."""
+        now = time.monotonic()
+        if now - self._last_yield > self.fair_every_s:
+            time.sleep(FAIR_SLEEP_S)
+            self._last_yield = time.monotonic()
+
+    def _wait_gate(self, deadline) -> None:
+        """Block (off the GIL) while a swap or STOP holds other tasks back."""
+        with self._gate:
+            while self._held:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return
+                self._gate.wait(0.05 if left is None else min(left, 0.05))
+        self._last_yield = time.monotonic()
+
+    def _hold(self, delta: int) -> None:
+        with self._gate:
+            self._held += delta
+            if not self._held:
+                self._gate.notify_all()
 
     def submit(self, op: int, *, region: int = NO_REGION, tag: int = 0, args=(), keep: bool = True,
                timeout: float | None = 10.0) -> int:
@@ -170,13 +216,18 @@ class Submitter:
                 self._control_waiting += 1
         try:
             while True:
+                if self._held and not control:
+                    self._wait_gate(deadline)
                 # Full ring: wait without the lock, so that a producer spinning
                 # here cannot keep other threads (a swap, a waiter) from it.
-                if r.head - r.tail < r.capacity or control:
+                elif r.head - r.tail < r.capacity or control:
                     seq = self.try_submit(op, region=region, tag=tag, args=args, keep=keep)
                     if seq is not None:
                         return seq
                 if deadline is not None and time.monotonic() > deadline:
+                    if self._held and not control:
+                        raise RingFullError(f"held back for {timeout} s behind a swap or STOP",
+                                            where=r.slot_where(r.head))
                     raise RingFullError(f"ring full ({r.capacity} slots, {r.pending()} pending) for {timeout} s",
                                         where=r.slot_where(r.head), hint="the consumer is slower than the producer")
                 spins = self._pause(spins)
@@ -194,8 +245,10 @@ class Submitter:
         deadline = None if timeout is None else time.monotonic() + timeout
         r = self.ring
         while done < ops.size:
+            if self._held:
+                self._wait_gate(deadline)
             # Full, or a QUIESCE / STOP waits for room: wait without the lock.
-            if not self._control_waiting and r.head - r.tail < r.capacity:
+            elif not self._control_waiting and r.head - r.tail < r.capacity:
                 with self._lock:
                     self._check_open(int(ops[done]))
                     self._reap_locked()
@@ -208,8 +261,10 @@ class Submitter:
                         first = s if first is None else first
                         done += k
                         self._after_publish()
-                        spins = 0
-                        continue
+                if room > 0:            # sleep, if due, outside the lock
+                    self._fair_yield()
+                    spins = 0
+                    continue
             if deadline is not None and time.monotonic() > deadline:
                 raise RingFullError(f"ring full for {timeout} s after {done} of {ops.size} tasks",
                                     where=self.ring.slot_where(self.ring.head))
@@ -367,6 +422,8 @@ class Submitter:
         if spins >= self._busy:
             k = spins - self._busy
             time.sleep(0 if k < 50 else 5e-5 if k < 250 else 5e-4)
+            if k >= 50:
+                self._last_yield = time.monotonic()
         return spins + 1
 
     def _check_progress(self, deadline, what: str) -> None:
@@ -394,10 +451,15 @@ class Submitter:
 
     def stop(self, timeout: float = 10.0) -> Completion | None:
         """Publish STOP behind everything pending, wait for it and for the
-        consumer to exit.  Returns STOP's completion (None if already stopped)."""
+        consumer to exit.  Returns STOP's completion (None if already stopped).
+        Other tasks are held back until STOP is published (then refused)."""
         if self.ring.stop_sent:
             return None
-        seq = self.submit(Op.STOP, timeout=timeout)
+        self._hold(+1)
+        try:
+            seq = self.submit(Op.STOP, timeout=timeout)
+        finally:
+            self._hold(-1)
         c = self.wait(seq, timeout)
         if self.consumer is not None and not self.consumer.join(timeout):
             raise ExecutorError(f"consumer did not exit within {timeout} s after STOP", where=self.ring.where)
@@ -405,10 +467,16 @@ class Submitter:
 
     def quiesce(self, timeout: float = 10.0) -> Completion | None:
         """Make the consumer stop at a slot boundary and wait until it has left
-        (None if it already had); `launch()` resumes it, `swap()` replaces it."""
+        (None if it already had); `launch()` resumes it, `swap()` replaces it.
+        Other tasks are held back until QUIESCE is published (then they queue)."""
         if self.ring.state == ConsumerState.QUIESCED and not (self.consumer and self.consumer.is_resident()):
             return None
-        c = self.wait(self.submit(Op.QUIESCE, timeout=timeout), timeout)
+        self._hold(+1)
+        try:
+            seq = self.submit(Op.QUIESCE, timeout=timeout)
+        finally:
+            self._hold(-1)
+        c = self.wait(seq, timeout)
         if c.status != Status.OK:
             raise ExecutorError(f"QUIESCE failed with status {c.status.name}", where=self.ring.slot_where(c.seq - 1))
         if self.consumer is not None and not self.consumer.join(timeout):
@@ -419,29 +487,37 @@ class Submitter:
         """Hand the ring from the current consumer to `new_consumer` with no task
         lost or run twice: QUIESCE makes the old one stop at a slot boundary (it
         completes QUIESCE, then exits); the new one resumes at `tail`.  Tasks
-        published meanwhile wait in the ring."""
+        already queued behind QUIESCE wait in the ring; other threads' submits
+        are held back (blocked, off the GIL) from the start of the swap until
+        the new consumer has completed its first task, so that a saturating
+        producer cannot stretch the handover."""
         old = self.consumer
         if old is None:
             raise ExecutorError("no consumer to swap from; launch one first", where=self.ring.where)
-        t0 = time.perf_counter()
-        # Lazy relaunches while QUIESCE is pending are still right (someone must
-        # take it); once taken, state QUIESCED allows none, and an instance
-        # launched lazily before that leaves at once (see launch's `resume`).
-        self.quiesce(timeout)
-        t1 = time.perf_counter()
-        seq = self.ring.tail          # the new consumer's first task is number `seq` (seq + 1)
-        new_consumer.prepare()
-        with self._lock:
-            self.consumer = new_consumer
-            self._busy = getattr(new_consumer, "host_busy_spins", _BUSY_SPINS)
-            self._instance = max(self._instance, self.ring.instance)
-            self._launch_locked(resume=True)
-        t2 = time.perf_counter()
-        probe = None
-        if self.ring.head == seq:   # nothing queued behind QUIESCE: probe with a PING
-            probe = self.submit(Op.PING, timeout=timeout)
-        self.wait_tail(seq + 1, timeout)
-        t3 = time.perf_counter()
+        with self._swap_lock:
+            self._hold(+1)
+            try:
+                t0 = time.perf_counter()
+                # Lazy relaunches while QUIESCE is pending are still right (someone must
+                # take it); once taken, state QUIESCED allows none, and an instance
+                # launched lazily before that leaves at once (see launch's `resume`).
+                self.quiesce(timeout)
+                t1 = time.perf_counter()
+                seq = self.ring.tail          # the new consumer's first task is number `seq` (seq + 1)
+                new_consumer.prepare()
+                with self._lock:
+                    self.consumer = new_consumer
+                    self._busy = getattr(new_consumer, "host_busy_spins", _BUSY_SPINS)
+                    self._instance = max(self._instance, self.ring.instance)
+                    self._launch_locked(resume=True)
+                t2 = time.perf_counter()
+                probe = None
+                if self.ring.head == seq:   # nothing queued behind QUIESCE: probe with a PING
+                    probe = self._publish_now(Op.PING)   # past the hold; the ring is empty
+                self.wait_tail(seq + 1, timeout)
+                t3 = time.perf_counter()
+            finally:
+                self._hold(-1)
         if probe is not None:
             self.wait(probe, timeout)
         return SwapReport(t1 - t0, t2 - t1, t3 - t1, seq + 1, old.executor_id, new_consumer.executor_id)

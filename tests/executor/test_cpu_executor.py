@@ -113,6 +113,77 @@ def test_a_waiting_quiesce_takes_the_next_free_slot_before_a_producer():
     assert sub.consumer.join(5) and ring.state == ConsumerState.QUIESCED
 
 
+def _consume_inline(ring: Ring) -> None:
+    """Complete every published task from the calling thread (a consumer that
+    needs no GIL of its own, as the GPU executor)."""
+    n = ring.tail
+    k = ring.available(n, ring.capacity)
+    if k:
+        idx, ops, regions, tags, _ = ring.take(n, k)
+        z = np.zeros(k, np.uint64)
+        ring.complete(n, idx, 7, ops, regions, tags, np.zeros(k, np.uint16), z, z, z, z)
+
+
+def test_a_producer_that_never_blocks_lets_other_threads_run():
+    """On the GPU the consumer needs no GIL, so a producer thread never blocks;
+    it drops and retakes the GIL inside numpy on every reap, which restarts a
+    waiting thread's timed wait, and a swap thread ran only after the producer
+    had finished.  Here the switch interval is raised to 1 s, so that the
+    forced switch cannot help either, and the producer completes its own tasks
+    (no consumer thread).  The submitter's periodic sleep must let a sleeping
+    thread back in within milliseconds.  (Without that sleep this machine's
+    waiter often wins the race for a dropped GIL anyway; on the H200 it did not.)"""
+    import sys
+
+    ring = Ring.allocate(256)
+    sub = Submitter(ring)
+    stop, produced = threading.Event(), []
+
+    def produce():
+        t, deadline = 0, time.monotonic() + 4.0
+        while not stop.is_set() and time.monotonic() < deadline:
+            if ring.pending() >= ring.capacity // 2:
+                _consume_inline(ring)
+            sub.submit(Op.PING, tag=t, keep=False, timeout=5)
+            t += 1
+        produced.append(t)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1.0)
+    try:
+        th = threading.Thread(target=produce)
+        th.start()
+        late = []
+        for _ in range(8):
+            t0 = time.perf_counter()
+            time.sleep(0.005)
+            late.append(time.perf_counter() - t0 - 0.005)
+        stop.set()
+        th.join(10)
+    finally:
+        sys.setswitchinterval(old)
+    assert produced and produced[0] > 100
+    assert max(late) < 0.3, f"woke {max(late) * 1e3:.0f} ms late beside a producer that never blocks"
+
+
+def test_other_submits_are_held_back_during_a_swap_and_proceed_after():
+    ring = Ring.allocate(16)
+    sub = Submitter(ring, CpuExecutor(ring))
+    sub._hold(+1)                            # as swap() and stop() do
+    assert sub.try_submit(Op.PING) is None
+    with pytest.raises(RingFullError, match="held back for 0.05 s behind a swap or STOP"):
+        sub.submit(Op.PING, timeout=0.05)
+    got = []
+    th = threading.Thread(target=lambda: got.append(sub.submit(Op.PING, timeout=10)))
+    th.start()
+    time.sleep(0.05)
+    assert not got and ring.head == 0        # blocked on the gate, nothing published
+    sub._hold(-1)
+    th.join(5)
+    assert got == [1] and sub.wait(1, 5).ok
+    sub.stop()
+
+
 def test_a_blocked_submit_proceeds_when_the_consumer_catches_up():
     ring = Ring.allocate(4)
     gate = threading.Event()

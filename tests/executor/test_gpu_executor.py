@@ -203,9 +203,11 @@ def test_swap_under_load_between_modules(rig, g):
     cp = g.cupy
     gring, sub = rig(128, module="child")
     # The producer keeps publishing until all 9 swaps are done (at least n_min
-    # tasks, at most n_max), so that every swap happens under load however
-    # fast the executors are.
-    n_min, n_max, pb = 12_000, 200_000, 256
+    # tasks; n_max and 30 s bound it), so that every swap happens under load
+    # however fast the executors are.  Each swap must start and finish
+    # promptly beside it (a producer that never blocks once starved the swap
+    # thread of the GIL until it had finished).
+    n_min, n_max, pb = 12_000, 400_000, 256
     src = cp.asarray(np.random.default_rng(2).integers(1, 256, n_max * pb, dtype=np.uint8))
     shadow = cp.zeros(n_max * pb, cp.uint8)
     out = cp.zeros(n_max * pb, cp.uint8)
@@ -217,9 +219,9 @@ def test_swap_under_load_between_modules(rig, g):
     errors, produced = [], []
 
     def produce():
-        t = 0
+        t, until = 0, time.monotonic() + 30
         try:
-            while t < n_max and (t < n_min or not swapped.is_set()):
+            while t < n_max and (t < n_min or not swapped.is_set()) and time.monotonic() < until:
                 o = t * pb
                 sub.submit(Op.CHECKPOINT, tag=t, args=(src.data.ptr + o, shadow.data.ptr + o, out.data.ptr + o,
                                                        ids.data.ptr + 4 * t, pb, pb, o), keep=False, timeout=30)
@@ -232,13 +234,15 @@ def test_swap_under_load_between_modules(rig, g):
     th = threading.Thread(target=produce)
     th.start()
     order = [sub.consumer.executor_id]
-    reports = []
+    reports, took = [], []
     cycle = ["inline", "ckpt_only", "child"]
     try:
         while not done.is_set() and len(reports) < 9:
+            t0 = time.perf_counter()
             time.sleep(0.005)
             ex = g.gpu.GpuExecutor(gring, g.mods[cycle[len(reports) % 3]])
             reports.append(sub.swap(ex, timeout=30))
+            took.append(time.perf_counter() - t0 - 0.005)
             order.append(ex.executor_id)
     finally:
         swapped.set()
@@ -258,8 +262,12 @@ def test_swap_under_load_between_modules(rig, g):
     runs = [int(ids_seen[0])] + [int(b) for a, b in zip(ids_seen[:-1], ids_seen[1:]) if a != b]
     assert runs == order[: len(runs)]
     assert len(reports) == 9, (f"the producer ended after {n} tasks, before the 9th swap; "
-                               f"swaps {[(r.first_seq, round(r.quiesce_s, 4)) for r in reports]}")
-    assert all(r.gap_s < 5 for r in reports), [r.gap_s for r in reports]
+                               f"swaps {[(r.first_seq, round(r.quiesce_s, 4)) for r in reports]}; "
+                               f"each took {[round(x, 4) for x in took]} s")
+    assert max(took) < 1.0 and all(r.gap_s < 0.5 for r in reports), \
+        (f"swaps took {[round(x, 4) for x in took]} s, gaps {[round(r.gap_s, 4) for r in reports]} s "
+         f"beside a producer that published {n} tasks")
+    assert n < n_max
     sub.stop(timeout=10)
 
 
