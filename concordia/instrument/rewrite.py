@@ -4,54 +4,88 @@ inserted into every kernel of a module without changing any kernel signature.
 What the host sees (module-scope `.visible .global` variables, read and filled
 through cuModuleGetGlobal / CuPy `RawModule.get_global`; all start at zero):
 
-  __concordia_epochs   .u64[K+1]  launches of kernel k that have completed
-                                  (slot K counts exits reached through `exit`
-                                  inside a `.func`, which belongs to no one kernel)
-  __concordia_arrivals .u32[K+1]  blocks of the launch in flight that have finished
-                                  (wraps to 0 when the last block finishes)
+  __concordia_epochs   .u64[K]    launches of kernel k that have started (block 0's
+                                  thread 0 counts each launch once, at entry)
+  __concordia_targets  .u64[K]    for kernel k's latest launch: the value of
+                                  `expect` once that launch was counted in it
+  __concordia_expect   .u64       threads of all launches started in this module
+  __concordia_exits    .u64[64*16] threads that reached an exit, spread over 64
+                                  counters, one per 128-byte line (stripe = %smid % 64)
+  __concordia_hold     .u32       the gate's device-side mirror: non-zero while the
+                                  host holds the gate closed (read once per thread,
+                                  at entry)
   __concordia_gate     .u64       device address of a gate, 0 = no gate.  A gate is
-                                  two u32 words, usually in mapped pinned host
-                                  memory: word 0 written by the host (non-zero =
-                                  hold), word 1 set to 1 by the GPU when a launch
-                                  arrives at the closed gate.
+                                  two u32 words in mapped pinned host memory: word 0
+                                  written by the host (non-zero = hold), word 1 set
+                                  to 1 by the GPU when a launch is held.
   __concordia_nregions .u32       store tracker: number of regions in use
   __concordia_regions  .u64[4*R]  store tracker: per region base, size,
                                   bitmap address (u32 words, bit p%32 of word p/32
                                   = page p), page_bytes
 
-Exit hook, and why only one thread waits.  Every `ret`/`exit` of an entry
-(predicated or not, however many) becomes a branch to one stub at the end of
-the body; falling off the end of the body reaches the stub as well.  The stub
-counts the exiting thread in a block-shared counter (zeroed by thread 0 in a
-prologue followed by `bar.sync 0`, the one point every thread of a block is
-known to pass).  The thread that brings the count to blockDim is the last of its
-block: it fences at GPU scope (cumulative over the release of every other
-thread's arrival) and increments the kernel's arrival counter with
-`atom.inc`, whose wrap at gridDim-1 both detects the last block of the launch
-and resets the counter for the next launch.  Only that last thread of the last
-block counts the epoch and polls the gate.  A `bar.sync` at the exits would be
-wrong (threads leave at different points, so a barrier there can deadlock),
-and polling from every thread or block would flood PCIe.  While it waits, every
-other block of the launch has finished and its writes are visible at GPU scope,
-and the stream cannot start its next operation: the device state is exactly
-"after this kernel", which is what a consistent checkpoint needs.
+Completed launches are computed by the host: with E = sum(exits), kernel k has
+completed epochs[k] launches, less one while targets[k] > E (its latest launch
+still has threads running).  When no launch of the module is in flight E equals
+`expect` and the count is exact; while one is held at the gate its holder has
+counted itself, so the held launch counts as completed.
 
-Limits, stated once: two launches of the same kernel running concurrently on
-different streams share its arrival counter, so "last block" is then only
-approximate (epoch totals stay right when their grids are equal); the prologue
-adds 4 bytes of static shared memory and one barrier per block; grids of 2^32
-blocks or more are not supported.
+Exit hook, common path.  Every `ret`/`exit` of an entry (predicated or not,
+however many) becomes a branch to one stub at the end of the body; falling off
+the end reaches it as well, so every thread passes the stub exactly once.  The
+stub counts threads, not blocks, so no thread has to know it is the last of its
+block: the threads that reach the stub together (`activemask`) are counted by
+the lowest of them with one `red.add` of the group's size, without a return
+value, into the exit counter of its stripe.  Threads that arrive in several
+groups (divergent exits, predicated exits, exits at different points) form
+disjoint masks: each thread executes `activemask` once and every thread of one
+execution gets the same mask, so the popcounts sum to the threads that left.
+There is no barrier, no shared memory and no atomic with a return value on the
+common path; the stripes keep same-address traffic at L2 to a fraction of a
+block's worth per counter.  Block 0's thread 0 alone, at entry, adds the
+launch's thread count to `expect` (one atomic per launch), records the target,
+and counts the launch in `epochs`.
+
+Pause gate.  A launch is held by block 0's thread 0 at its exit: while it waits
+the kernel cannot complete, so the stream cannot start its next operation.  It
+holds only when the gate was closed both when it started (the `hold` mirror,
+which `Gate.close()` writes into every attached module before it closes the
+host word) and when it exits (the host word, read over PCIe once per launch, and
+only when the mirror said closed).  Before it reports arrival it waits until
+the exit counters reach its target: every thread of its launch (and of every
+launch of the module counted before it) has left.  The ordering that makes the
+launch's writes visible at that point: while the mirror is set, each counting
+group first synchronises (`bar.warp.sync`, which orders the group's writes
+before the leader's), and the leader's `red` is a GPU-scope release; the holder
+reads the counters and then fences (acquire) before it writes the arrival flag
+at system scope.  With the gate open the counting `red` is relaxed: nothing waits
+on it, and the host reads counters only after synchronising with the stream.
+
+Limits, stated once: the hook needs PTX targets sm_70 and newer for the
+warp-level count (older targets count each thread with its own `red`) and the
+gate is left out below sm_70, where a spinning thread could starve the rest of
+its warp; a thread (0,0,0) of block 0 that leaves through `exit` inside a
+`.func` does not hold its launch; two launches of one module running at once
+on different streams make the target test (and the in-flight correction of
+`epochs`) approximate, since the exit counters are module-wide; a launch that
+was already running when the gate closed is held only if block 0 started after
+the mirror was set, and then the warps that read the mirror earlier counted
+with relaxed `red`s.  The hooks add one u32 register (the mirror value) live
+across the kernel.
 
 Store tracker.  Before every `st`, `atom` and `red` that may write global memory
 (state space `.global`, or generic, which covers global), the address and
 access size (type size x vector width) are passed, under the store's own
 predicate, to `__concordia_track`, which marks every page of every registered
-region that the byte range [addr, addr+size) overlaps.  Generic addresses of
+region that the byte range [addr, addr+nbytes) overlaps.  Generic addresses of
 shared or local memory never fall inside a registered device allocation, so no
-`isspacep` test is needed.  A bit already set is read (L2, `.cg`) before any
-`red.or`, so repeated stores to a dirty page cost a load.  Bulk/tensor copies
-into global memory (`cp.async.bulk`, `cp.reduce.async.bulk`, `multimem`) cannot
-be tracked this way; they are counted as untracked in the report.
+`isspacep` test is needed.  The region table is read through the non-coherent
+path (the host writes it only between launches).  On sm_80 and newer, the
+threads calling together group by bitmap word (`match.any`), OR their bits
+(`redux.sync.or`) and one thread per word issues a `red.or` without a return
+value; there is no load of the bitmap and nothing for the store to wait on.
+Page indices use shifts when the page size is a power of two.  Bulk/tensor
+copies into global memory (`cp.async.bulk`, `cp.reduce.async.bulk`,
+`multimem`) cannot be tracked this way; they are counted as untracked.
 """
 
 from __future__ import annotations
@@ -63,18 +97,22 @@ from dataclasses import dataclass, field
 from concordia.instrument import ptx as P
 from concordia.instrument.errors import InstrumentError
 
-REWRITER_VERSION = 1
+REWRITER_VERSION = 2
 MARK = "__concordia_"          # module-scope names
 REG = "%__cnc_"                # registers we declare
 LBL = "$__cnc_"                # labels we place
 
 EPOCHS = MARK + "epochs"
-ARRIVALS = MARK + "arrivals"
+TARGETS = MARK + "targets"
+EXPECT = MARK + "expect"
+EXITS = MARK + "exits"
+HOLD = MARK + "hold"
 GATE = MARK + "gate"
 NREGIONS = MARK + "nregions"
 REGIONS = MARK + "regions"
 TRACK = MARK + "track"
-BLOCK_EXITS = MARK + "block_exits"
+STRIPES = 64                   # exit counters, one per 128-byte line
+STRIPE_WORDS = 16              # u64 words per stripe
 REGION_WORDS = 4               # base, size, bitmap, page_bytes (u64 each)
 
 _TYPE_BYTES = {
@@ -172,12 +210,17 @@ def rewrite(text: str | bytes, options: Options = Options()) -> RewriteResult:
     entries = [c for c in chunks if c.is_function and c.kind == "entry"]
     if not entries:
         raise InstrumentError("module has no .entry")
-    nslots = len(entries) + 1
-    modern = header.sm >= 70 and header.version >= (6, 0)
-    sleep_ok = header.sm >= 70 and header.version >= (6, 3)
+    nslots = len(entries)
+    # activemask (6.2), nanosleep (6.3), scoped red/ld and bar.warp.sync (6.0), sm_70
+    modern = header.sm >= 70 and header.version >= (6, 3)
+    sleep_ok = modern
     result = RewriteResult(ptx="", options=options, address_size=header.address_size,
                            target=header.target)
-    ctx = _Ctx(options, header, symbols, modern, sleep_ok, other_slot=len(entries))
+    if not modern and options.pause_gate:
+        options = Options(exit_hooks=options.exit_hooks, pause_gate=False,
+                          track_stores=options.track_stores, max_regions=options.max_regions)
+        result.options = options
+    ctx = _Ctx(options, header, symbols, modern, sleep_ok, other_slot=-1)
     out: list[str] = []
     slot = 0
     for k, ch in enumerate(chunks):
@@ -229,51 +272,63 @@ def _module_additions(nslots: int, ctx: _Ctx) -> str:
     a = ctx.header.address_size
     lines = [
         f".visible .global .align 8 .u64 {EPOCHS}[{nslots}];",
-        f".visible .global .align 4 .u32 {ARRIVALS}[{nslots}];",
+        f".visible .global .align 8 .u64 {TARGETS}[{nslots}];",
+        f".visible .global .align 8 .u64 {EXPECT};",
+        f".visible .global .align 128 .u64 {EXITS}[{STRIPES * STRIPE_WORDS}];",
+        f".visible .global .align 4 .u32 {HOLD};",
         f".visible .global .align 8 .u64 {GATE};",
-        f".shared .align 4 .u32 {BLOCK_EXITS};",
     ]
     if ctx.options.track_stores:
         lines += [
             f".visible .global .align 4 .u32 {NREGIONS};",
             f".visible .global .align 8 .u64 {REGIONS}[{REGION_WORDS * ctx.options.max_regions}];",
-            _track_function(a),
+            _track_function(a, ctx.header.sm >= 80 and ctx.modern),
         ]
     return "\n".join(lines)
 
 
-def _track_function(address_size: int) -> str:
+def _track_function(address_size: int, aggregate: bool) -> str:
     """`__concordia_track(addr, nbytes)`: mark the pages of every registered region
-    that [addr, addr+nbytes) overlaps."""
-    ptr = "u64" if address_size == 64 else "u32"
+    that [addr, addr+nbytes) overlaps.  Every thread that enters loops over the
+    same regions, so the warp-synchronous steps see all of their mask."""
     load_regions = (f"mov.u64 %rd2, {REGIONS};" if address_size == 64 else
                     f"mov.u32 %r7, {REGIONS};\n\tcvt.u64.u32 %rd2, %r7;")
-    del ptr
+    if aggregate:
+        prelude = "activemask.b32 %r8;\n\tmov.u32 %r9, %lanemask_lt;"
+        mark_first = """match.any.sync.b64 %r10, %rd11, %r8;
+	redux.sync.or.b32 %r11, %r4, %r10;
+	and.b32 %r12, %r10, %r9;
+	setp.eq.u32 %p1, %r12, 0;
+	and.pred %p1, %p1, %p0;
+	@%p1 red.global.or.b32 [%rd11], %r11;"""
+    else:
+        prelude = ""
+        mark_first = "@%p0 red.global.or.b32 [%rd11], %r4;"
     return f"""
 .func {TRACK}(.param .b64 {MARK}a, .param .b32 {MARK}n)
 {{
 	.reg .pred %p<4>;
-	.reg .b32 %r<8>;
+	.reg .b32 %r<14>;
 	.reg .b64 %rd<12>;
 	ld.param.b64 %rd0, [{MARK}a];
 	ld.param.b32 %r0, [{MARK}n];
 	cvt.u64.u32 %rd1, %r0;
 	add.s64 %rd1, %rd0, %rd1;
-	ld.global.u32 %r1, [{NREGIONS}];
+	{prelude}
+	ld.global.nc.u32 %r1, [{NREGIONS}];
 	mov.u32 %r2, 0;
 	{load_regions}
 $Lregion:
-	setp.ge.u32 %p0, %r2, %r1;
-	@%p0 bra $Ldone;
-	ld.global.u64 %rd3, [%rd2];
-	ld.global.u64 %rd4, [%rd2+8];
+	setp.ge.u32 %p2, %r2, %r1;
+	@%p2 bra $Ldone;
+	ld.global.nc.u64 %rd3, [%rd2];
+	ld.global.nc.u64 %rd4, [%rd2+8];
+	ld.global.nc.u64 %rd5, [%rd2+16];
+	ld.global.nc.u64 %rd6, [%rd2+24];
 	add.s64 %rd4, %rd3, %rd4;
 	setp.lt.u64 %p0, %rd0, %rd4;
 	setp.gt.u64 %p1, %rd1, %rd3;
 	and.pred %p0, %p0, %p1;
-	@!%p0 bra $Lnext;
-	ld.global.u64 %rd5, [%rd2+16];
-	ld.global.u64 %rd6, [%rd2+24];
 	max.u64 %rd7, %rd0, %rd3;
 	sub.s64 %rd7, %rd7, %rd3;
 	min.u64 %rd8, %rd1, %rd4;
@@ -286,11 +341,26 @@ $Lregion:
 	bfind.u64 %r6, %rd6;
 	shr.u64 %rd7, %rd7, %r6;
 	shr.u64 %rd8, %rd8, %r6;
-	bra.uni $Lpage;
+	bra $Lfirst;
 $Ldivide:
 	div.u64 %rd7, %rd7, %rd6;
 	div.u64 %rd8, %rd8, %rd6;
+$Lfirst:
+	shr.u64 %rd11, %rd7, 5;
+	shl.b64 %rd11, %rd11, 2;
+	add.s64 %rd11, %rd5, %rd11;
+	cvt.u32.u64 %r3, %rd7;
+	and.b32 %r3, %r3, 31;
+	mov.b32 %r4, 1;
+	shl.b32 %r4, %r4, %r3;
+	@!%p0 mov.u64 %rd11, 0;
+	@!%p0 mov.b32 %r4, 0;
+	{mark_first}
+	@!%p0 bra $Lnext;
 $Lpage:
+	add.s64 %rd7, %rd7, 1;
+	setp.gt.u64 %p2, %rd7, %rd8;
+	@%p2 bra $Lnext;
 	shr.u64 %rd9, %rd7, 5;
 	shl.b64 %rd9, %rd9, 2;
 	add.s64 %rd9, %rd5, %rd9;
@@ -298,17 +368,12 @@ $Lpage:
 	and.b32 %r3, %r3, 31;
 	mov.b32 %r4, 1;
 	shl.b32 %r4, %r4, %r3;
-	ld.global.cg.u32 %r5, [%rd9];
-	and.b32 %r5, %r5, %r4;
-	setp.ne.u32 %p2, %r5, 0;
-	@!%p2 red.global.or.b32 [%rd9], %r4;
-	add.s64 %rd7, %rd7, 1;
-	setp.le.u64 %p2, %rd7, %rd8;
-	@%p2 bra $Lpage;
+	red.global.or.b32 [%rd9], %r4;
+	bra $Lpage;
 $Lnext:
 	add.s32 %r2, %r2, 1;
 	add.s64 %rd2, %rd2, {8 * REGION_WORDS};
-	bra.uni $Lregion;
+	bra $Lregion;
 $Ldone:
 	ret;
 }}"""
@@ -333,12 +398,12 @@ def _rewrite_function(ch: P.Chunk, info: KernelInfo, ctx: _Ctx) -> str:
     for it in items:
         if it.kind != "stmt":
             if it.kind in ("label", "open") and not prologue_done:
-                out.append(_prologue())
+                out.append(_prologue(info.index, ctx))
                 prologue_done = True
             out.append(it.text)
             continue
         if not prologue_done and not _is_declaration(it):
-            out.append(_prologue())
+            out.append(_prologue(info.index, ctx))
             prologue_done = True
         op = it.parts[0]
         if hook_exits and (op == "exit" or (op == "ret" and is_entry)) and it.depth >= 0:
@@ -353,13 +418,13 @@ def _rewrite_function(ch: P.Chunk, info: KernelInfo, ctx: _Ctx) -> str:
                 out.append(tracked)
         out.append(it.text)
     if not prologue_done:
-        out.append(_prologue())
+        out.append(_prologue(info.index, ctx))
     body = "".join(out)
     decls = ""
     if hook_exits:
-        decls = (f"\n\t.reg .pred {REG}p;\n\t.reg .b32 {REG}r<3>;\n\t.reg .b64 {REG}d<2>;")
-        body = body.rstrip() + "\n" + _exit_stub(info.index if is_entry else ctx.other_slot,
-                                                  "ret" if is_entry else "exit", ctx) + "\n"
+        decls = (f"\n\t.reg .pred {REG}p<4>;\n\t.reg .b32 {REG}r<6>;\n\t.reg .b64 {REG}d<6>;"
+                 f"\n\t.reg .b32 {REG}h;")
+        body = body.rstrip() + "\n" + _exit_stub(info.index, is_entry, ctx) + "\n"
     return ch.head + "{" + decls + body + "}"
 
 
@@ -367,56 +432,140 @@ def _is_declaration(it: P.Item) -> bool:
     return it.opcode in (".reg", ".shared", ".local", ".param", ".pragma", ".loc", ".const", ".global")
 
 
-def _prologue() -> str:
-    """Thread (0,0,0) zeroes the block's exit counter; the barrier orders that
-    before any thread can exit."""
-    return (f"\n\tmov.u32 {REG}r0, %tid.x;\n\tmov.u32 {REG}r1, %tid.y;\n\tor.b32 {REG}r0, {REG}r0, {REG}r1;"
-            f"\n\tmov.u32 {REG}r1, %tid.z;\n\tor.b32 {REG}r0, {REG}r0, {REG}r1;"
-            f"\n\tsetp.ne.u32 {REG}p, {REG}r0, 0;"
-            f"\n\t@!{REG}p st.shared.u32 [{BLOCK_EXITS}], 0;\n\tbar.sync 0;\n\t")
-
-
-def _exit_stub(slot: int, leave: str, ctx: _Ctx) -> str:
-    r0, r1, r2, d0, d1, p = (f"{REG}r0", f"{REG}r1", f"{REG}r2", f"{REG}d0", f"{REG}d1", f"{REG}p")
-    arrive = (f"atom.acq_rel.cta.shared.add.u32 {r0}, [{BLOCK_EXITS}], 1;" if ctx.modern else
-              f"membar.cta;\n\tatom.shared.add.u32 {r0}, [{BLOCK_EXITS}], 1;")
-    fence = "fence.acq_rel.gpu;" if ctx.modern else "membar.gl;"
-    lines = [
-        f"{LBL}exit:",
-        arrive,
-        f"mov.u32 {r1}, %ntid.x;", f"mov.u32 {r2}, %ntid.y;", f"mul.lo.u32 {r1}, {r1}, {r2};",
-        f"mov.u32 {r2}, %ntid.z;", f"mul.lo.u32 {r1}, {r1}, {r2};", f"sub.u32 {r1}, {r1}, 1;",
-        f"setp.ne.u32 {p}, {r0}, {r1};",
-        f"@{p} bra {LBL}done;",
-        fence,
-        f"mov.u32 {r1}, %nctaid.x;", f"mov.u32 {r2}, %nctaid.y;", f"mul.lo.u32 {r1}, {r1}, {r2};",
-        f"mov.u32 {r2}, %nctaid.z;", f"mul.lo.u32 {r1}, {r1}, {r2};", f"sub.u32 {r1}, {r1}, 1;",
-        f"atom.global.inc.u32 {r0}, [{ARRIVALS}+{4 * slot}], {r1};",
-        f"setp.ne.u32 {p}, {r0}, {r1};",
-        f"@{p} bra {LBL}done;",
-        f"red.global.add.u64 [{EPOCHS}+{8 * slot}], 1;",
-    ]
+def _prologue(slot: int, ctx: _Ctx) -> str:
+    """Every thread reads the gate's mirror once (the load's latency overlaps the
+    kernel body; the value is used only at the exit).  Block 0's thread 0 counts
+    the launch: its thread count into `expect`, the resulting target, and one
+    more started launch of this kernel."""
+    r0, r1, d0, d1, d2, p = (f"{REG}r0", f"{REG}r1", f"{REG}d0", f"{REG}d1", f"{REG}d2", f"{REG}p0")
+    lines = []
     if ctx.options.pause_gate:
+        lines.append(f"ld.relaxed.gpu.global.u32 {REG}h, [{HOLD}];")
+    lines += _first_thread(r0, r1, p)
+    lines += [
+        f"@!{p} bra {LBL}go;",
+        f"mov.u32 {r0}, %nctaid.x;", f"mov.u32 {r1}, %nctaid.y;", f"mul.wide.u32 {d0}, {r0}, {r1};",
+        f"mov.u32 {r0}, %nctaid.z;", f"cvt.u64.u32 {d1}, {r0};", f"mul.lo.u64 {d0}, {d0}, {d1};",
+        f"mov.u32 {r0}, %ntid.x;", f"mov.u32 {r1}, %ntid.y;", f"mul.lo.u32 {r0}, {r0}, {r1};",
+        f"mov.u32 {r1}, %ntid.z;", f"mul.lo.u32 {r0}, {r0}, {r1};", f"cvt.u64.u32 {d1}, {r0};",
+        f"mul.lo.u64 {d0}, {d0}, {d1};",
+        f"atom.global.add.u64 {d2}, [{EXPECT}], {d0};",
+        f"add.s64 {d2}, {d2}, {d0};",
+        f"st.global.u64 [{TARGETS}+{8 * slot}], {d2};",
+        f"red.global.add.u64 [{EPOCHS}+{8 * slot}], 1;",
+        f"{LBL}go:",
+    ]
+    return "\n" + "\n".join(_indent(lines)) + "\n\t"
+
+
+def _first_thread(r0: str, r1: str, p: str) -> list[str]:
+    """`p` = this is thread (0,0,0) of block (0,0,0)."""
+    lines = [f"mov.u32 {r0}, %tid.x;"]
+    for sreg in ("%tid.y", "%tid.z", "%ctaid.x", "%ctaid.y", "%ctaid.z"):
+        lines += [f"mov.u32 {r1}, {sreg};", f"or.b32 {r0}, {r0}, {r1};"]
+    return lines + [f"setp.eq.u32 {p}, {r0}, 0;"]
+
+
+def _indent(lines: list[str]) -> list[str]:
+    return [ln if ln.startswith(LBL) else "\t" + ln for ln in lines]
+
+
+def _exit_stub(slot: int, is_entry: bool, ctx: _Ctx) -> str:
+    """The common exit of an entry (`ret`) or of a `.func` that calls `exit`."""
+    r = [f"{REG}r{i}" for i in range(6)]
+    d = [f"{REG}d{i}" for i in range(6)]
+    p = [f"{REG}p{i}" for i in range(4)]
+    a64 = ctx.header.address_size == 64
+    # the address of this thread's stripe: EXITS + 128 * (%smid % 64)
+    if a64:
+        stripe = [f"mov.u32 {r[3]}, %smid;", f"and.b32 {r[3]}, {r[3]}, {STRIPES - 1};",
+                  f"mul.wide.u32 {d[0]}, {r[3]}, {8 * STRIPE_WORDS};", f"mov.u64 {d[1]}, {EXITS};",
+                  f"add.s64 {d[0]}, {d[0]}, {d[1]};"]
+        where = d[0]
+    else:
+        stripe = [f"mov.u32 {r[3]}, %smid;", f"and.b32 {r[3]}, {r[3]}, {STRIPES - 1};",
+                  f"mov.u32 {r[4]}, {EXITS};", f"mad.lo.u32 {r[4]}, {r[3]}, {8 * STRIPE_WORDS}, {r[4]};"]
+        where = r[4]
+    lines = [f"{LBL}exit:"] + stripe
+    if not ctx.modern:
+        # no warp-level count below sm_70: each thread counts itself
+        lines.append(f"red.global.add.u64 [{where}], 1;")
+    else:
         lines += [
-            f"ld.global.u64 {d0}, [{GATE}];",
-            f"setp.eq.u64 {p}, {d0}, 0;",
-            f"@{p} bra {LBL}done;",
-            f"ld.volatile.global.u32 {r0}, [{d0}];",
-            f"setp.eq.u32 {p}, {r0}, 0;",
-            f"@{p} bra {LBL}done;",
-            f"mov.u32 {r2}, 1;",
-            f"st.volatile.global.u32 [{d0}+4], {r2};",
-            f"{LBL}wait:",
-            f"ld.volatile.global.u32 {r0}, [{d0}];",
-            f"setp.eq.u32 {p}, {r0}, 0;",
-            f"@{p} bra {LBL}done;",
+            f"activemask.b32 {r[0]};",
+            f"popc.b32 {r[1]}, {r[0]};",
+            f"cvt.u64.u32 {d[2]}, {r[1]};",
+            f"mov.u32 {r[2]}, %lanemask_lt;",
+            f"and.b32 {r[2]}, {r[2]}, {r[0]};",
+            f"setp.eq.u32 {p[1]}, {r[2]}, 0;",            # the group's lowest lane counts it
         ]
-        if ctx.sleep_ok:
-            lines.append("nanosleep.u32 1000;")
-        lines.append(f"bra.uni {LBL}wait;")
-    lines += [f"{LBL}done:", f"{leave};"]
-    del d1
-    return "\n".join(("\t" + ln) if not ln.startswith(LBL) else ln for ln in lines)
+        gated = ctx.options.pause_gate
+        if is_entry and gated:
+            lines += [f"setp.ne.u32 {p[2]}, {REG}h, 0;",
+                      f"vote.sync.any.pred {p[2]}, {p[2]}, {r[0]};",   # one choice per group
+                      f"@!{p[2]} bra {LBL}relaxed;"]
+        if not is_entry or gated:
+            # ordered: the group's writes before the leader's release at GPU scope
+            lines += [f"bar.warp.sync {r[0]};",
+                      f"@{p[1]} red.release.gpu.global.add.u64 [{where}], {d[2]};"]
+        if is_entry and gated:
+            lines += [f"bra {LBL}counted;", f"{LBL}relaxed:"]
+        if is_entry:
+            lines.append(f"@{p[1]} red.relaxed.gpu.global.add.u64 [{where}], {d[2]};")
+            if gated:
+                lines.append(f"{LBL}counted:")
+        if is_entry and gated:
+            lines += _gate_hold(slot, r, d, p, a64, ctx)
+    lines += [f"{LBL}done:", "ret;" if is_entry else "exit;"]
+    return "\n".join(_indent(lines))
+
+
+def _gate_hold(slot: int, r: list[str], d: list[str], p: list[str], a64: bool, ctx: _Ctx) -> list[str]:
+    """Block 0's thread 0, when the gate was closed at entry and still is: wait
+    until every thread counted up to this launch's target has left, then report
+    arrival and wait for the host to open the gate."""
+    sum_addr = (f"mov.u64 {d[1]}, {EXITS};" if a64 else
+                f"mov.u32 {r[4]}, {EXITS};\n\tcvt.u64.u32 {d[1]}, {r[4]};")
+    lines = _first_thread(r[0], r[1], p[0]) + [
+        f"@!{p[0]} bra {LBL}done;",
+        f"setp.eq.u32 {p[0]}, {REG}h, 0;",
+        f"@{p[0]} bra {LBL}done;",
+        f"ld.global.u64 {d[3]}, [{GATE}];",
+        f"setp.eq.u64 {p[0]}, {d[3]}, 0;",
+        f"@{p[0]} bra {LBL}done;",
+        f"ld.volatile.global.u32 {r[0]}, [{d[3]}];",
+        f"setp.eq.u32 {p[0]}, {r[0]}, 0;",
+        f"@{p[0]} bra {LBL}done;",
+        f"ld.global.u64 {d[4]}, [{TARGETS}+{8 * slot}];",
+        f"{LBL}drain:",
+        f"mov.u64 {d[2]}, 0;",
+        sum_addr,
+        f"mov.u32 {r[2]}, 0;",
+        f"{LBL}sum:",
+        f"ld.relaxed.gpu.global.u64 {d[5]}, [{d[1]}];",
+        f"add.s64 {d[2]}, {d[2]}, {d[5]};",
+        f"add.s64 {d[1]}, {d[1]}, {8 * STRIPE_WORDS};",
+        f"add.u32 {r[2]}, {r[2]}, 1;",
+        f"setp.lt.u32 {p[0]}, {r[2]}, {STRIPES};",
+        f"@{p[0]} bra {LBL}sum;",
+        f"setp.ge.u64 {p[0]}, {d[2]}, {d[4]};",
+        f"@{p[0]} bra {LBL}drained;",
+        "nanosleep.u32 500;",
+        f"bra {LBL}drain;",
+        f"{LBL}drained:",
+        "fence.acq_rel.gpu;",
+        "fence.acq_rel.sys;",
+        f"mov.u32 {r[2]}, 1;",
+        f"st.volatile.global.u32 [{d[3]}+4], {r[2]};",
+        f"{LBL}wait:",
+        f"ld.volatile.global.u32 {r[0]}, [{d[3]}];",
+        f"setp.eq.u32 {p[0]}, {r[0]}, 0;",
+        f"@{p[0]} bra {LBL}done;",
+        "nanosleep.u32 1000;",
+        f"bra {LBL}wait;",
+    ]
+    del ctx
+    return lines
 
 
 def _store_bytes(parts: list[str]) -> int:

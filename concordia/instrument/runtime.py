@@ -15,10 +15,12 @@ import numpy as np
 
 # Not `from concordia.instrument import rewrite`: the package re-exports the
 # function `rewrite` under that name, which hides the module.
-from concordia.instrument.rewrite import EPOCHS, GATE, NREGIONS, REGION_WORDS, REGIONS, RewriteResult
+from concordia.instrument.rewrite import (EPOCHS, EXITS, GATE, HOLD, NREGIONS, REGION_WORDS, REGIONS,
+                                          STRIPE_WORDS, STRIPES, TARGETS, RewriteResult)
 from concordia.instrument.errors import InstrumentError
 
 _HOST_ALLOC_MAPPED = 2  # cudaHostAllocMapped
+_H2D = 1                # cudaMemcpyHostToDevice
 
 
 def _cupy():
@@ -44,28 +46,56 @@ def module_global(module, name: str, count: int, dtype):
 
 
 class Gate:
-    """Two u32 words in mapped pinned host memory: word 0 is written by the host
-    (non-zero = hold kernels at their exit), word 1 is set to 1 by a kernel that
-    reached the closed gate.  One writer per word, so no CPU-GPU atomics."""
+    """Words in mapped pinned host memory: word 0 is written by the host
+    (non-zero = hold kernels at their exit), word 1 is set to 1 by a kernel held
+    at the gate, words 2 and 3 hold the constants 1 and 0 that are copied into
+    the `hold` mirror of every attached module.  One writer per word, so no
+    CPU-GPU atomics.
+
+    close() sets the mirrors first, with copies on a stream of its own that
+    does not wait for running kernels, and the host word after them: a launch
+    that starts after close() returns is held at its exit.  open() clears the
+    host word first (held launches leave), then the mirrors."""
 
     def __init__(self):
         cupy = _cupy()
         self._rt = cupy.cuda.runtime
-        self._host = self._rt.hostAlloc(8, _HOST_ALLOC_MAPPED)
-        self.words = np.ctypeslib.as_array((ctypes.c_uint32 * 2).from_address(self._host))
-        self.words[:] = 0
+        self._host = self._rt.hostAlloc(16, _HOST_ALLOC_MAPPED)
+        self.words = np.ctypeslib.as_array((ctypes.c_uint32 * 4).from_address(self._host))
+        self.words[:] = (0, 0, 1, 0)
         # CuPy 14 does not wrap cudaHostGetDevicePointer; under unified
         # addressing mapped host memory has the same address on the device.
         get = getattr(self._rt, "hostGetDevicePointer", None)
         self.device_ptr = int(get(self._host, 0)) if get is not None else int(self._host)
+        self._stream = cupy.cuda.Stream(non_blocking=True)
+        self._mirrors: dict[int, object] = {}   # device address of a module's hold word -> module
+
+    def watch(self, hold_ptr: int, module) -> None:
+        """Keep the hold word at `hold_ptr` equal to this gate's state."""
+        self._mirrors[hold_ptr] = module
+        self._set_mirrors([hold_ptr], self.closed)
+
+    def unwatch(self, hold_ptr: int) -> None:
+        if self._mirrors.pop(hold_ptr, None) is not None:
+            self._set_mirrors([hold_ptr], False)
+
+    def _set_mirrors(self, ptrs, closed: bool) -> None:
+        if not ptrs or not self._host:
+            return
+        src = self._host + (8 if closed else 12)
+        for ptr in ptrs:
+            self._rt.memcpyAsync(ptr, src, 4, _H2D, self._stream.ptr)
+        self._stream.synchronize()
 
     def close(self) -> None:
-        """Hold every instrumented launch that completes from now on."""
+        """Hold every instrumented launch that starts from now on, at its exit."""
         self.words[1] = 0
+        self._set_mirrors(list(self._mirrors), True)
         self.words[0] = 1
 
     def open(self) -> None:
         self.words[0] = 0
+        self._set_mirrors(list(self._mirrors), False)
 
     @property
     def closed(self) -> bool:
@@ -73,14 +103,19 @@ class Gate:
 
     @property
     def arrived(self) -> bool:
-        """A launch is waiting (or waited) at the gate since it was last closed."""
+        """A launch is held (or was) at the gate since it was last closed, and
+        every thread of it but the holder has left."""
         return bool(self.words[1])
 
     def free(self) -> None:
         if self._host:
-            self.words[0] = 0
+            self.open()
+            self._mirrors.clear()
             self._rt.freeHost(self._host)
             self._host = 0
+
+
+_watched: dict[int, Gate] = {}   # hold word address -> the gate that keeps it
 
 
 @dataclass
@@ -136,7 +171,17 @@ def attach(module, result: RewriteResult, gate: Gate | None,
     """Point a loaded instrumented module at `gate` (None = no gate) and, when it
     tracks stores, at `regions`."""
     g = module_global(module, GATE, 1, np.uint64)
+    hold = module_global(module, HOLD, 1, np.uint32)
+    hold_ptr = int(hold.data.ptr)
+    old = _watched.pop(hold_ptr, None)
+    if old is not None and old is not gate:
+        old.unwatch(hold_ptr)
+    if gate is None:
+        hold.set(np.zeros(1, dtype=np.uint32))
     g.set(np.array([gate.device_ptr if gate else 0], dtype=np.uint64))
+    if gate is not None:
+        gate.watch(hold_ptr, module)
+        _watched[hold_ptr] = gate
     if result.options.track_stores:
         table = region_table(regions or [], result.options.max_regions)
         module_global(module, REGIONS, table.size, np.uint64).set(table)
@@ -145,9 +190,15 @@ def attach(module, result: RewriteResult, gate: Gate | None,
 
 
 def epochs(module, result: RewriteResult, stream=None) -> dict[str, int]:
-    """Completed launches per kernel of a loaded instrumented module.  Pass a
-    non-blocking stream to read while a launch is held at the gate."""
-    n = len(result.kernels) + 1
-    arr = module_global(module, EPOCHS, n, np.uint64)
-    host = arr.get(stream=stream) if stream is not None else arr.get()
-    return {k.name: int(host[k.index]) for k in result.kernels}
+    """Completed launches per kernel of a loaded instrumented module: launches
+    started, less one for a kernel whose latest launch still has threads
+    running (see `concordia.instrument.rewrite`).  Exact when no launch of the
+    module is in flight and while one is held at the gate; pass a non-blocking
+    stream to read while a launch is held."""
+    n = len(result.kernels)
+    arrays = (module_global(module, EPOCHS, n, np.uint64), module_global(module, TARGETS, n, np.uint64),
+              module_global(module, EXITS, STRIPES * STRIPE_WORDS, np.uint64))
+    started, targets, exits = (a.get(stream=stream) if stream is not None else a.get() for a in arrays)
+    left = int(exits[::STRIPE_WORDS].sum())
+    return {k.name: int(started[k.index]) - int(started[k.index] > 0 and int(targets[k.index]) > left)
+            for k in result.kernels}

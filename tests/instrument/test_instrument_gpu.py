@@ -162,6 +162,79 @@ def test_pause_gate_holds_and_releases_cupy_kernels(cp):
         gate.free()
 
 
+SLOW = r"""
+extern "C" __global__ void slow_fill(float* out, int n, long long spin) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (blockIdx.x == 0) { if (i < n) out[i] = 1.0f; return; }
+  long long t0 = clock64();
+  while (clock64() - t0 < spin) { }
+  if (i < n) out[i] = 1.0f + blockIdx.x;
+}
+"""
+
+
+def test_gate_reports_arrival_only_after_every_block_has_finished(cp):
+    # Block 0 (which holds the launch) leaves at once; every other block spins
+    # for milliseconds before it writes.  When the gate says "arrived", all of
+    # the launch's writes must be there, and the held launch counts as complete.
+    instrument.enable()
+    gate = instrument.Gate()
+    instrument.set_gate(gate)
+    try:
+        rep = instrument.report()
+        k = cp.RawModule(code=SLOW).get_function("slow_fill")
+        blocks, threads = 3 * cp.cuda.Device().attributes["MultiProcessorCount"], 128
+        n = blocks * threads - 5
+        out = cp.zeros(n, dtype=cp.float32)
+        k((blocks,), (threads,), (out, np.int32(n), np.int64(1000)))
+        cp.cuda.Device().synchronize()
+        rec = rep.find("slow_fill")
+        assert instrument.epochs(rec.handle, rec.result)["slow_fill"] == 1
+        out.fill(0)
+        cp.cuda.Device().synchronize()
+        expect = 1.0 + np.arange(n) // threads
+        s, side = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+        gate.close()
+        with s:
+            k((blocks,), (threads,), (out, np.int32(n), np.int64(20_000_000)))   # ~10 ms per block
+        assert _wait(lambda: gate.arrived), "the launch never reached the closed gate"
+        seen = out.get(stream=side)
+        assert not s.done, "the stream finished while the gate was closed"
+        assert np.array_equal(seen, expect), f"{int((seen != expect).sum())} elements unwritten at arrival"
+        assert instrument.epochs(rec.handle, rec.result, stream=side)["slow_fill"] == 2
+        gate.open()
+        s.synchronize()
+        assert instrument.epochs(rec.handle, rec.result)["slow_fill"] == 2
+    finally:
+        gate.open()
+        instrument.disable()
+        gate.free()
+
+
+def test_epochs_count_launches_of_varying_grids_exactly(cp):
+    rep = instrument.enable()
+    mod = cp.RawModule(code=SRC)
+    axpy, bump = mod.get_function("axpy"), mod.get_function("bump_bytes")
+    rng = np.random.default_rng(5)
+    y = cp.zeros(1 << 20, dtype=cp.float32)
+    x = cp.ones(1 << 20, dtype=cp.float32)
+    raw = cp.zeros(1 << 16, dtype=cp.uint8)
+    off = cp.asarray(rng.choice(raw.size, size=4000, replace=False).astype(np.int64))
+    counts = {"axpy": 0, "bump_bytes": 0}
+    for _ in range(40):
+        if rng.random() < 0.5:
+            m = int(rng.integers(1, y.size))
+            axpy(((m + 255) // 256,), (int(rng.choice([32, 96, 256])),), (x, y, np.float32(1), np.int64(m)))
+            counts["axpy"] += 1
+        else:
+            m = int(rng.integers(1, 4000))
+            bump(((m + 63) // 64,), (64,), (off, raw, np.int32(m)))
+            counts["bump_bytes"] += 1
+    cp.cuda.Device().synchronize()
+    rec = rep.find("axpy")
+    assert instrument.epochs(rec.handle, rec.result) == {**counts, "scatter4": 0}
+
+
 def test_pause_gate_holds_pytorch_stream_work(cp):
     torch = pytest.importorskip("torch")
     instrument.enable()

@@ -64,9 +64,35 @@ def test_every_exit_is_routed_through_one_stub():
     assert "bra.uni $__cnc_exit;" in out
     # the only ret left is the stub's own; no exit remains
     assert out.count("ret;") == 1 and "exit;" not in out.replace("$__cnc_exit", "")
-    # prologue: zero the block counter, then one barrier, before the first instruction
-    pro = out.index("bar.sync 0;")
-    assert out.index("st.shared.u32 [__concordia_block_exits], 0;") < pro < out.index("setp.eq.u32 %p1")
+    # no barrier and no shared memory anywhere; the prologue (mirror read, block 0
+    # counting the launch) comes before the kernel's first instruction
+    assert "bar.sync" not in out and ".shared" not in out
+    assert out.index("ld.relaxed.gpu.global.u32 %__cnc_h, [__concordia_hold];") < out.index("setp.eq.u32 %p1")
+    assert out.index("atom.global.add.u64 %__cnc_d2, [__concordia_expect]") < out.index("setp.eq.u32 %p1")
+    # the common exit: one relaxed red per group of threads, no value returned
+    stub = out[out.index("$__cnc_exit:"):]
+    assert "activemask.b32" in stub and "@%__cnc_p1 red.relaxed.gpu.global.add.u64" in stub
+    assert "atom." not in stub and "fence" not in stub[:stub.index("$__cnc_counted:")]
+
+
+def test_gate_waits_only_in_block_zero_and_only_when_the_mirror_is_set():
+    out = rewrite(entry("\tret;")).ptx
+    hold = out[out.index("$__cnc_counted:"):out.index("$__cnc_drain:")]
+    # thread (0,0,0) of block (0,0,0), mirror set, gate attached, host word set: in that order
+    order = [hold.index(s) for s in ("%ctaid.z", "%__cnc_h, 0;", "[__concordia_gate]",
+                                     "ld.volatile.global.u32")]
+    assert order == sorted(order)
+    assert "[__concordia_targets+0]" in hold
+    # while the mirror is set the count is a release after a warp barrier
+    assert "bar.warp.sync %__cnc_r0;\n\t@%__cnc_p1 red.release.gpu" in out
+
+
+def test_old_targets_count_per_thread_and_get_no_gate():
+    text = ".version 6.0\n.target sm_60\n.address_size 64\n.visible .entry k()\n{\n\tret;\n}\n"
+    res = rewrite(text)
+    assert not res.options.pause_gate
+    assert "activemask" not in res.ptx and "__concordia_hold]" not in res.ptx.split("$__cnc_exit")[0]
+    assert "red.global.add.u64 [%__cnc_d0], 1;" in res.ptx
 
 
 def test_func_exit_is_hooked_but_func_ret_is_not():
@@ -79,15 +105,16 @@ def test_func_exit_is_hooked_but_func_ret_is_not():
     assert "@%q bra $__cnc_exit;" in f_body
     assert f_body.rstrip().endswith("$__cnc_done:\n\texit;\n}")  # the stub leaves with exit
     assert "\tret;" in f_body  # a .func return goes back to its caller, untouched
-    # the .func's exits count in the spare slot after the entries
-    assert "[__concordia_arrivals+4]" in f_body
+    # the .func's exits count in the module-wide exit counters, always with release
+    assert "red.release.gpu.global.add.u64" in f_body and "__concordia_gate" not in f_body
 
 
 def test_slots_follow_entry_order():
     text = HEADER + "".join(f".visible .entry k{i}()\n{{\n\tret;\n}}\n" for i in range(3))
     res = rewrite(text)
     assert [(k.name, k.index) for k in res.kernels] == [("k0", 0), ("k1", 1), ("k2", 2)]
-    assert f"{EPOCHS}[4]" in res.ptx
+    assert f"{EPOCHS}[3]" in res.ptx
+    assert "[__concordia_targets+16]" in res.ptx and "[__concordia_epochs+16]" in res.ptx
     assert res.slot("k2") == 2
     with pytest.raises(InstrumentError, match="no instrumented kernel"):
         res.slot("nope")
