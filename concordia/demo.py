@@ -126,6 +126,7 @@ def resume_main(args) -> int:
     from concordia.session import Session
 
     xp = array_module(args.device)
+    warm = _Warmup(_config(args), xp) if xp is not np else None
     wl = Workload(_config(args), xp=xp)
     t_ready = time.perf_counter()
     s = Session(args.log, create=False, policy=Policy(every_steps=args.every))
@@ -137,10 +138,20 @@ def resume_main(args) -> int:
         xp.cuda.Device().synchronize()
     t_restored = time.perf_counter()
     rec = s.last_recovery
+    warm_wait_ms = warm.join() if warm is not None else 0.0
     resumed_at = wl.step_index
+    steps_ms = []  # (model step, checkpoint) per recomputed step, each synchronised
     while wl.step_index < max(args.lost_until, resumed_at):
+        t0 = time.perf_counter()
         wl.step()
-        s.step()
+        if xp is not np:
+            xp.cuda.Device().synchronize()
+        t1 = time.perf_counter()
+        st = s.step()
+        if xp is not np:
+            xp.cuda.Device().synchronize()
+        steps_ms.append([round((t1 - t0) * 1e3, 3), round((time.perf_counter() - t1) * 1e3, 3),
+                         st.to_json() if st is not None else None])
     if xp is not np:
         xp.cuda.Device().synchronize()
     t_caught_up = time.perf_counter()
@@ -155,8 +166,48 @@ def resume_main(args) -> int:
            "plan_ms": rec.plan_ms, "restore_ms": (t_restored - t_open) * 1e3 - rec.plan_ms,
            "restore_bytes": rec.bytes, "restore_pages": rec.pages, "region_bytes": rec.regions,
            "recompute_ms": (t_caught_up - t_restored) * 1e3, "final_epoch": final.epoch,
+           "warm_ms": warm.ms if warm is not None else 0.0, "warm_wait_ms": warm_wait_ms,
+           "warm_error": warm.error if warm is not None else None, "recompute_steps_ms": steps_ms,
            "checkpoint_bytes": sum(c.bytes for c in s.checkpoints)})
     return 0
+
+
+class _Warmup:
+    """Loads every kernel the resumed run will launch (Concordia's, for each
+    page size the workload registers, and the model's, by one step of a scratch
+    copy of the workload) on a thread, while the log is opened and restored:
+    the first recomputed step then finds them loaded.  join() returns the
+    milliseconds the caller waited for it."""
+
+    def __init__(self, cfg: WorkloadConfig, xp):
+        import threading
+
+        self.ms = 0.0
+        self.error: str | None = None
+        self._thread = threading.Thread(target=self._run, args=(cfg, xp), name="warmup", daemon=True)
+        self._thread.start()
+
+    def _run(self, cfg, xp) -> None:
+        t0 = time.perf_counter()
+        try:
+            from concordia.gpu_kernels import gpu, jit
+
+            specs = []
+            for pb in (4096, 512, 1024, 64):
+                d = {"PAGE_BYTES": pb}
+                specs += [("stage", d), ("crc32c", d), ("shadow_diff", d), ("scatter", d)]
+            jit.precompile(specs + [("crc32c", {})])
+            gpu.precompile_helpers()
+            Workload(cfg, xp=xp).step()
+            xp.cuda.get_current_stream().synchronize()
+        except Exception as exc:  # a warm-up that fails only costs the time it saved
+            self.error = f"{type(exc).__name__}: {exc}"
+        self.ms = (time.perf_counter() - t0) * 1e3
+
+    def join(self) -> float:
+        t0 = time.perf_counter()
+        self._thread.join()
+        return (time.perf_counter() - t0) * 1e3
 
 
 # ---------------------------------------------------------------- parent

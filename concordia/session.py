@@ -636,6 +636,8 @@ class _DeviceKernels:
         self.failed: str | None = None
         self._ready: dict[tuple, bool] = {}
         self._mail: list = [None, None]
+        self._bufs: dict = {}
+        self._count_buf = None
 
     def prepare(self, r: Region) -> bool:
         """Compile the kernels `r` needs now (not midway through a checkpoint)."""
@@ -647,6 +649,7 @@ class _DeviceKernels:
         if key not in self._ready:
             try:
                 self.jit.precompile(specs)
+                self.gpu.precompile_helpers()
                 self._ready[key] = True
             except Exception as exc:
                 self.failed = f"kernels for {r.page_bytes}-byte pages unavailable ({type(exc).__name__}: {exc})"
@@ -661,23 +664,41 @@ class _DeviceKernels:
         """[(device ids, count)] per region; one read of every flag detector's count."""
         cp, gpu = self.cp, self.gpu
         out, pending = [], []
+        counts = None
         for r in regions:
             if r.crcs is None or r.detect == "all":
                 out.append((cp.arange(r.pages, dtype=cp.uint32), r.pages))
                 continue
-            flags = cp.empty(r.pages, cp.uint8)
+            flags, ids = self._buffers(r)
             if r.launch_detect(gpu, flags):
-                pos, count = gpu.dirty_positions(flags)
-                pending.append((len(out), flags, pos, count))
+                if counts is None:
+                    counts = self._counts(len(regions))
+                # compacted on the device at once; only the counts come back
+                gpu.launch_compact(flags, ids, counts[len(pending):len(pending) + 1])
+                pending.append((len(out), ids))
                 out.append(None)
             else:  # block tables / slot versions: scanned on the host
-                ids = r.dirty_pages(advance=True)
-                out.append((cp.asarray(ids), int(ids.size)))
+                found = r.dirty_pages(advance=True)
+                out.append((cp.asarray(found), int(found.size)))
         if pending:
-            counts = self.wait(self.fetch(0, [cp.stack([p[3] for p in pending])]))[0]
-            for (i, flags, pos, _), n in zip(pending, counts):
-                out[i] = (gpu.compact_flags(flags, pos, int(n)), int(n))
+            got = self.wait(self.fetch(0, [counts[:len(pending)]]))[0]
+            for (i, ids), n in zip(pending, got):
+                out[i] = (ids[:int(n)], int(n))
         return out
+
+    def _buffers(self, r: Region):
+        """The flag and page-id buffers of a region, made once (the page list
+        of one checkpoint is consumed before the next overwrites it)."""
+        key = (r.name, r.pages)
+        got = self._bufs.get(key)
+        if got is None:
+            got = self._bufs[key] = (self.cp.empty(r.pages, self.cp.uint8), self.cp.empty(r.pages, self.cp.uint32))
+        return got
+
+    def _counts(self, n: int):
+        if self._count_buf is None or self._count_buf.size < n:
+            self._count_buf = self.cp.empty(max(n, 8), self.cp.uint64)
+        return self._count_buf
 
     def empty_u32(self, n):
         return self.cp.empty(n, self.cp.uint32)
@@ -701,7 +722,9 @@ class _DeviceKernels:
         return self.gpu.pinned_buffer(nbytes)
 
     def update(self, table, ids, crcs) -> None:
-        table[ids] = crcs
+        if ids.dtype != self.cp.uint32:
+            ids = ids.astype(self.cp.uint32)
+        self.gpu.launch_scatter_u32(table, ids, crcs, int(ids.size))
 
     def digest_into(self, table, out) -> None:
         self.gpu.launch_region_digest(table, out)
@@ -1016,6 +1039,31 @@ def _raise_bad(bad, pids, rp, batch):
 
 
 _BOUNCE: dict = {}
+_COPY_POOL: list = []
+#: host threads that copy log payload into the pinned bounce buffers (one
+#: thread copies a few GB/s, faulting the log mapping in as it goes; the bus
+#: takes over 50)
+COPY_THREADS = 8
+
+
+def _parallel_copy(dst: np.ndarray, src) -> None:
+    """np.copyto in slices on a small thread pool (numpy drops the GIL while copying)."""
+    n = int(dst.size)
+    if n < (16 << 20) or COPY_THREADS < 2:
+        np.copyto(dst, src)
+        return
+    if not _COPY_POOL:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _COPY_POOL.append(ThreadPoolExecutor(max_workers=COPY_THREADS, thread_name_prefix="concordia-copy"))
+    per = -(-n // COPY_THREADS)
+    step = -(-per // 4096) * 4096
+
+    def part(lo):
+        np.copyto(dst[lo:lo + step], src[lo:lo + step])
+
+    for f in [_COPY_POOL[0].submit(part, lo) for lo in range(0, n, step)]:
+        f.result()
 
 
 def _bounce(arr, base_off, rows, pids, crcs, dst, pb, chunk_bytes, rp, batch):
@@ -1039,9 +1087,9 @@ def _bounce(arr, base_off, rows, pids, crcs, dst, pb, chunk_bytes, rp, batch):
             ev.synchronize()  # this buffer's previous transfer and scatter are done
         r = rows[lo:lo + per]
         k = r.size
-        if int(r[-1]) - int(r[0]) + 1 == k:  # consecutive rows: one memcpy
+        if int(r[-1]) - int(r[0]) + 1 == k:  # consecutive rows: one memcpy, split over threads
             s0 = base_off + int(r[0]) * pb
-            np.copyto(host[:k * pb], arr[s0:s0 + k * pb])
+            _parallel_copy(host[:k * pb], arr[s0:s0 + k * pb])
         else:
             src = arr[base_off:base_off + (int(r[-1]) + 1) * pb].reshape(-1, pb)
             np.take(src, r, axis=0, out=host[:k * pb].reshape(k, pb))

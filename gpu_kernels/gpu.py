@@ -363,3 +363,135 @@ def launch_region_digest(page_crcs, out) -> None:
         raise KernelInputError("a region digest needs at least one page CRC", where="page_crcs")
     k = jit.function("crc32c", "crc32c_words", {})
     k((1,), (1024,), (crcs, np.uint64(crcs.size), out))
+
+
+# --- fixed-cost helpers for the checkpoint path (one launch each, no sync) -----
+
+_HELPERS_SOURCE = r"""
+typedef unsigned char u8;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+// Sorted ids of the set flags and their number, in one launch of one block:
+// tiles of 64 flags per thread, a block-wide exclusive scan of the per-thread
+// counts, then each thread writes its ids in order.
+extern "C" __global__ void __launch_bounds__(1024)
+compact_flags(const u8* __restrict__ flags, u64 n, u32* __restrict__ ids, u64* __restrict__ count) {
+    __shared__ u32 warp_sums[32];
+    __shared__ u64 base;
+    const u32 t = threadIdx.x, lane = t & 31, w = t >> 5, warps = blockDim.x >> 5;
+    if (t == 0) base = 0;
+    __syncthreads();
+    for (u64 tile = 0; tile < n; tile += (u64)blockDim.x * 64) {
+        const u64 lo = tile + (u64)t * 64;
+        u64 bits = 0;
+        if (lo + 64 <= n) {
+            const uint4* p = reinterpret_cast<const uint4*>(flags + lo);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const uint4 v = p[q];
+                const u32 words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                for (int k = 0; k < 4; ++k)
+#pragma unroll
+                    for (int b = 0; b < 4; ++b)
+                        if ((words[k] >> (8 * b)) & 0xFFu) bits |= 1ull << (16 * q + 4 * k + b);
+            }
+        } else {
+            for (int k = 0; k < 64; ++k)
+                if (lo + k < n && flags[lo + k]) bits |= 1ull << k;
+        }
+        const u32 mine = __popcll(bits);
+        u32 incl = mine;
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            const u32 x = __shfl_up_sync(0xFFFFFFFFu, incl, d);
+            if (lane >= d) incl += x;
+        }
+        if (lane == 31) warp_sums[w] = incl;
+        __syncthreads();
+        if (w == 0) {
+            u32 s = lane < warps ? warp_sums[lane] : 0;
+#pragma unroll
+            for (int d = 1; d < 32; d <<= 1) {
+                const u32 x = __shfl_up_sync(0xFFFFFFFFu, s, d);
+                if (lane >= d) s += x;
+            }
+            warp_sums[lane] = s;  // inclusive over warps
+        }
+        __syncthreads();
+        u64 off = base + (w ? warp_sums[w - 1] : 0) + (incl - mine);
+        while (bits) {
+            const int k = __ffsll((long long)bits) - 1;
+            ids[off++] = (u32)(lo + k);
+            bits &= bits - 1;
+        }
+        __syncthreads();
+        if (t == 0) base += warp_sums[warps - 1];
+        __syncthreads();
+    }
+    if (t == 0) count[0] = base;
+}
+
+// table[ids[i]] = values[i] for i < n
+extern "C" __global__ void scatter_u32(u32* __restrict__ table, const u32* __restrict__ ids,
+                                       const u32* __restrict__ values, u64 n) {
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        table[ids[i]] = values[i];
+}
+"""
+
+_helpers: dict = {}
+
+
+def _helper(kernel: str):
+    cp = _cp()
+    key = (cp.cuda.Device().id, kernel)
+    fn = _helpers.get(key)
+    if fn is None:
+        mod = _helpers.get(key[0])
+        if mod is None:
+            mod = _helpers[key[0]] = cp.RawModule(code=_HELPERS_SOURCE, options=("-std=c++17",))
+        fn = _helpers[key] = mod.get_function(kernel)
+    return fn
+
+
+def precompile_helpers() -> None:
+    """Load the checkpoint path's helper kernels now (not midway through a checkpoint)."""
+    _helper("compact_flags")
+    _helper("scatter_u32")
+
+
+def launch_compact(flags, ids, count) -> None:
+    """Queue: ids[:k] = sorted positions of the k set flags, count[0] = k
+    (device uint64).  One launch of one block, no synchronisation; `ids` must
+    hold as many uint32 as there are flags (k is not known in advance)."""
+    n = int(flags.size)
+    _helper("compact_flags")((1,), (1024,), (flags, np.uint64(n), ids, count))
+
+
+def launch_scatter_u32(table, ids, values, count: int) -> None:
+    """Queue table[ids[i]] = values[i] for i < count (device uint32 arrays)."""
+    if count:
+        blocks = max(1, min(-(-count // THREADS), 1024))
+        _helper("scatter_u32")((blocks,), (THREADS,), (table, ids, values, np.uint64(count)))
+
+
+def launch_stage(region, ids, count: int, dst_ptr: int, dst_bytes: int, cursor, slot, crcs, *, page_bytes: int,
+                 base_lsn: int, epoch: int, region_id: int, salt: int, flags: int = 0) -> int:
+    """`stage_page_batch` without its checks and allocations: `region` is the
+    flat uint8 region, `ids` a device uint32 array whose first `count` entries
+    are the pages, `dst_ptr` the device address of the extent (`dst_bytes`
+    long, 64-byte aligned), `slot` a device uint64[1] for the record's offset.
+    Returns the record's length."""
+    length = ref.page_batch_length(count, page_bytes)
+    defines = {"PAGE_BYTES": page_bytes}
+    dst = np.uint64(dst_ptr)
+    jit.function("stage", "stage_alloc", defines)((1,), (1,), (cursor, np.uint64(dst_bytes), np.uint64(length), slot))
+    jit.function("stage", "stage_payload", defines)(
+        _warp_grid(count), (THREADS,), (region, ids, np.uint64(count), np.uint64(region.size), dst, slot, crcs))
+    jit.function("stage", "stage_finalize", defines)(
+        (1,), (THREADS,),
+        (ids, crcs, np.uint64(count), dst, slot, np.uint64(length), np.uint64(base_lsn),
+         np.uint64(epoch), np.uint32(region_id), np.uint32(salt), np.uint32(flags)))
+    return length

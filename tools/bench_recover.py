@@ -128,15 +128,19 @@ def _digest(xp, arr, page_bytes):
     return gpu.region_digest(gpu.crc32c_pages(arr, page_bytes=page_bytes))
 
 
-def _restore(xp, spec: str) -> dict:
-    """Open, plan and restore the log's KV region onto the device (or host)."""
+def _restore(xp, spec: str, writable: bool = False) -> dict:
+    """Open, plan and restore the log's KV region onto the device (or host).
+    writable: open the log for writing, as a recovering owner does (CUDA pins
+    only writable mappings, so a shm log is then read by the scatter kernel
+    straight from its registered mapping; read-only, it goes through the
+    pinned bounce buffers)."""
     from concordia.session import apply_plan_cupy
     from concordia.wal import Log
     from concordia.wal.apply import apply_plan_numpy
     from concordia.wal.planner import plan
 
     t0 = time.perf_counter()
-    log = Log.open(spec, writable=False, check_pages=False)  # pages are checked where they land
+    log = Log.open(spec, writable=writable, check_pages=False)  # pages are checked where they land
     t1 = time.perf_counter()
     p = plan(log)
     t2 = time.perf_counter()
@@ -209,36 +213,78 @@ def _torch(xp, nbytes: int, directory: str) -> dict | None:
     return {"save_s": t1 - t0, "load_s": t3 - t2, "device": dev}
 
 
-def run(sizes_bytes, tiers, quick: bool, page_bytes: int) -> dict:
+def _release(xp) -> None:
+    """Hand cached device memory back between steps (CuPy's pool and torch's
+    cache would otherwise hold several copies of the largest size)."""
+    if xp is np:
+        return
+    xp.get_default_memory_pool().free_all_blocks()
+    xp.get_default_pinned_memory_pool().free_all_blocks()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except Exception:
+        pass
+
+
+def run(sizes_bytes, tiers, quick: bool, page_bytes: int, on_row=None, with_torch: bool = True) -> dict:
+    """Every (size, tier) row; `on_row(result so far)` after each one, so a
+    run cut short keeps what it measured.  A step that fails (a tier too large
+    for the machine's disk, say) leaves a row with its error and the run goes on."""
     gpu = _gpu()
     xp = gpu if gpu is not None else np
     work = tempfile.mkdtemp(prefix="concordia-bench-recover-", dir=os.environ.get("CONCORDIA_BENCH_DIR"))
     rows = []
+    res = {"device": "gpu" if gpu is not None else "cpu", "page_bytes": page_bytes,
+           "goals": {"ratio_to_ceiling": 0.8, "total_s_at_10GiB": 1.0}, "rows": rows}
     try:
-        ceiling = _ceiling(xp, max(sizes_bytes))
+        res["ceiling"] = ceiling = _ceiling(xp, max(sizes_bytes))
+        _release(xp)
+        pre = _prefill(xp, max(sizes_bytes), quick)  # tokens per second, scaled to each size below
+        res["reprefill"] = {k: pre[k] for k in ("tokens_per_s", "measured_tokens", "kv_bytes_per_token")}
         for nbytes in sizes_bytes:
-            pre = _prefill(xp, nbytes, quick)
+            tokens = nbytes / pre["kv_bytes_per_token"]
+            reprefill_s = tokens / pre["tokens_per_s"]
             for tier in tiers:
+                row = {"tier": tier, "bytes": nbytes, "GiB": nbytes / GIB, "reprefill_s": reprefill_s,
+                       "reprefill_tokens": int(tokens)}
                 spec = _spec(tier, work)
                 try:
                     w = _write_log(xp, spec, nbytes, page_bytes)
-                    r = _restore(xp, spec)
+                    _release(xp)
+                    r = _restore(xp, spec, writable=tier == "shm")
+                    if tier == "shm" and xp is not np:  # the same log through the bounce buffers
+                        _release(xp)
+                        b = _restore(xp, spec, writable=False)
+                        row.update({f"bounce_{k}": b[k] for k in ("total_s", "restore_s", "GBps", "via")})
+                        row["bounce_ratio_to_ceiling"] = b["GBps"] / ceiling["GBps"]
+                    row.update({"write_s": w["write_s"], **{k: v for k, v in r.items() if k != "bytes"},
+                                "ratio_to_ceiling": r["GBps"] / ceiling["GBps"],
+                                "ratio_to_ceiling_excl_register": r["GBps_excl_register"] / ceiling["GBps"],
+                                "speedup_vs_reprefill": reprefill_s / r["total_s"]})
+                except Exception as exc:
+                    row["error"] = f"{type(exc).__name__}: {exc}"
                 finally:
                     _remove(spec)
+                    _release(xp)
                 directory = "/dev/shm" if tier == "shm" else work
-                tr = _torch(xp, nbytes, directory)
-                rows.append({"tier": tier, "bytes": nbytes, "GiB": nbytes / GIB, "write_s": w["write_s"],
-                             **{k: v for k, v in r.items() if k != "bytes"},
-                             "ratio_to_ceiling": r["GBps"] / ceiling["GBps"],
-                             "ratio_to_ceiling_excl_register": r["GBps_excl_register"] / ceiling["GBps"],
-                             "reprefill_s": pre["seconds"], "reprefill_tokens": pre["tokens"],
-                             "speedup_vs_reprefill": pre["seconds"] / r["total_s"],
-                             "torch_save_s": tr and tr["save_s"], "torch_load_s": tr and tr["load_s"],
-                             "speedup_vs_torch_load": (tr["load_s"] / r["total_s"]) if tr else None})
+                try:
+                    tr = _torch(xp, nbytes, directory) if with_torch else None
+                except Exception as exc:
+                    tr = None
+                    row["torch_error"] = f"{type(exc).__name__}: {exc}"
+                _release(xp)
+                row.update({"torch_save_s": tr and tr["save_s"], "torch_load_s": tr and tr["load_s"],
+                            "speedup_vs_torch_load": (tr["load_s"] / row["total_s"]) if tr and "total_s" in row
+                            else None})
+                rows.append(row)
+                if on_row is not None:
+                    on_row(res)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return {"device": "gpu" if gpu is not None else "cpu", "page_bytes": page_bytes, "ceiling": ceiling,
-            "goals": {"ratio_to_ceiling": 0.8, "total_s_at_10GiB": 1.0}, "rows": rows}
+    return res
 
 
 def _table(res: dict) -> str:
@@ -247,6 +293,9 @@ def _table(res: dict) -> str:
              f"{'tier':<5} {'GiB':>6} {'open':>7} {'plan':>7} {'restore':>8} {'total':>8} {'GB/s':>7} "
              f"{'ceil%':>6} {'re-prefill':>11} {'torch.load':>11}  via"]
     for r in res["rows"]:
+        if "error" in r:
+            lines.append(f"{r['tier']:<5} {r['GiB']:>6.2f} failed: {r['error']}")
+            continue
         tl = f"{r['torch_load_s']:.3f}s" if r["torch_load_s"] is not None else "-"
         lines.append(f"{r['tier']:<5} {r['GiB']:>6.2f} {r['open_s']:>6.3f}s {r['plan_s']:>6.3f}s "
                      f"{r['restore_s']:>7.3f}s {r['total_s']:>7.3f}s {r['GBps']:>7.1f} "
@@ -261,8 +310,9 @@ def _plot(res: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for tier in sorted({r["tier"] for r in res["rows"]}):
-        rs = [r for r in res["rows"] if r["tier"] == tier]
+    done = [r for r in res["rows"] if "total_s" in r]
+    for tier in sorted({r["tier"] for r in done}):
+        rs = [r for r in done if r["tier"] == tier]
         ax.plot([r["GiB"] for r in rs], [r["total_s"] for r in rs], "o-", label=f"Concordia restore ({tier} log)")
         tl = [(r["GiB"], r["torch_load_s"]) for r in rs if r["torch_load_s"] is not None]
         if tl:
@@ -286,12 +336,14 @@ def _plot(res: dict, path: str) -> None:
               help="KV sizes in GiB, comma-separated (fractions allowed).")
 @click.option("--tiers", default="shm,file", show_default=True, help="Log tiers: shm, file.")
 @click.option("--page-bytes", default=65536, show_default=True, type=int, help="Page size of the KV region.")
+@click.option("--torch/--no-torch", "with_torch", default=True, show_default=True,
+              help="Time torch.save/torch.load of the same bytes.")
 @click.option("--quick", is_flag=True, help="Small sizes (CI smoke test; runs on the CPU).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
 @click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
 @click.option("--plot", is_flag=True, help="Draw seconds per size to a PNG (beside --out, or ./bench-recover.png).")
 @guarded
-def command(sizes, tiers, page_bytes, quick, as_json, out, plot):
+def command(sizes, tiers, page_bytes, with_torch, quick, as_json, out, plot):
     """Restore KV state from shm and file logs onto the GPU, beside pinned
     host-to-device bandwidth, re-prefill with the model and torch.load.
 
@@ -310,12 +362,15 @@ def command(sizes, tiers, page_bytes, quick, as_json, out, plot):
     if quick:
         gib = [4 / 1024, 16 / 1024]
     sizes_bytes = [max(page_bytes, int(g * GIB) // page_bytes * page_bytes) for g in gib]
-    res = run(sizes_bytes, tier_list, quick, page_bytes)
-    if out:
-        import json
+    def save(result):
+        if out:
+            import json
 
-        with open(out, "w") as f:
-            json.dump(res, f, indent=2)
+            with open(out, "w") as f:
+                json.dump(result, f, indent=2)
+
+    res = run(sizes_bytes, tier_list, quick, page_bytes, on_row=save, with_torch=with_torch)
+    save(res)
     if plot:
         path = (os.path.splitext(out)[0] + ".png") if out else "bench-recover.png"
         _plot(res, path)

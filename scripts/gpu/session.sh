@@ -1,25 +1,35 @@
 #!/usr/bin/env bash
-# Session on the GPU: the gpu-marked session tests (device staging included), the demo on the device,
-# and bench recover at modest sizes.  Run from the repository root; results
-# go to "$OUT" (session-tests.xml, demo.json, recover.json, recover.png).
+# Session on the GPU: the gpu-marked session tests (device staging included),
+# the demo on the device, and bench recover (sizes from RECOVER_SIZES, default
+# 1,10,40 GiB) with whatever time is left of SESSION_BUDGET_S (bench recover
+# writes its JSON after every row, so a run cut short keeps what it measured).
+# Run from the repository root; results go to "$OUT" (session-tests.xml,
+# demo.json, recover.json, recover.png).
 set -uo pipefail
 OUT=${OUT:-./gpu-out}
 mkdir -p "$OUT"
+start=$(date +%s)
+budget=${SESSION_BUDGET_S:-300}
 rc=0
 # test_gpu_staging.py: checkpoints staged on the device (zero copy into a
 # registered shm mapping, pinned ring for file logs) byte-identical to numpy's
-timeout 120 python3 -m pytest tests/session/test_gpu.py tests/session/test_gpu_staging.py -q -m gpu \
+timeout 110 python3 -m pytest tests/session/test_gpu.py tests/session/test_gpu_staging.py -q -m gpu \
   -p no:cacheprovider --junitxml="$OUT/session-tests.xml" 2>&1 | tail -25
 [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 timeout 60 python3 -m concordia.tools.cli demo --device gpu --steps 160 --json \
   --log "file:$OUT/demo-work/demo.log" > "$OUT/demo.json" || rc=1
 rm -rf "$OUT/demo-work"
-python3 -c "import json; d=json.load(open('$OUT/demo.json')); print('demo identical:', d['identical'], 'timeline ms:', [(p['phase'], round(p['ms'],1)) for p in d['timeline']])" || rc=1
-timeout 150 python3 -c "import sys; from concordia.tools.wal_cli import main; sys.argv[0] = 'concordia-wal'; main()" bench recover --sizes "${RECOVER_SIZES:-1,4}" \
-  --json --plot --out "$OUT/recover.json" > /dev/null || rc=1
+python3 -c "import json; d=json.load(open('$OUT/demo.json')); print('demo identical:', d['identical'], 'timeline ms:', [(p['phase'], round(p['ms'],1)) for p in d['timeline']], 'warm ms:', round(d['recovery'].get('warm_ms', 0)), 'waited', round(d['recovery'].get('warm_wait_ms', 0)))" || rc=1
+left=$(( budget - ($(date +%s) - start) - 5 ))
+echo "bench recover: ${left}s left"
+timeout -k 5 "$left" python3 -c "import sys; from concordia.tools.wal_cli import main; sys.argv[0] = 'concordia-wal'; main()" bench recover --sizes "${RECOVER_SIZES:-1,10,40}" \
+  ${RECOVER_ARGS:-} --json --plot --out "$OUT/recover.json" > /dev/null || rc=1
 python3 -c "
 import json; d=json.load(open('$OUT/recover.json'))
 print('ceiling', round(d['ceiling']['GBps'],1), 'GB/s')
-for r in d['rows']: print(r['tier'], round(r['GiB'],2), 'GiB total', round(r['total_s'],3), 's', round(100*r['ratio_to_ceiling']), '% of ceiling', r['via'])
+for r in d['rows']:
+    if 'error' in r: print(r['tier'], round(r['GiB'],2), 'failed:', r['error']); continue
+    print(r['tier'], round(r['GiB'],2), 'GiB total', round(r['total_s'],3), 's', round(100*r['ratio_to_ceiling']), '% of ceiling', r['via'], 'register', round(r['register_s'],3), 'bounce', r.get('bounce_total_s'), 'torch.load', r['torch_load_s'])
 " || rc=1
+df -h /tmp /dev/shm | tail -2
 exit $rc

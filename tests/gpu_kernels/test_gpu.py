@@ -214,3 +214,43 @@ def test_precompile_loads_each_module_once(cp):
     jit.precompile(specs)
     assert jit.loaded() == before
     assert jit.module("stage", {"PAGE_BYTES": 4096}) is jit.module("stage", {"PAGE_BYTES": 4096})
+
+
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 4096, 65536 + 17, 2_097_152])
+@pytest.mark.parametrize("frac", [0.0, 1e-5, 0.3, 1.0])
+def test_compact_flags_in_one_launch(cp, gpu, n, frac):
+    rng = np.random.default_rng(n)
+    flags = (rng.random(n) < frac).astype(np.uint8) * rng.integers(1, 256, n, dtype=np.uint8)
+    ids = cp.full(n + 8, 0xDEADBEEF, cp.uint32)
+    count = cp.full(1, 7, cp.uint64)
+    gpu.launch_compact(cp.asarray(flags), ids, count)
+    want = np.flatnonzero(flags).astype(np.uint32)
+    k = int(count.get()[0])
+    assert k == want.size
+    assert np.array_equal(ids[:k].get(), want)
+    assert (ids[k:].get() == 0xDEADBEEF).all()  # nothing past the count
+
+
+def test_fast_stage_and_scatter_write_what_the_checked_launchers_write(cp, gpu):
+    rng = np.random.default_rng(3)
+    pb, npages = 4096, 300
+    host = rand_region(rng, npages * pb)
+    region = cp.asarray(host)
+    want_ids = np.sort(rng.choice(npages, 37, replace=False)).astype(np.uint32)
+    length = ref.page_batch_length(want_ids.size, pb)
+    dst = cp.full(length + 128, 0xEE, cp.uint8)
+    ids = cp.full(npages, 0xFFFFFFFF, cp.uint32)
+    ids[:want_ids.size] = cp.asarray(want_ids)
+    cursor, slot, crcs = cp.zeros(4, cp.uint64), cp.zeros(1, cp.uint64), cp.zeros(want_ids.size, cp.uint32)
+    got = gpu.launch_stage(region, ids, int(want_ids.size), dst.data.ptr, dst.size, cursor, slot, crcs,
+                           page_bytes=pb, base_lsn=4096, epoch=5, region_id=2, salt=0x1234)
+    assert got == length
+    twin = np.full(length + 128, 0xEE, np.uint8)
+    ref.stage_page_batch(host, want_ids, twin, ref.new_cursor(), page_bytes=pb, base_lsn=4096, epoch=5,
+                         region_id=2, salt=0x1234)
+    assert dst.get().tobytes() == twin.tobytes()
+    table = cp.zeros(npages, cp.uint32)
+    gpu.launch_scatter_u32(table, ids, crcs, int(want_ids.size))
+    want = np.zeros(npages, np.uint32)
+    want[want_ids] = ref.crc32c_pages(host, want_ids, page_bytes=pb)
+    assert np.array_equal(table.get(), want)

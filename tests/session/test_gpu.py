@@ -20,7 +20,7 @@ def _cp():
 
 def test_cupy_regions_checkpoint_and_recover_on_device(shm_log):
     cp = _cp()
-    kv = cp.arange(1 << 18, dtype=cp.float32).reshape(4, 16, 2, 8, 2, 32)
+    kv = cp.arange(1 << 18, dtype=cp.float32).reshape(4, 16, 2, 8, 2, 128)
     ad = cp.ones((4, 2, 64, 8), cp.float32)
     with Session(shm_log, size=LOG_SIZE, segment_size=SEGMENT) as s:
         s.register("kv", kv, kind="kv", page_bytes=4096)
