@@ -216,7 +216,9 @@ def rewrite(text: str | bytes, options: Options = Options()) -> RewriteResult:
     sleep_ok = modern
     result = RewriteResult(ptx="", options=options, address_size=header.address_size,
                            target=header.target)
-    if not modern and options.pause_gate:
+    func_exits = any(c.is_function and c.kind != "entry" and re.search(r"(^|[;{}\s])exit\s*;", c.body)
+                     for c in chunks)
+    if (not modern or func_exits) and options.pause_gate:
         options = Options(exit_hooks=options.exit_hooks, pause_gate=False,
                           track_stores=options.track_stores, max_regions=options.max_regions)
         result.options = options
@@ -391,8 +393,7 @@ def _rewrite_function(ch: P.Chunk, info: KernelInfo, ctx: _Ctx) -> str:
             if m:
                 local_symbols.add(m.group(1))
     is_entry = ch.kind == "entry"
-    hook_exits = ctx.options.exit_hooks and (is_entry or any(
-        it.kind == "stmt" and it.parts[0] == "exit" for it in items))
+    hook_exits = ctx.options.exit_hooks and is_entry
     out: list[str] = []
     prologue_done = not (is_entry and ctx.options.exit_hooks)
     for it in items:
@@ -423,7 +424,7 @@ def _rewrite_function(ch: P.Chunk, info: KernelInfo, ctx: _Ctx) -> str:
     decls = ""
     if hook_exits:
         decls = (f"\n\t.reg .pred {REG}p<4>;\n\t.reg .b32 {REG}r<6>;\n\t.reg .b64 {REG}d<6>;"
-                 f"\n\t.reg .b32 {REG}h;")
+                 f"\n\t.reg .pred {REG}pc;")
         body = body.rstrip() + "\n" + _exit_stub(info.index, is_entry, ctx) + "\n"
     return ch.head + "{" + decls + body + "}"
 
@@ -432,26 +433,55 @@ def _is_declaration(it: P.Item) -> bool:
     return it.opcode in (".reg", ".shared", ".local", ".param", ".pragma", ".loc", ".const", ".global")
 
 
+def _stripe(r: list[str], d: list[str], a64: bool) -> tuple[list[str], str]:
+    """The address of this thread's counter: EXITS + 128 * (%smid % 64)."""
+    if a64:
+        return ([f"mov.u32 {r[3]}, %smid;", f"and.b32 {r[3]}, {r[3]}, {STRIPES - 1};",
+                 f"mul.wide.u32 {d[0]}, {r[3]}, {8 * STRIPE_WORDS};", f"mov.u64 {d[1]}, {EXITS};",
+                 f"add.s64 {d[0]}, {d[0]}, {d[1]};"], d[0])
+    return ([f"mov.u32 {r[3]}, %smid;", f"and.b32 {r[3]}, {r[3]}, {STRIPES - 1};",
+             f"mov.u32 {r[4]}, {EXITS};", f"mad.lo.u32 {r[4]}, {r[3]}, {8 * STRIPE_WORDS}, {r[4]};"], r[4])
+
+
 def _prologue(slot: int, ctx: _Ctx) -> str:
-    """Every thread reads the gate's mirror once (the load's latency overlaps the
-    kernel body; the value is used only at the exit).  Block 0's thread 0 counts
-    the launch: its thread count into `expect`, the resulting target, and one
-    more started launch of this kernel."""
-    r0, r1, d0, d1, d2, p = (f"{REG}r0", f"{REG}r1", f"{REG}d0", f"{REG}d1", f"{REG}d2", f"{REG}p0")
+    """Every thread reads the gate's mirror (a weak load, from L1 after the
+    first warp of an SM).  While no hold is requested the thread is counted
+    here, by its group's leader, with a relaxed `red` whose latency overlaps the
+    kernel body; otherwise the exit stub counts it after its writes.  Block 0's
+    thread 0 then counts the launch: its thread count into `expect`, the
+    resulting target, and one more started launch of this kernel."""
+    r = [f"{REG}r{i}" for i in range(6)]
+    d = [f"{REG}d{i}" for i in range(6)]
+    p = [f"{REG}p{i}" for i in range(4)]
+    pc = f"{REG}pc"
+    stripe, where = _stripe(r, d, ctx.header.address_size == 64)
     lines = []
     if ctx.options.pause_gate:
-        lines.append(f"ld.relaxed.gpu.global.u32 {REG}h, [{HOLD}];")
-    lines += _first_thread(r0, r1, p)
+        lines += [f"ld.global.ca.u32 {r[5]}, [{HOLD}];", f"setp.eq.u32 {pc}, {r[5]}, 0;"]
+    else:
+        lines.append(f"setp.eq.u32 {pc}, 0, 0;")
+    lines += stripe
+    if ctx.modern:
+        lines += [f"activemask.b32 {r[0]};"]
+        if ctx.options.pause_gate:
+            lines.append(f"vote.sync.ballot.b32 {r[0]}, {pc}, {r[0]};")
+        lines += [f"popc.b32 {r[1]}, {r[0]};", f"cvt.u64.u32 {d[2]}, {r[1]};",
+                  f"mov.u32 {r[2]}, %lanemask_lt;", f"and.b32 {r[2]}, {r[2]}, {r[0]};",
+                  f"setp.eq.u32 {p[1]}, {r[2]}, 0;", f"and.pred {p[1]}, {p[1]}, {pc};",
+                  f"@{p[1]} red.relaxed.gpu.global.add.u64 [{where}], {d[2]};"]
+    else:
+        lines.append(f"red.global.add.u64 [{where}], 1;")
+    lines += _first_thread(r[0], r[1], p[0])
     lines += [
-        f"@!{p} bra {LBL}go;",
-        f"mov.u32 {r0}, %nctaid.x;", f"mov.u32 {r1}, %nctaid.y;", f"mul.wide.u32 {d0}, {r0}, {r1};",
-        f"mov.u32 {r0}, %nctaid.z;", f"cvt.u64.u32 {d1}, {r0};", f"mul.lo.u64 {d0}, {d0}, {d1};",
-        f"mov.u32 {r0}, %ntid.x;", f"mov.u32 {r1}, %ntid.y;", f"mul.lo.u32 {r0}, {r0}, {r1};",
-        f"mov.u32 {r1}, %ntid.z;", f"mul.lo.u32 {r0}, {r0}, {r1};", f"cvt.u64.u32 {d1}, {r0};",
-        f"mul.lo.u64 {d0}, {d0}, {d1};",
-        f"atom.global.add.u64 {d2}, [{EXPECT}], {d0};",
-        f"add.s64 {d2}, {d2}, {d0};",
-        f"st.global.u64 [{TARGETS}+{8 * slot}], {d2};",
+        f"@!{p[0]} bra {LBL}go;",
+        f"mov.u32 {r[0]}, %nctaid.x;", f"mov.u32 {r[1]}, %nctaid.y;", f"mul.wide.u32 {d[0]}, {r[0]}, {r[1]};",
+        f"mov.u32 {r[0]}, %nctaid.z;", f"cvt.u64.u32 {d[1]}, {r[0]};", f"mul.lo.u64 {d[0]}, {d[0]}, {d[1]};",
+        f"mov.u32 {r[0]}, %ntid.x;", f"mov.u32 {r[1]}, %ntid.y;", f"mul.lo.u32 {r[0]}, {r[0]}, {r[1]};",
+        f"mov.u32 {r[1]}, %ntid.z;", f"mul.lo.u32 {r[0]}, {r[0]}, {r[1]};", f"cvt.u64.u32 {d[1]}, {r[0]};",
+        f"mul.lo.u64 {d[0]}, {d[0]}, {d[1]};",
+        f"atom.global.add.u64 {d[2]}, [{EXPECT}], {d[0]};",
+        f"add.s64 {d[2]}, {d[2]}, {d[0]};",
+        f"st.global.u64 [{TARGETS}+{8 * slot}], {d[2]};",
         f"red.global.add.u64 [{EPOCHS}+{8 * slot}], 1;",
         f"{LBL}go:",
     ]
@@ -471,52 +501,34 @@ def _indent(lines: list[str]) -> list[str]:
 
 
 def _exit_stub(slot: int, is_entry: bool, ctx: _Ctx) -> str:
-    """The common exit of an entry (`ret`) or of a `.func` that calls `exit`."""
+    """The common exit of an entry.  Threads not counted at entry (a hold was
+    requested when they started) are counted here, after their writes."""
+    del is_entry
     r = [f"{REG}r{i}" for i in range(6)]
     d = [f"{REG}d{i}" for i in range(6)]
     p = [f"{REG}p{i}" for i in range(4)]
     a64 = ctx.header.address_size == 64
-    # the address of this thread's stripe: EXITS + 128 * (%smid % 64)
-    if a64:
-        stripe = [f"mov.u32 {r[3]}, %smid;", f"and.b32 {r[3]}, {r[3]}, {STRIPES - 1};",
-                  f"mul.wide.u32 {d[0]}, {r[3]}, {8 * STRIPE_WORDS};", f"mov.u64 {d[1]}, {EXITS};",
-                  f"add.s64 {d[0]}, {d[0]}, {d[1]};"]
-        where = d[0]
-    else:
-        stripe = [f"mov.u32 {r[3]}, %smid;", f"and.b32 {r[3]}, {r[3]}, {STRIPES - 1};",
-                  f"mov.u32 {r[4]}, {EXITS};", f"mad.lo.u32 {r[4]}, {r[3]}, {8 * STRIPE_WORDS}, {r[4]};"]
-        where = r[4]
-    lines = [f"{LBL}exit:"] + stripe
-    if not ctx.modern:
-        # no warp-level count below sm_70: each thread counts itself
-        lines.append(f"red.global.add.u64 [{where}], 1;")
-    else:
+    lines = [f"{LBL}exit:"]
+    if ctx.options.pause_gate:
+        stripe, where = _stripe(r, d, a64)
         lines += [
             f"activemask.b32 {r[0]};",
-            f"popc.b32 {r[1]}, {r[0]};",
-            f"cvt.u64.u32 {d[2]}, {r[1]};",
+            f"vote.sync.ballot.b32 {r[1]}, !{REG}pc, {r[0]};",   # the group's threads still to count
+            f"setp.eq.u32 {p[2]}, {r[1]}, 0;",
+            f"@{p[2]} bra {LBL}counted;",
+            f"bar.warp.sync {r[0]};",                            # their writes before the leader's release
+            *stripe,
+            f"popc.b32 {r[2]}, {r[1]};",
+            f"cvt.u64.u32 {d[2]}, {r[2]};",
             f"mov.u32 {r[2]}, %lanemask_lt;",
-            f"and.b32 {r[2]}, {r[2]}, {r[0]};",
-            f"setp.eq.u32 {p[1]}, {r[2]}, 0;",            # the group's lowest lane counts it
+            f"and.b32 {r[2]}, {r[2]}, {r[1]};",
+            f"setp.eq.u32 {p[1]}, {r[2]}, 0;",
+            f"and.pred {p[1]}, {p[1]}, !{REG}pc;",
+            f"@{p[1]} red.release.gpu.global.add.u64 [{where}], {d[2]};",
+            f"{LBL}counted:",
         ]
-        gated = ctx.options.pause_gate
-        if is_entry and gated:
-            lines += [f"setp.ne.u32 {p[2]}, {REG}h, 0;",
-                      f"vote.sync.any.pred {p[2]}, {p[2]}, {r[0]};",   # one choice per group
-                      f"@!{p[2]} bra {LBL}relaxed;"]
-        if not is_entry or gated:
-            # ordered: the group's writes before the leader's release at GPU scope
-            lines += [f"bar.warp.sync {r[0]};",
-                      f"@{p[1]} red.release.gpu.global.add.u64 [{where}], {d[2]};"]
-        if is_entry and gated:
-            lines += [f"bra {LBL}counted;", f"{LBL}relaxed:"]
-        if is_entry:
-            lines.append(f"@{p[1]} red.relaxed.gpu.global.add.u64 [{where}], {d[2]};")
-            if gated:
-                lines.append(f"{LBL}counted:")
-        if is_entry and gated:
-            lines += _gate_hold(slot, r, d, p, a64, ctx)
-    lines += [f"{LBL}done:", "ret;" if is_entry else "exit;"]
+        lines += _gate_hold(slot, r, d, p, a64, ctx)
+    lines += [f"{LBL}done:", "ret;"]
     return "\n".join(_indent(lines))
 
 
@@ -528,8 +540,7 @@ def _gate_hold(slot: int, r: list[str], d: list[str], p: list[str], a64: bool, c
                 f"mov.u32 {r[4]}, {EXITS};\n\tcvt.u64.u32 {d[1]}, {r[4]};")
     lines = _first_thread(r[0], r[1], p[0]) + [
         f"@!{p[0]} bra {LBL}done;",
-        f"setp.eq.u32 {p[0]}, {REG}h, 0;",
-        f"@{p[0]} bra {LBL}done;",
+        f"@{REG}pc bra {LBL}done;",
         f"ld.global.u64 {d[3]}, [{GATE}];",
         f"setp.eq.u64 {p[0]}, {d[3]}, 0;",
         f"@{p[0]} bra {LBL}done;",
