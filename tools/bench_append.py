@@ -254,7 +254,10 @@ def run(total: int, sizes, commit_bytes: int, media, workdir: str, repeat: int) 
             r["x_sqlite"] > 1 and (r["x_lmdb"] is None or r["x_lmdb"] > 1) for r in fil)
     if verify:
         goals["verify_ge_5_gb_per_s"] = verify["gb_per_s"] >= 5.0
-    return {"benchmark": "append", "page_bytes": PAGE, "total_bytes": total, "commit_bytes": commit_bytes,
+    from concordia.wal import pagecrc
+
+    return {"benchmark": "append", "page_crc": {"backend": pagecrc.BACKEND, "reason": pagecrc.REASON},
+            "page_bytes": PAGE, "total_bytes": total, "commit_bytes": commit_bytes,
             "repeat": repeat, "cpu_count": os.cpu_count(), "file_fs": _fstype(workdir), "results": rows,
             "verify": verify, "goals": goals}
 
@@ -274,6 +277,8 @@ def _table(doc: dict) -> str:
     if v:
         lines.append(f"verify (shm, {v['pages_per_record']} pages/record): {v['gb_per_s']:.2f} GB/s, "
                      f"CRC32C ceiling {v['ceiling_crc32c_gb_per_s']:.2f} GB/s, ratio {v['ratio']:.2f}")
+    c = doc.get("page_crc") or {}
+    lines.append(f"page CRCs: {c.get('backend')}" + (f" ({c['reason']})" if c.get("reason") else ""))
     for k, ok in doc["goals"].items():
         lines.append(f"goal {k}: {'met' if ok else 'NOT met'}")
     return "\n".join(lines)

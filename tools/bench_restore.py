@@ -125,8 +125,11 @@ def run(size: int, epochs: int, dirty: float, page_bytes: int, repeat: int, thre
         rows.append({"into": what, "threads": n, "seconds": s, "gb_per_s": gb(restored, s),
                      "ratio_to_memcpy": mem_s / s,
                      "ratio_to_memcpy_fresh": best["memcpy_fresh"] / s if what == "new arrays" else None})
+    from concordia.wal import pagecrc
+
     return {
         "benchmark": "restore",
+        "page_crc": {"backend": pagecrc.BACKEND, "reason": pagecrc.REASON},
         "params": {"size": size, "epochs": epochs, "dirty": dirty, "page_bytes": page_bytes,
                    "repeat": repeat, "threads": threads},
         "cpu_count": os.cpu_count(),
@@ -143,6 +146,11 @@ def run(size: int, epochs: int, dirty: float, page_bytes: int, repeat: int, thre
     }
 
 
+def _crc_path(doc: dict) -> str:
+    c = doc.get("page_crc") or {}
+    return f"page CRCs: {c.get('backend')}" + (f" ({c['reason']})" if c.get("reason") else "")
+
+
 def _table(doc: dict) -> str:
     p = doc["plan"]
     lines = [
@@ -152,6 +160,7 @@ def _table(doc: dict) -> str:
         f"vs {p['naive_bytes'] / 2**20:.1f} MiB naive replay (ratio {p['read_ratio_to_naive']:.2f})",
         f"ceiling: memcpy {doc['ceiling']['gb_per_s']:.2f} GB/s, crc32c {doc['ceiling']['crc32c_gb_per_s']:.2f} GB/s",
         f"(into memory already faulted in; into fresh memory {doc['ceiling']['memcpy_fresh_gb_per_s']:.2f} GB/s)",
+        _crc_path(doc),
         f"{'into':>16} {'threads':>8} {'seconds':>9} {'GB/s':>8} {'ratio':>7}",
     ]
     for r in doc["results"]:

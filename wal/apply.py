@@ -6,24 +6,23 @@ snapshot's catalog entry) states, so a restore either returns exact state or
 raises `CorruptionError` naming the record (`segment N @ 0xOFFSET`, LSN, page).
 
 A region is rebuilt in destination order, a chunk of pages (`chunk_bytes`) at
-a time: one numpy gather of 64-byte blocks copies every page of the chunk from
-wherever its last writer's record lies in the log mapping straight into place
-(record payloads are 64-byte aligned), then the CRC of each page is computed
-from the destination while the chunk is still in cache and compared with the
-stored one.  So each byte is read from the log once, written once, and the
-bytes checked are the bytes restored.  Per page there is one `crc32c` call
-driven by `map` and no Python code; the `crc32c` package hashes one buffer per
-call, so this per-call cost is what remains above a plain memcpy.  Chunks are
-independent and run on a small thread pool (numpy's gather releases the GIL;
-the CRC calls are asked to release it when threads share the work).  Sources
-that do not lie in one buffer (plans built from loose arrays) are copied per
-record through a small per-thread buffer instead.  The GPU applier (scatter on
+a time: one call of `pagecrc.gather_page_crcs` copies every page of the chunk
+from wherever its last writer's record lies in the log mapping straight into
+place and hashes each page in the same pass, and the CRCs are compared with the
+stored ones.  So each byte is read from the log once, written once, and the
+bytes checked are the bytes restored.  (Where the compiled helper is not
+available, the copy is one numpy gather of 64-byte blocks, record payloads
+being 64-byte aligned, and each destination page is then hashed from cache by
+one `crc32c` call.)  Chunks are independent and run on a small thread pool
+(the helper and numpy's gather release the GIL; the package's CRC calls are
+asked to release it when threads share the work).  Sources that do not lie in
+one buffer (plans built from loose arrays) are copied per record through a
+small per-thread buffer instead.  The GPU applier (scatter on
 the device) lives with the GPU kernels.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from crc32c import crc32c as _crc32c
 
+from concordia.wal import pagecrc as _pagecrc
 from concordia.wal.errors import CorruptionError, UsageError, WalError
 from concordia.wal.planner import Plan, RegionPlan
 
@@ -43,15 +43,9 @@ def default_threads() -> int:
 
 
 def page_crcs(pages: np.ndarray, *, release_gil: bool = False) -> np.ndarray:
-    """CRC32C of each row of a C-contiguous (k, page_bytes) uint8 array: one
-    `crc32c` call per page, driven by `map` (no Python frame per page).  With
-    release_gil each call lets other threads run while it hashes."""
-    k = pages.shape[0]
-    if release_gil:
-        calls = map(_crc32c, pages, itertools.repeat(0), itertools.repeat(1))
-    else:
-        calls = map(_crc32c, pages)
-    return np.fromiter(calls, dtype=np.uint32, count=k)
+    """CRC32C of each row of a C-contiguous (k, page_bytes) uint8 array (see
+    pagecrc.page_crcs; release_gil matters only on the package path)."""
+    return _pagecrc.page_crcs(pages, release_gil=release_gil)
 
 
 _page_crcs = page_crcs
@@ -225,18 +219,10 @@ def _gather_pages(rp: RegionPlan, gm, dst: np.ndarray, crcs: np.ndarray, lo: int
     have = off >= 0
     if not have.any():
         return  # zero pages: the destination starts zero
-    per = pb // BLOCK
-    blocks = (np.where(have, off, 0) // BLOCK)[:, None] + np.arange(per, dtype=np.int64)
-    src = root.reshape(-1)[: root.nbytes // BLOCK * BLOCK].view(np.dtype((np.void, BLOCK)))
-    out = dst[lo * pb:hi * pb]
-    np.take(src, blocks.reshape(-1), out=out.view(np.dtype((np.void, BLOCK))), mode="clip")
-    pages = out.reshape(hi - lo, pb)
-    zero = np.flatnonzero(~have)
-    if zero.size:
-        pages[zero] = 0
+    got = _pagecrc.gather_page_crcs(dst[lo * pb:hi * pb], root.reshape(-1).view(np.uint8), off, pb,
+                                    release_gil=release_gil, crcs=check)
     exp = stored[lo:hi]
     if check:
-        got = page_crcs(pages, release_gil=release_gil)
         bad = np.flatnonzero((got != exp) & have)
         if bad.size:
             i = int(bad[0])

@@ -7,7 +7,8 @@ their input as untrusted: every length, count and offset is checked against the
 buffer before it is used, and nothing is allocated from an unchecked length.
 
 Byte order is little-endian throughout.  CRC32C is Castagnoli (init 0xFFFFFFFF,
-reflected, final xor 0xFFFFFFFF), computed by the `crc32c` package.
+reflected, final xor 0xFFFFFFFF), computed by the `crc32c` package, and per page
+of a batch by `pagecrc` (many pages per call).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import NamedTuple
 import numpy as np
 from crc32c import crc32c as _crc32c
 
+from . import pagecrc as _pagecrc
 from .errors import CorruptionError, WalError
 
 # --------------------------------------------------------------------------
@@ -430,12 +432,9 @@ def page_batch_length(count: int, page_bytes: int) -> int:
 
 
 def page_crcs_of(pages: np.ndarray) -> np.ndarray:
-    """CRC32C of each row of a (count, page_bytes) uint8 array, as uint32."""
-    count, pb = pages.shape
-    mv = memoryview(np.ascontiguousarray(pages)).cast("B")
-    f = _crc32c
-    return np.fromiter((f(mv[i:i + pb]) for i in range(0, count * pb, pb)), dtype=np.uint32,
-                       count=count)
+    """CRC32C of each row of a (count, page_bytes) uint8 array, as uint32 (all
+    pages in one call where the compiled helper is available, see pagecrc.py)."""
+    return _pagecrc.page_crcs(pages)
 
 
 def _as_pages(pages, count: int, page_bytes: int) -> np.ndarray:
@@ -476,10 +475,11 @@ def encode_page_batch_into(dst_u8, *, lsn, epoch, region_id, salt, page_ids, pag
     src = _as_pages(pages, count, page_bytes)
     poff = page_batch_payload_offset(count)
     payload = dst_u8[poff:poff + count * page_bytes].reshape(count, page_bytes)
-    np.copyto(payload, src)
     if page_crcs is None:
-        crcs = page_crcs_of(payload)  # from the destination: the bytes as they now lie in the log
+        # each page hashed as it is copied: the CRCs are of the bytes as they now lie in the log
+        crcs = _pagecrc.copy_page_crcs(payload, src)
     else:
+        np.copyto(payload, src)
         crcs = np.asarray(page_crcs, dtype=np.uint32)
         if crcs.size != count:
             raise WalError(f"{crcs.size} page CRCs for {count} pages")
@@ -535,11 +535,8 @@ def page_batch_problem(buf, hdr: RecordHeader, off: int = 0, *, check_pages=True
         return "page table padding is not zero", off + RECORD_HEADER_SIZE + 8 * count
     if check_pages:
         poff = off + page_batch_payload_offset(count)
-        mv = memoryview(u8[poff:poff + count * pb])
         crcs = t32[count:]
-        f = _crc32c
-        got = np.fromiter((f(mv[i:i + pb]) for i in range(0, count * pb, pb)), dtype=np.uint32,
-                          count=count)
+        got = _pagecrc.page_crcs(u8[poff:poff + count * pb].reshape(count, pb))
         bad = np.flatnonzero(got != crcs)
         if bad.size:
             i = int(bad[0])
@@ -737,9 +734,14 @@ def _zero_shift_tables(nbytes: int) -> np.ndarray:
     """(4, 256) uint32 tables applying Z_nbytes one byte of the input at a time."""
     t = _ZTABLES.get(nbytes)
     if t is None:
-        zeros = bytes(nbytes)
-        base = _crc32c(zeros, 0)
-        cols = np.array([_crc32c(zeros, 1 << i) ^ base for i in range(32)], dtype=np.uint32)
+        half = _ZTABLES.get(nbytes // 2) if nbytes % 2 == 0 else None
+        unit = np.left_shift(np.uint32(1), np.arange(32, dtype=np.uint32))
+        if half is not None:  # Z_2n = Z_n twice: no megabytes of zeros hashed for long records
+            cols = _apply_z(half, _apply_z(half, unit))
+        else:
+            zeros = bytes(nbytes)
+            base = _crc32c(zeros, 0)
+            cols = np.array([_crc32c(zeros, 1 << i) ^ base for i in range(32)], dtype=np.uint32)
         k = np.arange(256, dtype=np.uint32)
         t = np.zeros((4, 256), dtype=np.uint32)
         for b in range(4):
@@ -749,9 +751,12 @@ def _zero_shift_tables(nbytes: int) -> np.ndarray:
     return t
 
 
-def _zshift(x: np.ndarray, nbytes: int) -> np.ndarray:
-    t = _zero_shift_tables(nbytes)
+def _apply_z(t: np.ndarray, x: np.ndarray) -> np.ndarray:
     return t[0][x & 0xFF] ^ t[1][(x >> 8) & 0xFF] ^ t[2][(x >> 16) & 0xFF] ^ t[3][x >> 24]
+
+
+def _zshift(x: np.ndarray, nbytes: int) -> np.ndarray:
+    return _apply_z(_zero_shift_tables(nbytes), x)
 
 
 def fold_page_crcs(page_crcs: np.ndarray, page_bytes: int) -> np.ndarray:

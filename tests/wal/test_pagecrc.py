@@ -1,0 +1,220 @@
+"""The many-pages CRC32C helper (wal/pagecrc.py, wal/_pagecrc.c): equal to the
+`crc32c` package and to `crcmod` on pages of every shape, on both paths (the
+compiled helper and the package fallback), and on the CRC tables of real logs."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+import sys
+
+import crcmod.predefined
+import numpy as np
+import pytest
+from crc32c import crc32c
+
+from concordia.wal import Log, pagecrc
+from concordia.wal import format as F
+from concordia.wal.apply import apply_plan_numpy
+from concordia.wal.errors import CorruptionError, UsageError
+from concordia.wal.planner import plan
+
+CRCMOD = crcmod.predefined.mkCrcFun("crc-32c")
+SIZES = [0, 1, 7, 8, 9, 63, 64, 65, 100, 511, 4095, 4096, 4097, 8192 + 24, 65536]
+COUNTS = [0, 1, 2, 3, 4, 5, 6, 7, 11, 64]
+
+
+def _capable() -> bool:
+    """This machine can build and run the helper (then a fallback would be a bug)."""
+    if platform.machine().lower() not in ("x86_64", "amd64") or not (shutil.which("cc") or shutil.which("gcc")):
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "sse4_2" in f.read()
+    except OSError:
+        return False
+
+
+def _ref(pages: np.ndarray) -> list[int]:
+    return [CRCMOD(bytes(p)) for p in pages]
+
+
+@pytest.fixture(params=["native", "package"])
+def path(request, monkeypatch):
+    """Run a test on the compiled helper and again on the package fallback."""
+    if request.param == "native":
+        if not pagecrc.native():
+            pytest.skip(f"compiled helper not in use here ({pagecrc.REASON})")
+    else:
+        monkeypatch.setattr(pagecrc, "_lib", None)
+    return request.param
+
+
+def test_backend_is_native_where_it_can_be():
+    assert pagecrc.BACKEND in ("sse4.2", "crc32c")
+    assert pagecrc.native() == (pagecrc.BACKEND == "sse4.2")
+    if _capable() and not os.environ.get(pagecrc.ENV):
+        assert pagecrc.BACKEND == "sse4.2", pagecrc.REASON
+
+
+@pytest.mark.parametrize("pb", SIZES)
+def test_page_crcs_equal_package_and_crcmod(path, pb):
+    rng = np.random.default_rng(pb)
+    for count in COUNTS if pb <= 4097 else (1, 3, 4, 5):
+        pages = rng.integers(0, 256, (count, pb), dtype=np.uint8)
+        got = pagecrc.page_crcs(pages)
+        assert got.dtype == np.uint32 and got.shape == (count,)
+        assert got.tolist() == [crc32c(p) for p in pages] == _ref(pages), (pb, count)
+
+
+@pytest.mark.parametrize("shift", [1, 3, 5, 7])
+def test_unaligned_and_strided_rows(path, shift):
+    rng = np.random.default_rng(shift)
+    raw = rng.integers(0, 256, 9 * 4200 + 16, dtype=np.uint8)
+    pb = 4096 + shift
+    pages = raw[shift:shift + 9 * pb].reshape(9, pb)  # rows start at odd addresses
+    assert pagecrc.page_crcs(pages).tolist() == _ref(pages)
+    strided = raw[shift:shift + 9 * 4200].reshape(9, 4200)[:, :pb]  # rows 4200 apart, pb long
+    assert not strided.flags.c_contiguous
+    assert pagecrc.page_crcs(strided).tolist() == _ref(strided)
+    backwards = strided[::-1]
+    assert pagecrc.page_crcs(backwards).tolist() == _ref(backwards)
+    wide = raw[:8 * 4096].view(np.uint32).reshape(8, 1024)  # rows of another dtype hash as bytes
+    assert pagecrc.page_crcs(wide).tolist() == _ref(raw[:8 * 4096].reshape(8, 4096))
+    out = np.zeros(9, np.uint32)
+    assert pagecrc.page_crcs(pages, out) is out and out.tolist() == _ref(pages)
+
+
+@pytest.mark.parametrize("pb", [1, 13, 64, 4096, 4103, 65536])
+def test_copy_page_crcs(path, pb):
+    rng = np.random.default_rng(pb)
+    for count in (0, 1, 2, 3, 4, 7) if pb < 65536 else (1, 4):
+        raw = rng.integers(0, 256, count * pb + 3, dtype=np.uint8)
+        src = raw[3:].reshape(count, pb)  # unaligned source
+        dst = np.full(count * pb, 0xAA, np.uint8)
+        got = pagecrc.copy_page_crcs(dst, src)
+        assert np.array_equal(dst.reshape(count, pb), src)
+        assert got.tolist() == _ref(src)
+
+
+def test_gather_page_crcs(path):
+    rng = np.random.default_rng(5)
+    root = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    for pb, aligned in ((4096, True), (4096, False), (192, True), (100, False)):
+        for count in (1, 2, 3, 5, 40):
+            offs = rng.integers(0, root.size - pb, count)
+            if aligned:
+                offs -= offs % 64
+            offs[rng.random(count) < 0.3] = -1  # pages nobody wrote
+            dst = np.full(count * pb, 0x55, np.uint8)
+            got = pagecrc.gather_page_crcs(dst, root, offs, pb)
+            want = np.stack([root[o:o + pb] if o >= 0 else np.zeros(pb, np.uint8) for o in offs])
+            assert np.array_equal(dst.reshape(count, pb), want), (pb, count)
+            assert got.tolist() == _ref(want)
+    with pytest.raises(UsageError, match="runs past"):
+        pagecrc.gather_page_crcs(np.zeros(4 * 64, np.uint8), root, [0, 0, 0, root.size - 63], 64)
+    with pytest.raises(UsageError, match="destination"):
+        pagecrc.gather_page_crcs(np.zeros(3 * 64, np.uint8), root, [0, 0, 0, 0], 64)
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(UsageError, match="2-D"):
+        pagecrc.page_crcs(np.zeros((2, 2, 2), np.uint8))
+    with pytest.raises(UsageError, match="out must be"):
+        pagecrc.page_crcs(np.zeros((4, 64), np.uint8), np.zeros(3, np.uint32))
+    with pytest.raises(UsageError, match="destination"):
+        pagecrc.copy_page_crcs(np.zeros(4 * 64, np.uint8)[::2], np.zeros((2, 64), np.uint8))
+    ro = np.zeros(4 * 64, np.uint8)
+    ro.flags.writeable = False
+    with pytest.raises(UsageError, match="destination"):
+        pagecrc.copy_page_crcs(ro, np.zeros((4, 64), np.uint8))
+
+
+def test_real_log_tables_and_verify(path):
+    """The CRC tables the appender writes (shm-style path through the mapping,
+    and with CRCs given) equal crcmod's, restore checks them, verify is clean."""
+    rng = np.random.default_rng(11)
+    log = Log.create("memory:", size=8 << 20, segment_size=1 << 20)
+    try:
+        rid = log.define_region("r", np.uint8, (64 * 4096,), 4096, "opaque")
+        state = np.zeros((64, 4096), np.uint8)
+        for e in range(1, 5):
+            for count in (1, 3, 4, 10):
+                ids = np.sort(rng.choice(64, count, replace=False))
+                pages = rng.integers(0, 256, (count, 4096), dtype=np.uint8)
+                state[ids] = pages
+                log.appender.append_page_batch(e, rid, ids, pages)
+            log.appender.commit(e, digests={rid: F.region_digest(pagecrc.page_crcs(state))})
+        batches = [F.decode_page_batch(log.backend.array, r.offset) for r in log.records()
+                   if r.type == F.REC_PAGE_BATCH]
+        assert len(batches) == 16
+        for b in batches:
+            assert b.page_crcs.tolist() == _ref(b.payload) == pagecrc.page_crcs(b.payload).tolist()
+        v = log.verify()
+        assert v["ok"] and v["records"] >= 16, v["problems"]
+        got = apply_plan_numpy(log, plan(log))["r"]
+        assert np.array_equal(got.reshape(64, 4096), state)
+    finally:
+        log.close()
+
+
+def test_damaged_page_found_on_both_paths(path):
+    log = Log.create("memory:", size=4 << 20, segment_size=1 << 20)
+    try:
+        rid = log.define_region("r", np.uint8, (16 * 4096,), 4096, "opaque")
+        pages = np.random.default_rng(2).integers(0, 256, (16, 4096), dtype=np.uint8)
+        log.appender.append_page_batch(1, rid, np.arange(16), pages)
+        log.appender.commit(1, digests={rid: F.region_digest(pagecrc.page_crcs(pages))})
+        rec = next(r for r in log.records() if r.type == F.REC_PAGE_BATCH)
+        p = plan(log)
+        poff = rec.offset + F.page_batch_payload_offset(16)
+        log.backend.array[poff + 5 * 4096 + 17] ^= 0x40
+        with pytest.raises(CorruptionError, match="page CRC mismatch for page 5"):
+            apply_plan_numpy(log, p)
+        v = log.verify()
+        assert not v["ok"] and any("page 5" in p["reason"] for p in v["problems"])
+    finally:
+        log.close()
+
+
+def _child(env_extra: dict, tmp_path) -> list[str]:
+    code = ("import numpy as np; from concordia.wal import pagecrc as P; "
+            "a = np.arange(5 * 4099, dtype=np.uint32).view(np.uint8)[3:3 + 7 * 4099].reshape(7, 4099); "
+            "print(P.BACKEND); print(P.REASON); print(' '.join(map(str, P.page_crcs(a).tolist())))")
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"), **env_extra)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.splitlines()
+
+
+def _expected() -> str:
+    a = np.arange(5 * 4099, dtype=np.uint32).view(np.uint8)[3:3 + 7 * 4099].reshape(7, 4099)
+    return " ".join(map(str, _ref(a)))
+
+
+def test_env_forces_the_package_path(tmp_path):
+    backend, reason, crcs = _child({pagecrc.ENV: "off"}, tmp_path)
+    assert backend == "crc32c" and pagecrc.ENV in reason
+    assert crcs == _expected()
+    assert not (tmp_path / "cache").exists()  # nothing built when told not to
+
+
+def test_failed_build_falls_back_silently(tmp_path):
+    backend, reason, crcs = _child({"CC": "false", pagecrc.ENV: ""}, tmp_path)
+    assert backend == "crc32c" and "build failed" in reason
+    assert crcs == _expected()
+
+
+@pytest.mark.skipif(not _capable(), reason="needs an x86 CPU with SSE4.2 and a C compiler")
+def test_fresh_cache_builds_once(tmp_path):
+    backend, _, crcs = _child({pagecrc.ENV: ""}, tmp_path)
+    assert backend == "sse4.2" and crcs == _expected()
+    built = list((tmp_path / "cache" / "concordia").glob("libconcordia_pagecrc-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    assert _child({pagecrc.ENV: ""}, tmp_path)[0] == "sse4.2"
+    assert built[0].stat().st_mtime_ns == stamp  # the cached library is reused
+    assert not list((tmp_path / "cache" / "concordia").glob("*.so.*")) and \
+        len(list((tmp_path / "cache" / "concordia").iterdir())) == 1  # no temporary left behind

@@ -1,0 +1,258 @@
+"""CRC32C of many pages in one call.
+
+A page batch carries one CRC32C per page (FORMAT.md §6.2).  Hashing a record's
+pages with one `crc32c` package call each costs about 0.2 µs of call overhead
+per page above the hash itself, as much again as hashing a 4 KiB page, so the
+log's CPU paths (append, restore, verify) spend half their time in calls.
+`_pagecrc.c` hashes all pages of a record in one call (three pages at a time on
+the SSE4.2 `crc32` instruction), and can copy each page while hashing it, so a
+restore reads the log once and checks exactly the bytes it writes.
+
+The C file is compiled with the system C compiler on first use into
+`$XDG_CACHE_HOME/concordia` (default `~/.cache/concordia`), named by the hash of
+its source (written to a temporary name, then renamed: concurrent builders never
+see half a library), and called through cffi's ABI mode, which releases the GIL
+around every call.  Whenever that is not possible (no compiler, a CPU without
+SSE4.2, a failed build, a cache folder that cannot be written, or
+`CONCORDIA_PAGECRC=off` in the environment) the same functions run on the
+`crc32c` package with identical results.  `BACKEND` says which path is in use
+("sse4.2" or "crc32c") and `REASON` why the fallback was taken.
+
+Every function takes uint8 numpy arrays whose rows are pages and returns (or
+fills) a uint32 array of CRCs; the C code trusts its arguments, so all shapes,
+strides and offsets are checked here first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import numpy as np
+from crc32c import crc32c as _crc32c
+
+from .errors import UsageError
+
+SOURCE = pathlib.Path(__file__).with_name("_pagecrc.c")
+ENV = "CONCORDIA_PAGECRC"
+
+#: below this many pages one package call per page is cheaper than one call into
+#: the library (cffi's call costs about four single-page package calls)
+MIN_NATIVE_PAGES = 4
+
+_CDEF = """
+int concordia_pagecrc_supported(void);
+void concordia_page_crcs(const void *base, int64_t stride, int64_t count, int64_t page_bytes, void *out);
+void concordia_copy_page_crcs(void *dst, const void *src, const void *offsets, int64_t src_stride,
+                              int64_t count, int64_t page_bytes, void *out);
+"""
+
+
+def cache_dir() -> pathlib.Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "concordia"
+
+
+def _build() -> pathlib.Path:
+    """Path of the compiled library, building it if needed; raises OSError or
+    RuntimeError when it cannot be built."""
+    src = SOURCE.read_bytes()
+    tag = hashlib.sha256(src).hexdigest()[:16]
+    out = cache_dir() / f"libconcordia_pagecrc-{tag}.so"
+    if out.exists():
+        return out
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise RuntimeError("no C compiler")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so")
+    os.close(fd)
+    try:
+        res = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", tmp, str(SOURCE)],
+                             capture_output=True, text=True, timeout=120)
+        if res.returncode != 0:
+            raise RuntimeError("build failed: " + " ".join((res.stderr or res.stdout).split())[:200])
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def _load():
+    """(ffi, lib) of the compiled helper, or (None, reason)."""
+    if os.environ.get(ENV, "").strip().lower() in ("off", "0", "no", "false", "crc32c"):
+        return None, f"{ENV}={os.environ[ENV]}"
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return None, f"not an x86 CPU ({platform.machine()})"
+    try:
+        import cffi
+
+        path = _build()
+        ffi = cffi.FFI()
+        ffi.cdef(_CDEF)
+        lib = ffi.dlopen(str(path))
+        if not lib.concordia_pagecrc_supported():
+            return None, "the CPU lacks SSE4.2"
+        return ffi, lib
+    except Exception as e:  # any failure: the package path, never a broken import
+        return None, f"{type(e).__name__}: {e}"[:200]
+
+
+_ffi, _lib = _load()
+if _ffi is None:
+    BACKEND, REASON = "crc32c", _lib
+    _lib = None
+else:
+    BACKEND, REASON = "sse4.2", ""
+    _buf = _ffi.from_buffer
+    _page_crcs_c = _lib.concordia_page_crcs
+    _copy_c = _lib.concordia_copy_page_crcs
+    _NULL = _ffi.NULL
+
+
+def native() -> bool:
+    """True when the compiled helper is in use."""
+    return _lib is not None
+
+
+# -- argument checks (the C code trusts what it is given) ---------------------------
+
+
+def _rows(pages, what: str) -> np.ndarray:
+    """`pages` as a 2-D uint8 array whose rows are contiguous bytes."""
+    if not isinstance(pages, np.ndarray):
+        pages = np.frombuffer(pages, dtype=np.uint8).reshape(1, -1)
+    if pages.ndim != 2:
+        raise UsageError(f"{what} must be a 2-D array of pages, not of shape {pages.shape}")
+    if pages.shape[1] > 1 and pages.strides[1] != pages.itemsize:
+        pages = np.ascontiguousarray(pages)
+    if pages.dtype != np.uint8:  # rows of any dtype hash as their bytes
+        pages = pages.view(np.uint8) if pages.shape[1] else pages.astype(np.uint8)
+    return pages
+
+
+def _out(out, count: int) -> np.ndarray:
+    if out is None:
+        return np.empty(count, dtype=np.uint32)
+    if not isinstance(out, np.ndarray) or out.dtype != np.uint32 or out.shape != (count,) \
+            or not out.flags.c_contiguous or not out.flags.writeable:
+        raise UsageError(f"out must be a writable contiguous uint32 array of {count} CRCs")
+    return out
+
+
+def _dst(dst, count: int, page_bytes: int) -> np.ndarray:
+    if not isinstance(dst, np.ndarray) or dst.dtype != np.uint8 or dst.nbytes != count * page_bytes \
+            or not dst.flags.c_contiguous or not dst.flags.writeable:
+        raise UsageError(f"destination must be a writable C-contiguous uint8 array of {count} x {page_bytes} bytes")
+    return dst
+
+
+def _ptr(a: np.ndarray):
+    """A cffi pointer to a[0, 0] of a 2-D array with contiguous rows (any row stride)."""
+    if a.flags.c_contiguous:
+        return _buf(a)
+    return _ffi.cast("void *", a.__array_interface__["data"][0])
+
+
+# -- the package path (also the oracle the tests compare the helper with) ------------
+
+
+def pure_page_crcs(pages: np.ndarray, out=None, *, release_gil: bool = False) -> np.ndarray:
+    """page_crcs on the `crc32c` package: one call per page driven by `map`."""
+    pages = _rows(pages, "pages")
+    count = pages.shape[0]
+    out = _out(out, count)
+    if release_gil:
+        calls = map(_crc32c, pages, itertools.repeat(0), itertools.repeat(1))
+    else:
+        calls = map(_crc32c, pages)
+    out[:] = np.fromiter(calls, dtype=np.uint32, count=count)
+    return out
+
+
+# -- the public functions ----------------------------------------------------------------
+
+
+def page_crcs(pages, out=None, *, release_gil: bool = False) -> np.ndarray:
+    """CRC32C of each row of a 2-D uint8 array of pages (rows contiguous, any row
+    stride), as a uint32 array (`out` when given).  release_gil asks the package
+    path to let other threads run while it hashes (the helper always does)."""
+    pages = _rows(pages, "pages")
+    count, pb = pages.shape
+    if _lib is None or count < MIN_NATIVE_PAGES:
+        return pure_page_crcs(pages, out, release_gil=release_gil)
+    out = _out(out, count)
+    if pb:
+        _page_crcs_c(_ptr(pages), pages.strides[0], count, pb, _buf(out, require_writable=True))
+    else:
+        out[:] = 0
+    return out
+
+
+def copy_page_crcs(dst, src, out=None, *, release_gil: bool = False) -> np.ndarray:
+    """Copy the pages of `src` (a 2-D uint8 array, rows contiguous) into `dst` (a
+    C-contiguous uint8 array of the same number of bytes, not overlapping `src`)
+    and return the CRC32C of each page copied, hashed in the same pass."""
+    src = _rows(src, "source pages")
+    count, pb = src.shape
+    dst = _dst(dst, count, pb)
+    if _lib is None or count < MIN_NATIVE_PAGES or not pb:
+        np.copyto(dst.reshape(count, pb), src)
+        return pure_page_crcs(dst.reshape(count, pb), out, release_gil=release_gil)
+    out = _out(out, count)
+    _copy_c(_buf(dst, require_writable=True), _ptr(src), _NULL, src.strides[0], count, pb,
+            _buf(out, require_writable=True))
+    return out
+
+
+BLOCK = 64
+
+
+def gather_page_crcs(dst, root, offsets, page_bytes: int, out=None, *, release_gil: bool = False,
+                     crcs: bool = True):
+    """Page i of `dst` (a C-contiguous uint8 array of len(offsets) pages) is
+    copied from root[offsets[i]:offsets[i] + page_bytes], or zero-filled where
+    offsets[i] is negative; returns the CRC32C of each page written (of a zero
+    page where it was zero-filled).  `root` is a C-contiguous uint8 array (e.g.
+    a whole log mapping) that no destination page overlaps.  With crcs=False
+    the package path only copies and returns None (the helper hashes anyway:
+    it costs nearly nothing beside the copy)."""
+    offsets = np.ascontiguousarray(offsets, dtype=np.int64)
+    count = offsets.size
+    pb = int(page_bytes)
+    dst = _dst(dst, count, pb)
+    if not isinstance(root, np.ndarray) or root.dtype != np.uint8 or not root.flags.c_contiguous:
+        raise UsageError("the source of a gather must be a C-contiguous uint8 array")
+    if count and pb and int(offsets.max()) > root.nbytes - pb:
+        raise UsageError(f"a gather offset runs past the {root.nbytes}-byte source")
+    if _lib is not None and count >= MIN_NATIVE_PAGES and pb:
+        out = _out(out, count)
+        _copy_c(_buf(dst, require_writable=True), _buf(root), _buf(offsets), 0, count, pb,
+                _buf(out, require_writable=True))
+        return out
+    pages = dst.reshape(count, pb)
+    have = offsets >= 0
+    if pb % BLOCK == 0 and root.nbytes >= BLOCK and not (offsets[have] % BLOCK).any():
+        # one numpy gather of 64-byte blocks (payloads are 64-byte aligned)
+        per = pb // BLOCK
+        blocks = (np.where(have, offsets, 0) // BLOCK)[:, None] + np.arange(per, dtype=np.int64)
+        src = root.reshape(-1)[: root.nbytes // BLOCK * BLOCK].view(np.dtype((np.void, BLOCK)))
+        np.take(src, blocks.reshape(-1), out=dst.reshape(-1).view(np.dtype((np.void, BLOCK))), mode="clip")
+    else:
+        for i in np.flatnonzero(have):
+            o = int(offsets[i])
+            pages[i] = root[o:o + pb]
+    zero = np.flatnonzero(~have)
+    if zero.size:
+        pages[zero] = 0
+    return pure_page_crcs(pages, out, release_gil=release_gil) if crcs else None
+
+
+__all__ = ["BACKEND", "REASON", "native", "page_crcs", "copy_page_crcs", "gather_page_crcs", "pure_page_crcs"]
