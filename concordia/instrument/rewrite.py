@@ -9,8 +9,9 @@ through cuModuleGetGlobal / CuPy `RawModule.get_global`; all start at zero):
   __concordia_targets  .u64[K]    for kernel k's latest launch: the value of
                                   `expect` once that launch was counted in it
   __concordia_expect   .u64       threads of all launches started in this module
-  __concordia_exits    .u64[64*16] threads that reached an exit, spread over 64
-                                  counters, one per 128-byte line (stripe = %smid % 64)
+  __concordia_exits    .u64[64*16] threads counted, spread over 64 counters, one per
+                                  128-byte line (stripe = %smid % 64): at entry, or
+                                  at the exit when a hold was requested
   __concordia_hold     .u32       the gate's device-side mirror: non-zero while the
                                   host holds the gate closed (read once per thread,
                                   at entry)
@@ -23,54 +24,59 @@ through cuModuleGetGlobal / CuPy `RawModule.get_global`; all start at zero):
                                   bitmap address (u32 words, bit p%32 of word p/32
                                   = page p), page_bytes
 
-Completed launches are computed by the host: with E = sum(exits), kernel k has
-completed epochs[k] launches, less one while targets[k] > E (its latest launch
-still has threads running).  When no launch of the module is in flight E equals
-`expect` and the count is exact; while one is held at the gate its holder has
-counted itself, so the held launch counts as completed.
+Completed launches are computed by the host: with C = sum(exits), kernel k has
+completed epochs[k] launches, less one while targets[k] > C.  After the stream
+has been synchronised every started launch has completed and the count is exact;
+while a launch is held at the gate its holder has counted itself and waited for
+C to reach its target, so the held launch counts as completed.  While launches
+run unheld the correction only says whether all their threads have started.
 
-Exit hook, common path.  Every `ret`/`exit` of an entry (predicated or not,
-however many) becomes a branch to one stub at the end of the body; falling off
-the end reaches it as well, so every thread passes the stub exactly once.  The
-stub counts threads, not blocks, so no thread has to know it is the last of its
-block: the threads that reach the stub together (`activemask`) are counted by
-the lowest of them with one `red.add` of the group's size, without a return
-value, into the exit counter of its stripe.  Threads that arrive in several
-groups (divergent exits, predicated exits, exits at different points) form
-disjoint masks: each thread executes `activemask` once and every thread of one
-execution gets the same mask, so the popcounts sum to the threads that left.
-There is no barrier, no shared memory and no atomic with a return value on the
-common path; the stripes keep same-address traffic at L2 to a fraction of a
-block's worth per counter.  Block 0's thread 0 alone, at entry, adds the
-launch's thread count to `expect` (one atomic per launch), records the target,
-and counts the launch in `epochs`.
+Exit hook.  Every `ret`/`exit` of an entry (predicated or not, however many)
+becomes a branch to one stub at the end of the body; falling off the end
+reaches it as well, so every thread passes the stub exactly once.  Counting is
+per thread, never per block, so no thread has to know it is the last of its
+block and no barrier, shared memory or atomic with a return value is needed on
+the common path.  Threads that execute an instruction together (`activemask`)
+are counted by the lowest of them with one `red.add` of the group's size: each
+thread executes `activemask` once and every thread of one execution gets the
+same mask, so the masks partition the threads and the popcounts sum to the
+threads counted.  Where a thread is counted depends on the gate's device-side
+mirror, read at entry with a weak load (from L1 after the first warp of an SM):
+
+  - no hold requested (the common case): counted at entry with a relaxed `red`,
+    whose latency overlaps the kernel body.  A memory operation at the exit
+    would lengthen every block's life; with short blocks (one element per
+    thread) that alone cost about half the kernel's time.
+  - hold requested: counted at the stub, after its writes.  The group votes on
+    who still has to be counted, synchronises (`bar.warp.sync`, which orders the
+    group's writes before the leader's), and the leader's `red` is a GPU-scope
+    release.
+
+Block 0's thread 0, at entry, adds the launch's thread count to `expect` (one
+atomic per launch), records the target and counts the launch in `epochs`.
 
 Pause gate.  A launch is held by block 0's thread 0 at its exit: while it waits
 the kernel cannot complete, so the stream cannot start its next operation.  It
-holds only when the gate was closed both when it started (the `hold` mirror,
-which `Gate.close()` writes into every attached module before it closes the
-host word) and when it exits (the host word, read over PCIe once per launch, and
-only when the mirror said closed).  Before it reports arrival it waits until
-the exit counters reach its target: every thread of its launch (and of every
-launch of the module counted before it) has left.  The ordering that makes the
-launch's writes visible at that point: while the mirror is set, each counting
-group first synchronises (`bar.warp.sync`, which orders the group's writes
-before the leader's), and the leader's `red` is a GPU-scope release; the holder
-reads the counters and then fences (acquire) before it writes the arrival flag
-at system scope.  With the gate open the counting `red` is relaxed: nothing waits
-on it, and the host reads counters only after synchronising with the stream.
+holds only when a hold was requested when it started (the mirror, which
+`Gate.close()` writes into every attached module before it sets the host word)
+and still is at its exit (the host word, read over PCIe once per launch, only in
+that case).  Before it reports arrival it waits until the counters reach its
+target: every thread of its launch, and of every launch of the module counted
+before it, has been counted (after its writes, with release, where the mirror
+was set when it started); it then fences (acquire, and release at system scope)
+and writes the arrival flag.
 
-Limits, stated once: the hook needs PTX targets sm_70 and newer for the
-warp-level count (older targets count each thread with its own `red`) and the
-gate is left out below sm_70, where a spinning thread could starve the rest of
-its warp; a thread (0,0,0) of block 0 that leaves through `exit` inside a
-`.func` does not hold its launch; two launches of one module running at once
-on different streams make the target test (and the in-flight correction of
-`epochs`) approximate, since the exit counters are module-wide; a launch that
-was already running when the gate closed is held only if block 0 started after
-the mirror was set, and then the warps that read the mirror earlier counted
-with relaxed `red`s.  The hooks add one u32 register (the mirror value) live
-across the kernel.
+Limits, stated once: the warp-level count and the gate need PTX targets sm_70
+and newer (older targets count each thread with its own `red` and get no gate,
+where a spinning thread could starve the rest of its warp); a module with a
+`.func` that calls `exit` gets no gate (a hold would wait at an exit that
+thread never reaches; its threads are counted at entry as usual); two launches
+of one module running at once on different streams make the target test
+approximate, since the counters are module-wide; for a launch that was already
+running when the gate closed, threads that started before the mirror was set
+were counted at entry, so its hold does not wait for them: `Gate.close()` holds
+launches that start after it returns.  The hooks keep one predicate live across
+the kernel.
 
 Store tracker.  Before every `st`, `atom` and `red` that may write global memory
 (state space `.global`, or generic, which covers global), the address and
