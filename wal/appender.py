@@ -123,7 +123,13 @@ class Appender:
         if old is not None and self.pos + 64 <= old.offset + old.nbytes:
             # an explicit end marker: the old segment's data ends here
             self.backend.array[self.pos:self.pos + 64] = 0
-            self.backend.persist(self.pos, 64)
+            if self.one_sync and not self._pmem:
+                # made durable by the next commit's one sync with the records before it:
+                # until then the slot reads zero or stale, a clean end either way
+                # (FORMAT.md §10.1), and a sync of its own costs a device round trip
+                self._defer(self.pos, 64)
+            else:
+                self.backend.persist(self.pos, 64)
         self.seg = self.vol.take_segment(old)
         self.pos = self.seg.offset + F.SEGMENT_HEADER_SIZE
 
@@ -306,6 +312,12 @@ class Appender:
         if self._pmem:
             if self._dirty:
                 self.backend.drain()
+        elif self.one_sync and len(self._dirty) > 1:
+            # records on both sides of a segment boundary: one sync over the span (the
+            # pages between are clean, or segment headers already durable) instead of
+            # a device round trip per range
+            start = min(r[0] for r in self._dirty)
+            self.backend.persist(start, max(r[1] for r in self._dirty) - start)
         else:
             for start, end in self._dirty:
                 self.backend.persist(start, end - start)

@@ -70,8 +70,15 @@ def _build() -> pathlib.Path:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise RuntimeError("no C compiler")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so")
+    except OSError:  # a home without a writable cache: a per-user folder in the temporary one
+        out = pathlib.Path(tempfile.gettempdir()) / f"concordia-{os.getuid()}" / out.name
+        if out.exists():
+            return out
+        out.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so")
     os.close(fd)
     try:
         res = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", tmp, str(SOURCE)],

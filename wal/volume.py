@@ -64,6 +64,25 @@ def _random_salt(avoid: int) -> int:
             return s
 
 
+def _zero_fill(backend: Backend, total: int) -> None:
+    """Clear and persist the first `total` bytes.  A page-cache file is cleared
+    with write(2) (`write_at`), not with stores through the mapping: a page this
+    process has mapped for writing costs more at every later sync of the file
+    (the kernel write-protects each mapped page again at writeback), and a log
+    is synced once per commit for its whole life.  Measured on ext4, 256 KiB
+    writes with a sync every 4 MiB: 2.4 GB/s into a file cleared through its
+    mapping, 3.2 GB/s into one cleared with write(2), the same as a file never
+    mapped."""
+    write_at = getattr(backend, "write_at", None)
+    if write_at is None:
+        backend.array[:] = 0
+    else:
+        chunk = memoryview(bytes(min(total, 8 << 20)))
+        for off in range(0, total, len(chunk)):
+            write_at(off, [chunk[:min(len(chunk), total - off)]])
+    backend.persist(0, total)
+
+
 class Volume:
     """A formatted volume on a backend.  Not thread-safe: one writer."""
 
@@ -104,8 +123,7 @@ class Volume:
         slot = F.slot_bytes_for(count)
         off = F.align(2 * slot, F.SEGMENT_ALIGN)
         if zero:
-            backend.array[:] = 0
-            backend.persist(0, total)
+            _zero_fill(backend, total)
         else:
             backend.array[:2 * slot] = 0
         sb = F.Superblock(
