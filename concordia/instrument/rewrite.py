@@ -9,9 +9,8 @@ through cuModuleGetGlobal / CuPy `RawModule.get_global`; all start at zero):
   __concordia_targets  .u64[K]    for kernel k's latest launch: the value of
                                   `expect` once that launch was counted in it
   __concordia_expect   .u64       threads of all launches started in this module
-  __concordia_exits    .u64[64*16] threads counted, spread over 64 counters, one per
-                                  128-byte line (stripe = %smid % 64): at entry, or
-                                  at the exit when a hold was requested
+  __concordia_exits    .u64[64*16] threads that reached an exit, spread over 64
+                                  counters, one per 128-byte line (stripe = %smid % 64)
   __concordia_hold     .u32       the gate's device-side mirror: non-zero while the
                                   host holds the gate closed (read once per thread,
                                   at entry)
@@ -24,59 +23,54 @@ through cuModuleGetGlobal / CuPy `RawModule.get_global`; all start at zero):
                                   bitmap address (u32 words, bit p%32 of word p/32
                                   = page p), page_bytes
 
-Completed launches are computed by the host: with C = sum(exits), kernel k has
-completed epochs[k] launches, less one while targets[k] > C.  After the stream
-has been synchronised every started launch has completed and the count is exact;
-while a launch is held at the gate its holder has counted itself and waited for
-C to reach its target, so the held launch counts as completed.  While launches
-run unheld the correction only says whether all their threads have started.
+Completed launches are computed by the host: with E = sum(exits), kernel k has
+completed epochs[k] launches, less one while targets[k] > E (its latest launch
+still has threads running).  When no launch of the module is in flight E equals
+`expect` and the count is exact; while one is held at the gate its holder has
+counted itself, so the held launch counts as completed.
 
-Exit hook.  Every `ret`/`exit` of an entry (predicated or not, however many)
-becomes a branch to one stub at the end of the body; falling off the end
-reaches it as well, so every thread passes the stub exactly once.  Counting is
-per thread, never per block, so no thread has to know it is the last of its
-block and no barrier, shared memory or atomic with a return value is needed on
-the common path.  Threads that execute an instruction together (`activemask`)
-are counted by the lowest of them with one `red.add` of the group's size: each
-thread executes `activemask` once and every thread of one execution gets the
-same mask, so the masks partition the threads and the popcounts sum to the
-threads counted.  Where a thread is counted depends on the gate's device-side
-mirror, read at entry with a weak load (from L1 after the first warp of an SM):
-
-  - no hold requested (the common case): counted at entry with a relaxed `red`,
-    whose latency overlaps the kernel body.  A memory operation at the exit
-    would lengthen every block's life; with short blocks (one element per
-    thread) that alone cost about half the kernel's time.
-  - hold requested: counted at the stub, after its writes.  The group votes on
-    who still has to be counted, synchronises (`bar.warp.sync`, which orders the
-    group's writes before the leader's), and the leader's `red` is a GPU-scope
-    release.
-
-Block 0's thread 0, at entry, adds the launch's thread count to `expect` (one
-atomic per launch), records the target and counts the launch in `epochs`.
+Exit hook, common path.  Every `ret`/`exit` of an entry (predicated or not,
+however many) becomes a branch to one stub at the end of the body; falling off
+the end reaches it as well, so every thread passes the stub exactly once.  The
+stub counts threads, not blocks, so no thread has to know it is the last of its
+block: the threads that reach the stub together (`activemask`) are counted by
+the lowest of them with one `red.add` of the group's size, without a return
+value, into the exit counter of its stripe.  Threads that arrive in several
+groups (divergent exits, predicated exits, exits at different points) form
+disjoint masks: each thread executes `activemask` once and every thread of one
+execution gets the same mask, so the popcounts sum to the threads that left.
+There is no barrier, no shared memory and no atomic with a return value on the
+common path; the stripes keep same-address traffic at L2 to a fraction of a
+block's worth per counter.  Block 0's thread 0 alone, at entry, adds the
+launch's thread count to `expect` (one atomic per launch), records the target,
+and counts the launch in `epochs`.
 
 Pause gate.  A launch is held by block 0's thread 0 at its exit: while it waits
 the kernel cannot complete, so the stream cannot start its next operation.  It
-holds only when a hold was requested when it started (the mirror, which
-`Gate.close()` writes into every attached module before it sets the host word)
-and still is at its exit (the host word, read over PCIe once per launch, only in
-that case).  Before it reports arrival it waits until the counters reach its
-target: every thread of its launch, and of every launch of the module counted
-before it, has been counted (after its writes, with release, where the mirror
-was set when it started); it then fences (acquire, and release at system scope)
-and writes the arrival flag.
+holds only when the gate was closed both when it started (the `hold` mirror,
+which `Gate.close()` writes into every attached module before it closes the
+host word) and when it exits (the host word, read over PCIe once per launch, and
+only when the mirror said closed).  Before it reports arrival it waits until
+the exit counters reach its target: every thread of its launch (and of every
+launch of the module counted before it) has left.  The ordering that makes the
+launch's writes visible at that point: while the mirror is set, each counting
+group first synchronises (`bar.warp.sync`, which orders the group's writes
+before the leader's), and the leader's `red` is a GPU-scope release; the holder
+reads the counters and then fences (acquire) before it writes the arrival flag
+at system scope.  With the gate open the counting `red` is relaxed: nothing waits
+on it, and the host reads counters only after synchronising with the stream.
 
-Limits, stated once: the warp-level count and the gate need PTX targets sm_70
-and newer (older targets count each thread with its own `red` and get no gate,
-where a spinning thread could starve the rest of its warp); a module with a
-`.func` that calls `exit` gets no gate (a hold would wait at an exit that
-thread never reaches; its threads are counted at entry as usual); two launches
-of one module running at once on different streams make the target test
-approximate, since the counters are module-wide; for a launch that was already
-running when the gate closed, threads that started before the mirror was set
-were counted at entry, so its hold does not wait for them: `Gate.close()` holds
-launches that start after it returns.  The hooks keep one predicate live across
-the kernel.
+Limits, stated once: the hook needs PTX targets sm_70 and newer for the
+warp-level count (older targets count each thread with its own `red`) and the
+gate is left out below sm_70, where a spinning thread could starve the rest of
+its warp; a thread (0,0,0) of block 0 that leaves through `exit` inside a
+`.func` does not hold its launch; two launches of one module running at once
+on different streams make the target test (and the in-flight correction of
+`epochs`) approximate, since the exit counters are module-wide; a launch that
+was already running when the gate closed is held only if block 0 started after
+the mirror was set, and then the warps that read the mirror earlier counted
+with relaxed `red`s.  The hooks add one u32 register (the mirror value) live
+across the kernel.
 
 Store tracker.  Before every `st`, `atom` and `red` that may write global memory
 (state space `.global`, or generic, which covers global), the address and
@@ -222,9 +216,7 @@ def rewrite(text: str | bytes, options: Options = Options()) -> RewriteResult:
     sleep_ok = modern
     result = RewriteResult(ptx="", options=options, address_size=header.address_size,
                            target=header.target)
-    func_exits = any(c.is_function and c.kind != "entry" and re.search(r"(^|[;{}\s])exit\s*;", c.body)
-                     for c in chunks)
-    if (not modern or func_exits) and options.pause_gate:
+    if not modern and options.pause_gate:
         options = Options(exit_hooks=options.exit_hooks, pause_gate=False,
                           track_stores=options.track_stores, max_regions=options.max_regions)
         result.options = options
@@ -399,7 +391,8 @@ def _rewrite_function(ch: P.Chunk, info: KernelInfo, ctx: _Ctx) -> str:
             if m:
                 local_symbols.add(m.group(1))
     is_entry = ch.kind == "entry"
-    hook_exits = ctx.options.exit_hooks and is_entry
+    hook_exits = ctx.options.exit_hooks and (is_entry or any(
+        it.kind == "stmt" and it.parts[0] == "exit" for it in items))
     out: list[str] = []
     prologue_done = not (is_entry and ctx.options.exit_hooks)
     for it in items:
@@ -430,7 +423,7 @@ def _rewrite_function(ch: P.Chunk, info: KernelInfo, ctx: _Ctx) -> str:
     decls = ""
     if hook_exits:
         decls = (f"\n\t.reg .pred {REG}p<4>;\n\t.reg .b32 {REG}r<6>;\n\t.reg .b64 {REG}d<6>;"
-                 f"\n\t.reg .pred {REG}pc;")
+                 f"\n\t.reg .b32 {REG}h;")
         body = body.rstrip() + "\n" + _exit_stub(info.index, is_entry, ctx) + "\n"
     return ch.head + "{" + decls + body + "}"
 
@@ -439,55 +432,26 @@ def _is_declaration(it: P.Item) -> bool:
     return it.opcode in (".reg", ".shared", ".local", ".param", ".pragma", ".loc", ".const", ".global")
 
 
-def _stripe(r: list[str], d: list[str], a64: bool) -> tuple[list[str], str]:
-    """The address of this thread's counter: EXITS + 128 * (%smid % 64)."""
-    if a64:
-        return ([f"mov.u32 {r[3]}, %smid;", f"and.b32 {r[3]}, {r[3]}, {STRIPES - 1};",
-                 f"mul.wide.u32 {d[0]}, {r[3]}, {8 * STRIPE_WORDS};", f"mov.u64 {d[1]}, {EXITS};",
-                 f"add.s64 {d[0]}, {d[0]}, {d[1]};"], d[0])
-    return ([f"mov.u32 {r[3]}, %smid;", f"and.b32 {r[3]}, {r[3]}, {STRIPES - 1};",
-             f"mov.u32 {r[4]}, {EXITS};", f"mad.lo.u32 {r[4]}, {r[3]}, {8 * STRIPE_WORDS}, {r[4]};"], r[4])
-
-
 def _prologue(slot: int, ctx: _Ctx) -> str:
-    """Every thread reads the gate's mirror (a weak load, from L1 after the
-    first warp of an SM).  While no hold is requested the thread is counted
-    here, by its group's leader, with a relaxed `red` whose latency overlaps the
-    kernel body; otherwise the exit stub counts it after its writes.  Block 0's
-    thread 0 then counts the launch: its thread count into `expect`, the
-    resulting target, and one more started launch of this kernel."""
-    r = [f"{REG}r{i}" for i in range(6)]
-    d = [f"{REG}d{i}" for i in range(6)]
-    p = [f"{REG}p{i}" for i in range(4)]
-    pc = f"{REG}pc"
-    stripe, where = _stripe(r, d, ctx.header.address_size == 64)
+    """Every thread reads the gate's mirror once (the load's latency overlaps the
+    kernel body; the value is used only at the exit).  Block 0's thread 0 counts
+    the launch: its thread count into `expect`, the resulting target, and one
+    more started launch of this kernel."""
+    r0, r1, d0, d1, d2, p = (f"{REG}r0", f"{REG}r1", f"{REG}d0", f"{REG}d1", f"{REG}d2", f"{REG}p0")
     lines = []
     if ctx.options.pause_gate:
-        lines += [f"ld.global.ca.u32 {r[5]}, [{HOLD}];", f"setp.eq.u32 {pc}, {r[5]}, 0;"]
-    else:
-        lines.append(f"setp.eq.u32 {pc}, 0, 0;")
-    lines += stripe
-    if ctx.modern:
-        lines += [f"activemask.b32 {r[0]};"]
-        if ctx.options.pause_gate:
-            lines.append(f"vote.sync.ballot.b32 {r[0]}, {pc}, {r[0]};")
-        lines += [f"popc.b32 {r[1]}, {r[0]};", f"cvt.u64.u32 {d[2]}, {r[1]};",
-                  f"mov.u32 {r[2]}, %lanemask_lt;", f"and.b32 {r[2]}, {r[2]}, {r[0]};",
-                  f"setp.eq.u32 {p[1]}, {r[2]}, 0;", f"and.pred {p[1]}, {p[1]}, {pc};",
-                  f"@{p[1]} red.relaxed.gpu.global.add.u64 [{where}], {d[2]};"]
-    else:
-        lines.append(f"red.global.add.u64 [{where}], 1;")
-    lines += _first_thread(r[0], r[1], p[0])
+        lines.append(f"ld.relaxed.gpu.global.u32 {REG}h, [{HOLD}];")
+    lines += _first_thread(r0, r1, p)
     lines += [
-        f"@!{p[0]} bra {LBL}go;",
-        f"mov.u32 {r[0]}, %nctaid.x;", f"mov.u32 {r[1]}, %nctaid.y;", f"mul.wide.u32 {d[0]}, {r[0]}, {r[1]};",
-        f"mov.u32 {r[0]}, %nctaid.z;", f"cvt.u64.u32 {d[1]}, {r[0]};", f"mul.lo.u64 {d[0]}, {d[0]}, {d[1]};",
-        f"mov.u32 {r[0]}, %ntid.x;", f"mov.u32 {r[1]}, %ntid.y;", f"mul.lo.u32 {r[0]}, {r[0]}, {r[1]};",
-        f"mov.u32 {r[1]}, %ntid.z;", f"mul.lo.u32 {r[0]}, {r[0]}, {r[1]};", f"cvt.u64.u32 {d[1]}, {r[0]};",
-        f"mul.lo.u64 {d[0]}, {d[0]}, {d[1]};",
-        f"atom.global.add.u64 {d[2]}, [{EXPECT}], {d[0]};",
-        f"add.s64 {d[2]}, {d[2]}, {d[0]};",
-        f"st.global.u64 [{TARGETS}+{8 * slot}], {d[2]};",
+        f"@!{p} bra {LBL}go;",
+        f"mov.u32 {r0}, %nctaid.x;", f"mov.u32 {r1}, %nctaid.y;", f"mul.wide.u32 {d0}, {r0}, {r1};",
+        f"mov.u32 {r0}, %nctaid.z;", f"cvt.u64.u32 {d1}, {r0};", f"mul.lo.u64 {d0}, {d0}, {d1};",
+        f"mov.u32 {r0}, %ntid.x;", f"mov.u32 {r1}, %ntid.y;", f"mul.lo.u32 {r0}, {r0}, {r1};",
+        f"mov.u32 {r1}, %ntid.z;", f"mul.lo.u32 {r0}, {r0}, {r1};", f"cvt.u64.u32 {d1}, {r0};",
+        f"mul.lo.u64 {d0}, {d0}, {d1};",
+        f"atom.global.add.u64 {d2}, [{EXPECT}], {d0};",
+        f"add.s64 {d2}, {d2}, {d0};",
+        f"st.global.u64 [{TARGETS}+{8 * slot}], {d2};",
         f"red.global.add.u64 [{EPOCHS}+{8 * slot}], 1;",
         f"{LBL}go:",
     ]
@@ -507,34 +471,52 @@ def _indent(lines: list[str]) -> list[str]:
 
 
 def _exit_stub(slot: int, is_entry: bool, ctx: _Ctx) -> str:
-    """The common exit of an entry.  Threads not counted at entry (a hold was
-    requested when they started) are counted here, after their writes."""
-    del is_entry
+    """The common exit of an entry (`ret`) or of a `.func` that calls `exit`."""
     r = [f"{REG}r{i}" for i in range(6)]
     d = [f"{REG}d{i}" for i in range(6)]
     p = [f"{REG}p{i}" for i in range(4)]
     a64 = ctx.header.address_size == 64
-    lines = [f"{LBL}exit:"]
-    if ctx.options.pause_gate:
-        stripe, where = _stripe(r, d, a64)
+    # the address of this thread's stripe: EXITS + 128 * (%smid % 64)
+    if a64:
+        stripe = [f"mov.u32 {r[3]}, %smid;", f"and.b32 {r[3]}, {r[3]}, {STRIPES - 1};",
+                  f"mul.wide.u32 {d[0]}, {r[3]}, {8 * STRIPE_WORDS};", f"mov.u64 {d[1]}, {EXITS};",
+                  f"add.s64 {d[0]}, {d[0]}, {d[1]};"]
+        where = d[0]
+    else:
+        stripe = [f"mov.u32 {r[3]}, %smid;", f"and.b32 {r[3]}, {r[3]}, {STRIPES - 1};",
+                  f"mov.u32 {r[4]}, {EXITS};", f"mad.lo.u32 {r[4]}, {r[3]}, {8 * STRIPE_WORDS}, {r[4]};"]
+        where = r[4]
+    lines = [f"{LBL}exit:"] + stripe
+    if not ctx.modern:
+        # no warp-level count below sm_70: each thread counts itself
+        lines.append(f"red.global.add.u64 [{where}], 1;")
+    else:
         lines += [
             f"activemask.b32 {r[0]};",
-            f"vote.sync.ballot.b32 {r[1]}, !{REG}pc, {r[0]};",   # the group's threads still to count
-            f"setp.eq.u32 {p[2]}, {r[1]}, 0;",
-            f"@{p[2]} bra {LBL}counted;",
-            f"bar.warp.sync {r[0]};",                            # their writes before the leader's release
-            *stripe,
-            f"popc.b32 {r[2]}, {r[1]};",
-            f"cvt.u64.u32 {d[2]}, {r[2]};",
+            f"popc.b32 {r[1]}, {r[0]};",
+            f"cvt.u64.u32 {d[2]}, {r[1]};",
             f"mov.u32 {r[2]}, %lanemask_lt;",
-            f"and.b32 {r[2]}, {r[2]}, {r[1]};",
-            f"setp.eq.u32 {p[1]}, {r[2]}, 0;",
-            f"and.pred {p[1]}, {p[1]}, !{REG}pc;",
-            f"@{p[1]} red.release.gpu.global.add.u64 [{where}], {d[2]};",
-            f"{LBL}counted:",
+            f"and.b32 {r[2]}, {r[2]}, {r[0]};",
+            f"setp.eq.u32 {p[1]}, {r[2]}, 0;",            # the group's lowest lane counts it
         ]
-        lines += _gate_hold(slot, r, d, p, a64, ctx)
-    lines += [f"{LBL}done:", "ret;"]
+        gated = ctx.options.pause_gate
+        if is_entry and gated:
+            lines += [f"setp.ne.u32 {p[2]}, {REG}h, 0;",
+                      f"vote.sync.any.pred {p[2]}, {p[2]}, {r[0]};",   # one choice per group
+                      f"@!{p[2]} bra {LBL}relaxed;"]
+        if not is_entry or gated:
+            # ordered: the group's writes before the leader's release at GPU scope
+            lines += [f"bar.warp.sync {r[0]};",
+                      f"@{p[1]} red.release.gpu.global.add.u64 [{where}], {d[2]};"]
+        if is_entry and gated:
+            lines += [f"bra {LBL}counted;", f"{LBL}relaxed:"]
+        if is_entry:
+            lines.append(f"@{p[1]} red.relaxed.gpu.global.add.u64 [{where}], {d[2]};")
+            if gated:
+                lines.append(f"{LBL}counted:")
+        if is_entry and gated:
+            lines += _gate_hold(slot, r, d, p, a64, ctx)
+    lines += [f"{LBL}done:", "ret;" if is_entry else "exit;"]
     return "\n".join(_indent(lines))
 
 
@@ -546,7 +528,8 @@ def _gate_hold(slot: int, r: list[str], d: list[str], p: list[str], a64: bool, c
                 f"mov.u32 {r[4]}, {EXITS};\n\tcvt.u64.u32 {d[1]}, {r[4]};")
     lines = _first_thread(r[0], r[1], p[0]) + [
         f"@!{p[0]} bra {LBL}done;",
-        f"@{REG}pc bra {LBL}done;",
+        f"setp.eq.u32 {p[0]}, {REG}h, 0;",
+        f"@{p[0]} bra {LBL}done;",
         f"ld.global.u64 {d[3]}, [{GATE}];",
         f"setp.eq.u64 {p[0]}, {d[3]}, 0;",
         f"@{p[0]} bra {LBL}done;",

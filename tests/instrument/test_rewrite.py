@@ -64,34 +64,27 @@ def test_every_exit_is_routed_through_one_stub():
     assert "bra.uni $__cnc_exit;" in out
     # the only ret left is the stub's own; no exit remains
     assert out.count("ret;") == 1 and "exit;" not in out.replace("$__cnc_exit", "")
-    # no barrier and no shared memory anywhere; the prologue (mirror read, the
-    # entry count, block 0 counting the launch) comes before the kernel's first instruction
+    # no barrier and no shared memory anywhere; the prologue (mirror read, block 0
+    # counting the launch) comes before the kernel's first instruction
     assert "bar.sync" not in out and ".shared" not in out
-    first = out.index("setp.eq.u32 %p1")
-    assert out.index("ld.global.ca.u32 %__cnc_r5, [__concordia_hold];") < first
-    assert out.index("red.relaxed.gpu.global.add.u64 [%__cnc_d0]") < first
-    assert out.index("atom.global.add.u64 %__cnc_d2, [__concordia_expect]") < first
-    # the exit counts only threads that started while a hold was requested, with release
+    assert out.index("ld.relaxed.gpu.global.u32 %__cnc_h, [__concordia_hold];") < out.index("setp.eq.u32 %p1")
+    assert out.index("atom.global.add.u64 %__cnc_d2, [__concordia_expect]") < out.index("setp.eq.u32 %p1")
+    # the common exit: one relaxed red per group of threads, no value returned
     stub = out[out.index("$__cnc_exit:"):]
-    assert "vote.sync.ballot.b32 %__cnc_r1, !%__cnc_pc" in stub
-    assert "bar.warp.sync %__cnc_r0;" in stub and "red.release.gpu.global.add.u64" in stub
-    assert "red.relaxed" not in stub and "atom." not in stub
+    assert "activemask.b32" in stub and "@%__cnc_p1 red.relaxed.gpu.global.add.u64" in stub
+    assert "atom." not in stub and "fence" not in stub[:stub.index("$__cnc_counted:")]
 
 
-def test_without_a_gate_the_exit_is_a_plain_return():
-    out = rewrite(entry("\tret;"), Options(pause_gate=False)).ptx
-    assert out.rstrip().endswith("$__cnc_exit:\n$__cnc_done:\n\tret;\n}")
-    assert "__concordia_hold" not in out.split("$__cnc_go:")[0].split("__concordia_gate")[-1]
-
-
-def test_gate_waits_only_in_block_zero_and_only_when_the_mirror_was_set():
+def test_gate_waits_only_in_block_zero_and_only_when_the_mirror_is_set():
     out = rewrite(entry("\tret;")).ptx
     hold = out[out.index("$__cnc_counted:"):out.index("$__cnc_drain:")]
-    # thread (0,0,0) of block (0,0,0), mirror set at entry, gate attached, host word set
-    order = [hold.index(s) for s in ("%ctaid.z", "@%__cnc_pc bra $__cnc_done;", "[__concordia_gate]",
+    # thread (0,0,0) of block (0,0,0), mirror set, gate attached, host word set: in that order
+    order = [hold.index(s) for s in ("%ctaid.z", "%__cnc_h, 0;", "[__concordia_gate]",
                                      "ld.volatile.global.u32")]
     assert order == sorted(order)
     assert "[__concordia_targets+0]" in hold
+    # while the mirror is set the count is a release after a warp barrier
+    assert "bar.warp.sync %__cnc_r0;\n\t@%__cnc_p1 red.release.gpu" in out
 
 
 def test_old_targets_count_per_thread_and_get_no_gate():
@@ -102,16 +95,18 @@ def test_old_targets_count_per_thread_and_get_no_gate():
     assert "red.global.add.u64 [%__cnc_d0], 1;" in res.ptx
 
 
-def test_func_exit_is_left_alone_and_turns_the_gate_off():
+def test_func_exit_is_hooked_but_func_ret_is_not():
     text = HEADER + (".func f(.param .b32 a)\n{\n\t.reg .pred %q;\n\tsetp.eq.u32 %q, 1, 1;\n"
                      "\t@%q exit;\n\tret;\n}\n.visible .entry e()\n{\n\tret;\n}\n")
     res = rewrite(text)
-    # threads are counted at entry, so an exit inside a .func needs no hook; but a
-    # hold would wait for it at an exit it never reaches, so the module gets no gate
-    assert res.functions == [] and not res.options.pause_gate
+    assert [f.name for f in res.functions] == ["f"]
+    assert res.functions[0].exit_sites == 1
     f_body = res.ptx[res.ptx.index(".func f"):res.ptx.index(".visible .entry e")]
-    assert "@%q exit;" in f_body and "__cnc" not in f_body
-    assert "__concordia_gate]" not in res.ptx and res.kernels[0].exit_sites == 1
+    assert "@%q bra $__cnc_exit;" in f_body
+    assert f_body.rstrip().endswith("$__cnc_done:\n\texit;\n}")  # the stub leaves with exit
+    assert "\tret;" in f_body  # a .func return goes back to its caller, untouched
+    # the .func's exits count in the module-wide exit counters, always with release
+    assert "red.release.gpu.global.add.u64" in f_body and "__concordia_gate" not in f_body
 
 
 def test_slots_follow_entry_order():
