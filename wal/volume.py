@@ -66,13 +66,13 @@ def _random_salt(avoid: int) -> int:
 
 def _zero_fill(backend: Backend, total: int) -> None:
     """Clear and persist the first `total` bytes.  A page-cache file is cleared
-    with write(2) (`write_at`), not with stores through the mapping: a page this
-    process has mapped for writing costs more at every later sync of the file
-    (the kernel write-protects each mapped page again at writeback), and a log
-    is synced once per commit for its whole life.  Measured on ext4, 256 KiB
-    writes with a sync every 4 MiB: 2.4 GB/s into a file cleared through its
-    mapping, 3.2 GB/s into one cleared with write(2), the same as a file never
-    mapped."""
+    with write(2) (`write_at`), not with stores through the mapping, so that its
+    pages are not all mapped writable into this process (the kernel has to
+    write-protect each mapped page again at every writeback).  Measured on ext4
+    with bare writes of 256 KiB and a sync every 4 MiB: 2.4 GB/s into a file
+    cleared through its mapping, 3.2 GB/s into one cleared with write(2), as
+    into a file never mapped; in the log's own append benchmark the difference
+    was within the run-to-run noise."""
     write_at = getattr(backend, "write_at", None)
     if write_at is None:
         backend.array[:] = 0
