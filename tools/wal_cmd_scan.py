@@ -19,33 +19,14 @@ REC, DMG = 0, 1
 
 
 def walk(vol, *, check_pages: bool = True, from_lsn: int = 0):
-    """Scanner items of every live segment whose LSN range reaches `from_lsn`:
-    (REC, seg, offset, header tuple) or (DMG, seg, offset, length, reason[, hides_commit]).
-    A live segment with an invalid header is one damaged range."""
-    from concordia.wal.reader import ScanResult
-
-    sc = Scanner(vol, check_pages=check_pages)
-    if not from_lsn:
-        for it in sc.items(ScanResult()):
-            Where.at = it[1].where(it[2])
-            yield it
-        return
-    prev = None
-    end = vol.backend.size
-    for seg in vol.live_segments():
-        Where.at = seg.where(seg.offset)
-        why = vol.check_segment_header(seg, prev)
-        prev = seg
-        if seg.end_lsn <= from_lsn:
-            continue
-        if why:
-            yield DMG, seg, seg.offset, max(0, min(seg.offset + seg.nbytes, end) - seg.offset), why
-            continue
-        # Scanner walks one segment at a time; skipping whole segments below
-        # from_lsn is what keeps `dump --follow` cheap on a long log
-        for it in sc._segment(seg):
-            Where.at = seg.where(it[2])
-            yield it
+    """Scanner items of every live segment whose LSN range reaches `from_lsn`
+    (segments wholly below it are not read, which keeps `dump --follow` cheap
+    on a long log): (REC, seg, offset, header tuple) or (DMG, seg, offset,
+    length, reason[, hides_commit]).  A live segment with an invalid header
+    is one damaged range."""
+    for it in Scanner(vol, check_pages=check_pages).items(from_lsn=from_lsn):
+        Where.at = it[1].where(it[2])
+        yield it
 
 
 def classify(items: list) -> list:

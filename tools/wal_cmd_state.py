@@ -15,8 +15,9 @@ from .common import EXIT_OK, Where, emit_json, guarded, open_volume, progress_ba
 
 def _open_log_writable(spec: str):
     """A writable Log over `spec`.  Opening for writing cuts what follows the
-    last commit (FORMAT.md §10.5): run these commands only while no writer is
-    attached to the log."""
+    last commit (FORMAT.md §10.5), so it takes the log's writer lock first: a
+    live writer makes this a one-line LockedError (exit 2), not a cut under
+    its feet."""
     from concordia.wal import Log
 
     vol = open_volume(spec)  # the same messages as the read-only commands for a bad target
@@ -27,23 +28,34 @@ def _open_log_writable(spec: str):
     return log
 
 
-class _Bar:
-    """A progress bar that learns its length at the first callback."""
+class Bar:
+    """A progress bar on stderr (shown only when stderr is a terminal) fed by
+    the library's progress(done_bytes, total_bytes) callbacks; it learns its
+    length at the first one.  `enabled=False` (--json, --quiet) shows nothing.
+    `stage(i, n)` is the callback for the i-th of n passes of equal length
+    over the same bytes, so one bar covers them all."""
 
-    def __init__(self, label: str):
+    def __init__(self, label: str, *, enabled: bool = True):
         self.label = label
+        self.enabled = enabled
         self.bar = None
         self.done = 0
 
     def absolute(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
         if self.bar is None:
             self.bar = progress_bar(total, self.label).__enter__()
         self.bar.update(done - self.done)
         self.done = done
 
+    def stage(self, i: int, n: int):
+        return lambda done, total: self.absolute(i * total + done, n * total)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.__exit__(None, None, None)
+            self.bar = None
 
 
 # --------------------------------------------------------------------------- compact
@@ -95,10 +107,11 @@ def compact_cmd(log, upto, keep, dry_run, as_json):
     """Fold each region's newest base and the deltas after it into a new base
     snapshot at epoch --upto, then let retention (--keep) give back the
     segments nobody needs.  One superblock write switches to the result, so
-    a crash leaves either the old log or the new one.  Shows a progress bar.
+    a crash leaves either the old log or the new one.  Shows a progress bar
+    (not with --json).
 
-    Run it while no writer is attached: opening for writing cuts any
-    uncommitted tail.
+    Refused (exit 2) while a writer has the log open: opening for writing
+    cuts any uncommitted tail, so it takes the log's writer lock.
 
     Example:
 
@@ -119,7 +132,7 @@ def compact_cmd(log, upto, keep, dry_run, as_json):
             lg.close()
     else:
         lg = _open_log_writable(log)
-        bar = _Bar("compacting")
+        bar = Bar("compacting", enabled=not as_json)
         try:
             rep = compact(lg, upto, keep_bases=keep, progress=bar.absolute).to_json()
         finally:
@@ -207,15 +220,15 @@ def snapshot_list(log, as_json):
 def snapshot_create(log, regions, epoch):
     """Write a base snapshot of each region at a committed epoch, built from
     the log itself (newest base plus deltas, every page CRC-checked), and
-    list it in a new catalog.  Shows a progress bar.  Run it while no writer
-    is attached.
+    list it in a new catalog.  Shows a progress bar.  Refused (exit 2) while
+    a writer has the log open.
 
     Example:
 
     \b
         concordia-wal snapshot create file:./concordia-data/demo.log --region kv
     """
-    from concordia.wal.compact import _fold_source
+    from concordia.wal.compact import fold_source
     from concordia.wal.planner import plan_history, scan
     from concordia.wal.snapshot import create_base_snapshot
 
@@ -233,7 +246,7 @@ def snapshot_create(log, regions, epoch):
         with progress_bar(total, "snapshot") as bar:
             for name in names:
                 rp = p.regions[name]
-                e = create_base_snapshot(lg, name, _fold_source(rp), p.epoch, progress=bar.update)
+                e = create_base_snapshot(lg, name, fold_source(rp), p.epoch, progress=bar.update)
                 made.append((name, e))
     finally:
         lg.close()
@@ -257,8 +270,8 @@ def snapshot_create(log, regions, epoch):
 def restore_cmd(log, region, epoch, out, mode, force):
     """Write one region's state at a committed epoch to a .npy file, every
     page checked against its CRC and the region against the digest its commit
-    states.  Read-only on the log.  (Restoring into GPU arrays is done through
-    the Session API.)
+    states.  Read-only on the log.  Shows a progress bar.  (Restoring into
+    GPU arrays is done through the Session API.)
 
     Example:
 
@@ -279,7 +292,11 @@ def restore_cmd(log, region, epoch, out, mode, force):
                                      param_hint="--region")
         p = plan_history(h, "latest" if epoch is None else epoch, mode.replace("-", "_"), regions=[region])
         rp = p.regions[region]
-        restore_region_npy(vol, p, region, out)
+        bar = Bar("restoring")
+        try:
+            restore_region_npy(vol, p, region, out, progress=bar.absolute)
+        finally:
+            bar.close()
     finally:
         vol.close()
     r = rp.region

@@ -37,6 +37,9 @@ from concordia.wal.planner import Plan, RegionPlan
 #: pages of one record copied per task
 DEFAULT_CHUNK_BYTES = 1 << 20
 
+#: a restore's progress callback is told at most this often (bytes)
+PROGRESS_STEP = 4 << 20
+
 
 def default_threads() -> int:
     return max(1, min(4, os.cpu_count() or 1))
@@ -268,14 +271,20 @@ def _finish_region(rp: RegionPlan, crcs: np.ndarray, check: bool) -> None:
             )
 
 
-def _run(jobs, threads: int):
+def _run(jobs, threads: int, done=None):
+    """Run `jobs`; done(k), if given, is called in this thread as the first k
+    jobs have finished."""
     if threads <= 1 or len(jobs) <= 1:
-        for j in jobs:
+        for k, j in enumerate(jobs, 1):
             j()
+            if done is not None:
+                done(k)
         return
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        for f in [pool.submit(j) for j in jobs]:
+        for k, f in enumerate([pool.submit(j) for j in jobs], 1):
             f.result()
+            if done is not None:
+                done(k)
 
 
 def _zero_pages(rp: RegionPlan, dst: np.ndarray) -> None:
@@ -339,10 +348,15 @@ def apply_plan_numpy(log, plan: Plan, *, check: bool = True, threads: int | None
 
 
 def restore_region_npy(log, plan: Plan, region: str, path, *, check: bool = True,
-                       threads: int | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> str:
+                       threads: int | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                       progress=None) -> str:
     """Write region `region` of `plan` to a `.npy` file at `path` (dtype and
     shape from the region descriptor), streaming: memory use is a few chunks,
-    not the region.  Returns the path written."""
+    not the region.  Returns the path written.
+
+    progress(done_bytes, total_bytes), if given, is called from this thread
+    as chunks land (at most every PROGRESS_STEP bytes, and once at the end);
+    total is the region's bytes, done an estimate from the chunks finished."""
     if region not in plan.regions:
         raise WalError(f"plan has no region {region!r}", hint="regions: " + ", ".join(sorted(plan.regions)))
     rp = plan.regions[region]
@@ -354,8 +368,11 @@ def restore_region_npy(log, plan: Plan, region: str, path, *, check: bool = True
         flat = mm.reshape(-1).view(np.uint8) if mm.size else np.zeros(0, np.uint8)
         crcs = np.zeros(r.pages, dtype=np.uint32)
         jobs = _region_jobs(rp, flat, crcs, check, chunk_bytes, threads > 1)
-        _run(jobs, threads)  # zero pages: open_memmap's file starts zero-filled
+        _run(jobs, threads, _progress_of_jobs(progress, len(jobs), r.nbytes))
+        # zero pages: open_memmap's file starts zero-filled
         _finish_region(rp, crcs, check)
+        if progress is not None:
+            progress(r.nbytes, r.nbytes)
         mm.flush()
     except BaseException:
         del mm
@@ -366,6 +383,23 @@ def restore_region_npy(log, plan: Plan, region: str, path, *, check: bool = True
         raise
     del mm
     return path
+
+
+def _progress_of_jobs(progress, jobs: int, total: int):
+    """A `_run` done(k) callback telling `progress` a share of `total` bytes,
+    no more often than every PROGRESS_STEP bytes (jobs are chunks of about
+    equal size)."""
+    if progress is None or not jobs:
+        return None
+    shown = [0]
+
+    def done(k: int) -> None:
+        now = total * k // jobs
+        if now - shown[0] >= PROGRESS_STEP:
+            shown[0] = now
+            progress(now, total)
+
+    return done
 
 
 __all__ = ["apply_plan_numpy", "restore_region_npy", "default_threads", "DEFAULT_CHUNK_BYTES"]

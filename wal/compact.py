@@ -65,9 +65,16 @@ class CompactReport:
         return dict(self.__dict__)
 
 
-def _fold_source(rp: RegionPlan) -> Callable[[int, int], np.ndarray]:
-    """(lo, hi) -> pages [lo, hi) of the region at the plan's epoch, gathered from
-    the plan's sources with every page CRC-checked (zero where nobody wrote)."""
+def fold_source(rp: RegionPlan) -> Callable[[int, int], np.ndarray]:
+    """The image of one region at its plan's epoch, read from the log itself,
+    as a page source for `snapshot.create_base_snapshot` / `write_base_records`:
+    (lo, hi) -> pages [lo, hi) as a (hi - lo, page_bytes) uint8 array, gathered
+    from the plan's sources (newest base plus the deltas after it) with every
+    page CRC-checked (CorruptionError naming the record otherwise), zero where
+    nobody wrote.  Memory: one chunk; the log must stay open while it is used.
+
+        p = plan_history(scan(log), epoch, "tolerate_tail", regions=[name])
+        create_base_snapshot(log, name, fold_source(p.regions[name]), p.epoch)"""
     from crc32c import crc32c as _crc
 
     r = rp.region
@@ -199,7 +206,7 @@ def compact(log, epoch: int | None = None, *, live: dict | None = None, keep_bas
     new = []
     for rp in todo:
         info = rp.region
-        src = _page_source(info, live[info.name]) if info.name in live else _fold_source(rp)
+        src = _page_source(info, live[info.name]) if info.name in live else fold_source(rp)
         entry = write_base_records(log, info, src, C, chunk_bytes=chunk_bytes, progress=tick)
         if rp.digest is not None and entry.digest != rp.digest:
             raise WalError(f"new base of region {info.name!r} at epoch {C} has digest 0x{entry.digest:08x}, "
@@ -246,4 +253,4 @@ def _rewrite_descriptors(log) -> None:
         app.append_record(type=F.REC_REGION, epoch=0, body=body, region_id=info.id, page_bytes=info.page_bytes)
 
 
-__all__ = ["compact", "CompactReport", "retention", "needed_from"]
+__all__ = ["compact", "CompactReport", "fold_source", "retention", "needed_from"]

@@ -651,7 +651,7 @@ def _volume(log):
     return vol
 
 
-def scan(log, *, payload: bool = True, check_pages: bool = False) -> History:
+def scan(log, *, payload: bool = True, check_pages: bool = False, progress=None) -> History:
     """Read the metadata of every record of `log` into a History.
 
     The scan is record-level and tolerant: every damaged range becomes a
@@ -659,7 +659,8 @@ def scan(log, *, payload: bool = True, check_pages: bool = False) -> History:
     intact), and the planner decides what the recovery mode does with it.
     Page payloads are CRC-checked only with check_pages=True; the applier
     checks every page it copies anyway.  With payload=True each Batch carries a
-    view of its pages in the log mapping (no copy)."""
+    view of its pages in the log mapping (no copy).  progress(done_bytes,
+    total_bytes) follows the walk (reader.Scanner)."""
     from concordia.wal import format as F
     from concordia.wal.reader import ScanResult, Scanner
     from concordia.wal.snapshot import decode_catalog_body
@@ -668,7 +669,7 @@ def scan(log, *, payload: bool = True, check_pages: bool = False) -> History:
     sb = vol.superblock
     arr = vol.backend.array
     mv = vol.backend.view
-    items = list(Scanner(vol, check_pages=check_pages).items(ScanResult()))
+    items = list(Scanner(vol, check_pages=check_pages, progress=progress).items(ScanResult()))
     last_commit = -1
     for i, it in enumerate(items):
         if it[0] == 0 and it[3][1] & F.TYPE_MASK == F.REC_COMMIT:

@@ -123,6 +123,9 @@ class Record:
 _REC = 0
 _DMG = 1
 
+#: a scan's progress callback is told at most this often (bytes walked)
+PROGRESS_STEP = 4 << 20
+
 
 @dataclass
 class ScanResult:
@@ -145,7 +148,12 @@ class ScanResult:
 class Scanner:
     """Record-level scan of one volume (no mode logic): yields records and damaged ranges."""
 
-    def __init__(self, vol: Volume, *, check_pages: bool = True):
+    def __init__(self, vol: Volume, *, check_pages: bool = True,
+                 progress: Callable[[int, int], None] | None = None):
+        """progress(done_bytes, total_bytes), if given, is called as the walk
+        advances, at most every PROGRESS_STEP bytes and once at the end; total
+        is the bytes of the live segments (a segment's zero tail counts as
+        walked when the walk reaches its end)."""
         self.vol = vol
         self.backend = vol.backend
         self.arr = vol.backend.array
@@ -153,23 +161,56 @@ class Scanner:
         self.check_pages = check_pages
         self.oldest = vol.superblock.oldest_lsn
         self.bytes_checked = 0
+        self.progress = progress
+        self._done = 0  # bytes of the segments walked so far (for progress)
+        self._shown = 0  # what progress was last told
+        self._total = 0
 
-    def items(self, result: ScanResult):
+    def items(self, result: ScanResult | None = None, *, from_lsn: int = 0):
+        """Every valid record and damaged range of the live segments, in LSN
+        order: (0, seg, offset, raw header tuple) for a record, (1, seg,
+        offset, length, reason[, hides_commit]) for damage (a live segment
+        whose header is invalid is one damaged range).
+
+        from_lsn: segments that end at or below it are not read at all (what
+        keeps tailing a long log cheap); of the rest, items that end at or
+        below it are left out.  Each segment is walked from its start, so
+        the bytes before from_lsn in its segment are still read and checked.
+        `result`, when given, collects the segments walked."""
+        result = ScanResult() if result is None else result
+        segs = self.vol.live_segments()
+        size = self.backend.size
+        self._total = sum(max(0, min(s.offset + s.nbytes, size) - s.offset)
+                          for s in segs if s.end_lsn > from_lsn)
         prev = None
-        for seg in self.vol.live_segments():
-            result.segments.append(seg)
+        for seg in segs:
             why = self.vol.check_segment_header(seg, prev)
             prev = seg
+            if seg.end_lsn <= from_lsn:
+                continue
+            result.segments.append(seg)
             if why:
                 result.bad_segments.add(seg.index)
-                end = min(seg.offset + seg.nbytes, self.backend.size)
+                end = min(seg.offset + seg.nbytes, size)
                 # records inside may still check (the table names salt and base LSN):
                 # a valid commit among them means this damage hides committed data
                 hides_commit = any(it[0] == _REC and it[3][1] & F.TYPE_MASK == F.REC_COMMIT
                                    for it in self._segment(seg))
-                yield _DMG, seg, seg.offset, max(0, end - seg.offset), why, hides_commit
-                continue
-            yield from self._segment(seg)
+                found = [(_DMG, seg, seg.offset, max(0, end - seg.offset), why, hides_commit)]
+            else:
+                found = self._segment(seg)
+            for it in found:
+                if not from_lsn or seg.base_lsn + (it[2] - seg.offset) + (
+                        it[3] if it[0] == _DMG else it[3][0]) > from_lsn:
+                    yield it
+        if self.progress is not None:
+            self.progress(self._total, self._total)
+
+    def _tell(self, done: int) -> None:
+        """Progress: `done` bytes walked (called from the walk's loop)."""
+        if done - self._shown >= PROGRESS_STEP:
+            self._shown = done
+            self.progress(done, self._total)
 
     def _next_valid(self, seg: SegmentInfo, start: int, end: int) -> int | None:
         """Absolute offset of the first valid record header at or after `start`
@@ -195,11 +236,15 @@ class Scanner:
                     return pos
         return None
 
-    def _segment(self, seg: SegmentInfo):
+    def _segment(self, seg: SegmentInfo) -> list:
+        """The items of one segment whose header checked."""
         out, pending = [], []
         self._walk(seg, out, pending)
         self._check_pages(out, pending)
-        yield from out
+        self._done += max(0, min(seg.offset + seg.nbytes, self.backend.size) - seg.offset)
+        if self.progress is not None:
+            self._tell(self._done)
+        return out
 
     def _check_pages(self, out: list, pending: list) -> None:
         """V-P5 for every page batch of a segment: the per-page CRC table, folded,
@@ -231,7 +276,12 @@ class Scanner:
         salt = seg.salt
         unpack = F.RECORD_HEADER.unpack_from
         pos = seg.offset + F.SEGMENT_HEADER_SIZE
+        # progress: checked against one number per record, told every PROGRESS_STEP
+        tick = seg.offset + PROGRESS_STEP if self.progress is not None else 1 << 62
         while pos + 64 <= end:
+            if pos >= tick:
+                self._tell(self._done + pos - seg.offset)
+                tick = pos + PROGRESS_STEP
             h = unpack(mv, pos)
             length = h[0]
             if length == 0 or (h[5] != pos + base_rel or h[7] != salt):
@@ -303,10 +353,11 @@ class Scanner:
 
 
 def recover(vol: Volume, mode: RecoveryMode = RecoveryMode.TOLERATE_TAIL,
-            reporter: Callable[[Dropped], None] | None = None, *, check_pages: bool = True) -> ScanResult:
+            reporter: Callable[[Dropped], None] | None = None, *, check_pages: bool = True,
+            progress: Callable[[int, int], None] | None = None) -> ScanResult:
     """Scan `vol` and apply `mode` (FORMAT.md §11).  Every dropped range goes to
     `reporter` (and into result.dropped).  Raises CorruptionError / TornTailError
-    where the mode says so."""
+    where the mode says so.  progress(done_bytes, total_bytes): see Scanner."""
     mode = RecoveryMode.parse(mode)
     res = ScanResult()
 
@@ -318,7 +369,7 @@ def recover(vol: Volume, mode: RecoveryMode = RecoveryMode.TOLERATE_TAIL,
     for where, why in vol.slot_problems:
         report(Dropped(-1, 0, 0, f"{where}: {why} (the other slot is used)", "superblock"))
 
-    scanner = Scanner(vol, check_pages=check_pages)
+    scanner = Scanner(vol, check_pages=check_pages, progress=progress)
     items = list(scanner.items(res))
     res.bytes_checked = scanner.bytes_checked
     backend = vol.backend
@@ -475,12 +526,16 @@ def _commit_problem(info: F.CommitInfo, st, last_epoch, last_commit_lsn, oldest)
     return None
 
 
-def verify(vol: Volume, *, check_pages: bool = True) -> dict:
+def verify(vol: Volume, *, check_pages: bool = True,
+           progress: Callable[[int, int], None] | None = None) -> dict:
     """Check every checksum of the volume and report ALL problems (never raises
-    for data problems).  Returns a JSON-able dict: problems, counts, throughput."""
+    for data problems).  Returns a JSON-able dict: problems, counts, throughput.
+    progress(done_bytes, total_bytes) is told how far the walk is, at most
+    every few MiB (Scanner)."""
     t0 = time.perf_counter()
     problems: list[Dropped] = []
-    res = recover(vol, RecoveryMode.SKIP_CORRUPT, problems.append, check_pages=check_pages)
+    res = recover(vol, RecoveryMode.SKIP_CORRUPT, problems.append, check_pages=check_pages,
+                  progress=progress)
     dt = time.perf_counter() - t0
     corrupt = [p for p in problems if p.kind in ("corrupt", "superblock")]
     return {
