@@ -40,22 +40,22 @@ CRC_OF_EMPTY = 0  # crc32c(b"")
 # --------------------------------------------------------------------------
 # Constants (FORMAT.md §1, §2)
 
-MAJOR_VERSION = 1
-MINOR_VERSION = 0
+MAJOR_VERSION = 1  # superblock and segment header `major` (FORMAT.md §3.1, §4)
+MINOR_VERSION = 0  # `minor`; any minor of the major is read (FORMAT.md §3.1)
 
 #: feature bits this code understands (FORMAT.md §2.3); none are defined yet
 KNOWN_COMPAT = 0
 KNOWN_INCOMPAT = 0
 KNOWN_RO_COMPAT = 0
 
-VOLUME_MAGIC = b"CNCRDVOL"
-SEGMENT_MAGIC = b"CNCRDSEG"
+VOLUME_MAGIC = b"CNCRDVOL"  # FORMAT.md §3.1
+SEGMENT_MAGIC = b"CNCRDSEG"  # FORMAT.md §4
 
-RECORD_ALIGN = 64
-SEGMENT_ALIGN = 1 << 20  # segments start and end on 1 MiB boundaries
-SLOT_ALIGN = 4096
-MAX_PAGE_BYTES = 1 << 26
-MAX_SEGMENTS = 1 << 20
+RECORD_ALIGN = 64  # records start 64-byte aligned, lengths are multiples of 64 (FORMAT.md §5.1)
+SEGMENT_ALIGN = 1 << 20  # segments start and end on 1 MiB boundaries (FORMAT.md §2, V-B6)
+SLOT_ALIGN = 4096  # slot_bytes = align(256 + 32*segment_count, 4096) (FORMAT.md §2)
+MAX_PAGE_BYTES = 1 << 26  # 64 MiB (FORMAT.md §6.2 V-P1, §7.2 V-G4)
+MAX_SEGMENTS = 1 << 20  # FORMAT.md §3.3 V-B2
 
 
 def align(n: int, a: int) -> int:
@@ -78,13 +78,14 @@ SUPERBLOCK = struct.Struct(
     "84sI"  # reserved (zero), crc                                          168..256
 )
 SUPERBLOCK_SIZE = 256
-SUPERBLOCK_CRC_OFF = 252
-SLOT_COUNT = 2
+SUPERBLOCK_CRC_OFF = 252  # the CRC covers [0, 252) and then the segment table (FORMAT.md §3.1)
+SLOT_COUNT = 2  # slots A and B; sequence n lives in slot n % 2 (FORMAT.md §3)
 
+# Segment table entry (FORMAT.md §3.2), SLOT_COUNT tables of segment_count entries
 SEGMENT_ENTRY = struct.Struct("<QQIIII")  # base_lsn, seq, salt, state, header_crc, reserved
 SEGMENT_ENTRY_SIZE = 32
 
-SEG_FREE = 0
+SEG_FREE = 0  # entry `state` (FORMAT.md §3.2)
 SEG_LIVE = 1
 
 
@@ -149,8 +150,9 @@ def encode_superblock(sb: Superblock) -> bytes:
 
 
 def decode_superblock(buf, *, where: str = "superblock") -> Superblock:
-    """Decode and validate one slot (FORMAT.md §3.2, conditions V-B1..V-B6).
-    Raises CorruptionError (or NotALogError / FormatVersionError) naming the problem."""
+    """Decode and validate one slot (FORMAT.md §3.1-§3.3, conditions V-B1..V-B6;
+    V-B7 needs the slot's index and is checked by Volume.open).  Raises
+    CorruptionError (or NotALogError / FormatVersionError) naming the problem."""
     from .errors import FormatVersionError, NotALogError
 
     buf = memoryview(buf).cast("B") if not isinstance(buf, memoryview) else buf.cast("B")
@@ -211,8 +213,8 @@ SEGMENT_HEADER = struct.Struct(
     "QIIQ"  # prev_seq, prev_header_crc, reserved0, created_ns              88..112
     "140sI"  # reserved (zero), header_crc                                 112..256
 )
-SEGMENT_HEADER_SIZE = 256
-SEGMENT_HEADER_CRC_OFF = 252
+SEGMENT_HEADER_SIZE = 256  # records start at offset 256 of a segment (FORMAT.md §4)
+SEGMENT_HEADER_CRC_OFF = 252  # header_crc covers [0, 252) (FORMAT.md §4)
 
 
 class SegmentHeader(NamedTuple):
@@ -242,7 +244,8 @@ def encode_segment_header(h: SegmentHeader) -> bytes:
 
 
 def decode_segment_header(buf) -> tuple[SegmentHeader | None, str | None]:
-    """(header, None) when valid per FORMAT.md §4.2 V-S1..V-S3, else (None, reason)."""
+    """(header, None) when valid per FORMAT.md §4 V-S1..V-S2, else (None, reason).
+    V-S3..V-S5 need the superblock: Volume.check_segment_header checks them."""
     buf = memoryview(buf).cast("B")
     if len(buf) < SEGMENT_HEADER_SIZE:
         return None, "segment header truncated"
@@ -268,30 +271,34 @@ def decode_segment_header(buf) -> tuple[SegmentHeader | None, str | None]:
 
 RECORD_HEADER = struct.Struct("<QBBHIQQIIIIQII")
 RECORD_HEADER_SIZE = 64
-RECORD_HEADER_CRC_OFF = 60
+RECORD_HEADER_CRC_OFF = 60  # header_crc covers [0, 60) (FORMAT.md §5.1)
 
-# offsets of the fields, for kernels and byte-poking tests
+# offsets of the fields (FORMAT.md §5.1), for byte-poking tests; gpu_kernels/stage.cu
+# writes the same words (tests/wal/test_format_spec.py holds the two together)
 OFF_LENGTH, OFF_TYPE, OFF_FLAGS, OFF_RESERVED0, OFF_REGION = 0, 8, 9, 10, 12
 OFF_LSN, OFF_EPOCH, OFF_SALT, OFF_BODY_CRC = 16, 24, 32, 36
 OFF_COUNT, OFF_PAGE_BYTES, OFF_AUX, OFF_RESERVED1, OFF_HEADER_CRC = 40, 44, 48, 56, 60
 
-TYPE_IGNORABLE = 0x80
+# record types (FORMAT.md §5.2)
+TYPE_IGNORABLE = 0x80  # type bit 7: an unknown type may be skipped
 TYPE_MASK = 0x7F
 
-REC_PAGE_BATCH = 0x01
-REC_REGION = 0x02
-REC_COMMIT = 0x03
-REC_CATALOG = 0x04  # snapshot catalog (FORMAT.md §9, written by wal.snapshot)
-REC_SNAPSHOT = 0x05  # snapshot begin/end marker (FORMAT.md §9, written by wal.snapshot)
-REC_PAD = 0x7E  # always written with TYPE_IGNORABLE: 0xFE
+REC_PAGE_BATCH = 0x01  # FORMAT.md §6
+REC_REGION = 0x02  # FORMAT.md §7
+REC_COMMIT = 0x03  # FORMAT.md §8
+REC_CATALOG = 0x04  # snapshot catalog (FORMAT.md §9, §12.2, written by wal.snapshot)
+REC_SNAPSHOT = 0x05  # snapshot marker (FORMAT.md §9): reserved, version 1.0 writes none
+REC_PAD = 0x7E  # FORMAT.md §5.4; always written with TYPE_IGNORABLE: 0xFE
 
 TYPE_NAMES = {
     REC_PAGE_BATCH: "page_batch", REC_REGION: "region", REC_COMMIT: "commit",
     REC_CATALOG: "catalog", REC_SNAPSHOT: "snapshot", REC_PAD: "pad",
 }
 
-FLAG_BASE = 0x01  # page batch: part of a base snapshot
-FLAG_ONE_SYNC = 0x02  # commit: persisted by the same sync as the records it counts (FORMAT.md §10)
+# record header `flags` (FORMAT.md §5.1)
+FLAG_BASE = 0x01  # page batch: part of a base snapshot (FORMAT.md §12.1)
+FLAG_ONE_SYNC = 0x02  # commit: persisted by the same sync as the records it counts (FORMAT.md §8, §10)
+NO_REGION = 0xFFFFFFFF  # region_id of a record that concerns no region (FORMAT.md §5.1)
 
 
 def counted_in_epoch(type_byte: int, flags: int) -> bool:
@@ -301,7 +308,6 @@ def counted_in_epoch(type_byte: int, flags: int) -> bool:
     if kind == REC_PAGE_BATCH:
         return not flags & FLAG_BASE
     return kind not in (REC_PAD, REC_COMMIT, REC_REGION, REC_CATALOG, REC_SNAPSHOT)
-NO_REGION = 0xFFFFFFFF
 
 
 class RecordHeader(NamedTuple):
@@ -359,7 +365,9 @@ def _unpack_header(buf, off):
 
 
 def check_record_header_bytes(buf, off: int = 0) -> str | None:
-    """None when the header at buf[off:off+64] passes V-R1..V-R4, else the reason."""
+    """None when the header at buf[off:off+64] lies inside buf and passes V-R2..V-R4
+    (length a positive multiple of 64; its bound in the segment, V-R3, and V-R1,
+    V-R5 need the segment: the reader checks them), else the reason."""
     if off < 0 or off + RECORD_HEADER_SIZE > len(buf):
         return "record header runs past the end of the buffer"
     f = RECORD_HEADER.unpack_from(buf, off)
@@ -414,7 +422,7 @@ def generic_body(buf, hdr: RecordHeader, off: int = 0) -> memoryview:
 # --------------------------------------------------------------------------
 # Page batch (FORMAT.md §6)
 
-MAX_BATCH_PAGES = 1 << 24
+MAX_BATCH_PAGES = 1 << 24  # FORMAT.md §6.2 V-P1
 
 
 def page_batch_tables_bytes(count: int) -> int:
@@ -575,8 +583,9 @@ def region_digest(page_crcs) -> int:
 
 REGION_BODY = struct.Struct("<HBBBBHQ")  # name_len, dtype_len, kind_len, ndim, 0, 0, nbytes
 REGION_BODY_SIZE = 16
-MAX_NAME = 1024
-MAX_NDIM = 32
+MAX_NAME = 1024  # name_len 1..1024 (FORMAT.md §7)
+MAX_NDIM = 32  # ndim 0..32 (FORMAT.md §7)
+# the patterns of FORMAT.md §7 (V-G2)
 _DTYPE_RE = re.compile(r"^[<>|=]?[biufcV]\d{1,3}$")
 _KIND_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 
@@ -669,7 +678,7 @@ COMMIT_BODY = struct.Struct("<QQQII")  # record_count, record_bytes, first_lsn, 
 COMMIT_BODY_SIZE = 32
 COMMIT_DIGEST = struct.Struct("<II")  # region_id, digest
 COMMIT_DIGEST_SIZE = 8
-MAX_COMMIT_REGIONS = 1 << 16
+MAX_COMMIT_REGIONS = 1 << 16  # FORMAT.md §8.2 V-C1
 
 
 class CommitInfo(NamedTuple):
