@@ -21,6 +21,7 @@ from __future__ import annotations
 import abc
 import enum
 import errno
+import fcntl
 import os
 import stat
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from .errors import (
     BackendClosedError,
     BadSpecError,
     DevmemError,
+    LockedError,
     OutOfRangeError,
     PathNotFoundError,
     PermissionDeniedError,
@@ -70,13 +72,20 @@ class Backend(abc.ABC):
       * `close()` unmaps once no view taken from this backend is still alive;
         using the backend afterwards raises `BackendClosedError`.
 
+      * `lock()` takes the advisory writer lock of the file or device under the
+        mapping; `close()` gives it back.
+
     Subclasses set the capability attributes and implement `_persist`, `_flush`,
     `_drain` and `_release`; range checking and the closed state live here.
+    Tiers over a file or device keep a descriptor of it in `_file_fd` (opened
+    for writing; -1 otherwise): that is what `lock` locks.
     """
 
     kind: str = "?"
     survives: Survives = Survives.GPU_LOSS
     gpu_mappable: bool = False
+    _file_fd: int = -1
+    _locked: bool = False
 
     def __init__(self, *, path: str | None, size: int, alignment: int, view: memoryview,
                  address: int, is_pmem: bool = False, persist_path: str = "none",
@@ -155,8 +164,8 @@ class Backend(abc.ABC):
             raise os_error(exc, self.where, "drain failed") from None
 
     def close(self) -> None:
-        """Unmap (deferred while views taken from this backend are alive).
-        Calling it twice is harmless."""
+        """Unmap (deferred while views taken from this backend are alive) and
+        give back the writer lock.  Calling it twice is harmless."""
         if self._view is None:
             return
         self._array = None
@@ -166,6 +175,53 @@ class Backend(abc.ABC):
         except BufferError:
             pass  # a caller still holds a view: the mapping goes when it does
         self._release()
+        self._close_file()
+
+    # -- the writer lock ----------------------------------------------------------
+    def lock(self) -> None:
+        """Take the log's advisory writer lock: flock(LOCK_EX | LOCK_NB) on the
+        file or device under the mapping, held until `close()`.  A writer takes
+        it before changing a byte, so a second writer (another process, or a
+        second open in this one) is refused with LockedError instead of writing
+        over the first.  Readers take no lock.  Tiers with no file (memory,
+        pinned) and backends opened read-only have nothing to lock: a no-op.
+        Taking it twice on one backend is harmless."""
+        self.view  # raises when closed
+        if self._locked or self._file_fd < 0:
+            return
+        try:
+            fcntl.flock(self._file_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = lock_holder(self._file_fd)
+            if pid == os.getpid():
+                who = f"another open of this log in this process (pid {pid})"
+            else:
+                who = "another process" + (f" (pid {pid})" if pid else "")
+            raise LockedError(f"log is open for writing by {who}", where=self.where,
+                              hint="stop that writer first; info, dump and verify without "
+                                   "--repair only read and take no lock") from None
+        except OSError as exc:
+            if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+                return  # a file system without flock: writers are not kept apart there
+            raise os_error(exc, self.where, "cannot lock") from None
+        self._locked = True
+
+    @property
+    def locked(self) -> bool:
+        """True while this backend holds the writer lock."""
+        return self._locked
+
+    def _close_file(self) -> None:
+        if self._file_fd >= 0:
+            if self._locked:
+                # unlock explicitly: the mapping may hold the same open file past close
+                try:
+                    fcntl.flock(self._file_fd, fcntl.LOCK_UN)
+                except OSError:
+                    pass
+            os.close(self._file_fd)
+            self._file_fd = -1
+        self._locked = False
 
     def __enter__(self):
         return self
@@ -333,6 +389,24 @@ def open_backend(spec, size: int | None = None, create: bool = False, readonly: 
         return PmemBackend.open(s.path, **common, **owner)
     from .devdax import DevDaxBackend
     return DevDaxBackend.open(s.path, **common, **owner)
+
+
+def lock_holder(fd: int) -> int | None:
+    """The pid holding a flock on the file of `fd`, from /proc/locks (None when
+    it cannot be told: no procfs, or a holder in another pid namespace)."""
+    try:
+        st = os.fstat(fd)
+        ident = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        with open("/proc/locks") as f:
+            for line in f:
+                parts = line.split()
+                # "1: FLOCK  ADVISORY  WRITE 4242 fd:01:1234 0 EOF" ("->" marks a waiter)
+                if len(parts) >= 6 and parts[1] == "FLOCK" and parts[5] == ident:
+                    pid = int(parts[4])
+                    return pid if pid > 0 else None
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 # -- errno -> DevmemError -----------------------------------------------------------

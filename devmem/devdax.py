@@ -141,20 +141,31 @@ class DevDaxBackend(MappedBackend):
         if size > geometry.size:
             raise BadSizeError(f"size {size} is larger than the device ({geometry.size})",
                                where=path)
+        fd = -1
         try:
+            fd = os.open(path, (os.O_RDONLY if readonly else os.O_RDWR) | os.O_CLOEXEC)
             if lib is not None and not readonly:
                 mapping = PmemMapping(lib, path, size, readonly)   # whole device, length 0
             else:
-                fd = os.open(path, (os.O_RDONLY if readonly else os.O_RDWR) | os.O_CLOEXEC)
-                try:
-                    mapping = MmapMapping(fd, geometry.size, readonly)
-                finally:
-                    os.close(fd)
+                mapping = MmapMapping(fd, geometry.size, readonly)
                 if size < geometry.size:
                     mapping.view = mapping.view[:size]
-        except OSError as exc:
-            raise os_error(exc, path, "cannot map the device") from None
-        return cls(path, mapping, size, geometry, readonly, emulated)
+        except BaseException as exc:
+            if fd >= 0:
+                os.close(fd)
+            if isinstance(exc, OSError):
+                raise os_error(exc, path, "cannot map the device") from None
+            raise
+        try:
+            backend = cls(path, mapping, size, geometry, readonly, emulated)
+        except BaseException:
+            os.close(fd)
+            raise
+        if readonly:
+            os.close(fd)
+        else:
+            backend._file_fd = fd   # a writer's: what `lock` locks
+        return backend
 
     def info(self) -> dict:
         d = super().info()

@@ -89,5 +89,9 @@ class BadSpecError(DevmemError):
     """A log name (`dax:`, `pmem:`, `shm:`, `file:`, `pinned:`, `memory:`) cannot be parsed."""
 
 
+class LockedError(DevmemError):
+    """Another writer holds the log's advisory lock (`Backend.lock`)."""
+
+
 class InjectedFaultError(DevmemError):
     """A failure injected on purpose by `fault.FaultInjectingBackend`."""

@@ -298,6 +298,8 @@ class FileBackedBackend(MappedBackend):
                          address=mapping.address, is_pmem=mapping.is_pmem,
                          persist_path=persist_path, readonly=readonly)
         self.mapped_by = mapping.via
+        # the file itself, for a writer: what `lock` locks (the mapping keeps its own)
+        self._file_fd = -1 if readonly else os.dup(opened.fd)
 
     volatile_persist_path: str | None = None
 
@@ -342,10 +344,6 @@ class FileBackend(FileBackedBackend):
     survives = Survives.HOST_CRASH
     gpu_mappable = False
 
-    def __init__(self, path, mapping, opened, readonly, alignment):
-        super().__init__(path, mapping, opened, readonly, alignment)
-        self._fd = -1 if readonly else os.dup(opened.fd)   # for write_at; the mapping keeps its own
-
     def write_at(self, offset: int, buffers) -> None:
         """Store `buffers` (bytes-like objects, back to back) at `offset` with
         pwritev(2) instead of through the view.  The bytes land in the same
@@ -361,7 +359,7 @@ class FileBackend(FileBackedBackend):
             return
         while bufs:
             try:
-                done = os.pwritev(self._fd, bufs, offset)
+                done = os.pwritev(self._file_fd, bufs, offset)
             except OSError as exc:
                 raise os_error(exc, f"{self.where} @ {offset:#x}", "write failed") from None
             offset += done
@@ -370,12 +368,6 @@ class FileBackend(FileBackedBackend):
                 bufs.pop(0)
             if bufs and done:
                 bufs[0] = bufs[0][done:]
-
-    def _release(self):
-        super()._release()
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
 
 
 class ShmBackend(FileBackedBackend):

@@ -35,7 +35,7 @@ def _counts(kind: str, mode: str) -> bool:
     return False
 
 
-def _recovery(vol, mode: str) -> dict:
+def _recovery(vol, mode: str, progress=None) -> dict:
     """What recovery in `mode` would restore: the planner's answer, or why it
     would refuse."""
     from concordia.devmem.errors import ConcordiaError
@@ -44,17 +44,18 @@ def _recovery(vol, mode: str) -> dict:
     try:
         # pages are checked in every mode: verify reads them all anyway, and a
         # plan that the applier would then refuse is not what recovery does
-        p = plan_history(scan(vol, payload=False, check_pages=True), "latest", mode)
+        p = plan_history(scan(vol, payload=False, check_pages=True, progress=progress), "latest", mode)
     except ConcordiaError as exc:
         return {"epoch": None, "error": exc.one_line(), "dropped": []}
     return {"epoch": p.epoch or None, "error": None, "dropped": [d.one_line() for d in p.dropped]}
 
 
-def run_verify(vol, mode: str) -> dict:
-    """The documented verify JSON (docs/cli.md) for an open volume."""
+def run_verify(vol, mode: str, bar=None) -> dict:
+    """The documented verify JSON (docs/cli.md) for an open volume.  `bar`
+    (wal_cmd_state.Bar) follows both passes: the check, then the plan."""
     from concordia.wal.reader import verify
 
-    rep = verify(vol, check_pages=True)
+    rep = verify(vol, check_pages=True, progress=bar and bar.stage(0, 2))
     problems = []
     unused = unwritten_slot(vol)
     for p in rep["problems"]:
@@ -80,7 +81,7 @@ def run_verify(vol, mode: str) -> dict:
         "bytes_checked": rep["bytes_checked"],
         "seconds": rep["seconds"],
         "gb_per_s": rep["gb_per_s"],
-        "recovery": _recovery(vol, mode),
+        "recovery": _recovery(vol, mode, bar and bar.stage(1, 2)),
         "repair": None,
     }
     return out
@@ -122,11 +123,25 @@ def _plan_cut(vol, problems: list) -> tuple[dict | None, str | None]:
             "lsn": last.base_lsn + (start - last.offset), "where": last.where(start)}, None
 
 
-def _repair(log: str, vol, report: dict, backup: str | None) -> dict:
-    """Cut the torn tail: copy the whole target to `backup` first, then zero
-    from the first torn byte to the end of the last segment and persist."""
+def _open_for_repair(spec: str):
+    """A read-only Volume over a writable mapping of `spec` that holds the
+    log's writer lock (exit 2 while a writer has the log open): what is
+    checked is what is cut, and nobody appends in between."""
     from concordia.devmem import open_backend
 
+    backend = open_backend(spec)
+    try:
+        backend.lock()
+    except BaseException:
+        backend.close()
+        raise
+    return open_volume(backend)  # the read-only commands' message for a target that is no log
+
+
+def _repair(log: str, vol, report: dict, backup: str | None) -> dict:
+    """Cut the torn tail: copy the whole target to `backup` first, then zero
+    from the first torn byte to the end of the last segment and persist.
+    `vol` is the one `_open_for_repair` gave: its backend holds the lock."""
     cut, why = _plan_cut(vol, report["problems"])
     if cut is None:
         return {"cut": None, "backup": None, "refused": why}
@@ -139,13 +154,9 @@ def _repair(log: str, vol, report: dict, backup: str | None) -> dict:
             f.write(memoryview(src[start:start + step]))
         f.flush()
         os.fsync(f.fileno())
-    vol.close()
-    w = open_backend(log)
-    try:
-        w.array[cut["offset"]:cut["offset"] + cut["length"]] = 0
-        w.persist(cut["offset"], cut["length"])
-    finally:
-        w.close()
+    w = vol.backend
+    w.array[cut["offset"]:cut["offset"] + cut["length"]] = 0
+    w.persist(cut["offset"], cut["length"])
     return {"cut": cut, "backup": path, "refused": None}
 
 
@@ -163,7 +174,9 @@ def _repair(log: str, vol, report: dict, backup: str | None) -> dict:
 def verify_cmd(log, mode, repair, backup, quiet, as_json):
     """Check every checksum of LOG (superblock slots, segment headers, record
     headers, bodies and every page) and report every problem, not only the
-    first, with segment and offset.  Read-only unless --repair.
+    first, with segment and offset.  Read-only unless --repair, which
+    takes the log's writer lock (refused, exit 2, while a writer has it
+    open).  Shows a progress bar (not with --json or --quiet).
 
     Corruption is always a problem; a torn tail after the last commit only in
     absolute mode; an epoch without a commit (a crash between checkpoints)
@@ -178,21 +191,25 @@ def verify_cmd(log, mode, repair, backup, quiet, as_json):
     """
     if backup and not repair:
         raise click.UsageError("--backup goes with --repair")
+    from .wal_cmd_state import Bar
+
     m = _mode(mode)
-    vol = open_volume(log)
+    vol = _open_for_repair(log) if repair else open_volume(log)
+    bar = Bar("verifying", enabled=not (as_json or quiet))
     try:
-        rep = run_verify(vol, m)
+        rep = run_verify(vol, m, bar)
         if repair:
             rep["repair"] = _repair(log, vol, rep, backup)
             if rep["repair"]["cut"] is not None:
-                vol = open_volume(log)
-                after = run_verify(vol, m)
+                bar.close()
+                bar = Bar("verifying again", enabled=bar.enabled)
+                after = run_verify(open_volume(vol.backend), m, bar)  # the superblock read afresh
                 after["repair"] = rep["repair"]
                 after["repair"]["problems_before"] = len(rep["problems"])
                 rep = after
     finally:
-        if not vol.backend.closed:
-            vol.close()
+        bar.close()
+        vol.close()
     if as_json:
         emit_json(rep)
     elif quiet:

@@ -9,7 +9,10 @@
 
 Opening for writing cuts the log after its last valid commit (FORMAT.md §10.5);
 that is only done in TOLERATE_TAIL and ABSOLUTE mode, the modes that never
-drop anything before the last commit.
+drop anything before the last commit.  A writable log holds the backend's
+advisory writer lock (`Backend.lock`) from before its first byte is touched
+until `close`, so a second writer is refused (LockedError) rather than cutting
+or overwriting what the first one writes.  Read-only opens take no lock.
 """
 
 from __future__ import annotations
@@ -46,7 +49,15 @@ class Log:
     def create(cls, target, *, size: int | None = None, segment_size: int = 64 << 20,
                zero: bool = True) -> "Log":
         """Format `target` (a Backend or a log name) as an empty log, writable."""
-        vol = Volume.create(target, size=size, segment_size=segment_size, zero=zero)
+        owned = not isinstance(target, Backend)
+        backend = open_backend(target, size=size, create=True) if owned else target
+        try:
+            backend.lock()
+            vol = Volume.create(backend, size=size, segment_size=segment_size, zero=zero)
+        except BaseException:
+            if owned:
+                backend.close()
+            raise
         return cls(vol, ScanResult(), RecoveryMode.TOLERATE_TAIL, writable=True,
                    appender=Appender(vol, segment=None, pos=None))
 
@@ -60,13 +71,18 @@ class Log:
         if writable and mode not in (RecoveryMode.TOLERATE_TAIL, RecoveryMode.ABSOLUTE):
             raise UsageError(f"a log is opened for writing only in tolerate_tail or absolute mode, not {mode.value}",
                              hint="open read-only to inspect it in this mode")
-        if isinstance(target, Backend):
-            backend = target
-        else:
-            backend = open_backend(target, readonly=not writable)
-        vol = Volume.open(backend, writable=writable)
-        res = recover(vol, mode, reporter, check_pages=check_pages)
-        appender = cls._prepare_write(vol, res) if writable else None
+        owned = not isinstance(target, Backend)
+        backend = open_backend(target, readonly=not writable) if owned else target
+        try:
+            if writable:
+                backend.lock()  # before the open reads what it will cut
+            vol = Volume.open(backend, writable=writable)
+            res = recover(vol, mode, reporter, check_pages=check_pages)
+            appender = cls._prepare_write(vol, res) if writable else None
+        except BaseException:
+            if owned:
+                backend.close()
+            raise
         return cls(vol, res, mode, writable=writable, appender=appender)
 
     @staticmethod
