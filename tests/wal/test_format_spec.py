@@ -760,3 +760,49 @@ def test_every_constant_of_format_py_cites_its_section():
     for name, value in vars(F).items():
         if isinstance(value, struct.Struct):
             assert re.search(rf"`format\.{name}`", SPEC), name
+
+
+# --------------------------------------------------------------------------- conditions that need the volume
+
+
+def _volume_image():
+    from concordia.devmem import open_backend
+    from concordia.wal.volume import Volume
+
+    vol = Volume.create(open_backend("memory:", size=4 << 20), segment_size=1 << 20)
+    seg = vol.take_segment(None)  # superblock sequence 1, in slot B
+    return vol, seg, bytearray(vol.backend.array.tobytes())
+
+
+def _open_image(img):
+    from concordia.devmem import MemoryBackend
+    from concordia.wal.volume import Volume
+
+    return Volume.open(MemoryBackend.from_bytes(bytes(img)))
+
+
+def test_v_b7_a_slot_holds_only_its_own_parity():
+    vol, _, img = _volume_image()
+    raw = F.encode_superblock(vol.superblock._replace(sequence=3))  # odd: belongs in slot B
+    img[:len(raw)] = raw  # written into slot A
+    opened = _open_image(img)
+    assert opened.superblock.sequence == 1
+    ((where, why),) = opened.slot_problems
+    assert where.startswith("superblock slot A") and "belongs to the other slot" in why
+
+
+@pytest.mark.parametrize("cond,off,fmt,value,diag", [
+    ("V-S3", 40, "16s", b"\x01" * 16, "another volume"),
+    ("V-S3", 80, "<I", 1, "says index 1"),
+    ("V-S3", 72, "<Q", 2 << 20, "size 2097152"),
+    ("V-S4", 84, "<I", 0x5A5A5A5A, "disagrees with the superblock"),
+    ("V-S4", 64, "<Q", 1 << 30, "disagrees with the superblock"),
+])
+def test_segment_header_against_the_superblock(cond, off, fmt, value, diag):
+    vol, seg, img = _volume_image()
+    assert vol.check_segment_header(seg, None) is None
+    struct.pack_into(fmt, img, seg.offset + off, value)
+    struct.pack_into("<I", img, seg.offset + 252, F.crc32c(img[seg.offset:seg.offset + 252]))
+    opened = _open_image(img)
+    (live,) = opened.live_segments()
+    assert diag in opened.check_segment_header(live, None)
