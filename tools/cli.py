@@ -53,6 +53,7 @@ def demo(log, steps, kill_at, every, seed, device, as_json):
 
     Example:
 
+    \b
         concordia demo --steps 96 --kill-at 41
         concordia-wal info file:./concordia-data/demo.log
     """

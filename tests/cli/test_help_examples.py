@@ -67,3 +67,17 @@ def test_examples_are_in_the_reference():
     doc = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "cli.md"), encoding="utf-8").read()
     missing = [e for _, e in ALL if e not in doc]
     assert not missing, f"docs/cli.md lacks the --help examples {missing}"
+
+
+def test_concordia_examples_print_as_written():
+    """`concordia demo --help` keeps each example on a line of its own (click
+    rewraps a paragraph unless it is marked as preformatted); the demo itself
+    is run by tests/demo."""
+    from concordia.tools.cli import main as app_main
+
+    for name, cmd in app_main.commands.items():
+        lines = [ln.strip() for ln in cmd.help.split("Example:", 1)[1].splitlines()
+                 if ln.strip().startswith("concordia")]
+        assert lines, f"{name}: no example"
+        shown = CliRunner().invoke(app_main, [name, "--help"]).output
+        assert all(f"\n      {ln}\n" in shown for ln in lines), (lines, shown)
