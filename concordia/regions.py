@@ -110,21 +110,22 @@ class _Ops:
     def _gpu_has(self, name):
         return self.gpu is not None and hasattr(self.gpu, name)
 
-    def shadow_diff(self, flat, shadow, page_bytes):
+    def shadow_diff(self, flat, shadow, page_bytes, update):
         if self.xp is np:
-            return ref.shadow_diff(flat, shadow, page_bytes=page_bytes, update=True)
+            return ref.shadow_diff(flat, shadow, page_bytes=page_bytes, update=update)
         if self._gpu_has("shadow_diff"):
-            return to_host(self.gpu.shadow_diff(flat, shadow, page_bytes=page_bytes, update=True))
-        return _cupy_shadow_diff(self.xp, flat, shadow, page_bytes)
+            return to_host(self.gpu.shadow_diff(flat, shadow, page_bytes=page_bytes, update=update))
+        return _cupy_shadow_diff(self.xp, flat, shadow, page_bytes, update)
 
-    def fingerprint_dirty(self, flat, fps, page_bytes):
+    def fingerprint_dirty(self, flat, fps, page_bytes, update):
         if self.xp is np:
-            return ref.fingerprint_dirty(flat, fps, page_bytes=page_bytes, update=True)
+            return ref.fingerprint_dirty(flat, fps, page_bytes=page_bytes, update=update)
         if self._gpu_has("fingerprint_dirty"):
-            return to_host(self.gpu.fingerprint_dirty(flat, fps, page_bytes=page_bytes, update=True))
+            return to_host(self.gpu.fingerprint_dirty(flat, fps, page_bytes=page_bytes, update=update))
         host = to_host(fps)
-        d = ref.fingerprint_dirty(to_host(flat), host, page_bytes=page_bytes, update=True)
-        fps[...] = self.xp.asarray(host)
+        d = ref.fingerprint_dirty(to_host(flat), host, page_bytes=page_bytes, update=update)
+        if update:
+            fps[...] = self.xp.asarray(host)
         return d
 
     def fingerprints(self, flat, page_bytes):
@@ -135,7 +136,7 @@ class _Ops:
         return self.xp.asarray(ref.fingerprint_pages(to_host(flat), page_bytes=page_bytes))
 
 
-def _cupy_shadow_diff(cp, flat, shadow, pb):
+def _cupy_shadow_diff(cp, flat, shadow, pb, update):
     """CuPy expression of `reference.shadow_diff` (used until a kernel is available)."""
     full = flat.size // pb
     found = []
@@ -145,12 +146,14 @@ def _cupy_shadow_diff(cp, flat, shadow, pb):
         b = shadow[:full * pb].view(word).reshape(full, -1)
         d = cp.flatnonzero((a != b).any(axis=1))
         if d.size:
-            b[d] = a[d]
+            if update:
+                b[d] = a[d]
             found.append(d.get())
     if flat.size % pb:
         lo = full * pb
         if not bool((flat[lo:] == shadow[lo:]).all()):
-            shadow[lo:] = flat[lo:]
+            if update:
+                shadow[lo:] = flat[lo:]
             found.append(np.array([full]))
     if not found:
         return np.zeros(0, np.uint32)
@@ -261,13 +264,11 @@ class Region:
             return np.arange(self.pages, dtype=np.uint32)
         ops = _Ops(self.xp, self.device_aligned)
         if self.detect == "shadow":
-            if not advance:
-                tmp = self.shadow.copy()
-                return ops.shadow_diff(self.flat, tmp, self.page_bytes)
-            return ops.shadow_diff(self.flat, self.shadow, self.page_bytes)
+            # without `advance` the shadow is only compared, never copied: a
+            # dirty-bytes policy measures at every step
+            return ops.shadow_diff(self.flat, self.shadow, self.page_bytes, update=advance)
         if self.detect == "fingerprint":
-            fps = self.fps if advance else self.fps.copy()
-            return ops.fingerprint_dirty(self.flat, fps, self.page_bytes)
+            return ops.fingerprint_dirty(self.flat, self.fps, self.page_bytes, update=advance)
         if self.detect == "blocks":
             return self._kv_dirty(advance)
         if self.detect == "versions":
@@ -333,14 +334,12 @@ class Region:
 
 def _kv_block_pages(g: KvGeometry, blocks: np.ndarray, pb: int) -> np.ndarray:
     """Every page of the given blocks, K and V, in every layer."""
-    block_bytes = 2 * g.block_size * g.kv_heads * g.head_dim * g.dtype_bytes
-    layer_bytes = g.num_blocks * block_bytes
-    lo = (np.arange(g.num_layers, dtype=np.int64)[:, None] * layer_bytes
-          + blocks.astype(np.int64)[None, :] * block_bytes).ravel()
-    first, last = lo // pb, (lo + block_bytes - 1) // pb
-    counts = last - first + 1
-    rel = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-    return np.unique(np.repeat(first, counts) + rel)
+    geo = ref.kv_layout(block_size=g.block_size, kv_heads=g.kv_heads, head_dim=g.head_dim,
+                        dtype_bytes=g.dtype_bytes, num_blocks=g.num_blocks)
+    lo = (np.arange(g.num_layers, dtype=np.int64)[:, None] * geo["layer"]
+          + blocks.astype(np.int64)[None, :] * geo["block"]).ravel()
+    first = lo // pb
+    return np.unique(ref.expand_ranges(first, (lo + geo["block"] - 1) // pb - first + 1))
 
 
 def gather_pages(region: Region, ids: np.ndarray) -> np.ndarray:

@@ -272,6 +272,14 @@ def fingerprint_dirty(region, fingerprints, *, page_bytes: int, update: bool = T
     return d.astype(np.uint32)
 
 
+def expand_ranges(starts, counts) -> np.ndarray:
+    """The integers [starts[i], starts[i] + counts[i]) of every range, in order,
+    without a Python loop (int64): how page ranges become page ids."""
+    starts, counts = np.asarray(starts, np.int64), np.asarray(counts, np.int64)
+    offsets = np.cumsum(counts) - counts
+    return np.repeat(starts - offsets, counts) + np.arange(int(counts.sum()), dtype=np.int64)
+
+
 def kv_layout(*, block_size: int, kv_heads: int, head_dim: int, dtype_bytes: int,
               num_blocks: int, num_layers: int = 1) -> dict:
     """Byte geometry of a PagedAttention cache [layers][num_blocks, 2,
@@ -334,10 +342,8 @@ def kv_dirty_blocks(block_tables, seq_lens, ckpt_lens, *, block_size: int, kv_he
         half = np.arange(2, dtype=np.int64)[None, :, None] * geo["half"]
         lo = (layer + half + (phys * geo["block"] + t0 * geo["token"])[None, None, :]).ravel()
         hi = lo + np.broadcast_to((t1 - t0) * geo["token"], (num_layers, 2, phys.size)).ravel()
-        first, last = lo // pb, (hi - 1) // pb
-        counts = last - first + 1
-        rel = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-        ids = np.unique(np.repeat(first, counts) + rel).astype(np.uint32)
+        first = lo // pb
+        ids = np.unique(expand_ranges(first, (hi - 1) // pb - first + 1)).astype(np.uint32)
     if advance:
         ckpt_lens[...] = seq_lens
     return ids
@@ -362,11 +368,9 @@ def adapter_dirty_pages(slot_versions, seen_versions, *, pages_per_slot: int, nu
                                where="adapter_dirty_pages")
     lo = changed * pages_per_slot
     hi = np.minimum(lo + pages_per_slot, num_pages)
-    counts = hi - lo
-    rel = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
     if advance:
         seen_versions[changed] = v[changed]
-    return (np.repeat(lo, counts) + rel).astype(np.uint32)
+    return expand_ranges(lo, hi - lo).astype(np.uint32)
 
 
 # --- checksums ---------------------------------------------------------------

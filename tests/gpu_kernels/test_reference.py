@@ -229,6 +229,12 @@ def test_kv_dirty_blocks_rejects_bad_tables():
                             num_blocks=100, page_bytes=64, **GEO)
 
 
+def test_expand_ranges():
+    got = ref.expand_ranges(np.array([5, 0, 9]), np.array([2, 0, 3]))
+    assert got.dtype == np.int64 and list(got) == [5, 6, 9, 10, 11]
+    assert ref.expand_ranges(np.zeros(0, np.int64), np.zeros(0, np.int64)).size == 0
+
+
 def test_adapter_dirty_pages():
     v = np.zeros(5, np.uint64)
     seen = v.copy()
