@@ -5,7 +5,10 @@ it at every `step()` and takes the checkpoint."""
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import time
+
+from concordia.errors import SessionError
 
 
 @dataclasses.dataclass
@@ -20,28 +23,32 @@ class Policy:
     def __post_init__(self):
         for name in ("every_steps", "every_ms", "every_bytes"):
             v = getattr(self, name)
-            if v is not None and not v > 0:
-                raise ValueError(f"policy {name} must be positive, got {v!r}")
+            if v is not None and not (isinstance(v, numbers.Real) and not isinstance(v, bool) and v > 0):
+                raise SessionError(f"{name} must be a positive number, not {v!r}", where="policy")
         self._steps = 0
         self._since = time.monotonic()
 
     @classmethod
     def parse(cls, text: str) -> "Policy":
-        """'steps=4,ms=500,bytes=64M' -> Policy (for command lines)."""
+        """'steps=4,ms=500,bytes=64M' -> Policy (for command lines).  Bad text
+        raises a one-line SessionError naming the trigger."""
+        import click
+
         from concordia.tools.common import parse_size
 
+        convert = {"steps": ("every_steps", int), "ms": ("every_ms", float), "bytes": ("every_bytes", parse_size)}
         kw = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
             key, _, val = part.partition("=")
             key = key.strip()
-            if key == "steps":
-                kw["every_steps"] = int(val)
-            elif key == "ms":
-                kw["every_ms"] = float(val)
-            elif key == "bytes":
-                kw["every_bytes"] = parse_size(val)
-            else:
-                raise ValueError(f"unknown policy trigger {key!r} (use steps=, ms=, bytes=)")
+            if key not in convert:
+                raise SessionError(f"unknown trigger {key!r} (use steps=, ms=, bytes=)", where=f"policy {text!r}")
+            field, conv = convert[key]
+            try:
+                kw[field] = conv(val.strip())
+            except (ValueError, click.BadParameter):
+                what = "a size (e.g. 64M)" if key == "bytes" else "a number"
+                raise SessionError(f"{key}={val.strip()!r} is not {what}", where=f"policy {text!r}") from None
         return cls(**kw)
 
     @property

@@ -139,7 +139,10 @@ class Session:
         self._closed = False
         self.log, self._owns_log = _open_log(log, create=create, size=size,
                                              segment_size=segment_size, overwrite=overwrite)
-        self._next_epoch = _max_epoch(self.log) + 1
+        # no record of a later epoch can be in the log: a writable open cuts
+        # everything after the last commit (FORMAT.md §10.5), and the appender
+        # refuses an epoch at or below it; this session never reuses one
+        self._next_epoch = self.epoch + 1
         self.checkpoints: list[CheckpointStats] = []
         self.last_recovery: RecoveryStats | None = None
 
@@ -443,10 +446,10 @@ class Session:
                 r.reset_detectors()
         t2 = time.perf_counter()
         self.last_recovery = RecoveryStats(
-            epoch=int(plan.epoch), plan_ms=plan_s * 1e3, restore_ms=(t2 - t0 - plan_s) * 1e3, bytes=int(getattr(plan, "bytes_to_read", 0)),
-            pages=int(sum(getattr(rp, "pages_read", 0) for rp in plan.regions.values())),
+            epoch=int(plan.epoch), plan_ms=plan_s * 1e3, restore_ms=(t2 - t0 - plan_s) * 1e3,
+            bytes=int(plan.bytes_to_read), pages=int(sum(rp.pages_read for rp in plan.regions.values())),
             regions={n: int(a.nbytes) for n, a in arrays.items()},
-            dropped=[d.to_json() if hasattr(d, "to_json") else str(d) for d in (plan.dropped or [])])
+            dropped=[d.to_json() for d in plan.dropped])
         return out
 
     def _recover_targets(self, into):
@@ -460,7 +463,7 @@ class Session:
 
     @property
     def log_name(self) -> str:
-        return getattr(self.log, "name", None) or getattr(getattr(self.log, "backend", None), "where", "log")
+        return self.log.backend.where
 
 
 # ---------------------------------------------------------------- helpers
@@ -479,19 +482,6 @@ def _open_log(log, *, create, size, segment_size, overwrite):
         if not create:
             raise
     return Log.create(log, size=size or DEFAULT_SIZE, **kw), True
-
-
-def _max_epoch(log) -> int:
-    """The highest epoch any record of the log carries (committed or not), so a
-    new epoch never shares its number with records of a crashed one."""
-    best = int(log.last_committed_epoch or 0)
-    top = getattr(log, "max_epoch", None)
-    if top is not None:
-        return max(best, int(top))
-    for rec in log.records():
-        if rec.epoch > best:
-            best = int(rec.epoch)
-    return best
 
 
 def _check_same(info, r: Region) -> None:
@@ -531,11 +521,9 @@ def _stage_region(app, r: Region, ids: np.ndarray, epoch: int, base: bool) -> in
     if ids.size == 0:
         return 0
     flags = 0  # a full first write is part of its epoch, not a catalogued base (FORMAT.md §12.1)
-    per = max(1, MAX_BATCH_BYTES // r.page_bytes)
     written = 0
-    for lo in range(0, ids.size, per):
-        chunk = ids[lo:lo + per]
-        length = fmt.page_batch_length(int(chunk.size), r.page_bytes)
+    for b in plan_batches(r, int(ids.size)):
+        chunk, length = ids[b.lo:b.hi], b.length
         res = app.reserve(length)
         if r.on_gpu:
             pages = gather_pages(r, chunk)

@@ -160,3 +160,16 @@ def test_a_failed_checkpoint_loses_nothing(session):
     st = session.checkpoint()  # the detectors were reset: everything is written again
     assert sorted(st.base) == sorted(state)
     assert_same(session.recover(), copy(state))
+
+
+@pytest.mark.parametrize("text,words", [("steps=x", ["steps='x'", "not a number"]),
+                                        ("bytes=12Q", ["bytes='12Q'", "not a size"]),
+                                        ("every=3", ["unknown trigger 'every'"]),
+                                        ("steps=0", ["every_steps", "positive"])])
+def test_a_bad_policy_is_one_line(text, words):
+    from concordia.policy import Policy
+
+    with pytest.raises(SessionError) as ei:
+        Policy.parse(text)
+    one_line(ei.value, "policy", *words)
+    assert Policy.parse("steps=4, bytes=64M") == Policy(every_steps=4, every_bytes=64 << 20)
