@@ -91,7 +91,7 @@ def _problem_line(p: dict) -> str:
     return f"{p['where']}: {p['reason']} ({p['kind']}, {p['length']} bytes)"
 
 
-def _backup_path(vol, spec: str) -> str:
+def _backup_path(vol) -> str:
     stamp = time.strftime("%Y%m%dT%H%M%S")
     path = vol.backend.path or "log"
     if vol.backend.kind in ("file", "pmem"):
@@ -138,14 +138,14 @@ def _open_for_repair(spec: str):
     return open_volume(backend)  # the read-only commands' message for a target that is no log
 
 
-def _repair(log: str, vol, report: dict, backup: str | None) -> dict:
+def _repair(vol, report: dict, backup: str | None) -> dict:
     """Cut the torn tail: copy the whole target to `backup` first, then zero
     from the first torn byte to the end of the last segment and persist.
     `vol` is the one `_open_for_repair` gave: its backend holds the lock."""
     cut, why = _plan_cut(vol, report["problems"])
     if cut is None:
         return {"cut": None, "backup": None, "refused": why}
-    path = backup or _backup_path(vol, log)
+    path = backup or _backup_path(vol)
     src = vol.backend.array
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     with os.fdopen(fd, "wb") as f:
@@ -199,7 +199,7 @@ def verify_cmd(log, mode, repair, backup, quiet, as_json):
     try:
         rep = run_verify(vol, m, bar)
         if repair:
-            rep["repair"] = _repair(log, vol, rep, backup)
+            rep["repair"] = _repair(vol, rep, backup)
             if rep["repair"]["cut"] is not None:
                 bar.close()
                 bar = Bar("verifying again", enabled=bar.enabled)
@@ -250,14 +250,6 @@ def _render_verify(rep: dict) -> list[str]:
 
 # --------------------------------------------------------------------------- recover --plan
 
-def _target(epoch, lsn):
-    if epoch is not None and lsn is not None:
-        raise click.UsageError("give --epoch or --lsn, not both")
-    if lsn is not None:
-        return ("lsn", lsn)
-    return "latest" if epoch is None else epoch
-
-
 @click.command("recover")
 @click.argument("log")
 @click.option("--plan", "show_plan", is_flag=True, help="Print the recovery plan (required: nothing is applied).")
@@ -293,8 +285,7 @@ def recover_cmd(log, show_plan, epoch, mode, sources, check_pages, as_json):
     m = _mode(mode)
     vol = open_volume(log)
     try:
-        Where.at = None
-        p = plan_history(scan(vol, payload=False, check_pages=check_pages), _target(epoch, None), m)
+        p = plan_history(scan(vol, payload=False, check_pages=check_pages), "latest" if epoch is None else epoch, m)
         d = dict({"schema": PLAN_SCHEMA, "log": vol.backend.where}, **p.to_json())
     finally:
         vol.close()

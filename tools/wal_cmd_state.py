@@ -11,6 +11,7 @@ import click
 
 from . import render as R
 from .common import EXIT_OK, Where, emit_json, guarded, open_volume, progress_bar
+from .wal_cmd_check import MODES, _mode
 
 
 def _open_log_writable(spec: str):
@@ -263,7 +264,7 @@ def snapshot_create(log, regions, epoch):
 @click.option("--epoch", type=click.IntRange(1, None), default=None, help="Committed epoch (default: the latest).")
 @click.option("--out", "out", required=True, type=click.Path(dir_okay=False),
               help="The .npy file to write (dtype and shape of the region).")
-@click.option("--mode", type=click.Choice(["tolerate-tail", "absolute", "point-in-time", "skip-corrupt"]),
+@click.option("--mode", type=click.Choice(MODES),
               default="tolerate-tail", show_default=True, help="Recovery mode.")
 @click.option("--force", is_flag=True, help="Overwrite --out when it exists.")
 @guarded
@@ -290,7 +291,7 @@ def restore_cmd(log, region, epoch, out, mode, force):
         if region not in names:
             raise click.BadParameter(f"no region {region!r} in this log (regions: {', '.join(sorted(names)) or 'none'})",
                                      param_hint="--region")
-        p = plan_history(h, "latest" if epoch is None else epoch, mode.replace("-", "_"), regions=[region])
+        p = plan_history(h, "latest" if epoch is None else epoch, _mode(mode), regions=[region])
         rp = p.regions[region]
         bar = Bar("restoring")
         try:
