@@ -619,6 +619,7 @@ def command(as_json, out, plot, quick, cpu, sizes, fractions, e2e_sizes, stage_r
 
     Example:
 
+    \b
         concordia-wal bench checkpoint --json --out checkpoint.json --plot checkpoint.png
     """
     ref._check_page_bytes(page_bytes)

@@ -108,6 +108,7 @@ def command(size, epochs, dirty, page_bytes, chunk, quick, as_json, out):
 
     Example:
 
+    \b
         concordia-wal bench compact --quick
         concordia-wal bench compact --size 1G --json
     """

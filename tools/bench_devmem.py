@@ -157,6 +157,7 @@ def command(size, chunk, repeat, tiers, workdir, quick, as_json, out):
 
     Example:
 
+    \b
         concordia-wal bench devmem --quick
         concordia-wal bench devmem --size 1G --tier shm --tier pmem --json
     """

@@ -459,6 +459,7 @@ def command(on_cpu, quick, as_json, out):
 
     Example:
 
+    \b
         concordia-wal bench executor --json --out executor.json
         concordia-wal bench executor --cpu --quick
     """

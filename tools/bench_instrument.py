@@ -151,6 +151,7 @@ def command(size, repeat, quick, as_json, out):
 
     Example:
 
+    \b
         concordia-wal bench instrument --json
     """
     if quick:

@@ -349,6 +349,7 @@ def command(sizes, tiers, page_bytes, with_torch, quick, as_json, out, plot):
 
     Example:
 
+    \b
         concordia-wal bench recover --sizes 1,10,40 --json --plot --out recover.json
     """
     try:

@@ -186,6 +186,7 @@ def command(size, epochs, dirty, page_bytes, repeat, threads, quick, as_json, ou
 
     Example:
 
+    \b
         concordia-wal bench restore --quick
         concordia-wal bench restore --size 1G --epochs 32 --json
     """
