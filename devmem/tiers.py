@@ -335,6 +335,26 @@ class FileBackedBackend(MappedBackend):
 
 
 
+#: sync_file_range(2) flag: start writeback of dirty pages in the range, do not wait
+SYNC_FILE_RANGE_WRITE = 2
+_sync_file_range = None  # libc's function once looked up; False where there is none
+
+
+def _writeback_call():
+    global _sync_file_range
+    if _sync_file_range is None:
+        try:
+            import ctypes
+
+            fn = ctypes.CDLL(None, use_errno=True).sync_file_range  # the GIL is released in the call
+            fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+            _sync_file_range = fn
+        except (OSError, AttributeError):
+            _sync_file_range = False
+    return _sync_file_range
+
+
 class FileBackend(FileBackedBackend):
     """A plain file in the page cache: mmap + msync; survives a host crash once
     persisted.  Recent kernels refuse to pin page-cache file mappings for the GPU,
@@ -368,6 +388,17 @@ class FileBackend(FileBackedBackend):
                 bufs.pop(0)
             if bufs and done:
                 bufs[0] = bufs[0][done:]
+
+    def start_writeback(self, offset: int, length: int) -> None:
+        """Have the kernel start writing [offset, offset+length) to the device now
+        (sync_file_range(2) with SYNC_FILE_RANGE_WRITE) without waiting for it, so
+        that a later `persist` of a larger range finds most of it written and waits
+        only for the rest.  Durability still comes from `persist` alone (this
+        flushes no device cache and no metadata), and any write error is reported
+        by it, so this is a hint: a no-op where the call does not exist or fails."""
+        fn = _writeback_call()
+        if fn and self._check(offset, length) and self._file_fd >= 0:
+            fn(self._file_fd, offset, length, SYNC_FILE_RANGE_WRITE)
 
 
 class ShmBackend(FileBackedBackend):

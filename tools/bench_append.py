@@ -303,6 +303,7 @@ def command(total, sizes, commit_bytes, media, workdir, repeat, quick, as_json, 
 
     Example:
 
+    \b
         concordia-wal bench append --quick
         concordia-wal bench append --pages 256 --pages 1024 --medium shm --json
     """

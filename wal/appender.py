@@ -33,6 +33,23 @@ def page_crcs_of(pages: np.ndarray) -> np.ndarray:
 
 _ZERO_HEADER = bytes(F.RECORD_HEADER_SIZE)
 
+#: written bytes between two `start_writeback` calls on a page-cache file: large enough
+#: that the call (some 20-40 µs in a virtual machine) is rare, small enough that the
+#: device is busy while the epoch is still being written
+WRITEBACK_BYTES = 1 << 20
+
+
+def _check_batch(page_ids: np.ndarray, count: int, page_bytes: int) -> None:
+    """The checks `format.encode_page_batch_into` makes on a batch's ids and page size."""
+    if count == 0 or count > F.MAX_BATCH_PAGES:
+        raise WalError(f"a page batch holds 1..{F.MAX_BATCH_PAGES} pages, not {count}")
+    if page_bytes <= 0 or page_bytes % F.RECORD_ALIGN or page_bytes > F.MAX_PAGE_BYTES:
+        raise WalError(f"page_bytes {page_bytes} is not a positive multiple of 64")
+    if count > 1 and not (page_ids[1:] > page_ids[:-1]).all():
+        raise WalError("page ids of a batch must be strictly increasing")
+    if page_ids[0] < 0 or page_ids[-1] > 0xFFFFFFFF:
+        raise WalError("page ids must fit in u32")
+
 
 def page_batch_head(page_ids: np.ndarray, page_crcs, page_bytes: int) -> np.ndarray:
     """Header and tables of a page batch (everything before its payload), the
@@ -40,18 +57,17 @@ def page_batch_head(page_ids: np.ndarray, page_crcs, page_bytes: int) -> np.ndar
     the header fields that depend on where the record goes are filled by the
     caller with `format.encode_record_header_into`."""
     count = int(page_ids.size)
-    if count == 0 or count > F.MAX_BATCH_PAGES:
-        raise WalError(f"a page batch holds 1..{F.MAX_BATCH_PAGES} pages, not {count}")
-    if page_bytes <= 0 or page_bytes % F.RECORD_ALIGN or page_bytes > F.MAX_PAGE_BYTES:
-        raise WalError(f"page_bytes {page_bytes} is not a positive multiple of 64")
-    if count > 1 and not np.all(page_ids[1:] > page_ids[:-1]):
-        raise WalError("page ids of a batch must be strictly increasing")
-    if page_ids[0] < 0 or page_ids[-1] > 0xFFFFFFFF:
-        raise WalError("page ids must fit in u32")
+    _check_batch(page_ids, count, page_bytes)
+    return _fill_head(page_ids, page_crcs, count, None)
+
+
+def _fill_head(page_ids, page_crcs, count: int, out: np.ndarray | None) -> np.ndarray:
+    """The tables into `out` (a buffer of the right size whose padding is zero,
+    reused from record to record) or into a new buffer."""
     crcs = np.asarray(page_crcs, dtype=np.uint32)
     if crcs.size != count:
         raise WalError(f"{crcs.size} page CRCs for {count} pages")
-    head = np.zeros(F.page_batch_payload_offset(count), dtype=np.uint8)
+    head = np.zeros(F.page_batch_payload_offset(count), dtype=np.uint8) if out is None else out
     t32 = head[F.RECORD_HEADER_SIZE:].view("<u4")
     t32[:count] = page_ids
     t32[count:2 * count] = crcs
@@ -111,6 +127,13 @@ class Appender:
         #: pages (no page fault per page after each msync); the mapping stays for reads
         self._write_at = getattr(self.backend, "write_at", None)
         self.on_write = None  # called after every record write (the Log's rescan flag)
+        self._heads: dict[int, np.ndarray] = {}  # page count -> reused header+tables buffer
+        #: page-cache files: start writing records to the device every WRITEBACK_BYTES
+        #: while later ones are still being hashed and written, so the commit's sync
+        #: waits only for the tail of the epoch (`FileBackend.start_writeback`)
+        self._writeback = getattr(self.backend, "start_writeback", None) if self.one_sync else None
+        self.writeback_bytes = WRITEBACK_BYTES
+        self._kicked = 0  # offset up to which writeback of the last dirty range was started
 
     # -- space --------------------------------------------------------------------
     @property
@@ -252,19 +275,22 @@ class Appender:
         src = _page_rows(pages, count, page_bytes)
         flags = F.FLAG_BASE if base else 0
         if self._write_at is not None and src is not None:
+            _check_batch(ids, count, page_bytes)  # before space is taken
             if page_crcs is None:
                 page_crcs = page_crcs_of(src)  # the tables go first, so CRC the source pages now
-            head = page_batch_head(ids, page_crcs, page_bytes)  # checks before space is taken
+            head = _fill_head(ids, page_crcs, count, self._head_buffer(count))
             res = self._take(length, Reservation, zero_next=False)
             del self.outstanding[res.id]
-            F.encode_record_header_into(head, length=length, type=F.REC_PAGE_BATCH, lsn=res.lsn, epoch=epoch,
-                                        region_id=region_id, salt=res.salt,
-                                        body_crc=_crc32c(head[F.RECORD_HEADER_SIZE:F.RECORD_HEADER_SIZE + 8 * count]),
-                                        count=count, page_bytes=page_bytes, flags=flags)
-            parts = [head, src]
-            if self.pos + 64 <= self.seg.offset + self.seg.nbytes:
-                parts.append(_ZERO_HEADER)  # the next header slot starts zero (see _take)
-            self._write_at(res.offset, parts)
+            self._frame(head, res, length, count, page_bytes, epoch, region_id, flags)
+            tail = [_ZERO_HEADER] if self.pos + 64 <= self.seg.offset + self.seg.nbytes else []
+            try:  # the next header slot starts zero (see _take)
+                if self._writeback is not None and src.nbytes >= 2 * self.writeback_bytes:
+                    self._write_in_steps(res.offset, head, src, tail)
+                else:
+                    self._write_at(res.offset, [head, src, *tail])
+            except BaseException:
+                self.pos = res.offset  # no valid record was written there: the space is free again
+                raise
         else:
             # into the mapping: with page_crcs None each page is hashed as it is copied
             res = self._take(length, Reservation)
@@ -278,15 +304,69 @@ class Appender:
         self._wrote()
         return res.lsn
 
+    def _head_buffer(self, count: int) -> np.ndarray:
+        head = self._heads.get(count)
+        if head is None:
+            if len(self._heads) > 64:
+                self._heads.clear()
+            head = self._heads[count] = np.zeros(F.page_batch_payload_offset(count), dtype=np.uint8)
+        return head
+
+    @staticmethod
+    def _frame(head, res, length, count, page_bytes, epoch, region_id, flags) -> None:
+        F.encode_record_header_into(head, length=length, type=F.REC_PAGE_BATCH, lsn=res.lsn, epoch=epoch,
+                                    region_id=region_id, salt=res.salt,
+                                    body_crc=_crc32c(head[F.RECORD_HEADER_SIZE:F.RECORD_HEADER_SIZE + 8 * count]),
+                                    count=count, page_bytes=page_bytes, flags=flags)
+
+    def _write_in_steps(self, offset: int, head, src: np.ndarray, tail) -> None:
+        """A record larger than two writeback steps goes in with one pwritev per
+        step, writeback of each step started as soon as it is written (the
+        device writes step k while step k+1 is copied); the last step is left to
+        the next record or the commit's sync."""
+        rows = max(1, self.writeback_bytes // src.shape[1])
+        parts = [head]
+        for k in range(0, src.shape[0], rows):
+            parts.append(src[k:k + rows])
+            if k + rows >= src.shape[0]:
+                parts += tail
+            end = offset + sum(memoryview(p).nbytes for p in parts)
+            self._write_at(offset, parts)
+            if k + rows < src.shape[0]:
+                self._writeback(offset, end - offset)
+                self._kicked = end
+            offset, parts = end, []
+
+    def _write_or_rewind(self, res: Reservation, parts) -> None:
+        try:
+            self._write_at(res.offset, parts)
+        except BaseException:
+            self.pos = res.offset  # nothing valid was written there: the space is free again
+            raise
+
     def append_record(self, *, type: int, epoch: int, body, region_id: int = F.NO_REGION, flags: int = 0,
                       aux: int = 0, page_bytes: int = 0, persist: bool = True) -> int:
         """Append one generic-body record (FORMAT.md §5.3; e.g. snapshot records)
         and persist it now (or with the next commit when persist=False); returns its LSN."""
         body = memoryview(body).cast("B")
-        res = self._take(F.record_length(len(body)), Reservation)
-        del self.outstanding[res.id]
-        F.encode_record_into(res.view, type=type, lsn=res.lsn, epoch=epoch, salt=res.salt, body=body,
-                             region_id=region_id, flags=flags, aux=aux, page_bytes=page_bytes)
+        length = F.record_length(len(body))
+        if self._write_at is not None:
+            # encoded aside and stored with pwritev like page batches: a store through the
+            # mapping would fault on the page the last sync left write-protected
+            res = self._take(length, Reservation, zero_next=False)
+            del self.outstanding[res.id]
+            buf = bytearray(length)
+            F.encode_record_into(buf, type=type, lsn=res.lsn, epoch=epoch, salt=res.salt, body=body,
+                                 region_id=region_id, flags=flags, aux=aux, page_bytes=page_bytes)
+            parts = [buf]
+            if self.pos + 64 <= self.seg.offset + self.seg.nbytes:
+                parts.append(_ZERO_HEADER)  # the next header slot starts zero (see _take)
+            self._write_or_rewind(res, parts)
+        else:
+            res = self._take(length, Reservation)
+            del self.outstanding[res.id]
+            F.encode_record_into(res.view, type=type, lsn=res.lsn, epoch=epoch, salt=res.salt, body=body,
+                                 region_id=region_id, flags=flags, aux=aux, page_bytes=page_bytes)
         if F.counted_in_epoch(type, flags):
             self._count(epoch, res.length, res.lsn)
         if persist:
@@ -306,6 +386,13 @@ class Appender:
             d[-1][1] = off + n
         else:
             d.append([off, off + n])
+            if not off <= self._kicked <= off + n:  # else _write_in_steps started part of it
+                self._kicked = off
+        if self._writeback is not None:
+            start, end = self._kicked, d[-1][1]
+            if end - start >= self.writeback_bytes:
+                self._writeback(start, end - start)
+                self._kicked = end
 
     def sync(self) -> None:
         """Persist every record appended so far (what commit does first)."""
@@ -322,6 +409,7 @@ class Appender:
             for start, end in self._dirty:
                 self.backend.persist(start, end - start)
         self._dirty.clear()
+        self._kicked = 0
 
     # -- commit ---------------------------------------------------------------------------
     def commit(self, epoch: int, digests: dict | None = None) -> int:

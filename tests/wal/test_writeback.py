@@ -1,0 +1,163 @@
+"""A file log starts writeback of its records every `writeback_bytes` while the
+epoch is still being written (sync_file_range), and writes records larger than
+two such steps one step at a time.  Neither may change what is durable when:
+records recover bit-exact, across segment rollovers, after a failed write, and
+after a SIGKILL at any moment."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import struct
+import time
+
+import numpy as np
+import pytest
+
+from concordia.devmem import open_backend
+from concordia.devmem.backend import os_error
+from concordia.devmem.errors import DevmemError, OutOfRangeError
+from concordia.wal import Log
+
+from .helpers import MiB, Model, replay
+
+
+def _file_log(tmp_path, size=8 * MiB, segment=MiB, npages=64, page_bytes=4096):
+    log = Log.create(open_backend(f"file:{tmp_path / 'log'}", size=size, create=True), segment_size=segment)
+    rid = log.define_region("r", np.uint8, (npages * page_bytes,), page_bytes, "opaque")
+    return log, rid
+
+
+def test_writeback_steps_recover_bit_exact_across_rollovers(tmp_path):
+    log, rid = _file_log(tmp_path)
+    app = log.appender
+    assert app._writeback is not None  # a page-cache file: one sync per commit, writeback on
+    app.writeback_bytes = 16 << 10  # records of 5+ pages go in steps of 4 pages
+    started, writes = [], []
+    real_wb, real_write = app._writeback, app._write_at
+    app._writeback = lambda off, n: (started.append((off, n)), real_wb(off, n))
+    app._write_at = lambda off, parts: (writes.append((off, sum(memoryview(p).nbytes for p in parts))),
+                                        real_write(off, parts))
+    model = Model(npages=64, page_bytes=4096, batches=3, per_batch=12, seed=5)
+    for e in range(1, 31):  # 30 x 3 x 48 KiB: several 1 MiB segments
+        model.write_epoch(log, rid, e)
+    assert len(log.volume.live_segments()) >= 4
+    assert started and all(n >= app.writeback_bytes for _, n in started)
+    ends = {o + m for o, m in writes}
+    starts = {o for o, _ in writes}
+    for off, n in started:
+        # over bytes already written, up to the end of a write or of the record in it
+        # (the zero header slot written after a record is not part of the record)
+        assert (off + n in ends or off + n + 64 in ends) and min(starts) <= off, (off, n)
+    assert 4 * 4096 in [n for _, n in writes], "no record was written in steps"  # a middle step
+    log.close()
+    back = Log.open(f"file:{tmp_path / 'log'}")
+    assert back.last_committed_epoch == 30
+    assert back.verify()["ok"]
+    assert (replay(back, model.npages, model.page_bytes) == model.state_after(30)).all()
+    back.close()
+
+
+def test_failed_write_frees_its_space_and_the_log_goes_on(tmp_path):
+    log, rid = _file_log(tmp_path)
+    app = log.appender
+    app.writeback_bytes = 8 << 10
+    model = Model(npages=64, page_bytes=4096, batches=3, per_batch=8, seed=9)
+    model.write_epoch(log, rid, 1)
+    real = app._write_at
+    calls = {"n": 0}
+
+    def failing(off, parts):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second step of the record: part of it is already written
+            raise os_error(OSError(5, "Input/output error"), f"file @ {off:#x}", "write failed")
+        real(off, parts)
+
+    app._write_at = failing
+    ids, pages = model.epoch_batches(2)[0]
+    before = app.write_lsn
+    with pytest.raises(DevmemError) as info:
+        app.append_page_batch(2, rid, ids, pages)
+    assert "\n" not in str(info.value) and "write failed" in str(info.value)
+    assert app.write_lsn == before  # the space is free again
+    app._write_at = real
+    model.write_epoch(log, rid, 2)  # the whole epoch again, in the same space
+    log.close()
+    back = Log.open(f"file:{tmp_path / 'log'}")
+    assert back.last_committed_epoch == 2 and back.verify()["ok"]
+    assert (replay(back, model.npages, model.page_bytes) == model.state_after(2)).all()
+    back.close()
+
+
+def test_start_writeback_checks_its_range(tmp_path):
+    b = open_backend(f"file:{tmp_path / 'f'}", size=MiB, create=True)
+    try:
+        b.array[:8192] = 7
+        b.start_writeback(0, 8192)  # a hint: returns at once
+        b.persist(0, 8192)
+        with pytest.raises(OutOfRangeError):
+            b.start_writeback(MiB - 4096, 8192)
+    finally:
+        b.close()
+
+
+KILLS = 80
+
+
+def _child(spec, model, w):
+    try:
+        log = Log.open(spec, writable=True)
+        log.appender.writeback_bytes = 1024  # steps of two 512-byte pages
+        e = log.last_committed_epoch + 1
+        while True:
+            model.write_epoch(log, 0, e)
+            os.write(w, struct.pack("<Q", e))  # only after commit returned
+            e += 1
+    except BaseException:
+        os._exit(3)
+
+
+@pytest.mark.slow
+def test_sigkill_writer_with_writeback_steps(tmp_path):
+    spec = f"file:{tmp_path / 'log'}"
+    rng = random.Random(2468)
+
+    def fresh(seed):
+        m = Model(npages=32, page_bytes=512, batches=2, per_batch=6, seed=seed)
+        lg = Log.create(open_backend(spec, size=16 * MiB, create=True), segment_size=MiB)
+        lg.define_region("r", np.uint8, (32 * 512,), 512, "opaque")
+        lg.close()
+        return m
+
+    seed = last = 0
+    model = fresh(seed)
+    for kill in range(KILLS):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            _child(spec, model, w)
+        os.close(w)
+        time.sleep(rng.uniform(0.0, 0.02))
+        os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFSIGNALED(status), f"writer ended by itself (status {status})"
+        data = b""
+        while chunk := os.read(r, 65536):
+            data += chunk
+        os.close(r)
+        reported = max(struct.unpack(f"<{len(data) // 8}Q", data[:len(data) // 8 * 8]), default=last)
+        dropped = []
+        log = Log.open(spec, writable=False, reporter=dropped.append)
+        got = log.last_committed_epoch
+        assert reported <= got <= reported + 1, (kill, reported, got)
+        assert not [d for d in dropped if d.kind == "corrupt"], dropped
+        assert (replay(log, model.npages, model.page_bytes) == model.state_after(got)).all()
+        last = got
+        full = len(log.volume.live_segments()) >= 10
+        log.close()
+        if full:
+            seed += 1
+            model = fresh(seed)
+            last = 0
