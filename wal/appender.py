@@ -156,8 +156,10 @@ class Appender:
         self.seg = self.vol.take_segment(old)
         self.pos = self.seg.offset + F.SEGMENT_HEADER_SIZE
 
-    def _take(self, nbytes: int, cls, zero_next: bool = True) -> Reservation:
-        n = F.align64(int(nbytes))
+    def _space(self, nbytes: int) -> int:
+        """Offset of `nbytes` (a multiple of 64) taken at the write position,
+        rolling over first when they do not fit the current segment."""
+        n = nbytes
         if n <= 0:
             raise UsageError(f"cannot reserve {nbytes} bytes")
         if n > self.segment_capacity:
@@ -167,8 +169,17 @@ class Appender:
             self._roll()
         off = self.pos
         self.pos += n
+        return off
+
+    def _next_slot_free(self) -> bool:
+        """Whether a header slot follows the write position in the current segment."""
+        return self.pos + 64 <= self.seg.offset + self.seg.nbytes
+
+    def _take(self, nbytes: int, cls, zero_next: bool = True) -> Reservation:
+        n = F.align64(int(nbytes))
+        off = self._space(n)
         seg = self.seg
-        if zero_next and self.pos + 64 <= seg.offset + seg.nbytes:
+        if zero_next and self._next_slot_free():
             # the header slot after this reservation starts zero, so that after a crash
             # the data ends cleanly there even in a recycled segment full of stale bytes
             self.backend.array[self.pos:self.pos + 64] = 0
@@ -279,30 +290,34 @@ class Appender:
             if page_crcs is None:
                 page_crcs = page_crcs_of(src)  # the tables go first, so CRC the source pages now
             head = _fill_head(ids, page_crcs, count, self._head_buffer(count))
-            res = self._take(length, Reservation, zero_next=False)
-            del self.outstanding[res.id]
-            self._frame(head, res, length, count, page_bytes, epoch, region_id, flags)
-            tail = [_ZERO_HEADER] if self.pos + 64 <= self.seg.offset + self.seg.nbytes else []
-            try:  # the next header slot starts zero (see _take)
+            off = self._space(length)
+            lsn = self.seg.base_lsn + (off - self.seg.offset)
+            F.encode_record_header_into(head, length=length, type=F.REC_PAGE_BATCH, lsn=lsn, epoch=epoch,
+                                        region_id=region_id, salt=self.seg.salt,
+                                        body_crc=_crc32c(head[F.RECORD_HEADER_SIZE:F.RECORD_HEADER_SIZE + 8 * count]),
+                                        count=count, page_bytes=page_bytes, flags=flags)
+            tail = [_ZERO_HEADER] if self._next_slot_free() else []  # the next header slot starts zero
+            try:
                 if self._writeback is not None and src.nbytes >= 2 * self.writeback_bytes:
-                    self._write_in_steps(res.offset, head, src, tail)
+                    self._write_in_steps(off, head, src, tail)
                 else:
-                    self._write_at(res.offset, [head, src, *tail])
+                    self._write_at(off, [head, src, *tail])
             except BaseException:
-                self.pos = res.offset  # no valid record was written there: the space is free again
+                self.pos = off  # no valid record was written there: the space is free again
                 raise
         else:
             # into the mapping: with page_crcs None each page is hashed as it is copied
             res = self._take(length, Reservation)
             del self.outstanding[res.id]
-            F.encode_page_batch_into(res.view, lsn=res.lsn, epoch=epoch, region_id=region_id, salt=res.salt,
+            off, lsn = res.offset, res.lsn
+            F.encode_page_batch_into(res.view, lsn=lsn, epoch=epoch, region_id=region_id, salt=res.salt,
                                      page_ids=ids, pages=pages if src is None else src, page_bytes=page_bytes,
                                      flags=flags, page_crcs=page_crcs)
         if not base:  # BASE batches are outside epoch accounting (V-N1)
-            self._count(epoch, length, res.lsn)
-        self._defer(res.offset, length)
+            self._count(epoch, length, lsn)
+        self._defer(off, length)
         self._wrote()
-        return res.lsn
+        return lsn
 
     def _head_buffer(self, count: int) -> np.ndarray:
         head = self._heads.get(count)
@@ -311,13 +326,6 @@ class Appender:
                 self._heads.clear()
             head = self._heads[count] = np.zeros(F.page_batch_payload_offset(count), dtype=np.uint8)
         return head
-
-    @staticmethod
-    def _frame(head, res, length, count, page_bytes, epoch, region_id, flags) -> None:
-        F.encode_record_header_into(head, length=length, type=F.REC_PAGE_BATCH, lsn=res.lsn, epoch=epoch,
-                                    region_id=region_id, salt=res.salt,
-                                    body_crc=_crc32c(head[F.RECORD_HEADER_SIZE:F.RECORD_HEADER_SIZE + 8 * count]),
-                                    count=count, page_bytes=page_bytes, flags=flags)
 
     def _write_in_steps(self, offset: int, head, src: np.ndarray, tail) -> None:
         """A record larger than two writeback steps goes in with one pwritev per
@@ -337,13 +345,6 @@ class Appender:
                 self._kicked = end
             offset, parts = end, []
 
-    def _write_or_rewind(self, res: Reservation, parts) -> None:
-        try:
-            self._write_at(res.offset, parts)
-        except BaseException:
-            self.pos = res.offset  # nothing valid was written there: the space is free again
-            raise
-
     def append_record(self, *, type: int, epoch: int, body, region_id: int = F.NO_REGION, flags: int = 0,
                       aux: int = 0, page_bytes: int = 0, persist: bool = True) -> int:
         """Append one generic-body record (FORMAT.md §5.3; e.g. snapshot records)
@@ -353,28 +354,31 @@ class Appender:
         if self._write_at is not None:
             # encoded aside and stored with pwritev like page batches: a store through the
             # mapping would fault on the page the last sync left write-protected
-            res = self._take(length, Reservation, zero_next=False)
-            del self.outstanding[res.id]
+            off = self._space(length)
+            lsn = self.seg.base_lsn + (off - self.seg.offset)
             buf = bytearray(length)
-            F.encode_record_into(buf, type=type, lsn=res.lsn, epoch=epoch, salt=res.salt, body=body,
+            F.encode_record_into(buf, type=type, lsn=lsn, epoch=epoch, salt=self.seg.salt, body=body,
                                  region_id=region_id, flags=flags, aux=aux, page_bytes=page_bytes)
-            parts = [buf]
-            if self.pos + 64 <= self.seg.offset + self.seg.nbytes:
-                parts.append(_ZERO_HEADER)  # the next header slot starts zero (see _take)
-            self._write_or_rewind(res, parts)
+            parts = [buf, _ZERO_HEADER] if self._next_slot_free() else [buf]  # (see _take)
+            try:
+                self._write_at(off, parts)
+            except BaseException:
+                self.pos = off  # no valid record was written there: the space is free again
+                raise
         else:
             res = self._take(length, Reservation)
             del self.outstanding[res.id]
-            F.encode_record_into(res.view, type=type, lsn=res.lsn, epoch=epoch, salt=res.salt, body=body,
+            off, lsn = res.offset, res.lsn
+            F.encode_record_into(res.view, type=type, lsn=lsn, epoch=epoch, salt=res.salt, body=body,
                                  region_id=region_id, flags=flags, aux=aux, page_bytes=page_bytes)
         if F.counted_in_epoch(type, flags):
-            self._count(epoch, res.length, res.lsn)
+            self._count(epoch, length, lsn)
         if persist:
-            self.backend.persist(res.offset, res.length)
+            self.backend.persist(off, length)
         else:
-            self._defer(res.offset, res.length)
+            self._defer(off, length)
         self._wrote()
-        return res.lsn
+        return lsn
 
     def _defer(self, off: int, n: int) -> None:
         if self._pmem:
