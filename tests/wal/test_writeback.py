@@ -32,11 +32,11 @@ def _file_log(tmp_path, size=8 * MiB, segment=MiB, npages=64, page_bytes=4096):
 def test_writeback_steps_recover_bit_exact_across_rollovers(tmp_path):
     log, rid = _file_log(tmp_path)
     app = log.appender
-    assert app._writeback is not None  # a page-cache file: one sync per commit, writeback on
+    assert app._start_writeback is not None  # a page-cache file: one sync per commit, writeback on
     app.writeback_bytes = 16 << 10  # records of 5+ pages go in steps of 4 pages
     started, writes = [], []
-    real_wb, real_write = app._writeback, app._write_at
-    app._writeback = lambda off, n: (started.append((off, n)), real_wb(off, n))
+    real_kick, real_write = app._kick, app._write_at
+    app._kick = lambda start, end: (started.append((start, end - start)), real_kick(start, end))
     app._write_at = lambda off, parts: (writes.append((off, sum(memoryview(p).nbytes for p in parts))),
                                         real_write(off, parts))
     model = Model(npages=64, page_bytes=4096, batches=3, per_batch=12, seed=5)
