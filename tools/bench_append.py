@@ -8,6 +8,11 @@ and on a file log, beside, on the same medium and with the same commit cadence:
   synchronous=FULL on a file, NORMAL on shm where a sync reaches nothing);
 * LMDB inserting the same blobs (sync per commit on a file, none on shm).
 
+The file log starts writeback of each MiB of an epoch while it writes the
+rest (sync_file_range), which the ceiling does not: its ratio says how close
+the whole log comes to bare synced writes of the same bytes, with the device
+busy while the log hashes and frames, not that any one part costs less.
+
 Every target is preallocated and touched before the timed pass (the log is
 created zero-filled), so page faults are not what is measured.  Then a full
 verify pass of the shm log (every checksum) is timed beside one CRC32C call
