@@ -60,6 +60,8 @@ def test_latest_and_lsn_targets(ops):
     latest = plan_history(h, "latest")
     assert latest.epoch == max(oracle)
     for e, c in h.commits.items():
+        if e < h.floor_epoch:  # kept on media for a retained delta, not restorable
+            continue
         assert plan_history(h, ("lsn", c.lsn)).epoch == e
         assert plan_history(h, ("lsn", c.lsn + 1)).epoch >= e
 
