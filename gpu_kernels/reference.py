@@ -9,8 +9,12 @@ and counts as zero-padded wherever a page is hashed or checksummed
 
 The record written by `stage_page_batch` is a page batch exactly as
 `concordia.wal.format.encode_page_batch_into` writes it; the layout constants
-are repeated here from docs/internals.md so the kernels and their twins need
-nothing at run time from the WAL, and a test holds the two encoders equal.
+are repeated here from docs/internals.md so the kernels and their twins keep
+their own account of the bytes, and a test holds the two encoders equal.
+Page CRCs come from `concordia.wal.pagecrc` (many pages per call, the GIL
+released; the `crc32c` package where the native helper is absent): these
+functions are the CPU checkpoint path, and one package call per page cost
+more than the hashing itself.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import struct
 
 import numpy as np
 from crc32c import crc32c as _crc32c
+
+from concordia.wal import pagecrc as _pagecrc
 
 from .errors import KernelInputError
 
@@ -391,8 +397,22 @@ def crc32c_pages(region, page_ids=None, *, page_bytes: int) -> np.ndarray:
     pb = _check_page_bytes(page_bytes)
     r = _bytes_of(region, "region")
     n = num_pages(r.size, pb)
-    ids = np.arange(n) if page_ids is None else _check_page_ids(page_ids, n, strict=False)
-    return np.fromiter((_crc32c(_page(r, pb, int(p))) for p in ids), np.uint32, ids.size)
+    ids = None if page_ids is None else _check_page_ids(page_ids, n, strict=False)
+    full = r.size // pb
+    rows = r[:full * pb].reshape(full, pb)
+    if ids is None:
+        out = np.empty(n, np.uint32)
+        _pagecrc.page_crcs(rows, out[:full])
+        if n > full:  # the short last page, zero-padded
+            out[full] = _crc32c(_page(r, pb, full))
+        return out
+    out = np.empty(ids.size, np.uint32)
+    whole = ids < full
+    if whole.all():
+        return _pagecrc.page_crcs(rows[ids], out)   # a copy of the listed pages only
+    out[whole] = _pagecrc.page_crcs(rows[ids[whole]])
+    out[~whole] = _crc32c(_page(r, pb, full))
+    return out
 
 
 def region_digest(page_crcs) -> int:
@@ -447,18 +467,16 @@ def stage_page_batch(region, page_ids, dst, cursor, *, page_bytes: int, base_lsn
     rec[HEADER_BYTES + 8 * count:pay] = 0
     payload = rec[pay:].reshape(count, pb)
     full = r.size // pb
-    # gather as u64 rows: numpy copies 8 bytes per element instead of one
-    rows = r[:full * pb].view(np.uint64).reshape(full, pb // 8)
-    out = payload.reshape(-1).view(np.uint64).reshape(count, pb // 8)
-    if int(ids[-1]) < full:
-        np.take(rows, ids, axis=0, out=out, mode="clip")
-    else:
-        # only the region's last page can be short: it is the last id
-        np.take(rows, ids[:-1], axis=0, out=out[:-1], mode="clip")
-        payload[-1] = _page(r, pb, int(ids[-1]))
     crcs = tables[4 * count:].view("<u4")
-    for i in range(count):
-        crcs[i] = _crc32c(payload[i])
+    # copy each page into the payload and hash it in the same pass; only the
+    # region's last page can be short, and then it is the last id
+    whole = count if int(ids[-1]) < full else count - 1
+    if whole:
+        offsets = ids[:whole].astype(np.int64) * pb
+        crcs[:whole] = _pagecrc.gather_page_crcs(payload[:whole].reshape(-1), r, offsets, pb)
+    if whole < count:
+        payload[-1] = _page(r, pb, int(ids[-1]))
+        crcs[-1] = _crc32c(payload[-1])
     rec[:HEADER_BYTES] = np.frombuffer(encode_header(
         length=length, lsn=base_lsn + off, epoch=epoch, region_id=region_id, salt=salt,
         body_crc=_crc32c(tables), count=count, page_bytes=pb, flags=flags), np.uint8)
