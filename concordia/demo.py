@@ -44,6 +44,11 @@ SEGMENT_SIZE = 16 << 20
 
 
 # ---------------------------------------------------------------- helpers
+
+def _n(count: int, noun: str) -> str:
+    """'1 step', '2 steps'."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
 def array_module(device: str):
     """numpy or CuPy for device 'cpu' | 'gpu' | 'auto' (GPU when CuPy finds one)."""
     if device == "cpu":
@@ -342,7 +347,7 @@ def _run(log, steps, kill, seed, every, dev, cfg, common, tmp, say) -> dict:
          "what": f"epoch {res['epoch']} planned ({res['plan_ms']:.1f} ms) and applied, "
                  f"{_mib(res['restore_bytes'])} read, digests verified"},
         {"phase": "reintegrate", "ms": res["recompute_ms"],
-         "what": f"{res['recomputed_steps']} lost steps recomputed (steps {res['resumed_at_step']}"
+         "what": f"{_n(res['recomputed_steps'], 'lost step')} recomputed (steps {res['resumed_at_step']}"
                  f"..{killed_at}); decoding resumed"},
     ]
     return {
@@ -407,7 +412,7 @@ def format_report(rep: dict) -> str:
         f"{_mib(r['checkpoint_bytes'])} written (base {_mib(r['base_bytes'])}, "
         f"{r['checkpoint_ms_mean']:.1f} ms per delta checkpoint)",
         f"crash      SIGKILL after step {r['killed_after_step']}; last commit: epoch {r['last_commit_epoch']} "
-        f"at step {r['last_commit_step']} ({r['killed_after_step'] - r['last_commit_step']} steps lost)",
+        f"at step {r['last_commit_step']} ({_n(r['killed_after_step'] - r['last_commit_step'], 'step')} lost)",
         "recovery timeline",
     ]
     for p in rep["timeline"]:
