@@ -84,6 +84,14 @@ class FaultInjectingBackend(Backend):
     def _release(self):
         self.inner.close()
 
+    # the writer lock belongs to the file under the wrapped backend
+    def lock(self) -> None:
+        self.inner.lock()
+
+    @property
+    def locked(self) -> bool:
+        return self.inner.locked
+
     # -- what a crash leaves ----------------------------------------------------------
     def unpersisted_ranges(self) -> list[tuple[int, int]]:
         """[(offset, length)] of bytes that differ from their persisted value."""

@@ -91,3 +91,18 @@ def test_wraps_a_file_and_mirrors_its_capabilities(tmp_path):
         fb.persist(0, 5)
         assert fb.crash()[:10] == b"\x01" * 5 + b"\0" * 5
     assert inner.closed
+
+
+def test_the_wrapper_takes_the_writer_lock_of_the_file_under_it(tmp_path):
+    from concordia.devmem.errors import LockedError
+
+    fb = FaultInjectingBackend(open_backend(f"file:{tmp_path / 'log'}", size=1 << 20, create=True))
+    fb.lock()
+    assert fb.locked and fb.inner.locked
+    other = open_backend(f"file:{tmp_path / 'log'}")
+    with pytest.raises(LockedError):
+        other.lock()
+    fb.close()
+    other.lock()
+    assert other.locked
+    other.close()
