@@ -322,19 +322,20 @@ def kv_dirty_blocks(block_tables, seq_lens, ckpt_lens, *, block_size: int, kv_he
         raise KernelInputError("block_tables must be [seqs, max_blocks], seq_lens and "
                                "ckpt_lens [seqs]", where="kv_dirty_blocks")
     start = np.where(lens >= prev, prev, 0)
-    seqs, lbs, t0s, t1s = [], [], [], []
-    for s in np.flatnonzero(lens > start):
-        a, b = int(start[s]), int(lens[s])
-        lb = np.arange(a // block_size, (b - 1) // block_size + 1)
-        seqs.append(np.full(lb.size, s))
-        lbs.append(lb)
-        t0s.append(np.maximum(a, lb * block_size) - lb * block_size)
-        t1s.append(np.minimum(b, (lb + 1) * block_size) - lb * block_size)
-    if not seqs:
+    active = np.flatnonzero(lens > start)
+    if not active.size:
         ids = np.zeros(0, np.uint32)
     else:
-        seq, lb = np.concatenate(seqs), np.concatenate(lbs)
-        t0, t1 = np.concatenate(t0s), np.concatenate(t1s)
+        # one row per (sequence, logical block) its new tokens touch, and the
+        # token range [t0, t1) of that block they cover
+        a, b = start[active], lens[active]
+        first = a // block_size
+        n = (b - 1) // block_size - first + 1
+        seq = np.repeat(active, n)
+        lb = expand_ranges(first, n)
+        base = lb * block_size
+        t0 = np.maximum(np.repeat(a, n), base) - base
+        t1 = np.minimum(np.repeat(b, n), base + block_size) - base
         if lb.max() >= bt.shape[1]:
             raise KernelInputError(f"a sequence holds more tokens than its {bt.shape[1]} "
                                    "table entries cover", where="kv_dirty_blocks")
