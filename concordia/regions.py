@@ -319,11 +319,11 @@ class Region:
             rose = now["stamp"] > prev["stamp"]
             # blocks one sequence held from the last checkpoint until now: only it wrote them
             held = np.zeros(g.num_blocks, bool)
-            for s in np.flatnonzero(same):
-                nblk = -(-int(prev["lens"][s]) // g.block_size)
-                row_prev, row_now = prev["tables"][s, :nblk], now["tables"][s, :nblk]
-                keep = (row_prev == row_now) & (row_now >= 0)
-                held[row_now[keep]] = True
+            t_prev, t_now = prev["tables"], now["tables"]
+            nblk = -(-np.asarray(prev["lens"], np.int64) // g.block_size)   # blocks held at the last checkpoint
+            in_use = np.arange(t_now.shape[1])[None, :] < nblk[:, None]
+            keep = np.asarray(same)[:, None] & in_use & (t_prev == t_now) & (t_now >= 0)
+            held[t_now[keep]] = True
             whole = np.flatnonzero(rose & ~held)
             if whole.size:
                 ids = np.union1d(ids, _kv_block_pages(g, whole, self.page_bytes)).astype(np.uint32)
