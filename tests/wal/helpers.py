@@ -4,7 +4,10 @@ applier, independent of wal.apply), and byte-poking helpers."""
 
 from __future__ import annotations
 
+import os
+import signal
 import struct
+import time
 
 import crcmod.predefined
 import numpy as np
@@ -86,3 +89,35 @@ def fix_header_crc(img, off):
 
 def fix_segment_crc(img, off):
     struct.pack_into("<I", img, off + 252, crc_ref(bytes(img[off:off + 252])))
+
+
+def kill_writer_after(spec, model, delay, *, region=0, prepare=None):
+    """Fork a writer that commits epoch after epoch of `model` into `spec`,
+    SIGKILL it after `delay` seconds, and return the epochs whose commit had
+    returned (the writer reports an epoch only after `commit` came back).
+    `prepare(log)` tunes the writer's log before it starts."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the writer
+        os.close(r)
+        try:
+            log = Log.open(spec, writable=True)
+            if prepare is not None:
+                prepare(log)
+            e = log.last_committed_epoch + 1
+            while True:
+                model.write_epoch(log, region, e)
+                os.write(w, struct.pack("<Q", e))
+                e += 1
+        except BaseException:
+            os._exit(3)
+    os.close(w)
+    time.sleep(delay)
+    os.kill(pid, signal.SIGKILL)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status), f"writer ended by itself (status {status})"
+    data = b""
+    while chunk := os.read(r, 65536):
+        data += chunk
+    os.close(r)
+    return struct.unpack(f"<{len(data) // 8}Q", data[:len(data) // 8 * 8])

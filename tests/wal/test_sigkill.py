@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import os
 import random
-import signal
-import struct
 import time
 
 import numpy as np
@@ -19,21 +17,9 @@ import pytest
 from concordia.devmem import open_backend
 from concordia.wal import Log
 
-from .helpers import MiB, Model, replay
+from .helpers import MiB, Model, kill_writer_after, replay
 
 KILLS = 110  # per tier; two tiers
-
-
-def _child(spec, model, w):
-    try:
-        log = Log.open(spec, writable=True)
-        e = log.last_committed_epoch + 1
-        while True:
-            model.write_epoch(log, 0, e)
-            os.write(w, struct.pack("<Q", e))  # only after commit returned
-            e += 1
-    except BaseException:
-        os._exit(3)
 
 
 def _fresh(spec, seed):
@@ -60,22 +46,8 @@ def test_sigkill_writer(tier, tmp_path):
     kills = torn_seen = 0
     try:
         while kills < KILLS:
-            r, w = os.pipe()
-            pid = os.fork()
-            if pid == 0:  # the writer
-                os.close(r)
-                _child(spec, model, w)
-            os.close(w)
-            time.sleep(rng.uniform(0.0, 0.025))
-            os.kill(pid, signal.SIGKILL)
-            _, status = os.waitpid(pid, 0)
-            assert os.WIFSIGNALED(status), f"writer ended by itself (status {status})"
-            data = b""
-            while chunk := os.read(r, 65536):
-                data += chunk
-            os.close(r)
+            reported = max(kill_writer_after(spec, model, rng.uniform(0.0, 0.025)), default=last)
             kills += 1
-            reported = max(struct.unpack(f"<{len(data) // 8}Q", data[:len(data) // 8 * 8]), default=last)
             dropped = []
             log = Log.open(spec, writable=False, reporter=dropped.append)
             got = log.last_committed_epoch

@@ -6,11 +6,7 @@ after a SIGKILL at any moment."""
 
 from __future__ import annotations
 
-import os
 import random
-import signal
-import struct
-import time
 
 import numpy as np
 import pytest
@@ -20,7 +16,7 @@ from concordia.devmem.backend import os_error
 from concordia.devmem.errors import DevmemError, OutOfRangeError
 from concordia.wal import Log
 
-from .helpers import MiB, Model, replay
+from .helpers import MiB, Model, kill_writer_after, replay
 
 
 def _file_log(tmp_path, size=8 * MiB, segment=MiB, npages=64, page_bytes=4096):
@@ -105,17 +101,8 @@ def test_start_writeback_checks_its_range(tmp_path):
 KILLS = 80
 
 
-def _child(spec, model, w):
-    try:
-        log = Log.open(spec, writable=True)
-        log.appender.writeback_bytes = 1024  # steps of two 512-byte pages
-        e = log.last_committed_epoch + 1
-        while True:
-            model.write_epoch(log, 0, e)
-            os.write(w, struct.pack("<Q", e))  # only after commit returned
-            e += 1
-    except BaseException:
-        os._exit(3)
+def _steps_of_two_pages(log):
+    log.appender.writeback_bytes = 1024  # writeback in steps of two 512-byte pages
 
 
 @pytest.mark.slow
@@ -133,21 +120,8 @@ def test_sigkill_writer_with_writeback_steps(tmp_path):
     seed = last = 0
     model = fresh(seed)
     for kill in range(KILLS):
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(r)
-            _child(spec, model, w)
-        os.close(w)
-        time.sleep(rng.uniform(0.0, 0.02))
-        os.kill(pid, signal.SIGKILL)
-        _, status = os.waitpid(pid, 0)
-        assert os.WIFSIGNALED(status), f"writer ended by itself (status {status})"
-        data = b""
-        while chunk := os.read(r, 65536):
-            data += chunk
-        os.close(r)
-        reported = max(struct.unpack(f"<{len(data) // 8}Q", data[:len(data) // 8 * 8]), default=last)
+        reported = max(kill_writer_after(spec, model, rng.uniform(0.0, 0.02), prepare=_steps_of_two_pages),
+                       default=last)
         dropped = []
         log = Log.open(spec, writable=False, reporter=dropped.append)
         got = log.last_committed_epoch
