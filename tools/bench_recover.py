@@ -4,7 +4,7 @@ beside the ceilings and the alternatives, all measured in the same run.
 For each size and tier (shm, file) a log is written by a `Session` checkpoint
 of a device KV region of that size, then recovered as a fresh reader would:
 open the log, plan, and restore straight into device memory
-(`session.apply_plan_cupy`: the scatter kernel reads a registered shm mapping
+(`restore_device.apply_plan_cupy`: the scatter kernel reads a registered shm mapping
 directly; a file log goes through pinned bounce buffers), every page CRC and
 the region digest checked on the device.  Beside it:
 
@@ -134,7 +134,7 @@ def _restore(xp, spec: str, writable: bool = False) -> dict:
     only writable mappings, so a shm log is then read by the scatter kernel
     straight from its registered mapping; read-only, it goes through the
     pinned bounce buffers)."""
-    from concordia.session import apply_plan_cupy
+    from concordia.restore_device import apply_plan_cupy
     from concordia.wal import Log
     from concordia.wal.apply import apply_plan_numpy
     from concordia.wal.planner import plan
