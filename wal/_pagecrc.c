@@ -12,9 +12,16 @@
  * 0xFFFFFFFF; the value of an empty page is 0.  Loads and stores go through
  * memcpy, so pages may start at any address and be of any length.
  *
- * Only the hashing functions are compiled for SSE4.2 (target attribute);
- * concordia_pagecrc_supported() is plain code that asks the CPU, and the caller
- * uses nothing else unless it returns 1.
+ * Where the CPU has VPCLMULQDQ on 512-bit registers (AVX-512), pages of 256
+ * bytes or more are hashed by folding instead (see fold_page below): four
+ * carry-less multiplies per 64 bytes, three to four times the speed of the
+ * `crc32` chains, with the last 256 bytes of folded state and the page's tail
+ * finished on the `crc32` instruction.
+ *
+ * Only the hashing functions are compiled for SSE4.2 or AVX-512 (target
+ * attributes); concordia_pagecrc_supported() and concordia_pagecrc_vector()
+ * are plain code that asks the CPU, and the caller uses nothing else unless the
+ * first returns 1.
  */
 
 #include <stddef.h>
@@ -22,9 +29,11 @@
 #include <string.h>
 
 #if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
 #include <nmmintrin.h>
 #define HASH __attribute__((target("sse4.2")))
 #define INLINE_HASH static inline __attribute__((always_inline, target("sse4.2")))
+#define VEC __attribute__((target("sse4.2,avx512f,avx512vl,vpclmulqdq")))
 #else
 #error "the page CRC helper needs an x86 CPU with SSE4.2"
 #endif
@@ -33,6 +42,20 @@ int concordia_pagecrc_supported(void)
 {
     __builtin_cpu_init();
     return __builtin_cpu_supports("sse4.2") ? 1 : 0;
+}
+
+/* 1 while pages of 256 bytes or more are hashed by folding (set by
+ * concordia_pagecrc_vector) */
+static int use_fold = 0;
+
+/* Ask for (enable = 1) or refuse (0) the folding path; returns whether it is in
+ * use now (never where the CPU lacks AVX-512 VPCLMULQDQ). */
+int concordia_pagecrc_vector(int enable)
+{
+    __builtin_cpu_init();
+    use_fold = enable && __builtin_cpu_supports("sse4.2") && __builtin_cpu_supports("avx512f")
+               && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("vpclmulqdq");
+    return use_fold;
 }
 
 static inline uint64_t load64(const uint8_t *p)
@@ -117,11 +140,104 @@ HASH static void group(int k, int copy, const uint8_t *const *src, uint8_t *cons
     }
 }
 
+/* Folding (the method of Intel's "Fast CRC Computation Using PCLMULQDQ").
+ *
+ * In the reflected bit order a 16-byte block loaded little-endian has bit i as
+ * the coefficient of x^(127 - i); the carry-less product of two 64-bit values
+ * read the same way is the product of their polynomials times x.  A block
+ * A = LO x^64 + HI moved D bits later in the message becomes A x^D, which is
+ * congruent mod P to LO K1 + HI K2 with K1 = x^(64 + D - 1) mod P and
+ * K2 = x^(D - 1) mod P (the -1 undoes the product's extra x); being congruent
+ * mod P is all the CRC needs, since the CRC of a block (no initial value, no
+ * final xor) is its polynomial times x^32 mod P.  Four registers hold 256 bytes,
+ * so each 128-bit lane is folded onto the lane 256 bytes (D = 2048 bits) later.
+ * Each constant is written as that register wants it: the coefficient of x^e of
+ * the remainder at bit 63 - e.  (tests/wal/test_pagecrc.py derives them again.) */
+#define FOLD_K1 0xe9a5d8be00000000ull  /* x^(64 + 2048 - 1) mod P */
+#define FOLD_K2 0x1426a81500000000ull  /* x^(2048 - 1) mod P */
+
+VEC static inline __m512i fold_step(__m512i x, __m512i k, __m512i data)
+{
+    /* lo * K1 ^ hi * K2 ^ data in every 128-bit lane */
+    return _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(x, k, 0x00), _mm512_clmulepi64_epi128(x, k, 0x11),
+                                     data, 0x96);
+}
+
+/* CRC32C of one page of n >= 256 bytes; with copy set, also copied to dst. */
+VEC static inline __attribute__((always_inline)) uint32_t fold_page(int copy, const uint8_t *p, uint8_t *dst,
+                                                                    size_t n)
+{
+    const __m512i k = _mm512_set_epi64(FOLD_K2, FOLD_K1, FOLD_K2, FOLD_K1, FOLD_K2, FOLD_K1, FOLD_K2, FOLD_K1);
+    __m512i x0 = _mm512_loadu_si512(p), x1 = _mm512_loadu_si512(p + 64);
+    __m512i x2 = _mm512_loadu_si512(p + 128), x3 = _mm512_loadu_si512(p + 192);
+    if (copy) {
+        _mm512_storeu_si512(dst, x0);
+        _mm512_storeu_si512(dst + 64, x1);
+        _mm512_storeu_si512(dst + 128, x2);
+        _mm512_storeu_si512(dst + 192, x3);
+    }
+    /* the initial value 0xFFFFFFFF is the same as inverting the first 32 bits */
+    x0 = _mm512_xor_si512(x0, _mm512_maskz_set1_epi32(1, -1));
+    size_t i = 256;
+    for (; i + 256 <= n; i += 256) {
+        __m512i y0 = _mm512_loadu_si512(p + i), y1 = _mm512_loadu_si512(p + i + 64);
+        __m512i y2 = _mm512_loadu_si512(p + i + 128), y3 = _mm512_loadu_si512(p + i + 192);
+        if (copy) {
+            _mm512_storeu_si512(dst + i, y0);
+            _mm512_storeu_si512(dst + i + 64, y1);
+            _mm512_storeu_si512(dst + i + 128, y2);
+            _mm512_storeu_si512(dst + i + 192, y3);
+        }
+        x0 = fold_step(x0, k, y0);
+        x1 = fold_step(x1, k, y1);
+        x2 = fold_step(x2, k, y2);
+        x3 = fold_step(x3, k, y3);
+    }
+    /* the 256 folded bytes stand for everything before byte i: finish them and
+     * the tail on the crc32 instruction, starting from no initial value */
+    uint8_t acc[256];
+    _mm512_storeu_si512(acc, x0);
+    _mm512_storeu_si512(acc + 64, x1);
+    _mm512_storeu_si512(acc + 128, x2);
+    _mm512_storeu_si512(acc + 192, x3);
+    uint64_t c = 0;
+    for (size_t j = 0; j < 256; j += 8)
+        c = _mm_crc32_u64(c, load64(acc + j));
+    for (; i + 8 <= n; i += 8) {
+        uint64_t v = load64(p + i);
+        if (copy)
+            store64(dst + i, v);
+        c = _mm_crc32_u64(c, v);
+    }
+    uint32_t t = (uint32_t)c;
+    for (; i < n; i++) {
+        if (copy)
+            dst[i] = p[i];
+        t = _mm_crc32_u8(t, p[i]);
+    }
+    return ~t;
+}
+
+VEC static void fold_pages(const uint8_t *base, int64_t stride, int64_t count, size_t n, uint32_t *out)
+{
+    for (int64_t i = 0; i < count; i++)
+        out[i] = fold_page(0, base + i * stride, NULL, n);
+}
+
+VEC static uint32_t fold_copy_page(const uint8_t *src, uint8_t *dst, size_t n)
+{
+    return fold_page(1, src, dst, n);
+}
+
 /* out[i] = CRC32C of the page_bytes bytes at base + i * stride, i < count. */
 HASH void concordia_page_crcs(const uint8_t *base, int64_t stride, int64_t count, int64_t page_bytes,
                               uint32_t *out)
 {
     size_t n = (size_t)page_bytes;
+    if (use_fold && n >= 256) {
+        fold_pages(base, stride, count, n, out);
+        return;
+    }
     int64_t i = 0;
     for (; i + 3 <= count; i += 3) {
         const uint8_t *s[3] = {base + i * stride, base + (i + 1) * stride, base + (i + 2) * stride};
@@ -158,6 +274,10 @@ HASH void concordia_copy_page_crcs(uint8_t *dst, const uint8_t *src, const int64
                 have_zero = 1;
             }
             out[i] = zero_crc;
+            continue;
+        }
+        if (use_fold && n >= 256) {
+            out[i] = fold_copy_page(src + off, to, n);
             continue;
         }
         s[k] = src + off;

@@ -22,7 +22,7 @@ from concordia.wal.errors import CorruptionError, UsageError
 from concordia.wal.planner import plan
 
 CRCMOD = crcmod.predefined.mkCrcFun("crc-32c")
-SIZES = [0, 1, 7, 8, 9, 63, 64, 65, 100, 511, 4095, 4096, 4097, 8192 + 24, 65536]
+SIZES = [0, 1, 7, 8, 9, 63, 64, 65, 100, 255, 256, 257, 263, 511, 512, 4095, 4096, 4097, 8192 + 24, 65536]
 COUNTS = [0, 1, 2, 3, 4, 5, 6, 7, 11, 64]
 
 
@@ -41,15 +41,58 @@ def _ref(pages: np.ndarray) -> list[int]:
     return [CRCMOD(bytes(p)) for p in pages]
 
 
-@pytest.fixture(params=["native", "package"])
+def _can_fold() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return all(f" {x}" in flags for x in ("avx512f", "avx512vl", "vpclmulqdq"))
+
+
+@pytest.fixture(params=["folding", "crc32", "package"])
 def path(request, monkeypatch):
-    """Run a test on the compiled helper and again on the package fallback."""
-    if request.param == "native":
-        if not pagecrc.native():
-            pytest.skip(f"compiled helper not in use here ({pagecrc.REASON})")
-    else:
+    """Run a test on the compiled helper's two kernels and on the package fallback."""
+    if request.param == "package":
         monkeypatch.setattr(pagecrc, "_lib", None)
-    return request.param
+        yield request.param
+        return
+    if not pagecrc.native():
+        pytest.skip(f"compiled helper not in use here ({pagecrc.REASON})")
+    before = pagecrc.KERNEL == "vpclmulqdq"
+    on = pagecrc.use_folding(request.param == "folding")
+    if request.param == "folding" and not on:
+        pytest.skip("this CPU lacks AVX-512 VPCLMULQDQ")
+    yield request.param
+    pagecrc.use_folding(before)
+
+
+def _x_pow_mod_p(e: int) -> int:
+    """x^e mod the CRC32C polynomial, as an integer whose bit i is x^i."""
+    r = 1
+    for _ in range(e):
+        r <<= 1
+        if r >> 32:
+            r ^= 0x11EDC6F41
+    return r
+
+
+def test_folding_constants_are_the_powers_of_x_they_name():
+    """FOLD_K1 = x^(64 + 2048 - 1) mod P and FOLD_K2 = x^(2048 - 1) mod P, the
+    coefficient of x^e at bit 63 - e (the derivation in _pagecrc.c)."""
+    src = pagecrc.SOURCE.read_text()
+    for name, e in (("FOLD_K1", 64 + 2048 - 1), ("FOLD_K2", 2048 - 1)):
+        want = sum(1 << (63 - i) for i in range(32) if _x_pow_mod_p(e) >> i & 1)
+        line = next(ln for ln in src.splitlines() if ln.startswith(f"#define {name} "))
+        assert int(line.split()[2].rstrip("ul"), 16) == want, name
+
+
+def test_folding_is_used_where_the_cpu_has_it():
+    if not pagecrc.native():
+        pytest.skip(f"compiled helper not in use here ({pagecrc.REASON})")
+    assert pagecrc.KERNEL in ("vpclmulqdq", "crc32")
+    if _can_fold() and not os.environ.get(pagecrc.ENV):
+        assert pagecrc.KERNEL == "vpclmulqdq"
 
 
 def test_backend_is_native_where_it_can_be():
@@ -87,7 +130,7 @@ def test_unaligned_and_strided_rows(path, shift):
     assert pagecrc.page_crcs(pages, out) is out and out.tolist() == _ref(pages)
 
 
-@pytest.mark.parametrize("pb", [1, 13, 64, 4096, 4103, 65536])
+@pytest.mark.parametrize("pb", [1, 13, 64, 256, 300, 4096, 4103, 65536])
 def test_copy_page_crcs(path, pb):
     rng = np.random.default_rng(pb)
     for count in (0, 1, 2, 3, 4, 7) if pb < 65536 else (1, 4):
