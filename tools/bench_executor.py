@@ -165,6 +165,8 @@ def run_gpu(quick: bool) -> dict:
         "round_trip": lambda: _round_trip(cp, bench, sub, quick),
         "checkpoint": lambda: _checkpoint(cp, gpu, gring, sub, child, inline, quick, ckpt),
         "residency": lambda: _residency(cp, gpu, bench, ws, workloads, gring, sub, flag, quick),
+        "sm_target_sweep": lambda: _sm_target_sweep(cp, bench, ws, next(iter(workloads.values())), sub, flag, quick),
+        "torch_gemm": lambda: _torch_gemm(cp, bench, sub, flag, quick),
         "hot_swap": lambda: _hot_swap(gpu, gring, sub, child, swap_b, quick),
     }
     errors = {}
@@ -197,6 +199,8 @@ def run_gpu(quick: bool) -> dict:
     if "residency" in doc:
         goals["resident_idle_slowdown<=2%"] = all(v["executor_resident_idle_pct"] <= 2.0
                                                   for v in doc["residency"]["workloads"].values())
+        goals["resident_idle_slowdown_with_sm_target<=2%"] = all(
+            v["executor_resident_idle_sm_target_pct"] <= 2.0 for v in doc["residency"]["workloads"].values())
     if "checkpoint" in doc:
         goals["checkpoint_ratio>=0.8"] = doc["checkpoint"]["chosen_ratio"] >= 0.8
     doc["goals"] = goals
@@ -324,12 +328,32 @@ def _checkpoint(cp, gpu, gring, sub, child, inline, quick, b):
                    "while the handler runs at full width; the resident warp alone scans far slower"}
 
 
-def _residency(cp, gpu, bench, ws, workloads, gring, sub, flag, quick):
-    reps = 3 if quick else 15
+def _naive_block(cp, bench, flag, spin_stream):
+    """A context: the naive resident block (32 threads spinning on host memory)
+    is on the GPU inside it and has left after it."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def held():
+        flag.array.view(np.uint64)[0] = 0
+        with spin_stream:
+            bench["cx_naive_spin"]((1,), (32,), (np.uint64(flag.ptr), np.uint64(60_000_000_000)))
+        time.sleep(1e-3)
+        try:
+            yield
+        finally:
+            flag.array.view(np.uint64)[0] = 1
+            t0 = time.monotonic()
+            while not spin_stream.done:
+                if time.monotonic() - t0 > 30:
+                    raise ExecutorError("naive spinner did not leave", where="bench executor")
+                time.sleep(1e-4)
+
+    return held
+
+
+def _timer(cp, ws):
     start, end = cp.cuda.Event(), cp.cuda.Event()
-    spin_stream = cp.cuda.Stream(non_blocking=True)
-    idle_exec = gpu.GpuExecutor(gring, sub.consumer.module, idle_s=30.0, lifetime_s=120.0)
-    release_exec = gpu.GpuExecutor(gring, sub.consumer.module, idle_s=0.002, lifetime_s=120.0)
 
     def timed(w):
         w()                      # once untimed in the condition just set up (clocks, caches)
@@ -339,32 +363,53 @@ def _residency(cp, gpu, bench, ws, workloads, gring, sub, flag, quick):
         end.synchronize()
         return cp.cuda.get_elapsed_time(start, end) / 1e3
 
+    return timed
+
+
+def _residency(cp, gpu, bench, ws, workloads, gring, sub, flag, quick):
+    """Slowdown of each workload (on its own stream) against no executor, per
+    condition.  `*_sm_target` conditions lower cuBLAS's SM-count target by one
+    (smtarget.py): with the executor's `sm_carveout=1`, or around the naive
+    block, or with nothing resident (what the target alone costs)."""
+    from concordia.executor.smtarget import SmTarget
+
+    reps = 3 if quick else 15
+    timed = _timer(cp, ws)
+    spin_stream = cp.cuda.Stream(non_blocking=True)
+    naive = _naive_block(cp, bench, flag, spin_stream)
+    idle_exec = gpu.GpuExecutor(gring, sub.consumer.module, idle_s=30.0, lifetime_s=120.0)
+    release_exec = gpu.GpuExecutor(gring, sub.consumer.module, idle_s=0.002, lifetime_s=120.0)
+    target = SmTarget(1, torch=False)     # this thread's CuPy cuBLAS handle: the workloads' handle
+    target_exec = gpu.GpuExecutor(gring, sub.consumer.module, idle_s=30.0, lifetime_s=120.0, sm_target=target)
+
     def measure(cond, w):
-        if cond in ("none", "naive_resident_block"):
+        if cond in ("none", "none_sm_target", "naive_resident_block", "naive_resident_block_sm_target"):
             sub.quiesce(timeout=30)          # no executor resident
+            if sub.consumer is not None:
+                sub.consumer.is_resident()   # an executor's SM target is put back once it is seen gone
         if cond == "none":
             return timed(w)
-        if cond in ("executor_resident_idle", "executor_released"):
-            sub.swap(idle_exec if cond == "executor_resident_idle" else release_exec, timeout=30)
+        if cond == "none_sm_target":
+            with target:
+                return timed(w)
+        if cond.startswith("executor_"):
+            ex = {"executor_resident_idle": idle_exec, "executor_released": release_exec,
+                  "executor_resident_idle_sm_target": target_exec}[cond]
+            sub.swap(ex, timeout=30)
             sub.ping(timeout=10)
             if cond == "executor_released" and not sub.consumer.join(5):
                 raise gpu.ExecutorError("executor did not release residency", where="bench executor")
+            if cond == "executor_resident_idle_sm_target" and not target.active:
+                raise gpu.ExecutorError("resident executor's SM target is not applied", where="bench executor")
             return timed(w)
-        flag.array.view(np.uint64)[0] = 0
-        with spin_stream:
-            bench["cx_naive_spin"]((1,), (32,), (np.uint64(flag.ptr), np.uint64(60_000_000_000)))
-        time.sleep(1e-3)
-        try:
+        with naive():
+            if cond == "naive_resident_block_sm_target":
+                with target:
+                    return timed(w)
             return timed(w)
-        finally:
-            flag.array.view(np.uint64)[0] = 1
-            t0 = time.monotonic()
-            while not spin_stream.done:
-                if time.monotonic() - t0 > 30:
-                    raise gpu.ExecutorError("naive spinner did not leave", where="bench executor")
-                time.sleep(1e-4)
 
-    conds = ["none", "executor_resident_idle", "executor_released", "naive_resident_block"]
+    conds = ["none", "executor_resident_idle", "executor_released", "naive_resident_block",
+             "executor_resident_idle_sm_target", "none_sm_target", "naive_resident_block_sm_target"]
     result = {}
     for name, w in workloads.items():
         samples = {c: [] for c in conds}
@@ -374,15 +419,105 @@ def _residency(cp, gpu, bench, ws, workloads, gring, sub, flag, quick):
         med = {c: float(np.median(v)) for c, v in samples.items()}
         base = med["none"]
         spread = float(np.max(samples["none"]) / np.min(samples["none"]) - 1) * 100
-        result[name] = {"median_ms": {c: round(v * 1e3, 4) for c, v in med.items()},
-                        "baseline_spread_pct": round(spread, 2),
-                        "executor_resident_idle_pct": round((med["executor_resident_idle"] / base - 1) * 100, 2),
-                        "executor_released_pct": round((med["executor_released"] / base - 1) * 100, 2),
-                        "naive_resident_block_pct": round((med["naive_resident_block"] / base - 1) * 100, 2)}
+        row = {"median_ms": {c: round(v * 1e3, 4) for c, v in med.items()},
+               "baseline_spread_pct": round(spread, 2)}
+        for c in conds[1:]:
+            row[f"{c}_pct"] = round((med[c] / base - 1) * 100, 2)
+        result[name] = row
+    sub.quiesce(timeout=30)
+    sub.consumer.is_resident()
+    if target.active:
+        raise gpu.ExecutorError("SM target still applied after the executor left", where="bench executor")
     return {"reps": reps, "workloads": result,
+            "sm_target": target.describe(),
             "executor": {"threads": 32, "shared_bytes": 0, "poll_max_ns": idle_exec.poll_max_ns,
                          "registers_per_thread": getattr(idle_exec.module.functions["cx_executor"], "num_regs", None),
                          "released_after_idle_s": release_exec.idle_ns / 1e9}}
+
+
+def _sm_target_sweep(cp, bench, ws, gemm, sub, flag, quick):
+    """The GEMM alone and beside the naive block, for several SM carve-outs:
+    which carve-out removes the resident block's cost, and what each costs alone."""
+    from concordia.executor.smtarget import SmTarget
+
+    sub.quiesce(timeout=30)
+    sub.consumer.is_resident()
+    reps = 2 if quick else 5
+    timed = _timer(cp, ws)
+    naive = _naive_block(cp, bench, flag, cp.cuda.Stream(non_blocking=True))
+    ks = (0, 1, 2, 4, 8)
+    samples = {(k, beside): [] for k in ks for beside in (False, True)}
+    for r in range(reps):
+        for k in ks:
+            for beside in ((False, True) if r % 2 == 0 else (True, False)):
+                with SmTarget(k, torch=False):
+                    if beside:
+                        with naive():
+                            samples[(k, beside)].append(timed(gemm))
+                    else:
+                        samples[(k, beside)].append(timed(gemm))
+    base = float(np.median(samples[(0, False)]))
+    return {"reps": reps, "baseline_ms": round(base * 1e3, 4),
+            "carveouts": {str(k): {"alone_pct": round((float(np.median(samples[(k, False)])) / base - 1) * 100, 2),
+                                   "beside_naive_block_pct":
+                                       round((float(np.median(samples[(k, True)])) / base - 1) * 100, 2)}
+                          for k in ks}}
+
+
+def _torch_gemm(cp, bench, sub, flag, quick):
+    """PyTorch's fp16 GEMM beside the naive block, with each of PyTorch's knobs:
+    its experimental SM carve-out (cuBLASLt paths) and its cuBLAS handle's
+    SM-count target.  Not run where PyTorch is missing."""
+    try:
+        import torch
+    except Exception as exc:
+        return {"skipped": f"torch not importable ({type(exc).__name__})"}
+    from concordia.executor.smtarget import SmTarget, torch_knobs
+
+    sub.quiesce(timeout=30)
+    sub.consumer.is_resident()
+    n = 4096 if quick else 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.float16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.float16)
+    s = torch.cuda.Stream()
+    reps_inner = 4 if quick else 10
+
+    def w():
+        with torch.cuda.stream(s):
+            for _ in range(reps_inner):
+                torch.mm(a, b)
+
+    ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def timed():
+        w()
+        ev0.record(s)
+        w()
+        ev1.record(s)
+        ev1.synchronize()
+        return ev0.elapsed_time(ev1) / 1e3
+
+    timed()
+    knobs, skipped = torch_knobs(1)
+    by = {"carveout": [k for k in knobs if k.key == ("torch", "carveout")],
+          "handle": [k for k in knobs if k.key[0] == "cublas"]}
+    naive = _naive_block(cp, bench, flag, cp.cuda.Stream(non_blocking=True))
+    conds = ["none", "naive_resident_block"] + [f"naive_resident_block_{m}" for m in by if by[m]] + \
+        [f"none_{m}" for m in by if by[m]]
+    samples = {c: [] for c in conds}
+    for r in range(3 if quick else 7):
+        for c in conds[r % len(conds):] + conds[: r % len(conds)]:
+            m = c.rsplit("_", 1)[1] if c.endswith(("_carveout", "_handle")) else None
+            with SmTarget(1, knobs=by[m]) if m else SmTarget(0):
+                if c.startswith("naive"):
+                    with naive():
+                        samples[c].append(timed())
+                else:
+                    samples[c].append(timed())
+    med = {c: float(np.median(v)) for c, v in samples.items()}
+    return {"torch": torch.__version__, "shape": f"fp16 {n}^3 x{reps_inner}", "skipped_knobs": skipped,
+            "median_ms": {c: round(v * 1e3, 4) for c, v in med.items()},
+            "pct": {c: round((med[c] / med["none"] - 1) * 100, 2) for c in conds[1:]}}
 
 
 def _hot_swap(gpu, gring, sub, child, swap_b, quick):
@@ -432,10 +567,22 @@ def _table(doc: dict) -> str:
         lines.append("checkpoint  " + "  ".join(f"{m} {v:.1f} GB/s" for m, v in ck["gb_per_s_scanned"].items())
                      + f"  chosen {ck['chosen']} ratio {ck['chosen_ratio']:.2f}")
     if "residency" in doc:
-        lines.append(f"{'residency slowdown %':<28}{'resident idle':>14}{'released':>10}{'naive':>8}{'spread':>8}")
+        lines.append(f"{'residency slowdown %':<28}{'resident idle':>14}{'+sm target':>11}{'released':>10}"
+                     f"{'naive':>8}{'+sm target':>11}{'target only':>12}{'spread':>8}")
         for name, v in doc["residency"]["workloads"].items():
-            lines.append(f"{name:<28}{v['executor_resident_idle_pct']:>14.2f}{v['executor_released_pct']:>10.2f}"
-                         f"{v['naive_resident_block_pct']:>8.2f}{v['baseline_spread_pct']:>8.2f}")
+            lines.append(f"{name:<28}{v['executor_resident_idle_pct']:>14.2f}"
+                         f"{v['executor_resident_idle_sm_target_pct']:>11.2f}{v['executor_released_pct']:>10.2f}"
+                         f"{v['naive_resident_block_pct']:>8.2f}{v['naive_resident_block_sm_target_pct']:>11.2f}"
+                         f"{v['none_sm_target_pct']:>12.2f}{v['baseline_spread_pct']:>8.2f}")
+    sw = doc.get("sm_target_sweep")
+    if sw is not None:
+        lines.append("gemm by SM carve-out  " + "  ".join(
+            f"{k}: alone {v['alone_pct']:+.2f}% beside naive {v['beside_naive_block_pct']:+.2f}%"
+            for k, v in sw["carveouts"].items()))
+    tg = doc.get("torch_gemm")
+    if tg is not None:
+        lines.append("torch gemm  " + (tg["skipped"] if "skipped" in tg else
+                                       "  ".join(f"{c} {p:+.2f}%" for c, p in tg["pct"].items())))
     hs = doc.get("hot_swap")
     if hs is not None:
         lines.append(f"hot swap    preloaded {hs['preloaded']['median_us']:.0f} us  with queue "

@@ -4,6 +4,7 @@
     host.py   Submitter (back-pressure, waits, lazy relaunch, STOP, hot swap), Watchdog
     cpu.py    CpuExecutor, OperatorTable, numpy handlers
     gpu.py    GpuExecutor (gpu_kernels/executor.cu), GpuRing, ExecutorModule (CuPy, lazily)
+    smtarget.py  SmTarget: cuBLAS plans GEMMs for fewer SMs while an executor is resident
 
 Example::
 

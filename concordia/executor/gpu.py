@@ -30,6 +30,7 @@ import numpy as np
 
 from .errors import ExecutorError
 from .ring import Op, Ring, ring_bytes
+from .smtarget import SmTarget
 
 # The sources ship inside concordia.gpu_kernels (package data), wherever the
 # package is installed; the source tree's layout is not assumed.
@@ -172,14 +173,23 @@ class GpuExecutor:
     residency; the host relaunches on the next submit).  lifetime_s: it leaves
     after this long in any case.  child_timeout_s: a handler grid that runs
     longer fails its task and faults the executor.  poll_max_ns: longest sleep
-    between two polls of host memory while idle."""
+    between two polls of host memory while idle.
+
+    sm_carveout: while resident, cuBLAS (CuPy's handle of the thread that made
+    this executor, and PyTorch's when imported; see smtarget.py) plans GEMMs for
+    that many SMs fewer, so that a full-GPU GEMM is not held up by the SM the
+    executor occupies.  Lowered at each launch, put back when the host sees the
+    executor gone (`is_resident()` false, `join()`); after an idle release that
+    nobody has looked at yet it is still lowered.  Or pass a ready `sm_target`
+    (an `SmTarget`, e.g. naming other handles).  Off (0) by default: measure
+    first (docs/results/executor.md)."""
 
     kind = "gpu"
     host_busy_spins = 20000   # the waiter spins on host memory; nothing needs its GIL
 
     def __init__(self, gring: GpuRing, module: ExecutorModule, *, executor_id: int | None = None,
                  idle_s: float = 0.002, lifetime_s: float = 60.0, child_timeout_s: float = 20.0,
-                 poll_max_ns: int = 2000):
+                 poll_max_ns: int = 2000, sm_carveout: int = 0, sm_target: SmTarget | None = None):
         self.gring = gring
         self.ring = gring.ring
         self.module = module
@@ -189,6 +199,7 @@ class GpuExecutor:
         self.child_timeout_ns = int(child_timeout_s * 1e9)
         self.poll_max_ns = int(poll_max_ns)
         self.launches = 0
+        self.sm_target = sm_target if sm_target is not None else (SmTarget(sm_carveout) if sm_carveout else None)
 
     # -- consumer interface ------------------------------------------------------
 
@@ -200,6 +211,8 @@ class GpuExecutor:
             self.module.load()   # refuses while anything is resident
         fn = self.module.functions["cx_executor"]
         g = self.gring
+        if self.sm_target is not None:
+            self.sm_target.apply()       # before the launch: GEMMs planned from now on leave its SM free
         with g.stream:
             fn((1,), (32,), (np.uint64(g.ptr), np.uint32(self.ring.capacity), np.uint32(self.executor_id),
                              np.uint32(instance), g.scratch, np.uint32(g.n_sm), np.uint64(self.idle_ns),
@@ -209,7 +222,10 @@ class GpuExecutor:
         _RESIDENT.add(self)
 
     def is_resident(self) -> bool:
-        return self.gring.is_busy()
+        busy = self.gring.is_busy()
+        if not busy and self.sm_target is not None:
+            self.sm_target.restore()
+        return busy
 
     def join(self, timeout: float) -> bool:
         t0 = time.monotonic()
@@ -217,6 +233,8 @@ class GpuExecutor:
             if time.monotonic() - t0 > timeout:
                 return False
             time.sleep(5e-5)
+        if self.sm_target is not None:
+            self.sm_target.restore()
         return True
 
     # -- direct launches of the same handlers (the baseline) ----------------------

@@ -2,7 +2,9 @@
 # The persistent executor on the GPU machine: the gpu-marked executor tests
 # (protocol with a million tasks, back-pressure, idle release and relaunch,
 # STOP while busy, hot swap across modules under load, watchdog, handlers
-# against their numpy twins), then `bench executor` into $OUT/executor.json.
+# against their numpy twins, the cuBLAS SM target held while resident), then
+# `bench executor` into $OUT/executor.json (with the SM-target rows, a carve-out
+# sweep and PyTorch's GEMM beside a resident block).
 # Run from the repo root with $OUT set; under three minutes, every step bounded
 # by `timeout` as well as by the executor's own deadlines.
 set -uo pipefail
@@ -15,7 +17,7 @@ status=0
 timeout -k 5 100 python3 -m pytest tests/executor -m gpu -q -p no:cacheprovider -o addopts= -rs \
   --junitxml="$OUT/executor-pytest.xml" 2>&1 | tee "$OUT/executor-tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-timeout -k 5 70 python3 -c "from concordia.tools.wal_cli import main; main()" bench executor \
+timeout -k 5 120 python3 -c "from concordia.tools.wal_cli import main; main()" bench executor \
   --out "$OUT/executor.json" 2> "$OUT/executor-bench.err" | tee "$OUT/executor-bench.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 cat "$OUT/executor-bench.err"

@@ -302,3 +302,29 @@ def test_module_load_is_refused_while_resident(rig, g):
     with pytest.raises(ExecutorError, match="while a persistent executor is resident"):
         g.gpu.ExecutorModule(child=True, ops=(Op.RECOVER,)).load()
     sub.stop(timeout=10)
+
+
+def test_sm_carveout_lowers_cublas_target_while_resident(rig, g):
+    """The executor's sm_carveout lowers this thread's CuPy cuBLAS handle while it
+    is resident and puts the original back once it is seen gone (the GEMMs
+    planned under it are timed by `bench executor`)."""
+    from concordia.executor.smtarget import SmTarget, cublas_library, device_sm_count
+
+    cp = g.cupy
+    lib = cublas_library()
+    handle = int(cp.cuda.device.get_cublas_handle())
+    before = lib.get(handle)
+    n_sm = device_sm_count()
+    gring, sub = rig(16, idle_s=30.0, sm_carveout=1)
+    assert sub.call(Op.PING, timeout=10).ok
+    assert lib.get(handle) == n_sm - 1
+    with SmTarget(1, torch=False):           # a second holder of the same handle
+        pass
+    assert lib.get(handle) == n_sm - 1       # still held by the executor
+    sub.quiesce(timeout=10)
+    assert not sub.consumer.is_resident()
+    assert lib.get(handle) == before
+    sub.launch()
+    assert sub.call(Op.PING, timeout=10).ok and lib.get(handle) == n_sm - 1
+    sub.stop(timeout=10)
+    assert lib.get(handle) == before
