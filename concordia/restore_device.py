@@ -2,160 +2,451 @@
 
 Kept apart from the Session so the checkpoint path and the restore path can
 change independently; `Session.recover(on_device=True)` and
-`concordia-wal bench recover` both come here."""
+`concordia-wal bench recover` both come here.
+
+The restore is one pipeline over the whole plan, not a loop over records:
+
+1. `transfer_plan` (numpy only) lays every page the plan reads, in log order,
+   into chunks of at most `chunk_bytes`: each chunk is a few contiguous log
+   ranges ("copies", merged across records when the bytes between them are
+   small) and, for each page, where it lands in the chunk's staging buffer.
+2. Host side, a pool of threads fills pinned buffers from the log with
+   `preadv` on the log's descriptor (no page faults on a fresh mapping; the
+   kernel copies from the page cache or tmpfs), or with memory copies for
+   tiers without one.  A log already registered with CUDA (a live session's)
+   is read by the copy engine straight from its mapping instead.
+3. Device side, the copy engine moves each chunk into one of a few device
+   staging slots while the scatter kernel (`scatter.cu`) checks the pages of
+   the previous chunk against their stored CRC32C and writes them into the
+   region: one launch per region and chunk, no host synchronisation until the
+   end, when the mismatch flags of every page are read once and each region's
+   digest is compared with its commit.
+
+`apply_transfer_numpy` runs the same transfer plan with the numpy twin of the
+scatter kernel, so the chunking and the fill are tested where no GPU exists.
+"""
 
 from __future__ import annotations
 
+import os
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from concordia.errors import ConcordiaError
 
+#: bytes between two pages in the log that are copied along rather than
+#: starting a new copy (record headers and tables between payloads are small)
+MERGE_GAP = 256 << 10
+#: a copy starts on this boundary of its staging buffer
+STAGE_ALIGN = 256
+#: one piece of host work (a preadv or a memory copy)
+PIECE_BYTES = 4 << 20
+#: pinned host buffers and device staging slots in flight
+HOST_BUFFERS = 4
+DEVICE_SLOTS = 3
+DEFAULT_CHUNK_BYTES = 32 << 20
+#: host threads filling the pinned buffers (one copies a few GB/s; the bus takes 50)
+COPY_THREADS = int(os.environ.get("CONCORDIA_RESTORE_THREADS", 0)) or min(12, max(2, os.cpu_count() or 2))
 
-def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = 64 << 20, stats: dict | None = None,
+
+@dataclass
+class Transfer:
+    """Where every page of a plan travels: log -> chunk staging -> region.
+
+    Pages are ordered by chunk, then region, then log offset; chunk c holds
+    pages [page_lo[c], page_lo[c + 1]), its copies are copies[c] (rows of
+    log offset, bytes, staging offset) and it uses used[c] staging bytes."""
+
+    regions: list                  # RegionPlan, in the order region_index refers to
+    chunk_bytes: int
+    region_index: np.ndarray       # int32 per page
+    page_ids: np.ndarray           # uint32 per page
+    crcs: np.ndarray               # uint32 per page, as stored in the record
+    stage_off: np.ndarray          # uint64 per page, within its chunk
+    source: np.ndarray             # int64 per page: index into `sources` (for naming a bad page)
+    sources: list                  # (region name, Source)
+    page_lo: np.ndarray            # int64 per chunk + 1
+    copies: list = field(default_factory=list)
+    used: list = field(default_factory=list)
+
+    @property
+    def chunks(self) -> int:
+        return len(self.copies)
+
+    @property
+    def pages(self) -> int:
+        return int(self.page_ids.size)
+
+    @property
+    def bytes_copied(self) -> int:
+        return int(sum(int(c[:, 1].sum()) for c in self.copies if c.size))
+
+    def region_slices(self, c: int):
+        """(region index, lo, hi) page ranges of chunk c, one per region in it."""
+        lo, hi = int(self.page_lo[c]), int(self.page_lo[c + 1])
+        if lo == hi:
+            return []
+        ri = self.region_index[lo:hi]
+        cut = np.flatnonzero(ri[1:] != ri[:-1]) + 1
+        starts = np.concatenate(([0], cut))
+        ends = np.concatenate((cut, [hi - lo]))
+        return [(int(ri[s]), lo + int(s), lo + int(e)) for s, e in zip(starts, ends)]
+
+
+def _payload_offsets(log, batch, rows, pb: int) -> np.ndarray:
+    """Absolute offsets in the log mapping of payload rows `rows` of a batch."""
+    from concordia.wal import format as fmt
+
+    base = batch.offset + fmt.page_batch_payload_offset(int(batch.page_ids.size))
+    return np.uint64(base) + rows.astype(np.uint64) * np.uint64(pb)
+
+
+def transfer_plan(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Transfer:
+    """Lay out every page `plan` reads into staging chunks (see the module doc)."""
+    rps = [rp for name, rp in plan.regions.items() if regions is None or name in regions]
+    offs, lens, ridx, pids, crcs, srcs, src_of = [], [], [], [], [], [], []
+    for i, rp in enumerate(rps):
+        pb = rp.region.page_bytes
+        chunk_bytes = max(chunk_bytes, pb)
+        for s in rp.sources:
+            rows = np.asarray(s.rows, np.int64)
+            ids = np.asarray(s.page_ids, np.int64)
+            count = int(s.batch.page_ids.size)
+            if rows.size != ids.size or (rows.size and (int(rows.min()) < 0 or int(rows.max()) >= count
+                                                        or int(ids.min()) < 0 or int(ids.max()) >= rp.pages)):
+                from concordia.wal.errors import WalError
+
+                raise WalError(f"plan source of record lsn {s.batch.lsn} names rows or pages out of range",
+                               hint="the plan does not belong to this log")
+            offs.append(_payload_offsets(log, s.batch, rows, pb))
+            lens.append(np.full(rows.size, pb, np.uint64))
+            ridx.append(np.full(rows.size, i, np.int32))
+            pids.append(ids.astype(np.uint32))
+            crcs.append(np.asarray(s.batch.page_crcs, np.uint32)[rows])
+            src_of.append(np.full(rows.size, len(srcs), np.int64))
+            srcs.append((rp.name, s))
+    cat = (lambda xs, dt: np.concatenate(xs) if xs else np.zeros(0, dt))
+    off, ln = cat(offs, np.uint64), cat(lens, np.uint64)
+    order = np.argsort(off, kind="stable")
+    off, ln = off[order].astype(np.int64), ln[order].astype(np.int64)
+    ri, ids, cr, so = (cat(ridx, np.int32)[order], cat(pids, np.uint32)[order], cat(crcs, np.uint32)[order],
+                       cat(src_of, np.int64)[order])
+    n = off.size
+    # A page continues the copy of the one before it when it starts at most
+    # MERGE_GAP bytes after that one ends (and never overlaps it); pages
+    # that are not 16-byte aligned in the log each get their own copy.
+    new = np.ones(n, bool)
+    if n > 1:
+        gap = off[1:] - (off[:-1] + ln[:-1])
+        new[1:] = (gap < 0) | (gap > MERGE_GAP) | (off[1:] % 16 != 0)
+    # Positions in one virtual staging stream: copies back to back, each from
+    # a STAGE_ALIGN boundary; inside a copy the log layout is kept.
+    copy_id = np.cumsum(new) - 1
+    starts = np.flatnonzero(new)
+    ends = np.append(starts[1:], n)
+    copy_lo = off[starts]
+    copy_len = off[ends - 1] + ln[ends - 1] - copy_lo
+    slot = -(-copy_len // STAGE_ALIGN) * STAGE_ALIGN
+    copy_pos = np.concatenate(([0], np.cumsum(slot)[:-1])) if n else np.zeros(0, np.int64)
+    pos = copy_pos[copy_id] + (off - copy_lo[copy_id]) if n else np.zeros(0, np.int64)
+    # Chunks: greedy over pages; a chunk starting at page p0 holds the pages
+    # whose stream end lies within chunk_bytes of pos[p0].  Cutting a copy in
+    # two restarts it at the page the new chunk begins with, so a page's
+    # staging offset is pos - (stream position of its chunk's first byte).
+    end_pos = pos + ln
+    page_lo, copies, used, stage = [0], [], [], np.zeros(n, np.int64)
+    p0 = 0
+    while p0 < n:
+        p1 = int(np.searchsorted(end_pos, pos[p0] + chunk_bytes, side="right"))
+        p1 = max(p1, p0 + 1)
+        # stream positions of this chunk's pages relative to its first page,
+        # with every copy that restarts here realigned (a copy cut at p0 begins at p0)
+        cid = copy_id[p0:p1]
+        first = np.concatenate(([True], cid[1:] != cid[:-1]))
+        fstarts = np.flatnonzero(first)
+        fends = np.append(fstarts[1:], p1 - p0)
+        lo = off[p0:p1][fstarts]
+        hi = off[p0:p1][fends - 1] + ln[p0:p1][fends - 1]
+        clen = hi - lo
+        cslot = -(-clen // STAGE_ALIGN) * STAGE_ALIGN
+        cpos = np.concatenate(([0], np.cumsum(cslot)[:-1]))
+        k = np.cumsum(first) - 1
+        stage[p0:p1] = cpos[k] + (off[p0:p1] - lo[k])
+        copies.append(np.stack([lo, clen, cpos], axis=1).astype(np.int64))
+        used.append(int(cpos[-1] + clen[-1]))
+        page_lo.append(p1)
+        p0 = p1
+    # within each chunk: pages grouped by region (one scatter launch per region), log order kept
+    chunk_of = np.repeat(np.arange(len(copies)), np.diff(page_lo)) if n else np.zeros(0, np.int64)
+    regroup = np.lexsort((np.arange(n), ri, chunk_of)) if n else np.zeros(0, np.int64)
+    return Transfer(regions=rps, chunk_bytes=int(chunk_bytes), region_index=ri[regroup],
+                    page_ids=ids[regroup], crcs=cr[regroup], stage_off=stage[regroup].astype(np.uint64),
+                    source=so[regroup], sources=srcs, page_lo=np.asarray(page_lo, np.int64),
+                    copies=copies, used=used)
+
+
+# --- host side: filling a staging buffer from the log -----------------------
+
+
+def _source_of(log):
+    """(fd, array) to read log bytes from: the log's descriptor when its tier
+    keeps one and `preadv` works on it (not a DAX device), else None and the
+    mapping."""
+    backend = log.backend
+    fd = getattr(backend, "_file_fd", -1)
+    if fd is None or fd < 0 or backend.kind == "devdax" or not hasattr(os, "preadv"):
+        fd = None
+    return fd, backend.array
+
+
+def _pieces(copies: np.ndarray):
+    """Split a chunk's copies into pieces of at most PIECE_BYTES."""
+    out = []
+    for lo, n, at in copies.tolist():
+        for k in range(0, n, PIECE_BYTES):
+            m = min(PIECE_BYTES, n - k)
+            out.append((lo + k, m, at + k))
+    return out
+
+
+def _read_piece(fd, arr, host: np.ndarray, lo: int, n: int, at: int) -> None:
+    dst = host[at:at + n]
+    if fd is None:
+        np.copyto(dst, arr[lo:lo + n])
+        return
+    mv = memoryview(dst)
+    done = 0
+    while done < n:
+        got = os.preadv(fd, [mv[done:]], lo + done)
+        if got <= 0:
+            from concordia.wal.errors import WalError
+
+            raise WalError(f"the log ended at 0x{lo + done:x} while reading {n} bytes from 0x{lo:x}",
+                           hint="the log was truncated after it was opened")
+        done += got
+
+
+_POOL: list = []
+
+
+def _pool():
+    if not _POOL:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL.append(ThreadPoolExecutor(max_workers=COPY_THREADS, thread_name_prefix="concordia-restore"))
+    return _POOL[0]
+
+
+def _fill(fd, arr, host: np.ndarray, copies: np.ndarray) -> list:
+    """Queue the reads that fill `host` with one chunk; returns their futures."""
+    pool = _pool()
+    return [pool.submit(_read_piece, fd, arr, host, lo, n, at) for lo, n, at in _pieces(copies)]
+
+
+def _wait(futures) -> None:
+    for f in futures:
+        f.result()
+
+
+# --- the numpy twin -------------------------------------------------------------
+
+
+def apply_transfer_numpy(log, tr: Transfer) -> dict:
+    """Run transfer plan `tr` on the host: each chunk read into one staging
+    buffer exactly as the device path reads it, its pages checked and applied
+    by the numpy twin of the scatter kernel.  Returns {name: array}; raises
+    CorruptionError on the first mismatching page.  (Digests are left to the
+    caller; `wal.apply` checks them for the host path proper.)"""
+    from concordia.gpu_kernels import reference as ref
+
+    fd, arr = _source_of(log)
+    out = {rp.name: np.zeros(rp.region.pages * rp.region.page_bytes, np.uint8) for rp in tr.regions}
+    host = np.empty(tr.chunk_bytes + 4096, np.uint8)
+    for c in range(tr.chunks):
+        _wait(_fill(fd, arr, host, tr.copies[c]))
+        for i, lo, hi in tr.region_slices(c):
+            rp = tr.regions[i]
+            bad = ref.scatter_pages(host, tr.stage_off[lo:hi], tr.page_ids[lo:hi], out[rp.name],
+                                    page_bytes=rp.region.page_bytes, expected_crcs=tr.crcs[lo:hi])
+            if bad.size:
+                raise _bad_page(tr, lo + int(bad[0]))
+    return {rp.name: out[rp.name][:rp.region.nbytes].view(np.dtype(rp.region.dtype)).reshape(rp.region.shape)
+            for rp in tr.regions}
+
+
+def _bad_page(tr: Transfer, k: int):
+    from concordia.wal.errors import CorruptionError
+
+    name, src = tr.sources[int(tr.source[k])]
+    b = src.batch
+    return CorruptionError(f"page CRC mismatch for page {int(tr.page_ids[k])} of region {name!r} in record "
+                           f"lsn {b.lsn}", where=f"segment {b.segment} @ {b.offset:#x}")
+
+
+# --- the device pipeline --------------------------------------------------------
+
+_STAGING: dict = {}
+
+
+def _staging(cp, chunk_bytes: int):
+    """Pinned host buffers, device slots and two streams for chunks of
+    `chunk_bytes`, kept between restores (pinning memory costs ~0.25 s/GiB)."""
+    key = (cp.cuda.Device().id, chunk_bytes)
+    if key not in _STAGING:
+        _STAGING.clear()
+        size = chunk_bytes + 4096
+        hosts = []
+        for _ in range(HOST_BUFFERS):
+            mem = cp.cuda.alloc_pinned_memory(size)
+            hosts.append((np.frombuffer(mem, np.uint8, size), mem))
+        slots = [cp.empty(size, cp.uint8) for _ in range(DEVICE_SLOTS)]
+        _STAGING[key] = (hosts, slots, cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True))
+    return _STAGING[key]
+
+
+def _direct_source(log, registration, st):
+    """Device-visible address of the log's byte 0 when the copy engine can read
+    the mapping itself: a registration the caller keeps (a live session's) or a
+    pinned tier.  None otherwise (then the host reads the log into pinned
+    buffers: registering a whole log at recovery pins every page, ~0.25 s/GiB)."""
+    if registration is not None:
+        return registration.device_ptr, None
+    if log.backend.kind == "pinned":
+        from concordia.devmem import cuda_host
+
+        t0 = time.perf_counter()
+        try:
+            reg = cuda_host.register(log.backend)
+        except ConcordiaError:
+            return None, None
+        st["register_s"] = time.perf_counter() - t0
+        return reg.device_ptr, reg
+    return None, None
+
+
+def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK_BYTES, stats: dict | None = None,
                     registration=None) -> dict:
-    """Restore the regions of `plan` straight into new CuPy arrays.
-
-    GPU-mappable logs (shm, pinned, memory) are registered with CUDA and the
-    scatter kernel reads every page from the mapping itself (one pass over the
-    bus, each page's CRC32C checked on the device).  Other tiers go through two
-    pinned bounce buffers: the host copies a chunk of payload into one while the
-    previous chunk crosses the bus and is scattered.  Each region's digest is
-    then recomputed on the device and compared with its commit.
-    `stats`, when given, receives register/scatter/verify seconds.
+    """Restore the regions of `plan` straight into new CuPy arrays (see the
+    module doc for the pipeline).  Every page's CRC32C is checked on the device
+    before it is applied and each region's digest is recomputed on the device
+    and compared with its commit; any mismatch raises CorruptionError naming the
+    page and its record.
+    `stats`, when given, receives seconds per stage (layout_s, register_s,
+    staging_alloc_s, scatter_s: the whole pipeline including staging_alloc_s,
+    verify_s), the path taken (`via`) and counts.
     `registration`: the mapping's live registration (a session's checkpoint
-    path keeps one), used as is and left registered."""
+    path keeps one), read by the copy engine directly and left registered."""
     import cupy as cp
 
-    from concordia.devmem import cuda_host
-    from concordia.gpu_kernels import gpu
-    from concordia.wal import format as fmt
+    from concordia.gpu_kernels import gpu, jit
     from concordia.wal.errors import CorruptionError
 
     st = stats if stats is not None else {}
     st.update(register_s=0.0, scatter_s=0.0, verify_s=0.0, via="")
-    out, plans = {}, [rp for name, rp in plan.regions.items() if regions is None or name in regions]
-    backend = log.backend
     t0 = time.perf_counter()
-    reg = registration
-    if reg is None and backend.gpu_mappable:
-        try:
-            reg = cuda_host.register(backend)
-        except ConcordiaError:
-            reg = None
-    st["register_s"] = time.perf_counter() - t0
-    st["via"] = "registered mapping" if reg is not None else "pinned bounce buffers"
+    tr = transfer_plan(log, plan, regions=regions, chunk_bytes=chunk_bytes)
+    st["layout_s"] = time.perf_counter() - t0
+    st.update(chunks=tr.chunks, pages=tr.pages, bytes_copied=tr.bytes_copied)
+    direct, own_reg = _direct_source(log, registration, st)
+    fd, arr = _source_of(log)
+    st["via"] = ("copy engine from the registered mapping" if direct is not None else
+                 f"pinned buffers filled by {'preadv' if fd is not None else 'memory copies'}")
     try:
         t1 = time.perf_counter()
-        for rp in plans:
-            r = rp.region
-            pb = r.page_bytes
-            dst = cp.zeros(r.nbytes, cp.uint8)
-            for src in rp.sources:
-                b = src.batch
-                base_off = b.offset + fmt.page_batch_payload_offset(int(b.page_ids.size))
-                rows = np.asarray(src.rows, np.int64)
-                pids = np.asarray(src.page_ids)
-                crcs = np.asarray(b.page_crcs)[rows]
-                if reg is not None:
-                    offs = (base_off + rows * pb).astype(np.uint64)
-                    bad = gpu.scatter_pages(reg.as_cupy(), offs, pids, dst, page_bytes=pb, expected_crcs=crcs)
-                    _raise_bad(bad, pids, rp, b)
-                else:
-                    _bounce(backend.array, base_off, rows, pids, crcs, dst, pb, chunk_bytes, rp, b)
-            cp.cuda.get_current_stream().synchronize()
-            out[rp.name] = dst
+        hosts, slots, copy_stream, stream = _staging(cp, tr.chunk_bytes)
+        st["staging_alloc_s"] = time.perf_counter() - t1  # 0 when the buffers were kept from an earlier restore
+        out = [cp.zeros(rp.region.pages * rp.region.page_bytes, cp.uint8) for rp in tr.regions]
+        if tr.pages:
+            offs_d = cp.asarray(tr.stage_off)
+            ids_d = cp.asarray(tr.page_ids)
+            crcs_d = cp.asarray(tr.crcs)
+            bad_d = cp.zeros(tr.pages, cp.uint8)
+            kernels = {rp.region.page_bytes: jit.function("scatter", "scatter_pages",
+                                                          {"PAGE_BYTES": rp.region.page_bytes})
+                       for rp in tr.regions}
+            cp.cuda.get_current_stream().synchronize()  # the arrays above exist before other streams use them
+            _pipeline(cp, gpu, tr, direct, fd, arr, hosts, slots, copy_stream, stream, out,
+                      (offs_d, ids_d, crcs_d, bad_d), kernels, st)
+            stream.synchronize()
+            bad = cp.flatnonzero(bad_d)
+            if int(bad.size):
+                raise _bad_page(tr, int(bad[0].get()))
         t2 = time.perf_counter()
         st["scatter_s"] = t2 - t1
-        for rp in plans:
+        result = {}
+        for rp, dst in zip(tr.regions, out):
+            flat = dst[:rp.region.nbytes]
             if rp.digest is not None:
-                got = gpu.region_digest(gpu.crc32c_pages(out[rp.name], page_bytes=rp.region.page_bytes))
+                got = gpu.region_digest(gpu.crc32c_pages(flat, page_bytes=rp.region.page_bytes))
                 if got != rp.digest:
                     raise CorruptionError(f"region {rp.name!r} restored with digest 0x{got:08x}, its commit "
                                           f"states 0x{rp.digest:08x}", where=f"epoch {rp.epoch}")
+            result[rp.name] = flat.view(np.dtype(rp.region.dtype)).reshape(rp.region.shape)
         st["verify_s"] = time.perf_counter() - t2
+        return result
     finally:
-        if reg is not None and reg is not registration:
-            reg.unregister()
-    return {name: a.view(np.dtype(rp.region.dtype)).reshape(rp.region.shape)
-            for (name, a), rp in zip(out.items(), plans)}
+        if own_reg is not None:
+            own_reg.unregister()
 
 
-def _raise_bad(bad, pids, rp, batch):
-    if int(bad.size):
-        from concordia.wal.errors import CorruptionError
-
-        i = int(bad[0].get())
-        raise CorruptionError(f"page CRC mismatch for page {int(pids[i])} of region {rp.name!r} in record "
-                              f"lsn {batch.lsn}", where=f"segment {batch.segment} @ {batch.offset:#x}")
-
-
-_BOUNCE: dict = {}
-_COPY_POOL: list = []
-#: host threads that copy log payload into the pinned bounce buffers (one
-#: thread copies a few GB/s, faulting the log mapping in as it goes; the bus
-#: takes over 50)
-COPY_THREADS = 8
-
-
-def _parallel_copy(dst: np.ndarray, src) -> None:
-    """np.copyto in slices on a small thread pool (numpy drops the GIL while copying)."""
-    n = int(dst.size)
-    if n < (16 << 20) or COPY_THREADS < 2:
-        np.copyto(dst, src)
-        return
-    if not _COPY_POOL:
-        from concurrent.futures import ThreadPoolExecutor
-
-        _COPY_POOL.append(ThreadPoolExecutor(max_workers=COPY_THREADS, thread_name_prefix="concordia-copy"))
-    per = -(-n // COPY_THREADS)
-    step = -(-per // 4096) * 4096
-
-    def part(lo):
-        np.copyto(dst[lo:lo + step], src[lo:lo + step])
-
-    for f in [_COPY_POOL[0].submit(part, lo) for lo in range(0, n, step)]:
-        f.result()
-
-
-def _bounce(arr, base_off, rows, pids, crcs, dst, pb, chunk_bytes, rp, batch):
-    """Payload rows -> pinned buffer (host copy) -> device staging -> scatter,
-    alternating two buffers so one chunk's copy overlaps the previous transfer."""
-    import cupy as cp
-
-    from concordia.gpu_kernels import gpu
-
-    per = max(1, chunk_bytes // pb)
-    key = (per * pb,)
-    if key not in _BOUNCE:
-        _BOUNCE.clear()
-        _BOUNCE[key] = [(gpu.pinned_buffer(per * pb)[0], cp.empty(per * pb, cp.uint8), cp.cuda.Stream(non_blocking=True),
-                         None) for _ in range(2)]
-    bufs = _BOUNCE[key]
-    found = []  # checked once at the end: reading a result's size would synchronise every chunk
-    for n, lo in enumerate(range(0, rows.size, per)):
-        host, dev, stream, ev = bufs[n % 2]
-        if ev is not None:
-            ev.synchronize()  # this buffer's previous transfer and scatter are done
-        r = rows[lo:lo + per]
-        k = r.size
-        if int(r[-1]) - int(r[0]) + 1 == k:  # consecutive rows: one memcpy, split over threads
-            s0 = base_off + int(r[0]) * pb
-            _parallel_copy(host[:k * pb], arr[s0:s0 + k * pb])
-        else:
-            src = arr[base_off:base_off + (int(r[-1]) + 1) * pb].reshape(-1, pb)
-            np.take(src, r, axis=0, out=host[:k * pb].reshape(k, pb))
-        with stream:
-            dev[:k * pb].set(host[:k * pb], stream=stream)
-            offs = cp.arange(k, dtype=cp.uint64) * cp.uint64(pb)
-            bad = gpu.scatter_pages(dev[:k * pb], offs, pids[lo:lo + per], dst, page_bytes=pb,
-                                    expected_crcs=crcs[lo:lo + per])
-            ev = stream.record()
-        bufs[n % 2] = (host, dev, stream, ev)
-        found.append((bad, lo))
-    for host, dev, stream, ev in bufs:
-        if ev is not None:
-            ev.synchronize()
-    for bad, lo in found:
-        _raise_bad(bad, pids[lo:lo + per], rp, batch)
+def _pipeline(cp, gpu, tr, direct, fd, arr, hosts, slots, copy_stream, stream, out, dev_arrays, kernels, st):
+    """Chunks through host buffers (or straight from a registered mapping), the
+    copy engine and the scatter kernel, overlapped; see the module doc.
+    st receives the seconds the loop waited for host reads (fill_wait_s: the
+    host side is the bottleneck) and for transfers (copy_wait_s: the bus is)."""
+    rt = cp.cuda.runtime
+    offs_d, ids_d, crcs_d, bad_d = dev_arrays
+    C, H, D = tr.chunks, len(hosts), len(slots)
+    copied = [None] * C
+    scattered = [None] * C
+    fills = {}
+    fill_wait = copy_wait = 0.0
+    if direct is None:
+        for j in range(min(H, C)):
+            fills[j] = _fill(fd, arr, hosts[j % H][0], tr.copies[j])
+    try:
+        for j in range(C):
+            slot = slots[j % D]
+            if j >= D:
+                copy_stream.wait_event(scattered[j - D])  # the slot's previous chunk is applied
+            if direct is None:
+                w0 = time.perf_counter()
+                _wait(fills.pop(j))
+                fill_wait += time.perf_counter() - w0
+                host = hosts[j % H][0]
+                rt.memcpyAsync(slot.data.ptr, host.ctypes.data, tr.used[j], rt.memcpyHostToDevice, copy_stream.ptr)
+            else:
+                for lo, n, at in tr.copies[j].tolist():
+                    rt.memcpyAsync(slot.data.ptr + at, direct + lo, n, rt.memcpyDefault, copy_stream.ptr)
+            copied[j] = copy_stream.record()
+            stream.wait_event(copied[j])
+            with stream:
+                for i, lo, hi in tr.region_slices(j):
+                    dst = out[i]
+                    kernels[tr.regions[i].region.page_bytes](
+                        gpu._warp_grid(hi - lo), (gpu.THREADS,),
+                        (slot, offs_d[lo:hi], ids_d[lo:hi], crcs_d[lo:hi], np.uint64(hi - lo), dst,
+                         np.uint64(tr.regions[i].region.nbytes), bad_d[lo:hi]))
+            scattered[j] = stream.record()
+            # host buffer (j-1) % H is free once chunk j-1 crossed the bus
+            k = j - 1 + H
+            if direct is None and j >= 1 and k < C:
+                w0 = time.perf_counter()
+                copied[j - 1].synchronize()
+                copy_wait += time.perf_counter() - w0
+                fills[k] = _fill(fd, arr, hosts[k % H][0], tr.copies[k])
+        st.update(fill_wait_s=fill_wait, copy_wait_s=copy_wait)
+    finally:
+        for fs in fills.values():  # an error above: let queued reads finish before the buffers are reused
+            for f in fs:
+                f.cancel()
+            for f in fs:
+                if not f.cancelled():
+                    try:
+                        f.result()
+                    except Exception:
+                        pass
+        copy_stream.synchronize()
+        stream.synchronize()

@@ -4,15 +4,20 @@ beside the ceilings and the alternatives, all measured in the same run.
 For each size and tier (shm, file) a log is written by a `Session` checkpoint
 of a device KV region of that size, then recovered as a fresh reader would:
 open the log, plan, and restore straight into device memory
-(`restore_device.apply_plan_cupy`: the scatter kernel reads a registered shm mapping
-directly; a file log goes through pinned bounce buffers), every page CRC and
-the region digest checked on the device.  Beside it:
+(`restore_device.apply_plan_cupy`: host threads read the log into pinned
+buffers with preadv while the copy engine and the scatter kernel move and
+apply the previous chunks), every page CRC and the region digest checked on
+the device.  For shm logs up to --registered-max-gib the same log is also
+restored from a registered mapping (the copy engine reads the log itself, as
+for a live session that keeps its log registered; registering is timed apart).
+Beside it:
 
 * ceiling: pinned host-to-device copy bandwidth (cupy, pinned buffer);
 * re-prefill: the reference model rebuilding the same number of tokens' KV
   from scratch (measured on a batch, scaled by tokens);
 * torch: `torch.save` / `torch.load(map_location="cuda")` of the same bytes
-  as one tensor, in the same directory as the log (when PyTorch is present).
+  as one tensor, in the same directory as the log (when PyTorch is present,
+  up to --torch-max-gib).
 
 Without a GPU (`--quick` in CI) the same steps run on the host: numpy
 applier, memcpy as the ceiling, the model on numpy.
@@ -128,40 +133,78 @@ def _digest(xp, arr, page_bytes):
     return gpu.region_digest(gpu.crc32c_pages(arr, page_bytes=page_bytes))
 
 
-def _restore(xp, spec: str, writable: bool = False) -> dict:
+def _restore(xp, spec: str, registered: bool = False) -> dict:
     """Open, plan and restore the log's KV region onto the device (or host).
-    writable: open the log for writing, as a recovering owner does (CUDA pins
-    only writable mappings, so a shm log is then read by the scatter kernel
-    straight from its registered mapping; read-only, it goes through the
-    pinned bounce buffers)."""
+    registered: open the log writable and register its mapping with CUDA
+    first (timed as register_s, outside the restore), as a live session that
+    keeps its log registered would hold it; the copy engine then reads the
+    mapping itself."""
     from concordia.restore_device import apply_plan_cupy
     from concordia.wal import Log
     from concordia.wal.apply import apply_plan_numpy
     from concordia.wal.planner import plan
 
     t0 = time.perf_counter()
-    log = Log.open(spec, writable=writable, check_pages=False)  # pages are checked where they land
+    log = Log.open(spec, writable=registered, check_pages=False)  # pages are checked where they land
     t1 = time.perf_counter()
     p = plan(log)
     t2 = time.perf_counter()
     st: dict = {}
-    if xp is np:
-        out = apply_plan_numpy(log, p)
-        st["via"] = "numpy applier"
-    else:
-        out = apply_plan_cupy(log, p, stats=st)
-        _sync(xp)
-    t3 = time.perf_counter()
-    nbytes = int(out["kv"].nbytes)
-    log.close()
-    del out
-    total = t3 - t0
-    restore = t3 - t2
-    return {"open_s": t1 - t0, "plan_s": t2 - t1, "restore_s": restore, "total_s": total,
-            "register_s": st.get("register_s", 0.0), "scatter_s": st.get("scatter_s", restore),
-            "verify_s": st.get("verify_s", 0.0), "via": st.get("via"), "bytes": nbytes,
-            "GBps": nbytes / restore / 1e9,
-            "GBps_excl_register": nbytes / max(1e-9, restore - st.get("register_s", 0.0)) / 1e9}
+    reg, register_s = None, 0.0
+    try:
+        if xp is np:
+            t3 = time.perf_counter()
+            out = apply_plan_numpy(log, p)
+            st["via"] = "numpy applier"
+        else:
+            if registered:
+                from concordia.devmem import cuda_host
+
+                reg = cuda_host.register(log.backend)
+                register_s = time.perf_counter() - t2
+            t3 = time.perf_counter()
+            out = apply_plan_cupy(log, p, stats=st, registration=reg)
+            _sync(xp)
+        t4 = time.perf_counter()
+        nbytes = int(out["kv"].nbytes)
+        del out
+    finally:
+        if reg is not None:
+            reg.unregister()
+        log.close()
+    restore = t4 - t3
+    return {"open_s": t1 - t0, "plan_s": t2 - t1, "restore_s": restore, "total_s": (t2 - t0) + restore,
+            "register_s": register_s, "layout_s": st.get("layout_s", 0.0),
+            "staging_alloc_s": st.get("staging_alloc_s", 0.0), "scatter_s": st.get("scatter_s", restore),
+            "verify_s": st.get("verify_s", 0.0), "via": st.get("via"), "chunks": st.get("chunks"),
+            "fill_wait_s": st.get("fill_wait_s"), "copy_wait_s": st.get("copy_wait_s"),
+            "bytes": nbytes, "GBps": nbytes / restore / 1e9}
+
+
+def _host_read(xp, spec: str, nbytes: int) -> dict:
+    """The host side alone: the restore's reader threads filling pinned
+    buffers with nbytes of the log (preadv, as the restore reads it)."""
+    from concordia import restore_device as rd
+    from concordia.wal import Log
+
+    log = Log.open(spec, writable=False, check_pages=False)
+    try:
+        fd, arr = rd._source_of(log)
+        chunk = rd.DEFAULT_CHUNK_BYTES
+        bufs = ([np.frombuffer(xp.cuda.alloc_pinned_memory(chunk), np.uint8, chunk) for _ in range(2)]
+                if xp is not np else [np.empty(chunk, np.uint8) for _ in range(2)])
+        t0 = time.perf_counter()
+        pending = []
+        for k, lo in enumerate(range(0, nbytes, chunk)):
+            n = min(chunk, nbytes - lo)
+            rd._wait(pending)
+            pending = rd._fill(fd, arr, bufs[k % 2], np.array([[lo, n, 0]], np.int64))
+        rd._wait(pending)
+        secs = time.perf_counter() - t0
+    finally:
+        log.close()
+    return {"GBps": nbytes / secs / 1e9, "threads": rd.COPY_THREADS,
+            "how": "preadv" if fd is not None else "memory copies"}
 
 
 def _prefill(xp, nbytes: int, quick: bool) -> dict:
@@ -229,7 +272,8 @@ def _release(xp) -> None:
         pass
 
 
-def run(sizes_bytes, tiers, quick: bool, page_bytes: int, on_row=None, with_torch: bool = True) -> dict:
+def run(sizes_bytes, tiers, quick: bool, page_bytes: int, on_row=None, with_torch: bool = True,
+        torch_max_bytes: int | None = None, registered_max_bytes: int = 10 * GIB) -> dict:
     """Every (size, tier) row; `on_row(result so far)` after each one, so a
     run cut short keeps what it measured.  A step that fails (a tier too large
     for the machine's disk, say) leaves a row with its error and the run goes on."""
@@ -254,15 +298,17 @@ def run(sizes_bytes, tiers, quick: bool, page_bytes: int, on_row=None, with_torc
                 try:
                     w = _write_log(xp, spec, nbytes, page_bytes)
                     _release(xp)
-                    r = _restore(xp, spec, writable=tier == "shm")
-                    if tier == "shm" and xp is not np:  # the same log through the bounce buffers
-                        _release(xp)
-                        b = _restore(xp, spec, writable=False)
-                        row.update({f"bounce_{k}": b[k] for k in ("total_s", "restore_s", "GBps", "via")})
-                        row["bounce_ratio_to_ceiling"] = b["GBps"] / ceiling["GBps"]
+                    r = _restore(xp, spec)
+                    hr = _host_read(xp, spec, nbytes)
+                    row.update({"host_read_GBps": hr["GBps"], "host_read_threads": hr["threads"]})
+                    if tier == "shm" and xp is not np and nbytes <= registered_max_bytes:
+                        _release(xp)  # the same log read by the copy engine from a registered mapping
+                        g = _restore(xp, spec, registered=True)
+                        row.update({f"registered_{k}": g[k] for k in ("total_s", "restore_s", "register_s",
+                                                                        "GBps", "via")})
+                        row["registered_ratio_to_ceiling"] = g["GBps"] / ceiling["GBps"]
                     row.update({"write_s": w["write_s"], **{k: v for k, v in r.items() if k != "bytes"},
                                 "ratio_to_ceiling": r["GBps"] / ceiling["GBps"],
-                                "ratio_to_ceiling_excl_register": r["GBps_excl_register"] / ceiling["GBps"],
                                 "speedup_vs_reprefill": reprefill_s / r["total_s"]})
                 except Exception as exc:
                     row["error"] = f"{type(exc).__name__}: {exc}"
@@ -271,7 +317,8 @@ def run(sizes_bytes, tiers, quick: bool, page_bytes: int, on_row=None, with_torc
                     _release(xp)
                 directory = "/dev/shm" if tier == "shm" else work
                 try:
-                    tr = _torch(xp, nbytes, directory) if with_torch else None
+                    tr = (_torch(xp, nbytes, directory)
+                          if with_torch and (torch_max_bytes is None or nbytes <= torch_max_bytes) else None)
                 except Exception as exc:
                     tr = None
                     row["torch_error"] = f"{type(exc).__name__}: {exc}"
@@ -300,6 +347,11 @@ def _table(res: dict) -> str:
         lines.append(f"{r['tier']:<5} {r['GiB']:>6.2f} {r['open_s']:>6.3f}s {r['plan_s']:>6.3f}s "
                      f"{r['restore_s']:>7.3f}s {r['total_s']:>7.3f}s {r['GBps']:>7.1f} "
                      f"{100 * r['ratio_to_ceiling']:>5.0f}% {r['reprefill_s']:>10.2f}s {tl:>11}  {r['via']}")
+        if "registered_restore_s" in r:
+            lines.append(f"{'':<5} {'':>6} {'registered mapping:':>16} {r['registered_restore_s']:>7.3f}s "
+                         f"{r['registered_total_s']:>7.3f}s {r['registered_GBps']:>7.1f} "
+                         f"{100 * r['registered_ratio_to_ceiling']:>5.0f}%  (registering "
+                         f"{r['registered_register_s']:.3f}s, not counted)")
     return "\n".join(lines)
 
 
@@ -338,12 +390,16 @@ def _plot(res: dict, path: str) -> None:
 @click.option("--page-bytes", default=65536, show_default=True, type=int, help="Page size of the KV region.")
 @click.option("--torch/--no-torch", "with_torch", default=True, show_default=True,
               help="Time torch.save/torch.load of the same bytes.")
+@click.option("--torch-max-gib", default=10.0, show_default=True, type=float,
+              help="Largest size at which torch.save/torch.load are timed (they take ~2.5 s per GiB).")
+@click.option("--registered-max-gib", default=10.0, show_default=True, type=float,
+              help="Largest shm size also restored from a registered mapping (registering takes ~0.25 s/GiB).")
 @click.option("--quick", is_flag=True, help="Small sizes (CI smoke test; runs on the CPU).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
 @click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
 @click.option("--plot", is_flag=True, help="Draw seconds per size to a PNG (beside --out, or ./bench-recover.png).")
 @guarded
-def command(sizes, tiers, page_bytes, with_torch, quick, as_json, out, plot):
+def command(sizes, tiers, page_bytes, with_torch, torch_max_gib, registered_max_gib, quick, as_json, out, plot):
     """Restore KV state from shm and file logs onto the GPU, beside pinned
     host-to-device bandwidth, re-prefill with the model and torch.load.
 
@@ -370,7 +426,8 @@ def command(sizes, tiers, page_bytes, with_torch, quick, as_json, out, plot):
             with open(out, "w") as f:
                 json.dump(result, f, indent=2)
 
-    res = run(sizes_bytes, tier_list, quick, page_bytes, on_row=save, with_torch=with_torch)
+    res = run(sizes_bytes, tier_list, quick, page_bytes, on_row=save, with_torch=with_torch,
+              torch_max_bytes=int(torch_max_gib * GIB), registered_max_bytes=int(registered_max_gib * GIB))
     save(res)
     if plot:
         path = (os.path.splitext(out)[0] + ".png") if out else "bench-recover.png"

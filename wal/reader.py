@@ -219,9 +219,12 @@ class Scanner:
         n = (end - start) // 64
         if n <= 0:
             return None
-        words = self.arr[start:start + n * 64].view("<u8").reshape(n, 8)
+        flat = self.arr[start:start + n * 64].view("<u8")
+        if not np.count_nonzero(flat):  # zero fill, the common case, is skipped at memory speed
+            return None
+        words = flat.reshape(n, 8)
         lsns = words[:, 2]
-        nz = np.flatnonzero(lsns)  # zero fill, the common case, is skipped at memory speed
+        nz = np.flatnonzero(lsns)
         if nz.size == 0:
             return None
         first = seg.base_lsn + (start - seg.offset)

@@ -12,8 +12,9 @@ start=$(date +%s)
 budget=${SESSION_BUDGET_S:-300}
 rc=0
 # test_gpu_staging.py: checkpoints staged on the device (zero copy into a
-# registered shm mapping, pinned ring for file logs) byte-identical to numpy's
-timeout 110 python3 -m pytest tests/session/test_gpu.py tests/session/test_gpu_staging.py -q -m gpu \
+# registered shm mapping, pinned ring for file logs) byte-identical to numpy's;
+# test_restore_gpu.py: the device restore pipeline equal to the host applier
+timeout 150 python3 -m pytest tests/session/test_gpu.py tests/session/test_gpu_staging.py tests/session/test_restore_gpu.py -q -m gpu \
   -p no:cacheprovider --junitxml="$OUT/session-tests.xml" 2>&1 | tail -25
 [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 timeout 60 python3 -m concordia.tools.cli demo --device gpu --steps 160 --json \
@@ -29,7 +30,7 @@ import json; d=json.load(open('$OUT/recover.json'))
 print('ceiling', round(d['ceiling']['GBps'],1), 'GB/s')
 for r in d['rows']:
     if 'error' in r: print(r['tier'], round(r['GiB'],2), 'failed:', r['error']); continue
-    print(r['tier'], round(r['GiB'],2), 'GiB total', round(r['total_s'],3), 's', round(100*r['ratio_to_ceiling']), '% of ceiling', r['via'], 'register', round(r['register_s'],3), 'bounce', r.get('bounce_total_s'), 'torch.load', r['torch_load_s'])
+    print(r['tier'], round(r['GiB'],2), 'GiB total', round(r['total_s'],3), 's restore', round(r['restore_s'],3), round(100*r['ratio_to_ceiling']), '% of ceiling; open', round(r['open_s'],3), 'plan', round(r['plan_s'],3), 'host read', round(r['host_read_GBps'],1), 'GB/s waits fill/copy', r['fill_wait_s'], r['copy_wait_s'], 'registered', r.get('registered_restore_s'), r.get('registered_GBps'), 'torch.load', r['torch_load_s'])
 " || rc=1
 df -h /tmp /dev/shm | tail -2
 exit $rc

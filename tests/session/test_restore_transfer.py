@@ -1,0 +1,136 @@
+"""The device restore's transfer plan and host fill, run with the numpy twin of
+the scatter kernel: chunking, merged copies across records, copies cut between
+chunks, several regions and page sizes, every tier's read path, damage."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from concordia import Session
+from concordia.restore_device import STAGE_ALIGN, apply_transfer_numpy, transfer_plan
+from concordia.wal import Log
+from concordia.wal.apply import apply_plan_numpy
+from concordia.wal.errors import CorruptionError
+from concordia.wal.planner import plan
+
+from .state import LOG_SIZE, SEGMENT, make_state, mutate, register_all
+
+
+def _history(spec, epochs=4):
+    """A log with a base and `epochs - 1` deltas of every kind, plus a region of
+    8 KiB pages whose last page is short."""
+    state = make_state(3)
+    state["big"] = np.arange(70_001, dtype=np.float32)
+    with Session(spec, size=LOG_SIZE, segment_size=SEGMENT, overwrite=True) as s:
+        register_all(s, {k: v for k, v in state.items() if k != "big"})
+        s.register("big", state["big"], kind="kv", page_bytes=8192)
+        for e in range(epochs):
+            if e:
+                mutate(state, e)
+                state["big"][e * 997] = -e
+                state["big"][-1] = e
+            s.checkpoint()
+    return state
+
+
+def _restore_both(spec, chunk_bytes):
+    log = Log.open(spec, writable=False, check_pages=False)
+    try:
+        p = plan(log)
+        want = apply_plan_numpy(log, p)
+        tr = transfer_plan(log, p, chunk_bytes=chunk_bytes)
+        got = apply_transfer_numpy(log, tr)
+        return tr, want, got
+    finally:
+        log.close()
+
+
+def _check_layout(tr):
+    seen = set()
+    for c in range(tr.chunks):
+        lo, hi = int(tr.page_lo[c]), int(tr.page_lo[c + 1])
+        assert hi > lo
+        assert tr.used[c] <= tr.chunk_bytes + STAGE_ALIGN
+        cps = tr.copies[c]
+        assert (cps[:, 2] % STAGE_ALIGN == 0).all() and (cps[:, 1] > 0).all()
+        for k in range(lo, hi):
+            rp = tr.regions[int(tr.region_index[k])]
+            at, pb = int(tr.stage_off[k]), rp.region.page_bytes
+            assert at % 16 == 0 and at + pb <= tr.used[c]
+            inside = (cps[:, 2] <= at) & (at + pb <= cps[:, 2] + cps[:, 1])
+            assert inside.sum() == 1  # each page lies in exactly one copy of its chunk
+            seen.add((int(tr.region_index[k]), int(tr.page_ids[k])))
+        ri = tr.region_index[lo:hi]
+        assert (np.diff(ri) >= 0).all()  # grouped by region within the chunk
+    assert len(seen) == tr.pages
+
+
+@pytest.mark.parametrize("chunk_bytes", [4096, 64 << 10, 1 << 20, 32 << 20])
+def test_transfer_restores_what_the_host_applier_restores(persistent_log, chunk_bytes):
+    _history(persistent_log)
+    tr, want, got = _restore_both(persistent_log, chunk_bytes)
+    _check_layout(tr)
+    assert set(got) == set(want)
+    for name in want:
+        assert got[name].dtype == want[name].dtype and got[name].shape == want[name].shape
+        assert got[name].tobytes() == want[name].tobytes(), name
+    if chunk_bytes >= 1 << 20:
+        assert tr.chunks <= 2  # small pages of many records merge into few copies
+    else:
+        assert tr.chunks > 4
+
+
+def test_memory_copy_path_when_the_tier_has_no_descriptor(persistent_log, monkeypatch):
+    import concordia.restore_device as rd
+
+    _history(persistent_log)
+    monkeypatch.setattr(rd, "_source_of", lambda log: (None, log.backend.array))
+    tr, want, got = _restore_both(persistent_log, 64 << 10)
+    for name in want:
+        assert got[name].tobytes() == want[name].tobytes(), name
+
+
+def test_a_damaged_page_names_its_region_page_and_record(file_log):
+    _history(file_log, epochs=1)
+    log = Log.open(file_log, writable=False, check_pages=False)
+    p = plan(log)
+    tr = transfer_plan(log, p, chunk_bytes=64 << 10)
+    k = int(np.flatnonzero(tr.region_index == [rp.name for rp in tr.regions].index("adapter"))[3])
+    c = int(np.searchsorted(tr.page_lo, k, side="right") - 1)
+    cps = tr.copies[c]
+    at = int(tr.stage_off[k])
+    row = int(np.flatnonzero((cps[:, 2] <= at) & (at < cps[:, 2] + cps[:, 1]))[0])
+    log_off = int(cps[row, 0] + at - cps[row, 2])
+    log.close()
+    path = file_log.partition(":")[2]
+    with open(path, "r+b") as f:
+        f.seek(log_off + 5)
+        b = f.read(1)
+        f.seek(log_off + 5)
+        f.write(bytes([b[0] ^ 0x40]))
+    log = Log.open(file_log, writable=False, check_pages=False)
+    try:
+        tr = transfer_plan(log, plan(log), chunk_bytes=64 << 10)
+        with pytest.raises(CorruptionError) as e:
+            apply_transfer_numpy(log, tr)
+    finally:
+        log.close()
+    msg = str(e.value)
+    assert "page CRC mismatch for page" in msg and "'adapter'" in msg and "segment" in msg and "@ 0x" in msg
+
+
+def test_empty_plan_regions_filter(shm_log):
+    state = make_state(1)
+    with Session(shm_log, size=LOG_SIZE, segment_size=SEGMENT) as s:
+        register_all(s, state)
+        s.checkpoint()
+    log = Log.open(shm_log, writable=False, check_pages=False)
+    try:
+        tr = transfer_plan(log, plan(log), regions=["sched"])
+        got = apply_transfer_numpy(log, tr)
+    finally:
+        log.close()
+    assert list(got) == ["sched"] and got["sched"].tobytes() == state["sched"].tobytes()
