@@ -286,15 +286,25 @@ class Appender:
         src = _page_rows(pages, count, page_bytes)
         flags = F.FLAG_BASE if base else 0
         if self._write_at is not None and src is not None:
-            _check_batch(ids, count, page_bytes)  # before space is taken
-            if page_crcs is None:
-                page_crcs = page_crcs_of(src)  # the tables go first, so CRC the source pages now
-            head = _fill_head(ids, page_crcs, count, self._head_buffer(count))
+            # the checks come before space is taken; the tables go first, so the
+            # source pages are hashed now
+            body_crc = None
+            if page_crcs is None and 0 < count <= F.MAX_BATCH_PAGES and page_bytes % F.RECORD_ALIGN == 0 \
+                    and 0 < page_bytes <= F.MAX_PAGE_BYTES:
+                # ids checked, tables filled and hashed in one call of the helper
+                head = self._head_buffer(count)
+                body_crc = _pagecrc.page_batch_tables(src, ids, head[F.RECORD_HEADER_SIZE:
+                                                                     F.RECORD_HEADER_SIZE + 8 * count])
+            if body_crc is None:  # the checked path, which names any problem
+                _check_batch(ids, count, page_bytes)
+                if page_crcs is None:
+                    page_crcs = page_crcs_of(src)
+                head = _fill_head(ids, page_crcs, count, self._head_buffer(count))
+                body_crc = _crc32c(head[F.RECORD_HEADER_SIZE:F.RECORD_HEADER_SIZE + 8 * count])
             off = self._space(length)
             lsn = self.seg.base_lsn + (off - self.seg.offset)
             F.encode_record_header_into(head, length=length, type=F.REC_PAGE_BATCH, lsn=lsn, epoch=epoch,
-                                        region_id=region_id, salt=self.seg.salt,
-                                        body_crc=_crc32c(head[F.RECORD_HEADER_SIZE:F.RECORD_HEADER_SIZE + 8 * count]),
+                                        region_id=region_id, salt=self.seg.salt, body_crc=body_crc,
                                         count=count, page_bytes=page_bytes, flags=flags)
             tail = [_ZERO_HEADER] if self._next_slot_free() else []  # the next header slot starts zero
             try:

@@ -54,6 +54,8 @@ _CDEF = """
 int concordia_pagecrc_supported(void);
 int concordia_pagecrc_vector(int enable);
 void concordia_page_crcs(const void *base, int64_t stride, int64_t count, int64_t page_bytes, void *out);
+int64_t concordia_page_batch_tables(const void *pages, int64_t stride, int64_t count, int64_t page_bytes,
+                                    const void *ids, int ids_are_i64, void *tables);
 void concordia_copy_page_crcs(void *dst, const void *src, const void *offsets, int64_t src_stride,
                               int64_t count, int64_t page_bytes, void *out);
 """
@@ -128,6 +130,7 @@ else:
     KERNEL = "vpclmulqdq" if _lib.concordia_pagecrc_vector(int(_want_fold)) else "crc32"
     _buf = _ffi.from_buffer
     _page_crcs_c = _lib.concordia_page_crcs
+    _tables_c = _lib.concordia_page_batch_tables
     _copy_c = _lib.concordia_copy_page_crcs
     _NULL = _ffi.NULL
 
@@ -222,6 +225,25 @@ def page_crcs(pages, out=None, *, release_gil: bool = False) -> np.ndarray:
     else:
         out[:] = 0
     return out
+
+
+def page_batch_tables(pages: np.ndarray, ids: np.ndarray, tables: np.ndarray):
+    """The page id and page CRC tables of a page batch (FORMAT.md §6.1) written
+    into `tables` (a C-contiguous uint8 array of 8 * count bytes) in one call of
+    the helper, which also checks the ids; returns the CRC32C of the tables (the
+    record header's body CRC), or None when the ids are not strictly increasing
+    u32 values or the helper cannot take these arguments (the caller then takes
+    the checked path, which names the problem).
+
+    pages: C-contiguous (count, page_bytes) uint8; ids: count uint32 or int64."""
+    count = ids.size
+    if (_lib is None or ids.dtype not in (np.uint32, np.int64) or not ids.flags.c_contiguous
+            or pages.ndim != 2 or pages.shape[0] != count or pages.dtype != np.uint8
+            or not pages.flags.c_contiguous or tables.nbytes != 8 * count or count == 0):
+        return None
+    crc = _tables_c(_buf(pages), pages.strides[0], count, pages.shape[1], _buf(ids), int(ids.dtype == np.int64),
+                    _buf(tables, require_writable=True))
+    return crc if crc >= 0 else None
 
 
 def copy_page_crcs(dst, src, out=None, *, release_gil: bool = False) -> np.ndarray:

@@ -88,3 +88,41 @@ def test_head_checks_like_the_encoder():
         page_batch_head(np.array([1, 2], np.uint32), crcs[:1], PB)
     with pytest.raises(WalError, match="1..16777216 pages, not 0"):
         page_batch_head(np.array([], np.uint32), crcs[:0], PB)
+
+
+@pytest.mark.parametrize("dtype", [np.uint32, np.int64, np.int32, np.uint64])
+def test_ids_of_any_integer_type_give_the_same_record(tmp_path, dtype):
+    """uint32 and int64 ids take the helper's one-call tables, other types the
+    checked path; the bytes on media are the same."""
+    log = Log.create(open_backend(f"file:{tmp_path}/log", size=4 << 20, create=True), segment_size=1 << 20)
+    rid = log.define_region("r", np.uint8, (64 * PB,), PB, "opaque")
+    pages = np.random.default_rng(3).integers(0, 256, (5, PB), dtype=np.uint8)
+    ids = np.array([0, 7, 8, 40, 63], dtype=dtype)
+    lsn = log.appender.append_page_batch(1, rid, ids, pages)
+    log.appender.commit(1)
+    rec = next(r for r in log.records() if r.kind == F.REC_PAGE_BATCH)
+    want = np.zeros(rec.length, np.uint8)
+    F.encode_page_batch_into(want, lsn=lsn, epoch=1, region_id=rid, salt=F.RECORD_HEADER.unpack_from(rec.raw, 0)[7],
+                             page_ids=ids.astype(np.uint32), pages=pages, page_bytes=PB)
+    assert bytes(rec.raw) == want.tobytes()
+    log.close()
+
+
+@pytest.mark.parametrize("ids, problem", [
+    ([1, 2, 2, 3], "strictly increasing"),
+    ([5, 4, 6, 7], "strictly increasing"),
+    ([-1, 2, 3, 4], "fit in u32"),
+    ([1, 2, 3, 1 << 32], "fit in u32"),
+])
+def test_bad_ids_are_refused_before_space_is_taken(tmp_path, ids, problem):
+    log = Log.create(open_backend(f"file:{tmp_path}/log", size=4 << 20, create=True), segment_size=1 << 20)
+    rid = log.define_region("r", np.uint8, (64 * PB,), PB, "opaque")
+    pages = np.ones((4, PB), np.uint8)
+    before = log.appender.write_lsn
+    with pytest.raises(WalError, match=problem):
+        log.appender.append_page_batch(1, rid, np.array(ids, np.int64), pages)
+    assert log.appender.write_lsn == before
+    log.appender.append_page_batch(1, rid, np.arange(4, dtype=np.int64), pages)  # the log goes on
+    log.appender.commit(1)
+    assert log.verify()["ok"]
+    log.close()

@@ -261,3 +261,27 @@ def test_fresh_cache_builds_once(tmp_path):
     assert built[0].stat().st_mtime_ns == stamp  # the cached library is reused
     assert not list((tmp_path / "cache" / "concordia").glob("*.so.*")) and \
         len(list((tmp_path / "cache" / "concordia").iterdir())) == 1  # no temporary left behind
+
+
+def test_page_batch_tables(path):
+    """The ids and page CRCs tables and their CRC in one call, as the encoder
+    writes them; None (the caller's checked path) for bad ids or without the helper."""
+    rng = np.random.default_rng(11)
+    for count, pb in ((1, 4096), (3, 64), (64, 4096), (5, 4160)):
+        pages = rng.integers(0, 256, (count, pb), dtype=np.uint8)
+        for ids in (np.sort(rng.choice(1 << 20, count, replace=False)).astype(np.uint32),
+                    np.arange(count, dtype=np.int64) * 3 + (0xFFFFFFFF - 3 * count + 3)):
+            tables = np.full(8 * count, 0xEE, np.uint8)
+            got = pagecrc.page_batch_tables(pages, ids, tables)
+            if path == "package":
+                assert got is None
+                continue
+            assert tables[:4 * count].view("<u4").tolist() == ids.tolist()
+            assert tables[4 * count:].view("<u4").tolist() == _ref(pages)
+            assert got == crc32c(tables)
+    if path == "package":
+        return
+    pages = np.zeros((3, 64), np.uint8)
+    for bad in ([1, 1, 2], [2, 1, 3], [-1, 0, 1], [0, 1, 1 << 32]):
+        assert pagecrc.page_batch_tables(pages, np.array(bad, np.int64), np.zeros(24, np.uint8)) is None
+    assert pagecrc.page_batch_tables(pages, np.arange(3, dtype=np.int32), np.zeros(24, np.uint8)) is None
