@@ -5,21 +5,22 @@ Why: Hopper's full-GPU GEMM kernels size each block to fill an SM (most of its
 shared memory and registers), and every resident block, even the executor's one
 warp with no shared memory, reserves shared memory for the system; so the SM
 that holds the executor hosts no GEMM block, and a GEMM planned for every SM
-waits on that SM's share of tiles. On the H200 an 8192³ fp16 GEMM ran 8.5 %
-slower beside the idle executor. Telling cuBLAS to plan for fewer SMs
-(`cublasSetSmCountTarget`) lets it pick a tiling that fits the SMs it can have.
-The target is a per-handle setting read when a GEMM is planned: it costs nothing
-on the device, but a GEMM planned with it while no executor is resident gives up
-those SMs for nothing (the bench measures both).
+waits on that SM's share of tiles. On the H200 an 8192³ fp16 GEMM ran 8.6 %
+slower beside the idle executor; with cuBLAS told to plan for one SM fewer
+(`cublasSetSmCountTarget`) it ran 2.4 % faster than with nothing resident
+(within the run's noise). The target is a per-handle setting read when a GEMM
+is planned: nothing on the device, and a GEMM planned with it while no executor
+is resident cost nothing measurable there (docs/results/executor.md).
 
 What is lowered (each a "knob" with a value to lower and the original to put back):
 
 - CuPy's cuBLAS handle of the thread that made the `SmTarget` (CuPy's handles
   are per thread), and any handles passed in `cupy_handles`;
 - PyTorch, when it is already imported and has initialised CUDA: its
-  experimental SM carve-out (read by its cuBLASLt paths) and the SM-count target
-  of its current thread's cuBLAS handle (when only one cuBLAS library is loaded,
-  so the handle belongs to the library called).
+  experimental SM carve-out (read by its cuBLASLt paths only: `torch.mm` beside
+  a resident block went from 6.8 % to 5.0 % with it) and the SM-count target of
+  its current thread's cuBLAS handle (−4.7 %), the latter only when one cuBLAS
+  library is loaded, so that the handle belongs to the library called.
 
 Nesting: knobs are counted per handle, so several executors (a swap, two rings)
 may hold one handle; the original value comes back when the last lets go.
@@ -102,7 +103,7 @@ class CublasLibrary:
             except (OSError, AttributeError):
                 continue
             lib = cand
-            self.via = f"ctypes {name}"
+            self.via = f"ctypes {name.rsplit('/', 1)[-1]}"
             break
         if lib is None:
             raise ExecutorError("no loaded cuBLAS library has cublasSetSmCountTarget (cuBLAS 11.3 or later needed)",
@@ -274,4 +275,4 @@ class SmTarget:
         return {"carveout": self.carveout, "knobs": [list(map(str, k.key)) for k in self.knobs],
                 "lowered_to": [k.lowered for k in self.knobs], "skipped": self.skipped,
                 "via": _LIBRARY.via if _LIBRARY is not None else None,
-                "cublas_libraries_loaded": _LIBRARY.paths if _LIBRARY is not None else None}
+                "cublas_libraries_loaded": [p.rsplit("/", 1)[-1] for p in _LIBRARY.paths] if _LIBRARY else None}
