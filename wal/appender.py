@@ -134,6 +134,10 @@ class Appender:
         self._start_writeback = getattr(self.backend, "start_writeback", None) if self.one_sync else None
         self.writeback_bytes = WRITEBACK_BYTES
         self._kicked = 0  # offset up to which writeback of the last dirty range was started
+        #: the next segment's header, written by a commit and persisted by its sync
+        #: (`Volume.prepare_segment`), so that the roll over needs one sync, not two
+        self._prepared: SegmentInfo | None = None
+        self._prepared_durable = False
 
     # -- space --------------------------------------------------------------------
     @property
@@ -153,7 +157,9 @@ class Appender:
                 self._defer(self.pos, 64)
             else:
                 self.backend.persist(self.pos, 64)
-        self.seg = self.vol.take_segment(old)
+        prepared = self._prepared if self._prepared_durable else None
+        self._prepared, self._prepared_durable = None, False
+        self.seg = self.vol.take_segment(old, prepared=prepared)
         self.pos = self.seg.offset + F.SEGMENT_HEADER_SIZE
 
     def _space(self, nbytes: int) -> int:
@@ -415,7 +421,18 @@ class Appender:
         self._start_writeback(start, end - start)
 
     def sync(self) -> None:
-        """Persist every record appended so far (what commit does first)."""
+        """Persist every record appended so far (what commit does first).  Called
+        on its own (as when the log is closed), it also withdraws a prepared
+        segment header (zeroed, persisted by the same sync), so that a log closed
+        cleanly leaves no header in a free segment for the next open to adopt."""
+        if self._prepared is not None:
+            off = self._prepared.offset
+            self.backend.array[off:off + F.SEGMENT_HEADER_SIZE] = 0
+            self._dirty.append([off, off + F.SEGMENT_HEADER_SIZE])
+            self._prepared, self._prepared_durable = None, False
+        self._sync()
+
+    def _sync(self) -> None:
         if self._pmem:
             if self._dirty:
                 self.backend.drain()
@@ -449,9 +466,22 @@ class Appender:
             # which the reader treats as not committed
             lsn = self.append_record(type=F.REC_COMMIT, epoch=epoch, body=body, aux=self.last_commit_lsn,
                                      flags=F.FLAG_ONE_SYNC, persist=False)
-            self.sync()
+            if self._prepared is None and self.seg is not None:
+                # the next segment's header rides on this sync (one ordered sync fewer at
+                # the roll over: header persisted, then superblock, as FORMAT.md §3.4 says)
+                self._prepared = self.vol.prepare_segment(self.seg)
+                if self._prepared is not None:
+                    self._dirty.append([self._prepared.offset, self._prepared.offset + F.SEGMENT_HEADER_SIZE
+                                        + F.RECORD_HEADER_SIZE])
+            try:
+                self._sync()
+            except BaseException:
+                self._prepared, self._prepared_durable = None, False
+                raise
+            if self._prepared is not None:
+                self._prepared_durable = True
         else:
-            self.sync()
+            self._sync()
             lsn = self.append_record(type=F.REC_COMMIT, epoch=epoch, body=body, aux=self.last_commit_lsn)
         self.last_committed_epoch = epoch
         self.last_commit_lsn = lsn

@@ -314,23 +314,26 @@ class Volume:
                     f"salt 0x{seg.salt:08x})")
         return None
 
-    def take_segment(self, after: SegmentInfo | None) -> SegmentInfo:
-        """Roll over: take the next free segment (cyclically after `after`), give it a
-        new salt and base_lsn, write and persist its header, then record it live in
-        the superblock (FORMAT.md §3.4).  Raises LogFullError when none is free."""
+    def _next_free(self, after: SegmentInfo | None) -> int:
+        """Index of the free segment a roll over after `after` takes: the next one
+        cyclically.  Raises LogFullError when none is free."""
         sb = self._sb
         n = sb.segment_count
         start = 0 if after is None else (after.index + 1) % n
         for k in range(n):
             i = (start + k) % n
             if sb.segments[i].state == F.SEG_FREE:
-                break
-        else:
-            raise LogFullError(f"all {n} segments are live", where=self.backend.where,
-                               hint="compact the log to reclaim segments, or create a larger one")
-        old = sb.segments[i]
-        prev = self.live_segments()[-1] if self.live_segments() else None
-        salt = _random_salt(old.salt)
+                return i
+        raise LogFullError(f"all {n} segments are live", where=self.backend.where,
+                           hint="compact the log to reclaim segments, or create a larger one")
+
+    def _write_header(self, i: int) -> SegmentInfo:
+        """Write (not persist) the header of segment `i` as the next one of the
+        chain, with a new salt, and zero its first record slot."""
+        sb = self._sb
+        live = self.live_segments()
+        prev = live[-1] if live else None
+        salt = _random_salt(sb.segments[i].salt)
         h = F.SegmentHeader(sb.uuid, sb.next_segment_seq, sb.next_lsn, sb.segment_bytes, i, salt,
                             prev.seq if prev else 0, prev.header_crc if prev else 0, time.time_ns())
         raw = F.encode_segment_header(h)
@@ -340,12 +343,64 @@ class Volume:
         arr[off:off + F.SEGMENT_HEADER_SIZE] = np.frombuffer(raw, np.uint8)
         # the first record slot starts zero, so a fresh segment ends cleanly at once
         arr[off + F.SEGMENT_HEADER_SIZE:off + F.SEGMENT_HEADER_SIZE + F.RECORD_HEADER_SIZE] = 0
-        self.backend.persist(off, F.SEGMENT_HEADER_SIZE + F.RECORD_HEADER_SIZE)
-        entries = list(sb.segments)
-        entries[i] = F.SegmentEntry(h.base_lsn, h.seq, salt, F.SEG_LIVE, crc)
-        self._update(segments=tuple(entries), next_lsn=h.base_lsn + sb.segment_bytes,
-                     next_segment_seq=h.seq + 1)
         return SegmentInfo(i, h.seq, h.base_lsn, salt, off, sb.segment_bytes, crc)
+
+    def prepare_segment(self, after: SegmentInfo) -> SegmentInfo | None:
+        """Write, but do not persist, the header (and zeroed first record slot)
+        of the segment that a roll over after `after` will take, so that the
+        caller can persist it with a sync it makes anyway (a commit's).  Once
+        persisted, `take_segment(after, prepared=...)` only has to write the
+        superblock.  A persisted header in a free segment is a state FORMAT.md
+        §3.4 allows (a crash between header and superblock): the segment is
+        ignored or adopted, and holds no record.  None when no segment is free."""
+        try:
+            i = self._next_free(after)
+        except LogFullError:
+            return None
+        return self._write_header(i)
+
+    def take_segment(self, after: SegmentInfo | None, *, prepared: SegmentInfo | None = None) -> SegmentInfo:
+        """Roll over: take the next free segment (cyclically after `after`), give it a
+        new salt and base_lsn, write and persist its header, then record it live in
+        the superblock (FORMAT.md §3.4).  Raises LogFullError when none is free.
+
+        prepared: a header from `prepare_segment(after)` that the caller has
+        persisted since; when it is still the segment and chain position this
+        roll over takes, only the superblock is written.  Otherwise its header
+        is zeroed and persisted first (it must never be adopted), and the roll
+        over goes the usual way."""
+        sb = self._sb
+        i = self._next_free(after)
+        live = self.live_segments()
+        prev = live[-1] if live else None
+        if prepared is not None and not (
+                prepared.index == i and prepared.seq == sb.next_segment_seq and prepared.base_lsn == sb.next_lsn
+                and prev is not None and prev.seq == prepared.seq - 1
+                and sb.segments[i].state == F.SEG_FREE and self._header_is(prepared, prev)):
+            if sb.segments[prepared.index].state == F.SEG_FREE:
+                off = prepared.offset
+                self.backend.array[off:off + F.SEGMENT_HEADER_SIZE] = 0
+                self.backend.persist(off, F.SEGMENT_HEADER_SIZE)
+            prepared = None
+        if prepared is None:
+            seg = self._write_header(i)
+            self.backend.persist(seg.offset, F.SEGMENT_HEADER_SIZE + F.RECORD_HEADER_SIZE)
+        else:
+            seg = prepared
+        entries = list(sb.segments)
+        entries[i] = F.SegmentEntry(seg.base_lsn, seg.seq, seg.salt, F.SEG_LIVE, seg.header_crc)
+        self._update(segments=tuple(entries), next_lsn=seg.base_lsn + sb.segment_bytes,
+                     next_segment_seq=seg.seq + 1)
+        return seg
+
+    def _header_is(self, seg: SegmentInfo, prev: SegmentInfo) -> bool:
+        """Whether the media still hold `seg`'s header, chained to `prev`, and its zero first slot."""
+        off = seg.offset
+        hdr, why = F.decode_segment_header(memoryview(self.backend.array[off:off + F.SEGMENT_HEADER_SIZE]))
+        slot = self.backend.array[off + F.SEGMENT_HEADER_SIZE:off + F.SEGMENT_HEADER_SIZE + F.RECORD_HEADER_SIZE]
+        return (why is None and hdr.header_crc == seg.header_crc and hdr.salt == seg.salt
+                and hdr.prev_seq == prev.seq and hdr.prev_header_crc == prev.header_crc
+                and not slot.any())
 
     def free_segments(self, indexes, *, invalidate: bool = False, **changes) -> None:
         """Mark segments free in one superblock write (with other `changes`).
