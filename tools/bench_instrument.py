@@ -9,8 +9,14 @@ looping over the array).  Each is compiled through CuPy with
 `concordia.instrument` set as named:
 
   plain         no instrumentation (the baseline)
-  exit-hooks    exit hooks and epoch counters, no gate attached
-  exit+gate     exit hooks with an open gate in mapped host memory (one poll per launch)
+  exit-hooks    exit hooks and epoch counters (threads counted at the exit), no gate attached
+  exit+gate     the same with an open gate in mapped host memory (one poll per launch)
+  entry+gate    threads counted at entry instead (`count_at="entry"`), open gate
+  strong+gate   exit+gate with the gate's mirror read as commit 8824538 read it: a
+                GPU-scope relaxed load per thread, which L1 does not serve
+                (kept to measure what the weak, L1-served read saves)
+  no-mirror     exit hooks without the gate (no mirror read at all): what the
+                exit count alone costs
   store-track   exit hooks, gate, and the store tracker with the output registered
 
 Times are CUDA-event medians over `--repeat` launches after warm-up, taken in
@@ -40,7 +46,41 @@ extern "C" __global__ void stride_axpy(const float* x, float* y, float a, long l
 }
 """
 SHAPES = ("per-element", "grid-stride")
-VARIANTS = ("plain", "exit-hooks", "exit+gate", "store-track")
+VARIANTS = ("plain", "exit-hooks", "exit+gate", "entry+gate", "strong+gate", "no-mirror", "store-track")
+# enable() arguments per variant (the gate is attached where "gate" is true)
+SETTINGS = {
+    "exit-hooks": dict(gate=False),
+    "exit+gate": dict(gate=True),
+    "entry+gate": dict(gate=True, count_at="entry"),
+    "strong+gate": dict(gate=True),
+    "no-mirror": dict(gate=False, pause_gate=False),
+    "store-track": dict(gate=True, track_stores=True),
+}
+WEAK_READ = "ld.global.ca.u32 %__cnc_h, [__concordia_hold];"
+STRONG_READ = "ld.relaxed.gpu.global.u32 %__cnc_h, [__concordia_hold];"
+
+
+class _StrongMirrorRead:
+    """While in use, CuPy kernels are rewritten with the mirror read of commit
+    8824538 (a strong load per thread) in place of the weak one."""
+
+    def __enter__(self):
+        from concordia.instrument import cupy_hook
+
+        self.module, self.saved = cupy_hook, cupy_hook.rewrite
+        self.replaced = 0
+
+        def rewrite(text, options):
+            res = self.saved(text, options)
+            self.replaced += res.ptx.count(WEAK_READ)
+            res.ptx = res.ptx.replace(WEAK_READ, STRONG_READ)
+            return res
+
+        cupy_hook.rewrite = rewrite
+        return self
+
+    def __exit__(self, *exc):
+        self.module.rewrite = self.saved
 
 
 def _cupy():
@@ -75,6 +115,18 @@ def _time(cp, fn, repeat: int) -> float:
     return float(np.median(_samples(cp, fn, repeat)))
 
 
+def _load(cp, variant: str) -> dict:
+    mod = cp.RawModule(code=SRC, options=(f"-DVARIANT_{variant.replace('-', '_').replace('+', '_')}",))
+    return {"per-element": mod.get_function("stream_axpy"), "grid-stride": mod.get_function("stride_axpy")}
+
+
+def _registers(fn) -> int | None:
+    try:
+        return int(fn.num_regs)
+    except Exception:
+        return None
+
+
 def run(nbytes: int, repeat: int) -> dict:
     cp = _cupy()
     from concordia import instrument
@@ -94,12 +146,20 @@ def run(nbytes: int, repeat: int) -> dict:
     try:
         for v in VARIANTS:
             instrument.disable()
-            if v != "plain":
-                rep = instrument.enable(track_stores=(v == "store-track"),
-                                        gate=gate if v != "exit-hooks" else None)
-            mod = cp.RawModule(code=SRC, options=(f"-DVARIANT_{v.replace('-', '_').replace('+', '_')}",))
-            fns = {"per-element": mod.get_function("stream_axpy"),
-                   "grid-stride": mod.get_function("stride_axpy")}
+            if v == "plain":
+                kernels[v] = _load(cp, v)
+                continue
+            settings = dict(SETTINGS[v])
+            attach = settings.pop("gate")
+            rep = instrument.enable(gate=gate if attach else None, **settings)
+            if v == "strong+gate":
+                with _StrongMirrorRead() as strong:
+                    fns = _load(cp, v)
+                if strong.replaced < 2:
+                    raise InstrumentError("the bench kernels have no weak mirror read to replace",
+                                          where="bench instrument", hint=WEAK_READ)
+            else:
+                fns = _load(cp, v)
             if v == "store-track":
                 region = instrument.track_array("y", y, 4096)
                 instrument.set_regions([region])
@@ -107,6 +167,11 @@ def run(nbytes: int, repeat: int) -> dict:
                     raise InstrumentError("the store tracker instrumented no store of the bench kernels",
                                           where="bench instrument",
                                           hint=f"hook calls {instrument._hook.calls}")
+            opts = rep.find("stream_axpy").result.options
+            if (opts.count_at, opts.pause_gate) != (settings.get("count_at", "exit"),
+                                                    settings.get("pause_gate", True)):
+                raise InstrumentError(f"{v}: the bench kernels were rewritten with {opts}",
+                                      where="bench instrument")
             kernels[v] = fns
         instrument.disable()
         shapes = []
@@ -124,18 +189,21 @@ def run(nbytes: int, repeat: int) -> dict:
                 secs = float(np.median(samples[v][0] + samples[v][1]))
                 bw = 3 * 4 * n / secs
                 rows.append({"variant": v, "median_us": secs * 1e6, "overhead": secs / base - 1.0,
-                             "bandwidth_GBps": bw / 1e9, "ratio_to_copy": bw / ceiling_bw})
+                             "bandwidth_GBps": bw / 1e9, "ratio_to_copy": bw / ceiling_bw,
+                             "registers": _registers(kernels[v][shape])})
             shapes.append({"shape": shape, "launch": {"grid": grid, "block": block},
                            "spread": abs(r0 - r1) / ((r0 + r1) / 2), "variants": rows})
     finally:
         instrument.disable()
         gate.free()
     goal = 0.05
+    met = {}
+    for s in shapes:
+        by = {r["variant"]: r["overhead"] for r in s["variants"]}
+        met[s["shape"]] = {v: by[v] <= goal for v in ("exit-hooks", "exit+gate", "entry+gate")}
     return {"bytes_per_array": n * 4, "repeat": repeat, "rounds": 2,
             "ceiling": {"what": "device-to-device copy (read + write)", "bandwidth_GBps": ceiling_bw / 1e9},
-            "shapes": shapes,
-            "goal": {"exit_hooks_max_overhead": goal,
-                     "met": {s["shape"]: s["variants"][1]["overhead"] <= goal for s in shapes}}}
+            "shapes": shapes, "goal": {"exit_hooks_max_overhead": goal, "met": met}}
 
 
 @click.command("instrument")
@@ -170,7 +238,7 @@ def command(size, repeat, quick, as_json, out):
     for s in res["shapes"]:
         click.echo(f"{s['shape']}: grid {s['launch']['grid']} x {s['launch']['block']}, "
                    f"noise {s['spread']:.1%}")
-        click.echo(f"  {'variant':<12} {'median us':>10} {'overhead':>9} {'GB/s':>8} {'/copy':>6}")
+        click.echo(f"  {'variant':<12} {'median us':>10} {'overhead':>9} {'GB/s':>8} {'/copy':>6} {'regs':>5}")
         for r in s["variants"]:
             click.echo(f"  {r['variant']:<12} {r['median_us']:>10.1f} {r['overhead']:>8.1%} "
-                       f"{r['bandwidth_GBps']:>8.0f} {r['ratio_to_copy']:>6.2f}")
+                       f"{r['bandwidth_GBps']:>8.0f} {r['ratio_to_copy']:>6.2f} {r['registers'] or '?':>5}")

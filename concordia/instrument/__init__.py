@@ -22,9 +22,11 @@ _hook = None
 
 
 def enable(*, exit_hooks: bool = True, pause_gate: bool = True, track_stores: bool = False,
-           max_regions: int = 8, gate: Gate | None = None, compiler=None) -> Report:
+           max_regions: int = 8, count_at: str = "exit", gate: Gate | None = None,
+           compiler=None) -> Report:
     """Rewrite every CuPy kernel compiled from now on; return the live report.
-    `compiler` defaults to `cupy.cuda.compiler`."""
+    `count_at` is where threads are counted ("exit" or "entry", see
+    `concordia.instrument.rewrite`); `compiler` defaults to `cupy.cuda.compiler`."""
     global _hook
     from concordia.instrument.cupy_hook import CupyHook, clear_cupy_memos
 
@@ -36,7 +38,7 @@ def enable(*, exit_hooks: bool = True, pause_gate: bool = True, track_stores: bo
         except Exception as exc:
             raise InstrumentError(f"CuPy is not importable ({type(exc).__name__}: {exc})") from None
     opts = Options(exit_hooks=exit_hooks, pause_gate=pause_gate, track_stores=track_stores,
-                   max_regions=max_regions)
+                   max_regions=max_regions, count_at=count_at)
     hook = CupyHook(compiler, opts, Report(), gate)
     hook.install()
     clear_cupy_memos()

@@ -92,7 +92,7 @@ from __future__ import annotations
 
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from concordia.instrument import ptx as P
 from concordia.instrument.errors import InstrumentError
@@ -114,6 +114,7 @@ TRACK = MARK + "track"
 STRIPES = 64                   # exit counters, one per 128-byte line
 STRIPE_WORDS = 16              # u64 words per stripe
 REGION_WORDS = 4               # base, size, bitmap, page_bytes (u64 each)
+COUNT_AT = ("exit", "entry")
 
 _TYPE_BYTES = {
     "b8": 1, "u8": 1, "s8": 1,
@@ -132,6 +133,7 @@ class Options:
     pause_gate: bool = True
     track_stores: bool = False
     max_regions: int = 8
+    count_at: str = "exit"     # where threads are counted: "exit" or "entry" (see above)
 
 
 @dataclass
@@ -216,9 +218,15 @@ def rewrite(text: str | bytes, options: Options = Options()) -> RewriteResult:
     sleep_ok = modern
     result = RewriteResult(ptx="", options=options, address_size=header.address_size,
                            target=header.target)
-    if not modern and options.pause_gate:
-        options = Options(exit_hooks=options.exit_hooks, pause_gate=False,
-                          track_stores=options.track_stores, max_regions=options.max_regions)
+    if options.count_at not in COUNT_AT:
+        raise InstrumentError(f"count_at {options.count_at!r} is not one of {', '.join(COUNT_AT)}",
+                              where="Options")
+    # Counting at entry leaves a .func's `exit` unhooked; a hold would wait for
+    # a thread counted nowhere, so such a module gets no gate.
+    func_exits = options.count_at == "entry" and any(
+        c.is_function and c.kind != "entry" and re.search(r"(^|[;{}\s])exit\s*;", c.body) for c in chunks)
+    if (not modern or func_exits) and options.pause_gate:
+        options = replace(options, pause_gate=False)
         result.options = options
     ctx = _Ctx(options, header, symbols, modern, sleep_ok, other_slot=-1)
     out: list[str] = []
@@ -391,8 +399,8 @@ def _rewrite_function(ch: P.Chunk, info: KernelInfo, ctx: _Ctx) -> str:
             if m:
                 local_symbols.add(m.group(1))
     is_entry = ch.kind == "entry"
-    hook_exits = ctx.options.exit_hooks and (is_entry or any(
-        it.kind == "stmt" and it.parts[0] == "exit" for it in items))
+    hook_exits = ctx.options.exit_hooks and (is_entry or (ctx.options.count_at == "exit" and any(
+        it.kind == "stmt" and it.parts[0] == "exit" for it in items)))
     out: list[str] = []
     prologue_done = not (is_entry and ctx.options.exit_hooks)
     for it in items:
@@ -423,7 +431,7 @@ def _rewrite_function(ch: P.Chunk, info: KernelInfo, ctx: _Ctx) -> str:
     decls = ""
     if hook_exits:
         decls = (f"\n\t.reg .pred {REG}p<4>;\n\t.reg .b32 {REG}r<6>;\n\t.reg .b64 {REG}d<6>;"
-                 f"\n\t.reg .b32 {REG}h;")
+                 f"\n\t.reg .b32 {REG}h;\n\t.reg .pred {REG}pc;")
         body = body.rstrip() + "\n" + _exit_stub(info.index, is_entry, ctx) + "\n"
     return ch.head + "{" + decls + body + "}"
 
@@ -432,18 +440,49 @@ def _is_declaration(it: P.Item) -> bool:
     return it.opcode in (".reg", ".shared", ".local", ".param", ".pragma", ".loc", ".const", ".global")
 
 
+def _stripe(r: list[str], d: list[str], a64: bool) -> tuple[list[str], str]:
+    """The address of this thread's counter: EXITS + 128 * (%smid % 64)."""
+    if a64:
+        return ([f"mov.u32 {r[3]}, %smid;", f"and.b32 {r[3]}, {r[3]}, {STRIPES - 1};",
+                 f"mul.wide.u32 {d[0]}, {r[3]}, {8 * STRIPE_WORDS};", f"mov.u64 {d[1]}, {EXITS};",
+                 f"add.s64 {d[0]}, {d[0]}, {d[1]};"], d[0])
+    return ([f"mov.u32 {r[3]}, %smid;", f"and.b32 {r[3]}, {r[3]}, {STRIPES - 1};",
+             f"mov.u32 {r[4]}, {EXITS};", f"mad.lo.u32 {r[4]}, {r[3]}, {8 * STRIPE_WORDS}, {r[4]};"], r[4])
+
+
 def _prologue(slot: int, ctx: _Ctx) -> str:
-    """Every thread reads the gate's mirror once (the load's latency overlaps the
-    kernel body; the value is used only at the exit).  Block 0's thread 0 counts
-    the launch: its thread count into `expect`, the resulting target, and one
-    more started launch of this kernel."""
-    r0, r1, d0, d1, d2, p = (f"{REG}r0", f"{REG}r1", f"{REG}d0", f"{REG}d1", f"{REG}d2", f"{REG}p0")
+    """Every thread reads the gate's mirror once, with a weak load (served by L1
+    after the first warp of an SM; a strong load would send every warp of the
+    grid to the one L2 line that holds the mirror).  Counting at entry, the
+    threads not asked to hold are counted here by their group's leader.  Block
+    0's thread 0 counts the launch: its thread count into `expect`, the
+    resulting target, and one more started launch of this kernel."""
+    r = [f"{REG}r{i}" for i in range(6)]
+    d = [f"{REG}d{i}" for i in range(6)]
+    p = [f"{REG}p{i}" for i in range(4)]
+    pc = f"{REG}pc"
     lines = []
     if ctx.options.pause_gate:
-        lines.append(f"ld.relaxed.gpu.global.u32 {REG}h, [{HOLD}];")
-    lines += _first_thread(r0, r1, p)
+        lines.append(f"ld.global.ca.u32 {REG}h, [{HOLD}];")
+    if ctx.options.count_at == "entry":
+        # pc = not asked to hold: counted here, not at the exit
+        lines.append(f"setp.eq.u32 {pc}, {REG}h, 0;" if ctx.options.pause_gate else f"setp.eq.u32 {pc}, 0, 0;")
+        stripe, where = _stripe(r, d, ctx.header.address_size == 64)
+        lines += stripe
+        if ctx.modern:
+            lines.append(f"activemask.b32 {r[0]};")
+            if ctx.options.pause_gate:
+                lines.append(f"vote.sync.ballot.b32 {r[0]}, {pc}, {r[0]};")
+            lines += [f"popc.b32 {r[1]}, {r[0]};", f"cvt.u64.u32 {d[2]}, {r[1]};",
+                      f"mov.u32 {r[2]}, %lanemask_lt;", f"and.b32 {r[2]}, {r[2]}, {r[0]};",
+                      f"setp.eq.u32 {p[1]}, {r[2]}, 0;", f"and.pred {p[1]}, {p[1]}, {pc};",
+                      f"@{p[1]} red.relaxed.gpu.global.add.u64 [{where}], {d[2]};"]
+        else:
+            lines.append(f"red.global.add.u64 [{where}], 1;")
+    r0, r1, d0, d1, d2 = r[0], r[1], d[0], d[1], d[2]
+    lines += _first_thread(r0, r1, p[0])
     lines += [
-        f"@!{p} bra {LBL}go;",
+        f"@!{p[0]} bra {LBL}go;",
         f"mov.u32 {r0}, %nctaid.x;", f"mov.u32 {r1}, %nctaid.y;", f"mul.wide.u32 {d0}, {r0}, {r1};",
         f"mov.u32 {r0}, %nctaid.z;", f"cvt.u64.u32 {d1}, {r0};", f"mul.lo.u64 {d0}, {d0}, {d1};",
         f"mov.u32 {r0}, %ntid.x;", f"mov.u32 {r1}, %ntid.y;", f"mul.lo.u32 {r0}, {r0}, {r1};",
@@ -471,21 +510,15 @@ def _indent(lines: list[str]) -> list[str]:
 
 
 def _exit_stub(slot: int, is_entry: bool, ctx: _Ctx) -> str:
-    """The common exit of an entry (`ret`) or of a `.func` that calls `exit`."""
+    """The common exit of an entry (`ret`) or, counting at the exit, of a
+    `.func` that calls `exit`."""
     r = [f"{REG}r{i}" for i in range(6)]
     d = [f"{REG}d{i}" for i in range(6)]
     p = [f"{REG}p{i}" for i in range(4)]
     a64 = ctx.header.address_size == 64
-    # the address of this thread's stripe: EXITS + 128 * (%smid % 64)
-    if a64:
-        stripe = [f"mov.u32 {r[3]}, %smid;", f"and.b32 {r[3]}, {r[3]}, {STRIPES - 1};",
-                  f"mul.wide.u32 {d[0]}, {r[3]}, {8 * STRIPE_WORDS};", f"mov.u64 {d[1]}, {EXITS};",
-                  f"add.s64 {d[0]}, {d[0]}, {d[1]};"]
-        where = d[0]
-    else:
-        stripe = [f"mov.u32 {r[3]}, %smid;", f"and.b32 {r[3]}, {r[3]}, {STRIPES - 1};",
-                  f"mov.u32 {r[4]}, {EXITS};", f"mad.lo.u32 {r[4]}, {r[3]}, {8 * STRIPE_WORDS}, {r[4]};"]
-        where = r[4]
+    if ctx.options.count_at == "entry":
+        return "\n".join(_indent(_entry_counted_exit(slot, r, d, p, a64, ctx)))
+    stripe, where = _stripe(r, d, a64)
     lines = [f"{LBL}exit:"] + stripe
     if not ctx.modern:
         # no warp-level count below sm_70: each thread counts itself
@@ -520,6 +553,34 @@ def _exit_stub(slot: int, is_entry: bool, ctx: _Ctx) -> str:
     return "\n".join(_indent(lines))
 
 
+def _entry_counted_exit(slot: int, r: list[str], d: list[str], p: list[str], a64: bool,
+                        ctx: _Ctx) -> list[str]:
+    """Counting at entry: the exit counts only the threads that started while a
+    hold was requested, after their writes, and then offers block 0's thread 0
+    to the gate.  Without a gate it is a plain return."""
+    lines = [f"{LBL}exit:"]
+    if ctx.options.pause_gate:
+        stripe, where = _stripe(r, d, a64)
+        lines += [
+            f"activemask.b32 {r[0]};",
+            f"vote.sync.ballot.b32 {r[1]}, !{REG}pc, {r[0]};",   # the group's threads still to count
+            f"setp.eq.u32 {p[2]}, {r[1]}, 0;",
+            f"@{p[2]} bra {LBL}counted;",
+            f"bar.warp.sync {r[0]};",                            # their writes before the leader's release
+            *stripe,
+            f"popc.b32 {r[2]}, {r[1]};",
+            f"cvt.u64.u32 {d[2]}, {r[2]};",
+            f"mov.u32 {r[2]}, %lanemask_lt;",
+            f"and.b32 {r[2]}, {r[2]}, {r[1]};",
+            f"setp.eq.u32 {p[1]}, {r[2]}, 0;",
+            f"and.pred {p[1]}, {p[1]}, !{REG}pc;",
+            f"@{p[1]} red.release.gpu.global.add.u64 [{where}], {d[2]};",
+            f"{LBL}counted:",
+        ]
+        lines += _gate_hold(slot, r, d, p, a64, ctx)
+    return lines + [f"{LBL}done:", "ret;"]
+
+
 def _gate_hold(slot: int, r: list[str], d: list[str], p: list[str], a64: bool, ctx: _Ctx) -> list[str]:
     """Block 0's thread 0, when the gate was closed at entry and still is: wait
     until every thread counted up to this launch's target has left, then report
@@ -528,8 +589,8 @@ def _gate_hold(slot: int, r: list[str], d: list[str], p: list[str], a64: bool, c
                 f"mov.u32 {r[4]}, {EXITS};\n\tcvt.u64.u32 {d[1]}, {r[4]};")
     lines = _first_thread(r[0], r[1], p[0]) + [
         f"@!{p[0]} bra {LBL}done;",
-        f"setp.eq.u32 {p[0]}, {REG}h, 0;",
-        f"@{p[0]} bra {LBL}done;",
+        *([f"@{REG}pc bra {LBL}done;"] if ctx.options.count_at == "entry" else
+          [f"setp.eq.u32 {p[0]}, {REG}h, 0;", f"@{p[0]} bra {LBL}done;"]),
         f"ld.global.u64 {d[3]}, [{GATE}];",
         f"setp.eq.u64 {p[0]}, {d[3]}, 0;",
         f"@{p[0]} bra {LBL}done;",
@@ -564,7 +625,6 @@ def _gate_hold(slot: int, r: list[str], d: list[str], p: list[str], a64: bool, c
         "nanosleep.u32 1000;",
         f"bra {LBL}wait;",
     ]
-    del ctx
     return lines
 
 

@@ -57,7 +57,8 @@ def _wait(cond, seconds=10.0):
     return False
 
 
-def test_instrumented_kernels_compute_identical_results(cp):
+@pytest.mark.parametrize("count_at", ["exit", "entry"])
+def test_instrumented_kernels_compute_identical_results(cp, count_at):
     rng = np.random.default_rng(1)
     n = (1 << 20) + 37
     x = cp.asarray(rng.standard_normal(n, dtype=np.float32))
@@ -67,7 +68,7 @@ def test_instrumented_kernels_compute_identical_results(cp):
     y_plain = y0.copy()
     plain(grid, block, (x, y_plain, np.float32(1.5), np.int64(n)))
 
-    rep = instrument.enable()
+    rep = instrument.enable(count_at=count_at)
     k = cp.RawModule(code=SRC).get_function("axpy")
     y_inst = y0.copy()
     for _ in range(5):
@@ -129,8 +130,9 @@ def test_store_tracked_dirty_set_equals_shadow_diff(cp, page_bytes):
         assert len(expect) > 0
 
 
-def test_pause_gate_holds_and_releases_cupy_kernels(cp):
-    instrument.enable()
+@pytest.mark.parametrize("count_at", ["exit", "entry"])
+def test_pause_gate_holds_and_releases_cupy_kernels(cp, count_at):
+    instrument.enable(count_at=count_at)
     gate = instrument.Gate()
     instrument.set_gate(gate)
     try:
@@ -173,11 +175,12 @@ extern "C" __global__ void slow_fill(float* out, int n, long long spin) {
 """
 
 
-def test_gate_reports_arrival_only_after_every_block_has_finished(cp):
+@pytest.mark.parametrize("count_at", ["exit", "entry"])
+def test_gate_reports_arrival_only_after_every_block_has_finished(cp, count_at):
     # Block 0 (which holds the launch) leaves at once; every other block spins
     # for milliseconds before it writes.  When the gate says "arrived", all of
     # the launch's writes must be there, and the held launch counts as complete.
-    instrument.enable()
+    instrument.enable(count_at=count_at)
     gate = instrument.Gate()
     instrument.set_gate(gate)
     try:
@@ -211,8 +214,9 @@ def test_gate_reports_arrival_only_after_every_block_has_finished(cp):
         gate.free()
 
 
-def test_epochs_count_launches_of_varying_grids_exactly(cp):
-    rep = instrument.enable()
+@pytest.mark.parametrize("count_at", ["exit", "entry"])
+def test_epochs_count_launches_of_varying_grids_exactly(cp, count_at):
+    rep = instrument.enable(count_at=count_at)
     mod = cp.RawModule(code=SRC)
     axpy, bump = mod.get_function("axpy"), mod.get_function("bump_bytes")
     rng = np.random.default_rng(5)

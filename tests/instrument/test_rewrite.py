@@ -64,10 +64,11 @@ def test_every_exit_is_routed_through_one_stub():
     assert "bra.uni $__cnc_exit;" in out
     # the only ret left is the stub's own; no exit remains
     assert out.count("ret;") == 1 and "exit;" not in out.replace("$__cnc_exit", "")
-    # no barrier and no shared memory anywhere; the prologue (mirror read, block 0
-    # counting the launch) comes before the kernel's first instruction
+    # no barrier and no shared memory anywhere; the prologue (a weak, L1-served
+    # mirror read, block 0 counting the launch) comes before the kernel's first instruction
     assert "bar.sync" not in out and ".shared" not in out
-    assert out.index("ld.relaxed.gpu.global.u32 %__cnc_h, [__concordia_hold];") < out.index("setp.eq.u32 %p1")
+    assert out.index("ld.global.ca.u32 %__cnc_h, [__concordia_hold];") < out.index("setp.eq.u32 %p1")
+    assert "ld.relaxed" not in out[:out.index("$__cnc_exit:")]
     assert out.index("atom.global.add.u64 %__cnc_d2, [__concordia_expect]") < out.index("setp.eq.u32 %p1")
     # the common exit: one relaxed red per group of threads, no value returned
     stub = out[out.index("$__cnc_exit:"):]
@@ -85,6 +86,42 @@ def test_gate_waits_only_in_block_zero_and_only_when_the_mirror_is_set():
     assert "[__concordia_targets+0]" in hold
     # while the mirror is set the count is a release after a warp barrier
     assert "bar.warp.sync %__cnc_r0;\n\t@%__cnc_p1 red.release.gpu" in out
+
+
+def test_counting_at_entry_moves_the_common_red_before_the_body():
+    body = "\t.reg .pred %p<3>;\n\tsetp.eq.u32 %p1, 1, 1;\n\t@%p1 ret;\n\tret;"
+    res = rewrite(entry(body), Options(count_at="entry"))
+    out = res.ptx
+    assert res.kernels[0].exit_sites == 2 and res.options.count_at == "entry"
+    first = out.index("setp.eq.u32 %p1")
+    # the mirror read, the entry count of the threads not asked to hold, block 0 counting the launch
+    assert out.index("ld.global.ca.u32 %__cnc_h, [__concordia_hold];") < first
+    assert out.index("setp.eq.u32 %__cnc_pc, %__cnc_h, 0;") < first
+    assert out.index("red.relaxed.gpu.global.add.u64 [%__cnc_d0]") < first
+    assert out.index("atom.global.add.u64 %__cnc_d2, [__concordia_expect]") < first
+    # the exit counts only threads that started while a hold was requested, with release
+    stub = out[out.index("$__cnc_exit:"):]
+    assert "vote.sync.ballot.b32 %__cnc_r1, !%__cnc_pc" in stub
+    assert "bar.warp.sync %__cnc_r0;" in stub and "red.release.gpu.global.add.u64" in stub
+    assert "red.relaxed" not in stub and "atom." not in stub
+    assert "@%__cnc_pc bra $__cnc_done;" in stub
+    # without a gate the exit is a plain return
+    bare = rewrite(entry("\tret;"), Options(count_at="entry", pause_gate=False)).ptx
+    assert bare.rstrip().endswith("$__cnc_exit:\n$__cnc_done:\n\tret;\n}")
+    assert "__concordia_hold]" not in bare
+
+
+def test_counting_at_entry_leaves_func_exits_alone_and_turns_the_gate_off():
+    text = HEADER + (".func f(.param .b32 a)\n{\n\t.reg .pred %q;\n\tsetp.eq.u32 %q, 1, 1;\n"
+                     "\t@%q exit;\n\tret;\n}\n.visible .entry e()\n{\n\tret;\n}\n")
+    res = rewrite(text, Options(count_at="entry"))
+    # a hold would wait for that thread at an exit it never reaches: no gate
+    assert res.functions == [] and not res.options.pause_gate
+    f_body = res.ptx[res.ptx.index(".func f"):res.ptx.index(".visible .entry e")]
+    assert "@%q exit;" in f_body and "__cnc" not in f_body
+    assert "__concordia_gate]" not in res.ptx and res.kernels[0].exit_sites == 1
+    with pytest.raises(InstrumentError, match="count_at 'middle'"):
+        rewrite(text, Options(count_at="middle"))
 
 
 def test_old_targets_count_per_thread_and_get_no_gate():
