@@ -148,8 +148,12 @@ class Appender:
     def _roll(self) -> None:
         old = self.seg
         if old is not None and self.pos + 64 <= old.offset + old.nbytes:
-            # an explicit end marker: the old segment's data ends here
-            self.backend.array[self.pos:self.pos + 64] = 0
+            # an explicit end marker: the old segment's data ends here (with pwritev on a
+            # page-cache file: a store would fault on a page under writeback)
+            if self._write_at is not None:
+                self._write_at(self.pos, [_ZERO_HEADER])
+            else:
+                self.backend.array[self.pos:self.pos + 64] = 0
             if self.one_sync and not self._pmem:
                 # made durable by the next commit's one sync with the records before it:
                 # until then the slot reads zero or stale, a clean end either way

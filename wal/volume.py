@@ -253,9 +253,19 @@ class Volume:
         """Write `sb` into slot sequence % 2 and persist it (FORMAT.md §3)."""
         raw = F.encode_superblock(sb)
         off = (sb.sequence % 2) * sb.slot_bytes
-        self.backend.array[off:off + len(raw)] = np.frombuffer(raw, np.uint8)
+        self._write(off, raw)
         self.backend.persist(off, len(raw))
         self._sb = sb
+
+    def _write(self, off: int, raw: bytes) -> None:
+        """Store `raw` at `off` (not persisted).  A page-cache file takes it with
+        pwritev (`write_at`): a store through the mapping would fault on the page
+        the last sync left write-protected, which here cost up to milliseconds."""
+        write_at = getattr(self.backend, "write_at", None)
+        if write_at is not None:
+            write_at(off, [raw])
+        else:
+            self.backend.array[off:off + len(raw)] = np.frombuffer(raw, np.uint8)
 
     def _update(self, **changes) -> F.Superblock:
         if not self.writable:
@@ -339,10 +349,8 @@ class Volume:
         raw = F.encode_segment_header(h)
         crc = int.from_bytes(raw[F.SEGMENT_HEADER_CRC_OFF:], "little")
         off = self.segment_offset(i)
-        arr = self.backend.array
-        arr[off:off + F.SEGMENT_HEADER_SIZE] = np.frombuffer(raw, np.uint8)
         # the first record slot starts zero, so a fresh segment ends cleanly at once
-        arr[off + F.SEGMENT_HEADER_SIZE:off + F.SEGMENT_HEADER_SIZE + F.RECORD_HEADER_SIZE] = 0
+        self._write(off, raw + bytes(F.RECORD_HEADER_SIZE))
         return SegmentInfo(i, h.seq, h.base_lsn, salt, off, sb.segment_bytes, crc)
 
     def prepare_segment(self, after: SegmentInfo) -> SegmentInfo | None:
