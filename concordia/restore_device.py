@@ -191,14 +191,25 @@ def transfer_plan(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK_B
 
 
 def _source_of(log):
-    """(fd, array) to read log bytes from: the log's descriptor when its tier
-    keeps one and `preadv` works on it (not a DAX device), else None and the
-    mapping."""
+    """(fd, array, owned) to read log bytes from: a descriptor of the file the
+    log maps, when it is a regular file (shm, file, pmem tiers: `preadv` then
+    copies from the page cache without faulting the mapping in), else None and
+    the mapping itself.  owned: the caller closes fd."""
+    from concordia.devmem.tiers import FileBackedBackend
+
     backend = log.backend
-    fd = getattr(backend, "_file_fd", -1)
-    if fd is None or fd < 0 or backend.kind == "devdax" or not hasattr(os, "preadv"):
-        fd = None
-    return fd, backend.array
+    # a fault-injecting image or a memory tier has no file whose bytes are the mapping's
+    path = (backend.path if isinstance(backend, FileBackedBackend) and backend.kind != "devdax"
+            and hasattr(os, "preadv") else None)
+    if path is not None:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None, backend.array, False
+        if os.fstat(fd).st_size >= backend.size:
+            return fd, backend.array, True
+        os.close(fd)
+    return None, backend.array, False
 
 
 def _pieces(copies: np.ndarray):
@@ -259,9 +270,17 @@ def apply_transfer_numpy(log, tr: Transfer) -> dict:
     by the numpy twin of the scatter kernel.  Returns {name: array}; raises
     CorruptionError on the first mismatching page.  (Digests are left to the
     caller; `wal.apply` checks them for the host path proper.)"""
+    fd, arr, owned = _source_of(log)
+    try:
+        return _apply_transfer_numpy(tr, fd, arr)
+    finally:
+        if owned:
+            os.close(fd)
+
+
+def _apply_transfer_numpy(tr: Transfer, fd, arr) -> dict:
     from concordia.gpu_kernels import reference as ref
 
-    fd, arr = _source_of(log)
     out = {rp.name: np.zeros(rp.region.pages * rp.region.page_bytes, np.uint8) for rp in tr.regions}
     host = np.empty(tr.chunk_bytes + 4096, np.uint8)
     for c in range(tr.chunks):
@@ -350,7 +369,7 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
     st["layout_s"] = time.perf_counter() - t0
     st.update(chunks=tr.chunks, pages=tr.pages, bytes_copied=tr.bytes_copied)
     direct, own_reg = _direct_source(log, registration, st)
-    fd, arr = _source_of(log)
+    fd, arr, owned = _source_of(log)
     st["via"] = ("copy engine from the registered mapping" if direct is not None else
                  f"pinned buffers filled by {'preadv' if fd is not None else 'memory copies'}")
     try:
@@ -389,6 +408,8 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
     finally:
         if own_reg is not None:
             own_reg.unregister()
+        if owned:
+            os.close(fd)
 
 
 def _pipeline(cp, gpu, tr, direct, fd, arr, hosts, slots, copy_stream, stream, out, dev_arrays, kernels, st):

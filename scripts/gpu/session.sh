@@ -14,13 +14,13 @@ rc=0
 # test_gpu_staging.py: checkpoints staged on the device (zero copy into a
 # registered shm mapping, pinned ring for file logs) byte-identical to numpy's;
 # test_restore_gpu.py: the device restore pipeline equal to the host applier
-timeout 150 python3 -m pytest tests/session/test_gpu.py tests/session/test_gpu_staging.py tests/session/test_restore_gpu.py -q -m gpu \
+timeout 150 python3 -m pytest ${SESSION_TESTS:-tests/session/test_gpu.py tests/session/test_gpu_staging.py tests/session/test_restore_gpu.py} -q -m gpu \
   -p no:cacheprovider --junitxml="$OUT/session-tests.xml" 2>&1 | tail -25
 [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
-timeout 60 python3 -m concordia.tools.cli demo --device gpu --steps 160 --json \
+[ -n "${SESSION_SKIP_DEMO:-}" ] || timeout 60 python3 -m concordia.tools.cli demo --device gpu --steps 160 --json \
   --log "file:$OUT/demo-work/demo.log" > "$OUT/demo.json" || rc=1
 rm -rf "$OUT/demo-work"
-python3 -c "import json; d=json.load(open('$OUT/demo.json')); print('demo identical:', d['identical'], 'timeline ms:', [(p['phase'], round(p['ms'],1)) for p in d['timeline']], 'warm ms:', round(d['recovery'].get('warm_ms', 0)), 'waited', round(d['recovery'].get('warm_wait_ms', 0)))" || rc=1
+[ -n "${SESSION_SKIP_DEMO:-}" ] || python3 -c "import json; d=json.load(open('$OUT/demo.json')); print('demo identical:', d['identical'], 'timeline ms:', [(p['phase'], round(p['ms'],1)) for p in d['timeline']], 'warm ms:', round(d['recovery'].get('warm_ms', 0)), 'waited', round(d['recovery'].get('warm_wait_ms', 0)))" || rc=1
 left=$(( budget - ($(date +%s) - start) - 5 ))
 echo "bench recover: ${left}s left"
 timeout -k 5 "$left" python3 -c "import sys; from concordia.tools.wal_cli import main; sys.argv[0] = 'concordia-wal'; main()" bench recover --sizes "${RECOVER_SIZES:-1,10,40}" \

@@ -47,7 +47,7 @@ def test_memory_copy_path(persistent_log, monkeypatch):
     import concordia.restore_device as rd
 
     _history(persistent_log)
-    monkeypatch.setattr(rd, "_source_of", lambda log: (None, log.backend.array))
+    monkeypatch.setattr(rd, "_source_of", lambda log: (None, log.backend.array, False))
     log = Log.open(persistent_log, writable=False, check_pages=False)
     try:
         p = plan(log)

@@ -4,8 +4,6 @@ chunks, several regions and page sizes, every tier's read path, damage."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
@@ -87,7 +85,7 @@ def test_memory_copy_path_when_the_tier_has_no_descriptor(persistent_log, monkey
     import concordia.restore_device as rd
 
     _history(persistent_log)
-    monkeypatch.setattr(rd, "_source_of", lambda log: (None, log.backend.array))
+    monkeypatch.setattr(rd, "_source_of", lambda log: (None, log.backend.array, False))
     tr, want, got = _restore_both(persistent_log, 64 << 10)
     for name in want:
         assert got[name].tobytes() == want[name].tobytes(), name
@@ -134,3 +132,18 @@ def test_empty_plan_regions_filter(shm_log):
     finally:
         log.close()
     assert list(got) == ["sched"] and got["sched"].tobytes() == state["sched"].tobytes()
+
+
+def test_file_backed_tiers_are_read_with_preadv(persistent_log):
+    from concordia.restore_device import _source_of
+
+    _history(persistent_log, epochs=1)
+    log = Log.open(persistent_log, writable=False, check_pages=False)
+    try:
+        fd, arr, owned = _source_of(log)
+        assert fd is not None and owned
+        import os
+
+        os.close(fd)
+    finally:
+        log.close()
