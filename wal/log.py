@@ -79,6 +79,8 @@ class Log:
             vol = Volume.open(backend, writable=writable)
             res = recover(vol, mode, reporter, check_pages=check_pages)
             appender = cls._prepare_write(vol, res) if writable else None
+            if writable:
+                res.walk = None  # writing changes what a walk finds: only a read-only log keeps it
         except BaseException:
             if owned:
                 backend.close()

@@ -651,6 +651,21 @@ def _volume(log):
     return vol
 
 
+def _walk_of_open(log, check_pages: bool, progress):
+    """The walk a read-only Log made when it opened, when it answers this scan
+    exactly: nothing can have been appended since and it checked pages as this
+    scan would.  Handed over once (the Log does not keep it after).  None
+    otherwise, and when progress is wanted (the walk is then shown)."""
+    res = getattr(log, "_result", None)
+    walk = getattr(res, "walk", None)
+    if walk is None or progress is not None or getattr(log, "writable", True):
+        return None
+    if res.walk_checked_pages != check_pages:
+        return None
+    res.walk = None
+    return walk
+
+
 def scan(log, *, payload: bool = True, check_pages: bool = False, progress=None) -> History:
     """Read the metadata of every record of `log` into a History.
 
@@ -669,7 +684,9 @@ def scan(log, *, payload: bool = True, check_pages: bool = False, progress=None)
     sb = vol.superblock
     arr = vol.backend.array
     mv = vol.backend.view
-    items = list(Scanner(vol, check_pages=check_pages, progress=progress).items(ScanResult()))
+    items = _walk_of_open(log, check_pages, progress)
+    if items is None:
+        items = list(Scanner(vol, check_pages=check_pages, progress=progress).items(ScanResult()))
     last_commit = -1
     for i, it in enumerate(items):
         if it[0] == 0 and it[3][1] & F.TYPE_MASK == F.REC_COMMIT:

@@ -143,6 +143,10 @@ class ScanResult:
     bytes_checked: int = 0
     segments: list = field(default_factory=list)
     bad_segments: set = field(default_factory=set)
+    # the raw walk (Scanner.items) and whether it checked page CRCs: a read-only
+    # Log hands it to the planner, which would otherwise walk the log again
+    walk: list | None = None
+    walk_checked_pages: bool = False
 
 
 class Scanner:
@@ -355,6 +359,10 @@ class Scanner:
         return None
 
 
+#: records of an open-time walk kept for the planner (beyond, it walks again)
+WALK_KEPT_MAX = 1 << 20
+
+
 def recover(vol: Volume, mode: RecoveryMode = RecoveryMode.TOLERATE_TAIL,
             reporter: Callable[[Dropped], None] | None = None, *, check_pages: bool = True,
             progress: Callable[[int, int], None] | None = None) -> ScanResult:
@@ -375,6 +383,8 @@ def recover(vol: Volume, mode: RecoveryMode = RecoveryMode.TOLERATE_TAIL,
     scanner = Scanner(vol, check_pages=check_pages, progress=progress)
     items = list(scanner.items(res))
     res.bytes_checked = scanner.bytes_checked
+    if len(items) <= WALK_KEPT_MAX:
+        res.walk, res.walk_checked_pages = items, check_pages
     backend = vol.backend
 
     # the last structurally valid commit decides what is tail and what is corruption
