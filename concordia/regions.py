@@ -202,6 +202,7 @@ class Region:
     fps: object = None                  # fingerprints (fingerprint detector)
     kv_prev: dict | None = None         # block tables, lens, stamps, seq ids at the last checkpoint
     seen_versions: np.ndarray | None = None
+    _flat: object = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def dtype(self) -> np.dtype:
@@ -221,7 +222,12 @@ class Region:
 
     @property
     def flat(self):
-        return self.array.reshape(-1).view("u1")
+        """The array as flat bytes (made once: the array never changes storage,
+        `check_unchanged` sees to that, and a CuPy view costs microseconds)."""
+        f = self._flat
+        if f is None:
+            f = self._flat = self.array.reshape(-1).view("u1")
+        return f
 
     @property
     def on_gpu(self) -> bool:
@@ -278,20 +284,27 @@ class Region:
                                            num_pages=self.pages, advance=True)
         raise AssertionError(self.detect)
 
-    def launch_detect(self, kernels, flags) -> bool:
+    @property
+    def flags_detector(self) -> bool:
+        """Whether the detector runs as a device kernel over the region (shadow
+        diff, fingerprints) once a base exists: `launch_detect` queues it."""
+        return self.detect in ("shadow", "fingerprint")
+
+    def launch_detect(self, kernels, flags, found=None) -> bool:
         """Queue this region's detector as a device kernel writing one flag byte
-        per page into `flags`, advancing it as dirty_pages(advance=True) does.
+        per page into `flags`, advancing it as dirty_pages(advance=True) does
+        (and listing the dirty pages into `found`, see gpu.launch_shadow_diff).
         False (nothing queued) when there is no base yet or the detector scans
         host-side tables (block tables, slot versions): use dirty_pages then."""
-        if self.crcs is None or self.detect == "all":
+        if self.crcs is None or not self.flags_detector:
             return False
         if self.detect == "shadow":
-            kernels.launch_shadow_diff(self.flat, self.shadow, flags, page_bytes=self.page_bytes, update=True)
-            return True
-        if self.detect == "fingerprint":
-            kernels.launch_fingerprint(self.flat, self.fps, flags, page_bytes=self.page_bytes, update=True)
-            return True
-        return False
+            kernels.launch_shadow_diff(self.flat, self.shadow, flags, page_bytes=self.page_bytes, update=True,
+                                       found=found)
+        else:
+            kernels.launch_fingerprint(self.flat, self.fps, flags, page_bytes=self.page_bytes, update=True,
+                                       found=found)
+        return True
 
     def _kv_now(self) -> dict:
         h = self.hints

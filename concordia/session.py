@@ -34,7 +34,11 @@ region took):
 Every path writes the same record bytes for the same state.  The device path
 reads the device back twice per checkpoint at most: the dirty-page counts (to
 size the extents) and, after staging, the extents' cursors with the region
-digests (computed on the device from a per-page CRC table kept there).
+digests (computed on the device from a per-page CRC table kept there).  On a
+mapped log it reads once when each region's dirty pages fit an extent reserved
+before its detector ran (as many pages as its last checkpoint found, at most
+32): the detector lists the pages and one `stage_delta` launch writes the
+record, the CRC table and the moved digest (`_DeviceKernels.delta`).
 
 Bad input raises a one-line `SessionError` subclass before anything is written.
 """
@@ -626,9 +630,16 @@ class _DeviceKernels:
         self._mail: list = [None, None]
         self._bufs: dict = {}
         self._count_buf = None
+        self._delta: dict = {}
+        self._delta_box = None
+        self._scratch = None
 
     def prepare(self, r: Region) -> bool:
         """Compile the kernels `r` needs now (not midway through a checkpoint)."""
+        quick = (r.page_bytes, r.detect)
+        got = self._ready.get(quick)
+        if got is not None:
+            return got
         d = {"PAGE_BYTES": r.page_bytes}
         specs = [("stage", d), ("crc32c", d), ("crc32c", {})]
         if r.detect in ("shadow", "fingerprint"):
@@ -642,18 +653,29 @@ class _DeviceKernels:
             except Exception as exc:
                 self.failed = f"kernels for {r.page_bytes}-byte pages unavailable ({type(exc).__name__}: {exc})"
                 self._ready[key] = False
+        self._ready[quick] = self._ready[key]
         return self._ready[key]
 
     @property
     def stream(self):
         return self.cp.cuda.get_current_stream()
 
-    def detect(self, regions) -> list:
-        """[(device ids, count)] per region; one read of every flag detector's count."""
+    def detect(self, regions, known=None) -> list:
+        """[(device ids, count)] per region; one read of every flag detector's
+        count.  known: {name: count} of regions whose detector already ran
+        (`delta`) and left its flags: those are only compacted."""
         cp, gpu = self.cp, self.gpu
         out, pending = [], []
         counts = None
         for r in regions:
+            if known and r.name in known:
+                flags, ids = self._buffers(r)
+                if self._scratch is None:
+                    self._scratch = cp.empty(1, cp.uint64)
+                gpu.launch_compact(flags, ids, self._scratch)  # the count is known
+                n = known[r.name]
+                out.append((ids[:n], n))
+                continue
             if r.crcs is None or r.detect == "all":
                 out.append((cp.arange(r.pages, dtype=cp.uint32), r.pages))
                 continue
@@ -673,6 +695,97 @@ class _DeviceKernels:
             for (i, ids), n in zip(pending, got):
                 out[i] = (ids[:int(n)], int(n))
         return out
+
+    # -- a few dirty pages: one launch after the detector, one wait ---------------
+    def delta_ready(self, r: Region) -> bool:
+        """Whether `delta` can take `r` this checkpoint: a device detector, a
+        base in the log, the digest of its CRC table known."""
+        return r.flags_detector and r.crcs is not None and r.digest is not None and r.pages < 0xFFFFFFFF
+
+    def delta(self, app, regions, epoch: int, registration) -> tuple[dict, dict]:
+        """Detect and stage a checkpoint of each region in `regions` with one
+        host wait for all of them: an extent sized for as many pages as the
+        region's last checkpoint found (at most DELTA_MAX_PAGES; none after a
+        clean one) is reserved before its detector runs, and `stage_delta`
+        writes the record there when the pages fit it, with the CRC table and
+        digest updated on the device.  Returns ({name: (pages, record bytes)} of
+        the regions done, {name: pages} of those found too many pages for their
+        extent: their flags wait in `_buffers` for `detect(known=...)`)."""
+        gpu = self.gpu
+        host, base = self._delta_mail(len(regions))
+        jobs = []
+        try:
+            for j, r in enumerate(regions):
+                st = self._delta_state(r)
+                r.crcs = self.table(r.crcs)
+                ext = app.reserve_extent(ref.page_batch_length(st.guess, r.page_bytes)) if st.guess else None
+                jobs.append([r, st, ext])
+                flags, _ = self._buffers(r)
+                st.armed = True  # the list count is nonzero until stage_delta runs
+                r.launch_detect(gpu, flags, found=st.found)
+                gpu.launch_stage_delta(r.flat, st.found, st.guess,
+                                       registration.device_ptr + ext.offset if ext else 0, ext.length if ext else 0,
+                                       r.crcs, r.digest, base + 64 * j, page_bytes=r.page_bytes,
+                                       base_lsn=ext.lsn if ext else 0, epoch=epoch, region_id=r.id,
+                                       salt=ext.salt if ext else 0)
+                st.armed = False
+            self.stream.synchronize()
+            self.reads += 1
+            done, refused = {}, {}
+            for j, job in enumerate(jobs):
+                r, st, ext = job
+                count, used, records, digest, seen = (int(x) for x in host[8 * j:8 * j + 5])
+                if seen != epoch:
+                    raise SessionError(f"the device did not report epoch {epoch} (mailbox says {seen})",
+                                       where=f"region {r.name!r}")
+                if ext is not None:
+                    job[2] = None
+                    app.finish_extent(ext, used, records)  # the unused rest becomes padding
+                cap = self.delta_cap(r)
+                st.guess = count if count <= cap else 0
+                if records:
+                    r.digest = digest
+                    done[r.name] = (count, used)
+                elif count:
+                    refused[r.name] = count
+                else:
+                    done[r.name] = (0, 0)
+            return done, refused
+        except BaseException:
+            try:
+                self.sync()
+            except Exception:
+                pass
+            for r, st, ext in jobs:
+                if st.armed:
+                    st.found[1].fill(0)
+                    st.armed = False
+                if ext is not None:
+                    try:
+                        app.finish_extent(ext, 0, 0)
+                    except Exception:
+                        pass
+            raise
+
+    def delta_cap(self, r: Region) -> int:
+        """Most pages `delta` stages for `r` in one record (as plan_batches cuts them)."""
+        return min(self.gpu.DELTA_MAX_PAGES, max(1, MAX_BATCH_BYTES // r.page_bytes))
+
+    def _delta_state(self, r: Region):
+        key = (r.name, r.pages)
+        st = self._delta.get(key)
+        if st is None:
+            cp = self.cp
+            cap = self.delta_cap(r)
+            st = self._delta[key] = _DeltaState((cp.empty(cap, cp.uint32), cp.zeros(1, cp.uint32)), 1)
+        return st
+
+    def _delta_mail(self, n: int):
+        """(host uint64 view, device address) of 64 pinned bytes per region."""
+        box = self._delta_box
+        if box is None or box[0].size < 64 * n:
+            box = self._delta_box = self.gpu.pinned_buffer(max(4096, 64 * n))
+        return box[0].view(np.uint64), box[1].data.ptr
 
     def _buffers(self, r: Region):
         """The flag and page-id buffers of a region, made once (the page list
@@ -746,6 +859,17 @@ class _DeviceKernels:
         self.stream.synchronize()
 
 
+@dataclasses.dataclass
+class _DeltaState:
+    """A region's page list for `_DeviceKernels.delta`: (list, count) on the
+    device, the pages its next extent is sized for, and whether the count may
+    be nonzero (a detector queued without the stage_delta that resets it)."""
+
+    found: tuple
+    guess: int
+    armed: bool = False
+
+
 class _HostKernels:
     """The numpy twins behind the same pipeline (numpy regions with staging=
     "mapped" or "ring"): "device" arrays are numpy arrays and results are ready
@@ -761,7 +885,7 @@ class _HostKernels:
     def prepare(self, r: Region) -> bool:
         return True
 
-    def detect(self, regions) -> list:
+    def detect(self, regions, known=None) -> list:
         out = []
         for r in regions:
             ids = r.dirty_pages(advance=True)
@@ -850,7 +974,18 @@ class _Stager:
         k = self.kernels
         reads0 = k.reads
         t0 = time.perf_counter()
-        found = k.detect(regions)
+        done, known = {}, None
+        if self.mode == "mapped" and hasattr(k, "delta"):
+            quick = [r for r in regions if k.delta_ready(r)]
+            if quick:
+                done, known = k.delta(app, quick, epoch, self.registration)
+                if not known and len(done) == len(regions):  # every region done in one wait
+                    t1 = time.perf_counter()
+                    return {"pages": {r.name: done[r.name][0] for r in regions},
+                            "log_bytes": sum(b for _, b in done.values()), "detect_s": t1 - t0, "stage_s": 0.0,
+                            "device_reads": k.reads - reads0}
+                regions = [r for r in regions if r.name not in done]
+        found = k.detect(regions, known)
         t1 = time.perf_counter()
         ids, staged, batches = {}, {}, []
         for r, (rid, n) in zip(regions, found):
@@ -911,7 +1046,9 @@ class _Stager:
         for j, r in enumerate(want_digest):
             r.digest = int(got_digests[j])
         t2 = time.perf_counter()
-        return {"pages": {r.name: int(n) for r, (_, n) in zip(regions, found)}, "log_bytes": sum(sizes),
+        pages = {name: n for name, (n, _) in done.items()}
+        pages.update({r.name: int(n) for r, (_, n) in zip(regions, found)})
+        return {"pages": pages, "log_bytes": sum(sizes) + sum(b for _, b in done.values()),
                 "detect_s": t1 - t0, "stage_s": t2 - t1, "device_reads": k.reads - reads0}
 
     def _finish(self, app, extents, sizes, opened, round_, slot, handle) -> list:

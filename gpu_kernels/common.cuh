@@ -110,6 +110,13 @@ __device__ __forceinline__ bool differs(uint4 a, uint4 b) {
     return ((a.x ^ b.x) | (a.y ^ b.y) | (a.z ^ b.z) | (a.w ^ b.w)) != 0;
 }
 
+// Append dirty page p to a detector's page list: the first `cap` pages found
+// are kept (in no order), *count counts them all.
+__device__ __forceinline__ void note_dirty(u32* list, u32* count, u32 cap, u64 p) {
+    const u32 i = atomicAdd(count, 1u);
+    if (i < cap) list[i] = (u32)p;
+}
+
 __device__ __forceinline__ u32 warp_xor(u32 v) {
     for (int o = 16; o; o >>= 1) v ^= __shfl_xor_sync(FULL_MASK, v, o);
     return v;

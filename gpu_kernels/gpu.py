@@ -91,10 +91,23 @@ def pinned_buffer(nbytes: int):
 # --- dirty detection ---------------------------------------------------------
 
 
-def launch_shadow_diff(r, s, flags, *, page_bytes: int, update: bool = True) -> None:
+def _found(found):
+    """Kernel arguments of an optional (list, count) page list (see launch_shadow_diff)."""
+    if found is None:
+        return _null(), _null(), np.uint32(0)
+    lst, count = found
+    return lst, count, np.uint32(lst.size)
+
+
+def launch_shadow_diff(r, s, flags, *, page_bytes: int, update: bool = True, found=None) -> None:
+    """found: optional (list, count) device uint32 arrays; each dirty page's id
+    is also appended to `list` (the first list.size of them, in no order) and
+    counted in count[0] (which must start at zero): what `launch_stage_delta`
+    takes."""
     n = ref.num_pages(r.size, page_bytes)
     k = jit.function("shadow_diff", "shadow_diff", {"PAGE_BYTES": page_bytes})
-    k(_warp_grid(n), (THREADS,), (r, s, flags, np.uint64(n), np.uint64(r.size), np.int32(bool(update))))
+    k(_warp_grid(n), (THREADS,), (r, s, flags, np.uint64(n), np.uint64(r.size), np.int32(bool(update)),
+                                  *_found(found)))
 
 
 def shadow_diff(region, shadow, *, page_bytes: int, update: bool = True):
@@ -112,11 +125,12 @@ def shadow_diff(region, shadow, *, page_bytes: int, update: bool = True):
     return cp.flatnonzero(flags).astype(cp.uint32)
 
 
-def launch_fingerprint(r, fps, flags=None, *, page_bytes: int, update: bool = True) -> None:
+def launch_fingerprint(r, fps, flags=None, *, page_bytes: int, update: bool = True, found=None) -> None:
+    """found: as for launch_shadow_diff (needs flags)."""
     n = ref.num_pages(r.size, page_bytes)
     k = jit.function("fingerprint", "fingerprint", {"PAGE_BYTES": page_bytes})
     k(_warp_grid(n), (THREADS,), (r, fps, _null() if flags is None else flags, np.uint64(n),
-                                  np.uint64(r.size), np.int32(bool(update))))
+                                  np.uint64(r.size), np.int32(bool(update)), *_found(found)))
 
 
 def fingerprint_pages(region, *, page_bytes: int, out=None):
@@ -495,3 +509,55 @@ def launch_stage(region, ids, count: int, dst_ptr: int, dst_bytes: int, cursor, 
         (ids, crcs, np.uint64(count), dst, slot, np.uint64(length), np.uint64(base_lsn),
          np.uint64(epoch), np.uint32(region_id), np.uint32(salt), np.uint32(flags)))
     return length
+
+
+# --- one launch for a few dirty pages ------------------------------------------
+
+DELTA_THREADS = 1024
+#: most pages `launch_stage_delta` stages (one warp each, one block)
+DELTA_MAX_PAGES = DELTA_THREADS // 32
+
+
+def launch_stage_delta(region, found, cap_pages: int, dst_ptr: int, dst_bytes: int, table, digest: int,
+                       mail_ptr: int, *, page_bytes: int, base_lsn: int, epoch: int, region_id: int,
+                       salt: int, flags: int = 0) -> None:
+    """Queue `stage_delta` (stage.cu) without checks or synchronisation:
+    `region` the flat uint8 region, `found` the (list, count) a detector
+    filled, `dst_ptr` the device address of an extent of `dst_bytes` (0 for
+    none), `table` the region's device page CRC table and `digest` its digest,
+    `mail_ptr` the device address of 5 u64 of pinned host memory that receive
+    pages found, bytes and records written, the new digest, then `epoch`."""
+    lst, count = found
+    jit.function("stage", "stage_delta", {"PAGE_BYTES": page_bytes})(
+        (1,), (DELTA_THREADS,),
+        (region, np.uint64(region.size), np.uint64(table.size), lst, count, np.uint32(cap_pages),
+         np.uint64(dst_ptr), np.uint64(dst_bytes), np.uint64(base_lsn), np.uint64(epoch), np.uint32(region_id),
+         np.uint32(salt), np.uint32(flags), table, np.uint32(digest), np.uint64(mail_ptr)))
+
+
+def stage_delta(region, dirty_ids, dst, table, digest: int, *, page_bytes: int, cap_pages: int, base_lsn: int,
+                epoch: int, region_id: int, salt: int, flags: int = 0):
+    """Checked `launch_stage_delta` with the twin's arguments and result (see
+    reference.stage_delta): `dirty_ids` the detector's list in any order
+    (device uint32), `dst` a device or pinned buffer, `table` updated in place.
+    Returns (pages found, bytes written, records written, digest)."""
+    cp = _cp()
+    pb = ref._check_page_bytes(page_bytes)
+    r = _bytes_of(region, "region")
+    _aligned(r, 16, "region")
+    d = _bytes_of(dst, "dst")
+    _aligned(d, 64, "dst")
+    ids = _u32(dirty_ids, "dirty_ids")
+    if table.dtype != cp.uint32 or table.size != ref.num_pages(r.size, pb):
+        raise KernelInputError(f"table must be uint32[{ref.num_pages(r.size, pb)}]", where="table")
+    lst = cp.empty(max(1, int(cap_pages)), cp.uint32)
+    lst[:min(ids.size, lst.size)] = ids[:lst.size]
+    count = cp.full(1, ids.size, cp.uint32)
+    host, mail = pinned_buffer(64)
+    launch_stage_delta(r, (lst, count), cap_pages, d.data.ptr, d.size, table, digest, mail.data.ptr,
+                       page_bytes=pb, base_lsn=base_lsn, epoch=epoch, region_id=region_id, salt=salt, flags=flags)
+    cp.cuda.get_current_stream().synchronize()
+    words = host.view(np.uint64)
+    if int(count.get()[0]) != 0 or int(words[4]) != epoch:
+        raise KernelInputError("stage_delta did not report back", where="stage_delta")
+    return int(words[0]), int(words[1]), int(words[2]), int(words[3])

@@ -32,7 +32,7 @@ KERNELS = {
     "shadow_diff": ("shadow_diff",),
     "fingerprint": ("fingerprint",),
     "crc32c": ("crc32c_pages", "crc32c_words"),
-    "stage": ("stage_alloc", "stage_payload", "stage_finalize"),
+    "stage": ("stage_alloc", "stage_payload", "stage_finalize", "stage_delta"),
     "scatter": ("scatter_pages",),
     "kv_scan": ("kv_scan", "adapter_scan"),
     "bandwidth": ("read_probe",),

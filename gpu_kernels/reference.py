@@ -486,6 +486,42 @@ def stage_page_batch(region, page_ids, dst, cursor, *, page_bytes: int, base_lsn
     return length
 
 
+#: most pages `stage_delta` stages (one warp each in one block of 1024 threads)
+DELTA_MAX_PAGES = 32
+
+
+def stage_delta(region, dirty_ids, dst, table, digest: int, *, page_bytes: int, cap_pages: int, base_lsn: int,
+                epoch: int, region_id: int, salt: int, flags: int = 0):
+    """A checkpoint of a few dirty pages in one step: `dirty_ids` (distinct,
+    any order, as a detector lists them) become one page-batch record at
+    dst[0] when there are 1..min(cap_pages, DELTA_MAX_PAGES) of them and the
+    record fits `dst`; the region's page CRC table `table` takes their CRCs
+    and the digest follows it.  Otherwise nothing is written and the table is
+    left alone.  Returns (pages found, bytes written, records written, region
+    digest after the call); `digest` is the table's digest before it."""
+    ids = np.sort(np.asarray(dirty_ids, np.uint32))
+    count = int(ids.size)
+    length = page_batch_length(count, page_bytes) if count else 0
+    if not 0 < count <= min(int(cap_pages), DELTA_MAX_PAGES) or length > _bytes_of(dst, "dst").size:
+        return count, 0, 0, int(digest)
+    stage_page_batch(region, ids, dst, new_cursor(), page_bytes=page_bytes, base_lsn=base_lsn, epoch=epoch,
+                     region_id=region_id, salt=salt, flags=flags)
+    table[ids] = dst[HEADER_BYTES + 4 * count:HEADER_BYTES + 8 * count].view("<u4")
+    return count, length, 1, region_digest(table)
+
+
+def region_digest_moved(digest: int, num_pages: int, page_ids, old_crcs, new_crcs) -> int:
+    """The region digest after page CRCs `old_crcs` at `page_ids` became
+    `new_crcs`, from the digest before, without reading the table: CRC32C is
+    affine, so a word changing by d moves the digest by the raw CRC of d shifted
+    over the bytes after the word (what stage_delta does on the device)."""
+    for p, a, b in zip(np.asarray(page_ids).tolist(), np.asarray(old_crcs).tolist(), np.asarray(new_crcs).tolist()):
+        d = int(a) ^ int(b)
+        if d:
+            digest ^= crc32c_shift(crc32c_raw(struct.pack("<I", d)), 4 * (num_pages - 1 - int(p)))
+    return int(digest)
+
+
 def record_payload_offsets(record_offset: int, count: int, page_bytes: int, positions=None) -> np.ndarray:
     """Byte offsets (uint64) of the payload of pages `positions` (all when None)
     of a page-batch record of `count` pages starting at `record_offset`: the

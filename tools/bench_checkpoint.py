@@ -83,6 +83,13 @@ def _median(xs):
     return statistics.median(xs)
 
 
+def _unlink_shm(name: str) -> None:
+    try:
+        os.unlink(os.path.join("/dev/shm", name))
+    except FileNotFoundError:
+        pass
+
+
 # --- GPU -----------------------------------------------------------------------
 
 
@@ -219,89 +226,39 @@ class _Gpu:
 
     # end to end -----------------------------------------------------------------
     def e2e(self, sizes, rng, reps) -> list[dict]:
-        cp, gpu = self.cp, self.gpu
-        from concordia.devmem import cuda_host, open_backend
+        """Per region size: `Session.checkpoint()` of one dirty page on a shm
+        log, once per flag detector (the product path, everything included),
+        with the detector kernel alone timed by CUDA events; then host-side
+        scanning of the same region into a log of its own."""
+        cp = self.cp
+        from concordia.devmem import open_backend
         from concordia.wal import Log
 
-        log_bytes = 256 * MiB
-        name = f"concordia-bench-{os.getpid()}"
-        backend = open_backend(f"shm:{name}", size=log_bytes, create=True)
         rows = []
-        try:
-            log = Log.create(backend, size=log_bytes, segment_size=32 * MiB)
-            reg = cuda_host.register(backend)
-            app = log.appender
-            epoch = 0
-            for size in sizes:
-                region = self.random_region(size)
-                shadow = region.copy()
-                npages = ref.num_pages(size, self.pb)
+        for size in sizes:
+            region = self.random_region(size)
+            npages = ref.num_pages(size, self.pb)
+            row = {"region_bytes": size, "dirty_pages": 1, "log": "shm"}
+            for detector in ("shadow", "fingerprint"):
+                row.update(self._session_e2e(region, npages, rng, reps, detector))
+                row[f"detect_kernel_s_{detector}"] = self._detect_kernel(region, npages, detector)
+                self.free()
+
+            # host-side scanning of the same region
+            from cupyx import empty_pinned
+
+            log_bytes = 256 * MiB
+            name = f"concordia-bench-{os.getpid()}"
+            backend = open_backend(f"shm:{name}", size=log_bytes, create=True)
+            try:
+                log = Log.create(backend, size=log_bytes, segment_size=32 * MiB)
+                app = log.appender
                 rid = log.define_region(f"r{size}", "uint8", (size,), self.pb, "opaque")
-                crcs_all = gpu.crc32c_pages(region, page_bytes=self.pb)
-                crcs = cp.empty(npages, cp.uint32)
-
-                # everything made once per region, as the Session keeps it: flag and
-                # page-id buffers, one device word block read back in one copy
-                # (count | cursor[4] | slot | digest), a pinned mailbox
-                flags = cp.empty(npages, cp.uint8)
-                ids = cp.empty(npages, cp.uint32)
-                words = cp.zeros(8, cp.uint64)
-                count_w, cursor, slot = words[0:1], words[1:5], words[5:6]
-                digest = words[6:7].view(cp.uint32)[:1]
-                mail, _ = gpu.pinned_buffer(4096)
-                mail64 = mail[:64].view(np.uint64)
-                stream = cp.cuda.get_current_stream()
-                runtime = cp.cuda.runtime
-                flat = region.reshape(-1).view(cp.uint8)
-                gpu.precompile_helpers()
-
-                def gpu_checkpoint():
-                    """The Session's device path: flags, compacted on the device in the
-                    same queue, one read of the count; records staged at the extent's
-                    cursor in the registered log mapping, CRC table and digest on the
-                    device, one read of cursor and digest; finish_extent, commit."""
-                    nonlocal epoch
-                    epoch += 1
-                    gpu.launch_shadow_diff(flat, shadow, flags, page_bytes=self.pb, update=True)
-                    gpu.launch_compact(flags, ids, count_w)
-                    runtime.memcpyAsync(mail.ctypes.data, words.data.ptr, 8, 2, stream.ptr)
-                    stream.synchronize()
-                    n = int(mail64[0])
-                    ext = None
-                    if n:
-                        length = ref.page_batch_length(n, self.pb)
-                        ext = app.reserve_extent(length)
-                        runtime.memsetAsync(cursor.data.ptr, 0, 32, stream.ptr)
-                        gpu.launch_stage(flat, ids, n, reg.device_ptr + ext.offset, length, cursor, slot, crcs,
-                                         page_bytes=self.pb, base_lsn=ext.lsn, epoch=epoch, region_id=rid,
-                                         salt=ext.salt)
-                        gpu.launch_scatter_u32(crcs_all, ids, crcs, n)
-                    gpu.launch_region_digest(crcs_all, digest)
-                    runtime.memcpyAsync(mail.ctypes.data, words.data.ptr, 64, 2, stream.ptr)
-                    stream.synchronize()  # the records are in the log mapping now
-                    if ext is not None:
-                        app.finish_extent(ext, int(mail64[1]), int(mail64[2]))
-                    app.commit(epoch, digests={rid: int(mail[48:52].view(np.uint32)[0])})
-                    return n
-
-                times = []
-                for i in range(reps + 2):
-                    self.dirty(region, npages, 1, rng)
-                    cp.cuda.get_current_stream().synchronize()
-                    t0 = time.perf_counter()
-                    n = gpu_checkpoint()
-                    times.append(time.perf_counter() - t0)
-                    assert n == 1
-                t_gpu = _median(times[2:])
-                session_row = self._session_e2e(region, npages, rng, reps) if size <= 256 * MiB else {}
-
-                # host-side scanning of the same region
-                from cupyx import empty_pinned
-
                 pinned = empty_pinned(size, np.uint8)
                 hshadow = region.get()
-                hcrcs = crcs_all.get()
+                hcrcs = ref.crc32c_pages(hshadow, page_bytes=self.pb)
                 stream = cp.cuda.get_current_stream()
+                epoch = 0
 
                 def host_checkpoint():
                     nonlocal epoch
@@ -329,35 +286,62 @@ class _Gpu:
                     assert host_checkpoint() == 1
                     htimes.append(time.perf_counter() - t0)
                 t_host = _median(htimes[1:])
-                rows.append({"region_bytes": size, "dirty_pages": 1, "gpu_checkpoint_s": t_gpu,
-                             "host_scan_checkpoint_s": t_host, "speedup": t_host / t_gpu,
-                             "log": backend.kind, **session_row})
-                del region, shadow, crcs_all, crcs, pinned, hshadow
-                self.free()
-            reg.unregister()
-            log.close()
-        finally:
-            path = getattr(backend, "path", None)
-            try:
+                del pinned, hshadow
+                log.close()
+            finally:
                 backend.close()
-            except Exception:
-                pass
-            if path and os.path.exists(path):
-                os.unlink(path)
+                _unlink_shm(name)
+            row["host_scan_checkpoint_s"] = t_host
+            for detector in ("shadow", "fingerprint"):
+                t = row.get(f"gpu_checkpoint_s_{detector}")
+                if t:
+                    row[f"speedup_{detector}"] = t_host / t
+            best = [d for d in ("fingerprint", "shadow") if row.get(f"speedup_{d}")]
+            if best:  # the e2e row's detector: the one that reads the region once, when it ran
+                row["detector"] = best[0]
+                row["gpu_checkpoint_s"] = row[f"gpu_checkpoint_s_{best[0]}"]
+                row["speedup"] = row[f"speedup_{best[0]}"]
+            rows.append(row)
+            del region
+            self.free()
         return rows
 
-    def _session_e2e(self, region, npages, rng, reps) -> dict:
-        """The same one-page checkpoint through `Session.checkpoint()` itself
-        (its routing, checks and statistics included), on a log of its own."""
+    def _detect_kernel(self, region, npages, detector) -> float:
+        """CUDA-event time of the detector kernel alone (flags and page list, no update)."""
+        cp, gpu = self.cp, self.gpu
+        flags = cp.empty(npages, cp.uint8)
+        found = (cp.empty(32, cp.uint32), cp.zeros(1, cp.uint32))
+        flat = region.reshape(-1).view(cp.uint8)
+        if detector == "shadow":
+            keep = flat.copy()
+            fn = lambda: gpu.launch_shadow_diff(flat, keep, flags, page_bytes=self.pb, update=False,  # noqa: E731
+                                                found=found)
+        else:
+            keep = gpu.fingerprint_pages(flat, page_bytes=self.pb)
+            fn = lambda: gpu.launch_fingerprint(flat, keep, flags, page_bytes=self.pb, update=False,  # noqa: E731
+                                                found=found)
+        t = self.time(fn)
+        del keep, flags
+        return t
+
+    def _session_e2e(self, region, npages, rng, reps, detector) -> dict:
+        """One dirty page through `Session.checkpoint()` itself (routing, checks,
+        statistics, commit), on a shm log of its own holding the base."""
         from concordia.session import Session
 
         cp = self.cp
-        spec = f"shm:concordia-bench-s{os.getpid()}"
+        name = f"concordia-bench-s{os.getpid()}"
+        seg = 64 * MiB
+        # the base goes in 8 MiB records, seven to a 64 MiB segment
+        need = -(-(region.nbytes * 5 // 4 + 4 * seg) // seg) * seg
+        free = os.statvfs("/dev/shm")
+        if free.f_bavail * free.f_frsize < need + 512 * MiB:
+            return {f"session_error_{detector}": f"/dev/shm has too little space for a {need >> 20} MiB log"}
         try:
-            with Session(spec, overwrite=True, size=4 * region.nbytes + 128 * MiB, segment_size=64 * MiB) as s:
-                s.register("r", region, page_bytes=self.pb)
+            with Session(f"shm:{name}", overwrite=True, size=need, segment_size=seg) as s:
+                s.register("r", region, page_bytes=self.pb, detect=detector)
                 s.checkpoint()
-                times, via = [], None
+                times, reads, via = [], [], None
                 for _ in range(reps + 2):
                     self.dirty(region, npages, 1, rng)
                     cp.cuda.get_current_stream().synchronize()
@@ -366,14 +350,13 @@ class _Gpu:
                     times.append(time.perf_counter() - t0)
                     assert st.pages == {"r": 1}, st.pages
                     via = st.via["r"]
-            return {"session_checkpoint_s": _median(times[2:]), "session_via": via}
+                    reads.append(st.device_reads)
+            return {f"gpu_checkpoint_s_{detector}": _median(times[2:]), f"via_{detector}": via,
+                    f"device_reads_{detector}": max(reads[2:])}
         except Exception as exc:  # reported beside the row, the bench goes on
-            return {"session_error": f"{type(exc).__name__}: {exc}"}
+            return {f"session_error_{detector}": f"{type(exc).__name__}: {exc}"}
         finally:
-            try:
-                os.unlink(os.path.join("/dev/shm", spec.split(":", 1)[1]))
-            except FileNotFoundError:
-                pass
+            _unlink_shm(name)
 
     # kv ---------------------------------------------------------------------------
     def kv(self, cache_sizes, rng, seqs=256, new_tokens=1) -> list[dict]:
@@ -520,6 +503,10 @@ def _summary(result: dict) -> dict:
     if e2e:
         s["e2e_min_speedup_one_page"] = min(r["speedup"] for r in e2e)
         s["e2e_goal"] = 300
+        for d in ("shadow", "fingerprint"):
+            got = [r[f"speedup_{d}"] for r in e2e if f"speedup_{d}" in r]
+            if got:
+                s[f"e2e_min_speedup_one_page_{d}"] = min(got)
     kv = result["kv"]
     if kv:
         ts = [r["scan_s"] for r in kv]
@@ -541,9 +528,14 @@ def _table(result: dict) -> str:
                      f"{r['stage_s'] * 1e3:9.3f} ms  {r['stage_Bps'] / 1e9:8.1f} GB/s  ratio {ratio:.2f}")
     lines.append("end to end, one dirty page")
     for r in result["e2e"]:
-        if "speedup" in r:
-            lines.append(f"  {r['region_bytes'] / MiB:>8.0f} MiB  gpu {r['gpu_checkpoint_s'] * 1e3:9.3f} ms  "
-                         f"host scan {r['host_scan_checkpoint_s'] * 1e3:10.1f} ms  speedup {r['speedup']:8.1f}x")
+        if "host_scan_checkpoint_s" in r:
+            for d in ("shadow", "fingerprint"):
+                if f"speedup_{d}" in r:
+                    lines.append(f"  {r['region_bytes'] / MiB:>8.0f} MiB  {d:<11} gpu "
+                                 f"{r[f'gpu_checkpoint_s_{d}'] * 1e3:9.3f} ms  host scan "
+                                 f"{r['host_scan_checkpoint_s'] * 1e3:10.1f} ms  speedup {r[f'speedup_{d}']:8.1f}x")
+                elif f"session_error_{d}" in r:
+                    lines.append(f"  {r['region_bytes'] / MiB:>8.0f} MiB  {d:<11} {r[f'session_error_{d}']}")
         else:
             lines.append(f"  {r['region_bytes'] / MiB:>8.0f} MiB  cpu {r['cpu_checkpoint_s'] * 1e3:9.3f} ms")
     lines.append("kv scanner, fixed new tokens")
@@ -570,7 +562,8 @@ def _plot(result: dict, path: str) -> None:
     if ceil:
         ax[0, 0].axhline(statistics.median(ceil) / 1e9, ls="--", c="k", label="read ceiling")
     ax[0, 0].set(xscale="log", xlabel="dirty pages", ylabel="GB/s read", title="shadow diff")
-    ax[0, 0].legend(fontsize=8)
+    if det:
+        ax[0, 0].legend(fontsize=8)
     st = result["stage"]
     ax[0, 1].plot([r["record_bytes"] for r in st], [r["stage_Bps"] / 1e9 for r in st], "o-", label="staging")
     ax[0, 1].plot([r["record_bytes"] for r in st], [r.get("pinned_d2h_Bps", r.get("memcpy_Bps")) / 1e9 for r in st],
@@ -579,8 +572,14 @@ def _plot(result: dict, path: str) -> None:
     ax[0, 1].legend(fontsize=8)
     e2e = result["e2e"]
     xs = [r["region_bytes"] / GiB for r in e2e]
-    key = "gpu_checkpoint_s" if e2e and "gpu_checkpoint_s" in e2e[0] else "cpu_checkpoint_s"
-    ax[1, 0].plot(xs, [r[key] * 1e3 for r in e2e], "o-", label=key.split("_")[0])
+    if e2e and "host_scan_checkpoint_s" in e2e[0]:
+        for d in ("shadow", "fingerprint"):
+            pts = [(r["region_bytes"] / GiB, r[f"gpu_checkpoint_s_{d}"] * 1e3) for r in e2e
+                   if f"gpu_checkpoint_s_{d}" in r]
+            if pts:
+                ax[1, 0].plot(*zip(*pts), "o-", label=f"gpu ({d})")
+    else:
+        ax[1, 0].plot(xs, [r["cpu_checkpoint_s"] * 1e3 for r in e2e], "o-", label="cpu")
     if e2e and "host_scan_checkpoint_s" in e2e[0]:
         ax[1, 0].plot(xs, [r["host_scan_checkpoint_s"] * 1e3 for r in e2e], "s--", label="host scan")
     ax[1, 0].set(xscale="log", yscale="log", xlabel="region GiB", ylabel="ms per checkpoint",
@@ -609,9 +608,11 @@ def _plot(result: dict, path: str) -> None:
 @click.option("--page-bytes", type=int, default=4096, show_default=True)
 @click.option("--reps", type=int, default=10, show_default=True, help="Timed repeats (median).")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--parts", default="detect,stage,e2e,kv", show_default=True,
+              help="Which parts to run (the others are reported empty).")
 @guarded
 def command(as_json, out, plot, quick, cpu, sizes, fractions, e2e_sizes, stage_region, kv_cache_sizes,
-            page_bytes, reps, seed):
+            page_bytes, reps, seed, parts):
     """Delta checkpoint: shadow diff vs device read bandwidth, staging vs
     pinned device-to-host copies, one dirty page end to end vs host-side
     scanning, and the KV scanner vs cache size.  Needs a CUDA device unless
@@ -634,10 +635,16 @@ def command(as_json, out, plot, quick, cpu, sizes, fractions, e2e_sizes, stage_r
     result = {"bench": "checkpoint", "device": runner.device, "page_bytes": page_bytes, "reps": reps,
               "config": cfg, "cpu": bool(cpu)}
     fr = _fractions(cfg["fractions"])
-    result["detect"] = runner.detect(_sizes(cfg["sizes"]), fr, rng)
-    result["stage"] = runner.stage(_sizes(cfg["stage_region"])[0], fr, rng)
-    result["e2e"] = runner.e2e(_sizes(cfg["e2e_sizes"]), rng, max(3, reps))
-    result["kv"] = runner.kv(_sizes(cfg["kv_cache_sizes"]), rng)
+    want = {p.strip() for p in parts.split(",") if p.strip()}
+    unknown = want - {"detect", "stage", "e2e", "kv"}
+    if unknown:
+        raise click.BadParameter(f"unknown part {sorted(unknown)[0]!r} (use detect, stage, e2e, kv)",
+                                 param_hint="--parts")
+    result["parts"] = sorted(want)
+    result["detect"] = runner.detect(_sizes(cfg["sizes"]), fr, rng) if "detect" in want else []
+    result["stage"] = runner.stage(_sizes(cfg["stage_region"])[0], fr, rng) if "stage" in want else []
+    result["e2e"] = runner.e2e(_sizes(cfg["e2e_sizes"]), rng, max(3, reps)) if "e2e" in want else []
+    result["kv"] = runner.kv(_sizes(cfg["kv_cache_sizes"]), rng) if "kv" in want else []
     result["summary"] = _summary(result)
     if out:
         with open(out, "w") as f:

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # GPU kernels on the H200: the gpu-marked tests (records byte-identical to the
 # numpy twins, CRC32C equal to the crc32c package, bit-exact scatter, KV
-# scanner), then the checkpoint benchmark sized to finish in about two minutes.
+# scanner, stage_delta, the Session's device staging), then the checkpoint
+# benchmark sized to finish in about two minutes (CHECKPOINT_PARTS=e2e,... runs
+# only the parts named).
 # Run from the repo root with $OUT set; writes $OUT/kernels-tests.txt,
 # $OUT/checkpoint.json and $OUT/checkpoint.png.
 set -uo pipefail
@@ -9,10 +11,13 @@ cd "$(dirname "$0")/../.."
 : "${OUT:?set OUT to a folder for results}"
 export CUDA_MODULE_LOADING=EAGER
 status=0
-timeout -k 5 100 python3 -m pytest tests/gpu_kernels -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/kernels-tests.txt"
+[ "${KERNELS_TESTS:-1}" = 0 ] || timeout -k 5 120 python3 -m pytest tests/gpu_kernels tests/session/test_gpu_staging.py -m gpu -q -p no:cacheprovider \
+  2>&1 | tee "$OUT/kernels-tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+# shellcheck disable=SC2086  # CHECKPOINT_ARGS: extra options, split on purpose
 timeout -k 5 150 python3 -c "from concordia.tools.wal_cli import main; main()" bench checkpoint --json --out "$OUT/checkpoint.json" \
-  --plot "$OUT/checkpoint.png" --reps 10 >/dev/null 2>"$OUT/checkpoint.err"
+  --plot "$OUT/checkpoint.png" --reps 10 --parts "${CHECKPOINT_PARTS:-detect,stage,e2e,kv}" ${CHECKPOINT_ARGS:-} \
+  >/dev/null 2>"$OUT/checkpoint.err"
 rc=$?
 cat "$OUT/checkpoint.err"
 [ $rc -eq 0 ] || status=1
@@ -22,5 +27,10 @@ doc = json.load(open(sys.argv[1]))
 print("device:", doc["device"])
 for k, v in doc["summary"].items():
     print(f"  {k}: {v:.3g}" if isinstance(v, float) else f"  {k}: {v}")
+for r in doc["e2e"]:
+    cells = [f"{d} {r[f'gpu_checkpoint_s_{d}'] * 1e3:.3f} ms (kernel {r[f'detect_kernel_s_{d}'] * 1e3:.3f}, "
+             f"reads {r[f'device_reads_{d}']}) {r[f'speedup_{d}']:.0f}x" if f"speedup_{d}" in r
+             else f"{d} {r.get(f'session_error_{d}')}" for d in ("shadow", "fingerprint")]
+    print(f"  e2e {r['region_bytes'] >> 20} MiB host {r['host_scan_checkpoint_s'] * 1e3:.1f} ms | " + " | ".join(cells))
 PY
 exit $status

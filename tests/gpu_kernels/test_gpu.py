@@ -254,3 +254,73 @@ def test_fast_stage_and_scatter_write_what_the_checked_launchers_write(cp, gpu):
     want = np.zeros(npages, np.uint32)
     want[want_ids] = ref.crc32c_pages(host, want_ids, page_bytes=pb)
     assert np.array_equal(table.get(), want)
+
+
+@pytest.mark.parametrize("detector", ["shadow", "fingerprint"])
+@pytest.mark.parametrize("frac", [1e-3, 0.3])
+def test_detectors_list_their_dirty_pages(cp, gpu, detector, frac):
+    rng = np.random.default_rng(11)
+    pb, nbytes = 4096, 500 * 4096 + 100
+    host = rand_region(rng, nbytes)
+    region = cp.asarray(host)
+    npages = ref.num_pages(nbytes, pb)
+    before = region.copy()
+    keep = gpu.fingerprint_pages(region, page_bytes=pb) if detector == "fingerprint" else before
+    want = dirty(rng, host, npages, pb, frac)
+    region[...] = cp.asarray(host)
+    flags = cp.full(npages, 7, cp.uint8)
+    for cap in (1000, 3):
+        lst, count = cp.full(cap, 0xFFFFFFFF, cp.uint32), cp.zeros(1, cp.uint32)
+        shadow = keep.copy()
+        if detector == "shadow":
+            gpu.launch_shadow_diff(region, shadow, flags, page_bytes=pb, update=True, found=(lst, count))
+        else:
+            gpu.launch_fingerprint(region, shadow, flags, page_bytes=pb, update=True, found=(lst, count))
+        assert np.array_equal(cp.flatnonzero(flags).get(), want)
+        assert int(count.get()[0]) == want.size
+        listed = lst.get()[:min(cap, want.size)]
+        assert np.unique(listed).size == listed.size and set(listed.tolist()) <= set(want.tolist())
+        if cap >= want.size:
+            assert sorted(listed.tolist()) == want.tolist()
+
+
+@pytest.mark.parametrize("count", [0, 1, 7, 32, 33])
+@pytest.mark.parametrize("where", ["device", "pinned"])
+def test_stage_delta_equals_twin(cp, gpu, count, where):
+    rng = np.random.default_rng(100 + count)
+    pb, npages = 4096, 300
+    nbytes = npages * pb - 1000  # short last page
+    host = rand_region(rng, nbytes)
+    region = cp.asarray(host)
+    ids = rng.permutation(np.append(rng.choice(npages - 1, max(0, count - 1), replace=False), npages - 1)[:count])
+    ids = ids.astype(np.uint32)
+    table = rng.integers(0, 2**32, npages, dtype=np.uint64).astype(np.uint32)
+    length = ref.page_batch_length(max(1, min(count, 32)), pb) + 192
+    twin_dst, twin_table = np.full(length, 0xEE, np.uint8), table.copy()
+    kw = dict(page_bytes=pb, cap_pages=32, base_lsn=1 << 20, epoch=12, region_id=4, salt=0xABCD)
+    want = ref.stage_delta(host, ids, twin_dst, twin_table, ref.region_digest(table), **kw)
+    if where == "device":
+        dst = cp.full(length, 0xEE, cp.uint8)
+        read = dst.get
+    else:
+        h, dst = gpu.pinned_buffer(length)
+        h[:] = 0xEE
+        read = lambda: h.copy()  # noqa: E731
+    dev_table = cp.asarray(table)
+    got = gpu.stage_delta(region, cp.asarray(ids), dst, dev_table, ref.region_digest(table), **kw)
+    assert got == want
+    assert read().tobytes() == twin_dst.tobytes()
+    assert np.array_equal(dev_table.get(), twin_table)
+    if got[2]:
+        assert got[3] == gpu.region_digest(dev_table)
+
+
+def test_stage_delta_refuses_a_record_larger_than_its_extent(cp, gpu):
+    region = cp.asarray(rand_region(np.random.default_rng(2), 64 * 4096))
+    table = gpu.crc32c_pages(region, page_bytes=4096)
+    d = gpu.region_digest(table)
+    dst = cp.zeros(ref.page_batch_length(2, 4096), cp.uint8)
+    got = gpu.stage_delta(region, cp.asarray(np.array([9, 3, 5], np.uint32)), dst, table, d, page_bytes=4096,
+                          cap_pages=32, base_lsn=0, epoch=1, region_id=0, salt=0)
+    assert got == (3, 0, 0, d)
+    assert not bool(dst.any()) and gpu.region_digest(table) == d

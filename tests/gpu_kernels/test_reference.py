@@ -325,3 +325,53 @@ def test_header_layout_matches_wal():
     assert ref.TYPE_PAGE_BATCH == fmt.REC_PAGE_BATCH and ref.NO_REGION == fmt.NO_REGION
     for c in (1, 7, 8, 100):
         assert ref.page_batch_length(c, 4096) == fmt.page_batch_length(c, 4096)
+
+
+@pytest.mark.parametrize("count", [0, 1, 5, 32, 33])
+def test_stage_delta_writes_one_batch_and_moves_the_digest(count):
+    rng = np.random.default_rng(count)
+    pb, npages = 256, 100
+    region = rng.integers(0, 256, size=npages * pb - 40, dtype=np.uint8)  # short last page
+    ids = rng.permutation(np.append(rng.choice(npages - 1, max(0, count - 1), replace=False), npages - 1)[:count])
+    table = rng.integers(0, 2**32, npages, dtype=np.uint64).astype(np.uint32)
+    before = table.copy()
+    dst = np.full(ref.page_batch_length(max(count, 1), pb), 0xEE, np.uint8)
+    got = ref.stage_delta(region, ids.astype(np.uint32), dst, table, ref.region_digest(table), page_bytes=pb,
+                          cap_pages=40, base_lsn=640, epoch=9, region_id=3, salt=0x55)
+    if not 0 < count <= ref.DELTA_MAX_PAGES:
+        assert got == (count, 0, 0, ref.region_digest(before))
+        assert (dst == 0xEE).all() and np.array_equal(table, before)
+        return
+    want = np.full_like(dst, 0xEE)
+    ref.stage_page_batch(region, np.sort(ids), want, ref.new_cursor(), page_bytes=pb, base_lsn=640, epoch=9,
+                         region_id=3, salt=0x55)
+    assert got == (count, dst.size, 1, ref.region_digest(table))
+    assert dst.tobytes() == want.tobytes()
+    expect = before.copy()
+    expect[np.sort(ids)] = ref.crc32c_pages(region, np.sort(ids), page_bytes=pb)
+    assert np.array_equal(table, expect)
+    assert ref.region_digest_moved(ref.region_digest(before), npages, np.sort(ids), before[np.sort(ids)],
+                                   expect[np.sort(ids)]) == got[3]
+
+
+def test_stage_delta_refuses_more_pages_than_its_extent_holds():
+    region = np.arange(64 * 10, dtype=np.uint8)
+    table = ref.crc32c_pages(region, page_bytes=64)
+    dst = np.zeros(ref.page_batch_length(2, 64), np.uint8)
+    d = ref.region_digest(table)
+    for cap, ids in ((2, [1, 2, 3]), (5, [1, 2, 3])):  # over the cap, then over dst
+        assert ref.stage_delta(region, np.array(ids, np.uint32), dst, table, d, page_bytes=64, cap_pages=cap,
+                               base_lsn=0, epoch=1, region_id=0, salt=0) == (3, 0, 0, d)
+    assert not dst.any()
+
+
+def test_region_digest_moved_equals_the_digest_recomputed():
+    rng = np.random.default_rng(5)
+    for n in (1, 2, 1000):
+        table = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+        d = ref.region_digest(table)
+        ids = np.sort(rng.choice(n, min(n, 7), replace=False))
+        new = table.copy()
+        new[ids] = rng.integers(0, 2**32, ids.size, dtype=np.uint64).astype(np.uint32)
+        new[ids[0]] = table[ids[0]]  # an unchanged word moves nothing
+        assert ref.region_digest_moved(d, n, ids, table[ids], new[ids]) == ref.region_digest(new)

@@ -2,7 +2,9 @@
 byte-identical to what the numpy path writes for the same state, the path
 actually taken must be the device one (zero copy into a registered shm
 mapping, or a pinned staging ring for file logs), and the device must be read
-back at most twice per checkpoint (dirty counts, then cursors with digests)."""
+back at most twice per checkpoint (dirty counts, then cursors with digests),
+and once when a region's few dirty pages fit the extent reserved for them
+before its detector ran (stage_delta)."""
 
 from __future__ import annotations
 
@@ -31,10 +33,14 @@ def _numpy_run(tmp_path, **kw):
     return contents, got, truth
 
 
-def _reads_are_minimal(stats):
-    # base: no counts to read (every page), one read after staging; deltas: the
+def _reads_are_minimal(stats, via="gpu-mapped"):
+    # base: no counts to read (every page), one read after staging.  Mapped
+    # deltas of one page per region: one read (stage_delta).  Ring deltas: the
     # dirty counts, then the cursors and digests; the clean last epoch: counts only
-    assert [st.device_reads for st in stats] == [1] + [2] * (EPOCHS - 2) + [1]
+    if via == "gpu-mapped":
+        assert [st.device_reads for st in stats] == [1] * EPOCHS
+    else:
+        assert [st.device_reads for st in stats] == [1] + [2] * (EPOCHS - 2) + [1]
 
 
 @pytest.mark.parametrize("tier,via", [("shm", "gpu-mapped"), ("file", "gpu-ring")])
@@ -43,7 +49,7 @@ def test_device_staging_writes_the_numpy_records(cp, tmp_path, shm_log, tier, vi
     log = shm_log if tier == "shm" else f"file:{tmp_path / 'gpu.log'}"
     stats, contents, got, _ = run_workload(log, to_device=cp.asarray)
     assert all(set(st.via.values()) == {via} for st in stats), [st.via for st in stats]
-    _reads_are_minimal(stats)
+    _reads_are_minimal(stats, via)
     assert_same_log(contents, want)
     assert_same(got, truth)
 
@@ -181,4 +187,56 @@ def test_host_staging_of_cupy_regions_still_matches(cp, tmp_path):
     stats, contents, got, _ = run_workload(f"file:{tmp_path / 'host.log'}", staging="host", to_device=cp.asarray)
     assert all(set(st.via.values()) == {"host"} for st in stats)
     assert_same_log(contents, want)
+    assert_same(got, truth)
+
+
+def _by_region(contents):
+    """Page batches ordered by (epoch, region): the device path writes the
+    regions done in one launch first, the numpy path in registration order."""
+    out = dict(contents)
+    out["batches"] = sorted(contents["batches"], key=lambda b: (b["epoch"], b["region"]))
+    return out
+
+
+# dirty pages per checkpoint: one (fits the 1-page guess after the base), many
+# (refused: compacted and staged), a few after many (no extent reserved),
+# fewer than the guess (the rest padded), clean, clean with no extent, one again
+DIRTY_STEPS = [1, 100, 3, 2, 0, 0, 1, 32, 33]
+
+
+def _transitions(log, to_device, detect):
+    rng = np.random.default_rng(4)
+    pb, npages = 256, 200
+    truth = rng.integers(0, 256, size=npages * pb - 77, dtype=np.uint8)
+    other = rng.standard_normal(5000).astype(np.float32)
+    arr = to_device(truth) if to_device else truth
+    arr2 = to_device(other) if to_device else other
+    stats = []
+    with Session(log, size=LOG_SIZE, segment_size=SEGMENT, overwrite=True) as s:
+        s.register("r", arr, page_bytes=pb, detect=detect)
+        s.register("o", arr2, page_bytes=1024, detect=detect)
+        s.checkpoint()
+        for k, n in enumerate(DIRTY_STEPS):
+            pages = rng.choice(npages, n, replace=False)
+            at = np.minimum(pages * pb + rng.integers(0, pb, n), truth.size - 1)
+            truth[at] ^= 0x3C
+            other[k % other.size] += 1.0
+            if to_device:
+                arr.set(truth)
+                arr2.set(other)
+            stats.append(s.checkpoint())
+            assert stats[-1].pages == {"r": n, "o": 1}
+        got = {k: np.asarray(v) for k, v in s.recover().items()}
+        return stats, log_contents(s.log), got, {"r": truth, "o": other}
+
+
+@pytest.mark.parametrize("detect", ["shadow", "fingerprint"])
+def test_few_pages_in_one_launch_and_every_fallback(cp, tmp_path, shm_log, detect):
+    _, want, _, truth = _transitions(f"file:{tmp_path / 'numpy.log'}", None, detect)
+    stats, contents, got, _ = _transitions(shm_log, cp.asarray, detect)
+    assert all(set(st.via.values()) == {"gpu-mapped"} for st in stats)
+    # one wait where region "r"'s pages fit its extent; two where they did not
+    # (many, a few after many, one after a clean epoch, 33 after 32)
+    assert [st.device_reads for st in stats] == [1, 2, 2, 1, 1, 1, 2, 2, 2]
+    assert_same_log(_by_region(contents), _by_region(want))
     assert_same(got, truth)
