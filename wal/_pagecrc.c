@@ -300,17 +300,11 @@ HASH void concordia_copy_page_crcs(uint8_t *dst, const uint8_t *src, const int64
     }
 }
 
-/* The tables of a page batch (FORMAT.md §6.1) in one call: tables[0:4n] = the
- * page ids as u32 (ids are u32 when ids_are_i64 is 0, else i64), tables[4n:8n] =
- * the CRC32C of each of the n pages at pages + i * stride.  Returns the CRC32C
- * of those 8n bytes (the record header's body CRC), or
- * -1 when the ids are not strictly increasing, -2 when one does not fit in a
- * u32 (tables then hold garbage).  The ids are checked before any page is
- * hashed. */
-HASH int64_t concordia_page_batch_tables(const uint8_t *pages, int64_t stride, int64_t count, int64_t page_bytes,
-                                         const void *ids, int ids_are_i64, uint8_t *tables)
+/* The ids table of a page batch: t[i] = ids[i] as u32 (ids are u32 when
+ * ids_are_i64 is 0, else i64).  Returns 0, -1 when the ids are not strictly
+ * increasing, -2 when one does not fit in a u32. */
+static int fill_ids(uint32_t *t, const void *ids, int ids_are_i64, int64_t count)
 {
-    uint32_t *t = (uint32_t *)(void *)tables;  /* the caller's buffer is 4-byte aligned */
     int64_t prev = -1;
     for (int64_t i = 0; i < count; i++) {
         int64_t id = ids_are_i64 ? ((const int64_t *)ids)[i] : (int64_t)((const uint32_t *)ids)[i];
@@ -321,7 +315,42 @@ HASH int64_t concordia_page_batch_tables(const uint8_t *pages, int64_t stride, i
         prev = id;
         t[i] = (uint32_t)id;
     }
+    return 0;
+}
+
+/* The tables of a page batch (FORMAT.md §6.1) in one call: tables[0:4n] = the
+ * page ids, tables[4n:8n] = the CRC32C of each of the n pages at
+ * pages + i * stride.  Returns the CRC32C of those 8n bytes (the record
+ * header's body CRC), or fill_ids's negative code (nothing hashed; the
+ * tables then hold garbage).  tables is 4-byte aligned. */
+HASH int64_t concordia_page_batch_tables(const uint8_t *pages, int64_t stride, int64_t count, int64_t page_bytes,
+                                         const void *ids, int ids_are_i64, uint8_t *tables)
+{
+    uint32_t *t = (uint32_t *)(void *)tables;
+    int bad = fill_ids(t, ids, ids_are_i64, count);
+    if (bad)
+        return bad;
     concordia_page_crcs(pages, stride, count, page_bytes, t + count);
+    const uint8_t *z[1] = {tables};
+    uint32_t c;
+    lanes(1, 0, z, NULL, (size_t)(8 * count), &c);
+    return (int64_t)c;
+}
+
+/* The same, for a record written in place: the n pages are also copied to
+ * payload (back to back) and hashed as they are copied, and tables_bytes - 8n
+ * bytes of zero padding follow the tables.  Nothing is written to payload
+ * when the ids are bad. */
+HASH int64_t concordia_copy_page_batch(uint8_t *tables, int64_t tables_bytes, uint8_t *payload, const uint8_t *pages,
+                                       int64_t stride, int64_t count, int64_t page_bytes, const void *ids,
+                                       int ids_are_i64)
+{
+    uint32_t *t = (uint32_t *)(void *)tables;
+    int bad = fill_ids(t, ids, ids_are_i64, count);
+    if (bad)
+        return bad;
+    memset(tables + 8 * count, 0, (size_t)(tables_bytes - 8 * count));
+    concordia_copy_page_crcs(payload, pages, NULL, stride, count, page_bytes, t + count);
     const uint8_t *z[1] = {tables};
     uint32_t c;
     lanes(1, 0, z, NULL, (size_t)(8 * count), &c);

@@ -327,12 +327,33 @@ class Appender:
                 raise
         else:
             # into the mapping: with page_crcs None each page is hashed as it is copied
-            res = self._take(length, Reservation)
-            del self.outstanding[res.id]
-            off, lsn = res.offset, res.lsn
-            F.encode_page_batch_into(res.view, lsn=lsn, epoch=epoch, region_id=region_id, salt=res.salt,
-                                     page_ids=ids, pages=pages if src is None else src, page_bytes=page_bytes,
-                                     flags=flags, page_crcs=page_crcs)
+            if count == 0 or count > F.MAX_BATCH_PAGES:
+                _check_batch(ids, count, page_bytes)  # raises, naming the problem
+            off = self._space(length)
+            seg = self.seg
+            if self._next_slot_free():
+                self.backend.array[self.pos:self.pos + 64] = 0  # (see _take)
+            view = self.backend.array[off:off + length]
+            lsn = seg.base_lsn + (off - seg.offset)
+            body_crc = None
+            if page_crcs is None and src is not None and page_bytes % F.RECORD_ALIGN == 0 \
+                    and page_bytes <= F.MAX_PAGE_BYTES:
+                # ids checked, pages copied and hashed, tables filled: one call of the helper
+                body_crc = _pagecrc.copy_page_batch(view, src, ids, F.page_batch_payload_offset(count))
+            try:
+                if body_crc is not None:
+                    F.encode_record_header_into(view, length=length, type=F.REC_PAGE_BATCH, lsn=lsn, epoch=epoch,
+                                                region_id=region_id, salt=seg.salt, body_crc=body_crc,
+                                                count=count, page_bytes=page_bytes, flags=flags)
+                else:
+                    F.encode_page_batch_into(view, lsn=lsn, epoch=epoch, region_id=region_id, salt=seg.salt,
+                                             page_ids=ids, pages=pages if src is None else src,
+                                             page_bytes=page_bytes, flags=flags, page_crcs=page_crcs)
+            except BaseException:
+                # bad input found before the header was written: its slot still holds
+                # zeros, so the space is free again and no hole is left behind
+                self.pos = off
+                raise
         if not base:  # BASE batches are outside epoch accounting (V-N1)
             self._count(epoch, length, lsn)
         self._defer(off, length)

@@ -49,6 +49,13 @@ ENV = "CONCORDIA_PAGECRC"
 #: below this many pages one package call per page is cheaper than one call into
 #: the library (cffi's call costs about four single-page package calls)
 MIN_NATIVE_PAGES = 4
+#: ... unless the pages are this large in all: then the call's cost is nothing
+#: beside the hashing, which the helper does faster
+MIN_NATIVE_BYTES = 16 << 10
+
+
+def _use_native(count: int, pb: int) -> bool:
+    return _lib is not None and pb > 0 and (count >= MIN_NATIVE_PAGES or count * pb >= MIN_NATIVE_BYTES)
 
 _CDEF = """
 int concordia_pagecrc_supported(void);
@@ -56,6 +63,8 @@ int concordia_pagecrc_vector(int enable);
 void concordia_page_crcs(const void *base, int64_t stride, int64_t count, int64_t page_bytes, void *out);
 int64_t concordia_page_batch_tables(const void *pages, int64_t stride, int64_t count, int64_t page_bytes,
                                     const void *ids, int ids_are_i64, void *tables);
+int64_t concordia_copy_page_batch(void *tables, int64_t tables_bytes, void *payload, const void *pages,
+                                  int64_t stride, int64_t count, int64_t page_bytes, const void *ids, int ids_are_i64);
 void concordia_copy_page_crcs(void *dst, const void *src, const void *offsets, int64_t src_stride,
                               int64_t count, int64_t page_bytes, void *out);
 """
@@ -131,6 +140,7 @@ else:
     _buf = _ffi.from_buffer
     _page_crcs_c = _lib.concordia_page_crcs
     _tables_c = _lib.concordia_page_batch_tables
+    _copy_batch_c = _lib.concordia_copy_page_batch
     _copy_c = _lib.concordia_copy_page_crcs
     _NULL = _ffi.NULL
 
@@ -217,7 +227,7 @@ def page_crcs(pages, out=None, *, release_gil: bool = False) -> np.ndarray:
     path to let other threads run while it hashes (the helper always does)."""
     pages = _rows(pages, "pages")
     count, pb = pages.shape
-    if _lib is None or count < MIN_NATIVE_PAGES:
+    if not _use_native(count, pb):
         return pure_page_crcs(pages, out, release_gil=release_gil)
     out = _out(out, count)
     if pb:
@@ -246,6 +256,25 @@ def page_batch_tables(pages: np.ndarray, ids: np.ndarray, tables: np.ndarray):
     return crc if crc >= 0 else None
 
 
+def copy_page_batch(record: np.ndarray, pages: np.ndarray, ids: np.ndarray, payload_offset: int):
+    """`page_batch_tables` for a record written in place: `record` is the
+    record's bytes (a writable C-contiguous uint8 array, header first), its
+    tables and their zero padding are written, and the pages are copied to its
+    payload at `payload_offset`, each hashed as it is copied.  Returns the
+    tables' CRC32C, or None (nothing written) like `page_batch_tables`."""
+    count = ids.size
+    if (_lib is None or ids.dtype not in (np.uint32, np.int64) or not ids.flags.c_contiguous
+            or pages.ndim != 2 or pages.shape[0] != count or pages.dtype != np.uint8
+            or not pages.flags.c_contiguous or count == 0 or not pages.shape[1]
+            or record.dtype != np.uint8 or not record.flags.c_contiguous
+            or payload_offset < 64 + 8 * count or record.nbytes != payload_offset + pages.nbytes):
+        return None
+    buf = _buf(record, require_writable=True)
+    crc = _copy_batch_c(buf + 64, payload_offset - 64, buf + payload_offset, _buf(pages), pages.strides[0], count,
+                        pages.shape[1], _buf(ids), int(ids.dtype == np.int64))
+    return crc if crc >= 0 else None
+
+
 def copy_page_crcs(dst, src, out=None, *, release_gil: bool = False) -> np.ndarray:
     """Copy the pages of `src` (a 2-D uint8 array, rows contiguous) into `dst` (a
     C-contiguous uint8 array of the same number of bytes, not overlapping `src`)
@@ -253,7 +282,7 @@ def copy_page_crcs(dst, src, out=None, *, release_gil: bool = False) -> np.ndarr
     src = _rows(src, "source pages")
     count, pb = src.shape
     dst = _dst(dst, count, pb)
-    if _lib is None or count < MIN_NATIVE_PAGES or not pb:
+    if not _use_native(count, pb):
         np.copyto(dst.reshape(count, pb), src)
         return pure_page_crcs(dst.reshape(count, pb), out, release_gil=release_gil)
     out = _out(out, count)
@@ -282,7 +311,7 @@ def gather_page_crcs(dst, root, offsets, page_bytes: int, out=None, *, release_g
         raise UsageError("the source of a gather must be a C-contiguous uint8 array")
     if count and pb and int(offsets.max()) > root.nbytes - pb:
         raise UsageError(f"a gather offset runs past the {root.nbytes}-byte source")
-    if _lib is not None and count >= MIN_NATIVE_PAGES and pb:
+    if _use_native(count, pb):
         out = _out(out, count)
         _copy_c(_buf(dst, require_writable=True), _buf(root), _buf(offsets), 0, count, pb,
                 _buf(out, require_writable=True))

@@ -90,11 +90,18 @@ def test_head_checks_like_the_encoder():
         page_batch_head(np.array([], np.uint32), crcs[:0], PB)
 
 
+def _log(tmp_path, spec):
+    name = f"file:{tmp_path}/log" if spec == "file" else "memory:"
+    return Log.create(open_backend(name, size=4 << 20, create=True), segment_size=1 << 20)
+
+
+@pytest.mark.parametrize("spec", ["file", "memory"])
 @pytest.mark.parametrize("dtype", [np.uint32, np.int64, np.int32, np.uint64])
-def test_ids_of_any_integer_type_give_the_same_record(tmp_path, dtype):
-    """uint32 and int64 ids take the helper's one-call tables, other types the
-    checked path; the bytes on media are the same."""
-    log = Log.create(open_backend(f"file:{tmp_path}/log", size=4 << 20, create=True), segment_size=1 << 20)
+def test_ids_of_any_integer_type_give_the_same_record(tmp_path, dtype, spec):
+    """uint32 and int64 ids take the helper's one-call tables (written aside for
+    pwritev, or in place with the pages copied), other types the checked path;
+    the bytes on media are the same."""
+    log = _log(tmp_path, spec)
     rid = log.define_region("r", np.uint8, (64 * PB,), PB, "opaque")
     pages = np.random.default_rng(3).integers(0, 256, (5, PB), dtype=np.uint8)
     ids = np.array([0, 7, 8, 40, 63], dtype=dtype)
@@ -114,8 +121,9 @@ def test_ids_of_any_integer_type_give_the_same_record(tmp_path, dtype):
     ([-1, 2, 3, 4], "fit in u32"),
     ([1, 2, 3, 1 << 32], "fit in u32"),
 ])
-def test_bad_ids_are_refused_before_space_is_taken(tmp_path, ids, problem):
-    log = Log.create(open_backend(f"file:{tmp_path}/log", size=4 << 20, create=True), segment_size=1 << 20)
+@pytest.mark.parametrize("spec", ["file", "memory"])
+def test_bad_ids_are_refused_before_space_is_taken(tmp_path, ids, problem, spec):
+    log = _log(tmp_path, spec)
     rid = log.define_region("r", np.uint8, (64 * PB,), PB, "opaque")
     pages = np.ones((4, PB), np.uint8)
     before = log.appender.write_lsn
