@@ -133,7 +133,7 @@ def _digest(xp, arr, page_bytes):
     return gpu.region_digest(gpu.crc32c_pages(arr, page_bytes=page_bytes))
 
 
-def _restore(xp, spec: str, registered: bool = False) -> dict:
+def _restore(xp, spec: str, registered: bool = False, read: str = "auto") -> dict:
     """Open, plan and restore the log's KV region onto the device (or host).
     registered: open the log writable and register its mapping with CUDA
     first (timed as register_s, outside the restore), as a live session that
@@ -163,7 +163,7 @@ def _restore(xp, spec: str, registered: bool = False) -> dict:
                 reg = cuda_host.register(log.backend)
                 register_s = time.perf_counter() - t2
             t3 = time.perf_counter()
-            out = apply_plan_cupy(log, p, stats=st, registration=reg)
+            out = apply_plan_cupy(log, p, stats=st, registration=reg, read=read)
             _sync(xp)
         t4 = time.perf_counter()
         nbytes = int(out["kv"].nbytes)
@@ -178,6 +178,8 @@ def _restore(xp, spec: str, registered: bool = False) -> dict:
             "staging_alloc_s": st.get("staging_alloc_s", 0.0), "scatter_s": st.get("scatter_s", restore),
             "verify_s": st.get("verify_s", 0.0), "via": st.get("via"), "chunks": st.get("chunks"),
             "fill_wait_s": st.get("fill_wait_s"), "copy_wait_s": st.get("copy_wait_s"),
+            "register_wait_s": st.get("register_wait_s"), "unregister_s": st.get("unregister_s"),
+            "pin_refused": st.get("pin_refused"), "alloc_s": st.get("alloc_s"),
             "bytes": nbytes, "GBps": nbytes / restore / 1e9}
 
 
@@ -325,6 +327,12 @@ def run(sizes_bytes, tiers, quick: bool, page_bytes: int, on_row=None, with_torc
                     w = _write_log(xp, spec, nbytes, page_bytes)
                     _release(xp)
                     r = _restore(xp, spec)
+                    if tier == "shm" and xp is not np:  # the same log copied by host threads instead
+                        _release(xp)
+                        c = _restore(xp, spec, read="copy")
+                        row.update({f"copy_{k}": c[k] for k in ("total_s", "restore_s", "GBps", "via",
+                                                                "fill_wait_s")})
+                        row["copy_ratio_to_ceiling"] = c["GBps"] / ceiling["GBps"]
                     hr = _host_read(xp, spec, nbytes, threads=(None,) if quick else (None, 4, 8, 16))
                     row.update({"host_read_GBps": hr["GBps"], "host_read_threads": hr["threads"],
                                 "host_read_GBps_by_threads": hr["by_threads"]})

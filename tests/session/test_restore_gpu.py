@@ -27,20 +27,45 @@ def _same(got, want):
         assert g.tobytes() == want[name].tobytes(), name
 
 
+@pytest.mark.parametrize("read", ["auto", "copy"])
 @pytest.mark.parametrize("chunk_bytes", [4096, 64 << 10, 32 << 20])
-def test_device_restore_equals_host_restore(persistent_log, chunk_bytes):
+def test_device_restore_equals_host_restore(persistent_log, chunk_bytes, read):
     _history(persistent_log)
     log = Log.open(persistent_log, writable=False, check_pages=False)
     try:
         p = plan(log)
         st = {}
-        got = apply_plan_cupy(log, p, chunk_bytes=chunk_bytes, stats=st)
+        got = apply_plan_cupy(log, p, chunk_bytes=chunk_bytes, stats=st, read=read)
         _same(got, apply_plan_numpy(log, p))
     finally:
         log.close()
-    assert "preadv" in st["via"] and st["chunks"] >= 1
+    pinned = read == "auto" and persistent_log.startswith("shm:")
+    assert ("pinned ahead" in st["via"]) if pinned else ("preadv" in st["via"]), st
+    assert st["chunks"] >= 1
     if chunk_bytes == 4096:
         assert st["chunks"] > 6  # more chunks than host buffers and device slots: the ring wraps
+
+
+def test_pieces_pinned_ahead_span_many_pieces(shm_log, monkeypatch):
+    import concordia.restore_device as rd
+
+    _history(shm_log)
+    monkeypatch.setattr(rd, "REGISTER_PIECE", 64 << 10)  # every chunk reads several pieces
+    log = Log.open(shm_log, writable=False, check_pages=False)
+    try:
+        p = plan(log)
+        st = {}
+        got = apply_plan_cupy(log, p, chunk_bytes=256 << 10, stats=st, read="pin")
+        _same(got, apply_plan_numpy(log, p))
+        assert "pinned ahead" in st["via"] and st["unregister_s"] >= 0
+        # every piece was unpinned: pinning the first one again succeeds
+        import cupy
+
+        rt = cupy.cuda.runtime
+        rt.hostRegister(log.backend.address, 64 << 10, rd.HOST_REGISTER_PORTABLE | rd.HOST_REGISTER_READ_ONLY)
+        rt.hostUnregister(log.backend.address)
+    finally:
+        log.close()
 
 
 def test_memory_copy_path(persistent_log, monkeypatch):
