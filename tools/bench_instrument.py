@@ -15,8 +15,10 @@ looping over the array).  Each is compiled through CuPy with
   strong+gate   exit+gate with the gate's mirror read as commit 8824538 read it: a
                 GPU-scope relaxed load per thread, which L1 does not serve
                 (kept to measure what the weak, L1-served read saves)
-  no-mirror     exit hooks without the gate (no mirror read at all): what the
-                exit count alone costs
+  no-mirror     exit hooks without the gate (no mirror read at all)
+  no-count      no-mirror with the exit count's `red` taken out: not a working
+                design, the floor under it (what the count itself costs is
+                no-mirror less no-count)
   store-track   exit hooks, gate, and the store tracker with the output registered
 
 Times are CUDA-event medians over `--repeat` launches after warm-up, taken in
@@ -46,7 +48,8 @@ extern "C" __global__ void stride_axpy(const float* x, float* y, float a, long l
 }
 """
 SHAPES = ("per-element", "grid-stride")
-VARIANTS = ("plain", "exit-hooks", "exit+gate", "entry+gate", "strong+gate", "no-mirror", "store-track")
+VARIANTS = ("plain", "exit-hooks", "exit+gate", "entry+gate", "strong+gate", "no-mirror", "no-count",
+            "store-track")
 # enable() arguments per variant (the gate is attached where "gate" is true)
 SETTINGS = {
     "exit-hooks": dict(gate=False),
@@ -54,15 +57,23 @@ SETTINGS = {
     "entry+gate": dict(gate=True, count_at="entry"),
     "strong+gate": dict(gate=True),
     "no-mirror": dict(gate=False, pause_gate=False),
+    "no-count": dict(gate=False, pause_gate=False),
     "store-track": dict(gate=True, track_stores=True),
 }
 WEAK_READ = "ld.global.ca.u32 %__cnc_h, [__concordia_hold];"
 STRONG_READ = "ld.relaxed.gpu.global.u32 %__cnc_h, [__concordia_hold];"
 
 
-class _StrongMirrorRead:
-    """While in use, CuPy kernels are rewritten with the mirror read of commit
-    8824538 (a strong load per thread) in place of the weak one."""
+COUNT_RED = "\t@%__cnc_p1 red.relaxed.gpu.global.add.u64 [%__cnc_d0], %__cnc_d2;\n"
+# Variants made by editing the rewritten PTX: (text to replace, replacement).
+EDITS = {"strong+gate": (WEAK_READ, STRONG_READ), "no-count": (COUNT_RED, "")}
+
+
+class _EditedRewrite:
+    """While in use, CuPy kernels are rewritten and then edited as `EDITS` says."""
+
+    def __init__(self, old: str, new: str):
+        self.old, self.new = old, new
 
     def __enter__(self):
         from concordia.instrument import cupy_hook
@@ -72,8 +83,8 @@ class _StrongMirrorRead:
 
         def rewrite(text, options):
             res = self.saved(text, options)
-            self.replaced += res.ptx.count(WEAK_READ)
-            res.ptx = res.ptx.replace(WEAK_READ, STRONG_READ)
+            self.replaced += res.ptx.count(self.old)
+            res.ptx = res.ptx.replace(self.old, self.new)
             return res
 
         cupy_hook.rewrite = rewrite
@@ -152,12 +163,12 @@ def run(nbytes: int, repeat: int) -> dict:
             settings = dict(SETTINGS[v])
             attach = settings.pop("gate")
             rep = instrument.enable(gate=gate if attach else None, **settings)
-            if v == "strong+gate":
-                with _StrongMirrorRead() as strong:
+            if v in EDITS:
+                with _EditedRewrite(*EDITS[v]) as edit:
                     fns = _load(cp, v)
-                if strong.replaced < 2:
-                    raise InstrumentError("the bench kernels have no weak mirror read to replace",
-                                          where="bench instrument", hint=WEAK_READ)
+                if edit.replaced < 2:
+                    raise InstrumentError(f"{v}: the rewritten bench kernels lack the text to edit",
+                                          where="bench instrument", hint=EDITS[v][0].strip())
             else:
                 fns = _load(cp, v)
             if v == "store-track":

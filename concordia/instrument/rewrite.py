@@ -4,16 +4,18 @@ inserted into every kernel of a module without changing any kernel signature.
 What the host sees (module-scope `.visible .global` variables, read and filled
 through cuModuleGetGlobal / CuPy `RawModule.get_global`; all start at zero):
 
-  __concordia_epochs   .u64[K]    launches of kernel k that have started (block 0's
-                                  thread 0 counts each launch once, at entry)
-  __concordia_targets  .u64[K]    for kernel k's latest launch: the value of
+  __concordia_epochs   .u64[K]    launches of kernel k counted: block 0's thread 0
+                                  counts its launch once, at its exit (at entry in a
+                                  module where a `.func` calls `exit`)
+  __concordia_targets  .u64[K]    for kernel k's latest counted launch: the value of
                                   `expect` once that launch was counted in it
-  __concordia_expect   .u64       threads of all launches started in this module
-  __concordia_exits    .u64[64*16] threads that reached an exit, spread over 64
-                                  counters, one per 128-byte line (stripe = %smid % 64)
+  __concordia_expect   .u64       threads of all launches counted in this module
+  __concordia_exits    .u64[64*16] threads counted, spread over 64 counters, one per
+                                  128-byte line (stripe = (%ctaid.x + %ctaid.y +
+                                  %ctaid.z) % 64)
   __concordia_hold     .u32       the gate's device-side mirror: non-zero while the
                                   host holds the gate closed (read once per thread,
-                                  at entry)
+                                  at entry, with a weak load)
   __concordia_gate     .u64       device address of a gate, 0 = no gate.  A gate is
                                   two u32 words in mapped pinned host memory: word 0
                                   written by the host (non-zero = hold), word 1 set
@@ -24,26 +26,42 @@ through cuModuleGetGlobal / CuPy `RawModule.get_global`; all start at zero):
                                   = page p), page_bytes
 
 Completed launches are computed by the host: with E = sum(exits), kernel k has
-completed epochs[k] launches, less one while targets[k] > E (its latest launch
-still has threads running).  When no launch of the module is in flight E equals
-`expect` and the count is exact; while one is held at the gate its holder has
-counted itself, so the held launch counts as completed.
+completed epochs[k] launches, less one while targets[k] > E (its latest counted
+launch still has threads running).  When no launch of the module is in flight E
+equals `expect` and the count is exact; while one is held at the gate its holder
+has counted it and waited for E to reach its target, so the held launch counts
+as completed.
 
-Exit hook, common path.  Every `ret`/`exit` of an entry (predicated or not,
-however many) becomes a branch to one stub at the end of the body; falling off
-the end reaches it as well, so every thread passes the stub exactly once.  The
-stub counts threads, not blocks, so no thread has to know it is the last of its
-block: the threads that reach the stub together (`activemask`) are counted by
-the lowest of them with one `red.add` of the group's size, without a return
-value, into the exit counter of its stripe.  Threads that arrive in several
-groups (divergent exits, predicated exits, exits at different points) form
-disjoint masks: each thread executes `activemask` once and every thread of one
-execution gets the same mask, so the popcounts sum to the threads that left.
-There is no barrier, no shared memory and no atomic with a return value on the
-common path; the stripes keep same-address traffic at L2 to a fraction of a
-block's worth per counter.  Block 0's thread 0 alone, at entry, adds the
-launch's thread count to `expect` (one atomic per launch), records the target,
-and counts the launch in `epochs`.
+What a short block can afford.  On the per-element shape (one element per
+thread, a block lives about a microsecond) every instruction that the body's
+first load or the block's end waits for lengthens each block's life and costs
+bandwidth directly.  So the prologue is one weak load of the mirror that the
+body does not wait for (a GPU-scope load per thread, which L1 does not serve,
+sent every warp of the grid to the mirror's one L2 line: +56% on that shape on
+the H200; served by L1 it costs nothing measurable), and everything else
+happens at the exit.
+
+Exit hook, common path (`count_at="exit"`, the default).  Every `ret`/`exit`
+of an entry (predicated or not, however many) becomes a branch to one stub at
+the end of the body; falling off the end reaches it as well, so every thread
+passes the stub exactly once.  The stub counts threads, not blocks, so no thread
+has to know it is the last of its block: the threads that reach the stub
+together (`activemask`) are counted by the lowest of them with one `red.add` of
+the group's size, without a return value, into the counter of its block's
+stripe.  Threads that arrive in several groups (divergent exits, predicated
+exits, exits at different points) form disjoint masks: each thread executes
+`activemask` once and every thread of one execution gets the same mask, so the
+popcounts sum to the threads that left.  There is no barrier, no shared memory
+and no atomic with a return value on the common path.  Then every block other
+than block 0 leaves on a test of block-uniform registers; block 0's thread 0
+adds the launch's thread count to `expect` (one atomic per launch), records the
+target and counts the launch in `epochs`.
+
+Counting at entry (`count_at="entry"`, measured beside the default).  Threads
+not asked to hold (mirror clear) are counted at entry by their group's leader,
+so the exit has no memory operation unless a hold was requested; the mirror's
+value is then needed before the body, and a module with a `.func` that calls
+`exit` gets no gate (a hold would wait for a thread counted nowhere).
 
 Pause gate.  A launch is held by block 0's thread 0 at its exit: while it waits
 the kernel cannot complete, so the stream cannot start its next operation.  It
@@ -51,7 +69,7 @@ holds only when the gate was closed both when it started (the `hold` mirror,
 which `Gate.close()` writes into every attached module before it closes the
 host word) and when it exits (the host word, read over PCIe once per launch, and
 only when the mirror said closed).  Before it reports arrival it waits until
-the exit counters reach its target: every thread of its launch (and of every
+the counters reach its target: every thread of its launch (and of every
 launch of the module counted before it) has left.  The ordering that makes the
 launch's writes visible at that point: while the mirror is set, each counting
 group first synchronises (`bar.warp.sync`, which orders the group's writes
@@ -59,18 +77,20 @@ before the leader's), and the leader's `red` is a GPU-scope release; the holder
 reads the counters and then fences (acquire) before it writes the arrival flag
 at system scope.  With the gate open the counting `red` is relaxed: nothing waits
 on it, and the host reads counters only after synchronising with the stream.
+The mirror is read with a weak load: a launch sees the value written before it
+started (`Gate.close()` completes its copies before it sets the host word).
 
 Limits, stated once: the hook needs PTX targets sm_70 and newer for the
 warp-level count (older targets count each thread with its own `red`) and the
 gate is left out below sm_70, where a spinning thread could starve the rest of
 its warp; a thread (0,0,0) of block 0 that leaves through `exit` inside a
-`.func` does not hold its launch; two launches of one module running at once
-on different streams make the target test (and the in-flight correction of
-`epochs`) approximate, since the exit counters are module-wide; a launch that
-was already running when the gate closed is held only if block 0 started after
-the mirror was set, and then the warps that read the mirror earlier counted
-with relaxed `red`s.  The hooks add one u32 register (the mirror value) live
-across the kernel.
+`.func` does not hold its launch (its launch is then counted at entry); two
+launches of one module running at once on different streams make the target
+test (and the in-flight correction of `epochs`) approximate, since the counters
+are module-wide; a launch that was already running when the gate closed is held
+only if block 0 read the mirror after it was set, and then the warps that read
+it earlier counted with relaxed `red`s.  The hooks add one u32 register (the
+mirror value) live across the kernel.
 
 Store tracker.  Before every `st`, `atom` and `red` that may write global memory
 (state space `.global`, or generic, which covers global), the address and
@@ -221,14 +241,15 @@ def rewrite(text: str | bytes, options: Options = Options()) -> RewriteResult:
     if options.count_at not in COUNT_AT:
         raise InstrumentError(f"count_at {options.count_at!r} is not one of {', '.join(COUNT_AT)}",
                               where="Options")
+    func_exits = any(c.is_function and c.kind != "entry" and re.search(r"(^|[;{}\s])exit\s*;", c.body)
+                     for c in chunks)
     # Counting at entry leaves a .func's `exit` unhooked; a hold would wait for
     # a thread counted nowhere, so such a module gets no gate.
-    func_exits = options.count_at == "entry" and any(
-        c.is_function and c.kind != "entry" and re.search(r"(^|[;{}\s])exit\s*;", c.body) for c in chunks)
-    if (not modern or func_exits) and options.pause_gate:
+    if (not modern or (func_exits and options.count_at == "entry")) and options.pause_gate:
         options = replace(options, pause_gate=False)
         result.options = options
-    ctx = _Ctx(options, header, symbols, modern, sleep_ok, other_slot=-1)
+    ctx = _Ctx(options, header, symbols, modern, sleep_ok, other_slot=-1,
+               account_at_entry=func_exits and options.exit_hooks)
     out: list[str] = []
     slot = 0
     for k, ch in enumerate(chunks):
@@ -260,6 +281,7 @@ class _Ctx:
     modern: bool
     sleep_ok: bool
     other_slot: int
+    account_at_entry: bool = False   # a .func calls `exit`: the launch is counted in the prologue
 
 
 def _module_symbols(chunks: list[P.Chunk]) -> set[str]:
@@ -441,25 +463,40 @@ def _is_declaration(it: P.Item) -> bool:
 
 
 def _stripe(r: list[str], d: list[str], a64: bool) -> tuple[list[str], str]:
-    """The address of this thread's counter: EXITS + 128 * (%smid % 64)."""
+    """r3 = %ctaid.x + %ctaid.y + %ctaid.z (zero in block 0 only; uniform over
+    the block, so read on the uniform datapath) and the address of the block's
+    counter, EXITS + 128 * (r3 % 64): blocks that run at once spread over the
+    64 lines."""
+    lines = _block_sum(r) + [f"and.b32 {r[5]}, {r[3]}, {STRIPES - 1};"]
     if a64:
-        return ([f"mov.u32 {r[3]}, %smid;", f"and.b32 {r[3]}, {r[3]}, {STRIPES - 1};",
-                 f"mul.wide.u32 {d[0]}, {r[3]}, {8 * STRIPE_WORDS};", f"mov.u64 {d[1]}, {EXITS};",
-                 f"add.s64 {d[0]}, {d[0]}, {d[1]};"], d[0])
-    return ([f"mov.u32 {r[3]}, %smid;", f"and.b32 {r[3]}, {r[3]}, {STRIPES - 1};",
-             f"mov.u32 {r[4]}, {EXITS};", f"mad.lo.u32 {r[4]}, {r[3]}, {8 * STRIPE_WORDS}, {r[4]};"], r[4])
+        return lines + [f"mul.wide.u32 {d[0]}, {r[5]}, {8 * STRIPE_WORDS};", f"mov.u64 {d[1]}, {EXITS};",
+                        f"add.s64 {d[0]}, {d[0]}, {d[1]};"], d[0]
+    return lines + [f"mov.u32 {r[4]}, {EXITS};",
+                    f"mad.lo.u32 {r[5]}, {r[5]}, {8 * STRIPE_WORDS}, {r[4]};"], r[5]
+
+
+def _block_sum(r: list[str]) -> list[str]:
+    return [f"mov.u32 {r[3]}, %ctaid.x;", f"mov.u32 {r[4]}, %ctaid.y;", f"add.u32 {r[3]}, {r[3]}, {r[4]};",
+            f"mov.u32 {r[4]}, %ctaid.z;", f"add.u32 {r[3]}, {r[3]}, {r[4]};"]
+
+
+def _regs() -> tuple[list[str], list[str], list[str]]:
+    return ([f"{REG}r{i}" for i in range(6)], [f"{REG}d{i}" for i in range(6)],
+            [f"{REG}p{i}" for i in range(4)])
 
 
 def _prologue(slot: int, ctx: _Ctx) -> str:
-    """Every thread reads the gate's mirror once, with a weak load (served by L1
-    after the first warp of an SM; a strong load would send every warp of the
-    grid to the one L2 line that holds the mirror).  Counting at entry, the
-    threads not asked to hold are counted here by their group's leader.  Block
-    0's thread 0 counts the launch: its thread count into `expect`, the
-    resulting target, and one more started launch of this kernel."""
-    r = [f"{REG}r{i}" for i in range(6)]
-    d = [f"{REG}d{i}" for i in range(6)]
-    p = [f"{REG}p{i}" for i in range(4)]
+    """Nothing here may hold the kernel body back: a short block lives about a
+    microsecond, and every instruction that its first load has to wait for
+    (special-register reads, a branch) lengthens its life.  So every thread only
+    reads the gate's mirror, with a weak load (served by L1 after the first warp
+    of an SM; a strong load sent every warp of the grid to the one L2 line of
+    the mirror), which the body does not wait for.  Counting at entry, the
+    threads not asked to hold are counted here by their group's leader.  The
+    launch itself is counted at the exit by block 0's thread 0, except in a
+    module where a `.func` calls `exit` (that thread might never reach the
+    stub): there block 0's thread 0 counts it here."""
+    r, d, p = _regs()
     pc = f"{REG}pc"
     lines = []
     if ctx.options.pause_gate:
@@ -479,10 +516,19 @@ def _prologue(slot: int, ctx: _Ctx) -> str:
                       f"@{p[1]} red.relaxed.gpu.global.add.u64 [{where}], {d[2]};"]
         else:
             lines.append(f"red.global.add.u64 [{where}], 1;")
+    if ctx.account_at_entry:
+        lines += _first_thread(r[0], r[1], p[0]) + [f"@!{p[0]} bra {LBL}go;"]
+        lines += _count_launch(slot, r, d) + [f"{LBL}go:"]
+    if not lines:
+        return ""
+    return "\n" + "\n".join(_indent(lines)) + "\n\t"
+
+
+def _count_launch(slot: int, r: list[str], d: list[str]) -> list[str]:
+    """Block 0's thread 0 counts its launch: the launch's thread count into
+    `expect`, the resulting target, and one more launch of this kernel."""
     r0, r1, d0, d1, d2 = r[0], r[1], d[0], d[1], d[2]
-    lines += _first_thread(r0, r1, p[0])
-    lines += [
-        f"@!{p[0]} bra {LBL}go;",
+    return [
         f"mov.u32 {r0}, %nctaid.x;", f"mov.u32 {r1}, %nctaid.y;", f"mul.wide.u32 {d0}, {r0}, {r1};",
         f"mov.u32 {r0}, %nctaid.z;", f"cvt.u64.u32 {d1}, {r0};", f"mul.lo.u64 {d0}, {d0}, {d1};",
         f"mov.u32 {r0}, %ntid.x;", f"mov.u32 {r1}, %ntid.y;", f"mul.lo.u32 {r0}, {r0}, {r1};",
@@ -492,9 +538,7 @@ def _prologue(slot: int, ctx: _Ctx) -> str:
         f"add.s64 {d2}, {d2}, {d0};",
         f"st.global.u64 [{TARGETS}+{8 * slot}], {d2};",
         f"red.global.add.u64 [{EPOCHS}+{8 * slot}], 1;",
-        f"{LBL}go:",
     ]
-    return "\n" + "\n".join(_indent(lines)) + "\n\t"
 
 
 def _first_thread(r0: str, r1: str, p: str) -> list[str]:
@@ -512,14 +556,13 @@ def _indent(lines: list[str]) -> list[str]:
 def _exit_stub(slot: int, is_entry: bool, ctx: _Ctx) -> str:
     """The common exit of an entry (`ret`) or, counting at the exit, of a
     `.func` that calls `exit`."""
-    r = [f"{REG}r{i}" for i in range(6)]
-    d = [f"{REG}d{i}" for i in range(6)]
-    p = [f"{REG}p{i}" for i in range(4)]
+    r, d, p = _regs()
     a64 = ctx.header.address_size == 64
     if ctx.options.count_at == "entry":
         return "\n".join(_indent(_entry_counted_exit(slot, r, d, p, a64, ctx)))
     stripe, where = _stripe(r, d, a64)
     lines = [f"{LBL}exit:"] + stripe
+    gated = is_entry and ctx.options.pause_gate
     if not ctx.modern:
         # no warp-level count below sm_70: each thread counts itself
         lines.append(f"red.global.add.u64 [{where}], 1;")
@@ -532,8 +575,7 @@ def _exit_stub(slot: int, is_entry: bool, ctx: _Ctx) -> str:
             f"and.b32 {r[2]}, {r[2]}, {r[0]};",
             f"setp.eq.u32 {p[1]}, {r[2]}, 0;",            # the group's lowest lane counts it
         ]
-        gated = ctx.options.pause_gate
-        if is_entry and gated:
+        if gated:
             lines += [f"setp.ne.u32 {p[2]}, {REG}h, 0;",
                       f"vote.sync.any.pred {p[2]}, {p[2]}, {r[0]};",   # one choice per group
                       f"@!{p[2]} bra {LBL}relaxed;"]
@@ -541,14 +583,14 @@ def _exit_stub(slot: int, is_entry: bool, ctx: _Ctx) -> str:
             # ordered: the group's writes before the leader's release at GPU scope
             lines += [f"bar.warp.sync {r[0]};",
                       f"@{p[1]} red.release.gpu.global.add.u64 [{where}], {d[2]};"]
-        if is_entry and gated:
+        if gated:
             lines += [f"bra {LBL}counted;", f"{LBL}relaxed:"]
         if is_entry:
             lines.append(f"@{p[1]} red.relaxed.gpu.global.add.u64 [{where}], {d[2]};")
-            if gated:
-                lines.append(f"{LBL}counted:")
-        if is_entry and gated:
-            lines += _gate_hold(slot, r, d, p, a64, ctx)
+        if gated:
+            lines.append(f"{LBL}counted:")
+    if is_entry:
+        lines += _block_zero_tail(slot, r, d, p, a64, ctx, have_block_sum=True)
     lines += [f"{LBL}done:", "ret;" if is_entry else "exit;"]
     return "\n".join(_indent(lines))
 
@@ -556,8 +598,8 @@ def _exit_stub(slot: int, is_entry: bool, ctx: _Ctx) -> str:
 def _entry_counted_exit(slot: int, r: list[str], d: list[str], p: list[str], a64: bool,
                         ctx: _Ctx) -> list[str]:
     """Counting at entry: the exit counts only the threads that started while a
-    hold was requested, after their writes, and then offers block 0's thread 0
-    to the gate.  Without a gate it is a plain return."""
+    hold was requested, after their writes, and then leaves block 0's thread 0
+    to count the launch and to offer it to the gate."""
     lines = [f"{LBL}exit:"]
     if ctx.options.pause_gate:
         stripe, where = _stripe(r, d, a64)
@@ -577,8 +619,27 @@ def _entry_counted_exit(slot: int, r: list[str], d: list[str], p: list[str], a64
             f"@{p[1]} red.release.gpu.global.add.u64 [{where}], {d[2]};",
             f"{LBL}counted:",
         ]
-        lines += _gate_hold(slot, r, d, p, a64, ctx)
+    lines += _block_zero_tail(slot, r, d, p, a64, ctx, have_block_sum=False)
     return lines + [f"{LBL}done:", "ret;"]
+
+
+def _block_zero_tail(slot: int, r: list[str], d: list[str], p: list[str], a64: bool, ctx: _Ctx,
+                     have_block_sum: bool) -> list[str]:
+    """After its own count, thread (0,0,0) of block 0 counts the launch (unless
+    the prologue did) and offers it to the gate.  Every other block leaves on
+    the first test, which reads only block-uniform registers."""
+    if ctx.account_at_entry and not ctx.options.pause_gate:
+        return []
+    lines = [] if have_block_sum else _block_sum(r)
+    lines += [f"setp.ne.u32 {p[0]}, {r[3]}, 0;", f"@{p[0]} bra {LBL}done;",
+              f"mov.u32 {r[0]}, %tid.x;", f"mov.u32 {r[1]}, %tid.y;", f"or.b32 {r[0]}, {r[0]}, {r[1]};",
+              f"mov.u32 {r[1]}, %tid.z;", f"or.b32 {r[0]}, {r[0]}, {r[1]};",
+              f"setp.ne.u32 {p[0]}, {r[0]}, 0;", f"@{p[0]} bra {LBL}done;"]
+    if not ctx.account_at_entry:
+        lines += _count_launch(slot, r, d)
+    if ctx.options.pause_gate:
+        lines += _gate_hold(slot, r, d, p, a64, ctx)
+    return lines
 
 
 def _gate_hold(slot: int, r: list[str], d: list[str], p: list[str], a64: bool, ctx: _Ctx) -> list[str]:
@@ -587,8 +648,7 @@ def _gate_hold(slot: int, r: list[str], d: list[str], p: list[str], a64: bool, c
     arrival and wait for the host to open the gate."""
     sum_addr = (f"mov.u64 {d[1]}, {EXITS};" if a64 else
                 f"mov.u32 {r[4]}, {EXITS};\n\tcvt.u64.u32 {d[1]}, {r[4]};")
-    lines = _first_thread(r[0], r[1], p[0]) + [
-        f"@!{p[0]} bra {LBL}done;",
+    lines = [
         *([f"@{REG}pc bra {LBL}done;"] if ctx.options.count_at == "entry" else
           [f"setp.eq.u32 {p[0]}, {REG}h, 0;", f"@{p[0]} bra {LBL}done;"]),
         f"ld.global.u64 {d[3]}, [{GATE}];",

@@ -191,14 +191,15 @@ def attach(module, result: RewriteResult, gate: Gate | None,
 
 def epochs(module, result: RewriteResult, stream=None) -> dict[str, int]:
     """Completed launches per kernel of a loaded instrumented module: launches
-    started, less one for a kernel whose latest launch still has threads
-    running (see `concordia.instrument.rewrite`).  Exact when no launch of the
+    counted (block 0's thread 0 counts its launch as it leaves), less one for a
+    kernel whose latest counted launch still has threads running (see
+    `concordia.instrument.rewrite`).  Exact when no launch of the
     module is in flight and while one is held at the gate; pass a non-blocking
     stream to read while a launch is held."""
     n = len(result.kernels)
     arrays = (module_global(module, EPOCHS, n, np.uint64), module_global(module, TARGETS, n, np.uint64),
               module_global(module, EXITS, STRIPES * STRIPE_WORDS, np.uint64))
-    started, targets, exits = (a.get(stream=stream) if stream is not None else a.get() for a in arrays)
+    counted, targets, exits = (a.get(stream=stream) if stream is not None else a.get() for a in arrays)
     left = int(exits[::STRIPE_WORDS].sum())
-    return {k.name: int(started[k.index]) - int(started[k.index] > 0 and int(targets[k.index]) > left)
+    return {k.name: int(counted[k.index]) - int(counted[k.index] > 0 and int(targets[k.index]) > left)
             for k in result.kernels}

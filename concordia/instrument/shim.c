@@ -115,7 +115,7 @@ static int looks_like_ptx(const char *s) {
            memmem(s, strnlen(s, 1 << 20), ".target", 7) != NULL;
 }
 
-struct member { int kind; unsigned arch; unsigned flags; const unsigned char *data; uint64_t size, raw_size; };
+struct member { int kind; unsigned arch; unsigned flags; const unsigned char *data; uint64_t size, raw_size, packed; };
 
 /* Members of a fatbin at p; returns the count (at most cap), -1 if not a fatbin. */
 static int fatbin_members(const unsigned char *p, struct member *m, int cap, uint64_t *total) {
@@ -135,6 +135,9 @@ static int fatbin_members(const unsigned char *p, struct member *m, int cap, uin
         memcpy(&m[k].arch, e + 28, 4); memcpy(&m[k].flags, e + 40, 4);
         m[k].raw_size = 0;
         if (ehs >= 64) memcpy(&m[k].raw_size, e + 56, 8);
+        /* a compressed payload is padded to 8 bytes; its own length is at +16 */
+        memcpy(&m[k].packed, e + 16, 8);
+        if (m[k].packed == 0 || m[k].packed > psz) m[k].packed = psz;
         k++;
         off += ehs + psz;
     }
@@ -151,7 +154,7 @@ static char *inflate(const struct member *m, const char **why) {
         size_t (*dec)(void *, size_t, const void *, size_t) = z ? dlsym(z, "ZSTD_decompress") : NULL;
         unsigned (*iserr)(size_t) = z ? dlsym(z, "ZSTD_isError") : NULL;
         if (!dec || !iserr) { free(out); *why = "zstd-compressed PTX and libzstd.so.1 is not available"; return NULL; }
-        size_t r = dec(out, cap, m->data, m->size);
+        size_t r = dec(out, cap, m->data, m->packed);
         if (iserr(r)) { free(out); *why = "zstd-compressed PTX did not inflate"; return NULL; }
         out[r] = 0;
         return out;
@@ -160,7 +163,7 @@ static char *inflate(const struct member *m, const char **why) {
         void *z = dlopen("liblz4.so.1", RTLD_NOW | RTLD_LOCAL);
         int (*dec)(const char *, char *, int, int) = z ? dlsym(z, "LZ4_decompress_safe") : NULL;
         if (!dec) { free(out); *why = "LZ4-compressed PTX and liblz4.so.1 is not available"; return NULL; }
-        int r = dec((const char *)m->data, out, (int)m->size, (int)cap);
+        int r = dec((const char *)m->data, out, (int)m->packed, (int)cap);
         if (r < 0) { free(out); *why = "LZ4-compressed PTX did not inflate"; return NULL; }
         out[r] = 0;
         return out;
@@ -426,4 +429,47 @@ void *dlsym(void *handle, const char *name) {
     void *q = p;
     swap(name, &q);
     return q;
+}
+
+/* ---------- the CUDA runtime's own registrations ---------- */
+
+/* Kernel names of a fatbin's first ELF member, inflated when compressed. */
+static void fatbin_kernel_names(const void *image, char *out, size_t cap) {
+    const unsigned char *p = image;
+    uint32_t magic; memcpy(&magic, p, 4);
+    out[0] = 0;
+    if (magic == FATBIN_WRAPPER_MAGIC) { const void *d; memcpy(&d, p + 8, sizeof d); p = d; }
+    struct member m[64]; uint64_t total;
+    int k = fatbin_members(p, m, 64, &total);
+    for (int i = 0; i < k && !out[0]; i++) {
+        if (m[i].kind != KIND_ELF) continue;
+        if (!(m[i].flags & (FLAG_ZSTD | FLAG_LZ4))) { elf_kernels(m[i].data, m[i].size, out, cap); continue; }
+        const char *why = NULL;
+        char *raw = inflate(&m[i], &why);
+        if (!raw) continue;
+        elf_kernels((const unsigned char *)raw, m[i].raw_size ? m[i].raw_size : m[i].size * 16, out, cap);
+        free(raw);
+    }
+}
+
+/* Libraries built by nvcc (libtorch among them) register each embedded fatbin
+ * with the CUDA runtime when they are loaded; the runtime then loads the
+ * modules through interfaces of its own, which the loaders above never see.
+ * Where the runtime is a shared libcudart, the registration passes through
+ * here and each fatbin is reported with its kernels' names.  It is not
+ * rewritten: the runtime keeps the address it was given, and JIT-compiling the
+ * PTX of a library of thousands of kernels would take minutes at start-up. */
+void **__cudaRegisterFatBinary(void *fat) {
+    static void **(*real)(void *);
+    if (!real) real = (void **(*)(void *))next_dlsym(RTLD_NEXT, "__cudaRegisterFatBinary");
+    const char *path = getenv("CONCORDIA_SHIM_REPORT");
+    if (fat && path && *path && !getenv("CONCORDIA_SHIM_DISABLE")) {
+        char desc[512], names[2048];
+        concordia_shim_classify(fat, desc, sizeof desc);
+        char *colon = strchr(desc + (strncmp(desc, "fatbin:", 7) == 0 ? 7 : 0), ':');
+        if (colon) *colon = 0;  /* the member counts; the names come next, inflated if need be */
+        fatbin_kernel_names(fat, names, sizeof names);
+        report("__cudaRegisterFatBinary", "registered", desc, names);
+    }
+    return real ? real(fat) : NULL;
 }

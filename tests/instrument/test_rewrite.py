@@ -64,24 +64,34 @@ def test_every_exit_is_routed_through_one_stub():
     assert "bra.uni $__cnc_exit;" in out
     # the only ret left is the stub's own; no exit remains
     assert out.count("ret;") == 1 and "exit;" not in out.replace("$__cnc_exit", "")
-    # no barrier and no shared memory anywhere; the prologue (a weak, L1-served
-    # mirror read, block 0 counting the launch) comes before the kernel's first instruction
+    # no barrier and no shared memory anywhere; the only prologue is a weak,
+    # L1-served mirror read: no special register, branch or atomic before the body
     assert "bar.sync" not in out and ".shared" not in out
-    assert out.index("ld.global.ca.u32 %__cnc_h, [__concordia_hold];") < out.index("setp.eq.u32 %p1")
-    assert "ld.relaxed" not in out[:out.index("$__cnc_exit:")]
-    assert out.index("atom.global.add.u64 %__cnc_d2, [__concordia_expect]") < out.index("setp.eq.u32 %p1")
-    # the common exit: one relaxed red per group of threads, no value returned
+    head = out[:out.index("setp.eq.u32 %p1")]
+    body = head[head.index(".reg .pred %__cnc_pc;"):]
+    assert "ld.global.ca.u32 %__cnc_h, [__concordia_hold];" in body
+    assert not any(s in body for s in ("%tid", "%ctaid", "bra", "atom", "red.", "ld.relaxed"))
+    # the common exit: one relaxed red per group of threads, no value returned,
+    # into a counter picked by the block index
     stub = out[out.index("$__cnc_exit:"):]
     assert "activemask.b32" in stub and "@%__cnc_p1 red.relaxed.gpu.global.add.u64" in stub
-    assert "atom." not in stub and "fence" not in stub[:stub.index("$__cnc_counted:")]
+    assert "%smid" not in stub and "mov.u32 %__cnc_r3, %ctaid.x;" in stub
+    assert "atom." not in stub[:stub.index("$__cnc_counted:")] and "fence" not in stub[:stub.index("$__cnc_counted:")]
+    # then every block but block 0 leaves; its thread 0 counts the launch
+    tail = stub[stub.index("$__cnc_counted:"):]
+    order = [tail.index(s) for s in ("setp.ne.u32 %__cnc_p0, %__cnc_r3, 0;", "%tid.z",
+                                     "atom.global.add.u64 %__cnc_d2, [__concordia_expect]",
+                                     "st.global.u64 [__concordia_targets+0]", "[__concordia_epochs+0], 1;")]
+    assert order == sorted(order)
 
 
 def test_gate_waits_only_in_block_zero_and_only_when_the_mirror_is_set():
     out = rewrite(entry("\tret;")).ptx
     hold = out[out.index("$__cnc_counted:"):out.index("$__cnc_drain:")]
-    # thread (0,0,0) of block (0,0,0), mirror set, gate attached, host word set: in that order
-    order = [hold.index(s) for s in ("%ctaid.z", "%__cnc_h, 0;", "[__concordia_gate]",
-                                     "ld.volatile.global.u32")]
+    # thread (0,0,0) of block (0,0,0), launch counted, mirror set, gate attached,
+    # host word set: in that order
+    order = [hold.index(s) for s in ("%__cnc_r3, 0;", "%tid.z", "[__concordia_expect]", "%__cnc_h, 0;",
+                                     "[__concordia_gate]", "ld.volatile.global.u32")]
     assert order == sorted(order)
     assert "[__concordia_targets+0]" in hold
     # while the mirror is set the count is a release after a warp barrier
@@ -98,16 +108,17 @@ def test_counting_at_entry_moves_the_common_red_before_the_body():
     assert out.index("ld.global.ca.u32 %__cnc_h, [__concordia_hold];") < first
     assert out.index("setp.eq.u32 %__cnc_pc, %__cnc_h, 0;") < first
     assert out.index("red.relaxed.gpu.global.add.u64 [%__cnc_d0]") < first
-    assert out.index("atom.global.add.u64 %__cnc_d2, [__concordia_expect]") < first
+    assert out.index("atom.global.add.u64 %__cnc_d2, [__concordia_expect]") > out.index("$__cnc_counted:")
     # the exit counts only threads that started while a hold was requested, with release
     stub = out[out.index("$__cnc_exit:"):]
     assert "vote.sync.ballot.b32 %__cnc_r1, !%__cnc_pc" in stub
     assert "bar.warp.sync %__cnc_r0;" in stub and "red.release.gpu.global.add.u64" in stub
-    assert "red.relaxed" not in stub and "atom." not in stub
+    assert "red.relaxed" not in stub and "atom." not in stub[:stub.index("$__cnc_counted:")]
     assert "@%__cnc_pc bra $__cnc_done;" in stub
-    # without a gate the exit is a plain return
+    # without a gate the exit only lets block 0's thread 0 count the launch
     bare = rewrite(entry("\tret;"), Options(count_at="entry", pause_gate=False)).ptx
-    assert bare.rstrip().endswith("$__cnc_exit:\n$__cnc_done:\n\tret;\n}")
+    tail = bare[bare.index("$__cnc_exit:"):]
+    assert "[__concordia_expect]" in tail and "red.release" not in tail and "__concordia_gate" not in tail
     assert "__concordia_hold]" not in bare
 
 
@@ -144,6 +155,10 @@ def test_func_exit_is_hooked_but_func_ret_is_not():
     assert "\tret;" in f_body  # a .func return goes back to its caller, untouched
     # the .func's exits count in the module-wide exit counters, always with release
     assert "red.release.gpu.global.add.u64" in f_body and "__concordia_gate" not in f_body
+    # thread (0,0,0) might leave there, so the entry counts its launch in the prologue
+    e_body = res.ptx[res.ptx.index(".visible .entry e"):]
+    assert e_body.index("[__concordia_expect]") < e_body.index("$__cnc_exit:")
+    assert e_body.count("[__concordia_expect]") == 1 and "$__cnc_go:" in e_body
 
 
 def test_slots_follow_entry_order():

@@ -4,6 +4,7 @@ classification agrees with nvcc-produced fatbins and cubins (no GPU needed)."""
 from __future__ import annotations
 
 import subprocess
+import sys
 
 import pytest
 
@@ -30,6 +31,7 @@ def images(tmp_path_factory):
     out = {}
     for name, args in {
         "sass_only": ["-fatbin", "-gencode", "arch=compute_90,code=sm_90"],
+        "sass_compressed": ["-fatbin", "-gencode", "arch=compute_90,code=sm_90", "-Xfatbin", "-compress-all"],
         "both": ["-fatbin", "-gencode", "arch=compute_90,code=[sm_90,compute_90]"],
         "ptx_plain": ["-fatbin", "-gencode", "arch=compute_90,code=compute_90",
                       "-Xfatbin", "-compress-mode=none"],
@@ -52,7 +54,7 @@ def test_shim_exports_the_driver_entry_points(built):
     if nm.returncode != 0:
         pytest.skip("nm not available")
     for sym in ("cuModuleLoadData", "cuModuleLoadDataEx", "cuLibraryLoadData", "cuGetProcAddress",
-                "cuGetProcAddress_v2", "concordia_shim_classify"):
+                "cuGetProcAddress_v2", "__cudaRegisterFatBinary", "concordia_shim_classify"):
         assert sym in nm.stdout
 
 
@@ -97,3 +99,38 @@ def test_preloaded_into_a_process_without_cuda_is_harmless(built):
     p = subprocess.run(["/bin/sh", "-c", "echo ok"], env={"LD_PRELOAD": str(built), "PATH": "/usr/bin:/bin"},
                        capture_output=True, text=True)
     assert p.returncode == 0 and p.stdout.strip() == "ok" and "error" not in p.stderr
+
+
+REGISTER = """
+import ctypes, sys
+lib = ctypes.CDLL(sys.argv[1])
+data = open(sys.argv[2], "rb").read()
+buf = ctypes.create_string_buffer(data, len(data))
+
+class Wrapper(ctypes.Structure):   # __fatBinC_Wrapper_t, as nvcc emits it
+    _fields_ = [("magic", ctypes.c_int), ("version", ctypes.c_int),
+                ("data", ctypes.c_void_p), ("filename", ctypes.c_void_p)]
+
+w = Wrapper(0x466243B1, 1, ctypes.addressof(buf), None)
+lib.__cudaRegisterFatBinary.restype = ctypes.c_void_p
+print(lib.__cudaRegisterFatBinary(ctypes.byref(w)))
+"""
+
+
+@pytest.mark.parametrize("image", ["sass_only", "sass_compressed"])
+def test_runtime_registrations_are_reported_by_kernel_name(built, images, image, tmp_path):
+    # What libtorch's static constructors do for each embedded fatbin.  With no
+    # CUDA runtime in this process there is nothing to pass the call on to.
+    fat = tmp_path / "image.fatbin"
+    fat.write_bytes(images[image])
+    report = tmp_path / "r.jsonl"
+    script = tmp_path / "register.py"
+    script.write_text(REGISTER)
+    p = subprocess.run([sys.executable, str(script), str(built), str(fat)], capture_output=True, text=True,
+                       env={"CONCORDIA_SHIM_REPORT": str(report), "PATH": "/usr/bin:/bin"}, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "None"
+    rows = shim.read_report(report)
+    assert len(rows) == 1 and rows[0]["via"] == "__cudaRegisterFatBinary"
+    assert rows[0]["action"] == "registered" and rows[0]["detail"].startswith("fatbin:ptx=0,")
+    assert KERNELS <= set(rows[0]["kernels"].split(","))
