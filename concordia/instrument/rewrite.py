@@ -117,7 +117,7 @@ from dataclasses import dataclass, field, replace
 from concordia.instrument import ptx as P
 from concordia.instrument.errors import InstrumentError
 
-REWRITER_VERSION = 2
+REWRITER_VERSION = 3
 MARK = "__concordia_"          # module-scope names
 REG = "%__cnc_"                # registers we declare
 LBL = "$__cnc_"                # labels we place
