@@ -339,8 +339,8 @@ HASH int64_t concordia_page_batch_tables(const uint8_t *pages, int64_t stride, i
 
 /* The same, for a record written in place: the n pages are also copied to
  * payload (back to back) and hashed as they are copied, and tables_bytes - 8n
- * bytes of zero padding follow the tables.  Nothing is written to payload
- * when the ids are bad. */
+ * bytes of zero padding follow the tables.  When the ids are bad nothing is
+ * written but part of the ids table. */
 HASH int64_t concordia_copy_page_batch(uint8_t *tables, int64_t tables_bytes, uint8_t *payload, const uint8_t *pages,
                                        int64_t stride, int64_t count, int64_t page_bytes, const void *ids,
                                        int ids_are_i64)

@@ -261,7 +261,8 @@ def copy_page_batch(record: np.ndarray, pages: np.ndarray, ids: np.ndarray, payl
     record's bytes (a writable C-contiguous uint8 array, header first), its
     tables and their zero padding are written, and the pages are copied to its
     payload at `payload_offset`, each hashed as it is copied.  Returns the
-    tables' CRC32C, or None (nothing written) like `page_batch_tables`."""
+    tables' CRC32C, or None like `page_batch_tables`: then the header slot and
+    the payload are untouched (the ids table may hold part of the ids)."""
     count = ids.size
     if (_lib is None or ids.dtype not in (np.uint32, np.int64) or not ids.flags.c_contiguous
             or pages.ndim != 2 or pages.shape[0] != count or pages.dtype != np.uint8

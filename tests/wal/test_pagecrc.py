@@ -285,3 +285,44 @@ def test_page_batch_tables(path):
     for bad in ([1, 1, 2], [2, 1, 3], [-1, 0, 1], [0, 1, 1 << 32]):
         assert pagecrc.page_batch_tables(pages, np.array(bad, np.int64), np.zeros(24, np.uint8)) is None
     assert pagecrc.page_batch_tables(pages, np.arange(3, dtype=np.int32), np.zeros(24, np.uint8)) is None
+
+
+def test_copy_page_batch(path):
+    """A page batch written in place: tables, zero padding and payload as the
+    encoder writes them; for bad ids neither the header slot nor the payload is
+    touched (nothing at all without the helper)."""
+    rng = np.random.default_rng(12)
+    for count, pb in ((1, 4096), (3, 64), (7, 4096), (64, 4160)):
+        pages = rng.integers(0, 256, (count, pb), dtype=np.uint8)
+        ids = np.sort(rng.choice(1 << 20, count, replace=False)).astype(np.uint32)
+        poff = F.page_batch_payload_offset(count)
+        record = np.full(poff + count * pb, 0xEE, np.uint8)  # stale bytes, as in a recycled segment
+        got = pagecrc.copy_page_batch(record, pages, ids, poff)
+        if path == "package":
+            assert got is None and (record == 0xEE).all()
+            continue
+        want = np.zeros_like(record)
+        F.encode_page_batch_into(want, lsn=0, epoch=1, region_id=0, salt=1, page_ids=ids, pages=pages,
+                                 page_bytes=pb)
+        assert record[64:].tobytes() == want[64:].tobytes()
+        assert got == crc32c(want[64:64 + 8 * count])  # the header's body CRC
+    if path == "package":
+        return
+    poff = F.page_batch_payload_offset(3)
+    record = np.full(poff + 3 * 64, 0xEE, np.uint8)
+    for bad in ([1, 1, 2], [0, 1, 1 << 32]):
+        assert pagecrc.copy_page_batch(record, np.zeros((3, 64), np.uint8), np.array(bad, np.int64), poff) is None
+        assert (record[:64] == 0xEE).all() and (record[poff:] == 0xEE).all()
+
+
+def test_env_keeps_the_crc32_kernel(tmp_path):
+    if not _capable():
+        pytest.skip("needs an x86 CPU with SSE4.2 and a C compiler")
+    code = ("import numpy as np; from concordia.wal import pagecrc as P; "
+            "a = np.arange(5 * 4099, dtype=np.uint32).view(np.uint8)[3:3 + 7 * 4099].reshape(7, 4099); "
+            "print(P.BACKEND, P.KERNEL); print(' '.join(map(str, P.page_crcs(a).tolist())))")
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"), **{pagecrc.ENV: "crc32"})
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    kinds, crcs = out.stdout.splitlines()
+    assert kinds == "sse4.2 crc32" and crcs == _expected()
