@@ -51,6 +51,7 @@ DEFAULT_CHUNK_BYTES = 32 << 20
 REGISTER_PIECE = 64 << 20
 REGISTER_THREADS = int(os.environ.get("CONCORDIA_REGISTER_THREADS", 0)) or 8
 HOST_REGISTER_PORTABLE = 0x01
+HOST_REGISTER_MAPPED = 0x02
 HOST_REGISTER_READ_ONLY = 0x08
 #: host threads filling the pinned buffers (one copies a few GB/s; the bus takes 50)
 COPY_THREADS = int(os.environ.get("CONCORDIA_RESTORE_THREADS", 0)) or min(12, max(2, os.cpu_count() or 2))
@@ -368,7 +369,8 @@ class _RegisterAhead:
         threads, piece = threads or REGISTER_THREADS, piece or REGISTER_PIECE
         self.cp, self.rt = cp, cp.cuda.runtime
         self.base, self.size = backend.address, backend.size
-        self.flags = HOST_REGISTER_PORTABLE | (HOST_REGISTER_READ_ONLY if backend.readonly else 0)
+        self.flags = (HOST_REGISTER_PORTABLE | HOST_REGISTER_MAPPED
+                      | (HOST_REGISTER_READ_ONLY if backend.readonly else 0))
         self.device = cp.cuda.Device().id
         self.piece = piece
         self.per_chunk, order, seen = [], [], set()
@@ -440,10 +442,11 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
     `registration`: the mapping's live registration (a session's checkpoint
     path keeps one), read by the copy engine directly and left registered.
     read: how the log reaches the device without such a registration:
-    "pin" pins the pieces of the mapping the plan reads, ahead of the copy
-    engine, on several threads (shm and other mappings CUDA can pin);
-    "copy" reads it into pinned buffers on host threads (preadv); "auto"
-    pins where the tier allows it and copies otherwise."""
+    "copy" (and "auto") reads it into pinned buffers on host threads
+    (preadv); "pin" pins the pieces of the mapping the plan reads, ahead of
+    the copy engine, on several threads (shm and other mappings CUDA can
+    pin), falling back to "copy" where the driver refuses.  On the H200
+    machine copying was measured faster (docs/results/recover.md)."""
     import cupy as cp
 
     from concordia.gpu_kernels import gpu, jit
@@ -459,7 +462,7 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
         raise ConcordiaError(f"unknown read mode {read!r} (use auto, pin or copy)")
     direct, own_reg = _direct_source(log, registration, st)
     ahead = None
-    if direct is None and read != "copy" and log.backend.gpu_mappable and tr.pages:
+    if direct is None and read == "pin" and log.backend.gpu_mappable and tr.pages:
         ahead = _RegisterAhead(cp, log.backend, tr)
         direct = log.backend.address
     fd, arr, owned = (None, None, False) if direct is not None else _source_of(log)
@@ -555,7 +558,12 @@ def _pipeline(cp, gpu, tr, direct, fd, arr, hosts, slots, copy_stream, stream, o
                 if ahead is not None:
                     ahead.ready(j)
                 for lo, n, at in tr.copies[j].tolist():
-                    rt.memcpyAsync(slot.data.ptr + at, direct + lo, n, rt.memcpyDefault, copy_stream.ptr)
+                    # one copy reads within one registration: pieces pinned apart are split at their ends
+                    step = ahead.piece if ahead is not None else n
+                    while n:
+                        m = min(n, step - lo % step)
+                        rt.memcpyAsync(slot.data.ptr + at, direct + lo, m, rt.memcpyDefault, copy_stream.ptr)
+                        lo, n, at = lo + m, n - m, at + m
             copied[j] = copy_stream.record()
             stream.wait_event(copied[j])
             with stream:

@@ -27,7 +27,7 @@ def _same(got, want):
         assert g.tobytes() == want[name].tobytes(), name
 
 
-@pytest.mark.parametrize("read", ["auto", "copy"])
+@pytest.mark.parametrize("read", ["auto", "pin"])
 @pytest.mark.parametrize("chunk_bytes", [4096, 64 << 10, 32 << 20])
 def test_device_restore_equals_host_restore(persistent_log, chunk_bytes, read):
     _history(persistent_log)
@@ -39,7 +39,7 @@ def test_device_restore_equals_host_restore(persistent_log, chunk_bytes, read):
         _same(got, apply_plan_numpy(log, p))
     finally:
         log.close()
-    pinned = read == "auto" and persistent_log.startswith("shm:")
+    pinned = read == "pin" and persistent_log.startswith("shm:")
     assert ("pinned ahead" in st["via"]) if pinned else ("preadv" in st["via"]), st
     assert st["chunks"] >= 1
     if chunk_bytes == 4096:
@@ -77,7 +77,7 @@ def test_memory_copy_path(persistent_log, monkeypatch):
     try:
         p = plan(log)
         st = {}
-        _same(apply_plan_cupy(log, p, chunk_bytes=64 << 10, stats=st), apply_plan_numpy(log, p))
+        _same(apply_plan_cupy(log, p, chunk_bytes=64 << 10, stats=st, read="copy"), apply_plan_numpy(log, p))
     finally:
         log.close()
     assert "memory copies" in st["via"]
