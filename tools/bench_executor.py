@@ -159,7 +159,7 @@ def run_gpu(quick: bool) -> dict:
 
     gring = gpu.GpuRing(1024)
     flag = gpu.MappedHostBuffer(8)
-    ex = gpu.GpuExecutor(gring, child, idle_s=30.0, lifetime_s=120.0)
+    ex = gpu.GpuExecutor(gring, child, idle_s=30.0, lifetime_s=120.0, sm_carveout=0)
     sub = Submitter(gring.ring, ex, stall_deadline_s=30.0)
     stages = {
         "round_trip": lambda: _round_trip(cp, bench, sub, quick),
@@ -307,7 +307,7 @@ def _checkpoint(cp, gpu, gring, sub, child, inline, quick, b):
                 raise gpu.ExecutorError(f"{mode} checkpoint found {pages} pages, expected {npages // 10} ({seen})",
                                         where="bench executor")
     # The resident warp doing the work itself (no child grids), measured on a smaller slice.
-    sub.swap(gpu.GpuExecutor(gring, inline, idle_s=30.0, lifetime_s=120.0), timeout=60)
+    sub.swap(gpu.GpuExecutor(gring, inline, idle_s=30.0, lifetime_s=120.0, sm_carveout=0), timeout=60)
     small = min(size, 64 << 20)
     t_inline = []
     for _ in range(2):
@@ -316,7 +316,7 @@ def _checkpoint(cp, gpu, gring, sub, child, inline, quick, b):
         sub.call(Op.CHECKPOINT, args=(src.data.ptr, shadow.data.ptr, out.data.ptr, ids.data.ptr, small, pb, 0),
                  timeout=60)
         t_inline.append(time.perf_counter() - t0)
-    sub.swap(gpu.GpuExecutor(gring, child, idle_s=30.0, lifetime_s=120.0), timeout=60)
+    sub.swap(gpu.GpuExecutor(gring, child, idle_s=30.0, lifetime_s=120.0, sm_carveout=0), timeout=60)
     gbs = {m: size / float(np.median(t)) / 1e9 for m, t in times.items()}
     gbs["executor_inline"] = small / float(np.median(t_inline)) / 1e9
     chosen = max(("executor_child", "executor_inline"), key=lambda m: gbs[m])
@@ -377,8 +377,8 @@ def _residency(cp, gpu, bench, ws, workloads, gring, sub, flag, quick):
     timed = _timer(cp, ws)
     spin_stream = cp.cuda.Stream(non_blocking=True)
     naive = _naive_block(cp, bench, flag, spin_stream)
-    idle_exec = gpu.GpuExecutor(gring, sub.consumer.module, idle_s=30.0, lifetime_s=120.0)
-    release_exec = gpu.GpuExecutor(gring, sub.consumer.module, idle_s=0.002, lifetime_s=120.0)
+    idle_exec = gpu.GpuExecutor(gring, sub.consumer.module, idle_s=30.0, lifetime_s=120.0, sm_carveout=0)
+    release_exec = gpu.GpuExecutor(gring, sub.consumer.module, idle_s=0.002, lifetime_s=120.0, sm_carveout=0)
     target = SmTarget(1, torch=False)     # this thread's CuPy cuBLAS handle: the workloads' handle
     target_exec = gpu.GpuExecutor(gring, sub.consumer.module, idle_s=30.0, lifetime_s=120.0, sm_target=target)
 
@@ -525,20 +525,20 @@ def _hot_swap(gpu, gring, sub, child, swap_b, quick):
     warm, loaded = [], []
     mods = [swap_b, child]
     for i in range(n):
-        r = sub.swap(gpu.GpuExecutor(gring, mods[i % 2], idle_s=30.0, lifetime_s=120.0), timeout=30)
+        r = sub.swap(gpu.GpuExecutor(gring, mods[i % 2], idle_s=30.0, lifetime_s=120.0, sm_carveout=0), timeout=30)
         warm.append(r.gap_s)
     # with tasks queued behind QUIESCE
     for i in range(n // 2):
         for _ in range(32):
             sub.submit(Op.PING, keep=False)
-        r = sub.swap(gpu.GpuExecutor(gring, mods[i % 2], idle_s=30.0, lifetime_s=120.0), timeout=30)
+        r = sub.swap(gpu.GpuExecutor(gring, mods[i % 2], idle_s=30.0, lifetime_s=120.0, sm_carveout=0), timeout=30)
         loaded.append(r.gap_s)
     # the new module compiled and loaded inside the gap (a variant no cache holds)
     cold = []
     for i in range(2):
         m = gpu.ExecutorModule(child=True, extra_options=(f"-DCX_BUILD_NONCE={time.time_ns()}{i}",))
-        cold.append(sub.swap(gpu.GpuExecutor(gring, m, idle_s=30.0, lifetime_s=120.0), timeout=60).gap_s)
-    sub.swap(gpu.GpuExecutor(gring, child, idle_s=30.0, lifetime_s=120.0), timeout=30)
+        cold.append(sub.swap(gpu.GpuExecutor(gring, m, idle_s=30.0, lifetime_s=120.0, sm_carveout=0), timeout=60).gap_s)
+    sub.swap(gpu.GpuExecutor(gring, child, idle_s=30.0, lifetime_s=120.0, sm_carveout=0), timeout=30)
     return {"preloaded": _stats(warm), "preloaded_with_32_queued": _stats(loaded),
             "compile_in_gap": _stats(cold)}
 

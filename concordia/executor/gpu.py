@@ -166,6 +166,10 @@ class GpuRing:
         self._registered = False
 
 
+#: SMs cuBLAS is told to leave to a resident executor unless told otherwise
+DEFAULT_SM_CARVEOUT = 1
+
+
 class GpuExecutor:
     """The persistent kernel as a ring consumer.
 
@@ -184,14 +188,17 @@ class GpuExecutor:
     (an `SmTarget`, e.g. naming other handles).  On the H200, 1 took an
     8192³ fp16 GEMM beside the idle executor from +8.6 % to −2.4 %, and cost
     nothing measurable with no executor resident (docs/results/executor.md).
-    Off (0) by default: it changes a setting of the caller's cuBLAS handle."""
+    1 by default (it changes a setting of the caller's cuBLAS handle while the
+    executor is resident; pass 0 to leave cuBLAS alone).  When the default
+    cannot be applied (no cuBLAS with the call), the executor runs without it
+    and says why in `sm_target_skipped`; an explicit carve-out raises instead."""
 
     kind = "gpu"
     host_busy_spins = 20000   # the waiter spins on host memory; nothing needs its GIL
 
     def __init__(self, gring: GpuRing, module: ExecutorModule, *, executor_id: int | None = None,
                  idle_s: float = 0.002, lifetime_s: float = 60.0, child_timeout_s: float = 20.0,
-                 poll_max_ns: int = 2000, sm_carveout: int = 0, sm_target: SmTarget | None = None):
+                 poll_max_ns: int = 2000, sm_carveout: int | None = None, sm_target: SmTarget | None = None):
         self.gring = gring
         self.ring = gring.ring
         self.module = module
@@ -201,7 +208,16 @@ class GpuExecutor:
         self.child_timeout_ns = int(child_timeout_s * 1e9)
         self.poll_max_ns = int(poll_max_ns)
         self.launches = 0
-        self.sm_target = sm_target if sm_target is not None else (SmTarget(sm_carveout) if sm_carveout else None)
+        self.sm_target_skipped = None
+        if sm_target is not None:
+            self.sm_target = sm_target
+        elif sm_carveout is None:  # the default: one SM, if cuBLAS can be told
+            try:
+                self.sm_target = SmTarget(DEFAULT_SM_CARVEOUT)
+            except ExecutorError as exc:
+                self.sm_target, self.sm_target_skipped = None, str(exc)
+        else:
+            self.sm_target = SmTarget(sm_carveout) if sm_carveout else None
 
     # -- consumer interface ------------------------------------------------------
 
