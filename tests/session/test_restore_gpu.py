@@ -14,7 +14,7 @@ from concordia.wal.apply import apply_plan_numpy
 from concordia.wal.errors import CorruptionError
 from concordia.wal.planner import plan
 
-from .test_restore_transfer import _history
+from .test_restore_transfer import _history, flip_byte
 
 pytestmark = pytest.mark.gpu
 
@@ -110,11 +110,7 @@ def test_damaged_page_is_named_and_nothing_is_returned(file_log):
     off = int(_payload_offsets(log, src.batch, np.asarray(src.rows[2:3]), 4096)[0])
     page = int(src.page_ids[2])
     log.close()
-    with open(file_log.partition(":")[2], "r+b") as f:
-        f.seek(off + 100)
-        b = f.read(1)
-        f.seek(off + 100)
-        f.write(bytes([b[0] ^ 1]))
+    flip_byte(file_log, off + 100, 1)
     log = Log.open(file_log, writable=False, check_pages=False)
     try:
         with pytest.raises(CorruptionError) as e:

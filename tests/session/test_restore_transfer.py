@@ -34,6 +34,15 @@ def _history(spec, epochs=4):
     return state
 
 
+def flip_byte(spec: str, offset: int, mask: int) -> None:
+    """Damage one byte of a file log in place."""
+    with open(spec.partition(":")[2], "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ mask]))
+
+
 def _restore_both(spec, chunk_bytes):
     log = Log.open(spec, writable=False, check_pages=False)
     try:
@@ -103,12 +112,7 @@ def test_a_damaged_page_names_its_region_page_and_record(file_log):
     row = int(np.flatnonzero((cps[:, 2] <= at) & (at < cps[:, 2] + cps[:, 1]))[0])
     log_off = int(cps[row, 0] + at - cps[row, 2])
     log.close()
-    path = file_log.partition(":")[2]
-    with open(path, "r+b") as f:
-        f.seek(log_off + 5)
-        b = f.read(1)
-        f.seek(log_off + 5)
-        f.write(bytes([b[0] ^ 0x40]))
+    flip_byte(file_log, log_off + 5, 0x40)
     log = Log.open(file_log, writable=False, check_pages=False)
     try:
         tr = transfer_plan(log, plan(log), chunk_bytes=64 << 10)
