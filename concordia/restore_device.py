@@ -101,16 +101,11 @@ class Transfer:
         return [(int(ri[s]), lo + int(s), lo + int(e)) for s, e in zip(starts, ends)]
 
 
-def _payload_offsets(log, batch, rows, pb: int) -> np.ndarray:
-    """Absolute offsets in the log mapping of payload rows `rows` of a batch."""
-    from concordia.wal import format as fmt
-
-    base = batch.offset + fmt.page_batch_payload_offset(int(batch.page_ids.size))
-    return np.uint64(base) + rows.astype(np.uint64) * np.uint64(pb)
-
-
 def transfer_plan(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Transfer:
     """Lay out every page `plan` reads into staging chunks (see the module doc)."""
+    from concordia.gpu_kernels import reference as ref
+    from concordia.wal.apply import check_source
+
     rps = [rp for name, rp in plan.regions.items() if regions is None or name in regions]
     offs, lens, ridx, pids, crcs, srcs, src_of = [], [], [], [], [], [], []
     for i, rp in enumerate(rps):
@@ -119,14 +114,8 @@ def transfer_plan(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK_B
         for s in rp.sources:
             rows = np.asarray(s.rows, np.int64)
             ids = np.asarray(s.page_ids, np.int64)
-            count = int(s.batch.page_ids.size)
-            if rows.size != ids.size or (rows.size and (int(rows.min()) < 0 or int(rows.max()) >= count
-                                                        or int(ids.min()) < 0 or int(ids.max()) >= rp.pages)):
-                from concordia.wal.errors import WalError
-
-                raise WalError(f"plan source of record lsn {s.batch.lsn} names rows or pages out of range",
-                               hint="the plan does not belong to this log")
-            offs.append(_payload_offsets(log, s.batch, rows, pb))
+            check_source(s.batch, rows, ids, rp.pages)
+            offs.append(ref.record_payload_offsets(s.batch.offset, int(s.batch.page_ids.size), pb, rows))
             lens.append(np.full(rows.size, pb, np.uint64))
             ridx.append(np.full(rows.size, i, np.int32))
             pids.append(ids.astype(np.uint32))
@@ -245,20 +234,22 @@ def _read_piece(fd, arr, host: np.ndarray, lo: int, n: int, at: int) -> None:
         done += got
 
 
-_POOL: list = []
+_POOLS: dict = {}  # threads -> ThreadPoolExecutor
 
 
-def _pool():
-    if not _POOL:
+def _pool(threads: int | None = None):
+    n = threads or COPY_THREADS
+    if n not in _POOLS:
         from concurrent.futures import ThreadPoolExecutor
 
-        _POOL.append(ThreadPoolExecutor(max_workers=COPY_THREADS, thread_name_prefix="concordia-restore"))
-    return _POOL[0]
+        _POOLS[n] = ThreadPoolExecutor(max_workers=n, thread_name_prefix="concordia-restore")
+    return _POOLS[n]
 
 
-def _fill(fd, arr, host: np.ndarray, copies: np.ndarray) -> list:
-    """Queue the reads that fill `host` with one chunk; returns their futures."""
-    pool = _pool()
+def _fill(fd, arr, host: np.ndarray, copies: np.ndarray, threads: int | None = None) -> list:
+    """Queue the reads that fill `host` with one chunk on `threads` reader
+    threads (default COPY_THREADS); returns their futures."""
+    pool = _pool(threads)
     return [pool.submit(_read_piece, fd, arr, host, lo, n, at) for lo, n, at in _pieces(copies)]
 
 

@@ -210,29 +210,23 @@ def _host_read(xp, spec: str, nbytes: int, threads=(None,)) -> dict:
     chunk = rd.DEFAULT_CHUNK_BYTES
     bufs = ([np.frombuffer(xp.cuda.alloc_pinned_memory(chunk), np.uint8, chunk) for _ in range(2)]
             if xp is not np else [np.empty(chunk, np.uint8) for _ in range(2)])
-    default = rd.COPY_THREADS
     out = {}
     try:
         for t in threads:
-            rd.COPY_THREADS = t or default
-            if rd._POOL:
-                rd._POOL.pop().shutdown()
+            n_threads = t or rd.COPY_THREADS
             t0 = time.perf_counter()
             pending = []
             for k, lo in enumerate(range(0, nbytes, chunk)):
                 n = min(chunk, nbytes - lo)
                 rd._wait(pending)
-                pending = rd._fill(fd, arr, bufs[k % 2], np.array([[lo, n, 0]], np.int64))
+                pending = rd._fill(fd, arr, bufs[k % 2], np.array([[lo, n, 0]], np.int64), threads=n_threads)
             rd._wait(pending)
-            out[rd.COPY_THREADS] = nbytes / (time.perf_counter() - t0) / 1e9
+            out[n_threads] = nbytes / (time.perf_counter() - t0) / 1e9
     finally:
-        rd.COPY_THREADS = default
-        if rd._POOL:
-            rd._POOL.pop().shutdown()
         if owned:
             os.close(fd)
         log.close()
-    return {"GBps": out[default] if default in out else max(out.values()), "threads": default,
+    return {"GBps": out.get(rd.COPY_THREADS, max(out.values())), "threads": rd.COPY_THREADS,
             "by_threads": out, "how": "preadv" if fd is not None else "memory copies"}
 
 

@@ -191,7 +191,7 @@ def _gather_map(rp: RegionPlan):
         off = pay.ctypes.data - base
         if off < 0 or off % BLOCK or off + pay.nbytes > root.nbytes:
             return None
-        _check_source(s.batch, s.rows, s.page_ids, r.pages)
+        check_source(s.batch, s.rows, s.page_ids, r.pages)
         offsets[s.page_ids] = off + s.rows.astype(np.int64) * pb
         stored[s.page_ids] = np.asarray(s.batch.page_crcs)[s.rows]
         owner[s.page_ids] = i
@@ -199,7 +199,7 @@ def _gather_map(rp: RegionPlan):
     return root, offsets, stored, owner, rows_of
 
 
-def _check_source(batch, rows, pids, pages: int) -> None:
+def check_source(batch, rows, pids, pages: int) -> None:
     """Rows within the record, page numbers within the region (the gathers below
     run with mode="clip", which would otherwise hide a bad index)."""
     count = batch.payload.shape[0]

@@ -5,7 +5,6 @@ damaged page named exactly."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from concordia.restore_device import apply_plan_cupy
@@ -105,9 +104,9 @@ def test_damaged_page_is_named_and_nothing_is_returned(file_log):
     log = Log.open(file_log, writable=False, check_pages=False)
     p = plan(log)
     src = p.regions["adapter"].sources[0]
-    from concordia.restore_device import _payload_offsets
+    from concordia.gpu_kernels import reference as ref
 
-    off = int(_payload_offsets(log, src.batch, np.asarray(src.rows[2:3]), 4096)[0])
+    off = int(ref.record_payload_offsets(src.batch.offset, int(src.batch.page_ids.size), 4096, src.rows[2:3])[0])
     page = int(src.page_ids[2])
     log.close()
     flip_byte(file_log, off + 100, 1)
