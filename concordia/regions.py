@@ -107,20 +107,17 @@ class _Ops:
             except ImportError:
                 self.gpu = None
 
-    def _gpu_has(self, name):
-        return self.gpu is not None and hasattr(self.gpu, name)
-
     def shadow_diff(self, flat, shadow, page_bytes, update):
         if self.xp is np:
             return ref.shadow_diff(flat, shadow, page_bytes=page_bytes, update=update)
-        if self._gpu_has("shadow_diff"):
+        if self.gpu is not None:
             return to_host(self.gpu.shadow_diff(flat, shadow, page_bytes=page_bytes, update=update))
         return _cupy_shadow_diff(self.xp, flat, shadow, page_bytes, update)
 
     def fingerprint_dirty(self, flat, fps, page_bytes, update):
         if self.xp is np:
             return ref.fingerprint_dirty(flat, fps, page_bytes=page_bytes, update=update)
-        if self._gpu_has("fingerprint_dirty"):
+        if self.gpu is not None:
             return to_host(self.gpu.fingerprint_dirty(flat, fps, page_bytes=page_bytes, update=update))
         host = to_host(fps)
         d = ref.fingerprint_dirty(to_host(flat), host, page_bytes=page_bytes, update=update)
@@ -131,13 +128,14 @@ class _Ops:
     def fingerprints(self, flat, page_bytes):
         if self.xp is np:
             return ref.fingerprint_pages(flat, page_bytes=page_bytes)
-        if self._gpu_has("fingerprint_pages"):
+        if self.gpu is not None:
             return self.gpu.fingerprint_pages(flat, page_bytes=page_bytes)
         return self.xp.asarray(ref.fingerprint_pages(to_host(flat), page_bytes=page_bytes))
 
 
 def _cupy_shadow_diff(cp, flat, shadow, pb, update):
-    """CuPy expression of `reference.shadow_diff` (used until a kernel is available)."""
+    """CuPy expression of `reference.shadow_diff`, for device arrays the page
+    kernels cannot read (not 16-byte aligned)."""
     full = flat.size // pb
     found = []
     if full:

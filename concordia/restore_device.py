@@ -438,10 +438,10 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
     the copy engine, on several threads (shm and other mappings CUDA can
     pin), falling back to "copy" where the driver refuses.  On the H200
     machine copying was measured faster (docs/results/recover.md)."""
-    import cupy as cp
-
     from concordia.gpu_kernels import gpu, jit
     from concordia.wal.errors import CorruptionError
+
+    cp = jit._cupy()  # one line naming why, where CuPy or CUDA is missing
 
     st = stats if stats is not None else {}
     st.update(register_s=0.0, scatter_s=0.0, verify_s=0.0, via="")
@@ -450,7 +450,9 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
     st["layout_s"] = time.perf_counter() - t0
     st.update(chunks=tr.chunks, pages=tr.pages, bytes_copied=tr.bytes_copied)
     if read not in ("auto", "pin", "copy"):
-        raise ConcordiaError(f"unknown read mode {read!r} (use auto, pin or copy)")
+        from concordia.wal.errors import UsageError
+
+        raise UsageError(f"unknown read mode {read!r} (use auto, pin or copy)")
     direct, own_reg = _direct_source(log, registration, st)
     ahead = None
     if direct is None and read == "pin" and log.backend.gpu_mappable and tr.pages:

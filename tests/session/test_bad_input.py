@@ -173,3 +173,19 @@ def test_a_bad_policy_is_one_line(text, words):
         Policy.parse(text)
     one_line(ei.value, "policy", *words)
     assert Policy.parse("steps=4, bytes=64M") == Policy(every_steps=4, every_bytes=64 << 20)
+
+
+def test_recover_onto_a_gpu_without_cupy_is_one_line_and_loses_nothing(session):
+    try:
+        import cupy  # noqa: F401
+    except Exception:
+        pass
+    else:
+        pytest.skip("CuPy is importable here: the device restore is tested in test_restore_gpu.py")
+    state = make_state(4)
+    register_all(session, state)
+    session.checkpoint()
+    with pytest.raises(ConcordiaError) as e:
+        session.recover(device="cupy")
+    one_line(e.value, "CuPy is not importable")
+    assert_same(session.recover(), state)  # the log and the session are as they were
