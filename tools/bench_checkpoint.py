@@ -29,7 +29,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
@@ -39,7 +38,7 @@ import numpy as np
 
 from concordia.gpu_kernels import reference as ref
 from concordia.gpu_kernels.errors import GpuUnavailableError
-from concordia.tools.common import emit_json, guarded, parse_size
+from concordia.tools.common import guarded, parse_size, report, require_cupy
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -95,14 +94,7 @@ def _unlink_shm(name: str) -> None:
 
 class _Gpu:
     def __init__(self, page_bytes: int, reps: int):
-        try:
-            import cupy as cp
-
-            if cp.cuda.runtime.getDeviceCount() < 1:
-                raise RuntimeError("no device")
-        except Exception as exc:
-            raise GpuUnavailableError(f"a CUDA device is needed ({type(exc).__name__}: {exc})",
-                                      where="bench checkpoint", hint="run with --cpu for the CPU path") from None
+        cp = require_cupy(GpuUnavailableError, where="bench checkpoint", hint="run with --cpu for the CPU path")
         from concordia.gpu_kernels import gpu, jit
 
         self.cp, self.gpu, self.jit = cp, gpu, jit
@@ -646,12 +638,6 @@ def command(as_json, out, plot, quick, cpu, sizes, fractions, e2e_sizes, stage_r
     result["e2e"] = runner.e2e(_sizes(cfg["e2e_sizes"]), rng, max(3, reps)) if "e2e" in want else []
     result["kv"] = runner.kv(_sizes(cfg["kv_cache_sizes"]), rng) if "kv" in want else []
     result["summary"] = _summary(result)
-    if out:
-        with open(out, "w") as f:
-            json.dump(result, f, indent=2)
     if plot:
         _plot(result, plot)
-    if as_json:
-        emit_json(result)
-    else:
-        click.echo(_table(result))
+    report(result, as_json=as_json, out=out, table=_table)

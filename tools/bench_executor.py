@@ -21,7 +21,6 @@ Without a GPU (and no `--cpu`): one line, exit 2.
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import threading
@@ -35,7 +34,7 @@ from concordia.executor.errors import ExecutorError
 from concordia.executor.host import Submitter
 from concordia.executor.ring import N_ARGS, ConsumerState, Op, Ring, TaskView
 
-from .common import emit_json, guarded
+from .common import guarded, report
 
 
 def _stats(samples) -> dict:
@@ -611,13 +610,7 @@ def command(on_cpu, quick, as_json, out):
         concordia-wal bench executor --cpu --quick
     """
     doc = run_cpu(quick) if on_cpu else run_gpu(quick)
-    if out:
-        with open(out, "w") as f:
-            json.dump(doc, f, indent=2)
-    if as_json:
-        emit_json(doc)
-    else:
-        click.echo(_table(doc))
+    report(doc, as_json=as_json, out=out, table=_table)
     if doc.get("errors"):
         name, first = next(iter(doc["errors"].items()))
         raise ExecutorError(f"{len(doc['errors'])} stage(s) failed, first {name}: {first}", where="bench executor")

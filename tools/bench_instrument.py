@@ -33,7 +33,9 @@ from __future__ import annotations
 import click
 import numpy as np
 
-from .common import SIZE, emit_json, guarded
+from concordia.instrument.errors import InstrumentError
+
+from .common import SIZE, guarded, report, require_cupy
 
 SRC = r"""
 extern "C" __global__ void stream_axpy(const float* x, float* y, float a, long long n) {
@@ -94,20 +96,6 @@ class _EditedRewrite:
         self.module.rewrite = self.saved
 
 
-def _cupy():
-    from concordia.instrument.errors import InstrumentError
-
-    try:
-        import cupy
-
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            raise RuntimeError("no device")
-    except Exception as exc:
-        raise InstrumentError(f"no CUDA device with CuPy ({type(exc).__name__}: {exc})",
-                              where="bench instrument", hint="run it on a GPU machine") from None
-    return cupy
-
-
 def _samples(cp, fn, repeat: int) -> list[float]:
     for _ in range(3):
         fn()
@@ -139,9 +127,8 @@ def _registers(fn) -> int | None:
 
 
 def run(nbytes: int, repeat: int) -> dict:
-    cp = _cupy()
+    cp = require_cupy(InstrumentError, where="bench instrument", hint="run it on a GPU machine")
     from concordia import instrument
-    from concordia.instrument.errors import InstrumentError
 
     n = max(1024, nbytes // 4)
     x = cp.random.standard_normal(n, dtype=cp.float32)
@@ -217,6 +204,19 @@ def run(nbytes: int, repeat: int) -> dict:
             "shapes": shapes, "goal": {"exit_hooks_max_overhead": goal, "met": met}}
 
 
+def _table(res: dict) -> str:
+    lines = [f"ceiling (D2D copy): {res['ceiling']['bandwidth_GBps']:.0f} GB/s; "
+             f"goal for exit hooks: at most {res['goal']['exit_hooks_max_overhead']:.0%}"]
+    for s in res["shapes"]:
+        lines.append(f"{s['shape']}: grid {s['launch']['grid']} x {s['launch']['block']}, "
+                     f"noise {s['spread']:.1%}")
+        lines.append(f"  {'variant':<12} {'median us':>10} {'overhead':>9} {'GB/s':>8} {'/copy':>6} {'regs':>5}")
+        for r in s["variants"]:
+            lines.append(f"  {r['variant']:<12} {r['median_us']:>10.1f} {r['overhead']:>8.1%} "
+                         f"{r['bandwidth_GBps']:>8.0f} {r['ratio_to_copy']:>6.2f} {r['registers'] or '?':>5}")
+    return "\n".join(lines)
+
+
 @click.command("instrument")
 @click.option("--size", type=SIZE, default="256M", show_default=True, help="bytes per array")
 @click.option("--repeat", type=int, default=50, show_default=True)
@@ -235,21 +235,4 @@ def command(size, repeat, quick, as_json, out):
     """
     if quick:
         size, repeat = min(size, 16 << 20), min(repeat, 10)
-    res = run(size, repeat)
-    if out:
-        import json
-
-        with open(out, "w") as f:
-            json.dump(res, f, indent=2)
-    if as_json:
-        emit_json(res)
-        return
-    click.echo(f"ceiling (D2D copy): {res['ceiling']['bandwidth_GBps']:.0f} GB/s; "
-               f"goal for exit hooks: at most {res['goal']['exit_hooks_max_overhead']:.0%}")
-    for s in res["shapes"]:
-        click.echo(f"{s['shape']}: grid {s['launch']['grid']} x {s['launch']['block']}, "
-                   f"noise {s['spread']:.1%}")
-        click.echo(f"  {'variant':<12} {'median us':>10} {'overhead':>9} {'GB/s':>8} {'/copy':>6} {'regs':>5}")
-        for r in s["variants"]:
-            click.echo(f"  {r['variant']:<12} {r['median_us']:>10.1f} {r['overhead']:>8.1%} "
-                       f"{r['bandwidth_GBps']:>8.0f} {r['ratio_to_copy']:>6.2f} {r['registers'] or '?':>5}")
+    report(run(size, repeat), as_json=as_json, out=out, table=_table)

@@ -205,6 +205,21 @@ def unwritten_slot(vol) -> str | None:
     return None
 
 
+def require_cupy(error, *, where: str, hint: str):
+    """CuPy with at least one CUDA device, or `error` (a ConcordiaError class)
+    naming `where` and why, as one line: how a GPU benchmark refuses to run on
+    a machine without CuPy or without a device."""
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            raise RuntimeError("no device")
+    except Exception as exc:
+        raise error(f"a CUDA device is needed ({type(exc).__name__}: {exc})",
+                    where=where, hint=hint) from None
+    return cupy
+
+
 def report(doc: dict, *, as_json: bool, out: str | None, table) -> None:
     """How every benchmark ends: JSON to `out` when asked, then JSON or the
     table (`table(doc) -> str`) on stdout."""

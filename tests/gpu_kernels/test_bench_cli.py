@@ -9,6 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from concordia.tools.wal_cli import main
+from tests.conftest import gpu_unavailable_reason
 
 SMALL = ["--sizes", "1M,2M", "--fractions", "page,0.5", "--e2e-sizes", "1M", "--stage-region", "2M",
          "--kv-cache-sizes", "1G,4G", "--reps", "2"]
@@ -32,17 +33,8 @@ def test_table_by_default():
     assert res.exit_code == 0 and "shadow diff" in res.output and "kv scanner" in res.output
 
 
-def _have_device() -> bool:
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
-
-
 def test_without_a_device_one_line_exit_2():
-    if _have_device():
+    if gpu_unavailable_reason() is None:
         pytest.skip("a CUDA device is present: the GPU variant runs in scripts/gpu/kernels.sh")
     res = CliRunner().invoke(main, ["bench", "checkpoint", "--quick"])
     assert res.exit_code == 2
