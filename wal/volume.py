@@ -358,9 +358,9 @@ class Volume:
         of the segment that a roll over after `after` will take, so that the
         caller can persist it with a sync it makes anyway (a commit's).  Once
         persisted, `take_segment(after, prepared=...)` only has to write the
-        superblock.  A persisted header in a free segment is a state FORMAT.md
-        §3.4 allows (a crash between header and superblock): the segment is
-        ignored or adopted, and holds no record.  None when no segment is free."""
+        superblock.  FORMAT.md §3.4 "Prepared header": a persisted header in
+        a free segment is ignored or adopted by a reader, and holds no record.
+        None when no segment is free."""
         try:
             i = self._next_free(after)
         except LogFullError:
