@@ -66,12 +66,35 @@ CPU_QUICK = {
 }
 
 
-def _sizes(text: str) -> list[int]:
-    return [parse_size(t) for t in text.split(",") if t.strip()]
+def _sizes(text: str, option: str) -> list[int]:
+    """'256M,1G' -> positive byte counts; anything else names `option`."""
+    try:
+        sizes = [parse_size(t) for t in text.split(",") if t.strip()]
+    except click.BadParameter as exc:
+        raise click.BadParameter(exc.message, param_hint=option) from None
+    if not sizes or min(sizes) <= 0:
+        raise click.BadParameter(f"{text!r}: give one or more sizes above zero", param_hint=option)
+    return sizes
 
 
 def _fractions(text: str) -> list[str | float]:
-    return ["page" if t.strip() == "page" else float(t) for t in text.split(",") if t.strip()]
+    """'page,0.01,0.5' -> 'page' (one page) and fractions of the pages in (0, 1]."""
+    out: list[str | float] = []
+    for t in (t.strip() for t in text.split(",")):
+        if t == "page":
+            out.append(t)
+        elif t:
+            try:
+                f = float(t)
+            except ValueError:
+                f = -1.0
+            if not 0 < f <= 1:
+                raise click.BadParameter(f"{t!r} is neither 'page' nor a fraction in (0, 1]",
+                                         param_hint="--fractions")
+            out.append(f)
+    if not out:
+        raise click.BadParameter(f"{text!r}: give 'page' or fractions in (0, 1]", param_hint="--fractions")
+    return out
 
 
 def _dirty_count(frac, npages: int) -> int:
@@ -598,7 +621,7 @@ def _plot(result: dict, path: str) -> None:
 @click.option("--stage-region", help="Region size for the staging sweep.")
 @click.option("--kv-cache-sizes", help="KV cache sizes for the scanner sweep (not allocated).")
 @click.option("--page-bytes", type=int, default=4096, show_default=True)
-@click.option("--reps", type=int, default=10, show_default=True, help="Timed repeats (median).")
+@click.option("--reps", type=click.IntRange(min=1), default=10, show_default=True, help="Timed repeats (median).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--parts", default="detect,stage,e2e,kv", show_default=True,
               help="Which parts to run (the others are reported empty).")
@@ -622,21 +645,22 @@ def command(as_json, out, plot, quick, cpu, sizes, fractions, e2e_sizes, stage_r
     opt = {"sizes": sizes, "fractions": fractions, "e2e_sizes": e2e_sizes, "stage_region": stage_region,
            "kv_cache_sizes": kv_cache_sizes}
     cfg = {k: (v or preset[k]) for k, v in opt.items()}
-    rng = np.random.default_rng(seed)
-    runner = _Cpu(page_bytes, reps) if cpu else _Gpu(page_bytes, reps)
-    result = {"bench": "checkpoint", "device": runner.device, "page_bytes": page_bytes, "reps": reps,
-              "config": cfg, "cpu": bool(cpu)}
+    # every option is checked before any device work starts
     fr = _fractions(cfg["fractions"])
+    swept = {k: _sizes(cfg[k], "--" + k.replace("_", "-")) for k in opt if k != "fractions"}
     want = {p.strip() for p in parts.split(",") if p.strip()}
     unknown = want - {"detect", "stage", "e2e", "kv"}
     if unknown:
         raise click.BadParameter(f"unknown part {sorted(unknown)[0]!r} (use detect, stage, e2e, kv)",
                                  param_hint="--parts")
-    result["parts"] = sorted(want)
-    result["detect"] = runner.detect(_sizes(cfg["sizes"]), fr, rng) if "detect" in want else []
-    result["stage"] = runner.stage(_sizes(cfg["stage_region"])[0], fr, rng) if "stage" in want else []
-    result["e2e"] = runner.e2e(_sizes(cfg["e2e_sizes"]), rng, max(3, reps)) if "e2e" in want else []
-    result["kv"] = runner.kv(_sizes(cfg["kv_cache_sizes"]), rng) if "kv" in want else []
+    rng = np.random.default_rng(seed)
+    runner = _Cpu(page_bytes, reps) if cpu else _Gpu(page_bytes, reps)
+    result = {"bench": "checkpoint", "device": runner.device, "page_bytes": page_bytes, "reps": reps,
+              "config": cfg, "cpu": bool(cpu), "parts": sorted(want)}
+    result["detect"] = runner.detect(swept["sizes"], fr, rng) if "detect" in want else []
+    result["stage"] = runner.stage(swept["stage_region"][0], fr, rng) if "stage" in want else []
+    result["e2e"] = runner.e2e(swept["e2e_sizes"], rng, max(3, reps)) if "e2e" in want else []
+    result["kv"] = runner.kv(swept["kv_cache_sizes"], rng) if "kv" in want else []
     result["summary"] = _summary(result)
     if plot:
         _plot(result, plot)

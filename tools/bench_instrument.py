@@ -219,7 +219,7 @@ def _table(res: dict) -> str:
 
 @click.command("instrument")
 @click.option("--size", type=SIZE, default="256M", show_default=True, help="bytes per array")
-@click.option("--repeat", type=int, default=50, show_default=True)
+@click.option("--repeat", type=click.IntRange(min=1), default=50, show_default=True, help="timed launches per round")
 @click.option("--quick", is_flag=True, help="small and fast (CI smoke test)")
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of the table")
 @click.option("--out", type=click.Path(dir_okay=False), help="also write the JSON here")

@@ -40,3 +40,20 @@ def test_without_a_device_one_line_exit_2():
     assert res.exit_code == 2
     lines = [ln for ln in res.output.splitlines() if ln.strip()]
     assert len(lines) == 1 and "CUDA device is needed" in lines[0] and "Traceback" not in res.output
+
+
+@pytest.mark.parametrize("args, option", [
+    (["--fractions", "page,2.0"], "--fractions"),
+    (["--fractions", "half"], "--fractions"),
+    (["--sizes", "0"], "--sizes"),
+    (["--e2e-sizes", "1Q"], "--e2e-sizes"),
+    (["--reps", "0"], "--reps"),
+    (["--parts", "detect,nope"], "--parts"),
+])
+def test_bad_option_is_a_usage_error_naming_it(args, option):
+    # checked before anything runs, on the GPU path too
+    for mode in (["--cpu"], []):
+        res = CliRunner().invoke(main, ["bench", "checkpoint", *mode, *args])
+        assert res.exit_code == 2, res.output
+        assert option in res.output and "Traceback" not in res.output
+        assert "unexpected failure" not in res.output
