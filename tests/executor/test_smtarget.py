@@ -1,13 +1,18 @@
 """SM-count targets lowered while an executor is resident (smtarget.py): the
 counting across holders and the putting back, over plain settings here (cuBLAS
 itself runs only on a GPU: test_gpu_executor.py checks the real handle), and
-finding the loaded cuBLAS among a process's mappings."""
+finding the loaded cuBLAS among a process's mappings; and how GpuExecutor's
+default carve-out falls back where an explicit one raises (its constructor needs
+no device)."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 
 from concordia.executor.errors import ExecutorError
+from concordia.executor.ring import Ring
 from concordia.executor.smtarget import Knob, SmTarget, mapped_cublas_paths
 
 pytestmark = pytest.mark.timeout(30)
@@ -91,3 +96,47 @@ def test_mapped_cublas_paths_skip_cublaslt_and_repeats():
     assert mapped_cublas_paths(maps) == ["/opt/x/nvidia/cu13/lib/libcublas.so.13",
                                          "/usr/local/cuda/lib64/libcublas.so.13.1.0.3"]
     assert mapped_cublas_paths("") == []
+
+
+class _Refused:
+    """An SmTarget that cannot be made here (as with no cuBLAS that has the call)."""
+
+    made: list = []
+
+    def __init__(self, carveout, **kw):
+        _Refused.made.append(carveout)
+        raise ExecutorError("no loaded cuBLAS library has cublasSetSmCountTarget", where="cublas sm target")
+
+
+@pytest.fixture
+def refused(monkeypatch):
+    from concordia.executor import gpu
+
+    monkeypatch.setattr(gpu, "SmTarget", _Refused)
+    _Refused.made = []
+    ring = Ring.allocate(16)
+    # the constructor touches neither the device nor the module: a ring holder is enough
+    return lambda **kw: gpu.GpuExecutor(SimpleNamespace(ring=ring), module=None, **kw)
+
+
+def test_default_carveout_falls_back_and_says_why(refused):
+    from concordia.executor.gpu import DEFAULT_SM_CARVEOUT
+
+    ex = refused()
+    assert _Refused.made == [DEFAULT_SM_CARVEOUT]
+    assert ex.sm_target is None and "cublasSetSmCountTarget" in ex.sm_target_skipped
+
+
+def test_explicit_carveout_that_cannot_apply_raises(refused):
+    with pytest.raises(ExecutorError, match="cublasSetSmCountTarget"):
+        refused(sm_carveout=2)
+    assert _Refused.made == [2]
+
+
+def test_zero_carveout_or_a_given_target_makes_none(refused):
+    ex = refused(sm_carveout=0)
+    assert ex.sm_target is None and ex.sm_target_skipped is None
+    given = SmTarget(0)
+    ex = refused(sm_target=given)
+    assert ex.sm_target is given and ex.sm_target_skipped is None
+    assert _Refused.made == []
