@@ -452,10 +452,7 @@ class Appender:
         cleanly leaves no header in a free segment for the next open to adopt."""
         if self._prepared is not None:
             off = self._prepared.offset
-            if self._write_at is not None:
-                self._write_at(off, [bytes(F.SEGMENT_HEADER_SIZE)])
-            else:
-                self.backend.array[off:off + F.SEGMENT_HEADER_SIZE] = 0
+            self.vol.zero_header(self._prepared.index, persist=False)
             self._dirty.append([off, off + F.SEGMENT_HEADER_SIZE])
             self._prepared, self._prepared_durable = None, False
         self._sync()

@@ -386,9 +386,7 @@ class Volume:
                 and prev is not None and prev.seq == prepared.seq - 1
                 and sb.segments[i].state == F.SEG_FREE and self._header_is(prepared, prev)):
             if sb.segments[prepared.index].state == F.SEG_FREE:
-                off = prepared.offset
-                self.backend.array[off:off + F.SEGMENT_HEADER_SIZE] = 0
-                self.backend.persist(off, F.SEGMENT_HEADER_SIZE)
+                self.zero_header(prepared.index)
             prepared = None
         if prepared is None:
             seg = self._write_header(i)
@@ -421,9 +419,16 @@ class Volume:
         self._update(segments=tuple(entries), **changes)
         if invalidate:
             for i in indexes:
-                off = self.segment_offset(i)
-                self.backend.array[off:off + F.SEGMENT_HEADER_SIZE] = 0
-                self.backend.persist(off, F.SEGMENT_HEADER_SIZE)
+                self.zero_header(i)
+
+    def zero_header(self, index: int, *, persist: bool = True) -> None:
+        """Zero the header of free segment `index`, so that no open adopts it
+        (FORMAT.md §3.2, §3.4).  persist=False: the caller persists the 256 bytes
+        with a sync it makes anyway."""
+        off = self.segment_offset(index)
+        self._write(off, bytes(F.SEGMENT_HEADER_SIZE))
+        if persist:
+            self.backend.persist(off, F.SEGMENT_HEADER_SIZE)
 
     def reclaim_segments(self, before_lsn: int, *, keep_index: int | None = None, **changes) -> list[int]:
         """Free every live segment whose whole LSN range lies below `before_lsn`
