@@ -449,18 +449,23 @@ class Submitter:
 
     # -- shutdown and hot swap -------------------------------------------------
 
+    def _control(self, op: Op, timeout: float) -> Completion:
+        """Publish a control task (STOP, QUIESCE) ahead of the tasks it holds
+        back, and wait for its completion."""
+        self._hold(+1)
+        try:
+            seq = self.submit(op, timeout=timeout)
+        finally:
+            self._hold(-1)
+        return self.wait(seq, timeout)
+
     def stop(self, timeout: float = 10.0) -> Completion | None:
         """Publish STOP behind everything pending, wait for it and for the
         consumer to exit.  Returns STOP's completion (None if already stopped).
         Other tasks are held back until STOP is published (then refused)."""
         if self.ring.stop_sent:
             return None
-        self._hold(+1)
-        try:
-            seq = self.submit(Op.STOP, timeout=timeout)
-        finally:
-            self._hold(-1)
-        c = self.wait(seq, timeout)
+        c = self._control(Op.STOP, timeout)
         if self.consumer is not None and not self.consumer.join(timeout):
             raise ExecutorError(f"consumer did not exit within {timeout} s after STOP", where=self.ring.where)
         return c
@@ -471,12 +476,7 @@ class Submitter:
         Other tasks are held back until QUIESCE is published (then they queue)."""
         if self.ring.state == ConsumerState.QUIESCED and not (self.consumer and self.consumer.is_resident()):
             return None
-        self._hold(+1)
-        try:
-            seq = self.submit(Op.QUIESCE, timeout=timeout)
-        finally:
-            self._hold(-1)
-        c = self.wait(seq, timeout)
+        c = self._control(Op.QUIESCE, timeout)
         if c.status != Status.OK:
             raise ExecutorError(f"QUIESCE failed with status {c.status.name}", where=self.ring.slot_where(c.seq - 1))
         if self.consumer is not None and not self.consumer.join(timeout):
