@@ -18,7 +18,7 @@ import time
 import click
 import numpy as np
 
-from .bench_restore import build_log
+from .bench_restore import build_log, check_log_options, log_options
 from .common import SIZE, guarded, report
 
 
@@ -93,10 +93,7 @@ def _table(doc: dict) -> str:
 
 
 @click.command("compact")
-@click.option("--size", type=SIZE, default="256M", show_default=True, help="bytes of region state")
-@click.option("--epochs", type=int, default=16, show_default=True, help="committed epochs before compaction")
-@click.option("--dirty", type=float, default=0.1, show_default=True, help="fraction of pages each epoch rewrites")
-@click.option("--page-bytes", type=SIZE, default="4096", show_default=True)
+@log_options("committed epochs before compaction")
 @click.option("--chunk", type=SIZE, default="8M", show_default=True, help="bytes per base record (memory bound)")
 @click.option("--quick", is_flag=True, help="8 MiB, 6 epochs (CI smoke run)")
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of the table")
@@ -114,7 +111,8 @@ def command(size, epochs, dirty, page_bytes, chunk, quick, as_json, out):
     """
     if quick:
         size, epochs = 8 << 20, 6
-    if size <= 0 or epochs < 1 or not 0 < dirty <= 1 or page_bytes <= 0 or page_bytes % 64 or chunk < page_bytes:
-        raise click.BadParameter("size, epochs positive, dirty in (0, 1], page bytes a multiple of 64, chunk >= a page")
+    check_log_options(size, epochs, dirty, page_bytes)
+    if chunk < page_bytes:
+        raise click.BadParameter(f"{chunk} bytes is less than a page ({page_bytes})", param_hint="--chunk")
     doc = run(size, epochs, dirty, page_bytes, chunk)
     report(doc, as_json=as_json, out=out, table=_table)

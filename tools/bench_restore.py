@@ -24,6 +24,28 @@ import numpy as np
 from .common import SIZE, guarded, report
 
 
+def log_options(epochs_help: str):
+    """The options that shape `build_log`'s log, shared by bench restore and
+    bench compact; `check_log_options` checks their values."""
+    def wrap(fn):
+        for opt in reversed([
+            click.option("--size", type=SIZE, default="256M", show_default=True, help="bytes of region state"),
+            click.option("--epochs", type=int, default=16, show_default=True, help=epochs_help),
+            click.option("--dirty", type=float, default=0.1, show_default=True,
+                         help="fraction of pages each epoch rewrites"),
+            click.option("--page-bytes", type=SIZE, default="4096", show_default=True),
+        ]):
+            fn = opt(fn)
+        return fn
+    return wrap
+
+
+def check_log_options(size: int, epochs: int, dirty: float, page_bytes: int) -> None:
+    if size <= 0 or epochs < 1 or not 0 < dirty <= 1 or page_bytes <= 0 or page_bytes % 64:
+        raise click.BadParameter("size and epochs must be positive, dirty in (0, 1], "
+                                 "page bytes a multiple of 64")
+
+
 def build_log(size: int, epochs: int, dirty: float, page_bytes: int, seed: int = 7):
     """A memory log holding two regions of `size` bytes together and `epochs`
     committed epochs; returns (log, {name: array at the last epoch})."""
@@ -35,7 +57,7 @@ def build_log(size: int, epochs: int, dirty: float, page_bytes: int, seed: int =
     live = {"kv": np.zeros(kv_bytes // 2, np.float16), "adapter": np.zeros(ad_bytes // 4, np.float32)}
     seg = 16 << 20
     need = (size * (1 + dirty * (epochs - 1)) * 1.3) + 64 * seg
-    log = Log.create(f"memory:", size=int(-(-need // seg) * seg), segment_size=seg)
+    log = Log.create("memory:", size=int(-(-need // seg) * seg), segment_size=seg)
     ids = {n: log.define_region(n, a.dtype, a.shape, page_bytes, "kv" if n == "kv" else "adapter")
            for n, a in live.items()}
     rng = np.random.default_rng(seed)
@@ -170,11 +192,8 @@ def _table(doc: dict) -> str:
 
 
 @click.command("restore")
-@click.option("--size", type=SIZE, default="256M", show_default=True, help="bytes of region state")
-@click.option("--epochs", type=int, default=16, show_default=True, help="committed epochs")
-@click.option("--dirty", type=float, default=0.1, show_default=True, help="fraction of pages each epoch rewrites")
-@click.option("--page-bytes", type=SIZE, default="4096", show_default=True)
-@click.option("--repeat", type=int, default=3, show_default=True, help="timed passes (best kept)")
+@log_options("committed epochs")
+@click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True, help="timed passes (best kept)")
 @click.option("--threads", type=int, default=None, help="applier threads (default: the applier's pool)")
 @click.option("--quick", is_flag=True, help="8 MiB, 6 epochs, one pass (CI smoke run)")
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of the table")
@@ -192,7 +211,6 @@ def command(size, epochs, dirty, page_bytes, repeat, threads, quick, as_json, ou
     """
     if quick:
         size, epochs, repeat = 8 << 20, 6, 1
-    if size <= 0 or epochs < 1 or repeat < 1 or not 0 < dirty <= 1 or page_bytes <= 0 or page_bytes % 64:
-        raise click.BadParameter("size, epochs, repeat must be positive, dirty in (0, 1], page bytes a multiple of 64")
+    check_log_options(size, epochs, dirty, page_bytes)
     doc = run(size, epochs, dirty, page_bytes, repeat, threads)
     report(doc, as_json=as_json, out=out, table=_table)
