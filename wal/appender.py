@@ -316,15 +316,7 @@ class Appender:
             F.encode_record_header_into(head, length=length, type=F.REC_PAGE_BATCH, lsn=lsn, epoch=epoch,
                                         region_id=region_id, salt=self.seg.salt, body_crc=body_crc,
                                         count=count, page_bytes=page_bytes, flags=flags)
-            tail = [_ZERO_HEADER] if self._next_slot_free() else []  # the next header slot starts zero
-            try:
-                if self._start_writeback is not None and src.nbytes >= 2 * self.writeback_bytes:
-                    self._write_in_steps(off, head, src, tail)
-                else:
-                    self._write_at(off, [head, src, *tail])
-            except BaseException:
-                self.pos = off  # no valid record was written there: the space is free again
-                raise
+            self._write_record(off, head, src)
         else:
             # into the mapping: with page_crcs None each page is hashed as it is copied
             if count == 0 or count > F.MAX_BATCH_PAGES:
@@ -368,6 +360,23 @@ class Appender:
             head = self._heads[count] = np.zeros(F.page_batch_payload_offset(count), dtype=np.uint8)
         return head
 
+    def _write_record(self, off: int, head, payload: np.ndarray | None = None) -> None:
+        """Store the record that `_space` placed at `off` with pwritev: `head`,
+        then the rows of `payload` (in writeback steps when it is large), then
+        a zero header slot when one follows (see _take).  A failed write frees
+        the space again: no valid record was written there."""
+        tail = [_ZERO_HEADER] if self._next_slot_free() else []
+        try:
+            if payload is None:
+                self._write_at(off, [head, *tail])
+            elif self._start_writeback is not None and payload.nbytes >= 2 * self.writeback_bytes:
+                self._write_in_steps(off, head, payload, tail)
+            else:
+                self._write_at(off, [head, payload, *tail])
+        except BaseException:
+            self.pos = off
+            raise
+
     def _write_in_steps(self, offset: int, head, src: np.ndarray, tail) -> None:
         """A record larger than two writeback steps goes in with one pwritev per
         step, writeback of each step started as soon as it is written (the
@@ -400,12 +409,7 @@ class Appender:
             buf = bytearray(length)
             F.encode_record_into(buf, type=type, lsn=lsn, epoch=epoch, salt=self.seg.salt, body=body,
                                  region_id=region_id, flags=flags, aux=aux, page_bytes=page_bytes)
-            parts = [buf, _ZERO_HEADER] if self._next_slot_free() else [buf]  # (see _take)
-            try:
-                self._write_at(off, parts)
-            except BaseException:
-                self.pos = off  # no valid record was written there: the space is free again
-                raise
+            self._write_record(off, buf)
         else:
             res = self._take(length, Reservation)
             del self.outstanding[res.id]
