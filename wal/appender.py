@@ -487,7 +487,8 @@ class Appender:
                              "persisted or finished", hint="persist or finish them first")
         if epoch <= self.last_committed_epoch:
             raise UsageError(f"epoch {epoch} does not follow the last committed epoch {self.last_committed_epoch}")
-        count, nbytes, first = self.stats.pop(epoch, (0, 0, 0))
+        # the counts stay until the commit is in: a commit that fails can be retried
+        count, nbytes, first = self.stats.get(epoch, (0, 0, 0))
         body = F.encode_commit_body(count, nbytes, first, digests or {})
         if self.one_sync and not self._pmem:
             # FORMAT.md §10 step 4b: one sync covers the records and the commit; a crash
@@ -512,6 +513,7 @@ class Appender:
         else:
             self._sync()
             lsn = self.append_record(type=F.REC_COMMIT, epoch=epoch, body=body, aux=self.last_commit_lsn)
+        self.stats.pop(epoch, None)
         self.last_committed_epoch = epoch
         self.last_commit_lsn = lsn
         return lsn

@@ -135,3 +135,30 @@ def test_sigkill_writer_with_writeback_steps(tmp_path):
             seed += 1
             model = fresh(seed)
             last = 0
+
+
+def test_failed_commit_write_frees_its_space_and_the_commit_can_be_retried(tmp_path):
+    log, rid = _file_log(tmp_path)
+    app = log.appender
+    model = Model(npages=64, page_bytes=4096, batches=3, per_batch=8, seed=11)
+    model.write_epoch(log, rid, 1)
+    for ids, pages in model.epoch_batches(2):
+        app.append_page_batch(2, rid, ids, pages)
+    real = app._write_at
+
+    def failing(off, parts):
+        raise os_error(OSError(28, "No space left on device"), f"file @ {off:#x}", "write failed")
+
+    app._write_at = failing
+    before = app.write_lsn
+    with pytest.raises(DevmemError) as info:
+        app.commit(2, {rid: model.digest(2)})
+    assert "\n" not in str(info.value) and "write failed" in str(info.value)
+    assert app.write_lsn == before and app.last_committed_epoch == 1
+    app._write_at = real
+    app.commit(2, {rid: model.digest(2)})  # the same epoch: its records still counted
+    log.close()
+    back = Log.open(f"file:{tmp_path / 'log'}")
+    assert back.last_committed_epoch == 2 and back.verify()["ok"]
+    assert (replay(back, model.npages, model.page_bytes) == model.state_after(2)).all()
+    back.close()
