@@ -135,9 +135,9 @@ class Appender:
         self.writeback_bytes = WRITEBACK_BYTES
         self._kicked = 0  # offset up to which writeback of the last dirty range was started
         #: the next segment's header, written by a commit and persisted by its sync
-        #: (`Volume.prepare_segment`), so that the roll over needs one sync, not two
+        #: (`Volume.prepare_segment`), so that the roll over needs one sync, not two;
+        #: set only once that sync has returned
         self._prepared: SegmentInfo | None = None
-        self._prepared_durable = False
 
     # -- space --------------------------------------------------------------------
     @property
@@ -161,8 +161,7 @@ class Appender:
                 self._defer(self.pos, 64)
             else:
                 self.backend.persist(self.pos, 64)
-        prepared = self._prepared if self._prepared_durable else None
-        self._prepared, self._prepared_durable = None, False
+        prepared, self._prepared = self._prepared, None
         self.seg = self.vol.take_segment(old, prepared=prepared)
         self.pos = self.seg.offset + F.SEGMENT_HEADER_SIZE
 
@@ -458,7 +457,7 @@ class Appender:
             off = self._prepared.offset
             self.vol.zero_header(self._prepared.index, persist=False)
             self._dirty.append([off, off + F.SEGMENT_HEADER_SIZE])
-            self._prepared, self._prepared_durable = None, False
+            self._prepared = None
         self._sync()
 
     def _sync(self) -> None:
@@ -496,20 +495,17 @@ class Appender:
             # which the reader treats as not committed
             lsn = self.append_record(type=F.REC_COMMIT, epoch=epoch, body=body, aux=self.last_commit_lsn,
                                      flags=F.FLAG_ONE_SYNC, persist=False)
+            prepared = None
             if self._prepared is None and self.seg is not None:
                 # the next segment's header rides on this sync (one ordered sync fewer at
                 # the roll over: header persisted, then superblock, as FORMAT.md §3.4 says)
-                self._prepared = self.vol.prepare_segment(self.seg)
-                if self._prepared is not None:
-                    self._dirty.append([self._prepared.offset, self._prepared.offset + F.SEGMENT_HEADER_SIZE
+                prepared = self.vol.prepare_segment(self.seg)
+                if prepared is not None:
+                    self._dirty.append([prepared.offset, prepared.offset + F.SEGMENT_HEADER_SIZE
                                         + F.RECORD_HEADER_SIZE])
-            try:
-                self._sync()
-            except BaseException:
-                self._prepared, self._prepared_durable = None, False
-                raise
-            if self._prepared is not None:
-                self._prepared_durable = True
+            self._sync()
+            if prepared is not None:
+                self._prepared = prepared
         else:
             self._sync()
             lsn = self.append_record(type=F.REC_COMMIT, epoch=epoch, body=body, aux=self.last_commit_lsn)
