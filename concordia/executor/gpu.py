@@ -255,18 +255,6 @@ class GpuExecutor:
             self.sm_target.restore()
         return True
 
-    # -- direct launches of the same handlers (the baseline) ----------------------
-
-    def direct_grid(self, warps: int) -> int:
-        return max(1, min(-(-warps // 8), self.gring.n_sm * 8))
-
-
-def host_address(array) -> int:
-    """Device address of a CuPy array (or host address of a numpy array)."""
-    if hasattr(array, "data") and hasattr(array.data, "ptr"):
-        return int(array.data.ptr)
-    return int(array.ctypes.data)
-
 
 class MappedHostBuffer:
     """Page-aligned host memory registered as mapped: a numpy view on the host,
