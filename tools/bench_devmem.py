@@ -163,9 +163,9 @@ def command(size, chunk, repeat, tiers, workdir, quick, as_json, out):
     """
     if quick:
         size, repeat = 16 << 20, 1
+    size -= size % 4096                       # whole pages: every tier maps pages
     if size <= 0 or chunk <= 0 or repeat < 1:
-        raise click.BadParameter("size, chunk and repeat must be positive")
-    size -= size % 4096
+        raise click.BadParameter("size (at least one 4 KiB page), chunk and repeat must be positive")
     if workdir is not None and not os.path.isdir(workdir):
         raise click.BadParameter(f"{workdir}: no such folder", param_hint="--dir")
     scratch = tempfile.mkdtemp(prefix="concordia-bench-", dir=workdir)

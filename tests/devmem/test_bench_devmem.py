@@ -30,3 +30,9 @@ def test_table_and_usage_error(tmp_path):
     assert r.exit_code == 0 and "ratio" in r.output and "memory" in r.output
     r = CliRunner().invoke(main, ["bench", "devmem", "--quick", "--dir", str(tmp_path / "no")])
     assert r.exit_code == 2 and "Traceback" not in r.output
+
+
+def test_size_below_a_page_is_a_usage_error():
+    # sizes are cut to whole pages before they are checked, so nothing maps 0 bytes
+    r = CliRunner().invoke(main, ["bench", "devmem", "--size", "100", "--tier", "memory"])
+    assert r.exit_code == 2 and "4 KiB page" in r.output and "Traceback" not in r.output
