@@ -57,6 +57,7 @@ QUICK = {
     "stage_region": "256M",
     "kv_cache_sizes": "1G,16G,256G",
 }
+CPU_DEFAULT = {**DEFAULT, "sizes": "64M,256M", "e2e_sizes": "64M,256M", "stage_region": "256M"}
 CPU_QUICK = {
     "sizes": "4M,16M",
     "fractions": "page,0.01,0.5",
@@ -101,10 +102,6 @@ def _dirty_count(frac, npages: int) -> int:
     return 1 if frac == "page" else max(1, int(npages * frac))
 
 
-def _median(xs):
-    return statistics.median(xs)
-
-
 def _unlink_shm(name: str) -> None:
     try:
         os.unlink(os.path.join("/dev/shm", name))
@@ -140,7 +137,7 @@ class _Gpu:
             b.record()
             b.synchronize()
             out.append(cp.cuda.get_elapsed_time(a, b) / 1e3)
-        return _median(out)
+        return statistics.median(out)
 
     def random_region(self, nbytes: int):
         cp = self.cp
@@ -300,7 +297,7 @@ class _Gpu:
                     t0 = time.perf_counter()
                     assert host_checkpoint() == 1
                     htimes.append(time.perf_counter() - t0)
-                t_host = _median(htimes[1:])
+                t_host = statistics.median(htimes[1:])
                 del pinned, hshadow
                 log.close()
             finally:
@@ -366,7 +363,7 @@ class _Gpu:
                     assert st.pages == {"r": 1}, st.pages
                     via = st.via["r"]
                     reads.append(st.device_reads)
-            return {f"gpu_checkpoint_s_{detector}": _median(times[2:]), f"via_{detector}": via,
+            return {f"gpu_checkpoint_s_{detector}": statistics.median(times[2:]), f"via_{detector}": via,
                     f"device_reads_{detector}": max(reads[2:])}
         except Exception as exc:  # reported beside the row, the bench goes on
             return {f"session_error_{detector}": f"{type(exc).__name__}: {exc}"}
@@ -419,7 +416,7 @@ class _Cpu:
             t0 = time.perf_counter()
             fn()
             out.append(time.perf_counter() - t0)
-        return _median(out)
+        return statistics.median(out)
 
     def random_region(self, nbytes, rng):
         return rng.integers(0, 256, size=nbytes, dtype=np.uint8)
@@ -481,7 +478,7 @@ class _Cpu:
                                      epoch=1, region_id=0, salt=1)
                 times.append(time.perf_counter() - t0)
                 assert ids.size == 1
-            rows.append({"region_bytes": size, "dirty_pages": 1, "cpu_checkpoint_s": _median(times)})
+            rows.append({"region_bytes": size, "dirty_pages": 1, "cpu_checkpoint_s": statistics.median(times)})
         return rows
 
     def kv(self, cache_sizes, rng, seqs=256, new_tokens=1):
@@ -639,9 +636,7 @@ def command(as_json, out, plot, quick, cpu, sizes, fractions, e2e_sizes, stage_r
         concordia-wal bench checkpoint --json --out checkpoint.json --plot checkpoint.png
     """
     ref._check_page_bytes(page_bytes)
-    preset = CPU_QUICK if (cpu and quick) else QUICK if quick else DEFAULT
-    if cpu and not quick:
-        preset = {**DEFAULT, "sizes": "64M,256M", "e2e_sizes": "64M,256M", "stage_region": "256M"}
+    preset = (CPU_QUICK if quick else CPU_DEFAULT) if cpu else (QUICK if quick else DEFAULT)
     opt = {"sizes": sizes, "fractions": fractions, "e2e_sizes": e2e_sizes, "stage_region": stage_region,
            "kv_cache_sizes": kv_cache_sizes}
     cfg = {k: (v or preset[k]) for k, v in opt.items()}
