@@ -235,7 +235,6 @@ def rewrite(text: str | bytes, options: Options = Options()) -> RewriteResult:
     nslots = len(entries)
     # activemask (6.2), nanosleep (6.3), scoped red/ld and bar.warp.sync (6.0), sm_70
     modern = header.sm >= 70 and header.version >= (6, 3)
-    sleep_ok = modern
     result = RewriteResult(ptx="", options=options, address_size=header.address_size,
                            target=header.target)
     if options.count_at not in COUNT_AT:
@@ -248,8 +247,7 @@ def rewrite(text: str | bytes, options: Options = Options()) -> RewriteResult:
     if (not modern or (func_exits and options.count_at == "entry")) and options.pause_gate:
         options = replace(options, pause_gate=False)
         result.options = options
-    ctx = _Ctx(options, header, symbols, modern, sleep_ok, other_slot=-1,
-               account_at_entry=func_exits and options.exit_hooks)
+    ctx = _Ctx(options, header, symbols, modern, account_at_entry=func_exits and options.exit_hooks)
     out: list[str] = []
     slot = 0
     for k, ch in enumerate(chunks):
@@ -259,7 +257,7 @@ def rewrite(text: str | bytes, options: Options = Options()) -> RewriteResult:
             out.append(ch.lead + _rewrite_function(ch, info, ctx))
             result.kernels.append(info)
         elif ch.is_function:
-            info = KernelInfo(ch.name, ctx.other_slot, "func")
+            info = KernelInfo(ch.name, -1, "func")   # a .func has no epoch slot
             out.append(ch.lead + _rewrite_function(ch, info, ctx))
             if info.exit_sites or info.stores_tracked or info.stores_untracked:
                 result.functions.append(info)
@@ -279,8 +277,6 @@ class _Ctx:
     header: P.Header
     symbols: set[str]
     modern: bool
-    sleep_ok: bool
-    other_slot: int
     account_at_entry: bool = False   # a .func calls `exit`: the launch is counted in the prologue
 
 
