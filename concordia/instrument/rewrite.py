@@ -117,7 +117,7 @@ from dataclasses import dataclass, field, replace
 from concordia.instrument import ptx as P
 from concordia.instrument.errors import InstrumentError
 
-REWRITER_VERSION = 3
+REWRITER_VERSION = 3            # bumped when the code inserted changes; in every result's JSON
 MARK = "__concordia_"          # module-scope names
 REG = "%__cnc_"                # registers we declare
 LBL = "$__cnc_"                # labels we place
@@ -199,6 +199,7 @@ class RewriteResult:
 
     def to_json(self) -> dict:
         return {
+            "rewriter_version": REWRITER_VERSION,
             "target": self.target,
             "address_size": self.address_size,
             "options": dict(self.options.__dict__),

@@ -11,7 +11,7 @@ import pytest
 
 from concordia.instrument import ptx as P
 from concordia.instrument.errors import InstrumentError
-from concordia.instrument.rewrite import (EPOCHS, TRACK, Options, _split_address, _store_bytes,
+from concordia.instrument.rewrite import (EPOCHS, REWRITER_VERSION, TRACK, Options, _split_address, _store_bytes,
                                           rewrite)
 from tests.instrument.conftest import CORPUS
 
@@ -252,6 +252,7 @@ def test_cli_rewrites_and_reports(tmp_path):
     assert EPOCHS.encode() in p.stdout
     rec = json.loads(report.read_text().splitlines()[0])
     assert rec["module"] == "m1" and rec["stores_tracked"] == 1 and rec["hook_sites"] == 1
+    assert rec["rewriter_version"] == REWRITER_VERSION   # which inserted code the record describes
     bad = subprocess.run([sys.executable, "-m", "concordia.instrument", "--report",
                           str(report)], input=b"\x7fELF\x02\x01", capture_output=True)
     assert bad.returncode == 3 and bad.stdout == b""
