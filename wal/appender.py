@@ -25,12 +25,6 @@ from .volume import SegmentInfo, Volume
 _ids = itertools.count(1)
 
 
-def page_crcs_of(pages: np.ndarray) -> np.ndarray:
-    """CRC32C of each row of a C-contiguous (count, page_bytes) uint8 array
-    (all pages in one call where the compiled helper is available)."""
-    return _pagecrc.page_crcs(pages)
-
-
 _ZERO_HEADER = bytes(F.RECORD_HEADER_SIZE)
 
 #: written bytes between two `start_writeback` calls on a page-cache file: large enough
@@ -51,23 +45,12 @@ def _check_batch(page_ids: np.ndarray, count: int, page_bytes: int) -> None:
         raise WalError("page ids must fit in u32")
 
 
-def page_batch_head(page_ids: np.ndarray, page_crcs, page_bytes: int) -> np.ndarray:
-    """Header and tables of a page batch (everything before its payload), the
-    bytes `format.encode_page_batch_into` writes there, with the same checks;
-    the header fields that depend on where the record goes are filled by the
-    caller with `format.encode_record_header_into`."""
-    count = int(page_ids.size)
-    _check_batch(page_ids, count, page_bytes)
-    return _fill_head(page_ids, page_crcs, count, None)
-
-
-def _fill_head(page_ids, page_crcs, count: int, out: np.ndarray | None) -> np.ndarray:
-    """The tables into `out` (a buffer of the right size whose padding is zero,
-    reused from record to record) or into a new buffer."""
+def _fill_head(page_ids, page_crcs, count: int, head: np.ndarray) -> np.ndarray:
+    """The tables into `head`, a header and tables buffer of the right size whose
+    padding is zero, reused from record to record (`Appender._head_buffer`)."""
     crcs = np.asarray(page_crcs, dtype=np.uint32)
     if crcs.size != count:
         raise WalError(f"{crcs.size} page CRCs for {count} pages")
-    head = np.zeros(F.page_batch_payload_offset(count), dtype=np.uint8) if out is None else out
     t32 = head[F.RECORD_HEADER_SIZE:].view("<u4")
     t32[:count] = page_ids
     t32[count:2 * count] = crcs
@@ -307,7 +290,7 @@ class Appender:
             if body_crc is None:  # the checked path, which names any problem
                 _check_batch(ids, count, page_bytes)
                 if page_crcs is None:
-                    page_crcs = page_crcs_of(src)
+                    page_crcs = F.page_crcs_of(src)
                 head = _fill_head(ids, page_crcs, count, self._head_buffer(count))
                 body_crc = _crc32c(head[F.RECORD_HEADER_SIZE:F.RECORD_HEADER_SIZE + 8 * count])
             off = self._space(length)

@@ -10,7 +10,6 @@ import pytest
 from concordia.devmem import open_backend
 from concordia.wal import Log
 from concordia.wal import format as F
-from concordia.wal.appender import page_batch_head, page_crcs_of
 from concordia.wal.errors import WalError
 from concordia.wal.compact import compact
 from concordia.wal.planner import plan
@@ -29,7 +28,7 @@ def _fill(log, rng, epochs=4):
         for part in np.array_split(ids, 3):
             if part.size:
                 log.appender.append_page_batch(e, rid, part, state[part])
-        log.appender.commit(e, digests={rid: F.region_digest(page_crcs_of(state))})
+        log.appender.commit(e, digests={rid: F.region_digest(F.page_crcs_of(state))})
     return state
 
 
@@ -78,16 +77,23 @@ def test_segments_roll_and_recycle_through_the_descriptor(tmp_path):
     log.close()
 
 
-def test_head_checks_like_the_encoder():
-    crcs = np.zeros(2, np.uint32)
-    with pytest.raises(WalError, match="strictly increasing"):
-        page_batch_head(np.array([3, 3], np.uint32), crcs, PB)
-    with pytest.raises(WalError, match="multiple of 64"):
-        page_batch_head(np.array([1, 2], np.uint32), crcs, 100)
-    with pytest.raises(WalError, match="1 page CRCs for 2 pages"):
-        page_batch_head(np.array([1, 2], np.uint32), crcs[:1], PB)
-    with pytest.raises(WalError, match="1..16777216 pages, not 0"):
-        page_batch_head(np.array([], np.uint32), crcs[:0], PB)
+def test_checked_path_names_a_bad_batch_before_taking_space(tmp_path):
+    """Page CRCs given: a file log's batch takes the checked path, with the
+    encoder's checks, and a refused batch takes no space."""
+    log = _log(tmp_path, "file")
+    rid = log.define_region("r", np.uint8, (64 * PB,), PB, "opaque")
+    app = log.appender
+    before = app.write_lsn
+    crcs, pages = np.zeros(2, np.uint32), np.zeros((2, PB), np.uint8)
+    cases = [([3, 3], pages, crcs, "strictly increasing"),
+             ([1, 2], np.zeros((2, 100), np.uint8), crcs, "multiple of 64"),
+             ([1, 2], pages, crcs[:1], "1 page CRCs for 2 pages"),
+             ([], pages[:0], crcs[:0], "1..16777216 pages, not 0")]
+    for ids, p, c, msg in cases:
+        with pytest.raises(WalError, match=msg):
+            app.append_page_batch(1, rid, np.array(ids, np.uint32), p, page_crcs=c)
+        assert app.write_lsn == before
+    log.close()
 
 
 def _log(tmp_path, spec):
