@@ -657,6 +657,6 @@ def command(as_json, out, plot, quick, cpu, sizes, fractions, e2e_sizes, stage_r
     result["e2e"] = runner.e2e(swept["e2e_sizes"], rng, max(3, reps)) if "e2e" in want else []
     result["kv"] = runner.kv(swept["kv_cache_sizes"], rng) if "kv" in want else []
     result["summary"] = _summary(result)
-    if plot:
-        _plot(result, plot)
     report(result, as_json=as_json, out=out, table=_table)
+    if plot:  # after the JSON is out: a machine without matplotlib still keeps the figures
+        _plot(result, plot)
