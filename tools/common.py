@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 import sys
 
@@ -92,8 +93,22 @@ def _silence_stdout() -> None:
 
 
 def emit_json(obj) -> None:
-    """Print one JSON document (stable key order, no NaN)."""
-    click.echo(json.dumps(obj, indent=2, sort_keys=False, allow_nan=False, default=_jsonable))
+    """Print one JSON document (stable key order; NaN and infinities as null)."""
+    click.echo(json.dumps(_finite(obj), indent=2, sort_keys=False, allow_nan=False, default=_jsonable))
+
+
+def _finite(o):
+    """`o` with every non-finite float made None: strict JSON has no NaN, and a
+    benchmark must not lose its figures to one undefined ratio."""
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_finite(v) for v in o]
+    if hasattr(o, "dtype") and hasattr(o, "item") and getattr(o, "ndim", 1) == 0:
+        return _finite(o.item())
+    return o
 
 
 def _jsonable(o):
@@ -225,7 +240,7 @@ def report(doc: dict, *, as_json: bool, out: str | None, table) -> None:
     table (`table(doc) -> str`) on stdout."""
     if out:
         with open(out, "w") as f:
-            json.dump(doc, f, indent=2, allow_nan=False, default=_jsonable)
+            json.dump(_finite(doc), f, indent=2, allow_nan=False, default=_jsonable)
     if as_json:
         emit_json(doc)
     else:
