@@ -8,7 +8,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from concordia.devmem import open_backend
 from concordia.wal import Log
 from concordia.wal import format as F
 from concordia.wal.apply import apply_plan_numpy, restore_region_npy
@@ -17,7 +16,7 @@ from concordia.wal.planner import plan, plan_history, scan
 from concordia.wal.reader import PROGRESS_STEP, Scanner, ScanResult, verify
 from concordia.wal.snapshot import create_base_snapshot, list_snapshots
 
-from .helpers import MiB, build_log
+from .helpers import MiB, build_log, reopen
 
 
 @pytest.fixture(scope="module")
@@ -123,9 +122,7 @@ def test_restore_progress_many_chunks(tmp_path):
 
 def test_fold_source_makes_the_base_the_log_states(long_log):
     log0, model, _ = long_log
-    backend = open_backend("memory:", size=log0.backend.size)
-    backend.array[:] = log0.backend.array
-    log = Log.open(backend, writable=True)
+    log = reopen(log0.backend.array, writable=True)
     try:
         p = plan_history(scan(log), 30, "tolerate_tail", regions=["r"])
         rp = p.regions["r"]
@@ -145,15 +142,13 @@ def test_fold_source_makes_the_base_the_log_states(long_log):
 
 def test_fold_source_names_a_bad_page(long_log):
     log0, _, _ = long_log
-    backend = open_backend("memory:", size=log0.backend.size)
-    backend.array[:] = log0.backend.array
-    log = Log.open(backend, writable=False)
+    log = reopen(log0.backend.array, writable=False)
     try:
         rp = plan(log, 20).regions["r"]
         s = rp.sources[-1]
         b = s.batch
         off = b.offset + (b.length - b.page_ids.size * 4096) + int(s.rows[0]) * 4096
-        backend.array[off + 7] ^= 1
+        log.backend.array[off + 7] ^= 1
         from concordia.wal.errors import CorruptionError
 
         with pytest.raises(CorruptionError, match=f"segment {b.segment} @ {off:#x}"):
