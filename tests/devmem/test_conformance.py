@@ -56,14 +56,34 @@ class TestShm(BackendConformance):
         return open_backend(f"shm:{os.path.basename(b.path)}")
 
 
-class TestMemory(BackendConformance):
-    kind = "memory"
+class _Anonymous(BackendConformance):
+    """A volatile tier with no path: the spec is its kind alone."""
+
     gpu_mappable = True
     persist_paths = ("none",)
     creates_files = False
 
     def make(self, tmp_path, size):
-        return open_backend("memory:", size=size)
+        return open_backend(f"{self.kind}:", size=size)
+
+
+class TestMemory(_Anonymous):
+    kind = "memory"
+
+
+class _Forced:
+    """libpmem told to take a plain file for pmem (PMEM_IS_PMEM_FORCE=1), so
+    persistence is user-space flushing.  libpmem reads the variable when it is
+    loaded: these classes run in a child process (test_forced_pmem.py)."""
+
+    libpmem = "require"
+    persist_paths = ("libpmem",)
+    survives_at_least = Survives.POWER_LOSS
+
+    @pytest.fixture(autouse=True)
+    def _only_when_forced(self):
+        if os.environ.get("PMEM_IS_PMEM_FORCE") != "1":
+            pytest.skip("runs in a child process with PMEM_IS_PMEM_FORCE=1 (test_forced_pmem.py)")
 
 
 class _Pmem(BackendConformance):
@@ -96,19 +116,8 @@ class TestPmemWithoutLibpmem(_Pmem):
 
 
 @needs_libpmem
-class TestPmemForced(_Pmem):
-    """pmem on a plain file with PMEM_IS_PMEM_FORCE=1: libpmem treats it as pmem,
-    so persistence is user-space flushing.  libpmem reads the variable when it is
-    loaded, so this class runs in its own process (test_forced_pmem.py)."""
-
-    libpmem = "require"
-    persist_paths = ("libpmem",)
-    survives_at_least = Survives.POWER_LOSS
-
-    @pytest.fixture(autouse=True)
-    def _only_when_forced(self):
-        if os.environ.get("PMEM_IS_PMEM_FORCE") != "1":
-            pytest.skip("runs in a child process with PMEM_IS_PMEM_FORCE=1 (test_forced_pmem.py)")
+class TestPmemForced(_Forced, _Pmem):
+    """pmem on a plain file that libpmem takes for pmem (see _Forced)."""
 
     def test_is_pmem_honestly_reported(self, backend):
         assert backend.is_pmem and backend.persist_path == "libpmem"
@@ -151,28 +160,13 @@ class TestDevDaxEmulatedWithoutLibpmem(_DevDaxEmulated):
 
 
 @needs_libpmem
-class TestDevDaxEmulatedForced(_DevDaxEmulated):
+class TestDevDaxEmulatedForced(_Forced, _DevDaxEmulated):
     """As TestPmemForced: runs in a child with PMEM_IS_PMEM_FORCE=1."""
-
-    libpmem = "require"
-    persist_paths = ("libpmem",)
-    survives_at_least = Survives.POWER_LOSS
-
-    @pytest.fixture(autouse=True)
-    def _only_when_forced(self):
-        if os.environ.get("PMEM_IS_PMEM_FORCE") != "1":
-            pytest.skip("runs in a child process with PMEM_IS_PMEM_FORCE=1 (test_forced_pmem.py)")
 
 
 @pytest.mark.gpu
-class TestPinned(BackendConformance):
+class TestPinned(_Anonymous):
     kind = "pinned"
-    gpu_mappable = True
-    persist_paths = ("none",)
-    creates_files = False
-
-    def make(self, tmp_path, size):
-        return open_backend("pinned:", size=size)
 
 
 class TestFileWithLibpmemRequired(TestFile):
