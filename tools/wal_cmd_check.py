@@ -25,10 +25,10 @@ def _mode(value: str) -> str:
 
 
 def _counts(kind: str, mode: str) -> bool:
-    """Whether a reported range is a problem under `mode`: corruption always,
-    a torn tail only in absolute mode, an uncommitted epoch never (it is what
-    a crash between checkpoints leaves)."""
-    if kind in ("corrupt", "superblock", "segment"):
+    """Whether a reported range is a problem under `mode`: corruption and
+    truncated media always, a torn tail only in absolute mode, an uncommitted
+    epoch never (it is what a crash between checkpoints leaves)."""
+    if kind in ("corrupt", "superblock", "segment", "truncated"):
         return True
     if kind == "torn":
         return mode == "absolute"
@@ -74,6 +74,7 @@ def run_verify(vol, mode: str, bar=None) -> dict:
         "torn": kinds.count("torn"),
         "uncommitted": kinds.count("uncommitted"),
         "superblock": kinds.count("superblock"),
+        "truncated": kinds.count("truncated"),
         "records": rep["records"],
         "commits": rep["commits"],
         "last_committed_epoch": rep["last_committed_epoch"],

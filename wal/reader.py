@@ -52,7 +52,8 @@ class Dropped:
     kind: "torn" (tail damage), "corrupt" (damage before a valid commit),
     "uncommitted" (valid records of an epoch without a commit), "stopped"
     (valid bytes after a POINT_IN_TIME stop), "superblock" (one bad slot),
-    "segment" (a live segment whose header is invalid)."""
+    "segment" (a live segment whose header is invalid), "truncated" (the
+    media end before the volume the superblock declares)."""
 
     segment: int
     offset: int  # absolute offset in the backend mapping
@@ -513,6 +514,9 @@ def recover(vol: Volume, mode: RecoveryMode = RecoveryMode.TOLERATE_TAIL,
             report(Dropped(seg.index, first_off, nbytes,
                            f"epoch {e} has no commit record: {count} records dropped", "uncommitted",
                            first_lsn))
+    if vol.short:  # after everything read: the media's end is the last thing on them
+        size = vol.backend.size
+        report(Dropped(-1, size, vol.superblock.volume_bytes - size, vol.short, "truncated"))
     res.last_committed_epoch = res.commits[-1].epoch if res.commits else 0
     res.last_commit_lsn = res.commits[-1].lsn if res.commits else 0
     res.cut = cut

@@ -93,6 +93,7 @@ class Volume:
         self._sb = sb
         #: [(where, reason)] for superblock slots found invalid at open
         self.slot_problems = slot_problems
+        self.short: str | None = None  # why the media are shorter than the volume, when they are
         #: segments taken into use that the superblock in force does not list (FORMAT.md §3.4)
         self.adopted: list[SegmentInfo] = []
 
@@ -177,7 +178,15 @@ class Volume:
                                        where=backend.where, hint="open read-only")
         if writable and backend.readonly:
             raise UsageError("backend is read-only", where=backend.where)
+        short = None
+        if backend.size < sb.volume_bytes:  # V-B: the media end before the volume does
+            short = (f"the log is {backend.size} bytes but its superblock declares {sb.volume_bytes}: "
+                     f"it was truncated, and what lay beyond reads as zero")
+            if writable:
+                raise CorruptionError(short, where=backend.where,
+                                      hint="open it read-only to read what is left, or restore it from a copy")
         vol = cls(backend, sb, writable=writable, slot_problems=problems)
+        vol.short = short
         vol._adopt()
         return vol
 
