@@ -107,28 +107,42 @@ def transfer_plan(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK_B
     from concordia.wal.apply import check_source
 
     rps = [rp for name, rp in plan.regions.items() if regions is None or name in regions]
-    offs, lens, ridx, pids, crcs, srcs, src_of = [], [], [], [], [], [], []
+    # per source: its rows and page ids, and scalars repeated over its pages below
+    rows_l, ids_l, tables, srcs, meta = [], [], [], [], []  # meta: region, page bytes, pages, record count, base
     for i, rp in enumerate(rps):
         pb = rp.region.page_bytes
         chunk_bytes = max(chunk_bytes, pb)
         for s in rp.sources:
-            rows = np.asarray(s.rows, np.int64)
-            ids = np.asarray(s.page_ids, np.int64)
-            check_source(s.batch, rows, ids, rp.pages)
-            offs.append(ref.record_payload_offsets(s.batch.offset, int(s.batch.page_ids.size), pb, rows))
-            lens.append(np.full(rows.size, pb, np.uint64))
-            ridx.append(np.full(rows.size, i, np.int32))
-            pids.append(ids.astype(np.uint32))
-            crcs.append(np.asarray(s.batch.page_crcs, np.uint32)[rows])
-            src_of.append(np.full(rows.size, len(srcs), np.int64))
+            count = int(s.batch.page_ids.size)
+            rows_l.append(np.asarray(s.rows, np.int64))
+            ids_l.append(np.asarray(s.page_ids, np.int64))
+            tables.append(np.asarray(s.batch.page_crcs, np.uint32))
+            meta.append((i, pb, rp.pages, count, s.batch.offset + ref.payload_offset(count)))
             srcs.append((rp.name, s))
     cat = (lambda xs, dt: np.concatenate(xs) if xs else np.zeros(0, dt))
-    off, ln = cat(offs, np.uint64), cat(lens, np.uint64)
+    rows, ids = cat(rows_l, np.int64), cat(ids_l, np.int64)
+    sizes = np.array([r.size for r in rows_l], np.int64)
+    m = np.array(meta, np.int64).reshape(-1, 5)
+    per = (lambda col: np.repeat(m[:, col], sizes))
+    if (sizes != np.array([i.size for i in ids_l], np.int64)).any() or (
+            (rows < 0) | (rows >= per(3)) | (ids < 0) | (ids >= per(2))).any():
+        for k, (_, s) in enumerate(srcs):  # name the first bad source as the host applier does
+            check_source(s.batch, rows_l[k], ids_l[k], int(m[k, 2]))
+    tsize = np.array([t.size for t in tables], np.int64)
+    table_base = np.cumsum(tsize) - tsize  # where each record's CRC table starts in their concatenation
+    off = per(4) + rows * per(1)
+    ln = per(1)
+    ri = per(0).astype(np.int32)
+    so = np.repeat(np.arange(len(srcs), dtype=np.int64), sizes)
+    cr = cat(tables, np.uint32)[np.repeat(table_base, sizes) + rows] if rows.size else np.zeros(0, np.uint32)
+    ids = ids.astype(np.uint32)
     order = np.argsort(off, kind="stable")
-    off, ln = off[order].astype(np.int64), ln[order].astype(np.int64)
-    ri, ids, cr, so = (cat(ridx, np.int32)[order], cat(pids, np.uint32)[order], cat(crcs, np.uint32)[order],
-                       cat(src_of, np.int64)[order])
+    off, ln, ri, ids, cr, so = off[order], ln[order], ri[order], ids[order], cr[order], so[order]
     n = off.size
+    if n == 0:
+        return Transfer(regions=rps, chunk_bytes=int(chunk_bytes), region_index=ri, page_ids=ids, crcs=cr,
+                        stage_off=np.zeros(0, np.uint64), source=so, sources=srcs,
+                        page_lo=np.zeros(1, np.int64))
     # A page continues the copy of the one before it when it starts at most
     # MERGE_GAP bytes after that one ends (and never overlaps it); pages
     # that are not 16-byte aligned in the log each get their own copy.
@@ -144,42 +158,41 @@ def transfer_plan(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK_B
     copy_lo = off[starts]
     copy_len = off[ends - 1] + ln[ends - 1] - copy_lo
     slot = -(-copy_len // STAGE_ALIGN) * STAGE_ALIGN
-    copy_pos = np.concatenate(([0], np.cumsum(slot)[:-1])) if n else np.zeros(0, np.int64)
-    pos = copy_pos[copy_id] + (off - copy_lo[copy_id]) if n else np.zeros(0, np.int64)
+    copy_pos = np.cumsum(slot) - slot
+    pos = copy_pos[copy_id] + (off - copy_lo[copy_id])
     # Chunks: greedy over pages; a chunk starting at page p0 holds the pages
-    # whose stream end lies within chunk_bytes of pos[p0].  Cutting a copy in
-    # two restarts it at the page the new chunk begins with, so a page's
-    # staging offset is pos - (stream position of its chunk's first byte).
+    # whose stream end lies within chunk_bytes of pos[p0] (only this walk is a
+    # loop, one search per chunk).  A copy cut in two restarts at the page the
+    # new chunk begins with; within a chunk copies sit back to back, each from
+    # a STAGE_ALIGN boundary, and keep the log's layout inside.
     end_pos = pos + ln
-    page_lo, copies, used, stage = [0], [], [], np.zeros(n, np.int64)
-    p0 = 0
-    while p0 < n:
-        p1 = int(np.searchsorted(end_pos, pos[p0] + chunk_bytes, side="right"))
-        p1 = max(p1, p0 + 1)
-        # stream positions of this chunk's pages relative to its first page,
-        # with every copy that restarts here realigned (a copy cut at p0 begins at p0)
-        cid = copy_id[p0:p1]
-        first = np.concatenate(([True], cid[1:] != cid[:-1]))
-        fstarts = np.flatnonzero(first)
-        fends = np.append(fstarts[1:], p1 - p0)
-        lo = off[p0:p1][fstarts]
-        hi = off[p0:p1][fends - 1] + ln[p0:p1][fends - 1]
-        clen = hi - lo
-        cslot = -(-clen // STAGE_ALIGN) * STAGE_ALIGN
-        cpos = np.concatenate(([0], np.cumsum(cslot)[:-1]))
-        k = np.cumsum(first) - 1
-        stage[p0:p1] = cpos[k] + (off[p0:p1] - lo[k])
-        copies.append(np.stack([lo, clen, cpos], axis=1).astype(np.int64))
-        used.append(int(cpos[-1] + clen[-1]))
-        page_lo.append(p1)
-        p0 = p1
+    page_lo = [0]
+    while page_lo[-1] < n:
+        p0 = page_lo[-1]
+        page_lo.append(max(int(np.searchsorted(end_pos, pos[p0] + chunk_bytes, side="right")), p0 + 1))
+    page_lo = np.asarray(page_lo, np.int64)
+    chunk_of = np.repeat(np.arange(page_lo.size - 1), np.diff(page_lo))
+    first = new.copy()  # pages that start a copy: a new copy, or a chunk's first page
+    first[page_lo[:-1]] = True
+    cs = np.flatnonzero(first)
+    ce = np.append(cs[1:], n)
+    lo = off[cs]
+    clen = off[ce - 1] + ln[ce - 1] - lo
+    cslot = -(-clen // STAGE_ALIGN) * STAGE_ALIGN
+    ahead = np.cumsum(cslot) - cslot  # staging bytes before each copy, counted from the first chunk
+    chunk_copy0 = np.searchsorted(cs, page_lo[:-1])  # each chunk's first copy
+    cpos = ahead - ahead[chunk_copy0][chunk_of[cs]]
+    k = np.cumsum(first) - 1  # the copy of each page
+    stage = cpos[k] + (off - lo[k])
+    table = np.stack([lo, clen, cpos], axis=1).astype(np.int64)
+    copies = np.split(table, chunk_copy0[1:])
+    last = np.append(chunk_copy0[1:], cs.size) - 1
+    used = (cpos[last] + clen[last]).tolist()
     # within each chunk: pages grouped by region (one scatter launch per region), log order kept
-    chunk_of = np.repeat(np.arange(len(copies)), np.diff(page_lo)) if n else np.zeros(0, np.int64)
-    regroup = np.lexsort((np.arange(n), ri, chunk_of)) if n else np.zeros(0, np.int64)
+    regroup = np.lexsort((np.arange(n), ri, chunk_of))
     return Transfer(regions=rps, chunk_bytes=int(chunk_bytes), region_index=ri[regroup],
                     page_ids=ids[regroup], crcs=cr[regroup], stage_off=stage[regroup].astype(np.uint64),
-                    source=so[regroup], sources=srcs, page_lo=np.asarray(page_lo, np.int64),
-                    copies=copies, used=used)
+                    source=so[regroup], sources=srcs, page_lo=page_lo, copies=copies, used=used)
 
 
 # --- host side: filling a staging buffer from the log -----------------------

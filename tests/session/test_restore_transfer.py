@@ -151,3 +151,40 @@ def test_file_backed_tiers_are_read_with_preadv(persistent_log):
         os.close(fd)
     finally:
         log.close()
+
+
+def test_a_plan_with_no_pages_to_read_is_an_empty_transfer(shm_log):
+    state = make_state(2)
+    with Session(shm_log, size=LOG_SIZE, segment_size=SEGMENT) as s:
+        register_all(s, state)
+        s.checkpoint()
+    log = Log.open(shm_log, writable=False, check_pages=False)
+    try:
+        p = plan(log)
+        for rp in p.regions.values():
+            rp.sources.clear()  # as for a region none of whose pages was ever written
+        tr = transfer_plan(log, p)
+    finally:
+        log.close()
+    assert tr.pages == 0 and tr.chunks == 0 and tr.bytes_copied == 0
+
+
+def test_a_plan_naming_rows_a_record_lacks_is_refused_as_the_host_applier_refuses_it(shm_log):
+    from concordia.wal.errors import WalError
+
+    state = make_state(5)
+    with Session(shm_log, size=LOG_SIZE, segment_size=SEGMENT) as s:
+        register_all(s, state)
+        s.checkpoint()
+    log = Log.open(shm_log, writable=False, check_pages=False)
+    try:
+        p = plan(log)
+        src = p.regions["adapter"].sources[0]
+        src.rows[-1] = src.batch.page_ids.size  # one past the record's last row
+        with pytest.raises(WalError) as e:
+            transfer_plan(log, p)
+        with pytest.raises(WalError) as h:
+            apply_plan_numpy(log, p)
+    finally:
+        log.close()
+    assert str(e.value) == str(h.value) and "names rows or pages out of range" in str(e.value)
