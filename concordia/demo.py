@@ -172,22 +172,34 @@ def resume_main(args) -> int:
            "restore_bytes": rec.bytes, "restore_pages": rec.pages, "region_bytes": rec.regions,
            "recompute_ms": (t_caught_up - t_restored) * 1e3, "final_epoch": final.epoch,
            "warm_ms": warm.ms if warm is not None else 0.0, "warm_wait_ms": warm_wait_ms,
-           "warm_error": warm.error if warm is not None else None, "recompute_steps_ms": steps_ms,
+           "warm_error": warm.error if warm is not None else None,
+           "warm_steps": warm.steps if warm is not None else 0, "recompute_steps_ms": steps_ms,
            "checkpoint_bytes": sum(c.bytes for c in s.checkpoints)})
     return 0
 
 
+def warm_model(wl: Workload, max_steps: int = 64) -> int:
+    """Step a scratch workload until a step has run the model (the first steps
+    of the reference workload admit nobody, so one step loads none of the
+    model's kernels); returns the steps taken."""
+    for n in range(1, max_steps + 1):
+        if wl.step()["running"]:
+            return n
+    raise DemoError(f"the workload ran no sequence in its first {max_steps} steps")
+
+
 class _Warmup:
     """Loads every kernel the resumed run will launch (Concordia's, for each
-    page size the workload registers, and the model's, by one step of a scratch
-    copy of the workload) on a thread, while the log is opened and restored:
-    the first recomputed step then finds them loaded.  join() returns the
-    milliseconds the caller waited for it."""
+    page size the workload registers, and the model's, by stepping a scratch
+    copy of the workload until it has run the model) on a thread, while the
+    log is opened and restored: the first recomputed step then finds them
+    loaded.  join() returns the milliseconds the caller waited for it."""
 
     def __init__(self, cfg: WorkloadConfig, xp):
         import threading
 
         self.ms = 0.0
+        self.steps = 0
         self.error: str | None = None
         self._thread = threading.Thread(target=self._run, args=(cfg, xp), name="warmup", daemon=True)
         self._thread.start()
@@ -203,7 +215,7 @@ class _Warmup:
                 specs += [("stage", d), ("crc32c", d), ("shadow_diff", d), ("scatter", d)]
             jit.precompile(specs + [("crc32c", {})])
             gpu.precompile_helpers()
-            Workload(cfg, xp=xp).step()
+            self.steps = warm_model(Workload(cfg, xp=xp))
             xp.cuda.get_current_stream().synchronize()
         except Exception as exc:  # a warm-up that fails only costs the time it saved
             self.error = f"{type(exc).__name__}: {exc}"

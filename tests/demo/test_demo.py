@@ -76,3 +76,19 @@ def test_cli_bad_input_is_one_line(tmp_path, argv, words):
 def test_demo_error_is_a_concordia_error():
     with pytest.raises(DemoError):
         run_demo(steps=1, device="cpu")
+
+
+def test_warm_up_steps_until_the_model_has_run():
+    """The GPU warm-up loads the model's kernels by stepping a scratch workload;
+    the reference workload admits nobody in its first steps, so one step would
+    load none of them (the first recomputed step then paid for them)."""
+    from concordia.demo import warm_model
+    from concordia.workload import Workload, WorkloadConfig, make_requests
+
+    cfg = WorkloadConfig(seed=0)
+    first = min(r.arrival for r in make_requests(cfg))
+    wl = Workload(cfg)
+    n = warm_model(wl)
+    assert n == first + 1 and wl.step_index == n
+    with pytest.raises(DemoError, match="ran no sequence in its first 2 steps"):
+        warm_model(Workload(cfg), max_steps=min(2, first))
