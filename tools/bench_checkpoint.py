@@ -559,48 +559,55 @@ def _table(result: dict) -> str:
 
 
 def _plot(result: dict, path: str) -> None:
+    """Four panels; a part that was not run (--parts) gets an empty panel
+    saying so (log axes cannot be drawn without data)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(2, 2, figsize=(12, 9))
-    det = result["detect"]
-    for size in sorted({r["region_bytes"] for r in det}):
-        rs = [r for r in det if r["region_bytes"] == size]
-        ax[0, 0].plot([r["dirty_pages"] for r in rs], [r["diff_read_Bps"] / 1e9 for r in rs], "o-",
-                      label=f"{size / GiB:g} GiB")
-    ceil = [r.get("hbm_read_Bps", r.get("memcpy_Bps")) for r in det]
-    if ceil:
-        ax[0, 0].axhline(statistics.median(ceil) / 1e9, ls="--", c="k", label="read ceiling")
-    ax[0, 0].set(xscale="log", xlabel="dirty pages", ylabel="GB/s read", title="shadow diff")
+    det, st, e2e, kv = result["detect"], result["stage"], result["e2e"], result["kv"]
+    titles = {(0, 0): ("shadow diff", det), (0, 1): ("staging", st), (1, 0): ("one dirty page, end to end", e2e),
+              (1, 1): ("KV scanner, fixed new tokens", kv)}
+    for (i, j), (title, rows) in titles.items():
+        if not rows:
+            ax[i, j].set_axis_off()
+            ax[i, j].set_title(title)
+            ax[i, j].text(0.5, 0.5, "not run (--parts)", ha="center", va="center", transform=ax[i, j].transAxes)
     if det:
+        for size in sorted({r["region_bytes"] for r in det}):
+            rs = [r for r in det if r["region_bytes"] == size]
+            ax[0, 0].plot([r["dirty_pages"] for r in rs], [r["diff_read_Bps"] / 1e9 for r in rs], "o-",
+                          label=f"{size / GiB:g} GiB")
+        ceil = [r.get("hbm_read_Bps", r.get("memcpy_Bps")) for r in det]
+        ax[0, 0].axhline(statistics.median(ceil) / 1e9, ls="--", c="k", label="read ceiling")
+        ax[0, 0].set(xscale="log", xlabel="dirty pages", ylabel="GB/s read", title="shadow diff")
         ax[0, 0].legend(fontsize=8)
-    st = result["stage"]
-    ax[0, 1].plot([r["record_bytes"] for r in st], [r["stage_Bps"] / 1e9 for r in st], "o-", label="staging")
-    ax[0, 1].plot([r["record_bytes"] for r in st], [r.get("pinned_d2h_Bps", r.get("memcpy_Bps")) / 1e9 for r in st],
-                  "s--", label="ceiling (copy)")
-    ax[0, 1].set(xscale="log", xlabel="record bytes", ylabel="GB/s", title="staging")
-    ax[0, 1].legend(fontsize=8)
-    e2e = result["e2e"]
-    xs = [r["region_bytes"] / GiB for r in e2e]
-    if e2e and "host_scan_checkpoint_s" in e2e[0]:
-        for d in ("shadow", "fingerprint"):
-            pts = [(r["region_bytes"] / GiB, r[f"gpu_checkpoint_s_{d}"] * 1e3) for r in e2e
-                   if f"gpu_checkpoint_s_{d}" in r]
-            if pts:
-                ax[1, 0].plot(*zip(*pts), "o-", label=f"gpu ({d})")
-    else:
-        ax[1, 0].plot(xs, [r["cpu_checkpoint_s"] * 1e3 for r in e2e], "o-", label="cpu")
-    if e2e and "host_scan_checkpoint_s" in e2e[0]:
-        ax[1, 0].plot(xs, [r["host_scan_checkpoint_s"] * 1e3 for r in e2e], "s--", label="host scan")
-    ax[1, 0].set(xscale="log", yscale="log", xlabel="region GiB", ylabel="ms per checkpoint",
-                 title="one dirty page, end to end")
-    ax[1, 0].legend(fontsize=8)
-    kv = result["kv"]
-    ax[1, 1].plot([r["cache_bytes"] / GiB for r in kv], [r["scan_s"] * 1e6 for r in kv], "o-")
-    ax[1, 1].set(xscale="log", xlabel="KV cache GiB", ylabel="us", title="KV scanner, fixed new tokens",
-                 ylim=(0, None))
+    if st:
+        ax[0, 1].plot([r["record_bytes"] for r in st], [r["stage_Bps"] / 1e9 for r in st], "o-", label="staging")
+        ax[0, 1].plot([r["record_bytes"] for r in st],
+                      [r.get("pinned_d2h_Bps", r.get("memcpy_Bps")) / 1e9 for r in st], "s--", label="ceiling (copy)")
+        ax[0, 1].set(xscale="log", xlabel="record bytes", ylabel="GB/s", title="staging")
+        ax[0, 1].legend(fontsize=8)
+    if e2e:
+        xs = [r["region_bytes"] / GiB for r in e2e]
+        if "host_scan_checkpoint_s" in e2e[0]:
+            for d in ("shadow", "fingerprint"):
+                pts = [(r["region_bytes"] / GiB, r[f"gpu_checkpoint_s_{d}"] * 1e3) for r in e2e
+                       if f"gpu_checkpoint_s_{d}" in r]
+                if pts:
+                    ax[1, 0].plot(*zip(*pts), "o-", label=f"gpu ({d})")
+            ax[1, 0].plot(xs, [r["host_scan_checkpoint_s"] * 1e3 for r in e2e], "s--", label="host scan")
+        else:
+            ax[1, 0].plot(xs, [r["cpu_checkpoint_s"] * 1e3 for r in e2e], "o-", label="cpu")
+        ax[1, 0].set(xscale="log", yscale="log", xlabel="region GiB", ylabel="ms per checkpoint",
+                     title="one dirty page, end to end")
+        ax[1, 0].legend(fontsize=8)
+    if kv:
+        ax[1, 1].plot([r["cache_bytes"] / GiB for r in kv], [r["scan_s"] * 1e6 for r in kv], "o-")
+        ax[1, 1].set(xscale="log", xlabel="KV cache GiB", ylabel="us", title="KV scanner, fixed new tokens",
+                     ylim=(0, None))
     fig.suptitle(f"Concordia checkpoint: {result['device']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
