@@ -41,7 +41,8 @@ sent every warp of the grid to the mirror's one L2 line: +56% on that shape on
 the H200; served by L1 it costs nothing measurable), and everything else
 happens at the exit.
 
-Exit hook, common path (`count_at="exit"`, the default).  Every `ret`/`exit`
+Exit hook, common path (`count_at="exit"`, the default; `count_by="group"`, or
+a module where counting per block is not safe).  Every `ret`/`exit`
 of an entry (predicated or not, however many) becomes a branch to one stub at
 the end of the body; falling off the end reaches it as well, so every thread
 passes the stub exactly once.  The stub counts threads, not blocks, so no thread
@@ -56,6 +57,20 @@ and no atomic with a return value on the common path.  Then every block other
 than block 0 leaves on a test of block-uniform registers; block 0's thread 0
 adds the launch's thread count to `expect` (one atomic per launch), records the
 target and counts the launch in `epochs`.
+
+Counting once per block (`count_by="block"`, the default, in every module
+where it is safe).  Eight `red`s per 256-thread block were most of what the
+hooks cost on one-element-per-thread kernels (docs/results/instrument.md).  So
+where no function of the module uses a named barrier, a warp-synchronous
+operation (`.sync`/`.aligned`) or an mbarrier wait, and no `.func` calls
+`exit`, the stub starts with one non-aligned `barrier.sync` that every thread
+of the block reaches once (threads that left through `exit` no longer hold a
+barrier up), and only thread (0,0,0) goes on: it adds the block's thread count
+to its stripe with one `red`, relaxed, or a GPU-scope release while the mirror
+is set (the barrier orders the block's writes before it).  In a module that
+uses any of those instructions a parked thread could hold up threads still in
+the body (a `bar.sync` waits for it, a shuffle names its lane), so those
+modules count per group as below.  `KernelInfo.counted_by` says which.
 
 Counting at entry (`count_at="entry"`, measured beside the default).  Threads
 not asked to hold (mirror clear) are counted at entry by their group's leader,
@@ -117,7 +132,7 @@ from dataclasses import dataclass, field, replace
 from concordia.instrument import ptx as P
 from concordia.instrument.errors import InstrumentError
 
-REWRITER_VERSION = 3            # bumped when the code inserted changes; in every result's JSON
+REWRITER_VERSION = 4            # bumped when the code inserted changes; in every result's JSON
 MARK = "__concordia_"          # module-scope names
 REG = "%__cnc_"                # registers we declare
 LBL = "$__cnc_"                # labels we place
@@ -135,6 +150,8 @@ STRIPES = 64                   # exit counters, one per 128-byte line
 STRIPE_WORDS = 16              # u64 words per stripe
 REGION_WORDS = 4               # base, size, bitmap, page_bytes (u64 each)
 COUNT_AT = ("exit", "entry")
+COUNT_BY = ("block", "group")
+BLOCK_BARRIER = 0              # the named barrier of the block count (only in modules that use none)
 
 _TYPE_BYTES = {
     "b8": 1, "u8": 1, "s8": 1,
@@ -154,6 +171,7 @@ class Options:
     track_stores: bool = False
     max_regions: int = 8
     count_at: str = "exit"     # where threads are counted: "exit" or "entry" (see above)
+    count_by: str = "block"    # at the exit: one count per block where the module allows it, else per group
 
 
 @dataclass
@@ -162,6 +180,7 @@ class KernelInfo:
     index: int
     kind: str               # "entry" | "func"
     exit_sites: int = 0     # ret/exit statements rerouted through the hook
+    counted_by: str = ""    # how its threads are counted: "block", "group", "thread" (at the exit) or "entry"
     stores_tracked: int = 0
     stores_untracked: int = 0
 
@@ -241,6 +260,9 @@ def rewrite(text: str | bytes, options: Options = Options()) -> RewriteResult:
     if options.count_at not in COUNT_AT:
         raise InstrumentError(f"count_at {options.count_at!r} is not one of {', '.join(COUNT_AT)}",
                               where="Options")
+    if options.count_by not in COUNT_BY:
+        raise InstrumentError(f"count_by {options.count_by!r} is not one of {', '.join(COUNT_BY)}",
+                              where="Options")
     func_exits = any(c.is_function and c.kind != "entry" and re.search(r"(^|[;{}\s])exit\s*;", c.body)
                      for c in chunks)
     # Counting at entry leaves a .func's `exit` unhooked; a hold would wait for
@@ -249,6 +271,8 @@ def rewrite(text: str | bytes, options: Options = Options()) -> RewriteResult:
         options = replace(options, pause_gate=False)
         result.options = options
     ctx = _Ctx(options, header, symbols, modern, account_at_entry=func_exits and options.exit_hooks)
+    ctx.block_count = (options.count_by == "block" and options.count_at == "exit" and modern
+                       and not func_exits and _block_count_allowed(chunks))
     out: list[str] = []
     slot = 0
     for k, ch in enumerate(chunks):
@@ -279,6 +303,27 @@ class _Ctx:
     symbols: set[str]
     modern: bool
     account_at_entry: bool = False   # a .func calls `exit`: the launch is counted in the prologue
+    block_count: bool = False        # entries count their exits once per block (see _block_count_allowed)
+
+
+# Instructions after which a thread parked at the exit barrier could hold up
+# threads still in the body: named barriers (an exited thread no longer holds
+# them up, a parked one does), warp-synchronous operations whose mask may name
+# lanes that left early, and mbarrier waits.
+_PARKING_HAZARDS = re.compile(r"^(bar|barrier|mbarrier|elect|wgmma|tcgen05)(\.|$)|\.(sync|aligned)(\.|$)")
+
+
+def _block_count_allowed(chunks: list[P.Chunk]) -> bool:
+    """True when no function of the module uses an instruction that a thread
+    parked at the exit barrier could hold up (_PARKING_HAZARDS): then every
+    thread of a block can wait at one barrier at the exit and its leader count
+    the whole block with one `red`."""
+    for ch in chunks:
+        if ch.is_function:
+            for it in P.split_body(ch.body):
+                if it.kind == "stmt" and _PARKING_HAZARDS.search(it.opcode):
+                    return False
+    return True
 
 
 def _module_symbols(chunks: list[P.Chunk]) -> set[str]:
@@ -452,6 +497,8 @@ def _rewrite_function(ch: P.Chunk, info: KernelInfo, ctx: _Ctx) -> str:
         decls = (f"\n\t.reg .pred {REG}p<4>;\n\t.reg .b32 {REG}r<6>;\n\t.reg .b64 {REG}d<6>;"
                  f"\n\t.reg .b32 {REG}h;\n\t.reg .pred {REG}pc;")
         body = body.rstrip() + "\n" + _exit_stub(info.index, is_entry, ctx) + "\n"
+        info.counted_by = ("entry" if ctx.options.count_at == "entry" else "thread" if not ctx.modern else
+                           "block" if is_entry and ctx.block_count else "group")
     return ch.head + "{" + decls + body + "}"
 
 
@@ -557,6 +604,8 @@ def _exit_stub(slot: int, is_entry: bool, ctx: _Ctx) -> str:
     a64 = ctx.header.address_size == 64
     if ctx.options.count_at == "entry":
         return "\n".join(_indent(_entry_counted_exit(slot, r, d, p, a64, ctx)))
+    if is_entry and ctx.block_count:
+        return "\n".join(_indent(_block_counted_exit(slot, r, d, p, a64, ctx)))
     stripe, where = _stripe(r, d, a64)
     lines = [f"{LBL}exit:"] + stripe
     gated = is_entry and ctx.options.pause_gate
@@ -590,6 +639,36 @@ def _exit_stub(slot: int, is_entry: bool, ctx: _Ctx) -> str:
         lines += _block_zero_tail(slot, r, d, p, a64, ctx, have_block_sum=True)
     lines += [f"{LBL}done:", "ret;" if is_entry else "exit;"]
     return "\n".join(_indent(lines))
+
+
+def _block_counted_exit(slot: int, r: list[str], d: list[str], p: list[str], a64: bool,
+                        ctx: _Ctx) -> list[str]:
+    """Counting once per block (a module without _PARKING_HAZARDS): every
+    thread waits at one barrier at the exit (threads that left through `exit`
+    no longer hold a barrier up, and no thread is waiting elsewhere for one that
+    is parked here), then the block's thread (0,0,0) adds the block's thread
+    count to its stripe with one `red`: eight times fewer than one per warp on
+    256-thread blocks.  The barrier orders every thread's writes before the
+    leader's; with the mirror set its `red` is a GPU-scope release."""
+    stripe, where = _stripe(r, d, a64)
+    lines = [f"{LBL}exit:", f"barrier.sync {BLOCK_BARRIER};",
+             f"mov.u32 {r[0]}, %tid.x;", f"mov.u32 {r[1]}, %tid.y;", f"or.b32 {r[0]}, {r[0]}, {r[1]};",
+             f"mov.u32 {r[1]}, %tid.z;", f"or.b32 {r[0]}, {r[0]}, {r[1]};",
+             f"setp.ne.u32 {p[0]}, {r[0]}, 0;", f"@{p[0]} bra {LBL}done;",
+             *stripe,
+             f"mov.u32 {r[0]}, %ntid.x;", f"mov.u32 {r[1]}, %ntid.y;", f"mul.lo.u32 {r[0]}, {r[0]}, {r[1]};",
+             f"mov.u32 {r[1]}, %ntid.z;", f"mul.lo.u32 {r[0]}, {r[0]}, {r[1]};", f"cvt.u64.u32 {d[2]}, {r[0]};"]
+    if ctx.options.pause_gate:
+        lines += [f"setp.ne.u32 {p[2]}, {REG}h, 0;",
+                  f"@{p[2]} red.release.gpu.global.add.u64 [{where}], {d[2]};",
+                  f"@!{p[2]} red.relaxed.gpu.global.add.u64 [{where}], {d[2]};"]
+    else:
+        lines.append(f"red.relaxed.gpu.global.add.u64 [{where}], {d[2]};")
+    lines += [f"setp.ne.u32 {p[0]}, {r[3]}, 0;", f"@{p[0]} bra {LBL}done;"]  # blocks other than 0 are done
+    lines += _count_launch(slot, r, d)
+    if ctx.options.pause_gate:
+        lines += _gate_hold(slot, r, d, p, a64, ctx)
+    return lines + [f"{LBL}done:", "ret;"]
 
 
 def _entry_counted_exit(slot: int, r: list[str], d: list[str], p: list[str], a64: bool,

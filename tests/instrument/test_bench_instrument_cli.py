@@ -38,3 +38,28 @@ def test_table_has_a_row_per_variant_and_shape():
     assert len(lines) == 1 + len(SHAPES) * (2 + len(VARIANTS))
     assert lines[3].split()[:3] == ["plain", "10.0", "0.0%"] and lines[3].split()[-1] == "12"
     assert lines[4].split()[-1] == "?"      # registers unknown
+
+
+def test_every_variant_rewrites_and_edits_the_bench_kernels(tmp_path):
+    # what `bench instrument` does on the GPU before it times anything: each
+    # variant's options give the counting it names, the edited variants find
+    # their text in both kernels, and the result assembles
+    from concordia.instrument.rewrite import Options, rewrite
+    from concordia.tools.bench_instrument import EDITS, SETTINGS, SRC
+    from tests.instrument.conftest import nvcc_ptx, ptxas
+
+    src = tmp_path / "bench.cu"
+    src.write_text(SRC)
+    text = nvcc_ptx(src, tmp_path).read_text()
+    for variant, settings in SETTINGS.items():
+        opts = {k: v for k, v in settings.items() if k != "gate"}
+        res = rewrite(text, Options(**opts))
+        want = "entry" if opts.get("count_at") == "entry" else opts.get("count_by", "block")
+        assert {k.counted_by for k in res.kernels} == {want}, variant
+        ptx = res.ptx
+        if variant in EDITS:
+            old, new = EDITS[variant]
+            assert ptx.count(old) == 2, variant
+            ptx = ptx.replace(old, new)
+        p = ptxas(ptx, tmp_path)
+        assert p.returncode == 0, f"{variant}: {p.stderr}"

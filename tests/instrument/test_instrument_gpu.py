@@ -37,7 +37,20 @@ extern "C" __global__ void bump_bytes(const long long* off, unsigned char* out, 
   int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) { unsigned char b = out[off[i]]; out[off[i]] = (unsigned char)(b + 1); }
 }
+extern "C" __global__ void fill3d(float* out, int n) {
+  int t = (threadIdx.z * blockDim.y + threadIdx.y) * blockDim.x + threadIdx.x;
+  int i = blockIdx.x * (blockDim.x * blockDim.y * blockDim.z) + t;
+  if (i >= n) return;
+  out[i] = (float)i;
+}
 """
+
+
+# the three ways threads are counted: once per block at the exit (the default,
+# where the module has no barrier or warp-synchronous code), per group of
+# threads leaving together, and at entry
+COUNTS = [dict(), dict(count_by="group"), dict(count_at="entry")]
+COUNT_IDS = ["block", "group", "entry"]
 
 
 @pytest.fixture
@@ -57,8 +70,8 @@ def _wait(cond, seconds=10.0):
     return False
 
 
-@pytest.mark.parametrize("count_at", ["exit", "entry"])
-def test_instrumented_kernels_compute_identical_results(cp, count_at):
+@pytest.mark.parametrize("counting", COUNTS, ids=COUNT_IDS)
+def test_instrumented_kernels_compute_identical_results(cp, counting):
     rng = np.random.default_rng(1)
     n = (1 << 20) + 37
     x = cp.asarray(rng.standard_normal(n, dtype=np.float32))
@@ -68,7 +81,7 @@ def test_instrumented_kernels_compute_identical_results(cp, count_at):
     y_plain = y0.copy()
     plain(grid, block, (x, y_plain, np.float32(1.5), np.int64(n)))
 
-    rep = instrument.enable(count_at=count_at)
+    rep = instrument.enable(**counting)
     k = cp.RawModule(code=SRC).get_function("axpy")
     y_inst = y0.copy()
     for _ in range(5):
@@ -130,9 +143,9 @@ def test_store_tracked_dirty_set_equals_shadow_diff(cp, page_bytes):
         assert len(expect) > 0
 
 
-@pytest.mark.parametrize("count_at", ["exit", "entry"])
-def test_pause_gate_holds_and_releases_cupy_kernels(cp, count_at):
-    instrument.enable(count_at=count_at)
+@pytest.mark.parametrize("counting", COUNTS, ids=COUNT_IDS)
+def test_pause_gate_holds_and_releases_cupy_kernels(cp, counting):
+    instrument.enable(**counting)
     gate = instrument.Gate()
     instrument.set_gate(gate)
     try:
@@ -175,12 +188,12 @@ extern "C" __global__ void slow_fill(float* out, int n, long long spin) {
 """
 
 
-@pytest.mark.parametrize("count_at", ["exit", "entry"])
-def test_gate_reports_arrival_only_after_every_block_has_finished(cp, count_at):
+@pytest.mark.parametrize("counting", COUNTS, ids=COUNT_IDS)
+def test_gate_reports_arrival_only_after_every_block_has_finished(cp, counting):
     # Block 0 (which holds the launch) leaves at once; every other block spins
     # for milliseconds before it writes.  When the gate says "arrived", all of
     # the launch's writes must be there, and the held launch counts as complete.
-    instrument.enable(count_at=count_at)
+    instrument.enable(**counting)
     gate = instrument.Gate()
     instrument.set_gate(gate)
     try:
@@ -214,29 +227,40 @@ def test_gate_reports_arrival_only_after_every_block_has_finished(cp, count_at):
         gate.free()
 
 
-@pytest.mark.parametrize("count_at", ["exit", "entry"])
-def test_epochs_count_launches_of_varying_grids_exactly(cp, count_at):
-    rep = instrument.enable(count_at=count_at)
+@pytest.mark.parametrize("counting", COUNTS, ids=COUNT_IDS)
+def test_epochs_count_launches_of_varying_grids_exactly(cp, counting):
+    rep = instrument.enable(**counting)
     mod = cp.RawModule(code=SRC)
-    axpy, bump = mod.get_function("axpy"), mod.get_function("bump_bytes")
+    axpy, bump, fill3d = (mod.get_function(n) for n in ("axpy", "bump_bytes", "fill3d"))
     rng = np.random.default_rng(5)
     y = cp.zeros(1 << 20, dtype=cp.float32)
     x = cp.ones(1 << 20, dtype=cp.float32)
     raw = cp.zeros(1 << 16, dtype=cp.uint8)
     off = cp.asarray(rng.choice(raw.size, size=4000, replace=False).astype(np.int64))
-    counts = {"axpy": 0, "bump_bytes": 0}
-    for _ in range(40):
-        if rng.random() < 0.5:
+    counts = {"axpy": 0, "bump_bytes": 0, "fill3d": 0}
+    for _ in range(60):
+        pick = rng.random()
+        if pick < 0.4:
             m = int(rng.integers(1, y.size))
             axpy(((m + 255) // 256,), (int(rng.choice([32, 96, 256])),), (x, y, np.float32(1), np.int64(m)))
             counts["axpy"] += 1
-        else:
+        elif pick < 0.7:
             m = int(rng.integers(1, 4000))
             bump(((m + 63) // 64,), (64,), (off, raw, np.int32(m)))
             counts["bump_bytes"] += 1
+        else:
+            # blocks of 30 threads in three dimensions (no whole warp), the last one partly idle
+            m = int(rng.integers(1, 5000))
+            y.fill(-1)
+            fill3d(((m + 29) // 30,), (5, 3, 2), (y, np.int32(m)))
+            got = y[:m + 1].get()
+            assert np.array_equal(got[:m], np.arange(m, dtype=np.float32)) and got[m] == -1
+            counts["fill3d"] += 1
     cp.cuda.Device().synchronize()
     rec = rep.find("axpy")
     assert instrument.epochs(rec.handle, rec.result) == {**counts, "scatter4": 0}
+    want = {(): "block", ("count_by",): "group", ("count_at",): "entry"}[tuple(counting)]
+    assert {k.counted_by for k in rec.result.kernels} == {want}
 
 
 def test_pause_gate_holds_pytorch_stream_work(cp):
