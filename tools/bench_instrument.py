@@ -18,6 +18,10 @@ looping over the array).  Each is compiled through CuPy with
   strong+gate   exit+gate with the gate's mirror read as commit 8824538 read it: a
                 GPU-scope relaxed load per thread, which L1 does not serve
                 (kept to measure what the weak, L1-served read saves)
+  group-spread  group+gate with each group's count spread over 4096 counters by
+                block and warp slot instead of 64 by block: not a working design
+                (the holder sums 64), it asks whether the per-group `red`s cost
+                by contending for 64 addresses
   no-mirror     exit hooks without the gate (no mirror read at all)
   no-count      no-mirror with the block count's `red` taken out: not a working
                 design, the floor under it (what the count itself costs is
@@ -53,13 +57,14 @@ extern "C" __global__ void stride_axpy(const float* x, float* y, float a, long l
 }
 """
 SHAPES = ("per-element", "grid-stride")
-VARIANTS = ("plain", "exit-hooks", "exit+gate", "group+gate", "entry+gate", "strong+gate", "no-mirror",
-            "no-count", "store-track")
+VARIANTS = ("plain", "exit-hooks", "exit+gate", "group+gate", "group-spread", "entry+gate", "strong+gate",
+            "no-mirror", "no-count", "store-track")
 # enable() arguments per variant (the gate is attached where "gate" is true)
 SETTINGS = {
     "exit-hooks": dict(gate=False),
     "exit+gate": dict(gate=True),
     "group+gate": dict(gate=True, count_by="group"),
+    "group-spread": dict(gate=True, count_by="group"),
     "entry+gate": dict(gate=True, count_at="entry"),
     "strong+gate": dict(gate=True),
     "no-mirror": dict(gate=False, pause_gate=False),
@@ -71,26 +76,33 @@ STRONG_READ = "ld.relaxed.gpu.global.u32 %__cnc_h, [__concordia_hold];"
 
 
 COUNT_RED = "\tred.relaxed.gpu.global.add.u64 [%__cnc_d0], %__cnc_d2;\n"   # the block count without a gate
-# Variants made by editing the rewritten PTX: (text to replace, replacement).
-EDITS = {"strong+gate": (WEAK_READ, STRONG_READ), "no-count": (COUNT_RED, "")}
+SPREAD = ("\tand.b32 %__cnc_r5, %__cnc_r3, 63;\n",
+          "\tmov.u32 %__cnc_r5, %warpid;\n\tshl.b32 %__cnc_r5, %__cnc_r5, 6;\n"
+          "\tadd.u32 %__cnc_r5, %__cnc_r5, %__cnc_r3;\n\tand.b32 %__cnc_r5, %__cnc_r5, 4095;\n")
+# Variants made by editing the rewritten PTX: [(text to replace, replacement,
+# fewest times it must be found in the module of the two bench kernels)].
+EDITS = {"strong+gate": [(WEAK_READ, STRONG_READ, 2)], "no-count": [(COUNT_RED, "", 2)],
+         "group-spread": [(*SPREAD, 2), ("__concordia_exits[1024];", "__concordia_exits[65536];", 1)]}
 
 
 class _EditedRewrite:
     """While in use, CuPy kernels are rewritten and then edited as `EDITS` says."""
 
-    def __init__(self, old: str, new: str):
-        self.old, self.new = old, new
+    def __init__(self, edits: list[tuple[str, str, int]]):
+        self.edits = edits
 
     def __enter__(self):
         from concordia.instrument import cupy_hook
 
         self.module, self.saved = cupy_hook, cupy_hook.rewrite
-        self.replaced = 0
+        self.missing: list[str] = []
 
         def rewrite(text, options):
             res = self.saved(text, options)
-            self.replaced += res.ptx.count(self.old)
-            res.ptx = res.ptx.replace(self.old, self.new)
+            for old, new, least in self.edits:
+                if res.ptx.count(old) < least:
+                    self.missing.append(old.strip())
+                res.ptx = res.ptx.replace(old, new)
             return res
 
         cupy_hook.rewrite = rewrite
@@ -155,11 +167,11 @@ def run(nbytes: int, repeat: int) -> dict:
             attach = settings.pop("gate")
             rep = instrument.enable(gate=gate if attach else None, **settings)
             if v in EDITS:
-                with _EditedRewrite(*EDITS[v]) as edit:
+                with _EditedRewrite(EDITS[v]) as edit:
                     fns = _load(cp, v)
-                if edit.replaced < 2:
+                if edit.missing:
                     raise InstrumentError(f"{v}: the rewritten bench kernels lack the text to edit",
-                                          where="bench instrument", hint=EDITS[v][0].strip())
+                                          where="bench instrument", hint=edit.missing[0])
             else:
                 fns = _load(cp, v)
             if v == "store-track":

@@ -649,18 +649,24 @@ def _block_counted_exit(slot: int, r: list[str], d: list[str], p: list[str], a64
     is parked here), then the block's thread (0,0,0) adds the block's thread
     count to its stripe with one `red`: eight times fewer than one per warp on
     256-thread blocks.  The barrier orders every thread's writes before the
-    leader's; with the mirror set its `red` is a GPU-scope release."""
+    leader's; with the mirror set its `red` is a GPU-scope release.  Everything
+    the leader needs (its test, the stripe's address, the count) is computed
+    before the barrier, where it overlaps the wait for the block's last warp:
+    after the barrier the leader's path to the end of the block is a branch and
+    the `red`."""
     stripe, where = _stripe(r, d, a64)
-    lines = [f"{LBL}exit:", f"barrier.sync {BLOCK_BARRIER};",
+    lines = [f"{LBL}exit:",
              f"mov.u32 {r[0]}, %tid.x;", f"mov.u32 {r[1]}, %tid.y;", f"or.b32 {r[0]}, {r[0]}, {r[1]};",
              f"mov.u32 {r[1]}, %tid.z;", f"or.b32 {r[0]}, {r[0]}, {r[1]};",
-             f"setp.ne.u32 {p[0]}, {r[0]}, 0;", f"@{p[0]} bra {LBL}done;",
+             f"setp.ne.u32 {p[0]}, {r[0]}, 0;",                  # not the block's leader
              *stripe,
              f"mov.u32 {r[0]}, %ntid.x;", f"mov.u32 {r[1]}, %ntid.y;", f"mul.lo.u32 {r[0]}, {r[0]}, {r[1]};",
              f"mov.u32 {r[1]}, %ntid.z;", f"mul.lo.u32 {r[0]}, {r[0]}, {r[1]};", f"cvt.u64.u32 {d[2]}, {r[0]};"]
     if ctx.options.pause_gate:
-        lines += [f"setp.ne.u32 {p[2]}, {REG}h, 0;",
-                  f"@{p[2]} red.release.gpu.global.add.u64 [{where}], {d[2]};",
+        lines.append(f"setp.ne.u32 {p[2]}, {REG}h, 0;")
+    lines += [f"barrier.sync {BLOCK_BARRIER};", f"@{p[0]} bra {LBL}done;"]
+    if ctx.options.pause_gate:
+        lines += [f"@{p[2]} red.release.gpu.global.add.u64 [{where}], {d[2]};",
                   f"@!{p[2]} red.relaxed.gpu.global.add.u64 [{where}], {d[2]};"]
     else:
         lines.append(f"red.relaxed.gpu.global.add.u64 [{where}], {d[2]};")

@@ -107,11 +107,13 @@ def test_a_module_without_barriers_counts_each_block_once():
     head = out[out.index(".reg .pred %__cnc_pc;"):out.index("setp.eq.u32 %p1")]
     assert not any(s in head for s in ("%tid", "%ctaid", "bra", "atom", "red.", "barrier"))
     stub = out[out.index("$__cnc_exit:"):]
-    # every thread waits at one (non-aligned) barrier, then only thread (0,0,0)
-    # goes on: it adds the block's thread count with one red, relaxed or, with
-    # the mirror set, release; then blocks other than 0 leave
+    # every thread computes what the leader needs, waits at one (non-aligned)
+    # barrier, then only thread (0,0,0) goes on: it adds the block's thread
+    # count with one red, relaxed or, with the mirror set, release; then blocks
+    # other than 0 leave
     order = [stub.index(s) for s in (
-        "barrier.sync 0;", "%tid.z", "@%__cnc_p0 bra $__cnc_done;", "%ntid.z",
+        "%tid.z", "%ctaid.z", "%ntid.z", "setp.ne.u32 %__cnc_p2, %__cnc_h, 0;",
+        "barrier.sync 0;\n\t@%__cnc_p0 bra $__cnc_done;",
         "@%__cnc_p2 red.release.gpu.global.add.u64 [%__cnc_d0], %__cnc_d2;",
         "@!%__cnc_p2 red.relaxed.gpu.global.add.u64 [%__cnc_d0], %__cnc_d2;",
         "setp.ne.u32 %__cnc_p0, %__cnc_r3, 0;", "[__concordia_expect]", "[__concordia_gate]")]
