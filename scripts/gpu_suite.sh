@@ -13,7 +13,7 @@ final_out=$OUT
 export OUT=/tmp/gpu-out
 rm -rf "$OUT"; mkdir -p "$OUT"
 trap 'tar -C "$OUT" -czf "$final_out/results.tgz" . ; cp "$OUT/summary.txt" "$final_out/" 2>/dev/null' EXIT
-export PYTHONUNBUFFERED=1 CUDA_MODULE_LOADING=EAGER
+export PYTHONUNBUFFERED=1
 site=/tmp/site
 rm -rf "$site"   # pip --target keeps an older copy of a package unless told to replace it
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \

@@ -22,12 +22,12 @@ _hook = None
 
 
 def enable(*, exit_hooks: bool = True, pause_gate: bool = True, track_stores: bool = False,
-           max_regions: int = 8, count_at: str = "exit", count_by: str = "block", gate: Gate | None = None,
+           max_regions: int = 8, count_at: str = "exit", count_by: str = "group", gate: Gate | None = None,
            compiler=None) -> Report:
     """Rewrite every CuPy kernel compiled from now on; return the live report.
     `count_at` is where threads are counted ("exit" or "entry") and `count_by`
-    how the exit counts them ("block" where the module allows it, else per
-    group of threads leaving together; "group" always), see
+    how the exit counts them ("group": per group of threads leaving together;
+    "block": once per block where the module allows it), see
     `concordia.instrument.rewrite`; `compiler` defaults to `cupy.cuda.compiler`."""
     global _hook
     from concordia.instrument.cupy_hook import CupyHook, clear_cupy_memos

@@ -41,8 +41,8 @@ sent every warp of the grid to the mirror's one L2 line: +56% on that shape on
 the H200; served by L1 it costs nothing measurable), and everything else
 happens at the exit.
 
-Exit hook, common path (`count_at="exit"`, the default; `count_by="group"`, or
-a module where counting per block is not safe).  Every `ret`/`exit`
+Exit hook, common path (`count_at="exit"` and `count_by="group"`, the
+defaults).  Every `ret`/`exit`
 of an entry (predicated or not, however many) becomes a branch to one stub at
 the end of the body; falling off the end reaches it as well, so every thread
 passes the stub exactly once.  The stub counts threads, not blocks, so no thread
@@ -58,9 +58,9 @@ than block 0 leaves on a test of block-uniform registers; block 0's thread 0
 adds the launch's thread count to `expect` (one atomic per launch), records the
 target and counts the launch in `epochs`.
 
-Counting once per block (`count_by="block"`, the default, in every module
-where it is safe).  Eight `red`s per 256-thread block were most of what the
-hooks cost on one-element-per-thread kernels (docs/results/instrument.md).  So
+Counting once per block (`count_by="block"`, measured beside the default; it
+applies in every module where it is safe).  Eight `red`s per 256-thread block
+looked like most of what the hooks cost on one-element-per-thread kernels, so
 where no function of the module uses a named barrier, a warp-synchronous
 operation (`.sync`/`.aligned`) or an mbarrier wait, and no `.func` calls
 `exit`, the stub starts with one non-aligned `barrier.sync` that every thread
@@ -70,7 +70,10 @@ to its stripe with one `red`, relaxed, or a GPU-scope release while the mirror
 is set (the barrier orders the block's writes before it).  In a module that
 uses any of those instructions a parked thread could hold up threads still in
 the body (a `bar.sync` waits for it, a shuffle names its lane), so those
-modules count per group as below.  `KernelInfo.counted_by` says which.
+modules count per group as below.  `KernelInfo.counted_by` says which.  On
+the H200 it saved no more than the noise (the barrier costs about what the
+seven `red`s did, docs/results/instrument.md), so it is not the default: it
+adds a barrier the kernel did not have, for no measured gain.
 
 Counting at entry (`count_at="entry"`, measured beside the default).  Threads
 not asked to hold (mirror clear) are counted at entry by their group's leader,
@@ -171,7 +174,7 @@ class Options:
     track_stores: bool = False
     max_regions: int = 8
     count_at: str = "exit"     # where threads are counted: "exit" or "entry" (see above)
-    count_by: str = "block"    # at the exit: one count per block where the module allows it, else per group
+    count_by: str = "group"    # at the exit: per group of threads leaving together, or "block" (see above)
 
 
 @dataclass

@@ -11,6 +11,8 @@ cd "$(dirname "$0")/../.."
 : "${OUT:?set OUT to a folder for results}"
 mkdir -p "$OUT"
 export CUPY_CACHE_IN_MEMORY=1
+# Every module loads when it is loaded, never lazily while a launch is held at the gate.
+export CUDA_MODULE_LOADING=EAGER
 status=0
 # What this CuPy does with the hook in place (compile path, driver linkage,
 # a shim child's report): the log's first section, for when a test fails.

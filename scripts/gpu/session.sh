@@ -5,7 +5,12 @@
 # writes its JSON after every row, so a run cut short keeps what it measured).
 # Run from the repository root; results go to "$OUT" (session-tests.xml,
 # demo.json, recover.json, recover.png).
+# Runs with the driver's default (lazy) module loading, as a user's process
+# would: loading eagerly, a fresh process's first GEMM loads every cuBLAS
+# kernel (2.2-2.7 s on the H200, docs/results/first-step-probe.json), which the
+# demo's recovery timeline then shows as reintegration time.
 set -uo pipefail
+unset CUDA_MODULE_LOADING
 OUT=${OUT:-./gpu-out}
 mkdir -p "$OUT"
 start=$(date +%s)

@@ -17,7 +17,7 @@ PTX = sorted(CORPUS.glob("*.ptx"))
 OWN = sorted((REPO / "gpu_kernels").glob("*.cu"))
 MODES = {
     "hooks": Options(),
-    "hooks-group-count": Options(count_by="group"),
+    "hooks-block-count": Options(count_by="block"),
     "hooks+stores": Options(track_stores=True),
     "entry-count": Options(count_at="entry"),
     "stores-only": Options(exit_hooks=False, pause_gate=False, track_stores=True),
@@ -99,10 +99,11 @@ def test_project_kernels(src, tmp_path):
 
 
 def test_block_counting_where_the_corpus_allows_it(tmp_path):
-    # elementwise kernels (no barrier, no warp-synchronous operation) count per
-    # block; reductions (barriers, shuffles) keep counting per group
-    elem = rewrite(nvcc_ptx(CORPUS / "cupy_like_elementwise.cu", tmp_path).read_text())
-    red = rewrite(nvcc_ptx(CORPUS / "cupy_like_reduction.cu", tmp_path).read_text())
+    # asked to count per block, elementwise kernels (no barrier, no
+    # warp-synchronous operation) do; reductions (barriers, shuffles) keep
+    # counting per group
+    elem = rewrite(nvcc_ptx(CORPUS / "cupy_like_elementwise.cu", tmp_path).read_text(), Options(count_by="block"))
+    red = rewrite(nvcc_ptx(CORPUS / "cupy_like_reduction.cu", tmp_path).read_text(), Options(count_by="block"))
     assert {k.counted_by for k in elem.kernels} == {"block"}
     assert {k.counted_by for k in red.kernels} == {"group"}
 

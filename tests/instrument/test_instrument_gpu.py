@@ -46,11 +46,11 @@ extern "C" __global__ void fill3d(float* out, int n) {
 """
 
 
-# the three ways threads are counted: once per block at the exit (the default,
-# where the module has no barrier or warp-synchronous code), per group of
-# threads leaving together, and at entry
-COUNTS = [dict(), dict(count_by="group"), dict(count_at="entry")]
-COUNT_IDS = ["block", "group", "entry"]
+# the three ways threads are counted: per group of threads leaving together
+# (the default), once per block at the exit (where the module has no barrier or
+# warp-synchronous code), and at entry
+COUNTS = [dict(), dict(count_by="block"), dict(count_at="entry")]
+COUNT_IDS = ["group", "block", "entry"]
 
 
 @pytest.fixture
@@ -259,7 +259,7 @@ def test_epochs_count_launches_of_varying_grids_exactly(cp, counting):
     cp.cuda.Device().synchronize()
     rec = rep.find("axpy")
     assert instrument.epochs(rec.handle, rec.result) == {**counts, "scatter4": 0}
-    want = {(): "block", ("count_by",): "group", ("count_at",): "entry"}[tuple(counting)]
+    want = {(): "group", ("count_by",): "block", ("count_at",): "entry"}[tuple(counting)]
     assert {k.counted_by for k in rec.result.kernels} == {want}
 
 

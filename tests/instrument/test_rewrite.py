@@ -57,7 +57,7 @@ def test_function_name_after_return_list():
 def test_every_exit_is_routed_through_one_stub():
     body = ("\t.reg .pred %p<3>;\n\tsetp.eq.u32 %p1, 1, 1;\n\t@%p1 ret;\n"
             "\t@!%p1 exit;\n\t{ @%p1 ret; }\n\tret.uni;")
-    res = rewrite(entry(body), Options(count_by="group"))
+    res = rewrite(entry(body))
     assert res.kernels[0].exit_sites == 4 and res.kernels[0].counted_by == "group"
     out = res.ptx
     assert "@%p1 bra $__cnc_exit;" in out and "@!%p1 bra $__cnc_exit;" in out
@@ -86,7 +86,7 @@ def test_every_exit_is_routed_through_one_stub():
 
 
 def test_gate_waits_only_in_block_zero_and_only_when_the_mirror_is_set():
-    out = rewrite(entry("\tret;"), Options(count_by="group")).ptx
+    out = rewrite(entry("\tret;")).ptx
     hold = out[out.index("$__cnc_counted:"):out.index("$__cnc_drain:")]
     # thread (0,0,0) of block (0,0,0), launch counted, mirror set, gate attached,
     # host word set: in that order
@@ -100,7 +100,7 @@ def test_gate_waits_only_in_block_zero_and_only_when_the_mirror_is_set():
 
 def test_a_module_without_barriers_counts_each_block_once():
     body = "\t.reg .pred %p<3>;\n\tsetp.eq.u32 %p1, 1, 1;\n\t@%p1 ret;\n\tret;"
-    res = rewrite(entry(body))
+    res = rewrite(entry(body), Options(count_by="block"))
     assert res.options.count_by == "block" and res.kernels[0].counted_by == "block"
     out = res.ptx
     # nothing before the body but the mirror read, as with group counting
@@ -120,7 +120,7 @@ def test_a_module_without_barriers_counts_each_block_once():
     assert order == sorted(order)
     assert "activemask" not in out and "bar.sync" not in out and stub.count("red.") == 3  # + the launch count
     # without a gate the count is always relaxed
-    bare = rewrite(entry(body), Options(pause_gate=False)).ptx
+    bare = rewrite(entry(body), Options(pause_gate=False, count_by="block")).ptx
     assert "red.release" not in bare and "red.relaxed.gpu.global.add.u64 [%__cnc_d0], %__cnc_d2;" in bare
 
 
@@ -133,13 +133,13 @@ def test_barriers_or_warp_synchronous_code_keep_the_group_count(stmt):
     # thread that had left would not: the whole module counts per group
     body = ("\t.reg .pred %p<3>;\n\t.reg .b32 %r<3>;\n\t.reg .b64 %rd<2>;\n\tsetp.eq.u32 %p1, 1, 1;\n"
             f"\t@%p1 ret;\n\t{stmt}\n\tret;")
-    res = rewrite(entry(body))
+    res = rewrite(entry(body), Options(count_by="block"))
     assert res.kernels[0].counted_by == "group"
     assert "barrier.sync 0;" not in res.ptx and "activemask.b32" in res.ptx
     # the same instruction in another function of the module is enough
     other = HEADER + (".visible .entry a()\n{\n\tret;\n}\n"
                       f".visible .entry b(.param .u64 p)\n{{\n{body}\n}}\n")
-    assert [k.counted_by for k in rewrite(other).kernels] == ["group", "group"]
+    assert [k.counted_by for k in rewrite(other, Options(count_by="block")).kernels] == ["group", "group"]
 
 
 def test_count_by_is_checked_and_other_counts_are_named():
@@ -151,7 +151,8 @@ def test_count_by_is_checked_and_other_counts_are_named():
     text = HEADER + (".func f(.param .b32 a)\n{\n\t.reg .pred %q;\n\tsetp.eq.u32 %q, 1, 1;\n"
                      "\t@%q exit;\n\tret;\n}\n.visible .entry e()\n{\n\tret;\n}\n")
     # a thread may leave inside the .func, never reaching the barrier's leader test
-    assert rewrite(text).kernels[0].counted_by == "group"
+    assert rewrite(text, Options(count_by="block")).kernels[0].counted_by == "group"
+    assert rewrite(entry("\tret;")).kernels[0].counted_by == "group"  # the default
 
 
 def test_counting_at_entry_moves_the_common_red_before_the_body():
