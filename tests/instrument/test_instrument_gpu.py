@@ -49,8 +49,8 @@ extern "C" __global__ void fill3d(float* out, int n) {
 # the three ways threads are counted: per group of threads leaving together
 # (the default), once per block at the exit (where the module has no barrier or
 # warp-synchronous code), and at entry
-COUNTS = [dict(), dict(count_by="block"), dict(count_at="entry")]
-COUNT_IDS = ["group", "block", "entry"]
+COUNTS = [dict(), dict(count_by="block"), dict(count_by="shared"), dict(count_at="entry")]
+COUNT_IDS = ["group", "block", "shared", "entry"]
 
 
 @pytest.fixture
@@ -259,7 +259,7 @@ def test_epochs_count_launches_of_varying_grids_exactly(cp, counting):
     cp.cuda.Device().synchronize()
     rec = rep.find("axpy")
     assert instrument.epochs(rec.handle, rec.result) == {**counts, "scatter4": 0}
-    want = {(): "group", ("count_by",): "block", ("count_at",): "entry"}[tuple(counting)]
+    want = "entry" if "count_at" in counting else counting.get("count_by", "group")
     assert {k.counted_by for k in rec.result.kernels} == {want}
 
 
