@@ -706,9 +706,12 @@ def _shared_counted_exit(slot: int, r: list[str], d: list[str], p: list[str], a6
     index), with one 128-bit compare-and-swap: a word whose tag is not ours is
     stale shared memory left by an earlier block and counts as zero, so no
     initialising barrier is needed.  The group whose add completes the block's
-    thread count issues the block's one global `red`.  The CAS is acquire-
-    release at CTA scope and follows the group's `bar.warp.sync`, so every
-    thread's writes precede the completing group's release `red`."""
+    thread count issues the block's one global `red`.  While the mirror is set
+    the CAS is acquire-release at CTA scope and follows the group's
+    `bar.warp.sync`, so every thread's writes precede the completing group's
+    release `red`; otherwise both are relaxed (an acquire-release CAS per group
+    cost +183 % on one-element-per-thread kernels: it waits for the group's
+    stores)."""
     stripe, where = _stripe(r, d, a64)
     e = [f"{REG}e{i}" for i in range(8)]
     q = [f"{REG}q{i}" for i in range(3)]
@@ -718,6 +721,7 @@ def _shared_counted_exit(slot: int, r: list[str], d: list[str], p: list[str], a6
              f"setp.eq.u32 {p[1]}, {r[2]}, 0;",
              f"bar.warp.sync {r[0]};",
              f"@!{p[1]} bra {LBL}counted;",
+             *([f"setp.ne.u32 {p[2]}, {REG}h, 0;"] if ctx.options.pause_gate else []),
              *stripe,
              # e0 = %gridid, e1 = linear block index << 32, r2 = the block's thread count
              f"mov.u64 {e[0]}, %gridid;",
@@ -739,7 +743,10 @@ def _shared_counted_exit(slot: int, r: list[str], d: list[str], p: list[str], a6
              f"add.u32 {r[0]}, {r[0]}, {r[1]};",
              f"cvt.u64.u32 {e[5]}, {r[0]};", f"or.b64 {e[5]}, {e[5]}, {e[1]};",
              f"mov.b128 {q[0]}, {{{e[2]}, {e[3]}}};", f"mov.b128 {q[1]}, {{{e[0]}, {e[5]}}};",
-             f"atom.acq_rel.cta.shared.cas.b128 {q[2]}, [{SHARED_COUNTER}], {q[0]}, {q[1]};",
+             *([f"@{p[2]} atom.acq_rel.cta.shared.cas.b128 {q[2]}, [{SHARED_COUNTER}], {q[0]}, {q[1]};",
+                f"@!{p[2]} atom.relaxed.cta.shared.cas.b128 {q[2]}, [{SHARED_COUNTER}], {q[0]}, {q[1]};"]
+               if ctx.options.pause_gate else
+               [f"atom.relaxed.cta.shared.cas.b128 {q[2]}, [{SHARED_COUNTER}], {q[0]}, {q[1]};"]),
              f"mov.b128 {{{e[6]}, {e[7]}}}, {q[2]};",
              f"setp.ne.u64 {p[3]}, {e[6]}, {e[2]};",
              f"setp.ne.or.u64 {p[3]}, {e[7]}, {e[3]}, {p[3]};",
@@ -749,11 +756,10 @@ def _shared_counted_exit(slot: int, r: list[str], d: list[str], p: list[str], a6
              f"@{p[3]} bra {LBL}counted;",
              f"cvt.u64.u32 {d[2]}, {r[2]};"]
     if ctx.options.pause_gate:
-        lines += [f"setp.ne.u32 {p[2]}, {REG}h, 0;",
-                  f"@{p[2]} red.release.gpu.global.add.u64 [{where}], {d[2]};",
+        lines += [f"@{p[2]} red.release.gpu.global.add.u64 [{where}], {d[2]};",
                   f"@!{p[2]} red.relaxed.gpu.global.add.u64 [{where}], {d[2]};"]
     else:
-        lines.append(f"red.release.gpu.global.add.u64 [{where}], {d[2]};")
+        lines.append(f"red.relaxed.gpu.global.add.u64 [{where}], {d[2]};")
     lines.append(f"{LBL}counted:")
     lines += _block_zero_tail(slot, r, d, p, a64, ctx, have_block_sum=False)
     return lines + [f"{LBL}done:", "ret;"]
