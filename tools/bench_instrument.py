@@ -14,9 +14,6 @@ looping over the array).  Each is compiled through CuPy with
   exit+gate     the same with an open gate in mapped host memory (one poll per launch)
   block+gate    exit+gate counting once per block (`count_by="block"`: a barrier
                 at the exit, then one `red` per block)
-  shared+gate   exit+gate counting once per block without a barrier
-                (`count_by="shared"`: a tagged counter in shared memory, one
-                128-bit CAS per group, one `red` per block)
   group-spread  exit+gate with each group's count spread over 4096 counters by
                 block and warp slot instead of 64 by block: not a working design
                 (the holder sums 64), it asks whether the per-group `red`s cost
@@ -62,14 +59,13 @@ extern "C" __global__ void stride_axpy(const float* x, float* y, float a, long l
 }
 """
 SHAPES = ("per-element", "grid-stride")
-VARIANTS = ("plain", "exit-hooks", "exit+gate", "block+gate", "shared+gate", "group-spread", "entry+gate", "strong+gate",
+VARIANTS = ("plain", "exit-hooks", "exit+gate", "block+gate", "group-spread", "entry+gate", "strong+gate",
             "no-mirror", "no-count", "block-floor", "store-track")
 # enable() arguments per variant (the gate is attached where "gate" is true)
 SETTINGS = {
     "exit-hooks": dict(gate=False),
     "exit+gate": dict(gate=True),
     "block+gate": dict(gate=True, count_by="block"),
-    "shared+gate": dict(gate=True, count_by="shared"),
     "group-spread": dict(gate=True),
     "entry+gate": dict(gate=True, count_at="entry"),
     "strong+gate": dict(gate=True),
@@ -225,8 +221,7 @@ def run(nbytes: int, repeat: int) -> dict:
     met = {}
     for s in shapes:
         by = {r["variant"]: r["overhead"] for r in s["variants"]}
-        met[s["shape"]] = {v: by[v] <= goal for v in ("exit-hooks", "exit+gate", "block+gate", "shared+gate",
-                                                      "entry+gate")}
+        met[s["shape"]] = {v: by[v] <= goal for v in ("exit-hooks", "exit+gate", "block+gate", "entry+gate")}
     return {"bytes_per_array": n * 4, "repeat": repeat, "rounds": 2,
             "ceiling": {"what": "device-to-device copy (read + write)", "bandwidth_GBps": ceiling_bw / 1e9},
             "shapes": shapes, "goal": {"exit_hooks_max_overhead": goal, "met": met}}

@@ -153,8 +153,7 @@ STRIPES = 64                   # exit counters, one per 128-byte line
 STRIPE_WORDS = 16              # u64 words per stripe
 REGION_WORDS = 4               # base, size, bitmap, page_bytes (u64 each)
 COUNT_AT = ("exit", "entry")
-COUNT_BY = ("block", "group", "shared")
-SHARED_COUNTER = "__cnc_blk"   # count_by="shared": the block's tagged counter (16 bytes of static shared memory)
+COUNT_BY = ("block", "group")
 BLOCK_BARRIER = 0              # the named barrier of the block count (only in modules that use none)
 
 _TYPE_BYTES = {
@@ -277,8 +276,6 @@ def rewrite(text: str | bytes, options: Options = Options()) -> RewriteResult:
     ctx = _Ctx(options, header, symbols, modern, account_at_entry=func_exits and options.exit_hooks)
     ctx.block_count = (options.count_by == "block" and options.count_at == "exit" and modern
                        and not func_exits and _block_count_allowed(chunks))
-    ctx.shared_count = (options.count_by == "shared" and options.count_at == "exit" and header.sm >= 90
-                        and header.version >= (8, 3) and not func_exits and not _declares_shared(chunks))
     out: list[str] = []
     slot = 0
     for k, ch in enumerate(chunks):
@@ -310,14 +307,6 @@ class _Ctx:
     modern: bool
     account_at_entry: bool = False   # a .func calls `exit`: the launch is counted in the prologue
     block_count: bool = False        # entries count their exits once per block (see _block_count_allowed)
-    shared_count: bool = False       # entries count per block through a tagged shared counter
-
-
-def _declares_shared(chunks: list[P.Chunk]) -> bool:
-    """Any `.shared` declaration in the module: a launch that asks for all of
-    the shared memory would fail if the counter added 16 bytes to it."""
-    return any(re.search(r"(^|\s)\.shared\b", ch.text if not ch.is_function else ch.body)
-               for ch in chunks)
 
 
 # Instructions after which a thread parked at the exit barrier could hold up
@@ -512,11 +501,7 @@ def _rewrite_function(ch: P.Chunk, info: KernelInfo, ctx: _Ctx) -> str:
                  f"\n\t.reg .b32 {REG}h;\n\t.reg .pred {REG}pc;")
         body = body.rstrip() + "\n" + _exit_stub(info.index, is_entry, ctx) + "\n"
         info.counted_by = ("entry" if ctx.options.count_at == "entry" else "thread" if not ctx.modern else
-                           "block" if is_entry and ctx.block_count else
-                           "shared" if is_entry and ctx.shared_count else "group")
-        if is_entry and ctx.shared_count:
-            decls += (f"\n\t.reg .b64 {REG}e<8>;\n\t.reg .b128 {REG}q<3>;"
-                      f"\n\t.shared .align 16 .b8 {SHARED_COUNTER}[16];")
+                           "block" if is_entry and ctx.block_count else "group")
     return ch.head + "{" + decls + body + "}"
 
 
@@ -624,8 +609,6 @@ def _exit_stub(slot: int, is_entry: bool, ctx: _Ctx) -> str:
         return "\n".join(_indent(_entry_counted_exit(slot, r, d, p, a64, ctx)))
     if is_entry and ctx.block_count:
         return "\n".join(_indent(_block_counted_exit(slot, r, d, p, a64, ctx)))
-    if is_entry and ctx.shared_count:
-        return "\n".join(_indent(_shared_counted_exit(slot, r, d, p, a64, ctx)))
     stripe, where = _stripe(r, d, a64)
     lines = [f"{LBL}exit:"] + stripe
     gated = is_entry and ctx.options.pause_gate
@@ -694,74 +677,6 @@ def _block_counted_exit(slot: int, r: list[str], d: list[str], p: list[str], a64
     lines += _count_launch(slot, r, d)
     if ctx.options.pause_gate:
         lines += _gate_hold(slot, r, d, p, a64, ctx)
-    return lines + [f"{LBL}done:", "ret;"]
-
-
-def _shared_counted_exit(slot: int, r: list[str], d: list[str], p: list[str], a64: bool,
-                         ctx: _Ctx) -> list[str]:
-    """Counting per block without a barrier (`count_by="shared"`, sm_90, a
-    module that declares no shared memory).  Each group's lowest lane adds the
-    group's size to a 16-byte shared word that holds, beside the count, a tag
-    of this block instance (`%gridid`, unique per launch, and the linear block
-    index), with one 128-bit compare-and-swap: a word whose tag is not ours is
-    stale shared memory left by an earlier block and counts as zero, so no
-    initialising barrier is needed.  The group whose add completes the block's
-    thread count issues the block's one global `red`.  While the mirror is set
-    the CAS is acquire-release at CTA scope and follows the group's
-    `bar.warp.sync`, so every thread's writes precede the completing group's
-    release `red`; otherwise both are relaxed (an acquire-release CAS per group
-    cost +183 % on one-element-per-thread kernels: it waits for the group's
-    stores)."""
-    stripe, where = _stripe(r, d, a64)
-    e = [f"{REG}e{i}" for i in range(8)]
-    q = [f"{REG}q{i}" for i in range(3)]
-    lines = [f"{LBL}exit:",
-             f"activemask.b32 {r[0]};", f"popc.b32 {r[1]}, {r[0]};",
-             f"mov.u32 {r[2]}, %lanemask_lt;", f"and.b32 {r[2]}, {r[2]}, {r[0]};",
-             f"setp.eq.u32 {p[1]}, {r[2]}, 0;",
-             f"bar.warp.sync {r[0]};",
-             f"@!{p[1]} bra {LBL}counted;",
-             *([f"setp.ne.u32 {p[2]}, {REG}h, 0;"] if ctx.options.pause_gate else []),
-             *stripe,
-             # e0 = %gridid, e1 = linear block index << 32, r2 = the block's thread count
-             f"mov.u64 {e[0]}, %gridid;",
-             f"mov.u32 {r[0]}, %nctaid.y;", f"mov.u32 {r[2]}, %ctaid.z;", f"mul.lo.u32 {r[2]}, {r[2]}, {r[0]};",
-             f"mov.u32 {r[0]}, %ctaid.y;", f"add.u32 {r[2]}, {r[2]}, {r[0]};",
-             f"mov.u32 {r[0]}, %nctaid.x;", f"mul.lo.u32 {r[2]}, {r[2]}, {r[0]};",
-             f"mov.u32 {r[0]}, %ctaid.x;", f"add.u32 {r[2]}, {r[2]}, {r[0]};",
-             f"cvt.u64.u32 {e[1]}, {r[2]};", f"shl.b64 {e[1]}, {e[1]}, 32;",
-             f"mov.u32 {r[0]}, %ntid.x;", f"mov.u32 {r[2]}, %ntid.y;", f"mul.lo.u32 {r[0]}, {r[0]}, {r[2]};",
-             f"mov.u32 {r[2]}, %ntid.z;", f"mul.lo.u32 {r[2]}, {r[0]}, {r[2]};",
-             f"ld.shared.v2.u64 {{{e[2]}, {e[3]}}}, [{SHARED_COUNTER}];",
-             f"{LBL}cas:",
-             # ours when lo == gridid and hi's upper half == block index: then count = hi's lower half
-             f"and.b64 {e[4]}, {e[3]}, -4294967296;",
-             f"setp.eq.u64 {p[3]}, {e[4]}, {e[1]};",
-             f"setp.eq.and.u64 {p[3]}, {e[2]}, {e[0]}, {p[3]};",
-             f"cvt.u32.u64 {r[0]}, {e[3]};",
-             f"selp.u32 {r[0]}, {r[0]}, 0, {p[3]};",
-             f"add.u32 {r[0]}, {r[0]}, {r[1]};",
-             f"cvt.u64.u32 {e[5]}, {r[0]};", f"or.b64 {e[5]}, {e[5]}, {e[1]};",
-             f"mov.b128 {q[0]}, {{{e[2]}, {e[3]}}};", f"mov.b128 {q[1]}, {{{e[0]}, {e[5]}}};",
-             *([f"@{p[2]} atom.acq_rel.cta.shared.cas.b128 {q[2]}, [{SHARED_COUNTER}], {q[0]}, {q[1]};",
-                f"@!{p[2]} atom.relaxed.cta.shared.cas.b128 {q[2]}, [{SHARED_COUNTER}], {q[0]}, {q[1]};"]
-               if ctx.options.pause_gate else
-               [f"atom.relaxed.cta.shared.cas.b128 {q[2]}, [{SHARED_COUNTER}], {q[0]}, {q[1]};"]),
-             f"mov.b128 {{{e[6]}, {e[7]}}}, {q[2]};",
-             f"setp.ne.u64 {p[3]}, {e[6]}, {e[2]};",
-             f"setp.ne.or.u64 {p[3]}, {e[7]}, {e[3]}, {p[3]};",
-             f"mov.u64 {e[2]}, {e[6]};", f"mov.u64 {e[3]}, {e[7]};",
-             f"@{p[3]} bra {LBL}cas;",
-             f"setp.ne.u32 {p[3]}, {r[0]}, {r[2]};",      # not the group that completes the block
-             f"@{p[3]} bra {LBL}counted;",
-             f"cvt.u64.u32 {d[2]}, {r[2]};"]
-    if ctx.options.pause_gate:
-        lines += [f"@{p[2]} red.release.gpu.global.add.u64 [{where}], {d[2]};",
-                  f"@!{p[2]} red.relaxed.gpu.global.add.u64 [{where}], {d[2]};"]
-    else:
-        lines.append(f"red.relaxed.gpu.global.add.u64 [{where}], {d[2]};")
-    lines.append(f"{LBL}counted:")
-    lines += _block_zero_tail(slot, r, d, p, a64, ctx, have_block_sum=False)
     return lines + [f"{LBL}done:", "ret;"]
 
 

@@ -18,7 +18,6 @@ OWN = sorted((REPO / "gpu_kernels").glob("*.cu"))
 MODES = {
     "hooks": Options(),
     "hooks-block-count": Options(count_by="block"),
-    "hooks-shared-count": Options(count_by="shared"),
     "hooks+stores": Options(track_stores=True),
     "entry-count": Options(count_at="entry"),
     "stores-only": Options(exit_hooks=False, pause_gate=False, track_stores=True),

@@ -49,8 +49,8 @@ extern "C" __global__ void fill3d(float* out, int n) {
 # the three ways threads are counted: per group of threads leaving together
 # (the default), once per block at the exit (where the module has no barrier or
 # warp-synchronous code), and at entry
-COUNTS = [dict(), dict(count_by="block"), dict(count_by="shared"), dict(count_at="entry")]
-COUNT_IDS = ["group", "block", "shared", "entry"]
+COUNTS = [dict(), dict(count_by="block"), dict(count_at="entry")]
+COUNT_IDS = ["group", "block", "entry"]
 
 
 @pytest.fixture
