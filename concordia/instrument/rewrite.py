@@ -13,9 +13,9 @@ through cuModuleGetGlobal / CuPy `RawModule.get_global`; all start at zero):
   __concordia_exits    .u64[64*16] threads counted, spread over 64 counters, one per
                                   128-byte line (stripe = (%ctaid.x + %ctaid.y +
                                   %ctaid.z) % 64)
-  __concordia_hold     .u32       the gate's device-side mirror: non-zero while the
-                                  host holds the gate closed (read once per thread,
-                                  at entry, with a weak load)
+  __concordia_hold     .u32       the gate's device-side mirror (read once per thread,
+                                  at entry, with a weak load): 0 = no gate attached,
+                                  1 = attached and open, 2 = closed
   __concordia_gate     .u64       device address of a gate, 0 = no gate.  A gate is
                                   two u32 words in mapped pinned host memory: word 0
                                   written by the host (non-zero = hold), word 1 set
@@ -24,6 +24,15 @@ through cuModuleGetGlobal / CuPy `RawModule.get_global`; all start at zero):
   __concordia_regions  .u64[4*R]  store tracker: per region base, size,
                                   bitmap address (u32 words, bit p%32 of word p/32
                                   = page p), page_bytes
+
+Threads are counted (into `exits`, `expect` and `targets`) only while a gate is
+attached, in a module built with the gate: nothing but a hold needs the
+per-thread counts, and without them the exit of a thread not in block 0 is a
+test of the mirror.  Every thread of one launch must see the same answer
+(attached or not), so `runtime.attach` changes it for a module that may have
+launches in flight only after synchronising the device; open and closed may
+change under a running launch (both count).  A module built without the gate
+always counts.
 
 Completed launches are computed by the host: with E = sum(exits), kernel k has
 completed epochs[k] launches, less one while targets[k] > E (its latest counted
@@ -76,7 +85,7 @@ seven `red`s did, docs/results/instrument.md), so it is not the default: it
 adds a barrier the kernel did not have, for no measured gain.
 
 Counting at entry (`count_at="entry"`, measured beside the default).  Threads
-not asked to hold (mirror clear) are counted at entry by their group's leader,
+that start with the gate attached and open are counted at entry by their group's leader,
 so the exit has no memory operation unless a hold was requested; the mirror's
 value is then needed before the body, and a module with a `.func` that calls
 `exit` gets no gate (a hold would wait for a thread counted nowhere).
@@ -89,7 +98,7 @@ host word) and when it exits (the host word, read over PCIe once per launch, and
 only when the mirror said closed).  Before it reports arrival it waits until
 the counters reach its target: every thread of its launch (and of every
 launch of the module counted before it) has left.  The ordering that makes the
-launch's writes visible at that point: while the mirror is set, each counting
+launch's writes visible at that point: while the mirror says closed, each counting
 group first synchronises (`bar.warp.sync`, which orders the group's writes
 before the leader's), and the leader's `red` is a GPU-scope release; the holder
 reads the counters and then fences (acquire) before it writes the arrival flag
@@ -107,7 +116,9 @@ launches of one module running at once on different streams make the target
 test (and the in-flight correction of `epochs`) approximate, since the counters
 are module-wide; a launch that was already running when the gate closed is held
 only if block 0 read the mirror after it was set, and then the warps that read
-it earlier counted with relaxed `red`s.  The hooks add one u32 register (the
+it earlier counted with relaxed `red`s; a gate attached from one thread while
+another launches into the module may see threads of one launch disagree on
+whether they count.  The hooks add one u32 register (the
 mirror value) live across the kernel.
 
 Store tracker.  Before every `st`, `atom` and `red` that may write global memory
@@ -135,7 +146,7 @@ from dataclasses import dataclass, field, replace
 from concordia.instrument import ptx as P
 from concordia.instrument.errors import InstrumentError
 
-REWRITER_VERSION = 4            # bumped when the code inserted changes; in every result's JSON
+REWRITER_VERSION = 5            # bumped when the code inserted changes; in every result's JSON
 MARK = "__concordia_"          # module-scope names
 REG = "%__cnc_"                # registers we declare
 LBL = "$__cnc_"                # labels we place
@@ -154,6 +165,7 @@ STRIPE_WORDS = 16              # u64 words per stripe
 REGION_WORDS = 4               # base, size, bitmap, page_bytes (u64 each)
 COUNT_AT = ("exit", "entry")
 COUNT_BY = ("block", "group")
+MIRROR_DETACHED, MIRROR_OPEN, MIRROR_CLOSED = 0, 1, 2   # values of the `hold` mirror
 BLOCK_BARRIER = 0              # the named barrier of the block count (only in modules that use none)
 
 _TYPE_BYTES = {
@@ -549,8 +561,10 @@ def _prologue(slot: int, ctx: _Ctx) -> str:
     if ctx.options.pause_gate:
         lines.append(f"ld.global.ca.u32 {REG}h, [{HOLD}];")
     if ctx.options.count_at == "entry":
-        # pc = not asked to hold: counted here, not at the exit
-        lines.append(f"setp.eq.u32 {pc}, {REG}h, 0;" if ctx.options.pause_gate else f"setp.eq.u32 {pc}, 0, 0;")
+        # pc = a gate attached and open: counted here, not at the exit (none
+        # counts while no gate is attached; with the gate closed, at the exit)
+        lines.append(f"setp.eq.u32 {pc}, {REG}h, {MIRROR_OPEN};" if ctx.options.pause_gate
+                     else f"setp.eq.u32 {pc}, 0, 0;")
         stripe, where = _stripe(r, d, ctx.header.address_size == 64)
         lines += stripe
         if ctx.modern:
@@ -565,17 +579,21 @@ def _prologue(slot: int, ctx: _Ctx) -> str:
             lines.append(f"red.global.add.u64 [{where}], 1;")
     if ctx.account_at_entry:
         lines += _first_thread(r[0], r[1], p[0]) + [f"@!{p[0]} bra {LBL}go;"]
-        lines += _count_launch(slot, r, d) + [f"{LBL}go:"]
+        lines += _count_launch(slot, r, d, p, ctx) + [f"{LBL}go:"]
     if not lines:
         return ""
     return "\n" + "\n".join(_indent(lines)) + "\n\t"
 
 
-def _count_launch(slot: int, r: list[str], d: list[str]) -> list[str]:
+def _count_launch(slot: int, r: list[str], d: list[str], p: list[str], ctx: _Ctx) -> list[str]:
     """Block 0's thread 0 counts its launch: the launch's thread count into
-    `expect`, the resulting target, and one more launch of this kernel."""
+    `expect` and the resulting target (only while its threads are counted: in
+    a module built with the gate, only while a gate is attached), and one more
+    launch of this kernel."""
     r0, r1, d0, d1, d2 = r[0], r[1], d[0], d[1], d[2]
-    return [
+    skip = ([f"setp.eq.u32 {p[3]}, {REG}h, {MIRROR_DETACHED};", f"@{p[3]} bra {LBL}uncounted;"]
+            if ctx.options.pause_gate else [])
+    return skip + [
         f"mov.u32 {r0}, %nctaid.x;", f"mov.u32 {r1}, %nctaid.y;", f"mul.wide.u32 {d0}, {r0}, {r1};",
         f"mov.u32 {r0}, %nctaid.z;", f"cvt.u64.u32 {d1}, {r0};", f"mul.lo.u64 {d0}, {d0}, {d1};",
         f"mov.u32 {r0}, %ntid.x;", f"mov.u32 {r1}, %ntid.y;", f"mul.lo.u32 {r0}, {r0}, {r1};",
@@ -584,6 +602,7 @@ def _count_launch(slot: int, r: list[str], d: list[str]) -> list[str]:
         f"atom.global.add.u64 {d2}, [{EXPECT}], {d0};",
         f"add.s64 {d2}, {d2}, {d0};",
         f"st.global.u64 [{TARGETS}+{8 * slot}], {d2};",
+        *([f"{LBL}uncounted:"] if skip else []),
         f"red.global.add.u64 [{EPOCHS}+{8 * slot}], 1;",
     ]
 
@@ -612,6 +631,11 @@ def _exit_stub(slot: int, is_entry: bool, ctx: _Ctx) -> str:
     stripe, where = _stripe(r, d, a64)
     lines = [f"{LBL}exit:"] + stripe
     gated = is_entry and ctx.options.pause_gate
+    if ctx.options.pause_gate:
+        # no gate attached (mirror 0, the same for the whole launch): nothing counts
+        if not is_entry:
+            lines.append(f"ld.global.ca.u32 {REG}h, [{HOLD}];")
+        lines += [f"setp.eq.u32 {p[3]}, {REG}h, 0;", f"@{p[3]} bra {LBL}counted;"]
     if not ctx.modern:
         # no warp-level count below sm_70: each thread counts itself
         lines.append(f"red.global.add.u64 [{where}], 1;")
@@ -625,7 +649,7 @@ def _exit_stub(slot: int, is_entry: bool, ctx: _Ctx) -> str:
             f"setp.eq.u32 {p[1]}, {r[2]}, 0;",            # the group's lowest lane counts it
         ]
         if gated:
-            lines += [f"setp.ne.u32 {p[2]}, {REG}h, 0;",
+            lines += [f"setp.gt.u32 {p[2]}, {REG}h, {MIRROR_OPEN};",         # closed at some thread's entry
                       f"vote.sync.any.pred {p[2]}, {p[2]}, {r[0]};",   # one choice per group
                       f"@!{p[2]} bra {LBL}relaxed;"]
         if not is_entry or gated:
@@ -636,8 +660,8 @@ def _exit_stub(slot: int, is_entry: bool, ctx: _Ctx) -> str:
             lines += [f"bra {LBL}counted;", f"{LBL}relaxed:"]
         if is_entry:
             lines.append(f"@{p[1]} red.relaxed.gpu.global.add.u64 [{where}], {d[2]};")
-        if gated:
-            lines.append(f"{LBL}counted:")
+    if ctx.options.pause_gate:
+        lines.append(f"{LBL}counted:")
     if is_entry:
         lines += _block_zero_tail(slot, r, d, p, a64, ctx, have_block_sum=True)
     lines += [f"{LBL}done:", "ret;" if is_entry else "exit;"]
@@ -652,31 +676,29 @@ def _block_counted_exit(slot: int, r: list[str], d: list[str], p: list[str], a64
     is parked here), then the block's thread (0,0,0) adds the block's thread
     count to its stripe with one `red`: eight times fewer than one per warp on
     256-thread blocks.  The barrier orders every thread's writes before the
-    leader's; with the mirror set its `red` is a GPU-scope release.  Everything
+    leader's; with the gate closed its `red` is a GPU-scope release.  Everything
     the leader needs (its test, the stripe's address, the count) is computed
-    before the barrier, where it overlaps the wait for the block's last warp:
-    after the barrier the leader's path to the end of the block is a branch and
-    the `red`."""
+    before the barrier, where it overlaps the wait for the block's last warp.
+    With no gate attached nothing counts, and no thread waits at the barrier."""
     stripe, where = _stripe(r, d, a64)
     lines = [f"{LBL}exit:",
              f"mov.u32 {r[0]}, %tid.x;", f"mov.u32 {r[1]}, %tid.y;", f"or.b32 {r[0]}, {r[0]}, {r[1]};",
              f"mov.u32 {r[1]}, %tid.z;", f"or.b32 {r[0]}, {r[0]}, {r[1]};",
              f"setp.ne.u32 {p[0]}, {r[0]}, 0;",                  # not the block's leader
-             *stripe,
-             f"mov.u32 {r[0]}, %ntid.x;", f"mov.u32 {r[1]}, %ntid.y;", f"mul.lo.u32 {r[0]}, {r[0]}, {r[1]};",
-             f"mov.u32 {r[1]}, %ntid.z;", f"mul.lo.u32 {r[0]}, {r[0]}, {r[1]};", f"cvt.u64.u32 {d[2]}, {r[0]};"]
+             *stripe]
     if ctx.options.pause_gate:
-        lines.append(f"setp.ne.u32 {p[2]}, {REG}h, 0;")
-    lines += [f"barrier.sync {BLOCK_BARRIER};", f"@{p[0]} bra {LBL}done;"]
+        lines += [f"setp.eq.u32 {p[3]}, {REG}h, {MIRROR_DETACHED};", f"@{p[3]} bra {LBL}counted;",
+                  f"setp.gt.u32 {p[2]}, {REG}h, {MIRROR_OPEN};"]
+    lines += [f"mov.u32 {r[0]}, %ntid.x;", f"mov.u32 {r[1]}, %ntid.y;", f"mul.lo.u32 {r[0]}, {r[0]}, {r[1]};",
+              f"mov.u32 {r[1]}, %ntid.z;", f"mul.lo.u32 {r[0]}, {r[0]}, {r[1]};", f"cvt.u64.u32 {d[2]}, {r[0]};",
+              f"barrier.sync {BLOCK_BARRIER};", f"@{p[0]} bra {LBL}done;"]
     if ctx.options.pause_gate:
         lines += [f"@{p[2]} red.release.gpu.global.add.u64 [{where}], {d[2]};",
-                  f"@!{p[2]} red.relaxed.gpu.global.add.u64 [{where}], {d[2]};"]
+                  f"@!{p[2]} red.relaxed.gpu.global.add.u64 [{where}], {d[2]};",
+                  f"{LBL}counted:"]
     else:
         lines.append(f"red.relaxed.gpu.global.add.u64 [{where}], {d[2]};")
-    lines += [f"setp.ne.u32 {p[0]}, {r[3]}, 0;", f"@{p[0]} bra {LBL}done;"]  # blocks other than 0 are done
-    lines += _count_launch(slot, r, d)
-    if ctx.options.pause_gate:
-        lines += _gate_hold(slot, r, d, p, a64, ctx)
+    lines += _block_zero_tail(slot, r, d, p, a64, ctx, have_block_sum=True)
     return lines + [f"{LBL}done:", "ret;"]
 
 
@@ -690,7 +712,8 @@ def _entry_counted_exit(slot: int, r: list[str], d: list[str], p: list[str], a64
         stripe, where = _stripe(r, d, a64)
         lines += [
             f"activemask.b32 {r[0]};",
-            f"vote.sync.ballot.b32 {r[1]}, !{REG}pc, {r[0]};",   # the group's threads still to count
+            f"setp.gt.u32 {p[3]}, {REG}h, {MIRROR_OPEN};",       # started with the gate closed
+            f"vote.sync.ballot.b32 {r[1]}, {p[3]}, {r[0]};",     # the group's threads still to count
             f"setp.eq.u32 {p[2]}, {r[1]}, 0;",
             f"@{p[2]} bra {LBL}counted;",
             f"bar.warp.sync {r[0]};",                            # their writes before the leader's release
@@ -700,7 +723,7 @@ def _entry_counted_exit(slot: int, r: list[str], d: list[str], p: list[str], a64
             f"mov.u32 {r[2]}, %lanemask_lt;",
             f"and.b32 {r[2]}, {r[2]}, {r[1]};",
             f"setp.eq.u32 {p[1]}, {r[2]}, 0;",
-            f"and.pred {p[1]}, {p[1]}, !{REG}pc;",
+            f"and.pred {p[1]}, {p[1]}, {p[3]};",
             f"@{p[1]} red.release.gpu.global.add.u64 [{where}], {d[2]};",
             f"{LBL}counted:",
         ]
@@ -721,7 +744,7 @@ def _block_zero_tail(slot: int, r: list[str], d: list[str], p: list[str], a64: b
               f"mov.u32 {r[1]}, %tid.z;", f"or.b32 {r[0]}, {r[0]}, {r[1]};",
               f"setp.ne.u32 {p[0]}, {r[0]}, 0;", f"@{p[0]} bra {LBL}done;"]
     if not ctx.account_at_entry:
-        lines += _count_launch(slot, r, d)
+        lines += _count_launch(slot, r, d, p, ctx)
     if ctx.options.pause_gate:
         lines += _gate_hold(slot, r, d, p, a64, ctx)
     return lines
@@ -734,8 +757,8 @@ def _gate_hold(slot: int, r: list[str], d: list[str], p: list[str], a64: bool, c
     sum_addr = (f"mov.u64 {d[1]}, {EXITS};" if a64 else
                 f"mov.u32 {r[4]}, {EXITS};\n\tcvt.u64.u32 {d[1]}, {r[4]};")
     lines = [
-        *([f"@{REG}pc bra {LBL}done;"] if ctx.options.count_at == "entry" else
-          [f"setp.eq.u32 {p[0]}, {REG}h, 0;", f"@{p[0]} bra {LBL}done;"]),
+        f"setp.le.u32 {p[0]}, {REG}h, {MIRROR_OPEN};",   # no gate attached, or open at entry
+        f"@{p[0]} bra {LBL}done;",
         f"ld.global.u64 {d[3]}, [{GATE}];",
         f"setp.eq.u64 {p[0]}, {d[3]}, 0;",
         f"@{p[0]} bra {LBL}done;",

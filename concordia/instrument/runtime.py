@@ -15,7 +15,8 @@ import numpy as np
 
 # Not `from concordia.instrument import rewrite`: the package re-exports the
 # function `rewrite` under that name, which hides the module.
-from concordia.instrument.rewrite import (EPOCHS, EXITS, GATE, HOLD, NREGIONS, REGION_WORDS, REGIONS,
+from concordia.instrument.rewrite import (EPOCHS, EXITS, GATE, HOLD, MIRROR_CLOSED, MIRROR_DETACHED, MIRROR_OPEN,
+                                          NREGIONS, REGION_WORDS, REGIONS,
                                           STRIPE_WORDS, STRIPES, TARGETS, RewriteResult)
 from concordia.instrument.errors import InstrumentError
 
@@ -45,24 +46,29 @@ def module_global(module, name: str, count: int, dtype):
     return cupy.ndarray((count,), dtype=dtype, memptr=cupy.cuda.MemoryPointer(mem, 0))
 
 
+_MIRROR_WORD = {MIRROR_CLOSED: 2, MIRROR_OPEN: 3, MIRROR_DETACHED: 4}   # gate word holding each value
+
+
 class Gate:
     """Words in mapped pinned host memory: word 0 is written by the host
     (non-zero = hold kernels at their exit), word 1 is set to 1 by a kernel held
-    at the gate, words 2 and 3 hold the constants 1 and 0 that are copied into
-    the `hold` mirror of every attached module.  One writer per word, so no
-    CPU-GPU atomics.
+    at the gate, words 2, 3 and 4 hold the mirror values closed, open and
+    detached, copied into the `hold` mirror of attached modules.  One writer per
+    word, so no CPU-GPU atomics.
 
     close() sets the mirrors first, with copies on a stream of its own that
     does not wait for running kernels, and the host word after them: a launch
     that starts after close() returns is held at its exit.  open() clears the
-    host word first (held launches leave), then the mirrors."""
+    host word first (held launches leave), then the mirrors.  While no gate is
+    attached a module's threads are not counted at all; attach() changes that
+    only with no launch in flight (see `attach`)."""
 
     def __init__(self):
         cupy = _cupy()
         self._rt = cupy.cuda.runtime
-        self._host = self._rt.hostAlloc(16, _HOST_ALLOC_MAPPED)
-        self.words = np.ctypeslib.as_array((ctypes.c_uint32 * 4).from_address(self._host))
-        self.words[:] = (0, 0, 1, 0)
+        self._host = self._rt.hostAlloc(32, _HOST_ALLOC_MAPPED)
+        self.words = np.ctypeslib.as_array((ctypes.c_uint32 * 8).from_address(self._host))
+        self.words[:] = (0, 0, MIRROR_CLOSED, MIRROR_OPEN, MIRROR_DETACHED, 0, 0, 0)
         # CuPy 14 does not wrap cudaHostGetDevicePointer; under unified
         # addressing mapped host memory has the same address on the device.
         get = getattr(self._rt, "hostGetDevicePointer", None)
@@ -73,16 +79,16 @@ class Gate:
     def watch(self, hold_ptr: int, module) -> None:
         """Keep the hold word at `hold_ptr` equal to this gate's state."""
         self._mirrors[hold_ptr] = module
-        self._set_mirrors([hold_ptr], self.closed)
+        self._set_mirrors([hold_ptr], MIRROR_CLOSED if self.closed else MIRROR_OPEN)
 
     def unwatch(self, hold_ptr: int) -> None:
         if self._mirrors.pop(hold_ptr, None) is not None:
-            self._set_mirrors([hold_ptr], False)
+            self._set_mirrors([hold_ptr], MIRROR_DETACHED)
 
-    def _set_mirrors(self, ptrs, closed: bool) -> None:
+    def _set_mirrors(self, ptrs, value: int) -> None:
         if not ptrs or not self._host:
             return
-        src = self._host + (8 if closed else 12)
+        src = self._host + 4 * _MIRROR_WORD[value]
         for ptr in ptrs:
             self._rt.memcpyAsync(ptr, src, 4, _H2D, self._stream.ptr)
         self._stream.synchronize()
@@ -90,12 +96,12 @@ class Gate:
     def close(self) -> None:
         """Hold every instrumented launch that starts from now on, at its exit."""
         self.words[1] = 0
-        self._set_mirrors(list(self._mirrors), True)
+        self._set_mirrors(list(self._mirrors), MIRROR_CLOSED)
         self.words[0] = 1
 
     def open(self) -> None:
         self.words[0] = 0
-        self._set_mirrors(list(self._mirrors), False)
+        self._set_mirrors(list(self._mirrors), MIRROR_OPEN)
 
     @property
     def closed(self) -> bool:
@@ -116,6 +122,7 @@ class Gate:
 
 
 _watched: dict[int, Gate] = {}   # hold word address -> the gate that keeps it
+_attached_once: set[int] = set()   # hold words of modules attached before (they may have launches in flight)
 
 
 @dataclass
@@ -169,11 +176,18 @@ def region_table(regions: list[TrackedRegion], max_regions: int) -> np.ndarray:
 def attach(module, result: RewriteResult, gate: Gate | None,
            regions: list[TrackedRegion] | None = None) -> None:
     """Point a loaded instrumented module at `gate` (None = no gate) and, when it
-    tracks stores, at `regions`."""
+    tracks stores, at `regions`.  Threads are counted only while a gate is
+    attached, and every thread of one launch must agree on that, so attaching
+    or detaching a module that may have launches in flight first waits for the
+    device (no launch may start meanwhile from another thread); a module just
+    loaded has none and is attached at once."""
     g = module_global(module, GATE, 1, np.uint64)
     hold = module_global(module, HOLD, 1, np.uint32)
     hold_ptr = int(hold.data.ptr)
     old = _watched.pop(hold_ptr, None)
+    if (old is None) != (gate is None) and hold_ptr in _attached_once:
+        _cupy().cuda.Device().synchronize()
+    _attached_once.add(hold_ptr)
     if old is not None and old is not gate:
         old.unwatch(hold_ptr)
     if gate is None:
@@ -195,7 +209,9 @@ def epochs(module, result: RewriteResult, stream=None) -> dict[str, int]:
     kernel whose latest counted launch still has threads running (see
     `concordia.instrument.rewrite`).  Exact when no launch of the
     module is in flight and while one is held at the gate; pass a non-blocking
-    stream to read while a launch is held."""
+    stream to read while a launch is held.  While no gate is attached to a
+    module built with the gate, its threads are not counted, so a launch in
+    flight counts once its block 0's thread 0 has left."""
     n = len(result.kernels)
     arrays = (module_global(module, EPOCHS, n, np.uint64), module_global(module, TARGETS, n, np.uint64),
               module_global(module, EXITS, STRIPES * STRIPE_WORDS, np.uint64))

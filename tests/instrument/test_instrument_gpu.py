@@ -383,3 +383,55 @@ def test_shim_catches_pytorch_and_triton_modules(cp, tmp_path):
     assert out["triton"] == 6.0
     names = ",".join(r.get("kernels", "") for r in rep if isinstance(r.get("kernels"), str))
     assert "shim_triton_double" in names, rep  # Triton loads a cubin: reported as SASS only, by name
+
+
+@pytest.mark.parametrize("counting", COUNTS, ids=COUNT_IDS)
+def test_threads_are_counted_only_while_a_gate_is_attached(cp, counting):
+    # without a gate only the launches are counted (no per-thread work at the
+    # exit); attaching a gate to a module that has run waits for the device,
+    # after which every thread of every launch is counted, held launches too
+    from concordia.instrument.rewrite import EXITS, EXPECT, STRIPE_WORDS, STRIPES
+    from concordia.instrument.runtime import module_global
+
+    rep = instrument.enable(**counting)
+    k = cp.RawModule(code=SRC).get_function("axpy")
+    n = 1 << 20
+    x, y = cp.ones(n, dtype=cp.float32), cp.zeros(n, dtype=cp.float32)
+    grid, block = ((n + 255) // 256,), (256,)
+
+    def launch():
+        k(grid, block, (x, y, np.float32(1), np.int64(n)))
+
+    for _ in range(3):
+        launch()
+    cp.cuda.Device().synchronize()
+    rec = rep.find("axpy")
+
+    def counters():
+        exits = module_global(rec.handle, EXITS, STRIPES * STRIPE_WORDS, np.uint64).get()
+        return int(exits[::STRIPE_WORDS].sum()), int(module_global(rec.handle, EXPECT, 1, np.uint64).get()[0])
+
+    assert instrument.epochs(rec.handle, rec.result)["axpy"] == 3 and counters() == (0, 0)
+    gate = instrument.Gate()
+    try:
+        instrument.set_gate(gate)
+        launch()
+        cp.cuda.Device().synchronize()
+        assert counters() == (n, n)
+        gate.close()
+        s = cp.cuda.Stream(non_blocking=True)
+        with s:
+            launch()
+        assert _wait(lambda: gate.arrived), "the launch never reached the closed gate"
+        gate.open()
+        s.synchronize()
+        assert counters() == (2 * n, 2 * n)
+        instrument.set_gate(None)
+        launch()
+        cp.cuda.Device().synchronize()
+        assert counters() == (2 * n, 2 * n)
+        assert instrument.epochs(rec.handle, rec.result)["axpy"] == 6 and float(y[0]) == 6.0
+    finally:
+        gate.open()
+        instrument.disable()
+        gate.free()

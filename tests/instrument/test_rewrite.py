@@ -88,14 +88,42 @@ def test_every_exit_is_routed_through_one_stub():
 def test_gate_waits_only_in_block_zero_and_only_when_the_mirror_is_set():
     out = rewrite(entry("\tret;")).ptx
     hold = out[out.index("$__cnc_counted:"):out.index("$__cnc_drain:")]
-    # thread (0,0,0) of block (0,0,0), launch counted, mirror set, gate attached,
-    # host word set: in that order
-    order = [hold.index(s) for s in ("%__cnc_r3, 0;", "%tid.z", "[__concordia_expect]", "%__cnc_h, 0;",
-                                     "[__concordia_gate]", "ld.volatile.global.u32")]
+    # thread (0,0,0) of block (0,0,0), launch counted, mirror closed, gate
+    # attached, host word set: in that order
+    order = [hold.index(s) for s in ("%__cnc_r3, 0;", "%tid.z", "[__concordia_expect]",
+                                     "setp.le.u32 %__cnc_p0, %__cnc_h, 1;", "[__concordia_gate]",
+                                     "ld.volatile.global.u32")]
     assert order == sorted(order)
     assert "[__concordia_targets+0]" in hold
-    # while the mirror is set the count is a release after a warp barrier
+    # while the mirror says closed the count is a release after a warp barrier
+    assert "setp.gt.u32 %__cnc_p2, %__cnc_h, 1;" in out
     assert "bar.warp.sync %__cnc_r0;\n\t@%__cnc_p1 red.release.gpu" in out
+
+
+def test_nothing_is_counted_while_no_gate_is_attached():
+    # mirror 0 (no gate attached, the same for every thread of a launch): the
+    # exit skips the count, and block 0's thread 0 counts the launch in
+    # `epochs` but adds nothing to `expect` or the target
+    for opts in (Options(), Options(count_by="block"), Options(count_at="entry")):
+        out = rewrite(entry("\tret;"), opts).ptx
+        stub = out[out.index("$__cnc_exit:"):]
+        if opts.count_at == "exit":
+            skip = stub.index("setp.eq.u32 %__cnc_p3, %__cnc_h, 0;\n\t@%__cnc_p3 bra $__cnc_counted;")
+            assert skip < stub.index("red.") and skip < stub.index("$__cnc_counted:")
+        launch = stub[stub.index("setp.eq.u32 %__cnc_p3, %__cnc_h, 0;\n\t@%__cnc_p3 bra $__cnc_uncounted;"):]
+        order = [launch.index(s) for s in ("[__concordia_expect]", "[__concordia_targets+0]",
+                                           "$__cnc_uncounted:", "[__concordia_epochs+0], 1;")]
+        assert order == sorted(order)
+    # a module built without the gate has no mirror and always counts
+    bare = rewrite(entry("\tret;"), Options(pause_gate=False)).ptx
+    assert "__concordia_hold]" not in bare and "$__cnc_uncounted" not in bare
+    # a .func that calls exit reads the mirror itself before it counts
+    text = HEADER + (".func f(.param .b32 a)\n{\n\t.reg .pred %q;\n\tsetp.eq.u32 %q, 1, 1;\n"
+                     "\t@%q exit;\n\tret;\n}\n.visible .entry e()\n{\n\tret;\n}\n")
+    f_body = rewrite(text).ptx.split(".visible .entry e")[0]
+    order = [f_body.index(s) for s in ("ld.global.ca.u32 %__cnc_h, [__concordia_hold];",
+                                       "@%__cnc_p3 bra $__cnc_counted;", "red.release.gpu", "$__cnc_counted:")]
+    assert order == sorted(order)
 
 
 def test_a_module_without_barriers_counts_each_block_once():
@@ -112,11 +140,11 @@ def test_a_module_without_barriers_counts_each_block_once():
     # count with one red, relaxed or, with the mirror set, release; then blocks
     # other than 0 leave
     order = [stub.index(s) for s in (
-        "%tid.z", "%ctaid.z", "%ntid.z", "setp.ne.u32 %__cnc_p2, %__cnc_h, 0;",
-        "barrier.sync 0;\n\t@%__cnc_p0 bra $__cnc_done;",
+        "%tid.z", "%ctaid.z", "@%__cnc_p3 bra $__cnc_counted;", "setp.gt.u32 %__cnc_p2, %__cnc_h, 1;",
+        "%ntid.z", "barrier.sync 0;\n\t@%__cnc_p0 bra $__cnc_done;",
         "@%__cnc_p2 red.release.gpu.global.add.u64 [%__cnc_d0], %__cnc_d2;",
         "@!%__cnc_p2 red.relaxed.gpu.global.add.u64 [%__cnc_d0], %__cnc_d2;",
-        "setp.ne.u32 %__cnc_p0, %__cnc_r3, 0;", "[__concordia_expect]", "[__concordia_gate]")]
+        "$__cnc_counted:", "setp.ne.u32 %__cnc_p0, %__cnc_r3, 0;", "[__concordia_expect]", "[__concordia_gate]")]
     assert order == sorted(order)
     assert "activemask" not in out and "bar.sync" not in out and stub.count("red.") == 3  # + the launch count
     # without a gate the count is always relaxed
@@ -163,15 +191,15 @@ def test_counting_at_entry_moves_the_common_red_before_the_body():
     first = out.index("setp.eq.u32 %p1")
     # the mirror read, the entry count of the threads not asked to hold, block 0 counting the launch
     assert out.index("ld.global.ca.u32 %__cnc_h, [__concordia_hold];") < first
-    assert out.index("setp.eq.u32 %__cnc_pc, %__cnc_h, 0;") < first
+    assert out.index("setp.eq.u32 %__cnc_pc, %__cnc_h, 1;") < first
     assert out.index("red.relaxed.gpu.global.add.u64 [%__cnc_d0]") < first
     assert out.index("atom.global.add.u64 %__cnc_d2, [__concordia_expect]") > out.index("$__cnc_counted:")
     # the exit counts only threads that started while a hold was requested, with release
     stub = out[out.index("$__cnc_exit:"):]
-    assert "vote.sync.ballot.b32 %__cnc_r1, !%__cnc_pc" in stub
+    assert "setp.gt.u32 %__cnc_p3, %__cnc_h, 1;\n\tvote.sync.ballot.b32 %__cnc_r1, %__cnc_p3" in stub
     assert "bar.warp.sync %__cnc_r0;" in stub and "red.release.gpu.global.add.u64" in stub
     assert "red.relaxed" not in stub and "atom." not in stub[:stub.index("$__cnc_counted:")]
-    assert "@%__cnc_pc bra $__cnc_done;" in stub
+    assert "setp.le.u32 %__cnc_p0, %__cnc_h, 1;\n\t@%__cnc_p0 bra $__cnc_done;" in stub
     # without a gate the exit only lets block 0's thread 0 count the launch
     bare = rewrite(entry("\tret;"), Options(count_at="entry", pause_gate=False)).ptx
     tail = bare[bare.index("$__cnc_exit:"):]
