@@ -150,6 +150,7 @@ def _registers(fn) -> int | None:
 def run(nbytes: int, repeat: int) -> dict:
     cp = require_cupy(InstrumentError, where="bench instrument", hint="run it on a GPU machine")
     from concordia import instrument
+    from concordia.instrument import runtime
 
     n = max(1024, nbytes // 4)
     x = cp.random.standard_normal(n, dtype=cp.float32)
@@ -162,6 +163,7 @@ def run(nbytes: int, repeat: int) -> dict:
     ceiling_bw = 2 * x.nbytes / ceiling_s
     gate = instrument.Gate()
     kernels = {}
+    attached: dict[str, tuple] = {}   # variant -> (report, gate or None, tracked regions)
     try:
         for v in VARIANTS:
             instrument.disable()
@@ -182,10 +184,13 @@ def run(nbytes: int, repeat: int) -> dict:
             if v == "store-track":
                 region = instrument.track_array("y", y, 4096)
                 instrument.set_regions([region])
+                regions = [region]
                 if rep.stores_tracked < 2:
                     raise InstrumentError("the store tracker instrumented no store of the bench kernels",
                                           where="bench instrument",
                                           hint=f"hook calls {instrument._hook.calls}")
+            else:
+                regions = []
             result = rep.find("stream_axpy").result
             opts = result.options
             counted = "entry" if settings.get("count_at") == "entry" else settings.get("count_by", "group")
@@ -194,7 +199,14 @@ def run(nbytes: int, repeat: int) -> dict:
                 raise InstrumentError(f"{v}: the bench kernels were rewritten with {opts}, counted by "
                                       f"{sorted({k.counted_by for k in result.kernels})}", where="bench instrument")
             kernels[v] = fns
+            attached[v] = (rep, gate if attach else None, regions)
         instrument.disable()
+        # disable() detaches every module from its gate and regions (and a
+        # module with no gate attached counts no threads): attach each variant's
+        # modules again as its settings say, for the timing
+        for rep, g, regions in attached.values():
+            for rec in rep.modules:
+                runtime.attach(rec.handle, rec.result, g, regions)
         shapes = []
         for shape in SHAPES:
             grid, block = launches[shape]
@@ -216,6 +228,9 @@ def run(nbytes: int, repeat: int) -> dict:
                            "spread": abs(r0 - r1) / ((r0 + r1) / 2), "variants": rows})
     finally:
         instrument.disable()
+        for rep, _g, _regions in attached.values():
+            for rec in rep.modules:
+                runtime.attach(rec.handle, rec.result, None, [])
         gate.free()
     goal = 0.05
     met = {}
