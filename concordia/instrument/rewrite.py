@@ -130,8 +130,12 @@ shared or local memory never fall inside a registered device allocation, so no
 `isspacep` test is needed.  The region table is read through the non-coherent
 path (the host writes it only between launches).  On sm_80 and newer, the
 threads calling together group by bitmap word (`match.any`), OR their bits
-(`redux.sync.or`) and one thread per word issues a `red.or` without a return
-value; there is no load of the bitmap and nothing for the store to wait on.
+(`redux.sync.or`) and one thread per word reads the word (GPU scope, so it sees
+other SMs' marks) and issues a `red.or` only when one of its bits is still
+clear: one bitmap word covers 32 pages, so without that test every warp of the
+128 blocks of a one-element-per-thread kernel that write those pages hammered
+the one word (+474 % on the H200, docs/results/instrument.md).  A stale read
+only costs a redundant `red`.
 Page indices use shifts when the page size is a power of two.  Bulk/tensor
 copies into global memory (`cp.async.bulk`, `cp.reduce.async.bulk`,
 `multimem`) cannot be tracked this way; they are counted as untracked.
@@ -387,6 +391,9 @@ def _track_function(address_size: int, aggregate: bool) -> str:
 	and.b32 %r12, %r10, %r9;
 	setp.eq.u32 %p1, %r12, 0;
 	and.pred %p1, %p1, %p0;
+	@%p1 ld.relaxed.gpu.global.u32 %r13, [%rd11];
+	@%p1 and.b32 %r13, %r13, %r11;
+	@%p1 setp.ne.u32 %p1, %r13, %r11;
 	@%p1 red.global.or.b32 [%rd11], %r11;"""
     else:
         prelude = ""
