@@ -67,6 +67,12 @@ def report() -> Report | None:
 
 
 def set_gate(gate: Gate | None) -> None:
+    """Attach every instrumented module (and those loaded later) to `gate`, or
+    detach them (None).  Threads are counted only while a gate is attached, so
+    the hooks cost least between checkpoints with none: attach a gate, close
+    it, wait for `gate.arrived`, checkpoint, open it and detach.  Attaching or
+    detaching modules that have run first synchronises the device; no other
+    thread may launch into them meanwhile."""
     _require().set_gate(gate)
 
 
