@@ -19,7 +19,7 @@ from crc32c import crc32c as _crc32c
 
 from . import format as F
 from . import pagecrc as _pagecrc
-from .errors import RecordTooLargeError, UsageError, WalError
+from .errors import LogFullError, RecordTooLargeError, UsageError, WalError, WriterStoppedError
 from .volume import SegmentInfo, Volume
 
 _ids = itertools.count(1)
@@ -105,6 +105,11 @@ class Appender:
         #: one sync per commit (records and commit record together, the commit flagged
         #: ONE_SYNC) where a sync costs a device round trip: msync tiers
         self.one_sync = self.backend.persist_path == "msync"
+        #: why the writer stopped (a sync or roll over failed), or None: after a
+        #: failed sync what reached the media is unknown (the kernel may have
+        #: dropped the pages it could not write and report the next sync clean),
+        #: so nothing more is appended; a reopen recovers what is whole
+        self.stopped: str | None = None
         self._dirty: list[list[int]] = []  # [start, end) ranges to persist at the next commit
         #: page-cache files: CPU-encoded records go in with pwritev from the caller's
         #: pages (no page fault per page after each msync); the mapping stays for reads
@@ -123,6 +128,22 @@ class Appender:
         self._prepared: SegmentInfo | None = None
 
     # -- space --------------------------------------------------------------------
+    def _check_running(self) -> None:
+        if self.stopped is not None:
+            raise WriterStoppedError(f"the log writer stopped after {self.stopped}",
+                                     hint="reopen the log: recovery keeps every commit that is whole on the media")
+
+    def _stop(self, what: str, exc: BaseException) -> None:
+        one = exc.one_line() if hasattr(exc, "one_line") else f"{type(exc).__name__}: {exc}"
+        self.stopped = f"a failed {what} ({one})"
+
+    def _persist(self, off: int, n: int) -> None:
+        try:
+            self.backend.persist(off, n)
+        except Exception as exc:
+            self._stop("sync", exc)
+            raise
+
     @property
     def segment_capacity(self) -> int:
         """The largest record (or extent) one segment holds."""
@@ -151,6 +172,7 @@ class Appender:
     def _space(self, nbytes: int) -> int:
         """Offset of `nbytes` (a multiple of 64) taken at the write position,
         rolling over first when they do not fit the current segment."""
+        self._check_running()
         n = nbytes
         if n <= 0:
             raise UsageError(f"cannot reserve {nbytes} bytes")
@@ -158,7 +180,13 @@ class Appender:
             raise RecordTooLargeError(f"{n} bytes do not fit one segment ({self.segment_capacity} usable)",
                                       hint="split the batch or create the log with larger segments")
         if self.seg is None or self.pos + n > self.seg.offset + self.seg.nbytes:
-            self._roll()
+            try:
+                self._roll()
+            except LogFullError:
+                raise
+            except Exception as exc:
+                self._stop("roll over", exc)
+                raise
         off = self.pos
         self.pos += n
         return off
@@ -238,21 +266,23 @@ class Appender:
     def persist(self, res: Reservation) -> None:
         """The records written into `res` become durable before this returns.
         Unused space at its end is covered by a pad record."""
+        self._check_running()
         if self.outstanding.pop(res.id, None) is None:
             raise UsageError("reservation already persisted or not from this appender")
         used = self._account(res, None, None)
         self._pad(res, used)
-        self.backend.persist(res.offset, res.length)
+        self._persist(res.offset, res.length)
         self._wrote()
 
     def finish_extent(self, ext: Extent, used_bytes: int, records: int) -> None:
         """The producer wrote `records` records into the first `used_bytes` of
         `ext`; check, pad the rest, persist."""
+        self._check_running()
         if self.outstanding.pop(ext.id, None) is None:
             raise UsageError("extent already finished or not from this appender")
         used = self._account(ext, F.align64(used_bytes), records)
         self._pad(ext, used)
-        self.backend.persist(ext.offset, ext.length)
+        self._persist(ext.offset, ext.length)
         self._wrote()
 
     def _wrote(self):
@@ -401,7 +431,7 @@ class Appender:
         if F.counted_in_epoch(type, flags):
             self._count(epoch, length, lsn)
         if persist:
-            self.backend.persist(off, length)
+            self._persist(off, length)
         else:
             self._defer(off, length)
         self._wrote()
@@ -436,6 +466,7 @@ class Appender:
         on its own (as when the log is closed), it also withdraws a prepared
         segment header (zeroed, persisted by the same sync), so that a log closed
         cleanly leaves no header in a free segment for the next open to adopt."""
+        self._check_running()
         if self._prepared is not None:
             off = self._prepared.offset
             self.vol.zero_header(self._prepared.index, persist=False)
@@ -446,16 +477,20 @@ class Appender:
     def _sync(self) -> None:
         if self._pmem:
             if self._dirty:
-                self.backend.drain()
+                try:
+                    self.backend.drain()
+                except Exception as exc:
+                    self._stop("drain", exc)
+                    raise
         elif self.one_sync and len(self._dirty) > 1:
             # records on both sides of a segment boundary: one sync over the span (the
             # pages between are clean, or segment headers already durable) instead of
             # a device round trip per range
             start = min(r[0] for r in self._dirty)
-            self.backend.persist(start, max(r[1] for r in self._dirty) - start)
+            self._persist(start, max(r[1] for r in self._dirty) - start)
         else:
             for start, end in self._dirty:
-                self.backend.persist(start, end - start)
+                self._persist(start, end - start)
         self._dirty.clear()
         self._kicked = 0
 
@@ -463,7 +498,12 @@ class Appender:
     def commit(self, epoch: int, digests: dict | None = None) -> int:
         """Make `epoch` durable: persist its records, then write and persist its
         commit record (record count, bytes, region digests).  Returns the commit's LSN.
-        When this returns, recovery will restore the epoch."""
+        When this returns, recovery will restore the epoch.  A commit whose
+        write fails can be retried; one whose sync fails stops the writer
+        (WriterStoppedError from then on): its commit record may or may not be
+        on the media, and a second one for the same epoch would make the log
+        unreadable there."""
+        self._check_running()
         if self.outstanding:
             raise UsageError(f"commit of epoch {epoch} with {len(self.outstanding)} reservations not yet "
                              "persisted or finished", hint="persist or finish them first")

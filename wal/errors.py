@@ -63,6 +63,12 @@ class UsageError(WalError):
     """An API was called out of order (e.g. commit with reservations unfinished)."""
 
 
+class WriterStoppedError(WalError):
+    """A sync (or a roll over) failed earlier: what reached the media is unknown,
+    so the writer refuses to append anything more; reopening the log recovers
+    every commit that is whole on the media."""
+
+
 __all__ = [
     "WalError",
     "CorruptionError",
@@ -76,4 +82,5 @@ __all__ = [
     "RecordTooLargeError",
     "RegionError",
     "UsageError",
+    "WriterStoppedError",
 ]

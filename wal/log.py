@@ -232,9 +232,12 @@ class Log:
         }
 
     def close(self) -> None:
-        if self._appender is not None and self._appender.outstanding:
+        """Persist what was appended and release the log.  A writer stopped by a
+        failed sync writes nothing more: the log is released as it is."""
+        stopped = self._appender is not None and self._appender.stopped is not None
+        if self._appender is not None and self._appender.outstanding and not stopped:
             raise UsageError(f"{len(self._appender.outstanding)} reservations not persisted at close")
-        if self._appender is not None:
+        if self._appender is not None and not stopped:
             self._appender.sync()
         self._result = ScanResult()
         self._appender = None

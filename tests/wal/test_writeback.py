@@ -15,6 +15,7 @@ from concordia.devmem import open_backend
 from concordia.devmem.backend import os_error
 from concordia.devmem.errors import DevmemError, OutOfRangeError
 from concordia.wal import Log
+from concordia.wal.errors import WriterStoppedError
 
 from .helpers import MiB, Model, kill_writer_after, replay
 
@@ -161,4 +162,45 @@ def test_failed_commit_write_frees_its_space_and_the_commit_can_be_retried(tmp_p
     back = Log.open(f"file:{tmp_path / 'log'}")
     assert back.last_committed_epoch == 2 and back.verify()["ok"]
     assert (replay(back, model.npages, model.page_bytes) == model.state_after(2)).all()
+    back.close()
+
+
+@pytest.mark.parametrize("one_sync", [True, False], ids=["one-sync", "two-syncs"])
+def test_failed_commit_sync_stops_the_writer_and_a_reopen_recovers(tmp_path, one_sync):
+    # After a failed sync what reached the media is unknown (the kernel may drop
+    # the pages it could not write and report the next sync clean). A retried
+    # commit used to write a second commit record for the same epoch, which made
+    # the log fail to open there (V-C2). Now the writer stops, says so in one
+    # line, and a reopen recovers every commit that is whole.
+    log, rid = _file_log(tmp_path)
+    app = log.appender
+    app.one_sync = one_sync
+    model = Model(npages=64, page_bytes=4096, batches=3, per_batch=8, seed=11)
+    model.write_epoch(log, rid, 1)
+    for ids, pages in model.epoch_batches(2):
+        app.append_page_batch(2, rid, ids, pages)
+    real = app.backend.persist
+
+    def failing(off, n):
+        raise os_error(OSError(5, "Input/output error"), f"file @ {off:#x}", "sync failed")
+
+    app.backend.persist = failing
+    with pytest.raises(DevmemError, match="sync failed"):
+        app.commit(2, {rid: model.digest(2)})
+    app.backend.persist = real
+    for retry in (lambda: app.commit(2, {rid: model.digest(2)}), app.sync,
+                  lambda: app.append_page_batch(3, rid, *next(iter(model.epoch_batches(3))))):
+        with pytest.raises(WriterStoppedError) as info:
+            retry()
+        msg = info.value.one_line()
+        assert "\n" not in msg and "stopped after a failed sync" in msg and "Input/output error" in msg
+        assert "reopen the log" in msg
+    log.close()  # writes nothing more
+    dropped = []
+    back = Log.open(f"file:{tmp_path / 'log'}", writable=False, reporter=dropped.append)
+    # the commit's bytes were written to the file before its sync failed: here
+    # they are whole, so epoch 2 is recovered; epoch 1 is in either way
+    assert back.last_committed_epoch in (1, 2) and back.verify()["ok"]
+    got = back.last_committed_epoch
+    assert (replay(back, model.npages, model.page_bytes) == model.state_after(got)).all()
     back.close()
