@@ -190,10 +190,15 @@ def decode_superblock(buf, *, where: str = "superblock") -> Superblock:
         raise CorruptionError(
             f"geometry inconsistent: {segment_count} x {segment_bytes} bytes at 0x{segments_off:x} "
             f"in a {volume_bytes}-byte volume", where=where)
-    entries = tuple(
-        SegmentEntry(*SEGMENT_ENTRY.unpack_from(buf, SUPERBLOCK_SIZE + i * SEGMENT_ENTRY_SIZE)[:5])
-        for i in range(segment_count)
-    )
+    rows = [SEGMENT_ENTRY.unpack_from(buf, SUPERBLOCK_SIZE + i * SEGMENT_ENTRY_SIZE) for i in range(segment_count)]
+    for i, row in enumerate(rows):
+        if row[5]:  # V-B5: the table's reserved words too
+            raise CorruptionError(f"segment table entry {i}: reserved word is 0x{row[5]:08x}, not zero",
+                                  where=where)
+        if row[3] not in (SEG_FREE, SEG_LIVE):
+            raise CorruptionError(f"segment table entry {i}: state {row[3]} is neither free (0) nor live (1)",
+                                  where=where)
+    entries = tuple(SegmentEntry(*row[:5]) for row in rows)
     return Superblock(
         uuid=bytes(uuid), sequence=sequence, volume_bytes=volume_bytes, slot_bytes=slot_bytes,
         segments_off=segments_off, segment_bytes=segment_bytes, segment_count=segment_count,

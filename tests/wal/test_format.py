@@ -228,6 +228,23 @@ def test_superblock_roundtrip_and_crc():
         F.decode_superblock(bytes(len(raw)))
 
 
+@pytest.mark.parametrize("field_off, value, words", [
+    (28, 7, "segment table entry 1: reserved word is 0x00000007, not zero"),
+    (20, 2, "segment table entry 1: state 2 is neither free (0) nor live (1)"),
+])
+def test_segment_table_reserved_word_and_state_are_checked(field_off, value, words):
+    # FORMAT.md §1 and V-B5: a reader refuses reserved bytes that are not zero,
+    # the segment table's included; a state other than free or live is refused
+    # too (both under a valid CRC, i.e. written so by a writer, not torn)
+    sb = _superblock()
+    raw = bytearray(F.encode_superblock(sb))
+    struct.pack_into("<I", raw, 256 + 32 + field_off, value)
+    struct.pack_into("<I", raw, 252, crc_ref(bytes(raw[:252]) + bytes(raw[256:])))
+    with pytest.raises(CorruptionError) as info:
+        F.decode_superblock(bytes(raw))
+    assert words in info.value.one_line()
+
+
 def test_segment_header_roundtrip():
     h = F.SegmentHeader(bytes(16), 4, 0x400000, 1 << 20, 2, 0x1234, 3, 0xCAFE, 99)
     raw = F.encode_segment_header(h)
