@@ -13,7 +13,7 @@ from concordia.wal import format as F
 
 from . import render as R
 from .common import EXIT_OK, EXIT_PROBLEMS, LSN, SIZE, Where, emit_json, guarded, open_volume, unwritten_slot
-from .wal_cmd_scan import DMG, REC, classify, record_dict, region_names, walk
+from .wal_cmd_scan import DMG, item_lsn, last_commit_lsn, record_dict, region_names, walk
 
 INFO_SCHEMA = "concordia-wal/info/1"
 DUMP_SCHEMA = "concordia-wal/dump/1"
@@ -389,6 +389,29 @@ def _keep(r: dict, start, end, region, typ, epoch) -> bool:
     return True
 
 
+def _dump_records(vol, start, end, region, typ, epoch, limit) -> list:
+    """The records `dump` shows.  A walk of the record headers alone (no page
+    payload is read) gives the region names and the last commit, which decides
+    whether a damaged range is a torn tail; then only the records from `start`
+    on are read with every checksum, up to `end` or `limit`, so that looking at
+    the end of a long log does not read all of it."""
+    heads = list(walk(vol, check_pages=False))
+    names = region_names(vol, heads)
+    last_commit = last_commit_lsn(heads)
+    recs = []
+    for it in walk(vol, check_pages=True, from_lsn=start or 0):
+        lsn = item_lsn(it)
+        if end is not None and lsn >= end:
+            break
+        tail = it[0] == DMG and lsn > last_commit
+        r = record_dict(vol, it, names, tail)
+        if _keep(r, start, end, region, typ, epoch):
+            recs.append(r)
+            if limit is not None and len(recs) >= limit:
+                break
+    return recs
+
+
 def _dump_stats(recs: list) -> dict:
     by_type = defaultdict(lambda: {"records": 0, "bytes": 0, "pages": 0, "bad": 0})
     by_region = defaultdict(lambda: {"records": 0, "bytes": 0, "pages": 0, "bad": 0})
@@ -441,16 +464,7 @@ def dump_cmd(log, start, end, region, typ, epoch, limit, stats, as_json, follow,
         return _follow(log, start, end, region, typ, epoch, limit, as_json, interval)
     vol = open_volume(log)
     try:
-        items = list(walk(vol, check_pages=True))
-        tails = classify(items)
-        names = region_names(vol, items)
-        recs = []
-        for it, tail in zip(items, tails):
-            r = record_dict(vol, it, names, tail)
-            if _keep(r, start, end, region, typ, epoch):
-                recs.append(r)
-                if limit is not None and len(recs) >= limit:
-                    break
+        recs = _dump_records(vol, start, end, region, typ, epoch, limit)
         bad = any(r["crc"] == "BAD" and not r["tail"] for r in recs)
         if stats:
             st = _dump_stats(recs)

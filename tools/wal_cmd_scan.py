@@ -29,16 +29,18 @@ def walk(vol, *, check_pages: bool = True, from_lsn: int = 0):
         yield it
 
 
-def classify(items: list) -> list:
-    """Per item, True when it is a damaged range after the last valid commit
-    record (a torn tail), False otherwise (FORMAT.md §5.5)."""
-    last_commit = -1
-    for i, it in enumerate(items):
-        if it[0] == REC and it[3][1] & F.TYPE_MASK == F.REC_COMMIT:
-            last_commit = i
-        elif it[0] == DMG and len(it) > 5 and it[5]:
-            last_commit = i  # a damaged segment header hiding a valid commit: corruption
-    return [it[0] == DMG and i > last_commit for i, it in enumerate(items)]
+def item_lsn(it) -> int:
+    return it[1].base_lsn + (it[2] - it[1].offset)
+
+
+def last_commit_lsn(items) -> int:
+    """LSN of the last valid commit record among `items` (or of a damaged
+    segment header hiding one), -1 when there is none: a damaged range past it
+    is a torn tail, one before it corruption (FORMAT.md §5.5).  Walks with and
+    without page checks agree on it (they differ only in page payload CRCs)."""
+    return max((item_lsn(it) for it in items
+                if (it[0] == REC and it[3][1] & F.TYPE_MASK == F.REC_COMMIT)
+                or (it[0] == DMG and len(it) > 5 and it[5])), default=-1)
 
 
 def region_names(vol, items) -> dict:
