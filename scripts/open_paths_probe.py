@@ -1,0 +1,47 @@
+"""Open + plan time of one committed epoch in a file log, the way a Session
+opens it (writable, every page CRC checked at open) beside the way bench
+recover opens it (read-only, pages checked where they land).
+Usage: python3 scripts/open_paths_probe.py [DIR] [GiB]   (default /dev/shm, 2)"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import numpy as np
+
+from concordia.devmem import open_backend
+from concordia.wal import Log
+from concordia.wal.planner import plan
+
+
+def main(folder: str = "/dev/shm", gib: int = 2) -> None:
+    path = os.path.join(folder, f"concordia-open-paths-{os.getpid()}.log")
+    pages = np.random.default_rng(0).integers(0, 255, (128, 65536), dtype=np.uint8)  # 8 MiB per batch
+    batches = gib * 128
+    try:
+        log = Log.create(open_backend(f"file:{path}", size=(gib * 1024 + 64 * 9) << 20, create=True),
+                         segment_size=64 << 20)
+        rid = log.define_region("kv", np.uint8, (gib << 30,), 65536, "kv")
+        for b in range(batches):
+            log.appender.append_page_batch(1, rid, np.arange(128) + b * 128, pages)
+        log.appender.commit(1, {})
+        log.close()
+        for _ in range(2):
+            for writable, check in ((True, True), (False, False)):
+                t0 = time.perf_counter()
+                lg = Log.open(f"file:{path}", writable=writable, check_pages=check)
+                t1 = time.perf_counter()
+                plan(lg)
+                t2 = time.perf_counter()
+                lg.close()
+                print(f"{'writable, page checks  ' if writable else 'read-only, no checks   '} "
+                      f"open {t1 - t0:.3f} s  plan {t2 - t1:.3f} s  total {t2 - t0:.3f} s", flush=True)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "/dev/shm", int(sys.argv[2]) if len(sys.argv) > 2 else 2)
