@@ -21,7 +21,7 @@ import numpy as np
 from crc32c import crc32c as _crc32c
 
 from . import format as F
-from .errors import CorruptionError, TornTailError
+from .errors import CorruptionError, TornTailError, UsageError
 from .volume import SegmentInfo, Volume
 
 
@@ -364,12 +364,44 @@ class Scanner:
 WALK_KEPT_MAX = 1 << 20
 
 
+def _check_last_commit_pages(vol: Volume, items: list) -> None:
+    """check_pages="last": the page payloads of the records between the last
+    commit and the one before it, when that last commit was written by one sync
+    with its records (FLAG_ONE_SYNC).  Those are the only pages whose damage
+    changes what the log holds (a crash inside that sync leaves some of them
+    unwritten, and V-C4 then drops the commit as torn); every other page is
+    checked where a recovery reads it.  A failing record becomes a damaged
+    range, as a walk with every page checked would have made it."""
+    commits = [i for i, it in enumerate(items) if it[0] == _REC and it[3][1] & F.TYPE_MASK == F.REC_COMMIT]
+    if not commits or not items[commits[-1]][3][2] & F.FLAG_ONE_SYNC:
+        return
+    last = commits[-1]
+    if any(it[0] == _DMG and len(it) > 5 and it[5] for it in items[last:]):
+        return  # a damaged segment header after it hides a later commit: not the last one
+    prev = commits[-2] if len(commits) > 1 else -1
+    arr, mv = vol.backend.array, vol.backend.view
+    for i in range(prev + 1, last):
+        it = items[i]
+        if it[0] != _REC or it[3][1] != F.REC_PAGE_BATCH:
+            continue
+        pos = it[2]
+        hdr = F.RecordHeader(*F._unpack_header(mv, pos))
+        problem = F.page_batch_problem(arr, hdr, pos, check_pages=True)
+        if problem is not None:
+            reason = problem[0] if problem[1] == pos else f"{problem[0]} (at 0x{problem[1]:x})"
+            items[i] = (_DMG, it[1], pos, hdr.length, reason)
+
+
 def recover(vol: Volume, mode: RecoveryMode = RecoveryMode.TOLERATE_TAIL,
             reporter: Callable[[Dropped], None] | None = None, *, check_pages: bool = True,
             progress: Callable[[int, int], None] | None = None) -> ScanResult:
     """Scan `vol` and apply `mode` (FORMAT.md §11).  Every dropped range goes to
     `reporter` (and into result.dropped).  Raises CorruptionError / TornTailError
-    where the mode says so.  progress(done_bytes, total_bytes): see Scanner."""
+    where the mode says so.  progress(done_bytes, total_bytes): see Scanner.
+    check_pages: True checks every page payload's CRC, False none (a reader
+    that checks the pages it reads), "last" only those of the last commit's
+    records when one sync wrote them with it (enough for V-C4, see
+    _check_last_commit_pages)."""
     mode = RecoveryMode.parse(mode)
     res = ScanResult()
 
@@ -381,8 +413,12 @@ def recover(vol: Volume, mode: RecoveryMode = RecoveryMode.TOLERATE_TAIL,
     for where, why in vol.slot_problems:
         report(Dropped(-1, 0, 0, f"{where}: {why} (the other slot is used)", "superblock"))
 
-    scanner = Scanner(vol, check_pages=check_pages, progress=progress)
+    if check_pages not in (True, False, "last"):
+        raise UsageError(f"check_pages must be True, False or 'last', not {check_pages!r}")
+    scanner = Scanner(vol, check_pages=check_pages is True, progress=progress)
     items = list(scanner.items(res))
+    if check_pages == "last":
+        _check_last_commit_pages(vol, items)
     res.bytes_checked = scanner.bytes_checked
     if len(items) <= WALK_KEPT_MAX:
         res.walk, res.walk_checked_pages = items, check_pages

@@ -10,7 +10,7 @@ import pytest
 from concordia.devmem import FaultInjectingBackend, MemoryBackend, open_backend
 from concordia.wal import Log, RecoveryMode
 from concordia.wal import format as F
-from concordia.wal.errors import CorruptionError, TornTailError
+from concordia.wal.errors import CorruptionError, TornTailError, UsageError
 
 from .helpers import MiB, Model, build_log, image, reopen, replay
 
@@ -107,6 +107,12 @@ def test_fault_injection_at_every_persist_boundary(modes, one_sync):
         assert not [d for d in got.dropped if d.kind == "corrupt"], got.dropped
         if one_sync:
             assert all(c.lsn for c in got.commits)
+        # checking only the last one-sync commit's pages (what a Session's open
+        # does) finds the same committed state at every crash point
+        last = reopen(img, writable=False, check_pages="last")
+        assert last.last_committed_epoch == e, (committed, e, mode)
+        assert (replay(last, model.npages, model.page_bytes) == model.state_after(e)).all()
+        assert not [d for d in last.dropped if d.kind == "corrupt"], last.dropped
 
 
 def test_one_sync_commit_whose_records_did_not_all_land_is_torn_not_corrupt():
@@ -132,8 +138,39 @@ def test_one_sync_commit_whose_records_did_not_all_land_is_torn_not_corrupt():
         assert got.last_committed_epoch == 4
         assert (replay(got, model.npages, model.page_bytes) == model.state_after(4)).all()
         assert any(d.kind == "torn" and "one sync" in d.reason for d in dropped)
+        # the same call when only the last commit's pages are checked
+        last = reopen(img, writable=False, check_pages="last")
+        assert last.last_committed_epoch == 4 and any(d.kind == "torn" for d in last.dropped)
         with pytest.raises(TornTailError):
             reopen(img, writable=False, mode=RecoveryMode.ABSOLUTE)
         w = reopen(img, writable=True)  # the cut drops epoch 5; writing goes on
         model.write_epoch(w, rid, 5)
         assert Log.open(w.backend, writable=False, mode=RecoveryMode.ABSOLUTE).last_committed_epoch == 5
+
+
+def test_checking_only_the_last_commits_pages_leaves_earlier_damage_to_the_reader():
+    # check_pages="last" (a Session's open) checks the pages of the last
+    # one-sync commit only: damage in an earlier epoch's page is not found at
+    # open (a full check refuses the log for writing there); the applier,
+    # which checks every page it copies, names it when a recovery reads it
+    model = Model(npages=32, page_bytes=4096, batches=2, per_batch=8)
+    log = Log.create(open_backend("memory:", size=4 * MiB), segment_size=MiB)
+    rid = log.define_region("r", np.uint8, (32 * 4096,), 4096, "kv")
+    log.appender.one_sync = True
+    for e in range(1, 6):
+        model.write_epoch(log, rid, e)
+    rec = [r for r in log.records() if r.epoch == 2 and r.kind == F.REC_PAGE_BATCH][0]
+    img = image(log.backend)
+    img[rec.offset + rec.length - 100] ^= 0x20
+    with pytest.raises(CorruptionError, match="page CRC mismatch"):
+        reopen(img, writable=True)
+    w = reopen(img, writable=True, check_pages="last")
+    assert w.last_committed_epoch == 5
+    from concordia.wal.apply import apply_plan_numpy
+    from concordia.wal.planner import plan
+
+    with pytest.raises(CorruptionError, match="page"):
+        apply_plan_numpy(w, plan(w, target=2))
+    with pytest.raises(UsageError, match="check_pages"):
+        reopen(img, writable=False, check_pages="some")
+
