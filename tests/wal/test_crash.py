@@ -115,19 +115,25 @@ def test_fault_injection_at_every_persist_boundary(modes, one_sync):
         assert not [d for d in last.dropped if d.kind == "corrupt"], last.dropped
 
 
+def _five_epochs(one_sync: bool, damaged_epoch: int):
+    """A log of five epochs written with or without one-sync commits, its image
+    and the first page batch of `damaged_epoch` (to damage in the image)."""
+    model = Model(npages=32, page_bytes=4096, batches=2, per_batch=8)
+    log = Log.create(open_backend("memory:", size=4 * MiB), segment_size=MiB)
+    rid = log.define_region("r", np.uint8, (32 * 4096,), 4096, "kv")
+    log.appender.one_sync = one_sync
+    for e in range(1, 6):
+        model.write_epoch(log, rid, e)
+    rec = [r for r in log.records() if r.epoch == damaged_epoch and r.kind == F.REC_PAGE_BATCH][0]
+    return model, log, rid, image(log.backend), rec
+
+
 def test_one_sync_commit_whose_records_did_not_all_land_is_torn_not_corrupt():
     """A sync that wrote the commit record's page but not all the records' pages:
     on a one-sync log the last epoch is simply not committed; a two-phase log
     cannot get there, so the same bytes there are corruption."""
     for one_sync in (True, False):
-        model = Model(npages=32, page_bytes=4096, batches=2, per_batch=8)
-        log = Log.create(open_backend("memory:", size=4 * MiB), segment_size=MiB)
-        rid = log.define_region("r", np.uint8, (32 * 4096,), 4096, "kv")
-        log.appender.one_sync = one_sync
-        for e in range(1, 6):
-            model.write_epoch(log, rid, e)
-        rec = [r for r in log.records() if r.epoch == 5 and r.kind == F.REC_PAGE_BATCH][0]
-        img = image(log.backend)
+        model, log, rid, img, rec = _five_epochs(one_sync, damaged_epoch=5)
         img[rec.offset + rec.length - 4096:rec.offset + rec.length] = bytes(4096)  # a page never written
         if not one_sync:
             with pytest.raises(CorruptionError, match="page CRC mismatch"):
@@ -153,14 +159,7 @@ def test_checking_only_the_last_commits_pages_leaves_earlier_damage_to_the_reade
     # one-sync commit only: damage in an earlier epoch's page is not found at
     # open (a full check refuses the log for writing there); the applier,
     # which checks every page it copies, names it when a recovery reads it
-    model = Model(npages=32, page_bytes=4096, batches=2, per_batch=8)
-    log = Log.create(open_backend("memory:", size=4 * MiB), segment_size=MiB)
-    rid = log.define_region("r", np.uint8, (32 * 4096,), 4096, "kv")
-    log.appender.one_sync = True
-    for e in range(1, 6):
-        model.write_epoch(log, rid, e)
-    rec = [r for r in log.records() if r.epoch == 2 and r.kind == F.REC_PAGE_BATCH][0]
-    img = image(log.backend)
+    model, log, rid, img, rec = _five_epochs(True, damaged_epoch=2)
     img[rec.offset + rec.length - 100] ^= 0x20
     with pytest.raises(CorruptionError, match="page CRC mismatch"):
         reopen(img, writable=True)
