@@ -80,7 +80,7 @@ class Log:
             res = recover(vol, mode, reporter, check_pages=check_pages)
             appender = cls._prepare_write(vol, res) if writable else None
             if writable:
-                res.walk = None  # writing changes what a walk finds: only a read-only log keeps it
+                _keep_walk_before_cut(res, vol)
         except BaseException:
             if owned:
                 backend.close()
@@ -251,3 +251,18 @@ class Log:
             self.close()
         else:
             self.volume.close()
+
+
+def _keep_walk_before_cut(res: ScanResult, vol: Volume) -> None:
+    """Writing changes what a walk finds after the cut (zeroed, freed, region
+    descriptors written again, new records), never before it, where a writable
+    open leaves only valid records (damage there refuses the open): keep those
+    items for the planner, which walks on from the cut (planner._walk_of_open)."""
+    if res.walk is None or res.cut is None:
+        res.walk = None
+        return
+    seg, end = res.cut
+    cut_lsn = seg.base_lsn + (end - seg.offset)
+    res.walk = [it for it in res.walk if it[1].base_lsn + (it[2] - it[1].offset) < cut_lsn]
+    res.walk_end_lsn = cut_lsn
+    res.walk_oldest_lsn = vol.superblock.oldest_lsn

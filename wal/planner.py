@@ -651,15 +651,27 @@ def _volume(log):
     return vol
 
 
-def _walk_of_open(log, check_pages: bool, progress):
-    """The walk a read-only Log made when it opened, when it answers this scan
-    exactly: nothing can have been appended since and it checked pages as this
-    scan would.  Handed over once (the Log does not keep it after).  None
-    otherwise, and when progress is wanted (the walk is then shown)."""
+def _walk_of_open(log, vol, check_pages: bool, progress):
+    """The walk a Log made when it opened, when it answers this scan exactly.
+    Read-only: nothing can have been appended since, and it checked pages as
+    this scan would.  Writable: the walk stops at the open's cut, before which
+    the open left only valid records (their pages checked too when this scan
+    checks pages), and this scan walks on from the cut (what the cut rewrote
+    and what was appended since), with no compaction in between.  Handed over
+    once (the Log does not keep it after).  None otherwise, and when progress
+    is wanted (the walk is then shown)."""
+    from concordia.wal.reader import ScanResult, Scanner
+
     res = getattr(log, "_result", None)
     walk = getattr(res, "walk", None)
-    if walk is None or progress is not None or getattr(log, "writable", True):
+    if walk is None or progress is not None:
         return None
+    if getattr(log, "writable", True):
+        if (res.walk_end_lsn is None or vol.superblock.oldest_lsn != res.walk_oldest_lsn
+                or (check_pages and res.walk_checked_pages is not True)):
+            return None
+        res.walk = None
+        return walk + list(Scanner(vol, check_pages=check_pages).items(ScanResult(), from_lsn=res.walk_end_lsn))
     if res.walk_checked_pages != check_pages:
         return None
     res.walk = None
@@ -684,7 +696,7 @@ def scan(log, *, payload: bool = True, check_pages: bool = False, progress=None)
     sb = vol.superblock
     arr = vol.backend.array
     mv = vol.backend.view
-    items = _walk_of_open(log, check_pages, progress)
+    items = _walk_of_open(log, vol, check_pages, progress)
     if items is None:
         items = list(Scanner(vol, check_pages=check_pages, progress=progress).items(ScanResult()))
     last_commit = -1

@@ -147,7 +147,12 @@ class ScanResult:
     # the raw walk (Scanner.items) and whether it checked page CRCs: a read-only
     # Log hands it to the planner, which would otherwise walk the log again
     walk: list | None = None
-    walk_checked_pages: bool = False
+    walk_checked_pages: bool | str = False
+    # a writable Log keeps the walk up to its cut (Log._keep_walk_before_cut):
+    # the planner walks on from walk_end_lsn, unless compaction moved
+    # oldest_lsn (walk_oldest_lsn) in between
+    walk_end_lsn: int | None = None
+    walk_oldest_lsn: int = 0
 
 
 class Scanner:
