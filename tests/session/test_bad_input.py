@@ -189,3 +189,26 @@ def test_recover_onto_a_gpu_without_cupy_is_one_line_and_loses_nothing(session):
         session.recover(device="cupy")
     one_line(e.value, "CuPy is not importable")
     assert_same(session.recover(), state)  # the log and the session are as they were
+
+
+def test_a_torn_last_commit_falls_back_to_the_epoch_before(file_log):
+    # a Session opens its log checking only the last one-sync commit's pages;
+    # a page of that commit's records that did not land (a crash inside its
+    # sync) still drops the commit as torn, and the epoch before is recovered
+    from .test_restore_transfer import flip_byte
+
+    kv = np.arange(4 * 4096, dtype=np.uint8).reshape(4, 4096)
+    with Session(file_log, size=LOG_SIZE, segment_size=SEGMENT) as s:
+        s.register("kv", kv, kind="kv", page_bytes=4096)
+        s.checkpoint()
+        first = kv.copy()
+        kv[2] += 1
+        s.checkpoint()
+        assert s.log.appender.one_sync  # a file log: records and commit in one sync
+        rec = [r for r in s.log.records() if r.kind == 0x01 and r.epoch == 2][0]
+        offset = rec.offset + rec.length - 4096 + 100  # inside the last page of epoch 2's batch
+    flip_byte(file_log, offset, 0x10)
+    with Session(file_log, create=False) as s:
+        assert s.log.last_committed_epoch == 1
+        assert any(d.kind == "torn" and "one sync" in d.reason for d in s.log.dropped)
+        assert np.array_equal(s.recover()["kv"], first)
