@@ -9,7 +9,10 @@ buffers with preadv while the copy engine and the scatter kernel move and
 apply the previous chunks), every page CRC and the region digest checked on
 the device.  For shm logs up to --registered-max-gib the same log is also
 restored from a registered mapping (the copy engine reads the log itself, as
-for a live session that keeps its log registered; registering is timed apart).
+for a live session that keeps its log registered; registering is timed apart),
+and every log once more the way a program recovers it:
+`Session(log, create=False).recover()` (a writable open that checks the last
+commit's pages, then the same restore), as `session_*` in each row.
 Beside it:
 
 * ceiling: pinned host-to-device copy bandwidth (cupy, pinned buffer);
@@ -198,6 +201,27 @@ def _restore_once(xp, spec: str, registered: bool = False, read: str = "auto") -
             "bytes": nbytes, "GBps": nbytes / restore / 1e9}
 
 
+def _session_once(xp, spec: str) -> dict:
+    """A program's recovery of the log: Session(create=False) (the writable
+    open a process that carries on writing makes) and recover() into new
+    arrays on the device (or the host)."""
+    from concordia import Session
+
+    t0 = time.perf_counter()
+    s = Session(spec, create=False)
+    try:
+        t1 = time.perf_counter()
+        out = s.recover(device="cupy" if xp is not np else None)
+        _sync(xp)
+        t2 = time.perf_counter()
+        nbytes = int(out["kv"].nbytes)
+        del out
+    finally:
+        s.close()
+    return {"session_open_s": t1 - t0, "session_recover_s": t2 - t1, "session_total_s": t2 - t0,
+            "session_GBps": nbytes / (t2 - t1) / 1e9}
+
+
 def _host_read(xp, spec: str, nbytes: int, threads=(None,)) -> dict:
     """The host side alone: the restore's reader threads filling pinned
     buffers with nbytes of the log (preadv, as the restore reads it), for each
@@ -351,6 +375,8 @@ def run(sizes_bytes, tiers, quick: bool, page_bytes: int, on_row=None, with_torc
                         row.update({f"registered_{k}": g[k] for k in ("total_s", "restore_s", "register_s",
                                                                         "GBps", "via")})
                         row["registered_ratio_to_ceiling"] = g["GBps"] / ceiling["GBps"]
+                    _release(xp)  # last: a writable open of the log, as a program recovering it makes
+                    row.update(_session_once(xp, spec))
                     row.update({"write_s": w["write_s"], **{k: v for k, v in r.items() if k != "bytes"},
                                 "ratio_to_ceiling": r["GBps"] / ceiling["GBps"],
                                 "speedup_vs_reprefill": reprefill_s / r["total_s"]})
@@ -391,6 +417,9 @@ def _table(res: dict) -> str:
         lines.append(f"{r['tier']:<5} {r['GiB']:>6.2f} {r['open_s']:>6.3f}s {r['plan_s']:>6.3f}s "
                      f"{r['restore_s']:>7.3f}s {r['total_s']:>7.3f}s {r['GBps']:>7.1f} "
                      f"{100 * r['ratio_to_ceiling']:>5.0f}% {r['reprefill_s']:>10.2f}s {tl:>11}  {r['via']}")
+        if "session_total_s" in r:
+            lines.append(f"{'':<5} {'':>6} {'Session.recover:':>16} {r['session_open_s']:>6.3f}s (open) "
+                         f"{r['session_recover_s']:>7.3f}s (plan + restore) {r['session_total_s']:>7.3f}s")
         if "registered_restore_s" in r:
             lines.append(f"{'':<5} {'':>6} {'registered mapping:':>16} {r['registered_restore_s']:>7.3f}s "
                          f"{r['registered_total_s']:>7.3f}s {r['registered_GBps']:>7.1f} "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from concordia.tools.wal_cli import main
@@ -20,6 +21,9 @@ def test_quick_json(tmp_path):
         assert row["tier"] == "file" and row["bytes"] > 0
         assert 0 < row["ratio_to_ceiling"]
         assert row["reprefill_s"] > 0 and row["total_s"] > 0
+        # the program's path too: a Session's writable open and recover()
+        assert row["session_open_s"] > 0 and row["session_recover_s"] > 0
+        assert row["session_total_s"] == pytest.approx(row["session_open_s"] + row["session_recover_s"])
 
 
 def test_bad_tier_is_a_usage_error():
