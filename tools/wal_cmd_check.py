@@ -5,14 +5,13 @@ exception, and it only ever cuts a torn tail, after a backup)."""
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import time
 
 import click
 
 from . import render as R
-from .common import EXIT_OK, EXIT_PROBLEMS, Where, emit_json, guarded, open_volume, unwritten_slot
+from .common import EXIT_OK, EXIT_PROBLEMS, emit_json, guarded, open_volume, unwritten_slot
 
 VERIFY_SCHEMA = "concordia-wal/verify/1"
 PLAN_SCHEMA = "concordia-wal/plan/1"
@@ -121,7 +120,7 @@ def _plan_cut(vol, problems: list) -> tuple[dict | None, str | None]:
     end = min(last.offset + last.nbytes, vol.backend.size)
     damaged = sum(p["length"] for p in torn)
     return {"segment": last.index, "offset": start, "length": end - start, "damaged_bytes": damaged,
-            "lsn": last.base_lsn + (start - last.offset), "where": last.where(start)}, None
+            "lsn": last.lsn(start), "where": last.where(start)}, None
 
 
 def _open_for_repair(spec: str):

@@ -13,7 +13,7 @@ from concordia.wal import format as F
 
 from . import render as R
 from .common import EXIT_OK, EXIT_PROBLEMS, LSN, SIZE, Where, emit_json, guarded, open_volume, unwritten_slot
-from .wal_cmd_scan import DMG, item_lsn, last_commit_lsn, record_dict, region_names, walk
+from .wal_cmd_scan import DMG, last_commit_lsn, record_dict, region_names, walk
 
 INFO_SCHEMA = "concordia-wal/info/1"
 DUMP_SCHEMA = "concordia-wal/dump/1"
@@ -400,7 +400,7 @@ def _dump_records(vol, start, end, region, typ, epoch, limit) -> list:
     last_commit = last_commit_lsn(heads)
     recs = []
     for it in walk(vol, check_pages=True, from_lsn=start or 0):
-        lsn = item_lsn(it)
+        lsn = it[1].lsn(it[2])
         if end is not None and lsn >= end:
             break
         tail = it[0] == DMG and lsn > last_commit
@@ -515,7 +515,7 @@ def _follow(log, start, end, region, typ, epoch, limit, as_json, interval) -> No
                 raise click.ClickException("the log was formatted again while it was followed")
             for it in walk(vol, check_pages=True, from_lsn=max(0, last)):
                 seg, off = it[1], it[2]
-                lsn = seg.base_lsn + (off - seg.offset)
+                lsn = seg.lsn(off)
                 if lsn <= last:
                     continue
                 if it[0] == DMG:

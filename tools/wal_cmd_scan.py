@@ -29,16 +29,12 @@ def walk(vol, *, check_pages: bool = True, from_lsn: int = 0):
         yield it
 
 
-def item_lsn(it) -> int:
-    return it[1].base_lsn + (it[2] - it[1].offset)
-
-
 def last_commit_lsn(items) -> int:
     """LSN of the last valid commit record among `items` (or of a damaged
     segment header hiding one), -1 when there is none: a damaged range past it
     is a torn tail, one before it corruption (FORMAT.md §5.5).  Walks with and
     without page checks agree on it (they differ only in page payload CRCs)."""
-    return max((item_lsn(it) for it in items
+    return max((it[1].lsn(it[2]) for it in items
                 if (it[0] == REC and it[3][1] & F.TYPE_MASK == F.REC_COMMIT)
                 or (it[0] == DMG and len(it) > 5 and it[5])), default=-1)
 
@@ -92,7 +88,7 @@ def _desc(vol, h, off: int) -> str:
 def record_dict(vol, it, names: dict, tail: bool) -> dict:
     """The dump JSON form of one Scanner item (docs/cli.md, `dump --json`)."""
     seg, off = it[1], it[2]
-    lsn = seg.base_lsn + (off - seg.offset)
+    lsn = seg.lsn(off)
     if it[0] == REC:
         h = it[3]
         kind = h[1] & F.TYPE_MASK

@@ -203,7 +203,7 @@ class Appender:
             # the header slot after this reservation starts zero, so that after a crash
             # the data ends cleanly there even in a recycled segment full of stale bytes
             self.backend.array[self.pos:self.pos + 64] = 0
-        res = cls(self.backend.array[off:off + n], off, seg.base_lsn + (off - seg.offset), seg.salt,
+        res = cls(self.backend.array[off:off + n], off, seg.lsn(off), seg.salt,
                   seg.index, n, next(_ids), cls is Extent)
         self.outstanding[res.id] = res
         return res
@@ -324,7 +324,7 @@ class Appender:
                 head = _fill_head(ids, page_crcs, count, self._head_buffer(count))
                 body_crc = _crc32c(head[F.RECORD_HEADER_SIZE:F.RECORD_HEADER_SIZE + 8 * count])
             off = self._space(length)
-            lsn = self.seg.base_lsn + (off - self.seg.offset)
+            lsn = self.seg.lsn(off)
             F.encode_record_header_into(head, length=length, type=F.REC_PAGE_BATCH, lsn=lsn, epoch=epoch,
                                         region_id=region_id, salt=self.seg.salt, body_crc=body_crc,
                                         count=count, page_bytes=page_bytes, flags=flags)
@@ -338,7 +338,7 @@ class Appender:
             if self._next_slot_free():
                 self.backend.array[self.pos:self.pos + 64] = 0  # (see _take)
             view = self.backend.array[off:off + length]
-            lsn = seg.base_lsn + (off - seg.offset)
+            lsn = seg.lsn(off)
             body_crc = None
             if page_crcs is None and src is not None and page_bytes % F.RECORD_ALIGN == 0 \
                     and page_bytes <= F.MAX_PAGE_BYTES:
@@ -417,7 +417,7 @@ class Appender:
             # encoded aside and stored with pwritev like page batches: a store through the
             # mapping would fault on the page the last sync left write-protected
             off = self._space(length)
-            lsn = self.seg.base_lsn + (off - self.seg.offset)
+            lsn = self.seg.lsn(off)
             buf = bytearray(length)
             F.encode_record_into(buf, type=type, lsn=lsn, epoch=epoch, salt=self.seg.salt, body=body,
                                  region_id=region_id, flags=flags, aux=aux, page_bytes=page_bytes)
@@ -542,7 +542,7 @@ class Appender:
         """LSN of the next byte to be reserved."""
         if self.seg is None:
             return self.vol.superblock.next_lsn
-        return self.seg.base_lsn + (self.pos - self.seg.offset)
+        return self.seg.lsn(self.pos)
 
 
 __all__ = ["Appender", "Reservation", "Extent"]

@@ -35,7 +35,7 @@ import numpy as np
 
 from concordia.wal.apply import take_rows
 from concordia.wal.errors import CorruptionError, WalError
-from concordia.wal.planner import BaseEntry, History, RegionPlan, plan_history, scan
+from concordia.wal.planner import History, RegionPlan, plan_history, scan
 from concordia.wal.snapshot import (
     DEFAULT_CHUNK_BYTES,
     Catalog,

@@ -262,7 +262,7 @@ def _keep_walk_before_cut(res: ScanResult, vol: Volume) -> None:
         res.walk = None
         return
     seg, end = res.cut
-    cut_lsn = seg.base_lsn + (end - seg.offset)
-    res.walk = [it for it in res.walk if it[1].base_lsn + (it[2] - it[1].offset) < cut_lsn]
+    cut_lsn = seg.lsn(end)
+    res.walk = [it for it in res.walk if it[1].lsn(it[2]) < cut_lsn]
     res.walk_end_lsn = cut_lsn
     res.walk_oldest_lsn = vol.superblock.oldest_lsn

@@ -46,7 +46,6 @@ delta and base up to the target: what replaying every record would read),
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -708,7 +707,7 @@ def scan(log, *, payload: bool = True, check_pages: bool = False, progress=None)
     prev_commit = None  # (lsn, epoch) of the last commit seen
     for i, it in enumerate(items):
         seg, off = it[1], it[2]
-        lsn_here = seg.base_lsn + (off - seg.offset)
+        lsn_here = seg.lsn(off)
         if it[0] != 0:  # damaged range
             reason = it[4]
             epoch = rid = None

@@ -12,7 +12,6 @@ must match), so one damaged record never hides the records after it.
 from __future__ import annotations
 
 import enum
-import struct
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -210,8 +209,7 @@ class Scanner:
             else:
                 found = self._segment(seg)
             for it in found:
-                if not from_lsn or seg.base_lsn + (it[2] - seg.offset) + (
-                        it[3] if it[0] == _DMG else it[3][0]) > from_lsn:
+                if not from_lsn or seg.lsn(it[2]) + (it[3] if it[0] == _DMG else it[3][0]) > from_lsn:
                     yield it
         if self.progress is not None:
             self.progress(self._total, self._total)
@@ -237,7 +235,7 @@ class Scanner:
         nz = np.flatnonzero(lsns)
         if nz.size == 0:
             return None
-        first = seg.base_lsn + (start - seg.offset)
+        first = seg.lsn(start)
         expected = nz.astype(np.uint64) * np.uint64(64) + np.uint64(first)
         ok = (lsns[nz] == expected) & ((words[nz, 4] & np.uint64(0xFFFFFFFF)) == np.uint64(seg.salt))
         cand = nz[ok]
@@ -258,6 +256,19 @@ class Scanner:
         if self.progress is not None:
             self._tell(self._done)
         return out
+
+    def _payload_entry(self, idx: int, pos: int, h) -> tuple:
+        """What _check_pages needs of the page batch at `pos` (items[idx]):
+        its geometry and one CRC32C over its whole payload."""
+        poff = pos + F.page_batch_payload_offset(h[9])
+        return idx, pos, h[9], h[10], _crc32c(self.mv[poff:poff + h[9] * h[10]])
+
+    def check_pages_of(self, items: list, indices) -> None:
+        """V-P5 for the page batches among items[indices] of a walk made without
+        page checks, as a walk with them would have made it: a failing record
+        becomes a damaged range in `items`."""
+        self._check_pages(items, [self._payload_entry(i, items[i][2], items[i][3]) for i in indices
+                                  if items[i][0] == _REC and items[i][3][1] == F.REC_PAGE_BATCH])
 
     def _check_pages(self, out: list, pending: list) -> None:
         """V-P5 for every page batch of a segment: the per-page CRC table, folded,
@@ -282,7 +293,7 @@ class Scanner:
                 out[idx] = (_DMG, item[1], pos, hdr.length, reason)
 
     def _walk(self, seg: SegmentInfo, out: list, pending: list) -> None:
-        mv, arr = self.mv, self.arr
+        mv = self.mv
         seg_end = seg.offset + seg.nbytes
         end = min(seg_end, self.backend.size)  # a truncated volume reads as zero beyond its end
         base_rel = seg.base_lsn - seg.offset  # lsn = abs offset + base_rel
@@ -337,8 +348,7 @@ class Scanner:
                 self.bytes_checked += length
                 if self.check_pages and h[1] == F.REC_PAGE_BATCH:
                     # page CRCs are checked for the whole segment at once (_check_pages)
-                    poff = pos + F.page_batch_payload_offset(h[9])
-                    pending.append((len(out), pos, h[9], h[10], _crc32c(mv[poff:poff + h[9] * h[10]])))
+                    pending.append(self._payload_entry(len(out), pos, h))
                 out.append((_REC, seg, pos, h))
             pos += length
 
@@ -369,34 +379,6 @@ class Scanner:
 WALK_KEPT_MAX = 1 << 20
 
 
-def _check_last_commit_pages(vol: Volume, items: list) -> None:
-    """check_pages="last": the page payloads of the records between the last
-    commit and the one before it, when that last commit was written by one sync
-    with its records (FLAG_ONE_SYNC).  Those are the only pages whose damage
-    changes what the log holds (a crash inside that sync leaves some of them
-    unwritten, and V-C4 then drops the commit as torn); every other page is
-    checked where a recovery reads it.  A failing record becomes a damaged
-    range, as a walk with every page checked would have made it."""
-    commits = [i for i, it in enumerate(items) if it[0] == _REC and it[3][1] & F.TYPE_MASK == F.REC_COMMIT]
-    if not commits or not items[commits[-1]][3][2] & F.FLAG_ONE_SYNC:
-        return
-    last = commits[-1]
-    if any(it[0] == _DMG and len(it) > 5 and it[5] for it in items[last:]):
-        return  # a damaged segment header after it hides a later commit: not the last one
-    prev = commits[-2] if len(commits) > 1 else -1
-    arr, mv = vol.backend.array, vol.backend.view
-    for i in range(prev + 1, last):
-        it = items[i]
-        if it[0] != _REC or it[3][1] != F.REC_PAGE_BATCH:
-            continue
-        pos = it[2]
-        hdr = F.RecordHeader(*F._unpack_header(mv, pos))
-        problem = F.page_batch_problem(arr, hdr, pos, check_pages=True)
-        if problem is not None:
-            reason = problem[0] if problem[1] == pos else f"{problem[0]} (at 0x{problem[1]:x})"
-            items[i] = (_DMG, it[1], pos, hdr.length, reason)
-
-
 def recover(vol: Volume, mode: RecoveryMode = RecoveryMode.TOLERATE_TAIL,
             reporter: Callable[[Dropped], None] | None = None, *, check_pages: bool = True,
             progress: Callable[[int, int], None] | None = None) -> ScanResult:
@@ -405,8 +387,9 @@ def recover(vol: Volume, mode: RecoveryMode = RecoveryMode.TOLERATE_TAIL,
     where the mode says so.  progress(done_bytes, total_bytes): see Scanner.
     check_pages: True checks every page payload's CRC, False none (a reader
     that checks the pages it reads), "last" only those of the last commit's
-    records when one sync wrote them with it (enough for V-C4, see
-    _check_last_commit_pages)."""
+    records when one sync wrote them with it: a crash inside that sync leaves
+    some of them unwritten, and V-C4 then drops the commit as torn; every other
+    page is checked where a recovery reads it."""
     mode = RecoveryMode.parse(mode)
     res = ScanResult()
 
@@ -422,9 +405,6 @@ def recover(vol: Volume, mode: RecoveryMode = RecoveryMode.TOLERATE_TAIL,
         raise UsageError(f"check_pages must be True, False or 'last', not {check_pages!r}")
     scanner = Scanner(vol, check_pages=check_pages is True, progress=progress)
     items = list(scanner.items(res))
-    if check_pages == "last":
-        _check_last_commit_pages(vol, items)
-    res.bytes_checked = scanner.bytes_checked
     if len(items) <= WALK_KEPT_MAX:
         res.walk, res.walk_checked_pages = items, check_pages
     backend = vol.backend
@@ -443,9 +423,12 @@ def recover(vol: Volume, mode: RecoveryMode = RecoveryMode.TOLERATE_TAIL,
             and items[last_commit][3][2] & F.FLAG_ONE_SYNC):
         prev_commit = max((i for i in range(last_commit)
                            if items[i][0] == _REC and items[i][3][1] & F.TYPE_MASK == F.REC_COMMIT), default=-1)
+        if check_pages == "last":  # the only pages whose damage changes what the log holds
+            scanner.check_pages_of(items, range(prev_commit + 1, last_commit))
         if any(items[i][0] == _DMG for i in range(prev_commit + 1, last_commit)):
             torn_commit, last_commit = last_commit, prev_commit
 
+    res.bytes_checked = scanner.bytes_checked
     stats: dict[int, list] = {}  # epoch -> [count, bytes, first_lsn, seg, first_off]
     last_epoch = 0
     last_commit_lsn = 0

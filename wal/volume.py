@@ -53,6 +53,10 @@ class SegmentInfo:
     def end_lsn(self) -> int:
         return self.base_lsn + self.nbytes
 
+    def lsn(self, abs_offset: int) -> int:
+        """The LSN of the byte at absolute offset `abs_offset` of this segment."""
+        return self.base_lsn + (abs_offset - self.offset)
+
     def where(self, abs_offset: int) -> str:
         return f"segment {self.index} @ 0x{abs_offset:x}"
 

@@ -5,7 +5,6 @@ restores is the state the engine committed."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -17,7 +16,6 @@ import pytest
 from click.testing import CliRunner
 
 from concordia.tools.wal_cli import main
-from concordia.wal import Log
 
 from .conftest import EPOCHS, WAL, flip, sha
 

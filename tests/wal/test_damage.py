@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import struct
 
-import numpy as np
 import pytest
 
 from concordia.wal import RecoveryMode as M
 from concordia.wal import format as F
 from concordia.wal.errors import CorruptionError, SuperblockError, TornTailError
 
-from .helpers import MiB, build_log, fix_header_crc, fix_segment_crc, image, reopen, replay
+from .helpers import build_log, fix_header_crc, fix_segment_crc, image, reopen, replay
 
 EPOCHS = 60
 

@@ -12,7 +12,7 @@ from concordia.wal import format as F
 from concordia.wal.errors import (LogFullError, NotALogError, RecordTooLargeError, RegionError,
                                   UsageError)
 
-from .helpers import MiB, Model, build_log, replay
+from .helpers import MiB, build_log, replay
 
 
 def test_roundtrip_many_epochs_across_segments():

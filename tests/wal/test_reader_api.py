@@ -8,7 +8,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from concordia.wal import Log
 from concordia.wal import format as F
 from concordia.wal.apply import apply_plan_numpy, restore_region_npy
 from concordia.wal.compact import fold_source
