@@ -378,6 +378,14 @@ def _module_additions(nslots: int, ctx: _Ctx) -> str:
     return "\n".join(lines)
 
 
+def _page_bit(word: str) -> str:
+    """PTX of the tracker: `word` = address of page %rd7's bitmap word (bitmap
+    at %rd5), %r4 = its bit (%r3 scratch)."""
+    return "\n\t".join([f"shr.u64 {word}, %rd7, 5;", f"shl.b64 {word}, {word}, 2;",
+                         f"add.s64 {word}, %rd5, {word};", "cvt.u32.u64 %r3, %rd7;", "and.b32 %r3, %r3, 31;",
+                         "mov.b32 %r4, 1;", "shl.b32 %r4, %r4, %r3;"])
+
+
 def _track_function(address_size: int, aggregate: bool) -> str:
     """`__concordia_track(addr, nbytes)`: mark the pages of every registered region
     that [addr, addr+nbytes) overlaps.  Every thread that enters loops over the
@@ -440,13 +448,7 @@ $Ldivide:
 	div.u64 %rd7, %rd7, %rd6;
 	div.u64 %rd8, %rd8, %rd6;
 $Lfirst:
-	shr.u64 %rd11, %rd7, 5;
-	shl.b64 %rd11, %rd11, 2;
-	add.s64 %rd11, %rd5, %rd11;
-	cvt.u32.u64 %r3, %rd7;
-	and.b32 %r3, %r3, 31;
-	mov.b32 %r4, 1;
-	shl.b32 %r4, %r4, %r3;
+	{_page_bit("%rd11")}
 	@!%p0 mov.u64 %rd11, 0;
 	@!%p0 mov.b32 %r4, 0;
 	{mark_first}
@@ -455,13 +457,7 @@ $Lpage:
 	add.s64 %rd7, %rd7, 1;
 	setp.gt.u64 %p2, %rd7, %rd8;
 	@%p2 bra $Lnext;
-	shr.u64 %rd9, %rd7, 5;
-	shl.b64 %rd9, %rd9, 2;
-	add.s64 %rd9, %rd5, %rd9;
-	cvt.u32.u64 %r3, %rd7;
-	and.b32 %r3, %r3, 31;
-	mov.b32 %r4, 1;
-	shl.b32 %r4, %r4, %r3;
+	{_page_bit("%rd9")}
 	red.global.or.b32 [%rd9], %r4;
 	bra $Lpage;
 $Lnext:
@@ -614,12 +610,20 @@ def _count_launch(slot: int, r: list[str], d: list[str], p: list[str], ctx: _Ctx
     ]
 
 
+def _or_of(r0: str, r1: str, sregs: tuple, p: str, test: str) -> list[str]:
+    """`p` = (the OR of the special registers `sregs`) `test` 0 ("eq" or "ne")."""
+    lines = [f"mov.u32 {r0}, {sregs[0]};"]
+    for sreg in sregs[1:]:
+        lines += [f"mov.u32 {r1}, {sreg};", f"or.b32 {r0}, {r0}, {r1};"]
+    return lines + [f"setp.{test}.u32 {p}, {r0}, 0;"]
+
+
+_TID = ("%tid.x", "%tid.y", "%tid.z")
+
+
 def _first_thread(r0: str, r1: str, p: str) -> list[str]:
     """`p` = this is thread (0,0,0) of block (0,0,0)."""
-    lines = [f"mov.u32 {r0}, %tid.x;"]
-    for sreg in ("%tid.y", "%tid.z", "%ctaid.x", "%ctaid.y", "%ctaid.z"):
-        lines += [f"mov.u32 {r1}, {sreg};", f"or.b32 {r0}, {r0}, {r1};"]
-    return lines + [f"setp.eq.u32 {p}, {r0}, 0;"]
+    return _or_of(r0, r1, _TID + ("%ctaid.x", "%ctaid.y", "%ctaid.z"), p, "eq")
 
 
 def _indent(lines: list[str]) -> list[str]:
@@ -688,10 +692,7 @@ def _block_counted_exit(slot: int, r: list[str], d: list[str], p: list[str], a64
     before the barrier, where it overlaps the wait for the block's last warp.
     With no gate attached nothing counts, and no thread waits at the barrier."""
     stripe, where = _stripe(r, d, a64)
-    lines = [f"{LBL}exit:",
-             f"mov.u32 {r[0]}, %tid.x;", f"mov.u32 {r[1]}, %tid.y;", f"or.b32 {r[0]}, {r[0]}, {r[1]};",
-             f"mov.u32 {r[1]}, %tid.z;", f"or.b32 {r[0]}, {r[0]}, {r[1]};",
-             f"setp.ne.u32 {p[0]}, {r[0]}, 0;",                  # not the block's leader
+    lines = [f"{LBL}exit:", *_or_of(r[0], r[1], _TID, p[0], "ne"),   # p0: not the block's leader
              *stripe]
     if ctx.options.pause_gate:
         lines += [f"setp.eq.u32 {p[3]}, {REG}h, {MIRROR_DETACHED};", f"@{p[3]} bra {LBL}counted;",
@@ -747,9 +748,7 @@ def _block_zero_tail(slot: int, r: list[str], d: list[str], p: list[str], a64: b
         return []
     lines = [] if have_block_sum else _block_sum(r)
     lines += [f"setp.ne.u32 {p[0]}, {r[3]}, 0;", f"@{p[0]} bra {LBL}done;",
-              f"mov.u32 {r[0]}, %tid.x;", f"mov.u32 {r[1]}, %tid.y;", f"or.b32 {r[0]}, {r[0]}, {r[1]};",
-              f"mov.u32 {r[1]}, %tid.z;", f"or.b32 {r[0]}, {r[0]}, {r[1]};",
-              f"setp.ne.u32 {p[0]}, {r[0]}, 0;", f"@{p[0]} bra {LBL}done;"]
+              *_or_of(r[0], r[1], _TID, p[0], "ne"), f"@{p[0]} bra {LBL}done;"]
     if not ctx.account_at_entry:
         lines += _count_launch(slot, r, d, p, ctx)
     if ctx.options.pause_gate:
