@@ -4,6 +4,8 @@ chunks, several regions and page sizes, every tier's read path, damage."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -124,17 +126,25 @@ def test_a_damaged_page_names_its_region_page_and_record(file_log):
     assert "page CRC mismatch for page" in msg and "'adapter'" in msg and "segment" in msg and "@ 0x" in msg
 
 
-def test_empty_plan_regions_filter(shm_log):
-    state = make_state(1)
-    with Session(shm_log, size=LOG_SIZE, segment_size=SEGMENT) as s:
+@contextlib.contextmanager
+def _one_checkpoint(spec, seed):
+    """(state, log): `state` checkpointed once by a Session into `spec`, then
+    the log opened read-only as a recovering reader opens it."""
+    state = make_state(seed)
+    with Session(spec, size=LOG_SIZE, segment_size=SEGMENT) as s:
         register_all(s, state)
         s.checkpoint()
-    log = Log.open(shm_log, writable=False, check_pages=False)
+    log = Log.open(spec, writable=False, check_pages=False)
     try:
-        tr = transfer_plan(log, plan(log), regions=["sched"])
-        got = apply_transfer_numpy(log, tr)
+        yield state, log
     finally:
         log.close()
+
+
+def test_empty_plan_regions_filter(shm_log):
+    with _one_checkpoint(shm_log, 1) as (state, log):
+        tr = transfer_plan(log, plan(log), regions=["sched"])
+        got = apply_transfer_numpy(log, tr)
     assert list(got) == ["sched"] and got["sched"].tobytes() == state["sched"].tobytes()
 
 
@@ -154,30 +164,18 @@ def test_file_backed_tiers_are_read_with_preadv(persistent_log):
 
 
 def test_a_plan_with_no_pages_to_read_is_an_empty_transfer(shm_log):
-    state = make_state(2)
-    with Session(shm_log, size=LOG_SIZE, segment_size=SEGMENT) as s:
-        register_all(s, state)
-        s.checkpoint()
-    log = Log.open(shm_log, writable=False, check_pages=False)
-    try:
+    with _one_checkpoint(shm_log, 2) as (_state, log):
         p = plan(log)
         for rp in p.regions.values():
             rp.sources.clear()  # as for a region none of whose pages was ever written
         tr = transfer_plan(log, p)
-    finally:
-        log.close()
     assert tr.pages == 0 and tr.chunks == 0 and tr.bytes_copied == 0
 
 
 def test_a_plan_naming_rows_a_record_lacks_is_refused_as_the_host_applier_refuses_it(shm_log):
     from concordia.wal.errors import WalError
 
-    state = make_state(5)
-    with Session(shm_log, size=LOG_SIZE, segment_size=SEGMENT) as s:
-        register_all(s, state)
-        s.checkpoint()
-    log = Log.open(shm_log, writable=False, check_pages=False)
-    try:
+    with _one_checkpoint(shm_log, 5) as (_state, log):
         p = plan(log)
         src = p.regions["adapter"].sources[0]
         src.rows[-1] = src.batch.page_ids.size  # one past the record's last row
@@ -185,6 +183,4 @@ def test_a_plan_naming_rows_a_record_lacks_is_refused_as_the_host_applier_refuse
             transfer_plan(log, p)
         with pytest.raises(WalError) as h:
             apply_plan_numpy(log, p)
-    finally:
-        log.close()
     assert str(e.value) == str(h.value) and "names rows or pages out of range" in str(e.value)
