@@ -12,8 +12,6 @@ looping over the array).  Each is compiled through CuPy with
   exit-hooks    exit hooks and epoch counters (the defaults: threads counted at
                 the exit, per group of threads leaving together), no gate attached
   exit+gate     the same with an open gate in mapped host memory (one poll per launch)
-  block+gate    exit+gate counting once per block (`count_by="block"`: a barrier
-                at the exit, then one `red` per block)
   group-spread  exit+gate with each group's count spread over 4096 counters by
                 block and warp slot instead of 64 by block: not a working design
                 (the holder sums 64), it asks whether the per-group `red`s cost
@@ -26,8 +24,6 @@ looping over the array).  Each is compiled through CuPy with
   no-count      no-mirror with the count's `red` taken out: not a working
                 design, the floor under it (what the count itself costs is
                 no-mirror less no-count)
-  block-floor   block counting without the gate and without its `red`: the
-                exit barrier alone (not a working design either)
   store-track   exit hooks, gate, and the store tracker with the output registered
 
 Times are CUDA-event medians over `--repeat` launches after warm-up, taken in
@@ -59,19 +55,17 @@ extern "C" __global__ void stride_axpy(const float* x, float* y, float a, long l
 }
 """
 SHAPES = ("per-element", "grid-stride")
-VARIANTS = ("plain", "exit-hooks", "exit+gate", "block+gate", "group-spread", "entry+gate", "strong+gate",
-            "no-mirror", "no-count", "block-floor", "store-track")
+VARIANTS = ("plain", "exit-hooks", "exit+gate", "group-spread", "entry+gate", "strong+gate", "no-mirror",
+            "no-count", "store-track")
 # enable() arguments per variant (the gate is attached where "gate" is true)
 SETTINGS = {
     "exit-hooks": dict(gate=False),
     "exit+gate": dict(gate=True),
-    "block+gate": dict(gate=True, count_by="block"),
     "group-spread": dict(gate=True),
     "entry+gate": dict(gate=True, count_at="entry"),
     "strong+gate": dict(gate=True),
     "no-mirror": dict(gate=False, pause_gate=False),
     "no-count": dict(gate=False, pause_gate=False),
-    "block-floor": dict(gate=False, pause_gate=False, count_by="block"),
     "store-track": dict(gate=True, track_stores=True),
 }
 WEAK_READ = "ld.global.ca.u32 %__cnc_h, [__concordia_hold];"
@@ -79,14 +73,12 @@ STRONG_READ = "ld.relaxed.gpu.global.u32 %__cnc_h, [__concordia_hold];"
 
 
 COUNT_RED = "\t@%__cnc_p1 red.relaxed.gpu.global.add.u64 [%__cnc_d0], %__cnc_d2;\n"  # a group's count, no gate
-BLOCK_RED = "\tred.relaxed.gpu.global.add.u64 [%__cnc_d0], %__cnc_d2;\n"                # a block's count, no gate
 SPREAD = ("\tand.b32 %__cnc_r5, %__cnc_r3, 63;\n",
           "\tmov.u32 %__cnc_r5, %warpid;\n\tshl.b32 %__cnc_r5, %__cnc_r5, 6;\n"
           "\tadd.u32 %__cnc_r5, %__cnc_r5, %__cnc_r3;\n\tand.b32 %__cnc_r5, %__cnc_r5, 4095;\n")
 # Variants made by editing the rewritten PTX: [(text to replace, replacement,
 # fewest times it must be found in the module of the two bench kernels)].
 EDITS = {"strong+gate": [(WEAK_READ, STRONG_READ, 2)], "no-count": [(COUNT_RED, "", 2)],
-         "block-floor": [(BLOCK_RED, "", 2)],
          "group-spread": [(*SPREAD, 2), ("__concordia_exits[1024];", "__concordia_exits[65536];", 1)]}
 
 
@@ -193,7 +185,7 @@ def run(nbytes: int, repeat: int) -> dict:
                 regions = []
             result = rep.find("stream_axpy").result
             opts = result.options
-            counted = "entry" if settings.get("count_at") == "entry" else settings.get("count_by", "group")
+            counted = "entry" if settings.get("count_at") == "entry" else "group"
             if ((opts.count_at, opts.pause_gate) != (settings.get("count_at", "exit"), settings.get("pause_gate", True))
                     or {k.counted_by for k in result.kernels} != {counted}):
                 raise InstrumentError(f"{v}: the bench kernels were rewritten with {opts}, counted by "
@@ -236,7 +228,7 @@ def run(nbytes: int, repeat: int) -> dict:
     met = {}
     for s in shapes:
         by = {r["variant"]: r["overhead"] for r in s["variants"]}
-        met[s["shape"]] = {v: by[v] <= goal for v in ("exit-hooks", "exit+gate", "block+gate", "entry+gate")}
+        met[s["shape"]] = {v: by[v] <= goal for v in ("exit-hooks", "exit+gate", "entry+gate")}
     return {"bytes_per_array": n * 4, "repeat": repeat, "rounds": 2,
             "ceiling": {"what": "device-to-device copy (read + write)", "bandwidth_GBps": ceiling_bw / 1e9},
             "shapes": shapes, "goal": {"exit_hooks_max_overhead": goal, "met": met}}

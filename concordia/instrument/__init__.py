@@ -22,12 +22,10 @@ _hook = None
 
 
 def enable(*, exit_hooks: bool = True, pause_gate: bool = True, track_stores: bool = False,
-           max_regions: int = 8, count_at: str = "exit", count_by: str = "group", gate: Gate | None = None,
+           max_regions: int = 8, count_at: str = "exit", gate: Gate | None = None,
            compiler=None) -> Report:
     """Rewrite every CuPy kernel compiled from now on; return the live report.
-    `count_at` is where threads are counted ("exit" or "entry") and `count_by`
-    how the exit counts them ("group": per group of threads leaving together;
-    "block": once per block where the module allows it), see
+    `count_at` is where threads are counted ("exit" or "entry", see
     `concordia.instrument.rewrite`; `compiler` defaults to `cupy.cuda.compiler`."""
     global _hook
     from concordia.instrument.cupy_hook import CupyHook, clear_cupy_memos
@@ -40,7 +38,7 @@ def enable(*, exit_hooks: bool = True, pause_gate: bool = True, track_stores: bo
         except Exception as exc:
             raise InstrumentError(f"CuPy is not importable ({type(exc).__name__}: {exc})") from None
     opts = Options(exit_hooks=exit_hooks, pause_gate=pause_gate, track_stores=track_stores,
-                   max_regions=max_regions, count_at=count_at, count_by=count_by)
+                   max_regions=max_regions, count_at=count_at)
     hook = CupyHook(compiler, opts, Report(), gate)
     hook.install()
     clear_cupy_memos()

@@ -50,8 +50,7 @@ sent every warp of the grid to the mirror's one L2 line: +56% on that shape on
 the H200; served by L1 it costs nothing measurable), and everything else
 happens at the exit.
 
-Exit hook, common path (`count_at="exit"` and `count_by="group"`, the
-defaults).  Every `ret`/`exit`
+Exit hook, common path (`count_at="exit"`, the default).  Every `ret`/`exit`
 of an entry (predicated or not, however many) becomes a branch to one stub at
 the end of the body; falling off the end reaches it as well, so every thread
 passes the stub exactly once.  The stub counts threads, not blocks, so no thread
@@ -67,22 +66,11 @@ than block 0 leaves on a test of block-uniform registers; block 0's thread 0
 adds the launch's thread count to `expect` (one atomic per launch), records the
 target and counts the launch in `epochs`.
 
-Counting once per block (`count_by="block"`, measured beside the default; it
-applies in every module where it is safe).  Eight `red`s per 256-thread block
-looked like most of what the hooks cost on one-element-per-thread kernels, so
-where no function of the module uses a named barrier, a warp-synchronous
-operation (`.sync`/`.aligned`) or an mbarrier wait, and no `.func` calls
-`exit`, the stub starts with one non-aligned `barrier.sync` that every thread
-of the block reaches once (threads that left through `exit` no longer hold a
-barrier up), and only thread (0,0,0) goes on: it adds the block's thread count
-to its stripe with one `red`, relaxed, or a GPU-scope release while the mirror
-is set (the barrier orders the block's writes before it).  In a module that
-uses any of those instructions a parked thread could hold up threads still in
-the body (a `bar.sync` waits for it, a shuffle names its lane), so those
-modules count per group as below.  `KernelInfo.counted_by` says which.  On
-the H200 it saved no more than the noise (the barrier costs about what the
-seven `red`s did, docs/results/instrument.md), so it is not the default: it
-adds a barrier the kernel did not have, for no measured gain.
+Counting once per block instead (one barrier at the exit, then one `red` by
+thread (0,0,0), in modules without barriers or warp-synchronous code) and
+without a barrier (a tagged shared-memory counter) were built and measured on
+the H200 and removed: the barrier cost what the saved `red`s did, the 128-bit
+shared CAS far more (docs/results/instrument.md).
 
 Counting at entry (`count_at="entry"`, measured beside the default).  Threads
 that start with the gate attached and open are counted at entry by their group's leader,
@@ -168,9 +156,7 @@ STRIPES = 64                   # exit counters, one per 128-byte line
 STRIPE_WORDS = 16              # u64 words per stripe
 REGION_WORDS = 4               # base, size, bitmap, page_bytes (u64 each)
 COUNT_AT = ("exit", "entry")
-COUNT_BY = ("block", "group")
 MIRROR_DETACHED, MIRROR_OPEN, MIRROR_CLOSED = 0, 1, 2   # values of the `hold` mirror
-BLOCK_BARRIER = 0              # the named barrier of the block count (only in modules that use none)
 
 _TYPE_BYTES = {
     "b8": 1, "u8": 1, "s8": 1,
@@ -190,7 +176,6 @@ class Options:
     track_stores: bool = False
     max_regions: int = 8
     count_at: str = "exit"     # where threads are counted: "exit" or "entry" (see above)
-    count_by: str = "group"    # at the exit: per group of threads leaving together, or "block" (see above)
 
 
 @dataclass
@@ -199,7 +184,7 @@ class KernelInfo:
     index: int
     kind: str               # "entry" | "func"
     exit_sites: int = 0     # ret/exit statements rerouted through the hook
-    counted_by: str = ""    # how its threads are counted: "block", "group", "thread" (at the exit) or "entry"
+    counted_by: str = ""    # how its threads are counted: "group", "thread" (at the exit) or "entry"
     stores_tracked: int = 0
     stores_untracked: int = 0
 
@@ -279,9 +264,6 @@ def rewrite(text: str | bytes, options: Options = Options()) -> RewriteResult:
     if options.count_at not in COUNT_AT:
         raise InstrumentError(f"count_at {options.count_at!r} is not one of {', '.join(COUNT_AT)}",
                               where="Options")
-    if options.count_by not in COUNT_BY:
-        raise InstrumentError(f"count_by {options.count_by!r} is not one of {', '.join(COUNT_BY)}",
-                              where="Options")
     func_exits = any(c.is_function and c.kind != "entry" and re.search(r"(^|[;{}\s])exit\s*;", c.body)
                      for c in chunks)
     # Counting at entry leaves a .func's `exit` unhooked; a hold would wait for
@@ -290,8 +272,6 @@ def rewrite(text: str | bytes, options: Options = Options()) -> RewriteResult:
         options = replace(options, pause_gate=False)
         result.options = options
     ctx = _Ctx(options, header, symbols, modern, account_at_entry=func_exits and options.exit_hooks)
-    ctx.block_count = (options.count_by == "block" and options.count_at == "exit" and modern
-                       and not func_exits and _block_count_allowed(chunks))
     out: list[str] = []
     slot = 0
     for k, ch in enumerate(chunks):
@@ -322,27 +302,6 @@ class _Ctx:
     symbols: set[str]
     modern: bool
     account_at_entry: bool = False   # a .func calls `exit`: the launch is counted in the prologue
-    block_count: bool = False        # entries count their exits once per block (see _block_count_allowed)
-
-
-# Instructions after which a thread parked at the exit barrier could hold up
-# threads still in the body: named barriers (an exited thread no longer holds
-# them up, a parked one does), warp-synchronous operations whose mask may name
-# lanes that left early, and mbarrier waits.
-_PARKING_HAZARDS = re.compile(r"^(bar|barrier|mbarrier|elect|wgmma|tcgen05)(\.|$)|\.(sync|aligned)(\.|$)")
-
-
-def _block_count_allowed(chunks: list[P.Chunk]) -> bool:
-    """True when no function of the module uses an instruction that a thread
-    parked at the exit barrier could hold up (_PARKING_HAZARDS): then every
-    thread of a block can wait at one barrier at the exit and its leader count
-    the whole block with one `red`."""
-    for ch in chunks:
-        if ch.is_function:
-            for it in P.split_body(ch.body):
-                if it.kind == "stmt" and _PARKING_HAZARDS.search(it.opcode):
-                    return False
-    return True
 
 
 def _module_symbols(chunks: list[P.Chunk]) -> set[str]:
@@ -515,8 +474,7 @@ def _rewrite_function(ch: P.Chunk, info: KernelInfo, ctx: _Ctx) -> str:
         decls = (f"\n\t.reg .pred {REG}p<4>;\n\t.reg .b32 {REG}r<6>;\n\t.reg .b64 {REG}d<6>;"
                  f"\n\t.reg .b32 {REG}h;\n\t.reg .pred {REG}pc;")
         body = body.rstrip() + "\n" + _exit_stub(info.index, is_entry, ctx) + "\n"
-        info.counted_by = ("entry" if ctx.options.count_at == "entry" else "thread" if not ctx.modern else
-                           "block" if is_entry and ctx.block_count else "group")
+        info.counted_by = "entry" if ctx.options.count_at == "entry" else "group" if ctx.modern else "thread"
     return ch.head + "{" + decls + body + "}"
 
 
@@ -637,8 +595,6 @@ def _exit_stub(slot: int, is_entry: bool, ctx: _Ctx) -> str:
     a64 = ctx.header.address_size == 64
     if ctx.options.count_at == "entry":
         return "\n".join(_indent(_entry_counted_exit(slot, r, d, p, a64, ctx)))
-    if is_entry and ctx.block_count:
-        return "\n".join(_indent(_block_counted_exit(slot, r, d, p, a64, ctx)))
     stripe, where = _stripe(r, d, a64)
     lines = [f"{LBL}exit:"] + stripe
     gated = is_entry and ctx.options.pause_gate
@@ -677,37 +633,6 @@ def _exit_stub(slot: int, is_entry: bool, ctx: _Ctx) -> str:
         lines += _block_zero_tail(slot, r, d, p, a64, ctx, have_block_sum=True)
     lines += [f"{LBL}done:", "ret;" if is_entry else "exit;"]
     return "\n".join(_indent(lines))
-
-
-def _block_counted_exit(slot: int, r: list[str], d: list[str], p: list[str], a64: bool,
-                        ctx: _Ctx) -> list[str]:
-    """Counting once per block (a module without _PARKING_HAZARDS): every
-    thread waits at one barrier at the exit (threads that left through `exit`
-    no longer hold a barrier up, and no thread is waiting elsewhere for one that
-    is parked here), then the block's thread (0,0,0) adds the block's thread
-    count to its stripe with one `red`: eight times fewer than one per warp on
-    256-thread blocks.  The barrier orders every thread's writes before the
-    leader's; with the gate closed its `red` is a GPU-scope release.  Everything
-    the leader needs (its test, the stripe's address, the count) is computed
-    before the barrier, where it overlaps the wait for the block's last warp.
-    With no gate attached nothing counts, and no thread waits at the barrier."""
-    stripe, where = _stripe(r, d, a64)
-    lines = [f"{LBL}exit:", *_or_of(r[0], r[1], _TID, p[0], "ne"),   # p0: not the block's leader
-             *stripe]
-    if ctx.options.pause_gate:
-        lines += [f"setp.eq.u32 {p[3]}, {REG}h, {MIRROR_DETACHED};", f"@{p[3]} bra {LBL}counted;",
-                  f"setp.gt.u32 {p[2]}, {REG}h, {MIRROR_OPEN};"]
-    lines += [f"mov.u32 {r[0]}, %ntid.x;", f"mov.u32 {r[1]}, %ntid.y;", f"mul.lo.u32 {r[0]}, {r[0]}, {r[1]};",
-              f"mov.u32 {r[1]}, %ntid.z;", f"mul.lo.u32 {r[0]}, {r[0]}, {r[1]};", f"cvt.u64.u32 {d[2]}, {r[0]};",
-              f"barrier.sync {BLOCK_BARRIER};", f"@{p[0]} bra {LBL}done;"]
-    if ctx.options.pause_gate:
-        lines += [f"@{p[2]} red.release.gpu.global.add.u64 [{where}], {d[2]};",
-                  f"@!{p[2]} red.relaxed.gpu.global.add.u64 [{where}], {d[2]};",
-                  f"{LBL}counted:"]
-    else:
-        lines.append(f"red.relaxed.gpu.global.add.u64 [{where}], {d[2]};")
-    lines += _block_zero_tail(slot, r, d, p, a64, ctx, have_block_sum=True)
-    return lines + [f"{LBL}done:", "ret;"]
 
 
 def _entry_counted_exit(slot: int, r: list[str], d: list[str], p: list[str], a64: bool,

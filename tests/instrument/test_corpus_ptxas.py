@@ -17,7 +17,6 @@ PTX = sorted(CORPUS.glob("*.ptx"))
 OWN = sorted((REPO / "gpu_kernels").glob("*.cu"))
 MODES = {
     "hooks": Options(),
-    "hooks-block-count": Options(count_by="block"),
     "hooks+stores": Options(track_stores=True),
     "entry-count": Options(count_at="entry"),
     "stores-only": Options(exit_hooks=False, pause_gate=False, track_stores=True),
@@ -96,14 +95,3 @@ def test_project_kernels(src, tmp_path):
     if ".entry" not in text:
         pytest.skip(f"{src.name} defines no kernel entry on its own")
     _check(text, tmp_path, *extra)
-
-
-def test_block_counting_where_the_corpus_allows_it(tmp_path):
-    # asked to count per block, elementwise kernels (no barrier, no
-    # warp-synchronous operation) do; reductions (barriers, shuffles) keep
-    # counting per group
-    elem = rewrite(nvcc_ptx(CORPUS / "cupy_like_elementwise.cu", tmp_path).read_text(), Options(count_by="block"))
-    red = rewrite(nvcc_ptx(CORPUS / "cupy_like_reduction.cu", tmp_path).read_text(), Options(count_by="block"))
-    assert {k.counted_by for k in elem.kernels} == {"block"}
-    assert {k.counted_by for k in red.kernels} == {"group"}
-

@@ -46,11 +46,10 @@ extern "C" __global__ void fill3d(float* out, int n) {
 """
 
 
-# the three ways threads are counted: per group of threads leaving together
-# (the default), once per block at the exit (where the module has no barrier or
-# warp-synchronous code), and at entry
-COUNTS = [dict(), dict(count_by="block"), dict(count_at="entry")]
-COUNT_IDS = ["group", "block", "entry"]
+# the two ways threads are counted: at the exit per group of threads leaving
+# together (the default), and at entry
+COUNTS = [dict(), dict(count_at="entry")]
+COUNT_IDS = ["exit", "entry"]
 
 
 @pytest.fixture
@@ -259,7 +258,7 @@ def test_epochs_count_launches_of_varying_grids_exactly(cp, counting):
     cp.cuda.Device().synchronize()
     rec = rep.find("axpy")
     assert instrument.epochs(rec.handle, rec.result) == {**counts, "scatter4": 0}
-    want = "entry" if "count_at" in counting else counting.get("count_by", "group")
+    want = "entry" if "count_at" in counting else "group"
     assert {k.counted_by for k in rec.result.kernels} == {want}
 
 

@@ -104,7 +104,7 @@ def test_nothing_is_counted_while_no_gate_is_attached():
     # mirror 0 (no gate attached, the same for every thread of a launch): the
     # exit skips the count, and block 0's thread 0 counts the launch in
     # `epochs` but adds nothing to `expect` or the target
-    for opts in (Options(), Options(count_by="block"), Options(count_at="entry")):
+    for opts in (Options(), Options(count_at="entry")):
         out = rewrite(entry("\tret;"), opts).ptx
         stub = out[out.index("$__cnc_exit:"):]
         if opts.count_at == "exit":
@@ -126,61 +126,11 @@ def test_nothing_is_counted_while_no_gate_is_attached():
     assert order == sorted(order)
 
 
-def test_a_module_without_barriers_counts_each_block_once():
-    body = "\t.reg .pred %p<3>;\n\tsetp.eq.u32 %p1, 1, 1;\n\t@%p1 ret;\n\tret;"
-    res = rewrite(entry(body), Options(count_by="block"))
-    assert res.options.count_by == "block" and res.kernels[0].counted_by == "block"
-    out = res.ptx
-    # nothing before the body but the mirror read, as with group counting
-    head = out[out.index(".reg .pred %__cnc_pc;"):out.index("setp.eq.u32 %p1")]
-    assert not any(s in head for s in ("%tid", "%ctaid", "bra", "atom", "red.", "barrier"))
-    stub = out[out.index("$__cnc_exit:"):]
-    # every thread computes what the leader needs, waits at one (non-aligned)
-    # barrier, then only thread (0,0,0) goes on: it adds the block's thread
-    # count with one red, relaxed or, with the mirror set, release; then blocks
-    # other than 0 leave
-    order = [stub.index(s) for s in (
-        "%tid.z", "%ctaid.z", "@%__cnc_p3 bra $__cnc_counted;", "setp.gt.u32 %__cnc_p2, %__cnc_h, 1;",
-        "%ntid.z", "barrier.sync 0;\n\t@%__cnc_p0 bra $__cnc_done;",
-        "@%__cnc_p2 red.release.gpu.global.add.u64 [%__cnc_d0], %__cnc_d2;",
-        "@!%__cnc_p2 red.relaxed.gpu.global.add.u64 [%__cnc_d0], %__cnc_d2;",
-        "$__cnc_counted:", "setp.ne.u32 %__cnc_p0, %__cnc_r3, 0;", "[__concordia_expect]", "[__concordia_gate]")]
-    assert order == sorted(order)
-    assert "activemask" not in out and "bar.sync" not in out and stub.count("red.") == 3  # + the launch count
-    # without a gate the count is always relaxed
-    bare = rewrite(entry(body), Options(pause_gate=False, count_by="block")).ptx
-    assert "red.release" not in bare and "red.relaxed.gpu.global.add.u64 [%__cnc_d0], %__cnc_d2;" in bare
-
-
-@pytest.mark.parametrize("stmt", ["bar.sync 0;", "barrier.sync.aligned 1, 64;", "bar.arrive 1, 64;",
-                                  "bar.warp.sync -1;", "shfl.sync.bfly.b32 %r1, %r1, 1, 31, -1;",
-                                  "vote.sync.any.pred %p1, %p1, -1;",
-                                  "mbarrier.try_wait.shared.b64 %p1, [%rd1], %rd1;"])
-def test_barriers_or_warp_synchronous_code_keep_the_group_count(stmt):
-    # a thread parked at the exit barrier would hold such code up where a
-    # thread that had left would not: the whole module counts per group
-    body = ("\t.reg .pred %p<3>;\n\t.reg .b32 %r<3>;\n\t.reg .b64 %rd<2>;\n\tsetp.eq.u32 %p1, 1, 1;\n"
-            f"\t@%p1 ret;\n\t{stmt}\n\tret;")
-    res = rewrite(entry(body), Options(count_by="block"))
-    assert res.kernels[0].counted_by == "group"
-    assert "barrier.sync 0;" not in res.ptx and "activemask.b32" in res.ptx
-    # the same instruction in another function of the module is enough
-    other = HEADER + (".visible .entry a()\n{\n\tret;\n}\n"
-                      f".visible .entry b(.param .u64 p)\n{{\n{body}\n}}\n")
-    assert [k.counted_by for k in rewrite(other, Options(count_by="block")).kernels] == ["group", "group"]
-
-
-def test_count_by_is_checked_and_other_counts_are_named():
-    with pytest.raises(InstrumentError, match="count_by 'warp'"):
-        rewrite(entry("\tret;"), Options(count_by="warp"))
+def test_each_kernel_says_how_its_threads_are_counted():
+    assert rewrite(entry("\tret;")).kernels[0].counted_by == "group"  # the default
     assert rewrite(entry("\tret;"), Options(count_at="entry")).kernels[0].counted_by == "entry"
     old = ".version 6.0\n.target sm_60\n.address_size 64\n.visible .entry k()\n{\n\tret;\n}\n"
     assert rewrite(old).kernels[0].counted_by == "thread"
-    text = HEADER + (".func f(.param .b32 a)\n{\n\t.reg .pred %q;\n\tsetp.eq.u32 %q, 1, 1;\n"
-                     "\t@%q exit;\n\tret;\n}\n.visible .entry e()\n{\n\tret;\n}\n")
-    # a thread may leave inside the .func, never reaching the barrier's leader test
-    assert rewrite(text, Options(count_by="block")).kernels[0].counted_by == "group"
-    assert rewrite(entry("\tret;")).kernels[0].counted_by == "group"  # the default
 
 
 def test_counting_at_entry_moves_the_common_red_before_the_body():
