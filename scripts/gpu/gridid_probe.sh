@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# What the pause gate may assume about %gridid order across streams and about
+# L1 lines shared by grids running at once.  Run from the repo root with $OUT
+# set; writes $OUT/gridid_probe.json.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+: "${OUT:?set OUT to a folder for results}"
+timeout -k 5 100 python3 scripts/gridid_probe.py "$OUT/gridid_probe.json"
