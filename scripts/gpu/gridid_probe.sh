@@ -5,4 +5,6 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 : "${OUT:?set OUT to a folder for results}"
-timeout -k 5 100 python3 scripts/gridid_probe.py "$OUT/gridid_probe.json"
+# grid B must not wait for a lazily loaded function while grid A spins
+export CUDA_MODULE_LOADING=EAGER
+timeout -k 5 60 python3 scripts/gridid_probe.py "$OUT/gridid_probe.json"
