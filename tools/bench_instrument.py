@@ -9,28 +9,18 @@ looping over the array).  Each is compiled through CuPy with
 `concordia.instrument` set as named:
 
   plain         no instrumentation (the baseline)
-  exit-hooks    exit hooks and epoch counters (the defaults: threads counted at
-                the exit, per group of threads leaving together), no gate attached
-  exit+gate     the same with an open gate in mapped host memory (one poll per launch)
-  group-spread  exit+gate with each group's count spread over 4096 counters by
-                block and warp slot instead of 64 by block: not a working design
-                (the holder sums 64), it asks whether the per-group `red`s cost
-                by contending for 64 addresses
-  entry+gate    threads counted at entry instead (`count_at="entry"`), open gate
+  exit-hooks    exit hooks, epoch counters and the gate's mirror test (the
+                defaults), no gate attached
+  exit+gate     the same with an open gate attached (threads count themselves
+                only while it is closed, so this should cost what exit-hooks does)
   strong+gate   exit+gate with the gate's mirror read as commit 8824538 read it: a
                 GPU-scope relaxed load per thread, which L1 does not serve
                 (kept to measure what the weak, L1-served read saves)
-  no-mirror     exit hooks without the gate (no mirror read at all)
-  no-count      no-mirror with the count's `red` taken out: not a working
-                design, the floor under it (what the count itself costs is
-                no-mirror less no-count)
-  arrive+gate   exit+gate with each block counted once: warp 0 waits at a named
-                barrier that the other warps only arrive at (`barrier.arrive`, no
-                wait), then its thread 0 adds the block's count; an experiment on
-                the bench kernels (1-D blocks, no barrier of their own), not a design
+  no-gate       exit hooks built without the gate: block 0 counts the launch,
+                no mirror is read (the floor under exit-hooks)
   store-track   exit hooks, gate, and the store tracker with the output registered
-  track-l1      store-track with the tracker's test of the bitmap word read
-                through L1 (a weak load) instead of at GPU scope in L2
+  track-l2      store-track with the tracker's test of the bitmap word read at GPU
+                scope in L2, as before rewriter version 6
 
 Times are CUDA-event medians over `--repeat` launches after warm-up, taken in
 two rounds that alternate the variants (`spread` is the relative difference of
@@ -61,67 +51,22 @@ extern "C" __global__ void stride_axpy(const float* x, float* y, float a, long l
 }
 """
 SHAPES = ("per-element", "grid-stride")
-VARIANTS = ("plain", "exit-hooks", "exit+gate", "group-spread", "entry+gate", "strong+gate", "no-mirror",
-            "no-count", "arrive+gate", "store-track", "track-l1")
+VARIANTS = ("plain", "exit-hooks", "exit+gate", "strong+gate", "no-gate", "store-track", "track-l2")
 # enable() arguments per variant (the gate is attached where "gate" is true)
 SETTINGS = {
     "exit-hooks": dict(gate=False),
     "exit+gate": dict(gate=True),
-    "group-spread": dict(gate=True),
-    "entry+gate": dict(gate=True, count_at="entry"),
     "strong+gate": dict(gate=True),
-    "no-mirror": dict(gate=False, pause_gate=False),
-    "no-count": dict(gate=False, pause_gate=False),
-    "arrive+gate": dict(gate=True),
+    "no-gate": dict(gate=False, pause_gate=False),
     "store-track": dict(gate=True, track_stores=True),
-    "track-l1": dict(gate=True, track_stores=True),
+    "track-l2": dict(gate=True, track_stores=True),
 }
 WEAK_READ = "ld.global.ca.u32 %__cnc_h, [__concordia_hold];"
 STRONG_READ = "ld.relaxed.gpu.global.u32 %__cnc_h, [__concordia_hold];"
-
-
-COUNT_RED = "\t@%__cnc_p1 red.relaxed.gpu.global.add.u64 [%__cnc_d0], %__cnc_d2;\n"  # a group's count, no gate
-SPREAD = ("\tand.b32 %__cnc_r5, %__cnc_r3, 63;\n",
-          "\tmov.u32 %__cnc_r5, %warpid;\n\tshl.b32 %__cnc_r5, %__cnc_r5, 6;\n"
-          "\tadd.u32 %__cnc_r5, %__cnc_r5, %__cnc_r3;\n\tand.b32 %__cnc_r5, %__cnc_r5, 4095;\n")
-# The per-group count of a gated exit stub, and what `arrive+gate` puts in its
-# place: warps other than warp 0 arrive at barrier 15 and leave; warp 0 waits
-# there for the whole block, and its thread 0 adds the block's thread count
-# (release when the gate was closed at entry, as the per-group count does).
-GROUP_COUNT = """\tactivemask.b32 %__cnc_r0;
-\tpopc.b32 %__cnc_r1, %__cnc_r0;
-\tcvt.u64.u32 %__cnc_d2, %__cnc_r1;
-\tmov.u32 %__cnc_r2, %lanemask_lt;
-\tand.b32 %__cnc_r2, %__cnc_r2, %__cnc_r0;
-\tsetp.eq.u32 %__cnc_p1, %__cnc_r2, 0;
-\tsetp.gt.u32 %__cnc_p2, %__cnc_h, 1;
-\tvote.sync.any.pred %__cnc_p2, %__cnc_p2, %__cnc_r0;
-\t@!%__cnc_p2 bra $__cnc_relaxed;
-\tbar.warp.sync %__cnc_r0;
-\t@%__cnc_p1 red.release.gpu.global.add.u64 [%__cnc_d0], %__cnc_d2;
-\tbra $__cnc_counted;
-$__cnc_relaxed:
-\t@%__cnc_p1 red.relaxed.gpu.global.add.u64 [%__cnc_d0], %__cnc_d2;
-"""
-ARRIVE_COUNT = """\tmov.u32 %__cnc_r0, %tid.x;
-\tmov.u32 %__cnc_r1, %ntid.x;
-\tsetp.ge.u32 %__cnc_p1, %__cnc_r0, 32;
-\t@%__cnc_p1 barrier.arrive 15, %__cnc_r1;
-\t@%__cnc_p1 bra $__cnc_counted;
-\tbarrier.sync 15, %__cnc_r1;
-\tsetp.ne.u32 %__cnc_p1, %__cnc_r0, 0;
-\t@%__cnc_p1 bra $__cnc_counted;
-\tcvt.u64.u32 %__cnc_d2, %__cnc_r1;
-\tsetp.gt.u32 %__cnc_p2, %__cnc_h, 1;
-\t@%__cnc_p2 red.release.gpu.global.add.u64 [%__cnc_d0], %__cnc_d2;
-\t@!%__cnc_p2 red.relaxed.gpu.global.add.u64 [%__cnc_d0], %__cnc_d2;
-"""
-TRACK_READ = ("@%p1 ld.relaxed.gpu.global.u32 %r13, [%rd11];", "@%p1 ld.global.ca.u32 %r13, [%rd11];")
+TRACK_READ = ("@%p1 ld.global.ca.u32 %r13, [%rd11];", "@%p1 ld.relaxed.gpu.global.u32 %r13, [%rd11];")
 # Variants made by editing the rewritten PTX: [(text to replace, replacement,
 # fewest times it must be found in the module of the two bench kernels)].
-EDITS = {"strong+gate": [(WEAK_READ, STRONG_READ, 2)], "no-count": [(COUNT_RED, "", 2)],
-         "group-spread": [(*SPREAD, 2), ("__concordia_exits[1024];", "__concordia_exits[65536];", 1)],
-         "arrive+gate": [(GROUP_COUNT, ARRIVE_COUNT, 2)], "track-l1": [(*TRACK_READ, 1)]}
+EDITS = {"strong+gate": [(WEAK_READ, STRONG_READ, 2)], "track-l2": [(*TRACK_READ, 1)]}
 
 
 class _EditedRewrite:
@@ -227,8 +172,8 @@ def run(nbytes: int, repeat: int) -> dict:
                 regions = []
             result = rep.find("stream_axpy").result
             opts = result.options
-            counted = "entry" if settings.get("count_at") == "entry" else "group"
-            if ((opts.count_at, opts.pause_gate) != (settings.get("count_at", "exit"), settings.get("pause_gate", True))
+            counted = "group" if settings.get("pause_gate", True) else ""
+            if (opts.pause_gate != settings.get("pause_gate", True)
                     or {k.counted_by for k in result.kernels} != {counted}):
                 raise InstrumentError(f"{v}: the bench kernels were rewritten with {opts}, counted by "
                                       f"{sorted({k.counted_by for k in result.kernels})}", where="bench instrument")
@@ -270,7 +215,7 @@ def run(nbytes: int, repeat: int) -> dict:
     met = {}
     for s in shapes:
         by = {r["variant"]: r["overhead"] for r in s["variants"]}
-        met[s["shape"]] = {v: by[v] <= goal for v in ("exit-hooks", "exit+gate", "entry+gate")}
+        met[s["shape"]] = {v: by[v] <= goal for v in ("exit-hooks", "exit+gate")}
     return {"bytes_per_array": n * 4, "repeat": repeat, "rounds": 2,
             "ceiling": {"what": "device-to-device copy (read + write)", "bandwidth_GBps": ceiling_bw / 1e9},
             "shapes": shapes, "goal": {"exit_hooks_max_overhead": goal, "met": met}}

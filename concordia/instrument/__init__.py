@@ -22,11 +22,10 @@ _hook = None
 
 
 def enable(*, exit_hooks: bool = True, pause_gate: bool = True, track_stores: bool = False,
-           max_regions: int = 8, count_at: str = "exit", gate: Gate | None = None,
+           max_regions: int = 8, gate: Gate | None = None,
            compiler=None) -> Report:
     """Rewrite every CuPy kernel compiled from now on; return the live report.
-    `count_at` is where threads are counted ("exit" or "entry", see
-    `concordia.instrument.rewrite`; `compiler` defaults to `cupy.cuda.compiler`."""
+    `compiler` defaults to `cupy.cuda.compiler`."""
     global _hook
     from concordia.instrument.cupy_hook import CupyHook, clear_cupy_memos
 
@@ -38,7 +37,7 @@ def enable(*, exit_hooks: bool = True, pause_gate: bool = True, track_stores: bo
         except Exception as exc:
             raise InstrumentError(f"CuPy is not importable ({type(exc).__name__}: {exc})") from None
     opts = Options(exit_hooks=exit_hooks, pause_gate=pause_gate, track_stores=track_stores,
-                   max_regions=max_regions, count_at=count_at)
+                   max_regions=max_regions)
     hook = CupyHook(compiler, opts, Report(), gate)
     hook.install()
     clear_cupy_memos()
@@ -66,11 +65,10 @@ def report() -> Report | None:
 
 def set_gate(gate: Gate | None) -> None:
     """Attach every instrumented module (and those loaded later) to `gate`, or
-    detach them (None).  Threads are counted only while a gate is attached, so
-    the hooks cost least between checkpoints with none: attach a gate, close
-    it, wait for `gate.arrived`, checkpoint, open it and detach.  Attaching or
-    detaching modules that have run first synchronises the device; no other
-    thread may launch into them meanwhile."""
+    detach them (None).  Threads count themselves only while the gate is
+    closed, so an open gate costs what no gate does and may stay attached:
+    close it, wait for `gate.arrived`, checkpoint, open it.  Attach before
+    closing (see `runtime.attach`)."""
     _require().set_gate(gate)
 
 

@@ -7,39 +7,68 @@ through cuModuleGetGlobal / CuPy `RawModule.get_global`; all start at zero):
   __concordia_epochs   .u64[K]    launches of kernel k counted: block 0's thread 0
                                   counts its launch once, at its exit (at entry in a
                                   module where a `.func` calls `exit`)
-  __concordia_targets  .u64[K]    for kernel k's latest counted launch: the value of
-                                  `expect` once that launch was counted in it
-  __concordia_expect   .u64       threads of all launches counted in this module
-  __concordia_exits    .u64[64*16] threads counted, spread over 64 counters, one per
-                                  128-byte line (stripe = (%ctaid.x + %ctaid.y +
-                                  %ctaid.z) % 64)
+  __concordia_slots    .u64[2*256] hold slots, one per %gridid % 256: threads
+                                  counted and the sum of their signatures
   __concordia_hold     .u32       the gate's device-side mirror (read once per thread,
                                   at entry, with a weak load): 0 = no gate attached,
                                   1 = attached and open, 2 = closed
   __concordia_gate     .u64       device address of a gate, 0 = no gate.  A gate is
-                                  two u32 words in mapped pinned host memory: word 0
+                                  u32 words in mapped pinned host memory: word 0
                                   written by the host (non-zero = hold), word 1 set
-                                  to 1 by the GPU when a launch is held.
+                                  to 1 by the GPU when a launch is held, bytes 24-31
+                                  the %gridid of the launch that stamped its latest
+                                  close (`runtime.Gate`)
   __concordia_nregions .u32       store tracker: number of regions in use
   __concordia_regions  .u64[4*R]  store tracker: per region base, size,
                                   bitmap address (u32 words, bit p%32 of word p/32
                                   = page p), page_bytes
 
-Threads are counted (into `exits`, `expect` and `targets`) only while a gate is
-attached, in a module built with the gate: nothing but a hold needs the
-per-thread counts, and without them the exit of a thread not in block 0 is a
-test of the mirror.  Every thread of one launch must see the same answer
-(attached or not), so `runtime.attach` changes it for a module that may have
-launches in flight only after synchronising the device; open and closed may
-change under a running launch (both count).  A module built without the gate
-always counts.
+Only a hold needs to know that every thread of a launch has left, so threads
+count themselves only when the mirror said "closed" at their entry; with the
+gate open or detached the exit of a thread not in block 0 is a test of the
+mirror, and block 0's thread 0 counts the launch in `epochs`.  Counting every
+thread while a gate was attached cost +10.4 % on the H200 against +3.3 % for the
+test alone (per-element launch, docs/results/instrument.md); per-block counting
+with a barrier, with `barrier.arrive`, with a shared-memory CAS, and counting at
+entry were measured and cost as much or more.
 
-Completed launches are computed by the host: with E = sum(exits), kernel k has
-completed epochs[k] launches, less one while targets[k] > E (its latest counted
-launch still has threads running).  When no launch of the module is in flight E
-equals `expect` and the count is exact; while one is held at the gate its holder
-has counted it and waited for E to reach its target, so the held launch counts
-as completed.
+Which launches count, and which hold.  The mirror can change while a launch
+runs, so threads of one launch may disagree on "closed".  A launch never has
+to count consistently unless it holds, and only launches that started after
+the mirror was written may hold: `Gate.close()` writes the mirrors of every
+attached module (and clears their slots), waits for the copies, and then
+launches a one-thread stamp kernel that writes its own `%gridid` into the gate.
+Grid ids follow submission order across streams (measured on the H200 with
+five CuPy streams and PyTorch launches in between,
+docs/results/gridid-probe.json), so a launch with a larger `%gridid` was
+submitted after the stamp, started after the mirrors changed, and every one of
+its threads reads "closed" (L1 does not serve a line cached before a grid
+started, not even one cached by a grid still running: the same probe).
+
+Exit hook.  Every `ret`/`exit` of an entry (predicated or not, however many)
+becomes a branch to one stub at the end of the body; falling off the end
+reaches it as well, so every thread passes the stub exactly once.  With the
+mirror closed, the threads that reach the stub together (`activemask`) are
+counted by the lowest of them, after `bar.warp.sync` orders the group's writes
+before its own, with two GPU-scope release `red.add`s into the slot of their
+launch (%gridid % 256): the group's size, and the group's size times the
+launch's signature (an odd 64-bit multiplicative hash of %gridid).  Threads that
+arrive in several groups form disjoint masks, so the counts sum to the threads
+that left.  Then every block other than block 0 leaves on a test of
+block-uniform registers; block 0's thread 0 counts the launch in `epochs`.
+
+Pause gate.  Block 0's thread 0 holds its launch at its exit when the mirror
+was closed at its entry, the host word is still set (read over PCIe once per
+launch, only then), and its `%gridid` is larger than the gate's stamp.  It
+waits until its slot holds exactly the launch's thread count N and signature
+sum N x signature, fences (acquire), writes the arrival flag at system scope,
+and waits for the host to open the gate.  Two launches whose grid ids are equal
+modulo 256 and that count at once (a launch still running from an earlier
+closed window, say) share a slot: the count passes N or the signature sum
+differs, so the holder never reports arrival early; it keeps waiting and leaves,
+without arrival, when the host opens the gate.  While it waits the kernel cannot
+complete, so its stream cannot start its next operation; launches on other
+streams are held by their own holders.
 
 What a short block can afford.  On the per-element shape (one element per
 thread, a block lives about a microsecond) every instruction that the body's
@@ -50,64 +79,14 @@ sent every warp of the grid to the mirror's one L2 line: +56% on that shape on
 the H200; served by L1 it costs nothing measurable), and everything else
 happens at the exit.
 
-Exit hook, common path (`count_at="exit"`, the default).  Every `ret`/`exit`
-of an entry (predicated or not, however many) becomes a branch to one stub at
-the end of the body; falling off the end reaches it as well, so every thread
-passes the stub exactly once.  The stub counts threads, not blocks, so no thread
-has to know it is the last of its block: the threads that reach the stub
-together (`activemask`) are counted by the lowest of them with one `red.add` of
-the group's size, without a return value, into the counter of its block's
-stripe.  Threads that arrive in several groups (divergent exits, predicated
-exits, exits at different points) form disjoint masks: each thread executes
-`activemask` once and every thread of one execution gets the same mask, so the
-popcounts sum to the threads that left.  There is no barrier, no shared memory
-and no atomic with a return value on the common path.  Then every block other
-than block 0 leaves on a test of block-uniform registers; block 0's thread 0
-adds the launch's thread count to `expect` (one atomic per launch), records the
-target and counts the launch in `epochs`.
-
-Counting once per block instead (one barrier at the exit, then one `red` by
-thread (0,0,0), in modules without barriers or warp-synchronous code) and
-without a barrier (a tagged shared-memory counter) were built and measured on
-the H200 and removed: the barrier cost what the saved `red`s did, the 128-bit
-shared CAS far more (docs/results/instrument.md).
-
-Counting at entry (`count_at="entry"`, measured beside the default).  Threads
-that start with the gate attached and open are counted at entry by their group's leader,
-so the exit has no memory operation unless a hold was requested; the mirror's
-value is then needed before the body, and a module with a `.func` that calls
-`exit` gets no gate (a hold would wait for a thread counted nowhere).
-
-Pause gate.  A launch is held by block 0's thread 0 at its exit: while it waits
-the kernel cannot complete, so the stream cannot start its next operation.  It
-holds only when the gate was closed both when it started (the `hold` mirror,
-which `Gate.close()` writes into every attached module before it closes the
-host word) and when it exits (the host word, read over PCIe once per launch, and
-only when the mirror said closed).  Before it reports arrival it waits until
-the counters reach its target: every thread of its launch (and of every
-launch of the module counted before it) has left.  The ordering that makes the
-launch's writes visible at that point: while the mirror says closed, each counting
-group first synchronises (`bar.warp.sync`, which orders the group's writes
-before the leader's), and the leader's `red` is a GPU-scope release; the holder
-reads the counters and then fences (acquire) before it writes the arrival flag
-at system scope.  With the gate open the counting `red` is relaxed: nothing waits
-on it, and the host reads counters only after synchronising with the stream.
-The mirror is read with a weak load: a launch sees the value written before it
-started (`Gate.close()` completes its copies before it sets the host word).
-
-Limits, stated once: the hook needs PTX targets sm_70 and newer for the
-warp-level count (older targets count each thread with its own `red`) and the
-gate is left out below sm_70, where a spinning thread could starve the rest of
-its warp; a thread (0,0,0) of block 0 that leaves through `exit` inside a
-`.func` does not hold its launch (its launch is then counted at entry); two
-launches of one module running at once on different streams make the target
-test (and the in-flight correction of `epochs`) approximate, since the counters
-are module-wide; a launch that was already running when the gate closed is held
-only if block 0 read the mirror after it was set, and then the warps that read
-it earlier counted with relaxed `red`s; a gate attached from one thread while
-another launches into the module may see threads of one launch disagree on
-whether they count.  The hooks add one u32 register (the
-mirror value) live across the kernel.
+Limits, stated once: the gate needs PTX targets sm_70 and newer (warp-level
+count, `nanosleep`) and is left out below, where a spinning thread could starve
+the rest of its warp; a thread (0,0,0) of block 0 that leaves through `exit`
+inside a `.func` does not hold its launch (its launch is then counted at
+entry); a launch that starts while a closed gate is being attached to its
+module may hold without all its threads counting, and then waits until the gate
+opens and leaves without arrival.  The hooks add one u32 register (the mirror
+value) live across the kernel.
 
 Store tracker.  Before every `st`, `atom` and `red` that may write global memory
 (state space `.global`, or generic, which covers global), the address and
@@ -118,12 +97,15 @@ shared or local memory never fall inside a registered device allocation, so no
 `isspacep` test is needed.  The region table is read through the non-coherent
 path (the host writes it only between launches).  On sm_80 and newer, the
 threads calling together group by bitmap word (`match.any`), OR their bits
-(`redux.sync.or`) and one thread per word reads the word (GPU scope, so it sees
-other SMs' marks) and issues a `red.or` only when one of its bits is still
-clear: one bitmap word covers 32 pages, so without that test every warp of the
-128 blocks of a one-element-per-thread kernel that write those pages hammered
-the one word (+474 % on the H200, docs/results/instrument.md).  A stale read
-only costs a redundant `red`.
+(`redux.sync.or`) and one thread per word reads the word and issues a `red.or`
+only when one of its bits is still clear: one bitmap word covers 32 pages, so
+without that test every warp of the 128 blocks of a one-element-per-thread
+kernel that write those pages hammered the one word (+474 % on the H200,
+docs/results/instrument.md).  The read is a weak one, served by L1: within a
+launch bits only go from 0 to 1 and L1 holds no line from before the launch
+started, so a stale read can only miss a bit already set and cost a redundant
+`red`, never skip one (the GPU-scope read it replaced cost 130 % per element
+and 96 % grid-stride on the H200, the L1 read 114 % and 62 %).
 Page indices use shifts when the page size is a power of two.  Bulk/tensor
 copies into global memory (`cp.async.bulk`, `cp.reduce.async.bulk`,
 `multimem`) cannot be tracked this way; they are counted as untracked.
@@ -138,24 +120,22 @@ from dataclasses import dataclass, field, replace
 from concordia.instrument import ptx as P
 from concordia.instrument.errors import InstrumentError
 
-REWRITER_VERSION = 5            # bumped when the code inserted changes; in every result's JSON
+REWRITER_VERSION = 6            # bumped when the code inserted changes; in every result's JSON
 MARK = "__concordia_"          # module-scope names
 REG = "%__cnc_"                # registers we declare
 LBL = "$__cnc_"                # labels we place
 
 EPOCHS = MARK + "epochs"
-TARGETS = MARK + "targets"
-EXPECT = MARK + "expect"
-EXITS = MARK + "exits"
+SLOTS = MARK + "slots"
 HOLD = MARK + "hold"
 GATE = MARK + "gate"
 NREGIONS = MARK + "nregions"
 REGIONS = MARK + "regions"
 TRACK = MARK + "track"
-STRIPES = 64                   # exit counters, one per 128-byte line
-STRIPE_WORDS = 16              # u64 words per stripe
+HOLD_SLOTS = 256               # hold slots (count, signature), by %gridid % HOLD_SLOTS
+SIGN_MUL = "0x9E3779B97F4A7C15"  # odd multiplier of the launch signature (64-bit Fibonacci hashing)
+GATE_STAMP_OFFSET = 24         # byte offset in a gate of the u64 %gridid of its stamp launch
 REGION_WORDS = 4               # base, size, bitmap, page_bytes (u64 each)
-COUNT_AT = ("exit", "entry")
 MIRROR_DETACHED, MIRROR_OPEN, MIRROR_CLOSED = 0, 1, 2   # values of the `hold` mirror
 
 _TYPE_BYTES = {
@@ -175,7 +155,6 @@ class Options:
     pause_gate: bool = True
     track_stores: bool = False
     max_regions: int = 8
-    count_at: str = "exit"     # where threads are counted: "exit" or "entry" (see above)
 
 
 @dataclass
@@ -184,7 +163,7 @@ class KernelInfo:
     index: int
     kind: str               # "entry" | "func"
     exit_sites: int = 0     # ret/exit statements rerouted through the hook
-    counted_by: str = ""    # how its threads are counted: "group", "thread" (at the exit) or "entry"
+    counted_by: str = ""    # "group": threads that start with the gate closed count per group at the exit; "" none
     stores_tracked: int = 0
     stores_untracked: int = 0
 
@@ -261,14 +240,11 @@ def rewrite(text: str | bytes, options: Options = Options()) -> RewriteResult:
     modern = header.sm >= 70 and header.version >= (6, 3)
     result = RewriteResult(ptx="", options=options, address_size=header.address_size,
                            target=header.target)
-    if options.count_at not in COUNT_AT:
-        raise InstrumentError(f"count_at {options.count_at!r} is not one of {', '.join(COUNT_AT)}",
-                              where="Options")
     func_exits = any(c.is_function and c.kind != "entry" and re.search(r"(^|[;{}\s])exit\s*;", c.body)
                      for c in chunks)
-    # Counting at entry leaves a .func's `exit` unhooked; a hold would wait for
-    # a thread counted nowhere, so such a module gets no gate.
-    if (not modern or (func_exits and options.count_at == "entry")) and options.pause_gate:
+    # Below sm_70 a spinning holder could starve the rest of its warp, and
+    # there is no warp-level count: no gate there.
+    if not modern and options.pause_gate:
         options = replace(options, pause_gate=False)
         result.options = options
     ctx = _Ctx(options, header, symbols, modern, account_at_entry=func_exits and options.exit_hooks)
@@ -322,9 +298,7 @@ def _module_additions(nslots: int, ctx: _Ctx) -> str:
     a = ctx.header.address_size
     lines = [
         f".visible .global .align 8 .u64 {EPOCHS}[{nslots}];",
-        f".visible .global .align 8 .u64 {TARGETS}[{nslots}];",
-        f".visible .global .align 8 .u64 {EXPECT};",
-        f".visible .global .align 128 .u64 {EXITS}[{STRIPES * STRIPE_WORDS}];",
+        f".visible .global .align 16 .u64 {SLOTS}[{2 * HOLD_SLOTS}];",
         f".visible .global .align 4 .u32 {HOLD};",
         f".visible .global .align 8 .u64 {GATE};",
     ]
@@ -358,7 +332,7 @@ def _track_function(address_size: int, aggregate: bool) -> str:
 	and.b32 %r12, %r10, %r9;
 	setp.eq.u32 %p1, %r12, 0;
 	and.pred %p1, %p1, %p0;
-	@%p1 ld.relaxed.gpu.global.u32 %r13, [%rd11];
+	@%p1 ld.global.ca.u32 %r13, [%rd11];
 	@%p1 and.b32 %r13, %r13, %r11;
 	@%p1 setp.ne.u32 %p1, %r13, %r11;
 	@%p1 red.global.or.b32 [%rd11], %r11;"""
@@ -440,7 +414,7 @@ def _rewrite_function(ch: P.Chunk, info: KernelInfo, ctx: _Ctx) -> str:
             if m:
                 local_symbols.add(m.group(1))
     is_entry = ch.kind == "entry"
-    hook_exits = ctx.options.exit_hooks and (is_entry or (ctx.options.count_at == "exit" and any(
+    hook_exits = ctx.options.exit_hooks and (is_entry or (ctx.options.pause_gate and any(
         it.kind == "stmt" and it.parts[0] == "exit" for it in items)))
     out: list[str] = []
     prologue_done = not (is_entry and ctx.options.exit_hooks)
@@ -472,32 +446,14 @@ def _rewrite_function(ch: P.Chunk, info: KernelInfo, ctx: _Ctx) -> str:
     decls = ""
     if hook_exits:
         decls = (f"\n\t.reg .pred {REG}p<4>;\n\t.reg .b32 {REG}r<6>;\n\t.reg .b64 {REG}d<6>;"
-                 f"\n\t.reg .b32 {REG}h;\n\t.reg .pred {REG}pc;")
+                 f"\n\t.reg .b32 {REG}h;")
         body = body.rstrip() + "\n" + _exit_stub(info.index, is_entry, ctx) + "\n"
-        info.counted_by = "entry" if ctx.options.count_at == "entry" else "group" if ctx.modern else "thread"
+        info.counted_by = "group" if ctx.options.pause_gate else ""
     return ch.head + "{" + decls + body + "}"
 
 
 def _is_declaration(it: P.Item) -> bool:
     return it.opcode in (".reg", ".shared", ".local", ".param", ".pragma", ".loc", ".const", ".global")
-
-
-def _stripe(r: list[str], d: list[str], a64: bool) -> tuple[list[str], str]:
-    """r3 = %ctaid.x + %ctaid.y + %ctaid.z (zero in block 0 only; uniform over
-    the block, so read on the uniform datapath) and the address of the block's
-    counter, EXITS + 128 * (r3 % 64): blocks that run at once spread over the
-    64 lines."""
-    lines = _block_sum(r) + [f"and.b32 {r[5]}, {r[3]}, {STRIPES - 1};"]
-    if a64:
-        return lines + [f"mul.wide.u32 {d[0]}, {r[5]}, {8 * STRIPE_WORDS};", f"mov.u64 {d[1]}, {EXITS};",
-                        f"add.s64 {d[0]}, {d[0]}, {d[1]};"], d[0]
-    return lines + [f"mov.u32 {r[4]}, {EXITS};",
-                    f"mad.lo.u32 {r[5]}, {r[5]}, {8 * STRIPE_WORDS}, {r[4]};"], r[5]
-
-
-def _block_sum(r: list[str]) -> list[str]:
-    return [f"mov.u32 {r[3]}, %ctaid.x;", f"mov.u32 {r[4]}, %ctaid.y;", f"add.u32 {r[3]}, {r[3]}, {r[4]};",
-            f"mov.u32 {r[4]}, %ctaid.z;", f"add.u32 {r[3]}, {r[3]}, {r[4]};"]
 
 
 def _regs() -> tuple[list[str], list[str], list[str]]:
@@ -511,61 +467,25 @@ def _prologue(slot: int, ctx: _Ctx) -> str:
     (special-register reads, a branch) lengthens its life.  So every thread only
     reads the gate's mirror, with a weak load (served by L1 after the first warp
     of an SM; a strong load sent every warp of the grid to the one L2 line of
-    the mirror), which the body does not wait for.  Counting at entry, the
-    threads not asked to hold are counted here by their group's leader.  The
-    launch itself is counted at the exit by block 0's thread 0, except in a
-    module where a `.func` calls `exit` (that thread might never reach the
-    stub): there block 0's thread 0 counts it here."""
+    the mirror), which the body does not wait for.  The launch itself is
+    counted at the exit by block 0's thread 0, except in a module where a
+    `.func` calls `exit` (that thread might never reach the stub): there block
+    0's thread 0 counts it here."""
     r, d, p = _regs()
-    pc = f"{REG}pc"
     lines = []
     if ctx.options.pause_gate:
         lines.append(f"ld.global.ca.u32 {REG}h, [{HOLD}];")
-    if ctx.options.count_at == "entry":
-        # pc = a gate attached and open: counted here, not at the exit (none
-        # counts while no gate is attached; with the gate closed, at the exit)
-        lines.append(f"setp.eq.u32 {pc}, {REG}h, {MIRROR_OPEN};" if ctx.options.pause_gate
-                     else f"setp.eq.u32 {pc}, 0, 0;")
-        stripe, where = _stripe(r, d, ctx.header.address_size == 64)
-        lines += stripe
-        if ctx.modern:
-            lines.append(f"activemask.b32 {r[0]};")
-            if ctx.options.pause_gate:
-                lines.append(f"vote.sync.ballot.b32 {r[0]}, {pc}, {r[0]};")
-            lines += [f"popc.b32 {r[1]}, {r[0]};", f"cvt.u64.u32 {d[2]}, {r[1]};",
-                      f"mov.u32 {r[2]}, %lanemask_lt;", f"and.b32 {r[2]}, {r[2]}, {r[0]};",
-                      f"setp.eq.u32 {p[1]}, {r[2]}, 0;", f"and.pred {p[1]}, {p[1]}, {pc};",
-                      f"@{p[1]} red.relaxed.gpu.global.add.u64 [{where}], {d[2]};"]
-        else:
-            lines.append(f"red.global.add.u64 [{where}], 1;")
     if ctx.account_at_entry:
         lines += _first_thread(r[0], r[1], p[0]) + [f"@!{p[0]} bra {LBL}go;"]
-        lines += _count_launch(slot, r, d, p, ctx) + [f"{LBL}go:"]
+        lines += _count_launch(slot) + [f"{LBL}go:"]
     if not lines:
         return ""
     return "\n" + "\n".join(_indent(lines)) + "\n\t"
 
 
-def _count_launch(slot: int, r: list[str], d: list[str], p: list[str], ctx: _Ctx) -> list[str]:
-    """Block 0's thread 0 counts its launch: the launch's thread count into
-    `expect` and the resulting target (only while its threads are counted: in
-    a module built with the gate, only while a gate is attached), and one more
-    launch of this kernel."""
-    r0, r1, d0, d1, d2 = r[0], r[1], d[0], d[1], d[2]
-    skip = ([f"setp.eq.u32 {p[3]}, {REG}h, {MIRROR_DETACHED};", f"@{p[3]} bra {LBL}uncounted;"]
-            if ctx.options.pause_gate else [])
-    return skip + [
-        f"mov.u32 {r0}, %nctaid.x;", f"mov.u32 {r1}, %nctaid.y;", f"mul.wide.u32 {d0}, {r0}, {r1};",
-        f"mov.u32 {r0}, %nctaid.z;", f"cvt.u64.u32 {d1}, {r0};", f"mul.lo.u64 {d0}, {d0}, {d1};",
-        f"mov.u32 {r0}, %ntid.x;", f"mov.u32 {r1}, %ntid.y;", f"mul.lo.u32 {r0}, {r0}, {r1};",
-        f"mov.u32 {r1}, %ntid.z;", f"mul.lo.u32 {r0}, {r0}, {r1};", f"cvt.u64.u32 {d1}, {r0};",
-        f"mul.lo.u64 {d0}, {d0}, {d1};",
-        f"atom.global.add.u64 {d2}, [{EXPECT}], {d0};",
-        f"add.s64 {d2}, {d2}, {d0};",
-        f"st.global.u64 [{TARGETS}+{8 * slot}], {d2};",
-        *([f"{LBL}uncounted:"] if skip else []),
-        f"red.global.add.u64 [{EPOCHS}+{8 * slot}], 1;",
-    ]
+def _count_launch(slot: int) -> list[str]:
+    """Block 0's thread 0 counts one more launch of this kernel."""
+    return [f"red.global.add.u64 [{EPOCHS}+{8 * slot}], 1;"]
 
 
 def _or_of(r0: str, r1: str, sregs: tuple, p: str, test: str) -> list[str]:
@@ -588,107 +508,84 @@ def _indent(lines: list[str]) -> list[str]:
     return [ln if ln.startswith(LBL) else "\t" + ln for ln in lines]
 
 
+def _slot(gid: str, r: list[str], d: list[str], a64: bool) -> tuple[list[str], str]:
+    """The address of the hold slot of the launch whose `%gridid` is in `gid`:
+    SLOTS + 16 * (gid % HOLD_SLOTS)."""
+    lines = [f"cvt.u32.u64 {r[5]}, {gid};", f"and.b32 {r[5]}, {r[5]}, {HOLD_SLOTS - 1};"]
+    if a64:
+        return lines + [f"mul.wide.u32 {d[1]}, {r[5]}, 16;", f"mov.u64 {d[0]}, {SLOTS};",
+                        f"add.s64 {d[1]}, {d[1]}, {d[0]};"], d[1]
+    return lines + [f"shl.b32 {r[5]}, {r[5]}, 4;", f"mov.u32 {r[4]}, {SLOTS};",
+                    f"add.u32 {r[5]}, {r[5]}, {r[4]};"], r[5]
+
+
+def _signature(gid: str, out: str) -> list[str]:
+    """`out` = the launch's signature, an odd 64-bit hash of its `%gridid`."""
+    return [f"mul.lo.u64 {out}, {gid}, {SIGN_MUL};", f"or.b64 {out}, {out}, 1;"]
+
+
 def _exit_stub(slot: int, is_entry: bool, ctx: _Ctx) -> str:
-    """The common exit of an entry (`ret`) or, counting at the exit, of a
-    `.func` that calls `exit`."""
+    """The common exit of an entry (`ret`) or of a `.func` that calls `exit`.
+    Threads that started with the gate closed count themselves into their
+    launch's hold slot (the group's count and count x signature, both GPU-scope
+    releases after the group's writes); then block 0's thread 0 counts the
+    launch and, with the gate closed, offers it to the gate."""
     r, d, p = _regs()
     a64 = ctx.header.address_size == 64
-    if ctx.options.count_at == "entry":
-        return "\n".join(_indent(_entry_counted_exit(slot, r, d, p, a64, ctx)))
-    stripe, where = _stripe(r, d, a64)
-    lines = [f"{LBL}exit:"] + stripe
-    gated = is_entry and ctx.options.pause_gate
+    lines = [f"{LBL}exit:"]
     if ctx.options.pause_gate:
-        # no gate attached (mirror 0, the same for the whole launch): nothing counts
         if not is_entry:
             lines.append(f"ld.global.ca.u32 {REG}h, [{HOLD}];")
-        lines += [f"setp.eq.u32 {p[3]}, {REG}h, 0;", f"@{p[3]} bra {LBL}counted;"]
-    if not ctx.modern:
-        # no warp-level count below sm_70: each thread counts itself
-        lines.append(f"red.global.add.u64 [{where}], 1;")
-    else:
-        lines += [
+        lines += [f"setp.le.u32 {p[3]}, {REG}h, {MIRROR_OPEN};", f"@{p[3]} bra {LBL}counted;",
+                  f"mov.u64 {d[3]}, %gridid;"]
+        place, where = _slot(d[3], r, d, a64)
+        lines += place + _signature(d[3], d[4]) + [
             f"activemask.b32 {r[0]};",
             f"popc.b32 {r[1]}, {r[0]};",
             f"cvt.u64.u32 {d[2]}, {r[1]};",
             f"mov.u32 {r[2]}, %lanemask_lt;",
             f"and.b32 {r[2]}, {r[2]}, {r[0]};",
             f"setp.eq.u32 {p[1]}, {r[2]}, 0;",            # the group's lowest lane counts it
+            f"mul.lo.u64 {d[4]}, {d[4]}, {d[2]};",
+            f"bar.warp.sync {r[0]};",                     # the group's writes before the leader's release
+            f"@{p[1]} red.release.gpu.global.add.u64 [{where}+8], {d[4]};",
+            f"@{p[1]} red.release.gpu.global.add.u64 [{where}], {d[2]};",
+            f"{LBL}counted:",
         ]
-        if gated:
-            lines += [f"setp.gt.u32 {p[2]}, {REG}h, {MIRROR_OPEN};",         # closed at some thread's entry
-                      f"vote.sync.any.pred {p[2]}, {p[2]}, {r[0]};",   # one choice per group
-                      f"@!{p[2]} bra {LBL}relaxed;"]
-        if not is_entry or gated:
-            # ordered: the group's writes before the leader's release at GPU scope
-            lines += [f"bar.warp.sync {r[0]};",
-                      f"@{p[1]} red.release.gpu.global.add.u64 [{where}], {d[2]};"]
-        if gated:
-            lines += [f"bra {LBL}counted;", f"{LBL}relaxed:"]
-        if is_entry:
-            lines.append(f"@{p[1]} red.relaxed.gpu.global.add.u64 [{where}], {d[2]};")
-    if ctx.options.pause_gate:
-        lines.append(f"{LBL}counted:")
     if is_entry:
-        lines += _block_zero_tail(slot, r, d, p, a64, ctx, have_block_sum=True)
+        lines += _block_zero_tail(slot, r, d, p, a64, ctx)
     lines += [f"{LBL}done:", "ret;" if is_entry else "exit;"]
     return "\n".join(_indent(lines))
 
 
-def _entry_counted_exit(slot: int, r: list[str], d: list[str], p: list[str], a64: bool,
-                        ctx: _Ctx) -> list[str]:
-    """Counting at entry: the exit counts only the threads that started while a
-    hold was requested, after their writes, and then leaves block 0's thread 0
-    to count the launch and to offer it to the gate."""
-    lines = [f"{LBL}exit:"]
-    if ctx.options.pause_gate:
-        stripe, where = _stripe(r, d, a64)
-        lines += [
-            f"activemask.b32 {r[0]};",
-            f"setp.gt.u32 {p[3]}, {REG}h, {MIRROR_OPEN};",       # started with the gate closed
-            f"vote.sync.ballot.b32 {r[1]}, {p[3]}, {r[0]};",     # the group's threads still to count
-            f"setp.eq.u32 {p[2]}, {r[1]}, 0;",
-            f"@{p[2]} bra {LBL}counted;",
-            f"bar.warp.sync {r[0]};",                            # their writes before the leader's release
-            *stripe,
-            f"popc.b32 {r[2]}, {r[1]};",
-            f"cvt.u64.u32 {d[2]}, {r[2]};",
-            f"mov.u32 {r[2]}, %lanemask_lt;",
-            f"and.b32 {r[2]}, {r[2]}, {r[1]};",
-            f"setp.eq.u32 {p[1]}, {r[2]}, 0;",
-            f"and.pred {p[1]}, {p[1]}, {p[3]};",
-            f"@{p[1]} red.release.gpu.global.add.u64 [{where}], {d[2]};",
-            f"{LBL}counted:",
-        ]
-    lines += _block_zero_tail(slot, r, d, p, a64, ctx, have_block_sum=False)
-    return lines + [f"{LBL}done:", "ret;"]
-
-
-def _block_zero_tail(slot: int, r: list[str], d: list[str], p: list[str], a64: bool, ctx: _Ctx,
-                     have_block_sum: bool) -> list[str]:
-    """After its own count, thread (0,0,0) of block 0 counts the launch (unless
-    the prologue did) and offers it to the gate.  Every other block leaves on
-    the first test, which reads only block-uniform registers."""
+def _block_zero_tail(slot: int, r: list[str], d: list[str], p: list[str], a64: bool,
+                     ctx: _Ctx) -> list[str]:
+    """Thread (0,0,0) of block 0 counts the launch (unless the prologue did)
+    and offers it to the gate.  Every other block leaves on the first test,
+    which reads only block-uniform registers."""
     if ctx.account_at_entry and not ctx.options.pause_gate:
         return []
-    lines = [] if have_block_sum else _block_sum(r)
-    lines += [f"setp.ne.u32 {p[0]}, {r[3]}, 0;", f"@{p[0]} bra {LBL}done;",
-              *_or_of(r[0], r[1], _TID, p[0], "ne"), f"@{p[0]} bra {LBL}done;"]
+    lines = [f"mov.u32 {r[3]}, %ctaid.x;", f"mov.u32 {r[4]}, %ctaid.y;", f"or.b32 {r[3]}, {r[3]}, {r[4]};",
+             f"mov.u32 {r[4]}, %ctaid.z;", f"or.b32 {r[3]}, {r[3]}, {r[4]};",
+             f"setp.ne.u32 {p[0]}, {r[3]}, 0;", f"@{p[0]} bra {LBL}done;",
+             *_or_of(r[0], r[1], _TID, p[0], "ne"), f"@{p[0]} bra {LBL}done;"]
     if not ctx.account_at_entry:
-        lines += _count_launch(slot, r, d, p, ctx)
+        lines += _count_launch(slot)
     if ctx.options.pause_gate:
-        lines += _gate_hold(slot, r, d, p, a64, ctx)
+        lines += _gate_hold(r, d, p, a64)
     return lines
 
 
-def _gate_hold(slot: int, r: list[str], d: list[str], p: list[str], a64: bool, ctx: _Ctx) -> list[str]:
-    """Block 0's thread 0, when the gate was closed at entry and still is: wait
-    until every thread counted up to this launch's target has left, then report
-    arrival and wait for the host to open the gate."""
-    sum_addr = (f"mov.u64 {d[1]}, {EXITS};" if a64 else
-                f"mov.u32 {r[4]}, {EXITS};\n\tcvt.u64.u32 {d[1]}, {r[4]};")
-    lines = [
-        f"setp.le.u32 {p[0]}, {REG}h, {MIRROR_OPEN};",   # no gate attached, or open at entry
+def _gate_hold(r: list[str], d: list[str], p: list[str], a64: bool) -> list[str]:
+    """Block 0's thread 0, when the gate was closed at entry and still is, and
+    its launch was submitted after the gate's stamp (so every thread of it read
+    the mirror closed and counts itself): wait until the launch's slot holds
+    its whole thread count with its signature, then report arrival and wait for
+    the host to open the gate.  If the host opens the gate first (it gave up
+    waiting), leave without reporting arrival."""
+    place, where = _slot(d[2], r, d, a64)
+    return [
+        f"setp.le.u32 {p[0]}, {REG}h, {MIRROR_OPEN};",   # not closed at entry
         f"@{p[0]} bra {LBL}done;",
         f"ld.global.u64 {d[3]}, [{GATE}];",
         f"setp.eq.u64 {p[0]}, {d[3]}, 0;",
@@ -696,20 +593,30 @@ def _gate_hold(slot: int, r: list[str], d: list[str], p: list[str], a64: bool, c
         f"ld.volatile.global.u32 {r[0]}, [{d[3]}];",
         f"setp.eq.u32 {p[0]}, {r[0]}, 0;",
         f"@{p[0]} bra {LBL}done;",
-        f"ld.global.u64 {d[4]}, [{TARGETS}+{8 * slot}];",
+        f"mov.u64 {d[2]}, %gridid;",
+        f"ld.volatile.global.u64 {d[5]}, [{d[3]}+{GATE_STAMP_OFFSET}];",
+        f"setp.le.u64 {p[0]}, {d[2]}, {d[5]};",          # submitted before the stamp: may straddle
+        f"@{p[0]} bra {LBL}done;",
+        f"mov.u32 {r[0]}, %nctaid.x;", f"mov.u32 {r[1]}, %nctaid.y;", f"mul.wide.u32 {d[0]}, {r[0]}, {r[1]};",
+        f"mov.u32 {r[0]}, %nctaid.z;", f"cvt.u64.u32 {d[1]}, {r[0]};", f"mul.lo.u64 {d[0]}, {d[0]}, {d[1]};",
+        f"mov.u32 {r[0]}, %ntid.x;", f"mov.u32 {r[1]}, %ntid.y;", f"mul.lo.u32 {r[0]}, {r[0]}, {r[1]};",
+        f"mov.u32 {r[1]}, %ntid.z;", f"mul.lo.u32 {r[0]}, {r[0]}, {r[1]};", f"cvt.u64.u32 {d[1]}, {r[0]};",
+        f"mul.lo.u64 {d[5]}, {d[0]}, {d[1]};",            # d5 = threads of the launch
+        *_signature(d[2], d[4]),
+        f"mul.lo.u64 {d[4]}, {d[4]}, {d[5]};",            # d4 = their signature sum
+        *place,
+        f"mov.u64 {d[0]}, {d[5]};",                       # d0 = threads (after `place`, which uses it)
         f"{LBL}drain:",
-        f"mov.u64 {d[2]}, 0;",
-        sum_addr,
-        f"mov.u32 {r[2]}, 0;",
-        f"{LBL}sum:",
-        f"ld.relaxed.gpu.global.u64 {d[5]}, [{d[1]}];",
-        f"add.s64 {d[2]}, {d[2]}, {d[5]};",
-        f"add.s64 {d[1]}, {d[1]}, {8 * STRIPE_WORDS};",
-        f"add.u32 {r[2]}, {r[2]}, 1;",
-        f"setp.lt.u32 {p[0]}, {r[2]}, {STRIPES};",
-        f"@{p[0]} bra {LBL}sum;",
-        f"setp.ge.u64 {p[0]}, {d[2]}, {d[4]};",
+        f"ld.relaxed.gpu.global.u64 {d[5]}, [{where}];",
+        f"setp.ne.u64 {p[0]}, {d[5]}, {d[0]};",
+        f"@{p[0]} bra {LBL}asked;",
+        f"ld.relaxed.gpu.global.u64 {d[5]}, [{where}+8];",
+        f"setp.eq.u64 {p[0]}, {d[5]}, {d[4]};",
         f"@{p[0]} bra {LBL}drained;",
+        f"{LBL}asked:",
+        f"ld.volatile.global.u32 {r[0]}, [{d[3]}];",
+        f"setp.eq.u32 {p[0]}, {r[0]}, 0;",
+        f"@{p[0]} bra {LBL}done;",                        # opened before arrival: leave
         "nanosleep.u32 500;",
         f"bra {LBL}drain;",
         f"{LBL}drained:",
@@ -724,7 +631,6 @@ def _gate_hold(slot: int, r: list[str], d: list[str], p: list[str], a64: bool, c
         "nanosleep.u32 1000;",
         f"bra {LBL}wait;",
     ]
-    return lines
 
 
 def _store_bytes(parts: list[str]) -> int:

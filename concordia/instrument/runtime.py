@@ -15,9 +15,9 @@ import numpy as np
 
 # Not `from concordia.instrument import rewrite`: the package re-exports the
 # function `rewrite` under that name, which hides the module.
-from concordia.instrument.rewrite import (EPOCHS, EXITS, GATE, HOLD, MIRROR_CLOSED, MIRROR_DETACHED, MIRROR_OPEN,
-                                          NREGIONS, REGION_WORDS, REGIONS,
-                                          STRIPE_WORDS, STRIPES, TARGETS, RewriteResult)
+from concordia.instrument.rewrite import (EPOCHS, GATE, GATE_STAMP_OFFSET, HOLD, HOLD_SLOTS, MARK,
+                                          MIRROR_CLOSED, MIRROR_DETACHED, MIRROR_OPEN, NREGIONS,
+                                          REGION_WORDS, REGIONS, SLOTS, RewriteResult)
 from concordia.instrument.errors import InstrumentError
 
 _HOST_ALLOC_MAPPED = 2  # cudaHostAllocMapped
@@ -47,21 +47,44 @@ def module_global(module, name: str, count: int, dtype):
 
 
 _MIRROR_WORD = {MIRROR_CLOSED: 2, MIRROR_OPEN: 3, MIRROR_DETACHED: 4}   # gate word holding each value
+_SLOT_BYTES = 16 * HOLD_SLOTS
+
+# The gate's stamp: one thread writes its launch's %gridid into the gate.  The
+# reserved register prefix makes both rewriters (CuPy's hook and the shim's)
+# leave this module alone.
+_STAMP_PTX = f"""
+.version 7.0
+.target sm_70
+.address_size 64
+.visible .entry {MARK}stamp(.param .u64 {MARK}stamp_to)
+{{
+	.reg .b64 %__cnc_s<2>;
+	ld.param.u64 %__cnc_s0, [{MARK}stamp_to];
+	mov.u64 %__cnc_s1, %gridid;
+	st.volatile.global.u64 [%__cnc_s0], %__cnc_s1;
+	ret;
+}}
+"""
 
 
 class Gate:
     """Words in mapped pinned host memory: word 0 is written by the host
     (non-zero = hold kernels at their exit), word 1 is set to 1 by a kernel held
     at the gate, words 2, 3 and 4 hold the mirror values closed, open and
-    detached, copied into the `hold` mirror of attached modules.  One writer per
-    word, so no CPU-GPU atomics.
+    detached, copied into the `hold` mirror of attached modules, and words 6-7
+    (byte 24) the `%gridid` of the stamp launch of the latest close().  One
+    writer per word, so no CPU-GPU atomics.
 
-    close() sets the mirrors first, with copies on a stream of its own that
-    does not wait for running kernels, and the host word after them: a launch
-    that starts after close() returns is held at its exit.  open() clears the
-    host word first (held launches leave), then the mirrors.  While no gate is
-    attached a module's threads are not counted at all; attach() changes that
-    only with no launch in flight (see `attach`)."""
+    Threads count themselves only while the gate is closed (the mirror says
+    so at their entry), each launch into a slot of its own module chosen by
+    its `%gridid`; open and detached cost the same, so a gate may stay attached.
+    close() clears the slots of every attached module and sets their mirrors,
+    waits for both, and only then launches the stamp: every launch submitted
+    after it has a larger `%gridid` (grid ids follow submission order across
+    streams; docs/results/gridid-probe.json) and starts after the mirrors were
+    written, so all of its threads count.  Block 0's thread 0 of such a launch
+    holds it.  A launch submitted before the stamp may have started before the
+    mirrors changed (some threads counting, others not): it is never held."""
 
     def __init__(self):
         cupy = _cupy()
@@ -74,32 +97,43 @@ class Gate:
         get = getattr(self._rt, "hostGetDevicePointer", None)
         self.device_ptr = int(get(self._host, 0)) if get is not None else int(self._host)
         self._stream = cupy.cuda.Stream(non_blocking=True)
-        self._mirrors: dict[int, object] = {}   # device address of a module's hold word -> module
+        self._stamp_module = cupy.cuda.function.Module()
+        self._stamp_module.load(_STAMP_PTX.encode())
+        self._stamp = self._stamp_module.get_function(MARK + "stamp")
+        self._mirrors: dict[int, int] = {}   # device address of a module's hold word -> of its slots
 
-    def watch(self, hold_ptr: int, module) -> None:
-        """Keep the hold word at `hold_ptr` equal to this gate's state."""
-        self._mirrors[hold_ptr] = module
+    def watch(self, hold_ptr: int, slots_ptr: int) -> None:
+        """Keep the hold word at `hold_ptr` equal to this gate's state; clear
+        the hold slots at `slots_ptr` when the gate closes."""
+        self._mirrors[hold_ptr] = slots_ptr
         self._set_mirrors([hold_ptr], MIRROR_CLOSED if self.closed else MIRROR_OPEN)
 
     def unwatch(self, hold_ptr: int) -> None:
         if self._mirrors.pop(hold_ptr, None) is not None:
             self._set_mirrors([hold_ptr], MIRROR_DETACHED)
 
-    def _set_mirrors(self, ptrs, value: int) -> None:
+    def _set_mirrors(self, ptrs, value: int, clear_slots: bool = False) -> None:
         if not ptrs or not self._host:
             return
         src = self._host + 4 * _MIRROR_WORD[value]
         for ptr in ptrs:
+            if clear_slots:
+                self._rt.memsetAsync(self._mirrors[ptr], 0, _SLOT_BYTES, self._stream.ptr)
             self._rt.memcpyAsync(ptr, src, 4, _H2D, self._stream.ptr)
         self._stream.synchronize()
 
     def close(self) -> None:
-        """Hold every instrumented launch that starts from now on, at its exit."""
+        """Hold, at its exit, the first instrumented launch of each stream
+        submitted from now on."""
         self.words[1] = 0
-        self._set_mirrors(list(self._mirrors), MIRROR_CLOSED)
+        self._set_mirrors(list(self._mirrors), MIRROR_CLOSED, clear_slots=True)
+        self._stamp((1,), (1,), (np.uint64(self.device_ptr + GATE_STAMP_OFFSET),), stream=self._stream)
+        self._stream.synchronize()
         self.words[0] = 1
 
     def open(self) -> None:
+        """Release a held launch; a launch whose holder still waits for its
+        threads leaves without reporting arrival."""
         self.words[0] = 0
         self._set_mirrors(list(self._mirrors), MIRROR_OPEN)
 
@@ -113,6 +147,11 @@ class Gate:
         every thread of it but the holder has left."""
         return bool(self.words[1])
 
+    @property
+    def stamp(self) -> int:
+        """The `%gridid` of the latest close()'s stamp launch (0 before any)."""
+        return int(self.words[6]) | int(self.words[7]) << 32
+
     def free(self) -> None:
         if self._host:
             self.open()
@@ -122,7 +161,6 @@ class Gate:
 
 
 _watched: dict[int, Gate] = {}   # hold word address -> the gate that keeps it
-_attached_once: set[int] = set()   # hold words of modules attached before (they may have launches in flight)
 
 
 @dataclass
@@ -176,25 +214,23 @@ def region_table(regions: list[TrackedRegion], max_regions: int) -> np.ndarray:
 def attach(module, result: RewriteResult, gate: Gate | None,
            regions: list[TrackedRegion] | None = None) -> None:
     """Point a loaded instrumented module at `gate` (None = no gate) and, when it
-    tracks stores, at `regions`.  Threads are counted only while a gate is
-    attached, and every thread of one launch must agree on that, so attaching
-    or detaching a module that may have launches in flight first waits for the
-    device (no launch may start meanwhile from another thread); a module just
-    loaded has none and is attached at once."""
+    tracks stores, at `regions`.  Safe while its kernels run: attached-open and
+    detached count nothing, so a launch in flight cannot tell them apart.
+    Attach before closing the gate: a launch in flight when a closed gate is
+    attached may hold and never see its threads counted (its holder then
+    leaves when the gate opens, without reporting arrival)."""
     g = module_global(module, GATE, 1, np.uint64)
     hold = module_global(module, HOLD, 1, np.uint32)
     hold_ptr = int(hold.data.ptr)
     old = _watched.pop(hold_ptr, None)
-    if (old is None) != (gate is None) and hold_ptr in _attached_once:
-        _cupy().cuda.Device().synchronize()
-    _attached_once.add(hold_ptr)
     if old is not None and old is not gate:
         old.unwatch(hold_ptr)
     if gate is None:
         hold.set(np.zeros(1, dtype=np.uint32))
     g.set(np.array([gate.device_ptr if gate else 0], dtype=np.uint64))
     if gate is not None:
-        gate.watch(hold_ptr, module)
+        slots = module_global(module, SLOTS, 2 * HOLD_SLOTS, np.uint64)
+        gate.watch(hold_ptr, int(slots.data.ptr))
         _watched[hold_ptr] = gate
     if result.options.track_stores:
         table = region_table(regions or [], result.options.max_regions)
@@ -204,18 +240,13 @@ def attach(module, result: RewriteResult, gate: Gate | None,
 
 
 def epochs(module, result: RewriteResult, stream=None) -> dict[str, int]:
-    """Completed launches per kernel of a loaded instrumented module: launches
-    counted (block 0's thread 0 counts its launch as it leaves), less one for a
-    kernel whose latest counted launch still has threads running (see
-    `concordia.instrument.rewrite`).  Exact when no launch of the
-    module is in flight and while one is held at the gate; pass a non-blocking
-    stream to read while a launch is held.  While no gate is attached to a
-    module built with the gate, its threads are not counted, so a launch in
-    flight counts once its block 0's thread 0 has left."""
+    """Launches per kernel of a loaded instrumented module, each counted by its
+    block 0's thread 0 as it leaves (as it starts in a module where a `.func`
+    calls `exit`).  Completed launches once the module's streams have been
+    synchronised; while a launch is held at the gate, its holder has counted
+    it and every other thread of it has left.  Pass a non-blocking stream to
+    read while a launch is held."""
     n = len(result.kernels)
-    arrays = (module_global(module, EPOCHS, n, np.uint64), module_global(module, TARGETS, n, np.uint64),
-              module_global(module, EXITS, STRIPES * STRIPE_WORDS, np.uint64))
-    counted, targets, exits = (a.get(stream=stream) if stream is not None else a.get() for a in arrays)
-    left = int(exits[::STRIPE_WORDS].sum())
-    return {k.name: int(counted[k.index]) - int(counted[k.index] > 0 and int(targets[k.index]) > left)
-            for k in result.kernels}
+    counted = module_global(module, EPOCHS, n, np.uint64)
+    values = counted.get(stream=stream) if stream is not None else counted.get()
+    return {k.name: int(values[k.index]) for k in result.kernels}

@@ -18,7 +18,7 @@ OWN = sorted((REPO / "gpu_kernels").glob("*.cu"))
 MODES = {
     "hooks": Options(),
     "hooks+stores": Options(track_stores=True),
-    "entry-count": Options(count_at="entry"),
+    "no-gate": Options(pause_gate=False),
     "stores-only": Options(exit_hooks=False, pause_gate=False, track_stores=True),
 }
 

@@ -46,12 +46,6 @@ extern "C" __global__ void fill3d(float* out, int n) {
 """
 
 
-# the two ways threads are counted: at the exit per group of threads leaving
-# together (the default), and at entry
-COUNTS = [dict(), dict(count_at="entry")]
-COUNT_IDS = ["exit", "entry"]
-
-
 @pytest.fixture
 def cp():
     cupy = pytest.importorskip("cupy")
@@ -69,8 +63,7 @@ def _wait(cond, seconds=10.0):
     return False
 
 
-@pytest.mark.parametrize("counting", COUNTS, ids=COUNT_IDS)
-def test_instrumented_kernels_compute_identical_results(cp, counting):
+def test_instrumented_kernels_compute_identical_results(cp):
     rng = np.random.default_rng(1)
     n = (1 << 20) + 37
     x = cp.asarray(rng.standard_normal(n, dtype=np.float32))
@@ -80,7 +73,7 @@ def test_instrumented_kernels_compute_identical_results(cp, counting):
     y_plain = y0.copy()
     plain(grid, block, (x, y_plain, np.float32(1.5), np.int64(n)))
 
-    rep = instrument.enable(**counting)
+    rep = instrument.enable()
     k = cp.RawModule(code=SRC).get_function("axpy")
     y_inst = y0.copy()
     for _ in range(5):
@@ -142,9 +135,8 @@ def test_store_tracked_dirty_set_equals_shadow_diff(cp, page_bytes):
         assert len(expect) > 0
 
 
-@pytest.mark.parametrize("counting", COUNTS, ids=COUNT_IDS)
-def test_pause_gate_holds_and_releases_cupy_kernels(cp, counting):
-    instrument.enable(**counting)
+def test_pause_gate_holds_and_releases_cupy_kernels(cp):
+    instrument.enable()
     gate = instrument.Gate()
     instrument.set_gate(gate)
     try:
@@ -187,12 +179,11 @@ extern "C" __global__ void slow_fill(float* out, int n, long long spin) {
 """
 
 
-@pytest.mark.parametrize("counting", COUNTS, ids=COUNT_IDS)
-def test_gate_reports_arrival_only_after_every_block_has_finished(cp, counting):
+def test_gate_reports_arrival_only_after_every_block_has_finished(cp):
     # Block 0 (which holds the launch) leaves at once; every other block spins
     # for milliseconds before it writes.  When the gate says "arrived", all of
     # the launch's writes must be there, and the held launch counts as complete.
-    instrument.enable(**counting)
+    instrument.enable()
     gate = instrument.Gate()
     instrument.set_gate(gate)
     try:
@@ -226,9 +217,8 @@ def test_gate_reports_arrival_only_after_every_block_has_finished(cp, counting):
         gate.free()
 
 
-@pytest.mark.parametrize("counting", COUNTS, ids=COUNT_IDS)
-def test_epochs_count_launches_of_varying_grids_exactly(cp, counting):
-    rep = instrument.enable(**counting)
+def test_epochs_count_launches_of_varying_grids_exactly(cp):
+    rep = instrument.enable()
     mod = cp.RawModule(code=SRC)
     axpy, bump, fill3d = (mod.get_function(n) for n in ("axpy", "bump_bytes", "fill3d"))
     rng = np.random.default_rng(5)
@@ -258,8 +248,7 @@ def test_epochs_count_launches_of_varying_grids_exactly(cp, counting):
     cp.cuda.Device().synchronize()
     rec = rep.find("axpy")
     assert instrument.epochs(rec.handle, rec.result) == {**counts, "scatter4": 0}
-    want = "entry" if "count_at" in counting else "group"
-    assert {k.counted_by for k in rec.result.kernels} == {want}
+    assert {k.counted_by for k in rec.result.kernels} == {"group"}
 
 
 def test_pause_gate_holds_pytorch_stream_work(cp):
@@ -384,15 +373,14 @@ def test_shim_catches_pytorch_and_triton_modules(cp, tmp_path):
     assert "shim_triton_double" in names, rep  # Triton loads a cubin: reported as SASS only, by name
 
 
-@pytest.mark.parametrize("counting", COUNTS, ids=COUNT_IDS)
-def test_threads_are_counted_only_while_a_gate_is_attached(cp, counting):
-    # without a gate only the launches are counted (no per-thread work at the
-    # exit); attaching a gate to a module that has run waits for the device,
-    # after which every thread of every launch is counted, held launches too
-    from concordia.instrument.rewrite import EXITS, EXPECT, STRIPE_WORDS, STRIPES
+def test_threads_count_only_while_the_gate_is_closed(cp):
+    # with no gate, or an open one, only launches are counted; closing the
+    # gate clears the slots, and the held launch's threads are all counted in
+    # its own slot; attaching and detaching need no device synchronisation
+    from concordia.instrument.rewrite import HOLD_SLOTS, SLOTS
     from concordia.instrument.runtime import module_global
 
-    rep = instrument.enable(**counting)
+    rep = instrument.enable()
     k = cp.RawModule(code=SRC).get_function("axpy")
     n = 1 << 20
     x, y = cp.ones(n, dtype=cp.float32), cp.zeros(n, dtype=cp.float32)
@@ -405,31 +393,114 @@ def test_threads_are_counted_only_while_a_gate_is_attached(cp, counting):
         launch()
     cp.cuda.Device().synchronize()
     rec = rep.find("axpy")
+    side = cp.cuda.Stream(non_blocking=True)
 
-    def counters():
-        exits = module_global(rec.handle, EXITS, STRIPES * STRIPE_WORDS, np.uint64).get()
-        return int(exits[::STRIPE_WORDS].sum()), int(module_global(rec.handle, EXPECT, 1, np.uint64).get()[0])
+    def counted():
+        slots = module_global(rec.handle, SLOTS, 2 * HOLD_SLOTS, np.uint64).get(stream=side)
+        return int(slots[0::2].sum())
 
-    assert instrument.epochs(rec.handle, rec.result)["axpy"] == 3 and counters() == (0, 0)
+    assert instrument.epochs(rec.handle, rec.result)["axpy"] == 3 and counted() == 0
     gate = instrument.Gate()
     try:
         instrument.set_gate(gate)
         launch()
         cp.cuda.Device().synchronize()
-        assert counters() == (n, n)
+        assert counted() == 0
         gate.close()
+        first = gate.stamp
+        assert first > 0 and counted() == 0
         s = cp.cuda.Stream(non_blocking=True)
         with s:
             launch()
         assert _wait(lambda: gate.arrived), "the launch never reached the closed gate"
+        assert counted() == n and not s.done
         gate.open()
         s.synchronize()
-        assert counters() == (2 * n, 2 * n)
+        launch()
+        cp.cuda.Device().synchronize()
+        assert counted() == n
+        gate.close()
+        assert gate.stamp > first and counted() == 0
+        gate.open()
         instrument.set_gate(None)
         launch()
         cp.cuda.Device().synchronize()
-        assert counters() == (2 * n, 2 * n)
+        assert counted() == 0
         assert instrument.epochs(rec.handle, rec.result)["axpy"] == 6 and float(y[0]) == 6.0
+    finally:
+        gate.open()
+        instrument.disable()
+        gate.free()
+
+
+def test_a_launch_submitted_before_the_gate_closed_is_not_held(cp):
+    # K2 is queued behind a slow K1 before the gate closes and starts after
+    # it closed: every thread of it reads "closed", but its grid id is below
+    # the gate's stamp, so it is not held; the next launch is
+    rep = instrument.enable()
+    gate = instrument.Gate()
+    instrument.set_gate(gate)
+    try:
+        slow = cp.RawModule(code=SLOW).get_function("slow_fill")
+        axpy = cp.RawModule(code=SRC).get_function("axpy")
+        blocks, threads = 2 * cp.cuda.Device().attributes["MultiProcessorCount"], 128
+        out = cp.zeros(blocks * threads, dtype=cp.float32)
+        n = 1 << 16
+        x, y = cp.ones(n, dtype=cp.float32), cp.zeros(n, dtype=cp.float32)
+        slow((1,), (32,), (out, np.int32(1), np.int64(1000)))              # both loaded while open
+        axpy((n // 256,), (256,), (x, y, np.float32(1), np.int64(n)))
+        cp.cuda.Device().synchronize()
+        s = cp.cuda.Stream(non_blocking=True)
+        with s:
+            slow((blocks,), (threads,), (out, np.int32(out.size), np.int64(200_000_000)))   # ~0.1 s
+            axpy((n // 256,), (256,), (x, y, np.float32(1), np.int64(n)))
+        gate.close()
+        assert not s.done, "K1 finished before the gate closed; the test proves nothing"
+        assert _wait(lambda: s.done), "a launch submitted before close() was held"
+        assert not gate.arrived and float(y[0]) == 2.0
+        rec = rep.find("axpy")
+        assert instrument.epochs(rec.handle, rec.result)["axpy"] == 2
+        with s:
+            axpy((n // 256,), (256,), (x, y, np.float32(1), np.int64(n)))
+        assert _wait(lambda: gate.arrived), "the launch after close() was not held"
+        assert not s.done
+        gate.open()
+        s.synchronize()
+        assert float(y[0]) == 3.0
+    finally:
+        gate.open()
+        instrument.disable()
+        gate.free()
+
+
+def test_a_slot_that_does_not_add_up_never_reports_arrival(cp):
+    # counts in the held launch's slot that are not its own (here: every slot
+    # poisoned after close) keep its holder waiting; opening the gate lets it
+    # leave without arrival, and the launch's results are whole
+    from concordia.instrument.rewrite import HOLD_SLOTS, SLOTS
+    from concordia.instrument.runtime import module_global
+
+    rep = instrument.enable()
+    gate = instrument.Gate()
+    instrument.set_gate(gate)
+    try:
+        k = cp.RawModule(code=SRC).get_function("axpy")
+        n = 1 << 20
+        x, y = cp.ones(n, dtype=cp.float32), cp.zeros(n, dtype=cp.float32)
+        k((n // 256,), (256,), (x, y, np.float32(1), np.int64(n)))
+        cp.cuda.Device().synchronize()
+        rec = rep.find("axpy")
+        gate.close()
+        module_global(rec.handle, SLOTS, 2 * HOLD_SLOTS, np.uint64).set(np.full(2 * HOLD_SLOTS, 12345, np.uint64))
+        cp.cuda.Device().synchronize()
+        s = cp.cuda.Stream(non_blocking=True)
+        with s:
+            k((n // 256,), (256,), (x, y, np.float32(1), np.int64(n)))
+        time.sleep(0.2)
+        assert not gate.arrived and not s.done, "the holder should still be waiting for its slot"
+        gate.open()
+        assert _wait(lambda: s.done), "opening the gate did not release the holder"
+        assert not gate.arrived and float(y[0]) == 2.0 and float(y[-1]) == 2.0
     finally:
         gate.open()
         instrument.disable()

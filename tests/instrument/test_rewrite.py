@@ -68,114 +68,70 @@ def test_every_exit_is_routed_through_one_stub():
     # L1-served mirror read: no special register, branch or atomic before the body
     assert "bar.sync" not in out and ".shared" not in out
     head = out[:out.index("setp.eq.u32 %p1")]
-    body = head[head.index(".reg .pred %__cnc_pc;"):]
+    body = head[head.index(".reg .b32 %__cnc_h;"):]
     assert "ld.global.ca.u32 %__cnc_h, [__concordia_hold];" in body
     assert not any(s in body for s in ("%tid", "%ctaid", "bra", "atom", "red.", "ld.relaxed"))
-    # the common exit: one relaxed red per group of threads, no value returned,
-    # into a counter picked by the block index
-    stub = out[out.index("$__cnc_exit:"):]
-    assert "activemask.b32" in stub and "@%__cnc_p1 red.relaxed.gpu.global.add.u64" in stub
-    assert "%smid" not in stub and "mov.u32 %__cnc_r3, %ctaid.x;" in stub
-    assert "atom." not in stub[:stub.index("$__cnc_counted:")] and "fence" not in stub[:stub.index("$__cnc_counted:")]
-    # then every block but block 0 leaves; its thread 0 counts the launch
-    tail = stub[stub.index("$__cnc_counted:"):]
-    order = [tail.index(s) for s in ("setp.ne.u32 %__cnc_p0, %__cnc_r3, 0;", "%tid.z",
-                                     "atom.global.add.u64 %__cnc_d2, [__concordia_expect]",
-                                     "st.global.u64 [__concordia_targets+0]", "[__concordia_epochs+0], 1;")]
-    assert order == sorted(order)
 
 
-def test_gate_waits_only_in_block_zero_and_only_when_the_mirror_is_set():
+def test_threads_count_only_when_the_mirror_said_closed():
     out = rewrite(entry("\tret;")).ptx
-    hold = out[out.index("$__cnc_counted:"):out.index("$__cnc_drain:")]
-    # thread (0,0,0) of block (0,0,0), launch counted, mirror closed, gate
-    # attached, host word set: in that order
-    order = [hold.index(s) for s in ("%__cnc_r3, 0;", "%tid.z", "[__concordia_expect]",
-                                     "setp.le.u32 %__cnc_p0, %__cnc_h, 1;", "[__concordia_gate]",
-                                     "ld.volatile.global.u32")]
-    assert order == sorted(order)
-    assert "[__concordia_targets+0]" in hold
-    # while the mirror says closed the count is a release after a warp barrier
-    assert "setp.gt.u32 %__cnc_p2, %__cnc_h, 1;" in out
-    assert "bar.warp.sync %__cnc_r0;\n\t@%__cnc_p1 red.release.gpu" in out
-
-
-def test_nothing_is_counted_while_no_gate_is_attached():
-    # mirror 0 (no gate attached, the same for every thread of a launch): the
-    # exit skips the count, and block 0's thread 0 counts the launch in
-    # `epochs` but adds nothing to `expect` or the target
-    for opts in (Options(), Options(count_at="entry")):
-        out = rewrite(entry("\tret;"), opts).ptx
-        stub = out[out.index("$__cnc_exit:"):]
-        if opts.count_at == "exit":
-            skip = stub.index("setp.eq.u32 %__cnc_p3, %__cnc_h, 0;\n\t@%__cnc_p3 bra $__cnc_counted;")
-            assert skip < stub.index("red.") and skip < stub.index("$__cnc_counted:")
-        launch = stub[stub.index("setp.eq.u32 %__cnc_p3, %__cnc_h, 0;\n\t@%__cnc_p3 bra $__cnc_uncounted;"):]
-        order = [launch.index(s) for s in ("[__concordia_expect]", "[__concordia_targets+0]",
-                                           "$__cnc_uncounted:", "[__concordia_epochs+0], 1;")]
-        assert order == sorted(order)
-    # a module built without the gate has no mirror and always counts
-    bare = rewrite(entry("\tret;"), Options(pause_gate=False)).ptx
-    assert "__concordia_hold]" not in bare and "$__cnc_uncounted" not in bare
-    # a .func that calls exit reads the mirror itself before it counts
-    text = HEADER + (".func f(.param .b32 a)\n{\n\t.reg .pred %q;\n\tsetp.eq.u32 %q, 1, 1;\n"
-                     "\t@%q exit;\n\tret;\n}\n.visible .entry e()\n{\n\tret;\n}\n")
-    f_body = rewrite(text).ptx.split(".visible .entry e")[0]
-    order = [f_body.index(s) for s in ("ld.global.ca.u32 %__cnc_h, [__concordia_hold];",
-                                       "@%__cnc_p3 bra $__cnc_counted;", "red.release.gpu", "$__cnc_counted:")]
-    assert order == sorted(order)
-
-
-def test_each_kernel_says_how_its_threads_are_counted():
-    assert rewrite(entry("\tret;")).kernels[0].counted_by == "group"  # the default
-    assert rewrite(entry("\tret;"), Options(count_at="entry")).kernels[0].counted_by == "entry"
-    old = ".version 6.0\n.target sm_60\n.address_size 64\n.visible .entry k()\n{\n\tret;\n}\n"
-    assert rewrite(old).kernels[0].counted_by == "thread"
-
-
-def test_counting_at_entry_moves_the_common_red_before_the_body():
-    body = "\t.reg .pred %p<3>;\n\tsetp.eq.u32 %p1, 1, 1;\n\t@%p1 ret;\n\tret;"
-    res = rewrite(entry(body), Options(count_at="entry"))
-    out = res.ptx
-    assert res.kernels[0].exit_sites == 2 and res.options.count_at == "entry"
-    first = out.index("setp.eq.u32 %p1")
-    # the mirror read, the entry count of the threads not asked to hold, block 0 counting the launch
-    assert out.index("ld.global.ca.u32 %__cnc_h, [__concordia_hold];") < first
-    assert out.index("setp.eq.u32 %__cnc_pc, %__cnc_h, 1;") < first
-    assert out.index("red.relaxed.gpu.global.add.u64 [%__cnc_d0]") < first
-    assert out.index("atom.global.add.u64 %__cnc_d2, [__concordia_expect]") > out.index("$__cnc_counted:")
-    # the exit counts only threads that started while a hold was requested, with release
     stub = out[out.index("$__cnc_exit:"):]
-    assert "setp.gt.u32 %__cnc_p3, %__cnc_h, 1;\n\tvote.sync.ballot.b32 %__cnc_r1, %__cnc_p3" in stub
-    assert "bar.warp.sync %__cnc_r0;" in stub and "red.release.gpu.global.add.u64" in stub
-    assert "red.relaxed" not in stub and "atom." not in stub[:stub.index("$__cnc_counted:")]
-    assert "setp.le.u32 %__cnc_p0, %__cnc_h, 1;\n\t@%__cnc_p0 bra $__cnc_done;" in stub
-    # without a gate the exit only lets block 0's thread 0 count the launch
-    bare = rewrite(entry("\tret;"), Options(count_at="entry", pause_gate=False)).ptx
-    tail = bare[bare.index("$__cnc_exit:"):]
-    assert "[__concordia_expect]" in tail and "red.release" not in tail and "__concordia_gate" not in tail
-    assert "__concordia_hold]" not in bare
+    counting = stub[:stub.index("$__cnc_counted:")]
+    # open (1) or detached (0): straight to the block-0 test, no memory operation
+    assert counting.startswith("$__cnc_exit:\n\tsetp.le.u32 %__cnc_p3, %__cnc_h, 1;\n\t@%__cnc_p3 bra $__cnc_counted;")
+    # closed: one group leader adds the group's size and size x signature into
+    # its launch's slot (%gridid % 256), releases after a warp barrier
+    order = [counting.index(s) for s in ("mov.u64 %__cnc_d3, %gridid;", "and.b32 %__cnc_r5, %__cnc_r5, 255;",
+                                         "[mov.u64 %__cnc_d0, __concordia_slots;".lstrip("["),
+                                         "mul.lo.u64 %__cnc_d4, %__cnc_d3, 0x9E3779B97F4A7C15;",
+                                         "activemask.b32", "bar.warp.sync %__cnc_r0;",
+                                         "@%__cnc_p1 red.release.gpu.global.add.u64 [%__cnc_d1+8], %__cnc_d4;",
+                                         "@%__cnc_p1 red.release.gpu.global.add.u64 [%__cnc_d1], %__cnc_d2;")]
+    assert order == sorted(order)
+    assert "red.relaxed" not in stub and "atom." not in stub
+    assert ".visible .global .align 16 .u64 __concordia_slots[512];" in out
 
 
-def test_counting_at_entry_leaves_func_exits_alone_and_turns_the_gate_off():
-    text = HEADER + (".func f(.param .b32 a)\n{\n\t.reg .pred %q;\n\tsetp.eq.u32 %q, 1, 1;\n"
-                     "\t@%q exit;\n\tret;\n}\n.visible .entry e()\n{\n\tret;\n}\n")
-    res = rewrite(text, Options(count_at="entry"))
-    # a hold would wait for that thread at an exit it never reaches: no gate
-    assert res.functions == [] and not res.options.pause_gate
-    f_body = res.ptx[res.ptx.index(".func f"):res.ptx.index(".visible .entry e")]
-    assert "@%q exit;" in f_body and "__cnc" not in f_body
-    assert "__concordia_gate]" not in res.ptx and res.kernels[0].exit_sites == 1
-    with pytest.raises(InstrumentError, match="count_at 'middle'"):
-        rewrite(text, Options(count_at="middle"))
+def test_gate_waits_only_in_block_zero_and_only_for_launches_after_the_stamp():
+    out = rewrite(entry("\tret;")).ptx
+    tail = out[out.index("$__cnc_counted:"):]
+    # thread (0,0,0) of block (0,0,0), launch counted, mirror closed, gate
+    # attached, host word set, grid id above the gate's stamp: in that order
+    order = [tail.index(s) for s in ("setp.ne.u32 %__cnc_p0, %__cnc_r3, 0;", "%tid.z",
+                                     "red.global.add.u64 [__concordia_epochs+0], 1;",
+                                     "setp.le.u32 %__cnc_p0, %__cnc_h, 1;", "[__concordia_gate]",
+                                     "ld.volatile.global.u32 %__cnc_r0, [%__cnc_d3];",
+                                     "ld.volatile.global.u64 %__cnc_d5, [%__cnc_d3+24];",
+                                     "setp.le.u64 %__cnc_p0, %__cnc_d2, %__cnc_d5;", "$__cnc_drain:")]
+    assert order == sorted(order)
+    drain = tail[tail.index("$__cnc_drain:"):tail.index("$__cnc_drained:")]
+    # arrival needs the slot's count equal to the launch's threads and its
+    # signature sum equal to threads x signature; an opened gate ends the wait
+    assert "setp.ne.u64 %__cnc_p0, %__cnc_d5, %__cnc_d0;" in drain
+    assert "[%__cnc_d1+8];\n\tsetp.eq.u64 %__cnc_p0, %__cnc_d5, %__cnc_d4;" in drain
+    assert "ld.volatile.global.u32 %__cnc_r0, [%__cnc_d3];\n\tsetp.eq.u32 %__cnc_p0, %__cnc_r0, 0;\n\t@%__cnc_p0 bra $__cnc_done;" in drain
+    # the slot address is computed before d0 takes the thread count
+    before = tail[:tail.index("$__cnc_drain:")]
+    assert before.rindex("mov.u64 %__cnc_d0, __concordia_slots;") < before.rindex("mov.u64 %__cnc_d0, %__cnc_d5;")
+    after = tail[tail.index("$__cnc_drained:"):]
+    assert after.index("fence.acq_rel.gpu;") < after.index("st.volatile.global.u32 [%__cnc_d3+4]")
 
 
-def test_old_targets_count_per_thread_and_get_no_gate():
+def test_a_module_without_the_gate_only_counts_launches():
+    bare = rewrite(entry("\tret;"), Options(pause_gate=False))
+    assert bare.kernels[0].counted_by == ""
+    out = bare.ptx
+    assert "__concordia_hold]" not in out and "__concordia_gate]" not in out and "%gridid" not in out
+    assert "red.global.add.u64 [__concordia_epochs+0], 1;" in out
+    assert out.count("red.") == 1
+
+
+def test_old_targets_get_no_gate_and_count_only_launches():
     text = ".version 6.0\n.target sm_60\n.address_size 64\n.visible .entry k()\n{\n\tret;\n}\n"
     res = rewrite(text)
-    assert not res.options.pause_gate
-    assert "activemask" not in res.ptx and "__concordia_hold]" not in res.ptx.split("$__cnc_exit")[0]
-    assert "red.global.add.u64 [%__cnc_d0], 1;" in res.ptx
+    assert not res.options.pause_gate and res.kernels[0].counted_by == ""
+    assert "activemask" not in res.ptx and "__concordia_hold]" not in res.ptx
+    assert "red.global.add.u64 [__concordia_epochs+0], 1;" in res.ptx
 
 
 def test_func_exit_is_hooked_but_func_ret_is_not():
@@ -188,12 +144,18 @@ def test_func_exit_is_hooked_but_func_ret_is_not():
     assert "@%q bra $__cnc_exit;" in f_body
     assert f_body.rstrip().endswith("$__cnc_done:\n\texit;\n}")  # the stub leaves with exit
     assert "\tret;" in f_body  # a .func return goes back to its caller, untouched
-    # the .func's exits count in the module-wide exit counters, always with release
-    assert "red.release.gpu.global.add.u64" in f_body and "__concordia_gate" not in f_body
+    # the .func reads the mirror itself and counts into its launch's slot while closed
+    order = [f_body.index(s) for s in ("ld.global.ca.u32 %__cnc_h, [__concordia_hold];",
+                                       "@%__cnc_p3 bra $__cnc_counted;", "%gridid",
+                                       "red.release.gpu.global.add.u64", "$__cnc_counted:")]
+    assert order == sorted(order) and "__concordia_gate" not in f_body
     # thread (0,0,0) might leave there, so the entry counts its launch in the prologue
     e_body = res.ptx[res.ptx.index(".visible .entry e"):]
-    assert e_body.index("[__concordia_expect]") < e_body.index("$__cnc_exit:")
-    assert e_body.count("[__concordia_expect]") == 1 and "$__cnc_go:" in e_body
+    assert e_body.index("[__concordia_epochs+0], 1;") < e_body.index("$__cnc_exit:")
+    assert e_body.count("[__concordia_epochs+0], 1;") == 1 and "$__cnc_go:" in e_body
+    # without the gate a .func's exit needs no hook
+    bare = rewrite(text, Options(pause_gate=False))
+    assert bare.functions == [] and "@%q exit;" in bare.ptx
 
 
 def test_slots_follow_entry_order():
@@ -201,7 +163,7 @@ def test_slots_follow_entry_order():
     res = rewrite(text)
     assert [(k.name, k.index) for k in res.kernels] == [("k0", 0), ("k1", 1), ("k2", 2)]
     assert f"{EPOCHS}[3]" in res.ptx
-    assert "[__concordia_targets+16]" in res.ptx and "[__concordia_epochs+16]" in res.ptx
+    assert "[__concordia_epochs+16]" in res.ptx
     assert res.slot("k2") == 2
     with pytest.raises(InstrumentError, match="no instrumented kernel"):
         res.slot("nope")
