@@ -426,7 +426,7 @@ def test_threads_count_only_while_the_gate_is_closed(cp):
         launch()
         cp.cuda.Device().synchronize()
         assert counted() == 0
-        assert instrument.epochs(rec.handle, rec.result)["axpy"] == 6 and float(y[0]) == 6.0
+        assert instrument.epochs(rec.handle, rec.result)["axpy"] == 7 and float(y[0]) == 7.0
     finally:
         gate.open()
         instrument.disable()
