@@ -519,6 +519,13 @@ def _slot(gid: str, r: list[str], d: list[str], a64: bool) -> tuple[list[str], s
                     f"add.u32 {r[5]}, {r[5]}, {r[4]};"], r[5]
 
 
+def _block_or(r: list[str]) -> list[str]:
+    """r3 = %ctaid.x | %ctaid.y | %ctaid.z: zero in block 0 only, uniform over
+    the block (read on the uniform datapath)."""
+    return [f"mov.u32 {r[3]}, %ctaid.x;", f"mov.u32 {r[4]}, %ctaid.y;", f"or.b32 {r[3]}, {r[3]}, {r[4]};",
+            f"mov.u32 {r[4]}, %ctaid.z;", f"or.b32 {r[3]}, {r[3]}, {r[4]};"]
+
+
 def _signature(gid: str, out: str) -> list[str]:
     """`out` = the launch's signature, an odd 64-bit hash of its `%gridid`."""
     return [f"mul.lo.u64 {out}, {gid}, {SIGN_MUL};", f"or.b64 {out}, {out}, 1;"]
@@ -536,8 +543,14 @@ def _exit_stub(slot: int, is_entry: bool, ctx: _Ctx) -> str:
     if ctx.options.pause_gate:
         if not is_entry:
             lines.append(f"ld.global.ca.u32 {REG}h, [{HOLD}];")
-        lines += [f"setp.le.u32 {p[3]}, {REG}h, {MIRROR_OPEN};", f"@{p[3]} bra {LBL}counted;",
-                  f"mov.u64 {d[3]}, %gridid;"]
+            lines += [f"setp.le.u32 {p[3]}, {REG}h, {MIRROR_OPEN};", f"@{p[3]} bra {LBL}counted;"]
+        else:
+            # the common path, a block other than 0 with the gate not closed, leaves on one branch
+            lines += _block_or(r) + [f"setp.ne.u32 {p[0]}, {r[3]}, 0;",
+                                     f"setp.le.u32 {p[3]}, {REG}h, {MIRROR_OPEN};",
+                                     f"and.pred {p[2]}, {p[0]}, {p[3]};", f"@{p[2]} bra {LBL}done;",
+                                     f"@{p[3]} bra {LBL}counted;"]
+        lines.append(f"mov.u64 {d[3]}, %gridid;")
         place, where = _slot(d[3], r, d, a64)
         lines += place + _signature(d[3], d[4]) + [
             f"activemask.b32 {r[0]};",
@@ -565,10 +578,9 @@ def _block_zero_tail(slot: int, r: list[str], d: list[str], p: list[str], a64: b
     which reads only block-uniform registers."""
     if ctx.account_at_entry and not ctx.options.pause_gate:
         return []
-    lines = [f"mov.u32 {r[3]}, %ctaid.x;", f"mov.u32 {r[4]}, %ctaid.y;", f"or.b32 {r[3]}, {r[3]}, {r[4]};",
-             f"mov.u32 {r[4]}, %ctaid.z;", f"or.b32 {r[3]}, {r[3]}, {r[4]};",
-             f"setp.ne.u32 {p[0]}, {r[3]}, 0;", f"@{p[0]} bra {LBL}done;",
-             *_or_of(r[0], r[1], _TID, p[0], "ne"), f"@{p[0]} bra {LBL}done;"]
+    # with the gate, the stub computed p0 = (not block 0) before counting
+    lines = [] if ctx.options.pause_gate else _block_or(r) + [f"setp.ne.u32 {p[0]}, {r[3]}, 0;"]
+    lines += [f"@{p[0]} bra {LBL}done;", *_or_of(r[0], r[1], _TID, p[0], "ne"), f"@{p[0]} bra {LBL}done;"]
     if not ctx.account_at_entry:
         lines += _count_launch(slot)
     if ctx.options.pause_gate:

@@ -77,8 +77,14 @@ def test_threads_count_only_when_the_mirror_said_closed():
     out = rewrite(entry("\tret;")).ptx
     stub = out[out.index("$__cnc_exit:"):]
     counting = stub[:stub.index("$__cnc_counted:")]
-    # open (1) or detached (0): straight to the block-0 test, no memory operation
-    assert counting.startswith("$__cnc_exit:\n\tsetp.le.u32 %__cnc_p3, %__cnc_h, 1;\n\t@%__cnc_p3 bra $__cnc_counted;")
+    # open (1) or detached (0): a block other than 0 leaves on one branch, block
+    # 0 goes to its launch count; no memory operation on either path
+    common = ("setp.ne.u32 %__cnc_p0, %__cnc_r3, 0;\n\tsetp.le.u32 %__cnc_p3, %__cnc_h, 1;\n"
+              "\tand.pred %__cnc_p2, %__cnc_p0, %__cnc_p3;\n\t@%__cnc_p2 bra $__cnc_done;\n"
+              "\t@%__cnc_p3 bra $__cnc_counted;")
+    assert common in counting
+    before = counting[:counting.index(common)]
+    assert "ld." not in before and "red." not in before and "%ctaid.z" in before
     # closed: one group leader adds the group's size and size x signature into
     # its launch's slot (%gridid % 256), releases after a warp barrier
     order = [counting.index(s) for s in ("mov.u64 %__cnc_d3, %gridid;", "and.b32 %__cnc_r5, %__cnc_r5, 255;",
@@ -95,9 +101,10 @@ def test_threads_count_only_when_the_mirror_said_closed():
 def test_gate_waits_only_in_block_zero_and_only_for_launches_after_the_stamp():
     out = rewrite(entry("\tret;")).ptx
     tail = out[out.index("$__cnc_counted:"):]
-    # thread (0,0,0) of block (0,0,0), launch counted, mirror closed, gate
-    # attached, host word set, grid id above the gate's stamp: in that order
-    order = [tail.index(s) for s in ("setp.ne.u32 %__cnc_p0, %__cnc_r3, 0;", "%tid.z",
+    # thread (0,0,0) of block (0,0,0) (p0 = not block 0, set before the count),
+    # launch counted, mirror closed, gate attached, host word set, grid id
+    # above the gate's stamp: in that order
+    order = [tail.index(s) for s in ("@%__cnc_p0 bra $__cnc_done;", "%tid.z",
                                      "red.global.add.u64 [__concordia_epochs+0], 1;",
                                      "setp.le.u32 %__cnc_p0, %__cnc_h, 1;", "[__concordia_gate]",
                                      "ld.volatile.global.u32 %__cnc_r0, [%__cnc_d3];",
