@@ -65,8 +65,10 @@ sum N x signature, fences (acquire), writes the arrival flag at system scope,
 and waits for the host to open the gate.  Two launches whose grid ids are equal
 modulo 256 and that count at once (a launch still running from an earlier
 closed window, say) share a slot: the count passes N or the signature sum
-differs, so the holder never reports arrival early; it keeps waiting and leaves,
-without arrival, when the host opens the gate.  While it waits the kernel cannot
+differs, so the holder does not report arrival early (unless the other launch's
+counts replace missing ones of its own with the same count and the same 64-bit
+signature sum, a hash coincidence); it keeps waiting and leaves, without
+arrival, when the host opens the gate.  While it waits the kernel cannot
 complete, so its stream cannot start its next operation; launches on other
 streams are held by their own holders.
 

@@ -104,9 +104,9 @@ class Gate:
 
     def watch(self, hold_ptr: int, slots_ptr: int) -> None:
         """Keep the hold word at `hold_ptr` equal to this gate's state; clear
-        the hold slots at `slots_ptr` when the gate closes."""
+        the hold slots at `slots_ptr` now and whenever the gate closes."""
         self._mirrors[hold_ptr] = slots_ptr
-        self._set_mirrors([hold_ptr], MIRROR_CLOSED if self.closed else MIRROR_OPEN)
+        self._set_mirrors([hold_ptr], MIRROR_CLOSED if self.closed else MIRROR_OPEN, clear_slots=True)
 
     def unwatch(self, hold_ptr: int) -> None:
         if self._mirrors.pop(hold_ptr, None) is not None:
