@@ -1,8 +1,10 @@
 """Open + plan time of a file log holding a base epoch and a small delta
 epoch, opened with every page CRC checked (a Session's open before this
 change), with only the last one-sync commit's pages checked (a Session's open
-now) and read-only without page checks (bench recover's open).
-Usage: python3 scripts/open_paths_probe.py [DIR] [GiB]   (default /dev/shm, 2)"""
+now) and read-only without page checks (bench recover's open).  With `full`
+the delta epoch is left out, so the last commit holds every page (a first
+checkpoint, or what bench recover writes): then "last" checks them all.
+Usage: python3 scripts/open_paths_probe.py [DIR] [GiB] [full]   (default /dev/shm, 2)"""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from concordia.wal import Log
 from concordia.wal.planner import plan
 
 
-def main(folder: str = "/dev/shm", gib: int = 2) -> None:
+def main(folder: str = "/dev/shm", gib: int = 2, full: bool = False) -> None:
     path = os.path.join(folder, f"concordia-open-paths-{os.getpid()}.log")
     pages = np.random.default_rng(0).integers(0, 255, (128, 65536), dtype=np.uint8)  # 8 MiB per batch
     batches = gib * 128
@@ -28,8 +30,9 @@ def main(folder: str = "/dev/shm", gib: int = 2) -> None:
         for b in range(batches):
             log.appender.append_page_batch(1, rid, np.arange(128) + b * 128, pages)
         log.appender.commit(1, {})
-        log.appender.append_page_batch(2, rid, np.arange(128), pages)  # a delta of 8 MiB
-        log.appender.commit(2, {})
+        if not full:
+            log.appender.append_page_batch(2, rid, np.arange(128), pages)  # a delta of 8 MiB
+            log.appender.commit(2, {})
         log.close()
         for _ in range(2):
             for writable, check in ((True, True), (True, "last"), (False, False)):
@@ -49,4 +52,5 @@ def main(folder: str = "/dev/shm", gib: int = 2) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "/dev/shm", int(sys.argv[2]) if len(sys.argv) > 2 else 2)
+    main(sys.argv[1] if len(sys.argv) > 1 else "/dev/shm", int(sys.argv[2]) if len(sys.argv) > 2 else 2,
+         len(sys.argv) > 3 and sys.argv[3] == "full")

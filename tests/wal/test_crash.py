@@ -173,3 +173,19 @@ def test_checking_only_the_last_commits_pages_leaves_earlier_damage_to_the_reade
     with pytest.raises(UsageError, match="check_pages"):
         reopen(img, writable=False, check_pages="some")
 
+
+
+def test_the_last_commits_pages_are_checked_alike_on_several_threads(monkeypatch):
+    # the threaded check of the last commit's pages (large commits) finds the
+    # same torn page as the serial one, and passes an intact log alike
+    from concordia.wal import reader
+
+    monkeypatch.setattr(reader, "PARALLEL_CHECK_BYTES", 1)
+    monkeypatch.setattr(reader, "CHECK_THREADS", 4)
+    model, log, rid, img, rec = _five_epochs(True, damaged_epoch=5)
+    intact = reopen(bytearray(img), writable=False, check_pages="last")
+    assert intact.last_committed_epoch == 5 and not intact.dropped
+    img[rec.offset + rec.length - 4096:rec.offset + rec.length] = bytes(4096)  # a page never written
+    last = reopen(img, writable=False, check_pages="last")
+    assert last.last_committed_epoch == 4 and any(d.kind == "torn" for d in last.dropped)
+    assert (replay(last, model.npages, model.page_bytes) == model.state_after(4)).all()
