@@ -54,6 +54,21 @@ def cp():
     instrument.disable()
 
 
+@pytest.fixture
+def gated(cp):
+    """Instrumentation enabled with a gate attached: (report, gate); the gate
+    is opened and freed afterwards."""
+    rep = instrument.enable()
+    gate = instrument.Gate()
+    instrument.set_gate(gate)
+    try:
+        yield rep, gate
+    finally:
+        gate.open()
+        instrument.disable()
+        gate.free()
+
+
 def _wait(cond, seconds=10.0):
     end = time.monotonic() + seconds
     while time.monotonic() < end:
@@ -135,37 +150,30 @@ def test_store_tracked_dirty_set_equals_shadow_diff(cp, page_bytes):
         assert len(expect) > 0
 
 
-def test_pause_gate_holds_and_releases_cupy_kernels(cp):
-    instrument.enable()
-    gate = instrument.Gate()
-    instrument.set_gate(gate)
-    try:
-        k = cp.RawModule(code=SRC).get_function("axpy")
-        ew = cp.ElementwiseKernel("float32 a", "float32 z", "z = a + 1", "cc_gate_ew")
-        n = 1 << 20
-        x = cp.ones(n, dtype=cp.float32)
-        y = cp.zeros(n, dtype=cp.float32)
-        z = cp.empty(n, dtype=cp.float32)
-        k(((n + 255) // 256,), (256,), (x, y, np.float32(2), np.int64(n)))   # load while open
-        ew(x, z)
-        cp.cuda.Device().synchronize()
-        s = cp.cuda.Stream(non_blocking=True)
-        for launch in (lambda: k(((n + 255) // 256,), (256,), (x, y, np.float32(2), np.int64(n))),
-                       lambda: ew(x, z)):
-            gate.close()
-            with s:
-                launch()
-            assert _wait(lambda: gate.arrived), "no launch reached the closed gate"
-            time.sleep(0.05)
-            assert not s.done, "the stream finished while the gate was closed"
-            gate.open()
-            s.synchronize()
-            assert s.done
-        assert float(y[0]) == 4.0 and float(z[-1]) == 2.0
-    finally:
+def test_pause_gate_holds_and_releases_cupy_kernels(cp, gated):
+    _, gate = gated
+    k = cp.RawModule(code=SRC).get_function("axpy")
+    ew = cp.ElementwiseKernel("float32 a", "float32 z", "z = a + 1", "cc_gate_ew")
+    n = 1 << 20
+    x = cp.ones(n, dtype=cp.float32)
+    y = cp.zeros(n, dtype=cp.float32)
+    z = cp.empty(n, dtype=cp.float32)
+    k(((n + 255) // 256,), (256,), (x, y, np.float32(2), np.int64(n)))   # load while open
+    ew(x, z)
+    cp.cuda.Device().synchronize()
+    s = cp.cuda.Stream(non_blocking=True)
+    for launch in (lambda: k(((n + 255) // 256,), (256,), (x, y, np.float32(2), np.int64(n))),
+                   lambda: ew(x, z)):
+        gate.close()
+        with s:
+            launch()
+        assert _wait(lambda: gate.arrived), "no launch reached the closed gate"
+        time.sleep(0.05)
+        assert not s.done, "the stream finished while the gate was closed"
         gate.open()
-        instrument.disable()
-        gate.free()
+        s.synchronize()
+        assert s.done
+    assert float(y[0]) == 4.0 and float(z[-1]) == 2.0
 
 
 SLOW = r"""
@@ -179,42 +187,35 @@ extern "C" __global__ void slow_fill(float* out, int n, long long spin) {
 """
 
 
-def test_gate_reports_arrival_only_after_every_block_has_finished(cp):
+def test_gate_reports_arrival_only_after_every_block_has_finished(cp, gated):
     # Block 0 (which holds the launch) leaves at once; every other block spins
     # for milliseconds before it writes.  When the gate says "arrived", all of
     # the launch's writes must be there, and the held launch counts as complete.
-    instrument.enable()
-    gate = instrument.Gate()
-    instrument.set_gate(gate)
-    try:
-        rep = instrument.report()
-        k = cp.RawModule(code=SLOW).get_function("slow_fill")
-        blocks, threads = 3 * cp.cuda.Device().attributes["MultiProcessorCount"], 128
-        n = blocks * threads - 5
-        out = cp.zeros(n, dtype=cp.float32)
-        k((blocks,), (threads,), (out, np.int32(n), np.int64(1000)))
-        cp.cuda.Device().synchronize()
-        rec = rep.find("slow_fill")
-        assert instrument.epochs(rec.handle, rec.result)["slow_fill"] == 1
-        out.fill(0)
-        cp.cuda.Device().synchronize()
-        expect = 1.0 + np.arange(n) // threads
-        s, side = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
-        gate.close()
-        with s:
-            k((blocks,), (threads,), (out, np.int32(n), np.int64(20_000_000)))   # ~10 ms per block
-        assert _wait(lambda: gate.arrived), "the launch never reached the closed gate"
-        seen = out.get(stream=side)
-        assert not s.done, "the stream finished while the gate was closed"
-        assert np.array_equal(seen, expect), f"{int((seen != expect).sum())} elements unwritten at arrival"
-        assert instrument.epochs(rec.handle, rec.result, stream=side)["slow_fill"] == 2
-        gate.open()
-        s.synchronize()
-        assert instrument.epochs(rec.handle, rec.result)["slow_fill"] == 2
-    finally:
-        gate.open()
-        instrument.disable()
-        gate.free()
+    _, gate = gated
+    rep = instrument.report()
+    k = cp.RawModule(code=SLOW).get_function("slow_fill")
+    blocks, threads = 3 * cp.cuda.Device().attributes["MultiProcessorCount"], 128
+    n = blocks * threads - 5
+    out = cp.zeros(n, dtype=cp.float32)
+    k((blocks,), (threads,), (out, np.int32(n), np.int64(1000)))
+    cp.cuda.Device().synchronize()
+    rec = rep.find("slow_fill")
+    assert instrument.epochs(rec.handle, rec.result)["slow_fill"] == 1
+    out.fill(0)
+    cp.cuda.Device().synchronize()
+    expect = 1.0 + np.arange(n) // threads
+    s, side = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    gate.close()
+    with s:
+        k((blocks,), (threads,), (out, np.int32(n), np.int64(20_000_000)))   # ~10 ms per block
+    assert _wait(lambda: gate.arrived), "the launch never reached the closed gate"
+    seen = out.get(stream=side)
+    assert not s.done, "the stream finished while the gate was closed"
+    assert np.array_equal(seen, expect), f"{int((seen != expect).sum())} elements unwritten at arrival"
+    assert instrument.epochs(rec.handle, rec.result, stream=side)["slow_fill"] == 2
+    gate.open()
+    s.synchronize()
+    assert instrument.epochs(rec.handle, rec.result)["slow_fill"] == 2
 
 
 def test_epochs_count_launches_of_varying_grids_exactly(cp):
@@ -251,34 +252,27 @@ def test_epochs_count_launches_of_varying_grids_exactly(cp):
     assert {k.counted_by for k in rec.result.kernels} == {"group"}
 
 
-def test_pause_gate_holds_pytorch_stream_work(cp):
+def test_pause_gate_holds_pytorch_stream_work(cp, gated):
     torch = pytest.importorskip("torch")
-    instrument.enable()
-    gate = instrument.Gate()
-    instrument.set_gate(gate)
-    try:
-        k = cp.RawModule(code=SRC).get_function("axpy")
-        n = 1 << 20
-        tx = torch.ones(n, device="cuda")
-        ty = torch.zeros(n, device="cuda")
-        x, y = cp.from_dlpack(tx), cp.from_dlpack(ty)
+    _, gate = gated
+    k = cp.RawModule(code=SRC).get_function("axpy")
+    n = 1 << 20
+    tx = torch.ones(n, device="cuda")
+    ty = torch.zeros(n, device="cuda")
+    x, y = cp.from_dlpack(tx), cp.from_dlpack(ty)
+    k(((n + 255) // 256,), (256,), (x, y, np.float32(1), np.int64(n)))
+    torch.cuda.synchronize()
+    ts = torch.cuda.Stream()
+    gate.close()
+    with torch.cuda.stream(ts), cp.cuda.ExternalStream(ts.cuda_stream):
         k(((n + 255) // 256,), (256,), (x, y, np.float32(1), np.int64(n)))
-        torch.cuda.synchronize()
-        ts = torch.cuda.Stream()
-        gate.close()
-        with torch.cuda.stream(ts), cp.cuda.ExternalStream(ts.cuda_stream):
-            k(((n + 255) // 256,), (256,), (x, y, np.float32(1), np.int64(n)))
-            ty.mul_(10)                    # a PyTorch kernel queued behind the held launch
-        assert _wait(lambda: gate.arrived)
-        time.sleep(0.05)
-        assert not ts.query(), "PyTorch work ran past the closed gate"
-        gate.open()
-        ts.synchronize()
-        assert float(ty[0]) == 20.0 and float(ty[-1]) == 20.0
-    finally:
-        gate.open()
-        instrument.disable()
-        gate.free()
+        ty.mul_(10)                    # a PyTorch kernel queued behind the held launch
+    assert _wait(lambda: gate.arrived)
+    time.sleep(0.05)
+    assert not ts.query(), "PyTorch work ran past the closed gate"
+    gate.open()
+    ts.synchronize()
+    assert float(ty[0]) == 20.0 and float(ty[-1]) == 20.0
 
 
 CHILD_CUPY = textwrap.dedent("""
@@ -433,75 +427,61 @@ def test_threads_count_only_while_the_gate_is_closed(cp):
         gate.free()
 
 
-def test_a_launch_submitted_before_the_gate_closed_is_not_held(cp):
+def test_a_launch_submitted_before_the_gate_closed_is_not_held(cp, gated):
     # K2 is queued behind a slow K1 before the gate closes and starts after
     # it closed: every thread of it reads "closed", but its grid id is below
     # the gate's stamp, so it is not held; the next launch is
-    rep = instrument.enable()
-    gate = instrument.Gate()
-    instrument.set_gate(gate)
-    try:
-        slow = cp.RawModule(code=SLOW).get_function("slow_fill")
-        axpy = cp.RawModule(code=SRC).get_function("axpy")
-        blocks, threads = 2 * cp.cuda.Device().attributes["MultiProcessorCount"], 128
-        out = cp.zeros(blocks * threads, dtype=cp.float32)
-        n = 1 << 16
-        x, y = cp.ones(n, dtype=cp.float32), cp.zeros(n, dtype=cp.float32)
-        slow((1,), (32,), (out, np.int32(1), np.int64(1000)))              # both loaded while open
+    rep, gate = gated
+    slow = cp.RawModule(code=SLOW).get_function("slow_fill")
+    axpy = cp.RawModule(code=SRC).get_function("axpy")
+    blocks, threads = 2 * cp.cuda.Device().attributes["MultiProcessorCount"], 128
+    out = cp.zeros(blocks * threads, dtype=cp.float32)
+    n = 1 << 16
+    x, y = cp.ones(n, dtype=cp.float32), cp.zeros(n, dtype=cp.float32)
+    slow((1,), (32,), (out, np.int32(1), np.int64(1000)))              # both loaded while open
+    axpy((n // 256,), (256,), (x, y, np.float32(1), np.int64(n)))
+    cp.cuda.Device().synchronize()
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        slow((blocks,), (threads,), (out, np.int32(out.size), np.int64(200_000_000)))   # ~0.1 s
         axpy((n // 256,), (256,), (x, y, np.float32(1), np.int64(n)))
-        cp.cuda.Device().synchronize()
-        s = cp.cuda.Stream(non_blocking=True)
-        with s:
-            slow((blocks,), (threads,), (out, np.int32(out.size), np.int64(200_000_000)))   # ~0.1 s
-            axpy((n // 256,), (256,), (x, y, np.float32(1), np.int64(n)))
-        gate.close()
-        assert not s.done, "K1 finished before the gate closed; the test proves nothing"
-        assert _wait(lambda: s.done), "a launch submitted before close() was held"
-        assert not gate.arrived and float(y[0]) == 2.0
-        rec = rep.find("axpy")
-        assert instrument.epochs(rec.handle, rec.result)["axpy"] == 2
-        with s:
-            axpy((n // 256,), (256,), (x, y, np.float32(1), np.int64(n)))
-        assert _wait(lambda: gate.arrived), "the launch after close() was not held"
-        assert not s.done
-        gate.open()
-        s.synchronize()
-        assert float(y[0]) == 3.0
-    finally:
-        gate.open()
-        instrument.disable()
-        gate.free()
+    gate.close()
+    assert not s.done, "K1 finished before the gate closed; the test proves nothing"
+    assert _wait(lambda: s.done), "a launch submitted before close() was held"
+    assert not gate.arrived and float(y[0]) == 2.0
+    rec = rep.find("axpy")
+    assert instrument.epochs(rec.handle, rec.result)["axpy"] == 2
+    with s:
+        axpy((n // 256,), (256,), (x, y, np.float32(1), np.int64(n)))
+    assert _wait(lambda: gate.arrived), "the launch after close() was not held"
+    assert not s.done
+    gate.open()
+    s.synchronize()
+    assert float(y[0]) == 3.0
 
 
-def test_a_slot_that_does_not_add_up_never_reports_arrival(cp):
+def test_a_slot_that_does_not_add_up_never_reports_arrival(cp, gated):
     # counts in the held launch's slot that are not its own (here: every slot
     # poisoned after close) keep its holder waiting; opening the gate lets it
     # leave without arrival, and the launch's results are whole
     from concordia.instrument.rewrite import HOLD_SLOTS, SLOTS
     from concordia.instrument.runtime import module_global
 
-    rep = instrument.enable()
-    gate = instrument.Gate()
-    instrument.set_gate(gate)
-    try:
-        k = cp.RawModule(code=SRC).get_function("axpy")
-        n = 1 << 20
-        x, y = cp.ones(n, dtype=cp.float32), cp.zeros(n, dtype=cp.float32)
+    rep, gate = gated
+    k = cp.RawModule(code=SRC).get_function("axpy")
+    n = 1 << 20
+    x, y = cp.ones(n, dtype=cp.float32), cp.zeros(n, dtype=cp.float32)
+    k((n // 256,), (256,), (x, y, np.float32(1), np.int64(n)))
+    cp.cuda.Device().synchronize()
+    rec = rep.find("axpy")
+    gate.close()
+    module_global(rec.handle, SLOTS, 2 * HOLD_SLOTS, np.uint64).set(np.full(2 * HOLD_SLOTS, 12345, np.uint64))
+    cp.cuda.Device().synchronize()
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
         k((n // 256,), (256,), (x, y, np.float32(1), np.int64(n)))
-        cp.cuda.Device().synchronize()
-        rec = rep.find("axpy")
-        gate.close()
-        module_global(rec.handle, SLOTS, 2 * HOLD_SLOTS, np.uint64).set(np.full(2 * HOLD_SLOTS, 12345, np.uint64))
-        cp.cuda.Device().synchronize()
-        s = cp.cuda.Stream(non_blocking=True)
-        with s:
-            k((n // 256,), (256,), (x, y, np.float32(1), np.int64(n)))
-        time.sleep(0.2)
-        assert not gate.arrived and not s.done, "the holder should still be waiting for its slot"
-        gate.open()
-        assert _wait(lambda: s.done), "opening the gate did not release the holder"
-        assert not gate.arrived and float(y[0]) == 2.0 and float(y[-1]) == 2.0
-    finally:
-        gate.open()
-        instrument.disable()
-        gate.free()
+    time.sleep(0.2)
+    assert not gate.arrived and not s.done, "the holder should still be waiting for its slot"
+    gate.open()
+    assert _wait(lambda: s.done), "opening the gate did not release the holder"
+    assert not gate.arrived and float(y[0]) == 2.0 and float(y[-1]) == 2.0
