@@ -10,6 +10,9 @@ the shadow copy or fingerprints a detector needs) and finds the dirty pages:
     adapter   slot-version scanner (`adapter_dirty_pages`) when the caller
               gives slot versions, else shadow diff
     scheduler, opaque   shadow diff
+    any kind  `detect="stores"`: the pages the PTX store tracker marked
+              (`concordia.instrument`, device arrays only), cross-checked by
+              fingerprints every `check_every` checkpoints
 
 Every detector runs on the array's own device: the numpy twins in
 `gpu_kernels.reference` for host arrays, `gpu_kernels.gpu` for CuPy arrays.
@@ -25,7 +28,7 @@ from concordia.errors import ShapeChangedError, UnsupportedArrayError
 from concordia.gpu_kernels import reference as ref
 
 KINDS = ("kv", "adapter", "scheduler", "opaque")
-DETECTORS = ("auto", "shadow", "fingerprint", "blocks", "versions", "all")
+DETECTORS = ("auto", "shadow", "fingerprint", "blocks", "versions", "stores", "all")
 
 
 # ----------------------------------------------------------------- arrays
@@ -190,7 +193,7 @@ class Region:
     xp: object
     owner: object          # what the caller gave (checked for shape/storage changes)
     storage: tuple         # (shape, dtype, address) at registration
-    detect: str            # "shadow" | "fingerprint" | "blocks" | "versions" | "all"
+    detect: str            # "shadow" | "fingerprint" | "blocks" | "versions" | "stores" | "all"
     hints: dict
     id: int | None = None  # region id in the log
     crcs: object = None                 # page CRCs of the last committed epoch (None: no base yet),
@@ -200,6 +203,11 @@ class Region:
     fps: object = None                  # fingerprints (fingerprint detector)
     kv_prev: dict | None = None         # block tables, lens, stamps, seq ids at the last checkpoint
     seen_versions: np.ndarray | None = None
+    tracked: object = None              # instrument.TrackedRegion (store tracker's bitmap)
+    check_every: int = 0                # stores: fingerprint cross-check every N checkpoints (0: never)
+    since_check: int = 0                # stores: checkpoints since the last cross-check
+    tracked_since_check: object = None  # stores: pages the tracker marked since then (sorted uint32)
+    missed_pages: int = 0               # stores: pages the cross-checks found that the tracker did not
     _flat: object = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
@@ -259,6 +267,12 @@ class Region:
             self.kv_prev = self._kv_now()
         elif self.detect == "versions":
             self.seen_versions = to_host(self.hints["slot_versions"]).copy()
+        elif self.detect == "stores":
+            self.tracked.clear()
+            self.since_check = 0
+            self.tracked_since_check = np.zeros(0, np.uint32)
+            if self.check_every:
+                self.fps = _Ops(self.xp, self.device_aligned).fingerprints(flat, self.page_bytes)
 
     def dirty_pages(self, *, advance: bool) -> np.ndarray:
         """Sorted uint32 ids of the pages changed since the last checkpoint.
@@ -275,12 +289,40 @@ class Region:
             return ops.fingerprint_dirty(self.flat, self.fps, self.page_bytes, update=advance)
         if self.detect == "blocks":
             return self._kv_dirty(advance)
+        if self.detect == "stores":
+            return self._stores_dirty(advance)
         if self.detect == "versions":
             seen = self.seen_versions if advance else self.seen_versions.copy()
             return ref.adapter_dirty_pages(to_host(self.hints["slot_versions"]), seen,
                                            pages_per_slot=int(self.hints["pages_per_slot"]),
                                            num_pages=self.pages, advance=True)
         raise AssertionError(self.detect)
+
+    def _stores_dirty(self, advance: bool) -> np.ndarray:
+        """The pages the store tracker marked since the last checkpoint (the
+        bitmap is cleared when advancing).  Every `check_every`-th advancing
+        call also diffs the fingerprints taken at the previous cross-check:
+        a page changed since then that the tracker never marked (a write by
+        a kernel that is not instrumented, a copy, a kernel loaded before
+        instrumentation) is added to this checkpoint and counted in
+        `missed_pages`."""
+        ids = self.tracked.dirty_pages().astype(np.uint32)
+        if not advance:
+            return ids
+        self.tracked.clear()
+        if not self.check_every:
+            return ids
+        self.tracked_since_check = np.union1d(self.tracked_since_check, ids).astype(np.uint32)
+        self.since_check += 1
+        if self.since_check < self.check_every:
+            return ids
+        changed = _Ops(self.xp, self.device_aligned).fingerprint_dirty(self.flat, self.fps, self.page_bytes,
+                                                                       update=True)
+        missed = np.setdiff1d(changed, self.tracked_since_check).astype(np.uint32)
+        self.missed_pages += int(missed.size)
+        self.since_check = 0
+        self.tracked_since_check = np.zeros(0, np.uint32)
+        return np.union1d(ids, missed).astype(np.uint32)
 
     @property
     def flags_detector(self) -> bool:

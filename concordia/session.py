@@ -163,6 +163,8 @@ class Session:
         if self._closed:
             return
         self._closed = True
+        for r in self._regions.values():
+            self._untrack(r)
         for st in self._stagers.values():
             if st is not None:
                 st.close()
@@ -191,7 +193,8 @@ class Session:
     # ------------------------------------------------------------ register
     def register(self, name: str, array, kind: str = "opaque", page_bytes: int = 4096, *,
                  detect: str = "auto", block_tables=None, seq_lens=None, block_stamp=None,
-                 seq_ids=None, slot_versions=None, pages_per_slot: int | None = None) -> Region:
+                 seq_ids=None, slot_versions=None, pages_per_slot: int | None = None,
+                 check_every: int = 8) -> Region:
         """Protect `array` (numpy, CuPy, or a PyTorch tensor through DLPack) as
         region `name`.  The array must stay the same object and be updated in
         place; its shape, dtype and storage are checked at every checkpoint.
@@ -203,6 +206,13 @@ class Session:
         sequence id) so a slot handed to a new sequence is seen.
         kind="adapter" with slot_versions (a counter per slot the caller bumps
         on every write) and pages_per_slot scans versions instead of diffing.
+        detect="stores" (a device array, `concordia.instrument` enabled with
+        track_stores=True before the writing kernels were compiled) takes the
+        pages the store tracker marked instead of scanning; every `check_every`
+        checkpoints (0: never) a fingerprint diff adds any changed page the
+        tracker did not see (writes by kernels that are not instrumented, such
+        as precompiled library kernels, and copies) and counts it in the
+        region's `missed_pages`.
         """
         self._check_open(f"register region {name!r}")
         where = f"region {name!r}"
@@ -245,17 +255,41 @@ class Session:
                 raise SessionError("the version scanner needs slot_versions and pages_per_slot",
                                    where=where)
             hints.update(slot_versions=slot_versions, pages_per_slot=int(pages_per_slot))
+        if detect == "stores":
+            if xp is np:
+                raise SessionError("the store tracker sees writes by GPU kernels: detect='stores' needs a device array",
+                                   where=where, hint="use detect='shadow' or 'fingerprint' for a host array")
+            if not isinstance(check_every, (int, np.integer)) or check_every < 0:
+                raise SessionError(f"check_every must be a whole number >= 0, not {check_every!r}", where=where)
 
         region = Region(name=name, kind=kind, page_bytes=int(page_bytes), array=arr, xp=xp, owner=owner,
                         storage=storage_of(owner), detect=detect, hints=hints)
         info = self.log.regions.get(name)
         if info is not None:
             _check_same(info, region)
+        if detect == "stores":
+            from concordia import instrument
+
+            region.tracked = instrument.track(name, arr, int(page_bytes))
+            region.check_every = int(check_every)
+        if info is not None:
             region.id = int(info.id)
         else:
-            region.id = int(self.log.define_region(name, arr.dtype.str, region.shape, region.page_bytes, kind))
+            try:
+                region.id = int(self.log.define_region(name, arr.dtype.str, region.shape, region.page_bytes, kind))
+            except BaseException:
+                self._untrack(region)
+                raise
         self._regions[name] = region
         return region
+
+    @staticmethod
+    def _untrack(region: Region) -> None:
+        if region.tracked is not None:
+            from concordia import instrument
+
+            instrument.untrack(region.tracked)
+            region.tracked = None
 
     # ------------------------------------------------------------ checkpoint
     def step(self, n: int = 1) -> CheckpointStats | None:

@@ -73,7 +73,31 @@ def set_gate(gate: Gate | None) -> None:
 
 
 def set_regions(regions: list[TrackedRegion]) -> None:
+    """Track stores into exactly `regions` (every instrumented module, and
+    those loaded later)."""
     _require().set_regions(regions)
+
+
+def track(name: str, array, page_bytes: int) -> TrackedRegion:
+    """Start tracking stores into the CuPy array `array` (pages of
+    `page_bytes`), beside the regions tracked already; returns its region,
+    whose bitmap the store tracker marks.  Needs enable(track_stores=True)."""
+    hook = _require()
+    if not hook.options.track_stores:
+        raise InstrumentError("store tracking is off", where=name,
+                              hint="call instrument.enable(track_stores=True) before the kernels are compiled")
+    if len(hook.regions) >= hook.options.max_regions:
+        raise InstrumentError(f"{len(hook.regions)} regions are tracked already, at most {hook.options.max_regions}",
+                              where=name, hint="pass a larger max_regions to instrument.enable()")
+    region = track_array(name, array, page_bytes)
+    hook.set_regions([*hook.regions, region])
+    return region
+
+
+def untrack(region: TrackedRegion) -> None:
+    """Stop tracking `region` (nothing happens when instrumentation is off)."""
+    if _hook is not None and any(r is region for r in _hook.regions):
+        _hook.set_regions([r for r in _hook.regions if r is not region])
 
 
 def _require():
@@ -82,6 +106,6 @@ def _require():
     return _hook
 
 
-__all__ = ["enable", "disable", "report", "set_gate", "set_regions", "rewrite", "Options",
+__all__ = ["enable", "disable", "report", "set_gate", "set_regions", "track", "untrack", "rewrite", "Options",
            "RewriteResult", "KernelInfo", "Report", "ModuleRecord", "Skipped", "Gate",
            "TrackedRegion", "track_array", "epochs", "InstrumentError"]

@@ -120,6 +120,7 @@ def test_opening_a_missing_log_without_create(tmp_path):
     (("x", np.zeros(64, np.float32)), {"kind": "weights"}, SessionError, ["kind", "weights"]),
     (("x", np.zeros(64, np.float32)), {"page_bytes": 100}, SessionError, ["page_bytes", "64"]),
     (("x", np.zeros(64, np.float32)), {"detect": "blocks"}, SessionError, ["block_tables"]),
+    (("x", np.zeros(64, np.float32)), {"detect": "stores"}, SessionError, ["store tracker", "device array"]),
     (("", np.zeros(64, np.float32)), {}, SessionError, ["name"]),
 ])
 def test_bad_registrations(session, args, kw, err, words):
