@@ -465,7 +465,7 @@ def _helper(kernel: str):
     if fn is None:
         mod = _helpers.get(key[0])
         if mod is None:
-            mod = _helpers[key[0]] = cp.RawModule(code=_HELPERS_SOURCE, options=("-std=c++17",))
+            mod = _helpers[key[0]] = cp.RawModule(code=_HELPERS_SOURCE, options=jit.NVRTC_OPTIONS)
         fn = _helpers[key] = mod.get_function(kernel)
     return fn
 

@@ -56,7 +56,11 @@ KERNEL_NEEDS = {
     "kv_scan": "KV_BLOCK_SIZE",
 }
 
-NVRTC_OPTIONS = ("-std=c++17",)
+# Concordia's own modules carry this define, and concordia.instrument leaves
+# them as they are: its hooks would slow every checkpoint, and a closed pause
+# gate would hold the checkpoint it paused the caller's work for.
+OWN_KERNEL_OPTION = "-DCONCORDIA_OWN_KERNEL=1"
+NVRTC_OPTIONS = ("-std=c++17", OWN_KERNEL_OPTION)
 
 
 def kernels_in(name: str, defines: dict) -> tuple[str, ...]:

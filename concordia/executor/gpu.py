@@ -68,7 +68,9 @@ def kernel_source(path: Path = KERNEL_SOURCE) -> str:
 
 def compile_options(*, child: bool, ops_mask: int = ALL_OPS_MASK) -> tuple[str, ...]:
     """NVRTC / nvcc options of one executor module variant."""
-    opts = (f"-DCX_CHILD={int(child)}", f"-DCX_OPS=0x{ops_mask:x}u")
+    from concordia.gpu_kernels.jit import OWN_KERNEL_OPTION
+
+    opts = (f"-DCX_CHILD={int(child)}", f"-DCX_OPS=0x{ops_mask:x}u", OWN_KERNEL_OPTION)
     return opts + (("-rdc=true",) if child else ())
 
 

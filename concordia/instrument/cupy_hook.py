@@ -26,6 +26,7 @@ import inspect
 import itertools
 import threading
 
+from concordia.gpu_kernels.jit import OWN_KERNEL_OPTION
 from concordia.instrument import runtime
 from concordia.instrument.errors import InstrumentError
 from concordia.instrument.report import ModuleRecord, Report
@@ -92,7 +93,7 @@ class CupyHook:
     def _compile_using_nvrtc(self, *args, **kwargs):
         self.calls["nvrtc"] += 1
         out = self.saved[self.nvrtc_name](*args, **kwargs)
-        if getattr(self.local, "ltoir", False):
+        if getattr(self.local, "ltoir", False) or getattr(self.local, "bypass", False):
             return out  # LTO IR for nvJitLink, not PTX: nothing to rewrite
         binary, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
         new = self._instrument(binary)
@@ -121,6 +122,13 @@ class CupyHook:
         bound = self._cache_sig.bind(*args, **kwargs)
         bound.apply_defaults()
         a = bound.arguments
+        if OWN_KERNEL_OPTION in tuple(a.get("options") or ()):
+            self.report.skip("cupy:concordia", "Concordia's own module (left as it is)")
+            self.local.bypass = True
+            try:
+                return self.saved["_compile_with_cache_cuda"](*bound.args, **bound.kwargs)
+            finally:
+                self.local.bypass = False
         if a.get("backend", "nvrtc") != "nvrtc":
             self.report.skip("cupy:" + str(a.get("backend")), "the nvcc back end produces cubins only")
             return self.saved["_compile_with_cache_cuda"](*bound.args, **bound.kwargs)

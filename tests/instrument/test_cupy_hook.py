@@ -96,6 +96,21 @@ def test_nvcc_backend_is_reported_as_skipped(hooked):
     assert rep.modules == [] and attached == []
 
 
+def test_concordias_own_modules_are_left_as_they_are(hooked):
+    # the define every Concordia module carries: its checkpoint kernels get no
+    # hooks (a closed gate must not hold the checkpoint it paused work for)
+    from concordia.gpu_kernels.jit import NVRTC_OPTIONS, OWN_KERNEL_OPTION
+
+    c, rep, attached, _ = hooked
+    assert OWN_KERNEL_OPTION in NVRTC_OPTIONS
+    mod = c._compile_with_cache_cuda(PTX, NVRTC_OPTIONS, None, "/x")
+    assert mod.loaded == PTX.encode() and EPOCHS.encode() not in mod.loaded
+    assert rep.modules == [] and attached == []
+    assert "Concordia's own module" in rep.skipped[0].reason
+    # the next module of the caller's is instrumented as before
+    assert EPOCHS.encode() in c._compile_with_cache_cuda(PTX, (), None, "/x").loaded
+
+
 def test_unparseable_output_is_loaded_unchanged_and_reported(hooked):
     c, rep, _, _ = hooked
     mod = c._compile_with_cache_cuda("not ptx at all", (), None, "/x")
