@@ -10,9 +10,12 @@ Four parts (GPU):
            bytes;
   e2e      one dirty page: detect, stage into a real log on a /dev/shm
            mapping registered with CUDA, persist, commit with region digests
-           (the Session's device path: two small reads of the device);
-           against host-side scanning (whole region to pinned host, numpy
-           compare with a host shadow, append the delta, commit);
+           (the Session's device path: two small reads of the device), once
+           per detector: shadow diff, fingerprints, and `stores` (the page
+           written by an instrumented kernel, found in the PTX store tracker's
+           bitmap, with the default fingerprint cross-check every 8th
+           checkpoint); against host-side scanning (whole region to pinned
+           host, numpy compare with a host shadow, append the delta, commit);
   kv       the KV block-table scanner for a fixed number of new tokens as the
            cache grows (the cache is never read, so the time should stay flat).
 Device times come from CUDA events (median of repeats after warm-up);
@@ -65,6 +68,15 @@ CPU_QUICK = {
     "stage_region": "16M",
     "kv_cache_sizes": "1G,16G",
 }
+
+
+E2E_DETECTORS = ("shadow", "fingerprint", "stores")
+FLIP_SRC = r"""
+extern "C" __global__ void flip_bytes(unsigned char* r, const long long* at, int n) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) r[at[i]] ^= (unsigned char)0xA5;
+}
+"""
 
 
 def _sizes(text: str, option: str) -> list[int]:
@@ -251,9 +263,10 @@ class _Gpu:
             region = self.random_region(size)
             npages = ref.num_pages(size, self.pb)
             row = {"region_bytes": size, "dirty_pages": 1, "log": "shm"}
-            for detector in ("shadow", "fingerprint"):
+            for detector in E2E_DETECTORS:
                 row.update(self._session_e2e(region, npages, rng, reps, detector))
-                row[f"detect_kernel_s_{detector}"] = self._detect_kernel(region, npages, detector)
+                if detector != "stores":
+                    row[f"detect_kernel_s_{detector}"] = self._detect_kernel(region, npages, detector)
                 self.free()
 
             # host-side scanning of the same region
@@ -304,7 +317,7 @@ class _Gpu:
                 backend.close()
                 _unlink_shm(name)
             row["host_scan_checkpoint_s"] = t_host
-            for detector in ("shadow", "fingerprint"):
+            for detector in E2E_DETECTORS:
                 t = row.get(f"gpu_checkpoint_s_{detector}")
                 if t:
                     row[f"speedup_{detector}"] = t_host / t
@@ -338,7 +351,10 @@ class _Gpu:
 
     def _session_e2e(self, region, npages, rng, reps, detector) -> dict:
         """One dirty page through `Session.checkpoint()` itself (routing, checks,
-        statistics, commit), on a shm log of its own holding the base."""
+        statistics, commit), on a shm log of its own holding the base.  With
+        `stores` the page is written by a kernel compiled under
+        `instrument.enable(track_stores=True)`, which the tracker sees."""
+        from concordia import instrument
         from concordia.session import Session
 
         cp = self.cp
@@ -350,12 +366,24 @@ class _Gpu:
         if free.f_bavail * free.f_frsize < need + 512 * MiB:
             return {f"session_error_{detector}": f"/dev/shm has too little space for a {need >> 20} MiB log"}
         try:
+            if detector == "stores":
+                instrument.disable()
+                instrument.enable(track_stores=True)
+                flip = cp.RawModule(code=FLIP_SRC).get_function("flip_bytes")
+
+                def dirty():
+                    page = int(rng.integers(npages))
+                    at = cp.asarray([min(page * self.pb + int(rng.integers(self.pb)), region.size - 1)])
+                    flip((1,), (32,), (region, at, np.int32(1)))
+            else:
+                def dirty():
+                    self.dirty(region, npages, 1, rng)
             with Session(f"shm:{name}", overwrite=True, size=need, segment_size=seg) as s:
                 s.register("r", region, page_bytes=self.pb, detect=detector)
                 s.checkpoint()
                 times, reads, via = [], [], None
                 for _ in range(reps + 2):
-                    self.dirty(region, npages, 1, rng)
+                    dirty()
                     cp.cuda.get_current_stream().synchronize()
                     t0 = time.perf_counter()
                     st = s.checkpoint()
@@ -368,6 +396,8 @@ class _Gpu:
         except Exception as exc:  # reported beside the row, the bench goes on
             return {f"session_error_{detector}": f"{type(exc).__name__}: {exc}"}
         finally:
+            if detector == "stores":
+                instrument.disable()
             _unlink_shm(name)
 
     # kv ---------------------------------------------------------------------------
@@ -515,7 +545,7 @@ def _summary(result: dict) -> dict:
     if e2e:
         s["e2e_min_speedup_one_page"] = min(r["speedup"] for r in e2e)
         s["e2e_goal"] = 300
-        for d in ("shadow", "fingerprint"):
+        for d in E2E_DETECTORS:
             got = [r[f"speedup_{d}"] for r in e2e if f"speedup_{d}" in r]
             if got:
                 s[f"e2e_min_speedup_one_page_{d}"] = min(got)
@@ -541,7 +571,7 @@ def _table(result: dict) -> str:
     lines.append("end to end, one dirty page")
     for r in result["e2e"]:
         if "host_scan_checkpoint_s" in r:
-            for d in ("shadow", "fingerprint"):
+            for d in E2E_DETECTORS:
                 if f"speedup_{d}" in r:
                     lines.append(f"  {r['region_bytes'] / MiB:>8.0f} MiB  {d:<11} gpu "
                                  f"{r[f'gpu_checkpoint_s_{d}'] * 1e3:9.3f} ms  host scan "
@@ -593,7 +623,7 @@ def _plot(result: dict, path: str) -> None:
     if e2e:
         xs = [r["region_bytes"] / GiB for r in e2e]
         if "host_scan_checkpoint_s" in e2e[0]:
-            for d in ("shadow", "fingerprint"):
+            for d in E2E_DETECTORS:
                 pts = [(r["region_bytes"] / GiB, r[f"gpu_checkpoint_s_{d}"] * 1e3) for r in e2e
                        if f"gpu_checkpoint_s_{d}" in r]
                 if pts:
