@@ -28,9 +28,10 @@ print("device:", doc["device"])
 for k, v in doc["summary"].items():
     print(f"  {k}: {v:.3g}" if isinstance(v, float) else f"  {k}: {v}")
 for r in doc["e2e"]:
-    cells = [f"{d} {r[f'gpu_checkpoint_s_{d}'] * 1e3:.3f} ms (kernel {r[f'detect_kernel_s_{d}'] * 1e3:.3f}, "
+    kernel = lambda d: f"kernel {r[f'detect_kernel_s_{d}'] * 1e3:.3f}, " if f"detect_kernel_s_{d}" in r else ""
+    cells = [f"{d} {r[f'gpu_checkpoint_s_{d}'] * 1e3:.3f} ms ({kernel(d)}"
              f"reads {r[f'device_reads_{d}']}) {r[f'speedup_{d}']:.0f}x" if f"speedup_{d}" in r
-             else f"{d} {r.get(f'session_error_{d}')}" for d in ("shadow", "fingerprint")]
+             else f"{d} {r.get(f'session_error_{d}')}" for d in ("shadow", "fingerprint", "stores")]
     print(f"  e2e {r['region_bytes'] >> 20} MiB host {r['host_scan_checkpoint_s'] * 1e3:.1f} ms | " + " | ".join(cells))
 PY
 exit $status
