@@ -228,3 +228,4 @@ def test_disable_detaches_loaded_modules_from_gate_and_regions(monkeypatch):
     finally:
         instrument.disable()
     assert calls[-1] == (mod, None, [])       # no stale gate or bitmap after disable()
+
