@@ -11,6 +11,7 @@ import pytest
 from concordia.wal import format as F
 from concordia.wal.apply import apply_plan_numpy, restore_region_npy
 from concordia.wal.compact import fold_source
+from concordia.wal.errors import CorruptionError
 from concordia.wal.planner import plan, plan_history, scan
 from concordia.wal.reader import PROGRESS_STEP, Scanner, ScanResult, verify
 from concordia.wal.snapshot import create_base_snapshot, list_snapshots
@@ -121,8 +122,7 @@ def test_restore_progress_many_chunks(tmp_path):
 
 def test_fold_source_makes_the_base_the_log_states(long_log):
     log0, model, _ = long_log
-    log = reopen(log0.backend.array, writable=True)
-    try:
+    with reopen(log0.backend.array, writable=True) as log:
         p = plan_history(scan(log), 30, "tolerate_tail", regions=["r"])
         rp = p.regions["r"]
         src = fold_source(rp)
@@ -135,22 +135,15 @@ def test_fold_source_makes_the_base_the_log_states(long_log):
         assert again.base_epoch == 30
         got = apply_plan_numpy(log, plan(log, 30))["r"]
         assert np.array_equal(got.reshape(want.shape), want)
-    finally:
-        log.close()
 
 
 def test_fold_source_names_a_bad_page(long_log):
     log0, _, _ = long_log
-    log = reopen(log0.backend.array, writable=False)
-    try:
+    with reopen(log0.backend.array, writable=False) as log:
         rp = plan(log, 20).regions["r"]
         s = rp.sources[-1]
         b = s.batch
         off = b.offset + (b.length - b.page_ids.size * 4096) + int(s.rows[0]) * 4096
         log.backend.array[off + 7] ^= 1
-        from concordia.wal.errors import CorruptionError
-
         with pytest.raises(CorruptionError, match=f"segment {b.segment} @ {off:#x}"):
             fold_source(rp)(0, rp.region.pages)
-    finally:
-        log.close()
