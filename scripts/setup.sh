@@ -18,6 +18,18 @@ fi
 
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
+  # Debian splits venv's pip bootstrap into python3-venv
+  if ! "$PY" -c 'import ensurepip' >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+      echo "setup: installing python3-venv (Debian) for the virtual environment" >&2
+      apt-get install -y -qq python3-venv >/dev/null 2>&1 \
+        || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq python3-venv >/dev/null 2>&1; } \
+        || { echo "setup: python3-venv could not be installed" >&2; exit 2; }
+    else
+      echo "setup: $PY has no ensurepip; install python3-venv (Debian) and run again" >&2
+      exit 2
+    fi
+  fi
   "$PY" -m venv .venv
 fi
 extras=${CONCORDIA_EXTRAS:-test}
