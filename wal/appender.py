@@ -130,7 +130,7 @@ class Appender:
     # -- space --------------------------------------------------------------------
     def _check_running(self) -> None:
         if self.stopped is not None:
-            raise WriterStoppedError(f"the log writer stopped after {self.stopped}",
+            raise WriterStoppedError(f"the log writer stopped after {self.stopped}", where=self.backend.where,
                                      hint="reopen the log: recovery keeps every commit that is whole on the media")
 
     def _stop(self, what: str, exc: BaseException) -> None:
@@ -522,7 +522,12 @@ class Appender:
             if self._prepared is None and self.seg is not None:
                 # the next segment's header rides on this sync (one ordered sync fewer at
                 # the roll over: header persisted, then superblock, as FORMAT.md §3.4 says)
-                prepared = self.vol.prepare_segment(self.seg)
+                try:
+                    prepared = self.vol.prepare_segment(self.seg)
+                except Exception:
+                    # only a head start: the roll over writes and persists the header
+                    # itself, and a header in a free segment holds no record (§3.4)
+                    prepared = None
                 if prepared is not None:
                     self._dirty.append([prepared.offset, prepared.offset + F.SEGMENT_HEADER_SIZE
                                         + F.RECORD_HEADER_SIZE])

@@ -237,11 +237,13 @@ class Log:
         stopped = self._appender is not None and self._appender.stopped is not None
         if self._appender is not None and self._appender.outstanding and not stopped:
             raise UsageError(f"{len(self._appender.outstanding)} reservations not persisted at close")
-        if self._appender is not None and not stopped:
-            self._appender.sync()
-        self._result = ScanResult()
-        self._appender = None
-        self.volume.close()
+        try:
+            if self._appender is not None and not stopped:
+                self._appender.sync()  # a failure stops the writer; the log is released all the same
+        finally:
+            self._result = ScanResult()
+            self._appender = None
+            self.volume.close()
 
     def __enter__(self):
         return self

@@ -204,3 +204,49 @@ def test_failed_commit_sync_stops_the_writer_and_a_reopen_recovers(tmp_path, one
     got = back.last_committed_epoch
     assert (replay(back, model.npages, model.page_bytes) == model.state_after(got)).all()
     back.close()
+
+
+def test_a_failed_header_write_ahead_of_the_roll_over_does_not_fail_the_commit(tmp_path):
+    # the one-sync commit also writes the next segment's header (a head start
+    # for the roll over); its failure must not fail the commit, whose record is
+    # already appended: a retry would write a second one for the epoch (V-C2)
+    log, rid = _file_log(tmp_path)
+    app = log.appender
+    app.one_sync = True
+    model = Model(npages=64, page_bytes=4096, batches=3, per_batch=8, seed=11)
+    real = log.volume.prepare_segment
+    calls = []
+
+    def failing(after):
+        calls.append(after.index)
+        raise os_error(OSError(28, "No space left on device"), "file", "write failed")
+
+    log.volume.prepare_segment = failing
+    model.write_epoch(log, rid, 1)
+    log.volume.prepare_segment = real
+    assert calls and app.last_committed_epoch == 1 and app.stopped is None
+    for e in range(2, 12):  # across roll overs
+        model.write_epoch(log, rid, e)
+    log.close()
+    back = Log.open(f"file:{tmp_path / 'log'}", writable=False)
+    assert back.last_committed_epoch == 11 and back.verify()["ok"] and len(back.volume.live_segments()) >= 2
+    assert (replay(back, model.npages, model.page_bytes) == model.state_after(11)).all()
+    back.close()
+
+
+def test_a_close_whose_sync_fails_still_releases_the_log(tmp_path):
+    log, rid = _file_log(tmp_path)
+    model = Model(npages=64, page_bytes=4096, batches=3, per_batch=8, seed=11)
+    model.write_epoch(log, rid, 1)
+    for ids, pages in model.epoch_batches(2):
+        log.appender.append_page_batch(2, rid, ids, pages)
+
+    def failing(off, n):
+        raise os_error(OSError(5, "Input/output error"), f"file @ {off:#x}", "sync failed")
+
+    log.appender.backend.persist = failing
+    with pytest.raises(DevmemError, match="sync failed"):
+        log.close()
+    again = Log.open(f"file:{tmp_path / 'log'}")   # the lock was released
+    assert again.last_committed_epoch == 1
+    again.close()
