@@ -32,6 +32,8 @@ import numpy as np
 from concordia.wal.errors import CorruptionError, RegionError, WalError
 from concordia.wal.planner import BaseEntry
 
+# FORMAT.md §12.2: catalog body = head (32 bytes) + entries (48 bytes each);
+# V-K1 bounds the entry count
 CATALOG_HEAD = struct.Struct("<QIIQQ")
 CATALOG_HEAD_SIZE = 32
 CATALOG_ENTRY = struct.Struct("<IIQQQQII")

@@ -183,7 +183,7 @@ class Volume:
         if writable and backend.readonly:
             raise UsageError("backend is read-only", where=backend.where)
         short = None
-        if backend.size < sb.volume_bytes:  # V-B: the media end before the volume does
+        if backend.size < sb.volume_bytes:  # V-B8: the media end before the volume does
             short = (f"the log is {backend.size} bytes but its superblock declares {sb.volume_bytes}: "
                      f"it was truncated, and what lay beyond reads as zero")
             if writable:
