@@ -143,9 +143,8 @@ class Session:
         self._closed = False
         self.log, self._owns_log = _open_log(log, create=create, size=size,
                                              segment_size=segment_size, overwrite=overwrite)
-        # no record of a later epoch can be in the log: a writable open cuts
-        # everything after the last commit (FORMAT.md §10.5), and the appender
-        # refuses an epoch at or below it; this session never reuses one
+        # epochs this session has tried; the appender knows those any writer
+        # of the log has (a failed checkpoint's records stay in the log)
         self._next_epoch = self.epoch + 1
         self.checkpoints: list[CheckpointStats] = []
         self.last_recovery: RecoveryStats | None = None
@@ -317,8 +316,8 @@ class Session:
             raise SessionError("nothing to checkpoint: no region is registered")
         for r in self._regions.values():
             r.check_unchanged()  # before anything is written
-        epoch = self._next_epoch
-        self._next_epoch += 1  # never reused, even if this epoch fails
+        epoch = max(self._next_epoch, self.log.appender.next_epoch)
+        self._next_epoch = epoch + 1  # never reused, even if this epoch fails
         app = self.log.appender
         pages, base, nbytes, log_bytes, via = {}, [], 0, 0, {}
         detect_s = stage_s = 0.0

@@ -543,6 +543,13 @@ class Appender:
         return lsn
 
     @property
+    def next_epoch(self) -> int:
+        """The lowest epoch a new epoch may take: above the last committed one
+        and above every epoch with records appended but not committed (they stay
+        in the log; a commit of the same number would count them in)."""
+        return max([self.last_committed_epoch, *self.stats]) + 1
+
+    @property
     def write_lsn(self) -> int:
         """LSN of the next byte to be reserved."""
         if self.seg is None:

@@ -163,6 +163,38 @@ def test_a_failed_checkpoint_loses_nothing(session):
     assert_same(session.recover(), copy(state))
 
 
+def test_a_second_session_on_the_log_does_not_reuse_a_failed_epoch(file_log):
+    # session A's failed checkpoint leaves epoch 2's records of region b in the
+    # log; session B on the same Log registers only a and must not commit epoch
+    # 2, which would count b's uncommitted records in
+    from concordia.wal import Log
+
+    a, b = np.zeros(4096 * 4, np.uint8), np.zeros(4096 * 4, np.uint8)
+    log = Log.create(file_log, size=LOG_SIZE, segment_size=SEGMENT)
+    s = Session(log)
+    s.register("a", a)
+    s.register("b", b)
+    s.checkpoint()
+    b[0] = 7
+    real = log.appender.commit
+
+    def broken(*args, **kw):
+        raise OSError(5, "Input/output error")
+
+    log.appender.commit = broken
+    with pytest.raises(OSError):
+        s.checkpoint()
+    log.appender.commit = real
+    s.close()
+    s2 = Session(log)
+    s2.register("a", a)
+    a[0] = 1
+    assert s2.checkpoint().epoch == 3
+    got = Session(log).recover()
+    assert got["b"][0] == 0 and got["a"][0] == 1
+    log.close()
+
+
 @pytest.mark.parametrize("text,words", [("steps=x", ["steps='x'", "not a number"]),
                                         ("bytes=12Q", ["bytes='12Q'", "not a size"]),
                                         ("every=3", ["unknown trigger 'every'"]),
