@@ -86,9 +86,6 @@ def track(name: str, array, page_bytes: int) -> TrackedRegion:
     if not hook.options.track_stores:
         raise InstrumentError("store tracking is off", where=name,
                               hint="call instrument.enable(track_stores=True) before the kernels are compiled")
-    if len(hook.regions) >= hook.options.max_regions:
-        raise InstrumentError(f"{len(hook.regions)} regions are tracked already, at most {hook.options.max_regions}",
-                              where=name, hint="pass a larger max_regions to instrument.enable()")
     region = track_array(name, array, page_bytes)
     hook.set_regions([*hook.regions, region])
     return region

@@ -163,6 +163,9 @@ class CupyHook:
                 runtime.attach(rec.handle, rec.result, gate, self.regions)
 
     def set_regions(self, regions: list) -> None:
+        if len(regions) > self.options.max_regions:
+            raise InstrumentError(f"{len(regions)} tracked regions, at most {self.options.max_regions}",
+                                  where="set_regions", hint="pass a larger max_regions to instrument.enable()")
         self.regions = list(regions)
         for rec in self.report.modules:
             if rec.handle is not None and rec.result.options.track_stores:

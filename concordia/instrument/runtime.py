@@ -233,19 +233,22 @@ def attach(module, result: RewriteResult, gate: Gate | None,
     Attach before closing the gate: a launch in flight when a closed gate is
     attached may hold and never see its threads counted (its holder then
     leaves when the gate opens, without reporting arrival)."""
-    g = module_global(module, GATE, 1, np.uint64)
     hold = module_global(module, HOLD, 1, np.uint32)
     hold_ptr = int(hold.data.ptr)
-    old = _watched.pop(hold_ptr, None)
-    if old is not None and old is not gate:
-        old.unwatch(hold_ptr)
-    if gate is None:
-        hold.set(np.zeros(1, dtype=np.uint32))
-    g.set(np.array([gate.device_ptr if gate else 0], dtype=np.uint64))
-    if gate is not None:
-        slots = module_global(module, SLOTS, 2 * HOLD_SLOTS, np.uint64)
-        gate.watch(hold_ptr, int(slots.data.ptr))
-        _watched[hold_ptr] = gate
+    old = _watched.get(hold_ptr)
+    # attached to this gate already (the call changes regions only): leave the
+    # gate alone, since watching again would clear the slots of a held launch
+    if gate is None or old is not gate:
+        _watched.pop(hold_ptr, None)
+        if old is not None:
+            old.unwatch(hold_ptr)
+        if gate is None:
+            hold.set(np.zeros(1, dtype=np.uint32))
+        module_global(module, GATE, 1, np.uint64).set(np.array([gate.device_ptr if gate else 0], dtype=np.uint64))
+        if gate is not None:
+            slots = module_global(module, SLOTS, 2 * HOLD_SLOTS, np.uint64)
+            gate.watch(hold_ptr, int(slots.data.ptr))
+            _watched[hold_ptr] = gate
     if result.options.track_stores:
         table = region_table(regions or [], result.options.max_regions)
         module_global(module, REGIONS, table.size, np.uint64).set(table)

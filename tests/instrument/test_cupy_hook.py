@@ -229,3 +229,14 @@ def test_disable_detaches_loaded_modules_from_gate_and_regions(monkeypatch):
         instrument.disable()
     assert calls[-1] == (mod, None, [])       # no stale gate or bitmap after disable()
 
+
+
+def test_too_many_regions_are_refused_before_anything_changes(hooked):
+    c, rep, attached, _ = hooked
+    c._compile_with_cache_cuda(PTX, (), None, "/x")
+    before = list(attached)
+    with pytest.raises(instrument.InstrumentError, match="9 tracked regions, at most 8") as info:
+        instrument.set_regions([object()] * 9)
+    assert "\n" not in info.value.one_line() and "set_regions" in info.value.one_line()
+    assert instrument._hook.regions == [] and attached == before
+    assert EPOCHS.encode() in c._compile_with_cache_cuda(PTX, (), None, "/x").loaded   # the hook still works
