@@ -24,7 +24,7 @@ import dataclasses
 
 import numpy as np
 
-from concordia.errors import ShapeChangedError, UnsupportedArrayError
+from concordia.errors import SessionError, ShapeChangedError, UnsupportedArrayError
 from concordia.gpu_kernels import reference as ref
 
 KINDS = ("kv", "adapter", "scheduler", "opaque")
@@ -306,6 +306,13 @@ class Region:
         a kernel that is not instrumented, a copy, a kernel loaded before
         instrumentation) is added to this checkpoint and counted in
         `missed_pages`."""
+        from concordia import instrument
+
+        if not instrument.is_tracked(self.tracked):
+            raise SessionError("the store tracker no longer tracks this region (instrumentation was disabled "
+                               "or its regions replaced): its writes since then are not known",
+                               where=f"region {self.name!r}",
+                               hint="register the array again (a new region gets a base checkpoint)")
         ids = self.tracked.dirty_pages().astype(np.uint32)
         if not advance:
             return ids

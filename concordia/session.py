@@ -51,9 +51,9 @@ import time
 
 import numpy as np
 
-from concordia.errors import (ConcordiaError, DuplicateRegionError, NotALogError, NothingToRecoverError,
-                              PathNotFoundError, RecoverMismatchError, RegionMismatchError, SessionClosedError,
-                              SessionError, UnknownRegionError, UnsupportedArrayError)
+from concordia.errors import (ConcordiaError, DuplicateRegionError, InstrumentError, NotALogError,
+                              NothingToRecoverError, PathNotFoundError, RecoverMismatchError, RegionMismatchError,
+                              SessionClosedError, SessionError, UnknownRegionError, UnsupportedArrayError)
 from concordia.gpu_kernels import reference as ref
 from concordia.policy import Policy
 from concordia.regions import DETECTORS, KINDS, KvGeometry, Region, adapt, gather_pages, storage_of, to_host
@@ -258,7 +258,7 @@ class Session:
             if xp is np:
                 raise SessionError("the store tracker sees writes by GPU kernels: detect='stores' needs a device array",
                                    where=where, hint="use detect='shadow' or 'fingerprint' for a host array")
-            if not isinstance(check_every, (int, np.integer)) or check_every < 0:
+            if isinstance(check_every, bool) or not isinstance(check_every, (int, np.integer)) or check_every < 0:
                 raise SessionError(f"check_every must be a whole number >= 0, not {check_every!r}", where=where)
 
         region = Region(name=name, kind=kind, page_bytes=int(page_bytes), array=arr, xp=xp, owner=owner,
@@ -269,7 +269,12 @@ class Session:
         if detect == "stores":
             from concordia import instrument
 
-            region.tracked = instrument.track(name, arr, int(page_bytes))
+            try:
+                region.tracked = instrument.track(name, arr, int(page_bytes))
+            except InstrumentError as exc:
+                raise SessionError(f"the store tracker cannot take this region: {exc.message}", where=where,
+                                   hint="call concordia.instrument.enable(track_stores=True) before the kernels "
+                                        "that write the array are compiled") from None
             region.check_every = int(check_every)
         if info is not None:
             region.id = int(info.id)
@@ -679,8 +684,10 @@ class _DeviceKernels:
             return got
         d = {"PAGE_BYTES": r.page_bytes}
         specs = [("stage", d), ("crc32c", d), ("crc32c", {})]
-        if r.detect in ("shadow", "fingerprint"):
-            specs.append(("shadow_diff" if r.detect == "shadow" else "fingerprint", d))
+        if r.detect == "shadow":
+            specs.append(("shadow_diff", d))
+        elif r.detect == "fingerprint" or (r.detect == "stores" and r.check_every):  # stores: its cross-check
+            specs.append(("fingerprint", d))
         key = tuple((name, tuple(sorted(x.items()))) for name, x in specs)
         if key not in self._ready:
             try:

@@ -91,9 +91,15 @@ def track(name: str, array, page_bytes: int) -> TrackedRegion:
     return region
 
 
+def is_tracked(region: TrackedRegion) -> bool:
+    """Whether stores into `region` are being tracked now (disable(),
+    set_regions() and untrack() end it)."""
+    return _hook is not None and any(r is region for r in _hook.regions)
+
+
 def untrack(region: TrackedRegion) -> None:
-    """Stop tracking `region` (nothing happens when instrumentation is off)."""
-    if _hook is not None and any(r is region for r in _hook.regions):
+    """Stop tracking `region` (nothing happens when it is not tracked)."""
+    if is_tracked(region):
         _hook.set_regions([r for r in _hook.regions if r is not region])
 
 
@@ -103,6 +109,6 @@ def _require():
     return _hook
 
 
-__all__ = ["enable", "disable", "report", "set_gate", "set_regions", "track", "untrack", "rewrite", "Options",
+__all__ = ["enable", "disable", "report", "set_gate", "set_regions", "track", "untrack", "is_tracked", "rewrite", "Options",
            "RewriteResult", "KernelInfo", "Report", "ModuleRecord", "Skipped", "Gate",
            "TrackedRegion", "track_array", "epochs", "InstrumentError"]
