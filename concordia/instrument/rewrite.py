@@ -165,7 +165,6 @@ class KernelInfo:
     index: int
     kind: str               # "entry" | "func"
     exit_sites: int = 0     # ret/exit statements rerouted through the hook
-    counted_by: str = ""    # "group": threads that start with the gate closed count per group at the exit; "" none
     stores_tracked: int = 0
     stores_untracked: int = 0
 
@@ -450,7 +449,6 @@ def _rewrite_function(ch: P.Chunk, info: KernelInfo, ctx: _Ctx) -> str:
         decls = (f"\n\t.reg .pred {REG}p<4>;\n\t.reg .b32 {REG}r<6>;\n\t.reg .b64 {REG}d<6>;"
                  f"\n\t.reg .b32 {REG}h;")
         body = body.rstrip() + "\n" + _exit_stub(info.index, is_entry, ctx) + "\n"
-        info.counted_by = "group" if ctx.options.pause_gate else ""
     return ch.head + "{" + decls + body + "}"
 
 
@@ -499,11 +497,12 @@ def _or_of(r0: str, r1: str, sregs: tuple, p: str, test: str) -> list[str]:
 
 
 _TID = ("%tid.x", "%tid.y", "%tid.z")
+_CTAID = ("%ctaid.x", "%ctaid.y", "%ctaid.z")   # all zero in block 0 only (block-uniform)
 
 
 def _first_thread(r0: str, r1: str, p: str) -> list[str]:
     """`p` = this is thread (0,0,0) of block (0,0,0)."""
-    return _or_of(r0, r1, _TID + ("%ctaid.x", "%ctaid.y", "%ctaid.z"), p, "eq")
+    return _or_of(r0, r1, _TID + _CTAID, p, "eq")
 
 
 def _indent(lines: list[str]) -> list[str]:
@@ -519,13 +518,6 @@ def _slot(gid: str, r: list[str], d: list[str], a64: bool) -> tuple[list[str], s
                         f"add.s64 {d[1]}, {d[1]}, {d[0]};"], d[1]
     return lines + [f"shl.b32 {r[5]}, {r[5]}, 4;", f"mov.u32 {r[4]}, {SLOTS};",
                     f"add.u32 {r[5]}, {r[5]}, {r[4]};"], r[5]
-
-
-def _block_or(r: list[str]) -> list[str]:
-    """r3 = %ctaid.x | %ctaid.y | %ctaid.z: zero in block 0 only, uniform over
-    the block (read on the uniform datapath)."""
-    return [f"mov.u32 {r[3]}, %ctaid.x;", f"mov.u32 {r[4]}, %ctaid.y;", f"or.b32 {r[3]}, {r[3]}, {r[4]};",
-            f"mov.u32 {r[4]}, %ctaid.z;", f"or.b32 {r[3]}, {r[3]}, {r[4]};"]
 
 
 def _signature(gid: str, out: str) -> list[str]:
@@ -548,10 +540,10 @@ def _exit_stub(slot: int, is_entry: bool, ctx: _Ctx) -> str:
             lines += [f"setp.le.u32 {p[3]}, {REG}h, {MIRROR_OPEN};", f"@{p[3]} bra {LBL}counted;"]
         else:
             # the common path, a block other than 0 with the gate not closed, leaves on one branch
-            lines += _block_or(r) + [f"setp.ne.u32 {p[0]}, {r[3]}, 0;",
-                                     f"setp.le.u32 {p[3]}, {REG}h, {MIRROR_OPEN};",
-                                     f"and.pred {p[2]}, {p[0]}, {p[3]};", f"@{p[2]} bra {LBL}done;",
-                                     f"@{p[3]} bra {LBL}counted;"]
+            # (p0 = not block 0 stays set for _block_zero_tail)
+            lines += _or_of(r[3], r[4], _CTAID, p[0], "ne") + [
+                f"setp.le.u32 {p[3]}, {REG}h, {MIRROR_OPEN};", f"and.pred {p[2]}, {p[0]}, {p[3]};",
+                f"@{p[2]} bra {LBL}done;", f"@{p[3]} bra {LBL}counted;"]
         lines.append(f"mov.u64 {d[3]}, %gridid;")
         place, where = _slot(d[3], r, d, a64)
         lines += place + _signature(d[3], d[4]) + [
@@ -581,7 +573,7 @@ def _block_zero_tail(slot: int, r: list[str], d: list[str], p: list[str], a64: b
     if ctx.account_at_entry and not ctx.options.pause_gate:
         return []
     # with the gate, the stub computed p0 = (not block 0) before counting
-    lines = [] if ctx.options.pause_gate else _block_or(r) + [f"setp.ne.u32 {p[0]}, {r[3]}, 0;"]
+    lines = [] if ctx.options.pause_gate else _or_of(r[3], r[4], _CTAID, p[0], "ne")
     lines += [f"@{p[0]} bra {LBL}done;", *_or_of(r[0], r[1], _TID, p[0], "ne"), f"@{p[0]} bra {LBL}done;"]
     if not ctx.account_at_entry:
         lines += _count_launch(slot)
