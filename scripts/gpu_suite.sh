@@ -2,8 +2,8 @@
 # The whole GPU check-and-benchmark run, on the H200 machine, from the repo root.
 # Needs .whl/ (scripts/fetch_device_wheels.sh) carried along and $OUT set.
 # Installs the wheels and the project into /tmp/site, then runs every
-# scripts/gpu/<part>.sh (or only those named as arguments) with a time limit
-# each, keeping each part's log under $OUT.
+# scripts/gpu/<part>.sh but the probes (*_probe.sh), or only the parts named as
+# arguments, with a time limit each, keeping each part's log under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to a folder for results}"
@@ -33,7 +33,10 @@ python3 -c 'import cupy, numpy, sys; print("python", sys.version.split()[0], "cu
 
 parts=("$@")
 if [ ${#parts[@]} -eq 0 ]; then
-  for f in scripts/gpu/*.sh; do parts+=("$(basename "$f" .sh)"); done
+  # probes (*_probe) answer one question each and run only when named
+  for f in scripts/gpu/*.sh; do
+    case "$f" in *_probe.sh) ;; *) parts+=("$(basename "$f" .sh)") ;; esac
+  done
 fi
 limit=${PART_LIMIT_S:-240}
 status=0

@@ -16,6 +16,7 @@ from __future__ import annotations
 from concordia.instrument.errors import InstrumentError
 from concordia.instrument.report import ModuleRecord, Report, Skipped
 from concordia.instrument.rewrite import KernelInfo, Options, RewriteResult, rewrite
+from concordia.instrument import runtime
 from concordia.instrument.runtime import Gate, TrackedRegion, epochs, track_array
 
 _hook = None
@@ -32,10 +33,7 @@ def enable(*, exit_hooks: bool = True, pause_gate: bool = True, track_stores: bo
     if _hook is not None:
         raise InstrumentError("instrumentation is already enabled", hint="call disable() first")
     if compiler is None:
-        try:
-            from cupy.cuda import compiler
-        except Exception as exc:
-            raise InstrumentError(f"CuPy is not importable ({type(exc).__name__}: {exc})") from None
+        compiler = runtime._cupy().cuda.compiler
     opts = Options(exit_hooks=exit_hooks, pause_gate=pause_gate, track_stores=track_stores,
                    max_regions=max_regions)
     hook = CupyHook(compiler, opts, Report(), gate)

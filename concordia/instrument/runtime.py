@@ -28,7 +28,7 @@ def _cupy():
     try:
         import cupy
     except Exception as exc:
-        raise InstrumentError(f"CuPy is not importable ({type(exc).__name__}: {exc})",
+        raise InstrumentError(f"CuPy is not importable ({type(exc).__name__}: {exc})", where="concordia.instrument",
                               hint="the hooks need a CUDA device and CuPy") from None
     return cupy
 
@@ -39,7 +39,7 @@ def module_global(module, name: str, count: int, dtype):
     try:
         ptr = int(module.get_global_var(name))
     except Exception as exc:
-        raise InstrumentError(f"module has no variable {name} ({exc})",
+        raise InstrumentError(f"module has no variable {name} ({exc})", where=name,
                               hint="was the module instrumented?") from None
     nbytes = count * np.dtype(dtype).itemsize
     mem = cupy.cuda.UnownedMemory(ptr, nbytes, module)

@@ -27,7 +27,7 @@ doc = json.load(open(sys.argv[1]))
 print("device:", doc["device"])
 for k, v in doc["summary"].items():
     print(f"  {k}: {v:.3g}" if isinstance(v, float) else f"  {k}: {v}")
-for r in doc["e2e"]:
+for r in doc.get("e2e", []):
     kernel = lambda d: f"kernel {r[f'detect_kernel_s_{d}'] * 1e3:.3f}, " if f"detect_kernel_s_{d}" in r else ""
     cells = [f"{d} {r[f'gpu_checkpoint_s_{d}'] * 1e3:.3f} ms ({kernel(d)}"
              f"reads {r[f'device_reads_{d}']}) {r[f'speedup_{d}']:.0f}x" if f"speedup_{d}" in r
