@@ -513,9 +513,8 @@ def launch_stage(region, ids, count: int, dst_ptr: int, dst_bytes: int, cursor, 
 
 # --- one launch for a few dirty pages ------------------------------------------
 
-DELTA_THREADS = 1024
-#: most pages `launch_stage_delta` stages (one warp each, one block)
-DELTA_MAX_PAGES = DELTA_THREADS // 32
+DELTA_THREADS = 1024   # stage.cu's DELTA_THREADS: one warp per page, one block
+DELTA_MAX_PAGES = ref.DELTA_MAX_PAGES
 
 
 def launch_stage_delta(region, found, cap_pages: int, dst_ptr: int, dst_bytes: int, table, digest: int,

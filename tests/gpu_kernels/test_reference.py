@@ -4,6 +4,7 @@ oracle of the GPU tests and the CPU path of the product, so they run everywhere.
 
 from __future__ import annotations
 
+import pathlib
 import struct
 
 import crc32c
@@ -375,3 +376,12 @@ def test_region_digest_moved_equals_the_digest_recomputed():
         new[ids] = rng.integers(0, 2**32, ids.size, dtype=np.uint64).astype(np.uint32)
         new[ids[0]] = table[ids[0]]  # an unchanged word moves nothing
         assert ref.region_digest_moved(d, n, ids, table[ids], new[ids]) == ref.region_digest(new)
+
+
+def test_stage_delta_page_cap_is_one_warp_per_page_of_its_block():
+    from concordia.gpu_kernels import gpu
+
+    src = (pathlib.Path(__file__).resolve().parents[2] / "gpu_kernels" / "stage.cu").read_text()
+    assert f"#define DELTA_THREADS {gpu.DELTA_THREADS}" in src
+    assert "#define DELTA_MAX_PAGES (DELTA_THREADS / WARP)" in src
+    assert gpu.DELTA_MAX_PAGES == ref.DELTA_MAX_PAGES == gpu.DELTA_THREADS // 32
