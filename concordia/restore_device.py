@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from concordia.devmem.cuda_host import HOST_REGISTER_MAPPED, HOST_REGISTER_PORTABLE, HOST_REGISTER_READ_ONLY
 from concordia.errors import ConcordiaError
 
 #: bytes between two pages in the log that are copied along rather than
@@ -50,9 +51,6 @@ DEFAULT_CHUNK_BYTES = 32 << 20
 #: registering: pieces of the log pinned for the copy engine, and threads pinning them
 REGISTER_PIECE = 64 << 20
 REGISTER_THREADS = int(os.environ.get("CONCORDIA_REGISTER_THREADS", 0)) or 8
-HOST_REGISTER_PORTABLE = 0x01
-HOST_REGISTER_MAPPED = 0x02
-HOST_REGISTER_READ_ONLY = 0x08
 #: host threads filling the pinned buffers (one copies a few GB/s; the bus takes 50)
 COPY_THREADS = int(os.environ.get("CONCORDIA_RESTORE_THREADS", 0)) or min(12, max(2, os.cpu_count() or 2))
 

@@ -18,8 +18,9 @@ from .pinned import cupy_or_raise
 
 __all__ = ["register", "HostRegistration", "CHUNK"]
 
-HOST_REGISTER_PORTABLE = 0x01
+HOST_REGISTER_PORTABLE = 0x01    # cudaHostRegister flags
 HOST_REGISTER_MAPPED = 0x02
+HOST_REGISTER_READ_ONLY = 0x08
 PAGE = 4096
 CHUNK = 1 << 30
 

@@ -25,6 +25,7 @@ import weakref
 from pathlib import Path
 
 import concordia.gpu_kernels as _gpu_kernels_pkg
+from concordia.devmem.cuda_host import HOST_REGISTER_MAPPED, HOST_REGISTER_PORTABLE
 
 import numpy as np
 
@@ -41,7 +42,7 @@ ALL_OPS_MASK = sum(1 << int(op) for op in Op)
 
 _IDS = itertools.count(1001)
 _RESIDENT: "weakref.WeakSet[GpuExecutor]" = weakref.WeakSet()
-_HOST_REGISTER_PORTABLE_MAPPED = 0x1 | 0x2
+_HOST_REGISTER_PORTABLE_MAPPED = HOST_REGISTER_PORTABLE | HOST_REGISTER_MAPPED
 
 
 def _cupy():
