@@ -41,7 +41,7 @@ import numpy as np
 
 from concordia.gpu_kernels import reference as ref
 from concordia.gpu_kernels.errors import GpuUnavailableError
-from concordia.tools.common import guarded, parse_size, report, require_cupy
+from concordia.tools.common import guarded, parse_size, remove_log_file, report, require_cupy
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -112,13 +112,6 @@ def _fractions(text: str) -> list[str | float]:
 
 def _dirty_count(frac, npages: int) -> int:
     return 1 if frac == "page" else max(1, int(npages * frac))
-
-
-def _unlink_shm(name: str) -> None:
-    try:
-        os.unlink(os.path.join("/dev/shm", name))
-    except FileNotFoundError:
-        pass
 
 
 # --- GPU -----------------------------------------------------------------------
@@ -315,7 +308,7 @@ class _Gpu:
                 log.close()
             finally:
                 backend.close()
-                _unlink_shm(name)
+                remove_log_file(f"shm:{name}")
             row["host_scan_checkpoint_s"] = t_host
             for detector in E2E_DETECTORS:
                 t = row.get(f"gpu_checkpoint_s_{detector}")
@@ -398,7 +391,7 @@ class _Gpu:
         finally:
             if detector == "stores":
                 instrument.disable()
-            _unlink_shm(name)
+            remove_log_file(f"shm:{name}")
 
     # kv ---------------------------------------------------------------------------
     def kv(self, cache_sizes, rng, seqs=256, new_tokens=1) -> list[dict]:

@@ -37,7 +37,7 @@ import uuid
 import click
 import numpy as np
 
-from .common import emit_json, guarded
+from .common import emit_json, guarded, remove_log_file
 
 GIB = 1 << 30
 
@@ -91,15 +91,6 @@ def _spec(tier: str, workdir: str) -> str:
     if tier == "shm":
         return f"shm:concordia-bench-{uuid.uuid4().hex[:10]}"
     return f"file:{os.path.join(workdir, 'recover.log')}"
-
-
-def _remove(spec: str) -> None:
-    kind, _, path = spec.partition(":")
-    path = os.path.join("/dev/shm", path) if kind == "shm" else path
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def _write_log(xp, spec: str, nbytes: int, page_bytes: int) -> dict:
@@ -264,7 +255,7 @@ def _warm_up(xp, page_bytes: int) -> float:
         _restore_once(xp, spec)
         return time.perf_counter() - t0
     finally:
-        _remove(spec)
+        remove_log_file(spec)
 
 
 def _prefill(xp, nbytes: int, quick: bool) -> dict:
@@ -383,7 +374,7 @@ def run(sizes_bytes, tiers, quick: bool, page_bytes: int, on_row=None, with_torc
                 except Exception as exc:
                     row["error"] = f"{type(exc).__name__}: {exc}"
                 finally:
-                    _remove(spec)
+                    remove_log_file(spec)
                     _release(xp)
                 directory = "/dev/shm" if tier == "shm" else work
                 try:
