@@ -19,7 +19,7 @@ from crc32c import crc32c as _crc32c
 
 from . import format as F
 from . import pagecrc as _pagecrc
-from .errors import LogFullError, RecordTooLargeError, UsageError, WalError, WriterStoppedError
+from .errors import LogFullError, RecordTooLargeError, UsageError, WriterStoppedError
 from .volume import SegmentInfo, Volume
 
 _ids = itertools.count(1)
@@ -31,30 +31,6 @@ _ZERO_HEADER = bytes(F.RECORD_HEADER_SIZE)
 #: that the call (some 20-40 µs in a virtual machine) is rare, small enough that the
 #: device is busy while the epoch is still being written
 WRITEBACK_BYTES = 1 << 20
-
-
-def _check_batch(page_ids: np.ndarray, count: int, page_bytes: int) -> None:
-    """The checks `format.encode_page_batch_into` makes on a batch's ids and page size."""
-    if count == 0 or count > F.MAX_BATCH_PAGES:
-        raise WalError(f"a page batch holds 1..{F.MAX_BATCH_PAGES} pages, not {count}")
-    if page_bytes <= 0 or page_bytes % F.RECORD_ALIGN or page_bytes > F.MAX_PAGE_BYTES:
-        raise WalError(f"page_bytes {page_bytes} is not a positive multiple of 64")
-    if count > 1 and not (page_ids[1:] > page_ids[:-1]).all():
-        raise WalError("page ids of a batch must be strictly increasing")
-    if page_ids[0] < 0 or page_ids[-1] > 0xFFFFFFFF:
-        raise WalError("page ids must fit in u32")
-
-
-def _fill_head(page_ids, page_crcs, count: int, head: np.ndarray) -> np.ndarray:
-    """The tables into `head`, a header and tables buffer of the right size whose
-    padding is zero, reused from record to record (`Appender._head_buffer`)."""
-    crcs = np.asarray(page_crcs, dtype=np.uint32)
-    if crcs.size != count:
-        raise WalError(f"{crcs.size} page CRCs for {count} pages")
-    t32 = head[F.RECORD_HEADER_SIZE:].view("<u4")
-    t32[:count] = page_ids
-    t32[count:2 * count] = crcs
-    return head
 
 
 def _page_rows(pages, count: int, page_bytes: int):
@@ -304,25 +280,24 @@ class Appender:
             if not isinstance(pages, np.ndarray) or pages.ndim != 2:
                 raise UsageError("pass page_bytes, or pages as a (count, page_bytes) array")
             page_bytes = int(pages.shape[1]) * pages.itemsize
+        F.check_page_batch_shape(count, page_bytes)  # before any space is taken
         length = F.page_batch_length(count, page_bytes)
         src = _page_rows(pages, count, page_bytes)
         flags = F.FLAG_BASE if base else 0
         if self._write_at is not None and src is not None:
             # the checks come before space is taken; the tables go first, so the
             # source pages are hashed now
+            head = self._head_buffer(count)
+            tables = head[F.RECORD_HEADER_SIZE:F.RECORD_HEADER_SIZE + 8 * count]
             body_crc = None
-            if page_crcs is None and 0 < count <= F.MAX_BATCH_PAGES and page_bytes % F.RECORD_ALIGN == 0 \
-                    and 0 < page_bytes <= F.MAX_PAGE_BYTES:
+            if page_crcs is None:
                 # ids checked, tables filled and hashed in one call of the helper
-                head = self._head_buffer(count)
-                body_crc = _pagecrc.page_batch_tables(src, ids, head[F.RECORD_HEADER_SIZE:
-                                                                     F.RECORD_HEADER_SIZE + 8 * count])
+                body_crc = _pagecrc.page_batch_tables(src, ids, tables)
             if body_crc is None:  # the checked path, which names any problem
-                _check_batch(ids, count, page_bytes)
-                if page_crcs is None:
-                    page_crcs = F.page_crcs_of(src)
-                head = _fill_head(ids, page_crcs, count, self._head_buffer(count))
-                body_crc = _crc32c(head[F.RECORD_HEADER_SIZE:F.RECORD_HEADER_SIZE + 8 * count])
+                F.check_page_batch_ids(ids, count)
+                F.page_batch_tables_into(tables, ids, F.page_crcs_of(src) if page_crcs is None else page_crcs,
+                                         count)
+                body_crc = _crc32c(tables)
             off = self._space(length)
             lsn = self.seg.lsn(off)
             F.encode_record_header_into(head, length=length, type=F.REC_PAGE_BATCH, lsn=lsn, epoch=epoch,
@@ -331,8 +306,6 @@ class Appender:
             self._write_record(off, head, src)
         else:
             # into the mapping: with page_crcs None each page is hashed as it is copied
-            if count == 0 or count > F.MAX_BATCH_PAGES:
-                _check_batch(ids, count, page_bytes)  # raises, naming the problem
             off = self._space(length)
             seg = self.seg
             if self._next_slot_free():
@@ -340,8 +313,7 @@ class Appender:
             view = self.backend.array[off:off + length]
             lsn = seg.lsn(off)
             body_crc = None
-            if page_crcs is None and src is not None and page_bytes % F.RECORD_ALIGN == 0 \
-                    and page_bytes <= F.MAX_PAGE_BYTES:
+            if page_crcs is None and src is not None:
                 # ids checked, pages copied and hashed, tables filled: one call of the helper
                 body_crc = _pagecrc.copy_page_batch(view, src, ids, F.page_batch_payload_offset(count))
             try:

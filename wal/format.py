@@ -459,6 +459,33 @@ def _as_pages(pages, count: int, page_bytes: int) -> np.ndarray:
     return arr.reshape(count, page_bytes)
 
 
+def check_page_batch_shape(count: int, page_bytes: int) -> None:
+    """V-P1 (FORMAT.md §6.2): 1..MAX_BATCH_PAGES pages of a nonzero multiple of 64 bytes."""
+    if count == 0 or count > MAX_BATCH_PAGES:
+        raise WalError(f"a page batch holds 1..{MAX_BATCH_PAGES} pages, not {count}")
+    if page_bytes <= 0 or page_bytes % RECORD_ALIGN or page_bytes > MAX_PAGE_BYTES:
+        raise WalError(f"page_bytes {page_bytes} is not a positive multiple of 64")
+
+
+def check_page_batch_ids(ids: np.ndarray, count: int) -> None:
+    """V-P4 (FORMAT.md §6.2): page ids strictly increase, and fit the u32 index table."""
+    if count > 1 and not np.all(ids[1:] > ids[:-1]):
+        raise WalError("page ids of a batch must be strictly increasing")
+    if ids[0] < 0 or ids[-1] > 0xFFFFFFFF:
+        raise WalError("page ids must fit in u32")
+
+
+def page_batch_tables_into(tables: np.ndarray, ids, crcs, count: int) -> None:
+    """FORMAT.md §6.1: the index table, then the CRC table, into `tables` (bytes
+    after the record header; the caller zeroes the padding)."""
+    crcs = np.asarray(crcs, dtype=np.uint32)
+    if crcs.size != count:
+        raise WalError(f"{crcs.size} page CRCs for {count} pages")
+    t32 = tables[:8 * count].view("<u4")
+    t32[:count] = ids
+    t32[count:] = crcs
+
+
 def encode_page_batch_into(dst_u8, *, lsn, epoch, region_id, salt, page_ids, pages, page_bytes,
                            flags=0, page_crcs=None) -> int:
     """Write one page-batch record into `dst_u8` (a writable uint8 array, e.g.
@@ -474,14 +501,8 @@ def encode_page_batch_into(dst_u8, *, lsn, epoch, region_id, salt, page_ids, pag
     """
     ids = np.asarray(page_ids)
     count = int(ids.size)
-    if count == 0 or count > MAX_BATCH_PAGES:
-        raise WalError(f"a page batch holds 1..{MAX_BATCH_PAGES} pages, not {count}")
-    if page_bytes <= 0 or page_bytes % RECORD_ALIGN or page_bytes > MAX_PAGE_BYTES:
-        raise WalError(f"page_bytes {page_bytes} is not a positive multiple of 64")
-    if count > 1 and not np.all(ids[1:] > ids[:-1]):
-        raise WalError("page ids of a batch must be strictly increasing")
-    if ids[0] < 0 or ids[-1] > 0xFFFFFFFF:
-        raise WalError("page ids must fit in u32")
+    check_page_batch_shape(count, page_bytes)
+    check_page_batch_ids(ids, count)
     length = page_batch_length(count, page_bytes)
     if dst_u8.size < length:
         raise WalError(f"page batch of {length} bytes does not fit a {dst_u8.size}-byte reservation")
@@ -493,13 +514,9 @@ def encode_page_batch_into(dst_u8, *, lsn, epoch, region_id, salt, page_ids, pag
         crcs = _pagecrc.copy_page_crcs(payload, src)
     else:
         np.copyto(payload, src)
-        crcs = np.asarray(page_crcs, dtype=np.uint32)
-        if crcs.size != count:
-            raise WalError(f"{crcs.size} page CRCs for {count} pages")
+        crcs = page_crcs
     tables = dst_u8[RECORD_HEADER_SIZE:poff]
-    t32 = tables.view("<u4")
-    t32[:count] = ids
-    t32[count:2 * count] = crcs
+    page_batch_tables_into(tables, ids, crcs, count)
     tables[8 * count:] = 0
     body_crc = _crc32c(memoryview(tables[:8 * count]))
     encode_record_header_into(dst_u8, length=length, type=REC_PAGE_BATCH, lsn=lsn, epoch=epoch,
