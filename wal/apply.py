@@ -33,12 +33,11 @@ from crc32c import crc32c as _crc32c
 from concordia.wal import pagecrc as _pagecrc
 from concordia.wal.errors import CorruptionError, UsageError, WalError
 from concordia.wal.planner import Plan, RegionPlan
+from concordia.wal.reader import PROGRESS_STEP  # progress is told at most this often, as the scanner tells it
 
 #: pages of one record copied per task
 DEFAULT_CHUNK_BYTES = 1 << 20
 
-#: a restore's progress callback is told at most this often (bytes)
-PROGRESS_STEP = 4 << 20
 
 
 def default_threads() -> int:

@@ -392,8 +392,10 @@ class Scanner:
         return None
 
 
-#: records of an open-time walk kept for the planner (beyond, it walks again)
-WALK_KEPT_MAX = 1 << 20
+#: records of an open-time walk kept for the planner (beyond, it walks again):
+#: about 600 bytes each, so at most some 40 MB; an 8 MiB-record log of 64 K
+#: records holds 512 GiB of pages
+WALK_KEPT_MAX = 1 << 16
 
 
 def recover(vol: Volume, mode: RecoveryMode = RecoveryMode.TOLERATE_TAIL,
