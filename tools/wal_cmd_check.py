@@ -34,16 +34,16 @@ def _counts(kind: str, mode: str) -> bool:
     return False
 
 
-def _recovery(vol, mode: str, progress=None) -> dict:
+def _recovery(vol, mode: str, progress=None, walk: list | None = None) -> dict:
     """What recovery in `mode` would restore: the planner's answer, or why it
-    would refuse."""
+    would refuse.  `walk`: verify's walk of the volume, planned without walking again."""
     from concordia.devmem.errors import ConcordiaError
     from concordia.wal.planner import plan_history, scan
 
     try:
         # pages are checked in every mode: verify reads them all anyway, and a
         # plan that the applier would then refuse is not what recovery does
-        p = plan_history(scan(vol, payload=False, check_pages=True, progress=progress), "latest", mode)
+        p = plan_history(scan(vol, payload=False, check_pages=True, progress=progress, walk=walk), "latest", mode)
     except ConcordiaError as exc:
         return {"epoch": None, "error": exc.one_line(), "dropped": []}
     return {"epoch": p.epoch or None, "error": None, "dropped": [d.one_line() for d in p.dropped]}
@@ -51,10 +51,14 @@ def _recovery(vol, mode: str, progress=None) -> dict:
 
 def run_verify(vol, mode: str, bar=None) -> dict:
     """The documented verify JSON (docs/cli.md) for an open volume.  `bar`
-    (wal_cmd_state.Bar) follows both passes: the check, then the plan."""
+    (wal_cmd_state.Bar) follows the check, and the plan's own walk when the
+    check's was too long to keep (WALK_KEPT_MAX)."""
     from concordia.wal.reader import verify
 
-    rep = verify(vol, check_pages=True, progress=bar and bar.stage(0, 2))
+    walk: list = []
+    rep = verify(vol, check_pages=True, progress=bar and bar.stage(0, 2), walk=walk)
+    if walk and bar:
+        bar.finish()  # the plan reuses the check's walk: no second pass to show
     problems = []
     unused = unwritten_slot(vol)
     for p in rep["problems"]:
@@ -81,7 +85,7 @@ def run_verify(vol, mode: str, bar=None) -> dict:
         "bytes_checked": rep["bytes_checked"],
         "seconds": rep["seconds"],
         "gb_per_s": rep["gb_per_s"],
-        "recovery": _recovery(vol, mode, bar and bar.stage(1, 2)),
+        "recovery": _recovery(vol, mode, None if walk else bar and bar.stage(1, 2), walk=walk or None),
         "repair": None,
     }
     return out

@@ -41,17 +41,24 @@ class Bar:
         self.enabled = enabled
         self.bar = None
         self.done = 0
+        self.length = 0
 
     def absolute(self, done: int, total: int) -> None:
         if not self.enabled:
             return
         if self.bar is None:
             self.bar = progress_bar(total, self.label).__enter__()
+            self.length = total
         self.bar.update(done - self.done)
         self.done = done
 
     def stage(self, i: int, n: int):
         return lambda done, total: self.absolute(i * total + done, n * total)
+
+    def finish(self) -> None:
+        """The rest of the bar at once (a pass that was not needed)."""
+        if self.bar is not None:
+            self.absolute(self.length, self.length)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -677,7 +677,7 @@ def _walk_of_open(log, vol, check_pages: bool, progress):
     return walk
 
 
-def scan(log, *, payload: bool = True, check_pages: bool = False, progress=None) -> History:
+def scan(log, *, payload: bool = True, check_pages: bool = False, progress=None, walk: list | None = None) -> History:
     """Read the metadata of every record of `log` into a History.
 
     The scan is record-level and tolerant: every damaged range becomes a
@@ -686,7 +686,9 @@ def scan(log, *, payload: bool = True, check_pages: bool = False, progress=None)
     Page payloads are CRC-checked only with check_pages=True; the applier
     checks every page it copies anyway.  With payload=True each Batch carries a
     view of its pages in the log mapping (no copy).  progress(done_bytes,
-    total_bytes) follows the walk (reader.Scanner)."""
+    total_bytes) follows the walk (reader.Scanner).  `walk`: the items of a
+    walk of this volume made with the same check_pages (reader.verify's), used
+    instead of walking again."""
     from concordia.wal import format as F
     from concordia.wal.reader import ScanResult, Scanner
     from concordia.wal.snapshot import decode_catalog_body
@@ -695,7 +697,7 @@ def scan(log, *, payload: bool = True, check_pages: bool = False, progress=None)
     sb = vol.superblock
     arr = vol.backend.array
     mv = vol.backend.view
-    items = _walk_of_open(log, vol, check_pages, progress)
+    items = walk if walk is not None else _walk_of_open(log, vol, check_pages, progress)
     if items is None:
         items = list(Scanner(vol, check_pages=check_pages, progress=progress).items(ScanResult()))
     last_commit = -1

@@ -587,16 +587,19 @@ def _commit_problem(info: F.CommitInfo, st, last_epoch, last_commit_lsn, oldest)
 
 
 def verify(vol: Volume, *, check_pages: bool = True,
-           progress: Callable[[int, int], None] | None = None) -> dict:
+           progress: Callable[[int, int], None] | None = None, walk: list | None = None) -> dict:
     """Check every checksum of the volume and report ALL problems (never raises
     for data problems).  Returns a JSON-able dict: problems, counts, throughput.
     progress(done_bytes, total_bytes) is told how far the walk is, at most
-    every few MiB (Scanner)."""
+    every few MiB (Scanner).  `walk`, a list, receives the walk's items when
+    they were kept (WALK_KEPT_MAX), for a `planner.scan` of the same volume."""
     t0 = time.perf_counter()
     problems: list[Dropped] = []
     res = recover(vol, RecoveryMode.SKIP_CORRUPT, problems.append, check_pages=check_pages,
                   progress=progress)
     dt = time.perf_counter() - t0
+    if walk is not None and res.walk is not None:
+        walk.extend(res.walk)
     corrupt = [p for p in problems if p.kind in ("corrupt", "superblock")]
     return {
         "ok": not corrupt,
