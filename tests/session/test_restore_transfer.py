@@ -5,6 +5,7 @@ chunks, several regions and page sizes, every tier's read path, damage."""
 from __future__ import annotations
 
 import contextlib
+import os
 
 import numpy as np
 import pytest
@@ -156,9 +157,10 @@ def test_file_backed_tiers_are_read_with_preadv(persistent_log):
     try:
         fd, arr, owned = _source_of(log)
         assert fd is not None and owned
-        import os
-
-        os.close(fd)
+        try:   # the descriptor reads the log's own bytes
+            assert os.pread(fd, 4096, 8192) == bytes(log.backend.array[8192:8192 + 4096])
+        finally:
+            os.close(fd)
     finally:
         log.close()
 
