@@ -305,7 +305,9 @@ class Region:
         a page changed since then that the tracker never marked (a write by
         a kernel that is not instrumented, a copy, a kernel loaded before
         instrumentation) is added to this checkpoint and counted in
-        `missed_pages`."""
+        `missed_pages`.  The bitmap is read, then cleared: like every detector,
+        this assumes the caller's kernels that write the region have finished
+        (a page marked in between would wait for the next cross-check)."""
         from concordia import instrument
 
         if not instrument.is_tracked(self.tracked):

@@ -463,7 +463,7 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
     if read not in ("auto", "pin", "copy"):
         from concordia.wal.errors import UsageError
 
-        raise UsageError(f"unknown read mode {read!r} (use auto, pin or copy)")
+        raise UsageError(f"unknown read mode {read!r} (use auto, pin or copy)", where="apply_plan_cupy")
     direct, own_reg = _direct_source(log, registration, st)
     ahead = None
     if direct is None and read == "pin" and log.backend.gpu_mappable and tr.pages:

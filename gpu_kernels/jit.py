@@ -124,6 +124,7 @@ def _cupy():
         import cupy
     except Exception as exc:  # ImportError or a broken CUDA install
         raise GpuUnavailableError(f"CuPy is not importable ({type(exc).__name__}: {exc})",
+                                  where="concordia.gpu_kernels",
                                   hint="GPU kernels need CuPy and a CUDA device") from None
     return cupy
 
