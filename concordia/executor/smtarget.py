@@ -110,7 +110,6 @@ class CublasLibrary:
                                 where=_WHERE)
         lib.cublasSetSmCountTarget.argtypes = (ctypes.c_void_p, ctypes.c_int)
         lib.cublasGetSmCountTarget.argtypes = (ctypes.c_void_p, ctypes.POINTER(ctypes.c_int))
-        self._lib = lib
 
         def get(handle: int) -> int:
             v = ctypes.c_int(-1)
@@ -124,7 +123,11 @@ class CublasLibrary:
 
     @property
     def single_library(self) -> bool:
-        """Only one cuBLAS is loaded: any framework's handle belongs to it."""
+        """Only one cuBLAS is loaded now: any framework's handle belongs to it.
+        Read at each call, since a framework may load its own cuBLAS after
+        this binding was made (a handle of another library must not be set
+        through this one)."""
+        self.paths = mapped_cublas_paths(_read_maps())
         return len(self.paths) == 1
 
     def get(self, handle: int) -> int:
