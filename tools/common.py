@@ -220,6 +220,53 @@ def progress_bar(length: int, label: str):
                              show_pos=False, show_percent=True, **kw)
 
 
+#: recovery modes as the command lines spell them
+MODES = ["tolerate-tail", "absolute", "point-in-time", "skip-corrupt"]
+
+
+def mode_name(value: str) -> str:
+    """A command line's mode (`tolerate-tail`) as the library names it (`tolerate_tail`)."""
+    return value.replace("-", "_")
+
+
+class Bar:
+    """A progress bar on stderr (shown only when stderr is a terminal) fed by
+    the library's progress(done_bytes, total_bytes) callbacks; it learns its
+    length at the first one.  `enabled=False` (--json, --quiet) shows nothing.
+    `stage(i, n)` is the callback for the i-th of n passes of equal length
+    over the same bytes, so one bar covers them all."""
+
+    def __init__(self, label: str, *, enabled: bool = True):
+        self.label = label
+        self.enabled = enabled
+        self.bar = None
+        self.done = 0
+        self.length = 0
+
+    def absolute(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if self.bar is None:
+            self.bar = progress_bar(total, self.label).__enter__()
+            self.length = total
+        self.bar.update(done - self.done)
+        self.done = done
+
+    def stage(self, i: int, n: int):
+        return lambda done, total: self.absolute(i * total + done, n * total)
+
+    def finish(self) -> None:
+        """The rest of the bar at once (a pass that was not needed)."""
+        if self.bar is not None:
+            self.absolute(self.length, self.length)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(None, None, None)
+            self.bar = None
+
+
+
 def unwritten_slot(vol) -> str | None:
     """'A' or 'B' when that superblock slot was never written (all zero) on a
     volume whose superblock has not been updated since it was formatted: the

@@ -11,17 +11,10 @@ import time
 import click
 
 from . import render as R
-from .common import EXIT_OK, EXIT_PROBLEMS, emit_json, guarded, open_volume, unwritten_slot
+from .common import EXIT_OK, EXIT_PROBLEMS, MODES, Bar, emit_json, guarded, mode_name, open_volume, unwritten_slot
 
 VERIFY_SCHEMA = "concordia-wal/verify/1"
 PLAN_SCHEMA = "concordia-wal/plan/1"
-
-MODES = ["tolerate-tail", "absolute", "point-in-time", "skip-corrupt"]
-
-
-def _mode(value: str) -> str:
-    return value.replace("-", "_")
-
 
 def _counts(kind: str, mode: str) -> bool:
     """Whether a reported range is a problem under `mode`: corruption and
@@ -195,9 +188,8 @@ def verify_cmd(log, mode, repair, backup, quiet, as_json):
     """
     if backup and not repair:
         raise click.UsageError("--backup goes with --repair")
-    from .wal_cmd_state import Bar
 
-    m = _mode(mode)
+    m = mode_name(mode)
     vol = _open_for_repair(log) if repair else open_volume(log)
     bar = Bar("verifying", enabled=not (as_json or quiet))
     try:
@@ -286,7 +278,7 @@ def recover_cmd(log, show_plan, epoch, mode, sources, check_pages, as_json):
                                "the Session API restores into a running program)")
     from concordia.wal.planner import plan_history, scan
 
-    m = _mode(mode)
+    m = mode_name(mode)
     vol = open_volume(log)
     try:
         p = plan_history(scan(vol, payload=False, check_pages=check_pages), "latest" if epoch is None else epoch, m)

@@ -10,8 +10,7 @@ import sys
 import click
 
 from . import render as R
-from .common import EXIT_OK, Where, emit_json, guarded, open_volume, progress_bar
-from .wal_cmd_check import MODES, _mode
+from .common import EXIT_OK, MODES, Bar, Where, emit_json, guarded, mode_name, open_volume, progress_bar
 
 
 def _open_log_writable(spec: str):
@@ -27,43 +26,6 @@ def _open_log_writable(spec: str):
     Where.target = log.backend.where
     Where.data = True
     return log
-
-
-class Bar:
-    """A progress bar on stderr (shown only when stderr is a terminal) fed by
-    the library's progress(done_bytes, total_bytes) callbacks; it learns its
-    length at the first one.  `enabled=False` (--json, --quiet) shows nothing.
-    `stage(i, n)` is the callback for the i-th of n passes of equal length
-    over the same bytes, so one bar covers them all."""
-
-    def __init__(self, label: str, *, enabled: bool = True):
-        self.label = label
-        self.enabled = enabled
-        self.bar = None
-        self.done = 0
-        self.length = 0
-
-    def absolute(self, done: int, total: int) -> None:
-        if not self.enabled:
-            return
-        if self.bar is None:
-            self.bar = progress_bar(total, self.label).__enter__()
-            self.length = total
-        self.bar.update(done - self.done)
-        self.done = done
-
-    def stage(self, i: int, n: int):
-        return lambda done, total: self.absolute(i * total + done, n * total)
-
-    def finish(self) -> None:
-        """The rest of the bar at once (a pass that was not needed)."""
-        if self.bar is not None:
-            self.absolute(self.length, self.length)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.__exit__(None, None, None)
-            self.bar = None
 
 
 # --------------------------------------------------------------------------- compact
@@ -298,7 +260,7 @@ def restore_cmd(log, region, epoch, out, mode, force):
         if region not in names:
             raise click.BadParameter(f"no region {region!r} in this log (regions: {', '.join(sorted(names)) or 'none'})",
                                      param_hint="--region")
-        p = plan_history(h, "latest" if epoch is None else epoch, _mode(mode), regions=[region])
+        p = plan_history(h, "latest" if epoch is None else epoch, mode_name(mode), regions=[region])
         rp = p.regions[region]
         bar = Bar("restoring")
         try:
