@@ -101,6 +101,15 @@ class Outcome:
     dropped: list = field(default_factory=list)  # every Dropped range the reader reported
     plan: object = None
     history: object = None
+    exception: object = None  # what the planner raised, when it refused
+
+    def raise_usage(self) -> None:
+        """Re-raise a refusal that is about what was asked (a target never
+        committed, a region that does not exist: exit 2), not about damage."""
+        from .planner import PlanError
+
+        if isinstance(self.exception, PlanError) and not self.problems:
+            raise self.exception
 
     @property
     def complete(self) -> bool:
@@ -133,7 +142,7 @@ class Outcome:
 
 
 def decide(log, mode=None, *, target="latest", regions=None, check_pages: bool = True,
-           progress=None, walk: list | None = None, history=None) -> Outcome:
+           progress=None, walk: list | None = None, history=None, payload: bool = False) -> Outcome:
     """The decision for `log` (an open Log or Volume) in `mode` at `target`.
     Never raises for damage: a refusal is `Outcome.error`.  check_pages=True
     (the default, and what every command line uses) checks every page CRC
@@ -144,17 +153,20 @@ def decide(log, mode=None, *, target="latest", regions=None, check_pages: bool =
     from .planner import plan_history, scan
 
     mode = RecoveryMode.parse(mode)
-    h = history if history is not None else scan(log, payload=False, check_pages=check_pages,
+    h = history if history is not None else scan(log, payload=payload, check_pages=check_pages,
                                                  progress=progress, walk=walk)
     res = h.result
     dropped = list(res.dropped) if res is not None else []
     problems = [d for d in dropped if counts(d.kind, mode)]
     last = res.last_committed_epoch if res is not None else max(h.commits, default=0)
     out = Outcome(mode, None, last, problems=problems, dropped=dropped, history=h)
+    if not h.committed_epochs() and target in (None, "latest") and not problems:
+        return out  # nothing committed, nothing damaged: recovery restores nothing, cleanly
     try:
         p = plan_history(h, target, mode, regions=regions)
     except ConcordiaError as exc:
         out.error = exc.one_line()
+        out.exception = exc
         return out
     out.plan = p
     out.regions = {n: rp.epoch for n, rp in p.regions.items()}
