@@ -13,7 +13,7 @@ from concordia.wal import format as F
 
 from . import render as R
 from .common import EXIT_OK, EXIT_PROBLEMS, LSN, SIZE, Where, emit_json, guarded, open_volume, unwritten_slot
-from .wal_cmd_scan import DMG, last_commit_lsn, record_dict, region_names, walk
+from .wal_cmd_scan import DMG, as_decided, decide_walk, record_dict, region_names, walk
 
 INFO_SCHEMA = "concordia-wal/info/1"
 DUMP_SCHEMA = "concordia-wal/dump/1"
@@ -404,19 +404,19 @@ def _dump_records(vol, start, end, region, typ, epoch, limit) -> list:
     the end of a long log does not read all of it."""
     heads = list(walk(vol, check_pages=False))
     names = region_names(vol, heads)
-    last_commit = last_commit_lsn(heads)
+    decision = decide_walk(vol, heads)  # torn or corrupt is the reader's call (R-D2)
     recs = []
     for it in walk(vol, check_pages=True, from_lsn=start or 0):
-        lsn = it[1].lsn(it[2])
+        lsn = it.seg.lsn(it.offset)
         if end is not None and lsn >= end:
             break
-        tail = it[0] == DMG and lsn > last_commit
+        it, tail = as_decided(it, decision)
         r = record_dict(vol, it, names, tail)
         if _keep(r, start, end, region, typ, epoch):
             recs.append(r)
             if limit is not None and len(recs) >= limit:
                 break
-    return recs
+    return recs, decision
 
 
 def _dump_stats(recs: list) -> dict:
@@ -471,8 +471,14 @@ def dump_cmd(log, start, end, region, typ, epoch, limit, stats, as_json, follow,
         return _follow(log, start, end, region, typ, epoch, limit, as_json, interval)
     vol = open_volume(log)
     try:
-        recs = _dump_records(vol, start, end, region, typ, epoch, limit)
-        bad = any(r["crc"] == "BAD" and not r["tail"] for r in recs)
+        recs, decision = _dump_records(vol, start, end, region, typ, epoch, limit)
+        # R-D8: damage shown that the decision calls corruption, or a problem
+        # of the log outside any record (a bad slot, truncated media, a lost catalog)
+        bad = any(r["crc"] == "BAD" and not r["tail"] for r in recs) or bool(decision.outside)
+        if decision.outside:  # one line, as every error: the rest is verify's to list
+            more = len(decision.outside) - 1
+            click.echo(f"error: {decision.outside[0]}" + (f" (and {more} more; run concordia-wal verify)"
+                                                          if more else ""), err=True)
         if stats:
             st = _dump_stats(recs)
             if as_json:

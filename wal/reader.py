@@ -211,6 +211,9 @@ class ScanResult:
     # oldest_lsn (walk_oldest_lsn) in between
     walk_end_lsn: int | None = None
     walk_oldest_lsn: int = 0
+    # R-D2: LSN of the later commit point (last valid commit, or the catalog the
+    # superblock names); damage before it is corruption, after it a torn tail
+    commit_point_lsn: int = -1
 
 
 class Scanner:
@@ -540,6 +543,12 @@ def recover(vol: Volume, mode: RecoveryMode = RecoveryMode.TOLERATE_TAIL,
                                0, why, "corrupt", cat_lsn))
         if at is not None:
             last_commit = max(last_commit, at)
+    if 0 <= last_commit < len(items):
+        it = items[last_commit]
+        res.commit_point_lsn = it.seg.lsn(it.offset)
+    elif last_commit >= len(items) and items:  # a damaged segment header hides the last commit
+        it = items[-1]
+        res.commit_point_lsn = it.seg.lsn(it.offset) + it.length
 
     res.bytes_checked = scanner.bytes_checked
     stats: dict[int, list] = {}  # epoch -> [count, bytes, first_lsn, seg, first_off]
