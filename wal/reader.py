@@ -712,7 +712,9 @@ def _check_regions(items: list, mv) -> list:
         h = it.header
         r = regions.get(h.region_id)
         if r is None:
-            continue  # R-P1: no descriptor left in the log (a raw reclaim): not restorable, not damaged
+            if regions:  # R-P1: a region the log's descriptors do not define
+                bad[i] = f"page batch of region {h.region_id}, which no descriptor in the log defines (R-P1)"
+            continue  # no descriptor left at all (a raw reclaim): not restorable, not damaged
         if h.page_bytes != r.page_bytes:
             bad[i] = (f"page batch of region {r.name!r} has {h.page_bytes}-byte pages, "
                       f"its descriptor {r.page_bytes} (R-P1)")
