@@ -37,7 +37,7 @@ import uuid
 import click
 import numpy as np
 
-from .common import emit_json, guarded, remove_log_file
+from ..common import emit_json, guarded, remove_log_file
 
 GIB = 1 << 30
 

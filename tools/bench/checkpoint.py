@@ -43,6 +43,8 @@ from concordia.gpu_kernels import reference as ref
 from concordia.gpu_kernels.errors import GpuUnavailableError
 from concordia.tools.common import guarded, parse_size, remove_log_file, report, require_cupy
 
+from . import kernels
+
 GiB = 1 << 30
 MiB = 1 << 20
 
@@ -124,7 +126,7 @@ class _Gpu:
 
         self.cp, self.gpu, self.jit = cp, gpu, jit
         self.pb, self.reps = page_bytes, reps
-        jit.precompile(jit.page_specs(page_bytes) + [("crc32c", {}), ("bandwidth", {})])
+        jit.precompile(jit.page_specs(page_bytes) + [("crc32c", {})] + list(kernels.SPECS))
         props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
         self.device = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
         self.sms = int(props["multiProcessorCount"])
