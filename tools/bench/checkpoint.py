@@ -41,7 +41,8 @@ import numpy as np
 
 from concordia.gpu_kernels import reference as ref
 from concordia.gpu_kernels.errors import GpuUnavailableError
-from concordia.tools.common import guarded, parse_size, remove_log_file, report, require_cupy
+from concordia.sizes import parse_size
+from concordia.tools.common import guarded, remove_log_file, report, require_cupy
 
 from . import kernels
 
@@ -85,8 +86,8 @@ def _sizes(text: str, option: str) -> list[int]:
     """'256M,1G' -> positive byte counts; anything else names `option`."""
     try:
         sizes = [parse_size(t) for t in text.split(",") if t.strip()]
-    except click.BadParameter as exc:
-        raise click.BadParameter(exc.message, param_hint=option) from None
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint=option) from None
     if not sizes or min(sizes) <= 0:
         raise click.BadParameter(f"{text!r}: give one or more sizes above zero", param_hint=option)
     return sizes
