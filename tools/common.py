@@ -189,7 +189,7 @@ def remove_log_file(spec: str) -> None:
     """Delete the file behind a benchmark's log (`shm:NAME`, `file:PATH`), if there."""
     import os
 
-    from concordia.devmem.backend import parse_spec
+    from concordia.devmem.opener import parse_spec
 
     path = parse_spec(spec).path
     if path is not None:
