@@ -51,7 +51,9 @@ from typing import Iterable
 
 import numpy as np
 
+from concordia.wal.catalog import BaseEntry, decode_catalog_body
 from concordia.wal.errors import CorruptionError, TornTailError, WalError
+from concordia.wal.modes import MODES, RecoveryMode
 
 #: page batch flag bit 0: the record is part of a base snapshot (FORMAT.md)
 FLAG_BASE = 0x01
@@ -60,30 +62,20 @@ FLAG_BASE = 0x01
 #: host-memory copy rate (restore reads the log mapping once).
 DEFAULT_BANDWIDTH = 8e9
 
-MODES = ("tolerate_tail", "absolute", "point_in_time", "skip_corrupt")
-
-
 class PlanError(WalError):
     """The target cannot be planned (not committed, older than retention, no such region)."""
 
 
 def mode_name(mode) -> str:
     """'tolerate_tail' | 'absolute' | 'point_in_time' | 'skip_corrupt' from a
-    RecoveryMode member, its value or its name (any case, '-' or '_')."""
-    if mode is None:
-        return "tolerate_tail"
-    for cand in (getattr(mode, "name", None), getattr(mode, "value", None), mode):
-        if isinstance(cand, str):
-            key = cand.strip().lower().replace("-", "_")
-            if key in MODES:
-                return key
-            if key in ("tolerate", "tail"):
-                return "tolerate_tail"
-            if key in ("pit", "point"):
-                return "point_in_time"
-            if key in ("skip", "skip_any_corrupted"):
-                return "skip_corrupt"
-    raise PlanError(f"unknown recovery mode {mode!r}", hint="one of " + ", ".join(MODES))
+    RecoveryMode member, its value or its name (any case, '-' or '_'): the
+    one mode type's parsing (wal.modes)."""
+    from concordia.wal.errors import UsageError
+
+    try:
+        return RecoveryMode.parse(mode).value
+    except UsageError:
+        raise PlanError(f"unknown recovery mode {mode!r}", hint="one of " + ", ".join(MODES)) from None
 
 
 # --------------------------------------------------------------------------- history
@@ -135,20 +127,6 @@ class Commit:
     records: int | None = None  # page batches the commit counts, when known
     segment: int = -1
     offset: int = -1
-
-
-@dataclass(frozen=True)
-class BaseEntry:
-    """A catalog entry: the base snapshot of one region at one epoch, made of the
-    BASE page batches of that region and epoch with LSN in [first_lsn, last_lsn]."""
-
-    region_id: int
-    epoch: int
-    first_lsn: int
-    last_lsn: int
-    records: int
-    pages: int
-    digest: int
 
 
 @dataclass(frozen=True)
@@ -397,7 +375,8 @@ class _Index:
     def chain(self, rid: int, target: int):
         """(base entry|None, base batches, deltas, damage|None) for region `rid` at `target`.
 
-        damage is the first damaged record the chain needs (the plan cannot use it)."""
+        damage is the first damaged record the chain needs (the plan cannot use it):
+        R-D6, a region restores at `target` only if nothing its chain holds is damaged."""
         base, base_recs, bad_base = None, [], None
         floor = self.h.floor_epoch
         for entry, recs in self.bases.get(rid, ()):
@@ -706,9 +685,7 @@ def scan(log, *, payload: bool = True, check_pages: bool = False, progress=None,
     walk of this volume made with the same check_pages (reader.verify's), used
     instead of walking again."""
     from concordia.wal import format as F
-    from concordia.wal.decide import RecoveryMode
     from concordia.wal.reader import ScanResult, Scanner, recover
-    from concordia.wal.snapshot import decode_catalog_body
 
     vol = _volume(log)
     sb = vol.superblock

@@ -21,7 +21,7 @@ import numpy as np
 from crc32c import crc32c as _crc32c
 
 from . import format as F
-from .decide import RecoveryMode
+from .modes import RecoveryMode
 from .errors import CorruptionError, TornTailError, UsageError
 from .volume import SegmentInfo, Volume
 
