@@ -51,7 +51,9 @@ def decide_walk(vol, items) -> Decision:
     from concordia.wal.decide import RecoveryMode
     from concordia.wal.reader import recover
 
-    res = recover(vol, RecoveryMode.SKIP_CORRUPT, None, check_pages=False, items=items)
+    # "last": the pages of a last ONE_SYNC commit's records are checked, the
+    # only ones whose damage changes what the log commits (§10.4b, R-D1)
+    res = recover(vol, RecoveryMode.SKIP_CORRUPT, None, check_pages="last", items=items)
     d = Decision(res.commit_point_lsn)
     for p in res.dropped:
         if p.kind in ("corrupt", "torn") and p.segment >= 0 and p.length:

@@ -249,7 +249,7 @@ def restore_cmd(log, region, epoch, out, mode, force):
         concordia-wal restore file:./concordia-data/demo.log --region kv --out kv.npy --force
     """
     from concordia.wal.apply import restore_region_npy
-    from concordia.wal.decide import decide
+    from concordia.wal.decide import counts, decide
     from concordia.wal.planner import scan
 
     if os.path.exists(out) and not force:
@@ -260,6 +260,12 @@ def restore_cmd(log, region, epoch, out, mode, force):
         # every page checked before deciding (R-D5): the plan and the copy meet the same damage
         h = scan(vol, check_pages=True)
         names = {r.name for r in h.regions.values()}
+        if region not in names and h.result is not None and any(
+                counts(d.kind, m) for d in h.result.dropped):
+            # the log is damaged: its descriptors may be what was lost (R-D8: exit 1, not usage)
+            click.echo(f"error: no region {region!r} readable in this damaged log "
+                       f"(regions: {', '.join(sorted(names)) or 'none'}); run concordia-wal verify", err=True)
+            sys.exit(1)
         if region not in names:
             raise click.BadParameter(f"no region {region!r} in this log (regions: {', '.join(sorted(names)) or 'none'})",
                                      param_hint="--region")

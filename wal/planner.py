@@ -622,8 +622,10 @@ def plan_history(
             dropped.append(Dropped(d, None, None, None))
             listed.add(id(d))
     effective = min(per_region.values()) if per_region else want
+    if mode == "skip_corrupt":  # the newest epoch a region reaches; each says its own
+        effective = max(per_region.values()) if per_region else want
     return Plan(
-        target=target, epoch=effective if mode != "skip_corrupt" else want, mode=mode,
+        target=target, epoch=effective, mode=mode,
         regions=plans, dropped=dropped, naive_bytes=naive, bandwidth=bw,
     )
 
@@ -663,8 +665,8 @@ def _walk_of_open(log, vol, check_pages: bool, progress):
             return None
         res.walk = None
         return walk + list(Scanner(vol, check_pages=check_pages).items(ScanResult(), from_lsn=res.walk_end_lsn))
-    if res.walk_checked_pages != check_pages:
-        return None
+    if res.walk_checked_pages is not True and res.walk_checked_pages != check_pages:
+        return None  # a walk with page checks answers one without them too
     res.walk = None
     return walk
 
@@ -797,14 +799,16 @@ def plan(log, target="latest", mode=None, *, regions=None, bandwidth: float | No
     ("lsn", n)) under recovery `mode` (default: the mode the log was opened
     with, else tolerate_tail).  See the module doc for what the plan holds.
 
-    check_pages (default: only for point_in_time and skip_corrupt, whose
-    fallback must know every damaged page before it chooses) CRC-checks every
-    page of the log during the scan; otherwise the applier checks the pages it
-    copies and a damaged one ends the restore with an error naming it."""
+    check_pages (default True, R-D5: what the log holds is decided with every
+    page CRC checked, so a damaged page that no plan would read still makes
+    tolerate_tail refuse, as verify says; a walk the Log's open made with
+    page checks is reused, not repeated) CRC-checks every page of the log
+    during the scan; False leaves it to the applier, which checks the pages
+    it copies (a component path, not the decision)."""
     if mode is None:
         mode = getattr(log, "mode", None)
     if check_pages is None:
-        check_pages = mode_name(mode) in ("point_in_time", "skip_corrupt")
+        check_pages = True
     return plan_history(scan(log, check_pages=check_pages), target, mode, regions=regions, bandwidth=bandwidth)
 
 

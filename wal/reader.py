@@ -571,7 +571,9 @@ def recover(vol: Volume, mode: RecoveryMode = RecoveryMode.TOLERATE_TAIL,
             continue
         if it.tag == _DMG:
             length, reason = it.length, it.reason
-            torn = i > last_commit
+            # R-D2: a live segment's header was persisted before the superblock
+            # listed it (§3.4), so a damaged one is never what a crash leaves
+            torn = i > last_commit and it.offset != seg.offset
             if torn:
                 if mode is RecoveryMode.ABSOLUTE:
                     fail(TornTailError, seg, off, f"torn tail: {reason}")
