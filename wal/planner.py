@@ -513,7 +513,7 @@ def plan_history(
     if mode == "absolute" and h.damage:
         d = h.damage[0]
         cls = TornTailError if d.tail else CorruptionError
-        raise cls(f"{d.reason} (lsn {d.lsn})", where=d.where if d.segment >= 0 else None,
+        raise cls(f"{'torn tail: ' if d.tail else ''}{d.reason} (lsn {d.lsn})", where=d.where if d.segment >= 0 else None,
                   hint="absolute mode accepts no damage")
     if mode == "tolerate_tail" and corrupt:
         # R-D4: corruption before a commit point refuses the whole log, whichever

@@ -207,7 +207,7 @@ def consumers(path, mode: M, regions=REGIONS, tmp=None) -> dict:
     m = mode.cli
     out = {}
     rc, text = cli("verify", spec, "--json", "--mode", m)
-    doc = json.loads(text) if rc in (0, 1) else None
+    doc = json.loads(text) if text.startswith("{") else None
     out["verify"] = (doc["recovery"]["epoch"] if doc else None, rc, text)
     rc, text = cli("recover", spec, "--plan", "--json", "--mode", m)
     doc = json.loads(text) if text.startswith("{") else None
@@ -467,6 +467,37 @@ def d_none(img, b):
     pass
 
 
+def d_commit_header(field_off, fmt, value):
+    def f(img, b):
+        r = rec(b, F.REC_COMMIT, 11)
+        struct.pack_into(fmt, img, r.offset + field_off, value(b, r))
+        fix_header_crc(img, r.offset)
+    return f
+
+
+def d_commit_flag(img, b):
+    r = rec(b, F.REC_COMMIT, 10)
+    img[r.offset + F.OFF_FLAGS] |= F.FLAG_BASE
+    fix_header_crc(img, r.offset)
+
+
+def d_commit_padding(img, b):
+    r = rec(b, F.REC_COMMIT, 10)
+    img[r.offset + r.length - 1] = 0x01  # the zero fill after the body (§5.3)
+    fix_header_crc(img, r.offset)
+
+
+def d_segment_salt(img, b):
+    s = b.segs[1]
+    struct.pack_into("<I", img, s.offset + 84, 0x01020304)
+    fix_segment_crc(img, s.offset)
+
+
+def d_lsn(img, b):
+    struct.pack_into("<Q", img, kv10(b).offset + F.OFF_LSN, kv10(b).lsn + 64)
+    fix_header_crc(img, kv10(b).offset)
+
+
 # --------------------------------------------------------------------------- the table
 
 TT, AB, PIT, SK = M.TOLERATE_TAIL, M.ABSOLUTE, M.POINT_IN_TIME, M.SKIP_CORRUPT
@@ -565,6 +596,24 @@ CASES = [
     C("F11 unknown ignorable type is skipped", "plain", d_ignorable_at_end, TT, EPOCHS, 0, ""),
     C("F11 unknown record flag", "plain", d_flag, TT, *REFUSE, "unknown record flags"),
     C("F11 unsorted commit digests", "plain", d_unsorted_digests, TT, *REFUSE, "not sorted"),
+    C("F11 type 0x7e is not a pad", "plain", d_type(0x7E), TT, *REFUSE, "unknown record type 0x7e"),
+    C("F11 BASE flag on a commit", "plain", d_commit_flag, TT, *REFUSE, "unknown record flags"),
+    # more of FORMAT.md's conditions, forged from its layouts
+    C("V-C2 commit epoch goes back", "plain", d_commit_header(F.OFF_EPOCH, "<Q", lambda b, r: 10), TT,
+      *REFUSE, "(V-C2)"),
+    C("V-C3 commit names a wrong predecessor", "plain", d_commit_header(F.OFF_AUX, "<Q", lambda b, r: 64), TT,
+      *REFUSE, "(V-C3)"),
+    C("V-C3 point-in-time", "plain", d_commit_header(F.OFF_AUX, "<Q", lambda b, r: 64), PIT, 10, 1, "(V-C3)"),
+    C("generic body padding not zero", "plain", d_commit_padding, TT, *REFUSE, "padding is not zero"),
+    C("V-S4 segment salt disagrees with the table", "plain", d_segment_salt, TT, *REFUSE,
+      "disagrees with the superblock"),
+    C("V-R5 record lsn off by 64", "plain", d_lsn, TT, *REFUSE, "stale record"),
+    C("page CRC absolute", "plain", page_flip(kv10), AB, *REFUSE, "page CRC mismatch"),
+    C("torn tail point-in-time", "plain", page_flip(lambda b: rec(b, F.REC_PAGE_BATCH, EPOCHS + 1)), PIT,
+      EPOCHS, 0, "page CRC mismatch"),
+    C("F2 one-sync last commit dropped, point-in-time", "onesync", d_onesync_last, PIT, 11, 0,
+      "sync did not complete"),
+    C("F2 one-sync last commit dropped, absolute", "onesync", d_onesync_last, AB, *REFUSE, "torn tail"),
     C("F11 descriptor repeated as it was", "repeat", d_none, TT, 8, 0, ""),
     C("F11 descriptor repeated with another kind", "repeat", d_redefine, TT, *REFUSE, "(R-G1)"),
     C("F11 descriptor repeated with another kind, skip", "repeat", d_redefine, SK, 8, 1, "(R-G1)"),
