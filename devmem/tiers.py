@@ -220,7 +220,17 @@ class OpenedFile:
             raise DevmemError("the file changed while it was opened", where=where,
                               hint="try again")
         if length < size:
-            self._grow(size)
+            try:
+                self._grow(size)
+            except BaseException:
+                # what a failed fallocate may have added goes again; the bytes
+                # that were there are not touched
+                try:
+                    os.ftruncate(fd, length)
+                except OSError:
+                    pass
+                self.close()
+                raise
         elif not readonly and st2.st_blocks * 512 < size:
             # holes (a sparse file, or one cut and grown again): a store into one
             # on a full file system is a SIGBUS, so reserve them now, while a

@@ -243,11 +243,17 @@ def restore_cmd(log, region, epoch, out, mode, force):
     states.  Read-only on the log.  Shows a progress bar.  (Restoring into
     GPU arrays is done through the Session API.)
 
+    The file is written beside --out under a temporary name, its space
+    reserved first, and renamed into place only once complete and checked:
+    a failed restore leaves --out as it was.  --out naming the log itself
+    is refused (exit 2).
+
     Example:
 
     \b
         concordia-wal restore file:./concordia-data/demo.log --region kv --out kv.npy --force
     """
+    from concordia.devmem.outfile import check_not_input
     from concordia.wal.apply import restore_region_npy
     from concordia.wal.planner import plan_history, scan
 
@@ -255,6 +261,9 @@ def restore_cmd(log, region, epoch, out, mode, force):
         raise click.UsageError(f"{out} exists; pass --force to overwrite it")
     vol = open_volume(log)
     try:
+        # the .npy is renamed over --out once complete: were --out the log, that
+        # would replace the log by a region of it
+        check_not_input(out, [vol.backend.path])
         h = scan(vol)
         names = {r.name for r in h.regions.values()}
         if region not in names:
@@ -264,7 +273,8 @@ def restore_cmd(log, region, epoch, out, mode, force):
         rp = p.regions[region]
         bar = Bar("restoring")
         try:
-            restore_region_npy(vol, p, region, out, progress=bar.absolute)
+            restore_region_npy(vol, p, region, out, progress=bar.absolute, replace=force,
+                               inputs=[vol.backend.path])
         finally:
             bar.close()
     finally:
