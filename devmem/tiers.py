@@ -323,7 +323,7 @@ def _allocates_on_read(path: str) -> bool:
     """Whether reading a hole of a file under `path` through a shared mapping
     allocates a page (tmpfs, hugetlbfs): on a full mount that read is a SIGBUS.
     Other file systems map the zero page there."""
-    from .backend import _mount_of
+    from .opener import _mount_of   # lazily: the opener imports this module
 
     mount = _mount_of(path)
     return mount is not None and mount[0] in ("tmpfs", "hugetlbfs")
