@@ -107,6 +107,8 @@ def guarded(fn):
         except click.exceptions.Exit:
             raise
         except ConcordiaError as exc:
+            if exc.where is None and (Where.at or Where.target):
+                exc.where = Where.at or Where.target  # every error names a place
             click.echo(f"error: {exc.one_line()}", err=True)
             sys.exit(exc.exit_code)
         except BrokenPipeError:

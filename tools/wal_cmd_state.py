@@ -9,6 +9,8 @@ import sys
 
 import click
 
+from concordia.wal.errors import UsageError
+
 from . import render as R
 from .common import EXIT_OK, MODES, Bar, Where, emit_json, guarded, mode_name, open_volume, progress_bar
 
@@ -207,8 +209,8 @@ def snapshot_create(log, regions, epoch):
         known = list(lg.regions)
         for name in regions:
             if name not in known:
-                raise click.BadParameter(f"no region {name!r} in this log (regions: {', '.join(known) or 'none'})",
-                                         param_hint="--region")
+                raise UsageError(f"no region {name!r} in this log (regions: {', '.join(known) or 'none'})",
+                                 where=lg.backend.where)
         names = list(regions) or known
         p = plan_history(scan(lg), "latest" if epoch is None else epoch, "tolerate_tail", regions=names)
         total = sum(p.regions[n].region.pages * p.regions[n].region.page_bytes for n in names)
@@ -267,8 +269,8 @@ def restore_cmd(log, region, epoch, out, mode, force):
         h = scan(vol)
         names = {r.name for r in h.regions.values()}
         if region not in names:
-            raise click.BadParameter(f"no region {region!r} in this log (regions: {', '.join(sorted(names)) or 'none'})",
-                                     param_hint="--region")
+            raise UsageError(f"no region {region!r} in this log (regions: {', '.join(sorted(names)) or 'none'})",
+                             where=vol.backend.where)
         p = plan_history(h, "latest" if epoch is None else epoch, mode_name(mode), regions=[region])
         rp = p.regions[region]
         bar = Bar("restoring")

@@ -454,3 +454,23 @@ def test_sigbus_guard_turns_a_fault_into_one_line(tmpfs):
     assert res.returncode == 2, res
     line = one_line(res)
     assert f"file:{target}" in line and "SIGBUS" in line
+
+
+def test_region_and_epoch_errors_are_one_line_naming_the_log(log_path, workdir):
+    for args in (["restore", log_path, "--region", "nosuch", "--out", workdir / "x.npy"],
+                 ["snapshot", "create", log_path, "--region", "nosuch"],
+                 ["restore", log_path, "--region", "kv", "--epoch", "999", "--out", workdir / "x.npy"],
+                 ["recover", log_path, "--plan", "--epoch", "999"]):
+        line = one_line(run(*args, code=2))
+        assert "demo.log" in line, line
+    assert listing(workdir) == ["concordia-data"]
+
+
+def test_demo_on_a_full_tmpfs_leaves_no_log(tmpfs):
+    demo = os.path.join(os.path.dirname(WAL), "concordia")
+    res = subprocess.run([demo, "demo", "--log", f"file:{tmpfs}/demo.log", "--steps", "8", "--kill-at", "3",
+                          "--device", "cpu"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, res
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1 and "No space left" in errors[0] and "Traceback" not in res.stderr
+    assert listing(tmpfs) == []
