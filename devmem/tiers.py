@@ -17,7 +17,7 @@ import stat
 import numpy as np
 
 from . import libpmem as _libpmem
-from .backend import Backend, Survives, os_error
+from .backend import Backend, Survives, mount_of, os_error
 from .errors import (
     BadSizeError,
     BadSpecError,
@@ -323,9 +323,7 @@ def _allocates_on_read(path: str) -> bool:
     """Whether reading a hole of a file under `path` through a shared mapping
     allocates a page (tmpfs, hugetlbfs): on a full mount that read is a SIGBUS.
     Other file systems map the zero page there."""
-    from .opener import _mount_of   # lazily: the opener imports this module
-
-    mount = _mount_of(path)
+    mount = mount_of(path)
     return mount is not None and mount[0] in ("tmpfs", "hugetlbfs")
 
 
