@@ -444,7 +444,11 @@ def _plot(res: dict, path: str) -> None:
     ax.legend(fontsize=8)
     ax.set_title(f"Recovery of KV state ({res['device'].upper()})")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=120, format="png")
+    write_output(path, buf.getvalue())  # complete or absent, like the JSON
 
 
 @click.command("recover")
