@@ -192,6 +192,8 @@ class Volume:
             if writable:
                 raise CorruptionError(short, where=backend.where,
                                       hint="open it read-only to read what is left, or restore it from a copy")
+        if problems and found:
+            sb = cls._unlist_cut_segments(arr, sb)
         vol = cls(backend, sb, writable=writable, slot_problems=problems)
         vol.short = short
         vol._adopt()
@@ -235,6 +237,22 @@ class Volume:
                 self._update(**changes)
             else:
                 self._sb = self._sb._replace(**changes)
+
+    @staticmethod
+    def _unlist_cut_segments(arr, sb: F.Superblock) -> F.Superblock:
+        """R-B3: read from the older slot (the other one is invalid), a segment
+        the table lists live whose header is all zero was freed by the lost
+        update (a cut zeroes the headers of the segments it frees, §10.5): it
+        is read as free, not as a damaged segment."""
+        entries = list(sb.segments)
+        changed = False
+        for i, e in enumerate(entries):
+            off = sb.segments_off + i * sb.segment_bytes
+            if e.state == F.SEG_LIVE and off + F.SEGMENT_HEADER_SIZE <= arr.size \
+                    and not arr[off:off + F.SEGMENT_HEADER_SIZE].any():
+                entries[i] = e._replace(state=F.SEG_FREE)
+                changed = True
+        return sb._replace(segments=tuple(entries)) if changed else sb
 
     @staticmethod
     def _decode_slot(arr, off, where) -> F.Superblock:
