@@ -285,9 +285,7 @@ def restore_cmd(log, region, epoch, out, mode, force):
         p = decision.plan
         if p is None or region not in p.regions:
             why = decision.error or f"region {region!r} cannot be restored at any epoch"
-            click.echo(f"error: recovery {m} refuses: {why}", err=True)
-            for d in decision.problems:
-                click.echo(f"problem  {d}", err=True)
+            click.echo(f"error: recovery {m} refuses: {why}", err=True)  # one line: verify lists the rest
             sys.exit(decision.exit_code or 1)
         rp = p.regions[region]
         bar = Bar("restoring")
