@@ -75,12 +75,44 @@ def _holds_data(backend) -> str | None:
     if bytes(arr[:8]) == F.VOLUME_MAGIC:
         return "holds a Concordia log (superblock magic at offset 0)"
     step = 16 << 20
-    for start in range(0, arr.size, step):
-        chunk = arr[start:start + step]
-        if chunk.any():
-            first = start + int(chunk.nonzero()[0][0])
-            return f"is not empty (nonzero byte at 0x{first:x})"
+    for lo, hi in _data_extents(backend.path, arr.size):
+        for start in range(lo, hi, step):
+            chunk = arr[start:min(hi, start + step)]
+            if chunk.any():
+                first = start + int(chunk.nonzero()[0][0])
+                return f"is not empty (nonzero byte at 0x{first:x})"
     return None
+
+
+def _data_extents(path, size: int):
+    """[(start, end)] of the file's data (SEEK_DATA / SEEK_HOLE): holes read as
+    zero, so a large sparse file is checked at the cost of its data, not its
+    length.  The whole range where the file cannot say (a device, no SEEK_HOLE)."""
+    import os
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC) if path else -1
+    except OSError:
+        fd = -1
+    if fd < 0:
+        return [(0, size)]
+    out, pos = [], 0
+    try:
+        while pos < size:
+            try:
+                start = os.lseek(fd, pos, os.SEEK_DATA)
+            except OSError:
+                break   # ENXIO: only a hole from here on
+            end = min(size, os.lseek(fd, start, os.SEEK_HOLE))
+            if start >= size:
+                break
+            out.append((start, end))
+            pos = end
+    except OSError:
+        return [(0, size)]
+    finally:
+        os.close(fd)
+    return out
 
 
 # --------------------------------------------------------------------------- info
