@@ -52,7 +52,7 @@ from typing import Iterable
 import numpy as np
 
 from concordia.wal.catalog import BaseEntry, decode_catalog_body
-from concordia.wal.errors import CorruptionError, TornTailError, WalError
+from concordia.wal.errors import CorruptionError, PlanError, TornTailError
 
 #: page batch flag bit 0: the record is part of a base snapshot (FORMAT.md)
 FLAG_BASE = 0x01
@@ -62,10 +62,6 @@ FLAG_BASE = 0x01
 DEFAULT_BANDWIDTH = 8e9
 
 MODES = ("tolerate_tail", "absolute", "point_in_time", "skip_corrupt")
-
-
-class PlanError(WalError):
-    """The target cannot be planned (not committed, older than retention, no such region)."""
 
 
 def mode_name(mode) -> str:
