@@ -103,8 +103,9 @@ class RegionMeta:
 
 
 @dataclass(frozen=True, eq=False)
-class Batch:
-    """One valid page batch: header fields, its page numbers and stored page CRCs.
+class ScannedBatch:
+    """One valid page batch found by `scan`: header fields, its page numbers and
+    stored page CRCs.  (Not the checkpoint's plan of a record to write.)
 
     `payload` is a (count, page_bytes) uint8 view of the record's pages (in the
     log mapping for a real log; the planner never reads it).
@@ -158,7 +159,7 @@ class History:
     """Record metadata of a log, as the planner sees it."""
 
     regions: dict  # id -> RegionMeta
-    batches: list  # Batch, in LSN order
+    batches: list  # ScannedBatch, in LSN order
     commits: dict  # epoch -> Commit
     bases: list  # BaseEntry, from the current catalog
     damage: list = field(default_factory=list)  # Damage
@@ -179,7 +180,7 @@ class Source:
     """Pages a region takes from one record: rows `rows` of its payload go to
     page numbers `page_ids`."""
 
-    batch: Batch
+    batch: ScannedBatch
     rows: np.ndarray
     page_ids: np.ndarray
 
@@ -246,7 +247,11 @@ class RegionPlan:
 
 
 @dataclass
-class Dropped:
+class PlanLoss:
+    """A damage the plan could not use, and what it cost: the epochs and regions
+    no longer restorable because of it (None: it cost nothing restorable).
+    Not `reader.Dropped`, which is a byte range the open-time walk gave up."""
+
     damage: Damage
     region: str | None
     gave_up_epochs: tuple | None  # (first, last) epochs no longer restorable
@@ -284,7 +289,7 @@ class Plan:
     epoch: int
     mode: str
     regions: dict  # name -> RegionPlan
-    dropped: list  # Dropped
+    dropped: list  # PlanLoss
     naive_bytes: int
     bandwidth: float = DEFAULT_BANDWIDTH
 
@@ -327,7 +332,7 @@ class _Index:
         self.committed = h.committed_epochs()
         committed = set(self.committed)
         # deltas that belong to a commit: epoch committed and written before the commit
-        self.deltas = {}  # region_id -> [Batch] in (epoch, lsn) order
+        self.deltas = {}  # region_id -> [ScannedBatch] in (epoch, lsn) order
         counts = {}
         for b in h.batches:
             if b.base:
@@ -344,7 +349,7 @@ class _Index:
         for b in h.batches:
             if b.base:
                 by_key.setdefault((b.region_id, b.epoch), []).append(b)
-        self.bases = {}  # region_id -> [(BaseEntry, [Batch])] newest first
+        self.bases = {}  # region_id -> [(BaseEntry, [ScannedBatch])] newest first
         self.damage_of_base = {}
         for e in h.bases:
             recs = [b for b in by_key.get((e.region_id, e.epoch), ()) if e.first_lsn <= b.lsn <= e.last_lsn]
@@ -524,7 +529,7 @@ def plan_history(
         cls = TornTailError if d.tail else CorruptionError
         raise cls(f"{d.reason} (lsn {d.lsn})", where=d.where, hint="absolute mode accepts no damage")
     for d in tail:
-        dropped.append(Dropped(d, name_of.get(d.region_id), None, None))
+        dropped.append(PlanLoss(d, name_of.get(d.region_id), None, None))
 
     want = _resolve_target(h, idx, target)
     chosen = list(h.regions.values())
@@ -570,17 +575,17 @@ def plan_history(
                 _, _, _, bad = idx.chain(r.id, want)
                 if bad is not None and id(bad) not in seen:
                     seen.add(id(bad))
-                    dropped.append(Dropped(bad, name_of.get(bad.region_id), (newer[0], want), gave))
+                    dropped.append(PlanLoss(bad, name_of.get(bad.region_id), (newer[0], want), gave))
     else:  # skip_corrupt: each region on its own
         for r in chosen:
             ep, bad = _consistent_epoch(h, idx, r.id, want)
             if ep is None:
-                dropped.append(Dropped(bad, r.name, (idx.committed[0], want), [r.name]))
+                dropped.append(PlanLoss(bad, r.name, (idx.committed[0], want), [r.name]))
                 continue
             per_region[r.id] = ep
             if ep != want:
                 newer = [e for e in idx.committed if ep < e <= want]
-                dropped.append(Dropped(bad, r.name, (newer[0], want), [r.name]))
+                dropped.append(PlanLoss(bad, r.name, (newer[0], want), [r.name]))
 
     plans = {}
     naive = 0
@@ -606,11 +611,11 @@ def plan_history(
     listed = {id(x.damage) for x in dropped}
     for d, _, rid, _ in idx.bad:
         if id(d) not in listed and not d.tail:
-            dropped.append(Dropped(d, name_of.get(rid), None, None))
+            dropped.append(PlanLoss(d, name_of.get(rid), None, None))
             listed.add(id(d))
     for d in h.damage:
         if id(d) not in listed and not d.tail and d.epoch is None:
-            dropped.append(Dropped(d, None, None, None))
+            dropped.append(PlanLoss(d, None, None, None))
             listed.add(id(d))
     effective = min(per_region.values()) if per_region else want
     return Plan(
@@ -667,7 +672,7 @@ def scan(log, *, payload: bool = True, check_pages: bool = False, progress=None,
     `Damage` (attributed to its epoch and region when the record header is
     intact), and the planner decides what the recovery mode does with it.
     Page payloads are CRC-checked only with check_pages=True; the applier
-    checks every page it copies anyway.  With payload=True each Batch carries a
+    checks every page it copies anyway.  With payload=True each ScannedBatch carries a
     view of its pages in the log mapping (no copy).  progress(done_bytes,
     total_bytes) follows the walk (reader.Scanner).  `walk`: the items of a
     walk of this volume made with the same check_pages (reader.verify's), used
@@ -715,7 +720,7 @@ def scan(log, *, payload: bool = True, check_pages: bool = False, progress=None,
             count, pb = h[9], h[10]
             t = arr[off + 64: off + 64 + 8 * count].view("<u4")
             poff = off + F.page_batch_payload_offset(count)
-            batches.append(Batch(
+            batches.append(ScannedBatch(
                 lsn=lsn, epoch=epoch, region_id=rid, base=bool(flags & FLAG_BASE),
                 page_ids=t[:count], page_crcs=t[count:], page_bytes=pb, segment=seg.index,
                 offset=off, length=length,
@@ -790,6 +795,6 @@ def plan(log, target="latest", mode=None, *, regions=None, bandwidth: float | No
 
 __all__ = [
     "FLAG_BASE", "DEFAULT_BANDWIDTH", "MODES", "PlanError", "mode_name",
-    "RegionMeta", "Batch", "Commit", "BaseEntry", "Damage", "History",
-    "Source", "RegionPlan", "Dropped", "Plan", "plan_history", "scan", "plan",
+    "RegionMeta", "ScannedBatch", "Commit", "BaseEntry", "Damage", "History",
+    "Source", "RegionPlan", "PlanLoss", "Plan", "plan_history", "scan", "plan",
 ]
