@@ -164,7 +164,7 @@ def test_the_walk_sees_the_whole_package_and_imports_inside_functions():
     found = imports()
     # an import inside a function: gpu_kernels.jit imports CuPy only when asked
     assert any(i.source == "concordia.gpu_kernels.jit" and i.target == "cupy" for i in found)
-    assert layer_of("concordia.executor.gpu") == "runtime" and layer_of("concordia.tools.bench.recover") == "tools"
+    assert layer_of("concordia.executor.persistent") == "runtime" and layer_of("concordia.tools.bench.recover") == "tools"
 
 
 def test_imports_run_one_way():

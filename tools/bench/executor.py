@@ -136,7 +136,7 @@ def run_cpu(quick: bool) -> dict:
 
 def run_gpu(quick: bool) -> dict:
     os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
-    from concordia.executor import gpu
+    from concordia.executor import persistent as gpu
 
     cp = gpu._cupy()  # one-line ExecutorError (exit 2) without CuPy or a device
     doc = {"benchmark": "executor", "device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
@@ -145,7 +145,7 @@ def run_gpu(quick: bool) -> dict:
     t0 = time.perf_counter()
     child = gpu.ExecutorModule(child=True).load()
     inline = gpu.ExecutorModule(child=False).load()
-    swap_b = gpu.ExecutorModule(child=True, ops=(Op.CHECKPOINT, Op.RECOVER)).load()
+    swap_b = gpu.ExecutorModule(child=True, ops=(Op.CHECKPOINT, Op.SCATTER)).load()
     bench = kernels.load_bench_kernels()
     doc["compile_s"] = {"child": round(child.load_s, 3), "inline": round(inline.load_s, 3),
                         "total": round(time.perf_counter() - t0, 3)}
