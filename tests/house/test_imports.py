@@ -224,3 +224,27 @@ def test_checker_finds_a_circle_closed_inside_a_function(tmp_path):
 @pytest.mark.parametrize("layer", LAYERS)
 def test_every_layer_is_present(layer):
     assert any(layer_of(m) == layer for m in modules())
+
+
+# ------------------------------------------------------------------ benchmarks
+
+# Private names a benchmark may reach, each because its figure is labelled a
+# component (tools/bench/recover.py MEASURED_THROUGH "host_read_*": the
+# restore's reader threads alone).
+COMPONENT_REACH = {("recover.py", "_source_of"), ("recover.py", "_wait"), ("recover.py", "_fill")}
+
+
+def test_benchmarks_measure_through_public_entry_points():
+    reach = set()
+    for path in sorted((REPO / "tools" / "bench").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                    and node.value.id not in ("self", "cls") \
+                    and node.attr.startswith("_") and not node.attr.startswith("__"):
+                reach.add((path.name, node.attr))
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("concordia"):
+                reach |= {(path.name, a.name) for a in node.names if a.name.startswith("_")}
+    assert reach == COMPONENT_REACH
+    from concordia.tools.bench import recover
+
+    assert "component" in recover.MEASURED_THROUGH["host_read_*"]

@@ -34,7 +34,7 @@ from concordia.executor.errors import ExecutorError
 from concordia.executor.host import Submitter
 from concordia.executor.ring import N_ARGS, ConsumerState, Op, Ring, TaskView
 
-from ..common import guarded, report
+from ..common import guarded, report, require_cupy
 from . import kernels
 
 
@@ -138,7 +138,7 @@ def run_gpu(quick: bool) -> dict:
     os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
     from concordia.executor import persistent as gpu
 
-    cp = gpu._cupy()  # one-line ExecutorError (exit 2) without CuPy or a device
+    cp = require_cupy(ExecutorError, where="gpu executor", hint="use --cpu for the CPU executor")  # exit 2
     doc = {"benchmark": "executor", "device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
            "quick": quick}
     # 1. Every module and every CuPy kernel is loaded before any executor runs.
