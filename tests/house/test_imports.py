@@ -248,3 +248,13 @@ def test_benchmarks_measure_through_public_entry_points():
     from concordia.tools.bench import recover
 
     assert "component" in recover.MEASURED_THROUGH["host_read_*"]
+
+
+def test_every_package_is_installed():
+    """An installed (not editable) copy, as the GPU machine uses, holds only the
+    packages pyproject.toml lists: each package of the tree must be there."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    packages = {name for name, (_, is_pkg) in _real()[0].items() if is_pkg}
+    assert packages == listed
