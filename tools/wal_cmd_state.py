@@ -35,7 +35,7 @@ def _open_log_writable(spec: str):
 def _dry_run(log, upto, keep) -> dict:
     """What compaction would do, computed with the same pure functions it uses,
     writing nothing."""
-    from concordia.wal.compact import needed_from, retention
+    from concordia.wal.compaction import needed_from, retention
     from concordia.wal.planner import BaseEntry, plan_history, scan
     from concordia.wal.snapshot import current_catalog
 
@@ -91,7 +91,7 @@ def compact_cmd(log, upto, keep, dry_run, as_json):
         concordia-wal compact file:./concordia-data/demo.log --keep 1 --dry-run
         concordia-wal compact file:./concordia-data/demo.log --keep 1
     """
-    from concordia.wal.compact import compact
+    from concordia.wal.compaction import compact
 
     if dry_run:
         from concordia.wal import Log
@@ -200,7 +200,7 @@ def snapshot_create(log, regions, epoch):
     \b
         concordia-wal snapshot create file:./concordia-data/demo.log --region kv
     """
-    from concordia.wal.compact import fold_source
+    from concordia.wal.compaction import fold_source
     from concordia.wal.planner import plan_history, scan
     from concordia.wal.snapshot import create_base_snapshot
 

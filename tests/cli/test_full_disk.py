@@ -174,11 +174,12 @@ def test_session_create_on_a_full_tmpfs_leaves_no_file(tmpfs):
         import sys
         from concordia import Session
         from concordia.errors import ConcordiaError
+        from concordia.tools.common import exit_code_of
         try:
             Session({f"file:{tmpfs}/s.log"!r}, size=16 << 20, segment_size=1 << 20)
         except ConcordiaError as exc:
             print(exc.one_line(), file=sys.stderr)
-            sys.exit(exc.exit_code)
+            sys.exit(exit_code_of(exc))
     """)
     res = subprocess.run([PY, "-c", script], capture_output=True, text=True, timeout=120)
     assert res.returncode == 2, res.stderr

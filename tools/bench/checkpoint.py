@@ -49,6 +49,16 @@ from . import kernels
 GiB = 1 << 30
 MiB = 1 << 20
 
+# which entry point each part measures: the product's (`Session`) or a component
+MEASURED_THROUGH = {
+    "detect": "component: the detection kernels (gpu_kernels.gpu launchers, reference twins with --cpu)",
+    "stage": "component: the staging kernel (gpu_kernels.gpu.stage_page_batch)",
+    "e2e": "public entry point: Session.checkpoint of one dirty page (gpu_checkpoint_s_*); "
+           "detect_kernel_s_* is a component (the detector kernel alone); host_scan_checkpoint_s the "
+           "alternative it replaces (whole region to the host, numpy diff, the log's appender)",
+    "kv": "component: the KV block scanner (gpu_kernels.gpu.kv_dirty_blocks)",
+}
+
 DEFAULT = {
     "sizes": "256M,1G,4G,16G",
     "fractions": "page,0.001,0.01,0.1,0.5",
@@ -672,7 +682,7 @@ def command(as_json, out, plot, quick, cpu, sizes, fractions, e2e_sizes, stage_r
     \b
         concordia-wal bench checkpoint --json --out checkpoint.json --plot checkpoint.png
     """
-    ref._check_page_bytes(page_bytes)
+    ref.check_page_bytes(page_bytes)
     preset = (CPU_QUICK if quick else CPU_DEFAULT) if cpu else (QUICK if quick else DEFAULT)
     opt = {"sizes": sizes, "fractions": fractions, "e2e_sizes": e2e_sizes, "stage_region": stage_region,
            "kv_cache_sizes": kv_cache_sizes}
@@ -688,7 +698,8 @@ def command(as_json, out, plot, quick, cpu, sizes, fractions, e2e_sizes, stage_r
     rng = np.random.default_rng(seed)
     runner = _Cpu(page_bytes, reps) if cpu else _Gpu(page_bytes, reps)
     result = {"bench": "checkpoint", "device": runner.device, "page_bytes": page_bytes, "reps": reps,
-              "config": cfg, "cpu": bool(cpu), "parts": sorted(want)}
+              "config": cfg, "cpu": bool(cpu), "parts": sorted(want),
+              "measured_through": MEASURED_THROUGH}
     result["detect"] = runner.detect(swept["sizes"], fr, rng) if "detect" in want else []
     result["stage"] = runner.stage(swept["stage_region"][0], fr, rng) if "stage" in want else []
     result["e2e"] = runner.e2e(swept["e2e_sizes"], rng, max(3, reps)) if "e2e" in want else []
