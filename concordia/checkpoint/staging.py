@@ -23,6 +23,15 @@ MAX_BATCH_BYTES = 8 << 20
 EXTENT_BYTES = 16 << 20
 
 
+def page_crc_table(view, offset: int, count: int) -> np.ndarray:
+    """The page CRC table (u32 per page) of the page-batch record of `count`
+    pages at view[offset:] (FORMAT.md §6)."""
+    from concordia.wal import format as fmt
+
+    lo = offset + fmt.page_batch_crcs_offset(count)
+    return view[lo:lo + 4 * count].view("<u4")
+
+
 def _stage_region(app, r: Region, ids: np.ndarray, epoch: int, base: bool) -> int:
     """Write the listed pages as page-batch records of `epoch`; fill r.crcs.
     Returns record bytes written."""
@@ -44,7 +53,7 @@ def _stage_region(app, r: Region, ids: np.ndarray, epoch: int, base: bool) -> in
             ref.stage_page_batch(r.flat, chunk, res.view, cursor, page_bytes=r.page_bytes, base_lsn=res.lsn,
                                  epoch=epoch, region_id=r.id, salt=res.salt, flags=flags)
         n = int(chunk.size)
-        r.crcs[chunk] = res.view[64 + 4 * n:64 + 8 * n].view("<u4")
+        r.crcs[chunk] = page_crc_table(res.view, 0, n)
         app.persist(res)
         written += length
     return written
