@@ -75,9 +75,9 @@ class _HostKernels:
     def sync(self) -> None:
         pass
 
-    def table_pass(self, table, registration=None):
+    def table_pass(self, table, registration=None, stager=None):
         """The pass that checkpoints every row of `table` at once (mapped mode)."""
-        return HostTablePass(table)
+        return HostTablePass(table, stager)
 
 
 class HostTablePass:
@@ -87,8 +87,9 @@ class HostTablePass:
 
     label = "cpu-mapped"  # the mapped path: records written in the log mapping itself
 
-    def __init__(self, table):
+    def __init__(self, table, stager=None):
         self.table = table
+        self.stager = stager  # stages an epoch larger than a segment region by region
         self.flags = np.zeros(table.total_pages, np.uint8)
 
     def detect(self) -> None:
@@ -116,6 +117,15 @@ class HostTablePass:
         counts = counts_of(e, ids, t.total_pages)
         recs = plan_records(e, counts)
         used = int(recs["length"].sum()) if recs.size else 0
+        if used > app.segment_capacity and self.stager is not None:
+            starts = np.cumsum(counts) - counts
+            first = e["first_page"].astype(np.int64)
+            found = [((ids[s:s + c] - f).astype(np.uint32), int(c))
+                     for s, c, f in zip(starts.tolist(), counts.tolist(), first.tolist())]
+            t.write_back()
+            got = self.stager.run(app, t.regions, epoch, found=found)
+            t.digests[:] = [r.digest for r in t.regions]
+            return TableResult(counts, got["log_bytes"], t1 - t0, time.perf_counter() - t1, 0)
         if used:
             ext = app.reserve_extent(used)
             try:

@@ -156,14 +156,15 @@ class _Stager:
             buf = self._ring[slot] = self.kernels.staging_buffer(max(nbytes, EXTENT_BYTES))
         return buf
 
-    def run(self, app, regions: list[Region], epoch: int) -> dict:
+    def run(self, app, regions: list[Region], epoch: int, found=None) -> dict:
         """Detect, stage and finish one epoch's records of `regions`; sets each
-        region's CRC table and digest.  The caller commits."""
+        region's CRC table and digest.  The caller commits.  found: [(ids,
+        count)] per region when its detector already ran (a table pass)."""
         k = self.kernels
         reads0 = k.reads
         t0 = time.perf_counter()
         done, known = {}, None
-        if self.mode == "mapped" and hasattr(k, "delta"):
+        if found is None and self.mode == "mapped" and hasattr(k, "delta"):
             quick = [r for r in regions if k.delta_ready(r)]
             if quick:
                 done, known = k.delta(app, quick, epoch, self.registration)
@@ -173,7 +174,8 @@ class _Stager:
                             "log_bytes": sum(b for _, b in done.values()), "detect_s": t1 - t0, "stage_s": 0.0,
                             "device_reads": k.reads - reads0}
                 regions = [r for r in regions if r.name not in done]
-        found = k.detect(regions, known)
+        if found is None:
+            found = k.detect(regions, known)
         t1 = time.perf_counter()
         ids, staged, batches = {}, {}, []
         for r, (rid, n) in zip(regions, found):

@@ -140,3 +140,24 @@ def test_a_failed_table_pass_leaves_the_log_and_the_session_usable(tmp_path, mon
         got = s.recover()
     for sp in specs:
         assert got[sp["name"]].tobytes() == sp["array"].tobytes()
+
+
+def test_an_epoch_larger_than_a_segment_is_staged_region_by_region(tmp_path):
+    from concordia import Session
+
+    arrays = [np.random.default_rng(i).integers(0, 255, 3 << 20, dtype=np.uint8) for i in range(3)]
+    with Session(f"file:{tmp_path / 'x.log'}", size=64 << 20, segment_size=4 << 20, overwrite=True,
+                 staging="mapped") as s:
+        for i, a in enumerate(arrays):
+            s.register(f"r{i}", a, page_bytes=4096, detect="fingerprint")
+        s.checkpoint()
+        for a in arrays:
+            a[::4096] ^= 1  # every page: 9 MiB of records, more than a 4 MiB segment holds
+        st = s.checkpoint()
+        assert st.table_pass and st.pages == {f"r{i}": 768 for i in range(3)}
+        arrays[1][5] ^= 1
+        st = s.checkpoint()
+        assert st.table_pass and st.pages == {"r0": 0, "r1": 1, "r2": 0}
+        got = s.recover()
+    for i, a in enumerate(arrays):
+        assert got[f"r{i}"].tobytes() == a.tobytes()
