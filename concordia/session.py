@@ -325,11 +325,12 @@ class Session:
         self._check_open("checkpoint")
         if not self._regions:
             raise SessionError("nothing to checkpoint: no region is registered")
-        for r in self._regions.values():
-            r.check_unchanged()  # before anything is written
+        table = self._table_pass()
+        if table is None or not table.table.unchanged():
+            for r in self._regions.values():
+                r.check_unchanged()  # before anything is written
         epoch = max(self._next_epoch, self.log.appender.next_epoch)
         self._next_epoch = epoch + 1  # never reused, even if this epoch fails
-        table = self._table_pass()
         if table is not None:
             return self._checkpoint_table(table, epoch, reason)
         self._version += 1  # the paths below may replace CRC tables and detector state

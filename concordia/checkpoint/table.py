@@ -23,9 +23,12 @@ way).  Record lengths come from `wal.format`.
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 
 from concordia.checkpoint import staging
+from concordia.regions import is_torch, storage_of
 from concordia.wal import format as fmt
 
 #: one row of the region table (gpu_kernels/table.cu: struct TableEntry)
@@ -88,9 +91,25 @@ class RegionTable:
         keys = np.stack([e["detector"].astype(np.int64), self.page_bytes], axis=1) if n else np.zeros((0, 2), np.int64)
         for key in sorted({(int(a), int(b)) for a, b in keys}):
             self.groups[key] = np.flatnonzero((keys[:, 0] == key[0]) & (keys[:, 1] == key[1])).astype(np.uint32)
+        # what `unchanged` compares: a numpy or CuPy array cannot move its memory
+        # without changing its shape (neither resizes in place otherwise), so its
+        # shape and dtype say enough; a tensor can be given new storage
+        moved = [r for r in self.regions if is_torch(r.owner)]
+        fixed = [r.owner for r in self.regions if not is_torch(r.owner)]
+        self._probe = operator.attrgetter("shape", "dtype")
+        self._fixed = fixed
+        self._fixed_want = list(map(self._probe, fixed))
+        self._movable = moved
 
     def __len__(self) -> int:
         return len(self.regions)
+
+    def unchanged(self) -> bool:
+        """Whether every region's array still has its registered shape, dtype
+        and storage (False: `Region.check_unchanged` says which did not)."""
+        if list(map(self._probe, self._fixed)) != self._fixed_want:
+            return False
+        return all(storage_of(r.owner) == r.storage for r in self._movable)
 
     def listed(self) -> np.ndarray:
         """Rows whose pages the host lists (DET_LISTED)."""

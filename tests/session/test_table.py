@@ -18,8 +18,9 @@ from .table_cases import make_regions, run
 
 
 def _region(name, nbytes, pb, detect="shadow", rid=0):
-    r = Region(name=name, kind="opaque", page_bytes=pb, array=np.zeros(nbytes, np.uint8), xp=np, owner=None,
-               storage=(), detect=detect, hints={})
+    arr = np.zeros(nbytes, np.uint8)
+    r = Region(name=name, kind="opaque", page_bytes=pb, array=arr, xp=np, owner=arr, storage=(), detect=detect,
+               hints={})
     r.id = rid
     r.digest = 0
     return r
@@ -161,3 +162,23 @@ def test_an_epoch_larger_than_a_segment_is_staged_region_by_region(tmp_path):
         got = s.recover()
     for i, a in enumerate(arrays):
         assert got[f"r{i}"].tobytes() == a.tobytes()
+
+
+def test_a_changed_array_is_refused_before_a_table_pass_writes(tmp_path):
+    from concordia import Session
+    from concordia.errors import ShapeChangedError
+
+    a, b = np.arange(3000, dtype=np.int32), np.zeros(5000, np.uint8)
+    with Session(f"file:{tmp_path / 'x.log'}", size=64 << 20, segment_size=4 << 20, overwrite=True,
+                 staging="mapped") as s:
+        s.register("a", a, page_bytes=256)
+        s.register("b", b, page_bytes=256, detect="fingerprint")
+        s.checkpoint()
+        b[7] = 1
+        assert s.checkpoint().table_pass
+        before = s.log.appender.write_lsn
+        a.shape = (1000, 3)  # same memory, new shape
+        b[9] = 1
+        with pytest.raises(ShapeChangedError, match="region 'a'"):
+            s.checkpoint()
+        assert s.log.appender.write_lsn == before
