@@ -190,6 +190,7 @@ table_plan(const TableEntry* __restrict__ table, u32 n, const u8* __restrict__ f
            TablePlan* __restrict__ plan, TablePlan* mail_plan, u32* mail_counts) {
     __shared__ u64 sums[32];
     const u64 k = block_compact(flags, total_pages, ids, sums);
+    __syncthreads();  // every thread's ids written before any thread searches them
     u64 rec_base = 0, byte_base = 0;
     for (u32 tile = 0; tile < n; tile += blockDim.x) {
         const u32 r = tile + threadIdx.x;
