@@ -182,12 +182,13 @@ __device__ u64 block_compact(const u8* __restrict__ flags, u64 n, u32* __restric
     return base;
 }
 
-// mail_plan / mail_counts: pinned host memory the device addresses (the
-// host reads them after the stream's event): the plan, and each row's count.
+// mail_plan / mail_counts / mail_offsets: pinned host memory the device
+// addresses (the host reads them after the stream's event): the plan, each
+// row's count, each record's offset (what the appender checks the extent by).
 extern "C" __global__ void __launch_bounds__(1024)
 table_plan(const TableEntry* __restrict__ table, u32 n, const u8* __restrict__ flags, u64 total_pages,
            u32* __restrict__ ids, TableRecord* __restrict__ recs, u64 max_records, u64 dst_bytes,
-           TablePlan* __restrict__ plan, TablePlan* mail_plan, u32* mail_counts) {
+           TablePlan* __restrict__ plan, TablePlan* mail_plan, u32* mail_counts, u64* mail_offsets) {
     __shared__ u64 sums[32];
     const u64 k = block_compact(flags, total_pages, ids, sums);
     __syncthreads();  // every thread's ids written before any thread searches them
@@ -222,6 +223,7 @@ table_plan(const TableEntry* __restrict__ table, u32 n, const u8* __restrict__ f
                 out.region = r;
                 out.count = (u32)cnt;
                 recs[i] = out;
+                mail_offsets[i] = at;
             }
             at += len;
         }

@@ -307,7 +307,7 @@ class Appender:
         self._check_running()
         if self.outstanding.pop(ext.id, None) is None:
             raise UsageError("extent already finished or not from this appender")
-        if offsets is None:
+        if offsets is None or records <= 8:  # a few headers: the walk costs less than the arrays
             used = self._account(ext, F.align64(used_bytes), records)
         else:
             used = self._account_at(ext, F.align64(used_bytes), records, offsets)

@@ -354,10 +354,14 @@ class DeviceTablePass:
         self.recs = cp.empty(max(1, table.max_records) * 32, cp.uint8)
         self.plan = cp.zeros(4, cp.uint64)
         self.d_digests = cp.asarray(table.digests)
-        self.mail_host, self.mail_dev = gpu.pinned_buffer(max(4096, 64 + 8 * n))
+        # mail: the plan, each row's count and digest, each record's offset
+        self._at_offsets = -(-(64 + 8 * n) // 64) * 64
+        self.mail_host, self.mail_dev = gpu.pinned_buffer(max(4096, self._at_offsets + 8 * max(1, table.max_records)))
         self.mail_plan = self.mail_host[:32].view(np.uint64)
         self.mail_counts = self.mail_host[64:64 + 4 * n].view(np.uint32)
         self.mail_digests = self.mail_host[64 + 4 * n:64 + 8 * n].view(np.uint32)
+        self.mail_offsets = self.mail_host[self._at_offsets:self._at_offsets + 8 * max(1, table.max_records)].view(
+            np.uint64)
         self.fn = {name: jit.function("table", name, {}) for name in
                    ("table_mark", "table_plan", "table_stage", "table_finalize")}
         self.stage_grid = gpu._warp_grid(max(1, total))
@@ -385,7 +389,8 @@ class DeviceTablePass:
         self.fn["table_plan"]((1,), (1024,), (
             self.d_table, np.uint32(len(t)), self.flags, np.uint64(t.total_pages), self.ids, self.recs,
             np.uint64(t.max_records), np.uint64(ext.length), self.plan,
-            np.uint64(self.mail_dev.data.ptr), np.uint64(self.mail_dev.data.ptr + 64)))
+            np.uint64(self.mail_dev.data.ptr), np.uint64(self.mail_dev.data.ptr + 64),
+            np.uint64(self.mail_dev.data.ptr + self._at_offsets)))
         self.fn["table_stage"](self.stage_grid, (256,), (
             self.d_table, self.ids, self.recs, self.plan, np.uint64(dst), self.d_digests))
         self.fn["table_finalize"](self.finalize_grid, (256,), (
@@ -402,7 +407,7 @@ class DeviceTablePass:
         return fits, nbytes, records
 
     def run(self, app, epoch: int):
-        from concordia.checkpoint.table import TableResult, plan_records
+        from concordia.checkpoint.table import TableResult
 
         t = self.table
         reads0 = self.k.reads
@@ -430,12 +435,9 @@ class DeviceTablePass:
                     raise SessionError(f"the table plan of {used} bytes does not fit the {ext.length}-byte extent "
                                        "reserved for it", where=f"segment {ext.segment} @ {ext.offset:#x}")
             counts = self.mail_counts.astype(np.int64)
-            recs = plan_records(t.entries, counts)
-            if recs.size != records or int(recs["length"].sum()) != used:
-                raise SessionError(f"the device planned {records} records in {used} bytes, the host "
-                                   f"{recs.size} in {int(recs['length'].sum())}",
-                                   where=f"segment {ext.segment} @ {ext.offset:#x}")
-            app.finish_extent(ext, used, records, offsets=recs["offset"])
+            # the appender checks every header the plan's offsets name and
+            # that they tile the bytes used
+            app.finish_extent(ext, used, records, offsets=self.mail_offsets[:records].copy())
             ext = None
         except BaseException:
             try:

@@ -115,8 +115,11 @@ class RegionTable:
         """Rows whose pages the host lists (DET_LISTED)."""
         return np.flatnonzero(self.entries["detector"] == DET_LISTED)
 
-    def commit_digests(self) -> tuple:
-        """(region ids, digests) for `Appender.commit`."""
+    def commit_digests(self):
+        """The digests for `Appender.commit`: (region ids, digests) arrays, or
+        for a few regions a dict (cheaper to encode)."""
+        if len(self.regions) <= 16:
+            return dict(zip(self.entries["region_id"].tolist(), self.digests.tolist()))
         return self.entries["region_id"], self.digests
 
     def write_back(self) -> None:
