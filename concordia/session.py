@@ -31,6 +31,11 @@ region took):
     cpu-mapped, cpu-ring   the extent pipeline driven by the numpy twins
                 (staging="mapped" / "ring" on numpy regions)
 
+Once every region takes the same mapped pipeline and has a base, an epoch is
+one table pass (`concordia.checkpoint`): one detection launch per detector
+group over a region table, one staging pass of every record into one extent,
+one wait, one commit (`CheckpointStats.table_pass`).
+
 Every path writes the same record bytes for the same state.  The device path
 reads the device back twice per checkpoint at most: the dirty-page counts (to
 size the extents) and, after staging, the extents' cursors with the region
