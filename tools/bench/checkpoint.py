@@ -248,7 +248,7 @@ def _decode_part(runner, max_len: int, rng, reps: int) -> dict:
         got = _session_steps(runner, arrays, step, reps, staging=runner.staging, tag="d")
         for k, v in got.items():
             out[k + key] = v
-    ceil = runner.ceilings(None)
+    ceil = runner.ceilings(None) or runner.ceilings(next(iter(kv.values())).reshape(-1).view(runner.xp.uint8))
     if "dirty_bytes" in out:
         out["floor_ms"] = (out["state_bytes"] / ceil["hbm_read_Bps"] + out["dirty_bytes"] / ceil["d2h_Bps"]) * 1e3
     del kv, ad, arrays
