@@ -363,9 +363,13 @@ __device__ __forceinline__ void write_table_header(const u32* T, u8* rec, u64 le
     out[0] = make_uint4(h[0], h[1], h[2], h[3]);
 }
 
+// The body CRC is computed from device memory (the epoch's dirty pages and
+// the regions' CRC tables, which hold what the record's tables hold), not by
+// reading the record back from a host mapping.
 extern "C" __global__ void __launch_bounds__(256)
-table_finalize(const TableEntry* __restrict__ table, const TableRecord* __restrict__ recs,
-               const TablePlan* __restrict__ plan, u8* __restrict__ dst, u64 lsn_base, u64 epoch, u32 salt) {
+table_finalize(const TableEntry* __restrict__ table, const u32* __restrict__ ids,
+               const TableRecord* __restrict__ recs, const TablePlan* __restrict__ plan, u8* __restrict__ dst,
+               u64 lsn_base, u64 epoch, u32 salt) {
     __shared__ u32 T[CRC_TABLE_WORDS];
     if (!plan->fits) return;
     const u64 n_recs = plan->records;
@@ -379,13 +383,16 @@ table_finalize(const TableEntry* __restrict__ table, const TableRecord* __restri
         const TableEntry& e = table[rec.region];
         u8* out = dst + rec.offset;
         // body = index table || CRC table: 2 * count words; a slice per lane
-        const u32* words = reinterpret_cast<const u32*>(out + HEADER_BYTES);
-        const u64 nw = 2ull * rec.count, per = (nw + WARP - 1) / WARP;
+        const u32* page_crcs = reinterpret_cast<const u32*>(e.crc_table);
+        const u64 count = rec.count, nw = 2 * count, per = (nw + WARP - 1) / WARP;
         u64 lo = per * lane, hi = lo + per;
         if (lo > nw) lo = nw;
         if (hi > nw) hi = nw;
         u32 raw = 0;
-        for (u64 w = lo; w < hi; ++w) raw = crc_word(T, raw, words[w]);
+        for (u64 w = lo; w < hi; ++w) {
+            const u32 page = (u32)(ids[rec.lo + (w < count ? w : w - count)] - e.first_page);
+            raw = crc_word(T, raw, w < count ? page : page_crcs[page]);
+        }
         raw = warp_xor(gf2_multmodp(xpow8n(4 * (nw - hi)), raw));
         if (lane == 0) {
             const u32 body_crc = ~(raw ^ gf2_multmodp(xpow8n(8ull * rec.count), 0xFFFFFFFFu));

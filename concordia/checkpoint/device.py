@@ -394,7 +394,7 @@ class DeviceTablePass:
         self.fn["table_stage"](self.stage_grid, (256,), (
             self.d_table, self.ids, self.recs, self.plan, np.uint64(dst), self.d_digests))
         self.fn["table_finalize"](self.finalize_grid, (256,), (
-            self.d_table, self.recs, self.plan, np.uint64(dst), np.uint64(ext.lsn), np.uint64(epoch),
+            self.d_table, self.ids, self.recs, self.plan, np.uint64(dst), np.uint64(ext.lsn), np.uint64(epoch),
             np.uint32(ext.salt)))
         stream = self.k.stream
         cp.cuda.runtime.memcpyAsync(self.mail_host.ctypes.data + 64 + 4 * len(t), self.d_digests.data.ptr,
