@@ -2,7 +2,7 @@
 # The region table's checkpoint on the H200: the gpu-marked tests of the table
 # pass (device records byte-identical to the numpy twin for 1, 16 and 1,024
 # regions of mixed detectors and page sizes), of the Session's device staging
-# and of the kernels, then `bench checkpoint` with the regions sweep (1 to
+# and of the page kernels (which read through common.cuh's shared page code), then `bench checkpoint` with the regions sweep (1 to
 # 1,024 regions sharing 1 GiB, one dirty page each), the decode-shaped step
 # and one dirty page end to end against host scanning (256 MiB to 8 GiB).
 # Run from the repo root with $OUT set (about 4 minutes: PART_LIMIT_S=300);
@@ -12,11 +12,11 @@ cd "$(dirname "$0")/../.."
 : "${OUT:?set OUT to a folder for results}"
 export CUDA_MODULE_LOADING=EAGER
 status=0
-timeout -k 5 120 python3 -m pytest tests/session/test_gpu_table.py tests/session/test_gpu_staging.py tests/gpu_kernels \
+timeout -k 5 130 python3 -m pytest tests/session/test_gpu_table.py tests/session/test_gpu_staging.py tests/gpu_kernels/test_gpu.py \
   -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/checkpoint-table-tests.txt" | tail -25
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 # shellcheck disable=SC2086  # TABLE_BENCH_ARGS: extra options, split on purpose
-timeout -k 5 170 python3 -c "from concordia.tools.wal_cli import main; main()" bench checkpoint --json \
+timeout -k 5 150 python3 -c "from concordia.tools.wal_cli import main; main()" bench checkpoint --json \
   --out "$OUT/checkpoint.json" --reps 10 --parts "${TABLE_PARTS:-regions,decode,e2e}" \
   --e2e-sizes "${TABLE_E2E_SIZES:-256M,1G,4G,8G}" ${TABLE_BENCH_ARGS:-} >/dev/null 2>"$OUT/checkpoint.err"
 rc=$?
