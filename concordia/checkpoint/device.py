@@ -267,6 +267,10 @@ class _DeviceKernels:
     def sync(self) -> None:
         self.stream.synchronize()
 
+    def order_after_producer(self, producer=None) -> None:
+        """Every device checkpoint starts here (see the module function)."""
+        order_after_producer(self.stream, producer)
+
     def table_pass(self, table, registration, stager=None):
         """The pass that checkpoints every row of `table` at once into the
         registered mapping, or None when the table cannot take it (more than
@@ -411,8 +415,7 @@ class DeviceTablePass:
 
         t = self.table
         reads0 = self.k.reads
-        stream = self.k.stream
-        order_after_producer(stream)
+        self.k.order_after_producer()
         t0 = time.perf_counter()
         for fn, rows, first, n_rows, pages in self.groups:
             fn(self.k.gpu._warp_grid(pages), (256,), (self.d_table, rows, first, n_rows, self.flags))

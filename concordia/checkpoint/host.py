@@ -75,6 +75,9 @@ class _HostKernels:
     def sync(self) -> None:
         pass
 
+    def order_after_producer(self, producer=None) -> None:
+        """Host arrays: the caller's writes are done when it calls checkpoint()."""
+
     def table_pass(self, table, registration=None, stager=None):
         """The pass that checkpoints every row of `table` at once (mapped mode)."""
         return HostTablePass(table, stager)

@@ -162,6 +162,8 @@ class _Stager:
         count)] per region when its detector already ran (a table pass)."""
         k = self.kernels
         reads0 = k.reads
+        if found is None:  # a table pass that hands over its pages has ordered itself
+            k.order_after_producer()
         t0 = time.perf_counter()
         done, known = {}, None
         if found is None and self.mode == "mapped" and hasattr(k, "delta"):
