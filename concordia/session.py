@@ -31,6 +31,11 @@ region took):
     cpu-mapped, cpu-ring   the extent pipeline driven by the numpy twins
                 (staging="mapped" / "ring" on numpy regions)
 
+Once every region takes the same mapped pipeline and has a base, an epoch is
+one table pass (`concordia.checkpoint`): one detection launch per detector
+group over a region table, one staging pass of every record into one extent,
+one wait, one commit (`CheckpointStats.table_pass`).
+
 Every path writes the same record bytes for the same state.  The device path
 reads the device back twice per checkpoint at most: the dirty-page counts (to
 size the extents) and, after staging, the extents' cursors with the region
@@ -59,6 +64,7 @@ from concordia.policy import Policy
 from concordia.checkpoint.device import _DeviceKernels
 from concordia.checkpoint.host import _HostKernels
 from concordia.checkpoint.staging import _page_crcs, _register, _Stager, _stage_region
+from concordia.checkpoint.table import RegionTable
 from concordia.regions import DETECTORS, KINDS, KvGeometry, Region, adapt, storage_of, to_host
 
 DEFAULT_SIZE = 256 << 20
@@ -80,6 +86,7 @@ class CheckpointStats:
     commit_ms: float
     via: dict = dataclasses.field(default_factory=dict)  # region name -> path (module docstring)
     device_reads: int = 0  # host waits on the device in the extent pipeline
+    table_pass: bool = False  # one pass over the region table took every region (checkpoint package)
 
     @property
     def total_ms(self) -> float:
@@ -138,6 +145,11 @@ class Session:
         self.paths: collections.Counter = collections.Counter()
         self.policy = policy or Policy()
         self._regions: dict[str, Region] = {}
+        #: raised whenever the regions or their checkpoint state change other than by
+        #: a table pass: the cached routes and region table are rebuilt
+        self._version = 0
+        self._routes: tuple | None = None   # (version, routes)
+        self._table: tuple | None = None    # (version, table pass or None)
         self._closed = False
         self.log, self._owns_log = _open_log(log, create=create, size=size,
                                              segment_size=segment_size, overwrite=overwrite)
@@ -283,6 +295,7 @@ class Session:
                 self._untrack(region)
                 raise
         self._regions[name] = region
+        self._version += 1
         return region
 
     @staticmethod
@@ -317,10 +330,15 @@ class Session:
         self._check_open("checkpoint")
         if not self._regions:
             raise SessionError("nothing to checkpoint: no region is registered")
-        for r in self._regions.values():
-            r.check_unchanged()  # before anything is written
+        table = self._table_pass()
+        if table is None or not table.table.unchanged():
+            for r in self._regions.values():
+                r.check_unchanged()  # before anything is written
         epoch = max(self._next_epoch, self.log.appender.next_epoch)
         self._next_epoch = epoch + 1  # never reused, even if this epoch fails
+        if table is not None:
+            return self._checkpoint_table(table, epoch, reason)
+        self._version += 1  # the paths below may replace CRC tables and detector state
         app = self.log.appender
         pages, base, nbytes, log_bytes, via = {}, [], 0, 0, {}
         detect_s = stage_s = 0.0
@@ -366,11 +384,7 @@ class Session:
             app.commit(epoch, digests=digests)
             commit_s = time.perf_counter() - t3
         except BaseException:
-            # The detectors may have advanced past pages that never got committed:
-            # make the next checkpoint of every region a full base again.
-            for r in self._regions.values():
-                r.crcs = None
-                r.digest = None
+            self._lose_baselines()
             raise
         if base:  # a region written whole now has a baseline for its detector
             for name in base:
@@ -382,9 +396,72 @@ class Session:
         self.checkpoints.append(stats)
         return stats
 
+    def _checkpoint_table(self, table, epoch: int, reason: str) -> CheckpointStats:
+        """One epoch by a table pass: one detection launch per detector group,
+        one staging pass into one extent, one wait, one commit (no Python per
+        region beyond building the statistics)."""
+        app = self.log.appender
+        try:
+            got = table.run(app, epoch)
+            t3 = time.perf_counter()
+            app.commit(epoch, digests=table.table.commit_digests())
+            commit_s = time.perf_counter() - t3
+        except BaseException:
+            self._lose_baselines()
+            raise
+        self.policy.reset()
+        names = table.table.names
+        counts = got.counts
+        pages = dict(zip(names, counts.tolist()))
+        via = dict.fromkeys(names, table.label)
+        stats = CheckpointStats(epoch, reason, pages, [], int(counts @ table.table.page_bytes), int(got.log_bytes),
+                                got.detect_s * 1e3, got.stage_s * 1e3, commit_s * 1e3, via, got.device_reads, True)
+        self.paths[table.label] += len(names)
+        self.checkpoints.append(stats)
+        return stats
+
+    def _lose_baselines(self) -> None:
+        """After a failed checkpoint: the detectors may have advanced past pages
+        that never got committed, so the next checkpoint of every region is a
+        full base again."""
+        self._table = None
+        self._version += 1
+        for r in self._regions.values():
+            r.crcs = None
+            r.digest = None
+
     # ------------------------------------------------------------ staging paths
+    def _table_pass(self):
+        """The table pass that checkpoints every region this epoch, or None:
+        one is made when every region takes the same extent pipeline in
+        "mapped" mode and has a base in the log, and kept until the regions
+        change.  Otherwise the per-region paths below run."""
+        cached = self._table
+        if cached is not None and cached[0] == self._version:
+            return cached[1]
+        if cached is not None and cached[1] is not None:
+            cached[1].table.write_back()  # the regions' digests, for whichever path runs next
+        tp = None
+        regions = list(self._regions.values())
+        routes = self._route()
+        for key in ("gpu", "cpu"):
+            st = self._stagers.get(key)
+            if (st is not None and len(routes[key]) == len(regions) and st.mode == "mapped"
+                    and all(r.crcs is not None and r.digest is not None for r in regions)):
+                tp = st.kernels.table_pass(RegionTable(regions), st.registration, st)
+        self._table = (self._version, tp)
+        return tp
+
     def _route(self) -> dict:
-        """{None: host-path regions, "gpu": ..., "cpu": ...} for this checkpoint."""
+        """{None: host-path regions, "gpu": ..., "cpu": ...} for this checkpoint
+        (kept while the regions do not change)."""
+        if self._routes is not None and self._routes[0] == self._version:
+            return self._routes[1]
+        out = self._route_now()
+        self._routes = (self._version, out)
+        return out
+
+    def _route_now(self) -> dict:
         out: dict = {None: [], "gpu": [], "cpu": []}
         for r in self._regions.values():
             key = None
@@ -477,6 +554,8 @@ class Session:
             else:
                 out[name] = host
         if into == "registered":
+            self._table = None  # the CRC tables and digests are replaced below
+            self._version += 1
             # deltas continue from the recovered state only when it is the log's
             # latest: after an older epoch the next checkpoint writes every page
             latest = int(plan.epoch) == int(self.log.last_committed_epoch or 0)

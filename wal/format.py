@@ -294,6 +294,16 @@ OFF_LENGTH, OFF_TYPE, OFF_FLAGS, OFF_RESERVED0, OFF_REGION = 0, 8, 9, 10, 12
 OFF_LSN, OFF_EPOCH, OFF_SALT, OFF_BODY_CRC = 16, 24, 32, 36
 OFF_COUNT, OFF_PAGE_BYTES, OFF_AUX, OFF_RESERVED1, OFF_HEADER_CRC = 40, 44, 48, 56, 60
 
+#: the same header as a numpy record, for checking many headers at once
+#: (tests/wal/test_format.py holds it equal to RECORD_HEADER)
+RECORD_HEADER_DTYPE = np.dtype({
+    "names": ["length", "type", "flags", "reserved0", "region_id", "lsn", "epoch", "salt", "body_crc",
+              "count", "page_bytes", "aux", "reserved1", "header_crc"],
+    "formats": ["<u8", "u1", "u1", "<u2", "<u4", "<u8", "<u8", "<u4", "<u4", "<u4", "<u4", "<u8", "<u4", "<u4"],
+    "offsets": [OFF_LENGTH, OFF_TYPE, OFF_FLAGS, OFF_RESERVED0, OFF_REGION, OFF_LSN, OFF_EPOCH, OFF_SALT,
+                OFF_BODY_CRC, OFF_COUNT, OFF_PAGE_BYTES, OFF_AUX, OFF_RESERVED1, OFF_HEADER_CRC],
+    "itemsize": RECORD_HEADER_SIZE})
+
 # record types (FORMAT.md §5.2)
 TYPE_IGNORABLE = 0x80  # type bit 7: an unknown type may be skipped
 TYPE_MASK = 0x7F
@@ -323,6 +333,14 @@ def counted_in_epoch(type_byte: int, flags: int) -> bool:
     if kind == REC_PAGE_BATCH:
         return not flags & FLAG_BASE
     return kind not in (REC_PAD, REC_COMMIT, REC_REGION, REC_CATALOG, REC_SNAPSHOT)
+
+
+def counted_in_epoch_mask(type_bytes: np.ndarray, flags: np.ndarray) -> np.ndarray:
+    """`counted_in_epoch` over arrays of type bytes and flags (bool array)."""
+    kind = np.asarray(type_bytes) & 0x7F
+    batch = (kind == REC_PAGE_BATCH) & ~(np.asarray(flags) & FLAG_BASE).astype(bool)
+    other = ~np.isin(kind, (REC_PAGE_BATCH, REC_PAD, REC_COMMIT, REC_REGION, REC_CATALOG, REC_SNAPSHOT))
+    return batch | other
 
 
 class RecordHeader(NamedTuple):
@@ -447,6 +465,16 @@ def page_batch_tables_bytes(count: int) -> int:
 
 def page_batch_payload_offset(count: int) -> int:
     return RECORD_HEADER_SIZE + page_batch_tables_bytes(count)
+
+
+def page_batch_index_offset(count: int) -> int:
+    """Offset of the index table (u32 page ids) from the record start (FORMAT.md §6.1)."""
+    return RECORD_HEADER_SIZE
+
+
+def page_batch_crcs_offset(count: int) -> int:
+    """Offset of the page CRC table (u32 per page, after the index table) from the record start."""
+    return RECORD_HEADER_SIZE + 4 * count
 
 
 def page_batch_length(count: int, page_bytes: int) -> int:
@@ -723,10 +751,27 @@ class CommitInfo(NamedTuple):
     lsn: int = 0
 
 
+COMMIT_DIGEST_DTYPE = np.dtype([("region_id", "<u4"), ("digest", "<u4")])  # COMMIT_DIGEST as numpy
+
+
 def encode_commit_body(record_count: int, record_bytes: int, first_lsn: int,
-                       digests: dict) -> bytes:
+                       digests) -> bytes:
+    """digests: {region_id: digest}, or a pair of arrays (region ids, digests)
+    for many regions at once (ids distinct)."""
     if len(digests) > MAX_COMMIT_REGIONS:
         raise WalError(f"a commit names at most {MAX_COMMIT_REGIONS} regions")
+    if isinstance(digests, tuple):
+        ids, values = (np.asarray(a).astype(np.uint64) for a in digests)
+        if ids.shape != values.shape or ids.ndim != 1 or len(ids) > MAX_COMMIT_REGIONS:
+            raise WalError(f"a commit names at most {MAX_COMMIT_REGIONS} regions, as equal 1-D arrays of ids "
+                           "and digests")
+        order = np.argsort(ids, kind="stable")
+        table = np.empty(ids.size, COMMIT_DIGEST_DTYPE)
+        table["region_id"] = ids[order]
+        table["digest"] = values[order] & 0xFFFFFFFF
+        if ids.size > 1 and bool((table["region_id"][1:] == table["region_id"][:-1]).any()):
+            raise WalError("a commit names a region twice")
+        return COMMIT_BODY.pack(record_count, record_bytes, first_lsn, ids.size, 0) + table.tobytes()
     items = sorted((int(k), int(v) & 0xFFFFFFFF) for k, v in digests.items())
     return COMMIT_BODY.pack(record_count, record_bytes, first_lsn, len(items), 0) + b"".join(
         COMMIT_DIGEST.pack(k, v) for k, v in items)
