@@ -192,9 +192,9 @@ def present(flat_or_array, info, *, device: bool, where: str):
         raw = a.reshape(-1).view(np.uint8)
         t = torch.from_dlpack(raw) if device else torch.from_numpy(raw)
         return t.view(tdt).reshape(shape)
-    dt = numpy_dtype(name, where, np.dtype(info.dtype).itemsize)
-    if dt == a.dtype:
+    if not info.logical:  # the layout is the logical dtype (byte order included)
         return a
+    dt = numpy_dtype(name, where, np.dtype(info.dtype).itemsize)
     if device:
         raise UnsupportedArrayError(f"CuPy has no {name} arrays: restore it as a PyTorch tensor or on the host",
                                     where=where)

@@ -658,8 +658,10 @@ def _check_presentable(info, name, on_device: bool) -> None:
     if info.framework == "torch" and _torch() is not None:
         torch_dtype(info.logical_dtype, where, size)
         return
-    dt = numpy_dtype(info.logical_dtype, where, size)
-    if on_device and np.dtype(info.dtype) != dt:
+    if not info.logical:  # the layout is the logical dtype
+        return
+    numpy_dtype(info.logical_dtype, where, size)
+    if on_device:
         raise UnsupportedArrayError(f"CuPy has no {info.logical_dtype} arrays: restore it as a PyTorch tensor or "
                                     "on the host", where=where)
 

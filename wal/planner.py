@@ -99,10 +99,15 @@ class RegionMeta:
     shape: tuple
     page_bytes: int
     nbytes: int
+    logical: str = ""  # the descriptor's logical dtype name (FORMAT.md §7.1), "" where `dtype` names it
 
     @property
     def pages(self) -> int:
         return -(-self.nbytes // self.page_bytes) if self.nbytes else 0
+
+    @property
+    def logical_dtype(self) -> str:
+        return self.logical or np.dtype(self.dtype).name
 
 
 @dataclass(frozen=True, eq=False)
@@ -762,7 +767,7 @@ def scan(log, *, payload: bool = True, check_pages: bool = False, progress=None,
             except CorruptionError as exc:
                 damage.append(Damage(seg.index, off, lsn, f"region descriptor {rid}: {exc.message}"))
                 continue
-            regions[rid] = RegionMeta(rid, r.name, r.dtype, tuple(r.shape), r.page_bytes, r.nbytes)
+            regions[rid] = RegionMeta(rid, r.name, r.dtype, tuple(r.shape), r.page_bytes, r.nbytes, r.logical)
             region_lsns[rid] = lsn
         elif kind == F.REC_CATALOG:
             catalogs[lsn] = (seg.index, off, h[9])
@@ -784,7 +789,8 @@ def scan(log, *, payload: bool = True, check_pages: bool = False, progress=None,
                 floor = max(floor, cat.floor_epoch)
     if not regions and hasattr(log, "regions"):
         for r in log.regions.values():
-            regions[r.id] = RegionMeta(r.id, r.name, r.dtype, tuple(r.shape), r.page_bytes, r.nbytes)
+            regions[r.id] = RegionMeta(r.id, r.name, r.dtype, tuple(r.shape), r.page_bytes, r.nbytes,
+                                       getattr(r, "logical", ""))
     return History(regions=regions, batches=batches, commits=commits, bases=bases, damage=damage,
                    floor_epoch=floor, region_lsns=region_lsns)
 
