@@ -103,6 +103,7 @@ class RecoveryStats:
     pages: int
     regions: dict          # name -> bytes of the region
     dropped: list
+    via: dict = dataclasses.field(default_factory=dict)  # name -> "device pipeline" | "host"
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -518,9 +519,10 @@ class Session:
         st = self._stagers.get("gpu")
         registration = getattr(st, "registration", None)
         plan, plan_s = _plan(self.log, target, mode)
-        out = {}
+        out, via = {}, {}
         if targets is None:
             arrays = _apply(self.log, plan, want, on_device=on_device, registration=registration)
+            via = {n: "device pipeline" if on_device else "host" for n in arrays}
             for name, a in arrays.items():
                 out[name] = present(a, self.log.regions[name], device=on_device, where=f"region {name!r}")
         else:
@@ -532,10 +534,12 @@ class Session:
                 order.after_producers()
                 arrays.update(_apply(self.log, plan, list(dev), on_device=True, registration=registration, into=dev))
                 order.before_later_work()
+                via.update((n, "device pipeline") for n in dev)
             if host:
                 for name, a in _apply(self.log, plan, list(host)).items():
                     host[name][...] = a
                     arrays[name] = a
+                    via[name] = "host"
             out = {n: targets[n] for n in views}
         if into == "registered":
             # deltas continue from the recovered state only when it is the log's
@@ -550,7 +554,7 @@ class Session:
             epoch=int(plan.epoch), plan_ms=plan_s * 1e3, restore_ms=(t2 - t0 - plan_s) * 1e3,
             bytes=int(plan.bytes_to_read), pages=int(sum(rp.pages_read for rp in plan.regions.values())),
             regions={n: int(a.nbytes) for n, a in arrays.items()},
-            dropped=[d.to_json() for d in plan.dropped])
+            dropped=[d.to_json() for d in plan.dropped], via=via)
         return out
 
     def _recover_targets(self, into):
