@@ -302,3 +302,24 @@ def test_bf16_into_an_old_log_sets_the_feature_and_old_regions_still_read(tmp_pa
     assert got["bf"].dtype == torch.bfloat16 and _raw(got["bf"]) == _raw(kv)
     for name in want.files:
         assert got[name].dtype == want[name].dtype and got[name].tobytes() == want[name].tobytes()
+
+
+def test_the_transfer_twin_restores_into_the_callers_memory(bf16_log):
+    """apply_transfer_numpy(into=...), the numpy twin of the device pipeline's
+    `into`, fills the caller's tensor byte for byte as a new array would be."""
+    from concordia.restore_device import apply_transfer_numpy, transfer_plan
+    from concordia.wal import Log
+    from concordia.wal.planner import plan
+
+    log_name, kv = bf16_log
+    log = Log.open(log_name, writable=False, check_pages=False)
+    try:
+        p = plan(log)
+        fresh = apply_transfer_numpy(log, transfer_plan(log, p, chunk_bytes=4096))
+        target = torch.full((4, 64), 3.0, dtype=torch.bfloat16)
+        view = target.reshape(-1).view(torch.uint8).numpy().view("<u2").reshape(4, 64)
+        got = apply_transfer_numpy(log, transfer_plan(log, p, chunk_bytes=4096), into={"kv": view})
+    finally:
+        log.close()
+    assert got["kv"] is view
+    assert fresh["kv"].tobytes() == view.tobytes() == _raw(kv)
