@@ -228,7 +228,13 @@ def storage_change(was: tuple, now: tuple) -> str | None:
 
 
 def to_host(a) -> np.ndarray:
-    return a if isinstance(a, np.ndarray) else a.get()
+    """A host numpy array of `a` (numpy as it is, CuPy copied, a torch tensor
+    such as a block table seen or copied through numpy)."""
+    if isinstance(a, np.ndarray):
+        return a
+    if is_torch(a):
+        return a.detach().cpu().numpy()
+    return a.get()
 
 
 # ----------------------------------------------------------------- kernels

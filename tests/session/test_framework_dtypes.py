@@ -323,3 +323,20 @@ def test_the_transfer_twin_restores_into_the_callers_memory(bf16_log):
         log.close()
     assert got["kv"] is view
     assert fresh["kv"].tobytes() == view.tobytes() == _raw(kv)
+
+
+def test_recover_into_registered_tensors_then_deltas_go_on(tmp_path):
+    log = f"file:{tmp_path / 'reg.log'}"
+    kv = torch.randn(8, 256).to(torch.bfloat16)
+    tables = torch.zeros(2, 4, dtype=torch.int32)  # a torch block table is read as the framework keeps it
+    with Session(log, size=SIZE, segment_size=SEGMENT) as s:
+        s.register("kv", kv, kind="kv", page_bytes=512)
+        s.register("tables", tables, kind="scheduler", page_bytes=64)
+        s.checkpoint()
+        want = kv.clone()
+        kv.fill_(0)
+        out = s.recover(into="registered")
+        assert out["kv"] is kv and torch.equal(kv.view(torch.int16), want.view(torch.int16))
+        kv[0, 0] = 2.0
+        st = s.checkpoint()
+        assert st.pages["kv"] == 1 and st.pages["tables"] == 0
