@@ -103,12 +103,6 @@ def torch_dtype(name: str, where: str, itemsize: int | None = None):
     return tdt
 
 
-def _u8(t):
-    import torch
-
-    return torch.uint8
-
-
 def adapt(obj, where: str):
     """(array, xp, owner): the numpy or CuPy array sharing obj's memory, its
     array module, and the object whose shape and storage are checked later.
@@ -140,7 +134,7 @@ def adapt(obj, where: str):
             raise UnsupportedArrayError(f"tensors on {obj.device} cannot be protected (cpu or cuda only)",
                                         where=where)
         try:
-            raw = xp.from_dlpack(obj.detach().reshape(-1).view(_u8(obj)))
+            raw = xp.from_dlpack(obj.detach().reshape(-1).view(_torch().uint8))
         except Exception as exc:
             raise UnsupportedArrayError(f"tensor cannot be shared through DLPack: {exc}", where=where) from None
         return raw.view(layout_of(dt)).reshape(tuple(obj.shape)), xp, obj
@@ -606,7 +600,11 @@ class StreamOrder:
         consumer = consumer or cp.cuda.get_current_stream()
         for s in self.streams:
             if s.ptr != consumer.ptr:
-                consumer.wait_event(s.record())
+                dev = getattr(s, "device_id", -1)
+                # an event is recorded on a stream of its own device
+                with cp.cuda.Device(dev if dev is not None and dev >= 0 else cp.cuda.Device().id):
+                    ev = s.record()
+                consumer.wait_event(ev)
 
     def before_later_work(self, consumer=None) -> None:
         """Every producer stream waits for what Concordia's stream holds now."""
