@@ -40,6 +40,12 @@ before its detector ran (as many pages as its last checkpoint found, at most
 32): the detector lists the pages and one `stage_delta` launch writes the
 record, the CRC table and the moved digest (`_DeviceKernels.delta`).
 
+Regions keep their framework and dtype: a bfloat16 or float8 torch tensor is
+registered as it is (the log names its logical dtype beside the byte layout)
+and `recover()` hands back a torch tensor of that dtype.  A checkpoint is
+ordered after each region's producer stream and a recovery into device
+tensors before their later work (`regions.StreamOrder`, `checkpoint`).
+
 Bad input raises a one-line `SessionError` subclass before anything is written.
 """
 

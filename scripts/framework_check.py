@@ -165,7 +165,7 @@ def bench_pipeline(gib: int) -> dict:
            "--no-torch", "--registered-max-gib", "0", "--json", "--out", path]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     if p.returncode != 0:
-        raise SystemExit(f"bench recover failed ({p.returncode}): {p.stderr.strip()[-400:]}")
+        raise RuntimeError(f"bench recover failed ({p.returncode}): {p.stderr.strip()[-400:]}")
     d = json.load(open(path))
     (row,) = [r for r in d["rows"] if r["tier"] == "shm"]
     return {"command": "concordia-wal bench recover --sizes %d --tiers shm --no-torch --registered-max-gib 0" % gib,
@@ -190,12 +190,27 @@ def main() -> int:
                                        text=True).stdout.strip() or None
     except OSError:
         res["commit"] = None
+    os.makedirs(args.out, exist_ok=True)
+
+    def save():  # after every part, so a run cut short keeps what it measured
+        with open(os.path.join(args.out, "framework.json"), "w") as f:
+            json.dump(res, f, indent=2)
+
     t0 = time.perf_counter()
     res["stream_order"] = stream_order(torch, args.trials, ordered=True)
     res["control_unordered"] = stream_order(torch, args.control_trials, ordered=False)
     res["stream_order_s"] = time.perf_counter() - t0
+    save()
     torch.cuda.empty_cache()
-    pipe = bench_pipeline(args.gib)  # first: its log is gone before ours is written
+    try:
+        pipe = bench_pipeline(args.gib)  # first: its log is gone before ours is written
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        res["pipeline_error"] = str(exc)
+        save()
+        print(res["pipeline_error"], file=sys.stderr)
+        return 1
+    res["pipeline"] = pipe
+    save()
     h2d = _h2d(cp)
     ri = recover_into(torch, cp, args.gib)
     gbps = ri["bytes"] / ri["seconds"] / 1e9
@@ -206,9 +221,7 @@ def main() -> int:
     res["recover_into"] = ri
     res["bf16_kv"] = {"tensors": ri["tensors"], "dtype": ri["dtype"], "registered_as_is": True,
                       "identical": ri["identical"]}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "framework.json"), "w") as f:
-        json.dump(res, f, indent=2)
+    save()
     so, ctl = res["stream_order"], res["control_unordered"]
     print(f"stream order: {so['held']}/{so['trials']} held (control, unordered: {ctl['held']}/{ctl['trials']})")
     print(f"recover into {ri['GiB']:.1f} GiB of {ri['tensors']} {ri['dtype']} tensors: {ri['seconds']:.3f} s "
