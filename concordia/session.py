@@ -514,8 +514,8 @@ class Session:
             targets = {n: a for n, a in targets.items() if want is None or n in want}
             for name, arr in targets.items():
                 views[name] = _check_target(self.log.regions[name], name, arr, device)
-        else:
-            for name in (want if want is not None else self.log.regions):
+        for name in (want if want is not None else self.log.regions):
+            if name not in views:
                 _check_presentable(self.log.regions[name], name, on_device)
         if not self.log.last_committed_epoch:
             raise NothingToRecoverError("the log holds no committed epoch", where=str(self.log_name))
@@ -545,6 +545,12 @@ class Session:
                     arrays[name] = a
                     via[name] = "host"
             out = {n: targets[n] for n in views}
+            rest = [n for n in (want or []) if n not in views]  # regions= beyond the targets: new arrays
+            if rest:
+                for name, a in _apply(self.log, plan, rest, on_device=on_device, registration=registration).items():
+                    arrays[name] = a
+                    out[name] = present(a, self.log.regions[name], device=on_device, where=f"region {name!r}")
+                    via[name] = "device pipeline" if on_device else "host"
         if into == "registered":
             # deltas continue from the recovered state only when it is the log's
             # latest: after an older epoch the next checkpoint writes every page

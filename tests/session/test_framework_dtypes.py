@@ -340,3 +340,17 @@ def test_recover_into_registered_tensors_then_deltas_go_on(tmp_path):
         kv[0, 0] = 2.0
         st = s.checkpoint()
         assert st.pages["kv"] == 1 and st.pages["tables"] == 0
+
+
+def test_regions_beyond_the_targets_come_back_as_new_tensors(tmp_path):
+    log = f"file:{tmp_path / 'some.log'}"
+    a = torch.randn(300).to(torch.bfloat16)
+    b = torch.randn(200).to(torch.float8_e5m2)
+    with Session(log, size=SIZE, segment_size=SEGMENT) as s:
+        s.register("a", a, page_bytes=128)
+        s.register("b", b, page_bytes=128)
+        s.checkpoint()
+        target = torch.zeros_like(a)
+        out = s.recover(into={"a": target}, regions=["a", "b"])
+    assert out["a"] is target and _raw(target) == _raw(a)
+    assert out["b"].dtype == torch.float8_e5m2 and _raw(out["b"]) == _raw(b)
