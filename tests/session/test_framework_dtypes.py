@@ -188,6 +188,8 @@ def test_info_and_dump_show_the_logical_dtype(written):
     r = runner.invoke(wal_main, ["dump", log])
     assert r.exit_code == 0, r.output
     assert "define t:bfloat16 bfloat16[3,5,7] layout=<u2 framework=torch" in r.output
+    r = runner.invoke(wal_main, ["verify", log])
+    assert r.exit_code == 0, r.output  # a log with the LOGICAL_DTYPE feature verifies clean
 
 
 def test_torch_dtypes_without_a_host_type_are_refused_naming_the_region(tmp_path):
