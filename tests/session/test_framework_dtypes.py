@@ -356,3 +356,31 @@ def test_regions_beyond_the_targets_come_back_as_new_tensors(tmp_path):
         out = s.recover(into={"a": target}, regions=["a", "b"])
     assert out["a"] is target and _raw(target) == _raw(a)
     assert out["b"].dtype == torch.float8_e5m2 and _raw(out["b"]) == _raw(b)
+
+
+def test_compaction_keeps_the_logical_dtype_and_framework(tmp_path):
+    from concordia.wal import Log
+    from concordia.wal.compact import compact
+
+    log_name = f"file:{tmp_path / 'c.log'}"
+    kv = torch.zeros(1 << 17, dtype=torch.bfloat16)  # 256 KiB
+    with Session(log_name, size=16 << 20, segment_size=1 << 20) as s:
+        s.register("kv", kv, page_bytes=4096)
+        for step in range(12):  # every page each time: the first segments fill and can be freed
+            kv.fill_(float(step))
+            s.checkpoint()
+    log = Log.open(log_name, writable=True)
+    try:
+        rep = compact(log, keep_bases=1, keep_epochs=1)
+        assert rep.segments_freed, "nothing was reclaimed: the first descriptor is still there"
+    finally:
+        log.close()
+    log = Log.open(log_name)
+    try:
+        info = log.regions["kv"]
+        assert (info.dtype, info.logical, info.framework) == ("<u2", "bfloat16", "torch")
+    finally:
+        log.close()
+    with Session(log_name, create=False) as s:
+        got = s.recover()["kv"]
+    assert got.dtype == torch.bfloat16 and bool((got == 11.0).all())
