@@ -56,7 +56,7 @@ def test_a_stream_given_at_checkpoint_orders_a_cupy_producer(shm_log):
     x = cp.zeros(8 << 20, cp.float32)
     side = cp.cuda.Stream(non_blocking=True)
     a = cp.random.standard_normal((8192, 8192), dtype=cp.float32)
-    cp.cuda.Device().synchronize()
+    cp.cuda.get_current_stream().synchronize()
     with Session(shm_log, size=SIZE, segment_size=SEGMENT) as s:
         s.register("x", x, page_bytes=65536)
         s.checkpoint()
