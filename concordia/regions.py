@@ -580,9 +580,16 @@ class StreamOrder:
         cp = _cupy()
         if cp is None:
             return cls([])
-        out, seen = [], set()
+        out, seen, current = [], set(), {}
         for owner, given in objs:
-            s = _as_cupy_stream(cp, stream if stream is not None else given, owner)
+            given = stream if stream is not None else given
+            if given is None:  # the framework's current stream, looked up once per framework and device
+                key = (type(owner).__module__.split(".")[0], str(getattr(owner, "device", "")))
+                if key not in current:
+                    current[key] = _as_cupy_stream(cp, None, owner)
+                s = current[key]
+            else:
+                s = _as_cupy_stream(cp, given, owner)
             if s is not None and s.ptr not in seen:
                 seen.add(s.ptr)
                 out.append(s)
