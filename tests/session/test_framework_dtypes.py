@@ -359,7 +359,7 @@ def test_regions_beyond_the_targets_come_back_as_new_tensors(tmp_path):
 
 def test_compaction_keeps_the_logical_dtype_and_framework(tmp_path):
     from concordia.wal import Log
-    from concordia.wal.compact import compact
+    from concordia.wal import compact
 
     log_name = f"file:{tmp_path / 'c.log'}"
     kv = torch.zeros(1 << 17, dtype=torch.bfloat16)  # 256 KiB
