@@ -135,8 +135,8 @@ def test_a_damaged_page_is_named_on_the_device_path(shm_log):
         log.close()
     from concordia.errors import ConcordiaError
 
-    with Session(shm_log, create=False) as s:  # the product path refuses it too, before or while restoring
-        with pytest.raises(ConcordiaError, match="segment|page|corrupt|damaged"):
+    with pytest.raises(ConcordiaError, match="segment|page|corrupt|damaged"):  # the product path refuses it too
+        with Session(shm_log, create=False) as s:                               # (at open, plan or restore)
             s.recover(into={"kv": target})
 
 
