@@ -352,6 +352,17 @@ class Volume:
                 raise UsageError(f"superblock field {k} must be a u64, not {v!r}")
         return self._update(**{k: int(v) for k, v in changes.items()})
 
+    def enable_incompat(self, bits: int) -> F.Superblock:
+        """Set incompat feature `bits` in the superblock (FORMAT.md §2.3) before
+        the first structure that needs them is written: from then on a reader
+        that lacks them refuses the volume instead of misreading it.  Durable
+        when it returns; a no-op when they are set already."""
+        if bits & ~F.KNOWN_INCOMPAT:
+            raise UsageError(f"incompat features 0x{bits & ~F.KNOWN_INCOMPAT:x} are not known to this code")
+        if self._sb.incompat & bits == bits:
+            return self._sb
+        return self._update(incompat=self._sb.incompat | bits)
+
     # -- segments -------------------------------------------------------------
     @property
     def segment_bytes(self) -> int:

@@ -174,11 +174,12 @@ def test_session_create_on_a_full_tmpfs_leaves_no_file(tmpfs):
         import sys
         from concordia import Session
         from concordia.errors import ConcordiaError
+        from concordia.tools.common import exit_code_of
         try:
             Session({f"file:{tmpfs}/s.log"!r}, size=16 << 20, segment_size=1 << 20)
         except ConcordiaError as exc:
             print(exc.one_line(), file=sys.stderr)
-            sys.exit(exc.exit_code)
+            sys.exit(exit_code_of(exc))
     """)
     res = subprocess.run([PY, "-c", script], capture_output=True, text=True, timeout=120)
     assert res.returncode == 2, res.stderr
@@ -285,7 +286,8 @@ def test_a_failed_restore_keeps_the_old_output_on_bad_data(log_path, workdir):
         f.seek(rec.offset + rec.length - 8)
         f.write(bytes([b[0] ^ 1]))
     res = run("restore", log_path, "--region", "kv", "--out", out, "--force", code=1)
-    one_line(res)
+    # the refusal is the first line; the problems it found follow, one a line
+    assert res.stderr.startswith("error: ") and "Traceback" not in res.stderr
     assert sha(out) == good and listing(workdir) == ["concordia-data", "kv.npy"]
     assert np.load(out).shape == (64, 1024)
 
@@ -486,3 +488,16 @@ def test_demo_on_a_full_tmpfs_leaves_no_log(tmpfs):
     errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error: ")]
     assert len(errors) == 1 and "No space left" in errors[0] and "Traceback" not in res.stderr
     assert listing(tmpfs) == []
+
+
+def test_format_finds_data_in_a_large_sparse_file(tmp_path):
+    """The check for data reads the file's data extents, not its holes."""
+    target = tmp_path / "big.bin"
+    with open(target, "wb") as f:
+        f.truncate(8 << 30)
+        f.seek((7 << 30) + 5)
+        f.write(b"x")
+    before = os.stat(target).st_blocks
+    line = one_line(run("format", target, "--size", "8G", code=2))
+    assert f"nonzero byte at 0x{(7 << 30) + 5:x}" in line
+    assert os.stat(target).st_blocks == before and os.stat(target).st_size == 8 << 30

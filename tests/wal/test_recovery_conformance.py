@@ -29,6 +29,7 @@ import pytest
 from click.testing import CliRunner
 
 from concordia.devmem import MemoryBackend, open_backend
+from concordia.tools.common import exit_code_of
 from concordia.tools.wal_cli import main
 from concordia.wal import Log
 from concordia.wal import format as F
@@ -167,7 +168,7 @@ def logs(tmp_path_factory):
     out["repeat"] = describe(image_of(log), 8)
     log.close()
 
-    from concordia.wal.compact import compact
+    from concordia.wal.compaction import compact
 
     log, ids = new_log(open_backend("memory:", size=8 * MiB))
     write_epochs(log, 1, 16, ids)
@@ -229,7 +230,7 @@ def consumers(path, mode: M, regions=REGIONS, tmp=None) -> dict:
     try:
         log = Log.open(spec, writable=False, mode=mode)
     except ConcordiaError as exc:
-        out["Log.open"] = (None, exc.exit_code, str(exc))
+        out["Log.open"] = (None, exit_code_of(exc), str(exc))
     else:
         out["Log.open"] = (log.last_committed_epoch or None, None,
                            "; ".join(f"{d.where}: {d.reason}" for d in log.dropped))
@@ -248,11 +249,11 @@ def _session(path, tmp):
     try:
         s = Session(f"file:{copy}", create=False)
     except ConcordiaError as exc:
-        return None, exc.exit_code, str(exc)
+        return None, exit_code_of(exc), str(exc)
     try:
         got = s.recover()
     except ConcordiaError as exc:
-        return None, exc.exit_code, str(exc)
+        return None, exit_code_of(exc), str(exc)
     finally:
         s.close()
     e = s.last_recovery.epoch
