@@ -255,6 +255,8 @@ def restore_cmd(log, region, epoch, out, mode, force):
     \b
         concordia-wal restore file:./concordia-data/demo.log --region kv --out kv.npy --force
     """
+    import numpy as np
+
     from concordia.devmem.outfile import check_not_input
     from concordia.wal.apply import restore_region_npy
     from concordia.wal.decide import counts, decide
@@ -285,9 +287,7 @@ def restore_cmd(log, region, epoch, out, mode, force):
         p = decision.plan
         if p is None or region not in p.regions:
             why = decision.error or f"region {region!r} cannot be restored at any epoch"
-            click.echo(f"error: recovery {m} refuses: {why}", err=True)
-            for d in decision.problems:
-                click.echo(f"problem  {d}", err=True)
+            click.echo(f"error: recovery {m} refuses: {why}", err=True)  # one line: verify lists the rest
             sys.exit(decision.exit_code or 1)
         rp = p.regions[region]
         bar = Bar("restoring")
@@ -299,8 +299,12 @@ def restore_cmd(log, region, epoch, out, mode, force):
     finally:
         vol.close()
     r = rp.region
-    click.echo(f"restored {region} at epoch {rp.epoch}: {r.dtype}{list(r.shape)}, {r.pages} pages "
+    click.echo(f"restored {region} at epoch {rp.epoch}: {r.logical_dtype}{list(r.shape)}, {r.pages} pages "
                f"({rp.pages_read} read from {len(rp.sources)} records, {rp.zero_page_ids.size} zero) -> {out}")
+    if np.dtype(r.dtype).name != r.logical_dtype:
+        # numpy's .npy header cannot name an ml_dtypes type: the file holds the bytes in their layout
+        click.echo(f"note: {out} holds the {r.logical_dtype} data in its byte layout {r.dtype} "
+                   f"(numpy.load('{out}').view(ml_dtypes.{r.logical_dtype}) reads it as {r.logical_dtype})")
     for d in p.dropped:
         click.echo(f"dropped  {d.one_line()}", err=True)
     listed = {d.damage.where for d in p.dropped}

@@ -87,10 +87,15 @@ class RegionMeta:
     shape: tuple
     page_bytes: int
     nbytes: int
+    logical: str = ""  # the descriptor's logical dtype name (FORMAT.md §7.1), "" where `dtype` names it
 
     @property
     def pages(self) -> int:
         return -(-self.nbytes // self.page_bytes) if self.nbytes else 0
+
+    @property
+    def logical_dtype(self) -> str:
+        return self.logical or np.dtype(self.dtype).name
 
 
 @dataclass(frozen=True, eq=False)
@@ -699,7 +704,7 @@ def scan(log, *, payload: bool = True, check_pages: bool = False, progress=None,
         items = list(Scanner(vol, check_pages=check_pages, progress=progress).items(ScanResult()))
     res = recover(vol, RecoveryMode.SKIP_CORRUPT, None, check_pages=bool(check_pages), items=items)
 
-    regions = {rid: RegionMeta(rid, r.name, r.dtype, tuple(r.shape), r.page_bytes, r.nbytes)
+    regions = {rid: RegionMeta(rid, r.name, r.dtype, tuple(r.shape), r.page_bytes, r.nbytes, r.logical)
                for rid, r in res.regions.items()}
     region_lsns, batches, catalogs, where = {}, [], {}, {}
     for rec in res.records:
@@ -789,7 +794,8 @@ def scan(log, *, payload: bool = True, check_pages: bool = False, progress=None,
                 floor = max(floor, cat.floor_epoch)
     if not regions and hasattr(log, "regions"):
         for r in log.regions.values():
-            regions[r.id] = RegionMeta(r.id, r.name, r.dtype, tuple(r.shape), r.page_bytes, r.nbytes)
+            regions[r.id] = RegionMeta(r.id, r.name, r.dtype, tuple(r.shape), r.page_bytes, r.nbytes,
+                                       getattr(r, "logical", ""))
     return History(regions=regions, batches=batches, commits=commits, bases=bases, damage=damage,
                    floor_epoch=floor, region_lsns=region_lsns, result=res)
 
