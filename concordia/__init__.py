@@ -23,7 +23,7 @@ _ERRORS = (
     "HostRegisterRefusedError", "InjectedFaultError", "InstrumentError", "KernelCompileError",
     "KernelError", "KernelInputError", "LibpmemUnavailableError", "LockedError", "LogFullError",
     "MissingDependencyError", "NotADaxDeviceError", "NotALogError", "NothingToRecoverError",
-    "NumaNodeError", "OutOfRangeError", "PathNotFoundError", "PermissionDeniedError", "PlanError",
+    "NumaNodeError", "OutOfRangeError", "OutputExistsError", "OutputIsInputError", "PathNotFoundError", "PermissionDeniedError", "PlanError",
     "ProtocolError", "ReadOnlyError", "ReadOnlyFeatureError", "RecordTooLargeError",
     "RecoverMismatchError", "RecoveryDigestError", "RegionError", "RegionMismatchError",
     "RingFullError", "RingLayoutError", "SessionClosedError", "SessionError",

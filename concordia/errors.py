@@ -13,7 +13,8 @@ from __future__ import annotations
 from concordia.devmem.errors import (
     BackendClosedError, BadSizeError, BadSpecError, CudaUnavailableError, DevmemError,
     ForeignOwnerError, HostRegisterRefusedError, InjectedFaultError, LibpmemUnavailableError,
-    LockedError, NotADaxDeviceError, NumaNodeError, OutOfRangeError, PathNotFoundError,
+    LockedError, NotADaxDeviceError, NumaNodeError, OutOfRangeError, OutputExistsError,
+    OutputIsInputError, PathNotFoundError,
     PermissionDeniedError, ReadOnlyError,
 )
 from concordia.executor.errors import (
@@ -85,7 +86,7 @@ __all__ = [
     "GpuUnavailableError", "HostRegisterRefusedError", "InjectedFaultError", "InstrumentError",
     "KernelCompileError", "KernelError", "KernelInputError", "LibpmemUnavailableError",
     "LockedError", "LogFullError", "NotADaxDeviceError", "NotALogError", "NothingToRecoverError",
-    "NumaNodeError", "OutOfRangeError", "PathNotFoundError", "PermissionDeniedError", "PlanError",
+    "NumaNodeError", "OutOfRangeError", "OutputExistsError", "OutputIsInputError", "PathNotFoundError", "PermissionDeniedError", "PlanError",
     "ProtocolError", "ReadOnlyError", "ReadOnlyFeatureError", "RecordTooLargeError",
     "RecoverMismatchError", "RecoveryDigestError", "RegionError", "RegionMismatchError",
     "RingFullError", "RingLayoutError", "SessionClosedError", "SessionError", "ShapeChangedError",

@@ -72,3 +72,11 @@ class LockedError(DevmemError):
 
 class InjectedFaultError(DevmemError):
     """A failure injected on purpose by `fault.FaultInjectingBackend`."""
+
+
+class OutputExistsError(DevmemError):
+    """The output file exists and overwriting it was not asked for."""
+
+
+class OutputIsInputError(DevmemError):
+    """The output named is one of the inputs."""

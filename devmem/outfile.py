@@ -22,17 +22,9 @@ import os
 import stat
 
 from .backend import os_error
-from .errors import BadSpecError, DevmemError
+from .errors import BadSpecError, DevmemError, OutputExistsError, OutputIsInputError
 
 __all__ = ["OutputFile", "check_not_input"]
-
-
-class OutputExistsError(DevmemError):
-    """The output file exists and overwriting it was not asked for."""
-
-
-class OutputIsInputError(DevmemError):
-    """The output named is one of the inputs."""
 
 
 def _identity(path: str):

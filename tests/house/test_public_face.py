@@ -51,6 +51,24 @@ def test_every_error_class_is_exported_from_concordia_and_concordia_errors():
     assert all(getattr(concordia, n) is getattr(errors, n) for n in defined)
 
 
+def test_no_error_class_lives_outside_the_error_modules():
+    """An error class defined anywhere else would be missing from concordia.errors."""
+    import ast
+    import pathlib
+
+    repo = pathlib.Path(__file__).resolve().parents[2]
+    stray = []
+    for folder in ("concordia", "wal", "devmem", "gpu_kernels", "tools"):
+        for path in sorted((repo / folder).rglob("*.py")):
+            if path.name in ("errors.py", "root_error.py"):
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.ClassDef) and any(
+                        isinstance(b, ast.Name) and b.id.endswith("Error") for b in node.bases):
+                    stray.append(f"{path.relative_to(repo)}: {node.name}")
+    assert not stray, stray
+
+
 def test_the_error_module_imports_each_class_by_name():
     text = inspect.getsource(errors)
     assert "import *" not in text and "except ImportError" not in text and "__import__" not in text
