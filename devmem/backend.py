@@ -6,14 +6,16 @@ A name is `KIND:REST` or a plain path:
     dax:/dev/dax0.0       device DAX (CXL memory, NVDIMM namespace in devdax mode)
     pmem:/mnt/pmem/log    a file on an fsdax mount, mapped through libpmem
     shm:NAME              a file in /dev/shm (or shm:/dev/shm/NAME)
+    hugetlb:PATH          a file on a hugetlbfs mount (hugetlb:NAME: on the default mount)
     file:PATH             a plain page-cache file, mmap + msync
     pinned:               cudaHostAlloc memory (volatile; GPU loss only)
     memory:               an anonymous mapping (volatile; for tests)
     /some/path            detected: a DAX character device, a file under a tmpfs,
-                          a file on a dax-mounted file system, else a plain file
+                          a file on a hugetlbfs, a file on a dax-mounted file
+                          system, else a plain file
 
-The tiers themselves live in `tiers.py` (file, shm, pmem, memory), `devdax.py`
-and `pinned.py`; this module owns only the contract and the dispatch.
+The tiers themselves live in `tiers.py` (file, shm, pmem, memory), `devdax.py`,
+`hugetlb.py` and `pinned.py`; this module owns only the contract and the dispatch.
 """
 
 from __future__ import annotations
@@ -42,9 +44,9 @@ from .errors import (
 __all__ = ["Survives", "Backend", "Spec", "parse_spec", "open_backend", "SHM_DIR"]
 
 SHM_DIR = "/dev/shm"
-KINDS = ("devdax", "pmem", "shm", "file", "pinned", "memory")
+KINDS = ("devdax", "pmem", "shm", "hugetlb", "file", "pinned", "memory")
 _PREFIX = {"dax": "devdax", "devdax": "devdax", "pmem": "pmem", "shm": "shm", "file": "file",
-           "pinned": "pinned", "memory": "memory"}
+           "pinned": "pinned", "memory": "memory", "hugetlb": "hugetlb"}
 
 
 class Survives(enum.IntEnum):
@@ -178,19 +180,27 @@ class Backend(abc.ABC):
         self._close_file()
 
     # -- the writer lock ----------------------------------------------------------
-    def lock(self) -> None:
+    def lock(self, wait: bool | float = False) -> None:
         """Take the log's advisory writer lock: flock(LOCK_EX | LOCK_NB) on the
         file or device under the mapping, held until `close()`.  A writer takes
         it before changing a byte, so a second writer (another process, or a
         second open in this one) is refused with LockedError instead of writing
         over the first.  Readers take no lock.  Tiers with no file (memory,
         pinned) and backends opened read-only have nothing to lock: a no-op.
-        Taking it twice on one backend is harmless."""
+        Taking it twice on one backend is harmless.
+        wait: True blocks until the holder gives the lock back (or dies: the
+        kernel drops a dead process's locks), a number waits at most that many
+        seconds; either way a holder still there raises LockedError."""
         self.view  # raises when closed
         if self._locked or self._file_fd < 0:
             return
         try:
-            fcntl.flock(self._file_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if wait is True:
+                fcntl.flock(self._file_fd, fcntl.LOCK_EX)
+            elif wait:
+                _flock_within(self._file_fd, float(wait))
+            else:
+                fcntl.flock(self._file_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             pid = lock_holder(self._file_fd)
             if pid == os.getpid():
@@ -290,17 +300,21 @@ def parse_spec(spec: str) -> Spec:
                                hint=f"e.g. {prefix}:{'NAME' if kind == 'shm' else '/path/log'}")
         if kind == "shm" and "/" not in rest:
             rest = os.path.join(SHM_DIR, rest)
+        if kind == "hugetlb":
+            from .hugetlb import resolve
+            return Spec(kind, resolve(rest), text)
         return Spec(kind, os.path.abspath(rest), text)
     if sep and prefix.isalnum() and len(prefix) > 1 and not os.path.exists(text):
         raise BadSpecError(f"unknown log kind {prefix!r}", where=text,
-                           hint="use dax:, pmem:, shm:, file:, pinned:, memory: or a path")
+                           hint="use dax:, pmem:, shm:, hugetlb:, file:, pinned:, memory: or a path")
     path = os.path.abspath(text)
     return Spec(detect_kind(path), path, text)
 
 
 def detect_kind(path: str) -> str:
     """Classify a plain path: a character device -> devdax; a file on tmpfs ->
-    shm; a file on a mount with a `dax` option -> pmem; anything else -> file.
+    shm; a file on hugetlbfs -> hugetlb; a file on a mount with a `dax` option
+    -> pmem; anything else -> file.
     A path that does not exist yet is classified by the file system it would be in."""
     try:
         st = os.stat(path)
@@ -313,6 +327,8 @@ def detect_kind(path: str) -> str:
         fstype, options = mount
         if fstype == "tmpfs":
             return "shm"
+        if fstype == "hugetlbfs":
+            return "hugetlb"
         if any(o == "dax" or o.startswith("dax=") and o != "dax=never" for o in options):
             return "pmem"
     return "file"
@@ -384,11 +400,30 @@ def open_backend(spec, size: int | None = None, create: bool = False, readonly: 
     if s.kind == "shm":
         from .tiers import ShmBackend
         return ShmBackend.open(s.path, numa_node=numa_node, **common, **owner)
+    if s.kind == "hugetlb":
+        from .hugetlb import HugetlbBackend
+        return HugetlbBackend.open(s.path, **common, **owner)
     if s.kind == "pmem":
         from .tiers import PmemBackend
         return PmemBackend.open(s.path, **common, **owner)
     from .devdax import DevDaxBackend
     return DevDaxBackend.open(s.path, **common, **owner)
+
+
+def _flock_within(fd: int, seconds: float) -> None:
+    """flock(LOCK_EX) on fd, tried every millisecond for at most `seconds`;
+    BlockingIOError when still held then."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.001)
 
 
 def lock_holder(fd: int) -> int | None:
