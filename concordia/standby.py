@@ -294,6 +294,8 @@ class Standby:
         self.model = None
         self.on_gpu = False
         self.warm_report: dict | None = None
+        #: the log's regions as the warm-up read them ({name: RegionInfo})
+        self.regions: dict = {}
         self._watch_log = None
 
     # -------------------------------------------------------------- warming
@@ -313,7 +315,7 @@ class Standby:
                                where=str(self.spec), hint="put the log on shm:, hugetlb:, file:, pmem: or dax:")
         rep["open_s"] = _now() - t0
         rep["tier"] = self.backend.kind
-        regions = self._watch_log.regions
+        regions = self.regions = dict(self._watch_log.regions)
         rep["regions"] = {n: int(r.nbytes) for n, r in regions.items()}
         rep["epoch_seen"] = int(self._watch_log.last_committed_epoch or 0)
         self.on_gpu = self._pick_device()
