@@ -54,7 +54,7 @@ def _primary(spec: str, nbytes: int, device: str) -> None:
     block = xp.asarray(np.random.default_rng(7).integers(0, 256, min(nbytes, 64 << 20), dtype=np.uint8))
     for i, off in enumerate(range(0, nbytes, block.size)):
         n = min(block.size, nbytes - off)
-        flat[off:off + n] = block[:n] ^ np.uint8(i & 0x7F)   # finite fp16 values: the sign bit varies only
+        flat[off:off + n] = block[:n] ^ np.uint8(i & 0xFF)   # every 64 MiB different
     seg = min(1 << 30, max(16 << 20, -(-(nbytes // 8) // (1 << 20)) * (1 << 20)))
     size = -(-(nbytes + nbytes // 16 + 4 * seg) // seg) * seg
     t0 = time.perf_counter()

@@ -25,7 +25,8 @@ from .primary import state, write
 
 EPOCHS = 3
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ENV = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+# the repository root last: `tests.standby.primary` is found there, the installed package first
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), ROOT) if p)}
 CLI = [sys.executable, "-c", "import sys; from concordia.tools.cli import main; sys.argv[0] = 'concordia'; main()"]
 
 
@@ -315,3 +316,21 @@ def test_cli_bad_input_is_one_line(args, needle):
     r = subprocess.run([*CLI, "standby", *args, "--device", "cpu"], capture_output=True, text=True,
                        env=ENV, cwd=ROOT)
     assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.gpu
+def test_gpu_standby_restores_from_its_registered_mapping(any_log):
+    """On the GPU: the mapping registered while waiting is what the copy engine
+    reads at the takeover; the arrays are CuPy and exact."""
+    with Primary(any_log) as primary:
+        sb = Standby(any_log, device="gpu")
+        rep = sb.warm()
+        assert rep["device"] == "gpu" and rep["kernels"] > 1 and sb.registration is not None
+        primary.kill()
+        tk = sb.run(timeout=60)
+        try:
+            assert "registered mapping" in tk.restore_stats["via"]
+            _same({k: v.get() for k, v in tk.arrays.items()}, EPOCHS)
+        finally:
+            tk.close()
+            sb.close()
