@@ -35,7 +35,7 @@ import uuid
 import click
 import numpy as np
 
-from .common import emit_json, guarded, remove_log_file
+from ..common import emit_json, guarded, remove_log_file
 
 GIB = 1 << 30
 PAGE_BYTES = 64 << 10
@@ -124,7 +124,7 @@ def _xp(device: str):
 
 # ---------------------------------------------------------------- the run
 def _child(*args):
-    code = ("import sys; from concordia.tools import bench_standby as b; "
+    code = ("import sys; from concordia.tools.bench import standby as b; "
             f"b._{args[0]}(*sys.argv[1:])")
     return subprocess.Popen([sys.executable, "-c", code, *map(str, args[1:])], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -157,7 +157,7 @@ def _spec(tier: str) -> str:
 
 
 def run(nbytes: int, tier: str, device: str) -> dict:
-    from .bench_recover import _ceiling
+    from .recover import _ceiling
 
     xp = _xp(device)
     res = {"device": device, "tier": tier, "bytes": nbytes, "GiB": nbytes / GIB, "page_bytes": PAGE_BYTES,
