@@ -12,9 +12,11 @@ itself.  Its timeline has the four phases of a recovery:
                with a lease, its heartbeat stopped for longer than the lease;
   isolate      the primary is kept from writing again: a primary whose lease
                expired but which still holds the lock (hung, not dead) is
-               SIGKILLed; then the standby holds the writer lock and opens the
-               log for writing, which cuts what the primary left after its
-               last commit;
+               SIGKILLed; a dying primary is waited for until it is a zombie
+               (its GPU context, which could still write into the mapping, is
+               gone with its last descriptor); then the standby, holding the
+               writer lock, opens the log for writing, which cuts what the
+               primary left after its last commit;
   restore      plan and apply the last committed epoch (on the GPU straight
                from the mapping registered while waiting);
   reintegrate  the caller's `resume(takeover)` carries on from the restored
@@ -177,6 +179,43 @@ class Heartbeat:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+# ------------------------------------------------------------------ fencing
+#: /proc/PID/stat flags bit of a task in do_exit
+PF_EXITING = 0x4
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, flags) of a process, None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            raw = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    except OSError:
+        return None
+    rest = raw[raw.rfind(")") + 2:].split()   # the name may hold spaces and parentheses
+    try:
+        return rest[0], int(rest[6])
+    except (IndexError, ValueError):
+        return None
+
+
+def wait_exited(pid: int, within: float) -> float:
+    """Wait while `pid` is exiting (SIGKILLed, its descriptors still closing)
+    until it is a zombie or gone; a process that is not exiting (it closed the
+    log and lives on) is not waited for.  Returns the seconds waited; raises
+    StandbyError when it is still exiting after `within` seconds."""
+    t0 = _now()
+    while True:
+        st = _stat(pid)
+        if st is None or st[0] in "ZX" or not st[1] & PF_EXITING:
+            return _now() - t0
+        if _now() - t0 > within:
+            raise StandbyError(f"the primary (pid {pid}) is still exiting after {within} s",
+                               hint="a device may be hung in its release; see dmesg")
+        time.sleep(0.0005)
 
 
 # ------------------------------------------------------------------ takeover
@@ -454,6 +493,13 @@ class Standby:
         from concordia.wal.planner import plan
 
         stamps = {"detected": detection["detected"]}
+        pid = detection.get("primary_pid")
+        if pid and pid != os.getpid():
+            # the lock goes with the log's descriptor, which may close before the
+            # primary's GPU context does: its kernels could still be writing into
+            # the mapping.  A dying process has let go of every device once it is
+            # a zombie (or reaped).
+            detection["exit_wait_s"] = wait_exited(pid, within=10.0)
         log = Log.open(self.backend, writable=True, check_pages="last")
         self._watch_log = None   # superseded; it shares the backend, which `log` now owns
         stamps["isolated"] = _now()
@@ -482,7 +528,9 @@ class Standby:
                                         "closes; tried every millisecond: not timed here)")),
             Phase("isolate", (stamps["isolated"] - stamps["detected"]) * 1e3,
                   f"writer lock held, log opened for writing at epoch {epoch} (the primary's "
-                  f"uncommitted tail cut)"),
+                  f"uncommitted tail cut)" + (f"; waited {detection['exit_wait_s'] * 1e3:.1f} ms for "
+                                              f"pid {pid} to finish exiting" if detection.get("exit_wait_s")
+                                              else "")),
             Phase("restore", (stamps["restored"] - stamps["isolated"]) * 1e3,
                   f"epoch {epoch} planned and restored: {nbytes / (1 << 20):.2f} MiB into "
                   f"{len(arrays)} regions on the {'GPU' if self.on_gpu else 'CPU'}, digests checked"

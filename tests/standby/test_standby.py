@@ -334,3 +334,20 @@ def test_gpu_standby_restores_from_its_registered_mapping(any_log):
         finally:
             tk.close()
             sb.close()
+
+
+def test_exit_fence_waits_only_for_a_dying_process():
+    from concordia.standby import wait_exited
+
+    assert wait_exited(os.getpid(), within=0.1) == pytest.approx(0, abs=0.05)   # alive, not exiting
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child_pid = child.pid
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:   # a zombie until reaped
+        with open(f"/proc/{child_pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+        time.sleep(0.01)
+    assert wait_exited(child_pid, within=0.1) < 0.1
+    child.wait()
+    assert wait_exited(child_pid, within=0.1) < 0.1   # gone
