@@ -28,12 +28,25 @@ grep -i '^HugePages_' /proc/meminfo
 rc=0
 WAL=(python3 -c "import sys; from concordia.tools.wal_cli import main; sys.argv[0] = 'concordia-wal'; main()")
 
-timeout 60 python3 -m pytest tests/session/test_restore_hugetlb.py tests/devmem/test_conformance.py \
+timeout 90 python3 -m pytest tests/session/test_restore_hugetlb.py tests/devmem/test_conformance.py \
   tests/standby/test_standby.py -k "hugetlb or Hugetlb or gpu_standby" -q -p no:cacheprovider \
   --junitxml="$OUT/hugetlb-tests.xml" 2>&1 | tail -5
 [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 
-timeout -k 5 170 "${WAL[@]}" bench recover --tiers hugetlb --sizes "$sizes" --no-torch \
+# the standby first (about 40 s: the primary writes 10 GiB), then bench recover with
+# what is left of 285 s (it writes its JSON after every row: a run cut short keeps them)
+timeout -k 5 90 "${WAL[@]}" bench standby --gib "${HUGETLB_STANDBY_GIB:-10}" --tier hugetlb \
+  --json --out "$OUT/standby.json" > /dev/null || rc=1
+python3 -c "
+import json; d=json.load(open('$OUT/standby.json'))
+print('standby', round(d['GiB'],2), 'GiB', d['tier'], ': kill->decoding', round(d['kill_to_decoding_s'],3), 's (goal', d['goals']['kill_to_decoding_s'], ')',
+      'detect', round(d['kill_to_detect_s'],3), 'isolate', round(d['isolate_s'],3), 'restore', round(d['restore_s'],3),
+      round(d['restore_GBps'],1), 'GB/s', 'decode', round(d['first_decode_s'],3), 'via', d['restore'].get('via'), 'warm', {k: round(v,3) for k,v in d['warm'].items() if k.endswith('_s')})
+" || rc=1
+
+left=$(( 285 - ($(date +%s) - start) ))
+echo "bench recover: ${left}s left"
+timeout -k 5 "$left" "${WAL[@]}" bench recover --tiers hugetlb --sizes "$sizes" --no-torch \
   --registered-max-gib 10 --json --out "$OUT/recover-hugetlb.json" > /dev/null || rc=1
 python3 -c "
 import json; d=json.load(open('$OUT/recover-hugetlb.json'))
@@ -45,14 +58,4 @@ for r in d['rows']:
           '% | registered', r.get('registered_restore_s'), 'reg', r.get('registered_register_s'), '| Session.recover', r.get('session_total_s'))
 " || rc=1
 
-left=$(( 285 - ($(date +%s) - start) ))
-echo "bench standby: ${left}s left"
-timeout -k 5 "$left" "${WAL[@]}" bench standby --gib "${HUGETLB_STANDBY_GIB:-10}" --tier hugetlb \
-  --json --out "$OUT/standby.json" > /dev/null || rc=1
-python3 -c "
-import json; d=json.load(open('$OUT/standby.json'))
-print('standby', round(d['GiB'],2), 'GiB', d['tier'], ': kill->decoding', round(d['kill_to_decoding_s'],3), 's (goal', d['goals']['kill_to_decoding_s'], ')',
-      'detect', round(d['kill_to_detect_s'],3), 'isolate', round(d['isolate_s'],3), 'restore', round(d['restore_s'],3),
-      round(d['restore_GBps'],1), 'GB/s', 'decode', round(d['first_decode_s'],3), 'via', d['restore'].get('via'), 'warm', {k: round(v,3) for k,v in d['warm'].items() if k.endswith('_s')})
-" || rc=1
 exit $rc
