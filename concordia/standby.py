@@ -306,7 +306,8 @@ def open_for_watching(spec):
 class Standby:
     """A warm standby for the log `spec` (see the module doc).
 
-    device: "auto" (the GPU when CuPy finds one), "gpu" or "cpu".
+    device: "auto" (the GPU when CuPy finds one), "gpu" or "cpu".  gpu: the
+    device number to stand by on (a spare GPU; default: CuPy's current one).
     load_model: called as `load_model(standby)` while warming; its result is
     `standby.model` (for `resume` to use).  lease_s: also watch the primary's
     `Heartbeat`, and treat a stamp older than this as a hung primary (SIGKILLed
@@ -314,7 +315,7 @@ class Standby:
     taking one line of text.
     """
 
-    def __init__(self, spec, *, device: str = "auto", load_model: Callable | None = None,
+    def __init__(self, spec, *, device: str = "auto", gpu: int | None = None, load_model: Callable | None = None,
                  lease_s: float | None = None, heartbeat_s: float | None = None,
                  rehearse: bool = True, progress: Callable[[str], None] | None = None):
         if device not in ("auto", "gpu", "cpu"):
@@ -323,6 +324,7 @@ class Standby:
             raise StandbyError(f"a lease must be positive, not {lease_s}")
         self.spec = spec
         self.device = device
+        self.gpu = gpu
         self.load_model = load_model
         self.lease_s = lease_s
         self.heartbeat_s = heartbeat_s if heartbeat_s is not None else (lease_s / 4 if lease_s else None)
@@ -404,12 +406,17 @@ class Standby:
         from concordia.gpu_kernels import jit
 
         try:
-            jit._cupy()
-            return True
+            cp = jit._cupy()
         except ConcordiaError:
             if self.device == "gpu":
                 raise
             return False
+        if self.gpu is not None:
+            n = cp.cuda.runtime.getDeviceCount()
+            if not 0 <= self.gpu < n:
+                raise StandbyError(f"no GPU {self.gpu}: this machine has {n}", where=str(self.spec))
+            cp.cuda.Device(self.gpu).use()
+        return True
 
     # -------------------------------------------------------------- watching
     def primary(self) -> int | None:

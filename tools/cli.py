@@ -89,6 +89,8 @@ def _hook(text: str | None, what: str):
 @click.argument("log")
 @click.option("--device", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True,
               help="Where to restore (auto: the GPU when CuPy finds one).")
+@click.option("--gpu", "gpu", type=click.IntRange(min=0), default=None,
+              help="The GPU to stand by on (a spare one; default: the current device).")
 @click.option("--lease", "lease_s", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Also watch the primary's heartbeat; a beat older than this many seconds counts "
                    "as a hung primary, which is SIGKILLed.  Default: the writer lock alone.")
@@ -103,7 +105,7 @@ def _hook(text: str | None, what: str):
                    "new primary, so that other standbys keep waiting behind this one.")
 @click.option("--json", "as_json", is_flag=True, help="Print the takeover as JSON.")
 @guarded
-def standby(log, device, lease_s, model, resume, timeout, hold, as_json):
+def standby(log, device, gpu, lease_s, model, resume, timeout, hold, as_json):
     """Stand by for the process writing LOG: open and map the log, register it
     with the GPU, compile the kernels, rehearse a restore, load the model; then
     wait for the primary to die (its writer lock comes free, or with --lease
@@ -123,7 +125,7 @@ def standby(log, device, lease_s, model, resume, timeout, hold, as_json):
     from concordia.standby import Standby, format_timeline
 
     progress = lambda msg: click.echo(f"standby: {msg}", err=True)  # noqa: E731
-    sb = Standby(log, device=device, lease_s=lease_s, load_model=_hook(model, "--model"), progress=progress)
+    sb = Standby(log, device=device, gpu=gpu, lease_s=lease_s, load_model=_hook(model, "--model"), progress=progress)
     resume_fn = _hook(resume, "--resume")
     try:
         tk = sb.run(resume_fn, timeout=timeout)
