@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 
-from .backend import Survives
+from .backend import Survives, mount_of
 from .errors import BadSpecError, DevmemError
 from .tiers import FileBackedBackend
 
@@ -61,15 +61,6 @@ def mounts() -> list[str]:
     return [point for point, fstype in _mount_table() if fstype == "hugetlbfs"]
 
 
-def _fstype_of(path: str) -> str | None:
-    """The file system type of the mount holding `path` (deepest mount wins)."""
-    probe = os.path.realpath(path)
-    best = None
-    for point, fstype in _mount_table():
-        if probe == point or probe.startswith(point.rstrip("/") + "/"):
-            if best is None or len(point) >= len(best[0]):
-                best = (point, fstype)
-    return None if best is None else best[1]
 
 
 def default_mount() -> str | None:
@@ -108,7 +99,8 @@ def page_size_of(path: str) -> int:
         st = os.statvfs(probe)
     except OSError as exc:
         raise DevmemError(f"cannot look at the file system: {exc.strerror}", where=path) from None
-    fstype = _fstype_of(probe)
+    mount = mount_of(probe)
+    fstype = mount[0] if mount else None
     if fstype != "hugetlbfs":
         raise BadSpecError(f"not on a hugetlbfs mount (on {fstype or 'an unknown file system'})",
                            where=path, hint=SETUP_HINT)
