@@ -115,6 +115,29 @@ def read_lease(path: str) -> LeaseState | None:
     return LeaseState(int(pid), period_ns / 1e9, beat_ns / 1e9, int(beats))
 
 
+def _drop_stale_lease(backend) -> None:
+    """Remove the lease file a dead primary left (SIGKILL gives its Heartbeat
+    no chance to); a live process's is left alone."""
+    try:
+        path = lease_path(backend)
+    except (StandbyError, OSError):
+        return
+    lease = read_lease(path)
+    if lease is None or lease.pid == os.getpid():
+        return
+    try:
+        os.kill(lease.pid, 0)
+        return
+    except ProcessLookupError:
+        pass
+    except PermissionError:
+        return
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 class Heartbeat:
     """The primary's side of a lease: a daemon thread stamping the time every
     `period_s` into the log's lease file.  Start it once the log is open for
@@ -521,6 +544,8 @@ class Standby:
         hb = None
         if self.heartbeat_s:
             hb = Heartbeat(log, period_s=self.heartbeat_s).start()   # the next standby watches us
+        else:
+            _drop_stale_lease(self.backend)
         tk = Takeover(log=log, arrays=arrays, epoch=epoch, cause=detection["cause"],
                       primary_pid=detection.get("primary_pid"), stamps=stamps, restore_stats=st,
                       registration=self.registration, heartbeat=hb)

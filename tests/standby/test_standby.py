@@ -30,13 +30,23 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("P
 CLI = [sys.executable, "-c", "import sys; from concordia.tools.cli import main; sys.argv[0] = 'concordia'; main()"]
 
 
+def _remove_log(path):
+    """Unlink a test log and the lease file a killed primary may have left for it."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return
+    lease = os.path.join("/dev/shm", f"concordia-lease-{st.st_dev:x}-{st.st_ino:x}")
+    if os.path.exists(lease):
+        os.unlink(lease)
+    os.unlink(path)
+
+
 @pytest.fixture
 def shm_log():
     name = f"concordia-test-standby-{uuid.uuid4().hex[:10]}"
     yield f"shm:{name}"
-    for p in (f"/dev/shm/{name}",):
-        if os.path.exists(p):
-            os.unlink(p)
+    _remove_log(f"/dev/shm/{name}")
 
 
 @pytest.fixture(params=["shm", "hugetlb"])
@@ -47,8 +57,7 @@ def any_log(request, shm_log):
     where = request.getfixturevalue("hugetlb_mount")
     path = os.path.join(where, f"standby-{uuid.uuid4().hex[:10]}")
     yield f"hugetlb:{path}"
-    if os.path.exists(path):
-        os.unlink(path)
+    _remove_log(path)
 
 
 def _same(arrays, epoch):
@@ -269,6 +278,15 @@ def test_a_live_lease_keeps_the_standby_waiting(shm_log):
             assert primary.proc.poll() is None   # not killed: its lease was kept
         finally:
             sb.close()
+    # taken over after the primary died: the lease file it could not remove goes
+    with open_backend(shm_log, readonly=True) as b:
+        lease = lease_path(b)
+    assert read_lease(lease) is not None
+    tk = Standby(shm_log, device="cpu").run(timeout=60)
+    try:
+        assert not os.path.exists(lease)
+    finally:
+        tk.close()
 
 
 def test_an_expired_lease_isolates_a_hung_primary(shm_log):
