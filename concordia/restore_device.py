@@ -437,6 +437,26 @@ class _RegisterAhead:
         return time.perf_counter() - t0
 
 
+def pins_ahead(backend, read: str) -> bool:
+    """Whether a restore without a live registration pins the log's mapping in
+    pieces ahead of the copy engine (`_RegisterAhead`) rather than copying it
+    into pinned buffers on host threads.  read="pin" asks for it on any
+    mapping CUDA can pin; read="auto" takes it for mappings in huge pages
+    (hugetlbfs files, device DAX): the kernel pins those at ~47 GB/s, so a few
+    threads keep ahead of a 55 GB/s copy engine, where 4 KiB-page mappings
+    (/dev/shm) pin at ~13 GB/s and copying them is faster."""
+    if not backend.gpu_mappable or read == "copy":
+        return False
+    return read == "pin" or backend.kind == "hugetlb" or (backend.kind == "devdax" and backend.alignment >= 2 << 20)
+
+
+def register_piece(backend) -> int:
+    """Bytes pinned per piece: REGISTER_PIECE, a whole number of the mapping's
+    pages (a 1 GiB-page hugetlbfs pins a page at a time)."""
+    a = max(4096, int(backend.alignment))
+    return max(a, REGISTER_PIECE // a * a)
+
+
 def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK_BYTES, stats: dict | None = None,
                     registration=None, read: str = "auto", into: dict | None = None) -> dict:
     """Restore the regions of `plan` straight into new CuPy arrays (see the
@@ -456,11 +476,13 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
     `registration`: the mapping's live registration (a session's checkpoint
     path keeps one), read by the copy engine directly and left registered.
     read: how the log reaches the device without such a registration:
-    "copy" (and "auto") reads it into pinned buffers on host threads
-    (preadv); "pin" pins the pieces of the mapping the plan reads, ahead of
-    the copy engine, on several threads (shm and other mappings CUDA can
-    pin), falling back to "copy" where the driver refuses.  On the H200
-    machine copying was measured faster (docs/results/recover.md)."""
+    "copy" reads it into pinned buffers on host threads (preadv); "pin" pins
+    the pieces of the mapping the plan reads, ahead of the copy engine, on
+    several threads (shm and other mappings CUDA can pin), falling back to
+    "copy" where the driver refuses; "auto" pins ahead for huge-page
+    mappings (hugetlb, device DAX) and copies otherwise (`pins_ahead`): on
+    the H200 machine copying was measured faster for /dev/shm
+    (docs/results/recover.md)."""
     from concordia.gpu_kernels import gpu, jit
     from concordia.wal.errors import CorruptionError
 
@@ -478,8 +500,8 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
         raise UsageError(f"unknown read mode {read!r} (use auto, pin or copy)", where="apply_plan_cupy")
     direct, own_reg = _direct_source(log, registration, st)
     ahead = None
-    if direct is None and read == "pin" and log.backend.gpu_mappable and tr.pages:
-        ahead = _RegisterAhead(cp, log.backend, tr)
+    if direct is None and pins_ahead(log.backend, read) and tr.pages:
+        ahead = _RegisterAhead(cp, log.backend, tr, piece=register_piece(log.backend))
         direct = log.backend.address
     fd, arr, owned = (None, None, False) if direct is not None else _source_of(log)
     st["via"] = ("copy engine from pieces pinned ahead" if ahead is not None else

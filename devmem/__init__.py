@@ -1,5 +1,5 @@
 """Memory backends for the log: one `Backend` interface over device DAX, pmem
-files, shared memory, plain files and pinned host memory; the libpmem bindings;
+files, shared memory, huge-page files, plain files and pinned host memory; the libpmem bindings;
 CUDA host registration (`cuda_host`, CuPy imported lazily); a fault-injecting
 wrapper for crash tests.  Imports nothing of the rest of Concordia."""
 
@@ -7,10 +7,11 @@ from .errors import *  # noqa: F401,F403
 from .backend import Backend, Survives
 from .devdax import DevDaxBackend
 from .fault import FaultInjectingBackend
+from .hugetlb import HugetlbBackend
 from .opener import Spec, detect_kind, open_backend, parse_spec
 from .tiers import FileBackend, MemoryBackend, PmemBackend, ShmBackend
 
 __all__ = [
     "Backend", "Survives", "Spec", "open_backend", "parse_spec", "detect_kind",
-    "FaultInjectingBackend", "DevDaxBackend", "FileBackend", "MemoryBackend", "PmemBackend", "ShmBackend",
+    "FaultInjectingBackend", "DevDaxBackend", "FileBackend", "HugetlbBackend", "MemoryBackend", "PmemBackend", "ShmBackend",
 ]

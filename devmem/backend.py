@@ -1,8 +1,8 @@
 """The `Backend` interface every memory tier implements and what a tier
 survives; the errno map and the writer-lock probe the interface uses.
 
-The tiers live in `tiers.py` (file, shm, pmem, memory), `devdax.py` and
-`pinned.py`; naming a log's home and opening it (`parse_spec`, `open_backend`)
+The tiers live in `tiers.py` (file, shm, pmem, memory), `devdax.py`,
+`hugetlb.py` and `pinned.py`; naming a log's home and opening it (`parse_spec`, `open_backend`)
 in `opener.py`.  This module imports no tier: the tiers import it.
 """
 
@@ -161,19 +161,27 @@ class Backend(abc.ABC):
         self._close_file()
 
     # -- the writer lock ----------------------------------------------------------
-    def lock(self) -> None:
+    def lock(self, wait: bool | float = False) -> None:
         """Take the log's advisory writer lock: flock(LOCK_EX | LOCK_NB) on the
         file or device under the mapping, held until `close()`.  A writer takes
         it before changing a byte, so a second writer (another process, or a
         second open in this one) is refused with LockedError instead of writing
         over the first.  Readers take no lock.  Tiers with no file (memory,
         pinned) and backends opened read-only have nothing to lock: a no-op.
-        Taking it twice on one backend is harmless."""
+        Taking it twice on one backend is harmless.
+        wait: True blocks until the holder gives the lock back (or dies: the
+        kernel drops a dead process's locks), a number waits at most that many
+        seconds; either way a holder still there raises LockedError."""
         self.view  # raises when closed
         if self._locked or self._file_fd < 0:
             return
         try:
-            fcntl.flock(self._file_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if wait is True:
+                fcntl.flock(self._file_fd, fcntl.LOCK_EX)
+            elif wait:
+                _flock_within(self._file_fd, float(wait))
+            else:
+                fcntl.flock(self._file_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             pid = lock_holder(self._file_fd)
             if pid == os.getpid():
@@ -238,6 +246,22 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def _release(self) -> None:
         """Drop the mapping (the view is already released or still exported)."""
+
+
+def _flock_within(fd: int, seconds: float) -> None:
+    """flock(LOCK_EX) on fd, tried every millisecond for at most `seconds`;
+    BlockingIOError when still held then."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.001)
 
 
 def mount_of(path: str) -> tuple[str, list[str]] | None:

@@ -6,11 +6,13 @@ A name is `KIND:REST` or a plain path:
     dax:/dev/dax0.0       device DAX (CXL memory, NVDIMM namespace in devdax mode)
     pmem:/mnt/pmem/log    a file on an fsdax mount, mapped through libpmem
     shm:NAME              a file in /dev/shm (or shm:/dev/shm/NAME)
+    hugetlb:PATH          a file on a hugetlbfs mount (hugetlb:NAME: on the default mount)
     file:PATH             a plain page-cache file, mmap + msync
     pinned:               cudaHostAlloc memory (volatile; GPU loss only)
     memory:               an anonymous mapping (volatile; for tests)
     /some/path            detected: a DAX character device, a file under a tmpfs,
-                          a file on a dax-mounted file system, else a plain file
+                          a file on a hugetlbfs, a file on a dax-mounted file
+                          system, else a plain file
 
 The contract every tier keeps is `backend.Backend`; this module owns only the
 naming and the dispatch to the tiers.
@@ -27,15 +29,16 @@ import numpy as np
 from .backend import Backend, mount_of
 from .devdax import DevDaxBackend
 from .errors import BadSpecError, ReadOnlyError
+from .hugetlb import HugetlbBackend, resolve as resolve_hugetlb
 from .pinned import PinnedBackend
 from .tiers import FileBackend, MemoryBackend, PmemBackend, ShmBackend
 
 __all__ = ["Spec", "parse_spec", "detect_kind", "open_backend", "SHM_DIR"]
 
 SHM_DIR = "/dev/shm"
-KINDS = ("devdax", "pmem", "shm", "file", "pinned", "memory")
+KINDS = ("devdax", "pmem", "shm", "hugetlb", "file", "pinned", "memory")
 _PREFIX = {"dax": "devdax", "devdax": "devdax", "pmem": "pmem", "shm": "shm", "file": "file",
-           "pinned": "pinned", "memory": "memory"}
+           "pinned": "pinned", "memory": "memory", "hugetlb": "hugetlb"}
 
 
 @dataclass(frozen=True)
@@ -69,17 +72,20 @@ def parse_spec(spec: str) -> Spec:
                                hint=f"e.g. {prefix}:{'NAME' if kind == 'shm' else '/path/log'}")
         if kind == "shm" and "/" not in rest:
             rest = os.path.join(SHM_DIR, rest)
+        if kind == "hugetlb":
+            return Spec(kind, resolve_hugetlb(rest), text)
         return Spec(kind, os.path.abspath(rest), text)
     if sep and prefix.isalnum() and len(prefix) > 1 and not os.path.exists(text):
         raise BadSpecError(f"unknown log kind {prefix!r}", where=text,
-                           hint="use dax:, pmem:, shm:, file:, pinned:, memory: or a path")
+                           hint="use dax:, pmem:, shm:, hugetlb:, file:, pinned:, memory: or a path")
     path = os.path.abspath(text)
     return Spec(detect_kind(path), path, text)
 
 
 def detect_kind(path: str) -> str:
     """Classify a plain path: a character device -> devdax; a file on tmpfs ->
-    shm; a file on a mount with a `dax` option -> pmem; anything else -> file.
+    shm; a file on hugetlbfs -> hugetlb; a file on a mount with a `dax` option
+    -> pmem; anything else -> file.
     A path that does not exist yet is classified by the file system it would be in."""
     try:
         st = os.stat(path)
@@ -92,6 +98,8 @@ def detect_kind(path: str) -> str:
         fstype, options = mount
         if fstype == "tmpfs":
             return "shm"
+        if fstype == "hugetlbfs":
+            return "hugetlb"
         if any(o == "dax" or o.startswith("dax=") and o != "dax=never" for o in options):
             return "pmem"
     return "file"
@@ -136,6 +144,8 @@ def open_backend(spec, size: int | None = None, create: bool = False, readonly: 
         return FileBackend.open(s.path, **common, **owner)
     if s.kind == "shm":
         return ShmBackend.open(s.path, numa_node=numa_node, **common, **owner)
+    if s.kind == "hugetlb":
+        return HugetlbBackend.open(s.path, **common, **owner)
     if s.kind == "pmem":
         return PmemBackend.open(s.path, **common, **owner)
     return DevDaxBackend.open(s.path, **common, **owner)

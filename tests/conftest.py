@@ -31,3 +31,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def hugetlb_mount():
+    """A directory on a hugetlbfs with free 2 MiB pages (set up as root and put
+    back afterwards, see tests/hugepages.py); skips with the reason where none
+    can be had."""
+    from tests.hugepages import hugetlbfs
+
+    with hugetlbfs() as (where, why):
+        if where is None:
+            pytest.skip(f"hugetlb tier: {why}")
+        yield where

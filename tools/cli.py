@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -67,6 +68,86 @@ def demo(log, steps, kill_at, every, seed, device, as_json):
     else:
         click.echo(format_report(rep))
     sys.exit(EXIT_OK if rep["identical"] else EXIT_PROBLEMS)
+
+
+def _hook(text: str | None, what: str):
+    """`MODULE:FUNCTION` -> the function (a one-line usage error otherwise)."""
+    if not text:
+        return None
+    import importlib
+
+    mod, sep, fn = text.partition(":")
+    if not sep or not mod or not fn:
+        raise click.BadParameter(f"{text!r} is not MODULE:FUNCTION", param_hint=what)
+    try:
+        return getattr(importlib.import_module(mod), fn)
+    except (ImportError, AttributeError) as exc:
+        raise click.BadParameter(f"cannot load {text!r}: {exc}", param_hint=what) from None
+
+
+@main.command()
+@click.argument("log")
+@click.option("--device", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True,
+              help="Where to restore (auto: the GPU when CuPy finds one).")
+@click.option("--gpu", "gpu", type=click.IntRange(min=0), default=None,
+              help="The GPU to stand by on (a spare one; default: the current device).")
+@click.option("--lease", "lease_s", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Also watch the primary's heartbeat; a beat older than this many seconds counts "
+                   "as a hung primary, which is SIGKILLed.  Default: the writer lock alone.")
+@click.option("--model", "model", metavar="MODULE:FUNCTION", default=None,
+              help="Called as FUNCTION(standby) while warming; its result is standby.model.")
+@click.option("--resume", "resume", metavar="MODULE:FUNCTION", default=None,
+              help="Called as FUNCTION(takeover) after the restore, to carry on.")
+@click.option("--timeout", type=click.FloatRange(min=0), default=None,
+              help="Give up (exit 2) when the primary still holds the log after this many seconds.")
+@click.option("--hold", is_flag=True,
+              help="After taking over, keep the log (and its writer lock) until interrupted, as the "
+                   "new primary, so that other standbys keep waiting behind this one.")
+@click.option("--json", "as_json", is_flag=True, help="Print the takeover as JSON.")
+@guarded
+def standby(log, device, gpu, lease_s, model, resume, timeout, hold, as_json):
+    """Stand by for the process writing LOG: open and map the log, register it
+    with the GPU, compile the kernels, rehearse a restore, load the model; then
+    wait for the primary to die (its writer lock comes free, or with --lease
+    its heartbeat stops), take the writer lock, restore the last committed
+    epoch and hand it to --resume.  Prints the timeline (detect, isolate,
+    restore, reintegrate).  A log no process holds is taken over at once.
+
+    Exit 0 after a takeover; 2 on a usage or I/O error, or --timeout.
+
+    Example:
+
+    \b
+        concordia standby hugetlb:/mnt/huge/kv.log --resume myapp.serve:resume --json
+    """
+    import signal
+
+    from concordia.standby import Standby, format_timeline
+
+    progress = lambda msg: click.echo(f"standby: {msg}", err=True)  # noqa: E731
+    sb = Standby(log, device=device, gpu=gpu, lease_s=lease_s, load_model=_hook(model, "--model"), progress=progress)
+    resume_fn = _hook(resume, "--resume")
+    try:
+        tk = sb.run(resume_fn, timeout=timeout)
+    finally:
+        sb.close()
+    try:
+        rep = {"log": log, "warm": sb.warm_report, **tk.to_json()}
+        if as_json:
+            emit_json(rep)
+        else:
+            click.echo(format_timeline(tk))
+        sys.stdout.flush()
+        if hold:
+            signal.signal(signal.SIGTERM, lambda *a: sys.exit(EXIT_OK))
+            progress(f"holding the log as its writer (pid {os.getpid()}); interrupt to give it back")
+            try:
+                while True:
+                    signal.pause()
+            except KeyboardInterrupt:
+                sys.exit(EXIT_OK)
+    finally:
+        tk.close()
 
 
 if __name__ == "__main__":

@@ -192,3 +192,37 @@ class TestShmWithoutLibpmem(TestShm):
         b = open_backend(f"shm:{name}", size=size, create=True, libpmem="off")
         self.made.append(b.path)
         return b
+
+
+class TestHugetlb(BackendConformance):
+    """A file on a hugetlbfs mount (2 MiB pages): skipped, with the reason,
+    where no hugetlbfs with free pages can be had (tests/hugepages.py)."""
+
+    kind = "hugetlb"
+    gpu_mappable = True
+    persist_paths = ("none",)
+    survives_at_least = Survives.PROCESS_CRASH
+    size = 4 << 20              # two huge pages
+
+    @pytest.fixture(autouse=True)
+    def _mount(self, hugetlb_mount):
+        # each test's files in a directory of its own, removed afterwards: the
+        # pages of a hugetlbfs file stay taken until it is unlinked
+        import shutil
+        import uuid
+
+        self.root = os.path.join(hugetlb_mount, uuid.uuid4().hex[:12])
+        os.mkdir(self.root)
+        yield
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def make(self, tmp_path, size):
+        d = os.path.join(self.root, hashlib.sha1(str(tmp_path).encode()).hexdigest()[:12])
+        os.makedirs(d, exist_ok=True)
+        return open_backend(os.path.join(d, "log"), size=size, create=True)   # detected: a plain path
+
+    def reopen(self, tmp_path, b):
+        return open_backend(f"hugetlb:{b.path}")
+
+    def test_alignment_is_the_huge_page(self, backend):
+        assert backend.alignment == 2 << 20 and backend.info()["page_size"] == 2 << 20

@@ -1,0 +1,624 @@
+"""A warm standby: a second process that holds a log ready to recover, watches
+the process writing it (the primary), and takes over when it dies.
+
+A cold recovery pays for a fresh process: start, import, map the log, pin it
+for the GPU, compile kernels, load the model.  A `Standby` pays all of that up
+front and then waits; the recovery left when the primary dies is the restore
+itself.  Its timeline has the four phases of a recovery:
+
+  detect       the primary is seen gone: the log's writer lock came free (the
+               kernel drops a dead process's flock the moment its last
+               descriptor closes; the standby tries it every millisecond), or,
+               with a lease, its heartbeat stopped for longer than the lease;
+  isolate      the primary is kept from writing again: a primary whose lease
+               expired but which still holds the lock (hung, not dead) is
+               SIGKILLed; a dying primary is waited for until it is a zombie
+               (its GPU context, which could still write into the mapping, is
+               gone with its last descriptor); then the standby, holding the
+               writer lock, opens the log for writing, which cuts what the
+               primary left after its last commit;
+  restore      plan and apply the last committed epoch (on the GPU straight
+               from the mapping registered while waiting);
+  reintegrate  the caller's `resume(takeover)` carries on from the restored
+               state, up to its first step (`takeover.resumed()`) or its return.
+
+Who watches whom rests on the writer lock alone (`Backend.lock`): exactly one
+process holds it.  Two standbys racing for one log both wait on it and the
+kernel gives it to one; the other keeps waiting, now behind the new primary.
+A primary that comes back finds the lock held and is refused (`LockedError`);
+started as a standby instead, it waits like any other.  A standby started on
+a log no process holds takes it over at once and says so.
+
+The lease is optional (`lease_s=`): the primary keeps a `Heartbeat` (a thread
+stamping CLOCK_MONOTONIC into a small file in /dev/shm named after the log
+file's device and inode; nothing of it is in the log), and a standby treats a
+stamp older than `lease_s` as a hung primary.  It needs both on one host.
+
+The standby maps the log writable but writes nothing and takes no lock until
+it takes over, so that the one mapping it registered with CUDA while waiting
+serves the restore and the writer that follows; everything it reads before
+then goes through `open_for_watching`, the one place to switch to a
+read-only, lock-free recovery open.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import signal
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from concordia.devmem import open_backend
+from concordia.devmem.backend import lock_holder
+from concordia.devmem.errors import ConcordiaError, LockedError
+
+__all__ = ["Standby", "Takeover", "Heartbeat", "StandbyError", "open_for_watching", "lease_path",
+           "read_lease"]
+
+#: lease file: magic, pid, period_ns, beat_ns (CLOCK_MONOTONIC), beats; little-endian
+LEASE = struct.Struct("<8sQQQQ")
+LEASE_MAGIC = b"CCLEASE1"
+LEASE_DIR = "/dev/shm"
+FILE_TIERS = ("shm", "hugetlb", "file", "pmem", "devdax")
+#: how long a standby tries the lock before it looks again at who holds it
+WATCH_SLICE_S = 0.25
+
+
+class StandbyError(ConcordiaError):
+    """A standby could not watch or take over a log (exit code 2)."""
+
+
+def _now() -> float:
+    return time.monotonic()   # CLOCK_MONOTONIC: one clock for every process of the host
+
+
+# ------------------------------------------------------------------ the lease
+def lease_path(backend, directory: str = LEASE_DIR) -> str:
+    """The lease file of the log under `backend`: named by the log file's
+    device and inode, so every name of one log finds the same lease."""
+    if backend.path is None:
+        raise StandbyError(f"a {backend.kind} log has no file to keep a lease for", where=backend.where)
+    st = os.stat(backend.path)
+    return os.path.join(directory, f"concordia-lease-{st.st_dev:x}-{st.st_ino:x}")
+
+
+@dataclass(frozen=True)
+class LeaseState:
+    pid: int
+    period_s: float
+    beat_at: float   # CLOCK_MONOTONIC seconds of the last beat
+    beats: int
+
+    def age(self, now: float | None = None) -> float:
+        return (_now() if now is None else now) - self.beat_at
+
+
+def read_lease(path: str) -> LeaseState | None:
+    """The lease as last stamped, or None where there is none (no file, too
+    short, not a lease)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(LEASE.size)
+    except OSError:
+        return None
+    if len(raw) < LEASE.size:
+        return None
+    magic, pid, period_ns, beat_ns, beats = LEASE.unpack(raw)
+    if magic != LEASE_MAGIC:
+        return None
+    return LeaseState(int(pid), period_ns / 1e9, beat_ns / 1e9, int(beats))
+
+
+def _drop_stale_lease(backend) -> None:
+    """Remove the lease file a dead primary left (SIGKILL gives its Heartbeat
+    no chance to); a live process's is left alone."""
+    try:
+        path = lease_path(backend)
+    except (StandbyError, OSError):
+        return
+    lease = read_lease(path)
+    if lease is None or lease.pid == os.getpid():
+        return
+    try:
+        os.kill(lease.pid, 0)
+        return
+    except ProcessLookupError:
+        pass
+    except PermissionError:
+        return
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class Heartbeat:
+    """The primary's side of a lease: a daemon thread stamping the time every
+    `period_s` into the log's lease file.  Start it once the log is open for
+    writing (the lock held); `stop()` (or leaving the `with`) removes the file.
+
+        with Session("hugetlb:kv") as s, Heartbeat(s.log, period_s=0.05):
+            ...
+    """
+
+    def __init__(self, log, period_s: float = 0.05, directory: str = LEASE_DIR):
+        backend = getattr(log, "backend", log)
+        if period_s <= 0:
+            raise StandbyError(f"a heartbeat period must be positive, not {period_s}")
+        self.path = lease_path(backend, directory)
+        self.period_s = float(period_s)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, mmap.PAGESIZE)
+            self._mm = mmap.mmap(fd, mmap.PAGESIZE)
+        finally:
+            os.close(fd)
+        self._words = np.frombuffer(self._mm, np.uint64, 4, offset=8)   # pid, period, beat, beats
+        self._words[0] = os.getpid()
+        self._words[1] = int(self.period_s * 1e9)
+        self._words[3] = 0
+        self.beat()
+        self._mm[:8] = LEASE_MAGIC
+
+    def beat(self) -> None:
+        """Stamp now (one aligned 8-byte store: a reader sees the old or the new time)."""
+        self._words[2] = time.monotonic_ns()
+        self._words[3] += 1
+
+    def start(self) -> "Heartbeat":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="concordia-heartbeat", daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.beat()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._mm is not None:
+            self._words = None
+            self._mm.close()
+            self._mm = None
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+# ------------------------------------------------------------------ fencing
+#: /proc/PID/stat flags bit of a task in do_exit
+PF_EXITING = 0x4
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, flags) of a process, None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            raw = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    except OSError:
+        return None
+    rest = raw[raw.rfind(")") + 2:].split()   # the name may hold spaces and parentheses
+    try:
+        return rest[0], int(rest[6])
+    except (IndexError, ValueError):
+        return None
+
+
+def wait_exited(pid: int, within: float) -> float:
+    """Wait while `pid` is exiting (SIGKILLed, its descriptors still closing)
+    until it is a zombie or gone; a process that is not exiting (it closed the
+    log and lives on) is not waited for.  Returns the seconds waited; raises
+    StandbyError when it is still exiting after `within` seconds."""
+    t0 = _now()
+    while True:
+        st = _stat(pid)
+        if st is None or st[0] in "ZX" or not st[1] & PF_EXITING:
+            return _now() - t0
+        if _now() - t0 > within:
+            raise StandbyError(f"the primary (pid {pid}) is still exiting after {within} s",
+                               hint="a device may be hung in its release; see dmesg")
+        time.sleep(0.0005)
+
+
+# ------------------------------------------------------------------ takeover
+@dataclass
+class Phase:
+    phase: str
+    ms: float | None
+    what: str
+
+    def to_json(self) -> dict:
+        return {"phase": self.phase, "ms": self.ms, "what": self.what}
+
+
+@dataclass
+class Takeover:
+    """What a standby hands its caller: the log open for writing (the lock
+    held), the restored arrays, and how it got there.  `resumed()` marks the
+    first step the caller made from the restored state (the end of
+    reintegrate); `session()` opens a `Session` on the log to carry on."""
+
+    log: Any
+    arrays: dict
+    epoch: int
+    cause: str
+    primary_pid: int | None
+    stamps: dict                      # CLOCK_MONOTONIC seconds: detected, isolated, restored, resumed
+    timeline: list = field(default_factory=list)
+    restore_stats: dict = field(default_factory=dict)
+    registration: Any = None
+    heartbeat: Heartbeat | None = None
+    result: Any = None                # what `resume` returned
+
+    def resumed(self) -> float:
+        """Mark the first step made from the restored state; returns the stamp."""
+        if "resumed" not in self.stamps:
+            self.stamps["resumed"] = _now()
+        return self.stamps["resumed"]
+
+    def session(self, **kw):
+        """A `Session` on the log to carry on checkpointing.  The session
+        registers the mapping for its own device staging, so the standby's
+        registration is given back first."""
+        from concordia import Session
+
+        if self.registration is not None:
+            self.registration.unregister()
+            self.registration = None
+        return Session(self.log, create=False, **kw)
+
+    def close(self) -> None:
+        """Give back the registration, the heartbeat and the log (the lock)."""
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+            self.heartbeat = None
+        if self.registration is not None:
+            self.registration.unregister()
+            self.registration = None
+        if self.log is not None:
+            self.log.close()
+            self.log = None
+
+    def to_json(self) -> dict:
+        total = [p.ms for p in self.timeline if p.ms is not None]
+        return {"epoch": self.epoch, "cause": self.cause, "primary_pid": self.primary_pid,
+                "regions": {n: int(a.nbytes) for n, a in self.arrays.items()},
+                "timeline": [p.to_json() for p in self.timeline],
+                "total_ms": sum(total) if total else None,
+                "monotonic_s": dict(self.stamps), "restore": dict(self.restore_stats)}
+
+
+def open_for_watching(spec):
+    """The standby's open of a log it does not own: (backend, Log) with the
+    log read at the state it is in now, no lock taken and nothing written.
+    The mapping is writable so that the same one (and its CUDA registration)
+    serves the writer after a takeover; the Log over it is read-only.  The
+    one place to switch to a read-only, lock-free recovery open."""
+    from concordia.wal import Log
+
+    backend = open_backend(spec)
+    try:
+        log = Log.open(backend, writable=False, check_pages=False)
+    except BaseException:
+        backend.close()
+        raise
+    return backend, log
+
+
+class Standby:
+    """A warm standby for the log `spec` (see the module doc).
+
+    device: "auto" (the GPU when CuPy finds one), "gpu" or "cpu".  gpu: the
+    device number to stand by on (a spare GPU; default: CuPy's current one).
+    load_model: called as `load_model(standby)` while warming; its result is
+    `standby.model` (for `resume` to use).  lease_s: also watch the primary's
+    `Heartbeat`, and treat a stamp older than this as a hung primary (SIGKILLed
+    to isolate it); None watches the writer lock alone.  progress: a callable
+    taking one line of text.
+    """
+
+    def __init__(self, spec, *, device: str = "auto", gpu: int | None = None, load_model: Callable | None = None,
+                 lease_s: float | None = None, heartbeat_s: float | None = None,
+                 rehearse: bool = True, progress: Callable[[str], None] | None = None):
+        if device not in ("auto", "gpu", "cpu"):
+            raise StandbyError(f"unknown device {device!r} (use auto, gpu or cpu)")
+        if lease_s is not None and lease_s <= 0:
+            raise StandbyError(f"a lease must be positive, not {lease_s}")
+        self.spec = spec
+        self.device = device
+        self.gpu = gpu
+        self.load_model = load_model
+        self.lease_s = lease_s
+        self.heartbeat_s = heartbeat_s if heartbeat_s is not None else (lease_s / 4 if lease_s else None)
+        self.rehearse = rehearse
+        self.progress = progress or (lambda msg: None)
+        self.backend = None
+        self.registration = None
+        self.model = None
+        self.on_gpu = False
+        self.warm_report: dict | None = None
+        #: the log's regions as the warm-up read them ({name: RegionInfo})
+        self.regions: dict = {}
+        self._watch_log = None
+
+    # -------------------------------------------------------------- warming
+    def warm(self) -> dict:
+        """Open and map the log, register it with CUDA, compile the kernels its
+        regions use, rehearse one restore, load the model.  Returns seconds per
+        step; idempotent."""
+        if self.warm_report is not None:
+            return self.warm_report
+        rep: dict = {}
+        t0 = _now()
+        self.backend, self._watch_log = open_for_watching(self.spec)
+        if self.backend.kind not in FILE_TIERS:
+            kind = self.backend.kind
+            self.backend.close()
+            raise StandbyError(f"a {kind} log lives in one process: nothing outlives its primary",
+                               where=str(self.spec), hint="put the log on shm:, hugetlb:, file:, pmem: or dax:")
+        rep["open_s"] = _now() - t0
+        rep["tier"] = self.backend.kind
+        regions = self.regions = dict(self._watch_log.regions)
+        rep["regions"] = {n: int(r.nbytes) for n, r in regions.items()}
+        rep["epoch_seen"] = int(self._watch_log.last_committed_epoch or 0)
+        self.on_gpu = self._pick_device()
+        rep["device"] = "gpu" if self.on_gpu else "cpu"
+        if self.on_gpu:
+            t1 = _now()
+            if self.backend.gpu_mappable:
+                from concordia.devmem import cuda_host
+
+                self.registration = cuda_host.register(self.backend)
+            rep["register_s"] = _now() - t1
+            t2 = _now()
+            from concordia.gpu_kernels import jit
+
+            specs = [("crc32c", {})]
+            for pb in sorted({int(r.page_bytes) for r in regions.values()}):
+                specs += jit.page_specs(pb)
+            jit.precompile(specs)
+            rep["compile_s"] = _now() - t2
+            rep["kernels"] = len(specs)
+        if self.rehearse and rep["epoch_seen"]:
+            t3 = _now()
+            try:
+                out = self._restore(self._watch_log, {})
+                rep["rehearsal_bytes"] = int(sum(a.nbytes for a in out.values()))
+                del out
+                if self.on_gpu:
+                    import cupy
+
+                    cupy.cuda.get_current_stream().synchronize()
+            except ConcordiaError as exc:   # the primary moved on under the read: no harm
+                rep["rehearsal_skipped"] = exc.one_line()
+            rep["rehearse_s"] = _now() - t3
+        if self.load_model is not None:
+            t4 = _now()
+            self.model = self.load_model(self)
+            rep["model_s"] = _now() - t4
+        rep["warm_s"] = _now() - t0
+        self.warm_report = rep
+        self.progress(f"warm in {rep['warm_s']:.3f} s: {rep['tier']} log, {len(regions)} regions, "
+                      f"epoch {rep['epoch_seen']} seen, on the {rep['device'].upper()}")
+        return rep
+
+    def _pick_device(self) -> bool:
+        if self.device == "cpu":
+            return False
+        from concordia.gpu_kernels import jit
+
+        try:
+            cp = jit._cupy()
+        except ConcordiaError:
+            if self.device == "gpu":
+                raise
+            return False
+        if self.gpu is not None:
+            n = cp.cuda.runtime.getDeviceCount()
+            if not 0 <= self.gpu < n:
+                raise StandbyError(f"no GPU {self.gpu}: this machine has {n}", where=str(self.spec))
+            cp.cuda.Device(self.gpu).use()
+        return True
+
+    # -------------------------------------------------------------- watching
+    def primary(self) -> int | None:
+        """The pid holding the log's writer lock now (None: no one, or unknown)."""
+        fd = self.backend._file_fd
+        return lock_holder(fd) if fd >= 0 else None
+
+    def wait(self, timeout: float | None = None) -> dict:
+        """Block until this standby holds the writer lock: at once when no
+        process holds it, else when the primary dies (or, with a lease, when
+        its lease expired and it was killed).  Returns how: {"cause",
+        "primary_pid", "detected", "lease_age_s"}.  Raises StandbyError when
+        `timeout` seconds pass first (the log is left untouched)."""
+        self.warm()
+        b = self.backend
+        try:
+            b.lock()
+            self.progress("no process holds the log: taking over at once")
+            return {"cause": "no primary held the log", "primary_pid": None, "detected": _now(),
+                    "lease_age_s": 0.0}
+        except LockedError:
+            pass
+        pid = self.primary()
+        self.progress(f"watching the primary (pid {pid if pid else 'unknown'})"
+                      + (f", lease {self.lease_s} s" if self.lease_s else ""))
+        deadline = None if timeout is None else _now() + timeout
+        lease_file = lease_path(b) if self.lease_s is not None else None
+        # the lock is tried every millisecond (Backend.lock's wait) in slices, between
+        # which the holder is looked up again (another standby may have become it)
+        # and the lease read
+        slice_s = WATCH_SLICE_S if lease_file is None else min(WATCH_SLICE_S, self.lease_s / 4)
+        while True:
+            try:
+                left = slice_s if deadline is None else max(0.0, min(slice_s, deadline - _now()))
+                b.lock(wait=max(left, 0.001))
+                return {"cause": "the primary's writer lock came free", "primary_pid": pid, "detected": _now()}
+            except LockedError:
+                pass
+            holder = self.primary()
+            if holder and holder != pid:
+                self.progress(f"the log is now held by pid {holder}: watching it")
+                pid = holder
+            now = _now()
+            lease = read_lease(lease_file) if lease_file is not None else None
+            if lease is not None and lease.age(now) > self.lease_s:
+                holder = self.primary()
+                if holder is not None and holder != lease.pid:
+                    pid = holder   # a new primary that keeps no lease: watch its lock
+                else:
+                    return self._isolate(lease, now)
+            if deadline is not None and now >= deadline:
+                raise StandbyError(f"the primary (pid {pid}) still holds the log after {timeout} s",
+                                   where=b.where)
+
+    def _isolate(self, lease: LeaseState, detected: float) -> dict:
+        """A primary whose lease expired and which still holds the lock: kill
+        it, then take the lock the kernel drops with it."""
+        age = lease.age(detected)
+        self.progress(f"lease expired ({age:.3f} s since the last beat): killing pid {lease.pid}")
+        try:
+            os.kill(lease.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            raise StandbyError(f"cannot kill the hung primary (pid {lease.pid}): not permitted",
+                               where=self.backend.where) from None
+        try:
+            self.backend.lock(wait=10.0)
+        except LockedError:
+            raise StandbyError(f"the primary (pid {lease.pid}) still holds the log 10 s after SIGKILL",
+                               where=self.backend.where) from None
+        return {"cause": f"lease expired ({age * 1e3:.0f} ms without a beat): pid {lease.pid} killed",
+                "primary_pid": lease.pid, "detected": detected, "lease_age_s": age}
+
+    # -------------------------------------------------------------- taking over
+    def take_over(self, detection: dict) -> Takeover:
+        """With the lock held (after `wait`): open the log for writing (cutting
+        what the primary left after its last commit), restore the last
+        committed epoch, and return the Takeover."""
+        from concordia.wal import Log
+        from concordia.wal.planner import plan
+
+        stamps = {"detected": detection["detected"]}
+        pid = detection.get("primary_pid")
+        if pid and pid != os.getpid():
+            # the lock goes with the log's descriptor, which may close before the
+            # primary's GPU context does: its kernels could still be writing into
+            # the mapping.  A dying process has let go of every device once it is
+            # a zombie (or reaped).
+            detection["exit_wait_s"] = wait_exited(pid, within=10.0)
+        log = Log.open(self.backend, writable=True, check_pages="last")
+        self._watch_log = None   # superseded; it shares the backend, which `log` now owns
+        stamps["isolated"] = _now()
+        arrays, st = {}, {}
+        epoch = int(log.last_committed_epoch or 0)
+        t0 = _now()
+        if epoch:
+            p = plan(log)
+            st["plan_s"] = _now() - t0
+            arrays = self._restore(log, st, p)
+        stamps["restored"] = _now()
+        hb = None
+        if self.heartbeat_s:
+            hb = Heartbeat(log, period_s=self.heartbeat_s).start()   # the next standby watches us
+        else:
+            _drop_stale_lease(self.backend)
+        tk = Takeover(log=log, arrays=arrays, epoch=epoch, cause=detection["cause"],
+                      primary_pid=detection.get("primary_pid"), stamps=stamps, restore_stats=st,
+                      registration=self.registration, heartbeat=hb)
+        self.registration = None   # the takeover owns it now
+        self.backend = None
+        nbytes = sum(int(a.nbytes) for a in arrays.values())
+        age = detection.get("lease_age_s")
+        tk.timeline = [
+            Phase("detect", None if age is None else age * 1e3,
+                  detection["cause"] + ("" if age is not None else
+                                        " (the kernel drops the lock as the primary's last descriptor "
+                                        "closes; tried every millisecond: not timed here)")),
+            Phase("isolate", (stamps["isolated"] - stamps["detected"]) * 1e3,
+                  f"writer lock held, log opened for writing at epoch {epoch} (the primary's "
+                  f"uncommitted tail cut)" + (f"; waited {detection['exit_wait_s'] * 1e3:.1f} ms for "
+                                              f"pid {pid} to finish exiting" if detection.get("exit_wait_s")
+                                              else "")),
+            Phase("restore", (stamps["restored"] - stamps["isolated"]) * 1e3,
+                  f"epoch {epoch} planned and restored: {nbytes / (1 << 20):.2f} MiB into "
+                  f"{len(arrays)} regions on the {'GPU' if self.on_gpu else 'CPU'}, digests checked"
+                  + (f" ({st.get('via')})" if st.get("via") else "")),
+        ]
+        return tk
+
+    def _restore(self, log, st: dict, p=None) -> dict:
+        from concordia.wal.planner import plan
+
+        if p is None:
+            p = plan(log)
+        if self.on_gpu:
+            from concordia.restore_device import apply_plan_cupy
+
+            return apply_plan_cupy(log, p, stats=st, registration=self.registration)
+        from concordia.wal.apply import apply_plan_numpy
+
+        st["via"] = "numpy applier"
+        return apply_plan_numpy(log, p)
+
+    def run(self, resume: Callable[[Takeover], Any] | None = None, *, timeout: float | None = None) -> Takeover:
+        """Warm, wait, take over, then `resume(takeover)` (its result in
+        `takeover.result`); the reintegrate phase lasts until the caller's
+        `takeover.resumed()` or, without it, until `resume` returns."""
+        self.warm()
+        detection = self.wait(timeout)
+        tk = self.take_over(detection)
+        self.progress(f"took over: {tk.cause}; epoch {tk.epoch} restored")
+        if resume is not None:
+            tk.result = resume(tk)
+        end = tk.stamps.get("resumed", _now())
+        tk.stamps.setdefault("resumed", end)
+        tk.timeline.append(Phase("reintegrate", (end - tk.stamps["restored"]) * 1e3,
+                                 "the caller resumed from the restored state" if resume is not None
+                                 else "state handed over (no resume hook)"))
+        return tk
+
+    def close(self) -> None:
+        """Stop standing by: give back the registration and the mapping."""
+        if self.registration is not None:
+            self.registration.unregister()
+            self.registration = None
+        if self.backend is not None:
+            self.backend.close()
+            self.backend = None
+        self._watch_log = None
+
+
+def format_timeline(tk: Takeover) -> str:
+    lines = [f"took over   {tk.cause}", f"epoch       {tk.epoch} "
+             f"({sum(int(a.nbytes) for a in tk.arrays.values()) / (1 << 20):.2f} MiB in {len(tk.arrays)} regions)",
+             "timeline"]
+    for p in tk.timeline:
+        ms = "        -" if p.ms is None else f"{p.ms:9.1f}"
+        lines.append(f"  {p.phase:<12}{ms} ms  {p.what}")
+    total = [p.ms for p in tk.timeline if p.ms is not None]
+    lines.append(f"  {'total':<12}{sum(total):9.1f} ms")
+    return "\n".join(lines)

@@ -1,0 +1,61 @@
+"""The device restore on huge-page logs: which mappings it pins in pieces
+ahead of the copy engine (CPU), and a restore from a hugetlb log equal to the
+host applier's (GPU).  Skipped with the reason where no hugetlbfs with free
+pages can be had."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+
+import pytest
+
+from concordia.devmem import open_backend
+from concordia.restore_device import pins_ahead, register_piece
+
+
+@pytest.fixture
+def huge_dir(hugetlb_mount):
+    d = os.path.join(hugetlb_mount, uuid.uuid4().hex[:12])
+    os.mkdir(d)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_huge_page_mappings_pin_ahead_and_4k_ones_copy(huge_dir, tmp_path):
+    with open_backend(f"hugetlb:{huge_dir}/log", size=4 << 20, create=True) as b:
+        assert pins_ahead(b, "auto") and pins_ahead(b, "pin") and not pins_ahead(b, "copy")
+        assert register_piece(b) % b.alignment == 0
+    name = f"concordia-test-{uuid.uuid4().hex[:10]}"
+    with open_backend(f"shm:{name}", size=1 << 20, create=True) as b:
+        try:
+            assert not pins_ahead(b, "auto") and pins_ahead(b, "pin")
+        finally:
+            os.unlink(b.path)
+    with open_backend(f"file:{tmp_path}/log", size=1 << 20, create=True) as b:
+        assert not pins_ahead(b, "auto") and not pins_ahead(b, "pin")   # page cache: not pinnable
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk_bytes", [64 << 10, 32 << 20])
+def test_device_restore_from_hugetlb_pins_ahead(huge_dir, chunk_bytes):
+    from concordia.restore_device import apply_plan_cupy
+    from concordia.wal import Log
+    from concordia.wal.apply import apply_plan_numpy
+    from concordia.wal.planner import plan
+
+    from .test_restore_gpu import _same
+    from .test_restore_transfer import _history
+
+    spec = f"hugetlb:{huge_dir}/log"
+    _history(spec)
+    log = Log.open(spec, writable=False, check_pages=False)
+    try:
+        p = plan(log)
+        st = {}
+        got = apply_plan_cupy(log, p, chunk_bytes=chunk_bytes, stats=st)   # read="auto"
+        _same(got, apply_plan_numpy(log, p))
+        assert "pinned ahead" in st["via"], st
+    finally:
+        log.close()

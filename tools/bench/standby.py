@@ -1,0 +1,261 @@
+"""`concordia-wal bench standby`: from the SIGKILL of a primary to the first
+decode step of a warm standby that took over, for a KV state of --gib GiB.
+
+Three processes, all through public entry points:
+
+* the primary: a `Session` on a hugetlb (or shm) log with one KV region of
+  the size asked for (fp16 on the GPU, page 64 KiB), checkpointed whole, then
+  a delta; it then holds the log as its writer;
+* the standby: `concordia.standby.Standby` on the same log, warmed while the
+  primary lives (mapping registered with CUDA, kernels compiled, one restore
+  rehearsed); on the takeover its resume hook makes one decode step over the
+  restored KV (the scores of one query against every cached key, a softmax,
+  the weighted sum of the values: one read of the whole cache) and marks it;
+* this process: starts both, SIGKILLs the primary once the standby watches,
+  and reads the standby's report.
+
+`kill_to_decoding_s` is CLOCK_MONOTONIC from just before the kill to the end
+of that first decode step (both processes on one host read one clock);
+`kill_to_detect_s` ends when the standby holds the lock; the phases
+(isolate, restore, reintegrate) are the standby's own.  Beside them, pinned
+host-to-device bandwidth measured in the same run, and the restore's rate
+against it.  Without a GPU (`--quick` in CI) the same runs on the host.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import click
+import numpy as np
+
+from ..common import emit_json, guarded, remove_log_file
+
+GIB = 1 << 30
+PAGE_BYTES = 64 << 10
+HEADS, HEAD_DIM = 8, 128
+
+
+# ---------------------------------------------------------------- the primary
+def _primary(spec: str, nbytes: int, device: str) -> None:
+    """Write the KV state, commit a base and a delta, say "ready", hold the log."""
+    from concordia import Session
+
+    nbytes = int(nbytes)
+    xp = _xp(device)
+    kv = xp.empty(nbytes // 2, xp.float16)
+    flat = kv.view(xp.uint8)
+    block = xp.asarray(np.random.default_rng(7).integers(0, 256, min(nbytes, 64 << 20), dtype=np.uint8))
+    for i, off in enumerate(range(0, nbytes, block.size)):
+        n = min(block.size, nbytes - off)
+        flat[off:off + n] = block[:n] ^ np.uint8(i & 0xFF)   # every 64 MiB different
+    seg = min(1 << 30, max(16 << 20, -(-(nbytes // 8) // (1 << 20)) * (1 << 20)))
+    size = -(-(nbytes + nbytes // 16 + 4 * seg) // seg) * seg
+    t0 = time.perf_counter()
+    s = Session(spec, overwrite=True, size=size, segment_size=seg)
+    s.register("kv", kv, kind="kv", page_bytes=PAGE_BYTES)
+    s.checkpoint()
+    flat[:PAGE_BYTES * 8] ^= np.uint8(1)
+    s.checkpoint()
+    if xp is not np:
+        xp.cuda.get_current_stream().synchronize()
+    print(json.dumps({"ready": os.getpid(), "write_s": time.perf_counter() - t0, "epoch": s.epoch,
+                      "log_bytes": size}), flush=True)
+    while True:
+        time.sleep(3600)
+
+
+# ---------------------------------------------------------------- the standby
+def _decode_step(xp, kv):
+    """One decode step's read of the KV cache: a query against every key, a
+    softmax, the weighted sum of the values (half the cache keys, half values)."""
+    tokens = kv.size // (2 * HEADS * HEAD_DIM)
+    kvv = kv[:2 * tokens * HEADS * HEAD_DIM].reshape(2, tokens, HEADS, HEAD_DIM)
+    k, v = kvv[0], kvv[1]
+    q = xp.ones((HEADS, HEAD_DIM), xp.float16)
+    scores = xp.einsum("thd,hd->ht", k, q).astype(xp.float32) / np.float32(HEAD_DIM ** 0.5)
+    scores -= scores.max(axis=1, keepdims=True)
+    w = xp.exp(scores)
+    w /= w.sum(axis=1, keepdims=True)
+    out = xp.einsum("ht,thd->hd", w.astype(xp.float16), v)
+    if xp is not np:
+        xp.cuda.get_current_stream().synchronize()
+    return out
+
+
+def _standby(spec: str, device: str) -> None:
+    from concordia.standby import Standby
+
+    xp = _xp(device)
+
+    def warm_decode(sb):   # the model hook: the decode step's kernels loaded, at its size, before the kill
+        _decode_step(xp, xp.zeros(sb.regions["kv"].nbytes // 2, xp.float16))
+        return "decode"
+
+    def resume(tk):
+        _decode_step(xp, tk.arrays["kv"])
+        tk.resumed()
+        return "decoded"
+
+    sb = Standby(spec, device="gpu" if device == "gpu" else "cpu", load_model=warm_decode,
+                 progress=lambda msg: print(f"standby: {msg}", file=sys.stderr, flush=True))
+    try:
+        tk = sb.run(resume, timeout=120)
+    finally:
+        sb.close()
+    rep = {"warm": sb.warm_report, **tk.to_json()}
+    tk.close()
+    print(json.dumps(rep), flush=True)
+
+
+def _xp(device: str):
+    if device == "gpu":
+        import cupy
+
+        return cupy
+    return np
+
+
+# ---------------------------------------------------------------- the run
+def _child(*args):
+    code = ("import sys; from concordia.tools.bench import standby as b; "
+            f"b._{args[0]}(*sys.argv[1:])")
+    return subprocess.Popen([sys.executable, "-c", code, *map(str, args[1:])], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _line(proc, stream, what: str, within: float) -> str:
+    deadline = time.monotonic() + within
+    pipe = proc.stdout if stream == "out" else proc.stderr
+    while time.monotonic() < deadline:
+        line = pipe.readline()
+        if what in line:
+            return line
+        if not line:
+            break
+    err = proc.stderr.read() if stream == "out" else ""
+    raise RuntimeError(f"{'primary' if stream == 'out' else 'standby'} gave no {what!r}: "
+                       f"{(err.strip().splitlines() or ['no message'])[-1]}")
+
+
+def _spec(tier: str) -> str:
+    name = f"concordia-bench-standby-{uuid.uuid4().hex[:10]}"
+    if tier == "hugetlb":
+        from concordia.devmem import hugetlb
+
+        where = hugetlb.default_mount()
+        if where is None:
+            raise click.UsageError("no hugetlbfs is mounted (scripts/hugepages.sh setup, as root), or use --tier shm")
+        return f"hugetlb:{os.path.join(where, name)}"
+    return f"shm:{name}"
+
+
+def run(nbytes: int, tier: str, device: str) -> dict:
+    from .recover import _ceiling
+
+    xp = _xp(device)
+    res = {"device": device, "tier": tier, "bytes": nbytes, "GiB": nbytes / GIB, "page_bytes": PAGE_BYTES,
+           "goals": {"kill_to_decoding_s": 0.5},
+           "measured_through": {
+               "kill_to_decoding_s kill_to_detect_s isolate_s restore_s first_decode_s":
+                   "public entry points: a Session writing the log (the primary), "
+                   "concordia.standby.Standby.run (the standby), CLOCK_MONOTONIC stamps of both",
+               "restore": "component: restore_device.apply_plan_cupy's own stage seconds"}}
+    res["ceiling"] = _ceiling(xp, min(nbytes, 2 * GIB))
+    if xp is not np:
+        xp.get_default_pinned_memory_pool().free_all_blocks()
+        xp.get_default_memory_pool().free_all_blocks()
+    spec = _spec(tier)
+    primary = standby = None
+    try:
+        primary = _child("primary", spec, nbytes, device)
+        ready = json.loads(_line(primary, "out", "ready", 600))
+        res["primary"] = {"write_s": ready["write_s"], "epoch": ready["epoch"], "log_bytes": ready["log_bytes"]}
+        standby = _child("standby", spec, device)
+        _line(standby, "err", "watching the primary", 600)
+        t_kill = time.monotonic()
+        os.kill(primary.pid, signal.SIGKILL)
+        primary.wait()
+        out, err = standby.communicate(timeout=300)
+        if standby.returncode != 0:
+            raise RuntimeError(f"standby failed: {(err.strip().splitlines() or ['no message'])[-1]}")
+        rep = json.loads(out.strip().splitlines()[-1])
+        st = rep["monotonic_s"]
+        res.update({
+            "kill_to_decoding_s": st["resumed"] - t_kill,
+            "kill_to_detect_s": st["detected"] - t_kill,
+            "isolate_s": st["isolated"] - st["detected"],
+            "restore_s": st["restored"] - st["isolated"],
+            "first_decode_s": st["resumed"] - st["restored"],
+            "epoch": rep["epoch"], "cause": rep["cause"], "timeline": rep["timeline"],
+            "restore": rep["restore"], "warm": rep["warm"],
+        })
+        res["restore_GBps"] = nbytes / res["restore_s"] / 1e9
+        res["restore_ratio_to_ceiling"] = res["restore_GBps"] / res["ceiling"]["GBps"]
+    finally:
+        for p in (primary, standby):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+        remove_log_file(spec)
+    return res
+
+
+def _table(r: dict) -> str:
+    c = r["ceiling"]
+    lines = [f"ceiling: {c['what']} {c['GBps']:.1f} GB/s (device: {r['device']})",
+             f"{r['GiB']:.2f} GiB of KV on a {r['tier']} log, primary SIGKILLed, standby warm "
+             f"(warm-up {r['warm']['warm_s']:.2f} s, not counted)",
+             f"  kill -> detect     {r['kill_to_detect_s'] * 1e3:8.1f} ms",
+             f"  isolate            {r['isolate_s'] * 1e3:8.1f} ms",
+             f"  restore            {r['restore_s'] * 1e3:8.1f} ms  {r['restore_GBps']:.1f} GB/s "
+             f"({100 * r['restore_ratio_to_ceiling']:.0f}% of the ceiling)",
+             f"  first decode step  {r['first_decode_s'] * 1e3:8.1f} ms",
+             f"  kill -> decoding   {r['kill_to_decoding_s'] * 1e3:8.1f} ms  (goal "
+             f"{r['goals']['kill_to_decoding_s'] * 1e3:.0f} ms)"]
+    return "\n".join(lines)
+
+
+@click.command("standby")
+@click.option("--gib", default=10.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="KV state to protect and recover, in GiB.")
+@click.option("--tier", type=click.Choice(["hugetlb", "shm"]), default="hugetlb", show_default=True,
+              help="Where the log lives (hugetlb: $CONCORDIA_HUGETLB_DIR or the first hugetlbfs mounted).")
+@click.option("--quick", is_flag=True, help="A small state on the host, shm log (CI smoke test).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+@click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
+@guarded
+def command(gib, tier, quick, as_json, out):
+    """SIGKILL a primary holding --gib GiB of KV state in a log and time a warm
+    standby's takeover, from the kill to its first decode step.
+
+    Example:
+
+    \b
+        concordia-wal bench standby --gib 10 --tier hugetlb --json --out standby.json
+    """
+    device = "gpu"
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            device = "cpu"
+    except Exception:
+        device = "cpu"
+    if quick:
+        gib, tier, device = 8 / 1024, "shm", "cpu"
+    nbytes = max(PAGE_BYTES, int(gib * GIB) // PAGE_BYTES * PAGE_BYTES)
+    res = run(nbytes, tier, device)
+    if out:
+        with open(out, "w") as f:
+            json.dump(res, f, indent=2)
+    if as_json:
+        emit_json(res)
+    else:
+        click.echo(_table(res))
