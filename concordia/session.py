@@ -57,6 +57,7 @@ from concordia.errors import (ConcordiaError, DuplicateRegionError, InstrumentEr
 from concordia.gpu_kernels import reference as ref
 from concordia.policy import Policy
 from concordia.regions import DETECTORS, KINDS, KvGeometry, Region, adapt, gather_pages, storage_of, to_host
+from concordia.retention import Retention
 
 DEFAULT_SIZE = 256 << 20
 #: most payload bytes in one page-batch record (records must fit a segment)
@@ -148,6 +149,8 @@ class Session:
         self._next_epoch = self.epoch + 1
         self.checkpoints: list[CheckpointStats] = []
         self.last_recovery: RecoveryStats | None = None
+        #: automatic bases and compaction under the policy (concordia.retention)
+        self.retention = Retention(self, self.policy)
 
     # ------------------------------------------------------------ lifecycle
     def __enter__(self):
@@ -261,6 +264,7 @@ class Session:
             if isinstance(check_every, bool) or not isinstance(check_every, (int, np.integer)) or check_every < 0:
                 raise SessionError(f"check_every must be a whole number >= 0, not {check_every!r}", where=where)
 
+        self.retention.check_capacity(name, arr.nbytes, int(page_bytes))
         region = Region(name=name, kind=kind, page_bytes=int(page_bytes), array=arr, xp=xp, owner=owner,
                         storage=storage_of(owner), detect=detect, hints=hints)
         info = self.log.regions.get(name)
@@ -382,6 +386,7 @@ class Session:
                                 detect_s * 1e3, stage_s * 1e3, commit_s * 1e3, via, reads)
         self.paths.update(via.values())
         self.checkpoints.append(stats)
+        self.retention.after_commit(stats)  # bases and compaction, one bounded slice
         return stats
 
     # ------------------------------------------------------------ staging paths
@@ -568,7 +573,7 @@ def _stage_region(app, r: Region, ids: np.ndarray, epoch: int, base: bool) -> in
         return 0
     flags = 0  # a full first write is part of its epoch, not a catalogued base (FORMAT.md §12.1)
     written = 0
-    for b in plan_batches(r, int(ids.size)):
+    for b in plan_batches(r, int(ids.size), app.segment_capacity):
         chunk, length = ids[b.lo:b.hi], b.length
         res = app.reserve(length)
         if r.on_gpu:
@@ -597,11 +602,15 @@ class Batch:
     length: int
 
 
-def plan_batches(region: Region, count: int) -> list[Batch]:
-    """The records `count` dirty pages of `region` become (as the host path cuts them)."""
+def plan_batches(region: Region, count: int, cap: int | None = None) -> list[Batch]:
+    """The records `count` dirty pages of `region` become (as the host path cuts
+    them): at most MAX_BATCH_BYTES of payload, and each fits `cap` bytes (a
+    segment's capacity; a log of small segments takes a first full write too)."""
     from concordia.wal import format as fmt
 
     per = max(1, MAX_BATCH_BYTES // region.page_bytes)
+    while cap and per > 1 and fmt.page_batch_length(per, region.page_bytes) > cap:
+        per //= 2
     return [Batch(region, lo, min(count, lo + per), fmt.page_batch_length(min(count, lo + per) - lo,
                                                                           region.page_bytes))
             for lo in range(0, count, per)]
@@ -1041,7 +1050,7 @@ class _Stager:
             if n:
                 ids[r.name] = rid
                 staged[r.name] = k.empty_u32(n)
-                batches += plan_batches(r, n)
+                batches += plan_batches(r, n, app.segment_capacity)
         cap = min(max([EXTENT_BYTES] + [b.length for b in batches]), app.segment_capacity)
         extents = plan_extents(batches, cap)
         sizes = [sum(b.length for b in e) for e in extents]
