@@ -72,6 +72,12 @@ class Retention:
         self.reports: collections.deque = collections.deque(maxlen=64)  # CompactReport of switches
         self.counts: collections.Counter = collections.Counter()
         self.error: str | None = None  # the last failure (the job is dropped and retried later)
+        from concordia.wal.compact import Known
+
+        #: the epochs this session committed, so that a switch needs no scan of the log
+        self.known = Known()
+        self._mark = session.log.appender.write_lsn  # no record of the next epoch lies below
+        self._can_base: tuple | None = None  # (regions, answer)
 
     # ---------------------------------------------------------------- sizes
     def capacity(self) -> int:
@@ -93,8 +99,8 @@ class Retention:
             raise SessionError(f"the log holds {have} bytes ({_mib(have)}) of segments, and one image of the "
                                f"registered state with this region needs {need} bytes ({_mib(need)})",
                                where=f"region {name!r}",
-                               hint=f"create a log of at least {_mib(2 * need + 2 * seg)} (two images, so that "
-                                    "retention can write a base beside the one in use)")
+                               hint=f"create a log of at least {_mib(2 * need + 2 * seg)}: two images, so that "
+                                    "retention can write a base beside the one in use")
 
     def can_base(self) -> bool:
         """Whether the log holds a new base beside the state it keeps (two images and two segments)."""
@@ -130,6 +136,14 @@ class Retention:
         self.last = None
         if not self.policy.retain:
             return
+        app = self.session.log.appender
+        self.known.epochs[stats.epoch] = (self._mark, app.last_commit_lsn)
+        try:
+            self._after_commit(stats)
+        finally:
+            self._mark = app.write_lsn
+
+    def _after_commit(self, stats) -> None:
         now = time.monotonic()
         self.times.append((stats.epoch, now))
         keep_s = self.policy.keep_seconds
@@ -141,7 +155,10 @@ class Retention:
                 self.chain[name] = 0  # a first full write bounds the chain as a base does
             else:
                 self.chain[name] = self.chain.get(name, 0) + int(n) * regions[name].page_bytes
-        if not self.can_base():
+        n = len(regions)
+        if self._can_base is None or self._can_base[0] != n:
+            self._can_base = (n, self.can_base())
+        if not self._can_base[1]:
             self.error = (f"the log ({_mib(self.capacity())}) cannot hold a base beside the state it keeps "
                           f"({_mib(2 * self.state_bytes())} with it): no automatic bases")
             return
@@ -220,12 +237,16 @@ class Retention:
         start = latest if pressure else self._window_start(latest)
         # the compaction counts the window in committed epochs: one per epoch from start
         keep = max(1, latest - start + 1) if start else (1 << 62)
-        rep = job.finish(keep_epochs=keep)
+        self.known.window_start = start
+        rep = job.finish(keep_epochs=keep, known=self.known)
+        for ep in [ep for ep in self.known.epochs if ep < rep.floor_epoch]:
+            del self.known.epochs[ep]
         self.job = None
         self.job_pressure = False
         self.reports.append(rep)
         self.counts["switches"] += 1
         self.counts["segments_freed"] += len(rep.segments_freed)
+        self.counts["scans"] += int(rep.scanned)
         self.last = "switch"
         if rep.folded:
             self.based.update(rep.folded)

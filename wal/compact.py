@@ -60,6 +60,7 @@ class CompactReport:
     oldest_lsn: int = 0
     segments_freed: list = field(default_factory=list)
     seconds: float = 0.0
+    scanned: bool = False  # the switch read the log (no `Known` covered it)
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -291,15 +292,18 @@ class Compaction:
         self._todo = []
 
     def finish(self, *, keep_bases: int | None = None, keep_epochs: int | None = None,
-               reclaim: bool = True) -> CompactReport:
+               reclaim: bool = True, known: "Known | None" = None) -> CompactReport:
         """List the new bases and the ones retention keeps in a new catalog and
         make it current, freeing every segment below what a kept epoch needs
-        (one superblock write).  Writes nothing when nothing changes."""
+        (one superblock write).  Writes nothing when nothing changes.
+
+        known: what the writer knows of the log (see `Known`), so that no scan
+        of the log is needed; used only when it covers every epoch the switch
+        keeps, else the log is scanned."""
         if not self.written:
             raise WalError("compaction finished before its bases were written")
         t = time.perf_counter()
         log, rep = self.log, self.report
-        h = scan(log)
         prev = current_catalog(log)
         sb = log.volume.superblock
         keep_bases = prev.keep_bases if keep_bases is None else int(keep_bases)
@@ -307,9 +311,24 @@ class Compaction:
         new = self.new
         replaced = {(e.region_id, e.epoch) for e in new}
         entries = [e for e in prev.entries if (e.region_id, e.epoch) not in replaced] + new
-        kept, floor, cut = retention(entries, h.committed_epochs(), keep_bases, keep_epochs,
-                                     [r.id for r in h.regions.values()])
-        floor = max(floor, prev.floor_epoch)
+        ids = [r.id for r in log.regions.values()]
+        h = None
+        known_in = known
+        if known is not None and keep_epochs and not keep_bases:
+            kept, floor, cut = retention(entries, [known.window_start], 0, 1, ids)
+            floor = max(floor, prev.floor_epoch)
+            low = known.needed_from(kept, cut, floor) if reclaim else None
+            if low is False:  # the writer does not know every epoch kept
+                known = None
+        else:
+            known = None
+        if known is None:
+            rep.scanned = True
+            h = scan(log, payload=False)
+            kept, floor, cut = retention(entries, h.committed_epochs(), keep_bases, keep_epochs,
+                                         [r.id for r in h.regions.values()])
+            floor = max(floor, prev.floor_epoch)
+            low = needed_from(h, kept, cut, floor) if reclaim else None
         rep.bases_kept, rep.bases_dropped, rep.floor_epoch = len(kept), len(entries) - len(kept), floor
         if not new and len(kept) == len(prev.entries) and floor == prev.floor_epoch:
             rep.oldest_lsn = sb.oldest_lsn
@@ -318,9 +337,17 @@ class Compaction:
             return rep  # nothing changes: write nothing
 
         cat = Catalog(prev.sequence + 1, tuple(kept), keep_bases, floor)
-        low = needed_from(h, kept, cut, floor) if reclaim else None
-        if low is not None and h.region_lsns and min(h.region_lsns.values()) < low:
+        if h is not None:
+            lowest = min(h.region_lsns.values(), default=None)
+            rewrite = lowest is not None and low is not None and lowest < low
+        else:
+            lowest = known_in.descriptor_lsn
+            rewrite = low is not None and (lowest is None or lowest < low)
+        if rewrite:
+            lowest = log.appender.write_lsn
             _rewrite_descriptors(log)  # they would go with their segment
+        if known_in is not None:
+            known_in.descriptor_lsn = lowest
         cat_lsn = append_catalog(log, cat, prev.lsn)
         changes = dict(catalog_lsn=cat_lsn, oldest_epoch=floor, retain_epochs=keep_epochs)
         if low is not None:
@@ -331,6 +358,40 @@ class Compaction:
         self.seconds += time.perf_counter() - t
         rep.seconds = self.seconds
         return rep
+
+
+@dataclass
+class Known:
+    """What a writer knows of its own log, so that a switch needs no scan.
+
+    epochs: {epoch: (lowest LSN any record of it may have, LSN of its commit)}
+    for the epochs this writer committed (a lower bound is enough: keeping
+    more is safe), in commit order.  window_start: the oldest epoch the kept
+    window holds.  descriptor_lsn: the lowest LSN of a live region descriptor
+    (None: not known; the switch then writes them again when it frees)."""
+
+    epochs: dict = field(default_factory=dict)
+    window_start: int = 0
+    descriptor_lsn: int | None = None
+
+    def needed_from(self, kept, cut: dict, floor: int):
+        """The lowest LSN a restore of a kept epoch reads (as `needed_from`
+        computes it from a scan), or False when an epoch it needs is not known."""
+        eps = self.epochs
+        lows = [e.first_lsn for e in kept]
+        min_cut = min(cut.values(), default=0)
+        first_needed = min_cut + 1  # deltas after a region's cut; epochs split never (V-C4)
+        at = [ep for ep in (floor, first_needed) if ep]
+        for ep in at:
+            if ep not in eps:
+                if ep == first_needed and ep > max(eps, default=0):
+                    continue  # no epoch after the cut yet
+                return False
+        if floor:
+            lows.append(eps[floor][0])  # its commit and every record it counts
+        if first_needed in eps:
+            lows.append(eps[first_needed][0])
+        return min(lows) if lows else None
 
 
 def _rewrite_descriptors(log) -> None:
@@ -344,4 +405,4 @@ def _rewrite_descriptors(log) -> None:
         app.append_record(type=F.REC_REGION, epoch=0, body=body, region_id=info.id, page_bytes=info.page_bytes)
 
 
-__all__ = ["compact", "Compaction", "CompactReport", "fold_source", "retention", "needed_from"]
+__all__ = ["compact", "Compaction", "Known", "CompactReport", "fold_source", "retention", "needed_from"]
