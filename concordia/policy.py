@@ -31,7 +31,9 @@ class Policy:
     epochs that stays restorable (None: no window of that kind); when the log
     cannot hold the window, the log wins and the window shrinks (older
     targets are refused, naming the oldest kept epoch).  slice_bytes: BASE
-    bytes written after one checkpoint while a base is being written."""
+    bytes written after one checkpoint while a base is being written (None:
+    64 KiB, or twice what that checkpoint wrote when more, so that a slice
+    costs about what the checkpoint did and a base outpaces the deltas)."""
 
     every_steps: int | None = None
     every_ms: float | None = None
@@ -40,7 +42,7 @@ class Policy:
     base_every_bytes: int | None = None
     keep_epochs: int | None = 64
     keep_seconds: float | None = None
-    slice_bytes: int = 1 << 20
+    slice_bytes: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.retain, bool):

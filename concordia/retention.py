@@ -43,6 +43,8 @@ from concordia.errors import ConcordiaError, SessionError
 #: regions up to this size are based from a host copy taken after the commit;
 #: larger ones are folded from the log (no copy of the region is held)
 LIVE_COPY_BYTES = 256 << 20
+#: BASE bytes written after a checkpoint at the least (Policy.slice_bytes=None)
+MIN_SLICE = 64 << 10
 
 
 def record_bytes(nbytes: int, page_bytes: int) -> int:
@@ -172,7 +174,7 @@ class Retention:
             if self.job is None:
                 self._maybe_start(stats.epoch, pressure)
             if self.job is not None:
-                self._advance(pressure)
+                self._advance(pressure, int(self.policy.slice_bytes or max(MIN_SLICE, 2 * stats.log_bytes)))
             elif self.pending_floor and self._window_start(stats.epoch) > self.pending_floor:
                 self._switch(None, stats.epoch, pressure)
         except ConcordiaError as exc:
@@ -199,18 +201,18 @@ class Retention:
                 digests[n] = int(r.digest)
         self.job = Compaction(self.session.log, epoch, regions=names, live=live,
                               digests=digests if len(live) == len(names) else None,
-                              chunk_bytes=int(self.policy.slice_bytes or (1 << 20)))
+                              chunk_bytes=int(self.policy.slice_bytes or MIN_SLICE))
         self.job_pressure = pressure
         self.counts["jobs"] += 1
         for n in names:  # the chain restarts at the base's epoch
             self.chain[n] = 0
 
-    def _advance(self, pressure: bool) -> None:
+    def _advance(self, pressure: bool, slice_bytes: int) -> None:
         job = self.job
         if pressure or self.job_pressure:
             while not job.step():
                 pass
-        elif not job.step(int(self.policy.slice_bytes or (1 << 20))):
+        elif not job.step(slice_bytes):
             self.last = "base"
             self.counts["slices"] += 1
             return
