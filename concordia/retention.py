@@ -78,7 +78,8 @@ class Retention:
 
         #: the epochs this session committed, so that a switch needs no scan of the log
         self.known = Known()
-        self._mark = session.log.appender.write_lsn  # no record of the next epoch lies below
+        # no record of the next epoch lies below this LSN (a read-only log has no writer)
+        self._mark = session.log.appender.write_lsn if getattr(session.log, "writable", True) else 0
         self._can_base: tuple | None = None  # (regions, answer)
 
     # ---------------------------------------------------------------- sizes

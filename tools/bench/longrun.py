@@ -81,13 +81,15 @@ def run_one(config: str, spec: str, *, epochs: int, seconds: float | None, state
     try:
         s.register("state", a, kind="adapter", slot_versions=versions, pages_per_slot=1, page_bytes=page_bytes)
         for e in range(1, epochs + 1):
-            p = (e * 7919) % pages
-            a[p, e % a.shape[1]] = e
+            p, col = (e * 7919) % pages, e % a.shape[1]
+            old = a[p, col]
+            a[p, col] = e
             versions[p] += 1
             t0 = time.perf_counter()
             try:
                 s.checkpoint()
             except LogFullError as exc:
+                a[p, col] = old  # the state stays that of the last commit, which recovery checks
                 full_at = {"epoch": e, "error": exc.one_line()}
                 break
             lat[e - 1] = time.perf_counter() - t0
