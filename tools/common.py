@@ -15,6 +15,7 @@ import click
 
 from concordia.devmem.errors import ConcordiaError
 from concordia.sizes import parse_size
+from concordia.wal.modes import CLI_MODES, RecoveryMode
 
 EXIT_OK = 0
 EXIT_PROBLEMS = 1
@@ -210,13 +211,13 @@ def progress_bar(length: int, label: str):
                              show_pos=False, show_percent=True, **kw)
 
 
-#: recovery modes as the command lines spell them
-MODES = ["tolerate-tail", "absolute", "point-in-time", "skip-corrupt"]
+#: recovery modes as the command lines spell them: the library's one mode type
+MODES = CLI_MODES
 
 
 def mode_name(value: str) -> str:
     """A command line's mode (`tolerate-tail`) as the library names it (`tolerate_tail`)."""
-    return value.replace("-", "_")
+    return RecoveryMode.parse(value).value
 
 
 class Bar:

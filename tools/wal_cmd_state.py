@@ -249,18 +249,35 @@ def restore_cmd(log, region, epoch, out, mode, force):
         concordia-wal restore file:./concordia-data/demo.log --region kv --out kv.npy --force
     """
     from concordia.wal.apply import restore_region_npy
-    from concordia.wal.planner import plan_history, scan
+    from concordia.wal.decide import counts, decide
+    from concordia.wal.planner import scan
 
     if os.path.exists(out) and not force:
         raise click.UsageError(f"{out} exists; pass --force to overwrite it")
+    m = mode_name(mode)
     vol = open_volume(log)
     try:
-        h = scan(vol)
+        # every page checked before deciding (R-D5): the plan and the copy meet the same damage
+        h = scan(vol, check_pages=True)
         names = {r.name for r in h.regions.values()}
+        if region not in names and h.result is not None and any(
+                counts(d.kind, m) for d in h.result.dropped):
+            # the log is damaged: its descriptors may be what was lost (R-D8: exit 1, not usage)
+            click.echo(f"error: no region {region!r} readable in this damaged log "
+                       f"(regions: {', '.join(sorted(names)) or 'none'}); run concordia-wal verify", err=True)
+            sys.exit(1)
         if region not in names:
             raise click.BadParameter(f"no region {region!r} in this log (regions: {', '.join(sorted(names)) or 'none'})",
                                      param_hint="--region")
-        p = plan_history(h, "latest" if epoch is None else epoch, mode_name(mode), regions=[region])
+        decision = decide(vol, m, target="latest" if epoch is None else epoch, regions=[region], history=h)
+        decision.raise_usage()
+        p = decision.plan
+        if p is None or region not in p.regions:
+            why = decision.error or f"region {region!r} cannot be restored at any epoch"
+            click.echo(f"error: recovery {m} refuses: {why}", err=True)
+            for d in decision.problems:
+                click.echo(f"problem  {d}", err=True)
+            sys.exit(decision.exit_code or 1)
         rp = p.regions[region]
         bar = Bar("restoring")
         try:
@@ -274,3 +291,10 @@ def restore_cmd(log, region, epoch, out, mode, force):
                f"({rp.pages_read} read from {len(rp.sources)} records, {rp.zero_page_ids.size} zero) -> {out}")
     for d in p.dropped:
         click.echo(f"dropped  {d.one_line()}", err=True)
+    listed = {d.damage.where for d in p.dropped}
+    for d in decision.problems:
+        if d.where not in listed:
+            click.echo(f"problem  {d}", err=True)
+    if decision.exit_code and rp.epoch != decision.target_epoch:
+        click.echo(f"partial  {region} restored at epoch {rp.epoch}, not {decision.target_epoch}", err=True)
+    sys.exit(decision.exit_code)

@@ -731,10 +731,13 @@ def decode_commit_body(body, hdr: RecordHeader) -> CommitInfo:
         raise CorruptionError("reserved commit bytes are not zero")
     if n > MAX_COMMIT_REGIONS or COMMIT_BODY_SIZE + n * COMMIT_DIGEST_SIZE != len(body):
         raise CorruptionError(f"commit names {n} regions in a {len(body)}-byte body")
-    digests = {}
+    digests, prev = {}, -1
     for i in range(n):
         rid, d = COMMIT_DIGEST.unpack_from(body, COMMIT_BODY_SIZE + i * COMMIT_DIGEST_SIZE)
+        if digests and rid <= prev:  # V-C1: region ids strictly increase
+            raise CorruptionError(f"commit digests not sorted: region {rid} after region {prev} (V-C1)")
         digests[rid] = d
+        prev = rid
     return CommitInfo(hdr.epoch, count, nbytes, first_lsn, digests, hdr.aux, hdr.lsn)
 
 

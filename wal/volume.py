@@ -161,6 +161,9 @@ class Volume:
                                           where=where)
                 if i == 0:
                     slot_guess = sb.slot_bytes
+                elif sb.slot_bytes != off:  # R-B1: slot B lies where its own slot_bytes says
+                    raise CorruptionError(f"slot states slot_bytes {sb.slot_bytes}, found at 0x{off:x}",
+                                          where=where)
                 found.append(sb)
             except (FormatVersionError,):
                 raise
@@ -195,7 +198,7 @@ class Volume:
         return vol
 
     def _adopt(self) -> None:
-        """A free segment whose valid header continues the chain of the newest live
+        """R-B3, R-S1: a free segment whose valid header continues the chain of the newest live
         one was taken into use by a superblock write that is not in force (a crash
         between header and superblock, or the newer slot lost): list it as live."""
         live = self.live_segments()
@@ -209,7 +212,9 @@ class Volume:
                 if off + F.SEGMENT_HEADER_SIZE > self.backend.size:
                     continue
                 hdr, why = F.decode_segment_header(memoryview(self.backend.array[off:off + F.SEGMENT_HEADER_SIZE]))
-                if (why is None and hdr.uuid == self._sb.uuid and hdr.seq == last.seq + 1
+                # FORMAT.md R-S1: seq may jump (a cut frees segments whose numbers
+                # are not reissued); the chain words decide, not seq + 1
+                if (why is None and hdr.uuid == self._sb.uuid and hdr.seq > last.seq
                         and hdr.prev_seq == last.seq and hdr.prev_header_crc == last.header_crc
                         and hdr.index == i and hdr.segment_bytes == self._sb.segment_bytes
                         and hdr.base_lsn >= last.end_lsn):
@@ -323,7 +328,9 @@ class Volume:
         hdr, why = F.decode_segment_header(memoryview(self.backend.array[seg.offset:end]))
         if why:
             return why
-        if prev is not None and prev.seq == seg.seq - 1 and (
+        # V-S5 / R-S1: every live segment names the live one before it, whatever
+        # the gap in seq numbers (a cut leaves gaps; they never excuse a link)
+        if prev is not None and (
                 hdr.prev_seq != prev.seq or hdr.prev_header_crc != prev.header_crc):
             return (f"segment chain broken: header names previous segment seq {hdr.prev_seq} "
                     f"crc 0x{hdr.prev_header_crc:08x}, expected seq {prev.seq} crc 0x{prev.header_crc:08x}")

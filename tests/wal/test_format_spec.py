@@ -3,7 +3,7 @@
 FORMAT.md is the single source of truth for every byte on media.  These tests
 parse it (offset tables, record types, flags, magics, limits, formulas, the
 checksum parameters and the table of where each validity condition is checked)
-and compare it with `wal/format.py`, `wal/snapshot.py`, the GPU staging kernel
+and compare it with `wal/format.py`, `wal/catalog.py`, the GPU staging kernel
 `gpu_kernels/stage.cu` and its numpy twin.  Changing one side without the other
 fails here.
 """
@@ -22,7 +22,7 @@ import pytest
 from concordia.gpu_kernels import reference as ref
 from concordia.wal import format as F
 from concordia.wal import planner
-from concordia.wal import snapshot as S
+from concordia.wal import catalog as S
 from concordia.wal.errors import CorruptionError, FormatVersionError, NotALogError
 
 WAL_DIR = Path(F.__file__).resolve().parent
@@ -32,8 +32,8 @@ KERNEL_DIR = Path(ref.__file__).resolve().parent
 STAGE_CU = (KERNEL_DIR / "stage.cu").read_text()
 COMMON_CUH = (KERNEL_DIR / "common.cuh").read_text()
 
-MODULES = {"format": F, "snapshot": S}
-STRUCT_REF = re.compile(r"`(format|snapshot)\.([A-Z_]+)`,\s*(\d+) bytes")
+MODULES = {"format": F, "catalog": S}
+STRUCT_REF = re.compile(r"`(format|catalog)\.([A-Z_]+)`,\s*(\d+) bytes")
 TYPE_CODES = {"u8": "B", "u16": "H", "u32": "I", "u64": "Q"}
 
 
@@ -148,7 +148,7 @@ def test_every_struct_of_the_code_has_a_table():
     names = {(mod.__name__.rsplit(".", 1)[1], name) for _, mod, name, _, _ in OFFSET_TABLES}
     assert names == {("format", "SUPERBLOCK"), ("format", "SEGMENT_ENTRY"), ("format", "SEGMENT_HEADER"),
                      ("format", "RECORD_HEADER"), ("format", "REGION_BODY"), ("format", "COMMIT_BODY"),
-                     ("snapshot", "CATALOG_HEAD"), ("snapshot", "CATALOG_ENTRY")}
+                     ("catalog", "CATALOG_HEAD"), ("catalog", "CATALOG_ENTRY")}
     # every struct.Struct of the codecs is described (a new one needs a table or a reference)
     described = {m.group(2) for m in STRUCT_REF.finditer(SPEC)}
     for mod in (F, S):
@@ -806,3 +806,69 @@ def test_segment_header_against_the_superblock(cond, off, fmt, value, diag):
     opened = _open_image(img)
     (live,) = opened.live_segments()
     assert diag in opened.check_segment_header(live, None)
+
+
+# --------------------------------------------------------------------------- numbered rules (R-*)
+
+RULE = re.compile(r"\((R-[A-Z]\d+)\)(?=\s)")
+
+
+def _rule_table() -> dict:
+    (_, head, rows), = [t for t in _tables(*SECTIONS["13.1"])]
+    assert head == ["rule", "decided by"]
+    return {r[0]: re.findall(r"`([\w.]+)`", r[1]) for r in rows}
+
+
+def test_every_rule_names_a_function_that_exists():
+    table = _rule_table()
+    defined = RULE.findall(SPEC)
+    assert len(defined) == len(set(defined)), "a rule is defined twice"
+    assert set(table) == set(defined)
+    for rule, names in table.items():
+        assert names, rule
+        for name in names:
+            mod, *attrs = name.split(".")
+            obj = importlib.import_module(f"concordia.wal.{mod}")
+            for a in attrs:
+                obj = getattr(obj, a)
+
+
+def test_rules_are_numbered_in_order():
+    by = {}
+    for lab in RULE.findall(SPEC):
+        by.setdefault(lab[2], []).append(int(lab[3:]))
+    for letter, nums in by.items():
+        assert sorted(nums) == list(range(1, len(nums) + 1)), letter
+
+
+def test_every_rule_is_cited_by_the_code_and_every_citation_exists():
+    """The code cites each rule where it applies it (`R-D4` in a comment or a
+    message), and cites no rule FORMAT.md does not define."""
+    defined = set(RULE.findall(SPEC))
+    cited, bad = set(), []
+    for folder in ("wal", "tools", "concordia"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                for r in re.findall(r"\bR-[A-Z]\d+\b", line):
+                    cited.add(r)
+                    if r not in defined:
+                        bad.append(f"{path.relative_to(REPO)}:{n}: {r}")
+    assert not bad, bad
+    assert defined <= cited, sorted(defined - cited)
+
+
+def test_r_t1_the_type_is_the_whole_byte():
+    from concordia.wal.reader import record_kind
+
+    assert record_kind(F.REC_PAGE_BATCH) == F.REC_PAGE_BATCH
+    assert record_kind(F.REC_PAD | F.TYPE_IGNORABLE) == F.REC_PAD
+    assert record_kind(F.REC_PAGE_BATCH | F.TYPE_IGNORABLE) is None  # 0x81: unknown, ignorable
+    assert record_kind(F.REC_PAD) is None  # 0x7E: unknown, not ignorable
+    assert {t for t in range(256) if record_kind(t) is not None} == {1, 2, 3, 4, 5, 0xFE}
+
+
+def test_v_c1_unsorted_commit_digests_are_refused():
+    body = F.COMMIT_BODY.pack(0, 0, 0, 2, 0) + F.COMMIT_DIGEST.pack(3, 1) + F.COMMIT_DIGEST.pack(1, 2)
+    hdr = F.RecordHeader(64 + 48, F.REC_COMMIT, 0, F.NO_REGION, 1 << 20, 1, 1, 0, len(body), 0, 0, 0)
+    with pytest.raises(CorruptionError, match="not sorted"):
+        F.decode_commit_body(body, hdr)
