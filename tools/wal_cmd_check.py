@@ -126,15 +126,16 @@ def _repair(vol, report: dict, backup: str | None) -> dict:
     cut, why = _plan_cut(vol, report["problems"])
     if cut is None:
         return {"cut": None, "backup": None, "refused": why}
+    from concordia.devmem.outfile import OutputFile
+
     path = backup or _backup_path(vol)
     src = vol.backend.array
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "wb") as f:
+    # complete or absent, never the log itself: the cut waits for a whole backup
+    with OutputFile(path, size=src.size, inputs=[vol.backend.path], mode=0o600) as f:
         step = 64 << 20
         for start in range(0, src.size, step):
-            f.write(memoryview(src[start:start + step]))
-        f.flush()
-        os.fsync(f.fileno())
+            f.write(memoryview(src[start:start + step]), start)
+        f.commit(expect_size=src.size)
     w = vol.backend
     w.array[cut["offset"]:cut["offset"] + cut["length"]] = 0
     w.persist(cut["offset"], cut["length"])

@@ -10,6 +10,7 @@ from collections import defaultdict
 import click
 
 from concordia.wal import format as F
+from concordia.wal.errors import UsageError
 
 from . import render as R
 from .common import EXIT_OK, EXIT_PROBLEMS, LSN, SIZE, Where, emit_json, guarded, open_volume, unwritten_slot
@@ -24,8 +25,9 @@ DUMP_SCHEMA = "concordia-wal/dump/1"
 @click.command("format")
 @click.argument("log")
 @click.option("--size", required=True, type=SIZE, help="Bytes of the volume (e.g. 256M, 1GiB).")
-@click.option("--segment-size", "segment_size", default="64M", show_default=True, type=SIZE,
-              help="Bytes per segment, a multiple of 1 MiB.")
+@click.option("--segment-size", "segment_size", default=None, type=SIZE,
+              help="Bytes per segment, a multiple of 1 MiB (default: 64M, halved down to 1M "
+                   "until the log holds 8 segments: 8M for a 64M log, 16M for 128M).")
 @click.option("--force", is_flag=True, help="Overwrite an existing log or a target holding data.")
 @guarded
 def format_cmd(log, size, segment_size, force):
@@ -405,6 +407,11 @@ def _dump_records(vol, start, end, region, typ, epoch, limit) -> list:
     heads = list(walk(vol, check_pages=False))
     names = region_names(vol, heads)
     decision = decide_walk(vol, heads)  # torn or corrupt is the reader's call (R-D2)
+    if region is not None and region not in names.values() and region not in {str(i) for i in names}:
+        # a filter that can match nothing is a mistake, not an empty log
+        raise UsageError(f"no region {region!r} in this log (regions: "
+                         f"{', '.join(f'{n} (id {i})' for i, n in sorted(names.items())) or 'none'})",
+                         where=vol.backend.where)
     recs = []
     for it in walk(vol, check_pages=True, from_lsn=start or 0):
         lsn = it.seg.lsn(it.offset)
@@ -456,7 +463,7 @@ def dump_cmd(log, start, end, region, typ, epoch, limit, stats, as_json, follow,
     type 'damaged' with crc BAD.  Read-only.
 
     Exit 0 when nothing shown is damaged (a torn tail after the last commit
-    does not count), 1 otherwise.
+    does not count), 1 otherwise; 2 when --region names no region of the log.
 
     Example:
 

@@ -9,6 +9,8 @@ import sys
 
 import click
 
+from concordia.wal.errors import UsageError
+
 from . import render as R
 from .common import EXIT_OK, MODES, Bar, Where, emit_json, guarded, mode_name, open_volume, progress_bar
 
@@ -207,8 +209,8 @@ def snapshot_create(log, regions, epoch):
         known = list(lg.regions)
         for name in regions:
             if name not in known:
-                raise click.BadParameter(f"no region {name!r} in this log (regions: {', '.join(known) or 'none'})",
-                                         param_hint="--region")
+                raise UsageError(f"no region {name!r} in this log (regions: {', '.join(known) or 'none'})",
+                                 where=lg.backend.where)
         names = list(regions) or known
         p = plan_history(scan(lg), "latest" if epoch is None else epoch, "tolerate_tail", regions=names)
         total = sum(p.regions[n].region.pages * p.regions[n].region.page_bytes for n in names)
@@ -243,11 +245,17 @@ def restore_cmd(log, region, epoch, out, mode, force):
     states.  Read-only on the log.  Shows a progress bar.  (Restoring into
     GPU arrays is done through the Session API.)
 
+    The file is written beside --out under a temporary name, its space
+    reserved first, and renamed into place only once complete and checked:
+    a failed restore leaves --out as it was.  --out naming the log itself
+    is refused (exit 2).
+
     Example:
 
     \b
         concordia-wal restore file:./concordia-data/demo.log --region kv --out kv.npy --force
     """
+    from concordia.devmem.outfile import check_not_input
     from concordia.wal.apply import restore_region_npy
     from concordia.wal.decide import counts, decide
     from concordia.wal.planner import scan
@@ -257,6 +265,9 @@ def restore_cmd(log, region, epoch, out, mode, force):
     m = mode_name(mode)
     vol = open_volume(log)
     try:
+        # the .npy is renamed over --out once complete: were --out the log, that
+        # would replace the log by a region of it
+        check_not_input(out, [vol.backend.path])
         # every page checked before deciding (R-D5): the plan and the copy meet the same damage
         h = scan(vol, check_pages=True)
         names = {r.name for r in h.regions.values()}
@@ -267,8 +278,8 @@ def restore_cmd(log, region, epoch, out, mode, force):
                        f"(regions: {', '.join(sorted(names)) or 'none'}); run concordia-wal verify", err=True)
             sys.exit(1)
         if region not in names:
-            raise click.BadParameter(f"no region {region!r} in this log (regions: {', '.join(sorted(names)) or 'none'})",
-                                     param_hint="--region")
+            raise UsageError(f"no region {region!r} in this log (regions: {', '.join(sorted(names)) or 'none'})",
+                             where=vol.backend.where)
         decision = decide(vol, m, target="latest" if epoch is None else epoch, regions=[region], history=h)
         decision.raise_usage()
         p = decision.plan
@@ -281,7 +292,8 @@ def restore_cmd(log, region, epoch, out, mode, force):
         rp = p.regions[region]
         bar = Bar("restoring")
         try:
-            restore_region_npy(vol, p, region, out, progress=bar.absolute)
+            restore_region_npy(vol, p, region, out, progress=bar.absolute, replace=force,
+                               inputs=[vol.backend.path])
         finally:
             bar.close()
     finally:

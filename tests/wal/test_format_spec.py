@@ -235,7 +235,7 @@ def test_superblock_fields_where_the_table_puts_them():
                 next_segment_seq=0x22, oldest_lsn=0x33, oldest_epoch=0x44, catalog_lsn=0x55,
                 retain_epochs=0x66, retain_bytes=0x77, created_ns=0x88, compat=0x99, incompat=0,
                 ro_compat=0xAA, major=F.MAJOR_VERSION, minor=F.MINOR_VERSION, flags=0)
-    entries = (F.SegmentEntry(0x111, 0x222, 0x333, F.SEG_LIVE, 0x444), F.SegmentEntry(0, 0, 0, F.SEG_FREE, 0))
+    entries = (F.SegmentEntry(0x111, 0x21, 0x333, F.SEG_LIVE, 0x444), F.SegmentEntry(0, 0, 0, F.SEG_FREE, 0))
     raw = F.encode_superblock(F.Superblock(segments=entries, **vals))
     seen = _check_fields(raw, rows, vals, "superblock")
     assert seen | {"segments"} == set(F.Superblock._fields)
@@ -574,6 +574,15 @@ SUPERBLOCK_CASES = [
     ("V-B5", lambda: _fix_sb_crc(_poke(_slot(), 200, "<B", 1)), CorruptionError, "reserved"),
     ("V-B6", lambda: _fix_sb_crc(_poke(_slot(), 88, "<Q", 3 << 19)), CorruptionError, "geometry"),
     ("V-B6", lambda: _fix_sb_crc(_poke(_slot(), 64, "<Q", 2 << 20)), CorruptionError, "geometry"),
+    ("V-B9", lambda: _fix_sb_crc(_poke(_slot(), 104, "<Q", 0)), CorruptionError, "would reuse LSNs"),
+    ("V-B9", lambda: _fix_sb_crc(_poke(_slot(segments=(F.SegmentEntry(1 << 20, 1, 5, F.SEG_LIVE, 7),
+                                                       F.SegmentEntry(0, 0, 0, 0, 0)), next_lsn=2 << 20,
+                                                       next_segment_seq=2), 104, "<Q", (2 << 20) - 64)),
+     CorruptionError, "would reuse LSNs"),
+    ("V-B9", lambda: _fix_sb_crc(_poke(_slot(segments=(F.SegmentEntry(1 << 20, 1, 5, F.SEG_LIVE, 7),
+                                                       F.SegmentEntry(0, 0, 0, 0, 0)), next_lsn=2 << 20,
+                                                       next_segment_seq=2), 112, "<Q", 1)),
+     CorruptionError, "next_segment_seq 1"),
 ]
 
 
