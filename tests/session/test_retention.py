@@ -167,3 +167,34 @@ def test_bad_retention_fields_are_refused_in_one_line(bad):
     with pytest.raises(SessionError) as err:
         Policy(**bad)
     one_line(err.value, "policy")
+
+
+def test_what_the_session_knows_never_frees_more_than_a_scan_of_the_log_would(shm_log):
+    # the switch frees below Known.needed_from instead of scanning: it must be
+    # at or below what the scan-based needed_from answers for the same catalog
+    from concordia.wal.compact import needed_from, retention
+    from concordia.wal.planner import scan
+    from concordia.wal.snapshot import current_catalog
+
+    a = np.zeros((64, 1024), np.uint32)
+    policy = Policy(base_every_bytes=8 * 4096, keep_epochs=6, slice_bytes=16 << 10)
+    with Session(shm_log, size=16 * MiB, segment_size=1 * MiB, overwrite=True, policy=policy) as s:
+        s.register("state", a)
+        checked = 0
+        for e in range(1, 701):
+            _touch(a, e)
+            s.checkpoint()
+            if e % 50 == 0:
+                known = s.retention.known
+                known.window_start = s.retention._window_start(e)
+                entries = list(current_catalog(s.log).entries)
+                ids = [r.id for r in s.log.regions.values()]
+                kept, floor, cut = retention(entries, [known.window_start], 0, 1, ids)
+                fast = known.needed_from(kept, cut, floor)
+                if fast is False:
+                    continue
+                h = scan(s.log, payload=False)
+                assert fast <= needed_from(h, kept, cut, floor), e
+                checked += 1
+        assert checked >= 10, checked
+        assert s.retention.counts["scans"] == 0 and s.retention.counts["segments_freed"] > 0
