@@ -5,7 +5,7 @@ committed.  Under the session's `Policy` it
 
   * starts a base job when a region's delta chain (payload logged since its
     newest base, or since its first full write) passes `base_every_bytes`:
-    a `wal.compact.Compaction` at the epoch just committed, for that region
+    a `wal.compaction.Compaction` at the epoch just committed, for that region
     and every region that has no catalogued base yet, taking the images from
     host copies made now (a region of at most LIVE_COPY_BYTES; the copy is
     the state of the committed epoch because nothing ran since the commit)
@@ -74,7 +74,7 @@ class Retention:
         self.reports: collections.deque = collections.deque(maxlen=64)  # CompactReport of switches
         self.counts: collections.Counter = collections.Counter()
         self.error: str | None = None  # the last failure (the job is dropped and retried later)
-        from concordia.wal.compact import Known
+        from concordia.wal.compaction import Known
 
         #: the epochs this session committed, so that a switch needs no scan of the log
         self.known = Known()
@@ -192,14 +192,15 @@ class Retention:
             return
         names = list(regions) if pressure else sorted(set(due) | (set(regions) - self.based))
         from concordia.regions import to_host
-        from concordia.wal.compact import Compaction
+        from concordia.wal.compaction import Compaction
 
+        stated = self._commit_digests()  # the digests the commit just written states
         live, digests = {}, {}
         for n in names:
             r = regions[n]
-            if r.array.nbytes <= LIVE_COPY_BYTES and r.digest is not None:
+            if r.array.nbytes <= LIVE_COPY_BYTES and r.id in stated:
                 live[n] = np.array(to_host(r.array), copy=True).reshape(-1).view(np.uint8)
-                digests[n] = int(r.digest)
+                digests[n] = int(stated[r.id])
         self.job = Compaction(self.session.log, epoch, regions=names, live=live,
                               digests=digests if len(live) == len(names) else None,
                               chunk_bytes=int(self.policy.slice_bytes or MIN_SLICE))
@@ -207,6 +208,16 @@ class Retention:
         self.counts["jobs"] += 1
         for n in names:  # the chain restarts at the base's epoch
             self.chain[n] = 0
+
+    def _commit_digests(self) -> dict:
+        """{region id: digest} of the last commit record (read back from the log)."""
+        from concordia.wal import format as F
+        from concordia.wal.snapshot import record_at
+
+        log = self.session.log
+        _, off, h = record_at(log, log.appender.last_commit_lsn)
+        body = log.volume.backend.view[off + F.RECORD_HEADER_SIZE: off + F.RECORD_HEADER_SIZE + h.count]
+        return dict(F.decode_commit_body(body, h).digests)
 
     def _advance(self, pressure: bool, slice_bytes: int) -> None:
         job = self.job
@@ -231,7 +242,7 @@ class Retention:
         return max(0, start)
 
     def _switch(self, job, epoch: int, pressure: bool) -> None:
-        from concordia.wal.compact import Compaction
+        from concordia.wal.compaction import Compaction
 
         log = self.session.log
         if job is None:

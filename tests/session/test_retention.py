@@ -172,7 +172,7 @@ def test_bad_retention_fields_are_refused_in_one_line(bad):
 def test_what_the_session_knows_never_frees_more_than_a_scan_of_the_log_would(shm_log):
     # the switch frees below Known.needed_from instead of scanning: it must be
     # at or below what the scan-based needed_from answers for the same catalog
-    from concordia.wal.compact import needed_from, retention
+    from concordia.wal.compaction import needed_from, retention
     from concordia.wal.planner import scan
     from concordia.wal.snapshot import current_catalog
 

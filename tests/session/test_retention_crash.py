@@ -27,7 +27,7 @@ PAGES = 64
 CHILD = textwrap.dedent("""
     import os, signal, sys
     import numpy as np
-    import concordia.wal.compact as C
+    import concordia.wal.compaction as C
     import concordia.wal.snapshot as S
     from concordia.wal.volume import Volume
     from concordia import Session
