@@ -1,6 +1,13 @@
 """When to checkpoint: every N steps, every T milliseconds, or once B bytes are
 dirty, whichever comes first.  The policy is pure bookkeeping; the session asks
-it at every `step()` and takes the checkpoint."""
+it at every `step()` and takes the checkpoint.
+
+It also says what the log keeps (retention, on by default; `concordia.retention`
+does the work after each checkpoint): a region gets a new base snapshot once
+the deltas logged since its newest base pass `base_every_bytes`, every epoch
+among the newest `keep_epochs` (and every epoch committed within the last
+`keep_seconds`) stays restorable, and compaction frees what nothing kept still
+needs, writing at most about `slice_bytes` after any one checkpoint."""
 
 from __future__ import annotations
 
@@ -15,14 +22,33 @@ from concordia.sizes import parse_size
 @dataclasses.dataclass
 class Policy:
     """every_steps / every_ms / every_bytes: None disables that trigger.  With
-    all three None, checkpoints happen only when `checkpoint()` is called."""
+    all three None, checkpoints happen only when `checkpoint()` is called.
+
+    retain: automatic bases and compaction (False: the log only grows, until
+    `concordia-wal compact`).  base_every_bytes: delta bytes after which a
+    region gets a new base (None: a quarter of the region, so a recovery reads
+    at most 1.25 images of it).  keep_epochs / keep_seconds: the window of
+    epochs that stays restorable (None: no window of that kind); when the log
+    cannot hold the window, the log wins and the window shrinks (older
+    targets are refused, naming the oldest kept epoch).  slice_bytes: BASE
+    bytes written after one checkpoint while a base is being written (None:
+    64 KiB, or twice what that checkpoint wrote when more, so that a slice
+    costs about what the checkpoint did and a base outpaces the deltas)."""
 
     every_steps: int | None = None
     every_ms: float | None = None
     every_bytes: int | None = None
+    retain: bool = True
+    base_every_bytes: int | None = None
+    keep_epochs: int | None = 64
+    keep_seconds: float | None = None
+    slice_bytes: int | None = None
 
     def __post_init__(self):
-        for name in ("every_steps", "every_ms", "every_bytes"):
+        if not isinstance(self.retain, bool):
+            raise SessionError(f"retain must be True or False, not {self.retain!r}", where="policy")
+        for name in ("every_steps", "every_ms", "every_bytes", "base_every_bytes", "keep_epochs", "keep_seconds",
+                     "slice_bytes"):
             v = getattr(self, name)
             if v is not None and not (isinstance(v, numbers.Real) and not isinstance(v, bool) and v > 0):
                 raise SessionError(f"{name} must be a positive number, not {v!r}", where="policy")

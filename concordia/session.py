@@ -73,6 +73,7 @@ from concordia.checkpoint.staging import _page_crcs, _register, _Stager, _stage_
 from concordia.checkpoint.table import RegionTable
 from concordia.regions import (DETECTORS, KINDS, KvGeometry, Region, StreamOrder, adapt, logical_of, numpy_dtype,
                                present, storage_of, to_host, torch_dtype)
+from concordia.retention import Retention
 
 DEFAULT_SIZE = 256 << 20
 STAGING = ("auto", "mapped", "ring", "host")
@@ -167,6 +168,8 @@ class Session:
         self._next_epoch = self.epoch + 1
         self.checkpoints: list[CheckpointStats] = []
         self.last_recovery: RecoveryStats | None = None
+        #: automatic bases and compaction under the policy (concordia.retention)
+        self.retention = Retention(self, self.policy)
 
     # ------------------------------------------------------------ lifecycle
     def __enter__(self):
@@ -292,6 +295,7 @@ class Session:
             if isinstance(check_every, bool) or not isinstance(check_every, (int, np.integer)) or check_every < 0:
                 raise SessionError(f"check_every must be a whole number >= 0, not {check_every!r}", where=where)
 
+        self.retention.check_capacity(name, arr.nbytes, int(page_bytes))
         region = Region(name=name, kind=kind, page_bytes=int(page_bytes), array=arr, xp=xp, owner=owner,
                         storage=storage_of(owner), detect=detect, hints=hints, logical=logical,
                         framework=framework, stream=stream)
@@ -436,6 +440,7 @@ class Session:
                                 detect_s * 1e3, stage_s * 1e3, commit_s * 1e3, via, reads)
         self.paths.update(via.values())
         self.checkpoints.append(stats)
+        self.retention.after_commit(stats)  # bases and compaction, one bounded slice
         return stats
 
     def _checkpoint_table(self, table, epoch: int, reason: str) -> CheckpointStats:
@@ -460,6 +465,7 @@ class Session:
                                 got.detect_s * 1e3, got.stage_s * 1e3, commit_s * 1e3, via, got.device_reads, True)
         self.paths[table.label] += len(names)
         self.checkpoints.append(stats)
+        self.retention.after_commit(stats)  # bases and compaction, one bounded slice
         return stats
 
     def _stream_order(self, stream) -> StreamOrder:

@@ -42,7 +42,7 @@ from concordia.wal.snapshot import (
     _page_source,
     append_catalog,
     current_catalog,
-    write_base_records,
+    write_base_slices,
 )
 
 
@@ -60,6 +60,7 @@ class CompactReport:
     oldest_lsn: int = 0
     segments_freed: list = field(default_factory=list)
     seconds: float = 0.0
+    scanned: bool = False  # the switch read the log (no `Known` covered it)
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -175,71 +176,222 @@ def compact(log, epoch: int | None = None, *, live: dict | None = None, keep_bas
     (the array must be the region's state at `epoch`; its digest is checked
     against the commit before anything is switched).
     progress(done_bytes, total_bytes) is called after every chunk written."""
-    t0 = time.perf_counter()
-    h = scan(log)
-    p = plan_history(h, "latest" if epoch is None else int(epoch), "tolerate_tail")
-    C = p.epoch
-    prev = current_catalog(log)
-    sb = log.volume.superblock
-    keep_bases = prev.keep_bases if keep_bases is None else int(keep_bases)
-    keep_epochs = int(sb.retain_epochs) if keep_epochs is None else int(keep_epochs)
-    live = dict(live or {})
-    unknown = set(live) - set(p.regions)
-    if unknown:
-        raise WalError(f"no region named {sorted(unknown)[0]!r} to take live")
-    rep = CompactReport(epoch=C, source="live" if live else "log")
+    job = Compaction(log, epoch, live=live, chunk_bytes=chunk_bytes, progress=progress)
+    while not job.step():
+        pass
+    return job.finish(keep_bases=keep_bases, keep_epochs=keep_epochs, reclaim=reclaim)
 
-    todo = []
-    for name, rp in p.regions.items():
-        if name not in live and rp.base_epoch == C:
-            rep.unchanged.append(name)  # its newest base already is the state at C
-            continue
-        todo.append(rp)
-    total = sum(rp.region.pages * rp.region.page_bytes for rp in todo)
-    done = [0]
 
-    def tick(n):
-        done[0] += n
-        if progress:
-            progress(done[0], total)
+class Compaction:
+    """One compaction, in steps a caller can spread over time (a `Session`
+    runs one step after a checkpoint): `step()` writes at most one chunk of
+    BASE records and says whether the bases are all written; `finish()` lists
+    them in a new catalog and makes it current, freeing what retention no
+    longer needs (the commit point, one superblock write).  Until `finish`
+    nothing a reader sees has changed: a crash, or an `abort()`, leaves the
+    written BASE records unlisted, and they are ignored (FORMAT.md §12).
 
-    new = []
-    for rp in todo:
-        info = rp.region
-        src = _page_source(info, live[info.name]) if info.name in live else fold_source(rp)
-        entry = write_base_records(log, info, src, C, chunk_bytes=chunk_bytes, progress=tick)
-        if rp.digest is not None and entry.digest != rp.digest:
-            raise WalError(f"new base of region {info.name!r} at epoch {C} has digest 0x{entry.digest:08x}, "
-                           f"the log states 0x{rp.digest:08x}; nothing was switched",
-                           hint="a live image must be the region's state at the epoch compacted")
-        new.append(entry)
-        rep.folded.append(info.name)
-        rep.records_written += entry.records
-        rep.bytes_written += entry.pages * info.page_bytes
+    epoch: the committed epoch the bases hold (default: the latest).
+    regions: names to give a base (default: every region; a region whose
+    newest base already is at the epoch is left out unless it is live).
+    live: {name: array, buffer or (lo, hi) -> pages function} images of the
+    regions at `epoch`; the others are folded from the log (which takes one
+    scan of the log here).  Each new base's digest is checked against the
+    commit before `finish` switches.  The log must not be compacted by anyone
+    else between the steps (the folded sources read records in place)."""
 
-    replaced = {(e.region_id, e.epoch) for e in new}
-    entries = [e for e in prev.entries if (e.region_id, e.epoch) not in replaced] + new
-    kept, floor, cut = retention(entries, h.committed_epochs(), keep_bases, keep_epochs,
-                                 [r.id for r in h.regions.values()])
-    floor = max(floor, prev.floor_epoch)
-    rep.bases_kept, rep.bases_dropped, rep.floor_epoch = len(kept), len(entries) - len(kept), floor
-    if not new and len(kept) == len(prev.entries) and floor == prev.floor_epoch:
-        rep.seconds = time.perf_counter() - t0
-        return rep  # nothing changes: write nothing
+    def __init__(self, log, epoch: int | None = None, *, regions=None, live: dict | None = None,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, progress: Callable[[int, int], None] | None = None,
+                 digests: dict | None = None):
+        self.t0 = time.perf_counter()
+        self.log = log
+        self.seconds = 0.0
+        live = dict(live or {})
+        known = log.regions
+        unknown = set(live) - set(known) or set(regions or ()) - set(known)
+        if unknown:
+            raise WalError(f"no region named {sorted(unknown)[0]!r} to take live")
+        want = list(known) if regions is None else list(regions)
+        folded = [n for n in want if n not in live]
+        self.plan = None
+        if folded or epoch is None or digests is None:
+            h = scan(log)
+            p = plan_history(h, "latest" if epoch is None else int(epoch), "tolerate_tail",
+                             regions=folded or None)
+            self.plan = p
+            self.epoch = int(p.epoch)
+        else:
+            self.epoch = int(epoch)
+        self.report = CompactReport(epoch=self.epoch, source="live" if live and not folded else "log")
+        self._todo = []  # [info, source, expected digest]
+        for name in want:
+            info = known[name]
+            if name in live:
+                want_digest = (digests or {}).get(name)
+                if want_digest is None and self.plan is not None and name in self.plan.regions:
+                    want_digest = self.plan.regions[name].digest
+                self._todo.append([info, _page_source(info, live[name]), want_digest])
+                continue
+            rp = self.plan.regions[name]
+            if rp.base_epoch == self.epoch:
+                self.report.unchanged.append(name)  # its newest base already is the state at the epoch
+                continue
+            self._todo.append([info, fold_source(rp), rp.digest])
+        self.total = sum(t[0].pages * t[0].page_bytes for t in self._todo)
+        self.done_bytes = 0
+        self.chunk_bytes = int(chunk_bytes)
+        self.progress = progress
+        self.new: list = []
+        self._writer = None  # the generator writing the current region's base
 
-    cat = Catalog(prev.sequence + 1, tuple(kept), keep_bases, floor)
-    low = needed_from(h, kept, cut, floor) if reclaim else None
-    if low is not None and h.region_lsns and min(h.region_lsns.values()) < low:
-        _rewrite_descriptors(log)  # they would go with their segment
-    cat_lsn = append_catalog(log, cat, prev.lsn)
-    changes = dict(catalog_lsn=cat_lsn, oldest_epoch=floor, retain_epochs=keep_epochs)
-    if low is not None:
-        rep.segments_freed = log.volume.reclaim_segments(min(low, cat_lsn), **changes)
-    else:
-        log.volume.write_superblock(**changes)
-    rep.oldest_lsn = log.volume.superblock.oldest_lsn
-    rep.seconds = time.perf_counter() - t0
-    return rep
+    @property
+    def written(self) -> bool:
+        return not self._todo and self._writer is None
+
+    def step(self, max_bytes: int | None = None) -> bool:
+        """Write BASE records, one chunk (`chunk_bytes`) after another, until
+        `max_bytes` (default: one chunk) are written or every base is; True
+        once every base is written."""
+        t = time.perf_counter()
+        budget = self.chunk_bytes if max_bytes is None else max(1, int(max_bytes))
+        while budget > 0 and not self.written:
+            if self._writer is None:
+                info, src, want = self._todo[0]
+                self._writer = write_base_slices(self.log, info, src, self.epoch, chunk_bytes=self.chunk_bytes)
+            try:
+                n = next(self._writer)
+            except StopIteration as stop:
+                self._writer = None
+                info, _, want = self._todo.pop(0)
+                entry = stop.value
+                if want is not None and entry.digest != want:
+                    self.abort()
+                    raise WalError(f"new base of region {info.name!r} at epoch {self.epoch} has digest "
+                                   f"0x{entry.digest:08x}, the log states 0x{want:08x}; nothing was switched",
+                                   hint="a live image must be the region's state at the epoch compacted")
+                self.new.append(entry)
+                self.report.folded.append(info.name)
+                self.report.records_written += entry.records
+                self.report.bytes_written += entry.pages * info.page_bytes
+                continue
+            budget -= n
+            self._tick(n)
+        self.seconds += time.perf_counter() - t
+        return self.written
+
+    def _tick(self, n: int) -> None:
+        self.done_bytes += n
+        if self.progress:
+            self.progress(self.done_bytes, self.total)
+
+    def abort(self) -> None:
+        """Give up: what was written stays unlisted (ignored by every reader)."""
+        if self._writer is not None:
+            self._writer.close()
+        self._writer = None
+        self._todo = []
+
+    def finish(self, *, keep_bases: int | None = None, keep_epochs: int | None = None,
+               reclaim: bool = True, known: "Known | None" = None) -> CompactReport:
+        """List the new bases and the ones retention keeps in a new catalog and
+        make it current, freeing every segment below what a kept epoch needs
+        (one superblock write).  Writes nothing when nothing changes.
+
+        known: what the writer knows of the log (see `Known`), so that no scan
+        of the log is needed; used only when it covers every epoch the switch
+        keeps, else the log is scanned."""
+        if not self.written:
+            raise WalError("compaction finished before its bases were written")
+        t = time.perf_counter()
+        log, rep = self.log, self.report
+        prev = current_catalog(log)
+        sb = log.volume.superblock
+        keep_bases = prev.keep_bases if keep_bases is None else int(keep_bases)
+        keep_epochs = int(sb.retain_epochs) if keep_epochs is None else int(keep_epochs)
+        new = self.new
+        replaced = {(e.region_id, e.epoch) for e in new}
+        entries = [e for e in prev.entries if (e.region_id, e.epoch) not in replaced] + new
+        ids = [r.id for r in log.regions.values()]
+        h = None
+        known_in = known
+        if known is not None and keep_epochs and not keep_bases:
+            kept, floor, cut = retention(entries, [known.window_start], 0, 1, ids)
+            floor = max(floor, prev.floor_epoch)
+            low = known.needed_from(kept, cut, floor) if reclaim else None
+            if low is False:  # the writer does not know every epoch kept
+                known = None
+        else:
+            known = None
+        if known is None:
+            rep.scanned = True
+            h = scan(log, payload=False)
+            kept, floor, cut = retention(entries, h.committed_epochs(), keep_bases, keep_epochs,
+                                         [r.id for r in h.regions.values()])
+            floor = max(floor, prev.floor_epoch)
+            low = needed_from(h, kept, cut, floor) if reclaim else None
+        rep.bases_kept, rep.bases_dropped, rep.floor_epoch = len(kept), len(entries) - len(kept), floor
+        if not new and len(kept) == len(prev.entries) and floor == prev.floor_epoch:
+            rep.oldest_lsn = sb.oldest_lsn
+            self.seconds += time.perf_counter() - t
+            rep.seconds = self.seconds
+            return rep  # nothing changes: write nothing
+
+        cat = Catalog(prev.sequence + 1, tuple(kept), keep_bases, floor)
+        if h is not None:
+            lowest = min(h.region_lsns.values(), default=None)
+            rewrite = lowest is not None and low is not None and lowest < low
+        else:
+            lowest = known_in.descriptor_lsn
+            rewrite = low is not None and (lowest is None or lowest < low)
+        if rewrite:
+            lowest = log.appender.write_lsn
+            _rewrite_descriptors(log)  # they would go with their segment
+        if known_in is not None:
+            known_in.descriptor_lsn = lowest
+        cat_lsn = append_catalog(log, cat, prev.lsn)
+        changes = dict(catalog_lsn=cat_lsn, oldest_epoch=floor, retain_epochs=keep_epochs)
+        if low is not None:
+            rep.segments_freed = log.volume.reclaim_segments(min(low, cat_lsn), **changes)
+        else:
+            log.volume.write_superblock(**changes)
+        rep.oldest_lsn = log.volume.superblock.oldest_lsn
+        self.seconds += time.perf_counter() - t
+        rep.seconds = self.seconds
+        return rep
+
+
+@dataclass
+class Known:
+    """What a writer knows of its own log, so that a switch needs no scan.
+
+    epochs: {epoch: (lowest LSN any record of it may have, LSN of its commit)}
+    for the epochs this writer committed (a lower bound is enough: keeping
+    more is safe), in commit order.  window_start: the oldest epoch the kept
+    window holds.  descriptor_lsn: the lowest LSN of a live region descriptor
+    (None: not known; the switch then writes them again when it frees)."""
+
+    epochs: dict = field(default_factory=dict)
+    window_start: int = 0
+    descriptor_lsn: int | None = None
+
+    def needed_from(self, kept, cut: dict, floor: int):
+        """The lowest LSN a restore of a kept epoch reads (as `needed_from`
+        computes it from a scan), or False when an epoch it needs is not known."""
+        eps = self.epochs
+        lows = [e.first_lsn for e in kept]
+        min_cut = min(cut.values(), default=0)
+        first_needed = min_cut + 1  # deltas after a region's cut; epochs split never (V-C4)
+        at = [ep for ep in (floor, first_needed) if ep]
+        for ep in at:
+            if ep not in eps:
+                if ep == first_needed and ep > max(eps, default=0):
+                    continue  # no epoch after the cut yet
+                return False
+        if floor:
+            lows.append(eps[floor][0])  # its commit and every record it counts
+        if first_needed in eps:
+            lows.append(eps[first_needed][0])
+        return min(lows) if lows else None
 
 
 def _rewrite_descriptors(log) -> None:
@@ -254,4 +406,4 @@ def _rewrite_descriptors(log) -> None:
         app.append_record(type=F.REC_REGION, epoch=0, body=body, region_id=info.id, page_bytes=info.page_bytes)
 
 
-__all__ = ["compact", "CompactReport", "fold_source", "retention", "needed_from"]
+__all__ = ["compact", "Compaction", "Known", "CompactReport", "fold_source", "retention", "needed_from"]

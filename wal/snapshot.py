@@ -90,15 +90,21 @@ def _append_base_batch(log, epoch: int, region_id: int, page_ids, pages, page_cr
     return res.lsn
 
 
-def write_base_records(log, info, source, epoch: int, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                       progress: Callable[[int], None] | None = None) -> BaseEntry:
-    """Append the BASE page batches of a full image of region `info` at `epoch`,
-    chunk by chunk (memory: one chunk), and return the catalog entry that would
-    list them.  Nothing is listed yet: the caller writes the catalog."""
-    from concordia.wal.format import page_crcs_of, region_digest
+def write_base_slices(log, info, source, epoch: int, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+    """A generator appending the BASE page batches of a full image of region
+    `info` at `epoch`, one chunk (at most `chunk_bytes`, at least one page, and
+    never more than a segment holds) per step: each `next()` writes and
+    persists one record and yields its payload bytes; the generator returns
+    (StopIteration.value) the catalog entry that would list them.  Nothing is
+    listed: the caller writes the catalog.  A caller may stop between steps
+    (the records written stay unlisted and ignored)."""
+    from concordia.wal.format import page_batch_length, page_crcs_of, region_digest
 
     pb = info.page_bytes
     per = max(1, min(chunk_bytes // pb, 1 << 20))
+    cap = log.appender.segment_capacity
+    while per > 1 and page_batch_length(per, pb) > cap:
+        per //= 2
     crcs = np.zeros(info.pages, dtype=np.uint32)
     first = last = None
     records = 0
@@ -111,11 +117,25 @@ def write_base_records(log, info, source, epoch: int, *, chunk_bytes: int = DEFA
         first = lsn if first is None else first
         last = lsn
         records += 1
-        if progress:
-            progress((hi - lo) * pb)
+        yield (hi - lo) * pb
     if first is None:
         raise WalError(f"region {info.name!r} has no pages to snapshot")
     return BaseEntry(info.id, int(epoch), int(first), int(last), records, info.pages, region_digest(crcs))
+
+
+def write_base_records(log, info, source, epoch: int, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                       progress: Callable[[int], None] | None = None) -> BaseEntry:
+    """Append the BASE page batches of a full image of region `info` at `epoch`,
+    chunk by chunk (memory: one chunk), and return the catalog entry that would
+    list them.  Nothing is listed yet: the caller writes the catalog."""
+    steps = write_base_slices(log, info, source, epoch, chunk_bytes=chunk_bytes)
+    while True:
+        try:
+            n = next(steps)
+        except StopIteration as stop:
+            return stop.value
+        if progress:
+            progress(n)
 
 
 def record_at(log, lsn: int):
@@ -250,5 +270,5 @@ def list_snapshots(log) -> list:
 
 __all__ = [
     "Catalog", "EMPTY_CATALOG", "encode_catalog_body", "decode_catalog_body", "current_catalog",
-    "write_catalog", "write_base_records", "create_base_snapshot", "list_snapshots", "SnapshotInfo",
+    "write_catalog", "write_base_records", "write_base_slices", "create_base_snapshot", "list_snapshots", "SnapshotInfo",
 ]

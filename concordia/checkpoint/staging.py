@@ -41,7 +41,7 @@ def _stage_region(app, r: Region, ids: np.ndarray, epoch: int, base: bool) -> in
         return 0
     flags = 0  # a full first write is part of its epoch, not a catalogued base (FORMAT.md §12.1)
     written = 0
-    for b in plan_batches(r, int(ids.size)):
+    for b in plan_batches(r, int(ids.size), app.segment_capacity):
         chunk, length = ids[b.lo:b.hi], b.length
         res = app.reserve(length)
         if r.on_gpu:
@@ -69,11 +69,15 @@ class Batch:
     length: int
 
 
-def plan_batches(region: Region, count: int) -> list[Batch]:
-    """The records `count` dirty pages of `region` become (as the host path cuts them)."""
+def plan_batches(region: Region, count: int, cap: int | None = None) -> list[Batch]:
+    """The records `count` dirty pages of `region` become (as the host path cuts
+    them): at most MAX_BATCH_BYTES of payload, and each fits `cap` bytes (a
+    segment's capacity; a log of small segments takes a first full write too)."""
     from concordia.wal import format as fmt
 
     per = max(1, MAX_BATCH_BYTES // region.page_bytes)
+    while cap and per > 1 and fmt.page_batch_length(per, region.page_bytes) > cap:
+        per //= 2
     return [Batch(region, lo, min(count, lo + per), fmt.page_batch_length(min(count, lo + per) - lo,
                                                                           region.page_bytes))
             for lo in range(0, count, per)]
@@ -189,7 +193,7 @@ class _Stager:
             if n:
                 ids[r.name] = rid
                 staged[r.name] = k.empty_u32(n)
-                batches += plan_batches(r, n)
+                batches += plan_batches(r, n, app.segment_capacity)
         cap = min(max([EXTENT_BYTES] + [b.length for b in batches]), app.segment_capacity)
         extents = plan_extents(batches, cap)
         sizes = [sum(b.length for b in e) for e in extents]

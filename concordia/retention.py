@@ -1,0 +1,282 @@
+"""Retention: what keeps a long session's log bounded and its recovery flat.
+
+A `Session` calls `Retention.after_commit` once after every checkpoint has
+committed.  Under the session's `Policy` it
+
+  * starts a base job when a region's delta chain (payload logged since its
+    newest base, or since its first full write) passes `base_every_bytes`:
+    a `wal.compaction.Compaction` at the epoch just committed, for that region
+    and every region that has no catalogued base yet, taking the images from
+    host copies made now (a region of at most LIVE_COPY_BYTES; the copy is
+    the state of the committed epoch because nothing ran since the commit)
+    or else folding them from the log;
+  * writes that job's BASE records, about `slice_bytes` after each
+    checkpoint, so that no checkpoint waits for a whole base;
+  * switches when the bases are written (`Compaction.finish`: one new
+    catalog, one superblock write), freeing every segment below what the
+    kept window still needs, and switches once more (with no new base) when
+    the window has moved past the newest bases, so the floor follows them;
+  * under log pressure (free space below a full base of every region plus a
+    few segments) bases every region at once and keeps only the newest epoch:
+    the checkpoint the caller relies on must not fail for want of space.
+
+A kill at any point is safe: until the superblock write of a switch nothing a
+reader sees has changed (the BASE records are unlisted and ignored), and after
+it the new catalog is whole (FORMAT.md §3.4, §12).
+
+The kept window: the newest `keep_epochs` epochs and every epoch committed
+within the last `keep_seconds` (epochs committed before this session opened
+count as old as the session).  The oldest restorable epoch is the newest base
+at or before the window's start; a recovery of an older one is refused by the
+planner in one line naming it.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import numpy as np
+
+from concordia.errors import ConcordiaError, SessionError
+
+#: regions up to this size are based from a host copy taken after the commit;
+#: larger ones are folded from the log (no copy of the region is held)
+LIVE_COPY_BYTES = 256 << 20
+#: BASE bytes written after a checkpoint at the least (Policy.slice_bytes=None)
+MIN_SLICE = 64 << 10
+
+
+def record_bytes(nbytes: int, page_bytes: int) -> int:
+    """Log bytes a full image of a region of `nbytes` takes in 8 MiB page batches."""
+    from concordia.wal import format as F
+
+    pages = -(-int(nbytes) // page_bytes)
+    per = max(1, (8 << 20) // page_bytes)
+    full, rest = divmod(pages, per)
+    return full * F.page_batch_length(per, page_bytes) + (F.page_batch_length(rest, page_bytes) if rest else 0)
+
+
+class Retention:
+    """The automatic bases and compaction of one session (see the module doc)."""
+
+    def __init__(self, session, policy):
+        self.session = session
+        self.policy = policy
+        self.job = None            # the Compaction being written, or None
+        self.job_pressure = False
+        self.chain: dict = {}      # region name -> delta payload bytes since its newest base
+        self.based: set | None = None  # names with a catalogued base (read at the first hook)
+        self.times: collections.deque = collections.deque()  # (epoch, monotonic time) of commits
+        self.opened = time.monotonic()
+        self.pending_floor = 0     # epoch of the newest bases, until the floor reaches them
+        self.last: str | None = None   # what the last hook did: "base", "switch" or None
+        self.reports: collections.deque = collections.deque(maxlen=64)  # CompactReport of switches
+        self.counts: collections.Counter = collections.Counter()
+        self.error: str | None = None  # the last failure (the job is dropped and retried later)
+        from concordia.wal.compaction import Known
+
+        #: the epochs this session committed, so that a switch needs no scan of the log
+        self.known = Known()
+        # no record of the next epoch lies below this LSN (a read-only log has no writer)
+        self._mark = session.log.appender.write_lsn if getattr(session.log, "writable", True) else 0
+        self._can_base: tuple | None = None  # (regions, answer)
+
+    # ---------------------------------------------------------------- sizes
+    def capacity(self) -> int:
+        vol = self.session.log.volume
+        return int(vol.superblock.segment_count) * int(vol.segment_bytes)
+
+    def state_bytes(self, extra: tuple = ()) -> int:
+        """Log bytes one full image of the registered regions (and of `extra`
+        (nbytes, page_bytes) pairs) takes."""
+        sizes = [(r.array.nbytes, r.page_bytes) for r in self.session._regions.values()] + list(extra)
+        return sum(record_bytes(n, pb) for n, pb in sizes)
+
+    def check_capacity(self, name: str, nbytes: int, page_bytes: int) -> None:
+        """Refuse, before anything is written, a region with which one image of
+        the state no longer fits the log (its first checkpoint writes every page)."""
+        seg = int(self.session.log.volume.segment_bytes)
+        need, have = self.state_bytes(((nbytes, page_bytes),)) + seg, self.capacity()
+        if need > have:
+            raise SessionError(f"the log holds {have} bytes ({_mib(have)}) of segments, and one image of the "
+                               f"registered state with this region needs {need} bytes ({_mib(need)})",
+                               where=f"region {name!r}",
+                               hint=f"create a log of at least {_mib(2 * need + 2 * seg)}: two images, so that "
+                                    "retention can write a base beside the one in use")
+
+    def can_base(self) -> bool:
+        """Whether the log holds a new base beside the state it keeps (two images and two segments)."""
+        return 2 * self.state_bytes() + 2 * int(self.session.log.volume.segment_bytes) <= self.capacity()
+
+    def free_bytes(self) -> int:
+        """Bytes the appender can still write before the log is full."""
+        log = self.session.log
+        vol = log.volume
+        from concordia.wal import format as F
+
+        free = sum(1 for e in vol.superblock.segments if e.state == F.SEG_FREE) * int(vol.segment_bytes)
+        app = log.appender
+        if app.seg is not None:
+            free += app.seg.offset + app.seg.nbytes - app.pos
+        return free
+
+    def reserve(self) -> int:
+        """Free space below which the log is under pressure."""
+        state = sum(record_bytes(r.array.nbytes, r.page_bytes) for r in self.session._regions.values())
+        last = self.session.checkpoints[-1].log_bytes if self.session.checkpoints else 0
+        # a base of every region (with the ends of the segments it crosses) and a
+        # few more checkpoints fit below it, so the switch that frees space comes in time
+        return state + (state >> 3) + int(self.session.log.volume.segment_bytes) + 4 * last + (64 << 10)
+
+    def bound(self, r) -> int:
+        b = self.policy.base_every_bytes
+        return int(b) if b else max(r.page_bytes, r.array.nbytes // 4)
+
+    # ---------------------------------------------------------------- the hook
+    def after_commit(self, stats) -> None:
+        """Called by the session once `stats.epoch` has committed."""
+        self.last = None
+        if not self.policy.retain:
+            return
+        app = self.session.log.appender
+        self.known.epochs[stats.epoch] = (self._mark, app.last_commit_lsn)
+        try:
+            self._after_commit(stats)
+        finally:
+            self._mark = app.write_lsn
+
+    def _after_commit(self, stats) -> None:
+        now = time.monotonic()
+        self.times.append((stats.epoch, now))
+        keep_s = self.policy.keep_seconds
+        while self.times and (not keep_s or now - self.times[0][1] > keep_s) and len(self.times) > 1:
+            self.times.popleft()
+        regions = self.session._regions
+        for name, n in stats.pages.items():
+            if name in stats.base:
+                self.chain[name] = 0  # a first full write bounds the chain as a base does
+            else:
+                self.chain[name] = self.chain.get(name, 0) + int(n) * regions[name].page_bytes
+        n = len(regions)
+        if self._can_base is None or self._can_base[0] != n:
+            self._can_base = (n, self.can_base())
+        if not self._can_base[1]:
+            self.error = (f"the log ({_mib(self.capacity())}) cannot hold a base beside the state it keeps "
+                          f"({_mib(2 * self.state_bytes())} with it): no automatic bases")
+            return
+        try:
+            if self.based is None:
+                from concordia.wal.snapshot import current_catalog
+
+                ids = {e.region_id for e in current_catalog(self.session.log).entries}
+                self.based = {n for n, r in regions.items() if r.id in ids}
+            pressure = self.free_bytes() < self.reserve()
+            if self.job is None:
+                self._maybe_start(stats.epoch, pressure)
+            if self.job is not None:
+                self._advance(pressure, int(self.policy.slice_bytes or max(MIN_SLICE, 2 * stats.log_bytes)))
+            elif self.pending_floor and self._window_start(stats.epoch) > self.pending_floor:
+                self._switch(None, stats.epoch, pressure)
+        except ConcordiaError as exc:
+            self.error = exc.one_line() if hasattr(exc, "one_line") else str(exc)
+            self.counts["errors"] += 1
+            if self.job is not None:
+                self.job.abort()
+            self.job = None
+
+    def _maybe_start(self, epoch: int, pressure: bool) -> None:
+        regions = self.session._regions
+        due = [n for n, r in regions.items() if self.chain.get(n, 0) > self.bound(r)]
+        if not due and not pressure:
+            return
+        names = list(regions) if pressure else sorted(set(due) | (set(regions) - self.based))
+        from concordia.regions import to_host
+        from concordia.wal.compaction import Compaction
+
+        stated = self._commit_digests()  # the digests the commit just written states
+        live, digests = {}, {}
+        for n in names:
+            r = regions[n]
+            if r.array.nbytes <= LIVE_COPY_BYTES and r.id in stated:
+                live[n] = np.array(to_host(r.array), copy=True).reshape(-1).view(np.uint8)
+                digests[n] = int(stated[r.id])
+        self.job = Compaction(self.session.log, epoch, regions=names, live=live,
+                              digests=digests if len(live) == len(names) else None,
+                              chunk_bytes=int(self.policy.slice_bytes or MIN_SLICE))
+        self.job_pressure = pressure
+        self.counts["jobs"] += 1
+        for n in names:  # the chain restarts at the base's epoch
+            self.chain[n] = 0
+
+    def _commit_digests(self) -> dict:
+        """{region id: digest} of the last commit record (read back from the log)."""
+        from concordia.wal import format as F
+        from concordia.wal.snapshot import record_at
+
+        log = self.session.log
+        _, off, h = record_at(log, log.appender.last_commit_lsn)
+        body = log.volume.backend.view[off + F.RECORD_HEADER_SIZE: off + F.RECORD_HEADER_SIZE + h.count]
+        return dict(F.decode_commit_body(body, h).digests)
+
+    def _advance(self, pressure: bool, slice_bytes: int) -> None:
+        job = self.job
+        if pressure or self.job_pressure:
+            while not job.step():
+                pass
+        elif not job.step(slice_bytes):
+            self.last = "base"
+            self.counts["slices"] += 1
+            return
+        self.counts["slices"] += 1
+        self._switch(job, job.epoch, pressure or self.job_pressure)
+
+    def _window_start(self, latest: int) -> int:
+        """The oldest epoch the kept window holds, for a log whose newest epoch is `latest`."""
+        k = self.policy.keep_epochs
+        start = latest - int(k) + 1 if k else latest
+        if self.policy.keep_seconds:
+            if time.monotonic() - self.opened <= self.policy.keep_seconds:
+                return 0  # epochs from before this session may still be young enough
+            start = min(start, self.times[0][0]) if self.times else start
+        return max(0, start)
+
+    def _switch(self, job, epoch: int, pressure: bool) -> None:
+        from concordia.wal.compaction import Compaction
+
+        log = self.session.log
+        if job is None:
+            job = Compaction(log, epoch, regions=[], live={}, digests={})
+        latest = int(log.last_committed_epoch or 0)
+        start = latest if pressure else self._window_start(latest)
+        # the compaction counts the window in committed epochs: one per epoch from start
+        keep = max(1, latest - start + 1) if start else (1 << 62)
+        self.known.window_start = start
+        rep = job.finish(keep_epochs=keep, known=self.known)
+        for ep in [ep for ep in self.known.epochs if ep < rep.floor_epoch]:
+            del self.known.epochs[ep]
+        self.job = None
+        self.job_pressure = False
+        self.reports.append(rep)
+        self.counts["switches"] += 1
+        self.counts["segments_freed"] += len(rep.segments_freed)
+        self.counts["scans"] += int(rep.scanned)
+        self.last = "switch"
+        if rep.folded:
+            self.based.update(rep.folded)
+            self.pending_floor = job.epoch
+            self.counts["bases"] += len(rep.folded)
+        if rep.floor_epoch >= self.pending_floor:
+            self.pending_floor = 0
+
+    def to_json(self) -> dict:
+        return {"counts": dict(self.counts), "error": self.error, "busy": self.job is not None,
+                "free_bytes": self.free_bytes(), "capacity": self.capacity(),
+                "floor_epoch": self.reports[-1].floor_epoch if self.reports else 0}
+
+
+def _mib(n: int) -> str:
+    return f"{-(-n // (1 << 20))} MiB"
+
+
+__all__ = ["Retention", "LIVE_COPY_BYTES", "record_bytes"]
