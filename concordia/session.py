@@ -148,6 +148,7 @@ class Session:
         self._next_epoch = self.epoch + 1
         self.checkpoints: list[CheckpointStats] = []
         self.last_recovery: RecoveryStats | None = None
+        self._before_checkpoint: list = []
 
     # ------------------------------------------------------------ lifecycle
     def __enter__(self):
@@ -314,11 +315,21 @@ class Session:
         self._check_open("measure dirty bytes")
         return sum(int(r.dirty_pages(advance=False).size) * r.page_bytes for r in self._regions.values())
 
+    def before_checkpoint(self, fn) -> None:
+        """Call `fn()` at the start of every checkpoint, before any region is
+        read: for state an integration mirrors into a registered array (the
+        host-side counters of a framework's cache)."""
+        if not callable(fn):
+            raise SessionError(f"before_checkpoint takes a callable, not {fn!r}")
+        self._before_checkpoint.append(fn)
+
     def checkpoint(self, *, reason: str = "manual") -> CheckpointStats:
         """One durable epoch across every registered region; returns what it wrote."""
         self._check_open("checkpoint")
         if not self._regions:
             raise SessionError("nothing to checkpoint: no region is registered")
+        for fn in self._before_checkpoint:
+            fn()
         for r in self._regions.values():
             r.check_unchanged()  # before anything is written
         epoch = max(self._next_epoch, self.log.appender.next_epoch)
