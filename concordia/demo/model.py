@@ -9,7 +9,7 @@ model from its seed, restores cache, counters, adapter and tokens from the log,
 and generates the rest.  Its tokens, cache and adapter are compared, bit for
 bit, with an uninterrupted run.
 
-Each role runs in its own process (`python -m concordia.demo_model ROLE ...`,
+Each role runs in its own process (`python -m concordia.demo.model ROLE ...`,
 one JSON line on stdout), so the kill is a real SIGKILL and the recovery a real
 fresh process.
 """
@@ -24,6 +24,8 @@ import signal
 import subprocess
 import sys
 import time
+
+from concordia.errors import DemoError
 
 SHAPES = {
     # the Qwen3-0.6B shape (28 layers, 8 KV heads of 128, 151,936-token vocabulary)
@@ -65,14 +67,14 @@ def lora_update(model):
     def on_step(step, input_ids):
         with torch.no_grad():
             for p in params:
-                p.mul_(0.999).add_(1e-4 * (step % 7))
+                p.mul_(0.99).add_(1e-2 * (step % 7))
     return on_step
 
 
-def prompt(batch: int, length: int, vocab: int, device: str):
+def prompt(batch: int, length: int, vocab: int, device: str, seed: int = 0):
     import torch
 
-    g = torch.Generator().manual_seed(1234)
+    g = torch.Generator().manual_seed(1234 + seed)
     return torch.randint(0, vocab, (batch, length), generator=g).to(device)
 
 
@@ -105,7 +107,7 @@ def _setup(args, session):
     torch.use_deterministic_algorithms(True)
     if not args.device.startswith("cuda"):
         torch.set_num_threads(1)
-    cfg, model = build(args.shape, args.device)
+    cfg, model = build(args.shape, args.device, seed=args.seed)
     max_len = args.prompt + args.steps + 1
     cache = StaticCache(config=cfg, max_cache_len=max_len)
     guard = protect(session, cache, model, batch_size=args.batch, max_tokens=max_len)
@@ -120,7 +122,7 @@ def run_reference(args) -> dict:
 
     with concordia.Session(args.log, size=args.size, segment_size=args.segment, overwrite=True) as s:
         cfg, model, cache, guard = _setup(args, s)
-        ids = prompt(args.batch, args.prompt, cfg.vocab_size, args.device)
+        ids = prompt(args.batch, args.prompt, cfg.vocab_size, args.device, args.seed)
         hook = CheckpointEvery(guard, args.every, on_step=lora_update(model))
         out = model.generate(input_ids=ids, max_new_tokens=args.steps, do_sample=False,
                              past_key_values=cache, stopping_criteria=[hook])
@@ -135,7 +137,7 @@ def run_worker(args) -> dict:
 
     s = concordia.Session(args.log, size=args.size, segment_size=args.segment, overwrite=True)
     cfg, model, cache, guard = _setup(args, s)
-    ids = prompt(args.batch, args.prompt, cfg.vocab_size, args.device)
+    ids = prompt(args.batch, args.prompt, cfg.vocab_size, args.device, args.seed)
     update = lora_update(model)
 
     def on_step(step, input_ids):
@@ -169,16 +171,18 @@ def run_resume(args) -> dict:
     t2 = time.perf_counter()
     done = state.tokens.shape[1] - args.prompt
     hook = CheckpointEvery(guard, args.every, on_step=lora_update(model), start=done)
+    t_resumed = time.time()
     out = model.generate(input_ids=state.tokens, max_new_tokens=args.steps - done, do_sample=False,
                          past_key_values=cache, stopping_criteria=[hook])
     s.close()
     return {"tokens": out.cpu().tolist(), "digest": digest(guard), "resumed_at_step": done,
-            "epoch": state.epoch, "setup_s": t1 - t0, "restore_s": t2 - t1}
+            "epoch": state.epoch, "setup_s": t1 - t0, "restore_s": t2 - t1, "t_resumed": t_resumed,
+            "regions": len(guard.names)}
 
 
 def child(role: str, **kw) -> tuple[int, dict | None, str]:
     """Run one role in a fresh process; (returncode, its JSON line or None, stderr)."""
-    argv = [sys.executable, "-m", "concordia.demo_model", role]
+    argv = [sys.executable, "-m", "concordia.demo.model", role]
     for k, v in kw.items():
         argv += [f"--{k.replace('_', '-')}", str(v)]
     r = subprocess.run(argv, capture_output=True, text=True)
@@ -188,30 +192,53 @@ def child(role: str, **kw) -> tuple[int, dict | None, str]:
 
 def run_demo(log: str, *, shape: str = "tiny", device: str = "cpu", steps: int = 24, every: int = 4,
              kill_at: int = 11, batch: int = 2, prompt_len: int = 8, size: int = 64 << 20,
-             segment: int = 8 << 20) -> dict:
+             segment: int = 8 << 20, seed: int = 0) -> dict:
     """Reference, worker killed at `kill_at`, resume: the comparison as a dict."""
     common = dict(shape=shape, device=device, steps=steps, every=every, batch=batch, prompt=prompt_len,
-                  size=size, segment=segment)
+                  size=size, segment=segment, seed=seed)
     rc, ref, err = child("reference", log=log + ".ref", **common)
     if rc != 0 or ref is None:
-        raise RuntimeError(f"reference run failed (exit {rc}): {err.strip().splitlines()[-1:]}")
+        raise DemoError(f"reference run failed (exit {rc}): {err.strip().splitlines()[-1:]}")
     rc, worker, err = child("worker", log=log, kill_at=kill_at, **common)
     if rc != -signal.SIGKILL or worker is None:
-        raise RuntimeError(f"worker was not killed (exit {rc}): {err.strip().splitlines()[-1:]}")
+        raise DemoError(f"worker was not killed (exit {rc}): {err.strip().splitlines()[-1:]}")
     t_kill = worker.pop("t_kill")
     rc, res, err = child("resume", log=log, **common)
     if rc != 0 or res is None:
-        raise RuntimeError(f"resume failed (exit {rc}): {err.strip().splitlines()[-1:]}")
+        raise DemoError(f"resume failed (exit {rc}): {err.strip().splitlines()[-1:]}")
     same = {k: res["digest"].get(k) == v for k, v in ref["digest"].items()}
     return {"identical": res["tokens"] == ref["tokens"] and all(same.values()),
             "tokens_identical": res["tokens"] == ref["tokens"], "compared": same, "worker": worker,
             "resumed_at_step": res["resumed_at_step"], "recovered_epoch": res["epoch"],
             "restore_s": res["restore_s"], "setup_s": res["setup_s"],
-            "kill_to_resumed_s": None if t_kill is None else None}
+            "kill_to_resumed_s": res["t_resumed"] - t_kill,
+            "model": {"shape": shape, "device": device, "batch": batch, "prompt": prompt_len, "steps": steps,
+                      "every": every, "regions": res["regions"]}}
+
+
+def pick_kill_at(steps: int, every: int, rng) -> int:
+    """A step between two checkpoints, after the first one (so there is
+    something to recover and something to recompute)."""
+    choices = [k for k in range(every + 2, steps + 1) if (k - 1) % every]
+    return rng.choice(choices) if choices else steps
+
+
+def format_report(rep: dict) -> str:
+    m = rep["model"]
+    lines = [f"model: Qwen3 {m['shape']} shape, random weights, {m['device']}, batch {m['batch']}, "
+             f"{m['regions']} regions (StaticCache layers, counters, LoRA adapter, tokens)",
+             f"worker SIGKILLed after step {rep['worker']['killed_after_step']}; "
+             f"recovered epoch {rep['recovered_epoch']}, resumed at step {rep['resumed_at_step']}",
+             f"restore into the cache {rep['restore_s'] * 1e3:.1f} ms; kill to resumed decoding "
+             f"{rep['kill_to_resumed_s']:.2f} s (fresh process: imports, model rebuilt from its seed)",
+             "tokens, cache and adapter: " + ("BIT-IDENTICAL to an uninterrupted run" if rep["identical"]
+                                              else "DIFFERENT from an uninterrupted run: " +
+                                              ", ".join(k for k, v in rep["compared"].items() if not v))]
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m concordia.demo_model")
+    ap = argparse.ArgumentParser(prog="python -m concordia.demo.model")
     ap.add_argument("role", choices=["reference", "worker", "resume"])
     ap.add_argument("--log", required=True)
     ap.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
@@ -223,6 +250,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=8)
     ap.add_argument("--size", type=int, default=64 << 20)
     ap.add_argument("--segment", type=int, default=8 << 20)
+    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     fn = {"reference": run_reference, "worker": run_worker, "resume": run_resume}[args.role]
     print(json.dumps(fn(args)), flush=True)
