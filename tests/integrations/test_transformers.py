@@ -183,3 +183,20 @@ def test_cli_model_demo_json(tmp_path):
     rep = json.loads(r.stdout)
     assert rep["identical"] is True and rep["resumed_at_step"] == 4
     assert rep["model"]["regions"] == 2 * 2 + 1 + 8 + 2
+
+
+@pytest.mark.slow
+def test_bench_model_quick_json(tmp_path):
+    out = tmp_path / "model.json"
+    r = subprocess.run([sys.executable, "-m", "concordia.tools.wal_cli", "bench", "model", "--quick", "--json",
+                        "--tier", "file", "--dir", str(tmp_path), "--out", str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(r.stdout)
+    assert doc == json.loads(out.read_text())
+    assert [d["every"] for d in doc["decode"]] == [0, 1, 8]
+    assert len(doc["decode"][1]["ckpt_ms"]) == 8 and len(doc["decode"][2]["ckpt_ms"]) == 1
+    assert "overhead_every_step" in doc and doc["ckpt_ms_per_step"] > 0
+    assert [r["context"] for r in doc["recovery"]] == [64, 256]
+    assert all(r["identical"] for r in doc["recovery"])
+    assert all(r["recovery_vs_reprefill"] > 0 for r in doc["recovery"])
