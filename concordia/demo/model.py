@@ -183,37 +183,55 @@ def run_resume(args) -> dict:
 def child(role: str, **kw) -> tuple[int, dict | None, str]:
     """Run one role in a fresh process; (returncode, its JSON line or None, stderr)."""
     argv = [sys.executable, "-m", "concordia.demo.model", role]
+    env = dict(os.environ)
+    env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, set before CUDA starts
     for k, v in kw.items():
         argv += [f"--{k.replace('_', '-')}", str(v)]
-    r = subprocess.run(argv, capture_output=True, text=True)
+    r = subprocess.run(argv, capture_output=True, text=True, env=env)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     return r.returncode, (json.loads(lines[-1]) if lines else None), r.stderr
 
 
 def run_demo(log: str, *, shape: str = "tiny", device: str = "cpu", steps: int = 24, every: int = 4,
-             kill_at: int = 11, batch: int = 2, prompt_len: int = 8, size: int = 64 << 20,
+             kill_at=11, batch: int = 2, prompt_len: int = 8, size: int = 64 << 20,
              segment: int = 8 << 20, seed: int = 0) -> dict:
-    """Reference, worker killed at `kill_at`, resume: the comparison as a dict."""
+    """Reference, worker killed at `kill_at`, resume: the comparison as a dict.
+    `kill_at` may be a list of steps: one reference run, then a kill and a
+    resume for each, reported under "runs" ("identical" only if all are)."""
     common = dict(shape=shape, device=device, steps=steps, every=every, batch=batch, prompt=prompt_len,
                   size=size, segment=segment, seed=seed)
     rc, ref, err = child("reference", log=log + ".ref", **common)
     if rc != 0 or ref is None:
-        raise DemoError(f"reference run failed (exit {rc}): {err.strip().splitlines()[-1:]}")
+        raise DemoError(f"reference run failed (exit {rc}): {_last(err)}", where="demo")
+    points = kill_at if isinstance(kill_at, (list, tuple)) else [kill_at]
+    runs = [_kill_and_resume(log, ref, k, common) for k in points]
+    if not isinstance(kill_at, (list, tuple)):
+        return runs[0]
+    return {"identical": all(r["identical"] for r in runs), "runs": runs, "model": runs[0]["model"]}
+
+
+def _last(err: str) -> str:
+    lines = err.strip().splitlines()
+    return lines[-1] if lines else "no message"
+
+
+def _kill_and_resume(log: str, ref: dict, kill_at: int, common: dict) -> dict:
     rc, worker, err = child("worker", log=log, kill_at=kill_at, **common)
     if rc != -signal.SIGKILL or worker is None:
-        raise DemoError(f"worker was not killed (exit {rc}): {err.strip().splitlines()[-1:]}")
+        raise DemoError(f"worker was not killed (exit {rc}): {_last(err)}", where="demo")
     t_kill = worker.pop("t_kill")
     rc, res, err = child("resume", log=log, **common)
     if rc != 0 or res is None:
-        raise DemoError(f"resume failed (exit {rc}): {err.strip().splitlines()[-1:]}")
+        raise DemoError(f"resume failed (exit {rc}): {_last(err)}", where="demo")
     same = {k: res["digest"].get(k) == v for k, v in ref["digest"].items()}
     return {"identical": res["tokens"] == ref["tokens"] and all(same.values()),
             "tokens_identical": res["tokens"] == ref["tokens"], "compared": same, "worker": worker,
-            "resumed_at_step": res["resumed_at_step"], "recovered_epoch": res["epoch"],
+            "kill_at": kill_at, "resumed_at_step": res["resumed_at_step"], "recovered_epoch": res["epoch"],
             "restore_s": res["restore_s"], "setup_s": res["setup_s"],
             "kill_to_resumed_s": res["t_resumed"] - t_kill,
-            "model": {"shape": shape, "device": device, "batch": batch, "prompt": prompt_len, "steps": steps,
-                      "every": every, "regions": res["regions"]}}
+            "model": {"shape": common["shape"], "device": common["device"], "batch": common["batch"],
+                      "prompt": common["prompt"], "steps": common["steps"], "every": common["every"],
+                      "regions": res["regions"]}}
 
 
 def pick_kill_at(steps: int, every: int, rng) -> int:

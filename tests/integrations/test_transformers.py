@@ -188,7 +188,7 @@ def test_cli_model_demo_json(tmp_path):
 @pytest.mark.slow
 def test_bench_model_quick_json(tmp_path):
     out = tmp_path / "model.json"
-    r = subprocess.run([sys.executable, "-m", "concordia.tools.wal_cli", "bench", "model", "--quick", "--json",
+    r = subprocess.run([sys.executable, "-c", "from concordia.tools.wal_cli import main; main()", "bench", "model", "--quick", "--json",
                         "--tier", "file", "--dir", str(tmp_path), "--out", str(out)],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
