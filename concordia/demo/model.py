@@ -47,7 +47,9 @@ def build(shape: str, device: str, *, lora: bool = True, seed: int = 0):
     torch.manual_seed(seed)
     cfg = Qwen3Config(**SHAPES[shape])
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    model = Qwen3ForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+    # made where it runs: drawing 0.6B weights on the host first takes seconds
+    with torch.device(device):
+        model = Qwen3ForCausalLM(cfg).to(dtype=dtype).eval()
     if lora:
         from peft import LoraConfig, get_peft_model
 
