@@ -46,9 +46,11 @@ class Log:
 
     # -- opening ----------------------------------------------------------------
     @classmethod
-    def create(cls, target, *, size: int | None = None, segment_size: int = 64 << 20,
+    def create(cls, target, *, size: int | None = None, segment_size: int | None = None,
                zero: bool = True) -> "Log":
-        """Format `target` (a Backend or a log name) as an empty log, writable."""
+        """Format `target` (a Backend or a log name) as an empty log, writable.
+        segment_size None: `volume.default_segment_size` of the size (64 MiB,
+        smaller for a log under 512 MiB)."""
         owned = not isinstance(target, Backend)
         backend = open_backend(target, size=size, create=True) if owned else target
         try:
@@ -56,7 +58,8 @@ class Log:
             vol = Volume.create(backend, size=size, segment_size=segment_size, zero=zero)
         except BaseException:
             if owned:
-                backend.close()
+                # a file this call made goes again: a failed create leaves nothing behind
+                getattr(backend, "discard", backend.close)()
             raise
         return cls(vol, ScanResult(), RecoveryMode.TOLERATE_TAIL, writable=True,
                    appender=Appender(vol, segment=None, pos=None))
