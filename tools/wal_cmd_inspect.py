@@ -75,12 +75,44 @@ def _holds_data(backend) -> str | None:
     if bytes(arr[:8]) == F.VOLUME_MAGIC:
         return "holds a Concordia log (superblock magic at offset 0)"
     step = 16 << 20
-    for start in range(0, arr.size, step):
-        chunk = arr[start:start + step]
-        if chunk.any():
-            first = start + int(chunk.nonzero()[0][0])
-            return f"is not empty (nonzero byte at 0x{first:x})"
+    for lo, hi in _data_extents(backend.path, arr.size):
+        for start in range(lo, hi, step):
+            chunk = arr[start:min(hi, start + step)]
+            if chunk.any():
+                first = start + int(chunk.nonzero()[0][0])
+                return f"is not empty (nonzero byte at 0x{first:x})"
     return None
+
+
+def _data_extents(path, size: int):
+    """[(start, end)] of the file's data (SEEK_DATA / SEEK_HOLE): holes read as
+    zero, so a large sparse file is checked at the cost of its data, not its
+    length.  The whole range where the file cannot say (a device, no SEEK_HOLE)."""
+    import os
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC) if path else -1
+    except OSError:
+        fd = -1
+    if fd < 0:
+        return [(0, size)]
+    out, pos = [], 0
+    try:
+        while pos < size:
+            try:
+                start = os.lseek(fd, pos, os.SEEK_DATA)
+            except OSError:
+                break   # ENXIO: only a hole from here on
+            end = min(size, os.lseek(fd, start, os.SEEK_HOLE))
+            if start >= size:
+                break
+            out.append((start, end))
+            pos = end
+    except OSError:
+        return [(0, size)]
+    finally:
+        os.close(fd)
+    return out
 
 
 # --------------------------------------------------------------------------- info
@@ -212,7 +244,8 @@ def collect_info(vol, *, stats: bool, hexdump: bool) -> dict:
         },
         "slots": slots,
         "segments": segments,
-        "regions": [dict(r._asdict(), shape=list(r.shape)) for r in sorted(res.regions.values(), key=lambda r: r.id)],
+        "regions": [dict(r._asdict(), shape=list(r.shape), logical_dtype=r.logical_dtype)
+                    for r in sorted(res.regions.values(), key=lambda r: r.id)],
         "epochs": {
             "committed": len(epochs), "first": epochs[0] if epochs else None,
             "last": epochs[-1] if epochs else None, "incomplete": list(res.incomplete_epochs),
@@ -297,7 +330,7 @@ def render_info(d: dict, hexdump: bool) -> list[str]:
     lines.append("regions")
     if not d["regions"]:
         lines.append("  (none)")
-    rows = [[r["id"], r["name"], r["kind"], f"{r['dtype']}{r['shape']}", R.size(r["nbytes"]),
+    rows = [[r["id"], r["name"], r["kind"], _dtype_text(r), R.size(r["nbytes"]),
              f"{r['pages']} x {R.size(r['page_bytes'])}"] for r in d["regions"]]
     if rows:
         lines += R.table(rows, ["id", "name", "kind", "dtype[shape]", "bytes", "pages"])
@@ -563,3 +596,14 @@ def _json_line(r: dict) -> str:
     import json
 
     return json.dumps(r, allow_nan=False)
+
+
+def _dtype_text(r: dict) -> str:
+    """"bfloat16[4, 8] as <u2 (torch)": the logical dtype and shape, the byte
+    layout where it differs, the framework where it is not an array."""
+    text = f"{r['logical_dtype']}{r['shape']}"
+    if r.get("logical"):
+        text += f" as {r['dtype']}"
+    if r.get("framework", "array") != "array":
+        text += f" ({r['framework']})"
+    return text

@@ -215,6 +215,8 @@ class Volume:
             if writable:
                 raise CorruptionError(short, where=backend.where,
                                       hint="open it read-only to read what is left, or restore it from a copy")
+        if problems and found:
+            sb = cls._unlist_cut_segments(arr, sb)
         vol = cls(backend, sb, writable=writable, slot_problems=problems)
         vol.short = short
         vol._adopt()
@@ -258,6 +260,22 @@ class Volume:
                 self._update(**changes)
             else:
                 self._sb = self._sb._replace(**changes)
+
+    @staticmethod
+    def _unlist_cut_segments(arr, sb: F.Superblock) -> F.Superblock:
+        """R-B3: read from the older slot (the other one is invalid), a segment
+        the table lists live whose header is all zero was freed by the lost
+        update (a cut zeroes the headers of the segments it frees, §10.5): it
+        is read as free, not as a damaged segment."""
+        entries = list(sb.segments)
+        changed = False
+        for i, e in enumerate(entries):
+            off = sb.segments_off + i * sb.segment_bytes
+            if e.state == F.SEG_LIVE and off + F.SEGMENT_HEADER_SIZE <= arr.size \
+                    and not arr[off:off + F.SEGMENT_HEADER_SIZE].any():
+                entries[i] = e._replace(state=F.SEG_FREE)
+                changed = True
+        return sb._replace(segments=tuple(entries)) if changed else sb
 
     @staticmethod
     def _decode_slot(arr, off, where) -> F.Superblock:
@@ -333,6 +351,17 @@ class Volume:
             if not isinstance(v, (int, np.integer)) or not 0 <= int(v) < 1 << 64:
                 raise UsageError(f"superblock field {k} must be a u64, not {v!r}")
         return self._update(**{k: int(v) for k, v in changes.items()})
+
+    def enable_incompat(self, bits: int) -> F.Superblock:
+        """Set incompat feature `bits` in the superblock (FORMAT.md §2.3) before
+        the first structure that needs them is written: from then on a reader
+        that lacks them refuses the volume instead of misreading it.  Durable
+        when it returns; a no-op when they are set already."""
+        if bits & ~F.KNOWN_INCOMPAT:
+            raise UsageError(f"incompat features 0x{bits & ~F.KNOWN_INCOMPAT:x} are not known to this code")
+        if self._sb.incompat & bits == bits:
+            return self._sb
+        return self._update(incompat=self._sb.incompat | bits)
 
     # -- segments -------------------------------------------------------------
     @property
