@@ -170,6 +170,7 @@ class Session:
         self.last_recovery: RecoveryStats | None = None
         #: automatic bases and compaction under the policy (concordia.retention)
         self.retention = Retention(self, self.policy)
+        self._before_checkpoint: list = []
 
     # ------------------------------------------------------------ lifecycle
     def __enter__(self):
@@ -354,6 +355,15 @@ class Session:
         self._check_open("measure dirty bytes")
         return sum(int(r.dirty_pages(advance=False).size) * r.page_bytes for r in self._regions.values())
 
+    def before_checkpoint(self, fn) -> None:
+        """Call `fn()` at the start of every checkpoint, before any region is
+        read or ordered against its producer stream: for state an integration
+        mirrors into a registered array (the host-side counters of a
+        framework's cache), queued on the caller's current stream."""
+        if not callable(fn):
+            raise SessionError(f"before_checkpoint takes a callable, not {fn!r}")
+        self._before_checkpoint.append(fn)
+
     def checkpoint(self, *, reason: str = "manual", stream=None) -> CheckpointStats:
         """One durable epoch across every registered region; returns what it wrote.
 
@@ -370,6 +380,8 @@ class Session:
         self._check_open("checkpoint")
         if not self._regions:
             raise SessionError("nothing to checkpoint: no region is registered")
+        for fn in self._before_checkpoint:
+            fn()
         table = self._table_pass()
         if table is None or not table.table.unchanged():
             for r in self._regions.values():

@@ -43,9 +43,13 @@ class _KillAt(click.ParamType):
 @click.option("--seed", default=0, show_default=True, help="Seed of the model weights and requests.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True,
               help="Where the model runs (auto: the GPU when CuPy finds one).")
+@click.option("--model", type=click.Choice(["qwen3"]), default=None,
+              help="Protect a Hugging Face transformers Qwen3 (random weights from a config: the 0.6B "
+                   "shape on a GPU, a tiny shape on the CPU) with a StaticCache and an online LoRA "
+                   "adapter, checkpointed from inside generate(), instead of the reference workload.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @guarded
-def demo(log, steps, kill_at, every, seed, device, as_json):
+def demo(log, steps, kill_at, every, seed, device, model, as_json):
     """Run a decode loop, SIGKILL it, recover it from the log in a fresh
     process and check the result is bit-identical to an uninterrupted run.
 
@@ -57,12 +61,48 @@ def demo(log, steps, kill_at, every, seed, device, as_json):
     \b
         concordia demo --steps 96 --kill-at 41
         concordia-wal info file:./concordia-data/demo.log
+        concordia demo --model qwen3 --steps 32 --every 4
     """
+    if model is not None:
+        _model_demo(log, steps, kill_at, every, seed, device, as_json)
+        return
     from concordia.demo import format_report, run_demo
 
     progress = None if as_json else (lambda msg: click.echo(f"... {msg}", err=True))
     rep = run_demo(log=log, steps=steps, kill_at=kill_at, seed=seed, every=every, device=device,
                    progress=progress)
+    if as_json:
+        emit_json(rep)
+    else:
+        click.echo(format_report(rep))
+    sys.exit(EXIT_OK if rep["identical"] else EXIT_PROBLEMS)
+
+
+def _model_demo(log, steps, kill_at, every, seed, device, as_json):
+    import random
+
+    from concordia.demo.model import format_report, pick_kill_at, run_demo
+    from concordia.errors import DemoError
+
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        raise DemoError(f"--model needs torch and transformers ({exc.name} is missing)", where="demo",
+                        hint="pip install transformers peft") from None
+    if device == "auto":
+        device = "gpu" if torch.cuda.is_available() else "cpu"
+    if device == "gpu" and not torch.cuda.is_available():
+        raise DemoError("--device gpu: torch sees no CUDA device", where="demo")
+    if kill_at == "random":
+        kill_at = pick_kill_at(steps, every, random.Random(seed))
+    if not 2 <= kill_at <= steps:
+        raise DemoError(f"--kill-at {kill_at} is outside steps 2..{steps}", where="demo")
+    on_gpu = device == "gpu"
+    rep = run_demo(log, shape="0.6b" if on_gpu else "tiny", device="cuda" if on_gpu else "cpu",
+                   steps=steps, every=every, kill_at=kill_at, batch=8 if on_gpu else 2,
+                   prompt_len=64 if on_gpu else 8, size=(4 << 30) if on_gpu else (64 << 20),
+                   segment=(64 << 20) if on_gpu else (8 << 20), seed=seed)
     if as_json:
         emit_json(rep)
     else:

@@ -1,0 +1,202 @@
+"""concordia.integrations.transformers on the CPU, against the real transformers
+and peft: a tiny random Qwen3 with a StaticCache and a LoRA adapter updated
+online, protected with protect(), checkpointed from inside generate(),
+SIGKILLed and resumed in a fresh process bit-identically."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the transformers integration needs torch")
+pytest.importorskip("transformers", reason="the transformers integration needs transformers (test extra)")
+pytest.importorskip("peft", reason="the LoRA part needs peft (test extra)")
+
+from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM, StaticCache  # noqa: E402
+
+import concordia  # noqa: E402
+from concordia.demo.model import build, lora_update, pick_kill_at, prompt, run_demo  # noqa: E402
+from concordia.errors import SessionError  # noqa: E402
+from concordia.integrations.transformers import CheckpointEvery, protect, restore  # noqa: E402
+
+
+def _log(tmp_path, name="hf.log"):
+    return f"file:{tmp_path / name}"
+
+
+def _session(tmp_path, **kw):
+    return concordia.Session(_log(tmp_path), size=64 << 20, segment_size=8 << 20, **kw)
+
+
+def test_protect_registers_every_layer_counter_and_lora_weight(tmp_path):
+    cfg, model = build("tiny", "cpu")
+    cache = StaticCache(config=cfg, max_cache_len=32)
+    with _session(tmp_path) as s:
+        g = protect(s, cache, model, batch_size=2, max_tokens=32)
+        lora = [n for n, _ in model.named_parameters() if "lora_" in n]
+        assert len(lora) == 2 * 2 * cfg.num_hidden_layers  # q and v, A and B, per layer
+        assert set(s.regions) == set(g.names)
+        assert len(g.names) == 2 * cfg.num_hidden_layers + 1 + len(lora) + 2
+        assert {s.regions[k].kind for _, k, _ in g.kv} == {"kv"}
+        assert {s.regions[n].kind for n in g.lora} == {"adapter"}
+        # registered as they are: the cache's own tensors, not copies
+        assert s.regions["hf.kv.0.k"].owner is cache.layers[0].keys
+
+
+def test_dynamic_cache_is_refused_in_one_line(tmp_path):
+    with _session(tmp_path) as s:
+        with pytest.raises(SessionError) as e:
+            protect(s, DynamicCache(), None)
+    msg = str(e.value)
+    assert "\n" not in msg and "DynamicCache" in msg and "StaticCache" in msg
+
+
+def test_an_unallocated_cache_without_the_model_is_refused(tmp_path):
+    cfg, _ = build("tiny", "cpu", lora=False)
+    with _session(tmp_path) as s:
+        with pytest.raises(SessionError, match="batch_size"):
+            protect(s, StaticCache(config=cfg, max_cache_len=16), None)
+        assert not s.regions  # nothing registered
+
+
+def test_checkpoint_every_n_tokens_from_generate(tmp_path):
+    cfg, model = build("tiny", "cpu")
+    cache = StaticCache(config=cfg, max_cache_len=40)
+    with _session(tmp_path) as s:
+        g = protect(s, cache, model, batch_size=2, max_tokens=40)
+        hook = CheckpointEvery(g, 3)
+        model.generate(input_ids=prompt(2, 8, cfg.vocab_size, "cpu"), max_new_tokens=12, do_sample=False,
+                       past_key_values=cache, stopping_criteria=[hook])
+        assert len(hook.stats) == 4 and s.epoch == 4
+    with pytest.raises(SessionError, match="every"):
+        CheckpointEvery(g, 0)
+
+
+def _generate(model, cfg, cache, guard, steps, start=0, ids=None):
+    hook = CheckpointEvery(guard, 1, on_step=lora_update(model), start=start)
+    ids = prompt(2, 8, cfg.vocab_size, "cpu") if ids is None else ids
+    return model.generate(input_ids=ids, max_new_tokens=steps, do_sample=False, past_key_values=cache,
+                          stopping_criteria=[hook])
+
+
+@pytest.mark.parametrize("sliding", [False, True], ids=["full", "sliding-window"])
+def test_restore_puts_cache_counters_and_adapter_back(tmp_path, sliding):
+    """Generate 5 tokens, then 9 more after restoring into fresh objects; the
+    result equals 14 tokens in one go, cache and adapter byte for byte.  With
+    a sliding window of 6, the window is full and rolling at the restore."""
+    def make():
+        cfg, model = build("tiny", "cpu")
+        if sliding:
+            torch.manual_seed(0)
+            cfg = Qwen3Config(**{**cfg.to_dict(), "use_sliding_window": True, "sliding_window": 6,
+                                 "layer_types": ["sliding_attention", "full_attention"]})
+            cfg, model = cfg, _peft(Qwen3ForCausalLM(cfg).eval())
+        return cfg, model, StaticCache(config=cfg, max_cache_len=24)
+
+    cfg, model, cache = make()
+    with concordia.Session(_log(tmp_path, "ref.log"), size=64 << 20, segment_size=8 << 20) as s:
+        g = protect(s, cache, model, batch_size=2, max_tokens=24)
+        ref = _generate(model, cfg, cache, g, 14)
+        ref_state = {n: t.clone() for n, t in _tensors(g).items()}
+    cfg, model, cache = make()
+    with _session(tmp_path) as s:
+        g = protect(s, cache, model, batch_size=2, max_tokens=24)
+        _generate(model, cfg, cache, g, 5)
+    cfg, model, cache = make()
+    with concordia.Session(_log(tmp_path), create=False) as s:
+        g = protect(s, cache, model, batch_size=2, max_tokens=24)
+        state = restore(s, g)
+        assert state.epoch == 5 and state.tokens.shape == (2, 8 + 5)
+        if sliding:
+            assert cache.layers[0].cumulative_length_int == 8 + 4  # the 5th token's K/V is not cached yet
+        out = _generate(model, cfg, cache, g, 9, start=5, ids=state.tokens)
+    assert torch.equal(out, ref)
+    for n, t in _tensors(g).items():
+        assert torch.equal(t, ref_state[n]), n
+
+
+def _peft(model):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    return get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"],
+                                            init_lora_weights=False)).eval()
+
+
+def _tensors(g):
+    out = {n: p.data for n, p in g.lora.items()}
+    for i, k, v in g.kv:
+        out[k], out[v] = g.cache.layers[i].keys, g.cache.layers[i].values
+    return out
+
+
+def test_restore_without_the_adapter_would_differ(tmp_path):
+    """The comparison is not vacuous: resuming with the adapter as built (not
+    as updated online) gives other tokens."""
+    cfg, model = build("tiny", "cpu")
+    cache = StaticCache(config=cfg, max_cache_len=32)
+    with _session(tmp_path) as s:
+        g = protect(s, cache, model, batch_size=2, max_tokens=32)
+        ref = _generate(model, cfg, cache, g, 16)
+        ref_kv = [t.clone() for t in _tensors(g).values()]
+    cfg, model = build("tiny", "cpu")
+    cache = StaticCache(config=cfg, max_cache_len=32)
+    with _session(tmp_path, overwrite=True) as s:
+        g = protect(s, cache, model, batch_size=2, max_tokens=32)
+        _generate(model, cfg, cache, g, 8)
+    cfg, model = build("tiny", "cpu")
+    cache = StaticCache(config=cfg, max_cache_len=32)
+    with concordia.Session(_log(tmp_path), create=False) as s:
+        g = protect(s, cache, model, batch_size=2, max_tokens=32)
+        state = restore(s, g)
+        fresh_cfg, fresh = build("tiny", "cpu")  # the adapter as built, not as restored
+        for (n, p), (_, q) in zip(model.named_parameters(), fresh.named_parameters()):
+            if "lora_" not in n:
+                q.data.copy_(p.data)
+        out = _generate(fresh, fresh_cfg, cache, g, 8, start=8, ids=state.tokens)
+    kv = list(_tensors(g).values())
+    assert not torch.equal(out, ref) or not all(torch.equal(a, b) for a, b in zip(kv, ref_kv))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill_at", [6, 13, "random"])
+def test_sigkilled_generate_resumes_bit_identical_in_a_fresh_process(tmp_path, kill_at):
+    if kill_at == "random":
+        kill_at = pick_kill_at(20, 4, random.Random())
+    rep = run_demo(_log(tmp_path), steps=20, every=4, kill_at=kill_at)
+    assert rep["identical"], rep["compared"]
+    assert rep["tokens_identical"] and all(rep["compared"].values())
+    assert rep["worker"]["killed_after_step"] == kill_at - 1
+    last = (kill_at - 1) // 4 * 4  # the last step a checkpoint committed
+    assert rep["resumed_at_step"] == last and rep["recovered_epoch"] == last // 4
+
+
+def test_cli_model_demo_json(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "concordia.tools.cli", "demo", "--model", "qwen3", "--device", "cpu",
+                        "--steps", "12", "--every", "4", "--kill-at", "7", "--json",
+                        "--log", _log(tmp_path, "cli.log")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["identical"] is True and rep["resumed_at_step"] == 4
+    assert rep["model"]["regions"] == 2 * 2 + 1 + 8 + 2
+
+
+@pytest.mark.slow
+def test_bench_model_quick_json(tmp_path):
+    out = tmp_path / "model.json"
+    r = subprocess.run([sys.executable, "-c", "from concordia.tools.wal_cli import main; main()", "bench", "model", "--quick", "--json",
+                        "--tier", "file", "--dir", str(tmp_path), "--out", str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(r.stdout)
+    assert doc == json.loads(out.read_text())
+    assert [d["every"] for d in doc["decode"]] == [0, 1, 8]
+    assert len(doc["decode"][1]["ckpt_ms"]) == 8 and len(doc["decode"][2]["ckpt_ms"]) == 1
+    assert "overhead_every_step" in doc and doc["ckpt_ms_per_step"] > 0
+    assert [r["context"] for r in doc["recovery"]] == [64, 256]
+    assert all(r["identical"] for r in doc["recovery"])
+    assert all(r["recovery_vs_reprefill"] > 0 for r in doc["recovery"])
