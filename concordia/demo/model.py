@@ -45,7 +45,10 @@ def build(shape: str, device: str, *, lora: bool = True, seed: int = 0):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen3Config(**SHAPES[shape])
+    # eager attention: a decode step runs the same kernels whether it is the first
+    # step of a generate() call (as after a restore) or a later one, so a resumed
+    # run can be bit-identical; the fused kernels may pick another path for it
+    cfg = Qwen3Config(**SHAPES[shape], attn_implementation="eager")
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     # made where it runs: drawing 0.6B weights on the host first takes seconds
     with torch.device(device):
@@ -78,6 +81,21 @@ def prompt(batch: int, length: int, vocab: int, device: str, seed: int = 0):
 
     g = torch.Generator().manual_seed(1234 + seed)
     return torch.randint(0, vocab, (batch, length), generator=g).to(device)
+
+
+def fingerprints(guard) -> dict:
+    """A cheap 64-bit sum per protected tensor, computed where it lives (the
+    state as of each checkpoint is recorded with it, to tell a restore that
+    differs from what was checkpointed from a continuation that differs)."""
+    import torch
+
+    out = {}
+    for name, t in _tensors(guard).items():
+        w = t.detach().contiguous().view(torch.uint8).reshape(-1).to(torch.int64)
+        idx = torch.arange(w.numel(), device=w.device, dtype=torch.int64) % 65521 + 1
+        out[name] = int((w * idx).sum().item())
+    out["counters"] = guard.counters.cpu().tolist()
+    return out
 
 
 def digest(guard) -> dict:
@@ -125,10 +143,12 @@ def run_reference(args) -> dict:
     with concordia.Session(args.log, size=args.size, segment_size=args.segment, overwrite=True) as s:
         cfg, model, cache, guard = _setup(args, s)
         ids = prompt(args.batch, args.prompt, cfg.vocab_size, args.device, args.seed)
-        hook = CheckpointEvery(guard, args.every, on_step=lora_update(model))
+        marks = {}
+        hook = CheckpointEvery(guard, args.every, on_step=lora_update(model),
+                               after=lambda step, st: marks.__setitem__(str(step), fingerprints(guard)))
         out = model.generate(input_ids=ids, max_new_tokens=args.steps, do_sample=False,
                              past_key_values=cache, stopping_criteria=[hook])
-        return {"tokens": out.cpu().tolist(), "digest": digest(guard), "epoch": s.epoch}
+        return {"tokens": out.cpu().tolist(), "digest": digest(guard), "epoch": s.epoch, "marks": marks}
 
 
 def run_worker(args) -> dict:
@@ -149,7 +169,15 @@ def run_worker(args) -> dict:
             os.kill(os.getpid(), signal.SIGKILL)
         update(step, input_ids)
 
-    hook = CheckpointEvery(guard, args.every, on_step=on_step)
+    marks_path = args.log.split(":", 1)[-1] + ".marks.json"
+
+    def after(step, st):  # the state each checkpoint committed, for the resume to compare
+        marks[str(step)] = fingerprints(guard)
+        with open(marks_path, "w") as f:
+            json.dump(marks, f)
+
+    marks = {}
+    hook = CheckpointEvery(guard, args.every, on_step=on_step, after=after)
     model.generate(input_ids=ids, max_new_tokens=args.steps, do_sample=False, past_key_values=cache,
                    stopping_criteria=[hook])
     return {"error": "the worker was not killed"}
@@ -172,6 +200,7 @@ def run_resume(args) -> dict:
         torch.cuda.synchronize()
     t2 = time.perf_counter()
     done = state.tokens.shape[1] - args.prompt
+    restored = fingerprints(guard)
     hook = CheckpointEvery(guard, args.every, on_step=lora_update(model), start=done)
     t_resumed = time.time()
     out = model.generate(input_ids=state.tokens, max_new_tokens=args.steps - done, do_sample=False,
@@ -179,7 +208,7 @@ def run_resume(args) -> dict:
     s.close()
     return {"tokens": out.cpu().tolist(), "digest": digest(guard), "resumed_at_step": done,
             "epoch": state.epoch, "setup_s": t1 - t0, "restore_s": t2 - t1, "t_resumed": t_resumed,
-            "regions": len(guard.names)}
+            "regions": len(guard.names), "restored": restored}
 
 
 def child(role: str, **kw) -> tuple[int, dict | None, str]:
@@ -226,9 +255,21 @@ def _kill_and_resume(log: str, ref: dict, kill_at: int, common: dict) -> dict:
     if rc != 0 or res is None:
         raise DemoError(f"resume failed (exit {rc}): {_last(err)}", where="demo")
     same = {k: res["digest"].get(k) == v for k, v in ref["digest"].items()}
+    marks_path = log.split(":", 1)[-1] + ".marks.json"
+    try:
+        with open(marks_path) as f:
+            committed = json.load(f).get(str(res["resumed_at_step"]))
+        os.unlink(marks_path)
+    except OSError:
+        committed = None
+    want = ref["marks"].get(str(res["resumed_at_step"]))
+    diag = {"restored_equals_checkpointed": None if committed is None else
+            [k for k in committed if committed[k] != res["restored"].get(k)],
+            "checkpointed_equals_reference": None if committed is None or want is None else
+            [k for k in want if want[k] != committed.get(k)]}
     return {"identical": res["tokens"] == ref["tokens"] and all(same.values()),
             "tokens_identical": res["tokens"] == ref["tokens"], "compared": same, "worker": worker,
-            "kill_at": kill_at, "resumed_at_step": res["resumed_at_step"], "recovered_epoch": res["epoch"],
+            "kill_at": kill_at, "differs": diag, "resumed_at_step": res["resumed_at_step"], "recovered_epoch": res["epoch"],
             "restore_s": res["restore_s"], "setup_s": res["setup_s"],
             "kill_to_resumed_s": res["t_resumed"] - t_kill,
             "model": {"shape": common["shape"], "device": common["device"], "batch": common["batch"],

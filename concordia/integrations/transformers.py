@@ -198,16 +198,17 @@ class CheckpointEvery(StoppingCriteria):
     called first, for work that belongs to the step (an online LoRA update).
     `start`: the steps already taken, when `generate()` continues after a
     restore (the new tokens so far), so that `on_step` keeps its numbering.
+    `after(step, stats)`, if given, is called after each checkpoint.
 
         model.generate(ids, past_key_values=cache, stopping_criteria=[CheckpointEvery(guard, 8)])
     """
 
-    def __init__(self, guard: Guard, every: int = 1, on_step=None, *, start: int = 0):
+    def __init__(self, guard: Guard, every: int = 1, on_step=None, *, start: int = 0, after=None):
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise SessionError(f"every must be a whole number >= 1, not {every!r}", where="CheckpointEvery")
         if isinstance(start, bool) or not isinstance(start, int) or start < 0:
             raise SessionError(f"start must be a whole number >= 0, not {start!r}", where="CheckpointEvery")
-        self.guard, self.every, self.on_step = guard, every, on_step
+        self.guard, self.every, self.on_step, self.after = guard, every, on_step, after
         self.steps = start
         self.stats = []
 
@@ -218,5 +219,8 @@ class CheckpointEvery(StoppingCriteria):
         if self.steps % self.every == 0:
             if self.guard.tokens is not None:
                 self.guard.record_tokens(input_ids)
-            self.stats.append(self.guard.session.checkpoint(reason="generate"))
+            st = self.guard.session.checkpoint(reason="generate")
+            self.stats.append(st)
+            if self.after is not None:
+                self.after(self.steps, st)
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)

@@ -225,9 +225,9 @@ def _median(xs):
 
 
 def _log_size(state_bytes: int) -> int:
-    # a base of every page plus room for the deltas, in whole 64 MiB segments
+    # room for retention's base images beside the deltas, in whole 64 MiB segments
     seg = 64 << 20
-    return max(4 * seg, (int(state_bytes * 1.25) // seg + 4) * seg)
+    return max(8 * seg, (int(state_bytes * 3) // seg + 8) * seg)
 
 
 def _table(res: dict) -> str:
