@@ -265,3 +265,100 @@ def run(*, world=2, steps=12, hidden=64, ffn=256, layers=2, kill=None, workdir, 
         timeline_total = decoding - t_kill
     return {"ranks": results, "timeline": timeline,
             "kill_to_decoding_s": timeline_total if kill else None}
+
+
+def restart(*, world=2, steps=12, kill_step=6, hidden=64, ffn=256, layers=2, workdir, backend="gloo",
+            device="cpu", timeout_s=20.0) -> float:
+    """The baseline: every rank started again (communicator, weights, re-prefill:
+    the steps before `kill_step` decoded again, no log).  Returns seconds from
+    the start of the new processes to the first step after `kill_step`."""
+    import torch.multiprocessing as mp
+
+    os.makedirs(os.path.join(workdir, "rdzv"), exist_ok=True)
+    cfg = dict(world=world, steps=steps, hidden=hidden, ffn=ffn, layers=layers, kill=None, backend=backend,
+               device=device, timeout_s=timeout_s, rdzv=os.path.join(workdir, "rdzv"), kill_step=kill_step)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    t0 = time.time()
+    procs = [ctx.Process(target=_restart_main, args=(cfg, r, q), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    done = [q.get(timeout=600) for _ in range(world)]
+    for p in procs:
+        p.join(timeout=10)
+    return max(done) - t0
+
+
+def _restart_main(cfg, rank, q):
+    import torch
+    import torch.distributed as dist
+
+    world, dev = cfg["world"], cfg["device"]
+    if dev == "cuda":
+        torch.cuda.set_device(rank)
+        dev = f"cuda:{rank}"
+    pg = _init_pg(cfg["backend"], cfg["rdzv"], 0, rank, world, cfg["timeout_s"])
+    w1, w2 = _weights(rank, world, cfg["hidden"], cfg["ffn"], cfg["layers"], dev)
+    x = torch.zeros(cfg["hidden"], device=dev)
+    x[0] = 1.0
+    for t in range(cfg["kill_step"] + 1):
+        for layer in range(cfg["layers"]):
+            h = torch.tanh(x @ w1[layer])
+            p = h @ w2[layer]
+            parts = [torch.empty_like(p) for _ in range(world)]
+            dist.all_gather(parts, p, group=pg)
+            total = parts[0].clone()
+            for q_ in parts[1:]:
+                total += q_
+            x.copy_(torch.tanh(x + total))
+    if dev.startswith("cuda"):
+        torch.cuda.synchronize()
+    q.put(time.time())
+    _teardown_pg()
+
+
+def main(argv=None) -> int:
+    """python -m concordia.tp --json OUT [--device cuda --backend nccl] ...: one
+    rank killed and replaced, and a restart, in the same run."""
+    import argparse
+    import json
+    import tempfile
+
+    ap = argparse.ArgumentParser(prog="python -m concordia.tp")
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--kill-step", type=int, default=6)
+    ap.add_argument("--phase", choices=PHASES, default="after_reduce")
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--ffn", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--backend", default="gloo")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--log-bytes", type=int, default=64 << 20)
+    ap.add_argument("--timeout-s", type=float, default=20.0, help="the process group's timeout")
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--json", required=True)
+    a = ap.parse_args(argv)
+    shape = dict(world=a.world, steps=a.steps, hidden=a.hidden, ffn=a.ffn, layers=a.layers, backend=a.backend,
+                 device=a.device, timeout_s=a.timeout_s)
+    with tempfile.TemporaryDirectory(dir=a.workdir) as d:
+        base = run(workdir=os.path.join(d, "base"), log_bytes=a.log_bytes, **shape)
+        got = run(workdir=os.path.join(d, "kill"), kill=(a.world - 1, a.kill_step, a.phase), log_bytes=a.log_bytes,
+                  **shape)
+        rs = restart(workdir=os.path.join(d, "restart"), kill_step=a.kill_step, **shape)
+    identical = all(got["ranks"][r][k] == base["ranks"][r][k] for r in range(a.world) for k in ("x", "kv", "out"))
+    doc = {"identical": identical, "kill_to_decoding_s": got["kill_to_decoding_s"], "timeline": got["timeline"],
+           "restart_s": rs, "restart_what": "new processes, communicator init, weights rebuilt, steps re-decoded",
+           "rejoin": {r: got["ranks"][r]["events"]["rejoin"] for r in range(a.world)},
+           "detected_by": got["ranks"][0]["events"].get("error"), **shape, "kill_step": a.kill_step,
+           "phase": a.phase}
+    tmp = a.json + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(doc, fh, indent=1)
+    os.replace(tmp, a.json)
+    print(f"identical: {identical}  kill to decoding: {got['kill_to_decoding_s']:.3f} s  restart: {rs:.3f} s")
+    return 0 if identical else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
