@@ -29,8 +29,10 @@ with an uninterrupted run's.
 
 phase: "compute" (before the step's first collective), "after_reduce" (the
 state updated, not committed), "after_commit" (committed, before the group's
-MIN), "in_commit" (during the local checkpoint, after its records, before
-its commit record: os._exit-free SIGKILL from a writer hook).
+MIN).
+
+`crash_state` and `_checkpoint_loop` are the coordination's crash test: ranks
+that only checkpoint a state known from its step, SIGKILLed from outside.
 """
 
 from __future__ import annotations
@@ -198,6 +200,38 @@ def _standby_main(cfg, q, take):
         return
     rank, gen = got
     _rank_main(cfg, rank, gen, True, q)
+
+
+def crash_state(rank, step, n=4096):
+    """A rank's state after `step` steps of the crash test (numpy, int32)."""
+    import numpy as np
+
+    a = np.zeros(n, np.int32)
+    for t in range(1, step + 1):
+        lo = (t * 509) % n
+        a[lo:lo + 300] = t * 16 + rank
+    return a
+
+
+def _checkpoint_loop(rank, world, logdir, rdzv, steps):
+    """Checkpoint crash_state step by step through a GroupSession until killed."""
+    import numpy as np
+    import torch.distributed as dist
+
+    from concordia.group import GroupSession
+
+    pg = _init_pg("gloo", rdzv, 0, rank, world, 30.0)
+    a = np.zeros(4096, np.int32)
+    step = np.zeros(1, np.int64)
+    g = GroupSession(rank, world, f"file:{os.path.join(logdir, f'rank{rank}.log')}", comm=pg, size=16 << 20,
+                     overwrite=True)
+    g.register("a", a, page_bytes=1024)
+    g.register("step", step)
+    for t in range(1, steps + 1):
+        a[...] = crash_state(rank, t, a.size)
+        step[0] = t
+        g.checkpoint()
+    dist.destroy_process_group()
 
 
 def run(*, world=2, steps=12, hidden=64, ffn=256, layers=2, kill=None, workdir, backend="gloo",
