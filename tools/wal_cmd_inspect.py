@@ -88,6 +88,7 @@ def _data_extents(path, size: int):
     """[(start, end)] of the file's data (SEEK_DATA / SEEK_HOLE): holes read as
     zero, so a large sparse file is checked at the cost of its data, not its
     length.  The whole range where the file cannot say (a device, no SEEK_HOLE)."""
+    import errno
     import os
 
     try:
@@ -101,11 +102,15 @@ def _data_extents(path, size: int):
         while pos < size:
             try:
                 start = os.lseek(fd, pos, os.SEEK_DATA)
-            except OSError:
-                break   # ENXIO: only a hole from here on
-            end = min(size, os.lseek(fd, start, os.SEEK_HOLE))
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:
+                    break   # only a hole from here on
+                raise       # no SEEK_DATA here (a device): the whole range
             if start >= size:
                 break
+            end = min(size, os.lseek(fd, start, os.SEEK_HOLE))
+            if end <= start:
+                return [(0, size)]   # a file that cannot say where its data is
             out.append((start, end))
             pos = end
     except OSError:

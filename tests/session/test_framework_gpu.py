@@ -122,9 +122,21 @@ def test_a_damaged_page_is_named_on_the_device_path(shm_log):
         byte = f.read(1)[0]
         f.seek(off)
         f.write(bytes([byte ^ 0xFF]))
+    cp = pytest.importorskip("cupy")
+    from concordia.restore_device import apply_plan_cupy
+
     target = torch.zeros_like(t)
-    with Session(shm_log, create=False) as s:
+    view = cp.from_dlpack(target.reshape(-1).view(torch.uint8)).view(cp.uint16)
+    log = Log.open(shm_log, writable=False, check_pages=False)
+    try:  # planned without page checks, so that the device pipeline is the one to find it
         with pytest.raises(CorruptionError, match="page CRC mismatch for page 0 of region 'kv'"):
+            apply_plan_cupy(log, plan(log, check_pages=False), into={"kv": view})
+    finally:
+        log.close()
+    from concordia.errors import ConcordiaError
+
+    with pytest.raises(ConcordiaError, match="segment|page|corrupt|damaged"):  # the product path refuses it too
+        with Session(shm_log, create=False) as s:                               # (at open, plan or restore)
             s.recover(into={"kv": target})
 
 
