@@ -15,7 +15,7 @@ from concordia import Session, tp
 from concordia.group import committed_epochs, group_epoch
 
 
-@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("seed", [1])
 def test_kill_ranks_at_random_points(tmp_path, seed):
     import torch.multiprocessing as mp
 
@@ -34,7 +34,7 @@ def test_kill_ranks_at_random_points(tmp_path, seed):
     t_end = time.time() + 60
     while time.time() < t_end:
         if all(os.path.exists(str(logdir / f"rank{r}.log")) for r in range(world)):
-            time.sleep(rnd.uniform(1.0, 3.0))
+            time.sleep(rnd.uniform(0.5, 2.0))
             break
         time.sleep(0.1)
     order = list(range(world))
