@@ -8,6 +8,9 @@
 # (hidden 4096, ffn 12288) split over 2 ranks, MULTIGPU_LAYERS layers (default 8).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0
+# a collective whose peer died must raise in the caller (to recover), not have
+# the NCCL watchdog end the survivor: blocking wait, no async error handling
+export TORCH_NCCL_BLOCKING_WAIT=1 TORCH_NCCL_ASYNC_ERROR_HANDLING=0
 OUT=${OUT:-./gpu-out}
 mkdir -p "$OUT"
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
