@@ -59,7 +59,8 @@ from concordia.policy import Policy
 from concordia.regions import DETECTORS, KINDS, KvGeometry, Region, adapt, gather_pages, storage_of, to_host
 
 DEFAULT_SIZE = 256 << 20
-#: most payload bytes in one page-batch record (records must fit a segment)
+#: most payload bytes in one page-batch record; smaller segments cut smaller
+#: records (header, page table, CRC table and payload must fit the segment: batch_pages)
 MAX_BATCH_BYTES = 8 << 20
 #: the extent pipeline packs a checkpoint's records into extents of at most this
 #: many bytes (a larger record gets one of its own); the staging ring holds two
@@ -225,6 +226,7 @@ class Session:
         if not isinstance(page_bytes, (int, np.integer)) or page_bytes <= 0 or page_bytes % 64:
             raise SessionError(f"page_bytes must be a positive multiple of 64, not {page_bytes!r}",
                                where=where)
+        batch_pages(int(page_bytes), _segment_capacity(self.log), where)  # one page must fit a record
         if name in self._regions:
             raise DuplicateRegionError("a region of this name is already registered", where=where)
         arr, xp, owner = adapt(array, where)
@@ -530,6 +532,13 @@ def _open_log(log, *, create, size, segment_size, overwrite):
     return Log.create(log, size=size or DEFAULT_SIZE, **kw), True
 
 
+def _segment_capacity(log) -> int:
+    """The longest record one segment of `log` holds (Appender.segment_capacity)."""
+    from concordia.wal import format as fmt
+
+    return log.volume.segment_bytes - fmt.SEGMENT_HEADER_SIZE
+
+
 def _check_same(info, r: Region) -> None:
     """A region already in the log must be the same region."""
     diffs = []
@@ -568,7 +577,7 @@ def _stage_region(app, r: Region, ids: np.ndarray, epoch: int, base: bool) -> in
         return 0
     flags = 0  # a full first write is part of its epoch, not a catalogued base (FORMAT.md §12.1)
     written = 0
-    for b in plan_batches(r, int(ids.size)):
+    for b in plan_batches(r, int(ids.size), app.segment_capacity):
         chunk, length = ids[b.lo:b.hi], b.length
         res = app.reserve(length)
         if r.on_gpu:
@@ -597,11 +606,25 @@ class Batch:
     length: int
 
 
-def plan_batches(region: Region, count: int) -> list[Batch]:
-    """The records `count` dirty pages of `region` become (as the host path cuts them)."""
+def batch_pages(page_bytes: int, capacity: int, where: str | None = None) -> int:
+    """Most pages of one page-batch record: MAX_BATCH_BYTES of payload, fewer
+    where the whole record (header, tables, payload) would not fit `capacity`,
+    the bytes one segment holds (`Appender.segment_capacity`)."""
     from concordia.wal import format as fmt
 
-    per = max(1, MAX_BATCH_BYTES // region.page_bytes)
+    per = min(max(1, MAX_BATCH_BYTES // page_bytes), fmt.page_batch_max_pages(capacity, page_bytes))
+    if per < 1:
+        raise SessionError(f"a page of {page_bytes} bytes does not fit a log segment ({capacity} bytes usable)",
+                           where=where, hint="use smaller pages or a log with larger segments")
+    return per
+
+
+def plan_batches(region: Region, count: int, capacity: int) -> list[Batch]:
+    """The records `count` dirty pages of `region` become (as the host path
+    cuts them), each at most `capacity` bytes long."""
+    from concordia.wal import format as fmt
+
+    per = batch_pages(region.page_bytes, capacity)
     return [Batch(region, lo, min(count, lo + per), fmt.page_batch_length(min(count, lo + per) - lo,
                                                                           region.page_bytes))
             for lo in range(0, count, per)]
@@ -785,7 +808,7 @@ class _DeviceKernels:
                 if ext is not None:
                     job[2] = None
                     app.finish_extent(ext, used, records)  # the unused rest becomes padding
-                cap = self.delta_cap(r)
+                cap = self.delta_cap(r, app.segment_capacity)
                 st.guess = count if count <= cap else 0
                 if records:
                     r.digest = digest
@@ -811,9 +834,11 @@ class _DeviceKernels:
                         pass
             raise
 
-    def delta_cap(self, r: Region) -> int:
-        """Most pages `delta` stages for `r` in one record (as plan_batches cuts them)."""
-        return min(self.gpu.DELTA_MAX_PAGES, max(1, MAX_BATCH_BYTES // r.page_bytes))
+    def delta_cap(self, r: Region, capacity: int | None = None) -> int:
+        """Most pages `delta` stages for `r` in one record (as plan_batches cuts
+        them for a segment of `capacity` bytes; None: the size of the page list)."""
+        per = max(1, MAX_BATCH_BYTES // r.page_bytes) if capacity is None else batch_pages(r.page_bytes, capacity)
+        return min(self.gpu.DELTA_MAX_PAGES, per)
 
     def _delta_state(self, r: Region):
         key = (r.name, r.pages)
@@ -1041,7 +1066,7 @@ class _Stager:
             if n:
                 ids[r.name] = rid
                 staged[r.name] = k.empty_u32(n)
-                batches += plan_batches(r, n)
+                batches += plan_batches(r, n, app.segment_capacity)
         cap = min(max([EXTENT_BYTES] + [b.length for b in batches]), app.segment_capacity)
         extents = plan_extents(batches, cap)
         sizes = [sum(b.length for b in e) for e in extents]
