@@ -42,11 +42,15 @@ class _KillAt(click.ParamType):
 @click.option("--seed", default=0, show_default=True, help="Seed of the model weights and requests.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True,
               help="Where the model runs (auto: the GPU when CuPy finds one).")
+@click.option("--force", is_flag=True,
+              help="Format --log even when it holds something other than a Concordia log.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @guarded
-def demo(log, steps, kill_at, every, seed, device, as_json):
+def demo(log, steps, kill_at, every, seed, device, force, as_json):
     """Run a decode loop, SIGKILL it, recover it from the log in a fresh
     process and check the result is bit-identical to an uninterrupted run.
+    --log is formatted afresh: a Concordia log there is replaced, anything
+    else is refused (exit 2, left unchanged) unless --force.
 
     Prints the recovery timeline (detect, isolate, restore, reintegrate) and
     the bytes moved.  Exit 0 when bit-identical, 1 when not.
@@ -61,7 +65,7 @@ def demo(log, steps, kill_at, every, seed, device, as_json):
 
     progress = None if as_json else (lambda msg: click.echo(f"... {msg}", err=True))
     rep = run_demo(log=log, steps=steps, kill_at=kill_at, seed=seed, every=every, device=device,
-                   progress=progress)
+                   progress=progress, force=force)
     if as_json:
         emit_json(rep)
     else:

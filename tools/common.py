@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import re
 import sys
 
@@ -300,8 +301,16 @@ def report(doc: dict, *, as_json: bool, out: str | None, table) -> None:
     """How every benchmark ends: JSON to `out` when asked, then JSON or the
     table (`table(doc) -> str`) on stdout."""
     if out:
-        with open(out, "w") as f:
-            json.dump(_finite(doc), f, indent=2, allow_nan=False, default=_jsonable)
+        from concordia.devmem.dirsync import publish
+
+        tmp = os.path.join(os.path.dirname(os.path.abspath(out)), f".{os.path.basename(out)}.{os.getpid()}.tmp")
+        try:
+            with open(tmp, "w") as f:
+                json.dump(_finite(doc), f, indent=2, allow_nan=False, default=_jsonable)
+            publish(tmp, out)  # whole or not at all under the name asked for
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     if as_json:
         emit_json(doc)
     else:

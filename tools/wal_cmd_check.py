@@ -10,6 +10,8 @@ import time
 
 import click
 
+from concordia.devmem.dirsync import sync_parent
+
 from . import render as R
 from .common import EXIT_OK, EXIT_PROBLEMS, MODES, Bar, emit_json, guarded, mode_name, open_volume, unwritten_slot
 
@@ -151,6 +153,7 @@ def _repair(vol, report: dict, backup: str | None) -> dict:
             f.write(memoryview(src[start:start + step]))
         f.flush()
         os.fsync(f.fileno())
+    sync_parent(path)  # the backup's name is durable before a byte of the log is cut
     w = vol.backend
     w.array[cut["offset"]:cut["offset"] + cut["length"]] = 0
     w.persist(cut["offset"], cut["length"])

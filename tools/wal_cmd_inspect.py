@@ -39,25 +39,11 @@ def format_cmd(log, size, segment_size, force):
     \b
         concordia-wal format file:./concordia-data/scratch.log --size 64M --segment-size 8M
     """
-    from concordia.devmem import open_backend
-    from concordia.devmem.errors import PathNotFoundError
     from concordia.wal import Log
-    from concordia.wal.errors import WalError
 
-    try:
-        existing = open_backend(log, readonly=True)
-    except PathNotFoundError:
-        existing = None
-    if existing is not None:
-        Where.target = existing.where
-        try:
-            what = _holds_data(existing)
-        finally:
-            existing.close()
-        if what and not force:
-            raise WalError(f"refusing to format: the target {what}", where=Where.target,
-                           hint="pass --force to overwrite it")
-    new = Log.create(log, size=size, segment_size=segment_size)
+    Where.target = log
+    new = Log.create(log, size=size, segment_size=segment_size, overwrite=force,
+                     hint="pass --force to overwrite it")
     try:
         sb = new.volume.superblock
         where = new.backend.where
@@ -65,20 +51,6 @@ def format_cmd(log, size, segment_size, force):
                    f"{R.size(sb.segment_bytes)}, uuid {sb.uuid.hex()}, persist path {new.backend.persist_path}")
     finally:
         new.close()
-
-
-def _holds_data(backend) -> str | None:
-    """What an existing target holds that formatting would destroy, or None."""
-    arr = backend.array
-    if bytes(arr[:8]) == F.VOLUME_MAGIC:
-        return "holds a Concordia log (superblock magic at offset 0)"
-    step = 16 << 20
-    for start in range(0, arr.size, step):
-        chunk = arr[start:start + step]
-        if chunk.any():
-            first = start + int(chunk.nonzero()[0][0])
-            return f"is not empty (nonzero byte at 0x{first:x})"
-    return None
 
 
 # --------------------------------------------------------------------------- info

@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from crc32c import crc32c as _crc32c
 
+from concordia.devmem.dirsync import publish
 from concordia.wal import pagecrc as _pagecrc
 from concordia.wal.errors import CorruptionError, UsageError, WalError
 from concordia.wal.planner import Plan, RegionPlan
@@ -362,7 +363,10 @@ def restore_region_npy(log, plan: Plan, region: str, path, *, check: bool = True
     r = rp.region
     threads = default_threads() if threads is None else max(1, int(threads))
     path = os.fspath(path)
-    mm = np.lib.format.open_memmap(path, mode="w+", dtype=np.dtype(r.dtype), shape=tuple(r.shape))
+    # written beside `path` and renamed over it when whole (dirsync.publish): a crash or
+    # a failed check never leaves a partial .npy under the name asked for
+    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    mm = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.dtype(r.dtype), shape=tuple(r.shape))
     try:
         flat = mm.reshape(-1).view(np.uint8) if mm.size else np.zeros(0, np.uint8)
         crcs = np.zeros(r.pages, dtype=np.uint32)
@@ -373,14 +377,15 @@ def restore_region_npy(log, plan: Plan, region: str, path, *, check: bool = True
         if progress is not None:
             progress(r.nbytes, r.nbytes)
         mm.flush()
-    except BaseException:
         del mm
+        publish(tmp, path)
+    except BaseException:
+        mm = None
         try:
-            os.unlink(path)
+            os.unlink(tmp)
         except OSError:
             pass
         raise
-    del mm
     return path
 
 
