@@ -663,6 +663,17 @@ def _walk_of_open(log, vol, check_pages: bool, progress):
 
     res = getattr(log, "_result", None)
     walk = getattr(res, "walk", None)
+    if not getattr(log, "writable", True) and getattr(res, "walk_end_lsn", None) is not None \
+            and check_pages is not True:
+        # a read-only open beside a live writer (Log.open(live=True)): the log as of its last
+        # commit, kept for every plan of this Log (a walk on would see what is being written)
+        if walk is None:
+            walk = []
+            for it in Scanner(vol, check_pages=False, progress=progress).items(ScanResult()):
+                if it[1].lsn(it[2]) >= res.walk_end_lsn:
+                    break
+                walk.append(it)
+        return walk
     if walk is None or progress is not None:
         return None
     if getattr(log, "writable", True):
