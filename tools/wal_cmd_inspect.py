@@ -13,7 +13,7 @@ from concordia.wal import format as F
 
 from . import render as R
 from .common import EXIT_OK, EXIT_PROBLEMS, LSN, SIZE, Where, emit_json, guarded, open_volume, unwritten_slot
-from .wal_cmd_scan import DMG, last_commit_lsn, record_dict, region_names, walk
+from .wal_cmd_scan import DMG, REC, last_commit_lsn, record_dict, region_names, walk
 
 INFO_SCHEMA = "concordia-wal/info/1"
 DUMP_SCHEMA = "concordia-wal/dump/1"
@@ -468,47 +468,50 @@ def _print_stats(st: dict) -> None:
 
 
 def _follow(log, start, end, region, typ, epoch, limit, as_json, interval) -> None:
-    """Poll the live log: re-read the superblock (segments roll over under us),
-    scan the segments at or past the last LSN shown, print valid records beyond
-    it.  A damaged range at the end may be a record still being written: stop
-    the pass there and look again next time."""
-    from concordia.wal import Volume
+    """Poll the live log through `reader.Follower` (which tracks the position
+    by LSN across segments and leaves a segment only once the writer has),
+    printing each record as it appears.  Exit 0 when nothing shown was
+    damaged, 1 otherwise (Ctrl-C, --limit or --end ends the command)."""
+    from concordia.wal.errors import WalError
+    from concordia.wal.reader import Follower
 
     vol = open_volume(log)  # same checks and messages as the other commands
     backend = vol.backend
-    shown = 0
-    last = -1 if start is None else start - 1
-    uuid = vol.superblock.uuid
+    follower = Follower(backend, from_lsn=0 if start is None else start)
+    seen = {"shown": 0, "bad": False}
     names: dict = {}
-    try:
+
+    def run() -> None:
         while True:
-            vol = Volume.open(backend, writable=False)
-            if vol.superblock.uuid != uuid:
-                raise click.ClickException("the log was formatted again while it was followed")
-            for it in walk(vol, check_pages=True, from_lsn=max(0, last)):
-                seg, off = it[1], it[2]
-                lsn = seg.lsn(off)
-                if lsn <= last:
-                    continue
-                if it[0] == DMG:
-                    break
-                if it[3][1] & F.TYPE_MASK == F.REC_REGION:
+            try:
+                items = follower.poll()
+            except WalError as exc:
+                raise click.ClickException(exc.message) from None
+            vol = follower.volume
+            for it in items:
+                Where.at = it[1].where(it[2])
+                lsn = it[1].lsn(it[2])
+                if it[0] == REC and it[3][1] & F.TYPE_MASK == F.REC_REGION:
                     names.update(region_names(vol, [it]))
-                r = record_dict(vol, it, names, False)
-                last = lsn
                 if end is not None and lsn >= end:
                     return
+                r = record_dict(vol, it, names, False)
                 if _keep(r, start, end, region, typ, epoch):
                     click.echo(_json_line(r) if as_json else R.record_line(r))
-                    shown += 1
-                    if limit is not None and shown >= limit:
+                    seen["bad"] = seen["bad"] or r["crc"] == "BAD"
+                    seen["shown"] += 1
+                    if limit is not None and seen["shown"] >= limit:
                         return
             sys.stdout.flush()
             time.sleep(interval)
+
+    try:
+        run()
     except KeyboardInterrupt:
-        return  # Ctrl-C is how following ends: exit 0
+        pass  # Ctrl-C is how following ends
     finally:
         backend.close()
+    sys.exit(EXIT_PROBLEMS if seen["bad"] else EXIT_OK)
 
 
 def _json_line(r: dict) -> str:
