@@ -9,6 +9,7 @@ import numbers
 import time
 
 from concordia.errors import SessionError
+from concordia.sizes import parse_size
 
 
 @dataclasses.dataclass
@@ -32,10 +33,6 @@ class Policy:
     def parse(cls, text: str) -> "Policy":
         """'steps=4,ms=500,bytes=64M' -> Policy (for command lines).  Bad text
         raises a one-line SessionError naming the trigger."""
-        import click
-
-        from concordia.tools.common import parse_size
-
         convert = {"steps": ("every_steps", int), "ms": ("every_ms", float), "bytes": ("every_bytes", parse_size)}
         kw = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
@@ -46,7 +43,7 @@ class Policy:
             field, conv = convert[key]
             try:
                 kw[field] = conv(val.strip())
-            except (ValueError, click.BadParameter):
+            except ValueError:
                 what = "a size (e.g. 64M)" if key == "bytes" else "a number"
                 raise SessionError(f"{key}={val.strip()!r} is not {what}", where=f"policy {text!r}") from None
         return cls(**kw)

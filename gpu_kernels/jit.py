@@ -35,7 +35,6 @@ KERNELS = {
     "stage": ("stage_alloc", "stage_payload", "stage_finalize", "stage_delta"),
     "scatter": ("scatter_pages",),
     "kv_scan": ("kv_scan", "adapter_scan"),
-    "bandwidth": ("read_probe",),
 }
 
 # -D constants each module needs
@@ -46,8 +45,9 @@ REQUIRED = {
     "stage": ("PAGE_BYTES",),
     "scatter": ("PAGE_BYTES",),
     "kv_scan": (),
-    "bandwidth": (),
 }
+# modules whose source lives outside SOURCE_DIR (`register`): the benchmarks' own kernels
+_SOURCE_DIRS: dict[str, pathlib.Path] = {}
 KV_DEFINES = ("PAGE_BYTES", "KV_BLOCK_SIZE", "KV_HEADS", "KV_HEAD_DIM", "KV_DTYPE_BYTES")
 
 # kernels compiled only when a -D constant is given (#ifdef'd in the source)
@@ -85,8 +85,20 @@ CI_SPECS = (
     page_specs(64) + page_specs(4096) + page_specs(65536)
     + [kv_spec(page_bytes=4096, block_size=16, kv_heads=8, head_dim=128, dtype_bytes=2),
        kv_spec(page_bytes=32768, block_size=16, kv_heads=4, head_dim=64, dtype_bytes=4),
-       ("crc32c", {}), ("kv_scan", {}), ("bandwidth", {})]
+       ("crc32c", {}), ("kv_scan", {})]
 )
+
+
+def register(name: str, directory, kernels: tuple[str, ...], required: tuple[str, ...] = ()) -> None:
+    """Make `directory/<name>.cu` a module of this loader (the benchmarks keep
+    their own kernels beside them); it may include `common.cuh`."""
+    KERNELS[name] = tuple(kernels)
+    REQUIRED[name] = tuple(required)
+    _SOURCE_DIRS[name] = pathlib.Path(directory).resolve()
+
+
+def source_path(name: str) -> pathlib.Path:
+    return _SOURCE_DIRS.get(name, SOURCE_DIR) / f"{name}.cu"
 
 
 def _check(name: str, defines: dict) -> tuple[tuple[str, int], ...]:
@@ -107,7 +119,7 @@ def source(name: str) -> str:
     """The module's source with common.cuh inlined (NVRTC sees one text, and
     CuPy's disk cache keys on the whole of it)."""
     common = (SOURCE_DIR / COMMON).read_text().replace("#pragma once", "", 1)
-    text = (SOURCE_DIR / f"{name}.cu").read_text()
+    text = source_path(name).read_text()
     return text.replace(f'#include "{COMMON}"', common, 1)
 
 
@@ -181,7 +193,7 @@ def nvcc_ptx(name: str, defines: dict | None = None, *, arch: str = "sm_90", nvc
     with tempfile.TemporaryDirectory() as tmp:
         out = pathlib.Path(tmp) / f"{name}.ptx"
         cmd = [nvcc, "--ptx", f"-arch={arch}", "-std=c++17", f"-I{SOURCE_DIR}",
-               *define_options(key_defs), str(SOURCE_DIR / f"{name}.cu"), "-o", str(out)]
+               *define_options(key_defs), str(source_path(name)), "-o", str(out)]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             msg = " ".join((res.stderr or res.stdout).split())[:400]

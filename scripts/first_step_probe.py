@@ -28,7 +28,7 @@ def child() -> dict:
     cp.cuda.Device().synchronize()
     t["first_gemm_s"] = time.perf_counter() - t0
     from concordia.demo import warm_model
-    from concordia.workload import Workload, WorkloadConfig
+    from concordia.demo.workload import Workload, WorkloadConfig
 
     t0 = time.perf_counter()
     wl = Workload(WorkloadConfig(seed=0), xp=cp)

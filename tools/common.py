@@ -10,12 +10,12 @@ import functools
 import json
 import math
 import os
-import re
 import sys
 
 import click
 
 from concordia.devmem.errors import ConcordiaError
+from concordia.sizes import parse_size
 
 EXIT_OK = 0
 EXIT_PROBLEMS = 1
@@ -124,28 +124,18 @@ def _jsonable(o):
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)?\s*$", re.IGNORECASE)
-_UNIT = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """'64M', '1GiB', '4096' -> bytes (binary units)."""
-    m = _SIZE.match(str(text))
-    if not m:
-        raise click.BadParameter(f"not a size: {text!r} (use e.g. 4096, 64M, 1GiB)")
-    return int(float(m.group(1)) * _UNIT[m.group(2).lower()])
-
-
 class SizeType(click.ParamType):
+    """A byte count (`concordia.sizes.parse_size`: 4096, 64M, 1GiB)."""
+
     name = "SIZE"
 
     def convert(self, value, param, ctx):
-        if isinstance(value, int):
-            return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)
         try:
             return parse_size(value)
-        except click.BadParameter as exc:
-            self.fail(exc.message, param, ctx)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
 
 
 SIZE = SizeType()
@@ -200,7 +190,7 @@ def remove_log_file(spec: str) -> None:
     """Delete the file behind a benchmark's log (`shm:NAME`, `file:PATH`), if there."""
     import os
 
-    from concordia.devmem.backend import parse_spec
+    from concordia.devmem.opener import parse_spec
 
     path = parse_spec(spec).path
     if path is not None:

@@ -51,6 +51,7 @@ from typing import Iterable
 
 import numpy as np
 
+from concordia.wal.catalog import BaseEntry, decode_catalog_body
 from concordia.wal.errors import CorruptionError, TornTailError, WalError
 
 #: page batch flag bit 0: the record is part of a base snapshot (FORMAT.md)
@@ -135,20 +136,6 @@ class Commit:
     records: int | None = None  # page batches the commit counts, when known
     segment: int = -1
     offset: int = -1
-
-
-@dataclass(frozen=True)
-class BaseEntry:
-    """A catalog entry: the base snapshot of one region at one epoch, made of the
-    BASE page batches of that region and epoch with LSN in [first_lsn, last_lsn]."""
-
-    region_id: int
-    epoch: int
-    first_lsn: int
-    last_lsn: int
-    records: int
-    pages: int
-    digest: int
 
 
 @dataclass(frozen=True)
@@ -702,7 +689,6 @@ def scan(log, *, payload: bool = True, check_pages: bool = False, progress=None,
     instead of walking again."""
     from concordia.wal import format as F
     from concordia.wal.reader import ScanResult, Scanner
-    from concordia.wal.snapshot import decode_catalog_body
 
     vol = _volume(log)
     sb = vol.superblock

@@ -36,7 +36,6 @@ from .smtarget import SmTarget
 # The sources ship inside concordia.gpu_kernels (package data), wherever the
 # package is installed; the source tree's layout is not assumed.
 KERNEL_SOURCE = Path(_gpu_kernels_pkg.__file__).resolve().parent / "executor.cu"
-BENCH_SOURCE = KERNEL_SOURCE.with_name("executor_bench.cu")
 HANDLER_OPS = (Op.CHECKPOINT, Op.APPEND_LOG, Op.RECOVER)
 ALL_OPS_MASK = sum(1 << int(op) for op in Op)
 
@@ -280,28 +279,3 @@ class MappedHostBuffer:
             import cupy
             cupy.cuda.runtime.hostUnregister(self.ptr)
             self._registered = False
-
-
-def load_bench_kernels() -> dict:
-    """cx_noop and cx_naive_spin (gpu_kernels/executor_bench.cu), loaded now."""
-    if any_resident():
-        raise ExecutorError("module load while a persistent executor is resident", where="bench kernels")
-    cupy = _cupy()
-    mod = cupy.RawModule(code=kernel_source(BENCH_SOURCE))
-    return {n: mod.get_function(n) for n in ("cx_noop", "cx_naive_spin")}
-
-
-def direct_checkpoint(module: ExecutorModule, scratch, stream, n_sm: int, src, shadow, out, out_ids,
-                      nbytes: int, page_bytes: int) -> int:
-    """The CHECKPOINT handler launched from the host (the baseline): reset the
-    counter, launch the same grid the executor would, read the page count back,
-    synchronise `stream` only.  Returns pages found."""
-    cupy = _cupy()
-    fn = module.load().functions["cx_checkpoint"]
-    npages = -(-nbytes // page_bytes)
-    grid = max(1, min(-(-npages // 8), n_sm * 8))
-    with stream:
-        cupy.cuda.runtime.memsetAsync(scratch.data.ptr, 0, 64, stream.ptr)
-        fn((grid,), (256,), (src, shadow, out, out_ids, np.uint64(nbytes), np.uint64(page_bytes), scratch))
-        pages = scratch[:1].get(stream=stream)
-    return int(pages[0])

@@ -83,7 +83,7 @@ def test_warm_up_steps_until_the_model_has_run():
     the reference workload admits nobody in its first steps, so one step would
     load none of them (the first recomputed step then paid for them)."""
     from concordia.demo import warm_model
-    from concordia.workload import Workload, WorkloadConfig, make_requests
+    from concordia.demo.workload import Workload, WorkloadConfig, make_requests
 
     cfg = WorkloadConfig(seed=0)
     first = min(r.arrival for r in make_requests(cfg))

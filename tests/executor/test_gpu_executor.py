@@ -30,12 +30,13 @@ def g():
     import cupy
 
     from concordia.executor import gpu
+    from concordia.tools.bench import kernels
 
     mods = {
         "child": gpu.ExecutorModule(child=True).load(),
         "inline": gpu.ExecutorModule(child=False).load(),
         "ckpt_only": gpu.ExecutorModule(child=True, ops=(Op.CHECKPOINT,)).load(),
-        "bench": gpu.load_bench_kernels(),
+        "bench": kernels.load_bench_kernels(),
     }
     # CuPy's own kernels used below, loaded now as well.
     with cupy.cuda.Stream(non_blocking=True) as s:

@@ -8,7 +8,8 @@ import subprocess
 
 import pytest
 
-from concordia.executor.gpu import ALL_OPS_MASK, BENCH_SOURCE, KERNEL_SOURCE, compile_options
+from concordia.executor.gpu import ALL_OPS_MASK, KERNEL_SOURCE, compile_options
+from concordia.tools.bench.kernels import EXECUTOR_BENCH_SOURCE
 from concordia.executor.ring import Op
 
 NVCC = shutil.which("nvcc")
@@ -39,5 +40,5 @@ def test_executor_variants_compile(tmp_path, child, ops):
 
 
 def test_bench_kernels_compile(tmp_path):
-    text = ptx(tmp_path, BENCH_SOURCE, ())
+    text = ptx(tmp_path, EXECUTOR_BENCH_SOURCE, ())
     assert ".entry cx_noop(" in text and ".entry cx_naive_spin(" in text

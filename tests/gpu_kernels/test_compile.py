@@ -34,8 +34,19 @@ def test_source_compiles_to_sm90_ptx(spec):
 
 def test_every_source_file_is_covered():
     names = {p.stem for p in jit.SOURCE_DIR.glob("*.cu") if not p.stem.startswith("executor")}
-    assert names == set(jit.KERNELS)
+    assert names == {n for n in jit.KERNELS if jit.source_path(n).parent == jit.SOURCE_DIR}
     assert names <= {name for name, _ in jit.CI_SPECS}
+
+
+@needs_nvcc
+def test_the_benchmarks_kernels_compile_through_the_same_loader():
+    from concordia.tools.bench import kernels
+
+    for name, defines in kernels.SPECS:
+        assert jit.source_path(name).parent == kernels.BENCH_DIR
+        ptx = jit.nvcc_ptx(name, defines)
+        for k in jit.KERNELS[name]:
+            assert f".entry {k}(" in ptx, k
 
 
 def test_source_inlines_the_common_header():

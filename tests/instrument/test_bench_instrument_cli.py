@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-from concordia.tools.bench_instrument import command
+from concordia.tools.bench.instrument import command
 from tests.conftest import gpu_unavailable_reason
 
 
@@ -26,7 +26,7 @@ def test_without_a_gpu_it_fails_in_one_line():
 
 def test_table_has_a_row_per_variant_and_shape():
     # the table of a run's JSON (the run itself needs a GPU: scripts/gpu/instrument.sh)
-    from concordia.tools.bench_instrument import SHAPES, VARIANTS, _table
+    from concordia.tools.bench.instrument import SHAPES, VARIANTS, _table
 
     rows = [{"variant": v, "median_us": 10.0 + i, "overhead": i / 100, "bandwidth_GBps": 3000.0 - i,
              "ratio_to_copy": 0.9, "registers": None if i else 12} for i, v in enumerate(VARIANTS)]
@@ -45,7 +45,7 @@ def test_every_variant_rewrites_and_edits_the_bench_kernels(tmp_path):
     # variant's options give the counting it names, the edited variants find
     # their text in both kernels, and the result assembles
     from concordia.instrument.rewrite import Options, rewrite
-    from concordia.tools.bench_instrument import EDITS, SETTINGS, SRC
+    from concordia.tools.bench.instrument import EDITS, SETTINGS, SRC
     from tests.instrument.conftest import nvcc_ptx, ptxas
 
     src = tmp_path / "bench.cu"

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from concordia import Session
-from concordia import session as session_mod
+from concordia.checkpoint import staging as staging_mod
 
 from .staging_cases import EPOCHS, assert_same_log, log_contents, run_workload
 from .state import KINDS, LOG_SIZE, PAGE, SEGMENT, assert_same, copy, make_state, mutate
@@ -58,8 +58,8 @@ def test_device_staging_writes_the_numpy_records(cp, tmp_path, shm_log, tier, vi
 def test_many_extents_per_checkpoint_on_the_device(cp, tmp_path, shm_log, monkeypatch, staging):
     # small records and extents: the ring alternates halves and overlaps the
     # host copy of one extent with the staging of the next
-    monkeypatch.setattr(session_mod, "MAX_BATCH_BYTES", 4096)
-    monkeypatch.setattr(session_mod, "EXTENT_BYTES", 3 * 4096)
+    monkeypatch.setattr(staging_mod, "MAX_BATCH_BYTES", 4096)
+    monkeypatch.setattr(staging_mod, "EXTENT_BYTES", 3 * 4096)
     want, _, truth = _numpy_run(tmp_path)
     stats, contents, got, _ = run_workload(shm_log, staging=staging, to_device=cp.asarray)
     assert all(set(st.via.values()) == {f"gpu-{staging}"} for st in stats)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from concordia import Session
-from concordia import session as session_mod
+from concordia.checkpoint import staging as session_mod
 from concordia.errors import SessionError
 from concordia.regions import Region
 from concordia.wal import format as F

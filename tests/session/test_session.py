@@ -15,7 +15,7 @@ import pytest
 from concordia import Session
 from concordia.policy import Policy
 from concordia.wal import format as fmt
-from concordia.workload import Workload, WorkloadConfig
+from concordia.demo.workload import Workload, WorkloadConfig
 
 from .state import LOG_SIZE, SEGMENT, assert_same, copy, make_state, mutate, register_all
 

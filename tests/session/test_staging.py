@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from concordia import Session
-from concordia import session as session_mod
+from concordia.checkpoint import host as host_mod
+from concordia.checkpoint import staging as staging_mod
 from concordia.errors import SessionError
 from concordia.regions import Region
 
@@ -37,8 +38,8 @@ def test_extent_pipeline_writes_the_host_paths_records(persistent_log, tmp_path,
 def test_many_records_and_extents_per_checkpoint(tmp_path, monkeypatch, staging):
     # small records and extents: one checkpoint spans many extents, so the
     # ring alternates its halves and every extent is finished from its cursor
-    monkeypatch.setattr(session_mod, "MAX_BATCH_BYTES", 4096)
-    monkeypatch.setattr(session_mod, "EXTENT_BYTES", 3 * 4096)
+    monkeypatch.setattr(staging_mod, "MAX_BATCH_BYTES", 4096)
+    monkeypatch.setattr(staging_mod, "EXTENT_BYTES", 3 * 4096)
     host = run_workload(f"file:{tmp_path / 'host.log'}", staging="host")
     stats, contents, got, truth = run_workload(f"file:{tmp_path / 'x.log'}", staging=staging)
     assert len(contents["batches"]) > 12
@@ -50,21 +51,21 @@ def test_plan_extents_packs_in_order_within_the_cap():
     r = Region(name="r", kind="opaque", page_bytes=4096, array=np.zeros(1 << 20, np.uint8), xp=np, owner=None,
                storage=(), detect="shadow", hints={})
     lengths = [100, 200, 300, 5000, 50, 50]
-    batches = [session_mod.Batch(r, i, i + 1, n) for i, n in enumerate(lengths)]
-    ext = session_mod.plan_extents(batches, 600)
+    batches = [staging_mod.Batch(r, i, i + 1, n) for i, n in enumerate(lengths)]
+    ext = staging_mod.plan_extents(batches, 600)
     assert [[b.length for b in e] for e in ext] == [[100, 200, 300], [5000], [50, 50]]
     assert [b for e in ext for b in e] == batches
-    assert session_mod.plan_extents([], 600) == []
+    assert staging_mod.plan_extents([], 600) == []
     # records as the host path cuts them: at most MAX_BATCH_BYTES of payload each
-    cut = session_mod.plan_batches(r, 5000, 64 << 20)
-    per = session_mod.MAX_BATCH_BYTES // 4096
+    cut = staging_mod.plan_batches(r, 5000, 64 << 20)
+    per = staging_mod.MAX_BATCH_BYTES // 4096
     assert [(b.lo, b.hi) for b in cut][:2] == [(0, per), (per, 2 * per)] and cut[-1].hi == 5000
 
 
 def test_a_failure_while_staging_leaves_the_log_and_the_session_usable(file_log, monkeypatch):
     state = make_state(4)
     calls = {"n": 0}
-    real = session_mod._HostKernels.stage
+    real = host_mod._HostKernels.stage
 
     def failing(self, *a, **kw):
         calls["n"] += 1
@@ -77,10 +78,10 @@ def test_a_failure_while_staging_leaves_the_log_and_the_session_usable(file_log,
         s.checkpoint()
         at1 = copy(state)
         mutate(state, 2)
-        monkeypatch.setattr(session_mod._HostKernels, "stage", failing)
+        monkeypatch.setattr(host_mod._HostKernels, "stage", failing)
         with pytest.raises(OSError, match="injected"):
             s.checkpoint()
-        monkeypatch.setattr(session_mod._HostKernels, "stage", real)
+        monkeypatch.setattr(host_mod._HostKernels, "stage", real)
         assert s.epoch == 1
         assert_same(s.recover(), at1)
         again = s.checkpoint()  # the appender took the failed extents back as padding

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from concordia.workload import DONE, META_STEP, Workload, WorkloadConfig
+from concordia.demo.workload import DONE, META_STEP, Workload, WorkloadConfig
 
 SMALL = WorkloadConfig(d_model=128, n_heads=4, n_kv_heads=2, d_ff=256, vocab=256,
                        num_blocks=32, n_requests=10, new_tokens=(4, 12))

@@ -7,7 +7,7 @@ import json
 
 from click.testing import CliRunner
 
-from concordia.tools.bench_append import command
+from concordia.tools.bench.append import command
 
 
 def test_bench_append_quick_json(tmp_path):

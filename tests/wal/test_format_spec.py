@@ -3,7 +3,7 @@
 FORMAT.md is the single source of truth for every byte on media.  These tests
 parse it (offset tables, record types, flags, magics, limits, formulas, the
 checksum parameters and the table of where each validity condition is checked)
-and compare it with `wal/format.py`, `wal/snapshot.py`, the GPU staging kernel
+and compare it with `wal/format.py`, `wal/catalog.py`, the GPU staging kernel
 `gpu_kernels/stage.cu` and its numpy twin.  Changing one side without the other
 fails here.
 """
@@ -22,7 +22,7 @@ import pytest
 from concordia.gpu_kernels import reference as ref
 from concordia.wal import format as F
 from concordia.wal import planner
-from concordia.wal import snapshot as S
+from concordia.wal import catalog as S
 from concordia.wal.errors import CorruptionError, FormatVersionError, NotALogError
 
 WAL_DIR = Path(F.__file__).resolve().parent
@@ -32,8 +32,8 @@ KERNEL_DIR = Path(ref.__file__).resolve().parent
 STAGE_CU = (KERNEL_DIR / "stage.cu").read_text()
 COMMON_CUH = (KERNEL_DIR / "common.cuh").read_text()
 
-MODULES = {"format": F, "snapshot": S}
-STRUCT_REF = re.compile(r"`(format|snapshot)\.([A-Z_]+)`,\s*(\d+) bytes")
+MODULES = {"format": F, "catalog": S}
+STRUCT_REF = re.compile(r"`(format|catalog)\.([A-Z_]+)`,\s*(\d+) bytes")
 TYPE_CODES = {"u8": "B", "u16": "H", "u32": "I", "u64": "Q"}
 
 
@@ -148,7 +148,7 @@ def test_every_struct_of_the_code_has_a_table():
     names = {(mod.__name__.rsplit(".", 1)[1], name) for _, mod, name, _, _ in OFFSET_TABLES}
     assert names == {("format", "SUPERBLOCK"), ("format", "SEGMENT_ENTRY"), ("format", "SEGMENT_HEADER"),
                      ("format", "RECORD_HEADER"), ("format", "REGION_BODY"), ("format", "COMMIT_BODY"),
-                     ("snapshot", "CATALOG_HEAD"), ("snapshot", "CATALOG_ENTRY")}
+                     ("catalog", "CATALOG_HEAD"), ("catalog", "CATALOG_ENTRY")}
     # every struct.Struct of the codecs is described (a new one needs a table or a reference)
     described = {m.group(2) for m in STRUCT_REF.finditer(SPEC)}
     for mod in (F, S):

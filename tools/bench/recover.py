@@ -38,7 +38,7 @@ import uuid
 import click
 import numpy as np
 
-from .common import emit_json, guarded, remove_log_file
+from ..common import emit_json, guarded, remove_log_file
 
 GIB = 1 << 30
 
@@ -261,7 +261,7 @@ def _warm_up(xp, page_bytes: int) -> float:
 
 def _prefill(xp, nbytes: int, quick: bool) -> dict:
     """Seconds for the reference model to rebuild nbytes of KV from tokens."""
-    from concordia.workload import Workload, WorkloadConfig
+    from concordia.demo.workload import Workload, WorkloadConfig
 
     wl = Workload(WorkloadConfig(), xp=xp)
     T = wl.cfg.max_len

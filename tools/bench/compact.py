@@ -18,8 +18,8 @@ import time
 import click
 import numpy as np
 
-from .bench_restore import build_log, check_log_options, log_options
-from .common import SIZE, guarded, report
+from .restore import build_log, check_log_options, log_options
+from ..common import SIZE, guarded, report
 
 
 def run(size: int, epochs: int, dirty: float, page_bytes: int, chunk: int) -> dict:

@@ -1,6 +1,6 @@
 """`concordia demo`: a decode loop killed with SIGKILL and recovered bit-exact.
 
-Three runs of the reference workload (`concordia.workload`):
+Three runs of the reference workload (`concordia.demo.workload`):
 
 1. reference: uninterrupted, to the last step;
 2. worker: a child process that checkpoints into the log every few steps and
@@ -34,7 +34,7 @@ import time
 import numpy as np
 
 from concordia.errors import DemoError
-from concordia.workload import Workload, WorkloadConfig
+from concordia.demo.workload import Workload, WorkloadConfig
 
 DEFAULT_LOG = "file:./concordia-data/demo.log"
 DEFAULT_STEPS = 160
@@ -466,7 +466,3 @@ def main(argv=None) -> int:
     except ConcordiaError as exc:
         sys.stderr.write(f"error: {exc.one_line()}\n")
         return exc.exit_code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -36,7 +36,7 @@ import numpy as np
 
 from concordia.instrument.errors import InstrumentError
 
-from .common import SIZE, guarded, report, require_cupy
+from ..common import SIZE, guarded, report, require_cupy
 
 SRC = r"""
 extern "C" __global__ void stream_axpy(const float* x, float* y, float a, long long n) {

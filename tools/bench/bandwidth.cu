@@ -1,7 +1,7 @@
 // Ceilings measured in the same run as the page kernels: the device-memory
 // read bandwidth (read_probe: every byte read once with the same 16-byte
 // streaming loads the detectors use, XOR-reduced so nothing is elided).
-// Used by tools/bench_checkpoint.py; no twin (it computes nothing kept).
+// Used by tools/bench/checkpoint.py (loaded through tools/bench/kernels.py); no twin (it computes nothing kept).
 #include "common.cuh"
 
 extern "C" __global__ void __launch_bounds__(256)

@@ -21,7 +21,7 @@ import numpy as np
 
 from concordia.devmem import libpmem, open_backend
 
-from .common import SIZE, guarded, report
+from ..common import SIZE, guarded, report
 
 TIERS = ("memory", "shm", "file", "pmem", "pmem-nolibpmem", "devdax-emulated", "pinned")
 

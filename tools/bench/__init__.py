@@ -1,6 +1,7 @@
-"""`concordia-wal bench`: every benchmark is a module `concordia.tools.bench_<name>`
-that defines a click command named `command`; this group collects them, so each
-benchmark lives beside the code it measures and no one file is shared.
+"""`concordia-wal bench`: every benchmark is a module `concordia.tools.bench.<name>`
+that defines a click command named `command`; this group collects them, so the
+benchmarks live apart from the product and no one file is shared.  Kernels and
+helpers only a benchmark uses sit here beside it.
 
 Every benchmark prints a table, writes JSON (`--json` to stdout, `--out FILE`),
 and reports its figures as ratios to a ceiling measured in the same run.
@@ -19,14 +20,11 @@ class _BenchGroup(click.Group):
         if getattr(self, "_loaded", False):
             return
         self._loaded = True
-        import concordia.tools as pkg
-
-        for info in pkgutil.iter_modules(pkg.__path__):
-            if info.name.startswith("bench_"):
-                mod = importlib.import_module(f"concordia.tools.{info.name}")
-                cmd = getattr(mod, "command", None)
-                if isinstance(cmd, click.Command):
-                    self.add_command(cmd)
+        for info in pkgutil.iter_modules(__path__):
+            mod = importlib.import_module(f"{__name__}.{info.name}")
+            cmd = getattr(mod, "command", None)
+            if isinstance(cmd, click.Command):
+                self.add_command(cmd)
 
     def list_commands(self, ctx):
         self._load()

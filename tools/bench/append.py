@@ -45,7 +45,7 @@ from crc32c import crc32c
 from concordia.devmem import open_backend
 from concordia.wal import Log, pagecrc
 
-from .common import SIZE, guarded, report
+from ..common import SIZE, guarded, report
 
 PAGE = 4096
 SIZES = (1, 4, 16, 64, 256, 1024)

@@ -21,7 +21,7 @@ import time
 import click
 import numpy as np
 
-from .common import SIZE, guarded, report
+from ..common import SIZE, guarded, report
 
 
 def log_options(epochs_help: str):

@@ -34,7 +34,8 @@ from concordia.executor.errors import ExecutorError
 from concordia.executor.host import Submitter
 from concordia.executor.ring import N_ARGS, ConsumerState, Op, Ring, TaskView
 
-from .common import guarded, report
+from ..common import guarded, report
+from . import kernels
 
 
 def _stats(samples) -> dict:
@@ -145,7 +146,7 @@ def run_gpu(quick: bool) -> dict:
     child = gpu.ExecutorModule(child=True).load()
     inline = gpu.ExecutorModule(child=False).load()
     swap_b = gpu.ExecutorModule(child=True, ops=(Op.CHECKPOINT, Op.RECOVER)).load()
-    bench = gpu.load_bench_kernels()
+    bench = kernels.load_bench_kernels()
     doc["compile_s"] = {"child": round(child.load_s, 3), "inline": round(inline.load_s, 3),
                         "total": round(time.perf_counter() - t0, 3)}
     ws = cp.cuda.Stream(non_blocking=True)
@@ -296,7 +297,7 @@ def _checkpoint(cp, gpu, gring, sub, child, inline, quick, b):
             t0 = time.perf_counter()
             c = None
             if mode == "direct":
-                pages = gpu.direct_checkpoint(child, scratch, s, gring.n_sm, src, shadow, out, ids, size, pb)
+                pages = kernels.direct_checkpoint(child, scratch, s, gring.n_sm, src, shadow, out, ids, size, pb)
             else:
                 c = sub.call(Op.CHECKPOINT, args=args, timeout=60)
                 pages = c.pages

@@ -41,7 +41,10 @@ import numpy as np
 
 from concordia.gpu_kernels import reference as ref
 from concordia.gpu_kernels.errors import GpuUnavailableError
-from concordia.tools.common import guarded, parse_size, remove_log_file, report, require_cupy
+from concordia.sizes import parse_size
+from concordia.tools.common import guarded, remove_log_file, report, require_cupy
+
+from . import kernels
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -83,8 +86,8 @@ def _sizes(text: str, option: str) -> list[int]:
     """'256M,1G' -> positive byte counts; anything else names `option`."""
     try:
         sizes = [parse_size(t) for t in text.split(",") if t.strip()]
-    except click.BadParameter as exc:
-        raise click.BadParameter(exc.message, param_hint=option) from None
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint=option) from None
     if not sizes or min(sizes) <= 0:
         raise click.BadParameter(f"{text!r}: give one or more sizes above zero", param_hint=option)
     return sizes
@@ -124,7 +127,7 @@ class _Gpu:
 
         self.cp, self.gpu, self.jit = cp, gpu, jit
         self.pb, self.reps = page_bytes, reps
-        jit.precompile(jit.page_specs(page_bytes) + [("crc32c", {}), ("bandwidth", {})])
+        jit.precompile(jit.page_specs(page_bytes) + [("crc32c", {})] + list(kernels.SPECS))
         props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
         self.device = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
         self.sms = int(props["multiProcessorCount"])

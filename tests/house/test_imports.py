@@ -1,0 +1,212 @@
+"""The house rules on imports (docs/ARCHITECTURE.md), held by reading every
+module of the package with `ast`, imports inside functions included:
+
+    tools -> concordia (the runtime) -> gpu_kernels -> wal -> devmem
+
+A module may import its own layer or any layer to its right, never one to its
+left; `wal` never imports CuPy; `devmem` imports nothing of the project; only
+the command line imports click; and no two modules import each other, however
+indirectly (a circle hidden by an import inside a function is still a circle).
+"""
+
+from __future__ import annotations
+
+import ast
+import collections
+import pathlib
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+# folder -> import name (pyproject.toml's package-dir)
+FOLDERS = {"concordia": "concordia", "wal": "concordia.wal", "devmem": "concordia.devmem",
+           "gpu_kernels": "concordia.gpu_kernels", "tools": "concordia.tools"}
+LAYERS = ("devmem", "wal", "gpu_kernels", "runtime", "tools")   # each may import those before it
+GPU = ("cupy", "cupyx", "cuda")                                   # wal never imports these
+CLI = ("click",)                                                  # only tools imports these
+
+
+def layer_of(module: str) -> str:
+    for name in ("tools", "devmem", "wal", "gpu_kernels"):
+        if module == f"concordia.{name}" or module.startswith(f"concordia.{name}."):
+            return name
+    return "runtime"
+
+
+def modules() -> dict[str, tuple[pathlib.Path, bool]]:
+    """Every module of the package: name -> (file, is a package)."""
+    out = {}
+    for folder, name in FOLDERS.items():
+        for path in sorted((REPO / folder).rglob("*.py")):
+            parts = list(path.relative_to(REPO / folder).with_suffix("").parts)
+            is_pkg = parts[-1] == "__init__"
+            if is_pkg:
+                parts = parts[:-1]
+            out[".".join([name, *parts])] = (path, is_pkg)
+    return out
+
+
+Import = collections.namedtuple("Import", "source target line")
+
+
+def imports(mods=None) -> list[Import]:
+    """Every import statement of every module, at any depth (functions, methods,
+    try blocks), resolved to the module it loads: `from a import b` is `a.b`
+    when that is a module, else `a`."""
+    mods = mods or modules()
+    out = []
+    for name, (path, is_pkg) in mods.items():
+        package = name if is_pkg else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                out += [Import(name, a.name, node.lineno) for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    base = node.module
+                for a in node.names:
+                    sub = f"{base}.{a.name}"
+                    out.append(Import(name, sub if sub in mods else base, node.lineno))
+    return out
+
+
+def _where(imp: Import, mods) -> str:
+    return f"{mods[imp.source][0].relative_to(REPO)}:{imp.line}: {imp.source} imports {imp.target}"
+
+
+def _top(target: str) -> str:
+    return target.split(".")[0]
+
+
+def forbidden(mods=None) -> list[str]:
+    """Imports against the direction or the rules above, one line each."""
+    mods = mods or modules()
+    bad = []
+    for imp in imports(mods):
+        src = layer_of(imp.source)
+        if imp.target == "concordia" or imp.target.startswith("concordia."):
+            dst = layer_of(imp.target)
+            if src == "devmem" and dst != "devmem":
+                bad.append(_where(imp, mods) + " (devmem imports nothing of the project)")
+            elif LAYERS.index(dst) > LAYERS.index(src):
+                bad.append(_where(imp, mods) + f" ({src} may not import {dst})")
+        elif src == "wal" and _top(imp.target) in GPU:
+            bad.append(_where(imp, mods) + " (wal never imports CuPy)")
+        elif src != "tools" and _top(imp.target) in CLI:
+            bad.append(_where(imp, mods) + " (only the command line imports click)")
+    return bad
+
+
+def circles(mods=None) -> list[list[str]]:
+    """Strongly connected groups of more than one module in the import graph
+    (Tarjan), each sorted; an import of a package's own `__init__` by one of its
+    modules counts like any other."""
+    mods = mods or modules()
+    graph = collections.defaultdict(set)
+    for imp in imports(mods):
+        if imp.target in mods and imp.target != imp.source:
+            graph[imp.source].add(imp.target)
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.append(sorted(group))
+
+    for v in sorted(mods):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+# ------------------------------------------------------------------ the checks
+
+
+def test_the_walk_sees_the_whole_package_and_imports_inside_functions():
+    mods = modules()
+    assert {"concordia", "concordia.wal.format", "concordia.devmem.backend", "concordia.gpu_kernels.jit",
+            "concordia.tools.wal_cli", "concordia.tools.bench"} <= set(mods)
+    found = imports(mods)
+    # an import inside a function: gpu_kernels.jit imports CuPy only when asked
+    assert any(i.source == "concordia.gpu_kernels.jit" and i.target == "cupy" for i in found)
+    assert layer_of("concordia.executor.gpu") == "runtime" and layer_of("concordia.tools.bench.recover") == "tools"
+
+
+def test_imports_run_one_way():
+    bad = forbidden()
+    assert not bad, "imports against the house direction:\n" + "\n".join(bad)
+
+
+def test_no_circles_between_modules():
+    found = circles()
+    assert not found, "import circles:\n" + "\n".join(" <-> ".join(g) for g in found)
+
+
+# the checker itself, on small made-up packages
+
+
+def _fake(tmp_path, monkeypatch, files: dict[str, str]):
+    for rel, text in files.items():
+        p = tmp_path / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    for folder in FOLDERS:
+        (tmp_path / folder).mkdir(exist_ok=True)
+        (tmp_path / folder / "__init__.py").touch()
+    monkeypatch.setattr(__import__(__name__), "REPO", tmp_path, raising=False)
+    monkeypatch.setitem(globals(), "REPO", tmp_path)
+    return modules()
+
+
+def test_checker_finds_a_wrong_direction_hidden_in_a_function(tmp_path, monkeypatch):
+    mods = _fake(tmp_path, monkeypatch, {
+        "wal/log.py": "def f():\n    from concordia.session import Session\n    import cupy\n",
+        "devmem/tier.py": "from concordia.wal import format\n",
+        "concordia/policy.py": "def parse():\n    import click\n    from concordia.tools.common import x\n",
+        "concordia/session.py": "",
+        "tools/common.py": "import click\n",
+    })
+    bad = "\n".join(forbidden(mods))
+    assert "wal/log.py:2: concordia.wal.log imports concordia.session (wal may not import runtime)" in bad
+    assert "wal/log.py:3: concordia.wal.log imports cupy (wal never imports CuPy)" in bad
+    assert "devmem/tier.py:1: concordia.devmem.tier imports concordia.wal (devmem imports nothing" in bad
+    assert "concordia/policy.py:2: concordia.policy imports click (only the command line" in bad
+    assert "concordia.policy imports concordia.tools.common (runtime may not import tools)" in bad
+    assert "tools/common.py" not in bad
+
+
+def test_checker_finds_a_circle_closed_inside_a_function(tmp_path, monkeypatch):
+    mods = _fake(tmp_path, monkeypatch, {
+        "devmem/backend.py": "def open_backend():\n    from .tiers import FileBackend\n",
+        "devmem/tiers.py": "from .backend import Backend\n",
+        "wal/planner.py": "from . import snapshot\n",
+        "wal/snapshot.py": "def f():\n    from .planner import plan\n",
+        "wal/format.py": "",
+        "wal/reader.py": "from .format import X\n",
+    })
+    assert circles(mods) == [["concordia.devmem.backend", "concordia.devmem.tiers"],
+                             ["concordia.wal.planner", "concordia.wal.snapshot"]]
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_every_layer_is_present(layer):
+    assert any(layer_of(m) == layer for m in modules())
