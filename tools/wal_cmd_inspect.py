@@ -483,10 +483,14 @@ def _follow(log, start, end, region, typ, epoch, limit, as_json, interval) -> No
 
     def run() -> None:
         while True:
+            cuts = follower.cuts
             try:
                 items = follower.poll()
             except WalError as exc:
                 raise click.ClickException(exc.message) from None
+            if follower.cuts != cuts:
+                click.echo(f"note: a writer reopened the log and cut it at lsn 0x{follower.cut_at:x}: "
+                           "records shown after that were dropped, what is there now follows", err=True)
             vol = follower.volume
             for it in items:
                 Where.at = it[1].where(it[2])

@@ -637,6 +637,11 @@ class Follower:
     before it and looks again next time); in a segment the writer has left
     it is damage, and is returned as such.  Records after the writer's last
     commit in a later segment are shown once a commit follows them there.
+
+    A writer that reopens the log cuts what follows its last commit and
+    writes again at those LSNs: when the last record returned is no longer
+    there, the follower goes back to the end of the last commit it returned
+    (`cut_at` says where; `cuts` counts them) and returns what is there now.
     """
 
     def __init__(self, backend, *, from_lsn: int = 0, check_pages: bool = True):
@@ -646,6 +651,10 @@ class Follower:
         self.uuid: bytes | None = None
         self.volume: Volume | None = None  # the volume of the last poll (its superblock)
         self._resume: tuple | None = None  # (segment index, seq, absolute offset of the next record)
+        self._last: tuple | None = None  # (index, seq, offset, header bytes, lsn) of the last record returned
+        self._commit: tuple | None = None  # (lsn, resume) just after the last commit returned
+        self.cuts = 0
+        self.cut_at: int | None = None
 
     def poll(self) -> list:
         """The items appended since the last poll (module docstring of Scanner
@@ -660,6 +669,7 @@ class Follower:
         self.volume = vol
         scanner = Scanner(vol, check_pages=self.check_pages)
         live = vol.live_segments()
+        self._check_cut(vol, live)
         out: list = []
         for k, seg in enumerate(live):
             if seg.end_lsn <= self.lsn:
@@ -686,10 +696,32 @@ class Follower:
                 out.append(it)
                 self.lsn = end
                 self._resume = (seg.index, seg.seq, it[2] + length)
+                if it[0] == _REC:
+                    self._last = (seg.index, seg.seq, it[2], bytes(self.backend.view[it[2]:it[2] + 64]), end)
+                    if it[3][1] & F.TYPE_MASK == F.REC_COMMIT:
+                        self._commit = (end, self._resume)
             if not left:
                 break
             self.lsn = max(self.lsn, seg.end_lsn)  # every record of the segment is out
         return out
+
+    def _check_cut(self, vol: Volume, live: list) -> None:
+        """Go back to the last commit returned when the log was cut after it:
+        the last record returned is overwritten in its segment, or its segment
+        and every later one were freed (LSNs only grow otherwise, and the
+        newest segment is never reclaimed)."""
+        if self._last is None:
+            return
+        idx, seq, off, raw, end = self._last
+        seg = next((s for s in live if (s.index, s.seq) == (idx, seq)), None)
+        changed = seg is not None and bytes(vol.backend.view[off:off + 64]) != raw
+        gone = seg is None and (not live or live[-1].end_lsn < end)
+        if not (changed or gone):
+            return
+        self.lsn, self._resume = self._commit if self._commit is not None else (0, None)
+        self._last = None
+        self.cuts += 1
+        self.cut_at = self.lsn
 
     def _committed_after(self, scanner: Scanner, vol: Volume, live: list, k: int) -> bool:
         """Whether a live segment after live[k] holds a valid commit record."""

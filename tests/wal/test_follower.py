@@ -145,3 +145,24 @@ def test_a_live_open_looks_again_at_damage(monkeypatch, tmp_path):
     assert len(calls) == 2
     with pytest.raises(WalError, match="read-only"):
         Log.open(path, writable=True, live=True)
+
+
+def test_a_writer_reopening_the_log_cuts_what_the_follower_showed_after_the_last_commit(tmp_path):
+    path = f"file:{tmp_path / 'c.log'}"
+    log = Log.create(path, size=8 * MiB, segment_size=MiB)
+    log.define_region("r", np.uint8, (64 * PAGE,), PAGE, "opaque")
+    end1 = _epoch(log, 1)
+    log.appender.append_page_batch(2, 0, np.arange(4, dtype=np.uint32), np.full((4, PAGE), 2, np.uint8))
+    log.appender.sync()  # a writer that dies here: epoch 2 has records, no commit
+    reader = open_backend(path, readonly=True)
+    f = Follower(reader)
+    assert _kinds(f.poll())[-1] == ("rec", "page_batch", 2)
+    log.volume.close()  # the writer is gone (nothing more written)
+    with Log.open(path, writable=True) as again:  # the next writer cuts epoch 2 and writes its own
+        again.appender.append_page_batch(2, 0, np.arange(1, dtype=np.uint32), np.full((1, PAGE), 9, np.uint8))
+        again.appender.commit(2, digests={0: 0})
+    got = f.poll()
+    assert f.cuts == 1 and f.cut_at > end1
+    assert _kinds(got) == [("rec", "page_batch", 2), ("rec", "commit", 2)]
+    assert got[0][3][9] == 1  # the new writer's one-page batch, not the dead writer's four
+    reader.close()
