@@ -240,6 +240,30 @@ class Backend(abc.ABC):
         """Drop the mapping (the view is already released or still exported)."""
 
 
+def mount_of(path: str) -> tuple[str, list[str]] | None:
+    """(fstype, options) of the mount holding `path` (deepest mount point wins):
+    how the opener detects a tier and a tier tells how its file system maps holes."""
+    probe = os.path.realpath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    best = None
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                fields, rfields = left.split(), right.split()
+                if len(fields) < 6 or len(rfields) < 3:
+                    continue
+                point = fields[4].replace("\\040", " ")
+                if probe == point or probe.startswith(point.rstrip("/") + "/"):
+                    if best is None or len(point) >= len(best[0]):
+                        opts = fields[5].split(",") + rfields[2].split(",")
+                        best = (point, rfields[0], opts)
+    except OSError:
+        return None
+    return None if best is None else (best[1], best[2])
+
+
 def lock_holder(fd: int) -> int | None:
     """The pid holding a flock on the file of `fd`, from /proc/locks (None when
     it cannot be told: no procfs, or a holder in another pid namespace)."""

@@ -159,7 +159,7 @@ class DirectoryFaults:
         fs.calls        # [("create", path), ("fsync-dir", dir), ("persist", path), ...]
         fs.lost()       # names a power loss now would take away
 
-    While active it wraps `os.open`, `os.fsync`, `os.replace`, `os.rename` and
+    While active it wraps `os.open`, `os.fsync`, `os.replace`, `os.rename`, `os.link`, `os.unlink` and
     the mapped tiers' persist (as "persist" of the backend's path) in this
     process; the calls themselves go through unchanged.
     """
@@ -179,6 +179,8 @@ class DirectoryFaults:
                 pending[call[2]] = i
             elif call[0] == "create":
                 pending[call[1]] = i
+            elif call[0] == "unlink":
+                pending.pop(call[1], None)  # a name taken away is not one a crash can lose
             elif call[0] == "fsync-dir":
                 pending = {p: j for p, j in pending.items() if os.path.dirname(p) != call[1]}
         return sorted(pending)
@@ -194,7 +196,8 @@ class DirectoryFaults:
     def __enter__(self) -> "DirectoryFaults":
         from . import tiers
 
-        real_open, real_fsync, real_replace, real_rename = os.open, os.fsync, os.replace, os.rename
+        real_open, real_fsync, real_replace, real_rename, real_link = os.open, os.fsync, os.replace, os.rename, os.link
+        real_unlink = os.unlink
         real_persist = tiers.MappedBackend._persist
         me = self
 
@@ -219,13 +222,23 @@ class DirectoryFaults:
             real_rename(src, dst, *a, **kw)
             me.calls.append(("rename", os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))))
 
+        def link_(src, dst, *a, **kw):  # a new name for a file, like a create
+            real_link(src, dst, *a, **kw)
+            me.calls.append(("create", os.path.abspath(os.fspath(dst))))
+
+        def unlink_(path, *a, **kw):
+            real_unlink(path, *a, **kw)
+            me.calls.append(("unlink", os.path.abspath(os.fspath(path))))
+
         def persist_(backend, offset, length):
             real_persist(backend, offset, length)
             me.calls.append(("persist", os.path.abspath(backend.path)))
 
         self._saved = [(os, "open", real_open), (os, "fsync", real_fsync), (os, "replace", real_replace),
-                       (os, "rename", real_rename), (tiers.MappedBackend, "_persist", real_persist)]
-        os.open, os.fsync, os.replace, os.rename = open_, fsync_, replace_, rename_
+                       (os, "rename", real_rename), (os, "link", real_link), (os, "unlink", real_unlink),
+                       (tiers.MappedBackend, "_persist", real_persist)]
+        os.open, os.fsync, os.replace, os.rename, os.link = open_, fsync_, replace_, rename_, link_
+        os.unlink = unlink_
         tiers.MappedBackend._persist = persist_
         return self
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .backend import Backend
+from .backend import Backend, mount_of
 from .devdax import DevDaxBackend
 from .errors import BadSpecError, ReadOnlyError
 from .pinned import PinnedBackend
@@ -87,7 +87,7 @@ def detect_kind(path: str) -> str:
             return "devdax"
     except OSError:
         pass
-    mount = _mount_of(path)
+    mount = mount_of(path)
     if mount is not None:
         fstype, options = mount
         if fstype == "tmpfs":
@@ -95,29 +95,6 @@ def detect_kind(path: str) -> str:
         if any(o == "dax" or o.startswith("dax=") and o != "dax=never" for o in options):
             return "pmem"
     return "file"
-
-
-def _mount_of(path: str) -> tuple[str, list[str]] | None:
-    """(fstype, options) of the mount holding `path` (deepest mount point wins)."""
-    probe = os.path.realpath(path)
-    while not os.path.exists(probe):
-        probe = os.path.dirname(probe)
-    best = None
-    try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                left, _, right = line.partition(" - ")
-                fields, rfields = left.split(), right.split()
-                if len(fields) < 6 or len(rfields) < 3:
-                    continue
-                point = fields[4].replace("\\040", " ")
-                if probe == point or probe.startswith(point.rstrip("/") + "/"):
-                    if best is None or len(point) >= len(best[0]):
-                        opts = fields[5].split(",") + rfields[2].split(",")
-                        best = (point, rfields[0], opts)
-    except OSError:
-        return None
-    return None if best is None else (best[1], best[2])
 
 
 def open_backend(spec, size: int | None = None, create: bool = False, readonly: bool = False,

@@ -17,7 +17,7 @@ import stat
 import numpy as np
 
 from . import libpmem as _libpmem
-from .backend import Backend, Survives, os_error
+from .backend import Backend, Survives, mount_of, os_error
 from .dirsync import sync_parent
 from .errors import (
     BadSizeError,
@@ -181,6 +181,7 @@ class OpenedFile:
         where = path
         check_size(size, alignment, where, required=False)
         self.path, self.created, self.fd = path, False, -1
+        self._identity: tuple[int, int] | None = None   # (st_dev, st_ino) of a file this call made
         try:
             st = os.stat(path)
         except FileNotFoundError:
@@ -195,8 +196,8 @@ class OpenedFile:
             self._create(path, size)
             return
         if not stat.S_ISREG(st.st_mode):
-            raise BadSpecError("not a regular file", where=where,
-                               hint="use dax: for a device-DAX character device")
+            raise BadSpecError(f"not a regular file ({_file_type(st.st_mode)})", where=where,
+                               hint=_not_regular_hint(st.st_mode))
         check_existing(st, where, readonly, allow_foreign_owner)
         length = st.st_size
         if size is None:
@@ -220,7 +221,22 @@ class OpenedFile:
             raise DevmemError("the file changed while it was opened", where=where,
                               hint="try again")
         if length < size:
-            self._grow(size)
+            try:
+                self._grow(size)
+            except BaseException:
+                # what a failed fallocate may have added goes again; the bytes
+                # that were there are not touched
+                try:
+                    os.ftruncate(fd, length)
+                except OSError:
+                    pass
+                self.close()
+                raise
+        elif not readonly and st2.st_blocks * 512 < size:
+            # holes (a sparse file, or one cut and grown again): a store into one
+            # on a full file system is a SIGBUS, so reserve them now, while a
+            # full disk is still an error; the bytes themselves do not change
+            self._reserve(size)
         self.size = size
 
     def _create(self, path: str, size: int) -> None:
@@ -230,6 +246,8 @@ class OpenedFile:
         except OSError as exc:
             raise os_error(exc, path, "cannot create") from None
         self.fd, self.created = fd, True
+        st = os.fstat(fd)
+        self._identity = (st.st_dev, st.st_ino)
         try:
             os.fchmod(fd, CREATE_MODE)   # the umask may have taken bits away; never add any
             self._grow(size)
@@ -249,20 +267,139 @@ class OpenedFile:
             else:
                 raise os_error(exc, self.path, f"cannot make the file {size} bytes") from None
 
+    def _reserve(self, size: int) -> None:
+        """Allocate the holes of an existing file (its length and bytes stay)."""
+        try:
+            os.posix_fallocate(self.fd, 0, size)
+        except OSError as exc:
+            if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                return   # nothing to reserve with: stores find out, as before
+            self.close()
+            raise os_error(exc, self.path, f"cannot reserve the {size} bytes of the file "
+                                           f"(it has holes)") from None
+
     def discard(self) -> None:
         """Undo this call: close, and unlink the file when this call created it."""
         self.close()
         if self.created:
-            try:
-                os.unlink(self.path)
-            except OSError:
-                pass
+            discard_created(self.path, self._identity)
             self.created = False
 
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def discard_created(path: str, identity: tuple[int, int] | None) -> None:
+    """Unlink `path` when it is still the file this process created
+    (`identity` = (st_dev, st_ino) at creation): a failed create takes back
+    exactly what it made, never a file that replaced it since."""
+    try:
+        st = os.lstat(path)
+        if identity is not None and (st.st_dev, st.st_ino) == tuple(identity):
+            os.unlink(path)
+    except OSError:
+        pass
+
+
+def _file_type(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a file"
+
+
+def _not_regular_hint(mode: int) -> str:
+    """What to do instead: only a character device can be a device-DAX log."""
+    if stat.S_ISCHR(mode):
+        return "use dax: for a device-DAX character device"
+    if stat.S_ISDIR(mode):
+        return "name a file inside the directory, e.g. DIR/concordia.log"
+    return "a log is a regular file or a device-DAX character device"
+
+
+def _allocates_on_read(path: str) -> bool:
+    """Whether reading a hole of a file under `path` through a shared mapping
+    allocates a page (tmpfs, hugetlbfs): on a full mount that read is a SIGBUS.
+    Other file systems map the zero page there."""
+    mount = mount_of(path)
+    return mount is not None and mount[0] in ("tmpfs", "hugetlbfs")
+
+
+def has_holes(fd: int, size: int) -> bool:
+    """Whether [0, size) of the file holds a hole (SEEK_HOLE; st_blocks first,
+    which is cheap and never undercounts a file without holes)."""
+    st = os.fstat(fd)
+    if st.st_blocks * 512 >= size:
+        return False
+    try:
+        return os.lseek(fd, 0, os.SEEK_HOLE) < size
+    except OSError:
+        return True   # no SEEK_HOLE: st_blocks said there is less than the length
+
+
+class CopiedMapping:
+    """A read-only image of a sparse file in anonymous memory: the data
+    extents (SEEK_DATA / SEEK_HOLE) are read in with pread(2), the holes stay
+    untouched zero pages.  Used for read-only opens of sparse files where
+    reading a hole through a mapping would allocate (tmpfs, hugetlbfs): there
+    a full mount turns that read into a SIGBUS, here into nothing at all
+    (holes read as zero) or an I/O error naming the place.  It is a copy:
+    bytes a writer adds later do not show (a writer's log is never sparse:
+    its blocks are reserved when it is created or opened for writing)."""
+
+    via = "pread"
+    is_pmem = False
+    map_sync = False
+
+    def __init__(self, fd: int, length: int, where: str):
+        mm = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        view = memoryview(mm)
+        pos = 0
+        try:
+            while pos < length:
+                try:
+                    start = os.lseek(fd, pos, os.SEEK_DATA)
+                except OSError as exc:
+                    if exc.errno == errno.ENXIO:
+                        break   # only a hole from here to the end
+                    raise
+                end = min(length, os.lseek(fd, start, os.SEEK_HOLE))
+                pos = start
+                while pos < end:
+                    n = os.preadv(fd, [view[pos:end]], pos)
+                    if n <= 0:
+                        end = pos   # the file shrank: what is missing reads as zero
+                        break
+                    pos += n
+                pos = max(pos, end)
+        except OSError as exc:
+            view.release()
+            mm.close()
+            raise os_error(exc, f"{where} @ {pos:#x}", "read failed") from None
+        self._mm = mm
+        self.view = view.toreadonly()
+        view.release()
+        self.address = buffer_address(mm)
+        self.length = length
+
+    def persist(self, offset: int, length: int) -> None:
+        pass   # read-only: Backend.persist refuses before it gets here
+
+    flush = msync = persist
+
+    def drain(self) -> None:
+        pass
+
+    def release(self) -> None:
+        try:
+            self._mm.close()
+        except BufferError:
+            pass
+        self._mm = None
 
 
 class MappedBackend(Backend):
@@ -291,6 +428,7 @@ class FileBackedBackend(MappedBackend):
     def __init__(self, path: str, mapping, opened: OpenedFile, readonly: bool, alignment: int):
         self._mapping = mapping
         self.created = opened.created
+        self._created_identity = opened._identity if opened.created else None
         self.map_sync = mapping.map_sync
         if mapping.is_pmem:
             persist_path = "libpmem"
@@ -304,6 +442,15 @@ class FileBackedBackend(MappedBackend):
         self._file_fd = -1 if readonly else os.dup(opened.fd)
 
     volatile_persist_path: str | None = None
+
+    def discard(self) -> None:
+        """Close, and unlink the file when this open created it (and it is
+        still that file): how a create that fails later leaves nothing behind.
+        A file that existed before is only closed."""
+        self.close()
+        if self.created:
+            discard_created(self.path, self._created_identity)
+            self.created = False
 
     @classmethod
     def open(cls, path: str, *, size=None, create=False, readonly=False, libpmem="auto",
@@ -328,6 +475,8 @@ class FileBackedBackend(MappedBackend):
         if lib is not None and not readonly:
             # pmem_map_file maps the whole file; the view covers the first `size` bytes
             return PmemMapping(lib, opened.path, opened.size, readonly)
+        if readonly and has_holes(opened.fd, opened.size) and _allocates_on_read(opened.path):
+            return CopiedMapping(opened.fd, opened.size, opened.path)
         return MmapMapping(opened.fd, opened.size, readonly, try_map_sync=cls.try_map_sync)
 
     def info(self) -> dict:

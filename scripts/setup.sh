@@ -5,7 +5,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! ldconfig -p 2>/dev/null | grep -q 'libpmem\.so\.1'; then
+# capture the cache first: `ldconfig -p | grep -q` under pipefail fails whenever grep
+# exits at its first match before ldconfig has written everything (SIGPIPE)
+ld_cache=$(ldconfig -p 2>/dev/null || true)
+if ! grep -q 'libpmem\.so\.1' <<<"$ld_cache"; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "setup: installing libpmem1 (Debian) for the persistent-memory path" >&2
     (apt-get install -y -qq libpmem1 >/dev/null 2>&1 \

@@ -16,6 +16,7 @@ import click
 
 from concordia.devmem.errors import ConcordiaError
 from concordia.sizes import parse_size
+from concordia.wal.modes import CLI_MODES, RecoveryMode
 
 EXIT_OK = 0
 EXIT_PROBLEMS = 1
@@ -41,15 +42,65 @@ class Where:
         cls.data = False
 
 
+_SIGBUS_GUARD = None  # the installed C-callable handler, kept alive while the process runs
+
+
+def _on_sigbus(signum: int) -> None:
+    place = Where.at or Where.target
+    lead = f"{place}: " if place else ""
+    line = (f"error: {lead}bus error (SIGBUS) on a mapped file: it was cut shorter, or its file "
+            f"system is full or failing (check the file and free space, then run the command again)\n")
+    try:
+        os.write(2, line.encode("utf-8", "replace"))
+    finally:
+        os._exit(EXIT_USAGE)
+
+
+def install_sigbus_guard() -> bool:
+    """The last line of defence against SIGBUS, after every mapping the
+    command lines make has been reserved or read safely: a C-level handler
+    (through ctypes) that prints one line naming the place (`Where`) and ends
+    the process with exit 2.  Python's own `signal` handlers cannot do this: they
+    run after the faulting instruction, which faults again for ever, and
+    `faulthandler` only prints a traceback before the process dies of the
+    signal.  The handler never returns, so a fault cannot repeat; it is
+    installed once, and not where faulthandler already holds the signal (a
+    test run that wants tracebacks keeps them).  Returns whether it is in place."""
+    global _SIGBUS_GUARD
+    if _SIGBUS_GUARD is not None:
+        return True
+    import faulthandler
+
+    if faulthandler.is_enabled():
+        return False
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        proto = ctypes.CFUNCTYPE(None, ctypes.c_int)
+        handler = proto(_on_sigbus)
+        libc.signal.argtypes = [ctypes.c_int, proto]
+        libc.signal.restype = ctypes.c_void_p
+        if libc.signal(int(signal.SIGBUS), handler) == ctypes.c_void_p(-1).value:  # SIG_ERR
+            return False
+    except (OSError, AttributeError, ValueError):
+        return False
+    _SIGBUS_GUARD = handler
+    return True
+
+
 def guarded(fn):
     """Run a click command body; turn any ConcordiaError or OSError into one line
     on stderr and the documented exit code.  Anything else that escapes (a
     library failing on bytes it did not expect) also becomes one line, naming
-    the place being read, never a traceback."""
+    the place being read, never a traceback.  A SIGBUS from a mapped file is
+    one line and exit 2 as well (`install_sigbus_guard`)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         Where.reset()
+        install_sigbus_guard()
         try:
             return fn(*args, **kwargs)
         except click.exceptions.ClickException:
@@ -57,6 +108,8 @@ def guarded(fn):
         except click.exceptions.Exit:
             raise
         except ConcordiaError as exc:
+            if exc.where is None and (Where.at or Where.target):
+                exc.where = Where.at or Where.target  # every error names a place
             click.echo(f"error: {exc.one_line()}", err=True)
             sys.exit(exc.exit_code)
         except BrokenPipeError:
@@ -211,13 +264,13 @@ def progress_bar(length: int, label: str):
                              show_pos=False, show_percent=True, **kw)
 
 
-#: recovery modes as the command lines spell them
-MODES = ["tolerate-tail", "absolute", "point-in-time", "skip-corrupt"]
+#: recovery modes as the command lines spell them: the library's one mode type
+MODES = CLI_MODES
 
 
 def mode_name(value: str) -> str:
     """A command line's mode (`tolerate-tail`) as the library names it (`tolerate_tail`)."""
-    return value.replace("-", "_")
+    return RecoveryMode.parse(value).value
 
 
 class Bar:
@@ -287,20 +340,22 @@ def require_cupy(error, *, where: str, hint: str):
     return cupy
 
 
+def write_output(path: str, data: bytes, *, replace: bool = True, inputs=()) -> str:
+    """Write `data` as the file `path`, complete or not at all: a temporary
+    file beside it, space reserved, fsynced, renamed into place
+    (devmem.outfile.OutputFile).  A failure leaves `path` as it was."""
+    from concordia.devmem.outfile import OutputFile
+
+    with OutputFile(path, replace=replace, size=len(data), inputs=inputs) as f:
+        f.write(data, 0)
+        return f.commit(expect_size=len(data))
+
+
 def report(doc: dict, *, as_json: bool, out: str | None, table) -> None:
     """How every benchmark ends: JSON to `out` when asked, then JSON or the
     table (`table(doc) -> str`) on stdout."""
     if out:
-        from concordia.devmem.dirsync import publish
-
-        tmp = os.path.join(os.path.dirname(os.path.abspath(out)), f".{os.path.basename(out)}.{os.getpid()}.tmp")
-        try:
-            with open(tmp, "w") as f:
-                json.dump(_finite(doc), f, indent=2, allow_nan=False, default=_jsonable)
-            publish(tmp, out)  # whole or not at all under the name asked for
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        write_output(out, json.dumps(_finite(doc), indent=2, allow_nan=False, default=_jsonable).encode())
     if as_json:
         emit_json(doc)
     else:

@@ -10,57 +10,38 @@ import time
 
 import click
 
-from concordia.devmem.dirsync import sync_parent
-
 from . import render as R
-from .common import EXIT_OK, EXIT_PROBLEMS, MODES, Bar, emit_json, guarded, mode_name, open_volume, unwritten_slot
+from .common import MODES, Bar, emit_json, guarded, mode_name, open_volume
 
 VERIFY_SCHEMA = "concordia-wal/verify/1"
 PLAN_SCHEMA = "concordia-wal/plan/1"
 
-def _counts(kind: str, mode: str) -> bool:
-    """Whether a reported range is a problem under `mode`: corruption and
-    truncated media always, a torn tail only in absolute mode, an uncommitted
-    epoch never (it is what a crash between checkpoints leaves)."""
-    if kind in ("corrupt", "superblock", "segment", "truncated"):
-        return True
-    if kind == "torn":
-        return mode == "absolute"
-    return False
-
-
-def _recovery(vol, mode: str, progress=None, walk: list | None = None) -> dict:
-    """What recovery in `mode` would restore: the planner's answer, or why it
-    would refuse.  `walk`: verify's walk of the volume, planned without walking again."""
-    from concordia.devmem.errors import ConcordiaError
-    from concordia.wal.planner import plan_history, scan
-
-    try:
-        # pages are checked in every mode: verify reads them all anyway, and a
-        # plan that the applier would then refuse is not what recovery does
-        p = plan_history(scan(vol, payload=False, check_pages=True, progress=progress, walk=walk), "latest", mode)
-    except ConcordiaError as exc:
-        return {"epoch": None, "error": exc.one_line(), "dropped": []}
-    return {"epoch": p.epoch or None, "error": None, "dropped": [d.one_line() for d in p.dropped]}
+def _recovery(out) -> dict:
+    """verify's `recovery` key: what recovery in the mode restores (the one
+    decision, `decide.decide`), or why it refuses."""
+    if out.error is not None:
+        return {"epoch": None, "error": out.error, "dropped": [], "regions": dict(out.regions),
+                "exit_code": out.exit_code}
+    dropped = [d.one_line() for d in out.plan.dropped] if out.plan is not None else []
+    return {"epoch": out.epoch, "error": None, "dropped": dropped, "regions": dict(out.regions),
+            "exit_code": out.exit_code}
 
 
 def run_verify(vol, mode: str, bar=None) -> dict:
     """The documented verify JSON (docs/cli.md) for an open volume.  `bar`
     (wal_cmd_state.Bar) follows the check, and the plan's own walk when the
-    check's was too long to keep (WALK_KEPT_MAX)."""
+    check's was too long to keep (WALK_KEPT_MAX).  `exit_code` is the
+    decision's (R-D8)."""
+    from concordia.wal.decide import counts, decide
     from concordia.wal.reader import verify
 
     walk: list = []
     rep = verify(vol, check_pages=True, progress=bar and bar.stage(0, 2), walk=walk)
     if walk and bar:
         bar.finish()  # the plan reuses the check's walk: no second pass to show
-    problems = []
-    unused = unwritten_slot(vol)
-    for p in rep["problems"]:
-        if unused and p["kind"] == "superblock" and f"slot {unused}" in p["reason"]:
-            continue  # a slot never written since formatting is unused, not damaged
-        p = dict(p, counts=_counts(p["kind"], mode))
-        problems.append(p)
+    out_d = decide(vol, mode, check_pages=True, walk=walk or None,
+                   progress=None if walk else bar and bar.stage(1, 2))
+    problems = [dict(p, counts=counts(p["kind"], mode)) for p in rep["problems"]]
     kinds = [p["kind"] for p in problems]
     out = {
         "schema": VERIFY_SCHEMA,
@@ -80,8 +61,9 @@ def run_verify(vol, mode: str, bar=None) -> dict:
         "bytes_checked": rep["bytes_checked"],
         "seconds": rep["seconds"],
         "gb_per_s": rep["gb_per_s"],
-        "recovery": _recovery(vol, mode, None if walk else bar and bar.stage(1, 2), walk=walk or None),
+        "recovery": _recovery(out_d),
         "repair": None,
+        "exit_code": out_d.exit_code,
     }
     return out
 
@@ -144,16 +126,16 @@ def _repair(vol, report: dict, backup: str | None) -> dict:
     cut, why = _plan_cut(vol, report["problems"])
     if cut is None:
         return {"cut": None, "backup": None, "refused": why}
+    from concordia.devmem.outfile import OutputFile
+
     path = backup or _backup_path(vol)
     src = vol.backend.array
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "wb") as f:
+    # complete or absent, never the log itself: the cut waits for a whole backup
+    with OutputFile(path, size=src.size, inputs=[vol.backend.path], mode=0o600) as f:
         step = 64 << 20
         for start in range(0, src.size, step):
-            f.write(memoryview(src[start:start + step]))
-        f.flush()
-        os.fsync(f.fileno())
-    sync_parent(path)  # the backup's name is durable before a byte of the log is cut
+            f.write(memoryview(src[start:start + step]), start)
+        f.commit(expect_size=src.size)
     w = vol.backend
     w.array[cut["offset"]:cut["offset"] + cut["length"]] = 0
     w.persist(cut["offset"], cut["length"])
@@ -217,7 +199,7 @@ def verify_cmd(log, mode, repair, backup, quiet, as_json):
                 click.echo(_problem_line(p))
     else:
         click.echo("\n".join(_render_verify(rep)))
-    sys.exit(EXIT_OK if rep["ok"] else EXIT_PROBLEMS)
+    sys.exit(rep["exit_code"])
 
 
 def _render_verify(rep: dict) -> list[str]:
@@ -243,7 +225,12 @@ def _render_verify(rep: dict) -> list[str]:
         else:
             lines.append(f"repair   nothing cut: {r['refused']}")
     n = sum(p["counts"] for p in rep["problems"])
-    lines.append("result   OK" if rep["ok"] else f"result   {n} problem{'s' if n != 1 else ''} found")
+    if not rep["ok"]:
+        lines.append(f"result   {n} problem{'s' if n != 1 else ''} found")
+    elif rep["exit_code"]:
+        lines.append(f"result   recovery {'refuses' if rc['error'] else 'restores less than the last commit'}")
+    else:
+        lines.append("result   OK")
     return lines
 
 
@@ -279,20 +266,33 @@ def recover_cmd(log, show_plan, epoch, mode, sources, check_pages, as_json):
     if not show_plan:
         raise click.UsageError("recover only plans here: add --plan (restore writes a region to .npy; "
                                "the Session API restores into a running program)")
-    from concordia.wal.planner import plan_history, scan
+    from concordia.wal.decide import decide
 
     m = mode_name(mode)
     vol = open_volume(log)
     try:
-        p = plan_history(scan(vol, payload=False, check_pages=check_pages), "latest" if epoch is None else epoch, m)
-        d = dict({"schema": PLAN_SCHEMA, "log": vol.backend.where}, **p.to_json())
+        out = decide(vol, m, target="latest" if epoch is None else epoch, check_pages=check_pages)
+        out.raise_usage()
+        if out.plan is None:
+            if out.error is None:
+                click.echo(f"plan     {vol.backend.where}: nothing committed, nothing to restore")
+                sys.exit(out.exit_code)
+            if as_json:
+                emit_json({"schema": PLAN_SCHEMA, "log": vol.backend.where, "mode": m, "epoch": None,
+                           "error": out.error, "exit_code": out.exit_code,
+                           "problems": [p.to_json() for p in out.problems]})
+            else:
+                click.echo(f"error: recovery {m} refuses: {out.error}", err=True)
+            sys.exit(out.exit_code)
+        d = dict({"schema": PLAN_SCHEMA, "log": vol.backend.where}, **out.plan.to_json(),
+                 exit_code=out.exit_code, problems=[p.to_json() for p in out.problems])
     finally:
         vol.close()
     if as_json:
         emit_json(d)
     else:
         click.echo("\n".join(_render_plan(d, sources)))
-    sys.exit(EXIT_PROBLEMS if d["dropped"] else EXIT_OK)
+    sys.exit(d["exit_code"])
 
 
 def _render_plan(d: dict, sources: bool) -> list[str]:
@@ -321,4 +321,8 @@ def _render_plan(d: dict, sources: bool) -> list[str]:
             gave = f"; gave up epochs {a}..{b}" + (f" of {', '.join(x['gave_up']['regions'])}"
                                                    if x["gave_up"]["regions"] else "")
         lines.append(f"dropped  {x['where']}: {x['reason']}{gave}")
+    listed = {x["where"] for x in d["dropped"]}
+    for p in d.get("problems", ()):
+        if p["where"] not in listed:
+            lines.append(f"problem  {p['where']}: {p['reason']} ({p['kind']})")
     return lines

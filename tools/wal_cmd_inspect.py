@@ -10,10 +10,11 @@ from collections import defaultdict
 import click
 
 from concordia.wal import format as F
+from concordia.wal.errors import UsageError
 
 from . import render as R
 from .common import EXIT_OK, EXIT_PROBLEMS, LSN, SIZE, Where, emit_json, guarded, open_volume, unwritten_slot
-from .wal_cmd_scan import DMG, REC, last_commit_lsn, record_dict, region_names, walk
+from .wal_cmd_scan import DMG, REC, as_decided, decide_walk, record_dict, region_names, walk
 
 INFO_SCHEMA = "concordia-wal/info/1"
 DUMP_SCHEMA = "concordia-wal/dump/1"
@@ -24,8 +25,9 @@ DUMP_SCHEMA = "concordia-wal/dump/1"
 @click.command("format")
 @click.argument("log")
 @click.option("--size", required=True, type=SIZE, help="Bytes of the volume (e.g. 256M, 1GiB).")
-@click.option("--segment-size", "segment_size", default="64M", show_default=True, type=SIZE,
-              help="Bytes per segment, a multiple of 1 MiB.")
+@click.option("--segment-size", "segment_size", default=None, type=SIZE,
+              help="Bytes per segment, a multiple of 1 MiB (default: 64M, halved down to 1M "
+                   "until the log holds 8 segments: 8M for a 64M log, 16M for 128M).")
 @click.option("--force", is_flag=True, help="Overwrite an existing log or a target holding data.")
 @guarded
 def format_cmd(log, size, segment_size, force):
@@ -134,16 +136,15 @@ def _persist_path_for_writers(backend) -> str:
 
 def collect_info(vol, *, stats: bool, hexdump: bool) -> dict:
     """Everything `info` shows, as the documented JSON (docs/cli.md)."""
-    from concordia.wal.planner import scan
-    from concordia.wal.reader import RecoveryMode, recover
+    from concordia.wal.decide import counts, decide
 
     sb = vol.superblock
     backend = vol.backend
-    problems = []
-    res = recover(vol, RecoveryMode.SKIP_CORRUPT, problems.append, check_pages=False)
-    unused = unwritten_slot(vol)
-    if unused:
-        problems = [p for p in problems if not (p.kind == "superblock" and f"slot {unused}" in p.reason)]
+    # the one decision (R-D1..R-D8), every page checked as verify checks them
+    decision = decide(vol, check_pages=True)
+    hist = decision.history
+    res = hist.result
+    problems = list(decision.dropped)
     used = {}
     for r in res.records:
         used[r.segment] = max(used.get(r.segment, 0), r.offset + r.length - vol.segment_offset(r.segment))
@@ -152,7 +153,6 @@ def collect_info(vol, *, stats: bool, hexdump: bool) -> dict:
             used[p.segment] = max(used.get(p.segment, 0), p.offset + p.length - vol.segment_offset(p.segment))
     slots = [_slot_report(vol, 0, 0, hexdump), _slot_report(vol, 1, sb.slot_bytes, hexdump)]
     segments = _segment_report(vol, used, hexdump)
-    hist = scan(vol, payload=False)
     names = {r.id: r.name for r in res.regions.values()}
     snapshots = [{"region": names.get(b.region_id, f"#{b.region_id}"), "region_id": b.region_id,
                   "epoch": b.epoch, "records": b.records, "pages": b.pages, "first_lsn": b.first_lsn,
@@ -163,11 +163,13 @@ def collect_info(vol, *, stats: bool, hexdump: bool) -> dict:
     epochs = [c.epoch for c in res.commits]
     uncommitted = sorted({int(p.reason.split()[1]) for p in problems
                           if p.kind == "uncommitted" and p.reason.startswith("epoch ")})
-    bad = [p for p in problems if p.kind in ("corrupt", "superblock", "segment")]
+    bad = [p for p in problems if counts(p.kind, decision.mode)]
     out = {
         "schema": INFO_SCHEMA,
         "ok": not bad and all(s["ok"] is not False for s in slots) and all(
             s["header_ok"] is not False for s in segments),
+        "exit_code": decision.exit_code,
+        "recovery": {"epoch": decision.epoch, "error": decision.error, "regions": dict(decision.regions)},
         "target": dict(backend.info(), writer_persist_path=_persist_path_for_writers(backend)),
         "volume": {
             "uuid": sb.uuid.hex(), "major": sb.major, "minor": sb.minor,
@@ -296,7 +298,14 @@ def render_info(d: dict, hexdump: bool) -> list[str]:
                          ["region", "records", "pages", "bytes"])
     for p in d["problems"]:
         lines.append(f"problem       {p['where']}: {p['reason']} ({p['kind']})")
-    lines.append("status        " + ("OK" if d["ok"] else "PROBLEMS FOUND (run concordia-wal verify)"))
+    rc = d.get("recovery") or {}
+    if not d["ok"]:
+        status = "PROBLEMS FOUND (run concordia-wal verify)"
+    elif d.get("exit_code"):
+        status = f"RECOVERY INCOMPLETE: {rc.get('error') or 'restores less than the last commit'}"
+    else:
+        status = "OK"
+    lines.append("status        " + status)
     return lines
 
 
@@ -329,7 +338,7 @@ def info_cmd(log, as_json, headers_hex, stats):
         emit_json(d)
     else:
         click.echo("\n".join(render_info(d, headers_hex)))
-    sys.exit(EXIT_OK if d["ok"] else EXIT_PROBLEMS)
+    sys.exit(d["exit_code"] if d["ok"] else EXIT_PROBLEMS)
 
 
 # --------------------------------------------------------------------------- dump
@@ -369,19 +378,24 @@ def _dump_records(vol, start, end, region, typ, epoch, limit) -> list:
     the end of a long log does not read all of it."""
     heads = list(walk(vol, check_pages=False))
     names = region_names(vol, heads)
-    last_commit = last_commit_lsn(heads)
+    decision = decide_walk(vol, heads)  # torn or corrupt is the reader's call (R-D2)
+    if region is not None and region not in names.values() and region not in {str(i) for i in names}:
+        # a filter that can match nothing is a mistake, not an empty log
+        raise UsageError(f"no region {region!r} in this log (regions: "
+                         f"{', '.join(f'{n} (id {i})' for i, n in sorted(names.items())) or 'none'})",
+                         where=vol.backend.where)
     recs = []
     for it in walk(vol, check_pages=True, from_lsn=start or 0):
-        lsn = it[1].lsn(it[2])
+        lsn = it.seg.lsn(it.offset)
         if end is not None and lsn >= end:
             break
-        tail = it[0] == DMG and lsn > last_commit
+        it, tail = as_decided(it, decision)
         r = record_dict(vol, it, names, tail)
         if _keep(r, start, end, region, typ, epoch):
             recs.append(r)
             if limit is not None and len(recs) >= limit:
                 break
-    return recs
+    return recs, decision
 
 
 def _dump_stats(recs: list) -> dict:
@@ -421,7 +435,7 @@ def dump_cmd(log, start, end, region, typ, epoch, limit, stats, as_json, follow,
     type 'damaged' with crc BAD.  Read-only.
 
     Exit 0 when nothing shown is damaged (a torn tail after the last commit
-    does not count), 1 otherwise.
+    does not count), 1 otherwise; 2 when --region names no region of the log.
 
     Example:
 
@@ -436,8 +450,14 @@ def dump_cmd(log, start, end, region, typ, epoch, limit, stats, as_json, follow,
         return _follow(log, start, end, region, typ, epoch, limit, as_json, interval)
     vol = open_volume(log)
     try:
-        recs = _dump_records(vol, start, end, region, typ, epoch, limit)
-        bad = any(r["crc"] == "BAD" and not r["tail"] for r in recs)
+        recs, decision = _dump_records(vol, start, end, region, typ, epoch, limit)
+        # R-D8: damage shown that the decision calls corruption, or a problem
+        # of the log outside any record (a bad slot, truncated media, a lost catalog)
+        bad = any(r["crc"] == "BAD" and not r["tail"] for r in recs) or bool(decision.outside)
+        if decision.outside:  # one line, as every error: the rest is verify's to list
+            more = len(decision.outside) - 1
+            click.echo(f"error: {decision.outside[0]}" + (f" (and {more} more; run concordia-wal verify)"
+                                                          if more else ""), err=True)
         if stats:
             st = _dump_stats(recs)
             if as_json:
@@ -495,7 +515,7 @@ def _follow(log, start, end, region, typ, epoch, limit, as_json, interval) -> No
             for it in items:
                 Where.at = it[1].where(it[2])
                 lsn = it[1].lsn(it[2])
-                if it[0] == REC and it[3][1] & F.TYPE_MASK == F.REC_REGION:
+                if it[0] == REC and it[3][1] == F.REC_REGION:
                     names.update(region_names(vol, [it]))
                 if end is not None and lsn >= end:
                     return

@@ -9,6 +9,8 @@ import sys
 
 import click
 
+from concordia.wal.errors import UsageError
+
 from . import render as R
 from .common import EXIT_OK, MODES, Bar, Where, emit_json, guarded, mode_name, open_volume, progress_bar
 
@@ -207,8 +209,8 @@ def snapshot_create(log, regions, epoch):
         known = list(lg.regions)
         for name in regions:
             if name not in known:
-                raise click.BadParameter(f"no region {name!r} in this log (regions: {', '.join(known) or 'none'})",
-                                         param_hint="--region")
+                raise UsageError(f"no region {name!r} in this log (regions: {', '.join(known) or 'none'})",
+                                 where=lg.backend.where)
         names = list(regions) or known
         p = plan_history(scan(lg), "latest" if epoch is None else epoch, "tolerate_tail", regions=names)
         total = sum(p.regions[n].region.pages * p.regions[n].region.page_bytes for n in names)
@@ -243,28 +245,55 @@ def restore_cmd(log, region, epoch, out, mode, force):
     states.  Read-only on the log.  Shows a progress bar.  (Restoring into
     GPU arrays is done through the Session API.)
 
+    The file is written beside --out under a temporary name, its space
+    reserved first, and renamed into place only once complete and checked:
+    a failed restore leaves --out as it was.  --out naming the log itself
+    is refused (exit 2).
+
     Example:
 
     \b
         concordia-wal restore file:./concordia-data/demo.log --region kv --out kv.npy --force
     """
+    from concordia.devmem.outfile import check_not_input
     from concordia.wal.apply import restore_region_npy
-    from concordia.wal.planner import plan_history, scan
+    from concordia.wal.decide import counts, decide
+    from concordia.wal.planner import scan
 
     if os.path.exists(out) and not force:
         raise click.UsageError(f"{out} exists; pass --force to overwrite it")
+    m = mode_name(mode)
     vol = open_volume(log)
     try:
-        h = scan(vol)
+        # the .npy is renamed over --out once complete: were --out the log, that
+        # would replace the log by a region of it
+        check_not_input(out, [vol.backend.path])
+        # every page checked before deciding (R-D5): the plan and the copy meet the same damage
+        h = scan(vol, check_pages=True)
         names = {r.name for r in h.regions.values()}
+        if region not in names and h.result is not None and any(
+                counts(d.kind, m) for d in h.result.dropped):
+            # the log is damaged: its descriptors may be what was lost (R-D8: exit 1, not usage)
+            click.echo(f"error: no region {region!r} readable in this damaged log "
+                       f"(regions: {', '.join(sorted(names)) or 'none'}); run concordia-wal verify", err=True)
+            sys.exit(1)
         if region not in names:
-            raise click.BadParameter(f"no region {region!r} in this log (regions: {', '.join(sorted(names)) or 'none'})",
-                                     param_hint="--region")
-        p = plan_history(h, "latest" if epoch is None else epoch, mode_name(mode), regions=[region])
+            raise UsageError(f"no region {region!r} in this log (regions: {', '.join(sorted(names)) or 'none'})",
+                             where=vol.backend.where)
+        decision = decide(vol, m, target="latest" if epoch is None else epoch, regions=[region], history=h)
+        decision.raise_usage()
+        p = decision.plan
+        if p is None or region not in p.regions:
+            why = decision.error or f"region {region!r} cannot be restored at any epoch"
+            click.echo(f"error: recovery {m} refuses: {why}", err=True)
+            for d in decision.problems:
+                click.echo(f"problem  {d}", err=True)
+            sys.exit(decision.exit_code or 1)
         rp = p.regions[region]
         bar = Bar("restoring")
         try:
-            restore_region_npy(vol, p, region, out, progress=bar.absolute)
+            restore_region_npy(vol, p, region, out, progress=bar.absolute, replace=force,
+                               inputs=[vol.backend.path])
         finally:
             bar.close()
     finally:
@@ -274,3 +303,10 @@ def restore_cmd(log, region, epoch, out, mode, force):
                f"({rp.pages_read} read from {len(rp.sources)} records, {rp.zero_page_ids.size} zero) -> {out}")
     for d in p.dropped:
         click.echo(f"dropped  {d.one_line()}", err=True)
+    listed = {d.damage.where for d in p.dropped}
+    for d in decision.problems:
+        if d.where not in listed:
+            click.echo(f"problem  {d}", err=True)
+    if decision.exit_code and rp.epoch != decision.target_epoch:
+        click.echo(f"partial  {region} restored at epoch {rp.epoch}, not {decision.target_epoch}", err=True)
+    sys.exit(decision.exit_code)

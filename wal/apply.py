@@ -30,7 +30,6 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from crc32c import crc32c as _crc32c
 
-from concordia.devmem.dirsync import publish
 from concordia.wal import pagecrc as _pagecrc
 from concordia.wal.errors import CorruptionError, UsageError, WalError
 from concordia.wal.planner import Plan, RegionPlan
@@ -349,44 +348,79 @@ def apply_plan_numpy(log, plan: Plan, *, check: bool = True, threads: int | None
 
 def restore_region_npy(log, plan: Plan, region: str, path, *, check: bool = True,
                        threads: int | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                       progress=None) -> str:
+                       progress=None, replace: bool = True, inputs=()) -> str:
     """Write region `region` of `plan` to a `.npy` file at `path` (dtype and
     shape from the region descriptor), streaming: memory use is a few chunks,
     not the region.  Returns the path written.
 
+    The file is complete or absent (devmem.outfile.OutputFile): written to a
+    temporary file beside `path` whose blocks are reserved first (a full disk
+    is an error before the first byte), its pages and digest checked, its
+    header read back, fsynced, and only then renamed over `path`.  A failure
+    leaves `path` as it was.  replace=False refuses an existing `path`;
+    `inputs` are paths the output must not be (the log's file): refused
+    before anything is written.
+
     progress(done_bytes, total_bytes), if given, is called from this thread
     as chunks land (at most every PROGRESS_STEP bytes, and once at the end);
     total is the region's bytes, done an estimate from the chunks finished."""
+    import io
+    import mmap
+
+    from concordia.devmem.outfile import OutputFile
+
     if region not in plan.regions:
         raise WalError(f"plan has no region {region!r}", hint="regions: " + ", ".join(sorted(plan.regions)))
     rp = plan.regions[region]
     r = rp.region
     threads = default_threads() if threads is None else max(1, int(threads))
     path = os.fspath(path)
-    # written beside `path` and renamed over it when whole (dirsync.publish): a crash or
-    # a failed check never leaves a partial .npy under the name asked for
-    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.{os.getpid()}.tmp")
-    mm = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.dtype(r.dtype), shape=tuple(r.shape))
+    dtype, shape = np.dtype(r.dtype), tuple(r.shape)
+    head = io.BytesIO()
+    d = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape}
     try:
-        flat = mm.reshape(-1).view(np.uint8) if mm.size else np.zeros(0, np.uint8)
+        np.lib.format.write_array_header_1_0(head, d)
+    except ValueError:  # a header over 64 KiB
+        head = io.BytesIO()
+        np.lib.format.write_array_header_2_0(head, d)
+    header = head.getvalue()
+    total = len(header) + r.nbytes
+    with OutputFile(path, replace=replace, size=total, inputs=inputs) as out:
+        out.write(header, 0)
         crcs = np.zeros(r.pages, dtype=np.uint32)
-        jobs = _region_jobs(rp, flat, crcs, check, chunk_bytes, threads > 1)
-        _run(jobs, threads, _progress_of_jobs(progress, len(jobs), r.nbytes))
-        # zero pages: open_memmap's file starts zero-filled
+        if r.nbytes:
+            mm = mmap.mmap(out.fd, total)
+            try:
+                flat = np.frombuffer(mm, dtype=np.uint8, count=r.nbytes, offset=len(header))
+                jobs = _region_jobs(rp, flat, crcs, check, chunk_bytes, threads > 1)
+                _run(jobs, threads, _progress_of_jobs(progress, len(jobs), r.nbytes))
+                # zero pages: the reserved file reads as zero where nothing was written
+                mm.flush()
+            finally:
+                jobs = flat = None
+                try:
+                    mm.close()
+                except BufferError:
+                    pass  # a view is still held (by a traceback): unmapped when it goes
         _finish_region(rp, crcs, check)
+        _check_npy_header(out.fd, dtype, shape, len(header), path)
         if progress is not None:
             progress(r.nbytes, r.nbytes)
-        mm.flush()
-        del mm
-        publish(tmp, path)
-    except BaseException:
-        mm = None
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+        out.commit(expect_size=total)
     return path
+
+
+def _check_npy_header(fd: int, dtype, shape, header_len: int, where: str) -> None:
+    """Read the written header back: what a loader will see must be the region."""
+    with open(os.dup(fd), "rb") as f:
+        f.seek(0)
+        version = np.lib.format.read_magic(f)
+        read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                else np.lib.format.read_array_header_2_0)
+        got_shape, fortran, got_dtype = read(f)
+        if tuple(got_shape) != tuple(shape) or got_dtype != dtype or fortran or f.tell() != header_len:
+            raise WalError(f"the .npy header reads back as {got_dtype}{list(got_shape)}, "
+                           f"not {dtype}{list(shape)}", where=where)
 
 
 def _progress_of_jobs(progress, jobs: int, total: int):

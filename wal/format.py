@@ -150,8 +150,8 @@ def encode_superblock(sb: Superblock) -> bytes:
 
 
 def decode_superblock(buf, *, where: str = "superblock") -> Superblock:
-    """Decode and validate one slot (FORMAT.md §3.1-§3.3, conditions V-B1..V-B6;
-    V-B7 needs the slot's index and is checked by Volume.open).  Raises
+    """Decode and validate one slot (FORMAT.md §3.1-§3.3, conditions V-B1..V-B6
+    and V-B9; V-B7 needs the slot's index and is checked by Volume.open).  Raises
     CorruptionError (or NotALogError / FormatVersionError) naming the problem."""
     from .errors import FormatVersionError, NotALogError
 
@@ -199,6 +199,16 @@ def decode_superblock(buf, *, where: str = "superblock") -> Superblock:
             raise CorruptionError(f"segment table entry {i}: state {row[3]} is neither free (0) nor live (1)",
                                   where=where)
     entries = tuple(SegmentEntry(*row[:5]) for row in rows)
+    live = [e for e in entries if e.state == SEG_LIVE]
+    issued = max([segment_bytes] + [e.base_lsn + segment_bytes for e in live])
+    if next_lsn < issued:  # V-B9: a writer would issue these LSNs again
+        raise CorruptionError(
+            f"next_lsn 0x{next_lsn:x} lies below 0x{issued:x}, which the volume has issued "
+            f"(a writer would reuse LSNs)", where=where)
+    if live and next_seq <= max(e.seq for e in live):
+        raise CorruptionError(
+            f"next_segment_seq {next_seq} is not above live segment seq {max(e.seq for e in live)}",
+            where=where)
     return Superblock(
         uuid=bytes(uuid), sequence=sequence, volume_bytes=volume_bytes, slot_bytes=slot_bytes,
         segments_off=segments_off, segment_bytes=segment_bytes, segment_count=segment_count,
@@ -743,10 +753,13 @@ def decode_commit_body(body, hdr: RecordHeader) -> CommitInfo:
         raise CorruptionError("reserved commit bytes are not zero")
     if n > MAX_COMMIT_REGIONS or COMMIT_BODY_SIZE + n * COMMIT_DIGEST_SIZE != len(body):
         raise CorruptionError(f"commit names {n} regions in a {len(body)}-byte body")
-    digests = {}
+    digests, prev = {}, -1
     for i in range(n):
         rid, d = COMMIT_DIGEST.unpack_from(body, COMMIT_BODY_SIZE + i * COMMIT_DIGEST_SIZE)
+        if digests and rid <= prev:  # V-C1: region ids strictly increase
+            raise CorruptionError(f"commit digests not sorted: region {rid} after region {prev} (V-C1)")
         digests[rid] = d
+        prev = rid
     return CommitInfo(hdr.epoch, count, nbytes, first_lsn, digests, hdr.aux, hdr.lsn)
 
 

@@ -53,14 +53,16 @@ class Log:
 
     # -- opening ----------------------------------------------------------------
     @classmethod
-    def create(cls, target, *, size: int | None = None, segment_size: int = 64 << 20,
+    def create(cls, target, *, size: int | None = None, segment_size: int | None = None,
                zero: bool = True, overwrite: bool = False,
                hint: str = "pass overwrite=True to format it anyway") -> "Log":
         """Format `target` (a Backend or a log name) as an empty log, writable.
-        A named target that holds anything (a log, any nonzero byte) is refused
-        and left unchanged (TargetNotEmptyError with `hint`) unless `overwrite`;
-        a Backend the caller opened is formatted as given (the caller checks it
-        with `volume.check_format_target` where it may hold someone's data)."""
+        segment_size None: `volume.default_segment_size` of the size (64 MiB,
+        smaller for a log under 512 MiB).  A named target that holds anything
+        (a log, any nonzero byte) is refused and left unchanged
+        (TargetNotEmptyError with `hint`) unless `overwrite`; a Backend the
+        caller opened is formatted as given (the caller checks it with
+        `volume.check_format_target` where it may hold someone's data)."""
         owned = not isinstance(target, Backend)
         if owned:
             check_format_target(target, overwrite=overwrite, hint=hint)  # before anything is created or grown
@@ -70,7 +72,8 @@ class Log:
             vol = Volume.create(backend, size=size, segment_size=segment_size, zero=zero)
         except BaseException:
             if owned:
-                backend.close()
+                # a file this call made goes again: a failed create leaves nothing behind
+                getattr(backend, "discard", backend.close)()
             raise
         return cls(vol, ScanResult(), RecoveryMode.TOLERATE_TAIL, writable=True,
                    appender=Appender(vol, segment=None, pos=None))

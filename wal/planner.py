@@ -53,6 +53,7 @@ import numpy as np
 
 from concordia.wal.catalog import BaseEntry, decode_catalog_body
 from concordia.wal.errors import CorruptionError, TornTailError, WalError
+from concordia.wal.modes import MODES, RecoveryMode
 
 #: page batch flag bit 0: the record is part of a base snapshot (FORMAT.md)
 FLAG_BASE = 0x01
@@ -61,30 +62,20 @@ FLAG_BASE = 0x01
 #: host-memory copy rate (restore reads the log mapping once).
 DEFAULT_BANDWIDTH = 8e9
 
-MODES = ("tolerate_tail", "absolute", "point_in_time", "skip_corrupt")
-
-
 class PlanError(WalError):
     """The target cannot be planned (not committed, older than retention, no such region)."""
 
 
 def mode_name(mode) -> str:
     """'tolerate_tail' | 'absolute' | 'point_in_time' | 'skip_corrupt' from a
-    RecoveryMode member, its value or its name (any case, '-' or '_')."""
-    if mode is None:
-        return "tolerate_tail"
-    for cand in (getattr(mode, "name", None), getattr(mode, "value", None), mode):
-        if isinstance(cand, str):
-            key = cand.strip().lower().replace("-", "_")
-            if key in MODES:
-                return key
-            if key in ("tolerate", "tail"):
-                return "tolerate_tail"
-            if key in ("pit", "point"):
-                return "point_in_time"
-            if key in ("skip", "skip_any_corrupted"):
-                return "skip_corrupt"
-    raise PlanError(f"unknown recovery mode {mode!r}", hint="one of " + ", ".join(MODES))
+    RecoveryMode member, its value or its name (any case, '-' or '_'): the
+    one mode type's parsing (wal.modes)."""
+    from concordia.wal.errors import UsageError
+
+    try:
+        return RecoveryMode.parse(mode).value
+    except UsageError:
+        raise PlanError(f"unknown recovery mode {mode!r}", hint="one of " + ", ".join(MODES)) from None
 
 
 # --------------------------------------------------------------------------- history
@@ -168,6 +159,7 @@ class History:
     damage: list = field(default_factory=list)  # Damage
     floor_epoch: int = 0  # oldest epoch retention still keeps (0 = all)
     region_lsns: dict = field(default_factory=dict)  # id -> LSN of its newest descriptor
+    result: object = None  # the reader's ScanResult it was built from (what the log commits, R-D1)
 
     def committed_epochs(self) -> list:
         eps = set(self.commits)
@@ -361,23 +353,8 @@ class _Index:
             if d.epoch is None:
                 continue  # unattributable on its own; found through commit counts below
             self.bad.append((d, d.epoch, d.region_id, d.base))
-        for ep, c in h.commits.items():
-            known = sum(1 for d in h.damage if d.epoch == ep and not d.tail and not d.base)
-            # at or below the floor, compaction may have reclaimed some of the records
-            if ep > h.floor_epoch and c.records is not None and counts.get(ep, 0) + known < c.records:
-                # a record of this epoch is lost and no attributed damage explains it
-                found = counts.get(ep, 0)
-                # a lost record of this epoch: name the unattributed damage, if any, as its cause
-                cause = next((d for d in h.damage if d.epoch is None and not d.tail), None)
-                d = Damage(
-                    segment=cause.segment if cause else c.segment,
-                    offset=cause.offset if cause else c.offset,
-                    lsn=cause.lsn if cause else c.lsn,
-                    reason=(cause.reason + "; " if cause else "")
-                    + f"commit of epoch {ep} counts {c.records} page batches, {found} readable",
-                    epoch=ep,
-                )
-                self.bad.append((d, ep, None, False))
+        # what a commit counts (V-C4) is the reader's decision (scan, R-D1): a commit
+        # here either holds its records or its missing ones are attributed damage
         self.committed_set = committed
 
     def base_usable(self, entry: BaseEntry, recs: list) -> Damage | None:
@@ -398,7 +375,8 @@ class _Index:
     def chain(self, rid: int, target: int):
         """(base entry|None, base batches, deltas, damage|None) for region `rid` at `target`.
 
-        damage is the first damaged record the chain needs (the plan cannot use it)."""
+        damage is the first damaged record the chain needs (the plan cannot use it):
+        R-D6, a region restores at `target` only if nothing its chain holds is damaged."""
         base, base_recs, bad_base = None, [], None
         floor = self.h.floor_epoch
         for entry, recs in self.bases.get(rid, ()):
@@ -493,6 +471,14 @@ def _expected_digest(h: History, rid: int, epoch: int, base, deltas) -> int | No
     return None
 
 
+def _first_given_up(h: History, idx: _Index, ep: int, want: int) -> int:
+    """The oldest epoch after `ep` up to `want` that a fallback to `ep` gives up:
+    committed, or incomplete (its commit fails V-C4, R-D4)."""
+    cands = [e for e in idx.committed if ep < e <= want]
+    cands += [d.epoch for d in h.damage if d.epoch is not None and not d.tail and ep < d.epoch <= want]
+    return min(cands, default=want)
+
+
 def _consistent_epoch(h: History, idx: _Index, rid: int, target: int):
     """Newest committed epoch <= target at which region rid's chain is whole.
     Returns (epoch|None, first damage met)."""
@@ -523,10 +509,19 @@ def plan_history(
     name_of = {r.id: r.name for r in h.regions.values()}
 
     tail = [d for d in h.damage if d.tail]
+    corrupt = [d for d in h.damage if not d.tail]
     if mode == "absolute" and h.damage:
         d = h.damage[0]
         cls = TornTailError if d.tail else CorruptionError
-        raise cls(f"{d.reason} (lsn {d.lsn})", where=d.where, hint="absolute mode accepts no damage")
+        raise cls(f"{'torn tail: ' if d.tail else ''}{d.reason} (lsn {d.lsn})", where=d.where if d.segment >= 0 else None,
+                  hint="absolute mode accepts no damage")
+    if mode == "tolerate_tail" and corrupt:
+        # R-D4: corruption before a commit point refuses the whole log, whichever
+        # regions are asked for (no per-region leniency in this mode)
+        d = corrupt[0]
+        raise CorruptionError(f"{d.reason} (lsn {d.lsn}): corruption before the last commit",
+                              where=d.where if d.segment >= 0 else None,
+                              hint="recover with mode point_in_time or skip_corrupt to fall back")
     for d in tail:
         dropped.append(Dropped(d, name_of.get(d.region_id), None, None))
 
@@ -552,14 +547,21 @@ def plan_history(
                 )
             per_region[r.id] = want
     elif mode == "point_in_time":
-        # newest committed epoch <= want at which every region's chain is whole
+        # R-D4: the newest committed epoch <= want whose commit lies before the
+        # first corruption and at which every region of the log (not only the
+        # asked ones) has a whole chain
+        first_bad = min((d.lsn for d in corrupt if d.lsn is not None), default=None)
         ep = None
         for cand in reversed(idx.committed):
-            if cand <= want and all(idx.chain(r.id, cand)[3] is None for r in chosen):
+            c = h.commits.get(cand)
+            if first_bad is not None and (c is None or c.lsn >= first_bad):
+                continue
+            if cand <= want and all(idx.chain(r.id, cand)[3] is None for r in h.regions.values()):
                 ep = cand
                 break
         if ep is None:
-            bad = next(b for b in (idx.chain(r.id, want)[3] for r in chosen) if b is not None)
+            bad = next((b for b in (idx.chain(r.id, want)[3] for r in h.regions.values()) if b is not None),
+                       corrupt[0] if corrupt else None)
             raise CorruptionError(
                 f"no epoch at or before {want} is consistent: {bad.reason} (lsn {bad.lsn})",
                 where=bad.where if bad.segment >= 0 else None,
@@ -568,13 +570,17 @@ def plan_history(
             per_region[r.id] = ep
         if ep != want:
             gave = [r.name for r in chosen]
-            newer = [e for e in idx.committed if ep < e <= want]
+            first = _first_given_up(h, idx, ep, want)
             seen = set()
-            for r in chosen:
+            for r in h.regions.values():
                 _, _, _, bad = idx.chain(r.id, want)
                 if bad is not None and id(bad) not in seen:
                     seen.add(id(bad))
-                    dropped.append(Dropped(bad, name_of.get(bad.region_id), (newer[0], want), gave))
+                    dropped.append(Dropped(bad, name_of.get(bad.region_id), (first, want), gave))
+            for d in corrupt:
+                if id(d) not in seen and d.lsn is not None and d.lsn < h.commits[want].lsn:
+                    seen.add(id(d))
+                    dropped.append(Dropped(d, name_of.get(d.region_id), (first, want), gave))
     else:  # skip_corrupt: each region on its own
         for r in chosen:
             ep, bad = _consistent_epoch(h, idx, r.id, want)
@@ -583,8 +589,7 @@ def plan_history(
                 continue
             per_region[r.id] = ep
             if ep != want:
-                newer = [e for e in idx.committed if ep < e <= want]
-                dropped.append(Dropped(bad, r.name, (newer[0], want), [r.name]))
+                dropped.append(Dropped(bad, r.name, (_first_given_up(h, idx, ep, want), want), [r.name]))
 
     plans = {}
     naive = 0
@@ -617,8 +622,10 @@ def plan_history(
             dropped.append(Dropped(d, None, None, None))
             listed.add(id(d))
     effective = min(per_region.values()) if per_region else want
+    if mode == "skip_corrupt":  # the newest epoch a region reaches; each says its own
+        effective = max(per_region.values()) if per_region else want
     return Plan(
-        target=target, epoch=effective if mode != "skip_corrupt" else want, mode=mode,
+        target=target, epoch=effective, mode=mode,
         regions=plans, dropped=dropped, naive_bytes=naive, bandwidth=bw,
     )
 
@@ -646,20 +653,21 @@ def _walk_of_open(log, vol, check_pages: bool, progress):
     and what was appended since), with no compaction in between.  Handed over
     once (the Log does not keep it after).  None otherwise, and when progress
     is wanted (the walk is then shown)."""
-    from concordia.wal.reader import ScanResult, Scanner
+    from concordia.wal.reader import WALK_KEPT_MAX, ScanResult, Scanner
 
     res = getattr(log, "_result", None)
     walk = getattr(res, "walk", None)
-    if not getattr(log, "writable", True) and getattr(res, "walk_end_lsn", None) is not None \
-            and check_pages is not True:
+    if not getattr(log, "writable", True) and getattr(res, "walk_end_lsn", None) is not None:
         # a read-only open beside a live writer (Log.open(live=True)): the log as of its last
         # commit, kept for every plan of this Log (a walk on would see what is being written)
-        if walk is None:
+        if walk is None or (check_pages and res.walk_checked_pages is not True):
             walk = []
-            for it in Scanner(vol, check_pages=False, progress=progress).items(ScanResult()):
-                if it[1].lsn(it[2]) >= res.walk_end_lsn:
+            for it in Scanner(vol, check_pages=check_pages, progress=progress).items(ScanResult()):
+                if it.seg.lsn(it.offset) >= res.walk_end_lsn:
                     break
                 walk.append(it)
+            if len(walk) <= WALK_KEPT_MAX:
+                res.walk, res.walk_checked_pages = walk, check_pages
         return walk
     if walk is None or progress is not None:
         return None
@@ -669,8 +677,8 @@ def _walk_of_open(log, vol, check_pages: bool, progress):
             return None
         res.walk = None
         return walk + list(Scanner(vol, check_pages=check_pages).items(ScanResult(), from_lsn=res.walk_end_lsn))
-    if res.walk_checked_pages != check_pages:
-        return None
+    if res.walk_checked_pages is not True and res.walk_checked_pages != check_pages:
+        return None  # a walk with page checks answers one without them too
     res.walk = None
     return walk
 
@@ -678,17 +686,20 @@ def _walk_of_open(log, vol, check_pages: bool, progress):
 def scan(log, *, payload: bool = True, check_pages: bool = False, progress=None, walk: list | None = None) -> History:
     """Read the metadata of every record of `log` into a History.
 
-    The scan is record-level and tolerant: every damaged range becomes a
-    `Damage` (attributed to its epoch and region when the record header is
-    intact), and the planner decides what the recovery mode does with it.
-    Page payloads are CRC-checked only with check_pages=True; the applier
-    checks every page it copies anyway.  With payload=True each Batch carries a
-    view of its pages in the log mapping (no copy).  progress(done_bytes,
+    What the log commits, and what is torn or corrupt, is the reader's
+    decision (`reader.recover`, R-D1..R-D3), made here over the same walk in
+    SKIP_CORRUPT mode so that nothing is refused yet: the History holds the
+    commits it accepted, the valid records it kept, and every damaged range
+    it reported as a `Damage` (attributed to its epoch and region when the
+    record header is intact; `tail` for a torn one).  The planner then decides
+    what the recovery mode does with it (R-D4).  Page payloads are CRC-checked
+    only with check_pages=True.  With payload=True each Batch carries a view
+    of its pages in the log mapping (no copy).  progress(done_bytes,
     total_bytes) follows the walk (reader.Scanner).  `walk`: the items of a
     walk of this volume made with the same check_pages (reader.verify's), used
     instead of walking again."""
     from concordia.wal import format as F
-    from concordia.wal.reader import ScanResult, Scanner
+    from concordia.wal.reader import ScanResult, Scanner, recover
 
     vol = _volume(log)
     sb = vol.superblock
@@ -697,79 +708,87 @@ def scan(log, *, payload: bool = True, check_pages: bool = False, progress=None,
     items = walk if walk is not None else _walk_of_open(log, vol, check_pages, progress)
     if items is None:
         items = list(Scanner(vol, check_pages=check_pages, progress=progress).items(ScanResult()))
-    last_commit = -1
-    for i, it in enumerate(items):
-        if it[0] == 0 and it[3][1] & F.TYPE_MASK == F.REC_COMMIT:
-            last_commit = i
+    res = recover(vol, RecoveryMode.SKIP_CORRUPT, None, check_pages=bool(check_pages), items=items)
 
-    regions, batches, commits, damage, catalogs, region_lsns = {}, [], {}, [], {}, {}
-    prev_commit = None  # (lsn, epoch) of the last commit seen
-    for i, it in enumerate(items):
-        seg, off = it[1], it[2]
-        lsn_here = seg.lsn(off)
-        if it[0] != 0:  # damaged range
-            reason = it[4]
-            epoch = rid = None
-            base = False
-            if off + 64 <= arr.size and F.check_record_header_bytes(mv, off) is None:
-                h = F.RecordHeader(*F._unpack_header(mv, off))
-                if h.lsn == lsn_here:
-                    kind = h.kind
-                    if kind == F.REC_PAGE_BATCH:
-                        epoch, rid, base = h.epoch, h.region_id, bool(h.flags & FLAG_BASE)
-                    elif kind == F.REC_COMMIT:
-                        epoch, reason = h.epoch, f"commit of epoch {h.epoch}: {reason}"
-                    elif kind == F.REC_REGION:
-                        reason = f"region descriptor {h.region_id}: {reason}"
-            damage.append(Damage(seg.index, off, lsn_here, reason, epoch, rid, tail=i > last_commit, base=base))
-            continue
-        h = it[3]
-        length, typ, flags, rid, lsn, epoch = h[0], h[1], h[2], h[4], h[5], h[6]
-        kind = typ & F.TYPE_MASK
+    regions = {rid: RegionMeta(rid, r.name, r.dtype, tuple(r.shape), r.page_bytes, r.nbytes)
+               for rid, r in res.regions.items()}
+    region_lsns, batches, catalogs, where = {}, [], {}, {}
+    for rec in res.records:
+        kind = rec.kind
         if kind == F.REC_PAGE_BATCH:
-            count, pb = h[9], h[10]
+            count, pb, off = rec.count, rec.page_bytes, rec.offset
             t = arr[off + 64: off + 64 + 8 * count].view("<u4")
             poff = off + F.page_batch_payload_offset(count)
             batches.append(Batch(
-                lsn=lsn, epoch=epoch, region_id=rid, base=bool(flags & FLAG_BASE),
-                page_ids=t[:count], page_crcs=t[count:], page_bytes=pb, segment=seg.index,
-                offset=off, length=length,
+                lsn=rec.lsn, epoch=rec.epoch, region_id=rec.region_id, base=bool(rec.flags & FLAG_BASE),
+                page_ids=t[:count], page_crcs=t[count:], page_bytes=pb, segment=rec.segment,
+                offset=off, length=rec.length,
                 payload=arr[poff: poff + count * pb].reshape(count, pb) if payload else None))
         elif kind == F.REC_COMMIT:
-            hdr = F.RecordHeader(*F._unpack_header(mv, off))
-            try:
-                info = F.decode_commit_body(mv[off + 64: off + 64 + h[9]], hdr)
-            except CorruptionError as exc:
-                damage.append(Damage(seg.index, off, lsn, f"commit of epoch {epoch}: {exc.message}", epoch,
-                                     tail=i > last_commit))
-                continue
-            if prev_commit is not None and info.prev_commit_lsn != prev_commit[0]:
-                # the commit before this one is lost: every epoch after the last
-                # intact commit up to this one may miss records
-                damage.append(Damage(seg.index, off, lsn,
-                                     f"commit of epoch {epoch} names previous commit at lsn "
-                                     f"{info.prev_commit_lsn}, found {prev_commit[0]}: a commit is missing",
-                                     prev_commit[1] + 1))
-            commits[epoch] = Commit(epoch, lsn, info.first_lsn, dict(info.digests), info.record_count,
-                                    seg.index, off)
-            prev_commit = (lsn, epoch)
+            where[rec.lsn] = (rec.segment, rec.offset)
         elif kind == F.REC_REGION:
-            try:
-                r = F.decode_region_body(mv[off + 64: off + 64 + h[9]], rid, h[10])
-            except CorruptionError as exc:
-                damage.append(Damage(seg.index, off, lsn, f"region descriptor {rid}: {exc.message}"))
-                continue
-            regions[rid] = RegionMeta(rid, r.name, r.dtype, tuple(r.shape), r.page_bytes, r.nbytes)
-            region_lsns[rid] = lsn
+            region_lsns[rec.region_id] = rec.lsn
         elif kind == F.REC_CATALOG:
-            catalogs[lsn] = (seg.index, off, h[9])
+            catalogs[rec.lsn] = (rec.segment, rec.offset, rec.count)
+    commits = {}
+    for c in res.commits:  # R-D1: only the commits the reader accepted
+        seg_i, off = where.get(c.lsn, (-1, -1))
+        counted = sum(1 for b in batches if b.epoch == c.epoch and not b.base and c.first_lsn <= b.lsn < c.lsn)
+        commits[c.epoch] = Commit(c.epoch, c.lsn, c.first_lsn, dict(c.digests), counted, seg_i, off)
+
+    damage = []
+    for d in res.dropped:
+        if d.kind not in ("corrupt", "torn"):
+            continue  # uncommitted, superblock, truncated: reported by the reader, nothing to plan around
+        epoch = rid = None
+        base = False
+        reason = d.reason
+        off = d.offset
+        if d.segment >= 0 and off + 64 <= arr.size and F.check_record_header_bytes(mv, off) is None:
+            h = F.RecordHeader(*F._unpack_header(mv, off))
+            seg = next((sg for sg in res.segments if sg.index == d.segment), None)
+            if seg is not None and h.lsn == seg.lsn(off) and off >= seg.offset + F.SEGMENT_HEADER_SIZE:
+                if h.type == F.REC_PAGE_BATCH:
+                    epoch, rid, base = h.epoch, h.region_id, bool(h.flags & FLAG_BASE)
+                elif h.type == F.REC_COMMIT:
+                    # a commit that fails V-C2..V-C4 leaves its epoch incomplete (R-D4)
+                    epoch = h.epoch
+                    if not reason.startswith("commit"):
+                        reason = f"commit of epoch {h.epoch}: {reason}"
+                elif h.type == F.REC_REGION:
+                    reason = f"region descriptor {h.region_id}: {reason}"
+        lsn = d.lsn
+        if lsn is None and d.segment >= 0:
+            seg = next((sg for sg in res.segments if sg.index == d.segment), None)
+            lsn = seg.lsn(off) if seg is not None else None
+        damage.append(Damage(d.segment, off, lsn, reason, epoch, rid, tail=d.kind == "torn", base=base))
+
+    # R-D4, SKIP_CORRUPT's per-region leniency: a commit that fails V-C4 only
+    # because records whose headers name their region are damaged commits its
+    # epoch for the other regions (those regions' chains break at the damage)
+    for k, d in enumerate(damage):
+        if d.tail or d.epoch is None or d.region_id is not None or "(V-C4)" not in d.reason:
+            continue
+        try:
+            info = F.decode_commit_body(mv[d.offset + 64:d.offset + 64 + int(F.RECORD_HEADER.unpack_from(mv, d.offset)[9])],
+                                        F.RecordHeader(*F._unpack_header(mv, d.offset)))
+        except CorruptionError:
+            continue
+        e, lo, hi = info.epoch, info.first_lsn, info.lsn
+        readable = sum(1 for b in batches if b.epoch == e and not b.base and lo <= b.lsn < hi)
+        known = sum(1 for x in damage if x.epoch == e and x.region_id is not None and not x.base
+                    and not x.tail and x.lsn is not None and lo <= x.lsn < hi)
+        if readable + known == info.record_count and known and e not in commits:
+            commits[e] = Commit(e, hi, lo, dict(info.digests), readable, d.segment, d.offset)
+            damage[k] = Damage(d.segment, d.offset, d.lsn, d.reason, None, None, tail=False)
 
     bases, floor = [], int(sb.oldest_epoch)
     if sb.catalog_lsn:
         found = catalogs.get(sb.catalog_lsn)
         if found is None:
-            damage.append(Damage(-1, 0, sb.catalog_lsn,
-                                 f"the catalog the superblock names (lsn {sb.catalog_lsn}) is missing or damaged"))
+            if not any("snapshot catalog the superblock names" in d.reason for d in damage):
+                damage.append(Damage(-1, 0, sb.catalog_lsn,
+                                     f"the catalog the superblock names (lsn {sb.catalog_lsn}) is missing or damaged"))
         else:
             seg_i, off, count = found
             try:
@@ -783,7 +802,7 @@ def scan(log, *, payload: bool = True, check_pages: bool = False, progress=None,
         for r in log.regions.values():
             regions[r.id] = RegionMeta(r.id, r.name, r.dtype, tuple(r.shape), r.page_bytes, r.nbytes)
     return History(regions=regions, batches=batches, commits=commits, bases=bases, damage=damage,
-                   floor_epoch=floor, region_lsns=region_lsns)
+                   floor_epoch=floor, region_lsns=region_lsns, result=res)
 
 
 def plan(log, target="latest", mode=None, *, regions=None, bandwidth: float | None = None,
@@ -792,14 +811,16 @@ def plan(log, target="latest", mode=None, *, regions=None, bandwidth: float | No
     ("lsn", n)) under recovery `mode` (default: the mode the log was opened
     with, else tolerate_tail).  See the module doc for what the plan holds.
 
-    check_pages (default: only for point_in_time and skip_corrupt, whose
-    fallback must know every damaged page before it chooses) CRC-checks every
-    page of the log during the scan; otherwise the applier checks the pages it
-    copies and a damaged one ends the restore with an error naming it."""
+    check_pages (default True, R-D5: what the log holds is decided with every
+    page CRC checked, so a damaged page that no plan would read still makes
+    tolerate_tail refuse, as verify says; a walk the Log's open made with
+    page checks is reused, not repeated) CRC-checks every page of the log
+    during the scan; False leaves it to the applier, which checks the pages
+    it copies (a component path, not the decision)."""
     if mode is None:
         mode = getattr(log, "mode", None)
     if check_pages is None:
-        check_pages = mode_name(mode) in ("point_in_time", "skip_corrupt")
+        check_pages = True
     return plan_history(scan(log, check_pages=check_pages), target, mode, regions=regions, bandwidth=bandwidth)
 
 

@@ -11,17 +11,17 @@ must match), so one damaged record never hides the records after it.
 
 from __future__ import annotations
 
-import enum
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 from crc32c import crc32c as _crc32c
 
 from . import format as F
+from .modes import RecoveryMode
 from .errors import CorruptionError, TornTailError, UsageError
 from .volume import SegmentInfo, Volume
 
@@ -30,26 +30,6 @@ from .volume import SegmentInfo, Volume
 # as it is read, about 5 GB/s on one thread.
 PARALLEL_CHECK_BYTES = 64 << 20
 CHECK_THREADS = max(1, min(8, os.cpu_count() or 1))
-
-
-class RecoveryMode(enum.Enum):
-    """What the reader does with damaged ranges (RocksDB's WAL recovery modes)."""
-
-    TOLERATE_TAIL = "tolerate_tail"  # drop a torn tail; corruption before a commit is an error
-    ABSOLUTE = "absolute"  # any damage is an error
-    POINT_IN_TIME = "point_in_time"  # stop at the first damage, drop the rest
-    SKIP_CORRUPT = "skip_corrupt"  # skip damaged ranges, keep reading
-
-    @classmethod
-    def parse(cls, value) -> "RecoveryMode":
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls(str(value).lower().replace("-", "_"))
-        except ValueError:
-            from .errors import UsageError
-            raise UsageError(f"unknown recovery mode {value!r}; use one of "
-                             f"{', '.join(m.value for m in cls)}") from None
 
 
 @dataclass(frozen=True)
@@ -71,6 +51,7 @@ class Dropped:
 
     @property
     def where(self) -> str:
+        # R-O1: the offset is absolute in the target
         return f"segment {self.segment} @ 0x{self.offset:x}" if self.segment >= 0 else f"@ 0x{self.offset:x}"
 
     def __str__(self) -> str:
@@ -97,8 +78,8 @@ class Record:
         self._backend = backend
 
     @property
-    def kind(self) -> int:
-        return self.type & F.TYPE_MASK
+    def kind(self) -> int | None:
+        return record_kind(self.type)  # R-T1: the whole type byte
 
     @property
     def raw(self) -> memoryview:
@@ -127,9 +108,79 @@ class Record:
                 f"len={self.length} {self.where}>")
 
 
-# items produced by the scan
+# items produced by the scan: tuples with names (positions kept for old readers)
 _REC = 0
 _DMG = 1
+
+
+class Header(NamedTuple):
+    """A record header as FORMAT.md §5.1 lays it out (`format.RECORD_HEADER`,
+    reserved words included)."""
+
+    length: int
+    type: int
+    flags: int
+    reserved0: int
+    region_id: int
+    lsn: int
+    epoch: int
+    salt: int
+    body_crc: int
+    count: int
+    page_bytes: int
+    aux: int
+    reserved1: int
+    header_crc: int
+
+    @property
+    def kind(self) -> int | None:
+        return record_kind(self.type)
+
+
+class Found(NamedTuple):
+    """A valid record the walk met: (REC, segment, absolute offset, Header)."""
+
+    tag: int
+    seg: SegmentInfo
+    offset: int
+    header: Header
+
+    @property
+    def length(self) -> int:
+        return self.header.length
+
+
+class Damaged(NamedTuple):
+    """A damaged range: (DMG, segment, absolute offset, length, reason,
+    hides_commit).  hides_commit: a damaged segment header over records of
+    which a valid commit is one (the damage then hides committed data)."""
+
+    tag: int
+    seg: SegmentInfo
+    offset: int
+    length: int
+    reason: str
+    hides_commit: bool = False
+
+
+def record_kind(type_byte: int) -> int | None:
+    """R-T1 (FORMAT.md §5.2): the record type is the whole byte.  The known
+    types (0x01..0x05, and pad 0xFE) give their kind (`format.REC_*`); any
+    other byte gives None: ignorable when bit 7 is set (checked as a generic
+    body and skipped), a damaged record when it is clear."""
+    if type_byte == F.REC_PAD | F.TYPE_IGNORABLE:
+        return F.REC_PAD
+    if not type_byte & F.TYPE_IGNORABLE and type_byte in F.TYPE_NAMES and type_byte != F.REC_PAD:
+        return type_byte
+    return None
+
+
+#: R-F1: the flag bits each known type may carry; any other bit is a damaged record
+_KNOWN_FLAGS = {F.REC_PAGE_BATCH: F.FLAG_BASE, F.REC_COMMIT: F.FLAG_ONE_SYNC}
+
+
+def is_commit(it) -> bool:
+    return it[0] == _REC and it[3][1] == F.REC_COMMIT
 
 #: a scan's progress callback is told at most this often (bytes walked)
 PROGRESS_STEP = 4 << 20
@@ -160,6 +211,9 @@ class ScanResult:
     # oldest_lsn (walk_oldest_lsn) in between
     walk_end_lsn: int | None = None
     walk_oldest_lsn: int = 0
+    # R-D2: LSN of the later commit point (last valid commit, or the catalog the
+    # superblock names); damage before it is corruption, after it a torn tail
+    commit_point_lsn: int = -1
 
 
 class Scanner:
@@ -211,13 +265,12 @@ class Scanner:
                 end = min(seg.offset + seg.nbytes, size)
                 # records inside may still check (the table names salt and base LSN):
                 # a valid commit among them means this damage hides committed data
-                hides_commit = any(it[0] == _REC and it[3][1] & F.TYPE_MASK == F.REC_COMMIT
-                                   for it in self._segment(seg))
-                found = [(_DMG, seg, seg.offset, max(0, end - seg.offset), why, hides_commit)]
+                hides_commit = any(is_commit(it) for it in self._segment(seg))
+                found = [Damaged(_DMG, seg, seg.offset, max(0, end - seg.offset), why, hides_commit)]
             else:
                 found = self._segment(seg)
             for it in found:
-                if not from_lsn or seg.lsn(it[2]) + (it[3] if it[0] == _DMG else it[3][0]) > from_lsn:
+                if not from_lsn or seg.lsn(it.offset) + it.length > from_lsn:
                     yield it
         if self.progress is not None:
             self.progress(self._total, self._total)
@@ -269,18 +322,18 @@ class Scanner:
     def _payload_entry(self, idx: int, pos: int, h, release_gil: bool = False) -> tuple:
         """What _check_pages needs of the page batch at `pos` (items[idx]):
         its geometry and one CRC32C over its whole payload."""
-        poff = pos + F.page_batch_payload_offset(h[9])
-        payload = self.mv[poff:poff + h[9] * h[10]]
-        return idx, pos, h[9], h[10], (_crc32c(payload, 0, 1) if release_gil else _crc32c(payload))
+        poff = pos + F.page_batch_payload_offset(h.count)
+        payload = self.mv[poff:poff + h.count * h.page_bytes]
+        return idx, pos, h.count, h.page_bytes, (_crc32c(payload, 0, 1) if release_gil else _crc32c(payload))
 
     def check_pages_of(self, items: list, indices) -> None:
         """V-P5 for the page batches among items[indices] of a walk made without
         page checks, as a walk with them would have made it: a failing record
         becomes a damaged range in `items`.  Payloads that add up to
         PARALLEL_CHECK_BYTES or more are hashed on CHECK_THREADS threads."""
-        batches = [(i, items[i][2], items[i][3]) for i in indices
-                   if items[i][0] == _REC and items[i][3][1] == F.REC_PAGE_BATCH]
-        total = sum(h[9] * h[10] for _, _, h in batches)
+        batches = [(i, items[i].offset, items[i].header) for i in indices
+                   if items[i].tag == _REC and items[i].header.type == F.REC_PAGE_BATCH]
+        total = sum(h.count * h.page_bytes for _, _, h in batches)
         if CHECK_THREADS > 1 and len(batches) > 1 and total >= PARALLEL_CHECK_BYTES:
             with ThreadPoolExecutor(min(CHECK_THREADS, len(batches)), thread_name_prefix="concordia-check") as pool:
                 entries = list(pool.map(lambda b: self._payload_entry(*b, release_gil=True), batches))
@@ -308,7 +361,7 @@ class Scanner:
                 reason = ("page CRC table does not fold to the payload CRC" if problem is None
                           else (problem[0] if problem[1] == pos else f"{problem[0]} (at 0x{problem[1]:x})"))
                 self.bytes_checked -= hdr.length
-                out[idx] = (_DMG, item[1], pos, hdr.length, reason)
+                out[idx] = Damaged(_DMG, item.seg, pos, hdr.length, reason)
 
     def _walk(self, seg: SegmentInfo, out: list, pending: list, start: int | None = None) -> None:
         mv = self.mv
@@ -317,6 +370,7 @@ class Scanner:
         base_rel = seg.base_lsn - seg.offset  # lsn = abs offset + base_rel
         salt = seg.salt
         unpack = F.RECORD_HEADER.unpack_from
+        oldest = self.oldest
         pos = seg.offset + F.SEGMENT_HEADER_SIZE if start is None else start
         # progress: checked against one number per record, told every PROGRESS_STEP
         tick = seg.offset + PROGRESS_STEP if self.progress is not None else 1 << 62
@@ -324,11 +378,12 @@ class Scanner:
             if pos >= tick:
                 self._tell(self._done + pos - seg.offset)
                 tick = pos + PROGRESS_STEP
-            h = unpack(mv, pos)
-            length = h[0]
-            if length == 0 or (h[5] != pos + base_rel or h[7] != salt):
-                if length and _crc32c(mv[pos:pos + 60]) != h[13]:
-                    problem = f"record header CRC mismatch, stored 0x{h[13]:08x}, computed 0x{_crc32c(mv[pos:pos + 60]):08x}"
+            h = Header._make(unpack(mv, pos))
+            length = h.length
+            if length == 0 or (h.lsn != pos + base_rel or h.salt != salt):
+                if length and _crc32c(mv[pos:pos + 60]) != h.header_crc:
+                    problem = (f"record header CRC mismatch, stored 0x{h.header_crc:08x}, "
+                               f"computed 0x{_crc32c(mv[pos:pos + 60]):08x}")
                 else:
                     # zero length word, or a complete header of another incarnation: the end,
                     # unless valid records follow (then a record was lost here)
@@ -336,8 +391,10 @@ class Scanner:
                     if nxt is None:
                         return
                     what = ("zero length word" if length == 0 else
-                            f"stale record (lsn 0x{h[5]:x}, salt 0x{h[7]:08x}; expected lsn 0x{pos + base_rel:x}, salt 0x{salt:08x})")
-                    out.append((_DMG, seg, pos, nxt - pos, f"{what} followed by valid records at 0x{nxt:x} (a record was lost)"))
+                            f"stale record (lsn 0x{h.lsn:x}, salt 0x{h.salt:08x}; expected lsn 0x{pos + base_rel:x}, salt 0x{salt:08x})")
+                    if pos + base_rel >= oldest:  # V-R7: below oldest_lsn nothing is read (R-D3)
+                        out.append(Damaged(_DMG, seg, pos, nxt - pos,
+                                           f"{what} followed by valid records at 0x{nxt:x} (a record was lost)"))
                     pos = nxt
                     continue
             else:
@@ -347,47 +404,53 @@ class Scanner:
             if problem is not None:
                 nxt = self._next_valid(seg, pos + 64, end)
                 stop = end if nxt is None else nxt
-                out.append((_DMG, seg, pos, stop - pos, problem))
+                if stop + base_rel > oldest:  # R-D3: damage wholly below oldest_lsn is reclaimed, not read
+                    out.append(Damaged(_DMG, seg, pos, stop - pos, problem))
                 if nxt is None:
                     return
                 pos = nxt
                 continue
             if pos + length > end:
-                out.append((_DMG, seg, pos, end - pos, "record runs past the end of the target (truncated volume)"))
+                out.append(Damaged(_DMG, seg, pos, end - pos, "record runs past the end of the target (truncated volume)"))
                 return
-            lsn = h[5]
-            if lsn < self.oldest:
+            lsn = h.lsn
+            if lsn < oldest:
                 pos += length  # reclaimed by compaction: not read
                 continue
             problem = self._body_problem(h, pos)
             if problem is not None:
-                out.append((_DMG, seg, pos, length, problem))
+                out.append(Damaged(_DMG, seg, pos, length, problem))
             else:
                 self.bytes_checked += length
-                if self.check_pages and h[1] == F.REC_PAGE_BATCH:
+                if h.kind is None:
+                    pos += length  # R-T1, R-T2: an unknown ignorable type, checked, is skipped
+                    continue
+                if self.check_pages and h.type == F.REC_PAGE_BATCH:
                     # page CRCs are checked for the whole segment at once (_check_pages)
                     pending.append(self._payload_entry(len(out), pos, h))
-                out.append((_REC, seg, pos, h))
+                out.append(Found(_REC, seg, pos, h))
             pos += length
 
     def _body_problem(self, h, pos) -> str | None:
-        typ = h[1]
-        kind = typ & F.TYPE_MASK
-        count = h[9]
-        if kind == F.REC_PAGE_BATCH and not typ & F.TYPE_IGNORABLE:
+        typ = h.type
+        kind = record_kind(typ)
+        count = h.count
+        if h.flags & ~_KNOWN_FLAGS.get(kind, 0) and kind != F.REC_PAD:
+            return f"unknown record flags 0x{h.flags:02x} for type 0x{typ:02x} (R-F1)"
+        if kind == F.REC_PAGE_BATCH:
             hdr = F.RecordHeader(*F._unpack_header(self.mv, pos))
             p = F.page_batch_problem(self.arr, hdr, pos, check_pages=False)  # pages: _check_pages
             return None if p is None else (p[0] if p[1] == pos else f"{p[0]} (at 0x{p[1]:x})")
         if kind == F.REC_PAD:
             return None
-        if kind not in F.TYPE_NAMES and not typ & F.TYPE_IGNORABLE:
+        if kind is None and not typ & F.TYPE_IGNORABLE:
             return f"unknown record type 0x{typ:02x} (not marked ignorable)"
-        length = h[0]
+        length = h.length
         if 64 + count > length or F.align64(count) + 64 != length:
             return f"body of {count} bytes does not match record length {length}"
         got = _crc32c(self.mv[pos + 64:pos + 64 + count])
-        if got != h[8]:
-            return f"body CRC mismatch, stored 0x{h[8]:08x}, computed 0x{got:08x}"
+        if got != h.body_crc:
+            return f"body CRC mismatch, stored 0x{h.body_crc:08x}, computed 0x{got:08x}"
         if self.arr[pos + 64 + count:pos + length].any():
             return "record padding is not zero"
         return None
@@ -401,7 +464,7 @@ WALK_KEPT_MAX = 1 << 16
 
 def recover(vol: Volume, mode: RecoveryMode = RecoveryMode.TOLERATE_TAIL,
             reporter: Callable[[Dropped], None] | None = None, *, check_pages: bool = True,
-            progress: Callable[[int, int], None] | None = None) -> ScanResult:
+            progress: Callable[[int, int], None] | None = None, items: list | None = None) -> ScanResult:
     """Scan `vol` and apply `mode` (FORMAT.md §11).  Every dropped range goes to
     `reporter` (and into result.dropped).  Raises CorruptionError / TornTailError
     where the mode says so.  progress(done_bytes, total_bytes): see Scanner.
@@ -409,7 +472,9 @@ def recover(vol: Volume, mode: RecoveryMode = RecoveryMode.TOLERATE_TAIL,
     that checks the pages it reads), "last" only those of the last commit's
     records when one sync wrote them with it: a crash inside that sync leaves
     some of them unwritten, and V-C4 then drops the commit as torn; every other
-    page is checked where a recovery reads it."""
+    page is checked where a recovery reads it.  items: a walk of `vol` already
+    made (Scanner.items, with page checks as check_pages says), decided
+    again without reading the log (the planner's History, `decide`)."""
     mode = RecoveryMode.parse(mode)
     res = ScanResult()
 
@@ -418,35 +483,73 @@ def recover(vol: Volume, mode: RecoveryMode = RecoveryMode.TOLERATE_TAIL,
         if reporter is not None:
             reporter(d)
 
+    unused = _unwritten_slot(vol)
     for where, why in vol.slot_problems:
+        if unused is not None and where.startswith(f"superblock slot {unused} "):
+            continue  # R-B2: a slot never written since formatting is unused, not damaged
         report(Dropped(-1, 0, 0, f"{where}: {why} (the other slot is used)", "superblock"))
 
     if check_pages not in (True, False, "last"):
         raise UsageError(f"check_pages must be True, False or 'last', not {check_pages!r}")
     scanner = Scanner(vol, check_pages=check_pages is True, progress=progress)
-    items = list(scanner.items(res))
+    if items is None:
+        items = list(scanner.items(res))
+    else:
+        items = list(items)
+        seen = []
+        for it in items:
+            if not seen or seen[-1] is not it.seg:
+                seen.append(it.seg)
+        res.segments = seen
+        res.bad_segments = {it.seg.index for it in items if it.tag == _DMG and it.offset == it.seg.offset}
     if len(items) <= WALK_KEPT_MAX:
         res.walk, res.walk_checked_pages = items, check_pages
+    items = _check_regions(items, vol.backend.view)  # R-P1, R-G1
     backend = vol.backend
 
     # the last structurally valid commit decides what is tail and what is corruption
     last_commit = -1
     for i, it in enumerate(items):
-        if (it[0] == _REC and it[3][1] & F.TYPE_MASK == F.REC_COMMIT) or (it[0] == _DMG and len(it) > 5 and it[5]):
-            last_commit = i + 1 if it[0] == _DMG else i
+        if is_commit(it) or (it.tag == _DMG and it.hides_commit):
+            last_commit = i + 1 if it.tag == _DMG else i
 
     # a last commit written by one sync with its records (FLAG_ONE_SYNC) is in flight
     # at a crash until that sync returns: damage between it and the commit before it is
     # a torn tail, and the commit itself stands only if its records all verify (V-C4)
     torn_commit = -1
-    if (0 <= last_commit < len(items) and items[last_commit][0] == _REC
-            and items[last_commit][3][2] & F.FLAG_ONE_SYNC):
-        prev_commit = max((i for i in range(last_commit)
-                           if items[i][0] == _REC and items[i][3][1] & F.TYPE_MASK == F.REC_COMMIT), default=-1)
+    if (0 <= last_commit < len(items) and is_commit(items[last_commit])
+            and items[last_commit].header.flags & F.FLAG_ONE_SYNC):
+        prev_commit = max((i for i in range(last_commit) if is_commit(items[i])), default=-1)
         if check_pages == "last":  # the only pages whose damage changes what the log holds
             scanner.check_pages_of(items, range(prev_commit + 1, last_commit))
-        if any(items[i][0] == _DMG for i in range(prev_commit + 1, last_commit)):
+        if any(items[i].tag == _DMG for i in range(prev_commit + 1, last_commit)):
             torn_commit, last_commit = last_commit, prev_commit
+
+    # R-D2: the catalog record the superblock names is a commit point too (V-N2):
+    # its base snapshots were persisted before the superblock switched to it, so
+    # damage at or before it is corruption, not a torn tail
+    cat_lsn = vol.superblock.catalog_lsn
+    if cat_lsn:
+        at = next((i for i, it in enumerate(items)
+                   if it.seg.lsn(it.offset) <= cat_lsn < it.seg.lsn(it.offset) + it.length), None)
+        if at is None or not (items[at].tag == _REC and items[at].header.type == F.REC_CATALOG
+                              and items[at].header.lsn == cat_lsn):
+            seg = next((sg for sg in res.segments if sg.base_lsn <= cat_lsn < sg.end_lsn), None)
+            why = f"the snapshot catalog the superblock names (lsn 0x{cat_lsn:x}) is missing or damaged (R-D2)"
+            if at is None:  # nothing was read there: the record is lost
+                if mode in (RecoveryMode.TOLERATE_TAIL, RecoveryMode.ABSOLUTE):
+                    raise CorruptionError(why, where=(f"segment {seg.index} @ 0x{seg.offset + cat_lsn - seg.base_lsn:x}"
+                                                      if seg else None), hint=f"recovery mode {mode.value}")
+                report(Dropped(seg.index if seg else -1, seg.offset + cat_lsn - seg.base_lsn if seg else 0,
+                               0, why, "corrupt", cat_lsn))
+        if at is not None:
+            last_commit = max(last_commit, at)
+    if 0 <= last_commit < len(items):
+        it = items[last_commit]
+        res.commit_point_lsn = it.seg.lsn(it.offset)
+    elif last_commit >= len(items) and items:  # a damaged segment header hides the last commit
+        it = items[-1]
+        res.commit_point_lsn = it.seg.lsn(it.offset) + it.length
 
     res.bytes_checked = scanner.bytes_checked
     stats: dict[int, list] = {}  # epoch -> [count, bytes, first_lsn, seg, first_off]
@@ -461,15 +564,17 @@ def recover(vol: Volume, mode: RecoveryMode = RecoveryMode.TOLERATE_TAIL,
                   hint=f"recovery mode {mode.value}")
 
     for i, it in enumerate(items):
-        seg, off = it[1], it[2]
+        seg, off = it.seg, it.offset
         if stopped_at is not None:
-            length = it[3] if it[0] == _DMG else it[3][0]
+            length = it.length
             report(Dropped(seg.index, off, length, f"after the point-in-time stop at {stopped_at}",
                            "stopped"))
             continue
-        if it[0] == _DMG:
-            length, reason = it[3], it[4]
-            torn = i > last_commit
+        if it.tag == _DMG:
+            length, reason = it.length, it.reason
+            # R-D2: a live segment's header was persisted before the superblock
+            # listed it (§3.4), so a damaged one is never what a crash leaves
+            torn = i > last_commit and it.offset != seg.offset
             if torn:
                 if mode is RecoveryMode.ABSOLUTE:
                     fail(TornTailError, seg, off, f"torn tail: {reason}")
@@ -481,8 +586,7 @@ def recover(vol: Volume, mode: RecoveryMode = RecoveryMode.TOLERATE_TAIL,
             if mode is RecoveryMode.POINT_IN_TIME:
                 stopped_at = f"segment {seg.index} @ 0x{off:x}"
             continue
-        h = it[3]
-        rec = Record(h, seg.index, off, backend)
+        rec = Record(it.header, seg.index, off, backend)
         kind = rec.kind
         if kind == F.REC_COMMIT:
             try:
@@ -569,6 +673,64 @@ def recover(vol: Volume, mode: RecoveryMode = RecoveryMode.TOLERATE_TAIL,
     else:
         res.tail_regions = [r for r in res.records if r.kind == F.REC_REGION]
     return res
+
+
+def _unwritten_slot(vol: Volume) -> str | None:
+    """R-B2: 'B' when slot B was never written (all zero) on a volume whose
+    superblock was not updated since it was formatted: unused, not damaged."""
+    sb = vol.superblock
+    if sb.sequence != 0:
+        return None
+    off, arr = sb.slot_bytes, vol.backend.array
+    if off + sb.slot_bytes <= arr.size and not arr[off:off + sb.slot_bytes].any():
+        return "B"
+    return None
+
+
+def _check_regions(items: list, mv) -> list:
+    """R-P1 and R-G1 over a walk: a page batch must name a region that a valid
+    descriptor in the log defines (anywhere in it: compaction writes the
+    descriptors again after the bases it writes, R-G1), with that descriptor's
+    page size and page numbers below its page count; a descriptor that defines
+    an id again must repeat it exactly.  A record failing either becomes a
+    damaged range."""
+    regions: dict = {}
+    out = items
+    bad: dict = {}
+    for i, it in enumerate(items):
+        if it.tag != _REC or it.header.type != F.REC_REGION:
+            continue
+        h = it.header
+        try:
+            r = F.decode_region_body(mv[it.offset + 64:it.offset + 64 + h.count], h.region_id, h.page_bytes)
+        except CorruptionError:
+            continue  # recover reports it
+        old = regions.setdefault(h.region_id, r)
+        if old != r:
+            bad[i] = (f"region descriptor redefines region {h.region_id} ({old.name!r}) "
+                      f"with other attributes (R-G1)")
+    for i, it in enumerate(items):
+        if it.tag != _REC or it.header.type != F.REC_PAGE_BATCH:
+            continue
+        h = it.header
+        r = regions.get(h.region_id)
+        if r is None:
+            if regions:  # R-P1: a region the log's descriptors do not define
+                bad[i] = f"page batch of region {h.region_id}, which no descriptor in the log defines (R-P1)"
+            continue  # no descriptor left at all (a raw reclaim): not restorable, not damaged
+        if h.page_bytes != r.page_bytes:
+            bad[i] = (f"page batch of region {r.name!r} has {h.page_bytes}-byte pages, "
+                      f"its descriptor {r.page_bytes} (R-P1)")
+        else:
+            last = int(np.frombuffer(mv, np.uint32, count=1, offset=it.offset + 64 + 4 * (h.count - 1))[0])
+            if last >= r.pages:
+                bad[i] = f"page batch of region {r.name!r} names page {last}, the region has {r.pages} (R-P1)"
+    if bad:
+        out = list(items)
+        for i, problem in bad.items():
+            it = items[i]
+            out[i] = Damaged(_DMG, it.seg, it.offset, it.header.length, problem)
+    return out
 
 
 def _commit_problem(info: F.CommitInfo, st, last_epoch, last_commit_lsn, oldest) -> str | None:
@@ -680,25 +842,26 @@ class Follower:
             if why:
                 if not left:
                     break  # a superblock read while the segment was being taken: look again
-                out.append((_DMG, seg, seg.offset, seg.nbytes, why))
+                out.append(Damaged(_DMG, seg, seg.offset, seg.nbytes, why))
                 self.lsn = seg.end_lsn
                 continue
             start = None
             if self._resume is not None and self._resume[:2] == (seg.index, seg.seq):
                 start = self._resume[2]
             for it in scanner._segment(seg, start):
-                length = it[3] if it[0] == _DMG else it[3][0]
-                end = seg.lsn(it[2]) + length
+                length = it.length
+                end = seg.lsn(it.offset) + length
                 if end <= self.lsn:
                     continue
                 if it[0] == _DMG and not left:
                     return out  # a record still being written: from here next time
                 out.append(it)
                 self.lsn = end
-                self._resume = (seg.index, seg.seq, it[2] + length)
+                self._resume = (seg.index, seg.seq, it.offset + length)
                 if it[0] == _REC:
-                    self._last = (seg.index, seg.seq, it[2], bytes(self.backend.view[it[2]:it[2] + 64]), end)
-                    if it[3][1] & F.TYPE_MASK == F.REC_COMMIT:
+                    self._last = (seg.index, seg.seq, it.offset, bytes(self.backend.view[it.offset:it.offset + 64]),
+                                  end)
+                    if is_commit(it):
                         self._commit = (end, self._resume)
             if not left:
                 break
@@ -728,6 +891,6 @@ class Follower:
         for j in range(k + 1, len(live)):
             if vol.check_segment_header(live[j], live[j - 1]):
                 continue
-            if any(it[0] == _REC and it[3][1] & F.TYPE_MASK == F.REC_COMMIT for it in scanner._segment(live[j])):
+            if any(is_commit(it) for it in scanner._segment(live[j])):
                 return True
         return False

@@ -62,6 +62,25 @@ class SegmentInfo:
         return f"segment {self.index} @ 0x{abs_offset:x}"
 
 
+#: segment size of a volume large enough to hold MIN_SEGMENTS of them
+DEFAULT_SEGMENT_SIZE = 64 << 20
+#: a volume formatted with the default segment size holds at least this many
+#: segments of it, when it is large enough for 1 MiB segments
+MIN_SEGMENTS = 8
+
+
+def default_segment_size(total: int) -> int:
+    """The segment size a volume of `total` bytes gets when none is named:
+    64 MiB, halved (down to 1 MiB) until `total` holds MIN_SEGMENTS of them
+    (a 64 MiB volume gets 8 MiB segments, 128 MiB gets 16 MiB, 512 MiB and
+    more gets 64 MiB).  The two superblock slots take the first MiB, so a
+    volume of exactly 8 segments' bytes holds 7."""
+    seg = DEFAULT_SEGMENT_SIZE
+    while seg > F.SEGMENT_ALIGN and total < MIN_SEGMENTS * seg:
+        seg //= 2
+    return seg
+
+
 def _random_salt(avoid: int) -> int:
     while True:
         s = int.from_bytes(os.urandom(4), "little")
@@ -163,16 +182,20 @@ class Volume:
 
     # -- creating and opening -------------------------------------------------
     @classmethod
-    def create(cls, target, *, size: int | None = None, segment_size: int = 64 << 20,
+    def create(cls, target, *, size: int | None = None, segment_size: int | None = None,
                zero: bool = True) -> "Volume":
         """Format `target` (a Backend or a log name) as an empty volume.
 
+        segment_size: None picks `default_segment_size` of the target's size.
         zero: clear every byte first; pass False only for a target known to be
         zero (a file just created), the segments are then taken as preallocated.
         """
         backend = open_backend(target, size=size, create=True) if not isinstance(target, Backend) else target
+        if segment_size is None:
+            segment_size = default_segment_size(backend.size)
         if segment_size % F.SEGMENT_ALIGN or segment_size < F.SEGMENT_ALIGN:
-            raise WalError(f"segment size {segment_size} is not a positive multiple of 1 MiB")
+            raise WalError(f"segment size {segment_size} is not a positive multiple of 1 MiB",
+                           where=backend.where)
         total = backend.size
         count = max(0, (total - 2 * F.SLOT_ALIGN) // segment_size)
         while count > 0:
@@ -221,6 +244,9 @@ class Volume:
                                           where=where)
                 if i == 0:
                     slot_guess = sb.slot_bytes
+                elif sb.slot_bytes != off:  # R-B1: slot B lies where its own slot_bytes says
+                    raise CorruptionError(f"slot states slot_bytes {sb.slot_bytes}, found at 0x{off:x}",
+                                          where=where)
                 found.append(sb)
             except (FormatVersionError,):
                 raise
@@ -255,7 +281,7 @@ class Volume:
         return vol
 
     def _adopt(self) -> None:
-        """A free segment whose valid header continues the chain of the newest live
+        """R-B3, R-S1: a free segment whose valid header continues the chain of the newest live
         one was taken into use by a superblock write that is not in force (a crash
         between header and superblock, or the newer slot lost): list it as live."""
         live = self.live_segments()
@@ -269,7 +295,9 @@ class Volume:
                 if off + F.SEGMENT_HEADER_SIZE > self.backend.size:
                     continue
                 hdr, why = F.decode_segment_header(memoryview(self.backend.array[off:off + F.SEGMENT_HEADER_SIZE]))
-                if (why is None and hdr.uuid == self._sb.uuid and hdr.seq == last.seq + 1
+                # FORMAT.md R-S1: seq may jump (a cut frees segments whose numbers
+                # are not reissued); the chain words decide, not seq + 1
+                if (why is None and hdr.uuid == self._sb.uuid and hdr.seq > last.seq
                         and hdr.prev_seq == last.seq and hdr.prev_header_crc == last.header_crc
                         and hdr.index == i and hdr.segment_bytes == self._sb.segment_bytes
                         and hdr.base_lsn >= last.end_lsn):
@@ -308,7 +336,14 @@ class Volume:
 
     @staticmethod
     def _find_slot_b(arr) -> int:
-        for off in range(F.SLOT_ALIGN, min(arr.size, 64 << 20), F.SLOT_ALIGN):
+        """Where slot B lies when slot A cannot say: the first place a slot size
+        in use (`slot_bytes_for(n)`, n <= MAX_SEGMENTS) puts it that holds the
+        magic.  The search stops at the largest slot size and within the first
+        half of the target (both slots precede the segments), 8 bytes read at
+        each place; a sparse file is read from a copy, never through a mapping
+        of its holes (devmem.tiers.CopiedMapping)."""
+        limit = min(F.slot_bytes_for(F.MAX_SEGMENTS), arr.size // 2)
+        for off in range(F.SLOT_ALIGN, limit + 1, F.SLOT_ALIGN):
             if bytes(arr[off:off + 8]) == F.VOLUME_MAGIC:
                 return off
         return F.SLOT_ALIGN
@@ -383,7 +418,9 @@ class Volume:
         hdr, why = F.decode_segment_header(memoryview(self.backend.array[seg.offset:end]))
         if why:
             return why
-        if prev is not None and prev.seq == seg.seq - 1 and (
+        # V-S5 / R-S1: every live segment names the live one before it, whatever
+        # the gap in seq numbers (a cut leaves gaps; they never excuse a link)
+        if prev is not None and (
                 hdr.prev_seq != prev.seq or hdr.prev_header_crc != prev.header_crc):
             return (f"segment chain broken: header names previous segment seq {hdr.prev_seq} "
                     f"crc 0x{hdr.prev_header_crc:08x}, expected seq {prev.seq} crc 0x{prev.header_crc:08x}")

@@ -48,7 +48,10 @@ def follower_lsn(path: str) -> int:
 def main(log_name: str, epochs: int, out: str) -> None:
     log = Log.open(log_name, writable=True)
     app, vol = log.appender, log.volume
-    rid = log.region("r").id
+    info = log.region("r")
+    rid = info.id
+    descriptor = F.encode_region_body(info.name, info.dtype, info.shape, info.page_bytes, info.kind)
+    desc_lsn = next(r.lsn for r in log.records() if r.kind == F.REC_REGION)
     pages = np.random.default_rng(0).integers(0, 256, (2 * PAGES, PAGE), dtype=np.uint8)
     reclaimed = waits = 0
     for e in range(1, epochs + 1):
@@ -58,6 +61,11 @@ def main(log_name: str, epochs: int, out: str) -> None:
             if not freed:
                 waits += 1
                 time.sleep(0.002)
+            elif vol.superblock.oldest_lsn > desc_lsn:
+                # the region's descriptor went with the reclaimed segments: write it again
+                # (as compaction does), so that the log still names what its batches hold
+                desc_lsn = app.append_record(type=F.REC_REGION, epoch=0, body=descriptor, region_id=rid,
+                                             page_bytes=info.page_bytes)
         lo = e % PAGES
         app.append_page_batch(e, rid, np.arange(lo, lo + PAGES, dtype=np.uint32), pages[lo:lo + PAGES])
         app.commit(e, digests={rid: 0})

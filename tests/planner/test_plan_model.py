@@ -109,9 +109,12 @@ def test_damaged_delta_follows_the_mode():
     np.testing.assert_array_equal(got["ad"], oracle[6]["ad"])
     (dr,) = p.to_json()["dropped"]
     assert dr["region"] == "kv" and dr["gave_up"]["regions"] == ["kv"]
-    # a target before the damage needs nothing damaged: every mode plans it
-    for mode in ("tolerate_tail", "point_in_time", "skip_corrupt"):
+    # a target before the damage needs nothing damaged: the lenient modes plan
+    # it; tolerate_tail refuses a corrupt log whatever the target (R-D4)
+    for mode in ("point_in_time", "skip_corrupt"):
         assert plan_history(h, 3, mode).epoch == 3
+    with pytest.raises(CorruptionError, match="corruption before the last commit"):
+        plan_history(h, 3, "tolerate_tail")
 
 
 def test_base_after_damage_makes_later_epochs_whole_again():
@@ -119,21 +122,30 @@ def test_base_after_damage_makes_later_epochs_whole_again():
     m.snapshot("kv", 5, oracle[5]["kv"])
     d = _damage_of(m, 4, "kv")
     h = m.history([d])
-    p = plan_history(h, "latest", "tolerate_tail")  # the base at 5 covers the damage at 4
-    assert p.epoch == 6 and p.regions["kv"].base_epoch == 5
+    with pytest.raises(CorruptionError):  # R-D4: no per-region leniency in tolerate_tail
+        plan_history(h, "latest", "tolerate_tail")
+    p = plan_history(h, "latest", "skip_corrupt")  # the base at 5 covers the damage at 4
+    assert p.epoch == 6 and p.regions["kv"].base_epoch == 5 and p.regions["kv"].epoch == 6
     got = apply_plan_numpy(None, p)
     np.testing.assert_array_equal(got["kv"], oracle[6]["kv"])
     assert plan_history(h, 4, "point_in_time").epoch == 3
 
 
 def test_lost_record_found_through_commit_count():
+    """A record whose header is lost names no epoch; the reader finds the loss
+    through the commit's count (V-C4) and reports that commit, attributed to
+    its epoch (what `scan` turns into a Damage): every region breaks there."""
     m, oracle = _history_with_deltas()
     b = next(b for b in m.batches if b.epoch == 2)
     m.batches.remove(b)
-    d = Damage(segment=b.segment, offset=b.offset, lsn=None, reason="record header CRC mismatch")
-    h = m.history([d])
-    with pytest.raises(CorruptionError, match="commit of epoch 2"):
+    c = m.commits.pop(2)
+    d = Damage(segment=b.segment, offset=b.offset, lsn=b.lsn, reason="record header CRC mismatch")
+    dc = Damage(segment=c.segment, offset=c.offset, lsn=c.lsn, epoch=2,
+                reason="commit of epoch 2 counts 2 records, the log holds 1 (V-C4)")
+    h = m.history([d, dc])
+    with pytest.raises(CorruptionError, match="header CRC"):
         plan_history(h, "latest")
+    assert plan_history(h, "latest", "skip_corrupt").regions["ad"].epoch == 1
     p = plan_history(h, "latest", "point_in_time")
     assert p.epoch == 1
     assert any("header CRC" in x["reason"] for x in p.to_json()["dropped"])

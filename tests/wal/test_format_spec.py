@@ -235,7 +235,7 @@ def test_superblock_fields_where_the_table_puts_them():
                 next_segment_seq=0x22, oldest_lsn=0x33, oldest_epoch=0x44, catalog_lsn=0x55,
                 retain_epochs=0x66, retain_bytes=0x77, created_ns=0x88, compat=0x99, incompat=0,
                 ro_compat=0xAA, major=F.MAJOR_VERSION, minor=F.MINOR_VERSION, flags=0)
-    entries = (F.SegmentEntry(0x111, 0x222, 0x333, F.SEG_LIVE, 0x444), F.SegmentEntry(0, 0, 0, F.SEG_FREE, 0))
+    entries = (F.SegmentEntry(0x111, 0x21, 0x333, F.SEG_LIVE, 0x444), F.SegmentEntry(0, 0, 0, F.SEG_FREE, 0))
     raw = F.encode_superblock(F.Superblock(segments=entries, **vals))
     seen = _check_fields(raw, rows, vals, "superblock")
     assert seen | {"segments"} == set(F.Superblock._fields)
@@ -574,6 +574,15 @@ SUPERBLOCK_CASES = [
     ("V-B5", lambda: _fix_sb_crc(_poke(_slot(), 200, "<B", 1)), CorruptionError, "reserved"),
     ("V-B6", lambda: _fix_sb_crc(_poke(_slot(), 88, "<Q", 3 << 19)), CorruptionError, "geometry"),
     ("V-B6", lambda: _fix_sb_crc(_poke(_slot(), 64, "<Q", 2 << 20)), CorruptionError, "geometry"),
+    ("V-B9", lambda: _fix_sb_crc(_poke(_slot(), 104, "<Q", 0)), CorruptionError, "would reuse LSNs"),
+    ("V-B9", lambda: _fix_sb_crc(_poke(_slot(segments=(F.SegmentEntry(1 << 20, 1, 5, F.SEG_LIVE, 7),
+                                                       F.SegmentEntry(0, 0, 0, 0, 0)), next_lsn=2 << 20,
+                                                       next_segment_seq=2), 104, "<Q", (2 << 20) - 64)),
+     CorruptionError, "would reuse LSNs"),
+    ("V-B9", lambda: _fix_sb_crc(_poke(_slot(segments=(F.SegmentEntry(1 << 20, 1, 5, F.SEG_LIVE, 7),
+                                                       F.SegmentEntry(0, 0, 0, 0, 0)), next_lsn=2 << 20,
+                                                       next_segment_seq=2), 112, "<Q", 1)),
+     CorruptionError, "next_segment_seq 1"),
 ]
 
 
@@ -806,3 +815,69 @@ def test_segment_header_against_the_superblock(cond, off, fmt, value, diag):
     opened = _open_image(img)
     (live,) = opened.live_segments()
     assert diag in opened.check_segment_header(live, None)
+
+
+# --------------------------------------------------------------------------- numbered rules (R-*)
+
+RULE = re.compile(r"\((R-[A-Z]\d+)\)(?=\s)")
+
+
+def _rule_table() -> dict:
+    (_, head, rows), = [t for t in _tables(*SECTIONS["13.1"])]
+    assert head == ["rule", "decided by"]
+    return {r[0]: re.findall(r"`([\w.]+)`", r[1]) for r in rows}
+
+
+def test_every_rule_names_a_function_that_exists():
+    table = _rule_table()
+    defined = RULE.findall(SPEC)
+    assert len(defined) == len(set(defined)), "a rule is defined twice"
+    assert set(table) == set(defined)
+    for rule, names in table.items():
+        assert names, rule
+        for name in names:
+            mod, *attrs = name.split(".")
+            obj = importlib.import_module(f"concordia.wal.{mod}")
+            for a in attrs:
+                obj = getattr(obj, a)
+
+
+def test_rules_are_numbered_in_order():
+    by = {}
+    for lab in RULE.findall(SPEC):
+        by.setdefault(lab[2], []).append(int(lab[3:]))
+    for letter, nums in by.items():
+        assert sorted(nums) == list(range(1, len(nums) + 1)), letter
+
+
+def test_every_rule_is_cited_by_the_code_and_every_citation_exists():
+    """The code cites each rule where it applies it (`R-D4` in a comment or a
+    message), and cites no rule FORMAT.md does not define."""
+    defined = set(RULE.findall(SPEC))
+    cited, bad = set(), []
+    for folder in ("wal", "tools", "concordia"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                for r in re.findall(r"\bR-[A-Z]\d+\b", line):
+                    cited.add(r)
+                    if r not in defined:
+                        bad.append(f"{path.relative_to(REPO)}:{n}: {r}")
+    assert not bad, bad
+    assert defined <= cited, sorted(defined - cited)
+
+
+def test_r_t1_the_type_is_the_whole_byte():
+    from concordia.wal.reader import record_kind
+
+    assert record_kind(F.REC_PAGE_BATCH) == F.REC_PAGE_BATCH
+    assert record_kind(F.REC_PAD | F.TYPE_IGNORABLE) == F.REC_PAD
+    assert record_kind(F.REC_PAGE_BATCH | F.TYPE_IGNORABLE) is None  # 0x81: unknown, ignorable
+    assert record_kind(F.REC_PAD) is None  # 0x7E: unknown, not ignorable
+    assert {t for t in range(256) if record_kind(t) is not None} == {1, 2, 3, 4, 5, 0xFE}
+
+
+def test_v_c1_unsorted_commit_digests_are_refused():
+    body = F.COMMIT_BODY.pack(0, 0, 0, 2, 0) + F.COMMIT_DIGEST.pack(3, 1) + F.COMMIT_DIGEST.pack(1, 2)
+    hdr = F.RecordHeader(64 + 48, F.REC_COMMIT, 0, F.NO_REGION, 1 << 20, 1, 1, 0, len(body), 0, 0, 0)
+    with pytest.raises(CorruptionError, match="not sorted"):
+        F.decode_commit_body(body, hdr)

@@ -42,7 +42,7 @@ import numpy as np
 from concordia.gpu_kernels import reference as ref
 from concordia.gpu_kernels.errors import GpuUnavailableError
 from concordia.sizes import parse_size
-from concordia.tools.common import guarded, remove_log_file, report, require_cupy
+from concordia.tools.common import guarded, remove_log_file, report, require_cupy, write_output
 
 from . import kernels
 
@@ -636,7 +636,11 @@ def _plot(result: dict, path: str) -> None:
                      ylim=(0, None))
     fig.suptitle(f"Concordia checkpoint: {result['device']}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=110, format="png")
+    write_output(path, buf.getvalue())  # complete or absent, like the JSON
 
 
 @click.command("checkpoint")

@@ -38,7 +38,7 @@ import uuid
 import click
 import numpy as np
 
-from ..common import emit_json, guarded, remove_log_file
+from ..common import emit_json, guarded, remove_log_file, write_output
 
 GIB = 1 << 30
 
@@ -445,7 +445,11 @@ def _plot(res: dict, path: str) -> None:
     ax.legend(fontsize=8)
     ax.set_title(f"Recovery of KV state ({res['device'].upper()})")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=120, format="png")
+    write_output(path, buf.getvalue())  # complete or absent, like the JSON
 
 
 @click.command("recover")
@@ -488,8 +492,8 @@ def command(sizes, tiers, page_bytes, with_torch, torch_max_gib, registered_max_
         if out:
             import json
 
-            with open(out, "w") as f:
-                json.dump(result, f, indent=2)
+            # complete or not at all: the file a row before is kept until this one is whole
+            write_output(out, json.dumps(result, indent=2).encode())
 
     res = run(sizes_bytes, tier_list, quick, page_bytes, on_row=save, with_torch=with_torch,
               torch_max_bytes=int(torch_max_gib * GIB), registered_max_bytes=int(registered_max_gib * GIB))

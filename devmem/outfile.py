@@ -1,0 +1,198 @@
+"""Output files that are either complete or absent: what `restore` writes
+(a region as `.npy`), a repair's backup copy, a benchmark's JSON.
+
+An `OutputFile` is written to a temporary file beside its target (same
+directory, hence same file system), its blocks reserved up front when the size
+is known (posix_fallocate: a full disk is an error before the first byte, never
+a SIGBUS on a mapped store), fsynced, and only then renamed over the target
+(with `replace`) or linked to it (without: an output that appeared meanwhile is
+not overwritten).  Until `commit` the target is as it was: a failure, an
+interrupt or a crash leaves the old file (or none) and at most a `.NAME.tmp-*`
+file, which a failure removes.
+
+An output that is one of the inputs (the same file by device and inode, or the
+same path once links are resolved) is refused before anything is created: the
+rename would otherwise replace the input by its own output.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+from .backend import os_error
+from .dirsync import sync_parent
+from .errors import BadSpecError, DevmemError
+
+__all__ = ["OutputFile", "check_not_input"]
+
+
+class OutputExistsError(DevmemError):
+    """The output file exists and overwriting it was not asked for."""
+
+
+class OutputIsInputError(DevmemError):
+    """The output named is one of the inputs."""
+
+
+def _identity(path: str):
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def check_not_input(out: str, inputs, *, what: str = "the log") -> None:
+    """Refuse `out` when it is one of `inputs` (paths; None entries skipped):
+    the same file (device and inode, so hard links and symbolic links count)
+    or the same resolved path."""
+    mine = _identity(out)
+    real = os.path.realpath(out)
+    for inp in inputs:
+        if inp is None:
+            continue
+        if os.path.realpath(inp) == real or (mine is not None and _identity(inp) == mine):
+            raise OutputIsInputError(f"the output is {what} itself ({inp})", where=out,
+                                     hint="write the output to another file")
+
+
+class OutputFile:
+    """One output file, written under a temporary name and renamed into place
+    by `commit`.  Use as a context manager: leaving the block by an exception
+    removes the temporary file and leaves the target untouched.
+
+        with OutputFile(path, replace=force, size=n, inputs=[log_path]) as out:
+            os.pwrite(out.fd, data, 0)      # or map out.tmp_path
+            out.commit()
+
+    size: bytes to reserve (posix_fallocate) before anything is written; the
+    file is that long.  None: grows as written.
+    mode: permission bits of a new file (less the umask)."""
+
+    def __init__(self, path, *, replace: bool = False, size: int | None = None, inputs=(),
+                 what: str = "the log", mode: int = 0o666):
+        path = os.path.abspath(os.fspath(path))
+        self.path = path
+        self.replace = replace
+        self.committed = False
+        self.fd = -1
+        check_not_input(path, inputs, what=what)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            st = None
+        except OSError as exc:
+            raise os_error(exc, path, "cannot look at the output") from None
+        if st is not None:
+            if not stat.S_ISREG(st.st_mode):
+                raise BadSpecError("the output exists and is not a regular file", where=path,
+                                   hint="name a file to write")
+            if not replace:
+                raise OutputExistsError("the output exists", where=path, hint="pass --force to overwrite it")
+        directory, base = os.path.split(path)
+        self.tmp_path = ""
+        for _ in range(100):
+            tmp = os.path.join(directory, f".{base}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
+            try:
+                self.fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
+            except FileExistsError:
+                continue
+            except OSError as exc:
+                raise os_error(exc, path, "cannot create the output") from None
+            self.tmp_path = tmp
+            break
+        else:
+            raise DevmemError("cannot find a free temporary name beside the output", where=path)
+        if st is not None:
+            try:
+                os.fchmod(self.fd, stat.S_IMODE(st.st_mode))   # a replaced file keeps its mode
+            except OSError:
+                pass
+        if size:
+            try:
+                os.posix_fallocate(self.fd, 0, int(size))
+            except OSError as exc:
+                if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                    try:
+                        os.ftruncate(self.fd, int(size))
+                    except OSError as exc2:
+                        self.abort()
+                        raise os_error(exc2, path, f"cannot make the output {size} bytes") from None
+                else:
+                    self.abort()
+                    raise os_error(exc, path, f"cannot reserve {size} bytes for the output") from None
+
+    def __enter__(self) -> "OutputFile":
+        return self
+
+    def __exit__(self, typ, exc, tb) -> None:
+        if not self.committed:
+            self.abort()
+
+    def write(self, data, offset: int) -> None:
+        """pwrite all of `data` at `offset` of the temporary file."""
+        view = memoryview(data).cast("B")
+        while len(view):
+            try:
+                n = os.pwrite(self.fd, view, offset)
+            except OSError as exc:
+                raise os_error(exc, f"{self.path} @ {offset:#x}", "write failed") from None
+            view, offset = view[n:], offset + n
+
+    def commit(self, *, expect_size: int | None = None) -> str:
+        """fsync the temporary file, check its length when `expect_size` is
+        given, put it in place (rename, or link without `replace`) and fsync
+        the directory.  Returns the target path."""
+        try:
+            os.fsync(self.fd)
+            have = os.fstat(self.fd).st_size
+            if expect_size is not None and have != expect_size:
+                raise DevmemError(f"the output is {have} bytes, {expect_size} were written",
+                                  where=self.path)
+            os.close(self.fd)
+            self.fd = -1
+            if self.replace:
+                os.replace(self.tmp_path, self.path)
+            else:
+                try:
+                    os.link(self.tmp_path, self.path)
+                    os.unlink(self.tmp_path)
+                except FileExistsError:
+                    raise OutputExistsError("the output appeared while it was written", where=self.path,
+                                            hint="pass --force to overwrite it") from None
+                except OSError as exc:
+                    if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS):
+                        raise
+                    # no hard links here: checked absent above, renamed now
+                    if os.path.lexists(self.path):
+                        raise OutputExistsError("the output appeared while it was written",
+                                                where=self.path, hint="pass --force to overwrite it") from None
+                    os.rename(self.tmp_path, self.path)
+            self.committed = True
+        except OSError as exc:
+            self.abort()
+            raise os_error(exc, self.path, "cannot complete the output") from None
+        except BaseException:
+            self.abort()
+            raise
+        sync_parent(self.path)  # the name, not only the bytes, survives a power loss (dirsync)
+        return self.path
+
+    def abort(self) -> None:
+        """Close and remove the temporary file; the target stays as it was."""
+        if self.fd >= 0:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+            self.fd = -1
+        if self.tmp_path and not self.committed:
+            try:
+                os.unlink(self.tmp_path)
+            except OSError:
+                pass
+            self.tmp_path = ""
+
+
