@@ -6,8 +6,10 @@ Appends EPOCHS epochs (one page batch of PAGES pages and a commit each, about
 an eighth of a 1 MiB segment, so a roll over every few epochs) to the log the
 test made.  The log is far smaller than what is written: when fewer than
 three segments are free, the segments wholly below the last record the
-follower has printed (the last line of FOLLOWER_OUT) are reclaimed, and the
-writer waits for the follower when there are none.  Prints one JSON line of
+follower has printed (the last line of FOLLOWER_OUT) are reclaimed, up to a
+segment that begins with an epoch's first record (whole epochs only, as
+compaction frees them), and the writer waits for the follower when there are
+none.  Prints one JSON line of
 counts at the end."""
 
 from __future__ import annotations
@@ -54,9 +56,15 @@ def main(log_name: str, epochs: int, out: str) -> None:
     desc_lsn = next(r.lsn for r in log.records() if r.kind == F.REC_REGION)
     pages = np.random.default_rng(0).integers(0, 256, (2 * PAGES, PAGE), dtype=np.uint8)
     reclaimed = waits = 0
+    clean: list = []  # base LSNs of segments that begin with an epoch's first record
     for e in range(1, epochs + 1):
         while sum(s.state == F.SEG_FREE for s in vol.superblock.segments) < 3:
-            freed = vol.reclaim_segments(follower_lsn(out))
+            # only whole epochs go: below a segment no epoch runs into (a commit whose
+            # records were reclaimed would count records the log no longer holds, V-C4)
+            seen = follower_lsn(out)
+            below = [b for b in clean if b <= seen]
+            freed = vol.reclaim_segments(below[-1]) if below else []
+            clean = below[-1:] + [b for b in clean if b > seen]
             reclaimed += len(freed)
             if not freed:
                 waits += 1
@@ -67,7 +75,9 @@ def main(log_name: str, epochs: int, out: str) -> None:
                 desc_lsn = app.append_record(type=F.REC_REGION, epoch=0, body=descriptor, region_id=rid,
                                              page_bytes=info.page_bytes)
         lo = e % PAGES
-        app.append_page_batch(e, rid, np.arange(lo, lo + PAGES, dtype=np.uint32), pages[lo:lo + PAGES])
+        lsn = app.append_page_batch(e, rid, np.arange(lo, lo + PAGES, dtype=np.uint32), pages[lo:lo + PAGES])
+        if lsn == app.seg.base_lsn + F.SEGMENT_HEADER_SIZE:
+            clean.append(app.seg.base_lsn)
         app.commit(e, digests={rid: 0})
         if e % 4 == 0:
             time.sleep(0.0005)  # let the follower catch up with the head now and then
