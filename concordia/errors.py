@@ -1,29 +1,35 @@
 """Every error Concordia raises, in one place.
 
-The classes live beside the code that raises them (`concordia.devmem.errors`,
-`concordia.wal.errors`, ...); this module re-exports them all and adds the
-errors of the `Session` API.  Every one renders as a single line
-(`where: message (hint)`).
+The root `ConcordiaError` is in `concordia.root_error` (below every layer); each
+layer's classes live beside the code that raises them (`concordia.devmem.errors`,
+`concordia.wal.errors`, ...).  This module imports each of them by name and adds
+the errors of the `Session` API.  Every one renders as a single line
+(`where: message (hint)`).  Which exit code a command line returns for which
+class is the command line's business (`concordia.tools.common.exit_code_of`).
 """
 
 from __future__ import annotations
 
-from concordia.devmem.errors import *  # noqa: F401,F403
-from concordia.devmem.errors import ConcordiaError
-
-try:  # the log's errors; absent only while the log package is incomplete
-    from concordia.wal.errors import *  # noqa: F401,F403
-except ImportError:  # pragma: no cover
-    pass
-
-for _mod in ("concordia.gpu_kernels.errors", "concordia.executor.errors", "concordia.instrument.errors"):
-    try:
-        _m = __import__(_mod, fromlist=["*"])
-    except ImportError:  # pragma: no cover - optional parts
-        continue
-    globals().update({k: v for k, v in vars(_m).items()
-                      if isinstance(v, type) and issubclass(v, ConcordiaError)})
-del _mod
+from concordia.devmem.errors import (
+    BackendClosedError, BadSizeError, BadSpecError, CudaUnavailableError, DevmemError,
+    ForeignOwnerError, HostRegisterRefusedError, InjectedFaultError, LibpmemUnavailableError,
+    LockedError, NotADaxDeviceError, NumaNodeError, OutOfRangeError, PathNotFoundError,
+    PermissionDeniedError, ReadOnlyError,
+)
+from concordia.executor.errors import (
+    ExecutorError, ExecutorStalledError, ExecutorStoppedError, ProtocolError, RingFullError,
+    RingLayoutError,
+)
+from concordia.gpu_kernels.errors import (
+    GpuUnavailableError, KernelCompileError, KernelError, KernelInputError,
+)
+from concordia.instrument.errors import InstrumentError
+from concordia.root_error import ConcordiaError, MissingDependencyError
+from concordia.wal.errors import (
+    ChainError, CorruptionError, FormatVersionError, LogFullError, NotALogError, PlanError,
+    ReadOnlyFeatureError, RecordTooLargeError, RegionError, SuperblockError, TargetNotEmptyError, TornTailError,
+    UsageError, WalError, WriterStoppedError,
+)
 
 
 class SessionError(ConcordiaError):
@@ -54,8 +60,6 @@ class RegionMismatchError(SessionError):
     """The log already holds a region of this name with other attributes
     (typically a log written by another program)."""
 
-    exit_code = 1
-
 
 class RecoverMismatchError(SessionError):
     """An array given to recover into does not match the region in the log."""
@@ -64,14 +68,27 @@ class RecoverMismatchError(SessionError):
 class NothingToRecoverError(SessionError):
     """The log holds no committed epoch (or not the one asked for)."""
 
-    exit_code = 1
-
 
 class RecoveryDigestError(SessionError):
     """Recovered bytes do not match the digest committed for the epoch."""
 
-    exit_code = 1
-
 
 class DemoError(SessionError):
     """The demo's worker or recovery process failed."""
+
+
+__all__ = [
+    "ConcordiaError", "MissingDependencyError",
+    "BackendClosedError", "BadSizeError", "BadSpecError", "ChainError", "CorruptionError",
+    "CudaUnavailableError", "DemoError", "DevmemError", "DuplicateRegionError", "ExecutorError",
+    "ExecutorStalledError", "ExecutorStoppedError", "ForeignOwnerError", "FormatVersionError",
+    "GpuUnavailableError", "HostRegisterRefusedError", "InjectedFaultError", "InstrumentError",
+    "KernelCompileError", "KernelError", "KernelInputError", "LibpmemUnavailableError",
+    "LockedError", "LogFullError", "NotADaxDeviceError", "NotALogError", "NothingToRecoverError",
+    "NumaNodeError", "OutOfRangeError", "PathNotFoundError", "PermissionDeniedError", "PlanError",
+    "ProtocolError", "ReadOnlyError", "ReadOnlyFeatureError", "RecordTooLargeError",
+    "RecoverMismatchError", "RecoveryDigestError", "RegionError", "RegionMismatchError",
+    "RingFullError", "RingLayoutError", "SessionClosedError", "SessionError", "ShapeChangedError",
+    "SuperblockError", "TargetNotEmptyError", "TornTailError", "UnknownRegionError", "UnsupportedArrayError", "UsageError",
+    "WalError", "WriterStoppedError",
+]

@@ -48,28 +48,96 @@ def is_torch(a) -> bool:
     return type(a).__module__.split(".")[0] == "torch"
 
 
+def _torch():
+    try:
+        import torch
+    except Exception:
+        return None
+    return torch
+
+
+# ----------------------------------------------------------------- dtypes
+# A region is logged as bytes in a layout numpy names ("<f2", "<u2"); its
+# logical dtype is recorded by name beside it (FORMAT.md §7.1).  Names are the
+# ones numpy, ml_dtypes and PyTorch share ("bfloat16", "float8_e4m3fn",
+# "complex64"): a name is resolved through numpy once ml_dtypes has registered
+# its types, and through `getattr(torch, name)` for tensors, never a table.
+def numpy_dtype(name: str, where: str, itemsize: int | None = None) -> np.dtype:
+    """The numpy dtype (numpy's own or ml_dtypes') of logical dtype `name`;
+    UnsupportedArrayError when this build cannot represent it."""
+    import ml_dtypes  # noqa: F401  registers bfloat16, float8_*, int4, ... with numpy by name
+
+    try:
+        dt = np.dtype(name)
+    except TypeError:
+        dt = None
+    if (dt is None or dt.name != name or dt.hasobject or dt.kind not in "biufcV" or dt.fields is not None
+            or dt.subdtype is not None or (itemsize is not None and dt.itemsize != itemsize)):
+        raise UnsupportedArrayError(f"logical dtype {name!r} cannot be represented by this build "
+                                    "(neither numpy nor ml_dtypes has a fixed-size type of that name"
+                                    + (f" and {itemsize} bytes" if itemsize is not None else "") + ")",
+                                    where=where, hint="upgrade ml_dtypes, or restore the bytes in their layout")
+    return dt
+
+
+def layout_of(dt: np.dtype) -> str:
+    """The numpy type string of `dt`'s byte layout: its own for numpy's
+    numeric types, else the unsigned integer of its width (FORMAT.md §7.1)."""
+    if dt.kind in "biufc" and dt.type.__module__ == "numpy":
+        return dt.str
+    return f"<u{dt.itemsize}" if dt.itemsize > 1 else "|u1"
+
+
+def logical_name(dt: np.dtype) -> str:
+    """The name recorded beside the layout: empty where numpy's name of the
+    layout is the logical dtype itself (the 1.0 descriptor)."""
+    return "" if np.dtype(layout_of(dt)) == dt else dt.name
+
+
+def torch_dtype(name: str, where: str, itemsize: int | None = None):
+    """PyTorch's dtype of logical dtype `name`."""
+    torch = _torch()
+    tdt = getattr(torch, name, None) if torch is not None else None
+    if not isinstance(tdt, getattr(torch, "dtype", ())) or (itemsize is not None and tdt.itemsize != itemsize):
+        raise UnsupportedArrayError(f"logical dtype {name!r} has no PyTorch dtype in this build", where=where)
+    return tdt
+
+
 def adapt(obj, where: str):
     """(array, xp, owner): the numpy or CuPy array sharing obj's memory, its
-    array module, and the object whose shape and storage are checked later."""
+    array module, and the object whose shape and storage are checked later.
+    The array holds the bytes in their layout (`layout_of`): a bfloat16 tensor
+    or ml_dtypes array is seen as uint16, so the page kernels, the detectors
+    and the host twins never meet a dtype numpy or CuPy lacks; `logical_of`
+    says what it holds."""
     if isinstance(obj, np.ndarray):
-        return obj, np, obj
+        return _as_layout(obj, obj.dtype, where), np, obj
     if is_cupy(obj):
         return obj, _cupy(), obj
     if is_torch(obj):
+        name = str(obj.dtype).split(".", 1)[1]
+        dt = numpy_dtype(name, where, obj.element_size())
+        if obj.is_conj() or obj.is_neg():
+            raise UnsupportedArrayError("the tensor is a lazy conjugate or negative view (its bytes are not its "
+                                        "values)", where=where, hint="pass t.resolve_conj().resolve_neg()")
+        if not obj.is_contiguous():
+            raise UnsupportedArrayError("the tensor is not contiguous", where=where,
+                                        hint="protect the contiguous base tensor")
         if obj.is_cuda:
-            cp = _cupy()
-            if cp is None:
-                raise UnsupportedArrayError("a CUDA tensor needs CuPy to be protected", where=where)
-            try:
-                return cp.from_dlpack(obj.detach()), cp, obj
-            except Exception as exc:
-                raise UnsupportedArrayError(f"tensor cannot be shared through DLPack: {exc}",
-                                            where=where, hint="bfloat16 may be viewed as int16") from None
+            xp = _cupy()
+            if xp is None:
+                raise UnsupportedArrayError("a CUDA tensor needs CuPy to be protected or restored into",
+                                            where=where, hint="install cupy-cuda13x (extra 'gpu')")
+        elif obj.device.type == "cpu":
+            xp = np
+        else:
+            raise UnsupportedArrayError(f"tensors on {obj.device} cannot be protected (cpu or cuda only)",
+                                        where=where)
         try:
-            return np.from_dlpack(obj.detach()), np, obj
+            raw = xp.from_dlpack(obj.detach().reshape(-1).view(_torch().uint8))
         except Exception as exc:
-            raise UnsupportedArrayError(f"tensor cannot be shared through DLPack: {exc}",
-                                        where=where, hint="bfloat16 may be viewed as int16") from None
+            raise UnsupportedArrayError(f"tensor cannot be shared through DLPack: {exc}", where=where) from None
+        return raw.view(layout_of(dt)).reshape(tuple(obj.shape)), xp, obj
     if hasattr(obj, "__dlpack__"):
         for mod in (np, _cupy()):
             if mod is None:
@@ -82,17 +150,85 @@ def adapt(obj, where: str):
                                 "give a numpy or CuPy array or a DLPack tensor", where=where)
 
 
+def _as_layout(a, dt: np.dtype, where: str):
+    if dt.hasobject or dt.fields is not None or dt.kind not in "biufcV" or dt.subdtype is not None:
+        raise UnsupportedArrayError(f"dtype {dt} cannot be logged (a fixed-size numeric dtype is needed)",
+                                    where=where)
+    lay = np.dtype(layout_of(dt))
+    if lay == dt:
+        return a
+    numpy_dtype(dt.name, where, dt.itemsize)  # a void or a structure is not a dtype we can name
+    return a.view(lay) if a.ndim else a.reshape(1).view(lay).reshape(())
+
+
+def logical_of(obj) -> tuple[str, str]:
+    """(logical dtype name, framework) of an object `adapt` took: the name
+    is "" where the layout's numpy name says it (FORMAT.md §7)."""
+    if is_torch(obj):
+        name = str(obj.dtype).split(".", 1)[1]
+        return ("" if np.dtype(layout_of(numpy_dtype(name, ""))).name == name else name), "torch"
+    return logical_name(np.dtype(obj.dtype)), "array"
+
+
+def present(flat_or_array, info, *, device: bool, where: str):
+    """The restored bytes of region `info` (an array of its layout dtype and
+    shape, numpy or CuPy) as what the region was registered as: a PyTorch
+    tensor of the logical dtype for framework "torch" when torch is importable
+    (on the GPU when the bytes are), else a numpy array of the logical dtype
+    (ml_dtypes for bfloat16 and float8), or a CuPy array (CuPy holds numpy's
+    own dtypes only: a logical dtype it lacks is refused, naming the region)."""
+    a = flat_or_array
+    name = info.logical_dtype
+    shape = tuple(info.shape)
+    torch = _torch() if info.framework == "torch" else None
+    if torch is not None:
+        tdt = torch_dtype(name, where, np.dtype(info.dtype).itemsize)
+        raw = a.reshape(-1).view(np.uint8)
+        t = torch.from_dlpack(raw) if device else torch.from_numpy(raw)
+        return t.view(tdt).reshape(shape)
+    if not info.logical:  # the layout is the logical dtype (byte order included)
+        return a
+    dt = numpy_dtype(name, where, np.dtype(info.dtype).itemsize)
+    if device:
+        raise UnsupportedArrayError(f"CuPy has no {name} arrays: restore it as a PyTorch tensor or on the host",
+                                    where=where)
+    return a.reshape(-1).view(dt).reshape(shape)
+
+
 def storage_of(owner) -> tuple:
-    """(shape, dtype string, data address): what must not change under a registered region."""
+    """(shape, dtype string, data address, device, storage bytes): what must
+    not change under a registered region."""
     if is_torch(owner):
-        return tuple(owner.shape), str(owner.dtype), owner.data_ptr()
+        try:
+            held = owner.untyped_storage().nbytes()
+        except Exception:  # a tensor without storage (a tensor subclass, say)
+            held = -1
+        return tuple(owner.shape), str(owner.dtype), owner.data_ptr(), str(owner.device), held
     if is_cupy(owner):
-        return tuple(owner.shape), owner.dtype.str, owner.data.ptr
-    return tuple(owner.shape), owner.dtype.str, owner.__array_interface__["data"][0]
+        return tuple(owner.shape), owner.dtype.str, owner.data.ptr, f"cuda:{owner.device.id}", int(owner.nbytes)
+    return tuple(owner.shape), owner.dtype.str, owner.__array_interface__["data"][0], "cpu", int(owner.nbytes)
+
+
+def storage_change(was: tuple, now: tuple) -> str | None:
+    """How a registered object's storage changed, in words (None: it did not)."""
+    if now == was:
+        return None
+    if now[4] != was[4] and now[4] < (was[4] if was[4] >= 0 else 1):
+        return (f"its storage was freed or shrunk (now {now[4]} bytes, was {was[4]})")
+    if now[3] != was[3]:
+        return f"it moved from {was[3]} to {now[3]}"
+    return (f"it changed since registration: was {was[1]}{list(was[0])} at 0x{was[2]:x}, "
+            f"now {now[1]}{list(now[0])} at 0x{now[2]:x}")
 
 
 def to_host(a) -> np.ndarray:
-    return a if isinstance(a, np.ndarray) else a.get()
+    """A host numpy array of `a` (numpy as it is, CuPy copied, a torch tensor
+    such as a block table seen or copied through numpy)."""
+    if isinstance(a, np.ndarray):
+        return a
+    if is_torch(a):
+        return a.detach().cpu().numpy()
+    return a.get()
 
 
 # ----------------------------------------------------------------- kernels
@@ -208,11 +344,20 @@ class Region:
     since_check: int = 0                # stores: checkpoints since the last cross-check
     tracked_since_check: object = None  # stores: pages the tracker marked since then (sorted uint32)
     missed_pages: int = 0               # stores: pages the cross-checks found that the tracker did not
+    logical: str = ""                   # logical dtype name where the layout's does not say it ("bfloat16")
+    framework: str = "array"            # "array" (numpy, CuPy) or "torch": what the caller registered
+    stream: object = None               # the producer stream given at register (None: the framework's current)
     _flat: object = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def dtype(self) -> np.dtype:
+        """The dtype of the byte layout (uint16 for bfloat16)."""
         return np.dtype(self.array.dtype)
+
+    @property
+    def logical_dtype(self) -> str:
+        """The name of the dtype the region holds ("bfloat16", "float32")."""
+        return self.logical or self.dtype.name
 
     @property
     def shape(self) -> tuple:
@@ -245,13 +390,12 @@ class Region:
         return not self.on_gpu or self.flat.data.ptr % 16 == 0
 
     def check_unchanged(self) -> None:
-        now = storage_of(self.owner)
-        if now != self.storage:
-            was = self.storage
-            raise ShapeChangedError(
-                f"array changed since registration: was {was[1]}{list(was[0])} at 0x{was[2]:x}, "
-                f"now {now[1]}{list(now[0])} at 0x{now[2]:x}",
-                where=f"region {self.name!r}", hint="register a new region for the new array")
+        """Refuse (one line naming the region) an array or tensor freed,
+        resized, reallocated or moved to another device since `register`."""
+        why = storage_change(self.storage, storage_of(self.owner))
+        if why is not None:
+            raise ShapeChangedError(f"the registered array cannot be read: {why}",
+                                    where=f"region {self.name!r}", hint="register a new region for the new array")
 
     # ------------------------------------------------------------- detection
     def reset_detectors(self) -> None:
@@ -402,6 +546,108 @@ def _kv_block_pages(g: KvGeometry, blocks: np.ndarray, pb: int) -> np.ndarray:
           + blocks.astype(np.int64)[None, :] * geo["block"]).ravel()
     first = lo // pb
     return np.unique(ref.expand_ranges(first, (lo + geo["block"] - 1) // pb - first + 1))
+
+
+# ----------------------------------------------------------------- stream order
+class StreamOrder:
+    """The one place where Concordia's device work is ordered against the
+    caller's CUDA streams, with events only (no device-wide synchronise, no
+    host wait).
+
+    The rule: a checkpoint captures every region as of the call in its
+    producer's stream order, the producer stream being the `stream=` given to
+    `checkpoint`, else the one given to `register`, else the framework's
+    current stream at the call (PyTorch's current stream of the tensor's
+    device for a torch tensor, CuPy's current stream for a CuPy array).  An
+    event is recorded on each producer stream and Concordia's stream (CuPy's
+    current stream, on which the checkpoint queues its device work) waits on
+    it (`after_producers`); when the checkpoint is done, each producer stream
+    waits on an event recorded on Concordia's stream (`before_later_work`), so
+    work queued after the call cannot overtake what the checkpoint still
+    reads.  PyTorch creates its streams non-blocking: without this, a write
+    queued on a side stream is not ordered before work on any other stream.
+    A recovery into device tensors is ordered the same way against each
+    target's current stream: after the work queued there before the call,
+    before the work queued after it."""
+
+    def __init__(self, streams: list):
+        self.streams = streams  # CuPy Stream / ExternalStream objects, each once
+
+    @classmethod
+    def of(cls, objs, stream=None) -> "StreamOrder":
+        """The producer streams of `objs` ((owner, register-time stream) pairs
+        of device arrays); `stream` overrides them all."""
+        cp = _cupy()
+        if cp is None:
+            return cls([])
+        out, seen, current = [], set(), {}
+        for owner, given in objs:
+            given = stream if stream is not None else given
+            if given is None:  # the framework's current stream, looked up once per framework and device
+                key = (type(owner).__module__.split(".")[0], str(getattr(owner, "device", "")))
+                if key not in current:
+                    current[key] = _as_cupy_stream(cp, None, owner)
+                s = current[key]
+            else:
+                s = _as_cupy_stream(cp, given, owner)
+            if s is not None and s.ptr not in seen:
+                seen.add(s.ptr)
+                out.append(s)
+        return cls(out)
+
+    @classmethod
+    def for_checkpoint(cls, regions, stream=None) -> "StreamOrder":
+        return cls.of([(r.owner, r.stream) for r in regions if r.on_gpu], stream)
+
+    def after_producers(self, consumer=None) -> None:
+        """Concordia's stream waits for what each producer stream holds now."""
+        if not self.streams:
+            return
+        cp = _cupy()
+        consumer = consumer or cp.cuda.get_current_stream()
+        for s in self.streams:
+            if s.ptr != consumer.ptr:
+                dev = getattr(s, "device_id", -1)
+                # an event is recorded on a stream of its own device
+                with cp.cuda.Device(dev if dev is not None and dev >= 0 else cp.cuda.Device().id):
+                    ev = s.record()
+                consumer.wait_event(ev)
+
+    def before_later_work(self, consumer=None) -> None:
+        """Every producer stream waits for what Concordia's stream holds now."""
+        if not self.streams:
+            return
+        cp = _cupy()
+        consumer = consumer or cp.cuda.get_current_stream()
+        ev = None
+        for s in self.streams:
+            if s.ptr != consumer.ptr:
+                ev = ev or consumer.record()
+                s.wait_event(ev)
+
+
+def _as_cupy_stream(cp, s, owner):
+    """A CuPy view of stream `s` (a CuPy stream, a torch.cuda.Stream, or a raw
+    cudaStream_t), or of `owner`'s framework's current stream when s is None."""
+    if s is None:
+        if is_torch(owner):
+            if not owner.is_cuda:
+                return None
+            torch = _torch()
+            ts = torch.cuda.current_stream(owner.device)
+            return cp.cuda.ExternalStream(int(ts.cuda_stream), int(owner.device.index))
+        if is_cupy(owner):
+            return cp.cuda.get_current_stream()
+        return None
+    if isinstance(s, (cp.cuda.Stream, cp.cuda.ExternalStream)):
+        return s
+    if hasattr(s, "cuda_stream"):  # torch.cuda.Stream
+        dev = getattr(s, "device", None)
+        idx = getattr(dev, "index", None)
+        return cp.cuda.ExternalStream(int(s.cuda_stream), cp.cuda.Device().id if idx is None else int(idx))
+    if isinstance(s, (int, np.integer)):
+        return cp.cuda.ExternalStream(int(s))
+    raise UnsupportedArrayError(f"stream {s!r} is neither a CuPy stream, a torch.cuda.Stream nor a cudaStream_t")
 
 
 def gather_pages(region: Region, ids: np.ndarray) -> np.ndarray:

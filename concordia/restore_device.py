@@ -272,24 +272,29 @@ def _wait(futures) -> None:
 # --- the numpy twin -------------------------------------------------------------
 
 
-def apply_transfer_numpy(log, tr: Transfer) -> dict:
+def apply_transfer_numpy(log, tr: Transfer, into: dict | None = None) -> dict:
     """Run transfer plan `tr` on the host: each chunk read into one staging
     buffer exactly as the device path reads it, its pages checked and applied
     by the numpy twin of the scatter kernel.  Returns {name: array}; raises
     CorruptionError on the first mismatching page.  (Digests are left to the
-    caller; `wal.apply` checks them for the host path proper.)"""
+    caller; `wal.apply` checks them for the host path proper.)  into: {name:
+    numpy array of the region's layout} restored in place, as the device
+    path's `into`."""
     fd, arr, owned = _source_of(log)
     try:
-        return _apply_transfer_numpy(tr, fd, arr)
+        return _apply_transfer_numpy(tr, fd, arr, into or {})
     finally:
         if owned:
             os.close(fd)
 
 
-def _apply_transfer_numpy(tr: Transfer, fd, arr) -> dict:
+def _apply_transfer_numpy(tr: Transfer, fd, arr, into: dict) -> dict:
     from concordia.gpu_kernels import reference as ref
 
     out = {rp.name: np.zeros(rp.region.pages * rp.region.page_bytes, np.uint8) for rp in tr.regions}
+    for name, a in into.items():
+        out[name] = a.reshape(-1).view(np.uint8)
+        out[name].fill(0)
     host = np.empty(tr.chunk_bytes + 4096, np.uint8)
     for c in range(tr.chunks):
         _wait(_fill(fd, arr, host, tr.copies[c]))
@@ -299,7 +304,8 @@ def _apply_transfer_numpy(tr: Transfer, fd, arr) -> dict:
                                     page_bytes=rp.region.page_bytes, expected_crcs=tr.crcs[lo:hi])
             if bad.size:
                 raise _bad_page(tr, lo + int(bad[0]))
-    return {rp.name: out[rp.name][:rp.region.nbytes].view(np.dtype(rp.region.dtype)).reshape(rp.region.shape)
+    return {rp.name: into[rp.name] if rp.name in into else
+            out[rp.name][:rp.region.nbytes].view(np.dtype(rp.region.dtype)).reshape(rp.region.shape)
             for rp in tr.regions}
 
 
@@ -432,9 +438,15 @@ class _RegisterAhead:
 
 
 def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK_BYTES, stats: dict | None = None,
-                    registration=None, read: str = "auto") -> dict:
+                    registration=None, read: str = "auto", into: dict | None = None) -> dict:
     """Restore the regions of `plan` straight into new CuPy arrays (see the
-    module doc for the pipeline).  Every page's CRC32C is checked on the device
+    module doc for the pipeline), or into the caller's device memory: `into`
+    maps region names to C-contiguous CuPy arrays of the region's layout dtype
+    and shape (a CUDA tensor seen through `cupy.from_dlpack`), which are
+    zeroed, filled page by page by the scatter kernel and returned as they
+    are.  The caller orders this against its own streams: the restore runs
+    on CuPy's current stream and the pipeline's own, after what the current
+    stream holds at the call.  Every page's CRC32C is checked on the device
     before it is applied and each region's digest is recomputed on the device
     and compared with its commit; any mismatch raises CorruptionError naming the
     page and its record.
@@ -477,7 +489,7 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
         t1 = time.perf_counter()
         hosts, slots, copy_stream, stream = _staging(cp, tr.chunk_bytes)
         st["staging_alloc_s"] = time.perf_counter() - t1  # 0 when the buffers were kept from an earlier restore
-        out = [cp.zeros(rp.region.pages * rp.region.page_bytes, cp.uint8) for rp in tr.regions]
+        out = _device_targets(cp, tr, into)
         if tr.pages:
             offs_d = cp.asarray(tr.stage_off)
             ids_d = cp.asarray(tr.page_ids)
@@ -518,7 +530,8 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
                 if got != rp.digest:
                     raise CorruptionError(f"region {rp.name!r} restored with digest 0x{got:08x}, its commit "
                                           f"states 0x{rp.digest:08x}", where=f"epoch {rp.epoch}")
-            result[rp.name] = flat.view(np.dtype(rp.region.dtype)).reshape(rp.region.shape)
+            result[rp.name] = (into[rp.name] if into and rp.name in into else
+                               flat.view(np.dtype(rp.region.dtype)).reshape(rp.region.shape))
         st["verify_s"] = time.perf_counter() - t2
         return result
     finally:
@@ -529,6 +542,40 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
             own_reg.unregister()
         if owned:
             os.close(fd)
+
+
+def _device_targets(cp, tr: Transfer, into: dict | None) -> list:
+    """The flat uint8 device memory each region of `tr` is restored into: a new
+    zeroed array (whole pages), or the caller's array from `into`, checked and
+    zeroed (pages the plan does not read are zero, as in a new array).  Every
+    target is checked before any is written."""
+    into = into or {}
+    from concordia.errors import RecoverMismatchError
+
+    for rp in tr.regions:
+        a = into.get(rp.name)
+        if a is None:
+            continue
+        where = f"region {rp.name!r}"
+        if not isinstance(a, cp.ndarray) or not a.flags.c_contiguous:
+            raise RecoverMismatchError("a device target must be a C-contiguous CuPy array", where=where)
+        if int(a.nbytes) != rp.region.nbytes or np.dtype(a.dtype) != np.dtype(rp.region.dtype):
+            raise RecoverMismatchError(f"cannot restore {rp.region.dtype}{list(rp.region.shape)} into "
+                                       f"{a.dtype}{list(a.shape)}", where=where)
+        if a.data.ptr % 16:
+            raise RecoverMismatchError(f"the target is not 16-byte aligned (0x{a.data.ptr:x}): the scatter "
+                                       "kernel writes 16-byte words", where=where,
+                                       hint="recover into a new array and copy")
+    out = []
+    for rp in tr.regions:
+        a = into.get(rp.name)
+        if a is None:
+            out.append(cp.zeros(rp.region.pages * rp.region.page_bytes, cp.uint8))
+        else:
+            flat = a.reshape(-1).view(cp.uint8)
+            flat.fill(0)
+            out.append(flat)
+    return out
 
 
 def _pipeline(cp, gpu, tr, direct, fd, arr, hosts, slots, copy_stream, stream, out, dev_arrays, kernels, st,

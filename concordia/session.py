@@ -31,6 +31,11 @@ region took):
     cpu-mapped, cpu-ring   the extent pipeline driven by the numpy twins
                 (staging="mapped" / "ring" on numpy regions)
 
+Once every region takes the same mapped pipeline and has a base, an epoch is
+one table pass (`concordia.checkpoint`): one detection launch per detector
+group over a region table, one staging pass of every record into one extent,
+one wait, one commit (`CheckpointStats.table_pass`).
+
 Every path writes the same record bytes for the same state.  The device path
 reads the device back twice per checkpoint at most: the dirty-page counts (to
 size the extents) and, after staging, the extents' cursors with the region
@@ -39,6 +44,12 @@ mapped log it reads once when each region's dirty pages fit an extent reserved
 before its detector ran (as many pages as its last checkpoint found, at most
 32): the detector lists the pages and one `stage_delta` launch writes the
 record, the CRC table and the moved digest (`_DeviceKernels.delta`).
+
+Regions keep their framework and dtype: a bfloat16 or float8 torch tensor is
+registered as it is (the log names its logical dtype beside the byte layout)
+and `recover()` hands back a torch tensor of that dtype.  A checkpoint is
+ordered after each region's producer stream and a recovery into device
+tensors before their later work (`regions.StreamOrder`, `checkpoint`).
 
 Bad input raises a one-line `SessionError` subclass before anything is written.
 """
@@ -60,7 +71,9 @@ from concordia.policy import Policy
 from concordia.checkpoint.device import _DeviceKernels
 from concordia.checkpoint.host import _HostKernels
 from concordia.checkpoint.staging import _page_crcs, _register, _Stager, _stage_region, batch_pages
-from concordia.regions import DETECTORS, KINDS, KvGeometry, Region, adapt, storage_of, to_host
+from concordia.checkpoint.table import RegionTable
+from concordia.regions import (DETECTORS, KINDS, KvGeometry, Region, StreamOrder, adapt, logical_of, numpy_dtype,
+                               present, storage_of, to_host, torch_dtype)
 
 DEFAULT_SIZE = 256 << 20
 STAGING = ("auto", "mapped", "ring", "host")
@@ -81,6 +94,7 @@ class CheckpointStats:
     commit_ms: float
     via: dict = dataclasses.field(default_factory=dict)  # region name -> path (module docstring)
     device_reads: int = 0  # host waits on the device in the extent pipeline
+    table_pass: bool = False  # one pass over the region table took every region (checkpoint package)
 
     @property
     def total_ms(self) -> float:
@@ -101,6 +115,7 @@ class RecoveryStats:
     pages: int
     regions: dict          # name -> bytes of the region
     dropped: list
+    via: dict = dataclasses.field(default_factory=dict)  # name -> "device pipeline" | "host"
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -148,6 +163,12 @@ class Session:
         self.paths: collections.Counter = collections.Counter()
         self.policy = policy or Policy()
         self._regions: dict[str, Region] = {}
+        #: raised whenever the regions or their checkpoint state change other than by
+        #: a table pass: the cached routes and region table are rebuilt
+        self._version = 0
+        self._producers = None  # (version, one region per producer stream key), see _stream_order
+        self._routes: tuple | None = None   # (version, routes)
+        self._table: tuple | None = None    # (version, table pass or None)
         self._closed = False
         if readonly and (create or overwrite):
             raise SessionError("a read-only session opens an existing log: pass create=False",
@@ -206,10 +227,21 @@ class Session:
     def register(self, name: str, array, kind: str = "opaque", page_bytes: int = 4096, *,
                  detect: str = "auto", block_tables=None, seq_lens=None, block_stamp=None,
                  seq_ids=None, slot_versions=None, pages_per_slot: int | None = None,
-                 check_every: int = 8) -> Region:
+                 check_every: int = 8, stream=None) -> Region:
         """Protect `array` (numpy, CuPy, or a PyTorch tensor through DLPack) as
         region `name`.  The array must stay the same object and be updated in
-        place; its shape, dtype and storage are checked at every checkpoint.
+        place; its shape, dtype and storage are checked at every checkpoint (a
+        tensor freed, resized or moved since is refused, naming the region).
+        Any fixed-size dtype of numpy, ml_dtypes, CuPy or PyTorch is taken as
+        it is (bfloat16, float8_e4m3fn, float8_e5m2, bool, complex, ...): the
+        log records its name beside the byte layout, and what it was
+        registered as, so that `recover()` hands back the same.
+
+        stream: the CUDA stream that writes the array (a torch.cuda.Stream, a
+        CuPy stream or a cudaStream_t).  A checkpoint captures the array as of
+        the call in that stream's order; without it, in the order of the
+        framework's current stream at the checkpoint (PyTorch's current stream
+        of the tensor's device, CuPy's current stream; see `checkpoint`).
 
         kind="kv" with block_tables and seq_lens (live arrays, [seqs, max_blocks]
         and [seqs]) scans the block tables instead of diffing the cache; add
@@ -249,6 +281,7 @@ class Session:
             raise UnsupportedArrayError("the array is empty", where=where)
         if arr.dtype.kind not in "biufc":
             raise UnsupportedArrayError(f"dtype {arr.dtype} cannot be logged", where=where)
+        logical, framework = logical_of(owner)
 
         hints: dict = {}
         if detect == "auto":
@@ -276,7 +309,10 @@ class Session:
                 raise SessionError(f"check_every must be a whole number >= 0, not {check_every!r}", where=where)
 
         region = Region(name=name, kind=kind, page_bytes=int(page_bytes), array=arr, xp=xp, owner=owner,
-                        storage=storage_of(owner), detect=detect, hints=hints)
+                        storage=storage_of(owner), detect=detect, hints=hints, logical=logical,
+                        framework=framework, stream=stream)
+        if stream is not None:
+            StreamOrder.of([(owner, stream)])  # refuse a stream of an unknown kind now
         info = self.log.regions.get(name)
         if info is not None:
             _check_same(info, region)
@@ -295,11 +331,13 @@ class Session:
         else:
             try:
                 self._writer(f"register region {name!r}")  # the log lacks it: a descriptor is written
-                region.id = int(self.log.define_region(name, arr.dtype.str, region.shape, region.page_bytes, kind))
+                region.id = int(self.log.define_region(name, arr.dtype.str, region.shape, region.page_bytes, kind,
+                                                       logical=logical, framework=framework))
             except BaseException:
                 self._untrack(region)
                 raise
         self._regions[name] = region
+        self._version += 1
         return region
 
     @staticmethod
@@ -329,16 +367,37 @@ class Session:
         self._check_open("measure dirty bytes")
         return sum(int(r.dirty_pages(advance=False).size) * r.page_bytes for r in self._regions.values())
 
-    def checkpoint(self, *, reason: str = "manual") -> CheckpointStats:
-        """One durable epoch across every registered region; returns what it wrote."""
+    def checkpoint(self, *, reason: str = "manual", stream=None) -> CheckpointStats:
+        """One durable epoch across every registered region; returns what it wrote.
+
+        Stream order: every region is captured as of this call in its
+        producer's stream order, the producer being `stream` (for every
+        region) when given, else the stream given at `register`, else the
+        framework's current stream now: PyTorch's current stream of the
+        tensor's device for a torch tensor, CuPy's current stream for a CuPy
+        array.  So a write queued on a side stream just before the call, inside
+        `with torch.cuda.stream(side):`, is in the epoch without any
+        synchronise.  It is done with events (`regions.StreamOrder`): no
+        device-wide synchronise, and the producer streams wait for the
+        checkpoint's device work before their later work runs."""
         self._check_open("checkpoint")
         if not self._regions:
             raise SessionError("nothing to checkpoint: no region is registered")
-        for r in self._regions.values():
-            r.check_unchanged()  # before anything is written
         self._writer("checkpoint")
+        table = self._table_pass()
+        if table is None or not table.table.unchanged():
+            for r in self._regions.values():
+                r.check_unchanged()  # before anything is written
+        order = self._stream_order(stream)
+        order.after_producers()
         epoch = max(self._next_epoch, self.log.appender.next_epoch)
         self._next_epoch = epoch + 1  # never reused, even if this epoch fails
+        if table is not None:
+            try:
+                return self._checkpoint_table(table, epoch, reason)
+            finally:
+                order.before_later_work()  # the producers write on only after the pass read the regions
+        self._version += 1  # the paths below may replace CRC tables and detector state
         app = self.log.appender
         pages, base, nbytes, log_bytes, via = {}, [], 0, 0, {}
         detect_s = stage_s = 0.0
@@ -384,15 +443,12 @@ class Session:
             app.commit(epoch, digests=digests)
             commit_s = time.perf_counter() - t3
         except BaseException:
-            # The detectors may have advanced past pages that never got committed:
-            # make the next checkpoint of every region a full base again.
-            for r in self._regions.values():
-                r.crcs = None
-                r.digest = None
+            self._lose_baselines()
             raise
         if base:  # a region written whole now has a baseline for its detector
             for name in base:
                 self._regions[name].reset_detectors()
+        order.before_later_work()  # the detectors' copies are taken before the producers write on
         self.policy.reset()
         stats = CheckpointStats(epoch, reason, pages, base, nbytes, log_bytes,
                                 detect_s * 1e3, stage_s * 1e3, commit_s * 1e3, via, reads)
@@ -400,9 +456,90 @@ class Session:
         self.checkpoints.append(stats)
         return stats
 
+    def _checkpoint_table(self, table, epoch: int, reason: str) -> CheckpointStats:
+        """One epoch by a table pass: one detection launch per detector group,
+        one staging pass into one extent, one wait, one commit (no Python per
+        region beyond building the statistics)."""
+        app = self.log.appender
+        try:
+            got = table.run(app, epoch)
+            t3 = time.perf_counter()
+            app.commit(epoch, digests=table.table.commit_digests())
+            commit_s = time.perf_counter() - t3
+        except BaseException:
+            self._lose_baselines()
+            raise
+        self.policy.reset()
+        names = table.table.names
+        counts = got.counts
+        pages = dict(zip(names, counts.tolist()))
+        via = dict.fromkeys(names, table.label)
+        stats = CheckpointStats(epoch, reason, pages, [], int(counts @ table.table.page_bytes), int(got.log_bytes),
+                                got.detect_s * 1e3, got.stage_s * 1e3, commit_s * 1e3, via, got.device_reads, True)
+        self.paths[table.label] += len(names)
+        self.checkpoints.append(stats)
+        return stats
+
+    def _stream_order(self, stream) -> StreamOrder:
+        """The producer streams of this checkpoint (`StreamOrder.for_checkpoint`),
+        from one representative region per framework, device and given stream,
+        chosen again only when the regions change: no Python per region."""
+        cached = self._producers
+        if cached is None or cached[0] != self._version:
+            reps, seen = [], set()
+            for r in self._regions.values():
+                if not r.on_gpu:
+                    continue
+                key = (("given", id(r.stream)) if r.stream is not None else
+                       (type(r.owner).__module__.split(".")[0], str(getattr(r.owner, "device", ""))))
+                if key not in seen:
+                    seen.add(key)
+                    reps.append(r)
+            cached = self._producers = (self._version, reps)
+        return StreamOrder.for_checkpoint(cached[1], stream)
+
+    def _lose_baselines(self) -> None:
+        """After a failed checkpoint: the detectors may have advanced past pages
+        that never got committed, so the next checkpoint of every region is a
+        full base again."""
+        self._table = None
+        self._version += 1
+        for r in self._regions.values():
+            r.crcs = None
+            r.digest = None
+
     # ------------------------------------------------------------ staging paths
+    def _table_pass(self):
+        """The table pass that checkpoints every region this epoch, or None:
+        one is made when every region takes the same extent pipeline in
+        "mapped" mode and has a base in the log, and kept until the regions
+        change.  Otherwise the per-region paths below run."""
+        cached = self._table
+        if cached is not None and cached[0] == self._version:
+            return cached[1]
+        if cached is not None and cached[1] is not None:
+            cached[1].table.write_back()  # the regions' digests, for whichever path runs next
+        tp = None
+        regions = list(self._regions.values())
+        routes = self._route()
+        for key in ("gpu", "cpu"):
+            st = self._stagers.get(key)
+            if (st is not None and len(routes[key]) == len(regions) and st.mode == "mapped"
+                    and all(r.crcs is not None and r.digest is not None for r in regions)):
+                tp = st.kernels.table_pass(RegionTable(regions), st.registration, st)
+        self._table = (self._version, tp)
+        return tp
+
     def _route(self) -> dict:
-        """{None: host-path regions, "gpu": ..., "cpu": ...} for this checkpoint."""
+        """{None: host-path regions, "gpu": ..., "cpu": ...} for this checkpoint
+        (kept while the regions do not change)."""
+        if self._routes is not None and self._routes[0] == self._version:
+            return self._routes[1]
+        out = self._route_now()
+        self._routes = (self._version, out)
+        return out
+
+    def _route_now(self) -> dict:
         out: dict = {None: [], "gpu": [], "cpu": []}
         for r in self._regions.values():
             key = None
@@ -453,11 +590,28 @@ class Session:
                 regions=None) -> dict:
         """Rebuild regions as of `target` ("latest" or an epoch number).
 
-        into=None: new arrays (numpy, or CuPy with device="cupy").
+        into=None: new arrays of each region's logical dtype, as it was
+        registered: PyTorch tensors for regions registered as tensors (when
+        torch is importable), else numpy arrays (ml_dtypes for bfloat16 and
+        float8); on the GPU with device="cupy" (CuPy arrays, or CUDA tensors).
         into="registered": into this session's registered arrays, in place; the
         next checkpoint then continues from the recovered epoch as a delta.
-        into={name: array}: into the given arrays, in place.
-        Shapes and dtypes must match the log's regions exactly.
+        into={name: array}: into the given arrays or tensors, in place.  Device
+        arrays and CUDA tensors are restored on the device pipeline straight
+        into their memory (no host round trip; page CRCs and region digests
+        checked on the device); a corruption found midway raises and leaves
+        them partly restored.  Host arrays are restored aside, then copied.
+
+        Targets must match the log's regions exactly (logical dtype, shape, C
+        contiguity, on CuPy's current device when on a GPU; device= when given):
+        every target is checked before anything is written, and a mismatch is
+        a one-line RecoverMismatchError naming the region.
+
+        Stream order: the restore into a device target runs after the work
+        queued on that target's current stream before the call (PyTorch's
+        current stream of its device, CuPy's current stream) and before the
+        work queued there after it (an event recorded on Concordia's stream,
+        waited on by that stream).
         """
         self._check_open("recover")
         if self.readonly:
@@ -473,30 +627,52 @@ class Session:
             if missing:
                 raise UnknownRegionError(f"the log holds no region {missing[0]!r} "
                                          f"(it holds {sorted(self.log.regions)})", where=str(self.log_name))
+        on_device = device in ("cupy", "cuda")
+        views = {}
         if targets is not None:  # check every target before restoring anything
+            targets = {n: a for n, a in targets.items() if want is None or n in want}
             for name, arr in targets.items():
-                _check_target(self.log.regions[name], name, arr)
+                views[name] = _check_target(self.log.regions[name], name, arr, device)
+        for name in (want if want is not None else self.log.regions):
+            if name not in views:
+                _check_presentable(self.log.regions[name], name, on_device)
         if not self.log.last_committed_epoch:
             raise NothingToRecoverError("the log holds no committed epoch", where=str(self.log_name))
         t0 = time.perf_counter()
         st = self._stagers.get("gpu")
-        plan, arrays, plan_s = _plan_and_apply(self.log, target, mode, want,
-                                               on_device=device in ("cupy", "cuda") and targets is None,
-                                               registration=getattr(st, "registration", None))
-        out = {}
-        for name, host in arrays.items():
-            if targets is not None and name in targets:
-                dst = targets[name]
-                dst_arr, xp, _ = adapt(dst, f"region {name!r}")
-                dst_arr[...] = host if xp is np else xp.asarray(host)
-                out[name] = dst
-            elif device in ("cupy", "cuda"):
-                import cupy
-
-                out[name] = cupy.asarray(host)  # already on the device when restored there
-            else:
-                out[name] = host
+        registration = getattr(st, "registration", None)
+        plan, plan_s = _plan(self.log, target, mode)
+        out, via = {}, {}
+        if targets is None:
+            arrays = _apply(self.log, plan, want, on_device=on_device, registration=registration)
+            via = {n: "device pipeline" if on_device else "host" for n in arrays}
+            for name, a in arrays.items():
+                out[name] = present(a, self.log.regions[name], device=on_device, where=f"region {name!r}")
+        else:
+            dev = {n: v for n, (v, xp) in views.items() if xp is not np}
+            host = {n: v for n, (v, xp) in views.items() if xp is np}
+            arrays = {}
+            if dev:
+                order = StreamOrder.of([(targets[n], None) for n in dev])
+                order.after_producers()
+                arrays.update(_apply(self.log, plan, list(dev), on_device=True, registration=registration, into=dev))
+                order.before_later_work()
+                via.update((n, "device pipeline") for n in dev)
+            if host:
+                for name, a in _apply(self.log, plan, list(host)).items():
+                    host[name][...] = a
+                    arrays[name] = a
+                    via[name] = "host"
+            out = {n: targets[n] for n in views}
+            rest = [n for n in (want or []) if n not in views]  # regions= beyond the targets: new arrays
+            if rest:
+                for name, a in _apply(self.log, plan, rest, on_device=on_device, registration=registration).items():
+                    arrays[name] = a
+                    out[name] = present(a, self.log.regions[name], device=on_device, where=f"region {name!r}")
+                    via[name] = "device pipeline" if on_device else "host"
         if into == "registered":
+            self._table = None  # the CRC tables and digests are replaced below
+            self._version += 1
             # deltas continue from the recovered state only when it is the log's
             # latest: after an older epoch the next checkpoint writes every page
             latest = int(plan.epoch) == int(self.log.last_committed_epoch or 0)
@@ -509,7 +685,7 @@ class Session:
             epoch=int(plan.epoch), plan_ms=plan_s * 1e3, restore_ms=(t2 - t0 - plan_s) * 1e3,
             bytes=int(plan.bytes_to_read), pages=int(sum(rp.pages_read for rp in plan.regions.values())),
             regions={n: int(a.nbytes) for n, a in arrays.items()},
-            dropped=[d.to_json() for d in plan.dropped])
+            dropped=[d.to_json() for d in plan.dropped], via=via)
         return out
 
     def refresh(self) -> int:
@@ -541,6 +717,7 @@ class Session:
         seen = (old.last_committed_epoch, old.commits[-1].lsn if old.commits else 0)
         self.log = Log.open(self._target, writable=True, check_pages="last")
         old.close()
+        self._version += 1  # cached routes and region table belong to the old open
         if (self.log.last_committed_epoch, self.log.appender.last_commit_lsn) != seen:
             for r in self._regions.values():
                 r.crcs = None
@@ -614,8 +791,8 @@ def _segment_capacity(log) -> int:
 def _check_same(info, r: Region) -> None:
     """A region already in the log must be the same region."""
     diffs = []
-    if np.dtype(info.dtype) != r.dtype:
-        diffs.append(f"dtype {np.dtype(info.dtype)} vs {r.dtype}")
+    if info.logical_dtype != r.logical_dtype or np.dtype(info.dtype) != r.dtype:
+        diffs.append(f"dtype {info.logical_dtype} vs {r.logical_dtype}")
     if tuple(info.shape) != r.shape:
         diffs.append(f"shape {list(info.shape)} vs {list(r.shape)}")
     if int(info.page_bytes) != r.page_bytes:
@@ -628,34 +805,87 @@ def _check_same(info, r: Region) -> None:
                                   hint="use another log or another region name")
 
 
-def _check_target(info, name, arr) -> None:
-    a, _, _ = adapt(arr, f"region {name!r}")
-    if np.dtype(a.dtype) != np.dtype(info.dtype):
-        raise RecoverMismatchError(f"cannot recover {np.dtype(info.dtype)} data into a {a.dtype} array",
-                                   where=f"region {name!r}")
-    if tuple(a.shape) != tuple(info.shape):
-        raise RecoverMismatchError(f"cannot recover shape {list(info.shape)} into shape {list(a.shape)}",
-                                   where=f"region {name!r}")
+def _dtype_name(obj) -> str:
+    """The logical dtype name of an array or tensor ("bfloat16", "float32")."""
+    if type(obj).__module__.split(".")[0] == "torch":
+        return str(obj.dtype).split(".", 1)[1]
+    return np.dtype(obj.dtype).name
+
+
+def _check_target(info, name, arr, device=None):
+    """(layout view, xp) of a recover target, or a one-line RecoverMismatchError
+    naming the region: another logical dtype, shape or device, or a view that
+    is not C-contiguous.  Nothing is written here."""
+    where = f"region {name!r}"
+    kind = "tensor" if type(arr).__module__.split(".")[0] == "torch" else "array"
+    got = _dtype_name(arr) if hasattr(arr, "dtype") else None
+    if got is not None and got != info.logical_dtype:
+        raise RecoverMismatchError(f"cannot recover {info.logical_dtype} data into a {got} {kind}", where=where)
+    shape = tuple(int(n) for n in arr.shape) if hasattr(arr, "shape") else None
+    if shape is not None and shape != tuple(info.shape):
+        raise RecoverMismatchError(f"cannot recover shape {list(info.shape)} into shape {list(shape)}", where=where)
+    contiguous = (arr.is_contiguous() if kind == "tensor" else
+                  getattr(getattr(arr, "flags", None), "c_contiguous", True))
+    if not contiguous:
+        raise RecoverMismatchError(f"the target {kind} is not C-contiguous (a view?)", where=where,
+                                   hint="recover into the contiguous base, or into a new array and copy")
+    a, xp, _ = adapt(arr, where)
+    if np.dtype(a.dtype) != np.dtype(info.dtype) or tuple(a.shape) != tuple(info.shape):
+        raise RecoverMismatchError(f"cannot recover {info.dtype}{list(info.shape)} bytes into "
+                                   f"{a.dtype}{list(a.shape)}", where=where)
     if not a.flags.c_contiguous:
-        raise RecoverMismatchError("the target array is not C-contiguous", where=f"region {name!r}")
+        raise RecoverMismatchError(f"the target {kind} is not C-contiguous", where=where)
+    on_gpu = xp is not np
+    if device is not None and on_gpu != (device in ("cupy", "cuda")):
+        raise RecoverMismatchError(f"the target {kind} is on {'a GPU' if on_gpu else 'the host'}, device={device!r} "
+                                   f"was asked for", where=where)
+    if on_gpu:
+        here = xp.cuda.Device().id
+        if a.device.id != here:
+            raise RecoverMismatchError(f"the target {kind} is on cuda:{a.device.id}, the restore runs on cuda:{here}",
+                                       where=where, hint="call recover inside cupy.cuda.Device(n) of the targets")
+    return a, xp
 
 
-def _plan_and_apply(log, target, mode, regions, *, on_device: bool = False, registration=None):
-    """Plan the restore with the recovery planner and apply it on the host
-    (or straight into device arrays with on_device)."""
-    from concordia.wal.apply import apply_plan_numpy
+def _check_presentable(info, name, on_device: bool) -> None:
+    """Refuse, before anything is restored, a region whose logical dtype this
+    build cannot hand back (one line naming the region)."""
+    from concordia.regions import _torch
+
+    where = f"region {name!r}"
+    size = np.dtype(info.dtype).itemsize
+    if info.framework == "torch" and _torch() is not None:
+        torch_dtype(info.logical_dtype, where, size)
+        return
+    if not info.logical:  # the layout is the logical dtype
+        return
+    numpy_dtype(info.logical_dtype, where, size)
+    if on_device:
+        raise UnsupportedArrayError(f"CuPy has no {info.logical_dtype} arrays: restore it as a PyTorch tensor or "
+                                    "on the host", where=where)
+
+
+def _plan(log, target, mode):
+    """(plan, seconds) from the recovery planner."""
     from concordia.wal.planner import plan as make_plan
 
     kw = {} if mode is None else {"mode": mode}
     t0 = time.perf_counter()
     p = make_plan(log, target=target, **kw)
-    plan_s = time.perf_counter() - t0
+    return p, time.perf_counter() - t0
+
+
+def _apply(log, p, regions, *, on_device: bool = False, registration=None, into=None) -> dict:
+    """Apply plan `p` to `regions` on the host (new numpy arrays of each
+    layout), or on the device pipeline (new CuPy arrays, or straight into the
+    CuPy views in `into`)."""
     if on_device:
         from concordia.restore_device import apply_plan_cupy
 
-        return p, apply_plan_cupy(log, p, regions=regions, registration=registration), plan_s
-    arrays = apply_plan_numpy(log, p, regions=regions)
-    return p, arrays, plan_s
+        return apply_plan_cupy(log, p, regions=regions, registration=registration, into=into)
+    from concordia.wal.apply import apply_plan_numpy
+
+    return apply_plan_numpy(log, p, regions=regions)
 
 
 __all__ = ["Session", "Policy", "CheckpointStats", "RecoveryStats", "ConcordiaError", "STAGING"]

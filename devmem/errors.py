@@ -1,36 +1,13 @@
-"""The root of Concordia's error hierarchy and the memory-backend errors.
+"""The memory-backend errors, derived from the project root `ConcordiaError`
+(`concordia.root_error`, which imports nothing: devmem stays the bottom layer
+of the project's own code).
 
-The root class lives here because `devmem` is the bottom of the import graph
-(tools -> concordia -> gpu_kernels -> wal -> devmem): every other layer derives
-its errors from `ConcordiaError` without importing upward.
-
-Every error renders as one line.  `where` names the place ("segment 3 @ 0x1a040",
-a path, a device) and `hint` a remedy; both are optional.
+`where` names the place (a path, a device) and `hint` a remedy; both optional.
 """
 
 from __future__ import annotations
 
-
-class ConcordiaError(Exception):
-    """Base class of every error Concordia raises on purpose.
-
-    exit_code is what a command line returns when this error ends it:
-    1 = problems found in the data, 2 = usage or I/O error (see tools).
-    """
-
-    exit_code = 2
-
-    def __init__(self, message: str, *, where: str | None = None, hint: str | None = None):
-        self.message = message
-        self.where = where
-        self.hint = hint
-        super().__init__(self.one_line())
-
-    def one_line(self) -> str:
-        text = f"{self.where}: {self.message}" if self.where else self.message
-        if self.hint:
-            text += f" ({self.hint})"
-        return " ".join(text.split())  # never more than one line
+from concordia.root_error import ConcordiaError
 
 
 class DevmemError(ConcordiaError):

@@ -368,6 +368,8 @@ class CopiedMapping:
                         break   # only a hole from here to the end
                     raise
                 end = min(length, os.lseek(fd, start, os.SEEK_HOLE))
+                if end <= start:
+                    end = length   # a file that cannot say where its data ends: read it all
                 pos = start
                 while pos < end:
                     n = os.preadv(fd, [view[pos:end]], pos)

@@ -164,6 +164,110 @@ __device__ __forceinline__ u32 warp_page_crc(const u32* T, const u8* page, u32 v
     raw = gf2_multmodp(k.lane_shift, raw);
     return warp_xor(raw) ^ k.finish;
 }
+
+// ---- per-page detectors (one warp per page; every lane returns the result) ----
+#ifndef UNROLL
+#define UNROLL 8
+#endif
+
+// Page fingerprint (fingerprint.cu; twin reference.fingerprint_pages): for the
+// page's little-endian u64 words w_j (zero-padded last page),
+// x_j = (w_j ^ j*K1) * K2, x_j ^= x_j >> 29, fp = fmix64((sum_j x_j) ^ PAGE_BYTES).
+#define FP_K1 0x9E3779B97F4A7C15ull
+#define FP_K2 0xBF58476D1CE4E5B9ull
+#define FP_M1 0xBF58476D1CE4E5B9ull
+#define FP_M2 0x94D049BB133111EBull
+
+__device__ __forceinline__ u64 fp_mix(u64 w, u64 j) {
+    u64 x = (w ^ (j * FP_K1)) * FP_K2;
+    return x ^ (x >> 29);
+}
+
+__device__ __forceinline__ u64 fp_chunk(uint4 v, u32 c) {
+    const u64 w0 = (u64)v.x | ((u64)v.y << 32), w1 = (u64)v.z | ((u64)v.w << 32);
+    return fp_mix(w0, 2ull * c) + fp_mix(w1, 2ull * c + 1);
+}
+
+__device__ __forceinline__ u64 fmix64(u64 z) {
+    z ^= z >> 30;
+    z *= FP_M1;
+    z ^= z >> 27;
+    z *= FP_M2;
+    return z ^ (z >> 31);
+}
+
+__device__ __forceinline__ u64 page_fingerprint(const u8* region, u64 region_bytes, u64 p, int lane) {
+    const u64 base = p * PAGE_BYTES;
+    const u8* r = region + base;
+    u64 sum = 0;
+    if (base + PAGE_BYTES <= region_bytes) {
+#pragma unroll 1
+        for (int k0 = 0; k0 < LANE_CHUNKS; k0 += UNROLL) {
+            uint4 a[UNROLL];
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                const int c = lane + WARP * (k0 + u);
+                if (k0 + u < LANE_CHUNKS && c < PAGE_CHUNKS)
+                    a[u] = __ldcs(reinterpret_cast<const uint4*>(r) + c);
+            }
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                const int c = lane + WARP * (k0 + u);
+                if (k0 + u < LANE_CHUNKS && c < PAGE_CHUNKS) sum += fp_chunk(a[u], (u32)c);
+            }
+        }
+    } else {
+        const u32 valid = (u32)(region_bytes - base);
+        for (u32 c = lane; c < PAGE_CHUNKS; c += WARP) sum += fp_chunk(load16(r, c * 16, valid), c);
+    }
+    return fmix64(warp_sum64(sum) ^ (u64)PAGE_BYTES);
+}
+
+// Whether page p of `region` differs from `shadow` (shadow_diff.cu; twin
+// reference.shadow_diff); with `update` the differing 16-byte chunks are
+// stored into the shadow from registers.
+__device__ __forceinline__ unsigned page_shadow_diff(const u8* region, u8* shadow, u64 region_bytes, u64 p,
+                                                     int lane, int update) {
+    const u64 base = p * PAGE_BYTES;
+    const u8* r = region + base;
+    u8* s = shadow + base;
+    unsigned diff = 0;
+    if (base + PAGE_BYTES <= region_bytes) {
+#pragma unroll 1
+        for (int k0 = 0; k0 < LANE_CHUNKS; k0 += UNROLL) {
+            uint4 a[UNROLL], b[UNROLL];
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                const int c = lane + WARP * (k0 + u);
+                if (k0 + u < LANE_CHUNKS && c < PAGE_CHUNKS) {
+                    a[u] = __ldcs(reinterpret_cast<const uint4*>(r) + c);
+                    b[u] = __ldcs(reinterpret_cast<const uint4*>(s) + c);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                const int c = lane + WARP * (k0 + u);
+                if (k0 + u < LANE_CHUNKS && c < PAGE_CHUNKS && differs(a[u], b[u])) {
+                    diff = 1;
+                    if (update) reinterpret_cast<uint4*>(s)[c] = a[u];
+                }
+            }
+        }
+    } else {
+        // the region's short last page: compare only its real bytes
+        const u32 valid = (u32)(region_bytes - base);
+        for (u32 c = lane; c * 16 < valid; c += WARP) {
+            const uint4 a = load16(r, c * 16, valid), b = load16(s, c * 16, valid);
+            if (differs(a, b)) {
+                diff = 1;
+                if (!update) continue;
+                if (c * 16 + 16 <= valid) reinterpret_cast<uint4*>(s)[c] = a;
+                else store_partial(s + c * 16, a, valid - c * 16);
+            }
+        }
+    }
+    return __any_sync(FULL_MASK, diff);
+}
 #endif  // PAGE_BYTES
 
 // Raw CRC register of n_words little-endian u32 words, computed by the whole

@@ -6,7 +6,7 @@ exit code 2; they are raised before anything is launched or written.
 
 from __future__ import annotations
 
-from concordia.devmem.errors import ConcordiaError
+from concordia.root_error import ConcordiaError
 
 
 class KernelError(ConcordiaError):

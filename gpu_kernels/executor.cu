@@ -50,7 +50,7 @@ typedef unsigned char u8;
 #define OP_PING 1
 #define OP_CHECKPOINT 2
 #define OP_APPEND_LOG 3
-#define OP_RECOVER 4
+#define OP_SCATTER 4
 #define OP_QUIESCE 5
 #define OP_STOP 6
 
@@ -145,7 +145,7 @@ __device__ void copy_body(u8* __restrict__ dst, const u8* __restrict__ src, u64 
     }
 }
 
-// RECOVER: page j of src goes to page ids[j] of dst (region_bytes, multiple of 16);
+// SCATTER: page j of src goes to page ids[j] of dst (region_bytes, multiple of 16);
 // ids out of range are counted in sc->errors and skipped.
 __device__ void scatter_body(uint4* __restrict__ dst, const uint4* __restrict__ src, const u32* __restrict__ ids,
                              u64 count, u64 page_bytes, u64 region_bytes, cx_scratch* sc, u64 warp, u64 nwarps,
@@ -302,8 +302,8 @@ __device__ int run_handler(u32 op, const u64* a, cx_scratch* sc, u32 n_sm, u64 c
         break;
     }
 #endif
-#if (CX_OPS >> OP_RECOVER) & 1
-    case OP_RECOVER: {
+#if (CX_OPS >> OP_SCATTER) & 1
+    case OP_SCATTER: {
         const u64 pb = a[4], rb = a[5];
         if (pb == 0 || (pb & 15) || (rb & 15) || ((a[0] | a[1]) & 15)) {
             status = ST_BAD_ARGS;
@@ -335,7 +335,7 @@ __device__ int run_handler(u32 op, const u64* a, cx_scratch* sc, u32 n_sm, u64 c
     }
     // Lane 0 waited for the child grid (or did the counting itself): it reads
     // the counter, the warp gets it from lane 0.
-    if (lane == 0 && status == ST_OK && (op == OP_CHECKPOINT || op == OP_RECOVER)) found = *(volatile u64*)&sc->pages;
+    if (lane == 0 && status == ST_OK && (op == OP_CHECKPOINT || op == OP_SCATTER)) found = *(volatile u64*)&sc->pages;
     *pages = __shfl_sync(FULL, found, 0);
     return __shfl_sync(FULL, status, 0);
 }
@@ -439,7 +439,7 @@ extern "C" __global__ void __launch_bounds__(32, 1)
                     bytes = a[2];
                     lsn0 = a[3];
                     lsn1 = a[3] + bytes;
-                } else if (op == OP_RECOVER) {
+                } else if (op == OP_SCATTER) {
                     bytes = pages * a[4];
                     lsn0 = lsn1 = a[6];
                 }

@@ -114,7 +114,7 @@ def shadow_diff(region, shadow, *, page_bytes: int, update: bool = True):
     """Sorted uint32 ids of the pages of `region` that differ from `shadow`;
     with `update` the shadow takes those pages.  See reference.shadow_diff."""
     cp = _cp()
-    pb = ref._check_page_bytes(page_bytes)
+    pb = ref.check_page_bytes(page_bytes)
     r, s = _bytes_of(region, "region"), _bytes_of(shadow, "shadow")
     if r.size != s.size:
         raise KernelInputError(f"shadow has {s.size} bytes, region {r.size}", where="shadow")
@@ -136,7 +136,7 @@ def launch_fingerprint(r, fps, flags=None, *, page_bytes: int, update: bool = Tr
 def fingerprint_pages(region, *, page_bytes: int, out=None):
     """uint64 fingerprint per page (see reference.fingerprint_pages)."""
     cp = _cp()
-    pb = ref._check_page_bytes(page_bytes)
+    pb = ref.check_page_bytes(page_bytes)
     r = _bytes_of(region, "region")
     _aligned(r, 16, "region")
     n = ref.num_pages(r.size, pb)
@@ -152,7 +152,7 @@ def fingerprint_pages(region, *, page_bytes: int, out=None):
 def fingerprint_dirty(region, fingerprints, *, page_bytes: int, update: bool = True):
     """Sorted uint32 ids of pages whose fingerprint moved (see reference)."""
     cp = _cp()
-    pb = ref._check_page_bytes(page_bytes)
+    pb = ref.check_page_bytes(page_bytes)
     r = _bytes_of(region, "region")
     _aligned(r, 16, "region")
     n = ref.num_pages(r.size, pb)
@@ -171,7 +171,7 @@ def kv_dirty_blocks(block_tables, seq_lens, ckpt_lens, *, block_size: int, kv_he
     added since the last checkpoint (see reference.kv_dirty_blocks).  One warp
     per sequence: the cost follows the new tokens, not the cache size."""
     cp = _cp()
-    pb = ref._check_page_bytes(page_bytes)
+    pb = ref.check_page_bytes(page_bytes)
     for a, what in ((block_tables, "block_tables"), (seq_lens, "seq_lens"), (ckpt_lens, "ckpt_lens")):
         if not isinstance(a, cp.ndarray) or a.dtype != cp.int32 or not a.flags.c_contiguous:
             raise KernelInputError(f"{what} must be a C-contiguous int32 CuPy array", where=what)
@@ -239,7 +239,7 @@ def adapter_dirty_pages(slot_versions, seen_versions, *, pages_per_slot: int, nu
 def crc32c_pages(region, page_ids=None, *, page_bytes: int, out=None):
     """uint32 CRC32C of each listed page (all when None), last page zero-padded."""
     cp = _cp()
-    pb = ref._check_page_bytes(page_bytes)
+    pb = ref.check_page_bytes(page_bytes)
     r = _bytes_of(region, "region")
     _aligned(r, 16, "region")
     ids = None if page_ids is None else _u32(page_ids, "page_ids")
@@ -282,7 +282,7 @@ def stage_page_batch(region, page_ids, dst, cursor, *, page_bytes: int, base_lsn
     [count]) receives the page CRCs when given.  See reference.stage_page_batch
     for the bytes; page_ids must be sorted and unique (the detectors' output)."""
     cp = _cp()
-    pb = ref._check_page_bytes(page_bytes)
+    pb = ref.check_page_bytes(page_bytes)
     r = _bytes_of(region, "region")
     _aligned(r, 16, "region")
     ids = _u32(page_ids, "page_ids")
@@ -319,7 +319,7 @@ def scatter_pages(src, src_offsets, page_ids, region, *, page_bytes: int, expect
     (int64, on the device) that mismatched and were not applied.  See
     reference.scatter_pages; src offsets must be 16-byte aligned."""
     cp = _cp()
-    pb = ref._check_page_bytes(page_bytes)
+    pb = ref.check_page_bytes(page_bytes)
     s = _bytes_of(src, "src")
     r = _bytes_of(region, "region")
     _aligned(s, 16, "src"), _aligned(r, 16, "region")
@@ -541,7 +541,7 @@ def stage_delta(region, dirty_ids, dst, table, digest: int, *, page_bytes: int, 
     (device uint32), `dst` a device or pinned buffer, `table` updated in place.
     Returns (pages found, bytes written, records written, digest)."""
     cp = _cp()
-    pb = ref._check_page_bytes(page_bytes)
+    pb = ref.check_page_bytes(page_bytes)
     r = _bytes_of(region, "region")
     _aligned(r, 16, "region")
     d = _bytes_of(dst, "dst")

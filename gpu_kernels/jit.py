@@ -2,7 +2,7 @@
 NVRTC through CuPy, a module cache per device, and ahead-of-time compilation.
 
 A *spec* is a module name (`shadow_diff`, `fingerprint`, `crc32c`, `stage`,
-`scatter`, `kv_scan`) and a dict of `-D` constants (page size, KV layout).
+`scatter`, `kv_scan`, `table`) and a dict of `-D` constants (page size, KV layout).
 `module(name, defines)` compiles on first use for the current device and keeps
 the result; CuPy also caches the compiled binary on disk (`CUPY_CACHE_DIR`),
 so a second process skips NVRTC.  `precompile(specs)` compiles and loads every
@@ -35,6 +35,7 @@ KERNELS = {
     "stage": ("stage_alloc", "stage_payload", "stage_finalize", "stage_delta"),
     "scatter": ("scatter_pages",),
     "kv_scan": ("kv_scan", "adapter_scan"),
+    "table": ("table_fingerprint", "table_shadow", "table_mark", "table_plan", "table_stage", "table_finalize"),
 }
 
 # -D constants each module needs
@@ -45,6 +46,7 @@ REQUIRED = {
     "stage": ("PAGE_BYTES",),
     "scatter": ("PAGE_BYTES",),
     "kv_scan": (),
+    "table": (),
 }
 # modules whose source lives outside SOURCE_DIR (`register`): the benchmarks' own kernels
 _SOURCE_DIRS: dict[str, pathlib.Path] = {}
@@ -54,6 +56,8 @@ KV_DEFINES = ("PAGE_BYTES", "KV_BLOCK_SIZE", "KV_HEADS", "KV_HEAD_DIM", "KV_DTYP
 KERNEL_NEEDS = {
     "crc32c_pages": "PAGE_BYTES",
     "kv_scan": "KV_BLOCK_SIZE",
+    "table_fingerprint": "PAGE_BYTES",  # the table's detectors, one module per page size
+    "table_shadow": "PAGE_BYTES",
 }
 
 # Concordia's own modules carry this define, and concordia.instrument leaves
@@ -71,7 +75,7 @@ def kernels_in(name: str, defines: dict) -> tuple[str, ...]:
 def page_specs(page_bytes: int) -> list[tuple[str, dict]]:
     """Every module a region of `page_bytes` pages uses (detect, stage, scatter)."""
     d = {"PAGE_BYTES": int(page_bytes)}
-    return [("shadow_diff", d), ("fingerprint", d), ("crc32c", d), ("stage", d), ("scatter", d)]
+    return [("shadow_diff", d), ("fingerprint", d), ("crc32c", d), ("stage", d), ("scatter", d), ("table", d)]
 
 
 def kv_spec(*, page_bytes: int, block_size: int, kv_heads: int, head_dim: int, dtype_bytes: int):
@@ -85,7 +89,7 @@ CI_SPECS = (
     page_specs(64) + page_specs(4096) + page_specs(65536)
     + [kv_spec(page_bytes=4096, block_size=16, kv_heads=8, head_dim=128, dtype_bytes=2),
        kv_spec(page_bytes=32768, block_size=16, kv_heads=4, head_dim=64, dtype_bytes=4),
-       ("crc32c", {}), ("kv_scan", {})]
+       ("crc32c", {}), ("kv_scan", {}), ("table", {})]
 )
 
 

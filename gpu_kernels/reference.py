@@ -161,7 +161,9 @@ def _bytes_of(a, what: str) -> np.ndarray:
     return a.reshape(-1).view(np.uint8)
 
 
-def _check_page_bytes(page_bytes: int) -> int:
+def check_page_bytes(page_bytes: int) -> int:
+    """`page_bytes` as an int, or a one-line KernelInputError: a positive multiple
+    of 64 up to MAX_PAGE_BYTES (what every kernel and twin takes)."""
     page_bytes = int(page_bytes)
     if page_bytes <= 0 or page_bytes % 64 or page_bytes > MAX_PAGE_BYTES:
         raise KernelInputError(f"page_bytes {page_bytes} is not a positive multiple of 64 "
@@ -187,7 +189,7 @@ def shadow_diff(region, shadow, *, page_bytes: int, update: bool = True) -> np.n
     """Pages of `region` that differ from `shadow` (same byte size), as sorted
     uint32 page ids; with `update` the shadow takes the region's bytes of those
     pages, so the next call reports only later changes."""
-    pb = _check_page_bytes(page_bytes)
+    pb = check_page_bytes(page_bytes)
     r, s = _bytes_of(region, "region"), _bytes_of(shadow, "shadow")
     if r.size != s.size:
         raise KernelInputError(f"shadow has {s.size} bytes, region {r.size}", where="shadow")
@@ -245,7 +247,7 @@ def fingerprint_pages(region, *, page_bytes: int, out=None) -> np.ndarray:
     the last page zero-padded): x_j = (w_j ^ j*K1) * K2, x_j ^= x_j >> 29,
     fp = fmix64(sum_j x_j mod 2^64 ^ page_bytes).  Each x_j is a bijection of
     w_j, so a change confined to one word always changes the fingerprint."""
-    pb = _check_page_bytes(page_bytes)
+    pb = check_page_bytes(page_bytes)
     r = _bytes_of(region, "region")
     n = num_pages(r.size, pb)
     if out is None:
@@ -267,7 +269,7 @@ def fingerprint_pages(region, *, page_bytes: int, out=None) -> np.ndarray:
 def fingerprint_dirty(region, fingerprints, *, page_bytes: int, update: bool = True) -> np.ndarray:
     """Pages whose fingerprint differs from `fingerprints` (uint64 per page),
     as sorted uint32 ids; with `update` the stored fingerprints are refreshed."""
-    pb = _check_page_bytes(page_bytes)
+    pb = check_page_bytes(page_bytes)
     n = num_pages(_bytes_of(region, "region").size, pb)
     if fingerprints.shape != (n,) or fingerprints.dtype != _U64:
         raise KernelInputError(f"fingerprints must be uint64[{n}]", where="fingerprints")
@@ -312,7 +314,7 @@ def kv_dirty_blocks(block_tables, seq_lens, ckpt_lens, *, block_size: int, kv_he
     Returns sorted unique uint32 page ids of the cache region; with `advance`
     ckpt_lens takes seq_lens.  Entries naming a block outside [0, num_blocks) or
     a logical block past the table are an error."""
-    pb = _check_page_bytes(page_bytes)
+    pb = check_page_bytes(page_bytes)
     geo = kv_layout(block_size=block_size, kv_heads=kv_heads, head_dim=head_dim,
                     dtype_bytes=dtype_bytes, num_blocks=num_blocks, num_layers=num_layers)
     bt = np.asarray(block_tables)
@@ -395,7 +397,7 @@ def _page(r: np.ndarray, pb: int, p: int):
 def crc32c_pages(region, page_ids=None, *, page_bytes: int) -> np.ndarray:
     """CRC32C of each listed page (all pages when page_ids is None), the last
     page zero-padded: uint32 array in the order of page_ids."""
-    pb = _check_page_bytes(page_bytes)
+    pb = check_page_bytes(page_bytes)
     r = _bytes_of(region, "region")
     n = num_pages(r.size, pb)
     ids = None if page_ids is None else _check_page_ids(page_ids, n, strict=False)
@@ -447,7 +449,7 @@ def stage_page_batch(region, page_ids, dst, cursor, *, page_bytes: int, base_lsn
     the record goes at byte cursor[CURSOR_USED] and its LSN is base_lsn plus
     that offset.  A record that does not fit is not written: cursor[CURSOR_REFUSED]
     counts it.  Returns the record's length (written or not)."""
-    pb = _check_page_bytes(page_bytes)
+    pb = check_page_bytes(page_bytes)
     r = _bytes_of(region, "region")
     n = num_pages(r.size, pb)
     ids = _check_page_ids(page_ids, n)
@@ -543,7 +545,7 @@ def scatter_pages(src, src_offsets, page_ids, region, *, page_bytes: int,
     With expected_crcs every source page is checked first; pages whose CRC32C
     differs are not applied.  Returns the sorted positions i that mismatched
     (int64).  page_ids must be unique (order is free)."""
-    pb = _check_page_bytes(page_bytes)
+    pb = check_page_bytes(page_bytes)
     s = _bytes_of(src, "src")
     r = _bytes_of(region, "region")
     n = num_pages(r.size, pb)

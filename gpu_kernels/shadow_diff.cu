@@ -13,10 +13,6 @@
 // -D PAGE_BYTES (multiple of 64).
 #include "common.cuh"
 
-#ifndef UNROLL
-#define UNROLL 8
-#endif
-
 extern "C" __global__ void __launch_bounds__(256)
 shadow_diff(const u8* __restrict__ region, u8* __restrict__ shadow, u8* __restrict__ flags,
             u64 num_pages, u64 region_bytes, int update, u32* __restrict__ list,
@@ -24,45 +20,7 @@ shadow_diff(const u8* __restrict__ region, u8* __restrict__ shadow, u8* __restri
     const int lane = threadIdx.x & 31;
     const u64 warps = (u64)gridDim.x * (blockDim.x >> 5);
     for (u64 p = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; p < num_pages; p += warps) {
-        const u64 base = p * PAGE_BYTES;
-        const u8* r = region + base;
-        u8* s = shadow + base;
-        unsigned diff = 0;
-        if (base + PAGE_BYTES <= region_bytes) {
-#pragma unroll 1
-            for (int k0 = 0; k0 < LANE_CHUNKS; k0 += UNROLL) {
-                uint4 a[UNROLL], b[UNROLL];
-#pragma unroll
-                for (int u = 0; u < UNROLL; ++u) {
-                    const int c = lane + WARP * (k0 + u);
-                    if (k0 + u < LANE_CHUNKS && c < PAGE_CHUNKS) {
-                        a[u] = __ldcs(reinterpret_cast<const uint4*>(r) + c);
-                        b[u] = __ldcs(reinterpret_cast<const uint4*>(s) + c);
-                    }
-                }
-#pragma unroll
-                for (int u = 0; u < UNROLL; ++u) {
-                    const int c = lane + WARP * (k0 + u);
-                    if (k0 + u < LANE_CHUNKS && c < PAGE_CHUNKS && differs(a[u], b[u])) {
-                        diff = 1;
-                        if (update) reinterpret_cast<uint4*>(s)[c] = a[u];
-                    }
-                }
-            }
-        } else {
-            // the region's short last page: compare only its real bytes
-            const u32 valid = (u32)(region_bytes - base);
-            for (u32 c = lane; c * 16 < valid; c += WARP) {
-                const uint4 a = load16(r, c * 16, valid), b = load16(s, c * 16, valid);
-                if (differs(a, b)) {
-                    diff = 1;
-                    if (!update) continue;
-                    if (c * 16 + 16 <= valid) reinterpret_cast<uint4*>(s)[c] = a;
-                    else store_partial(s + c * 16, a, valid - c * 16);
-                }
-            }
-        }
-        diff = __any_sync(FULL_MASK, diff);
+        const unsigned diff = page_shadow_diff(region, shadow, region_bytes, p, lane, update);
         if (lane == 0) {
             flags[p] = (u8)diff;
             if (diff && list_count) note_dirty(list, list_count, list_cap, p);

@@ -14,13 +14,31 @@ import sys
 
 import click
 
-from concordia.devmem.errors import ConcordiaError
+from concordia.errors import (
+    ConcordiaError,
+    CorruptionError,
+    NotALogError,
+    NothingToRecoverError,
+    RecoveryDigestError,
+    RegionMismatchError,
+)
 from concordia.sizes import parse_size
 from concordia.wal.modes import CLI_MODES, RecoveryMode
 
 EXIT_OK = 0
 EXIT_PROBLEMS = 1
 EXIT_USAGE = 2
+
+# The library errors that mean "problems found in the data" (exit 1), with
+# every subclass (TornTailError, ChainError, SuperblockError are corruptions);
+# any other ConcordiaError is a usage or I/O error (exit 2).  The library's
+# classes carry no exit codes: this table is the one place that maps them.
+PROBLEMS_FOUND = (CorruptionError, NotALogError, RegionMismatchError, NothingToRecoverError, RecoveryDigestError)
+
+
+def exit_code_of(exc: ConcordiaError) -> int:
+    """The exit code a command line ends with when `exc` stops it."""
+    return EXIT_PROBLEMS if isinstance(exc, PROBLEMS_FOUND) else EXIT_USAGE
 
 
 class Where:
@@ -111,7 +129,7 @@ def guarded(fn):
             if exc.where is None and (Where.at or Where.target):
                 exc.where = Where.at or Where.target  # every error names a place
             click.echo(f"error: {exc.one_line()}", err=True)
-            sys.exit(exc.exit_code)
+            sys.exit(exit_code_of(exc))
         except BrokenPipeError:
             # `concordia-wal dump LOG | head`: the reader left; that is not an error
             _silence_stdout()

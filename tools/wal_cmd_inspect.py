@@ -184,7 +184,8 @@ def collect_info(vol, *, stats: bool, hexdump: bool) -> dict:
         },
         "slots": slots,
         "segments": segments,
-        "regions": [dict(r._asdict(), shape=list(r.shape)) for r in sorted(res.regions.values(), key=lambda r: r.id)],
+        "regions": [dict(r._asdict(), shape=list(r.shape), logical_dtype=r.logical_dtype)
+                    for r in sorted(res.regions.values(), key=lambda r: r.id)],
         "epochs": {
             "committed": len(epochs), "first": epochs[0] if epochs else None,
             "last": epochs[-1] if epochs else None, "incomplete": list(res.incomplete_epochs),
@@ -269,7 +270,7 @@ def render_info(d: dict, hexdump: bool) -> list[str]:
     lines.append("regions")
     if not d["regions"]:
         lines.append("  (none)")
-    rows = [[r["id"], r["name"], r["kind"], f"{r['dtype']}{r['shape']}", R.size(r["nbytes"]),
+    rows = [[r["id"], r["name"], r["kind"], _dtype_text(r), R.size(r["nbytes"]),
              f"{r['pages']} x {R.size(r['page_bytes'])}"] for r in d["regions"]]
     if rows:
         lines += R.table(rows, ["id", "name", "kind", "dtype[shape]", "bytes", "pages"])
@@ -542,3 +543,14 @@ def _json_line(r: dict) -> str:
     import json
 
     return json.dumps(r, allow_nan=False)
+
+
+def _dtype_text(r: dict) -> str:
+    """"bfloat16[4, 8] as <u2 (torch)": the logical dtype and shape, the byte
+    layout where it differs, the framework where it is not an array."""
+    text = f"{r['logical_dtype']}{r['shape']}"
+    if r.get("logical"):
+        text += f" as {r['dtype']}"
+    if r.get("framework", "array") != "array":
+        text += f" ({r['framework']})"
+    return text

@@ -111,7 +111,10 @@ def _desc(vol, h, off: int) -> str:
         if kind == F.REC_REGION:
             r = F.decode_region_body(body, h.region_id, h.page_bytes)
             shape = ",".join(str(s) for s in r.shape)
-            return f"define {r.name} {r.dtype}[{shape}] kind={r.kind} page_bytes={r.page_bytes} pages={r.pages}"
+            layout = f" layout={r.dtype}" if r.logical else ""
+            fw = f" framework={r.framework}" if r.framework != "array" else ""
+            return (f"define {r.name} {r.logical_dtype}[{shape}]{layout}{fw} kind={r.kind} "
+                    f"page_bytes={r.page_bytes} pages={r.pages}")
         if kind == F.REC_CATALOG:
             from concordia.wal.snapshot import decode_catalog_body
 

@@ -35,7 +35,7 @@ def _open_log_writable(spec: str):
 def _dry_run(log, upto, keep) -> dict:
     """What compaction would do, computed with the same pure functions it uses,
     writing nothing."""
-    from concordia.wal.compact import needed_from, retention
+    from concordia.wal.compaction import needed_from, retention
     from concordia.wal.planner import BaseEntry, plan_history, scan
     from concordia.wal.snapshot import current_catalog
 
@@ -91,7 +91,7 @@ def compact_cmd(log, upto, keep, dry_run, as_json):
         concordia-wal compact file:./concordia-data/demo.log --keep 1 --dry-run
         concordia-wal compact file:./concordia-data/demo.log --keep 1
     """
-    from concordia.wal.compact import compact
+    from concordia.wal.compaction import compact
 
     if dry_run:
         from concordia.wal import Log
@@ -200,7 +200,7 @@ def snapshot_create(log, regions, epoch):
     \b
         concordia-wal snapshot create file:./concordia-data/demo.log --region kv
     """
-    from concordia.wal.compact import fold_source
+    from concordia.wal.compaction import fold_source
     from concordia.wal.planner import plan_history, scan
     from concordia.wal.snapshot import create_base_snapshot
 
@@ -255,6 +255,8 @@ def restore_cmd(log, region, epoch, out, mode, force):
     \b
         concordia-wal restore file:./concordia-data/demo.log --region kv --out kv.npy --force
     """
+    import numpy as np
+
     from concordia.devmem.outfile import check_not_input
     from concordia.wal.apply import restore_region_npy
     from concordia.wal.decide import counts, decide
@@ -285,9 +287,7 @@ def restore_cmd(log, region, epoch, out, mode, force):
         p = decision.plan
         if p is None or region not in p.regions:
             why = decision.error or f"region {region!r} cannot be restored at any epoch"
-            click.echo(f"error: recovery {m} refuses: {why}", err=True)
-            for d in decision.problems:
-                click.echo(f"problem  {d}", err=True)
+            click.echo(f"error: recovery {m} refuses: {why}", err=True)  # one line: verify lists the rest
             sys.exit(decision.exit_code or 1)
         rp = p.regions[region]
         bar = Bar("restoring")
@@ -299,8 +299,12 @@ def restore_cmd(log, region, epoch, out, mode, force):
     finally:
         vol.close()
     r = rp.region
-    click.echo(f"restored {region} at epoch {rp.epoch}: {r.dtype}{list(r.shape)}, {r.pages} pages "
+    click.echo(f"restored {region} at epoch {rp.epoch}: {r.logical_dtype}{list(r.shape)}, {r.pages} pages "
                f"({rp.pages_read} read from {len(rp.sources)} records, {rp.zero_page_ids.size} zero) -> {out}")
+    if np.dtype(r.dtype).name != r.logical_dtype:
+        # numpy's .npy header cannot name an ml_dtypes type: the file holds the bytes in their layout
+        click.echo(f"note: {out} holds the {r.logical_dtype} data in its byte layout {r.dtype} "
+                   f"(numpy.load('{out}').view(ml_dtypes.{r.logical_dtype}) reads it as {r.logical_dtype})")
     for d in p.dropped:
         click.echo(f"dropped  {d.one_line()}", err=True)
     listed = {d.damage.where for d in p.dropped}

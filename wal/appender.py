@@ -226,6 +226,55 @@ class Appender:
                              where=f"segment {res.segment} @ 0x{res.offset:x}")
         return pos
 
+    def _account_at(self, res: Reservation, used: int, records: int, offsets) -> int:
+        """`_account` for records at known offsets: the headers are gathered and
+        checked as arrays, and must tile [0, used) exactly as a walk would."""
+        offs = np.asarray(offsets, dtype=np.int64).reshape(-1)
+        if used % 64 or not 0 <= used <= res.length:
+            raise UsageError(f"used bytes {used} must be a multiple of 64 within the {res.length}-byte reservation")
+        if offs.size != records:
+            raise UsageError(f"extent holds {offs.size} records, producer said {records}",
+                             where=f"segment {res.segment} @ 0x{res.offset:x}")
+        if offs.size == 0:
+            if used:
+                raise UsageError(f"extent names no record in {used} used bytes",
+                                 where=f"segment {res.segment} @ 0x{res.offset:x}")
+            return 0
+        if offs[0] != 0 or offs[-1] + F.RECORD_HEADER_SIZE > used:
+            raise UsageError("record offsets do not start at 0 and lie within the bytes used",
+                             where=f"segment {res.segment} @ 0x{res.offset:x}")
+        raw = res.view[offs[:, None] + np.arange(F.RECORD_HEADER_SIZE)]
+        h = raw.view(F.RECORD_HEADER_DTYPE).reshape(-1)
+        length = h["length"].astype(np.int64)
+        computed = _pagecrc.page_crcs(raw[:, :F.RECORD_HEADER_CRC_OFF])
+        ends = np.append(offs[1:], used)
+        bad = ((computed != h["header_crc"]) | (length < F.RECORD_HEADER_SIZE) | (length % F.RECORD_ALIGN != 0)
+               | (h["reserved0"] != 0) | (h["reserved1"] != 0) | (h["lsn"] != np.uint64(res.lsn) + offs.astype(np.uint64))
+               | (h["salt"] != res.salt) | (offs + length != ends))
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            pos = int(offs[i])
+            problem = F.check_record_header_bytes(memoryview(res.view), pos)
+            if problem is None and (int(h["lsn"][i]) != res.lsn + pos or int(h["salt"][i]) != res.salt):
+                problem = (f"record header names lsn 0x{int(h['lsn'][i]):x} salt 0x{int(h['salt'][i]):08x}, "
+                           f"expected lsn 0x{res.lsn + pos:x} salt 0x{res.salt:08x}")
+            if problem is None:
+                problem = f"record of {int(length[i])} bytes does not end where the next begins (0x{int(ends[i]):x})"
+            raise UsageError(f"invalid record written into a reservation: {problem}",
+                             where=f"segment {res.segment} @ 0x{res.offset + pos:x}")
+        counted = F.counted_in_epoch_mask(h["type"], h["flags"])
+        for epoch in np.unique(h["epoch"][counted]).tolist():
+            mine = counted & (h["epoch"] == epoch)
+            st = self.stats.get(epoch)
+            first = int(h["lsn"][mine][0])
+            n, nbytes = int(mine.sum()), int(length[mine].sum())
+            if st is None:
+                self.stats[epoch] = [n, nbytes, first]
+            else:
+                st[0] += n
+                st[1] += nbytes
+        return used
+
     def _count(self, epoch, length, lsn):
         st = self.stats.get(epoch)
         if st is None:
@@ -250,13 +299,18 @@ class Appender:
         self._persist(res.offset, res.length)
         self._wrote()
 
-    def finish_extent(self, ext: Extent, used_bytes: int, records: int) -> None:
+    def finish_extent(self, ext: Extent, used_bytes: int, records: int, offsets=None) -> None:
         """The producer wrote `records` records into the first `used_bytes` of
-        `ext`; check, pad the rest, persist."""
+        `ext`; check, pad the rest, persist.  offsets: where the producer says
+        its records start (ascending, from 0): their headers are then checked
+        all at once instead of walked one by one (the same checks)."""
         self._check_running()
         if self.outstanding.pop(ext.id, None) is None:
             raise UsageError("extent already finished or not from this appender")
-        used = self._account(ext, F.align64(used_bytes), records)
+        if offsets is None or records <= 8:  # a few headers: the walk costs less than the arrays
+            used = self._account(ext, F.align64(used_bytes), records)
+        else:
+            used = self._account_at(ext, F.align64(used_bytes), records, offsets)
         self._pad(ext, used)
         self._persist(ext.offset, ext.length)
         self._wrote()

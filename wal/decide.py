@@ -123,9 +123,7 @@ def decide(log, mode=None, *, target="latest", regions=None, check_pages: bool =
         out.epoch = max(reached) if reached else None
     else:
         out.epoch = p.epoch or None
-    if reached and len(reached) < len(out.regions) and out.error is None:
-        lost = [n for n, e in out.regions.items() if e is None]
-        out.error = f"region{'s' if len(lost) > 1 else ''} {', '.join(lost)} cannot be restored at any epoch"
+    # a region left None (SKIP_CORRUPT: nothing of it is whole) makes the outcome incomplete (exit 1)
     return out
 
 

@@ -2,13 +2,13 @@
 
 Every corruption names where it is (`segment N @ 0xOFFSET`, the offset inside
 the backend mapping) and what was expected, so a person can find the bytes.
-Classes whose `exit_code` is 1 mean "problems found in the data"; the rest are
-usage or I/O errors (2).
+Which of them a command line reports as "problems found in the data" (exit 1)
+is mapped in the command line (`concordia.tools.common.PROBLEMS_FOUND`).
 """
 
 from __future__ import annotations
 
-from concordia.devmem.errors import ConcordiaError
+from concordia.root_error import ConcordiaError
 
 
 class WalError(ConcordiaError):
@@ -17,8 +17,6 @@ class WalError(ConcordiaError):
 
 class CorruptionError(WalError):
     """Bytes on media fail a validity condition of FORMAT.md."""
-
-    exit_code = 1
 
 
 class TornTailError(CorruptionError):
@@ -35,8 +33,6 @@ class SuperblockError(CorruptionError):
 
 class NotALogError(WalError):
     """The target holds no Concordia volume (no superblock magic)."""
-
-    exit_code = 1
 
 
 class TargetNotEmptyError(WalError):
@@ -58,6 +54,10 @@ class LogFullError(WalError):
 
 class RecordTooLargeError(WalError):
     """A record cannot fit in one segment."""
+
+
+class PlanError(WalError):
+    """The target cannot be planned (not committed, older than retention, no such region)."""
 
 
 class RegionError(WalError):
@@ -86,6 +86,7 @@ __all__ = [
     "ReadOnlyFeatureError",
     "LogFullError",
     "RecordTooLargeError",
+    "PlanError",
     "RegionError",
     "UsageError",
     "WriterStoppedError",

@@ -43,9 +43,12 @@ CRC_OF_EMPTY = 0  # crc32c(b"")
 MAJOR_VERSION = 1  # superblock and segment header `major` (FORMAT.md §3.1, §4)
 MINOR_VERSION = 0  # `minor`; any minor of the major is read (FORMAT.md §3.1)
 
-#: feature bits this code understands (FORMAT.md §2.3); none are defined yet
+#: incompat feature bit 0: region descriptors may name a logical dtype and
+#: the framework of the region (FORMAT.md §2.3, §7)
+FEATURE_LOGICAL_DTYPE = 0x1
+#: feature bits this code understands (FORMAT.md §2.3)
 KNOWN_COMPAT = 0
-KNOWN_INCOMPAT = 0
+KNOWN_INCOMPAT = FEATURE_LOGICAL_DTYPE
 KNOWN_RO_COMPAT = 0
 
 VOLUME_MAGIC = b"CNCRDVOL"  # FORMAT.md §3.1
@@ -294,6 +297,16 @@ OFF_LENGTH, OFF_TYPE, OFF_FLAGS, OFF_RESERVED0, OFF_REGION = 0, 8, 9, 10, 12
 OFF_LSN, OFF_EPOCH, OFF_SALT, OFF_BODY_CRC = 16, 24, 32, 36
 OFF_COUNT, OFF_PAGE_BYTES, OFF_AUX, OFF_RESERVED1, OFF_HEADER_CRC = 40, 44, 48, 56, 60
 
+#: the same header as a numpy record, for checking many headers at once
+#: (tests/wal/test_format.py holds it equal to RECORD_HEADER)
+RECORD_HEADER_DTYPE = np.dtype({
+    "names": ["length", "type", "flags", "reserved0", "region_id", "lsn", "epoch", "salt", "body_crc",
+              "count", "page_bytes", "aux", "reserved1", "header_crc"],
+    "formats": ["<u8", "u1", "u1", "<u2", "<u4", "<u8", "<u8", "<u4", "<u4", "<u4", "<u4", "<u8", "<u4", "<u4"],
+    "offsets": [OFF_LENGTH, OFF_TYPE, OFF_FLAGS, OFF_RESERVED0, OFF_REGION, OFF_LSN, OFF_EPOCH, OFF_SALT,
+                OFF_BODY_CRC, OFF_COUNT, OFF_PAGE_BYTES, OFF_AUX, OFF_RESERVED1, OFF_HEADER_CRC],
+    "itemsize": RECORD_HEADER_SIZE})
+
 # record types (FORMAT.md §5.2)
 TYPE_IGNORABLE = 0x80  # type bit 7: an unknown type may be skipped
 TYPE_MASK = 0x7F
@@ -323,6 +336,14 @@ def counted_in_epoch(type_byte: int, flags: int) -> bool:
     if kind == REC_PAGE_BATCH:
         return not flags & FLAG_BASE
     return kind not in (REC_PAD, REC_COMMIT, REC_REGION, REC_CATALOG, REC_SNAPSHOT)
+
+
+def counted_in_epoch_mask(type_bytes: np.ndarray, flags: np.ndarray) -> np.ndarray:
+    """`counted_in_epoch` over arrays of type bytes and flags (bool array)."""
+    kind = np.asarray(type_bytes) & 0x7F
+    batch = (kind == REC_PAGE_BATCH) & ~(np.asarray(flags) & FLAG_BASE).astype(bool)
+    other = ~np.isin(kind, (REC_PAGE_BATCH, REC_PAD, REC_COMMIT, REC_REGION, REC_CATALOG, REC_SNAPSHOT))
+    return batch | other
 
 
 class RecordHeader(NamedTuple):
@@ -447,6 +468,16 @@ def page_batch_tables_bytes(count: int) -> int:
 
 def page_batch_payload_offset(count: int) -> int:
     return RECORD_HEADER_SIZE + page_batch_tables_bytes(count)
+
+
+def page_batch_index_offset(count: int) -> int:
+    """Offset of the index table (u32 page ids) from the record start (FORMAT.md §6.1)."""
+    return RECORD_HEADER_SIZE
+
+
+def page_batch_crcs_offset(count: int) -> int:
+    """Offset of the page CRC table (u32 per page, after the index table) from the record start."""
+    return RECORD_HEADER_SIZE + 4 * count
 
 
 def page_batch_length(count: int, page_bytes: int) -> int:
@@ -625,24 +656,34 @@ def region_digest(page_crcs) -> int:
 # --------------------------------------------------------------------------
 # Region descriptor (FORMAT.md §7)
 
-REGION_BODY = struct.Struct("<HBBBBHQ")  # name_len, dtype_len, kind_len, ndim, 0, 0, nbytes
+REGION_BODY = struct.Struct("<HBBBBBBQ")  # name_len, dtype_len, kind_len, ndim, logical_len, framework, 0, nbytes
 REGION_BODY_SIZE = 16
 MAX_NAME = 1024  # name_len 1..1024 (FORMAT.md §7)
 MAX_NDIM = 32  # ndim 0..32 (FORMAT.md §7)
 # the patterns of FORMAT.md §7 (V-G2)
 _DTYPE_RE = re.compile(r"^[<>|=]?[biufcV]\d{1,3}$")
 _KIND_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+_LOGICAL_RE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+#: the `framework` byte of FORMAT.md §7: what the region was registered as
+FRAMEWORKS = ("array", "torch")
 
 
 class RegionInfo(NamedTuple):
     id: int
     name: str
-    dtype: str  # numpy dtype string, e.g. "<f2"
+    dtype: str  # numpy dtype string of the byte layout, e.g. "<f2" ("<u2" for bfloat16)
     shape: tuple
     page_bytes: int
     kind: str
     nbytes: int
     pages: int
+    logical: str = ""  # logical dtype by name ("bfloat16", "float8_e4m3fn"); "" = the one `dtype` names
+    framework: str = "array"  # "array" (numpy or CuPy) or "torch" (registered as a PyTorch tensor)
+
+    @property
+    def logical_dtype(self) -> str:
+        """The logical dtype's name: `logical`, or numpy's name of `dtype` ("float16")."""
+        return self.logical or np.dtype(self.dtype).name
 
 
 def region_pages(nbytes: int, page_bytes: int) -> int:
@@ -657,15 +698,24 @@ def check_dtype(dtype) -> str:
     return s
 
 
-def encode_region_body(name: str, dtype, shape, page_bytes: int, kind: str) -> bytes:
+def encode_region_body(name: str, dtype, shape, page_bytes: int, kind: str, *, logical: str = "",
+                       framework: str = "array") -> bytes:
+    """The body of a region descriptor (FORMAT.md §7).  A descriptor with a
+    logical dtype or framework="torch" needs the LOGICAL_DTYPE feature in the
+    volume (the caller sets it); without them it is the 1.0 layout."""
     nb = name.encode("utf-8")
     ds = check_dtype(dtype).encode("ascii")
     kb = kind.encode("ascii")
+    lb = logical.encode("ascii") if logical else b""
     shape = tuple(int(s) for s in shape)
     if not (1 <= len(nb) <= MAX_NAME):
         raise WalError(f"region name must be 1..{MAX_NAME} bytes")
     if not _KIND_RE.match(kind):
         raise WalError(f"region kind {kind!r} must be a short lower-case word")
+    if logical and not _LOGICAL_RE.match(logical):
+        raise WalError(f"logical dtype {logical!r} must be a short lower-case name")
+    if framework not in FRAMEWORKS:
+        raise WalError(f"framework {framework!r} is not one of {', '.join(FRAMEWORKS)}")
     if len(shape) > MAX_NDIM or any(s < 0 for s in shape):
         raise WalError(f"bad region shape {shape}")
     if page_bytes <= 0 or page_bytes % RECORD_ALIGN or page_bytes > MAX_PAGE_BYTES:
@@ -673,34 +723,45 @@ def encode_region_body(name: str, dtype, shape, page_bytes: int, kind: str) -> b
     nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(ds.decode()).itemsize
     if region_pages(nbytes, page_bytes) > 0xFFFFFFFF:
         raise WalError("region has more than 2**32 pages")
-    return (REGION_BODY.pack(len(nb), len(ds), len(kb), len(shape), 0, 0, nbytes)
-            + struct.pack(f"<{len(shape)}Q", *shape) + nb + ds + kb)
+    return (REGION_BODY.pack(len(nb), len(ds), len(kb), len(shape), len(lb), FRAMEWORKS.index(framework), 0,
+                             nbytes)
+            + struct.pack(f"<{len(shape)}Q", *shape) + nb + ds + kb + lb)
+
+
+def region_needs_feature(body) -> bool:
+    """Whether a descriptor body uses the LOGICAL_DTYPE feature (FORMAT.md §7)."""
+    return bool(body[4] or body[5])
 
 
 def decode_region_body(body, region_id: int, page_bytes: int) -> RegionInfo:
-    """Decode a region descriptor body (FORMAT.md §7.2 V-G1..V-G4); raises CorruptionError
+    """Decode a region descriptor body (FORMAT.md §7.2 V-G1..V-G5); raises CorruptionError
     (without `where`: the caller adds it)."""
     body = memoryview(body).cast("B")
     if len(body) < REGION_BODY_SIZE:
         raise CorruptionError("region descriptor body too short")
-    name_len, dtype_len, kind_len, ndim, r0, r1, nbytes = REGION_BODY.unpack_from(body, 0)
-    if r0 or r1:
+    name_len, dtype_len, kind_len, ndim, logical_len, fw, r0, nbytes = REGION_BODY.unpack_from(body, 0)
+    if r0:
         raise CorruptionError("reserved region descriptor bytes are not zero")
+    if fw >= len(FRAMEWORKS):
+        raise CorruptionError(f"region descriptor framework {fw} is not known")
     if ndim > MAX_NDIM or not (1 <= name_len <= MAX_NAME):
         raise CorruptionError(f"region descriptor ndim {ndim} / name length {name_len} out of range")
-    need = REGION_BODY_SIZE + 8 * ndim + name_len + dtype_len + kind_len
+    need = REGION_BODY_SIZE + 8 * ndim + name_len + dtype_len + kind_len + logical_len
     if need != len(body):
         raise CorruptionError(f"region descriptor body is {len(body)} bytes, fields need {need}")
     shape = struct.unpack_from(f"<{ndim}Q", body, REGION_BODY_SIZE)
     p = REGION_BODY_SIZE + 8 * ndim
+    q = p + name_len + dtype_len
     try:
         name = bytes(body[p:p + name_len]).decode("utf-8")
-        dtype = bytes(body[p + name_len:p + name_len + dtype_len]).decode("ascii")
-        kind = bytes(body[p + name_len + dtype_len:need]).decode("ascii")
+        dtype = bytes(body[p + name_len:q]).decode("ascii")
+        kind = bytes(body[q:q + kind_len]).decode("ascii")
+        logical = bytes(body[q + kind_len:need]).decode("ascii")
     except UnicodeDecodeError as exc:
         raise CorruptionError(f"region descriptor text is not valid ({exc.reason})") from None
-    if not _DTYPE_RE.match(dtype) or not _KIND_RE.match(kind):
-        raise CorruptionError(f"region descriptor dtype {dtype!r} / kind {kind!r} not allowed")
+    if not _DTYPE_RE.match(dtype) or not _KIND_RE.match(kind) or (logical and not _LOGICAL_RE.match(logical)):
+        raise CorruptionError(f"region descriptor dtype {dtype!r} / kind {kind!r} / logical dtype {logical!r} "
+                              f"not allowed")
     if page_bytes <= 0 or page_bytes % RECORD_ALIGN or page_bytes > MAX_PAGE_BYTES:
         raise CorruptionError(f"region page_bytes {page_bytes} is not a positive multiple of 64")
     itemsize = np.dtype(dtype).itemsize
@@ -712,7 +773,7 @@ def decode_region_body(body, region_id: int, page_bytes: int) -> RegionInfo:
     if total != nbytes:
         raise CorruptionError(f"region nbytes {nbytes} disagrees with shape {shape} of {dtype}")
     return RegionInfo(region_id, name, dtype, tuple(shape), page_bytes, kind, nbytes,
-                      region_pages(nbytes, page_bytes))
+                      region_pages(nbytes, page_bytes), logical, FRAMEWORKS[fw])
 
 
 # --------------------------------------------------------------------------
@@ -735,10 +796,27 @@ class CommitInfo(NamedTuple):
     lsn: int = 0
 
 
+COMMIT_DIGEST_DTYPE = np.dtype([("region_id", "<u4"), ("digest", "<u4")])  # COMMIT_DIGEST as numpy
+
+
 def encode_commit_body(record_count: int, record_bytes: int, first_lsn: int,
-                       digests: dict) -> bytes:
+                       digests) -> bytes:
+    """digests: {region_id: digest}, or a pair of arrays (region ids, digests)
+    for many regions at once (ids distinct)."""
     if len(digests) > MAX_COMMIT_REGIONS:
         raise WalError(f"a commit names at most {MAX_COMMIT_REGIONS} regions")
+    if isinstance(digests, tuple):
+        ids, values = (np.asarray(a).astype(np.uint64) for a in digests)
+        if ids.shape != values.shape or ids.ndim != 1 or len(ids) > MAX_COMMIT_REGIONS:
+            raise WalError(f"a commit names at most {MAX_COMMIT_REGIONS} regions, as equal 1-D arrays of ids "
+                           "and digests")
+        order = np.argsort(ids, kind="stable")
+        table = np.empty(ids.size, COMMIT_DIGEST_DTYPE)
+        table["region_id"] = ids[order]
+        table["digest"] = values[order] & 0xFFFFFFFF
+        if ids.size > 1 and bool((table["region_id"][1:] == table["region_id"][:-1]).any()):
+            raise WalError("a commit names a region twice")
+        return COMMIT_BODY.pack(record_count, record_bytes, first_lsn, ids.size, 0) + table.tobytes()
     items = sorted((int(k), int(v) & 0xFFFFFFFF) for k, v in digests.items())
     return COMMIT_BODY.pack(record_count, record_bytes, first_lsn, len(items), 0) + b"".join(
         COMMIT_DIGEST.pack(k, v) for k, v in items)

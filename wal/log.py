@@ -221,18 +221,26 @@ class Log:
                     return info
         raise RegionError(f"no region {key!r} in this log")
 
-    def define_region(self, name: str, dtype, shape, page_bytes: int, kind: str = "opaque") -> int:
+    def define_region(self, name: str, dtype, shape, page_bytes: int, kind: str = "opaque", *,
+                      logical: str = "", framework: str = "array") -> int:
         """Describe a region in the log (persisted at once); returns its id.  The same
-        name with the same attributes returns the existing id."""
-        body = F.encode_region_body(name, dtype, shape, page_bytes, kind)
+        name with the same attributes returns the existing id.  `dtype` is the byte
+        layout (a numpy type string); `logical` names the dtype the bytes hold when
+        numpy's own names do not ("bfloat16", "float8_e4m3fn"), `framework` what the
+        region was registered as ("array" or "torch").  Either sets the volume's
+        LOGICAL_DTYPE feature first (FORMAT.md §2.3, §7)."""
+        body = F.encode_region_body(name, dtype, shape, page_bytes, kind, logical=logical, framework=framework)
         for info in self._regions.values():
             if info.name == name:
                 want = F.decode_region_body(body, info.id, page_bytes)
                 if want != info:
-                    raise RegionError(f"region {name!r} is already defined as {info.dtype}{list(info.shape)} "
-                                      f"pages of {info.page_bytes} ({info.kind})")
+                    raise RegionError(f"region {name!r} is already defined as {info.logical_dtype}"
+                                      f"{list(info.shape)} ({info.framework}) pages of {info.page_bytes} "
+                                      f"({info.kind})")
                 return info.id
         rid = max(self._regions, default=-1) + 1
+        if F.region_needs_feature(body):
+            self.volume.enable_incompat(F.FEATURE_LOGICAL_DTYPE)
         self.appender.append_record(type=F.REC_REGION, epoch=0, body=body, region_id=rid, page_bytes=page_bytes)
         self._regions[rid] = F.decode_region_body(body, rid, page_bytes)
         return rid

@@ -52,7 +52,7 @@ from typing import Iterable
 import numpy as np
 
 from concordia.wal.catalog import BaseEntry, decode_catalog_body
-from concordia.wal.errors import CorruptionError, TornTailError, WalError
+from concordia.wal.errors import CorruptionError, PlanError, TornTailError
 from concordia.wal.modes import MODES, RecoveryMode
 
 #: page batch flag bit 0: the record is part of a base snapshot (FORMAT.md)
@@ -61,10 +61,6 @@ FLAG_BASE = 0x01
 #: bytes/s used for `est_seconds` when the caller gives none: a conservative
 #: host-memory copy rate (restore reads the log mapping once).
 DEFAULT_BANDWIDTH = 8e9
-
-class PlanError(WalError):
-    """The target cannot be planned (not committed, older than retention, no such region)."""
-
 
 def mode_name(mode) -> str:
     """'tolerate_tail' | 'absolute' | 'point_in_time' | 'skip_corrupt' from a
@@ -91,15 +87,21 @@ class RegionMeta:
     shape: tuple
     page_bytes: int
     nbytes: int
+    logical: str = ""  # the descriptor's logical dtype name (FORMAT.md §7.1), "" where `dtype` names it
 
     @property
     def pages(self) -> int:
         return -(-self.nbytes // self.page_bytes) if self.nbytes else 0
 
+    @property
+    def logical_dtype(self) -> str:
+        return self.logical or np.dtype(self.dtype).name
+
 
 @dataclass(frozen=True, eq=False)
-class Batch:
-    """One valid page batch: header fields, its page numbers and stored page CRCs.
+class ScannedBatch:
+    """One valid page batch found by `scan`: header fields, its page numbers and
+    stored page CRCs.  (Not the checkpoint's plan of a record to write.)
 
     `payload` is a (count, page_bytes) uint8 view of the record's pages (in the
     log mapping for a real log; the planner never reads it).
@@ -153,7 +155,7 @@ class History:
     """Record metadata of a log, as the planner sees it."""
 
     regions: dict  # id -> RegionMeta
-    batches: list  # Batch, in LSN order
+    batches: list  # ScannedBatch, in LSN order
     commits: dict  # epoch -> Commit
     bases: list  # BaseEntry, from the current catalog
     damage: list = field(default_factory=list)  # Damage
@@ -175,7 +177,7 @@ class Source:
     """Pages a region takes from one record: rows `rows` of its payload go to
     page numbers `page_ids`."""
 
-    batch: Batch
+    batch: ScannedBatch
     rows: np.ndarray
     page_ids: np.ndarray
 
@@ -242,7 +244,11 @@ class RegionPlan:
 
 
 @dataclass
-class Dropped:
+class PlanLoss:
+    """A damage the plan could not use, and what it cost: the epochs and regions
+    no longer restorable because of it (None: it cost nothing restorable).
+    Not `reader.Dropped`, which is a byte range the open-time walk gave up."""
+
     damage: Damage
     region: str | None
     gave_up_epochs: tuple | None  # (first, last) epochs no longer restorable
@@ -280,7 +286,7 @@ class Plan:
     epoch: int
     mode: str
     regions: dict  # name -> RegionPlan
-    dropped: list  # Dropped
+    dropped: list  # PlanLoss
     naive_bytes: int
     bandwidth: float = DEFAULT_BANDWIDTH
 
@@ -323,7 +329,7 @@ class _Index:
         self.committed = h.committed_epochs()
         committed = set(self.committed)
         # deltas that belong to a commit: epoch committed and written before the commit
-        self.deltas = {}  # region_id -> [Batch] in (epoch, lsn) order
+        self.deltas = {}  # region_id -> [ScannedBatch] in (epoch, lsn) order
         counts = {}
         for b in h.batches:
             if b.base:
@@ -340,7 +346,7 @@ class _Index:
         for b in h.batches:
             if b.base:
                 by_key.setdefault((b.region_id, b.epoch), []).append(b)
-        self.bases = {}  # region_id -> [(BaseEntry, [Batch])] newest first
+        self.bases = {}  # region_id -> [(BaseEntry, [ScannedBatch])] newest first
         self.damage_of_base = {}
         for e in h.bases:
             recs = [b for b in by_key.get((e.region_id, e.epoch), ()) if e.first_lsn <= b.lsn <= e.last_lsn]
@@ -523,7 +529,7 @@ def plan_history(
                               where=d.where if d.segment >= 0 else None,
                               hint="recover with mode point_in_time or skip_corrupt to fall back")
     for d in tail:
-        dropped.append(Dropped(d, name_of.get(d.region_id), None, None))
+        dropped.append(PlanLoss(d, name_of.get(d.region_id), None, None))
 
     want = _resolve_target(h, idx, target)
     chosen = list(h.regions.values())
@@ -576,20 +582,20 @@ def plan_history(
                 _, _, _, bad = idx.chain(r.id, want)
                 if bad is not None and id(bad) not in seen:
                     seen.add(id(bad))
-                    dropped.append(Dropped(bad, name_of.get(bad.region_id), (first, want), gave))
+                    dropped.append(PlanLoss(bad, name_of.get(bad.region_id), (first, want), gave))
             for d in corrupt:
                 if id(d) not in seen and d.lsn is not None and d.lsn < h.commits[want].lsn:
                     seen.add(id(d))
-                    dropped.append(Dropped(d, name_of.get(d.region_id), (first, want), gave))
+                    dropped.append(PlanLoss(d, name_of.get(d.region_id), (first, want), gave))
     else:  # skip_corrupt: each region on its own
         for r in chosen:
             ep, bad = _consistent_epoch(h, idx, r.id, want)
             if ep is None:
-                dropped.append(Dropped(bad, r.name, (idx.committed[0], want), [r.name]))
+                dropped.append(PlanLoss(bad, r.name, (idx.committed[0], want), [r.name]))
                 continue
             per_region[r.id] = ep
             if ep != want:
-                dropped.append(Dropped(bad, r.name, (_first_given_up(h, idx, ep, want), want), [r.name]))
+                dropped.append(PlanLoss(bad, r.name, (_first_given_up(h, idx, ep, want), want), [r.name]))
 
     plans = {}
     naive = 0
@@ -615,11 +621,11 @@ def plan_history(
     listed = {id(x.damage) for x in dropped}
     for d, _, rid, _ in idx.bad:
         if id(d) not in listed and not d.tail:
-            dropped.append(Dropped(d, name_of.get(rid), None, None))
+            dropped.append(PlanLoss(d, name_of.get(rid), None, None))
             listed.add(id(d))
     for d in h.damage:
         if id(d) not in listed and not d.tail and d.epoch is None:
-            dropped.append(Dropped(d, None, None, None))
+            dropped.append(PlanLoss(d, None, None, None))
             listed.add(id(d))
     effective = min(per_region.values()) if per_region else want
     if mode == "skip_corrupt":  # the newest epoch a region reaches; each says its own
@@ -693,7 +699,7 @@ def scan(log, *, payload: bool = True, check_pages: bool = False, progress=None,
     it reported as a `Damage` (attributed to its epoch and region when the
     record header is intact; `tail` for a torn one).  The planner then decides
     what the recovery mode does with it (R-D4).  Page payloads are CRC-checked
-    only with check_pages=True.  With payload=True each Batch carries a view
+    only with check_pages=True.  With payload=True each ScannedBatch carries a view
     of its pages in the log mapping (no copy).  progress(done_bytes,
     total_bytes) follows the walk (reader.Scanner).  `walk`: the items of a
     walk of this volume made with the same check_pages (reader.verify's), used
@@ -710,7 +716,7 @@ def scan(log, *, payload: bool = True, check_pages: bool = False, progress=None,
         items = list(Scanner(vol, check_pages=check_pages, progress=progress).items(ScanResult()))
     res = recover(vol, RecoveryMode.SKIP_CORRUPT, None, check_pages=bool(check_pages), items=items)
 
-    regions = {rid: RegionMeta(rid, r.name, r.dtype, tuple(r.shape), r.page_bytes, r.nbytes)
+    regions = {rid: RegionMeta(rid, r.name, r.dtype, tuple(r.shape), r.page_bytes, r.nbytes, r.logical)
                for rid, r in res.regions.items()}
     region_lsns, batches, catalogs, where = {}, [], {}, {}
     for rec in res.records:
@@ -719,7 +725,7 @@ def scan(log, *, payload: bool = True, check_pages: bool = False, progress=None,
             count, pb, off = rec.count, rec.page_bytes, rec.offset
             t = arr[off + 64: off + 64 + 8 * count].view("<u4")
             poff = off + F.page_batch_payload_offset(count)
-            batches.append(Batch(
+            batches.append(ScannedBatch(
                 lsn=rec.lsn, epoch=rec.epoch, region_id=rec.region_id, base=bool(rec.flags & FLAG_BASE),
                 page_ids=t[:count], page_crcs=t[count:], page_bytes=pb, segment=rec.segment,
                 offset=off, length=rec.length,
@@ -800,7 +806,8 @@ def scan(log, *, payload: bool = True, check_pages: bool = False, progress=None,
                 floor = max(floor, cat.floor_epoch)
     if not regions and hasattr(log, "regions"):
         for r in log.regions.values():
-            regions[r.id] = RegionMeta(r.id, r.name, r.dtype, tuple(r.shape), r.page_bytes, r.nbytes)
+            regions[r.id] = RegionMeta(r.id, r.name, r.dtype, tuple(r.shape), r.page_bytes, r.nbytes,
+                                       getattr(r, "logical", ""))
     return History(regions=regions, batches=batches, commits=commits, bases=bases, damage=damage,
                    floor_epoch=floor, region_lsns=region_lsns, result=res)
 
@@ -826,6 +833,6 @@ def plan(log, target="latest", mode=None, *, regions=None, bandwidth: float | No
 
 __all__ = [
     "FLAG_BASE", "DEFAULT_BANDWIDTH", "MODES", "PlanError", "mode_name",
-    "RegionMeta", "Batch", "Commit", "BaseEntry", "Damage", "History",
-    "Source", "RegionPlan", "Dropped", "Plan", "plan_history", "scan", "plan",
+    "RegionMeta", "ScannedBatch", "Commit", "BaseEntry", "Damage", "History",
+    "Source", "RegionPlan", "PlanLoss", "Plan", "plan_history", "scan", "plan",
 ]

@@ -118,12 +118,49 @@ def target_contents(backend: Backend) -> str | None:
     if bytes(arr[:8]) == F.VOLUME_MAGIC:
         return "holds a Concordia log (superblock magic at offset 0)"
     step = 16 << 20
-    for start in range(0, arr.size, step):
-        chunk = arr[start:start + step]
-        if chunk.any():
-            first = start + int(chunk.nonzero()[0][0])
-            return f"is not empty (nonzero byte at 0x{first:x})"
+    for lo, hi in _data_extents(backend.path, arr.size):
+        for start in range(lo, hi, step):
+            chunk = arr[start:min(hi, start + step)]
+            if chunk.any():
+                first = start + int(chunk.nonzero()[0][0])
+                return f"is not empty (nonzero byte at 0x{first:x})"
     return None
+
+
+def _data_extents(path, size: int):
+    """[(start, end)] of the file's data (SEEK_DATA / SEEK_HOLE): holes read as
+    zero, so a large sparse file is checked at the cost of its data, not its
+    length.  The whole range where the file cannot say (a device, no SEEK_HOLE)."""
+    import errno
+    import os
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC) if path else -1
+    except OSError:
+        fd = -1
+    if fd < 0:
+        return [(0, size)]
+    out, pos = [], 0
+    try:
+        while pos < size:
+            try:
+                start = os.lseek(fd, pos, os.SEEK_DATA)
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:
+                    break   # only a hole from here on
+                raise       # no SEEK_DATA here (a device): the whole range
+            if start >= size:
+                break
+            end = min(size, os.lseek(fd, start, os.SEEK_HOLE))
+            if end <= start:
+                return [(0, size)]   # a file that cannot say where its data is
+            out.append((start, end))
+            pos = end
+    except OSError:
+        return [(0, size)]
+    finally:
+        os.close(fd)
+    return out
 
 
 def check_format_target(target, *, overwrite: bool = False, allow_log: bool = False,
@@ -275,6 +312,8 @@ class Volume:
             if writable:
                 raise CorruptionError(short, where=backend.where,
                                       hint="open it read-only to read what is left, or restore it from a copy")
+        if problems and found:
+            sb = cls._unlist_cut_segments(arr, sb)
         vol = cls(backend, sb, writable=writable, slot_problems=problems)
         vol.short = short
         vol._adopt()
@@ -318,6 +357,22 @@ class Volume:
                 self._update(**changes)
             else:
                 self._sb = self._sb._replace(**changes)
+
+    @staticmethod
+    def _unlist_cut_segments(arr, sb: F.Superblock) -> F.Superblock:
+        """R-B3: read from the older slot (the other one is invalid), a segment
+        the table lists live whose header is all zero was freed by the lost
+        update (a cut zeroes the headers of the segments it frees, §10.5): it
+        is read as free, not as a damaged segment."""
+        entries = list(sb.segments)
+        changed = False
+        for i, e in enumerate(entries):
+            off = sb.segments_off + i * sb.segment_bytes
+            if e.state == F.SEG_LIVE and off + F.SEGMENT_HEADER_SIZE <= arr.size \
+                    and not arr[off:off + F.SEGMENT_HEADER_SIZE].any():
+                entries[i] = e._replace(state=F.SEG_FREE)
+                changed = True
+        return sb._replace(segments=tuple(entries)) if changed else sb
 
     @staticmethod
     def _decode_slot(arr, off, where) -> F.Superblock:
@@ -393,6 +448,17 @@ class Volume:
             if not isinstance(v, (int, np.integer)) or not 0 <= int(v) < 1 << 64:
                 raise UsageError(f"superblock field {k} must be a u64, not {v!r}")
         return self._update(**{k: int(v) for k, v in changes.items()})
+
+    def enable_incompat(self, bits: int) -> F.Superblock:
+        """Set incompat feature `bits` in the superblock (FORMAT.md §2.3) before
+        the first structure that needs them is written: from then on a reader
+        that lacks them refuses the volume instead of misreading it.  Durable
+        when it returns; a no-op when they are set already."""
+        if bits & ~F.KNOWN_INCOMPAT:
+            raise UsageError(f"incompat features 0x{bits & ~F.KNOWN_INCOMPAT:x} are not known to this code")
+        if self._sb.incompat & bits == bits:
+            return self._sb
+        return self._update(incompat=self._sb.incompat | bits)
 
     # -- segments -------------------------------------------------------------
     @property

@@ -5,6 +5,7 @@ results read back through small pinned mailboxes."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 
@@ -269,6 +270,24 @@ class _DeviceKernels:
     def sync(self) -> None:
         self.stream.synchronize()
 
+    def order_after_producer(self, producer=None) -> None:
+        """Every device checkpoint starts here (see the module function)."""
+        order_after_producer(self.stream, producer)
+
+    def table_pass(self, table, registration, stager=None):
+        """The pass that checkpoints every row of `table` at once into the
+        registered mapping, or None when the table cannot take it (more than
+        2^32 pages in all, or its kernels failed to load)."""
+        if registration is None or table.total_pages >= 0xFFFFFFFF:
+            return None
+        try:
+            specs = [("table", {})] + [("table", {"PAGE_BYTES": pb}) for _, pb in table.groups]
+            self.jit.precompile(specs)
+        except Exception as exc:
+            self.failed = f"table kernels unavailable ({type(exc).__name__}: {exc})"
+            return None
+        return DeviceTablePass(self, table, registration, stager)
+
 
 @dataclasses.dataclass
 class _DeltaState:
@@ -279,3 +298,181 @@ class _DeltaState:
     found: tuple
     guess: int
     armed: bool = False
+
+
+def order_after_producer(stream, producer=None) -> None:
+    """The one ordering point of a device checkpoint: work queued on `stream`
+    after this call runs after the producer's writes to the regions.  The
+    kernels run on the current CuPy stream, so writes queued on it before the
+    checkpoint are ordered already; `producer` (a CuPy stream or event, e.g.
+    the framework's stream) adds a wait on the device for its work so far."""
+    if producer is None:
+        return
+    event = producer.record() if hasattr(producer, "record") else producer
+    stream.wait_event(event)
+
+
+class DeviceTablePass:
+    """One checkpoint of every row of a `table.RegionTable` on the device
+    (gpu_kernels/table.cu): a detection launch per detector group, the plan,
+    staging and finalizing launches into one extent of the registered log
+    mapping, one wait on the stream, then the host checks the extent's
+    headers against its own plan (numpy, no loop over regions) and finishes
+    it.  The extent is sized by the last epoch's records; when they grew, the
+    plan says so and the records are staged again into an extent of the size
+    it gives (a second wait).  An epoch that needs more than a segment is
+    staged by the per-region extent pipeline from the same dirty pages.
+
+    Results come back through one pinned buffer the kernels write (the plan,
+    each row's page count) and one copy (the digests)."""
+
+    label = "gpu-mapped"  # the mapped path: records written in the log mapping itself
+
+    def __init__(self, kernels, table, registration, stager):
+        from concordia.checkpoint.table import DET_FINGERPRINT, DET_LISTED
+
+        cp, gpu, jit = kernels.cp, kernels.gpu, kernels.jit
+        self.k, self.table, self.registration, self.stager = kernels, table, registration, stager
+        e = table.entries.copy()
+        for i, r in enumerate(table.regions):  # once per table, not per checkpoint
+            if not isinstance(r.crcs, cp.ndarray) or r.crcs.dtype != cp.uint32 or r.crcs.size != r.pages:
+                r.crcs = cp.ascontiguousarray(cp.asarray(r.crcs, dtype=cp.uint32))
+            state = r.shadow if r.detect == "shadow" else r.fps if r.detect == "fingerprint" else None
+            e["base"][i] = r.flat.data.ptr
+            e["nbytes"][i] = r.nbytes
+            e["crc_table"][i] = r.crcs.data.ptr
+            e["state"][i] = state.data.ptr if state is not None else 0
+        self.entries = e
+        self.d_table = cp.asarray(e.view(np.uint8))
+        self.groups = []  # (kernel, rows, row_first, n_rows, pages)
+        for (det, pb), rows in table.groups.items():
+            if det == DET_LISTED:
+                continue
+            pages = e["pages"][rows].astype(np.uint64)
+            first = np.concatenate([np.zeros(1, np.uint64), np.cumsum(pages, dtype=np.uint64)])
+            fn = jit.function("table", "table_fingerprint" if det == DET_FINGERPRINT else "table_shadow",
+                              {"PAGE_BYTES": pb})
+            self.groups.append((fn, cp.asarray(rows), cp.asarray(first), np.uint32(rows.size), int(first[-1])))
+        self.listed = table.listed()
+        self.marked = None  # page-space ids of listed rows flagged at the last checkpoint (device u64)
+        n, total = len(table), table.total_pages
+        self.flags = cp.zeros(max(64, total), cp.uint8)
+        self.ids = cp.empty(max(1, total), cp.uint32)
+        self.recs = cp.empty(max(1, table.max_records) * 32, cp.uint8)
+        self.plan = cp.zeros(4, cp.uint64)
+        self.d_digests = cp.asarray(table.digests)
+        # mail: the plan, each row's count and digest, each record's offset
+        self._at_offsets = -(-(64 + 8 * n) // 64) * 64
+        self.mail_host, self.mail_dev = gpu.pinned_buffer(max(4096, self._at_offsets + 8 * max(1, table.max_records)))
+        self.mail_plan = self.mail_host[:32].view(np.uint64)
+        self.mail_counts = self.mail_host[64:64 + 4 * n].view(np.uint32)
+        self.mail_digests = self.mail_host[64 + 4 * n:64 + 8 * n].view(np.uint32)
+        self.mail_offsets = self.mail_host[self._at_offsets:self._at_offsets + 8 * max(1, table.max_records)].view(
+            np.uint64)
+        self.fn = {name: jit.function("table", name, {}) for name in
+                   ("table_mark", "table_plan", "table_stage", "table_finalize")}
+        self.stage_grid = gpu._warp_grid(max(1, total))
+        self.finalize_grid = gpu._warp_grid(max(1, table.max_records))
+
+    def _mark_listed(self) -> None:
+        """Flags of the rows whose pages the host lists: last time's cleared, this time's set."""
+        cp = self.k.cp
+        t = self.table
+        first = t.entries["first_page"]
+        got = [first[i].astype(np.int64) + t.regions[i].dirty_pages(advance=True).astype(np.int64)
+               for i in self.listed.tolist()]
+        now = cp.asarray(np.concatenate(got).astype(np.uint64)) if got else None
+        mark = self.fn["table_mark"]
+        for ids, value in ((self.marked, 0), (now, 1)):
+            if ids is not None and ids.size:
+                mark((max(1, min(-(-int(ids.size) // 256), 1024)),), (256,),
+                     (self.flags, ids, np.uint64(ids.size), np.uint32(value)))
+        self.marked = now
+
+    def _stage(self, ext, epoch: int) -> None:
+        """Queue the plan, staging and finalizing of the epoch into `ext`, and the digests' copy."""
+        cp, t = self.k.cp, self.table
+        dst = self.registration.device_ptr + ext.offset
+        self.fn["table_plan"]((1,), (1024,), (
+            self.d_table, np.uint32(len(t)), self.flags, np.uint64(t.total_pages), self.ids, self.recs,
+            np.uint64(t.max_records), np.uint64(ext.length), self.plan,
+            np.uint64(self.mail_dev.data.ptr), np.uint64(self.mail_dev.data.ptr + 64),
+            np.uint64(self.mail_dev.data.ptr + self._at_offsets)))
+        self.fn["table_stage"](self.stage_grid, (256,), (
+            self.d_table, self.ids, self.recs, self.plan, np.uint64(dst), self.d_digests))
+        self.fn["table_finalize"](self.finalize_grid, (256,), (
+            self.d_table, self.ids, self.recs, self.plan, np.uint64(dst), np.uint64(ext.lsn), np.uint64(epoch),
+            np.uint32(ext.salt)))
+        stream = self.k.stream
+        cp.cuda.runtime.memcpyAsync(self.mail_host.ctypes.data + 64 + 4 * len(t), self.d_digests.data.ptr,
+                                    4 * len(t), 2, stream.ptr)
+
+    def _wait(self):
+        self.k.stream.synchronize()
+        self.k.reads += 1
+        fits, nbytes, records, pages = (int(x) for x in self.mail_plan)
+        return fits, nbytes, records
+
+    def run(self, app, epoch: int):
+        from concordia.checkpoint.table import TableResult
+
+        t = self.table
+        reads0 = self.k.reads
+        self.k.order_after_producer()
+        t0 = time.perf_counter()
+        for fn, rows, first, n_rows, pages in self.groups:
+            fn(self.k.gpu._warp_grid(pages), (256,), (self.d_table, rows, first, n_rows, self.flags))
+        if self.listed.size:
+            self._mark_listed()
+        t1 = time.perf_counter()
+        ext = app.reserve_extent(max(64, t.last_bytes))
+        try:
+            self._stage(ext, epoch)
+            fits, used, records = self._wait()
+            if not fits:
+                app.finish_extent(ext, 0, 0)  # padding: the records grew past the last epoch's
+                ext = None
+                if used > app.segment_capacity:
+                    return self._by_region(app, epoch, t0, t1, reads0)
+                ext = app.reserve_extent(used)
+                self._stage(ext, epoch)
+                fits, used, records = self._wait()
+                if not fits:
+                    raise SessionError(f"the table plan of {used} bytes does not fit the {ext.length}-byte extent "
+                                       "reserved for it", where=f"segment {ext.segment} @ {ext.offset:#x}")
+            counts = self.mail_counts.astype(np.int64)
+            # the appender checks every header the plan's offsets name and
+            # that they tile the bytes used
+            app.finish_extent(ext, used, records, offsets=self.mail_offsets[:records].copy())
+            ext = None
+        except BaseException:
+            try:
+                self.k.sync()  # nothing may still be writing into the mapping
+            except Exception:
+                pass
+            if ext is not None:
+                try:
+                    app.finish_extent(ext, 0, 0)
+                except Exception:
+                    pass
+            raise
+        np.copyto(t.digests, self.mail_digests)
+        t.last_bytes = used or t.last_bytes
+        return TableResult(counts, used, t1 - t0, time.perf_counter() - t1, self.k.reads - reads0)
+
+    def _by_region(self, app, epoch: int, t0: float, t1: float, reads0: int):
+        """An epoch larger than a segment: the per-region extent pipeline stages
+        the pages the table's detectors found (the plan compacted them)."""
+        from concordia.checkpoint.table import TableResult
+
+        cp, t = self.k.cp, self.table
+        counts = self.mail_counts.astype(np.int64)
+        starts = np.cumsum(counts) - counts
+        first = t.entries["first_page"].astype(np.int64)
+        found = [((self.ids[s:s + c].astype(cp.int64) - int(f)).astype(cp.uint32), int(c))
+                 for s, c, f in zip(starts.tolist(), counts.tolist(), first.tolist())]
+        t.write_back()
+        got = self.stager.run(app, t.regions, epoch, found=found)
+        t.digests[:] = [r.digest for r in t.regions]
+        self.d_digests.set(t.digests)
+        return TableResult(counts, got["log_bytes"], t1 - t0, time.perf_counter() - t1, self.k.reads - reads0)

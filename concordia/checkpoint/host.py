@@ -3,8 +3,11 @@ as `device._DeviceKernels`, on numpy arrays, results ready at once."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
+from concordia.checkpoint.staging import page_crc_table
 from concordia.gpu_kernels import reference as ref
 from concordia.regions import Region, to_host
 
@@ -48,7 +51,7 @@ class _HostKernels:
         ref.stage_page_batch(r.flat, ids, dst, cursor, page_bytes=r.page_bytes, **kw)
         if int(cursor[ref.CURSOR_USED]) != off:  # written, not refused: its CRC table
             n = int(ids.size)
-            crcs[:] = dst[off + 64 + 4 * n:off + 64 + 8 * n].view("<u4")
+            crcs[:] = page_crc_table(dst, off, n)
 
     def mapped_view(self, registration, ext):
         return ext.view
@@ -71,3 +74,82 @@ class _HostKernels:
 
     def sync(self) -> None:
         pass
+
+    def order_after_producer(self, producer=None) -> None:
+        """Host arrays: the caller's writes are done when it calls checkpoint()."""
+
+    def table_pass(self, table, registration=None, stager=None):
+        """The pass that checkpoints every row of `table` at once (mapped mode)."""
+        return HostTablePass(table, stager)
+
+
+class HostTablePass:
+    """The numpy twin of `device.DeviceTablePass`: the same table, flags,
+    plan and records, region by region where the device works in one launch.
+    Regions are numpy arrays whose CRC tables (`Region.crcs`) are numpy."""
+
+    label = "cpu-mapped"  # the mapped path: records written in the log mapping itself
+
+    def __init__(self, table, stager=None):
+        self.table = table
+        self.stager = stager  # stages an epoch larger than a segment region by region
+        self.flags = np.zeros(table.total_pages, np.uint8)
+
+    def detect(self) -> None:
+        """flags[page space] = dirty, every detector advanced (group by group,
+        as the device launches them)."""
+        t, flags = self.table, self.flags
+        first = t.entries["first_page"]
+        flags[:] = 0
+        for rows in t.groups.values():
+            for i in rows.tolist():
+                ids = t.regions[i].dirty_pages(advance=True)
+                flags[int(first[i]) + ids.astype(np.int64)] = 1
+
+    def run(self, app, epoch: int):
+        """Detect, plan and stage the epoch's records into one extent, finish
+        it; the table's digests follow.  The caller commits."""
+        from concordia.checkpoint.table import TableResult, counts_of, plan_records
+
+        t = self.table
+        e = t.entries
+        t0 = time.perf_counter()
+        self.detect()
+        t1 = time.perf_counter()
+        ids = np.flatnonzero(self.flags)
+        counts = counts_of(e, ids, t.total_pages)
+        recs = plan_records(e, counts)
+        used = int(recs["length"].sum()) if recs.size else 0
+        if used > app.segment_capacity and self.stager is not None:
+            starts = np.cumsum(counts) - counts
+            first = e["first_page"].astype(np.int64)
+            found = [((ids[s:s + c] - f).astype(np.uint32), int(c))
+                     for s, c, f in zip(starts.tolist(), counts.tolist(), first.tolist())]
+            t.write_back()
+            got = self.stager.run(app, t.regions, epoch, found=found)
+            t.digests[:] = [r.digest for r in t.regions]
+            return TableResult(counts, got["log_bytes"], t1 - t0, time.perf_counter() - t1, 0)
+        if used:
+            ext = app.reserve_extent(used)
+            try:
+                cursor = ref.new_cursor()
+                first = e["first_page"].astype(np.int64)
+                for rec in recs.tolist():  # (lo, offset, length, region, count)
+                    lo, off, _, row, n = rec
+                    r = t.regions[row]
+                    local = (ids[lo:lo + n] - first[row]).astype(np.uint32)
+                    cursor[ref.CURSOR_USED] = off
+                    ref.stage_page_batch(r.flat, local, ext.view, cursor, page_bytes=r.page_bytes,
+                                         base_lsn=ext.lsn, epoch=epoch, region_id=r.id, salt=ext.salt)
+                    r.crcs[local] = page_crc_table(ext.view, off, n)
+                app.finish_extent(ext, used, int(recs.size), offsets=recs["offset"])
+            except BaseException:
+                try:
+                    app.finish_extent(ext, 0, 0)
+                except Exception:
+                    pass
+                raise
+            for i in np.flatnonzero(counts).tolist():
+                t.digests[i] = ref.region_digest(t.regions[i].crcs)
+        t.last_bytes = used
+        return TableResult(counts, used, t1 - t0, time.perf_counter() - t1, 0)

@@ -24,6 +24,15 @@ MAX_BATCH_BYTES = 8 << 20
 EXTENT_BYTES = 16 << 20
 
 
+def page_crc_table(view, offset: int, count: int) -> np.ndarray:
+    """The page CRC table (u32 per page) of the page-batch record of `count`
+    pages at view[offset:] (FORMAT.md §6)."""
+    from concordia.wal import format as fmt
+
+    lo = offset + fmt.page_batch_crcs_offset(count)
+    return view[lo:lo + 4 * count].view("<u4")
+
+
 def _stage_region(app, r: Region, ids: np.ndarray, epoch: int, base: bool) -> int:
     """Write the listed pages as page-batch records of `epoch`; fill r.crcs.
     Returns record bytes written."""
@@ -45,7 +54,7 @@ def _stage_region(app, r: Region, ids: np.ndarray, epoch: int, base: bool) -> in
             ref.stage_page_batch(r.flat, chunk, res.view, cursor, page_bytes=r.page_bytes, base_lsn=res.lsn,
                                  epoch=epoch, region_id=r.id, salt=res.salt, flags=flags)
         n = int(chunk.size)
-        r.crcs[chunk] = res.view[64 + 4 * n:64 + 8 * n].view("<u4")
+        r.crcs[chunk] = page_crc_table(res.view, 0, n)
         app.persist(res)
         written += length
     return written
@@ -162,14 +171,17 @@ class _Stager:
             buf = self._ring[slot] = self.kernels.staging_buffer(max(nbytes, EXTENT_BYTES))
         return buf
 
-    def run(self, app, regions: list[Region], epoch: int) -> dict:
+    def run(self, app, regions: list[Region], epoch: int, found=None) -> dict:
         """Detect, stage and finish one epoch's records of `regions`; sets each
-        region's CRC table and digest.  The caller commits."""
+        region's CRC table and digest.  The caller commits.  found: [(ids,
+        count)] per region when its detector already ran (a table pass)."""
         k = self.kernels
         reads0 = k.reads
+        if found is None:  # a table pass that hands over its pages has ordered itself
+            k.order_after_producer()
         t0 = time.perf_counter()
         done, known = {}, None
-        if self.mode == "mapped" and hasattr(k, "delta"):
+        if found is None and self.mode == "mapped" and hasattr(k, "delta"):
             quick = [r for r in regions if k.delta_ready(r)]
             if quick:
                 done, known = k.delta(app, quick, epoch, self.registration)
@@ -179,7 +191,8 @@ class _Stager:
                             "log_bytes": sum(b for _, b in done.values()), "detect_s": t1 - t0, "stage_s": 0.0,
                             "device_reads": k.reads - reads0}
                 regions = [r for r in regions if r.name not in done]
-        found = k.detect(regions, known)
+        if found is None:
+            found = k.detect(regions, known)
         t1 = time.perf_counter()
         ids, staged, batches = {}, {}, []
         for r, (rid, n) in zip(regions, found):

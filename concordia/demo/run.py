@@ -465,4 +465,4 @@ def main(argv=None) -> int:
         return {"reference": reference_main, "worker": worker_main, "resume": resume_main}[args.mode](args)
     except ConcordiaError as exc:
         sys.stderr.write(f"error: {exc.one_line()}\n")
-        return exc.exit_code
+        return 2  # the parent reports any failure of a child as a DemoError

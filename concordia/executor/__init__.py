@@ -3,7 +3,7 @@
     ring.py   layout of the ring in memory and the pure protocol steps
     host.py   Submitter (back-pressure, waits, lazy relaunch, STOP, hot swap), Watchdog
     cpu.py    CpuExecutor, OperatorTable, numpy handlers
-    gpu.py    GpuExecutor (gpu_kernels/executor.cu), GpuRing, ExecutorModule (CuPy, lazily)
+    persistent.py  GpuExecutor (gpu_kernels/executor.cu), GpuRing, ExecutorModule (CuPy, lazily)
     smtarget.py  SmTarget: cuBLAS plans GEMMs for fewer SMs while an executor is resident
 
 Example::

@@ -4,7 +4,7 @@ persistent kernel does, dispatching through an operator table.
 It runs everywhere (CI has no GPU), so the protocol — wrap-around,
 back-pressure, idle exit and lazy relaunch, QUIESCE / STOP, hot swap — is
 tested on it.  Handlers are Python callables ``handler(task: TaskView) -> Result``;
-`numpy_operators()` gives real CHECKPOINT / APPEND_LOG / RECOVER handlers over
+`numpy_operators()` gives real CHECKPOINT / APPEND_LOG / SCATTER handlers over
 host memory addressed the way the GPU handlers are (raw addresses in the args).
 """
 
@@ -219,8 +219,8 @@ def append_log_handler(task: TaskView) -> Result:
     return Result(Status.OK, 0, nbytes, lsn, lsn + nbytes)
 
 
-def recover_handler(task: TaskView) -> Result:
-    """RECOVER: scatter `count` pages from src to their ids in dst."""
+def scatter_handler(task: TaskView) -> Result:
+    """SCATTER: scatter `count` pages from src to their ids in dst."""
     dst, src, ids, count, page_bytes, region_bytes, chunk = task.args[:7]
     if page_bytes == 0:
         return Result(Status.BAD_ARGS)
@@ -239,4 +239,4 @@ def recover_handler(task: TaskView) -> Result:
 def numpy_operators() -> OperatorTable:
     """The operator table of the CPU executor's real handlers."""
     return OperatorTable({Op.CHECKPOINT: checkpoint_handler, Op.APPEND_LOG: append_log_handler,
-                          Op.RECOVER: recover_handler})
+                          Op.SCATTER: scatter_handler})

@@ -7,7 +7,7 @@ re-exports it with the rest of the hierarchy.  `where` names the ring position
 
 from __future__ import annotations
 
-from concordia.devmem.errors import ConcordiaError
+from concordia.root_error import ConcordiaError
 
 
 class ExecutorError(ConcordiaError):

@@ -44,7 +44,7 @@ Completion slot n % C, 64 bytes, written by the consumer:
     10   u16   status     Status
     12   u32   executor_id
     16   u64   tag        echo
-    24   u64   pages      pages found (CHECKPOINT) / applied (RECOVER)
+    24   u64   pages      pages found (CHECKPOINT) / applied (SCATTER)
     32   u64   bytes      bytes written
     40   u64   lsn_first  first LSN written (or 0)
     48   u64   lsn_last   one past the last LSN written (or 0)
@@ -124,7 +124,7 @@ class Op(enum.IntEnum):
                 5 page_bytes, 6 base LSN.  Changed pages are copied to `out` (in
                 any order, their ids beside them) and into `shadow`.
     APPEND_LOG  0 dst, 1 src, 2 nbytes, 3 LSN of the first byte.
-    RECOVER     0 dst region, 1 src pages, 2 page ids (u32), 3 count, 4 page_bytes,
+    SCATTER     0 dst region, 1 src pages, 2 page ids (u32), 3 count, 4 page_bytes,
                 5 region nbytes, 6 plan chunk number (echoed as lsn_first).
     QUIESCE     none; the consumer exits after completing it (hot swap).
     STOP        none; the consumer exits after completing it (shutdown).
@@ -133,7 +133,7 @@ class Op(enum.IntEnum):
     PING = 1
     CHECKPOINT = 2
     APPEND_LOG = 3
-    RECOVER = 4
+    SCATTER = 4  # pages to their ids in a region (the device step of a restore)
     QUIESCE = 5
     STOP = 6
 

@@ -8,7 +8,7 @@ module imports this one, so either import order must give the same class.
 
 from __future__ import annotations
 
-from concordia.devmem.errors import ConcordiaError
+from concordia.root_error import ConcordiaError
 
 
 class InstrumentError(ConcordiaError):

@@ -348,10 +348,10 @@ def test_handler_failures_are_statuses_not_dead_consumers():
     def boom(task):
         raise ValueError("bad page")
 
-    ex = CpuExecutor(ring, OperatorTable({Op.CHECKPOINT: boom, Op.RECOVER: lambda t: "not a result"}))
+    ex = CpuExecutor(ring, OperatorTable({Op.CHECKPOINT: boom, Op.SCATTER: lambda t: "not a result"}))
     sub = Submitter(ring, ex)
     assert sub.call(Op.CHECKPOINT).status == Status.HANDLER_ERROR
-    assert sub.call(Op.RECOVER).status == Status.HANDLER_ERROR
+    assert sub.call(Op.SCATTER).status == Status.HANDLER_ERROR
     assert sub.call(Op.APPEND_LOG).status == Status.UNSUPPORTED_OP
     assert sub.call(Op.PING).ok
     assert sub.failed == 3 and "ValueError: bad page" in ex.errors[0]
@@ -371,7 +371,7 @@ def test_an_aborted_consumer_faults_the_ring():
         sub.submit(Op.PING)
 
 
-def test_numpy_handlers_checkpoint_append_recover():
+def test_numpy_handlers_checkpoint_append_scatter():
     rng = np.random.default_rng(7)
     pb, npages = 256, 40
     nbytes = pb * npages - 64                   # a partial last page
@@ -393,14 +393,14 @@ def test_numpy_handlers_checkpoint_append_recover():
     assert np.array_equal(out[:9], padded[dirty])
     assert np.array_equal(shadow, region)
     assert sub.call(Op.CHECKPOINT, args=(a(region), a(shadow), a(out), a(ids), nbytes, pb, 0)).pages == 0
-    # RECOVER the dirty pages into a stale copy
+    # SCATTER the dirty pages into a stale copy
     stale = region.copy()
     for p in dirty:
         stale[p * pb] ^= 0x5A
-    c = sub.call(Op.RECOVER, args=(a(stale), a(out), a(ids), 9, pb, nbytes, 17))
+    c = sub.call(Op.SCATTER, args=(a(stale), a(out), a(ids), 9, pb, nbytes, 17))
     assert c.ok and c.pages == 9 and c.lsn_first == 17
     assert np.array_equal(stale, region)
-    bad = sub.call(Op.RECOVER, args=(a(stale), a(out), a(np.array([npages], np.uint32)), 1, pb, nbytes, 0))
+    bad = sub.call(Op.SCATTER, args=(a(stale), a(out), a(np.array([npages], np.uint32)), 1, pb, nbytes, 0))
     assert bad.status == Status.BAD_ARGS
     # APPEND_LOG
     log = np.zeros(4096, np.uint8)

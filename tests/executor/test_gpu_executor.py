@@ -29,7 +29,7 @@ def g():
     """CuPy, and every module loaded before any executor runs."""
     import cupy
 
-    from concordia.executor import gpu
+    from concordia.executor import persistent as gpu
     from concordia.tools.bench import kernels
 
     mods = {
@@ -174,10 +174,10 @@ def test_handlers_match_their_numpy_twins(rig, g):
         assert np.array_equal(shadow.get(), host)
         assert sub.call(Op.CHECKPOINT, args=(src.data.ptr, shadow.data.ptr, out.data.ptr, ids.data.ptr,
                                              nbytes, pb, 0), timeout=30).pages == 0
-        # RECOVER the found pages into a stale copy
+        # SCATTER the found pages into a stale copy
         stale = cp.asarray(np.where(np.arange(nbytes) % 7 == 0, 0, host).astype(np.uint8))
         cp.cuda.Stream.null.synchronize()
-        r = sub.call(Op.RECOVER, args=(stale.data.ptr, out.data.ptr, ids.data.ptr, c.pages, pb, nbytes, 9),
+        r = sub.call(Op.SCATTER, args=(stale.data.ptr, out.data.ptr, ids.data.ptr, c.pages, pb, nbytes, 9),
                      timeout=30)
         assert r.ok and r.pages == c.pages and r.lsn_first == 9
         expect = np.where(np.arange(nbytes) % 7 == 0, 0, host).astype(np.uint8)
@@ -301,7 +301,7 @@ def test_module_load_is_refused_while_resident(rig, g):
     sub.call(Op.PING, timeout=10)
     assert sub.consumer.is_resident()
     with pytest.raises(ExecutorError, match="while a persistent executor is resident"):
-        g.gpu.ExecutorModule(child=True, ops=(Op.RECOVER,)).load()
+        g.gpu.ExecutorModule(child=True, ops=(Op.SCATTER,)).load()
     sub.stop(timeout=10)
 
 

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from concordia.executor.gpu import ALL_OPS_MASK, KERNEL_SOURCE, compile_options
+from concordia.executor.persistent import ALL_OPS_MASK, KERNEL_SOURCE, compile_options
 from concordia.tools.bench.kernels import EXECUTOR_BENCH_SOURCE
 from concordia.executor.ring import Op
 

@@ -110,7 +110,7 @@ class _Refused:
 
 @pytest.fixture
 def refused(monkeypatch):
-    from concordia.executor import gpu
+    from concordia.executor import persistent as gpu
 
     monkeypatch.setattr(gpu, "SmTarget", _Refused)
     _Refused.made = []
@@ -120,7 +120,7 @@ def refused(monkeypatch):
 
 
 def test_default_carveout_falls_back_and_says_why(refused):
-    from concordia.executor.gpu import DEFAULT_SM_CARVEOUT
+    from concordia.executor.persistent import DEFAULT_SM_CARVEOUT
 
     ex = refused()
     assert _Refused.made == [DEFAULT_SM_CARVEOUT]

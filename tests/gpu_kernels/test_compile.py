@@ -25,10 +25,7 @@ def test_source_compiles_to_sm90_ptx(spec):
     name, defines = spec
     ptx = jit.nvcc_ptx(name, defines)
     assert ".target sm_90" in ptx
-    kernels = [k for k in jit.KERNELS[name]
-               if not (k == "kv_scan" and "KV_BLOCK_SIZE" not in defines)
-               and not (k == "crc32c_pages" and "PAGE_BYTES" not in defines)]
-    for k in kernels:
+    for k in jit.kernels_in(name, defines):
         assert f".entry {k}(" in ptx, k
 
 

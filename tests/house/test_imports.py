@@ -1,11 +1,12 @@
 """The house rules on imports (docs/ARCHITECTURE.md), held by reading every
 module of the package with `ast`, imports inside functions included:
 
-    tools -> concordia (the runtime) -> gpu_kernels -> wal -> devmem
+    tools -> concordia (the runtime) -> gpu_kernels -> wal -> devmem -> root_error
 
 A module may import its own layer or any layer to its right, never one to its
-left; `wal` never imports CuPy; `devmem` imports nothing of the project; only
-the command line imports click; and no two modules import each other, however
+left; `wal` never imports CuPy; `devmem` imports nothing of the project but the
+root error class (`concordia.root_error`, which imports nothing); only the
+command line imports click; and no two modules import each other, however
 indirectly (a circle hidden by an import inside a function is still a circle).
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import collections
+import functools
 import pathlib
 
 import pytest
@@ -22,24 +24,26 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 # folder -> import name (pyproject.toml's package-dir)
 FOLDERS = {"concordia": "concordia", "wal": "concordia.wal", "devmem": "concordia.devmem",
            "gpu_kernels": "concordia.gpu_kernels", "tools": "concordia.tools"}
-LAYERS = ("devmem", "wal", "gpu_kernels", "runtime", "tools")   # each may import those before it
+LAYERS = ("root", "devmem", "wal", "gpu_kernels", "runtime", "tools")   # each may import those before it
 GPU = ("cupy", "cupyx", "cuda")                                   # wal never imports these
 CLI = ("click",)                                                  # only tools imports these
 
 
 def layer_of(module: str) -> str:
+    if module == "concordia.root_error":
+        return "root"
     for name in ("tools", "devmem", "wal", "gpu_kernels"):
         if module == f"concordia.{name}" or module.startswith(f"concordia.{name}."):
             return name
     return "runtime"
 
 
-def modules() -> dict[str, tuple[pathlib.Path, bool]]:
+def modules(repo: pathlib.Path = REPO) -> dict[str, tuple[pathlib.Path, bool]]:
     """Every module of the package: name -> (file, is a package)."""
     out = {}
     for folder, name in FOLDERS.items():
-        for path in sorted((REPO / folder).rglob("*.py")):
-            parts = list(path.relative_to(REPO / folder).with_suffix("").parts)
+        for path in sorted((repo / folder).rglob("*.py")):
+            parts = list(path.relative_to(repo / folder).with_suffix("").parts)
             is_pkg = parts[-1] == "__init__"
             if is_pkg:
                 parts = parts[:-1]
@@ -50,11 +54,20 @@ def modules() -> dict[str, tuple[pathlib.Path, bool]]:
 Import = collections.namedtuple("Import", "source target line")
 
 
+@functools.lru_cache(maxsize=None)
+def _real():
+    mods = modules()
+    return mods, _imports(mods)
+
+
 def imports(mods=None) -> list[Import]:
     """Every import statement of every module, at any depth (functions, methods,
     try blocks), resolved to the module it loads: `from a import b` is `a.b`
     when that is a module, else `a`."""
-    mods = mods or modules()
+    return _real()[1] if mods is None else _imports(mods)
+
+
+def _imports(mods) -> list[Import]:
     out = []
     for name, (path, is_pkg) in mods.items():
         package = name if is_pkg else name.rpartition(".")[0]
@@ -74,7 +87,8 @@ def imports(mods=None) -> list[Import]:
 
 
 def _where(imp: Import, mods) -> str:
-    return f"{mods[imp.source][0].relative_to(REPO)}:{imp.line}: {imp.source} imports {imp.target}"
+    path = mods[imp.source][0]
+    return f"{path.parent.name}/{path.name}:{imp.line}: {imp.source} imports {imp.target}"
 
 
 def _top(target: str) -> str:
@@ -83,14 +97,16 @@ def _top(target: str) -> str:
 
 def forbidden(mods=None) -> list[str]:
     """Imports against the direction or the rules above, one line each."""
-    mods = mods or modules()
+    mods, found = _real() if mods is None else (mods, _imports(mods))
     bad = []
-    for imp in imports(mods):
+    for imp in found:
         src = layer_of(imp.source)
         if imp.target == "concordia" or imp.target.startswith("concordia."):
             dst = layer_of(imp.target)
-            if src == "devmem" and dst != "devmem":
+            if src == "devmem" and dst not in ("devmem", "root"):
                 bad.append(_where(imp, mods) + " (devmem imports nothing of the project)")
+            elif src == "root":
+                bad.append(_where(imp, mods) + " (the root error class imports nothing)")
             elif LAYERS.index(dst) > LAYERS.index(src):
                 bad.append(_where(imp, mods) + f" ({src} may not import {dst})")
         elif src == "wal" and _top(imp.target) in GPU:
@@ -104,9 +120,9 @@ def circles(mods=None) -> list[list[str]]:
     """Strongly connected groups of more than one module in the import graph
     (Tarjan), each sorted; an import of a package's own `__init__` by one of its
     modules counts like any other."""
-    mods = mods or modules()
+    mods, found = _real() if mods is None else (mods, _imports(mods))
     graph = collections.defaultdict(set)
-    for imp in imports(mods):
+    for imp in found:
         if imp.target in mods and imp.target != imp.source:
             graph[imp.source].add(imp.target)
     index, low, stack, on, out = {}, {}, [], set(), []
@@ -142,13 +158,13 @@ def circles(mods=None) -> list[list[str]]:
 
 
 def test_the_walk_sees_the_whole_package_and_imports_inside_functions():
-    mods = modules()
+    mods = _real()[0]
     assert {"concordia", "concordia.wal.format", "concordia.devmem.backend", "concordia.gpu_kernels.jit",
             "concordia.tools.wal_cli", "concordia.tools.bench"} <= set(mods)
-    found = imports(mods)
+    found = imports()
     # an import inside a function: gpu_kernels.jit imports CuPy only when asked
     assert any(i.source == "concordia.gpu_kernels.jit" and i.target == "cupy" for i in found)
-    assert layer_of("concordia.executor.gpu") == "runtime" and layer_of("concordia.tools.bench.recover") == "tools"
+    assert layer_of("concordia.executor.persistent") == "runtime" and layer_of("concordia.tools.bench.recover") == "tools"
 
 
 def test_imports_run_one_way():
@@ -164,7 +180,7 @@ def test_no_circles_between_modules():
 # the checker itself, on small made-up packages
 
 
-def _fake(tmp_path, monkeypatch, files: dict[str, str]):
+def _fake(tmp_path, files: dict[str, str]):
     for rel, text in files.items():
         p = tmp_path / rel
         p.parent.mkdir(parents=True, exist_ok=True)
@@ -172,15 +188,13 @@ def _fake(tmp_path, monkeypatch, files: dict[str, str]):
     for folder in FOLDERS:
         (tmp_path / folder).mkdir(exist_ok=True)
         (tmp_path / folder / "__init__.py").touch()
-    monkeypatch.setattr(__import__(__name__), "REPO", tmp_path, raising=False)
-    monkeypatch.setitem(globals(), "REPO", tmp_path)
-    return modules()
+    return modules(tmp_path)
 
 
-def test_checker_finds_a_wrong_direction_hidden_in_a_function(tmp_path, monkeypatch):
-    mods = _fake(tmp_path, monkeypatch, {
+def test_checker_finds_a_wrong_direction_hidden_in_a_function(tmp_path):
+    mods = _fake(tmp_path, {
         "wal/log.py": "def f():\n    from concordia.session import Session\n    import cupy\n",
-        "devmem/tier.py": "from concordia.wal import format\n",
+        "devmem/tier.py": "from concordia.wal import format\nfrom concordia.root_error import ConcordiaError\n",
         "concordia/policy.py": "def parse():\n    import click\n    from concordia.tools.common import x\n",
         "concordia/session.py": "",
         "tools/common.py": "import click\n",
@@ -191,11 +205,11 @@ def test_checker_finds_a_wrong_direction_hidden_in_a_function(tmp_path, monkeypa
     assert "devmem/tier.py:1: concordia.devmem.tier imports concordia.wal (devmem imports nothing" in bad
     assert "concordia/policy.py:2: concordia.policy imports click (only the command line" in bad
     assert "concordia.policy imports concordia.tools.common (runtime may not import tools)" in bad
-    assert "tools/common.py" not in bad
+    assert "tools/common.py" not in bad and "root_error" not in bad
 
 
-def test_checker_finds_a_circle_closed_inside_a_function(tmp_path, monkeypatch):
-    mods = _fake(tmp_path, monkeypatch, {
+def test_checker_finds_a_circle_closed_inside_a_function(tmp_path):
+    mods = _fake(tmp_path, {
         "devmem/backend.py": "def open_backend():\n    from .tiers import FileBackend\n",
         "devmem/tiers.py": "from .backend import Backend\n",
         "wal/planner.py": "from . import snapshot\n",
@@ -210,3 +224,37 @@ def test_checker_finds_a_circle_closed_inside_a_function(tmp_path, monkeypatch):
 @pytest.mark.parametrize("layer", LAYERS)
 def test_every_layer_is_present(layer):
     assert any(layer_of(m) == layer for m in modules())
+
+
+# ------------------------------------------------------------------ benchmarks
+
+# Private names a benchmark may reach, each because its figure is labelled a
+# component (tools/bench/recover.py MEASURED_THROUGH "host_read_*": the
+# restore's reader threads alone).
+COMPONENT_REACH = {("recover.py", "_source_of"), ("recover.py", "_wait"), ("recover.py", "_fill")}
+
+
+def test_benchmarks_measure_through_public_entry_points():
+    reach = set()
+    for path in sorted((REPO / "tools" / "bench").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                    and node.value.id not in ("self", "cls") \
+                    and node.attr.startswith("_") and not node.attr.startswith("__"):
+                reach.add((path.name, node.attr))
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("concordia"):
+                reach |= {(path.name, a.name) for a in node.names if a.name.startswith("_")}
+    assert reach == COMPONENT_REACH
+    from concordia.tools.bench import recover
+
+    assert "component" in recover.MEASURED_THROUGH["host_read_*"]
+
+
+def test_every_package_is_installed():
+    """An installed (not editable) copy, as the GPU machine uses, holds only the
+    packages pyproject.toml lists: each package of the tree must be there."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    packages = {name for name, (_, is_pkg) in _real()[0].items() if is_pkg}
+    assert packages == listed

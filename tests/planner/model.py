@@ -14,7 +14,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from concordia.wal.format import page_crcs_of, region_digest
-from concordia.wal.planner import Batch, BaseEntry, Commit, History, RegionMeta
+from concordia.wal.planner import BaseEntry, Commit, History, RegionMeta, ScannedBatch
 
 PAGE = 64  # small pages keep the property tests fast
 
@@ -131,7 +131,7 @@ class ModelHistory:
         ids = np.asarray(ids, dtype=np.uint32)
         pages = np.ascontiguousarray(pages, dtype=np.uint8)
         length = 64 + ((8 * ids.size + 63) // 64) * 64 + pages.size
-        b = Batch(lsn=self.lsn, epoch=epoch, region_id=rid, base=base, page_ids=ids,
+        b = ScannedBatch(lsn=self.lsn, epoch=epoch, region_id=rid, base=base, page_ids=ids,
                   page_crcs=page_crcs_of(pages), page_bytes=PAGE, segment=self.segment_of_lsn(self.lsn),
                   offset=self.lsn, length=length, payload=pages)
         self.lsn += length

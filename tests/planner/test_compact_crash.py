@@ -22,7 +22,7 @@ from .test_log_planner import _history
 
 CHILD = textwrap.dedent("""
     import os, signal, sys
-    import concordia.wal.compact as C
+    import concordia.wal.compaction as C
     from concordia.wal import Log
 
     path, kill_at, epoch, keep, live = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]

@@ -15,7 +15,7 @@ from concordia.devmem import open_backend
 from concordia.wal import Log, RecoveryMode
 from concordia.wal import format as F
 from concordia.wal.apply import apply_plan_numpy, restore_region_npy
-from concordia.wal.compact import compact
+from concordia.wal.compaction import compact
 from concordia.wal.errors import CorruptionError
 from concordia.wal.planner import PlanError, plan
 from concordia.wal.snapshot import create_base_snapshot, list_snapshots

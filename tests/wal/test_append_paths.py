@@ -11,7 +11,7 @@ from concordia.devmem import open_backend
 from concordia.wal import Log
 from concordia.wal import format as F
 from concordia.wal.errors import WalError
-from concordia.wal.compact import compact
+from concordia.wal.compaction import compact
 from concordia.wal.planner import plan
 from concordia.wal.snapshot import create_base_snapshot
 from concordia.wal.apply import apply_plan_numpy

@@ -335,8 +335,10 @@ def test_versions_and_feature_masks():
         rows = {r[2]: r[3] for r in _table(name)}
         assert int(rows["major"].split(";")[0]) == F.MAJOR_VERSION
         assert int(rows["minor"].split(";")[0]) == F.MINOR_VERSION
-    assert "Version 1.0 defines no bits" in SECTIONS["2.3"][1]
-    assert F.KNOWN_COMPAT == F.KNOWN_INCOMPAT == F.KNOWN_RO_COMPAT == 0
+    assert "Version 1.0 defines one bit" in SECTIONS["2.3"][1]
+    assert F.KNOWN_COMPAT == F.KNOWN_RO_COMPAT == 0
+    assert F.KNOWN_INCOMPAT == F.FEATURE_LOGICAL_DTYPE == 0x1
+    assert "| incompat | 0 (0x1) | LOGICAL_DTYPE |" in SECTIONS["2.3"][1]
     assert SPEC.startswith(f"# Concordia volume format, version {F.MAJOR_VERSION}.{F.MINOR_VERSION}\n")
 
 
@@ -570,7 +572,7 @@ SUPERBLOCK_CASES = [
     ("V-B2", lambda: _fix_sb_crc(_poke(_slot(), 72, "<Q", 8192)), CorruptionError, "slot size"),
     ("V-B3", lambda: _poke(_slot(), 104, "<Q", 7), CorruptionError, "CRC mismatch"),
     ("V-B4", lambda: _fix_sb_crc(_poke(_slot(), 8, "<I", 2)), FormatVersionError, "major version 2"),
-    ("V-B4", lambda: _fix_sb_crc(_poke(_slot(), 24, "<Q", 1)), FormatVersionError, "incompatible"),
+    ("V-B4", lambda: _fix_sb_crc(_poke(_slot(), 24, "<Q", 2)), FormatVersionError, "incompatible"),
     ("V-B5", lambda: _fix_sb_crc(_poke(_slot(), 200, "<B", 1)), CorruptionError, "reserved"),
     ("V-B6", lambda: _fix_sb_crc(_poke(_slot(), 88, "<Q", 3 << 19)), CorruptionError, "geometry"),
     ("V-B6", lambda: _fix_sb_crc(_poke(_slot(), 64, "<Q", 2 << 20)), CorruptionError, "geometry"),
@@ -678,7 +680,9 @@ def _region(**changes):
 @pytest.mark.parametrize("cond,body,page_bytes,diag", [
     ("V-G1", _region(extra=b"x"), 128, "fields need"),
     ("V-G1", _region(pokes=[(0, "<H", 0)]), 128, "name length 0"),
-    ("V-G1", _region(pokes=[(5, "<B", 1)]), 128, "reserved"),
+    ("V-G1", _region(pokes=[(5, "<B", 1)]), 128, "fields need"),
+    ("V-G5", _region(pokes=[(7, "<B", 1)]), 128, "reserved"),
+    ("V-G5", _region(pokes=[(6, "<B", 2)]), 128, "framework 2"),
     ("V-G2", _region(pokes=[(16 + 16 + 1, "<B", ord("q"))]), 128, "not allowed"),
     ("V-G2", _region(pokes=[(16 + 16 + 4, "<B", ord("K"))]), 128, "not allowed"),
     ("V-G2", _region(pokes=[(16 + 16, "<B", 0xFF)]), 128, "not valid"),

@@ -37,9 +37,9 @@ def test_read_only_open_walk_is_reused_once(monkeypatch):
     ro = Log.open(MemoryBackend.from_bytes(img), writable=False, check_pages=False)
     assert ro._result.walk is not None
     walks = _count_walks(monkeypatch)
-    first = plan(ro)
+    first = plan(ro, check_pages=False)
     assert walks == [] and ro._result.walk is None  # handed over, not kept
-    second = plan(ro)
+    second = plan(ro, check_pages=False)
     assert walks == [0]
     _plans_equal(first, second)
 
@@ -48,8 +48,8 @@ def test_walk_not_reused_when_page_checks_differ_or_writable():
     log, model, rid = build_log(epochs=5)
     img = bytes(image(log.backend))
     checked = Log.open(MemoryBackend.from_bytes(img), writable=False, check_pages=True)
-    h = scan(checked, check_pages=False)  # the open checked pages; this scan must not
-    assert checked._result.walk is not None and h.batches
+    h = scan(checked, check_pages=False)  # a walk with page checks answers one without them
+    assert checked._result.walk is None and h.batches
     rw = Log.open(MemoryBackend.from_bytes(img), writable=True, check_pages=False)
     h = scan(rw, check_pages=True)  # pages unchecked before the cut: this scan must walk it all
     assert rw._result.walk is not None and h.batches
@@ -79,11 +79,12 @@ def test_writable_open_hands_its_walk_up_to_the_cut(monkeypatch):
         model.write_epoch(rw, rid, 10)
         cut = rw._result.walk_end_lsn
         walks = _count_walks(monkeypatch)
-        got = plan(rw).to_json()
+        cp = check is True  # the open's walk answers a scan checking pages only if it checked them
+        got = plan(rw, check_pages=cp).to_json()
         assert walks == [cut] and cut > 0  # walked from the cut only
         monkeypatch.undo()
-        assert got == _fresh_plan(rw)
-        assert plan(rw, target=9).to_json() == _fresh_plan(rw, target=9)  # handed once: walks afresh
+        assert got == _fresh_plan(rw, check_pages=cp)
+        assert plan(rw, target=9, check_pages=cp).to_json() == _fresh_plan(rw, target=9, check_pages=cp)
 
 
 def test_no_hand_over_once_the_oldest_lsn_moved(monkeypatch):

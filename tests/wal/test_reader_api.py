@@ -10,7 +10,7 @@ import pytest
 
 from concordia.wal import format as F
 from concordia.wal.apply import apply_plan_numpy, restore_region_npy
-from concordia.wal.compact import fold_source
+from concordia.wal.compaction import fold_source
 from concordia.wal.errors import CorruptionError
 from concordia.wal.planner import plan, plan_history, scan
 from concordia.wal.reader import PROGRESS_STEP, Scanner, ScanResult, verify

@@ -29,6 +29,7 @@ import pytest
 from click.testing import CliRunner
 
 from concordia.devmem import MemoryBackend, open_backend
+from concordia.tools.common import exit_code_of
 from concordia.tools.wal_cli import main
 from concordia.wal import Log
 from concordia.wal import format as F
@@ -167,7 +168,7 @@ def logs(tmp_path_factory):
     out["repeat"] = describe(image_of(log), 8)
     log.close()
 
-    from concordia.wal.compact import compact
+    from concordia.wal.compaction import compact
 
     log, ids = new_log(open_backend("memory:", size=8 * MiB))
     write_epochs(log, 1, 16, ids)
@@ -229,7 +230,7 @@ def consumers(path, mode: M, regions=REGIONS, tmp=None) -> dict:
     try:
         log = Log.open(spec, writable=False, mode=mode)
     except ConcordiaError as exc:
-        out["Log.open"] = (None, exc.exit_code, str(exc))
+        out["Log.open"] = (None, exit_code_of(exc), str(exc))
     else:
         out["Log.open"] = (log.last_committed_epoch or None, None,
                            "; ".join(f"{d.where}: {d.reason}" for d in log.dropped))
@@ -248,11 +249,11 @@ def _session(path, tmp):
     try:
         s = Session(f"file:{copy}", create=False)
     except ConcordiaError as exc:
-        return None, exc.exit_code, str(exc)
+        return None, exit_code_of(exc), str(exc)
     try:
         got = s.recover()
     except ConcordiaError as exc:
-        return None, exc.exit_code, str(exc)
+        return None, exit_code_of(exc), str(exc)
     finally:
         s.close()
     e = s.last_recovery.epoch
@@ -647,3 +648,121 @@ def test_conformance(logs, case, tmp_path):
             assert rc == case.rc, (name, report, text[-400:])
     for name in ("verify", "plan", "Log.open"):
         assert case.says in got[name][2], (name, case.says, got[name][2][-600:])
+
+
+def test_messages_name_absolute_offsets(logs, tmp_path):
+    """R-O1: `segment N @ 0xOFF` names the byte offset in the target."""
+    b = logs["plain"]
+    img = bytearray(b.img)
+    r = kv10(b)
+    page_flip(kv10)(img, b)
+    (tmp_path / "log").write_bytes(bytes(img))
+    rc, text = cli("verify", f"file:{tmp_path / 'log'}", "--quiet")
+    assert rc == 1 and f"segment {r.segment} @ 0x{r.offset:x}: page CRC mismatch" in text
+    seg = next(x for x in b.segs if x.index == r.segment)
+    assert r.offset - seg.offset != r.offset  # the offset inside its segment would be another number
+    at = int(re.search(r"\(at 0x([0-9a-f]+)\)", text).group(1), 16)
+    assert r.offset < at < r.offset + r.length and img[at:at + KV_PB] != b.img[at:at + KV_PB]
+
+
+def test_table_covers_every_class_of_test_damage_and_forty_new_cases():
+    from . import test_damage
+
+    ids = {c.id for c in CASES}
+    assert {name for name, *_ in test_damage.TABLE} <= ids
+    new = [c for c in CASES if c.id not in {name for name, *_ in test_damage.TABLE} and c.damage is not d_none]
+    assert len(new) >= 40, len(new)
+    for n in range(1, 12):
+        assert any(c.id.startswith(f"F{n} ") for c in CASES), f"finding {n} has no case"
+
+
+# --------------------------------------------------------------------------- demo logs
+
+DEMO_REGIONS = ("kv", "adapter", "sched", "tokens", "meta")
+
+
+@pytest.fixture(scope="module")
+def demo_log(tmp_path_factory):
+    from concordia.demo import run_demo
+
+    d = tmp_path_factory.mktemp("demo")
+    rep = run_demo(log=f"file:{d / 'demo.log'}", steps=12, kill_at=7, every=4, device="cpu")
+    assert rep["identical"]
+    data = (d / "demo.log").read_bytes()
+    log = Log.open(MemoryBackend.from_bytes(data), writable=False)
+    recs = list(log.records(committed_only=False))
+    ids = {n: log.regions[n].id for n in DEMO_REGIONS}
+    last = log.last_committed_epoch
+    sb = log.volume.superblock
+    log.close()
+    assert last >= 2
+    return data, recs, ids, last, sb
+
+
+def _demo_batch(recs, ids, region, epoch):
+    return next(r for r in recs if r.kind == F.REC_PAGE_BATCH and r.region_id == ids[region] and r.epoch == epoch)
+
+
+def demo_page(region, epoch):
+    def f(img, recs, ids, last, sb):
+        if epoch == "last":  # any record the last commit counts
+            r = next(r for r in recs if r.kind == F.REC_PAGE_BATCH and r.epoch == last and not r.flags)
+        else:
+            r = _demo_batch(recs, ids, region, epoch)
+        img[r.offset + r.length - 7] ^= 0x10
+    return f
+
+
+def demo_header(img, recs, ids, last, sb):
+    r = _demo_batch(recs, ids, "sched", 2)
+    img[r.offset + 61] ^= 0xFF
+
+
+def demo_slot(img, recs, ids, last, sb):
+    img[(sb.sequence % 2) * sb.slot_bytes + 70] ^= 0x01
+
+
+def demo_last_commit(img, recs, ids, last, sb):
+    r = next(r for r in recs if r.kind == F.REC_COMMIT and r.epoch == last)
+    img[r.offset:r.offset + r.length] = bytes(r.length)
+
+
+DEMO_DAMAGE = {"kv page, epoch 2": demo_page("kv", 2), "sched header, epoch 2": demo_header,
+               "in-force slot": demo_slot, "adapter page, epoch 4": demo_page("adapter", 4),
+               "last commit lost": demo_last_commit}
+
+
+@pytest.mark.parametrize("mode", [TT, PIT, SK], ids=lambda m: m.cli)
+@pytest.mark.parametrize("damage", list(DEMO_DAMAGE), ids=list(DEMO_DAMAGE))
+def test_demo_log_consumers_agree(demo_log, damage, mode, tmp_path):
+    data, recs, ids, last, sb = demo_log
+    img = bytearray(data)
+    DEMO_DAMAGE[damage](img, recs, ids, last, sb)
+    path = tmp_path / "demo.log"
+    path.write_bytes(bytes(img))
+    spec, m = f"file:{path}", mode.cli
+    rc_v, text = cli("verify", spec, "--json", "--mode", m)
+    v = json.loads(text)["recovery"]
+    rc_p, text = cli("recover", spec, "--plan", "--json", "--mode", m)
+    p = json.loads(text)
+    plan_regions = {n: r["epoch"] for n, r in p.get("regions", {}).items()}
+    restored, codes = {}, {rc_v, rc_p}
+    for n in DEMO_REGIONS:
+        rc, text = cli("restore", spec, "--region", n, "--out", tmp_path / f"{n}.npy", "--force", "--mode", m)
+        restored[n] = _restored_epoch(text, n)
+        codes.add(rc)
+    assert len(codes) == 1, (damage, rc_v, rc_p, codes)
+    assert v["epoch"] == p["epoch"], (v, p.get("error"))
+    want = {n: e for n, e in v["regions"].items()} if v["error"] is None else {n: None for n in DEMO_REGIONS}
+    assert restored == want, (restored, want)
+    if p.get("error") is None:
+        assert plan_regions == want
+    # what each damage means, as the table above settles it for its class
+    if damage in ("kv page, epoch 2", "sched header, epoch 2", "adapter page, epoch 4"):
+        assert codes == {1} and (v["epoch"] is None) == (mode is TT)
+        if mode is PIT:
+            assert v["epoch"] == (3 if "epoch 4" in damage else 1)
+    elif damage == "in-force slot":
+        assert codes == {1} and v["epoch"] == last
+    else:  # the last commit lost at the end of the data: a clean end one commit earlier
+        assert codes == {0} and v["epoch"] == last - 1

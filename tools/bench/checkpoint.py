@@ -17,7 +17,16 @@ Four parts (GPU):
            checkpoint); against host-side scanning (whole region to pinned
            host, numpy compare with a host shadow, append the delta, commit);
   kv       the KV block-table scanner for a fixed number of new tokens as the
-           cache grows (the cache is never read, so the time should stay flat).
+           cache grows (the cache is never read, so the time should stay flat);
+  regions  `Session.checkpoint()` of 1 to 1,024 regions sharing 1 GiB, one
+           dirty page each (fingerprints): one table pass whatever the count,
+           beside the floor of one read of the regions at the HBM read
+           ceiling plus the dirty pages at the pinned device-to-host ceiling,
+           both measured in the run, and host scanning of the same bytes;
+  decode   one decode step's checkpoint of a model's state: 56 KV tensors of a
+           2-byte dtype ([batch 8, kv heads 8, max length, head dim 128], one
+           new token per sequence) and 112 small LoRA adapter tensors, all
+           updated (an online adapter update) or all clean.
 Device times come from CUDA events (median of repeats after warm-up);
 end-to-end times from the host clock around whole checkpoints.
 
@@ -39,6 +48,7 @@ import time
 import click
 import numpy as np
 
+from concordia.checkpoint.staging import page_crc_table
 from concordia.gpu_kernels import reference as ref
 from concordia.gpu_kernels.errors import GpuUnavailableError
 from concordia.sizes import parse_size
@@ -49,7 +59,20 @@ from . import kernels
 GiB = 1 << 30
 MiB = 1 << 20
 
+# which entry point each part measures: the product's (`Session`) or a component
+MEASURED_THROUGH = {
+    "detect": "component: the detection kernels (gpu_kernels.gpu launchers, reference twins with --cpu)",
+    "stage": "component: the staging kernel (gpu_kernels.gpu.stage_page_batch)",
+    "e2e": "public entry point: Session.checkpoint of one dirty page (gpu_checkpoint_s_*); "
+           "detect_kernel_s_* is a component (the detector kernel alone); host_scan_checkpoint_s the "
+           "alternative it replaces (whole region to the host, numpy diff, the log's appender)",
+    "kv": "component: the KV block scanner (gpu_kernels.gpu.kv_dirty_blocks)",
+}
+
 DEFAULT = {
+    "regions": "1,16,64,256,1024",
+    "regions_total": "1G",
+    "decode_len": "1024",
     "sizes": "256M,1G,4G,16G",
     "fractions": "page,0.001,0.01,0.1,0.5",
     "e2e_sizes": "256M,1G,4G,8G",
@@ -57,14 +80,21 @@ DEFAULT = {
     "kv_cache_sizes": "1G,4G,16G,64G,256G",
 }
 QUICK = {
+    "regions": "1,16,64",
+    "regions_total": "64M",
+    "decode_len": "64",
     "sizes": "64M,256M",
     "fractions": "page,0.01,0.5",
     "e2e_sizes": "64M,256M",
     "stage_region": "256M",
     "kv_cache_sizes": "1G,16G,256G",
 }
-CPU_DEFAULT = {**DEFAULT, "sizes": "64M,256M", "e2e_sizes": "64M,256M", "stage_region": "256M"}
+CPU_DEFAULT = {**DEFAULT, "sizes": "64M,256M", "e2e_sizes": "64M,256M", "stage_region": "256M",
+               "regions": "1,16,64,256", "regions_total": "64M", "decode_len": "64"}
 CPU_QUICK = {
+    "regions": "1,16",
+    "regions_total": "4M",
+    "decode_len": "8",
     "sizes": "4M,16M",
     "fractions": "page,0.01,0.5",
     "e2e_sizes": "4M,16M",
@@ -93,6 +123,17 @@ def _sizes(text: str, option: str) -> list[int]:
     return sizes
 
 
+def _counts(text: str, option: str) -> list[int]:
+    """'1,16,64' -> positive whole numbers; anything else names `option`."""
+    try:
+        out = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        out = []
+    if not out or min(out) <= 0:
+        raise click.BadParameter(f"{text!r}: give one or more whole numbers above zero", param_hint=option)
+    return out
+
+
 def _fractions(text: str) -> list[str | float]:
     """'page,0.01,0.5' -> 'page' (one page) and fractions of the pages in (0, 1]."""
     out: list[str | float] = []
@@ -117,6 +158,114 @@ def _dirty_count(frac, npages: int) -> int:
     return 1 if frac == "page" else max(1, int(npages * frac))
 
 
+# --- regions and decode: Session.checkpoint() of many regions ----------------------
+
+DECODE = {"kv_tensors": 56, "batch": 8, "kv_heads": 8, "head_dim": 128, "adapter_tensors": 112, "rank": 16,
+          "hidden": 1024}
+
+
+def _shm_room(need: int) -> str | None:
+    free = os.statvfs("/dev/shm")
+    if free.f_bavail * free.f_frsize < need + 512 * MiB:
+        return f"/dev/shm has too little space for a {need >> 20} MiB log"
+    return None
+
+
+def _session_steps(runner, arrays: dict, step, reps: int, *, staging: str, tag: str) -> dict:
+    """Register `arrays` (fingerprint detector) in a Session on a shm log of
+    their own, checkpoint the base, then `reps` + 2 times: step(i) (the
+    caller's writes), wait for the device, time one checkpoint.  Median of
+    the last `reps`, with what the checkpoints did."""
+    from concordia.session import Session
+
+    total = sum(int(a.nbytes) for a in arrays.values())
+    seg = 64 * MiB
+    need = -(-(total * 5 // 4 + (reps + 4) * (total // 16 + 2 * MiB) + 4 * seg) // seg) * seg
+    why = _shm_room(need)
+    if why:
+        return {"error": why}
+    name = f"concordia-bench-{tag}{os.getpid()}"
+    try:
+        with Session(f"shm:{name}", overwrite=True, size=need, segment_size=seg, staging=staging) as s:
+            for k, a in arrays.items():
+                s.register(k, a, page_bytes=runner.pb, detect="fingerprint")
+            s.checkpoint()
+            times, last = [], None
+            for i in range(reps + 2):
+                step(i)
+                runner.sync()
+                t0 = time.perf_counter()
+                last = s.checkpoint()
+                times.append(time.perf_counter() - t0)
+            t = statistics.median(times[2:])
+            return {"ckpt_ms": t * 1e3, "ckpt_ms_min": min(times[2:]) * 1e3, "dirty_pages": sum(last.pages.values()),
+                    "dirty_bytes": last.bytes, "log_bytes": last.log_bytes, "device_reads": last.device_reads,
+                    "table_pass": last.table_pass, "via": sorted(set(last.via.values()))}
+    except Exception as exc:  # reported in the row, the bench goes on
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        remove_log_file(f"shm:{name}")
+
+
+def _regions_part(runner, counts: list[int], total: int, rng, reps: int) -> tuple[list, dict]:
+    """(rows, ceilings): one row per region count, the regions views of one
+    buffer of `total` bytes, one page of each dirtied before every checkpoint."""
+    pb = runner.pb
+    big = runner.random_region(total)
+    ceil = runner.ceilings(big)
+    rows = []
+    for n in counts:
+        size = max(1, total // n // pb) * pb
+        views = {f"r{i:04d}": big[i * size:(i + 1) * size] for i in range(n)}
+
+        def step(i, n=n, size=size):
+            at = np.arange(n, dtype=np.int64) * size + (int(rng.integers(0, size // pb)) * pb + 7)
+            runner.flip(big, at)
+
+        row = {"regions": n, "region_bytes": size}
+        row.update(_session_steps(runner, views, step, reps, staging=runner.staging, tag="r"))
+        row["floor_ms"] = (n * size / ceil["hbm_read_Bps"] + n * pb / ceil["d2h_Bps"]) * 1e3
+        row["host_scan_ms"] = ceil["host_scan_s"] * 1e3 * (n * size) / total
+        rows.append(row)
+        del views
+    del big
+    runner.free()
+    return rows, ceil
+
+
+def _decode_part(runner, max_len: int, rng, reps: int) -> dict:
+    """One decode step of a model's state: every KV tensor gains one token per
+    sequence (every head), then every adapter tensor is rewritten or none."""
+    d = DECODE
+    kv = {f"kv{i:02d}": runner.random_region(d["batch"] * d["kv_heads"] * max_len * d["head_dim"] * 2)
+          .view(runner.xp.int16).reshape(d["batch"], d["kv_heads"], max_len, d["head_dim"])
+          for i in range(d["kv_tensors"])}
+    ad = {}
+    for i in range(d["adapter_tensors"]):
+        shape = (d["rank"], d["hidden"]) if i % 2 == 0 else (d["hidden"] * (1 + (i // 2) % 2), d["rank"])
+        ad[f"lora{i:03d}"] = runner.xp.asarray(np.random.default_rng(i).standard_normal(shape, dtype=np.float32))
+    arrays = {**kv, **ad}
+    out = {"kv_tensors": d["kv_tensors"], "adapter_tensors": d["adapter_tensors"], "max_len": max_len,
+           "kv_dtype": "int16 (2 bytes, bf16-sized)", "state_bytes": sum(int(a.nbytes) for a in arrays.values())}
+    for touched, key in ((True, ""), (False, "_adapters_clean")):
+        def step(i, touched=touched):
+            pos = (i + (0 if touched else reps + 2)) % max_len
+            for a in kv.values():
+                a[:, :, pos, :] += 1
+            if touched:
+                for a in ad.values():
+                    a *= 0.999
+        got = _session_steps(runner, arrays, step, reps, staging=runner.staging, tag="d")
+        for k, v in got.items():
+            out[k + key] = v
+    ceil = runner.ceilings(None) or runner.ceilings(next(iter(kv.values())).reshape(-1).view(runner.xp.uint8))
+    if "dirty_bytes" in out:
+        out["floor_ms"] = (out["state_bytes"] / ceil["hbm_read_Bps"] + out["dirty_bytes"] / ceil["d2h_Bps"]) * 1e3
+    del kv, ad, arrays
+    runner.free()
+    return out
+
+
 # --- GPU -----------------------------------------------------------------------
 
 
@@ -131,6 +280,44 @@ class _Gpu:
         props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
         self.device = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
         self.sms = int(props["multiProcessorCount"])
+        self.xp = cp
+        self.staging = "auto"
+        self._ceil = None
+
+    def sync(self):
+        self.cp.cuda.get_current_stream().synchronize()
+
+    def flip(self, buf, at):
+        """buf[at] ^= 0xA5 (one launch)."""
+        cp = self.cp
+        idx = cp.asarray(at)
+        buf[idx] = buf[idx] ^ cp.uint8(0xA5)
+
+    def ceilings(self, buf) -> dict:
+        """HBM read and pinned device-to-host bandwidth, and host scanning of
+        `buf` (copy to pinned host, numpy compare with a host shadow), once."""
+        if self._ceil is not None or buf is None:
+            return self._ceil
+        cp = self.cp
+        from cupyx import empty_pinned
+
+        chunk = buf[:min(buf.size, 256 * MiB)]
+        pinned = empty_pinned(buf.size, np.uint8)
+        stream = cp.cuda.get_current_stream()
+        d2h = chunk.size / self.time(lambda: cp.cuda.runtime.memcpyAsync(pinned.ctypes.data, chunk.data.ptr,
+                                                                          chunk.size, 2, stream.ptr), reps=5)
+        shadow = buf.get()
+        scans = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            cp.cuda.runtime.memcpyAsync(pinned.ctypes.data, buf.data.ptr, buf.size, 2, stream.ptr)
+            stream.synchronize()
+            ref.shadow_diff(pinned, shadow, page_bytes=self.pb, update=False)
+            scans.append(time.perf_counter() - t0)
+        self._ceil = {"hbm_read_Bps": self.read_bw(buf), "d2h_Bps": d2h, "host_scan_s": min(scans),
+                      "host_scan_bytes": int(buf.size)}
+        del pinned, shadow
+        return self._ceil
 
     def time(self, fn, reps=None, warm=2) -> float:
         """Median seconds of fn() between CUDA events."""
@@ -293,7 +480,7 @@ class _Gpu:
                         cur = ref.new_cursor()
                         ref.stage_page_batch(pinned, ids, res.view, cur, page_bytes=self.pb, base_lsn=res.lsn,
                                              epoch=epoch, region_id=rid, salt=res.salt)
-                        hcrcs[ids] = res.view[64 + 4 * ids.size:64 + 8 * ids.size].view("<u4")
+                        hcrcs[ids] = page_crc_table(res.view, 0, ids.size)
                         app.persist(res)
                     app.commit(epoch, digests={rid: ref.region_digest(hcrcs)})
                     return ids.size
@@ -430,9 +617,32 @@ class _Gpu:
 
 class _Cpu:
     device = "cpu (numpy twins)"
+    xp = np
+    staging = "mapped"  # the table pass on the numpy twins
 
     def __init__(self, page_bytes: int, reps: int):
         self.pb, self.reps = page_bytes, reps
+        self._ceil = None
+
+    def sync(self):
+        pass
+
+    def free(self):
+        pass
+
+    def flip(self, buf, at):
+        buf[at] ^= 0xA5
+
+    def ceilings(self, buf) -> dict:
+        """numpy's copy bandwidth stands for both ceilings; host scanning is the shadow compare."""
+        if self._ceil is not None or buf is None:
+            return self._ceil
+        dst = np.empty_like(buf)
+        copy = buf.size / self.time(lambda: np.copyto(dst, buf))
+        shadow = buf.copy()
+        scan = self.time(lambda: ref.shadow_diff(buf, shadow, page_bytes=self.pb, update=False))
+        self._ceil = {"hbm_read_Bps": copy, "d2h_Bps": copy, "host_scan_s": scan, "host_scan_bytes": int(buf.size)}
+        return self._ceil
 
     def time(self, fn, reps=None, warm=1) -> float:
         for _ in range(warm):
@@ -444,8 +654,8 @@ class _Cpu:
             out.append(time.perf_counter() - t0)
         return statistics.median(out)
 
-    def random_region(self, nbytes, rng):
-        return rng.integers(0, 256, size=nbytes, dtype=np.uint8)
+    def random_region(self, nbytes, rng=None):
+        return (rng or np.random.default_rng(nbytes)).integers(0, 256, size=nbytes, dtype=np.uint8)
 
     def dirty(self, region, npages, count, rng):
         pages = np.sort(rng.choice(npages, size=count, replace=False))
@@ -579,6 +789,20 @@ def _table(result: dict) -> str:
     lines.append("kv scanner, fixed new tokens")
     for r in result["kv"]:
         lines.append(f"  cache {r['cache_bytes'] / GiB:8.1f} GiB  {r['scan_s'] * 1e6:9.1f} us")
+    if result.get("regions"):
+        c = result["regions_ceilings"]
+        lines.append(f"regions, one dirty page each (HBM read {c['hbm_read_Bps'] / 1e9:.0f} GB/s, "
+                     f"device to host {c['d2h_Bps'] / 1e9:.1f} GB/s)")
+        for r in result["regions"]:
+            got = f"{r['ckpt_ms']:9.3f} ms" if "ckpt_ms" in r else r.get("error", "?")
+            lines.append(f"  {r['regions']:>5} x {r['region_bytes'] / MiB:9.2f} MiB  {got}  floor "
+                         f"{r['floor_ms']:7.3f} ms  host scan {r['host_scan_ms']:9.1f} ms")
+    d = result.get("decode_shaped")
+    if d:
+        lines.append(f"decode step ({d['kv_tensors']} KV + {d['adapter_tensors']} adapter tensors, "
+                     f"{d['state_bytes'] / MiB:.0f} MiB): "
+                     + (f"{d['ckpt_ms']:.3f} ms adapters updated, {d.get('ckpt_ms_adapters_clean', float('nan')):.3f}"
+                        " ms adapters clean" if "ckpt_ms" in d else d.get("error", "?")))
     for k, v in result["summary"].items():
         lines.append(f"{k}: {v:.3g}" if isinstance(v, float) else f"{k}: {v}")
     return "\n".join(lines)
@@ -654,45 +878,58 @@ def _plot(result: dict, path: str) -> None:
 @click.option("--e2e-sizes", help="Region sizes for the end-to-end comparison, e.g. 256M,1G,4G,8G.")
 @click.option("--stage-region", help="Region size for the staging sweep.")
 @click.option("--kv-cache-sizes", help="KV cache sizes for the scanner sweep (not allocated).")
+@click.option("--regions", "region_counts", help="Region counts for the regions sweep, e.g. 1,16,64,256,1024.")
+@click.option("--regions-total", help="Bytes the regions of the sweep share, e.g. 1G.")
+@click.option("--decode-len", help="Max length of the decode-shaped KV tensors, e.g. 1024.")
 @click.option("--page-bytes", type=int, default=4096, show_default=True)
 @click.option("--reps", type=click.IntRange(min=1), default=10, show_default=True, help="Timed repeats (median).")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--parts", default="detect,stage,e2e,kv", show_default=True,
+@click.option("--parts", default="detect,stage,e2e,kv,regions,decode", show_default=True,
               help="Which parts to run (the others are reported empty).")
 @guarded
 def command(as_json, out, plot, quick, cpu, sizes, fractions, e2e_sizes, stage_region, kv_cache_sizes,
-            page_bytes, reps, seed, parts):
+            region_counts, regions_total, decode_len, page_bytes, reps, seed, parts):
     """Delta checkpoint: shadow diff vs device read bandwidth, staging vs
     pinned device-to-host copies, one dirty page end to end vs host-side
-    scanning, and the KV scanner vs cache size.  Needs a CUDA device unless
-    --cpu.
+    scanning, the KV scanner vs cache size, checkpoints of 1 to 1,024
+    regions, and one decode step of a model's state.  Needs a CUDA device
+    unless --cpu.
 
     Example:
 
     \b
         concordia-wal bench checkpoint --json --out checkpoint.json --plot checkpoint.png
     """
-    ref._check_page_bytes(page_bytes)
+    ref.check_page_bytes(page_bytes)
     preset = (CPU_QUICK if quick else CPU_DEFAULT) if cpu else (QUICK if quick else DEFAULT)
     opt = {"sizes": sizes, "fractions": fractions, "e2e_sizes": e2e_sizes, "stage_region": stage_region,
-           "kv_cache_sizes": kv_cache_sizes}
+           "kv_cache_sizes": kv_cache_sizes, "regions_total": regions_total}
     cfg = {k: (v or preset[k]) for k, v in opt.items()}
+    cfg["regions"] = region_counts or preset["regions"]
+    cfg["decode_len"] = decode_len or preset["decode_len"]
     # every option is checked before any device work starts
     fr = _fractions(cfg["fractions"])
     swept = {k: _sizes(cfg[k], "--" + k.replace("_", "-")) for k in opt if k != "fractions"}
+    counts = _counts(cfg["regions"], "--regions")
+    max_len = _counts(cfg["decode_len"], "--decode-len")[0]
     want = {p.strip() for p in parts.split(",") if p.strip()}
-    unknown = want - {"detect", "stage", "e2e", "kv"}
+    names = ("detect", "stage", "e2e", "kv", "regions", "decode")
+    unknown = want - set(names)
     if unknown:
-        raise click.BadParameter(f"unknown part {sorted(unknown)[0]!r} (use detect, stage, e2e, kv)",
+        raise click.BadParameter(f"unknown part {sorted(unknown)[0]!r} (use {', '.join(names)})",
                                  param_hint="--parts")
     rng = np.random.default_rng(seed)
     runner = _Cpu(page_bytes, reps) if cpu else _Gpu(page_bytes, reps)
     result = {"bench": "checkpoint", "device": runner.device, "page_bytes": page_bytes, "reps": reps,
-              "config": cfg, "cpu": bool(cpu), "parts": sorted(want)}
+              "config": cfg, "cpu": bool(cpu), "parts": sorted(want),
+              "measured_through": MEASURED_THROUGH}
     result["detect"] = runner.detect(swept["sizes"], fr, rng) if "detect" in want else []
     result["stage"] = runner.stage(swept["stage_region"][0], fr, rng) if "stage" in want else []
     result["e2e"] = runner.e2e(swept["e2e_sizes"], rng, max(3, reps)) if "e2e" in want else []
     result["kv"] = runner.kv(swept["kv_cache_sizes"], rng) if "kv" in want else []
+    result["regions"], result["regions_ceilings"] = (
+        _regions_part(runner, counts, swept["regions_total"][0], rng, max(3, reps)) if "regions" in want else ([], {}))
+    result["decode_shaped"] = _decode_part(runner, max_len, rng, max(3, reps)) if "decode" in want else {}
     result["summary"] = _summary(result)
     report(result, as_json=as_json, out=out, table=_table)
     if plot:  # after the JSON is out: a machine without matplotlib still keeps the figures

@@ -25,7 +25,7 @@ from ..common import SIZE, guarded, report
 def run(size: int, epochs: int, dirty: float, page_bytes: int, chunk: int) -> dict:
     import crc32c
 
-    from concordia.wal.compact import compact
+    from concordia.wal.compaction import compact
     from concordia.wal.planner import plan
 
     log, live = build_log(size, epochs, dirty, page_bytes)

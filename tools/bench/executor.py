@@ -34,7 +34,7 @@ from concordia.executor.errors import ExecutorError
 from concordia.executor.host import Submitter
 from concordia.executor.ring import N_ARGS, ConsumerState, Op, Ring, TaskView
 
-from ..common import guarded, report
+from ..common import guarded, report, require_cupy
 from . import kernels
 
 
@@ -136,16 +136,16 @@ def run_cpu(quick: bool) -> dict:
 
 def run_gpu(quick: bool) -> dict:
     os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
-    from concordia.executor import gpu
+    from concordia.executor import persistent as gpu
 
-    cp = gpu._cupy()  # one-line ExecutorError (exit 2) without CuPy or a device
+    cp = require_cupy(ExecutorError, where="gpu executor", hint="use --cpu for the CPU executor")  # exit 2
     doc = {"benchmark": "executor", "device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
            "quick": quick}
     # 1. Every module and every CuPy kernel is loaded before any executor runs.
     t0 = time.perf_counter()
     child = gpu.ExecutorModule(child=True).load()
     inline = gpu.ExecutorModule(child=False).load()
-    swap_b = gpu.ExecutorModule(child=True, ops=(Op.CHECKPOINT, Op.RECOVER)).load()
+    swap_b = gpu.ExecutorModule(child=True, ops=(Op.CHECKPOINT, Op.SCATTER)).load()
     bench = kernels.load_bench_kernels()
     doc["compile_s"] = {"child": round(child.load_s, 3), "inline": round(inline.load_s, 3),
                         "total": round(time.perf_counter() - t0, 3)}

@@ -167,7 +167,7 @@ def run(nbytes: int, repeat: int) -> dict:
                 if rep.stores_tracked < 2:
                     raise InstrumentError("the store tracker instrumented no store of the bench kernels",
                                           where="bench instrument",
-                                          hint=f"hook calls {instrument._hook.calls}")
+                                          hint=f"{len(rep.modules)} modules rewritten, {rep.hook_sites} hook sites")
             else:
                 regions = []
             result = rep.find("stream_axpy").result

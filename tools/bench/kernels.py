@@ -12,9 +12,11 @@ from pathlib import Path
 
 import numpy as np
 
-from concordia.executor import gpu
+from concordia.executor import persistent
 from concordia.executor.errors import ExecutorError
 from concordia.gpu_kernels import jit
+
+from ..common import require_cupy
 
 BENCH_DIR = Path(__file__).resolve().parent
 EXECUTOR_BENCH_SOURCE = BENCH_DIR / "executor_bench.cu"
@@ -26,10 +28,10 @@ SPECS = (("bandwidth", {}),)
 
 def load_bench_kernels() -> dict:
     """cx_noop and cx_naive_spin (executor_bench.cu), loaded now."""
-    if gpu.any_resident():
+    if persistent.any_resident():
         raise ExecutorError("module load while a persistent executor is resident", where="bench kernels")
-    cupy = gpu._cupy()
-    mod = cupy.RawModule(code=gpu.kernel_source(EXECUTOR_BENCH_SOURCE))
+    cupy = require_cupy(ExecutorError, where="bench kernels", hint="the executor's baselines need a CUDA device")
+    mod = cupy.RawModule(code=persistent.kernel_source(EXECUTOR_BENCH_SOURCE))
     return {n: mod.get_function(n) for n in ("cx_noop", "cx_naive_spin")}
 
 
@@ -38,7 +40,8 @@ def direct_checkpoint(module, scratch, stream, n_sm: int, src, shadow, out, out_
     """The CHECKPOINT handler launched from the host (the baseline): reset the
     counter, launch the same grid the executor would, read the page count back,
     synchronise `stream` only.  Returns pages found."""
-    cupy = gpu._cupy()
+    import cupy
+
     fn = module.load().functions["cx_checkpoint"]
     npages = -(-nbytes // page_bytes)
     grid = max(1, min(-(-npages // 8), n_sm * 8))

@@ -151,6 +151,8 @@ def run(size: int, epochs: int, dirty: float, page_bytes: int, repeat: int, thre
 
     return {
         "benchmark": "restore",
+        "measured_through": ("component: wal.planner.plan + wal.apply.apply_plan_numpy, the CPU applier "
+                             "Session.recover runs on the host, without the session's open"),
         "page_crc": {"backend": pagecrc.BACKEND, "reason": pagecrc.REASON},
         "params": {"size": size, "epochs": epochs, "dirty": dirty, "page_bytes": page_bytes,
                    "repeat": repeat, "threads": threads},

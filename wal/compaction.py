@@ -249,7 +249,8 @@ def _rewrite_descriptors(log) -> None:
 
     app = log.appender
     for info in log.regions.values():
-        body = F.encode_region_body(info.name, info.dtype, info.shape, info.page_bytes, info.kind)
+        body = F.encode_region_body(info.name, info.dtype, info.shape, info.page_bytes, info.kind,
+                                    logical=info.logical, framework=info.framework)
         app.append_record(type=F.REC_REGION, epoch=0, body=body, region_id=info.id, page_bytes=info.page_bytes)
 
 

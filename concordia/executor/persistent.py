@@ -36,7 +36,7 @@ from .smtarget import SmTarget
 # The sources ship inside concordia.gpu_kernels (package data), wherever the
 # package is installed; the source tree's layout is not assumed.
 KERNEL_SOURCE = Path(_gpu_kernels_pkg.__file__).resolve().parent / "executor.cu"
-HANDLER_OPS = (Op.CHECKPOINT, Op.APPEND_LOG, Op.RECOVER)
+HANDLER_OPS = (Op.CHECKPOINT, Op.APPEND_LOG, Op.SCATTER)
 ALL_OPS_MASK = sum(1 << int(op) for op in Op)
 
 _IDS = itertools.count(1001)

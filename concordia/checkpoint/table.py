@@ -1,0 +1,174 @@
+"""The region table: every region one table pass checkpoints, as one row of a
+structured numpy array (mirrored on the device by `device.DeviceTablePass`).
+
+    base, nbytes       the region's bytes (device address; 0 on the host twin)
+    state              its detector's state: shadow copy or fingerprints (address)
+    crc_table          its page CRC table of the last committed epoch (address)
+    first_page         where its pages start in the epoch's page space: the
+                       pages of every region, back to back in table order
+    pages, page_bytes
+    detector           DET_* below: which launch finds its dirty pages
+    region_id          its id in the log
+    digest_slot        its row in the digest array the commit takes
+    per_record         most pages in one of its page-batch records
+
+A checkpoint of the table is one detection launch per group of rows that
+share a detector and page size, writing one flag per page of the page space;
+the flags become the epoch's sorted dirty pages, and those its records: one
+region after the other in table order, each region's pages cut into records
+of at most `per_record` pages (`plan_records`, and on the device the
+`table_plan` kernel of gpu_kernels/table.cu, which lays them out the same
+way).  Record lengths come from `wal.format`.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import numpy as np
+
+from concordia.checkpoint import staging
+from concordia.regions import is_torch, storage_of
+from concordia.wal import format as fmt
+
+#: one row of the region table (gpu_kernels/table.cu: struct TableEntry)
+ENTRY = np.dtype([("base", "<u8"), ("nbytes", "<u8"), ("state", "<u8"), ("crc_table", "<u8"),
+                  ("first_page", "<u8"), ("pages", "<u4"), ("page_bytes", "<u4"), ("detector", "<u4"),
+                  ("region_id", "<u4"), ("digest_slot", "<u4"), ("per_record", "<u4")])
+assert ENTRY.itemsize == 64
+
+#: one record of a table pass (table.cu: struct TableRecord): pages [lo, lo + count)
+#: of the epoch's sorted dirty pages, at `offset` of the extent
+RECORD = np.dtype([("lo", "<u8"), ("offset", "<u8"), ("length", "<u8"), ("region", "<u4"), ("count", "<u4")])
+assert RECORD.itemsize == 32
+
+#: what the plan found (table.cu: struct TablePlan); `fits` is 0 when the
+#: records need more than the extent holds (`bytes` says how much)
+PLAN = np.dtype([("fits", "<u8"), ("bytes", "<u8"), ("records", "<u8"), ("pages", "<u8")])
+
+DET_ALL = 0          # every page (a region without a base: not in a table)
+DET_SHADOW = 1       # shadow diff, on the device or by the twin
+DET_FINGERPRINT = 2  # fingerprints
+DET_LISTED = 3       # the region lists its pages on the host (block tables, slot versions, store tracker)
+DETECTOR_CODES = {"shadow": DET_SHADOW, "fingerprint": DET_FINGERPRINT}
+
+
+def detector_code(detect: str) -> int:
+    return DETECTOR_CODES.get(detect, DET_LISTED)
+
+
+class RegionTable:
+    """The rows of `regions` (in that order) and what a pass keeps between
+    checkpoints: the digest of every region (the commit's), and the record
+    bytes of the last epoch (the next extent's size).
+
+    The digests here are the truth while the table is in use: `write_back`
+    hands them to the regions when another path takes over."""
+
+    def __init__(self, regions: list):
+        self.regions = list(regions)
+        n = len(self.regions)
+        e = np.zeros(n, ENTRY)
+        e["pages"] = [r.pages for r in self.regions]
+        e["page_bytes"] = [r.page_bytes for r in self.regions]
+        e["detector"] = [detector_code(r.detect) for r in self.regions]
+        e["region_id"] = [r.id for r in self.regions]
+        e["digest_slot"] = np.arange(n)
+        e["per_record"] = np.maximum(1, staging.MAX_BATCH_BYTES // e["page_bytes"])
+        pages = e["pages"].astype(np.int64)
+        e["first_page"] = np.cumsum(pages) - pages
+        self.entries = e
+        self.names = [r.name for r in self.regions]
+        self.total_pages = int(pages.sum())
+        self.page_bytes = e["page_bytes"].astype(np.int64)
+        self.digests = np.array([r.digest for r in self.regions], np.uint32)
+        #: most records an epoch can need (every page dirty)
+        per = e["per_record"].astype(np.int64)
+        self.max_records = int((-(-pages // per)).sum())
+        self.last_bytes = 0
+        #: rows by (detector code, page bytes): one detection launch each
+        self.groups: dict = {}
+        keys = np.stack([e["detector"].astype(np.int64), self.page_bytes], axis=1) if n else np.zeros((0, 2), np.int64)
+        for key in sorted({(int(a), int(b)) for a, b in keys}):
+            self.groups[key] = np.flatnonzero((keys[:, 0] == key[0]) & (keys[:, 1] == key[1])).astype(np.uint32)
+        # what `unchanged` compares: a numpy or CuPy array cannot move its memory
+        # without changing its shape (neither resizes in place otherwise), so its
+        # shape and dtype say enough; a tensor can be given new storage
+        moved = [r for r in self.regions if is_torch(r.owner)]
+        fixed = [r.owner for r in self.regions if not is_torch(r.owner)]
+        self._probe = operator.attrgetter("shape", "dtype")
+        self._fixed = fixed
+        self._fixed_want = list(map(self._probe, fixed))
+        self._movable = moved
+
+    def __len__(self) -> int:
+        return len(self.regions)
+
+    def unchanged(self) -> bool:
+        """Whether every region's array still has its registered shape, dtype
+        and storage (False: `Region.check_unchanged` says which did not)."""
+        if list(map(self._probe, self._fixed)) != self._fixed_want:
+            return False
+        return all(storage_of(r.owner) == r.storage for r in self._movable)
+
+    def listed(self) -> np.ndarray:
+        """Rows whose pages the host lists (DET_LISTED)."""
+        return np.flatnonzero(self.entries["detector"] == DET_LISTED)
+
+    def commit_digests(self):
+        """The digests for `Appender.commit`: (region ids, digests) arrays, or
+        for a few regions a dict (cheaper to encode)."""
+        if len(self.regions) <= 16:
+            return dict(zip(self.entries["region_id"].tolist(), self.digests.tolist()))
+        return self.entries["region_id"], self.digests
+
+    def write_back(self) -> None:
+        """Give each region its digest from the table (another path takes over)."""
+        for r, d in zip(self.regions, self.digests.tolist()):
+            r.digest = int(d)
+
+
+def plan_records(entries: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The records an epoch writes, given each row's dirty-page count: RECORD
+    rows, region after region in table order, each region's pages cut into
+    records of at most per_record pages, back to back from offset 0.  The
+    twin of table.cu's `table_plan` (no loop over regions)."""
+    c = np.asarray(counts, np.int64)
+    per = entries["per_record"].astype(np.int64)
+    pb = entries["page_bytes"].astype(np.int64)
+    nrec = -(-c // per)
+    total = int(nrec.sum())
+    out = np.zeros(total, RECORD)
+    if total == 0:
+        return out
+    region = np.repeat(np.arange(c.size, dtype=np.int64), nrec)
+    j = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(nrec) - nrec, nrec)
+    start = np.cumsum(c) - c  # the region's first dirty page among the epoch's sorted dirty pages
+    count = np.minimum(per[region], c[region] - j * per[region])
+    length = fmt.page_batch_length(count, pb[region])
+    out["region"] = region
+    out["count"] = count
+    out["lo"] = start[region] + j * per[region]
+    out["length"] = length
+    out["offset"] = np.cumsum(length) - length
+    return out
+
+
+class TableResult:
+    """What one table pass did: dirty pages per row, record bytes written,
+    seconds detecting and staging, host waits on the device."""
+
+    __slots__ = ("counts", "log_bytes", "detect_s", "stage_s", "device_reads")
+
+    def __init__(self, counts, log_bytes, detect_s, stage_s, device_reads):
+        self.counts = counts
+        self.log_bytes = log_bytes
+        self.detect_s = detect_s
+        self.stage_s = stage_s
+        self.device_reads = device_reads
+
+
+def counts_of(entries: np.ndarray, ids: np.ndarray, total_pages: int) -> np.ndarray:
+    """Dirty pages per row, from the epoch's sorted dirty pages (page space indices)."""
+    bounds = np.append(entries["first_page"].astype(np.int64), total_pages)
+    return np.diff(np.searchsorted(ids, bounds)).astype(np.int64)

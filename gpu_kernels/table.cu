@@ -1,0 +1,403 @@
+// The region table's checkpoint (concordia/checkpoint/table.py): every region
+// of an epoch in a few launches on one stream, with no host round trip:
+//
+//   table_fingerprint / table_shadow   one launch per group of table rows that
+//       share a detector and page size (-D PAGE_BYTES): one warp per page of
+//       the group, the row found by binary search over the group's page
+//       prefix; flags[first_page + p] = dirty, the detector state advanced.
+//   table_mark      flags of pages the host listed (block tables, versions).
+//   table_plan      one block: the flags become the epoch's sorted dirty pages
+//       (page space indices), each row's count, and the records: row after row
+//       in table order, each row's pages cut into records of per_record pages,
+//       back to back from offset 0 of the extent (the twin is
+//       table.plan_records).  When they need more than the extent holds, or
+//       more records than there is room for, `fits` is 0 and nothing is staged.
+//   table_stage     one warp per dirty page: payload copy, page CRC32C into the
+//       record's CRC table and the region's page CRC table, the index entry; the
+//       region digest moves by each changed CRC word (as stage_delta does).
+//   table_finalize  one warp per record: body CRC over the two tables, then the
+//       header, stored last (as stage.cu's stage_finalize writes it).
+//
+// Records are page batches exactly as gpu_kernels/stage.cu and
+// reference.stage_page_batch write them (FORMAT.md §6).  Page sizes are read
+// from the table by the plan, stage and finalize kernels, so one launch of
+// each covers rows of any page size.
+#include "common.cuh"
+
+#define HEADER_BYTES 64
+#define TYPE_PAGE_BATCH 0x01u
+
+// concordia.checkpoint.table.ENTRY (64 bytes)
+struct TableEntry {
+    u64 base, nbytes, state, crc_table, first_page;
+    u32 pages, page_bytes, detector, region_id, digest_slot, per_record;
+};
+
+// concordia.checkpoint.table.RECORD (32 bytes)
+struct TableRecord {
+    u64 lo, offset, length;
+    u32 region, count;
+};
+
+// concordia.checkpoint.table.PLAN
+struct TablePlan {
+    u64 fits, bytes, records, pages;
+};
+
+__device__ __forceinline__ u64 record_payload_off(u64 count) { return HEADER_BYTES + ((8 * count + 63) & ~63ull); }
+
+__device__ __forceinline__ u64 record_length(u64 count, u64 page_bytes) {
+    return record_payload_off(count) + count * page_bytes;
+}
+
+// The last i in [0, n) with first[i] <= q (first[0] = 0 <= q).
+__device__ __forceinline__ u32 last_at_or_below(const u64* first, u32 n, u64 q) {
+    u32 lo = 0, hi = n;
+    while (hi - lo > 1) {
+        const u32 mid = (lo + hi) >> 1;
+        if (first[mid] <= q) lo = mid;
+        else hi = mid;
+    }
+    return lo;
+}
+
+#ifdef PAGE_BYTES
+// rows: the group's table rows; row_first: u64[n_rows + 1], the group's page
+// prefix (row_first[n_rows] = the group's pages).
+extern "C" __global__ void __launch_bounds__(256)
+table_fingerprint(const TableEntry* __restrict__ table, const u32* __restrict__ rows,
+                  const u64* __restrict__ row_first, u32 n_rows, u8* __restrict__ flags) {
+    const int lane = threadIdx.x & 31;
+    const u64 warps = (u64)gridDim.x * (blockDim.x >> 5);
+    const u64 total = row_first[n_rows];
+    for (u64 q = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; q < total; q += warps) {
+        const u32 e = last_at_or_below(row_first, n_rows, q);
+        const TableEntry& t = table[rows[e]];
+        const u64 p = q - row_first[e];
+        const u64 h = page_fingerprint(reinterpret_cast<const u8*>(t.base), t.nbytes, p, lane);
+        if (lane == 0) {
+            u64* fps = reinterpret_cast<u64*>(t.state);
+            const u64 old = fps[p];
+            flags[t.first_page + p] = (u8)(h != old);
+            if (h != old) fps[p] = h;
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+table_shadow(const TableEntry* __restrict__ table, const u32* __restrict__ rows,
+             const u64* __restrict__ row_first, u32 n_rows, u8* __restrict__ flags) {
+    const int lane = threadIdx.x & 31;
+    const u64 warps = (u64)gridDim.x * (blockDim.x >> 5);
+    const u64 total = row_first[n_rows];
+    for (u64 q = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; q < total; q += warps) {
+        const u32 e = last_at_or_below(row_first, n_rows, q);
+        const TableEntry& t = table[rows[e]];
+        const u64 p = q - row_first[e];
+        const unsigned diff = page_shadow_diff(reinterpret_cast<const u8*>(t.base), reinterpret_cast<u8*>(t.state),
+                                               t.nbytes, p, lane, 1);
+        if (lane == 0) flags[t.first_page + p] = (u8)diff;
+    }
+}
+#endif  // PAGE_BYTES
+
+// flags[pages[i]] = value for i < n
+extern "C" __global__ void table_mark(u8* __restrict__ flags, const u64* __restrict__ pages, u64 n, u32 value) {
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        flags[pages[i]] = (u8)value;
+}
+
+// ---- the plan (one block of 1024 threads) -------------------------------------
+
+// Exclusive prefix sum of v over the block; *total receives the block's sum.
+// `sums` is 32 u64 of shared memory.
+__device__ __forceinline__ u64 block_exclusive_scan(u64 v, u64* sums, u64* total) {
+    const u32 t = threadIdx.x, lane = t & 31, w = t >> 5, warps = blockDim.x >> 5;
+    u64 incl = v;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        const u64 x = __shfl_up_sync(FULL_MASK, incl, d);
+        if ((int)lane >= d) incl += x;
+    }
+    __syncthreads();  // the previous scan's readers are done with `sums`
+    if (lane == 31) sums[w] = incl;
+    __syncthreads();
+    if (w == 0) {
+        u64 s = lane < warps ? sums[lane] : 0;
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            const u64 x = __shfl_up_sync(FULL_MASK, s, d);
+            if ((int)lane >= d) s += x;
+        }
+        sums[lane] = s;  // inclusive over warps
+    }
+    __syncthreads();
+    *total = sums[warps - 1];
+    return (w ? sums[w - 1] : 0) + incl - v;
+}
+
+// The first i in [0, n) with ids[i] >= v (n when none).
+__device__ __forceinline__ u64 lower_bound_u32(const u32* ids, u64 n, u64 v) {
+    u64 lo = 0, hi = n;
+    while (lo < hi) {
+        const u64 mid = (lo + hi) >> 1;
+        if ((u64)ids[mid] < v) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+// Sorted positions of the set flags into ids; returns their number (every
+// thread).  Tiles of 64 flags per thread, a block scan of the per-thread counts.
+__device__ u64 block_compact(const u8* __restrict__ flags, u64 n, u32* __restrict__ ids, u64* sums) {
+    u64 base = 0;
+    for (u64 tile = 0; tile < n; tile += (u64)blockDim.x * 64) {
+        const u64 lo = tile + (u64)threadIdx.x * 64;
+        u64 bits = 0;
+        if (lo + 64 <= n) {
+            const uint4* p = reinterpret_cast<const uint4*>(flags + lo);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const uint4 v = p[q];
+                const u32 words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                for (int k = 0; k < 4; ++k)
+#pragma unroll
+                    for (int b = 0; b < 4; ++b)
+                        if ((words[k] >> (8 * b)) & 0xFFu) bits |= 1ull << (16 * q + 4 * k + b);
+            }
+        } else {
+            for (int k = 0; k < 64; ++k)
+                if (lo + k < n && flags[lo + k]) bits |= 1ull << k;
+        }
+        u64 tile_total;
+        u64 off = base + block_exclusive_scan((u64)__popcll(bits), sums, &tile_total);
+        while (bits) {
+            const int k = __ffsll((long long)bits) - 1;
+            ids[off++] = (u32)(lo + k);
+            bits &= bits - 1;
+        }
+        base += tile_total;
+    }
+    return base;
+}
+
+// mail_plan / mail_counts / mail_offsets: pinned host memory the device
+// addresses (the host reads them after the stream's event): the plan, each
+// row's count, each record's offset (what the appender checks the extent by).
+extern "C" __global__ void __launch_bounds__(1024)
+table_plan(const TableEntry* __restrict__ table, u32 n, const u8* __restrict__ flags, u64 total_pages,
+           u32* __restrict__ ids, TableRecord* __restrict__ recs, u64 max_records, u64 dst_bytes,
+           TablePlan* __restrict__ plan, TablePlan* mail_plan, u32* mail_counts, u64* mail_offsets) {
+    __shared__ u64 sums[32];
+    const u64 k = block_compact(flags, total_pages, ids, sums);
+    __syncthreads();  // every thread's ids written before any thread searches them
+    u64 rec_base = 0, byte_base = 0;
+    for (u32 tile = 0; tile < n; tile += blockDim.x) {
+        const u32 r = tile + threadIdx.x;
+        u64 c = 0, start = 0, nrec = 0, bytes = 0, per = 1, pb = 0;
+        if (r < n) {
+            const TableEntry& e = table[r];
+            start = lower_bound_u32(ids, k, e.first_page);
+            c = lower_bound_u32(ids, k, e.first_page + e.pages) - start;
+            per = e.per_record;
+            pb = e.page_bytes;
+            const u64 full = c / per, rem = c % per;
+            nrec = full + (rem ? 1 : 0);
+            bytes = full * record_length(per, pb) + (rem ? record_length(rem, pb) : 0);
+            mail_counts[r] = (u32)c;
+        }
+        u64 tile_recs, tile_bytes;
+        const u64 rec_off = block_exclusive_scan(nrec, sums, &tile_recs);
+        const u64 byte_off = block_exclusive_scan(bytes, sums, &tile_bytes);
+        u64 at = byte_base + byte_off;
+        for (u64 j = 0; j < nrec; ++j) {
+            const u64 i = rec_base + rec_off + j;
+            const u64 cnt = c - j * per < per ? c - j * per : per;
+            const u64 len = record_length(cnt, pb);
+            if (i < max_records) {
+                TableRecord out;
+                out.lo = start + j * per;
+                out.offset = at;
+                out.length = len;
+                out.region = r;
+                out.count = (u32)cnt;
+                recs[i] = out;
+                mail_offsets[i] = at;
+            }
+            at += len;
+        }
+        rec_base += tile_recs;
+        byte_base += tile_bytes;
+    }
+    if (threadIdx.x == 0) {
+        TablePlan out;
+        out.fits = byte_base <= dst_bytes && rec_base <= max_records;
+        out.bytes = byte_base;
+        out.records = rec_base;
+        out.pages = k;
+        *plan = out;
+        *mail_plan = out;
+    }
+}
+
+// ---- staging (page sizes read from the table) ----------------------------------
+
+// Per-lane constants of the split page CRC for `pb`-byte pages (common.cuh's
+// PageCrc / page_crc_setup with the page size known only at run time).
+struct PageCrcRt {
+    u32 page_bytes, lane_shift, finish;
+};
+
+__device__ __forceinline__ u32 crc_step_of(u32 pb) { return 16 * ((pb / 16 + WARP - 1) / WARP); }
+
+__device__ __forceinline__ PageCrcRt page_crc_setup_rt(u32 pb, int lane) {
+    u32 hi = (u32)(lane + 1) * crc_step_of(pb);
+    if (hi > pb) hi = pb;
+    PageCrcRt c;
+    c.page_bytes = pb;
+    c.lane_shift = xpow8n(pb - hi);
+    c.finish = gf2_multmodp(xpow8n(pb), 0xFFFFFFFFu) ^ 0xFFFFFFFFu;
+    return c;
+}
+
+// One page by one warp: 16-byte copy into `out`, CRC32C to every lane.
+__device__ __forceinline__ u32 copy_page_rt(const u32* T, const u8* region, u64 region_bytes, u64 page,
+                                            uint4* out, int lane, PageCrcRt k) {
+    const u32 pb = k.page_bytes, chunks = pb / 16;
+    const u64 base = page * pb;
+    const u8* src = region + base;
+    const u32 valid = base + pb <= region_bytes ? pb : (u32)(region_bytes - base);
+    if (valid == pb) {
+        for (u32 c = lane; c < chunks; c += WARP) out[c] = __ldcs(reinterpret_cast<const uint4*>(src) + c);
+    } else {
+        for (u32 c = lane; c < chunks; c += WARP) out[c] = load16(src, c * 16, valid);
+    }
+    const u32 step = crc_step_of(pb);
+    u32 lo = (u32)lane * step, hi = lo + step;
+    if (lo > pb) lo = pb;
+    if (hi > pb) hi = pb;
+    u32 raw = 0;
+    for (u32 off = lo; off < hi; off += 16) raw = crc_chunk(T, raw, load16(src, off, valid));
+    raw = gf2_multmodp(k.lane_shift, raw);
+    return warp_xor(raw) ^ k.finish;
+}
+
+// The record holding dirty page k: the last i with recs[i].lo <= k.
+__device__ __forceinline__ u64 record_of(const TableRecord* recs, u64 n, u64 k) {
+    u64 lo = 0, hi = n;
+    while (hi - lo > 1) {
+        const u64 mid = (lo + hi) >> 1;
+        if (recs[mid].lo <= k) lo = mid;
+        else hi = mid;
+    }
+    return lo;
+}
+
+// digests: u32 per row (digest_slot), moved here by every changed page CRC.
+extern "C" __global__ void __launch_bounds__(256)
+table_stage(const TableEntry* __restrict__ table, const u32* __restrict__ ids,
+            const TableRecord* __restrict__ recs, const TablePlan* __restrict__ plan, u8* __restrict__ dst,
+            u32* __restrict__ digests) {
+    __shared__ u32 T[CRC_TABLE_WORDS];
+    if (!plan->fits) return;
+    const u64 k_total = plan->pages, n_recs = plan->records;
+    const u64 first_warp = ((u64)blockIdx.x * blockDim.x) >> 5;
+    if (first_warp >= k_total) return;  // the whole block: before any barrier
+    crc_tables_build(T);
+    const int lane = threadIdx.x & 31;
+    const u64 warps = (u64)gridDim.x * (blockDim.x >> 5);
+    PageCrcRt crc_k;
+    crc_k.page_bytes = 0;
+    for (u64 k = first_warp + (threadIdx.x >> 5); k < k_total; k += warps) {
+        const TableRecord rec = recs[record_of(recs, n_recs, k)];
+        const TableEntry& e = table[rec.region];
+        if (e.page_bytes != crc_k.page_bytes) crc_k = page_crc_setup_rt(e.page_bytes, lane);
+        const u64 i = k - rec.lo;
+        const u64 p = (u64)ids[k] - e.first_page;
+        u8* out = dst + rec.offset;
+        const u32 crc = copy_page_rt(T, reinterpret_cast<const u8*>(e.base), e.nbytes, p,
+                                     reinterpret_cast<uint4*>(out + record_payload_off(rec.count) + i * e.page_bytes),
+                                     lane, crc_k);
+        if (lane == 0) {
+            u32* index = reinterpret_cast<u32*>(out + HEADER_BYTES);
+            index[i] = (u32)p;
+            index[rec.count + i] = crc;
+            u32* crcs = reinterpret_cast<u32*>(e.crc_table);
+            const u32 delta = crcs[p] ^ crc;
+            crcs[p] = crc;
+            if (delta)
+                atomicXor(&digests[e.digest_slot],
+                          gf2_multmodp(xpow8n(4 * ((u64)e.pages - 1 - p)), crc_word(T, 0, delta)));
+        }
+        if (i == 0) {  // the zero pad between the tables and the payload
+            const u64 pad_lo = (HEADER_BYTES + 8ull * rec.count) / 4, pad_hi = record_payload_off(rec.count) / 4;
+            for (u64 w = pad_lo + lane; w < pad_hi; w += WARP) reinterpret_cast<u32*>(out)[w] = 0;
+        }
+    }
+}
+
+// The page-batch header (stage.cu's write_header, with the page size an
+// argument): CRC over the first 60 bytes; the length word stored last.
+__device__ __forceinline__ void write_table_header(const u32* T, u8* rec, u64 length, u64 lsn, u64 epoch,
+                                                   u32 region_id, u32 salt, u32 flags, u64 count, u32 page_bytes,
+                                                   u32 body_crc) {
+    u32 h[16];
+    h[0] = (u32)length;          h[1] = (u32)(length >> 32);
+    h[2] = TYPE_PAGE_BATCH | ((flags & 0xFFu) << 8);   // type, flags, reserved u16
+    h[3] = region_id;
+    h[4] = (u32)lsn;             h[5] = (u32)(lsn >> 32);
+    h[6] = (u32)epoch;           h[7] = (u32)(epoch >> 32);
+    h[8] = salt;                 h[9] = body_crc;
+    h[10] = (u32)count;          h[11] = page_bytes;
+    h[12] = 0;                   h[13] = 0;            // aux
+    h[14] = 0;                                         // reserved
+    u32 hc = 0xFFFFFFFFu;
+    for (int w = 0; w < 15; ++w) hc = crc_word(T, hc, h[w]);
+    h[15] = ~hc;
+    uint4* out = reinterpret_cast<uint4*>(rec);
+    out[3] = make_uint4(h[12], h[13], h[14], h[15]);
+    out[2] = make_uint4(h[8], h[9], h[10], h[11]);
+    out[1] = make_uint4(h[4], h[5], h[6], h[7]);
+    __threadfence_system();
+    out[0] = make_uint4(h[0], h[1], h[2], h[3]);
+}
+
+// The body CRC is computed from device memory (the epoch's dirty pages and
+// the regions' CRC tables, which hold what the record's tables hold), not by
+// reading the record back from a host mapping.
+extern "C" __global__ void __launch_bounds__(256)
+table_finalize(const TableEntry* __restrict__ table, const u32* __restrict__ ids,
+               const TableRecord* __restrict__ recs, const TablePlan* __restrict__ plan, u8* __restrict__ dst,
+               u64 lsn_base, u64 epoch, u32 salt) {
+    __shared__ u32 T[CRC_TABLE_WORDS];
+    if (!plan->fits) return;
+    const u64 n_recs = plan->records;
+    const u64 first_warp = ((u64)blockIdx.x * blockDim.x) >> 5;
+    if (first_warp >= n_recs) return;
+    crc_tables_build(T);
+    const int lane = threadIdx.x & 31;
+    const u64 warps = (u64)gridDim.x * (blockDim.x >> 5);
+    for (u64 i = first_warp + (threadIdx.x >> 5); i < n_recs; i += warps) {
+        const TableRecord rec = recs[i];
+        const TableEntry& e = table[rec.region];
+        u8* out = dst + rec.offset;
+        // body = index table || CRC table: 2 * count words; a slice per lane
+        const u32* page_crcs = reinterpret_cast<const u32*>(e.crc_table);
+        const u64 count = rec.count, nw = 2 * count, per = (nw + WARP - 1) / WARP;
+        u64 lo = per * lane, hi = lo + per;
+        if (lo > nw) lo = nw;
+        if (hi > nw) hi = nw;
+        u32 raw = 0;
+        for (u64 w = lo; w < hi; ++w) {
+            const u32 page = (u32)(ids[rec.lo + (w < count ? w : w - count)] - e.first_page);
+            raw = crc_word(T, raw, w < count ? page : page_crcs[page]);
+        }
+        raw = warp_xor(gf2_multmodp(xpow8n(4 * (nw - hi)), raw));
+        if (lane == 0) {
+            const u32 body_crc = ~(raw ^ gf2_multmodp(xpow8n(8ull * rec.count), 0xFFFFFFFFu));
+            write_table_header(T, out, rec.length, lsn_base + rec.offset, epoch, e.region_id, salt, 0, rec.count,
+                               e.page_bytes, body_crc);
+        }
+    }
+}

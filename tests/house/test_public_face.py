@@ -1,0 +1,117 @@
+"""What a user imports: `concordia` lists Session, Policy, the statistics and
+every error class (`dir`, `__all__`); `concordia.wal` exports planning,
+compaction and snapshots; a missing dependency is named in one line; library
+errors carry no exit codes (the command line maps them)."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+
+import pytest
+
+import concordia
+import concordia.errors as errors
+from concordia.root_error import ConcordiaError
+
+
+def _error_classes_of(module) -> set[str]:
+    return {n for n, v in vars(module).items()
+            if inspect.isclass(v) and issubclass(v, ConcordiaError) and v.__module__ == module.__name__}
+
+
+def test_dir_and_all_list_what_a_user_needs():
+    listed = dir(concordia)
+    for name in ("Session", "Policy", "CheckpointStats", "RecoveryStats", "ConcordiaError", "SessionError",
+                 "CorruptionError", "NotALogError", "DevmemError", "MissingDependencyError"):
+        assert name in listed and name in concordia.__all__, name
+    for name in concordia.__all__:
+        assert getattr(concordia, name) is not None, name
+    assert concordia.Session.__name__ == "Session" and concordia.RecoveryStats.__name__ == "RecoveryStats"
+    with pytest.raises(AttributeError, match="no attribute 'Sesion'"):
+        concordia.Sesion  # noqa: B018
+
+
+def test_every_error_class_is_exported_from_concordia_and_concordia_errors():
+    """Each layer's error module names its classes; concordia.errors imports each
+    by name (no star, no swallowed ImportError) and concordia lists them all."""
+    from concordia.devmem import errors as devmem_errors
+    from concordia.executor import errors as executor_errors
+    from concordia.gpu_kernels import errors as kernel_errors
+    from concordia.instrument import errors as instrument_errors
+    from concordia.wal import errors as wal_errors
+    import concordia.root_error as root
+
+    defined = set()
+    for module in (root, devmem_errors, wal_errors, kernel_errors, executor_errors, instrument_errors, errors):
+        defined |= _error_classes_of(module)
+    assert set(errors.__all__) == defined
+    assert set(concordia._ERRORS) == defined
+    assert all(getattr(concordia, n) is getattr(errors, n) for n in defined)
+
+
+def test_the_error_module_imports_each_class_by_name():
+    text = inspect.getsource(errors)
+    assert "import *" not in text and "except ImportError" not in text and "__import__" not in text
+
+
+def test_a_missing_crc32c_is_named_in_one_line():
+    code = ("import sys\n"
+            "sys.modules['crc32c'] = None  # as if the package were not installed\n"
+            "import concordia\n"
+            "try:\n"
+            "    concordia.Session\n"
+            "except ImportError as exc:\n"
+            "    print(type(exc).__name__, exc.name)\n"
+            "    print(exc)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    kind, message = r.stdout.strip().split("\n")
+    assert kind == "MissingDependencyError crc32c"
+    assert message == ("concordia.Session: needs the 'crc32c' package, which is not installed "
+                       "(pip install crc32c)")
+
+
+def test_a_missing_crc32c_found_by_a_meta_path_finder_is_named_too():
+    code = ("import sys\n"
+            "class NoCrc:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'crc32c':\n"
+            "            raise ModuleNotFoundError(\"No module named 'crc32c'\", name='crc32c')\n"
+            "sys.meta_path.insert(0, NoCrc())\n"
+            "import concordia\n"
+            "concordia.SessionError\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    last = r.stderr.strip().splitlines()[-1]
+    assert "MissingDependencyError: concordia.SessionError: needs the 'crc32c' package" in last
+
+
+def test_library_errors_carry_no_exit_codes():
+    for name in errors.__all__:
+        cls = getattr(errors, name)
+        assert all("exit_code" not in vars(k) for k in cls.__mro__), name
+
+
+def test_the_command_line_maps_errors_to_the_documented_codes():
+    from concordia.tools.common import EXIT_PROBLEMS, EXIT_USAGE, exit_code_of
+
+    problems = {"CorruptionError", "TornTailError", "ChainError", "SuperblockError", "NotALogError",
+                "RegionMismatchError", "NothingToRecoverError", "RecoveryDigestError"}
+    for name in errors.__all__:
+        cls = getattr(errors, name)
+        exc = cls("x") if name != "MissingDependencyError" else cls("crc32c", needed_by="here")
+        assert exit_code_of(exc) == (EXIT_PROBLEMS if name in problems else EXIT_USAGE), name
+
+
+def test_wal_exports_planning_compaction_and_snapshots():
+    import concordia.wal as wal
+
+    for name in ("Log", "RecoveryMode", "plan", "Plan", "RegionPlan", "scan", "History", "compact",
+                 "CompactReport", "create_base_snapshot", "list_snapshots", "SnapshotInfo", "verify",
+                 "region_digest"):
+        assert name in wal.__all__ and getattr(wal, name) is not None, name
+    for plumbing in ("Appender", "Reservation", "Extent", "Volume", "SegmentInfo"):
+        assert plumbing not in wal.__all__, plumbing
+    assert set(wal.__all__) <= set(dir(wal))

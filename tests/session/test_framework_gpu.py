@@ -1,0 +1,173 @@
+"""Framework tensors on the GPU: a checkpoint is ordered after the producer's
+stream (a write queued behind GEMMs on a non-default PyTorch stream is in the
+epoch without any synchronise), `recover(into=...)` restores bfloat16 CUDA
+tensors on the device pipeline straight into their memory, and the bad
+device inputs are one-line errors naming the region."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from concordia import Session
+from concordia.errors import RecoverMismatchError, ShapeChangedError
+
+pytestmark = pytest.mark.gpu
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed here")
+if not torch.cuda.is_available():
+    pytest.skip("this PyTorch build has no CUDA device", allow_module_level=True)
+
+SIZE, SEGMENT = 512 << 20, 64 << 20
+
+
+def _queue_behind_gemms(side, x, value, n=4, dim=8192):
+    """On stream `side`: a few large GEMMs, then x.fill_(value) (all queued, none waited for)."""
+    a = torch.randn(dim, dim, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        for _ in range(n):
+            a = a @ a
+            a = a / a.abs().amax().clamp(min=1)
+        x.fill_(value)
+    return a
+
+
+def test_a_write_queued_on_a_side_stream_is_in_the_checkpoint(shm_log):
+    x = torch.zeros(16 << 20, dtype=torch.bfloat16, device="cuda")  # 32 MiB
+    side = torch.cuda.Stream()
+    with Session(shm_log, size=SIZE, segment_size=SEGMENT) as s:
+        s.register("x", x, kind="kv", page_bytes=65536)
+        s.checkpoint()
+        for trial in range(1, 6):
+            keep = _queue_behind_gemms(side, x, float(trial))
+            with torch.cuda.stream(side):
+                s.checkpoint()  # no synchronise: the order comes from the producer's stream
+            got = s.recover()["x"]
+            assert got.dtype == torch.bfloat16 and not got.is_cuda
+            assert bool((got == float(trial)).all()), f"trial {trial}: the epoch does not hold the write"
+            del keep
+
+
+def test_a_stream_given_at_checkpoint_orders_a_cupy_producer(shm_log):
+    cp = pytest.importorskip("cupy")
+    x = cp.zeros(8 << 20, cp.float32)
+    side = cp.cuda.Stream(non_blocking=True)
+    a = cp.random.standard_normal((8192, 8192), dtype=cp.float32)
+    cp.cuda.get_current_stream().synchronize()
+    with Session(shm_log, size=SIZE, segment_size=SEGMENT) as s:
+        s.register("x", x, page_bytes=65536)
+        s.checkpoint()
+        with side:
+            for _ in range(3):
+                a = a @ a
+                a /= cp.abs(a).max()
+            x.fill(5)
+        s.checkpoint(stream=side)  # called outside `with side:`, the stream says who wrote
+        got = s.recover()["x"]
+    assert (got == 5).all()
+
+
+def test_recover_into_bf16_cuda_tensors_on_the_device_pipeline(shm_log):
+    kv = [torch.randn(64, 4096, device="cuda").to(torch.bfloat16) for _ in range(4)]
+    with Session(shm_log, size=SIZE, segment_size=SEGMENT) as s:
+        for i, t in enumerate(kv):
+            s.register(f"kv{i}", t, kind="kv", page_bytes=65536)
+        s.checkpoint()
+    targets = {f"kv{i}": torch.zeros_like(t) for i, t in enumerate(kv)}
+    with Session(shm_log, create=False) as s:
+        out = s.recover(into=targets)
+        assert set(s.last_recovery.via.values()) == {"device pipeline"}
+        # later work on the caller's current stream sees the restored bytes
+        sums = [t.float().sum() for t in out.values()]
+    for i, t in enumerate(kv):
+        assert out[f"kv{i}"] is targets[f"kv{i}"]
+        assert torch.equal(targets[f"kv{i}"].view(torch.int16), t.view(torch.int16))
+        assert float(sums[i]) == float(t.float().sum())
+
+
+def test_recover_returns_cuda_tensors_with_device_cupy(shm_log):
+    t = torch.randn(1000, device="cuda").to(torch.float8_e4m3fn)
+    with Session(shm_log, size=SIZE, segment_size=SEGMENT) as s:
+        s.register("f8", t, page_bytes=256)
+        s.checkpoint()
+        got = s.recover(device="cupy")["f8"]
+    assert got.is_cuda and got.dtype == torch.float8_e4m3fn
+    assert torch.equal(got.view(torch.uint8), t.view(torch.uint8))
+
+
+def test_a_damaged_page_is_named_on_the_device_path(shm_log):
+    from concordia.gpu_kernels import reference as ref
+    from concordia.wal import Log
+    from concordia.wal.errors import CorruptionError
+    from concordia.wal.planner import plan
+
+    t = torch.ones(1 << 16, device="cuda", dtype=torch.bfloat16)
+    with Session(shm_log, size=SIZE, segment_size=SEGMENT) as s:
+        s.register("kv", t, page_bytes=4096)
+        s.checkpoint()
+        t[-1] = 5  # the last commit holds the last page only: page 0 stays in epoch 1's record
+        s.checkpoint()
+    log = Log.open(shm_log, writable=False, check_pages=False)
+    try:  # a payload byte of page 0 in its record
+        (b,) = [src.batch for src in plan(log).regions["kv"].sources if int(src.batch.page_ids[0]) == 0]
+        assert b.epoch == 1
+        off = b.offset + ref.payload_offset(int(b.page_ids.size)) + 100
+    finally:
+        log.close()
+    with open(f"/dev/shm/{shm_log.split(':', 1)[1]}", "r+b") as f:
+        f.seek(off)
+        byte = f.read(1)[0]
+        f.seek(off)
+        f.write(bytes([byte ^ 0xFF]))
+    cp = pytest.importorskip("cupy")
+    from concordia.restore_device import apply_plan_cupy
+
+    target = torch.zeros_like(t)
+    view = cp.from_dlpack(target.reshape(-1).view(torch.uint8)).view(cp.uint16)
+    log = Log.open(shm_log, writable=False, check_pages=False)
+    try:  # planned without page checks, so that the device pipeline is the one to find it
+        with pytest.raises(CorruptionError, match="page CRC mismatch for page 0 of region 'kv'"):
+            apply_plan_cupy(log, plan(log, check_pages=False), into={"kv": view})
+    finally:
+        log.close()
+    from concordia.errors import ConcordiaError
+
+    with pytest.raises(ConcordiaError, match="segment|page|corrupt|damaged"):  # the product path refuses it too
+        with Session(shm_log, create=False) as s:                               # (at open, plan or restore)
+            s.recover(into={"kv": target})
+
+
+def test_device_mismatches_are_refused_naming_the_region(shm_log):
+    t = torch.zeros(4096, device="cuda", dtype=torch.bfloat16)
+    with Session(shm_log, size=SIZE, segment_size=SEGMENT) as s:
+        s.register("kv", t, page_bytes=4096)
+        s.checkpoint()
+        with pytest.raises(RecoverMismatchError, match=r"^region 'kv': the target tensor is on a GPU, "
+                                                       r"device='numpy' was asked for"):
+            s.recover(into={"kv": torch.ones_like(t)}, device="numpy")
+        with pytest.raises(RecoverMismatchError, match=r"^region 'kv': cannot recover bfloat16 data into a "
+                                                       r"float16 tensor"):
+            s.recover(into={"kv": torch.ones(4096, device="cuda", dtype=torch.float16)})
+        t.data = t.data.cpu()  # moved after register
+        with pytest.raises(ShapeChangedError, match=r"^region 'kv': the registered array cannot be read: "
+                                                    r"it moved from cuda:0 to cpu"):
+            s.checkpoint()
+
+
+def test_a_cuda_tensor_without_cupy_is_named():
+    code = ("import sys; sys.modules['cupy'] = None\n"
+            "import torch\n"
+            "from concordia import Session\n"
+            "from concordia.errors import ConcordiaError\n"
+            "s = Session('memory:', size=64 << 20, segment_size=16 << 20)\n"
+            "try:\n"
+            "    s.register('kv', torch.zeros(64, device='cuda'))\n"
+            "except ConcordiaError as e:\n"
+            "    print(e); print('regions', len(s.log.regions))\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("region 'kv': a CUDA tensor needs CuPy to be protected or restored into")
+    assert "regions 0" in p.stdout
