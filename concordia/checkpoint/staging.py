@@ -83,12 +83,14 @@ def batch_pages(page_bytes: int, capacity: int, where: str | None = None) -> int
     return per
 
 
-def plan_batches(region: Region, count: int, capacity: int) -> list[Batch]:
+def plan_batches(region: Region, count: int, capacity: int | None = None) -> list[Batch]:
     """The records `count` dirty pages of `region` become (as the host path
-    cuts them), each at most `capacity` bytes long."""
+    cuts them), each at most `capacity` bytes long (the segment's
+    `Appender.segment_capacity`; None: MAX_BATCH_BYTES of payload only)."""
     from concordia.wal import format as fmt
 
-    per = batch_pages(region.page_bytes, capacity)
+    per = max(1, MAX_BATCH_BYTES // region.page_bytes) if capacity is None else batch_pages(region.page_bytes,
+                                                                                               capacity)
     return [Batch(region, lo, min(count, lo + per), fmt.page_batch_length(min(count, lo + per) - lo,
                                                                           region.page_bytes))
             for lo in range(0, count, per)]
