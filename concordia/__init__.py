@@ -22,7 +22,7 @@ _ERRORS = (
     "ForeignOwnerError", "FormatVersionError", "GpuUnavailableError",
     "HostRegisterRefusedError", "InjectedFaultError", "InstrumentError", "KernelCompileError",
     "KernelError", "KernelInputError", "LibpmemUnavailableError", "LockedError", "LogFullError",
-    "MissingDependencyError", "NotADaxDeviceError", "NotALogError", "NothingToRecoverError",
+    "MissingDependencyError", "NotADaxDeviceError", "NotALogError", "NothingToRecoverError", "TargetNotEmptyError",
     "NumaNodeError", "OutOfRangeError", "OutputExistsError", "OutputIsInputError", "PathNotFoundError", "PermissionDeniedError", "PlanError",
     "ProtocolError", "ReadOnlyError", "ReadOnlyFeatureError", "RecordTooLargeError",
     "RecoverMismatchError", "RecoveryDigestError", "RegionError", "RegionMismatchError",

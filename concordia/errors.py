@@ -28,7 +28,7 @@ from concordia.instrument.errors import InstrumentError
 from concordia.root_error import ConcordiaError, MissingDependencyError
 from concordia.wal.errors import (
     ChainError, CorruptionError, FormatVersionError, LogFullError, NotALogError, PlanError,
-    ReadOnlyFeatureError, RecordTooLargeError, RegionError, SuperblockError, TornTailError,
+    ReadOnlyFeatureError, RecordTooLargeError, RegionError, SuperblockError, TargetNotEmptyError, TornTailError,
     UsageError, WalError, WriterStoppedError,
 )
 
@@ -90,6 +90,6 @@ __all__ = [
     "ProtocolError", "ReadOnlyError", "ReadOnlyFeatureError", "RecordTooLargeError",
     "RecoverMismatchError", "RecoveryDigestError", "RegionError", "RegionMismatchError",
     "RingFullError", "RingLayoutError", "SessionClosedError", "SessionError", "ShapeChangedError",
-    "SuperblockError", "TornTailError", "UnknownRegionError", "UnsupportedArrayError", "UsageError",
+    "SuperblockError", "TargetNotEmptyError", "TornTailError", "UnknownRegionError", "UnsupportedArrayError", "UsageError",
     "WalError", "WriterStoppedError",
 ]

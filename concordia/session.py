@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import time
 
 import numpy as np
@@ -69,7 +70,7 @@ from concordia.gpu_kernels import reference as ref
 from concordia.policy import Policy
 from concordia.checkpoint.device import _DeviceKernels
 from concordia.checkpoint.host import _HostKernels
-from concordia.checkpoint.staging import _page_crcs, _register, _Stager, _stage_region
+from concordia.checkpoint.staging import _page_crcs, _register, _Stager, _stage_region, batch_pages
 from concordia.checkpoint.table import RegionTable
 from concordia.regions import (DETECTORS, KINDS, KvGeometry, Region, StreamOrder, adapt, logical_of, numpy_dtype,
                                present, storage_of, to_host, torch_dtype)
@@ -139,11 +140,20 @@ class Session:
     pages reach the log ("auto", "mapped", "ring", "host"; see the module
     docstring): "auto" stages CuPy regions on the device (zero copy where the
     tier allows it) and numpy regions on the host.
+
+    Read-only recovery: with create=False a named log is opened without the
+    writer lock and nothing is cut, so `recover()` works beside a live writer
+    and beside other readers (the uncommitted tail is left for the next writer
+    to cut); the first write (`checkpoint`, or `register` of a region the log
+    does not hold) takes the lock and opens the log for writing then.
+    readonly=True never writes (a standby, a second reader): `checkpoint`
+    refuses, and each `recover()` reads the log afresh (`refresh`), so it
+    returns the newest epoch committed when it is called.
     """
 
     def __init__(self, log, *, create: bool = True, size: int | None = None,
                  segment_size: int | None = None, policy: Policy | None = None,
-                 overwrite: bool = False, staging: str = "auto"):
+                 overwrite: bool = False, staging: str = "auto", readonly: bool = False):
         if staging not in STAGING:
             raise SessionError(f"unknown staging {staging!r} (use {', '.join(STAGING)})")
         self.staging = staging
@@ -161,8 +171,13 @@ class Session:
         self._routes: tuple | None = None   # (version, routes)
         self._table: tuple | None = None    # (version, table pass or None)
         self._closed = False
-        self.log, self._owns_log = _open_log(log, create=create, size=size,
-                                             segment_size=segment_size, overwrite=overwrite)
+        if readonly and (create or overwrite):
+            raise SessionError("a read-only session opens an existing log: pass create=False",
+                               where=str(log), hint="Session(log, create=False, readonly=True)")
+        self.readonly = readonly
+        self._target = log
+        self.log, self._owns_log = _open_log(log, create=create, size=size, segment_size=segment_size,
+                                             overwrite=overwrite, readonly=readonly)
         # epochs this session has tried; the appender knows those any writer
         # of the log has (a failed checkpoint's records stay in the log)
         self._next_epoch = self.epoch + 1
@@ -259,6 +274,7 @@ class Session:
         if not isinstance(page_bytes, (int, np.integer)) or page_bytes <= 0 or page_bytes % 64:
             raise SessionError(f"page_bytes must be a positive multiple of 64, not {page_bytes!r}",
                                where=where)
+        batch_pages(int(page_bytes), _segment_capacity(self.log), where)  # one page must fit a record
         if name in self._regions:
             raise DuplicateRegionError("a region of this name is already registered", where=where)
         arr, xp, owner = adapt(array, where)
@@ -319,6 +335,7 @@ class Session:
             region.id = int(info.id)
         else:
             try:
+                self._writer(f"register region {name!r}")  # the log lacks it: a descriptor is written
                 region.id = int(self.log.define_region(name, arr.dtype.str, region.shape, region.page_bytes, kind,
                                                        logical=logical, framework=framework))
             except BaseException:
@@ -380,6 +397,7 @@ class Session:
         self._check_open("checkpoint")
         if not self._regions:
             raise SessionError("nothing to checkpoint: no region is registered")
+        self._writer("checkpoint")
         for fn in self._before_checkpoint:
             fn()
         table = self._table_pass()
@@ -614,6 +632,8 @@ class Session:
         waited on by that stream).
         """
         self._check_open("recover")
+        if self.readonly:
+            self.refresh()
         if into is not None and not (into == "registered" or isinstance(into, dict)):
             raise SessionError("into must be None, 'registered' or a {name: array} dict")
         if device not in (None, "numpy", "cpu", "cupy", "cuda"):
@@ -686,6 +706,43 @@ class Session:
             dropped=[d.to_json() for d in plan.dropped], via=via)
         return out
 
+    def refresh(self) -> int:
+        """Read a log opened read-only afresh, so that epochs committed since by
+        its writer are seen; returns the last committed epoch.  A writable
+        session's log is its own and always current."""
+        self._check_open("refresh")
+        if not self.log.writable and self._owns_log:
+            old = self.log
+            self.log = _open_read_only(self._target)
+            old.close()
+        return self.epoch
+
+    def _writer(self, doing: str):
+        """The log, writable: a session on a log opened read-only (create=False)
+        takes the writer lock and opens it for writing now (which cuts the
+        uncommitted tail).  When a writer committed in between, the regions'
+        CRC tables no longer describe the log's state: their next checkpoint
+        writes them whole."""
+        if self.log.writable:
+            return self.log
+        if self.readonly or not self._owns_log:
+            raise SessionError(f"cannot {doing}: the log was opened read-only",
+                               where=str(self.log_name),
+                               hint="open it with Session(log, create=False) to write" if self.readonly
+                               else "pass a Log opened with writable=True")
+        _, Log = _wal()
+        old = self.log
+        seen = (old.last_committed_epoch, old.commits[-1].lsn if old.commits else 0)
+        self.log = Log.open(self._target, writable=True, check_pages="last")
+        old.close()
+        self._version += 1  # cached routes and region table belong to the old open
+        if (self.log.last_committed_epoch, self.log.appender.last_commit_lsn) != seen:
+            for r in self._regions.values():
+                r.crcs = None
+                r.digest = None
+        self._next_epoch = max(self._next_epoch, self.epoch + 1)
+        return self.log
+
     def _recover_targets(self, into):
         if into is None:
             return None
@@ -701,15 +758,30 @@ class Session:
 
 
 # ---------------------------------------------------------------- helpers
-def _open_log(log, *, create, size, segment_size, overwrite):
-    """(Log, owned): open the named log, or create it where allowed."""
+def _open_read_only(log):
+    """The read-only recovery path: no writer lock, nothing cut (a writer may be
+    appending right now: `Log.open(live=True)`)."""
+    _, Log = _wal()
+    return Log.open(log, writable=False, check_pages="last", live=True)
+
+
+def _open_log(log, *, create, size, segment_size, overwrite, readonly=False):
+    """(Log, owned): open the named log, or create it where allowed.  With
+    create=False a named log is opened read-only (Session's docstring)."""
     wal, Log = _wal()
     if isinstance(log, Log):
+        if readonly and log.writable:
+            raise SessionError("readonly=True with a Log opened for writing", hint="pass the log's name")
         return log, False
+    named = isinstance(log, (str, os.PathLike))
+    if readonly and not named:
+        raise SessionError("readonly=True needs a log name", where=str(log))
     kw = {} if segment_size is None else {"segment_size": segment_size}
     volatile = isinstance(log, str) and log.split(":", 1)[0] in ("memory", "pinned")
     if overwrite or volatile:  # a volatile tier holds nothing before this process made it
-        return Log.create(log, size=size or DEFAULT_SIZE, **kw), True
+        return Log.create(log, size=size or DEFAULT_SIZE, overwrite=True, **kw), True
+    if not create and named:  # recovery reads: the writer lock waits for the first write
+        return _open_read_only(log), True
     try:
         # page payloads are checked at open only where V-C4 needs them (the last
         # one-sync commit's records): every page a recovery reads is checked
@@ -719,7 +791,19 @@ def _open_log(log, *, create, size, segment_size, overwrite):
     except (PathNotFoundError, NotALogError):
         if not create:
             raise
-    return Log.create(log, size=size or DEFAULT_SIZE, **kw), True
+    # a target holding anything that is not a log (a file of the user's) is
+    # refused and left as it is (TargetNotEmptyError), not formatted
+    from concordia.wal.volume import check_format_target
+
+    check_format_target(log, hint="pass overwrite=True to format it anyway")
+    return Log.create(log, size=size or DEFAULT_SIZE, overwrite=True, **kw), True
+
+
+def _segment_capacity(log) -> int:
+    """The longest record one segment of `log` holds (Appender.segment_capacity)."""
+    from concordia.wal import format as fmt
+
+    return log.volume.segment_bytes - fmt.SEGMENT_HEADER_SIZE
 
 
 def _check_same(info, r: Region) -> None:

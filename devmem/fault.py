@@ -18,6 +18,7 @@ Typical use in a WAL test:
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -26,7 +27,7 @@ from .backend import Backend
 from .errors import InjectedFaultError
 from .tiers import MemoryBackend
 
-__all__ = ["FaultInjectingBackend"]
+__all__ = ["FaultInjectingBackend", "DirectoryFaults"]
 
 WORD = 8   # the store size the hardware never tears
 
@@ -142,3 +143,106 @@ class FaultInjectingBackend(Backend):
         self._shadow[:] = np.frombuffer(image, dtype=np.uint8)
         self._pending.clear()
         return image
+
+
+class DirectoryFaults:
+    """Records, in call order, the calls that decide whether a file's *name*
+    survives a power loss, and says which names a crash now would lose.
+
+    Model (ext4 / XFS without the rename heuristics, the strict case POSIX
+    allows): a directory entry created (open with O_CREAT) or renamed into
+    place survives only when an fsync of its directory returned after that
+    change.  The file's bytes are a separate matter (`FaultInjectingBackend`).
+
+        with DirectoryFaults() as fs:
+            Log.create(f"file:{path}", size=...)
+        fs.calls        # [("create", path), ("fsync-dir", dir), ("persist", path), ...]
+        fs.lost()       # names a power loss now would take away
+
+    While active it wraps `os.open`, `os.fsync`, `os.replace`, `os.rename`, `os.link`, `os.unlink` and
+    the mapped tiers' persist (as "persist" of the backend's path) in this
+    process; the calls themselves go through unchanged.
+    """
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+        self._fds: dict[int, str] = {}
+        self._saved: list = []
+
+    # -- the model ----------------------------------------------------------------------
+    def lost(self) -> list[str]:
+        """Paths whose last create or rename no fsync of their directory followed."""
+        pending: dict[str, int] = {}
+        for i, call in enumerate(self.calls):
+            if call[0] == "rename":
+                pending.pop(call[1], None)  # the old name is gone either way
+                pending[call[2]] = i
+            elif call[0] == "create":
+                pending[call[1]] = i
+            elif call[0] == "unlink":
+                pending.pop(call[1], None)  # a name taken away is not one a crash can lose
+            elif call[0] == "fsync-dir":
+                pending = {p: j for p, j in pending.items() if os.path.dirname(p) != call[1]}
+        return sorted(pending)
+
+    def index(self, kind: str, path: str | None = None) -> int:
+        """Position of the first call of `kind` (on `path`, when given); -1 when none."""
+        for i, call in enumerate(self.calls):
+            if call[0] == kind and (path is None or call[-1] == path):
+                return i
+        return -1
+
+    # -- the wrappers ---------------------------------------------------------------------
+    def __enter__(self) -> "DirectoryFaults":
+        from . import tiers
+
+        real_open, real_fsync, real_replace, real_rename, real_link = os.open, os.fsync, os.replace, os.rename, os.link
+        real_unlink = os.unlink
+        real_persist = tiers.MappedBackend._persist
+        me = self
+
+        def open_(path, flags, *args, **kw):
+            fd = real_open(path, flags, *args, **kw)
+            full = os.path.abspath(os.fspath(path))
+            me._fds[fd] = full
+            if flags & os.O_CREAT:
+                me.calls.append(("create", full))
+            return fd
+
+        def fsync_(fd):
+            real_fsync(fd)
+            path = me._fds.get(fd if isinstance(fd, int) else fd.fileno(), "?")
+            me.calls.append(("fsync-dir" if os.path.isdir(path) else "fsync", path))
+
+        def replace_(src, dst, *a, **kw):
+            real_replace(src, dst, *a, **kw)
+            me.calls.append(("rename", os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))))
+
+        def rename_(src, dst, *a, **kw):
+            real_rename(src, dst, *a, **kw)
+            me.calls.append(("rename", os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))))
+
+        def link_(src, dst, *a, **kw):  # a new name for a file, like a create
+            real_link(src, dst, *a, **kw)
+            me.calls.append(("create", os.path.abspath(os.fspath(dst))))
+
+        def unlink_(path, *a, **kw):
+            real_unlink(path, *a, **kw)
+            me.calls.append(("unlink", os.path.abspath(os.fspath(path))))
+
+        def persist_(backend, offset, length):
+            real_persist(backend, offset, length)
+            me.calls.append(("persist", os.path.abspath(backend.path)))
+
+        self._saved = [(os, "open", real_open), (os, "fsync", real_fsync), (os, "replace", real_replace),
+                       (os, "rename", real_rename), (os, "link", real_link), (os, "unlink", real_unlink),
+                       (tiers.MappedBackend, "_persist", real_persist)]
+        os.open, os.fsync, os.replace, os.rename, os.link = open_, fsync_, replace_, rename_, link_
+        os.unlink = unlink_
+        tiers.MappedBackend._persist = persist_
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for obj, name, fn in self._saved:
+            setattr(obj, name, fn)
+        self._saved = []

@@ -22,6 +22,7 @@ import os
 import stat
 
 from .backend import os_error
+from .dirsync import sync_parent
 from .errors import BadSpecError, DevmemError, OutputExistsError, OutputIsInputError
 
 __all__ = ["OutputFile", "check_not_input"]
@@ -168,7 +169,7 @@ class OutputFile:
         except BaseException:
             self.abort()
             raise
-        _fsync_dir(os.path.dirname(self.path))
+        sync_parent(self.path)  # the name, not only the bytes, survives a power loss (dirsync)
         return self.path
 
     def abort(self) -> None:
@@ -187,14 +188,3 @@ class OutputFile:
             self.tmp_path = ""
 
 
-def _fsync_dir(directory: str) -> None:
-    try:
-        fd = os.open(directory or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -18,6 +18,7 @@ import numpy as np
 
 from . import libpmem as _libpmem
 from .backend import Backend, Survives, mount_of, os_error
+from .dirsync import sync_parent
 from .errors import (
     BadSizeError,
     BadSpecError,
@@ -250,6 +251,7 @@ class OpenedFile:
         try:
             os.fchmod(fd, CREATE_MODE)   # the umask may have taken bits away; never add any
             self._grow(size)
+            sync_parent(path)   # the new name survives a power loss, not only the bytes synced later
         except BaseException:
             self.discard()
             raise

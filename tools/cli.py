@@ -47,11 +47,15 @@ class _KillAt(click.ParamType):
               help="Protect a Hugging Face transformers Qwen3 (random weights from a config: the 0.6B "
                    "shape on a GPU, a tiny shape on the CPU) with a StaticCache and an online LoRA "
                    "adapter, checkpointed from inside generate(), instead of the reference workload.")
+@click.option("--force", is_flag=True,
+              help="Format --log even when it holds something other than a Concordia log.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @guarded
-def demo(log, steps, kill_at, every, seed, device, model, as_json):
+def demo(log, steps, kill_at, every, seed, device, model, force, as_json):
     """Run a decode loop, SIGKILL it, recover it from the log in a fresh
     process and check the result is bit-identical to an uninterrupted run.
+    --log is formatted afresh: a Concordia log there is replaced, anything
+    else is refused (exit 2, left unchanged) unless --force.
 
     Prints the recovery timeline (detect, isolate, restore, reintegrate) and
     the bytes moved.  Exit 0 when bit-identical, 1 when not.
@@ -64,13 +68,13 @@ def demo(log, steps, kill_at, every, seed, device, model, as_json):
         concordia demo --model qwen3 --steps 32 --every 4
     """
     if model is not None:
-        _model_demo(log, steps, kill_at, every, seed, device, as_json)
+        _model_demo(log, steps, kill_at, every, seed, device, force, as_json)
         return
     from concordia.demo import format_report, run_demo
 
     progress = None if as_json else (lambda msg: click.echo(f"... {msg}", err=True))
     rep = run_demo(log=log, steps=steps, kill_at=kill_at, seed=seed, every=every, device=device,
-                   progress=progress)
+                   progress=progress, force=force)
     if as_json:
         emit_json(rep)
     else:
@@ -78,8 +82,10 @@ def demo(log, steps, kill_at, every, seed, device, model, as_json):
     sys.exit(EXIT_OK if rep["identical"] else EXIT_PROBLEMS)
 
 
-def _model_demo(log, steps, kill_at, every, seed, device, as_json):
+def _model_demo(log, steps, kill_at, every, seed, device, force, as_json):
     import random
+
+    from concordia.wal.volume import check_format_target
 
     from concordia.demo.model import format_report, pick_kill_at, run_demo
     from concordia.errors import DemoError
@@ -98,6 +104,8 @@ def _model_demo(log, steps, kill_at, every, seed, device, as_json):
         kill_at = pick_kill_at(steps, every, random.Random(seed))
     if not 2 <= kill_at <= steps:
         raise DemoError(f"--kill-at {kill_at} is outside steps 2..{steps}", where="demo")
+    for target in (log, log + ".ref"):  # the demo replaces its own logs, and nothing else
+        check_format_target(target, overwrite=force, allow_log=True, hint="pass --force to format it anyway")
     on_gpu = device == "gpu"
     rep = run_demo(log, shape="0.6b" if on_gpu else "tiny", device="cuda" if on_gpu else "cpu",
                    steps=steps, every=every, kill_at=kill_at, batch=8 if on_gpu else 2,

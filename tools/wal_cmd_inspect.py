@@ -14,7 +14,7 @@ from concordia.wal.errors import UsageError
 
 from . import render as R
 from .common import EXIT_OK, EXIT_PROBLEMS, LSN, SIZE, Where, emit_json, guarded, open_volume, unwritten_slot
-from .wal_cmd_scan import DMG, as_decided, decide_walk, record_dict, region_names, walk
+from .wal_cmd_scan import DMG, REC, as_decided, decide_walk, record_dict, region_names, walk
 
 INFO_SCHEMA = "concordia-wal/info/1"
 DUMP_SCHEMA = "concordia-wal/dump/1"
@@ -41,25 +41,11 @@ def format_cmd(log, size, segment_size, force):
     \b
         concordia-wal format file:./concordia-data/scratch.log --size 64M --segment-size 8M
     """
-    from concordia.devmem import open_backend
-    from concordia.devmem.errors import PathNotFoundError
     from concordia.wal import Log
-    from concordia.wal.errors import WalError
 
-    try:
-        existing = open_backend(log, readonly=True)
-    except PathNotFoundError:
-        existing = None
-    if existing is not None:
-        Where.target = existing.where
-        try:
-            what = _holds_data(existing)
-        finally:
-            existing.close()
-        if what and not force:
-            raise WalError(f"refusing to format: the target {what}", where=Where.target,
-                           hint="pass --force to overwrite it")
-    new = Log.create(log, size=size, segment_size=segment_size)
+    Where.target = log
+    new = Log.create(log, size=size, segment_size=segment_size, overwrite=force,
+                     hint="pass --force to overwrite it")
     try:
         sb = new.volume.superblock
         where = new.backend.where
@@ -67,57 +53,6 @@ def format_cmd(log, size, segment_size, force):
                    f"{R.size(sb.segment_bytes)}, uuid {sb.uuid.hex()}, persist path {new.backend.persist_path}")
     finally:
         new.close()
-
-
-def _holds_data(backend) -> str | None:
-    """What an existing target holds that formatting would destroy, or None."""
-    arr = backend.array
-    if bytes(arr[:8]) == F.VOLUME_MAGIC:
-        return "holds a Concordia log (superblock magic at offset 0)"
-    step = 16 << 20
-    for lo, hi in _data_extents(backend.path, arr.size):
-        for start in range(lo, hi, step):
-            chunk = arr[start:min(hi, start + step)]
-            if chunk.any():
-                first = start + int(chunk.nonzero()[0][0])
-                return f"is not empty (nonzero byte at 0x{first:x})"
-    return None
-
-
-def _data_extents(path, size: int):
-    """[(start, end)] of the file's data (SEEK_DATA / SEEK_HOLE): holes read as
-    zero, so a large sparse file is checked at the cost of its data, not its
-    length.  The whole range where the file cannot say (a device, no SEEK_HOLE)."""
-    import errno
-    import os
-
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC) if path else -1
-    except OSError:
-        fd = -1
-    if fd < 0:
-        return [(0, size)]
-    out, pos = [], 0
-    try:
-        while pos < size:
-            try:
-                start = os.lseek(fd, pos, os.SEEK_DATA)
-            except OSError as exc:
-                if exc.errno == errno.ENXIO:
-                    break   # only a hole from here on
-                raise       # no SEEK_DATA here (a device): the whole range
-            if start >= size:
-                break
-            end = min(size, os.lseek(fd, start, os.SEEK_HOLE))
-            if end <= start:
-                return [(0, size)]   # a file that cannot say where its data is
-            out.append((start, end))
-            pos = end
-    except OSError:
-        return [(0, size)]
-    finally:
-        os.close(fd)
-    return out
 
 
 # --------------------------------------------------------------------------- info
@@ -554,47 +489,54 @@ def _print_stats(st: dict) -> None:
 
 
 def _follow(log, start, end, region, typ, epoch, limit, as_json, interval) -> None:
-    """Poll the live log: re-read the superblock (segments roll over under us),
-    scan the segments at or past the last LSN shown, print valid records beyond
-    it.  A damaged range at the end may be a record still being written: stop
-    the pass there and look again next time."""
-    from concordia.wal import Volume
+    """Poll the live log through `reader.Follower` (which tracks the position
+    by LSN across segments and leaves a segment only once the writer has),
+    printing each record as it appears.  Exit 0 when nothing shown was
+    damaged, 1 otherwise (Ctrl-C, --limit or --end ends the command)."""
+    from concordia.wal.errors import WalError
+    from concordia.wal.reader import Follower
 
     vol = open_volume(log)  # same checks and messages as the other commands
     backend = vol.backend
-    shown = 0
-    last = -1 if start is None else start - 1
-    uuid = vol.superblock.uuid
+    follower = Follower(backend, from_lsn=0 if start is None else start)
+    seen = {"shown": 0, "bad": False}
     names: dict = {}
-    try:
+
+    def run() -> None:
         while True:
-            vol = Volume.open(backend, writable=False)
-            if vol.superblock.uuid != uuid:
-                raise click.ClickException("the log was formatted again while it was followed")
-            for it in walk(vol, check_pages=True, from_lsn=max(0, last)):
-                seg, off = it[1], it[2]
-                lsn = seg.lsn(off)
-                if lsn <= last:
-                    continue
-                if it[0] == DMG:
-                    break
-                if it[3][1] & F.TYPE_MASK == F.REC_REGION:
+            cuts = follower.cuts
+            try:
+                items = follower.poll()
+            except WalError as exc:
+                raise click.ClickException(exc.message) from None
+            if follower.cuts != cuts:
+                click.echo(f"note: a writer reopened the log and cut it at lsn 0x{follower.cut_at:x}: "
+                           "records shown after that were dropped, what is there now follows", err=True)
+            vol = follower.volume
+            for it in items:
+                Where.at = it[1].where(it[2])
+                lsn = it[1].lsn(it[2])
+                if it[0] == REC and it[3][1] == F.REC_REGION:
                     names.update(region_names(vol, [it]))
-                r = record_dict(vol, it, names, False)
-                last = lsn
                 if end is not None and lsn >= end:
                     return
+                r = record_dict(vol, it, names, False)
                 if _keep(r, start, end, region, typ, epoch):
                     click.echo(_json_line(r) if as_json else R.record_line(r))
-                    shown += 1
-                    if limit is not None and shown >= limit:
+                    seen["bad"] = seen["bad"] or r["crc"] == "BAD"
+                    seen["shown"] += 1
+                    if limit is not None and seen["shown"] >= limit:
                         return
             sys.stdout.flush()
             time.sleep(interval)
+
+    try:
+        run()
     except KeyboardInterrupt:
-        return  # Ctrl-C is how following ends: exit 0
+        pass  # Ctrl-C is how following ends
     finally:
         backend.close()
+    sys.exit(EXIT_PROBLEMS if seen["bad"] else EXIT_OK)
 
 
 def _json_line(r: dict) -> str:

@@ -35,6 +35,11 @@ class NotALogError(WalError):
     """The target holds no Concordia volume (no superblock magic)."""
 
 
+class TargetNotEmptyError(WalError):
+    """Formatting would destroy what the target holds (a log, or any nonzero
+    byte): refused, and the target left as it was, unless overwriting is asked for."""
+
+
 class FormatVersionError(WalError):
     """The volume needs a major version or an incompatible feature this code lacks."""
 
@@ -76,6 +81,7 @@ __all__ = [
     "ChainError",
     "SuperblockError",
     "NotALogError",
+    "TargetNotEmptyError",
     "FormatVersionError",
     "ReadOnlyFeatureError",
     "LogFullError",

@@ -485,6 +485,18 @@ def page_batch_length(count: int, page_bytes: int) -> int:
     return RECORD_HEADER_SIZE + align64(8 * count) + count * page_bytes
 
 
+def page_batch_max_pages(capacity: int, page_bytes: int) -> int:
+    """The most pages of `page_bytes` one page batch of at most `capacity`
+    bytes holds (0 when not even one page fits): the inverse of
+    page_batch_length, used to cut batches that fit the segment they go into."""
+    if capacity < RECORD_HEADER_SIZE or page_bytes <= 0:
+        return 0
+    n = min((capacity - RECORD_HEADER_SIZE) // (page_bytes + 8), MAX_BATCH_PAGES)
+    while n > 0 and page_batch_length(n, page_bytes) > capacity:  # the table's padding
+        n -= 1
+    return n
+
+
 def page_crcs_of(pages: np.ndarray) -> np.ndarray:
     """CRC32C of each row of a (count, page_bytes) uint8 array, as uint32 (all
     pages in one call where the compiled helper is available, see pagecrc.py)."""

@@ -17,6 +17,7 @@ or overwriting what the first one writes.  Read-only opens take no lock.
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Iterator
 
 import numpy as np
@@ -25,9 +26,15 @@ from concordia.devmem import Backend, open_backend
 
 from . import format as F
 from .appender import Appender
-from .errors import RegionError, UsageError
+from .errors import CorruptionError, RegionError, TornTailError, UsageError
 from .reader import Dropped, Record, RecoveryMode, ScanResult, recover, verify
-from .volume import Volume
+from .volume import Volume, check_format_target
+
+
+#: how often a read-only open beside a live writer walks again before damage stands,
+#: and how long it waits in between (a record is written in well under this)
+LIVE_RETRIES = 4
+LIVE_PAUSE = 0.005
 
 
 class Log:
@@ -47,11 +54,18 @@ class Log:
     # -- opening ----------------------------------------------------------------
     @classmethod
     def create(cls, target, *, size: int | None = None, segment_size: int | None = None,
-               zero: bool = True) -> "Log":
+               zero: bool = True, overwrite: bool = False,
+               hint: str = "pass overwrite=True to format it anyway") -> "Log":
         """Format `target` (a Backend or a log name) as an empty log, writable.
         segment_size None: `volume.default_segment_size` of the size (64 MiB,
-        smaller for a log under 512 MiB)."""
+        smaller for a log under 512 MiB).  A named target that holds anything
+        (a log, any nonzero byte) is refused and left unchanged
+        (TargetNotEmptyError with `hint`) unless `overwrite`; a Backend the
+        caller opened is formatted as given (the caller checks it with
+        `volume.check_format_target` where it may hold someone's data)."""
         owned = not isinstance(target, Backend)
+        if owned:
+            check_format_target(target, overwrite=overwrite, hint=hint)  # before anything is created or grown
         backend = open_backend(target, size=size, create=True) if owned else target
         try:
             backend.lock()
@@ -66,29 +80,69 @@ class Log:
 
     @classmethod
     def open(cls, target, *, writable: bool = True, mode=RecoveryMode.TOLERATE_TAIL,
-             reporter: Callable[[Dropped], None] | None = None, check_pages: bool = True) -> "Log":
+             reporter: Callable[[Dropped], None] | None = None, check_pages: bool = True,
+             live: bool = False) -> "Log":
         """Open and recover a log.  Every dropped byte range reaches `reporter`.
         With writable=True the space after the last valid commit is zeroed and
-        writing continues there."""
+        writing continues there.
+
+        writable=False is the read-only recovery path: no writer lock, nothing
+        cut or written, so it works beside a live writer (and beside other
+        readers); the uncommitted tail is left for the next writer to cut.
+        live=True (read-only only) says a writer may be appending right now:
+        the walk may then pass a record while it is being written and find the
+        commit written after it, which reads as damage before a commit; such a
+        verdict is checked by walking again (up to LIVE_RETRIES times) and
+        stands only when the damage stays where it was."""
         mode = RecoveryMode.parse(mode)
         if writable and mode not in (RecoveryMode.TOLERATE_TAIL, RecoveryMode.ABSOLUTE):
             raise UsageError(f"a log is opened for writing only in tolerate_tail or absolute mode, not {mode.value}",
                              hint="open read-only to inspect it in this mode")
+        if writable and live:
+            raise UsageError("live=True is for read-only opens beside a writer", hint="pass writable=False")
         owned = not isinstance(target, Backend)
         backend = open_backend(target, readonly=not writable) if owned else target
         try:
             if writable:
                 backend.lock()  # before the open reads what it will cut
-            vol = Volume.open(backend, writable=writable)
-            res = recover(vol, mode, reporter, check_pages=check_pages)
+            vol, res = cls._recover_live(backend, mode, reporter, check_pages) if live else (None, None)
+            if vol is None:
+                vol = Volume.open(backend, writable=writable)
+                res = recover(vol, mode, reporter, check_pages=check_pages)
             appender = cls._prepare_write(vol, res) if writable else None
             if writable:
                 _keep_walk_before_cut(res, vol)
+            elif live:
+                _snapshot_at_cut(res, vol)
         except BaseException:
             if owned:
                 backend.close()
             raise
         return cls(vol, res, mode, writable=writable, appender=appender)
+
+    @staticmethod
+    def _recover_live(backend, mode, reporter, check_pages):
+        """(Volume, ScanResult) of a read-only open beside a live writer: a
+        walk that raises for damage is made again (with a fresh superblock)
+        until two walks name the same place, or LIVE_RETRIES walks were made.
+        What reaches `reporter` is what the walk that stood dropped."""
+        seen = None
+        for attempt in range(LIVE_RETRIES + 1):
+            dropped: list = []
+            vol = Volume.open(backend, writable=False)
+            try:
+                res = recover(vol, mode, dropped.append, check_pages=check_pages)
+            except (CorruptionError, TornTailError) as exc:
+                if attempt == LIVE_RETRIES or (exc.where, exc.message) == seen:
+                    raise
+                seen = (exc.where, exc.message)
+                time.sleep(LIVE_PAUSE)  # let the record in flight be finished
+                continue
+            if reporter is not None:
+                for d in dropped:
+                    reporter(d)
+            return vol, res
+        raise AssertionError("unreachable")
 
     @staticmethod
     def _prepare_write(vol: Volume, res: ScanResult) -> Appender:
@@ -264,6 +318,29 @@ class Log:
             self.close()
         else:
             self.volume.close()
+
+
+def _snapshot_at_cut(res: ScanResult, vol: Volume) -> None:
+    """A live read-only open answers as of its last commit: what lies after it
+    is being written (or is the uncommitted tail a writer's cut will drop), so
+    the planner plans from the walk up to there (walk_end_lsn; walked again
+    up to it when the walk was not kept), never from a walk of the log as it
+    has grown since, which could hold a commit whose records it saw torn.  A
+    catalog switched after the last commit (V-N2) is kept, as a cut keeps it."""
+    if res.cut is None:
+        res.walk, res.walk_end_lsn = None, None
+        return
+    seg, end = res.cut
+    end_lsn = seg.lsn(end)
+    cat = vol.superblock.catalog_lsn
+    if cat and cat > res.last_commit_lsn:
+        for rec in res.records:
+            if rec.lsn == cat and rec.kind == F.REC_CATALOG:
+                end_lsn = max(end_lsn, rec.lsn + rec.length)
+    if res.walk is not None:
+        res.walk = [it for it in res.walk if it[1].lsn(it[2]) < end_lsn]
+    res.walk_end_lsn = end_lsn
+    res.walk_oldest_lsn = vol.superblock.oldest_lsn
 
 
 def _keep_walk_before_cut(res: ScanResult, vol: Volume) -> None:

@@ -101,7 +101,9 @@ def _build() -> pathlib.Path:
                              capture_output=True, text=True, timeout=120)
         if res.returncode != 0:
             raise RuntimeError("build failed: " + " ".join((res.stderr or res.stdout).split())[:200])
-        os.replace(tmp, out)
+        from concordia.devmem.dirsync import publish
+
+        publish(tmp, out)  # synced and renamed whole: never a torn helper under the cached name
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -659,10 +659,22 @@ def _walk_of_open(log, vol, check_pages: bool, progress):
     and what was appended since), with no compaction in between.  Handed over
     once (the Log does not keep it after).  None otherwise, and when progress
     is wanted (the walk is then shown)."""
-    from concordia.wal.reader import ScanResult, Scanner
+    from concordia.wal.reader import WALK_KEPT_MAX, ScanResult, Scanner
 
     res = getattr(log, "_result", None)
     walk = getattr(res, "walk", None)
+    if not getattr(log, "writable", True) and getattr(res, "walk_end_lsn", None) is not None:
+        # a read-only open beside a live writer (Log.open(live=True)): the log as of its last
+        # commit, kept for every plan of this Log (a walk on would see what is being written)
+        if walk is None or (check_pages and res.walk_checked_pages is not True):
+            walk = []
+            for it in Scanner(vol, check_pages=check_pages, progress=progress).items(ScanResult()):
+                if it.seg.lsn(it.offset) >= res.walk_end_lsn:
+                    break
+                walk.append(it)
+            if len(walk) <= WALK_KEPT_MAX:
+                res.walk, res.walk_checked_pages = walk, check_pages
+        return walk
     if walk is None or progress is not None:
         return None
     if getattr(log, "writable", True):

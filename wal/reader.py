@@ -308,10 +308,11 @@ class Scanner:
                     return pos
         return None
 
-    def _segment(self, seg: SegmentInfo) -> list:
-        """The items of one segment whose header checked."""
+    def _segment(self, seg: SegmentInfo, start: int | None = None) -> list:
+        """The items of one segment whose header checked (from absolute offset
+        `start`, a record boundary found by an earlier walk, when given)."""
         out, pending = [], []
-        self._walk(seg, out, pending)
+        self._walk(seg, out, pending, start)
         self._check_pages(out, pending)
         self._done += max(0, min(seg.offset + seg.nbytes, self.backend.size) - seg.offset)
         if self.progress is not None:
@@ -362,7 +363,7 @@ class Scanner:
                 self.bytes_checked -= hdr.length
                 out[idx] = Damaged(_DMG, item.seg, pos, hdr.length, reason)
 
-    def _walk(self, seg: SegmentInfo, out: list, pending: list) -> None:
+    def _walk(self, seg: SegmentInfo, out: list, pending: list, start: int | None = None) -> None:
         mv = self.mv
         seg_end = seg.offset + seg.nbytes
         end = min(seg_end, self.backend.size)  # a truncated volume reads as zero beyond its end
@@ -370,7 +371,7 @@ class Scanner:
         salt = seg.salt
         unpack = F.RECORD_HEADER.unpack_from
         oldest = self.oldest
-        pos = seg.offset + F.SEGMENT_HEADER_SIZE
+        pos = seg.offset + F.SEGMENT_HEADER_SIZE if start is None else start
         # progress: checked against one number per record, told every PROGRESS_STEP
         tick = seg.offset + PROGRESS_STEP if self.progress is not None else 1 << 62
         while pos + 64 <= end:
@@ -777,3 +778,119 @@ def verify(vol: Volume, *, check_pages: bool = True,
         "seconds": dt,
         "gb_per_s": res.bytes_checked / dt / 1e9 if dt > 0 else 0.0,
     }
+
+
+class Follower:
+    """Tails a log that a live writer appends to (`concordia-wal dump --follow`):
+    each `poll()` returns the Scanner items appended since the last one, in
+    LSN order, none twice and none left out.
+
+    The position is an LSN (`lsn`: every item ending at or below it has been
+    returned) with the record boundary to resume from.  A writer fills a
+    segment, then rolls over, but another segment can be listed (or adopted
+    from the header an msync tier's commit prepares) while the old one still
+    takes records: a follower that moved on as soon as it saw the next
+    segment lost the old one's last records.  So a segment is left only once
+    a later segment holds a valid commit record: a commit is written after
+    every reservation before it was finished, so every byte of the old
+    segment is final by then; that commit is read first, the old segment's
+    end once more after it, and only then the next segment.  Until then a
+    damaged range is taken for a record still being written (the poll stops
+    before it and looks again next time); in a segment the writer has left
+    it is damage, and is returned as such.  Records after the writer's last
+    commit in a later segment are shown once a commit follows them there.
+
+    A writer that reopens the log cuts what follows its last commit and
+    writes again at those LSNs: when the last record returned is no longer
+    there, the follower goes back to the end of the last commit it returned
+    (`cut_at` says where; `cuts` counts them) and returns what is there now.
+    """
+
+    def __init__(self, backend, *, from_lsn: int = 0, check_pages: bool = True):
+        self.backend = backend
+        self.check_pages = check_pages
+        self.lsn = int(from_lsn)
+        self.uuid: bytes | None = None
+        self.volume: Volume | None = None  # the volume of the last poll (its superblock)
+        self._resume: tuple | None = None  # (segment index, seq, absolute offset of the next record)
+        self._last: tuple | None = None  # (index, seq, offset, header bytes, lsn) of the last record returned
+        self._commit: tuple | None = None  # (lsn, resume) just after the last commit returned
+        self.cuts = 0
+        self.cut_at: int | None = None
+
+    def poll(self) -> list:
+        """The items appended since the last poll (module docstring of Scanner
+        for their form).  Raises WalError when the log was formatted again."""
+        from .errors import WalError
+
+        vol = Volume.open(self.backend, writable=False)
+        if self.uuid is None:
+            self.uuid = vol.uuid
+        elif vol.uuid != self.uuid:
+            raise WalError("the log was formatted again while it was followed", where=self.backend.where)
+        self.volume = vol
+        scanner = Scanner(vol, check_pages=self.check_pages)
+        live = vol.live_segments()
+        self._check_cut(vol, live)
+        out: list = []
+        for k, seg in enumerate(live):
+            if seg.end_lsn <= self.lsn:
+                continue
+            # first: has the writer left this segment?  (read before the segment itself)
+            left = self._committed_after(Scanner(vol, check_pages=False), vol, live, k)
+            why = vol.check_segment_header(seg, live[k - 1] if k else None)
+            if why:
+                if not left:
+                    break  # a superblock read while the segment was being taken: look again
+                out.append(Damaged(_DMG, seg, seg.offset, seg.nbytes, why))
+                self.lsn = seg.end_lsn
+                continue
+            start = None
+            if self._resume is not None and self._resume[:2] == (seg.index, seg.seq):
+                start = self._resume[2]
+            for it in scanner._segment(seg, start):
+                length = it.length
+                end = seg.lsn(it.offset) + length
+                if end <= self.lsn:
+                    continue
+                if it[0] == _DMG and not left:
+                    return out  # a record still being written: from here next time
+                out.append(it)
+                self.lsn = end
+                self._resume = (seg.index, seg.seq, it.offset + length)
+                if it[0] == _REC:
+                    self._last = (seg.index, seg.seq, it.offset, bytes(self.backend.view[it.offset:it.offset + 64]),
+                                  end)
+                    if is_commit(it):
+                        self._commit = (end, self._resume)
+            if not left:
+                break
+            self.lsn = max(self.lsn, seg.end_lsn)  # every record of the segment is out
+        return out
+
+    def _check_cut(self, vol: Volume, live: list) -> None:
+        """Go back to the last commit returned when the log was cut after it:
+        the last record returned is overwritten in its segment, or its segment
+        and every later one were freed (LSNs only grow otherwise, and the
+        newest segment is never reclaimed)."""
+        if self._last is None:
+            return
+        idx, seq, off, raw, end = self._last
+        seg = next((s for s in live if (s.index, s.seq) == (idx, seq)), None)
+        changed = seg is not None and bytes(vol.backend.view[off:off + 64]) != raw
+        gone = seg is None and (not live or live[-1].end_lsn < end)
+        if not (changed or gone):
+            return
+        self.lsn, self._resume = self._commit if self._commit is not None else (0, None)
+        self._last = None
+        self.cuts += 1
+        self.cut_at = self.lsn
+
+    def _committed_after(self, scanner: Scanner, vol: Volume, live: list, k: int) -> bool:
+        """Whether a live segment after live[k] holds a valid commit record."""
+        for j in range(k + 1, len(live)):
+            if vol.check_segment_header(live[j], live[j - 1]):
+                continue
+            if any(is_commit(it) for it in scanner._segment(live[j])):
+                return True
+        return False

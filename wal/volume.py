@@ -29,6 +29,7 @@ from .errors import (
     NotALogError,
     ReadOnlyFeatureError,
     SuperblockError,
+    TargetNotEmptyError,
     UsageError,
     WalError,
 )
@@ -104,6 +105,102 @@ def _zero_fill(backend: Backend, total: int) -> None:
         for off in range(0, total, len(chunk)):
             write_at(off, [chunk[:min(len(chunk), total - off)]])
     backend.persist(0, total)
+
+
+#: tiers whose targets hold nothing before this process made them
+VOLATILE_KINDS = ("memory", "pinned")
+
+
+def target_contents(backend: Backend) -> str | None:
+    """What formatting `backend` would destroy: "holds a Concordia log (...)",
+    "is not empty (nonzero byte at 0x...)", or None when every byte is zero."""
+    arr = backend.array
+    if bytes(arr[:8]) == F.VOLUME_MAGIC:
+        return "holds a Concordia log (superblock magic at offset 0)"
+    step = 16 << 20
+    for lo, hi in _data_extents(backend.path, arr.size):
+        for start in range(lo, hi, step):
+            chunk = arr[start:min(hi, start + step)]
+            if chunk.any():
+                first = start + int(chunk.nonzero()[0][0])
+                return f"is not empty (nonzero byte at 0x{first:x})"
+    return None
+
+
+def _data_extents(path, size: int):
+    """[(start, end)] of the file's data (SEEK_DATA / SEEK_HOLE): holes read as
+    zero, so a large sparse file is checked at the cost of its data, not its
+    length.  The whole range where the file cannot say (a device, no SEEK_HOLE)."""
+    import errno
+    import os
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC) if path else -1
+    except OSError:
+        fd = -1
+    if fd < 0:
+        return [(0, size)]
+    out, pos = [], 0
+    try:
+        while pos < size:
+            try:
+                start = os.lseek(fd, pos, os.SEEK_DATA)
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:
+                    break   # only a hole from here on
+                raise       # no SEEK_DATA here (a device): the whole range
+            if start >= size:
+                break
+            end = min(size, os.lseek(fd, start, os.SEEK_HOLE))
+            if end <= start:
+                return [(0, size)]   # a file that cannot say where its data is
+            out.append((start, end))
+            pos = end
+    except OSError:
+        return [(0, size)]
+    finally:
+        os.close(fd)
+    return out
+
+
+def check_format_target(target, *, overwrite: bool = False, allow_log: bool = False,
+                        hint: str = "pass overwrite=True to format it anyway") -> None:
+    """The one check every path that formats a log makes first (`Log.create`,
+    so `Session`, `concordia demo` and `concordia-wal format`): a target that
+    exists and holds anything (a log, or any nonzero byte) is refused with
+    TargetNotEmptyError and left unchanged, unless `overwrite`; `allow_log`
+    lets a target that holds a Concordia log through (the demo replaces its
+    own log).  `target` is a log name (opened read-only here, nothing is
+    created) or an open Backend.  An absent or empty file holds nothing."""
+    if overwrite:
+        return
+    from concordia.devmem import parse_spec
+    from concordia.devmem.errors import BadSizeError, PathNotFoundError
+
+    if isinstance(target, Backend):
+        backend, owned = target, False
+    else:
+        if parse_spec(target).kind in VOLATILE_KINDS:
+            return
+        try:
+            backend, owned = open_backend(target, readonly=True), True
+        except PathNotFoundError:
+            return
+        except BadSizeError as exc:
+            if "file is empty" in exc.message:  # a zero-length file: nothing to lose
+                return
+            # a length no log has: a file of something else
+            raise TargetNotEmptyError(f"refusing to format: the target is not a log ({exc.message})",
+                                      where=exc.where, hint=hint) from None
+    try:
+        what = target_contents(backend)
+        where = backend.where
+    finally:
+        if owned:
+            backend.close()
+    if what is None or (allow_log and what.startswith("holds a Concordia log")):
+        return
+    raise TargetNotEmptyError(f"refusing to format: the target {what}", where=where, hint=hint)
 
 
 class Volume:

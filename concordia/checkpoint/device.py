@@ -150,7 +150,7 @@ class _DeviceKernels:
                 if ext is not None:
                     job[2] = None
                     app.finish_extent(ext, used, records)  # the unused rest becomes padding
-                cap = self.delta_cap(r)
+                cap = self.delta_cap(r, app.segment_capacity)
                 st.guess = count if count <= cap else 0
                 if records:
                     r.digest = digest
@@ -176,9 +176,12 @@ class _DeviceKernels:
                         pass
             raise
 
-    def delta_cap(self, r: Region) -> int:
-        """Most pages `delta` stages for `r` in one record (as plan_batches cuts them)."""
-        return min(self.gpu.DELTA_MAX_PAGES, max(1, staging.MAX_BATCH_BYTES // r.page_bytes))
+    def delta_cap(self, r: Region, capacity: int | None = None) -> int:
+        """Most pages `delta` stages for `r` in one record (as plan_batches cuts
+        them for a segment of `capacity` bytes; None: the size of the page list)."""
+        per = (max(1, staging.MAX_BATCH_BYTES // r.page_bytes) if capacity is None
+               else staging.batch_pages(r.page_bytes, capacity))
+        return min(self.gpu.DELTA_MAX_PAGES, per)
 
     def _delta_state(self, r: Region):
         key = (r.name, r.pages)

@@ -16,7 +16,8 @@ from concordia.errors import ConcordiaError, SessionError
 from concordia.gpu_kernels import reference as ref
 from concordia.regions import Region, gather_pages, to_host
 
-#: most payload bytes in one page-batch record (records must fit a segment)
+#: most payload bytes in one page-batch record; smaller segments cut smaller
+#: records (header, page table, CRC table and payload must fit the segment: batch_pages)
 MAX_BATCH_BYTES = 8 << 20
 #: the extent pipeline packs a checkpoint's records into extents of at most this
 #: many bytes (a larger record gets one of its own); the staging ring holds two
@@ -69,15 +70,27 @@ class Batch:
     length: int
 
 
-def plan_batches(region: Region, count: int, cap: int | None = None) -> list[Batch]:
-    """The records `count` dirty pages of `region` become (as the host path cuts
-    them): at most MAX_BATCH_BYTES of payload, and each fits `cap` bytes (a
-    segment's capacity; a log of small segments takes a first full write too)."""
+def batch_pages(page_bytes: int, capacity: int, where: str | None = None) -> int:
+    """Most pages of one page-batch record: MAX_BATCH_BYTES of payload, fewer
+    where the whole record (header, tables, payload) would not fit `capacity`,
+    the bytes one segment holds (`Appender.segment_capacity`)."""
     from concordia.wal import format as fmt
 
-    per = max(1, MAX_BATCH_BYTES // region.page_bytes)
-    while cap and per > 1 and fmt.page_batch_length(per, region.page_bytes) > cap:
-        per //= 2
+    per = min(max(1, MAX_BATCH_BYTES // page_bytes), fmt.page_batch_max_pages(capacity, page_bytes))
+    if per < 1:
+        raise SessionError(f"a page of {page_bytes} bytes does not fit a log segment ({capacity} bytes usable)",
+                           where=where, hint="use smaller pages or a log with larger segments")
+    return per
+
+
+def plan_batches(region: Region, count: int, capacity: int | None = None) -> list[Batch]:
+    """The records `count` dirty pages of `region` become (as the host path
+    cuts them), each at most `capacity` bytes long (the segment's
+    `Appender.segment_capacity`; None: MAX_BATCH_BYTES of payload only)."""
+    from concordia.wal import format as fmt
+
+    per = max(1, MAX_BATCH_BYTES // region.page_bytes) if capacity is None else batch_pages(region.page_bytes,
+                                                                                               capacity)
     return [Batch(region, lo, min(count, lo + per), fmt.page_batch_length(min(count, lo + per) - lo,
                                                                           region.page_bytes))
             for lo in range(0, count, per)]

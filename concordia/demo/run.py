@@ -270,8 +270,10 @@ def pick_kill_step(steps: int, every: int, rng: random.Random) -> int:
 
 
 def run_demo(*, log: str = DEFAULT_LOG, steps: int = DEFAULT_STEPS, kill_at="random", seed: int = 0,
-             every: int = DEFAULT_EVERY, device: str = "auto", progress=None) -> dict:
-    """The whole demo; returns the report (see `format_report`)."""
+             every: int = DEFAULT_EVERY, device: str = "auto", progress=None, force: bool = False) -> dict:
+    """The whole demo; returns the report (see `format_report`).  The log is
+    formatted afresh: a target holding a Concordia log is replaced, one holding
+    anything else is refused and left unchanged unless `force`."""
     say = progress or (lambda _msg: None)
     if steps < 2:
         raise DemoError(f"--steps must be at least 2, not {steps}")
@@ -283,6 +285,10 @@ def run_demo(*, log: str = DEFAULT_LOG, steps: int = DEFAULT_STEPS, kill_at="ran
         kill = int(kill_at)
         if not 1 <= kill < steps:
             raise DemoError(f"--kill-at {kill} must lie in [1, {steps - 1}]")
+    from concordia.wal.volume import check_format_target
+
+    # the worker formats the log (Session(overwrite=True)): the same check as every create path first
+    check_format_target(log, overwrite=force, allow_log=True, hint="pass --force to overwrite it")
     _prepare_log_dir(log)
     xp = array_module(device)
     dev = "gpu" if xp is not np else "cpu"

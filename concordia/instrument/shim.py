@@ -59,7 +59,9 @@ def build(cc: str | None = None, force: bool = False) -> pathlib.Path:
         os.unlink(tmp)
         msg = " ".join((res.stderr or res.stdout).split())[:300]
         raise InstrumentError(f"building the shim failed: {msg}", where=str(SOURCE))
-    os.replace(tmp, out)
+    from concordia.devmem.dirsync import publish
+
+    publish(tmp, out)  # synced and renamed whole: never a torn shim under the cached name
     return out
 
 

@@ -57,7 +57,7 @@ def test_plan_extents_packs_in_order_within_the_cap():
     assert [b for e in ext for b in e] == batches
     assert staging_mod.plan_extents([], 600) == []
     # records as the host path cuts them: at most MAX_BATCH_BYTES of payload each
-    cut = staging_mod.plan_batches(r, 5000)
+    cut = staging_mod.plan_batches(r, 5000, 64 << 20)
     per = staging_mod.MAX_BATCH_BYTES // 4096
     assert [(b.lo, b.hi) for b in cut][:2] == [(0, per), (per, 2 * per)] and cut[-1].hi == 5000
 

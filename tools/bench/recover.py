@@ -15,8 +15,8 @@ first one mounted, `scripts/hugepages.sh setup`) restore the way
 `read="auto"` takes them, pinning the log in pieces ahead of the copy engine
 (huge pages pin ~3.5x faster than 4 KiB ones), and once more copied by host
 threads (`copy_*`); and every log once more the way a program recovers it:
-`Session(log, create=False).recover()` (a writable open that checks the last
-commit's pages, then the same restore), as `session_*` in each row.
+`Session(log, create=False).recover()` (the read-only open, no writer lock
+and no cut, that checks the last commit's pages, then the same restore), as `session_*` in each row.
 Beside it:
 
 * ceiling: pinned host-to-device copy bandwidth (cupy, pinned buffer);
@@ -204,9 +204,9 @@ def _restore_once(xp, spec: str, registered: bool = False, read: str = "auto") -
 
 
 def _session_once(xp, spec: str) -> dict:
-    """A program's recovery of the log: Session(create=False) (the writable
-    open a process that carries on writing makes) and recover() into new
-    arrays on the device (or the host)."""
+    """A program's recovery of the log: Session(create=False) (read-only until
+    the program's first write) and recover() into new arrays on the device
+    (or the host)."""
     from concordia import Session
 
     t0 = time.perf_counter()
