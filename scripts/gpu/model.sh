@@ -19,7 +19,8 @@ rep = run_demo("shm:concordia-model-demo", shape="0.6b", device="cuda", steps=32
 json.dump(rep, open(sys.argv[1], "w"), indent=2)
 for r in rep["runs"]:
     print("kill at", r["kill_at"], "resumed at", r["resumed_at_step"], "identical", r["identical"],
-          "restore ms", round(r["restore_s"] * 1e3, 1), "kill->resumed s", round(r["kill_to_resumed_s"], 2))
+          "restore ms", round(r["restore_s"] * 1e3, 1), "kill->resumed s", round(r["kill_to_resumed_s"], 2),
+          "differs", r["differs"])
 sys.exit(0 if rep["identical"] else 1)
 PY
 rm -f /dev/shm/concordia-model-demo /dev/shm/concordia-model-demo.ref
