@@ -248,3 +248,25 @@ def test_a_torch_tensor_resized_in_place_is_refused_on_the_table_path(tmp_path):
             t.set_(keep)  # a new storage again: still refused
             with pytest.raises(ShapeChangedError, match="region 't'"):
                 s.checkpoint()
+
+
+def test_an_array_changed_before_the_table_is_made_is_refused(tmp_path):
+    """The table keeps the arrays' state when it is made (the first pass after
+    the regions change): one changed just before that is still refused."""
+    from concordia import Session
+    from concordia.errors import ShapeChangedError
+
+    a, b = np.arange(3000, dtype=np.int32), np.zeros(5000, np.uint8)
+    with Session(f"file:{tmp_path / 'x.log'}", size=64 << 20, segment_size=4 << 20, overwrite=True,
+                 staging="mapped") as s:
+        s.register("a", a, page_bytes=256)
+        s.register("b", b, page_bytes=256, detect="fingerprint")
+        s.checkpoint()  # the bases: no table yet
+        before = s.log.appender.write_lsn
+        a.shape = (1000, 3)
+        with pytest.raises(ShapeChangedError, match="region 'a'"):
+            s.checkpoint()
+        assert s.log.appender.write_lsn == before
+        a.shape = (3000,)
+        b[1] = 1
+        assert s.checkpoint().table_pass
