@@ -96,9 +96,10 @@ class RegionTable:
         # shape and dtype say enough; a tensor can be given new storage
         moved = [r for r in self.regions if is_torch(r.owner)]
         fixed = [r.owner for r in self.regions if not is_torch(r.owner)]
-        self._probe = operator.attrgetter("shape", "dtype")
+        self._shape, self._dtype = operator.attrgetter("shape"), operator.attrgetter("dtype")
         self._fixed = fixed
-        self._fixed_want = list(map(self._probe, fixed))
+        self._fixed_shapes = list(map(self._shape, fixed))  # two lists: no (shape, dtype) pair made per array
+        self._fixed_dtypes = list(map(self._dtype, fixed))
         # a tensor: the same fields `storage_of` gives, each gathered for every
         # tensor by one C-level map (dtype and device compared as objects: equal
         # exactly when their names are)
@@ -132,7 +133,8 @@ class RegionTable:
         and storage (False: `Region.check_unchanged` says which did not)."""
         if not self._as_registered:
             return False
-        if list(map(self._probe, self._fixed)) != self._fixed_want:
+        fixed = self._fixed
+        if list(map(self._shape, fixed)) != self._fixed_shapes or list(map(self._dtype, fixed)) != self._fixed_dtypes:
             return False
         if not self._movable:
             return True
