@@ -80,29 +80,100 @@ DEFAULT_SIZE = 256 << 20
 STAGING = ("auto", "mapped", "ring", "host")
 
 
-@dataclasses.dataclass
 class CheckpointStats:
-    """What one checkpoint did.  Times in milliseconds."""
+    """What one checkpoint did.  Times in milliseconds.
 
-    epoch: int
-    reason: str
-    pages: dict            # region name -> pages written
-    base: list             # regions written whole (first checkpoint in this log)
-    bytes: int             # payload bytes written
-    log_bytes: int         # record bytes written (headers and tables included)
-    detect_ms: float
-    stage_ms: float
-    commit_ms: float
-    via: dict = dataclasses.field(default_factory=dict)  # region name -> path (module docstring)
-    device_reads: int = 0  # host waits on the device in the extent pipeline
-    table_pass: bool = False  # one pass over the region table took every region (checkpoint package)
+    epoch, reason
+    pages          region name -> pages written
+    base           regions written whole (first checkpoint in this log)
+    bytes          payload bytes written
+    log_bytes      record bytes written (headers and tables included)
+    detect_ms, stage_ms, commit_ms
+    via            region name -> path (module docstring)
+    device_reads   host waits on the device in the extent pipeline
+    table_pass     one pass over the region table took every region (checkpoint package)
+
+    A table pass hands over its names and per-region counts (`_of_table`):
+    `pages` and `via` are built from them when first read, so a checkpoint
+    of many regions does no Python per region for its statistics."""
+
+    _FIELDS = ("epoch", "reason", "pages", "base", "bytes", "log_bytes", "detect_ms", "stage_ms", "commit_ms",
+               "via", "device_reads", "table_pass")
+    __slots__ = ("epoch", "reason", "_pages", "base", "bytes", "log_bytes", "detect_ms", "stage_ms", "commit_ms",
+                 "_via", "device_reads", "table_pass", "_lazy")
+
+    def __init__(self, epoch: int, reason: str, pages: dict, base: list, bytes: int, log_bytes: int,
+                 detect_ms: float, stage_ms: float, commit_ms: float, via: dict | None = None,
+                 device_reads: int = 0, table_pass: bool = False):
+        self.epoch, self.reason, self._pages, self.base = epoch, reason, pages, base
+        self.bytes, self.log_bytes = bytes, log_bytes
+        self.detect_ms, self.stage_ms, self.commit_ms = detect_ms, stage_ms, commit_ms
+        self._via = {} if via is None else via
+        self.device_reads, self.table_pass = device_reads, table_pass
+        self._lazy = None
+
+    @classmethod
+    def _of_table(cls, epoch, reason, names, counts, label, nbytes, log_bytes, detect_ms, stage_ms, commit_ms,
+                  device_reads) -> "CheckpointStats":
+        """The statistics of a table pass: `names` (kept, never changed) and
+        `counts` (an integer array of the pass, one per name) become `pages`
+        and `via` (every region `label`) when first read."""
+        st = cls(epoch, reason, None, [], nbytes, log_bytes, detect_ms, stage_ms, commit_ms, None, device_reads, True)
+        st._via = None
+        st._lazy = (names, counts, label)
+        return st
+
+    def _build(self) -> None:
+        names, counts, label = self._lazy
+        self._pages = dict(zip(names, counts.tolist()))
+        self._via = dict.fromkeys(names, label)
+        self._lazy = None
+
+    @property
+    def pages(self) -> dict:
+        if self._lazy is not None:
+            self._build()
+        return self._pages
+
+    @pages.setter
+    def pages(self, value: dict) -> None:
+        if self._lazy is not None:
+            self._build()
+        self._pages = value
+
+    @property
+    def via(self) -> dict:
+        if self._lazy is not None:
+            self._build()
+        return self._via
+
+    @via.setter
+    def via(self, value: dict) -> None:
+        if self._lazy is not None:
+            self._build()
+        self._via = value
 
     @property
     def total_ms(self) -> float:
         return self.detect_ms + self.stage_ms + self.commit_ms
 
+    def _values(self) -> tuple:
+        return tuple(getattr(self, f) for f in self._FIELDS)
+
+    def __eq__(self, other):
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return self._values() == other._values()
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return "CheckpointStats(" + ", ".join(f"{f}={v!r}" for f, v in zip(self._FIELDS, self._values())) + ")"
+
     def to_json(self) -> dict:
-        d = dataclasses.asdict(self)
+        import copy
+
+        d = {f: copy.deepcopy(v) for f, v in zip(self._FIELDS, self._values())}
         d["total_ms"] = self.total_ms
         return d
 
@@ -489,10 +560,9 @@ class Session:
         self.policy.reset()
         names = table.table.names
         counts = got.counts
-        pages = dict(zip(names, counts.tolist()))
-        via = dict.fromkeys(names, table.label)
-        stats = CheckpointStats(epoch, reason, pages, [], int(counts @ table.table.page_bytes), int(got.log_bytes),
-                                got.detect_s * 1e3, got.stage_s * 1e3, commit_s * 1e3, via, got.device_reads, True)
+        stats = CheckpointStats._of_table(epoch, reason, names, counts, table.label,
+                                          int(counts @ table.table.page_bytes), int(got.log_bytes),
+                                          got.detect_s * 1e3, got.stage_s * 1e3, commit_s * 1e3, got.device_reads)
         self.paths[table.label] += len(names)
         self.checkpoints.append(stats)
         self.retention.after_commit(stats)  # bases and compaction, one bounded slice
@@ -513,7 +583,10 @@ class Session:
                 if key not in seen:
                     seen.add(key)
                     reps.append(r)
-            cached = self._producers = (self._version, reps)
+            # no device region and no stream given: no order to keep, and nothing to look up
+            cached = self._producers = (self._version, reps, StreamOrder([]) if not reps else None)
+        if stream is None and cached[2] is not None:
+            return cached[2]
         return StreamOrder.for_checkpoint(cached[1], stream)
 
     def _lose_baselines(self) -> None:

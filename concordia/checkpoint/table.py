@@ -96,10 +96,34 @@ class RegionTable:
         # shape and dtype say enough; a tensor can be given new storage
         moved = [r for r in self.regions if is_torch(r.owner)]
         fixed = [r.owner for r in self.regions if not is_torch(r.owner)]
-        self._probe = operator.attrgetter("shape", "dtype")
+        self._shape, self._dtype = operator.attrgetter("shape"), operator.attrgetter("dtype")
         self._fixed = fixed
-        self._fixed_want = list(map(self._probe, fixed))
-        self._movable = moved
+        self._fixed_shapes = list(map(self._shape, fixed))  # two lists: no (shape, dtype) pair made per array
+        self._fixed_dtypes = list(map(self._dtype, fixed))
+        # a tensor: the same fields `storage_of` gives, each gathered for every
+        # tensor by one C-level map (dtype and device compared as objects: equal
+        # exactly when their names are)
+        self._movable = [r.owner for r in moved]
+        self._t_probe = operator.attrgetter("shape", "dtype", "device")
+        self._t_ptr = operator.methodcaller("data_ptr")
+        self._t_storage = operator.methodcaller("untyped_storage")
+        self._t_nbytes = operator.methodcaller("nbytes")
+        self._movable_want = None
+        if moved:
+            try:
+                want = self._tensor_state()
+            except Exception:  # a tensor without storage: `storage_of` region by region
+                want = None
+            self._movable_want = want
+        self._movable_regions = moved
+        # what is compared from now on is what `register` saw: a region that
+        # changed before this table was made is found by `Region.check_unchanged`
+        self._as_registered = all(storage_of(r.owner) == r.storage for r in self.regions)
+
+    def _tensor_state(self) -> tuple:
+        owners = self._movable
+        return (list(map(self._t_probe, owners)), list(map(self._t_ptr, owners)),
+                list(map(self._t_nbytes, map(self._t_storage, owners))))
 
     def __len__(self) -> int:
         return len(self.regions)
@@ -107,9 +131,19 @@ class RegionTable:
     def unchanged(self) -> bool:
         """Whether every region's array still has its registered shape, dtype
         and storage (False: `Region.check_unchanged` says which did not)."""
-        if list(map(self._probe, self._fixed)) != self._fixed_want:
+        if not self._as_registered:
             return False
-        return all(storage_of(r.owner) == r.storage for r in self._movable)
+        fixed = self._fixed
+        if list(map(self._shape, fixed)) != self._fixed_shapes or list(map(self._dtype, fixed)) != self._fixed_dtypes:
+            return False
+        if not self._movable:
+            return True
+        if self._movable_want is None:
+            return all(storage_of(r.owner) == r.storage for r in self._movable_regions)
+        try:
+            return self._tensor_state() == self._movable_want
+        except Exception:  # storage gone: `Region.check_unchanged` says how
+            return False
 
     def listed(self) -> np.ndarray:
         """Rows whose pages the host lists (DET_LISTED)."""

@@ -182,3 +182,91 @@ def test_a_changed_array_is_refused_before_a_table_pass_writes(tmp_path):
         with pytest.raises(ShapeChangedError, match="region 'a'"):
             s.checkpoint()
         assert s.log.appender.write_lsn == before
+
+
+def test_a_table_pass_reports_every_region_as_the_per_region_path_does(tmp_path):
+    """The table pass's statistics (pages, via, JSON) are those of a
+    checkpoint built region by region: same keys in registration order,
+    plain ints, one path name each; and they stay what they were."""
+    import json
+
+    from concordia import CheckpointStats, Session
+
+    arrays = {f"r{i}": np.zeros(4096 * (i + 1), np.uint8) for i in range(20)}
+    with Session(f"file:{tmp_path / 'x.log'}", size=64 << 20, segment_size=4 << 20, overwrite=True,
+                 staging="mapped") as s:
+        for name, a in arrays.items():
+            s.register(name, a, page_bytes=4096, detect="fingerprint")
+        s.checkpoint()
+        arrays["r3"][5] = 1
+        arrays["r17"][4096 * 2] = 1
+        st = s.checkpoint()
+        assert st.table_pass
+        want_pages = {name: (1 if name in ("r3", "r17") else 0) for name in arrays}
+        d = st.to_json()
+        assert list(d) == ["epoch", "reason", "pages", "base", "bytes", "log_bytes", "detect_ms", "stage_ms",
+                           "commit_ms", "via", "device_reads", "table_pass", "total_ms"]
+        assert d["pages"] == want_pages and list(d["pages"]) == list(arrays)
+        assert all(type(v) is int for v in d["pages"].values())
+        assert d["via"] == dict.fromkeys(arrays, "cpu-mapped") and d["bytes"] == 2 * 4096
+        assert json.loads(json.dumps(d)) == d
+        assert st.pages == want_pages and st.via == d["via"] and st.base == []
+        arrays["r0"][0] = 1
+        s.checkpoint()
+        assert st.pages == want_pages  # a later pass leaves this one's figures alone
+        again = CheckpointStats(st.epoch, st.reason, dict(st.pages), [], st.bytes, st.log_bytes, st.detect_ms,
+                                st.stage_ms, st.commit_ms, dict(st.via), st.device_reads, True)
+        assert again == st and repr(again) == repr(st)
+        st.pages = {"x": 1}
+        assert st.pages == {"x": 1} and st.via == d["via"]
+
+
+def test_a_torch_tensor_resized_in_place_is_refused_on_the_table_path(tmp_path):
+    """A tensor's storage can change under the same Python object (resize_,
+    set_): the table pass's check finds it before anything is written."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from concordia import Session
+    from concordia.errors import ShapeChangedError
+
+    with Session(f"file:{tmp_path / 'x.log'}", size=64 << 20, segment_size=4 << 20, overwrite=True,
+                 staging="mapped") as s:
+        t = torch.zeros(4096, dtype=torch.float32)
+        u = torch.zeros(2048, dtype=torch.int32)
+        s.register("t", t, page_bytes=4096)
+        s.register("u", u, page_bytes=4096, detect="fingerprint")
+        s.checkpoint()
+        t[3] = 1
+        assert s.checkpoint().table_pass
+        for change in (lambda: t.resize_(8192), lambda: t.set_(torch.zeros(4096)),
+                       lambda: t.untyped_storage().resize_(0)):
+            before = s.log.appender.write_lsn
+            keep = t.clone()
+            change()
+            with pytest.raises(ShapeChangedError, match="region 't'"):
+                s.checkpoint()
+            assert s.log.appender.write_lsn == before
+            t.set_(keep)  # a new storage again: still refused
+            with pytest.raises(ShapeChangedError, match="region 't'"):
+                s.checkpoint()
+
+
+def test_an_array_changed_before_the_table_is_made_is_refused(tmp_path):
+    """The table keeps the arrays' state when it is made (the first pass after
+    the regions change): one changed just before that is still refused."""
+    from concordia import Session
+    from concordia.errors import ShapeChangedError
+
+    a, b = np.arange(3000, dtype=np.int32), np.zeros(5000, np.uint8)
+    with Session(f"file:{tmp_path / 'x.log'}", size=64 << 20, segment_size=4 << 20, overwrite=True,
+                 staging="mapped") as s:
+        s.register("a", a, page_bytes=256)
+        s.register("b", b, page_bytes=256, detect="fingerprint")
+        s.checkpoint()  # the bases: no table yet
+        before = s.log.appender.write_lsn
+        a.shape = (1000, 3)
+        with pytest.raises(ShapeChangedError, match="region 'a'"):
+            s.checkpoint()
+        assert s.log.appender.write_lsn == before
+        a.shape = (3000,)
+        b[1] = 1
+        assert s.checkpoint().table_pass
