@@ -180,7 +180,8 @@ def _session_steps(runner, arrays: dict, step, reps: int, *, staging: str, tag: 
 
     total = sum(int(a.nbytes) for a in arrays.values())
     seg = 64 * MiB
-    need = -(-(total * 5 // 4 + (reps + 4) * (total // 16 + 2 * MiB) + 4 * seg) // seg) * seg
+    # room for retention (on by default) to write a second base image beside the deltas
+    need = -(-(total * 5 // 2 + (reps + 4) * (total // 16 + 2 * MiB) + 4 * seg) // seg) * seg
     why = _shm_room(need)
     if why:
         return {"error": why}
