@@ -74,6 +74,10 @@ class RecoveryDigestError(SessionError):
     """Recovered bytes do not match the digest committed for the epoch."""
 
 
+class StandbyError(ConcordiaError):
+    """A standby could not watch or take over a log (exit code 2)."""
+
+
 class DemoError(SessionError):
     """The demo's worker or recovery process failed."""
 
@@ -81,7 +85,7 @@ class DemoError(SessionError):
 __all__ = [
     "ConcordiaError", "MissingDependencyError",
     "BackendClosedError", "BadSizeError", "BadSpecError", "ChainError", "CorruptionError",
-    "CudaUnavailableError", "DemoError", "DevmemError", "DuplicateRegionError", "ExecutorError",
+    "CudaUnavailableError", "DemoError", "DevmemError", "DuplicateRegionError", "ExecutorError", "StandbyError",
     "ExecutorStalledError", "ExecutorStoppedError", "ForeignOwnerError", "FormatVersionError",
     "GpuUnavailableError", "HostRegisterRefusedError", "InjectedFaultError", "InstrumentError",
     "KernelCompileError", "KernelError", "KernelInputError", "LibpmemUnavailableError",

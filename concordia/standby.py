@@ -57,6 +57,7 @@ import numpy as np
 from concordia.devmem import open_backend
 from concordia.devmem.backend import lock_holder
 from concordia.devmem.errors import ConcordiaError, LockedError
+from concordia.errors import StandbyError
 
 __all__ = ["Standby", "Takeover", "Heartbeat", "StandbyError", "open_for_watching", "lease_path",
            "read_lease"]
@@ -68,10 +69,6 @@ LEASE_DIR = "/dev/shm"
 FILE_TIERS = ("shm", "hugetlb", "file", "pmem", "devdax")
 #: how long a standby tries the lock before it looks again at who holds it
 WATCH_SLICE_S = 0.25
-
-
-class StandbyError(ConcordiaError):
-    """A standby could not watch or take over a log (exit code 2)."""
 
 
 def _now() -> float:

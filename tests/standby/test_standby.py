@@ -234,8 +234,10 @@ def test_a_primary_that_comes_back_is_refused_or_stands_by(shm_log):
         primary.kill()
         tk = sb.run(timeout=60)
     try:
-        # the old primary restarted as a writer: refused, one line, exit 2
-        back = subprocess.run([sys.executable, "-c", f"from concordia import Session; Session({shm_log!r}, create=False)"],
+        # the old primary restarted as a writer: refused at its first write (a
+        # Session(create=False) opens read-only, lock-free, and takes the lock to write)
+        back = subprocess.run([sys.executable, "-c", "import numpy as np; from concordia import Session; "
+                               f"Session({shm_log!r}, create=False).register('back', np.zeros(4096, np.uint8))"],
                               capture_output=True, text=True, env=ENV, cwd=ROOT)
         assert back.returncode != 0 and "LockedError" in back.stderr
         assert f"log is open for writing by another process (pid {os.getpid()})" in back.stderr
