@@ -617,7 +617,7 @@ class Session:
             st = self._stagers.get(key)
             if (st is not None and len(routes[key]) == len(regions) and st.mode == "mapped"
                     and all(r.crcs is not None and r.digest is not None for r in regions)):
-                tp = st.kernels.table_pass(RegionTable(regions), st.registration, st)
+                tp = st.kernels.table_pass(RegionTable(regions, self.log.appender.segment_capacity), st.registration, st)
         self._table = (self._version, tp)
         return tp
 

@@ -65,7 +65,10 @@ class RegionTable:
     The digests here are the truth while the table is in use: `write_back`
     hands them to the regions when another path takes over."""
 
-    def __init__(self, regions: list):
+    def __init__(self, regions: list, capacity: int | None = None):
+        """capacity: the bytes one log segment holds (`Appender.segment_capacity`);
+        every page-batch record is cut to fit it, as the per-region paths cut
+        theirs (`staging.batch_pages`).  None: MAX_BATCH_BYTES of payload only."""
         self.regions = list(regions)
         n = len(self.regions)
         e = np.zeros(n, ENTRY)
@@ -74,7 +77,11 @@ class RegionTable:
         e["detector"] = [detector_code(r.detect) for r in self.regions]
         e["region_id"] = [r.id for r in self.regions]
         e["digest_slot"] = np.arange(n)
-        e["per_record"] = np.maximum(1, staging.MAX_BATCH_BYTES // e["page_bytes"])
+        if capacity is None:
+            e["per_record"] = np.maximum(1, staging.MAX_BATCH_BYTES // e["page_bytes"])
+        else:
+            per_size = {int(pb): staging.batch_pages(int(pb), int(capacity)) for pb in set(e["page_bytes"].tolist())}
+            e["per_record"] = [per_size[int(pb)] for pb in e["page_bytes"]]
         pages = e["pages"].astype(np.int64)
         e["first_page"] = np.cumsum(pages) - pages
         self.entries = e

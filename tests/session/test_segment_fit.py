@@ -73,7 +73,8 @@ def test_a_region_of_twice_the_segment_checkpoints_into_8_mib_segments(tmp_path,
     big = rng.integers(0, 256, size=2 * seg, dtype=np.uint8)
     edge = rng.integers(0, 256, size=seg, dtype=np.uint8)
     log = f"file:{tmp_path / 'big.log'}"
-    with Session(log, size=80 * MiB, segment_size=seg, staging=staging) as s:
+    # room for retention's base images beside the deltas (it is on by default)
+    with Session(log, size=160 * MiB, segment_size=seg, staging=staging) as s:
         s.register("big", big, page_bytes=4096)
         s.register("edge", edge, page_bytes=65536)
         first = s.checkpoint()
@@ -112,3 +113,21 @@ def test_a_page_that_fits_no_segment_is_refused_at_register(tmp_path):
             s.register("huge", np.zeros(2 * MiB, np.uint8), page_bytes=MiB)
         assert "region 'huge'" in str(ei.value) and "\n" not in str(ei.value)
         assert s.log.regions == {}  # refused before anything was written
+
+
+def test_the_region_table_cuts_records_to_the_segment_too():
+    # the table pass lays out its records from per_record: bounded by the
+    # segment as the per-region paths are (an 8 MiB payload at 64 KiB pages
+    # would not fit an 8 MiB segment with its header and tables)
+    from concordia.checkpoint.table import RegionTable
+
+    seg = 8 * MiB
+    with Session("memory:", size=64 * MiB, segment_size=seg, staging="mapped") as s:
+        s.register("a", np.zeros(2 * seg, np.uint8), page_bytes=65536)
+        s.register("b", np.zeros(seg, np.uint8), page_bytes=4096)
+        s.checkpoint()  # a table is made of regions with a base in the log
+        cap = s.log.appender.segment_capacity
+        t = RegionTable(list(s.regions.values()), cap)
+        for e in t.entries:
+            assert F.page_batch_length(int(e["per_record"]), int(e["page_bytes"])) <= cap
+        assert int(t.entries["per_record"][0]) < 8 * MiB // 65536
