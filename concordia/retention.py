@@ -116,6 +116,8 @@ class Retention:
         from concordia.wal import format as F
 
         free = sum(1 for e in vol.superblock.segments if e.state == F.SEG_FREE) * int(vol.segment_bytes)
+        if not log.writable:  # a read-only session (Session(create=False)) has no appender until it writes
+            return free
         app = log.appender
         if app.seg is not None:
             free += app.seg.offset + app.seg.nbytes - app.pos

@@ -3,6 +3,8 @@ long session's log bounded, its recovery flat, and the kept window restorable.""
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 
 import numpy as np
@@ -26,15 +28,23 @@ def _touch(a: np.ndarray, e: int) -> None:
 
 
 def _recovery_seconds(log: str, want: np.ndarray) -> float:
-    """Min of 3: a fresh Session on the log, recovering the latest epoch (checked)."""
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        with Session(log, create=False) as s:
-            got = s.recover()["state"]
-        best = min(best, time.perf_counter() - t0)
-        assert np.array_equal(got, want)
-    return best
+    """One fresh Session on the log, recovering the latest epoch (checked)."""
+    t0 = time.perf_counter()
+    with Session(log, create=False) as s:
+        got = s.recover()["state"]
+    took = time.perf_counter() - t0
+    assert np.array_equal(got, want)
+    return took
+
+
+def _compare_recoveries(early: tuple, late: tuple, reps: int = 5) -> tuple:
+    """(early, late): each the min of `reps` recoveries, the two logs taken in
+    turn so that both meet the same load on a shared machine."""
+    e = l_ = float("inf")
+    for _ in range(reps):
+        e = min(e, _recovery_seconds(*early))
+        l_ = min(l_, _recovery_seconds(*late))
+    return e, l_
 
 
 @pytest.mark.slow
@@ -60,7 +70,10 @@ def test_twenty_thousand_checkpoints_on_a_64_mib_log_stay_bounded_and_recover_fl
         touch(epoch)
         s.checkpoint()
     s.close()
-    early = _recovery_seconds(shm_log, a)
+    # the log as of epoch 200, kept beside the live one to be timed with it at the end
+    early_log = shm_log + "-e200"
+    shutil.copyfile("/dev/shm/" + shm_log.split(":", 1)[1], "/dev/shm/" + early_log.split(":", 1)[1])
+    early_state = a.copy()
     s = Session(shm_log, create=False)
     register(s)
     s.recover(into="registered")
@@ -77,7 +90,10 @@ def test_twenty_thousand_checkpoints_on_a_64_mib_log_stay_bounded_and_recover_fl
     assert lowest_free > 32 * MiB, lowest_free  # bounded well inside the log
     assert counts.get("scans", 0) <= 2, counts  # switches work from what the session knows
     s.close()
-    late = _recovery_seconds(shm_log, a)
+    try:
+        early, late = _compare_recoveries((early_log, early_state), (shm_log, a))
+    finally:
+        os.unlink("/dev/shm/" + early_log.split(":", 1)[1])
     assert late <= 2 * early, (early, late)
     with Log.open(shm_log, writable=False) as log:
         v = log.verify()
