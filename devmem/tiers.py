@@ -341,13 +341,14 @@ def has_holes(fd: int, size: int) -> bool:
         return True   # no SEEK_HOLE: st_blocks said there is less than the length
 
 
-class CopiedMapping:
+class CopiedMapping(MmapMapping):
     """A read-only image of a sparse file in anonymous memory: the data
     extents (SEEK_DATA / SEEK_HOLE) are read in with pread(2), the holes stay
     untouched zero pages.  Used for read-only opens of sparse files where
     reading a hole through a mapping would allocate (tmpfs, hugetlbfs): there
     a full mount turns that read into a SIGBUS, here into nothing at all
-    (holes read as zero) or an I/O error naming the place.  It is a copy:
+    (holes read as zero) or an I/O error naming the place.  drain and release
+    are MmapMapping's (an mmap either way); only persisting differs.  It is a copy:
     bytes a writer adds later do not show (a writer's log is never sparse:
     its blocks are reserved when it is created or opened for writing)."""
 
@@ -392,16 +393,6 @@ class CopiedMapping:
         pass   # read-only: Backend.persist refuses before it gets here
 
     flush = msync = persist
-
-    def drain(self) -> None:
-        pass
-
-    def release(self) -> None:
-        try:
-            self._mm.close()
-        except BufferError:
-            pass
-        self._mm = None
 
 
 class MappedBackend(Backend):
