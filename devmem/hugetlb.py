@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import os
 
-from .backend import Survives, mount_of
+from .backend import mount_of
 from .errors import BadSpecError, DevmemError
-from .tiers import FileBackedBackend
+from .tiers import SharedPagesBackend
 
 __all__ = ["HugetlbBackend", "mounts", "default_mount", "page_size_of", "free_pages",
            "round_up", "ENV_DIR"]
@@ -135,15 +135,12 @@ def free_pages(page: int, path: str | None = None) -> int:
     return n
 
 
-class HugetlbBackend(FileBackedBackend):
+class HugetlbBackend(SharedPagesBackend):
     """A file on a hugetlbfs mount.  Survives a process crash (the pages stay
     with the file), not a reboot; persist orders nothing.  GPU-mappable, and
     pinned several times faster than a 4 KiB-page mapping."""
 
     kind = "hugetlb"
-    survives = Survives.PROCESS_CRASH
-    gpu_mappable = True
-    volatile_persist_path = "none"
 
     def __init__(self, path, mapping, opened, readonly, alignment):
         super().__init__(path, mapping, opened, readonly, alignment)
@@ -170,8 +167,3 @@ class HugetlbBackend(FileBackedBackend):
         d = super().info()
         d["page_size"] = self.page_size
         return d
-
-    def _persist(self, offset, length):
-        pass   # hugetlbfs: the bytes are already where every process sees them
-
-    _flush = _persist

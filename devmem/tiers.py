@@ -546,16 +546,27 @@ class FileBackend(FileBackedBackend):
             fn(self._file_fd, offset, length, SYNC_FILE_RANGE_WRITE)
 
 
-class ShmBackend(FileBackedBackend):
+class SharedPagesBackend(FileBackedBackend):
+    """A file whose pages are the memory every process maps (tmpfs, hugetlbfs):
+    it outlives the writing process, not the host, and persist orders nothing."""
+
+    survives = Survives.PROCESS_CRASH
+    gpu_mappable = True
+    volatile_persist_path = "none"
+
+    def _persist(self, offset, length):
+        pass   # the bytes are already where every process sees them
+
+    _flush = _persist
+
+
+class ShmBackend(SharedPagesBackend):
     """A file in /dev/shm (tmpfs), optionally bound to one NUMA node (CXL memory in
     system-RAM mode appears as a node).  It outlives the writing process, not the
     host; nothing needs persisting for that, so persist only checks the range.
     The GPU can write it directly after host registration."""
 
     kind = "shm"
-    survives = Survives.PROCESS_CRASH
-    gpu_mappable = True
-    volatile_persist_path = "none"
 
     def __init__(self, path, mapping, opened, readonly, alignment, numa_node=None):
         super().__init__(path, mapping, opened, readonly, alignment)
@@ -578,11 +589,6 @@ class ShmBackend(FileBackedBackend):
         d = super().info()
         d["numa_node"] = self.numa_node
         return d
-
-    def _persist(self, offset, length):
-        pass   # tmpfs: the bytes are already where every process sees them
-
-    _flush = _persist
 
 
 class PmemBackend(FileBackedBackend):
