@@ -377,3 +377,27 @@ def test_pinned_without_cuda():
     if gpu_unavailable_reason() is None:
         pytest.skip("a GPU is present: pinned memory works (TestPinned covers it)")
     refused(E.CudaUnavailableError, lambda: open_backend("pinned:", size=4096))
+
+
+def test_a_create_the_disk_cannot_hold_leaves_no_file(tmp_path):
+    """The blocks are reserved before any store (a store into a hole of a full
+    disk is a SIGBUS): a size the file system cannot give is an error, and the
+    file the create made is taken back."""
+    with pytest.raises(E.DevmemError) as info:
+        open_backend(f"file:{tmp_path / 'log'}", size=1 << 60, create=True)
+    assert "\n" not in str(info.value) and str(tmp_path / "log") in str(info.value)
+    assert os.listdir(tmp_path) == []
+
+
+def test_taking_back_a_create_spares_a_file_that_replaced_it(tmp_path):
+    from concordia.devmem.tiers import discard_created
+    path = tmp_path / "log"
+    path.write_bytes(b"mine")
+    st = os.stat(path)
+    other = tmp_path / "other"
+    other.write_bytes(b"theirs")
+    os.replace(other, path)
+    discard_created(str(path), (st.st_dev, st.st_ino))
+    assert path.read_bytes() == b"theirs"
+    discard_created(str(path), (os.stat(path).st_dev, os.stat(path).st_ino))
+    assert not path.exists()
