@@ -8,12 +8,15 @@ from __future__ import annotations
 import inspect
 import subprocess
 import sys
+import pathlib
 
 import pytest
 
 import concordia
 import concordia.errors as errors
 from concordia.root_error import ConcordiaError
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _error_classes_of(module) -> set[str]:
@@ -133,3 +136,25 @@ def test_wal_exports_planning_compaction_and_snapshots():
     for plumbing in ("Appender", "Reservation", "Extent", "Volume", "SegmentInfo"):
         assert plumbing not in wal.__all__, plumbing
     assert set(wal.__all__) <= set(dir(wal))
+
+
+@pytest.mark.parametrize("program,entry", [("concordia", "concordia"), ("concordia-wal", "concordia_wal")])
+def test_the_commands_without_crc32c_say_so_in_one_line(program, entry):
+    code = ("import sys\n"
+            "sys.modules['crc32c'] = None  # as if the package were not installed\n"
+            f"sys.argv = [{program!r}, '--help']\n"
+            f"from concordia.tools.entry import {entry}\n"
+            f"{entry}()\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert r.stdout == ""
+    assert r.stderr == (f"{program}: error: needs the 'crc32c' package, which is not installed "
+                        "(pip install crc32c)\n")
+
+
+def test_the_installed_commands_go_through_the_guarded_entry():
+    import tomllib
+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"concordia": "concordia.tools.entry:concordia",
+                       "concordia-wal": "concordia.tools.entry:concordia_wal"}
