@@ -286,10 +286,24 @@ def test_a_failed_restore_keeps_the_old_output_on_bad_data(log_path, workdir):
         f.seek(rec.offset + rec.length - 8)
         f.write(bytes([b[0] ^ 1]))
     res = run("restore", log_path, "--region", "kv", "--out", out, "--force", code=1)
-    # the refusal is the first line; the problems it found follow, one a line
-    assert res.stderr.startswith("error: ") and "Traceback" not in res.stderr
+    # the refusal is one line naming the damage and where; -v lists what counts after it
+    line = one_line(res)
+    assert "refuses: segment " in line and "page CRC mismatch" in line, line
     assert sha(out) == good and listing(workdir) == ["concordia-data", "kv.npy"]
     assert np.load(out).shape == (64, 1024)
+    res = run("restore", log_path, "--region", "kv", "--out", out, "--force", "-v", code=1)
+    first, *rest = res.stderr.splitlines()
+    assert first == line and rest and all(r.startswith("problem  segment ") for r in rest), res.stderr
+    assert any("page CRC mismatch" in r and "(corrupt, " in r for r in rest), rest
+    assert sha(out) == good and listing(workdir) == ["concordia-data", "kv.npy"]
+
+
+def test_restore_onto_an_existing_output_is_one_line(log_path, workdir):
+    out = workdir / "kv.npy"
+    out.write_bytes(b"old")
+    res = run("restore", log_path, "--region", "kv", "--out", out, code=2)
+    assert one_line(res) == f"error: {out}: the output exists (pass --force to overwrite it)"
+    assert out.read_bytes() == b"old" and not res.stdout
 
 
 def test_restore_onto_its_own_log_is_refused(log_path, workdir):
