@@ -329,6 +329,7 @@ def info_cmd(log, as_json, headers_hex, stats):
 
     \b
         concordia-wal info file:./concordia-data/demo.log --stats
+        concordia-wal info file:./concordia-data/demo.log -x
     """
     vol = open_volume(log)
     try:
