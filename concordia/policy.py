@@ -57,21 +57,32 @@ class Policy:
 
     @classmethod
     def parse(cls, text: str) -> "Policy":
-        """'steps=4,ms=500,bytes=64M' -> Policy (for command lines).  Bad text
-        raises a one-line SessionError naming the trigger."""
-        convert = {"steps": ("every_steps", int), "ms": ("every_ms", float), "bytes": ("every_bytes", parse_size)}
+        """'steps=4,ms=500,bytes=64M,keep_epochs=16,slice_bytes=1M' -> Policy
+        (for command lines).  Triggers: steps=, ms=, bytes=; retention: retain=
+        (on/off), base_every_bytes= and slice_bytes= (sizes), keep_epochs= (a
+        whole number), keep_seconds= (seconds); `none` unsets an optional field.
+        Fields left out keep the constructor's defaults, and the constructor
+        checks the values.  Bad text raises a one-line SessionError naming the
+        field."""
         kw = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
-            key, _, val = part.partition("=")
-            key = key.strip()
-            if key not in convert:
-                raise SessionError(f"unknown trigger {key!r} (use steps=, ms=, bytes=)", where=f"policy {text!r}")
-            field, conv = convert[key]
+            key, eq, val = part.partition("=")
+            key, val = key.strip(), val.strip()
+            if key not in _PARSE:
+                raise SessionError(f"unknown field {key!r} (use {', '.join(k + '=' for k in _PARSE)})",
+                                   where=f"policy {text!r}")
+            field, conv, what = _PARSE[key]
+            if field in kw:
+                raise SessionError(f"{key}= is given twice", where=f"policy {text!r}")
+            if not eq:
+                raise SessionError(f"{key} has no value ({key}=...)", where=f"policy {text!r}")
+            if val.lower() == "none" and field != "retain":
+                kw[field] = None
+                continue
             try:
-                kw[field] = conv(val.strip())
+                kw[field] = conv(val)
             except ValueError:
-                what = "a size (e.g. 64M)" if key == "bytes" else "a number"
-                raise SessionError(f"{key}={val.strip()!r} is not {what}", where=f"policy {text!r}") from None
+                raise SessionError(f"{key}={val!r} is not {what}", where=f"policy {text!r}") from None
         return cls(**kw)
 
     @property
@@ -95,3 +106,36 @@ class Policy:
         """A checkpoint was taken."""
         self._steps = 0
         self._since = time.monotonic()
+
+
+def _whole(text: str) -> int:
+    return int(text)
+
+
+def _finite(text: str) -> float:
+    v = float(text)
+    if v != v or v in (float("inf"), float("-inf")):
+        raise ValueError(text)
+    return v
+
+
+def _on_off(text: str) -> bool:
+    v = text.lower()
+    if v in ("on", "true", "yes", "1"):
+        return True
+    if v in ("off", "false", "no", "0"):
+        return False
+    raise ValueError(text)
+
+
+# Policy.parse: key -> (field, conversion, what a good value is); the constructor checks the value
+_PARSE = {
+    "steps": ("every_steps", _whole, "a whole number"),
+    "ms": ("every_ms", _finite, "a number"),
+    "bytes": ("every_bytes", parse_size, "a size (e.g. 64M)"),
+    "retain": ("retain", _on_off, "on or off"),
+    "base_every_bytes": ("base_every_bytes", parse_size, "a size (e.g. 64M)"),
+    "keep_epochs": ("keep_epochs", _whole, "a whole number"),
+    "keep_seconds": ("keep_seconds", _finite, "a number"),
+    "slice_bytes": ("slice_bytes", parse_size, "a size (e.g. 64M)"),
+}

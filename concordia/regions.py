@@ -571,7 +571,7 @@ class StreamOrder:
     before the work queued after it."""
 
     def __init__(self, streams: list):
-        self.streams = streams  # CuPy Stream / ExternalStream objects, each once
+        self.streams = streams  # CuPy streams (views of the frameworks' own: _foreign_stream), each once
 
     @classmethod
     def of(cls, objs, stream=None) -> "StreamOrder":
@@ -635,19 +635,61 @@ def _as_cupy_stream(cp, s, owner):
                 return None
             torch = _torch()
             ts = torch.cuda.current_stream(owner.device)
-            return cp.cuda.ExternalStream(int(ts.cuda_stream), int(owner.device.index))
+            return _foreign_stream(cp, int(ts.cuda_stream), int(owner.device.index), ts)
         if is_cupy(owner):
             return cp.cuda.get_current_stream()
         return None
-    if isinstance(s, (cp.cuda.Stream, cp.cuda.ExternalStream)):
+    legacy = getattr(cp.cuda, "ExternalStream", None)  # deprecated in CuPy 14, to go in 15
+    if isinstance(s, cp.cuda.Stream) or (legacy is not None and isinstance(s, legacy)):
         return s
     if hasattr(s, "cuda_stream"):  # torch.cuda.Stream
         dev = getattr(s, "device", None)
         idx = getattr(dev, "index", None)
-        return cp.cuda.ExternalStream(int(s.cuda_stream), cp.cuda.Device().id if idx is None else int(idx))
+        return _foreign_stream(cp, int(s.cuda_stream), cp.cuda.Device().id if idx is None else int(idx), s)
     if isinstance(s, (int, np.integer)):
-        return cp.cuda.ExternalStream(int(s))
+        return _foreign_stream(cp, int(s), -1)  # device unknown: used on the current one
     raise UnsupportedArrayError(f"stream {s!r} is neither a CuPy stream, a torch.cuda.Stream nor a cudaStream_t")
+
+
+class _StreamHandle:
+    """A cudaStream_t offered by the CUDA stream protocol, the one thing
+    `cupy.cuda.Stream.from_external` takes; it holds the framework's stream
+    object, so that the stream outlives the CuPy view of it."""
+
+    __slots__ = ("ptr", "owner")
+
+    def __init__(self, ptr: int, owner=None):
+        self.ptr, self.owner = ptr, owner
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+_FOREIGN_CLASSES: dict = {}
+
+
+def _foreign_stream(cp, ptr: int, device_id: int, owner=None):
+    """A CuPy view of the stream `ptr` another framework owns, on device
+    `device_id` (-1: unknown, used on the current device), that never destroys
+    it: `cupy.cuda.Stream.from_external` where CuPy has it (14 on), else the
+    `ExternalStream` of older CuPy.  from_external takes the device from the
+    current one (the protocol names none): the device asked for is set after."""
+    base = cp.cuda.Stream
+    if not hasattr(base, "from_external"):
+        return cp.cuda.ExternalStream(ptr, device_id)
+    cls = _FOREIGN_CLASSES.get(base)
+    if cls is None:
+        class ForeignStream(base):
+            """A view of a stream another framework owns: unlike a CuPy
+            Stream, it destroys no handle when it goes (as ExternalStream)."""
+
+            def __del__(self):
+                pass
+
+        cls = _FOREIGN_CLASSES[base] = ForeignStream
+    view = cls.from_external(_StreamHandle(ptr, owner))
+    view.device_id = device_id
+    return view
 
 
 def gather_pages(region: Region, ids: np.ndarray) -> np.ndarray:

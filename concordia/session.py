@@ -78,6 +78,9 @@ from concordia.retention import Retention
 
 DEFAULT_SIZE = 256 << 20
 STAGING = ("auto", "mapped", "ring", "host")
+#: how many checkpoints' statistics `Session.checkpoints` keeps (the newest); a
+#: long run's memory stays flat, and `Session.checkpoint_totals` counts them all
+CHECKPOINTS_KEPT = 256
 
 
 class CheckpointStats:
@@ -179,6 +182,21 @@ class CheckpointStats:
 
 
 @dataclasses.dataclass
+class CheckpointTotals:
+    """Every checkpoint of a session, summed (`Session.checkpoint_totals`):
+    how many, payload bytes and record bytes written."""
+
+    count: int = 0
+    bytes: int = 0
+    log_bytes: int = 0
+
+    def add(self, stats: CheckpointStats) -> None:
+        self.count += 1
+        self.bytes += stats.bytes
+        self.log_bytes += stats.log_bytes
+
+
+@dataclasses.dataclass
 class RecoveryStats:
     epoch: int
     plan_ms: float
@@ -252,7 +270,10 @@ class Session:
         # epochs this session has tried; the appender knows those any writer
         # of the log has (a failed checkpoint's records stay in the log)
         self._next_epoch = self.epoch + 1
-        self.checkpoints: list[CheckpointStats] = []
+        #: the newest CHECKPOINTS_KEPT checkpoints' statistics, oldest first (a bounded
+        #: deque, not the whole history: the totals are in checkpoint_totals)
+        self.checkpoints: collections.deque[CheckpointStats] = collections.deque(maxlen=CHECKPOINTS_KEPT)
+        self.checkpoint_totals = CheckpointTotals()
         self.last_recovery: RecoveryStats | None = None
         #: automatic bases and compaction under the policy (concordia.retention)
         self.retention = Retention(self, self.policy)
@@ -541,6 +562,7 @@ class Session:
                                 detect_s * 1e3, stage_s * 1e3, commit_s * 1e3, via, reads)
         self.paths.update(via.values())
         self.checkpoints.append(stats)
+        self.checkpoint_totals.add(stats)
         self.retention.after_commit(stats)  # bases and compaction, one bounded slice
         return stats
 
@@ -565,6 +587,7 @@ class Session:
                                           got.detect_s * 1e3, got.stage_s * 1e3, commit_s * 1e3, got.device_reads)
         self.paths[table.label] += len(names)
         self.checkpoints.append(stats)
+        self.checkpoint_totals.add(stats)
         self.retention.after_commit(stats)  # bases and compaction, one bounded slice
         return stats
 

@@ -161,7 +161,8 @@ def standby(log, device, gpu, lease_s, model, resume, timeout, hold, as_json):
     epoch and hand it to --resume.  Prints the timeline (detect, isolate,
     restore, reintegrate).  A log no process holds is taken over at once.
 
-    Exit 0 after a takeover; 2 on a usage or I/O error, or --timeout.
+    Exit 0 after a takeover; 1 when recovery of the log refuses (damage
+    before its last commit); 2 on a usage or I/O error, or --timeout.
 
     Example:
 

@@ -262,6 +262,7 @@ def recover_cmd(log, show_plan, epoch, mode, sources, check_pages, as_json):
     \b
         concordia-wal recover file:./concordia-data/demo.log --plan
         concordia-wal recover file:./concordia-data/demo.log --plan --epoch 2 --json
+        concordia-wal recover file:./concordia-data/demo.log --plan --no-check-pages --sources
     """
     if not show_plan:
         raise click.UsageError("recover only plans here: add --plan (restore writes a region to .npy; "

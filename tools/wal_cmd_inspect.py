@@ -329,6 +329,7 @@ def info_cmd(log, as_json, headers_hex, stats):
 
     \b
         concordia-wal info file:./concordia-data/demo.log --stats
+        concordia-wal info file:./concordia-data/demo.log -x
     """
     vol = open_volume(log)
     try:
@@ -516,7 +517,7 @@ def _follow(log, start, end, region, typ, epoch, limit, as_json, interval) -> No
             for it in items:
                 Where.at = it[1].where(it[2])
                 lsn = it[1].lsn(it[2])
-                if it[0] == REC and it[3][1] == F.REC_REGION:
+                if it[0] == REC and it.header.type == F.REC_REGION:
                     names.update(region_names(vol, [it]))
                 if end is not None and lsn >= end:
                     return

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from concordia.wal import format as F
+from concordia.wal.errors import CorruptionError
 from concordia.wal.reader import Damaged, Found, Scanner, record_kind
 
 from .common import Where
@@ -105,7 +106,7 @@ def _desc(vol, h, off: int) -> str:
         if kind == F.REC_PAGE_BATCH:
             return "base" if h.flags & F.FLAG_BASE else ""
         if kind == F.REC_COMMIT:
-            c = F.decode_commit_body(body, F.RecordHeader(*F._unpack_header(mv, off)))
+            c = F.decode_commit_body(body, h)
             return (f"commit records={c.record_count} bytes={c.record_bytes} digests={len(c.digests)} "
                     f"prev=0x{c.prev_commit_lsn:x}")
         if kind == F.REC_REGION:
@@ -153,13 +154,16 @@ def record_dict(vol, it, names: dict, tail: bool) -> dict:
     }
     # the header may be intact and only the body bad: show what it says
     mv = vol.backend.view
-    if off >= seg.offset + F.SEGMENT_HEADER_SIZE and off + 64 <= vol.backend.size \
-            and F.check_record_header_bytes(mv, off) is None:
-        h = F.RecordHeader(*F._unpack_header(mv, off))
-        if h.lsn == lsn:
-            d.update(type=type_name(h.type), type_code=h.type, flags=h.flags, base=bool(h.flags & F.FLAG_BASE),
-                     epoch=h.epoch, **_region_fields(h, names),
-                     pages=h.count if h.type == F.REC_PAGE_BATCH else 0, page_bytes=h.page_bytes)
+    h = None
+    if off >= seg.offset + F.SEGMENT_HEADER_SIZE:
+        try:
+            h = F.decode_record_header(mv, off)  # past the mapping's end: refused as damaged
+        except CorruptionError:
+            pass  # the header is damaged too: nothing it says is shown
+    if h is not None and h.lsn == lsn:
+        d.update(type=type_name(h.type), type_code=h.type, flags=h.flags, base=bool(h.flags & F.FLAG_BASE),
+                 epoch=h.epoch, **_region_fields(h, names),
+                 pages=h.count if h.type == F.REC_PAGE_BATCH else 0, page_bytes=h.page_bytes)
     return d
 
 

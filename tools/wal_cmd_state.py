@@ -238,8 +238,10 @@ def snapshot_create(log, regions, epoch):
 @click.option("--mode", type=click.Choice(MODES),
               default="tolerate-tail", show_default=True, help="Recovery mode.")
 @click.option("--force", is_flag=True, help="Overwrite --out when it exists.")
+@click.option("-v", "--verbose", is_flag=True,
+              help="On a refusal, list after its one line every problem that counts in the mode.")
 @guarded
-def restore_cmd(log, region, epoch, out, mode, force):
+def restore_cmd(log, region, epoch, out, mode, force, verbose):
     """Write one region's state at a committed epoch to a .npy file, every
     page checked against its CRC and the region against the digest its commit
     states.  Read-only on the log.  Shows a progress bar.  (Restoring into
@@ -250,20 +252,26 @@ def restore_cmd(log, region, epoch, out, mode, force):
     a failed restore leaves --out as it was.  --out naming the log itself
     is refused (exit 2).
 
+    A refusal is one line on stderr naming what and where (exit 1 for
+    damage, 2 for usage or I/O); -v adds a `problem` line for each damaged
+    range that counts in the mode (verify lists them all).
+
     Example:
 
     \b
         concordia-wal restore file:./concordia-data/demo.log --region kv --out kv.npy --force
+        concordia-wal restore file:./concordia-data/demo.log --region adapter --out adapter.npy --mode point-in-time -v
     """
     import numpy as np
 
+    from concordia.devmem.errors import OutputExistsError
     from concordia.devmem.outfile import check_not_input
     from concordia.wal.apply import restore_region_npy
     from concordia.wal.decide import counts, decide
     from concordia.wal.planner import scan
 
-    if os.path.exists(out) and not force:
-        raise click.UsageError(f"{out} exists; pass --force to overwrite it")
+    if os.path.exists(out) and not force:  # before the scan: refused at once, in one line
+        raise OutputExistsError("the output exists", where=out, hint="pass --force to overwrite it")
     m = mode_name(mode)
     vol = open_volume(log)
     try:
@@ -276,8 +284,9 @@ def restore_cmd(log, region, epoch, out, mode, force):
         if region not in names and h.result is not None and any(
                 counts(d.kind, m) for d in h.result.dropped):
             # the log is damaged: its descriptors may be what was lost (R-D8: exit 1, not usage)
-            click.echo(f"error: no region {region!r} readable in this damaged log "
+            click.echo(f"error: {vol.backend.where}: no region {region!r} readable in this damaged log "
                        f"(regions: {', '.join(sorted(names)) or 'none'}); run concordia-wal verify", err=True)
+            _list_problems(h.result.dropped, m, verbose)
             sys.exit(1)
         if region not in names:
             raise UsageError(f"no region {region!r} in this log (regions: {', '.join(sorted(names)) or 'none'})",
@@ -287,7 +296,8 @@ def restore_cmd(log, region, epoch, out, mode, force):
         p = decision.plan
         if p is None or region not in p.regions:
             why = decision.error or f"region {region!r} cannot be restored at any epoch"
-            click.echo(f"error: recovery {m} refuses: {why}", err=True)  # one line: verify lists the rest
+            click.echo(f"error: recovery {m} refuses: {why}", err=True)  # one line: -v or verify list the rest
+            _list_problems(decision.problems, m, verbose)
             sys.exit(decision.exit_code or 1)
         rp = p.regions[region]
         bar = Bar("restoring")
@@ -314,3 +324,13 @@ def restore_cmd(log, region, epoch, out, mode, force):
     if decision.exit_code and rp.epoch != decision.target_epoch:
         click.echo(f"partial  {region} restored at epoch {rp.epoch}, not {decision.target_epoch}", err=True)
     sys.exit(decision.exit_code)
+
+
+def _list_problems(dropped, mode: str, verbose: bool) -> None:
+    """restore -v: after a refusal's one line, the damaged ranges that count in `mode`."""
+    from concordia.wal.decide import counts
+
+    if verbose:
+        for d in dropped:
+            if counts(d.kind, mode):
+                click.echo(f"problem  {d}", err=True)

@@ -13,6 +13,7 @@ of a batch by `pagecrc` (many pages per call).
 
 from __future__ import annotations
 
+import operator
 import re
 import struct
 from typing import NamedTuple
@@ -384,20 +385,24 @@ def encode_record_header(**fields) -> bytes:
     return bytes(buf)
 
 
-def decode_record_header(buf, off: int = 0) -> RecordHeader:
-    """Decode the 64-byte header at buf[off:]; raises CorruptionError when the
-    header CRC (V-R2) or reserved bytes (V-R4) are wrong.  Placement checks
-    (length, LSN, salt) need the segment and are done by the reader."""
-    problem = check_record_header_bytes(buf, off)
-    if problem:
-        raise CorruptionError(problem, where=f"record @ 0x{off:x}")
-    return RecordHeader(*_unpack_header(buf, off))
+# RecordHeader's fields among RECORD_HEADER's: all but reserved0 (3) and reserved1 (12)
+_RECORD_HEADER_FIELDS = operator.itemgetter(0, 1, 2, 4, 5, 6, 7, 8, 9, 10, 11, 13)
+_new_tuple = tuple.__new__
 
 
-def _unpack_header(buf, off):
-    f = RECORD_HEADER.unpack_from(buf, off)
-    # drop reserved0 (index 3) and reserved1 (index 12)
-    return f[0], f[1], f[2], f[4], f[5], f[6], f[7], f[8], f[9], f[10], f[11], f[13]
+def decode_record_header(buf, off: int = 0, *, check: bool = True, where: str | None = None) -> RecordHeader:
+    """Decode the 64-byte header at buf[off:]; raises CorruptionError (at `where`,
+    default `record @ 0xOFF`) when it runs past the buffer or the header CRC (V-R2)
+    or reserved bytes (V-R4) are wrong.  Placement checks (length, LSN, salt) need
+    the segment and are done by the reader.  check=False reads the fields as they
+    stand, for a caller that checks them itself (the reader's walk tests placement
+    first) or holds a header a walk has checked; the one way to a RecordHeader."""
+    if check:
+        problem = check_record_header_bytes(buf, off)
+        if problem:
+            raise CorruptionError(problem, where=where or f"record @ 0x{off:x}")
+    # tuple.__new__ is RecordHeader._make without its frame and length check (the Struct fixes both)
+    return _new_tuple(RecordHeader, _RECORD_HEADER_FIELDS(RECORD_HEADER.unpack_from(buf, off)))
 
 
 def check_record_header_bytes(buf, off: int = 0) -> str | None:

@@ -750,8 +750,13 @@ def scan(log, *, payload: bool = True, check_pages: bool = False, progress=None,
         base = False
         reason = d.reason
         off = d.offset
-        if d.segment >= 0 and off + 64 <= arr.size and F.check_record_header_bytes(mv, off) is None:
-            h = F.RecordHeader(*F._unpack_header(mv, off))
+        h = None
+        if d.segment >= 0:
+            try:
+                h = F.decode_record_header(mv, off)  # past the mapping's end: refused too
+            except CorruptionError:
+                pass  # the header itself is damaged: nothing it says is believed
+        if h is not None:
             seg = next((sg for sg in res.segments if sg.index == d.segment), None)
             if seg is not None and h.lsn == seg.lsn(off) and off >= seg.offset + F.SEGMENT_HEADER_SIZE:
                 if h.type == F.REC_PAGE_BATCH:
@@ -776,8 +781,8 @@ def scan(log, *, payload: bool = True, check_pages: bool = False, progress=None,
         if d.tail or d.epoch is None or d.region_id is not None or "(V-C4)" not in d.reason:
             continue
         try:
-            info = F.decode_commit_body(mv[d.offset + 64:d.offset + 64 + int(F.RECORD_HEADER.unpack_from(mv, d.offset)[9])],
-                                        F.RecordHeader(*F._unpack_header(mv, d.offset)))
+            h = F.decode_record_header(mv, d.offset)
+            info = F.decode_commit_body(mv[d.offset + 64:d.offset + 64 + h.count], h)
         except CorruptionError:
             continue
         e, lo, hi = info.epoch, info.first_lsn, info.lsn

@@ -68,11 +68,10 @@ class Record:
     __slots__ = ("type", "flags", "region_id", "lsn", "epoch", "length", "segment", "offset",
                  "count", "page_bytes", "aux", "body_crc", "_backend")
 
-    def __init__(self, hdr: tuple, segment: int, offset: int, backend):
-        # hdr is the raw RECORD_HEADER tuple (reserved fields at 3 and 12)
-        self.length, self.type, self.flags, self.region_id = hdr[0], hdr[1], hdr[2], hdr[4]
-        self.lsn, self.epoch, self.body_crc = hdr[5], hdr[6], hdr[8]
-        self.count, self.page_bytes, self.aux = hdr[9], hdr[10], hdr[11]
+    def __init__(self, hdr: F.RecordHeader, segment: int, offset: int, backend):
+        self.length, self.type, self.flags, self.region_id = hdr.length, hdr.type, hdr.flags, hdr.region_id
+        self.lsn, self.epoch, self.body_crc = hdr.lsn, hdr.epoch, hdr.body_crc
+        self.count, self.page_bytes, self.aux = hdr.count, hdr.page_bytes, hdr.aux
         self.segment = segment
         self.offset = offset
         self._backend = backend
@@ -113,28 +112,8 @@ _REC = 0
 _DMG = 1
 
 
-class Header(NamedTuple):
-    """A record header as FORMAT.md §5.1 lays it out (`format.RECORD_HEADER`,
-    reserved words included)."""
-
-    length: int
-    type: int
-    flags: int
-    reserved0: int
-    region_id: int
-    lsn: int
-    epoch: int
-    salt: int
-    body_crc: int
-    count: int
-    page_bytes: int
-    aux: int
-    reserved1: int
-    header_crc: int
-
-    @property
-    def kind(self) -> int | None:
-        return record_kind(self.type)
+#: a walk's record header is the format's (FORMAT.md §5.1, reserved words passed over)
+Header = F.RecordHeader
 
 
 class Found(NamedTuple):
@@ -180,7 +159,7 @@ _KNOWN_FLAGS = {F.REC_PAGE_BATCH: F.FLAG_BASE, F.REC_COMMIT: F.FLAG_ONE_SYNC}
 
 
 def is_commit(it) -> bool:
-    return it[0] == _REC and it[3][1] == F.REC_COMMIT
+    return it[0] == _REC and it.header.type == F.REC_COMMIT
 
 #: a scan's progress callback is told at most this often (bytes walked)
 PROGRESS_STEP = 4 << 20
@@ -356,7 +335,7 @@ class Scanner:
             for k in np.flatnonzero(folded != actual):
                 idx, pos = items[k][0], items[k][1]
                 item = out[idx]
-                hdr = F.RecordHeader(*F._unpack_header(self.mv, pos))
+                hdr = item.header
                 problem = F.page_batch_problem(arr, hdr, pos, check_pages=True)
                 reason = ("page CRC table does not fold to the payload CRC" if problem is None
                           else (problem[0] if problem[1] == pos else f"{problem[0]} (at 0x{problem[1]:x})"))
@@ -369,7 +348,7 @@ class Scanner:
         end = min(seg_end, self.backend.size)  # a truncated volume reads as zero beyond its end
         base_rel = seg.base_lsn - seg.offset  # lsn = abs offset + base_rel
         salt = seg.salt
-        unpack = F.RECORD_HEADER.unpack_from
+        header_at = F.decode_record_header
         oldest = self.oldest
         pos = seg.offset + F.SEGMENT_HEADER_SIZE if start is None else start
         # progress: checked against one number per record, told every PROGRESS_STEP
@@ -378,7 +357,7 @@ class Scanner:
             if pos >= tick:
                 self._tell(self._done + pos - seg.offset)
                 tick = pos + PROGRESS_STEP
-            h = Header._make(unpack(mv, pos))
+            h = header_at(mv, pos, check=False)  # placement first, then check_record_header_bytes
             length = h.length
             if length == 0 or (h.lsn != pos + base_rel or h.salt != salt):
                 if length and _crc32c(mv[pos:pos + 60]) != h.header_crc:
@@ -422,7 +401,7 @@ class Scanner:
                 out.append(Damaged(_DMG, seg, pos, length, problem))
             else:
                 self.bytes_checked += length
-                if h.kind is None:
+                if record_kind(h.type) is None:
                     pos += length  # R-T1, R-T2: an unknown ignorable type, checked, is skipped
                     continue
                 if self.check_pages and h.type == F.REC_PAGE_BATCH:
@@ -438,8 +417,7 @@ class Scanner:
         if h.flags & ~_KNOWN_FLAGS.get(kind, 0) and kind != F.REC_PAD:
             return f"unknown record flags 0x{h.flags:02x} for type 0x{typ:02x} (R-F1)"
         if kind == F.REC_PAGE_BATCH:
-            hdr = F.RecordHeader(*F._unpack_header(self.mv, pos))
-            p = F.page_batch_problem(self.arr, hdr, pos, check_pages=False)  # pages: _check_pages
+            p = F.page_batch_problem(self.arr, h, pos, check_pages=False)  # pages: _check_pages
             return None if p is None else (p[0] if p[1] == pos else f"{p[0]} (at 0x{p[1]:x})")
         if kind == F.REC_PAD:
             return None
@@ -590,7 +568,7 @@ def recover(vol: Volume, mode: RecoveryMode = RecoveryMode.TOLERATE_TAIL,
         kind = rec.kind
         if kind == F.REC_COMMIT:
             try:
-                info = F.decode_commit_body(rec.body, F.RecordHeader(*F._unpack_header(backend.view, off)))
+                info = F.decode_commit_body(rec.body, it.header)
             except CorruptionError as exc:
                 problem = f"commit of epoch {rec.epoch}: {exc.message}"
                 info = None

@@ -148,10 +148,7 @@ def record_at(log, lsn: int):
         if seg.base_lsn <= lsn < seg.end_lsn:
             off = seg.offset + (lsn - seg.base_lsn)
             where = f"segment {seg.index} @ {off:#x}"
-            problem = F.check_record_header_bytes(vol.backend.view, off)
-            if problem:
-                raise CorruptionError(problem, where=where)
-            h = F.RecordHeader(*F._unpack_header(vol.backend.view, off))
+            h = F.decode_record_header(vol.backend.view, off, where=where)
             if h.lsn != lsn or h.salt != seg.salt:
                 raise CorruptionError(f"no record of lsn {lsn} here (found lsn {h.lsn})", where=where)
             return seg.index, off, h

@@ -174,7 +174,7 @@ def resume_main(args) -> int:
            "warm_ms": warm.ms if warm is not None else 0.0, "warm_wait_ms": warm_wait_ms,
            "warm_error": warm.error if warm is not None else None,
            "warm_steps": warm.steps if warm is not None else 0, "recompute_steps_ms": steps_ms,
-           "checkpoint_bytes": sum(c.bytes for c in s.checkpoints)})
+           "checkpoint_bytes": s.checkpoint_totals.bytes})
     return 0
 
 

@@ -286,10 +286,24 @@ def test_a_failed_restore_keeps_the_old_output_on_bad_data(log_path, workdir):
         f.seek(rec.offset + rec.length - 8)
         f.write(bytes([b[0] ^ 1]))
     res = run("restore", log_path, "--region", "kv", "--out", out, "--force", code=1)
-    # the refusal is the first line; the problems it found follow, one a line
-    assert res.stderr.startswith("error: ") and "Traceback" not in res.stderr
+    # the refusal is one line naming the damage and where; -v lists what counts after it
+    line = one_line(res)
+    assert "refuses: segment " in line and "page CRC mismatch" in line, line
     assert sha(out) == good and listing(workdir) == ["concordia-data", "kv.npy"]
     assert np.load(out).shape == (64, 1024)
+    res = run("restore", log_path, "--region", "kv", "--out", out, "--force", "-v", code=1)
+    first, *rest = res.stderr.splitlines()
+    assert first == line and rest and all(r.startswith("problem  segment ") for r in rest), res.stderr
+    assert any("page CRC mismatch" in r and "(corrupt, " in r for r in rest), rest
+    assert sha(out) == good and listing(workdir) == ["concordia-data", "kv.npy"]
+
+
+def test_restore_onto_an_existing_output_is_one_line(log_path, workdir):
+    out = workdir / "kv.npy"
+    out.write_bytes(b"old")
+    res = run("restore", log_path, "--region", "kv", "--out", out, code=2)
+    assert one_line(res) == f"error: {out}: the output exists (pass --force to overwrite it)"
+    assert out.read_bytes() == b"old" and not res.stdout
 
 
 def test_restore_onto_its_own_log_is_refused(log_path, workdir):
@@ -341,6 +355,24 @@ def test_bench_json_is_written_whole_or_not_at_all(tmpfs):
     with pytest.raises(DevmemError, match="No space left"):
         report({"a": "x" * (64 << 10)}, as_json=False, out=str(out), table=lambda d: "t")
     assert sha(out) == before and listing(tmpfs) == ["bench.json", "filler"]
+
+
+@pytest.mark.parametrize("bench", [
+    "standby",
+    pytest.param("model", marks=pytest.mark.slow),  # a tiny transformers model on the CPU, ~10 s
+])
+def test_bench_out_on_a_full_tmpfs_keeps_the_old_json(bench, tmpfs, tmp_path):
+    # the whole run, then --out refused in one line: the old file as it was, no temporary left
+    out = tmpfs / f"{bench}.json"
+    out.write_text('{"old": true}')
+    fill(tmpfs)
+    before = sha(out)
+    args = ["--dir", tmp_path] if bench == "model" else []
+    res = run("bench", bench, "--quick", *args, "--json", "--out", out, code=2, timeout=600)
+    # transformers draws its own loading bars on stderr before: the refusal is the last line, and one
+    err = one_line(res) if bench == "standby" else res.stderr.strip().splitlines()[-1]
+    assert err.startswith("error: ") and "No space left" in err and "Traceback" not in res.stderr
+    assert not res.stdout and sha(out) == before and listing(tmpfs) == sorted([f"{bench}.json", "filler"])
 
 
 def test_repair_backup_on_a_full_tmpfs(log_path, tmpfs):

@@ -17,6 +17,7 @@ import pytest
 
 from concordia import instrument
 from concordia.instrument import shim
+from concordia.regions import _foreign_stream
 
 pytestmark = pytest.mark.gpu
 
@@ -264,7 +265,7 @@ def test_pause_gate_holds_pytorch_stream_work(cp, gated):
     torch.cuda.synchronize()
     ts = torch.cuda.Stream()
     gate.close()
-    with torch.cuda.stream(ts), cp.cuda.ExternalStream(ts.cuda_stream):
+    with torch.cuda.stream(ts), _foreign_stream(cp, ts.cuda_stream, ts.device.index, ts):
         k(((n + 255) // 256,), (256,), (x, y, np.float32(1), np.int64(n)))
         ty.mul_(10)                    # a PyTorch kernel queued behind the held launch
     assert _wait(lambda: gate.arrived)

@@ -197,10 +197,24 @@ def test_a_second_session_on_the_log_does_not_reuse_a_failed_epoch(file_log):
     log.close()
 
 
-@pytest.mark.parametrize("text,words", [("steps=x", ["steps='x'", "not a number"]),
+@pytest.mark.parametrize("text,words", [("steps=x", ["steps='x'", "not a whole number"]),
+                                        ("ms=fast", ["ms='fast'", "not a number"]),
+                                        ("ms=inf", ["ms='inf'", "not a number"]),
                                         ("bytes=12Q", ["bytes='12Q'", "not a size"]),
-                                        ("every=3", ["unknown trigger 'every'"]),
-                                        ("steps=0", ["every_steps", "positive"])])
+                                        ("every=3", ["unknown field 'every'", "keep_epochs="]),
+                                        ("steps=0", ["every_steps", "positive"]),
+                                        ("steps=2,steps=3", ["steps= is given twice"]),
+                                        ("keep_epochs", ["keep_epochs has no value"]),
+                                        ("retain=maybe", ["retain='maybe'", "not on or off"]),
+                                        ("base_every_bytes=1.5", ["base_every_bytes='1.5'", "not a size"]),
+                                        ("base_every_bytes=0", ["base_every_bytes", "positive"]),
+                                        ("keep_epochs=2.5", ["keep_epochs='2.5'", "not a whole number"]),
+                                        ("keep_epochs=0", ["keep_epochs", "positive"]),
+                                        ("keep_seconds=-1", ["keep_seconds", "positive"]),
+                                        ("keep_seconds=soon", ["keep_seconds='soon'", "not a number"]),
+                                        ("slice_bytes=-4K", ["slice_bytes='-4K'", "not a size"]),
+                                        ("slice_bytes=0", ["slice_bytes", "positive"]),
+                                        ("retain=none", ["retain='none'", "not on or off"])])
 def test_a_bad_policy_is_one_line(text, words):
     from concordia.policy import Policy
 
@@ -208,6 +222,17 @@ def test_a_bad_policy_is_one_line(text, words):
         Policy.parse(text)
     one_line(ei.value, "policy", *words)
     assert Policy.parse("steps=4, bytes=64M") == Policy(every_steps=4, every_bytes=64 << 20)
+
+
+def test_policy_text_sets_the_retention_fields():
+    from concordia.policy import Policy
+
+    p = Policy.parse("steps=8, base_every_bytes=16M, keep_epochs=12, keep_seconds=30.5, slice_bytes=256K")
+    assert p == Policy(every_steps=8, base_every_bytes=16 << 20, keep_epochs=12, keep_seconds=30.5,
+                       slice_bytes=256 << 10)
+    assert Policy.parse("retain=off") == Policy(retain=False)
+    assert Policy.parse("retain=on, keep_epochs=none") == Policy(retain=True, keep_epochs=None)
+    assert Policy.parse("") == Policy() and Policy.parse("").keep_epochs == 64  # the constructor's defaults
 
 
 @pytest.mark.skipif(importlib.util.find_spec("cupy") is not None,

@@ -26,7 +26,7 @@ def _epoch(log, e, pages=8):
 
 
 def _kinds(items):
-    return [("rec", F.TYPE_NAMES[it[3][1] & F.TYPE_MASK], it[3][6]) if it[0] == 0 else ("dmg",) for it in items]
+    return [("rec", F.TYPE_NAMES[it.header.type & F.TYPE_MASK], it.header.epoch) if it[0] == 0 else ("dmg",) for it in items]
 
 
 @pytest.fixture
@@ -164,5 +164,5 @@ def test_a_writer_reopening_the_log_cuts_what_the_follower_showed_after_the_last
     got = f.poll()
     assert f.cuts == 1 and f.cut_at > end1
     assert _kinds(got) == [("rec", "page_batch", 2), ("rec", "commit", 2)]
-    assert got[0][3][9] == 1  # the new writer's one-page batch, not the dead writer's four
+    assert got[0].header.count == 1  # the new writer's one-page batch, not the dead writer's four
     reader.close()

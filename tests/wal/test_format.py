@@ -273,3 +273,21 @@ def test_counted_in_epoch():
     assert not F.counted_in_epoch(F.REC_PAGE_BATCH, F.FLAG_BASE)
     for t in (F.REC_COMMIT, F.REC_REGION, F.REC_CATALOG, F.REC_SNAPSHOT, F.REC_PAD | F.TYPE_IGNORABLE):
         assert not F.counted_in_epoch(t, 0)
+
+
+def test_record_header_decoded_checked_or_as_it_stands():
+    from concordia.wal.reader import Header
+
+    assert Header is F.RecordHeader  # a walk's header is the format's, not a second layout
+    raw = bytearray(F.encode_record_header(length=128, type=F.REC_COMMIT, lsn=0x40, epoch=3, region_id=7,
+                                           salt=9, body_crc=0x55, count=48, page_bytes=0, aux=0x11))
+    h = F.decode_record_header(raw)
+    assert (h.length, h.type, h.region_id, h.lsn, h.epoch, h.salt, h.count, h.aux) == (128, F.REC_COMMIT, 7, 0x40,
+                                                                                       3, 9, 48, 0x11)
+    assert h == F.decode_record_header(raw, check=False)
+    raw[F.OFF_EPOCH] ^= 1  # the header CRC no longer covers it
+    with pytest.raises(CorruptionError, match=r"^segment 2 @ 0x1040: record header CRC mismatch"):
+        F.decode_record_header(raw, where="segment 2 @ 0x1040")
+    assert F.decode_record_header(raw, check=False).epoch == 2  # as it stands, for a caller that checks itself
+    with pytest.raises(CorruptionError, match="runs past the end"):
+        F.decode_record_header(raw, 32)

@@ -31,7 +31,7 @@ import uuid
 
 import click
 
-from ..common import emit_json, guarded, remove_log_file
+from ..common import guarded, remove_log_file, report
 
 PAPER_CKPT_MS = 18.9  # per checkpoint, Qwen3-0.6B, in the paper this project follows
 
@@ -311,12 +311,4 @@ def command(contexts, batch, decode_steps, decode_prompt, chunk, tier, workdir, 
         if own:
             shutil.rmtree(workdir, ignore_errors=True)
     res["tier"] = tier
-    if out:
-        import json
-
-        with open(out, "w") as f:
-            json.dump(res, f, indent=2)
-    if as_json:
-        emit_json(res)
-    else:
-        click.echo(_table(res))
+    report(res, as_json=as_json, out=out, table=_table)  # --out complete or absent

@@ -35,7 +35,7 @@ import uuid
 import click
 import numpy as np
 
-from ..common import emit_json, guarded, remove_log_file
+from ..common import guarded, remove_log_file, report
 
 GIB = 1 << 30
 PAGE_BYTES = 64 << 10
@@ -252,10 +252,4 @@ def command(gib, tier, quick, as_json, out):
         gib, tier, device = 8 / 1024, "shm", "cpu"
     nbytes = max(PAGE_BYTES, int(gib * GIB) // PAGE_BYTES * PAGE_BYTES)
     res = run(nbytes, tier, device)
-    if out:
-        with open(out, "w") as f:
-            json.dump(res, f, indent=2)
-    if as_json:
-        emit_json(res)
-    else:
-        click.echo(_table(res))
+    report(res, as_json=as_json, out=out, table=_table)  # --out complete or absent
