@@ -69,6 +69,9 @@ class CpuExecutor:
         self._abort = threading.Event()
         self.errors: list[str] = []    # handler exceptions, one line each
         self.instances = 0
+        #: called on the consumer's thread whenever it finds no task (a device-side
+        #: trigger: `resident.Triggers.poll`); returns True when it did work
+        self.on_idle = None
 
     # -- consumer interface (see host.py) ---------------------------------------
 
@@ -115,6 +118,11 @@ class CpuExecutor:
                 return
             k = ring.available(n, self.max_batch)
             if k == 0:
+                hook = self.on_idle
+                if hook is not None and hook():  # a trigger of the consumer's own ran an epoch
+                    idle_since = time.monotonic()
+                    spins = 0
+                    continue
                 spins += 1
                 if spins > 64:
                     time.sleep(0 if spins < 512 else min(1e-3, 1e-6 * (spins - 511)))
