@@ -451,10 +451,11 @@ class ResidentExecutor:
         return tr
 
     def disarm(self) -> None:
-        with self.lock:
-            tr, self.trigger_ = self.trigger_, None
+        """Stop the trigger (it stays in `trigger_`, with what it fired)."""
+        tr = self.trigger_
         if tr is not None:
-            tr.armed = False
+            with self.lock:   # not in the middle of one of its epochs
+                tr.armed = False
         c = self.consumer
         if c is not None:
             c.idle_exit_s = self.idle_exit_s
