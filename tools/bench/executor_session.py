@@ -198,7 +198,7 @@ def _residency_in_session(cp, quick: bool, log: str) -> dict:
     child = gpu.ExecutorModule(child=True).load()
     bench = kernels.load_bench_kernels()
     ws = cp.cuda.Stream(non_blocking=True)
-    workloads = bx._workloads(cp, ws, quick)
+    workloads = bx.workloads(cp, ws, quick)
     for w in workloads.values():
         w()
     ws.synchronize()
@@ -213,7 +213,7 @@ def _residency_in_session(cp, quick: bool, log: str) -> dict:
             s.checkpoint()
             state[123] = 1
             s.checkpoint()
-            got = bx._residency(cp, gpu, bench, ws, workloads, gring, sub, flag, quick)
+            got = bx.residency(cp, gpu, bench, ws, workloads, gring, sub, flag, quick)
             got["session"] = {"epoch": s.epoch, "executor": s.executor_info}
             return got
     except Exception as exc:  # recorded; the rest of the run stands
