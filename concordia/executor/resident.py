@@ -290,9 +290,14 @@ class ResidentExecutor:
         the function's exception is raised here, on the caller's thread."""
         self._check_open()
         tag = next(self._tags)
-        self._calls[tag] = (fn, args, kw)
+        done = threading.Event()
+        self._calls[tag] = (fn, args, kw, done)
         try:
             seq = self.submitter.submit(op, tag=tag, args=(tag,), timeout=60.0)
+            # blocked off the GIL until the handler has run (the consumer is a Python
+            # thread: a polling waiter would take the GIL from it), then the completion
+            while not done.wait(1.0):
+                self.submitter._check_progress(None, f"task {seq}")
             c = self.submitter.wait(seq, timeout=None)
         except BaseException:
             self._calls.pop(tag, None)
@@ -342,7 +347,7 @@ class ResidentExecutor:
         call = self._calls.pop(tag, None)
         if call is None:
             return Result(Status.BAD_ARGS)
-        fn, args, kw = call
+        fn, args, kw, done = call
         self._local.inside = True
         try:
             with self.lock:
@@ -352,6 +357,7 @@ class ResidentExecutor:
             return Result(Status.OK)
         finally:
             self._local.inside = False
+            done.set()
         return Result(Status.OK, *self._completion(self._results[tag]))
 
     @staticmethod
