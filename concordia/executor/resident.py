@@ -57,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import queue
+import sys
 import threading
 import time
 
@@ -209,6 +210,7 @@ class Trigger:
         self.fired: list[tuple[int, int]] = []
         self.errors: list[str] = []
         self.armed = True
+        self.streams: list = []   # the arming thread's device and streams (resident.caller_streams)
 
     @property
     def label(self) -> str:
@@ -291,7 +293,7 @@ class ResidentExecutor:
         self._check_open()
         tag = next(self._tags)
         done = threading.Event()
-        self._calls[tag] = (fn, args, kw, done)
+        self._calls[tag] = (fn, args, kw, done, caller_streams())
         try:
             seq = self.submitter.submit(op, tag=tag, args=(tag,), timeout=60.0)
             # blocked off the GIL until the handler has run (the consumer is a Python
@@ -347,10 +349,10 @@ class ResidentExecutor:
         call = self._calls.pop(tag, None)
         if call is None:
             return Result(Status.BAD_ARGS)
-        fn, args, kw, done = call
+        fn, args, kw, done, streams = call
         self._local.inside = True
         try:
-            with self.lock:
+            with self.lock, as_caller(streams):
                 self._results[tag] = inner(fn, args, kw)
         except BaseException as exc:  # raised again on the caller's thread
             self._results[tag] = exc
@@ -450,6 +452,7 @@ class ResidentExecutor:
         if not self.session._regions:
             raise SessionError("a trigger needs a registered region", where="trigger")
         tr = Trigger(every, StepCounter() if counter is None else counter, gate)
+        tr.streams = caller_streams()   # the epochs order against the streams current here
         with self.lock:
             self.trigger_ = tr
         self.consumer.idle_exit_s = None   # stays resident to watch the counter
@@ -481,7 +484,7 @@ class ResidentExecutor:
                 count = tr.counter.read()    # the gate is closed: no step moves it now
                 self._local.inside = True
                 try:
-                    with self.lock:
+                    with self.lock, as_caller(tr.streams):
                         stats = self._epoch(tr.label)
                 finally:
                     self._local.inside = False
@@ -517,13 +520,44 @@ class ResidentExecutor:
             return
         self.disarm()
         try:
-            if self.consumer.is_resident() or self.ring.pending():
-                self.submitter.stop(timeout)
+            self.submitter.stop(timeout)
+        except ExecutorError:   # a consumer that does not stop is made to leave
+            self.consumer.abort(timeout)
         finally:
             self._closed = True
             if self._committer is not None:
                 self._commits.put(None)
                 self._committer.join(timeout)
+
+
+def caller_streams() -> list:
+    """What a checkpoint on the host path would order against, as the calling
+    thread sees it: CuPy's current device and stream, PyTorch's current stream
+    (each thread has its own).  Factories of context managers that make them
+    current on the consumer's thread (`as_caller`); empty where neither is in use."""
+    out = []
+    cp = sys.modules.get("cupy")
+    if cp is not None:
+        try:
+            dev, stream = cp.cuda.Device().id, cp.cuda.get_current_stream()
+            out += [lambda: cp.cuda.Device(dev), lambda: stream]
+        except Exception:  # CuPy without a device: host regions only
+            out = []
+    torch = sys.modules.get("torch")
+    if torch is not None and getattr(torch, "cuda", None) is not None and torch.cuda.is_initialized():
+        ts = torch.cuda.current_stream()
+        out.append(lambda: torch.cuda.stream(ts))
+    return out
+
+
+def as_caller(streams):
+    """Enter the caller's device and streams (`caller_streams`) on this thread."""
+    if not streams:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for make in streams:
+        stack.enter_context(make())
+    return stack
 
 
 class _KindTask:

@@ -346,3 +346,16 @@ def test_a_cupy_session_checkpoints_through_the_resident_executor(shm_log):
         st = s.checkpoint()
         assert st.executor == "resident" and st.pages["a"] == 1
         assert int(s.recover()["a"][12345]) == 7
+
+
+def test_torch_cpu_tensors_go_through_the_resident_executor(file_log):
+    torch = pytest.importorskip("torch")
+    t = torch.zeros(8192, dtype=torch.bfloat16)
+    with new_session(file_log, executor="resident") as s:
+        s.register("t", t)
+        s.checkpoint()
+        t[5000] = 2.5
+        st = s.checkpoint()
+        assert st.executor == "resident" and st.pages == {"t": 1}
+        got = s.recover()["t"]
+        assert got.dtype == torch.bfloat16 and torch.equal(got, t)
