@@ -81,6 +81,12 @@ AUTO_WHY = ("no measured win of the resident path is recorded: the H200 run of `
 #: op codes of the per-kind handlers: KIND_OP_BASE + the kind's index in regions.KINDS
 KIND_OP_BASE = 0x100
 
+#: longest wait between two polls of the ring by an idle consumer: with a
+#: trigger armed (its counter is polled as often), and without one (a submit
+#: wakes the consumer at once)
+TRIGGER_POLL_S = 1e-3
+IDLE_WAIT_S = 0.05
+
 #: how long a wait on the consumer may see no task complete (a base of many GiB
 #: is one task): the watchdog's deadline
 STALL_DEADLINE_S = 600.0
@@ -221,9 +227,10 @@ class ResidentExecutor:
     """The consumer, ring and submitter behind one Session (module docstring).
 
     idle_exit_s: the consumer thread leaves after this long without work (the
-    next submit relaunches it), except while a trigger is armed."""
+    next submit relaunches it), except while a trigger is armed.  Idle, it
+    waits on an event the submit sets, so a checkpoint is taken up at once."""
 
-    def __init__(self, session, *, capacity: int = 64, idle_exit_s: float = 0.05):
+    def __init__(self, session, *, capacity: int = 64, idle_exit_s: float = 2.0):
         self.session = session
         self.commit_by = commit_by(session.log.backend)
         self.idle_exit_s = idle_exit_s
@@ -239,9 +246,13 @@ class ResidentExecutor:
         self.trigger_: Trigger | None = None
         self._committer: threading.Thread | None = None
         self._commits: queue.Queue | None = None
+        self._wake = threading.Event()
         self.ring = Ring.allocate(capacity, where="session ring")
         self.submitter = Submitter(self.ring, self._consumer(self._kinds_of(session)),
                                    stall_deadline_s=STALL_DEADLINE_S)
+        # the caller blocks on its task's event right after publishing, so it never
+        # holds the GIL long enough to need the Submitter's periodic sleep
+        self.submitter.fair_every_s = float("inf")
         self.kinds = self._kinds_of(session)
         self._closed = False
 
@@ -256,8 +267,14 @@ class ResidentExecutor:
         for k in kinds:
             table.register(kind_op(k), self._kind_handler(k))
         tr = self.trigger_
-        c = CpuExecutor(self.ring, table, idle_exit_s=None if tr is not None and tr.armed else self.idle_exit_s)
+        armed = tr is not None and tr.armed
+        c = CpuExecutor(self.ring, table, idle_exit_s=None if armed else self.idle_exit_s)
         c.on_idle = self.poll
+        c.wake = self._wake
+        c.idle_spins = 0   # the caller waits for the GIL to read its result: yield it at once
+        # idle, the consumer waits on `wake` between polls: briefly while a trigger
+        # needs its counter polled, else long (the host's submit wakes it)
+        c.idle_wait_max_s = TRIGGER_POLL_S if armed else IDLE_WAIT_S
         return c
 
     def _kind_handler(self, kind: str):
@@ -296,6 +313,7 @@ class ResidentExecutor:
         self._calls[tag] = (fn, args, kw, done, caller_streams())
         try:
             seq = self.submitter.submit(op, tag=tag, args=(tag,), timeout=60.0)
+            self._wake.set()
             # blocked off the GIL until the handler has run (the consumer is a Python
             # thread: a polling waiter would take the GIL from it), then the completion
             while not done.wait(1.0):
@@ -455,7 +473,9 @@ class ResidentExecutor:
         tr.streams = caller_streams()   # the epochs order against the streams current here
         with self.lock:
             self.trigger_ = tr
-        self.consumer.idle_exit_s = None   # stays resident to watch the counter
+        c = self.consumer
+        c.idle_exit_s = None               # stays resident to watch the counter
+        c.idle_wait_max_s = TRIGGER_POLL_S
         self.submitter.call(Op.PING)       # and is running now
         return tr
 
@@ -468,6 +488,7 @@ class ResidentExecutor:
         c = self.consumer
         if c is not None:
             c.idle_exit_s = self.idle_exit_s
+            c.idle_wait_max_s = IDLE_WAIT_S
 
     def poll(self) -> bool:
         """On the consumer, between tasks: take the epoch a trigger is due for."""
