@@ -248,8 +248,8 @@ class ResidentExecutor:
         self._commits: queue.Queue | None = None
         self._wake = threading.Event()
         self.ring = Ring.allocate(capacity, where="session ring")
-        self.submitter = Submitter(self.ring, self._consumer(self._kinds_of(session)),
-                                   stall_deadline_s=STALL_DEADLINE_S)
+        self.submitter = _WakingSubmitter(self.ring, self._consumer(self._kinds_of(session)),
+                                          stall_deadline_s=STALL_DEADLINE_S, wake=self._wake)
         # the caller blocks on its task's event right after publishing, so it never
         # holds the GIL long enough to need the Submitter's periodic sleep
         self.submitter.fair_every_s = float("inf")
@@ -313,7 +313,6 @@ class ResidentExecutor:
         self._calls[tag] = (fn, args, kw, done, caller_streams())
         try:
             seq = self.submitter.submit(op, tag=tag, args=(tag,), timeout=60.0)
-            self._wake.set()
             # blocked off the GIL until the handler has run (the consumer is a Python
             # thread: a polling waiter would take the GIL from it), then the completion
             while not done.wait(1.0):
@@ -579,6 +578,19 @@ def as_caller(streams):
     for make in streams:
         stack.enter_context(make())
     return stack
+
+
+class _WakingSubmitter(Submitter):
+    """A Submitter that wakes the idle consumer after every publish (tasks,
+    QUIESCE of a swap, STOP): the consumer waits on `wake` between polls."""
+
+    def __init__(self, *args, wake: threading.Event, **kw):
+        self._wake_event = wake
+        super().__init__(*args, **kw)
+
+    def _after_publish(self) -> None:
+        super()._after_publish()
+        self._wake_event.set()
 
 
 class _KindTask:
