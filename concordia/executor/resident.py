@@ -38,7 +38,8 @@ Device-side triggers (`Triggers`).  A trigger checkpoints every N counts of a
 counter the consumer polls between tasks: the launches of instrumented kernels
 (`LaunchCounter`, the exit-hook counters `__concordia_epochs` of
 `concordia.instrument`) or decode steps (`StepCounter`, a word the producer
-bumps once per step).  The consumer closes the pause gate (a `PauseGate`, or
+bumps once per step; `DeviceStepCounter`, the same counted on the device in
+the producer's stream order).  The consumer closes the pause gate (a `PauseGate`, or
 an `instrument.Gate` on the GPU) so that the epoch is taken between two steps,
 runs the epoch, opens the gate: no call from the caller's thread.
 
@@ -176,6 +177,34 @@ class StepCounter:
 
     def read(self) -> int:
         return int(self.word[0])
+
+
+class DeviceStepCounter:
+    """Decode steps counted on the device: a u64 device array that `add()`
+    raises on the caller's current stream (so it counts in the producer's
+    stream order, when the step has run, not when it was queued), read by the
+    consumer on a non-blocking stream of its own (the value the device holds
+    now, queued work not waited for).  Register `word` as a region (e.g.
+    `session.register("steps", counter.word, page_bytes=64)`) and every epoch
+    records the step it captured.  Needs CuPy and a device."""
+
+    kind = "device-steps"
+
+    def __init__(self):
+        from concordia.instrument import runtime
+
+        cp = runtime._cupy()
+        self._cp = cp
+        self.word = cp.zeros(1, cp.uint64)
+        self._stream = cp.cuda.Stream(non_blocking=True)
+
+    def add(self, n: int = 1) -> None:
+        self.word += self._cp.uint64(n)
+
+    def read(self) -> int:
+        out = self.word.get(stream=self._stream)
+        self._stream.synchronize()
+        return int(out[0])
 
 
 class LaunchCounter:

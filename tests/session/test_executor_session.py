@@ -359,3 +359,38 @@ def test_torch_cpu_tensors_go_through_the_resident_executor(file_log):
         assert st.executor == "resident" and st.pages == {"t": 1}
         got = s.recover()["t"]
         assert got.dtype == torch.bfloat16 and torch.equal(got, t)
+
+
+@pytest.mark.gpu
+def test_device_counted_steps_trigger_epochs_that_each_hold_the_step_they_record(shm_log):
+    """Steps queued on the device and counted there (DeviceStepCounter); the
+    caller spins in pure Python meanwhile.  The consumer's epochs run in the
+    caller's stream order, so each one holds the state of the step count it
+    captured (registered beside the state): consistent without a gate."""
+    import cupy as cp
+    from concordia.executor.resident import DeviceStepCounter
+
+    counter = DeviceStepCounter()
+    a = cp.zeros((32, 1024), cp.uint32)
+    x = cp.ones((4096, 4096), cp.float16)
+    with new_session(shm_log, executor="resident") as s:
+        s.register("a", a)
+        s.register("steps", counter.word, page_bytes=64)
+        s.checkpoint()
+        tr = s.resident.trigger(every=8, counter=counter)
+        for k in range(1, 201):                 # queued: the device runs them while the caller spins
+            a[(k * 7) % 32, k % 1024] = k
+            x @ x                               # the step's device time
+            counter.add()
+        end = time.perf_counter() + 0.2
+        while time.perf_counter() < end:        # pure Python
+            pass
+        cp.cuda.get_current_stream().synchronize()
+        wait_for_epochs(s.resident, 1, 10.0)
+        s.resident.disarm()
+        assert not tr.errors, tr.errors
+        assert tr.fired
+        for epoch, _ in tr.fired:
+            got = s.recover(epoch)
+            k = int(np.asarray(got["steps"])[0])
+            np.testing.assert_array_equal(np.asarray(got["a"]), _step_state(k), err_msg=f"epoch {epoch}")
