@@ -1,7 +1,10 @@
 """`concordia-wal bench executor-session`: the resident executor driving a
 Session, against the host path, through the public entry points.
 
-  stall     a producer ("the device") runs decode steps inside the pause gate
+  stall     (on a GPU, `"stall"` is `device_steps`: 300 decode steps queued on
+            the device and counted there, `DeviceStepCounter`, while the caller
+            busy-loops in pure Python for 200 ms; the rows below also run)
+            a producer ("the device") runs decode steps inside the pause gate
             and counts them; the session's trigger checkpoints every N steps
             from the consumer; the caller's thread stalls for 200 ms.  Epochs
             committed during the stall, and whether every one of them
@@ -110,6 +113,53 @@ def run_stall(kind: str, every: int, log: str) -> dict:
                 "commit_by": s.resident.commit_by}
 
 
+def run_stall_device(cp, every: int, log: str, quick: bool) -> dict:
+    """The GPU's stall: decode steps queued on the device and counted there
+    (`DeviceStepCounter`, registered beside the state), the caller's thread in
+    a 200 ms pure-Python busy loop; epochs the trigger committed during it,
+    each recovered and compared with the state of the step it holds."""
+    from concordia import Session
+    from concordia.executor.resident import DeviceStepCounter
+
+    counter = DeviceStepCounter()
+    a = cp.zeros((32, 1024), cp.uint32)
+    n = 4096 if quick else 8192
+    x = cp.ones((n, n), cp.float16)
+    x @ x
+    cp.cuda.get_current_stream().synchronize()
+    with Session(log, overwrite=True, size=64 * MiB, segment_size=4 * MiB, executor="resident") as s:
+        s.register("a", a)
+        s.register("steps", counter.word, page_bytes=64)
+        s.checkpoint()
+        tr = s.resident.trigger(every=every, counter=counter)
+        t0 = time.perf_counter()
+        for k in range(1, 301):                 # queued: the device runs them during the stall
+            a[(k * 7) % 32, k % 1024] = k
+            x @ x
+            counter.add()
+        queued_s = time.perf_counter() - t0
+        before = len(tr.fired)
+        t1 = time.perf_counter()
+        _stall("python_busy_loop", STALL_S)
+        stalled_s = time.perf_counter() - t1
+        during = len(tr.fired) - before
+        steps_at_end = counter.read()
+        cp.cuda.get_current_stream().synchronize()
+        time.sleep(0.05)
+        s.resident.disarm()
+        fired = list(tr.fired)
+        identical = True
+        for epoch, _ in fired[-3:]:
+            got = s.recover(epoch)
+            k = int(np.asarray(got["steps"])[0])
+            identical &= bool(np.array_equal(np.asarray(got["a"]), _state_at(k)))
+        return {"stall": "python_busy_loop", "stall_s": round(stalled_s, 4), "every_steps": every,
+                "producer": f"300 steps queued on the device ({n}^3 fp16 GEMM each), counted there",
+                "queued_s": round(queued_s, 4), "epochs_committed": during, "steps_by_stall_end": steps_at_end,
+                "recovered_identical": bool(identical and fired), "recovered_checked": len(fired[-3:]),
+                "errors": tr.errors, "commit_by": s.resident.commit_by}
+
+
 def _checkpoint_ms(log: str, n: int, reps: int, xp, executor: str, staging: str) -> dict:
     """Median `Session.checkpoint()` of `n` regions of 16 pages, one page of each dirtied."""
     from concordia import Session
@@ -159,7 +209,12 @@ def run(on_gpu: bool, quick: bool, counts: list[int]) -> dict:
         stalls = {k: run_stall(k, every, log) for k in ("time.sleep", "python_busy_loop")}
     finally:
         remove_log_file(log)
-    doc["stall"] = stalls["python_busy_loop"]
+    if on_gpu:
+        try:
+            stalls["device_steps"] = run_stall_device(xp, every, log, quick)
+        finally:
+            remove_log_file(log)
+    doc["stall"] = stalls["device_steps" if on_gpu else "python_busy_loop"]
     doc["stall_variants"] = stalls
     reps = 5 if quick else 30
     doc["ckpt_ms"], doc["ckpt_detail"] = {}, {}
@@ -235,9 +290,10 @@ def _table(doc: dict) -> str:
     lines = [f"executor-session on {doc['device']} ({doc['regions_xp']} regions, {doc['log_tier']} log; "
              f"resident = {doc['executor']['resident']})"]
     for k, st in doc["stall_variants"].items():
+        ran = (f"{st['steps_during_stall']} steps ran" if "steps_during_stall" in st
+               else f"{st['steps_by_stall_end']} device steps by its end")
         lines.append(f"stall {k:<17} {st['stall_s'] * 1e3:6.0f} ms: {st['epochs_committed']:3d} epochs committed "
-                     f"(every {st['every_steps']} steps; {st['steps_during_stall']} steps ran), recovered identical: "
-                     f"{st['recovered_identical']}")
+                     f"(every {st['every_steps']} steps; {ran}), recovered identical: {st['recovered_identical']}")
     counts = list(doc["ckpt_ms"]["host"])
     lines.append(f"{'checkpoint ms (median)':<24}" + "".join(f"{n + ' regions':>14}" for n in counts))
     for label, row in doc["ckpt_ms"].items():
