@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The resident executor driving a Session on the GPU machine: the gpu-marked
 # tests of tests/session/test_executor_session.py (a CuPy session through the
-# resident executor, the instrumented-launch counter of the device triggers),
-# then `bench executor-session` into $OUT/executor-session.json (to be copied to
-# docs/results/executor-session.json): the stall (a 200 ms pure-Python busy loop
-# on the caller's thread; epochs committed by the trigger and recovered
-# bit-identical; on the GPU the steps are queued on the device and counted there), checkpoint latency host vs resident for 1 and 1024 regions of
-# CuPy arrays, and fp16 GEMM / GEMV / streaming slowdown with a persistent kernel
-# resident and idle beside the Session.
+# resident executor, the instrumented-launch and device step counters of the
+# triggers), then `bench executor-session` into $OUT/executor-session.json (to
+# be copied to docs/results/executor-session.json): the stall (300 decode steps
+# queued on the device and counted there while the caller's thread spins 200 ms
+# in pure Python; epochs committed by the trigger, each recovered and compared),
+# checkpoint latency host vs resident for 1 and 1024 regions of CuPy arrays, and
+# fp16 GEMM / GEMV / streaming slowdown with a persistent kernel resident and
+# idle beside the Session.
 # Run from the repo root with $OUT set; under four minutes, every step bounded.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
