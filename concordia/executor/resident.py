@@ -276,6 +276,7 @@ class ResidentExecutor:
         self._committer: threading.Thread | None = None
         self._commits: queue.Queue | None = None
         self._wake = threading.Event()
+        self._by_kind: tuple | None = None   # (session version, regions per kind)
         self.ring = Ring.allocate(capacity, where="session ring")
         self.submitter = _WakingSubmitter(self.ring, self._consumer(self._kinds_of(session)),
                                           stall_deadline_s=STALL_DEADLINE_S, wake=self._wake)
@@ -410,10 +411,14 @@ class ResidentExecutor:
 
     @staticmethod
     def _completion(got) -> tuple:
-        pages = getattr(got, "pages", None)
-        if isinstance(pages, dict):
-            return sum(pages.values()), int(getattr(got, "log_bytes", 0))
-        return ()
+        """(pages, record bytes) of an epoch's statistics for its completion;
+        a table pass's counts are summed as they are (its per-region dict is
+        built only when someone reads it)."""
+        if not hasattr(got, "log_bytes"):
+            return ()
+        lazy = getattr(got, "_lazy", None)
+        pages = int(lazy[1].sum()) if lazy is not None else sum(got.pages.values())
+        return pages, int(got.log_bytes)
 
     def _epoch_handler(self, task) -> Result:
         return self._run_task(task, lambda fn, args, kw: fn(*args, **kw))
@@ -436,9 +441,13 @@ class ResidentExecutor:
         """The epoch, on the consumer: every kind's handler from the table, then
         the session's pass and commit (`Session.checkpoint` run here)."""
         s = self.session
-        by_kind: dict[str, int] = {}
-        for r in s._regions.values():
-            by_kind[r.kind] = by_kind.get(r.kind, 0) + 1
+        cached = self._by_kind
+        if cached is None or cached[0] != s._version:  # counted again only when the regions changed
+            by_kind: dict[str, int] = {}
+            for r in s._regions.values():
+                by_kind[r.kind] = by_kind.get(r.kind, 0) + 1
+            cached = self._by_kind = (s._version, by_kind)
+        by_kind = cached[1]
         table = self.consumer.table
         for kind, n in by_kind.items():
             fn = table.get(kind_op(kind))
