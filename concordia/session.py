@@ -73,7 +73,7 @@ from concordia.checkpoint.device import _DeviceKernels
 from concordia.checkpoint.host import _HostKernels
 from concordia.checkpoint.staging import _page_crcs, _register, _Stager, _stage_region, batch_pages
 from concordia.checkpoint.table import RegionTable
-from concordia.executor.resident import EXECUTORS
+from concordia.executor.resident import EXECUTORS, start_executor
 from concordia.regions import (DETECTORS, KINDS, KvGeometry, Region, StreamOrder, adapt, logical_of, numpy_dtype,
                                present, storage_of, to_host, torch_dtype)
 from concordia.retention import Retention
@@ -277,19 +277,9 @@ class Session:
         #: automatic bases and compaction under the policy (concordia.retention)
         self.retention = Retention(self, self.policy)
         self._before_checkpoint: list = []
-        self._start_executor(executor)
-
-    def _start_executor(self, executor: str) -> None:
-        """`resident`: the session's executor (None on the host path) and
-        `executor_info`: which path epochs take, and why."""
-        from concordia.executor.resident import ResidentExecutor, choose
-
-        path, why = choose(executor)
-        #: the resident executor (None: the caller's thread runs every epoch)
-        self.resident = ResidentExecutor(self) if path == "resident" else None
-        self.executor_info = {"executor": path, "asked": executor, "why": why}
-        if self.resident is not None:
-            self.executor_info["commit_by"] = self.resident.commit_by
+        #: `resident`: the executor behind the session (None: the caller's thread
+        #: runs every epoch); `executor_info`: which path epochs take, and why
+        self.resident, self.executor_info = start_executor(self, executor)
 
     def _exclusive(self):
         """Held while the regions change: a resident executor's trigger may be

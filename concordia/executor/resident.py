@@ -103,6 +103,22 @@ def choose(executor: str) -> tuple[str, str | None]:
     return executor, None
 
 
+def start_executor(session, executor: str):
+    """(ResidentExecutor or None, executor_info) for Session(executor=...); a
+    failure closes the log the session opened."""
+    path, why = choose(executor)
+    try:
+        resident = ResidentExecutor(session) if path == "resident" else None
+    except BaseException:
+        if session._owns_log:
+            session.log.close()
+        raise
+    info = {"executor": path, "asked": executor, "why": why}
+    if resident is not None:
+        info["commit_by"] = resident.commit_by
+    return resident, info
+
+
 def kind_op(kind: str) -> int:
     """The op code of the handler of region kind `kind`."""
     from concordia.regions import KINDS
