@@ -39,9 +39,16 @@ counter the consumer polls between tasks: the launches of instrumented kernels
 (`LaunchCounter`, the exit-hook counters `__concordia_epochs` of
 `concordia.instrument`) or decode steps (`StepCounter`, a word the producer
 bumps once per step; `DeviceStepCounter`, the same counted on the device in
-the producer's stream order).  The consumer closes the pause gate (a `PauseGate`, or
-an `instrument.Gate` on the GPU) so that the epoch is taken between two steps,
-runs the epoch, opens the gate: no call from the caller's thread.
+the producer's stream order).  The consumer closes the pause gate (a
+`PauseGate`: `close()` returns once no step is in progress) so that the epoch
+is taken between two steps, runs the epoch, opens the gate: no call from the
+caller's thread.  Any gate with `close()` and `open()` is taken; an
+`instrument.Gate` holds instrumented launches at their exit while the epoch
+runs, but its `close()` does not wait for a launch to arrive.  On a CuPy
+session the epoch runs in the stream order of the thread that armed the
+trigger, so an epoch holds what the device had done when its own passes ran
+there: register the counter (`DeviceStepCounter.word`) beside the state and
+each epoch records the step it holds.
 
 The limit on the CPU: the consumer is a Python thread, so it runs only while
 the caller's thread does not hold the GIL.  A caller stalled in `time.sleep`,
