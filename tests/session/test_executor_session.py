@@ -394,3 +394,17 @@ def test_device_counted_steps_trigger_epochs_that_each_hold_the_step_they_record
             got = s.recover(epoch)
             k = int(np.asarray(got["steps"])[0])
             np.testing.assert_array_equal(np.asarray(got["a"]), _step_state(k), err_msg=f"epoch {epoch}")
+
+
+def test_the_epoch_completion_carries_the_pages_and_record_bytes(file_log):
+    with new_session(file_log, executor="resident", staging="mapped") as s:
+        a = np.zeros(64 * 4096, np.uint8)
+        for i in range(64):
+            s.register(f"r{i:02d}", a[i * 4096:(i + 1) * 4096])
+        s.checkpoint()
+        a[5] = a[4096 * 7] = a[4096 * 63 + 9] = 1
+        st = s.checkpoint()
+        ring = s.resident.ring
+        c = ring.read_completion(ring.tail - 1)
+        assert st.table_pass and c.op == Op.EPOCH and c.ok
+        assert (c.pages, c.bytes) == (3, st.log_bytes) and sum(st.pages.values()) == 3
