@@ -57,6 +57,7 @@ Bad input raises a one-line `SessionError` subclass before anything is written.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import os
 import time
@@ -72,6 +73,7 @@ from concordia.checkpoint.device import _DeviceKernels
 from concordia.checkpoint.host import _HostKernels
 from concordia.checkpoint.staging import _page_crcs, _register, _Stager, _stage_region, batch_pages
 from concordia.checkpoint.table import RegionTable
+from concordia.executor.resident import EXECUTORS, start_executor
 from concordia.regions import (DETECTORS, KINDS, KvGeometry, Region, StreamOrder, adapt, logical_of, numpy_dtype,
                                present, storage_of, to_host, torch_dtype)
 from concordia.retention import Retention
@@ -95,15 +97,17 @@ class CheckpointStats:
     via            region name -> path (module docstring)
     device_reads   host waits on the device in the extent pipeline
     table_pass     one pass over the region table took every region (checkpoint package)
+    executor       "host" (the caller's thread ran the epoch) or "resident" (the
+                   session's executor did: `concordia.executor.resident`)
 
     A table pass hands over its names and per-region counts (`_of_table`):
     `pages` and `via` are built from them when first read, so a checkpoint
     of many regions does no Python per region for its statistics."""
 
     _FIELDS = ("epoch", "reason", "pages", "base", "bytes", "log_bytes", "detect_ms", "stage_ms", "commit_ms",
-               "via", "device_reads", "table_pass")
+               "via", "device_reads", "table_pass", "executor")
     __slots__ = ("epoch", "reason", "_pages", "base", "bytes", "log_bytes", "detect_ms", "stage_ms", "commit_ms",
-                 "_via", "device_reads", "table_pass", "_lazy")
+                 "_via", "device_reads", "table_pass", "executor", "_lazy")
 
     def __init__(self, epoch: int, reason: str, pages: dict, base: list, bytes: int, log_bytes: int,
                  detect_ms: float, stage_ms: float, commit_ms: float, via: dict | None = None,
@@ -113,6 +117,7 @@ class CheckpointStats:
         self.detect_ms, self.stage_ms, self.commit_ms = detect_ms, stage_ms, commit_ms
         self._via = {} if via is None else via
         self.device_reads, self.table_pass = device_reads, table_pass
+        self.executor = "host"
         self._lazy = None
 
     @classmethod
@@ -238,13 +243,28 @@ class Session:
     readonly=True never writes (a standby, a second reader): `checkpoint`
     refuses, and each `recover()` reads the log afresh (`refresh`), so it
     returns the newest epoch committed when it is called.
+
+    executor: who runs an epoch.  "host": the caller's thread.  "resident":
+    the session's executor (`concordia.executor.resident`): each
+    `checkpoint()` is one EPOCH task on its task ring, each `recover()` of a
+    host session one RECOVER task, and `session.resident.trigger(...)`
+    checkpoints every N steps or instrumented launches with no call from the
+    caller's thread.  "auto" (the default) takes "host" until a measured win
+    of the resident path is recorded (`executor_info["why"]`).
+
+        s = Session("shm:agent-7", executor="resident")
+        s.register("state", a); s.checkpoint()   # stats.executor == "resident"
     """
 
     def __init__(self, log, *, create: bool = True, size: int | None = None,
                  segment_size: int | None = None, policy: Policy | None = None,
-                 overwrite: bool = False, staging: str = "auto", readonly: bool = False):
+                 overwrite: bool = False, staging: str = "auto", readonly: bool = False,
+                 executor: str = "auto"):
         if staging not in STAGING:
             raise SessionError(f"unknown staging {staging!r} (use {', '.join(STAGING)})")
+        if executor not in EXECUTORS:
+            raise SessionError(f"unknown executor {executor!r} (use {', '.join(EXECUTORS)})")
+        self.resident = None
         self.staging = staging
         self._stagers: dict[str, _Stager | None] = {}
         #: why the device path is not used (None while it is, or was never needed)
@@ -278,6 +298,20 @@ class Session:
         #: automatic bases and compaction under the policy (concordia.retention)
         self.retention = Retention(self, self.policy)
         self._before_checkpoint: list = []
+        #: `resident`: the executor behind the session (None: the caller's thread
+        #: runs every epoch); `executor_info`: which path epochs take, and why
+        self.resident, self.executor_info = start_executor(self, executor)
+
+    def _exclusive(self):
+        """Held while the regions change: a resident executor's trigger may be
+        running an epoch over them on its own thread."""
+        return self.resident.lock if self.resident is not None else contextlib.nullcontext()
+
+    def _commit(self, app, epoch: int, digests) -> None:
+        if self.resident is not None:
+            self.resident.commit(app, epoch, digests)
+        else:
+            app.commit(epoch, digests=digests)
 
     # ------------------------------------------------------------ lifecycle
     def __enter__(self):
@@ -291,6 +325,8 @@ class Session:
         left as they are; committed epochs stay in the log."""
         if self._closed:
             return
+        if self.resident is not None:
+            self.resident.close()
         self._closed = True
         for r in self._regions.values():
             self._untrack(r)
@@ -433,8 +469,11 @@ class Session:
             except BaseException:
                 self._untrack(region)
                 raise
-        self._regions[name] = region
-        self._version += 1
+        with self._exclusive():
+            self._regions[name] = region
+            self._version += 1
+        if self.resident is not None:
+            self.resident.region_added(region)
         return region
 
     @staticmethod
@@ -487,6 +526,8 @@ class Session:
         device-wide synchronise, and the producer streams wait for the
         checkpoint's device work before their later work runs."""
         self._check_open("checkpoint")
+        if self.resident is not None and not self.resident.inside():
+            return self.resident.checkpoint(reason=reason, stream=stream)
         if not self._regions:
             raise SessionError("nothing to checkpoint: no region is registered")
         self._writer("checkpoint")
@@ -548,7 +589,7 @@ class Session:
             pages = {name: pages[name] for name in self._regions}
             t3 = time.perf_counter()
             digests = {r.id: r.digest for r in self._regions.values()}
-            app.commit(epoch, digests=digests)
+            self._commit(app, epoch, digests)
             commit_s = time.perf_counter() - t3
         except BaseException:
             self._lose_baselines()
@@ -574,7 +615,7 @@ class Session:
         try:
             got = table.run(app, epoch)
             t3 = time.perf_counter()
-            app.commit(epoch, digests=table.table.commit_digests())
+            self._commit(app, epoch, table.table.commit_digests())
             commit_s = time.perf_counter() - t3
         except BaseException:
             self._lose_baselines()
@@ -665,8 +706,8 @@ class Session:
                     elif st is not None and self.gpu_fallback is None:
                         self.gpu_fallback = (f"region {r.name!r}: " + ("not 16-byte aligned" if not r.device_aligned
                                                                         else st.kernels.failed))
-                elif self.staging in ("mapped", "ring"):
-                    key = "cpu"
+                elif self.staging in ("mapped", "ring") or self.resident is not None:
+                    key = "cpu"  # a resident executor stages host regions by the region table too
                     self._stager("cpu")
             out[key].append(r)
         return out
@@ -728,6 +769,9 @@ class Session:
         waited on by that stream).
         """
         self._check_open("recover")
+        ex = self.resident
+        if ex is not None and not ex.inside() and ex.routes_recover(device, into):
+            return ex.recover(target, into=into, device=device, mode=mode, regions=regions)
         if self.readonly:
             self.refresh()
         if into is not None and not (into == "registered" or isinstance(into, dict)):

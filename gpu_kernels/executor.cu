@@ -53,6 +53,9 @@ typedef unsigned char u8;
 #define OP_SCATTER 4
 #define OP_QUIESCE 5
 #define OP_STOP 6
+// A Session's epoch and recovery (resident.py); no device handler yet: UNSUPPORTED_OP.
+#define OP_EPOCH 7
+#define OP_RECOVER 8
 
 // Status (ring.Status).
 #define ST_OK 0

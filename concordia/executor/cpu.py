@@ -69,6 +69,16 @@ class CpuExecutor:
         self._abort = threading.Event()
         self.errors: list[str] = []    # handler exceptions, one line each
         self.instances = 0
+        #: called on the consumer's thread whenever it finds no task (a device-side
+        #: trigger: `resident.Triggers.poll`); returns True when it did work
+        self.on_idle = None
+        #: a threading.Event the host sets after publishing (None: sleep between polls);
+        #: idle_wait_max_s bounds one wait between two polls of an idle ring
+        self.wake = None
+        self.idle_wait_max_s = 1e-3
+        #: polls of an idle ring before the consumer starts yielding the GIL
+        #: (0: at once, so that a host thread waiting for the GIL gets it)
+        self.idle_spins = 64
 
     # -- consumer interface (see host.py) ---------------------------------------
 
@@ -115,9 +125,20 @@ class CpuExecutor:
                 return
             k = ring.available(n, self.max_batch)
             if k == 0:
+                hook = self.on_idle
+                if hook is not None and hook():  # a trigger of the consumer's own ran an epoch
+                    idle_since = time.monotonic()
+                    spins = 0
+                    continue
                 spins += 1
-                if spins > 64:
-                    time.sleep(0 if spins < 512 else min(1e-3, 1e-6 * (spins - 511)))
+                if spins > self.idle_spins:
+                    delay = 0 if spins < 512 else min(self.idle_wait_max_s, 1e-6 * (spins - 511))
+                    wake = self.wake
+                    if wake is not None and delay:
+                        if wake.wait(delay):   # a host that publishes sets it: no wait for the sleep to end
+                            wake.clear()
+                    else:
+                        time.sleep(delay)
                 if self.idle_exit_s is not None and time.monotonic() - idle_since > self.idle_exit_s:
                     ring.set_state(ConsumerState.IDLE_EXIT)
                     with _FENCE:

@@ -128,6 +128,13 @@ class Op(enum.IntEnum):
                 5 region nbytes, 6 plan chunk number (echoed as lsn_first).
     QUIESCE     none; the consumer exits after completing it (hot swap).
     STOP        none; the consumer exits after completing it (shutdown).
+    EPOCH       0 epoch descriptor (its key in the resident session's table on
+                the CPU executor).  One checkpoint of a Session: detection and
+                staging over its region table, then the commit (by the consumer
+                on tiers it can write, else handed to the host); the completion
+                carries the pages found and the record bytes written.
+                (`concordia.executor.resident`.)
+    RECOVER     0 recovery descriptor: a Session's recovery, run by the consumer.
     """
 
     PING = 1
@@ -136,6 +143,8 @@ class Op(enum.IntEnum):
     SCATTER = 4  # pages to their ids in a region (the device step of a restore)
     QUIESCE = 5
     STOP = 6
+    EPOCH = 7    # one Session checkpoint (concordia.executor.resident)
+    RECOVER = 8  # one Session recovery (concordia.executor.resident)
 
 
 CONTROL_OPS = frozenset({Op.QUIESCE, Op.STOP})

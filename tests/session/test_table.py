@@ -205,7 +205,7 @@ def test_a_table_pass_reports_every_region_as_the_per_region_path_does(tmp_path)
         want_pages = {name: (1 if name in ("r3", "r17") else 0) for name in arrays}
         d = st.to_json()
         assert list(d) == ["epoch", "reason", "pages", "base", "bytes", "log_bytes", "detect_ms", "stage_ms",
-                           "commit_ms", "via", "device_reads", "table_pass", "total_ms"]
+                           "commit_ms", "via", "device_reads", "table_pass", "executor", "total_ms"]
         assert d["pages"] == want_pages and list(d["pages"]) == list(arrays)
         assert all(type(v) is int for v in d["pages"].values())
         assert d["via"] == dict.fromkeys(arrays, "cpu-mapped") and d["bytes"] == 2 * 4096

@@ -615,3 +615,9 @@ def command(on_cpu, quick, as_json, out):
     if doc.get("errors"):
         name, first = next(iter(doc["errors"].items()))
         raise ExecutorError(f"{len(doc['errors'])} stage(s) failed, first {name}: {first}", where="bench executor")
+
+
+# The idle-residency measurement, shared with `bench executor-session` (which
+# runs it beside an open Session).
+workloads = _workloads
+residency = _residency

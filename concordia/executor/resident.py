@@ -1,0 +1,674 @@
+"""The resident executor behind a Session: `Session(..., executor="resident")`.
+
+    s = Session("shm:agent-7", executor="resident")
+    s.register("kv", kv)
+    s.checkpoint()                  # one EPOCH task on the ring; the consumer runs the epoch
+    steps = StepCounter(); gate = PauseGate()
+    s.resident.trigger(every=8, counter=steps, gate=gate)
+    ...                             # the producer: `with gate.step(): ...; steps.add()`
+    s.recover()                     # one RECOVER task
+
+What runs where.  `checkpoint()` on the caller's thread publishes one EPOCH
+task for the epoch on the task ring (`ring.py`, through `host.Submitter`) and
+waits for its completion; the consumer (`cpu.CpuExecutor`, a thread of its
+own) runs the epoch: the session's detection and staging over its regions (the
+region table pass of `concordia.checkpoint` where it applies) and then the
+commit.  The commit record is written by the consumer itself on tiers it can
+write without a persist call (memory, shm, hugetlb, pinned: `persist_path` is
+"none"), so an epoch commits without any host thread; on file, pmem and
+device-DAX tiers the consumer hands the commit (the persist call and the
+commit record) to a host committer thread and waits for it, since a GPU
+consumer can neither msync nor call libpmem.  `recover()` on a host session is
+one RECOVER task, so a recovery never interleaves with an epoch.
+
+Handlers per region kind.  The operator table of the consumer holds EPOCH,
+RECOVER and one handler per region kind present (`kind_op`); an epoch whose
+regions include a kind without a handler fails with UNSUPPORTED_OP.  When a
+region of a new kind is registered, a consumer whose table has that kind's
+handler is swapped in (`Submitter.swap`: QUIESCE, hand-over at a slot
+boundary, nothing lost or run twice).  On the CPU a kind's handler counts that
+kind's regions in each epoch (`info()["kinds"]`); the detection itself is the
+session's pass.  On the GPU the handler of a kind would be its detection
+kernel, specialised per kind, inside the persistent kernel's module: that
+device epoch handler is not built yet (executor.cu answers EPOCH and RECOVER
+with UNSUPPORTED_OP), so a CuPy session's resident consumer is the same thread,
+driving the device passes from there.
+
+Device-side triggers (`Triggers`).  A trigger checkpoints every N counts of a
+counter the consumer polls between tasks: the launches of instrumented kernels
+(`LaunchCounter`, the exit-hook counters `__concordia_epochs` of
+`concordia.instrument`) or decode steps (`StepCounter`, a word the producer
+bumps once per step; `DeviceStepCounter`, the same counted on the device in
+the producer's stream order).  The consumer closes the pause gate (a
+`PauseGate`: `close()` returns once no step is in progress) so that the epoch
+is taken between two steps, runs the epoch, opens the gate: no call from the
+caller's thread.  Any gate with `close()` and `open()` is taken; an
+`instrument.Gate` holds instrumented launches at their exit while the epoch
+runs, but its `close()` does not wait for a launch to arrive.  On a CuPy
+session the epoch runs in the stream order of the thread that armed the
+trigger, so an epoch holds what the device had done when its own passes ran
+there: register the counter (`DeviceStepCounter.word`) beside the state and
+each epoch records the step it holds.
+
+The limit on the CPU: the consumer is a Python thread, so it runs only while
+the caller's thread does not hold the GIL.  A caller stalled in `time.sleep`,
+in a numpy operation that releases the GIL, or in another process leaves
+epochs committing at the trigger rate; a caller stalled in a pure-Python busy
+loop holds the GIL and stops this consumer too.  The GIL-holding stall is the
+H200's check, for a persistent kernel that needs no host thread.
+
+Why "auto" takes the host path today: `AUTO_WHY`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import queue
+import sys
+import threading
+import time
+
+import numpy as np
+
+from concordia.errors import SessionError
+
+from .cpu import CpuExecutor, OperatorTable
+from .errors import ExecutorError
+from .host import Submitter
+from .ring import Op, Result, Ring, Status
+
+EXECUTORS = ("auto", "resident", "host")
+
+#: why executor="auto" takes the host path: the resident path is taken only
+#: where a measured win is recorded, and none is
+AUTO_WHY = ("no measured win of the resident path is recorded: the H200 run of `bench executor-session` "
+            "has not been made, and on the CPU the hand-over to the consumer thread adds to every checkpoint "
+            "(docs/results/executor-session.md)")
+
+#: op codes of the per-kind handlers: KIND_OP_BASE + the kind's index in regions.KINDS
+KIND_OP_BASE = 0x100
+
+#: longest wait between two polls of the ring by an idle consumer: with a
+#: trigger armed (its counter is polled as often), and without one (a submit
+#: wakes the consumer at once)
+TRIGGER_POLL_S = 1e-3
+IDLE_WAIT_S = 0.05
+
+#: how long a wait on the consumer may see no task complete (a base of many GiB
+#: is one task): the watchdog's deadline
+STALL_DEADLINE_S = 600.0
+
+
+def choose(executor: str) -> tuple[str, str | None]:
+    """(path taken, why) for Session(executor=...): "auto" takes "host" while
+    no measured win is recorded (AUTO_WHY)."""
+    if executor not in EXECUTORS:
+        raise SessionError(f"unknown executor {executor!r} (use {', '.join(EXECUTORS)})")
+    if executor == "auto":
+        return "host", AUTO_WHY
+    return executor, None
+
+
+def start_executor(session, executor: str):
+    """(ResidentExecutor or None, executor_info) for Session(executor=...); a
+    failure closes the log the session opened."""
+    path, why = choose(executor)
+    try:
+        resident = ResidentExecutor(session) if path == "resident" else None
+    except BaseException:
+        if session._owns_log:
+            session.log.close()
+        raise
+    info = {"executor": path, "asked": executor, "why": why}
+    if resident is not None:
+        info["commit_by"] = resident.commit_by
+    return resident, info
+
+
+def kind_op(kind: str) -> int:
+    """The op code of the handler of region kind `kind`."""
+    from concordia.regions import KINDS
+
+    return KIND_OP_BASE + KINDS.index(kind)
+
+
+def commit_by(backend) -> str:
+    """Who writes an epoch's commit record: "executor" on a tier whose bytes
+    need no persist call (the consumer can write it, a GPU through its
+    mapping), else "host" (msync, libpmem)."""
+    return "executor" if getattr(backend, "gpu_mappable", False) and backend.persist_path == "none" else "host"
+
+
+class PauseGate:
+    """A consistent point between the producer's steps (the CPU twin of
+    `instrument.Gate`): the producer runs each step inside `with gate.step():`,
+    which waits while the gate is closed; `close()` returns once no step is in
+    progress, so that what is read until `open()` is the state between two
+    steps.  Every wait is bounded."""
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._closed = False
+        self._inside = 0
+        self.closes = 0
+
+    @contextlib.contextmanager
+    def step(self, timeout: float = 60.0):
+        with self._cv:
+            if not self._cv.wait_for(lambda: not self._closed, timeout):
+                raise ExecutorError(f"the pause gate stayed closed for {timeout} s", where="pause gate")
+            self._inside += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._inside -= 1
+                self._cv.notify_all()
+
+    def close(self, timeout: float = 60.0) -> None:
+        with self._cv:
+            self._closed = True
+            self.closes += 1
+            if not self._cv.wait_for(lambda: self._inside == 0, timeout):
+                self._closed = False
+                self._cv.notify_all()
+                raise ExecutorError(f"a step did not reach the gate within {timeout} s", where="pause gate")
+
+    def open(self) -> None:
+        with self._cv:
+            self._closed = False
+            self._cv.notify_all()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+
+class StepCounter:
+    """Decode steps as one u64 word with one writer (the producer: on the GPU a
+    kernel, or a stream write, after each step; on the CPU the step's thread),
+    read by the consumer."""
+
+    kind = "steps"
+
+    def __init__(self):
+        self.word = np.zeros(1, np.uint64)
+
+    def add(self, n: int = 1) -> None:
+        self.word[0] += np.uint64(n)
+
+    def read(self) -> int:
+        return int(self.word[0])
+
+
+class DeviceStepCounter:
+    """Decode steps counted on the device: a u64 device array that `add()`
+    raises on the caller's current stream (so it counts in the producer's
+    stream order, when the step has run, not when it was queued), read by the
+    consumer on a non-blocking stream of its own (the value the device holds
+    now, queued work not waited for).  Register `word` as a region (e.g.
+    `session.register("steps", counter.word, page_bytes=64)`) and every epoch
+    records the step it captured.  Needs CuPy and a device."""
+
+    kind = "device-steps"
+
+    def __init__(self):
+        from concordia.instrument import runtime
+
+        cp = runtime._cupy()
+        self._cp = cp
+        self.word = cp.zeros(1, cp.uint64)
+        self._stream = cp.cuda.Stream(non_blocking=True)
+
+    def add(self, n: int = 1) -> None:
+        self.word += self._cp.uint64(n)
+
+    def read(self) -> int:
+        out = self.word.get(stream=self._stream)
+        self._stream.synchronize()
+        return int(out[0])
+
+
+class LaunchCounter:
+    """Launches of instrumented kernels: the sum of the exit-hook counters
+    (`__concordia_epochs`) of loaded instrumented modules, read on a
+    non-blocking stream so that a launch held at the gate does not block the
+    read.  `modules`: [(module, RewriteResult)], as `instrument.epochs` takes
+    them.  Needs CuPy and a device (`gpu`-marked tests)."""
+
+    kind = "launches"
+
+    def __init__(self, modules):
+        from concordia.instrument import runtime
+
+        self._runtime = runtime
+        self.modules = list(modules)
+        self._stream = runtime._cupy().cuda.Stream(non_blocking=True)
+
+    def read(self) -> int:
+        return sum(sum(self._runtime.epochs(m, r, stream=self._stream).values()) for m, r in self.modules)
+
+
+class Trigger:
+    """Checkpoint every `every` counts of `counter` (a StepCounter, a
+    LaunchCounter or anything with `read()`), at the pause gate `gate` when
+    given.  `fired`: (epoch, count) of every epoch it took; `errors`: why it
+    stopped, one line each."""
+
+    def __init__(self, every: int, counter, gate=None):
+        if isinstance(every, bool) or not isinstance(every, (int, np.integer)) or every <= 0:
+            raise SessionError(f"a trigger's every must be a whole number > 0, not {every!r}", where="trigger")
+        if not callable(getattr(counter, "read", None)):
+            raise SessionError(f"a trigger counts with an object that has read(), not {counter!r}", where="trigger")
+        self.every = int(every)
+        self.counter = counter
+        self.gate = gate
+        self.next_at = (counter.read() // self.every + 1) * self.every
+        self.fired: list[tuple[int, int]] = []
+        self.errors: list[str] = []
+        self.armed = True
+        self.streams: list = []   # the arming thread's device and streams (resident.caller_streams)
+
+    @property
+    def label(self) -> str:
+        return f"trigger:{getattr(self.counter, 'kind', 'count')}"
+
+
+class ResidentExecutor:
+    """The consumer, ring and submitter behind one Session (module docstring).
+
+    idle_exit_s: the consumer thread leaves after this long without work (the
+    next submit relaunches it), except while a trigger is armed.  Idle, it
+    waits on an event the submit sets, so a checkpoint is taken up at once."""
+
+    def __init__(self, session, *, capacity: int = 64, idle_exit_s: float = 2.0):
+        self.session = session
+        self.commit_by = commit_by(session.log.backend)
+        self.idle_exit_s = idle_exit_s
+        self.lock = threading.RLock()      # held by the consumer while it runs an epoch or a recovery
+        self._local = threading.local()
+        self._tags = itertools.count(1)
+        self._calls: dict[int, tuple] = {}
+        self._results: dict[int, object] = {}
+        self.kinds_seen: dict[str, int] = {}
+        self.kinds: tuple[str, ...] = ()
+        self.swaps: list = []
+        self.epochs = 0
+        self.trigger_: Trigger | None = None
+        self._committer: threading.Thread | None = None
+        self._commits: queue.Queue | None = None
+        self._wake = threading.Event()
+        self._by_kind: tuple | None = None   # (session version, regions per kind)
+        self.ring = Ring.allocate(capacity, where="session ring")
+        self.submitter = _WakingSubmitter(self.ring, self._consumer(self._kinds_of(session)),
+                                          stall_deadline_s=STALL_DEADLINE_S, wake=self._wake)
+        # the caller blocks on its task's event right after publishing, so it never
+        # holds the GIL long enough to need the Submitter's periodic sleep
+        self.submitter.fair_every_s = float("inf")
+        self.kinds = self._kinds_of(session)
+        self._closed = False
+
+    # -- the operator table ------------------------------------------------------
+
+    @staticmethod
+    def _kinds_of(session) -> tuple[str, ...]:
+        return tuple(sorted({r.kind for r in session._regions.values()}))
+
+    def _consumer(self, kinds) -> CpuExecutor:
+        table = OperatorTable({Op.EPOCH: self._epoch_handler, Op.RECOVER: self._recover_handler})
+        for k in kinds:
+            table.register(kind_op(k), self._kind_handler(k))
+        tr = self.trigger_
+        armed = tr is not None and tr.armed
+        c = CpuExecutor(self.ring, table, idle_exit_s=None if armed else self.idle_exit_s)
+        c.on_idle = self.poll
+        c.wake = self._wake
+        c.idle_spins = 0   # the caller waits for the GIL to read its result: yield it at once
+        # idle, the consumer waits on `wake` between polls: briefly while a trigger
+        # needs its counter polled, else long (the host's submit wakes it)
+        c.idle_wait_max_s = TRIGGER_POLL_S if armed else IDLE_WAIT_S
+        return c
+
+    def _kind_handler(self, kind: str):
+        def handler(task):
+            n = int(task.args[0])
+            self.kinds_seen[kind] = self.kinds_seen.get(kind, 0) + n
+            return Result(Status.OK, n)
+        handler.kind = kind
+        return handler
+
+    def region_added(self, region) -> None:
+        """A region was registered: a kind without a handler in the consumer's
+        table gets one by a hot swap."""
+        kinds = self._kinds_of(self.session)
+        if set(kinds) <= set(self.kinds):
+            return
+        self.swaps.append(self.submitter.swap(self._consumer(kinds), timeout=60.0))
+        self.kinds = kinds
+
+    @property
+    def consumer(self) -> CpuExecutor:
+        return self.submitter.consumer
+
+    def inside(self) -> bool:
+        """Whether the calling thread is the consumer running a session task."""
+        return getattr(self._local, "inside", False)
+
+    # -- host side ---------------------------------------------------------------
+
+    def _call(self, op: int, fn, *args, **kw):
+        """Publish one task running `fn(*args, **kw)` on the consumer and wait for it;
+        the function's exception is raised here, on the caller's thread."""
+        self._check_open()
+        tag = next(self._tags)
+        done = threading.Event()
+        self._calls[tag] = (fn, args, kw, done, caller_streams())
+        try:
+            seq = self.submitter.submit(op, tag=tag, args=(tag,), timeout=60.0)
+            # blocked off the GIL until the handler has run (the consumer is a Python
+            # thread: a polling waiter would take the GIL from it), then the completion
+            while not done.wait(1.0):
+                self.submitter._check_progress(None, f"task {seq}")
+            c = self.submitter.wait(seq, timeout=None)
+        except BaseException:
+            self._calls.pop(tag, None)
+            self._results.pop(tag, None)
+            raise
+        got = self._results.pop(tag, None)
+        if isinstance(got, BaseException):
+            raise got
+        if c.status != Status.OK:
+            errors = self.consumer.errors
+            raise ExecutorError(f"{Op(op).name} failed with status {c.status.name}"
+                                + (f": {errors[-1]}" if errors else ""), where=self.ring.slot_where(c.seq - 1))
+        return got
+
+    def checkpoint(self, *, reason: str, stream=None):
+        """One epoch through the consumer (the EPOCH task)."""
+        return self._call(Op.EPOCH, self._epoch, reason, stream)
+
+    def recover(self, *args, **kw):
+        """One recovery through the consumer (the RECOVER task)."""
+        return self._call(Op.RECOVER, self.session.recover, *args, **kw)
+
+    def routes_recover(self, device, into) -> bool:
+        """Whether recover() goes through the consumer: on host sessions.  A
+        recovery onto the device orders itself against the caller's current
+        stream, which is the caller thread's own: it stays there until the
+        device RECOVER handler exists."""
+        if device in ("cupy", "cuda"):
+            return False
+        if any(r.on_gpu for r in self.session._regions.values()):
+            return False
+        if isinstance(into, dict):
+            from concordia.regions import adapt
+
+            for name, arr in into.items():
+                try:
+                    if adapt(arr, f"region {name!r}")[1] is not np:
+                        return False
+                except Exception:  # recover() names what is wrong with it
+                    return False
+        return True
+
+    # -- the consumer's side -----------------------------------------------------
+
+    def _run_task(self, task, inner):
+        tag = int(task.args[0])
+        call = self._calls.pop(tag, None)
+        if call is None:
+            return Result(Status.BAD_ARGS)
+        fn, args, kw, done, streams = call
+        self._local.inside = True
+        try:
+            with self.lock, as_caller(streams):
+                self._results[tag] = inner(fn, args, kw)
+        except BaseException as exc:  # raised again on the caller's thread
+            self._results[tag] = exc
+            return Result(Status.OK)
+        finally:
+            self._local.inside = False
+            done.set()
+        return Result(Status.OK, *self._completion(self._results[tag]))
+
+    @staticmethod
+    def _completion(got) -> tuple:
+        """(pages, record bytes) of an epoch's statistics for its completion;
+        a table pass's counts are summed as they are (its per-region dict is
+        built only when someone reads it)."""
+        if not hasattr(got, "log_bytes"):
+            return ()
+        lazy = getattr(got, "_lazy", None)
+        pages = int(lazy[1].sum()) if lazy is not None else sum(got.pages.values())
+        return pages, int(got.log_bytes)
+
+    def _epoch_handler(self, task) -> Result:
+        return self._run_task(task, lambda fn, args, kw: fn(*args, **kw))
+
+    def _recover_handler(self, task) -> Result:
+        return self._run_task(task, lambda fn, args, kw: self._gated(fn, *args, **kw))
+
+    def _gated(self, fn, *args, **kw):
+        tr = self.trigger_
+        gate = tr.gate if tr is not None and tr.armed else None
+        if gate is not None:
+            gate.close()
+        try:
+            return fn(*args, **kw)
+        finally:
+            if gate is not None:
+                gate.open()
+
+    def _epoch(self, reason: str, stream=None):
+        """The epoch, on the consumer: every kind's handler from the table, then
+        the session's pass and commit (`Session.checkpoint` run here)."""
+        s = self.session
+        cached = self._by_kind
+        if cached is None or cached[0] != s._version:  # counted again only when the regions changed
+            by_kind: dict[str, int] = {}
+            for r in s._regions.values():
+                by_kind[r.kind] = by_kind.get(r.kind, 0) + 1
+            cached = self._by_kind = (s._version, by_kind)
+        by_kind = cached[1]
+        table = self.consumer.table
+        for kind, n in by_kind.items():
+            fn = table.get(kind_op(kind))
+            if fn is None:
+                raise ExecutorError(f"no handler for region kind {kind!r} in the operator table",
+                                    where=f"executor {self.consumer.executor_id}",
+                                    hint="register regions through the Session, which swaps one in")
+            fn(_KindTask(n))
+        stats = s.checkpoint(reason=reason, stream=stream)
+        stats.executor = "resident"
+        self.epochs += 1
+        return stats
+
+    def commit(self, app, epoch: int, digests) -> None:
+        """The commit of an epoch (Session._commit): by the consumer where it can
+        write the record itself, else by the host committer thread."""
+        if self.commit_by == "executor" or not self.inside():
+            app.commit(epoch, digests=digests)
+            return
+        done = threading.Event()
+        box: list = []
+        self._committer_queue().put((app, epoch, digests, done, box))
+        while not done.wait(1.0):
+            if self._committer is None or not self._committer.is_alive():
+                raise ExecutorError("the host committer thread is gone", where=f"epoch {epoch}")
+        if box:
+            raise box[0]
+
+    def _committer_queue(self) -> queue.Queue:
+        if self._committer is None:
+            self._commits = queue.Queue()
+            self._committer = threading.Thread(target=self._commit_loop, name="session-committer", daemon=True)
+            self._committer.start()
+        return self._commits
+
+    def _commit_loop(self) -> None:
+        q = self._commits
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            app, epoch, digests, done, box = item
+            try:
+                app.commit(epoch, digests=digests)
+            except BaseException as exc:
+                box.append(exc)
+            done.set()
+
+    # -- triggers ----------------------------------------------------------------
+
+    def trigger(self, every: int, counter=None, gate=None) -> Trigger:
+        """Checkpoint every `every` counts of `counter` (a new StepCounter when
+        None), taken by the consumer with no call from the caller's thread; at
+        `gate` (a PauseGate, or an instrument.Gate) when given.  Replaces any
+        trigger armed before; `disarm()` stops it."""
+        self._check_open()
+        if not self.session._regions:
+            raise SessionError("a trigger needs a registered region", where="trigger")
+        tr = Trigger(every, StepCounter() if counter is None else counter, gate)
+        tr.streams = caller_streams()   # the epochs order against the streams current here
+        with self.lock:
+            self.trigger_ = tr
+        c = self.consumer
+        c.idle_exit_s = None               # stays resident to watch the counter
+        c.idle_wait_max_s = TRIGGER_POLL_S
+        self.submitter.call(Op.PING)       # and is running now
+        return tr
+
+    def disarm(self) -> None:
+        """Stop the trigger (it stays in `trigger_`, with what it fired)."""
+        tr = self.trigger_
+        if tr is not None:
+            with self.lock:   # not in the middle of one of its epochs
+                tr.armed = False
+        c = self.consumer
+        if c is not None:
+            c.idle_exit_s = self.idle_exit_s
+            c.idle_wait_max_s = IDLE_WAIT_S
+
+    def poll(self) -> bool:
+        """On the consumer, between tasks: take the epoch a trigger is due for."""
+        tr = self.trigger_
+        if tr is None or not tr.armed:
+            return False
+        try:
+            if tr.counter.read() < tr.next_at:
+                return False
+            gate = tr.gate
+            if gate is not None:
+                gate.close()
+            try:
+                count = tr.counter.read()    # the gate is closed: no step moves it now
+                self._local.inside = True
+                try:
+                    with self.lock, as_caller(tr.streams):
+                        stats = self._epoch(tr.label)
+                finally:
+                    self._local.inside = False
+            finally:
+                if gate is not None:
+                    gate.open()
+            tr.fired.append((int(stats.epoch), count))
+            tr.next_at = (count // tr.every + 1) * tr.every
+        except Exception as exc:  # the trigger stops and says why; the consumer goes on
+            tr.errors.append(f"{type(exc).__name__}: {exc}")
+            tr.armed = False
+        return True
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    def info(self) -> dict:
+        c = self.consumer
+        tr = self.trigger_
+        return {"executor": "resident", "consumer": "cpu-thread", "executor_id": c.executor_id,
+                "commit_by": self.commit_by, "epochs": self.epochs, "kinds": dict(self.kinds_seen),
+                "handlers": sorted(self.kinds), "swaps": len(self.swaps),
+                "trigger": None if tr is None else {"every": tr.every, "counter": getattr(tr.counter, "kind", "?"),
+                                                    "fired": len(tr.fired), "armed": tr.armed},
+                "device_epoch_handler": False}
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ExecutorError("the session's executor is stopped", where=self.ring.where)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the consumer (after any task in flight) and the committer."""
+        if self._closed:
+            return
+        self.disarm()
+        try:
+            self.submitter.stop(timeout)
+        except ExecutorError:   # a consumer that does not stop is made to leave
+            self.consumer.abort(timeout)
+        finally:
+            self._closed = True
+            if self._committer is not None:
+                self._commits.put(None)
+                self._committer.join(timeout)
+
+
+def caller_streams() -> list:
+    """What a checkpoint on the host path would order against, as the calling
+    thread sees it: CuPy's current device and stream, PyTorch's current stream
+    (each thread has its own).  Factories of context managers that make them
+    current on the consumer's thread (`as_caller`); empty where neither is in use."""
+    out = []
+    cp = sys.modules.get("cupy")
+    if cp is not None:
+        try:
+            dev, stream = cp.cuda.Device().id, cp.cuda.get_current_stream()
+            out += [lambda: cp.cuda.Device(dev), lambda: stream]
+        except Exception:  # CuPy without a device: host regions only
+            out = []
+    torch = sys.modules.get("torch")
+    if torch is not None and getattr(torch, "cuda", None) is not None and torch.cuda.is_initialized():
+        ts = torch.cuda.current_stream()
+        out.append(lambda: torch.cuda.stream(ts))
+    return out
+
+
+def as_caller(streams):
+    """Enter the caller's device and streams (`caller_streams`) on this thread."""
+    if not streams:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for make in streams:
+        stack.enter_context(make())
+    return stack
+
+
+class _WakingSubmitter(Submitter):
+    """A Submitter that wakes the idle consumer after every publish (tasks,
+    QUIESCE of a swap, STOP): the consumer waits on `wake` between polls."""
+
+    def __init__(self, *args, wake: threading.Event, **kw):
+        self._wake_event = wake
+        super().__init__(*args, **kw)
+
+    def _after_publish(self) -> None:
+        super()._after_publish()
+        self._wake_event.set()
+
+
+class _KindTask:
+    """The task a kind's handler is called with from inside an epoch: args[0]
+    is how many regions of that kind the epoch holds."""
+
+    __slots__ = ("args",)
+
+    def __init__(self, n: int):
+        self.args = (n,)
+
+
+def wait_for_epochs(executor: ResidentExecutor, n: int, timeout: float) -> int:
+    """Wait (sleeping, off the GIL) until the trigger has fired `n` epochs, or
+    `timeout`; returns how many it fired.  For tests and benchmarks."""
+    tr = executor.trigger_
+    deadline = time.monotonic() + timeout
+    while tr is not None and len(tr.fired) < n and tr.armed and time.monotonic() < deadline:
+        time.sleep(1e-3)
+    return 0 if tr is None else len(tr.fired)

@@ -1,0 +1,410 @@
+"""The resident executor drives the Session (CPU executor): epochs as EPOCH
+tasks, recoveries as RECOVER tasks, per-kind handlers hot-swapped in, the
+commit by the consumer or by the host committer as the tier asks, and device-
+side triggers that checkpoint with no call from the caller's thread.
+
+On the CPU the consumer is a Python thread: the stall tests here stall the
+caller in ways that release the GIL (time.sleep, a numpy operation); a stall
+holding the GIL is the H200's check (scripts/gpu/executor_session.sh)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from concordia import Session
+from concordia.errors import ExecutorError, SessionError
+from concordia.executor import Op
+from concordia.executor.resident import AUTO_WHY, LaunchCounter, PauseGate, StepCounter, commit_by, wait_for_epochs
+
+from .state import LOG_SIZE, SEGMENT, assert_same, copy, make_state, mutate, register_all
+
+
+def new_session(log, **kw):
+    return Session(log, size=LOG_SIZE, segment_size=SEGMENT, **kw)
+
+
+def test_the_default_is_the_host_path_and_says_why(file_log):
+    with new_session(file_log) as s:
+        assert s.resident is None
+        assert s.executor_info == {"executor": "host", "asked": "auto", "why": AUTO_WHY}
+        s.register("a", np.zeros(4096, np.uint8))
+        assert s.checkpoint().executor == "host"
+    with new_session(file_log, create=False, executor="host") as s:
+        assert s.executor_info["why"] is None and s.resident is None
+
+
+def test_an_unknown_executor_is_one_line_and_opens_nothing(tmp_path):
+    log = tmp_path / "never.log"
+    with pytest.raises(SessionError, match="unknown executor 'gpu' \\(use auto, resident, host\\)"):
+        new_session(f"file:{log}", executor="gpu")
+    assert not log.exists()
+
+
+@pytest.mark.parametrize("tier, by", [("memory", "executor"), ("shm", "executor"), ("file", "host")])
+def test_resident_epochs_recover_bit_identical_and_match_the_host_path(tier, by, tmp_path, shm_log):
+    logs = {"memory": ("memory:", "memory:"), "shm": (shm_log, shm_log + "-h"),
+            "file": (f"file:{tmp_path / 'r.log'}", f"file:{tmp_path / 'h.log'}")}[tier]
+    res_state, host_state = make_state(), make_state()
+    res = new_session(logs[0], executor="resident")
+    host = new_session(logs[1], executor="host")
+    try:
+        assert res.executor_info["commit_by"] == by == commit_by(res.log.backend)
+        register_all(res, res_state)
+        register_all(host, host_state)
+        snaps = {}
+        for e in range(1, 6):
+            a, b = res.checkpoint(), host.checkpoint()
+            assert a.executor == "resident" and b.executor == "host"
+            assert (a.epoch, a.pages, a.bytes, a.base) == (b.epoch, b.pages, b.bytes, b.base)
+            snaps[a.epoch] = copy(res_state)
+            mutate(res_state, e)
+            mutate(host_state, e)
+        # the same records: every epoch of both logs restores the same state, the committed one
+        for epoch, want in snaps.items():
+            got = res.recover(epoch)
+            assert res.last_recovery.epoch == epoch
+            assert_same(got, want)
+            assert_same(got, host.recover(epoch))
+        st = res.checkpoint()
+        assert_same(res.recover(), res_state)
+        assert st.epoch == 6
+        info = res.resident.info()
+        assert info["epochs"] == 6 and info["commit_by"] == by
+        assert info["kinds"] == {"kv": 6, "adapter": 6, "scheduler": 6, "opaque": 6}
+        assert res.resident.submitter.completed >= 6 + 4  # EPOCH and RECOVER tasks went through the ring
+    finally:
+        res.close()
+        host.close()
+
+
+def test_a_recovery_into_the_registered_arrays_runs_on_the_consumer(file_log):
+    state = make_state()
+    with new_session(file_log, executor="resident") as s:
+        register_all(s, state)
+        s.checkpoint()
+        want = copy(state)
+        mutate(state, 1)
+        done = s.resident.submitter.completed
+        s.recover(into="registered")
+        assert s.resident.submitter.completed == done + 1
+        assert_same(state, want)
+        state["kv"][0, 0, 0, 0] = 5.0  # one page of kv
+        st = s.checkpoint()
+        assert st.pages["kv"] == 1 and sum(st.pages.values()) == 1  # a delta from the recovered state
+    with new_session(file_log, create=False, executor="resident") as s:
+        assert (s.recover()["kv"][0, 0, 0, 0] == 5.0).all()
+
+
+def test_a_new_kind_swaps_its_handler_in_and_a_known_kind_does_not(file_log):
+    with new_session(file_log, executor="resident") as s:
+        ex = s.resident
+        s.register("a", np.zeros(8192, np.uint8))
+        first = ex.consumer.executor_id
+        assert len(ex.swaps) == 1 and ex.kinds == ("opaque",)
+        s.register("b", np.ones(8192, np.uint8))            # same kind: no swap
+        assert len(ex.swaps) == 1 and ex.consumer.executor_id == first
+        s.checkpoint()
+        s.register("kv", np.full(4096, 3, np.uint8), kind="kv")
+        assert len(ex.swaps) == 2 and ex.consumer.executor_id != first and ex.kinds == ("kv", "opaque")
+        swap = ex.swaps[-1]
+        assert swap.old_executor == first and swap.new_executor == ex.consumer.executor_id
+        assert ex.consumer.table.get(0x100) is not None  # the kv handler (KINDS[0])
+        st = s.checkpoint()
+        assert st.executor == "resident" and st.base == ["kv"]
+        assert (s.recover()["kv"] == 3).all()
+
+
+def test_an_epoch_of_a_kind_without_a_handler_is_refused_naming_it(file_log):
+    with new_session(file_log, executor="resident") as s:
+        s.register("a", np.zeros(4096, np.uint8), kind="adapter")
+        s.checkpoint()
+        ex = s.resident
+        ex.submitter.swap(ex._consumer(()))  # a consumer whose table lacks the adapter handler
+        with pytest.raises(ExecutorError, match="no handler for region kind 'adapter' in the operator table"):
+            s.checkpoint()
+        assert s.epoch == 1
+        ex.submitter.swap(ex._consumer(("adapter",)))
+        assert s.checkpoint().epoch == 2
+
+
+def test_errors_of_the_epoch_are_raised_on_the_callers_thread(file_log):
+    with new_session(file_log, executor="resident") as s:
+        with pytest.raises(SessionError, match="nothing to checkpoint: no region is registered"):
+            s.checkpoint()
+        s.register("a", np.zeros(4096, np.uint8))
+        assert s.checkpoint().epoch == 1  # the consumer lives on
+        assert s.resident.consumer.errors == []
+
+
+def test_the_host_committer_writes_the_commit_on_a_file_tier(file_log):
+    seen = []
+    with new_session(file_log, executor="resident") as s:
+        s.register("a", np.zeros(4096, np.uint8))
+        real = s.log.appender.commit
+
+        def commit(*a, **k):
+            seen.append(threading.current_thread().name)
+            return real(*a, **k)
+
+        s.log.appender.commit = commit
+        s.checkpoint()
+    with new_session("memory:", executor="resident") as m:
+        m.register("a", np.zeros(4096, np.uint8))
+        real = m.log.appender.commit
+        m.log.appender.commit = lambda *a, **k: (seen.append(threading.current_thread().name), real(*a, **k))
+        m.checkpoint()
+    assert seen[0] == "session-committer" and seen[1].startswith("cpu-executor-")
+
+
+def test_the_pause_gate_waits_for_the_step_in_progress():
+    gate = PauseGate()
+    inside, leave, order = threading.Event(), threading.Event(), []
+
+    def producer():
+        with gate.step():
+            inside.set()
+            leave.wait(10)
+            order.append("step done")
+
+    t = threading.Thread(target=producer)
+    t.start()
+    inside.wait(10)
+    closer = threading.Thread(target=lambda: (gate.close(), order.append("closed")))
+    closer.start()
+    leave.set()
+    closer.join(10)
+    t.join(10)
+    assert order == ["step done", "closed"] and gate.closed
+    gate.open()
+    with gate.step():
+        pass
+    assert gate.closes == 1
+
+
+def _step_state(count: int) -> np.ndarray:
+    """The producer's state after `count` steps (deterministic)."""
+    a = np.zeros((32, 1024), np.uint32)
+    for k in range(1, count + 1):
+        a[(k * 7) % 32, k % 1024] = k
+    return a
+
+
+def _producer(a, steps, gate, counter, n, stop):
+    """The 'device': decode steps, each inside the gate, each counted."""
+    for k in range(1, n + 1):
+        if stop.is_set():
+            return
+        with gate.step():
+            a[(k * 7) % 32, k % 1024] = k
+            np.dot(np.ones((64, 64)), np.ones((64, 64)))  # a numpy step (releases the GIL)
+            steps[0] = k
+            counter.add(1)
+        time.sleep(5e-4)
+
+
+@pytest.mark.parametrize("stall", ["time.sleep", "numpy"])
+def test_gil_releasing_stall_epochs_commit_at_the_trigger_rate_and_recover_identical(shm_log, stall):
+    """The caller's thread is stalled (sleep or a long numpy operation: both release
+    the GIL, see the module docstring) while the producer runs 60 steps; the
+    trigger commits an epoch every 6 steps from the consumer alone."""
+    with new_session(shm_log, executor="resident", policy=None) as s:
+        a = np.zeros((32, 1024), np.uint32)
+        s.register("a", a)
+        s.checkpoint()                      # the base, from the caller
+        counter, gate = StepCounter(), PauseGate()
+        tr = s.resident.trigger(every=6, counter=counter, gate=gate)
+        steps, stop = [0], threading.Event()
+        dev = threading.Thread(target=_producer, args=(a, steps, gate, counter, 60, stop))
+        calls = s.resident.submitter.completed
+        dev.start()
+        deadline = time.monotonic() + 60
+        while dev.is_alive() and time.monotonic() < deadline:   # the stall: no call into the session
+            if stall == "time.sleep":
+                time.sleep(0.2)
+            else:
+                m = np.ones((400, 400))
+                for _ in range(8):
+                    m = m @ m / 400.0
+        stop.set()
+        dev.join(10)
+        fired = wait_for_epochs(s.resident, 60 // 6, 2.0)
+        assert not tr.errors, tr.errors
+        assert s.resident.submitter.completed == calls       # no task came from the caller
+        assert fired >= 2, tr.fired                          # epochs kept committing during the stall
+        assert all(c >= 6 * (i + 1) for i, (_, c) in enumerate(tr.fired))  # the i-th was due at 6 (i + 1) steps
+        counts = [c for _, c in tr.fired]
+        assert counts == sorted(counts) and counts[-1] <= 60
+        s.resident.disarm()
+        for epoch, count in tr.fired:
+            np.testing.assert_array_equal(s.recover(epoch)["a"], _step_state(count), err_msg=f"epoch {epoch}")
+        assert [c.reason for c in s.checkpoints[1:]] == ["trigger:steps"] * fired
+        assert all(c.executor == "resident" for c in s.checkpoints)
+        assert s.resident.info()["trigger"] == {"every": 6, "counter": "steps", "fired": fired, "armed": False}
+
+
+def test_a_trigger_on_a_file_tier_commits_through_the_host_committer(file_log):
+    with new_session(file_log, executor="resident") as s:
+        a = np.zeros((32, 1024), np.uint32)
+        s.register("a", a)
+        counter, gate = StepCounter(), PauseGate()
+        tr = s.resident.trigger(every=4, counter=counter, gate=gate)
+        steps, stop = [0], threading.Event()
+        _producer(a, steps, gate, counter, 12, stop)   # the producer on this thread; the epochs on the consumer
+        wait_for_epochs(s.resident, 3, 10.0)
+        assert not tr.errors and len(tr.fired) >= 1
+        assert s.resident._committer is not None
+        epoch, count = tr.fired[-1]
+    with new_session(file_log, create=False) as r:
+        np.testing.assert_array_equal(r.recover(epoch)["a"], _step_state(count))
+
+
+def test_a_failing_trigger_epoch_stops_the_trigger_and_says_why(file_log):
+    with new_session(file_log, executor="resident") as s:
+        a = np.zeros(4096, np.uint8)
+        s.register("a", a)
+        counter = StepCounter()
+        tr = s.resident.trigger(every=1, counter=counter)
+        real = s.log.appender.commit
+
+        def broken(*_a, **_k):
+            raise OSError(5, "Input/output error")
+
+        s.log.appender.commit = broken
+        counter.add(1)
+        deadline = time.monotonic() + 10
+        while tr.armed and time.monotonic() < deadline:
+            time.sleep(1e-3)
+        assert not tr.armed and tr.errors and "Input/output error" in tr.errors[0]
+        s.log.appender.commit = real
+        assert s.checkpoint().executor == "resident"  # the session goes on from the caller
+
+
+def test_trigger_arguments_are_checked(file_log):
+    with new_session(file_log, executor="resident") as s:
+        with pytest.raises(SessionError, match="a trigger needs a registered region"):
+            s.resident.trigger(every=2)
+        s.register("a", np.zeros(64, np.uint8), page_bytes=64)
+        for bad in (0, -1, 1.5, True):
+            with pytest.raises(SessionError, match="a trigger's every must be a whole number > 0"):
+                s.resident.trigger(every=bad)
+        with pytest.raises(SessionError, match="a trigger counts with an object that has read"):
+            s.resident.trigger(every=2, counter=object())
+
+
+def test_close_stops_the_consumer(file_log):
+    s = new_session(file_log, executor="resident")
+    s.register("a", np.zeros(64, np.uint8), page_bytes=64)
+    s.resident.trigger(every=2)
+    c = s.resident.consumer
+    assert c.is_resident()
+    s.close()
+    assert not c.is_resident() and s.resident.ring.stop_sent
+    assert s.resident.ring.state.name == "STOPPED"
+
+
+def test_the_epoch_and_recover_op_codes_are_in_the_ring_and_the_cuda_source():
+    assert (int(Op.EPOCH), int(Op.RECOVER)) == (7, 8)
+
+
+@pytest.mark.gpu
+def test_launch_counter_sums_the_exit_hook_counters():
+    """Instrumented kernels count their launches; the trigger's counter sums them."""
+    import cupy as cp
+    from concordia import instrument
+
+    rep = instrument.enable()
+    try:
+        src = r'extern "C" __global__ void bump(float* x) { x[threadIdx.x] += 1.0f; }'
+        k = cp.RawModule(code=src).get_function("bump")
+        x = cp.zeros(32, cp.float32)
+        k((1,), (32,), (x,))
+        cp.cuda.Device().synchronize()
+        rec = rep.find("bump")
+        counter = LaunchCounter([(rec.handle, rec.result)])
+        assert counter.read() == 1
+        for _ in range(5):
+            k((1,), (32,), (x,))
+        cp.cuda.Device().synchronize()
+        assert counter.read() == 6
+    finally:
+        instrument.disable()
+
+
+@pytest.mark.gpu
+def test_a_cupy_session_checkpoints_through_the_resident_executor(shm_log):
+    import cupy as cp
+
+    with new_session(shm_log, executor="resident") as s:
+        a = cp.zeros(1 << 20, cp.uint8)
+        s.register("a", a)
+        s.checkpoint()
+        a[12345] = 7
+        st = s.checkpoint()
+        assert st.executor == "resident" and st.pages["a"] == 1
+        assert int(s.recover()["a"][12345]) == 7
+
+
+def test_torch_cpu_tensors_go_through_the_resident_executor(file_log):
+    torch = pytest.importorskip("torch")
+    t = torch.zeros(8192, dtype=torch.bfloat16)
+    with new_session(file_log, executor="resident") as s:
+        s.register("t", t)
+        s.checkpoint()
+        t[5000] = 2.5
+        st = s.checkpoint()
+        assert st.executor == "resident" and st.pages == {"t": 1}
+        got = s.recover()["t"]
+        assert got.dtype == torch.bfloat16 and torch.equal(got, t)
+
+
+@pytest.mark.gpu
+def test_device_counted_steps_trigger_epochs_that_each_hold_the_step_they_record(shm_log):
+    """Steps queued on the device and counted there (DeviceStepCounter); the
+    caller spins in pure Python meanwhile.  The consumer's epochs run in the
+    caller's stream order, so each one holds the state of the step count it
+    captured (registered beside the state): consistent without a gate."""
+    import cupy as cp
+    from concordia.executor.resident import DeviceStepCounter
+
+    counter = DeviceStepCounter()
+    a = cp.zeros((32, 1024), cp.uint32)
+    x = cp.ones((4096, 4096), cp.float16)
+    with new_session(shm_log, executor="resident") as s:
+        s.register("a", a)
+        s.register("steps", counter.word, page_bytes=64)
+        s.checkpoint()
+        tr = s.resident.trigger(every=8, counter=counter)
+        for k in range(1, 201):                 # queued: the device runs them while the caller spins
+            a[(k * 7) % 32, k % 1024] = k
+            x @ x                               # the step's device time
+            counter.add()
+        end = time.perf_counter() + 0.2
+        while time.perf_counter() < end:        # pure Python
+            pass
+        cp.cuda.get_current_stream().synchronize()
+        wait_for_epochs(s.resident, 1, 10.0)
+        s.resident.disarm()
+        assert not tr.errors, tr.errors
+        assert tr.fired
+        for epoch, _ in tr.fired:
+            got = s.recover(epoch)
+            k = int(np.asarray(got["steps"])[0])
+            np.testing.assert_array_equal(np.asarray(got["a"]), _step_state(k), err_msg=f"epoch {epoch}")
+
+
+def test_the_epoch_completion_carries_the_pages_and_record_bytes(file_log):
+    with new_session(file_log, executor="resident", staging="mapped") as s:
+        a = np.zeros(64 * 4096, np.uint8)
+        for i in range(64):
+            s.register(f"r{i:02d}", a[i * 4096:(i + 1) * 4096])
+        s.checkpoint()
+        a[5] = a[4096 * 7] = a[4096 * 63 + 9] = 1
+        st = s.checkpoint()
+        ring = s.resident.ring
+        c = ring.read_completion(ring.tail - 1)
+        assert st.table_pass and c.op == Op.EPOCH and c.ok
+        assert (c.pages, c.bytes) == (3, st.log_bytes) and sum(st.pages.values()) == 3

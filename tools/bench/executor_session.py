@@ -1,0 +1,349 @@
+"""`concordia-wal bench executor-session`: the resident executor driving a
+Session, against the host path, through the public entry points.
+
+  stall     (on a GPU, `"stall"` is `device_steps`: 300 decode steps queued on
+            the device and counted there, `DeviceStepCounter`, while the caller
+            busy-loops in pure Python for 200 ms; the rows below also run)
+            a producer ("the device") runs decode steps inside the pause gate
+            and counts them; the session's trigger checkpoints every N steps
+            from the consumer; the caller's thread stalls for 200 ms.  Epochs
+            committed during the stall, and whether every one of them
+            recovers to exactly the state of the step it records.  The stall
+            kinds: time.sleep (releases the GIL) and a pure-Python busy loop
+            (holds the GIL between the interpreter's switch intervals, which
+            hands it to the consumer thread only every `sys.getswitchinterval()`).
+            On the CPU the consumer is a Python thread; with no host thread the
+            persistent kernel is the H200's case.
+  ckpt_ms   `Session.checkpoint()` of 1 and 1,024 regions, one dirty page each:
+            executor="host" (the default staging), "host" with staging="mapped"
+            (the same region-table pipeline the resident path takes), and
+            executor="resident"; medians in milliseconds.
+  residency (GPU only) slowdown of an fp16 GEMM, a GEMV and a streaming add
+            while a persistent kernel is resident and idle beside a Session
+            that has committed (`bench executor`'s measurement, with the
+            Session open): a component figure, since the session's epochs run
+            on the thread consumer until the device epoch handler exists.
+
+Without a GPU, or with `--cpu`, the numpy session and the CPU executor run;
+the JSON says which executor and which device ran.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import threading
+import time
+
+import click
+import numpy as np
+
+from concordia.executor.errors import ExecutorError
+
+from ..common import guarded, remove_log_file, report, require_cupy
+
+MiB = 1 << 20
+STALL_S = 0.2
+
+
+def _state_at(count: int, rows: int = 32, cols: int = 1024) -> np.ndarray:
+    a = np.zeros((rows, cols), np.uint32)
+    for k in range(1, count + 1):
+        a[(k * 7) % rows, k % cols] = k
+    return a
+
+
+def _stall(kind: str, seconds: float) -> None:
+    """The caller's thread stalls for `seconds`."""
+    if kind == "time.sleep":
+        time.sleep(seconds)
+        return
+    end = time.perf_counter() + seconds
+    x = 0
+    while time.perf_counter() < end:  # pure Python: holds the GIL but for the switch interval
+        x += 1
+
+
+def run_stall(kind: str, every: int, log: str) -> dict:
+    """Epochs the trigger commits while the caller stalls for STALL_S (host arrays)."""
+    from concordia import Session
+    from concordia.executor.resident import PauseGate, StepCounter
+
+    a = np.zeros((32, 1024), np.uint32)
+    step = np.zeros(1, np.uint64)
+    with Session(log, overwrite=True, size=64 * MiB, segment_size=4 * MiB, executor="resident") as s:
+        s.register("a", a)
+        s.register("step", step, page_bytes=64)
+        s.checkpoint()
+        counter, gate = StepCounter(), PauseGate()
+        tr = s.resident.trigger(every=every, counter=counter, gate=gate)
+        stop = threading.Event()
+
+        def device():
+            k = 0
+            while not stop.is_set():
+                with gate.step():
+                    k += 1
+                    a[(k * 7) % 32, k % 1024] = k
+                    step[0] = k
+                    counter.add(1)
+                time.sleep(2e-4)   # the step's device time
+
+        dev = threading.Thread(target=device, daemon=True)
+        dev.start()
+        while counter.read() < 2 * every:  # running before the stall starts
+            time.sleep(1e-3)
+        before, steps0 = len(tr.fired), counter.read()
+        t0 = time.perf_counter()
+        _stall(kind, STALL_S)
+        stalled_s = time.perf_counter() - t0
+        during, steps = len(tr.fired) - before, counter.read() - steps0
+        stop.set()
+        dev.join(5)
+        s.resident.disarm()
+        fired = list(tr.fired)
+        identical = bool(fired) and all(
+            np.array_equal(s.recover(epoch)["a"], _state_at(count)) and int(s.recover(epoch)["step"][0]) == count
+            for epoch, count in fired[-3:])
+        return {"stall": kind, "stall_s": round(stalled_s, 4), "every_steps": every,
+                "epochs_committed": during, "steps_during_stall": steps,
+                "expected_epochs_at_trigger_rate": steps // every, "recovered_identical": identical,
+                "recovered_checked": len(fired[-3:]), "errors": tr.errors,
+                "commit_by": s.resident.commit_by}
+
+
+def run_stall_device(cp, every: int, log: str, quick: bool) -> dict:
+    """The GPU's stall: decode steps queued on the device and counted there
+    (`DeviceStepCounter`, registered beside the state), the caller's thread in
+    a 200 ms pure-Python busy loop; epochs the trigger committed during it,
+    each recovered and compared with the state of the step it holds."""
+    from concordia import Session
+    from concordia.executor.resident import DeviceStepCounter
+
+    counter = DeviceStepCounter()
+    a = cp.zeros((32, 1024), cp.uint32)
+    n = 4096 if quick else 8192
+    x = cp.ones((n, n), cp.float16)
+    x @ x
+    cp.cuda.get_current_stream().synchronize()
+    with Session(log, overwrite=True, size=64 * MiB, segment_size=4 * MiB, executor="resident") as s:
+        s.register("a", a)
+        s.register("steps", counter.word, page_bytes=64)
+        s.checkpoint()
+        tr = s.resident.trigger(every=every, counter=counter)
+        t0 = time.perf_counter()
+        for k in range(1, 301):                 # queued: the device runs them during the stall
+            a[(k * 7) % 32, k % 1024] = k
+            x @ x
+            counter.add()
+        queued_s = time.perf_counter() - t0
+        before = len(tr.fired)
+        t1 = time.perf_counter()
+        _stall("python_busy_loop", STALL_S)
+        stalled_s = time.perf_counter() - t1
+        during = len(tr.fired) - before
+        steps_at_end = counter.read()
+        cp.cuda.get_current_stream().synchronize()
+        time.sleep(0.05)
+        s.resident.disarm()
+        fired = list(tr.fired)
+        identical = True
+        for epoch, _ in fired[-3:]:
+            got = s.recover(epoch)
+            k = int(np.asarray(got["steps"])[0])
+            identical &= bool(np.array_equal(np.asarray(got["a"]), _state_at(k)))
+        return {"stall": "python_busy_loop", "stall_s": round(stalled_s, 4), "every_steps": every,
+                "producer": f"300 steps queued on the device ({n}^3 fp16 GEMM each), counted there",
+                "queued_s": round(queued_s, 4), "epochs_committed": during, "steps_by_stall_end": steps_at_end,
+                "recovered_identical": bool(identical and fired), "recovered_checked": len(fired[-3:]),
+                "errors": tr.errors, "commit_by": s.resident.commit_by}
+
+
+def _checkpoint_ms(log: str, n: int, reps: int, xp, executor: str, staging: str) -> dict:
+    """Median `Session.checkpoint()` of `n` regions of 16 pages, one page of each dirtied."""
+    from concordia import Session
+
+    pb, pages = 4096, 16
+    size = pb * pages
+    big = xp.zeros(n * size, xp.uint8)
+    views = {f"r{i:04d}": big[i * size:(i + 1) * size] for i in range(n)}
+    need = max(64 * MiB, n * size * 4 + (reps + 4) * (n * (pb + 256) + MiB) + 16 * MiB)
+    try:
+        with Session(log, overwrite=True, size=need, segment_size=16 * MiB, executor=executor, staging=staging) as s:
+            for k, v in views.items():
+                s.register(k, v, page_bytes=pb, detect="shadow")
+            s.checkpoint()
+            times, last = [], None
+            for i in range(reps + 2):
+                at = xp.arange(n) * size + ((i * 5) % pages) * pb + 7
+                big[at] += 1
+                if xp is not np:
+                    xp.cuda.Device().synchronize()
+                t0 = time.perf_counter()
+                last = s.checkpoint()
+                times.append(time.perf_counter() - t0)
+            return {"ckpt_ms": round(statistics.median(times[2:]) * 1e3, 4),
+                    "ckpt_ms_min": round(min(times[2:]) * 1e3, 4), "dirty_pages": sum(last.pages.values()),
+                    "table_pass": last.table_pass, "via": sorted(set(last.via.values())),
+                    "executor": last.executor}
+    finally:
+        remove_log_file(log)
+
+
+def run(on_gpu: bool, quick: bool, counts: list[int]) -> dict:
+    xp, device = np, "cpu"
+    if on_gpu:
+        xp = require_cupy(ExecutorError, where="bench executor-session", hint="use --cpu for the numpy session")
+        device = xp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    tag = f"concordia-bench-xs{os.getpid()}"
+    shm = os.path.isdir("/dev/shm")
+    log = f"shm:{tag}" if shm else "memory:"
+    doc = {"benchmark": "executor-session", "device": device, "quick": quick,
+           "executor": {"resident": "cpu executor thread (concordia.executor.resident)",
+                        "device_epoch_handler": False},
+           "regions_xp": "cupy" if xp is not np else "numpy", "log_tier": log.split(":")[0],
+           "python_switch_interval_s": sys.getswitchinterval()}
+    every = 8
+    try:
+        stalls = {k: run_stall(k, every, log) for k in ("time.sleep", "python_busy_loop")}
+    finally:
+        remove_log_file(log)
+    if on_gpu:
+        try:
+            stalls["device_steps"] = run_stall_device(xp, every, log, quick)
+        finally:
+            remove_log_file(log)
+    doc["stall"] = stalls["device_steps" if on_gpu else "python_busy_loop"]
+    doc["stall_variants"] = stalls
+    reps = 5 if quick else 30
+    doc["ckpt_ms"], doc["ckpt_detail"] = {}, {}
+    for label, executor, staging in (("host", "host", "auto"), ("host_mapped", "host", "mapped"),
+                                     ("resident", "resident", "auto")):
+        doc["ckpt_ms"][label], doc["ckpt_detail"][label] = {}, {}
+        for n in counts:
+            got = _checkpoint_ms(log, n, reps, xp, executor, staging)
+            doc["ckpt_ms"][label][str(n)] = got["ckpt_ms"]
+            doc["ckpt_detail"][label][str(n)] = got
+    doc["ckpt_reps"] = reps
+    if on_gpu:
+        doc["residency"] = _residency_in_session(xp, quick, log)
+    goals = {"stall_epochs_committed>0": doc["stall"]["epochs_committed"] > 0,
+             "stall_recovered_identical": doc["stall"]["recovered_identical"]}
+    for n in counts:
+        goals[f"resident_ckpt<=host_{n}"] = doc["ckpt_ms"]["resident"][str(n)] <= doc["ckpt_ms"]["host"][str(n)]
+    if "residency" in doc and "workloads" in doc["residency"]:
+        # the GpuExecutor's default: cuBLAS told to leave its one SM free (sm_carveout=1)
+        goals["resident_idle_slowdown_with_sm_target<=2%"] = all(
+            v["executor_resident_idle_sm_target_pct"] <= 2.0 for v in doc["residency"]["workloads"].values())
+    doc["goals"] = goals
+    return doc
+
+
+def _residency_in_session(cp, quick: bool, log: str) -> dict:
+    """`bench executor`'s idle-residency measurement with a resident Session open
+    on a committed state beside it (component: see the module docstring)."""
+    os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+    from concordia import Session
+    from concordia.executor import persistent as gpu
+    from concordia.executor.host import Submitter
+
+    from . import executor as bx
+    from . import kernels
+
+    child = gpu.ExecutorModule(child=True).load()
+    bench = kernels.load_bench_kernels()
+    ws = cp.cuda.Stream(non_blocking=True)
+    workloads = bx.workloads(cp, ws, quick)
+    for w in workloads.values():
+        w()
+    ws.synchronize()
+    state = cp.zeros(64 * MiB, cp.uint8)
+    gring = gpu.GpuRing(1024)
+    flag = gpu.MappedHostBuffer(8)
+    sub = Submitter(gring.ring, gpu.GpuExecutor(gring, child, idle_s=30.0, lifetime_s=120.0, sm_carveout=0),
+                    stall_deadline_s=30.0)
+    try:
+        with Session(log, overwrite=True, size=512 * MiB, segment_size=64 * MiB, executor="resident") as s:
+            s.register("state", state)
+            s.checkpoint()
+            state[123] = 1
+            s.checkpoint()
+            got = bx.residency(cp, gpu, bench, ws, workloads, gring, sub, flag, quick)
+            got["session"] = {"epoch": s.epoch, "executor": s.executor_info}
+            return got
+    except Exception as exc:  # recorded; the rest of the run stands
+        return {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"}
+    finally:
+        flag.array.view(np.uint64)[0] = 1
+        if not gring.ring.stop_sent:
+            try:
+                sub.stop(timeout=30)
+            except Exception:
+                pass
+        sub.consumer.join(30)
+        gring.close()
+        flag.close()
+        remove_log_file(log)
+
+
+def _table(doc: dict) -> str:
+    lines = [f"executor-session on {doc['device']} ({doc['regions_xp']} regions, {doc['log_tier']} log; "
+             f"resident = {doc['executor']['resident']})"]
+    for k, st in doc["stall_variants"].items():
+        ran = (f"{st['steps_during_stall']} steps ran" if "steps_during_stall" in st
+               else f"{st['steps_by_stall_end']} device steps by its end")
+        lines.append(f"stall {k:<17} {st['stall_s'] * 1e3:6.0f} ms: {st['epochs_committed']:3d} epochs committed "
+                     f"(every {st['every_steps']} steps; {ran}), recovered identical: {st['recovered_identical']}")
+    counts = list(doc["ckpt_ms"]["host"])
+    lines.append(f"{'checkpoint ms (median)':<24}" + "".join(f"{n + ' regions':>14}" for n in counts))
+    for label, row in doc["ckpt_ms"].items():
+        lines.append(f"  {label:<22}" + "".join(f"{row[n]:>14.3f}" for n in counts))
+    res = doc.get("residency")
+    if res and "workloads" in res:
+        lines.append(f"{'residency slowdown % (persistent kernel idle beside the session)':<66}"
+                     f"{'idle':>8}{'+sm target':>11}{'released':>10}")
+        for name, v in res["workloads"].items():
+            lines.append(f"  {name:<64}{v['executor_resident_idle_pct']:>8.2f}"
+                         f"{v['executor_resident_idle_sm_target_pct']:>11.2f}{v['executor_released_pct']:>10.2f}")
+    elif res:
+        lines.append(f"residency: {res.get('error')}")
+    lines.append("goals  " + "  ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in doc["goals"].items()))
+    return "\n".join(lines)
+
+
+@click.command("executor-session")
+@click.option("--cpu", "on_cpu", is_flag=True, help="numpy session and the CPU executor (the default without a GPU)")
+@click.option("--quick", is_flag=True, help="few repetitions (CI smoke run)")
+@click.option("--regions", default="1,1024", show_default=True, help="region counts of the checkpoint rows")
+@click.option("--json", "as_json", is_flag=True, help="print JSON instead of the table")
+@click.option("--out", type=click.Path(dir_okay=False), default=None, help="also write JSON here")
+@guarded
+def command(on_cpu, quick, regions, as_json, out):
+    """The resident executor driving a Session: epochs committed by its trigger
+    while the caller stalls, checkpoint latency against the host path for 1
+    and 1,024 regions, and (on a GPU) idle residency inside a Session.
+
+    Example:
+
+    \b
+        concordia-wal bench executor-session --cpu --out executor-session.json
+        concordia-wal bench executor-session --json      # on the GPU machine
+    """
+    try:
+        counts = [int(x) for x in regions.split(",") if x.strip()]
+        if not counts or min(counts) < 1:
+            raise ValueError
+    except ValueError:
+        raise click.BadParameter(f"{regions!r} is not a list of region counts such as 1,1024",
+                                 param_hint="--regions") from None
+    on_gpu = False
+    if not on_cpu:
+        try:
+            import cupy
+
+            on_gpu = cupy.cuda.runtime.getDeviceCount() > 0
+        except Exception:
+            on_gpu = False
+    doc = run(on_gpu, quick, counts)
+    report(doc, as_json=as_json, out=out, table=_table)
