@@ -241,7 +241,7 @@ def test_gil_releasing_stall_epochs_commit_at_the_trigger_rate_and_recover_ident
         s.resident.disarm()
         for epoch, count in tr.fired:
             np.testing.assert_array_equal(s.recover(epoch)["a"], _step_state(count), err_msg=f"epoch {epoch}")
-        assert [c.reason for c in s.checkpoints[1:]] == ["trigger:steps"] * fired
+        assert [c.reason for c in list(s.checkpoints)[1:]] == ["trigger:steps"] * fired
         assert all(c.executor == "resident" for c in s.checkpoints)
         assert s.resident.info()["trigger"] == {"every": 6, "counter": "steps", "fired": fired, "armed": False}
 
