@@ -34,6 +34,7 @@ planner in one line naming it.
 from __future__ import annotations
 
 import collections
+import itertools
 import time
 
 import numpy as np
@@ -65,12 +66,14 @@ class Retention:
         self.policy = policy
         self.job = None            # the Compaction being written, or None
         self.job_pressure = False
-        self.chain: dict = {}      # region name -> delta payload bytes since its newest base
+        self.job_ready = False     # its bases are written: the next hook switches
         self.based: set | None = None  # names with a catalogued base (read at the first hook)
         self.times: collections.deque = collections.deque()  # (epoch, monotonic time) of commits
         self.opened = time.monotonic()
         self.pending_floor = 0     # epoch of the newest bases, until the floor reaches them
-        self.last: str | None = None   # what the last hook did: "base", "switch" or None
+        #: what the last hook did: "start" (a job's host copies), "base" (a slice of BASE
+        #: records), "switch", or None
+        self.last: str | None = None
         self.reports: collections.deque = collections.deque(maxlen=64)  # CompactReport of switches
         self.counts: collections.Counter = collections.Counter()
         self.error: str | None = None  # the last failure (the job is dropped and retried later)
@@ -80,7 +83,70 @@ class Retention:
         self.known = Known()
         # no record of the next epoch lies below this LSN (a read-only log has no writer)
         self._mark = session.log.appender.write_lsn if getattr(session.log, "writable", True) else 0
-        self._can_base: tuple | None = None  # (regions, answer)
+        # What the hook needs of every region, kept so that a checkpoint costs no
+        # Python per region here (see `_sync`): one slot per registered region,
+        # in registration order.
+        self._key: tuple | None = None  # (regions, base_every_bytes) the slots describe
+        self._names: list = []
+        self._slot: dict = {}           # name -> slot
+        self._chain = np.zeros(0, np.int64)   # delta payload bytes since the region's newest base
+        self._bounds = np.zeros(0, np.int64)  # bound() of each region
+        self._pbytes = np.zeros(0, np.int64)  # page bytes of each region
+        self._state = 0                 # state_bytes() of the registered regions
+        self._table: tuple | None = None  # (names of a table pass, their slots)
+        self._free: tuple = (None, 0)   # (superblock, bytes of its free segments)
+
+    # ------------------------------------------------------- the bookkeeping
+    def _sync(self) -> None:
+        """Make the per-region slots describe the registered regions.  O(regions),
+        and only after a register (or `regions_changed`): regions are only ever
+        added (register refuses a second region of a name), so their count says
+        whether the slots still hold.  A region's chain survives the rebuild."""
+        regions = self.session._regions
+        key = (len(regions), self.policy.base_every_bytes)
+        if key == self._key:
+            return
+        old = dict(zip(self._names, self._chain.tolist()))
+        rs = list(regions.values())
+        self._names = list(regions)
+        self._slot = {n: i for i, n in enumerate(self._names)}
+        self._chain = np.array([old.get(n, 0) for n in self._names], np.int64)
+        self._bounds = np.array([self.bound(r) for r in rs], np.int64)
+        self._pbytes = np.array([r.page_bytes for r in rs], np.int64)
+        self._state = sum(record_bytes(r.array.nbytes, r.page_bytes) for r in rs)
+        self._table = None
+        self._key = key
+
+    def regions_changed(self) -> None:
+        """Rebuild the per-region slots at the next use (for a caller that
+        removes or replaces a registered region)."""
+        self._key = None
+
+    @property
+    def chain(self) -> dict:
+        """{region name: delta payload bytes logged since its newest base (or its
+        first full write)}, a copy."""
+        self._sync()
+        return dict(zip(self._names, self._chain.tolist()))
+
+    def _add_chain(self, stats) -> None:
+        """Add the pages of `stats` to the chains: a table pass's counts in one
+        array operation, a per-region checkpoint's dict over the regions it wrote."""
+        counts = stats.page_counts() if hasattr(stats, "page_counts") else None
+        if counts is not None:
+            names, n = counts
+            t = self._table
+            if t is None or t[0] is not names:  # the table's names list is kept while the table is
+                t = self._table = (names, np.array([self._slot[x] for x in names], np.intp))
+            self._chain[t[1]] += np.asarray(n, np.int64) * self._pbytes[t[1]]
+        else:
+            slot, chain, pb = self._slot, self._chain, self._pbytes
+            for name, k in stats.pages.items():
+                if k:
+                    i = slot[name]
+                    chain[i] += int(k) * int(pb[i])
+        for name in stats.base:  # a first full write bounds the chain as a base does
+            self._chain[self._slot[name]] = 0
 
     # ---------------------------------------------------------------- sizes
     def capacity(self) -> int:
@@ -90,8 +156,8 @@ class Retention:
     def state_bytes(self, extra: tuple = ()) -> int:
         """Log bytes one full image of the registered regions (and of `extra`
         (nbytes, page_bytes) pairs) takes."""
-        sizes = [(r.array.nbytes, r.page_bytes) for r in self.session._regions.values()] + list(extra)
-        return sum(record_bytes(n, pb) for n, pb in sizes)
+        self._sync()
+        return self._state + sum(record_bytes(n, pb) for n, pb in extra)
 
     def check_capacity(self, name: str, nbytes: int, page_bytes: int) -> None:
         """Refuse, before anything is written, a region with which one image of
@@ -115,7 +181,10 @@ class Retention:
         vol = log.volume
         from concordia.wal import format as F
 
-        free = sum(1 for e in vol.superblock.segments if e.state == F.SEG_FREE) * int(vol.segment_bytes)
+        sb = vol.superblock  # a new object whenever a segment is taken or freed
+        if self._free[0] is not sb:
+            self._free = (sb, sum(1 for e in sb.segments if e.state == F.SEG_FREE) * int(sb.segment_bytes))
+        free = self._free[1]
         if not log.writable:  # a read-only session (Session(create=False)) has no appender until it writes
             return free
         app = log.appender
@@ -125,7 +194,7 @@ class Retention:
 
     def reserve(self) -> int:
         """Free space below which the log is under pressure."""
-        state = sum(record_bytes(r.array.nbytes, r.page_bytes) for r in self.session._regions.values())
+        state = self.state_bytes()
         last = self.session.checkpoints[-1].log_bytes if self.session.checkpoints else 0
         # a base of every region (with the ends of the segments it crosses) and a
         # few more checkpoints fit below it, so the switch that frees space comes in time
@@ -154,20 +223,14 @@ class Retention:
         keep_s = self.policy.keep_seconds
         while self.times and (not keep_s or now - self.times[0][1] > keep_s) and len(self.times) > 1:
             self.times.popleft()
-        regions = self.session._regions
-        for name, n in stats.pages.items():
-            if name in stats.base:
-                self.chain[name] = 0  # a first full write bounds the chain as a base does
-            else:
-                self.chain[name] = self.chain.get(name, 0) + int(n) * regions[name].page_bytes
-        n = len(regions)
-        if self._can_base is None or self._can_base[0] != n:
-            self._can_base = (n, self.can_base())
-        if not self._can_base[1]:
+        self._sync()
+        self._add_chain(stats)
+        if not self.can_base():
             self.error = (f"the log ({_mib(self.capacity())}) cannot hold a base beside the state it keeps "
                           f"({_mib(2 * self.state_bytes())} with it): no automatic bases")
             return
         try:
+            regions = self.session._regions
             if self.based is None:
                 from concordia.wal.snapshot import current_catalog
 
@@ -175,7 +238,10 @@ class Retention:
                 self.based = {n for n, r in regions.items() if r.id in ids}
             pressure = self.free_bytes() < self.reserve()
             if self.job is None:
-                self._maybe_start(stats.epoch, pressure)
+                # a job starts with its host copies alone; its slices follow from the next hook
+                if self._maybe_start(stats.epoch, pressure) and not pressure:
+                    self.last = "start"
+                    return
             if self.job is not None:
                 self._advance(pressure, int(self.policy.slice_bytes or max(MIN_SLICE, 2 * stats.log_bytes)))
             elif self.pending_floor and self._window_start(stats.epoch) > self.pending_floor:
@@ -186,12 +252,15 @@ class Retention:
             if self.job is not None:
                 self.job.abort()
             self.job = None
+            self.job_ready = False
 
-    def _maybe_start(self, epoch: int, pressure: bool) -> None:
+    def _maybe_start(self, epoch: int, pressure: bool) -> bool:
+        """Start a base job when a chain passed its bound (or under pressure); True if one started."""
+        over = self._chain > self._bounds
+        if not pressure and not over.any():
+            return False
         regions = self.session._regions
-        due = [n for n, r in regions.items() if self.chain.get(n, 0) > self.bound(r)]
-        if not due and not pressure:
-            return
+        due = [self._names[i] for i in np.flatnonzero(over)]
         names = list(regions) if pressure else sorted(set(due) | (set(regions) - self.based))
         from concordia.regions import to_host
         from concordia.wal.compaction import Compaction
@@ -207,9 +276,11 @@ class Retention:
                               digests=digests if len(live) == len(names) else None,
                               chunk_bytes=int(self.policy.slice_bytes or MIN_SLICE))
         self.job_pressure = pressure
+        self.job_ready = False
         self.counts["jobs"] += 1
         for n in names:  # the chain restarts at the base's epoch
-            self.chain[n] = 0
+            self._chain[self._slot[n]] = 0
+        return True
 
     def _commit_digests(self) -> dict:
         """{region id: digest} of the last commit record (read back from the log)."""
@@ -222,15 +293,19 @@ class Retention:
         return dict(F.decode_commit_body(body, h).digests)
 
     def _advance(self, pressure: bool, slice_bytes: int) -> None:
+        """One slice of the job's BASE records, or, once they are all written,
+        the switch: each in a hook of its own, so that no checkpoint pays for
+        both.  Under pressure the job is written and switched at once."""
         job = self.job
         if pressure or self.job_pressure:
             while not job.step():
                 pass
-        elif not job.step(slice_bytes):
+            self.counts["slices"] += 1
+        elif not self.job_ready:
+            self.job_ready = job.step(slice_bytes)
             self.last = "base"
             self.counts["slices"] += 1
             return
-        self.counts["slices"] += 1
         self._switch(job, job.epoch, pressure or self.job_pressure)
 
     def _window_start(self, latest: int) -> int:
@@ -255,10 +330,12 @@ class Retention:
         keep = max(1, latest - start + 1) if start else (1 << 62)
         self.known.window_start = start
         rep = job.finish(keep_epochs=keep, known=self.known)
-        for ep in [ep for ep in self.known.epochs if ep < rep.floor_epoch]:
-            del self.known.epochs[ep]
+        eps = self.known.epochs  # in commit order: the epochs below the floor are its first ones
+        for ep in list(itertools.takewhile(lambda e: e < rep.floor_epoch, eps)):
+            del eps[ep]
         self.job = None
         self.job_pressure = False
+        self.job_ready = False
         self.reports.append(rep)
         self.counts["switches"] += 1
         self.counts["segments_freed"] += len(rep.segments_freed)
