@@ -4,21 +4,28 @@ A `Session` calls `Retention.after_commit` once after every checkpoint has
 committed.  Under the session's `Policy` it
 
   * starts a base job when a region's delta chain (payload logged since its
-    newest base, or since its first full write) passes `base_every_bytes`:
-    a `wal.compaction.Compaction` at the epoch just committed, for that region
-    and every region that has no catalogued base yet, taking the images from
-    host copies made now (a region of at most LIVE_COPY_BYTES; the copy is
-    the state of the committed epoch because nothing ran since the commit)
-    or else folding them from the log;
+    newest base, or since its first full write) would pass `base_every_bytes`
+    before a base started now is in force (so that the chain a recovery reads
+    stays within the bound): a `wal.compaction.Compaction` at the epoch just
+    committed, for that region and every region that has no catalogued base
+    yet, taking the images from host copies made now (a region of at most
+    LIVE_COPY_BYTES; the copy is the state of the committed epoch because
+    nothing ran since the commit) or else folding them from the log;
   * writes that job's BASE records, about `slice_bytes` after each
     checkpoint, so that no checkpoint waits for a whole base;
   * switches when the bases are written (`Compaction.finish`: one new
     catalog, one superblock write), freeing every segment below what the
     kept window still needs, and switches once more (with no new base) when
     the window has moved past the newest bases, so the floor follows them;
+    the host copies, each slice and the switch each take a hook of their own;
   * under log pressure (free space below a full base of every region plus a
     few segments) bases every region at once and keeps only the newest epoch:
     the checkpoint the caller relies on must not fail for want of space.
+
+After a table pass the hook costs no Python per region: the state's size,
+the free space and every region's chain are kept between checkpoints (the
+pass's page counts are added in one array operation, a per-region
+checkpoint's one region at a time) and counted afresh only after a register.
 
 A kill at any point is safe: until the superblock write of a switch nothing a
 reader sees has changed (the BASE records are unlisted and ignored), and after
@@ -90,6 +97,7 @@ class Retention:
         self._names: list = []
         self._slot: dict = {}           # name -> slot
         self._chain = np.zeros(0, np.int64)   # delta payload bytes since the region's newest base
+        self._since = np.zeros(0, np.int64)   # the epoch its chain restarted at
         self._bounds = np.zeros(0, np.int64)  # bound() of each region
         self._pbytes = np.zeros(0, np.int64)  # page bytes of each region
         self._state = 0                 # state_bytes() of the registered regions
@@ -106,11 +114,12 @@ class Retention:
         key = (len(regions), self.policy.base_every_bytes)
         if key == self._key:
             return
-        old = dict(zip(self._names, self._chain.tolist()))
+        old = dict(zip(self._names, zip(self._chain.tolist(), self._since.tolist())))
         rs = list(regions.values())
         self._names = list(regions)
         self._slot = {n: i for i, n in enumerate(self._names)}
-        self._chain = np.array([old.get(n, 0) for n in self._names], np.int64)
+        self._chain = np.array([old.get(n, (0, 0))[0] for n in self._names], np.int64)
+        self._since = np.array([old.get(n, (0, 0))[1] for n in self._names], np.int64)
         self._bounds = np.array([self.bound(r) for r in rs], np.int64)
         self._pbytes = np.array([r.page_bytes for r in rs], np.int64)
         self._state = sum(record_bytes(r.array.nbytes, r.page_bytes) for r in rs)
@@ -147,6 +156,7 @@ class Retention:
                     chain[i] += int(k) * int(pb[i])
         for name in stats.base:  # a first full write bounds the chain as a base does
             self._chain[self._slot[name]] = 0
+            self._since[self._slot[name]] = stats.epoch
 
     # ---------------------------------------------------------------- sizes
     def capacity(self) -> int:
@@ -239,7 +249,7 @@ class Retention:
             pressure = self.free_bytes() < self.reserve()
             if self.job is None:
                 # a job starts with its host copies alone; its slices follow from the next hook
-                if self._maybe_start(stats.epoch, pressure) and not pressure:
+                if self._maybe_start(stats.epoch, pressure, stats.log_bytes) and not pressure:
                     self.last = "start"
                     return
             if self.job is not None:
@@ -254,9 +264,22 @@ class Retention:
             self.job = None
             self.job_ready = False
 
-    def _maybe_start(self, epoch: int, pressure: bool) -> bool:
-        """Start a base job when a chain passed its bound (or under pressure); True if one started."""
-        over = self._chain > self._bounds
+    def _due(self, epoch: int, log_bytes: int) -> np.ndarray:
+        """Which regions need a base now: so that the chain a recovery reads stays
+        within its bound, a base starts once the chain would pass the bound before
+        a base started now is in force (its slices and switch take about
+        `2 + image / slice` epochs more, the chain growing at its pace since it
+        restarted), but not before the chain is half the bound."""
+        chain, bound = self._chain, self._bounds
+        sl = int(self.policy.slice_bytes or max(MIN_SLICE, 2 * int(log_bytes)))
+        takes = 2 + -(-self._state // sl)
+        age = np.maximum(epoch - self._since, 1)
+        soon = chain + chain / age * takes > bound
+        return (chain > bound) | (soon & (2 * chain > bound))
+
+    def _maybe_start(self, epoch: int, pressure: bool, log_bytes: int = 0) -> bool:
+        """Start a base job when a chain is due (`_due`), or under pressure; True if one started."""
+        over = self._due(epoch, log_bytes)
         if not pressure and not over.any():
             return False
         regions = self.session._regions
@@ -280,6 +303,7 @@ class Retention:
         self.counts["jobs"] += 1
         for n in names:  # the chain restarts at the base's epoch
             self._chain[self._slot[n]] = 0
+            self._since[self._slot[n]] = epoch
         return True
 
     def _commit_digests(self) -> dict:

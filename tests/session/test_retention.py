@@ -279,3 +279,28 @@ def test_the_kept_totals_and_chains_equal_a_recount_from_the_checkpoints(shm_log
             if ep == epoch:
                 since[name] = 0
         assert chain == since, epoch
+
+
+def test_the_chain_a_recovery_reads_stays_within_the_bound(shm_log):
+    # base_every_bytes (default a quarter of the region) bounds the deltas a
+    # recovery reads after the newest base: a base starts early enough to be
+    # in force (written and switched) before the chain passes the bound
+    from concordia.wal.planner import plan
+
+    a = np.zeros((256, 1024), np.uint32)  # 1 MiB: the bound is 256 KiB, 64 one-page epochs
+    versions = np.zeros(256, np.uint64)
+    longest = 0
+    with Session(shm_log, size=16 * MiB, segment_size=1 * MiB, overwrite=True) as s:
+        s.register("state", a, kind="adapter", slot_versions=versions, pages_per_slot=1)
+        bound = s.retention.bound(s.regions["state"])
+        for e in range(1, 421):
+            p = (e * 7919) % 256
+            a[p, e % 1024] = e
+            versions[p] += 1
+            s.checkpoint()
+            rp = plan(s.log).regions["state"]
+            if rp.base_epoch is not None:
+                longest = max(longest, (rp.epoch - rp.base_epoch) * 4096)
+        assert s.retention.counts["bases"] >= 5 and s.retention.error is None, dict(s.retention.counts)
+        assert np.array_equal(s.recover()["state"], a)
+    assert bound // 2 < longest <= bound, (longest, bound)
