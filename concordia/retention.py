@@ -53,6 +53,10 @@ from concordia.errors import ConcordiaError, SessionError
 LIVE_COPY_BYTES = 256 << 20
 #: BASE bytes written after a checkpoint at the least (Policy.slice_bytes=None)
 MIN_SLICE = 64 << 10
+#: host copies up to this many bytes in all are kept from one job to the next,
+#: so that a job's start copies into memory already in place (a fresh buffer
+#: costs page faults and zeroing on top of the copy)
+KEPT_COPY_BYTES = 64 << 20
 
 
 def record_bytes(nbytes: int, page_bytes: int) -> int:
@@ -103,6 +107,7 @@ class Retention:
         self._state = 0                 # state_bytes() of the registered regions
         self._table: tuple | None = None  # (names of a table pass, their slots)
         self._free: tuple = (None, 0)   # (superblock, bytes of its free segments)
+        self._copies: dict = {}         # name -> host buffer kept for its next job's copy
 
     # ------------------------------------------------------- the bookkeeping
     def _sync(self) -> None:
@@ -285,7 +290,6 @@ class Retention:
         regions = self.session._regions
         due = [self._names[i] for i in np.flatnonzero(over)]
         names = list(regions) if pressure else sorted(set(due) | (set(regions) - self.based))
-        from concordia.regions import to_host
         from concordia.wal.compaction import Compaction
 
         stated = self._commit_digests()  # the digests the commit just written states
@@ -293,7 +297,7 @@ class Retention:
         for n in names:
             r = regions[n]
             if r.array.nbytes <= LIVE_COPY_BYTES and r.id in stated:
-                live[n] = np.array(to_host(r.array), copy=True).reshape(-1).view(np.uint8)
+                live[n] = self._host_copy(n, r.array)
                 digests[n] = int(stated[r.id])
         self.job = Compaction(self.session.log, epoch, regions=names, live=live,
                               digests=digests if len(live) == len(names) else None,
@@ -305,6 +309,22 @@ class Retention:
             self._chain[self._slot[n]] = 0
             self._since[self._slot[n]] = epoch
         return True
+
+    def _host_copy(self, name: str, arr) -> np.ndarray:
+        """The bytes of `arr` as they are now, in a buffer of this session's:
+        the one of the region's last job (that job is over) while the kept
+        buffers stay within KEPT_COPY_BYTES, else a new one."""
+        from concordia.regions import to_host
+
+        src = np.ascontiguousarray(to_host(arr)).reshape(-1).view(np.uint8)
+        buf = self._copies.get(name)
+        if buf is None or buf.nbytes != src.nbytes:
+            self._copies.pop(name, None)
+            if sum(b.nbytes for b in self._copies.values()) + src.nbytes > KEPT_COPY_BYTES:
+                return src.copy()
+            buf = self._copies[name] = np.empty(src.nbytes, np.uint8)
+        np.copyto(buf, src)
+        return buf
 
     def _commit_digests(self) -> dict:
         """{region id: digest} of the last commit record (read back from the log)."""
