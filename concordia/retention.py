@@ -17,7 +17,8 @@ committed.  Under the session's `Policy` it
     catalog, one superblock write), freeing every segment below what the
     kept window still needs, and switches once more (with no new base) when
     the window has moved past the newest bases, so the floor follows them;
-    the host copies, each slice and the switch each take a hook of their own;
+    the host copies, each slice, the new catalog and the superblock write that
+    makes it current each take a hook of their own;
   * under log pressure (free space below a full base of every region plus a
     few segments) bases every region at once and keeps only the newest epoch:
     the checkpoint the caller relies on must not fail for want of space.
@@ -83,7 +84,8 @@ class Retention:
         self.opened = time.monotonic()
         self.pending_floor = 0     # epoch of the newest bases, until the floor reaches them
         #: what the last hook did: "start" (a job's host copies), "base" (a slice of BASE
-        #: records), "switch", or None
+        #: records), "catalog" (a switch's catalog appended), "switch" (its superblock
+        #: write), or None
         self.last: str | None = None
         self.reports: collections.deque = collections.deque(maxlen=64)  # CompactReport of switches
         self.counts: collections.Counter = collections.Counter()
@@ -260,7 +262,7 @@ class Retention:
             if self.job is not None:
                 self._advance(pressure, int(self.policy.slice_bytes or max(MIN_SLICE, 2 * stats.log_bytes)))
             elif self.pending_floor and self._window_start(stats.epoch) > self.pending_floor:
-                self._switch(None, stats.epoch, pressure)
+                self._switch(stats.epoch, pressure)
         except ConcordiaError as exc:
             self.error = exc.one_line() if hasattr(exc, "one_line") else str(exc)
             self.counts["errors"] += 1
@@ -337,20 +339,27 @@ class Retention:
         return dict(F.decode_commit_body(body, h).digests)
 
     def _advance(self, pressure: bool, slice_bytes: int) -> None:
-        """One slice of the job's BASE records, or, once they are all written,
-        the switch: each in a hook of its own, so that no checkpoint pays for
-        both.  Under pressure the job is written and switched at once."""
+        """One step of the job, each in a hook of its own so that no checkpoint
+        pays for two: a slice of its BASE records; once they are written, its
+        catalog (appended, not yet current); then the superblock write that
+        switches to it.  Under pressure the job is written and switched at once."""
         job = self.job
-        if pressure or self.job_pressure:
+        if job.prepared:
+            self._switched(job)
+        elif pressure or self.job_pressure:
             while not job.step():
                 pass
             self.counts["slices"] += 1
+            self._prepare(job, job.epoch, True)
+            self._switched(job)
         elif not self.job_ready:
             self.job_ready = job.step(slice_bytes)
             self.last = "base"
             self.counts["slices"] += 1
-            return
-        self._switch(job, job.epoch, pressure or self.job_pressure)
+        elif self._prepare(job, job.epoch, False):
+            self.last = "catalog"
+        else:
+            self._switched(job)  # nothing to write
 
     def _window_start(self, latest: int) -> int:
         """The oldest epoch the kept window holds, for a log whose newest epoch is `latest`."""
@@ -362,18 +371,30 @@ class Retention:
             start = min(start, self.times[0][0]) if self.times else start
         return max(0, start)
 
-    def _switch(self, job, epoch: int, pressure: bool) -> None:
+    def _switch(self, epoch: int, pressure: bool) -> None:
+        """A switch with no new base, so that the floor follows the newest bases
+        once the window has moved past them (in two hooks, as a job's)."""
         from concordia.wal.compaction import Compaction
 
+        job = Compaction(self.session.log, epoch, regions=[], live={}, digests={})
+        if self._prepare(job, epoch, pressure) and not pressure:
+            self.job, self.job_ready, self.last = job, True, "catalog"
+        else:
+            self._switched(job)
+
+    def _prepare(self, job, epoch: int, pressure: bool) -> bool:
+        """The job's catalog under the kept window (`Compaction.prepare`)."""
         log = self.session.log
-        if job is None:
-            job = Compaction(log, epoch, regions=[], live={}, digests={})
         latest = int(log.last_committed_epoch or 0)
         start = latest if pressure else self._window_start(latest)
         # the compaction counts the window in committed epochs: one per epoch from start
         keep = max(1, latest - start + 1) if start else (1 << 62)
         self.known.window_start = start
-        rep = job.finish(keep_epochs=keep, known=self.known)
+        return job.prepare(keep_epochs=keep, known=self.known)
+
+    def _switched(self, job) -> None:
+        """The job's superblock write (`Compaction.switch`), and what follows from it."""
+        rep = job.switch()
         eps = self.known.epochs  # in commit order: the epochs below the floor are its first ones
         for ep in list(itertools.takewhile(lambda e: e < rep.floor_epoch, eps)):
             del eps[ep]

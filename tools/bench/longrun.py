@@ -17,7 +17,7 @@ the log, its plan and the numpy restore (what `Session(...).recover()` does),
 the min of 3, every restore checked against the state.  For `retain`, the p99
 of the checkpoints whose retention hook wrote a base slice or switched
 (`during_compaction`, also split `by_hook`: the job's host copies, a slice,
-a switch) is set beside the p99 of the others (`without`).
+the new catalog, the superblock switch) is set beside the p99 of the others (`without`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from ..common import SIZE, guarded, remove_log_file, report
 
 
 #: what retention's hook did after a checkpoint (Retention.last; None: nothing)
-HOOK_KINDS = (None, "start", "base", "switch")
+HOOK_KINDS = (None, "start", "base", "catalog", "switch")
 
 
 def _samples(epochs: int, n: int) -> list:
