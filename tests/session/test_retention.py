@@ -304,3 +304,41 @@ def test_the_chain_a_recovery_reads_stays_within_the_bound(shm_log):
         assert s.retention.counts["bases"] >= 5 and s.retention.error is None, dict(s.retention.counts)
         assert np.array_equal(s.recover()["state"], a)
     assert bound // 2 < longest <= bound, (longest, bound)
+
+
+def test_a_switch_prepared_but_not_made_current_leaves_the_old_catalog_and_keeps_later_epochs(shm_log):
+    # Compaction.prepare appends the new catalog; until Compaction.switch writes
+    # the superblock a reader sees the old one, and checkpoints committed between
+    # the halves stay restorable after the switch
+    from concordia.wal.compaction import Compaction
+    from concordia.wal.snapshot import current_catalog
+
+    a = np.zeros((64, 1024), np.uint32)
+    states = {}
+    with Session(shm_log, size=16 * MiB, segment_size=1 * MiB, overwrite=True, policy=Policy(retain=False)) as s:
+        s.register("state", a)
+        for e in range(1, 301):
+            _touch(a, e)
+            s.checkpoint()
+            states[e] = a.copy()
+        job = Compaction(s.log, 300, live={"state": a.copy()})
+        while not job.step():
+            pass
+        before = current_catalog(s.log)
+        assert job.prepare(keep_epochs=1) and job.prepared  # keeps epoch 300 on
+        for e in range(301, 304):  # between the halves
+            _touch(a, e)
+            s.checkpoint()
+            states[e] = a.copy()
+        with Log.open(shm_log, writable=False) as log:  # a reader meanwhile: the old catalog, every epoch
+            assert current_catalog(log).sequence == before.sequence and not list_snapshots(log)
+            assert int(log.volume.superblock.oldest_epoch) == 0
+        assert np.array_equal(s.recover(1)["state"], states[1])
+        rep = job.switch()
+        assert not job.prepared and rep.segments_freed and rep.floor_epoch == 300
+        assert current_catalog(s.log).sequence == before.sequence + 1
+        for e in (300, 301, 303):
+            assert np.array_equal(s.recover(e)["state"], states[e])
+        with pytest.raises(ConcordiaError) as err:
+            s.recover(299)
+        one_line(err.value, "oldest restorable epoch 300")
