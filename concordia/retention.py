@@ -276,13 +276,14 @@ class Retention:
         within its bound, a base starts once the chain would pass the bound before
         a base started now is in force (its slices and switch take about
         `2 + image / slice` epochs more, the chain growing at its pace since it
-        restarted), but not before the chain is half the bound."""
+        restarted), but not before the chain is half the bound, nor on a pace
+        judged over fewer epochs than that (else once it has passed the bound)."""
         chain, bound = self._chain, self._bounds
         sl = int(self.policy.slice_bytes or max(MIN_SLICE, 2 * int(log_bytes)))
         takes = 2 + -(-self._state // sl)
         age = np.maximum(epoch - self._since, 1)
-        soon = chain + chain / age * takes > bound
-        return (chain > bound) | (soon & (2 * chain > bound))
+        soon = (age >= takes) & (2 * chain > bound) & (chain + chain / age * takes > bound)
+        return (chain > bound) | soon
 
     def _maybe_start(self, epoch: int, pressure: bool, log_bytes: int = 0) -> bool:
         """Start a base job when a chain is due (`_due`), or under pressure; True if one started."""
