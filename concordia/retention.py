@@ -79,6 +79,7 @@ class Retention:
         self.job = None            # the Compaction being written, or None
         self.job_pressure = False
         self.job_ready = False     # its bases are written: the next hook switches
+        self._starting: tuple | None = None  # (epoch, names, host copies, pressure) of a job to make
         self.based: set | None = None  # names with a catalogued base (read at the first hook)
         self.times: collections.deque = collections.deque()  # (epoch, monotonic time) of commits
         self.opened = time.monotonic()
@@ -254,11 +255,13 @@ class Retention:
                 ids = {e.region_id for e in current_catalog(self.session.log).entries}
                 self.based = {n for n, r in regions.items() if r.id in ids}
             pressure = self.free_bytes() < self.reserve()
-            if self.job is None:
-                # a job starts with its host copies alone; its slices follow from the next hook
+            if self.job is None and self._starting is None:
+                # a job starts with its host copies alone; the job and its slices follow from the next hook
                 if self._maybe_start(stats.epoch, pressure, stats.log_bytes) and not pressure:
                     self.last = "start"
                     return
+            if self._starting is not None:
+                self._begin()
             if self.job is not None:
                 self._advance(pressure, int(self.policy.slice_bytes or max(MIN_SLICE, 2 * stats.log_bytes)))
             elif self.pending_floor and self._window_start(stats.epoch) > self.pending_floor:
@@ -270,6 +273,7 @@ class Retention:
                 self.job.abort()
             self.job = None
             self.job_ready = False
+            self._starting = None
 
     def _due(self, epoch: int, log_bytes: int) -> np.ndarray:
         """Which regions need a base now: so that the chain a recovery reads stays
@@ -293,20 +297,11 @@ class Retention:
         regions = self.session._regions
         due = [self._names[i] for i in np.flatnonzero(over)]
         names = list(regions) if pressure else sorted(set(due) | (set(regions) - self.based))
-        from concordia.wal.compaction import Compaction
-
-        stated = self._commit_digests()  # the digests the commit just written states
-        live, digests = {}, {}
-        for n in names:
-            r = regions[n]
-            if r.array.nbytes <= LIVE_COPY_BYTES and r.id in stated:
-                live[n] = self._host_copy(n, r.array)
-                digests[n] = int(stated[r.id])
-        self.job = Compaction(self.session.log, epoch, regions=names, live=live,
-                              digests=digests if len(live) == len(names) else None,
-                              chunk_bytes=int(self.policy.slice_bytes or MIN_SLICE))
-        self.job_pressure = pressure
-        self.job_ready = False
+        # the copies are the state of the epoch just committed (nothing ran since);
+        # the job that takes them is made at the next hook (`_begin`)
+        live = {n: self._host_copy(n, regions[n].array) for n in names
+                if regions[n].array.nbytes <= LIVE_COPY_BYTES}
+        self._starting = (epoch, names, live, pressure)
         self.counts["jobs"] += 1
         for n in names:  # the chain restarts at the base's epoch
             self._chain[self._slot[n]] = 0
@@ -329,13 +324,31 @@ class Retention:
         np.copyto(buf, src)
         return buf
 
-    def _commit_digests(self) -> dict:
-        """{region id: digest} of the last commit record (read back from the log)."""
+    def _begin(self) -> None:
+        """The job of the copies `_maybe_start` took: a `Compaction` at their
+        epoch, checked against the digests its commit states (a region the commit
+        does not state is folded from the log instead)."""
+        from concordia.wal.compaction import Compaction
+
+        epoch, names, live, pressure = self._starting
+        self._starting = None
+        stated = self._commit_digests(self.known.epochs[epoch][1])
+        regions = self.session._regions
+        live = {n: b for n, b in live.items() if regions[n].id in stated}
+        digests = {n: int(stated[regions[n].id]) for n in live}
+        self.job = Compaction(self.session.log, epoch, regions=names, live=live,
+                              digests=digests if len(live) == len(names) else None,
+                              chunk_bytes=int(self.policy.slice_bytes or MIN_SLICE))
+        self.job_pressure = pressure
+        self.job_ready = False
+
+    def _commit_digests(self, lsn: int) -> dict:
+        """{region id: digest} of the commit record at `lsn` (read back from the log)."""
         from concordia.wal import format as F
         from concordia.wal.snapshot import record_at
 
         log = self.session.log
-        _, off, h = record_at(log, log.appender.last_commit_lsn)
+        _, off, h = record_at(log, lsn)
         body = log.volume.backend.view[off + F.RECORD_HEADER_SIZE: off + F.RECORD_HEADER_SIZE + h.count]
         return dict(F.decode_commit_body(body, h).digests)
 
@@ -415,7 +428,8 @@ class Retention:
             self.pending_floor = 0
 
     def to_json(self) -> dict:
-        return {"counts": dict(self.counts), "error": self.error, "busy": self.job is not None,
+        return {"counts": dict(self.counts), "error": self.error,
+                "busy": self.job is not None or self._starting is not None,
                 "free_bytes": self.free_bytes(), "capacity": self.capacity(),
                 "floor_epoch": self.reports[-1].floor_epoch if self.reports else 0}
 
