@@ -427,9 +427,15 @@ class Retention:
         if rep.floor_epoch >= self.pending_floor:
             self.pending_floor = 0
 
+    @property
+    def job_epoch(self) -> int | None:
+        """The epoch of the base job being made or written (None: no job)."""
+        if self._starting is not None:
+            return self._starting[0]
+        return None if self.job is None else int(self.job.epoch)
+
     def to_json(self) -> dict:
-        return {"counts": dict(self.counts), "error": self.error,
-                "busy": self.job is not None or self._starting is not None,
+        return {"counts": dict(self.counts), "error": self.error, "busy": self.job_epoch is not None,
                 "free_bytes": self.free_bytes(), "capacity": self.capacity(),
                 "floor_epoch": self.reports[-1].floor_epoch if self.reports else 0}
 

@@ -267,7 +267,7 @@ def test_the_kept_totals_and_chains_equal_a_recount_from_the_checkpoints(shm_log
         assert counts["bases"] >= 6 and counts["switches"] >= 3 and counts["segments_freed"] > 0, counts
         if keep > 1000:  # under pressure the log keeps only its newest epochs, whatever the window
             assert s.log.volume.superblock.oldest_epoch > 350, s.log.volume.superblock.oldest_epoch
-        open_job = r.job.epoch if r.job is not None else None
+        open_job = r.job_epoch
     # the chains counted afresh: pages since the newest reset (a base's epoch or a first full write)
     since: dict = {}
     for (epoch, got, base), (_, chain) in zip(pages, chains):
