@@ -154,8 +154,15 @@ class Retention:
             names, n = counts
             t = self._table
             if t is None or t[0] is not names:  # the table's names list is kept while the table is
-                t = self._table = (names, np.array([self._slot[x] for x in names], np.intp))
-            self._chain[t[1]] += np.asarray(n, np.int64) * self._pbytes[t[1]]
+                slots = np.array([self._slot[x] for x in names], np.intp)
+                # (names, their slots or None when they are every slot in order, their page bytes)
+                same = np.array_equal(slots, np.arange(len(self._names)))
+                t = self._table = (names, None if same else slots, self._pbytes[slots])
+            add = np.multiply(n, t[2], dtype=np.int64)
+            if t[1] is None:
+                self._chain += add
+            else:
+                self._chain[t[1]] += add
         else:
             slot, chain, pb = self._slot, self._chain, self._pbytes
             for name, k in stats.pages.items():
@@ -275,25 +282,31 @@ class Retention:
             self.job_ready = False
             self._starting = None
 
-    def _due(self, epoch: int, log_bytes: int) -> np.ndarray:
-        """Which regions need a base now: so that the chain a recovery reads stays
-        within its bound, a base starts once the chain would pass the bound before
-        a base started now is in force (its slices and switch take about
-        `2 + image / slice` epochs more, the chain growing at its pace since it
-        restarted), but not before the chain is half the bound, nor on a pace
-        judged over fewer epochs than that (else once it has passed the bound)."""
+    def _due(self, epoch: int, log_bytes: int) -> np.ndarray | None:
+        """Which regions need a base now (a mask over the slots; None: none).
+        So that the chain a recovery reads stays within its bound, a base starts
+        once the chain would pass the bound before a base started now is in
+        force (its slices and switch take about `2 + image / slice` epochs more,
+        the chain growing at its pace since it restarted), but not before the
+        chain is half the bound, nor on a pace judged over fewer epochs than
+        that (else once it has passed the bound)."""
         chain, bound = self._chain, self._bounds
+        half = 2 * chain > bound
+        if not half.any():  # most hooks: no chain is half its bound yet
+            return None
         sl = int(self.policy.slice_bytes or max(MIN_SLICE, 2 * int(log_bytes)))
         takes = 2 + -(-self._state // sl)
         age = np.maximum(epoch - self._since, 1)
-        soon = (age >= takes) & (2 * chain > bound) & (chain + chain / age * takes > bound)
+        soon = (age >= takes) & half & (chain + chain / age * takes > bound)
         return (chain > bound) | soon
 
     def _maybe_start(self, epoch: int, pressure: bool, log_bytes: int = 0) -> bool:
         """Start a base job when a chain is due (`_due`), or under pressure; True if one started."""
         over = self._due(epoch, log_bytes)
-        if not pressure and not over.any():
+        if not pressure and (over is None or not over.any()):
             return False
+        if over is None:
+            over = np.zeros(len(self._names), bool)
         regions = self.session._regions
         due = [self._names[i] for i in np.flatnonzero(over)]
         names = list(regions) if pressure else sorted(set(due) | (set(regions) - self.based))
