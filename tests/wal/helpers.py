@@ -91,20 +91,28 @@ def fix_segment_crc(img, off):
     struct.pack_into("<I", img, off + 252, crc_ref(bytes(img[off:off + 252])))
 
 
-def kill_writer_after(spec, model, delay, *, region=0, prepare=None):
+def kill_writer_after(spec, model, delay, *, region=0, prepare=None, from_writing=False):
     """Fork a writer that commits epoch after epoch of `model` into `spec`,
     SIGKILL it after `delay` seconds, and return the epochs whose commit had
     returned (the writer reports an epoch only after `commit` came back).
-    `prepare(log)` tunes the writer's log before it starts."""
+    `prepare(log)` tunes the writer's log before it starts.  With
+    `from_writing` the delay counts from the moment the writer has opened the
+    log and starts its first epoch, so that on a loaded machine (where fork
+    and open can take longer than the delay) the kill still lands among the
+    writes rather than before them."""
     r, w = os.pipe()
+    ready_r, ready_w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the writer
         os.close(r)
+        os.close(ready_r)
         try:
             log = Log.open(spec, writable=True)
             if prepare is not None:
                 prepare(log)
             e = log.last_committed_epoch + 1
+            os.write(ready_w, b"w")
+            os.close(ready_w)
             while True:
                 model.write_epoch(log, region, e)
                 os.write(w, struct.pack("<Q", e))
@@ -112,9 +120,13 @@ def kill_writer_after(spec, model, delay, *, region=0, prepare=None):
         except BaseException:
             os._exit(3)
     os.close(w)
+    os.close(ready_w)
+    if from_writing:
+        os.read(ready_r, 1)  # b"" when the writer died before it started: the assert below says so
     time.sleep(delay)
     os.kill(pid, signal.SIGKILL)
     _, status = os.waitpid(pid, 0)
+    os.close(ready_r)  # open until the writer is gone, so that its one byte never meets a closed pipe
     assert os.WIFSIGNALED(status), f"writer ended by itself (status {status})"
     data = b""
     while chunk := os.read(r, 65536):

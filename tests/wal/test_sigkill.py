@@ -46,7 +46,7 @@ def test_sigkill_writer(tier, tmp_path):
     kills = torn_seen = 0
     try:
         while kills < KILLS:
-            reported = max(kill_writer_after(spec, model, rng.uniform(0.0, 0.025)), default=last)
+            reported = max(kill_writer_after(spec, model, rng.uniform(0.0, 0.025), from_writing=True), default=last)
             kills += 1
             dropped = []
             log = Log.open(spec, writable=False, reporter=dropped.append)
