@@ -4,21 +4,29 @@ A `Session` calls `Retention.after_commit` once after every checkpoint has
 committed.  Under the session's `Policy` it
 
   * starts a base job when a region's delta chain (payload logged since its
-    newest base, or since its first full write) passes `base_every_bytes`:
-    a `wal.compaction.Compaction` at the epoch just committed, for that region
-    and every region that has no catalogued base yet, taking the images from
-    host copies made now (a region of at most LIVE_COPY_BYTES; the copy is
-    the state of the committed epoch because nothing ran since the commit)
-    or else folding them from the log;
+    newest base, or since its first full write) would pass `base_every_bytes`
+    before a base started now is in force (so that the chain a recovery reads
+    stays within the bound): a `wal.compaction.Compaction` at the epoch just
+    committed, for that region and every region that has no catalogued base
+    yet, taking the images from host copies made now (a region of at most
+    LIVE_COPY_BYTES; the copy is the state of the committed epoch because
+    nothing ran since the commit) or else folding them from the log;
   * writes that job's BASE records, about `slice_bytes` after each
     checkpoint, so that no checkpoint waits for a whole base;
   * switches when the bases are written (`Compaction.finish`: one new
     catalog, one superblock write), freeing every segment below what the
     kept window still needs, and switches once more (with no new base) when
     the window has moved past the newest bases, so the floor follows them;
+    the host copies, each slice, the new catalog and the superblock write that
+    makes it current each take a hook of their own;
   * under log pressure (free space below a full base of every region plus a
     few segments) bases every region at once and keeps only the newest epoch:
     the checkpoint the caller relies on must not fail for want of space.
+
+After a table pass the hook costs no Python per region: the state's size,
+the free space and every region's chain are kept between checkpoints (the
+pass's page counts are added in one array operation, a per-region
+checkpoint's one region at a time) and counted afresh only after a register.
 
 A kill at any point is safe: until the superblock write of a switch nothing a
 reader sees has changed (the BASE records are unlisted and ignored), and after
@@ -34,6 +42,7 @@ planner in one line naming it.
 from __future__ import annotations
 
 import collections
+import itertools
 import time
 
 import numpy as np
@@ -45,6 +54,10 @@ from concordia.errors import ConcordiaError, SessionError
 LIVE_COPY_BYTES = 256 << 20
 #: BASE bytes written after a checkpoint at the least (Policy.slice_bytes=None)
 MIN_SLICE = 64 << 10
+#: host copies up to this many bytes in all are kept from one job to the next,
+#: so that a job's start copies into memory already in place (a fresh buffer
+#: costs page faults and zeroing on top of the copy)
+KEPT_COPY_BYTES = 64 << 20
 
 
 def record_bytes(nbytes: int, page_bytes: int) -> int:
@@ -65,12 +78,16 @@ class Retention:
         self.policy = policy
         self.job = None            # the Compaction being written, or None
         self.job_pressure = False
-        self.chain: dict = {}      # region name -> delta payload bytes since its newest base
+        self.job_ready = False     # its bases are written: the next hook switches
+        self._starting: tuple | None = None  # (epoch, names, host copies, pressure) of a job to make
         self.based: set | None = None  # names with a catalogued base (read at the first hook)
         self.times: collections.deque = collections.deque()  # (epoch, monotonic time) of commits
         self.opened = time.monotonic()
         self.pending_floor = 0     # epoch of the newest bases, until the floor reaches them
-        self.last: str | None = None   # what the last hook did: "base", "switch" or None
+        #: what the last hook did: "start" (a job's host copies), "base" (a slice of BASE
+        #: records), "catalog" (a switch's catalog appended), "switch" (its superblock
+        #: write), or None
+        self.last: str | None = None
         self.reports: collections.deque = collections.deque(maxlen=64)  # CompactReport of switches
         self.counts: collections.Counter = collections.Counter()
         self.error: str | None = None  # the last failure (the job is dropped and retried later)
@@ -80,7 +97,81 @@ class Retention:
         self.known = Known()
         # no record of the next epoch lies below this LSN (a read-only log has no writer)
         self._mark = session.log.appender.write_lsn if getattr(session.log, "writable", True) else 0
-        self._can_base: tuple | None = None  # (regions, answer)
+        # What the hook needs of every region, kept so that a checkpoint costs no
+        # Python per region here (see `_sync`): one slot per registered region,
+        # in registration order.
+        self._key: tuple | None = None  # (regions, base_every_bytes) the slots describe
+        self._names: list = []
+        self._slot: dict = {}           # name -> slot
+        self._chain = np.zeros(0, np.int64)   # delta payload bytes since the region's newest base
+        self._since = np.zeros(0, np.int64)   # the epoch its chain restarted at
+        self._bounds = np.zeros(0, np.int64)  # bound() of each region
+        self._pbytes = np.zeros(0, np.int64)  # page bytes of each region
+        self._state = 0                 # state_bytes() of the registered regions
+        self._table: tuple | None = None  # (names of a table pass, their slots)
+        self._free: tuple = (None, 0)   # (superblock, bytes of its free segments)
+        self._copies: dict = {}         # name -> host buffer kept for its next job's copy
+
+    # ------------------------------------------------------- the bookkeeping
+    def _sync(self) -> None:
+        """Make the per-region slots describe the registered regions.  O(regions),
+        and only after a register (or `regions_changed`): regions are only ever
+        added (register refuses a second region of a name), so their count says
+        whether the slots still hold.  A region's chain survives the rebuild."""
+        regions = self.session._regions
+        key = (len(regions), self.policy.base_every_bytes)
+        if key == self._key:
+            return
+        old = dict(zip(self._names, zip(self._chain.tolist(), self._since.tolist())))
+        rs = list(regions.values())
+        self._names = list(regions)
+        self._slot = {n: i for i, n in enumerate(self._names)}
+        self._chain = np.array([old.get(n, (0, 0))[0] for n in self._names], np.int64)
+        self._since = np.array([old.get(n, (0, 0))[1] for n in self._names], np.int64)
+        self._bounds = np.array([self.bound(r) for r in rs], np.int64)
+        self._pbytes = np.array([r.page_bytes for r in rs], np.int64)
+        self._state = sum(record_bytes(r.array.nbytes, r.page_bytes) for r in rs)
+        self._table = None
+        self._key = key
+
+    def regions_changed(self) -> None:
+        """Rebuild the per-region slots at the next use (for a caller that
+        removes or replaces a registered region)."""
+        self._key = None
+
+    @property
+    def chain(self) -> dict:
+        """{region name: delta payload bytes logged since its newest base (or its
+        first full write)}, a copy."""
+        self._sync()
+        return dict(zip(self._names, self._chain.tolist()))
+
+    def _add_chain(self, stats) -> None:
+        """Add the pages of `stats` to the chains: a table pass's counts in one
+        array operation, a per-region checkpoint's dict over the regions it wrote."""
+        counts = stats.page_counts() if hasattr(stats, "page_counts") else None
+        if counts is not None:
+            names, n = counts
+            t = self._table
+            if t is None or t[0] is not names:  # the table's names list is kept while the table is
+                slots = np.array([self._slot[x] for x in names], np.intp)
+                # (names, their slots or None when they are every slot in order, their page bytes)
+                same = np.array_equal(slots, np.arange(len(self._names)))
+                t = self._table = (names, None if same else slots, self._pbytes[slots])
+            add = np.multiply(n, t[2], dtype=np.int64)
+            if t[1] is None:
+                self._chain += add
+            else:
+                self._chain[t[1]] += add
+        else:
+            slot, chain, pb = self._slot, self._chain, self._pbytes
+            for name, k in stats.pages.items():
+                if k:
+                    i = slot[name]
+                    chain[i] += int(k) * int(pb[i])
+        for name in stats.base:  # a first full write bounds the chain as a base does
+            self._chain[self._slot[name]] = 0
+            self._since[self._slot[name]] = stats.epoch
 
     # ---------------------------------------------------------------- sizes
     def capacity(self) -> int:
@@ -90,8 +181,8 @@ class Retention:
     def state_bytes(self, extra: tuple = ()) -> int:
         """Log bytes one full image of the registered regions (and of `extra`
         (nbytes, page_bytes) pairs) takes."""
-        sizes = [(r.array.nbytes, r.page_bytes) for r in self.session._regions.values()] + list(extra)
-        return sum(record_bytes(n, pb) for n, pb in sizes)
+        self._sync()
+        return self._state + sum(record_bytes(n, pb) for n, pb in extra)
 
     def check_capacity(self, name: str, nbytes: int, page_bytes: int) -> None:
         """Refuse, before anything is written, a region with which one image of
@@ -115,7 +206,10 @@ class Retention:
         vol = log.volume
         from concordia.wal import format as F
 
-        free = sum(1 for e in vol.superblock.segments if e.state == F.SEG_FREE) * int(vol.segment_bytes)
+        sb = vol.superblock  # a new object whenever a segment is taken or freed
+        if self._free[0] is not sb:
+            self._free = (sb, sum(1 for e in sb.segments if e.state == F.SEG_FREE) * int(sb.segment_bytes))
+        free = self._free[1]
         if not log.writable:  # a read-only session (Session(create=False)) has no appender until it writes
             return free
         app = log.appender
@@ -125,7 +219,7 @@ class Retention:
 
     def reserve(self) -> int:
         """Free space below which the log is under pressure."""
-        state = sum(record_bytes(r.array.nbytes, r.page_bytes) for r in self.session._regions.values())
+        state = self.state_bytes()
         last = self.session.checkpoints[-1].log_bytes if self.session.checkpoints else 0
         # a base of every region (with the ends of the segments it crosses) and a
         # few more checkpoints fit below it, so the switch that frees space comes in time
@@ -154,84 +248,145 @@ class Retention:
         keep_s = self.policy.keep_seconds
         while self.times and (not keep_s or now - self.times[0][1] > keep_s) and len(self.times) > 1:
             self.times.popleft()
-        regions = self.session._regions
-        for name, n in stats.pages.items():
-            if name in stats.base:
-                self.chain[name] = 0  # a first full write bounds the chain as a base does
-            else:
-                self.chain[name] = self.chain.get(name, 0) + int(n) * regions[name].page_bytes
-        n = len(regions)
-        if self._can_base is None or self._can_base[0] != n:
-            self._can_base = (n, self.can_base())
-        if not self._can_base[1]:
+        self._sync()
+        self._add_chain(stats)
+        if not self.can_base():
             self.error = (f"the log ({_mib(self.capacity())}) cannot hold a base beside the state it keeps "
                           f"({_mib(2 * self.state_bytes())} with it): no automatic bases")
             return
         try:
+            regions = self.session._regions
             if self.based is None:
                 from concordia.wal.snapshot import current_catalog
 
                 ids = {e.region_id for e in current_catalog(self.session.log).entries}
                 self.based = {n for n, r in regions.items() if r.id in ids}
             pressure = self.free_bytes() < self.reserve()
-            if self.job is None:
-                self._maybe_start(stats.epoch, pressure)
+            if self.job is None and self._starting is None:
+                # a job starts with its host copies alone; the job and its slices follow from the next hook
+                if self._maybe_start(stats.epoch, pressure, stats.log_bytes) and not pressure:
+                    self.last = "start"
+                    return
+            if self._starting is not None:
+                self._begin()
             if self.job is not None:
                 self._advance(pressure, int(self.policy.slice_bytes or max(MIN_SLICE, 2 * stats.log_bytes)))
             elif self.pending_floor and self._window_start(stats.epoch) > self.pending_floor:
-                self._switch(None, stats.epoch, pressure)
+                self._switch(stats.epoch, pressure)
         except ConcordiaError as exc:
             self.error = exc.one_line() if hasattr(exc, "one_line") else str(exc)
             self.counts["errors"] += 1
             if self.job is not None:
                 self.job.abort()
             self.job = None
+            self.job_ready = False
+            self._starting = None
 
-    def _maybe_start(self, epoch: int, pressure: bool) -> None:
+    def _due(self, epoch: int, log_bytes: int) -> np.ndarray | None:
+        """Which regions need a base now (a mask over the slots; None: none).
+        So that the chain a recovery reads stays within its bound, a base starts
+        once the chain would pass the bound before a base started now is in
+        force (its slices and switch take about `2 + image / slice` epochs more,
+        the chain growing at its pace since it restarted), but not before the
+        chain is half the bound, nor on a pace judged over fewer epochs than
+        that (else once it has passed the bound)."""
+        chain, bound = self._chain, self._bounds
+        half = 2 * chain > bound
+        if not half.any():  # most hooks: no chain is half its bound yet
+            return None
+        sl = int(self.policy.slice_bytes or max(MIN_SLICE, 2 * int(log_bytes)))
+        takes = 2 + -(-self._state // sl)
+        age = np.maximum(epoch - self._since, 1)
+        soon = (age >= takes) & half & (chain + chain / age * takes > bound)
+        return (chain > bound) | soon
+
+    def _maybe_start(self, epoch: int, pressure: bool, log_bytes: int = 0) -> bool:
+        """Start a base job when a chain is due (`_due`), or under pressure; True if one started."""
+        over = self._due(epoch, log_bytes)
+        if not pressure and (over is None or not over.any()):
+            return False
+        if over is None:
+            over = np.zeros(len(self._names), bool)
         regions = self.session._regions
-        due = [n for n, r in regions.items() if self.chain.get(n, 0) > self.bound(r)]
-        if not due and not pressure:
-            return
+        due = [self._names[i] for i in np.flatnonzero(over)]
         names = list(regions) if pressure else sorted(set(due) | (set(regions) - self.based))
+        # the copies are the state of the epoch just committed (nothing ran since);
+        # the job that takes them is made at the next hook (`_begin`)
+        live = {n: self._host_copy(n, regions[n].array) for n in names
+                if regions[n].array.nbytes <= LIVE_COPY_BYTES}
+        self._starting = (epoch, names, live, pressure)
+        self.counts["jobs"] += 1
+        for n in names:  # the chain restarts at the base's epoch
+            self._chain[self._slot[n]] = 0
+            self._since[self._slot[n]] = epoch
+        return True
+
+    def _host_copy(self, name: str, arr) -> np.ndarray:
+        """The bytes of `arr` as they are now, in a buffer of this session's:
+        the one of the region's last job (that job is over) while the kept
+        buffers stay within KEPT_COPY_BYTES, else a new one."""
         from concordia.regions import to_host
+
+        src = np.ascontiguousarray(to_host(arr)).reshape(-1).view(np.uint8)
+        buf = self._copies.get(name)
+        if buf is None or buf.nbytes != src.nbytes:
+            self._copies.pop(name, None)
+            if sum(b.nbytes for b in self._copies.values()) + src.nbytes > KEPT_COPY_BYTES:
+                return src.copy()
+            buf = self._copies[name] = np.empty(src.nbytes, np.uint8)
+        np.copyto(buf, src)
+        return buf
+
+    def _begin(self) -> None:
+        """The job of the copies `_maybe_start` took: a `Compaction` at their
+        epoch, checked against the digests its commit states (a region the commit
+        does not state is folded from the log instead)."""
         from concordia.wal.compaction import Compaction
 
-        stated = self._commit_digests()  # the digests the commit just written states
-        live, digests = {}, {}
-        for n in names:
-            r = regions[n]
-            if r.array.nbytes <= LIVE_COPY_BYTES and r.id in stated:
-                live[n] = np.array(to_host(r.array), copy=True).reshape(-1).view(np.uint8)
-                digests[n] = int(stated[r.id])
+        epoch, names, live, pressure = self._starting
+        self._starting = None
+        stated = self._commit_digests(self.known.epochs[epoch][1])
+        regions = self.session._regions
+        live = {n: b for n, b in live.items() if regions[n].id in stated}
+        digests = {n: int(stated[regions[n].id]) for n in live}
         self.job = Compaction(self.session.log, epoch, regions=names, live=live,
                               digests=digests if len(live) == len(names) else None,
                               chunk_bytes=int(self.policy.slice_bytes or MIN_SLICE))
         self.job_pressure = pressure
-        self.counts["jobs"] += 1
-        for n in names:  # the chain restarts at the base's epoch
-            self.chain[n] = 0
+        self.job_ready = False
 
-    def _commit_digests(self) -> dict:
-        """{region id: digest} of the last commit record (read back from the log)."""
+    def _commit_digests(self, lsn: int) -> dict:
+        """{region id: digest} of the commit record at `lsn` (read back from the log)."""
         from concordia.wal import format as F
         from concordia.wal.snapshot import record_at
 
         log = self.session.log
-        _, off, h = record_at(log, log.appender.last_commit_lsn)
+        _, off, h = record_at(log, lsn)
         body = log.volume.backend.view[off + F.RECORD_HEADER_SIZE: off + F.RECORD_HEADER_SIZE + h.count]
         return dict(F.decode_commit_body(body, h).digests)
 
     def _advance(self, pressure: bool, slice_bytes: int) -> None:
+        """One step of the job, each in a hook of its own so that no checkpoint
+        pays for two: a slice of its BASE records; once they are written, its
+        catalog (appended, not yet current); then the superblock write that
+        switches to it.  Under pressure the job is written and switched at once."""
         job = self.job
-        if pressure or self.job_pressure:
+        if job.prepared:
+            self._switched(job)
+        elif pressure or self.job_pressure:
             while not job.step():
                 pass
-        elif not job.step(slice_bytes):
+            self.counts["slices"] += 1
+            self._prepare(job, job.epoch, True)
+            self._switched(job)
+        elif not self.job_ready:
+            self.job_ready = job.step(slice_bytes)
             self.last = "base"
             self.counts["slices"] += 1
-            return
-        self.counts["slices"] += 1
-        self._switch(job, job.epoch, pressure or self.job_pressure)
+        elif self._prepare(job, job.epoch, False):
+            self.last = "catalog"
+        else:
+            self._switched(job)  # nothing to write
 
     def _window_start(self, latest: int) -> int:
         """The oldest epoch the kept window holds, for a log whose newest epoch is `latest`."""
@@ -243,22 +398,36 @@ class Retention:
             start = min(start, self.times[0][0]) if self.times else start
         return max(0, start)
 
-    def _switch(self, job, epoch: int, pressure: bool) -> None:
+    def _switch(self, epoch: int, pressure: bool) -> None:
+        """A switch with no new base, so that the floor follows the newest bases
+        once the window has moved past them (in two hooks, as a job's)."""
         from concordia.wal.compaction import Compaction
 
+        job = Compaction(self.session.log, epoch, regions=[], live={}, digests={})
+        if self._prepare(job, epoch, pressure) and not pressure:
+            self.job, self.job_ready, self.last = job, True, "catalog"
+        else:
+            self._switched(job)
+
+    def _prepare(self, job, epoch: int, pressure: bool) -> bool:
+        """The job's catalog under the kept window (`Compaction.prepare`)."""
         log = self.session.log
-        if job is None:
-            job = Compaction(log, epoch, regions=[], live={}, digests={})
         latest = int(log.last_committed_epoch or 0)
         start = latest if pressure else self._window_start(latest)
         # the compaction counts the window in committed epochs: one per epoch from start
         keep = max(1, latest - start + 1) if start else (1 << 62)
         self.known.window_start = start
-        rep = job.finish(keep_epochs=keep, known=self.known)
-        for ep in [ep for ep in self.known.epochs if ep < rep.floor_epoch]:
-            del self.known.epochs[ep]
+        return job.prepare(keep_epochs=keep, known=self.known)
+
+    def _switched(self, job) -> None:
+        """The job's superblock write (`Compaction.switch`), and what follows from it."""
+        rep = job.switch()
+        eps = self.known.epochs  # in commit order: the epochs below the floor are its first ones
+        for ep in list(itertools.takewhile(lambda e: e < rep.floor_epoch, eps)):
+            del eps[ep]
         self.job = None
         self.job_pressure = False
+        self.job_ready = False
         self.reports.append(rep)
         self.counts["switches"] += 1
         self.counts["segments_freed"] += len(rep.segments_freed)
@@ -271,8 +440,15 @@ class Retention:
         if rep.floor_epoch >= self.pending_floor:
             self.pending_floor = 0
 
+    @property
+    def job_epoch(self) -> int | None:
+        """The epoch of the base job being made or written (None: no job)."""
+        if self._starting is not None:
+            return self._starting[0]
+        return None if self.job is None else int(self.job.epoch)
+
     def to_json(self) -> dict:
-        return {"counts": dict(self.counts), "error": self.error, "busy": self.job is not None,
+        return {"counts": dict(self.counts), "error": self.error, "busy": self.job_epoch is not None,
                 "free_bytes": self.free_bytes(), "capacity": self.capacity(),
                 "floor_epoch": self.reports[-1].floor_epoch if self.reports else 0}
 

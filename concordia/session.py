@@ -161,6 +161,11 @@ class CheckpointStats:
             self._build()
         self._via = value
 
+    def page_counts(self) -> tuple | None:
+        """(names, counts) of a table pass (a list, and an integer array of the
+        pages each region wrote) without building `pages`; None otherwise."""
+        return None if self._lazy is None else self._lazy[:2]
+
     @property
     def total_ms(self) -> float:
         return self.detect_ms + self.stage_ms + self.commit_ms

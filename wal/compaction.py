@@ -243,6 +243,7 @@ class Compaction:
         self.progress = progress
         self.new: list = []
         self._writer = None  # the generator writing the current region's base
+        self._switch = None  # after prepare: (superblock changes, free below LSN), or False (nothing to write)
 
     @property
     def written(self) -> bool:
@@ -299,7 +300,27 @@ class Compaction:
 
         known: what the writer knows of the log (see `Known`), so that no scan
         of the log is needed; used only when it covers every epoch the switch
-        keeps, else the log is scanned."""
+        keeps, else the log is scanned.
+
+        The same as `prepare` then `switch`, which a caller may run apart (a
+        `Session` runs them after two checkpoints)."""
+        self.prepare(keep_bases=keep_bases, keep_epochs=keep_epochs, reclaim=reclaim, known=known)
+        return self.switch()
+
+    @property
+    def prepared(self) -> bool:
+        """`prepare` ran and `switch` is still to run."""
+        return self._switch is not None
+
+    def prepare(self, *, keep_bases: int | None = None, keep_epochs: int | None = None,
+                reclaim: bool = True, known: "Known | None" = None) -> bool:
+        """The first half of `finish`: decide what the new catalog keeps and
+        append it (with the region descriptors again when their segment goes),
+        not yet current: a reader still sees the old catalog, and a crash here
+        leaves it in force.  True when `switch` has a superblock write to do;
+        False when nothing changes (the report is then final).  Records
+        committed between the two halves are kept: they lie above what the
+        catalog frees."""
         if not self.written:
             raise WalError("compaction finished before its bases were written")
         t = time.perf_counter()
@@ -334,7 +355,8 @@ class Compaction:
             rep.oldest_lsn = sb.oldest_lsn
             self.seconds += time.perf_counter() - t
             rep.seconds = self.seconds
-            return rep  # nothing changes: write nothing
+            self._switch = False
+            return False  # nothing changes: write nothing
 
         cat = Catalog(prev.sequence + 1, tuple(kept), keep_bases, floor)
         if h is not None:
@@ -349,12 +371,29 @@ class Compaction:
         if known_in is not None:
             known_in.descriptor_lsn = lowest
         cat_lsn = append_catalog(log, cat, prev.lsn)
-        changes = dict(catalog_lsn=cat_lsn, oldest_epoch=floor, retain_epochs=keep_epochs)
-        if low is not None:
-            rep.segments_freed = log.volume.reclaim_segments(min(low, cat_lsn), **changes)
+        self._switch = (dict(catalog_lsn=cat_lsn, oldest_epoch=floor, retain_epochs=keep_epochs),
+                        None if low is None else min(low, cat_lsn))
+        self.seconds += time.perf_counter() - t
+        return True
+
+    def switch(self) -> CompactReport:
+        """The second half of `finish`: make the catalog `prepare` appended
+        current and free the segments below what it keeps, in one superblock
+        write (the commit point)."""
+        if self._switch is None:
+            raise WalError("compaction switched before it was prepared")
+        rep = self.report
+        if self._switch is False:  # nothing changed
+            self._switch = None
+            return rep
+        t = time.perf_counter()
+        (changes, below), self._switch = self._switch, None
+        vol = self.log.volume
+        if below is not None:
+            rep.segments_freed = vol.reclaim_segments(below, **changes)
         else:
-            log.volume.write_superblock(**changes)
-        rep.oldest_lsn = log.volume.superblock.oldest_lsn
+            vol.write_superblock(**changes)
+        rep.oldest_lsn = vol.superblock.oldest_lsn
         self.seconds += time.perf_counter() - t
         rep.seconds = self.seconds
         return rep

@@ -18,5 +18,7 @@ for c in d['configs'].values():
     print(c['config'], c['epochs'], 'epochs; ckpt median', round(c['ckpt_ms_median'], 3), 'ms p99', round(c['ckpt_ms_p99'], 3),
           'ms; recovery first', round(r[0][1], 4), 's last', round(r[-1][1], 4), 's; log full', c['log_full'])
 print('p99 during compaction', d.get('during_compaction'), 'ms, without', d.get('without'), 'ms')
+for k, v in d['configs'].get('retain', {}).get('during_compaction', {}).get('by_hook', {}).items():
+    print('  hook', k, v['checkpoints'], 'checkpoints: median', round(v['ckpt_ms_median'], 3), 'ms p99', round(v['ckpt_ms_p99'], 3), 'ms')
 " || rc=1
 exit $rc

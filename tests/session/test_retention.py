@@ -214,3 +214,131 @@ def test_what_the_session_knows_never_frees_more_than_a_scan_of_the_log_would(sh
                 checked += 1
         assert checked >= 10, checked
         assert s.retention.counts["scans"] == 0 and s.retention.counts["segments_freed"] > 0
+
+
+def _recount_free(s) -> int:
+    """Free bytes of the log counted afresh: free segments of the superblock and
+    the rest of the appender's segment."""
+    from concordia.wal import format as F
+
+    vol, app = s.log.volume, s.log.appender
+    free = sum(1 for e in vol.superblock.segments if e.state == F.SEG_FREE) * int(vol.segment_bytes)
+    return free + (app.seg.offset + app.seg.nbytes - app.pos if app.seg is not None else 0)
+
+
+@pytest.mark.parametrize("staging,size,keep,most", [("mapped", 24 * MiB, 4, 3), ("host", 24 * MiB, 4, 3),
+                                                    ("mapped", 4 * MiB, 100_000, 12)],
+                         ids=["table-pass", "per-region", "log-pressure"])
+def test_the_kept_totals_and_chains_equal_a_recount_from_the_checkpoints(shm_log, staging, size, keep, most):
+    # The hook keeps the state's size, the free space and every region's chain
+    # between checkpoints instead of counting them over the regions each time.
+    # They must equal a count made afresh (sizes from the regions, free space
+    # from the superblock, chains from the checkpoints' own statistics and the
+    # bases the switches report) after registers, bases, switches and, on the
+    # small log, pressure.
+    from concordia.retention import record_bytes
+
+    rng = np.random.default_rng(7)
+    arrays = {"a": np.zeros((64, 1024), np.uint32), "b": np.zeros((16, 1024), np.uint32),
+              "c": np.zeros((32, 1024), np.uint32)}
+    policy = Policy(keep_epochs=keep, slice_bytes=32 << 10)  # on the small log the log wins over the window
+    pages, chains, resets, pb, switches = [], [], [], 4096, 0
+    with Session(shm_log, size=size, segment_size=1 * MiB, overwrite=True, policy=policy, staging=staging) as s:
+        r = s.retention
+        s.register("a", arrays["a"])
+        s.register("b", arrays["b"])
+        for e in range(1, 401):
+            if e == 60:
+                s.register("c", arrays["c"])  # a region added after bases and switches
+            for name, a in arrays.items():
+                if name in s.regions:
+                    for p in rng.choice(a.shape[0], int(rng.integers(0, most)), replace=False):
+                        a[p, e % 1024] = e
+            st = s.checkpoint()
+            pages.append((st.epoch, dict(st.pages), list(st.base)))
+            chains.append((st.epoch, r.chain))
+            if r.counts["switches"] > switches:  # at most one a checkpoint; a job restarts its regions' chains
+                switches = r.counts["switches"]
+                resets.extend((r.reports[-1].epoch, n) for n in r.reports[-1].folded + r.reports[-1].unchanged)
+            assert r.state_bytes() == sum(record_bytes(x.nbytes, pb) for n, x in arrays.items() if n in s.regions)
+            assert r.free_bytes() == _recount_free(s), e
+            assert r.error is None, r.error
+        counts = dict(r.counts)
+        assert counts["bases"] >= 6 and counts["switches"] >= 3 and counts["segments_freed"] > 0, counts
+        if keep > 1000:  # under pressure the log keeps only its newest epochs, whatever the window
+            assert s.log.volume.superblock.oldest_epoch > 350, s.log.volume.superblock.oldest_epoch
+        open_job = r.job_epoch
+    # the chains counted afresh: pages since the newest reset (a base's epoch or a first full write)
+    since: dict = {}
+    for (epoch, got, base), (_, chain) in zip(pages, chains):
+        if open_job is not None and epoch >= open_job:
+            break  # that job's regions are not reported yet
+        for name, n in got.items():
+            since[name] = 0 if name in base else since.get(name, 0) + n * pb
+        for ep, name in resets:
+            if ep == epoch:
+                since[name] = 0
+        assert chain == since, epoch
+
+
+def test_the_chain_a_recovery_reads_stays_within_the_bound(shm_log):
+    # base_every_bytes (default a quarter of the region) bounds the deltas a
+    # recovery reads after the newest base: a base starts early enough to be
+    # in force (written and switched) before the chain passes the bound
+    from concordia.wal.planner import plan
+
+    a = np.zeros((256, 1024), np.uint32)  # 1 MiB: the bound is 256 KiB, 64 one-page epochs
+    versions = np.zeros(256, np.uint64)
+    longest = 0
+    with Session(shm_log, size=16 * MiB, segment_size=1 * MiB, overwrite=True) as s:
+        s.register("state", a, kind="adapter", slot_versions=versions, pages_per_slot=1)
+        bound = s.retention.bound(s.regions["state"])
+        for e in range(1, 421):
+            p = (e * 7919) % 256
+            a[p, e % 1024] = e
+            versions[p] += 1
+            s.checkpoint()
+            rp = plan(s.log).regions["state"]
+            if rp.base_epoch is not None:
+                longest = max(longest, (rp.epoch - rp.base_epoch) * 4096)
+        assert s.retention.counts["bases"] >= 5 and s.retention.error is None, dict(s.retention.counts)
+        assert np.array_equal(s.recover()["state"], a)
+    assert bound // 2 < longest <= bound, (longest, bound)
+
+
+def test_a_switch_prepared_but_not_made_current_leaves_the_old_catalog_and_keeps_later_epochs(shm_log):
+    # Compaction.prepare appends the new catalog; until Compaction.switch writes
+    # the superblock a reader sees the old one, and checkpoints committed between
+    # the halves stay restorable after the switch
+    from concordia.wal.compaction import Compaction
+    from concordia.wal.snapshot import current_catalog
+
+    a = np.zeros((64, 1024), np.uint32)
+    states = {}
+    with Session(shm_log, size=16 * MiB, segment_size=1 * MiB, overwrite=True, policy=Policy(retain=False)) as s:
+        s.register("state", a)
+        for e in range(1, 301):
+            _touch(a, e)
+            s.checkpoint()
+            states[e] = a.copy()
+        job = Compaction(s.log, 300, live={"state": a.copy()})
+        while not job.step():
+            pass
+        before = current_catalog(s.log)
+        assert job.prepare(keep_epochs=1) and job.prepared  # keeps epoch 300 on
+        for e in range(301, 304):  # between the halves
+            _touch(a, e)
+            s.checkpoint()
+            states[e] = a.copy()
+        with Log.open(shm_log, writable=False) as log:  # a reader meanwhile: the old catalog, every epoch
+            assert current_catalog(log).sequence == before.sequence and not list_snapshots(log)
+            assert int(log.volume.superblock.oldest_epoch) == 0
+        assert np.array_equal(s.recover(1)["state"], states[1])
+        rep = job.switch()
+        assert not job.prepared and rep.segments_freed and rep.floor_epoch == 300
+        assert current_catalog(s.log).sequence == before.sequence + 1
+        for e in (300, 301, 303):
+            assert np.array_equal(s.recover(e)["state"], states[e])
+        with pytest.raises(ConcordiaError) as err:
+            s.recover(299)
+        one_line(err.value, "oldest restorable epoch 300")
