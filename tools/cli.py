@@ -100,10 +100,14 @@ def _model_demo(log, steps, kill_at, every, seed, device, force, as_json):
         device = "gpu" if torch.cuda.is_available() else "cpu"
     if device == "gpu" and not torch.cuda.is_available():
         raise DemoError("--device gpu: torch sees no CUDA device", where="demo")
+    # --kill-at N: SIGKILLed after step N, as in the reference demo; the model
+    # demo's worker counts the step it is killed in, before that step's work
     if kill_at == "random":
         kill_at = pick_kill_at(steps, every, random.Random(seed))
-    if not 2 <= kill_at <= steps:
-        raise DemoError(f"--kill-at {kill_at} is outside steps 2..{steps}", where="demo")
+    else:
+        if not 1 <= kill_at <= steps - 1:
+            raise DemoError(f"--kill-at {kill_at} must lie in [1, {steps - 1}]", where="demo")
+        kill_at += 1
     for target in (log, log + ".ref"):  # the demo replaces its own logs, and nothing else
         check_format_target(target, overwrite=force, allow_log=True, hint="pass --force to format it anyway")
     on_gpu = device == "gpu"

@@ -182,7 +182,17 @@ def test_cli_model_demo_json(tmp_path):
     assert r.returncode == 0, r.stderr
     rep = json.loads(r.stdout)
     assert rep["identical"] is True and rep["resumed_at_step"] == 4
+    assert rep["worker"]["killed_after_step"] == 7  # --kill-at N: after step N, as in the reference demo
     assert rep["model"]["regions"] == 2 * 2 + 1 + 8 + 2
+
+
+@pytest.mark.parametrize("kill_at", ["0", "12"])
+def test_cli_model_demo_refuses_a_kill_point_outside_the_run(tmp_path, kill_at):
+    r = subprocess.run([sys.executable, "-m", "concordia.tools.cli", "demo", "--model", "qwen3", "--device", "cpu",
+                        "--steps", "12", "--kill-at", kill_at, "--log", _log(tmp_path, "cli.log")],
+                       capture_output=True, text=True)
+    assert r.returncode == 2
+    assert r.stderr.splitlines() == [f"error: demo: --kill-at {kill_at} must lie in [1, 11]"], r.stderr
 
 
 @pytest.mark.slow
