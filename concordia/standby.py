@@ -342,6 +342,8 @@ class Standby:
             raise StandbyError(f"unknown device {device!r} (use auto, gpu or cpu)")
         if lease_s is not None and lease_s <= 0:
             raise StandbyError(f"a lease must be positive, not {lease_s}")
+        if gpu is not None and device == "cpu":
+            raise StandbyError(f"GPU {gpu} was asked for with device 'cpu' (drop one of them)", where=str(spec))
         self.spec = spec
         self.device = device
         self.gpu = gpu
@@ -428,7 +430,7 @@ class Standby:
         try:
             cp = jit._cupy()
         except ConcordiaError:
-            if self.device == "gpu":
+            if self.device == "gpu" or self.gpu is not None:  # a GPU named by number is a GPU asked for
                 raise
             return False
         if self.gpu is not None:

@@ -9,10 +9,10 @@ import click
 
 from concordia import __version__
 
-from .common import EXIT_OK, EXIT_PROBLEMS, emit_json, guarded
+from .common import EXIT_OK, EXIT_PROBLEMS, OneLineGroup, emit_json, guarded
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=OneLineGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="concordia")
 def main():
     """Concordia: exact GPU state back after a crash."""

@@ -108,6 +108,37 @@ def install_sigbus_guard() -> bool:
     return True
 
 
+class OneLineGroup(click.Group):
+    """A command group whose usage errors (an unknown option, a bad value, a
+    missing argument) are one line and exit 2, like every other error, instead
+    of click's usage block: `error: concordia-wal info: no such option: --nope
+    (see concordia-wal info --help)`.  Subgroups made with `group()` inherit it."""
+
+    group_class = type  # `@grp.group()` makes another OneLineGroup
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:  # a caller that handles click's exceptions itself
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.exceptions.NoArgsIsHelpError as exc:  # a bare group: its help, as click gives it
+            click.echo(exc.ctx.get_help(), err=True)
+            sys.exit(EXIT_USAGE)
+        except click.exceptions.UsageError as exc:
+            path = exc.ctx.command_path if exc.ctx is not None else (prog_name or self.name)
+            message = " ".join(exc.format_message().split())
+            click.echo(f"error: {path}: {message} (see {path} --help)", err=True)
+            sys.exit(EXIT_USAGE)
+        except click.exceptions.ClickException as exc:
+            click.echo(f"error: {' '.join(exc.format_message().split())}", err=True)
+            sys.exit(exc.exit_code)
+        except click.exceptions.Abort:
+            click.echo("error: interrupted", err=True)
+            sys.exit(130)
+        # click returns the code of a ctx.exit() (--help, --version) and a command's return value
+        sys.exit(rv if isinstance(rv, int) and not isinstance(rv, bool) else EXIT_OK)
+
+
 def guarded(fn):
     """Run a click command body; turn any ConcordiaError or OSError into one line
     on stderr and the documented exit code.  Anything else that escapes (a

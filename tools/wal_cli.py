@@ -13,12 +13,13 @@ import click
 from concordia import __version__
 
 from .bench import bench
+from .common import OneLineGroup
 from .wal_cmd_check import recover_cmd, verify_cmd
 from .wal_cmd_inspect import dump_cmd, format_cmd, info_cmd
 from .wal_cmd_state import compact_cmd, restore_cmd, snapshot_grp
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=OneLineGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="concordia-wal")
 def main():
     """Inspect, verify, compact, snapshot and restore Concordia logs.

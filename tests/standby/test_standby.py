@@ -331,11 +331,13 @@ def test_cli_takes_over_a_log_no_one_holds_and_prints_the_timeline(shm_log):
     (["shm:concordia-test-no-such-log"], "no such file"),
     (["memory:"], "memory"),
     (["shm:x", "--resume", "nocolon"], "is not MODULE:FUNCTION"),
+    (["shm:x", "--gpu", "1"], "GPU 1 was asked for with device 'cpu'"),
 ])
 def test_cli_bad_input_is_one_line(args, needle):
     r = subprocess.run([*CLI, "standby", *args, "--device", "cpu"], capture_output=True, text=True,
                        env=ENV, cwd=ROOT)
     assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 @pytest.mark.gpu

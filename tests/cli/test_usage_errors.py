@@ -1,0 +1,51 @@
+"""A usage error (an unknown option or command, a bad value, a missing
+argument) is one line naming the command, and exit 2, on both command lines:
+never click's usage block."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+ENTRY = {"concordia": "from concordia.tools.cli import main; main()",
+         "concordia-wal": "from concordia.tools.wal_cli import main; main()"}
+
+
+def _run(program, *args):
+    code = f"import sys; sys.argv[0] = {program!r}; " + ENTRY[program]
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("program,args,where,says", [
+    ("concordia-wal", ["info", "--nope"], "concordia-wal info", "No such option '--nope'"),
+    ("concordia-wal", ["snapshot", "list"], "concordia-wal snapshot list", "Missing argument 'LOG'"),
+    ("concordia-wal", ["bench", "nosuch"], "concordia-wal bench", "No such command 'nosuch'"),
+    ("concordia-wal", ["nosuch"], "concordia-wal", "No such command 'nosuch'"),
+    ("concordia-wal", ["recover", "file:x.log"], "concordia-wal recover", "add --plan"),
+    ("concordia-wal", ["dump", "file:x.log", "--stats", "--follow"], "concordia-wal dump",
+     "--stats and --follow do not go together"),
+    ("concordia", ["demo", "--steps", "1"], "concordia demo", "Invalid value for '--steps'"),
+    ("concordia", ["demo", "--kill-at", "soon"], "concordia demo", "is neither a step number nor 'random'"),
+    ("concordia", ["standby", "shm:x", "--resume", "nocolon", "--device", "cpu"], "concordia standby",
+     "is not MODULE:FUNCTION"),
+])
+def test_a_usage_error_is_one_line_and_exit_2(program, args, where, says):
+    r = _run(program, *args)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"error: {where}: ") and says in lines[0], lines[0]
+    assert lines[0].endswith(f"(see {where} --help)")
+    assert "Usage:" not in r.stderr and r.stdout == ""
+
+
+@pytest.mark.parametrize("program", ["concordia", "concordia-wal"])
+def test_help_and_version_still_exit_0_and_a_bare_command_shows_its_help(program):
+    r = _run(program, "--help")
+    assert r.returncode == 0 and r.stdout.startswith(f"Usage: {program} ") and r.stderr == ""
+    r = _run(program, "--version")
+    assert r.returncode == 0 and r.stdout.startswith(f"{program}, version ")
+    r = _run(program)
+    assert r.returncode == 2 and r.stderr.startswith(f"Usage: {program} ") and r.stdout == ""
