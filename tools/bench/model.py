@@ -141,6 +141,9 @@ def run(shape: str, device: str, batch: int, contexts: list[int], decode_steps: 
     h2d = _h2d_GBps(torch, 4 << 30)
     res["h2d_GBps"] = h2d
     weights, adapter = os.path.join(workdir, "weights"), os.path.join(workdir, "adapter")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the bench's own progress lines are the only ones on stderr
     model.get_base_model().save_pretrained(weights, safe_serialization=True)
     model.save_pretrained(adapter, safe_serialization=True)
     res["recovery"] = []
