@@ -506,7 +506,8 @@ class Session:
     def dirty_bytes(self) -> int:
         """Bytes a checkpoint taken now would write (detectors are not advanced)."""
         self._check_open("measure dirty bytes")
-        return sum(int(r.dirty_pages(advance=False).size) * r.page_bytes for r in self._regions.values())
+        with self._exclusive():  # not while a resident trigger's epoch advances the detectors
+            return sum(int(r.dirty_pages(advance=False).size) * r.page_bytes for r in self._regions.values())
 
     def before_checkpoint(self, fn) -> None:
         """Call `fn()` at the start of every checkpoint, before any region is

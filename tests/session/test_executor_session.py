@@ -408,3 +408,32 @@ def test_the_epoch_completion_carries_the_pages_and_record_bytes(file_log):
         c = ring.read_completion(ring.tail - 1)
         assert st.table_pass and c.op == Op.EPOCH and c.ok
         assert (c.pages, c.bytes) == (3, st.log_bytes) and sum(st.pages.values()) == 3
+
+
+def test_dirty_bytes_waits_for_an_epoch_the_consumer_is_running(shm_log):
+    """A bytes policy measures the detectors on the caller's thread; a trigger's
+    epoch advances them on the consumer's: the measure waits for the epoch's
+    lock instead of reading a detector half advanced."""
+    with new_session(shm_log, executor="resident") as s:
+        a = np.zeros(64 << 10, np.uint8)
+        s.register("a", a, page_bytes=4096)
+        s.checkpoint()
+        a[:5000] = 1
+        got, held, release = [], threading.Event(), threading.Event()
+
+        def epoch_in_progress():
+            with s.resident.lock:
+                held.set()
+                release.wait(10)
+
+        holder = threading.Thread(target=epoch_in_progress)
+        holder.start()
+        held.wait(10)
+        measure = threading.Thread(target=lambda: got.append(s.dirty_bytes()))
+        measure.start()
+        measure.join(0.2)
+        assert measure.is_alive() and got == []   # waiting for the lock
+        release.set()
+        holder.join(10)
+        measure.join(10)
+        assert got == [2 * 4096]
