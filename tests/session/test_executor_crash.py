@@ -22,6 +22,7 @@ import pytest
 from concordia import Session
 from concordia.wal import Log
 
+from .kill import kill_after_lines
 from .state import LOG_SIZE, SEGMENT, assert_same, make_state, mutate, register_all
 from .test_retention_crash import CHILD as HOST_CHILD
 from .test_retention_crash import _check
@@ -53,21 +54,9 @@ def test_resident_kills_at_random_times_lose_nothing(tmp_path, tier):
     seen = kills = 0
     try:
         for _ in range(3):
-            p = subprocess.Popen([sys.executable, "-c", CHILD, path, "0", "100000", "none"],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            got = []
-            deadline = time.monotonic() + 60
-            while len(got) < 20 + rng.randint(0, 40) and time.monotonic() < deadline:
-                ln = p.stdout.readline()
-                if not ln:
-                    break
-                got.append(ln.strip())
-            time.sleep(rng.random() * 0.05)
-            p.send_signal(signal.SIGKILL)
-            out, err = p.communicate(timeout=30)
-            assert p.returncode == -signal.SIGKILL, err[-2000:]
+            nums = kill_after_lines([sys.executable, "-c", CHILD, path, "0", "100000", "none"],
+                                    20 + rng.randint(0, 40), rng.random() * 0.05)
             kills += 1
-            nums = [int(x) for x in got + out.split() if x.isdigit()]
             if nums:
                 seen = nums[-1]
             seen = _check(path, seen)
@@ -199,21 +188,9 @@ def test_kills_while_triggers_take_the_epochs_lose_nothing(tmp_path, tier):
     seen = 0
     try:
         for _ in range(2):
-            p = subprocess.Popen([sys.executable, "-c", TRIGGER_CHILD, path],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            got = []
-            deadline = time.monotonic() + 60
-            while len(got) < 3 + rng.randint(0, 5) and time.monotonic() < deadline:
-                ln = p.stdout.readline()
-                if not ln:
-                    break
-                got.append(ln.strip())
-            time.sleep(rng.random() * 0.1)
-            p.send_signal(signal.SIGKILL)
-            out, err = p.communicate(timeout=30)
-            assert p.returncode == -signal.SIGKILL, (out, err[-2000:])
-            nums = [int(x) for x in got + out.split() if x.isdigit()]
-            assert nums, (got, out, err[-2000:])
+            nums = kill_after_lines([sys.executable, "-c", TRIGGER_CHILD, path],
+                                    3 + rng.randint(0, 5), rng.random() * 0.1)
+            assert nums, "the child printed no epoch before its kill"
             with Log.open(path, writable=False) as log:
                 last = int(log.last_committed_epoch)
                 assert last >= nums[-1] >= seen

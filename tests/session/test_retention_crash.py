@@ -22,6 +22,8 @@ from concordia.wal.apply import apply_plan_numpy
 from concordia.wal.planner import plan
 from concordia.wal.snapshot import list_snapshots
 
+from .kill import kill_after_lines
+
 PAGES = 64
 
 CHILD = textwrap.dedent("""
@@ -138,30 +140,15 @@ def test_kills_during_automatic_bases_and_switches_lose_nothing(tmp_path, where)
 
 @pytest.mark.slow
 def test_kills_at_random_times_of_a_retaining_session_lose_nothing(tmp_path):
-    import time
-
     path = "file:" + str(tmp_path / "log")
     rng = random.Random(7)
     seen = 0
     kills = 0
     for i in range(5):
-        p = subprocess.Popen([sys.executable, "-c", CHILD, path, "0", "100000", "none"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        got = []
         # let it get past its imports and a few bases, then kill it wherever it is
-        deadline = time.monotonic() + 60
-        while len(got) < 30 + rng.randint(0, 60) and time.monotonic() < deadline:
-            ln = p.stdout.readline()
-            if not ln:
-                break
-            got.append(ln.strip())
-        time.sleep(rng.random() * 0.05)
-        p.send_signal(signal.SIGKILL)
-        out, err = p.communicate(timeout=30)
-        got += out.split()
-        assert p.returncode == -signal.SIGKILL, err[-2000:]
+        nums = kill_after_lines([sys.executable, "-c", CHILD, path, "0", "100000", "none"],
+                                30 + rng.randint(0, 60), rng.random() * 0.05)
         kills += 1
-        nums = [int(x) for x in got if x.isdigit()]
         if nums:
             seen = nums[-1]
         seen = _check(path, seen)

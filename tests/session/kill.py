@@ -1,0 +1,27 @@
+"""Start a child that prints a number per committed epoch, let it print some
+lines, SIGKILL it wherever it is, and return every number it printed."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+
+
+def kill_after_lines(args: list, lines: int, pause: float, *, wait_s: float = 60) -> list:
+    """Run `args`, read `lines` lines of its stdout (at most `wait_s` seconds),
+    sleep `pause`, SIGKILL it; the numbers of every line it printed, in order.
+    A child that ended by itself fails the caller's test (with its stderr)."""
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    got = []
+    deadline = time.monotonic() + wait_s
+    while len(got) < lines and time.monotonic() < deadline:
+        ln = p.stdout.readline()
+        if not ln:
+            break
+        got.append(ln.strip())
+    time.sleep(pause)
+    p.send_signal(signal.SIGKILL)
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == -signal.SIGKILL, (out[-2000:], err[-2000:])
+    return [int(x) for x in got + out.split() if x.isdigit()]
