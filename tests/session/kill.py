@@ -4,6 +4,7 @@ lines, SIGKILL it wherever it is, and return every number it printed."""
 from __future__ import annotations
 
 import signal
+import sys
 import subprocess
 import time
 
@@ -25,3 +26,12 @@ def kill_after_lines(args: list, lines: int, pause: float, *, wait_s: float = 60
     out, err = p.communicate(timeout=30)
     assert p.returncode == -signal.SIGKILL, (out[-2000:], err[-2000:])
     return [int(x) for x in got + out.split() if x.isdigit()]
+
+
+def run_child(child: str, *args, timeout: float = 120):
+    """Run the child script `child` (python -c) with `args` to its end or its
+    own SIGKILL: (the finished process, the last number it printed or None)."""
+    r = subprocess.run([sys.executable, "-c", child, *map(str, args)], capture_output=True, text=True,
+                       timeout=timeout)
+    lines = [ln for ln in r.stdout.split() if ln.isdigit()]
+    return r, (int(lines[-1]) if lines else None)

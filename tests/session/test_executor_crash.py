@@ -22,7 +22,7 @@ import pytest
 from concordia import Session
 from concordia.wal import Log
 
-from .kill import kill_after_lines
+from .kill import kill_after_lines, run_child
 from .state import LOG_SIZE, SEGMENT, assert_same, make_state, mutate, register_all
 from .test_retention_crash import CHILD as HOST_CHILD
 from .test_retention_crash import _check
@@ -39,11 +39,8 @@ def _log(tier, tmp_path):
     return "shm:" + name, "/dev/shm/" + name
 
 
-def _run(path, kill_at, epochs, where, *, timeout=120):
-    r = subprocess.run([sys.executable, "-c", CHILD, path, str(kill_at), str(epochs), where],
-                       capture_output=True, text=True, timeout=timeout)
-    lines = [ln for ln in r.stdout.split() if ln.isdigit()]
-    return r, (int(lines[-1]) if lines else None)
+def _run(path, kill_at, epochs, where):
+    return run_child(CHILD, path, kill_at, epochs, where)
 
 
 @pytest.mark.slow

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
 import sys
 import textwrap
 
@@ -22,7 +21,7 @@ from concordia.wal.apply import apply_plan_numpy
 from concordia.wal.planner import plan
 from concordia.wal.snapshot import list_snapshots
 
-from .kill import kill_after_lines
+from .kill import kill_after_lines, run_child
 
 PAGES = 64
 
@@ -105,11 +104,8 @@ def _check(path: str, seen: int) -> int:
         log.close()
 
 
-def _run(path, kill_at, epochs, where, *, timeout=120):
-    r = subprocess.run([sys.executable, "-c", CHILD, path, str(kill_at), str(epochs), where],
-                       capture_output=True, text=True, timeout=timeout)
-    lines = [ln for ln in r.stdout.split() if ln.isdigit()]
-    return r, (int(lines[-1]) if lines else None)
+def _run(path, kill_at, epochs, where):
+    return run_child(CHILD, path, kill_at, epochs, where)
 
 
 @pytest.mark.slow
