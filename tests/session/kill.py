@@ -35,3 +35,19 @@ def run_child(child: str, *args, timeout: float = 120):
                        timeout=timeout)
     lines = [ln for ln in r.stdout.split() if ln.isdigit()]
     return r, (int(lines[-1]) if lines else None)
+
+
+def kill_at_random_lines(child: str, path: str, rounds: int, lines: int, rng, check) -> int:
+    """`rounds` times: run `child` on `path` (to epoch 100,000, no kill point of
+    its own), SIGKILL it after `lines` to 3 x `lines` printed epochs and up to
+    50 ms more, and `check(path, seen)` the log (which returns the epoch it
+    holds, at least the last one printed); the last epoch checked."""
+    seen = 0
+    for _ in range(rounds):
+        nums = kill_after_lines([sys.executable, "-c", child, path, "0", "100000", "none"],
+                                lines + rng.randint(0, 2 * lines), rng.random() * 0.05)
+        if nums:
+            seen = nums[-1]
+        seen = check(path, seen)
+        assert seen > 0
+    return seen

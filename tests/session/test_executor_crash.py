@@ -8,13 +8,11 @@ nothing corrupt.  The same children as the host-path tests
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import numpy as np
 import pytest
@@ -22,7 +20,7 @@ import pytest
 from concordia import Session
 from concordia.wal import Log
 
-from .kill import kill_after_lines, run_child
+from .kill import kill_after_lines, kill_at_random_lines, run_child
 from .state import LOG_SIZE, SEGMENT, assert_same, make_state, mutate, register_all
 from .test_retention_crash import CHILD as HOST_CHILD
 from .test_retention_crash import _check
@@ -32,39 +30,14 @@ CHILD = HOST_CHILD.replace("policy=policy)", "policy=policy, executor='resident'
 assert CHILD != HOST_CHILD
 
 
-def _log(tier, tmp_path):
-    if tier == "file":
-        return "file:" + str(tmp_path / "log"), None
-    name = f"concordia-test-{os.getpid()}-{time.time_ns()}"
-    return "shm:" + name, "/dev/shm/" + name
-
-
 def _run(path, kill_at, epochs, where):
     return run_child(CHILD, path, kill_at, epochs, where)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tier", ["file", "shm"])
-def test_resident_kills_at_random_times_lose_nothing(tmp_path, tier):
-    path, unlink = _log(tier, tmp_path)
-    rng = random.Random(11 if tier == "file" else 12)
-    seen = kills = 0
-    try:
-        for _ in range(3):
-            nums = kill_after_lines([sys.executable, "-c", CHILD, path, "0", "100000", "none"],
-                                    20 + rng.randint(0, 40), rng.random() * 0.05)
-            kills += 1
-            if nums:
-                seen = nums[-1]
-            seen = _check(path, seen)
-            assert seen > 0
-    finally:
-        if unlink:
-            try:
-                os.unlink(unlink)
-            except OSError:
-                pass
-    assert kills == 3
+def test_resident_kills_at_random_times_lose_nothing(persistent_log):
+    rng = random.Random(11 if persistent_log.startswith("file:") else 12)
+    assert kill_at_random_lines(CHILD, persistent_log, 3, 20, rng, _check) > 0
 
 
 @pytest.mark.slow
@@ -84,10 +57,9 @@ def test_resident_kills_while_writing_bases_lose_nothing(tmp_path):
     assert kills >= 3, kills
 
 
-@pytest.mark.parametrize("tier", ["file", "shm"])
-def test_an_uncommitted_resident_epoch_never_comes_back(tmp_path, tier):
+def test_an_uncommitted_resident_epoch_never_comes_back(tmp_path, persistent_log):
     """Killed inside the commit: by the host committer (file) or by the consumer (shm)."""
-    log, unlink = _log(tier, tmp_path)
+    log = persistent_log
     script = f"""
 import os, signal, threading, numpy as np
 from concordia import Session
@@ -102,28 +74,21 @@ def die(*a, **k):
 s.log.appender.commit = die
 s.checkpoint()
 """
-    try:
-        r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
-        assert r.returncode == -9, r.stderr
-        assert r.stdout.split()[0].startswith("session-committer" if tier == "file" else "cpu-executor-"), r.stdout
-        with np.load(tmp_path / "want.npz") as z:
-            want = {k: z[k] for k in z.files}
-        with Session(log, create=False, executor="resident") as s:
-            assert s.epoch == 1
-            assert_same(s.recover(), want)
-            again = make_state()
-            register_all(s, again)
-            s.recover(into="registered")
-            assert_same(again, want)
-            mutate(again, 3)
-            assert s.checkpoint().epoch == 2
-            assert_same(s.recover(), again)
-    finally:
-        if unlink:
-            try:
-                os.unlink(unlink)
-            except OSError:
-                pass
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == -9, r.stderr
+    assert r.stdout.split()[0].startswith("session-committer" if log.startswith("file:") else "cpu-executor-"), r.stdout
+    with np.load(tmp_path / "want.npz") as z:
+        want = {k: z[k] for k in z.files}
+    with Session(log, create=False, executor="resident") as s:
+        assert s.epoch == 1
+        assert_same(s.recover(), want)
+        again = make_state()
+        register_all(s, again)
+        s.recover(into="registered")
+        assert_same(again, want)
+        mutate(again, 3)
+        assert s.checkpoint().epoch == 2
+        assert_same(s.recover(), again)
 
 
 TRIGGER_CHILD = textwrap.dedent("""
@@ -175,32 +140,24 @@ def _step_state(count: int) -> np.ndarray:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tier", ["shm", "file"])
-def test_kills_while_triggers_take_the_epochs_lose_nothing(tmp_path, tier):
+def test_kills_while_triggers_take_the_epochs_lose_nothing(persistent_log):
     """The epochs come from the consumer's trigger alone, with the caller's thread
     asleep; each recovered epoch holds the state of exactly the step it records
     (the pause gate held the producer between two steps)."""
-    path, unlink = _log(tier, tmp_path)
-    rng = random.Random(3 if tier == "shm" else 4)
+    path = persistent_log
+    rng = random.Random(4 if path.startswith("file:") else 3)
     seen = 0
-    try:
-        for _ in range(2):
-            nums = kill_after_lines([sys.executable, "-c", TRIGGER_CHILD, path],
-                                    3 + rng.randint(0, 5), rng.random() * 0.1)
-            assert nums, "the child printed no epoch before its kill"
-            with Log.open(path, writable=False) as log:
-                last = int(log.last_committed_epoch)
-                assert last >= nums[-1] >= seen
-                assert log.verify()["corrupt"] == 0
-            with Session(path, create=False) as r:
-                got_state = r.recover()
-                count = int(got_state["step"][0])
-                assert count > 0
-                np.testing.assert_array_equal(got_state["a"], _step_state(count))
-            seen = nums[-1]
-    finally:
-        if unlink:
-            try:
-                os.unlink(unlink)
-            except OSError:
-                pass
+    for _ in range(2):
+        nums = kill_after_lines([sys.executable, "-c", TRIGGER_CHILD, path],
+                                3 + rng.randint(0, 5), rng.random() * 0.1)
+        assert nums, "the child printed no epoch before its kill"
+        with Log.open(path, writable=False) as log:
+            last = int(log.last_committed_epoch)
+            assert last >= nums[-1] >= seen
+            assert log.verify()["corrupt"] == 0
+        with Session(path, create=False) as r:
+            got_state = r.recover()
+            count = int(got_state["step"][0])
+            assert count > 0
+            np.testing.assert_array_equal(got_state["a"], _step_state(count))
+        seen = nums[-1]

@@ -21,7 +21,7 @@ from concordia.wal.apply import apply_plan_numpy
 from concordia.wal.planner import plan
 from concordia.wal.snapshot import list_snapshots
 
-from .kill import kill_after_lines, run_child
+from .kill import kill_at_random_lines, run_child
 
 PAGES = 64
 
@@ -136,17 +136,6 @@ def test_kills_during_automatic_bases_and_switches_lose_nothing(tmp_path, where)
 
 @pytest.mark.slow
 def test_kills_at_random_times_of_a_retaining_session_lose_nothing(tmp_path):
+    # each child gets past its imports and a few bases, then is killed wherever it is
     path = "file:" + str(tmp_path / "log")
-    rng = random.Random(7)
-    seen = 0
-    kills = 0
-    for i in range(5):
-        # let it get past its imports and a few bases, then kill it wherever it is
-        nums = kill_after_lines([sys.executable, "-c", CHILD, path, "0", "100000", "none"],
-                                30 + rng.randint(0, 60), rng.random() * 0.05)
-        kills += 1
-        if nums:
-            seen = nums[-1]
-        seen = _check(path, seen)
-        assert seen > 0
-    assert kills == 5
+    assert kill_at_random_lines(CHILD, path, 5, 30, random.Random(7), _check) > 0
