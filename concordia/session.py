@@ -474,11 +474,11 @@ class Session:
             except BaseException:
                 self._untrack(region)
                 raise
+        if self.resident is not None:  # a new kind's handler is in the table before an epoch can see the region
+            self.resident.region_added(region)
         with self._exclusive():
             self._regions[name] = region
             self._version += 1
-        if self.resident is not None:
-            self.resident.region_added(region)
         return region
 
     @staticmethod

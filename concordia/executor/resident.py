@@ -339,9 +339,10 @@ class ResidentExecutor:
         return handler
 
     def region_added(self, region) -> None:
-        """A region was registered: a kind without a handler in the consumer's
-        table gets one by a hot swap."""
-        kinds = self._kinds_of(self.session)
+        """A region is being registered: a kind without a handler in the
+        consumer's table gets one by a hot swap, before the session lists the
+        region (so that no epoch meets a kind its table lacks)."""
+        kinds = tuple(sorted(set(self._kinds_of(self.session)) | {region.kind}))
         if set(kinds) <= set(self.kinds):
             return
         self.swaps.append(self.submitter.swap(self._consumer(kinds), timeout=60.0))
@@ -545,6 +546,10 @@ class ResidentExecutor:
         if tr is not None:
             with self.lock:   # not in the middle of one of its epochs
                 tr.armed = False
+        self._relax()
+
+    def _relax(self) -> None:
+        """No trigger to watch: the consumer idles and leaves as without one."""
         c = self.consumer
         if c is not None:
             c.idle_exit_s = self.idle_exit_s
@@ -566,6 +571,8 @@ class ResidentExecutor:
                 self._local.inside = True
                 try:
                     with self.lock, as_caller(tr.streams):
+                        if not tr.armed:   # disarmed while this poll waited for the lock
+                            return False
                         stats = self._epoch(tr.label)
                 finally:
                     self._local.inside = False
@@ -577,6 +584,7 @@ class ResidentExecutor:
         except Exception as exc:  # the trigger stops and says why; the consumer goes on
             tr.errors.append(f"{type(exc).__name__}: {exc}")
             tr.armed = False
+            self._relax()
         return True
 
     # -- lifecycle ---------------------------------------------------------------
@@ -605,7 +613,15 @@ class ResidentExecutor:
         except ExecutorError:   # a consumer that does not stop is made to leave
             self.consumer.abort(timeout)
         finally:
-            self._closed = True
+            # an epoch still in flight (a large base may take STALL_DEADLINE_S) ends
+            # before the session goes on to close the log under it
+            if not self.lock.acquire(timeout=STALL_DEADLINE_S):
+                raise ExecutorError(f"an epoch still runs on the consumer after {STALL_DEADLINE_S:.0f} s; "
+                                    "the log is left open", where=self.ring.where)
+            try:
+                self._closed = True
+            finally:
+                self.lock.release()
             if self._committer is not None:
                 self._commits.put(None)
                 self._committer.join(timeout)

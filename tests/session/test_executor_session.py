@@ -118,6 +118,25 @@ def test_a_new_kind_swaps_its_handler_in_and_a_known_kind_does_not(file_log):
         assert (s.recover()["kv"] == 3).all()
 
 
+def test_a_new_kind_is_in_the_table_before_an_epoch_can_see_its_region(file_log):
+    """A trigger's epoch may run between any two steps of `register`: the swap
+    comes before the session lists the region, never after."""
+    with new_session(file_log, executor="resident") as s:
+        ex = s.resident
+        s.register("a", np.zeros(8192, np.uint8))
+        seen = []
+        swap = ex.region_added
+
+        def watched(region):
+            swap(region)
+            seen.append((region.name in s._regions, ex.consumer.table.get(0x100) is not None))
+
+        ex.region_added = watched
+        s.register("kv", np.full(4096, 3, np.uint8), kind="kv")
+        assert seen == [(False, True)]   # the kv handler (KINDS[0]) first, then the region
+        assert s.checkpoint().executor == "resident"
+
+
 def test_an_epoch_of_a_kind_without_a_handler_is_refused_naming_it(file_log):
     with new_session(file_log, executor="resident") as s:
         s.register("a", np.zeros(4096, np.uint8), kind="adapter")
