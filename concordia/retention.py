@@ -13,8 +13,8 @@ committed.  Under the session's `Policy` it
     nothing ran since the commit) or else folding them from the log;
   * writes that job's BASE records, about `slice_bytes` after each
     checkpoint, so that no checkpoint waits for a whole base;
-  * switches when the bases are written (`Compaction.finish`: one new
-    catalog, one superblock write), freeing every segment below what the
+  * switches when the bases are written (`Compaction.prepare`: the new
+    catalog, then at a later hook `Compaction.switch`: one superblock write), freeing every segment below what the
     kept window still needs, and switches once more (with no new base) when
     the window has moved past the newest bases, so the floor follows them;
     the host copies, each slice, the new catalog and the superblock write that
@@ -115,7 +115,7 @@ class Retention:
     # ------------------------------------------------------- the bookkeeping
     def _sync(self) -> None:
         """Make the per-region slots describe the registered regions.  O(regions),
-        and only after a register (or `regions_changed`): regions are only ever
+        and only after a register: regions are only ever
         added (register refuses a second region of a name), so their count says
         whether the slots still hold.  A region's chain survives the rebuild."""
         regions = self.session._regions
@@ -133,11 +133,6 @@ class Retention:
         self._state = sum(record_bytes(r.array.nbytes, r.page_bytes) for r in rs)
         self._table = None
         self._key = key
-
-    def regions_changed(self) -> None:
-        """Rebuild the per-region slots at the next use (for a caller that
-        removes or replaces a registered region)."""
-        self._key = None
 
     @property
     def chain(self) -> dict:

@@ -291,6 +291,7 @@ class Compaction:
             self._writer.close()
         self._writer = None
         self._todo = []
+        self._switch = None   # a prepared catalog is never switched to after this
 
     def finish(self, *, keep_bases: int | None = None, keep_epochs: int | None = None,
                reclaim: bool = True, known: "Known | None" = None) -> CompactReport:

@@ -391,7 +391,7 @@ _new_tuple = tuple.__new__
 
 
 def decode_record_header(buf, off: int = 0, *, check: bool = True, where: str | None = None) -> RecordHeader:
-    """Decode the 64-byte header at buf[off:]; raises CorruptionError (at `where`,
+    """Decode the 64-byte header (FORMAT.md §5.1) at buf[off:]; raises CorruptionError (at `where`,
     default `record @ 0xOFF`) when it runs past the buffer or the header CRC (V-R2)
     or reserved bytes (V-R4) are wrong.  Placement checks (length, LSN, salt) need
     the segment and are done by the reader.  check=False reads the fields as they

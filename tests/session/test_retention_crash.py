@@ -56,6 +56,7 @@ CHILD = textwrap.dedent("""
 
     wrap(S, "_append_base_batch", "base", before=False)           # after each BASE record
     wrap(C, "append_catalog", "switch")                            # around the catalog
+    wrap(C.Compaction, "switch", "switch", after=False)            # between prepare and switch: commits may follow
     wrap(Volume, "reclaim_segments", "switch", before=False)       # after the superblock switch
     wrap(Volume, "write_superblock", "switch", before=False)
 
