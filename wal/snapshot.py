@@ -165,7 +165,7 @@ def current_catalog(log) -> Catalog:
         return EMPTY_CATALOG
     seg, off, h = record_at(log, lsn)
     where = f"segment {seg} @ {off:#x}"
-    if h.kind != F.REC_CATALOG:
+    if h.type != F.REC_CATALOG:  # the whole type byte (R-T1): 0x84 is an ignorable record, not a catalog
         raise CorruptionError(f"superblock names lsn {lsn} as the catalog, but it holds record type "
                               f"0x{h.type:02x}", where=where)
     body = log.volume.backend.view[off + 64: off + 64 + h.count]
