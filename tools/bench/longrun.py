@@ -111,7 +111,7 @@ def run_one(config: str, spec: str, *, epochs: int, seconds: float | None, state
                 break
             lat[e - 1] = time.perf_counter() - t0
             busy[e - 1] = s.retention.last is not None
-            did[e - 1] = HOOK_KINDS.index(s.retention.last) if s.retention.last in HOOK_KINDS else 0
+            did[e - 1] = HOOK_KINDS.index(s.retention.last)  # a kind not listed fails the run, never counts as none
             done = e
             if e % step == 0 or e == epochs:
                 used.append([e, len(s.log.volume.live_segments()) * seg_bytes])
