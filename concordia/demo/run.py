@@ -276,15 +276,15 @@ def run_demo(*, log: str = DEFAULT_LOG, steps: int = DEFAULT_STEPS, kill_at="ran
     anything else is refused and left unchanged unless `force`."""
     say = progress or (lambda _msg: None)
     if steps < 2:
-        raise DemoError(f"--steps must be at least 2, not {steps}")
+        raise DemoError(f"--steps must be at least 2, not {steps}", where="demo")
     if every < 1:
-        raise DemoError(f"--every must be at least 1, not {every}")
+        raise DemoError(f"--every must be at least 1, not {every}", where="demo")
     if kill_at == "random":
         kill = pick_kill_step(steps, every, random.Random())
     else:
         kill = int(kill_at)
         if not 1 <= kill < steps:
-            raise DemoError(f"--kill-at {kill} must lie in [1, {steps - 1}]")
+            raise DemoError(f"--kill-at {kill} must lie in [1, {steps - 1}]", where="demo")
     from concordia.wal.volume import check_format_target
 
     # the worker formats the log (Session(overwrite=True)): the same check as every create path first

@@ -288,7 +288,9 @@ def command(contexts, batch, decode_steps, decode_prompt, chunk, tier, workdir, 
         import torch
         import transformers  # noqa: F401
     except ImportError as exc:
-        raise click.ClickException(f"bench model needs torch and transformers ({exc.name} is missing)")
+        from concordia.errors import MissingDependencyError
+
+        raise MissingDependencyError(exc.name or "transformers", needed_by="concordia-wal bench model") from None
     try:
         ctx = [int(x) for x in contexts.split(",") if x.strip()]
     except ValueError:
