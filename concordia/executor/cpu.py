@@ -70,7 +70,7 @@ class CpuExecutor:
         self.errors: list[str] = []    # handler exceptions, one line each
         self.instances = 0
         #: called on the consumer's thread whenever it finds no task (a device-side
-        #: trigger: `resident.Triggers.poll`); returns True when it did work
+        #: trigger: `resident.ResidentExecutor.poll`); returns True when it did work
         self.on_idle = None
         #: a threading.Event the host sets after publishing (None: sleep between polls);
         #: idle_wait_max_s bounds one wait between two polls of an idle ring

@@ -34,7 +34,7 @@ device epoch handler is not built yet (executor.cu answers EPOCH and RECOVER
 with UNSUPPORTED_OP), so a CuPy session's resident consumer is the same thread,
 driving the device passes from there.
 
-Device-side triggers (`Triggers`).  A trigger checkpoints every N counts of a
+Device-side triggers (`Trigger`, armed by `ResidentExecutor.trigger`).  A trigger checkpoints every N counts of a
 counter the consumer polls between tasks: the launches of instrumented kernels
 (`LaunchCounter`, the exit-hook counters `__concordia_epochs` of
 `concordia.instrument`) or decode steps (`StepCounter`, a word the producer
@@ -335,7 +335,6 @@ class ResidentExecutor:
             n = int(task.args[0])
             self.kinds_seen[kind] = self.kinds_seen.get(kind, 0) + n
             return Result(Status.OK, n)
-        handler.kind = kind
         return handler
 
     def region_added(self, region) -> None:
