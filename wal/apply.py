@@ -90,14 +90,47 @@ def _scratch_pages(n: int, pb: int) -> np.ndarray:
     return buf[:n]
 
 
-def _bad_page(rp: RegionPlan, batch, rows, pids, stored, got, i: int) -> CorruptionError:
-    pb = rp.region.page_bytes
-    off = batch.offset + (batch.length - batch.page_ids.size * pb) + int(rows[i]) * pb
+def page_offset(batch, row: int, page_bytes: int) -> int:
+    """Where page `row` of record `batch` lies in its segment (the payload is
+    the record's last bytes, FORMAT.md §6)."""
+    return batch.offset + (batch.length - batch.page_ids.size * page_bytes) + int(row) * page_bytes
+
+
+def bad_page(region: str, batch, row: int, page_id: int, page_bytes: int, stored: int,
+             computed: int) -> CorruptionError:
+    """The one diagnostic of a page whose CRC32C is not the one its record
+    stores (FORMAT.md §6): every applier (host, device, compaction's fold)
+    raises it in these words, at the page's own offset."""
     return CorruptionError(
-        f"page CRC mismatch for page {int(pids[i])} of region {rp.name!r} in record lsn "
-        f"{batch.lsn}, stored 0x{int(stored[i]):08x}, computed 0x{int(got[i]):08x}",
-        where=f"segment {batch.segment} @ {off:#x}",
-    )
+        f"page CRC mismatch for page {int(page_id)} of region {region!r} in record lsn {batch.lsn}, "
+        f"stored 0x{int(stored):08x}, computed 0x{int(computed):08x}",
+        where=f"segment {batch.segment} @ {page_offset(batch, row, page_bytes):#x}")
+
+
+def check_pages(region: str, batch, rows: np.ndarray, page_ids: np.ndarray, page_bytes: int, stored: np.ndarray,
+                computed: np.ndarray) -> None:
+    """The one page check of pages `rows` of record `batch` (page numbers
+    `page_ids` of the region): `bad_page` for the first whose computed CRC32C
+    differs from the stored one."""
+    bad = np.flatnonzero(computed != stored)
+    if bad.size:
+        i = int(bad[0])
+        raise bad_page(region, batch, rows[i], page_ids[i], page_bytes, stored[i], computed[i])
+
+
+def digest_mismatch(region: str, epoch: int, stated: int, restored: int) -> CorruptionError:
+    """The one diagnostic of a region whose restored pages do not hash to the
+    digest its commit (or its base's catalog entry) states (FORMAT.md §5.4)."""
+    return CorruptionError(f"region {region!r} at epoch {epoch}: digest mismatch, "
+                           f"stated 0x{int(stated):08x}, restored 0x{int(restored):08x}",
+                           hint="the log's records disagree with its commit records")
+
+
+def check_digest(region: str, epoch: int, stated: int | None, restored: int) -> None:
+    """The one digest check: the digest of the restored region's page CRCs
+    against the stated one (None: nothing stated, nothing to check)."""
+    if stated is not None and int(restored) != int(stated):
+        raise digest_mismatch(region, epoch, stated, restored)
 
 
 def _copy_chunk(rp: RegionPlan, dst: np.ndarray, crcs: np.ndarray, src_batch, rows, pids, check: bool,
@@ -132,10 +165,7 @@ def _copy_chunk(rp: RegionPlan, dst: np.ndarray, crcs: np.ndarray, src_batch, ro
         src = _scratch_pages(rows.size, pb)
         np.take(_as_items(payload), rows, out=_as_items(src), mode="clip")
     if check:
-        got = page_crcs(src, release_gil=release_gil)
-        bad = np.flatnonzero(got != stored)
-        if bad.size:
-            raise _bad_page(rp, src_batch, rows, pids, stored, got, int(bad[0]))
+        check_pages(rp.name, src_batch, rows, pids, pb, stored, page_crcs(src, release_gil=release_gil))
     crcs[pids] = stored
     if int(pids[-1]) >= full:  # the region's short last page
         dst[full * pb:] = src[-1, : dst.size - full * pb]
@@ -226,10 +256,9 @@ def _gather_pages(rp: RegionPlan, gm, dst: np.ndarray, crcs: np.ndarray, lo: int
     exp = stored[lo:hi]
     if check:
         bad = np.flatnonzero((got != exp) & have)
-        if bad.size:
+        if bad.size:  # the first bad page, named with its own record
             i = int(bad[0])
-            s = rp.sources[int(owner[lo + i])]
-            raise _bad_page(rp, s.batch, rows_of[lo:hi], np.arange(lo, hi), exp, got, i)
+            raise bad_page(rp.name, rp.sources[int(owner[lo + i])].batch, rows_of[lo + i], lo + i, pb, exp[i], got[i])
     crcs[lo:hi][have] = exp[have]
 
 
@@ -261,13 +290,7 @@ def _finish_region(rp: RegionPlan, crcs: np.ndarray, check: bool) -> None:
     if check and rp.digest is not None:
         from concordia.wal.format import region_digest
 
-        got = region_digest(crcs)
-        if got != rp.digest:
-            raise CorruptionError(
-                f"region {rp.name!r} at epoch {rp.epoch}: digest mismatch, "
-                f"stated 0x{rp.digest:08x}, restored 0x{got:08x}",
-                hint="the log's records disagree with its commit records",
-            )
+        check_digest(rp.name, rp.epoch, rp.digest, region_digest(crcs))
 
 
 def _run(jobs, threads: int, done=None):

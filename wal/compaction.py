@@ -33,8 +33,8 @@ from typing import Callable
 
 import numpy as np
 
-from concordia.wal.apply import take_rows
-from concordia.wal.errors import CorruptionError, WalError
+from concordia.wal.apply import check_pages, page_crcs, take_rows
+from concordia.wal.errors import WalError
 from concordia.wal.planner import History, RegionPlan, plan_history, scan
 from concordia.wal.snapshot import (
     DEFAULT_CHUNK_BYTES,
@@ -76,8 +76,6 @@ def fold_source(rp: RegionPlan) -> Callable[[int, int], np.ndarray]:
 
         p = plan_history(scan(log), epoch, "tolerate_tail", regions=[name])
         create_base_snapshot(log, name, fold_source(p.regions[name]), p.epoch)"""
-    from crc32c import crc32c as _crc
-
     r = rp.region
     pb = r.page_bytes
     owner = np.full(r.pages, -1, dtype=np.int32)
@@ -95,18 +93,8 @@ def fold_source(rp: RegionPlan) -> Callable[[int, int], np.ndarray]:
             at = np.flatnonzero(own == i)
             s = rp.sources[int(i)]
             rows = row[lo + at]
-            got = take_rows(s.batch.payload, rows)
-            stored = np.asarray(s.batch.page_crcs)[rows]
-            mv = memoryview(np.ascontiguousarray(got)).cast("B")
-            for k in range(at.size):
-                c = _crc(mv[k * pb:(k + 1) * pb])
-                if c != stored[k]:
-                    b = s.batch
-                    off = b.offset + (b.length - b.page_ids.size * pb) + int(rows[k]) * pb
-                    raise CorruptionError(
-                        f"page CRC mismatch for page {lo + int(at[k])} of region {r.name!r} in record "
-                        f"lsn {b.lsn}, stored 0x{int(stored[k]):08x}, computed 0x{c:08x}",
-                        where=f"segment {b.segment} @ {off:#x}")
+            got = np.ascontiguousarray(take_rows(s.batch.payload, rows))
+            check_pages(r.name, s.batch, rows, lo + at, pb, np.asarray(s.batch.page_crcs)[rows], page_crcs(got))
             out[at] = got
         return out
 
