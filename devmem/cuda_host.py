@@ -16,7 +16,7 @@ from .backend import Backend
 from .errors import HostRegisterRefusedError
 from .pinned import cupy_or_raise
 
-__all__ = ["register", "HostRegistration", "CHUNK"]
+__all__ = ["register", "pin", "unpin", "HostRegistration", "CHUNK"]
 
 HOST_REGISTER_PORTABLE = 0x01    # cudaHostRegister flags
 HOST_REGISTER_MAPPED = 0x02
@@ -47,10 +47,7 @@ class HostRegistration:
         if self._keep is None:
             return
         for addr, _ in reversed(self.chunks):
-            try:
-                self._runtime.hostUnregister(addr)
-            except Exception:
-                pass   # already gone with its context; nothing left to undo
+            unpin(addr)
         self.chunks = []
         self._keep.release()
         self._keep = None
@@ -73,6 +70,31 @@ class HostRegistration:
 
     def __repr__(self):
         return f"<HostRegistration {self.backend.where} dev={self.device_ptr:#x} {self.nbytes} bytes>"
+
+
+def pin(addr: int, nbytes: int, *, read_only: bool = False, where: str = "host memory") -> None:
+    """The one cudaHostRegister call of the project: [addr, addr + nbytes)
+    pinned for every device (portable) and mapped into the device's address
+    space, read-only when asked (a mapping opened read-only).  A refusal is
+    HostRegisterRefusedError naming `where`; nothing stays registered."""
+    rt = cupy_or_raise(where).cuda.runtime
+    flags = HOST_REGISTER_MAPPED | HOST_REGISTER_PORTABLE | (HOST_REGISTER_READ_ONLY if read_only else 0)
+    try:
+        rt.hostRegister(addr, nbytes, flags)
+    except Exception as exc:   # cupy.cuda.runtime.CUDARuntimeError
+        raise HostRegisterRefusedError(f"cudaHostRegister refused: {exc}", where=where,
+                                       hint="write through a pinned staging ring") from None
+
+
+def unpin(addr: int) -> None:
+    """Undo `pin` of the range starting at `addr`; a range already gone with its
+    context is left as it is."""
+    import cupy
+
+    try:
+        cupy.cuda.runtime.hostUnregister(addr)
+    except Exception:
+        pass
 
 
 def register(backend: Backend, chunk_bytes: int = CHUNK) -> HostRegistration:
@@ -102,7 +124,7 @@ def register(backend: Backend, chunk_bytes: int = CHUNK) -> HostRegistration:
     try:
         for off in range(0, span, chunk_bytes):
             n = min(chunk_bytes, span - off)
-            rt.hostRegister(addr + off, n, HOST_REGISTER_MAPPED | HOST_REGISTER_PORTABLE)
+            pin(addr + off, n, where=where)
             done.append((addr + off, n))
         base = _device_pointer(rt, addr)
         for a, _ in done[1:]:
@@ -110,13 +132,10 @@ def register(backend: Backend, chunk_bytes: int = CHUNK) -> HostRegistration:
                 raise HostRegisterRefusedError("chunks did not land at contiguous device "
                                                "addresses", where=where,
                                                hint="register with one chunk (chunk_bytes >= size)")
-    except HostRegisterRefusedError:
-        _undo(rt, done)
+    except BaseException:
+        for a, _ in reversed(done):
+            unpin(a)
         raise
-    except Exception as exc:   # cupy.cuda.runtime.CUDARuntimeError
-        _undo(rt, done)
-        raise HostRegisterRefusedError(f"cudaHostRegister refused: {exc}", where=where,
-                                       hint="write through a pinned staging ring") from None
     return HostRegistration(backend, base, size, done, rt)
 
 
@@ -127,11 +146,3 @@ def _device_pointer(rt, host_addr: int) -> int:
     address, which is what that call would return."""
     get = getattr(rt, "hostGetDevicePointer", None)
     return int(get(host_addr, 0)) if get is not None else int(host_addr)
-
-
-def _undo(rt, done):
-    for a, _ in reversed(done):
-        try:
-            rt.hostUnregister(a)
-        except Exception:
-            pass

@@ -127,6 +127,53 @@ __device__ __forceinline__ u64 warp_sum64(u64 v) {
     return v;
 }
 
+// ---- page-batch records (FORMAT.md §6; wal/format.py, reference.stage_page_batch) ----
+// header (64 bytes) | index table u32[count] | CRC table u32[count] | zero pad
+// to a 64-byte boundary | payload: count pages of page_bytes.
+#define RECORD_HEADER_BYTES 64
+#define TYPE_PAGE_BATCH 0x01u
+
+__device__ __forceinline__ u64 page_batch_payload_off(u64 count) {
+    return RECORD_HEADER_BYTES + ((8 * count + 63) & ~63ull);
+}
+
+__device__ __forceinline__ u64 page_batch_length(u64 count, u64 page_bytes) {
+    return page_batch_payload_off(count) + count * page_bytes;
+}
+
+// The body CRC32C (over the index and CRC tables, 8 * count bytes) from the
+// raw register of those bytes fed from a zero start.
+__device__ __forceinline__ u32 page_batch_body_crc(u32 raw, u64 count) {
+    return ~(raw ^ gf2_multmodp(xpow8n(8 * count), 0xFFFFFFFFu));
+}
+
+// The one page-batch header writer (one thread): its CRC over the first 60
+// bytes; the length word stored last, after a system-scope fence, so a reader
+// that sees it sees a whole header.
+__device__ __forceinline__ void write_page_batch_header(const u32* T, u8* rec, u64 length, u64 lsn, u64 epoch,
+                                                        u32 region_id, u32 salt, u32 flags, u64 count,
+                                                        u32 page_bytes, u32 body_crc) {
+    u32 h[16];
+    h[0] = (u32)length;          h[1] = (u32)(length >> 32);
+    h[2] = TYPE_PAGE_BATCH | ((flags & 0xFFu) << 8);   // type, flags, reserved u16
+    h[3] = region_id;
+    h[4] = (u32)lsn;             h[5] = (u32)(lsn >> 32);
+    h[6] = (u32)epoch;           h[7] = (u32)(epoch >> 32);
+    h[8] = salt;                 h[9] = body_crc;
+    h[10] = (u32)count;          h[11] = page_bytes;
+    h[12] = 0;                   h[13] = 0;            // aux
+    h[14] = 0;                                         // reserved
+    u32 hc = 0xFFFFFFFFu;
+    for (int w = 0; w < 15; ++w) hc = crc_word(T, hc, h[w]);
+    h[15] = ~hc;
+    uint4* out = reinterpret_cast<uint4*>(rec);
+    out[3] = make_uint4(h[12], h[13], h[14], h[15]);
+    out[2] = make_uint4(h[8], h[9], h[10], h[11]);
+    out[1] = make_uint4(h[4], h[5], h[6], h[7]);
+    __threadfence_system();
+    out[0] = make_uint4(h[0], h[1], h[2], h[3]);
+}
+
 #ifdef PAGE_BYTES
 #if (PAGE_BYTES % 64) != 0 || PAGE_BYTES <= 0
 #error "PAGE_BYTES must be a positive multiple of 64"

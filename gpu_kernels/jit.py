@@ -1,5 +1,6 @@
 """The one loader of Concordia's `.cu` sources: `-D` specialisation per region,
-NVRTC through CuPy, a module cache per device, and ahead-of-time compilation.
+NVRTC through CuPy (`load`, which the executor's module and the benchmarks'
+kernels use too), a module cache per device, and ahead-of-time compilation.
 
 A *spec* is a module name (`shadow_diff`, `fingerprint`, `crc32c`, `stage`,
 `scatter`, `kv_scan`, `table`) and a dict of `-D` constants (page size, KV layout).
@@ -145,9 +146,28 @@ def _cupy():
     return cupy
 
 
+def load(code: str, options, kernels, *, where: str):
+    """The one place CUDA source becomes loaded kernels, for the product's
+    modules, the executor's and the benchmarks': a `cupy.RawModule` of `code`
+    compiled by NVRTC (CuPy's disk cache keys on the text and options) with
+    each of `kernels` loaded on the current device now.  A compile error is one
+    KernelCompileError line naming `where` (the whole NVRTC log in its `log`)."""
+    cupy = _cupy()
+    mod = cupy.RawModule(code=code, options=tuple(options))
+    try:
+        for k in kernels:
+            mod.get_function(k)  # compiles and loads on this device now
+    except cupy.cuda.compiler.CompileException as exc:
+        text = str(exc).strip()
+        err = KernelCompileError(f"NVRTC: {text.splitlines()[0] if text else 'failed'}", where=where)
+        err.log = text
+        raise err from None
+    return mod
+
+
 def module(name: str, defines: dict | None = None, device: int | None = None):
     """The compiled, loaded `cupy.RawModule` of `name` specialised by `defines`
-    on `device` (default: the current device)."""
+    on `device` (default: the current device), made once per device."""
     cupy = _cupy()
     key_defs = _check(name, defines or {})
     dev = cupy.cuda.Device(device) if device is not None else cupy.cuda.Device()
@@ -159,13 +179,8 @@ def module(name: str, defines: dict | None = None, device: int | None = None):
         mod = _modules.get(key)
         if mod is None:
             with dev:
-                mod = cupy.RawModule(code=source(name), options=NVRTC_OPTIONS + define_options(key_defs))
-                try:
-                    for k in kernels_in(name, dict(key_defs)):
-                        mod.get_function(k)  # compiles and loads on this device now
-                except cupy.cuda.compiler.CompileException as exc:
-                    first = str(exc).strip().splitlines()[0] if str(exc).strip() else "failed"
-                    raise KernelCompileError(f"NVRTC: {first}", where=f"{name}.cu {key_defs}") from None
+                mod = load(source(name), NVRTC_OPTIONS + define_options(key_defs), kernels_in(name, dict(key_defs)),
+                           where=f"{name}.cu {key_defs}")
             _modules[key] = mod
     return mod
 

@@ -19,36 +19,6 @@
 // -D PAGE_BYTES (multiple of 64).
 #include "common.cuh"
 
-#define HEADER_BYTES 64
-#define TYPE_PAGE_BATCH 0x01u
-
-__device__ __forceinline__ u64 payload_off(u64 count) { return HEADER_BYTES + ((8 * count + 63) & ~63ull); }
-
-// The record header (one thread), its CRC over the first 60 bytes; the
-// length word is stored last, so a reader that sees it sees a whole header.
-__device__ __forceinline__ void write_header(const u32* T, u8* rec, u64 length, u64 lsn, u64 epoch,
-                                             u32 region_id, u32 salt, u32 flags, u64 count, u32 body_crc) {
-    u32 h[16];
-    h[0] = (u32)length;          h[1] = (u32)(length >> 32);
-    h[2] = TYPE_PAGE_BATCH | ((flags & 0xFFu) << 8);   // type, flags, reserved u16
-    h[3] = region_id;
-    h[4] = (u32)lsn;             h[5] = (u32)(lsn >> 32);
-    h[6] = (u32)epoch;           h[7] = (u32)(epoch >> 32);
-    h[8] = salt;                 h[9] = body_crc;
-    h[10] = (u32)count;          h[11] = PAGE_BYTES;
-    h[12] = 0;                   h[13] = 0;            // aux
-    h[14] = 0;                                         // reserved
-    u32 hc = 0xFFFFFFFFu;
-    for (int w = 0; w < 15; ++w) hc = crc_word(T, hc, h[w]);
-    h[15] = ~hc;
-    uint4* out = reinterpret_cast<uint4*>(rec);
-    out[3] = make_uint4(h[12], h[13], h[14], h[15]);
-    out[2] = make_uint4(h[8], h[9], h[10], h[11]);
-    out[1] = make_uint4(h[4], h[5], h[6], h[7]);
-    __threadfence_system();
-    out[0] = make_uint4(h[0], h[1], h[2], h[3]);
-}
-
 // One page by one warp: coalesced 16-byte copy into `out`, CRC32C returned to
 // every lane.
 __device__ __forceinline__ u32 copy_page(const u32* T, const u8* region, u64 region_bytes, u64 page,
@@ -93,14 +63,14 @@ stage_payload(const u8* __restrict__ region, const u32* __restrict__ ids, u64 co
     u8* rec = dst + off;
     const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     const u64 threads = (u64)gridDim.x * blockDim.x;
-    u32* index = reinterpret_cast<u32*>(rec + HEADER_BYTES);
+    u32* index = reinterpret_cast<u32*>(rec + RECORD_HEADER_BYTES);
     for (u64 i = tid; i < count; i += threads) index[i] = ids[i];
-    const u64 pad_lo = (HEADER_BYTES + 8 * count) / 4, pad_hi = payload_off(count) / 4;
+    const u64 pad_lo = (RECORD_HEADER_BYTES + 8 * count) / 4, pad_hi = page_batch_payload_off(count) / 4;
     if (tid < pad_hi - pad_lo) reinterpret_cast<u32*>(rec)[pad_lo + tid] = 0;
 
     const int lane = threadIdx.x & 31;
     const PageCrc k = page_crc_setup(lane);
-    u8* payload = rec + payload_off(count);
+    u8* payload = rec + page_batch_payload_off(count);
     u32* crc_table = index + count;
     const u64 warps = threads >> 5;
     for (u64 i = tid >> 5; i < count; i += warps) {
@@ -127,8 +97,8 @@ stage_finalize(const u32* __restrict__ ids, const u32* __restrict__ crcs, u64 co
     if (threadIdx.x != 0) return;
     // body = index table || CRC table: shift the first over the second's bytes
     const u32 raw = gf2_multmodp(xpow8n(4 * count), raw_ids) ^ raw_crcs;
-    const u32 body_crc = ~(raw ^ gf2_multmodp(xpow8n(8 * count), 0xFFFFFFFFu));
-    write_header(T, dst + off, length, lsn_base + off, epoch, region_id, salt, flags, count, body_crc);
+    write_page_batch_header(T, dst + off, length, lsn_base + off, epoch, region_id, salt, flags, count, PAGE_BYTES,
+                            page_batch_body_crc(raw, count));
 }
 
 // One launch for a checkpoint of a few dirty pages, after a detector that
@@ -165,7 +135,7 @@ stage_delta(const u8* __restrict__ region, u64 region_bytes, u64 num_pages, cons
     const u32 t = threadIdx.x, lane = t & 31, w = t >> 5;
     const u32 count = *(volatile u32*)list_count;
     const u32 cap = cap_pages < DELTA_MAX_PAGES ? cap_pages : DELTA_MAX_PAGES;
-    const u64 length = HEADER_BYTES + ((8ull * count + 63) & ~63ull) + (u64)count * PAGE_BYTES;
+    const u64 length = page_batch_length(count, PAGE_BYTES);
     const bool fits = count > 0 && count <= cap && length <= dst_bytes;
     if (fits) {
         if (t == 0) moved = 0;
@@ -176,14 +146,14 @@ stage_delta(const u8* __restrict__ region, u64 region_bytes, u64 num_pages, cons
             ids[rank] = mine;
         }
         crc_tables_build(T);  // synchronises the block
-        u32* index = reinterpret_cast<u32*>(dst + HEADER_BYTES);
+        u32* index = reinterpret_cast<u32*>(dst + RECORD_HEADER_BYTES);
         if (w < count) {
             const u32 crc = copy_page(T, region, region_bytes, ids[w],
-                                      reinterpret_cast<uint4*>(dst + payload_off(count) + (u64)w * PAGE_BYTES),
+                                      reinterpret_cast<uint4*>(dst + page_batch_payload_off(count) + (u64)w * PAGE_BYTES),
                                       (int)lane, page_crc_setup((int)lane));
             if (lane == 0) crcs[w] = crc;
         }
-        const u32 pad_lo = (HEADER_BYTES + 8 * count) / 4, pad_hi = (u32)(payload_off(count) / 4);
+        const u32 pad_lo = (RECORD_HEADER_BYTES + 8 * count) / 4, pad_hi = (u32)(page_batch_payload_off(count) / 4);
         if (t < pad_hi - pad_lo) reinterpret_cast<u32*>(dst)[pad_lo + t] = 0;
         __syncthreads();
         if (t < count) {
@@ -200,8 +170,8 @@ stage_delta(const u8* __restrict__ region, u64 region_bytes, u64 num_pages, cons
             u32 raw = 0;
             for (u32 i = 0; i < count; ++i) raw = crc_word(T, raw, ids[i]);  // the tables, from shared
             for (u32 i = 0; i < count; ++i) raw = crc_word(T, raw, crcs[i]);
-            const u32 body_crc = ~(raw ^ gf2_multmodp(xpow8n(8 * count), 0xFFFFFFFFu));
-            write_header(T, dst, length, lsn, epoch, region_id, salt, flags, count, body_crc);
+            write_page_batch_header(T, dst, length, lsn, epoch, region_id, salt, flags, count, PAGE_BYTES,
+                                    page_batch_body_crc(raw, count));
             digest ^= moved;
         }
     }

@@ -16,7 +16,7 @@
 //       record's CRC table and the region's page CRC table, the index entry; the
 //       region digest moves by each changed CRC word (as stage_delta does).
 //   table_finalize  one warp per record: body CRC over the two tables, then the
-//       header, stored last (as stage.cu's stage_finalize writes it).
+//       header, stored last (common.cuh's write_page_batch_header, as stage.cu's kernels write it).
 //
 // Records are page batches exactly as gpu_kernels/stage.cu and
 // reference.stage_page_batch write them (FORMAT.md §6).  Page sizes are read
@@ -24,8 +24,6 @@
 // each covers rows of any page size.
 #include "common.cuh"
 
-#define HEADER_BYTES 64
-#define TYPE_PAGE_BATCH 0x01u
 
 // concordia.checkpoint.table.ENTRY (64 bytes)
 struct TableEntry {
@@ -44,11 +42,6 @@ struct TablePlan {
     u64 fits, bytes, records, pages;
 };
 
-__device__ __forceinline__ u64 record_payload_off(u64 count) { return HEADER_BYTES + ((8 * count + 63) & ~63ull); }
-
-__device__ __forceinline__ u64 record_length(u64 count, u64 page_bytes) {
-    return record_payload_off(count) + count * page_bytes;
-}
 
 // The last i in [0, n) with first[i] <= q (first[0] = 0 <= q).
 __device__ __forceinline__ u32 last_at_or_below(const u64* first, u32 n, u64 q) {
@@ -204,7 +197,7 @@ table_plan(const TableEntry* __restrict__ table, u32 n, const u8* __restrict__ f
             pb = e.page_bytes;
             const u64 full = c / per, rem = c % per;
             nrec = full + (rem ? 1 : 0);
-            bytes = full * record_length(per, pb) + (rem ? record_length(rem, pb) : 0);
+            bytes = full * page_batch_length(per, pb) + (rem ? page_batch_length(rem, pb) : 0);
             mail_counts[r] = (u32)c;
         }
         u64 tile_recs, tile_bytes;
@@ -214,7 +207,7 @@ table_plan(const TableEntry* __restrict__ table, u32 n, const u8* __restrict__ f
         for (u64 j = 0; j < nrec; ++j) {
             const u64 i = rec_base + rec_off + j;
             const u64 cnt = c - j * per < per ? c - j * per : per;
-            const u64 len = record_length(cnt, pb);
+            const u64 len = page_batch_length(cnt, pb);
             if (i < max_records) {
                 TableRecord out;
                 out.lo = start + j * per;
@@ -317,10 +310,10 @@ table_stage(const TableEntry* __restrict__ table, const u32* __restrict__ ids,
         const u64 p = (u64)ids[k] - e.first_page;
         u8* out = dst + rec.offset;
         const u32 crc = copy_page_rt(T, reinterpret_cast<const u8*>(e.base), e.nbytes, p,
-                                     reinterpret_cast<uint4*>(out + record_payload_off(rec.count) + i * e.page_bytes),
+                                     reinterpret_cast<uint4*>(out + page_batch_payload_off(rec.count) + i * e.page_bytes),
                                      lane, crc_k);
         if (lane == 0) {
-            u32* index = reinterpret_cast<u32*>(out + HEADER_BYTES);
+            u32* index = reinterpret_cast<u32*>(out + RECORD_HEADER_BYTES);
             index[i] = (u32)p;
             index[rec.count + i] = crc;
             u32* crcs = reinterpret_cast<u32*>(e.crc_table);
@@ -331,36 +324,10 @@ table_stage(const TableEntry* __restrict__ table, const u32* __restrict__ ids,
                           gf2_multmodp(xpow8n(4 * ((u64)e.pages - 1 - p)), crc_word(T, 0, delta)));
         }
         if (i == 0) {  // the zero pad between the tables and the payload
-            const u64 pad_lo = (HEADER_BYTES + 8ull * rec.count) / 4, pad_hi = record_payload_off(rec.count) / 4;
+            const u64 pad_lo = (RECORD_HEADER_BYTES + 8ull * rec.count) / 4, pad_hi = page_batch_payload_off(rec.count) / 4;
             for (u64 w = pad_lo + lane; w < pad_hi; w += WARP) reinterpret_cast<u32*>(out)[w] = 0;
         }
     }
-}
-
-// The page-batch header (stage.cu's write_header, with the page size an
-// argument): CRC over the first 60 bytes; the length word stored last.
-__device__ __forceinline__ void write_table_header(const u32* T, u8* rec, u64 length, u64 lsn, u64 epoch,
-                                                   u32 region_id, u32 salt, u32 flags, u64 count, u32 page_bytes,
-                                                   u32 body_crc) {
-    u32 h[16];
-    h[0] = (u32)length;          h[1] = (u32)(length >> 32);
-    h[2] = TYPE_PAGE_BATCH | ((flags & 0xFFu) << 8);   // type, flags, reserved u16
-    h[3] = region_id;
-    h[4] = (u32)lsn;             h[5] = (u32)(lsn >> 32);
-    h[6] = (u32)epoch;           h[7] = (u32)(epoch >> 32);
-    h[8] = salt;                 h[9] = body_crc;
-    h[10] = (u32)count;          h[11] = page_bytes;
-    h[12] = 0;                   h[13] = 0;            // aux
-    h[14] = 0;                                         // reserved
-    u32 hc = 0xFFFFFFFFu;
-    for (int w = 0; w < 15; ++w) hc = crc_word(T, hc, h[w]);
-    h[15] = ~hc;
-    uint4* out = reinterpret_cast<uint4*>(rec);
-    out[3] = make_uint4(h[12], h[13], h[14], h[15]);
-    out[2] = make_uint4(h[8], h[9], h[10], h[11]);
-    out[1] = make_uint4(h[4], h[5], h[6], h[7]);
-    __threadfence_system();
-    out[0] = make_uint4(h[0], h[1], h[2], h[3]);
 }
 
 // The body CRC is computed from device memory (the epoch's dirty pages and
@@ -395,9 +362,8 @@ table_finalize(const TableEntry* __restrict__ table, const u32* __restrict__ ids
         }
         raw = warp_xor(gf2_multmodp(xpow8n(4 * (nw - hi)), raw));
         if (lane == 0) {
-            const u32 body_crc = ~(raw ^ gf2_multmodp(xpow8n(8ull * rec.count), 0xFFFFFFFFu));
-            write_table_header(T, out, rec.length, lsn_base + rec.offset, epoch, e.region_id, salt, 0, rec.count,
-                               e.page_bytes, body_crc);
+            write_page_batch_header(T, out, rec.length, lsn_base + rec.offset, epoch, e.region_id, salt, 0,
+                                    rec.count, e.page_bytes, page_batch_body_crc(raw, rec.count));
         }
     }
 }

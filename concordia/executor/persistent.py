@@ -25,7 +25,8 @@ import weakref
 from pathlib import Path
 
 import concordia.gpu_kernels as _gpu_kernels_pkg
-from concordia.devmem.cuda_host import HOST_REGISTER_MAPPED, HOST_REGISTER_PORTABLE
+from concordia.devmem import cuda_host
+from concordia.root_error import ConcordiaError
 
 import numpy as np
 
@@ -41,7 +42,6 @@ ALL_OPS_MASK = sum(1 << int(op) for op in Op)
 
 _IDS = itertools.count(1001)
 _RESIDENT: "weakref.WeakSet[GpuExecutor]" = weakref.WeakSet()
-_HOST_REGISTER_PORTABLE_MAPPED = HOST_REGISTER_PORTABLE | HOST_REGISTER_MAPPED
 
 
 def _cupy():
@@ -103,17 +103,21 @@ class ExecutorModule:
         if any_resident():
             raise ExecutorError("module load while a persistent executor is resident", where=f"module {self.name}",
                                 hint="load every module before launch, or quiesce first")
-        cupy = _cupy()
+        from concordia.gpu_kernels import jit
+        from concordia.gpu_kernels.errors import KernelCompileError
+
+        _cupy()
         t0 = time.perf_counter()
         names = ("cx_executor", "cx_checkpoint", "cx_copy", "cx_scatter")
         try:
             while True:
                 try:
-                    mod = cupy.RawModule(code=kernel_source(), options=self.options)
+                    mod = jit.load(kernel_source(), self.options, names, where=f"executor.cu {self.name}")
                     fns = {n: mod.get_function(n) for n in names}
                     break
-                except cupy.cuda.compiler.CompileException as exc:
-                    if self.child and "cudaGetLastError" in str(exc) and "-DCX_NO_LAUNCH_STATUS" not in self.options:
+                except KernelCompileError as exc:
+                    if (self.child and "cudaGetLastError" in getattr(exc, "log", "")
+                            and "-DCX_NO_LAUNCH_STATUS" not in self.options):
                         # NVRTC without the device runtime's declarations: launch failures show as timeouts.
                         self.options += ("-DCX_NO_LAUNCH_STATUS",)
                     else:
@@ -121,7 +125,8 @@ class ExecutorModule:
         except ExecutorError:
             raise
         except Exception as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            text = exc.message if isinstance(exc, KernelCompileError) else str(exc).strip()
+            first = text.splitlines()[0] if text else type(exc).__name__
             raise ExecutorError(f"compile or load failed: {first}", where=f"module {self.name}") from None
         self.functions = fns
         self.load_s = time.perf_counter() - t0
@@ -140,9 +145,9 @@ class GpuRing:
         host = np.frombuffer(self._mm, dtype=np.uint8)
         self.ptr = host.ctypes.data
         try:
-            cupy.cuda.runtime.hostRegister(self.ptr, len(self._mm), _HOST_REGISTER_PORTABLE_MAPPED)
-        except Exception as exc:
-            raise ExecutorError(f"cannot register the ring with CUDA: {exc}", where=where) from None
+            cuda_host.pin(self.ptr, len(self._mm), where=where)
+        except ConcordiaError as exc:
+            raise ExecutorError(f"cannot register the ring with CUDA: {exc.message}", where=where) from None
         self._registered = True
         self.ring = Ring.format(host, capacity, where=where)
         self.stream = cupy.cuda.Stream(non_blocking=True)
@@ -163,8 +168,7 @@ class GpuRing:
             if time.monotonic() - t0 > timeout:
                 raise ExecutorError("ring still in use by a resident kernel; stop it first", where=self.ring.where)
             time.sleep(1e-3)
-        import cupy
-        cupy.cuda.runtime.hostUnregister(self.ptr)
+        cuda_host.unpin(self.ptr)
         self._registered = False
 
 
@@ -269,13 +273,12 @@ class MappedHostBuffer:
         self.array = np.frombuffer(self._mm, dtype=np.uint8)[:nbytes]
         self.ptr = self.array.ctypes.data
         try:
-            cupy.cuda.runtime.hostRegister(self.ptr, len(self._mm), _HOST_REGISTER_PORTABLE_MAPPED)
-        except Exception as exc:
-            raise ExecutorError(f"cannot register {nbytes} bytes with CUDA: {exc}", where=where) from None
+            cuda_host.pin(self.ptr, len(self._mm), where=where)
+        except ConcordiaError as exc:
+            raise ExecutorError(f"cannot register {nbytes} bytes with CUDA: {exc.message}", where=where) from None
         self._registered = True
 
     def close(self) -> None:
         if self._registered:
-            import cupy
-            cupy.cuda.runtime.hostUnregister(self.ptr)
+            cuda_host.unpin(self.ptr)
             self._registered = False

@@ -1,19 +1,17 @@
 """gpu_kernels/table.cu against the Python side it shares bytes with, read
 from the source (no GPU needed): its structs are the numpy dtypes of
-concordia.checkpoint.table field for field, and the page-batch header it
-writes is the one wal.format encodes (as test_format_spec holds stage.cu)."""
+concordia.checkpoint.table field for field, and its records are laid out and
+finished by common.cuh's page-batch helpers and one header writer (which
+tests/wal/test_format_spec.py holds against wal.format)."""
 
 from __future__ import annotations
 
 import pathlib
 import re
-import struct
 
 import numpy as np
 
 from concordia.checkpoint.table import ENTRY, PLAN, RECORD
-from concordia.wal import format as F
-from tests.wal.test_format_spec import _c_expr, _cdefine
 
 TABLE_CU = (pathlib.Path(__file__).resolve().parents[2] / "gpu_kernels" / "table.cu").read_text()
 SIZES = {"u64": 8, "u32": 4}
@@ -36,33 +34,20 @@ def test_the_structs_are_the_numpy_rows():
         assert offsets == [dtype.fields[f][1] for f in dtype.names], name
 
 
-def test_record_layout_constants_and_payload_offset():
-    assert _cdefine(TABLE_CU, "HEADER_BYTES") == F.RECORD_HEADER_SIZE
-    assert _cdefine(TABLE_CU, "TYPE_PAGE_BATCH") == F.REC_PAGE_BATCH
-    expr = re.search(r"record_payload_off\(u64 count\) \{ return ([^;]+); \}", TABLE_CU).group(1)
-    off = _c_expr(expr, {"HEADER_BYTES": F.RECORD_HEADER_SIZE})
-    for count in (1, 2, 7, 8, 9, 4096, F.MAX_BATCH_PAGES):
-        assert off(count=count) == F.page_batch_payload_offset(count)
-    # index entry i at HEADER_BYTES + 4 i, its CRC count words later, the zero pad up to the payload
-    assert "index = reinterpret_cast<u32*>(out + HEADER_BYTES)" in TABLE_CU
+def test_record_layout_is_the_one_of_common_cuh():
+    """table.cu lays records out with common.cuh's page-batch helpers (held
+    against the format in tests/wal/test_format_spec.py), not its own."""
+    assert not re.search(r"#define (RECORD_)?HEADER_BYTES|#define TYPE_PAGE_BATCH", TABLE_CU)
+    assert "u64 record_payload_off" not in TABLE_CU and "u64 record_length" not in TABLE_CU
+    # index entry i at RECORD_HEADER_BYTES + 4 i, its CRC count words later, the zero pad up to the payload
+    assert "index = reinterpret_cast<u32*>(out + RECORD_HEADER_BYTES)" in TABLE_CU
     assert "index[rec.count + i] = crc" in TABLE_CU
-    assert "pad_lo = (HEADER_BYTES + 8ull * rec.count) / 4, pad_hi = record_payload_off(rec.count) / 4" in TABLE_CU
+    assert ("pad_lo = (RECORD_HEADER_BYTES + 8ull * rec.count) / 4, pad_hi = page_batch_payload_off(rec.count) / 4"
+            in TABLE_CU)
+    assert "bytes = full * page_batch_length(per, pb) + (rem ? page_batch_length(rem, pb) : 0)" in TABLE_CU
 
 
-def test_header_words_equal_the_format():
-    body = TABLE_CU[TABLE_CU.index("write_table_header"):]
-    words = dict(re.findall(r"\bh\[(\d+)\] = ([^;]+);", body))
-    assert sorted(int(k) for k in words) == list(range(16)) and words["15"] == "~hc"
-    rng = np.random.default_rng(3)
-    fns = {int(k): _c_expr(v, {"TYPE_PAGE_BATCH": F.REC_PAGE_BATCH}) for k, v in words.items() if k != "15"}
-    for pb in (64, 4096, 1 << 20):
-        for _ in range(10):
-            count = int(rng.integers(1, 5000))
-            f = dict(length=F.page_batch_length(count, pb), lsn=int(rng.integers(1, 1 << 62)),
-                     epoch=int(rng.integers(1, 1 << 62)), region_id=int(rng.integers(0, 1 << 32)),
-                     salt=int(rng.integers(1, 1 << 32)), body_crc=int(rng.integers(0, 1 << 32)), count=count, flags=0)
-            head = struct.pack("<15I", *(fns[i](page_bytes=pb, **f) for i in range(15)))
-            head += struct.pack("<I", F.crc32c(head))
-            assert head == F.encode_record_header(type=F.REC_PAGE_BATCH, page_bytes=pb, **f), (pb, f)
-    stores = body[body.index("uint4* out"):]
-    assert re.search(r"out\[3\].*out\[2\].*out\[1\].*__threadfence_system\(\);\s*out\[0\] =", stores, re.S)
+def test_the_table_finalizes_with_the_one_header_writer():
+    body = TABLE_CU[TABLE_CU.index("table_finalize"):]
+    assert ("write_page_batch_header(T, out, rec.length, lsn_base + rec.offset, epoch, e.region_id, salt, 0,\n"
+            "                                    rec.count, e.page_bytes, page_batch_body_crc(raw, rec.count));") in body

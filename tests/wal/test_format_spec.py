@@ -440,45 +440,54 @@ def _c_expr(expr: str, defines: dict):
 
 
 def test_stage_kernel_constants():
-    assert _cdefine(STAGE_CU, "HEADER_BYTES") == F.RECORD_HEADER_SIZE == ref.HEADER_BYTES
-    assert _cdefine(STAGE_CU, "TYPE_PAGE_BATCH") == F.REC_PAGE_BATCH == ref.TYPE_PAGE_BATCH
+    assert _cdefine(COMMON_CUH, "RECORD_HEADER_BYTES") == F.RECORD_HEADER_SIZE == ref.HEADER_BYTES
+    assert _cdefine(COMMON_CUH, "TYPE_PAGE_BATCH") == F.REC_PAGE_BATCH == ref.TYPE_PAGE_BATCH
     assert ref.HEADER.format == F.RECORD_HEADER.format
     assert (ref.RECORD_ALIGN, ref.NO_REGION, ref.MAX_PAGE_BYTES) == (F.RECORD_ALIGN, F.NO_REGION, F.MAX_PAGE_BYTES)
-    expr = re.search(r"payload_off\(u64 count\) \{ return ([^;]+); \}", STAGE_CU).group(1)
-    off = _c_expr(expr, {"HEADER_BYTES": _cdefine(STAGE_CU, "HEADER_BYTES")})
+    expr = re.search(r"page_batch_payload_off\(u64 count\) \{\s*return ([^;]+);\s*\}", COMMON_CUH).group(1)
+    off = _c_expr(expr, {"RECORD_HEADER_BYTES": _cdefine(COMMON_CUH, "RECORD_HEADER_BYTES")})
     for count in (1, 2, 7, 8, 9, 15, 16, 17, 4096, F.MAX_BATCH_PAGES):
         assert off(count=count) == F.page_batch_payload_offset(count)
     # tables right after the header (index, then CRCs), zero pad up to the payload
-    assert "index = reinterpret_cast<u32*>(rec + HEADER_BYTES)" in STAGE_CU
+    assert "index = reinterpret_cast<u32*>(rec + RECORD_HEADER_BYTES)" in STAGE_CU
     assert "crc_table = index + count" in STAGE_CU
-    assert "pad_lo = (HEADER_BYTES + 8 * count) / 4, pad_hi = payload_off(count) / 4" in STAGE_CU
+    assert "pad_lo = (RECORD_HEADER_BYTES + 8 * count) / 4, pad_hi = page_batch_payload_off(count) / 4" in STAGE_CU
 
 
-def test_stage_kernel_header_words_equal_the_format():
-    """Evaluate the 16 header words stage_finalize assembles and compare the
-    bytes with format.encode_record_header for the same fields."""
-    body = STAGE_CU[STAGE_CU.index("stage_finalize"):]
+def test_the_one_header_writer_writes_the_format_bytes():
+    """Evaluate the 16 header words common.cuh's write_page_batch_header (the
+    one writer: stage.cu's kernels and table.cu's call it) assembles and
+    compare the bytes with format.encode_record_header for the same fields."""
+    body = COMMON_CUH[COMMON_CUH.index("void write_page_batch_header"):]
+    body = body[:body.index("\n}\n")]
     words = dict(re.findall(r"\bh\[(\d+)\] = ([^;]+);", body))
     assert sorted(int(k) for k in words) == list(range(16)) and words["15"] == "~hc"
     n = int(_find(r"for \(int w = 0; w < (\d+); \+\+w\) hc = crc_word\(T, hc, h\[w\]\);", body).group(1))
     assert "u32 hc = 0xFFFFFFFFu;" in body and 4 * n == F.RECORD_HEADER_CRC_OFF
     rng = np.random.default_rng(11)
+    fns = {int(k): _c_expr(v, {"TYPE_PAGE_BATCH": _cdefine(COMMON_CUH, "TYPE_PAGE_BATCH")})
+           for k, v in words.items() if k != "15"}
     for pb in (64, 4096, 1 << 20):
-        fns = {int(k): _c_expr(v, {"TYPE_PAGE_BATCH": _cdefine(STAGE_CU, "TYPE_PAGE_BATCH"), "PAGE_BYTES": pb})
-               for k, v in words.items() if k != "15"}
         for _ in range(20):
             count = int(rng.integers(1, 5000))
             f = dict(length=F.page_batch_length(count, pb), lsn=int(rng.integers(1, 1 << 62)),
                      epoch=int(rng.integers(1, 1 << 62)), region_id=int(rng.integers(0, 1 << 32)),
                      salt=int(rng.integers(1, 1 << 32)), body_crc=int(rng.integers(0, 1 << 32)), count=count,
                      flags=int(rng.choice([0, F.FLAG_BASE])))
-            head = struct.pack("<15I", *(fns[i](**f) for i in range(15)))
+            head = struct.pack("<15I", *(fns[i](page_bytes=pb, **f) for i in range(15)))
             head += struct.pack("<I", F.crc32c(head))
             want = F.encode_record_header(type=F.REC_PAGE_BATCH, page_bytes=pb, **f)
             assert head == want, (pb, f)
     # FORMAT.md §6.1: words [16, 64) first, a system fence, then [0, 16) with the length word
     stores = body[body.index("uint4* out"):]
     assert re.search(r"out\[3\].*out\[2\].*out\[1\].*__threadfence_system\(\);\s*out\[0\] =", stores, re.S)
+    # every kernel that finishes a page-batch record calls it; none assembles a header of its own
+    for name in ("stage.cu", "table.cu"):
+        text = (REPO / "gpu_kernels" / name).read_text()
+        assert "write_page_batch_header(" in text and not re.search(r"\bh\[0\] =", text), name
+    stage = STAGE_CU[STAGE_CU.index("stage_finalize"):]
+    assert "write_page_batch_header(T, dst + off, length, lsn_base + off, epoch, region_id, salt, flags, count, " \
+           "PAGE_BYTES,\n                            page_batch_body_crc(raw, count));" in stage
 
 
 def test_reference_stager_writes_the_format_bytes():

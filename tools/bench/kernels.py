@@ -30,9 +30,10 @@ def load_bench_kernels() -> dict:
     """cx_noop and cx_naive_spin (executor_bench.cu), loaded now."""
     if persistent.any_resident():
         raise ExecutorError("module load while a persistent executor is resident", where="bench kernels")
-    cupy = require_cupy(ExecutorError, where="bench kernels", hint="the executor's baselines need a CUDA device")
-    mod = cupy.RawModule(code=persistent.kernel_source(EXECUTOR_BENCH_SOURCE))
-    return {n: mod.get_function(n) for n in ("cx_noop", "cx_naive_spin")}
+    require_cupy(ExecutorError, where="bench kernels", hint="the executor's baselines need a CUDA device")
+    names = ("cx_noop", "cx_naive_spin")
+    mod = jit.load(persistent.kernel_source(EXECUTOR_BENCH_SOURCE), (), names, where="executor_bench.cu")
+    return {n: mod.get_function(n) for n in names}
 
 
 def direct_checkpoint(module, scratch, stream, n_sm: int, src, shadow, out, out_ids,
