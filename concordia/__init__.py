@@ -30,7 +30,8 @@ _ERRORS = (
     "ShapeChangedError", "SuperblockError", "TornTailError", "UnknownRegionError",
     "UnsupportedArrayError", "UsageError", "WalError", "WriterStoppedError",
 )
-_HOME = {"Session": ".session", "Policy": ".policy", "CheckpointStats": ".session", "RecoveryStats": ".session",
+_HOME = {"Session": ".session", "Policy": ".policy", "CheckpointStats": ".checkpoint.stats",
+         "RecoveryStats": ".restore.run",
          **{name: ".errors" for name in _ERRORS}}
 
 __all__ = ["Session", "Policy", "CheckpointStats", "RecoveryStats", *_ERRORS]

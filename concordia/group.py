@@ -58,7 +58,7 @@ rank calls `rejoin(comm, ...)`:
 What survives and what is redone: the survivors' state is never reloaded
 unless it is ahead of G; the work of epochs above G is redone from G by every
 rank, and comes out bit-identical when the step is deterministic (the tensor
-parallel decode in `concordia.tp` sums the ranks' partial results in rank
+parallel decode in `concordia.demo.tp` sums the ranks' partial results in rank
 order).
 """
 
@@ -67,7 +67,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from concordia.errors import NothingToRecoverError, SessionError
+from concordia.regions.errors import NothingToRecoverError, SessionError
 
 __all__ = ["GroupSession", "RejoinStats", "group_epoch", "committed_epochs"]
 
@@ -154,7 +154,7 @@ class GroupSession:
 
     def _local_next(self) -> int:
         s = self.session
-        return max(s._next_epoch, s.log.appender.next_epoch)
+        return max(s.region_set.next_epoch, s.log.appender.next_epoch)
 
     def _agree_next(self) -> None:
         import torch.distributed as dist
@@ -168,6 +168,18 @@ class GroupSession:
         died makes the collective raise (RuntimeError from torch.distributed)."""
         import torch.distributed as dist
 
+        epoch = self.commit_alone(**kw)
+        got = self._reduce([epoch], dist.ReduceOp.MIN)[0]
+        if got != epoch:
+            raise SessionError(f"rank {self.rank}: epoch {epoch} committed here, the group reached {got}")
+        self.group_epoch = epoch
+        return epoch
+
+    def commit_alone(self, **kw) -> int:
+        """Commit the group's next epoch in this rank's log, without the
+        collective that tells the group (`checkpoint` is this and then the
+        collective; a rank that dies between the two leaves an epoch only it
+        committed, which the crash tests make on purpose)."""
         if self._next is None:
             self._agree_next()
         epoch = self._next
@@ -175,15 +187,11 @@ class GroupSession:
         if local > epoch:
             raise SessionError(f"rank {self.rank}: the log's next epoch {local} is above the group's {epoch}",
                                hint="call rejoin() so that the ranks agree on the numbering again")
-        self.session._next_epoch = epoch  # Session takes max(this, the log's next), == epoch here
+        self.session.region_set.next_epoch = epoch  # the session takes max(this, the log's next), == epoch here
         stats = self.session.checkpoint(**kw)
         if stats.epoch != epoch:
             raise SessionError(f"rank {self.rank}: committed epoch {stats.epoch}, the group's is {epoch}")
         self._next = epoch + 1
-        got = self._reduce([epoch], dist.ReduceOp.MIN)[0]
-        if got != epoch:
-            raise SessionError(f"rank {self.rank}: epoch {epoch} committed here, the group reached {got}")
-        self.group_epoch = epoch
         return epoch
 
     # ------------------------------------------------------------ recovery

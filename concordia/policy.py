@@ -15,7 +15,7 @@ import dataclasses
 import numbers
 import time
 
-from concordia.errors import SessionError
+from concordia.regions.errors import SessionError
 from concordia.sizes import parse_size
 
 

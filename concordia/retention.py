@@ -47,7 +47,8 @@ import time
 
 import numpy as np
 
-from concordia.errors import ConcordiaError, SessionError
+from concordia.regions.errors import SessionError
+from concordia.root_error import ConcordiaError
 
 #: regions up to this size are based from a host copy taken after the commit;
 #: larger ones are folded from the log (no copy of the region is held)
@@ -73,8 +74,11 @@ def record_bytes(nbytes: int, page_bytes: int) -> int:
 class Retention:
     """The automatic bases and compaction of one session (see the module doc)."""
 
-    def __init__(self, session, policy):
+    def __init__(self, session, regions, policy):
+        """session: its `log` and `checkpoints` are read (the log is replaced when
+        a read-only session first writes); regions: its `RegionSet`."""
         self.session = session
+        self.regions = regions
         self.policy = policy
         self.job = None            # the Compaction being written, or None
         self.job_pressure = False
@@ -118,13 +122,13 @@ class Retention:
         and only after a register: regions are only ever
         added (register refuses a second region of a name), so their count says
         whether the slots still hold.  A region's chain survives the rebuild."""
-        regions = self.session._regions
+        regions = self.regions
         key = (len(regions), self.policy.base_every_bytes)
         if key == self._key:
             return
         old = dict(zip(self._names, zip(self._chain.tolist(), self._since.tolist())))
-        rs = list(regions.values())
-        self._names = list(regions)
+        rs = list(regions)
+        self._names = regions.names
         self._slot = {n: i for i, n in enumerate(self._names)}
         self._chain = np.array([old.get(n, (0, 0))[0] for n in self._names], np.int64)
         self._since = np.array([old.get(n, (0, 0))[1] for n in self._names], np.int64)
@@ -250,12 +254,11 @@ class Retention:
                           f"({_mib(2 * self.state_bytes())} with it): no automatic bases")
             return
         try:
-            regions = self.session._regions
             if self.based is None:
                 from concordia.wal.snapshot import current_catalog
 
                 ids = {e.region_id for e in current_catalog(self.session.log).entries}
-                self.based = {n for n, r in regions.items() if r.id in ids}
+                self.based = {r.name for r in self.regions if r.id in ids}
             pressure = self.free_bytes() < self.reserve()
             if self.job is None and self._starting is None:
                 # a job starts with its host copies alone; the job and its slices follow from the next hook
@@ -302,9 +305,9 @@ class Retention:
             return False
         if over is None:
             over = np.zeros(len(self._names), bool)
-        regions = self.session._regions
+        regions = self.regions
         due = [self._names[i] for i in np.flatnonzero(over)]
-        names = list(regions) if pressure else sorted(set(due) | (set(regions) - self.based))
+        names = regions.names if pressure else sorted(set(due) | (set(regions.names) - self.based))
         # the copies are the state of the epoch just committed (nothing ran since);
         # the job that takes them is made at the next hook (`_begin`)
         live = {n: self._host_copy(n, regions[n].array) for n in names
@@ -320,7 +323,7 @@ class Retention:
         """The bytes of `arr` as they are now, in a buffer of this session's:
         the one of the region's last job (that job is over) while the kept
         buffers stay within KEPT_COPY_BYTES, else a new one."""
-        from concordia.regions import to_host
+        from concordia.regions.arrays import to_host
 
         src = np.ascontiguousarray(to_host(arr)).reshape(-1).view(np.uint8)
         buf = self._copies.get(name)
@@ -341,7 +344,7 @@ class Retention:
         epoch, names, live, pressure = self._starting
         self._starting = None
         stated = self._commit_digests(self.known.epochs[epoch][1])
-        regions = self.session._regions
+        regions = self.regions
         live = {n: b for n, b in live.items() if regions[n].id in stated}
         digests = {n: int(stated[regions[n].id]) for n in live}
         self.job = Compaction(self.session.log, epoch, regions=names, live=live,

@@ -57,7 +57,7 @@ import numpy as np
 from concordia.devmem import open_backend
 from concordia.devmem.backend import lock_holder
 from concordia.devmem.errors import ConcordiaError, LockedError
-from concordia.errors import StandbyError
+from concordia.regions.errors import StandbyError
 
 __all__ = ["Standby", "Takeover", "Heartbeat", "StandbyError", "open_for_watching", "lease_path",
            "read_lease"]
@@ -278,7 +278,7 @@ class Takeover:
         """A `Session` on the log to carry on checkpointing.  The session
         registers the mapping for its own device staging, so the standby's
         registration is given back first."""
-        from concordia import Session
+        from concordia.session import Session
 
         if self.registration is not None:
             self.registration.unregister()
@@ -519,7 +519,6 @@ class Standby:
         what the primary left after its last commit), restore the last
         committed epoch, and return the Takeover."""
         from concordia.wal import Log
-        from concordia.wal.planner import plan
 
         stamps = {"detected": detection["detected"]}
         pid = detection.get("primary_pid")
@@ -534,11 +533,8 @@ class Standby:
         stamps["isolated"] = _now()
         arrays, st = {}, {}
         epoch = int(log.last_committed_epoch or 0)
-        t0 = _now()
         if epoch:
-            p = plan(log)
-            st["plan_s"] = _now() - t0
-            arrays = self._restore(log, st, p)
+            arrays = self._restore(log, st)
         stamps["restored"] = _now()
         hb = None
         if self.heartbeat_s:
@@ -569,19 +565,15 @@ class Standby:
         ]
         return tk
 
-    def _restore(self, log, st: dict, p=None) -> dict:
-        from concordia.wal.planner import plan
+    def _restore(self, log, st: dict) -> dict:
+        """The last committed epoch of `log`, restored by the one recover entry
+        (`restore.run.restore`) on the standby's device; `st` gets its figures
+        (plan_s, and the device pipeline's stages)."""
+        from concordia.restore.run import restore
 
-        if p is None:
-            p = plan(log)
-        if self.on_gpu:
-            from concordia.restore_device import apply_plan_cupy
-
-            return apply_plan_cupy(log, p, stats=st, registration=self.registration)
-        from concordia.wal.apply import apply_plan_numpy
-
-        st["via"] = "numpy applier"
-        return apply_plan_numpy(log, p)
+        got = restore(log, device=self.on_gpu, registration=self.registration, stats=st)
+        st["plan_s"] = got.plan_s
+        return got.arrays
 
     def run(self, resume: Callable[[Takeover], Any] | None = None, *, timeout: float | None = None) -> Takeover:
         """Warm, wait, take over, then `resume(takeover)` (its result in

@@ -1,5 +1,9 @@
 """The checkpoint pipeline behind `concordia.Session.checkpoint()`.
 
+    epoch     the epoch runner (`EpochRunner`): routes, cached stagers and
+              region table, one epoch from the producers' streams to the
+              commit the session hands in
+    detect    every dirty-page detector once, with one shadow diff
     table     the region table (one row per region) and the plan of an
               epoch's records over it
     staging   records cut from dirty pages, packed into extents, the host path
@@ -8,7 +12,8 @@
               the device table pass, and the one ordering point
               (`order_after_producer`)
     host      the numpy twins of the device kernel set and of the table pass
+    stats     what a checkpoint did (`CheckpointStats`)
 
-`Session` owns the regions and the commit; this package turns one epoch's
-dirty pages into records in reserved log space.
+The regions and their baselines belong to the `regions.RegionSet` the runner
+is given; the commit is a callable; this package never imports the session.
 """

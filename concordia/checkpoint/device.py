@@ -1,4 +1,4 @@
-"""The CuPy driver of the extent pipeline (`_DeviceKernels`): detection,
+"""The CuPy driver of the extent pipeline (`DeviceKernels`): detection,
 compaction, staging, CRC tables and digests queued on the current stream, with
 results read back through small pinned mailboxes."""
 
@@ -9,13 +9,13 @@ import time
 
 import numpy as np
 
-from concordia.checkpoint import staging
-from concordia.errors import SessionError
+from concordia.checkpoint import detect, staging
 from concordia.gpu_kernels import reference as ref
-from concordia.regions import Region
+from concordia.regions.errors import SessionError
+from concordia.regions.region import Region
 
 
-class _DeviceKernels:
+class DeviceKernels:
     """The CuPy side of the extent pipeline.  Work is queued on the current
     stream; results come back through small pinned mailboxes, each read after
     synchronising that stream only (never the whole device)."""
@@ -89,7 +89,7 @@ class _DeviceKernels:
                 out.append((cp.arange(r.pages, dtype=cp.uint32), r.pages))
                 continue
             flags, ids = self._buffers(r)
-            if r.launch_detect(gpu, flags):
+            if detect.launch(r, gpu, flags):
                 if counts is None:
                     counts = self._counts(len(regions))
                 # compacted on the device at once; only the counts come back
@@ -97,7 +97,7 @@ class _DeviceKernels:
                 pending.append((len(out), ids))
                 out.append(None)
             else:  # block tables / slot versions: scanned on the host
-                found = r.dirty_pages(advance=True)
+                found = detect.dirty_pages(r, advance=True)
                 out.append((cp.asarray(found), int(found.size)))
         if pending:
             got = self.wait(self.fetch(0, [counts[:len(pending)]]))[0]
@@ -111,7 +111,7 @@ class _DeviceKernels:
         base in the log, the digest of its CRC table known."""
         return r.flags_detector and r.crcs is not None and r.digest is not None and r.pages < 0xFFFFFFFF
 
-    def delta(self, app, regions, epoch: int, registration) -> tuple[dict, dict]:
+    def delta(self, app, owner, regions, epoch: int, registration) -> tuple[dict, dict]:
         """Detect and stage a checkpoint of each region in `regions` with one
         host wait for all of them: an extent sized for as many pages as the
         region's last checkpoint found (at most DELTA_MAX_PAGES; none after a
@@ -119,19 +119,20 @@ class _DeviceKernels:
         writes the record there when the pages fit it, with the CRC table and
         digest updated on the device.  Returns ({name: (pages, record bytes)} of
         the regions done, {name: pages} of those found too many pages for their
-        extent: their flags wait in `_buffers` for `detect(known=...)`)."""
+        extent: their flags wait in `_buffers` for `detect(known=...)`).  Each
+        region's table and digest are set through `owner` (the `RegionSet`)."""
         gpu = self.gpu
         host, base = self._delta_mail(len(regions))
         jobs = []
         try:
             for j, r in enumerate(regions):
                 st = self._delta_state(r)
-                r.crcs = self.table(r.crcs)
+                owner.keep_table(r, self.table(r.crcs))
                 ext = app.reserve_extent(ref.page_batch_length(st.guess, r.page_bytes)) if st.guess else None
                 jobs.append([r, st, ext])
                 flags, _ = self._buffers(r)
                 st.armed = True  # the list count is nonzero until stage_delta runs
-                r.launch_detect(gpu, flags, found=st.found)
+                detect.launch(r, gpu, flags, found=st.found)
                 gpu.launch_stage_delta(r.flat, st.found, st.guess,
                                        registration.device_ptr + ext.offset if ext else 0, ext.length if ext else 0,
                                        r.crcs, r.digest, base + 64 * j, page_bytes=r.page_bytes,
@@ -153,7 +154,7 @@ class _DeviceKernels:
                 cap = self.delta_cap(r, app.segment_capacity)
                 st.guess = count if count <= cap else 0
                 if records:
-                    r.digest = digest
+                    owner.staged(r, digest)
                     done[r.name] = (count, used)
                 elif count:
                     refused[r.name] = count
@@ -274,7 +275,7 @@ class _DeviceKernels:
         """Every device checkpoint starts here (see the module function)."""
         order_after_producer(self.stream, producer)
 
-    def table_pass(self, table, registration, stager=None):
+    def table_pass(self, table, owner, registration, stager=None):
         """The pass that checkpoints every row of `table` at once into the
         registered mapping, or None when the table cannot take it (more than
         2^32 pages in all, or its kernels failed to load)."""
@@ -286,12 +287,12 @@ class _DeviceKernels:
         except Exception as exc:
             self.failed = f"table kernels unavailable ({type(exc).__name__}: {exc})"
             return None
-        return DeviceTablePass(self, table, registration, stager)
+        return DeviceTablePass(self, table, owner, registration, stager)
 
 
 @dataclasses.dataclass
 class _DeltaState:
-    """A region's page list for `_DeviceKernels.delta`: (list, count) on the
+    """A region's page list for `DeviceKernels.delta`: (list, count) on the
     device, the pages its next extent is sized for, and whether the count may
     be nonzero (a detector queued without the stage_delta that resets it)."""
 
@@ -328,15 +329,15 @@ class DeviceTablePass:
 
     label = "gpu-mapped"  # the mapped path: records written in the log mapping itself
 
-    def __init__(self, kernels, table, registration, stager):
+    def __init__(self, kernels, table, owner, registration, stager):
         from concordia.checkpoint.table import DET_FINGERPRINT, DET_LISTED
 
         cp, gpu, jit = kernels.cp, kernels.gpu, kernels.jit
-        self.k, self.table, self.registration, self.stager = kernels, table, registration, stager
+        self.k, self.table, self.owner, self.registration, self.stager = kernels, table, owner, registration, stager
         e = table.entries.copy()
         for i, r in enumerate(table.regions):  # once per table, not per checkpoint
             if not isinstance(r.crcs, cp.ndarray) or r.crcs.dtype != cp.uint32 or r.crcs.size != r.pages:
-                r.crcs = cp.ascontiguousarray(cp.asarray(r.crcs, dtype=cp.uint32))
+                owner.keep_table(r, cp.ascontiguousarray(cp.asarray(r.crcs, dtype=cp.uint32)))
             state = r.shadow if r.detect == "shadow" else r.fps if r.detect == "fingerprint" else None
             e["base"][i] = r.flat.data.ptr
             e["nbytes"][i] = r.nbytes
@@ -379,7 +380,7 @@ class DeviceTablePass:
         cp = self.k.cp
         t = self.table
         first = t.entries["first_page"]
-        got = [first[i].astype(np.int64) + t.regions[i].dirty_pages(advance=True).astype(np.int64)
+        got = [first[i].astype(np.int64) + detect.dirty_pages(t.regions[i], advance=True).astype(np.int64)
                for i in self.listed.tolist()]
         now = cp.asarray(np.concatenate(got).astype(np.uint64)) if got else None
         mark = self.fn["table_mark"]
@@ -471,8 +472,8 @@ class DeviceTablePass:
         first = t.entries["first_page"].astype(np.int64)
         found = [((self.ids[s:s + c].astype(cp.int64) - int(f)).astype(cp.uint32), int(c))
                  for s, c, f in zip(starts.tolist(), counts.tolist(), first.tolist())]
-        t.write_back()
-        got = self.stager.run(app, t.regions, epoch, found=found)
+        t.write_back(self.owner)
+        got = self.stager.run(app, self.owner, t.regions, epoch, found=found)
         t.digests[:] = [r.digest for r in t.regions]
         self.d_digests.set(t.digests)
         return TableResult(counts, got["log_bytes"], t1 - t0, time.perf_counter() - t1, self.k.reads - reads0)

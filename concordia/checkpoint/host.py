@@ -1,5 +1,5 @@
-"""The numpy twins behind the extent pipeline (`_HostKernels`): the same calls
-as `device._DeviceKernels`, on numpy arrays, results ready at once."""
+"""The numpy twins behind the extent pipeline (`HostKernels`): the same calls
+as `device.DeviceKernels`, on numpy arrays, results ready at once."""
 
 from __future__ import annotations
 
@@ -7,12 +7,14 @@ import time
 
 import numpy as np
 
+from concordia.checkpoint import detect
 from concordia.checkpoint.staging import page_crc_table
 from concordia.gpu_kernels import reference as ref
-from concordia.regions import Region, to_host
+from concordia.regions.arrays import to_host
+from concordia.regions.region import Region
 
 
-class _HostKernels:
+class HostKernels:
     """The numpy twins behind the same pipeline (numpy regions with staging=
     "mapped" or "ring"): "device" arrays are numpy arrays and results are ready
     at once."""
@@ -30,7 +32,7 @@ class _HostKernels:
     def detect(self, regions, known=None) -> list:
         out = []
         for r in regions:
-            ids = r.dirty_pages(advance=True)
+            ids = detect.dirty_pages(r, advance=True)
             out.append((ids, int(ids.size)))
         return out
 
@@ -78,9 +80,9 @@ class _HostKernels:
     def order_after_producer(self, producer=None) -> None:
         """Host arrays: the caller's writes are done when it calls checkpoint()."""
 
-    def table_pass(self, table, registration=None, stager=None):
+    def table_pass(self, table, owner, registration=None, stager=None):
         """The pass that checkpoints every row of `table` at once (mapped mode)."""
-        return HostTablePass(table, stager)
+        return HostTablePass(table, owner, stager)
 
 
 class HostTablePass:
@@ -90,8 +92,9 @@ class HostTablePass:
 
     label = "cpu-mapped"  # the mapped path: records written in the log mapping itself
 
-    def __init__(self, table, stager=None):
+    def __init__(self, table, owner, stager=None):
         self.table = table
+        self.owner = owner    # the RegionSet
         self.stager = stager  # stages an epoch larger than a segment region by region
         self.flags = np.zeros(table.total_pages, np.uint8)
 
@@ -103,7 +106,7 @@ class HostTablePass:
         flags[:] = 0
         for rows in t.groups.values():
             for i in rows.tolist():
-                ids = t.regions[i].dirty_pages(advance=True)
+                ids = detect.dirty_pages(t.regions[i], advance=True)
                 flags[int(first[i]) + ids.astype(np.int64)] = 1
 
     def run(self, app, epoch: int):
@@ -125,8 +128,8 @@ class HostTablePass:
             first = e["first_page"].astype(np.int64)
             found = [((ids[s:s + c] - f).astype(np.uint32), int(c))
                      for s, c, f in zip(starts.tolist(), counts.tolist(), first.tolist())]
-            t.write_back()
-            got = self.stager.run(app, t.regions, epoch, found=found)
+            t.write_back(self.owner)
+            got = self.stager.run(app, self.owner, t.regions, epoch, found=found)
             t.digests[:] = [r.digest for r in t.regions]
             return TableResult(counts, got["log_bytes"], t1 - t0, time.perf_counter() - t1, 0)
         if used:

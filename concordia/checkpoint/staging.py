@@ -1,8 +1,8 @@
 """Staging a checkpoint's records into log space: how dirty pages are cut into
 page-batch records (`plan_batches`), how records are packed into extents
 (`plan_extents`), the host path that writes one region's records with the
-appender (`_stage_region`), and the extent pipeline (`_Stager`) that drives
-either kernel set (`device._DeviceKernels`, `host._HostKernels`) through
+appender (`stage_region`), and the extent pipeline (`Stager`) that drives
+either kernel set (`device.DeviceKernels`, `host.HostKernels`) through
 reserve, stage at a cursor, finish from the cursor."""
 
 from __future__ import annotations
@@ -12,9 +12,11 @@ import time
 
 import numpy as np
 
-from concordia.errors import ConcordiaError, SessionError
 from concordia.gpu_kernels import reference as ref
-from concordia.regions import Region, gather_pages, to_host
+from concordia.regions.arrays import to_host
+from concordia.regions.errors import SessionError
+from concordia.regions.region import Region
+from concordia.root_error import ConcordiaError
 
 #: most payload bytes in one page-batch record; smaller segments cut smaller
 #: records (header, page table, CRC table and payload must fit the segment: batch_pages)
@@ -33,9 +35,28 @@ def page_crc_table(view, offset: int, count: int) -> np.ndarray:
     return view[lo:lo + 4 * count].view("<u4")
 
 
-def _stage_region(app, r: Region, ids: np.ndarray, epoch: int, base: bool) -> int:
-    """Write the listed pages as page-batch records of `epoch`; fill r.crcs.
-    Returns record bytes written."""
+def gather_pages(region: Region, ids: np.ndarray) -> np.ndarray:
+    """Host uint8 [len(ids), page_bytes] copy of the listed pages (last page zero-padded)."""
+    pb, flat, xp = region.page_bytes, region.flat, region.xp
+    full = region.nbytes // pb
+    out = np.zeros((ids.size, pb), np.uint8)
+    body = ids[ids < full]
+    if body.size:
+        rows = flat[:full * pb].reshape(full, pb)
+        if xp is np:
+            np.take(rows, body, axis=0, out=out[:body.size])
+        else:
+            out[:body.size] = xp.take(rows, xp.asarray(body.astype(np.int64)), axis=0).get()
+    if body.size < ids.size:  # the short last page
+        tail = flat[full * pb:]
+        out[-1, :tail.size] = to_host(tail)
+    return out
+
+
+def stage_region(app, r: Region, ids: np.ndarray, epoch: int) -> int:
+    """Write the listed pages as page-batch records of `epoch`, with the
+    appender; fill their CRCs into r.crcs (a host table the caller gave the
+    region).  Returns record bytes written."""
     from concordia.wal import format as fmt
 
     if ids.size == 0:
@@ -113,7 +134,7 @@ def plan_extents(batches: list[Batch], cap: int) -> list[list[Batch]]:
     return out
 
 
-def _register(backend):
+def register_mapping(backend):
     """(registration, None) for a mapping CUDA will pin, else (None, why)."""
     from concordia.devmem import cuda_host
 
@@ -125,7 +146,7 @@ def _register(backend):
         return None, str(exc)
 
 
-def _page_crcs(r: Region):
+def page_crcs(r: Region):
     """The page CRC table of a region's current contents, where the region lives."""
     if r.on_gpu:
         try:
@@ -139,7 +160,7 @@ def _page_crcs(r: Region):
     return ref.crc32c_pages(r.flat, page_bytes=r.page_bytes)
 
 
-class _Stager:
+class Stager:
     """Stages the page batches of many regions into extents reserved from the
     appender, with one device cursor per extent (the kernels claim their own
     space in it; no host round trip per record), then finishes the extents
@@ -173,10 +194,11 @@ class _Stager:
             buf = self._ring[slot] = self.kernels.staging_buffer(max(nbytes, EXTENT_BYTES))
         return buf
 
-    def run(self, app, regions: list[Region], epoch: int, found=None) -> dict:
-        """Detect, stage and finish one epoch's records of `regions`; sets each
-        region's CRC table and digest.  The caller commits.  found: [(ids,
-        count)] per region when its detector already ran (a table pass)."""
+    def run(self, app, owner, regions: list[Region], epoch: int, found=None) -> dict:
+        """Detect, stage and finish one epoch's records of `regions`; each
+        region's CRC table and digest are set through `owner` (the
+        `RegionSet`).  The caller commits.  found: [(ids, count)] per region
+        when its detector already ran (a table pass)."""
         k = self.kernels
         reads0 = k.reads
         if found is None:  # a table pass that hands over its pages has ordered itself
@@ -186,7 +208,7 @@ class _Stager:
         if found is None and self.mode == "mapped" and hasattr(k, "delta"):
             quick = [r for r in regions if k.delta_ready(r)]
             if quick:
-                done, known = k.delta(app, quick, epoch, self.registration)
+                done, known = k.delta(app, owner, quick, epoch, self.registration)
                 if not known and len(done) == len(regions):  # every region done in one wait
                     t1 = time.perf_counter()
                     return {"pages": {r.name: done[r.name][0] for r in regions},
@@ -199,10 +221,9 @@ class _Stager:
         ids, staged, batches = {}, {}, []
         for r, (rid, n) in zip(regions, found):
             if r.crcs is None:
-                r.crcs = k.zeros_u32(r.pages)
-                r.digest = None
+                owner.start_base(r, k.zeros_u32(r.pages))
             else:
-                r.crcs = k.table(r.crcs)
+                owner.keep_table(r, k.table(r.crcs))
             if n:
                 ids[r.name] = rid
                 staged[r.name] = k.empty_u32(n)
@@ -253,7 +274,7 @@ class _Stager:
             self._abort(app, opened)
             raise
         for j, r in enumerate(want_digest):
-            r.digest = int(got_digests[j])
+            owner.staged(r, got_digests[j])
         t2 = time.perf_counter()
         pages = {name: n for name, (n, _) in done.items()}
         pages.update({r.name: int(n) for r, (_, n) in zip(regions, found)})

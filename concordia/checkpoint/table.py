@@ -28,7 +28,7 @@ import operator
 import numpy as np
 
 from concordia.checkpoint import staging
-from concordia.regions import is_torch, storage_of
+from concordia.regions.arrays import is_torch, storage_of
 from concordia.wal import format as fmt
 
 #: one row of the region table (gpu_kernels/table.cu: struct TableEntry)
@@ -163,10 +163,10 @@ class RegionTable:
             return dict(zip(self.entries["region_id"].tolist(), self.digests.tolist()))
         return self.entries["region_id"], self.digests
 
-    def write_back(self) -> None:
-        """Give each region its digest from the table (another path takes over)."""
-        for r, d in zip(self.regions, self.digests.tolist()):
-            r.digest = int(d)
+    def write_back(self, owner) -> None:
+        """Give each region its digest from the table (another path takes over),
+        through `owner` (the `RegionSet`)."""
+        owner.take_digests(self.regions, self.digests.tolist())
 
 
 def plan_records(entries: np.ndarray, counts: np.ndarray) -> np.ndarray:

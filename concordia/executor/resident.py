@@ -71,7 +71,8 @@ import time
 
 import numpy as np
 
-from concordia.errors import SessionError
+from concordia.regions.errors import SessionError
+from concordia.regions.region import KINDS
 
 from .cpu import CpuExecutor, OperatorTable
 from .errors import ExecutorError
@@ -110,16 +111,11 @@ def choose(executor: str) -> tuple[str, str | None]:
     return executor, None
 
 
-def start_executor(session, executor: str):
-    """(ResidentExecutor or None, executor_info) for Session(executor=...); a
-    failure closes the log the session opened."""
+def start_executor(session, regions, executor: str):
+    """(ResidentExecutor or None, executor_info) for Session(executor=...), over
+    the session's `RegionSet` `regions`."""
     path, why = choose(executor)
-    try:
-        resident = ResidentExecutor(session) if path == "resident" else None
-    except BaseException:
-        if session._owns_log:
-            session.log.close()
-        raise
+    resident = ResidentExecutor(session, regions) if path == "resident" else None
     info = {"executor": path, "asked": executor, "why": why}
     if resident is not None:
         info["commit_by"] = resident.commit_by
@@ -128,8 +124,6 @@ def start_executor(session, executor: str):
 
 def kind_op(kind: str) -> int:
     """The op code of the handler of region kind `kind`."""
-    from concordia.regions import KINDS
-
     return KIND_OP_BASE + KINDS.index(kind)
 
 
@@ -282,11 +276,14 @@ class ResidentExecutor:
     next submit relaunches it), except while a trigger is armed.  Idle, it
     waits on an event the submit sets, so a checkpoint is taken up at once."""
 
-    def __init__(self, session, *, capacity: int = 64, idle_exit_s: float = 2.0):
+    def __init__(self, session, regions, *, capacity: int = 64, idle_exit_s: float = 2.0):
         self.session = session
+        self.regions = regions             # the session's RegionSet
         self.commit_by = commit_by(session.log.backend)
         self.idle_exit_s = idle_exit_s
-        self.lock = threading.RLock()      # held by the consumer while it runs an epoch or a recovery
+        # held by the consumer while it runs an epoch or a recovery, and by the
+        # session while the regions change: the RegionSet's lock
+        self.lock = regions.lock
         self._local = threading.local()
         self._tags = itertools.count(1)
         self._calls: dict[int, tuple] = {}
@@ -299,21 +296,21 @@ class ResidentExecutor:
         self._committer: threading.Thread | None = None
         self._commits: queue.Queue | None = None
         self._wake = threading.Event()
-        self._by_kind: tuple | None = None   # (session version, regions per kind)
+        self._by_kind: tuple | None = None   # (RegionSet version, regions per kind)
         self.ring = Ring.allocate(capacity, where="session ring")
-        self.submitter = _WakingSubmitter(self.ring, self._consumer(self._kinds_of(session)),
+        self.submitter = _WakingSubmitter(self.ring, self._consumer(self._kinds_of(regions)),
                                           stall_deadline_s=STALL_DEADLINE_S, wake=self._wake)
         # the caller blocks on its task's event right after publishing, so it never
         # holds the GIL long enough to need the Submitter's periodic sleep
         self.submitter.fair_every_s = float("inf")
-        self.kinds = self._kinds_of(session)
+        self.kinds = self._kinds_of(regions)
         self._closed = False
 
     # -- the operator table ------------------------------------------------------
 
     @staticmethod
-    def _kinds_of(session) -> tuple[str, ...]:
-        return tuple(sorted({r.kind for r in session._regions.values()}))
+    def _kinds_of(regions) -> tuple[str, ...]:
+        return tuple(sorted(regions.kinds()))
 
     def _consumer(self, kinds) -> CpuExecutor:
         table = OperatorTable({Op.EPOCH: self._epoch_handler, Op.RECOVER: self._recover_handler})
@@ -341,7 +338,7 @@ class ResidentExecutor:
         """A region is being registered: a kind without a handler in the
         consumer's table gets one by a hot swap, before the session lists the
         region (so that no epoch meets a kind its table lacks)."""
-        kinds = tuple(sorted(set(self._kinds_of(self.session)) | {region.kind}))
+        kinds = tuple(sorted(set(self._kinds_of(self.regions)) | {region.kind}))
         if set(kinds) <= set(self.kinds):
             return
         self.swaps.append(self.submitter.swap(self._consumer(kinds), timeout=60.0))
@@ -399,10 +396,10 @@ class ResidentExecutor:
         device RECOVER handler exists."""
         if device in ("cupy", "cuda"):
             return False
-        if any(r.on_gpu for r in self.session._regions.values()):
+        if self.regions.any_on_gpu:
             return False
         if isinstance(into, dict):
-            from concordia.regions import adapt
+            from concordia.regions.arrays import adapt
 
             for name, arr in into.items():
                 try:
@@ -439,8 +436,8 @@ class ResidentExecutor:
         built only when someone reads it)."""
         if not hasattr(got, "log_bytes"):
             return ()
-        lazy = getattr(got, "_lazy", None)
-        pages = int(lazy[1].sum()) if lazy is not None else sum(got.pages.values())
+        counts = got.page_counts()
+        pages = int(counts[1].sum()) if counts is not None else sum(got.pages.values())
         return pages, int(got.log_bytes)
 
     def _epoch_handler(self, task) -> Result:
@@ -463,13 +460,9 @@ class ResidentExecutor:
     def _epoch(self, reason: str, stream=None):
         """The epoch, on the consumer: every kind's handler from the table, then
         the session's pass and commit (`Session.checkpoint` run here)."""
-        s = self.session
         cached = self._by_kind
-        if cached is None or cached[0] != s._version:  # counted again only when the regions changed
-            by_kind: dict[str, int] = {}
-            for r in s._regions.values():
-                by_kind[r.kind] = by_kind.get(r.kind, 0) + 1
-            cached = self._by_kind = (s._version, by_kind)
+        if cached is None or cached[0] != self.regions.version:  # counted again only when the regions changed
+            cached = self._by_kind = (self.regions.version, self.regions.kinds())
         by_kind = cached[1]
         table = self.consumer.table
         for kind, n in by_kind.items():
@@ -479,13 +472,13 @@ class ResidentExecutor:
                                     where=f"executor {self.consumer.executor_id}",
                                     hint="register regions through the Session, which swaps one in")
             fn(_KindTask(n))
-        stats = s.checkpoint(reason=reason, stream=stream)
+        stats = self.session.checkpoint(reason=reason, stream=stream)
         stats.executor = "resident"
         self.epochs += 1
         return stats
 
     def commit(self, app, epoch: int, digests) -> None:
-        """The commit of an epoch (Session._commit): by the consumer where it can
+        """The commit of an epoch (the session's commit callable): by the consumer where it can
         write the record itself, else by the host committer thread."""
         if self.commit_by == "executor" or not self.inside():
             app.commit(epoch, digests=digests)
@@ -527,7 +520,7 @@ class ResidentExecutor:
         `gate` (a PauseGate, or an instrument.Gate) when given.  Replaces any
         trigger armed before; `disarm()` stops it."""
         self._check_open()
-        if not self.session._regions:
+        if not len(self.regions):
             raise SessionError("a trigger needs a registered region", where="trigger")
         tr = Trigger(every, StepCounter() if counter is None else counter, gate)
         tr.streams = caller_streams()   # the epochs order against the streams current here

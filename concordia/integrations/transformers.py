@@ -37,7 +37,7 @@ import dataclasses
 import torch
 from transformers import DynamicCache, StaticCache, StoppingCriteria
 
-from concordia.errors import SessionError
+from concordia.regions.errors import SessionError
 
 PREFIX = "hf"
 

@@ -17,7 +17,7 @@ import pytest
 
 from concordia import instrument
 from concordia.instrument import shim
-from concordia.regions import _foreign_stream
+from concordia.regions.streams import foreign_stream
 
 pytestmark = pytest.mark.gpu
 
@@ -265,7 +265,7 @@ def test_pause_gate_holds_pytorch_stream_work(cp, gated):
     torch.cuda.synchronize()
     ts = torch.cuda.Stream()
     gate.close()
-    with torch.cuda.stream(ts), _foreign_stream(cp, ts.cuda_stream, ts.device.index, ts):
+    with torch.cuda.stream(ts), foreign_stream(cp, ts.cuda_stream, ts.device.index, ts):
         k(((n + 255) // 256,), (256,), (x, y, np.float32(1), np.int64(n)))
         ty.mul_(10)                    # a PyTorch kernel queued behind the held launch
     assert _wait(lambda: gate.arrived)
@@ -372,7 +372,7 @@ def test_threads_count_only_while_the_gate_is_closed(cp):
     # with no gate, or an open one, only launches are counted; closing the
     # gate clears the slots, and the held launch's threads are all counted in
     # its own slot; attaching and detaching need no device synchronisation
-    from concordia.instrument.rewrite import HOLD_SLOTS, SLOTS
+    from concordia.instrument.rewriter import HOLD_SLOTS, SLOTS
     from concordia.instrument.runtime import module_global
 
     rep = instrument.enable()
@@ -465,7 +465,7 @@ def test_a_slot_that_does_not_add_up_never_reports_arrival(cp, gated):
     # counts in the held launch's slot that are not its own (here: every slot
     # poisoned after close) keep its holder waiting; opening the gate lets it
     # leave without arrival, and the launch's results are whole
-    from concordia.instrument.rewrite import HOLD_SLOTS, SLOTS
+    from concordia.instrument.rewriter import HOLD_SLOTS, SLOTS
     from concordia.instrument.runtime import module_global
 
     rep, gate = gated

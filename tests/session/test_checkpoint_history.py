@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from concordia import Session
-from concordia.session import CHECKPOINTS_KEPT, CheckpointTotals
+from concordia.checkpoint.stats import CheckpointTotals
+from concordia.session import CHECKPOINTS_KEPT
 
 
 def test_the_history_is_bounded_and_the_totals_count_every_checkpoint(tmp_path):

@@ -129,7 +129,7 @@ def test_a_new_kind_is_in_the_table_before_an_epoch_can_see_its_region(file_log)
 
         def watched(region):
             swap(region)
-            seen.append((region.name in s._regions, ex.consumer.table.get(0x100) is not None))
+            seen.append((region.name in s.region_set, ex.consumer.table.get(0x100) is not None))
 
         ex.region_added = watched
         s.register("kv", np.full(4096, 3, np.uint8), kind="kv")

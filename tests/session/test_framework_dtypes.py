@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from concordia import Session
 from concordia.errors import RecoverMismatchError, ShapeChangedError, UnsupportedArrayError
-from concordia.regions import numpy_dtype
+from concordia.regions.arrays import numpy_dtype
 from concordia.tools.wal_cli import main as wal_main
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed here")
@@ -308,7 +308,7 @@ def test_bf16_into_an_old_log_sets_the_feature_and_old_regions_still_read(tmp_pa
 def test_the_transfer_twin_restores_into_the_callers_memory(bf16_log):
     """apply_transfer_numpy(into=...), the numpy twin of the device pipeline's
     `into`, fills the caller's tensor byte for byte as a new array would be."""
-    from concordia.restore_device import apply_transfer_numpy, transfer_plan
+    from concordia.restore.device import apply_transfer_numpy, transfer_plan
     from concordia.wal import Log
     from concordia.wal.planner import plan
 

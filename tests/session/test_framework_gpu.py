@@ -123,7 +123,7 @@ def test_a_damaged_page_is_named_on_the_device_path(shm_log):
         f.seek(off)
         f.write(bytes([byte ^ 0xFF]))
     cp = pytest.importorskip("cupy")
-    from concordia.restore_device import apply_plan_cupy
+    from concordia.restore.device import apply_plan_cupy
 
     target = torch.zeros_like(t)
     view = cp.from_dlpack(target.reshape(-1).view(torch.uint8)).view(cp.uint16)

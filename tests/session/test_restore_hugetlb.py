@@ -12,7 +12,7 @@ import uuid
 import pytest
 
 from concordia.devmem import open_backend
-from concordia.restore_device import pins_ahead, register_piece
+from concordia.restore.device import pins_ahead, register_piece
 
 
 @pytest.fixture
@@ -40,7 +40,7 @@ def test_huge_page_mappings_pin_ahead_and_4k_ones_copy(huge_dir, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("chunk_bytes", [64 << 10, 32 << 20])
 def test_device_restore_from_hugetlb_pins_ahead(huge_dir, chunk_bytes):
-    from concordia.restore_device import apply_plan_cupy
+    from concordia.restore.device import apply_plan_cupy
     from concordia.wal import Log
     from concordia.wal.apply import apply_plan_numpy
     from concordia.wal.planner import plan

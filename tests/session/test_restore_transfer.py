@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from concordia import Session
-from concordia.restore_device import STAGE_ALIGN, apply_transfer_numpy, transfer_plan
+from concordia.restore.device import STAGE_ALIGN, apply_transfer_numpy, transfer_plan
 from concordia.wal import Log
 from concordia.wal.apply import apply_plan_numpy
+from concordia.wal.compaction import fold_source
 from concordia.wal.errors import CorruptionError
 from concordia.wal.planner import plan
 
@@ -94,7 +95,7 @@ def test_transfer_restores_what_the_host_applier_restores(persistent_log, chunk_
 
 
 def test_memory_copy_path_when_the_tier_has_no_descriptor(persistent_log, monkeypatch):
-    import concordia.restore_device as rd
+    import concordia.restore.device as rd
 
     _history(persistent_log)
     monkeypatch.setattr(rd, "_source_of", lambda log: (None, log.backend.array, False))
@@ -120,13 +121,24 @@ def test_a_damaged_page_names_its_region_page_and_record(file_log):
     try:
         # planned without page checks (the planner's own check would refuse the
         # epoch first): the damage is then found where the page lands
-        tr = transfer_plan(log, plan(log, check_pages=False), chunk_bytes=64 << 10)
+        p = plan(log, check_pages=False)
+        tr = transfer_plan(log, p, chunk_bytes=64 << 10)
         with pytest.raises(CorruptionError) as e:
             apply_transfer_numpy(log, tr)
+        # the host applier and compaction's fold meet the same page: one check,
+        # the same words at the same offset (wal.apply.bad_page)
+        with pytest.raises(CorruptionError) as host:
+            apply_plan_numpy(log, p)
+        rp = p.regions["adapter"]
+        with pytest.raises(CorruptionError) as fold:
+            fold_source(rp)(0, rp.region.pages)
     finally:
         log.close()
     msg = str(e.value)
     assert "page CRC mismatch for page" in msg and "'adapter'" in msg and "segment" in msg and "@ 0x" in msg
+    assert ", stored 0x" in msg and ", computed 0x" in msg
+    assert msg == str(host.value) == str(fold.value)
+    assert msg.split(": ", 1)[0].endswith(f"@ {log_off:#x}")  # the damaged page's own offset
 
 
 @contextlib.contextmanager
@@ -152,7 +164,7 @@ def test_empty_plan_regions_filter(shm_log):
 
 
 def test_file_backed_tiers_are_read_with_preadv(persistent_log):
-    from concordia.restore_device import _source_of
+    from concordia.restore.device import _source_of
 
     _history(persistent_log, epochs=1)
     log = Log.open(persistent_log, writable=False, check_pages=False)

@@ -10,7 +10,7 @@ import pytest
 from concordia import Session
 from concordia.checkpoint import staging as session_mod
 from concordia.errors import SessionError
-from concordia.regions import Region
+from concordia.regions.region import Region
 from concordia.wal import format as F
 
 MiB = 1 << 20

@@ -12,7 +12,7 @@ from concordia import Session
 from concordia.checkpoint import host as host_mod
 from concordia.checkpoint import staging as staging_mod
 from concordia.errors import SessionError
-from concordia.regions import Region
+from concordia.regions.region import Region
 
 from .staging_cases import assert_same_log, page_batches_by_epoch, run_workload
 from .state import LOG_SIZE, SEGMENT, assert_same, copy, make_state, mutate, register_all
@@ -65,7 +65,7 @@ def test_plan_extents_packs_in_order_within_the_cap():
 def test_a_failure_while_staging_leaves_the_log_and_the_session_usable(file_log, monkeypatch):
     state = make_state(4)
     calls = {"n": 0}
-    real = host_mod._HostKernels.stage
+    real = host_mod.HostKernels.stage
 
     def failing(self, *a, **kw):
         calls["n"] += 1
@@ -78,10 +78,10 @@ def test_a_failure_while_staging_leaves_the_log_and_the_session_usable(file_log,
         s.checkpoint()
         at1 = copy(state)
         mutate(state, 2)
-        monkeypatch.setattr(host_mod._HostKernels, "stage", failing)
+        monkeypatch.setattr(host_mod.HostKernels, "stage", failing)
         with pytest.raises(OSError, match="injected"):
             s.checkpoint()
-        monkeypatch.setattr(host_mod._HostKernels, "stage", real)
+        monkeypatch.setattr(host_mod.HostKernels, "stage", real)
         assert s.epoch == 1
         assert_same(s.recover(), at1)
         again = s.checkpoint()  # the appender took the failed extents back as padding

@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 
 from concordia import instrument
+from concordia.checkpoint import detect
 from concordia.errors import SessionError
 from concordia.instrument.runtime import bitmap_pages
-from concordia.regions import Region, adapt, storage_of
+from concordia.regions.arrays import adapt, storage_of
+from concordia.regions.region import Region
 
 PB = 4096
 
@@ -39,7 +41,7 @@ def _region(tracked, check_every):
     r = Region(name="r", kind="opaque", page_bytes=PB, array=arr, xp=xp, owner=owner,
                storage=storage_of(owner), detect="stores", hints={}, tracked=tracked, check_every=check_every)
     r.crcs = np.zeros(r.pages, np.uint32)   # a base is committed
-    r.reset_detectors()
+    detect.reset(r)
     return r, arr
 
 
@@ -53,8 +55,8 @@ def test_tracked_pages_are_logged_and_a_missed_page_is_found_at_the_cross_check(
             bm.mark(p)
         if step == 3:
             arr[30 * PB] ^= 0xFF              # a write the tracker did not see
-        assert r.dirty_pages(advance=False).tolist() == sorted(pages)   # a peek changes nothing
-        got = r.dirty_pages(advance=True).tolist()
+        assert detect.dirty_pages(r, advance=False).tolist() == sorted(pages)   # a peek changes nothing
+        got = detect.dirty_pages(r, advance=True).tolist()
         want = sorted(pages + [30]) if step == 5 else sorted(pages)   # found at the 2nd cross-check
         assert got == want, (step, got)
         assert bm.dirty_pages().size == 0
@@ -68,13 +70,13 @@ def test_without_cross_checks_only_the_tracker_is_asked(monkeypatch):
     assert r.fps is None
     arr[5 * PB] ^= 1
     for _ in range(10):
-        assert r.dirty_pages(advance=True).size == 0    # unseen, and nothing looks
+        assert detect.dirty_pages(r, advance=True).size == 0    # unseen, and nothing looks
     assert r.missed_pages == 0
 
 
 def test_a_region_no_longer_tracked_is_refused_in_one_line():
     r, _ = _region(HostBitmap(64), check_every=2)    # instrumentation is not enabled here
     with pytest.raises(SessionError) as info:
-        r.dirty_pages(advance=True)
+        detect.dirty_pages(r, advance=True)
     msg = info.value.one_line()
     assert "\n" not in msg and msg.startswith("region 'r':") and "no longer tracks" in msg

@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 
-from concordia.regions import StreamOrder, _foreign_stream
+from concordia.regions.streams import StreamOrder, foreign_stream
 
 pytestmark = pytest.mark.gpu
 
@@ -44,7 +44,7 @@ def test_the_current_torch_stream_and_a_raw_handle():
     (cur,) = StreamOrder.of([(x, None)]).streams
     assert cur.ptr == torch.cuda.current_stream(x.device).cuda_stream and cur.device_id == x.device.index
     side = torch.cuda.Stream()
-    raw = _foreign_stream(cp, int(side.cuda_stream), -1)  # a bare cudaStream_t: device unknown
+    raw = foreign_stream(cp, int(side.cuda_stream), -1)  # a bare cudaStream_t: device unknown
     assert raw.ptr == side.cuda_stream and raw.device_id == -1
     del raw
     gc.collect()

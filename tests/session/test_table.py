@@ -9,7 +9,7 @@ import pytest
 
 from concordia.checkpoint import staging as staging_mod
 from concordia.checkpoint.table import ENTRY, RECORD, RegionTable, counts_of, plan_records
-from concordia.regions import Region
+from concordia.regions.region import Region
 from concordia.wal import format as fmt
 
 from .staging_cases import assert_same_log

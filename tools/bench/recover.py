@@ -4,7 +4,7 @@ beside the ceilings and the alternatives, all measured in the same run.
 For each size and tier (shm, file, hugetlb) a log is written by a `Session` checkpoint
 of a device KV region of that size, then recovered as a fresh reader would:
 open the log, plan, and restore straight into device memory
-(`restore_device.apply_plan_cupy`: host threads read the log into pinned
+(`restore.device.apply_plan_cupy`: host threads read the log into pinned
 buffers with preadv while the copy engine and the scatter kernel move and
 apply the previous chunks), every page CRC and the region digest checked on
 the device.  For shm logs up to --registered-max-gib the same log is also
@@ -159,31 +159,24 @@ def _restore_once(xp, spec: str, registered: bool = False, read: str = "auto") -
     first (timed as register_s, outside the restore), as a live session that
     keeps its log registered would hold it; the copy engine then reads the
     mapping itself."""
-    from concordia.restore_device import apply_plan_cupy
+    from concordia.restore.run import restore
     from concordia.wal import Log
-    from concordia.wal.apply import apply_plan_numpy
-    from concordia.wal.planner import plan
 
     t0 = time.perf_counter()
     log = Log.open(spec, writable=registered, check_pages=False)  # pages are checked where they land
     t1 = time.perf_counter()
-    p = plan(log)
-    t2 = time.perf_counter()
     st: dict = {}
     reg, register_s = None, 0.0
     try:
-        if xp is np:
-            t3 = time.perf_counter()
-            out = apply_plan_numpy(log, p)
-            st["via"] = "numpy applier"
-        else:
-            if registered:
-                from concordia.devmem import cuda_host
+        if registered and xp is not np:
+            from concordia.devmem import cuda_host
 
-                reg = cuda_host.register(log.backend)
-                register_s = time.perf_counter() - t2
-            t3 = time.perf_counter()
-            out = apply_plan_cupy(log, p, stats=st, registration=reg, read=read)
+            t = time.perf_counter()
+            reg = cuda_host.register(log.backend)
+            register_s = time.perf_counter() - t
+        got = restore(log, device=xp is not np, registration=reg, read=read, stats=st)
+        out = got.arrays
+        if xp is not np:
             _sync(xp)
         t4 = time.perf_counter()
         nbytes = int(out["kv"].nbytes)
@@ -192,15 +185,16 @@ def _restore_once(xp, spec: str, registered: bool = False, read: str = "auto") -
         if reg is not None:
             reg.unregister()
         log.close()
-    restore = t4 - t3
-    return {"open_s": t1 - t0, "plan_s": t2 - t1, "restore_s": restore, "total_s": (t2 - t0) + restore,
+    plan_s = got.plan_s
+    restore_s = t4 - t1 - register_s - plan_s  # the plan applied: from the plan's end to the bytes in place
+    return {"open_s": t1 - t0, "plan_s": plan_s, "restore_s": restore_s, "total_s": (t1 - t0) + plan_s + restore_s,
             "register_s": register_s, "layout_s": st.get("layout_s", 0.0),
-            "staging_alloc_s": st.get("staging_alloc_s", 0.0), "scatter_s": st.get("scatter_s", restore),
+            "staging_alloc_s": st.get("staging_alloc_s", 0.0), "scatter_s": st.get("scatter_s", restore_s),
             "verify_s": st.get("verify_s", 0.0), "via": st.get("via"), "chunks": st.get("chunks"),
             "fill_wait_s": st.get("fill_wait_s"), "copy_wait_s": st.get("copy_wait_s"),
             "register_wait_s": st.get("register_wait_s"), "unregister_s": st.get("unregister_s"),
             "pin_refused": st.get("pin_refused"), "alloc_s": st.get("alloc_s"),
-            "bytes": nbytes, "GBps": nbytes / restore / 1e9}
+            "bytes": nbytes, "GBps": nbytes / restore_s / 1e9}
 
 
 def _session_once(xp, spec: str) -> dict:
@@ -228,7 +222,7 @@ def _host_read(xp, spec: str, nbytes: int, threads=(None,)) -> dict:
     """The host side alone: the restore's reader threads filling pinned
     buffers with nbytes of the log (preadv, as the restore reads it), for each
     thread count in `threads` (None: the restore's own count)."""
-    from concordia import restore_device as rd
+    from concordia.restore import device as rd
     from concordia.wal import Log
 
     log = Log.open(spec, writable=False, check_pages=False)
@@ -420,17 +414,17 @@ def run(sizes_bytes, tiers, quick: bool, page_bytes: int, on_row=None, with_torc
 # which entry point each figure of a row measures: the product's or a component
 MEASURED_THROUGH = {
     "open_s plan_s restore_s total_s GBps ratio_to_ceiling pin_* copy_* registered_*":
-        "component: Log.open + wal.planner.plan + restore_device.apply_plan_cupy (apply_plan_numpy on "
-        "the host), the read-only pipeline Session.recover runs",
+        "component: Log.open + restore.run.restore (wal.planner.plan, then restore.device.apply_plan_cupy; "
+        "apply_plan_numpy on the host), the read-only pipeline Session.recover runs",
     "session_*": "public entry point: Session(log, create=False).recover()",
-    "host_read_*": "component: the restore's reader threads alone (restore_device internals)",
+    "host_read_*": "component: the restore's reader threads alone (restore.device internals)",
 }
 
 
 def _table(res: dict) -> str:
     c = res["ceiling"]
     lines = [f"ceiling: {c['what']} {c['GBps']:.1f} GB/s (device: {res['device']})",
-             "open/plan/restore/total: component figures (Log.open, plan, apply_plan_cupy); "
+             "open/plan/restore/total: component figures (Log.open, restore.run.restore: plan, apply_plan_cupy); "
              "Session.recover: the public entry point",
              f"{'tier':<7} {'GiB':>6} {'open':>7} {'plan':>7} {'restore':>8} {'total':>8} {'GB/s':>7} "
              f"{'ceil%':>6} {'re-prefill':>11} {'torch.load':>11}  via"]

@@ -166,7 +166,7 @@ def run(nbytes: int, tier: str, device: str) -> dict:
                "kill_to_decoding_s kill_to_detect_s isolate_s restore_s first_decode_s":
                    "public entry points: a Session writing the log (the primary), "
                    "concordia.standby.Standby.run (the standby), CLOCK_MONOTONIC stamps of both",
-               "restore": "component: restore_device.apply_plan_cupy's own stage seconds"}}
+               "restore": "component: restore.device.apply_plan_cupy's own stage seconds"}}
     res["ceiling"] = _ceiling(xp, min(nbytes, 2 * GIB))
     if xp is not np:
         xp.get_default_pinned_memory_pool().free_all_blocks()

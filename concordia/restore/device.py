@@ -1,8 +1,8 @@
 """Restore a recovery plan straight into device arrays (CuPy).
 
-Kept apart from the Session so the checkpoint path and the restore path can
-change independently; `Session.recover(on_device=True)` and
-`concordia-wal bench recover` both come here.
+Kept apart from the checkpoint path so the two can change independently;
+`restore.run.restore` (behind `Session.recover`, the standby and
+`concordia-wal bench recover`) comes here for device targets.
 
 The restore is one pipeline over the whole plan, not a loop over records:
 
@@ -34,8 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from concordia.devmem.cuda_host import HOST_REGISTER_MAPPED, HOST_REGISTER_PORTABLE, HOST_REGISTER_READ_ONLY
-from concordia.errors import ConcordiaError
+from concordia.root_error import ConcordiaError
 
 #: bytes between two pages in the log that are copied along rather than
 #: starting a new copy (record headers and tables between payloads are small)
@@ -303,19 +302,48 @@ def _apply_transfer_numpy(tr: Transfer, fd, arr, into: dict) -> dict:
             bad = ref.scatter_pages(host, tr.stage_off[lo:hi], tr.page_ids[lo:hi], out[rp.name],
                                     page_bytes=rp.region.page_bytes, expected_crcs=tr.crcs[lo:hi])
             if bad.size:
-                raise _bad_page(tr, lo + int(bad[0]))
+                k = lo + int(bad[0])
+                at = int(tr.stage_off[k])
+                raise _bad_page(tr, k, host[at:at + rp.region.page_bytes])
     return {rp.name: into[rp.name] if rp.name in into else
             out[rp.name][:rp.region.nbytes].view(np.dtype(rp.region.dtype)).reshape(rp.region.shape)
             for rp in tr.regions}
 
 
-def _bad_page(tr: Transfer, k: int):
-    from concordia.wal.errors import CorruptionError
-
+def _page_of(tr: Transfer, k: int):
+    """(region name, source, row in its record, page id, page bytes) of page k."""
     name, src = tr.sources[int(tr.source[k])]
-    b = src.batch
-    return CorruptionError(f"page CRC mismatch for page {int(tr.page_ids[k])} of region {name!r} in record "
-                           f"lsn {b.lsn}", where=f"segment {b.segment} @ {b.offset:#x}")
+    pid = int(tr.page_ids[k])
+    row = int(np.asarray(src.rows)[np.flatnonzero(np.asarray(src.page_ids) == pid)[0]])
+    return name, src, row, pid, tr.regions[int(tr.region_index[k])].region.page_bytes
+
+
+def _bad_page(tr: Transfer, k: int, page: np.ndarray):
+    """The host applier's diagnostic (`wal.apply.bad_page`: the same words at
+    the same offset) for page k of the transfer, whose bytes as read from the
+    log are `page`."""
+    from crc32c import crc32c
+
+    from concordia.wal.apply import bad_page
+
+    name, src, row, pid, pb = _page_of(tr, k)
+    return bad_page(name, src.batch, row, pid, pb, int(tr.crcs[k]), crc32c(np.ascontiguousarray(page).data))
+
+
+def _bad_page_in_log(log, tr: Transfer, k: int):
+    """`_bad_page` for page k found bad on the device: its bytes read again
+    from the log on the host (the staging slots it passed through are reused)."""
+    from concordia.wal.apply import page_offset
+
+    _, src, row, _, pb = _page_of(tr, k)
+    page = np.empty(pb, np.uint8)
+    fd, arr, owned = _source_of(log)
+    try:
+        _wait(_fill(fd, arr, page, np.array([[page_offset(src.batch, row, pb), pb, 0]], np.int64)))
+    finally:
+        if owned:
+            os.close(fd)
+    return _bad_page(tr, k, page)
 
 
 # --- the device pipeline --------------------------------------------------------
@@ -375,10 +403,9 @@ class _RegisterAhead:
         from concurrent.futures import ThreadPoolExecutor
 
         threads, piece = threads or REGISTER_THREADS, piece or REGISTER_PIECE
-        self.cp, self.rt = cp, cp.cuda.runtime
+        self.cp = cp
         self.base, self.size = backend.address, backend.size
-        self.flags = (HOST_REGISTER_PORTABLE | HOST_REGISTER_MAPPED
-                      | (HOST_REGISTER_READ_ONLY if backend.readonly else 0))
+        self.read_only = bool(backend.readonly)
         self.device = cp.cuda.Device().id
         self.piece = piece
         self.per_chunk, order, seen = [], [], set()
@@ -396,9 +423,12 @@ class _RegisterAhead:
         self.wait_s = 0.0
 
     def _register(self, k: int) -> int:
+        from concordia.devmem import cuda_host
+
         self.cp.cuda.Device(self.device).use()
         lo = k * self.piece
-        self.rt.hostRegister(self.base + lo, min(self.piece, self.size - lo), self.flags)
+        cuda_host.pin(self.base + lo, min(self.piece, self.size - lo), read_only=self.read_only,
+                      where=f"log piece @ {lo:#x}")
         return k
 
     def ready(self, c: int) -> None:
@@ -426,11 +456,10 @@ class _RegisterAhead:
                     pass
 
         def unpin(k):
+            from concordia.devmem import cuda_host
+
             self.cp.cuda.Device(self.device).use()
-            try:
-                self.rt.hostUnregister(self.base + k * self.piece)
-            except Exception:
-                pass
+            cuda_host.unpin(self.base + k * self.piece)
 
         list(self.pool.map(unpin, pinned))
         self.pool.shutdown()
@@ -484,7 +513,7 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
     the H200 machine copying was measured faster for /dev/shm
     (docs/results/recover.md)."""
     from concordia.gpu_kernels import gpu, jit
-    from concordia.wal.errors import CorruptionError
+    from concordia.wal.apply import check_digest
 
     cp = jit._cupy()  # one line naming why, where CuPy or CUDA is missing
 
@@ -541,17 +570,15 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
             stream.synchronize()
             bad = cp.flatnonzero(bad_d)
             if int(bad.size):
-                raise _bad_page(tr, int(bad[0].get()))
+                raise _bad_page_in_log(log, tr, int(bad[0].get()))
         t2 = time.perf_counter()
         st["scatter_s"] = t2 - t1
         result = {}
         for rp, dst in zip(tr.regions, out):
             flat = dst[:rp.region.nbytes]
-            if rp.digest is not None:
-                got = gpu.region_digest(gpu.crc32c_pages(flat, page_bytes=rp.region.page_bytes))
-                if got != rp.digest:
-                    raise CorruptionError(f"region {rp.name!r} restored with digest 0x{got:08x}, its commit "
-                                          f"states 0x{rp.digest:08x}", where=f"epoch {rp.epoch}")
+            if rp.digest is not None:  # the host applier's check, on the device's digest
+                check_digest(rp.name, rp.epoch, rp.digest,
+                             gpu.region_digest(gpu.crc32c_pages(flat, page_bytes=rp.region.page_bytes)))
             result[rp.name] = (into[rp.name] if into and rp.name in into else
                                flat.view(np.dtype(rp.region.dtype)).reshape(rp.region.shape))
         st["verify_s"] = time.perf_counter() - t2
@@ -572,7 +599,7 @@ def _device_targets(cp, tr: Transfer, into: dict | None) -> list:
     zeroed (pages the plan does not read are zero, as in a new array).  Every
     target is checked before any is written."""
     into = into or {}
-    from concordia.errors import RecoverMismatchError
+    from concordia.regions.errors import RecoverMismatchError
 
     for rp in tr.regions:
         a = into.get(rp.name)

@@ -1,0 +1,227 @@
+"""Every dirty-page detector, once: which pages of a region changed since the
+last checkpoint, and how each detector is re-armed when the region equals the
+committed state again.
+
+    shadow        the region against a copy of itself (`shadow_diff`)
+    fingerprint   a 64-bit fingerprint per page against the last one
+    blocks        kv regions: new tokens of each sequence from the block tables
+                  and sequence lengths, plus whole blocks whose write stamp rose
+                  while no sequence held them
+    versions      adapter regions: slots whose version counter moved
+    stores        the pages the PTX store tracker marked (`concordia.instrument`),
+                  cross-checked by fingerprints every `check_every` checkpoints
+    all           every page
+
+Every detector runs on the region's own device: the numpy twins in
+`gpu_kernels.reference` for host arrays, the kernels of `gpu_kernels.gpu` for
+CuPy arrays the page kernels can read (16-byte aligned), and the numpy twin on
+a host copy for the rest.  The state a detector keeps lives on the `Region`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from concordia.gpu_kernels import reference as ref
+from concordia.regions.arrays import to_host
+from concordia.regions.errors import SessionError
+from concordia.regions.region import KvGeometry, Region
+
+
+def _kernels(r: Region):
+    """The CuPy launchers of the page kernels for `r`, or None: a host region,
+    a device region the kernels cannot read (not 16-byte aligned), or kernels
+    that do not load."""
+    if not r.on_gpu or not r.device_aligned:
+        return None
+    try:
+        from concordia.gpu_kernels import gpu
+    except ImportError:
+        return None
+    return gpu
+
+
+def shadow_diff(r: Region, *, update: bool) -> np.ndarray:
+    """Sorted uint32 ids of the pages of `r` that differ from its shadow; with
+    `update` the shadow takes the differing pages.  The one shadow diff: the
+    kernel where it reads the region, else its numpy twin (on a host copy of a
+    device region, whose shadow then takes the twin's result)."""
+    gpu = _kernels(r)
+    if gpu is not None:
+        return to_host(gpu.shadow_diff(r.flat, r.shadow, page_bytes=r.page_bytes, update=update))
+    if not r.on_gpu:
+        return ref.shadow_diff(r.flat, r.shadow, page_bytes=r.page_bytes, update=update)
+    shadow = to_host(r.shadow)
+    found = ref.shadow_diff(to_host(r.flat), shadow, page_bytes=r.page_bytes, update=update)
+    if update and found.size:
+        r.shadow[...] = r.xp.asarray(shadow)
+    return found
+
+
+def fingerprint_diff(r: Region, *, update: bool) -> np.ndarray:
+    """Sorted uint32 ids of the pages whose fingerprint differs from `r.fps`;
+    with `update` the fingerprints take the new ones."""
+    gpu = _kernels(r)
+    if gpu is not None:
+        return to_host(gpu.fingerprint_dirty(r.flat, r.fps, page_bytes=r.page_bytes, update=update))
+    if not r.on_gpu:
+        return ref.fingerprint_dirty(r.flat, r.fps, page_bytes=r.page_bytes, update=update)
+    fps = to_host(r.fps)
+    found = ref.fingerprint_dirty(to_host(r.flat), fps, page_bytes=r.page_bytes, update=update)
+    if update:
+        r.fps[...] = r.xp.asarray(fps)
+    return found
+
+
+def fingerprints(r: Region):
+    """The fingerprint of every page of `r`, on the region's device."""
+    gpu = _kernels(r)
+    if gpu is not None:
+        return gpu.fingerprint_pages(r.flat, page_bytes=r.page_bytes)
+    got = ref.fingerprint_pages(to_host(r.flat), page_bytes=r.page_bytes)
+    return got if not r.on_gpu else r.xp.asarray(got)
+
+
+def reset(r: Region) -> None:
+    """The caller's array now equals the committed state: (re)arm the detector."""
+    if r.detect == "shadow":
+        if r.shadow is None:
+            r.shadow = r.xp.empty(r.nbytes, dtype=r.xp.uint8)
+        r.shadow[...] = r.flat
+    elif r.detect == "fingerprint":
+        r.fps = fingerprints(r)
+    elif r.detect == "blocks":
+        r.kv_prev = _kv_now(r)
+    elif r.detect == "versions":
+        r.seen_versions = to_host(r.hints["slot_versions"]).copy()
+    elif r.detect == "stores":
+        r.tracked.clear()
+        r.since_check = 0
+        r.tracked_since_check = np.zeros(0, np.uint32)
+        if r.check_every:
+            r.fps = fingerprints(r)
+
+
+def dirty_pages(r: Region, *, advance: bool) -> np.ndarray:
+    """Sorted uint32 ids of the pages of `r` changed since the last checkpoint
+    (every page while it has no base).  With `advance` the detector takes the
+    current state as its new baseline (only when the pages found are about to
+    be logged)."""
+    if r.crcs is None or r.detect == "all":
+        return np.arange(r.pages, dtype=np.uint32)
+    if r.detect == "shadow":
+        # without `advance` the shadow is only compared, never copied: a
+        # dirty-bytes policy measures at every step
+        return shadow_diff(r, update=advance)
+    if r.detect == "fingerprint":
+        return fingerprint_diff(r, update=advance)
+    if r.detect == "blocks":
+        return _kv_dirty(r, advance)
+    if r.detect == "stores":
+        return _stores_dirty(r, advance)
+    if r.detect == "versions":
+        seen = r.seen_versions if advance else r.seen_versions.copy()
+        return ref.adapter_dirty_pages(to_host(r.hints["slot_versions"]), seen,
+                                       pages_per_slot=int(r.hints["pages_per_slot"]),
+                                       num_pages=r.pages, advance=True)
+    raise AssertionError(r.detect)
+
+
+def launch(r: Region, kernels, flags, found=None) -> bool:
+    """Queue the detector of `r` as a device kernel writing one flag byte per
+    page into `flags`, advancing it as dirty_pages(advance=True) does (and
+    listing the dirty pages into `found`, see gpu.launch_shadow_diff).  False
+    (nothing queued) when there is no base yet or the detector scans
+    host-side tables (block tables, slot versions): use dirty_pages then."""
+    if r.crcs is None or not r.flags_detector:
+        return False
+    if r.detect == "shadow":
+        kernels.launch_shadow_diff(r.flat, r.shadow, flags, page_bytes=r.page_bytes, update=True, found=found)
+    else:
+        kernels.launch_fingerprint(r.flat, r.fps, flags, page_bytes=r.page_bytes, update=True, found=found)
+    return True
+
+
+def _stores_dirty(r: Region, advance: bool) -> np.ndarray:
+    """The pages the store tracker marked since the last checkpoint (the
+    bitmap is cleared when advancing).  Every `check_every`-th advancing
+    call also diffs the fingerprints taken at the previous cross-check:
+    a page changed since then that the tracker never marked (a write by
+    a kernel that is not instrumented, a copy, a kernel loaded before
+    instrumentation) is added to this checkpoint and counted in
+    `missed_pages`.  The bitmap is read, then cleared: like every detector,
+    this assumes the caller's kernels that write the region have finished
+    (a page marked in between would wait for the next cross-check)."""
+    from concordia import instrument
+
+    if not instrument.is_tracked(r.tracked):
+        raise SessionError("the store tracker no longer tracks this region (instrumentation was disabled "
+                           "or its regions replaced): its writes since then are not known",
+                           where=f"region {r.name!r}",
+                           hint="register the array again (a new region gets a base checkpoint)")
+    ids = r.tracked.dirty_pages().astype(np.uint32)
+    if not advance:
+        return ids
+    r.tracked.clear()
+    if not r.check_every:
+        return ids
+    r.tracked_since_check = np.union1d(r.tracked_since_check, ids).astype(np.uint32)
+    r.since_check += 1
+    if r.since_check < r.check_every:
+        return ids
+    changed = fingerprint_diff(r, update=True)
+    missed = np.setdiff1d(changed, r.tracked_since_check).astype(np.uint32)
+    r.missed_pages += int(missed.size)
+    r.since_check = 0
+    r.tracked_since_check = np.zeros(0, np.uint32)
+    return np.union1d(ids, missed).astype(np.uint32)
+
+
+def _kv_now(r: Region) -> dict:
+    h = r.hints
+    now = {"tables": to_host(h["block_tables"]).astype(np.int64),
+           "lens": to_host(h["seq_lens"]).astype(np.int64)}
+    if h.get("block_stamp") is not None:
+        now["stamp"] = to_host(h["block_stamp"]).astype(np.int64)
+    if h.get("seq_ids") is not None:
+        now["ids"] = to_host(h["seq_ids"]).astype(np.int64)
+    return now
+
+
+def _kv_dirty(r: Region, advance: bool) -> np.ndarray:
+    """New tokens of every sequence (kv_dirty_blocks), plus whole blocks
+    whose write stamp rose while no sequence held them across the interval
+    (blocks freed, or freed and handed on, since the last checkpoint)."""
+    g: KvGeometry = r.hints["geometry"]
+    prev, now = r.kv_prev, _kv_now(r)
+    same = (now["ids"] == prev["ids"]) if "ids" in now else (now["lens"] >= prev["lens"])
+    ckpt_lens = np.where(same, prev["lens"], 0).astype(np.int32)
+    ids = ref.kv_dirty_blocks(now["tables"].astype(np.int32), now["lens"].astype(np.int32), ckpt_lens,
+                              block_size=g.block_size, kv_heads=g.kv_heads, head_dim=g.head_dim,
+                              dtype_bytes=g.dtype_bytes, page_bytes=r.page_bytes,
+                              num_blocks=g.num_blocks, num_layers=g.num_layers, advance=False)
+    if "stamp" in now:
+        rose = now["stamp"] > prev["stamp"]
+        # blocks one sequence held from the last checkpoint until now: only it wrote them
+        held = np.zeros(g.num_blocks, bool)
+        t_prev, t_now = prev["tables"], now["tables"]
+        nblk = -(-np.asarray(prev["lens"], np.int64) // g.block_size)   # blocks held at the last checkpoint
+        in_use = np.arange(t_now.shape[1])[None, :] < nblk[:, None]
+        keep = np.asarray(same)[:, None] & in_use & (t_prev == t_now) & (t_now >= 0)
+        held[t_now[keep]] = True
+        whole = np.flatnonzero(rose & ~held)
+        if whole.size:
+            ids = np.union1d(ids, _kv_block_pages(g, whole, r.page_bytes)).astype(np.uint32)
+    if advance:
+        r.kv_prev = now
+    return ids
+
+
+def _kv_block_pages(g: KvGeometry, blocks: np.ndarray, pb: int) -> np.ndarray:
+    """Every page of the given blocks, K and V, in every layer."""
+    geo = ref.kv_layout(block_size=g.block_size, kv_heads=g.kv_heads, head_dim=g.head_dim,
+                        dtype_bytes=g.dtype_bytes, num_blocks=g.num_blocks)
+    lo = (np.arange(g.num_layers, dtype=np.int64)[:, None] * geo["layer"]
+          + blocks.astype(np.int64)[None, :] * geo["block"]).ravel()
+    first = lo // pb
+    return np.unique(ref.expand_ranges(first, (lo + geo["block"] - 1) // pb - first + 1))

@@ -1,0 +1,304 @@
+"""The epoch runner: one checkpoint of every region of a `RegionSet`, from the
+producers' streams to the commit.
+
+A checkpoint is one epoch: for every region the dirty pages are found
+(`detect`), staged as page-batch records into reserved log space, persisted,
+and then one commit record carries every region's digest.  The first
+checkpoint of a region in a log writes all its pages (as ordinary page batches
+of that epoch: the BASE flag of FORMAT.md §12 belongs to base snapshots listed
+in a catalog, which compaction writes).  An epoch without its commit never
+reaches a region, so a crash at any point leaves the state of the previous
+commit.
+
+Where the pages go (`staging=`, `CheckpointStats.via` says which path each
+region took):
+
+    gpu-mapped  CuPy regions on a log the GPU can address (shm, devdax, pinned,
+                memory): the mapping is registered with CUDA once and kept; the
+                kernels detect, checksum and write page-batch records straight
+                into extents the appender granted (zero copy)
+    gpu-ring    CuPy regions on other tiers (file, pmem): the same records are
+                written into a pinned staging ring and copied into each extent
+                with one memcpy while the GPU stages the next
+    host        numpy regions, and CuPy regions when anything the device path
+                needs is missing: pages are gathered and encoded on the CPU
+    cpu-mapped, cpu-ring   the extent pipeline driven by the numpy twins
+                (staging="mapped" / "ring" on numpy regions)
+
+Once every region takes the same mapped pipeline and has a base, an epoch is
+one table pass (`table`, `device.DeviceTablePass`, `host.HostTablePass`): one
+detection launch per detector group over a region table, one staging pass of
+every record into one extent, one wait, one commit
+(`CheckpointStats.table_pass`).
+
+Every path writes the same record bytes for the same state.  The device path
+reads the device back twice per checkpoint at most: the dirty-page counts (to
+size the extents) and, after staging, the extents' cursors with the region
+digests (computed on the device from a per-page CRC table kept there).  On a
+mapped log it reads once when each region's dirty pages fit an extent reserved
+before its detector ran (as many pages as its last checkpoint found, at most
+32): the detector lists the pages and one `stage_delta` launch writes the
+record, the CRC table and the moved digest (`device.DeviceKernels.delta`).
+
+The runner caches its routes, stagers and table pass between checkpoints,
+keyed on `RegionSet.version`; the commit is a callable the session hands in
+(`commit(appender, epoch, digests)`), so this module never sees the session.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import numpy as np
+
+from concordia.checkpoint import detect
+from concordia.checkpoint.device import DeviceKernels
+from concordia.checkpoint.host import HostKernels
+from concordia.checkpoint.staging import Stager, register_mapping, stage_region
+from concordia.checkpoint.stats import CheckpointStats
+from concordia.checkpoint.table import RegionTable
+from concordia.gpu_kernels import reference as ref
+from concordia.regions.arrays import to_host
+from concordia.regions.errors import SessionError
+from concordia.regions.registry import RegionSet
+from concordia.regions.streams import StreamOrder
+
+STAGING = ("auto", "mapped", "ring", "host")
+
+
+class EpochRunner:
+    """Runs the epochs of one session's regions (module doc).
+
+    staging: "auto", "mapped", "ring" or "host".  commit: called with the
+    appender, the epoch and the region digests once every record is
+    persisted.  table_for_host: stage host regions by the extent pipeline (and
+    so the region table) even under staging="auto" (a resident executor)."""
+
+    def __init__(self, regions: RegionSet, staging: str, commit, *, table_for_host: bool = False):
+        if staging not in STAGING:
+            raise SessionError(f"unknown staging {staging!r} (use {', '.join(STAGING)})")
+        self.regions = regions
+        self.staging = staging
+        self.commit = commit
+        self.table_for_host = table_for_host
+        self.stagers: dict[str, Stager | None] = {}
+        #: why the device path is not used (None while it is, or was never needed)
+        self.gpu_fallback: str | None = None
+        #: how many region checkpoints took each path
+        self.paths: collections.Counter = collections.Counter()
+        self._producers = None  # (version, one region per producer stream key, order), see stream_order
+        self._routes: tuple | None = None   # (version, routes)
+        self._table: tuple | None = None    # (version, table pass or None)
+
+    @property
+    def registration(self):
+        """The CUDA registration of the log mapping the device stager keeps (a
+        recovery reads the log through it), or None."""
+        return getattr(self.stagers.get("gpu"), "registration", None)
+
+    def close(self) -> None:
+        for st in self.stagers.values():
+            if st is not None:
+                st.close()
+        self.stagers.clear()
+
+    def forget_table(self) -> None:
+        """The regions' baselines are replaced from outside (a recovery into the
+        registered arrays): the table pass is made again."""
+        self._table = None
+
+    def lose(self) -> None:
+        """After a failed checkpoint: every region's next checkpoint writes it whole."""
+        self._table = None
+        self.regions.lose()
+
+    # -- one epoch ---------------------------------------------------------------
+    def run(self, log, *, reason: str, stream=None) -> CheckpointStats:
+        """Checkpoint every region into `log` (writable) as the next epoch; the
+        caller has run the session's before-checkpoint hooks."""
+        regions = self.regions
+        table = self.table_pass(log)
+        if table is None or not table.table.unchanged():
+            for r in regions:
+                r.check_unchanged()  # before anything is written
+        order = self.stream_order(stream)
+        order.after_producers()
+        epoch = regions.take_epoch(log.appender.next_epoch)
+        if table is not None:
+            try:
+                return self._run_table(log.appender, table, epoch, reason)
+            finally:
+                order.before_later_work()  # the producers write on only after the pass read the regions
+        regions.changed()  # the paths below may replace CRC tables and detector state
+        try:
+            stats = self._run_paths(log, epoch, reason)
+        except BaseException:
+            self.lose()
+            raise
+        for name in stats.base:  # a region written whole now has a baseline for its detector
+            detect.reset(regions[name])
+        order.before_later_work()  # the detectors' copies are taken before the producers write on
+        self.paths.update(stats.via.values())
+        return stats
+
+    def _run_paths(self, log, epoch: int, reason: str) -> CheckpointStats:
+        """The epoch region by region: the host path, then each extent pipeline."""
+        app = log.appender
+        pages, nbytes, log_bytes, via = {}, 0, 0, {}
+        detect_s = stage_s = 0.0
+        reads = 0
+        routes = self.route(log)
+        base = [r.name for r in self.regions if r.crcs is None]
+        for r in routes[None]:
+            t0 = time.perf_counter()
+            is_base = r.crcs is None
+            ids = detect.dirty_pages(r, advance=True)
+            t1 = time.perf_counter()
+            if is_base:
+                self.regions.start_base(r, np.zeros(r.pages, np.uint32))
+            elif not isinstance(r.crcs, np.ndarray):
+                self.regions.keep_table(r, to_host(r.crcs))  # the region left the device path
+            lb = stage_region(app, r, ids, epoch)
+            if ids.size or r.digest is None:
+                self.regions.staged(r, ref.region_digest(r.crcs))
+            t2 = time.perf_counter()
+            detect_s += t1 - t0
+            stage_s += t2 - t1
+            pages[r.name] = int(ids.size)
+            nbytes += int(ids.size) * r.page_bytes
+            log_bytes += lb
+            via[r.name] = "host"
+        for key in ("gpu", "cpu"):
+            if routes.get(key):
+                st = self.stagers[key]
+                got = st.run(app, self.regions, routes[key], epoch)
+                detect_s += got["detect_s"]
+                stage_s += got["stage_s"]
+                reads += got["device_reads"]
+                log_bytes += got["log_bytes"]
+                for r in routes[key]:
+                    n = got["pages"][r.name]
+                    pages[r.name] = n
+                    nbytes += n * r.page_bytes
+                    via[r.name] = st.label
+        pages = {name: pages[name] for name in self.regions.names}
+        t3 = time.perf_counter()
+        self.commit(app, epoch, {r.id: r.digest for r in self.regions})
+        commit_s = time.perf_counter() - t3
+        return CheckpointStats(epoch, reason, pages, base, nbytes, log_bytes,
+                               detect_s * 1e3, stage_s * 1e3, commit_s * 1e3, via, reads)
+
+    def _run_table(self, app, table, epoch: int, reason: str) -> CheckpointStats:
+        """One epoch by a table pass: one detection launch per detector group,
+        one staging pass into one extent, one wait, one commit (no Python per
+        region beyond building the statistics)."""
+        try:
+            got = table.run(app, epoch)
+            t3 = time.perf_counter()
+            self.commit(app, epoch, table.table.commit_digests())
+            commit_s = time.perf_counter() - t3
+        except BaseException:
+            self.lose()
+            raise
+        names = table.table.names
+        counts = got.counts
+        self.paths[table.label] += len(names)
+        return CheckpointStats.of_table(epoch, reason, names, counts, table.label,
+                                        int(counts @ table.table.page_bytes), int(got.log_bytes),
+                                        got.detect_s * 1e3, got.stage_s * 1e3, commit_s * 1e3, got.device_reads)
+
+    def stream_order(self, stream) -> StreamOrder:
+        """The producer streams of this checkpoint (`StreamOrder.for_checkpoint`),
+        from one representative region per framework, device and given stream,
+        chosen again only when the regions change: no Python per region."""
+        cached = self._producers
+        if cached is None or cached[0] != self.regions.version:
+            reps, seen = [], set()
+            for r in self.regions:
+                if not r.on_gpu:
+                    continue
+                key = (("given", id(r.stream)) if r.stream is not None else
+                       (type(r.owner).__module__.split(".")[0], str(getattr(r.owner, "device", ""))))
+                if key not in seen:
+                    seen.add(key)
+                    reps.append(r)
+            # no device region and no stream given: no order to keep, and nothing to look up
+            cached = self._producers = (self.regions.version, reps, StreamOrder([]) if not reps else None)
+        if stream is None and cached[2] is not None:
+            return cached[2]
+        return StreamOrder.for_checkpoint(cached[1], stream)
+
+    # -- routes and the table pass -----------------------------------------------
+    def table_pass(self, log):
+        """The table pass that checkpoints every region this epoch, or None:
+        one is made when every region takes the same extent pipeline in
+        "mapped" mode and has a base in the log, and kept until the regions
+        change.  Otherwise the per-region paths run."""
+        cached = self._table
+        version = self.regions.version
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        if cached is not None and cached[1] is not None:
+            cached[1].table.write_back(self.regions)  # the regions' digests, for whichever path runs next
+        tp = None
+        regions = list(self.regions)
+        routes = self.route(log)
+        for key in ("gpu", "cpu"):
+            st = self.stagers.get(key)
+            if (st is not None and len(routes[key]) == len(regions) and st.mode == "mapped"
+                    and all(r.crcs is not None and r.digest is not None for r in regions)):
+                tp = st.kernels.table_pass(RegionTable(regions, log.appender.segment_capacity), self.regions,
+                                           st.registration, st)
+        self._table = (self.regions.version, tp)
+        return tp
+
+    def route(self, log) -> dict:
+        """{None: host-path regions, "gpu": ..., "cpu": ...} for this checkpoint
+        (kept while the regions do not change)."""
+        if self._routes is not None and self._routes[0] == self.regions.version:
+            return self._routes[1]
+        out: dict = {None: [], "gpu": [], "cpu": []}
+        for r in self.regions:
+            key = None
+            if self.staging != "host":
+                if r.on_gpu:
+                    st = self._stager("gpu", log)
+                    if st is not None and r.device_aligned and st.kernels.prepare(r):
+                        key = "gpu"
+                    elif st is not None and self.gpu_fallback is None:
+                        self.gpu_fallback = (f"region {r.name!r}: " + ("not 16-byte aligned" if not r.device_aligned
+                                                                        else st.kernels.failed))
+                elif self.staging in ("mapped", "ring") or self.table_for_host:
+                    key = "cpu"
+                    self._stager("cpu", log)
+            out[key].append(r)
+        self._routes = (self.regions.version, out)
+        return out
+
+    def _stager(self, key: str, log):
+        """The extent pipeline for device ("gpu") or host ("cpu") regions, made
+        once: a device one registers the log mapping with CUDA here and keeps it."""
+        if key in self.stagers:
+            return self.stagers[key]
+        st = None
+        if key == "cpu":
+            st = Stager(HostKernels(), "ring" if self.staging == "ring" else "mapped", None)
+        else:
+            try:
+                kernels = DeviceKernels()
+            except Exception as exc:  # CuPy, CUDA or the kernel sources missing
+                if self.staging != "auto":
+                    raise SessionError(f"staging={self.staging!r} needs the GPU kernels: {exc}") from None
+                self.gpu_fallback = f"GPU kernels unavailable ({type(exc).__name__}: {exc})"
+            else:
+                reg, why = None, None
+                if self.staging in ("auto", "mapped"):
+                    reg, why = register_mapping(log.backend)
+                    if reg is None and self.staging == "mapped":
+                        raise SessionError(f"staging='mapped' needs a log the GPU can address: {why}",
+                                           where=str(log.backend.where), hint="use staging='ring' or 'auto'")
+                st = Stager(kernels, "mapped" if reg is not None else "ring", reg)
+                st.why_ring = why
+        self.stagers[key] = st
+        return st

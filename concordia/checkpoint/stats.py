@@ -1,0 +1,126 @@
+"""What a checkpoint did (`CheckpointStats`) and what a session's checkpoints
+did together (`CheckpointTotals`)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+
+class CheckpointStats:
+    """What one checkpoint did.  Times in milliseconds.
+
+    epoch, reason
+    pages          region name -> pages written
+    base           regions written whole (first checkpoint in this log)
+    bytes          payload bytes written
+    log_bytes      record bytes written (headers and tables included)
+    detect_ms, stage_ms, commit_ms
+    via            region name -> path (module docstring)
+    device_reads   host waits on the device in the extent pipeline
+    table_pass     one pass over the region table took every region (checkpoint package)
+    executor       "host" (the caller's thread ran the epoch) or "resident" (the
+                   session's executor did: `concordia.executor.resident`)
+
+    A table pass hands over its names and per-region counts (`of_table`):
+    `pages` and `via` are built from them when first read, so a checkpoint
+    of many regions does no Python per region for its statistics."""
+
+    _FIELDS = ("epoch", "reason", "pages", "base", "bytes", "log_bytes", "detect_ms", "stage_ms", "commit_ms",
+               "via", "device_reads", "table_pass", "executor")
+    __slots__ = ("epoch", "reason", "_pages", "base", "bytes", "log_bytes", "detect_ms", "stage_ms", "commit_ms",
+                 "_via", "device_reads", "table_pass", "executor", "_lazy")
+
+    def __init__(self, epoch: int, reason: str, pages: dict, base: list, bytes: int, log_bytes: int,
+                 detect_ms: float, stage_ms: float, commit_ms: float, via: dict | None = None,
+                 device_reads: int = 0, table_pass: bool = False):
+        self.epoch, self.reason, self._pages, self.base = epoch, reason, pages, base
+        self.bytes, self.log_bytes = bytes, log_bytes
+        self.detect_ms, self.stage_ms, self.commit_ms = detect_ms, stage_ms, commit_ms
+        self._via = {} if via is None else via
+        self.device_reads, self.table_pass = device_reads, table_pass
+        self.executor = "host"
+        self._lazy = None
+
+    @classmethod
+    def of_table(cls, epoch, reason, names, counts, label, nbytes, log_bytes, detect_ms, stage_ms, commit_ms,
+                  device_reads) -> "CheckpointStats":
+        """The statistics of a table pass: `names` (kept, never changed) and
+        `counts` (an integer array of the pass, one per name) become `pages`
+        and `via` (every region `label`) when first read."""
+        st = cls(epoch, reason, None, [], nbytes, log_bytes, detect_ms, stage_ms, commit_ms, None, device_reads, True)
+        st._via = None
+        st._lazy = (names, counts, label)
+        return st
+
+    def _build(self) -> None:
+        names, counts, label = self._lazy
+        self._pages = dict(zip(names, counts.tolist()))
+        self._via = dict.fromkeys(names, label)
+        self._lazy = None
+
+    @property
+    def pages(self) -> dict:
+        if self._lazy is not None:
+            self._build()
+        return self._pages
+
+    @pages.setter
+    def pages(self, value: dict) -> None:
+        if self._lazy is not None:
+            self._build()
+        self._pages = value
+
+    @property
+    def via(self) -> dict:
+        if self._lazy is not None:
+            self._build()
+        return self._via
+
+    @via.setter
+    def via(self, value: dict) -> None:
+        if self._lazy is not None:
+            self._build()
+        self._via = value
+
+    def page_counts(self) -> tuple | None:
+        """(names, counts) of a table pass (a list, and an integer array of the
+        pages each region wrote) without building `pages`; None otherwise."""
+        return None if self._lazy is None else self._lazy[:2]
+
+    @property
+    def total_ms(self) -> float:
+        return self.detect_ms + self.stage_ms + self.commit_ms
+
+    def _values(self) -> tuple:
+        return tuple(getattr(self, f) for f in self._FIELDS)
+
+    def __eq__(self, other):
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return self._values() == other._values()
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return "CheckpointStats(" + ", ".join(f"{f}={v!r}" for f, v in zip(self._FIELDS, self._values())) + ")"
+
+    def to_json(self) -> dict:
+        d = {f: copy.deepcopy(v) for f, v in zip(self._FIELDS, self._values())}
+        d["total_ms"] = self.total_ms
+        return d
+
+
+@dataclasses.dataclass
+class CheckpointTotals:
+    """Every checkpoint of a session, summed (`Session.checkpoint_totals`):
+    how many, payload bytes and record bytes written."""
+
+    count: int = 0
+    bytes: int = 0
+    log_bytes: int = 0
+
+    def add(self, stats: CheckpointStats) -> None:
+        self.count += 1
+        self.bytes += stats.bytes
+        self.log_bytes += stats.log_bytes

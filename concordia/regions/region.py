@@ -1,0 +1,189 @@
+"""One protected array and its checkpoint state (`Region`).
+
+A region is a C-contiguous array (numpy, CuPy, or a PyTorch tensor seen
+through DLPack, `concordia.regions.arrays`) cut into pages of `page_bytes`.
+A `Region` holds what the checkpoint pipeline keeps between epochs: the
+baseline (the page CRC table of the last committed epoch and its digest,
+changed only by `concordia.regions.registry.RegionSet`) and the state of its
+dirty-page detector (shadow copy, fingerprints, block tables, slot versions,
+store-tracker bitmap; run by `concordia.checkpoint.detect`):
+
+    kv        block-table scanner when the caller gives block tables and
+              sequence lengths, else shadow diff
+    adapter   slot-version scanner when the caller gives slot versions,
+              else shadow diff
+    scheduler, opaque   shadow diff
+    any kind  `detect="stores"`: the pages the PTX store tracker marked
+              (`concordia.instrument`, device arrays only), cross-checked by
+              fingerprints every `check_every` checkpoints
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from concordia.regions.arrays import storage_change, storage_of
+from concordia.regions.errors import RegionMismatchError, SessionError, ShapeChangedError
+
+KINDS = ("kv", "adapter", "scheduler", "opaque")
+DETECTORS = ("auto", "shadow", "fingerprint", "blocks", "versions", "stores", "all")
+
+#: the detectors that run as a device kernel over the region (shadow diff,
+#: fingerprints), writing one flag byte per page, once a base exists
+FLAG_DETECTORS = ("shadow", "fingerprint")
+
+
+@dataclasses.dataclass
+class KvGeometry:
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+
+    @classmethod
+    def of(cls, shape, itemsize: int, where: str) -> "KvGeometry":
+        """[..., num_blocks, 2, block_size, kv_heads, head_dim] (PagedAttention)."""
+        if len(shape) < 5 or shape[-4] != 2:
+            raise ShapeChangedError(f"a KV region scanned by block tables must be shaped "
+                                    f"[..., num_blocks, 2, block_size, kv_heads, head_dim], not "
+                                    f"{list(shape)}", where=where)
+        lead = int(np.prod(shape[:-5])) if len(shape) > 5 else 1
+        return cls(lead, int(shape[-5]), int(shape[-3]), int(shape[-2]), int(shape[-1]), itemsize)
+
+
+@dataclasses.dataclass
+class Region:
+    """One registered array and its checkpoint state."""
+
+    name: str
+    kind: str
+    page_bytes: int
+    array: object          # numpy or CuPy view of the caller's memory
+    xp: object
+    owner: object          # what the caller gave (checked for shape/storage changes)
+    storage: tuple         # (shape, dtype, address) at registration
+    detect: str            # "shadow" | "fingerprint" | "blocks" | "versions" | "stores" | "all"
+    hints: dict
+    id: int | None = None  # region id in the log
+    crcs: object = None                 # page CRCs of the last committed epoch (None: no base yet),
+                                        # numpy, or CuPy when the region is staged on the device
+    digest: int | None = None           # region digest of `crcs` (None: to be computed)
+    shadow: object = None               # shadow copy (shadow detector)
+    fps: object = None                  # fingerprints (fingerprint detector)
+    kv_prev: dict | None = None         # block tables, lens, stamps, seq ids at the last checkpoint
+    seen_versions: np.ndarray | None = None
+    tracked: object = None              # instrument.TrackedRegion (store tracker's bitmap)
+    check_every: int = 0                # stores: fingerprint cross-check every N checkpoints (0: never)
+    since_check: int = 0                # stores: checkpoints since the last cross-check
+    tracked_since_check: object = None  # stores: pages the tracker marked since then (sorted uint32)
+    missed_pages: int = 0               # stores: pages the cross-checks found that the tracker did not
+    logical: str = ""                   # logical dtype name where the layout's does not say it ("bfloat16")
+    framework: str = "array"            # "array" (numpy, CuPy) or "torch": what the caller registered
+    stream: object = None               # the producer stream given at register (None: the framework's current)
+    _flat: object = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The dtype of the byte layout (uint16 for bfloat16)."""
+        return np.dtype(self.array.dtype)
+
+    @property
+    def logical_dtype(self) -> str:
+        """The name of the dtype the region holds ("bfloat16", "float32")."""
+        return self.logical or self.dtype.name
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(int(n) for n in self.array.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.array.nbytes)
+
+    @property
+    def pages(self) -> int:
+        return -(-self.nbytes // self.page_bytes)
+
+    @property
+    def flat(self):
+        """The array as flat bytes (made once: the array never changes storage,
+        `check_unchanged` sees to that, and a CuPy view costs microseconds)."""
+        f = self._flat
+        if f is None:
+            f = self._flat = self.array.reshape(-1).view("u1")
+        return f
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.xp is not np
+
+    @property
+    def device_aligned(self) -> bool:
+        """The page kernels read regions with 16-byte loads."""
+        return not self.on_gpu or self.flat.data.ptr % 16 == 0
+
+    def check_unchanged(self) -> None:
+        """Refuse (one line naming the region) an array or tensor freed,
+        resized, reallocated or moved to another device since `register`."""
+        why = storage_change(self.storage, storage_of(self.owner))
+        if why is not None:
+            raise ShapeChangedError(f"the registered array cannot be read: {why}",
+                                    where=f"region {self.name!r}", hint="register a new region for the new array")
+
+    @property
+    def flags_detector(self) -> bool:
+        """Whether the detector runs as a device kernel over the region (shadow
+        diff, fingerprints) once a base exists (`checkpoint.detect.launch`)."""
+        return self.detect in FLAG_DETECTORS
+
+
+def resolve_detector(kind: str, detect: str, where: str, arr, xp, *, block_tables, seq_lens, block_stamp,
+                     seq_ids, slot_versions, pages_per_slot, check_every) -> tuple[str, dict]:
+    """(detector, hints) of a region being registered: "auto" resolved (block
+    tables for a kv region that gives them, slot versions for an adapter that
+    gives them, else the shadow diff), and what the detector reads checked."""
+    hints: dict = {}
+    if detect == "auto":
+        if kind == "kv" and block_tables is not None and seq_lens is not None:
+            detect = "blocks"
+        elif kind == "adapter" and slot_versions is not None:
+            detect = "versions"
+        else:
+            detect = "shadow"
+    if detect == "blocks":
+        if block_tables is None or seq_lens is None:
+            raise SessionError("the block-table scanner needs block_tables and seq_lens", where=where)
+        hints.update(block_tables=block_tables, seq_lens=seq_lens, block_stamp=block_stamp,
+                     seq_ids=seq_ids, geometry=KvGeometry.of(arr.shape, arr.dtype.itemsize, where))
+    if detect == "versions":
+        if slot_versions is None or not pages_per_slot:
+            raise SessionError("the version scanner needs slot_versions and pages_per_slot", where=where)
+        hints.update(slot_versions=slot_versions, pages_per_slot=int(pages_per_slot))
+    if detect == "stores":
+        if xp is np:
+            raise SessionError("the store tracker sees writes by GPU kernels: detect='stores' needs a device array",
+                               where=where, hint="use detect='shadow' or 'fingerprint' for a host array")
+        if isinstance(check_every, bool) or not isinstance(check_every, (int, np.integer)) or check_every < 0:
+            raise SessionError(f"check_every must be a whole number >= 0, not {check_every!r}", where=where)
+    return detect, hints
+
+
+def check_same(info, r: Region) -> None:
+    """A region already in the log must be the same region."""
+    diffs = []
+    if info.logical_dtype != r.logical_dtype or np.dtype(info.dtype) != r.dtype:
+        diffs.append(f"dtype {info.logical_dtype} vs {r.logical_dtype}")
+    if tuple(info.shape) != r.shape:
+        diffs.append(f"shape {list(info.shape)} vs {list(r.shape)}")
+    if int(info.page_bytes) != r.page_bytes:
+        diffs.append(f"page_bytes {info.page_bytes} vs {r.page_bytes}")
+    if info.kind != r.kind:
+        diffs.append(f"kind {info.kind} vs {r.kind}")
+    if diffs:
+        raise RegionMismatchError("the log already holds this region with other attributes (log vs array: "
+                                  + "; ".join(diffs) + ")", where=f"region {r.name!r}",
+                                  hint="use another log or another region name")

@@ -1,0 +1,216 @@
+"""The one recover entry: target checks, the plan, and the host or device applier.
+
+    restore   plan `log` and apply the plan: new arrays of each region's layout,
+              on the host (`wal.apply.apply_plan_numpy`) or the device pipeline
+              (`restore.device.apply_plan_cupy`), or into checked targets.
+              `recover` below, the standby and `concordia-wal bench recover`
+              call it.
+    recover   what `Session.recover` promises: every target checked before
+              anything is written, each region handed back as what it was
+              registered as (`regions.arrays.present`), and what it did
+              (`RecoveryStats`).
+
+Host targets are restored aside and copied in only once every page and digest
+checked out, so damage leaves them as they were; device targets are written by
+the device pipeline in place, ordered against each target's current stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from concordia.regions.arrays import adapt, dtype_name, numpy_dtype, present, torch_dtype, torch_module
+from concordia.regions.errors import (NothingToRecoverError, RecoverMismatchError, SessionError, UnknownRegionError,
+                                      UnsupportedArrayError)
+from concordia.regions.streams import StreamOrder
+
+DEVICES = (None, "numpy", "cpu", "cupy", "cuda")
+
+
+@dataclasses.dataclass
+class RecoveryStats:
+    epoch: int
+    plan_ms: float
+    restore_ms: float
+    bytes: int             # payload bytes read from the log
+    pages: int
+    regions: dict          # name -> bytes of the region
+    dropped: list
+    via: dict = dataclasses.field(default_factory=dict)  # name -> "device pipeline" | "host"
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class Restored:
+    """What `restore` did: the restored arrays (layout dtype and shape, or the
+    targets given), the plan and the seconds planning and applying it took,
+    the path each region took, and the device pipeline's stage figures."""
+
+    arrays: dict
+    plan: object
+    plan_s: float
+    apply_s: float
+    via: dict
+    stats: dict
+
+
+def on_device(device) -> bool:
+    if device not in DEVICES:
+        raise SessionError(f"unknown device {device!r} (use numpy or cupy)")
+    return device in ("cupy", "cuda")
+
+
+def restore(log, target="latest", *, mode=None, regions=None, device: bool = False, into: dict | None = None,
+            registration=None, read: str = "auto", stats: dict | None = None, plan=None) -> Restored:
+    """Plan `log` at `target` in `mode` (or take `plan`) and apply it to
+    `regions` (None: every region of the plan).
+
+    into: {name: (layout view, array module)} of checked targets (`check_target`):
+    device views are restored in place by the device pipeline, ordered after
+    the work queued on each one's current stream and before later work; host
+    views get the bytes once the whole region checked out.  Regions asked for
+    beyond `into` come back as new arrays, on the device when `device`.
+    registration: the log mapping's live CUDA registration (a session's), read
+    by the copy engine directly.  read and stats: as `apply_plan_cupy` takes them."""
+    from concordia.wal.apply import apply_plan_numpy
+
+    st = {} if stats is None else stats
+    t0 = time.perf_counter()
+    if plan is None:
+        from concordia.wal.planner import plan as make_plan
+
+        plan = make_plan(log, target=target, **({} if mode is None else {"mode": mode}))
+    plan_s = time.perf_counter() - t0
+    into = into or {}
+    want = list(plan.regions) if regions is None else list(regions)
+    dev = {n: v for n, (v, xp) in into.items() if xp is not np and n in want}
+    host = {n: v for n, (v, xp) in into.items() if xp is np and n in want}
+    rest = [n for n in want if n not in dev and n not in host]
+    arrays, via = {}, {}
+    t1 = time.perf_counter()
+
+    def on_gpu(names, targets=None):
+        from concordia.restore.device import apply_plan_cupy
+
+        got = apply_plan_cupy(log, plan, regions=names, stats=st, registration=registration, read=read,
+                              into=targets)
+        via.update(dict.fromkeys(got, "device pipeline"))
+        return got
+
+    if dev:
+        order = StreamOrder.of([(v, None) for v in dev.values()])
+        order.after_producers()
+        arrays.update(on_gpu(list(dev), dev))
+        order.before_later_work()
+    if host:
+        for name, a in apply_plan_numpy(log, plan, regions=list(host)).items():
+            host[name][...] = a
+            arrays[name] = host[name]
+            via[name] = "host"
+    if rest:
+        if device:
+            arrays.update(on_gpu(rest))
+        else:
+            got = apply_plan_numpy(log, plan, regions=rest)
+            st.setdefault("via", "numpy applier")
+            arrays.update(got)
+            via.update(dict.fromkeys(got, "host"))
+    return Restored(arrays, plan, plan_s, time.perf_counter() - t1, via, st)
+
+
+def recover(log, target="latest", *, targets: dict | None = None, device=None, mode=None, regions=None,
+            registration=None) -> tuple[dict, RecoveryStats]:
+    """({name: restored}, RecoveryStats): `Session.recover` on an open log.
+
+    targets: {name: array or tensor} restored in place (each checked first:
+    `check_target`); regions: the names to restore (None: the targets', or
+    every region of the log).  New arrays come back as the regions were
+    registered (`present`): tensors for tensors, else numpy arrays (ml_dtypes
+    for bfloat16 and float8), on the GPU with device="cupy"."""
+    gpu = on_device(device)
+    where = str(log.backend.where)
+    want = regions if regions is not None else (list(targets) if targets is not None else None)
+    if want is not None:
+        missing = [n for n in want if n not in log.regions]
+        if missing:
+            raise UnknownRegionError(f"the log holds no region {missing[0]!r} (it holds {sorted(log.regions)})",
+                                     where=where)
+    views = {}
+    if targets is not None:  # check every target before restoring anything
+        targets = {n: a for n, a in targets.items() if want is None or n in want}
+        for name, arr in targets.items():
+            views[name] = check_target(log.regions[name], name, arr, device)
+    for name in (want if want is not None else log.regions):
+        if name not in views:
+            check_presentable(log.regions[name], name, gpu)
+    if not log.last_committed_epoch:
+        raise NothingToRecoverError("the log holds no committed epoch", where=where)
+    t0 = time.perf_counter()
+    got = restore(log, target, mode=mode, regions=want, device=gpu, into=views, registration=registration)
+    out = {n: targets[n] for n in views}
+    for name, a in got.arrays.items():
+        if name not in views:
+            out[name] = present(a, log.regions[name], device=gpu, where=f"region {name!r}")
+    p = got.plan
+    stats = RecoveryStats(epoch=int(p.epoch), plan_ms=got.plan_s * 1e3,
+                          restore_ms=(time.perf_counter() - t0 - got.plan_s) * 1e3,
+                          bytes=int(p.bytes_to_read), pages=int(sum(rp.pages_read for rp in p.regions.values())),
+                          regions={n: int(a.nbytes) for n, a in got.arrays.items()},
+                          dropped=[d.to_json() for d in p.dropped], via=got.via)
+    return out, stats
+
+
+def check_target(info, name, arr, device=None):
+    """(layout view, xp) of a recover target, or a one-line RecoverMismatchError
+    naming the region: another logical dtype, shape or device, or a view that
+    is not C-contiguous.  Nothing is written here."""
+    where = f"region {name!r}"
+    kind = "tensor" if type(arr).__module__.split(".")[0] == "torch" else "array"
+    got = dtype_name(arr) if hasattr(arr, "dtype") else None
+    if got is not None and got != info.logical_dtype:
+        raise RecoverMismatchError(f"cannot recover {info.logical_dtype} data into a {got} {kind}", where=where)
+    shape = tuple(int(n) for n in arr.shape) if hasattr(arr, "shape") else None
+    if shape is not None and shape != tuple(info.shape):
+        raise RecoverMismatchError(f"cannot recover shape {list(info.shape)} into shape {list(shape)}", where=where)
+    contiguous = (arr.is_contiguous() if kind == "tensor" else
+                  getattr(getattr(arr, "flags", None), "c_contiguous", True))
+    if not contiguous:
+        raise RecoverMismatchError(f"the target {kind} is not C-contiguous (a view?)", where=where,
+                                   hint="recover into the contiguous base, or into a new array and copy")
+    a, xp, _ = adapt(arr, where)
+    if np.dtype(a.dtype) != np.dtype(info.dtype) or tuple(a.shape) != tuple(info.shape):
+        raise RecoverMismatchError(f"cannot recover {info.dtype}{list(info.shape)} bytes into "
+                                   f"{a.dtype}{list(a.shape)}", where=where)
+    if not a.flags.c_contiguous:
+        raise RecoverMismatchError(f"the target {kind} is not C-contiguous", where=where)
+    on_gpu = xp is not np
+    if device is not None and on_gpu != (device in ("cupy", "cuda")):
+        raise RecoverMismatchError(f"the target {kind} is on {'a GPU' if on_gpu else 'the host'}, device={device!r} "
+                                   f"was asked for", where=where)
+    if on_gpu:
+        here = xp.cuda.Device().id
+        if a.device.id != here:
+            raise RecoverMismatchError(f"the target {kind} is on cuda:{a.device.id}, the restore runs on cuda:{here}",
+                                       where=where, hint="call recover inside cupy.cuda.Device(n) of the targets")
+    return a, xp
+
+
+def check_presentable(info, name, gpu: bool) -> None:
+    """Refuse, before anything is restored, a region whose logical dtype this
+    build cannot hand back (one line naming the region)."""
+    where = f"region {name!r}"
+    size = np.dtype(info.dtype).itemsize
+    if info.framework == "torch" and torch_module() is not None:
+        torch_dtype(info.logical_dtype, where, size)
+        return
+    if not info.logical:  # the layout is the logical dtype
+        return
+    numpy_dtype(info.logical_dtype, where, size)
+    if gpu:
+        raise UnsupportedArrayError(f"CuPy has no {info.logical_dtype} arrays: restore it as a PyTorch tensor or "
+                                    "on the host", where=where)
