@@ -88,7 +88,7 @@ def _model_demo(log, steps, kill_at, every, seed, device, force, as_json):
     from concordia.wal.volume import check_format_target
 
     from concordia.demo.model import format_report, pick_kill_at, run_demo
-    from concordia.errors import DemoError
+    from concordia.regions.errors import DemoError
 
     try:
         import torch  # noqa: F401

@@ -14,14 +14,9 @@ import sys
 
 import click
 
-from concordia.errors import (
-    ConcordiaError,
-    CorruptionError,
-    NotALogError,
-    NothingToRecoverError,
-    RecoveryDigestError,
-    RegionMismatchError,
-)
+from concordia.regions.errors import NothingToRecoverError, RecoveryDigestError, RegionMismatchError
+from concordia.root_error import ConcordiaError
+from concordia.wal.errors import CorruptionError, NotALogError
 from concordia.sizes import parse_size
 from concordia.wal.modes import CLI_MODES, RecoveryMode
 

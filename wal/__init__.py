@@ -7,18 +7,27 @@ What a user of the log needs is exported here: opening and verifying a log
 snapshots (`create_base_snapshot`, `list_snapshots`, `SnapshotInfo`), with the
 records they hand back and every error class.  The plumbing under them
 (`Volume`, `Appender`, `format`) stays importable but is not in `__all__`.
+
+The names load on first use (`concordia.lazy`): importing one submodule
+(`concordia.wal.errors`, say) does not load the rest.
 """
+
+from concordia.lazy import exports, homes_of
 
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _errors
-from .format import PageBatch, RegionInfo, region_digest
-from .reader import Dropped, Record, RecoveryMode, verify
-from .log import Log
-from .planner import History, Plan, RegionPlan, plan, scan
-from .compaction import CompactReport, compact
-from .snapshot import SnapshotInfo, create_base_snapshot, list_snapshots
-from .volume import SegmentInfo, Volume  # noqa: F401  plumbing: importable, not in __all__
-from .appender import Appender, Extent, Reservation  # noqa: F401
+
+__getattr__, __dir__ = exports(__name__, homes_of({
+    "format": ("PageBatch", "RegionInfo", "region_digest"),
+    "reader": ("Dropped", "Record", "RecoveryMode", "verify"),
+    "log": ("Log",),
+    "planner": ("History", "Plan", "RegionPlan", "plan", "scan"),
+    "compaction": ("CompactReport", "compact"),
+    "snapshot": ("SnapshotInfo", "create_base_snapshot", "list_snapshots"),
+    # plumbing: importable, not in __all__
+    "volume": ("SegmentInfo", "Volume"),
+    "appender": ("Appender", "Extent", "Reservation"),
+}))
 
 __all__ = [
     "Log", "RecoveryMode", "Dropped", "Record", "verify",

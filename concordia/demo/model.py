@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 
-from concordia.errors import DemoError
+from concordia.regions.errors import DemoError
 
 SHAPES = {
     # the Qwen3-0.6B shape (28 layers, 8 KV heads of 128, 151,936-token vocabulary)
@@ -137,10 +137,10 @@ def _setup(args, session):
 def run_reference(args) -> dict:
     """An uninterrupted run of `steps` tokens (its checkpoints go to a log too,
     so both runs do the same work)."""
-    import concordia
     from concordia.integrations.transformers import CheckpointEvery
+    from concordia.session import Session
 
-    with concordia.Session(args.log, size=args.size, segment_size=args.segment, overwrite=True) as s:
+    with Session(args.log, size=args.size, segment_size=args.segment, overwrite=True) as s:
         cfg, model, cache, guard = _setup(args, s)
         ids = prompt(args.batch, args.prompt, cfg.vocab_size, args.device, args.seed)
         marks = {}
@@ -154,10 +154,10 @@ def run_reference(args) -> dict:
 def run_worker(args) -> dict:
     """The protected run, SIGKILLed by itself at step `kill_at` (before that
     step's checkpoint, so the work since the last one is lost)."""
-    import concordia
     from concordia.integrations.transformers import CheckpointEvery
+    from concordia.session import Session
 
-    s = concordia.Session(args.log, size=args.size, segment_size=args.segment, overwrite=True)
+    s = Session(args.log, size=args.size, segment_size=args.segment, overwrite=True)
     cfg, model, cache, guard = _setup(args, s)
     ids = prompt(args.batch, args.prompt, cfg.vocab_size, args.device, args.seed)
     update = lora_update(model)
@@ -188,11 +188,11 @@ def run_resume(args) -> dict:
     log holds, and generate the rest of the tokens."""
     import torch
 
-    import concordia
     from concordia.integrations.transformers import CheckpointEvery, restore
+    from concordia.session import Session
 
     t0 = time.perf_counter()
-    s = concordia.Session(args.log, create=False)
+    s = Session(args.log, create=False)
     cfg, model, cache, guard = _setup(args, s)
     t1 = time.perf_counter()
     state = restore(s, guard)

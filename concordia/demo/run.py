@@ -33,7 +33,7 @@ import time
 
 import numpy as np
 
-from concordia.errors import DemoError
+from concordia.regions.errors import DemoError
 from concordia.demo.workload import Workload, WorkloadConfig
 
 DEFAULT_LOG = "file:./concordia-data/demo.log"
@@ -459,7 +459,7 @@ def main(argv=None) -> int:
     p.add_argument("--lost-until", type=int, default=0)
     p.add_argument("--state-out")
     args = p.parse_args(argv)
-    from concordia.errors import ConcordiaError
+    from concordia.root_error import ConcordiaError
 
     try:
         return {"reference": reference_main, "worker": worker_main, "resume": resume_main}[args.mode](args)

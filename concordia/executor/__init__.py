@@ -14,11 +14,17 @@ Example::
     sub.stop()
 """
 
-from .cpu import CpuExecutor, OperatorTable, numpy_operators
+from concordia.lazy import exports, homes_of
+
 from .errors import (ExecutorError, ExecutorStalledError, ExecutorStoppedError, ProtocolError, RingFullError,
                      RingLayoutError)
-from .host import Submitter, SwapReport, Watchdog
-from .ring import Completion, ConsumerState, Op, Result, Ring, Status, TaskView
+
+# the rest loads on first use (`concordia.lazy`): importing the errors loads no executor
+__getattr__, __dir__ = exports(__name__, homes_of({
+    "cpu": ("CpuExecutor", "OperatorTable", "numpy_operators"),
+    "host": ("Submitter", "SwapReport", "Watchdog"),
+    "ring": ("Completion", "ConsumerState", "Op", "Result", "Ring", "Status", "TaskView"),
+}))
 
 __all__ = ["CpuExecutor", "OperatorTable", "numpy_operators", "ExecutorError", "ExecutorStalledError",
            "ExecutorStoppedError", "ProtocolError", "RingFullError", "RingLayoutError", "Submitter", "SwapReport",

@@ -14,10 +14,14 @@ the same for modules loaded through the CUDA driver by any framework.
 from __future__ import annotations
 
 from concordia.instrument.errors import InstrumentError
-from concordia.instrument.report import ModuleRecord, Report, Skipped
-from concordia.instrument.rewrite import KernelInfo, Options, RewriteResult, rewrite
-from concordia.instrument import runtime
-from concordia.instrument.runtime import Gate, TrackedRegion, epochs, track_array
+from concordia.lazy import exports, homes_of
+
+# the classes load on first use (`concordia.lazy`): importing the errors loads no rewriter
+__getattr__, __dir__ = exports(__name__, homes_of({
+    "report": ("ModuleRecord", "Report", "Skipped"),
+    "rewriter": ("KernelInfo", "Options", "RewriteResult", "rewrite"),
+    "runtime": ("Gate", "TrackedRegion", "epochs", "track_array"),
+}))
 
 _hook = None
 
@@ -28,7 +32,10 @@ def enable(*, exit_hooks: bool = True, pause_gate: bool = True, track_stores: bo
     """Rewrite every CuPy kernel compiled from now on; return the live report.
     `compiler` defaults to `cupy.cuda.compiler`."""
     global _hook
+    from concordia.instrument import runtime
     from concordia.instrument.cupy_hook import CupyHook, clear_cupy_memos
+    from concordia.instrument.report import Report
+    from concordia.instrument.rewriter import Options
 
     if _hook is not None:
         raise InstrumentError("instrumentation is already enabled", hint="call disable() first")
@@ -80,6 +87,8 @@ def track(name: str, array, page_bytes: int) -> TrackedRegion:
     """Start tracking stores into the CuPy array `array` (pages of
     `page_bytes`), beside the regions tracked already; returns its region,
     whose bitmap the store tracker marks.  Needs enable(track_stores=True)."""
+    from concordia.instrument.runtime import track_array
+
     hook = _require()
     if not hook.options.track_stores:
         raise InstrumentError("store tracking is off", where=name,

@@ -30,7 +30,7 @@ from concordia.gpu_kernels.jit import OWN_KERNEL_OPTION
 from concordia.instrument import runtime
 from concordia.instrument.errors import InstrumentError
 from concordia.instrument.report import ModuleRecord, Report
-from concordia.instrument.rewrite import Options, rewrite
+from concordia.instrument.rewriter import Options, rewrite
 
 _generation = itertools.count(1)
 # The NVRTC entry point that `_compile_with_cache_cuda` calls: CuPy 14 calls

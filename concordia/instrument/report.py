@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from concordia.instrument.rewrite import RewriteResult
+from concordia.instrument.rewriter import RewriteResult
 
 
 @dataclass

@@ -2,7 +2,7 @@
 counters, and the store tracker's region table and dirty-page bitmaps.
 
 Everything here talks to a loaded module through its `.visible .global`
-variables (names and layouts in `concordia.instrument.rewrite`), so kernel
+variables (names and layouts in `concordia.instrument.rewriter`), so kernel
 signatures never change.  CuPy is imported lazily.
 """
 
@@ -13,9 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# Not `from concordia.instrument import rewrite`: the package re-exports the
-# function `rewrite` under that name, which hides the module.
-from concordia.instrument.rewrite import (EPOCHS, GATE, GATE_STAMP_OFFSET, HOLD, HOLD_SLOTS, MARK,
+from concordia.instrument.rewriter import (EPOCHS, GATE, GATE_STAMP_OFFSET, HOLD, HOLD_SLOTS, MARK,
                                           MIRROR_CLOSED, MIRROR_DETACHED, MIRROR_OPEN, NREGIONS,
                                           REGION_WORDS, REGIONS, SLOTS, RewriteResult)
 from concordia.instrument.errors import InstrumentError

@@ -43,11 +43,13 @@ def test_every_error_class_is_exported_from_concordia_and_concordia_errors():
     from concordia.executor import errors as executor_errors
     from concordia.gpu_kernels import errors as kernel_errors
     from concordia.instrument import errors as instrument_errors
+    from concordia.regions import errors as runtime_errors
     from concordia.wal import errors as wal_errors
     import concordia.root_error as root
 
     defined = set()
-    for module in (root, devmem_errors, wal_errors, kernel_errors, executor_errors, instrument_errors, errors):
+    for module in (root, devmem_errors, wal_errors, kernel_errors, executor_errors, instrument_errors, runtime_errors,
+                   errors):
         defined |= _error_classes_of(module)
     assert set(errors.__all__) == defined
     assert set(concordia._ERRORS) == defined
@@ -70,6 +72,32 @@ def test_no_error_class_lives_outside_the_error_modules():
                         isinstance(b, ast.Name) and b.id.endswith("Error") for b in node.bases):
                     stray.append(f"{path.relative_to(repo)}: {node.name}")
     assert not stray, stray
+
+
+def test_importing_the_errors_loads_no_runtime_code():
+    """`concordia.errors` is the public face: importing it loads the error
+    modules of each layer (and their packages' `__init__`, which import
+    nothing) and no other module of the package, nor numpy."""
+    code = ("import sys, json\n"
+            "import concordia.errors\n"
+            "print(json.dumps(sorted(m for m in sys.modules if m == 'numpy' or m.startswith('concordia'))))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    import json
+
+    loaded = set(json.loads(r.stdout))
+    packages = {"concordia", "concordia.devmem", "concordia.wal", "concordia.gpu_kernels", "concordia.executor",
+                "concordia.instrument", "concordia.regions"}
+    allowed = packages | {"concordia.errors", "concordia.root_error", "concordia.lazy"} | {f"{p}.errors" for p in packages}
+    assert loaded <= allowed, f"importing concordia.errors loads {sorted(loaded - allowed)}"
+
+
+def test_no_module_of_the_package_imports_the_public_face():
+    """The public face is for users: every module inside the package imports
+    an error from the module that defines it."""
+    from tests.house.test_imports import imports
+
+    assert not [i for i in imports() if i.target == "concordia.errors"]
 
 
 def test_the_error_module_imports_each_class_by_name():
@@ -102,11 +130,11 @@ def test_a_missing_crc32c_found_by_a_meta_path_finder_is_named_too():
             "            raise ModuleNotFoundError(\"No module named 'crc32c'\", name='crc32c')\n"
             "sys.meta_path.insert(0, NoCrc())\n"
             "import concordia\n"
-            "concordia.SessionError\n")
+            "concordia.Session\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1
     last = r.stderr.strip().splitlines()[-1]
-    assert "MissingDependencyError: concordia.SessionError: needs the 'crc32c' package" in last
+    assert "MissingDependencyError: concordia.Session: needs the 'crc32c' package" in last
 
 
 def test_library_errors_carry_no_exit_codes():

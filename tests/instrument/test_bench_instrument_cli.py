@@ -44,7 +44,7 @@ def test_every_variant_rewrites_and_edits_the_bench_kernels(tmp_path):
     # what `bench instrument` does on the GPU before it times anything: each
     # variant's options give the counting it names, the edited variants find
     # their text in both kernels, and the result assembles
-    from concordia.instrument.rewrite import Options, rewrite
+    from concordia.instrument.rewriter import Options, rewrite
     from concordia.tools.bench.instrument import EDITS, SETTINGS, SRC
     from tests.instrument.conftest import nvcc_ptx, ptxas
 

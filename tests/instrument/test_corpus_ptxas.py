@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from concordia.instrument.rewrite import Options, rewrite
+from concordia.instrument.rewriter import Options, rewrite
 from tests.instrument.conftest import CORPUS, REPO, nvcc_ptx, ptxas, tool
 
 CU = sorted(CORPUS.glob("*.cu"))

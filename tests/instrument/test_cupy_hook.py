@@ -8,7 +8,7 @@ import types
 import pytest
 
 from concordia import instrument
-from concordia.instrument.rewrite import EPOCHS
+from concordia.instrument.rewriter import EPOCHS
 
 PTX = (".version 8.0\n.target sm_90\n.address_size 64\n"
        ".visible .entry k(.param .u64 p)\n{\n\t.reg .b64 %rd<2>;\n"
@@ -185,7 +185,7 @@ def test_cupy14_inner_nvrtc_entry_is_hooked_once_with_its_own_cache_key(monkeypa
         # a direct call of the public wrapper is rewritten exactly once
         out, _ = c.compile_using_nvrtc(PTX)
         assert rep.modules[-1].handle is None and len(rep.modules) == 2
-        from concordia.instrument.rewrite import rewrite
+        from concordia.instrument.rewriter import rewrite
         with pytest.raises(instrument.InstrumentError):
             rewrite(out, rep.modules[-1].result.options)   # already instrumented: refused
         assert c._compile_with_cache_cuda(PTX, (), None, to_ltoir=True) == b"LTOIR"
@@ -202,13 +202,13 @@ def test_cupy14_inner_nvrtc_entry_is_hooked_once_with_its_own_cache_key(monkeypa
         instrument.disable()
 
 
-def test_runtime_sees_the_rewriter_module_not_the_function_of_the_same_name():
+def test_the_package_exports_the_rewrite_function_beside_the_rewriter_module():
     from concordia.instrument import rewrite as R
     from concordia.instrument import runtime
 
     assert callable(R)                            # the package's re-exported function
     table = runtime.region_table([], 4)           # reads the layout constants
-    from concordia.instrument.rewrite import REGION_WORDS
+    from concordia.instrument.rewriter import REGION_WORDS
     assert table.size == 4 * REGION_WORDS and not table.any()
 
 

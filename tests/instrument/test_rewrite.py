@@ -11,7 +11,7 @@ import pytest
 
 from concordia.instrument import ptx as P
 from concordia.instrument.errors import InstrumentError
-from concordia.instrument.rewrite import (EPOCHS, REWRITER_VERSION, TRACK, Options, _split_address, _store_bytes,
+from concordia.instrument.rewriter import (EPOCHS, REWRITER_VERSION, TRACK, Options, _split_address, _store_bytes,
                                           rewrite)
 from tests.instrument.conftest import CORPUS
 

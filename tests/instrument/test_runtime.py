@@ -27,7 +27,7 @@ def test_attaching_a_module_to_its_own_gate_again_leaves_the_gate_alone(monkeypa
     import types
 
     from concordia.instrument import runtime
-    from concordia.instrument.rewrite import Options
+    from concordia.instrument.rewriter import Options
 
     class Global:
         def __init__(self, ptr):

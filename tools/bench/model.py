@@ -288,7 +288,7 @@ def command(contexts, batch, decode_steps, decode_prompt, chunk, tier, workdir, 
         import torch
         import transformers  # noqa: F401
     except ImportError as exc:
-        from concordia.errors import MissingDependencyError
+        from concordia.root_error import MissingDependencyError
 
         raise MissingDependencyError(exc.name or "transformers", needed_by="concordia-wal bench model") from None
     try:
