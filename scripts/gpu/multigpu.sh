@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Tensor-parallel recovery on 2 GPUs (needs the two-GPU machine): the decode of
-# concordia.tp over NCCL, one rank SIGKILLed mid-step and replaced from its
+# concordia.demo.tp over NCCL, one rank SIGKILLed mid-step and replaced from its
 # rank's log while the other keeps its state, against an uninterrupted run
 # (identical) and a restart (new processes, NCCL init, weights rebuilt, steps
 # re-decoded) measured in the same run.  Writes $OUT/multigpu.json with
@@ -18,6 +18,6 @@ if [ "$gpus" -lt 2 ]; then
   echo "multigpu: skipped, $gpus GPU(s) here and the run needs 2 (the nvidia-h200-x2 machine)"
   exit 0
 fi
-timeout 220 python3 -m concordia.tp --world 2 --backend nccl --device cuda \
+timeout 220 python3 -m concordia.demo.tp --world 2 --backend nccl --device cuda \
   --hidden 4096 --ffn 12288 --layers "${MULTIGPU_LAYERS:-8}" --steps "${MULTIGPU_STEPS:-32}" --kill-step 16 --timeout-s "${MULTIGPU_TIMEOUT_S:-5}" \
   --log-bytes $((4 << 30)) --workdir "${MULTIGPU_WORKDIR:-/dev/shm}" --json "$OUT/multigpu.json"

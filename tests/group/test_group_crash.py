@@ -11,7 +11,8 @@ import pytest
 
 pytest.importorskip("torch.distributed")
 
-from concordia import Session, tp
+from concordia import Session
+from concordia.demo import tp
 from concordia.group import committed_epochs, group_epoch
 
 

@@ -5,7 +5,7 @@ import pytest
 
 pytest.importorskip("torch.distributed")
 
-from concordia import tp
+from concordia.demo import tp
 from concordia.group import committed_epochs, group_epoch
 
 

@@ -1,6 +1,6 @@
 """A tensor-parallel toy decode protected per rank, and one rank replaced mid-run.
 
-    from concordia import tp
+    from concordia.demo import tp
     res = tp.run(world=2, steps=12, kill=(1, 5, "after_reduce"), workdir=d)
     res["identical"], res["timeline"]
 
@@ -152,8 +152,7 @@ def _rank_main(cfg, rank, gen, replacement, q):
             if killed_here and t == kill[1] and kill[2] == "after_reduce":
                 _die(cfg)
             if killed_here and t == kill[1] and kill[2] == "after_commit":
-                g.session._next_epoch = g._next
-                g.session.checkpoint()
+                g.commit_alone()
                 _die(cfg)
             g.checkpoint()
             changed = False
@@ -352,13 +351,13 @@ def _restart_main(cfg, rank, q):
 
 
 def main(argv=None) -> int:
-    """python -m concordia.tp --json OUT [--device cuda --backend nccl] ...: one
+    """python -m concordia.demo.tp --json OUT [--device cuda --backend nccl] ...: one
     rank killed and replaced, and a restart, in the same run."""
     import argparse
     import json
     import tempfile
 
-    ap = argparse.ArgumentParser(prog="python -m concordia.tp")
+    ap = argparse.ArgumentParser(prog="python -m concordia.demo.tp")
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--kill-step", type=int, default=6)
