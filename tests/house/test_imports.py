@@ -1,13 +1,17 @@
 """The house rules on imports (docs/ARCHITECTURE.md), held by reading every
 module of the package with `ast`, imports inside functions included:
 
-    tools -> concordia (the runtime) -> gpu_kernels -> wal -> devmem -> root_error
+    tools -> concordia (the public face) -> demo -> integrations -> group, standby
+      -> session, policy -> checkpoint -> restore, retention -> executor -> regions
+      -> instrument -> gpu_kernels -> wal -> devmem -> root (root_error, lazy, sizes)
 
 A module may import its own layer or any layer to its right, never one to its
-left; `wal` never imports CuPy; `devmem` imports nothing of the project but the
-root error class (`concordia.root_error`, which imports nothing); only the
-command line imports click; and no two modules import each other, however
-indirectly (a circle hidden by an import inside a function is still a circle).
+left; no module imports `concordia.errors` (the public face of the errors:
+each imports an error from the module that defines it); `wal` never imports
+CuPy; `devmem` imports nothing of the project but the root layer; the root
+layer imports nothing of the project; only the command line imports click; and
+no two modules import each other, however indirectly (a circle hidden by an
+import inside a function is still a circle).
 """
 
 from __future__ import annotations
@@ -24,18 +28,26 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 # folder -> import name (pyproject.toml's package-dir)
 FOLDERS = {"concordia": "concordia", "wal": "concordia.wal", "devmem": "concordia.devmem",
            "gpu_kernels": "concordia.gpu_kernels", "tools": "concordia.tools"}
-LAYERS = ("root", "devmem", "wal", "gpu_kernels", "runtime", "tools")   # each may import those before it
+# each may import those before it; the runtime (the concordia/ folder) in rooms
+LAYERS = ("root", "devmem", "wal", "gpu_kernels", "instrument", "regions", "executor", "restore", "checkpoint",
+          "session", "group", "integrations", "demo", "face", "tools")
+RUNTIME = LAYERS[LAYERS.index("instrument"):LAYERS.index("face") + 1]
+#: modules of the runtime folder that are not a package of their own, by layer
+ROOMS = {"concordia.root_error": "root", "concordia.lazy": "root", "concordia.sizes": "root",
+         "concordia.retention": "restore", "concordia.session": "session", "concordia.policy": "session",
+         "concordia.group": "group", "concordia.standby": "group", "concordia": "face", "concordia.errors": "face"}
 GPU = ("cupy", "cupyx", "cuda")                                   # wal never imports these
 CLI = ("click",)                                                  # only tools imports these
 
 
 def layer_of(module: str) -> str:
-    if module == "concordia.root_error":
-        return "root"
-    for name in ("tools", "devmem", "wal", "gpu_kernels"):
+    if module in ROOMS:
+        return ROOMS[module]
+    for name in ("tools", "devmem", "wal", "gpu_kernels", "instrument", "regions", "executor", "restore",
+                 "checkpoint", "integrations", "demo"):
         if module == f"concordia.{name}" or module.startswith(f"concordia.{name}."):
             return name
-    return "runtime"
+    raise AssertionError(f"{module}: no layer (add it to ROOMS or a package of its own)")
 
 
 def modules(repo: pathlib.Path = REPO) -> dict[str, tuple[pathlib.Path, bool]]:
@@ -103,10 +115,12 @@ def forbidden(mods=None) -> list[str]:
         src = layer_of(imp.source)
         if imp.target == "concordia" or imp.target.startswith("concordia."):
             dst = layer_of(imp.target)
-            if src == "devmem" and dst not in ("devmem", "root"):
+            if imp.target == "concordia.errors":
+                bad.append(_where(imp, mods) + " (the public face is for users: import the error from its module)")
+            elif src == "devmem" and dst not in ("devmem", "root"):
                 bad.append(_where(imp, mods) + " (devmem imports nothing of the project)")
             elif src == "root":
-                bad.append(_where(imp, mods) + " (the root error class imports nothing)")
+                bad.append(_where(imp, mods) + " (the root layer imports nothing of the project)")
             elif LAYERS.index(dst) > LAYERS.index(src):
                 bad.append(_where(imp, mods) + f" ({src} may not import {dst})")
         elif src == "wal" and _top(imp.target) in GPU:
@@ -164,7 +178,8 @@ def test_the_walk_sees_the_whole_package_and_imports_inside_functions():
     found = imports()
     # an import inside a function: gpu_kernels.jit imports CuPy only when asked
     assert any(i.source == "concordia.gpu_kernels.jit" and i.target == "cupy" for i in found)
-    assert layer_of("concordia.executor.persistent") == "runtime" and layer_of("concordia.tools.bench.recover") == "tools"
+    assert layer_of("concordia.executor.persistent") == "executor" and layer_of("concordia.tools.bench.recover") == "tools"
+    assert layer_of("concordia.checkpoint.epoch") == "checkpoint" and layer_of("concordia.regions.registry") == "regions"
 
 
 def test_imports_run_one_way():
@@ -196,15 +211,20 @@ def test_checker_finds_a_wrong_direction_hidden_in_a_function(tmp_path):
         "wal/log.py": "def f():\n    from concordia.session import Session\n    import cupy\n",
         "devmem/tier.py": "from concordia.wal import format\nfrom concordia.root_error import ConcordiaError\n",
         "concordia/policy.py": "def parse():\n    import click\n    from concordia.tools.common import x\n",
-        "concordia/session.py": "",
+        "concordia/session.py": "from concordia.errors import SessionError\n",
+        "concordia/regions/region.py": "def f():\n    from concordia.checkpoint.detect import reset\n",
+        "concordia/checkpoint/epoch.py": "from concordia.session import Session\n",
         "tools/common.py": "import click\n",
     })
     bad = "\n".join(forbidden(mods))
-    assert "wal/log.py:2: concordia.wal.log imports concordia.session (wal may not import runtime)" in bad
+    assert "wal/log.py:2: concordia.wal.log imports concordia.session (wal may not import session)" in bad
     assert "wal/log.py:3: concordia.wal.log imports cupy (wal never imports CuPy)" in bad
     assert "devmem/tier.py:1: concordia.devmem.tier imports concordia.wal (devmem imports nothing" in bad
     assert "concordia/policy.py:2: concordia.policy imports click (only the command line" in bad
-    assert "concordia.policy imports concordia.tools.common (runtime may not import tools)" in bad
+    assert "concordia.policy imports concordia.tools.common (session may not import tools)" in bad
+    assert "concordia.session imports concordia.errors (the public face is for users" in bad
+    assert "concordia.regions.region imports concordia.checkpoint.detect (regions may not import checkpoint)" in bad
+    assert "concordia.checkpoint.epoch imports concordia.session (checkpoint may not import session)" in bad
     assert "tools/common.py" not in bad and "root_error" not in bad
 
 
