@@ -58,7 +58,12 @@ def test_torch_cuda_tensor_through_dlpack(shm_log):
         t[7] = 0.5
         assert s.checkpoint().pages["t"] == 1
         got = s.recover()["t"]
-    assert got.tobytes() == t.cpu().numpy().tobytes()
+        on_gpu = s.recover(device="cupy")["t"]
+    # a region registered as a tensor comes back as a tensor of its dtype:
+    # on the host by default, on the GPU with device="cupy"
+    assert isinstance(got, torch.Tensor) and got.dtype == t.dtype and tuple(got.shape) == tuple(t.shape)
+    assert got.device.type == "cpu" and torch.equal(got, t.cpu())
+    assert isinstance(on_gpu, torch.Tensor) and on_gpu.is_cuda and torch.equal(on_gpu, t)
 
 
 def test_gpu_demo_is_bit_identical(tmp_path):

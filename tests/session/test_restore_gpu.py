@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from concordia.restore_device import apply_plan_cupy
+from concordia.restore.device import apply_plan_cupy
 from concordia.wal import Log
 from concordia.wal.apply import apply_plan_numpy
-from concordia.wal.errors import CorruptionError
+from concordia.wal.errors import CorruptionError, PlanError
 from concordia.wal.planner import plan
 
 from .test_restore_transfer import _history, flip_byte
@@ -46,7 +46,7 @@ def test_device_restore_equals_host_restore(persistent_log, chunk_bytes, read):
 
 
 def test_pieces_pinned_ahead_span_many_pieces(shm_log, monkeypatch):
-    import concordia.restore_device as rd
+    import concordia.restore.device as rd
 
     _history(shm_log)
     monkeypatch.setattr(rd, "REGISTER_PIECE", 64 << 10)  # every chunk reads several pieces
@@ -68,7 +68,7 @@ def test_pieces_pinned_ahead_span_many_pieces(shm_log, monkeypatch):
 
 
 def test_memory_copy_path(persistent_log, monkeypatch):
-    import concordia.restore_device as rd
+    import concordia.restore.device as rd
 
     _history(persistent_log)
     monkeypatch.setattr(rd, "_source_of", lambda log: (None, log.backend.array, False))
@@ -112,8 +112,20 @@ def test_damaged_page_is_named_and_nothing_is_returned(file_log):
     flip_byte(file_log, off + 100, 1)
     log = Log.open(file_log, writable=False, check_pages=False)
     try:
+        # planning checks every page it would restore (FORMAT.md R-D5): the only
+        # epoch is refused before anything is read
+        with pytest.raises(PlanError, match="no committed epoch"):
+            plan(log)
+        # a plan made without that check meets the damage where the page lands,
+        # on the device, and names it as the host applier does: the same words
+        # at the same offset (wal.apply.bad_page)
+        unchecked = plan(log, check_pages=False)
         with pytest.raises(CorruptionError) as e:
-            apply_plan_cupy(log, plan(log), chunk_bytes=64 << 10)
+            apply_plan_cupy(log, unchecked, chunk_bytes=64 << 10)
+        with pytest.raises(CorruptionError) as host:
+            apply_plan_numpy(log, unchecked)
     finally:
         log.close()
     assert f"page CRC mismatch for page {page} of region 'adapter'" in str(e.value)
+    assert str(e.value) == str(host.value)
+    assert str(e.value).split(": ", 1)[0].endswith(f"@ {off:#x}")
