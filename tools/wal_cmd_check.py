@@ -11,6 +11,8 @@ import time
 import click
 
 from . import render as R
+from concordia.wal.modes import RecoveryMode
+
 from .common import MODES, Bar, emit_json, guarded, mode_name, open_volume
 
 VERIFY_SCHEMA = "concordia-wal/verify/1"
@@ -203,16 +205,17 @@ def verify_cmd(log, mode, repair, backup, quiet, as_json):
 
 
 def _render_verify(rep: dict) -> list[str]:
-    lines = [f"verify {rep['log']} (mode {rep['mode']})"]
+    mode = RecoveryMode(rep["mode"]).cli  # the text speaks as --mode is typed; the JSON keeps the value
+    lines = [f"verify {rep['log']} (mode {mode})"]
     for p in rep["problems"]:
         lines.append(f"{'problem' if p['counts'] else 'note':<9}{_problem_line(p)}")
     lines.append(f"checked  {rep['records']} records, {rep['commits']} commits, "
                  f"{R.size(rep['bytes_checked'])} in {rep['seconds']:.3f} s ({rep['gb_per_s']:.2f} GB/s)")
     rc = rep["recovery"]
     if rc["error"]:
-        lines.append(f"recovery {rep['mode']} would refuse: {rc['error']}")
+        lines.append(f"recovery {mode} would refuse: {rc['error']}")
     else:
-        lines.append(f"recovery {rep['mode']} restores epoch {rc['epoch'] if rc['epoch'] else '- (nothing committed)'}")
+        lines.append(f"recovery {mode} restores epoch {rc['epoch'] if rc['epoch'] else '- (nothing committed)'}")
         for d in rc["dropped"]:
             lines.append(f"         gives up {d}")
     r = rep.get("repair")
@@ -283,7 +286,7 @@ def recover_cmd(log, show_plan, epoch, mode, sources, check_pages, as_json):
                            "error": out.error, "exit_code": out.exit_code,
                            "problems": [p.to_json() for p in out.problems]})
             else:
-                click.echo(f"error: recovery {m} refuses: {out.error}", err=True)
+                click.echo(f"error: recovery {mode} refuses: {out.error}", err=True)
             sys.exit(out.exit_code)
         d = dict({"schema": PLAN_SCHEMA, "log": vol.backend.where}, **out.plan.to_json(),
                  exit_code=out.exit_code, problems=[p.to_json() for p in out.problems])
@@ -297,7 +300,7 @@ def recover_cmd(log, show_plan, epoch, mode, sources, check_pages, as_json):
 
 
 def _render_plan(d: dict, sources: bool) -> list[str]:
-    lines = [f"plan     {d['log']}: epoch {d['epoch']} (target {d['target']}, mode {d['mode']})"]
+    lines = [f"plan     {d['log']}: epoch {d['epoch']} (target {d['target']}, mode {RecoveryMode(d['mode']).cli})"]
     rows = []
     for name, r in d["regions"].items():
         rows.append([name, r["epoch"], "-" if r["base_epoch"] is None else r["base_epoch"], r["pages"],
