@@ -54,7 +54,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from concordia.devmem import open_backend
+from concordia.devmem import Backend, open_backend, parse_spec
 from concordia.devmem.backend import lock_holder
 from concordia.devmem.errors import ConcordiaError, LockedError
 from concordia.regions.errors import StandbyError
@@ -344,6 +344,13 @@ class Standby:
             raise StandbyError(f"a lease must be positive, not {lease_s}")
         if gpu is not None and device == "cpu":
             raise StandbyError(f"GPU {gpu} was asked for with device 'cpu' (drop one of them)", where=str(spec))
+        # a volatile tier (memory:, pinned:) is refused by its name, before
+        # anything is opened: there is no file for a second process to map
+        kind = spec.kind if isinstance(spec, Backend) else parse_spec(spec).kind
+        if kind not in FILE_TIERS:
+            raise StandbyError("a volatile log lives in its writer's own memory: no other process "
+                               "can follow it", where=str(spec),
+                               hint="put the log on shm:, hugetlb:, file:, pmem: or dax:")
         self.spec = spec
         self.device = device
         self.gpu = gpu
@@ -371,11 +378,6 @@ class Standby:
         rep: dict = {}
         t0 = _now()
         self.backend, self._watch_log = open_for_watching(self.spec)
-        if self.backend.kind not in FILE_TIERS:
-            kind = self.backend.kind
-            self.backend.close()
-            raise StandbyError(f"a {kind} log lives in one process: nothing outlives its primary",
-                               where=str(self.spec), hint="put the log on shm:, hugetlb:, file:, pmem: or dax:")
         rep["open_s"] = _now() - t0
         rep["tier"] = self.backend.kind
         regions = self.regions = dict(self._watch_log.regions)

@@ -16,6 +16,8 @@ import os
 
 import numpy as np
 
+from concordia.root_error import Hint
+
 from .errors import (
     BackendClosedError,
     BadSpecError,
@@ -189,8 +191,7 @@ class Backend(abc.ABC):
             else:
                 who = "another process" + (f" (pid {pid})" if pid else "")
             raise LockedError(f"log is open for writing by {who}", where=self.where,
-                              hint="stop that writer first; info, dump and verify without "
-                                   "--repair only read and take no lock") from None
+                              hint=LOCKED_HINT) from None
         except OSError as exc:
             if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
                 return  # a file system without flock: writers are not kept apart there
@@ -308,11 +309,20 @@ def lock_holder(fd: int) -> int | None:
 
 # -- errno -> DevmemError -----------------------------------------------------------
 
+#: what to do about a log another writer holds, in each interface's words
+LOCKED_HINT = Hint(api="stop that writer first; a read-only open (Log.open(..., writable=False), "
+                       "Session(..., readonly=True)) takes no lock",
+                   cli="stop that writer first; info, dump and verify without --repair only read "
+                       "and take no lock")
+
 _HINTS = {
     errno.ENOENT: (PathNotFoundError, "check the path, or create the log first"),
     errno.EACCES: (PermissionDeniedError, "run as the log's owner or fix its permissions"),
     errno.EPERM: (PermissionDeniedError, "run as the log's owner or fix its permissions"),
-    errno.EROFS: (ReadOnlyError, "the file system is mounted read-only; open with readonly=True"),
+    errno.EROFS: (ReadOnlyError, Hint(api="the file system is mounted read-only; open the log read-only "
+                                         "(readonly=True)",
+                                     cli="the file system is mounted read-only; info, dump and verify "
+                                         "only read")),
     errno.ENOSPC: (DevmemError, "free space on the device or choose a smaller size"),
     errno.ENOMEM: (DevmemError, "not enough memory for the mapping; choose a smaller size"),
     errno.ENODEV: (DevmemError, "this file system does not support shared mappings"),

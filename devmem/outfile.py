@@ -21,11 +21,17 @@ import errno
 import os
 import stat
 
+from concordia.root_error import Hint
+
 from .backend import os_error
 from .dirsync import sync_parent
 from .errors import BadSpecError, DevmemError, OutputExistsError, OutputIsInputError
 
-__all__ = ["OutputFile", "check_not_input"]
+__all__ = ["OutputFile", "check_not_input", "OVERWRITE_HINT"]
+
+#: how to replace an existing output: `replace=True` in Python; every command
+#: line that writes an output file takes `--force` for it
+OVERWRITE_HINT = Hint(api="pass replace=True to overwrite it", cli="pass --force to overwrite it")
 
 
 def _identity(path: str):
@@ -82,7 +88,7 @@ class OutputFile:
                 raise BadSpecError("the output exists and is not a regular file", where=path,
                                    hint="name a file to write")
             if not replace:
-                raise OutputExistsError("the output exists", where=path, hint="pass --force to overwrite it")
+                raise OutputExistsError("the output exists", where=path, hint=OVERWRITE_HINT)
         directory, base = os.path.split(path)
         self.tmp_path = ""
         for _ in range(100):
@@ -153,14 +159,14 @@ class OutputFile:
                     os.unlink(self.tmp_path)
                 except FileExistsError:
                     raise OutputExistsError("the output appeared while it was written", where=self.path,
-                                            hint="pass --force to overwrite it") from None
+                                            hint=OVERWRITE_HINT) from None
                 except OSError as exc:
                     if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS):
                         raise
                     # no hard links here: checked absent above, renamed now
                     if os.path.lexists(self.path):
                         raise OutputExistsError("the output appeared while it was written",
-                                                where=self.path, hint="pass --force to overwrite it") from None
+                                                where=self.path, hint=OVERWRITE_HINT) from None
                     os.rename(self.tmp_path, self.path)
             self.committed = True
         except OSError as exc:

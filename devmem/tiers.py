@@ -16,6 +16,8 @@ import stat
 
 import numpy as np
 
+from concordia.root_error import Hint
+
 from . import libpmem as _libpmem
 from .backend import Backend, Survives, mount_of, os_error
 from .dirsync import sync_parent
@@ -143,6 +145,19 @@ def _has_map_sync(address: int) -> bool:
 
 # -- opening a log file ---------------------------------------------------------------
 
+# Remedies that name a knob, in the words of the Python API and of the command
+# lines (concordia.root_error.Hint): the command lines that only read (info,
+# dump, verify, recover --plan, restore) open another user's log and never write.
+FOREIGN_OWNER_HINT = Hint(api="pass allow_foreign_owner=True if this is meant",
+                          cli="run the command as the log's owner; info, dump and verify only read it")
+READ_ONLY_FILE_HINT = Hint(api="open it read-only (readonly=True), or chmod u+w to write it",
+                           cli="chmod u+w to write it; info, dump and verify only read it")
+NO_SUCH_LOG_HINT = Hint(api="check the path, or create the log (create=True)",
+                        cli="check the path, or create the log with concordia-wal format")
+EMPTY_FILE_HINT = Hint(api="give a size to create it",
+                       cli="lay a log out in it with concordia-wal format --size SIZE")
+
+
 def check_size(size: int | None, alignment: int, where: str, required: bool) -> None:
     """A size must be a positive multiple of the alignment (checked before anything
     is touched)."""
@@ -166,10 +181,10 @@ def check_existing(st: os.stat_result, where: str, readonly: bool,
     (no owner write bit: honoured even for root, as an archived log is marked so)."""
     if st.st_uid != os.geteuid() and not allow_foreign_owner:
         raise ForeignOwnerError(f"owned by uid {st.st_uid}, not by uid {os.geteuid()}",
-                                where=where, hint="pass allow_foreign_owner=True if this is meant")
+                                where=where, hint=FOREIGN_OWNER_HINT)
     if not readonly and not st.st_mode & stat.S_IWUSR:
         raise ReadOnlyError(f"file is read-only (mode {stat.S_IMODE(st.st_mode):04o})",
-                            where=where, hint="open it readonly, or chmod u+w to write it")
+                            where=where, hint=READ_ONLY_FILE_HINT)
 
 
 class OpenedFile:
@@ -190,8 +205,7 @@ class OpenedFile:
             raise os_error(exc, where, "cannot look at the log") from None
         if st is None:
             if not create:
-                raise PathNotFoundError("no such file", where=where,
-                                        hint="check the path, or create the log (create=True)")
+                raise PathNotFoundError("no such file", where=where, hint=NO_SUCH_LOG_HINT)
             check_size(size, alignment, where, required=True)
             self._create(path, size)
             return
@@ -202,7 +216,7 @@ class OpenedFile:
         length = st.st_size
         if size is None:
             if length == 0:
-                raise BadSizeError("file is empty", where=where, hint="give a size to create it")
+                raise BadSizeError("file is empty", where=where, hint=EMPTY_FILE_HINT)
             if length % alignment:
                 raise BadSizeError(f"file length {length} is not a multiple of the alignment "
                                    f"{alignment}", where=where)

@@ -15,7 +15,7 @@ import sys
 import click
 
 from concordia.regions.errors import NothingToRecoverError, RecoveryDigestError, RegionMismatchError
-from concordia.root_error import ConcordiaError
+from concordia.root_error import CLI, ConcordiaError, speaking
 from concordia.wal.errors import CorruptionError, NotALogError
 from concordia.sizes import parse_size
 from concordia.wal.modes import CLI_MODES, RecoveryMode
@@ -138,7 +138,9 @@ def guarded(fn):
     """Run a click command body; turn any ConcordiaError or OSError into one line
     on stderr and the documented exit code.  Anything else that escapes (a
     library failing on bytes it did not expect) also becomes one line, naming
-    the place being read, never a traceback.  A SIGBUS from a mapped file is
+    the place being read, never a traceback.  While the body runs, errors
+    speak the command line's words (`root_error.speaking`): a hint names
+    `--force`, not `overwrite=True`.  A SIGBUS from a mapped file is
     one line and exit 2 as well (`install_sigbus_guard`)."""
 
     @functools.wraps(fn)
@@ -146,7 +148,8 @@ def guarded(fn):
         Where.reset()
         install_sigbus_guard()
         try:
-            return fn(*args, **kwargs)
+            with speaking(CLI):  # hints name the options a person types, not Python arguments
+                return fn(*args, **kwargs)
         except click.exceptions.ClickException:
             raise
         except click.exceptions.Exit:
@@ -154,7 +157,7 @@ def guarded(fn):
         except ConcordiaError as exc:
             if exc.where is None and (Where.at or Where.target):
                 exc.where = Where.at or Where.target  # every error names a place
-            click.echo(f"error: {exc.one_line()}", err=True)
+            click.echo(f"error: {exc.one_line(CLI)}", err=True)
             sys.exit(exit_code_of(exc))
         except BrokenPipeError:
             # `concordia-wal dump LOG | head`: the reader left; that is not an error

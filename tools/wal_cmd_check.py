@@ -11,6 +11,8 @@ import time
 import click
 
 from . import render as R
+from concordia.wal.modes import RecoveryMode
+
 from .common import MODES, Bar, emit_json, guarded, mode_name, open_volume
 
 VERIFY_SCHEMA = "concordia-wal/verify/1"
@@ -73,12 +75,19 @@ def _problem_line(p: dict) -> str:
 
 
 def _backup_path(vol) -> str:
+    """`LOG.bak-<time>` (beside a file; shm objects and devices: in the
+    working directory), with `-2`, `-3`, ... where that name is taken: a
+    backup nobody named never replaces another one."""
     stamp = time.strftime("%Y%m%dT%H%M%S")
     path = vol.backend.path or "log"
-    if vol.backend.kind in ("file", "pmem"):
-        return f"{path}.bak-{stamp}"
-    # shm objects and devices: the copy goes to the working directory as a plain file
-    return f"{os.path.basename(path)}.bak-{stamp}"
+    if vol.backend.kind not in ("file", "pmem"):
+        path = os.path.basename(path)  # the copy goes to the working directory as a plain file
+    base = f"{path}.bak-{stamp}"
+    name, n = base, 1
+    while os.path.lexists(name):
+        n += 1
+        name = f"{base}-{n}"
+    return name
 
 
 def _plan_cut(vol, problems: list) -> tuple[dict | None, str | None]:
@@ -119,10 +128,11 @@ def _open_for_repair(spec: str):
     return open_volume(backend)  # the read-only commands' message for a target that is no log
 
 
-def _repair(vol, report: dict, backup: str | None) -> dict:
+def _repair(vol, report: dict, backup: str | None, force: bool = False) -> dict:
     """Cut the torn tail: copy the whole target to `backup` first, then zero
     from the first torn byte to the end of the last segment and persist.
-    `vol` is the one `_open_for_repair` gave: its backend holds the lock."""
+    `vol` is the one `_open_for_repair` gave: its backend holds the lock.
+    An existing `backup` is replaced only with `force`."""
     cut, why = _plan_cut(vol, report["problems"])
     if cut is None:
         return {"cut": None, "backup": None, "refused": why}
@@ -131,7 +141,8 @@ def _repair(vol, report: dict, backup: str | None) -> dict:
     path = backup or _backup_path(vol)
     src = vol.backend.array
     # complete or absent, never the log itself: the cut waits for a whole backup
-    with OutputFile(path, size=src.size, inputs=[vol.backend.path], mode=0o600) as f:
+    with OutputFile(path, replace=force and backup is not None, size=src.size, inputs=[vol.backend.path],
+                    mode=0o600) as f:
         step = 64 << 20
         for start in range(0, src.size, step):
             f.write(memoryview(src[start:start + step]), start)
@@ -150,10 +161,12 @@ def _repair(vol, report: dict, backup: str | None) -> dict:
               help="Cut the torn tail of the last segment (after writing a backup) and verify again.")
 @click.option("--backup", type=click.Path(dir_okay=False), default=None,
               help="Where --repair copies the log first (default LOG.bak-<time>).")
+@click.option("--force", is_flag=True,
+              help="Let --repair replace an existing --backup file (the log itself is cut only as always).")
 @click.option("--quiet", "-q", is_flag=True, help="Print only the problems, nothing when clean.")
 @click.option("--json", "as_json", is_flag=True, help="Print the documented JSON instead of text.")
 @guarded
-def verify_cmd(log, mode, repair, backup, quiet, as_json):
+def verify_cmd(log, mode, repair, backup, force, quiet, as_json):
     """Check every checksum of LOG (superblock slots, segment headers, record
     headers, bodies and every page) and report every problem, not only the
     first, with segment and offset.  Read-only unless --repair, which
@@ -163,6 +176,8 @@ def verify_cmd(log, mode, repair, backup, quiet, as_json):
     Corruption is always a problem; a torn tail after the last commit only in
     absolute mode; an epoch without a commit (a crash between checkpoints)
     never.  Also says which epoch recovery in the mode would restore.
+    --repair copies the log to --backup first; an existing --backup file is
+    refused unless --force.
     Exit 0 clean, 1 problems found, 2 usage or I/O error.
 
     Example:
@@ -170,9 +185,12 @@ def verify_cmd(log, mode, repair, backup, quiet, as_json):
     \b
         concordia-wal verify file:./concordia-data/demo.log
         concordia-wal verify file:./concordia-data/demo.log --mode absolute --json
+        concordia-wal verify file:./concordia-data/demo.log --repair --backup demo.bak --force
     """
     if backup and not repair:
         raise click.UsageError("--backup goes with --repair")
+    if force and not repair:
+        raise click.UsageError("--force goes with --repair (it lets the --backup file be replaced)")
 
     m = mode_name(mode)
     vol = _open_for_repair(log) if repair else open_volume(log)
@@ -180,7 +198,7 @@ def verify_cmd(log, mode, repair, backup, quiet, as_json):
     try:
         rep = run_verify(vol, m, bar)
         if repair:
-            rep["repair"] = _repair(vol, rep, backup)
+            rep["repair"] = _repair(vol, rep, backup, force)
             if rep["repair"]["cut"] is not None:
                 bar.close()
                 bar = Bar("verifying again", enabled=bar.enabled)
@@ -203,16 +221,17 @@ def verify_cmd(log, mode, repair, backup, quiet, as_json):
 
 
 def _render_verify(rep: dict) -> list[str]:
-    lines = [f"verify {rep['log']} (mode {rep['mode']})"]
+    mode = RecoveryMode(rep["mode"]).cli  # the text speaks as --mode is typed; the JSON keeps the value
+    lines = [f"verify {rep['log']} (mode {mode})"]
     for p in rep["problems"]:
         lines.append(f"{'problem' if p['counts'] else 'note':<9}{_problem_line(p)}")
     lines.append(f"checked  {rep['records']} records, {rep['commits']} commits, "
                  f"{R.size(rep['bytes_checked'])} in {rep['seconds']:.3f} s ({rep['gb_per_s']:.2f} GB/s)")
     rc = rep["recovery"]
     if rc["error"]:
-        lines.append(f"recovery {rep['mode']} would refuse: {rc['error']}")
+        lines.append(f"recovery {mode} would refuse: {rc['error']}")
     else:
-        lines.append(f"recovery {rep['mode']} restores epoch {rc['epoch'] if rc['epoch'] else '- (nothing committed)'}")
+        lines.append(f"recovery {mode} restores epoch {rc['epoch'] if rc['epoch'] else '- (nothing committed)'}")
         for d in rc["dropped"]:
             lines.append(f"         gives up {d}")
     r = rep.get("repair")
@@ -283,7 +302,7 @@ def recover_cmd(log, show_plan, epoch, mode, sources, check_pages, as_json):
                            "error": out.error, "exit_code": out.exit_code,
                            "problems": [p.to_json() for p in out.problems]})
             else:
-                click.echo(f"error: recovery {m} refuses: {out.error}", err=True)
+                click.echo(f"error: recovery {mode} refuses: {out.error}", err=True)
             sys.exit(out.exit_code)
         d = dict({"schema": PLAN_SCHEMA, "log": vol.backend.where}, **out.plan.to_json(),
                  exit_code=out.exit_code, problems=[p.to_json() for p in out.problems])
@@ -297,7 +316,7 @@ def recover_cmd(log, show_plan, epoch, mode, sources, check_pages, as_json):
 
 
 def _render_plan(d: dict, sources: bool) -> list[str]:
-    lines = [f"plan     {d['log']}: epoch {d['epoch']} (target {d['target']}, mode {d['mode']})"]
+    lines = [f"plan     {d['log']}: epoch {d['epoch']} (target {d['target']}, mode {RecoveryMode(d['mode']).cli})"]
     rows = []
     for name, r in d["regions"].items():
         rows.append([name, r["epoch"], "-" if r["base_epoch"] is None else r["base_epoch"], r["pages"],

@@ -44,8 +44,8 @@ def format_cmd(log, size, segment_size, force):
     from concordia.wal import Log
 
     Where.target = log
-    new = Log.create(log, size=size, segment_size=segment_size, overwrite=force,
-                     hint="pass --force to overwrite it")
+    # a refused target's hint speaks the command line's words (`--force`), as every error here does
+    new = Log.create(log, size=size, segment_size=segment_size, overwrite=force)
     try:
         sb = new.volume.superblock
         where = new.backend.where

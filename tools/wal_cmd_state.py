@@ -265,13 +265,13 @@ def restore_cmd(log, region, epoch, out, mode, force, verbose):
     import numpy as np
 
     from concordia.devmem.errors import OutputExistsError
-    from concordia.devmem.outfile import check_not_input
+    from concordia.devmem.outfile import OVERWRITE_HINT, check_not_input
     from concordia.wal.apply import restore_region_npy
     from concordia.wal.decide import counts, decide
     from concordia.wal.planner import scan
 
     if os.path.exists(out) and not force:  # before the scan: refused at once, in one line
-        raise OutputExistsError("the output exists", where=out, hint="pass --force to overwrite it")
+        raise OutputExistsError("the output exists", where=out, hint=OVERWRITE_HINT)
     m = mode_name(mode)
     vol = open_volume(log)
     try:
@@ -296,7 +296,7 @@ def restore_cmd(log, region, epoch, out, mode, force, verbose):
         p = decision.plan
         if p is None or region not in p.regions:
             why = decision.error or f"region {region!r} cannot be restored at any epoch"
-            click.echo(f"error: recovery {m} refuses: {why}", err=True)  # one line: -v or verify list the rest
+            click.echo(f"error: recovery {mode} refuses: {why}", err=True)  # one line: -v or verify list the rest
             _list_problems(decision.problems, m, verbose)
             sys.exit(decision.exit_code or 1)
         rp = p.regions[region]

@@ -28,7 +28,7 @@ from . import format as F
 from .appender import Appender
 from .errors import CorruptionError, RegionError, TornTailError, UsageError
 from .reader import Dropped, Record, RecoveryMode, ScanResult, recover, verify
-from .volume import Volume, check_format_target
+from .volume import FORMAT_ANYWAY_HINT, Volume, check_format_target
 
 
 #: how often a read-only open beside a live writer walks again before damage stands,
@@ -55,7 +55,7 @@ class Log:
     @classmethod
     def create(cls, target, *, size: int | None = None, segment_size: int | None = None,
                zero: bool = True, overwrite: bool = False,
-               hint: str = "pass overwrite=True to format it anyway") -> "Log":
+               hint=FORMAT_ANYWAY_HINT) -> "Log":
         """Format `target` (a Backend or a log name) as an empty log, writable.
         segment_size None: `volume.default_segment_size` of the size (64 MiB,
         smaller for a log under 512 MiB).  A named target that holds anything

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import enum
 
+from concordia.root_error import Hint
+
 
 class RecoveryMode(enum.Enum):
     """What a reader does with damaged ranges (FORMAT.md §11; RocksDB's WAL
@@ -22,6 +24,17 @@ class RecoveryMode(enum.Enum):
     def cli(self) -> str:
         """The command lines' spelling (`tolerate-tail`)."""
         return self.value.replace("_", "-")
+
+    @property
+    def refusal_hint(self) -> Hint:
+        """The hint of every refusal of damage in this mode (the reader's and
+        the planner's), naming the mode as the interface in use spells it:
+        `mode='point_in_time'` for a Python caller, `--mode point-in-time` at
+        a command line."""
+        if self is RecoveryMode.ABSOLUTE:
+            return Hint(api="mode='absolute' accepts no damage", cli="--mode absolute accepts no damage")
+        return Hint(api="recover with mode='point_in_time' or 'skip_corrupt' to fall back",
+                    cli="use --mode point-in-time or --mode skip-corrupt to fall back")
 
     @classmethod
     def parse(cls, value) -> "RecoveryMode":

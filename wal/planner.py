@@ -53,7 +53,8 @@ import numpy as np
 
 from concordia.wal.catalog import BaseEntry, decode_catalog_body
 from concordia.wal.errors import CorruptionError, PlanError, TornTailError
-from concordia.wal.modes import MODES, RecoveryMode
+from concordia.root_error import Hint
+from concordia.wal.modes import CLI_MODES, MODES, RecoveryMode
 
 #: page batch flag bit 0: the record is part of a base snapshot (FORMAT.md)
 FLAG_BASE = 0x01
@@ -71,7 +72,8 @@ def mode_name(mode) -> str:
     try:
         return RecoveryMode.parse(mode).value
     except UsageError:
-        raise PlanError(f"unknown recovery mode {mode!r}", hint="one of " + ", ".join(MODES)) from None
+        raise PlanError(f"unknown recovery mode {mode!r}",
+                        hint=Hint(api="one of " + ", ".join(MODES), cli="one of " + ", ".join(CLI_MODES))) from None
 
 
 # --------------------------------------------------------------------------- history
@@ -520,14 +522,14 @@ def plan_history(
         d = h.damage[0]
         cls = TornTailError if d.tail else CorruptionError
         raise cls(f"{'torn tail: ' if d.tail else ''}{d.reason} (lsn {d.lsn})", where=d.where if d.segment >= 0 else None,
-                  hint="absolute mode accepts no damage")
+                  hint=RecoveryMode.ABSOLUTE.refusal_hint)
     if mode == "tolerate_tail" and corrupt:
         # R-D4: corruption before a commit point refuses the whole log, whichever
         # regions are asked for (no per-region leniency in this mode)
         d = corrupt[0]
         raise CorruptionError(f"{d.reason} (lsn {d.lsn}): corruption before the last commit",
                               where=d.where if d.segment >= 0 else None,
-                              hint="recover with mode point_in_time or skip_corrupt to fall back")
+                              hint=RecoveryMode.TOLERATE_TAIL.refusal_hint)
     for d in tail:
         dropped.append(PlanLoss(d, name_of.get(d.region_id), None, None))
 
@@ -549,7 +551,7 @@ def plan_history(
                 raise CorruptionError(
                     f"region {r.name!r} at epoch {want} needs a damaged record (lsn {bad.lsn}): {bad.reason}",
                     where=bad.where if bad.segment >= 0 else None,
-                    hint="recover with mode point_in_time or skip_corrupt to fall back",
+                    hint=RecoveryMode.parse(mode).refusal_hint,
                 )
             per_region[r.id] = want
     elif mode == "point_in_time":

@@ -517,7 +517,7 @@ def recover(vol: Volume, mode: RecoveryMode = RecoveryMode.TOLERATE_TAIL,
             if at is None:  # nothing was read there: the record is lost
                 if mode in (RecoveryMode.TOLERATE_TAIL, RecoveryMode.ABSOLUTE):
                     raise CorruptionError(why, where=(f"segment {seg.index} @ 0x{seg.offset + cat_lsn - seg.base_lsn:x}"
-                                                      if seg else None), hint=f"recovery mode {mode.value}")
+                                                      if seg else None), hint=mode.refusal_hint)
                 report(Dropped(seg.index if seg else -1, seg.offset + cat_lsn - seg.base_lsn if seg else 0,
                                0, why, "corrupt", cat_lsn))
         if at is not None:
@@ -538,8 +538,7 @@ def recover(vol: Volume, mode: RecoveryMode = RecoveryMode.TOLERATE_TAIL,
     oldest = vol.superblock.oldest_lsn
 
     def fail(cls, seg, off, reason):
-        raise cls(reason, where=f"segment {seg.index} @ 0x{off:x}",
-                  hint=f"recovery mode {mode.value}")
+        raise cls(reason, where=f"segment {seg.index} @ 0x{off:x}", hint=mode.refusal_hint)
 
     for i, it in enumerate(items):
         seg, off = it.seg, it.offset

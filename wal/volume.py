@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from concordia.devmem import Backend, open_backend
+from concordia.root_error import Hint
 
 from . import format as F
 from .errors import (
@@ -163,8 +164,12 @@ def _data_extents(path, size: int):
     return out
 
 
+#: how to format a target that holds something anyway, in each interface's words
+FORMAT_ANYWAY_HINT = Hint(api="pass overwrite=True to format it anyway", cli="pass --force to format it anyway")
+
+
 def check_format_target(target, *, overwrite: bool = False, allow_log: bool = False,
-                        hint: str = "pass overwrite=True to format it anyway") -> None:
+                        hint: str | Hint = FORMAT_ANYWAY_HINT) -> None:
     """The one check every path that formats a log makes first (`Log.create`,
     so `Session`, `concordia demo` and `concordia-wal format`): a target that
     exists and holds anything (a log, or any nonzero byte) is refused with
@@ -201,6 +206,13 @@ def check_format_target(target, *, overwrite: bool = False, allow_log: bool = Fa
     if what is None or (allow_log and what.startswith("holds a Concordia log")):
         return
     raise TargetNotEmptyError(f"refusing to format: the target {what}", where=where, hint=hint)
+
+
+#: a log that may be read but not written: how to read it, in each interface's words
+READ_IT_HINT = Hint(api="open it read-only (writable=False)",
+                    cli="info, dump, verify and restore read it without writing")
+TRUNCATED_HINT = Hint(api="open it read-only (writable=False) to read what is left, or put back a copy of it",
+                      cli="info, dump, verify and restore read what is left; or put back a copy of it")
 
 
 class Volume:
@@ -243,7 +255,9 @@ class Volume:
             count -= 1
         if count < 2:
             raise WalError(f"a {total}-byte target holds fewer than 2 segments of {segment_size} bytes",
-                           where=backend.where, hint="use a larger size or a smaller segment size")
+                           where=backend.where,
+                           hint=Hint(api="use a larger size or a smaller segment_size",
+                                     cli="use a larger --size or a smaller --segment-size"))
         count = min(count, F.MAX_SEGMENTS)
         slot = F.slot_bytes_for(count)
         off = F.align(2 * slot, F.SEGMENT_ALIGN)
@@ -302,7 +316,7 @@ class Volume:
         sb = max(found, key=lambda s: s.sequence)
         if writable and sb.ro_compat & ~F.KNOWN_RO_COMPAT:
             raise ReadOnlyFeatureError(f"unknown ro-compat features 0x{sb.ro_compat:x}",
-                                       where=backend.where, hint="open read-only")
+                                       where=backend.where, hint=READ_IT_HINT)
         if writable and backend.readonly:
             raise UsageError("backend is read-only", where=backend.where)
         short = None
@@ -310,8 +324,7 @@ class Volume:
             short = (f"the log is {backend.size} bytes but its superblock declares {sb.volume_bytes}: "
                      f"it was truncated, and what lay beyond reads as zero")
             if writable:
-                raise CorruptionError(short, where=backend.where,
-                                      hint="open it read-only to read what is left, or restore it from a copy")
+                raise CorruptionError(short, where=backend.where, hint=TRUNCATED_HINT)
         if problems and found:
             sb = cls._unlist_cut_segments(arr, sb)
         vol = cls(backend, sb, writable=writable, slot_problems=problems)
