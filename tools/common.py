@@ -1,7 +1,8 @@
 """What every command line shares: the error boundary (library errors become
 one line and an exit code, never a traceback), JSON output and size parsing.
 
-Exit codes: 0 clean, 1 problems found in the data, 2 usage or I/O error.
+Exit codes: 0 clean, 1 problems found in the data, 2 usage or I/O error,
+130 interrupted (`entry.interrupted`).
 """
 
 from __future__ import annotations
@@ -25,9 +26,12 @@ from concordia.errors import (
 from concordia.sizes import parse_size
 from concordia.wal.modes import CLI_MODES, RecoveryMode
 
+from .entry import interrupted, was_interrupted
+
 EXIT_OK = 0
 EXIT_PROBLEMS = 1
 EXIT_USAGE = 2
+# and 130 (entry.EXIT_INTERRUPTED): Ctrl-C, handled before the library is even imported
 
 # The library errors that mean "problems found in the data" (exit 1), with
 # every subclass (TornTailError, ChainError, SuperblockError are corruptions);
@@ -116,6 +120,25 @@ class OneLineGroup(click.Group):
 
     group_class = type  # `@grp.group()` makes another OneLineGroup
 
+    # Ctrl-C outside a command body (parsing, loading the benchmarks) is the
+    # same one line and exit 130 as inside one (`guarded`): caught here, before
+    # click would print a blank line and turn it into an Abort
+    def make_context(self, *args, **kwargs):
+        try:
+            return super().make_context(*args, **kwargs)
+        except KeyboardInterrupt:
+            interrupted()
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            interrupted()
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort) as exc:
+            if was_interrupted(exc):
+                interrupted()
+            raise
+
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         if not standalone_mode:  # a caller that handles click's exceptions itself
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
@@ -132,9 +155,8 @@ class OneLineGroup(click.Group):
         except click.exceptions.ClickException as exc:
             click.echo(f"error: {' '.join(exc.format_message().split())}", err=True)
             sys.exit(exc.exit_code)
-        except click.exceptions.Abort:
-            click.echo("error: interrupted", err=True)
-            sys.exit(130)
+        except click.exceptions.Abort:  # click's own Ctrl-C (or an aborted prompt)
+            interrupted()
         # click returns the code of a ctx.exit() (--help, --version) and a command's return value
         sys.exit(rv if isinstance(rv, int) and not isinstance(rv, bool) else EXIT_OK)
 
@@ -144,7 +166,9 @@ def guarded(fn):
     on stderr and the documented exit code.  Anything else that escapes (a
     library failing on bytes it did not expect) also becomes one line, naming
     the place being read, never a traceback.  A SIGBUS from a mapped file is
-    one line and exit 2 as well (`install_sigbus_guard`)."""
+    one line and exit 2 as well (`install_sigbus_guard`).  Ctrl-C is exit 130
+    and `error: interrupted`, also when a cleanup it unwound through failed in
+    turn (`entry.was_interrupted`): the interrupt is what happened."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -152,35 +176,45 @@ def guarded(fn):
         install_sigbus_guard()
         try:
             return fn(*args, **kwargs)
-        except click.exceptions.ClickException:
+        except SystemExit:  # the command's own exit code (a Ctrl-C it ends on by design included)
             raise
-        except click.exceptions.Exit:
-            raise
-        except ConcordiaError as exc:
-            if exc.where is None and (Where.at or Where.target):
-                exc.where = Where.at or Where.target  # every error names a place
-            click.echo(f"error: {exc.one_line()}", err=True)
-            sys.exit(exit_code_of(exc))
-        except BrokenPipeError:
-            # `concordia-wal dump LOG | head`: the reader left; that is not an error
-            _silence_stdout()
-            sys.exit(EXIT_OK)
-        except OSError as exc:
-            where = f"{exc.filename}: " if exc.filename else ""
-            click.echo(f"error: {where}{exc.strerror or exc}", err=True)
-            sys.exit(EXIT_USAGE)
-        except KeyboardInterrupt:
-            click.echo("error: interrupted", err=True)
-            sys.exit(130)
-        except Exception as exc:  # noqa: BLE001 - the boundary: one line, never a traceback
-            place = Where.at or Where.target
-            text = " ".join(f"{type(exc).__name__}: {exc}".split())
-            lead = f"{place}: " if place else ""
-            what = "unreadable data" if Where.data else "unexpected failure"
-            click.echo(f"error: {lead}{what} ({text})", err=True)
-            sys.exit(EXIT_PROBLEMS if Where.data else EXIT_USAGE)
+        except BaseException as exc:
+            if was_interrupted(exc):
+                interrupted()
+            _end_with(exc)
 
     return wrapper
+
+
+def _end_with(exc: BaseException) -> None:
+    """End a command body that raised `exc` (not an interrupt): one line on
+    stderr and the exit code (`guarded`); click's own exceptions go on to
+    click, which already prints them as one line."""
+    if isinstance(exc, (click.exceptions.ClickException, click.exceptions.Exit)):
+        raise exc
+    if isinstance(exc, ConcordiaError):
+        if exc.where is None and (Where.at or Where.target):
+            exc.where = Where.at or Where.target  # every error names a place
+        click.echo(f"error: {exc.one_line()}", err=True)
+        sys.exit(exit_code_of(exc))
+    if isinstance(exc, BrokenPipeError):
+        # `concordia-wal dump LOG | head`: the reader left; that is not an error
+        _silence_stdout()
+        sys.exit(EXIT_OK)
+    if isinstance(exc, OSError):
+        where = f"{exc.filename}: " if exc.filename else ""
+        click.echo(f"error: {where}{exc.strerror or exc}", err=True)
+        sys.exit(EXIT_USAGE)
+    if not isinstance(exc, Exception):  # GeneratorExit and the like: not ours to report
+        raise exc
+    # the boundary: anything else (a library failing on bytes it did not
+    # expect) is one line naming the place being read, never a traceback
+    place = Where.at or Where.target
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    lead = f"{place}: " if place else ""
+    what = "unreadable data" if Where.data else "unexpected failure"
+    click.echo(f"error: {lead}{what} ({text})", err=True)
+    sys.exit(EXIT_PROBLEMS if Where.data else EXIT_USAGE)
 
 
 def _silence_stdout() -> None:
