@@ -1,5 +1,6 @@
 """What every command line shares: the error boundary (library errors become
-one line and an exit code, never a traceback), JSON output and size parsing.
+one line and an exit code, never a traceback), JSON output and size parsing,
+and how an output file is named and written (`check_outputs`, `write_output`).
 
 Exit codes: 0 clean, 1 problems found in the data, 2 usage or I/O error,
 130 interrupted (`entry.interrupted`).
@@ -423,10 +424,23 @@ def require_cupy(error, *, where: str, hint: str):
     return cupy
 
 
-def write_output(path: str, data: bytes, *, replace: bool = True, inputs=()) -> str:
+def check_outputs(force: bool, *paths) -> None:
+    """Refuse, before any work, each output a command was asked to write
+    (None entries skipped) that exists, unless `force` (`--force`), or that is
+    not a regular file: one line naming the path, exit 2, nothing touched
+    (devmem.outfile.check_output, the one rule every written output follows)."""
+    from concordia.devmem.outfile import check_output
+
+    for path in paths:
+        if path is not None:
+            check_output(path, replace=force)
+
+
+def write_output(path: str, data: bytes, *, replace: bool, inputs=()) -> str:
     """Write `data` as the file `path`, complete or not at all: a temporary
     file beside it, space reserved, fsynced, renamed into place
-    (devmem.outfile.OutputFile).  A failure leaves `path` as it was."""
+    (devmem.outfile.OutputFile).  An existing `path` is replaced only with
+    `replace` (`--force`); a failure or Ctrl-C leaves `path` as it was."""
     from concordia.devmem.outfile import OutputFile
 
     with OutputFile(path, replace=replace, size=len(data), inputs=inputs) as f:
@@ -434,11 +448,13 @@ def write_output(path: str, data: bytes, *, replace: bool = True, inputs=()) -> 
         return f.commit(expect_size=len(data))
 
 
-def report(doc: dict, *, as_json: bool, out: str | None, table) -> None:
-    """How every benchmark ends: JSON to `out` when asked, then JSON or the
-    table (`table(doc) -> str`) on stdout."""
+def report(doc: dict, *, as_json: bool, out: str | None, table, force: bool = False) -> None:
+    """How every benchmark ends: JSON to `out` when asked (an existing file
+    only replaced with `force`), then JSON or the table (`table(doc) -> str`)
+    on stdout."""
     if out:
-        write_output(out, json.dumps(_finite(doc), indent=2, allow_nan=False, default=_jsonable).encode())
+        write_output(out, json.dumps(_finite(doc), indent=2, allow_nan=False, default=_jsonable).encode(),
+                     replace=force)
     if as_json:
         emit_json(doc)
     else:

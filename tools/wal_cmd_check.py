@@ -11,7 +11,7 @@ import time
 import click
 
 from . import render as R
-from .common import MODES, Bar, emit_json, guarded, mode_name, open_volume
+from .common import MODES, Bar, check_outputs, emit_json, guarded, mode_name, open_volume
 
 VERIFY_SCHEMA = "concordia-wal/verify/1"
 PLAN_SCHEMA = "concordia-wal/plan/1"
@@ -119,7 +119,7 @@ def _open_for_repair(spec: str):
     return open_volume(backend)  # the read-only commands' message for a target that is no log
 
 
-def _repair(vol, report: dict, backup: str | None) -> dict:
+def _repair(vol, report: dict, backup: str | None, force: bool = False) -> dict:
     """Cut the torn tail: copy the whole target to `backup` first, then zero
     from the first torn byte to the end of the last segment and persist.
     `vol` is the one `_open_for_repair` gave: its backend holds the lock."""
@@ -131,7 +131,7 @@ def _repair(vol, report: dict, backup: str | None) -> dict:
     path = backup or _backup_path(vol)
     src = vol.backend.array
     # complete or absent, never the log itself: the cut waits for a whole backup
-    with OutputFile(path, size=src.size, inputs=[vol.backend.path], mode=0o600) as f:
+    with OutputFile(path, replace=force, size=src.size, inputs=[vol.backend.path], mode=0o600) as f:
         step = 64 << 20
         for start in range(0, src.size, step):
             f.write(memoryview(src[start:start + step]), start)
@@ -150,10 +150,11 @@ def _repair(vol, report: dict, backup: str | None) -> dict:
               help="Cut the torn tail of the last segment (after writing a backup) and verify again.")
 @click.option("--backup", type=click.Path(dir_okay=False), default=None,
               help="Where --repair copies the log first (default LOG.bak-<time>).")
+@click.option("--force", is_flag=True, help="With --repair: replace --backup when it exists (refused otherwise).")
 @click.option("--quiet", "-q", is_flag=True, help="Print only the problems, nothing when clean.")
 @click.option("--json", "as_json", is_flag=True, help="Print the documented JSON instead of text.")
 @guarded
-def verify_cmd(log, mode, repair, backup, quiet, as_json):
+def verify_cmd(log, mode, repair, backup, force, quiet, as_json):
     """Check every checksum of LOG (superblock slots, segment headers, record
     headers, bodies and every page) and report every problem, not only the
     first, with segment and offset.  Read-only unless --repair, which
@@ -173,6 +174,9 @@ def verify_cmd(log, mode, repair, backup, quiet, as_json):
     """
     if backup and not repair:
         raise click.UsageError("--backup goes with --repair")
+    if force and not repair:
+        raise click.UsageError("--force goes with --repair")
+    check_outputs(force, backup)  # before the log is opened: refused at once, in one line
 
     m = mode_name(mode)
     vol = _open_for_repair(log) if repair else open_volume(log)
@@ -180,7 +184,7 @@ def verify_cmd(log, mode, repair, backup, quiet, as_json):
     try:
         rep = run_verify(vol, m, bar)
         if repair:
-            rep["repair"] = _repair(vol, rep, backup)
+            rep["repair"] = _repair(vol, rep, backup, force)
             if rep["repair"]["cut"] is not None:
                 bar.close()
                 bar = Bar("verifying again", enabled=bar.enabled)
