@@ -323,20 +323,6 @@ def open_volume(spec: str, *, writable: bool = False):
     return vol
 
 
-def remove_log_file(spec: str) -> None:
-    """Delete the file behind a benchmark's log (`shm:NAME`, `file:PATH`), if there."""
-    import os
-
-    from concordia.devmem.opener import parse_spec
-
-    path = parse_spec(spec).path
-    if path is not None:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-
-
 def progress_bar(length: int, label: str):
     """A click progress bar on stderr (hidden when stderr is not a terminal)."""
     import inspect
