@@ -410,16 +410,19 @@ def require_cupy(error, *, where: str, hint: str):
     return cupy
 
 
-def check_outputs(force: bool, *paths) -> None:
+def check_outputs(force: bool, *paths, logs=()) -> None:
     """Refuse, before any work, each output a command was asked to write
-    (None entries skipped) that exists, unless `force` (`--force`), or that is
-    not a regular file: one line naming the path, exit 2, nothing touched
+    (None entries skipped) that is one of the `logs` it reads (names, as a
+    user gives them), that exists, unless `force` (`--force`), or that is not
+    a regular file: one line naming the path, exit 2, nothing touched
     (devmem.outfile.check_output, the one rule every written output follows)."""
+    from concordia.devmem import parse_spec
     from concordia.devmem.outfile import check_output
 
+    inputs = [parse_spec(log).path for log in logs]
     for path in paths:
         if path is not None:
-            check_output(path, replace=force)
+            check_output(path, replace=force, inputs=inputs)
 
 
 def write_output(path: str, data: bytes, *, replace: bool, inputs=()) -> str:

@@ -176,7 +176,7 @@ def verify_cmd(log, mode, repair, backup, force, quiet, as_json):
         raise click.UsageError("--backup goes with --repair")
     if force and not repair:
         raise click.UsageError("--force goes with --repair")
-    check_outputs(force, backup)  # before the log is opened: refused at once, in one line
+    check_outputs(force, backup, logs=[log])  # before the log is opened: refused at once, in one line
 
     m = mode_name(mode)
     vol = _open_for_repair(log) if repair else open_volume(log)

@@ -269,7 +269,7 @@ def restore_cmd(log, region, epoch, out, mode, force, verbose):
     from concordia.wal.decide import counts, decide
     from concordia.wal.planner import scan
 
-    check_outputs(force, out)  # before the scan: refused at once, in one line
+    check_outputs(force, out, logs=[log])  # before the scan: refused at once, in one line
     m = mode_name(mode)
     vol = open_volume(log)
     try:

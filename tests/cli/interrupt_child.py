@@ -15,7 +15,6 @@ Nothing of the project is imported before the point is set up, so that the
 from __future__ import annotations
 
 import importlib.abc
-import os
 import signal
 import sys
 

@@ -173,7 +173,10 @@ def _left(notes) -> list[str]:
 
 def _clean(notes):
     for p in _left(notes):  # a failing run must not leave its files behind either
-        shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else os.unlink(p)
+        if os.path.isdir(p):
+            shutil.rmtree(p, ignore_errors=True)
+        elif os.path.lexists(p):
+            os.unlink(p)
 
 
 # (point, program, arguments, files in the working directory that must be absent afterwards)
