@@ -38,7 +38,7 @@ import threading
 
 from .backend import os_error
 from .dirsync import sync_parent
-from .errors import BadSpecError, DevmemError, OutputExistsError, OutputIsInputError
+from .errors import BadSpecError, DevmemError, OutputExistsError, OutputIsInputError, PathNotFoundError
 
 __all__ = ["OutputFile", "check_not_input", "check_output", "hold_interrupts"]
 
@@ -67,14 +67,18 @@ def check_not_input(out: str, inputs, *, what: str = "the log") -> None:
 
 def check_output(path, *, replace: bool = False, inputs=(), what: str = "the log"):
     """Refuse an output path before anything is written: one of `inputs`
-    (`check_not_input`), something other than a regular file, or (without
-    `replace`) an existing file.  Returns (absolute path, its stat or None
-    where it does not exist).  Creates and changes nothing."""
+    (`check_not_input`), something other than a regular file, (without
+    `replace`) an existing file, or a path in a folder that does not exist.
+    Returns (absolute path, its stat or None where it does not exist).
+    Creates and changes nothing."""
     path = os.path.abspath(os.fspath(path))
     check_not_input(path, inputs, what=what)
     try:
         st = os.stat(path)
     except FileNotFoundError:
+        if not os.path.isdir(os.path.dirname(path)):  # found now, not after a long run
+            raise PathNotFoundError("no such folder for the output", where=os.path.dirname(path),
+                                    hint="create it, or name a file in a folder that exists") from None
         return path, None
     except OSError as exc:
         raise os_error(exc, path, "cannot look at the output") from None

@@ -82,6 +82,14 @@ def test_a_benchmark_refuses_an_existing_output_before_it_runs(bench, args, opti
     assert res.stdout == "" and _sha(path) == before
 
 
+def test_an_output_in_a_missing_folder_is_refused_before_the_run(workdir):
+    res = CliRunner().invoke(main, ["bench", "compact", "--quick", "--out", "nowhere/bench.json"])
+    assert res.exit_code == 2, res.output
+    assert _one_line(res.stderr) == (f"error: {workdir / 'nowhere'}: no such folder for the output "
+                                     "(create it, or name a file in a folder that exists)")
+    assert res.stdout == ""
+
+
 @pytest.mark.parametrize("bench,args", [("restore", ["--quick"]), ("compact", ["--quick"])])
 def test_force_replaces_a_benchmark_output_whole(bench, args, workdir):
     path = workdir / "bench.json"
