@@ -13,21 +13,36 @@ file, which a failure removes.
 An output that is one of the inputs (the same file by device and inode, or the
 same path once links are resolved) is refused before anything is created: the
 rename would otherwise replace the input by its own output.
+
+This is the one way the command lines write a named output, and
+`check_output` the one rule for naming one: an existing output is refused
+unless the caller was told to replace it (`--force`), what is not a regular
+file is refused always.  A command runs `check_output` on each output before
+its work starts (a long benchmark is not run only to be refused at the end)
+and `OutputFile` checks again as it writes.
+
+Ctrl-C: the two steps that make a name and remember it (creating the
+temporary, putting the output in place) hold SIGINT back until both are done
+(`hold_interrupts`), so an interrupt never leaves a temporary that nothing
+remembers to remove, nor an output in place that is then called unwritten.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import signal
 import stat
+import threading
 
 from concordia.root_error import Hint
 
 from .backend import os_error
 from .dirsync import sync_parent
-from .errors import BadSpecError, DevmemError, OutputExistsError, OutputIsInputError
+from .errors import BadSpecError, DevmemError, OutputExistsError, OutputIsInputError, PathNotFoundError
 
-__all__ = ["OutputFile", "check_not_input", "OVERWRITE_HINT"]
+__all__ = ["OutputFile", "check_not_input", "check_output", "hold_interrupts", "OVERWRITE_HINT"]
 
 #: how to replace an existing output: `replace=True` in Python; every command
 #: line that writes an output file takes `--force` for it
@@ -56,6 +71,56 @@ def check_not_input(out: str, inputs, *, what: str = "the log") -> None:
                                      hint="write the output to another file")
 
 
+def check_output(path, *, replace: bool = False, inputs=(), what: str = "the log"):
+    """Refuse an output path before anything is written: one of `inputs`
+    (`check_not_input`), something other than a regular file, (without
+    `replace`) an existing file, or a path in a folder that does not exist.
+    Returns (absolute path, its stat or None where it does not exist).
+    Creates and changes nothing."""
+    path = os.path.abspath(os.fspath(path))
+    check_not_input(path, inputs, what=what)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        if not os.path.isdir(os.path.dirname(path)):  # found now, not after a long run
+            raise PathNotFoundError("no such folder for the output", where=os.path.dirname(path),
+                                    hint="create it, or name a file in a folder that exists") from None
+        return path, None
+    except OSError as exc:
+        raise os_error(exc, path, "cannot look at the output") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise BadSpecError("the output exists and is not a regular file", where=path,
+                           hint="name a file to write")
+    if not replace:
+        raise OutputExistsError("the output exists", where=path, hint=OVERWRITE_HINT)
+    return path, st
+
+
+@contextlib.contextmanager
+def hold_interrupts():
+    """SIGINT held back for the block and delivered when it ends (Python's
+    handler, or the command line's, then raises KeyboardInterrupt there).
+    Only in the main thread and only where SIGINT runs a Python handler;
+    elsewhere the block runs as it is."""
+    try:
+        old = signal.getsignal(signal.SIGINT)
+        if threading.current_thread() is not threading.main_thread() or not callable(old):
+            old = None
+    except ValueError:
+        old = None
+    if old is None:
+        yield
+        return
+    held = []
+    signal.signal(signal.SIGINT, lambda signum, frame: held.append((signum, frame)))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+        if held:
+            old(*held[0])
+
+
 class OutputFile:
     """One output file, written under a temporary name and renamed into place
     by `commit`.  Use as a context manager: leaving the block by an exception
@@ -71,38 +136,37 @@ class OutputFile:
 
     def __init__(self, path, *, replace: bool = False, size: int | None = None, inputs=(),
                  what: str = "the log", mode: int = 0o666):
-        path = os.path.abspath(os.fspath(path))
-        self.path = path
         self.replace = replace
         self.committed = False
         self.fd = -1
-        check_not_input(path, inputs, what=what)
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            st = None
-        except OSError as exc:
-            raise os_error(exc, path, "cannot look at the output") from None
-        if st is not None:
-            if not stat.S_ISREG(st.st_mode):
-                raise BadSpecError("the output exists and is not a regular file", where=path,
-                                   hint="name a file to write")
-            if not replace:
-                raise OutputExistsError("the output exists", where=path, hint=OVERWRITE_HINT)
-        directory, base = os.path.split(path)
         self.tmp_path = ""
+        path, st = check_output(path, replace=replace, inputs=inputs, what=what)
+        self.path = path
+        try:
+            self._create_temporary(mode)
+            self._prepare(st, size)
+        except BaseException:  # a failure or Ctrl-C: the caller never gets the object to abort
+            self.abort()
+            raise
+
+    def _create_temporary(self, mode: int) -> None:
+        directory, base = os.path.split(self.path)
         for _ in range(100):
             tmp = os.path.join(directory, f".{base}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
-            try:
-                self.fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
-            except FileExistsError:
-                continue
-            except OSError as exc:
-                raise os_error(exc, path, "cannot create the output") from None
-            self.tmp_path = tmp
-            break
-        else:
-            raise DevmemError("cannot find a free temporary name beside the output", where=path)
+            with hold_interrupts():  # made and remembered, or neither
+                try:
+                    self.fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
+                                      mode)
+                except FileExistsError:
+                    continue
+                except OSError as exc:
+                    raise os_error(exc, self.path, "cannot create the output") from None
+                self.tmp_path = tmp
+            return
+        raise DevmemError("cannot find a free temporary name beside the output", where=self.path)
+
+    def _prepare(self, st, size) -> None:
+        path = self.path
         if st is not None:
             try:
                 os.fchmod(self.fd, stat.S_IMODE(st.st_mode))   # a replaced file keeps its mode
@@ -116,10 +180,8 @@ class OutputFile:
                     try:
                         os.ftruncate(self.fd, int(size))
                     except OSError as exc2:
-                        self.abort()
                         raise os_error(exc2, path, f"cannot make the output {size} bytes") from None
                 else:
-                    self.abort()
                     raise os_error(exc, path, f"cannot reserve {size} bytes for the output") from None
 
     def __enter__(self) -> "OutputFile":
@@ -151,24 +213,9 @@ class OutputFile:
                                   where=self.path)
             os.close(self.fd)
             self.fd = -1
-            if self.replace:
-                os.replace(self.tmp_path, self.path)
-            else:
-                try:
-                    os.link(self.tmp_path, self.path)
-                    os.unlink(self.tmp_path)
-                except FileExistsError:
-                    raise OutputExistsError("the output appeared while it was written", where=self.path,
-                                            hint=OVERWRITE_HINT) from None
-                except OSError as exc:
-                    if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS):
-                        raise
-                    # no hard links here: checked absent above, renamed now
-                    if os.path.lexists(self.path):
-                        raise OutputExistsError("the output appeared while it was written",
-                                                where=self.path, hint=OVERWRITE_HINT) from None
-                    os.rename(self.tmp_path, self.path)
-            self.committed = True
+            with hold_interrupts():  # in place and known to be, or neither
+                self._put_in_place()
+                self.committed = True
         except OSError as exc:
             self.abort()
             raise os_error(exc, self.path, "cannot complete the output") from None
@@ -177,6 +224,25 @@ class OutputFile:
             raise
         sync_parent(self.path)  # the name, not only the bytes, survives a power loss (dirsync)
         return self.path
+
+    def _put_in_place(self) -> None:
+        if self.replace:
+            os.replace(self.tmp_path, self.path)
+            return
+        try:
+            os.link(self.tmp_path, self.path)
+            os.unlink(self.tmp_path)
+        except FileExistsError:
+            raise OutputExistsError("the output appeared while it was written", where=self.path,
+                                    hint=OVERWRITE_HINT) from None
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS):
+                raise
+            # no hard links here: checked absent above, renamed now
+            if os.path.lexists(self.path):
+                raise OutputExistsError("the output appeared while it was written",
+                                        where=self.path, hint=OVERWRITE_HINT) from None
+            os.rename(self.tmp_path, self.path)
 
     def abort(self) -> None:
         """Close and remove the temporary file; the target stays as it was."""

@@ -1,11 +1,54 @@
 """Shared fixtures.  GPU tests carry the `gpu` marker and skip, with the reason,
-where CuPy or a CUDA device is missing."""
+where CuPy or a CUDA device is missing.
+
+Files in /dev/shm outlive the test run that makes them (16 MiB each for a
+session's log), so none may be left: a name a test makes there carries this
+run's process id (`shm_test_name`), and `no_shm_file_left_behind` fails the
+run when one is still there at its end (removing it), whatever test made it.
+Other runs of the suite on the same machine use other ids, so what they do
+never counts here."""
 
 from __future__ import annotations
 
 import functools
+import os
+import uuid
 
 import pytest
+
+SHM_DIR = "/dev/shm"
+
+
+def shm_test_name(what: str = "") -> str:
+    """A new name for a test's file in /dev/shm: `concordia-test-[WHAT-]PID-HEX`."""
+    return "-".join(["concordia-test", *([what] if what else []), str(os.getpid()), uuid.uuid4().hex[:12]])
+
+
+def _this_runs_shm_files() -> set[str]:
+    """Names in /dev/shm of this run's tests: `concordia-test-...` with this
+    process's id as one of its dash-separated words."""
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return set()
+    pid = str(os.getpid())
+    return {n for n in names if n.startswith("concordia-test-") and pid in n.split("-")}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_shm_file_left_behind():
+    """The whole run leaves nothing of its own in /dev/shm: what is left at the
+    end is named, removed, and fails the run."""
+    before = _this_runs_shm_files()
+    yield
+    left = sorted(_this_runs_shm_files() - before)
+    for name in left:
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+        except OSError:
+            pass
+    if left:
+        pytest.fail(f"the test run left {len(left)} file(s) in {SHM_DIR}: {', '.join(left)}", pytrace=False)
 
 
 @functools.lru_cache(maxsize=1)

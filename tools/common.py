@@ -1,7 +1,9 @@
 """What every command line shares: the error boundary (library errors become
-one line and an exit code, never a traceback), JSON output and size parsing.
+one line and an exit code, never a traceback), JSON output and size parsing,
+and how an output file is named and written (`check_outputs`, `write_output`).
 
-Exit codes: 0 clean, 1 problems found in the data, 2 usage or I/O error.
+Exit codes: 0 clean, 1 problems found in the data, 2 usage or I/O error,
+130 interrupted (`entry.interrupted`).
 """
 
 from __future__ import annotations
@@ -20,9 +22,12 @@ from concordia.wal.errors import CorruptionError, NotALogError
 from concordia.sizes import parse_size
 from concordia.wal.modes import CLI_MODES, RecoveryMode
 
+from .entry import interrupted, was_interrupted
+
 EXIT_OK = 0
 EXIT_PROBLEMS = 1
 EXIT_USAGE = 2
+# and 130 (entry.EXIT_INTERRUPTED): Ctrl-C, handled before the library is even imported
 
 # The library errors that mean "problems found in the data" (exit 1), with
 # every subclass (TornTailError, ChainError, SuperblockError are corruptions);
@@ -111,6 +116,25 @@ class OneLineGroup(click.Group):
 
     group_class = type  # `@grp.group()` makes another OneLineGroup
 
+    # Ctrl-C outside a command body (parsing, loading the benchmarks) is the
+    # same one line and exit 130 as inside one (`guarded`): caught here, before
+    # click would print a blank line and turn it into an Abort
+    def make_context(self, *args, **kwargs):
+        try:
+            return super().make_context(*args, **kwargs)
+        except KeyboardInterrupt:
+            interrupted()
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            interrupted()
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort) as exc:
+            if was_interrupted(exc):
+                interrupted()
+            raise
+
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         if not standalone_mode:  # a caller that handles click's exceptions itself
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
@@ -127,9 +151,8 @@ class OneLineGroup(click.Group):
         except click.exceptions.ClickException as exc:
             click.echo(f"error: {' '.join(exc.format_message().split())}", err=True)
             sys.exit(exc.exit_code)
-        except click.exceptions.Abort:
-            click.echo("error: interrupted", err=True)
-            sys.exit(130)
+        except click.exceptions.Abort:  # click's own Ctrl-C (or an aborted prompt)
+            interrupted()
         # click returns the code of a ctx.exit() (--help, --version) and a command's return value
         sys.exit(rv if isinstance(rv, int) and not isinstance(rv, bool) else EXIT_OK)
 
@@ -138,10 +161,10 @@ def guarded(fn):
     """Run a click command body; turn any ConcordiaError or OSError into one line
     on stderr and the documented exit code.  Anything else that escapes (a
     library failing on bytes it did not expect) also becomes one line, naming
-    the place being read, never a traceback.  While the body runs, errors
-    speak the command line's words (`root_error.speaking`): a hint names
-    `--force`, not `overwrite=True`.  A SIGBUS from a mapped file is
-    one line and exit 2 as well (`install_sigbus_guard`)."""
+    the place being read, never a traceback.  A SIGBUS from a mapped file is
+    one line and exit 2 as well (`install_sigbus_guard`).  Ctrl-C is exit 130
+    and `error: interrupted`, also when a cleanup it unwound through failed in
+    turn (`entry.was_interrupted`): the interrupt is what happened."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -150,35 +173,45 @@ def guarded(fn):
         try:
             with speaking(CLI):  # hints name the options a person types, not Python arguments
                 return fn(*args, **kwargs)
-        except click.exceptions.ClickException:
+        except SystemExit:  # the command's own exit code (a Ctrl-C it ends on by design included)
             raise
-        except click.exceptions.Exit:
-            raise
-        except ConcordiaError as exc:
-            if exc.where is None and (Where.at or Where.target):
-                exc.where = Where.at or Where.target  # every error names a place
-            click.echo(f"error: {exc.one_line(CLI)}", err=True)
-            sys.exit(exit_code_of(exc))
-        except BrokenPipeError:
-            # `concordia-wal dump LOG | head`: the reader left; that is not an error
-            _silence_stdout()
-            sys.exit(EXIT_OK)
-        except OSError as exc:
-            where = f"{exc.filename}: " if exc.filename else ""
-            click.echo(f"error: {where}{exc.strerror or exc}", err=True)
-            sys.exit(EXIT_USAGE)
-        except KeyboardInterrupt:
-            click.echo("error: interrupted", err=True)
-            sys.exit(130)
-        except Exception as exc:  # noqa: BLE001 - the boundary: one line, never a traceback
-            place = Where.at or Where.target
-            text = " ".join(f"{type(exc).__name__}: {exc}".split())
-            lead = f"{place}: " if place else ""
-            what = "unreadable data" if Where.data else "unexpected failure"
-            click.echo(f"error: {lead}{what} ({text})", err=True)
-            sys.exit(EXIT_PROBLEMS if Where.data else EXIT_USAGE)
+        except BaseException as exc:
+            if was_interrupted(exc):
+                interrupted()
+            _end_with(exc)
 
     return wrapper
+
+
+def _end_with(exc: BaseException) -> None:
+    """End a command body that raised `exc` (not an interrupt): one line on
+    stderr and the exit code (`guarded`); click's own exceptions go on to
+    click, which already prints them as one line."""
+    if isinstance(exc, (click.exceptions.ClickException, click.exceptions.Exit)):
+        raise exc
+    if isinstance(exc, ConcordiaError):
+        if exc.where is None and (Where.at or Where.target):
+            exc.where = Where.at or Where.target  # every error names a place
+        click.echo(f"error: {exc.one_line(CLI)}", err=True)
+        sys.exit(exit_code_of(exc))
+    if isinstance(exc, BrokenPipeError):
+        # `concordia-wal dump LOG | head`: the reader left; that is not an error
+        _silence_stdout()
+        sys.exit(EXIT_OK)
+    if isinstance(exc, OSError):
+        where = f"{exc.filename}: " if exc.filename else ""
+        click.echo(f"error: {where}{exc.strerror or exc}", err=True)
+        sys.exit(EXIT_USAGE)
+    if not isinstance(exc, Exception):  # GeneratorExit and the like: not ours to report
+        raise exc
+    # the boundary: anything else (a library failing on bytes it did not
+    # expect) is one line naming the place being read, never a traceback
+    place = Where.at or Where.target
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    lead = f"{place}: " if place else ""
+    what = "unreadable data" if Where.data else "unexpected failure"
+    click.echo(f"error: {lead}{what} ({text})", err=True)
+    sys.exit(EXIT_PROBLEMS if Where.data else EXIT_USAGE)
 
 
 def _silence_stdout() -> None:
@@ -286,20 +319,6 @@ def open_volume(spec: str, *, writable: bool = False):
     return vol
 
 
-def remove_log_file(spec: str) -> None:
-    """Delete the file behind a benchmark's log (`shm:NAME`, `file:PATH`), if there."""
-    import os
-
-    from concordia.devmem.opener import parse_spec
-
-    path = parse_spec(spec).path
-    if path is not None:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-
-
 def progress_bar(length: int, label: str):
     """A click progress bar on stderr (hidden when stderr is not a terminal)."""
     import inspect
@@ -387,10 +406,26 @@ def require_cupy(error, *, where: str, hint: str):
     return cupy
 
 
-def write_output(path: str, data: bytes, *, replace: bool = True, inputs=()) -> str:
+def check_outputs(force: bool, *paths, logs=()) -> None:
+    """Refuse, before any work, each output a command was asked to write
+    (None entries skipped) that is one of the `logs` it reads (names, as a
+    user gives them), that exists, unless `force` (`--force`), or that is not
+    a regular file: one line naming the path, exit 2, nothing touched
+    (devmem.outfile.check_output, the one rule every written output follows)."""
+    from concordia.devmem import parse_spec
+    from concordia.devmem.outfile import check_output
+
+    inputs = [parse_spec(log).path for log in logs]
+    for path in paths:
+        if path is not None:
+            check_output(path, replace=force, inputs=inputs)
+
+
+def write_output(path: str, data: bytes, *, replace: bool, inputs=()) -> str:
     """Write `data` as the file `path`, complete or not at all: a temporary
     file beside it, space reserved, fsynced, renamed into place
-    (devmem.outfile.OutputFile).  A failure leaves `path` as it was."""
+    (devmem.outfile.OutputFile).  An existing `path` is replaced only with
+    `replace` (`--force`); a failure or Ctrl-C leaves `path` as it was."""
     from concordia.devmem.outfile import OutputFile
 
     with OutputFile(path, replace=replace, size=len(data), inputs=inputs) as f:
@@ -398,11 +433,13 @@ def write_output(path: str, data: bytes, *, replace: bool = True, inputs=()) -> 
         return f.commit(expect_size=len(data))
 
 
-def report(doc: dict, *, as_json: bool, out: str | None, table) -> None:
-    """How every benchmark ends: JSON to `out` when asked, then JSON or the
-    table (`table(doc) -> str`) on stdout."""
+def report(doc: dict, *, as_json: bool, out: str | None, table, force: bool = False) -> None:
+    """How every benchmark ends: JSON to `out` when asked (an existing file
+    only replaced with `force`), then JSON or the table (`table(doc) -> str`)
+    on stdout."""
     if out:
-        write_output(out, json.dumps(_finite(doc), indent=2, allow_nan=False, default=_jsonable).encode())
+        write_output(out, json.dumps(_finite(doc), indent=2, allow_nan=False, default=_jsonable).encode(),
+                     replace=force)
     if as_json:
         emit_json(doc)
     else:

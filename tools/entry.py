@@ -1,36 +1,93 @@
 """The installed `concordia` and `concordia-wal` commands.
 
-Every command needs the packages the library depends on (`crc32c` for the
-log's checksums, numpy, ...), most of them only once the command runs, when
-a plain import would end in a traceback midway.  These entry points import
-the commands and the library's format module (which loads each of them)
-inside a guard, before anything runs, so a missing package is one line
-naming it and exit code 2, like any other usage error, for every command and
-its --help alike.
+The command modules import the whole library (numpy, crc32c, click: a second
+or more on a loaded machine), so two things are settled here, before those
+imports start, with nothing but the standard library:
+
+* Ctrl-C.  `interrupted` is how every command ends on an interrupt: the one
+  line `error: interrupted` on stderr and exit 130, never a traceback, during
+  the imports as much as during the work.  The first SIGINT stops the
+  command (KeyboardInterrupt, which unwinds through every cleanup: temporary
+  files removed, a benchmark's logs deleted); later ones are ignored, so that
+  the cleanup is not cut short.  A SIGINT that was ignored when the process
+  started (a background job) stays ignored.
+* A missing package.  Every command needs the packages the library depends
+  on (`crc32c` for the log's checksums, numpy, ...), most of them only once
+  the command runs, when a plain import would end in a traceback midway.  The
+  commands and the library's format module (which loads each of them) are
+  imported inside a guard, before anything runs, so a missing package is one
+  line naming it and exit code 2, like any other usage error, for every
+  command and its --help alike.
 """
 
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
 
-__all__ = ["concordia", "concordia_wal"]
+__all__ = ["concordia", "concordia_wal", "interrupted", "was_interrupted", "EXIT_INTERRUPTED"]
 
 EXIT_USAGE = 2  # tools.common.EXIT_USAGE, which cannot be imported without the library
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
+
+
+def interrupted() -> None:
+    """End the command after Ctrl-C: one line on stderr, exit 130."""
+    try:
+        sys.stderr.write("error: interrupted\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+    sys.exit(EXIT_INTERRUPTED)
+
+
+def was_interrupted(exc: BaseException | None) -> bool:
+    """Whether `exc` is a KeyboardInterrupt or was raised while one unwound
+    (a cleanup that failed because the work under it was cut short, say a
+    log closed with a reservation still open): either way the command was
+    interrupted, and says so, rather than reporting what the cleanup tripped on."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _on_sigint(signum, frame):
+    # the first Ctrl-C stops the command; the cleanup it unwinds through runs to its end
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+def _catch_interrupts() -> None:
+    """Install `_on_sigint` where SIGINT has Python's own handler (not where
+    it was ignored at start, nor where an embedding program set another)."""
+    try:
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, _on_sigint)
+    except ValueError:  # not the main thread of the main interpreter
+        pass
 
 
 def _run(program: str, module: str) -> None:
+    _catch_interrupts()
     try:
-        main = importlib.import_module(module, __package__).main
-        importlib.import_module("concordia.wal.format")  # numpy and crc32c: what every command needs
-    except ModuleNotFoundError as exc:
-        missing = (exc.name or "").partition(".")[0]
-        if not missing or missing == "concordia":
-            raise
-        print(f"{program}: error: needs the {missing!r} package, which is not installed "
-              f"(pip install {missing})", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
-    main()
+        try:
+            main = importlib.import_module(module, __package__).main
+            importlib.import_module("concordia.wal.format")  # numpy and crc32c: what every command needs
+        except ModuleNotFoundError as exc:
+            missing = (exc.name or "").partition(".")[0]
+            if not missing or missing == "concordia":
+                raise
+            print(f"{program}: error: needs the {missing!r} package, which is not installed "
+                  f"(pip install {missing})", file=sys.stderr)
+            sys.exit(EXIT_USAGE)
+        main()
+    except KeyboardInterrupt:
+        interrupted()
 
 
 def concordia() -> None:

@@ -13,7 +13,7 @@ import click
 from . import render as R
 from concordia.wal.modes import RecoveryMode
 
-from .common import MODES, Bar, emit_json, guarded, mode_name, open_volume
+from .common import MODES, Bar, check_outputs, emit_json, guarded, mode_name, open_volume
 
 VERIFY_SCHEMA = "concordia-wal/verify/1"
 PLAN_SCHEMA = "concordia-wal/plan/1"
@@ -191,6 +191,7 @@ def verify_cmd(log, mode, repair, backup, force, quiet, as_json):
         raise click.UsageError("--backup goes with --repair")
     if force and not repair:
         raise click.UsageError("--force goes with --repair (it lets the --backup file be replaced)")
+    check_outputs(force, backup, logs=[log])  # before the log is opened: refused at once, in one line
 
     m = mode_name(mode)
     vol = _open_for_repair(log) if repair else open_volume(log)

@@ -4,7 +4,6 @@ into a `.npy` file.  `snapshot list` and `restore` are read-only."""
 
 from __future__ import annotations
 
-import os
 import sys
 
 import click
@@ -12,7 +11,8 @@ import click
 from concordia.wal.errors import UsageError
 
 from . import render as R
-from .common import EXIT_OK, MODES, Bar, Where, emit_json, guarded, mode_name, open_volume, progress_bar
+from .common import (EXIT_OK, MODES, Bar, Where, check_outputs, emit_json, guarded, mode_name, open_volume,
+                     progress_bar)
 
 
 def _open_log_writable(spec: str):
@@ -264,14 +264,12 @@ def restore_cmd(log, region, epoch, out, mode, force, verbose):
     """
     import numpy as np
 
-    from concordia.devmem.errors import OutputExistsError
-    from concordia.devmem.outfile import OVERWRITE_HINT, check_not_input
+    from concordia.devmem.outfile import check_not_input
     from concordia.wal.apply import restore_region_npy
     from concordia.wal.decide import counts, decide
     from concordia.wal.planner import scan
 
-    if os.path.exists(out) and not force:  # before the scan: refused at once, in one line
-        raise OutputExistsError("the output exists", where=out, hint=OVERWRITE_HINT)
+    check_outputs(force, out, logs=[log])  # before the scan: refused at once, in one line
     m = mode_name(mode)
     vol = open_volume(log)
     try:

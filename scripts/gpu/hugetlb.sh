@@ -36,7 +36,7 @@ timeout 90 python3 -m pytest tests/session/test_restore_hugetlb.py tests/devmem/
 # the standby first (about 40 s: the primary writes 10 GiB), then bench recover with
 # what is left of 285 s (it writes its JSON after every row: a run cut short keeps them)
 timeout -k 5 90 "${WAL[@]}" bench standby --gib "${HUGETLB_STANDBY_GIB:-10}" --tier hugetlb \
-  --json --out "$OUT/standby.json" > /dev/null || rc=1
+  --json --out "$OUT/standby.json" --force > /dev/null || rc=1
 python3 -c "
 import json; d=json.load(open('$OUT/standby.json'))
 print('standby', round(d['GiB'],2), 'GiB', d['tier'], ': kill->decoding', round(d['kill_to_decoding_s'],3), 's (goal', d['goals']['kill_to_decoding_s'], ')',
@@ -47,7 +47,7 @@ print('standby', round(d['GiB'],2), 'GiB', d['tier'], ': kill->decoding', round(
 left=$(( 285 - ($(date +%s) - start) ))
 echo "bench recover: ${left}s left"
 timeout -k 5 "$left" "${WAL[@]}" bench recover --tiers hugetlb --sizes "$sizes" --no-torch \
-  --registered-max-gib 10 --json --out "$OUT/recover-hugetlb.json" > /dev/null || rc=1
+  --registered-max-gib 10 --json --out "$OUT/recover-hugetlb.json" --force > /dev/null || rc=1
 python3 -c "
 import json; d=json.load(open('$OUT/recover-hugetlb.json'))
 print('ceiling', round(d['ceiling']['GBps'],1), 'GB/s', d['ceiling']['what'])

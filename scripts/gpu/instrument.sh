@@ -21,6 +21,6 @@ timeout -k 5 100 python3 -m pytest tests/instrument -m gpu -q -p no:cacheprovide
   --junitxml="$OUT/instrument-pytest.xml" 2>&1 | tee "$OUT/instrument-tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 timeout -k 5 90 python3 -c "from concordia.tools.wal_cli import main; main()" bench instrument --json \
-  --out "$OUT/instrument.json" > /dev/null 2> "$OUT/instrument-bench.err" || status=1
+  --out "$OUT/instrument.json" --force > /dev/null 2> "$OUT/instrument-bench.err" || status=1
 cat "$OUT/instrument-bench.err"
 exit $status

@@ -10,7 +10,7 @@ mkdir -p "$OUT"
 rc=0
 timeout -k 5 220 python3 -c "import sys; from concordia.tools.wal_cli import main; sys.argv[0] = 'concordia-wal'; main()" \
   bench longrun --epochs "${LONGRUN_EPOCHS:-100000}" --noretain-epochs 20000 --seconds "${LONGRUN_SECONDS:-100}" \
-  --json --out "$OUT/longrun.json" --plot "$OUT/longrun.png" > /dev/null || rc=1
+  --json --out "$OUT/longrun.json" --force --plot "$OUT/longrun.png" > /dev/null || rc=1
 python3 -c "
 import json; d=json.load(open('$OUT/longrun.json'))
 for c in d['configs'].values():

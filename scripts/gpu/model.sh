@@ -25,5 +25,5 @@ sys.exit(0 if rep["identical"] else 1)
 PY
 rm -f /dev/shm/concordia-model-demo /dev/shm/concordia-model-demo.ref
 timeout -k 5 330 python3 -c "from concordia.tools.wal_cli import main; main()" bench model \
-  --contexts "${MODEL_CONTEXTS:-1024,8192,32768}" --out "$OUT/model.json" || status=1
+  --contexts "${MODEL_CONTEXTS:-1024,8192,32768}" --out "$OUT/model.json" --force || status=1
 exit $status

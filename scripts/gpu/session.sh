@@ -29,7 +29,7 @@ rm -rf "$OUT/demo-work"
 left=$(( budget - ($(date +%s) - start) - 5 ))
 echo "bench recover: ${left}s left"
 timeout -k 5 "$left" python3 -c "import sys; from concordia.tools.wal_cli import main; sys.argv[0] = 'concordia-wal'; main()" bench recover --sizes "${RECOVER_SIZES:-1,10,40}" \
-  ${RECOVER_ARGS:-} --json --plot --out "$OUT/recover.json" > /dev/null || rc=1
+  ${RECOVER_ARGS:-} --json --plot --out "$OUT/recover.json" --force > /dev/null || rc=1
 python3 -c "
 import json; d=json.load(open('$OUT/recover.json'))
 print('ceiling', round(d['ceiling']['GBps'],1), 'GB/s')

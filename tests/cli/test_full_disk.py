@@ -353,7 +353,7 @@ def test_bench_json_is_written_whole_or_not_at_all(tmpfs):
     fill(tmpfs)
     before = sha(out)
     with pytest.raises(DevmemError, match="No space left"):
-        report({"a": "x" * (64 << 10)}, as_json=False, out=str(out), table=lambda d: "t")
+        report({"a": "x" * (64 << 10)}, as_json=False, out=str(out), table=lambda d: "t", force=True)
     assert sha(out) == before and listing(tmpfs) == ["bench.json", "filler"]
 
 
@@ -362,13 +362,13 @@ def test_bench_json_is_written_whole_or_not_at_all(tmpfs):
     pytest.param("model", marks=pytest.mark.slow),  # a tiny transformers model on the CPU, ~10 s
 ])
 def test_bench_out_on_a_full_tmpfs_keeps_the_old_json(bench, tmpfs, tmp_path):
-    # the whole run, then --out refused in one line: the old file as it was, no temporary left
+    # the whole run, then --out --force refused in one line: the old file as it was, no temporary left
     out = tmpfs / f"{bench}.json"
     out.write_text('{"old": true}')
     fill(tmpfs)
     before = sha(out)
     args = ["--dir", tmp_path] if bench == "model" else []
-    res = run("bench", bench, "--quick", *args, "--json", "--out", out, code=2, timeout=600)
+    res = run("bench", bench, "--quick", *args, "--json", "--out", out, "--force", code=2, timeout=600)
     # transformers draws its own loading bars on stderr before: the refusal is the last line, and one
     err = one_line(res) if bench == "standby" else res.stderr.strip().splitlines()[-1]
     assert err.startswith("error: ") and "No space left" in err and "Traceback" not in res.stderr

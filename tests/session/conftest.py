@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import glob
 import os
-import uuid
 
 import pytest
+
+from tests.conftest import SHM_DIR, shm_test_name
 
 
 @pytest.fixture
@@ -14,13 +16,16 @@ def file_log(tmp_path):
 
 
 def _fresh_shm_log():
-    """A unique shm: log name, removed from /dev/shm afterwards."""
-    name = f"concordia-test-{uuid.uuid4().hex[:12]}"
+    """A unique shm: log name; afterwards, pass or fail, the log and every
+    file a test named after it (`shm_log + "-h"`, a copy beside it) are
+    removed from /dev/shm."""
+    name = shm_test_name()
     yield f"shm:{name}"
-    try:
-        os.unlink(os.path.join("/dev/shm", name))
-    except FileNotFoundError:
-        pass
+    for path in glob.glob(os.path.join(SHM_DIR, glob.escape(name) + "*")):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 @pytest.fixture

@@ -35,7 +35,6 @@ from __future__ import annotations
 import os
 import shutil
 import sqlite3
-import tempfile
 import time
 
 import click
@@ -45,7 +44,8 @@ from crc32c import crc32c
 from concordia.devmem import open_backend
 from concordia.wal import Log, pagecrc
 
-from ..common import SIZE, guarded, report
+from ..common import SIZE, check_outputs, guarded, report
+from .files import SHM_DIR, Scratch, force_option
 
 PAGE = 4096
 SIZES = (1, 4, 16, 64, 256, 1024)
@@ -75,7 +75,7 @@ def _concordia(spec: str, src, npp: int, nrec: int, commit_bytes: int, seg: int)
     rec = npp * PAGE
     need = nrec * (rec + 128) + (nrec * rec // commit_bytes + 2) * 128
     size = (need // seg + 3) * seg + (1 << 20)
-    log = Log.create(open_backend(spec, size=size, create=True), segment_size=seg)
+    log = Log.create(spec, size=size, segment_size=seg)  # a new log in the run's own folder (Scratch)
     rid = log.define_region("bench", np.uint8, (1024 * PAGE,), PAGE, "opaque")
     app = log.appender
     ids = np.arange(npp, dtype=np.uint32)
@@ -99,7 +99,7 @@ def _ceiling_shm(path: str, src, npp: int, nrec: int, how: str) -> float:
     page CRC helper over the record as one row), "fused" (the helper copies and
     hashes the record in one pass, as the log copies and hashes each page)."""
     rec = npp * PAGE
-    b = open_backend(f"shm:{path}", size=(nrec * rec // (1 << 20) + 1) * (1 << 20), create=True)
+    b = open_backend(f"shm:{path}", size=(nrec * rec // (1 << 20) + 1) * (1 << 20), create=True)  # Scratch's
     try:
         dst = b.array
         dst[:] = 0  # touch every page, as the log's zero fill does
@@ -127,7 +127,7 @@ def _ceiling_shm(path: str, src, npp: int, nrec: int, how: str) -> float:
 def _ceiling_file(path: str, src, npp: int, nrec: int, commit_bytes: int) -> float:
     rec = npp * PAGE
     flat = src.reshape(-1)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)  # a fresh path of the run's (Scratch)
     try:
         zeros = bytes(1 << 20)
         for _ in range(-(-nrec * rec // len(zeros))):  # preallocate, as the log is
@@ -226,21 +226,21 @@ def _fstype(path: str) -> str | None:
     return kind
 
 
-def run(total: int, sizes, commit_bytes: int, media, workdir: str, repeat: int) -> dict:
+def run(total: int, sizes, commit_bytes: int, media, workdir: str | None, repeat: int, scratch: Scratch) -> dict:
+    """Measure; every file goes in `scratch`'s folders (in /dev/shm for shm,
+    in `workdir`, default the temporary folder, for file)."""
     src = _source()
     rows = []
     verify = None
-    tag = f"{os.getpid()}-{time.time_ns()}"
     for medium in media:
-        base = "/dev/shm" if medium == "shm" else workdir
+        base = SHM_DIR if medium == "shm" else workdir
         synced = medium == "file"
         for npp in sizes:
             rec, nrec, payload = _plan(total, npp)
             seg = 16 << 20 if total <= 64 << 20 else 64 << 20  # a 4 MiB record fits either
             best = {"concordia": [], "ceiling": [], "ceiling_package_crc": [], "sqlite": [], "lmdb": []}
             for r in range(repeat):
-                name = f"concordia-bench-{tag}-{npp}-{r}"
-                path = os.path.join(base, name)
+                path = scratch.path(f"{npp}-{r}", base)
                 spec = f"shm:{path}" if medium == "shm" else f"file:{path}"
                 secs, log = _concordia(spec, src, npp, nrec, commit_bytes, seg)
                 best["concordia"].append(secs)
@@ -255,7 +255,7 @@ def run(total: int, sizes, commit_bytes: int, media, workdir: str, repeat: int) 
                               "ceiling_crc32c_gb_per_s": v["bytes_checked"] / ceil / 1e9 if ceil else None}
                     verify["ratio"] = verify["gb_per_s"] / verify["ceiling_crc32c_gb_per_s"]
                 log.close()
-                os.unlink(path)
+                scratch.discard(spec)
                 if medium == "shm":
                     # the ceiling is the fastest way here to copy and CRC32C the bytes
                     # (the helper folds on AVX-512; fused, it reads each byte once)
@@ -294,7 +294,8 @@ def run(total: int, sizes, commit_bytes: int, media, workdir: str, repeat: int) 
             "shm_ceiling": "fastest of " + ", ".join(SHM_CEILINGS) if "shm" in media else None,
             "file_targets": FILE_TARGETS if "file" in media else None,
             "page_bytes": PAGE, "total_bytes": total, "commit_bytes": commit_bytes,
-            "repeat": repeat, "cpu_count": os.cpu_count(), "file_fs": _fstype(workdir), "results": rows,
+            "repeat": repeat, "cpu_count": os.cpu_count(), "file_fs": _fstype(scratch.folder(workdir)) if "file" in media else None,
+            "results": rows,
             "verify": verify, "goals": goals}
 
 
@@ -329,13 +330,14 @@ def _table(doc: dict) -> str:
               help="payload bytes between commits")
 @click.option("--medium", "media", type=click.Choice(MEDIA), multiple=True, help="shm, file (default both)")
 @click.option("--dir", "workdir", type=click.Path(file_okay=False), default=None,
-              help="where the file logs go (default: a fresh temporary folder)")
+              help="where the file logs go, in a folder of the run's own (default: the temporary folder)")
 @click.option("--repeat", type=int, default=1, show_default=True, help="timed passes (best kept)")
 @click.option("--quick", is_flag=True, help="16 MiB, three record sizes (CI smoke run)")
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of the table")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="also write JSON here")
+@force_option("--out")
 @guarded
-def command(total, sizes, commit_bytes, media, workdir, repeat, quick, as_json, out):
+def command(total, sizes, commit_bytes, media, workdir, repeat, quick, as_json, out, force):
     """Append + commit throughput of page batches beside memcpy+CRC32C, SQLite WAL and LMDB.
 
     Example:
@@ -344,6 +346,7 @@ def command(total, sizes, commit_bytes, media, workdir, repeat, quick, as_json, 
         concordia-wal bench append --quick
         concordia-wal bench append --pages 256 --pages 1024 --medium shm --json
     """
+    check_outputs(force, out)  # before the run: a long benchmark is not refused at its end
     if quick:
         total, sizes = 16 << 20, sizes or QUICK_SIZES
     sizes = tuple(sizes) or SIZES
@@ -353,9 +356,6 @@ def command(total, sizes, commit_bytes, media, workdir, repeat, quick, as_json, 
         raise click.BadParameter(f"{workdir}: no such folder", param_hint="--dir")
     if "shm" in (media or MEDIA) and not os.path.isdir("/dev/shm"):
         raise click.BadParameter("no /dev/shm on this machine", param_hint="--medium")
-    scratch = tempfile.mkdtemp(prefix="concordia-bench-", dir=workdir)
-    try:
-        doc = run(total, sizes, commit_bytes, media or MEDIA, scratch, repeat)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    report(doc, as_json=as_json, out=out, table=_table)
+    with Scratch("append") as scratch:  # every file of the run goes, however it ends
+        doc = run(total, sizes, commit_bytes, media or MEDIA, workdir, repeat, scratch)
+    report(doc, as_json=as_json, out=out, table=_table, force=force)

@@ -52,9 +52,10 @@ from concordia.checkpoint.staging import page_crc_table
 from concordia.gpu_kernels import reference as ref
 from concordia.gpu_kernels.errors import GpuUnavailableError
 from concordia.sizes import parse_size
-from concordia.tools.common import guarded, remove_log_file, report, require_cupy, write_output
+from concordia.tools.common import check_outputs, guarded, report, require_cupy
 
 from . import kernels
+from .files import Scratch, force_option, save_figure
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -185,9 +186,9 @@ def _session_steps(runner, arrays: dict, step, reps: int, *, staging: str, tag: 
     why = _shm_room(need)
     if why:
         return {"error": why}
-    name = f"concordia-bench-{tag}{os.getpid()}"
+    log = runner.scratch.log(f"steps-{tag}")
     try:
-        with Session(f"shm:{name}", overwrite=True, size=need, segment_size=seg, staging=staging) as s:
+        with Session(log, size=need, segment_size=seg, staging=staging) as s:
             for k, a in arrays.items():
                 s.register(k, a, page_bytes=runner.pb, detect="fingerprint")
             s.checkpoint()
@@ -205,7 +206,7 @@ def _session_steps(runner, arrays: dict, step, reps: int, *, staging: str, tag: 
     except Exception as exc:  # reported in the row, the bench goes on
         return {"error": f"{type(exc).__name__}: {exc}"}
     finally:
-        remove_log_file(f"shm:{name}")
+        runner.scratch.discard(log)
 
 
 def _regions_part(runner, counts: list[int], total: int, rng, reps: int) -> tuple[list, dict]:
@@ -457,8 +458,8 @@ class _Gpu:
             from cupyx import empty_pinned
 
             log_bytes = 256 * MiB
-            name = f"concordia-bench-{os.getpid()}"
-            backend = open_backend(f"shm:{name}", size=log_bytes, create=True)
+            spec = self.scratch.log("host-scan")
+            backend = open_backend(spec, size=log_bytes, create=True)
             try:
                 log = Log.create(backend, size=log_bytes, segment_size=32 * MiB)
                 app = log.appender
@@ -499,7 +500,7 @@ class _Gpu:
                 log.close()
             finally:
                 backend.close()
-                remove_log_file(f"shm:{name}")
+                self.scratch.discard(spec)
             row["host_scan_checkpoint_s"] = t_host
             for detector in E2E_DETECTORS:
                 t = row.get(f"gpu_checkpoint_s_{detector}")
@@ -542,7 +543,7 @@ class _Gpu:
         from concordia.session import Session
 
         cp = self.cp
-        name = f"concordia-bench-s{os.getpid()}"
+        log = self.scratch.log(f"e2e-{detector}")
         seg = 64 * MiB
         # the base goes in 8 MiB records, seven to a 64 MiB segment
         need = -(-(region.nbytes * 5 // 4 + 4 * seg) // seg) * seg
@@ -562,7 +563,7 @@ class _Gpu:
             else:
                 def dirty():
                     self.dirty(region, npages, 1, rng)
-            with Session(f"shm:{name}", overwrite=True, size=need, segment_size=seg) as s:
+            with Session(log, size=need, segment_size=seg) as s:
                 s.register("r", region, page_bytes=self.pb, detect=detector)
                 s.checkpoint()
                 times, reads, via = [], [], None
@@ -582,7 +583,7 @@ class _Gpu:
         finally:
             if detector == "stores":
                 instrument.disable()
-            remove_log_file(f"shm:{name}")
+            self.scratch.discard(log)
 
     # kv ---------------------------------------------------------------------------
     def kv(self, cache_sizes, rng, seqs=256, new_tokens=1) -> list[dict]:
@@ -809,7 +810,7 @@ def _table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _plot(result: dict, path: str) -> None:
+def _plot(result: dict, path: str, *, replace: bool) -> None:
     """Four panels; a part that was not run (--parts) gets an empty panel
     saying so (log axes cannot be drawn without data)."""
     import matplotlib
@@ -861,11 +862,7 @@ def _plot(result: dict, path: str) -> None:
                      ylim=(0, None))
     fig.suptitle(f"Concordia checkpoint: {result['device']}")
     fig.tight_layout()
-    import io
-
-    buf = io.BytesIO()
-    fig.savefig(buf, dpi=110, format="png")
-    write_output(path, buf.getvalue())  # complete or absent, like the JSON
+    save_figure(fig, path, replace=replace)  # complete or absent, like the JSON
 
 
 @click.command("checkpoint")
@@ -887,9 +884,10 @@ def _plot(result: dict, path: str) -> None:
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--parts", default="detect,stage,e2e,kv,regions,decode", show_default=True,
               help="Which parts to run (the others are reported empty).")
+@force_option("--out", "--plot")
 @guarded
 def command(as_json, out, plot, quick, cpu, sizes, fractions, e2e_sizes, stage_region, kv_cache_sizes,
-            region_counts, regions_total, decode_len, page_bytes, reps, seed, parts):
+            region_counts, regions_total, decode_len, page_bytes, reps, seed, parts, force):
     """Delta checkpoint: shadow diff vs device read bandwidth, staging vs
     pinned device-to-host copies, one dirty page end to end vs host-side
     scanning, the KV scanner vs cache size, checkpoints of 1 to 1,024
@@ -901,6 +899,7 @@ def command(as_json, out, plot, quick, cpu, sizes, fractions, e2e_sizes, stage_r
     \b
         concordia-wal bench checkpoint --json --out checkpoint.json --plot checkpoint.png
     """
+    check_outputs(force, out, plot)  # before the run: a long benchmark is not refused at its end
     ref.check_page_bytes(page_bytes)
     preset = (CPU_QUICK if quick else CPU_DEFAULT) if cpu else (QUICK if quick else DEFAULT)
     opt = {"sizes": sizes, "fractions": fractions, "e2e_sizes": e2e_sizes, "stage_region": stage_region,
@@ -921,6 +920,15 @@ def command(as_json, out, plot, quick, cpu, sizes, fractions, e2e_sizes, stage_r
                                  param_hint="--parts")
     rng = np.random.default_rng(seed)
     runner = _Cpu(page_bytes, reps) if cpu else _Gpu(page_bytes, reps)
+    runner.scratch = Scratch("checkpoint")
+    with runner.scratch:  # the parts' own logs, gone however the run ends
+        result = _run(runner, cfg, want, swept, fr, counts, max_len, rng, reps, page_bytes, cpu)
+    report(result, as_json=as_json, out=out, table=_table, force=force)
+    if plot:  # after the JSON is out: a machine without matplotlib still keeps the figures
+        _plot(result, plot, replace=force)
+
+
+def _run(runner, cfg, want, swept, fr, counts, max_len, rng, reps, page_bytes, cpu) -> dict:
     result = {"bench": "checkpoint", "device": runner.device, "page_bytes": page_bytes, "reps": reps,
               "config": cfg, "cpu": bool(cpu), "parts": sorted(want),
               "measured_through": MEASURED_THROUGH}
@@ -932,6 +940,4 @@ def command(as_json, out, plot, quick, cpu, sizes, fractions, e2e_sizes, stage_r
         _regions_part(runner, counts, swept["regions_total"][0], rng, max(3, reps)) if "regions" in want else ([], {}))
     result["decode_shaped"] = _decode_part(runner, max_len, rng, max(3, reps)) if "decode" in want else {}
     result["summary"] = _summary(result)
-    report(result, as_json=as_json, out=out, table=_table)
-    if plot:  # after the JSON is out: a machine without matplotlib still keeps the figures
-        _plot(result, plot)
+    return result

@@ -19,7 +19,8 @@ import click
 import numpy as np
 
 from .restore import build_log, check_log_options, log_options
-from ..common import SIZE, guarded, report
+from ..common import SIZE, check_outputs, guarded, report
+from .files import force_option
 
 
 def run(size: int, epochs: int, dirty: float, page_bytes: int, chunk: int) -> dict:
@@ -98,8 +99,9 @@ def _table(doc: dict) -> str:
 @click.option("--quick", is_flag=True, help="8 MiB, 6 epochs (CI smoke run)")
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of the table")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="also write JSON here")
+@force_option("--out")
 @guarded
-def command(size, epochs, dirty, page_bytes, chunk, quick, as_json, out):
+def command(size, epochs, dirty, page_bytes, chunk, quick, as_json, out, force):
     """Compaction throughput (fold from the log, and from a live image) beside
     memcpy + CRC32C of the same bytes.
 
@@ -109,10 +111,11 @@ def command(size, epochs, dirty, page_bytes, chunk, quick, as_json, out):
         concordia-wal bench compact --quick
         concordia-wal bench compact --size 1G --json
     """
+    check_outputs(force, out)  # before the run: a long benchmark is not refused at its end
     if quick:
         size, epochs = 8 << 20, 6
     check_log_options(size, epochs, dirty, page_bytes)
     if chunk < page_bytes:
         raise click.BadParameter(f"{chunk} bytes is less than a page ({page_bytes})", param_hint="--chunk")
     doc = run(size, epochs, dirty, page_bytes, chunk)
-    report(doc, as_json=as_json, out=out, table=_table)
+    report(doc, as_json=as_json, out=out, table=_table, force=force)

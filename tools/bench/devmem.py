@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import shutil
-import tempfile
 import time
 
 import click
@@ -21,7 +19,8 @@ import numpy as np
 
 from concordia.devmem import libpmem, open_backend
 
-from ..common import SIZE, guarded, report
+from ..common import SIZE, check_outputs, guarded, report
+from .files import SHM_DIR, Scratch, force_option
 
 TIERS = ("memory", "shm", "file", "pmem", "pmem-nolibpmem", "devdax-emulated", "pinned")
 
@@ -57,21 +56,23 @@ def _ceiling(size: int, src: np.ndarray, chunk: int, repeat: int) -> float:
     return secs
 
 
-def _open(tier: str, workdir: str, size: int):
-    """(backend, cleanup path or None), or (None, reason) when the tier is not here."""
+def _open(tier: str, scratch: Scratch, workdir: str | None, size: int):
+    """(backend, path of its file or None), or (None, reason) when the tier is
+    not here.  Files go in `scratch`'s folders (in /dev/shm for shm, in
+    `workdir`, default the temporary folder, for the others)."""
     if tier == "memory":
         return open_backend("memory:", size=size), None
     if tier == "shm":
-        path = f"/dev/shm/concordia-bench-{os.getpid()}"
+        path = scratch.path("shm", SHM_DIR)
         return open_backend(f"shm:{path}", size=size, create=True), path
     if tier == "file":
-        path = os.path.join(workdir, "bench-file.log")
+        path = scratch.path("file.log", workdir)
         return open_backend(f"file:{path}", size=size, create=True), path
     if tier in ("pmem", "pmem-nolibpmem"):
         mode = "off" if tier == "pmem-nolibpmem" else "require"
         if mode == "require" and not libpmem.available():
             return None, "libpmem not installed"
-        path = os.path.join(workdir, f"bench-{tier}.log")
+        path = scratch.path(f"{tier}.log", workdir)
         return open_backend(f"pmem:{path}", size=size, create=True, libpmem=mode), path
     if tier == "devdax-emulated":
         from concordia.devmem.devdax import DevDaxBackend
@@ -79,7 +80,7 @@ def _open(tier: str, workdir: str, size: int):
         align = 2 << 20
         if size % align:
             return None, f"size not a multiple of {align}"
-        path = os.path.join(workdir, "bench-dax-standin")
+        path = scratch.path("dax-standin", workdir)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.fchmod(fd, 0o600)
@@ -97,14 +98,14 @@ def _open(tier: str, workdir: str, size: int):
     raise click.BadParameter(f"unknown tier {tier!r}")
 
 
-def run(size: int, chunk: int, repeat: int, tiers, workdir: str) -> dict:
+def run(size: int, chunk: int, repeat: int, tiers, workdir: str | None, scratch: Scratch) -> dict:
     """Measure; returns the JSON document."""
     src = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
     ceiling_s = _ceiling(size, src, chunk, repeat)
     ceiling = size / ceiling_s / 1e9
     rows, skipped = [], {}
     for tier in tiers:
-        backend, extra = _open(tier, workdir, size)
+        backend, extra = _open(tier, scratch, workdir, size)
         if backend is None:
             skipped[tier] = extra
             continue
@@ -116,8 +117,8 @@ def run(size: int, chunk: int, repeat: int, tiers, workdir: str) -> dict:
                          "gb_per_s": round(gbps, 3), "ratio_to_memcpy": round(gbps / ceiling, 4)})
         finally:
             backend.close()
-            if extra and os.path.exists(extra):
-                os.unlink(extra)
+            if extra:
+                scratch.discard(extra)  # the space back before the next tier
     return {
         "benchmark": "devmem",
         "what": "sequential write + persist per chunk, best of repeat passes, warm mapping",
@@ -147,12 +148,13 @@ def _table(doc: dict) -> str:
 @click.option("--tier", "tiers", multiple=True, type=click.Choice(TIERS),
               help="tiers to measure (default: all that exist here)")
 @click.option("--dir", "workdir", type=click.Path(file_okay=False), default=None,
-              help="where file and pmem logs go (default: a fresh temporary folder)")
+              help="where file and pmem logs go, in a folder of the run's own (default: the temporary folder)")
 @click.option("--quick", is_flag=True, help="16 MiB, one timed pass (CI smoke run)")
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of the table")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="also write JSON here")
+@force_option("--out")
 @guarded
-def command(size, chunk, repeat, tiers, workdir, quick, as_json, out):
+def command(size, chunk, repeat, tiers, workdir, quick, as_json, out, force):
     """Write + persist bandwidth of every memory tier beside raw memcpy.
 
     Example:
@@ -161,6 +163,7 @@ def command(size, chunk, repeat, tiers, workdir, quick, as_json, out):
         concordia-wal bench devmem --quick
         concordia-wal bench devmem --size 1G --tier shm --tier pmem --json
     """
+    check_outputs(force, out)  # before the run: a long benchmark is not refused at its end
     if quick:
         size, repeat = 16 << 20, 1
     size -= size % 4096                       # whole pages: every tier maps pages
@@ -168,9 +171,6 @@ def command(size, chunk, repeat, tiers, workdir, quick, as_json, out):
         raise click.BadParameter("size (at least one 4 KiB page), chunk and repeat must be positive")
     if workdir is not None and not os.path.isdir(workdir):
         raise click.BadParameter(f"{workdir}: no such folder", param_hint="--dir")
-    scratch = tempfile.mkdtemp(prefix="concordia-bench-", dir=workdir)
-    try:
-        doc = run(size, chunk, repeat, tiers or TIERS, scratch)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    report(doc, as_json=as_json, out=out, table=_table)
+    with Scratch("devmem") as scratch:  # every file of the run goes, however it ends
+        doc = run(size, chunk, repeat, tiers or TIERS, workdir, scratch)
+    report(doc, as_json=as_json, out=out, table=_table, force=force)

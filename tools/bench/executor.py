@@ -34,8 +34,9 @@ from concordia.executor.errors import ExecutorError
 from concordia.executor.host import Submitter
 from concordia.executor.ring import N_ARGS, ConsumerState, Op, Ring, TaskView
 
-from ..common import guarded, report, require_cupy
+from ..common import check_outputs, guarded, report, require_cupy
 from . import kernels
+from .files import force_option
 
 
 def _stats(samples) -> dict:
@@ -599,8 +600,9 @@ def _table(doc: dict) -> str:
 @click.option("--quick", is_flag=True, help="small sizes, few repetitions (CI smoke run)")
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of the table")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="also write JSON here")
+@force_option("--out")
 @guarded
-def command(on_cpu, quick, as_json, out):
+def command(on_cpu, quick, as_json, out, force):
     """Task round trip, residency cost, checkpoint throughput and hot-swap gap
     of the persistent executor, beside the launches it replaces.
 
@@ -610,8 +612,9 @@ def command(on_cpu, quick, as_json, out):
         concordia-wal bench executor --json --out executor.json
         concordia-wal bench executor --cpu --quick
     """
+    check_outputs(force, out)  # before the run: a long benchmark is not refused at its end
     doc = run_cpu(quick) if on_cpu else run_gpu(quick)
-    report(doc, as_json=as_json, out=out, table=_table)
+    report(doc, as_json=as_json, out=out, table=_table, force=force)
     if doc.get("errors"):
         name, first = next(iter(doc["errors"].items()))
         raise ExecutorError(f"{len(doc['errors'])} stage(s) failed, first {name}: {first}", where="bench executor")

@@ -41,7 +41,8 @@ import numpy as np
 
 from concordia.executor.errors import ExecutorError
 
-from ..common import guarded, remove_log_file, report, require_cupy
+from ..common import check_outputs, guarded, report, require_cupy
+from .files import Scratch, force_option
 
 MiB = 1 << 20
 STALL_S = 0.2
@@ -160,7 +161,7 @@ def run_stall_device(cp, every: int, log: str, quick: bool) -> dict:
                 "errors": tr.errors, "commit_by": s.resident.commit_by}
 
 
-def _checkpoint_ms(log: str, n: int, reps: int, xp, executor: str, staging: str) -> dict:
+def _checkpoint_ms(scratch: Scratch, log: str, n: int, reps: int, xp, executor: str, staging: str) -> dict:
     """Median `Session.checkpoint()` of `n` regions of 16 pages, one page of each dirtied."""
     from concordia import Session
 
@@ -188,17 +189,17 @@ def _checkpoint_ms(log: str, n: int, reps: int, xp, executor: str, staging: str)
                     "table_pass": last.table_pass, "via": sorted(set(last.via.values())),
                     "executor": last.executor}
     finally:
-        remove_log_file(log)
+        scratch.discard(log)
 
 
-def run(on_gpu: bool, quick: bool, counts: list[int]) -> dict:
+def run(on_gpu: bool, quick: bool, counts: list[int], scratch: Scratch) -> dict:
+    """Measure; the log is the run's own (`scratch`), formatted afresh by each
+    step (overwrite=True) and removed after it."""
     xp, device = np, "cpu"
     if on_gpu:
         xp = require_cupy(ExecutorError, where="bench executor-session", hint="use --cpu for the numpy session")
         device = xp.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    tag = f"concordia-bench-xs{os.getpid()}"
-    shm = os.path.isdir("/dev/shm")
-    log = f"shm:{tag}" if shm else "memory:"
+    log = scratch.log("session", "shm" if os.path.isdir("/dev/shm") else "memory")
     doc = {"benchmark": "executor-session", "device": device, "quick": quick,
            "executor": {"resident": "cpu executor thread (concordia.executor.resident)",
                         "device_epoch_handler": False},
@@ -208,12 +209,12 @@ def run(on_gpu: bool, quick: bool, counts: list[int]) -> dict:
     try:
         stalls = {k: run_stall(k, every, log) for k in ("time.sleep", "python_busy_loop")}
     finally:
-        remove_log_file(log)
+        scratch.discard(log)
     if on_gpu:
         try:
             stalls["device_steps"] = run_stall_device(xp, every, log, quick)
         finally:
-            remove_log_file(log)
+            scratch.discard(log)
     doc["stall"] = stalls["device_steps" if on_gpu else "python_busy_loop"]
     doc["stall_variants"] = stalls
     reps = 5 if quick else 30
@@ -222,12 +223,12 @@ def run(on_gpu: bool, quick: bool, counts: list[int]) -> dict:
                                      ("resident", "resident", "auto")):
         doc["ckpt_ms"][label], doc["ckpt_detail"][label] = {}, {}
         for n in counts:
-            got = _checkpoint_ms(log, n, reps, xp, executor, staging)
+            got = _checkpoint_ms(scratch, log, n, reps, xp, executor, staging)
             doc["ckpt_ms"][label][str(n)] = got["ckpt_ms"]
             doc["ckpt_detail"][label][str(n)] = got
     doc["ckpt_reps"] = reps
     if on_gpu:
-        doc["residency"] = _residency_in_session(xp, quick, log)
+        doc["residency"] = _residency_in_session(xp, quick, log, scratch)
     goals = {"stall_epochs_committed>0": doc["stall"]["epochs_committed"] > 0,
              "stall_recovered_identical": doc["stall"]["recovered_identical"]}
     for n in counts:
@@ -240,7 +241,7 @@ def run(on_gpu: bool, quick: bool, counts: list[int]) -> dict:
     return doc
 
 
-def _residency_in_session(cp, quick: bool, log: str) -> dict:
+def _residency_in_session(cp, quick: bool, log: str, scratch: Scratch) -> dict:
     """`bench executor`'s idle-residency measurement with a resident Session open
     on a committed state beside it (component: see the module docstring)."""
     os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
@@ -284,7 +285,7 @@ def _residency_in_session(cp, quick: bool, log: str) -> dict:
         sub.consumer.join(30)
         gring.close()
         flag.close()
-        remove_log_file(log)
+        scratch.discard(log)
 
 
 def _table(doc: dict) -> str:
@@ -318,8 +319,9 @@ def _table(doc: dict) -> str:
 @click.option("--regions", default="1,1024", show_default=True, help="region counts of the checkpoint rows")
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of the table")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="also write JSON here")
+@force_option("--out")
 @guarded
-def command(on_cpu, quick, regions, as_json, out):
+def command(on_cpu, quick, regions, as_json, out, force):
     """The resident executor driving a Session: epochs committed by its trigger
     while the caller stalls, checkpoint latency against the host path for 1
     and 1,024 regions, and (on a GPU) idle residency inside a Session.
@@ -330,6 +332,7 @@ def command(on_cpu, quick, regions, as_json, out):
         concordia-wal bench executor-session --cpu --out executor-session.json
         concordia-wal bench executor-session --json      # on the GPU machine
     """
+    check_outputs(force, out)  # before the run: a long benchmark is not refused at its end
     try:
         counts = [int(x) for x in regions.split(",") if x.strip()]
         if not counts or min(counts) < 1:
@@ -345,5 +348,6 @@ def command(on_cpu, quick, regions, as_json, out):
             on_gpu = cupy.cuda.runtime.getDeviceCount() > 0
         except Exception:
             on_gpu = False
-    doc = run(on_gpu, quick, counts)
-    report(doc, as_json=as_json, out=out, table=_table)
+    with Scratch("executor-session") as scratch:  # its log goes, however the run ends
+        doc = run(on_gpu, quick, counts, scratch)
+    report(doc, as_json=as_json, out=out, table=_table, force=force)

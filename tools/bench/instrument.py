@@ -36,7 +36,8 @@ import numpy as np
 
 from concordia.instrument.errors import InstrumentError
 
-from ..common import SIZE, guarded, report, require_cupy
+from ..common import SIZE, check_outputs, guarded, report, require_cupy
+from .files import force_option
 
 SRC = r"""
 extern "C" __global__ void stream_axpy(const float* x, float* y, float a, long long n) {
@@ -237,8 +238,9 @@ def _table(res: dict) -> str:
 @click.option("--quick", is_flag=True, help="small and fast (CI smoke test)")
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of the table")
 @click.option("--out", type=click.Path(dir_okay=False), help="also write the JSON here")
+@force_option("--out")
 @guarded
-def command(size, repeat, quick, as_json, out):
+def command(size, repeat, quick, as_json, out, force):
     """Overhead of exit hooks, the pause gate and store tracking on a
     memory-bound kernel, beside the uninstrumented kernel.
 
@@ -247,6 +249,7 @@ def command(size, repeat, quick, as_json, out):
     \b
         concordia-wal bench instrument --json
     """
+    check_outputs(force, out)  # before the run: a long benchmark is not refused at its end
     if quick:
         size, repeat = min(size, 16 << 20), min(repeat, 10)
-    report(run(size, repeat), as_json=as_json, out=out, table=_table)
+    report(run(size, repeat), as_json=as_json, out=out, table=_table, force=force)

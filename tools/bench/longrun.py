@@ -25,13 +25,13 @@ the new catalog, the superblock switch) is set beside the p99 of the others (`wi
 from __future__ import annotations
 
 import math
-import os
 import time
 
 import click
 import numpy as np
 
-from ..common import SIZE, guarded, remove_log_file, report
+from ..common import SIZE, check_outputs, guarded, report
+from .files import Scratch, force_option, save_figure
 
 
 #: what retention's hook did after a checkpoint (Retention.last; None: nothing)
@@ -85,7 +85,8 @@ def run_one(config: str, spec: str, *, epochs: int, seconds: float | None, state
     a = np.zeros((pages, page_bytes // 4), np.uint32)
     versions = np.zeros(pages, np.uint64)
     policy = Policy() if config == "retain" else Policy(retain=False)
-    remove_log_file(spec)
+    # the run's own log (Scratch): a fresh one, or the path --log named, which
+    # holds nothing but this run's previous log
     s = Session(spec, size=log_size, segment_size=segment, overwrite=True, policy=policy)
     lat = np.zeros(epochs, np.float64)
     busy = np.zeros(epochs, bool)
@@ -127,7 +128,6 @@ def run_one(config: str, spec: str, *, epochs: int, seconds: float | None, state
         floor = int(s.log.volume.superblock.oldest_epoch)
     finally:
         s.close()
-        remove_log_file(spec)
     lat_ms, busy, did = lat[:done] * 1e3, busy[:done], did[:done]
     p99, med = [], []
     for lo in range(0, done, step):
@@ -196,7 +196,7 @@ def _table(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def _plot(doc: dict, path: str) -> None:
+def _plot(doc: dict, path: str, *, replace: bool) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -226,7 +226,7 @@ def _plot(doc: dict, path: str) -> None:
     fig.suptitle(f"Concordia long run: {doc['params']['state'] / 2**20:g} MiB state, "
                  f"{doc['params']['log_size'] / 2**20:g} MiB log")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, replace=replace)
 
 
 @click.command("longrun")
@@ -240,7 +240,9 @@ def _plot(doc: dict, path: str) -> None:
 @click.option("--log-size", type=SIZE, default="64M", show_default=True)
 @click.option("--segment", type=SIZE, default="1M", show_default=True, help="segment size of the log")
 @click.option("--page-bytes", type=int, default=4096, show_default=True)
-@click.option("--log", "spec", default=None, help="where the log lives (default: a shm: log of this run)")
+@click.option("--log", "spec", default=None,
+              help="where the log lives: a path that does not exist or holds nothing, refused otherwise "
+                   "(default: a shm: log of this run); a file made here is removed afterwards")
 @click.option("--bins", type=click.IntRange(min=1), default=50, show_default=True,
               help="bins of epochs for the latency curves")
 @click.option("--samples", type=click.IntRange(min=2), default=10, show_default=True,
@@ -249,9 +251,10 @@ def _plot(doc: dict, path: str) -> None:
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of the table")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="also write JSON here")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="write a PNG of the curves")
+@force_option("--out", "--plot")
 @guarded
 def command(epochs, seconds, noretain_epochs, state, log_size, segment, page_bytes, spec, bins, samples, quick,
-            as_json, out, plot):
+            as_json, out, plot, force):
     """A long session against one log, with and without retention: log usage,
     checkpoint latency (median, p99) and recovery time against epochs.
 
@@ -261,6 +264,7 @@ def command(epochs, seconds, noretain_epochs, state, log_size, segment, page_byt
         concordia-wal bench longrun --quick
         concordia-wal bench longrun --epochs 100000 --out longrun.json --plot longrun.png
     """
+    check_outputs(force, out, plot)
     if quick:
         epochs, noretain_epochs = 2000, 500
     if page_bytes <= 0 or page_bytes % 64:
@@ -268,9 +272,8 @@ def command(epochs, seconds, noretain_epochs, state, log_size, segment, page_byt
     if state < page_bytes or state % page_bytes:
         raise click.BadParameter(f"{state} bytes is not a whole number of {page_bytes}-byte pages",
                                  param_hint="--state")
-    spec = spec or f"shm:concordia-bench-longrun-{os.getpid()}"
     params = {"epochs": epochs, "seconds": seconds, "noretain_epochs": noretain_epochs, "state": state,
-              "log_size": log_size, "segment": segment, "page_bytes": page_bytes, "log": spec,
+              "log_size": log_size, "segment": segment, "page_bytes": page_bytes, "log": spec or "shm",
               "detector": "versions (one page a checkpoint)"}
     shown = [0.0]
 
@@ -280,16 +283,21 @@ def command(epochs, seconds, noretain_epochs, state, log_size, segment, page_byt
             click.echo(f"{config}: epoch {e}", err=True)
 
     configs = {}
-    for config, n in (("retain", epochs), ("noretain", noretain_epochs)):
-        if n:
-            configs[config] = run_one(config, spec, epochs=n, seconds=seconds, state=state, log_size=log_size,
-                                      segment=segment, page_bytes=page_bytes, bins=bins, samples=samples,
-                                      progress=progress)
+    with Scratch("longrun") as scratch:
+        if spec:
+            scratch.claim(spec, option="--log")
+        for config, n in (("retain", epochs), ("noretain", noretain_epochs)):
+            if n:
+                log = spec or scratch.log(config)
+                configs[config] = run_one(config, log, epochs=n, seconds=seconds, state=state,
+                                          log_size=log_size, segment=segment, page_bytes=page_bytes, bins=bins,
+                                          samples=samples, progress=progress)
+                scratch.discard(log)
     doc = {"bench": "longrun", "params": params, "configs": configs}
     r = configs.get("retain")
     if r and "during_compaction" in r:
         doc["during_compaction"] = r["during_compaction"]["ckpt_ms_p99"]
         doc["without"] = r["without"]["ckpt_ms_p99"]
-    report(doc, as_json=as_json, out=out, table=_table)
+    report(doc, as_json=as_json, out=out, table=_table, force=force)
     if plot:  # after the JSON is out: a machine without matplotlib still keeps the figures
-        _plot(doc, plot)
+        _plot(doc, plot, replace=force)

@@ -24,14 +24,12 @@ Prefill runs in chunks (--chunk tokens), as a server would for long contexts.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import time
-import uuid
 
 import click
 
-from ..common import guarded, remove_log_file, report
+from ..common import check_outputs, guarded, report
+from .files import Scratch, force_option
 
 PAPER_CKPT_MS = 18.9  # per checkpoint, Qwen3-0.6B, in the paper this project follows
 
@@ -93,7 +91,9 @@ def _decode(model, cfg, cache, guard, ids, steps, every):
 
 
 def run(shape: str, device: str, batch: int, contexts: list[int], decode_steps: int, decode_prompt: int,
-        chunk: int, workdir: str, log_spec, progress=None) -> dict:
+        chunk: int, workdir: str, log_spec, progress=None, discard=lambda spec: None) -> dict:
+    """Measure.  `workdir` (a folder of the run's own) takes the saved weights;
+    `log_spec(name)` names a new log of the run, `discard(spec)` removes it."""
     import torch
     import transformers
     from transformers import Qwen3ForCausalLM, StaticCache
@@ -118,8 +118,7 @@ def run(shape: str, device: str, batch: int, contexts: list[int], decode_steps: 
     for every in (0, 1, 8):
         log = log_spec("decode")
         cache = StaticCache(config=cfg, max_cache_len=decode_prompt + decode_steps + 1)
-        with concordia.Session(log, size=_log_size(kv_per_token * batch * (decode_prompt + decode_steps)),
-                               overwrite=True) as s:
+        with concordia.Session(log, size=_log_size(kv_per_token * batch * (decode_prompt + decode_steps))) as s:
             guard = protect(s, cache, model, batch_size=batch, max_tokens=decode_prompt + decode_steps + 1)
             ids = prompt(batch, decode_prompt, cfg.vocab_size, device)
             s.checkpoint()  # the base, outside the timed decode
@@ -127,7 +126,7 @@ def run(shape: str, device: str, batch: int, contexts: list[int], decode_steps: 
             rows[every] = {"every": every, "s_per_step": per_tok, "tokens_per_s": batch / per_tok,
                            "ckpt_ms": ckpt_ms, "regions": len(guard.names),
                            "ckpt_ms_median": _median(ckpt_ms)}
-        remove_log_file(log)
+        discard(log)
         del cache
     base = rows[0]["s_per_step"]
     for r in rows.values():
@@ -154,7 +153,7 @@ def run(shape: str, device: str, batch: int, contexts: list[int], decode_steps: 
         ids = prompt(batch, ctx, cfg.vocab_size, device)
         cache = StaticCache(config=cfg, max_cache_len=ctx + 8)
         row = {"context": ctx, "kv_bytes": kv_bytes}
-        with concordia.Session(log, size=_log_size(kv_bytes), overwrite=True) as s:
+        with concordia.Session(log, size=_log_size(kv_bytes)) as s:
             guard = protect(s, cache, model, batch_size=batch)
             _sync(torch, device)
             t0 = time.perf_counter()
@@ -205,7 +204,7 @@ def run(shape: str, device: str, batch: int, contexts: list[int], decode_steps: 
         row.update(cold_load_s=t1 - t0, cold_restart_s=time.perf_counter() - t0)
         del cache, cold
         _empty(torch, device)
-        remove_log_file(log)
+        discard(log)
         row["recovery_vs_reprefill"] = row["reprefill_s"] / row["recovery_s"]
         row["recovery_vs_cold"] = row["cold_restart_s"] / row["recovery_s"]
         if h2d:
@@ -266,12 +265,14 @@ def _table(res: dict) -> str:
 @click.option("--tier", type=click.Choice(["shm", "file"]), default="shm", show_default=True,
               help="Where the log lives.")
 @click.option("--dir", "workdir", type=click.Path(file_okay=False), default=None,
-              help="Folder for file logs and the saved weights (default: a temporary folder).")
+              help="Where file logs and the saved weights go, in a folder of the run's own "
+                   "(default: the temporary folder).")
 @click.option("--quick", is_flag=True, help="A tiny model on the CPU, short contexts (CI smoke test).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
 @click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
+@force_option("--out")
 @guarded
-def command(contexts, batch, decode_steps, decode_prompt, chunk, tier, workdir, quick, as_json, out):
+def command(contexts, batch, decode_steps, decode_prompt, chunk, tier, workdir, quick, as_json, out, force):
     """Decode tokens/s of a transformers model with no checkpoint, a checkpoint
     every step and every 8 steps, and recovery (open + restore into the cache)
     against re-prefilling the same tokens and a cold restart, at several
@@ -283,6 +284,9 @@ def command(contexts, batch, decode_steps, decode_prompt, chunk, tier, workdir, 
         concordia-wal bench model --contexts 1024,8192,32768 --json --out model.json
         concordia-wal bench model --quick
     """
+    check_outputs(force, out)  # before the run: a long benchmark is not refused at its end
+    if workdir is not None and not os.path.isdir(workdir):
+        raise click.BadParameter(f"{workdir}: no such folder", param_hint="--dir")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is built here; nothing is fetched
     try:
         import torch
@@ -300,20 +304,9 @@ def command(contexts, batch, decode_steps, decode_prompt, chunk, tier, workdir, 
     gpu = torch.cuda.is_available() and not quick
     if quick:
         ctx, batch, decode_steps, decode_prompt, chunk = [64, 256], 2, 8, 16, 128
-    own = workdir is None
-    workdir = workdir or tempfile.mkdtemp(prefix="concordia-bench-model-")
-    tag = uuid.uuid4().hex[:8]
-
-    def log_spec(name):
-        if tier == "shm":
-            return f"shm:concordia-bench-model-{tag}-{name}"
-        return f"file:{os.path.join(workdir, name + '.log')}"
-
-    try:
+    with Scratch("model") as scratch:  # its logs, weights and adapter go, however the run ends
         res = run("0.6b" if gpu else "tiny", "cuda" if gpu else "cpu", batch, ctx, decode_steps, decode_prompt,
-                  chunk, workdir, log_spec, progress=None if as_json else (lambda m: click.echo(m, err=True)))
-    finally:
-        if own:
-            shutil.rmtree(workdir, ignore_errors=True)
+                  chunk, scratch.folder(workdir), lambda name: scratch.log(name, tier, workdir),
+                  progress=None if as_json else (lambda m: click.echo(m, err=True)), discard=scratch.discard)
     res["tier"] = tier
-    report(res, as_json=as_json, out=out, table=_table)  # --out complete or absent
+    report(res, as_json=as_json, out=out, table=_table, force=force)  # --out complete or absent

@@ -33,15 +33,13 @@ applier, memcpy as the ceiling, the model on numpy.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import time
-import uuid
 
 import click
 import numpy as np
 
-from ..common import emit_json, guarded, remove_log_file, write_output
+from ..common import check_outputs, emit_json, guarded, write_output
+from .files import SHM_DIR, Scratch, force_option, save_figure
 
 GIB = 1 << 30
 
@@ -91,17 +89,17 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def _spec(tier: str, workdir: str) -> str:
-    if tier == "shm":
-        return f"shm:concordia-bench-{uuid.uuid4().hex[:10]}"
+def _spec(tier: str, scratch: Scratch, workdir: str | None) -> str:
+    """A new log of the run on `tier` (file logs in `workdir`, default the
+    temporary folder)."""
     if tier == "hugetlb":
         from concordia.devmem import hugetlb
 
         where = hugetlb.default_mount()
         if where is None:
             raise RuntimeError("no hugetlbfs is mounted (scripts/hugepages.sh setup, as root)")
-        return f"hugetlb:{os.path.join(where, f'concordia-bench-{uuid.uuid4().hex[:10]}')}"
-    return f"file:{os.path.join(workdir, 'recover.log')}"
+        return scratch.log("recover", "hugetlb", where)
+    return scratch.log("recover", tier, workdir)
 
 
 def _write_log(xp, spec: str, nbytes: int, page_bytes: int) -> dict:
@@ -119,7 +117,7 @@ def _write_log(xp, spec: str, nbytes: int, page_bytes: int) -> dict:
     seg = min(1 << 30, max(16 * mib, -(-(nbytes // 8) // mib) * mib))  # records are at most 8 MiB
     log_size = -(-(nbytes + nbytes // 16 + 4 * seg) // seg) * seg
     t0 = time.perf_counter()
-    with Session(spec, overwrite=True, size=log_size, segment_size=seg) as s:
+    with Session(spec, size=log_size, segment_size=seg) as s:  # a new log of the run's own
         s.register("kv", kv, kind="kv", page_bytes=page_bytes)
         s.checkpoint()
     secs = time.perf_counter() - t0
@@ -250,17 +248,17 @@ def _host_read(xp, spec: str, nbytes: int, threads=(None,)) -> dict:
             "by_threads": out, "how": "preadv" if fd is not None else "memory copies"}
 
 
-def _warm_up(xp, page_bytes: int) -> float:
+def _warm_up(xp, page_bytes: int, scratch: Scratch) -> float:
     """Seconds of a first, small restore in this process (kernel load, pinned
     staging buffers): paid once by a recovering process, kept out of the rows."""
-    spec = _spec("shm", "")
+    spec = scratch.log("warm-up")
     try:
         _write_log(xp, spec, 64 * page_bytes, page_bytes)
         t0 = time.perf_counter()
         _restore_once(xp, spec)
         return time.perf_counter() - t0
     finally:
-        remove_log_file(spec)
+        scratch.discard(spec)
 
 
 def _prefill(xp, nbytes: int, quick: bool) -> dict:
@@ -283,14 +281,13 @@ def _prefill(xp, nbytes: int, quick: bool) -> dict:
             "measured_tokens": batch * T, "kv_bytes_per_token": wl.kv_bytes_per_token}
 
 
-def _torch(xp, nbytes: int, directory: str) -> dict | None:
+def _torch(xp, nbytes: int, path: str) -> dict | None:
     try:
         import torch
     except Exception:
         return None
     dev = "cuda" if xp is not np and torch.cuda.is_available() else "cpu"
     t = torch.ones(nbytes, dtype=torch.uint8, device=dev)
-    path = os.path.join(directory, f"concordia-bench-{uuid.uuid4().hex[:8]}.pt")
     try:
         t0 = time.perf_counter()
         torch.save(t, path)
@@ -328,86 +325,83 @@ def _release(xp) -> None:
         pass
 
 
-def run(sizes_bytes, tiers, quick: bool, page_bytes: int, on_row=None, with_torch: bool = True,
+def run(sizes_bytes, tiers, quick: bool, page_bytes: int, scratch: Scratch, on_row=None, with_torch: bool = True,
         torch_max_bytes: int | None = None, registered_max_bytes: int = 10 * GIB) -> dict:
     """Every (size, tier) row; `on_row(result so far)` after each one, so a
     run cut short keeps what it measured.  A step that fails (a tier too large
     for the machine's disk, say) leaves a row with its error and the run goes on."""
     gpu = _gpu()
     xp = gpu if gpu is not None else np
-    work = tempfile.mkdtemp(prefix="concordia-bench-recover-", dir=os.environ.get("CONCORDIA_BENCH_DIR"))
+    work = os.environ.get("CONCORDIA_BENCH_DIR")  # where file logs go (in a folder of the run's own)
     rows = []
     res = {"device": "gpu" if gpu is not None else "cpu", "page_bytes": page_bytes,
            "goals": {"ratio_to_ceiling": 0.8, "total_s_at_10GiB": 1.0,
                      "hugetlb_ratio_to_ceiling_at_10GiB": 0.85}, "rows": rows,
            "measured_through": MEASURED_THROUGH}
-    try:
-        res["ceiling"] = ceiling = _ceiling(xp, max(sizes_bytes))
-        _release(xp)
-        res["first_restore_s"] = _warm_up(xp, page_bytes)
-        pre = _prefill(xp, max(sizes_bytes), quick)  # tokens per second, scaled to each size below
-        res["reprefill"] = {k: pre[k] for k in ("tokens_per_s", "measured_tokens", "kv_bytes_per_token")}
-        for nbytes in sizes_bytes:
-            tokens = nbytes / pre["kv_bytes_per_token"]
-            reprefill_s = tokens / pre["tokens_per_s"]
-            for tier in tiers:
-                row = {"tier": tier, "bytes": nbytes, "GiB": nbytes / GIB, "reprefill_s": reprefill_s,
-                       "reprefill_tokens": int(tokens)}
-                spec = None
-                try:
-                    spec = _spec(tier, work)
-                    w = _write_log(xp, spec, nbytes, page_bytes)
-                    _release(xp)
-                    r = _restore(xp, spec)
-                    if tier == "shm" and xp is not np:  # the same log, pieces pinned ahead of the copy engine
-                        _release(xp)
-                        c = _restore(xp, spec, read="pin")
-                        row.update({f"pin_{k}": c[k] for k in ("total_s", "restore_s", "GBps", "via",
-                                                               "register_wait_s", "unregister_s", "pin_refused")})
-                        row["pin_ratio_to_ceiling"] = c["GBps"] / ceiling["GBps"]
-                    if tier == "hugetlb" and xp is not np:  # the same log copied by host threads instead
-                        _release(xp)
-                        c = _restore(xp, spec, read="copy", repeat=1)
-                        row.update({f"copy_{k}": c[k] for k in ("total_s", "restore_s", "GBps", "via")})
-                        row["copy_ratio_to_ceiling"] = c["GBps"] / ceiling["GBps"]
-                    sweep = quick or tier == "hugetlb"   # the thread sweep is the shm/file question
-                    hr = _host_read(xp, spec, nbytes, threads=(None,) if sweep else (None, 4, 8, 16))
-                    row.update({"host_read_GBps": hr["GBps"], "host_read_threads": hr["threads"],
-                                "host_read_GBps_by_threads": hr["by_threads"]})
-                    if tier in ("shm", "hugetlb") and xp is not np and nbytes <= registered_max_bytes:
-                        _release(xp)  # the same log read by the copy engine from a registered mapping
-                        g = _restore(xp, spec, registered=True, repeat=1)
-                        row.update({f"registered_{k}": g[k] for k in ("total_s", "restore_s", "register_s",
-                                                                        "GBps", "via")})
-                        row["registered_ratio_to_ceiling"] = g["GBps"] / ceiling["GBps"]
-                    _release(xp)  # last: a writable open of the log, as a program recovering it makes
-                    row.update(_session_once(xp, spec))
-                    row.update({"write_s": w["write_s"], **{k: v for k, v in r.items() if k != "bytes"},
-                                "ratio_to_ceiling": r["GBps"] / ceiling["GBps"],
-                                "speedup_vs_reprefill": reprefill_s / r["total_s"]})
-                except Exception as exc:
-                    row["error"] = f"{type(exc).__name__}: {exc}"
-                finally:
-                    if spec is not None:
-                        remove_log_file(spec)
-                    _release(xp)
-                # torch.save writes with write(2), which hugetlbfs has not: memory beside memory
-                directory = "/dev/shm" if tier in ("shm", "hugetlb") else work
-                try:
-                    tr = (_torch(xp, nbytes, directory)
-                          if with_torch and (torch_max_bytes is None or nbytes <= torch_max_bytes) else None)
-                except Exception as exc:
-                    tr = None
-                    row["torch_error"] = f"{type(exc).__name__}: {exc}"
+    res["ceiling"] = ceiling = _ceiling(xp, max(sizes_bytes))
+    _release(xp)
+    res["first_restore_s"] = _warm_up(xp, page_bytes, scratch)
+    pre = _prefill(xp, max(sizes_bytes), quick)  # tokens per second, scaled to each size below
+    res["reprefill"] = {k: pre[k] for k in ("tokens_per_s", "measured_tokens", "kv_bytes_per_token")}
+    for nbytes in sizes_bytes:
+        tokens = nbytes / pre["kv_bytes_per_token"]
+        reprefill_s = tokens / pre["tokens_per_s"]
+        for tier in tiers:
+            row = {"tier": tier, "bytes": nbytes, "GiB": nbytes / GIB, "reprefill_s": reprefill_s,
+                   "reprefill_tokens": int(tokens)}
+            spec = None
+            try:
+                spec = _spec(tier, scratch, work)
+                w = _write_log(xp, spec, nbytes, page_bytes)
                 _release(xp)
-                row.update({"torch_save_s": tr and tr["save_s"], "torch_load_s": tr and tr["load_s"],
-                            "speedup_vs_torch_load": (tr["load_s"] / row["total_s"]) if tr and "total_s" in row
-                            else None})
-                rows.append(row)
-                if on_row is not None:
-                    on_row(res)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+                r = _restore(xp, spec)
+                if tier == "shm" and xp is not np:  # the same log, pieces pinned ahead of the copy engine
+                    _release(xp)
+                    c = _restore(xp, spec, read="pin")
+                    row.update({f"pin_{k}": c[k] for k in ("total_s", "restore_s", "GBps", "via",
+                                                           "register_wait_s", "unregister_s", "pin_refused")})
+                    row["pin_ratio_to_ceiling"] = c["GBps"] / ceiling["GBps"]
+                if tier == "hugetlb" and xp is not np:  # the same log copied by host threads instead
+                    _release(xp)
+                    c = _restore(xp, spec, read="copy", repeat=1)
+                    row.update({f"copy_{k}": c[k] for k in ("total_s", "restore_s", "GBps", "via")})
+                    row["copy_ratio_to_ceiling"] = c["GBps"] / ceiling["GBps"]
+                sweep = quick or tier == "hugetlb"   # the thread sweep is the shm/file question
+                hr = _host_read(xp, spec, nbytes, threads=(None,) if sweep else (None, 4, 8, 16))
+                row.update({"host_read_GBps": hr["GBps"], "host_read_threads": hr["threads"],
+                            "host_read_GBps_by_threads": hr["by_threads"]})
+                if tier in ("shm", "hugetlb") and xp is not np and nbytes <= registered_max_bytes:
+                    _release(xp)  # the same log read by the copy engine from a registered mapping
+                    g = _restore(xp, spec, registered=True, repeat=1)
+                    row.update({f"registered_{k}": g[k] for k in ("total_s", "restore_s", "register_s",
+                                                                    "GBps", "via")})
+                    row["registered_ratio_to_ceiling"] = g["GBps"] / ceiling["GBps"]
+                _release(xp)  # last: a writable open of the log, as a program recovering it makes
+                row.update(_session_once(xp, spec))
+                row.update({"write_s": w["write_s"], **{k: v for k, v in r.items() if k != "bytes"},
+                            "ratio_to_ceiling": r["GBps"] / ceiling["GBps"],
+                            "speedup_vs_reprefill": reprefill_s / r["total_s"]})
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {exc}"
+            finally:
+                if spec is not None:
+                    scratch.discard(spec)
+                _release(xp)
+            # torch.save writes with write(2), which hugetlbfs has not: memory beside memory
+            directory = SHM_DIR if tier in ("shm", "hugetlb") else work
+            try:
+                tr = (_torch(xp, nbytes, scratch.path("torch.pt", directory))
+                      if with_torch and (torch_max_bytes is None or nbytes <= torch_max_bytes) else None)
+            except Exception as exc:
+                tr = None
+                row["torch_error"] = f"{type(exc).__name__}: {exc}"
+            _release(xp)
+            row.update({"torch_save_s": tr and tr["save_s"], "torch_load_s": tr and tr["load_s"],
+                        "speedup_vs_torch_load": (tr["load_s"] / row["total_s"]) if tr and "total_s" in row
+                        else None})
+            rows.append(row)
+            if on_row is not None:
+                on_row(res)
     return res
 
 
@@ -451,7 +445,7 @@ def _table(res: dict) -> str:
     return "\n".join(lines)
 
 
-def _plot(res: dict, path: str) -> None:
+def _plot(res: dict, path: str, *, replace: bool) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -476,11 +470,7 @@ def _plot(res: dict, path: str) -> None:
     ax.legend(fontsize=8)
     ax.set_title(f"Recovery of KV state ({res['device'].upper()})")
     fig.tight_layout()
-    import io
-
-    buf = io.BytesIO()
-    fig.savefig(buf, dpi=120, format="png")
-    write_output(path, buf.getvalue())  # complete or absent, like the JSON
+    save_figure(fig, path, replace=replace, dpi=120)  # complete or absent, like the JSON
 
 
 @click.command("recover")
@@ -499,8 +489,10 @@ def _plot(res: dict, path: str) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
 @click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
 @click.option("--plot", is_flag=True, help="Draw seconds per size to a PNG (beside --out, or ./bench-recover.png).")
+@force_option("--out", "the --plot PNG")
 @guarded
-def command(sizes, tiers, page_bytes, with_torch, torch_max_gib, registered_max_gib, quick, as_json, out, plot):
+def command(sizes, tiers, page_bytes, with_torch, torch_max_gib, registered_max_gib, quick, as_json, out, plot,
+            force):
     """Restore KV state from shm, file and hugetlb logs onto the GPU, beside pinned
     host-to-device bandwidth, re-prefill with the model and torch.load.
 
@@ -509,6 +501,8 @@ def command(sizes, tiers, page_bytes, with_torch, torch_max_gib, registered_max_
     \b
         concordia-wal bench recover --sizes 1,10,40 --json --plot --out recover.json
     """
+    plot_path = ((os.path.splitext(out)[0] + ".png") if out else "bench-recover.png") if plot else None
+    check_outputs(force, out, plot_path)  # before the run: a long benchmark is not refused at its end
     try:
         gib = [float(x) for x in sizes.split(",") if x.strip()]
     except ValueError:
@@ -521,20 +515,24 @@ def command(sizes, tiers, page_bytes, with_torch, torch_max_gib, registered_max_
     if quick:
         gib = [4 / 1024, 16 / 1024]
     sizes_bytes = [max(page_bytes, int(g * GIB) // page_bytes * page_bytes) for g in gib]
+    written = []
+
     def save(result):
         if out:
             import json
 
-            # complete or not at all: the file a row before is kept until this one is whole
-            write_output(out, json.dumps(result, indent=2).encode())
+            # complete or not at all: the file a row before is kept until this one is whole;
+            # an existing --out is replaced only with --force, the run's own from a row before always
+            write_output(out, json.dumps(result, indent=2).encode(), replace=force or bool(written))
+            written.append(out)
 
-    res = run(sizes_bytes, tier_list, quick, page_bytes, on_row=save, with_torch=with_torch,
-              torch_max_bytes=int(torch_max_gib * GIB), registered_max_bytes=int(registered_max_gib * GIB))
+    with Scratch("recover") as scratch:  # its logs and torch files go, however the run ends
+        res = run(sizes_bytes, tier_list, quick, page_bytes, scratch, on_row=save, with_torch=with_torch,
+                  torch_max_bytes=int(torch_max_gib * GIB), registered_max_bytes=int(registered_max_gib * GIB))
     save(res)
-    if plot:
-        path = (os.path.splitext(out)[0] + ".png") if out else "bench-recover.png"
-        _plot(res, path)
-        res["plot"] = path
+    if plot_path:
+        _plot(res, plot_path, replace=force)
+        res["plot"] = plot_path
     if as_json:
         emit_json(res)
     else:

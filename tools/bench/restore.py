@@ -21,7 +21,8 @@ import time
 import click
 import numpy as np
 
-from ..common import SIZE, guarded, report
+from ..common import SIZE, check_outputs, guarded, report
+from .files import force_option
 
 
 def log_options(epochs_help: str):
@@ -200,8 +201,9 @@ def _table(doc: dict) -> str:
 @click.option("--quick", is_flag=True, help="8 MiB, 6 epochs, one pass (CI smoke run)")
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of the table")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="also write JSON here")
+@force_option("--out")
 @guarded
-def command(size, epochs, dirty, page_bytes, repeat, threads, quick, as_json, out):
+def command(size, epochs, dirty, page_bytes, repeat, threads, quick, as_json, out, force):
     """Restore throughput of the CPU applier beside memcpy, and bytes read by a
     plan against naive replay.
 
@@ -211,8 +213,9 @@ def command(size, epochs, dirty, page_bytes, repeat, threads, quick, as_json, ou
         concordia-wal bench restore --quick
         concordia-wal bench restore --size 1G --epochs 32 --json
     """
+    check_outputs(force, out)  # before the run: a long benchmark is not refused at its end
     if quick:
         size, epochs, repeat = 8 << 20, 6, 1
     check_log_options(size, epochs, dirty, page_bytes)
     doc = run(size, epochs, dirty, page_bytes, repeat, threads)
-    report(doc, as_json=as_json, out=out, table=_table)
+    report(doc, as_json=as_json, out=out, table=_table, force=force)

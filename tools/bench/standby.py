@@ -30,12 +30,12 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 
 import click
 import numpy as np
 
-from ..common import guarded, remove_log_file, report
+from ..common import check_outputs, guarded, report
+from .files import Scratch, force_option
 
 GIB = 1 << 30
 PAGE_BYTES = 64 << 10
@@ -58,7 +58,7 @@ def _primary(spec: str, nbytes: int, device: str) -> None:
     seg = min(1 << 30, max(16 << 20, -(-(nbytes // 8) // (1 << 20)) * (1 << 20)))
     size = -(-(nbytes + nbytes // 16 + 4 * seg) // seg) * seg
     t0 = time.perf_counter()
-    s = Session(spec, overwrite=True, size=size, segment_size=seg)
+    s = Session(spec, size=size, segment_size=seg)  # a new log in the run's own folder
     s.register("kv", kv, kind="kv", page_bytes=PAGE_BYTES)
     s.checkpoint()
     flat[:PAGE_BYTES * 8] ^= np.uint8(1)
@@ -144,19 +144,18 @@ def _line(proc, stream, what: str, within: float) -> str:
                        f"{(err.strip().splitlines() or ['no message'])[-1]}")
 
 
-def _spec(tier: str) -> str:
-    name = f"concordia-bench-standby-{uuid.uuid4().hex[:10]}"
+def _spec(tier: str, scratch: Scratch) -> str:
     if tier == "hugetlb":
         from concordia.devmem import hugetlb
 
         where = hugetlb.default_mount()
         if where is None:
             raise click.UsageError("no hugetlbfs is mounted (scripts/hugepages.sh setup, as root), or use --tier shm")
-        return f"hugetlb:{os.path.join(where, name)}"
-    return f"shm:{name}"
+        return scratch.log("standby", "hugetlb", where)
+    return scratch.log("standby", "shm")
 
 
-def run(nbytes: int, tier: str, device: str) -> dict:
+def run(nbytes: int, tier: str, device: str, scratch: Scratch) -> dict:
     from .recover import _ceiling
 
     xp = _xp(device)
@@ -171,7 +170,7 @@ def run(nbytes: int, tier: str, device: str) -> dict:
     if xp is not np:
         xp.get_default_pinned_memory_pool().free_all_blocks()
         xp.get_default_memory_pool().free_all_blocks()
-    spec = _spec(tier)
+    spec = _spec(tier, scratch)
     primary = standby = None
     try:
         primary = _child("primary", spec, nbytes, device)
@@ -203,7 +202,7 @@ def run(nbytes: int, tier: str, device: str) -> dict:
             if p is not None and p.poll() is None:
                 p.kill()
                 p.wait()
-        remove_log_file(spec)
+        scratch.discard(spec)
     return res
 
 
@@ -230,8 +229,9 @@ def _table(r: dict) -> str:
 @click.option("--quick", is_flag=True, help="A small state on the host, shm log (CI smoke test).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
 @click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
+@force_option("--out")
 @guarded
-def command(gib, tier, quick, as_json, out):
+def command(gib, tier, quick, as_json, out, force):
     """SIGKILL a primary holding --gib GiB of KV state in a log and time a warm
     standby's takeover, from the kill to its first decode step.
 
@@ -240,6 +240,7 @@ def command(gib, tier, quick, as_json, out):
     \b
         concordia-wal bench standby --gib 10 --tier hugetlb --json --out standby.json
     """
+    check_outputs(force, out)  # before the run: a long benchmark is not refused at its end
     device = "gpu"
     try:
         import cupy
@@ -251,5 +252,6 @@ def command(gib, tier, quick, as_json, out):
     if quick:
         gib, tier, device = 8 / 1024, "shm", "cpu"
     nbytes = max(PAGE_BYTES, int(gib * GIB) // PAGE_BYTES * PAGE_BYTES)
-    res = run(nbytes, tier, device)
-    report(res, as_json=as_json, out=out, table=_table)  # --out complete or absent
+    with Scratch("standby") as scratch:  # its log goes, however the run ends
+        res = run(nbytes, tier, device, scratch)
+    report(res, as_json=as_json, out=out, table=_table, force=force)  # --out complete or absent
