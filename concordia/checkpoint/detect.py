@@ -41,36 +41,32 @@ def _kernels(r: Region):
     return gpu
 
 
-def shadow_diff(r: Region, *, update: bool) -> np.ndarray:
-    """Sorted uint32 ids of the pages of `r` that differ from its shadow; with
-    `update` the shadow takes the differing pages.  The one shadow diff: the
-    kernel where it reads the region, else its numpy twin (on a host copy of a
-    device region, whose shadow then takes the twin's result)."""
+def _diff(r: Region, state: str, kernel: str, twin, *, update: bool) -> np.ndarray:
+    """Sorted uint32 ids of the pages of `r` that differ from what the
+    detector holds (`r.shadow` or `r.fps`, named by `state`); with `update` it
+    takes them.  The kernel where it reads the region, else its numpy twin (on
+    host copies of a device region, whose state then takes the twin's result)."""
+    held = getattr(r, state)
     gpu = _kernels(r)
     if gpu is not None:
-        return to_host(gpu.shadow_diff(r.flat, r.shadow, page_bytes=r.page_bytes, update=update))
+        return to_host(getattr(gpu, kernel)(r.flat, held, page_bytes=r.page_bytes, update=update))
     if not r.on_gpu:
-        return ref.shadow_diff(r.flat, r.shadow, page_bytes=r.page_bytes, update=update)
-    shadow = to_host(r.shadow)
-    found = ref.shadow_diff(to_host(r.flat), shadow, page_bytes=r.page_bytes, update=update)
+        return twin(r.flat, held, page_bytes=r.page_bytes, update=update)
+    host = to_host(held)
+    found = twin(to_host(r.flat), host, page_bytes=r.page_bytes, update=update)
     if update and found.size:
-        r.shadow[...] = r.xp.asarray(shadow)
+        held[...] = r.xp.asarray(host)
     return found
+
+
+def shadow_diff(r: Region, *, update: bool) -> np.ndarray:
+    """The one shadow diff: pages of `r` that differ from its shadow copy."""
+    return _diff(r, "shadow", "shadow_diff", ref.shadow_diff, update=update)
 
 
 def fingerprint_diff(r: Region, *, update: bool) -> np.ndarray:
-    """Sorted uint32 ids of the pages whose fingerprint differs from `r.fps`;
-    with `update` the fingerprints take the new ones."""
-    gpu = _kernels(r)
-    if gpu is not None:
-        return to_host(gpu.fingerprint_dirty(r.flat, r.fps, page_bytes=r.page_bytes, update=update))
-    if not r.on_gpu:
-        return ref.fingerprint_dirty(r.flat, r.fps, page_bytes=r.page_bytes, update=update)
-    fps = to_host(r.fps)
-    found = ref.fingerprint_dirty(to_host(r.flat), fps, page_bytes=r.page_bytes, update=update)
-    if update:
-        r.fps[...] = r.xp.asarray(fps)
-    return found
+    """Pages of `r` whose 64-bit fingerprint differs from `r.fps`."""
+    return _diff(r, "fps", "fingerprint_dirty", ref.fingerprint_dirty, update=update)
 
 
 def fingerprints(r: Region):
