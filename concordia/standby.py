@@ -430,7 +430,7 @@ class Standby:
         from concordia.gpu_kernels import jit
 
         try:
-            cp = jit._cupy()
+            cp = jit.require_cupy()
         except ConcordiaError:
             if self.device == "gpu" or self.gpu is not None:  # a GPU named by number is a GPU asked for
                 raise

@@ -28,7 +28,7 @@ WARPS_PER_BLOCK = THREADS // 32
 
 
 def _cp():
-    return jit._cupy()
+    return jit.require_cupy()
 
 
 @functools.lru_cache(maxsize=8)
@@ -37,7 +37,7 @@ def _sm_count(device_id: int) -> int:
     return int(cp.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"])
 
 
-def _warp_grid(items: int) -> tuple[int]:
+def warp_grid(items: int) -> tuple[int]:
     """Blocks for one warp per item, capped at a few waves (kernels grid-stride)."""
     cp = _cp()
     cap = _sm_count(cp.cuda.Device().id) * 16
@@ -106,7 +106,7 @@ def launch_shadow_diff(r, s, flags, *, page_bytes: int, update: bool = True, fou
     takes."""
     n = ref.num_pages(r.size, page_bytes)
     k = jit.function("shadow_diff", "shadow_diff", {"PAGE_BYTES": page_bytes})
-    k(_warp_grid(n), (THREADS,), (r, s, flags, np.uint64(n), np.uint64(r.size), np.int32(bool(update)),
+    k(warp_grid(n), (THREADS,), (r, s, flags, np.uint64(n), np.uint64(r.size), np.int32(bool(update)),
                                   *_found(found)))
 
 
@@ -129,7 +129,7 @@ def launch_fingerprint(r, fps, flags=None, *, page_bytes: int, update: bool = Tr
     """found: as for launch_shadow_diff (needs flags)."""
     n = ref.num_pages(r.size, page_bytes)
     k = jit.function("fingerprint", "fingerprint", {"PAGE_BYTES": page_bytes})
-    k(_warp_grid(n), (THREADS,), (r, fps, _null() if flags is None else flags, np.uint64(n),
+    k(warp_grid(n), (THREADS,), (r, fps, _null() if flags is None else flags, np.uint64(n),
                                   np.uint64(r.size), np.int32(bool(update)), *_found(found)))
 
 
@@ -189,7 +189,7 @@ def kv_dirty_blocks(block_tables, seq_lens, ckpt_lens, *, block_size: int, kv_he
         out = cp.empty(cap, cp.uint32)
         counters = cp.zeros(2, cp.uint32)
         if seqs:
-            k(_warp_grid(seqs), (THREADS,), (block_tables, np.int32(max_blocks), seq_lens, ckpt_lens,
+            k(warp_grid(seqs), (THREADS,), (block_tables, np.int32(max_blocks), seq_lens, ckpt_lens,
                                              np.int32(seqs), np.int32(num_blocks), np.int32(num_layers),
                                              np.uint64(geo["layer"]), out, np.uint32(cap), counters))
         count, bad = (int(x) for x in counters.get())
@@ -248,7 +248,7 @@ def crc32c_pages(region, page_ids=None, *, page_bytes: int, out=None):
         out = cp.empty(count, cp.uint32)
     if count:
         k = jit.function("crc32c", "crc32c_pages", {"PAGE_BYTES": pb})
-        k(_warp_grid(count), (THREADS,), (r, _null() if ids is None else ids, np.uint64(count),
+        k(warp_grid(count), (THREADS,), (r, _null() if ids is None else ids, np.uint64(count),
                                           np.uint64(r.size), out))
     return out
 
@@ -301,7 +301,7 @@ def stage_page_batch(region, page_ids, dst, cursor, *, page_bytes: int, base_lsn
     jit.function("stage", "stage_alloc", defines)(
         (1,), (1,), (cursor, np.uint64(d.size), np.uint64(length), slot))
     jit.function("stage", "stage_payload", defines)(
-        _warp_grid(count), (THREADS,),
+        warp_grid(count), (THREADS,),
         (r, ids, np.uint64(count), np.uint64(r.size), d, slot, crcs))
     jit.function("stage", "stage_finalize", defines)(
         (1,), (THREADS,),
@@ -338,7 +338,7 @@ def scatter_pages(src, src_offsets, page_ids, region, *, page_bytes: int, expect
             raise KernelInputError(f"page id out of range [0, {n})", where="page_ids")
         exp = _null() if expected_crcs is None else _u32(expected_crcs, "expected_crcs")
         k = jit.function("scatter", "scatter_pages", {"PAGE_BYTES": pb})
-        k(_warp_grid(count), (THREADS,), (s, offs, ids, exp, np.uint64(count), r, np.uint64(r.size), bad))
+        k(warp_grid(count), (THREADS,), (s, offs, ids, exp, np.uint64(count), r, np.uint64(r.size), bad))
     return cp.flatnonzero(bad)
 
 
@@ -503,7 +503,7 @@ def launch_stage(region, ids, count: int, dst_ptr: int, dst_bytes: int, cursor, 
     dst = np.uint64(dst_ptr)
     jit.function("stage", "stage_alloc", defines)((1,), (1,), (cursor, np.uint64(dst_bytes), np.uint64(length), slot))
     jit.function("stage", "stage_payload", defines)(
-        _warp_grid(count), (THREADS,), (region, ids, np.uint64(count), np.uint64(region.size), dst, slot, crcs))
+        warp_grid(count), (THREADS,), (region, ids, np.uint64(count), np.uint64(region.size), dst, slot, crcs))
     jit.function("stage", "stage_finalize", defines)(
         (1,), (THREADS,),
         (ids, crcs, np.uint64(count), dst, slot, np.uint64(length), np.uint64(base_lsn),

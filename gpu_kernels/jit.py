@@ -136,7 +136,7 @@ _lock = threading.Lock()
 _modules: dict[tuple, object] = {}
 
 
-def _cupy():
+def require_cupy():
     try:
         import cupy
     except Exception as exc:  # ImportError or a broken CUDA install
@@ -152,7 +152,7 @@ def load(code: str, options, kernels, *, where: str):
     compiled by NVRTC (CuPy's disk cache keys on the text and options) with
     each of `kernels` loaded on the current device now.  A compile error is one
     KernelCompileError line naming `where` (the whole NVRTC log in its `log`)."""
-    cupy = _cupy()
+    cupy = require_cupy()
     mod = cupy.RawModule(code=code, options=tuple(options))
     try:
         for k in kernels:
@@ -168,7 +168,7 @@ def load(code: str, options, kernels, *, where: str):
 def module(name: str, defines: dict | None = None, device: int | None = None):
     """The compiled, loaded `cupy.RawModule` of `name` specialised by `defines`
     on `device` (default: the current device), made once per device."""
-    cupy = _cupy()
+    cupy = require_cupy()
     key_defs = _check(name, defines or {})
     dev = cupy.cuda.Device(device) if device is not None else cupy.cuda.Device()
     key = (dev.id, name, key_defs)

@@ -372,8 +372,8 @@ class DeviceTablePass:
             np.uint64)
         self.fn = {name: jit.function("table", name, {}) for name in
                    ("table_mark", "table_plan", "table_stage", "table_finalize")}
-        self.stage_grid = gpu._warp_grid(max(1, total))
-        self.finalize_grid = gpu._warp_grid(max(1, table.max_records))
+        self.stage_grid = gpu.warp_grid(max(1, total))
+        self.finalize_grid = gpu.warp_grid(max(1, table.max_records))
 
     def _mark_listed(self) -> None:
         """Flags of the rows whose pages the host lists: last time's cleared, this time's set."""
@@ -422,7 +422,7 @@ class DeviceTablePass:
         self.k.order_after_producer()
         t0 = time.perf_counter()
         for fn, rows, first, n_rows, pages in self.groups:
-            fn(self.k.gpu._warp_grid(pages), (256,), (self.d_table, rows, first, n_rows, self.flags))
+            fn(self.k.gpu.warp_grid(pages), (256,), (self.d_table, rows, first, n_rows, self.flags))
         if self.listed.size:
             self._mark_listed()
         t1 = time.perf_counter()

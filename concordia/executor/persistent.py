@@ -44,7 +44,7 @@ _IDS = itertools.count(1001)
 _RESIDENT: "weakref.WeakSet[GpuExecutor]" = weakref.WeakSet()
 
 
-def _cupy():
+def require_cupy():
     try:
         import cupy
     except Exception as exc:
@@ -106,7 +106,7 @@ class ExecutorModule:
         from concordia.gpu_kernels import jit
         from concordia.gpu_kernels.errors import KernelCompileError
 
-        _cupy()
+        require_cupy()
         t0 = time.perf_counter()
         names = ("cx_executor", "cx_checkpoint", "cx_copy", "cx_scatter")
         try:
@@ -139,7 +139,7 @@ class GpuRing:
     instances run strictly one after another)."""
 
     def __init__(self, capacity: int = 1024, *, where: str = "gpu ring"):
-        cupy = _cupy()
+        cupy = require_cupy()
         n = ring_bytes(capacity)
         self._mm = mmap.mmap(-1, (n + 4095) // 4096 * 4096)
         host = np.frombuffer(self._mm, dtype=np.uint8)
@@ -268,7 +268,7 @@ class MappedHostBuffer:
     kernel that uses it is running)."""
 
     def __init__(self, nbytes: int, *, where: str = "mapped buffer"):
-        cupy = _cupy()
+        cupy = require_cupy()
         self._mm = mmap.mmap(-1, max(4096, (nbytes + 4095) // 4096 * 4096))
         self.array = np.frombuffer(self._mm, dtype=np.uint8)[:nbytes]
         self.ptr = self.array.ctypes.data

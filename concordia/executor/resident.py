@@ -77,6 +77,7 @@ from concordia.regions.region import KINDS
 from .cpu import CpuExecutor, OperatorTable
 from .errors import ExecutorError
 from .host import Submitter
+from .persistent import require_cupy
 from .ring import Op, Result, Ring, Status
 
 EXECUTORS = ("auto", "resident", "host")
@@ -208,9 +209,7 @@ class DeviceStepCounter:
     kind = "device-steps"
 
     def __init__(self):
-        from concordia.instrument import runtime
-
-        cp = runtime._cupy()
+        cp = require_cupy()
         self._cp = cp
         self.word = cp.zeros(1, cp.uint64)
         self._stream = cp.cuda.Stream(non_blocking=True)
@@ -238,7 +237,7 @@ class LaunchCounter:
 
         self._runtime = runtime
         self.modules = list(modules)
-        self._stream = runtime._cupy().cuda.Stream(non_blocking=True)
+        self._stream = require_cupy().cuda.Stream(non_blocking=True)
 
     def read(self) -> int:
         return sum(sum(self._runtime.epochs(m, r, stream=self._stream).values()) for m, r in self.modules)

@@ -40,7 +40,7 @@ def enable(*, exit_hooks: bool = True, pause_gate: bool = True, track_stores: bo
     if _hook is not None:
         raise InstrumentError("instrumentation is already enabled", hint="call disable() first")
     if compiler is None:
-        compiler = runtime._cupy().cuda.compiler
+        compiler = runtime.require_cupy().cuda.compiler
     opts = Options(exit_hooks=exit_hooks, pause_gate=pause_gate, track_stores=track_stores,
                    max_regions=max_regions)
     hook = CupyHook(compiler, opts, Report(), gate)

@@ -22,7 +22,7 @@ _HOST_ALLOC_MAPPED = 2  # cudaHostAllocMapped
 _H2D = 1                # cudaMemcpyHostToDevice
 
 
-def _cupy():
+def require_cupy():
     try:
         import cupy
     except Exception as exc:
@@ -33,7 +33,7 @@ def _cupy():
 
 def module_global(module, name: str, count: int, dtype):
     """A CuPy array viewing the module variable `name` (count x dtype)."""
-    cupy = _cupy()
+    cupy = require_cupy()
     try:
         ptr = int(module.get_global_var(name))
     except Exception as exc:
@@ -85,7 +85,7 @@ class Gate:
     mirrors changed (some threads counting, others not): it is never held."""
 
     def __init__(self):
-        cupy = _cupy()
+        cupy = require_cupy()
         self._rt = cupy.cuda.runtime
         self._host = self._rt.hostAlloc(32, _HOST_ALLOC_MAPPED)
         self.words = np.ctypeslib.as_array((ctypes.c_uint32 * 8).from_address(self._host))
@@ -204,7 +204,7 @@ def bitmap_pages(words: np.ndarray, pages: int) -> np.ndarray:
 
 def track_array(name: str, array, page_bytes: int) -> TrackedRegion:
     """Register a CuPy array's bytes for store tracking in pages of `page_bytes`."""
-    cupy = _cupy()
+    cupy = require_cupy()
     if page_bytes <= 0:
         raise InstrumentError(f"page_bytes {page_bytes} must be positive", where=name)
     nbytes = int(array.nbytes)

@@ -515,7 +515,7 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
     from concordia.gpu_kernels import gpu, jit
     from concordia.wal.apply import check_digest
 
-    cp = jit._cupy()  # one line naming why, where CuPy or CUDA is missing
+    cp = jit.require_cupy()  # one line naming why, where CuPy or CUDA is missing
 
     st = stats if stats is not None else {}
     st.update(register_s=0.0, scatter_s=0.0, verify_s=0.0, via="")
@@ -670,7 +670,7 @@ def _pipeline(cp, gpu, tr, direct, fd, arr, hosts, slots, copy_stream, stream, o
                 for i, lo, hi in tr.region_slices(j):
                     dst = out[i]
                     kernels[tr.regions[i].region.page_bytes](
-                        gpu._warp_grid(hi - lo), (gpu.THREADS,),
+                        gpu.warp_grid(hi - lo), (gpu.THREADS,),
                         (slot, offs_d[lo:hi], ids_d[lo:hi], crcs_d[lo:hi], np.uint64(hi - lo), dst,
                          np.uint64(tr.regions[i].region.nbytes), bad_d[lo:hi]))
             scattered[j] = stream.record()
