@@ -18,7 +18,7 @@ from concordia.lazy import exports, homes_of
 
 # the classes load on first use (`concordia.lazy`): importing the errors loads no rewriter
 __getattr__, __dir__ = exports(__name__, homes_of({
-    "report": ("ModuleRecord", "Report", "Skipped"),
+    "reports": ("ModuleRecord", "Report", "Skipped"),
     "rewriter": ("KernelInfo", "Options", "RewriteResult", "rewrite"),
     "runtime": ("Gate", "TrackedRegion", "epochs", "track_array"),
 }))
@@ -34,7 +34,7 @@ def enable(*, exit_hooks: bool = True, pause_gate: bool = True, track_stores: bo
     global _hook
     from concordia.instrument import runtime
     from concordia.instrument.cupy_hook import CupyHook, clear_cupy_memos
-    from concordia.instrument.report import Report
+    from concordia.instrument.reports import Report
     from concordia.instrument.rewriter import Options
 
     if _hook is not None:

@@ -29,7 +29,7 @@ import threading
 from concordia.gpu_kernels.jit import OWN_KERNEL_OPTION
 from concordia.instrument import runtime
 from concordia.instrument.errors import InstrumentError
-from concordia.instrument.report import ModuleRecord, Report
+from concordia.instrument.reports import ModuleRecord, Report
 from concordia.instrument.rewriter import Options, rewrite
 
 _generation = itertools.count(1)

@@ -186,3 +186,25 @@ def test_the_installed_commands_go_through_the_guarded_entry():
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts == {"concordia": "concordia.tools.entry:concordia",
                        "concordia-wal": "concordia.tools.entry:concordia_wal"}
+
+
+@pytest.mark.parametrize("package", ["concordia.wal", "concordia.devmem", "concordia.executor",
+                                     "concordia.instrument"])
+def test_a_lazy_package_keeps_its_names_once_every_submodule_is_loaded(package):
+    """A package that loads its contents on first use (`concordia.lazy`) must
+    not have a submodule of the same name as one of its own functions or
+    exports: importing that submodule later would put the module where the
+    function was (`instrument.report()` once was `instrument/report.py`)."""
+    code = ("import importlib, inspect, json, pkgutil, sys, types\n"
+            f"pkg = importlib.import_module({package!r})\n"
+            "own = {n: v for n, v in vars(pkg).items() if inspect.isfunction(v) and v.__module__ == pkg.__name__}\n"
+            "exported = {n: getattr(pkg, n) for n in getattr(pkg, '__all__', [])}\n"
+            "for m in pkgutil.iter_modules(pkg.__path__):\n"
+            "    if m.name not in ('__main__',):\n"
+            "        importlib.import_module(pkg.__name__ + '.' + m.name)\n"
+            "bad = [n for n, v in {**own, **exported}.items() if getattr(pkg, n) is not v\n"
+            "       or isinstance(getattr(pkg, n), types.ModuleType)]\n"
+            "print(json.dumps(bad))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]", f"{package}: names replaced by a submodule: {r.stdout.strip()}"

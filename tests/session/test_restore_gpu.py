@@ -58,11 +58,10 @@ def test_pieces_pinned_ahead_span_many_pieces(shm_log, monkeypatch):
         _same(got, apply_plan_numpy(log, p))
         assert "pinned ahead" in st["via"] and st["unregister_s"] >= 0
         # every piece was unpinned: pinning the first one again succeeds
-        import cupy
+        from concordia.devmem import cuda_host
 
-        rt = cupy.cuda.runtime
-        rt.hostRegister(log.backend.address, 64 << 10, rd.HOST_REGISTER_PORTABLE | rd.HOST_REGISTER_READ_ONLY)
-        rt.hostUnregister(log.backend.address)
+        cuda_host.pin(log.backend.address, 64 << 10, read_only=True, where="the first piece again")
+        cuda_host.unpin(log.backend.address)
     finally:
         log.close()
 
