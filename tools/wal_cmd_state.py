@@ -97,7 +97,7 @@ def compact_cmd(log, upto, keep, dry_run, as_json):
         would = "would " if dry_run else ""
         policy = Keep(rep["keep_bases"], rep["keep_epochs"]).describe()
         if rep["reclaim_first"]:
-            click.echo(f"room {would}switch first to the bases there are, to make room for the new ones")
+            click.echo(f"room {would}switch first with no new base, freeing segments for the new ones")
         click.echo(f"compact {would}fold epoch {rep['epoch']}: "
                    f"{', '.join(rep['folded']) or 'nothing'} ({R.size(rep['bytes_written'])} of new bases)"
                    + (f"; already based: {', '.join(rep['unchanged'])}" if rep["unchanged"] else ""))

@@ -360,9 +360,9 @@ def decide(log, epoch: int | None = None, *, keep: Keep, regions=None, upto_name
             after = mid.after(writes, freed=len(set(freed) - set(freed_1)))
             first = (kept_1, floor_1, cut_1) if after is not None else None
     if after is None:
-        raise LogFullError(f"compaction needs {_mib(sum(writes))} for its new bases and catalog, and the log can "
-                           f"append {_mib(space.bytes)} ({space.free_segments} free segments), even after "
-                           f"freeing what {keep.describe()} frees; nothing was written", where=where,
+        raise LogFullError(f"compaction needs {_mib(sum(writes))} for its new bases and catalog, the log can "
+                           f"append {_mib(space.bytes)} ({space.free_segments} free segments), and what a retention "
+                           f"keeping {keep.describe()} lets go does not make room; nothing was written", where=where,
                            hint="pass --keep 1 to keep fewer bases, or restore the regions into a larger log")
     if after.bytes < reserve:
         raise WalError(f"compaction keeping {keep.describe()} would leave {_mib(after.bytes)} free, less than the "

@@ -176,12 +176,12 @@ def _full_log(tmp_path, based: bool) -> Writer:
     # the policy `compact --keep 2` stored keeps the base at 40 and every delta after it: too much
     (True, ["compact", "{log}"], 2, "less than the"),
     # keeping everything frees nothing: refused
-    (True, ["compact", "{log}", "--keep", "0"], 2, "even after freeing"),
+    (True, ["compact", "{log}", "--keep", "0"], 2, "does not make room"),
     # a snapshot frees nothing either
     (True, ["snapshot", "create", "{log}"], 2, "the log can append"),
     (True, ["snapshot", "create", "{log}", "--region", "state"], 2, "the log can append"),
     # no base to free below: the new bases cannot be written
-    (False, ["compact", "{log}", "--keep", "1"], 2, "even after freeing"),
+    (False, ["compact", "{log}", "--keep", "1"], 2, "does not make room"),
     (False, ["snapshot", "create", "{log}"], 2, "the log can append"),
 ])
 def test_a_full_log_is_compacted_or_refused_unchanged(tmp_path, based, args, code, says):
