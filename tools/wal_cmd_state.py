@@ -186,9 +186,9 @@ def snapshot_create(log, regions, epoch):
     \b
         concordia-wal snapshot create file:./concordia-data/demo.log --region kv
     """
-    from concordia.wal.compaction import fold_source
+    from concordia.wal.compaction import check_snapshot_room, fold_source
     from concordia.wal.planner import plan_history, scan
-    from concordia.wal.snapshot import check_snapshot_room, create_base_snapshot
+    from concordia.wal.snapshot import create_base_snapshot
 
     lg = _open_log_writable(log)
     try:

@@ -36,7 +36,7 @@ the final switch keeps and what the fold reads, and writes the bases into
 the segments that frees; when even that does not make room, or the result
 would leave less than the reserve, it refuses up front in one line and the
 log is unchanged.  (`concordia-wal snapshot create` checks its bases against
-the same reserve: `snapshot.check_snapshot_room`.)  A session's retention
+the same reserve: `check_snapshot_room`.)  A session's retention
 keeps the log above the same reserve its own way: below it, it bases every
 region at once and keeps only the newest epoch (`concordia.retention`).
 """
@@ -372,6 +372,33 @@ def decide(log, epoch: int | None = None, *, keep: Keep, regions=None, upto_name
     return Decision(p.epoch, keep, fold, unchanged,
                     sum(infos[n].pages * infos[n].page_bytes for n in fold), len(kept),
                     len(old) + len(fold) - len(kept), floor, freed, first, after.bytes, reserve)
+
+
+def check_snapshot_room(log, names, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+    """Refuse (LogFullError, or WalError naming the figures) base snapshots of
+    regions `names`, each listed in a catalog of its own, that do not fit the
+    log's free space or would leave it less than the retention reserve
+    (`reserve_bytes`: the rule a compaction follows).  Writes nothing."""
+    regions = log.regions
+    cap = log.appender.segment_capacity
+    entries = len(current_catalog(log).entries)
+    writes = []
+    for k, name in enumerate(names):
+        writes += base_record_lengths(regions[name], chunk_bytes, cap) + [_catalog_length(entries + k + 1)]
+    space, reserve = free_space(log), reserve_bytes(log)
+    after = space.after(writes)
+    where = log.backend.where
+    if after is None:
+        raise LogFullError(f"base snapshots of {', '.join(names)} need {_mib(sum(writes))}, and the log can append "
+                           f"{_mib(space.bytes)}; nothing was written", where=where,
+                           hint="compact the log instead, which frees what the bases replace: "
+                                "concordia-wal compact LOG --keep 1")
+    if after.bytes < reserve:
+        raise WalError(f"base snapshots of {', '.join(names)} ({_mib(sum(writes))}) free nothing and would leave "
+                       f"{_mib(after.bytes)} free, less than the {_mib(reserve)} a session needs to go on (a "
+                       f"checkpoint of every page and a base of every region); nothing was written", where=where,
+                       hint="compact the log instead, which frees what the bases replace: "
+                            "concordia-wal compact LOG --keep 1")
 
 
 def fold_source(rp: RegionPlan) -> Callable[[int, int], np.ndarray]:
@@ -796,4 +823,4 @@ def _rewrite_descriptors(log) -> None:
 
 __all__ = ["compact", "Compaction", "Known", "CompactReport", "Decision", "Keep", "Space", "decide", "fold_source",
            "free_space", "needed_from", "opening_reserve", "record_bytes", "reserve_bytes", "resolve_keep", "retention",
-           "retention_reserve", "state_bytes", "stored_keep", "volume_space"]
+           "retention_reserve", "state_bytes", "stored_keep", "volume_space", "check_snapshot_room"]

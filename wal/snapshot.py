@@ -231,7 +231,7 @@ def create_base_snapshot(log, region, data_or_source, epoch: int | None = None, 
 
     A snapshot frees nothing: `concordia-wal snapshot create` first refuses
     one that would leave the log less free space than the retention reserve
-    (`check_snapshot_room`); a caller that compacts right after (which frees
+    (`compaction.check_snapshot_room`); a caller that compacts right after (which frees
     what the base replaces) may go below it in between."""
     info = _region(log, region)
     last = log.last_committed_epoch
@@ -249,37 +249,6 @@ def create_base_snapshot(log, region, data_or_source, epoch: int | None = None, 
     keep = [e for e in prev.entries if not (e.region_id == info.id and e.epoch == epoch)]
     write_catalog(log, Catalog(0, tuple(keep) + (entry,), prev.keep_bases, prev.floor_epoch))
     return entry
-
-
-def check_snapshot_room(log, names, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
-    """Refuse (LogFullError, or WalError naming the figures) base snapshots of
-    regions `names`, each listed in a catalog of its own, that do not fit the
-    log's free space or would leave it less than the retention reserve
-    (`compaction.reserve_bytes`: the rule a compaction follows).  Writes
-    nothing."""
-    from concordia.wal.compaction import _catalog_length, _mib, free_space, reserve_bytes
-    from concordia.wal.errors import LogFullError
-
-    regions = log.regions
-    cap = log.appender.segment_capacity
-    entries = len(current_catalog(log).entries)
-    writes = []
-    for k, name in enumerate(names):
-        writes += base_record_lengths(regions[name], chunk_bytes, cap) + [_catalog_length(entries + k + 1)]
-    space, reserve = free_space(log), reserve_bytes(log)
-    after = space.after(writes)
-    where = log.backend.where
-    if after is None:
-        raise LogFullError(f"base snapshots of {', '.join(names)} need {_mib(sum(writes))}, and the log can append "
-                           f"{_mib(space.bytes)}; nothing was written", where=where,
-                           hint="compact the log instead, which frees what the bases replace: "
-                                "concordia-wal compact LOG --keep 1")
-    if after.bytes < reserve:
-        raise WalError(f"base snapshots of {', '.join(names)} ({_mib(sum(writes))}) free nothing and would leave "
-                       f"{_mib(after.bytes)} free, less than the {_mib(reserve)} a session needs to go on (a "
-                       f"checkpoint of every page and a base of every region); nothing was written", where=where,
-                       hint="compact the log instead, which frees what the bases replace: "
-                            "concordia-wal compact LOG --keep 1")
 
 
 def _commit_digest(log, region_id: int, epoch: int):
@@ -326,5 +295,5 @@ def list_snapshots(log) -> list:
 __all__ = [
     "Catalog", "EMPTY_CATALOG", "encode_catalog_body", "decode_catalog_body", "current_catalog",
     "write_catalog", "write_base_records", "write_base_slices", "create_base_snapshot", "list_snapshots", "SnapshotInfo",
-    "base_batch_pages", "base_record_lengths", "check_snapshot_room",
+    "base_batch_pages", "base_record_lengths",
 ]
