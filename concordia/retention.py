@@ -187,18 +187,14 @@ class Retention:
         return 2 * self.state_bytes() + 2 * int(self.session.log.volume.segment_bytes) <= self.capacity()
 
     def free_bytes(self) -> int:
-        """Bytes the appender can still write before the log is full, counted
-        as `wal.compaction.Space.bytes` counts them (the rest of the current
-        segment and what each free segment holds), the free segments counted
-        again only when the superblock changes."""
+        """Bytes the appender can still write before the log is full."""
         log = self.session.log
         vol = log.volume
         from concordia.wal import format as F
 
         sb = vol.superblock  # a new object whenever a segment is taken or freed
         if self._free[0] is not sb:
-            cap = int(sb.segment_bytes) - F.SEGMENT_HEADER_SIZE
-            self._free = (sb, sum(1 for e in sb.segments if e.state == F.SEG_FREE) * cap)
+            self._free = (sb, sum(1 for e in sb.segments if e.state == F.SEG_FREE) * int(sb.segment_bytes))
         free = self._free[1]
         if not log.writable:  # a read-only session (Session(create=False)) has no appender until it writes
             return free
