@@ -30,7 +30,10 @@ class Policy:
     at most 1.25 images of it).  keep_epochs / keep_seconds: the window of
     epochs that stays restorable (None: no window of that kind); when the log
     cannot hold the window, the log wins and the window shrinks (older
-    targets are refused, naming the oldest kept epoch).  slice_bytes: BASE
+    targets are refused, naming the oldest kept epoch).  Each switch stores
+    the window in the log (as a count of epochs, 0 while it reaches back to
+    the first), which is what `concordia-wal compact` keeps when given no
+    --keep.  slice_bytes: BASE
     bytes written after one checkpoint while a base is being written (None:
     64 KiB, or twice what that checkpoint wrote when more, so that a slice
     costs about what the checkpoint did and a base outpaces the deltas)."""

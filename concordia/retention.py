@@ -49,6 +49,7 @@ import numpy as np
 
 from concordia.regions.errors import SessionError
 from concordia.root_error import ConcordiaError
+from concordia.wal.compaction import record_bytes, retention_reserve  # the log's rules; record_bytes re-exported
 
 #: regions up to this size are based from a host copy taken after the commit;
 #: larger ones are folded from the log (no copy of the region is held)
@@ -59,16 +60,6 @@ MIN_SLICE = 64 << 10
 #: so that a job's start copies into memory already in place (a fresh buffer
 #: costs page faults and zeroing on top of the copy)
 KEPT_COPY_BYTES = 64 << 20
-
-
-def record_bytes(nbytes: int, page_bytes: int) -> int:
-    """Log bytes a full image of a region of `nbytes` takes in 8 MiB page batches."""
-    from concordia.wal import format as F
-
-    pages = -(-int(nbytes) // page_bytes)
-    per = max(1, (8 << 20) // page_bytes)
-    full, rest = divmod(pages, per)
-    return full * F.page_batch_length(per, page_bytes) + (F.page_batch_length(rest, page_bytes) if rest else 0)
 
 
 class Retention:
@@ -217,12 +208,13 @@ class Retention:
         return free
 
     def reserve(self) -> int:
-        """Free space below which the log is under pressure."""
-        state = self.state_bytes()
+        """Free space below which the log is under pressure: the retention
+        reserve (`wal.compaction.retention_reserve`, the rule a compaction
+        follows too) with four checkpoints of the last one's size."""
         last = self.session.checkpoints[-1].log_bytes if self.session.checkpoints else 0
         # a base of every region (with the ends of the segments it crosses) and a
         # few more checkpoints fit below it, so the switch that frees space comes in time
-        return state + (state >> 3) + int(self.session.log.volume.segment_bytes) + 4 * last + (64 << 10)
+        return retention_reserve(self.state_bytes(), int(self.session.log.volume.segment_bytes), 4 * last)
 
     def bound(self, r) -> int:
         b = self.policy.base_every_bytes
@@ -412,10 +404,12 @@ class Retention:
         log = self.session.log
         latest = int(log.last_committed_epoch or 0)
         start = latest if pressure else self._window_start(latest)
-        # the compaction counts the window in committed epochs: one per epoch from start
-        keep = max(1, latest - start + 1) if start else (1 << 62)
+        # the session's policy is its window, counted in committed epochs (one per epoch
+        # from start; 0: every epoch), and no limit on bases: what the switch stores
+        # in the log is what `concordia-wal compact` applies when told nothing
+        keep = max(1, latest - start + 1) if start else 0
         self.known.window_start = start
-        return job.prepare(keep_epochs=keep, known=self.known)
+        return job.prepare(keep_bases=0, keep_epochs=keep, known=self.known)
 
     def _switched(self, job) -> None:
         """The job's superblock write (`Compaction.switch`), and what follows from it."""

@@ -160,6 +160,7 @@ def collect_info(vol, *, stats: bool, hexdump: bool) -> dict:
     live_n = sum(s["state"] == "live" for s in segments)
     used_bytes = sum(s["used_bytes"] for s in segments if s["state"] == "live")
     capacity = sb.segment_count * sb.segment_bytes
+    keep, writable, reserve = _retention(vol, hist)
     epochs = [c.epoch for c in res.commits]
     uncommitted = sorted({int(p.reason.split()[1]) for p in problems
                           if p.kind == "uncommitted" and p.reason.startswith("epoch ")})
@@ -179,7 +180,7 @@ def collect_info(vol, *, stats: bool, hexdump: bool) -> dict:
             "segment_count": sb.segment_count, "next_lsn": sb.next_lsn,
             "next_segment_seq": sb.next_segment_seq, "oldest_lsn": sb.oldest_lsn,
             "oldest_epoch": sb.oldest_epoch, "catalog_lsn": sb.catalog_lsn,
-            "retain_epochs": sb.retain_epochs, "retain_bytes": sb.retain_bytes,
+            "retain_epochs": keep.epochs, "retain_bytes": sb.retain_bytes,
             "created_ns": sb.created_ns,
         },
         "slots": slots,
@@ -192,14 +193,36 @@ def collect_info(vol, *, stats: bool, hexdump: bool) -> dict:
             "uncommitted": uncommitted, "floor": max(sb.oldest_epoch, hist.floor_epoch),
         },
         "snapshots": snapshots,
+        "retention": {"keep_bases": keep.bases, "keep_epochs": keep.epochs},
         "space": {
             "capacity_bytes": capacity, "live_segments": live_n, "free_segments": sb.segment_count - live_n,
             "used_bytes": used_bytes, "free_bytes": capacity - used_bytes,
+            "writable_bytes": writable, "reserve_bytes": reserve,
         },
         "problems": [p.to_json() for p in problems if p.kind != "uncommitted"],
         "stats": _stats(res.records, names) if stats else None,
     }
     return out
+
+
+def _retention(vol, hist) -> tuple:
+    """(the retention policy `compact` applies when told nothing, the bytes a
+    writer can still append, the reserve a compaction leaves free): the
+    rules of `concordia.wal.compaction`, read from the volume.  A catalog that
+    cannot be read (reported as a problem) counts as keeping every base."""
+    from concordia.wal.catalog import EMPTY_CATALOG
+    from concordia.wal.compaction import Keep, opening_reserve, record_bytes, volume_space
+    from concordia.wal.errors import CorruptionError
+    from concordia.wal.snapshot import current_catalog
+
+    try:
+        cat = current_catalog(vol)
+    except CorruptionError:
+        cat = EMPTY_CATALOG
+    last = max((c.lsn for c in hist.commits.values()), default=0)
+    writable = volume_space(vol, last).bytes
+    state = sum(record_bytes(r.nbytes, r.page_bytes) for r in hist.regions.values())
+    return Keep.stored(vol.superblock, cat), writable, opening_reserve(state, vol.segment_bytes)
 
 
 def _stats(records, names: dict) -> dict:
@@ -216,6 +239,9 @@ def _stats(records, names: dict) -> dict:
 
 
 def render_info(d: dict, hexdump: bool) -> list[str]:
+    from concordia.wal.compaction import Keep
+
+    keep = Keep(d["retention"]["keep_bases"], d["retention"]["keep_epochs"])
     v, t = d["volume"], d["target"]
     lines = [
         f"target        {t['kind']}:{t['path'] or ''}  {R.size(t['size'])}",
@@ -229,8 +255,8 @@ def render_info(d: dict, hexdump: bool) -> list[str]:
         f"geometry      {v['segment_count']} segments of {R.size(v['segment_bytes'])} at 0x{v['segments_off']:x}, "
         f"slots of {R.size(v['slot_bytes'])}, volume {R.size(v['volume_bytes'])}",
         f"lsn           next 0x{v['next_lsn']:x}, oldest 0x{v['oldest_lsn']:x}; next segment seq {v['next_segment_seq']}",
-        f"retention     oldest epoch {v['oldest_epoch']}, catalog lsn 0x{v['catalog_lsn']:x}, "
-        f"retain epochs {v['retain_epochs']}, retain bytes {v['retain_bytes']}",
+        f"retention     keeps {keep.describe()} (compact's default); oldest epoch "
+        f"{v['oldest_epoch']}, catalog lsn 0x{v['catalog_lsn']:x}, retain bytes {v['retain_bytes']}",
         f"created       {R.when(v['created_ns'])}",
         "superblock slots",
     ]
@@ -289,7 +315,9 @@ def render_info(d: dict, hexdump: bool) -> list[str]:
         lines.append("snapshots     none")
     sp = d["space"]
     lines.append(f"space         {R.size(sp['used_bytes'])} used in {sp['live_segments']} live segments, "
-                 f"{R.size(sp['free_bytes'])} free ({sp['free_segments']} free segments) of {R.size(sp['capacity_bytes'])}")
+                 f"{R.size(sp['free_bytes'])} free ({sp['free_segments']} free segments) of "
+                 f"{R.size(sp['capacity_bytes'])}; a writer can append {R.size(sp['writable_bytes'])}, "
+                 f"compaction keeps {R.size(sp['reserve_bytes'])} free")
     if d["stats"]:
         lines.append("records by type")
         lines += R.table([[k, v["records"], v["pages"], R.size(v["bytes"])] for k, v in sorted(d["stats"]["by_type"].items())],

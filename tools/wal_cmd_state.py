@@ -32,38 +32,7 @@ def _open_log_writable(spec: str):
 
 # --------------------------------------------------------------------------- compact
 
-def _dry_run(log, upto, keep) -> dict:
-    """What compaction would do, computed with the same pure functions it uses,
-    writing nothing."""
-    from concordia.wal.compaction import needed_from, retention
-    from concordia.wal.planner import BaseEntry, plan_history, scan
-    from concordia.wal.snapshot import current_catalog
-
-    h = scan(log, payload=False)
-    p = plan_history(h, "latest" if upto is None else upto, "tolerate_tail")
-    sb = log.volume.superblock
-    prev = current_catalog(log)
-    keep_bases = prev.keep_bases if keep is None else keep
-    keep_epochs = int(sb.retain_epochs)
-    todo = [rp for rp in p.regions.values() if rp.base_epoch != p.epoch]
-    # the new bases would be written at or above the write position, which
-    # lies in the newest live segment: next_lsn stands for it (that segment is
-    # never freed, so the estimate of what is freed does not change)
-    at = sb.next_lsn
-    new = [BaseEntry(rp.region.id, p.epoch, at, at, 1, rp.region.pages, 0) for rp in todo]
-    replaced = {(e.region_id, e.epoch) for e in new}
-    entries = [e for e in prev.entries if (e.region_id, e.epoch) not in replaced] + new
-    kept, floor, cut = retention(entries, h.committed_epochs(), keep_bases, keep_epochs,
-                                 [r.id for r in h.regions.values()])
-    floor = max(floor, prev.floor_epoch)
-    low = needed_from(h, kept, cut, floor)
-    live = log.volume.live_segments()
-    freed = [s.index for s in live[:-1] if low is not None and s.end_lsn <= low]
-    return {"epoch": p.epoch, "dry_run": True, "folded": [rp.name for rp in todo],
-            "unchanged": [n for n, rp in p.regions.items() if rp.base_epoch == p.epoch],
-            "bytes_written": sum(rp.region.pages * rp.region.page_bytes for rp in todo),
-            "bases_kept": len(kept), "bases_dropped": len(entries) - len(kept), "floor_epoch": floor,
-            "segments_freed": freed}
+COMPACT_SCHEMA = "concordia-wal/compact/1"
 
 
 @click.command("compact")
@@ -71,16 +40,21 @@ def _dry_run(log, upto, keep) -> dict:
 @click.option("--upto", type=click.IntRange(1, None), default=None,
               help="Committed epoch to fold into new base snapshots (default: the latest).")
 @click.option("--keep", type=click.IntRange(0, None), default=None,
-              help="Base snapshots kept per region (0 = all; default: the log's current policy).")
+              help="Keep the K newest base snapshots of each region and drop everything older "
+                   "(0 = keep everything; default: the policy the log already has).")
 @click.option("--dry-run", "dry_run", is_flag=True, help="Say what would be written and freed; change nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @guarded
 def compact_cmd(log, upto, keep, dry_run, as_json):
     """Fold each region's newest base and the deltas after it into a new base
-    snapshot at epoch --upto, then let retention (--keep) give back the
-    segments nobody needs.  One superblock write switches to the result, so
-    a crash leaves either the old log or the new one.  Shows a progress bar
-    (not with --json).
+    snapshot at epoch --upto, then let retention give back the segments
+    nobody needs: --keep K keeps the K newest bases of each region (epochs
+    before the oldest kept one are no longer restorable), --keep 0 keeps
+    everything, and without --keep the policy the log already has applies
+    (`info` shows it).  One superblock write switches to the result, so a
+    crash leaves either the old log or the new one.  A compaction that would
+    leave the log less free space than a session needs to go on is refused
+    before anything is written.  Shows a progress bar (not with --json).
 
     Refused (exit 2) while a writer has the log open: opening for writing
     cuts any uncommitted tail, so it takes the log's writer lock.
@@ -91,37 +65,47 @@ def compact_cmd(log, upto, keep, dry_run, as_json):
         concordia-wal compact file:./concordia-data/demo.log --keep 1 --dry-run
         concordia-wal compact file:./concordia-data/demo.log --keep 1
     """
-    from concordia.wal.compaction import compact
+    from concordia.wal.compaction import Keep, compact, decide, resolve_keep
 
+    # --keep K is the whole policy of this run: K bases, no window of epochs
+    keep_bases, keep_epochs = (None, None) if keep is None else (keep, 0)
     if dry_run:
         from concordia.wal import Log
 
         vol = open_volume(log)
         lg = Log.open(vol.backend, writable=False)
         try:
-            rep = _dry_run(lg, upto, keep)
+            policy = resolve_keep(lg, keep_bases, keep_epochs)
+            rep = decide(lg, upto, keep=policy, upto_named=upto is not None).report().to_json()
+            for k in ("records_written", "oldest_lsn", "seconds", "source"):
+                del rep[k]
         finally:
             lg.close()
     else:
         lg = _open_log_writable(log)
         bar = Bar("compacting", enabled=not as_json)
         try:
-            rep = compact(lg, upto, keep_bases=keep, progress=bar.absolute).to_json()
+            rep = compact(lg, upto, keep_bases=keep_bases, keep_epochs=keep_epochs, progress=bar.absolute,
+                          upto_named=upto is not None).to_json()
         finally:
             bar.close()
             lg.close()
-        rep["dry_run"] = False
+    rep = {"schema": COMPACT_SCHEMA, "dry_run": dry_run, **rep}
     if as_json:
         emit_json(rep)
     else:
         would = "would " if dry_run else ""
+        policy = Keep(rep["keep_bases"], rep["keep_epochs"]).describe()
+        if rep["reclaim_first"]:
+            click.echo(f"room {would}switch first with no new base, freeing segments for the new ones")
         click.echo(f"compact {would}fold epoch {rep['epoch']}: "
                    f"{', '.join(rep['folded']) or 'nothing'} ({R.size(rep['bytes_written'])} of new bases)"
                    + (f"; already based: {', '.join(rep['unchanged'])}" if rep["unchanged"] else ""))
-        click.echo(f"retention {would}keep {rep['bases_kept']} bases, drop {rep['bases_dropped']}; "
-                   f"restorable from epoch {rep['floor_epoch'] or 1}")
+        click.echo(f"retention {would}keep {rep['bases_kept']} bases, drop {rep['bases_dropped']} "
+                   f"(keeps {policy}); restorable from epoch {rep['floor_epoch'] or 1}")
         freed = rep["segments_freed"]
-        click.echo(f"segments {would}free {len(freed)}" + (f" ({', '.join(map(str, freed))})" if freed else ""))
+        click.echo(f"segments {would}free {len(freed)}" + (f" ({', '.join(map(str, freed))})" if freed else "")
+                   + f"; {R.size(rep['free_bytes'])} free after (a session needs {R.size(rep['reserve_bytes'])})")
     sys.exit(EXIT_OK)
 
 
@@ -193,14 +177,16 @@ def snapshot_create(log, regions, epoch):
     """Write a base snapshot of each region at a committed epoch, built from
     the log itself (newest base plus deltas, every page CRC-checked), and
     list it in a new catalog.  Shows a progress bar.  Refused (exit 2) while
-    a writer has the log open.
+    a writer has the log open, and before anything is written when the bases
+    do not fit or would leave the log less free space than a session needs
+    (a snapshot frees nothing: `compact` does).
 
     Example:
 
     \b
         concordia-wal snapshot create file:./concordia-data/demo.log --region kv
     """
-    from concordia.wal.compaction import fold_source
+    from concordia.wal.compaction import check_snapshot_room, fold_source
     from concordia.wal.planner import plan_history, scan
     from concordia.wal.snapshot import create_base_snapshot
 
@@ -213,6 +199,7 @@ def snapshot_create(log, regions, epoch):
                                  where=lg.backend.where)
         names = list(regions) or known
         p = plan_history(scan(lg), "latest" if epoch is None else epoch, "tolerate_tail", regions=names)
+        check_snapshot_room(lg, names)  # every base and catalog, before the first is written
         total = sum(p.regions[n].region.pages * p.regions[n].region.page_bytes for n in names)
         made = []
         with progress_bar(total, "snapshot") as bar:

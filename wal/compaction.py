@@ -17,12 +17,28 @@ a crash after it the new one; either way the log restores the same state.
 Freed segments come back through roll-over with a new salt and base LSN, so
 their stale bytes fail V-R5 and are never read as records.
 
-Retention (`keep_bases`, `keep_epochs`; 0 or None = keep everything):
-each region keeps its newest `keep_bases` bases, and every epoch among the
-newest `keep_epochs` committed ones stays restorable.  The oldest restorable
-epoch is then `floor = max over regions of cut(R)`, where cut(R) is the
-newest kept base of R at or before the floor; deltas of R at or before cut(R)
-and bases older than it are no longer needed.
+Retention (`Keep`: `bases`, `epochs`; 0 = no limit of that kind, both 0 =
+keep everything): each region keeps its newest `bases` bases, and every epoch
+among the newest `epochs` committed ones stays restorable.  The oldest
+restorable epoch is then `floor = max over regions of cut(R)`, where cut(R)
+is the newest kept base of R at or before the floor; deltas of R at or before
+cut(R) and bases older than it are no longer needed.  A compaction told
+nothing applies the policy the log already has (`stored_keep`: the catalog's
+`keep_bases`, the superblock's `retain_epochs`), and stores the one it
+applied.
+
+Space (`decide`, FORMAT.md §12.5): a compaction run on its own (`compact`)
+writes nothing unless, once it has switched, the log still holds the
+retention reserve (`reserve_bytes`: what a session that opens the log needs
+to write its first checkpoint, base every region and go on).  When its bases
+do not fit the free space, it first switches with no new base, keeping what
+the final switch keeps and what the fold reads, and writes the bases into
+the segments that frees; when even that does not make room, or the result
+would leave less than the reserve, it refuses up front in one line and the
+log is unchanged.  (`concordia-wal snapshot create` checks its bases against
+the same reserve: `check_snapshot_room`.)  A session's retention
+keeps the log above the same reserve its own way: below it, it bases every
+region at once and keeps only the newest epoch (`concordia.retention`).
 """
 
 from __future__ import annotations
@@ -33,14 +49,17 @@ from typing import Callable
 
 import numpy as np
 
+from concordia.wal import format as F
 from concordia.wal.apply import check_pages, page_crcs, take_rows
-from concordia.wal.errors import WalError
+from concordia.wal.catalog import CATALOG_ENTRY_SIZE, CATALOG_HEAD_SIZE, BaseEntry
+from concordia.wal.errors import CorruptionError, LogFullError, WalError
 from concordia.wal.planner import History, RegionPlan, plan_history, scan
 from concordia.wal.snapshot import (
     DEFAULT_CHUNK_BYTES,
     Catalog,
     _page_source,
     append_catalog,
+    base_record_lengths,
     current_catalog,
     write_base_slices,
 )
@@ -60,10 +79,326 @@ class CompactReport:
     oldest_lsn: int = 0
     segments_freed: list = field(default_factory=list)
     seconds: float = 0.0
-    scanned: bool = False  # the switch read the log (no `Known` covered it)
+    keep_bases: int = 0    # the retention applied (0: no limit of that kind)
+    keep_epochs: int = 0
+    reclaim_first: bool = False  # a switch with no new base made room for the bases first
+    free_bytes: int = 0    # what the log can still append afterwards (`Space.bytes`)
+    reserve_bytes: int = 0  # what a compaction leaves free at the least (`reserve_bytes`)
+    scanned: bool = False  # the switch read the log (no `Known` covered it); not reported
 
     def to_json(self) -> dict:
-        return dict(self.__dict__)
+        """The report as `concordia-wal compact --json` prints it (docs/cli.md)."""
+        out = dict(self.__dict__)
+        del out["scanned"]
+        return out
+
+
+# --------------------------------------------------------------------------- policy and space
+
+#: retain_epochs at or above this reads as 0 (every epoch): earlier writers stored 2**62 for it
+_EVERY_EPOCH = 1 << 62
+
+
+@dataclass(frozen=True)
+class Keep:
+    """A retention policy: each region keeps its newest `bases` bases, and the
+    newest `epochs` committed epochs stay restorable; 0 is no limit of that
+    kind, so Keep(0, 0) keeps everything.  Both limits hold together: what
+    either keeps is kept."""
+
+    bases: int = 0
+    epochs: int = 0
+
+    @classmethod
+    def stored(cls, superblock, catalog: Catalog) -> "Keep":
+        """The policy a log already has: the catalog's keep_bases and the
+        superblock's retain_epochs (FORMAT.md §3.1, §12.2)."""
+        e = int(superblock.retain_epochs)
+        return cls(int(catalog.keep_bases), 0 if e >= _EVERY_EPOCH else e)
+
+    def describe(self) -> str:
+        """In words, as `info` and `compact` print it."""
+        if not self.bases and not self.epochs:
+            return "every base and every epoch"
+        parts = []
+        if self.bases:
+            parts.append(f"the newest {self.bases} bases of each region" if self.bases > 1
+                         else "the newest base of each region")
+        if self.epochs:
+            parts.append(f"the newest {self.epochs} epochs" if self.epochs > 1 else "the newest epoch")
+        return " and ".join(parts)
+
+
+def stored_keep(log) -> Keep:
+    """The retention policy `log` already has (what a compaction told nothing applies)."""
+    return Keep.stored(log.volume.superblock, current_catalog(log))
+
+
+def resolve_keep(log, keep_bases: int | None = None, keep_epochs: int | None = None) -> Keep:
+    """The policy a compaction applies: the log's own (`stored_keep`) when
+    neither limit is given, else the limits given (one left out is 0: no
+    limit of that kind)."""
+    if keep_bases is None and keep_epochs is None:
+        return stored_keep(log)
+    return Keep(int(keep_bases or 0), int(keep_epochs or 0))
+
+
+def record_bytes(nbytes: int, page_bytes: int) -> int:
+    """Log bytes a full image of a region of `nbytes` takes in 8 MiB page batches."""
+    pages = -(-int(nbytes) // page_bytes)
+    per = max(1, (8 << 20) // page_bytes)
+    full, rest = divmod(pages, per)
+    return full * F.page_batch_length(per, page_bytes) + (F.page_batch_length(rest, page_bytes) if rest else 0)
+
+
+def retention_reserve(state_bytes: int, segment_bytes: int, checkpoint_bytes: int) -> int:
+    """Free log bytes a writer's retention needs to go on: a base of every
+    region (`state_bytes`: `record_bytes` of each, and an eighth more for the
+    ends of the segments it crosses), a segment for its catalog and the end of
+    the segment being written, and `checkpoint_bytes` of checkpoints written
+    before the switch that frees space comes.  A session is under pressure
+    below it (`concordia.retention`); a compaction never leaves less
+    (`reserve_bytes`)."""
+    return int(state_bytes) + (int(state_bytes) >> 3) + int(segment_bytes) + int(checkpoint_bytes) + (64 << 10)
+
+
+def state_bytes(log) -> int:
+    """Log bytes one full image of every region of `log` takes."""
+    return sum(record_bytes(r.nbytes, r.page_bytes) for r in log.regions.values())
+
+
+def opening_reserve(state: int, segment_bytes: int) -> int:
+    """The retention reserve of a session that opens a log of `state` bytes
+    of regions (`state_bytes`): its first checkpoint writes every page of
+    every region (a full image, with the ends of its segments)."""
+    return retention_reserve(state, segment_bytes, state + (state >> 3))
+
+
+def reserve_bytes(log) -> int:
+    """What a compaction leaves free at the least (`opening_reserve` of the log's regions)."""
+    return opening_reserve(state_bytes(log), log.volume.segment_bytes)
+
+
+@dataclass(frozen=True)
+class Space:
+    """What a writer of a log can still append: the rest of the segment being
+    written (`tail` bytes) and `free_segments` whole segments of `capacity`
+    bytes each (`Appender.segment_capacity`).  The ends of older live
+    segments are not in it: records never go back there."""
+
+    tail: int
+    free_segments: int
+    capacity: int
+
+    @property
+    def bytes(self) -> int:
+        return self.tail + self.free_segments * self.capacity
+
+    def after(self, lengths, freed: int = 0) -> "Space | None":
+        """The space left once records of `lengths` bytes are appended in
+        order, the appender rolling over to a free segment whenever one does
+        not fit the rest of the current one, and `freed` segments are freed
+        afterwards; None when they do not fit."""
+        tail, free = self.tail, self.free_segments
+        for n in lengths:
+            if n <= tail:
+                tail -= n
+                continue
+            if not free or n > self.capacity:
+                return None
+            free -= 1
+            tail = self.capacity - n
+        return Space(tail, free + int(freed), self.capacity)
+
+
+def free_space(log) -> Space:
+    """The `Space` of `log`: for a log open for writing, from its appender;
+    for a read-only one, as a writer opening it would find it (cut after the
+    later of the last commit and the catalog the superblock names, FORMAT.md
+    §10.5, V-N2: live segments after that point come back free)."""
+    if log.writable:
+        vol = log.volume
+        app = log.appender
+        tail = 0 if app.seg is None else app.seg.offset + app.seg.nbytes - app.pos
+        free = sum(1 for e in vol.superblock.segments if e.state == F.SEG_FREE)
+        return Space(int(tail), free, int(vol.segment_bytes) - F.SEGMENT_HEADER_SIZE)
+    commits = log.commits
+    return volume_space(log.volume, commits[-1].lsn if commits else 0)
+
+
+def volume_space(vol, last_commit_lsn: int) -> Space:
+    """The `Space` a writer opening volume `vol`, whose last commit record lies
+    at `last_commit_lsn` (0: none), finds (see `free_space`)."""
+    from concordia.wal.snapshot import record_at
+
+    sb = vol.superblock
+    cap = int(vol.segment_bytes) - F.SEGMENT_HEADER_SIZE
+    free = sum(1 for e in sb.segments if e.state == F.SEG_FREE)
+    live = vol.live_segments()
+    if not live:
+        return Space(0, free, cap)
+    at = None
+    for lsn in [x for x in (int(last_commit_lsn), int(sb.catalog_lsn)) if x]:
+        try:
+            _, _, h = record_at(vol, lsn)
+        except CorruptionError:
+            continue
+        at = max(at or 0, lsn + h.length)
+    if at is None:  # nothing committed: a writer starts at the oldest live segment
+        seg = live[0]
+        at = seg.base_lsn + F.SEGMENT_HEADER_SIZE
+    seg = next((s for s in live if s.base_lsn <= at <= s.end_lsn), live[-1])
+    later = sum(1 for s in live if s.seq > seg.seq)
+    return Space(int(seg.end_lsn - at), free + later, cap)
+
+
+def _descriptor_lengths(log) -> list:
+    return [F.record_length(len(F.encode_region_body(r.name, r.dtype, r.shape, r.page_bytes, r.kind,
+                                                       logical=r.logical, framework=r.framework)))
+            for r in log.regions.values()]
+
+
+def _catalog_length(entries: int) -> int:
+    return F.record_length(CATALOG_HEAD_SIZE + CATALOG_ENTRY_SIZE * int(entries))
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+@dataclass
+class Decision:
+    """What a compaction will do, decided before it writes anything (`decide`)."""
+
+    epoch: int
+    keep: Keep
+    fold: list             # region names given a new base
+    unchanged: list        # regions whose newest base already is at the epoch
+    bytes_written: int     # payload bytes of the new bases
+    bases_kept: int
+    bases_dropped: int
+    floor_epoch: int
+    segments_freed: list   # physical indexes
+    first: tuple | None    # (kept, floor, cut) of a switch with no new base to run first, making room
+    free_bytes: int        # what the log can append once it has switched
+    reserve_bytes: int
+
+    def report(self) -> CompactReport:
+        return CompactReport(epoch=self.epoch, source="log", folded=list(self.fold), unchanged=list(self.unchanged),
+                             bytes_written=self.bytes_written, bases_kept=self.bases_kept,
+                             bases_dropped=self.bases_dropped, floor_epoch=self.floor_epoch,
+                             segments_freed=list(self.segments_freed), keep_bases=self.keep.bases,
+                             keep_epochs=self.keep.epochs, reclaim_first=self.first is not None,
+                             free_bytes=self.free_bytes, reserve_bytes=self.reserve_bytes)
+
+
+def _freed(log, low) -> list:
+    """Physical indexes of the live segments a reclaim below `low` frees
+    (`Volume.reclaim_segments`: never the newest)."""
+    live = log.volume.live_segments()
+    return [s.index for s in live[:-1] if low is not None and s.end_lsn <= low]
+
+
+def decide(log, epoch: int | None = None, *, keep: Keep, regions=None, upto_named: bool = False,
+           live=(), reclaim: bool = True, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Decision:
+    """What compacting `log` at committed `epoch` (default: the latest) under
+    `keep` does: the bases it writes, what it keeps and frees, and whether it
+    must switch once first to make room (module doc, "Space").  Pure but for
+    reading the log: nothing is written.  Raises, naming the figures, when the
+    compaction must not run: its bases do not fit even after that first switch
+    (LogFullError), it would leave less than `reserve_bytes(log)` free, or a
+    base at an epoch the caller named (`upto_named`) would be dropped by the
+    retention at once (WalError).  live: names of regions whose image the
+    caller hands in (given a new base even when their newest one is at the
+    epoch, as `Compaction` does).  reclaim=False: the switch frees nothing."""
+    where = log.backend.where
+    h = scan(log, payload=False)
+    p = plan_history(h, "latest" if epoch is None else int(epoch), "tolerate_tail", regions=regions)
+    prev = current_catalog(log)
+    infos = log.regions
+    names = list(infos) if regions is None else list(regions)
+    fold = [n for n in names if p.regions[n].base_epoch != p.epoch or n in live]
+    unchanged = [n for n in names if n not in fold]
+    # the new bases lie above every record there is: next_lsn stands for where
+    at = int(log.volume.superblock.next_lsn)
+    new = {n: BaseEntry(infos[n].id, p.epoch, at, at, 1, infos[n].pages, 0) for n in fold}
+    replaced = {(e.region_id, e.epoch) for e in new.values()}
+    old = [e for e in prev.entries if (e.region_id, e.epoch) not in replaced]
+    ids = [r.id for r in h.regions.values()]
+    committed = h.committed_epochs()
+
+    kept, floor, cut = retention(old + list(new.values()), committed, keep.bases, keep.epochs, ids)
+    floor = max(floor, prev.floor_epoch)
+    freed = _freed(log, needed_from(h, kept, cut, floor)) if reclaim else []
+    # the base of each region at the epoch (new, or there already) that the retention drops at once
+    at_epoch = {(e.region_id, e.epoch) for e in kept}
+    lost = [n for n in names if (infos[n].id, p.epoch) not in at_epoch]
+    if lost and upto_named:
+        newest = max(e.epoch for e in kept if e.region_id == infos[lost[0]].id)
+        raise WalError(f"the base of region {lost[0]!r} at epoch {p.epoch} would be dropped at once: the "
+                       f"retention keeps {keep.describe()}, and it has a newer base (epoch {newest}); nothing "
+                       f"was written", where=where, hint="leave out --upto, or pass a larger --keep")
+    cap = int(log.volume.segment_bytes) - F.SEGMENT_HEADER_SIZE
+    bases = [n for info in (infos[x] for x in fold) for n in base_record_lengths(info, chunk_bytes, cap)]
+    meta = _descriptor_lengths(log)  # written again when their segment goes (counted always: the most)
+    space = free_space(log)
+    reserve = reserve_bytes(log)
+    writes = bases + meta + [_catalog_length(len(kept))]
+    after = space.after(writes, freed=len(freed))
+    first = None
+    if after is None and reclaim:
+        # fold in place of what is freed: a switch with no new base first, keeping what the
+        # final one keeps and what the fold reads (each region's newest base at or before
+        # the epoch, and the deltas after it), so that the bases go where it freed
+        src = {infos[n].id: p.regions[n].base_epoch or 0 for n in fold}
+        cut_1 = {rid: min(c, src.get(rid, c)) for rid, c in cut.items()}
+        kept_1 = [e for e in old if e.epoch >= cut_1.get(e.region_id, 0)]
+        floor_1 = max(prev.floor_epoch, max(cut_1.values(), default=0))
+        freed_1 = _freed(log, needed_from(h, kept_1, cut_1, floor_1))
+        mid = space.after(meta + [_catalog_length(len(kept_1))], freed=len(freed_1))
+        if mid is not None and freed_1 and floor_1 <= p.epoch:
+            after = mid.after(writes, freed=len(set(freed) - set(freed_1)))
+            first = (kept_1, floor_1, cut_1) if after is not None else None
+    if after is None:
+        raise LogFullError(f"compaction needs {_mib(sum(writes))} for its new bases and catalog, the log can "
+                           f"append {_mib(space.bytes)} ({space.free_segments} free segments), and what a retention "
+                           f"keeping {keep.describe()} lets go does not make room; nothing was written", where=where,
+                           hint="pass --keep 1 to keep fewer bases, or restore the regions into a larger log")
+    if after.bytes < reserve:
+        raise WalError(f"compaction keeping {keep.describe()} would leave {_mib(after.bytes)} free, less than the "
+                       f"{_mib(reserve)} a session needs to go on (a checkpoint of every page and a base of every "
+                       f"region); nothing was written", where=where,
+                       hint="pass --keep 1 to keep fewer bases" if keep != Keep(1, 0) else "create a larger log")
+    return Decision(p.epoch, keep, fold, unchanged,
+                    sum(infos[n].pages * infos[n].page_bytes for n in fold), len(kept),
+                    len(old) + len(fold) - len(kept), floor, freed, first, after.bytes, reserve)
+
+
+def check_snapshot_room(log, names, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+    """Refuse (LogFullError, or WalError naming the figures) base snapshots of
+    regions `names`, each listed in a catalog of its own, that do not fit the
+    log's free space or would leave it less than the retention reserve
+    (`reserve_bytes`: the rule a compaction follows).  Writes nothing."""
+    regions = log.regions
+    cap = log.appender.segment_capacity
+    entries = len(current_catalog(log).entries)
+    writes = []
+    for k, name in enumerate(names):
+        writes += base_record_lengths(regions[name], chunk_bytes, cap) + [_catalog_length(entries + k + 1)]
+    space, reserve = free_space(log), reserve_bytes(log)
+    after = space.after(writes)
+    where = log.backend.where
+    if after is None:
+        raise LogFullError(f"base snapshots of {', '.join(names)} need {_mib(sum(writes))}, and the log can append "
+                           f"{_mib(space.bytes)}; nothing was written", where=where,
+                           hint="compact the log instead, which frees what the bases replace: "
+                                "concordia-wal compact LOG --keep 1")
+    if after.bytes < reserve:
+        raise WalError(f"base snapshots of {', '.join(names)} ({_mib(sum(writes))}) free nothing and would leave "
+                       f"{_mib(after.bytes)} free, less than the {_mib(reserve)} a session needs to go on (a "
+                       f"checkpoint of every page and a base of every region); nothing was written", where=where,
+                       hint="compact the log instead, which frees what the bases replace: "
+                            "concordia-wal compact LOG --keep 1")
 
 
 def fold_source(rp: RegionPlan) -> Callable[[int, int], np.ndarray]:
@@ -155,19 +490,44 @@ def needed_from(h: History, kept, cut: dict, floor: int) -> int | None:
 
 def compact(log, epoch: int | None = None, *, live: dict | None = None, keep_bases: int | None = None,
             keep_epochs: int | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-            progress: Callable[[int, int], None] | None = None, reclaim: bool = True) -> CompactReport:
+            progress: Callable[[int, int], None] | None = None, reclaim: bool = True,
+            upto_named: bool = False) -> CompactReport:
     """Fold every region into a base at committed `epoch` (default: latest),
     list the bases retention keeps in a new catalog, and switch to it while
     freeing the segments nobody needs any more (one superblock write).
+
+    keep_bases / keep_epochs: the retention (`resolve_keep`: neither given,
+    the log's own policy).  What is written is decided first (`decide`): a
+    compaction that would leave less than the retention reserve free, or
+    whose bases do not fit, is refused before anything is written; one
+    whose bases fit only once the bases already there have freed what they
+    free switches to those first (`CompactReport.reclaim_first`).
+    upto_named: `epoch` was asked for by a person (`compact --upto`): a base
+    there that the retention would drop at once is refused, not written and
+    dropped.
 
     live: {region name: array} images to take instead of folding the log
     (the array must be the region's state at `epoch`; its digest is checked
     against the commit before anything is switched).
     progress(done_bytes, total_bytes) is called after every chunk written."""
-    job = Compaction(log, epoch, live=live, chunk_bytes=chunk_bytes, progress=progress)
+    keep = resolve_keep(log, keep_bases, keep_epochs)
+    d = decide(log, epoch, keep=keep, upto_named=upto_named, live=set(live or ()), reclaim=reclaim,
+               chunk_bytes=chunk_bytes)
+    freed_first = []
+    if d.first is not None:
+        first = Compaction(log, d.epoch, regions=[], live={}, digests={})
+        first.prepare(keep_bases=keep.bases, keep_epochs=keep.epochs, decided=d.first)
+        freed_first = first.switch().segments_freed
+    job = Compaction(log, d.epoch, regions=d.fold, live=live, chunk_bytes=chunk_bytes, progress=progress)
     while not job.step():
         pass
-    return job.finish(keep_bases=keep_bases, keep_epochs=keep_epochs, reclaim=reclaim)
+    rep = job.finish(keep_bases=keep.bases, keep_epochs=keep.epochs, reclaim=reclaim)
+    rep.unchanged = list(d.unchanged)
+    rep.segments_freed = freed_first + rep.segments_freed
+    rep.reclaim_first = d.first is not None
+    rep.free_bytes = free_space(log).bytes
+    rep.reserve_bytes = d.reserve_bytes
+    return rep
 
 
 class Compaction:
@@ -302,37 +662,51 @@ class Compaction:
         return self._switch is not None
 
     def prepare(self, *, keep_bases: int | None = None, keep_epochs: int | None = None,
-                reclaim: bool = True, known: "Known | None" = None) -> bool:
+                reclaim: bool = True, known: "Known | None" = None, decided: tuple | None = None) -> bool:
         """The first half of `finish`: decide what the new catalog keeps and
         append it (with the region descriptors again when their segment goes),
         not yet current: a reader still sees the old catalog, and a crash here
         leaves it in force.  True when `switch` has a superblock write to do;
         False when nothing changes (the report is then final).  Records
         committed between the two halves are kept: they lie above what the
-        catalog frees."""
+        catalog frees.
+
+        decided: (kept entries, floor, cut per region) the caller decided
+        (`decide`'s switch before the bases, which keeps more than the
+        policy would); the policy given is still the one stored."""
         if not self.written:
             raise WalError("compaction finished before its bases were written")
         t = time.perf_counter()
         log, rep = self.log, self.report
         prev = current_catalog(log)
         sb = log.volume.superblock
-        keep_bases = prev.keep_bases if keep_bases is None else int(keep_bases)
-        keep_epochs = int(sb.retain_epochs) if keep_epochs is None else int(keep_epochs)
+        if keep_bases is None and keep_epochs is None:
+            keep = Keep.stored(sb, prev)
+        else:
+            keep = Keep(int(keep_bases or 0), int(keep_epochs or 0))
+        keep_bases, keep_epochs = keep.bases, keep.epochs
+        rep.keep_bases, rep.keep_epochs = keep_bases, keep_epochs
         new = self.new
         replaced = {(e.region_id, e.epoch) for e in new}
         entries = [e for e in prev.entries if (e.region_id, e.epoch) not in replaced] + new
         ids = [r.id for r in log.regions.values()]
         h = None
         known_in = known
-        if known is not None and keep_epochs and not keep_bases:
-            kept, floor, cut = retention(entries, [known.window_start], 0, 1, ids)
+        if decided is not None:
+            kept, floor, cut = decided
+            known = None
+            h = scan(log, payload=False)
+            low = needed_from(h, kept, cut, floor) if reclaim else None
+        elif known is not None and not keep_bases:
+            # the window the writer keeps (keep_epochs 0: every epoch, a window from epoch 0)
+            kept, floor, cut = retention(entries, [known.window_start if keep_epochs else 0], 0, 1, ids)
             floor = max(floor, prev.floor_epoch)
             low = known.needed_from(kept, cut, floor) if reclaim else None
             if low is False:  # the writer does not know every epoch kept
                 known = None
         else:
             known = None
-        if known is None:
+        if known is None and decided is None:
             rep.scanned = True
             h = scan(log, payload=False)
             kept, floor, cut = retention(entries, h.committed_epochs(), keep_bases, keep_epochs,
@@ -340,7 +714,8 @@ class Compaction:
             floor = max(floor, prev.floor_epoch)
             low = needed_from(h, kept, cut, floor) if reclaim else None
         rep.bases_kept, rep.bases_dropped, rep.floor_epoch = len(kept), len(entries) - len(kept), floor
-        if not new and len(kept) == len(prev.entries) and floor == prev.floor_epoch:
+        if (not new and len(kept) == len(prev.entries) and floor == prev.floor_epoch
+                and keep == Keep.stored(sb, prev)):
             rep.oldest_lsn = sb.oldest_lsn
             self.seconds += time.perf_counter() - t
             rep.seconds = self.seconds
@@ -434,4 +809,6 @@ def _rewrite_descriptors(log) -> None:
         app.append_record(type=F.REC_REGION, epoch=0, body=body, region_id=info.id, page_bytes=info.page_bytes)
 
 
-__all__ = ["compact", "Compaction", "Known", "CompactReport", "fold_source", "retention", "needed_from"]
+__all__ = ["compact", "Compaction", "Known", "CompactReport", "Decision", "Keep", "Space", "decide", "fold_source",
+           "free_space", "needed_from", "opening_reserve", "record_bytes", "reserve_bytes", "resolve_keep", "retention",
+           "retention_reserve", "state_bytes", "stored_keep", "volume_space", "check_snapshot_room"]

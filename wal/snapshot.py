@@ -90,6 +90,28 @@ def _append_base_batch(log, epoch: int, region_id: int, page_ids, pages, page_cr
     return res.lsn
 
 
+def base_batch_pages(page_bytes: int, chunk_bytes: int, capacity: int) -> int:
+    """Pages per BASE page batch: `chunk_bytes` of them (at least one page),
+    halved until the record fits a segment of `capacity` usable bytes."""
+    from concordia.wal.format import page_batch_length
+
+    per = max(1, min(chunk_bytes // page_bytes, 1 << 20))
+    while per > 1 and page_batch_length(per, page_bytes) > capacity:
+        per //= 2
+    return per
+
+
+def base_record_lengths(info, chunk_bytes: int, capacity: int) -> list:
+    """Lengths of the BASE page batches `write_base_slices` appends for region
+    `info`, in order (what a compaction must find room for)."""
+    from concordia.wal.format import page_batch_length
+
+    per = base_batch_pages(info.page_bytes, chunk_bytes, capacity)
+    full, rest = divmod(int(info.pages), per)
+    pb = info.page_bytes
+    return [page_batch_length(per, pb)] * full + ([page_batch_length(rest, pb)] if rest else [])
+
+
 def write_base_slices(log, info, source, epoch: int, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
     """A generator appending the BASE page batches of a full image of region
     `info` at `epoch`, one chunk (at most `chunk_bytes`, at least one page, and
@@ -98,13 +120,10 @@ def write_base_slices(log, info, source, epoch: int, *, chunk_bytes: int = DEFAU
     (StopIteration.value) the catalog entry that would list them.  Nothing is
     listed: the caller writes the catalog.  A caller may stop between steps
     (the records written stay unlisted and ignored)."""
-    from concordia.wal.format import page_batch_length, page_crcs_of, region_digest
+    from concordia.wal.format import page_crcs_of, region_digest
 
     pb = info.page_bytes
-    per = max(1, min(chunk_bytes // pb, 1 << 20))
-    cap = log.appender.segment_capacity
-    while per > 1 and page_batch_length(per, pb) > cap:
-        per //= 2
+    per = base_batch_pages(pb, chunk_bytes, log.appender.segment_capacity)
     crcs = np.zeros(info.pages, dtype=np.uint32)
     first = last = None
     records = 0
@@ -139,11 +158,12 @@ def write_base_records(log, info, source, epoch: int, *, chunk_bytes: int = DEFA
 
 
 def record_at(log, lsn: int):
-    """(segment index, absolute offset, RecordHeader) of the valid record at `lsn`;
-    raises CorruptionError naming the place when there is none."""
+    """(segment index, absolute offset, RecordHeader) of the valid record at `lsn`
+    of `log` (a Log or its Volume); raises CorruptionError naming the place when
+    there is none."""
     from concordia.wal import format as F
 
-    vol = log.volume
+    vol = getattr(log, "volume", log)
     for seg in vol.live_segments():
         if seg.base_lsn <= lsn < seg.end_lsn:
             off = seg.offset + (lsn - seg.base_lsn)
@@ -156,19 +176,21 @@ def record_at(log, lsn: int):
 
 
 def current_catalog(log) -> Catalog:
-    """The catalog the superblock points at (EMPTY_CATALOG when none)."""
+    """The catalog the superblock of `log` (a Log or its Volume) points at
+    (EMPTY_CATALOG when none)."""
     from concordia.wal import format as F
     from crc32c import crc32c as _crc
 
-    lsn = int(log.volume.superblock.catalog_lsn)
+    vol = getattr(log, "volume", log)
+    lsn = int(vol.superblock.catalog_lsn)
     if not lsn:
         return EMPTY_CATALOG
-    seg, off, h = record_at(log, lsn)
+    seg, off, h = record_at(vol, lsn)
     where = f"segment {seg} @ {off:#x}"
     if h.type != F.REC_CATALOG:  # the whole type byte (R-T1): 0x84 is an ignorable record, not a catalog
         raise CorruptionError(f"superblock names lsn {lsn} as the catalog, but it holds record type "
                               f"0x{h.type:02x}", where=where)
-    body = log.volume.backend.view[off + 64: off + 64 + h.count]
+    body = vol.backend.view[off + 64: off + 64 + h.count]
     if _crc(body) != h.body_crc:
         raise CorruptionError("catalog body CRC mismatch", where=where)
     try:
@@ -205,7 +227,12 @@ def create_base_snapshot(log, region, data_or_source, epoch: int | None = None, 
 
     When the commit of `epoch` states a digest for the region, the image must
     match it: a base that disagrees with its epoch is refused before the
-    catalog switch, so it never becomes visible."""
+    catalog switch, so it never becomes visible.
+
+    A snapshot frees nothing: `concordia-wal snapshot create` first refuses
+    one that would leave the log less free space than the retention reserve
+    (`compaction.check_snapshot_room`); a caller that compacts right after (which frees
+    what the base replaces) may go below it in between."""
     info = _region(log, region)
     last = log.last_committed_epoch
     epoch = last if epoch is None else int(epoch)
@@ -268,4 +295,5 @@ def list_snapshots(log) -> list:
 __all__ = [
     "Catalog", "EMPTY_CATALOG", "encode_catalog_body", "decode_catalog_body", "current_catalog",
     "write_catalog", "write_base_records", "write_base_slices", "create_base_snapshot", "list_snapshots", "SnapshotInfo",
+    "base_batch_pages", "base_record_lengths",
 ]

@@ -1,4 +1,4 @@
-"""The --json outputs of info, dump, verify and recover --plan are the ones
+"""The --json outputs of info, dump, verify, recover --plan and compact are the ones
 docs/cli.md documents: every documented key is there, every top-level key
 is documented, and the schema names match.  Parsed from the doc itself, so
 the two cannot drift apart."""
@@ -85,3 +85,23 @@ def test_documented_schemas(log_path, damaged):
     assert plan["regions"]["kv"]["sources"]
     if damaged:
         assert plan["dropped"] and plan["dropped"][0]["offset"] == victim["offset"]
+
+
+def test_compact_schema(log_path):
+    # the dry run and the real run, each with the keys its block documents (the
+    # dry run without those marked "not with --dry-run")
+    dry = js("compact", log_path, "--keep", "1", "--dry-run", "--json")
+    check("compact", dry)
+    real_only = {k for k in documented("compact") if "not with `--dry-run`" in _meaning("compact", k)}
+    assert dry["dry_run"] is True and not real_only & set(dry)
+    assert set(dry) == set(documented("compact")) - real_only
+    rep = js("compact", log_path, "--keep", "1", "--json")
+    check("compact", rep)
+    assert rep["schema"] == "concordia-wal/compact/1" and rep["dry_run"] is False
+    assert set(rep) == set(documented("compact"))
+
+
+def _meaning(name: str, key: str) -> str:
+    text = open(DOC, encoding="utf-8").read()
+    block = re.search(rf"<!-- schema: {name} -->\n(.*?)<!-- end -->", text, re.S).group(1)
+    return re.search(rf"^\| `{re.escape(key)}` \|[^|]*\|(.*)\|$", block, re.M).group(1)

@@ -57,7 +57,9 @@ def build_log(size: int, epochs: int, dirty: float, page_bytes: int, seed: int =
     ad_bytes = max(page_bytes, (size - kv_bytes) // 4 * 4)
     live = {"kv": np.zeros(kv_bytes // 2, np.float16), "adapter": np.zeros(ad_bytes // 4, np.float32)}
     seg = 16 << 20
-    need = (size * (1 + dirty * (epochs - 1)) * 1.3) + 64 * seg
+    # the epochs, and room for what `bench compact` folds beside the free space a
+    # compaction must leave (wal.compaction.reserve_bytes: about 2.25 images)
+    need = (size * (1 + dirty * (epochs - 1)) * 1.3) + 64 * seg + 3.5 * size
     log = Log.create("memory:", size=int(-(-need // seg) * seg), segment_size=seg)
     ids = {n: log.define_region(n, a.dtype, a.shape, page_bytes, "kv" if n == "kv" else "adapter")
            for n, a in live.items()}
