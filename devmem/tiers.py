@@ -203,9 +203,11 @@ class OpenedFile:
         if size is None:
             if length == 0:
                 raise BadSizeError("file is empty", where=where, hint="give a size to create it")
-            if length % alignment:
+            if length % alignment and not readonly:
+                # a reader maps the length there is (a log cut short anywhere reads as
+                # truncated, FORMAT.md V-B8); a writer needs whole pages
                 raise BadSizeError(f"file length {length} is not a multiple of the alignment "
-                                   f"{alignment}", where=where)
+                                   f"{alignment}", where=where, hint="a log cut short can only be read")
             size = length
         elif length < size and not create:
             raise BadSizeError(f"file is {length} bytes, smaller than the {size} asked for",
