@@ -162,6 +162,10 @@ class History:
     floor_epoch: int = 0  # oldest epoch retention still keeps (0 = all)
     region_lsns: dict = field(default_factory=dict)  # id -> LSN of its newest descriptor
     result: object = None  # the reader's ScanResult it was built from (what the log commits, R-D1)
+    # the catalog the superblock names was read (or none is named): `bases` is every base
+    # there is.  False: the bases are unknown, so no region's chain can start from zero
+    # once anything was reclaimed (R-D5)
+    catalog_read: bool = True
 
     def committed_epochs(self) -> list:
         eps = set(self.commits)
@@ -394,13 +398,16 @@ class _Index:
                 break
             bad_base = bad_base or why
         start = base.epoch if base else 0
-        if base is None and floor > 0 and bad_base is not None:
-            # compaction based this region, and its deltas before the base may be
-            # reclaimed: without a usable base nothing is whole
+        if base is None and floor > 0 and (bad_base is not None or not self.h.catalog_read):
+            # R-D5: compaction based this region (or, the catalog being lost, may have),
+            # and its deltas before the base may be reclaimed: without a usable base
+            # nothing is whole.  Only a region the catalog in force lists no base of
+            # starts from zero once something was reclaimed (compaction bases every
+            # region whose deltas it reclaims)
             return None, [], [], bad_base or Damage(
                 segment=-1, offset=-1, lsn=None,
                 reason=f"no usable base of region {rid} at or before epoch {target} "
-                f"and deltas before epoch {floor} were reclaimed",
+                f"(the snapshot catalog is lost) and deltas before epoch {floor} were reclaimed",
                 epoch=target, region_id=rid,
             )
         deltas = [b for b in self.deltas.get(rid, ()) if start < b.epoch <= target]
@@ -528,6 +535,13 @@ def plan_history(
         raise CorruptionError(f"{d.reason} (lsn {d.lsn}): corruption before the last commit",
                               where=d.where if d.segment >= 0 else None,
                               hint="recover with mode point_in_time or skip_corrupt to fall back")
+    if corrupt and not h.regions:
+        # R-D6: no region is known, and damage may be what hides the descriptors
+        # (compaction writes them again beside its bases): nothing can be restored
+        d = corrupt[0]
+        raise CorruptionError(f"no region descriptor of the log is readable, and {d.reason} (lsn {d.lsn})",
+                              where=d.where if d.segment >= 0 else None,
+                              hint="nothing can be restored from this log alone")
     for d in tail:
         dropped.append(PlanLoss(d, name_of.get(d.region_id), None, None))
 
@@ -596,6 +610,11 @@ def plan_history(
             per_region[r.id] = ep
             if ep != want:
                 dropped.append(PlanLoss(bad, r.name, (_first_given_up(h, idx, ep, want), want), [r.name]))
+        if chosen and not per_region:
+            # not one asked region restores at any epoch: recovery refuses, as POINT_IN_TIME does
+            bad = dropped[-1].damage
+            raise CorruptionError(f"no region restores at any epoch at or before {want}: {bad.reason} (lsn {bad.lsn})",
+                                  where=bad.where if bad.segment >= 0 else None)
 
     plans = {}
     naive = 0
@@ -715,6 +734,11 @@ def scan(log, *, payload: bool = True, check_pages: bool = False, progress=None,
     if items is None:
         items = list(Scanner(vol, check_pages=check_pages, progress=progress).items(ScanResult()))
     res = recover(vol, RecoveryMode.SKIP_CORRUPT, None, check_pages=bool(check_pages), items=items)
+    opened = getattr(log, "_result", None)
+    if walk is None and not getattr(log, "writable", True) and getattr(opened, "walk_end_lsn", None) is not None:
+        # a live read-only open's walk ends at its commit point: the torn tail it saw
+        # after it is still reported (ABSOLUTE refuses it, as the command lines do)
+        res.dropped.extend(opened.tail_dropped)
 
     regions = {rid: RegionMeta(rid, r.name, r.dtype, tuple(r.shape), r.page_bytes, r.nbytes, r.logical)
                for rid, r in res.regions.items()}
@@ -751,7 +775,7 @@ def scan(log, *, payload: bool = True, check_pages: bool = False, progress=None,
         reason = d.reason
         off = d.offset
         h = None
-        if d.segment >= 0:
+        if d.segment >= 0 and d.length > 0:  # a zero-length place (a lost catalog) is no record's damage
             try:
                 h = F.decode_record_header(mv, off)  # past the mapping's end: refused too
             except CorruptionError:
@@ -793,9 +817,10 @@ def scan(log, *, payload: bool = True, check_pages: bool = False, progress=None,
             commits[e] = Commit(e, hi, lo, dict(info.digests), readable, d.segment, d.offset)
             damage[k] = Damage(d.segment, d.offset, d.lsn, d.reason, None, None, tail=False)
 
-    bases, floor = [], int(sb.oldest_epoch)
+    bases, floor, catalog_read = [], int(sb.oldest_epoch), True
     if sb.catalog_lsn:
         found = catalogs.get(sb.catalog_lsn)
+        catalog_read = False
         if found is None:
             if not any("snapshot catalog the superblock names" in d.reason for d in damage):
                 damage.append(Damage(-1, 0, sb.catalog_lsn,
@@ -809,12 +834,13 @@ def scan(log, *, payload: bool = True, check_pages: bool = False, progress=None,
             else:
                 bases = list(cat.entries)
                 floor = max(floor, cat.floor_epoch)
+                catalog_read = True
     if not regions and hasattr(log, "regions"):
         for r in log.regions.values():
             regions[r.id] = RegionMeta(r.id, r.name, r.dtype, tuple(r.shape), r.page_bytes, r.nbytes,
                                        getattr(r, "logical", ""))
     return History(regions=regions, batches=batches, commits=commits, bases=bases, damage=damage,
-                   floor_epoch=floor, region_lsns=region_lsns, result=res)
+                   floor_epoch=floor, region_lsns=region_lsns, result=res, catalog_read=catalog_read)
 
 
 def plan(log, target="latest", mode=None, *, regions=None, bandwidth: float | None = None,
