@@ -207,7 +207,7 @@ class OpenedFile:
                 # a reader maps the length there is (a log cut short anywhere reads as
                 # truncated, FORMAT.md V-B8); a writer needs whole pages
                 raise BadSizeError(f"file length {length} is not a multiple of the alignment "
-                                   f"{alignment}", where=where, hint="a log cut short can only be read")
+                                   f"{alignment}", where=where)
             size = length
         elif length < size and not create:
             raise BadSizeError(f"file is {length} bytes, smaller than the {size} asked for",
