@@ -930,7 +930,12 @@ def _open_log(log, *, create, size, segment_size, overwrite, readonly=False):
         raise SessionError("overwrite=True formats a new log, create=False opens an existing one",
                            where=str(log), hint="pass one of them")
     kw = {} if segment_size is None else {"segment_size": segment_size}
-    volatile = isinstance(log, str) and log.split(":", 1)[0] in ("memory", "pinned")
+    # the tier as the opener reads the name: a file called `memory` is a file,
+    # not the memory tier (formatting it unasked would destroy what it holds)
+    from concordia.devmem import parse_spec
+    from concordia.wal.volume import VOLATILE_KINDS
+
+    volatile = named and parse_spec(log).kind in VOLATILE_KINDS
     if volatile and not create:
         raise NotALogError("holds no log: a log in this process's memory is made by this process",
                            where=log, hint="pass create=True to make one")

@@ -10,7 +10,8 @@ own data.
 * `dump --follow` shows a base slice that retention wrote after the last
   commit, the first record of a new segment, although no commit follows it.
 * `Session(name, create=False)` creates nothing: a name that holds no log is
-  refused in one line naming it.
+  refused in one line naming it; and a file called `memory` is a file, never
+  formatted as the memory tier.
 
 The recovery decision itself (every consumer, every mode, Session.recover
 included) is held by tests/wal/test_recovery_conformance.py.
@@ -169,19 +170,40 @@ def test_follow_shows_a_base_slice_after_the_last_commit_in_a_new_segment(tmp_pa
 # --------------------------------------------------------------------------- Session(create=False)
 
 
-@pytest.mark.parametrize("name", ["memory:", "file:{dir}/absent.log", "shm:concordia-test-absent-{pid}"])
-@pytest.mark.parametrize("kw", [{}, {"readonly": True}, {"overwrite": True}, {"size": 8 * MiB}])
-def test_session_without_create_creates_nothing(tmp_path, name, kw):
+# (a missing file: or shm: name was refused already; what created a log was a
+# name the session took for the memory tier, and overwrite=True beside create=False)
+@pytest.mark.parametrize("name, kw", [
+    ("memory", {}),                 # a file called memory in the working directory, a typo of memory:
+    ("pinned", {"size": 8 * MiB}),
+    ("memory:", {}),                # the memory tier holds no log before this process makes one
+    ("memory:", {"readonly": True}),
+    ("file:{dir}/absent.log", {"overwrite": True}),
+    ("shm:concordia-test-absent-{pid}", {"overwrite": True}),
+], ids=["memory", "pinned", "memory-tier", "memory-tier-readonly", "file-overwrite", "shm-overwrite"])
+def test_session_without_create_creates_nothing(tmp_path, monkeypatch, name, kw):
     from concordia.errors import ConcordiaError
     from concordia.session import Session
 
+    monkeypatch.chdir(tmp_path)
     name = name.format(dir=tmp_path, pid=os.getpid())
     shm = f"/dev/shm/concordia-test-absent-{os.getpid()}"
-    before = sorted(os.listdir(tmp_path))
     with pytest.raises(ConcordiaError) as ei:
         s = Session(name, create=False, **kw)
         s.close()  # a session that opened: the test fails on the raises above
     msg = str(ei.value)
-    assert "\n" not in msg and (name if name == "memory:" else name.split(":", 1)[1]) in msg, msg
+    assert "\n" not in msg and name.split(":", 1)[-1 if name != "memory:" else 0] in msg, msg
     assert type(ei.value).__name__ in ("PathNotFoundError", "NotALogError", "SessionError"), type(ei.value)
-    assert sorted(os.listdir(tmp_path)) == before and not os.path.exists(shm)
+    assert os.listdir(tmp_path) == [] and not os.path.exists(shm)
+
+
+def test_a_file_called_memory_is_a_file_and_is_never_formatted_unasked(tmp_path, monkeypatch):
+    from concordia.errors import TargetNotEmptyError
+    from concordia.session import Session
+
+    monkeypatch.chdir(tmp_path)
+    mine = b"notes of mine " * 4096
+    (tmp_path / "memory").write_bytes(mine[:8 * PAGE])
+    with pytest.raises(TargetNotEmptyError) as ei:
+        Session("memory")
+    assert str(tmp_path / "memory") in str(ei.value)
+    assert (tmp_path / "memory").read_bytes() == mine[:8 * PAGE]
