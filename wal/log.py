@@ -342,14 +342,16 @@ class Log:
 def _snapshot_at_cut(res: ScanResult, vol: Volume) -> None:
     """A live read-only open answers as of its commit point (R-D2: its last
     commit, a catalog switched after it (V-N2, kept as a cut keeps it), or the
-    damage that hides a commit): what lies after it is being written (or is
-    the uncommitted tail a writer's cut will drop), so the planner plans from
-    the walk up to there (walk_end_lsn; walked again up to it when the walk
-    was not kept), never from a walk of the log as it has grown since, which
-    could hold a commit whose records it saw torn.  The torn tail the open
-    found after it is kept (`tail_dropped`) for the plans to report, so that
-    ABSOLUTE refuses it as the command lines do."""
-    end_lsn = res.commit_point_end
+    damage that hides a commit), and of the last commit record it read, which
+    decides, committing or not, what the last commits are (§10.4b, R-D1): what
+    lies after them is being written (or is the uncommitted tail a writer's
+    cut will drop), so the planner plans from the walk up to there
+    (walk_end_lsn; walked again up to it when the walk was not kept), never
+    from a walk of the log as it has grown since, which could hold a commit
+    whose records it saw torn.  The torn tail the open found after it is kept
+    (`tail_dropped`) for the plans to report, so that ABSOLUTE refuses it as
+    the command lines do."""
+    end_lsn = max(res.commit_point_end, res.last_commit_record_end)
     if res.cut is not None:
         seg, end = res.cut
         end_lsn = max(end_lsn, seg.lsn(end))
@@ -379,7 +381,9 @@ def _tail_damage(res: ScanResult, vol: Volume, end_lsn: int) -> list:
     else:  # the walk was too long to keep: the segments reaching past the commit point again
         found = [it for it in Scanner(vol, check_pages=True).items(ScanResult(), from_lsn=end_lsn)
                  if it.seg.lsn(it.offset) >= end_lsn]
-    out = [d for d in res.dropped if d.kind == "torn"]
+    segs = {sg.index: sg for sg in vol.live_segments()}
+    out = [d for d in res.dropped if d.kind == "torn" and d.segment in segs
+           and segs[d.segment].lsn(d.offset) >= end_lsn]  # those before it the plans walk themselves
     seen = {(d.segment, d.offset) for d in out}
     for it in found:
         if it.tag == _DMG and (it.seg.index, it.offset) not in seen:

@@ -724,7 +724,7 @@ def scan(log, *, payload: bool = True, check_pages: bool = False, progress=None,
     walk of this volume made with the same check_pages (reader.verify's), used
     instead of walking again."""
     from concordia.wal import format as F
-    from concordia.wal.reader import ScanResult, Scanner, recover
+    from concordia.wal.reader import ScanResult, Scanner, intact_header, recover
 
     vol = _volume(log)
     sb = vol.superblock
@@ -767,6 +767,7 @@ def scan(log, *, payload: bool = True, check_pages: bool = False, progress=None,
         commits[c.epoch] = Commit(c.epoch, c.lsn, c.first_lsn, dict(c.digests), counted, seg_i, off)
 
     damage = []
+    committed_at = {c.lsn for c in res.commits}
     for d in res.dropped:
         if d.kind not in ("corrupt", "torn"):
             continue  # uncommitted, superblock, truncated: reported by the reader, nothing to plan around
@@ -774,48 +775,30 @@ def scan(log, *, payload: bool = True, check_pages: bool = False, progress=None,
         base = False
         reason = d.reason
         off = d.offset
-        h = None
-        if d.segment >= 0 and d.length > 0:  # a zero-length place (a lost catalog) is no record's damage
-            try:
-                h = F.decode_record_header(mv, off)  # past the mapping's end: refused too
-            except CorruptionError:
-                pass  # the header itself is damaged: nothing it says is believed
+        seg = next((sg for sg in res.segments if sg.index == d.segment), None)
+        # a zero-length place (a lost catalog) is no record's damage; a damaged
+        # header says nothing that is believed
+        h = intact_header(seg, off, mv) if seg is not None and d.length > 0 else None
         if h is not None:
-            seg = next((sg for sg in res.segments if sg.index == d.segment), None)
-            if seg is not None and h.lsn == seg.lsn(off) and off >= seg.offset + F.SEGMENT_HEADER_SIZE:
-                if h.type == F.REC_PAGE_BATCH:
-                    epoch, rid, base = h.epoch, h.region_id, bool(h.flags & FLAG_BASE)
-                elif h.type == F.REC_COMMIT:
-                    # a commit that fails V-C2..V-C4 leaves its epoch incomplete (R-D4)
-                    epoch = h.epoch
-                    if not reason.startswith("commit"):
-                        reason = f"commit of epoch {h.epoch}: {reason}"
-                elif h.type == F.REC_REGION:
-                    reason = f"region descriptor {h.region_id}: {reason}"
+            if h.type == F.REC_PAGE_BATCH:
+                epoch, rid, base = h.epoch, h.region_id, bool(h.flags & FLAG_BASE)
+            elif h.type == F.REC_COMMIT:
+                # a commit that fails V-C1..V-C4 leaves its epoch incomplete (R-D4), unless
+                # SKIP_CORRUPT committed it for the regions whose records are whole (partial)
+                epoch = None if h.lsn in committed_at else h.epoch
+                if not reason.startswith("commit"):
+                    reason = f"commit of epoch {h.epoch}: {reason}"
+            elif h.type == F.REC_REGION:
+                reason = f"region descriptor {h.region_id}: {reason}"
         lsn = d.lsn
         if lsn is None and d.segment >= 0:
             seg = next((sg for sg in res.segments if sg.index == d.segment), None)
             lsn = seg.lsn(off) if seg is not None else None
         damage.append(Damage(d.segment, off, lsn, reason, epoch, rid, tail=d.kind == "torn", base=base))
 
-    # R-D4, SKIP_CORRUPT's per-region leniency: a commit that fails V-C4 only
-    # because records whose headers name their region are damaged commits its
-    # epoch for the other regions (those regions' chains break at the damage)
-    for k, d in enumerate(damage):
-        if d.tail or d.epoch is None or d.region_id is not None or "(V-C4)" not in d.reason:
-            continue
-        try:
-            h = F.decode_record_header(mv, d.offset)
-            info = F.decode_commit_body(mv[d.offset + 64:d.offset + 64 + h.count], h)
-        except CorruptionError:
-            continue
-        e, lo, hi = info.epoch, info.first_lsn, info.lsn
-        readable = sum(1 for b in batches if b.epoch == e and not b.base and lo <= b.lsn < hi)
-        known = sum(1 for x in damage if x.epoch == e and x.region_id is not None and not x.base
-                    and not x.tail and x.lsn is not None and lo <= x.lsn < hi)
-        if readable + known == info.record_count and known and e not in commits:
-            commits[e] = Commit(e, hi, lo, dict(info.digests), readable, d.segment, d.offset)
-            damage[k] = Damage(d.segment, d.offset, d.lsn, d.reason, None, None, tail=False)
+    # R-D4, SKIP_CORRUPT's per-region leniency is the reader's (reader._commit_verdicts):
+    # a partial commit is among res.commits, and its damaged batches, attributed
+    # to their regions above, break only those regions' chains
 
     bases, floor, catalog_read = [], int(sb.oldest_epoch), True
     if sb.catalog_lsn:

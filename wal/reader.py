@@ -206,6 +206,9 @@ class ScanResult:
     # commit_point_end: the LSN just past it (what a live read-only open answers up to)
     commit_point_lsn: int = -1
     commit_point_end: int = -1
+    # the LSN just past the last commit record of the walk, whether it commits or
+    # not (torn, §10.4b, R-D1): what decides the last commits lies before it
+    last_commit_record_end: int = -1
     # a live read-only open (Log._snapshot_at_cut): the torn tail it found past
     # walk_end_lsn, which the plans made from its walk report as the open saw it
     tail_dropped: list = field(default_factory=list)
@@ -516,6 +519,8 @@ def recover(vol: Volume, mode: RecoveryMode = RecoveryMode.TOLERATE_TAIL,
     for i, it in enumerate(items):
         if is_commit(it) or (it.tag == _DMG and it.hides_commit):
             last_commit = i + 1 if it.tag == _DMG else i
+        if is_commit(it):
+            res.last_commit_record_end = it.seg.lsn(it.offset) + it.length
 
     # a last commit written by one sync with its records (FLAG_ONE_SYNC) is in flight
     # at a crash until that sync returns: its records' pages decide V-C4 (§10.4b)
@@ -622,13 +627,22 @@ def recover(vol: Volume, mode: RecoveryMode = RecoveryMode.TOLERATE_TAIL,
         rec = Record(it.header, seg.index, off, backend)
         kind = rec.kind
         if kind == F.REC_COMMIT:
-            info, problem = verdicts[i]
+            info, problem, partial = verdicts[i]
             if problem is not None and i in torn_commits:
                 if mode is RecoveryMode.ABSOLUTE:
                     fail(TornTailError, seg, off, f"torn tail: {problem}")
                 report(Dropped(seg.index, off, rec.length, f"{problem}; {torn_commits[i]}", "torn", rec.lsn))
                 continue
             stats.pop(rec.epoch, None)
+            if problem is not None and partial and mode is RecoveryMode.SKIP_CORRUPT:
+                # R-D4: the epoch is committed for the regions whose records are whole; the
+                # damaged batches (reported as such) break their own regions' chains
+                report(Dropped(seg.index, off, rec.length, problem, "corrupt", rec.lsn))
+                res.incomplete_epochs.append(rec.epoch)
+                res.commits.append(info)
+                res.records.append(rec)
+                cut = (seg, off + rec.length)
+                continue
             if problem is not None:
                 if mode in (RecoveryMode.TOLERATE_TAIL, RecoveryMode.ABSOLUTE):
                     fail(CorruptionError, seg, off, problem)
@@ -771,6 +785,21 @@ def _commit_problem(info: F.CommitInfo, st, last_epoch, last_commit_lsn, oldest)
     return None
 
 
+def intact_header(seg: SegmentInfo, off: int, mv) -> F.RecordHeader | None:
+    """The header at the start of a damaged range when the header itself is
+    intact (its CRC checks, and it is placed at its own LSN in this segment's
+    incarnation, V-R5), so that what it says (type, epoch, region, length)
+    may be believed: a record whose body or pages are damaged, or that fails
+    R-P1.  None when the header is damaged too."""
+    if off < seg.offset + F.SEGMENT_HEADER_SIZE:
+        return None
+    try:
+        h = F.decode_record_header(mv, off)  # past the mapping's end: refused too
+    except CorruptionError:
+        return None
+    return h if h.lsn == seg.lsn(off) and h.salt == seg.salt else None
+
+
 def _commit_verdicts(items: list, mv, oldest: int) -> tuple[dict, set]:
     """V-C2..V-C4 for every commit record of a walk, the one place they are
     decided (V-C1 is the walk's: a commit whose body does not decode is a
@@ -780,21 +809,39 @@ def _commit_verdicts(items: list, mv, oldest: int) -> tuple[dict, set]:
     commit fail.  Every mode decides the same until its first failure, where
     TOLERATE_TAIL and ABSOLUTE refuse and POINT_IN_TIME stops.
 
-    Returns ({item index: (CommitInfo, problem or None)}, {indices of records
-    of an epoch already committed}: never counted, never applied)."""
+    A commit that fails V-C4 only by page batches that are damaged but whose
+    headers are intact (`intact_header`: they name the commit's epoch and lie
+    in its range, and with them the count and the bytes are right) is
+    *partial*: SKIP_CORRUPT commits its epoch for the other regions (R-D4).
+
+    Returns ({item index: (CommitInfo, problem or None, frozenset of the
+    region ids of those damaged batches when partial, else None)}, {indices
+    of records of an epoch already committed}: never counted, never applied)."""
     verdicts: dict = {}
     late: set = set()
     stats: dict = {}  # epoch -> [records, bytes] counted for its commit (V-C4, V-N1)
+    damaged: dict = {}  # epoch -> [(lsn, length, region id)] of its damaged batches with intact headers
     last_epoch = last_lsn = 0
     for i, it in enumerate(items):
         if it.tag != _REC:
+            h = intact_header(it.seg, it.offset, mv)
+            if (h is not None and h.type == F.REC_PAGE_BATCH and F.counted_in_epoch(h.type, h.flags)
+                    and h.epoch > last_epoch):
+                damaged.setdefault(h.epoch, []).append((h.lsn, h.length, h.region_id))
             continue
         h = it.header
         kind = record_kind(h.type)
         if kind == F.REC_COMMIT:
             info = F.decode_commit_body(mv[it.offset + 64:it.offset + 64 + h.count], h)
-            problem = _commit_problem(info, stats.pop(h.epoch, None), last_epoch, last_lsn, oldest)
-            verdicts[i] = (info, problem)
+            st = stats.pop(h.epoch, None)
+            problem = _commit_problem(info, st, last_epoch, last_lsn, oldest)
+            known = [x for x in damaged.pop(h.epoch, ()) if info.first_lsn <= x[0] < info.lsn]
+            partial = None
+            if problem is not None and known:
+                with_them = [(st[0] if st else 0) + len(known), (st[1] if st else 0) + sum(x[1] for x in known)]
+                if _commit_problem(info, with_them, last_epoch, last_lsn, oldest) is None:
+                    partial = frozenset(x[2] for x in known)
+            verdicts[i] = (info, problem, partial)
             last_epoch = h.epoch if problem is None else max(last_epoch, h.epoch)
             last_lsn = h.lsn
             continue
