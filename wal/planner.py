@@ -539,7 +539,8 @@ def plan_history(
         # R-D6: no region is known, and damage may be what hides the descriptors
         # (compaction writes them again beside its bases): nothing can be restored
         d = corrupt[0]
-        raise CorruptionError(f"no region descriptor of the log is readable, and {d.reason} (lsn {d.lsn})",
+        raise CorruptionError(f"no region descriptor of the log is readable, and {d.reason}"
+                              + (f" (lsn {d.lsn})" if d.lsn is not None else ""),
                               where=d.where if d.segment >= 0 else None,
                               hint="nothing can be restored from this log alone")
     for d in tail:
@@ -613,7 +614,8 @@ def plan_history(
         if chosen and not per_region:
             # not one asked region restores at any epoch: recovery refuses, as POINT_IN_TIME does
             bad = dropped[-1].damage
-            raise CorruptionError(f"no region restores at any epoch at or before {want}: {bad.reason} (lsn {bad.lsn})",
+            raise CorruptionError(f"no region restores at any epoch at or before {want}: {bad.reason}"
+                                  + (f" (lsn {bad.lsn})" if bad.lsn is not None else ""),
                                   where=bad.where if bad.segment >= 0 else None)
 
     plans = {}
