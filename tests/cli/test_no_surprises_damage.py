@@ -69,7 +69,8 @@ def test_plan_json_of_a_log_with_nothing_committed_is_the_documented_object(tmp_
 
 @pytest.mark.parametrize("mode", ["tolerate-tail", "absolute", "point-in-time", "skip-corrupt"])
 def test_plan_json_of_a_refusal_keeps_every_documented_key(log_path, mode):
-    # every segment's records gone: no mode restores anything
+    # the first segment's header zeroed: the region descriptors it holds are unreadable,
+    # so no mode restores anything (R-D6)
     lg = Log.open(f"file:{log_path}", writable=False)
     first = lg.volume.live_segments()[0]
     lg.close()
