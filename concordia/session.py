@@ -454,13 +454,17 @@ def _untrack(region: Region) -> None:
 
 def _open_read_only(log):
     """The read-only recovery path: no writer lock, nothing cut (a writer may be
-    appending right now: `Log.open(live=True)`)."""
-    return Log.open(log, writable=False, check_pages="last", live=True)
+    appending right now: `Log.open(live=True)`), and nothing refused at open
+    (refuse=False): any log the command lines can read opens, and `recover`
+    decides in the mode it is given, as they do."""
+    return Log.open(log, writable=False, check_pages="last", live=True, refuse=False)
 
 
 def _open_log(log, *, create, size, segment_size, overwrite, readonly=False):
     """(Log, owned): open the named log, or create it where allowed.  With
-    create=False a named log is opened read-only (Session's docstring)."""
+    create=False a named log is opened read-only (Session's docstring), and
+    nothing is ever created: a name that holds no log is refused in one line
+    (PathNotFoundError, NotALogError)."""
     if isinstance(log, Log):
         if readonly and log.writable:
             raise SessionError("readonly=True with a Log opened for writing", hint="pass the log's name")
@@ -468,8 +472,19 @@ def _open_log(log, *, create, size, segment_size, overwrite, readonly=False):
     named = isinstance(log, (str, os.PathLike))
     if readonly and not named:
         raise SessionError("readonly=True needs a log name", where=str(log))
+    if overwrite and not create:
+        raise SessionError("overwrite=True formats a new log, create=False opens an existing one",
+                           where=str(log), hint="pass one of them")
     kw = {} if segment_size is None else {"segment_size": segment_size}
-    volatile = isinstance(log, str) and log.split(":", 1)[0] in ("memory", "pinned")
+    # the tier as the opener reads the name: a file called `memory` is a file,
+    # not the memory tier (formatting it unasked would destroy what it holds)
+    from concordia.devmem import parse_spec
+    from concordia.wal.volume import VOLATILE_KINDS
+
+    volatile = named and parse_spec(log).kind in VOLATILE_KINDS
+    if volatile and not create:
+        raise NotALogError("holds no log: a log in this process's memory is made by this process",
+                           where=log, hint="pass create=True to make one")
     if overwrite or volatile:  # a volatile tier holds nothing before this process made it
         return Log.create(log, size=size or DEFAULT_SIZE, overwrite=True, **kw), True
     if not create and named:  # recovery reads: the writer lock waits for the first write

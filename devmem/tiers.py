@@ -217,7 +217,9 @@ class OpenedFile:
         if size is None:
             if length == 0:
                 raise BadSizeError("file is empty", where=where, hint=EMPTY_FILE_HINT)
-            if length % alignment:
+            if length % alignment and not readonly:
+                # a reader maps the length there is (a log cut short anywhere reads as
+                # truncated, FORMAT.md V-B8); a writer needs whole pages
                 raise BadSizeError(f"file length {length} is not a multiple of the alignment "
                                    f"{alignment}", where=where)
             size = length

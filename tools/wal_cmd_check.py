@@ -290,30 +290,39 @@ def recover_cmd(log, show_plan, epoch, mode, sources, check_pages, as_json):
     from concordia.wal.decide import decide
 
     m = mode_name(mode)
+    target = "latest" if epoch is None else epoch
     vol = open_volume(log)
     try:
-        out = decide(vol, m, target="latest" if epoch is None else epoch, check_pages=check_pages)
+        out = decide(vol, m, target=target, check_pages=check_pages)
         out.raise_usage()
-        if out.plan is None:
-            if out.error is None:
-                click.echo(f"plan     {vol.backend.where}: nothing committed, nothing to restore")
-                sys.exit(out.exit_code)
-            if as_json:
-                emit_json({"schema": PLAN_SCHEMA, "log": vol.backend.where, "mode": m, "epoch": None,
-                           "error": out.error, "exit_code": out.exit_code,
-                           "problems": [p.to_json() for p in out.problems]})
-            else:
-                click.echo(f"error: recovery {mode} refuses: {out.error}", err=True)
-            sys.exit(out.exit_code)
-        d = dict({"schema": PLAN_SCHEMA, "log": vol.backend.where}, **out.plan.to_json(),
-                 exit_code=out.exit_code, problems=[p.to_json() for p in out.problems])
+        d = plan_document(vol.backend.where, m, target, out)
     finally:
         vol.close()
     if as_json:
-        emit_json(d)
+        emit_json(d)  # every outcome, a refusal and an empty log included: the documented object
+    elif out.error is not None:
+        click.echo(f"error: recovery {mode} refuses: {out.error}", err=True)
+    elif out.plan is None:
+        click.echo(f"plan     {d['log']}: nothing committed, nothing to restore")
     else:
         click.echo("\n".join(_render_plan(d, sources)))
     sys.exit(d["exit_code"])
+
+
+def plan_document(where: str, mode: str, target, out) -> dict:
+    """`recover --plan --json` (docs/cli.md, schema plan) for the decision
+    `out`: every documented key in every outcome.  A refusal (`error` says
+    why) and a log with nothing committed plan no region: `epoch` is null and
+    the counts are zero."""
+    from concordia.wal.planner import DEFAULT_BANDWIDTH
+
+    d = {"schema": PLAN_SCHEMA, "log": where, "target": target, "epoch": None, "mode": mode,
+         "bytes_to_read": 0, "naive_bytes": 0, "bandwidth": DEFAULT_BANDWIDTH, "est_seconds": 0.0,
+         "segments": [], "regions": {}, "dropped": []}
+    if out.plan is not None:
+        d.update(out.plan.to_json())
+    d.update(problems=[p.to_json() for p in out.problems], error=out.error, exit_code=out.exit_code)
+    return d
 
 
 def _render_plan(d: dict, sources: bool) -> list[str]:

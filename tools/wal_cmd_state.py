@@ -122,11 +122,15 @@ def snapshot_grp():
     """
 
 
-def snapshot_rows(vol) -> list:
-    """The current catalog's bases, as `snapshot list --json` prints them."""
+SNAPSHOTS_SCHEMA = "concordia-wal/snapshots/1"
+
+
+def snapshot_rows(vol, h=None) -> list:
+    """The current catalog's bases, as `snapshot list --json` prints them
+    (`h`: the History a decision scanned, else the log is scanned)."""
     from concordia.wal.planner import scan
 
-    h = scan(vol, payload=False)
+    h = h if h is not None else scan(vol, payload=False)
     out = []
     for b in sorted(h.bases, key=lambda b: (b.region_id, b.epoch)):
         r = h.regions.get(b.region_id)
@@ -139,32 +143,60 @@ def snapshot_rows(vol) -> list:
 
 @snapshot_grp.command("list")
 @click.argument("log")
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON list instead of a table.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the documented JSON object (schema, log, floor_epoch, snapshots, error, "
+                   "exit_code) instead of a table.")
 @guarded
 def snapshot_list(log, as_json):
     """List the base snapshots the current catalog holds.  Read-only.
+
+    Every checksum is checked, as info checks them: exit 0 when the log is
+    clean, 1 when it holds damage that counts or its recovery refuses (one
+    line on stderr names the first problem; verify lists them all).
 
     Example:
 
     \b
         concordia-wal snapshot list file:./concordia-data/demo.log --json
     """
+    from concordia.wal.decide import decide
+
     vol = open_volume(log)
     try:
-        rows = snapshot_rows(vol)
-        floor = vol.superblock.oldest_epoch
+        out = decide(vol, check_pages=True)  # what info decides: R-D7, R-D8
+        h = out.history
+        rows = snapshot_rows(vol, h)
+        where = vol.backend.where
     finally:
         vol.close()
+    why = _first_problem(out)
     if as_json:
-        emit_json({"schema": "concordia-wal/snapshots/1", "floor_epoch": floor, "snapshots": rows})
-        return
-    if not rows:
+        emit_json({"schema": SNAPSHOTS_SCHEMA, "log": where, "floor_epoch": h.floor_epoch, "snapshots": rows,
+                   "error": why, "exit_code": out.exit_code})
+    elif not rows:
         click.echo("no base snapshots (every region is restored from its deltas)")
-        return
-    click.echo("\n".join(R.table(
-        [[s["region"], s["epoch"], s["records"], s["pages"], R.size(s["bytes"]),
-          f"0x{s['first_lsn']:x}..0x{s['last_lsn']:x}", f"0x{s['digest']:08x}"] for s in rows],
-        ["region", "epoch", "records", "pages", "bytes", "lsn", "digest"], indent="")))
+    else:
+        click.echo("\n".join(R.table(
+            [[s["region"], s["epoch"], s["records"], s["pages"], R.size(s["bytes"]),
+              f"0x{s['first_lsn']:x}..0x{s['last_lsn']:x}", f"0x{s['digest']:08x}"] for s in rows],
+            ["region", "epoch", "records", "pages", "bytes", "lsn", "digest"], indent="")))
+    if why is not None and not as_json:
+        click.echo(f"error: {why}", err=True)
+    sys.exit(out.exit_code)
+
+
+def _first_problem(out) -> str | None:
+    """One line for a decision that does not exit 0: the first problem that
+    counts (and how many more), else why recovery refuses."""
+    if out.exit_code == EXIT_OK:
+        return None
+    if out.problems:
+        more = len(out.problems) - 1
+        return str(out.problems[0]) + (f" (and {more} more; run concordia-wal verify)" if more else
+                                       " (run concordia-wal verify)")
+    if out.error is not None:
+        return f"recovery {out.mode.value} refuses: {out.error}"
+    return f"recovery {out.mode.value} restores less than the last commit (run concordia-wal verify)"
 
 
 @snapshot_grp.command("create")

@@ -81,10 +81,19 @@ class Log:
     @classmethod
     def open(cls, target, *, writable: bool = True, mode=RecoveryMode.TOLERATE_TAIL,
              reporter: Callable[[Dropped], None] | None = None, check_pages: bool = True,
-             live: bool = False) -> "Log":
+             live: bool = False, refuse: bool = True) -> "Log":
         """Open and recover a log.  Every dropped byte range reaches `reporter`.
         With writable=True the space after the last valid commit is zeroed and
         writing continues there.
+
+        `mode` is what the open refuses (CorruptionError, TornTailError) and
+        the mode this Log's plans take by default (`planner.plan`).
+        refuse=False (read-only only) refuses nothing at open: the log is read
+        as SKIP_CORRUPT reads it, every damaged range is reported, and the
+        decision is the plan's, in `mode` or the one a plan names, as the
+        command lines make it (`decide`): how `Session(log, create=False)`
+        opens a log, so that every recovery mode can be asked of any log the
+        command lines can read.
 
         writable=False is the read-only recovery path: no writer lock, nothing
         cut or written, so it works beside a live writer (and beside other
@@ -100,15 +109,19 @@ class Log:
                              hint="open read-only to inspect it in this mode")
         if writable and live:
             raise UsageError("live=True is for read-only opens beside a writer", hint="pass writable=False")
+        if writable and not refuse:
+            raise UsageError("refuse=False is for read-only opens: a writer refuses damage before the last commit",
+                             hint="pass writable=False")
+        read_as = mode if refuse else RecoveryMode.SKIP_CORRUPT
         owned = not isinstance(target, Backend)
         backend = open_backend(target, readonly=not writable) if owned else target
         try:
             if writable:
                 backend.lock()  # before the open reads what it will cut
-            vol, res = cls._recover_live(backend, mode, reporter, check_pages) if live else (None, None)
+            vol, res = cls._recover_live(backend, read_as, reporter, check_pages) if live else (None, None)
             if vol is None:
                 vol = Volume.open(backend, writable=writable)
-                res = recover(vol, mode, reporter, check_pages=check_pages)
+                res = recover(vol, read_as, reporter, check_pages=check_pages)
             appender = cls._prepare_write(vol, res) if writable else None
             if writable:
                 _keep_walk_before_cut(res, vol)
@@ -123,21 +136,27 @@ class Log:
     @staticmethod
     def _recover_live(backend, mode, reporter, check_pages):
         """(Volume, ScanResult) of a read-only open beside a live writer: a
-        walk that raises for damage is made again (with a fresh superblock)
-        until two walks name the same place, or LIVE_RETRIES walks were made.
+        walk that raises for damage, or (SKIP_CORRUPT, which raises for none)
+        reports damage before a commit, is made again (with a fresh superblock)
+        until two walks find the same damage, or LIVE_RETRIES walks were made.
         What reaches `reporter` is what the walk that stood dropped."""
         seen = None
         for attempt in range(LIVE_RETRIES + 1):
             dropped: list = []
             vol = Volume.open(backend, writable=False)
+            failure = None
             try:
                 res = recover(vol, mode, dropped.append, check_pages=check_pages)
             except (CorruptionError, TornTailError) as exc:
-                if attempt == LIVE_RETRIES or (exc.where, exc.message) == seen:
-                    raise
-                seen = (exc.where, exc.message)
+                failure, verdict = exc, (exc.where, exc.message)
+            else:
+                verdict = tuple((d.where, d.reason) for d in dropped if d.kind == "corrupt") or None
+            if verdict is not None and attempt < LIVE_RETRIES and verdict != seen:
+                seen = verdict
                 time.sleep(LIVE_PAUSE)  # let the record in flight be finished
                 continue
+            if failure is not None:
+                raise failure
             if reporter is not None:
                 for d in dropped:
                     reporter(d)
@@ -321,26 +340,55 @@ class Log:
 
 
 def _snapshot_at_cut(res: ScanResult, vol: Volume) -> None:
-    """A live read-only open answers as of its last commit: what lies after it
-    is being written (or is the uncommitted tail a writer's cut will drop), so
-    the planner plans from the walk up to there (walk_end_lsn; walked again
-    up to it when the walk was not kept), never from a walk of the log as it
-    has grown since, which could hold a commit whose records it saw torn.  A
-    catalog switched after the last commit (V-N2) is kept, as a cut keeps it."""
-    if res.cut is None:
+    """A live read-only open answers as of its commit point (R-D2: its last
+    commit, a catalog switched after it (V-N2, kept as a cut keeps it), or the
+    damage that hides a commit), and of the last commit record it read, which
+    decides, committing or not, what the last commits are (§10.4b, R-D1): what
+    lies after them is being written (or is the uncommitted tail a writer's
+    cut will drop), so the planner plans from the walk up to there
+    (walk_end_lsn; walked again up to it when the walk was not kept), never
+    from a walk of the log as it has grown since, which could hold a commit
+    whose records it saw torn.  The torn tail the open found after it is kept
+    (`tail_dropped`) for the plans to report, so that ABSOLUTE refuses it as
+    the command lines do."""
+    end_lsn = max(res.commit_point_end, res.last_commit_record_end)
+    if res.cut is not None:
+        seg, end = res.cut
+        end_lsn = max(end_lsn, seg.lsn(end))
+    if end_lsn < 0:
         res.walk, res.walk_end_lsn = None, None
         return
-    seg, end = res.cut
-    end_lsn = seg.lsn(end)
-    cat = vol.superblock.catalog_lsn
-    if cat and cat > res.last_commit_lsn:
-        for rec in res.records:
-            if rec.lsn == cat and rec.kind == F.REC_CATALOG:
-                end_lsn = max(end_lsn, rec.lsn + rec.length)
+    res.tail_dropped = _tail_damage(res, vol, end_lsn)
     if res.walk is not None:
         res.walk = [it for it in res.walk if it[1].lsn(it[2]) < end_lsn]
     res.walk_end_lsn = end_lsn
     res.walk_oldest_lsn = vol.superblock.oldest_lsn
+
+
+def _tail_damage(res: ScanResult, vol: Volume, end_lsn: int) -> list:
+    """The torn tail past `end_lsn` (the open's commit point) as Dropped
+    ranges, every page of it checked: an open that checked pages only where
+    V-C4 needs them (check_pages="last") has not looked at the tail's."""
+    from .reader import _DMG, Scanner
+
+    walk = res.walk
+    if walk is not None:
+        items = list(walk)  # check_pages_of puts damaged ranges in place of records
+        tail = [i for i, it in enumerate(items) if it.seg.lsn(it.offset) >= end_lsn]
+        if res.walk_checked_pages is not True:
+            Scanner(vol, check_pages=False).check_pages_of(items, tail)
+        found = [items[i] for i in tail]
+    else:  # the walk was too long to keep: the segments reaching past the commit point again
+        found = [it for it in Scanner(vol, check_pages=True).items(ScanResult(), from_lsn=end_lsn)
+                 if it.seg.lsn(it.offset) >= end_lsn]
+    segs = {sg.index: sg for sg in vol.live_segments()}
+    out = [d for d in res.dropped if d.kind == "torn" and d.segment in segs
+           and segs[d.segment].lsn(d.offset) >= end_lsn]  # those before it the plans walk themselves
+    seen = {(d.segment, d.offset) for d in out}
+    for it in found:
+        if it.tag == _DMG and (it.seg.index, it.offset) not in seen:
+            out.append(Dropped(it.seg.index, it.offset, it.length, it.reason, "torn"))
+    return out
 
 
 def _keep_walk_before_cut(res: ScanResult, vol: Volume) -> None:

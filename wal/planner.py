@@ -164,6 +164,10 @@ class History:
     floor_epoch: int = 0  # oldest epoch retention still keeps (0 = all)
     region_lsns: dict = field(default_factory=dict)  # id -> LSN of its newest descriptor
     result: object = None  # the reader's ScanResult it was built from (what the log commits, R-D1)
+    # the catalog the superblock names was read (or none is named): `bases` is every base
+    # there is.  False: the bases are unknown, so no region's chain can start from zero
+    # once anything was reclaimed (R-D5)
+    catalog_read: bool = True
 
     def committed_epochs(self) -> list:
         eps = set(self.commits)
@@ -396,13 +400,16 @@ class _Index:
                 break
             bad_base = bad_base or why
         start = base.epoch if base else 0
-        if base is None and floor > 0 and bad_base is not None:
-            # compaction based this region, and its deltas before the base may be
-            # reclaimed: without a usable base nothing is whole
+        if base is None and floor > 0 and (bad_base is not None or not self.h.catalog_read):
+            # R-D5: compaction based this region (or, the catalog being lost, may have),
+            # and its deltas before the base may be reclaimed: without a usable base
+            # nothing is whole.  Only a region the catalog in force lists no base of
+            # starts from zero once something was reclaimed (compaction bases every
+            # region whose deltas it reclaims)
             return None, [], [], bad_base or Damage(
                 segment=-1, offset=-1, lsn=None,
                 reason=f"no usable base of region {rid} at or before epoch {target} "
-                f"and deltas before epoch {floor} were reclaimed",
+                f"(the snapshot catalog is lost) and deltas before epoch {floor} were reclaimed",
                 epoch=target, region_id=rid,
             )
         deltas = [b for b in self.deltas.get(rid, ()) if start < b.epoch <= target]
@@ -530,6 +537,14 @@ def plan_history(
         raise CorruptionError(f"{d.reason} (lsn {d.lsn}): corruption before the last commit",
                               where=d.where if d.segment >= 0 else None,
                               hint=RecoveryMode.TOLERATE_TAIL.refusal_hint)
+    if corrupt and not h.regions:
+        # R-D6: no region is known, and damage may be what hides the descriptors
+        # (compaction writes them again beside its bases): nothing can be restored
+        d = corrupt[0]
+        raise CorruptionError(f"no region descriptor of the log is readable, and {d.reason}"
+                              + (f" (lsn {d.lsn})" if d.lsn is not None else ""),
+                              where=d.where if d.segment >= 0 else None,
+                              hint="nothing can be restored from this log alone")
     for d in tail:
         dropped.append(PlanLoss(d, name_of.get(d.region_id), None, None))
 
@@ -598,6 +613,12 @@ def plan_history(
             per_region[r.id] = ep
             if ep != want:
                 dropped.append(PlanLoss(bad, r.name, (_first_given_up(h, idx, ep, want), want), [r.name]))
+        if chosen and not per_region:
+            # not one asked region restores at any epoch: recovery refuses, as POINT_IN_TIME does
+            bad = dropped[-1].damage
+            raise CorruptionError(f"no region restores at any epoch at or before {want}: {bad.reason}"
+                                  + (f" (lsn {bad.lsn})" if bad.lsn is not None else ""),
+                                  where=bad.where if bad.segment >= 0 else None)
 
     plans = {}
     naive = 0
@@ -707,7 +728,7 @@ def scan(log, *, payload: bool = True, check_pages: bool = False, progress=None,
     walk of this volume made with the same check_pages (reader.verify's), used
     instead of walking again."""
     from concordia.wal import format as F
-    from concordia.wal.reader import ScanResult, Scanner, recover
+    from concordia.wal.reader import ScanResult, Scanner, intact_header, recover
 
     vol = _volume(log)
     sb = vol.superblock
@@ -717,6 +738,11 @@ def scan(log, *, payload: bool = True, check_pages: bool = False, progress=None,
     if items is None:
         items = list(Scanner(vol, check_pages=check_pages, progress=progress).items(ScanResult()))
     res = recover(vol, RecoveryMode.SKIP_CORRUPT, None, check_pages=bool(check_pages), items=items)
+    opened = getattr(log, "_result", None)
+    if walk is None and not getattr(log, "writable", True) and getattr(opened, "walk_end_lsn", None) is not None:
+        # a live read-only open's walk ends at its commit point: the torn tail it saw
+        # after it is still reported (ABSOLUTE refuses it, as the command lines do)
+        res.dropped.extend(opened.tail_dropped)
 
     regions = {rid: RegionMeta(rid, r.name, r.dtype, tuple(r.shape), r.page_bytes, r.nbytes, r.logical)
                for rid, r in res.regions.items()}
@@ -745,6 +771,7 @@ def scan(log, *, payload: bool = True, check_pages: bool = False, progress=None,
         commits[c.epoch] = Commit(c.epoch, c.lsn, c.first_lsn, dict(c.digests), counted, seg_i, off)
 
     damage = []
+    committed_at = {c.lsn for c in res.commits}
     for d in res.dropped:
         if d.kind not in ("corrupt", "torn"):
             continue  # uncommitted, superblock, truncated: reported by the reader, nothing to plan around
@@ -752,52 +779,35 @@ def scan(log, *, payload: bool = True, check_pages: bool = False, progress=None,
         base = False
         reason = d.reason
         off = d.offset
-        h = None
-        if d.segment >= 0:
-            try:
-                h = F.decode_record_header(mv, off)  # past the mapping's end: refused too
-            except CorruptionError:
-                pass  # the header itself is damaged: nothing it says is believed
+        seg = next((sg for sg in res.segments if sg.index == d.segment), None)
+        # a zero-length place (a lost catalog) is no record's damage; a damaged
+        # header says nothing that is believed
+        h = intact_header(seg, off, mv) if seg is not None and d.length > 0 else None
         if h is not None:
-            seg = next((sg for sg in res.segments if sg.index == d.segment), None)
-            if seg is not None and h.lsn == seg.lsn(off) and off >= seg.offset + F.SEGMENT_HEADER_SIZE:
-                if h.type == F.REC_PAGE_BATCH:
-                    epoch, rid, base = h.epoch, h.region_id, bool(h.flags & FLAG_BASE)
-                elif h.type == F.REC_COMMIT:
-                    # a commit that fails V-C2..V-C4 leaves its epoch incomplete (R-D4)
-                    epoch = h.epoch
-                    if not reason.startswith("commit"):
-                        reason = f"commit of epoch {h.epoch}: {reason}"
-                elif h.type == F.REC_REGION:
-                    reason = f"region descriptor {h.region_id}: {reason}"
+            if h.type == F.REC_PAGE_BATCH:
+                epoch, rid, base = h.epoch, h.region_id, bool(h.flags & FLAG_BASE)
+            elif h.type == F.REC_COMMIT:
+                # a commit that fails V-C1..V-C4 leaves its epoch incomplete (R-D4), unless
+                # SKIP_CORRUPT committed it for the regions whose records are whole (partial)
+                epoch = None if h.lsn in committed_at else h.epoch
+                if not reason.startswith("commit"):
+                    reason = f"commit of epoch {h.epoch}: {reason}"
+            elif h.type == F.REC_REGION:
+                reason = f"region descriptor {h.region_id}: {reason}"
         lsn = d.lsn
         if lsn is None and d.segment >= 0:
             seg = next((sg for sg in res.segments if sg.index == d.segment), None)
             lsn = seg.lsn(off) if seg is not None else None
         damage.append(Damage(d.segment, off, lsn, reason, epoch, rid, tail=d.kind == "torn", base=base))
 
-    # R-D4, SKIP_CORRUPT's per-region leniency: a commit that fails V-C4 only
-    # because records whose headers name their region are damaged commits its
-    # epoch for the other regions (those regions' chains break at the damage)
-    for k, d in enumerate(damage):
-        if d.tail or d.epoch is None or d.region_id is not None or "(V-C4)" not in d.reason:
-            continue
-        try:
-            h = F.decode_record_header(mv, d.offset)
-            info = F.decode_commit_body(mv[d.offset + 64:d.offset + 64 + h.count], h)
-        except CorruptionError:
-            continue
-        e, lo, hi = info.epoch, info.first_lsn, info.lsn
-        readable = sum(1 for b in batches if b.epoch == e and not b.base and lo <= b.lsn < hi)
-        known = sum(1 for x in damage if x.epoch == e and x.region_id is not None and not x.base
-                    and not x.tail and x.lsn is not None and lo <= x.lsn < hi)
-        if readable + known == info.record_count and known and e not in commits:
-            commits[e] = Commit(e, hi, lo, dict(info.digests), readable, d.segment, d.offset)
-            damage[k] = Damage(d.segment, d.offset, d.lsn, d.reason, None, None, tail=False)
+    # R-D4, SKIP_CORRUPT's per-region leniency is the reader's (reader._commit_verdicts):
+    # a partial commit is among res.commits, and its damaged batches, attributed
+    # to their regions above, break only those regions' chains
 
-    bases, floor = [], int(sb.oldest_epoch)
+    bases, floor, catalog_read = [], int(sb.oldest_epoch), True
     if sb.catalog_lsn:
         found = catalogs.get(sb.catalog_lsn)
+        catalog_read = False
         if found is None:
             if not any("snapshot catalog the superblock names" in d.reason for d in damage):
                 damage.append(Damage(-1, 0, sb.catalog_lsn,
@@ -811,12 +821,13 @@ def scan(log, *, payload: bool = True, check_pages: bool = False, progress=None,
             else:
                 bases = list(cat.entries)
                 floor = max(floor, cat.floor_epoch)
+                catalog_read = True
     if not regions and hasattr(log, "regions"):
         for r in log.regions.values():
             regions[r.id] = RegionMeta(r.id, r.name, r.dtype, tuple(r.shape), r.page_bytes, r.nbytes,
                                        getattr(r, "logical", ""))
     return History(regions=regions, batches=batches, commits=commits, bases=bases, damage=damage,
-                   floor_epoch=floor, region_lsns=region_lsns, result=res)
+                   floor_epoch=floor, region_lsns=region_lsns, result=res, catalog_read=catalog_read)
 
 
 def plan(log, target="latest", mode=None, *, regions=None, bandwidth: float | None = None,

@@ -161,6 +161,17 @@ _KNOWN_FLAGS = {F.REC_PAGE_BATCH: F.FLAG_BASE, F.REC_COMMIT: F.FLAG_ONE_SYNC}
 def is_commit(it) -> bool:
     return it[0] == _REC and it.header.type == F.REC_COMMIT
 
+
+def settles(it) -> bool:
+    """Whether a valid record proves every reservation made before it finished
+    (FORMAT.md §10.6): a commit (§10.4), a BASE page batch or a catalog record
+    (appended only with no reservation outstanding)."""
+    if it[0] != _REC:
+        return False
+    h = it.header
+    return (h.type in (F.REC_COMMIT, F.REC_CATALOG)
+            or (h.type == F.REC_PAGE_BATCH and bool(h.flags & F.FLAG_BASE)))
+
 #: a scan's progress callback is told at most this often (bytes walked)
 PROGRESS_STEP = 4 << 20
 
@@ -191,8 +202,16 @@ class ScanResult:
     walk_end_lsn: int | None = None
     walk_oldest_lsn: int = 0
     # R-D2: LSN of the later commit point (last valid commit, or the catalog the
-    # superblock names); damage before it is corruption, after it a torn tail
+    # superblock names); damage before it is corruption, after it a torn tail.
+    # commit_point_end: the LSN just past it (what a live read-only open answers up to)
     commit_point_lsn: int = -1
+    commit_point_end: int = -1
+    # the LSN just past the last commit record of the walk, whether it commits or
+    # not (torn, §10.4b, R-D1): what decides the last commits lies before it
+    last_commit_record_end: int = -1
+    # a live read-only open (Log._snapshot_at_cut): the torn tail it found past
+    # walk_end_lsn, which the plans made from its walk report as the open saw it
+    tail_dropped: list = field(default_factory=list)
 
 
 class Scanner:
@@ -431,6 +450,14 @@ class Scanner:
             return f"body CRC mismatch, stored 0x{h.body_crc:08x}, computed 0x{got:08x}"
         if self.arr[pos + 64 + count:pos + length].any():
             return "record padding is not zero"
+        if kind == F.REC_COMMIT:
+            # V-C1 is the commit body's own structure (V-R6): a commit failing it is a
+            # damaged record, never a commit point (R-D2); V-C2..V-C4 depend on the
+            # records before it and are recover's (_commit_verdicts)
+            try:
+                F.decode_commit_body(self.mv[pos + 64:pos + 64 + count], h)
+            except CorruptionError as exc:
+                return f"commit of epoch {h.epoch}: {exc.message}"
         return None
 
 
@@ -485,63 +512,96 @@ def recover(vol: Volume, mode: RecoveryMode = RecoveryMode.TOLERATE_TAIL,
     items = _check_regions(items, vol.backend.view)  # R-P1, R-G1
     backend = vol.backend
 
-    # the last structurally valid commit decides what is tail and what is corruption
+    # R-D2: the commit point is the last commit record that is a valid record (its
+    # body decodes, V-C1: one that does not is a damaged range of the walk), or a
+    # damaged segment header that hides one
     last_commit = -1
     for i, it in enumerate(items):
         if is_commit(it) or (it.tag == _DMG and it.hides_commit):
             last_commit = i + 1 if it.tag == _DMG else i
+        if is_commit(it):
+            res.last_commit_record_end = it.seg.lsn(it.offset) + it.length
 
     # a last commit written by one sync with its records (FLAG_ONE_SYNC) is in flight
-    # at a crash until that sync returns: damage between it and the commit before it is
-    # a torn tail, and the commit itself stands only if its records all verify (V-C4)
-    torn_commit = -1
-    if (0 <= last_commit < len(items) and is_commit(items[last_commit])
+    # at a crash until that sync returns: its records' pages decide V-C4 (§10.4b)
+    if (check_pages == "last" and 0 <= last_commit < len(items) and is_commit(items[last_commit])
             and items[last_commit].header.flags & F.FLAG_ONE_SYNC):
         prev_commit = max((i for i in range(last_commit) if is_commit(items[i])), default=-1)
-        if check_pages == "last":  # the only pages whose damage changes what the log holds
-            scanner.check_pages_of(items, range(prev_commit + 1, last_commit))
-        if any(items[i].tag == _DMG for i in range(prev_commit + 1, last_commit)):
-            torn_commit, last_commit = last_commit, prev_commit
+        scanner.check_pages_of(items, range(prev_commit + 1, last_commit))
+    oldest = vol.superblock.oldest_lsn
+    verdicts, late = _commit_verdicts(items, backend.view, oldest)
+
+    # R-D1: what the log commits ends with its last commit record only when that
+    # record commits (V-C2..V-C4).  One that does not is dropped as the torn tail,
+    # and the commit before it is the commit point, when nothing damaged lies
+    # between the two (the commit itself is then the only thing wrong), or when it
+    # was written by one sync with its records (§10.4b: damage between is what a
+    # crash inside that sync leaves, and a ONE_SYNC commit that does satisfy V-C4
+    # stands).  Damage before a two-phase commit is corruption: its records were
+    # persisted before it was written.
+    torn_commits: dict = {}  # index -> why it is torn
+    while 0 <= last_commit < len(items) and is_commit(items[last_commit]):
+        prev_commit = max((i for i in range(last_commit) if is_commit(items[i])), default=-1)
+        between = any(items[i].tag == _DMG for i in range(prev_commit + 1, last_commit))
+        if not torn_commits and items[last_commit].header.flags & F.FLAG_ONE_SYNC and between:
+            why = "written by one sync with its records, so the sync did not complete"
+        elif verdicts[last_commit][1] is not None and not between:
+            why = "no commit follows it, so it commits nothing (R-D1)"
+        else:
+            break
+        torn_commits[last_commit] = why
+        last_commit = prev_commit
 
     # R-D2: the catalog record the superblock names is a commit point too (V-N2):
     # its base snapshots were persisted before the superblock switched to it, so
-    # damage at or before it is corruption, not a torn tail
+    # damage at or before it is corruption, not a torn tail; a catalog_lsn that
+    # names no valid catalog record is corruption
     cat_lsn = vol.superblock.catalog_lsn
+    stop_lsn = None  # POINT_IN_TIME: where a lost catalog stops the reading
     if cat_lsn:
         at = next((i for i, it in enumerate(items)
                    if it.seg.lsn(it.offset) <= cat_lsn < it.seg.lsn(it.offset) + it.length), None)
-        if at is None or not (items[at].tag == _REC and items[at].header.type == F.REC_CATALOG
-                              and items[at].header.lsn == cat_lsn):
+        named = (at is not None and items[at].tag == _REC and items[at].header.type == F.REC_CATALOG
+                 and items[at].header.lsn == cat_lsn)
+        # a damaged range there is reported as corruption by itself (it lies at the commit point)
+        if not named and (at is None or items[at].tag == _REC):
             seg = next((sg for sg in res.segments if sg.base_lsn <= cat_lsn < sg.end_lsn), None)
-            why = f"the snapshot catalog the superblock names (lsn 0x{cat_lsn:x}) is missing or damaged (R-D2)"
-            if at is None:  # nothing was read there: the record is lost
-                if mode in (RecoveryMode.TOLERATE_TAIL, RecoveryMode.ABSOLUTE):
-                    raise CorruptionError(why, where=(f"segment {seg.index} @ 0x{seg.offset + cat_lsn - seg.base_lsn:x}"
-                                                      if seg else None), hint=mode.refusal_hint)
-                report(Dropped(seg.index if seg else -1, seg.offset + cat_lsn - seg.base_lsn if seg else 0,
-                               0, why, "corrupt", cat_lsn))
+            off = seg.offset + cat_lsn - seg.base_lsn if seg else 0
+            why = f"the snapshot catalog the superblock names (lsn 0x{cat_lsn:x}) is missing or damaged"
+            if at is not None:
+                h = items[at].header
+                name = F.TYPE_NAMES.get(record_kind(h.type), f"0x{h.type:02x}")
+                why += (f": a {name} record lies there" if h.lsn == cat_lsn
+                        else f": it falls inside a {name} record at lsn 0x{h.lsn:x}")
+            why += " (R-D2)"
+            if mode in (RecoveryMode.TOLERATE_TAIL, RecoveryMode.ABSOLUTE):
+                raise CorruptionError(why, where=seg.where(off) if seg else None,
+                                      hint=mode.refusal_hint)
+            report(Dropped(seg.index if seg else -1, off, 0, why, "corrupt", cat_lsn))
+            stop_lsn = cat_lsn
         if at is not None:
             last_commit = max(last_commit, at)
     if 0 <= last_commit < len(items):
         it = items[last_commit]
         res.commit_point_lsn = it.seg.lsn(it.offset)
+        res.commit_point_end = res.commit_point_lsn + it.length
     elif last_commit >= len(items) and items:  # a damaged segment header hides the last commit
         it = items[-1]
-        res.commit_point_lsn = it.seg.lsn(it.offset) + it.length
+        res.commit_point_lsn = res.commit_point_end = it.seg.lsn(it.offset) + it.length
 
     res.bytes_checked = scanner.bytes_checked
-    stats: dict[int, list] = {}  # epoch -> [count, bytes, first_lsn, seg, first_off]
-    last_epoch = 0
-    last_commit_lsn = 0
+    stats: dict[int, list] = {}  # epoch -> [count, bytes, first_lsn, seg, first_off]: the uncommitted report
     cut = None
     stopped_at = None
-    oldest = vol.superblock.oldest_lsn
 
     def fail(cls, seg, off, reason):
         raise cls(reason, where=f"segment {seg.index} @ 0x{off:x}", hint=mode.refusal_hint)
 
     for i, it in enumerate(items):
         seg, off = it.seg, it.offset
+        if (mode is RecoveryMode.POINT_IN_TIME and stopped_at is None and stop_lsn is not None
+                and seg.lsn(off) + it.length > stop_lsn):
+            stopped_at = f"the lost snapshot catalog (lsn 0x{stop_lsn:x})"
         if stopped_at is not None:
             length = it.length
             report(Dropped(seg.index, off, length, f"after the point-in-time stop at {stopped_at}",
@@ -566,18 +626,21 @@ def recover(vol: Volume, mode: RecoveryMode = RecoveryMode.TOLERATE_TAIL,
         rec = Record(it.header, seg.index, off, backend)
         kind = rec.kind
         if kind == F.REC_COMMIT:
-            try:
-                info = F.decode_commit_body(rec.body, it.header)
-            except CorruptionError as exc:
-                problem = f"commit of epoch {rec.epoch}: {exc.message}"
-                info = None
-            else:
-                problem = _commit_problem(info, stats.get(rec.epoch), last_epoch, last_commit_lsn, oldest)
-            if problem is not None and i == torn_commit:
+            info, problem, partial = verdicts[i]
+            if problem is not None and i in torn_commits:
                 if mode is RecoveryMode.ABSOLUTE:
                     fail(TornTailError, seg, off, f"torn tail: {problem}")
-                report(Dropped(seg.index, off, rec.length, f"{problem}; written by one sync with its "
-                               "records, so the sync did not complete", "torn", rec.lsn))
+                report(Dropped(seg.index, off, rec.length, f"{problem}; {torn_commits[i]}", "torn", rec.lsn))
+                continue
+            stats.pop(rec.epoch, None)
+            if problem is not None and partial and mode is RecoveryMode.SKIP_CORRUPT:
+                # R-D4: the epoch is committed for the regions whose records are whole; the
+                # damaged batches (reported as such) break their own regions' chains
+                report(Dropped(seg.index, off, rec.length, problem, "corrupt", rec.lsn))
+                res.incomplete_epochs.append(rec.epoch)
+                res.commits.append(info)
+                res.records.append(rec)
+                cut = (seg, off + rec.length)
                 continue
             if problem is not None:
                 if mode in (RecoveryMode.TOLERATE_TAIL, RecoveryMode.ABSOLUTE):
@@ -586,16 +649,11 @@ def recover(vol: Volume, mode: RecoveryMode = RecoveryMode.TOLERATE_TAIL,
                 if mode is RecoveryMode.POINT_IN_TIME:
                     stopped_at = f"segment {seg.index} @ 0x{off:x}"
                     continue
-                # SKIP_CORRUPT: the epoch is incomplete; keep the chain going
+                # SKIP_CORRUPT: the epoch is incomplete; the chain goes on (_commit_verdicts)
                 res.incomplete_epochs.append(rec.epoch)
-                stats.pop(rec.epoch, None)
-                last_commit_lsn = rec.lsn
-                last_epoch = max(last_epoch, rec.epoch)
                 continue
-            stats.pop(rec.epoch, None)
             res.commits.append(info)
             res.records.append(rec)
-            last_epoch, last_commit_lsn = rec.epoch, rec.lsn
             cut = (seg, off + rec.length)
             continue
         if kind == F.REC_REGION:
@@ -616,7 +674,7 @@ def recover(vol: Volume, mode: RecoveryMode = RecoveryMode.TOLERATE_TAIL,
         if not F.counted_in_epoch(rec.type, rec.flags):
             res.records.append(rec)  # BASE batches, snapshot records: the catalog decides (V-N1)
             continue
-        if rec.epoch <= last_epoch and rec.epoch != 0:
+        if i in late:
             # a record of an epoch already committed (a crashed writer's leftover that
             # reappears after the cut was not taken): never applied
             report(Dropped(seg.index, off, rec.length,
@@ -726,6 +784,77 @@ def _commit_problem(info: F.CommitInfo, st, last_epoch, last_commit_lsn, oldest)
     return None
 
 
+def intact_header(seg: SegmentInfo, off: int, mv) -> F.RecordHeader | None:
+    """The header at the start of a damaged range when the header itself is
+    intact (its CRC checks, and it is placed at its own LSN in this segment's
+    incarnation, V-R5), so that what it says (type, epoch, region, length)
+    may be believed: a record whose body or pages are damaged, or that fails
+    R-P1.  None when the header is damaged too."""
+    if off < seg.offset + F.SEGMENT_HEADER_SIZE:
+        return None
+    try:
+        h = F.decode_record_header(mv, off)  # past the mapping's end: refused too
+    except CorruptionError:
+        return None
+    return h if h.lsn == seg.lsn(off) and h.salt == seg.salt else None
+
+
+def _commit_verdicts(items: list, mv, oldest: int) -> tuple[dict, set]:
+    """V-C2..V-C4 for every commit record of a walk, the one place they are
+    decided (V-C1 is the walk's: a commit whose body does not decode is a
+    damaged range).  Read in LSN order, and on past a failing commit as
+    SKIP_CORRUPT reads on: the next commit must still name it (V-C3) and pass
+    its epoch (V-C2), so that one damaged epoch does not make every later
+    commit fail.  Every mode decides the same until its first failure, where
+    TOLERATE_TAIL and ABSOLUTE refuse and POINT_IN_TIME stops.
+
+    A commit that fails V-C4 only by page batches that are damaged but whose
+    headers are intact (`intact_header`: they name the commit's epoch and lie
+    in its range, and with them the count and the bytes are right) is
+    *partial*: SKIP_CORRUPT commits its epoch for the other regions (R-D4).
+
+    Returns ({item index: (CommitInfo, problem or None, frozenset of the
+    region ids of those damaged batches when partial, else None)}, {indices
+    of records of an epoch already committed}: never counted, never applied)."""
+    verdicts: dict = {}
+    late: set = set()
+    stats: dict = {}  # epoch -> [records, bytes] counted for its commit (V-C4, V-N1)
+    damaged: dict = {}  # epoch -> [(lsn, length, region id)] of its damaged batches with intact headers
+    last_epoch = last_lsn = 0
+    for i, it in enumerate(items):
+        if it.tag != _REC:
+            h = intact_header(it.seg, it.offset, mv)
+            if (h is not None and h.type == F.REC_PAGE_BATCH and F.counted_in_epoch(h.type, h.flags)
+                    and h.epoch > last_epoch):
+                damaged.setdefault(h.epoch, []).append((h.lsn, h.length, h.region_id))
+            continue
+        h = it.header
+        kind = record_kind(h.type)
+        if kind == F.REC_COMMIT:
+            info = F.decode_commit_body(mv[it.offset + 64:it.offset + 64 + h.count], h)
+            st = stats.pop(h.epoch, None)
+            problem = _commit_problem(info, st, last_epoch, last_lsn, oldest)
+            known = [x for x in damaged.pop(h.epoch, ()) if info.first_lsn <= x[0] < info.lsn]
+            partial = None
+            if problem is not None and known:
+                with_them = [(st[0] if st else 0) + len(known), (st[1] if st else 0) + sum(x[1] for x in known)]
+                if _commit_problem(info, with_them, last_epoch, last_lsn, oldest) is None:
+                    partial = frozenset(x[2] for x in known)
+            verdicts[i] = (info, problem, partial)
+            last_epoch = h.epoch if problem is None else max(last_epoch, h.epoch)
+            last_lsn = h.lsn
+            continue
+        if kind in (F.REC_REGION, F.REC_PAD) or not F.counted_in_epoch(h.type, h.flags):
+            continue
+        if h.epoch <= last_epoch and h.epoch != 0:
+            late.add(i)
+            continue
+        st = stats.setdefault(h.epoch, [0, 0])
+        st[0] += 1
+        st[1] += h.length
+    return verdicts, late
+
+
 def verify(vol: Volume, *, check_pages: bool = True,
            progress: Callable[[int, int], None] | None = None, walk: list | None = None) -> dict:
     """Check every checksum of the volume and report ALL problems (never raises
@@ -768,14 +897,19 @@ class Follower:
     from the header an msync tier's commit prepares) while the old one still
     takes records: a follower that moved on as soon as it saw the next
     segment lost the old one's last records.  So a segment is left only once
-    a later segment holds a valid commit record: a commit is written after
-    every reservation before it was finished, so every byte of the old
-    segment is final by then; that commit is read first, the old segment's
-    end once more after it, and only then the next segment.  Until then a
-    damaged range is taken for a record still being written (the poll stops
-    before it and looks again next time); in a segment the writer has left
-    it is damage, and is returned as such.  Records after the writer's last
-    commit in a later segment are shown once a commit follows them there.
+    a later segment holds a valid record that settles every reservation
+    before it (`settles`: a commit, or a BASE batch or catalog record, which
+    a writer appends only with no reservation outstanding, FORMAT.md §10.6),
+    so every byte of the old segment is final by then; that record is read
+    first, the old segment's end once more after it, and only then the next
+    segment.  Until then a damaged range is taken for a record still being
+    written (the poll stops before it and looks again next time); in a
+    segment the writer has left it is damage, and is returned as such.
+    Other records after the writer's last settling record in a later segment
+    (an epoch's page batches) are shown once such a record follows them
+    there.  So a base snapshot slice that retention writes after a commit
+    is shown even when it is the first record of a new segment and the
+    writer stops (or dies) before its next commit.
 
     A writer that reopens the log cuts what follows its last commit and
     writes again at those LSNs: when the last record returned is no longer
@@ -814,7 +948,7 @@ class Follower:
             if seg.end_lsn <= self.lsn:
                 continue
             # first: has the writer left this segment?  (read before the segment itself)
-            left = self._committed_after(Scanner(vol, check_pages=False), vol, live, k)
+            left = self._settled_after(Scanner(vol, check_pages=False), vol, live, k)
             why = vol.check_segment_header(seg, live[k - 1] if k else None)
             if why:
                 if not left:
@@ -863,11 +997,13 @@ class Follower:
         self.cuts += 1
         self.cut_at = self.lsn
 
-    def _committed_after(self, scanner: Scanner, vol: Volume, live: list, k: int) -> bool:
-        """Whether a live segment after live[k] holds a valid commit record."""
+    def _settled_after(self, scanner: Scanner, vol: Volume, live: list, k: int) -> bool:
+        """Whether a live segment after live[k] holds a valid record that
+        settles every reservation before it (`settles`: a commit, a BASE
+        batch, a catalog): the writer has left live[k] for good then."""
         for j in range(k + 1, len(live)):
             if vol.check_segment_header(live[j], live[j - 1]):
                 continue
-            if any(is_commit(it) for it in scanner._segment(live[j])):
+            if any(settles(it) for it in scanner._segment(live[j])):
                 return True
         return False

@@ -82,6 +82,7 @@ def _append_base_batch(log, epoch: int, region_id: int, page_ids, pages, page_cr
 
     count, pb = pages.shape
     app = log.appender
+    _settled(app, "a base snapshot batch")
     res = app.reserve(F.page_batch_length(count, pb))
     F.encode_page_batch_into(res.view, lsn=res.lsn, epoch=epoch, region_id=region_id, salt=res.salt,
                              page_ids=page_ids, pages=pages, page_bytes=pb, flags=F.FLAG_BASE,
@@ -199,10 +200,22 @@ def current_catalog(log) -> Catalog:
         raise CorruptionError(exc.message, where=where) from None
 
 
+def _settled(app, what: str) -> None:
+    """FORMAT.md §10.6: BASE batches and catalog records are appended only with
+    no reservation outstanding, so that a reader following the log may take
+    one, as it takes a commit, for proof that every byte before it is final."""
+    if app.outstanding:
+        from concordia.wal.errors import UsageError
+
+        raise UsageError(f"{what} is appended with {len(app.outstanding)} reservations not yet persisted",
+                         hint="persist them (or commit) first")
+
+
 def append_catalog(log, cat: Catalog, prev_lsn: int) -> int:
     """Append catalog `cat` (not yet current) and persist it; returns its LSN."""
     from concordia.wal import format as F
 
+    _settled(log.appender, "a snapshot catalog")
     return log.appender.append_record(type=F.REC_CATALOG, epoch=cat.newest_epoch,
                                       body=encode_catalog_body(cat), aux=prev_lsn)
 

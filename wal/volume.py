@@ -283,6 +283,7 @@ class Volume:
         arr = backend.array
         found, problems = [], []
         first_err = None
+        magicless = 0  # slots without the magic, or past the end of the target
         slot_guess = F.SLOT_ALIGN
         for i in range(F.SLOT_COUNT):
             # slot B's place depends on slot_bytes, which slot A (or B) states
@@ -307,8 +308,9 @@ class Volume:
                     slot_guess = cls._find_slot_b(arr)
                 problems.append((where, exc.message))
                 first_err = first_err or exc
+                magicless += isinstance(exc, NotALogError) or off >= arr.size
         if not found:
-            if all("magic" in p for _, p in problems) and isinstance(first_err, NotALogError):
+            if magicless == F.SLOT_COUNT and isinstance(first_err, NotALogError):
                 raise NotALogError("no Concordia volume here (no superblock magic in either slot)",
                                    where=backend.where)
             raise SuperblockError("both superblock slots are invalid: "
@@ -390,6 +392,9 @@ class Volume:
     @staticmethod
     def _decode_slot(arr, off, where) -> F.Superblock:
         if off + F.SUPERBLOCK_SIZE > arr.size:
+            if off < arr.size and bytes(arr[off:off + 8]) != F.VOLUME_MAGIC[:min(8, arr.size - off)]:
+                # a file shorter than a superblock (any length is read, V-B8) without its magic
+                raise NotALogError("no superblock magic", where=where)
             raise CorruptionError("slot lies past the end of the target", where=where)
         head = memoryview(arr[off:off + F.SUPERBLOCK_SIZE])
         if bytes(head[:8]) != F.VOLUME_MAGIC:
