@@ -49,6 +49,7 @@ from typing import Callable
 
 import numpy as np
 
+from concordia.root_error import Hint
 from concordia.wal import format as F
 from concordia.wal.apply import check_pages, page_crcs, take_rows
 from concordia.wal.catalog import CATALOG_ENTRY_SIZE, CATALOG_HEAD_SIZE, BaseEntry
@@ -337,7 +338,8 @@ def decide(log, epoch: int | None = None, *, keep: Keep, regions=None, upto_name
         newest = max(e.epoch for e in kept if e.region_id == infos[lost[0]].id)
         raise WalError(f"the base of region {lost[0]!r} at epoch {p.epoch} would be dropped at once: the "
                        f"retention keeps {keep.describe()}, and it has a newer base (epoch {newest}); nothing "
-                       f"was written", where=where, hint="leave out --upto, or pass a larger --keep")
+                       f"was written", where=where, hint=Hint(api="leave out epoch, or pass a larger keep_bases",
+                                                 cli="leave out --upto, or pass a larger --keep"))
     cap = int(log.volume.segment_bytes) - F.SEGMENT_HEADER_SIZE
     bases = [n for info in (infos[x] for x in fold) for n in base_record_lengths(info, chunk_bytes, cap)]
     meta = _descriptor_lengths(log)  # written again when their segment goes (counted always: the most)
@@ -363,12 +365,15 @@ def decide(log, epoch: int | None = None, *, keep: Keep, regions=None, upto_name
         raise LogFullError(f"compaction needs {_mib(sum(writes))} for its new bases and catalog, the log can "
                            f"append {_mib(space.bytes)} ({space.free_segments} free segments), and what a retention "
                            f"keeping {keep.describe()} lets go does not make room; nothing was written", where=where,
-                           hint="pass --keep 1 to keep fewer bases, or restore the regions into a larger log")
+                           hint=Hint(api="pass keep_bases=1 to keep fewer bases, or restore the regions into a "
+                                         "larger log",
+                                     cli="pass --keep 1 to keep fewer bases, or restore the regions into a larger log"))
     if after.bytes < reserve:
         raise WalError(f"compaction keeping {keep.describe()} would leave {_mib(after.bytes)} free, less than the "
                        f"{_mib(reserve)} a session needs to go on (a checkpoint of every page and a base of every "
                        f"region); nothing was written", where=where,
-                       hint="pass --keep 1 to keep fewer bases" if keep != Keep(1, 0) else "create a larger log")
+                       hint=(Hint(api="pass keep_bases=1 to keep fewer bases", cli="pass --keep 1 to keep fewer bases")
+                             if keep != Keep(1, 0) else "create a larger log"))
     return Decision(p.epoch, keep, fold, unchanged,
                     sum(infos[n].pages * infos[n].page_bytes for n in fold), len(kept),
                     len(old) + len(fold) - len(kept), floor, freed, first, after.bytes, reserve)
