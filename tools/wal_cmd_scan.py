@@ -85,7 +85,7 @@ def region_names(vol, items) -> dict:
             continue
         h, off = it.header, it.offset
         try:
-            info = F.decode_region_body(mv[off + 64:off + 64 + h.count], h.region_id, h.page_bytes)
+            info = F.decode_region_body(F.record_body(mv, off, h.count), h.region_id, h.page_bytes)
         except Exception:  # a bad descriptor is reported by verify; here it has no name
             continue
         names[info.id] = info.name
@@ -101,7 +101,7 @@ def _desc(vol, h, off: int) -> str:
     """A short type-specific summary of a valid record's body."""
     mv = vol.backend.view
     kind = record_kind(h.type)
-    body = mv[off + 64:off + 64 + h.count]
+    body = F.record_body(mv, off, h.count)
     try:
         if kind == F.REC_PAGE_BATCH:
             return "base" if h.flags & F.FLAG_BASE else ""

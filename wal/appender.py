@@ -127,13 +127,13 @@ class Appender:
 
     def _roll(self) -> None:
         old = self.seg
-        if old is not None and self.pos + 64 <= old.offset + old.nbytes:
+        if old is not None and self.pos + F.RECORD_HEADER_SIZE <= old.offset + old.nbytes:
             # an explicit end marker: the old segment's data ends here (with pwritev on a
             # page-cache file: a store would fault on a page under writeback)
             if self._write_at is not None:
                 self._write_at(self.pos, [_ZERO_HEADER])
             else:
-                self.backend.array[self.pos:self.pos + 64] = 0
+                F.record_header_bytes(self.backend.array, self.pos)[:] = 0
             if self.one_sync and not self._pmem:
                 # made durable by the next commit's one sync with the records before it:
                 # until then the slot reads zero or stale, a clean end either way
@@ -169,7 +169,7 @@ class Appender:
 
     def _next_slot_free(self) -> bool:
         """Whether a header slot follows the write position in the current segment."""
-        return self.pos + 64 <= self.seg.offset + self.seg.nbytes
+        return self.pos + F.RECORD_HEADER_SIZE <= self.seg.offset + self.seg.nbytes
 
     def _take(self, nbytes: int, cls, zero_next: bool = True) -> Reservation:
         n = F.align64(int(nbytes))
@@ -178,7 +178,7 @@ class Appender:
         if zero_next and self._next_slot_free():
             # the header slot after this reservation starts zero, so that after a crash
             # the data ends cleanly there even in a recycled segment full of stale bytes
-            self.backend.array[self.pos:self.pos + 64] = 0
+            F.record_header_bytes(self.backend.array, self.pos)[:] = 0
         res = cls(self.backend.array[off:off + n], off, seg.lsn(off), seg.salt,
                   seg.index, n, next(_ids), cls is Extent)
         self.outstanding[res.id] = res
@@ -285,7 +285,7 @@ class Appender:
 
     def _pad(self, res: Reservation, used: int) -> None:
         if used < res.length:
-            F.encode_pad_header_into(res.view[used:used + 64], length=res.length - used,
+            F.encode_pad_header_into(F.record_header_bytes(res.view, used), length=res.length - used,
                                      lsn=res.lsn + used, epoch=0, salt=res.salt)
 
     def persist(self, res: Reservation) -> None:
@@ -363,7 +363,7 @@ class Appender:
             off = self._space(length)
             seg = self.seg
             if self._next_slot_free():
-                self.backend.array[self.pos:self.pos + 64] = 0  # (see _take)
+                F.record_header_bytes(self.backend.array, self.pos)[:] = 0  # (see _take)
             view = self.backend.array[off:off + length]
             lsn = seg.lsn(off)
             body_crc = None

@@ -390,6 +390,18 @@ _RECORD_HEADER_FIELDS = operator.itemgetter(0, 1, 2, 4, 5, 6, 7, 8, 9, 10, 11, 1
 _new_tuple = tuple.__new__
 
 
+def record_body(buf, offset: int, nbytes: int):
+    """The first `nbytes` bytes of the body of the record at `offset` of `buf`
+    (the bytes after its header, §5.1): a slice of `buf`, no copy."""
+    lo = offset + RECORD_HEADER_SIZE
+    return buf[lo:lo + nbytes]
+
+
+def record_header_bytes(buf, offset: int):
+    """The header of the record at `offset` of `buf` (§5.1), a slice of `buf`."""
+    return buf[offset:offset + RECORD_HEADER_SIZE]
+
+
 def decode_record_header(buf, off: int = 0, *, check: bool = True, where: str | None = None) -> RecordHeader:
     """Decode the 64-byte header (FORMAT.md §5.1) at buf[off:]; raises CorruptionError (at `where`,
     default `record @ 0xOFF`) when it runs past the buffer or the header CRC (V-R2)

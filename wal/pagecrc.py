@@ -43,6 +43,10 @@ from crc32c import crc32c as _crc32c
 
 from .errors import UsageError
 
+#: a record's header bytes (FORMAT.md §5.1; format.RECORD_HEADER_SIZE, whose
+#: module imports this one, holds the two equal)
+HEADER = 64
+
 SOURCE = pathlib.Path(__file__).with_name("_pagecrc.c")
 ENV = "CONCORDIA_PAGECRC"
 
@@ -270,10 +274,10 @@ def copy_page_batch(record: np.ndarray, pages: np.ndarray, ids: np.ndarray, payl
             or pages.ndim != 2 or pages.shape[0] != count or pages.dtype != np.uint8
             or not pages.flags.c_contiguous or count == 0 or not pages.shape[1]
             or record.dtype != np.uint8 or not record.flags.c_contiguous
-            or payload_offset < 64 + 8 * count or record.nbytes != payload_offset + pages.nbytes):
+            or payload_offset < HEADER + 8 * count or record.nbytes != payload_offset + pages.nbytes):
         return None
     buf = _buf(record, require_writable=True)
-    crc = _copy_batch_c(buf + 64, payload_offset - 64, buf + payload_offset, _buf(pages), pages.strides[0], count,
+    crc = _copy_batch_c(buf + HEADER, payload_offset - HEADER, buf + payload_offset, _buf(pages), pages.strides[0], count,
                         pages.shape[1], _buf(ids), int(ids.dtype == np.int64))
     return crc if crc >= 0 else None
 

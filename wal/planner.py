@@ -751,7 +751,7 @@ def scan(log, *, payload: bool = True, check_pages: bool = False, progress=None,
         kind = rec.kind
         if kind == F.REC_PAGE_BATCH:
             count, pb, off = rec.count, rec.page_bytes, rec.offset
-            t = arr[off + 64: off + 64 + 8 * count].view("<u4")
+            t = F.record_body(arr, off, 8 * count).view("<u4")
             poff = off + F.page_batch_payload_offset(count)
             batches.append(ScannedBatch(
                 lsn=rec.lsn, epoch=rec.epoch, region_id=rec.region_id, base=bool(rec.flags & FLAG_BASE),
@@ -815,7 +815,7 @@ def scan(log, *, payload: bool = True, check_pages: bool = False, progress=None,
         else:
             seg_i, off, count = found
             try:
-                cat = decode_catalog_body(mv[off + 64: off + 64 + count], lsn=sb.catalog_lsn)
+                cat = decode_catalog_body(F.record_body(mv, off, count), lsn=sb.catalog_lsn)
             except CorruptionError as exc:
                 damage.append(Damage(seg_i, off, sb.catalog_lsn, f"catalog: {exc.message}"))
             else:

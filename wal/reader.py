@@ -348,7 +348,7 @@ class Scanner:
             groups.setdefault((p[2], p[3]), []).append(p)
         arr = self.arr
         for (count, pb), items in groups.items():
-            tables = np.stack([arr[pos + 64 + 4 * count:pos + 64 + 8 * count] for _, pos, _, _, _ in items])
+            tables = np.stack([F.record_body(arr, pos, 8 * count)[4 * count:] for _, pos, _, _, _ in items])
             folded = F.fold_page_crcs(tables.view("<u4"), pb)
             actual = np.fromiter((it[4] for it in items), dtype=np.uint32, count=len(items))
             for k in np.flatnonzero(folded != actual):
@@ -372,7 +372,7 @@ class Scanner:
         pos = seg.offset + F.SEGMENT_HEADER_SIZE if start is None else start
         # progress: checked against one number per record, told every PROGRESS_STEP
         tick = seg.offset + PROGRESS_STEP if self.progress is not None else 1 << 62
-        while pos + 64 <= end:
+        while pos + F.RECORD_HEADER_SIZE <= end:
             if pos >= tick:
                 self._tell(self._done + pos - seg.offset)
                 tick = pos + PROGRESS_STEP
@@ -385,7 +385,7 @@ class Scanner:
                 else:
                     # zero length word, or a complete header of another incarnation: the end,
                     # unless valid records follow (then a record was lost here)
-                    nxt = self._next_valid(seg, pos + 64, end)
+                    nxt = self._next_valid(seg, pos + F.RECORD_HEADER_SIZE, end)
                     if nxt is None:
                         return
                     what = ("zero length word" if length == 0 else
@@ -400,7 +400,7 @@ class Scanner:
                 if problem is None and pos + length > seg_end:
                     problem = f"record length {length} runs past the end of the segment"
             if problem is not None:
-                nxt = self._next_valid(seg, pos + 64, end)
+                nxt = self._next_valid(seg, pos + F.RECORD_HEADER_SIZE, end)
                 stop = end if nxt is None else nxt
                 if stop + base_rel > oldest:  # R-D3: damage wholly below oldest_lsn is reclaimed, not read
                     out.append(Damaged(_DMG, seg, pos, stop - pos, problem))
@@ -443,19 +443,19 @@ class Scanner:
         if kind is None and not typ & F.TYPE_IGNORABLE:
             return f"unknown record type 0x{typ:02x} (not marked ignorable)"
         length = h.length
-        if 64 + count > length or F.align64(count) + 64 != length:
+        if F.RECORD_HEADER_SIZE + count > length or F.align64(count) + F.RECORD_HEADER_SIZE != length:
             return f"body of {count} bytes does not match record length {length}"
-        got = _crc32c(self.mv[pos + 64:pos + 64 + count])
+        got = _crc32c(F.record_body(self.mv, pos, count))
         if got != h.body_crc:
             return f"body CRC mismatch, stored 0x{h.body_crc:08x}, computed 0x{got:08x}"
-        if self.arr[pos + 64 + count:pos + length].any():
+        if self.arr[pos + F.RECORD_HEADER_SIZE + count:pos + length].any():
             return "record padding is not zero"
         if kind == F.REC_COMMIT:
             # V-C1 is the commit body's own structure (V-R6): a commit failing it is a
             # damaged record, never a commit point (R-D2); V-C2..V-C4 depend on the
             # records before it and are recover's (_commit_verdicts)
             try:
-                F.decode_commit_body(self.mv[pos + 64:pos + 64 + count], h)
+                F.decode_commit_body(F.record_body(self.mv, pos, count), h)
             except CorruptionError as exc:
                 return f"commit of epoch {h.epoch}: {exc.message}"
         return None
@@ -737,7 +737,7 @@ def _check_regions(items: list, mv) -> list:
             continue
         h = it.header
         try:
-            r = F.decode_region_body(mv[it.offset + 64:it.offset + 64 + h.count], h.region_id, h.page_bytes)
+            r = F.decode_region_body(F.record_body(mv, it.offset, h.count), h.region_id, h.page_bytes)
         except CorruptionError:
             continue  # recover reports it
         old = regions.setdefault(h.region_id, r)
@@ -757,7 +757,7 @@ def _check_regions(items: list, mv) -> list:
             bad[i] = (f"page batch of region {r.name!r} has {h.page_bytes}-byte pages, "
                       f"its descriptor {r.page_bytes} (R-P1)")
         else:
-            last = int(np.frombuffer(mv, np.uint32, count=1, offset=it.offset + 64 + 4 * (h.count - 1))[0])
+            last = int(np.frombuffer(mv, np.uint32, count=1, offset=it.offset + F.RECORD_HEADER_SIZE + 4 * (h.count - 1))[0])
             if last >= r.pages:
                 bad[i] = f"page batch of region {r.name!r} names page {last}, the region has {r.pages} (R-P1)"
     if bad:
@@ -831,7 +831,7 @@ def _commit_verdicts(items: list, mv, oldest: int) -> tuple[dict, set]:
         h = it.header
         kind = record_kind(h.type)
         if kind == F.REC_COMMIT:
-            info = F.decode_commit_body(mv[it.offset + 64:it.offset + 64 + h.count], h)
+            info = F.decode_commit_body(F.record_body(mv, it.offset, h.count), h)
             st = stats.pop(h.epoch, None)
             problem = _commit_problem(info, st, last_epoch, last_lsn, oldest)
             known = [x for x in damaged.pop(h.epoch, ()) if info.first_lsn <= x[0] < info.lsn]
@@ -970,7 +970,7 @@ class Follower:
                 self.lsn = end
                 self._resume = (seg.index, seg.seq, it.offset + length)
                 if it[0] == _REC:
-                    self._last = (seg.index, seg.seq, it.offset, bytes(self.backend.view[it.offset:it.offset + 64]),
+                    self._last = (seg.index, seg.seq, it.offset, bytes(F.record_header_bytes(self.backend.view, it.offset)),
                                   end)
                     if is_commit(it):
                         self._commit = (end, self._resume)
@@ -988,7 +988,7 @@ class Follower:
             return
         idx, seq, off, raw, end = self._last
         seg = next((s for s in live if (s.index, s.seq) == (idx, seq)), None)
-        changed = seg is not None and bytes(vol.backend.view[off:off + 64]) != raw
+        changed = seg is not None and bytes(F.record_header_bytes(vol.backend.view, off)) != raw
         gone = seg is None and (not live or live[-1].end_lsn < end)
         if not (changed or gone):
             return

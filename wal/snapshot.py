@@ -191,7 +191,7 @@ def current_catalog(log) -> Catalog:
     if h.type != F.REC_CATALOG:  # the whole type byte (R-T1): 0x84 is an ignorable record, not a catalog
         raise CorruptionError(f"superblock names lsn {lsn} as the catalog, but it holds record type "
                               f"0x{h.type:02x}", where=where)
-    body = vol.backend.view[off + 64: off + 64 + h.count]
+    body = F.record_body(vol.backend.view, off, h.count)
     if _crc(body) != h.body_crc:
         raise CorruptionError("catalog body CRC mismatch", where=where)
     try:

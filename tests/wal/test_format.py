@@ -19,6 +19,12 @@ crc_ref = crcmod.predefined.mkCrcFun("crc-32c")
 
 def test_struct_sizes():
     assert F.RECORD_HEADER.size == F.RECORD_HEADER_SIZE == 64
+    from concordia.wal import pagecrc
+
+    assert pagecrc.HEADER == F.RECORD_HEADER_SIZE  # the page helper sits below format, with its own name
+    body = np.arange(200, dtype=np.uint8)
+    assert F.record_body(body, 8, 10).tolist() == list(range(72, 82))
+    assert F.record_header_bytes(body, 8).tolist() == list(range(8, 72))
     assert F.SUPERBLOCK.size == F.SUPERBLOCK_SIZE == 256
     assert F.SEGMENT_HEADER.size == F.SEGMENT_HEADER_SIZE == 256
     assert F.SEGMENT_ENTRY.size == F.SEGMENT_ENTRY_SIZE == 32
