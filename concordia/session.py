@@ -40,7 +40,6 @@ from concordia.checkpoint.staging import batch_pages, page_crcs
 from concordia.checkpoint.stats import CheckpointStats, CheckpointTotals
 from concordia.devmem.errors import PathNotFoundError
 from concordia.executor.resident import EXECUTORS, start_executor
-from concordia.instrument.errors import InstrumentError
 from concordia.policy import Policy
 from concordia.regions.arrays import adapt, logical_of, storage_of
 from concordia.regions.errors import DuplicateRegionError, SessionClosedError, SessionError, UnsupportedArrayError
@@ -170,7 +169,7 @@ class Session:
             self.resident.close()
         self._closed = True
         for r in self.region_set:
-            _untrack(r)
+            r.untrack()
         self.runner.close()
         if self._owns_log:
             self.log.close()
@@ -266,15 +265,7 @@ class Session:
         if info is not None:
             check_same(info, region)
         if detect == "stores":
-            from concordia import instrument
-
-            try:
-                region.tracked = instrument.track(name, arr, int(page_bytes))
-            except InstrumentError as exc:
-                raise SessionError(f"the store tracker cannot take this region: {exc.message}", where=where,
-                                   hint="call concordia.instrument.enable(track_stores=True) before the kernels "
-                                        "that write the array are compiled") from None
-            region.check_every = int(check_every)
+            region.track_stores(int(check_every))
         if info is not None:
             region.id = int(info.id)
         else:
@@ -283,7 +274,7 @@ class Session:
                 region.id = int(self.log.define_region(name, arr.dtype.str, region.shape, region.page_bytes, kind,
                                                        logical=logical, framework=framework))
             except BaseException:
-                _untrack(region)
+                region.untrack()
                 raise
         if self.resident is not None:  # a new kind's handler is in the table before an epoch can see the region
             self.resident.region_added(region)
@@ -442,14 +433,6 @@ class Session:
     @property
     def log_name(self) -> str:
         return self.log.backend.where
-
-
-def _untrack(region: Region) -> None:
-    if region.tracked is not None:
-        from concordia import instrument
-
-        instrument.untrack(region.tracked)
-        region.tracked = None
 
 
 def _open_read_only(log):

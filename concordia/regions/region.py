@@ -134,6 +134,29 @@ class Region:
             raise ShapeChangedError(f"the registered array cannot be read: {why}",
                                     where=f"region {self.name!r}", hint="register a new region for the new array")
 
+    def track_stores(self, check_every: int) -> None:
+        """Start the PTX store tracker on this region (detect="stores"),
+        cross-checked by fingerprints every `check_every` checkpoints."""
+        from concordia import instrument
+        from concordia.instrument.errors import InstrumentError
+
+        try:
+            self.tracked = instrument.track(self.name, self.array, self.page_bytes)
+        except InstrumentError as exc:
+            raise SessionError(f"the store tracker cannot take this region: {exc.message}",
+                               where=f"region {self.name!r}",
+                               hint="call concordia.instrument.enable(track_stores=True) before the kernels "
+                                    "that write the array are compiled") from None
+        self.check_every = int(check_every)
+
+    def untrack(self) -> None:
+        """Stop the store tracker on this region (nothing when it has none)."""
+        if self.tracked is not None:
+            from concordia import instrument
+
+            instrument.untrack(self.tracked)
+            self.tracked = None
+
     @property
     def flags_detector(self) -> bool:
         """Whether the detector runs as a device kernel over the region (shadow

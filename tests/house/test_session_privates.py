@@ -116,3 +116,9 @@ def test_the_checker_finds_a_reach_and_a_write(tmp_path):
     assert found == ["session._regions", "g.session._next_epoch", "s._writer", "other._owns_log"]
     writes = [line.split(": ", 1)[1] for line in baseline_writes(src, tmp_path)]
     assert writes == ["r.crcs", "r.digest"]
+
+
+def test_the_session_is_a_facade():
+    """session.py stays a facade over the rooms: at most 500 lines."""
+    lines = SESSION.read_text().count("\n")
+    assert lines <= 500, f"concordia/session.py has {lines} lines"
