@@ -134,7 +134,7 @@ def _one_nonzero_byte(path):
 
 # (what the path holds, how it is made, what the refusal says)
 HELD = [
-    ("text", _text, "the target is not a log"),
+    ("text", _text, "the target is not empty (nonzero byte at 0x0)"),
     ("log", _concordia_log, "the target holds a Concordia log"),
     ("data", _one_nonzero_byte, "nonzero byte at 0x3000"),
     ("folder", lambda p: p.mkdir(), "not a regular file (a directory)"),
