@@ -10,7 +10,8 @@
 # <commit>` of the commit before the move, carried along, never committed),
 # installed beside this one in /tmp/site-before.
 # HOUSE_PARTS picks what runs (default "suite checkpoint recover"); HOUSE_ROUNDS
-# how many before/after pairs of each benchmark (default 2).
+# how many before/after pairs of each benchmark (default 2; HOUSE_CHECKPOINT_ROUNDS
+# and HOUSE_RECOVER_ROUNDS set one benchmark's alone).
 # Run through scripts/gpu_suite.sh (wheels and this tree installed, $OUT set):
 #   PART_LIMIT_S=560 bash scripts/gpu_suite.sh house
 # Writes $OUT/gpu-suite.txt (the suite's output and summary line),
@@ -20,6 +21,8 @@ cd "$(dirname "$0")/../.."
 : "${OUT:?set OUT to a folder for results}"
 parts=${HOUSE_PARTS:-suite checkpoint recover}
 rounds=${HOUSE_ROUNDS:-2}
+ck_rounds=${HOUSE_CHECKPOINT_ROUNDS:-$rounds}
+rc_rounds=${HOUSE_RECOVER_ROUNDS:-$rounds}
 before=${HOUSE_BEFORE_DIR:-.before}
 status=0
 after_path=$PYTHONPATH
@@ -56,18 +59,18 @@ bench() {  # bench NAME TREE ROUND ARGS...
   [ $rc -eq 0 ] || { tail -n 5 "$OUT/house-$name-$tree-$round.err"; status=1; }
 }
 
-for r in $(seq 1 "$rounds"); do
+for r in $(seq 1 $(( ck_rounds > rc_rounds ? ck_rounds : rc_rounds ))); do
   for tree in before after; do
-    if [[ " $parts " == *" checkpoint "* ]]; then
+    if [[ " $parts " == *" checkpoint "* ]] && [ "$r" -le "$ck_rounds" ]; then
       bench checkpoint "$tree" "$r" --parts regions --reps 10
     fi
-    if [[ " $parts " == *" recover "* ]]; then
+    if [[ " $parts " == *" recover "* ]] && [ "$r" -le "$rc_rounds" ]; then
       bench recover "$tree" "$r" --sizes 10 --tiers shm --no-torch --registered-max-gib 0
     fi
   done
 done
 
-python3 - "$OUT" "$rounds" <<'PY' | tee "$OUT/house.txt" || status=1
+python3 - "$OUT" "$(( ck_rounds > rc_rounds ? ck_rounds : rc_rounds ))" <<'PY' | tee "$OUT/house.txt" || status=1
 import json, os, statistics, sys
 out, rounds = sys.argv[1], int(sys.argv[2])
 
