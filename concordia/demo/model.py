@@ -38,17 +38,20 @@ SHAPES = {
 }
 
 
-def build(shape: str, device: str, *, lora: bool = True, seed: int = 0):
+def build(shape: str, device: str, *, lora: bool = True, seed: int = 0, attn: str | None = None,
+          compile: bool | None = None):
     """(config, model): Qwen3 of `shape` with weights drawn from `seed`, on
-    `device` (bf16 on a GPU, fp32 on the CPU), with a LoRA adapter on q and v."""
+    `device` (bf16 on a GPU, fp32 on the CPU), with a LoRA adapter on q and v.
+    `attn`: the attention implementation (None: transformers' default, sdpa).
+    `compile`: None leaves generate()'s default (its decode step compiled on
+    CUDA with a StaticCache, eager on the CPU); True compiles it on the CPU as
+    well (`compile_config._compile_all_devices`); False turns it off
+    (`generation_config.disable_compile`)."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    # eager attention: a decode step runs the same kernels whether it is the first
-    # step of a generate() call (as after a restore) or a later one, so a resumed
-    # run can be bit-identical; the fused kernels may pick another path for it
-    cfg = Qwen3Config(**SHAPES[shape], attn_implementation="eager")
+    cfg = Qwen3Config(**SHAPES[shape], **({"attn_implementation": attn} if attn else {}))
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     # made where it runs: drawing 0.6B weights on the host first takes seconds
     with torch.device(device):
@@ -59,6 +62,14 @@ def build(shape: str, device: str, *, lora: bool = True, seed: int = 0):
         torch.manual_seed(seed + 1)
         model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"],
                                                  init_lora_weights=False)).eval()
+    if compile is True:
+        from transformers.generation.configuration_utils import CompileConfig
+
+        cc = CompileConfig()
+        cc._compile_all_devices = True
+        model.generation_config.compile_config = cc
+    elif compile is False:
+        model.generation_config.disable_compile = True
     return cfg, model
 
 

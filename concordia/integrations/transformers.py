@@ -10,9 +10,25 @@ checkpoint from inside `model.generate()`.
                    stopping_criteria=[CheckpointEvery(guard, 8)])
     ...
     # in a fresh process, on a fresh GPU:
-    guard = protect(session, cache, model, batch_size=8)
-    state = restore(session, cache, model)                     # keys, values, counters, LoRA, tokens
-    model.generate(state.tokens, past_key_values=cache, ...)   # continues
+    guard = protect(session, cache, model, batch_size=8, max_tokens=4096)
+    state = restore(session, guard)          # keys, values, counters, LoRA, tokens, mask, RNG
+    model.generate(state.tokens, attention_mask=state.attention_mask, past_key_values=cache,
+                   stopping_criteria=[CheckpointEvery(guard, 8, start=state.steps)], ...)
+
+The continuation gives the tokens, cache and LoRA weights the uninterrupted
+run would have, under `generate()`'s defaults:
+- with auto-compile on (CUDA and a StaticCache, or
+  `compile_config._compile_all_devices`), generate() runs the first forward
+  of every call eagerly (`_prefill`); the uninterrupted run computed that
+  token with the compiled decode step.  `protect` arranges that a `generate()`
+  call whose first forward is one token on a cache already holding the rest
+  (a resume) takes the compiled decode call instead, as the uninterrupted run
+  did.  Eager models are untouched.
+- sampling (`do_sample=True`) draws from the default generator of the cache's
+  device: its state is captured with every epoch (`hf.rng`) and put back by
+  `restore`, so a seeded run samples the same tokens after a resume;
+- the attention mask is kept beside the tokens (`hf.mask`): resuming without
+  it would mask every generated token equal to `pad_token_id`.
 
 What is registered, by name under `prefix` (default "hf"):
 - `hf.kv.<layer>.k` / `hf.kv.<layer>.v`: each layer's keys and values (kind
@@ -22,8 +38,11 @@ What is registered, by name under `prefix` (default "hf"):
   session's pre-checkpoint hook, so a plain `session.checkpoint()` captures it;
 - `hf.lora.<parameter>`: every LoRA weight of a PEFT model (kind "adapter"),
   updated in place by online adaptation or not;
-- `hf.tokens` / `hf.tokens_len`, when `max_tokens` is given: the tokens
-  generated so far, so that `generate()` can continue after a restore.
+- `hf.tokens` / `hf.mask` / `hf.tokens_len`, when `max_tokens` is given: the
+  tokens generated so far, their attention mask, their count and the steps
+  taken, so that `generate()` can continue after a restore;
+- `hf.rng`: the state of the default random generator of the cache's device
+  (unless `protect(..., rng=False)`).
 
 A `DynamicCache` reallocates its tensors at every step, so there is nothing
 fixed to protect: it is refused in one line that says to use a `StaticCache`.
@@ -33,6 +52,7 @@ transformers and peft are imported only here.
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import torch
 from transformers import DynamicCache, StaticCache, StoppingCriteria
@@ -54,18 +74,26 @@ class Guard:
     lora: dict  # region name -> parameter
     counters: object  # int64 tensor [layers, 2]
     tokens: object | None = None  # int64 tensor [batch, max_tokens]
-    tokens_len: object | None = None  # int64 tensor [1]
+    tokens_len: object | None = None  # int64 tensor [8]: tokens so far, steps taken
+    mask: object | None = None  # int64 tensor [batch, max_tokens]: their attention mask
+    rng: object | None = None  # uint8 tensor on the host: the sampling generator's state
 
     @property
     def names(self) -> list[str]:
         out = [n for _, k, v in self.kv for n in (k, v)] + [f"{self.prefix}.counters"] + list(self.lora)
         if self.tokens is not None:
-            out += [f"{self.prefix}.tokens", f"{self.prefix}.tokens_len"]
+            out += [f"{self.prefix}.tokens", f"{self.prefix}.mask", f"{self.prefix}.tokens_len"]
+        if self.rng is not None:
+            out.append(f"{self.prefix}.rng")
         return out
 
-    def record_tokens(self, input_ids) -> None:
+    def record_tokens(self, input_ids, attention_mask=None, steps: int | None = None) -> None:
         """Copy the sequences so far (int tensor [batch, n]) into the protected
-        token buffer; generate()'s hook calls this before each checkpoint."""
+        token buffer; generate()'s hook calls this before each checkpoint.
+        `attention_mask`: the mask of the first columns as given to
+        generate() (the prompt's; the columns after it are ones, as generate()
+        extends it); None: every column counts.  `steps`: the new tokens taken
+        so far, which `restore` hands back for CheckpointEvery(start=...)."""
         if self.tokens is None:
             raise SessionError("protect() was called without max_tokens: no token buffer to record into",
                                where=f"{self.prefix}.tokens")
@@ -75,7 +103,46 @@ class Guard:
                                f"{tuple(self.tokens.shape)}", where=f"{self.prefix}.tokens",
                                hint="give protect() a larger max_tokens")
         self.tokens[:, :n].copy_(input_ids, non_blocking=True)
-        self.tokens_len.fill_(n)
+        self.mask[:, :n].fill_(1)
+        if attention_mask is not None:
+            m = attention_mask.shape[1]
+            if tuple(attention_mask.shape) != (b, m) or m > n:
+                raise SessionError(f"an attention mask of shape {tuple(attention_mask.shape)} does not cover "
+                                   f"the first columns of {b} sequences of {n} tokens", where=f"{self.prefix}.mask")
+            self.mask[:, :m].copy_(attention_mask, non_blocking=True)
+        self.tokens_len[0].fill_(n)
+        if steps is not None:
+            self.tokens_len[1].fill_(int(steps))
+
+    def _record_rng(self) -> None:
+        dev = self.counters.device
+        state = torch.cuda.get_rng_state(dev) if dev.type == "cuda" else torch.get_rng_state()
+        if state.numel() > self.rng.numel() - 8:
+            raise SessionError(f"the random generator's state ({state.numel()} bytes) outgrew its region",
+                               where=f"{self.prefix}.rng")
+        self.rng[:8].copy_(torch.tensor([state.numel()], dtype=torch.int64).view(torch.uint8))
+        self.rng[8:8 + state.numel()].copy_(state)
+
+    def _restore_rng(self) -> None:
+        n = int(self.rng[:8].view(torch.int64)[0])
+        if n == 0:  # captured by no checkpoint yet
+            return
+        state = self.rng[8:8 + n].clone()
+        dev = self.counters.device
+        try:
+            if dev.type == "cuda":
+                torch.cuda.set_rng_state(state, dev)
+            else:
+                torch.set_rng_state(state)
+        except RuntimeError as exc:
+            raise SessionError(f"the random generator's state cannot be put back: {exc}".splitlines()[0],
+                               where=f"{self.prefix}.rng",
+                               hint="restore with the torch build that wrote the log") from None
+
+    def _before_checkpoint(self) -> None:
+        self._sync_counters()
+        if self.rng is not None:
+            self._record_rng()
 
     def _sync_counters(self) -> None:
         # The position tensors live on the device and move without the host; a
@@ -92,11 +159,15 @@ class Guard:
 @dataclasses.dataclass
 class Restored:
     """What `restore` put back: the epoch, the recovery statistics and, when a
-    token buffer is protected, the tokens so far (int64 [batch, n])."""
+    token buffer is protected, what `generate()` needs to continue: the tokens
+    so far (int64 [batch, n]), their attention mask (int64 [batch, n]) and the
+    new tokens taken (`steps`, for `CheckpointEvery(start=...)`)."""
 
     epoch: int
     stats: object
     tokens: object | None
+    attention_mask: object | None = None
+    steps: int = 0
 
 
 def _check_cache(cache) -> None:
@@ -135,11 +206,14 @@ def _lora_parameters(model) -> dict:
 
 def protect(session, cache, model=None, *, batch_size: int | None = None, max_tokens: int | None = None,
             prefix: str = PREFIX, detect: str = "fingerprint", page_bytes: int = 4096,
-            dtype=None, device=None) -> Guard:
+            dtype=None, device=None, rng: bool = True) -> Guard:
     """Register `cache` (a transformers `StaticCache`) and, when `model` carries
     PEFT adapters, their LoRA weights with `session`.  A cache not yet
     allocated is allocated here from the model's config (`batch_size` needed).
-    `max_tokens` adds a protected buffer of the tokens generated so far.
+    `max_tokens` adds a protected buffer of the tokens generated so far and
+    their attention mask; `rng` protects the sampling generator's state.
+    When the model compiles its decode step, a resuming `generate()` call is
+    arranged to take it for its first token (see the module's docstring).
     The same call in a recovering process registers the same regions, which
     `restore` then fills.  Returns the `Guard` naming them."""
     _check_cache(cache)
@@ -165,10 +239,64 @@ def protect(session, cache, model=None, *, batch_size: int | None = None, max_to
         b = cache.layers[0].keys.shape[0]
         guard.tokens = torch.zeros((b, int(max_tokens)), dtype=torch.int64, device=dev)
         guard.tokens_len = torch.zeros((8,), dtype=torch.int64, device=dev)
+        guard.mask = torch.zeros((b, int(max_tokens)), dtype=torch.int64, device=dev)
         session.register(f"{prefix}.tokens", guard.tokens, kind="opaque", detect=detect, page_bytes=page_bytes)
+        session.register(f"{prefix}.mask", guard.mask, kind="opaque", detect=detect, page_bytes=page_bytes)
         session.register(f"{prefix}.tokens_len", guard.tokens_len, kind="opaque", detect="all", page_bytes=64)
-    session.before_checkpoint(guard._sync_counters)
+    if rng:
+        # 8 bytes of length, then the state (16 bytes on CUDA, 5,056 on the CPU)
+        guard.rng = torch.zeros((RNG_BYTES,), dtype=torch.uint8)
+        session.register(f"{prefix}.rng", guard.rng, kind="opaque", detect="all", page_bytes=RNG_BYTES)
+    session.before_checkpoint(guard._before_checkpoint)
+    if model is not None:
+        _resume_compiled(model)
     return guard
+
+
+RNG_BYTES = 8192
+
+
+def _generation_model(model):
+    """The object whose `generate()` loop runs the forwards: the model itself,
+    or the transformers model under a PEFT wrapper; None if it has none."""
+    if hasattr(model, "get_base_model"):  # PEFT
+        model = model.get_base_model()
+    if hasattr(type(model), "_prefill") and hasattr(model, "get_compiled_call"):
+        return model
+    return None
+
+
+def _resume_compiled(model) -> None:
+    """Make a resuming generate() call's first forward the compiled decode
+    call when generate() compiles its decode step.
+
+    generate() runs the first forward of every call through the eager
+    `__call__` (`_prefill`) and the later ones through the compiled call.  A
+    call continuing a restored cache feeds one token on a cache holding the
+    rest: the very step the uninterrupted run computed compiled.  Eager and
+    compiled forwards do not round alike, so that one step would differ.  Here
+    such a first forward takes the compiled call, with the inputs a decode
+    step is given; any other first forward (a prompt, several new tokens,
+    chunked prefill, embeddings, an eager model) is generate()'s own."""
+    target = _generation_model(model)
+    if target is None or "_prefill" in vars(target):
+        return
+    own = target._prefill
+
+    def _prefill(self, input_ids, generation_config, model_kwargs, is_first_iteration=True):
+        cache = model_kwargs.get("past_key_values")
+        mask = model_kwargs.get("attention_mask")
+        if (cache is not None and generation_config.prefill_chunk_size is None
+                and model_kwargs.get("inputs_embeds") is None and not self.config.is_encoder_decoder
+                and self._valid_auto_compile_criteria(model_kwargs, generation_config)
+                and (mask is None or mask.shape[1] == input_ids.shape[1])
+                and input_ids.shape[1] - cache.get_seq_length() == 1):
+            inputs = self.prepare_inputs_for_generation(input_ids, next_sequence_length=1, **model_kwargs)
+            with self._optimize_model_for_decode():
+                return self.get_compiled_call(generation_config.compile_config)(**inputs, return_dict=True)
+        return own(input_ids, generation_config, model_kwargs, is_first_iteration=is_first_iteration)
+
+    target._prefill = types.MethodType(_prefill, target)
 
 
 def restore(session, guard: Guard, target="latest") -> Restored:
@@ -182,13 +310,18 @@ def restore(session, guard: Guard, target="latest") -> Restored:
         layer.cumulative_length.copy_(counters[i, 0].to(layer.cumulative_length.device))
         if hasattr(layer, "cumulative_length_int"):
             layer.cumulative_length_int = int(counters[i, 1])
-    tokens = None
+    tokens = mask = None
+    steps = 0
     if guard.tokens is not None:
-        n = int(guard.tokens_len[0].item())
+        n, steps = (int(x) for x in guard.tokens_len[:2].tolist())
         tokens = guard.tokens[:, :n].clone()
+        mask = guard.mask[:, :n].clone()
+    if guard.rng is not None:
+        guard._restore_rng()
     if guard.cache.layers[0].keys.is_cuda:
         torch.cuda.current_stream().synchronize()
-    return Restored(epoch=int(session.last_recovery.epoch), stats=session.last_recovery, tokens=tokens)
+    return Restored(epoch=int(session.last_recovery.epoch), stats=session.last_recovery, tokens=tokens,
+                    attention_mask=mask, steps=steps)
 
 
 class CheckpointEvery(StoppingCriteria):
@@ -199,16 +332,21 @@ class CheckpointEvery(StoppingCriteria):
     `start`: the steps already taken, when `generate()` continues after a
     restore (the new tokens so far), so that `on_step` keeps its numbering.
     `after(step, stats)`, if given, is called after each checkpoint.
+    `attention_mask`: the mask given to generate() with its input, when there
+    is one (a padded batch); it is kept with the tokens, so that `restore`
+    hands back the mask generate() would be using.
 
         model.generate(ids, past_key_values=cache, stopping_criteria=[CheckpointEvery(guard, 8)])
     """
 
-    def __init__(self, guard: Guard, every: int = 1, on_step=None, *, start: int = 0, after=None):
+    def __init__(self, guard: Guard, every: int = 1, on_step=None, *, start: int = 0, after=None,
+                 attention_mask=None):
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise SessionError(f"every must be a whole number >= 1, not {every!r}", where="CheckpointEvery")
         if isinstance(start, bool) or not isinstance(start, int) or start < 0:
             raise SessionError(f"start must be a whole number >= 0, not {start!r}", where="CheckpointEvery")
         self.guard, self.every, self.on_step, self.after = guard, every, on_step, after
+        self.attention_mask = attention_mask
         self.steps = start
         self.stats = []
 
@@ -218,7 +356,7 @@ class CheckpointEvery(StoppingCriteria):
             self.on_step(self.steps, input_ids)
         if self.steps % self.every == 0:
             if self.guard.tokens is not None:
-                self.guard.record_tokens(input_ids)
+                self.guard.record_tokens(input_ids, self.attention_mask, self.steps)
             st = self.guard.session.checkpoint(reason="generate")
             self.stats.append(st)
             if self.after is not None:

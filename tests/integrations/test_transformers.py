@@ -40,7 +40,8 @@ def test_protect_registers_every_layer_counter_and_lora_weight(tmp_path):
         lora = [n for n, _ in model.named_parameters() if "lora_" in n]
         assert len(lora) == 2 * 2 * cfg.num_hidden_layers  # q and v, A and B, per layer
         assert set(s.regions) == set(g.names)
-        assert len(g.names) == 2 * cfg.num_hidden_layers + 1 + len(lora) + 2
+        # counters; tokens, their mask and count; the sampling generator's state
+        assert len(g.names) == 2 * cfg.num_hidden_layers + 1 + len(lora) + 3 + 1
         assert {s.regions[k].kind for _, k, _ in g.kv} == {"kv"}
         assert {s.regions[n].kind for n in g.lora} == {"adapter"}
         # registered as they are: the cache's own tensors, not copies
@@ -183,7 +184,7 @@ def test_cli_model_demo_json(tmp_path):
     rep = json.loads(r.stdout)
     assert rep["identical"] is True and rep["resumed_at_step"] == 4
     assert rep["worker"]["killed_after_step"] == 7  # --kill-at N: after step N, as in the reference demo
-    assert rep["model"]["regions"] == 2 * 2 + 1 + 8 + 2
+    assert rep["model"]["regions"] == 2 * 2 + 1 + 8 + 3 + 1
 
 
 @pytest.mark.parametrize("kill_at", ["0", "12"])

@@ -1,0 +1,281 @@
+"""SIGKILLs at random moments of `generate()`, each followed by a restore and
+a continuation in a fresh process, compared bit for bit with an uninterrupted
+run: tokens, the final cache and the final LoRA weights.
+
+A plan is a list of generations (each its own log, prompt and seed, greedy or
+sampled, `steps` new tokens, a checkpoint every `every` steps).  One process
+per life, so the start-up (imports, model build, compile) is paid once per
+kill, not once per generation:
+
+    reference   runs every generation uninterrupted, one after another
+    life        restores the generation the last life was killed in (if any),
+                finishes it, then starts the next ones; once a generation it
+                was told to die in has taken `min_steps` steps, it says so
+                (a line on stdout with its measured step time) and the parent
+                SIGKILLs it after a random delay of up to `window` steps: in a
+                forward, a LoRA update, a checkpoint, wherever it falls
+
+The model is built once per process (the Qwen3 shapes of `concordia.demo.model`,
+transformers' defaults: sdpa attention, and generate()'s compiled decode step
+where transformers compiles it), with one StaticCache reset between
+generations and the LoRA weights put back to their initial values, so that
+compiled code is reused.  Every role prints JSON lines; the parent
+(`run_kills`) returns the comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+from concordia.regions.errors import DemoError
+
+from .model import build, digest, lora_update, prompt
+
+
+def _model(args):
+    import torch
+    from transformers import StaticCache
+
+    if not args.device.startswith("cuda"):
+        torch.set_num_threads(1)
+    compile_ = {"default": None, "on": True, "off": False}[args.compile]
+    cfg, model = build(args.shape, args.device, seed=args.seed, compile=compile_)
+    cache = StaticCache(config=cfg, max_cache_len=args.prompt + args.steps + 1)
+    lora0 = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    return cfg, model, cache, lora0
+
+
+def _fresh(model, cache, lora0) -> None:
+    """A new generation on the same objects: an empty cache, the adapter as built."""
+    import torch
+
+    cache.reset()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n in lora0:
+                p.copy_(lora0[n])
+
+
+def _compiled(model) -> bool:
+    """Whether generate() compiles the decode step of this model with a StaticCache."""
+    gen = model.get_base_model() if hasattr(model, "get_base_model") else model
+    cfg = gen.generation_config
+    if getattr(cfg, "disable_compile", False):
+        return False
+    cc = getattr(cfg, "compile_config", None)
+    return gen.device.type in ("cuda", "xpu") or bool(cc is not None and cc._compile_all_devices)
+
+
+def _protect(args, session, cache, model):
+    from concordia.integrations.transformers import protect
+
+    return protect(session, cache, model, batch_size=args.batch, max_tokens=args.prompt + args.steps + 1)
+
+
+def _generate(args, g: dict, model, cfg, cache, session, *, guard=None, start=0, ids=None, mask=None,
+              on_ckpt=None):
+    import torch
+
+    from concordia.integrations.transformers import CheckpointEvery
+
+    guard = guard or _protect(args, session, cache, model)
+    if ids is None:
+        ids = prompt(args.batch, args.prompt, cfg.vocab_size, args.device, g["seed"])
+        torch.manual_seed(g["seed"])  # the sampling generator, as a user seeds it
+    update = lora_update(model)
+    hook = CheckpointEvery(guard, args.every, on_step=update, start=start,
+                           after=(lambda step, st: on_ckpt(step)) if on_ckpt else None)
+    kw = {"do_sample": True, "top_k": 0} if g["sample"] else {"do_sample": False}
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=args.steps - start, past_key_values=cache,
+                         stopping_criteria=[hook], **kw)
+    return out, guard
+
+
+def _result(gen: int, out, guard) -> dict:
+    return {"gen": gen, "tokens": out.cpu().tolist(), "digest": digest(guard)}
+
+
+def _log(args, gen: int) -> str:
+    return f"{args.log}.{gen}"
+
+
+def _session(args, gen: int, **kw):
+    from concordia.session import Session
+
+    return Session(_log(args, gen), size=args.size, segment_size=args.segment, **kw)
+
+
+def _say(doc: dict) -> None:
+    print(json.dumps(doc), flush=True)
+
+
+def run_reference(args) -> None:
+    plan = json.loads(args.plan)
+    cfg, model, cache, lora0 = _model(args)
+    _say({"compiled": _compiled(model)})
+    for i, g in enumerate(plan):
+        _fresh(model, cache, lora0)
+        with _session(args, i, overwrite=True) as s:
+            out, guard = _generate(args, g, model, cfg, cache, s)
+            _say(_result(i, out, guard))
+
+
+def run_life(args) -> None:
+    import torch
+
+    plan = json.loads(args.plan)
+    die_in = {int(x) for x in args.die_in.split(",") if x != ""}
+    cfg, model, cache, lora0 = _model(args)
+    first = args.resume
+    if args.resume >= 0:
+        from concordia.integrations.transformers import restore
+
+        _fresh(model, cache, lora0)  # the restore must put everything back, not find it there
+        with _session(args, args.resume, create=False) as s:
+            guard = _protect(args, s, cache, model)
+            state = restore(s, guard)
+            if torch.cuda.is_available() and args.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            _say({"restored": args.resume, "epoch": state.epoch, "steps": state.steps})
+            out, guard = _generate(args, plan[args.resume], model, cfg, cache, s, guard=guard, start=state.steps,
+                                   ids=state.tokens, mask=state.attention_mask)
+            _say({**_result(args.resume, out, guard), "resumed_at_step": state.steps, "epoch": state.epoch})
+        first = args.resume + 1
+    else:
+        first = 0
+    for i in range(first, len(plan)):
+        _fresh(model, cache, lora0)
+        marks = []
+
+        def at(step, i=i, marks=marks):
+            marks.append((step, time.perf_counter()))
+            if i in die_in and step >= args.min_steps and len(marks) > 1 and marks[-2][0] < args.min_steps:
+                (s0, t0), (s1, t1) = marks[-2], marks[-1]
+                _say({"kill_me": i, "step": step, "step_s": (t1 - t0) / (s1 - s0)})
+        with _session(args, i, overwrite=True) as s:
+            out, guard = _generate(args, plan[i], model, cfg, cache, s, on_ckpt=at)
+            _say(_result(i, out, guard))
+        if i in die_in:  # the kill has not come yet: wait for it outside generate()
+            _say({"finished_before_kill": i})
+            time.sleep(3600)
+
+
+def _spawn(role: str, args: dict):
+    argv = [sys.executable, "-m", "concordia.demo.kills", role]
+    for k, v in args.items():
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _lines(proc):
+    for line in proc.stdout:
+        if line.startswith("{"):
+            yield json.loads(line)
+
+
+def _tail(proc) -> str:
+    err = proc.stderr.read() if proc.stderr else ""
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else "no message"
+
+
+def run_kills(log: str, plan: list[dict], *, shape: str = "tiny", device: str = "cpu", steps: int = 12,
+              every: int = 1, batch: int = 2, prompt_len: int = 8, compile: str = "default",
+              size: int = 64 << 20, segment: int = 8 << 20, seed: int = 0, window: float = 3.0,
+              rng: random.Random | None = None) -> dict:
+    """Kill each generation of `plan` whose "kill" is true at a random moment
+    of its generate() (after `min_steps` = a third of `steps`, within `window`
+    step times), restore it in a fresh process and finish it; compare every
+    generation with the reference.  {"kills": [...], "identical": bool, ...}."""
+    rng = rng or random.Random()
+    common = dict(shape=shape, device=device, steps=steps, every=every, batch=batch, prompt=prompt_len,
+                  compile=compile, size=size, segment=segment, seed=seed, plan=json.dumps(plan),
+                  min_steps=max(2, steps // 3))
+    ref = _spawn("reference", dict(common, log=log + ".ref"))
+    refs, compiled = {}, None
+    for doc in _lines(ref):
+        if "compiled" in doc:
+            compiled = doc["compiled"]
+        else:
+            refs[doc["gen"]] = doc
+    if ref.wait() != 0 or len(refs) != len(plan):
+        raise DemoError(f"the reference run failed (exit {ref.returncode}): {_tail(ref)}", where="kills")
+    die = [i for i, g in enumerate(plan) if g.get("kill")]
+    results, kills, resume = {}, [], -1
+    while True:
+        life = _spawn("life", dict(common, log=log, resume=resume, die_in=",".join(str(i) for i in die)))
+        killed = None
+        for doc in _lines(life):
+            if "kill_me" in doc:
+                per = doc["step_s"] or 0.01
+                delay = rng.uniform(0, window * per)
+                time.sleep(delay)
+                life.send_signal(signal.SIGKILL)
+                killed = {"gen": doc["kill_me"], "signalled_at_step": doc["step"], "delay_s": delay}
+            elif "finished_before_kill" in doc:
+                pass  # known below: its result came before the kill
+            elif "restored" in doc:
+                kills[-1].update(restored_epoch=doc["epoch"], resumed_at_step=doc["steps"])
+            elif "gen" in doc:
+                results[doc["gen"]] = doc
+        rc = life.wait()
+        if killed is None:
+            if rc != 0:
+                raise DemoError(f"a life ended with exit {rc}: {_tail(life)}", where="kills")
+            break
+        if rc != -signal.SIGKILL:
+            raise DemoError(f"a life was not killed (exit {rc}): {_tail(life)}", where="kills")
+        # the kill fell outside generate() only if that generation's result came first
+        killed["during_generate"] = killed["gen"] not in results
+        kills.append(killed)
+        die = [i for i in die if i > killed["gen"]]
+        resume = killed["gen"]
+    out = []
+    for k in kills:
+        i = k["gen"]
+        same = {n: results[i]["digest"].get(n) == h for n, h in refs[i]["digest"].items()}
+        out.append({**k, "sampled": bool(plan[i]["sample"]), "compile": compiled,
+                    "tokens_identical": results[i]["tokens"] == refs[i]["tokens"],
+                    "identical": results[i]["tokens"] == refs[i]["tokens"] and all(same.values()),
+                    "differs": sorted(n for n, v in same.items() if not v)})
+    whole = all(results.get(i, {}).get("tokens") == refs[i]["tokens"] for i in range(len(plan)))
+    return {"kills": out, "identical": bool(out) and all(k["identical"] for k in out) and whole,
+            "compile": compiled, "generations": len(plan),
+            "model": {"shape": shape, "device": device, "batch": batch, "prompt": prompt_len, "steps": steps,
+                      "every": every}}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m concordia.demo.kills")
+    ap.add_argument("role", choices=["reference", "life"])
+    ap.add_argument("--log", required=True)
+    ap.add_argument("--plan", required=True)
+    ap.add_argument("--shape", default="tiny")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--every", type=int, default=1)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--prompt", type=int, default=8)
+    ap.add_argument("--compile", default="default", choices=["default", "on", "off"])
+    ap.add_argument("--size", type=int, default=64 << 20)
+    ap.add_argument("--segment", type=int, default=8 << 20)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--min-steps", type=int, default=2)
+    ap.add_argument("--resume", type=int, default=-1)
+    ap.add_argument("--die-in", default="")
+    args = ap.parse_args(argv)
+    {"reference": run_reference, "life": run_life}[args.role](args)
+    return 0
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""generate() resumes exactly under transformers' defaults: a tiny Qwen3 with a
+LoRA updated online on the CPU, SIGKILLed at random moments of generate(),
+restored and continued in a fresh process; tokens, final cache and LoRA
+weights equal an uninterrupted run's, greedy and sampled, with generate()'s
+decode step compiled (`compile_config._compile_all_devices`, as it is on
+CUDA by default) and without."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the transformers integration needs torch")
+pytest.importorskip("transformers", reason="the transformers integration needs transformers (test extra)")
+pytest.importorskip("peft", reason="the LoRA part needs peft (test extra)")
+
+from transformers import StaticCache  # noqa: E402
+
+import concordia  # noqa: E402
+from concordia.demo.kills import run_kills  # noqa: E402
+from concordia.demo.model import build, lora_update, prompt  # noqa: E402
+from concordia.errors import SessionError  # noqa: E402
+from concordia.integrations.transformers import CheckpointEvery, protect, restore  # noqa: E402
+
+PLAN = [{"seed": 11, "sample": False, "kill": True}, {"seed": 12, "sample": True, "kill": True},
+        {"seed": 13, "sample": True, "kill": False}]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compile_", ["on", "off"])
+def test_sigkills_at_random_moments_resume_identically(tmp_path, compile_):
+    rep = run_kills(f"file:{tmp_path / 'k.log'}", PLAN, compile=compile_, steps=12, every=1,
+                    rng=random.Random())
+    assert rep["compile"] is (compile_ == "on")
+    assert [k["gen"] for k in rep["kills"]] == [0, 1]           # each planned kill was a real SIGKILL
+    assert [k["sampled"] for k in rep["kills"]] == [False, True]
+    for k in rep["kills"]:
+        assert k["restored_epoch"] >= 4 and k["resumed_at_step"] == k["restored_epoch"]  # every step commits
+        assert k["tokens_identical"] and k["identical"], k
+    assert rep["identical"]  # and the generation that was not killed, in the life after the last kill
+
+
+def _make(compile_):
+    cfg, model = build("tiny", "cpu", compile=compile_)
+    return cfg, model, StaticCache(config=cfg, max_cache_len=32)
+
+
+def _gen(model, cache, guard, ids, n, *, mask, start=0, sample=False):
+    hook = CheckpointEvery(guard, 1, on_step=lora_update(model), start=start, attention_mask=mask)
+    kw = {"do_sample": True, "top_k": 0} if sample else {"do_sample": False}
+    return model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=n,
+                          stopping_criteria=[hook], **kw)
+
+
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
+def test_restore_hands_back_tokens_mask_steps_and_generator(tmp_path, sample):
+    """A left-padded batch whose pad token is generated: the mask kept beside
+    the tokens, the steps taken and the generator's state come back, and the
+    continuation equals the uninterrupted run (in one process, no compile)."""
+    cfg, model, cache = _make(False)
+    ids = prompt(2, 8, cfg.vocab_size, "cpu", seed=3)
+    ids[0, :3] = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+    pad = int(ids[0, 0])
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    torch.manual_seed(5)
+    with concordia.Session(f"file:{tmp_path / 'ref.log'}", size=64 << 20, segment_size=8 << 20) as s:
+        g = protect(s, cache, model, batch_size=2, max_tokens=32)
+        ref = _gen(model, cache, g, ids, 10, mask=mask, sample=sample)
+    cfg, model, cache = _make(False)
+    torch.manual_seed(5)
+    with concordia.Session(f"file:{tmp_path / 'a.log'}", size=64 << 20, segment_size=8 << 20) as s:
+        g = protect(s, cache, model, batch_size=2, max_tokens=32)
+        _gen(model, cache, g, ids, 4, mask=mask, sample=sample)
+    cfg, model, cache = _make(False)
+    torch.manual_seed(999)  # the generator elsewhere: restore puts it back
+    with concordia.Session(f"file:{tmp_path / 'a.log'}", create=False) as s:
+        g = protect(s, cache, model, batch_size=2, max_tokens=32)
+        state = restore(s, g)
+        assert state.steps == 4 and state.tokens.shape == (2, 12)
+        assert torch.equal(state.attention_mask[:, :8], mask) and bool(state.attention_mask[:, 8:].all())
+        out = _gen(model, cache, g, state.tokens, 6, mask=state.attention_mask, start=state.steps, sample=sample)
+    assert torch.equal(out, ref)
+    assert int(ids[0, 0]) == pad
+
+
+def test_a_mask_that_does_not_cover_the_tokens_is_refused(tmp_path):
+    cfg, model, cache = _make(False)
+    with concordia.Session(f"file:{tmp_path / 'm.log'}", size=64 << 20, segment_size=8 << 20) as s:
+        g = protect(s, cache, model, batch_size=2, max_tokens=32)
+        with pytest.raises(SessionError) as e:
+            g.record_tokens(torch.zeros((2, 5), dtype=torch.int64), torch.ones((2, 6), dtype=torch.int64))
+    assert "\n" not in str(e.value) and "hf.mask" in str(e.value)
+
+
+def test_protect_without_rng_registers_no_generator_region(tmp_path):
+    cfg, model, cache = _make(False)
+    with concordia.Session(f"file:{tmp_path / 'r.log'}", size=64 << 20, segment_size=8 << 20) as s:
+        g = protect(s, cache, model, batch_size=2, rng=False)
+        assert "hf.rng" not in s.regions and g.rng is None
+        g2_names = set(s.regions)
+    assert g2_names == set(g.names)
