@@ -1,29 +1,52 @@
 #!/usr/bin/env bash
-# The transformers integration on the H200: the model demo (Qwen3 0.6B shape,
-# bf16, batch 8, StaticCache, online LoRA, checkpointed from inside generate())
-# SIGKILLed at several steps and resumed bit-identically in fresh processes,
-# then bench model (decode overhead of checkpointing, recovery against
-# re-prefill and a cold restart at 1k, 8k and 32k tokens).
-# Run from the repository root with $OUT set; writes $OUT/model-demo.json and
-# $OUT/model.json.  MODEL_CONTEXTS overrides the contexts.
+# The transformers integration on the H200, as a user runs it (transformers'
+# defaults: sdpa attention, generate()'s decode step compiled on CUDA with a
+# StaticCache, no determinism switches): the Qwen3 0.6B shape, bf16, batch 8,
+# a StaticCache and a PEFT LoRA updated online, checkpointed from inside
+# generate() through concordia.integrations.transformers.
+#   bench model --parts MODEL_PARTS (default decode,longrun,kills):
+#     decode    tokens/s with no checkpoint, every step, every 8 steps
+#     longrun   10,000 every-step checkpoints into a log of 4x the state
+#     kills     6 SIGKILLs at random moments of generate(), greedy and sampled
+#               in turn, each restored and finished in a fresh process
+#   bench checkpoint --parts decode (the decode-shaped checkpoint, LoRA updated),
+#     unless MODEL_SKIP_CHECKPOINT is set.
+# Run from the repository root with $OUT set (through scripts/gpu_suite.sh);
+# writes $OUT/model-<parts>.json and $OUT/checkpoint-decode.json.
+# MODEL_ARGS adds options to bench model (e.g. --longrun-steps 2000).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 : "${OUT:?set OUT to a folder for results}"
-export CUBLAS_WORKSPACE_CONFIG=:4096:8 HF_HUB_OFFLINE=1
+export HF_HUB_OFFLINE=1
+unset CUBLAS_WORKSPACE_CONFIG
 status=0
-timeout -k 5 200 python3 - "$OUT/model-demo.json" <<'PY' || status=1
+wal() { python3 -c "import sys; from concordia.tools.wal_cli import main; sys.argv[0] = 'concordia-wal'; main()" "$@"; }
+if [ -z "${MODEL_SKIP_CHECKPOINT:-}" ]; then
+  timeout -k 5 "${MODEL_CHECKPOINT_S:-120}" wal bench checkpoint --parts decode --reps 20 --json \
+    --out "$OUT/checkpoint-decode.json" --force > /dev/null || status=1
+  python3 - "$OUT/checkpoint-decode.json" <<'PY' || status=1
 import json, sys
-from concordia.demo.model import run_demo
-rep = run_demo("shm:concordia-model-demo", shape="0.6b", device="cuda", steps=32, every=4,
-               kill_at=[7, 14, 27], batch=8, prompt_len=64, size=4 << 30, segment=64 << 20)
-json.dump(rep, open(sys.argv[1], "w"), indent=2)
-for r in rep["runs"]:
-    print("kill at", r["kill_at"], "resumed at", r["resumed_at_step"], "identical", r["identical"],
-          "restore ms", round(r["restore_s"] * 1e3, 1), "kill->resumed s", round(r["kill_to_resumed_s"], 2),
-          "differs", r["differs"])
-sys.exit(0 if rep["identical"] else 1)
+d = json.load(open(sys.argv[1]))["decode_shaped"]
+print("decode-shaped checkpoint:", {k: v for k, v in d.items() if "ms" in k or k in ("dirty_bytes", "log_bytes", "via")})
 PY
-rm -f /dev/shm/concordia-model-demo /dev/shm/concordia-model-demo.ref
-timeout -k 5 330 python3 -c "from concordia.tools.wal_cli import main; main()" bench model \
-  --contexts "${MODEL_CONTEXTS:-1024,8192,32768}" --out "$OUT/model.json" --force || status=1
+fi
+parts=${MODEL_PARTS:-decode,longrun,kills}
+tag=${parts//,/-}
+timeout -k 5 "${MODEL_BENCH_S:-480}" wal bench model --parts "$parts" ${MODEL_ARGS:-} --json \
+  --out "$OUT/model-$tag.json" --force > /dev/null || status=1
+python3 - "$OUT/model-$tag.json" <<'PY' || status=1
+import json, sys
+d = json.load(open(sys.argv[1]))
+print("compile", d["compile"], "attn", d["attn"])
+for r in d.get("decode", []):
+    print("every", r["every"], "tok/s", round(r["tokens_per_s"], 1), "s/step", [round(x, 5) for x in r["s_per_step_runs"]],
+          "overhead", round(r["overhead"], 4), "ckpt ms", r["ckpt_ms_median"], "log bytes/ckpt", r["log_bytes_per_ckpt"])
+if "longrun" in d:
+    lr = dict(d["longrun"]); lr.pop("retention", None)
+    print("longrun", json.dumps(lr)[:1500])
+for k in d.get("kills", []):
+    print("kill", json.dumps(k))
+if "kills_run" in d:
+    print("kills identical", d["kills_run"]["identical"], "wall", round(d["kills_run"]["wall_s"], 1))
+PY
 exit $status

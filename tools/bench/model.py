@@ -5,11 +5,26 @@ A Qwen3 model (the 0.6B shape on a GPU, a tiny shape on the CPU), built from a
 config with seeded random weights, a `StaticCache` and a PEFT LoRA adapter
 (q and v projections, rank 8), batch 8 by default:
 
+transformers' defaults throughout: sdpa attention, and generate()'s decode
+step compiled where transformers compiles it (CUDA with a StaticCache); no
+determinism switches.
+
 * decode: tokens/s of `model.generate()` with no checkpoint, with a checkpoint
   every step and every 8 steps (`CheckpointEvery`, the stopping-criterion
   hook), and the checkpoint time per step (`CheckpointStats.total_ms`);
   `overhead_every_step` is the decode time per token lost to checkpointing
-  every step, as a fraction of the step without;
+  every step, as a fraction of the step without.  One cache serves every
+  run (compiled code is reused), each measured run after an unmeasured one,
+  the three settings interleaved `--decode-reps` times (medians);
+* kills: generations SIGKILLed at random moments of generate(), each restored
+  and finished in a fresh process (`concordia.demo.kills`), greedy and
+  sampled alternately; tokens, final cache and LoRA weights against an
+  uninterrupted run;
+* longrun: one session checkpointing every step of `--longrun-steps` steps
+  (generations of `--longrun-gen` steps on one cache, the adapter learning
+  across them) into a log of `--longrun-log-x` times the state: whether the
+  log filled (a checkpoint coalesced or raised), and a fresh process's
+  recovery time (open + protect + restore) at step 1,000 and at the end;
 * recovery at each context length: the cache is prefilled with that many
   tokens and checkpointed (a base of every page), then recovered as a
   recovering program would: `Session(log, create=False)`, `protect` of a fresh
@@ -79,6 +94,7 @@ def _decode(model, cfg, cache, guard, ids, steps, every):
 
     # every=0: the same online adapter update at every step, no checkpoint
     hook = CheckpointEvery(guard, every or 1 << 40, on_step=lora_update(model))
+    cache.reset()
     _prefill(model, cache, ids[:, :-1], ids.shape[1])  # generate() then starts at the last prompt token
     dev = str(ids.device)
     _sync(torch, dev)
@@ -87,11 +103,194 @@ def _decode(model, cfg, cache, guard, ids, steps, every):
                    stopping_criteria=[hook], min_new_tokens=steps)
     _sync(torch, dev)
     dt = time.perf_counter() - t0
-    return dt / steps, [st.total_ms for st in hook.stats]
+    return dt / steps, [st.total_ms for st in hook.stats], hook.stats
+
+
+def _decode_part(model, cfg, batch, steps, prompt_len, reps, log_spec, discard, device) -> dict:
+    """Tokens/s with no checkpoint, every step and every 8 steps, on one cache
+    (compiled code reused), each setting's measured run after an unmeasured
+    one, the settings interleaved `reps` times."""
+    import torch
+    from transformers import StaticCache
+
+    import concordia
+    from concordia.demo.model import prompt
+    from concordia.integrations.transformers import protect
+
+    cache = StaticCache(config=cfg, max_cache_len=prompt_len + steps + 1)
+    ids = prompt(batch, prompt_len, cfg.vocab_size, device)
+    kv = sum(int(t.nbytes) for layer in cache.layers for t in (layer.keys, layer.values)) \
+        if all(layer.is_initialized for layer in cache.layers) else None
+    runs = {e: [] for e in (0, 1, 8)}
+    for rep in range(reps + 1):
+        for every in (0, 1, 8):
+            log = log_spec("decode")
+            with concordia.Session(log, size=_log_size(kv or (64 << 20))) as s:
+                guard = protect(s, cache, model, batch_size=batch, max_tokens=prompt_len + steps + 1)
+                kv = kv or sum(int(t.nbytes) for layer in cache.layers for t in (layer.keys, layer.values))
+                s.checkpoint()  # the base, outside the timed decode
+                per_tok, ckpt_ms, stats = _decode(model, cfg, cache, guard, ids, steps, every)
+                if rep:  # the first round warms (compiles) every setting
+                    runs[every].append({"s_per_step": per_tok, "ckpt_ms": ckpt_ms, "regions": len(guard.names),
+                                        "bytes_per_ckpt": _median([st.log_bytes for st in stats])})
+            discard(log)
+    del cache
+    _empty(torch, device)
+    rows = {}
+    for every, rs in runs.items():
+        per = _median([r["s_per_step"] for r in rs])
+        ck = [c for r in rs for c in r["ckpt_ms"]]
+        rows[every] = {"every": every, "s_per_step": per, "tokens_per_s": batch / per,
+                       "s_per_step_runs": [r["s_per_step"] for r in rs], "ckpt_ms": ck,
+                       "regions": rs[0]["regions"], "ckpt_ms_median": _median(ck),
+                       "log_bytes_per_ckpt": _median([r["bytes_per_ckpt"] for r in rs if r["bytes_per_ckpt"]])}
+    base = rows[0]["s_per_step"]
+    for r in rows.values():
+        r["overhead"] = r["s_per_step"] / base - 1.0
+    return {"decode": list(rows.values()), "overhead_every_step": rows[1]["overhead"],
+            "overhead_every_8": rows[8]["overhead"], "ckpt_ms_per_step": rows[1]["ckpt_ms_median"],
+            "decode_reps": reps}
+
+
+def _kills_part(shape, device, batch, kills, steps, prompt_len, log_spec, say) -> dict:
+    """`kills` generations SIGKILLed at random moments (greedy and sampled in
+    turn) and one more left to finish, each in its own log."""
+    import random
+
+    from concordia.demo.kills import run_kills
+    from concordia.demo.model import SHAPES
+
+    sh = SHAPES[shape]
+    per_token = 2 * sh["num_hidden_layers"] * sh["num_key_value_heads"] * sh["head_dim"] * 2
+    state = per_token * batch * (prompt_len + steps + 1) + (64 << 20)
+    plan = [{"seed": 100 + i, "sample": bool(i % 2), "kill": i < kills} for i in range(kills + 1)]
+    say(f"kills: {kills} SIGKILLs at random moments of generate(), {steps} steps each")
+    t0 = time.perf_counter()
+    rep = run_kills(log_spec("kills"), plan, shape=shape, device=device, steps=steps, every=1, batch=batch,
+                    prompt_len=prompt_len, size=_log_size(state), segment=64 << 20, rng=random.Random())
+    rep["wall_s"] = time.perf_counter() - t0
+    return rep
+
+
+def _recovery_child(log: str, shape: str, device: str, batch: int, max_len: int) -> dict:
+    """A fresh process: open the log read-only, protect a fresh cache, restore;
+    its times (the process's start-up is not in them)."""
+    import json
+    import subprocess
+    import sys
+
+    code = (
+        "import json, sys, time, torch\n"
+        "from transformers import StaticCache\n"
+        "import concordia\n"
+        "from concordia.demo.model import build\n"
+        "from concordia.integrations.transformers import protect, restore\n"
+        "log, shape, device, batch, max_len = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])\n"
+        "cfg, model = build(shape, device)\n"
+        "cache = StaticCache(config=cfg, max_cache_len=max_len)\n"
+        "sync = torch.cuda.synchronize if device.startswith('cuda') else (lambda: None)\n"
+        "sync(); t0 = time.perf_counter()\n"
+        "with concordia.Session(log, create=False, readonly=True) as s:\n"
+        "    g = protect(s, cache, model, batch_size=batch, max_tokens=max_len)\n"
+        "    t1 = time.perf_counter()\n"
+        "    st = restore(s, g)\n"
+        "    sync(); t2 = time.perf_counter()\n"
+        "print(json.dumps({'open_s': t1 - t0, 'restore_s': t2 - t1, 'recovery_s': t2 - t0, 'epoch': st.epoch,"
+        " 'steps': st.steps}))\n")
+    r = subprocess.run([sys.executable, "-c", code, log, shape, device, str(batch), str(max_len)],
+                       capture_output=True, text=True)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    if r.returncode != 0 or not lines:
+        err = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        return {"error": err[-1] if err else f"exit {r.returncode}"}
+    return json.loads(lines[-1])
+
+
+def _longrun_part(model, cfg, shape, device, batch, steps, gen, prompt_len, log_x, log_spec, discard,
+                  say) -> dict:
+    """One session, a checkpoint at every step of `steps` decode steps (in
+    generations of `gen` steps on one cache), into a log of `log_x` times the
+    protected state; recovery in a fresh process at step 1,000 and at the end."""
+    import warnings
+
+    import torch
+    from transformers import StaticCache
+
+    import concordia
+    from concordia.demo.model import lora_update, prompt
+    from concordia.integrations.transformers import CheckpointEvery, protect
+
+    max_len = prompt_len + gen + 1
+    cache = StaticCache(config=cfg, max_cache_len=max_len)
+    log = log_spec("longrun")
+    seg = 64 << 20 if device.startswith("cuda") else 1 << 20
+    out = {"steps": 0, "gen_steps": gen, "generations": 0, "log_full": False, "coalesced": 0,
+           "log_full_error": None}
+    say(f"longrun: {steps} steps, a checkpoint at each, generations of {gen}")
+    probe = concordia.Session(log, size=64 * seg, segment_size=seg)
+    guard = protect(probe, cache, model, batch_size=batch, max_tokens=max_len)
+    state = sum(int(r.array.nbytes) for r in probe.regions.values())
+    probe.close()
+    discard(log)
+    size = max(8, int(state * log_x) // seg) * seg
+    out.update(state_bytes=state, log_bytes=size, log_to_state=size / state, segment_bytes=seg)
+    t_start = time.perf_counter()
+    ckpt_ms, bytes_written, warned = [], 0, []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        s = concordia.Session(log, size=size, segment_size=seg)
+        try:
+            guard = protect(s, cache, model, batch_size=batch, max_tokens=max_len)
+            update = lora_update(model)
+            done = 0
+            while done < steps:
+                n = min(gen, steps - done)
+                cache.reset()
+                ids = prompt(batch, prompt_len, cfg.vocab_size, device, seed=out["generations"])
+
+                def after(step, st):
+                    nonlocal bytes_written
+                    ckpt_ms.append(st.total_ms)
+                    bytes_written += st.log_bytes
+                    if getattr(st, "coalesced", False):
+                        out["coalesced"] += 1
+                hook = CheckpointEvery(guard, 1, on_step=update, start=done, after=after)
+                try:
+                    model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, past_key_values=cache,
+                                   stopping_criteria=[hook])
+                except concordia.LogFullError as exc:
+                    out["log_full"], out["log_full_error"] = True, str(exc)
+                    break
+                done += n
+                out["steps"], out["generations"] = done, out["generations"] + 1
+                if done == 1000 or (done > 1000 and "recovery_at_1000" not in out):
+                    out["recovery_at_1000"] = {**_recovery_child(log, shape, device, batch, max_len),
+                                               "at_step": done}
+            out["retention"] = s.stats().get("retention") if hasattr(s, "stats") else None
+        finally:
+            s.close()
+        warned = [str(w.message) for w in caught if "concordia" in str(w.filename) or "log" in str(w.message)]
+    out["wall_s"] = time.perf_counter() - t_start
+    out["log_full"] = out["log_full"] or out["coalesced"] > 0
+    out["warnings"] = warned[:5]
+    out["bytes_written"] = bytes_written
+    out["ckpt_ms_median"] = _median(ckpt_ms)
+    out["recovery_at_end"] = {**_recovery_child(log, shape, device, batch, max_len), "at_step": out["steps"]}
+    r1, r2 = out.get("recovery_at_1000", {}), out["recovery_at_end"]
+    out["recovery_s_at_1000"] = r1.get("recovery_s")
+    out["recovery_s_at_end"] = r2.get("recovery_s")
+    if out["recovery_s_at_1000"] and out["recovery_s_at_end"]:
+        out["end_to_1000"] = out["recovery_s_at_end"] / out["recovery_s_at_1000"]
+    discard(log)
+    del cache
+    _empty(torch, device)
+    return out
 
 
 def run(shape: str, device: str, batch: int, contexts: list[int], decode_steps: int, decode_prompt: int,
-        chunk: int, workdir: str, log_spec, progress=None, discard=lambda spec: None) -> dict:
+        chunk: int, workdir: str, log_spec, progress=None, discard=lambda spec: None, *,
+        parts=("decode", "kills", "longrun", "recovery"), decode_reps: int = 3, kills: int = 6,
+        kill_steps: int = 32, longrun_steps: int = 10000, longrun_gen: int = 1000, longrun_log_x: float = 4.0) -> dict:
     """Measure.  `workdir` (a folder of the run's own) takes the saved weights;
     `log_spec(name)` names a new log of the run, `discard(spec)` removes it."""
     import torch
@@ -100,41 +299,33 @@ def run(shape: str, device: str, batch: int, contexts: list[int], decode_steps: 
 
     import concordia
     from concordia.demo.model import build, prompt
+    from concordia.demo.kills import _compiled
     from concordia.integrations.transformers import protect, restore
 
     say = progress or (lambda m: None)
     transformers.logging.set_verbosity_error()
-    torch.use_deterministic_algorithms(True)
     cfg, model = build(shape, device)
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * \
         next(model.parameters()).element_size()
     res = {"bench": "model", "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
            "shape": shape, "batch": batch, "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-           "paper_ckpt_ms": PAPER_CKPT_MS}
+           "compile": _compiled(model), "attn": model.config._attn_implementation,
+           "paper_ckpt_ms": PAPER_CKPT_MS, "parts": list(parts)}
 
-    # ---- decode with and without checkpoints
-    say(f"decode: batch {batch}, {decode_steps} tokens after a {decode_prompt}-token prompt")
-    rows = {}
-    for every in (0, 1, 8):
-        log = log_spec("decode")
-        cache = StaticCache(config=cfg, max_cache_len=decode_prompt + decode_steps + 1)
-        with concordia.Session(log, size=_log_size(kv_per_token * batch * (decode_prompt + decode_steps))) as s:
-            guard = protect(s, cache, model, batch_size=batch, max_tokens=decode_prompt + decode_steps + 1)
-            ids = prompt(batch, decode_prompt, cfg.vocab_size, device)
-            s.checkpoint()  # the base, outside the timed decode
-            per_tok, ckpt_ms = _decode(model, cfg, cache, guard, ids, decode_steps, every)
-            rows[every] = {"every": every, "s_per_step": per_tok, "tokens_per_s": batch / per_tok,
-                           "ckpt_ms": ckpt_ms, "regions": len(guard.names),
-                           "ckpt_ms_median": _median(ckpt_ms)}
-        discard(log)
-        del cache
-    base = rows[0]["s_per_step"]
-    for r in rows.values():
-        r["overhead"] = r["s_per_step"] / base - 1.0
-    res["decode"] = list(rows.values())
-    res["overhead_every_step"] = rows[1]["overhead"]
-    res["overhead_every_8"] = rows[8]["overhead"]
-    res["ckpt_ms_per_step"] = rows[1]["ckpt_ms_median"]
+    if "decode" in parts:
+        say(f"decode: batch {batch}, {decode_steps} tokens after a {decode_prompt}-token prompt, "
+            f"{decode_reps} rounds")
+        res.update(_decode_part(model, cfg, batch, decode_steps, decode_prompt, decode_reps, log_spec, discard,
+                                device))
+    if "longrun" in parts:
+        res["longrun"] = _longrun_part(model, cfg, shape, device, batch, longrun_steps, longrun_gen, decode_prompt,
+                                       longrun_log_x, log_spec, discard, say)
+    if "kills" in parts:
+        run_ = _kills_part(shape, device, batch, kills, kill_steps, min(decode_prompt, 64), log_spec, say)
+        res["kills"] = run_.pop("kills")
+        res["kills_run"] = run_
+    if "recovery" not in parts:
+        return res
 
     # ---- recovery against re-prefill and a cold restart
     h2d = _h2d_GBps(torch, 4 << 30)
@@ -233,22 +424,39 @@ def _log_size(state_bytes: int) -> int:
 
 
 def _table(res: dict) -> str:
-    out = [f"{res['device']}: Qwen3 {res['shape']} shape ({res['dtype']}), batch {res['batch']}, "
-           f"{res['decode'][0]['regions']} regions through concordia.integrations.transformers"]
-    out.append(f"{'checkpoint':>14} {'tokens/s':>10} {'s/step':>9} {'overhead':>9} {'ckpt ms':>9}")
-    for r in res["decode"]:
-        name = "none" if not r["every"] else f"every {r['every']}"
-        ck = "-" if r["ckpt_ms_median"] is None else f"{r['ckpt_ms_median']:.2f}"
-        out.append(f"{name:>14} {r['tokens_per_s']:>10.1f} {r['s_per_step']:>9.4f} {r['overhead']:>9.3f} {ck:>9}")
-    out.append(f"checkpoint per step {res['ckpt_ms_per_step']:.2f} ms (the paper: {res['paper_ckpt_ms']} ms "
-               f"on Qwen3-0.6B)")
-    out.append(f"{'context':>8} {'KV GB':>7} {'recover s':>10} {'re-prefill s':>13} {'cold s':>8} "
-               f"{'vs re-prefill':>14} {'vs cold':>8} {'x H2D time':>11}")
-    for r in res["recovery"]:
-        h = f"{r['recovery_to_h2d']:.2f}" if "recovery_to_h2d" in r else "-"
-        out.append(f"{r['context']:>8} {r['kv_bytes'] / 1e9:>7.2f} {r['recovery_s']:>10.3f} "
-                   f"{r['reprefill_s']:>13.3f} {r['cold_restart_s']:>8.2f} {r['recovery_vs_reprefill']:>13.1f}x "
-                   f"{r['recovery_vs_cold']:>7.1f}x {h:>11}")
+    out = [f"{res['device']}: Qwen3 {res['shape']} shape ({res['dtype']}, {res['attn']} attention, decode "
+           f"{'compiled' if res['compile'] else 'eager'}), batch {res['batch']}, through "
+           f"concordia.integrations.transformers"]
+    if "decode" in res:
+        out.append(f"{'checkpoint':>14} {'tokens/s':>10} {'s/step':>9} {'overhead':>9} {'ckpt ms':>9} {'log KB':>8}")
+        for r in res["decode"]:
+            name = "none" if not r["every"] else f"every {r['every']}"
+            ck = "-" if r["ckpt_ms_median"] is None else f"{r['ckpt_ms_median']:.2f}"
+            kb = "-" if not r.get("log_bytes_per_ckpt") else f"{r['log_bytes_per_ckpt'] / 1024:.0f}"
+            out.append(f"{name:>14} {r['tokens_per_s']:>10.1f} {r['s_per_step']:>9.4f} {r['overhead']:>9.3f} "
+                       f"{ck:>9} {kb:>8}")
+        out.append(f"checkpoint per step {res['ckpt_ms_per_step']:.2f} ms (the paper: {res['paper_ckpt_ms']} ms "
+                   f"on Qwen3-0.6B)")
+    if "kills" in res:
+        ks = res["kills"]
+        out.append(f"kills: {len(ks)} SIGKILLs at random moments, {sum(k['sampled'] for k in ks)} sampled, "
+                   f"{sum(k['identical'] for k in ks)} identical (tokens, cache, LoRA); every generation "
+                   f"{'identical' if res['kills_run']['identical'] else 'NOT identical'}")
+    if "longrun" in res:
+        lr = res["longrun"]
+        r1 = lr.get("recovery_s_at_1000")
+        r2 = lr.get("recovery_s_at_end")
+        out.append(f"longrun: {lr['steps']} steps, a checkpoint at each, log {lr['log_to_state']:.2f}x the state, "
+                   f"log full: {lr['log_full']}, recovery at 1,000 "
+                   f"{'-' if r1 is None else f'{r1:.3f} s'}, at the end {'-' if r2 is None else f'{r2:.3f} s'}")
+    if res.get("recovery"):
+        out.append(f"{'context':>8} {'KV GB':>7} {'recover s':>10} {'re-prefill s':>13} {'cold s':>8} "
+                   f"{'vs re-prefill':>14} {'vs cold':>8} {'x H2D time':>11}")
+        for r in res["recovery"]:
+            h = f"{r['recovery_to_h2d']:.2f}" if "recovery_to_h2d" in r else "-"
+            out.append(f"{r['context']:>8} {r['kv_bytes'] / 1e9:>7.2f} {r['recovery_s']:>10.3f} "
+                       f"{r['reprefill_s']:>13.3f} {r['cold_restart_s']:>8.2f} {r['recovery_vs_reprefill']:>13.1f}x "
+                       f"{r['recovery_vs_cold']:>7.1f}x {h:>11}")
     return "\n".join(out)
 
 
@@ -262,6 +470,20 @@ def _table(res: dict) -> str:
               help="Prompt tokens before the decode timing.")
 @click.option("--chunk", default=8192, show_default=True, type=click.IntRange(1, None),
               help="Prefill chunk in tokens.")
+@click.option("--decode-reps", default=3, show_default=True, type=click.IntRange(1, None),
+              help="Measured rounds of the three decode settings (after one unmeasured round).")
+@click.option("--kills", "n_kills", default=6, show_default=True, type=click.IntRange(1, None),
+              help="Generations SIGKILLed at random moments (greedy and sampled in turn).")
+@click.option("--kill-steps", default=32, show_default=True, type=click.IntRange(6, None),
+              help="Steps of each generation of the kills part.")
+@click.option("--longrun-steps", default=10000, show_default=True, type=click.IntRange(1, None),
+              help="Steps of the long run, a checkpoint at each.")
+@click.option("--longrun-gen", default=1000, show_default=True, type=click.IntRange(1, None),
+              help="Steps of each generation of the long run (one cache, reset between).")
+@click.option("--longrun-log-x", default=4.0, show_default=True, type=click.FloatRange(1.0, None),
+              help="The long run's log size as a multiple of the protected state.")
+@click.option("--parts", default="decode,kills,longrun,recovery", show_default=True,
+              help="Which parts run: decode, kills, longrun, recovery.")
 @click.option("--tier", type=click.Choice(["shm", "file"]), default="shm", show_default=True,
               help="Where the log lives.")
 @click.option("--dir", "workdir", type=click.Path(file_okay=False), default=None,
@@ -272,11 +494,13 @@ def _table(res: dict) -> str:
 @click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
 @force_option("--out")
 @guarded
-def command(contexts, batch, decode_steps, decode_prompt, chunk, tier, workdir, quick, as_json, out, force):
+def command(contexts, batch, decode_steps, decode_prompt, chunk, decode_reps, n_kills, kill_steps, longrun_steps,
+            longrun_gen, longrun_log_x, parts, tier, workdir, quick, as_json, out, force):
     """Decode tokens/s of a transformers model with no checkpoint, a checkpoint
-    every step and every 8 steps, and recovery (open + restore into the cache)
-    against re-prefilling the same tokens and a cold restart, at several
-    context lengths.
+    every step and every 8 steps; SIGKILLs at random moments of generate()
+    resumed in fresh processes; a long run checkpointing every step; and
+    recovery (open + restore into the cache) against re-prefilling the same
+    tokens and a cold restart, at several context lengths.
 
     Example:
 
@@ -301,12 +525,20 @@ def command(contexts, batch, decode_steps, decode_prompt, chunk, tier, workdir, 
         raise click.BadParameter(f"not a list of token counts: {contexts!r}", param_hint="--contexts") from None
     if not ctx or min(ctx) < 1:
         raise click.BadParameter(f"not a list of token counts: {contexts!r}", param_hint="--contexts")
+    want = [p.strip() for p in parts.split(",") if p.strip()]
+    bad = [p for p in want if p not in ("decode", "kills", "longrun", "recovery")]
+    if bad or not want:
+        raise click.BadParameter(f"unknown part {bad[0] if bad else parts!r} (use decode, kills, longrun, recovery)",
+                                 param_hint="--parts")
     gpu = torch.cuda.is_available() and not quick
     if quick:
         ctx, batch, decode_steps, decode_prompt, chunk = [64, 256], 2, 8, 16, 128
+        decode_reps, n_kills, kill_steps, longrun_steps, longrun_gen = 1, 2, 12, 300, 100
     with Scratch("model") as scratch:  # its logs, weights and adapter go, however the run ends
         res = run("0.6b" if gpu else "tiny", "cuda" if gpu else "cpu", batch, ctx, decode_steps, decode_prompt,
                   chunk, scratch.folder(workdir), lambda name: scratch.log(name, tier, workdir),
-                  progress=None if as_json else (lambda m: click.echo(m, err=True)), discard=scratch.discard)
+                  progress=None if as_json else (lambda m: click.echo(m, err=True)), discard=scratch.discard,
+                  parts=want, decode_reps=decode_reps, kills=n_kills, kill_steps=kill_steps,
+                  longrun_steps=longrun_steps, longrun_gen=longrun_gen, longrun_log_x=longrun_log_x)
     res["tier"] = tier
     report(res, as_json=as_json, out=out, table=_table, force=force)  # --out complete or absent
