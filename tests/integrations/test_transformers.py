@@ -211,3 +211,8 @@ def test_bench_model_quick_json(tmp_path):
     assert [r["context"] for r in doc["recovery"]] == [64, 256]
     assert all(r["identical"] for r in doc["recovery"])
     assert all(r["recovery_vs_reprefill"] > 0 for r in doc["recovery"])
+    assert len(doc["kills"]) == 2 and [k["sampled"] for k in doc["kills"]] == [False, True]
+    assert all(k["identical"] for k in doc["kills"]) and doc["kills_run"]["identical"]
+    lr = doc["longrun"]
+    assert lr["steps"] == 300 and lr["generations"] == 3 and lr["log_full"] is False
+    assert lr["recovery_at_end"]["epoch"] >= 300 and lr["recovery_at_end"]["steps"] == 300
