@@ -76,7 +76,9 @@ class Guard:
     tokens: object | None = None  # int64 tensor [batch, max_tokens]
     tokens_len: object | None = None  # int64 tensor [8]: tokens so far, steps taken
     mask: object | None = None  # int64 tensor [batch, max_tokens]: their attention mask
-    rng: object | None = None  # uint8 tensor on the host: the sampling generator's state
+    rng: object | None = None  # int64 tensor on the cache's device: the sampling generator's state
+    _rng_last: list | None = None  # the words last written into `rng` (CUDA)
+    _ints_last: list | None = None  # the sliding-window lengths last written into `counters`
 
     @property
     def names(self) -> list[str]:
@@ -115,19 +117,33 @@ class Guard:
             self.tokens_len[1].fill_(int(steps))
 
     def _record_rng(self) -> None:
+        # int64 words on the cache's device: [length in bytes, state...].  On
+        # CUDA the state is two words (seed, offset), written by fill_ with
+        # the values as kernel arguments: no host-to-device copy, no wait on
+        # the step.  On the CPU it is a plain copy.
         dev = self.counters.device
         state = torch.cuda.get_rng_state(dev) if dev.type == "cuda" else torch.get_rng_state()
-        if state.numel() > self.rng.numel() - 8:
-            raise SessionError(f"the random generator's state ({state.numel()} bytes) outgrew its region",
+        n = state.numel()
+        if n > (self.rng.numel() - 1) * 8 or n % 8:
+            raise SessionError(f"the random generator's state ({n} bytes) does not fit its region",
                                where=f"{self.prefix}.rng")
-        self.rng[:8].copy_(torch.tensor([state.numel()], dtype=torch.int64).view(torch.uint8))
-        self.rng[8:8 + state.numel()].copy_(state)
+        words = state.view(torch.int64)
+        if dev.type == "cuda":
+            vals = [n] + words.tolist()
+            if vals != self._rng_last:
+                for i, v in enumerate(vals):
+                    self.rng[i].fill_(v)
+                self._rng_last = vals
+        else:
+            self.rng[0].fill_(n)
+            self.rng[1:1 + words.numel()].copy_(words)
 
     def _restore_rng(self) -> None:
-        n = int(self.rng[:8].view(torch.int64)[0])
+        words = self.rng.cpu()
+        n = int(words[0])
         if n == 0:  # captured by no checkpoint yet
             return
-        state = self.rng[8:8 + n].clone()
+        state = words[1:1 + n // 8].clone().view(torch.uint8)
         dev = self.counters.device
         try:
             if dev.type == "cuda":
@@ -138,6 +154,7 @@ class Guard:
             raise SessionError(f"the random generator's state cannot be put back: {exc}".splitlines()[0],
                                where=f"{self.prefix}.rng",
                                hint="restore with the torch build that wrote the log") from None
+        self._rng_last = None
 
     def _before_checkpoint(self) -> None:
         self._sync_counters()
@@ -153,7 +170,11 @@ class Guard:
                            for layer in layers])
         self.counters[:, 0].copy_(pos)
         ints = [int(getattr(layer, "cumulative_length_int", -1)) for layer in layers]
-        self.counters[:, 1].copy_(torch.tensor(ints, dtype=torch.int64), non_blocking=False)
+        if ints != self._ints_last:  # a kernel argument each, no copy from the host to wait for
+            for i, v in enumerate(ints):
+                if self._ints_last is None or self._ints_last[i] != v:
+                    self.counters[i, 1].fill_(v)
+            self._ints_last = ints
 
 
 @dataclasses.dataclass
@@ -244,16 +265,15 @@ def protect(session, cache, model=None, *, batch_size: int | None = None, max_to
         session.register(f"{prefix}.mask", guard.mask, kind="opaque", detect=detect, page_bytes=page_bytes)
         session.register(f"{prefix}.tokens_len", guard.tokens_len, kind="opaque", detect="all", page_bytes=64)
     if rng:
-        # 8 bytes of length, then the state (16 bytes on CUDA, 5,056 on the CPU)
-        guard.rng = torch.zeros((RNG_BYTES,), dtype=torch.uint8)
-        session.register(f"{prefix}.rng", guard.rng, kind="opaque", detect="all", page_bytes=RNG_BYTES)
+        # a word of length, then the state (16 bytes on CUDA, 5,056 on the CPU), on
+        # the cache's device so that every region takes the same (device) path
+        words = 8 if dev.type == "cuda" else 640
+        guard.rng = torch.zeros((words,), dtype=torch.int64, device=dev)
+        session.register(f"{prefix}.rng", guard.rng, kind="opaque", detect="all", page_bytes=words * 8)
     session.before_checkpoint(guard._before_checkpoint)
     if model is not None:
         _resume_compiled(model)
     return guard
-
-
-RNG_BYTES = 8192
 
 
 def _generation_model(model):
@@ -316,6 +336,7 @@ def restore(session, guard: Guard, target="latest") -> Restored:
         n, steps = (int(x) for x in guard.tokens_len[:2].tolist())
         tokens = guard.tokens[:, :n].clone()
         mask = guard.mask[:, :n].clone()
+    guard._ints_last = None  # the regions now hold what the log held
     if guard.rng is not None:
         guard._restore_rng()
     if guard.cache.layers[0].keys.is_cuda:
