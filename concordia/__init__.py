@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 
 # every class of concordia.errors (tests hold the two lists equal)
 _ERRORS = (
+    "AbsentRegionError",
     "BackendClosedError", "BadSizeError", "BadSpecError", "ChainError", "ConcordiaError",
     "CorruptionError", "CudaUnavailableError", "DemoError", "DevmemError", "StandbyError",
     "DuplicateRegionError", "ExecutorError", "ExecutorStalledError", "ExecutorStoppedError",

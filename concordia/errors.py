@@ -34,14 +34,14 @@ from concordia.regions.errors import (
 )
 from concordia.root_error import ConcordiaError, MissingDependencyError
 from concordia.wal.errors import (
-    ChainError, CorruptionError, FormatVersionError, LogFullError, NotALogError, PlanError,
+    AbsentRegionError, ChainError, CorruptionError, FormatVersionError, LogFullError, NotALogError, PlanError,
     ReadOnlyFeatureError, RecordTooLargeError, RegionError, SuperblockError, TargetNotEmptyError, TornTailError,
     UsageError, WalError, WriterStoppedError,
 )
 
 
 __all__ = [
-    "ConcordiaError", "MissingDependencyError",
+    "ConcordiaError", "MissingDependencyError", "AbsentRegionError",
     "BackendClosedError", "BadSizeError", "BadSpecError", "ChainError", "CorruptionError",
     "CudaUnavailableError", "DemoError", "DevmemError", "DuplicateRegionError", "ExecutorError", "StandbyError",
     "ExecutorStalledError", "ExecutorStoppedError", "ForeignOwnerError", "FormatVersionError",

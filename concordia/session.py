@@ -340,7 +340,7 @@ class Session:
 
     # ------------------------------------------------------------ recover
     def recover(self, target="latest", *, into=None, device: str | None = None, mode=None,
-                regions=None) -> dict:
+                regions=None, absent: str = "refuse") -> dict:
         """Rebuild regions as of `target` ("latest" or an epoch number).
 
         into=None: new arrays of each region's logical dtype, as it was
@@ -359,6 +359,9 @@ class Session:
         contiguity, on CuPy's current device when on a GPU; device= when given):
         every target is checked before anything is written, and a mismatch is
         a one-line RecoverMismatchError naming the region (`restore.run`).
+        absent="refuse": a region with no state at the epoch (registered after it) is a one-line
+        AbsentRegionError before anything is written; "keep" leaves its target untouched (a new
+        array: leaves it out) and lists it in `last_recovery.kept`.
 
         Stream order: the restore into a device target runs after the work
         queued on that target's current stream before the call (PyTorch's
@@ -369,7 +372,7 @@ class Session:
         self._check_open("recover")
         ex = self.resident
         if ex is not None and not ex.inside() and ex.routes_recover(device, into):
-            return ex.recover(target, into=into, device=device, mode=mode, regions=regions)
+            return ex.recover(target, into=into, device=device, mode=mode, regions=regions, absent=absent)
         if self.readonly:
             self.refresh()
         if into is not None and not (into == "registered" or isinstance(into, dict)):
@@ -383,14 +386,16 @@ class Session:
         elif into is not None:
             targets = dict(into)
         out, self.last_recovery = restore_run.recover(self.log, target, targets=targets, device=device, mode=mode,
-                                                      regions=regions, registration=self.runner.registration)
+                                                      regions=regions, registration=self.runner.registration,
+                                                      absent=absent)
         if into == "registered":
             # deltas continue from the recovered state only when it is the log's
             # latest: after an older epoch the next checkpoint writes every page
             latest = self.last_recovery.epoch == int(self.log.last_committed_epoch or 0)
             self.runner.forget_table()  # the CRC tables and digests are replaced below
-            self.region_set.recovered({r.name: page_crcs(r) for r in self.region_set
-                                       if latest and r.page_bytes == self.log.regions[r.name].page_bytes})
+            kept = set(self.last_recovery.kept)  # they hold what the log does not: next checkpoint writes them whole
+            self.region_set.recovered({r.name: page_crcs(r) for r in self.region_set if latest and r.name not in kept
+                                       and r.page_bytes == self.log.regions[r.name].page_bytes})
             for r in self.region_set:
                 detect.reset(r)
         return out

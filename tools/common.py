@@ -18,7 +18,7 @@ import click
 
 from concordia.regions.errors import NothingToRecoverError, RecoveryDigestError, RegionMismatchError
 from concordia.root_error import CLI, ConcordiaError, speaking
-from concordia.wal.errors import CorruptionError, NotALogError
+from concordia.wal.errors import AbsentRegionError, CorruptionError, NotALogError
 from concordia.sizes import parse_size
 from concordia.wal.modes import CLI_MODES, RecoveryMode
 
@@ -33,7 +33,8 @@ EXIT_USAGE = 2
 # every subclass (TornTailError, ChainError, SuperblockError are corruptions);
 # any other ConcordiaError is a usage or I/O error (exit 2).  The library's
 # classes carry no exit codes: this table is the one place that maps them.
-PROBLEMS_FOUND = (CorruptionError, NotALogError, RegionMismatchError, NothingToRecoverError, RecoveryDigestError)
+PROBLEMS_FOUND = (CorruptionError, NotALogError, RegionMismatchError, NothingToRecoverError, RecoveryDigestError,
+                  AbsentRegionError)
 
 
 def exit_code_of(exc: ConcordiaError) -> int:

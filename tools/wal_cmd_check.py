@@ -25,6 +25,7 @@ def _recovery(out) -> dict:
         return {"epoch": None, "error": out.error, "dropped": [], "regions": dict(out.regions),
                 "exit_code": out.exit_code}
     dropped = [d.one_line() for d in out.plan.dropped] if out.plan is not None else []
+    dropped += [rp.absent_reason() for rp in out.absent]  # nothing of it to restore at its epoch
     return {"epoch": out.epoch, "error": None, "dropped": dropped, "regions": dict(out.regions),
             "exit_code": out.exit_code}
 
@@ -274,8 +275,9 @@ def recover_cmd(log, show_plan, epoch, mode, sources, check_pages, as_json):
 
     Restoring into a running program is done through the Session API;
     `concordia-wal restore` writes one region to a .npy file.
-    Exit 0 when nothing is given up, 1 when the plan drops damaged data or
-    the mode refuses it.
+    Exit 0 when nothing is given up, 1 when the plan drops damaged data,
+    the mode refuses it, or a region has no state at the epoch (absent: it
+    was registered after it).
 
     Example:
 
@@ -318,7 +320,7 @@ def plan_document(where: str, mode: str, target, out) -> dict:
 
     d = {"schema": PLAN_SCHEMA, "log": where, "target": target, "epoch": None, "mode": mode,
          "bytes_to_read": 0, "naive_bytes": 0, "bandwidth": DEFAULT_BANDWIDTH, "est_seconds": 0.0,
-         "segments": [], "regions": {}, "dropped": []}
+         "segments": [], "regions": {}, "absent": {}, "dropped": []}
     if out.plan is not None:
         d.update(out.plan.to_json())
     d.update(problems=[p.to_json() for p in out.problems], error=out.error, exit_code=out.exit_code)
@@ -351,6 +353,8 @@ def _render_plan(d: dict, sources: bool) -> list[str]:
             gave = f"; gave up epochs {a}..{b}" + (f" of {', '.join(x['gave_up']['regions'])}"
                                                    if x["gave_up"]["regions"] else "")
         lines.append(f"dropped  {x['where']}: {x['reason']}{gave}")
+    for x in d["absent"].values():
+        lines.append(f"absent   {x['reason']}")
     listed = {x["where"] for x in d["dropped"]}
     for p in d.get("problems", ()):
         if p["where"] not in listed:

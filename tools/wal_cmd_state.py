@@ -196,6 +196,8 @@ def _first_problem(out) -> str | None:
                                        " (run concordia-wal verify)")
     if out.error is not None:
         return f"recovery {out.mode.value} refuses: {out.error}"
+    if out.absent:
+        return f"recovery {out.mode.value} restores less than the last commit: {out.absent[0].absent_reason()}"
     return f"recovery {out.mode.value} restores less than the last commit (run concordia-wal verify)"
 
 
@@ -273,7 +275,9 @@ def restore_cmd(log, region, epoch, out, mode, force, verbose):
 
     A refusal is one line on stderr naming what and where (exit 1 for
     damage, 2 for usage or I/O); -v adds a `problem` line for each damaged
-    range that counts in the mode (verify lists them all).
+    range that counts in the mode (verify lists them all).  A region with no
+    state at the epoch (registered after it) is refused, exit 1, nothing
+    written: it has no bytes there to restore, zeros or other.
 
     Example:
 
@@ -284,7 +288,7 @@ def restore_cmd(log, region, epoch, out, mode, force, verbose):
     import numpy as np
 
     from concordia.devmem.outfile import check_not_input
-    from concordia.wal.apply import restore_region_npy
+    from concordia.wal.apply import check_present, restore_region_npy
     from concordia.wal.decide import counts, decide
     from concordia.wal.planner import scan
 
@@ -317,6 +321,7 @@ def restore_cmd(log, region, epoch, out, mode, force, verbose):
             _list_problems(decision.problems, m, verbose)
             sys.exit(decision.exit_code or 1)
         rp = p.regions[region]
+        check_present(p, [region], where=vol.backend.where)  # no state at the epoch: refused, nothing written
         bar = Bar("restoring")
         try:
             restore_region_npy(vol, p, region, out, progress=bar.absolute, replace=force,

@@ -30,8 +30,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from crc32c import crc32c as _crc32c
 
+from concordia.root_error import Hint
 from concordia.wal import pagecrc as _pagecrc
-from concordia.wal.errors import CorruptionError, UsageError, WalError
+from concordia.wal.errors import AbsentRegionError, CorruptionError, UsageError, WalError
 from concordia.wal.planner import Plan, RegionPlan
 from concordia.wal.reader import PROGRESS_STEP  # progress is told at most this often, as the scanner tells it
 
@@ -124,6 +125,24 @@ def digest_mismatch(region: str, epoch: int, stated: int, restored: int) -> Corr
     return CorruptionError(f"region {region!r} at epoch {epoch}: digest mismatch, "
                            f"stated 0x{int(stated):08x}, restored 0x{int(restored):08x}",
                            hint="the log's records disagree with its commit records")
+
+
+def check_present(plan: Plan, regions=None, *, where: str | None = None) -> None:
+    """The one refusal of a region with no state at its plan's epoch
+    (`RegionPlan.absent`: registered after it) among `regions` (None: every
+    region of the plan): one line naming the first and the epoch, raised
+    before anything is written.  Every applier and every recover path calls
+    it, so such a region is never restored as zeros."""
+    names = list(plan.regions) if regions is None else [n for n in regions if n in plan.regions]
+    absent = [plan.regions[n] for n in names if plan.regions[n].absent]
+    if not absent:
+        return
+    rp, more = absent[0], [r.name for r in absent[1:]]
+    first = rp.first_epoch
+    text = rp.absent_reason() + (f"; and {len(more)} more: {', '.join(map(repr, more))}" if more else "")
+    raise AbsentRegionError(text, where=where, hint=Hint(
+        api="pass absent='keep' to leave it as it is" + (f", or recover epoch {first} or later" if first else ""),
+        cli=f"restore --epoch {first} or later" if first else "a checkpoint must write it first"))
 
 
 def check_digest(region: str, epoch: int, stated: int | None, restored: int) -> None:
@@ -342,12 +361,14 @@ def apply_plan_numpy(log, plan: Plan, *, check: bool = True, threads: int | None
 
     out: {name: array} restores those regions into the caller's arrays instead
     (C-contiguous, the region's dtype and shape; e.g. the live buffers of a
-    restarted process), which are returned as they are."""
+    restarted process), which are returned as they are.  A region with no
+    state at the plan's epoch is refused first (`check_present`)."""
     threads = default_threads() if threads is None else max(1, int(threads))
     out = dict(out or {})
     unknown = sorted(set(out) - set(plan.regions))
     if unknown:
         raise UsageError(f"out names regions the plan does not hold: {', '.join(map(repr, unknown))}")
+    check_present(plan, regions)
     result, crcs, jobs = {}, {}, []
     for name, rp in plan.regions.items():
         if regions is not None and name not in regions:
@@ -394,6 +415,7 @@ def restore_region_npy(log, plan: Plan, region: str, path, *, check: bool = True
 
     if region not in plan.regions:
         raise WalError(f"plan has no region {region!r}", hint="regions: " + ", ".join(sorted(plan.regions)))
+    check_present(plan, [region])  # before the output is touched
     rp = plan.regions[region]
     r = rp.region
     threads = default_threads() if threads is None else max(1, int(threads))
@@ -463,4 +485,4 @@ def _progress_of_jobs(progress, jobs: int, total: int):
     return done
 
 
-__all__ = ["apply_plan_numpy", "restore_region_npy", "default_threads", "DEFAULT_CHUNK_BYTES"]
+__all__ = ["apply_plan_numpy", "restore_region_npy", "check_present", "default_threads", "DEFAULT_CHUNK_BYTES"]

@@ -33,7 +33,8 @@ class Outcome:
     epoch: the epoch every asked region restores to (the newest a region
     reaches, for SKIP_CORRUPT), None when recovery refuses (`error` says why)
     or nothing is committed.  last_commit: the newest committed epoch of the
-    log.  regions: {name: epoch or None}.  problems: the reader's Dropped
+    log.  regions: {name: epoch or None (given up, or absent at its epoch:
+    `absent`)}.  problems: the reader's Dropped
     ranges that count in the mode (R-D7).  plan / history: the planner's
     objects, for a consumer that goes on to restore."""
 
@@ -62,6 +63,12 @@ class Outcome:
         want = self.target_epoch
         return (self.error is None and self.epoch is not None and bool(self.regions) and
                 all(e == want for e in self.regions.values()))
+
+    @property
+    def absent(self) -> list:
+        """The planned regions with no state at their epoch (`RegionPlan.absent`):
+        a restore refuses them, so the outcome is incomplete (exit 1)."""
+        return list(self.plan.absent.values()) if self.plan is not None else []
 
     @property
     def target_epoch(self) -> int | None:
@@ -114,7 +121,8 @@ def decide(log, mode=None, *, target="latest", regions=None, check_pages: bool =
         out.exception = exc
         return out
     out.plan = p
-    out.regions = {n: rp.epoch for n, rp in p.regions.items()}
+    # a region with no state at its epoch (registered after it) restores nothing: None, as a given-up one
+    out.regions = {n: None if rp.absent else rp.epoch for n, rp in p.regions.items()}
     asked = list(regions) if regions is not None else [r.name for r in h.regions.values()]
     for n in asked:
         out.regions.setdefault(n, None)

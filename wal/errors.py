@@ -60,6 +60,12 @@ class PlanError(WalError):
     """The target cannot be planned (not committed, older than retention, no such region)."""
 
 
+class AbsentRegionError(PlanError):
+    """A region asked for has no state at the recovery's epoch: nothing of it is
+    committed at or before it (it was registered later).  Refused, rather than
+    restored as zeros, before anything is written."""
+
+
 class RegionError(WalError):
     """A region is unknown, or defined twice with different attributes."""
 
@@ -87,6 +93,7 @@ __all__ = [
     "LogFullError",
     "RecordTooLargeError",
     "PlanError",
+    "AbsentRegionError",
     "RegionError",
     "UsageError",
     "WriterStoppedError",

@@ -5,7 +5,10 @@ recover --plan`) can see exactly what a restore will read.  For every region it
 takes the newest valid base snapshot at or before the target epoch, then the
 committed deltas after that base in (epoch, LSN) order; the last writer of a
 page wins, so each page is copied once, from the record that wrote it last.
-Pages nobody wrote since the region began are zero and are not read at all.
+Pages nobody wrote since the region began are zero and are not read at all;
+a region of which nothing is committed at or before the target (registered
+after it) has no state there, and its plan says so (`RegionPlan.absent`)
+rather than plan it as zeros.
 
 The planner works in two steps that are kept apart so the second can be tested
 without a log:
@@ -38,7 +41,11 @@ delta and base up to the target: what replaying every record would read),
 ``epoch``, ``base_epoch`` (null without a base), ``pages``, ``pages_read``,
 ``zero_pages``, ``bytes_to_read``, ``segments``, ``records``, ``est_seconds``,
 ``sources`` (list of ``{"lsn", "epoch", "base", "segment", "pages"}`` where
-``pages`` is the page count and ``page_ids`` the page numbers taken)),
+``pages`` is the page count and ``page_ids`` the page numbers taken));
+``absent`` (by name: ``id``, ``epoch``, ``first_epoch`` (null when no commit
+holds it yet), ``reason``: the regions with no state at their epoch, which
+are not in ``regions``: nothing of them is committed at or before it, and a
+restore refuses them rather than restore zeros),
 ``dropped`` (list of ``{"where", "segment", "offset", "lsn", "epoch",
 "region", "reason", "gave_up"}``; ``gave_up`` is ``{"epochs": [first, last],
 "regions": [names]}`` or null when the damage cost nothing).
@@ -207,6 +214,13 @@ class RegionPlan:
     zero_page_ids: np.ndarray
     digest: int | None  # expected region digest, when a commit or catalog states it
     bandwidth: float = DEFAULT_BANDWIDTH
+    # absent: nothing of the region is committed at or before `epoch` (no base, no
+    # delta, no commit stating its digest: it was registered after it), so it has
+    # no state there to restore; recovery refuses it rather than hand back zeros
+    # (`wal.apply.check_present`).  first_epoch: the oldest epoch that holds it
+    # (None: none yet).
+    absent: bool = False
+    first_epoch: int | None = None
 
     @property
     def name(self) -> str:
@@ -231,6 +245,12 @@ class RegionPlan:
     @property
     def est_seconds(self) -> float:
         return self.bytes_to_read / self.bandwidth
+
+    def absent_reason(self) -> str:
+        """Why an absent region has nothing to restore, in one line naming it."""
+        since = (f"it was first written at epoch {self.first_epoch}" if self.first_epoch is not None
+                 else "no committed epoch holds it yet")
+        return f"region {self.name!r} has no state at epoch {self.epoch} ({since})"
 
     def to_json(self) -> dict:
         return {
@@ -297,6 +317,11 @@ class Plan:
     bandwidth: float = DEFAULT_BANDWIDTH
 
     @property
+    def absent(self) -> dict:
+        """{name: RegionPlan} of the regions with no state at their epoch (`RegionPlan.absent`)."""
+        return {n: r for n, r in self.regions.items() if r.absent}
+
+    @property
     def bytes_to_read(self) -> int:
         return sum(r.bytes_to_read for r in self.regions.values())
 
@@ -319,7 +344,9 @@ class Plan:
             "bandwidth": self.bandwidth,
             "est_seconds": self.est_seconds,
             "segments": self.segments,
-            "regions": {n: r.to_json() for n, r in self.regions.items()},
+            "regions": {n: r.to_json() for n, r in self.regions.items() if not r.absent},
+            "absent": {n: {"id": r.region.id, "epoch": r.epoch, "first_epoch": r.first_epoch,
+                           "reason": r.absent_reason()} for n, r in self.absent.items()},
             "dropped": [d.to_json() for d in self.dropped],
         }
 
@@ -368,6 +395,23 @@ class _Index:
         # what a commit counts (V-C4) is the reader's decision (scan, R-D1): a commit
         # here either holds its records or its missing ones are attributed damage
         self.committed_set = committed
+        # the epochs at which each region has committed state: its deltas, its bases,
+        # and the commits stating its digest (a region is absent before the first)
+        held = {}
+        for rid, lst in self.deltas.items():
+            held.setdefault(rid, set()).update(b.epoch for b in lst)
+        for e in h.bases:
+            held.setdefault(e.region_id, set()).add(e.epoch)
+        for c in h.commits.values():
+            for rid in c.digests:
+                held.setdefault(rid, set()).add(c.epoch)
+        self.first_held = {rid: min(eps) for rid, eps in held.items()}
+
+    def absent(self, r: RegionMeta, epoch: int) -> bool:
+        """R-D6: region `r` has no committed state at or before `epoch` (an
+        empty region always has: nothing)."""
+        first = self.first_held.get(r.id)
+        return r.pages > 0 and (first is None or first > epoch)
 
     def base_usable(self, entry: BaseEntry, recs: list) -> Damage | None:
         """None when the base is whole; else the damage that breaks it."""
@@ -494,15 +538,19 @@ def _first_given_up(h: History, idx: _Index, ep: int, want: int) -> int:
     return min(cands, default=want)
 
 
-def _consistent_epoch(h: History, idx: _Index, rid: int, target: int):
-    """Newest committed epoch <= target at which region rid's chain is whole.
-    Returns (epoch|None, first damage met)."""
+def _consistent_epoch(h: History, idx: _Index, r: RegionMeta, target: int):
+    """Newest committed epoch <= target at which region r's chain is whole.
+    Returns (epoch|None, first damage met).  A fallback never goes back past
+    the region's first committed state: before it the region has none (it is
+    given up, as when every chain is damaged)."""
     first = None
     for ep in reversed(idx.committed):
         if ep > target:
             continue
-        base, _, _, bad = idx.chain(rid, ep)
+        base, _, _, bad = idx.chain(r.id, ep)
         if bad is None:
+            if first is not None and idx.absent(r, ep):
+                return None, first
             return ep, first
         first = first or bad
     return None, first
@@ -606,9 +654,10 @@ def plan_history(
                     dropped.append(PlanLoss(d, name_of.get(d.region_id), (first, want), gave))
     else:  # skip_corrupt: each region on its own
         for r in chosen:
-            ep, bad = _consistent_epoch(h, idx, r.id, want)
+            ep, bad = _consistent_epoch(h, idx, r, want)
             if ep is None:
-                dropped.append(PlanLoss(bad, r.name, (idx.committed[0], want), [r.name]))
+                since = max(idx.committed[0], idx.first_held.get(r.id, 0))  # what it had to give up
+                dropped.append(PlanLoss(bad, r.name, (since, want), [r.name]))
                 continue
             per_region[r.id] = ep
             if ep != want:
@@ -636,6 +685,8 @@ def plan_history(
             zero_page_ids=zeros,
             digest=_expected_digest(h, r.id, ep, base, deltas),
             bandwidth=bw,
+            absent=idx.absent(r, ep),
+            first_epoch=idx.first_held.get(r.id),
         )
         # naive replay: the base used, then every committed delta up to ep still in the log
         naive += sum(b.page_ids.size * b.page_bytes for b in base_recs)

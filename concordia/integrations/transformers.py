@@ -319,11 +319,14 @@ def _resume_compiled(model) -> None:
     target._prefill = types.MethodType(_prefill, target)
 
 
-def restore(session, guard: Guard, target="latest") -> Restored:
+def restore(session, guard: Guard, target="latest", absent: str = "refuse") -> Restored:
     """Recover every region `guard` names in place (keys, values, LoRA weights,
     token buffer), then put each layer's position counters back, so the next
-    `model(...)` or `generate()` call continues where the checkpoint was."""
-    out = session.recover(target, into="registered")
+    `model(...)` or `generate()` call continues where the checkpoint was.
+    A region with no state at `target` (an adapter added after it) is refused
+    before anything is written (AbsentRegionError); absent="keep" leaves its
+    weights as they are and lists it in `stats.kept` (`Session.recover`)."""
+    out = session.recover(target, into="registered", absent=absent)
     del out
     counters = guard.counters.cpu()
     for i, layer in enumerate(guard.cache.layers):

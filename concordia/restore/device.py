@@ -513,9 +513,10 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
     the H200 machine copying was measured faster for /dev/shm
     (docs/results/recover.md)."""
     from concordia.gpu_kernels import gpu, jit
-    from concordia.wal.apply import check_digest
+    from concordia.wal.apply import check_digest, check_present
 
     cp = jit.require_cupy()  # one line naming why, where CuPy or CUDA is missing
+    check_present(plan, regions)  # a region with no state at the epoch: refused, never zeroed on the device
 
     st = stats if stats is not None else {}
     st.update(register_s=0.0, scatter_s=0.0, verify_s=0.0, via="")

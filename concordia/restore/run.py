@@ -10,6 +10,13 @@
               registered as (`regions.arrays.present`), and what it did
               (`RecoveryStats`).
 
+A region with no state at the plan's epoch (registered after it: the
+planner's `RegionPlan.absent`) is never restored as zeros: `absent="refuse"`
+(the default) refuses the whole recovery before anything is written
+(`wal.apply.check_present`, one line naming the region and the epoch);
+`absent="keep"` leaves its target as it is (a new array: leaves it out) and
+lists it in `kept`.
+
 Host targets are restored aside and copied in only once every page and digest
 checked out, so damage leaves them as they were; device targets are written by
 the device pipeline in place, ordered against each target's current stream.
@@ -28,6 +35,8 @@ from concordia.regions.errors import (NothingToRecoverError, RecoverMismatchErro
 from concordia.regions.streams import StreamOrder
 
 DEVICES = (None, "numpy", "cpu", "cupy", "cuda")
+#: what a recovery does with a region that has no state at its epoch (module doc)
+ABSENT = ("refuse", "keep")
 
 
 @dataclasses.dataclass
@@ -40,6 +49,7 @@ class RecoveryStats:
     regions: dict          # name -> bytes of the region
     dropped: list
     via: dict = dataclasses.field(default_factory=dict)  # name -> "device pipeline" | "host"
+    kept: list = dataclasses.field(default_factory=list)  # absent="keep": regions with no state there, left alone
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -57,6 +67,7 @@ class Restored:
     apply_s: float
     via: dict
     stats: dict
+    kept: list = dataclasses.field(default_factory=list)  # regions with no state at the epoch, left alone
 
 
 def on_device(device) -> bool:
@@ -65,8 +76,15 @@ def on_device(device) -> bool:
     return device in ("cupy", "cuda")
 
 
+def check_absent(absent) -> None:
+    if absent not in ABSENT:
+        raise SessionError(f"unknown absent={absent!r} (use {' or '.join(map(repr, ABSENT))})",
+                           hint="absent='keep' leaves a region with no state at the epoch as it is")
+
+
 def restore(log, target="latest", *, mode=None, regions=None, device: bool = False, into: dict | None = None,
-            registration=None, read: str = "auto", stats: dict | None = None, plan=None) -> Restored:
+            registration=None, read: str = "auto", stats: dict | None = None, plan=None,
+            absent: str = "refuse") -> Restored:
     """Plan `log` at `target` in `mode` (or take `plan`) and apply it to
     `regions` (None: every region of the plan).
 
@@ -76,9 +94,12 @@ def restore(log, target="latest", *, mode=None, regions=None, device: bool = Fal
     views get the bytes once the whole region checked out.  Regions asked for
     beyond `into` come back as new arrays, on the device when `device`.
     registration: the log mapping's live CUDA registration (a session's), read
-    by the copy engine directly.  read and stats: as `apply_plan_cupy` takes them."""
-    from concordia.wal.apply import apply_plan_numpy
+    by the copy engine directly.  read and stats: as `apply_plan_cupy` takes them.
+    absent: "refuse" or "keep" a region with no state at the epoch (module doc),
+    decided before anything is written."""
+    from concordia.wal.apply import apply_plan_numpy, check_present
 
+    check_absent(absent)
     st = {} if stats is None else stats
     t0 = time.perf_counter()
     if plan is None:
@@ -88,6 +109,9 @@ def restore(log, target="latest", *, mode=None, regions=None, device: bool = Fal
     plan_s = time.perf_counter() - t0
     into = into or {}
     want = list(plan.regions) if regions is None else list(regions)
+    kept = [n for n in want if n in plan.regions and plan.regions[n].absent] if absent == "keep" else []
+    check_present(plan, [n for n in want if n not in kept], where=str(log.backend.where))  # before any write
+    want = [n for n in want if n not in kept]
     dev = {n: v for n, (v, xp) in into.items() if xp is not np and n in want}
     host = {n: v for n, (v, xp) in into.items() if xp is np and n in want}
     rest = [n for n in want if n not in dev and n not in host]
@@ -120,19 +144,22 @@ def restore(log, target="latest", *, mode=None, regions=None, device: bool = Fal
             st.setdefault("via", "numpy applier")
             arrays.update(got)
             via.update(dict.fromkeys(got, "host"))
-    return Restored(arrays, plan, plan_s, time.perf_counter() - t1, via, st)
+    return Restored(arrays, plan, plan_s, time.perf_counter() - t1, via, st, kept)
 
 
 def recover(log, target="latest", *, targets: dict | None = None, device=None, mode=None, regions=None,
-            registration=None) -> tuple[dict, RecoveryStats]:
+            registration=None, absent: str = "refuse") -> tuple[dict, RecoveryStats]:
     """({name: restored}, RecoveryStats): `Session.recover` on an open log.
 
     targets: {name: array or tensor} restored in place (each checked first:
     `check_target`); regions: the names to restore (None: the targets', or
     every region of the log).  New arrays come back as the regions were
     registered (`present`): tensors for tensors, else numpy arrays (ml_dtypes
-    for bfloat16 and float8), on the GPU with device="cupy"."""
+    for bfloat16 and float8), on the GPU with device="cupy".  absent: a region
+    with no state at the epoch refused ("refuse"), or left as it is and
+    listed in `RecoveryStats.kept` ("keep"; a new array is left out)."""
     gpu = on_device(device)
+    check_absent(absent)
     where = str(log.backend.where)
     want = regions if regions is not None else (list(targets) if targets is not None else None)
     if want is not None:
@@ -151,7 +178,8 @@ def recover(log, target="latest", *, targets: dict | None = None, device=None, m
     if not log.last_committed_epoch:
         raise NothingToRecoverError("the log holds no committed epoch", where=where)
     t0 = time.perf_counter()
-    got = restore(log, target, mode=mode, regions=want, device=gpu, into=views, registration=registration)
+    got = restore(log, target, mode=mode, regions=want, device=gpu, into=views, registration=registration,
+                  absent=absent)
     out = {n: targets[n] for n in views}
     for name, a in got.arrays.items():
         if name not in views:
@@ -161,7 +189,7 @@ def recover(log, target="latest", *, targets: dict | None = None, device=None, m
                           restore_ms=(time.perf_counter() - t0 - got.plan_s) * 1e3,
                           bytes=int(p.bytes_to_read), pages=int(sum(rp.pages_read for rp in p.regions.values())),
                           regions={n: int(a.nbytes) for n, a in got.arrays.items()},
-                          dropped=[d.to_json() for d in p.dropped], via=got.via)
+                          dropped=[d.to_json() for d in p.dropped], via=got.via, kept=got.kept)
     return out, stats
 
 

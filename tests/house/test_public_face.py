@@ -147,7 +147,7 @@ def test_the_command_line_maps_errors_to_the_documented_codes():
     from concordia.tools.common import EXIT_PROBLEMS, EXIT_USAGE, exit_code_of
 
     problems = {"CorruptionError", "TornTailError", "ChainError", "SuperblockError", "NotALogError",
-                "RegionMismatchError", "NothingToRecoverError", "RecoveryDigestError"}
+                "RegionMismatchError", "NothingToRecoverError", "RecoveryDigestError", "AbsentRegionError"}
     for name in errors.__all__:
         cls = getattr(errors, name)
         exc = cls("x") if name != "MissingDependencyError" else cls("crc32c", needed_by="here")
