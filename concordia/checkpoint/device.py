@@ -51,7 +51,7 @@ class DeviceKernels:
         specs = [("stage", d), ("crc32c", d), ("crc32c", {})]
         if r.detect == "shadow":
             specs.append(("shadow_diff", d))
-        elif r.detect == "fingerprint" or (r.detect == "stores" and r.check_every):  # stores: its cross-check
+        elif r.detect == "fingerprint" or (r.detect in ("stores", "positions") and r.check_every):  # cross-checks
             specs.append(("fingerprint", d))
         key = tuple((name, tuple(sorted(x.items()))) for name, x in specs)
         if key not in self._ready:
