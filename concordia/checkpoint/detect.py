@@ -261,6 +261,34 @@ def _positions_found(r: Region, start: int | None, now: int, due: bool) -> np.nd
     return _cross_check(r, ids, _positions_named(r, checked, now))
 
 
+def listed_pages(regions, first) -> np.ndarray:
+    """dirty_pages(advance=True) of every region in `regions` (detectors that
+    list their pages on the host: block tables, slot versions, the store
+    tracker, positions), each offset by its `first` page in a table's page
+    space, as one uint64 array (region after region, except as below): what a
+    table pass flags for its listed rows.  Positions regions whose length
+    grew alike over one geometry (the keys and values of every layer of a
+    cache) share one computation, so a decode step costs a few numpy calls
+    however many layers there are."""
+    out, shared = [], {}
+    for r, f in zip(regions, np.asarray(first, np.uint64).tolist()):
+        if r.detect == "positions" and r.crcs is not None:
+            start, now, seq = _positions_span(r)
+            due = _positions_take(r, start, now, seq)
+            if start is not None and not due:
+                shared.setdefault((r.hints["positions"], start, now), []).append(f)
+                continue
+            ids = _positions_found(r, start, now, due)
+        else:
+            ids = dirty_pages(r, advance=True)
+        out.append(ids.astype(np.uint64) + np.uint64(f))
+    for (g, lo, hi), firsts in shared.items():
+        ids = position_pages(g, lo, hi)
+        if ids.size:
+            out.append((np.array(firsts, np.uint64)[:, None] + ids).reshape(-1))
+    return np.concatenate(out) if out else np.zeros(0, np.uint64)
+
+
 _NONE = np.zeros(0, np.uint32)
 
 

@@ -216,6 +216,58 @@ def test_rows_of_fewer_than_64_bytes_share_a_page():
     assert detect.position_pages(g, 3, 3).size == 0
 
 
+def test_a_table_pass_lists_what_each_region_would(tmp_path):
+    """detect.listed_pages (the table passes' listing of host-listed rows)
+    names, per region, the pages dirty_pages names, moving each detector
+    alike: positions regions sharing a geometry and a length (computed once),
+    one at another length, one whose cross-check falls due, one whose length
+    went down, and a slot-versions region beside them."""
+    from concordia.regions.arrays import adapt, storage_of
+    from concordia.regions.region import Region, resolve_detector
+
+    def regions():
+        caches = [Cache(seed=i) for i in range(5)]
+        for c in caches:
+            c.grow(5)                                # in the base: position 0 is old from here on
+        slots = np.zeros(8, np.int64)
+        out = []
+        for i, c in enumerate(caches):
+            arr, xp, owner = adapt(c.a, f"region 'p{i}'")
+            det, hints = resolve_detector("kv", "positions", "x", arr, xp, block_tables=None, seq_lens=None,
+                                          block_stamp=None, seq_ids=None, slot_versions=None, pages_per_slot=None,
+                                          check_every=3 if i == 3 else 0, length=lambda c=c: c.length,
+                                          page_bytes=64)
+            out.append(Region(name=f"p{i}", kind="kv", page_bytes=64, array=arr, xp=xp, owner=owner,
+                              storage=storage_of(owner), detect=det, hints=hints, check_every=hints["check_every"]))
+        ad = np.zeros(8 * 64, np.uint8)
+        arr, xp, owner = adapt(ad, "region 'v'")
+        out.append(Region(name="v", kind="adapter", page_bytes=64, array=arr, xp=xp, owner=owner,
+                          storage=storage_of(owner), detect="versions",
+                          hints={"slot_versions": slots, "pages_per_slot": 1}))
+        for r in out:
+            r.crcs = np.zeros(r.pages, np.uint32)   # a base is committed
+            detect.reset(r)
+        return caches, slots, out
+
+    a, b = regions(), regions()
+    first = np.cumsum([0] + [r.pages for r in a[2]])[:-1].astype(np.uint64)
+    for step in range(7):
+        for caches, slots, _ in (a, b):
+            for i, c in enumerate(caches):
+                if i == 4 and step == 4:
+                    c.restart(2)                      # this one's length goes down
+                else:
+                    c.grow(2 if i == 2 else 1)        # p2 at another length than the rest
+            caches[3].a[0, 0, 0, 0] += 1              # p3 writes outside its positions: its cross-check finds it
+            slots[step % 8] += 1
+        together = detect.listed_pages(a[2], first)
+        alone = [f + detect.dirty_pages(r, advance=True).astype(np.uint64) for r, f in zip(b[2], first)]
+        assert sorted(together.tolist()) == sorted(np.concatenate(alone).tolist()), step
+        assert [(r.length_prev, r.missed_pages, r.since_check) for r in a[2]] == \
+            [(r.length_prev, r.missed_pages, r.since_check) for r in b[2]]
+    assert a[2][3].missed_pages == 2
+
+
 # --- the cross-check -------------------------------------------------------------
 
 
