@@ -8,8 +8,11 @@ replays it against recoveries of every epoch, byte for byte."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
+from click.testing import CliRunner
 
 from concordia import Session
 from concordia.checkpoint import detect
@@ -391,6 +394,24 @@ def test_a_bad_length_at_a_checkpoint_is_refused_and_the_next_is_whole(tmp_path)
         st = s.checkpoint()
         assert st.pages["kv"] == r.pages       # the failed epoch never committed: written whole
     _recovered_epochs(log, {st.epoch: cache.a.tobytes()})
+
+
+# --- the benchmark's decode step -----------------------------------------------------
+
+
+def test_bench_decode_step_registers_the_cache_by_positions():
+    from concordia.tools.wal_cli import main
+
+    res = CliRunner().invoke(main, ["bench", "checkpoint", "--cpu", "--parts", "decode", "--decode-len", "16",
+                                    "--reps", "3", "--json"])
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.output)["decode_shaped"]
+    assert d["kv_detector"] == "positions" and d["kv_page_bytes"] == 256
+    for key in ("", "_adapters_clean"):
+        assert d["ckpt" + "_ms" + key] > 0 and d["fingerprint_ckpt_ms" + key] > 0
+    # one new token in 56 tensors of 64 rows: a 256-byte page each, where fingerprints log 4 KiB
+    assert d["dirty_bytes_adapters_clean"] == 56 * 64 * 256
+    assert d["fingerprint_dirty_bytes_adapters_clean"] == 56 * 64 * 4096
 
 
 # --- the device --------------------------------------------------------------------
