@@ -195,8 +195,8 @@ class Session:
     # ------------------------------------------------------------ register
     def register(self, name: str, array, kind: str = "opaque", page_bytes: int = 4096, *,
                  detect: str = "auto", block_tables=None, seq_lens=None, block_stamp=None,
-                 seq_ids=None, slot_versions=None, pages_per_slot: int | None = None,
-                 check_every: int = 8, stream=None) -> Region:
+                 seq_ids=None, slot_versions=None, pages_per_slot: int | None = None, length=None,
+                 check_every: int | None = None, stream=None) -> Region:
         """Protect `array` (numpy, CuPy, or a PyTorch tensor through DLPack) as
         region `name`.  The array must stay the same object and be updated in
         place; its shape, dtype and storage are checked at every checkpoint (a
@@ -225,7 +225,13 @@ class Session:
         checkpoints (0: never) a fingerprint diff adds any changed page the
         tracker did not see (writes by kernels that are not instrumented, such
         as precompiled library kernels, and copies) and counts it in the
-        region's `missed_pages`.
+        region's `missed_pages` (default 8).
+        detect="positions" (kind="kv" with length=: "auto" takes it): a static
+        cache [..., max_len, row] written at positions [length at the last
+        checkpoint, length now) of each row, length= a callable or one-element
+        array of the positions holding data; all of it when the length went down
+        or seq_ids= (an id, or a callable) changed; page_bytes: one row
+        (`regions.region.position_page_bytes`); check_every defaults to 0.
         """
         self._check_open(f"register region {name!r}")
         where = f"region {name!r}"
@@ -254,18 +260,19 @@ class Session:
         logical, framework = logical_of(owner)
         detect, hints = resolve_detector(kind, detect, where, arr, xp, block_tables=block_tables, seq_lens=seq_lens,
                                   block_stamp=block_stamp, seq_ids=seq_ids, slot_versions=slot_versions,
-                                  pages_per_slot=pages_per_slot, check_every=check_every)
+                                  pages_per_slot=pages_per_slot, check_every=check_every, length=length,
+                                  page_bytes=int(page_bytes))
         self.retention.check_capacity(name, arr.nbytes, int(page_bytes))
         region = Region(name=name, kind=kind, page_bytes=int(page_bytes), array=arr, xp=xp, owner=owner,
                         storage=storage_of(owner), detect=detect, hints=hints, logical=logical,
-                        framework=framework, stream=stream)
+                        framework=framework, stream=stream, check_every=hints.get("check_every", 0))
         if stream is not None:
             StreamOrder.of([(owner, stream)])  # refuse a stream of an unknown kind now
         info = self.log.regions.get(name)
         if info is not None:
             check_same(info, region)
         if detect == "stores":
-            region.track_stores(int(check_every))
+            region.track_stores(region.check_every)
         if info is not None:
             region.id = int(info.id)
         else:
@@ -397,7 +404,7 @@ class Session:
             self.region_set.recovered({r.name: page_crcs(r) for r in self.region_set if latest and r.name not in kept
                                        and r.page_bytes == self.log.regions[r.name].page_bytes})
             for r in self.region_set:
-                detect.reset(r)
+                detect.reset(r, recovered=True)
         return out
 
     def refresh(self) -> int:

@@ -10,6 +10,9 @@ committed state again.
     versions      adapter regions: slots whose version counter moved
     stores        the pages the PTX store tracker marked (`concordia.instrument`),
                   cross-checked by fingerprints every `check_every` checkpoints
+    positions     static KV caches [..., max_len, row]: the pages of the positions
+                  added since the last checkpoint, from the caller's length, in
+                  every (batch, head) row; optionally cross-checked as stores are
     all           every page
 
 Every detector runs on the region's own device: the numpy twins in
@@ -25,7 +28,7 @@ import numpy as np
 from concordia.gpu_kernels import reference as ref
 from concordia.regions.arrays import to_host
 from concordia.regions.errors import SessionError
-from concordia.regions.region import KvGeometry, Region
+from concordia.regions.region import KvGeometry, PositionGeometry, Region, read_length, read_sequence
 
 
 def _kernels(r: Region):
@@ -78,8 +81,12 @@ def fingerprints(r: Region):
     return got if not r.on_gpu else r.xp.asarray(got)
 
 
-def reset(r: Region) -> None:
-    """The caller's array now equals the committed state: (re)arm the detector."""
+def reset(r: Region, *, recovered: bool = False) -> None:
+    """The caller's array now equals the committed state: (re)arm the detector.
+    recovered: the state was restored from the log, and state the caller keeps
+    beside the region (a positions region's length) may be restored only after
+    this call: the positions detector then takes no length as known, so its
+    next checkpoint names every position up to the length then."""
     if r.detect == "shadow":
         if r.shadow is None:
             r.shadow = r.xp.empty(r.nbytes, dtype=r.xp.uint8)
@@ -94,6 +101,12 @@ def reset(r: Region) -> None:
         r.tracked.clear()
         r.since_check = 0
         r.tracked_since_check = np.zeros(0, np.uint32)
+        if r.check_every:
+            r.fps = fingerprints(r)
+    elif r.detect == "positions":
+        _, now, r.seq_prev = _positions_span(r)
+        r.length_prev = r.length_checked = 0 if recovered else now
+        r.since_check = 0
         if r.check_every:
             r.fps = fingerprints(r)
 
@@ -113,6 +126,8 @@ def dirty_pages(r: Region, *, advance: bool) -> np.ndarray:
         return fingerprint_diff(r, update=advance)
     if r.detect == "blocks":
         return _kv_dirty(r, advance)
+    if r.detect == "positions":
+        return _positions_dirty(r, advance)
     if r.detect == "stores":
         return _stores_dirty(r, advance)
     if r.detect == "versions":
@@ -165,12 +180,133 @@ def _stores_dirty(r: Region, advance: bool) -> np.ndarray:
     r.since_check += 1
     if r.since_check < r.check_every:
         return ids
+    named = r.tracked_since_check
+    r.tracked_since_check = np.zeros(0, np.uint32)
+    return _cross_check(r, ids, named)
+
+
+def _cross_check(r: Region, ids: np.ndarray, named: np.ndarray) -> np.ndarray:
+    """The cross-check of a detector told where the caller writes (stores,
+    positions): the fingerprints taken at the last check are diffed (and
+    taken again), and every changed page the detector did not name since then
+    (`named`, sorted) is added to this checkpoint's `ids` and counted in
+    `missed_pages`."""
     changed = fingerprint_diff(r, update=True)
-    missed = np.setdiff1d(changed, r.tracked_since_check).astype(np.uint32)
+    missed = np.setdiff1d(changed, named, assume_unique=True).astype(np.uint32)
     r.missed_pages += int(missed.size)
     r.since_check = 0
-    r.tracked_since_check = np.zeros(0, np.uint32)
-    return np.union1d(ids, missed).astype(np.uint32)
+    return np.union1d(ids, missed).astype(np.uint32) if missed.size else ids
+
+
+def _positions_span(r: Region) -> tuple[int | None, int, object]:
+    """(start, now, sequence id now) of a positions region: positions
+    [start, now) of every row were written since the last checkpoint; start
+    is None when the region is named whole: the length went down, or the
+    sequence id changed (the cache started over: a reset and a new prompt)."""
+    h = r.hints
+    now = read_length(h["length"], h["positions"].max_len, f"region {r.name!r}")
+    seq = None if h.get("seq_ids") is None else read_sequence(h["seq_ids"], f"region {r.name!r}")
+    start = r.length_prev
+    if now < start or (seq is not None and not (seq == r.seq_prev if type(seq) is int
+                                                 else np.array_equal(seq, r.seq_prev))):
+        start = None
+    return start, now, seq
+
+
+def _positions_dirty(r: Region, advance: bool) -> np.ndarray:
+    """The pages of the positions [length at the last checkpoint, length now)
+    of every row, from the caller's length alone (the region is not read: the
+    cost follows the new tokens); every page when the length went down or the
+    sequence id changed (a cache reset, a new prompt: anything may have been
+    rewritten).  Every `check_every`-th advancing call also cross-checks by
+    fingerprints: since the last check the pages of [length then, length
+    now) were named, or the whole region when it was named whole in between.
+
+    Writes at positions the length does not cover (a cache restarted and
+    refilled past the old length between two checkpoints with no sequence
+    id to say so, a rollback that rewrites a position) are not seen until a
+    cross-check: a caller that may do so passes seq_ids, sets check_every, or
+    registers with detect="fingerprint"."""
+    start, now, seq = _positions_span(r)
+    if not advance:
+        return _positions_named(r, start, now)
+    return _positions_found(r, start, now, _positions_take(r, start, now, seq))
+
+
+def _positions_take(r: Region, start: int | None, now: int, seq) -> bool:
+    """Move a positions region's detector to length `now` (and sequence id
+    `seq`); True when its cross-check is due with this checkpoint."""
+    if start is None:
+        r.length_checked = None  # the whole region is named
+    r.length_prev, r.seq_prev = now, seq
+    if not r.check_every:
+        return False
+    r.since_check += 1
+    return r.since_check >= r.check_every
+
+
+def _positions_named(r: Region, start: int | None, now: int) -> np.ndarray:
+    if start is None:
+        return np.arange(r.pages, dtype=np.uint32)
+    return position_pages(r.hints["positions"], start, now)
+
+
+def _positions_found(r: Region, start: int | None, now: int, due: bool) -> np.ndarray:
+    """The pages a checkpoint takes from a positions region named from
+    `start` to `now`, with its cross-check when `due`."""
+    ids = _positions_named(r, start, now)
+    if not due:
+        return ids
+    checked, r.length_checked = r.length_checked, now
+    return _cross_check(r, ids, _positions_named(r, checked, now))
+
+
+def listed_pages(regions, first) -> np.ndarray:
+    """dirty_pages(advance=True) of every region in `regions` (detectors that
+    list their pages on the host: block tables, slot versions, the store
+    tracker, positions), each offset by its `first` page in a table's page
+    space, as one uint64 array (region after region, except as below): what a
+    table pass flags for its listed rows.  Positions regions whose length
+    grew alike over one geometry (the keys and values of every layer of a
+    cache) share one computation, so a decode step costs a few numpy calls
+    however many layers there are."""
+    out, shared = [], {}
+    for r, f in zip(regions, np.asarray(first, np.uint64).tolist()):
+        if r.detect == "positions" and r.crcs is not None:
+            start, now, seq = _positions_span(r)
+            due = _positions_take(r, start, now, seq)
+            if start is not None and not due:
+                shared.setdefault((r.hints["positions"], start, now), []).append(f)
+                continue
+            ids = _positions_found(r, start, now, due)
+        else:
+            ids = dirty_pages(r, advance=True)
+        out.append(ids.astype(np.uint64) + np.uint64(f))
+    for (g, lo, hi), firsts in shared.items():
+        ids = position_pages(g, lo, hi)
+        if ids.size:
+            out.append((np.array(firsts, np.uint64)[:, None] + ids).reshape(-1))
+    return np.concatenate(out) if out else np.zeros(0, np.uint64)
+
+
+_NONE = np.zeros(0, np.uint32)
+
+
+def position_pages(g: PositionGeometry, lo: int, hi: int) -> np.ndarray:
+    """Sorted unique uint32 ids of the pages holding positions [lo, hi) of
+    every row of a positions region: rows x the pages one row's positions
+    cover (rows x (hi - lo) for row-sized pages), computed, never scanned."""
+    if hi <= lo:
+        return _NONE
+    rb, pb = g.row_bytes, g.page_bytes
+    span = g.span_pages
+    if span is not None:  # every row's run starts on a page: one range, repeated per row
+        first, last = lo * rb // pb, (hi * rb - 1) // pb
+        return (g.row_first_pages + np.arange(first, last + 1, dtype=np.uint32)).reshape(-1)
+    # pages hold the end of one row's run and the start of the next: per-row ranges, merged
+    start = np.arange(g.rows, dtype=np.int64) * (g.max_len * rb)
+    first, last = (start + lo * rb) // pb, (start + hi * rb - 1) // pb
+    return np.unique(ref.expand_ranges(first, last - first + 1)).astype(np.uint32)
 
 
 def _kv_now(r: Region) -> dict:

@@ -51,7 +51,7 @@ class DeviceKernels:
         specs = [("stage", d), ("crc32c", d), ("crc32c", {})]
         if r.detect == "shadow":
             specs.append(("shadow_diff", d))
-        elif r.detect == "fingerprint" or (r.detect == "stores" and r.check_every):  # stores: its cross-check
+        elif r.detect == "fingerprint" or (r.detect in ("stores", "positions") and r.check_every):  # cross-checks
             specs.append(("fingerprint", d))
         key = tuple((name, tuple(sorted(x.items()))) for name, x in specs)
         if key not in self._ready:
@@ -377,12 +377,9 @@ class DeviceTablePass:
 
     def _mark_listed(self) -> None:
         """Flags of the rows whose pages the host lists: last time's cleared, this time's set."""
-        cp = self.k.cp
         t = self.table
-        first = t.entries["first_page"]
-        got = [first[i].astype(np.int64) + detect.dirty_pages(t.regions[i], advance=True).astype(np.int64)
-               for i in self.listed.tolist()]
-        now = cp.asarray(np.concatenate(got).astype(np.uint64)) if got else None
+        now = self.k.cp.asarray(detect.listed_pages([t.regions[i] for i in self.listed.tolist()],
+                                                    t.entries["first_page"][self.listed]))
         mark = self.fn["table_mark"]
         for ids, value in ((self.marked, 0), (now, 1)):
             if ids is not None and ids.size:

@@ -101,10 +101,15 @@ class HostTablePass:
     def detect(self) -> None:
         """flags[page space] = dirty, every detector advanced (group by group,
         as the device launches them)."""
+        from concordia.checkpoint.table import DET_LISTED
+
         t, flags = self.table, self.flags
         first = t.entries["first_page"]
         flags[:] = 0
-        for rows in t.groups.values():
+        for (det, _), rows in t.groups.items():
+            if det == DET_LISTED:  # listed on the host as the device pass lists them
+                flags[detect.listed_pages([t.regions[i] for i in rows.tolist()], first[rows])] = 1
+                continue
             for i in rows.tolist():
                 ids = detect.dirty_pages(t.regions[i], advance=True)
                 flags[int(first[i]) + ids.astype(np.int64)] = 1

@@ -39,11 +39,13 @@ for r in doc.get("regions", []):
     print(f"regions {r['regions']:>5}: {r['ckpt_ms']:.3f} ms (min {r['ckpt_ms_min']:.3f}, floor {r['floor_ms']:.3f}, "
           f"reads {r['device_reads']}, table {r['table_pass']})" + (f"  goal <= {g} ms: {r['ckpt_ms'] <= g}" if g else ""))
 d = doc.get("decode_shaped") or {}
-if "ckpt_ms" in d:
-    print(f"decode-shaped: {d['ckpt_ms']:.3f} ms adapters updated, {d.get('ckpt_ms_adapters_clean', float('nan')):.3f} ms "
-          f"clean (floor {d.get('floor_ms', float('nan')):.3f}, {d['dirty_pages']} pages)  goal <= 1.5 ms: {d['ckpt_ms'] <= 1.5}")
-elif d:
-    print("decode-shaped:", d.get("error"))
+for p, what in (("", "KV by positions"), ("fingerprint_", "KV by fingerprints")):
+    if p + "ckpt_ms" in d:
+        print(f"decode-shaped, {what}: {d[p + 'ckpt_ms']:.3f} ms adapters updated, "
+              f"{d.get(p + 'ckpt_ms_adapters_clean', float('nan')):.3f} ms clean ({d[p + 'dirty_pages']} pages, "
+              f"{d[p + 'log_bytes'] / 2**20:.2f} MiB logged)" + (f"  goal <= 1.0 ms: {d['ckpt_ms'] <= 1.0}" if not p else ""))
+    elif d:
+        print(f"decode-shaped, {what}:", d.get(p + "error"))
 for r in doc.get("e2e", []):
     if "speedup" in r:
         print(f"e2e {r['region_bytes'] >> 20} MiB: {r['gpu_checkpoint_s'] * 1e3:.3f} ms ({r['detector']}), host scan "

@@ -26,7 +26,11 @@ Four parts (GPU):
   decode   one decode step's checkpoint of a model's state: 56 KV tensors of a
            2-byte dtype ([batch 8, kv heads 8, max length, head dim 128], one
            new token per sequence) and 112 small LoRA adapter tensors, all
-           updated (an online adapter update) or all clean.
+           updated (an online adapter update) or all clean.  The KV tensors
+           are registered as a static cache is (detect="positions", one
+           256-byte row a page, the length advanced by each step; the
+           adapters by fingerprints), and again with fingerprints and the
+           bench's page size for comparison (keys `fingerprint_*`).
 Device times come from CUDA events (median of repeats after warm-up);
 end-to-end times from the host clock around whole checkpoints.
 
@@ -172,11 +176,12 @@ def _shm_room(need: int) -> str | None:
     return None
 
 
-def _session_steps(runner, arrays: dict, step, reps: int, *, staging: str, tag: str) -> dict:
-    """Register `arrays` (fingerprint detector) in a Session on a shm log of
-    their own, checkpoint the base, then `reps` + 2 times: step(i) (the
-    caller's writes), wait for the device, time one checkpoint.  Median of
-    the last `reps`, with what the checkpoints did."""
+def _session_steps(runner, arrays: dict, step, reps: int, *, staging: str, tag: str, options=None) -> dict:
+    """Register `arrays` (fingerprint detector and the bench's page size,
+    unless `options` gives a name other `register` arguments) in a Session on
+    a shm log of their own, checkpoint the base, then `reps` + 2 times:
+    step(i) (the caller's writes), wait for the device, time one checkpoint.
+    Median of the last `reps`, with what the checkpoints did."""
     from concordia.session import Session
 
     total = sum(int(a.nbytes) for a in arrays.values())
@@ -190,7 +195,7 @@ def _session_steps(runner, arrays: dict, step, reps: int, *, staging: str, tag: 
     try:
         with Session(log, size=need, segment_size=seg, staging=staging) as s:
             for k, a in arrays.items():
-                s.register(k, a, page_bytes=runner.pb, detect="fingerprint")
+                s.register(k, a, **((options or {}).get(k) or {"page_bytes": runner.pb, "detect": "fingerprint"}))
             s.checkpoint()
             times, last = [], None
             for i in range(reps + 2):
@@ -237,7 +242,12 @@ def _regions_part(runner, counts: list[int], total: int, rng, reps: int) -> tupl
 
 def _decode_part(runner, max_len: int, rng, reps: int) -> dict:
     """One decode step of a model's state: every KV tensor gains one token per
-    sequence (every head), then every adapter tensor is rewritten or none."""
+    sequence (every head), then every adapter tensor is rewritten or none.
+    The KV tensors are registered as the product registers a static cache
+    (detect="positions", the length the step advanced; keys as they were),
+    then with fingerprints (keys `fingerprint_*`), for comparison."""
+    from concordia.regions.region import position_page_bytes
+
     d = DECODE
     kv = {f"kv{i:02d}": runner.random_region(d["batch"] * d["kv_heads"] * max_len * d["head_dim"] * 2)
           .view(runner.xp.int16).reshape(d["batch"], d["kv_heads"], max_len, d["head_dim"])
@@ -247,19 +257,29 @@ def _decode_part(runner, max_len: int, rng, reps: int) -> dict:
         shape = (d["rank"], d["hidden"]) if i % 2 == 0 else (d["hidden"] * (1 + (i // 2) % 2), d["rank"])
         ad[f"lora{i:03d}"] = runner.xp.asarray(np.random.default_rng(i).standard_normal(shape, dtype=np.float32))
     arrays = {**kv, **ad}
+    row_page = position_page_bytes(d["head_dim"] * 2)
+    length = [0]  # positions holding data: the length hint of every KV tensor
+    positions = {k: {"kind": "kv", "detect": "positions", "page_bytes": row_page, "length": lambda: length[0]}
+                 for k in kv}
     out = {"kv_tensors": d["kv_tensors"], "adapter_tensors": d["adapter_tensors"], "max_len": max_len,
-           "kv_dtype": "int16 (2 bytes, bf16-sized)", "state_bytes": sum(int(a.nbytes) for a in arrays.values())}
-    for touched, key in ((True, ""), (False, "_adapters_clean")):
-        def step(i, touched=touched):
-            pos = (i + (0 if touched else reps + 2)) % max_len
-            for a in kv.values():
-                a[:, :, pos, :] += 1
-            if touched:
-                for a in ad.values():
-                    a *= 0.999
-        got = _session_steps(runner, arrays, step, reps, staging=runner.staging, tag="d")
-        for k, v in got.items():
-            out[k + key] = v
+           "kv_dtype": "int16 (2 bytes, bf16-sized)", "state_bytes": sum(int(a.nbytes) for a in arrays.values()),
+           "kv_detector": "positions", "kv_page_bytes": row_page, "fingerprint_page_bytes": runner.pb}
+    for options, prefix in ((positions, ""), (None, "fingerprint_")):
+        for touched, key in ((True, ""), (False, "_adapters_clean")):
+            start = 0 if touched else reps + 2
+            length[0] = start  # the base checkpoint holds every position; new ones are written from here
+
+            def step(i, touched=touched, start=start):
+                pos = (i + start) % max_len  # past max_len: a new prompt, the length goes down
+                for a in kv.values():
+                    a[:, :, pos, :] += 1
+                length[0] = pos + 1
+                if touched:
+                    for a in ad.values():
+                        a *= 0.999
+            got = _session_steps(runner, arrays, step, reps, staging=runner.staging, tag="d", options=options)
+            for k, v in got.items():
+                out[prefix + k + key] = v
     ceil = runner.ceilings(None) or runner.ceilings(next(iter(kv.values())).reshape(-1).view(runner.xp.uint8))
     if "dirty_bytes" in out:
         out["floor_ms"] = (out["state_bytes"] / ceil["hbm_read_Bps"] + out["dirty_bytes"] / ceil["d2h_Bps"]) * 1e3
@@ -801,10 +821,15 @@ def _table(result: dict) -> str:
                          f"{r['floor_ms']:7.3f} ms  host scan {r['host_scan_ms']:9.1f} ms")
     d = result.get("decode_shaped")
     if d:
-        lines.append(f"decode step ({d['kv_tensors']} KV + {d['adapter_tensors']} adapter tensors, "
-                     f"{d['state_bytes'] / MiB:.0f} MiB): "
-                     + (f"{d['ckpt_ms']:.3f} ms adapters updated, {d.get('ckpt_ms_adapters_clean', float('nan')):.3f}"
-                        " ms adapters clean" if "ckpt_ms" in d else d.get("error", "?")))
+        nan = float("nan")
+        for prefix, what in (("", f"KV by positions, {d.get('kv_page_bytes')}-byte pages"),
+                             ("fingerprint_", f"KV by fingerprints, {d.get('fingerprint_page_bytes')}-byte pages")):
+            lines.append(f"decode step ({d['kv_tensors']} KV + {d['adapter_tensors']} adapter tensors, "
+                         f"{d['state_bytes'] / MiB:.0f} MiB, {what}): "
+                         + (f"{d[prefix + 'ckpt_ms']:.3f} ms adapters updated, "
+                            f"{d.get(prefix + 'ckpt_ms_adapters_clean', nan):.3f} ms adapters clean, "
+                            f"{d.get(prefix + 'log_bytes', 0) / MiB:.2f} MiB logged"
+                            if prefix + "ckpt_ms" in d else d.get(prefix + "error", "?")))
     for k, v in result["summary"].items():
         lines.append(f"{k}: {v:.3g}" if isinstance(v, float) else f"{k}: {v}")
     return "\n".join(lines)
