@@ -58,6 +58,7 @@ import torch
 from transformers import DynamicCache, StaticCache, StoppingCriteria
 
 from concordia.regions.errors import SessionError
+from concordia.regions.region import position_page_bytes
 
 PREFIX = "hf"
 
@@ -79,6 +80,9 @@ class Guard:
     rng: object | None = None  # int64 tensor on the cache's device: the sampling generator's state
     _rng_last: list | None = None  # the words last written into `rng` (CUDA)
     _ints_last: list | None = None  # the sliding-window lengths last written into `counters`
+    lengths: list | None = None  # positions each layer holds, on the host, as of the coming checkpoint
+    generation: int = 0  # cache.reset() calls: a positions region starts over when it moves
+    _known_length: int | None = None  # positions every layer holds, as generate()'s tokens tell it
 
     @property
     def names(self) -> list[str]:
@@ -169,6 +173,11 @@ class Guard:
         pos = torch.stack([layer.cumulative_length.reshape(()).to(self.counters.device, torch.int64)
                            for layer in layers])
         self.counters[:, 0].copy_(pos)
+        if self._known_length is not None:  # from generate()'s tokens: no read of the device
+            self.lengths = [self._known_length] * len(layers)
+            self._known_length = None
+        else:
+            self.lengths = [int(x) for x in pos.tolist()]
         ints = [int(getattr(layer, "cumulative_length_int", -1)) for layer in layers]
         if ints != self._ints_last:  # a kernel argument each, no copy from the host to wait for
             for i, v in enumerate(ints):
@@ -227,10 +236,16 @@ def _lora_parameters(model) -> dict:
 
 def protect(session, cache, model=None, *, batch_size: int | None = None, max_tokens: int | None = None,
             prefix: str = PREFIX, detect: str = "fingerprint", page_bytes: int = 4096,
-            dtype=None, device=None, rng: bool = True) -> Guard:
+            dtype=None, device=None, rng: bool = True, kv_detect: str = "positions") -> Guard:
     """Register `cache` (a transformers `StaticCache`) and, when `model` carries
     PEFT adapters, their LoRA weights with `session`.  A cache not yet
     allocated is allocated here from the model's config (`batch_size` needed).
+    Full-attention layers are checkpointed by the positions written since
+    the last epoch (`kv_detect="positions"`: O(new tokens), row-sized pages;
+    the lengths come from `generate()`'s tokens inside `CheckpointEvery`, from
+    the cache's counters otherwise); sliding-window layers, the LoRA weights
+    and the token buffer by `detect`.  A `cache.reset()` is counted, so the
+    next checkpoint writes the cache whole.
     `max_tokens` adds a protected buffer of the tokens generated so far and
     their attention mask; `rng` protects the sampling generator's state.
     When the model compiles its decode step, a resuming `generate()` call is
@@ -240,15 +255,22 @@ def protect(session, cache, model=None, *, batch_size: int | None = None, max_to
     _check_cache(cache)
     _initialise(cache, model, batch_size, dtype, device)
     kv = []
-    for i, layer in enumerate(cache.layers):
-        k, v = f"{prefix}.kv.{i}.k", f"{prefix}.kv.{i}.v"
-        session.register(k, layer.keys, kind="kv", detect=detect, page_bytes=page_bytes)
-        session.register(v, layer.values, kind="kv", detect=detect, page_bytes=page_bytes)
-        kv.append((i, k, v))
     dev = cache.layers[0].keys.device
     counters = torch.zeros((len(cache.layers), 2), dtype=torch.int64, device=dev)
     guard = Guard(session=session, cache=cache, model=model, prefix=prefix, kv=kv, lora={}, counters=counters)
     guard._sync_counters()
+    _count_resets(guard)
+    for i, layer in enumerate(cache.layers):
+        k, v = f"{prefix}.kv.{i}.k", f"{prefix}.kv.{i}.v"
+        for name, t in ((k, layer.keys), (v, layer.values)):
+            if kv_detect == "positions" and not getattr(layer, "is_sliding", False):
+                # a decode step's new rows, from the counters: O(new tokens), one row a page
+                session.register(name, t, kind="kv", detect="positions",
+                                 page_bytes=position_page_bytes(t.shape[-1] * t.element_size()),
+                                 length=lambda i=i: guard.lengths[i], seq_ids=lambda: guard.generation)
+            else:  # a sliding-window layer rolls every position once its window is full
+                session.register(name, t, kind="kv", detect=detect, page_bytes=page_bytes)
+        kv.append((i, k, v))
     session.register(f"{prefix}.counters", counters, kind="opaque", detect="all", page_bytes=64)
     for name, p in _lora_parameters(model).items():
         if not p.data.is_contiguous():
@@ -274,6 +296,22 @@ def protect(session, cache, model=None, *, batch_size: int | None = None, max_to
     if model is not None:
         _resume_compiled(model)
     return guard
+
+
+def _count_resets(guard) -> None:
+    """Count the cache's resets on the guard (`generation`), once per cache."""
+    cache = guard.cache
+    own = cache.reset
+    if getattr(own, "_concordia_guards", None) is not None:
+        own._concordia_guards.append(guard)
+        return
+
+    def reset(*a, **kw):
+        for g in reset._concordia_guards:
+            g.generation += 1
+        return own(*a, **kw)
+    reset._concordia_guards = [guard]
+    cache.reset = reset
 
 
 def _generation_model(model):
@@ -381,6 +419,8 @@ class CheckpointEvery(StoppingCriteria):
         if self.steps % self.every == 0:
             if self.guard.tokens is not None:
                 self.guard.record_tokens(input_ids, self.attention_mask, self.steps)
+            # every layer holds the positions of all tokens but the newest (not yet fed)
+            self.guard._known_length = input_ids.shape[1] - 1
             st = self.guard.session.checkpoint(reason="generate")
             self.stats.append(st)
             if self.after is not None:

@@ -46,6 +46,9 @@ def test_protect_registers_every_layer_counter_and_lora_weight(tmp_path):
         assert {s.regions[n].kind for n in g.lora} == {"adapter"}
         # registered as they are: the cache's own tensors, not copies
         assert s.regions["hf.kv.0.k"].owner is cache.layers[0].keys
+        # the cache by the positions its steps write, one row a page
+        assert {s.regions[k].detect for _, k, _ in g.kv} == {"positions"}
+        assert s.regions["hf.kv.0.k"].page_bytes == cfg.head_dim * 4  # fp32 rows of 16 on the CPU
 
 
 def test_dynamic_cache_is_refused_in_one_line(tmp_path):
