@@ -310,8 +310,14 @@ class Session:
             raise SessionError(f"before_checkpoint takes a callable, not {fn!r}")
         self._before_checkpoint.append(fn)
 
-    def checkpoint(self, *, reason: str = "manual", stream=None) -> CheckpointStats:
+    def checkpoint(self, *, reason: str = "manual", stream=None, on_full: str = "raise") -> CheckpointStats:
         """One durable epoch across every registered region; returns what it wrote.
+
+        on_full: when the log cannot take the epoch now, "raise" (LogFullError;
+        every region's next checkpoint is then whole) or "coalesce": nothing is
+        written, the pages stay dirty for the next checkpoint, retention frees
+        what it can, and the stats say `coalesced` (epoch None; a
+        LogPressureWarning once per run of them; `checkpoint.epoch`).
 
         Stream order: every region is captured as of this call in its
         producer's stream order, the producer being `stream` (for every
@@ -325,17 +331,18 @@ class Session:
         checkpoint's device work before their later work runs."""
         self._check_open("checkpoint")
         if self.resident is not None and not self.resident.inside():
-            return self.resident.checkpoint(reason=reason, stream=stream)
+            with self.runner.asking(on_full):  # for the epoch the executor runs by calling back in
+                return self.resident.checkpoint(reason=reason, stream=stream)
         if not len(self.region_set):
             raise SessionError("nothing to checkpoint: no region is registered")
         self._writer("checkpoint")
         for fn in self._before_checkpoint:
             fn()
-        stats = self.runner.run(self.log, reason=reason, stream=stream)
+        stats = self.runner.run(self.log, reason=reason, stream=stream, on_full=on_full, left=self.retention.room)
         self.policy.reset()
         self.checkpoints.append(stats)
         self.checkpoint_totals.add(stats)
-        self.retention.after_commit(stats)  # bases and compaction, one bounded slice
+        self.retention.after_commit(stats)  # bases and compaction, one bounded slice (or a coalesced one's push)
         return stats
 
     # ------------------------------------------------------------ recover

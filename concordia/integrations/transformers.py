@@ -219,7 +219,7 @@ class CheckpointEvery(StoppingCriteria):
         if self.steps % self.every == 0:
             if self.guard.tokens is not None:
                 self.guard.record_tokens(input_ids)
-            st = self.guard.session.checkpoint(reason="generate")
+            st = self.guard.session.checkpoint(reason="generate", on_full="coalesce")
             self.stats.append(st)
             if self.after is not None:
                 self.after(self.steps, st)
