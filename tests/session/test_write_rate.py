@@ -31,14 +31,14 @@ class Decode:
     """A decode loop's state: a KV cache that gains a row in every layer each
     step and wraps around, three small arrays rewritten whole each step (the
     counters and positions a decoder keeps), and adapter weights that never
-    change (a LoRA during generation).  About 1.6% of the state is
+    change (a LoRA during generation).  About 1.7% of the state is
     rewritten each step, the small arrays included."""
 
     def __init__(self, layers: int = 8, rows: int = 96, row_bytes: int = 2048):
         rng = np.random.default_rng(32)
         self.rows = rows
         self.kv = np.zeros((layers, rows, row_bytes), np.uint8)   # 1.5 MiB, a row is half a page
-        self.lora = rng.integers(0, 256, 448 << 10, dtype=np.uint8)  # 448 KiB, never written
+        self.lora = rng.integers(0, 256, 1 << 20, dtype=np.uint8)  # 1 MiB, never written
         self.small = [np.zeros(1024, np.uint32) for _ in range(3)]  # a page each, rewritten whole
 
     def arrays(self) -> dict:
