@@ -245,3 +245,33 @@ def test_the_pacing_is_measured_from_what_the_checkpoints_write(shm_log):
         assert set(s.retention.to_json()) >= {"counts", "error", "busy", "free_bytes", "capacity", "floor_epoch"}
     with Log.open(shm_log, writable=False) as log:
         assert log.verify()["corrupt"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tier,via", [("shm", "gpu-mapped"), ("file", "gpu-ring")])
+def test_device_regions_coalesce_and_are_carried_as_host_ones_are(shm_log, tmp_path, tier, via):
+    # the same burst on a CuPy region: the room is asked of the device
+    # detector without advancing it, and the carried pages take the device path
+    import cupy as cp
+
+    kv = cp.zeros((1024, 4096), cp.uint8)  # 4 MiB on the device
+    log = shm_log if tier == "shm" else f"file:{tmp_path / 'gpu.log'}"
+    with Session(log, size=17 * SEGMENT, segment_size=SEGMENT, overwrite=True) as s:
+        s.register("kv", kv)
+        for t in range(1, 1_001):
+            kv[(4 * t) % 1024:(4 * t) % 1024 + 4, :64] = t % 251 + 1
+            assert not s.checkpoint(on_full="coalesce").coalesced, t
+            if not _whole_state_fits(s):
+                break
+        else:
+            raise AssertionError("the log never filled past a checkpoint of the whole state")
+        committed, epoch = cp.asnumpy(kv), s.epoch
+        kv[:] = 251
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            st = s.checkpoint(on_full="coalesce")
+        assert st.coalesced and s.epoch == epoch and len(caught) == 1
+        assert _same(_recover_fresh(log), {"kv": committed})
+        st = s.checkpoint(on_full="coalesce")
+        assert not st.coalesced and st.pages["kv"] == 1024 and st.via["kv"] == via, st
+        assert _same(_recover_fresh(log), {"kv": cp.asnumpy(kv)})
