@@ -22,7 +22,7 @@ _ERRORS = (
     "DuplicateRegionError", "ExecutorError", "ExecutorStalledError", "ExecutorStoppedError",
     "ForeignOwnerError", "FormatVersionError", "GpuUnavailableError",
     "HostRegisterRefusedError", "InjectedFaultError", "InstrumentError", "KernelCompileError",
-    "KernelError", "KernelInputError", "LibpmemUnavailableError", "LockedError", "LogFullError",
+    "KernelError", "KernelInputError", "LibpmemUnavailableError", "LockedError", "LogFullError", "LogPressureWarning",
     "MissingDependencyError", "NotADaxDeviceError", "NotALogError", "NothingToRecoverError", "TargetNotEmptyError",
     "NumaNodeError", "OutOfRangeError", "OutputExistsError", "OutputIsInputError", "PathNotFoundError", "PermissionDeniedError", "PlanError",
     "ProtocolError", "ReadOnlyError", "ReadOnlyFeatureError", "RecordTooLargeError",

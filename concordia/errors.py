@@ -28,7 +28,8 @@ from concordia.gpu_kernels.errors import (
 )
 from concordia.instrument.errors import InstrumentError
 from concordia.regions.errors import (
-    DemoError, DuplicateRegionError, NothingToRecoverError, RecoverMismatchError, RecoveryDigestError,
+    DemoError, DuplicateRegionError, LogPressureWarning, NothingToRecoverError, RecoverMismatchError,
+    RecoveryDigestError,
     RegionMismatchError, SessionClosedError, SessionError, ShapeChangedError, StandbyError, UnknownRegionError,
     UnsupportedArrayError,
 )
@@ -47,7 +48,7 @@ __all__ = [
     "ExecutorStalledError", "ExecutorStoppedError", "ForeignOwnerError", "FormatVersionError",
     "GpuUnavailableError", "HostRegisterRefusedError", "InjectedFaultError", "InstrumentError",
     "KernelCompileError", "KernelError", "KernelInputError", "LibpmemUnavailableError",
-    "LockedError", "LogFullError", "NotADaxDeviceError", "NotALogError", "NothingToRecoverError",
+    "LockedError", "LogFullError", "LogPressureWarning", "NotADaxDeviceError", "NotALogError", "NothingToRecoverError",
     "NumaNodeError", "OutOfRangeError", "OutputExistsError", "OutputIsInputError", "PathNotFoundError", "PermissionDeniedError", "PlanError",
     "ProtocolError", "ReadOnlyError", "ReadOnlyFeatureError", "RecordTooLargeError",
     "RecoverMismatchError", "RecoveryDigestError", "RegionError", "RegionMismatchError",

@@ -7,7 +7,8 @@ does the work after each checkpoint): a region gets a new base snapshot once
 the deltas logged since its newest base pass `base_every_bytes`, every epoch
 among the newest `keep_epochs` (and every epoch committed within the last
 `keep_seconds`) stays restorable, and compaction frees what nothing kept still
-needs, writing at most about `slice_bytes` after any one checkpoint."""
+needs, writing about `slice_bytes` after any one checkpoint (more when the
+measured write rate would fill the log first)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,9 @@ class Policy:
     --keep.  slice_bytes: BASE
     bytes written after one checkpoint while a base is being written (None:
     64 KiB, or twice what that checkpoint wrote when more, so that a slice
-    costs about what the checkpoint did and a base outpaces the deltas)."""
+    costs about what the checkpoint did and a base outpaces the deltas); more
+    when the write rate measured over the checkpoints and the free space say
+    the log would fill before the base is in force (`concordia.retention`)."""
 
     every_steps: int | None = None
     every_ms: float | None = None

@@ -20,8 +20,53 @@ committed.  Under the session's `Policy` it
     the host copies, each slice, the new catalog and the superblock write that
     makes it current each take a hook of their own;
   * under log pressure (free space below a full base of every region plus a
-    few segments) bases every region at once and keeps only the newest epoch:
+    few segments) bases every region at once (as many as the free space
+    takes, oldest base first; with none, a switch keeping only the newest
+    epoch frees what older epochs hold) and keeps only the newest epoch:
     the checkpoint the caller relies on must not fail for want of space.
+
+Pacing by the write rate.  The log is written in order and freed only from
+its oldest end, so a region whose newest base is old (a LoRA adapter that
+never changes has no chain and is never due) holds every byte written since,
+and a kept window (`keep_epochs`) holds every byte written within it, bases
+included.  What the checkpoints write is measured (`rate`: an average of the
+record bytes per checkpoint that weighs the newest by RATE_WEIGHT; `peak`: the
+largest lately), and from it and the free space:
+
+  * `need(image)`: the free bytes a base job of `image` bytes uses up before
+    its switch can free anything: the image, a checkpoint at the measured rate
+    for each hook it takes (its copies, its slices, its catalog, its switch),
+    and `headroom` (a segment, two of the largest checkpoints lately, the
+    catalog and descriptors a switch appends);
+  * the log is *short* while the free space is below `need` of the whole
+    state: a switch then moves the floor up to its new bases however young
+    they are (the window shrinks: the log wins), and a switch waiting for the
+    window to pass the newest bases is made at once;
+  * while the free space is below twice that, a job also takes the *stale*
+    regions (`_stale`): taken oldest base first, a base of the first k lets a
+    switch free the log up to where the next one's base starts, and the k
+    that frees the most beyond the images it writes is taken;
+  * each slice is at least what is left of the job times the rate over the
+    room left once the job, two checkpoints and the headroom are taken from
+    the free space, so the job switches before the log fills (the whole rest
+    at once when even that does not fit);
+  * no job starts that the free space cannot finish (`_affordable`), and no
+    region is based at the epoch it was written whole or based at (that
+    epoch's own records stay as long as a base at it does).
+
+A checkpoint that coalesced (`Session.checkpoint(on_full="coalesce")`, the log
+too full for its epoch) comes here too (`after_commit` sees
+`stats.coalesced`): the first of a run of them issues one LogPressureWarning,
+and each pushes retention as pressure does: the job under way is written and
+switched at once keeping the newest epoch; with none, once for each committed
+epoch, a switch keeping only it and a base of every region at it, folded
+from the log (the arrays have moved on since the commit, so no host copy is
+its state), switched at once.  A checkpoint that may coalesce leaves the room
+that base needs, counting what the switch before it frees (`room`), so the
+log never fills past the point where retention can free it.  (A base at an
+epoch keeps that epoch's records too: a log of less than about four images
+of the state can be held by bursts that rewrite it whole, every checkpoint
+coalescing until the writes that remain fit.)
 
 After a table pass the hook costs no Python per region: the state's size,
 the free space and every region's chain are kept between checkpoints (the
@@ -44,10 +89,11 @@ from __future__ import annotations
 import collections
 import itertools
 import time
+import warnings
 
 import numpy as np
 
-from concordia.regions.errors import SessionError
+from concordia.regions.errors import LogPressureWarning, SessionError
 from concordia.root_error import ConcordiaError
 from concordia.wal.compaction import record_bytes, retention_reserve  # the log's rules; record_bytes re-exported
 
@@ -60,6 +106,8 @@ MIN_SLICE = 64 << 10
 #: so that a job's start copies into memory already in place (a fresh buffer
 #: costs page faults and zeroing on top of the copy)
 KEPT_COPY_BYTES = 64 << 20
+#: weight of the newest checkpoint in the measured rate (`Retention.rate`)
+RATE_WEIGHT = 1 / 8
 
 
 class Retention:
@@ -85,6 +133,13 @@ class Retention:
         self.last: str | None = None
         self.reports: collections.deque = collections.deque(maxlen=64)  # CompactReport of switches
         self.counts: collections.Counter = collections.Counter()
+        #: record bytes per checkpoint, measured (RATE_WEIGHT on the newest), and the
+        #: largest lately (each checkpoint lowers it by RATE_WEIGHT until one is larger)
+        self.rate = 0.0
+        self.peak = 0.0
+        self.coalescing = 0        # checkpoints coalesced since the last one that committed
+        self.short = False         # the last hook found the log short (module doc)
+        self._pushed = 0           # the epoch coalesced checkpoints last freed space for
         self.error: str | None = None  # the last failure (the job is dropped and retried later)
         from concordia.wal.compaction import Known
 
@@ -100,8 +155,10 @@ class Retention:
         self._slot: dict = {}           # name -> slot
         self._chain = np.zeros(0, np.int64)   # delta payload bytes since the region's newest base
         self._since = np.zeros(0, np.int64)   # the epoch its chain restarted at
+        self._pin = np.zeros(0, np.int64)     # LSN its newest base (or first full write) starts at, or below
         self._bounds = np.zeros(0, np.int64)  # bound() of each region
         self._pbytes = np.zeros(0, np.int64)  # page bytes of each region
+        self._image = np.zeros(0, np.int64)   # log bytes of a full image of each region
         self._state = 0                 # state_bytes() of the registered regions
         self._table: tuple | None = None  # (names of a table pass, their slots)
         self._free: tuple = (None, 0)   # (superblock, bytes of its free segments)
@@ -117,15 +174,17 @@ class Retention:
         key = (len(regions), self.policy.base_every_bytes)
         if key == self._key:
             return
-        old = dict(zip(self._names, zip(self._chain.tolist(), self._since.tolist())))
+        old = dict(zip(self._names, zip(self._chain.tolist(), self._since.tolist(), self._pin.tolist())))
         rs = list(regions)
         self._names = regions.names
         self._slot = {n: i for i, n in enumerate(self._names)}
-        self._chain = np.array([old.get(n, (0, 0))[0] for n in self._names], np.int64)
-        self._since = np.array([old.get(n, (0, 0))[1] for n in self._names], np.int64)
+        self._chain = np.array([old.get(n, (0, 0, 0))[0] for n in self._names], np.int64)
+        self._since = np.array([old.get(n, (0, 0, 0))[1] for n in self._names], np.int64)
+        self._pin = np.array([old.get(n, (0, 0, 0))[2] for n in self._names], np.int64)
         self._bounds = np.array([self.bound(r) for r in rs], np.int64)
         self._pbytes = np.array([r.page_bytes for r in rs], np.int64)
-        self._state = sum(record_bytes(r.array.nbytes, r.page_bytes) for r in rs)
+        self._image = np.array([record_bytes(r.array.nbytes, r.page_bytes) for r in rs], np.int64)
+        self._state = int(self._image.sum())
         self._table = None
         self._key = key
 
@@ -162,6 +221,7 @@ class Retention:
         for name in stats.base:  # a first full write bounds the chain as a base does
             self._chain[self._slot[name]] = 0
             self._since[self._slot[name]] = stats.epoch
+            self._pin[self._slot[name]] = self._mark
 
     # ---------------------------------------------------------------- sizes
     def capacity(self) -> int:
@@ -210,11 +270,162 @@ class Retention:
     def reserve(self) -> int:
         """Free space below which the log is under pressure: the retention
         reserve (`wal.compaction.retention_reserve`, the rule a compaction
-        follows too) with four checkpoints of the last one's size."""
-        last = self.session.checkpoints[-1].log_bytes if self.session.checkpoints else 0
+        follows too) with four of the largest checkpoints lately (`peak`)."""
         # a base of every region (with the ends of the segments it crosses) and a
         # few more checkpoints fit below it, so the switch that frees space comes in time
-        return retention_reserve(self.state_bytes(), int(self.session.log.volume.segment_bytes), 4 * last)
+        return retention_reserve(self.state_bytes(), int(self.session.log.volume.segment_bytes), 4 * int(self.peak))
+
+    # ---------------------------------------------------------------- pacing
+    def _note_rate(self, log_bytes: int) -> None:
+        """Measure a committed checkpoint's record bytes (`rate`, `peak`).  The
+        first full write of a region is no delta: it starts the measure only."""
+        n = float(log_bytes)
+        if self.rate == 0.0:
+            self.rate = self.peak = n
+            return
+        self.rate += RATE_WEIGHT * (n - self.rate)
+        self.peak = max(n, self.peak * (1 - RATE_WEIGHT))
+
+    def headroom(self) -> int:
+        """Free bytes kept beyond any forecast: a segment (a switch frees whole
+        segments, and the one being written is never all usable), two of the
+        largest checkpoints lately, and the catalog and region descriptors a
+        switch appends."""
+        return (int(self.session.log.volume.segment_bytes) + 2 * int(self.peak) + (64 << 10)
+                + 512 * len(self._names))
+
+    def need(self, image: int, slice_bytes: int) -> int:
+        """Free bytes a base job of `image` bytes, written `slice_bytes` a
+        hook, uses up from its start to its switch: the image, a checkpoint at
+        the measured rate for each hook (the copies, each slice, the catalog,
+        the switch) and the `headroom`."""
+        hooks = 3 + -(-int(image) // max(1, int(slice_bytes)))
+        return int(image) + hooks * int(self.rate) + self.headroom()
+
+    def _slice(self, log_bytes: int) -> int:
+        """The policy's slice: `slice_bytes`, else MIN_SLICE or twice the checkpoint's bytes."""
+        return int(self.policy.slice_bytes or max(MIN_SLICE, 2 * int(log_bytes)))
+
+    def _paced(self, job, slice_bytes: int) -> int:
+        """The slice the job writes now: at least `slice_bytes`, and enough that
+        what is left of it is written before the checkpoints meanwhile (at the
+        measured rate) leave less than two checkpoints and the headroom free;
+        all that is left when even one slice a hook would not make it."""
+        left = max(1, int(job.total) - int(job.done_bytes))
+        rate = max(1, int(self.rate))
+        room = self.free_bytes() - left - 2 * rate - self.headroom()
+        if room <= rate:
+            return left
+        return max(int(slice_bytes), -(-left * rate // room))
+
+    def _stale(self) -> np.ndarray:
+        """A mask over the slots: the regions whose bases hold the oldest part
+        of the log, where a base of them frees more than it writes.  Regions
+        are taken oldest base (or first full write) first; a base of the first
+        k lets a switch free the log up to where the next one's starts; the k
+        that frees the most beyond the images it writes is taken (none when no
+        k frees more than it writes)."""
+        pins = self._pin
+        mask = np.zeros(pins.size, bool)
+        if not pins.size:
+            return mask
+        order = np.argsort(pins, kind="stable")
+        p = pins[order]
+        low = max(int(p[0]), int(self.session.log.volume.superblock.oldest_lsn))
+        upto = np.maximum(np.append(p[1:], int(self.session.log.appender.write_lsn)), low)
+        gain = (upto - low) - np.cumsum(self._image[order])
+        k = int(np.argmax(gain))
+        if gain[k] > 0:
+            mask[order[:k + 1]] = True
+        return mask
+
+    def base_fits(self, image: int, space) -> bool:
+        """Whether a base of `image` bytes, with its catalog and descriptors,
+        fits `space` (a `wal.compaction.Space`; `takes`)."""
+        return takes(space, image + (64 << 10) + 512 * len(self._names), self._base_record())
+
+    def _base_record(self) -> int:
+        """Bytes of the largest BASE record a job writes (a slice of the
+        policy's size or MIN_SLICE, of the smallest pages)."""
+        from concordia.wal import format as F
+
+        pb = int(self._pbytes.min()) if self._pbytes.size else 4096
+        return F.page_batch_length(max(1, int(self.policy.slice_bytes or MIN_SLICE) // pb), pb)
+
+    def _affordable(self, names: list) -> list:
+        """The longest run of `names`, oldest base first, whose base the free
+        space takes now (`base_fits`): a job the log cannot finish would only
+        leave its records in the way."""
+        from concordia.wal.compaction import free_space
+
+        space = free_space(self.session.log)
+        slots = sorted((self._slot[n] for n in names), key=lambda i: int(self._pin[i]))
+        out, image = [], 0
+        for i in slots:
+            image += int(self._image[i])
+            if not self.base_fits(image, space):
+                break
+            out.append(self._names[i])
+        return sorted(out)
+
+    def room(self, left) -> bool:
+        """Whether `left` (a `wal.compaction.Space`: what a checkpoint that may
+        coalesce would leave free) lets retention free space after it, so
+        that the log never fills past the point where it can (`EpochRunner.room`):
+        room for the rest of the job under way (or about to begin), else for a
+        base of every region (`base_fits`), counting the segments a switch
+        keeping only the newest epoch frees first (`_freeable`).  Always
+        while retention is off or the log cannot hold a base beside the state."""
+        if not self.policy.retain or not self.session.log.writable or not self.can_base():
+            return True
+        self._sync()
+        if self.job is not None:
+            return self.base_fits(max(0, int(self.job.total) - int(self.job.done_bytes)), left)
+        if self._starting is not None:
+            return self.base_fits(int(sum(int(self._image[self._slot[n]]) for n in self._starting[1])), left)
+        if self.base_fits(self._state, left):
+            return True
+        from concordia.wal.compaction import Space
+
+        return self.base_fits(self._state, Space(left.tail, left.free_segments + self._freeable(), left.capacity))
+
+    def _freeable(self) -> int:
+        """Live segments a switch keeping only the newest epoch frees without a
+        new base: the floor goes to the newest base of all (a base's epoch
+        keeps its own records), every region reads its newest base and the
+        epochs after it, and the segments wholly below all that go; 0 when a
+        region has no base or an epoch needed is not known."""
+        from concordia.wal.snapshot import current_catalog
+
+        log = self.session.log
+        newest: dict = {}
+        for e in current_catalog(log).entries:
+            if e.epoch >= newest.get(e.region_id, (0, 0))[0]:
+                newest[e.region_id] = (int(e.epoch), int(e.first_lsn))
+        latest = int(log.last_committed_epoch or 0)
+        bases = [newest.get(r.id) for r in self.regions]
+        if not bases or None in bases:
+            return 0
+        floor = max(b[0] for b in bases)
+        low = int(log.appender.write_lsn)
+        for epoch, first in bases:
+            need = floor if epoch == floor else epoch + 1  # the floor's records, or the deltas after the base
+            mark = self.known.epochs.get(need)
+            if mark is None and need <= latest:
+                return 0
+            low = min(low, first, mark[0] if mark is not None else low)
+        return sum(1 for seg in log.volume.live_segments()[:-1] if seg.end_lsn <= low)
+
+    @property
+    def pacing(self) -> dict:
+        """What the pacing sees now: the measured rate and peak (record bytes per
+        checkpoint), the free bytes, `need` of a base of the whole state at the
+        policy's slice, the headroom, whether the log is short, and the
+        checkpoints coalesced since the last commit."""
+        self._sync()
+        return {"rate": int(self.rate), "peak": int(self.peak), "free": self.free_bytes(),
+                "need": self.need(self._state, self._slice(self.rate)), "headroom": self.headroom(),
+                "short": self.short, "coalescing": self.coalescing}
 
     def bound(self, r) -> int:
         b = self.policy.base_every_bytes
@@ -222,12 +433,19 @@ class Retention:
 
     # ---------------------------------------------------------------- the hook
     def after_commit(self, stats) -> None:
-        """Called by the session once `stats.epoch` has committed."""
+        """Called by the session once `stats.epoch` has committed, or once a
+        checkpoint has coalesced instead (`stats.coalesced`)."""
         self.last = None
+        if stats.coalesced:
+            self._after_coalesced(stats)
+            return
+        self.coalescing = 0  # a run of coalesced checkpoints ends with a commit
         if not self.policy.retain:
             return
         app = self.session.log.appender
         self.known.epochs[stats.epoch] = (self._mark, app.last_commit_lsn)
+        if not stats.base:
+            self._note_rate(stats.log_bytes)
         try:
             self._after_commit(stats)
         finally:
@@ -246,31 +464,104 @@ class Retention:
                           f"({_mib(2 * self.state_bytes())} with it): no automatic bases")
             return
         try:
-            if self.based is None:
-                from concordia.wal.snapshot import current_catalog
-
-                ids = {e.region_id for e in current_catalog(self.session.log).entries}
-                self.based = {r.name for r in self.regions if r.id in ids}
-            pressure = self.free_bytes() < self.reserve()
+            self._know_bases()
+            free = self.free_bytes()
+            pressure = free < self.reserve()
+            full = self.need(self._state, self._slice(stats.log_bytes))
+            self.short = free < full
             if self.job is None and self._starting is None:
                 # a job starts with its host copies alone; the job and its slices follow from the next hook
-                if self._maybe_start(stats.epoch, pressure, stats.log_bytes) and not pressure:
+                stale = self._stale() if free < 2 * full else None
+                if self._maybe_start(stats.epoch, pressure, stats.log_bytes, stale) and not pressure:
                     self.last = "start"
                     return
             if self._starting is not None:
                 self._begin()
             if self.job is not None:
-                self._advance(pressure, int(self.policy.slice_bytes or max(MIN_SLICE, 2 * stats.log_bytes)))
-            elif self.pending_floor and self._window_start(stats.epoch) > self.pending_floor:
+                self._advance(pressure, self._slice(stats.log_bytes))
+            elif (self.pending_floor and (self.short or self._window_start(stats.epoch) > self.pending_floor)
+                  or pressure):
+                # under pressure with no base the log takes now: a switch keeping only the
+                # newest epoch frees what older epochs hold, so that a base fits at the next hook
                 self._switch(stats.epoch, pressure)
         except ConcordiaError as exc:
-            self.error = exc.one_line() if hasattr(exc, "one_line") else str(exc)
-            self.counts["errors"] += 1
+            self._failed(exc)
+
+    def _failed(self, exc) -> None:
+        """A step failed: say why, drop the job (nothing was switched; the checkpoint stands)."""
+        self.error = exc.one_line() if hasattr(exc, "one_line") else str(exc)
+        self.counts["errors"] += 1
+        if self.job is not None:
+            self.job.abort()
+        self.job = None
+        self.job_ready = False
+        self._starting = None
+
+    def _know_bases(self) -> None:
+        """At the first hook: which regions have a catalogued base, and where the
+        newest of each starts (a region's pin, module doc)."""
+        if self.based is not None:
+            return
+        from concordia.wal.snapshot import current_catalog
+
+        entries = current_catalog(self.session.log).entries
+        ids = {e.region_id: e for e in sorted(entries, key=lambda e: e.epoch)}  # the newest per region
+        self.based = {r.name for r in self.regions if r.id in ids}
+        for r in self.regions:
+            if r.id in ids:
+                i = self._slot[r.name]
+                self._pin[i] = max(int(self._pin[i]), int(ids[r.id].first_lsn))
+
+    def _after_coalesced(self, stats) -> None:
+        """A checkpoint coalesced: warn at the first of a run, and free what can
+        be freed now (module doc)."""
+        self.counts["coalesced"] += 1
+        self.coalescing += 1
+        log = self.session.log
+        if self.coalescing == 1:
+            warnings.warn(LogPressureWarning(
+                f"the log has {self.free_bytes()} bytes free, too few for this checkpoint: it coalesced (nothing "
+                "written; its pages are carried by the next checkpoint that commits) while retention frees space",
+                where=str(log.backend.where),
+                hint="a larger log, fewer checkpoints, or a smaller keep_epochs"), stacklevel=4)
+        if not self.policy.retain or not log.writable or not self.can_base():
+            return
+        app = log.appender
+        latest = int(log.last_committed_epoch or 0)
+        try:
+            self._sync()
+            self._know_bases()
+            self.short = True
+            if self._starting is not None:
+                self._begin()
             if self.job is not None:
-                self.job.abort()
-            self.job = None
-            self.job_ready = False
-            self._starting = None
+                self._advance(True, 0)  # the rest at once, switched keeping the newest epoch
+            elif latest and self._pushed != latest:
+                # once for each committed epoch: a switch keeping only it (frees what the
+                # window holds), and a base of every region at it, folded from the log
+                # (the arrays hold pages that epoch lacks), in the room kept for it (`room`)
+                self._pushed = latest
+                self._switch(latest, True)
+                self._fold(latest)
+        except ConcordiaError as exc:
+            self._failed(exc)
+        finally:
+            self._mark = app.write_lsn
+
+    def _fold(self, epoch: int) -> None:
+        """A base of every region at committed `epoch` (those based there
+        already are left as they are), folded from the log (no host copy is
+        that epoch's state once the arrays moved on), written and switched at
+        once keeping only that epoch."""
+        from concordia.wal.compaction import Compaction
+
+        self.counts["jobs"] += 1
+        self._chain[:] = 0
+        self._since[:] = epoch
+        self.job = Compaction(self.session.log, epoch, live={}, chunk_bytes=int(self.policy.slice_bytes or MIN_SLICE))
+        self.job_pressure = True
+        self.job_ready = False
+        self._advance(True, 0)
 
     def _due(self, epoch: int, log_bytes: int) -> np.ndarray | None:
         """Which regions need a base now (a mask over the slots; None: none).
@@ -284,15 +575,19 @@ class Retention:
         half = 2 * chain > bound
         if not half.any():  # most hooks: no chain is half its bound yet
             return None
-        sl = int(self.policy.slice_bytes or max(MIN_SLICE, 2 * int(log_bytes)))
+        sl = self._slice(log_bytes)
         takes = 2 + -(-self._state // sl)
         age = np.maximum(epoch - self._since, 1)
         soon = (age >= takes) & half & (chain + chain / age * takes > bound)
         return (chain > bound) | soon
 
-    def _maybe_start(self, epoch: int, pressure: bool, log_bytes: int = 0) -> bool:
-        """Start a base job when a chain is due (`_due`), or under pressure; True if one started."""
+    def _maybe_start(self, epoch: int, pressure: bool, log_bytes: int = 0, stale=None) -> bool:
+        """Start a base job when a chain is due (`_due`), a region is stale
+        (`stale`, a mask, when the log is short of twice a job's need), or
+        under pressure; True if one started."""
         over = self._due(epoch, log_bytes)
+        if stale is not None and stale.any():
+            over = stale if over is None else over | stale
         if not pressure and (over is None or not over.any()):
             return False
         if over is None:
@@ -300,6 +595,13 @@ class Retention:
         regions = self.regions
         due = [self._names[i] for i in np.flatnonzero(over)]
         names = regions.names if pressure else sorted(set(due) | (set(regions.names) - self.based))
+        # a region written whole (or based) at this epoch gains nothing from a base at it: its
+        # records of the epoch stay as long as the epoch does
+        names = self._affordable([n for n in names if int(self._since[self._slot[n]]) != epoch])
+        if not names:
+            if self._affordable(regions.names) != regions.names:
+                self.error = f"no room in the log for a base ({_mib(self.free_bytes())} free): none started"
+            return False
         # the copies are the state of the epoch just committed (nothing ran since);
         # the job that takes them is made at the next hook (`_begin`)
         live = {n: self._host_copy(n, regions[n].array) for n in names
@@ -357,9 +659,10 @@ class Retention:
 
     def _advance(self, pressure: bool, slice_bytes: int) -> None:
         """One step of the job, each in a hook of its own so that no checkpoint
-        pays for two: a slice of its BASE records; once they are written, its
-        catalog (appended, not yet current); then the superblock write that
-        switches to it.  Under pressure the job is written and switched at once."""
+        pays for two: a slice of its BASE records (`_paced`); once they are
+        written, its catalog (appended, not yet current); then the superblock
+        write that switches to it.  Under pressure the job is written and
+        switched at once."""
         job = self.job
         if job.prepared:
             self._switched(job)
@@ -370,10 +673,10 @@ class Retention:
             self._prepare(job, job.epoch, True)
             self._switched(job)
         elif not self.job_ready:
-            self.job_ready = job.step(slice_bytes)
+            self.job_ready = job.step(self._paced(job, slice_bytes))
             self.last = "base"
             self.counts["slices"] += 1
-        elif self._prepare(job, job.epoch, False):
+        elif self._prepare(job, job.epoch, False, floor_at=job.epoch if self.short else 0):
             self.last = "catalog"
         else:
             self._switched(job)  # nothing to write
@@ -390,20 +693,25 @@ class Retention:
 
     def _switch(self, epoch: int, pressure: bool) -> None:
         """A switch with no new base, so that the floor follows the newest bases
-        once the window has moved past them (in two hooks, as a job's)."""
+        once the window has moved past them, or at once while the log is short
+        (in two hooks, as a job's)."""
         from concordia.wal.compaction import Compaction
 
         job = Compaction(self.session.log, epoch, regions=[], live={}, digests={})
-        if self._prepare(job, epoch, pressure) and not pressure:
+        if self._prepare(job, epoch, pressure, floor_at=self.pending_floor if self.short else 0) and not pressure:
             self.job, self.job_ready, self.last = job, True, "catalog"
         else:
             self._switched(job)
 
-    def _prepare(self, job, epoch: int, pressure: bool) -> bool:
-        """The job's catalog under the kept window (`Compaction.prepare`)."""
+    def _prepare(self, job, epoch: int, pressure: bool, floor_at: int = 0) -> bool:
+        """The job's catalog under the kept window (`Compaction.prepare`); the
+        window starts at `floor_at` at the latest (the log is short: the floor
+        may move up to the newest bases)."""
         log = self.session.log
         latest = int(log.last_committed_epoch or 0)
-        start = latest if pressure else self._window_start(latest)
+        # the window never reaches below the floor a switch has set (its epochs are gone)
+        start = latest if pressure else max(self._window_start(latest), int(floor_at),
+                                            int(log.volume.superblock.oldest_epoch))
         # the session's policy is its window, counted in committed epochs (one per epoch
         # from start; 0: every epoch), and no limit on bases: what the switch stores
         # in the log is what `concordia-wal compact` applies when told nothing
@@ -414,8 +722,9 @@ class Retention:
     def _switched(self, job) -> None:
         """The job's superblock write (`Compaction.switch`), and what follows from it."""
         rep = job.switch()
-        eps = self.known.epochs  # in commit order: the epochs below the floor are its first ones
-        for ep in list(itertools.takewhile(lambda e: e < rep.floor_epoch, eps)):
+        eps = self.known.epochs  # in commit order: the epochs it forgets are its first ones
+        below = min(rep.floor_epoch, self._oldest_cut(rep.floor_epoch) + 1)
+        for ep in list(itertools.takewhile(lambda e: e < below, eps)):
             del eps[ep]
         self.job = None
         self.job_pressure = False
@@ -427,10 +736,26 @@ class Retention:
         self.last = "switch"
         if rep.folded:
             self.based.update(rep.folded)
+            for name, entry in zip(rep.folded, job.new):  # where each new base starts
+                self._pin[self._slot[name]] = int(entry.first_lsn)
             self.pending_floor = job.epoch
             self.counts["bases"] += len(rep.folded)
         if rep.floor_epoch >= self.pending_floor:
             self.pending_floor = 0
+
+    def _oldest_cut(self, floor: int) -> int:
+        """The oldest of the regions' newest catalogued bases at or before
+        `floor` (0: a region has none): a switch keeps what every epoch after
+        it wrote while that base is in use (a region that never changes is
+        not based again for a long time), so the session keeps knowing those
+        epochs (`Known`) and a switch needs no scan of the log."""
+        from concordia.wal.snapshot import current_catalog
+
+        newest: dict = {}
+        for e in current_catalog(self.session.log).entries:
+            if e.epoch <= floor:
+                newest[e.region_id] = max(newest.get(e.region_id, 0), int(e.epoch))
+        return min((newest.get(r.id, 0) for r in self.regions), default=int(floor))
 
     @property
     def job_epoch(self) -> int | None:
@@ -442,11 +767,21 @@ class Retention:
     def to_json(self) -> dict:
         return {"counts": dict(self.counts), "error": self.error, "busy": self.job_epoch is not None,
                 "free_bytes": self.free_bytes(), "capacity": self.capacity(),
-                "floor_epoch": self.reports[-1].floor_epoch if self.reports else 0}
+                "floor_epoch": self.reports[-1].floor_epoch if self.reports else 0, "pacing": self.pacing}
+
+
+def takes(space, nbytes: int, record: int) -> bool:
+    """Whether `space` (a `wal.compaction.Space`) takes `nbytes` written in
+    records of at most `record` bytes: the appender moves to a fresh segment
+    only for a record that does not fit the rest of one, so each segment
+    takes its capacity less one record at the least."""
+    cap = int(space.capacity)
+    r = min(int(record), cap)
+    return max(0, int(space.tail) - r) + int(space.free_segments) * (cap - r) >= int(nbytes)
 
 
 def _mib(n: int) -> str:
     return f"{-(-n // (1 << 20))} MiB"
 
 
-__all__ = ["Retention", "LIVE_COPY_BYTES", "record_bytes"]
+__all__ = ["Retention", "LIVE_COPY_BYTES", "record_bytes", "takes"]

@@ -144,13 +144,11 @@ class Session:
         return self.runner.staging
 
     @property
-    def gpu_fallback(self) -> str | None:
-        """Why the device path is not used (None while it is, or was never needed)."""
+    def gpu_fallback(self) -> str | None:  # why the device path is not used (None while it is)
         return self.runner.gpu_fallback
 
     @property
-    def paths(self) -> collections.Counter:
-        """How many region checkpoints took each path."""
+    def paths(self) -> collections.Counter:  # how many region checkpoints took each path
         return self.runner.paths
 
     # ------------------------------------------------------------ lifecycle
@@ -317,32 +315,33 @@ class Session:
             raise SessionError(f"before_checkpoint takes a callable, not {fn!r}")
         self._before_checkpoint.append(fn)
 
-    def checkpoint(self, *, reason: str = "manual", stream=None) -> CheckpointStats:
+    def checkpoint(self, *, reason: str = "manual", stream=None, on_full: str = "raise") -> CheckpointStats:
         """One durable epoch across every registered region; returns what it wrote.
 
+        on_full: when the log cannot take the epoch now, "raise" (LogFullError;
+        every region's next checkpoint is then whole) or "coalesce": nothing is
+        written, the pages stay dirty for the next checkpoint, retention frees
+        what it can, and the stats say `coalesced` (epoch None; a
+        LogPressureWarning once per run of them; `checkpoint.epoch`).
+
         Stream order: every region is captured as of this call in its
-        producer's stream order, the producer being `stream` (for every
-        region) when given, else the stream given at `register`, else the
-        framework's current stream now: PyTorch's current stream of the
-        tensor's device for a torch tensor, CuPy's current stream for a CuPy
-        array.  So a write queued on a side stream just before the call, inside
-        `with torch.cuda.stream(side):`, is in the epoch without any
-        synchronise.  It is done with events (`regions.streams.StreamOrder`): no
-        device-wide synchronise, and the producer streams wait for the
-        checkpoint's device work before their later work runs."""
+        producer's stream order (`stream`, else the stream given at `register`,
+        else the framework's current stream now), with events only: see
+        `regions.streams.StreamOrder`."""
         self._check_open("checkpoint")
         if self.resident is not None and not self.resident.inside():
-            return self.resident.checkpoint(reason=reason, stream=stream)
+            with self.runner.asking(on_full):  # for the epoch the executor runs by calling back in
+                return self.resident.checkpoint(reason=reason, stream=stream)
         if not len(self.region_set):
             raise SessionError("nothing to checkpoint: no region is registered")
         self._writer("checkpoint")
         for fn in self._before_checkpoint:
             fn()
-        stats = self.runner.run(self.log, reason=reason, stream=stream)
+        stats = self.runner.run(self.log, reason=reason, stream=stream, on_full=on_full, left=self.retention.room)
         self.policy.reset()
         self.checkpoints.append(stats)
         self.checkpoint_totals.add(stats)
-        self.retention.after_commit(stats)  # bases and compaction, one bounded slice
+        self.retention.after_commit(stats)  # bases and compaction, one bounded slice (or a coalesced one's push)
         return stats
 
     # ------------------------------------------------------------ recover

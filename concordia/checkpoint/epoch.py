@@ -43,11 +43,24 @@ record, the CRC table and the moved digest (`device.DeviceKernels.delta`).
 The runner caches its routes, stagers and table pass between checkpoints,
 keyed on `RegionSet.version`; the commit is a callable the session hands in
 (`commit(appender, epoch, digests)`), so this module never sees the session.
+
+A log too full to take the epoch (`on_full`, `ON_FULL`): "raise" lets the
+appender's LogFullError out (the detectors have advanced by then, so every
+region's next checkpoint writes it whole: `RegionSet.lose`).  "coalesce"
+first asks whether the log can take the epoch (`room`): the free space (the
+rest of the segment being written and the free segments) against the
+reservations the epoch makes, for the full image of every region when that
+fits, else for the pages the detectors find without advancing, and whether
+what is left is enough for the session's retention to go on with (a callable
+handed in, `left`).  When it is not, nothing is detected, staged or
+committed, no epoch number is taken and the statistics say `coalesced`: the
+pages stay dirty and the next checkpoint carries them.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
 
 import numpy as np
@@ -63,8 +76,11 @@ from concordia.regions.arrays import to_host
 from concordia.regions.errors import SessionError
 from concordia.regions.registry import RegionSet
 from concordia.regions.streams import StreamOrder
+from concordia.wal.errors import LogFullError
 
 STAGING = ("auto", "mapped", "ring", "host")
+#: what a checkpoint does when the log cannot take its epoch now (module doc)
+ON_FULL = ("raise", "coalesce")
 
 
 class EpochRunner:
@@ -90,6 +106,10 @@ class EpochRunner:
         self._producers = None  # (version, one region per producer stream key, order), see stream_order
         self._routes: tuple | None = None   # (version, routes)
         self._table: tuple | None = None    # (version, table pass or None)
+        self._whole: tuple | None = None    # (version, record bytes of every region written whole)
+        self._asked: str | None = None      # on_full of the call whose epoch another thread runs (`asking`)
+        #: record bytes the last committed epoch wrote (what a table pass guesses for the next)
+        self.last_log_bytes = 0
 
     @property
     def registration(self):
@@ -114,9 +134,40 @@ class EpochRunner:
         self.regions.lose()
 
     # -- one epoch ---------------------------------------------------------------
-    def run(self, log, *, reason: str, stream=None) -> CheckpointStats:
+    @contextlib.contextmanager
+    def asking(self, on_full: str):
+        """`on_full` for the epoch run on another thread for the caller inside
+        the block (the resident executor's consumer calls `Session.checkpoint`
+        again, with the default)."""
+        check_on_full(on_full)
+        self._asked = on_full
+        try:
+            yield
+        finally:
+            self._asked = None
+
+    def run(self, log, *, reason: str, stream=None, on_full: str = "raise", left=None) -> CheckpointStats:
         """Checkpoint every region into `log` (writable) as the next epoch; the
-        caller has run the session's before-checkpoint hooks."""
+        caller has run the session's before-checkpoint hooks.  on_full: what a
+        log too full for the epoch does (module doc); left: with "coalesce",
+        whether the space the epoch would leave (a `wal.compaction.Space`) is
+        enough to go on with (the session's retention: `Retention.room`)."""
+        check_on_full(on_full)
+        on_full = self._asked or on_full
+        try:
+            stats = self._run(log, reason, stream, on_full, left)
+        except LogFullError:
+            if on_full != "coalesce":
+                raise
+            # the room was there when asked (`room`) and was not at a roll over:
+            # the abort path has made every region's next checkpoint whole
+            # (`lose`), which carries every page the detectors passed
+            return CheckpointStats.of_coalesced(reason)
+        if not stats.coalesced:
+            self.last_log_bytes = int(stats.log_bytes)
+        return stats
+
+    def _run(self, log, reason: str, stream, on_full: str, left) -> CheckpointStats:
         regions = self.regions
         table = self.table_pass(log)
         if table is None or not table.table.unchanged():
@@ -124,6 +175,11 @@ class EpochRunner:
                 r.check_unchanged()  # before anything is written
         order = self.stream_order(stream)
         order.after_producers()
+        if on_full == "coalesce":
+            t0 = time.perf_counter()
+            if not self.room(log, left):
+                order.before_later_work()
+                return CheckpointStats.of_coalesced(reason, (time.perf_counter() - t0) * 1e3)
         epoch = regions.take_epoch(log.appender.next_epoch)
         if table is not None:
             try:
@@ -207,6 +263,50 @@ class EpochRunner:
         return CheckpointStats.of_table(epoch, reason, names, counts, table.label,
                                         int(counts @ table.table.page_bytes), int(got.log_bytes),
                                         got.detect_s * 1e3, got.stage_s * 1e3, commit_s * 1e3, got.device_reads)
+
+    # -- room in the log -----------------------------------------------------------
+    def room(self, log, enough=None) -> bool:
+        """Whether `log` can take this epoch now, leaving space that `enough`
+        (None: any) accepts (module doc): its free space against the
+        reservations the epoch makes, for the full image of every region first
+        (kept between checkpoints), else for the pages the detectors find now
+        without advancing (a second detection pass, made only when the log is
+        that full)."""
+        from concordia.wal.compaction import free_space
+
+        space = free_space(log)
+        version = self.regions.version
+        if self._whole is None or self._whole[0] != version:
+            self._whole = (version, self.reservations(log, space.capacity, whole=True))
+        n = len(self.regions)
+        for plan in (self._whole[1], None):
+            if plan is None:
+                plan = self.reservations(log, space.capacity, whole=False)
+            left = space_after(space, plan, self.last_log_bytes, n)
+            if left is not None and (enough is None or enough(left)):
+                return True
+        return False
+
+    def reservations(self, log, capacity: int, *, whole: bool) -> tuple:
+        """(record bytes the host path reserves one by one, extent bytes the
+        extent pipelines reserve) of this epoch, in the order they are made,
+        for every page of every region (whole) or for the pages each detector
+        finds now (not advanced); `capacity`: the bytes a segment holds."""
+        from concordia.checkpoint.staging import EXTENT_BYTES, plan_batches, plan_extents
+
+        routes = self.route(log)
+        records, batches = [], []
+        for key, regions in routes.items():
+            for r in regions:
+                n = r.pages if whole else int(detect.dirty_pages(r, advance=False).size)
+                if n:
+                    got = plan_batches(r, n, capacity)
+                    (records.extend(b.length for b in got) if key is None else batches.extend(got))
+        extents = []
+        if batches:  # packed as the extent pipeline packs them (`Stager.run`)
+            cap = min(max([EXTENT_BYTES] + [b.length for b in batches]), capacity)
+            extents = [sum(b.length for b in e) for e in plan_extents(batches, cap)]
+        return records, extents
 
     def stream_order(self, stream) -> StreamOrder:
         """The producer streams of this checkpoint (`StreamOrder.for_checkpoint`),
@@ -302,3 +402,26 @@ class EpochRunner:
                 st.why_ring = why
         self.stagers[key] = st
         return st
+
+
+def check_on_full(on_full) -> None:
+    if on_full not in ON_FULL:
+        raise SessionError(f"on_full must be {' or '.join(map(repr, ON_FULL))}, not {on_full!r}",
+                           where="checkpoint")
+
+
+def space_after(space, reservations: tuple, last: int, regions: int):
+    """The space (a `wal.compaction.Space`) the epoch's `reservations`
+    (`EpochRunner.reservations`) leave of `space` at the most, or None when
+    they may not fit.  The appender places each reservation where the last
+    ended, in a fresh segment when it does not fit the rest of that one
+    (`Space.after` follows it), and so do they here, with an extent of the
+    last epoch's `last` bytes first where an extent pipeline runs (a pass
+    reserves one sized by the last epoch's records, padding when they grew)
+    and the commit record at the end."""
+    from concordia.wal import format as fmt
+
+    records, extents = reservations
+    lengths = ([min(int(last), space.capacity)] if extents and last else []) + list(records) + list(extents)
+    lengths.append(fmt.record_length(fmt.COMMIT_BODY_SIZE + fmt.COMMIT_DIGEST_SIZE * regions))
+    return space.after(fmt.align64(x) for x in lengths)

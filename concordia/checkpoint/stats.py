@@ -21,15 +21,21 @@ class CheckpointStats:
     table_pass     one pass over the region table took every region (checkpoint package)
     executor       "host" (the caller's thread ran the epoch) or "resident" (the
                    session's executor did: `concordia.executor.resident`)
+    coalesced      the log could not take the epoch now and the checkpoint was
+                   asked to coalesce (`Session.checkpoint(on_full="coalesce")`):
+                   nothing was written or committed, `epoch` is None, `pages`
+                   and `base` are empty, and the pages stay dirty, so the next
+                   checkpoint that commits carries them (`to_json` has the
+                   key only then)
 
     A table pass hands over its names and per-region counts (`of_table`):
     `pages` and `via` are built from them when first read, so a checkpoint
     of many regions does no Python per region for its statistics."""
 
     _FIELDS = ("epoch", "reason", "pages", "base", "bytes", "log_bytes", "detect_ms", "stage_ms", "commit_ms",
-               "via", "device_reads", "table_pass", "executor")
+               "via", "device_reads", "table_pass", "executor", "coalesced")
     __slots__ = ("epoch", "reason", "_pages", "base", "bytes", "log_bytes", "detect_ms", "stage_ms", "commit_ms",
-                 "_via", "device_reads", "table_pass", "executor", "_lazy")
+                 "_via", "device_reads", "table_pass", "executor", "coalesced", "_lazy")
 
     def __init__(self, epoch: int, reason: str, pages: dict, base: list, bytes: int, log_bytes: int,
                  detect_ms: float, stage_ms: float, commit_ms: float, via: dict | None = None,
@@ -40,6 +46,7 @@ class CheckpointStats:
         self._via = {} if via is None else via
         self.device_reads, self.table_pass = device_reads, table_pass
         self.executor = "host"
+        self.coalesced = False
         self._lazy = None
 
     @classmethod
@@ -51,6 +58,13 @@ class CheckpointStats:
         st = cls(epoch, reason, None, [], nbytes, log_bytes, detect_ms, stage_ms, commit_ms, None, device_reads, True)
         st._via = None
         st._lazy = (names, counts, label)
+        return st
+
+    @classmethod
+    def of_coalesced(cls, reason: str, detect_ms: float = 0.0) -> "CheckpointStats":
+        """The statistics of a checkpoint that coalesced: no epoch, nothing written."""
+        st = cls(None, reason, {}, [], 0, 0, detect_ms, 0.0, 0.0)
+        st.coalesced = True
         return st
 
     def _build(self) -> None:
@@ -106,7 +120,9 @@ class CheckpointStats:
         return "CheckpointStats(" + ", ".join(f"{f}={v!r}" for f, v in zip(self._FIELDS, self._values())) + ")"
 
     def to_json(self) -> dict:
-        d = {f: copy.deepcopy(v) for f, v in zip(self._FIELDS, self._values())}
+        """Every field and total_ms; "coalesced" only for a checkpoint that
+        coalesced (the keys of one that committed stay as they were)."""
+        d = {f: copy.deepcopy(v) for f, v in zip(self._FIELDS, self._values()) if f != "coalesced" or v}
         d["total_ms"] = self.total_ms
         return d
 
@@ -114,13 +130,18 @@ class CheckpointStats:
 @dataclasses.dataclass
 class CheckpointTotals:
     """Every checkpoint of a session, summed (`Session.checkpoint_totals`):
-    how many, payload bytes and record bytes written."""
+    how many committed, payload bytes and record bytes written, and how many
+    coalesced instead (`CheckpointStats.coalesced`: not in `count`)."""
 
     count: int = 0
     bytes: int = 0
     log_bytes: int = 0
+    coalesced: int = 0
 
     def add(self, stats: CheckpointStats) -> None:
+        if stats.coalesced:
+            self.coalesced += 1
+            return
         self.count += 1
         self.bytes += stats.bytes
         self.log_bytes += stats.log_bytes

@@ -421,7 +421,7 @@ class CheckpointEvery(StoppingCriteria):
                 self.guard.record_tokens(input_ids, self.attention_mask, self.steps)
             # every layer holds the positions of all tokens but the newest (not yet fed)
             self.guard._known_length = input_ids.shape[1] - 1
-            st = self.guard.session.checkpoint(reason="generate")
+            st = self.guard.session.checkpoint(reason="generate", on_full="coalesce")
             self.stats.append(st)
             if self.after is not None:
                 self.after(self.steps, st)

@@ -61,6 +61,14 @@ class DemoError(SessionError):
     """The demo's worker or recovery process failed."""
 
 
+class LogPressureWarning(ConcordiaError, RuntimeWarning):
+    """A warning, not raised: checkpoints asked to coalesce under log pressure
+    (`Session.checkpoint(on_full="coalesce")`) found the log too full for
+    their epoch, so their pages wait for the next one.  Issued once per run
+    of such checkpoints; it renders as one line like every error."""
+
+
 __all__ = ["SessionError", "SessionClosedError", "UnsupportedArrayError", "DuplicateRegionError",
            "UnknownRegionError", "ShapeChangedError", "RegionMismatchError", "RecoverMismatchError",
-           "NothingToRecoverError", "RecoveryDigestError", "StandbyError", "DemoError"]
+           "NothingToRecoverError", "RecoveryDigestError", "StandbyError", "DemoError",
+           "LogPressureWarning"]
