@@ -111,13 +111,10 @@ class Session:
         self._target = log
         self.log, self._owns_log = _open_log(log, create=create, size=size, segment_size=segment_size,
                                              overwrite=overwrite, readonly=readonly)
-        #: the regions and their baselines; the epochs this session has tried (the
-        #: appender knows those any writer of the log has: a failed checkpoint's
-        #: records stay in the log)
+        #: the regions, their baselines and the epochs this session has tried
         self.region_set = RegionSet(next_epoch=self.epoch + 1)
         self.runner = EpochRunner(self.region_set, staging, self._commit, table_for_host=executor == "resident")
-        #: the newest CHECKPOINTS_KEPT checkpoints' statistics, oldest first (a bounded
-        #: deque, not the whole history: the totals are in checkpoint_totals)
+        #: the newest CHECKPOINTS_KEPT checkpoints' statistics (the totals: checkpoint_totals)
         self.checkpoints: collections.deque[CheckpointStats] = collections.deque(maxlen=CHECKPOINTS_KEPT)
         self.checkpoint_totals = CheckpointTotals()
         self.last_recovery: RecoveryStats | None = None

@@ -63,7 +63,7 @@ def _fresh(model, cache, lora0) -> None:
                 p.copy_(lora0[n])
 
 
-def _compiled(model) -> bool:
+def compiled(model) -> bool:
     """Whether generate() compiles the decode step of this model with a StaticCache."""
     gen = model.get_base_model() if hasattr(model, "get_base_model") else model
     cfg = gen.generation_config
@@ -119,7 +119,7 @@ def _say(doc: dict) -> None:
 def run_reference(args) -> None:
     plan = json.loads(args.plan)
     cfg, model, cache, lora0 = _model(args)
-    _say({"compiled": _compiled(model)})
+    _say({"compiled": compiled(model)})
     for i, g in enumerate(plan):
         _fresh(model, cache, lora0)
         with _session(args, i, overwrite=True) as s:

@@ -160,7 +160,8 @@ class Guard:
                                hint="restore with the torch build that wrote the log") from None
         self._rng_last = None
 
-    def _before_checkpoint(self) -> None:
+    def capture(self) -> None:
+        """What a checkpoint takes beside the tensors: the counters, the lengths, the generator."""
         self._sync_counters()
         if self.rng is not None:
             self._record_rng()
@@ -292,7 +293,7 @@ def protect(session, cache, model=None, *, batch_size: int | None = None, max_to
         words = 8 if dev.type == "cuda" else 640
         guard.rng = torch.zeros((words,), dtype=torch.int64, device=dev)
         session.register(f"{prefix}.rng", guard.rng, kind="opaque", detect="all", page_bytes=words * 8)
-    session.before_checkpoint(guard._before_checkpoint)
+    session.before_checkpoint(guard.capture)
     if model is not None:
         _resume_compiled(model)
     return guard

@@ -299,7 +299,7 @@ def run(shape: str, device: str, batch: int, contexts: list[int], decode_steps: 
 
     import concordia
     from concordia.demo.model import build, prompt
-    from concordia.demo.kills import _compiled
+    from concordia.demo.kills import compiled
     from concordia.integrations.transformers import protect, restore
 
     say = progress or (lambda m: None)
@@ -309,7 +309,7 @@ def run(shape: str, device: str, batch: int, contexts: list[int], decode_steps: 
         next(model.parameters()).element_size()
     res = {"bench": "model", "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
            "shape": shape, "batch": batch, "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-           "compile": _compiled(model), "attn": model.config._attn_implementation,
+           "compile": compiled(model), "attn": model.config._attn_implementation,
            "paper_ckpt_ms": PAPER_CKPT_MS, "parts": list(parts)}
 
     if "decode" in parts:
