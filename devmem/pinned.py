@@ -42,14 +42,17 @@ class PinnedBackend(Backend):
     def __init__(self, size: int):
         cupy = cupy_or_raise("pinned:")
         try:
-            mem = cupy.cuda.PinnedMemory(size, HOST_ALLOC_PORTABLE | HOST_ALLOC_MAPPED)
+            # cudaHostAlloc hands small sizes out of a pool, not always on a page
+            # boundary: ask for a page more and start at the first boundary
+            mem = cupy.cuda.PinnedMemory(size + self.ALIGNMENT, HOST_ALLOC_PORTABLE | HOST_ALLOC_MAPPED)
         except Exception as exc:
             raise CudaUnavailableError(f"cudaHostAlloc of {size} bytes failed ({exc})",
                                        where="pinned:", hint="choose a smaller size") from None
-        self._ptr = cupy.cuda.PinnedMemoryPointer(mem, 0)
-        view = memoryview(self._ptr).cast("B")
+        skip = -int(mem.ptr) % self.ALIGNMENT
+        self._ptr = cupy.cuda.PinnedMemoryPointer(mem, skip)
+        view = memoryview(self._ptr).cast("B")[:size]
         super().__init__(path=None, size=size, alignment=self.ALIGNMENT, view=view,
-                         address=int(mem.ptr), persist_path="none")
+                         address=int(mem.ptr) + skip, persist_path="none")
 
     @classmethod
     def open(cls, size: int | None) -> "PinnedBackend":

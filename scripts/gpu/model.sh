@@ -20,9 +20,9 @@ cd "$(dirname "$0")/../.."
 export HF_HUB_OFFLINE=1
 unset CUBLAS_WORKSPACE_CONFIG
 status=0
-wal() { python3 -c "import sys; from concordia.tools.wal_cli import main; sys.argv[0] = 'concordia-wal'; main()" "$@"; }
+wal=(python3 -c "import sys; from concordia.tools.wal_cli import main; sys.argv[0] = 'concordia-wal'; main()")
 if [ -z "${MODEL_SKIP_CHECKPOINT:-}" ]; then
-  timeout -k 5 "${MODEL_CHECKPOINT_S:-120}" wal bench checkpoint --parts decode --reps 20 --json \
+  timeout -k 5 "${MODEL_CHECKPOINT_S:-120}" "${wal[@]}" bench checkpoint --parts decode --reps 20 --json \
     --out "$OUT/checkpoint-decode.json" --force > /dev/null || status=1
   python3 - "$OUT/checkpoint-decode.json" <<'PY' || status=1
 import json, sys
@@ -32,7 +32,7 @@ PY
 fi
 parts=${MODEL_PARTS:-decode,longrun,kills}
 tag=${parts//,/-}
-timeout -k 5 "${MODEL_BENCH_S:-480}" wal bench model --parts "$parts" ${MODEL_ARGS:-} --json \
+timeout -k 5 "${MODEL_BENCH_S:-480}" "${wal[@]}" bench model --parts "$parts" ${MODEL_ARGS:-} --json \
   --out "$OUT/model-$tag.json" --force > /dev/null || status=1
 python3 - "$OUT/model-$tag.json" <<'PY' || status=1
 import json, sys

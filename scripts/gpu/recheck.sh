@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Tests named in RECHECK_TESTS run against this tree and against the tree in
+# .before (git archive of an earlier commit, carried, never committed), to
+# tell a regression from a test that fails on both.  Writes $OUT/recheck.txt.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+: "${OUT:?set OUT to a folder for results}"
+rm -rf /tmp/site-before
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site-before .before \
+  || { echo "recheck: installing .before failed"; exit 2; }
+for tree in after before; do
+  path=$PYTHONPATH; [ "$tree" = before ] && path=/tmp/site-before:$PYTHONPATH
+  echo "=== $tree"
+  PYTHONPATH=$path timeout -k 5 "${RECHECK_S:-120}" python3 -m pytest -q -p no:cacheprovider -m gpu ${RECHECK_TESTS} 2>&1 | tail -15
+done | tee "$OUT/recheck.txt"
