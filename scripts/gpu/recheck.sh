@@ -8,8 +8,13 @@ cd "$(dirname "$0")/../.."
 rm -rf /tmp/site-before
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site-before .before \
   || { echo "recheck: installing .before failed"; exit 2; }
+root=$PWD
 for tree in after before; do
-  path=$PYTHONPATH; [ "$tree" = before ] && path=/tmp/site-before:$PYTHONPATH
   echo "=== $tree"
-  PYTHONPATH=$path timeout -k 5 "${RECHECK_S:-120}" python3 -m pytest -q -p no:cacheprovider -m gpu ${RECHECK_TESTS} 2>&1 | tail -15
+  if [ "$tree" = before ]; then
+    (cd .before && PYTHONPATH=/tmp/site-before:$root/.before:/tmp/site timeout -k 5 "${RECHECK_S:-120}" \
+      python3 -m pytest -q -p no:cacheprovider -m gpu ${RECHECK_TESTS} 2>&1 | tail -15)
+  else
+    timeout -k 5 "${RECHECK_S:-120}" python3 -m pytest -q -p no:cacheprovider -m gpu ${RECHECK_TESTS} 2>&1 | tail -15
+  fi
 done | tee "$OUT/recheck.txt"
