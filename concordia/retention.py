@@ -50,9 +50,7 @@ largest lately), and from it and the free space:
     room left once the job, two checkpoints and the headroom are taken from
     the free space, so the job switches before the log fills (the whole rest
     at once when even that does not fit);
-  * no job starts that the free space cannot finish (`_affordable`), and no
-    region is based at the epoch it was written whole or based at (that
-    epoch's own records stay as long as a base at it does).
+  * no job starts that the free space cannot finish (`_affordable`).
 
 A checkpoint that coalesced (`Session.checkpoint(on_full="coalesce")`, the log
 too full for its epoch) comes here too (`after_commit` sees
@@ -137,6 +135,7 @@ class Retention:
         #: largest lately (each checkpoint lowers it by RATE_WEIGHT until one is larger)
         self.rate = 0.0
         self.peak = 0.0
+        self.last_bytes = 0        # record bytes of the last checkpoint that committed
         self.coalescing = 0        # checkpoints coalesced since the last one that committed
         self.short = False         # the last hook found the log short (module doc)
         self._pushed = 0           # the epoch coalesced checkpoints last freed space for
@@ -155,7 +154,7 @@ class Retention:
         self._slot: dict = {}           # name -> slot
         self._chain = np.zeros(0, np.int64)   # delta payload bytes since the region's newest base
         self._since = np.zeros(0, np.int64)   # the epoch its chain restarted at
-        self._pin = np.zeros(0, np.int64)     # LSN its newest base (or first full write) starts at, or below
+        self._pin = np.zeros(0, np.int64)     # LSN its newest catalogued base starts at (0: none, the log's start)
         self._bounds = np.zeros(0, np.int64)  # bound() of each region
         self._pbytes = np.zeros(0, np.int64)  # page bytes of each region
         self._image = np.zeros(0, np.int64)   # log bytes of a full image of each region
@@ -221,7 +220,6 @@ class Retention:
         for name in stats.base:  # a first full write bounds the chain as a base does
             self._chain[self._slot[name]] = 0
             self._since[self._slot[name]] = stats.epoch
-            self._pin[self._slot[name]] = self._mark
 
     # ---------------------------------------------------------------- sizes
     def capacity(self) -> int:
@@ -270,15 +268,15 @@ class Retention:
     def reserve(self) -> int:
         """Free space below which the log is under pressure: the retention
         reserve (`wal.compaction.retention_reserve`, the rule a compaction
-        follows too) with four of the largest checkpoints lately (`peak`)."""
+        follows too) with four checkpoints of the last one's size."""
         # a base of every region (with the ends of the segments it crosses) and a
         # few more checkpoints fit below it, so the switch that frees space comes in time
-        return retention_reserve(self.state_bytes(), int(self.session.log.volume.segment_bytes), 4 * int(self.peak))
+        return retention_reserve(self.state_bytes(), int(self.session.log.volume.segment_bytes), 4 * self.last_bytes)
 
     # ---------------------------------------------------------------- pacing
     def _note_rate(self, log_bytes: int) -> None:
-        """Measure a committed checkpoint's record bytes (`rate`, `peak`).  The
-        first full write of a region is no delta: it starts the measure only."""
+        """Measure a committed checkpoint's record bytes (`rate`, `peak`); the
+        caller leaves out a checkpoint that wrote a region whole (no delta)."""
         n = float(log_bytes)
         if self.rate == 0.0:
             self.rate = self.peak = n
@@ -321,10 +319,10 @@ class Retention:
     def _stale(self) -> np.ndarray:
         """A mask over the slots: the regions whose bases hold the oldest part
         of the log, where a base of them frees more than it writes.  Regions
-        are taken oldest base (or first full write) first; a base of the first
-        k lets a switch free the log up to where the next one's starts; the k
-        that frees the most beyond the images it writes is taken (none when no
-        k frees more than it writes)."""
+        are taken oldest base first (one with no base holds the log from its
+        start); a base of the first k lets a switch free the log up to where
+        the next one's starts; the k that frees the most beyond the images it
+        writes is taken (none when no k frees a segment more than it writes)."""
         pins = self._pin
         mask = np.zeros(pins.size, bool)
         if not pins.size:
@@ -335,7 +333,7 @@ class Retention:
         upto = np.maximum(np.append(p[1:], int(self.session.log.appender.write_lsn)), low)
         gain = (upto - low) - np.cumsum(self._image[order])
         k = int(np.argmax(gain))
-        if gain[k] > 0:
+        if gain[k] > int(self.session.log.volume.segment_bytes):  # a switch frees whole segments
             mask[order[:k + 1]] = True
         return mask
 
@@ -444,6 +442,7 @@ class Retention:
             return
         app = self.session.log.appender
         self.known.epochs[stats.epoch] = (self._mark, app.last_commit_lsn)
+        self.last_bytes = int(stats.log_bytes)
         if not stats.base:
             self._note_rate(stats.log_bytes)
         try:
@@ -595,9 +594,7 @@ class Retention:
         regions = self.regions
         due = [self._names[i] for i in np.flatnonzero(over)]
         names = regions.names if pressure else sorted(set(due) | (set(regions.names) - self.based))
-        # a region written whole (or based) at this epoch gains nothing from a base at it: its
-        # records of the epoch stay as long as the epoch does
-        names = self._affordable([n for n in names if int(self._since[self._slot[n]]) != epoch])
+        names = self._affordable(names)
         if not names:
             if self._affordable(regions.names) != regions.names:
                 self.error = f"no room in the log for a base ({_mib(self.free_bytes())} free): none started"
