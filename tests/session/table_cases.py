@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from concordia import Session
+from concordia import Policy, Session
 
 from .staging_cases import log_contents
 
@@ -49,17 +49,21 @@ def mutate(specs: list[dict], epoch: int) -> None:
                 s["slots"][at // pb] += 1
 
 
-def run(log, specs, *, epochs: int = 4, staging="auto", to_device=None):
+def run(log, specs, *, epochs: int = 4, staging="auto", to_device=None, retain: bool = False):
     """Checkpoint `specs` `epochs` times (mutating before all but the first and
     last), then recover.  Arrays move to the device with `to_device`, which
     are refreshed from the numpy truth after every mutation.  Returns (stats,
-    log contents, recovered arrays, truth)."""
+    log contents, recovered arrays, truth).  Retention is off unless
+    `retain`: its base slices are paced by the measured write rate, so two
+    paths' logs hold the same checkpoint records but not always the same
+    base slices beside them (retention's own tests hold those)."""
     live = {s["name"]: (to_device(s["array"]) if to_device else s["array"]) for s in specs}
     slots = {s["name"]: (to_device(s["slots"]) if to_device else s["slots"]) for s in specs if "slots" in s}
     total = sum(s["array"].nbytes for s in specs)
     stats = []
     size = -(-max(64 << 20, 8 * total) // (16 << 20)) * (16 << 20)
-    with Session(log, size=size, segment_size=16 << 20, overwrite=True, staging=staging) as ses:
+    with Session(log, size=size, segment_size=16 << 20, overwrite=True, staging=staging,
+                 policy=Policy(retain=retain)) as ses:
         for s in specs:
             kw = {}
             if s["detect"] == "versions":
