@@ -8,6 +8,7 @@ per life, so the start-up (imports, model build, compile) is paid once per
 kill, not once per generation:
 
     reference   runs every generation uninterrupted, one after another
+    recover     recovers one log into a fresh cache and times it (bench model)
     life        restores the generation the last life was killed in (if any),
                 finishes it, then starts the next ones; once a generation it
                 was told to die in has taken `min_steps` steps, it says so
@@ -63,14 +64,11 @@ def _fresh(model, cache, lora0) -> None:
                 p.copy_(lora0[n])
 
 
-def compiled(model) -> bool:
-    """Whether generate() compiles the decode step of this model with a StaticCache."""
+def compiled(model, cache) -> bool:
+    """Whether generate() compiles its decode step for this model and cache:
+    transformers' own criterion, as generate() asks it."""
     gen = model.get_base_model() if hasattr(model, "get_base_model") else model
-    cfg = gen.generation_config
-    if getattr(cfg, "disable_compile", False):
-        return False
-    cc = getattr(cfg, "compile_config", None)
-    return gen.device.type in ("cuda", "xpu") or bool(cc is not None and cc._compile_all_devices)
+    return bool(gen._valid_auto_compile_criteria({"past_key_values": cache}, gen.generation_config))
 
 
 def _protect(args, session, cache, model):
@@ -119,7 +117,7 @@ def _say(doc: dict) -> None:
 def run_reference(args) -> None:
     plan = json.loads(args.plan)
     cfg, model, cache, lora0 = _model(args)
-    _say({"compiled": compiled(model)})
+    _say({"compiled": compiled(model, cache)})
     for i, g in enumerate(plan):
         _fresh(model, cache, lora0)
         with _session(args, i, overwrite=True) as s:
@@ -144,8 +142,11 @@ def run_life(args) -> None:
             if torch.cuda.is_available() and args.device.startswith("cuda"):
                 torch.cuda.synchronize()
             _say({"restored": args.resume, "epoch": state.epoch, "steps": state.steps})
-            out, guard = _generate(args, plan[args.resume], model, cfg, cache, s, guard=guard, start=state.steps,
-                                   ids=state.tokens, mask=state.attention_mask)
+            if state.steps >= args.steps:  # the kill came after the last step's checkpoint: nothing to take
+                out = state.tokens
+            else:
+                out, guard = _generate(args, plan[args.resume], model, cfg, cache, s, guard=guard,
+                                       start=state.steps, ids=state.tokens, mask=state.attention_mask)
             _say({**_result(args.resume, out, guard), "resumed_at_step": state.steps, "epoch": state.epoch})
         first = args.resume + 1
     else:
@@ -165,6 +166,29 @@ def run_life(args) -> None:
         if i in die_in:  # the kill has not come yet: wait for it outside generate()
             _say({"finished_before_kill": i})
             time.sleep(3600)
+
+
+def run_recover(args) -> None:
+    """A fresh process recovers `--log` read-only into a fresh cache (protect,
+    restore) and says how long that took, without its start-up."""
+    import torch
+    from transformers import StaticCache
+
+    from concordia.integrations.transformers import protect, restore
+    from concordia.session import Session
+
+    cfg, model = build(args.shape, args.device, seed=args.seed)
+    cache = StaticCache(config=cfg, max_cache_len=args.max_len)
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    with Session(args.log, create=False, readonly=True) as s:
+        guard = protect(s, cache, model, batch_size=args.batch, max_tokens=args.max_len)
+        t1 = time.perf_counter()
+        state = restore(s, guard)
+        sync()
+        t2 = time.perf_counter()
+    _say({"open_s": t1 - t0, "restore_s": t2 - t1, "recovery_s": t2 - t0, "epoch": state.epoch, "steps": state.steps})
 
 
 def _spawn(role: str, args: dict):
@@ -254,7 +278,7 @@ def run_kills(log: str, plan: list[dict], *, shape: str = "tiny", device: str = 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m concordia.demo.kills")
-    ap.add_argument("role", choices=["reference", "life"])
+    ap.add_argument("role", choices=["reference", "life", "recover"])
     ap.add_argument("--log", required=True)
     ap.add_argument("--plan", required=True)
     ap.add_argument("--shape", default="tiny")
@@ -270,8 +294,9 @@ def main(argv=None) -> int:
     ap.add_argument("--min-steps", type=int, default=2)
     ap.add_argument("--resume", type=int, default=-1)
     ap.add_argument("--die-in", default="")
+    ap.add_argument("--max-len", type=int, default=0)
     args = ap.parse_args(argv)
-    {"reference": run_reference, "life": run_life}[args.role](args)
+    {"reference": run_reference, "life": run_life, "recover": run_recover}[args.role](args)
     return 0
 
 

@@ -81,7 +81,6 @@ class Guard:
     _rng_last: list | None = None  # the words last written into `rng` (CUDA)
     _ints_last: list | None = None  # the sliding-window lengths last written into `counters`
     lengths: list | None = None  # positions each layer holds, on the host, as of the coming checkpoint
-    generation: int = 0  # cache.reset() calls: a positions region starts over when it moves
     _known_length: int | None = None  # positions every layer holds, as generate()'s tokens tell it
 
     @property
@@ -260,7 +259,7 @@ def protect(session, cache, model=None, *, batch_size: int | None = None, max_to
     counters = torch.zeros((len(cache.layers), 2), dtype=torch.int64, device=dev)
     guard = Guard(session=session, cache=cache, model=model, prefix=prefix, kv=kv, lora={}, counters=counters)
     guard._sync_counters()
-    _count_resets(guard)
+    _count_resets(cache)
     for i, layer in enumerate(cache.layers):
         k, v = f"{prefix}.kv.{i}.k", f"{prefix}.kv.{i}.v"
         for name, t in ((k, layer.keys), (v, layer.values)):
@@ -268,7 +267,7 @@ def protect(session, cache, model=None, *, batch_size: int | None = None, max_to
                 # a decode step's new rows, from the counters: O(new tokens), one row a page
                 session.register(name, t, kind="kv", detect="positions",
                                  page_bytes=position_page_bytes(t.shape[-1] * t.element_size()),
-                                 length=lambda i=i: guard.lengths[i], seq_ids=lambda: guard.generation)
+                                 length=lambda i=i: guard.lengths[i], seq_ids=lambda: cache.concordia_resets)
             else:  # a sliding-window layer rolls every position once its window is full
                 session.register(name, t, kind="kv", detect=detect, page_bytes=page_bytes)
         kv.append((i, k, v))
@@ -299,19 +298,18 @@ def protect(session, cache, model=None, *, batch_size: int | None = None, max_to
     return guard
 
 
-def _count_resets(guard) -> None:
-    """Count the cache's resets on the guard (`generation`), once per cache."""
-    cache = guard.cache
-    own = cache.reset
-    if getattr(own, "_concordia_guards", None) is not None:
-        own._concordia_guards.append(guard)
+def _count_resets(cache) -> None:
+    """Count the cache's resets (`cache.concordia_resets`), once per cache
+    however many sessions protect it: a positions region starts over when
+    the count moves."""
+    if hasattr(cache, "concordia_resets"):
         return
+    own = cache.reset
+    cache.concordia_resets = 0
 
     def reset(*a, **kw):
-        for g in reset._concordia_guards:
-            g.generation += 1
+        cache.concordia_resets += 1
         return own(*a, **kw)
-    reset._concordia_guards = [guard]
     cache.reset = reset
 
 

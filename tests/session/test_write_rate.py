@@ -120,6 +120,20 @@ def _whole_state_fits(s: Session) -> bool:
     return left is not None and s.retention.room(left)
 
 
+def _fill_until_the_whole_state_no_longer_fits(s: Session, kv, t: int = 0) -> int:
+    """A few rows of `kv` rewritten and checkpointed each step (a hundred
+    steps at the least, so that bases are taken at such steps, none
+    coalescing) until the log could not take a checkpoint of the whole
+    state; the last step."""
+    for _ in range(1_000):
+        t += 1
+        kv[(4 * t) % 1024:(4 * t) % 1024 + 4, :64] = t % 251 + 1
+        assert not s.checkpoint(on_full="coalesce").coalesced, t
+        if t >= 100 and not _whole_state_fits(s):
+            return t
+    raise AssertionError("the log never filled past a checkpoint of the whole state")
+
+
 def test_a_checkpoint_the_log_cannot_take_coalesces_and_the_next_one_carries_its_pages(shm_log):
     # A log of about four states, a few rows rewritten each step (a hundred
     # steps at the least, so that bases are taken at such steps), until the
@@ -134,14 +148,7 @@ def test_a_checkpoint_the_log_cannot_take_coalesces_and_the_next_one_carries_its
         s.register("kv", kv)
         t = 0
         for burst in (1, 2):
-            for _ in range(1_000):
-                t += 1
-                kv[(4 * t) % 1024:(4 * t) % 1024 + 4, :64] = t % 251 + 1
-                assert not s.checkpoint(on_full="coalesce").coalesced, t
-                if t >= 100 and not _whole_state_fits(s):
-                    break
-            else:
-                raise AssertionError("the log never filled past a checkpoint of the whole state")
+            t = _fill_until_the_whole_state_no_longer_fits(s, kv, t)
             committed, epoch = kv.copy(), s.epoch
             kv[:] = 250 + burst  # every page
             with warnings.catch_warnings(record=True) as caught:
@@ -259,13 +266,7 @@ def test_device_regions_coalesce_and_are_carried_as_host_ones_are(shm_log, tmp_p
     log = shm_log if tier == "shm" else f"file:{tmp_path / 'gpu.log'}"
     with Session(log, size=17 * SEGMENT, segment_size=SEGMENT, overwrite=True) as s:
         s.register("kv", kv)
-        for t in range(1, 1_001):
-            kv[(4 * t) % 1024:(4 * t) % 1024 + 4, :64] = t % 251 + 1
-            assert not s.checkpoint(on_full="coalesce").coalesced, t
-            if t >= 100 and not _whole_state_fits(s):
-                break
-        else:
-            raise AssertionError("the log never filled past a checkpoint of the whole state")
+        _fill_until_the_whole_state_no_longer_fits(s, kv)
         committed, epoch = cp.asnumpy(kv), s.epoch
         kv[:] = 251
         with warnings.catch_warnings(record=True) as caught:

@@ -176,12 +176,17 @@ def _shm_room(need: int) -> str | None:
     return None
 
 
-def _session_steps(runner, arrays: dict, step, reps: int, *, staging: str, tag: str, options=None) -> dict:
+def _session_steps(runner, arrays: dict, step, reps: int, *, staging: str, tag: str, options=None,
+                   retain: bool = True) -> dict:
     """Register `arrays` (fingerprint detector and the bench's page size,
     unless `options` gives a name other `register` arguments) in a Session on
-    a shm log of their own, checkpoint the base, then `reps` + 2 times:
-    step(i) (the caller's writes), wait for the device, time one checkpoint.
-    Median of the last `reps`, with what the checkpoints did."""
+    a shm log of their own (retention on unless `retain` is False), checkpoint
+    the base, then `reps` + 2 times: step(i) (the caller's writes), wait for
+    the device, time one checkpoint.  Median of the last `reps`, with what the
+    checkpoints did and the medians of their phases: detect, stage and commit
+    as `CheckpointStats` times them, `other_ms` the rest of the call
+    (retention's slice, the stream order, the statistics)."""
+    from concordia.policy import Policy
     from concordia.session import Session
 
     total = sum(int(a.nbytes) for a in arrays.values())
@@ -193,21 +198,25 @@ def _session_steps(runner, arrays: dict, step, reps: int, *, staging: str, tag: 
         return {"error": why}
     log = runner.scratch.log(f"steps-{tag}")
     try:
-        with Session(log, size=need, segment_size=seg, staging=staging) as s:
+        with Session(log, size=need, segment_size=seg, staging=staging, policy=Policy(retain=retain)) as s:
             for k, a in arrays.items():
                 s.register(k, a, **((options or {}).get(k) or {"page_bytes": runner.pb, "detect": "fingerprint"}))
             s.checkpoint()
-            times, last = [], None
+            times, phases, last = [], [], None
             for i in range(reps + 2):
                 step(i)
                 runner.sync()
                 t0 = time.perf_counter()
                 last = s.checkpoint()
                 times.append(time.perf_counter() - t0)
+                phases.append((last.detect_ms, last.stage_ms, last.commit_ms,
+                               times[-1] * 1e3 - last.detect_ms - last.stage_ms - last.commit_ms))
             t = statistics.median(times[2:])
+            med = [statistics.median(p[j] for p in phases[2:]) for j in range(4)]
             return {"ckpt_ms": t * 1e3, "ckpt_ms_min": min(times[2:]) * 1e3, "dirty_pages": sum(last.pages.values()),
                     "dirty_bytes": last.bytes, "log_bytes": last.log_bytes, "device_reads": last.device_reads,
-                    "table_pass": last.table_pass, "via": sorted(set(last.via.values()))}
+                    "table_pass": last.table_pass, "via": sorted(set(last.via.values())),
+                    "detect_ms": med[0], "stage_ms": med[1], "commit_ms": med[2], "other_ms": med[3]}
     except Exception as exc:  # reported in the row, the bench goes on
         return {"error": f"{type(exc).__name__}: {exc}"}
     finally:
@@ -264,22 +273,26 @@ def _decode_part(runner, max_len: int, rng, reps: int) -> dict:
     out = {"kv_tensors": d["kv_tensors"], "adapter_tensors": d["adapter_tensors"], "max_len": max_len,
            "kv_dtype": "int16 (2 bytes, bf16-sized)", "state_bytes": sum(int(a.nbytes) for a in arrays.values()),
            "kv_detector": "positions", "kv_page_bytes": row_page, "fingerprint_page_bytes": runner.pb}
-    for options, prefix in ((positions, ""), (None, "fingerprint_")):
-        for touched, key in ((True, ""), (False, "_adapters_clean")):
-            start = 0 if touched else reps + 2
-            length[0] = start  # the base checkpoint holds every position; new ones are written from here
+    # (KV options, key prefix, adapters rewritten, key suffix, retention on)
+    runs = [(positions, "", True, "", True), (positions, "", False, "_adapters_clean", True),
+            (positions, "", True, "_retain_off", False),
+            (None, "fingerprint_", True, "", True), (None, "fingerprint_", False, "_adapters_clean", True)]
+    for options, prefix, touched, key, retain in runs:
+        start = 0 if touched else reps + 2
+        length[0] = start  # the base checkpoint holds every position; new ones are written from here
 
-            def step(i, touched=touched, start=start):
-                pos = (i + start) % max_len  # past max_len: a new prompt, the length goes down
-                for a in kv.values():
-                    a[:, :, pos, :] += 1
-                length[0] = pos + 1
-                if touched:
-                    for a in ad.values():
-                        a *= 0.999
-            got = _session_steps(runner, arrays, step, reps, staging=runner.staging, tag="d", options=options)
-            for k, v in got.items():
-                out[prefix + k + key] = v
+        def step(i, touched=touched, start=start):
+            pos = (i + start) % max_len  # past max_len: a new prompt, the length goes down
+            for a in kv.values():
+                a[:, :, pos, :] += 1
+            length[0] = pos + 1
+            if touched:
+                for a in ad.values():
+                    a *= 0.999
+        got = _session_steps(runner, arrays, step, reps, staging=runner.staging, tag="d", options=options,
+                             retain=retain)
+        for k, v in got.items():
+            out[prefix + k + key] = v
     ceil = runner.ceilings(None) or runner.ceilings(next(iter(kv.values())).reshape(-1).view(runner.xp.uint8))
     if "dirty_bytes" in out:
         out["floor_ms"] = (out["state_bytes"] / ceil["hbm_read_Bps"] + out["dirty_bytes"] / ceil["d2h_Bps"]) * 1e3
@@ -830,6 +843,12 @@ def _table(result: dict) -> str:
                             f"{d.get(prefix + 'ckpt_ms_adapters_clean', nan):.3f} ms adapters clean, "
                             f"{d.get(prefix + 'log_bytes', 0) / MiB:.2f} MiB logged"
                             if prefix + "ckpt_ms" in d else d.get(prefix + "error", "?")))
+        for key, what in (("", "adapters updated"), ("_adapters_clean", "adapters clean"),
+                          ("_retain_off", "adapters updated, retention off")):
+            if "detect_ms" + key in d:
+                lines.append(f"  positions, {what}: {d['ckpt_ms' + key]:.3f} ms = detect {d['detect_ms' + key]:.3f}"
+                             f" + stage {d['stage_ms' + key]:.3f} + commit {d['commit_ms' + key]:.3f}"
+                             f" + other {d['other_ms' + key]:.3f} ms (medians)")
     for k, v in result["summary"].items():
         lines.append(f"{k}: {v:.3g}" if isinstance(v, float) else f"{k}: {v}")
     return "\n".join(lines)

@@ -84,9 +84,10 @@ def _prefill(model, cache, ids, chunk: int):
             model(input_ids=part, past_key_values=cache, cache_position=pos, use_cache=True)
 
 
-def _decode(model, cfg, cache, guard, ids, steps, every):
-    """generate() `steps` tokens after a prefilled prompt; (seconds per token,
-    checkpoint ms of each checkpoint)."""
+def _decode(model, guard, ids, steps, every):
+    """generate() `steps` tokens on a cache prefilled with all of `ids` but the
+    last token, after its base checkpoint; (seconds per token, checkpoint
+    statistics)."""
     import torch
 
     from concordia.demo.model import lora_update
@@ -94,22 +95,20 @@ def _decode(model, cfg, cache, guard, ids, steps, every):
 
     # every=0: the same online adapter update at every step, no checkpoint
     hook = CheckpointEvery(guard, every or 1 << 40, on_step=lora_update(model))
-    cache.reset()
-    _prefill(model, cache, ids[:, :-1], ids.shape[1])  # generate() then starts at the last prompt token
     dev = str(ids.device)
     _sync(torch, dev)
     t0 = time.perf_counter()
-    model.generate(input_ids=ids, max_new_tokens=steps, do_sample=False, past_key_values=cache,
+    model.generate(input_ids=ids, max_new_tokens=steps, do_sample=False, past_key_values=guard.cache,
                    stopping_criteria=[hook], min_new_tokens=steps)
     _sync(torch, dev)
-    dt = time.perf_counter() - t0
-    return dt / steps, [st.total_ms for st in hook.stats], hook.stats
+    return (time.perf_counter() - t0) / steps, hook.stats
 
 
-def _decode_part(model, cfg, batch, steps, prompt_len, reps, log_spec, discard, device) -> dict:
+def _decode_part(model, cfg, batch, steps, prompt_len, reps, kv_per_token, log_spec, discard, device) -> dict:
     """Tokens/s with no checkpoint, every step and every 8 steps, on one cache
     (compiled code reused), each setting's measured run after an unmeasured
-    one, the settings interleaved `reps` times."""
+    one, the settings interleaved `reps` times.  The cache is reset and
+    prefilled before each run's base checkpoint, outside the timed decode."""
     import torch
     from transformers import StaticCache
 
@@ -117,21 +116,22 @@ def _decode_part(model, cfg, batch, steps, prompt_len, reps, log_spec, discard, 
     from concordia.demo.model import prompt
     from concordia.integrations.transformers import protect
 
-    cache = StaticCache(config=cfg, max_cache_len=prompt_len + steps + 1)
+    max_len = prompt_len + steps + 1
+    cache = StaticCache(config=cfg, max_cache_len=max_len)
     ids = prompt(batch, prompt_len, cfg.vocab_size, device)
-    kv = sum(int(t.nbytes) for layer in cache.layers for t in (layer.keys, layer.values)) \
-        if all(layer.is_initialized for layer in cache.layers) else None
     runs = {e: [] for e in (0, 1, 8)}
     for rep in range(reps + 1):
         for every in (0, 1, 8):
             log = log_spec("decode")
-            with concordia.Session(log, size=_log_size(kv or (64 << 20))) as s:
-                guard = protect(s, cache, model, batch_size=batch, max_tokens=prompt_len + steps + 1)
-                kv = kv or sum(int(t.nbytes) for layer in cache.layers for t in (layer.keys, layer.values))
-                s.checkpoint()  # the base, outside the timed decode
-                per_tok, ckpt_ms, stats = _decode(model, cfg, cache, guard, ids, steps, every)
+            with concordia.Session(log, size=_log_size(kv_per_token * batch * max_len)) as s:
+                guard = protect(s, cache, model, batch_size=batch, max_tokens=max_len)
+                cache.reset()
+                _prefill(model, cache, ids[:, :-1], ids.shape[1])  # generate() then starts at the last token
+                s.checkpoint()  # the base
+                per_tok, stats = _decode(model, guard, ids, steps, every)
                 if rep:  # the first round warms (compiles) every setting
-                    runs[every].append({"s_per_step": per_tok, "ckpt_ms": ckpt_ms, "regions": len(guard.names),
+                    runs[every].append({"s_per_step": per_tok, "ckpt_ms": [st.total_ms for st in stats],
+                                        "regions": len(guard.names),
                                         "bytes_per_ckpt": _median([st.log_bytes for st in stats])})
             discard(log)
     del cache
@@ -173,31 +173,15 @@ def _kills_part(shape, device, batch, kills, steps, prompt_len, log_spec, say) -
 
 
 def _recovery_child(log: str, shape: str, device: str, batch: int, max_len: int) -> dict:
-    """A fresh process: open the log read-only, protect a fresh cache, restore;
-    its times (the process's start-up is not in them)."""
+    """A fresh process recovers the log (`python -m concordia.demo.kills
+    recover`: read-only open, protect a fresh cache, restore); its times,
+    without the process's start-up."""
     import json
     import subprocess
     import sys
 
-    code = (
-        "import json, sys, time, torch\n"
-        "from transformers import StaticCache\n"
-        "import concordia\n"
-        "from concordia.demo.model import build\n"
-        "from concordia.integrations.transformers import protect, restore\n"
-        "log, shape, device, batch, max_len = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])\n"
-        "cfg, model = build(shape, device)\n"
-        "cache = StaticCache(config=cfg, max_cache_len=max_len)\n"
-        "sync = torch.cuda.synchronize if device.startswith('cuda') else (lambda: None)\n"
-        "sync(); t0 = time.perf_counter()\n"
-        "with concordia.Session(log, create=False, readonly=True) as s:\n"
-        "    g = protect(s, cache, model, batch_size=batch, max_tokens=max_len)\n"
-        "    t1 = time.perf_counter()\n"
-        "    st = restore(s, g)\n"
-        "    sync(); t2 = time.perf_counter()\n"
-        "print(json.dumps({'open_s': t1 - t0, 'restore_s': t2 - t1, 'recovery_s': t2 - t0, 'epoch': st.epoch,"
-        " 'steps': st.steps}))\n")
-    r = subprocess.run([sys.executable, "-c", code, log, shape, device, str(batch), str(max_len)],
+    r = subprocess.run([sys.executable, "-m", "concordia.demo.kills", "recover", "--log", log, "--plan", "[]",
+                        "--shape", shape, "--device", device, "--batch", str(batch), "--max-len", str(max_len)],
                        capture_output=True, text=True)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     if r.returncode != 0 or not lines:
@@ -210,7 +194,9 @@ def _longrun_part(model, cfg, shape, device, batch, steps, gen, prompt_len, log_
                   say) -> dict:
     """One session, a checkpoint at every step of `steps` decode steps (in
     generations of `gen` steps on one cache), into a log of `log_x` times the
-    protected state; recovery in a fresh process at step 1,000 and at the end."""
+    protected state; recovery in a fresh process at step 1,000 and at the end.
+    The log is full when a checkpoint coalesced for want of room (or, were
+    that ever to happen, raised LogFullError)."""
     import warnings
 
     import torch
@@ -218,67 +204,53 @@ def _longrun_part(model, cfg, shape, device, batch, steps, gen, prompt_len, log_
 
     import concordia
     from concordia.demo.model import lora_update, prompt
+    from concordia.regions.errors import LogPressureWarning
     from concordia.integrations.transformers import CheckpointEvery, protect
 
     max_len = prompt_len + gen + 1
     cache = StaticCache(config=cfg, max_cache_len=max_len)
-    log = log_spec("longrun")
     seg = 64 << 20 if device.startswith("cuda") else 1 << 20
-    out = {"steps": 0, "gen_steps": gen, "generations": 0, "log_full": False, "coalesced": 0,
-           "log_full_error": None}
     say(f"longrun: {steps} steps, a checkpoint at each, generations of {gen}")
-    probe = concordia.Session(log, size=64 * seg, segment_size=seg)
-    guard = protect(probe, cache, model, batch_size=batch, max_tokens=max_len)
-    state = sum(int(r.array.nbytes) for r in probe.regions.values())
-    probe.close()
-    discard(log)
+    with concordia.Session("memory:", size=8 * seg, segment_size=seg) as probe:  # what protect() registers
+        protect(probe, cache, model, batch_size=batch, max_tokens=max_len)
+        state = sum(int(r.array.nbytes) for r in probe.regions.values())
     size = max(8, int(state * log_x) // seg) * seg
-    out.update(state_bytes=state, log_bytes=size, log_to_state=size / state, segment_bytes=seg)
+    log = log_spec("longrun")
+    out = {"steps": 0, "gen_steps": gen, "generations": 0, "state_bytes": state, "log_bytes": size,
+           "log_to_state": size / state, "segment_bytes": seg, "coalesced": 0, "log_full_error": None}
+    stats = []
     t_start = time.perf_counter()
-    ckpt_ms, bytes_written, warned = [], 0, []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        s = concordia.Session(log, size=size, segment_size=seg)
-        try:
-            guard = protect(s, cache, model, batch_size=batch, max_tokens=max_len)
-            update = lora_update(model)
-            done = 0
-            while done < steps:
-                n = min(gen, steps - done)
-                cache.reset()
-                ids = prompt(batch, prompt_len, cfg.vocab_size, device, seed=out["generations"])
-
-                def after(step, st):
-                    nonlocal bytes_written
-                    ckpt_ms.append(st.total_ms)
-                    bytes_written += st.log_bytes
-                    if getattr(st, "coalesced", False):
-                        out["coalesced"] += 1
-                hook = CheckpointEvery(guard, 1, on_step=update, start=done, after=after)
-                try:
-                    model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, past_key_values=cache,
-                                   stopping_criteria=[hook])
-                except concordia.LogFullError as exc:
-                    out["log_full"], out["log_full_error"] = True, str(exc)
-                    break
-                done += n
-                out["steps"], out["generations"] = done, out["generations"] + 1
-                if done == 1000 or (done > 1000 and "recovery_at_1000" not in out):
-                    out["recovery_at_1000"] = {**_recovery_child(log, shape, device, batch, max_len),
-                                               "at_step": done}
-            out["retention"] = s.stats().get("retention") if hasattr(s, "stats") else None
-        finally:
-            s.close()
-        warned = [str(w.message) for w in caught if "concordia" in str(w.filename) or "log" in str(w.message)]
+    with warnings.catch_warnings(record=True) as caught, concordia.Session(log, size=size, segment_size=seg) as s:
+        warnings.simplefilter("always", LogPressureWarning)
+        guard = protect(s, cache, model, batch_size=batch, max_tokens=max_len)
+        update = lora_update(model)
+        while out["steps"] < steps:
+            n = min(gen, steps - out["steps"])
+            cache.reset()
+            ids = prompt(batch, prompt_len, cfg.vocab_size, device, seed=out["generations"])
+            hook = CheckpointEvery(guard, 1, on_step=update, start=out["steps"],
+                                   after=lambda step, st: stats.append(st))
+            try:
+                model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, past_key_values=cache,
+                               stopping_criteria=[hook])
+            except concordia.LogFullError as exc:
+                out["log_full_error"] = str(exc)
+                break
+            out["steps"] += n
+            out["generations"] += 1
+            if out["steps"] >= 1000 and "recovery_at_1000" not in out:
+                out["recovery_at_1000"] = {**_recovery_child(log, shape, device, batch, max_len),
+                                           "at_step": out["steps"]}
+        out["retention"] = s.retention.to_json()
     out["wall_s"] = time.perf_counter() - t_start
-    out["log_full"] = out["log_full"] or out["coalesced"] > 0
-    out["warnings"] = warned[:5]
-    out["bytes_written"] = bytes_written
-    out["ckpt_ms_median"] = _median(ckpt_ms)
+    out["coalesced"] = sum(1 for st in stats if st.coalesced)
+    out["log_full"] = out["coalesced"] > 0 or out["log_full_error"] is not None
+    out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, LogPressureWarning)][:5]
+    out["bytes_written"] = sum(int(st.log_bytes) for st in stats)
+    out["ckpt_ms_median"] = _median([st.total_ms for st in stats])
     out["recovery_at_end"] = {**_recovery_child(log, shape, device, batch, max_len), "at_step": out["steps"]}
-    r1, r2 = out.get("recovery_at_1000", {}), out["recovery_at_end"]
-    out["recovery_s_at_1000"] = r1.get("recovery_s")
-    out["recovery_s_at_end"] = r2.get("recovery_s")
+    out["recovery_s_at_1000"] = out.get("recovery_at_1000", {}).get("recovery_s")
+    out["recovery_s_at_end"] = out["recovery_at_end"].get("recovery_s")
     if out["recovery_s_at_1000"] and out["recovery_s_at_end"]:
         out["end_to_1000"] = out["recovery_s_at_end"] / out["recovery_s_at_1000"]
     discard(log)
@@ -309,13 +281,13 @@ def run(shape: str, device: str, batch: int, contexts: list[int], decode_steps: 
         next(model.parameters()).element_size()
     res = {"bench": "model", "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
            "shape": shape, "batch": batch, "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-           "compile": compiled(model), "attn": model.config._attn_implementation,
+           "compile": compiled(model, StaticCache(config=cfg, max_cache_len=8)), "attn": model.config._attn_implementation,
            "paper_ckpt_ms": PAPER_CKPT_MS, "parts": list(parts)}
 
     if "decode" in parts:
         say(f"decode: batch {batch}, {decode_steps} tokens after a {decode_prompt}-token prompt, "
             f"{decode_reps} rounds")
-        res.update(_decode_part(model, cfg, batch, decode_steps, decode_prompt, decode_reps, log_spec, discard,
+        res.update(_decode_part(model, cfg, batch, decode_steps, decode_prompt, decode_reps, kv_per_token, log_spec, discard,
                                 device))
     if "longrun" in parts:
         res["longrun"] = _longrun_part(model, cfg, shape, device, batch, longrun_steps, longrun_gen, decode_prompt,

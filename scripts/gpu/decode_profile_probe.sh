@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Where the decode-shaped checkpoint's time goes on the H200 (issue 32's
+# <= 1.0 ms goal): `bench checkpoint --parts decode` with its phase medians
+# (detect, stage, commit, other; a row with retention off), then the same
+# bench under cProfile, its top functions by own time and by cumulative time.
+# Writes $OUT/checkpoint-decode.json and $OUT/decode-profile.txt.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+: "${OUT:?set OUT to a folder for results}"
+wal=(python3 -c "import sys; from concordia.tools.wal_cli import main; sys.argv[0] = 'concordia-wal'; main()")
+status=0
+"${wal[@]}" bench checkpoint --parts decode --reps 20 --json --out "$OUT/checkpoint-decode.json" --force \
+  > /dev/null || status=1
+python3 - "$OUT/checkpoint-decode.json" <<'PY' || status=1
+import json, sys
+d = json.load(open(sys.argv[1]))["decode_shaped"]
+for k, v in d.items():
+    if "ms" in k or "bytes" in k or "pages" in k:
+        print(k, round(v, 3) if isinstance(v, float) else v)
+PY
+python3 - "$OUT/decode-profile.txt" <<'PY' || status=1
+import cProfile, io, pstats, sys
+from concordia.tools.wal_cli import main
+sys.argv = ["concordia-wal", "bench", "checkpoint", "--parts", "decode", "--reps", "10", "--out", "/tmp/prof.json",
+            "--force"]
+pr = cProfile.Profile()
+pr.enable()
+try:
+    main(standalone_mode=False)
+except SystemExit:
+    pass
+pr.disable()
+buf = io.StringIO()
+for key in ("tottime", "cumulative"):
+    pstats.Stats(pr, stream=buf).sort_stats(key).print_stats(45)
+open(sys.argv[1], "w").write(buf.getvalue())
+print(buf.getvalue()[:6000])
+PY
+exit $status
