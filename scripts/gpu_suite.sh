@@ -43,7 +43,8 @@ status=0
 for p in "${parts[@]}"; do
   echo "=== $p"
   start=$(date +%s)
-  timeout -k 10 "$limit" bash "scripts/gpu/$p.sh" >"$OUT/$p.log" 2>&1
+  own="PART_LIMIT_S_$p"   # a part's own limit, e.g. PART_LIMIT_S_model=400
+  timeout -k 10 "${!own:-$limit}" bash "scripts/gpu/$p.sh" >"$OUT/$p.log" 2>&1
   rc=$?
   echo "=== $p rc=$rc $(( $(date +%s) - start ))s" | tee -a "$OUT/summary.txt"
   tail -n 25 "$OUT/$p.log"

@@ -593,6 +593,7 @@ class Compaction:
         self.total = sum(t[0].pages * t[0].page_bytes for t in self._todo)
         self.done_bytes = 0
         self.chunk_bytes = int(chunk_bytes)
+        self._budget = self.chunk_bytes  # what the step under way has left to write (`_chunk`)
         self.progress = progress
         self.new: list = []
         self._writer = None  # the generator writing the current region's base
@@ -603,15 +604,18 @@ class Compaction:
         return not self._todo and self._writer is None
 
     def step(self, max_bytes: int | None = None) -> bool:
-        """Write BASE records, one chunk (`chunk_bytes`) after another, until
-        `max_bytes` (default: one chunk) are written or every base is; True
-        once every base is written."""
+        """Write BASE records, one chunk after another, until `max_bytes`
+        (default: one chunk) are written or every base is; True once every
+        base is written.  A chunk is `chunk_bytes`, or what is left of a larger
+        `max_bytes` up to DEFAULT_CHUNK_BYTES: a step writes few records, each
+        costing the same fixed work whatever its size."""
         t = time.perf_counter()
         budget = self.chunk_bytes if max_bytes is None else max(1, int(max_bytes))
+        self._budget = budget
         while budget > 0 and not self.written:
             if self._writer is None:
                 info, src, want = self._todo[0]
-                self._writer = write_base_slices(self.log, info, src, self.epoch, chunk_bytes=self.chunk_bytes)
+                self._writer = write_base_slices(self.log, info, src, self.epoch, chunk_bytes=self._chunk)
             try:
                 n = next(self._writer)
             except StopIteration as stop:
@@ -629,9 +633,14 @@ class Compaction:
                 self.report.bytes_written += entry.pages * info.page_bytes
                 continue
             budget -= n
+            self._budget = budget
             self._tick(n)
         self.seconds += time.perf_counter() - t
         return self.written
+
+    def _chunk(self) -> int:
+        """The next BASE record's payload bytes (`step`)."""
+        return max(self.chunk_bytes, min(self._budget, DEFAULT_CHUNK_BYTES))
 
     def _tick(self, n: int) -> None:
         self.done_bytes += n

@@ -113,23 +113,27 @@ def base_record_lengths(info, chunk_bytes: int, capacity: int) -> list:
     return [page_batch_length(per, pb)] * full + ([page_batch_length(rest, pb)] if rest else [])
 
 
-def write_base_slices(log, info, source, epoch: int, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+def write_base_slices(log, info, source, epoch: int, *, chunk_bytes=DEFAULT_CHUNK_BYTES):
     """A generator appending the BASE page batches of a full image of region
     `info` at `epoch`, one chunk (at most `chunk_bytes`, at least one page, and
     never more than a segment holds) per step: each `next()` writes and
     persists one record and yields its payload bytes; the generator returns
     (StopIteration.value) the catalog entry that would list them.  Nothing is
     listed: the caller writes the catalog.  A caller may stop between steps
-    (the records written stay unlisted and ignored)."""
+    (the records written stay unlisted and ignored).  chunk_bytes: a number,
+    or a callable asked before each record (a caller that writes more at a
+    step takes fewer, larger records: each costs the same fixed work)."""
     from concordia.wal.format import page_crcs_of, region_digest
 
     pb = info.page_bytes
-    per = base_batch_pages(pb, chunk_bytes, log.appender.segment_capacity)
+    cap = log.appender.segment_capacity
+    size = chunk_bytes if callable(chunk_bytes) else (lambda: chunk_bytes)
     crcs = np.zeros(info.pages, dtype=np.uint32)
     first = last = None
     records = 0
-    for lo in range(0, info.pages, per):
-        hi = min(info.pages, lo + per)
+    lo = 0
+    while lo < info.pages:
+        hi = min(info.pages, lo + base_batch_pages(pb, int(size()), cap))
         pages = np.ascontiguousarray(source(lo, hi), dtype=np.uint8).reshape(hi - lo, pb)
         c = page_crcs_of(pages)
         crcs[lo:hi] = c
@@ -138,6 +142,7 @@ def write_base_slices(log, info, source, epoch: int, *, chunk_bytes: int = DEFAU
         last = lsn
         records += 1
         yield (hi - lo) * pb
+        lo = hi
     if first is None:
         raise WalError(f"region {info.name!r} has no pages to snapshot")
     return BaseEntry(info.id, int(epoch), int(first), int(last), records, info.pages, region_digest(crcs))
