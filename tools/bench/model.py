@@ -211,7 +211,10 @@ def _longrun_part(model, cfg, shape, device, batch, steps, gen, prompt_len, log_
     cache = StaticCache(config=cfg, max_cache_len=max_len)
     seg = 64 << 20 if device.startswith("cuda") else 1 << 20
     say(f"longrun: {steps} steps, a checkpoint at each, generations of {gen}")
-    with concordia.Session("memory:", size=8 * seg, segment_size=seg) as probe:  # what protect() registers
+    # the probe's log must take two images of the state, as any log protect() registers into
+    guess = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * batch * max_len * \
+        next(model.parameters()).element_size() + sum(p.nbytes for n, p in model.named_parameters() if "lora_" in n)
+    with concordia.Session("memory:", size=_log_size(guess), segment_size=64 << 20) as probe:  # what protect() registers
         protect(probe, cache, model, batch_size=batch, max_tokens=max_len)
         state = sum(int(r.array.nbytes) for r in probe.regions.values())
     size = max(8, int(state * log_x) // seg) * seg
