@@ -162,6 +162,8 @@ class Retention:
         self._table: tuple | None = None  # (names of a table pass, their slots)
         self._free: tuple = (None, 0)   # (superblock, bytes of its free segments)
         self._copies: dict = {}         # name -> host buffer kept for its next job's copy
+        self._moved = False             # the epoch of the hook under way was pending (`after_commit`)
+        self._copy_next: tuple | None = None  # (names, pressure) of a job whose copies `launched` takes
 
     # ------------------------------------------------------- the bookkeeping
     def _sync(self) -> None:
@@ -430,10 +432,14 @@ class Retention:
         return int(b) if b else max(r.page_bytes, r.array.nbytes // 4)
 
     # ---------------------------------------------------------------- the hook
-    def after_commit(self, stats) -> None:
+    def after_commit(self, stats, moved: bool = False) -> None:
         """Called by the session once `stats.epoch` has committed, or once a
-        checkpoint has coalesced instead (`stats.coalesced`)."""
+        checkpoint has coalesced instead (`stats.coalesced`).  moved: the
+        epoch was pending, so the arrays no longer hold its state."""
         self.last = None
+        self._moved = moved
+        if not moved:
+            self._copy_next = None  # decided again at this epoch, whose state the arrays hold
         if stats.coalesced:
             self._after_coalesced(stats)
             return
@@ -468,7 +474,7 @@ class Retention:
             pressure = free < self.reserve()
             full = self.need(self._state, self._slice(stats.log_bytes))
             self.short = free < full
-            if self.job is None and self._starting is None:
+            if self.job is None and self._starting is None and self._copy_next is None:
                 # a job starts with its host copies alone; the job and its slices follow from the next hook
                 stale = self._stale() if free < 2 * full else None
                 if self._maybe_start(stats.epoch, pressure, stats.log_bytes, stale) and not pressure:
@@ -599,16 +605,39 @@ class Retention:
             if self._affordable(regions.names) != regions.names:
                 self.error = f"no room in the log for a base ({_mib(self.free_bytes())} free): none started"
             return False
-        # the copies are the state of the epoch just committed (nothing ran since);
+        if self._moved and not pressure:
+            # the arrays hold a later step than the epoch just committed (it was
+            # pending): the copies are taken at the next epoch's launch (`launched`)
+            self._copy_next = (names, pressure)
+            return True
+        # the copies are the state of the epoch just committed (nothing ran since;
+        # under pressure after a pending epoch, none: folded from the log);
         # the job that takes them is made at the next hook (`_begin`)
-        live = {n: self._host_copy(n, regions[n].array) for n in names
-                if regions[n].array.nbytes <= LIVE_COPY_BYTES}
+        live = {} if self._moved else {n: self._host_copy(n, regions[n].array) for n in names
+                                       if regions[n].array.nbytes <= LIVE_COPY_BYTES}
+        self._start(epoch, names, live, pressure)
+        return True
+
+    def _start(self, epoch: int, names: list, live: dict, pressure: bool) -> None:
         self._starting = (epoch, names, live, pressure)
         self.counts["jobs"] += 1
         for n in names:  # the chain restarts at the base's epoch
             self._chain[self._slot[n]] = 0
             self._since[self._slot[n]] = epoch
-        return True
+
+    def launched(self, epoch: int) -> None:
+        """Epoch `epoch` was queued on the device and the caller has not run
+        on: the arrays hold its state (in stream order), so a job decided at
+        the last commit takes its copies now, at this epoch (`_begin` runs
+        once it has committed)."""
+        if self._copy_next is None:
+            return
+        names, pressure = self._copy_next
+        self._copy_next = None
+        regions = self.regions
+        live = {n: self._host_copy(n, regions[n].array) for n in names
+                if n in regions.names and regions[n].array.nbytes <= LIVE_COPY_BYTES}
+        self._start(epoch, [n for n in names if n in regions.names], live, pressure)
 
     def _host_copy(self, name: str, arr) -> np.ndarray:
         """The bytes of `arr` as they are now, in a buffer of this session's:

@@ -30,7 +30,6 @@ Bad input raises a one-line `SessionError` subclass before anything is written.
 from __future__ import annotations
 
 import collections
-import os
 
 import numpy as np
 
@@ -38,7 +37,6 @@ from concordia.checkpoint import detect
 from concordia.checkpoint.epoch import STAGING, EpochRunner
 from concordia.checkpoint.staging import batch_pages, page_crcs
 from concordia.checkpoint.stats import CheckpointStats, CheckpointTotals
-from concordia.devmem.errors import PathNotFoundError
 from concordia.executor.resident import EXECUTORS, start_executor
 from concordia.policy import Policy
 from concordia.regions.arrays import adapt, logical_of, storage_of
@@ -51,10 +49,9 @@ from concordia.restore.run import RecoveryStats
 from concordia.retention import Retention
 from concordia.root_error import ConcordiaError
 from concordia.wal import format as fmt
-from concordia.wal.errors import NotALogError
+from concordia.session_log import open_log as _open_log, open_read_only as _open_read_only
 from concordia.wal.log import Log
 
-DEFAULT_SIZE = 256 << 20
 #: how many checkpoints' statistics `Session.checkpoints` keeps (the newest); a
 #: long run's memory stays flat, and `Session.checkpoint_totals` counts them all
 CHECKPOINTS_KEPT = 256
@@ -160,9 +157,15 @@ class Session:
         left as they are; committed epochs stay in the log."""
         if self._closed:
             return
-        if self.resident is not None:
-            self.resident.close()
-        self._closed = True
+        try:
+            self.settle()  # a pending epoch commits before the log closes
+        finally:
+            if self.resident is not None:
+                self.resident.close()
+            self._closed = True
+            self._close_rest()
+
+    def _close_rest(self) -> None:
         for r in self.region_set:
             r.untrack()
         self.runner.close()
@@ -229,6 +232,7 @@ class Session:
         (`regions.region.position_page_bytes`); check_every defaults to 0.
         """
         self._check_open(f"register region {name!r}")
+        self.settle()
         where = f"region {name!r}"
         if not isinstance(name, str) or not name or len(name) > 255:
             raise SessionError("a region name is a non-empty string of at most 255 characters",
@@ -300,6 +304,7 @@ class Session:
     def dirty_bytes(self) -> int:
         """Bytes a checkpoint taken now would write (detectors are not advanced)."""
         self._check_open("measure dirty bytes")
+        self.settle()
         with self.region_set.lock:  # not while a resident trigger's epoch advances the detectors
             return sum(int(detect.dirty_pages(r, advance=False).size) * r.page_bytes for r in self.region_set)
 
@@ -312,7 +317,20 @@ class Session:
             raise SessionError(f"before_checkpoint takes a callable, not {fn!r}")
         self._before_checkpoint.append(fn)
 
-    def checkpoint(self, *, reason: str = "manual", stream=None, on_full: str = "raise") -> CheckpointStats:
+    def settle(self) -> CheckpointStats | None:
+        """Commit the epoch a `checkpoint(wait=False)` left pending, waiting
+        for its device work (done long since, as a rule); returns its
+        statistics (the object that call returned, now filled), or None when
+        nothing was pending.  Every call that reads or writes the log, or
+        changes the regions, settles first; so does `close`."""
+        stats = self.runner.settle()
+        if stats is not None:
+            self.checkpoint_totals.add(stats)
+            self.retention.after_commit(stats, moved=True)
+        return stats
+
+    def checkpoint(self, *, reason: str = "manual", stream=None, on_full: str = "raise",
+                   wait: bool = True) -> CheckpointStats:
         """One durable epoch across every registered region; returns what it wrote.
 
         on_full: when the log cannot take the epoch now, "raise" (LogFullError;
@@ -320,6 +338,15 @@ class Session:
         written, the pages stay dirty for the next checkpoint, retention frees
         what it can, and the stats say `coalesced` (epoch None; a
         LogPressureWarning once per run of them; `checkpoint.epoch`).
+
+        wait=False: a pending epoch: when every region takes one device table
+        pass and the epoch's records have a small upper bound (the pages of
+        the device-scanned regions and those listed now: a decode step), the
+        epoch is queued on the device in stream order and this returns
+        without waiting for it; the statistics say `pending` and are filled
+        when the session's next call commits it (`settle`).  A crash before
+        then leaves the epoch before it.  Otherwise the checkpoint completes
+        as with wait=True.
 
         Stream order: every region is captured as of this call in its
         producer's stream order (`stream`, else the stream given at `register`,
@@ -332,11 +359,16 @@ class Session:
         if not len(self.region_set):
             raise SessionError("nothing to checkpoint: no region is registered")
         self._writer("checkpoint")
+        self.settle()
         for fn in self._before_checkpoint:
             fn()
-        stats = self.runner.run(self.log, reason=reason, stream=stream, on_full=on_full, left=self.retention.room)
+        stats = self.runner.run(self.log, reason=reason, stream=stream, on_full=on_full, left=self.retention.room,
+                                wait=wait)
         self.policy.reset()
         self.checkpoints.append(stats)
+        if stats.pending:  # committed by the next call; retention takes its copies now, while they are its state
+            self.retention.launched(stats.epoch)
+            return stats
         self.checkpoint_totals.add(stats)
         self.retention.after_commit(stats)  # bases and compaction, one bounded slice (or a coalesced one's push)
         return stats
@@ -373,6 +405,7 @@ class Session:
         waited on by that stream).
         """
         self._check_open("recover")
+        self.settle()
         ex = self.resident
         if ex is not None and not ex.inside() and ex.routes_recover(device, into):
             return ex.recover(target, into=into, device=device, mode=mode, regions=regions, absent=absent)
@@ -408,6 +441,7 @@ class Session:
         its writer are seen; returns the last committed epoch.  A writable
         session's log is its own and always current."""
         self._check_open("refresh")
+        self.settle()
         if not self.log.writable and self._owns_log:
             old = self.log
             self.log = _open_read_only(self._target)
@@ -441,60 +475,6 @@ class Session:
     @property
     def log_name(self) -> str:
         return self.log.backend.where
-
-
-def _open_read_only(log):
-    """The read-only recovery path: no writer lock, nothing cut (a writer may be
-    appending right now: `Log.open(live=True)`), and nothing refused at open
-    (refuse=False): any log the command lines can read opens, and `recover`
-    decides in the mode it is given, as they do."""
-    return Log.open(log, writable=False, check_pages="last", live=True, refuse=False)
-
-
-def _open_log(log, *, create, size, segment_size, overwrite, readonly=False):
-    """(Log, owned): open the named log, or create it where allowed.  With
-    create=False a named log is opened read-only (Session's docstring), and
-    nothing is ever created: a name that holds no log is refused in one line
-    (PathNotFoundError, NotALogError)."""
-    if isinstance(log, Log):
-        if readonly and log.writable:
-            raise SessionError("readonly=True with a Log opened for writing", hint="pass the log's name")
-        return log, False
-    named = isinstance(log, (str, os.PathLike))
-    if readonly and not named:
-        raise SessionError("readonly=True needs a log name", where=str(log))
-    if overwrite and not create:
-        raise SessionError("overwrite=True formats a new log, create=False opens an existing one",
-                           where=str(log), hint="pass one of them")
-    kw = {} if segment_size is None else {"segment_size": segment_size}
-    # the tier as the opener reads the name: a file called `memory` is a file,
-    # not the memory tier (formatting it unasked would destroy what it holds)
-    from concordia.devmem import parse_spec
-    from concordia.wal.volume import VOLATILE_KINDS
-
-    volatile = named and parse_spec(log).kind in VOLATILE_KINDS
-    if volatile and not create:
-        raise NotALogError("holds no log: a log in this process's memory is made by this process",
-                           where=log, hint="pass create=True to make one")
-    if overwrite or volatile:  # a volatile tier holds nothing before this process made it
-        return Log.create(log, size=size or DEFAULT_SIZE, overwrite=True, **kw), True
-    if not create and named:  # recovery reads: the writer lock waits for the first write
-        return _open_read_only(log), True
-    try:
-        # page payloads are checked at open only where V-C4 needs them (the last
-        # one-sync commit's records): every page a recovery reads is checked
-        # where it lands, and checking all of them here read the whole log
-        # first (about 6 GB/s on one core)
-        return Log.open(log, writable=True, check_pages="last"), True
-    except (PathNotFoundError, NotALogError):
-        if not create:
-            raise
-    # a target holding anything that is not a log (a file of the user's) is
-    # refused and left as it is (TargetNotEmptyError), not formatted
-    from concordia.wal.volume import check_format_target
-
-    check_format_target(log, hint="pass overwrite=True to format it anyway")
-    return Log.create(log, size=size or DEFAULT_SIZE, overwrite=True, **kw), True
 
 
 __all__ = ["Session", "Policy", "CheckpointStats", "RecoveryStats", "ConcordiaError", "STAGING"]

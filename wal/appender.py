@@ -299,11 +299,14 @@ class Appender:
         self._persist(res.offset, res.length)
         self._wrote()
 
-    def finish_extent(self, ext: Extent, used_bytes: int, records: int, offsets=None) -> None:
+    def finish_extent(self, ext: Extent, used_bytes: int, records: int, offsets=None, *, trim: bool = False) -> None:
         """The producer wrote `records` records into the first `used_bytes` of
         `ext`; check, pad the rest, persist.  offsets: where the producer says
         its records start (ascending, from 0): their headers are then checked
-        all at once instead of walked one by one (the same checks)."""
+        all at once instead of walked one by one (the same checks).
+        trim: when nothing was taken after `ext`, give its unused end back
+        instead of padding it (a producer that reserved an upper bound), so
+        the log holds what an extent of `used_bytes` would have held."""
         self._check_running()
         if self.outstanding.pop(ext.id, None) is None:
             raise UsageError("extent already finished or not from this appender")
@@ -311,8 +314,16 @@ class Appender:
             used = self._account(ext, F.align64(used_bytes), records)
         else:
             used = self._account_at(ext, F.align64(used_bytes), records, offsets)
-        self._pad(ext, used)
-        self._persist(ext.offset, ext.length)
+        if trim and used < ext.length and self.seg is not None and self.seg.index == ext.segment \
+                and self.pos == ext.offset + ext.length:
+            self.pos = ext.offset + used
+            if self._next_slot_free():  # a clean end after the records, as a reservation leaves one
+                F.record_header_bytes(self.backend.array, self.pos)[:] = 0
+            if used:
+                self._persist(ext.offset, used)
+        else:
+            self._pad(ext, used)
+            self._persist(ext.offset, ext.length)
         self._wrote()
 
     def _wrote(self):

@@ -301,6 +301,23 @@ class _DeltaState:
     armed: bool = False
 
 
+#: the largest epoch (record bytes, upper bound) a deferred table pass reserves for
+DEFER_BYTES = 64 << 20
+
+
+@dataclasses.dataclass
+class Launched:
+    """A table pass's epoch queued on the device, not yet waited for."""
+
+    ext: object
+    epoch: int
+    t0: float  # detection queued from here
+    t1: float  # to here; staging queued from here
+    t2: float  # to here
+    reads0: int
+    deferred: bool
+
+
 def order_after_producer(stream, producer=None) -> None:
     """The one ordering point of a device checkpoint: work queued on `stream`
     after this call runs after the producer's writes to the regions.  The
@@ -356,6 +373,9 @@ class DeviceTablePass:
             self.groups.append((fn, cp.asarray(rows), cp.asarray(first), np.uint32(rows.size), int(first[-1])))
         self.listed = table.listed()
         self.marked = None  # page-space ids of listed rows flagged at the last checkpoint (device u64)
+        self._pin = None          # pinned staging of the listed ids (`_to_device`)
+        self._dev = [None, None]  # the two device buffers of listed ids
+        self._side = 0
         n, total = len(table), table.total_pages
         self.flags = cp.zeros(max(64, total), cp.uint8)
         self.ids = cp.empty(max(1, total), cp.uint32)
@@ -375,17 +395,55 @@ class DeviceTablePass:
         self.stage_grid = gpu.warp_grid(max(1, total))
         self.finalize_grid = gpu.warp_grid(max(1, table.max_records))
 
-    def _mark_listed(self) -> None:
-        """Flags of the rows whose pages the host lists: last time's cleared, this time's set."""
+    def _mark_listed(self) -> np.ndarray:
+        """Flags of the rows whose pages the host lists: last time's cleared,
+        this time's set; returns this time's page-space ids (host).  The ids go
+        to the device through a pinned buffer by a copy queued on the stream:
+        a copy from pageable memory would wait for the work queued before it
+        (the producer's step), and a deferred checkpoint must not."""
         t = self.table
-        now = self.k.cp.asarray(detect.listed_pages([t.regions[i] for i in self.listed.tolist()],
-                                                    t.entries["first_page"][self.listed]))
+        host = detect.listed_pages([t.regions[i] for i in self.listed.tolist()], t.entries["first_page"][self.listed])
+        now = self._to_device(host)
         mark = self.fn["table_mark"]
         for ids, value in ((self.marked, 0), (now, 1)):
             if ids is not None and ids.size:
                 mark((max(1, min(-(-int(ids.size) // 256), 1024)),), (256,),
                      (self.flags, ids, np.uint64(ids.size), np.uint32(value)))
         self.marked = now
+        return host
+
+    def _to_device(self, host: np.ndarray):
+        """`host` (uint64 ids) in one of two device buffers (the other holds
+        the ids the last checkpoint marked), copied from a pinned buffer on
+        the stream.  The pinned buffer is written again only after the stream
+        was synchronised (every pass waits before the next one starts)."""
+        cp, n = self.k.cp, int(host.size)
+        if n == 0:
+            return cp.zeros(0, cp.uint64)
+        if self._pin is None or self._pin.size < n:
+            size = max(512, 2 * n)
+            self._pin = self.k.gpu.pinned_buffer(8 * size)[0].view(np.uint64)
+        self._side ^= 1
+        dev = self._dev[self._side]
+        if dev is None or dev.size < n:
+            dev = self._dev[self._side] = cp.empty(max(512, 2 * n), cp.uint64)
+        self._pin[:n] = host
+        cp.cuda.runtime.memcpyAsync(dev.data.ptr, self._pin.ctypes.data, 8 * n, 1, self.k.stream.ptr)
+        return dev[:n]
+
+    def bound(self, listed: np.ndarray) -> int:
+        """Record bytes this epoch cannot exceed: every page of the rows a
+        device detector scans, and the pages listed now of the others."""
+        from concordia.checkpoint.table import DET_LISTED, counts_of, plan_records
+
+        t = self.table
+        e = t.entries
+        most = e["pages"].astype(np.int64)
+        if self.listed.size:
+            got = counts_of(e, np.sort(listed.astype(np.int64)), t.total_pages)
+            most = np.where(e["detector"] == DET_LISTED, got, most)
+        recs = plan_records(e, most)
+        return int(recs["length"].sum()) if recs.size else 0
 
     def _stage(self, ext, epoch: int) -> None:
         """Queue the plan, staging and finalizing of the epoch into `ext`, and the digests' copy."""
@@ -412,26 +470,54 @@ class DeviceTablePass:
         return fits, nbytes, records
 
     def run(self, app, epoch: int):
-        from concordia.checkpoint.table import TableResult
+        return self.complete(app, self.launch(app, epoch))
 
+    def launch(self, app, epoch: int, *, defer: bool = False) -> "Launched":
+        """Queue the epoch's detection and staging.  defer: size the extent by
+        the epoch's upper bound (`bound`) when that is at most `DEFER_BYTES`
+        and a quarter of a segment (the end of a segment too short for it is
+        left unused), so that `complete` never stages again and
+        can come after the producers moved on; `Launched.deferred` says
+        whether it was (else `complete` must follow before they write)."""
         t = self.table
         reads0 = self.k.reads
         self.k.order_after_producer()
         t0 = time.perf_counter()
         for fn, rows, first, n_rows, pages in self.groups:
             fn(self.k.gpu.warp_grid(pages), (256,), (self.d_table, rows, first, n_rows, self.flags))
-        if self.listed.size:
-            self._mark_listed()
+        listed = self._mark_listed() if self.listed.size else np.zeros(0, np.uint64)
         t1 = time.perf_counter()
-        ext = app.reserve_extent(max(64, t.last_bytes))
+        size, deferred = max(64, t.last_bytes), False
+        if defer:
+            most = self.bound(listed)
+            if most <= min(DEFER_BYTES, app.segment_capacity // 4):
+                size, deferred = max(64, most), True
+        ext = app.reserve_extent(size)
         try:
             self._stage(ext, epoch)
+        except BaseException:
+            self._abandon(app, ext)
+            raise
+        return Launched(ext, epoch, t0, t1, time.perf_counter(), reads0, deferred)
+
+    def complete(self, app, got: "Launched"):
+        """Wait for the launched epoch, stage it again into a larger extent
+        when its records outgrew the first (not for a deferred one: its extent
+        is an upper bound), finish the extent; the caller commits."""
+        from concordia.checkpoint.table import TableResult
+
+        t, ext, epoch = self.table, got.ext, got.epoch
+        tc = time.perf_counter()
+        try:
             fits, used, records = self._wait()
             if not fits:
+                if got.deferred:
+                    raise SessionError(f"the epoch's records ({used} bytes) exceed the bound of {ext.length} bytes "
+                                       "its extent was reserved for", where=f"segment {ext.segment} @ {ext.offset:#x}")
                 app.finish_extent(ext, 0, 0)  # padding: the records grew past the last epoch's
                 ext = None
                 if used > app.segment_capacity:
-                    return self._by_region(app, epoch, t0, t1, reads0)
+                    return self._by_region(app, epoch, got.t0, got.t1, got.reads0)
                 ext = app.reserve_extent(used)
                 self._stage(ext, epoch)
                 fits, used, records = self._wait()
@@ -441,22 +527,27 @@ class DeviceTablePass:
             counts = self.mail_counts.astype(np.int64)
             # the appender checks every header the plan's offsets name and
             # that they tile the bytes used
-            app.finish_extent(ext, used, records, offsets=self.mail_offsets[:records].copy())
+            app.finish_extent(ext, used, records, offsets=self.mail_offsets[:records].copy(), trim=got.deferred)
             ext = None
         except BaseException:
-            try:
-                self.k.sync()  # nothing may still be writing into the mapping
-            except Exception:
-                pass
-            if ext is not None:
-                try:
-                    app.finish_extent(ext, 0, 0)
-                except Exception:
-                    pass
+            self._abandon(app, ext)
             raise
         np.copyto(t.digests, self.mail_digests)
         t.last_bytes = used or t.last_bytes
-        return TableResult(counts, used, t1 - t0, time.perf_counter() - t1, self.k.reads - reads0)
+        # staging: the launch's queueing and this wait and finish, not the time between them
+        return TableResult(counts, used, got.t1 - got.t0, (got.t2 - got.t1) + (time.perf_counter() - tc),
+                           self.k.reads - got.reads0)
+
+    def _abandon(self, app, ext) -> None:
+        try:
+            self.k.sync()  # nothing may still be writing into the mapping
+        except Exception:
+            pass
+        if ext is not None:
+            try:
+                app.finish_extent(ext, 0, 0)
+            except Exception:
+                pass
 
     def _by_region(self, app, epoch: int, t0: float, t1: float, reads0: int):
         """An epoch larger than a segment: the per-region extent pipeline stages

@@ -44,6 +44,21 @@ The runner caches its routes, stagers and table pass between checkpoints,
 keyed on `RegionSet.version`; the commit is a callable the session hands in
 (`commit(appender, epoch, digests)`), so this module never sees the session.
 
+Deferred epochs (`run(wait=False)`, `settle`).  A table pass can be split in
+two: `launch` queues detection and staging on the device in the producers'
+stream order and returns; `complete` waits, checks and finishes the extent,
+and the commit follows.  With wait=False the runner launches, orders the
+producers' next writes after the pass (on the device, no host wait) and
+returns statistics that say `pending`; the session's next call settles it.
+The extent is reserved at the epoch's upper bound (every page of the rows a
+device detector scans, the pages listed now of the others: `bound`), so the
+records always fit and no second staging, which would read the regions after
+the producers moved on, is ever needed; the appender gives its unused end
+back (`finish_extent(trim=True)`), so the log holds what a waiting epoch
+writes.  An epoch whose bound is large (a region scanned whole by a detector
+of many pages) is waited for as before.  A crash before the commit leaves
+the epoch before it, as a crash inside a waiting checkpoint does.
+
 A log too full to take the epoch (`on_full`, `ON_FULL`): "raise" lets the
 appender's LogFullError out (the detectors have advanced by then, so every
 region's next checkpoint writes it whole: `RegionSet.lose`).  "coalesce"
@@ -110,6 +125,9 @@ class EpochRunner:
         self._asked: str | None = None      # on_full of the call whose epoch another thread runs (`asking`)
         #: record bytes the last committed epoch wrote (what a table pass guesses for the next)
         self.last_log_bytes = 0
+        #: the epoch queued by run(wait=False) and not yet committed:
+        #: (launched pass, table pass, its CheckpointStats, appender), or None
+        self.pending = None
 
     @property
     def registration(self):
@@ -146,16 +164,22 @@ class EpochRunner:
         finally:
             self._asked = None
 
-    def run(self, log, *, reason: str, stream=None, on_full: str = "raise", left=None) -> CheckpointStats:
+    def run(self, log, *, reason: str, stream=None, on_full: str = "raise", left=None,
+            wait: bool = True) -> CheckpointStats:
         """Checkpoint every region into `log` (writable) as the next epoch; the
-        caller has run the session's before-checkpoint hooks.  on_full: what a
-        log too full for the epoch does (module doc); left: with "coalesce",
-        whether the space the epoch would leave (a `wal.compaction.Space`) is
-        enough to go on with (the session's retention: `Retention.room`)."""
+        caller has run the session's before-checkpoint hooks and settled any
+        pending epoch (`settle`).  on_full: what a log too full for the epoch
+        does (module doc); left: with "coalesce", whether the space the epoch
+        would leave (a `wal.compaction.Space`) is enough to go on with (the
+        session's retention: `Retention.room`).  wait=False: a table pass
+        whose epoch has a small upper bound is only queued (module doc,
+        "Deferred epochs"); the statistics say `pending` until `settle`."""
         check_on_full(on_full)
         on_full = self._asked or on_full
+        if self.pending is not None:
+            raise SessionError("an epoch is still pending: settle() it first", where="checkpoint")
         try:
-            stats = self._run(log, reason, stream, on_full, left)
+            stats = self._run(log, reason, stream, on_full, left, wait)
         except LogFullError:
             if on_full != "coalesce":
                 raise
@@ -163,11 +187,24 @@ class EpochRunner:
             # the abort path has made every region's next checkpoint whole
             # (`lose`), which carries every page the detectors passed
             return CheckpointStats.of_coalesced(reason)
-        if not stats.coalesced:
+        if not stats.coalesced and not stats.pending:
             self.last_log_bytes = int(stats.log_bytes)
         return stats
 
-    def _run(self, log, reason: str, stream, on_full: str, left) -> CheckpointStats:
+    def settle(self) -> CheckpointStats | None:
+        """Wait for the pending epoch (if any), finish its extent and commit
+        it; its statistics (the object `run` returned) are filled in place and
+        returned.  A failure makes every region's next checkpoint whole."""
+        if self.pending is None:
+            return None
+        launched, table, stats, app = self.pending
+        self.pending = None
+        done = self._finish_table(app, table, launched, stats.epoch, stats.reason)
+        stats.settle(done)
+        self.last_log_bytes = int(stats.log_bytes)
+        return stats
+
+    def _run(self, log, reason: str, stream, on_full: str, left, wait: bool = True) -> CheckpointStats:
         regions = self.regions
         table = self.table_pass(log)
         if table is None or not table.table.unchanged():
@@ -181,6 +218,22 @@ class EpochRunner:
                 order.before_later_work()
                 return CheckpointStats.of_coalesced(reason, (time.perf_counter() - t0) * 1e3)
         epoch = regions.take_epoch(log.appender.next_epoch)
+        if table is not None and not wait:
+            try:
+                launched = table.launch(log.appender, epoch, defer=True)
+            except BaseException:
+                order.before_later_work()
+                self.lose()
+                raise
+            if launched.deferred:
+                order.before_later_work()  # the producers' next writes wait, on the device, for the pass
+                stats = CheckpointStats.of_pending(epoch, reason, (launched.t1 - launched.t0) * 1e3)
+                self.pending = (launched, table, stats, log.appender)
+                return stats
+            try:
+                return self._finish_table(log.appender, table, launched, epoch, reason)
+            finally:
+                order.before_later_work()
         if table is not None:
             try:
                 return self._run_table(log.appender, table, epoch, reason)
@@ -250,7 +303,16 @@ class EpochRunner:
         one staging pass into one extent, one wait, one commit (no Python per
         region beyond building the statistics)."""
         try:
-            got = table.run(app, epoch)
+            launched = table.launch(app, epoch)
+        except BaseException:
+            self.lose()
+            raise
+        return self._finish_table(app, table, launched, epoch, reason)
+
+    def _finish_table(self, app, table, launched, epoch: int, reason: str) -> CheckpointStats:
+        """The launched epoch of a table pass waited for, finished and committed."""
+        try:
+            got = table.complete(app, launched)
             t3 = time.perf_counter()
             self.commit(app, epoch, table.table.commit_digests())
             commit_s = time.perf_counter() - t3

@@ -117,6 +117,14 @@ class HostTablePass:
     def run(self, app, epoch: int):
         """Detect, plan and stage the epoch's records into one extent, finish
         it; the table's digests follow.  The caller commits."""
+        return self.complete(app, self.launch(app, epoch))
+
+    def launch(self, app, epoch: int, *, defer: bool = False):
+        """Detect, plan and stage the epoch's records into one extent, left
+        unfinished for `complete` (the device pass's protocol: here the
+        records are written by the time this returns, so every launch may be
+        deferred).  An epoch larger than a segment is staged region by region
+        and finished here."""
         from concordia.checkpoint.table import TableResult, counts_of, plan_records
 
         t = self.table
@@ -136,7 +144,9 @@ class HostTablePass:
             t.write_back(self.owner)
             got = self.stager.run(app, self.owner, t.regions, epoch, found=found)
             t.digests[:] = [r.digest for r in t.regions]
-            return TableResult(counts, got["log_bytes"], t1 - t0, time.perf_counter() - t1, 0)
+            return HostLaunched(None, epoch, t0, t1, time.perf_counter(), counts, recs, used,
+                                TableResult(counts, got["log_bytes"], t1 - t0, time.perf_counter() - t1, 0))
+        ext = None
         if used:
             ext = app.reserve_extent(used)
             try:
@@ -150,14 +160,45 @@ class HostTablePass:
                     ref.stage_page_batch(r.flat, local, ext.view, cursor, page_bytes=r.page_bytes,
                                          base_lsn=ext.lsn, epoch=epoch, region_id=r.id, salt=ext.salt)
                     r.crcs[local] = page_crc_table(ext.view, off, n)
-                app.finish_extent(ext, used, int(recs.size), offsets=recs["offset"])
             except BaseException:
-                try:
-                    app.finish_extent(ext, 0, 0)
-                except Exception:
-                    pass
+                _abandon(app, ext)
                 raise
-            for i in np.flatnonzero(counts).tolist():
+        return HostLaunched(ext, epoch, t0, t1, time.perf_counter(), counts, recs, used, None)
+
+    def complete(self, app, got):
+        """Finish the launched epoch's extent; the table's digests follow."""
+        from concordia.checkpoint.table import TableResult
+
+        if got.done is not None:
+            return got.done
+        t = self.table
+        tc = time.perf_counter()
+        if got.ext is not None:
+            try:
+                app.finish_extent(got.ext, got.used, int(got.recs.size), offsets=got.recs["offset"])
+            except BaseException:
+                _abandon(app, got.ext)
+                raise
+            for i in np.flatnonzero(got.counts).tolist():
                 t.digests[i] = ref.region_digest(t.regions[i].crcs)
-        t.last_bytes = used
-        return TableResult(counts, used, t1 - t0, time.perf_counter() - t1, 0)
+        t.last_bytes = got.used
+        return TableResult(got.counts, got.used, got.t1 - got.t0, (got.t2 - got.t1) + (time.perf_counter() - tc), 0)
+
+
+def _abandon(app, ext) -> None:
+    try:
+        app.finish_extent(ext, 0, 0)
+    except Exception:
+        pass
+
+
+class HostLaunched:
+    """A host table pass's epoch, staged, its extent not finished (`done`: an
+    epoch staged and finished region by region)."""
+
+    __slots__ = ("ext", "epoch", "t0", "t1", "t2", "counts", "recs", "used", "done")
+    deferred = True  # the records are written when the launch returns: completing later is safe
+
+    def __init__(self, ext, epoch, t0, t1, t2, counts, recs, used, done):
+        self.ext, self.epoch, self.t0, self.t1, self.t2 = ext, epoch, t0, t1, t2
+        self.counts, self.recs, self.used, self.done = counts, recs, used, done

@@ -27,6 +27,11 @@ class CheckpointStats:
                    and `base` are empty, and the pages stay dirty, so the next
                    checkpoint that commits carries them (`to_json` has the
                    key only then)
+    pending        the epoch was queued on the device and not yet waited for
+                   (`Session.checkpoint(wait=False)`): `epoch` is its number,
+                   the other fields are zero until the session commits it (its
+                   next call), when they are filled in place and this turns
+                   False (`to_json` has the key only while True)
 
     A table pass hands over its names and per-region counts (`of_table`):
     `pages` and `via` are built from them when first read, so a checkpoint
@@ -35,7 +40,7 @@ class CheckpointStats:
     _FIELDS = ("epoch", "reason", "pages", "base", "bytes", "log_bytes", "detect_ms", "stage_ms", "commit_ms",
                "via", "device_reads", "table_pass", "executor", "coalesced")
     __slots__ = ("epoch", "reason", "_pages", "base", "bytes", "log_bytes", "detect_ms", "stage_ms", "commit_ms",
-                 "_via", "device_reads", "table_pass", "executor", "coalesced", "_lazy")
+                 "_via", "device_reads", "table_pass", "executor", "coalesced", "_lazy", "pending")
 
     def __init__(self, epoch: int, reason: str, pages: dict, base: list, bytes: int, log_bytes: int,
                  detect_ms: float, stage_ms: float, commit_ms: float, via: dict | None = None,
@@ -48,6 +53,7 @@ class CheckpointStats:
         self.executor = "host"
         self.coalesced = False
         self._lazy = None
+        self.pending = False
 
     @classmethod
     def of_table(cls, epoch, reason, names, counts, label, nbytes, log_bytes, detect_ms, stage_ms, commit_ms,
@@ -66,6 +72,19 @@ class CheckpointStats:
         st = cls(None, reason, {}, [], 0, 0, detect_ms, 0.0, 0.0)
         st.coalesced = True
         return st
+
+    @classmethod
+    def of_pending(cls, epoch: int, reason: str, detect_ms: float) -> "CheckpointStats":
+        """The statistics of an epoch queued on the device, filled by `settle`."""
+        st = cls(epoch, reason, {}, [], 0, 0, detect_ms, 0.0, 0.0, None, 0, True)
+        st.pending = True
+        return st
+
+    def settle(self, done: "CheckpointStats") -> None:
+        """The queued epoch committed: take what its pass did (`done`)."""
+        for f in self.__slots__:
+            setattr(self, f, getattr(done, f))
+        self.pending = False
 
     def _build(self) -> None:
         names, counts, label = self._lazy
@@ -123,6 +142,8 @@ class CheckpointStats:
         """Every field and total_ms; "coalesced" only for a checkpoint that
         coalesced (the keys of one that committed stay as they were)."""
         d = {f: copy.deepcopy(v) for f, v in zip(self._FIELDS, self._values()) if f != "coalesced" or v}
+        if self.pending:
+            d["pending"] = True
         d["total_ms"] = self.total_ms
         return d
 

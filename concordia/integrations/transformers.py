@@ -396,18 +396,24 @@ class CheckpointEvery(StoppingCriteria):
     `attention_mask`: the mask given to generate() with its input, when there
     is one (a padded batch); it is kept with the tokens, so that `restore`
     hands back the mask generate() would be using.
+    `wait`: False (the default) lets a checkpoint whose epoch the device can
+    take alone stay pending (`Session.checkpoint(wait=False)`): it is queued
+    in stream order behind the step, and committed by the next checkpoint
+    (or the session's next call), while the host goes on to the next step;
+    its statistics are filled then.  A crash loses at most that epoch.
 
         model.generate(ids, past_key_values=cache, stopping_criteria=[CheckpointEvery(guard, 8)])
     """
 
     def __init__(self, guard: Guard, every: int = 1, on_step=None, *, start: int = 0, after=None,
-                 attention_mask=None):
+                 attention_mask=None, wait: bool = False):
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise SessionError(f"every must be a whole number >= 1, not {every!r}", where="CheckpointEvery")
         if isinstance(start, bool) or not isinstance(start, int) or start < 0:
             raise SessionError(f"start must be a whole number >= 0, not {start!r}", where="CheckpointEvery")
         self.guard, self.every, self.on_step, self.after = guard, every, on_step, after
         self.attention_mask = attention_mask
+        self.wait = bool(wait)
         self.steps = start
         self.stats = []
 
@@ -420,7 +426,7 @@ class CheckpointEvery(StoppingCriteria):
                 self.guard.record_tokens(input_ids, self.attention_mask, self.steps)
             # every layer holds the positions of all tokens but the newest (not yet fed)
             self.guard._known_length = input_ids.shape[1] - 1
-            st = self.guard.session.checkpoint(reason="generate", on_full="coalesce")
+            st = self.guard.session.checkpoint(reason="generate", on_full="coalesce", wait=self.wait)
             self.stats.append(st)
             if self.after is not None:
                 self.after(self.steps, st)

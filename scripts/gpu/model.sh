@@ -5,7 +5,8 @@
 # a StaticCache and a PEFT LoRA updated online, checkpointed from inside
 # generate() through concordia.integrations.transformers.
 #   bench model --parts MODEL_PARTS (default decode,longrun,kills):
-#     decode    tokens/s with no checkpoint, every step, every 8 steps
+#     decode    tokens/s with no checkpoint, every step, every 8 steps (pending
+#               epochs, CheckpointEvery's default), every step waiting
 #     longrun   10,000 every-step checkpoints into a log of 4x the state
 #     kills     6 SIGKILLs at random moments of generate(), greedy and sampled
 #               in turn, each restored and finished in a fresh process
@@ -39,7 +40,7 @@ import json, sys
 d = json.load(open(sys.argv[1]))
 print("compile", d["compile"], "attn", d["attn"])
 for r in d.get("decode", []):
-    print("every", r["every"], "tok/s", round(r["tokens_per_s"], 1), "s/step", [round(x, 5) for x in r["s_per_step_runs"]],
+    print("every", r["every"], "wait", r.get("wait"), "pending", r.get("pending"), "tok/s", round(r["tokens_per_s"], 1), "s/step", [round(x, 5) for x in r["s_per_step_runs"]],
           "overhead", round(r["overhead"], 4), "ckpt ms", r["ckpt_ms_median"], "log bytes/ckpt", r["log_bytes_per_ckpt"])
 if "longrun" in d:
     lr = dict(d["longrun"]); lr.pop("retention", None)

@@ -208,9 +208,11 @@ def test_bench_model_quick_json(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     doc = json.loads(r.stdout)
     assert doc == json.loads(out.read_text())
-    assert [d["every"] for d in doc["decode"]] == [0, 1, 8]
+    assert [(d["every"], d["wait"]) for d in doc["decode"]] == [(0, False), (1, False), (8, False), (1, True)]
     assert len(doc["decode"][1]["ckpt_ms"]) == 8 and len(doc["decode"][2]["ckpt_ms"]) == 1
-    assert "overhead_every_step" in doc and doc["ckpt_ms_per_step"] > 0
+    assert "overhead_every_step" in doc and "overhead_every_step_waiting" in doc and doc["ckpt_ms_per_step"] > 0
+    # CPU tensors take the host path, which never leaves an epoch pending (the device table pass does)
+    assert all(d["pending"] == 0 for d in doc["decode"])
     assert [r["context"] for r in doc["recovery"]] == [64, 256]
     assert all(r["identical"] for r in doc["recovery"])
     assert all(r["recovery_vs_reprefill"] > 0 for r in doc["recovery"])

@@ -51,7 +51,7 @@ def log_contents(log) -> dict:
 
 
 def assert_same_log(a: dict, b: dict) -> None:
-    assert len(a["batches"]) == len(b["batches"])
+    assert len(a["batches"]) == len(b["batches"]), (len(a["batches"]), len(b["batches"]))
     for x, y in zip(a["batches"], b["batches"]):
         assert {k: v for k, v in x.items() if k != "body"} == {k: v for k, v in y.items() if k != "body"}
         assert x["body"] == y["body"], (x["epoch"], x["region"])

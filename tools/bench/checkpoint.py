@@ -177,7 +177,7 @@ def _shm_room(need: int) -> str | None:
 
 
 def _session_steps(runner, arrays: dict, step, reps: int, *, staging: str, tag: str, options=None,
-                   retain: bool = True) -> dict:
+                   retain: bool = True, wait: bool = True) -> dict:
     """Register `arrays` (fingerprint detector and the bench's page size,
     unless `options` gives a name other `register` arguments) in a Session on
     a shm log of their own (retention on unless `retain` is False), checkpoint
@@ -185,7 +185,10 @@ def _session_steps(runner, arrays: dict, step, reps: int, *, staging: str, tag: 
     the device, time one checkpoint.  Median of the last `reps`, with what the
     checkpoints did and the medians of their phases: detect, stage and commit
     as `CheckpointStats` times them, `other_ms` the rest of the call
-    (retention's slice, the stream order, the statistics)."""
+    (retention's slice, the stream order, the statistics).  wait=False: each
+    checkpoint leaves its epoch pending and the next one commits it (its
+    time is that call's: the last epoch's finish and commit, this one's
+    launch; phases are not split then)."""
     from concordia.policy import Policy
     from concordia.session import Session
 
@@ -207,16 +210,19 @@ def _session_steps(runner, arrays: dict, step, reps: int, *, staging: str, tag: 
                 step(i)
                 runner.sync()
                 t0 = time.perf_counter()
-                last = s.checkpoint()
+                last = s.checkpoint(wait=wait)
                 times.append(time.perf_counter() - t0)
                 phases.append((last.detect_ms, last.stage_ms, last.commit_ms,
                                times[-1] * 1e3 - last.detect_ms - last.stage_ms - last.commit_ms))
+            pending = last.pending
+            s.settle()
             t = statistics.median(times[2:])
             med = [statistics.median(p[j] for p in phases[2:]) for j in range(4)]
             return {"ckpt_ms": t * 1e3, "ckpt_ms_min": min(times[2:]) * 1e3, "dirty_pages": sum(last.pages.values()),
                     "dirty_bytes": last.bytes, "log_bytes": last.log_bytes, "device_reads": last.device_reads,
                     "table_pass": last.table_pass, "via": sorted(set(last.via.values())),
-                    "detect_ms": med[0], "stage_ms": med[1], "commit_ms": med[2], "other_ms": med[3]}
+                    "pending": pending, **({} if pending else {"detect_ms": med[0], "stage_ms": med[1],
+                                                               "commit_ms": med[2], "other_ms": med[3]})}
     except Exception as exc:  # reported in the row, the bench goes on
         return {"error": f"{type(exc).__name__}: {exc}"}
     finally:
@@ -273,11 +279,11 @@ def _decode_part(runner, max_len: int, rng, reps: int) -> dict:
     out = {"kv_tensors": d["kv_tensors"], "adapter_tensors": d["adapter_tensors"], "max_len": max_len,
            "kv_dtype": "int16 (2 bytes, bf16-sized)", "state_bytes": sum(int(a.nbytes) for a in arrays.values()),
            "kv_detector": "positions", "kv_page_bytes": row_page, "fingerprint_page_bytes": runner.pb}
-    # (KV options, key prefix, adapters rewritten, key suffix, retention on)
-    runs = [(positions, "", True, "", True), (positions, "", False, "_adapters_clean", True),
-            (positions, "", True, "_retain_off", False),
-            (None, "fingerprint_", True, "", True), (None, "fingerprint_", False, "_adapters_clean", True)]
-    for options, prefix, touched, key, retain in runs:
+    # (KV options, key prefix, adapters rewritten, key suffix, retention on, wait)
+    runs = [(positions, "", True, "", True, True), (positions, "", False, "_adapters_clean", True, True),
+            (positions, "", True, "_retain_off", False, True), (positions, "", True, "_pending", True, False),
+            (None, "fingerprint_", True, "", True, True), (None, "fingerprint_", False, "_adapters_clean", True, True)]
+    for options, prefix, touched, key, retain, wait in runs:
         start = 0 if touched else reps + 2
         length[0] = start  # the base checkpoint holds every position; new ones are written from here
 
@@ -290,7 +296,7 @@ def _decode_part(runner, max_len: int, rng, reps: int) -> dict:
                 for a in ad.values():
                     a *= 0.999
         got = _session_steps(runner, arrays, step, reps, staging=runner.staging, tag="d", options=options,
-                             retain=retain)
+                             retain=retain, wait=wait)
         for k, v in got.items():
             out[prefix + k + key] = v
     ceil = runner.ceilings(None) or runner.ceilings(next(iter(kv.values())).reshape(-1).view(runner.xp.uint8))
@@ -849,6 +855,9 @@ def _table(result: dict) -> str:
                 lines.append(f"  positions, {what}: {d['ckpt_ms' + key]:.3f} ms = detect {d['detect_ms' + key]:.3f}"
                              f" + stage {d['stage_ms' + key]:.3f} + commit {d['commit_ms' + key]:.3f}"
                              f" + other {d['other_ms' + key]:.3f} ms (medians)")
+        if "ckpt_ms_pending" in d:
+            lines.append(f"  positions, adapters updated, wait=False: {d['ckpt_ms_pending']:.3f} ms a call "
+                         f"(pending: {d['pending_pending']}; the last epoch's finish and commit, this one's launch)")
     for k, v in result["summary"].items():
         lines.append(f"{k}: {v:.3g}" if isinstance(v, float) else f"{k}: {v}")
     return "\n".join(lines)

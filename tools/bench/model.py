@@ -84,31 +84,41 @@ def _prefill(model, cache, ids, chunk: int):
             model(input_ids=part, past_key_values=cache, cache_position=pos, use_cache=True)
 
 
-def _decode(model, guard, ids, steps, every):
+def _decode(model, guard, ids, steps, every, wait=False):
     """generate() `steps` tokens on a cache prefilled with all of `ids` but the
     last token, after its base checkpoint; (seconds per token, checkpoint
-    statistics)."""
+    statistics, how many checkpoints were left pending).  The time includes
+    committing the last pending epoch."""
     import torch
 
     from concordia.demo.model import lora_update
     from concordia.integrations.transformers import CheckpointEvery
 
     # every=0: the same online adapter update at every step, no checkpoint
-    hook = CheckpointEvery(guard, every or 1 << 40, on_step=lora_update(model))
+    queued = []
+    hook = CheckpointEvery(guard, every or 1 << 40, on_step=lora_update(model), wait=wait,
+                           after=lambda step, st: queued.append(st.pending))
     dev = str(ids.device)
     _sync(torch, dev)
     t0 = time.perf_counter()
     model.generate(input_ids=ids, max_new_tokens=steps, do_sample=False, past_key_values=guard.cache,
                    stopping_criteria=[hook], min_new_tokens=steps)
+    guard.session.settle()
     _sync(torch, dev)
-    return (time.perf_counter() - t0) / steps, hook.stats
+    return (time.perf_counter() - t0) / steps, hook.stats, sum(queued)
+
+
+#: the decode settings measured: (checkpoint every, wait); (0, False) is the baseline
+DECODE_SETTINGS = ((0, False), (1, False), (8, False), (1, True))
 
 
 def _decode_part(model, cfg, batch, steps, prompt_len, reps, kv_per_token, log_spec, discard, device) -> dict:
-    """Tokens/s with no checkpoint, every step and every 8 steps, on one cache
-    (compiled code reused), each setting's measured run after an unmeasured
-    one, the settings interleaved `reps` times.  The cache is reset and
-    prefilled before each run's base checkpoint, outside the timed decode."""
+    """Tokens/s with no checkpoint, every step and every 8 steps (as
+    CheckpointEvery does by default: pending epochs), and every step waiting
+    for each checkpoint, on one cache (compiled code reused), each setting's
+    measured run after an unmeasured one, the settings interleaved `reps`
+    times.  The cache is reset and prefilled before each run's base
+    checkpoint, outside the timed decode."""
     import torch
     from transformers import StaticCache
 
@@ -119,37 +129,39 @@ def _decode_part(model, cfg, batch, steps, prompt_len, reps, kv_per_token, log_s
     max_len = prompt_len + steps + 1
     cache = StaticCache(config=cfg, max_cache_len=max_len)
     ids = prompt(batch, prompt_len, cfg.vocab_size, device)
-    runs = {e: [] for e in (0, 1, 8)}
+    runs = {k: [] for k in DECODE_SETTINGS}
     for rep in range(reps + 1):
-        for every in (0, 1, 8):
+        for every, wait in DECODE_SETTINGS:
             log = log_spec("decode")
             with concordia.Session(log, size=_log_size(kv_per_token * batch * max_len)) as s:
                 guard = protect(s, cache, model, batch_size=batch, max_tokens=max_len)
                 cache.reset()
                 _prefill(model, cache, ids[:, :-1], ids.shape[1])  # generate() then starts at the last token
                 s.checkpoint()  # the base
-                per_tok, stats = _decode(model, guard, ids, steps, every)
+                per_tok, stats, pending = _decode(model, guard, ids, steps, every, wait)
                 if rep:  # the first round warms (compiles) every setting
-                    runs[every].append({"s_per_step": per_tok, "ckpt_ms": [st.total_ms for st in stats],
-                                        "regions": len(guard.names),
-                                        "bytes_per_ckpt": _median([st.log_bytes for st in stats])})
+                    runs[every, wait].append({"s_per_step": per_tok, "ckpt_ms": [st.total_ms for st in stats],
+                                              "regions": len(guard.names), "pending": pending,
+                                              "bytes_per_ckpt": _median([st.log_bytes for st in stats])})
             discard(log)
     del cache
     _empty(torch, device)
     rows = {}
-    for every, rs in runs.items():
+    for (every, wait), rs in runs.items():
         per = _median([r["s_per_step"] for r in rs])
         ck = [c for r in rs for c in r["ckpt_ms"]]
-        rows[every] = {"every": every, "s_per_step": per, "tokens_per_s": batch / per,
-                       "s_per_step_runs": [r["s_per_step"] for r in rs], "ckpt_ms": ck,
-                       "regions": rs[0]["regions"], "ckpt_ms_median": _median(ck),
-                       "log_bytes_per_ckpt": _median([r["bytes_per_ckpt"] for r in rs if r["bytes_per_ckpt"]])}
-    base = rows[0]["s_per_step"]
+        rows[every, wait] = {"every": every, "wait": wait, "s_per_step": per, "tokens_per_s": batch / per,
+                             "s_per_step_runs": [r["s_per_step"] for r in rs], "ckpt_ms": ck,
+                             "pending": sum(r["pending"] for r in rs), "regions": rs[0]["regions"],
+                             "ckpt_ms_median": _median(ck),
+                             "log_bytes_per_ckpt": _median([r["bytes_per_ckpt"] for r in rs if r["bytes_per_ckpt"]])}
+    base = rows[0, False]["s_per_step"]
     for r in rows.values():
         r["overhead"] = r["s_per_step"] / base - 1.0
-    return {"decode": list(rows.values()), "overhead_every_step": rows[1]["overhead"],
-            "overhead_every_8": rows[8]["overhead"], "ckpt_ms_per_step": rows[1]["ckpt_ms_median"],
-            "decode_reps": reps}
+    return {"decode": list(rows.values()), "overhead_every_step": rows[1, False]["overhead"],
+            "overhead_every_8": rows[8, False]["overhead"],
+            "overhead_every_step_waiting": rows[1, True]["overhead"],
+            "ckpt_ms_per_step": rows[1, False]["ckpt_ms_median"], "decode_reps": reps}
 
 
 def _kills_part(shape, device, batch, kills, steps, prompt_len, log_spec, say) -> dict:

@@ -1,0 +1,68 @@
+"""Opening the log a `concordia.Session` works on: a named log opened or
+created as the session's arguments allow, or read-only for recovery."""
+
+from __future__ import annotations
+
+import os
+
+from concordia.devmem.errors import PathNotFoundError
+from concordia.regions.errors import SessionError
+from concordia.wal.errors import NotALogError
+from concordia.wal.log import Log
+
+#: the size of a log a session creates when none is given
+DEFAULT_SIZE = 256 << 20
+
+
+def open_read_only(log):
+    """The read-only recovery path: no writer lock, nothing cut (a writer may be
+    appending right now: `Log.open(live=True)`), and nothing refused at open
+    (refuse=False): any log the command lines can read opens, and `recover`
+    decides in the mode it is given, as they do."""
+    return Log.open(log, writable=False, check_pages="last", live=True, refuse=False)
+
+
+def open_log(log, *, create, size, segment_size, overwrite, readonly=False):
+    """(Log, owned): open the named log, or create it where allowed.  With
+    create=False a named log is opened read-only (Session's docstring), and
+    nothing is ever created: a name that holds no log is refused in one line
+    (PathNotFoundError, NotALogError)."""
+    if isinstance(log, Log):
+        if readonly and log.writable:
+            raise SessionError("readonly=True with a Log opened for writing", hint="pass the log's name")
+        return log, False
+    named = isinstance(log, (str, os.PathLike))
+    if readonly and not named:
+        raise SessionError("readonly=True needs a log name", where=str(log))
+    if overwrite and not create:
+        raise SessionError("overwrite=True formats a new log, create=False opens an existing one",
+                           where=str(log), hint="pass one of them")
+    kw = {} if segment_size is None else {"segment_size": segment_size}
+    # the tier as the opener reads the name: a file called `memory` is a file,
+    # not the memory tier (formatting it unasked would destroy what it holds)
+    from concordia.devmem import parse_spec
+    from concordia.wal.volume import VOLATILE_KINDS
+
+    volatile = named and parse_spec(log).kind in VOLATILE_KINDS
+    if volatile and not create:
+        raise NotALogError("holds no log: a log in this process's memory is made by this process",
+                           where=log, hint="pass create=True to make one")
+    if overwrite or volatile:  # a volatile tier holds nothing before this process made it
+        return Log.create(log, size=size or DEFAULT_SIZE, overwrite=True, **kw), True
+    if not create and named:  # recovery reads: the writer lock waits for the first write
+        return open_read_only(log), True
+    try:
+        # page payloads are checked at open only where V-C4 needs them (the last
+        # one-sync commit's records): every page a recovery reads is checked
+        # where it lands, and checking all of them here read the whole log
+        # first (about 6 GB/s on one core)
+        return Log.open(log, writable=True, check_pages="last"), True
+    except (PathNotFoundError, NotALogError):
+        if not create:
+            raise
+    # a target holding anything that is not a log (a file of the user's) is
+    # refused and left as it is (TargetNotEmptyError), not formatted
+    from concordia.wal.volume import check_format_target
+
+    check_format_target(log, hint="pass overwrite=True to format it anyway")
+    return Log.create(log, size=size or DEFAULT_SIZE, overwrite=True, **kw), True
