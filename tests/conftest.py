@@ -12,11 +12,19 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import uuid
 
 import pytest
 
 SHM_DIR = "/dev/shm"
+
+# A run started in the background by a shell without job control inherits
+# SIGINT ignored, and so would every child it starts: the Ctrl-C tests would
+# see no interrupt and `dump --follow` would never stop.  A handler here (not
+# an ignore) is reset to the default in every child at exec, as under a terminal.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def shm_test_name(what: str = "") -> str:
