@@ -305,19 +305,6 @@ class _DeltaState:
 DEFER_BYTES = 64 << 20
 
 
-@dataclasses.dataclass
-class Launched:
-    """A table pass's epoch queued on the device, not yet waited for."""
-
-    ext: object
-    epoch: int
-    t0: float  # detection queued from here
-    t1: float  # to here; staging queued from here
-    t2: float  # to here
-    reads0: int
-    deferred: bool
-
-
 def order_after_producer(stream, producer=None) -> None:
     """The one ordering point of a device checkpoint: work queued on `stream`
     after this call runs after the producer's writes to the regions.  The
@@ -469,16 +456,15 @@ class DeviceTablePass:
         fits, nbytes, records, pages = (int(x) for x in self.mail_plan)
         return fits, nbytes, records
 
-    def run(self, app, epoch: int):
-        return self.complete(app, self.launch(app, epoch))
-
-    def launch(self, app, epoch: int, *, defer: bool = False) -> "Launched":
+    def launch(self, app, epoch: int, *, defer: bool = False):
         """Queue the epoch's detection and staging.  defer: size the extent by
         the epoch's upper bound (`bound`) when that is at most `DEFER_BYTES`
         and a quarter of a segment (the end of a segment too short for it is
         left unused), so that `complete` never stages again and
         can come after the producers moved on; `Launched.deferred` says
         whether it was (else `complete` must follow before they write)."""
+        from concordia.checkpoint.table import Launched
+
         t = self.table
         reads0 = self.k.reads
         self.k.order_after_producer()
@@ -498,9 +484,9 @@ class DeviceTablePass:
         except BaseException:
             self._abandon(app, ext)
             raise
-        return Launched(ext, epoch, t0, t1, time.perf_counter(), reads0, deferred)
+        return Launched(ext, epoch, t0, t1, time.perf_counter(), deferred, reads0=reads0)
 
-    def complete(self, app, got: "Launched"):
+    def complete(self, app, got):
         """Wait for the launched epoch, stage it again into a larger extent
         when its records outgrew the first (not for a deferred one: its extent
         is an upper bound), finish the extent; the caller commits."""
@@ -539,15 +525,13 @@ class DeviceTablePass:
                            self.k.reads - got.reads0)
 
     def _abandon(self, app, ext) -> None:
+        from concordia.checkpoint.table import abandon
+
         try:
             self.k.sync()  # nothing may still be writing into the mapping
         except Exception:
             pass
-        if ext is not None:
-            try:
-                app.finish_extent(ext, 0, 0)
-            except Exception:
-                pass
+        abandon(app, ext)
 
     def _by_region(self, app, epoch: int, t0: float, t1: float, reads0: int):
         """An epoch larger than a segment: the per-region extent pipeline stages

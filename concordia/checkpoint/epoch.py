@@ -175,6 +175,8 @@ class EpochRunner:
         whose epoch has a small upper bound is only queued (module doc,
         "Deferred epochs"); the statistics say `pending` until `settle`."""
         check_on_full(on_full)
+        if not isinstance(wait, bool):
+            raise SessionError(f"wait must be True or False, not {wait!r}", where="checkpoint")
         on_full = self._asked or on_full
         if self.pending is not None:
             raise SessionError("an epoch is still pending: settle() it first", where="checkpoint")
@@ -218,25 +220,20 @@ class EpochRunner:
                 order.before_later_work()
                 return CheckpointStats.of_coalesced(reason, (time.perf_counter() - t0) * 1e3)
         epoch = regions.take_epoch(log.appender.next_epoch)
-        if table is not None and not wait:
+        if table is not None:
             try:
-                launched = table.launch(log.appender, epoch, defer=True)
+                launched = table.launch(log.appender, epoch, defer=not wait)
             except BaseException:
                 order.before_later_work()
                 self.lose()
                 raise
-            if launched.deferred:
-                order.before_later_work()  # the producers' next writes wait, on the device, for the pass
+            if launched.deferred:  # the producers' next writes wait, on the device, for the pass
+                order.before_later_work()
                 stats = CheckpointStats.of_pending(epoch, reason, (launched.t1 - launched.t0) * 1e3)
                 self.pending = (launched, table, stats, log.appender)
                 return stats
             try:
                 return self._finish_table(log.appender, table, launched, epoch, reason)
-            finally:
-                order.before_later_work()
-        if table is not None:
-            try:
-                return self._run_table(log.appender, table, epoch, reason)
             finally:
                 order.before_later_work()  # the producers write on only after the pass read the regions
         regions.changed()  # the paths below may replace CRC tables and detector state
@@ -298,19 +295,10 @@ class EpochRunner:
         return CheckpointStats(epoch, reason, pages, base, nbytes, log_bytes,
                                detect_s * 1e3, stage_s * 1e3, commit_s * 1e3, via, reads)
 
-    def _run_table(self, app, table, epoch: int, reason: str) -> CheckpointStats:
-        """One epoch by a table pass: one detection launch per detector group,
-        one staging pass into one extent, one wait, one commit (no Python per
-        region beyond building the statistics)."""
-        try:
-            launched = table.launch(app, epoch)
-        except BaseException:
-            self.lose()
-            raise
-        return self._finish_table(app, table, launched, epoch, reason)
-
     def _finish_table(self, app, table, launched, epoch: int, reason: str) -> CheckpointStats:
-        """The launched epoch of a table pass waited for, finished and committed."""
+        """The epoch a table pass launched (one detection launch per detector
+        group, one staging pass into one extent), waited for, finished and
+        committed: no Python per region beyond building the statistics."""
         try:
             got = table.complete(app, launched)
             t3 = time.perf_counter()

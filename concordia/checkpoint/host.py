@@ -114,18 +114,13 @@ class HostTablePass:
                 ids = detect.dirty_pages(t.regions[i], advance=True)
                 flags[int(first[i]) + ids.astype(np.int64)] = 1
 
-    def run(self, app, epoch: int):
-        """Detect, plan and stage the epoch's records into one extent, finish
-        it; the table's digests follow.  The caller commits."""
-        return self.complete(app, self.launch(app, epoch))
-
     def launch(self, app, epoch: int, *, defer: bool = False):
         """Detect, plan and stage the epoch's records into one extent, left
         unfinished for `complete` (the device pass's protocol: here the
-        records are written by the time this returns, so every launch may be
-        deferred).  An epoch larger than a segment is staged region by region
-        and finished here."""
-        from concordia.checkpoint.table import TableResult, counts_of, plan_records
+        records are written by the time this returns, so any launch may be
+        deferred when asked).  An epoch larger than a segment is staged region
+        by region and finished here."""
+        from concordia.checkpoint.table import Launched, TableResult, abandon, counts_of, plan_records
 
         t = self.table
         e = t.entries
@@ -144,8 +139,8 @@ class HostTablePass:
             t.write_back(self.owner)
             got = self.stager.run(app, self.owner, t.regions, epoch, found=found)
             t.digests[:] = [r.digest for r in t.regions]
-            return HostLaunched(None, epoch, t0, t1, time.perf_counter(), counts, recs, used,
-                                TableResult(counts, got["log_bytes"], t1 - t0, time.perf_counter() - t1, 0))
+            return Launched(None, epoch, t0, t1, time.perf_counter(), defer, counts=counts, recs=recs, used=used,
+                            done=TableResult(counts, got["log_bytes"], t1 - t0, time.perf_counter() - t1, 0))
         ext = None
         if used:
             ext = app.reserve_extent(used)
@@ -161,13 +156,13 @@ class HostTablePass:
                                          base_lsn=ext.lsn, epoch=epoch, region_id=r.id, salt=ext.salt)
                     r.crcs[local] = page_crc_table(ext.view, off, n)
             except BaseException:
-                _abandon(app, ext)
+                abandon(app, ext)
                 raise
-        return HostLaunched(ext, epoch, t0, t1, time.perf_counter(), counts, recs, used, None)
+        return Launched(ext, epoch, t0, t1, time.perf_counter(), defer, counts=counts, recs=recs, used=used)
 
     def complete(self, app, got):
         """Finish the launched epoch's extent; the table's digests follow."""
-        from concordia.checkpoint.table import TableResult
+        from concordia.checkpoint.table import TableResult, abandon
 
         if got.done is not None:
             return got.done
@@ -177,28 +172,10 @@ class HostTablePass:
             try:
                 app.finish_extent(got.ext, got.used, int(got.recs.size), offsets=got.recs["offset"])
             except BaseException:
-                _abandon(app, got.ext)
+                abandon(app, got.ext)
                 raise
             for i in np.flatnonzero(got.counts).tolist():
                 t.digests[i] = ref.region_digest(t.regions[i].crcs)
         t.last_bytes = got.used
         return TableResult(got.counts, got.used, got.t1 - got.t0, (got.t2 - got.t1) + (time.perf_counter() - tc), 0)
 
-
-def _abandon(app, ext) -> None:
-    try:
-        app.finish_extent(ext, 0, 0)
-    except Exception:
-        pass
-
-
-class HostLaunched:
-    """A host table pass's epoch, staged, its extent not finished (`done`: an
-    epoch staged and finished region by region)."""
-
-    __slots__ = ("ext", "epoch", "t0", "t1", "t2", "counts", "recs", "used", "done")
-    deferred = True  # the records are written when the launch returns: completing later is safe
-
-    def __init__(self, ext, epoch, t0, t1, t2, counts, recs, used, done):
-        self.ext, self.epoch, self.t0, self.t1, self.t2 = ext, epoch, t0, t1, t2
-        self.counts, self.recs, self.used, self.done = counts, recs, used, done

@@ -23,6 +23,7 @@ way).  Record lengths come from `wal.format`.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import numpy as np
@@ -207,6 +208,39 @@ class TableResult:
         self.detect_s = detect_s
         self.stage_s = stage_s
         self.device_reads = device_reads
+
+
+@dataclasses.dataclass
+class Launched:
+    """A table pass's epoch between `launch` and `complete`: its extent (None
+    when it wrote no page), epoch, and the times detection was queued from
+    (t0) to (t1) and staging from t1 to t2.  deferred: `complete` may come
+    after the producers wrote on (the records cannot outgrow the extent).
+    The device pass keeps its device reads so far (`reads0`); the host pass
+    its plan (`counts`, `recs`, `used`) and, for an epoch staged region by
+    region and finished at launch, the result (`done`)."""
+
+    ext: object
+    epoch: int
+    t0: float
+    t1: float
+    t2: float
+    deferred: bool
+    reads0: int = 0
+    counts: object = None
+    recs: object = None
+    used: int = 0
+    done: object = None
+
+
+def abandon(app, ext) -> None:
+    """Close `ext` with nothing in it (padding) after a failure; quietly."""
+    if ext is None:
+        return
+    try:
+        app.finish_extent(ext, 0, 0)
+    except Exception:
+        pass
 
 
 def counts_of(entries: np.ndarray, ids: np.ndarray, total_pages: int) -> np.ndarray:
