@@ -162,7 +162,6 @@ class Retention:
         self._table: tuple | None = None  # (names of a table pass, their slots)
         self._free: tuple = (None, 0)   # (superblock, bytes of its free segments)
         self._copies: dict = {}         # name -> host buffer kept for its next job's copy
-        self._moved = False             # the epoch of the hook under way was pending (`after_commit`)
         self._copy_next: tuple | None = None  # (names, pressure) of a job whose copies `launched` takes
 
     # ------------------------------------------------------- the bookkeeping
@@ -437,7 +436,6 @@ class Retention:
         checkpoint has coalesced instead (`stats.coalesced`).  moved: the
         epoch was pending, so the arrays no longer hold its state."""
         self.last = None
-        self._moved = moved
         if not moved:
             self._copy_next = None  # decided again at this epoch, whose state the arrays hold
         if stats.coalesced:
@@ -452,11 +450,11 @@ class Retention:
         if not stats.base:
             self._note_rate(stats.log_bytes)
         try:
-            self._after_commit(stats)
+            self._after_commit(stats, moved)
         finally:
             self._mark = app.write_lsn
 
-    def _after_commit(self, stats) -> None:
+    def _after_commit(self, stats, moved: bool) -> None:
         now = time.monotonic()
         self.times.append((stats.epoch, now))
         keep_s = self.policy.keep_seconds
@@ -477,7 +475,7 @@ class Retention:
             if self.job is None and self._starting is None and self._copy_next is None:
                 # a job starts with its host copies alone; the job and its slices follow from the next hook
                 stale = self._stale() if free < 2 * full else None
-                if self._maybe_start(stats.epoch, pressure, stats.log_bytes, stale) and not pressure:
+                if self._maybe_start(stats.epoch, pressure, stats.log_bytes, stale, moved) and not pressure:
                     self.last = "start"
                     return
             if self._starting is not None:
@@ -586,10 +584,11 @@ class Retention:
         soon = (age >= takes) & half & (chain + chain / age * takes > bound)
         return (chain > bound) | soon
 
-    def _maybe_start(self, epoch: int, pressure: bool, log_bytes: int = 0, stale=None) -> bool:
+    def _maybe_start(self, epoch: int, pressure: bool, log_bytes: int = 0, stale=None, moved: bool = False) -> bool:
         """Start a base job when a chain is due (`_due`), a region is stale
         (`stale`, a mask, when the log is short of twice a job's need), or
-        under pressure; True if one started."""
+        under pressure; True if one started.  moved: the arrays hold a later
+        step than `epoch` (it was pending)."""
         over = self._due(epoch, log_bytes)
         if stale is not None and stale.any():
             over = stale if over is None else over | stale
@@ -605,7 +604,7 @@ class Retention:
             if self._affordable(regions.names) != regions.names:
                 self.error = f"no room in the log for a base ({_mib(self.free_bytes())} free): none started"
             return False
-        if self._moved and not pressure:
+        if moved and not pressure:
             # the arrays hold a later step than the epoch just committed (it was
             # pending): the copies are taken at the next epoch's launch (`launched`)
             self._copy_next = (names, pressure)
@@ -613,7 +612,7 @@ class Retention:
         # the copies are the state of the epoch just committed (nothing ran since;
         # under pressure after a pending epoch, none: folded from the log);
         # the job that takes them is made at the next hook (`_begin`)
-        live = {} if self._moved else {n: self._host_copy(n, regions[n].array) for n in names
+        live = {} if moved else {n: self._host_copy(n, regions[n].array) for n in names
                                        if regions[n].array.nbytes <= LIVE_COPY_BYTES}
         self._start(epoch, names, live, pressure)
         return True
