@@ -411,9 +411,11 @@ class CheckpointEvery(StoppingCriteria):
             raise SessionError(f"every must be a whole number >= 1, not {every!r}", where="CheckpointEvery")
         if isinstance(start, bool) or not isinstance(start, int) or start < 0:
             raise SessionError(f"start must be a whole number >= 0, not {start!r}", where="CheckpointEvery")
+        if not isinstance(wait, bool):
+            raise SessionError(f"wait must be True or False, not {wait!r}", where="CheckpointEvery")
         self.guard, self.every, self.on_step, self.after = guard, every, on_step, after
         self.attention_mask = attention_mask
-        self.wait = bool(wait)
+        self.wait = wait
         self.steps = start
         self.stats = []
 

@@ -78,6 +78,8 @@ def test_checkpoint_every_n_tokens_from_generate(tmp_path):
         assert len(hook.stats) == 4 and s.epoch == 4
     with pytest.raises(SessionError, match="every"):
         CheckpointEvery(g, 0)
+    with pytest.raises(SessionError, match="wait must be True or False"):
+        CheckpointEvery(g, 1, wait="yes")
 
 
 def _generate(model, cfg, cache, guard, steps, start=0, ids=None):

@@ -23,7 +23,7 @@ import pytest
 from concordia import Session
 from concordia.policy import Policy
 
-from .test_write_rate import SEGMENT, Decode, _recover_fresh, _same
+from .test_write_rate import _recover_fresh, _same, decode_in_four_states
 
 MiB = 1 << 20
 
@@ -91,6 +91,16 @@ def test_a_pending_epoch_commits_at_the_next_call_and_each_recovers_its_step(tmp
             assert _same(r.recover(epoch), want), epoch
 
 
+def test_wait_must_be_a_bool(tmp_path):
+    from concordia.errors import SessionError
+
+    with Session(f"file:{tmp_path / 'log'}", size=64 * MiB, segment_size=4 * MiB) as s:
+        s.register("a", np.zeros(4096, np.uint8))
+        with pytest.raises(SessionError, match="wait must be True or False, not 'no'") as e:
+            s.checkpoint(wait="no")
+        assert "\n" not in str(e.value) and s.epoch == 0
+
+
 def test_close_commits_a_pending_epoch(tmp_path):
     log = f"file:{tmp_path / 'log'}"
     s, states, stats = _run(log, 3, wait=False)
@@ -128,12 +138,7 @@ def test_pending_epochs_write_the_records_waiting_ones_write(tmp_path):
 def test_every_step_pending_checkpoints_never_fill_a_log_of_four_states(shm_log):
     # test_write_rate's decode loop with wait=False: retention's jobs take their
     # copies at a launch (the arrays hold that epoch then), never a later step
-    d = Decode()
-    state = d.state_bytes()
-    segments = -(-4 * state // SEGMENT)
-    log = "file:/dev/shm/" + shm_log.split(":", 1)[1]
-    s = Session(log, size=(segments + 1) * SEGMENT, segment_size=SEGMENT, overwrite=True, staging="mapped")
-    d.register(s)
+    d, s, log = decode_in_four_states(shm_log, staging="mapped")
     pending = 0
     for t in range(1, 3_001):
         d.step(t)
