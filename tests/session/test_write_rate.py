@@ -8,7 +8,6 @@ checkpoint that commits carries the pages."""
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import numpy as np
@@ -60,6 +59,18 @@ class Decode:
             a[:] = 3 * t + i
 
 
+def decode_in_four_states(shm_log: str, **kw) -> tuple[Decode, Session, str]:
+    """A `Decode` registered in a session on a log of four images of its state
+    (file tier, placed in /dev/shm so that every-step syncs cost little;
+    shm_log, the fixture, removes it); `kw` goes to the Session."""
+    d = Decode()
+    segments = -(-4 * d.state_bytes() // SEGMENT)
+    log = "file:/dev/shm/" + shm_log.split(":", 1)[1]
+    s = Session(log, size=(segments + 1) * SEGMENT, segment_size=SEGMENT, overwrite=True, **kw)
+    d.register(s)
+    return d, s, log
+
+
 def _recover_fresh(log: str) -> dict:
     """What a fresh read-only session beside the writer recovers (the newest commit)."""
     with Session(log, create=False) as r:
@@ -77,12 +88,8 @@ def test_ten_thousand_every_step_checkpoints_never_fill_a_log_of_four_states(shm
     # steps, because the adapter that never changes kept its first base and
     # so every byte written after it).  The log is a file (the msync tier),
     # placed in /dev/shm so that 10,000 syncs cost little; shm_log removes it.
-    d = Decode()
+    d, s, log = decode_in_four_states(shm_log)
     state = d.state_bytes()
-    segments = -(-4 * state // SEGMENT)
-    log = "file:/dev/shm/" + shm_log.split(":", 1)[1]
-    s = Session(log, size=(segments + 1) * SEGMENT, segment_size=SEGMENT, overwrite=True)
-    d.register(s)
     capacity = s.retention.capacity()
     assert capacity >= 4 * state
     most_live = 0
