@@ -202,8 +202,8 @@ def _recovery_child(log: str, shape: str, device: str, batch: int, max_len: int)
     return json.loads(lines[-1])
 
 
-def _longrun_part(model, cfg, shape, device, batch, steps, gen, prompt_len, log_x, log_spec, discard,
-                  say) -> dict:
+def _longrun_part(model, cfg, shape, device, batch, steps, gen, prompt_len, log_x, kv_per_token, log_spec,
+                  discard, say) -> dict:
     """One session, a checkpoint at every step of `steps` decode steps (in
     generations of `gen` steps on one cache), into a log of `log_x` times the
     protected state; recovery in a fresh process at step 1,000 and at the end.
@@ -224,8 +224,7 @@ def _longrun_part(model, cfg, shape, device, batch, steps, gen, prompt_len, log_
     seg = 64 << 20 if device.startswith("cuda") else 1 << 20
     say(f"longrun: {steps} steps, a checkpoint at each, generations of {gen}")
     # the probe's log must take two images of the state, as any log protect() registers into
-    guess = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * batch * max_len * \
-        next(model.parameters()).element_size() + sum(p.nbytes for n, p in model.named_parameters() if "lora_" in n)
+    guess = kv_per_token * batch * max_len + sum(p.nbytes for n, p in model.named_parameters() if "lora_" in n)
     with concordia.Session("memory:", size=_log_size(guess), segment_size=64 << 20) as probe:  # what protect() registers
         protect(probe, cache, model, batch_size=batch, max_tokens=max_len)
         state = sum(int(r.array.nbytes) for r in probe.regions.values())
@@ -306,7 +305,7 @@ def run(shape: str, device: str, batch: int, contexts: list[int], decode_steps: 
                                 device))
     if "longrun" in parts:
         res["longrun"] = _longrun_part(model, cfg, shape, device, batch, longrun_steps, longrun_gen, decode_prompt,
-                                       longrun_log_x, log_spec, discard, say)
+                                       longrun_log_x, kv_per_token, log_spec, discard, say)
     if "kills" in parts:
         run_ = _kills_part(shape, device, batch, kills, kill_steps, min(decode_prompt, 64), log_spec, say)
         res["kills"] = run_.pop("kills")
