@@ -306,7 +306,8 @@ class Appender:
         all at once instead of walked one by one (the same checks).
         trim: when nothing was taken after `ext`, give its unused end back
         instead of padding it (a producer that reserved an upper bound), so
-        the log holds what an extent of `used_bytes` would have held."""
+        the log holds what an extent of `used_bytes` would have held
+        (FORMAT.md §10, step 3)."""
         self._check_running()
         if self.outstanding.pop(ext.id, None) is None:
             raise UsageError("extent already finished or not from this appender")

@@ -14,6 +14,8 @@ from concordia.wal import Log
 from concordia.wal import format as F
 from concordia.wal.errors import UsageError
 
+from .helpers import image, reopen
+
 
 def test_the_numpy_header_is_the_struct_header():
     assert F.RECORD_HEADER_DTYPE.itemsize == F.RECORD_HEADER_SIZE
@@ -86,3 +88,38 @@ def test_bad_offsets_or_headers_are_named(damage, problem):
     assert "\n" not in str(e.value)
     if damage == "crc":
         assert f"0x{ext.offset + int(offsets[7]):x}" in str(e.value)
+
+
+def _kinds(log) -> list:
+    """(kind, epoch, lsn) of every valid record after the region descriptor."""
+    return [(r.kind, r.epoch, r.lsn) for r in log.records(committed_only=False) if r.kind != F.REC_REGION]
+
+
+def test_a_trimmed_extent_gives_its_unused_end_back_and_the_log_reads_as_an_exact_one():
+    # an upper bound reserved (a pending epoch's extent), 4 KiB more than used:
+    # trimmed, the commit follows the records directly and no pad is written
+    log, app, ext, offsets, used = _extent_of_records()
+    app.finish_extent(ext, used, offsets.size, offsets=offsets, trim=True)
+    assert app.write_lsn == ext.lsn + used and app.stats[1][:2] == [offsets.size, used]
+    app.commit(1)
+    kinds = _kinds(log)
+    assert [k for k, _, _ in kinds] == [F.REC_PAGE_BATCH] * offsets.size + [F.REC_COMMIT]
+    assert kinds[-1][2] == ext.lsn + used  # the commit where an extent of `used` bytes would have ended
+    # an extent with a reservation after it is not trimmed
+    log2, app2, ext2, offsets2, used2 = _extent_of_records()
+    exact = app2.reserve_extent(64)  # something taken after it: no trim, a pad covers the end
+    app2.finish_extent(ext2, used2, offsets2.size, offsets=offsets2, trim=True)
+    app2.finish_extent(exact, 0, 0)
+    assert app2.write_lsn == ext2.lsn + ext2.length + 64  # the extent kept its length: its end is a pad
+    assert app2.commit(1) == ext2.lsn + ext2.length + 64
+
+
+def test_a_trimmed_extent_without_its_commit_is_a_clean_end():
+    # a crash after the trim and before the commit: the records are there,
+    # uncommitted, and the log ends cleanly at the zeroed slot after them
+    log, app, ext, offsets, used = _extent_of_records()
+    app.finish_extent(ext, used, offsets.size, offsets=offsets, trim=True)
+    crashed = reopen(image(log.volume.backend), writable=False)
+    assert crashed.last_committed_epoch == 0
+    assert [k for k, _, _ in _kinds(crashed)] == [F.REC_PAGE_BATCH] * offsets.size
+    assert [r for r in crashed.records(committed_only=True) if r.kind != F.REC_REGION] == []
