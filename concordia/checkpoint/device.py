@@ -450,8 +450,12 @@ class DeviceTablePass:
         cp.cuda.runtime.memcpyAsync(self.mail_host.ctypes.data + 64 + 4 * len(t), self.d_digests.data.ptr,
                                     4 * len(t), 2, stream.ptr)
 
-    def _wait(self):
-        self.k.stream.synchronize()
+    def _wait(self, event=None):
+        """Wait for the queued pass: for `event` (recorded after its last
+        launch) when given, so that a deferred epoch completed after the
+        producer queued its next step waits for the pass alone, not for that
+        step; else for the stream."""
+        (event or self.k.stream).synchronize()
         self.k.reads += 1
         fits, nbytes, records, pages = (int(x) for x in self.mail_plan)
         return fits, nbytes, records
@@ -481,10 +485,11 @@ class DeviceTablePass:
         ext = app.reserve_extent(size)
         try:
             self._stage(ext, epoch)
+            event = self.k.stream.record() if deferred else None
         except BaseException:
             self._abandon(app, ext)
             raise
-        return Launched(ext, epoch, t0, t1, time.perf_counter(), deferred, reads0=reads0)
+        return Launched(ext, epoch, t0, t1, time.perf_counter(), deferred, reads0=reads0, event=event)
 
     def complete(self, app, got):
         """Wait for the launched epoch, stage it again into a larger extent
@@ -495,7 +500,7 @@ class DeviceTablePass:
         t, ext, epoch = self.table, got.ext, got.epoch
         tc = time.perf_counter()
         try:
-            fits, used, records = self._wait()
+            fits, used, records = self._wait(got.event)
             if not fits:
                 if got.deferred:
                     raise SessionError(f"the epoch's records ({used} bytes) exceed the bound of {ext.length} bytes "

@@ -216,7 +216,8 @@ class Launched:
     when it wrote no page), epoch, and the times detection was queued from
     (t0) to (t1) and staging from t1 to t2.  deferred: `complete` may come
     after the producers wrote on (the records cannot outgrow the extent).
-    The device pass keeps its device reads so far (`reads0`); the host pass
+    The device pass keeps its device reads so far (`reads0`) and, for a
+    deferred epoch, the event recorded after its last launch; the host pass
     its plan (`counts`, `recs`, `used`) and, for an epoch staged region by
     region and finished at launch, the result (`done`)."""
 
@@ -227,6 +228,7 @@ class Launched:
     t2: float
     deferred: bool
     reads0: int = 0
+    event: object = None
     counts: object = None
     recs: object = None
     used: int = 0

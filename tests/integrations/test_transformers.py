@@ -215,6 +215,7 @@ def test_bench_model_quick_json(tmp_path):
     assert "overhead_every_step" in doc and "overhead_every_step_waiting" in doc and doc["ckpt_ms_per_step"] > 0
     # CPU tensors take the host path, which never leaves an epoch pending (the device table pass does)
     assert all(d["pending"] == 0 for d in doc["decode"])
+    assert all(d["hook_ms_median"] > 0 for d in doc["decode"])  # the host time inside the criterion
     assert [r["context"] for r in doc["recovery"]] == [64, 256]
     assert all(r["identical"] for r in doc["recovery"])
     assert all(r["recovery_vs_reprefill"] > 0 for r in doc["recovery"])

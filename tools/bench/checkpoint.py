@@ -188,7 +188,8 @@ def _session_steps(runner, arrays: dict, step, reps: int, *, staging: str, tag: 
     (retention's slice, the stream order, the statistics).  wait=False: each
     checkpoint leaves its epoch pending and the next one commits it (its
     time is that call's: the last epoch's finish and commit, this one's
-    launch; phases are not split then)."""
+    launch; phases are not split then; on the GPU, `device_ms` is the
+    median device time of the work such a call queues, timed alone)."""
     from concordia.policy import Policy
     from concordia.session import Session
 
@@ -216,12 +217,20 @@ def _session_steps(runner, arrays: dict, step, reps: int, *, staging: str, tag: 
                                times[-1] * 1e3 - last.detect_ms - last.stage_ms - last.commit_ms))
             pending = last.pending
             s.settle()
+            queued = []  # device time of the epoch a pending checkpoint queues (GPU only)
+            if pending and hasattr(runner, "queued_ms"):
+                for i in range(reps + 2, 2 * reps + 2):
+                    step(i)
+                    runner.sync()
+                    queued.append(runner.queued_ms(lambda: s.checkpoint(wait=False))[0])
+                s.settle()
             t = statistics.median(times[2:])
             med = [statistics.median(p[j] for p in phases[2:]) for j in range(4)]
             return {"ckpt_ms": t * 1e3, "ckpt_ms_min": min(times[2:]) * 1e3, "dirty_pages": sum(last.pages.values()),
                     "dirty_bytes": last.bytes, "log_bytes": last.log_bytes, "device_reads": last.device_reads,
                     "table_pass": last.table_pass, "via": sorted(set(last.via.values())),
-                    "pending": pending, **({} if pending else {"detect_ms": med[0], "stage_ms": med[1],
+                    "pending": pending, **({"device_ms": statistics.median(queued)} if queued else {}),
+                    **({} if pending else {"detect_ms": med[0], "stage_ms": med[1],
                                                                "commit_ms": med[2], "other_ms": med[3]})}
     except Exception as exc:  # reported in the row, the bench goes on
         return {"error": f"{type(exc).__name__}: {exc}"}
@@ -374,6 +383,24 @@ class _Gpu:
             b.synchronize()
             out.append(cp.cuda.get_elapsed_time(a, b) / 1e3)
         return statistics.median(out)
+
+    def queued_ms(self, fn, spin_ms: float = 20.0):
+        """(milliseconds of device work that fn() queues without waiting for
+        it, fn()'s result): a spin of `spin_ms` is queued first, so that the
+        host has queued all of fn's work before the device reaches it and the
+        events around it time the device alone, with no gaps between launches."""
+        cp = self.cp
+        if getattr(self, "_spin", None) is None:
+            rate_khz = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["clockRate"]
+            self._spin = (self.jit.function("bandwidth", "spin_probe", {}), cp.zeros(1, cp.uint32), rate_khz)
+        k, sink, rate_khz = self._spin
+        k((1,), (32,), (np.int64(int(rate_khz * spin_ms)), sink))
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record()
+        out = fn()
+        b.record()
+        b.synchronize()
+        return cp.cuda.get_elapsed_time(a, b), out
 
     def random_region(self, nbytes: int):
         cp = self.cp

@@ -22,7 +22,7 @@ BENCH_DIR = Path(__file__).resolve().parent
 EXECUTOR_BENCH_SOURCE = BENCH_DIR / "executor_bench.cu"
 
 # the read ceiling of bench checkpoint, a module of the one kernel loader
-jit.register("bandwidth", BENCH_DIR, kernels=("read_probe",))
+jit.register("bandwidth", BENCH_DIR, kernels=("read_probe", "spin_probe"))
 SPECS = (("bandwidth", {}),)
 
 

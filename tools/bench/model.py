@@ -87,9 +87,11 @@ def _prefill(model, cache, ids, chunk: int):
 def _decode(model, guard, ids, steps, every, wait=False):
     """generate() `steps` tokens on a cache prefilled with all of `ids` but the
     last token, after its base checkpoint; (seconds per token, checkpoint
-    statistics, how many checkpoints were left pending).  The time includes
+    statistics, how many checkpoints were left pending, the median host
+    seconds inside the stopping criterion per step).  The time includes
     committing the last pending epoch."""
     import torch
+    from transformers import StoppingCriteria
 
     from concordia.demo.model import lora_update
     from concordia.integrations.transformers import CheckpointEvery
@@ -98,14 +100,23 @@ def _decode(model, guard, ids, steps, every, wait=False):
     queued = []
     hook = CheckpointEvery(guard, every or 1 << 40, on_step=lora_update(model), wait=wait,
                            after=lambda step, st: queued.append(st.pending))
+    host = []  # the host's seconds inside the criterion at each step (the update and the checkpoint)
+
+    class Timed(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            t = time.perf_counter()
+            out = hook(input_ids, scores, **kwargs)
+            host.append(time.perf_counter() - t)
+            return out
+
     dev = str(ids.device)
     _sync(torch, dev)
     t0 = time.perf_counter()
     model.generate(input_ids=ids, max_new_tokens=steps, do_sample=False, past_key_values=guard.cache,
-                   stopping_criteria=[hook], min_new_tokens=steps)
+                   stopping_criteria=[Timed()], min_new_tokens=steps)
     guard.session.settle()
     _sync(torch, dev)
-    return (time.perf_counter() - t0) / steps, hook.stats, sum(queued)
+    return (time.perf_counter() - t0) / steps, hook.stats, sum(queued), _median(host)
 
 
 #: the decode settings measured: (checkpoint every, wait); (0, False) is the baseline
@@ -138,9 +149,10 @@ def _decode_part(model, cfg, batch, steps, prompt_len, reps, kv_per_token, log_s
                 cache.reset()
                 _prefill(model, cache, ids[:, :-1], ids.shape[1])  # generate() then starts at the last token
                 s.checkpoint()  # the base
-                per_tok, stats, pending = _decode(model, guard, ids, steps, every, wait)
+                per_tok, stats, pending, host_s = _decode(model, guard, ids, steps, every, wait)
                 if rep:  # the first round warms (compiles) every setting
                     runs[every, wait].append({"s_per_step": per_tok, "ckpt_ms": [st.total_ms for st in stats],
+                                              "hook_ms": host_s * 1e3,
                                               "regions": len(guard.names), "pending": pending,
                                               "bytes_per_ckpt": _median([st.log_bytes for st in stats])})
             discard(log)
@@ -154,6 +166,7 @@ def _decode_part(model, cfg, batch, steps, prompt_len, reps, kv_per_token, log_s
                              "s_per_step_runs": [r["s_per_step"] for r in rs], "ckpt_ms": ck,
                              "pending": sum(r["pending"] for r in rs), "regions": rs[0]["regions"],
                              "ckpt_ms_median": _median(ck),
+                             "hook_ms_median": _median([r["hook_ms"] for r in rs]),
                              "log_bytes_per_ckpt": _median([r["bytes_per_ckpt"] for r in rs if r["bytes_per_ckpt"]])}
     base = rows[0, False]["s_per_step"]
     for r in rows.values():
