@@ -285,7 +285,9 @@ def copy_page_batch(record: np.ndarray, pages: np.ndarray, ids: np.ndarray, payl
 def copy_page_crcs(dst, src, out=None, *, release_gil: bool = False) -> np.ndarray:
     """Copy the pages of `src` (a 2-D uint8 array, rows contiguous) into `dst` (a
     C-contiguous uint8 array of the same number of bytes, not overlapping `src`)
-    and return the CRC32C of each page copied, hashed in the same pass."""
+    and return the CRC32C of each page copied, hashed in the same pass.  With
+    the helper, a copy of at least SPLIT_BYTES is shared by a few threads
+    (`split`), each taking a run of whole pages: the same bytes and CRCs."""
     src = _rows(src, "source pages")
     count, pb = src.shape
     dst = _dst(dst, count, pb)
@@ -293,9 +295,56 @@ def copy_page_crcs(dst, src, out=None, *, release_gil: bool = False) -> np.ndarr
         np.copyto(dst.reshape(count, pb), src)
         return pure_page_crcs(dst.reshape(count, pb), out, release_gil=release_gil)
     out = _out(out, count)
-    _copy_c(_buf(dst, require_writable=True), _ptr(src), _NULL, src.strides[0], count, pb,
-            _buf(out, require_writable=True))
+    flat = dst.reshape(-1)
+
+    def part(lo: int, hi: int) -> None:
+        _copy_c(_buf(flat[lo * pb:hi * pb], require_writable=True), _ptr(src[lo:hi]), _NULL, src.strides[0],
+                hi - lo, pb, _buf(out[lo:hi], require_writable=True))
+
+    split(part, count, pb)
     return out
+
+
+#: a copy-and-hash of at least this many bytes is shared by threads (`split`)
+SPLIT_BYTES = 4 << 20
+#: the least each thread takes
+SPLIT_PART_BYTES = 1 << 20
+#: the most threads one copy uses (fewer on a machine with fewer cores)
+SPLIT_THREADS = 8
+_pool = None
+
+
+def split(part, count: int, page_bytes: int) -> None:
+    """Run part(lo, hi) over [0, count) pages: at once below SPLIT_BYTES or on
+    one core, else in runs of whole pages on a few threads (the helper
+    releases the GIL), the first run on the caller's thread.  Returns when
+    every run has; the first failure is raised."""
+    global _pool
+    nbytes = count * page_bytes
+    threads = min(SPLIT_THREADS, os.cpu_count() or 1, max(1, nbytes // SPLIT_PART_BYTES))
+    if nbytes < SPLIT_BYTES or threads < 2:
+        part(0, count)
+        return
+    if _pool is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _pool = ThreadPoolExecutor(max_workers=SPLIT_THREADS - 1, thread_name_prefix="concordia-pagecrc")
+    bounds = [count * i // threads for i in range(threads + 1)]
+    futures = [_pool.submit(part, bounds[i], bounds[i + 1]) for i in range(1, threads)]
+    try:
+        part(bounds[0], bounds[1])
+    finally:
+        for f in futures:
+            f.result()
+
+
+def _forget_pool() -> None:
+    """A forked child has no threads: it starts a pool of its own when it needs one."""
+    global _pool
+    _pool = None
+
+
+os.register_at_fork(after_in_child=_forget_pool)
 
 
 BLOCK = 64

@@ -74,10 +74,11 @@ def _page_source(info, data) -> Callable[[int, int], np.ndarray]:
     return pages
 
 
-def _append_base_batch(log, epoch: int, region_id: int, page_ids, pages, page_crcs) -> int:
+def _append_base_batch(log, epoch: int, region_id: int, page_ids, pages) -> tuple[int, np.ndarray]:
     """Append one BASE page batch at a committed epoch (the appender's
     append_page_batch refuses committed epochs: base records are outside epoch
-    accounting, FORMAT.md V-N1) and persist it; returns its LSN."""
+    accounting, FORMAT.md V-N1) and persist it; returns its LSN and its page
+    CRCs (hashed as the pages were copied into the log)."""
     from concordia.wal import format as F
 
     count, pb = pages.shape
@@ -85,10 +86,10 @@ def _append_base_batch(log, epoch: int, region_id: int, page_ids, pages, page_cr
     _settled(app, "a base snapshot batch")
     res = app.reserve(F.page_batch_length(count, pb))
     F.encode_page_batch_into(res.view, lsn=res.lsn, epoch=epoch, region_id=region_id, salt=res.salt,
-                             page_ids=page_ids, pages=pages, page_bytes=pb, flags=F.FLAG_BASE,
-                             page_crcs=page_crcs)
+                             page_ids=page_ids, pages=pages, page_bytes=pb, flags=F.FLAG_BASE)
+    crcs = res.view[F.RECORD_HEADER_SIZE + 4 * count:F.RECORD_HEADER_SIZE + 8 * count].view("<u4").copy()
     app.persist(res)
-    return res.lsn
+    return res.lsn, crcs
 
 
 def base_batch_pages(page_bytes: int, chunk_bytes: int, capacity: int) -> int:
@@ -123,7 +124,7 @@ def write_base_slices(log, info, source, epoch: int, *, chunk_bytes=DEFAULT_CHUN
     (the records written stay unlisted and ignored).  chunk_bytes: a number,
     or a callable asked before each record (a caller that writes more at a
     step takes fewer, larger records: each costs the same fixed work)."""
-    from concordia.wal.format import page_crcs_of, region_digest
+    from concordia.wal.format import region_digest
 
     pb = info.page_bytes
     cap = log.appender.segment_capacity
@@ -135,9 +136,7 @@ def write_base_slices(log, info, source, epoch: int, *, chunk_bytes=DEFAULT_CHUN
     while lo < info.pages:
         hi = min(info.pages, lo + base_batch_pages(pb, int(size()), cap))
         pages = np.ascontiguousarray(source(lo, hi), dtype=np.uint8).reshape(hi - lo, pb)
-        c = page_crcs_of(pages)
-        crcs[lo:hi] = c
-        lsn = _append_base_batch(log, epoch, info.id, np.arange(lo, hi, dtype=np.uint32), pages, c)
+        lsn, crcs[lo:hi] = _append_base_batch(log, epoch, info.id, np.arange(lo, hi, dtype=np.uint32), pages)
         first = lsn if first is None else first
         last = lsn
         records += 1

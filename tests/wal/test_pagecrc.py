@@ -142,6 +142,49 @@ def test_copy_page_crcs(path, pb):
         assert got.tolist() == _ref(src)
 
 
+@pytest.mark.parametrize("pb", [256, 4096, 4103])
+def test_copy_page_crcs_shared_by_threads_equals_one_run(path, pb, monkeypatch):
+    """A copy large enough to be split (here at 64 KiB, 16 KiB a thread, 8
+    threads whatever the cores) gives the bytes and CRCs of one run, over a
+    strided source and a count that splits unevenly."""
+    monkeypatch.setattr(pagecrc, "SPLIT_BYTES", 64 << 10)
+    monkeypatch.setattr(pagecrc, "SPLIT_PART_BYTES", 16 << 10)
+    monkeypatch.setattr(pagecrc.os, "cpu_count", lambda: 8)
+    rng = np.random.default_rng(pb)
+    count = (1 << 20) // pb + 5
+    raw = rng.integers(0, 256, (count, pb + 64), dtype=np.uint8)
+    src = raw[:, 7:7 + pb]  # rows contiguous, strided by pb + 64
+    ran = []
+    real = pagecrc.split
+
+    def spy(part, n, page_bytes):
+        ran.append(n)
+        return real(part, n, page_bytes)
+
+    monkeypatch.setattr(pagecrc, "split", spy)
+    dst = np.zeros(count * pb, np.uint8)
+    got = pagecrc.copy_page_crcs(dst, src)
+    assert np.array_equal(dst.reshape(count, pb), src)
+    assert got.tolist() == _ref(src)
+    assert ran == ([count] if path != "package" else [])  # the helper's path splits, the package's copies once
+
+
+def test_split_raises_a_part_failure_after_every_part_ended(monkeypatch):
+    monkeypatch.setattr(pagecrc, "SPLIT_BYTES", 1)
+    monkeypatch.setattr(pagecrc, "SPLIT_PART_BYTES", 1)
+    monkeypatch.setattr(pagecrc.os, "cpu_count", lambda: 4)
+    done = []
+
+    def part(lo, hi):
+        if lo == 0:
+            raise ValueError("first run")
+        done.append((lo, hi))
+
+    with pytest.raises(ValueError, match="first run"):
+        pagecrc.split(part, 8, 1)
+    assert sorted(done) == [(2, 4), (4, 6), (6, 8)]
+
+
 def test_gather_page_crcs(path):
     rng = np.random.default_rng(5)
     root = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
