@@ -102,10 +102,21 @@ LIVE_COPY_BYTES = 256 << 20
 MIN_SLICE = 64 << 10
 #: host copies up to this many bytes in all are kept from one job to the next,
 #: so that a job's start copies into memory already in place (a fresh buffer
-#: costs page faults and zeroing on top of the copy)
-KEPT_COPY_BYTES = 64 << 20
+#: costs page faults and zeroing on top of the copy; a device region's kept
+#: buffer is pinned, so its copy runs at the bus's speed)
+KEPT_COPY_BYTES = 1 << 30
 #: weight of the newest checkpoint in the measured rate (`Retention.rate`)
 RATE_WEIGHT = 1 / 8
+
+
+def _pinned(nbytes: int) -> np.ndarray:
+    """A pinned host buffer of `nbytes` (a pageable one where pinning fails)."""
+    try:
+        from concordia.gpu_kernels import gpu
+
+        return gpu.pinned_buffer(nbytes)[0]
+    except Exception:
+        return np.empty(nbytes, np.uint8)
 
 
 class Retention:
@@ -612,8 +623,8 @@ class Retention:
         # the copies are the state of the epoch just committed (nothing ran since;
         # under pressure after a pending epoch, none: folded from the log);
         # the job that takes them is made at the next hook (`_begin`)
-        live = {} if moved else {n: self._host_copy(n, regions[n].array) for n in names
-                                       if regions[n].array.nbytes <= LIVE_COPY_BYTES}
+        live = {} if moved else {n: self._host_copy(regions[n]) for n in names
+                                       if regions[n].nbytes <= LIVE_COPY_BYTES}
         self._start(epoch, names, live, pressure)
         return True
 
@@ -634,24 +645,28 @@ class Retention:
         names, pressure = self._copy_next
         self._copy_next = None
         regions = self.regions
-        live = {n: self._host_copy(n, regions[n].array) for n in names
-                if n in regions.names and regions[n].array.nbytes <= LIVE_COPY_BYTES}
+        live = {n: self._host_copy(regions[n]) for n in names
+                if n in regions.names and regions[n].nbytes <= LIVE_COPY_BYTES}
         self._start(epoch, [n for n in names if n in regions.names], live, pressure)
 
-    def _host_copy(self, name: str, arr) -> np.ndarray:
-        """The bytes of `arr` as they are now, in a buffer of this session's:
-        the one of the region's last job (that job is over) while the kept
-        buffers stay within KEPT_COPY_BYTES, else a new one."""
-        from concordia.regions.arrays import to_host
-
-        src = np.ascontiguousarray(to_host(arr)).reshape(-1).view(np.uint8)
-        buf = self._copies.get(name)
-        if buf is None or buf.nbytes != src.nbytes:
-            self._copies.pop(name, None)
-            if sum(b.nbytes for b in self._copies.values()) + src.nbytes > KEPT_COPY_BYTES:
-                return src.copy()
-            buf = self._copies[name] = np.empty(src.nbytes, np.uint8)
-        np.copyto(buf, src)
+    def _host_copy(self, r) -> np.ndarray:
+        """The bytes of region `r` as they are now, in a buffer of this
+        session's: the one of the region's last job (that job is over) while
+        the kept buffers stay within KEPT_COPY_BYTES, else a new one.  A device
+        region's bytes are copied straight into it (pinned memory when it is
+        kept: the copy runs at the bus's speed, with no copy on the host)."""
+        n = int(r.nbytes)
+        buf = self._copies.get(r.name)
+        if buf is None or buf.nbytes != n:
+            self._copies.pop(r.name, None)
+            if sum(b.nbytes for b in self._copies.values()) + n > KEPT_COPY_BYTES:
+                buf = np.empty(n, np.uint8)
+            else:
+                buf = self._copies[r.name] = _pinned(n) if r.on_gpu else np.empty(n, np.uint8)
+        if r.on_gpu:
+            r.flat.get(out=buf)
+        else:
+            np.copyto(buf, r.flat)
         return buf
 
     def _begin(self) -> None:
