@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Where the host's time inside generate()'s checkpoint criterion goes on the
+# H200 (issue 32's every-step overhead): `bench model --parts decode` (one
+# measured round) under cProfile, then what the criterion, the checkpoint, the
+# settle of the pending epoch, the guard's capture and retention's hook call,
+# with their cumulative times (the model's compile and the other settings are
+# in the same profile: read the callees, not the totals).
+# Writes $OUT/model-profile.txt and $OUT/model-profile.json (the bench's JSON).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+: "${OUT:?set OUT to a folder for results}"
+export HF_HUB_OFFLINE=1
+unset CUBLAS_WORKSPACE_CONFIG
+python3 - "$OUT/model-profile.txt" "$OUT/model-profile.json" <<'PY'
+import cProfile, io, pstats, sys
+from concordia.tools.wal_cli import main
+out, js = sys.argv[1], sys.argv[2]
+sys.argv = ["concordia-wal", "bench", "model", "--parts", "decode", "--decode-reps", "1", "--json", "--out", js, "--force"]
+pr = cProfile.Profile()
+pr.enable()
+try:
+    main(standalone_mode=False)
+except SystemExit:
+    pass
+pr.disable()
+buf = io.StringIO()
+st = pstats.Stats(pr, stream=buf)
+st.sort_stats("cumulative")
+for name in ("transformers.py.*__call__", "session.py.*checkpoint", "session.py.*settle", "_finish_table",
+             "capture", "after_commit", "_after_commit", "_advance", "launch", "complete", "_commit"):
+    st.print_callees(name)
+st.sort_stats("tottime").print_stats(40)
+open(out, "w").write(buf.getvalue())
+print(buf.getvalue()[:9000])
+PY
