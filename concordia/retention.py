@@ -105,6 +105,9 @@ MIN_SLICE = 64 << 10
 #: costs page faults and zeroing on top of the copy; a device region's kept
 #: buffer is pinned, so its copy runs at the bus's speed)
 KEPT_COPY_BYTES = 1 << 30
+#: a device region's kept copy is pinned from this size up (pinning costs
+#: milliseconds a buffer whatever its size; a small copy is quick either way)
+PIN_COPY_BYTES = 4 << 20
 #: weight of the newest checkpoint in the measured rate (`Retention.rate`)
 RATE_WEIGHT = 1 / 8
 
@@ -654,7 +657,8 @@ class Retention:
         session's: the one of the region's last job (that job is over) while
         the kept buffers stay within KEPT_COPY_BYTES, else a new one.  A device
         region's bytes are copied straight into it (pinned memory when it is
-        kept: the copy runs at the bus's speed, with no copy on the host)."""
+        kept and at least PIN_COPY_BYTES: the copy runs at the bus's speed,
+        with no copy on the host)."""
         n = int(r.nbytes)
         buf = self._copies.get(r.name)
         if buf is None or buf.nbytes != n:
@@ -662,7 +666,8 @@ class Retention:
             if sum(b.nbytes for b in self._copies.values()) + n > KEPT_COPY_BYTES:
                 buf = np.empty(n, np.uint8)
             else:
-                buf = self._copies[r.name] = _pinned(n) if r.on_gpu else np.empty(n, np.uint8)
+                pin = r.on_gpu and n >= PIN_COPY_BYTES
+                buf = self._copies[r.name] = _pinned(n) if pin else np.empty(n, np.uint8)
         if r.on_gpu:
             r.flat.get(out=buf)
         else:
