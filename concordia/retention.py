@@ -112,14 +112,15 @@ PIN_COPY_BYTES = 4 << 20
 RATE_WEIGHT = 1 / 8
 
 
-def _pinned(nbytes: int) -> np.ndarray:
-    """A pinned host buffer of `nbytes` (a pageable one where pinning fails)."""
+def _pinned(nbytes: int) -> tuple:
+    """(host view, device view) of a pinned host buffer of `nbytes`, or a
+    pageable one and None where pinning fails."""
     try:
         from concordia.gpu_kernels import gpu
 
-        return gpu.pinned_buffer(nbytes)[0]
+        return gpu.pinned_buffer(nbytes)
     except Exception:
-        return np.empty(nbytes, np.uint8)
+        return np.empty(nbytes, np.uint8), None
 
 
 class Retention:
@@ -176,6 +177,11 @@ class Retention:
         self._table: tuple | None = None  # (names of a table pass, their slots)
         self._free: tuple = (None, 0)   # (superblock, bytes of its free segments)
         self._copies: dict = {}         # name -> host buffer kept for its next job's copy
+        self._images: dict = {}         # name -> the device's view of its pinned kept buffer
+        #: writes a job's BASE records from the device's view of its copies
+        #: (`checkpoint.bases.BaseStager`); made for a session whose log the
+        #: device writes (`base_stager_for`), or set by a caller
+        self.base_stager = None
         self._copy_next: tuple | None = None  # (names, pressure) of a job whose copies `launched` takes
 
     # ------------------------------------------------------- the bookkeeping
@@ -440,6 +446,17 @@ class Retention:
                 "need": self.need(self._state, self._slice(self.rate)), "headroom": self.headroom(),
                 "short": self.short, "coalescing": self.coalescing}
 
+    @property
+    def base_staging(self) -> dict | None:
+        """Who writes the BASE records of jobs' copies besides the host: the
+        base stager's kernels ("gpu", or "cpu" for the numpy twin), the
+        records it wrote, and why it stopped (None while it works); None
+        without one."""
+        st = self.base_stager
+        if st is None:
+            return None
+        return {"kernels": st.k.name, "records": st.records, "error": st.error}
+
     def bound(self, r) -> int:
         b = self.policy.base_every_bytes
         return int(b) if b else max(r.page_bytes, r.array.nbytes // 4)
@@ -663,11 +680,16 @@ class Retention:
         buf = self._copies.get(r.name)
         if buf is None or buf.nbytes != n:
             self._copies.pop(r.name, None)
+            self._images.pop(r.name, None)
             if sum(b.nbytes for b in self._copies.values()) + n > KEPT_COPY_BYTES:
                 buf = np.empty(n, np.uint8)
+            elif r.on_gpu and n >= PIN_COPY_BYTES:
+                buf, dev = _pinned(n)
+                self._copies[r.name] = buf
+                if dev is not None:
+                    self._images[r.name] = dev
             else:
-                pin = r.on_gpu and n >= PIN_COPY_BYTES
-                buf = self._copies[r.name] = _pinned(n) if pin else np.empty(n, np.uint8)
+                buf = self._copies[r.name] = np.empty(n, np.uint8)
         if r.on_gpu:
             r.flat.get(out=buf)
         else:
@@ -688,9 +710,28 @@ class Retention:
         digests = {n: int(stated[regions[n].id]) for n in live}
         self.job = Compaction(self.session.log, epoch, regions=names, live=live,
                               digests=digests if len(live) == len(names) else None,
-                              chunk_bytes=int(self.policy.slice_bytes or MIN_SLICE))
+                              chunk_bytes=int(self.policy.slice_bytes or MIN_SLICE), stage=self._stage(live))
         self.job_pressure = pressure
         self.job_ready = False
+
+    def _stage(self, live: dict) -> dict:
+        """{name: BASE record writer} of the live copies the base stager can
+        read: the device's view of a pinned copy, or the copy itself for
+        host kernels (a stager a caller set: the numpy twin)."""
+        st = self._base_stager()
+        if st is None or st.error is not None:
+            return {}
+        if st.k.xp is np:
+            return {n: st.writer(b) for n, b in live.items()}
+        return {n: st.writer(self._images[n]) for n, b in live.items()
+                if n in self._images and self._copies.get(n) is b}
+
+    def _base_stager(self):
+        """The session's base stager: the one a caller set, else one on the
+        device kernels of a log the device writes (made when there is one)."""
+        if self.base_stager is None:
+            self.base_stager = self.session.runner.base_stager()
+        return self.base_stager
 
     def _commit_digests(self, lsn: int) -> dict:
         """{region id: digest} of the commit record at `lsn` (read back from the log)."""

@@ -549,13 +549,15 @@ class Compaction:
     newest base already is at the epoch is left out unless it is live).
     live: {name: array, buffer or (lo, hi) -> pages function} images of the
     regions at `epoch`; the others are folded from the log (which takes one
-    scan of the log here).  Each new base's digest is checked against the
-    commit before `finish` switches.  The log must not be compacted by anyone
+    scan of the log here).  stage: {name: writer} for live regions whose
+    records another writer may write from the same image (a device reading
+    it: `snapshot._append_base_batch`'s `stage`).  Each new base's digest is
+    checked against the commit before `finish` switches.  The log must not be compacted by anyone
     else between the steps (the folded sources read records in place)."""
 
     def __init__(self, log, epoch: int | None = None, *, regions=None, live: dict | None = None,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, progress: Callable[[int, int], None] | None = None,
-                 digests: dict | None = None):
+                 digests: dict | None = None, stage: dict | None = None):
         self.t0 = time.perf_counter()
         self.log = log
         self.seconds = 0.0
@@ -576,20 +578,21 @@ class Compaction:
         else:
             self.epoch = int(epoch)
         self.report = CompactReport(epoch=self.epoch, source="live" if live and not folded else "log")
-        self._todo = []  # [info, source, expected digest]
+        self._todo = []  # [info, source, expected digest, stage writer or None]
+        stage = stage or {}
         for name in want:
             info = known[name]
             if name in live:
                 want_digest = (digests or {}).get(name)
                 if want_digest is None and self.plan is not None and name in self.plan.regions:
                     want_digest = self.plan.regions[name].digest
-                self._todo.append([info, _page_source(info, live[name]), want_digest])
+                self._todo.append([info, _page_source(info, live[name]), want_digest, stage.get(name)])
                 continue
             rp = self.plan.regions[name]
             if rp.base_epoch == self.epoch:
                 self.report.unchanged.append(name)  # its newest base already is the state at the epoch
                 continue
-            self._todo.append([info, fold_source(rp), rp.digest])
+            self._todo.append([info, fold_source(rp), rp.digest, None])
         self.total = sum(t[0].pages * t[0].page_bytes for t in self._todo)
         self.done_bytes = 0
         self.chunk_bytes = int(chunk_bytes)
@@ -614,13 +617,14 @@ class Compaction:
         self._budget = budget
         while budget > 0 and not self.written:
             if self._writer is None:
-                info, src, want = self._todo[0]
-                self._writer = write_base_slices(self.log, info, src, self.epoch, chunk_bytes=self._chunk)
+                info, src, want, stage = self._todo[0]
+                self._writer = write_base_slices(self.log, info, src, self.epoch, chunk_bytes=self._chunk,
+                                                 stage=stage)
             try:
                 n = next(self._writer)
             except StopIteration as stop:
                 self._writer = None
-                info, _, want = self._todo.pop(0)
+                info, _, want, _ = self._todo.pop(0)
                 entry = stop.value
                 if want is not None and entry.digest != want:
                     self.abort()

@@ -74,20 +74,28 @@ def _page_source(info, data) -> Callable[[int, int], np.ndarray]:
     return pages
 
 
-def _append_base_batch(log, epoch: int, region_id: int, page_ids, pages) -> tuple[int, np.ndarray]:
-    """Append one BASE page batch at a committed epoch (the appender's
-    append_page_batch refuses committed epochs: base records are outside epoch
-    accounting, FORMAT.md V-N1) and persist it; returns its LSN and its page
-    CRCs (hashed as the pages were copied into the log)."""
+def _append_base_batch(log, epoch: int, info, lo: int, hi: int, source, stage=None) -> tuple[int, np.ndarray]:
+    """Append one BASE page batch of pages [lo, hi) of region `info` at a
+    committed epoch (the appender's append_page_batch refuses committed
+    epochs: base records are outside epoch accounting, FORMAT.md V-N1) and
+    persist it; returns its LSN and its page CRCs.  `stage(res, info, epoch,
+    lo, hi)`, when given, may write the whole record into the reservation
+    itself (e.g. a device reading the image) and return its page CRCs, or
+    return None: the pages are then read from `source` and copied in here,
+    each hashed as it is copied."""
     from concordia.wal import format as F
 
-    count, pb = pages.shape
+    count, pb = hi - lo, info.page_bytes
     app = log.appender
     _settled(app, "a base snapshot batch")
     res = app.reserve(F.page_batch_length(count, pb))
-    F.encode_page_batch_into(res.view, lsn=res.lsn, epoch=epoch, region_id=region_id, salt=res.salt,
-                             page_ids=page_ids, pages=pages, page_bytes=pb, flags=F.FLAG_BASE)
-    crcs = res.view[F.RECORD_HEADER_SIZE + 4 * count:F.RECORD_HEADER_SIZE + 8 * count].view("<u4").copy()
+    crcs = stage(res, info, epoch, lo, hi) if stage is not None else None
+    if crcs is None:
+        pages = np.ascontiguousarray(source(lo, hi), dtype=np.uint8).reshape(count, pb)
+        F.encode_page_batch_into(res.view, lsn=res.lsn, epoch=epoch, region_id=info.id, salt=res.salt,
+                                 page_ids=np.arange(lo, hi, dtype=np.uint32), pages=pages, page_bytes=pb,
+                                 flags=F.FLAG_BASE)
+        crcs = res.view[F.RECORD_HEADER_SIZE + 4 * count:F.RECORD_HEADER_SIZE + 8 * count].view("<u4").copy()
     app.persist(res)
     return res.lsn, crcs
 
@@ -114,7 +122,7 @@ def base_record_lengths(info, chunk_bytes: int, capacity: int) -> list:
     return [page_batch_length(per, pb)] * full + ([page_batch_length(rest, pb)] if rest else [])
 
 
-def write_base_slices(log, info, source, epoch: int, *, chunk_bytes=DEFAULT_CHUNK_BYTES):
+def write_base_slices(log, info, source, epoch: int, *, chunk_bytes=DEFAULT_CHUNK_BYTES, stage=None):
     """A generator appending the BASE page batches of a full image of region
     `info` at `epoch`, one chunk (at most `chunk_bytes`, at least one page, and
     never more than a segment holds) per step: each `next()` writes and
@@ -123,7 +131,8 @@ def write_base_slices(log, info, source, epoch: int, *, chunk_bytes=DEFAULT_CHUN
     listed: the caller writes the catalog.  A caller may stop between steps
     (the records written stay unlisted and ignored).  chunk_bytes: a number,
     or a callable asked before each record (a caller that writes more at a
-    step takes fewer, larger records: each costs the same fixed work)."""
+    step takes fewer, larger records: each costs the same fixed work).
+    stage: see `_append_base_batch` (a writer of the same records)."""
     from concordia.wal.format import region_digest
 
     pb = info.page_bytes
@@ -135,8 +144,7 @@ def write_base_slices(log, info, source, epoch: int, *, chunk_bytes=DEFAULT_CHUN
     lo = 0
     while lo < info.pages:
         hi = min(info.pages, lo + base_batch_pages(pb, int(size()), cap))
-        pages = np.ascontiguousarray(source(lo, hi), dtype=np.uint8).reshape(hi - lo, pb)
-        lsn, crcs[lo:hi] = _append_base_batch(log, epoch, info.id, np.arange(lo, hi, dtype=np.uint32), pages)
+        lsn, crcs[lo:hi] = _append_base_batch(log, epoch, info, lo, hi, source, stage)
         first = lsn if first is None else first
         last = lsn
         records += 1

@@ -135,6 +135,16 @@ class EpochRunner:
         recovery reads the log through it), or None."""
         return getattr(self.stagers.get("gpu"), "registration", None)
 
+    def base_stager(self):
+        """A `bases.BaseStager` on the device kernels of a log mapping the
+        device writes (retention's BASE records from pinned copies), or None."""
+        st = self.stagers.get("gpu")
+        if st is None or st.registration is None:
+            return None
+        from concordia.checkpoint.bases import BaseStager
+
+        return BaseStager(st.kernels, st.registration)
+
     def close(self) -> None:
         for st in self.stagers.values():
             if st is not None:
