@@ -142,7 +142,7 @@ def _base_batch_in_a_new_segment(path: str) -> int:
         log.appender.commit(e, digests={0: 0})
     seg = log.appender.seg.index
     pages = np.full((16, PAGE), 7, np.uint8)
-    lsn = _append_base_batch(log, e, 0, np.arange(16, dtype=np.uint32), pages, F.page_crcs_of(pages))
+    lsn, _ = _append_base_batch(log, e, log.regions["r"], 0, 16, lambda lo, hi: pages[lo:hi])
     assert log.appender.seg.index != seg  # it did roll over
     log.close()
     return lsn
