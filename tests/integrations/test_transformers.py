@@ -216,6 +216,8 @@ def test_bench_model_quick_json(tmp_path):
     # CPU tensors take the host path, which never leaves an epoch pending (the device table pass does)
     assert all(d["pending"] == 0 for d in doc["decode"])
     assert all(d["hook_ms_median"] > 0 for d in doc["decode"])  # the host time inside the criterion
+    # where the every-step checkpoint's host time goes, call by call
+    assert {"update", "run", "settle", "retention"} <= set(doc["decode"][1]["host_phases_ms"])
     assert [r["context"] for r in doc["recovery"]] == [64, 256]
     assert all(r["identical"] for r in doc["recovery"])
     assert all(r["recovery_vs_reprefill"] > 0 for r in doc["recovery"])

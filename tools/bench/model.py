@@ -88,8 +88,11 @@ def _decode(model, guard, ids, steps, every, wait=False):
     """generate() `steps` tokens on a cache prefilled with all of `ids` but the
     last token, after its base checkpoint; (seconds per token, checkpoint
     statistics, how many checkpoints were left pending, the median host
-    seconds inside the stopping criterion per step).  The time includes
-    committing the last pending epoch."""
+    seconds inside the stopping criterion per step, and the median host
+    milliseconds of each phase's call: the adapter update, the epoch's run
+    (its launch, when pending), the settle of a pending epoch, retention's
+    hook and its copies at a launch).  The time includes committing the last
+    pending epoch."""
     import torch
     from transformers import StoppingCriteria
 
@@ -98,9 +101,20 @@ def _decode(model, guard, ids, steps, every, wait=False):
 
     # every=0: the same online adapter update at every step, no checkpoint
     queued = []
-    hook = CheckpointEvery(guard, every or 1 << 40, on_step=lora_update(model), wait=wait,
+    parts: dict = {}  # phase -> host seconds of each call (`_timing`)
+    s = guard.session
+    update = _timing(lora_update(model), "update", parts)
+    hook = CheckpointEvery(guard, every or 1 << 40, on_step=update, wait=wait,
                            after=lambda step, st: queued.append(st.pending))
     host = []  # the host's seconds inside the criterion at each step (the update and the checkpoint)
+    # where the checkpoint's host time goes: the epoch's launch (or whole run), the settle of
+    # the pending one, retention's hook after a commit and at a launch
+    saved = {name: getattr(obj, name) for obj, name in ((s.runner, "run"), (s.runner, "settle"),
+                                                        (s.retention, "after_commit"), (s.retention, "launched"))}
+    s.runner.run = _timing(saved["run"], "run", parts)
+    s.runner.settle = _timing(saved["settle"], "settle", parts)
+    s.retention.after_commit = _timing(saved["after_commit"], "retention", parts)
+    s.retention.launched = _timing(saved["launched"], "retention_copies", parts)
 
     class Timed(StoppingCriteria):
         def __call__(self, input_ids, scores, **kwargs):
@@ -116,7 +130,22 @@ def _decode(model, guard, ids, steps, every, wait=False):
                    stopping_criteria=[Timed()], min_new_tokens=steps)
     guard.session.settle()
     _sync(torch, dev)
-    return (time.perf_counter() - t0) / steps, hook.stats, sum(queued), _median(host)
+    per_step = (time.perf_counter() - t0) / steps
+    for name in saved:  # the instance attributes go; the class's methods show again
+        delattr(s.runner if name in ("run", "settle") else s.retention, name)
+    phases = {k: round(_median(v) * 1e3, 4) for k, v in parts.items() if v}
+    return per_step, hook.stats, sum(queued), _median(host), phases
+
+
+def _timing(fn, name: str, into: dict):
+    """fn, with the host seconds of each call appended to into[name]."""
+    def timed(*args, **kw):
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kw)
+        finally:
+            into.setdefault(name, []).append(time.perf_counter() - t)
+    return timed
 
 
 #: the decode settings measured: (checkpoint every, wait); (0, False) is the baseline
@@ -149,10 +178,10 @@ def _decode_part(model, cfg, batch, steps, prompt_len, reps, kv_per_token, log_s
                 cache.reset()
                 _prefill(model, cache, ids[:, :-1], ids.shape[1])  # generate() then starts at the last token
                 s.checkpoint()  # the base
-                per_tok, stats, pending, host_s = _decode(model, guard, ids, steps, every, wait)
+                per_tok, stats, pending, host_s, phases = _decode(model, guard, ids, steps, every, wait)
                 if rep:  # the first round warms (compiles) every setting
                     runs[every, wait].append({"s_per_step": per_tok, "ckpt_ms": [st.total_ms for st in stats],
-                                              "hook_ms": host_s * 1e3,
+                                              "hook_ms": host_s * 1e3, "phases": phases,
                                               "regions": len(guard.names), "pending": pending,
                                               "bytes_per_ckpt": _median([st.log_bytes for st in stats])})
             discard(log)
@@ -167,6 +196,9 @@ def _decode_part(model, cfg, batch, steps, prompt_len, reps, kv_per_token, log_s
                              "pending": sum(r["pending"] for r in rs), "regions": rs[0]["regions"],
                              "ckpt_ms_median": _median(ck),
                              "hook_ms_median": _median([r["hook_ms"] for r in rs]),
+                             # per phase, the median over runs of each run's median call (host ms)
+                             "host_phases_ms": {k: _median([r["phases"][k] for r in rs if k in r["phases"]])
+                                                for k in sorted({k for r in rs for k in r["phases"]})},
                              "log_bytes_per_ckpt": _median([r["bytes_per_ckpt"] for r in rs if r["bytes_per_ckpt"]])}
     base = rows[0, False]["s_per_step"]
     for r in rows.values():
