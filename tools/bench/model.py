@@ -46,8 +46,6 @@ import click
 from ..common import check_outputs, guarded, report
 from .files import Scratch, force_option
 
-PAPER_CKPT_MS = 18.9  # per checkpoint, Qwen3-0.6B, in the paper this project follows
-
 
 def _sync(torch, device):
     if device.startswith("cuda"):
@@ -341,7 +339,7 @@ def run(shape: str, device: str, batch: int, contexts: list[int], decode_steps: 
     res = {"bench": "model", "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
            "shape": shape, "batch": batch, "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
            "compile": compiled(model, StaticCache(config=cfg, max_cache_len=8)), "attn": model.config._attn_implementation,
-           "paper_ckpt_ms": PAPER_CKPT_MS, "parts": list(parts)}
+           "parts": list(parts)}
 
     if "decode" in parts:
         say(f"decode: batch {batch}, {decode_steps} tokens after a {decode_prompt}-token prompt, "
@@ -466,8 +464,7 @@ def _table(res: dict) -> str:
             kb = "-" if not r.get("log_bytes_per_ckpt") else f"{r['log_bytes_per_ckpt'] / 1024:.0f}"
             out.append(f"{name:>14} {r['tokens_per_s']:>10.1f} {r['s_per_step']:>9.4f} {r['overhead']:>9.3f} "
                        f"{ck:>9} {kb:>8}")
-        out.append(f"checkpoint per step {res['ckpt_ms_per_step']:.2f} ms (the paper: {res['paper_ckpt_ms']} ms "
-                   f"on Qwen3-0.6B)")
+        out.append(f"checkpoint per step {res['ckpt_ms_per_step']:.2f} ms")
     if "kills" in res:
         ks = res["kills"]
         out.append(f"kills: {len(ks)} SIGKILLs at random moments, {sum(k['sampled'] for k in ks)} sampled, "
