@@ -180,7 +180,7 @@ class Retention:
         self._images: dict = {}         # name -> the device's view of its pinned kept buffer
         #: writes a job's BASE records from the device's view of its copies
         #: (`checkpoint.bases.BaseStager`); made for a session whose log the
-        #: device writes (`base_stager_for`), or set by a caller
+        #: device writes (`EpochRunner.base_stager`), or set by a caller
         self.base_stager = None
         self._copy_next: tuple | None = None  # (names, pressure) of a job whose copies `launched` takes
 
