@@ -78,24 +78,24 @@ def _append_base_batch(log, epoch: int, info, lo: int, hi: int, source, stage=No
     """Append one BASE page batch of pages [lo, hi) of region `info` at a
     committed epoch (the appender's append_page_batch refuses committed
     epochs: base records are outside epoch accounting, FORMAT.md V-N1) and
-    persist it; returns its LSN and its page CRCs.  `stage(res, info, epoch,
-    lo, hi)`, when given, may write the whole record into the reservation
-    itself (e.g. a device reading the image) and return its page CRCs, or
-    return None: the pages are then read from `source` and copied in here,
-    each hashed as it is copied."""
+    persist it; returns its LSN and its page CRCs (the record's CRC table).
+    `stage(res, info, epoch, lo, hi)`, when given, may write the whole record
+    into the reservation itself (e.g. a device reading the image) and return
+    True, or return False: the pages are then read from `source` and copied
+    in here, each hashed as it is copied."""
     from concordia.wal import format as F
 
     count, pb = hi - lo, info.page_bytes
     app = log.appender
     _settled(app, "a base snapshot batch")
     res = app.reserve(F.page_batch_length(count, pb))
-    crcs = stage(res, info, epoch, lo, hi) if stage is not None else None
-    if crcs is None:
+    if stage is None or not stage(res, info, epoch, lo, hi):
         pages = np.ascontiguousarray(source(lo, hi), dtype=np.uint8).reshape(count, pb)
         F.encode_page_batch_into(res.view, lsn=res.lsn, epoch=epoch, region_id=info.id, salt=res.salt,
                                  page_ids=np.arange(lo, hi, dtype=np.uint32), pages=pages, page_bytes=pb,
                                  flags=F.FLAG_BASE)
-        crcs = res.view[F.RECORD_HEADER_SIZE + 4 * count:F.RECORD_HEADER_SIZE + 8 * count].view("<u4").copy()
+    at = F.page_batch_crcs_offset(count)
+    crcs = res.view[at:at + 4 * count].view("<u4").copy()
     app.persist(res)
     return res.lsn, crcs
 

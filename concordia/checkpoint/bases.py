@@ -32,9 +32,9 @@ class _Image:
 class BaseStager:
     """Writes one BASE page batch of a region's image into a log reservation
     with `kernels` (`DeviceKernels` with the log's CUDA `registration`, or the
-    numpy `HostKernels`).  `write` returns the record's page CRCs, or None
-    when it did not write it (the caller writes it on the host); after any
-    failure it says why in `error` and writes nothing more."""
+    numpy `HostKernels`).  `write` says whether it wrote the record (checked
+    as a reader checks it); when it did not, the caller writes it on the
+    host.  After any failure it says why in `error` and writes nothing more."""
 
     def __init__(self, kernels, registration=None):
         self.k = kernels
@@ -49,28 +49,26 @@ class BaseStager:
         memory seen by the device, or a numpy array for the host kernels)."""
         return lambda res, info, epoch, lo, hi: self.write(res, image, info, epoch, lo, hi)
 
-    def write(self, res, image, info, epoch: int, lo: int, hi: int):
+    def write(self, res, image, info, epoch: int, lo: int, hi: int) -> bool:
         if self.error is not None:
-            return None
-        k, count = self.k, hi - lo
+            return False
+        k = self.k
         try:
             with self._own_stream():
                 dst = k.mapped_view(self.registration, res)
                 cursor = k.cursors(1)[0]
-                crcs = k.empty_u32(count)
                 ids = k.xp.arange(lo, hi, dtype=k.xp.uint32)
-                k.stage(_Image(image, info.page_bytes), ids, dst, cursor, crcs, base_lsn=res.lsn, epoch=int(epoch),
-                        region_id=int(info.id), salt=int(res.salt), flags=F.FLAG_BASE)
-                cursor, crcs = self._read(cursor, crcs)
+                k.stage(_Image(image, info.page_bytes), ids, dst, cursor, k.empty_u32(hi - lo), base_lsn=res.lsn,
+                        epoch=int(epoch), region_id=int(info.id), salt=int(res.salt), flags=F.FLAG_BASE)
+                cursor = self._read(cursor)
         except Exception as exc:  # the host writes this record and every later one
             self.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
-            return None
-        why = self._check(res, cursor, info, epoch, count)
-        if why is not None:
-            self.error = why
-            return None
+            return False
+        self.error = self._check(res, cursor, info, epoch, lo, hi)
+        if self.error is not None:
+            return False
         self.records += 1
-        return crcs
+        return True
 
     @contextlib.contextmanager
     def _own_stream(self):
@@ -83,26 +81,35 @@ class BaseStager:
         with self._stream:
             yield
 
-    def _read(self, cursor, crcs):
+    def _read(self, cursor) -> np.ndarray:
         if self.k.xp is np:
-            return np.asarray(cursor), np.asarray(crcs, np.uint32)
-        out = self.k.cp.asnumpy(cursor, stream=self._stream), self.k.cp.asnumpy(crcs, stream=self._stream)
+            return cursor
+        out = self.k.cp.asnumpy(cursor, stream=self._stream)
         self._stream.synchronize()
         return out
 
     @staticmethod
-    def _check(res, cursor, info, epoch: int, count: int) -> str | None:
-        """Why the record in `res` is not the one asked for, or None."""
+    def _check(res, cursor, info, epoch: int, lo: int, hi: int) -> str | None:
+        """Why the record in `res` is not the one asked for (pages [lo, hi) of
+        region `info` at `epoch`, whole, as the reader checks a page batch,
+        its payload aside: the page CRCs are the kernel's), or None."""
+        where = f"the staged BASE record of region {info.name!r}"
         if int(cursor[ref.CURSOR_REFUSED]) or int(cursor[ref.CURSOR_USED]) != res.length:
-            return (f"the staged BASE record of region {info.name!r} took {int(cursor[ref.CURSOR_USED])} bytes "
-                    f"of {res.length} ({int(cursor[ref.CURSOR_REFUSED])} refused)")
+            return (f"{where} took {int(cursor[ref.CURSOR_USED])} bytes of {res.length} "
+                    f"({int(cursor[ref.CURSOR_REFUSED])} refused)")
         problem = F.check_record_header_bytes(res.view)
         if problem is not None:
-            return f"the staged BASE record of region {info.name!r}: {problem}"
+            return f"{where}: {problem}"
         h = F.decode_record_header(res.view, check=False)
-        want = (res.length, F.REC_PAGE_BATCH, res.lsn, int(epoch), int(info.id), count, info.page_bytes,
+        want = (res.length, F.REC_PAGE_BATCH, res.lsn, int(epoch), int(info.id), hi - lo, info.page_bytes,
                 F.FLAG_BASE)
         got = (h.length, h.type, h.lsn, h.epoch, h.region_id, h.count, h.page_bytes, h.flags)
         if got != want:
-            return f"the staged BASE record of region {info.name!r} has header {got}, not {want}"
+            return f"{where} has header {got}, not {want}"
+        problem = F.page_batch_problem(res.view, h, check_pages=False)
+        if problem is not None:
+            return f"{where}: {problem[0]}"
+        ids = res.view[F.page_batch_index_offset(hi - lo):][:4 * (hi - lo)].view("<u4")
+        if int(ids[0]) != lo or int(ids[-1]) != hi - 1:  # strictly increasing (checked): lo..hi-1 exactly
+            return f"{where} lists pages {int(ids[0])}..{int(ids[-1])}, not {lo}..{hi - 1}"
         return None

@@ -84,6 +84,21 @@ def test_a_stager_that_fails_hands_the_record_back_to_the_host(shm_log):
         assert np.array_equal(state[k], written[k]), k
 
 
+class _WrongEpoch(HostKernels):
+    """Host kernels that write a whole, valid page batch, of the wrong epoch."""
+
+    def stage(self, r, ids, dst, cursor, crcs, **kw):
+        super().stage(r, ids, dst, cursor, crcs, **{**kw, "epoch": kw["epoch"] + 1})
+
+
+def test_a_record_not_the_one_asked_for_is_written_again_by_the_host(shm_log):
+    stager = BaseStager(_WrongEpoch())
+    want, want_counts, _, _ = _run(shm_log)
+    got, counts, _, _ = _run(shm_log, stager)
+    assert stager.records == 0 and "the staged BASE record of region" in stager.error and "has header" in stager.error
+    assert counts == want_counts and got == want
+
+
 def test_the_retention_says_who_writes_its_bases(shm_log):
     with Session(shm_log, size=8 * MiB, segment_size=1 * MiB, overwrite=True, staging="mapped") as s:
         assert s.retention.base_staging is None  # no device writes this log: the host does
