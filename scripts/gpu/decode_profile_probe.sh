@@ -18,22 +18,6 @@ for k, v in d.items():
     if "ms" in k or "bytes" in k or "pages" in k:
         print(k, round(v, 3) if isinstance(v, float) else v)
 PY
-python3 - "$OUT/decode-profile.txt" <<'PY' || status=1
-import cProfile, io, pstats, sys
-from concordia.tools.wal_cli import main
-sys.argv = ["concordia-wal", "bench", "checkpoint", "--parts", "decode", "--reps", "10", "--out", "/tmp/prof.json",
-            "--force"]
-pr = cProfile.Profile()
-pr.enable()
-try:
-    main(standalone_mode=False)
-except SystemExit:
-    pass
-pr.disable()
-buf = io.StringIO()
-for key in ("tottime", "cumulative"):
-    pstats.Stats(pr, stream=buf).sort_stats(key).print_stats(45)
-open(sys.argv[1], "w").write(buf.getvalue())
-print(buf.getvalue()[:6000])
-PY
+python3 scripts/gpu/profile_wal.py "$OUT/decode-profile.txt" -- bench checkpoint --parts decode --reps 10 \
+  --out /tmp/prof.json --force || status=1
 exit $status

@@ -11,25 +11,10 @@ cd "$(dirname "$0")/../.."
 : "${OUT:?set OUT to a folder for results}"
 export HF_HUB_OFFLINE=1
 unset CUBLAS_WORKSPACE_CONFIG
-python3 - "$OUT/model-profile.txt" "$OUT/model-profile.json" <<'PY'
-import cProfile, io, pstats, sys
-from concordia.tools.wal_cli import main
-out, js = sys.argv[1], sys.argv[2]
-sys.argv = ["concordia-wal", "bench", "model", "--parts", "decode", "--decode-reps", "1", "--json", "--out", js, "--force"]
-pr = cProfile.Profile()
-pr.enable()
-try:
-    main(standalone_mode=False)
-except SystemExit:
-    pass
-pr.disable()
-buf = io.StringIO()
-st = pstats.Stats(pr, stream=buf)
-st.sort_stats("cumulative")
-for name in ("transformers.py.*__call__", "session.py.*checkpoint", "session.py.*settle", "_finish_table",
-             "capture", "after_commit", "_after_commit", "_advance", "launch", "complete", "_commit"):
-    st.print_callees(name)
-st.sort_stats("tottime").print_stats(40)
-open(out, "w").write(buf.getvalue())
-print(buf.getvalue()[:9000])
-PY
+callees=()
+for name in "transformers.py.*__call__" "session.py.*checkpoint" "session.py.*settle" _finish_table capture \
+            after_commit _after_commit _advance launch complete _commit; do
+  callees+=(--callees "$name")
+done
+python3 scripts/gpu/profile_wal.py "$OUT/model-profile.txt" "${callees[@]}" -- bench model --parts decode \
+  --decode-reps 1 --json --out "$OUT/model-profile.json" --force
