@@ -108,6 +108,13 @@ KEPT_COPY_BYTES = 1 << 30
 #: a device region's kept copy is pinned from this size up (pinning costs
 #: milliseconds a buffer whatever its size; a small copy is quick either way)
 PIN_COPY_BYTES = 4 << 20
+#: a job written at once (under pressure) takes BASE records of this share
+#: of a segment (MIN_SLICE at the least): few records, since each costs the
+#: same fixed work whatever its size (in records of MIN_SLICE a base of the
+#: state cost about four times its bytes' copy and hash), yet small enough
+#: that the end of a segment a record does not fit wastes little of a log
+#: short of space (the forecasts count that waste: `_base_record`)
+PRESSURE_RECORD_SHARE = 64
 #: weight of the newest checkpoint in the measured rate (`Retention.rate`)
 RATE_WEIGHT = 1 / 8
 
@@ -363,13 +370,19 @@ class Retention:
         fits `space` (a `wal.compaction.Space`; `takes`)."""
         return takes(space, image + (64 << 10) + 512 * len(self._names), self._base_record())
 
+    def _record_bytes(self) -> int:
+        """Payload bytes of a BASE record of a job written at once: the
+        policy's slice, or MIN_SLICE, or PRESSURE_RECORD_SHARE of a segment."""
+        seg = int(self.session.log.volume.segment_bytes) // PRESSURE_RECORD_SHARE
+        return max(int(self.policy.slice_bytes or MIN_SLICE), seg)
+
     def _base_record(self) -> int:
-        """Bytes of the largest BASE record a job writes (a slice of the
-        policy's size or MIN_SLICE, of the smallest pages)."""
+        """Bytes of the largest BASE record a job writes under pressure
+        (`_record_bytes`, of the smallest pages)."""
         from concordia.wal import format as F
 
         pb = int(self._pbytes.min()) if self._pbytes.size else 4096
-        return F.page_batch_length(max(1, int(self.policy.slice_bytes or MIN_SLICE) // pb), pb)
+        return F.page_batch_length(max(1, self._record_bytes() // pb), pb)
 
     def _affordable(self, names: list) -> list:
         """The longest run of `names`, oldest base first, whose base the free
@@ -753,7 +766,7 @@ class Retention:
         if job.prepared:
             self._switched(job)
         elif pressure or self.job_pressure:
-            while not job.step():
+            while not job.step(self._record_bytes()):
                 pass
             self.counts["slices"] += 1
             self._prepare(job, job.epoch, True)
