@@ -124,18 +124,21 @@ def test_the_device_stager_writes_the_records_the_host_writes(shm_log):
             if not device:
                 s.retention.base_stager = BaseStager(_Refuses())
             for e in range(1, 61):
-                a[(e * 13) % 2048, e % 1024] = e
+                # 64 pages an epoch: the chain passes its bound (2 MiB) every few epochs
+                a[(e * 64) % 2048:(e * 64) % 2048 + 64, e % 1024] = e
                 s.checkpoint()
                 if e % 10 == 0:
                     seen.append(_base_batches(s.log))
             staging = s.retention.base_staging
+            counts = dict(s.retention.counts)
             got = cp.asnumpy(s.recover()["a"])
             assert np.array_equal(got, cp.asnumpy(a))
-        return seen, staging
+        return seen, staging, counts
 
     assert retention.PIN_COPY_BYTES <= 8 * MiB
-    on_device, staging = run(True)
-    on_host, _ = run(False)
+    on_device, staging, counts = run(True)
+    on_host, _, host_counts = run(False)
+    assert counts["jobs"] >= 2 and counts.get("errors", 0) == 0 and counts == host_counts, (counts, host_counts)
     assert staging["kernels"] == "gpu" and staging["error"] is None and staging["records"] > 0, staging
     assert sum(len(x) for x in on_device) > 0 and on_device == on_host
 
