@@ -41,7 +41,7 @@ d = json.load(open(sys.argv[1]))
 print("compile", d["compile"], "attn", d["attn"])
 for r in d.get("decode", []):
     print("every", r["every"], "wait", r.get("wait"), "pending", r.get("pending"), "tok/s", round(r["tokens_per_s"], 1), "s/step", [round(x, 5) for x in r["s_per_step_runs"]],
-          "overhead", round(r["overhead"], 4), "ckpt ms", r["ckpt_ms_median"], "hook ms", r.get("hook_ms_median"), "phases", r.get("host_phases_ms"), "log bytes/ckpt", r["log_bytes_per_ckpt"])
+          "overhead", round(r["overhead"], 4), "ckpt ms", r["ckpt_ms_median"], "hook ms", r.get("hook_ms_median"), "phases", r.get("host_phases_ms"), "per step", r.get("host_phases_ms_per_step"), "retention", r.get("retention"), "log bytes/ckpt", r["log_bytes_per_ckpt"])
 if "longrun" in d:
     lr = dict(d["longrun"]); lr.pop("retention", None)
     print("longrun", json.dumps(lr)[:1500])

@@ -412,6 +412,8 @@ def test_bench_decode_step_registers_the_cache_by_positions():
     # one new token in 56 tensors of 64 rows: a 256-byte page each, where fingerprints log 4 KiB
     assert d["dirty_bytes_adapters_clean"] == 56 * 64 * 256
     assert d["fingerprint_dirty_bytes_adapters_clean"] == 56 * 64 * 4096
+    # the host writes retention's bases here (the device stager writes from pinned copies on a GPU)
+    assert d["base_staging"] is None and isinstance(d["retention_jobs"], int) and d["retention_bases_retain_off"] == 0
 
 
 # --- the device --------------------------------------------------------------------

@@ -218,6 +218,10 @@ def test_bench_model_quick_json(tmp_path):
     assert all(d["hook_ms_median"] > 0 for d in doc["decode"])  # the host time inside the criterion
     # where the every-step checkpoint's host time goes, call by call
     assert {"update", "run", "settle", "retention"} <= set(doc["decode"][1]["host_phases_ms"])
+    per_step = doc["decode"][1]["host_phases_ms_per_step"]
+    assert set(per_step) == set(doc["decode"][1]["host_phases_ms"]) and all(v > 0 for v in per_step.values())
+    kept = doc["decode"][1]["retention"]
+    assert kept["base_staging"] is None and kept["counts"].get("errors", 0) == 0  # the host writes CPU bases
     assert [r["context"] for r in doc["recovery"]] == [64, 256]
     assert all(r["identical"] for r in doc["recovery"])
     assert all(r["recovery_vs_reprefill"] > 0 for r in doc["recovery"])

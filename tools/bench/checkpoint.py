@@ -230,6 +230,9 @@ def _session_steps(runner, arrays: dict, step, reps: int, *, staging: str, tag: 
                     "dirty_bytes": last.bytes, "log_bytes": last.log_bytes, "device_reads": last.device_reads,
                     "table_pass": last.table_pass, "via": sorted(set(last.via.values())),
                     "pending": pending, **({"device_ms": statistics.median(queued)} if queued else {}),
+                    # who wrote retention's bases (the device, from pinned copies, or the host), how many
+                    "base_staging": s.retention.base_staging, "retention_jobs": s.retention.counts["jobs"],
+                    "retention_bases": s.retention.counts["bases"],
                     **({} if pending else {"detect_ms": med[0], "stage_ms": med[1],
                                                                "commit_ms": med[2], "other_ms": med[3]})}
     except Exception as exc:  # reported in the row, the bench goes on

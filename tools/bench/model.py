@@ -89,8 +89,9 @@ def _decode(model, guard, ids, steps, every, wait=False):
     seconds inside the stopping criterion per step, and the median host
     milliseconds of each phase's call: the adapter update, the epoch's run
     (its launch, when pending), the settle of a pending epoch, retention's
-    hook and its copies at a launch).  The time includes committing the last
-    pending epoch."""
+    hook and its copies at a launch; with each phase's host milliseconds
+    over the run per step, and retention's counts and who wrote its bases).
+    The time includes committing the last pending epoch."""
     import torch
     from transformers import StoppingCriteria
 
@@ -132,7 +133,11 @@ def _decode(model, guard, ids, steps, every, wait=False):
     for name in saved:  # the instance attributes go; the class's methods show again
         delattr(s.runner if name in ("run", "settle") else s.retention, name)
     phases = {k: round(_median(v) * 1e3, 4) for k, v in parts.items() if v}
-    return per_step, hook.stats, sum(queued), _median(host), phases
+    # what each phase adds to a step on average: rare costly calls (a base job's copies,
+    # a job written at once under log pressure) weigh here as they do in tokens/s
+    per_step_ms = {k: round(sum(v) / steps * 1e3, 4) for k, v in parts.items() if v}
+    kept = {"counts": dict(s.retention.counts), "base_staging": s.retention.base_staging}
+    return per_step, hook.stats, sum(queued), _median(host), (phases, per_step_ms, kept)
 
 
 def _timing(fn, name: str, into: dict):
@@ -176,10 +181,12 @@ def _decode_part(model, cfg, batch, steps, prompt_len, reps, kv_per_token, log_s
                 cache.reset()
                 _prefill(model, cache, ids[:, :-1], ids.shape[1])  # generate() then starts at the last token
                 s.checkpoint()  # the base
-                per_tok, stats, pending, host_s, phases = _decode(model, guard, ids, steps, every, wait)
+                per_tok, stats, pending, host_s, (phases, per_step_ms, kept) = _decode(model, guard, ids, steps,
+                                                                                        every, wait)
                 if rep:  # the first round warms (compiles) every setting
                     runs[every, wait].append({"s_per_step": per_tok, "ckpt_ms": [st.total_ms for st in stats],
                                               "hook_ms": host_s * 1e3, "phases": phases,
+                                              "phases_per_step": per_step_ms, "retention": kept,
                                               "regions": len(guard.names), "pending": pending,
                                               "bytes_per_ckpt": _median([st.log_bytes for st in stats])})
             discard(log)
@@ -197,6 +204,11 @@ def _decode_part(model, cfg, batch, steps, prompt_len, reps, kv_per_token, log_s
                              # per phase, the median over runs of each run's median call (host ms)
                              "host_phases_ms": {k: _median([r["phases"][k] for r in rs if k in r["phases"]])
                                                 for k in sorted({k for r in rs for k in r["phases"]})},
+                             # per phase, the median over runs of its host ms summed over the run per step
+                             "host_phases_ms_per_step": {
+                                 k: _median([r["phases_per_step"][k] for r in rs if k in r["phases_per_step"]])
+                                 for k in sorted({k for r in rs for k in r["phases_per_step"]})},
+                             "retention": rs[-1]["retention"],
                              "log_bytes_per_ckpt": _median([r["bytes_per_ckpt"] for r in rs if r["bytes_per_ckpt"]])}
     base = rows[0, False]["s_per_step"]
     for r in rows.values():
