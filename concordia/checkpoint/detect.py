@@ -23,6 +23,8 @@ a host copy for the rest.  The state a detector keeps lives on the `Region`.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from concordia.gpu_kernels import reference as ref
@@ -231,6 +233,24 @@ def _positions_dirty(r: Region, advance: bool) -> np.ndarray:
     if not advance:
         return _positions_named(r, start, now)
     return _positions_found(r, start, now, _positions_take(r, start, now, seq))
+
+
+def most_pages(r: Region) -> int:
+    """At least as many pages as the next checkpoint of `r` takes, known
+    without reading the region or the device: the positions a positions
+    region names since its last checkpoint (every page when it is named whole
+    or its cross-check is due), every page for any other detector."""
+    if r.crcs is None or r.detect != "positions" or (r.check_every and r.since_check + 1 >= r.check_every):
+        return int(r.pages)
+    start, now, _ = _positions_span(r)
+    return int(r.pages) if start is None else _position_count(r.hints["positions"], start, now)
+
+
+@functools.lru_cache(maxsize=256)
+def _position_count(g, lo: int, hi: int) -> int:
+    """How many pages `position_pages(g, lo, hi)` lists (the layers of a
+    cache share one geometry and span: counted once)."""
+    return int(position_pages(g, lo, hi).size)
 
 
 def _positions_take(r: Region, start: int | None, now: int, seq) -> bool:

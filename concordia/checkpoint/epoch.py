@@ -65,7 +65,9 @@ region's next checkpoint writes it whole: `RegionSet.lose`).  "coalesce"
 first asks whether the log can take the epoch (`room`): the free space (the
 rest of the segment being written and the free segments) against the
 reservations the epoch makes, for the full image of every region when that
-fits, else for the pages the detectors find without advancing, and whether
+fits, else for an upper bound of its pages that reads nothing (the positions
+a static cache names, every page of the other regions), else for the pages
+the detectors find without advancing, and whether
 what is left is enough for the session's retention to go on with (a callable
 handed in, `left`).  When it is not, nothing is detected, staged or
 committed, no epoch number is taken and the statistics say `coalesced`: the
@@ -329,44 +331,50 @@ class EpochRunner:
         """Whether `log` can take this epoch now, leaving space that `enough`
         (None: any) accepts (module doc): its free space against the
         reservations the epoch makes, for the full image of every region first
-        (kept between checkpoints), else for the pages the detectors find now
-        without advancing (a second detection pass, made only when the log is
-        that full)."""
+        (kept between checkpoints), else for an upper bound of its pages that
+        reads nothing (`detect.most_pages`: the positions a static cache names,
+        every page of other regions), else for the pages the detectors find
+        now without advancing (a second detection pass, a device read per
+        region on the GPU: made only when the log is that full)."""
         from concordia.wal.compaction import free_space
 
         space = free_space(log)
         version = self.regions.version
         if self._whole is None or self._whole[0] != version:
-            self._whole = (version, self.reservations(log, space.capacity, whole=True))
+            self._whole = (version, self.reservations(log, space.capacity, pages="whole"))
         n = len(self.regions)
-        for plan in (self._whole[1], None):
-            if plan is None:
-                plan = self.reservations(log, space.capacity, whole=False)
+        for plan in (self._whole[1], "most", "found"):
+            if isinstance(plan, str):
+                plan = self.reservations(log, space.capacity, pages=plan)
             left = space_after(space, plan, self.last_log_bytes, n)
             # an epoch of no page (its commit record alone) takes nothing retention needs
             if left is not None and (enough is None or not any(plan) or enough(left)):
                 return True
         return False
 
-    def reservations(self, log, capacity: int, *, whole: bool) -> tuple:
+    def reservations(self, log, capacity: int, *, pages: str) -> tuple:
         """(record bytes the host path reserves one by one, extent bytes the
         extent pipelines reserve) of this epoch, in the order they are made,
-        for every page of every region (whole) or for the pages each detector
-        finds now (not advanced); `capacity`: the bytes a segment holds."""
-        from concordia.checkpoint.staging import EXTENT_BYTES, plan_batches, plan_extents
+        for `pages`: "whole" (every page of every region), "most" (an upper
+        bound that reads nothing, `detect.most_pages`) or "found" (the pages
+        each detector finds now, not advanced); `capacity`: the bytes a
+        segment holds."""
+        from concordia.checkpoint.staging import EXTENT_BYTES, plan_extents, record_lengths
 
+        count = {"whole": lambda r: r.pages, "most": detect.most_pages,
+                 "found": lambda r: int(detect.dirty_pages(r, advance=False).size)}[pages]
         routes = self.route(log)
         records, batches = [], []
         for key, regions in routes.items():
+            into = records if key is None else batches
             for r in regions:
-                n = r.pages if whole else int(detect.dirty_pages(r, advance=False).size)
+                n = count(r)
                 if n:
-                    got = plan_batches(r, n, capacity)
-                    (records.extend(b.length for b in got) if key is None else batches.extend(got))
+                    into.extend(record_lengths(r.page_bytes, n, capacity))
         extents = []
         if batches:  # packed as the extent pipeline packs them (`Stager.run`)
-            cap = min(max([EXTENT_BYTES] + [b.length for b in batches]), capacity)
-            extents = [sum(b.length for b in e) for e in plan_extents(batches, cap)]
+            cap = min(max([EXTENT_BYTES] + batches), capacity)
+            extents = [sum(e) for e in plan_extents(batches, cap, length=int)]
         return records, extents
 
     def stream_order(self, stream) -> StreamOrder:

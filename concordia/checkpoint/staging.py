@@ -8,6 +8,7 @@ reserve, stage at a cursor, finish from the cursor."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import numpy as np
@@ -117,18 +118,32 @@ def plan_batches(region: Region, count: int, capacity: int | None = None) -> lis
             for lo in range(0, count, per)]
 
 
-def plan_extents(batches: list[Batch], cap: int) -> list[list[Batch]]:
+@functools.lru_cache(maxsize=1 << 12)
+def record_lengths(page_bytes: int, count: int, capacity: int) -> tuple:
+    """The lengths of the records `plan_batches` cuts `count` pages of
+    `page_bytes` into for segments of `capacity` bytes, kept: a checkpoint
+    that may coalesce plans every region at each call (`EpochRunner.room`),
+    and the counts repeat."""
+    from concordia.wal import format as fmt
+
+    per = batch_pages(page_bytes, capacity)
+    return tuple(fmt.page_batch_length(min(count, lo + per) - lo, page_bytes) for lo in range(0, count, per))
+
+
+def plan_extents(batches: list, cap: int, length=lambda b: b.length) -> list[list]:
     """Pack records, in order, into extents of at most `cap` bytes (a larger
-    record gets an extent of its own)."""
-    out: list[list[Batch]] = []
-    cur: list[Batch] = []
+    record gets an extent of its own); `length(record)` is its bytes (a
+    `Batch`, or `length=int` for bare lengths)."""
+    out: list[list] = []
+    cur: list = []
     used = 0
     for b in batches:
-        if cur and used + b.length > cap:
+        n = length(b)
+        if cur and used + n > cap:
             out.append(cur)
             cur, used = [], 0
         cur.append(b)
-        used += b.length
+        used += n
     if cur:
         out.append(cur)
     return out

@@ -122,7 +122,7 @@ def _whole_state_fits(s: Session) -> bool:
     from concordia.wal.compaction import free_space
 
     space = free_space(s.log)
-    plan_ = s.runner.reservations(s.log, space.capacity, whole=True)
+    plan_ = s.runner.reservations(s.log, space.capacity, pages="whole")
     left = space_after(space, plan_, s.runner.last_log_bytes, len(s.regions))
     return left is not None and s.retention.room(left)
 
