@@ -9,7 +9,9 @@
 # "before" is the tree of $HOUSE_BEFORE_DIR (default .before: `git archive
 # <commit>` of the commit before the move, carried along, never committed),
 # installed beside this one in /tmp/site-before.
-# HOUSE_PARTS picks what runs (default "suite checkpoint recover"); HOUSE_ROUNDS
+# HOUSE_PARTS picks what runs (default "suite checkpoint recover"); HOUSE_SUITE_ARGS
+# names the suite's test files instead of all of tests/ (a part of the suite,
+# when the device time left is short: say so beside its summary line); HOUSE_ROUNDS
 # how many before/after pairs of each benchmark (default 2; HOUSE_CHECKPOINT_ROUNDS
 # and HOUSE_RECOVER_ROUNDS set one benchmark's alone).
 # Run through scripts/gpu_suite.sh (wheels and this tree installed, $OUT set):
@@ -30,7 +32,7 @@ before_path=/tmp/site-before:$PYTHONPATH
 
 if [[ " $parts " == *" suite "* ]]; then
   # the whole GPU suite, as `pytest -m gpu` runs it (every test marked gpu)
-  timeout -k 10 "${HOUSE_SUITE_S:-330}" python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs tests \
+  timeout -k 10 "${HOUSE_SUITE_S:-330}" python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs ${HOUSE_SUITE_ARGS:-tests} \
     > "$OUT/gpu-suite.txt" 2>&1
   rc=$?
   tail -n 40 "$OUT/gpu-suite.txt"

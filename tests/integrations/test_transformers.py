@@ -217,7 +217,7 @@ def test_bench_model_quick_json(tmp_path):
     assert all(d["pending"] == 0 for d in doc["decode"])
     assert all(d["hook_ms_median"] > 0 for d in doc["decode"])  # the host time inside the criterion
     # where the every-step checkpoint's host time goes, call by call
-    assert {"update", "run", "settle", "retention"} <= set(doc["decode"][1]["host_phases_ms"])
+    assert {"update", "run", "run_room", "settle", "retention"} <= set(doc["decode"][1]["host_phases_ms"])
     per_step = doc["decode"][1]["host_phases_ms_per_step"]
     assert set(per_step) == set(doc["decode"][1]["host_phases_ms"]) and all(v > 0 for v in per_step.values())
     kept = doc["decode"][1]["retention"]

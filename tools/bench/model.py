@@ -88,8 +88,9 @@ def _decode(model, guard, ids, steps, every, wait=False):
     statistics, how many checkpoints were left pending, the median host
     seconds inside the stopping criterion per step, and the median host
     milliseconds of each phase's call: the adapter update, the epoch's run
-    (its launch, when pending), the settle of a pending epoch, retention's
-    hook and its copies at a launch; with each phase's host milliseconds
+    (its launch, when pending; inside it, the room check and the table
+    pass's launch), the settle of a pending epoch, retention's hook and its
+    copies at a launch; with each phase's host milliseconds
     over the run per step, and retention's counts and who wrote its bases).
     The time includes committing the last pending epoch."""
     import torch
@@ -108,12 +109,15 @@ def _decode(model, guard, ids, steps, every, wait=False):
     host = []  # the host's seconds inside the criterion at each step (the update and the checkpoint)
     # where the checkpoint's host time goes: the epoch's launch (or whole run), the settle of
     # the pending one, retention's hook after a commit and at a launch
-    saved = {name: getattr(obj, name) for obj, name in ((s.runner, "run"), (s.runner, "settle"),
-                                                        (s.retention, "after_commit"), (s.retention, "launched"))}
-    s.runner.run = _timing(saved["run"], "run", parts)
-    s.runner.settle = _timing(saved["settle"], "settle", parts)
-    s.retention.after_commit = _timing(saved["after_commit"], "retention", parts)
-    s.retention.launched = _timing(saved["launched"], "retention_copies", parts)
+    # (inside the run: its room check, and the table pass's launch when there is one)
+    table = s.runner.table_pass(s.log)
+    owners = ((s.runner, "run"), (s.runner, "settle"), (s.runner, "room"), (s.retention, "after_commit"),
+              (s.retention, "launched")) + (((table, "launch"),) if table is not None else ())
+    saved = {(id(obj), name): (obj, getattr(obj, name)) for obj, name in owners}
+    labels = {"after_commit": "retention", "launched": "retention_copies", "room": "run_room",
+              "launch": "run_launch"}
+    for obj, fn in saved.values():
+        setattr(obj, fn.__name__, _timing(fn, labels.get(fn.__name__, fn.__name__), parts))
 
     class Timed(StoppingCriteria):
         def __call__(self, input_ids, scores, **kwargs):
@@ -130,8 +134,8 @@ def _decode(model, guard, ids, steps, every, wait=False):
     guard.session.settle()
     _sync(torch, dev)
     per_step = (time.perf_counter() - t0) / steps
-    for name in saved:  # the instance attributes go; the class's methods show again
-        delattr(s.runner if name in ("run", "settle") else s.retention, name)
+    for obj, fn in saved.values():  # the instance attributes go; the class's methods show again
+        delattr(obj, fn.__name__)
     phases = {k: round(_median(v) * 1e3, 4) for k, v in parts.items() if v}
     # what each phase adds to a step on average: rare costly calls (a base job's copies,
     # a job written at once under log pressure) weigh here as they do in tokens/s
