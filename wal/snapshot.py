@@ -89,15 +89,33 @@ def _append_base_batch(log, epoch: int, info, lo: int, hi: int, source, stage=No
     app = log.appender
     _settled(app, "a base snapshot batch")
     res = app.reserve(F.page_batch_length(count, pb))
-    if stage is None or not stage(res, info, epoch, lo, hi):
-        pages = np.ascontiguousarray(source(lo, hi), dtype=np.uint8).reshape(count, pb)
-        F.encode_page_batch_into(res.view, lsn=res.lsn, epoch=epoch, region_id=info.id, salt=res.salt,
-                                 page_ids=np.arange(lo, hi, dtype=np.uint32), pages=pages, page_bytes=pb,
-                                 flags=F.FLAG_BASE)
+    try:
+        if stage is None or not stage(res, info, epoch, lo, hi):
+            pages = np.ascontiguousarray(source(lo, hi), dtype=np.uint8).reshape(count, pb)
+            F.encode_page_batch_into(res.view, lsn=res.lsn, epoch=epoch, region_id=info.id, salt=res.salt,
+                                     page_ids=np.arange(lo, hi, dtype=np.uint32), pages=pages, page_bytes=pb,
+                                     flags=F.FLAG_BASE)
+    except BaseException:
+        _release(app, res)
+        raise
     at = F.page_batch_crcs_offset(count)
     crcs = res.view[at:at + 4 * count].view("<u4").copy()
     app.persist(res)
     return res.lsn, crcs
+
+
+def _release(app, res) -> None:
+    """Close reservation `res` with nothing in it (one pad record) after the
+    record meant for it failed, so that the writer goes on (an open
+    reservation refuses every later append, and the log's close); quietly:
+    the failure the caller raises is the one that counts."""
+    from concordia.wal import format as F
+
+    try:
+        F.record_header_bytes(res.view, 0)[:] = 0  # whatever was half written is not a record
+        app.persist(res)
+    except Exception:
+        pass
 
 
 def base_batch_pages(page_bytes: int, chunk_bytes: int, capacity: int) -> int:

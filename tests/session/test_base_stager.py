@@ -148,3 +148,29 @@ class _Refuses(HostKernels):
 
     def stage(self, *args, **kw):
         raise RuntimeError("host path")
+
+
+def test_a_base_record_that_fails_leaves_the_writer_going(shm_log):
+    """A BASE record whose pages cannot be read (the image's source fails)
+    raises that failure and closes its reservation with a pad record: the
+    session checkpoints on, closes, and a reader sees neither a record nor
+    damage there."""
+    from concordia.wal.snapshot import write_base_slices
+
+    a = np.zeros((64, 1024), np.uint32)
+    with Session(shm_log, size=8 * MiB, segment_size=1 * MiB, overwrite=True) as s:
+        s.register("a", a)
+        s.checkpoint()
+
+        def source(lo, hi):
+            raise MemoryError("the image went away")
+
+        with pytest.raises(MemoryError, match="the image went away"):
+            next(write_base_slices(s.log, s.log.regions["a"], source, s.epoch, chunk_bytes=64 << 10))
+        assert not s.log.appender.outstanding
+        a[3, 5] = 7
+        assert s.checkpoint().pages["a"] == 1
+        assert np.array_equal(s.recover()["a"], a)
+    with Session(shm_log, create=False) as r:
+        assert np.array_equal(r.recover()["a"], a)
+        assert not [b for b in scan(r.log).batches if b.base] and not scan(r.log).damage
