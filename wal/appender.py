@@ -299,6 +299,14 @@ class Appender:
         self._persist(res.offset, res.length)
         self._wrote()
 
+    def release(self, res: Reservation) -> None:
+        """Close `res` with nothing in it after the record meant for it failed:
+        whatever was half written stops being a record and one pad record
+        covers the space, made durable as `persist` does.  An open reservation
+        refuses every later commit and the log's close."""
+        F.record_header_bytes(res.view, 0)[:] = 0
+        self.persist(res)
+
     def finish_extent(self, ext: Extent, used_bytes: int, records: int, offsets=None, *, trim: bool = False) -> None:
         """The producer wrote `records` records into the first `used_bytes` of
         `ext`; check, pad the rest, persist.  offsets: where the producer says

@@ -14,6 +14,7 @@ module writes and reads them in a log.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -96,26 +97,13 @@ def _append_base_batch(log, epoch: int, info, lo: int, hi: int, source, stage=No
                                      page_ids=np.arange(lo, hi, dtype=np.uint32), pages=pages, page_bytes=pb,
                                      flags=F.FLAG_BASE)
     except BaseException:
-        _release(app, res)
+        with contextlib.suppress(Exception):  # the failure raised is the one that counts
+            app.release(res)  # else the open reservation refuses every later append
         raise
     at = F.page_batch_crcs_offset(count)
     crcs = res.view[at:at + 4 * count].view("<u4").copy()
     app.persist(res)
     return res.lsn, crcs
-
-
-def _release(app, res) -> None:
-    """Close reservation `res` with nothing in it (one pad record) after the
-    record meant for it failed, so that the writer goes on (an open
-    reservation refuses every later append, and the log's close); quietly:
-    the failure the caller raises is the one that counts."""
-    from concordia.wal import format as F
-
-    try:
-        F.record_header_bytes(res.view, 0)[:] = 0  # whatever was half written is not a record
-        app.persist(res)
-    except Exception:
-        pass
 
 
 def base_batch_pages(page_bytes: int, chunk_bytes: int, capacity: int) -> int:

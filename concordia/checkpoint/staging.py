@@ -7,6 +7,7 @@ reserve, stage at a cursor, finish from the cursor."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
@@ -67,14 +68,19 @@ def stage_region(app, r: Region, ids: np.ndarray, epoch: int) -> int:
     for b in plan_batches(r, int(ids.size), app.segment_capacity):
         chunk, length = ids[b.lo:b.hi], b.length
         res = app.reserve(length)
-        if r.on_gpu:
-            pages = gather_pages(r, chunk)
-            fmt.encode_page_batch_into(res.view, lsn=res.lsn, epoch=epoch, region_id=r.id, salt=res.salt,
-                                       page_ids=chunk, pages=pages, page_bytes=r.page_bytes, flags=flags)
-        else:
-            cursor = ref.new_cursor()
-            ref.stage_page_batch(r.flat, chunk, res.view, cursor, page_bytes=r.page_bytes, base_lsn=res.lsn,
-                                 epoch=epoch, region_id=r.id, salt=res.salt, flags=flags)
+        try:
+            if r.on_gpu:
+                pages = gather_pages(r, chunk)
+                fmt.encode_page_batch_into(res.view, lsn=res.lsn, epoch=epoch, region_id=r.id, salt=res.salt,
+                                           page_ids=chunk, pages=pages, page_bytes=r.page_bytes, flags=flags)
+            else:
+                cursor = ref.new_cursor()
+                ref.stage_page_batch(r.flat, chunk, res.view, cursor, page_bytes=r.page_bytes, base_lsn=res.lsn,
+                                     epoch=epoch, region_id=r.id, salt=res.salt, flags=flags)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the failure raised is the one that counts
+                app.release(res)  # else the open reservation refuses every later commit
+            raise
         n = int(chunk.size)
         r.crcs[chunk] = page_crc_table(res.view, 0, n)
         app.persist(res)

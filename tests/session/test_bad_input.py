@@ -165,6 +165,37 @@ def test_a_failed_checkpoint_loses_nothing(session):
     assert_same(session.recover(), copy(state))
 
 
+def test_a_checkpoint_whose_record_fails_leaves_the_writer_going(session, file_log, monkeypatch):
+    # a record that cannot be written (here the host staging raises) fails its
+    # checkpoint and closes its reservation with a pad record: the next
+    # checkpoint commits (every region whole), the log closes, and a reader
+    # recovers the new epoch exactly
+    from concordia.checkpoint import staging
+
+    state = make_state()
+    register_all(session, state)
+    session.checkpoint()
+    state["kv"][1, 1, 1, 1] += 3
+    real = staging.ref.stage_page_batch
+
+    def broken(*a, **k):
+        raise MemoryError("no memory for the pages")
+
+    monkeypatch.setattr(staging.ref, "stage_page_batch", broken)
+    with pytest.raises(MemoryError, match="no memory for the pages"):
+        session.checkpoint()
+    monkeypatch.setattr(staging.ref, "stage_page_batch", real)
+    assert not session.log.appender.outstanding
+    state["kv"][0, 1, 1, 1] += 5
+    st = session.checkpoint()
+    assert sorted(st.base) == sorted(state)
+    assert_same(session.recover(), copy(state))
+    session.close()
+    with Session(file_log, create=False) as r:
+        assert r.epoch == st.epoch
+        assert_same(r.recover(), copy(state))
+
+
 def test_a_second_session_on_the_log_does_not_reuse_a_failed_epoch(file_log):
     # session A's failed checkpoint leaves epoch 2's records of region b in the
     # log; session B on the same Log registers only a and must not commit epoch
