@@ -465,15 +465,27 @@ class Appender:
             off = self._space(length)
             lsn = self.seg.lsn(off)
             buf = bytearray(length)
-            F.encode_record_into(buf, type=type, lsn=lsn, epoch=epoch, salt=self.seg.salt, body=body,
-                                 region_id=region_id, flags=flags, aux=aux, page_bytes=page_bytes)
+            try:
+                F.encode_record_into(buf, type=type, lsn=lsn, epoch=epoch, salt=self.seg.salt, body=body,
+                                     region_id=region_id, flags=flags, aux=aux, page_bytes=page_bytes)
+            except BaseException:
+                self.pos = off  # nothing reached the log: the space is free again
+                raise
             self._write_record(off, buf)
         else:
             res = self._take(length, Reservation)
             del self.outstanding[res.id]
             off, lsn = res.offset, res.lsn
-            F.encode_record_into(res.view, type=type, lsn=lsn, epoch=epoch, salt=res.salt, body=body,
-                                 region_id=region_id, flags=flags, aux=aux, page_bytes=page_bytes)
+            try:
+                F.encode_record_into(res.view, type=type, lsn=lsn, epoch=epoch, salt=res.salt, body=body,
+                                     region_id=region_id, flags=flags, aux=aux, page_bytes=page_bytes)
+            except BaseException:
+                # a half-written header would end the segment's data for a reader
+                # here, before the records appended after it: zeros, and the space
+                # is free again, no hole left behind
+                F.record_header_bytes(res.view, 0)[:] = 0
+                self.pos = off
+                raise
         if F.counted_in_epoch(type, flags):
             self._count(epoch, length, lsn)
         if persist:

@@ -104,6 +104,39 @@ def test_reservation_extent_and_pad():
     assert log2.commits[0].record_count == 3 and log2.dropped == []
 
 
+@pytest.mark.parametrize("tier", ["memory", "file"])
+def test_a_record_that_fails_leaves_no_hole(tmp_path, monkeypatch, tier):
+    # A record that fails to encode, and a reservation whose record failed
+    # (`release`), leave the log as if they never were: the commit after
+    # them commits, and a reader reaches it.
+    spec = "memory:" if tier == "memory" else f"file:{tmp_path / 'x.log'}"
+    log = Log.create(open_backend(spec, size=4 * MiB, create=True), segment_size=MiB)
+    rid = log.define_region("x", np.uint8, (16 * 256,), 256, "kv")
+    app = log.appender
+    pages = np.ones((1, 256), np.uint8)
+    app.append_page_batch(1, rid, [0], pages, page_bytes=256)
+    real = F.encode_record_into
+
+    def broken(buf, **kw):
+        memoryview(buf).cast("B")[:8] = bytes([0xAB] * 8)  # half a header, then the failure
+        raise ValueError("no body")
+
+    monkeypatch.setattr(F, "encode_record_into", broken)
+    with pytest.raises(ValueError, match="no body"):
+        app.append_record(type=F.REC_REGION, epoch=1, body=b"x" * 40)
+    monkeypatch.setattr(F, "encode_record_into", real)
+    res = app.reserve(F.page_batch_length(1, 256))
+    res.view[:100] = 0xCD  # half a record, then the writer gives it up
+    app.release(res)
+    app.append_page_batch(1, rid, [3], pages, page_bytes=256)
+    app.commit(1, {rid: 0})
+    log2 = Log.open(log.backend, writable=False)
+    assert log2.last_committed_epoch == 1 and log2.dropped == []
+    pbs = [r for r in log2.records() if r.kind == F.REC_PAGE_BATCH]
+    assert [list(r.page_batch().page_ids) for r in pbs] == [[0], [3]]
+    assert log2.verify()["ok"]
+
+
 def test_producer_bug_is_caught_at_persist():
     log = Log.create(open_backend("memory:", size=4 * MiB), segment_size=MiB)
     res = log.appender.reserve(F.page_batch_length(1, 64))
