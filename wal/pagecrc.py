@@ -321,8 +321,9 @@ def split(part, count: int, page_bytes: int) -> None:
     every run has; the first failure is raised."""
     global _pool
     nbytes = count * page_bytes
-    threads = min(SPLIT_THREADS, os.cpu_count() or 1, max(1, nbytes // SPLIT_PART_BYTES))
-    if nbytes < SPLIT_BYTES or threads < 2:
+    # most copies are small: those never ask for the core count (a system call each time)
+    threads = 1 if nbytes < SPLIT_BYTES else min(SPLIT_THREADS, os.cpu_count() or 1, nbytes // SPLIT_PART_BYTES)
+    if threads < 2:
         part(0, count)
         return
     if _pool is None:
