@@ -92,7 +92,6 @@ import warnings
 import numpy as np
 
 from concordia.regions.errors import LogPressureWarning, SessionError
-from concordia.root_error import ConcordiaError
 from concordia.wal.compaction import record_bytes, retention_reserve  # the log's rules; record_bytes re-exported
 
 #: regions up to this size are based from a host copy taken after the commit;
@@ -531,12 +530,17 @@ class Retention:
                 # under pressure with no base the log takes now: a switch keeping only the
                 # newest epoch frees what older epochs hold, so that a base fits at the next hook
                 self._switch(stats.epoch, pressure)
-        except ConcordiaError as exc:
+        except Exception as exc:  # the epoch has committed: the caller's checkpoint stands (`_failed`)
             self._failed(exc)
 
     def _failed(self, exc) -> None:
-        """A step failed: say why, drop the job (nothing was switched; the checkpoint stands)."""
-        self.error = exc.one_line() if hasattr(exc, "one_line") else str(exc)
+        """A step failed: say why, drop the job (nothing was switched; the
+        checkpoint stands).  Any failure, not only the log's: one out of
+        memory for a host copy, say, must not make the checkpoint that
+        committed look failed to its caller (nor end a generate()); a failed
+        sync has stopped the writer, and the next checkpoint says so."""
+        self.error = (exc.one_line() if hasattr(exc, "one_line")
+                      else f"{type(exc).__name__}: {exc}".splitlines()[0])
         self.counts["errors"] += 1
         if self.job is not None:
             self.job.abort()
@@ -590,7 +594,7 @@ class Retention:
                 self._pushed = latest
                 self._switch(latest, True)
                 self._fold(latest)
-        except ConcordiaError as exc:
+        except Exception as exc:  # as in `_after_commit`
             self._failed(exc)
         finally:
             self._mark = app.write_lsn
@@ -678,8 +682,12 @@ class Retention:
         names, pressure = self._copy_next
         self._copy_next = None
         regions = self.regions
-        live = {n: self._host_copy(regions[n]) for n in names
-                if n in regions.names and regions[n].nbytes <= LIVE_COPY_BYTES}
+        try:
+            live = {n: self._host_copy(regions[n]) for n in names
+                    if n in regions.names and regions[n].nbytes <= LIVE_COPY_BYTES}
+        except Exception as exc:  # the epoch is queued: the caller's checkpoint stands (`_failed`)
+            self._failed(exc)
+            return
         self._start(epoch, [n for n in names if n in regions.names], live, pressure)
 
     def _host_copy(self, r) -> np.ndarray:

@@ -339,3 +339,43 @@ def test_a_switch_prepared_but_not_made_current_leaves_the_old_catalog_and_keeps
         with pytest.raises(ConcordiaError) as err:
             s.recover(299)
         one_line(err.value, "oldest restorable epoch 300")
+
+
+@pytest.mark.parametrize("where", ["slice", "copies"])
+def test_a_retention_step_that_fails_leaves_the_committed_checkpoint_standing(shm_log, monkeypatch, where):
+    # Any failure inside retention's hook (here out of memory, in a job's
+    # slice or in its host copies) comes after the epoch committed: the
+    # checkpoint returns its statistics, retention says why in one line and
+    # drops the job, and later jobs base and switch as before.
+    from concordia import retention
+    from concordia.wal import compaction
+
+    owner, name = (compaction.Compaction, "step") if where == "slice" else (retention.Retention, "_host_copy")
+    real = getattr(owner, name)
+    calls = []
+
+    def once(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise MemoryError("no memory for the base")
+        return real(*a, **k)
+
+    monkeypatch.setattr(owner, name, once)
+    a = np.zeros((64, 1024), np.uint32)
+    policy = Policy(base_every_bytes=8 * 4096, keep_epochs=6, slice_bytes=16 << 10)
+    with Session(shm_log, size=16 * MiB, segment_size=1 * MiB, overwrite=True, policy=policy) as s:
+        s.register("state", a)
+        s.checkpoint()
+        failed_at = None
+        for e in range(1, 121):
+            _touch(a, e)
+            st = s.checkpoint()  # never raises
+            assert st.epoch == s.epoch == e + 1
+            if failed_at is None and s.retention.error is not None:
+                failed_at = e
+        assert failed_at is not None and s.retention.counts["errors"] == 1
+        assert s.retention.error == "MemoryError: no memory for the base"
+        assert s.retention.counts["switches"] >= 2  # jobs went on after the failed one
+        assert np.array_equal(s.recover()["state"], a)
+    with Session(shm_log, create=False) as r:
+        assert np.array_equal(r.recover()["state"], a)
