@@ -11,6 +11,7 @@ commit must never precede a record it could depend on.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from dataclasses import dataclass
 
@@ -305,6 +306,20 @@ class Appender:
         covers the space, made durable as `persist` does.  An open reservation
         refuses every later commit and the log's close."""
         F.record_header_bytes(res.view, 0)[:] = 0
+        self.persist(res)
+
+    @contextlib.contextmanager
+    def record(self, nbytes: int):
+        """`reserve(nbytes)` for one record written in the block: persisted
+        when the block ends, released (`release`) when it raises, the
+        block's failure being the one raised."""
+        res = self.reserve(nbytes)
+        try:
+            yield res
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.release(res)
+            raise
         self.persist(res)
 
     def finish_extent(self, ext: Extent, used_bytes: int, records: int, offsets=None, *, trim: bool = False) -> None:

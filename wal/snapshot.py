@@ -14,7 +14,6 @@ module writes and reads them in a log.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -89,20 +88,14 @@ def _append_base_batch(log, epoch: int, info, lo: int, hi: int, source, stage=No
     count, pb = hi - lo, info.page_bytes
     app = log.appender
     _settled(app, "a base snapshot batch")
-    res = app.reserve(F.page_batch_length(count, pb))
-    try:
+    with app.record(F.page_batch_length(count, pb)) as res:  # released if the record fails
         if stage is None or not stage(res, info, epoch, lo, hi):
             pages = np.ascontiguousarray(source(lo, hi), dtype=np.uint8).reshape(count, pb)
             F.encode_page_batch_into(res.view, lsn=res.lsn, epoch=epoch, region_id=info.id, salt=res.salt,
                                      page_ids=np.arange(lo, hi, dtype=np.uint32), pages=pages, page_bytes=pb,
                                      flags=F.FLAG_BASE)
-    except BaseException:
-        with contextlib.suppress(Exception):  # the failure raised is the one that counts
-            app.release(res)  # else the open reservation refuses every later append
-        raise
-    at = F.page_batch_crcs_offset(count)
-    crcs = res.view[at:at + 4 * count].view("<u4").copy()
-    app.persist(res)
+        at = F.page_batch_crcs_offset(count)
+        crcs = res.view[at:at + 4 * count].view("<u4").copy()
     return res.lsn, crcs
 
 

@@ -7,7 +7,6 @@ reserve, stage at a cursor, finish from the cursor."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import time
@@ -67,8 +66,7 @@ def stage_region(app, r: Region, ids: np.ndarray, epoch: int) -> int:
     written = 0
     for b in plan_batches(r, int(ids.size), app.segment_capacity):
         chunk, length = ids[b.lo:b.hi], b.length
-        res = app.reserve(length)
-        try:
+        with app.record(length) as res:  # released if the record fails: the next commit goes on
             if r.on_gpu:
                 pages = gather_pages(r, chunk)
                 fmt.encode_page_batch_into(res.view, lsn=res.lsn, epoch=epoch, region_id=r.id, salt=res.salt,
@@ -77,13 +75,7 @@ def stage_region(app, r: Region, ids: np.ndarray, epoch: int) -> int:
                 cursor = ref.new_cursor()
                 ref.stage_page_batch(r.flat, chunk, res.view, cursor, page_bytes=r.page_bytes, base_lsn=res.lsn,
                                      epoch=epoch, region_id=r.id, salt=res.salt, flags=flags)
-        except BaseException:
-            with contextlib.suppress(Exception):  # the failure raised is the one that counts
-                app.release(res)  # else the open reservation refuses every later commit
-            raise
-        n = int(chunk.size)
-        r.crcs[chunk] = page_crc_table(res.view, 0, n)
-        app.persist(res)
+            r.crcs[chunk] = page_crc_table(res.view, 0, int(chunk.size))
         written += length
     return written
 
@@ -115,24 +107,28 @@ def plan_batches(region: Region, count: int, capacity: int | None = None) -> lis
     """The records `count` dirty pages of `region` become (as the host path
     cuts them), each at most `capacity` bytes long (the segment's
     `Appender.segment_capacity`; None: MAX_BATCH_BYTES of payload only)."""
-    from concordia.wal import format as fmt
+    per = _per_batch(region.page_bytes, capacity)
+    return [Batch(region, lo, min(count, lo + per), n)
+            for lo, n in zip(range(0, count, per), record_lengths(region.page_bytes, count, capacity))]
 
-    per = max(1, MAX_BATCH_BYTES // region.page_bytes) if capacity is None else batch_pages(region.page_bytes,
-                                                                                               capacity)
-    return [Batch(region, lo, min(count, lo + per), fmt.page_batch_length(min(count, lo + per) - lo,
-                                                                          region.page_bytes))
-            for lo in range(0, count, per)]
+
+def _per_batch(page_bytes: int, capacity: int | None) -> int:
+    return max(1, MAX_BATCH_BYTES // page_bytes) if capacity is None else batch_pages(page_bytes, capacity)
+
+
+def record_lengths(page_bytes: int, count: int, capacity: int | None = None) -> tuple:
+    """The lengths of the records `plan_batches` cuts `count` pages of
+    `page_bytes` into (`_lengths`, kept)."""
+    return _lengths(page_bytes, count, _per_batch(page_bytes, capacity))
 
 
 @functools.lru_cache(maxsize=1 << 12)
-def record_lengths(page_bytes: int, count: int, capacity: int) -> tuple:
-    """The lengths of the records `plan_batches` cuts `count` pages of
-    `page_bytes` into for segments of `capacity` bytes, kept: a checkpoint
-    that may coalesce plans every region at each call (`EpochRunner.room`),
-    and the counts repeat."""
+def _lengths(page_bytes: int, count: int, per: int) -> tuple:
+    """The lengths of `count` pages cut `per` to a record, kept: a
+    checkpoint that may coalesce plans every region at each call
+    (`EpochRunner.room`), and the counts repeat."""
     from concordia.wal import format as fmt
 
-    per = batch_pages(page_bytes, capacity)
     return tuple(fmt.page_batch_length(min(count, lo + per) - lo, page_bytes) for lo in range(0, count, per))
 
 

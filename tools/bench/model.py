@@ -144,6 +144,11 @@ def _decode(model, guard, ids, steps, every, wait=False):
     return per_step, hook.stats, sum(queued), _median(host), (phases, per_step_ms, kept)
 
 
+def _by_phase(runs: list, key: str) -> dict:
+    """{phase: the median over `runs` of run[key][phase]}, over the phases any run has."""
+    return {k: _median([r[key][k] for r in runs if k in r[key]]) for k in sorted({k for r in runs for k in r[key]})}
+
+
 def _timing(fn, name: str, into: dict):
     """fn, with the host seconds of each call appended to into[name]."""
     def timed(*args, **kw):
@@ -206,12 +211,9 @@ def _decode_part(model, cfg, batch, steps, prompt_len, reps, kv_per_token, log_s
                              "ckpt_ms_median": _median(ck),
                              "hook_ms_median": _median([r["hook_ms"] for r in rs]),
                              # per phase, the median over runs of each run's median call (host ms)
-                             "host_phases_ms": {k: _median([r["phases"][k] for r in rs if k in r["phases"]])
-                                                for k in sorted({k for r in rs for k in r["phases"]})},
+                             "host_phases_ms": _by_phase(rs, "phases"),
                              # per phase, the median over runs of its host ms summed over the run per step
-                             "host_phases_ms_per_step": {
-                                 k: _median([r["phases_per_step"][k] for r in rs if k in r["phases_per_step"]])
-                                 for k in sorted({k for r in rs for k in r["phases_per_step"]})},
+                             "host_phases_ms_per_step": _by_phase(rs, "phases_per_step"),
                              "retention": rs[-1]["retention"],
                              "log_bytes_per_ckpt": _median([r["bytes_per_ckpt"] for r in rs if r["bytes_per_ckpt"]])}
     base = rows[0, False]["s_per_step"]
