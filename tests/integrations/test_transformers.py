@@ -219,7 +219,8 @@ def test_bench_model_quick_json(tmp_path):
     # where the every-step checkpoint's host time goes, call by call
     assert {"update", "run", "run_room", "settle", "retention"} <= set(doc["decode"][1]["host_phases_ms"])
     per_step = doc["decode"][1]["host_phases_ms_per_step"]
-    assert set(per_step) == set(doc["decode"][1]["host_phases_ms"]) and all(v > 0 for v in per_step.values())
+    assert set(per_step) == set(doc["decode"][1]["host_phases_ms"]) and all(v >= 0 for v in per_step.values())
+    assert per_step["run"] > 0 and per_step["update"] > 0  # a checkpoint and an adapter update a step: never 0 ms
     kept = doc["decode"][1]["retention"]
     assert kept["base_staging"] is None and kept["counts"].get("errors", 0) == 0  # the host writes CPU bases
     assert [r["context"] for r in doc["recovery"]] == [64, 256]

@@ -72,6 +72,10 @@ MEASURED_THROUGH = {
            "detect_kernel_s_* is a component (the detector kernel alone); host_scan_checkpoint_s the "
            "alternative it replaces (whole region to the host, numpy diff, the log's appender)",
     "kv": "component: the KV block scanner (gpu_kernels.gpu.kv_dirty_blocks)",
+    "decode_shaped": "public entry point: Session.checkpoint of a decode step's regions (ckpt_ms*; its "
+                     "detect/stage/commit/other split from CheckpointStats); device_ms* is a component (the "
+                     "device work a pending Session.checkpoint queues, timed between CUDA events); floor_ms a "
+                     "ceiling (the state at HBM speed, the new bytes at D2H speed)",
 }
 
 DEFAULT = {
