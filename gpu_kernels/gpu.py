@@ -447,6 +447,51 @@ compact_flags(const u8* __restrict__ flags, u64 n, u32* __restrict__ ids, u64* _
     if (t == 0) count[0] = base;
 }
 
+// Holds (concordia.regions.streams.Holds): words[0] counts the holds that have
+// arrived, words[1] is the newest release, words[2] counts the waits that gave
+// up after their timeout.  One thread each; a hold is one launch, so it is one
+// point in its stream's order.
+__device__ __forceinline__ u64 now_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+__device__ __forceinline__ u64 load_word(const u64* w) { return *reinterpret_cast<const volatile u64*>(w); }
+
+// A producer stream stops here until release `seq` (or the timeout: broken).
+extern "C" __global__ void hold_stream(u64* words, u64 seq, u64 timeout_ns) {
+    atomicAdd(&words[0], 1ull);
+    __threadfence_system();
+    const u64 t0 = now_ns();
+    while (load_word(&words[1]) < seq) {
+        if (now_ns() - t0 > timeout_ns) {
+            atomicAdd(&words[2], 1ull);
+            return;
+        }
+        __nanosleep(1000);
+    }
+}
+
+// Concordia's stream waits here until `arrivals` holds have arrived (or the timeout: broken).
+extern "C" __global__ void await_holds(u64* words, u64 arrivals, u64 timeout_ns) {
+    const u64 t0 = now_ns();
+    while (load_word(&words[0]) < arrivals) {
+        if (now_ns() - t0 > timeout_ns) {
+            atomicAdd(&words[2], 1ull);
+            return;
+        }
+        __nanosleep(1000);
+    }
+    __threadfence_system();
+}
+
+// Every hold up to `seq` goes on.
+extern "C" __global__ void release_holds(u64* words, u64 seq) {
+    __threadfence_system();
+    atomicMax(&words[1], seq);
+}
+
 // table[ids[i]] = values[i] for i < n
 extern "C" __global__ void scatter_u32(u32* __restrict__ table, const u32* __restrict__ ids,
                                        const u32* __restrict__ values, u64 n) {
@@ -474,6 +519,27 @@ def precompile_helpers() -> None:
     """Load the checkpoint path's helper kernels now (not midway through a checkpoint)."""
     _helper("compact_flags")
     _helper("scatter_u32")
+
+
+HOLD_KERNELS = ("hold_stream", "await_holds", "release_holds")
+
+
+def launch_hold(words, seq: int, timeout_ns: int) -> None:
+    """Queue on the current stream: count an arrival in words[0], then wait
+    until words[1] >= seq; after timeout_ns, go on and count words[2] += 1
+    (`reference.hold_stream`).  `words`: device uint64[3]."""
+    _helper("hold_stream")((1,), (1,), (words, np.uint64(seq), np.uint64(timeout_ns)))
+
+
+def launch_await_holds(words, arrivals: int, timeout_ns: int) -> None:
+    """Queue on the current stream: wait until words[0] >= arrivals; after
+    timeout_ns, go on and count words[2] += 1 (`reference.await_holds`)."""
+    _helper("await_holds")((1,), (1,), (words, np.uint64(arrivals), np.uint64(timeout_ns)))
+
+
+def launch_release_holds(words, seq: int) -> None:
+    """Queue on the current stream: words[1] = max(words[1], seq) (`reference.release_holds`)."""
+    _helper("release_holds")((1,), (1,), (words, np.uint64(seq)))
 
 
 def launch_compact(flags, ids, count) -> None:

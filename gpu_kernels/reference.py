@@ -566,3 +566,30 @@ def scatter_pages(src, src_offsets, page_ids, region, *, page_bytes: int,
         hi = min(lo + pb, r.size)
         r[lo:hi] = page[:hi - lo]
     return np.array(bad, np.int64)
+
+
+# --- holds (gpu.launch_hold and its kind): a producer stream held at one point ---
+# words[0]: holds arrived, words[1]: the newest release, words[2]: waits that
+# gave up after their timeout.  A twin does not wait: `released` / `arrived`
+# say whether the device's wait would end now, and `timed_out` gives the word
+# the device writes when it does not.
+HOLD_ARRIVED, HOLD_RELEASE, HOLD_BROKEN = 0, 1, 2
+
+
+def hold_stream(words, seq: int, *, timed_out: bool = False) -> None:
+    """The hold's effect on `words` (uint64[3]): it arrives, and either its
+    release came (words[1] >= seq) or its wait timed out (broken)."""
+    words[HOLD_ARRIVED] += _U64(1)
+    if words[HOLD_RELEASE] < _U64(seq) and timed_out:
+        words[HOLD_BROKEN] += _U64(1)
+
+
+def await_holds(words, arrivals: int, *, timed_out: bool = False) -> None:
+    """The wait for `arrivals` holds: broken when they had not arrived and it timed out."""
+    if words[HOLD_ARRIVED] < _U64(arrivals) and timed_out:
+        words[HOLD_BROKEN] += _U64(1)
+
+
+def release_holds(words, seq: int) -> None:
+    words[HOLD_RELEASE] = max(words[HOLD_RELEASE], _U64(seq))
+

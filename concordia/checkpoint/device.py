@@ -491,10 +491,12 @@ class DeviceTablePass:
             raise
         return Launched(ext, epoch, t0, t1, time.perf_counter(), deferred, reads0=reads0, event=event)
 
-    def complete(self, app, got):
+    def complete(self, app, got, verify=None):
         """Wait for the launched epoch, stage it again into a larger extent
         when its records outgrew the first (not for a deferred one: its extent
-        is an upper bound), finish the extent; the caller commits."""
+        is an upper bound), finish the extent; the caller commits.  verify():
+        called once the pass has read the regions, before the extent is
+        finished; what it raises abandons the extent (`HeldOrder.verify`)."""
         from concordia.checkpoint.table import TableResult
 
         t, ext, epoch = self.table, got.ext, got.epoch
@@ -515,6 +517,8 @@ class DeviceTablePass:
                 if not fits:
                     raise SessionError(f"the table plan of {used} bytes does not fit the {ext.length}-byte extent "
                                        "reserved for it", where=f"segment {ext.segment} @ {ext.offset:#x}")
+            if verify is not None:
+                verify()
             counts = self.mail_counts.astype(np.int64)
             # the appender checks every header the plan's offsets name and
             # that they tile the bytes used

@@ -211,9 +211,9 @@ class EpochRunner:
         returned.  A failure makes every region's next checkpoint whole."""
         if self.pending is None:
             return None
-        launched, table, stats, app = self.pending
+        launched, table, stats, app, order = self.pending
         self.pending = None
-        done = self._finish_table(app, table, launched, stats.epoch, stats.reason)
+        done = self._finish_table(app, table, launched, stats.epoch, stats.reason, order)
         stats.settle(done)
         self.last_log_bytes = int(stats.log_bytes)
         return stats
@@ -242,15 +242,15 @@ class EpochRunner:
             if launched.deferred:  # the producers' next writes wait, on the device, for the pass
                 order.before_later_work()
                 stats = CheckpointStats.of_pending(epoch, reason, (launched.t1 - launched.t0) * 1e3)
-                self.pending = (launched, table, stats, log.appender)
+                self.pending = (launched, table, stats, log.appender, order)
                 return stats
             try:
-                return self._finish_table(log.appender, table, launched, epoch, reason)
+                return self._finish_table(log.appender, table, launched, epoch, reason, order)
             finally:
                 order.before_later_work()  # the producers write on only after the pass read the regions
         regions.changed()  # the paths below may replace CRC tables and detector state
         try:
-            stats = self._run_paths(log, epoch, reason)
+            stats = self._run_paths(log, epoch, reason, order)
         except BaseException:
             self.lose()
             raise
@@ -260,7 +260,7 @@ class EpochRunner:
         self.paths.update(stats.via.values())
         return stats
 
-    def _run_paths(self, log, epoch: int, reason: str) -> CheckpointStats:
+    def _run_paths(self, log, epoch: int, reason: str, order: StreamOrder) -> CheckpointStats:
         """The epoch region by region: the host path, then each extent pipeline."""
         app = log.appender
         pages, nbytes, log_bytes, via = {}, 0, 0, {}
@@ -301,18 +301,19 @@ class EpochRunner:
                     nbytes += n * r.page_bytes
                     via[r.name] = st.label
         pages = {name: pages[name] for name in self.regions.names}
+        order.verify()
         t3 = time.perf_counter()
         self.commit(app, epoch, {r.id: r.digest for r in self.regions})
         commit_s = time.perf_counter() - t3
         return CheckpointStats(epoch, reason, pages, base, nbytes, log_bytes,
                                detect_s * 1e3, stage_s * 1e3, commit_s * 1e3, via, reads)
 
-    def _finish_table(self, app, table, launched, epoch: int, reason: str) -> CheckpointStats:
+    def _finish_table(self, app, table, launched, epoch: int, reason: str, order: StreamOrder) -> CheckpointStats:
         """The epoch a table pass launched (one detection launch per detector
         group, one staging pass into one extent), waited for, finished and
         committed: no Python per region beyond building the statistics."""
         try:
-            got = table.complete(app, launched)
+            got = table.complete(app, launched, verify=order.verify)
             t3 = time.perf_counter()
             self.commit(app, epoch, table.table.commit_digests())
             commit_s = time.perf_counter() - t3
@@ -380,7 +381,10 @@ class EpochRunner:
     def stream_order(self, stream) -> StreamOrder:
         """The producer streams of this checkpoint (`StreamOrder.for_checkpoint`),
         from one representative region per framework, device and given stream,
-        chosen again only when the regions change: no Python per region."""
+        chosen again only when the regions change: no Python per region.
+        A StreamOrder given as `stream` is the order itself (`HeldOrder`)."""
+        if isinstance(stream, StreamOrder):
+            return stream
         cached = self._producers
         if cached is None or cached[0] != self.regions.version:
             reps, seen = [], set()

@@ -160,8 +160,9 @@ class HostTablePass:
                 raise
         return Launched(ext, epoch, t0, t1, time.perf_counter(), defer, counts=counts, recs=recs, used=used)
 
-    def complete(self, app, got):
-        """Finish the launched epoch's extent; the table's digests follow."""
+    def complete(self, app, got, verify=None):
+        """Finish the launched epoch's extent; the table's digests follow.
+        verify(): as the device pass's `complete` takes it."""
         from concordia.checkpoint.table import TableResult, abandon
 
         if got.done is not None:
@@ -170,6 +171,8 @@ class HostTablePass:
         tc = time.perf_counter()
         if got.ext is not None:
             try:
+                if verify is not None:
+                    verify()
                 app.finish_extent(got.ext, got.used, int(got.recs.size), offsets=got.recs["offset"])
             except BaseException:
                 abandon(app, got.ext)

@@ -44,11 +44,17 @@ the producer's stream order).  The consumer closes the pause gate (a
 is taken between two steps, runs the epoch, opens the gate: no call from the
 caller's thread.  Any gate with `close()` and `open()` is taken; an
 `instrument.Gate` holds instrumented launches at their exit while the epoch
-runs, but its `close()` does not wait for a launch to arrive.  On a CuPy
-session the epoch runs in the stream order of the thread that armed the
-trigger, so an epoch holds what the device had done when its own passes ran
-there: register the counter (`DeviceStepCounter.word`) beside the state and
-each epoch records the step it holds.
+runs, but its `close()` does not wait for a launch to arrive.  With a gate, a
+CuPy session's epoch runs in the stream order of the thread that armed the
+trigger.  Without one, the caller goes on queueing steps while the consumer
+queues the epoch, and launches from two threads on one stream interleave (an
+epoch read one region before a step and the next after it), so the caller's
+streams (CuPy's and PyTorch's current streams where it armed the trigger, and
+the streams given at `register`) are held at one point by a one-thread kernel
+each (`regions.streams.Holds`) while the epoch runs on Concordia's own stream,
+and go on when all its work is queued: an epoch holds what the device had
+done at that point; register the counter (`DeviceStepCounter.word`) beside
+the state and each epoch records the step it holds.
 
 The limit on the CPU: the consumer is a Python thread, so it runs only while
 the caller's thread does not hold the GIL.  A caller stalled in `time.sleep`,
@@ -262,6 +268,8 @@ class Trigger:
         self.errors: list[str] = []
         self.armed = True
         self.streams: list = []   # the arming thread's device and streams (resident.caller_streams)
+        self.producers: list = []  # with no gate: those streams, held for each epoch (regions.streams.Holds)
+        self.holds = None
 
     @property
     def label(self) -> str:
@@ -523,6 +531,12 @@ class ResidentExecutor:
             raise SessionError("a trigger needs a registered region", where="trigger")
         tr = Trigger(every, StepCounter() if counter is None else counter, gate)
         tr.streams = caller_streams()   # the epochs order against the streams current here
+        if gate is None:  # nothing stops the caller queueing: its streams are held for each epoch
+            tr.producers = caller_stream_views()
+            if tr.producers:
+                from concordia.regions.streams import Holds
+
+                tr.holds = Holds()
         with self.lock:
             self.trigger_ = tr
         c = self.consumer
@@ -561,10 +575,14 @@ class ResidentExecutor:
                 count = tr.counter.read()    # the gate is closed: no step moves it now
                 self._local.inside = True
                 try:
-                    with self.lock, as_caller(tr.streams):
+                    with self.lock:
                         if not tr.armed:   # disarmed while this poll waited for the lock
                             return False
-                        stats = self._epoch(tr.label)
+                        if tr.holds is None:
+                            with as_caller(tr.streams):
+                                stats = self._epoch(tr.label)
+                        else:
+                            stats = self._held_epoch(tr)
                 finally:
                     self._local.inside = False
             finally:
@@ -577,6 +595,16 @@ class ResidentExecutor:
             tr.armed = False
             self._relax()
         return True
+
+    def _held_epoch(self, tr):
+        """A trigger's epoch while the caller queues on: its streams held at
+        one point (`Holds`), the epoch on Concordia's stream, then let go."""
+        order = tr.holds.order(tr.producers + registered_streams(self.regions))
+        try:
+            with require_cupy().cuda.Device(tr.holds.device_id), as_current(order.stream):
+                return self._epoch(tr.label, stream=order)
+        finally:
+            order.release()
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -636,6 +664,44 @@ def caller_streams() -> list:
         ts = torch.cuda.current_stream()
         out.append(lambda: torch.cuda.stream(ts))
     return out
+
+
+def caller_stream_views() -> list:
+    """The calling thread's current CuPy stream and PyTorch stream (of the
+    current device), as CuPy streams; empty where neither is in use."""
+    cp = sys.modules.get("cupy")
+    if cp is None:
+        return []
+    try:
+        out = [cp.cuda.get_current_stream()]
+    except Exception:  # CuPy without a device: host regions only
+        return []
+    torch = sys.modules.get("torch")
+    if torch is not None and getattr(torch, "cuda", None) is not None and torch.cuda.is_initialized():
+        from concordia.regions.streams import foreign_stream
+
+        ts = torch.cuda.current_stream()
+        out.append(foreign_stream(cp, int(ts.cuda_stream), int(ts.device.index), ts))
+    return out
+
+
+def registered_streams(regions) -> list:
+    """The streams given at `register` to the device regions, as CuPy streams."""
+    from concordia.regions.streams import producer_stream
+
+    return [producer_stream(r.owner, r.stream) for r in regions if r.on_gpu and r.stream is not None]
+
+
+@contextlib.contextmanager
+def as_current(stream):
+    """`stream` (a CuPy stream) current on this thread for CuPy and, where it
+    is in use, for PyTorch."""
+    torch = sys.modules.get("torch")
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(stream)
+        if torch is not None and getattr(torch, "cuda", None) is not None and torch.cuda.is_initialized():
+            stack.enter_context(torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr)))
+        yield
 
 
 def as_caller(streams):

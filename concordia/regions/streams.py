@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from concordia.regions.arrays import cupy_module, is_cupy, is_torch, torch_module
-from concordia.regions.errors import UnsupportedArrayError
+from concordia.regions.errors import SessionError, UnsupportedArrayError
 
 
 class StreamOrder:
@@ -74,6 +74,10 @@ class StreamOrder:
                     ev = s.record()
                 consumer.wait_event(ev)
 
+    def verify(self) -> None:
+        """Raise when the epoch's reads may not be one point of the producers'
+        work; nothing to check where events order them (`HeldOrder`)."""
+
     def before_later_work(self, consumer=None) -> None:
         """Every producer stream waits for what Concordia's stream holds now."""
         if not self.streams:
@@ -85,6 +89,117 @@ class StreamOrder:
             if s.ptr != consumer.ptr:
                 ev = ev or consumer.record()
                 s.wait_event(ev)
+
+
+#: how long a hold keeps a producer stream, and Concordia's stream waits for
+#: the holds, before each goes on (and the epoch is refused, `HeldOrder.verify`)
+HOLD_TIMEOUT_S = 60.0
+
+
+class Holds:
+    """One consistent point in streams that another thread goes on queueing
+    work on: a trigger's consumer takes its epochs while the caller queues
+    steps, so the epoch's launches, queued on the caller's stream, would
+    interleave with the caller's (stream order is a point only for what one
+    thread queues).  `order(producers)` queues one hold on each producer
+    stream, a one-thread kernel that stops it there (one launch: one point in
+    its order), and makes Concordia's own stream (`stream`, non-blocking) wait
+    on the device until every hold has arrived; the epoch queues its work on
+    that stream, and `HeldOrder.release` lets the producers go on once all of
+    it, retention's copies too, is queued.  A hold or a wait that takes longer
+    than HOLD_TIMEOUT_S goes on and counts itself broken: the epoch's reads
+    may have overlapped the producer's later writes, and `HeldOrder.verify`
+    refuses its commit.  Streams of one device (the current one at creation)."""
+
+    def __init__(self):
+        from concordia.gpu_kernels import gpu
+
+        cp = cupy_module()
+        self._gpu = gpu
+        self.device_id = cp.cuda.Device().id
+        self.words = cp.zeros(3, cp.uint64)
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self._read = cp.cuda.Stream(non_blocking=True)
+        self.seq = 0
+        self.arrivals = 0
+        # each kernel loaded and run once now: loading a module while a hold
+        # keeps a stream can wait for that stream
+        with self.stream:
+            gpu.launch_hold(self.words, 0, 0)
+            gpu.launch_await_holds(self.words, 1, 0)
+            gpu.launch_release_holds(self.words, 0)
+        self.stream.synchronize()
+        self.arrivals = 1
+
+    def broken(self) -> int:
+        """How many holds and waits have timed out so far (read without waiting for queued work)."""
+        with cupy_module().cuda.Device(self.device_id):
+            got = self.words[2:3].get(stream=self._read)
+            self._read.synchronize()
+        return int(got[0])
+
+    def order(self, producers) -> "HeldOrder":
+        """Hold each of `producers` (CuPy streams or views, on this device) now."""
+        seen, held = set(), []
+        for s in producers:
+            dev = getattr(s, "device_id", -1)
+            if dev is not None and dev >= 0 and dev != self.device_id:
+                raise UnsupportedArrayError(f"a hold keeps the streams of device {self.device_id}, "
+                                            f"not stream {s.ptr:#x} of device {dev}")
+            if s.ptr not in seen and s.ptr != self.stream.ptr:
+                seen.add(s.ptr)
+                held.append(s)
+        self.seq += 1
+        order = HeldOrder(self, self.seq, self.broken())
+        timeout = int(HOLD_TIMEOUT_S * 1e9)
+        try:
+            with cupy_module().cuda.Device(self.device_id):
+                for s in held:
+                    with s:
+                        self._gpu.launch_hold(self.words, self.seq, timeout)
+                    self.arrivals += 1
+                with self.stream:
+                    self._gpu.launch_await_holds(self.words, self.arrivals, timeout)
+        except BaseException:  # a hold queued is released, whatever failed
+            order.release()
+            raise
+        return order
+
+
+class HeldOrder(StreamOrder):
+    """The order of one epoch under `Holds`: Concordia's stream (`stream`,
+    made current by the caller) has waited for every hold, so there are no
+    events to record (`after_producers` and `before_later_work` do nothing);
+    `verify()` before the commit, `release()` when everything is queued."""
+
+    def __init__(self, holds: Holds, seq: int, broken_before: int):
+        super().__init__([])
+        self.holds, self.seq, self._broken_before = holds, seq, broken_before
+        self.released = False
+
+    @property
+    def stream(self):
+        return self.holds.stream
+
+    def verify(self) -> None:
+        """Refuse (SessionError) an epoch whose holds or wait timed out: its
+        reads may have overlapped the producers' later work."""
+        n = self.holds.broken() - self._broken_before
+        if n:
+            raise SessionError(f"{n} stream hold(s) timed out after {HOLD_TIMEOUT_S:g} s: the epoch may not be "
+                               "one point of the producers' work, and is not committed", where="stream hold")
+
+    def release(self) -> None:
+        """Let the held streams go on, after the work queued on `stream` so far."""
+        if not self.released:
+            self.released = True
+            with cupy_module().cuda.Device(self.holds.device_id), self.holds.stream:
+                self.holds._gpu.launch_release_holds(self.holds.words, self.seq)
+
+
+def producer_stream(owner, stream):
+    """A CuPy view of `stream` as given at `register` for `owner` (see `_as_cupy_stream`)."""
+    return _as_cupy_stream(cupy_module(), stream, owner)
 
 
 def _as_cupy_stream(cp, s, owner):

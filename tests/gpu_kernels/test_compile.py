@@ -96,3 +96,22 @@ def test_the_text_nvrtc_receives_compiles_alone(tmp_path):
         res = subprocess.run(["nvcc", "--ptx", "-arch=sm_90", *jit.NVRTC_OPTIONS, *defs, str(f),
                               "-o", str(tmp_path / f"{name}.ptx")], capture_output=True, text=True)
         assert res.returncode == 0, res.stderr
+
+
+@needs_nvcc
+def test_the_checkpoint_helpers_compile_to_sm90_ptx(tmp_path):
+    """gpu.py's own source (compaction, scatter, the stream holds) compiles
+    for Hopper with the options NVRTC gets, every kernel present."""
+    import subprocess
+
+    from concordia.gpu_kernels import gpu
+
+    src = tmp_path / "helpers.cu"
+    src.write_text(gpu._HELPERS_SOURCE)
+    out = tmp_path / "helpers.ptx"
+    res = subprocess.run([shutil.which("nvcc"), "--ptx", "-arch=sm_90", *jit.NVRTC_OPTIONS, str(src), "-o", str(out)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    ptx = out.read_text()
+    for k in ("compact_flags", "scatter_u32", *gpu.HOLD_KERNELS):
+        assert f".entry {k}(" in ptx, k

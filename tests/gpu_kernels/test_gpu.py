@@ -324,3 +324,52 @@ def test_stage_delta_refuses_a_record_larger_than_its_extent(cp, gpu):
                           cap_pages=32, base_lsn=0, epoch=1, region_id=0, salt=0)
     assert got == (3, 0, 0, d)
     assert not bool(dst.any()) and gpu.region_digest(table) == d
+
+
+def test_the_stream_holds_write_the_words_their_twin_writes(cp, gpu):
+    """hold_stream / await_holds / release_holds against reference's twin:
+    the same sequence (released holds, a hold and a wait that time out, a
+    release that never goes back) leaves the same three words."""
+    w = cp.zeros(3, cp.uint64)
+    t = np.zeros(3, np.uint64)
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        gpu.launch_hold(w, 0, 0)
+        gpu.launch_await_holds(w, 1, 0)
+        gpu.launch_release_holds(w, 0)
+        gpu.launch_hold(w, 5, 1000)             # 1 us: times out
+        gpu.launch_await_holds(w, 3, 1000)
+        gpu.launch_await_holds(w, 2, 1000)
+        gpu.launch_release_holds(w, 5)
+        gpu.launch_release_holds(w, 4)
+        gpu.launch_hold(w, 3, 10**9)
+    s.synchronize()
+    ref.hold_stream(t, 0)
+    ref.await_holds(t, 1)
+    ref.release_holds(t, 0)
+    ref.hold_stream(t, 5, timed_out=True)
+    ref.await_holds(t, 3, timed_out=True)
+    ref.await_holds(t, 2, timed_out=True)
+    ref.release_holds(t, 5)
+    ref.release_holds(t, 4)
+    ref.hold_stream(t, 3, timed_out=True)
+    assert cp.asnumpy(w).tobytes() == t.tobytes()
+
+
+def test_a_hold_stops_its_stream_until_released(cp, gpu):
+    """Work queued behind a hold on one stream waits for the release queued on
+    another (non-blocking) stream, and the hold does not time out."""
+    held, other = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    w = cp.zeros(3, cp.uint64)
+    x = cp.zeros(1, cp.int32)
+    with held:
+        gpu.launch_hold(w, 1, 10 * 10**9)
+        x += 1
+    with other:
+        gpu.launch_await_holds(w, 1, 10 * 10**9)
+        seen = x.copy()                         # read while the hold keeps `held` before x += 1
+        gpu.launch_release_holds(w, 1)
+    held.synchronize()
+    other.synchronize()
+    assert int(seen[0]) == 0 and int(x[0]) == 1
+    assert cp.asnumpy(w).tolist() == [1, 1, 0]

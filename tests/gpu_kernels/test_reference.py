@@ -385,3 +385,19 @@ def test_stage_delta_page_cap_is_one_warp_per_page_of_its_block():
     assert f"#define DELTA_THREADS {gpu.DELTA_THREADS}" in src
     assert "#define DELTA_MAX_PAGES (DELTA_THREADS / WARP)" in src
     assert gpu.DELTA_MAX_PAGES == ref.DELTA_MAX_PAGES == gpu.DELTA_THREADS // 32
+
+
+def test_the_holds_twin_counts_arrivals_releases_and_timeouts():
+    w = np.zeros(3, np.uint64)
+    ref.hold_stream(w, 0)                       # released already: arrives, goes on
+    ref.await_holds(w, 1)
+    ref.release_holds(w, 0)
+    assert w.tolist() == [1, 0, 0]
+    ref.hold_stream(w, 5, timed_out=True)       # not released in time: broken
+    ref.await_holds(w, 3, timed_out=True)       # two arrivals of three: broken
+    ref.await_holds(w, 2, timed_out=True)       # both arrived: a timeout cannot break it
+    assert w.tolist() == [2, 0, 2]
+    ref.release_holds(w, 5)
+    ref.release_holds(w, 4)                     # a release never goes back
+    ref.hold_stream(w, 3, timed_out=True)       # released already
+    assert w.tolist() == [3, 5, 2]

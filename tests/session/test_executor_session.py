@@ -381,11 +381,13 @@ def test_torch_cpu_tensors_go_through_the_resident_executor(file_log):
 
 
 @pytest.mark.gpu
-def test_device_counted_steps_trigger_epochs_that_each_hold_the_step_they_record(shm_log):
+@pytest.mark.parametrize("trial", range(3))  # a race between two threads queueing: more than one chance to show
+def test_device_counted_steps_trigger_epochs_that_each_hold_the_step_they_record(shm_log, trial):
     """Steps queued on the device and counted there (DeviceStepCounter); the
-    caller spins in pure Python meanwhile.  The consumer's epochs run in the
-    caller's stream order, so each one holds the state of the step count it
-    captured (registered beside the state): consistent without a gate."""
+    caller spins in pure Python meanwhile.  With no gate, the caller's stream
+    is held at one point for each of the consumer's epochs (`Holds`), so each
+    one holds the state of the step count it captured (registered beside the
+    state), though the caller goes on queueing steps while the epoch queues."""
     import cupy as cp
     from concordia.executor.resident import DeviceStepCounter
 
@@ -456,3 +458,38 @@ def test_dirty_bytes_waits_for_an_epoch_the_consumer_is_running(shm_log):
         holder.join(10)
         measure.join(10)
         assert got == [2 * 4096]
+
+
+@pytest.mark.gpu
+def test_a_trigger_epoch_whose_hold_timed_out_is_refused_not_committed(shm_log, monkeypatch):
+    """A hold that keeps the caller's stream longer than HOLD_TIMEOUT_S lets
+    it go: that epoch's reads may overlap later steps, so it is not committed,
+    and the trigger stops and says why in one line."""
+    import cupy as cp
+
+    from concordia.executor.resident import DeviceStepCounter
+    from concordia.regions import streams
+
+    monkeypatch.setattr(streams, "HOLD_TIMEOUT_S", 0.05)
+    counter = DeviceStepCounter()
+    a = cp.zeros((32, 1024), cp.uint32)
+    with new_session(shm_log, executor="resident") as s:
+        s.register("a", a)
+        s.register("steps", counter.word, page_bytes=64)
+        first = s.checkpoint().epoch
+        s.before_checkpoint(lambda: time.sleep(0.5))   # the epoch outlasts the hold
+        tr = s.resident.trigger(every=1, counter=counter)
+        a[0, 0] = 1
+        counter.add()
+        deadline = time.monotonic() + 20
+        while tr.armed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        s.resident.disarm()
+        assert not tr.fired
+        assert len(tr.errors) == 1 and "timed out" in tr.errors[0] and "\n" not in tr.errors[0]
+        assert s.resident.trigger_.holds.broken() >= 1
+        a[0, 0] = 2
+        st = s.checkpoint()                             # the session goes on: a whole epoch after the refused one
+        assert st.epoch > first and st.pages["a"] == a.nbytes // 4096
+        got = s.recover()
+        assert s.last_recovery.epoch == st.epoch and int(got["a"][0, 0]) == 2
