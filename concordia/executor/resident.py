@@ -219,6 +219,8 @@ class DeviceStepCounter:
         self._cp = cp
         self.word = cp.zeros(1, cp.uint64)
         self._stream = cp.cuda.Stream(non_blocking=True)
+        # zeroed before `read` looks on its own stream (no stream waits for the caller's null stream)
+        cp.cuda.get_current_stream().synchronize()
 
     def add(self, n: int = 1) -> None:
         self.word += self._cp.uint64(n)

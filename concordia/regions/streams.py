@@ -117,14 +117,16 @@ class Holds:
         cp = cupy_module()
         self._gpu = gpu
         self.device_id = cp.cuda.Device().id
-        self.words = cp.zeros(3, cp.uint64)
         self.stream = cp.cuda.Stream(non_blocking=True)
         self._read = cp.cuda.Stream(non_blocking=True)
         self.seq = 0
         self.arrivals = 0
         # each kernel loaded and run once now: loading a module while a hold
-        # keeps a stream can wait for that stream
+        # keeps a stream can wait for that stream.  The words are zeroed on
+        # this stream, before the kernels (a memory pool's block may hold an
+        # older hold's words, and no stream waits for the caller's null stream)
         with self.stream:
+            self.words = cp.zeros(3, cp.uint64)
             gpu.launch_hold(self.words, 0, 0)
             gpu.launch_await_holds(self.words, 1, 0)
             gpu.launch_release_holds(self.words, 0)

@@ -330,10 +330,10 @@ def test_the_stream_holds_write_the_words_their_twin_writes(cp, gpu):
     """hold_stream / await_holds / release_holds against reference's twin:
     the same sequence (released holds, a hold and a wait that time out, a
     release that never goes back) leaves the same three words."""
-    w = cp.zeros(3, cp.uint64)
     t = np.zeros(3, np.uint64)
     s = cp.cuda.Stream(non_blocking=True)
     with s:
+        w = cp.zeros(3, cp.uint64)              # zeroed on the stream the kernels run on
         gpu.launch_hold(w, 0, 0)
         gpu.launch_await_holds(w, 1, 0)
         gpu.launch_release_holds(w, 0)
@@ -362,6 +362,7 @@ def test_a_hold_stops_its_stream_until_released(cp, gpu):
     held, other = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
     w = cp.zeros(3, cp.uint64)
     x = cp.zeros(1, cp.int32)
+    cp.cuda.Device().synchronize()              # zeroed before the non-blocking streams use them
     with held:
         gpu.launch_hold(w, 1, 10 * 10**9)
         x += 1
