@@ -601,6 +601,9 @@ class ResidentExecutor:
     def _held_epoch(self, tr):
         """A trigger's epoch while the caller queues on: its streams held at
         one point (`Holds`), the epoch on Concordia's stream, then let go."""
+        # the table pass made (its kernels loaded) before any stream is held: with
+        # CUDA's lazy loading, a module loaded during a hold can wait for the hold
+        self.session.runner.table_pass(self.session.log)
         order = tr.holds.order(tr.producers + registered_streams(self.regions))
         try:
             with require_cupy().cuda.Device(tr.holds.device_id), as_current(order.stream):

@@ -92,8 +92,10 @@ class StreamOrder:
 
 
 #: how long a hold keeps a producer stream, and Concordia's stream waits for
-#: the holds, before each goes on (and the epoch is refused, `HeldOrder.verify`)
-HOLD_TIMEOUT_S = 60.0
+#: the holds, before each goes on (and the epoch is refused, `HeldOrder.verify`).
+#: Bounds a stall as well: under CUDA's lazy loading (the default), a kernel's
+#: first launch, by any thread, while a hold spins can wait for the hold
+HOLD_TIMEOUT_S = 10.0
 
 
 class Holds:
@@ -109,7 +111,9 @@ class Holds:
     it, retention's copies too, is queued.  A hold or a wait that takes longer
     than HOLD_TIMEOUT_S goes on and counts itself broken: the epoch's reads
     may have overlapped the producer's later writes, and `HeldOrder.verify`
-    refuses its commit.  Streams of one device (the current one at creation)."""
+    refuses its commit.  Streams of one device (the current one at creation).
+    The point is one of the producer's stream, not of its steps: it may fall
+    between two launches of one step (a step boundary needs a gate)."""
 
     def __init__(self):
         from concordia.gpu_kernels import gpu

@@ -362,6 +362,12 @@ def test_a_hold_stops_its_stream_until_released(cp, gpu):
     held, other = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
     w = cp.zeros(3, cp.uint64)
     x = cp.zeros(1, cp.int32)
+    scratch = cp.zeros(3, cp.uint64)            # every kernel loaded now: under CUDA's lazy loading a
+    gpu.launch_hold(scratch, 0, 0)              # kernel's first launch may wait for a hold that spins
+    gpu.launch_await_holds(scratch, 1, 0)
+    gpu.launch_release_holds(scratch, 0)
+    x += 0
+    seen = x.copy()
     cp.cuda.Device().synchronize()              # zeroed before the non-blocking streams use them
     with held:
         gpu.launch_hold(w, 1, 10 * 10**9)

@@ -385,9 +385,13 @@ def test_torch_cpu_tensors_go_through_the_resident_executor(file_log):
 def test_device_counted_steps_trigger_epochs_that_each_hold_the_step_they_record(shm_log, trial):
     """Steps queued on the device and counted there (DeviceStepCounter); the
     caller spins in pure Python meanwhile.  With no gate, the caller's stream
-    is held at one point for each of the consumer's epochs (`Holds`), so each
-    one holds the state of the step count it captured (registered beside the
-    state), though the caller goes on queueing steps while the epoch queues."""
+    is held at one point for each of the consumer's epochs (`Holds`), though
+    the caller goes on queueing steps while the epoch queues: each epoch is
+    one prefix of the caller's queued work.  A step writes `a`, then counts
+    itself, so the point may fall between a step's write and its count (a
+    step boundary needs a gate): `a` holds the steps counted, and perhaps
+    the next one's write; before the holds, an epoch could miss a counted
+    step's write, or hold a write two steps past its count."""
     import cupy as cp
     from concordia.executor.resident import DeviceStepCounter
 
@@ -414,7 +418,9 @@ def test_device_counted_steps_trigger_epochs_that_each_hold_the_step_they_record
         for epoch, _ in tr.fired:
             got = s.recover(epoch)
             k = int(np.asarray(got["steps"])[0])
-            np.testing.assert_array_equal(np.asarray(got["a"]), _step_state(k), err_msg=f"epoch {epoch}")
+            a_got = np.asarray(got["a"])
+            if not np.array_equal(a_got, _step_state(k)):   # the point fell inside step k + 1
+                np.testing.assert_array_equal(a_got, _step_state(k + 1), err_msg=f"epoch {epoch}, {k} steps")
 
 
 def test_the_epoch_completion_carries_the_pages_and_record_bytes(file_log):
