@@ -54,7 +54,9 @@ the streams given at `register`) are held at one point by a one-thread kernel
 each (`regions.streams.Holds`) while the epoch runs on Concordia's own stream,
 and go on when all its work is queued: an epoch holds what the device had
 done at that point; register the counter (`DeviceStepCounter.word`) beside
-the state and each epoch records the step it holds.
+the state and each epoch records the step it holds.  That point is one of the
+caller's stream, not of its steps: it can fall between two launches of one
+step (a step boundary needs a gate).
 
 The limit on the CPU: the consumer is a Python thread, so it runs only while
 the caller's thread does not hold the GIL.  A caller stalled in `time.sleep`,
