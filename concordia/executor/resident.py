@@ -308,6 +308,7 @@ class ResidentExecutor:
         self._commits: queue.Queue | None = None
         self._wake = threading.Event()
         self._by_kind: tuple | None = None   # (RegionSet version, regions per kind)
+        self._gateless_ok = None   # the RegionSet version found all on the device (`_check_gateless`)
         self.ring = Ring.allocate(capacity, where="session ring")
         self.submitter = _WakingSubmitter(self.ring, self._consumer(self._kinds_of(regions)),
                                           stall_deadline_s=STALL_DEADLINE_S, wake=self._wake)
@@ -534,6 +535,8 @@ class ResidentExecutor:
         if not len(self.regions):
             raise SessionError("a trigger needs a registered region", where="trigger")
         tr = Trigger(every, StepCounter() if counter is None else counter, gate)
+        if gate is None:
+            self._check_gateless()
         tr.streams = caller_streams()   # the epochs order against the streams current here
         if gate is None:  # nothing stops the caller queueing: its streams are held for each epoch
             tr.producers = caller_stream_views()
@@ -548,6 +551,20 @@ class ResidentExecutor:
         c.idle_wait_max_s = TRIGGER_POLL_S
         self.submitter.call(Op.PING)       # and is running now
         return tr
+
+    def _check_gateless(self) -> None:
+        """Without a gate, only device regions can be taken at one point of the
+        caller's work (their streams are held); a host region is read while the
+        caller's thread may be writing it: refused."""
+        if self._gateless_ok == self.regions.version:
+            return
+        host = next((r.name for r in self.regions if not r.on_gpu), None)
+        if host is None:
+            self._gateless_ok = self.regions.version   # looked at again only when the regions change
+        else:
+            raise SessionError(f"a trigger without a gate would read host region {host!r} while the caller may "
+                               "write it; give a gate (PauseGate, each step inside `with gate.step():`)",
+                               where="trigger")
 
     def disarm(self) -> None:
         """Stop the trigger (it stays in `trigger_`, with what it fired)."""
@@ -573,7 +590,9 @@ class ResidentExecutor:
             if tr.counter.read() < tr.next_at:
                 return False
             gate = tr.gate
-            if gate is not None:
+            if gate is None:
+                self._check_gateless()   # a host region registered since the trigger was armed
+            else:
                 gate.close()
             try:
                 count = tr.counter.read()    # the gate is closed: no step moves it now

@@ -286,7 +286,7 @@ def test_a_failing_trigger_epoch_stops_the_trigger_and_says_why(file_log):
         a = np.zeros(4096, np.uint8)
         s.register("a", a)
         counter = StepCounter()
-        tr = s.resident.trigger(every=1, counter=counter)
+        tr = s.resident.trigger(every=1, counter=counter, gate=PauseGate())
         real = s.log.appender.commit
 
         def broken(*_a, **_k):
@@ -314,10 +314,27 @@ def test_trigger_arguments_are_checked(file_log):
             s.resident.trigger(every=2, counter=object())
 
 
+def test_a_trigger_without_a_gate_refuses_host_regions(file_log):
+    """Without a gate the consumer's epoch would read a host array while the
+    caller's thread writes it (a torn epoch): refused at `trigger`, in one
+    line; with a gate the same trigger takes its epochs."""
+    with new_session(file_log, executor="resident") as s:
+        s.register("a", np.zeros(4096, np.uint8))
+        with pytest.raises(SessionError, match="trigger without a gate would read host region 'a'") as e:
+            s.resident.trigger(every=1, counter=StepCounter())
+        assert "\n" not in str(e.value) and s.resident.trigger_ is None
+        counter = StepCounter()
+        tr = s.resident.trigger(every=1, counter=counter, gate=PauseGate())   # with a gate: taken
+        counter.add(1)
+        wait_for_epochs(s.resident, 1, 10.0)
+        assert tr.fired and not tr.errors
+        s.resident.disarm()
+
+
 def test_close_stops_the_consumer(file_log):
     s = new_session(file_log, executor="resident")
     s.register("a", np.zeros(64, np.uint8), page_bytes=64)
-    s.resident.trigger(every=2)
+    s.resident.trigger(every=2, gate=PauseGate())
     c = s.resident.consumer
     assert c.is_resident()
     s.close()
