@@ -1,0 +1,205 @@
+"""A hot standby's state: a log followed as its writer appends it, each
+committed epoch applied as it arrives (`Mirror`), as a database hot standby
+replays its WAL.
+
+The protocol.  A `wal.reader.Follower` hands over the records appended since
+the last `poll()`, in LSN order, none twice, each page checked against its
+stored CRC on arrival (the scanner's page check) and never again.  A page
+batch of an epoch not committed yet is kept aside (its page ids, CRCs and
+bytes copied out of the mapping, which a later segment reuse may overwrite).
+When that epoch's commit arrives, the batches the commit counts (those from
+its `first_lsn` on: an epoch begun again after a failed attempt leaves the
+failed attempt's batches before it) are applied to the mirror's arrays, the
+page CRC tables follow, and every region the commit names is held to the
+digest it states; only then does `epoch` move.  So between polls the mirror
+always equals a committed epoch, whatever the writer was doing when it died:
+what follows its last commit was never applied, and a takeover that cuts it
+(`Log.open(writable=True)`) changes nothing the mirror holds.
+
+What is not applied: BASE page batches and catalog records (retention's
+copies of state the mirror has had since their epoch), pads.  A region
+record adds a region (zeros until its pages come).  Each commit names the
+commit before it: when the next epoch's commit does not name the one the
+mirror holds, or fewer of its records arrived than it counts, the writer's
+retention freed segments before the mirror read them; then, and when the log
+was formatted again, the mirror starts again from the log as it is
+(`resync`: a restore of the last committed epoch, followed from the log's
+start, the epochs it holds passed over), and says so in `resyncs` and
+`last_gap`.
+
+This is the CPU twin (numpy arrays): the device mirror (the same protocol,
+the pages scattered on the GPU) is not built.  `Standby(follow=True)` keeps a
+mirror while it waits and takes over from it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from concordia.wal import format as F
+from concordia.wal.errors import CorruptionError, WalError
+from concordia.wal.reader import _DMG, _REC, Follower
+
+
+#: reads of the log as it is, for a resync, before damage is taken for damage:
+#: beside a live writer, one read can pass a record it has reserved but not
+#: yet written and then meet the records written after it
+RESYNC_TRIES = 8
+
+
+class _Gap(Exception):
+    """A commit's link to the one before skips a commit the mirror never read."""
+
+
+class Mirror:
+    """The state of the log behind `backend` (an open Backend, shared with
+    its owner: the mirror never closes it) at its last committed epoch,
+    kept current by `poll()` (module doc)."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.arrays: dict = {}      # name -> array (the region's layout dtype and shape)
+        self.epoch = 0              # the committed epoch the arrays hold
+        self.resyncs = -1           # restores from the log as it is (the first is the start)
+        self.epochs_applied = 0
+        self.pages_applied = 0
+        self.last_gap: str | None = None
+        self.resync()
+
+    # -- starting (again) ---------------------------------------------------------
+    def resync(self) -> None:
+        """Restore the log's last committed epoch as it is now, and follow it
+        from its start, passing over what that epoch already holds."""
+        from concordia.restore.run import restore
+        from concordia.wal import Log
+
+        for attempt in range(RESYNC_TRIES):
+            try:
+                log = Log.open(self.backend, writable=False, check_pages=False)   # not closed: it closes the backend
+                got = restore(log) if log.last_committed_epoch else None
+                break
+            except CorruptionError:   # a read beside a live writer met a record it had reserved, not yet written
+                if attempt == RESYNC_TRIES - 1:
+                    raise
+        epoch = int(got.plan.epoch) if got is not None else 0   # the plan's: the writer may have gone on since the open
+        arrays = got.arrays if got is not None else {}
+        self._info = {info.id: info for info in log.regions.values()}
+        self.arrays, self._flat, self._crcs = {}, {}, {}
+        for rid, info in self._info.items():
+            a = arrays.get(info.name)
+            if a is None:
+                a = np.zeros(info.shape, np.dtype(info.dtype))
+            self._adopt(info, np.ascontiguousarray(a))
+        self.epoch = epoch
+        self._pending: list = []
+        self._last_commit: int | None = None   # the LSN of the last commit read (each names the one before)
+        self.follower = Follower(self.backend, check_pages=True)
+        self._cuts = 0
+        self.resyncs += 1
+
+    def _adopt(self, info: F.RegionInfo, a: np.ndarray) -> None:
+        flat = a.reshape(-1).view(np.uint8)
+        pad = np.zeros(info.pages * info.page_bytes, np.uint8)   # the last page zero-padded, as CRCs take it
+        pad[:flat.size] = flat
+        self.arrays[info.name] = a
+        self._flat[info.id] = flat
+        self._crcs[info.id] = F.page_crcs_of(pad.reshape(info.pages, info.page_bytes)) if info.pages else \
+            np.zeros(0, np.uint32)
+
+    # -- following ----------------------------------------------------------------
+    def poll(self) -> int:
+        """Apply every epoch committed since the last poll; returns the
+        epoch the mirror holds.  Raises CorruptionError when the log holds
+        damage the writer has left behind (the mirror keeps its last epoch)."""
+        try:
+            items = self.follower.poll()
+        except WalError:   # formatted again under the follower
+            self.resync()
+            return self.epoch
+        if self.follower.cuts != self._cuts:   # the writer reopened the log: what followed its commit is gone
+            self._cuts = self.follower.cuts
+            self._pending.clear()
+        for it in items:
+            if it[0] == _DMG:
+                raise CorruptionError(f"the followed log holds damage: {it.reason}", where=it.seg.where(it.offset))
+            try:
+                self._take(it)
+            except _Gap as gap:   # a commit was not read (its segment freed first): start again
+                self.last_gap = str(gap)
+                self.resync()
+                return self.epoch
+        return self.epoch
+
+    def _take(self, it) -> None:
+        h = it.header
+        kind = F.REC_PAD if h.type == (F.REC_PAD | F.TYPE_IGNORABLE) else h.type
+        if kind == F.REC_REGION:
+            if h.region_id not in self._info:
+                body = F.record_body(self.backend.view, it.offset, h.count)
+                info = F.decode_region_body(body, h.region_id, h.page_bytes)
+                self._info[info.id] = info
+                self._adopt(info, np.zeros(info.shape, np.dtype(info.dtype)))
+            return
+        if kind == F.REC_COMMIT:
+            body = F.record_body(self.backend.view, it.offset, h.count)
+            info = F.decode_commit_body(body, h)
+            if info.epoch < self.epoch:
+                return   # history: the mirror holds a later epoch
+            if info.epoch > self.epoch:
+                # each commit names the one before: the mirror applies an epoch only
+                # right after the one it holds (none held: the log's first commit)
+                if (self._last_commit is None and self.epoch) or (
+                        self._last_commit is not None and info.prev_commit_lsn != self._last_commit):
+                    raise _Gap(f"epoch {info.epoch}'s commit (lsn 0x{info.lsn:x}) does not follow the commit of "
+                               f"epoch {self.epoch}, which the mirror holds")
+                self._apply(info)
+            self._last_commit = info.lsn   # the commit of the epoch the mirror holds
+            return
+        if not F.counted_in_epoch(h.type, h.flags) or h.epoch <= self.epoch:
+            return   # BASE batches (retention's copies), catalog, pads; epochs the mirror holds already
+        lsn = it.seg.lsn(it.offset)
+        if kind == F.REC_PAGE_BATCH:
+            b = F.decode_page_batch(self.backend.array, it.offset, check_pages=False)   # checked on arrival
+            self._pending.append((lsn, int(h.epoch), int(h.region_id), np.array(b.page_ids),
+                                  np.array(b.page_crcs), np.array(b.payload)))
+        else:   # a type this version only counts (ignorable): it holds nothing of the state
+            self._pending.append((lsn, int(h.epoch), int(h.region_id), None, None, None))
+
+    def _apply(self, commit: F.CommitInfo) -> None:
+        mine = [p for p in self._pending if p[1] == commit.epoch and p[0] >= commit.first_lsn]
+        if len(mine) != commit.record_count:   # records of the epoch in a segment freed before it was read
+            raise _Gap(f"epoch {commit.epoch}'s commit counts {commit.record_count} records, {len(mine)} were read")
+        touched = set()
+        for _, _, rid, ids, crcs, payload in mine:
+            if ids is None:
+                continue
+            info = self._info.get(rid)
+            if info is None:
+                raise CorruptionError(f"epoch {commit.epoch} writes region {rid}, which no region record defines",
+                                      where=f"commit lsn 0x{commit.lsn:x}")
+            self._write_pages(info, ids, payload)
+            self._crcs[rid][ids] = crcs
+            self.pages_applied += int(ids.size)
+            touched.add(rid)
+        for rid, want in commit.digests.items():   # the regions untouched keep the digest checked before
+            if rid in touched and F.region_digest(self._crcs[rid]) != want:
+                raise CorruptionError(f"region {self._info[rid].name!r} differs from the digest epoch "
+                                      f"{commit.epoch} states after its pages were applied",
+                                      where=f"commit lsn 0x{commit.lsn:x}")
+        self._pending = [p for p in self._pending if p[1] > commit.epoch]
+        self.epoch = int(commit.epoch)
+        self.epochs_applied += 1
+
+    def _write_pages(self, info: F.RegionInfo, ids: np.ndarray, payload: np.ndarray) -> None:
+        flat, pb = self._flat[info.id], info.page_bytes
+        full = flat.size // pb
+        whole = ids < full
+        if whole.any():
+            flat[:full * pb].reshape(full, pb)[ids[whole]] = payload[whole]
+        for i in np.flatnonzero(~whole).tolist():   # the short last page
+            p = int(ids[i])
+            flat[p * pb:] = payload[i, :flat.size - p * pb]
+
+    def to_json(self) -> dict:
+        return {"epoch": self.epoch, "epochs_applied": self.epochs_applied, "pages_applied": self.pages_applied,
+                "resyncs": self.resyncs, "regions": len(self.arrays), "lsn": self.follower.lsn}

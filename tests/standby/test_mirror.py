@@ -1,0 +1,131 @@
+"""The hot standby's follow-and-apply protocol on the CPU twin (`Mirror`): a
+log followed while its writer appends, bases, compacts and frees segments,
+is SIGKILLed at random points and starts again on the same log; at every poll
+the mirror equals a committed epoch, and after each kill it equals the last
+one the log holds, as a fresh recovery restores it."""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from concordia import Session
+from concordia.devmem import open_backend
+from concordia.mirror import Mirror
+from concordia.wal import Log
+from concordia.wal.errors import CorruptionError
+
+from tests.session.test_retention_crash import CHILD, state_at
+
+
+def _last_committed(path: str) -> int:
+    log = Log.open(path, writable=False)
+    try:
+        return int(log.last_committed_epoch or 0)
+    finally:
+        log.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tier", ["file", "shm"])
+def test_the_mirror_equals_a_committed_epoch_at_every_poll_through_random_kills(tier, tmp_path, request):
+    if tier == "file":
+        path = f"file:{tmp_path / 'mirror.log'}"
+    else:
+        from tests.session.conftest import _fresh_shm_log
+
+        gen = _fresh_shm_log()
+        path = next(gen)
+        request.addfinalizer(lambda: next(gen, None))
+    rng = random.Random(31 if tier == "file" else 32)
+    mirror, backend, polls, seen = None, None, 0, 0
+    for _ in range(4):
+        p = subprocess.Popen([sys.executable, "-c", CHILD, path, "0", "100000", "none"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            for _ in range(10 + rng.randint(0, 40)):
+                ln = p.stdout.readline()
+                assert ln.strip().isdigit(), (ln, p.stderr.read() if p.poll() is not None else "")
+                seen = int(ln)
+                if mirror is None:   # the log exists once the child printed its first epoch
+                    backend = open_backend(path)
+                    mirror = Mirror(backend)
+                if rng.random() < 0.6:
+                    e = mirror.poll()
+                    polls += 1
+                    assert e >= 1
+                    np.testing.assert_array_equal(mirror.arrays["state"], state_at(e), err_msg=f"epoch {e}")
+            time.sleep(rng.random() * 0.03)
+        finally:
+            p.send_signal(signal.SIGKILL)
+            p.communicate(timeout=30)
+        e = mirror.poll()   # the writer is gone: everything it committed, nothing after
+        last = _last_committed(path)
+        assert seen <= e == last, (seen, e, last)
+        np.testing.assert_array_equal(mirror.arrays["state"], state_at(e), err_msg=f"epoch {e} after the kill")
+    assert polls >= 4 and mirror.epochs_applied > 0
+    backend.close()
+
+
+def test_a_mirror_follows_regions_added_and_short_last_pages(tmp_path):
+    path = f"file:{tmp_path / 'log'}"
+    rng = np.random.default_rng(3)
+    a = np.zeros((16, 1024), np.uint32)
+    b = np.zeros(10_000, np.uint8)              # its last page is short
+    with Session(path, size=8 << 20, segment_size=1 << 20) as s:
+        s.register("a", a)
+        s.checkpoint()
+        m = Mirror(open_backend(path))
+        assert m.epoch == 1 and set(m.arrays) == {"a"}
+        s.register("b", b)
+        for i in range(12):
+            a[rng.integers(0, 16), rng.integers(0, 1024)] = i + 1
+            b[9_999 - i] = i + 1
+            st = s.checkpoint()
+            if i % 4 == 3:
+                assert m.poll() == st.epoch
+                np.testing.assert_array_equal(m.arrays["a"], a)
+                np.testing.assert_array_equal(m.arrays["b"], b)
+        a[0, 0] = 99
+        s.checkpoint(wait=True)
+        a[0, 0] = 100                           # not checkpointed: the mirror never sees it
+        assert m.poll() == s.epoch and int(m.arrays["a"][0, 0]) == 99
+        assert m.resyncs == 0 and m.pages_applied > 0
+        m.backend.close()
+
+
+def test_damage_the_writer_left_behind_is_one_line_and_the_mirror_keeps_its_epoch(tmp_path):
+    """A page flipped in a record of a segment the writer has left: the poll
+    says so in one line, and the mirror stays at the epoch before it."""
+    path = f"file:{tmp_path / 'log'}"
+    a = np.zeros(32 * 4096, np.uint8)
+    states = {}
+    with Session(path, size=8 << 20, segment_size=1 << 20) as s:
+        s.register("a", a)
+        states[s.checkpoint().epoch] = a.copy()
+        m = Mirror(open_backend(path))
+        a[5] = 1
+        states[s.checkpoint().epoch] = a.copy()
+        a[70_000] = 2
+        damaged = s.checkpoint().epoch
+        rec = [r for r in s.log.records() if r.epoch == damaged and r.region_id == s.log.region("a").id][-1]
+        for _ in range(12):                     # every page, 12 times: the writer leaves that segment
+            a[:] += 1
+            s.checkpoint()
+    with open(path[len("file:"):], "r+b") as f:  # one byte of the damaged epoch's last page flipped
+        f.seek(rec.offset + rec.length - 64)
+        byte = f.read(1)
+        f.seek(rec.offset + rec.length - 64)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(CorruptionError, match="page CRC") as e:
+        m.poll()
+    assert "\n" not in str(e.value)
+    assert m.epoch == damaged - 1
+    np.testing.assert_array_equal(m.arrays["a"], states[m.epoch])
+    m.backend.close()
