@@ -69,6 +69,8 @@ LEASE_DIR = "/dev/shm"
 FILE_TIERS = ("shm", "hugetlb", "file", "pmem", "devdax")
 #: how long a standby tries the lock before it looks again at who holds it
 WATCH_SLICE_S = 0.25
+#: the same for a following standby, which polls its mirror between tries
+FOLLOW_SLICE_S = 0.01
 
 
 def _now() -> float:
@@ -332,14 +334,22 @@ class Standby:
     `standby.model` (for `resume` to use).  lease_s: also watch the primary's
     `Heartbeat`, and treat a stamp older than this as a hung primary (SIGKILLed
     to isolate it); None watches the writer lock alone.  progress: a callable
-    taking one line of text.
+    taking one line of text.  follow: a hot standby: keep a `mirror.Mirror` of
+    the log while waiting, each committed epoch applied as it is written, and
+    take over from it (only the epochs since its last poll are applied then);
+    the mirror is host memory, so a following standby stands by on the CPU
+    (device "auto" takes the CPU; "gpu" is refused: the device mirror is not
+    built).
     """
 
     def __init__(self, spec, *, device: str = "auto", gpu: int | None = None, load_model: Callable | None = None,
                  lease_s: float | None = None, heartbeat_s: float | None = None,
-                 rehearse: bool = True, progress: Callable[[str], None] | None = None):
+                 rehearse: bool = True, progress: Callable[[str], None] | None = None, follow: bool = False):
         if device not in ("auto", "gpu", "cpu"):
             raise StandbyError(f"unknown device {device!r} (use auto, gpu or cpu)")
+        if follow and (device == "gpu" or gpu is not None):
+            raise StandbyError("a following standby keeps its mirror in host memory: the device mirror is not "
+                               "built (use device 'cpu', or no follow)", where=str(spec))
         if lease_s is not None and lease_s <= 0:
             raise StandbyError(f"a lease must be positive, not {lease_s}")
         if gpu is not None and device == "cpu":
@@ -352,7 +362,10 @@ class Standby:
                                "can follow it", where=str(spec),
                                hint="put the log on shm:, hugetlb:, file:, pmem: or dax:")
         self.spec = spec
-        self.device = device
+        self.device = "cpu" if follow else device
+        self.follow = follow
+        self.mirror = None
+        self.mirror_error: str | None = None
         self.gpu = gpu
         self.load_model = load_model
         self.lease_s = lease_s
@@ -401,7 +414,14 @@ class Standby:
             jit.precompile(specs)
             rep["compile_s"] = _now() - t2
             rep["kernels"] = len(specs)
-        if self.rehearse and rep["epoch_seen"]:
+        if self.follow:
+            from concordia.mirror import Mirror
+
+            t3 = _now()
+            self.mirror = Mirror(self.backend)   # its first restore is the rehearsal, and kept
+            rep["mirror_epoch"] = self.mirror.epoch
+            rep["mirror_s"] = _now() - t3
+        elif self.rehearse and rep["epoch_seen"]:
             t3 = _now()
             try:
                 out = self._restore(self._watch_log, {})
@@ -472,6 +492,8 @@ class Standby:
         # which the holder is looked up again (another standby may have become it)
         # and the lease read
         slice_s = WATCH_SLICE_S if lease_file is None else min(WATCH_SLICE_S, self.lease_s / 4)
+        if self.mirror is not None:   # the mirror is kept within a slice of the primary
+            slice_s = min(slice_s, FOLLOW_SLICE_S)
         while True:
             try:
                 left = slice_s if deadline is None else max(0.0, min(slice_s, deadline - _now()))
@@ -479,6 +501,7 @@ class Standby:
                 return {"cause": "the primary's writer lock came free", "primary_pid": pid, "detected": _now()}
             except LockedError:
                 pass
+            self._follow()
             holder = self.primary()
             if holder and holder != pid:
                 self.progress(f"the log is now held by pid {holder}: watching it")
@@ -494,6 +517,19 @@ class Standby:
             if deadline is not None and now >= deadline:
                 raise StandbyError(f"the primary (pid {pid}) still holds the log after {timeout} s",
                                    where=b.where)
+
+    def _follow(self) -> None:
+        """Apply to the mirror what the primary committed since the last look.
+        Damage stops the following (said in `mirror_error`): the takeover
+        restores from the log instead, which decides what the damage costs."""
+        if self.mirror is None:
+            return
+        try:
+            self.mirror.poll()
+        except ConcordiaError as exc:
+            self.mirror_error = exc.one_line()
+            self.mirror = None
+            self.progress(f"following stopped: {self.mirror_error}")
 
     def _isolate(self, lease: LeaseState, detected: float) -> dict:
         """A primary whose lease expired and which still holds the lock: kill
@@ -535,7 +571,19 @@ class Standby:
         stamps["isolated"] = _now()
         arrays, st = {}, {}
         epoch = int(log.last_committed_epoch or 0)
-        if epoch:
+        if epoch and self.mirror is not None:
+            before = self.mirror.epochs_applied
+            self._follow()   # the epochs committed since the last look, and no more (the tail is cut)
+            if self.mirror is not None and self.mirror.epoch == epoch:
+                arrays = self.mirror.arrays
+                st["via"] = (f"the mirror, {self.mirror.epochs_applied - before} epoch(s) applied at takeover, "
+                             f"{self.mirror.epochs_applied} while following")
+                st["mirror"] = self.mirror.to_json()
+            else:
+                held = None if self.mirror is None else self.mirror.epoch
+                st["mirror_missed"] = f"the mirror held epoch {held}" if self.mirror_error is None else \
+                    self.mirror_error
+        if epoch and not arrays:
             arrays = self._restore(log, st)
         stamps["restored"] = _now()
         hb = None
@@ -561,7 +609,8 @@ class Standby:
                                               f"pid {pid} to finish exiting" if detection.get("exit_wait_s")
                                               else "")),
             Phase("restore", (stamps["restored"] - stamps["isolated"]) * 1e3,
-                  f"epoch {epoch} planned and restored: {nbytes / (1 << 20):.2f} MiB into "
+                  f"epoch {epoch} {'held by the mirror' if 'mirror' in st else 'planned and restored'}: "
+                  f"{nbytes / (1 << 20):.2f} MiB into "
                   f"{len(arrays)} regions on the {'GPU' if self.on_gpu else 'CPU'}, digests checked"
                   + (f" ({st.get('via')})" if st.get("via") else "")),
         ]

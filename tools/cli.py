@@ -155,9 +155,13 @@ def _hook(text: str | None, what: str):
 @click.option("--hold", is_flag=True,
               help="After taking over, keep the log (and its writer lock) until interrupted, as the "
                    "new primary, so that other standbys keep waiting behind this one.")
+@click.option("--follow", is_flag=True,
+              help="A hot standby: apply each epoch the primary commits, as it is written, to a mirror in "
+                   "host memory, and take over from it (the epochs since the last look only).  Stands by on "
+                   "the CPU (--device gpu is refused: the device mirror is not built).")
 @click.option("--json", "as_json", is_flag=True, help="Print the takeover as JSON.")
 @guarded
-def standby(log, device, gpu, lease_s, model, resume, timeout, hold, as_json):
+def standby(log, device, gpu, lease_s, model, resume, timeout, hold, follow, as_json):
     """Stand by for the process writing LOG: open and map the log, register it
     with the GPU, compile the kernels, rehearse a restore, load the model; then
     wait for the primary to die (its writer lock comes free, or with --lease
@@ -172,13 +176,15 @@ def standby(log, device, gpu, lease_s, model, resume, timeout, hold, as_json):
 
     \b
         concordia standby hugetlb:/mnt/huge/kv.log --resume myapp.serve:resume --json
+        concordia standby shm:kv.log --follow --json
     """
     import signal
 
     from concordia.standby import Standby, format_timeline
 
     progress = lambda msg: click.echo(f"standby: {msg}", err=True)  # noqa: E731
-    sb = Standby(log, device=device, gpu=gpu, lease_s=lease_s, load_model=_hook(model, "--model"), progress=progress)
+    sb = Standby(log, device=device, gpu=gpu, lease_s=lease_s, load_model=_hook(model, "--model"), progress=progress,
+                 follow=follow)
     resume_fn = _hook(resume, "--resume")
     try:
         tk = sb.run(resume_fn, timeout=timeout)

@@ -129,3 +129,53 @@ def test_damage_the_writer_left_behind_is_one_line_and_the_mirror_keeps_its_epoc
     assert m.epoch == damaged - 1
     np.testing.assert_array_equal(m.arrays["a"], states[m.epoch])
     m.backend.close()
+
+
+@pytest.mark.slow
+def test_a_following_standby_takes_over_from_its_mirror_at_the_last_commit(tmp_path):
+    """Standby(follow=True) keeps the mirror while the primary writes (bases,
+    compaction, segments freed), and after the primary's SIGKILL at a random
+    point takes over from the mirror: the last committed epoch, exactly, with
+    no restore from the log, and the log carries on from it."""
+    from concordia.standby import Standby
+
+    path = f"file:{tmp_path / 'hot.log'}"
+    rng = random.Random(7)
+    p = subprocess.Popen([sys.executable, "-c", CHILD, path, "0", "100000", "none"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip().isdigit()
+        sb = Standby(path, follow=True)
+        rep = sb.warm()
+        assert rep["device"] == "cpu" and rep["mirror_epoch"] >= 1
+        for _ in range(20 + rng.randint(0, 40)):
+            assert p.stdout.readline().strip().isdigit()
+        # the kill comes while the standby waits and follows: it is the standby's
+        # own thread that polls the mirror between tries of the writer lock
+        killer = __import__("threading").Timer(rng.random() * 0.05, p.send_signal, (signal.SIGKILL,))
+        killer.start()
+        tk = sb.run(timeout=60)
+    finally:
+        p.kill()
+        p.communicate(timeout=30)
+    try:
+        assert "mirror" in tk.restore_stats and sb.mirror_error is None, tk.restore_stats
+        assert tk.epoch == tk.log.last_committed_epoch >= 1
+        np.testing.assert_array_equal(tk.arrays["state"], state_at(tk.epoch))
+        assert "held by the mirror" in tk.timeline[2].what
+        with tk.session() as s:                 # the log carries on from the mirror's epoch
+            s.register("state", tk.arrays["state"])
+            tk.arrays["state"][0, 0] = 7
+            assert s.checkpoint().epoch == tk.epoch + 1
+    finally:
+        tk.close()
+        sb.close()
+    assert _last_committed(path) == tk.epoch + 1
+
+
+def test_a_following_standby_refuses_the_gpu_in_one_line(tmp_path):
+    from concordia.standby import Standby, StandbyError
+
+    with pytest.raises(StandbyError, match="device mirror is not built") as e:
+        Standby(f"file:{tmp_path / 'x.log'}", follow=True, device="gpu")
+    assert "\n" not in str(e.value)
