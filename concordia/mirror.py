@@ -77,10 +77,17 @@ class Mirror:
             try:
                 log = Log.open(self.backend, writable=False, check_pages=False)   # not closed: it closes the backend
                 got = restore(log) if log.last_committed_epoch else None
-                break
             except CorruptionError:   # a read beside a live writer met a record it had reserved, not yet written
                 if attempt == RESYNC_TRIES - 1:
                     raise
+                continue
+            named = {info.name for info in log.regions.values()}
+            if got is None or set(got.arrays) <= named:
+                break
+            # a region defined after the open and restored by the later plan: read again
+            if attempt == RESYNC_TRIES - 1:
+                raise WalError(f"regions {sorted(set(got.arrays) - named)} keep appearing under the read",
+                               where=str(self.backend.where))
         epoch = int(got.plan.epoch) if got is not None else 0   # the plan's: the writer may have gone on since the open
         arrays = got.arrays if got is not None else {}
         self._info = {info.id: info for info in log.regions.values()}
