@@ -20,3 +20,18 @@ def test_quick_run_reports_kill_to_decoding(tmp_path):
     assert rep["kill_to_decoding_s"] > 0 and abs(rep["kill_to_decoding_s"] - parts) < 1e-6
     assert [p["phase"] for p in rep["timeline"]] == ["detect", "isolate", "restore", "reintegrate"]
     assert rep["ceiling"]["GBps"] > 0 and rep["restore_ratio_to_ceiling"] > 0
+
+
+def test_follow_runs_a_warm_and_a_hot_standby_on_a_primary_checkpointing_every_step(tmp_path):
+    out = tmp_path / "follow.json"
+    res = CliRunner().invoke(main, ["bench", "standby", "--quick", "--follow", "--steps-s", "0.3", "--json",
+                                    "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(out.read_text())
+    warm, hot = rep["warm"], rep["hot"]
+    assert warm["primary"]["checkpoints_every_step"] and hot["primary"]["checkpoints_every_step"]
+    assert "mirror" not in warm["restore"] and warm["restore_GBps"] > 0
+    assert "mirror" in hot["restore"] and hot["restore_GBps"] is None
+    assert hot["restore"]["mirror"]["epoch"] == hot["epoch"] > 2
+    assert rep["hot_vs_warm"] == hot["kill_to_decoding_s"] / warm["kill_to_decoding_s"] > 0
+    assert rep["hot_vs_warm_to_restored"] == hot["kill_to_restored_s"] / warm["kill_to_restored_s"] > 0
