@@ -27,9 +27,13 @@ was formatted again, the mirror starts again from the log as it is
 start, the epochs it holds passed over), and says so in `resyncs` and
 `last_gap`.
 
-This is the CPU twin (numpy arrays): the device mirror (the same protocol,
-the pages scattered on the GPU) is not built.  `Standby(follow=True)` keeps a
-mirror while it waits and takes over from it.
+`device=True` keeps the arrays on the GPU (CuPy): the restore goes there
+(through the standby's registered mapping when it has one), the page CRC
+tables stay on the host, and a committed epoch's pages, kept aside on the
+host, are copied over and scattered into place as its commit arrives, in
+the current stream's order.  The numpy mirror is its CPU twin: the same
+protocol and bookkeeping, the pages written by numpy.  `Standby(follow=True)`
+keeps a mirror while it waits and takes over from it.
 """
 
 from __future__ import annotations
@@ -56,8 +60,15 @@ class Mirror:
     its owner: the mirror never closes it) at its last committed epoch,
     kept current by `poll()` (module doc)."""
 
-    def __init__(self, backend):
+    def __init__(self, backend, *, device: bool = False, registration=None):
         self.backend = backend
+        self.device = device
+        self.registration = registration   # the mapping's CUDA registration, read by the device restore
+        self._cp = None
+        if device:
+            from concordia.gpu_kernels import jit
+
+            self._cp = jit.require_cupy()
         self.arrays: dict = {}      # name -> array (the region's layout dtype and shape)
         self.epoch = 0              # the committed epoch the arrays hold
         self.resyncs = -1           # restores from the log as it is (the first is the start)
@@ -76,7 +87,8 @@ class Mirror:
         for attempt in range(RESYNC_TRIES):
             try:
                 log = Log.open(self.backend, writable=False, check_pages=False)   # not closed: it closes the backend
-                got = restore(log) if log.last_committed_epoch else None
+                got = (restore(log, device=self.device, registration=self.registration)
+                       if log.last_committed_epoch else None)
             except CorruptionError:   # a read beside a live writer met a record it had reserved, not yet written
                 if attempt == RESYNC_TRIES - 1:
                     raise
@@ -94,9 +106,7 @@ class Mirror:
         self.arrays, self._flat, self._crcs = {}, {}, {}
         for rid, info in self._info.items():
             a = arrays.get(info.name)
-            if a is None:
-                a = np.zeros(info.shape, np.dtype(info.dtype))
-            self._adopt(info, np.ascontiguousarray(a))
+            self._adopt(info, self._zeros(info) if a is None else self._xp.ascontiguousarray(a))
         self.epoch = epoch
         self._pending: list = []
         self._last_commit: int | None = None   # the LSN of the last commit read (each names the one before)
@@ -104,14 +114,29 @@ class Mirror:
         self._cuts = 0
         self.resyncs += 1
 
-    def _adopt(self, info: F.RegionInfo, a: np.ndarray) -> None:
+    @property
+    def _xp(self):
+        return np if self._cp is None else self._cp
+
+    def _zeros(self, info: F.RegionInfo):
+        return self._xp.zeros(info.shape, np.dtype(info.dtype))
+
+    def _adopt(self, info: F.RegionInfo, a) -> None:
+        """Region `info` holds `a` now: its page CRC table (on the host) from its bytes."""
+        from concordia.gpu_kernels import reference as ref
+
         flat = a.reshape(-1).view(np.uint8)
-        pad = np.zeros(info.pages * info.page_bytes, np.uint8)   # the last page zero-padded, as CRCs take it
-        pad[:flat.size] = flat
         self.arrays[info.name] = a
         self._flat[info.id] = flat
-        self._crcs[info.id] = F.page_crcs_of(pad.reshape(info.pages, info.page_bytes)) if info.pages else \
-            np.zeros(0, np.uint32)
+        if not info.pages:
+            crcs = np.zeros(0, np.uint32)
+        elif self._cp is None:
+            crcs = ref.crc32c_pages(flat, page_bytes=info.page_bytes)
+        else:
+            from concordia.gpu_kernels import gpu
+
+            crcs = self._cp.asnumpy(gpu.crc32c_pages(flat, page_bytes=info.page_bytes))
+        self._crcs[info.id] = crcs
 
     # -- following ----------------------------------------------------------------
     def poll(self) -> int:
@@ -145,7 +170,7 @@ class Mirror:
                 body = F.record_body(self.backend.view, it.offset, h.count)
                 info = F.decode_region_body(body, h.region_id, h.page_bytes)
                 self._info[info.id] = info
-                self._adopt(info, np.zeros(info.shape, np.dtype(info.dtype)))
+                self._adopt(info, self._zeros(info))
             return
         if kind == F.REC_COMMIT:
             body = F.record_body(self.backend.view, it.offset, h.count)
@@ -198,14 +223,16 @@ class Mirror:
         self.epochs_applied += 1
 
     def _write_pages(self, info: F.RegionInfo, ids: np.ndarray, payload: np.ndarray) -> None:
+        """The pages `ids` (host arrays) into the region, numpy or on the device."""
         flat, pb = self._flat[info.id], info.page_bytes
         full = flat.size // pb
         whole = ids < full
+        put = (lambda x: x) if self._cp is None else self._cp.asarray   # host to device, current stream
         if whole.any():
-            flat[:full * pb].reshape(full, pb)[ids[whole]] = payload[whole]
+            flat[:full * pb].reshape(full, pb)[put(ids[whole].astype(np.int64))] = put(payload[whole])
         for i in np.flatnonzero(~whole).tolist():   # the short last page
             p = int(ids[i])
-            flat[p * pb:] = payload[i, :flat.size - p * pb]
+            flat[p * pb:] = put(np.ascontiguousarray(payload[i, :flat.size - p * pb]))
 
     def to_json(self) -> dict:
         return {"epoch": self.epoch, "epochs_applied": self.epochs_applied, "pages_applied": self.pages_applied,

@@ -336,10 +336,8 @@ class Standby:
     to isolate it); None watches the writer lock alone.  progress: a callable
     taking one line of text.  follow: a hot standby: keep a `mirror.Mirror` of
     the log while waiting, each committed epoch applied as it is written, and
-    take over from it (only the epochs since its last poll are applied then);
-    the mirror is host memory, so a following standby stands by on the CPU
-    (device "auto" takes the CPU; "gpu" is refused: the device mirror is not
-    built).
+    take over from it (only the epochs since its last poll are applied then),
+    on the standby's device.
     """
 
     def __init__(self, spec, *, device: str = "auto", gpu: int | None = None, load_model: Callable | None = None,
@@ -347,9 +345,6 @@ class Standby:
                  rehearse: bool = True, progress: Callable[[str], None] | None = None, follow: bool = False):
         if device not in ("auto", "gpu", "cpu"):
             raise StandbyError(f"unknown device {device!r} (use auto, gpu or cpu)")
-        if follow and (device == "gpu" or gpu is not None):
-            raise StandbyError("a following standby keeps its mirror in host memory: the device mirror is not "
-                               "built (use device 'cpu', or no follow)", where=str(spec))
         if lease_s is not None and lease_s <= 0:
             raise StandbyError(f"a lease must be positive, not {lease_s}")
         if gpu is not None and device == "cpu":
@@ -362,7 +357,7 @@ class Standby:
                                "can follow it", where=str(spec),
                                hint="put the log on shm:, hugetlb:, file:, pmem: or dax:")
         self.spec = spec
-        self.device = "cpu" if follow else device
+        self.device = device
         self.follow = follow
         self.mirror = None
         self.mirror_error: str | None = None
@@ -418,7 +413,8 @@ class Standby:
             from concordia.mirror import Mirror
 
             t3 = _now()
-            self.mirror = Mirror(self.backend)   # its first restore is the rehearsal, and kept
+            # its first restore is the rehearsal, and kept
+            self.mirror = Mirror(self.backend, device=self.on_gpu, registration=self.registration)
             rep["mirror_epoch"] = self.mirror.epoch
             rep["mirror_s"] = _now() - t3
         elif self.rehearse and rep["epoch_seen"]:

@@ -156,9 +156,9 @@ def _hook(text: str | None, what: str):
               help="After taking over, keep the log (and its writer lock) until interrupted, as the "
                    "new primary, so that other standbys keep waiting behind this one.")
 @click.option("--follow", is_flag=True,
-              help="A hot standby: apply each epoch the primary commits, as it is written, to a mirror in "
-                   "host memory, and take over from it (the epochs since the last look only).  Stands by on "
-                   "the CPU (--device gpu is refused: the device mirror is not built).")
+              help="A hot standby: apply each epoch the primary commits, as it is written, to a mirror of "
+                   "the state on the standby's device, and take over from it (the epochs since the last look "
+                   "only), with no restore from the log.")
 @click.option("--json", "as_json", is_flag=True, help="Print the takeover as JSON.")
 @guarded
 def standby(log, device, gpu, lease_s, model, resume, timeout, hold, follow, as_json):

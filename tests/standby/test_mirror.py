@@ -173,9 +173,63 @@ def test_a_following_standby_takes_over_from_its_mirror_at_the_last_commit(tmp_p
     assert _last_committed(path) == tk.epoch + 1
 
 
-def test_a_following_standby_refuses_the_gpu_in_one_line(tmp_path):
-    from concordia.standby import Standby, StandbyError
+@pytest.mark.gpu
+def test_a_device_mirror_follows_as_its_numpy_twin_does(tmp_path):
+    """Mirror(device=True): CuPy arrays, restored and then written by each
+    commit's pages, equal the writer's state at every poll and the numpy
+    mirror's arrays, with the same CRC tables."""
+    import cupy as cp
 
-    with pytest.raises(StandbyError, match="device mirror is not built") as e:
-        Standby(f"file:{tmp_path / 'x.log'}", follow=True, device="gpu")
-    assert "\n" not in str(e.value)
+    path = f"file:{tmp_path / 'devmirror.log'}"
+    rng = np.random.default_rng(5)
+    a = np.zeros((16, 1024), np.uint32)
+    b = np.zeros(10_000, np.uint8)              # a short last page
+    with Session(path, size=8 << 20, segment_size=1 << 20) as s:
+        s.register("a", a)
+        s.register("b", b)
+        s.checkpoint()
+        dev, host = Mirror(open_backend(path), device=True), Mirror(open_backend(path))
+        assert isinstance(dev.arrays["a"], cp.ndarray)
+        for i in range(12):
+            a[rng.integers(0, 16), rng.integers(0, 1024)] = i + 1
+            b[9_999 - i] = i + 1
+            st = s.checkpoint()
+            if i % 3 == 2:
+                assert dev.poll() == host.poll() == st.epoch
+                cp.cuda.get_current_stream().synchronize()
+                for name, want in (("a", a), ("b", b)):
+                    np.testing.assert_array_equal(cp.asnumpy(dev.arrays[name]), want)
+                    np.testing.assert_array_equal(host.arrays[name], want)
+        assert all(np.array_equal(dev._crcs[k], host._crcs[k]) for k in host._crcs)
+        dev.backend.close()
+        host.backend.close()
+
+
+@pytest.mark.gpu
+def test_a_following_standby_on_the_gpu_takes_over_from_its_device_mirror(tmp_path):
+    from concordia.standby import Standby
+
+    import cupy as cp
+
+    path = f"file:{tmp_path / 'hot-gpu.log'}"
+    p = subprocess.Popen([sys.executable, "-c", CHILD, path, "0", "100000", "none"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip().isdigit()
+        sb = Standby(path, follow=True, device="gpu")
+        assert sb.warm()["device"] == "gpu" and sb.mirror.device
+        for _ in range(30):
+            assert p.stdout.readline().strip().isdigit()
+        killer = __import__("threading").Timer(0.01, p.send_signal, (signal.SIGKILL,))
+        killer.start()
+        tk = sb.run(timeout=60)
+    finally:
+        p.kill()
+        p.communicate(timeout=30)
+    try:
+        assert "mirror" in tk.restore_stats, tk.restore_stats
+        assert tk.epoch == tk.log.last_committed_epoch >= 1
+        np.testing.assert_array_equal(cp.asnumpy(tk.arrays["state"]), state_at(tk.epoch))
+    finally:
+        tk.close()
+        sb.close()

@@ -329,16 +329,14 @@ def test_cli_takes_over_a_log_no_one_holds_and_prints_the_timeline(shm_log):
 
 def test_cli_follow_takes_over_from_the_mirror(shm_log):
     write(shm_log, EPOCHS).close()
-    r = subprocess.run([*CLI, "standby", shm_log, "--follow", "--json"], capture_output=True, text=True,
+    r = subprocess.run([*CLI, "standby", shm_log, "--follow", "--device", "cpu", "--json"], capture_output=True,
+                       text=True,
                        env=ENV, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     rep = json.loads(r.stdout)
     assert rep["epoch"] == EPOCHS and rep["warm"]["device"] == "cpu" and rep["warm"]["mirror_epoch"] == EPOCHS
     restore = [p for p in rep["timeline"] if p["phase"] == "restore"][0]
     assert "held by the mirror" in restore["what"]
-    r = subprocess.run([*CLI, "standby", shm_log, "--follow", "--device", "gpu"], capture_output=True, text=True,
-                       env=ENV, cwd=ROOT)
-    assert r.returncode == 2 and "device mirror is not built" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("args,needle", [
