@@ -30,6 +30,7 @@ Bad input raises a one-line `SessionError` subclass before anything is written.
 from __future__ import annotations
 
 import collections
+import time
 
 import numpy as np
 
@@ -106,8 +107,11 @@ class Session:
         self.readonly = readonly
         self.policy = policy or Policy()
         self._target = log
+        t_open = time.perf_counter()
         self.log, self._owns_log = _open_log(log, create=create, size=size, segment_size=segment_size,
                                              overwrite=overwrite, readonly=readonly)
+        #: the log's open (map, scan, recover its state): the first recovery's "open" phase
+        self._open_s: float | None = time.perf_counter() - t_open
         #: the regions, their baselines and the epochs this session has tried
         self.region_set = RegionSet(next_epoch=self.epoch + 1)
         self.runner = EpochRunner(self.region_set, staging, self._commit, table_for_host=executor == "resident")
@@ -424,6 +428,9 @@ class Session:
         out, self.last_recovery = restore_run.recover(self.log, target, targets=targets, device=device, mode=mode,
                                                       regions=regions, registration=self.runner.registration,
                                                       absent=absent)
+        if self._open_s is not None:   # a fresh process's recovery: the open is part of it
+            self.last_recovery.phases = {"open": {"s": self._open_s}, **self.last_recovery.phases}
+            self._open_s = None
         if into == "registered":
             # deltas continue from the recovered state only when it is the log's
             # latest: after an older epoch the next checkpoint writes every page

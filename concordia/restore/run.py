@@ -50,6 +50,9 @@ class RecoveryStats:
     dropped: list
     via: dict = dataclasses.field(default_factory=dict)  # name -> "device pipeline" | "host"
     kept: list = dataclasses.field(default_factory=list)  # absent="keep": regions with no state there, left alone
+    #: where the time went, in order: {phase: {"s": seconds, and "bytes", "GBps" where bytes flow}}
+    #: (`phases_of`); "open" only in a session's first recovery after it opened the log
+    phases: dict = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -185,12 +188,46 @@ def recover(log, target="latest", *, targets: dict | None = None, device=None, m
         if name not in views:
             out[name] = present(a, log.regions[name], device=gpu, where=f"region {name!r}")
     p = got.plan
+    total_s = time.perf_counter() - t0
     stats = RecoveryStats(epoch=int(p.epoch), plan_ms=got.plan_s * 1e3,
                           restore_ms=(time.perf_counter() - t0 - got.plan_s) * 1e3,
                           bytes=int(p.bytes_to_read), pages=int(sum(rp.pages_read for rp in p.regions.values())),
                           regions={n: int(a.nbytes) for n, a in got.arrays.items()},
-                          dropped=[d.to_json() for d in p.dropped], via=got.via, kept=got.kept)
+                          dropped=[d.to_json() for d in p.dropped], via=got.via, kept=got.kept,
+                          phases=phases_of(got, total_s))
     return out, stats
+
+
+def _phase(s: float, nbytes: int | None = None) -> dict:
+    out = {"s": float(s)}
+    if nbytes is not None:
+        out["bytes"] = int(nbytes)
+        out["GBps"] = nbytes / s / 1e9 if s > 0 else None
+    return out
+
+
+def phases_of(got: Restored, total_s: float) -> dict:
+    """A recovery's phases from what `restore` measured: plan (reads headers
+    and checks every page the plan decides on, FORMAT.md R-D5), then on the
+    host path one pass that reads each page from the log, checks its CRC and
+    writes it in place ("check_copy"), or on the device pipeline the transfer
+    layout ("layout"), staging and targets ("alloc"), the pipelined read, H2D,
+    CRC check and scatter ("transfer_check_scatter") and the digests
+    ("verify"); "present" is what is left (handing the arrays over as the
+    regions were registered)."""
+    st = got.stats
+    nbytes = int(got.plan.bytes_to_read)
+    out = {"plan": _phase(got.plan_s)}
+    if "scatter_s" in st:   # the device pipeline
+        out["layout"] = _phase(st.get("layout_s", 0.0))
+        out["alloc"] = _phase(st.get("alloc_s", 0.0))
+        out["transfer_check_scatter"] = _phase(max(0.0, st["scatter_s"] - st.get("alloc_s", 0.0)),
+                                               st.get("bytes_copied", nbytes))
+        out["verify"] = _phase(st.get("verify_s", 0.0))
+    else:
+        out["check_copy"] = _phase(got.apply_s, nbytes)
+    out["present"] = _phase(max(0.0, total_s - got.plan_s - got.apply_s))
+    return out
 
 
 def check_target(info, name, arr, device=None):

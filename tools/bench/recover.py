@@ -209,11 +209,12 @@ def _session_once(xp, spec: str) -> dict:
         _sync(xp)
         t2 = time.perf_counter()
         nbytes = int(out["kv"].nbytes)
+        phases = s.last_recovery.phases   # the session's own: open, plan, the check-and-copy pass...
         del out
     finally:
         s.close()
     return {"session_open_s": t1 - t0, "session_recover_s": t2 - t1, "session_total_s": t2 - t0,
-            "session_GBps": nbytes / (t2 - t1) / 1e9}
+            "session_GBps": nbytes / (t2 - t1) / 1e9, "session_phases": phases}
 
 
 def _host_read(xp, spec: str, nbytes: int, threads=(None,)) -> dict:
