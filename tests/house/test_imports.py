@@ -1,7 +1,7 @@
 """The house rules on imports (docs/ARCHITECTURE.md), held by reading every
 module of the package with `ast`, imports inside functions included:
 
-    tools -> concordia (the public face) -> demo -> integrations -> group, standby
+    tools -> concordia (the public face) -> demo -> integrations -> group, standby, mirror
       -> session, policy -> checkpoint -> restore, retention -> executor -> regions
       -> instrument -> gpu_kernels -> wal -> devmem -> root (root_error, lazy, sizes)
 
@@ -36,7 +36,7 @@ RUNTIME = LAYERS[LAYERS.index("instrument"):LAYERS.index("face") + 1]
 ROOMS = {"concordia.root_error": "root", "concordia.lazy": "root", "concordia.sizes": "root",
          "concordia.retention": "restore", "concordia.session": "session", "concordia.session_log": "session",
          "concordia.policy": "session",
-         "concordia.group": "group", "concordia.standby": "group", "concordia": "face", "concordia.errors": "face"}
+         "concordia.group": "group", "concordia.standby": "group", "concordia.mirror": "group", "concordia": "face", "concordia.errors": "face"}
 GPU = ("cupy", "cupyx", "cuda")                                   # wal never imports these
 CLI = ("click",)                                                  # only tools imports these
 
