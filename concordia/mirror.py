@@ -87,7 +87,9 @@ class Mirror:
         for attempt in range(RESYNC_TRIES):
             try:
                 log = Log.open(self.backend, writable=False, check_pages=False)   # not closed: it closes the backend
-                got = (restore(log, device=self.device, registration=self.registration)
+                # a region registered but not yet checkpointed has no state at the epoch:
+                # zeros here, until its first (whole) epoch comes
+                got = (restore(log, device=self.device, registration=self.registration, absent="keep")
                        if log.last_committed_epoch else None)
             except CorruptionError:   # a read beside a live writer met a record it had reserved, not yet written
                 if attempt == RESYNC_TRIES - 1:

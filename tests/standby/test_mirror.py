@@ -92,10 +92,14 @@ def test_a_mirror_follows_regions_added_and_short_last_pages(tmp_path):
                 assert m.poll() == st.epoch
                 np.testing.assert_array_equal(m.arrays["a"], a)
                 np.testing.assert_array_equal(m.arrays["b"], b)
+        s.register("c", np.zeros(5000, np.int16))   # defined in the log, no state until the next epoch
+        again = Mirror(open_backend(path))           # a mirror started in between holds it as zeros
+        assert again.epoch == s.epoch and not again.arrays["c"].any()
+        again.backend.close()
         a[0, 0] = 99
         s.checkpoint(wait=True)
         a[0, 0] = 100                           # not checkpointed: the mirror never sees it
-        assert m.poll() == s.epoch and int(m.arrays["a"][0, 0]) == 99
+        assert m.poll() == s.epoch and int(m.arrays["a"][0, 0]) == 99 and set(m.arrays) == {"a", "b", "c"}
         assert m.resyncs == 0 and m.pages_applied > 0
         m.backend.close()
 
