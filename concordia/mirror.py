@@ -42,7 +42,7 @@ import numpy as np
 
 from concordia.wal import format as F
 from concordia.wal.errors import CorruptionError, WalError
-from concordia.wal.reader import _DMG, _REC, Follower
+from concordia.wal.reader import _DMG, Follower, record_kind
 
 
 #: reads of the log as it is, for a resync, before damage is taken for damage:
@@ -166,7 +166,7 @@ class Mirror:
 
     def _take(self, it) -> None:
         h = it.header
-        kind = F.REC_PAD if h.type == (F.REC_PAD | F.TYPE_IGNORABLE) else h.type
+        kind = record_kind(h.type)
         if kind == F.REC_REGION:
             if h.region_id not in self._info:
                 body = F.record_body(self.backend.view, it.offset, h.count)
@@ -225,16 +225,19 @@ class Mirror:
         self.epochs_applied += 1
 
     def _write_pages(self, info: F.RegionInfo, ids: np.ndarray, payload: np.ndarray) -> None:
-        """The pages `ids` (host arrays) into the region, numpy or on the device."""
-        flat, pb = self._flat[info.id], info.page_bytes
-        full = flat.size // pb
-        whole = ids < full
-        put = (lambda x: x) if self._cp is None else self._cp.asarray   # host to device, current stream
-        if whole.any():
-            flat[:full * pb].reshape(full, pb)[put(ids[whole].astype(np.int64))] = put(payload[whole])
-        for i in np.flatnonzero(~whole).tolist():   # the short last page
-            p = int(ids[i])
-            flat[p * pb:] = put(np.ascontiguousarray(payload[i, :flat.size - p * pb]))
+        """The pages `ids` (host arrays, checked on arrival) into the region:
+        the page scatter (`scatter_pages`) of the restore, its numpy twin here,
+        its kernel on the device after one copy of the pages over."""
+        from concordia.gpu_kernels import gpu, reference as ref
+
+        pb = info.page_bytes
+        offsets = np.arange(ids.size, dtype=np.int64) * pb
+        if self._cp is None:
+            ref.scatter_pages(payload.reshape(-1), offsets, ids, self._flat[info.id], page_bytes=pb)
+        else:
+            cp = self._cp
+            gpu.scatter_pages(cp.asarray(payload).reshape(-1), cp.asarray(offsets), cp.asarray(ids),
+                              self._flat[info.id], page_bytes=pb)
 
     def to_json(self) -> dict:
         return {"epoch": self.epoch, "epochs_applied": self.epochs_applied, "pages_applied": self.pages_applied,
