@@ -10,6 +10,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -22,6 +23,30 @@ from concordia.wal import Log
 from concordia.wal.errors import CorruptionError
 
 from tests.session.test_retention_crash import CHILD, state_at
+
+
+def _hot_takeover(path: str, device: str, lines: int, kill_after_s: float):
+    """The retention crash child as the primary on `path`; a following
+    standby on `device` warmed once the log exists; the primary SIGKILLed
+    `kill_after_s` after `lines` more epochs, while the standby waits and
+    follows (its own thread polls the mirror between tries of the writer
+    lock).  Returns (standby, takeover)."""
+    from concordia.standby import Standby
+
+    p = subprocess.Popen([sys.executable, "-c", CHILD, path, "0", "100000", "none"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip().isdigit()
+        sb = Standby(path, follow=True, device=device)
+        rep = sb.warm()
+        assert rep["device"] == device and rep["mirror_epoch"] >= 1
+        for _ in range(lines):
+            assert p.stdout.readline().strip().isdigit()
+        threading.Timer(kill_after_s, p.send_signal, (signal.SIGKILL,)).start()
+        return sb, sb.run(timeout=60)
+    finally:
+        p.kill()
+        p.communicate(timeout=30)
 
 
 def _last_committed(path: str) -> int:
@@ -141,27 +166,9 @@ def test_a_following_standby_takes_over_from_its_mirror_at_the_last_commit(tmp_p
     compaction, segments freed), and after the primary's SIGKILL at a random
     point takes over from the mirror: the last committed epoch, exactly, with
     no restore from the log, and the log carries on from it."""
-    from concordia.standby import Standby
-
-    path = f"file:{tmp_path / 'hot.log'}"
     rng = random.Random(7)
-    p = subprocess.Popen([sys.executable, "-c", CHILD, path, "0", "100000", "none"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert p.stdout.readline().strip().isdigit()
-        sb = Standby(path, follow=True)
-        rep = sb.warm()
-        assert rep["device"] == "cpu" and rep["mirror_epoch"] >= 1
-        for _ in range(20 + rng.randint(0, 40)):
-            assert p.stdout.readline().strip().isdigit()
-        # the kill comes while the standby waits and follows: it is the standby's
-        # own thread that polls the mirror between tries of the writer lock
-        killer = __import__("threading").Timer(rng.random() * 0.05, p.send_signal, (signal.SIGKILL,))
-        killer.start()
-        tk = sb.run(timeout=60)
-    finally:
-        p.kill()
-        p.communicate(timeout=30)
+    path = f"file:{tmp_path / 'hot.log'}"
+    sb, tk = _hot_takeover(path, "cpu", 20 + rng.randint(0, 40), rng.random() * 0.05)
     try:
         assert "mirror" in tk.restore_stats and sb.mirror_error is None, tk.restore_stats
         assert tk.epoch == tk.log.last_committed_epoch >= 1
@@ -211,25 +218,10 @@ def test_a_device_mirror_follows_as_its_numpy_twin_does(tmp_path):
 
 @pytest.mark.gpu
 def test_a_following_standby_on_the_gpu_takes_over_from_its_device_mirror(tmp_path):
-    from concordia.standby import Standby
-
     import cupy as cp
 
-    path = f"file:{tmp_path / 'hot-gpu.log'}"
-    p = subprocess.Popen([sys.executable, "-c", CHILD, path, "0", "100000", "none"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert p.stdout.readline().strip().isdigit()
-        sb = Standby(path, follow=True, device="gpu")
-        assert sb.warm()["device"] == "gpu" and sb.mirror.device
-        for _ in range(30):
-            assert p.stdout.readline().strip().isdigit()
-        killer = __import__("threading").Timer(0.01, p.send_signal, (signal.SIGKILL,))
-        killer.start()
-        tk = sb.run(timeout=60)
-    finally:
-        p.kill()
-        p.communicate(timeout=30)
+    sb, tk = _hot_takeover(f"file:{tmp_path / 'hot-gpu.log'}", "gpu", 30, 0.01)
+    assert sb.mirror.device
     try:
         assert "mirror" in tk.restore_stats, tk.restore_stats
         assert tk.epoch == tk.log.last_committed_epoch >= 1
