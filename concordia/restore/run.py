@@ -190,7 +190,7 @@ def recover(log, target="latest", *, targets: dict | None = None, device=None, m
     p = got.plan
     total_s = time.perf_counter() - t0
     stats = RecoveryStats(epoch=int(p.epoch), plan_ms=got.plan_s * 1e3,
-                          restore_ms=(time.perf_counter() - t0 - got.plan_s) * 1e3,
+                          restore_ms=(total_s - got.plan_s) * 1e3,
                           bytes=int(p.bytes_to_read), pages=int(sum(rp.pages_read for rp in p.regions.values())),
                           regions={n: int(a.nbytes) for n, a in got.arrays.items()},
                           dropped=[d.to_json() for d in p.dropped], via=got.via, kept=got.kept,

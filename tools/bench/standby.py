@@ -236,10 +236,10 @@ def run(nbytes: int, tier: str, device: str, scratch: Scratch, *, steps: bool = 
     return res
 
 
-def _table(r: dict) -> str:
+def _table(r: dict, standby: str = "warm") -> str:
     c = r["ceiling"]
     lines = [f"ceiling: {c['what']} {c['GBps']:.1f} GB/s (device: {r['device']})",
-             f"{r['GiB']:.2f} GiB of KV on a {r['tier']} log, primary SIGKILLed, standby warm "
+             f"{r['GiB']:.2f} GiB of KV on a {r['tier']} log, primary SIGKILLed, standby {standby} "
              f"(warm-up {r['warm']['warm_s']:.2f} s, not counted)",
              f"  kill -> detect     {r['kill_to_detect_s'] * 1e3:8.1f} ms",
              f"  isolate            {r['isolate_s'] * 1e3:8.1f} ms",
@@ -311,7 +311,7 @@ def _follow_table(r: dict) -> str:
     out = []
     for name in ("warm", "hot"):
         x = r[name]
-        out += [f"{name} standby: " + _table(x).split("\n", 1)[1].replace("standby warm", f"standby {name}")]
+        out.append(_table(x, name))
         if name == "hot":
             out.append(f"  {x['restore'].get('via', '')}")
     out.append(f"hot / warm kill -> decoding: {r['hot_vs_warm']:.3f}; kill -> restored: "
