@@ -535,10 +535,9 @@ class ResidentExecutor:
         if not len(self.regions):
             raise SessionError("a trigger needs a registered region", where="trigger")
         tr = Trigger(every, StepCounter() if counter is None else counter, gate)
-        if gate is None:
-            self._check_gateless()
         tr.streams = caller_streams()   # the epochs order against the streams current here
         if gate is None:  # nothing stops the caller queueing: its streams are held for each epoch
+            self._check_gateless()
             tr.producers = caller_stream_views()
             if tr.producers:
                 from concordia.regions.streams import Holds
