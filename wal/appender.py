@@ -478,29 +478,24 @@ class Appender:
             # encoded aside and stored with pwritev like page batches: a store through the
             # mapping would fault on the page the last sync left write-protected
             off = self._space(length)
-            lsn = self.seg.lsn(off)
-            buf = bytearray(length)
-            try:
-                F.encode_record_into(buf, type=type, lsn=lsn, epoch=epoch, salt=self.seg.salt, body=body,
-                                     region_id=region_id, flags=flags, aux=aux, page_bytes=page_bytes)
-            except BaseException:
-                self.pos = off  # nothing reached the log: the space is free again
-                raise
-            self._write_record(off, buf)
+            lsn, salt, dst = self.seg.lsn(off), self.seg.salt, bytearray(length)
         else:
             res = self._take(length, Reservation)
             del self.outstanding[res.id]
-            off, lsn = res.offset, res.lsn
-            try:
-                F.encode_record_into(res.view, type=type, lsn=lsn, epoch=epoch, salt=res.salt, body=body,
-                                     region_id=region_id, flags=flags, aux=aux, page_bytes=page_bytes)
-            except BaseException:
-                # a half-written header would end the segment's data for a reader
-                # here, before the records appended after it: zeros, and the space
-                # is free again, no hole left behind
-                F.record_header_bytes(res.view, 0)[:] = 0
-                self.pos = off
-                raise
+            off, lsn, salt, dst = res.offset, res.lsn, res.salt, res.view
+        try:
+            F.encode_record_into(dst, type=type, lsn=lsn, epoch=epoch, salt=salt, body=body,
+                                 region_id=region_id, flags=flags, aux=aux, page_bytes=page_bytes)
+        except BaseException:
+            # a half-written header in the mapping would end the segment's data for a
+            # reader here, before the records appended after it: zeros, and the space
+            # is free again, no hole left behind (one encoded aside never reached it)
+            if self._write_at is None:
+                F.record_header_bytes(dst, 0)[:] = 0
+            self.pos = off
+            raise
+        if self._write_at is not None:
+            self._write_record(off, dst)
         if F.counted_in_epoch(type, flags):
             self._count(epoch, length, lsn)
         if persist:
