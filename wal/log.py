@@ -27,7 +27,7 @@ from concordia.devmem import Backend, open_backend
 from . import format as F
 from .appender import Appender
 from .errors import CorruptionError, RegionError, TornTailError, UsageError
-from .reader import Dropped, Record, RecoveryMode, ScanResult, recover, verify
+from .reader import CHECK_THREADS, NEXT_VALID_CHUNK, Dropped, Record, RecoveryMode, ScanResult, recover, verify
 from .volume import FORMAT_ANYWAY_HINT, Volume, check_format_target
 
 
@@ -48,6 +48,7 @@ class Log:
         self._appender = appender
         self._stale = False
         self._regions = {info.id: info for info in result.regions.values()}
+        self.open_stats: dict = {}   # Log.open's: seconds walking the log (walk_s) and cutting its tail (cut_s)
         if appender is not None:
             appender.on_write = self._mark_stale
 
@@ -118,11 +119,14 @@ class Log:
         try:
             if writable:
                 backend.lock()  # before the open reads what it will cut
+            t0 = time.perf_counter()
             vol, res = cls._recover_live(backend, read_as, reporter, check_pages) if live else (None, None)
             if vol is None:
                 vol = Volume.open(backend, writable=writable)
                 res = recover(vol, read_as, reporter, check_pages=check_pages)
+            t1 = time.perf_counter()
             appender = cls._prepare_write(vol, res) if writable else None
+            walked = {"walk_s": t1 - t0, "cut_s": time.perf_counter() - t1}
             if writable:
                 _keep_walk_before_cut(res, vol)
             elif live:
@@ -131,7 +135,9 @@ class Log:
             if owned:
                 backend.close()
             raise
-        return cls(vol, res, mode, writable=writable, appender=appender)
+        log = cls(vol, res, mode, writable=writable, appender=appender)
+        log.open_stats = walked
+        return log
 
     @staticmethod
     def _recover_live(backend, mode, reporter, check_pages):
@@ -194,9 +200,7 @@ class Log:
             if later:
                 vol.free_segments(later, invalidate=True)
             end = seg.offset + seg.nbytes
-            arr = vol.backend.array
-            if arr[pos:end].any():
-                arr[pos:end] = 0
+            if _zero_tail(vol.backend.array, pos, end):
                 vol.backend.persist(pos, end - pos)
         elif all_live:
             vol.free_segments([s.index for s in all_live], invalidate=True)
@@ -404,3 +408,24 @@ def _keep_walk_before_cut(res: ScanResult, vol: Volume) -> None:
     res.walk = [it for it in res.walk if it[1].lsn(it[2]) < cut_lsn]
     res.walk_end_lsn = cut_lsn
     res.walk_oldest_lsn = vol.superblock.oldest_lsn
+
+
+def _zero_tail(arr: np.ndarray, pos: int, end: int) -> bool:
+    """Zero arr[pos:end] where it is not zero already; True when a byte was
+    written.  Slices of NEXT_VALID_CHUNK bytes, CHECK_THREADS at a time (numpy
+    lets go of the GIL): a cut segment's tail of old bytes is up to a segment
+    long, and the writer that takes over waits for it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def clear(lo: int) -> bool:
+        part = arr[lo:min(end, lo + NEXT_VALID_CHUNK)]
+        if not part.any():
+            return False
+        part[:] = 0
+        return True
+
+    starts = range(pos, end, NEXT_VALID_CHUNK)
+    if CHECK_THREADS < 2 or len(starts) < 2:
+        return any([clear(lo) for lo in starts])
+    with ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="concordia-cut") as pool:
+        return any(list(pool.map(clear, starts)))

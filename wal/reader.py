@@ -30,6 +30,10 @@ from .volume import SegmentInfo, Volume
 # as it is read, about 5 GB/s on one thread.
 PARALLEL_CHECK_BYTES = 64 << 20
 CHECK_THREADS = max(1, min(8, os.cpu_count() or 1))
+# the search for valid records after a gap (Scanner._next_valid) reads this many
+# bytes a slice and confirms at most this many candidates by their header CRC
+NEXT_VALID_CHUNK = 32 << 20
+NEXT_VALID_CONFIRMS = 4096
 
 
 @dataclass(frozen=True)
@@ -281,36 +285,62 @@ class Scanner:
 
     def _next_valid(self, seg: SegmentInfo, start: int, end: int) -> int | None:
         """Absolute offset of the first valid record header at or after `start`
-        (64-byte steps) in `seg`, or None.  Vectorised: LSN and salt filter the
-        candidates, the header CRC confirms them."""
+        (64-byte steps) in `seg`, or None.  Vectorised: the segment's salt,
+        then the LSN the slot must carry, filter the candidates, the header
+        CRC confirms them (at most NEXT_VALID_CONFIRMS of them).  The range is
+        read in NEXT_VALID_CHUNK slices, CHECK_THREADS at a time (numpy lets
+        go of the GIL), and the search ends at the first slice holding one: a
+        segment's tail of old bytes costs one read at memory speed spread over
+        the cores, not several passes on one."""
         n = (end - start) // 64
         if n <= 0:
             return None
-        flat = self.arr[start:start + n * 64].view("<u8")
-        if not np.count_nonzero(flat):  # zero fill, the common case, is skipped at memory speed
-            return None
-        words = flat.reshape(n, 8)
-        lsns = words[:, 2]
-        nz = np.flatnonzero(lsns)
-        if nz.size == 0:
-            return None
         first = seg.lsn(start)
-        expected = nz.astype(np.uint64) * np.uint64(64) + np.uint64(first)
-        ok = (lsns[nz] == expected) & ((words[nz, 4] & np.uint64(0xFFFFFFFF)) == np.uint64(seg.salt))
-        cand = nz[ok]
-        for c in cand[:4096]:
-            pos = start + int(c) * 64
-            if F.check_record_header_bytes(self.mv, pos) is None:
-                length = int(words[c, 0])
-                if pos + length <= seg.offset + seg.nbytes:
-                    return pos
+        salt = np.uint32(seg.salt)   # never 0 (volume._random_salt): a zero tail matches nothing
+        per = NEXT_VALID_CHUNK // 64
+        arr = self.arr
+
+        def candidates(lo: int) -> np.ndarray:
+            hi = min(n, lo + per)
+            w32 = arr[start + lo * 64:start + hi * 64].view("<u4").reshape(hi - lo, 16)
+            c = np.flatnonzero(w32[:, F.OFF_SALT // 4] == salt)
+            if c.size:
+                lsns = w32[c, F.OFF_LSN // 4].astype(np.uint64) | (w32[c, F.OFF_LSN // 4 + 1].astype(np.uint64) << 32)
+                c = c[lsns == (c + lo).astype(np.uint64) * np.uint64(64) + np.uint64(first)] + lo
+            return c
+
+        starts = list(range(0, n, per))
+        tried = 0
+        pool = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="concordia-scan") \
+            if CHECK_THREADS > 1 and len(starts) > 1 else None
+        try:
+            for k in range(0, len(starts), CHECK_THREADS):
+                batch = starts[k:k + CHECK_THREADS]
+                found = list(pool.map(candidates, batch)) if pool is not None else [candidates(lo) for lo in batch]
+                for cand in found:
+                    for c in cand[:NEXT_VALID_CONFIRMS - tried]:
+                        pos = start + int(c) * 64
+                        if F.check_record_header_bytes(self.mv, pos) is None:
+                            length = int(arr[pos:pos + 8].view("<u8")[0])
+                            if pos + length <= seg.offset + seg.nbytes:
+                                return pos
+                    tried += min(cand.size, NEXT_VALID_CONFIRMS - tried)
+                    if tried >= NEXT_VALID_CONFIRMS:
+                        return None
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True)
         return None
 
-    def _segment(self, seg: SegmentInfo, start: int | None = None) -> list:
+    def _segment(self, seg: SegmentInfo, start: int | None = None, *, to_gap: bool = False) -> list:
         """The items of one segment whose header checked (from absolute offset
-        `start`, a record boundary found by an earlier walk, when given)."""
+        `start`, a record boundary found by an earlier walk, when given).
+        to_gap: stop at the first place no valid record starts, without
+        looking past it for valid records (a segment its writer is still
+        filling ends there for now; what lies beyond is the tail's old bytes,
+        which a full walk reads through to tell the end from a lost record)."""
         out, pending = [], []
-        self._walk(seg, out, pending, start)
+        self._walk(seg, out, pending, start, to_gap)
         self._check_pages(out, pending)
         self._done += max(0, min(seg.offset + seg.nbytes, self.backend.size) - seg.offset)
         if self.progress is not None:
@@ -361,7 +391,8 @@ class Scanner:
                 self.bytes_checked -= hdr.length
                 out[idx] = Damaged(_DMG, item.seg, pos, hdr.length, reason)
 
-    def _walk(self, seg: SegmentInfo, out: list, pending: list, start: int | None = None) -> None:
+    def _walk(self, seg: SegmentInfo, out: list, pending: list, start: int | None = None,
+              to_gap: bool = False) -> None:
         mv = self.mv
         seg_end = seg.offset + seg.nbytes
         end = min(seg_end, self.backend.size)  # a truncated volume reads as zero beyond its end
@@ -379,6 +410,8 @@ class Scanner:
             h = header_at(mv, pos, check=False)  # placement first, then check_record_header_bytes
             length = h.length
             if length == 0 or (h.lsn != pos + base_rel or h.salt != salt):
+                if to_gap:
+                    return
                 if length and _crc32c(mv[pos:pos + 60]) != h.header_crc:
                     problem = (f"record header CRC mismatch, stored 0x{h.header_crc:08x}, "
                                f"computed 0x{_crc32c(mv[pos:pos + 60]):08x}")
@@ -400,6 +433,8 @@ class Scanner:
                 if problem is None and pos + length > seg_end:
                     problem = f"record length {length} runs past the end of the segment"
             if problem is not None:
+                if to_gap:
+                    return
                 nxt = self._next_valid(seg, pos + F.RECORD_HEADER_SIZE, end)
                 stop = end if nxt is None else nxt
                 if stop + base_rel > oldest:  # R-D3: damage wholly below oldest_lsn is reclaimed, not read
@@ -959,7 +994,9 @@ class Follower:
             start = None
             if self._resume is not None and self._resume[:2] == (seg.index, seg.seq):
                 start = self._resume[2]
-            for it in scanner._segment(seg, start):
+            # a segment the writer has not left ends, for now, where no record starts: the
+            # walk stops there instead of reading the rest of the segment (its old bytes)
+            for it in scanner._segment(seg, start, to_gap=not left):
                 length = it.length
                 end = seg.lsn(it.offset) + length
                 if end <= self.lsn:
@@ -1004,6 +1041,9 @@ class Follower:
         for j in range(k + 1, len(live)):
             if vol.check_segment_header(live[j], live[j - 1]):
                 continue
-            if any(settles(it) for it in scanner._segment(live[j])):
+            # to the first gap only: a writer appends a settling record with no reservation
+            # outstanding, so one past a gap is past damage, which the segment shows once
+            # a later one settles it (the rest of a reused segment is old bytes, not read)
+            if any(settles(it) for it in scanner._segment(live[j], to_gap=True)):
                 return True
         return False

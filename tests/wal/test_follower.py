@@ -72,8 +72,8 @@ def test_a_segment_is_left_only_after_a_commit_in_the_next_one(live, monkeypatch
     real = Scanner._segment
     ran = []
 
-    def racing(self, seg, start=None):
-        out = real(self, seg, start)
+    def racing(self, seg, start=None, **kw):
+        out = real(self, seg, start, **kw)
         if seg.index == 0 and not ran:  # the writer finishes segment 0 and commits in segment 1
             ran.append(True)
             for k in range(1, 5):
