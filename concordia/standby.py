@@ -565,7 +565,9 @@ class Standby:
         log = Log.open(self.backend, writable=True, check_pages="last")
         self._watch_log = None   # superseded; it shares the backend, which `log` now owns
         stamps["isolated"] = _now()
-        arrays, st = {}, {}
+        arrays, st = {}, {"open": dict(log.open_stats)}
+        if "exit_wait_s" in detection:
+            st["open"]["exit_wait_s"] = detection["exit_wait_s"]
         epoch = int(log.last_committed_epoch or 0)
         if epoch and self.mirror is not None:
             before = self.mirror.epochs_applied
@@ -601,9 +603,10 @@ class Standby:
                                         "closes; tried every millisecond: not timed here)")),
             Phase("isolate", (stamps["isolated"] - stamps["detected"]) * 1e3,
                   f"writer lock held, log opened for writing at epoch {epoch} (the primary's "
-                  f"uncommitted tail cut)" + (f"; waited {detection['exit_wait_s'] * 1e3:.1f} ms for "
-                                              f"pid {pid} to finish exiting" if detection.get("exit_wait_s")
-                                              else "")),
+                  f"uncommitted tail cut: walk {st['open'].get('walk_s', 0) * 1e3:.1f} ms, cut "
+                  f"{st['open'].get('cut_s', 0) * 1e3:.1f} ms)"
+                  + (f"; waited {detection['exit_wait_s'] * 1e3:.1f} ms for "
+                     f"pid {pid} to finish exiting" if detection.get("exit_wait_s") else "")),
             Phase("restore", (stamps["restored"] - stamps["isolated"]) * 1e3,
                   f"epoch {epoch} {'held by the mirror' if 'mirror' in st else 'planned and restored'}: "
                   f"{nbytes / (1 << 20):.2f} MiB into "
