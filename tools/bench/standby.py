@@ -15,13 +15,17 @@ Three processes, all through public entry points:
   and reads the standby's report.
 
 With --follow the primary checkpoints every step (one page changed a step)
-until it is killed, and the run is made twice on it, a warm standby and a hot
-one (`Standby(follow=True)`: a mirror of the state kept while it waits, each
+until it is killed, and the run is a chain of takeovers on one log: a warm
+standby takes over first (the baseline) and carries on as the primary,
+checkpointing every step; then each of --trials hot standbys
+(`Standby(follow=True)`: a mirror of the state kept while it waits, each
 committed epoch applied as it is written, the takeover applying only what
-was committed since its last look): `hot_vs_warm` is the ratio of their
-kill-to-decoding times in the same run, on the GPU when there is one (the
-mirror's arrays on the device), else on the host (a component figure for
-the protocol, not the GPU's kill-to-decoding).
+was committed since its last look) follows the primary of the moment, takes
+over when it is killed, and carries on as the next primary.  `standby` gives
+the hot takeovers' median and max, `hot_vs_warm` the median over the warm
+one, in the same run, on the GPU when there is one (the mirror's arrays on
+the device), else on the host (a component figure for the protocol, not the
+GPU's kill-to-decoding).
 
 `kill_to_decoding_s` is CLOCK_MONOTONIC from just before the kill to the end
 of that first decode step (both processes on one host read one clock);
@@ -38,6 +42,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import click
@@ -80,35 +85,58 @@ def _primary(spec: str, nbytes: int, device: str, every_step: str = "0") -> None
         xp.cuda.get_current_stream().synchronize()
     print(json.dumps({"ready": os.getpid(), "write_s": time.perf_counter() - t0, "epoch": s.epoch,
                       "log_bytes": size}), flush=True)
-    pages = nbytes // PAGE_BYTES
+    if steps:
+        _every_step(s, flat)
+    while True:
+        time.sleep(3600)
+
+
+def _every_step(s, flat) -> None:
+    """Checkpoint every step until killed, one page changed a step."""
+    pages = flat.size // PAGE_BYTES
     step = 0
-    while steps:
+    while True:
         flat[(step % pages) * PAGE_BYTES] ^= np.uint8(1)
         s.checkpoint()
         step += 1
-    while True:
-        time.sleep(3600)
 
 
 # ---------------------------------------------------------------- the standby
 def _decode_step(xp, kv):
     """One decode step's read of the KV cache: a query against every key, a
-    softmax, the weighted sum of the values (half the cache keys, half values)."""
+    softmax, the weighted sum of the values (half the cache keys, half values).
+    On the GPU each of the two reads is one cuBLAS product over the cache as it
+    lies (every head's query in one block-diagonal matrix, every head's sum in
+    one product whose diagonal blocks are kept), so the step runs at memory
+    speed as a serving kernel's would; numpy has no half-precision BLAS, and
+    its einsum does the same sums faster there."""
     tokens = kv.size // (2 * HEADS * HEAD_DIM)
-    kvv = kv[:2 * tokens * HEADS * HEAD_DIM].reshape(2, tokens, HEADS, HEAD_DIM)
+    kvv = kv[:2 * tokens * HEADS * HEAD_DIM].reshape(2, tokens, HEADS * HEAD_DIM)
     k, v = kvv[0], kvv[1]
     q = xp.ones((HEADS, HEAD_DIM), xp.float16)
-    scores = xp.einsum("thd,hd->ht", k, q).astype(xp.float32) / np.float32(HEAD_DIM ** 0.5)
+    if xp is np:
+        scores = np.einsum("thd,hd->ht", k.reshape(tokens, HEADS, HEAD_DIM), q)
+    else:
+        qm = (xp.eye(HEADS, dtype=xp.float16)[:, None, :] * q[:, :, None]).reshape(HEADS * HEAD_DIM, HEADS)
+        scores = (k @ qm).T
+    scores = scores.astype(xp.float32) / np.float32(HEAD_DIM ** 0.5)
     scores -= scores.max(axis=1, keepdims=True)
     w = xp.exp(scores)
     w /= w.sum(axis=1, keepdims=True)
-    out = xp.einsum("ht,thd->hd", w.astype(xp.float16), v)
-    if xp is not np:
+    w = w.astype(xp.float16)
+    if xp is np:
+        out = np.einsum("ht,thd->hd", w, v.reshape(tokens, HEADS, HEAD_DIM))
+    else:
+        heads = xp.arange(HEADS)
+        out = (w @ v).reshape(HEADS, HEADS, HEAD_DIM)[heads, heads]
         xp.cuda.get_current_stream().synchronize()
     return out
 
 
-def _standby(spec: str, device: str, follow: str = "0") -> None:
+def _standby(spec: str, device: str, follow: str = "0", then: str = "stop") -> None:
+    """A standby on `spec` (follow "1": hot) that takes over, decodes one step
+    and reports; then "primary": it carries on as the primary, checkpointing
+    every step, for the next standby to take over from."""
     from concordia.standby import Standby
 
     xp = _xp(device)
@@ -129,8 +157,17 @@ def _standby(spec: str, device: str, follow: str = "0") -> None:
     finally:
         sb.close()
     rep = {"warm": sb.warm_report, **tk.to_json()}
-    tk.close()
+    if then != "primary":
+        tk.close()
+        print(json.dumps(rep), flush=True)
+        return
     print(json.dumps(rep), flush=True)
+    s = tk.session()   # the log the takeover holds, carried on
+    kv = tk.arrays["kv"]
+    s.register("kv", kv, kind="kv", page_bytes=PAGE_BYTES)
+    s.checkpoint()
+    print(json.dumps({"primary": os.getpid(), "epoch": s.epoch}), flush=True)
+    _every_step(s, kv.view(xp.uint8))
 
 
 def _xp(device: str):
@@ -147,6 +184,13 @@ def _child(*args):
             f"b._{args[0]}(*sys.argv[1:])")
     return subprocess.Popen([sys.executable, "-c", code, *map(str, args[1:])], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
+
+
+def _drain(proc) -> None:
+    """Read a child's output to its end from now on (a primary that goes on
+    stepping must never block on a full pipe)."""
+    for pipe in (proc.stdout, proc.stderr):
+        threading.Thread(target=pipe.read, daemon=True).start()
 
 
 def _line(proc, stream, what: str, within: float) -> str:
@@ -174,65 +218,84 @@ def _spec(tier: str, scratch: Scratch) -> str:
     return scratch.log("standby", "shm")
 
 
-def run(nbytes: int, tier: str, device: str, scratch: Scratch, *, steps: bool = False, hot: bool = False,
-        steps_s: float = 1.0) -> dict:
-    """One primary and one standby (module doc).  steps: a primary that
-    checkpoints every step, for steps_s seconds under the watching standby
-    before the kill; hot: a following standby."""
+def run(nbytes: int, tier: str, device: str, scratch: Scratch, *, standbys=("warm",), steps: bool = False,
+        steps_s: float = 1.0) -> list:
+    """A primary and a chain of standbys (module doc), one figure dict per
+    standby.  standbys: "warm" or "hot" (a following standby) each; every
+    one but the last carries on as the primary the next one takes over from.
+    steps: the primaries checkpoint every step, for steps_s seconds under the
+    watching standby before each kill."""
     from .recover import _ceiling
 
     xp = _xp(device)
-    res = {"device": device, "tier": tier, "bytes": nbytes, "GiB": nbytes / GIB, "page_bytes": PAGE_BYTES,
-           "goals": {"kill_to_decoding_s": 0.5},
-           "measured_through": {
-               "kill_to_decoding_s kill_to_detect_s isolate_s restore_s first_decode_s":
-                   "public entry points: a Session writing the log (the primary), "
-                   "concordia.standby.Standby.run (the standby), CLOCK_MONOTONIC stamps of both",
-               "restore": "component: restore.device.apply_plan_cupy's own stage seconds"}}
-    res["ceiling"] = _ceiling(xp, min(nbytes, 2 * GIB))
+    base = {"device": device, "tier": tier, "bytes": nbytes, "GiB": nbytes / GIB, "page_bytes": PAGE_BYTES,
+            "goals": {"kill_to_decoding_s": 0.5},
+            "measured_through": {
+                "kill_to_decoding_s kill_to_detect_s isolate_s restore_s first_decode_s":
+                    "public entry points: a Session writing the log (the primary), "
+                    "concordia.standby.Standby.run (the standby), CLOCK_MONOTONIC stamps of both",
+                "restore": "component: restore.device.apply_plan_cupy's own stage seconds"}}
+    base["ceiling"] = _ceiling(xp, min(nbytes, 2 * GIB))
     if xp is not np:
         xp.get_default_pinned_memory_pool().free_all_blocks()
         xp.get_default_memory_pool().free_all_blocks()
     spec = _spec(tier, scratch)
-    primary = standby = None
+    procs, runs = [], []
     try:
         primary = _child("primary", spec, nbytes, device, "1" if steps else "0")
+        procs.append(primary)
         ready = json.loads(_line(primary, "out", "ready", 600))
-        res["primary"] = {"write_s": ready["write_s"], "epoch": ready["epoch"], "log_bytes": ready["log_bytes"],
-                          "checkpoints_every_step": steps}
-        standby = _child("standby", spec, device, "1" if hot else "0")
-        _line(standby, "err", "watching the primary", 600)
-        if steps:
-            time.sleep(steps_s)   # the primary's steps, followed (or not) by the standby
-        t_kill = time.monotonic()
-        os.kill(primary.pid, signal.SIGKILL)
-        primary.wait()
-        out, err = standby.communicate(timeout=300)
-        if standby.returncode != 0:
-            raise RuntimeError(f"standby failed: {(err.strip().splitlines() or ['no message'])[-1]}")
-        rep = json.loads(out.strip().splitlines()[-1])
-        st = rep["monotonic_s"]
-        res.update({
-            "kill_to_decoding_s": st["resumed"] - t_kill,
-            "kill_to_restored_s": st["restored"] - t_kill,
-            "kill_to_detect_s": st["detected"] - t_kill,
-            "isolate_s": st["isolated"] - st["detected"],
-            "restore_s": st["restored"] - st["isolated"],
-            "first_decode_s": st["resumed"] - st["restored"],
-            "epoch": rep["epoch"], "cause": rep["cause"], "timeline": rep["timeline"],
-            "restore": rep["restore"], "warm": rep["warm"],
-        })
-        if "mirror" in rep["restore"]:   # nothing read at the takeover: no rate to give
-            res["restore_GBps"] = res["restore_ratio_to_ceiling"] = None
-        else:
-            res["restore_GBps"] = nbytes / res["restore_s"] / 1e9
-            res["restore_ratio_to_ceiling"] = res["restore_GBps"] / res["ceiling"]["GBps"]
+        base["primary"] = {"write_s": ready["write_s"], "epoch": ready["epoch"], "log_bytes": ready["log_bytes"],
+                           "checkpoints_every_step": steps}
+        _drain(primary)
+        for i, kind in enumerate(standbys):
+            last = i == len(standbys) - 1
+            standby = _child("standby", spec, device, "1" if kind == "hot" else "0", "stop" if last else "primary")
+            procs.append(standby)
+            _line(standby, "err", "watching the primary", 600)
+            if steps:
+                time.sleep(steps_s)   # the primary's steps, followed (or not) by the standby
+            t_kill = time.monotonic()
+            os.kill(primary.pid, signal.SIGKILL)
+            primary.wait()
+            if last:
+                out, err = standby.communicate(timeout=300)
+                if standby.returncode != 0:
+                    raise RuntimeError(f"standby failed: {(err.strip().splitlines() or ['no message'])[-1]}")
+                rep = json.loads(out.strip().splitlines()[-1])
+            else:
+                rep = json.loads(_line(standby, "out", '"timeline"', 300))
+                _line(standby, "out", '"primary"', 300)   # stepping as the primary now
+                _drain(standby)
+            runs.append(_figures(dict(base, standby=kind), rep, t_kill, nbytes))
+            primary = standby
     finally:
-        for p in (primary, standby):
-            if p is not None and p.poll() is None:
+        for p in procs:
+            if p.poll() is None:
                 p.kill()
                 p.wait()
         scratch.discard(spec)
+    return runs
+
+
+def _figures(res: dict, rep: dict, t_kill: float, nbytes: int) -> dict:
+    """One takeover's figures from the standby's report and the kill's stamp."""
+    st = rep["monotonic_s"]
+    res.update({
+        "kill_to_decoding_s": st["resumed"] - t_kill,
+        "kill_to_restored_s": st["restored"] - t_kill,
+        "kill_to_detect_s": st["detected"] - t_kill,
+        "isolate_s": st["isolated"] - st["detected"],
+        "restore_s": st["restored"] - st["isolated"],
+        "first_decode_s": st["resumed"] - st["restored"],
+        "epoch": rep["epoch"], "cause": rep["cause"], "timeline": rep["timeline"],
+        "restore": rep["restore"], "warm": rep["warm"],
+    })
+    if "mirror" in rep["restore"]:   # nothing read at the takeover: no rate to give
+        res["restore_GBps"] = res["restore_ratio_to_ceiling"] = None
+    else:
+        res["restore_GBps"] = nbytes / res["restore_s"] / 1e9
+        res["restore_ratio_to_ceiling"] = res["restore_GBps"] / res["ceiling"]["GBps"]
     return res
 
 
@@ -263,11 +326,13 @@ def _table(r: dict, standby: str = "warm") -> str:
                    "(Standby(follow=True)); reports their ratio.")
 @click.option("--steps-s", default=1.0, show_default=True, type=click.FloatRange(min=0),
               help="With --follow: seconds the primary checkpoints under the standby before the kill.")
+@click.option("--trials", default=1, show_default=True, type=click.IntRange(min=1),
+              help="With --follow: hot standbys in the chain, each killed in turn once the next one follows it.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
 @click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
 @force_option("--out")
 @guarded
-def command(gib, tier, quick, follow, steps_s, as_json, out, force):
+def command(gib, tier, quick, follow, steps_s, trials, as_json, out, force):
     """SIGKILL a primary holding --gib GiB of KV state in a log and time a warm
     standby's takeover, from the kill to its first decode step.
 
@@ -276,6 +341,7 @@ def command(gib, tier, quick, follow, steps_s, as_json, out, force):
     \b
         concordia-wal bench standby --gib 10 --tier hugetlb --json --out standby.json
         concordia-wal bench standby --follow --gib 1 --tier shm
+        concordia-wal bench standby --follow --trials 10 --gib 10 --tier hugetlb
     """
     check_outputs(force, out)  # before the run: a long benchmark is not refused at its end
     device = "gpu"
@@ -291,29 +357,45 @@ def command(gib, tier, quick, follow, steps_s, as_json, out, force):
     nbytes = max(PAGE_BYTES, int(gib * GIB) // PAGE_BYTES * PAGE_BYTES)
     with Scratch("standby") as scratch:  # its log goes, however the run ends
         if not follow:
-            res = run(nbytes, tier, device, scratch)
+            res = run(nbytes, tier, device, scratch)[0]
         else:
-            warm = run(nbytes, tier, device, scratch, steps=True, steps_s=steps_s)
-            hot = run(nbytes, tier, device, scratch, steps=True, hot=True, steps_s=steps_s)
-            res = {"follow": True, "device": device, "tier": tier, "GiB": nbytes / GIB, "warm": warm, "hot": hot,
-                   "hot_vs_warm": hot["kill_to_decoding_s"] / warm["kill_to_decoding_s"],
-                   "hot_vs_warm_to_restored": hot["kill_to_restored_s"] / warm["kill_to_restored_s"],
-                   "measured_through": {
-                       "warm hot": "each run as without --follow, on a primary checkpointing every step",
-                       "hot_vs_warm": "the hot standby's kill_to_decoding_s over the warm one's, same run, "
-                                      "both on `device` (on the host: a component figure for the protocol)",
-                       "hot_vs_warm_to_restored": "the same to the end of the restore phase (the first "
-                                                  "decode step, on the host here, left out)"}}
+            runs = run(nbytes, tier, device, scratch, standbys=["warm"] + ["hot"] * trials, steps=True,
+                       steps_s=steps_s)
+            res = _follow_result(runs, device, tier, nbytes)
     report(res, as_json=as_json, out=out, table=_follow_table if follow else _table, force=force)
 
 
+def _follow_result(runs: list, device: str, tier: str, nbytes: int) -> dict:
+    """--follow's JSON: the warm standby (the baseline), the first hot one as
+    `hot`, every hot one in `hot_trials`, and their kill-to-decoding spread."""
+    warm, hots = runs[0], runs[1:]
+    times = [h["kill_to_decoding_s"] for h in hots]
+    restored = [h["kill_to_restored_s"] for h in hots]
+    return {"follow": True, "device": device, "tier": tier, "GiB": nbytes / GIB, "warm": warm, "hot": hots[0],
+            "hot_trials": hots,
+            "standby": {"trials": len(hots), "median_s": float(np.median(times)), "max_s": max(times),
+                        "min_s": min(times), "kill_to_decoding_s": times,
+                        "median_to_restored_s": float(np.median(restored))},
+            "hot_vs_warm": float(np.median(times)) / warm["kill_to_decoding_s"],
+            "hot_vs_warm_to_restored": float(np.median(restored)) / warm["kill_to_restored_s"],
+            "measured_through": {
+                "warm hot": "one chain on one log: a primary checkpointing every step, SIGKILLed under a warm "
+                            "standby, which carries on as the primary; then each hot standby in turn follows the "
+                            "primary of the moment, takes over when it is SIGKILLed, and carries on as the next "
+                            "primary",
+                "standby": "the hot standbys' kill_to_decoding_s: median, max, min, each",
+                "hot_vs_warm": "the hot standbys' median kill_to_decoding_s over the warm one's, same run, "
+                               "both on `device` (on the host: a component figure for the protocol)",
+                "hot_vs_warm_to_restored": "the same to the end of the restore phase (the first "
+                                           "decode step left out)"}}
+
+
 def _follow_table(r: dict) -> str:
-    out = []
-    for name in ("warm", "hot"):
-        x = r[name]
-        out.append(_table(x, name))
-        if name == "hot":
-            out.append(f"  {x['restore'].get('via', '')}")
-    out.append(f"hot / warm kill -> decoding: {r['hot_vs_warm']:.3f}; kill -> restored: "
+    out = [_table(r["warm"], "warm"), _table(r["hot"], "hot"), f"  {r['hot']['restore'].get('via', '')}"]
+    sb = r["standby"]
+    if sb["trials"] > 1:
+        out.append(f"{sb['trials']} hot standbys in turn, kill -> decoding: median {sb['median_s'] * 1e3:.1f} ms, "
+                   f"max {sb['max_s'] * 1e3:.1f} ms, min {sb['min_s'] * 1e3:.1f} ms")
+    out.append(f"hot (median) / warm kill -> decoding: {r['hot_vs_warm']:.3f}; kill -> restored: "
                f"{r['hot_vs_warm_to_restored']:.3f}")
     return "\n".join(out)
