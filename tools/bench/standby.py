@@ -57,9 +57,10 @@ HEADS, HEAD_DIM = 8, 128
 
 
 # ---------------------------------------------------------------- the primary
-def _primary(spec: str, nbytes: int, device: str, every_step: str = "0") -> None:
+def _primary(spec: str, nbytes: int, device: str, every_step: str = "0", log_ratio: str = "4") -> None:
     """Write the KV state, commit a base and a delta, say "ready", hold the log
-    (every_step "1": go on checkpointing, one page changed a step)."""
+    (every_step "1": go on checkpointing, one page changed a step, on a log of
+    log_ratio times the state and 8 segments beside it, for retention)."""
     from concordia import Session
 
     nbytes = int(nbytes)
@@ -73,8 +74,8 @@ def _primary(spec: str, nbytes: int, device: str, every_step: str = "0") -> None
     seg = min(1 << 30, max(16 << 20, -(-(nbytes // 8) // (1 << 20)) * (1 << 20)))
     size = -(-(nbytes + nbytes // 16 + 4 * seg) // seg) * seg
     steps = every_step == "1"
-    if steps:   # retention's bases and compaction beside the state: 4 images
-        size = -(-(4 * nbytes + 8 * seg) // seg) * seg
+    if steps:   # retention's bases and compaction beside the state
+        size = -(-(int(float(log_ratio) * nbytes) + 8 * seg) // seg) * seg
     t0 = time.perf_counter()
     s = Session(spec, size=size, segment_size=seg)  # a new log in the run's own folder
     s.register("kv", kv, kind="kv", page_bytes=PAGE_BYTES)
@@ -219,12 +220,12 @@ def _spec(tier: str, scratch: Scratch) -> str:
 
 
 def run(nbytes: int, tier: str, device: str, scratch: Scratch, *, standbys=("warm",), steps: bool = False,
-        steps_s: float = 1.0) -> list:
+        steps_s: float = 1.0, log_ratio: float = 4.0) -> list:
     """A primary and a chain of standbys (module doc), one figure dict per
     standby.  standbys: "warm" or "hot" (a following standby) each; every
     one but the last carries on as the primary the next one takes over from.
     steps: the primaries checkpoint every step, for steps_s seconds under the
-    watching standby before each kill."""
+    watching standby before each kill, on a log of log_ratio times the state."""
     from .recover import _ceiling
 
     xp = _xp(device)
@@ -242,7 +243,7 @@ def run(nbytes: int, tier: str, device: str, scratch: Scratch, *, standbys=("war
     spec = _spec(tier, scratch)
     procs, runs = [], []
     try:
-        primary = _child("primary", spec, nbytes, device, "1" if steps else "0")
+        primary = _child("primary", spec, nbytes, device, "1" if steps else "0", log_ratio)
         procs.append(primary)
         ready = json.loads(_line(primary, "out", "ready", 600))
         base["primary"] = {"write_s": ready["write_s"], "epoch": ready["epoch"], "log_bytes": ready["log_bytes"],
@@ -328,11 +329,13 @@ def _table(r: dict, standby: str = "warm") -> str:
               help="With --follow: seconds the primary checkpoints under the standby before the kill.")
 @click.option("--trials", default=1, show_default=True, type=click.IntRange(min=1),
               help="With --follow: hot standbys in the chain, each killed in turn once the next one follows it.")
+@click.option("--log-ratio", default=4.0, show_default=True, type=click.FloatRange(min=1.5),
+              help="With --follow: the log's size over the state's (8 segments added), for retention.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
 @click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
 @force_option("--out")
 @guarded
-def command(gib, tier, quick, follow, steps_s, trials, as_json, out, force):
+def command(gib, tier, quick, follow, steps_s, trials, log_ratio, as_json, out, force):
     """SIGKILL a primary holding --gib GiB of KV state in a log and time a warm
     standby's takeover, from the kill to its first decode step.
 
@@ -360,7 +363,7 @@ def command(gib, tier, quick, follow, steps_s, trials, as_json, out, force):
             res = run(nbytes, tier, device, scratch)[0]
         else:
             runs = run(nbytes, tier, device, scratch, standbys=["warm"] + ["hot"] * trials, steps=True,
-                       steps_s=steps_s)
+                       steps_s=steps_s, log_ratio=log_ratio)
             res = _follow_result(runs, device, tier, nbytes)
     report(res, as_json=as_json, out=out, table=_follow_table if follow else _table, force=force)
 
