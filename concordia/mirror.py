@@ -3,8 +3,11 @@ committed epoch applied as it arrives (`Mirror`), as a database hot standby
 replays its WAL.
 
 The protocol.  A `wal.reader.Follower` hands over the records appended since
-the last `poll()`, in LSN order, none twice, each page checked against its
-stored CRC on arrival (the scanner's page check) and never again.  A page
+the last `poll()`, in LSN order, none twice, each page of the batches the
+mirror will apply (the epochs after the one it holds) checked against its
+stored CRC on arrival (the scanner's page check) and never again; the log
+before that epoch and retention's BASE copies, which it never applies, are
+read record by record without hashing their pages.  A page
 batch of an epoch not committed yet is kept aside (its page ids, CRCs and
 bytes copied out of the mapping, which a later segment reuse may overwrite).
 When that epoch's commit arrives, the batches the commit counts (those from
@@ -112,9 +115,15 @@ class Mirror:
         self.epoch = epoch
         self._pending: list = []
         self._last_commit: int | None = None   # the LSN of the last commit read (each names the one before)
-        self.follower = Follower(self.backend, check_pages=True)
+        # pages are checked on arrival for the batches the mirror will apply: those of
+        # epochs after the one it holds (the log before it, BASE copies: read, not hashed)
+        self.follower = Follower(self.backend, check_pages=self._applies)
         self._cuts = 0
         self.resyncs += 1
+
+    def _applies(self, h) -> bool:
+        """Whether a page batch (its header) is one `_take` keeps for an epoch."""
+        return F.counted_in_epoch(h.type, h.flags) and h.epoch > self.epoch
 
     @property
     def _xp(self):

@@ -221,9 +221,12 @@ class ScanResult:
 class Scanner:
     """Record-level scan of one volume (no mode logic): yields records and damaged ranges."""
 
-    def __init__(self, vol: Volume, *, check_pages: bool = True,
+    def __init__(self, vol: Volume, *, check_pages: bool | Callable = True,
                  progress: Callable[[int, int], None] | None = None):
-        """progress(done_bytes, total_bytes), if given, is called as the walk
+        """check_pages: True checks every page batch's pages, False none, a
+        callable(header) those batches it is true for (the others are
+        returned unchecked: a consumer that reads their pages checks them).
+        progress(done_bytes, total_bytes), if given, is called as the walk
         advances, at most every PROGRESS_STEP bytes and once at the end; total
         is the bytes of the live segments (a segment's zero tail counts as
         walked when the walk reaches its end)."""
@@ -458,7 +461,8 @@ class Scanner:
                 if record_kind(h.type) is None:
                     pos += length  # R-T1, R-T2: an unknown ignorable type, checked, is skipped
                     continue
-                if self.check_pages and h.type == F.REC_PAGE_BATCH:
+                if self.check_pages and h.type == F.REC_PAGE_BATCH and (
+                        self.check_pages is True or self.check_pages(h)):
                     # page CRCs are checked for the whole segment at once (_check_pages)
                     pending.append(self._payload_entry(len(out), pos, h))
                 out.append(Found(_REC, seg, pos, h))
@@ -952,7 +956,9 @@ class Follower:
     (`cut_at` says where; `cuts` counts them) and returns what is there now.
     """
 
-    def __init__(self, backend, *, from_lsn: int = 0, check_pages: bool = True):
+    def __init__(self, backend, *, from_lsn: int = 0, check_pages: bool | Callable = True):
+        """check_pages as Scanner's: a callable(header) checks the pages of
+        the batches it is true for (a mirror: those it will apply)."""
         self.backend = backend
         self.check_pages = check_pages
         self.lsn = int(from_lsn)

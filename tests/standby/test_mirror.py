@@ -129,6 +129,35 @@ def test_a_mirror_follows_regions_added_and_short_last_pages(tmp_path):
         m.backend.close()
 
 
+def test_a_mirror_hashes_the_pages_it_applies_and_no_others(tmp_path, monkeypatch):
+    """The first poll after a start walks the whole log: the epochs the mirror
+    restored are read record by record, their pages not hashed again; then
+    exactly the pages of each new epoch are."""
+    from concordia.wal.reader import Scanner
+
+    path = f"file:{tmp_path / 'log'}"
+    a = np.zeros((64, 1024), np.uint32)
+    hashed = []
+    real = Scanner._payload_entry
+    monkeypatch.setattr(Scanner, "_payload_entry",
+                        lambda self, idx, pos, h, **kw: hashed.append(int(h.epoch)) or real(self, idx, pos, h, **kw))
+    with Session(path, size=8 << 20, segment_size=1 << 20) as s:
+        s.register("a", a)
+        for i in range(5):
+            a[i, :] = i + 1
+            s.checkpoint()
+        m = Mirror(open_backend(path))
+        hashed.clear()
+        assert m.poll() == 5 and hashed == []
+        a[9, 3] = 7
+        a[40, 0] = 8
+        assert s.checkpoint().epoch == 6
+        assert m.poll() == 6
+        np.testing.assert_array_equal(m.arrays["a"], a)
+        assert hashed and set(hashed) == {6}
+    m.backend.close()
+
+
 def test_damage_the_writer_left_behind_is_one_line_and_the_mirror_keeps_its_epoch(tmp_path):
     """A page flipped in a record of a segment the writer has left: the poll
     says so in one line, and the mirror stays at the epoch before it."""
