@@ -279,7 +279,9 @@ class Takeover:
     def session(self, **kw):
         """A `Session` on the log to carry on checkpointing.  The session
         registers the mapping for its own device staging, so the standby's
-        registration is given back first."""
+        registration is given back first.  Register `arrays` in it and call
+        `session.adopt(takeover.epoch)`: the next checkpoint then writes what
+        changed since the takeover's epoch, not every region whole."""
         from concordia.session import Session
 
         if self.registration is not None:

@@ -166,6 +166,7 @@ def _standby(spec: str, device: str, follow: str = "0", then: str = "stop") -> N
     s = tk.session()   # the log the takeover holds, carried on
     kv = tk.arrays["kv"]
     s.register("kv", kv, kind="kv", page_bytes=PAGE_BYTES)
+    s.adopt(tk.epoch)   # the takeover's state is the log's latest epoch: deltas from it, not a whole image
     s.checkpoint()
     print(json.dumps({"primary": os.getpid(), "epoch": s.epoch}), flush=True)
     _every_step(s, kv.view(xp.uint8))
