@@ -62,3 +62,21 @@ def test_the_decode_stand_in_computes_on_the_gpu_what_numpy_computes():
     got = cp.asnumpy(_decode_step(cp, cp.asarray(kv))).astype(np.float32)
     assert got.shape == want.shape == (8, 128)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-3)   # outputs are about 0.03
+
+
+@pytest.mark.parametrize("stream", ["out", "err"])
+def test_a_child_that_ends_before_its_line_is_named_with_how_it_ended_and_its_last_words(stream):
+    import subprocess
+    import sys
+
+    from concordia.tools.bench.standby import _line
+
+    code = "import sys; print('warming', file=sys.stderr); print('cannot map the log', file=sys.stderr); sys.exit(3)"
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with pytest.raises(RuntimeError) as e:
+        _line(p, stream, "watching", 60, "standby 2 (hot)")
+    assert str(e.value) == "standby 2 (hot) gave no 'watching' (exit status 3): cannot map the log"
+    p = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with pytest.raises(RuntimeError, match=r"the primary gave no 'ready' \(killed by signal 9\): no message"):
+        _line(p, stream, "ready", 60, "the primary")

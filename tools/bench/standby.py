@@ -195,18 +195,31 @@ def _drain(proc) -> None:
         threading.Thread(target=pipe.read, daemon=True).start()
 
 
-def _line(proc, stream, what: str, within: float) -> str:
+def _line(proc, stream, what: str, within: float, who: str) -> str:
+    """The first line of the child's stdout (stream "out") or stderr ("err")
+    holding `what`.  A child that ends first is a RuntimeError naming it,
+    how it ended (a signal: the OOM killer's SIGKILL says nothing itself)
+    and the last thing it said."""
     deadline = time.monotonic() + within
     pipe = proc.stdout if stream == "out" else proc.stderr
+    said = []
     while time.monotonic() < deadline:
         line = pipe.readline()
         if what in line:
             return line
         if not line:
             break
-    err = proc.stderr.read() if stream == "out" else ""
-    raise RuntimeError(f"{'primary' if stream == 'out' else 'standby'} gave no {what!r}: "
-                       f"{(err.strip().splitlines() or ['no message'])[-1]}")
+        said.append(line)
+    try:
+        code = proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        code = None
+    if stream == "out" and code is not None:   # it has ended: its stderr is whole
+        said += proc.stderr.read().splitlines()
+    last = next((ln.strip() for ln in reversed(said) if ln.strip()), "no message")
+    how = ("still running" if code is None else f"killed by signal {-code}" if code < 0
+           else f"exit status {code}")
+    raise RuntimeError(f"{who} gave no {what!r} ({how}): {last}")
 
 
 def _spec(tier: str, scratch: Scratch) -> str:
@@ -246,7 +259,7 @@ def run(nbytes: int, tier: str, device: str, scratch: Scratch, *, standbys=("war
     try:
         primary = _child("primary", spec, nbytes, device, "1" if steps else "0", log_ratio)
         procs.append(primary)
-        ready = json.loads(_line(primary, "out", "ready", 600))
+        ready = json.loads(_line(primary, "out", "ready", 600, "the primary"))
         base["primary"] = {"write_s": ready["write_s"], "epoch": ready["epoch"], "log_bytes": ready["log_bytes"],
                            "checkpoints_every_step": steps}
         _drain(primary)
@@ -254,7 +267,7 @@ def run(nbytes: int, tier: str, device: str, scratch: Scratch, *, standbys=("war
             last = i == len(standbys) - 1
             standby = _child("standby", spec, device, "1" if kind == "hot" else "0", "stop" if last else "primary")
             procs.append(standby)
-            _line(standby, "err", "watching the primary", 600)
+            _line(standby, "err", "watching the primary", 600, f"standby {i + 1} ({kind})")
             if steps:
                 time.sleep(steps_s)   # the primary's steps, followed (or not) by the standby
             t_kill = time.monotonic()
@@ -266,8 +279,8 @@ def run(nbytes: int, tier: str, device: str, scratch: Scratch, *, standbys=("war
                     raise RuntimeError(f"standby failed: {(err.strip().splitlines() or ['no message'])[-1]}")
                 rep = json.loads(out.strip().splitlines()[-1])
             else:
-                rep = json.loads(_line(standby, "out", '"timeline"', 300))
-                _line(standby, "out", '"primary"', 300)   # stepping as the primary now
+                rep = json.loads(_line(standby, "out", '"timeline"', 300, f"standby {i + 1} ({kind})"))
+                _line(standby, "out", '"primary"', 300, f"standby {i + 1} ({kind}) as the primary")
                 _drain(standby)
             runs.append(_figures(dict(base, standby=kind), rep, t_kill, nbytes))
             primary = standby
