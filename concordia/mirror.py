@@ -119,6 +119,9 @@ class Mirror:
         # epochs after the one it holds (the log before it, BASE copies: read, not hashed)
         self.follower = Follower(self.backend, check_pages=self._applies)
         self._cuts = 0
+        # (segment index, seq) -> every item the follower returned of that segment: a
+        # takeover's open starts from them (`walked`); None once a cut made them stale
+        self._walked: dict | None = {}
         self.resyncs += 1
 
     def _applies(self, h) -> bool:
@@ -162,6 +165,8 @@ class Mirror:
         if self.follower.cuts != self._cuts:   # the writer reopened the log: what followed its commit is gone
             self._cuts = self.follower.cuts
             self._pending.clear()
+            self._walked = None
+        self._keep_walk(items)
         for it in items:
             if it[0] == _DMG:
                 raise CorruptionError(f"the followed log holds damage: {it.reason}", where=it.seg.where(it.offset))
@@ -172,6 +177,39 @@ class Mirror:
                 self.resync()
                 return self.epoch
         return self.epoch
+
+    def _keep_walk(self, items: list) -> None:
+        """Keep the items of the segments still live (retention frees the rest)."""
+        if self._walked is None:
+            return
+        if any(it[0] == _DMG for it in items):   # damage: a takeover's open walks the log itself
+            self._walked = None
+            return
+        for it in items:
+            self._walked.setdefault((it.seg.index, it.seg.seq), []).append(it)
+        if self.follower.volume is not None:
+            live = {(sg.index, sg.seq) for sg in self.follower.volume.live_segments()}
+            for key in [k for k in self._walked if k not in live]:
+                del self._walked[key]
+
+    def walked(self, vol) -> tuple | None:
+        """For `Log.open(walked=)`: (items, lsn) where items are what a walk of
+        `vol` (`Scanner.items`) returns of its first live segments up to `lsn`:
+        the records the follower returned of each segment it has wholly read
+        (its writer had left it: every byte final), the same incarnation and
+        header chain as `vol` lists now, those below its oldest LSN left out.
+        None when the first live segment is not among them, or after a cut."""
+        if self._walked is None:
+            return None
+        oldest = vol.superblock.oldest_lsn
+        out, upto, prev = [], None, None
+        for sg in vol.live_segments():
+            got = self._walked.get((sg.index, sg.seq))
+            if sg.end_lsn > self.follower.lsn or not got or got[0].seg != sg or vol.check_segment_header(sg, prev):
+                break
+            out.extend(it if it.seg is sg else it._replace(seg=sg) for it in got if it.header.lsn >= oldest)
+            upto, prev = sg.end_lsn, sg
+        return None if upto is None else (out, upto)
 
     def _take(self, it) -> None:
         h = it.header

@@ -564,7 +564,12 @@ class Standby:
             # the mapping.  A dying process has let go of every device once it is
             # a zombie (or reaped).
             detection["exit_wait_s"] = wait_exited(pid, within=10.0)
-        log = Log.open(self.backend, writable=True, check_pages="last")
+        before = self.mirror.epochs_applied if self.mirror is not None else 0
+        # a mirror reads what the primary wrote until it died, the tail after its last
+        # commit included, and hands the open its walk of every segment wholly read
+        self._follow()
+        log = Log.open(self.backend, writable=True, check_pages="last",
+                       walked=None if self.mirror is None else self.mirror.walked)
         self._watch_log = None   # superseded; it shares the backend, which `log` now owns
         stamps["isolated"] = _now()
         arrays, st = {}, {"open": dict(log.open_stats)}
@@ -572,8 +577,7 @@ class Standby:
             st["open"]["exit_wait_s"] = detection["exit_wait_s"]
         epoch = int(log.last_committed_epoch or 0)
         if epoch and self.mirror is not None:
-            before = self.mirror.epochs_applied
-            self._follow()   # the epochs committed since the last look, and no more (the tail is cut)
+            self._follow()   # the cut seen: nothing after the last commit is applied
             if self.mirror is not None and self.mirror.epoch == epoch:
                 arrays = self.mirror.arrays
                 st["via"] = (f"the mirror, {self.mirror.epochs_applied - before} epoch(s) applied at takeover, "
@@ -604,7 +608,8 @@ class Standby:
                                         " (the kernel drops the lock as the primary's last descriptor "
                                         "closes; tried every millisecond: not timed here)")),
             Phase("isolate", (stamps["isolated"] - stamps["detected"]) * 1e3,
-                  f"writer lock held, log opened for writing at epoch {epoch} (the primary's "
+                  f"writer lock held, {'the mirror read to the end, ' if self.mirror is not None else ''}"
+                  f"log opened for writing at epoch {epoch} (the primary's "
                   f"uncommitted tail cut: walk {st['open'].get('walk_s', 0) * 1e3:.1f} ms, cut "
                   f"{st['open'].get('cut_s', 0) * 1e3:.1f} ms)"
                   + (f"; waited {detection['exit_wait_s'] * 1e3:.1f} ms for "

@@ -27,7 +27,8 @@ from concordia.devmem import Backend, open_backend
 from . import format as F
 from .appender import Appender
 from .errors import CorruptionError, RegionError, TornTailError, UsageError
-from .reader import CHECK_THREADS, NEXT_VALID_CHUNK, Dropped, Record, RecoveryMode, ScanResult, recover, verify
+from .reader import (CHECK_THREADS, NEXT_VALID_CHUNK, Dropped, Record, RecoveryMode, ScanResult, Scanner, recover,
+                     verify)
 from .volume import FORMAT_ANYWAY_HINT, Volume, check_format_target
 
 
@@ -48,7 +49,9 @@ class Log:
         self._appender = appender
         self._stale = False
         self._regions = {info.id: info for info in result.regions.values()}
-        self.open_stats: dict = {}   # Log.open's: seconds walking the log (walk_s) and cutting its tail (cut_s)
+        # Log.open's: seconds walking the log (walk_s) and cutting its tail (cut_s); the LSN
+        # before which a walk made already was taken (walked_before_lsn, 0: none)
+        self.open_stats: dict = {}
         if appender is not None:
             appender.on_write = self._mark_stale
 
@@ -82,7 +85,7 @@ class Log:
     @classmethod
     def open(cls, target, *, writable: bool = True, mode=RecoveryMode.TOLERATE_TAIL,
              reporter: Callable[[Dropped], None] | None = None, check_pages: bool = True,
-             live: bool = False, refuse: bool = True) -> "Log":
+             live: bool = False, refuse: bool = True, walked: Callable | None = None) -> "Log":
         """Open and recover a log.  Every dropped byte range reaches `reporter`.
         With writable=True the space after the last valid commit is zeroed and
         writing continues there.
@@ -103,7 +106,12 @@ class Log:
         the walk may then pass a record while it is being written and find the
         commit written after it, which reads as damage before a commit; such a
         verdict is checked by walking again (up to LIVE_RETRIES times) and
-        stands only when the damage stays where it was."""
+        stands only when the damage stays where it was.
+
+        walked (writable, check_pages False or "last"): a callable(Volume)
+        returning (items, lsn), the walk of the log's first live segments up
+        to `lsn` made already (a following standby's mirror, `Mirror.walked`),
+        or None; the open walks only the segments after them."""
         mode = RecoveryMode.parse(mode)
         if writable and mode not in (RecoveryMode.TOLERATE_TAIL, RecoveryMode.ABSOLUTE):
             raise UsageError(f"a log is opened for writing only in tolerate_tail or absolute mode, not {mode.value}",
@@ -121,12 +129,19 @@ class Log:
                 backend.lock()  # before the open reads what it will cut
             t0 = time.perf_counter()
             vol, res = cls._recover_live(backend, read_as, reporter, check_pages) if live else (None, None)
+            walked_to = 0
             if vol is None:
                 vol = Volume.open(backend, writable=writable)
-                res = recover(vol, read_as, reporter, check_pages=check_pages)
+                done = walked(vol) if walked is not None and writable and check_pages is not True else None
+                if done is None:
+                    res = recover(vol, read_as, reporter, check_pages=check_pages)
+                else:
+                    items, walked_to = done
+                    rest = Scanner(vol, check_pages=False).items(ScanResult(), from_lsn=walked_to)
+                    res = recover(vol, read_as, reporter, check_pages=check_pages, items=items + list(rest))
             t1 = time.perf_counter()
             appender = cls._prepare_write(vol, res) if writable else None
-            walked = {"walk_s": t1 - t0, "cut_s": time.perf_counter() - t1}
+            timing = {"walk_s": t1 - t0, "cut_s": time.perf_counter() - t1, "walked_before_lsn": walked_to}
             if writable:
                 _keep_walk_before_cut(res, vol)
             elif live:
@@ -136,7 +151,7 @@ class Log:
                 backend.close()
             raise
         log = cls(vol, res, mode, writable=writable, appender=appender)
-        log.open_stats = walked
+        log.open_stats = timing
         return log
 
     @staticmethod

@@ -98,6 +98,46 @@ def test_the_mirror_equals_a_committed_epoch_at_every_poll_through_random_kills(
     backend.close()
 
 
+@pytest.mark.parametrize("kill_at,prefix", [(143, True), (257, True), (377, True), (401, False)])
+def test_a_takeover_open_from_the_mirrors_walk_cuts_as_its_own_walk_would(tmp_path, kill_at, prefix):
+    """A writer with retention (segments freed and reused) kills itself at a
+    point of its epochs, compaction or snapshots while a mirror follows.  The
+    writable open that starts from the mirror's walk (`Log.open(walked=)`)
+    finds what a walk of its own finds in a copy of the log, and both leave
+    the same bytes behind.  (At kill 401 the writer died just after taking
+    a new segment: the one before is not known to be final, nothing is taken
+    from the mirror, and the open walks every segment.)"""
+    import shutil
+
+    a, b = tmp_path / "a.log", tmp_path / "b.log"
+    p = subprocess.Popen([sys.executable, "-c", CHILD, f"file:{a}", str(kill_at), "100000", "any"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    mirror = None
+    for ln in p.stdout:
+        if mirror is None:
+            mirror = Mirror(open_backend(f"file:{a}"))
+        mirror.poll()
+    p.communicate(timeout=30)
+    assert p.returncode == -signal.SIGKILL
+    mirror.poll()   # the writer is dead: to the end of what it wrote
+    shutil.copyfile(a, b)
+    mine = Log.open(mirror.backend, writable=True, check_pages="last", walked=mirror.walked)
+    theirs = Log.open(f"file:{b}", writable=True, check_pages="last")
+    try:
+        assert (mine.open_stats["walked_before_lsn"] > 0) is prefix and theirs.open_stats["walked_before_lsn"] == 0
+        for log in (mine, theirs):
+            assert log.last_committed_epoch == mirror.epoch
+        assert [(c.epoch, c.lsn) for c in mine.commits] == [(c.epoch, c.lsn) for c in theirs.commits]
+        assert [(r.lsn, r.type, r.epoch) for r in mine.records()] == [(r.lsn, r.type, r.epoch)
+                                                                       for r in theirs.records()]
+        assert mine.regions == theirs.regions
+        assert mine.appender.write_lsn == theirs.appender.write_lsn
+    finally:
+        theirs.close()
+        mine.close()
+    assert a.read_bytes() == b.read_bytes()
+
+
 def test_a_mirror_follows_regions_added_and_short_last_pages(tmp_path):
     path = f"file:{tmp_path / 'log'}"
     rng = np.random.default_rng(3)
