@@ -35,6 +35,7 @@ import time
 import numpy as np
 
 from concordia.checkpoint import detect
+from concordia.checkpoint.baseline import adopted
 from concordia.checkpoint.epoch import STAGING, EpochRunner
 from concordia.checkpoint.staging import batch_pages, page_crcs
 from concordia.checkpoint.stats import CheckpointStats, CheckpointTotals
@@ -435,54 +436,25 @@ class Session:
             # deltas continue from the recovered state only when it is the log's
             # latest: after an older epoch the next checkpoint writes every page
             latest = self.last_recovery.epoch == int(self.log.last_committed_epoch or 0)
-            self.runner.forget_table()  # the CRC tables and digests are replaced below
             kept = set(self.last_recovery.kept)  # they hold what the log does not: next checkpoint writes them whole
-            self.region_set.recovered({r.name: page_crcs(r) for r in self.region_set if latest and r.name not in kept
-                                       and r.page_bytes == self.log.regions[r.name].page_bytes})
-            for r in self.region_set:
-                detect.reset(r, recovered=True)
+            self._continue_from({r.name: page_crcs(r) for r in self.region_set if latest and r.name not in kept
+                                 and r.page_bytes == self.log.regions[r.name].page_bytes})
         return out
 
     def adopt(self, epoch: int) -> dict:
-        """The registered arrays hold the log's latest committed epoch `epoch`,
-        restored and checked elsewhere (a standby's `Takeover.arrays`): the
-        next checkpoint continues from them as a delta, as after
-        `recover(into="registered")`, instead of writing every region whole.
-        Each region's page CRCs are computed where it lives and held to the
-        digest the log states for it at that epoch; a region that differs is
-        refused in one line (SessionError naming it) and nothing is adopted.
-        A region the log does not hold, or holds with another page size, is
-        written whole at the next checkpoint.  Returns {name: "delta" or
-        "whole"}."""
+        """Continue as deltas from arrays that hold the log's latest epoch (a standby's `Takeover.arrays`),
+        each held to the log's digest first (`checkpoint.baseline.adopted`); returns {name: how}."""
         self._check_open("adopt an epoch")
         self.settle()
-        latest = int(self.log.last_committed_epoch or 0)
-        if int(epoch) != latest or not latest:
-            raise SessionError(f"epoch {epoch} is not the log's latest committed epoch ({latest or 'none'})",
-                               where=str(self.log_name), hint="recover(into='registered') restores an older one")
-        commits = self.log.commits
-        tables, how = {}, {}
-        for r in self.region_set:
-            info = self.log.regions.get(r.name)
-            if info is None or info.page_bytes != r.page_bytes:
-                how[r.name] = "whole"
-                continue
-            crcs = page_crcs(r)
-            host = np.asarray(crcs if isinstance(crcs, np.ndarray) else crcs.get(), np.uint32)
-            want = next((c.digests[info.id] for c in reversed(commits) if info.id in c.digests), None)
-            if want is None:   # no commit left that states it (retention reclaimed them): written whole
-                how[r.name] = "whole"
-                continue
-            if fmt.region_digest(host) != want:
-                raise SessionError(f"the array does not hold epoch {epoch}: its pages differ from the digest the "
-                                   f"log states", where=f"region {r.name!r}")
-            tables[r.name] = crcs
-            how[r.name] = "delta"
-        self.runner.forget_table()   # the CRC tables and digests are replaced below
+        tables, how = adopted(self.log, self.region_set, epoch, where=str(self.log_name))
+        self._continue_from(tables)
+        return how
+
+    def _continue_from(self, tables: dict) -> None:   # the CRC tables to continue from (none: whole)
+        self.runner.forget_table()  # the CRC tables and digests are replaced below
         self.region_set.recovered(tables)
         for r in self.region_set:
             detect.reset(r, recovered=True)
-        return how
 
     def refresh(self) -> int:
         """Read a log opened read-only afresh, so that epochs committed since by

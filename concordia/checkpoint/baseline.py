@@ -1,0 +1,42 @@
+"""Where a region's next checkpoint continues from when its array was filled
+from the log by someone else: a standby's takeover hands over arrays that hold
+the log's latest epoch, and `Session.adopt` continues from them as a delta."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from concordia.checkpoint.staging import page_crcs
+from concordia.regions.errors import SessionError
+from concordia.wal import format as fmt
+
+
+def adopted(log, regions, epoch: int, *, where: str) -> tuple[dict, dict]:
+    """(tables, how) for the registered `regions` said to hold `log`'s latest
+    committed epoch `epoch`: each region's page CRC table, computed where it
+    lives and held to the digest the log's latest commit naming it states
+    (SessionError naming the region when it differs; nothing is adopted then),
+    and {name: "delta" or "whole"}.  A region the log does not hold, holds
+    with another page size, or whose digest no kept commit states (retention
+    reclaimed them), has no table: it is written whole."""
+    latest = int(log.last_committed_epoch or 0)
+    if int(epoch) != latest or not latest:
+        raise SessionError(f"epoch {epoch} is not the log's latest committed epoch ({latest or 'none'})",
+                           where=where, hint="recover(into='registered') restores an older one")
+    commits = log.commits
+    tables, how = {}, {}
+    for r in regions:
+        info = log.regions.get(r.name)
+        want = None if info is None or info.page_bytes != r.page_bytes else next(
+            (c.digests[info.id] for c in reversed(commits) if info.id in c.digests), None)
+        if want is None:
+            how[r.name] = "whole"
+            continue
+        crcs = page_crcs(r)
+        host = np.asarray(crcs if isinstance(crcs, np.ndarray) else crcs.get(), np.uint32)
+        if fmt.region_digest(host) != want:
+            raise SessionError(f"the array does not hold epoch {epoch}: its pages differ from the digest the log "
+                               f"states", where=f"region {r.name!r}")
+        tables[r.name] = crcs
+        how[r.name] = "delta"
+    return tables, how
