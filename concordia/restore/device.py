@@ -277,8 +277,9 @@ def apply_transfer_numpy(log, tr: Transfer, into: dict | None = None) -> dict:
     by the numpy twin of the scatter kernel.  Returns {name: array}; raises
     CorruptionError on the first mismatching page.  (Digests are left to the
     caller; `wal.apply` checks them for the host path proper.)  into: {name:
-    numpy array of the region's layout} restored in place, as the device
-    path's `into`."""
+    numpy array of the region's layout} restored in place, as `restore`'s
+    device targets are: staged in new arrays and copied over only once every
+    page has checked out, so damage leaves them as they were."""
     fd, arr, owned = _source_of(log)
     try:
         return _apply_transfer_numpy(tr, fd, arr, into or {})
@@ -291,9 +292,6 @@ def _apply_transfer_numpy(tr: Transfer, fd, arr, into: dict) -> dict:
     from concordia.gpu_kernels import reference as ref
 
     out = {rp.name: np.zeros(rp.region.pages * rp.region.page_bytes, np.uint8) for rp in tr.regions}
-    for name, a in into.items():
-        out[name] = a.reshape(-1).view(np.uint8)
-        out[name].fill(0)
     host = np.empty(tr.chunk_bytes + 4096, np.uint8)
     for c in range(tr.chunks):
         _wait(_fill(fd, arr, host, tr.copies[c]))
@@ -305,6 +303,8 @@ def _apply_transfer_numpy(tr: Transfer, fd, arr, into: dict) -> dict:
                 k = lo + int(bad[0])
                 at = int(tr.stage_off[k])
                 raise _bad_page(tr, k, host[at:at + rp.region.page_bytes])
+    for name, a in into.items():   # every page checked out: now the targets
+        a.reshape(-1).view(np.uint8)[...] = out[name][:a.nbytes]
     return {rp.name: into[rp.name] if rp.name in into else
             out[rp.name][:rp.region.nbytes].view(np.dtype(rp.region.dtype)).reshape(rp.region.shape)
             for rp in tr.regions}
@@ -493,7 +493,9 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
     maps region names to C-contiguous CuPy arrays of the region's layout dtype
     and shape (a CUDA tensor seen through `cupy.from_dlpack`), which are
     zeroed, filled page by page by the scatter kernel and returned as they
-    are.  The caller orders this against its own streams: the restore runs
+    are (damage found part way leaves them partly written: `restore.run.restore`,
+    the product path, passes no `into`, and copies into the caller's targets
+    only once everything checked out).  The caller orders this against its own streams: the restore runs
     on CuPy's current stream and the pipeline's own, after what the current
     stream holds at the call.  Every page's CRC32C is checked on the device
     before it is applied and each region's digest is recomputed on the device

@@ -91,10 +91,14 @@ def restore(log, target="latest", *, mode=None, regions=None, device: bool = Fal
     """Plan `log` at `target` in `mode` (or take `plan`) and apply it to
     `regions` (None: every region of the plan).
 
-    into: {name: (layout view, array module)} of checked targets (`check_target`):
-    device views are restored in place by the device pipeline, ordered after
-    the work queued on each one's current stream and before later work; host
-    views get the bytes once the whole region checked out.  Regions asked for
+    into: {name: (layout view, array module)} of checked targets (`check_target`).
+    No target is written before every region asked for has checked out (its
+    pages against their CRCs, its digest against its commit): device regions
+    are restored by the device pipeline into new device arrays, then copied
+    into their targets (one device-to-device copy each, ordered after the work
+    queued on each target's current stream and before later work; the new
+    arrays are the size of the targets); host views get the bytes likewise.
+    Damage found anywhere leaves every target as it was.  Regions asked for
     beyond `into` come back as new arrays, on the device when `device`.
     registration: the log mapping's live CUDA registration (a session's), read
     by the copy engine directly.  read and stats: as `apply_plan_cupy` takes them.
@@ -121,24 +125,15 @@ def restore(log, target="latest", *, mode=None, regions=None, device: bool = Fal
     arrays, via = {}, {}
     t1 = time.perf_counter()
 
-    def on_gpu(names, targets=None):
+    def on_gpu(names):
         from concordia.restore.device import apply_plan_cupy
 
-        got = apply_plan_cupy(log, plan, regions=names, stats=st, registration=registration, read=read,
-                              into=targets)
+        got = apply_plan_cupy(log, plan, regions=names, stats=st, registration=registration, read=read)
         via.update(dict.fromkeys(got, "device pipeline"))
         return got
 
-    if dev:
-        order = StreamOrder.of([(v, None) for v in dev.values()])
-        order.after_producers()
-        arrays.update(on_gpu(list(dev), dev))
-        order.before_later_work()
-    if host:
-        for name, a in apply_plan_numpy(log, plan, regions=list(host)).items():
-            host[name][...] = a
-            arrays[name] = host[name]
-            via[name] = "host"
+    staged = on_gpu(list(dev)) if dev else {}   # the targets are written once everything checked out
+    host_got = apply_plan_numpy(log, plan, regions=list(host)) if host else {}
     if rest:
         if device:
             arrays.update(on_gpu(rest))
@@ -147,6 +142,21 @@ def restore(log, target="latest", *, mode=None, regions=None, device: bool = Fal
             st.setdefault("via", "numpy applier")
             arrays.update(got)
             via.update(dict.fromkeys(got, "host"))
+    if dev:   # the decision is made: the device targets, in their streams' order
+        order = StreamOrder.of([(v, None) for v in dev.values()])
+        order.after_producers()
+        from concordia.gpu_kernels.jit import require_cupy
+
+        stream = require_cupy().cuda.get_current_stream()
+        for name, v in dev.items():
+            a = staged.pop(name)
+            v.data.copy_from_device_async(a.data, int(a.nbytes), stream)
+            arrays[name] = v
+        order.before_later_work()
+    for name, a in host_got.items():
+        host[name][...] = a
+        arrays[name] = host[name]
+        via[name] = "host"
     return Restored(arrays, plan, plan_s, time.perf_counter() - t1, via, st, kept)
 
 

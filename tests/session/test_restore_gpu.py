@@ -128,3 +128,39 @@ def test_damaged_page_is_named_and_nothing_is_returned(file_log):
     assert f"page CRC mismatch for page {page} of region 'adapter'" in str(e.value)
     assert str(e.value) == str(host.value)
     assert str(e.value).split(": ", 1)[0].endswith(f"@ {off:#x}")
+
+
+def test_a_restore_into_device_targets_writes_none_of_them_when_one_region_is_damaged(file_log):
+    """`restore(into=)` with CuPy targets (behind `Session.recover(into=)`):
+    the device pipeline restores into new arrays and the targets get one copy
+    each once every region checked out; damage leaves every target as it was."""
+    import cupy as cp
+
+    from concordia.restore.run import restore
+
+    from .test_restore_transfer import _damaged_adapter_page, _sentinels
+
+    _history(file_log, epochs=1)
+    log = Log.open(file_log, writable=False, check_pages=False)
+    try:   # undamaged: each target gets what the host applier restores
+        p = plan(log)
+        into = {n: cp.asarray(a) for n, a in _sentinels(log).items()}
+        got = restore(log, plan=p, device=True, into={n: (v, cp) for n, v in into.items()})
+        want = apply_plan_numpy(log, p)
+        for name in want:
+            assert got.arrays[name] is into[name]
+            assert cp.asnumpy(into[name]).tobytes() == want[name].tobytes(), name
+    finally:
+        log.close()
+    _damaged_adapter_page(file_log)
+    log = Log.open(file_log, writable=False, check_pages=False)
+    try:
+        p = plan(log, check_pages=False)
+        sent = _sentinels(log)
+        into = {n: cp.asarray(a) for n, a in sent.items()}
+        with pytest.raises(CorruptionError, match="page CRC mismatch"):
+            restore(log, plan=p, device=True, into={n: (v, cp) for n, v in into.items()})
+        for name, v in into.items():
+            assert cp.asnumpy(v).tobytes() == sent[name].tobytes(), name
+    finally:
+        log.close()

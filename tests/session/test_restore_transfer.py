@@ -141,6 +141,84 @@ def test_a_damaged_page_names_its_region_page_and_record(file_log):
     assert msg.split(": ", 1)[0].endswith(f"@ {log_off:#x}")  # the damaged page's own offset
 
 
+def _damaged_adapter_page(file_log) -> None:
+    """Flip one byte of a page of the "adapter" region, found through the
+    transfer plan (so that the damage is in a page a restore reads)."""
+    log = Log.open(file_log, writable=False, check_pages=False)
+    try:
+        tr = transfer_plan(log, plan(log), chunk_bytes=64 << 10)
+        k = int(np.flatnonzero(tr.region_index == [rp.name for rp in tr.regions].index("adapter"))[3])
+        c = int(np.searchsorted(tr.page_lo, k, side="right") - 1)
+        cps = tr.copies[c]
+        at = int(tr.stage_off[k])
+        row = int(np.flatnonzero((cps[:, 2] <= at) & (at < cps[:, 2] + cps[:, 1]))[0])
+        log_off = int(cps[row, 0] + at - cps[row, 2])
+    finally:
+        log.close()
+    flip_byte(file_log, log_off + 5, 0x40)
+
+
+def _sentinels(log) -> dict:
+    """A target of each region's layout, filled with a pattern no restore writes."""
+    out = {}
+    for name, info in log.regions.items():
+        a = np.empty(info.shape, np.dtype(info.dtype))
+        a.reshape(-1).view(np.uint8)[...] = np.arange(a.nbytes, dtype=np.uint64).astype(np.uint8) ^ 0xA5
+        out[name] = a
+    return out
+
+
+def test_damage_found_by_the_twin_leaves_every_target_as_it_was(file_log):
+    """The device path's numpy twin stages what it restores and writes the
+    targets only once every page checked out: a damaged page in one region
+    leaves every region's target untouched; without the damage the targets
+    get what the host applier restores."""
+    _history(file_log, epochs=1)
+    log = Log.open(file_log, writable=False, check_pages=False)
+    try:
+        p = plan(log)
+        want = apply_plan_numpy(log, p)
+        into = _sentinels(log)
+        got = apply_transfer_numpy(log, transfer_plan(log, p, chunk_bytes=64 << 10), into=into)
+        for name in want:
+            assert got[name] is into[name] and into[name].tobytes() == want[name].tobytes(), name
+    finally:
+        log.close()
+    _damaged_adapter_page(file_log)
+    log = Log.open(file_log, writable=False, check_pages=False)
+    try:
+        p = plan(log, check_pages=False)
+        into = _sentinels(log)
+        before = {n: a.copy() for n, a in into.items()}
+        with pytest.raises(CorruptionError, match="page CRC mismatch"):
+            apply_transfer_numpy(log, transfer_plan(log, p, chunk_bytes=64 << 10), into=into)
+        for name, a in into.items():
+            assert a.tobytes() == before[name].tobytes(), name
+    finally:
+        log.close()
+
+
+def test_a_restore_into_targets_writes_none_of_them_when_one_region_is_damaged(file_log):
+    """`restore(into=)`, the entry behind `Session.recover(into=)`: damage in
+    one region, found while the regions are restored, leaves every target as
+    it was, the regions restored before the damage included."""
+    from concordia.restore.run import restore
+
+    _history(file_log, epochs=1)
+    _damaged_adapter_page(file_log)
+    log = Log.open(file_log, writable=False, check_pages=False)
+    try:
+        p = plan(log, check_pages=False)
+        into = _sentinels(log)
+        before = {n: a.copy() for n, a in into.items()}
+        with pytest.raises(CorruptionError, match="page CRC mismatch"):
+            restore(log, plan=p, into={n: (a, np) for n, a in into.items()})
+        for name, a in into.items():
+            assert a.tobytes() == before[name].tobytes(), name
+    finally:
+        log.close()
+
+
 @contextlib.contextmanager
 def _one_checkpoint(spec, seed):
     """(state, log): `state` checkpointed once by a Session into `spec`, then
