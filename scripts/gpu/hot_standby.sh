@@ -18,7 +18,7 @@ cd "$(dirname "$0")/../.."
 unset CUDA_MODULE_LOADING
 gib=${HOT_STANDBY_GIB:-10}
 mnt=/mnt/concordia-huge
-ratio=${HOT_STANDBY_LOG_RATIO:-4}   # the log's size over the state's (40 GiB: 2.5, for 128 GiB of host memory)
+ratio=${HOT_STANDBY_LOG_RATIO:-4}   # the log's size over the state's (40 GiB: 2.5 left too little of the 128 GiB host; try 1.5)
 huge_gib=$(python3 -c "import math; print(math.ceil($ratio * $gib) + 12)")
 bash scripts/hugepages.sh setup "$huge_gib" "$mnt" >/dev/null || { echo "hot_standby: no huge pages"; exit 2; }
 trap 'bash scripts/hugepages.sh teardown "$mnt"' EXIT
