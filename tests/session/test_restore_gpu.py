@@ -138,29 +138,7 @@ def test_a_restore_into_device_targets_writes_none_of_them_when_one_region_is_da
 
     from concordia.restore.run import restore
 
-    from .test_restore_transfer import _damaged_adapter_page, _sentinels
+    from .test_restore_transfer import damage_leaves_targets_as_they_were
 
-    _history(file_log, epochs=1)
-    log = Log.open(file_log, writable=False, check_pages=False)
-    try:   # undamaged: each target gets what the host applier restores
-        p = plan(log)
-        into = {n: cp.asarray(a) for n, a in _sentinels(log).items()}
-        got = restore(log, plan=p, device=True, into={n: (v, cp) for n, v in into.items()})
-        want = apply_plan_numpy(log, p)
-        for name in want:
-            assert got.arrays[name] is into[name]
-            assert cp.asnumpy(into[name]).tobytes() == want[name].tobytes(), name
-    finally:
-        log.close()
-    _damaged_adapter_page(file_log)
-    log = Log.open(file_log, writable=False, check_pages=False)
-    try:
-        p = plan(log, check_pages=False)
-        sent = _sentinels(log)
-        into = {n: cp.asarray(a) for n, a in sent.items()}
-        with pytest.raises(CorruptionError, match="page CRC mismatch"):
-            restore(log, plan=p, device=True, into={n: (v, cp) for n, v in into.items()})
-        for name, v in into.items():
-            assert cp.asnumpy(v).tobytes() == sent[name].tobytes(), name
-    finally:
-        log.close()
+    damage_leaves_targets_as_they_were(file_log, lambda log, p, into: restore(
+        log, plan=p, device=True, into={n: (v, cp) for n, v in into.items()}).arrays, xp=cp)

@@ -168,55 +168,49 @@ def _sentinels(log) -> dict:
     return out
 
 
+def damage_leaves_targets_as_they_were(file_log, apply, xp=np) -> None:
+    """apply(log, plan, into) -> {name: array}, into a target of each region's
+    layout on `xp` (sentinel bytes): on the log as written every target is
+    returned holding what the host applier restores; with a damaged page in
+    one region it raises, and every target still holds its sentinel."""
+    host = getattr(xp, "asnumpy", np.asarray)
+    _history(file_log, epochs=1)
+    for damaged in (False, True):
+        if damaged:
+            _damaged_adapter_page(file_log)
+        log = Log.open(file_log, writable=False, check_pages=False)
+        try:
+            p = plan(log, check_pages=not damaged)   # unchecked: the restore is the one to meet the damage
+            sent = _sentinels(log)
+            into = {n: xp.array(a) for n, a in sent.items()}
+            if not damaged:
+                got, want = apply(log, p, into), apply_plan_numpy(log, p)
+                for name in want:
+                    assert got[name] is into[name] and host(into[name]).tobytes() == want[name].tobytes(), name
+                continue
+            with pytest.raises(CorruptionError, match="page CRC mismatch"):
+                apply(log, p, into)
+            for name, v in into.items():
+                assert host(v).tobytes() == sent[name].tobytes(), name
+        finally:
+            log.close()
+
+
 def test_damage_found_by_the_twin_leaves_every_target_as_it_was(file_log):
     """The device path's numpy twin stages what it restores and writes the
-    targets only once every page checked out: a damaged page in one region
-    leaves every region's target untouched; without the damage the targets
-    get what the host applier restores."""
-    _history(file_log, epochs=1)
-    log = Log.open(file_log, writable=False, check_pages=False)
-    try:
-        p = plan(log)
-        want = apply_plan_numpy(log, p)
-        into = _sentinels(log)
-        got = apply_transfer_numpy(log, transfer_plan(log, p, chunk_bytes=64 << 10), into=into)
-        for name in want:
-            assert got[name] is into[name] and into[name].tobytes() == want[name].tobytes(), name
-    finally:
-        log.close()
-    _damaged_adapter_page(file_log)
-    log = Log.open(file_log, writable=False, check_pages=False)
-    try:
-        p = plan(log, check_pages=False)
-        into = _sentinels(log)
-        before = {n: a.copy() for n, a in into.items()}
-        with pytest.raises(CorruptionError, match="page CRC mismatch"):
-            apply_transfer_numpy(log, transfer_plan(log, p, chunk_bytes=64 << 10), into=into)
-        for name, a in into.items():
-            assert a.tobytes() == before[name].tobytes(), name
-    finally:
-        log.close()
+    targets only once every page checked out."""
+    damage_leaves_targets_as_they_were(file_log, lambda log, p, into: apply_transfer_numpy(
+        log, transfer_plan(log, p, chunk_bytes=64 << 10), into=into))
 
 
 def test_a_restore_into_targets_writes_none_of_them_when_one_region_is_damaged(file_log):
     """`restore(into=)`, the entry behind `Session.recover(into=)`: damage in
-    one region, found while the regions are restored, leaves every target as
-    it was, the regions restored before the damage included."""
+    one region leaves every target as it was, the regions restored before the
+    damage included."""
     from concordia.restore.run import restore
 
-    _history(file_log, epochs=1)
-    _damaged_adapter_page(file_log)
-    log = Log.open(file_log, writable=False, check_pages=False)
-    try:
-        p = plan(log, check_pages=False)
-        into = _sentinels(log)
-        before = {n: a.copy() for n, a in into.items()}
-        with pytest.raises(CorruptionError, match="page CRC mismatch"):
-            restore(log, plan=p, into={n: (a, np) for n, a in into.items()})
-        for name, a in into.items():
-            assert a.tobytes() == before[name].tobytes(), name
-    finally:
-        log.close()
+    damage_leaves_targets_as_they_were(file_log, lambda log, p, into: restore(
+        log, plan=p, into={n: (a, np) for n, a in into.items()}).arrays)
 
 
 @contextlib.contextmanager

@@ -9,22 +9,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from concordia.devmem import open_backend
-from concordia.wal import Log
 from concordia.wal import format as F
 from concordia.wal import log as log_mod
 from concordia.wal import reader as reader_mod
 from concordia.wal.reader import Follower, Scanner
 from concordia.wal.volume import Volume
+from tests.wal.test_follower import _epoch, live  # noqa: F401 (live: the fixture)
 
-MiB = 1 << 20
-PAGE = 4096
-
-
-def _epoch(log, e, pages=4):
-    ids = np.arange(pages, dtype=np.uint32)
-    log.appender.append_page_batch(e, 0, ids, np.full((pages, PAGE), e % 251 + 1, np.uint8))
-    return log.appender.commit(e, digests={0: 0})
 
 
 def _slow_next_valid(scanner, seg, start, end):
@@ -39,21 +30,10 @@ def _slow_next_valid(scanner, seg, start, end):
     return None
 
 
-@pytest.fixture
-def log_and_reader(tmp_path):
-    path = f"file:{tmp_path / 'f.log'}"
-    log = Log.create(path, size=8 * MiB, segment_size=MiB)
-    log.define_region("r", np.uint8, (64 * PAGE,), PAGE, "opaque")
-    reader = open_backend(path, readonly=True)
-    yield log, reader
-    reader.close()
-    log.close()
-
-
 @pytest.mark.parametrize("chunk,threads", [(4096, 1), (4096, 3), (64 << 10, 2), (32 << 20, 1)])
-def test_the_search_after_a_gap_finds_what_a_slot_by_slot_reading_finds(log_and_reader, monkeypatch, chunk,
+def test_the_search_after_a_gap_finds_what_a_slot_by_slot_reading_finds(live, monkeypatch, chunk,
                                                                          threads):
-    log, reader = log_and_reader
+    log, reader = live
     for e in range(1, 12):
         _epoch(log, e)
     seg = log.appender.seg
@@ -80,8 +60,8 @@ def test_the_search_after_a_gap_finds_what_a_slot_by_slot_reading_finds(log_and_
     assert found >= 10  # the starts inside the records find the next one; the tail finds none
 
 
-def test_a_lost_record_is_found_across_slices(log_and_reader, monkeypatch):
-    log, reader = log_and_reader
+def test_a_lost_record_is_found_across_slices(live, monkeypatch):
+    log, reader = live
     for e in range(1, 9):
         _epoch(log, e)
     items = Scanner(Volume.open(reader, writable=False), check_pages=False)._segment(log.appender.seg)
@@ -96,8 +76,8 @@ def test_a_lost_record_is_found_across_slices(log_and_reader, monkeypatch):
     assert "a record was lost" in dmg[0].reason
 
 
-def test_a_follower_stops_at_the_gap_of_the_segment_being_written(log_and_reader, monkeypatch):
-    log, reader = log_and_reader
+def test_a_follower_stops_at_the_gap_of_the_segment_being_written(live, monkeypatch):
+    log, reader = live
     _epoch(log, 1)
     f = Follower(reader)
     assert len(f.poll()) == 3   # region, batch, commit
@@ -121,7 +101,7 @@ def test_a_follower_stops_at_the_gap_of_the_segment_being_written(log_and_reader
 @pytest.mark.parametrize("threads", [1, 3])
 def test_the_cut_zeroes_only_what_is_not_zero(monkeypatch, threads):
     monkeypatch.setattr(log_mod, "NEXT_VALID_CHUNK", 4096)
-    monkeypatch.setattr(log_mod, "CHECK_THREADS", threads)
+    monkeypatch.setattr(reader_mod, "CHECK_THREADS", threads)
     a = np.zeros(10 * 4096 + 100, np.uint8)
     a.flags.writeable = False   # a slice that is zero already is not written
     assert log_mod._zero_tail(a, 100, a.size) is False
