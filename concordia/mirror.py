@@ -125,7 +125,8 @@ class Mirror:
         self.resyncs += 1
 
     def _applies(self, h) -> bool:
-        """Whether a page batch (its header) is one `_take` keeps for an epoch."""
+        """Whether a record (its header) is one `_take` keeps for an epoch: the
+        follower checks the pages of such page batches, and of no others."""
         return F.counted_in_epoch(h.type, h.flags) and h.epoch > self.epoch
 
     @property
@@ -236,7 +237,7 @@ class Mirror:
                 self._apply(info)
             self._last_commit = info.lsn   # the commit of the epoch the mirror holds
             return
-        if not F.counted_in_epoch(h.type, h.flags) or h.epoch <= self.epoch:
+        if not self._applies(h):
             return   # BASE batches (retention's copies), catalog, pads; epochs the mirror holds already
         lsn = it.seg.lsn(it.offset)
         if kind == F.REC_PAGE_BATCH:

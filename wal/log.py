@@ -27,7 +27,7 @@ from concordia.devmem import Backend, open_backend
 from . import format as F
 from .appender import Appender
 from .errors import CorruptionError, RegionError, TornTailError, UsageError
-from .reader import (CHECK_THREADS, NEXT_VALID_CHUNK, Dropped, Record, RecoveryMode, ScanResult, Scanner, recover,
+from .reader import (NEXT_VALID_CHUNK, Dropped, Record, RecoveryMode, ScanResult, Scanner, recover, thread_map,
                      verify)
 from .volume import FORMAT_ANYWAY_HINT, Volume, check_format_target
 
@@ -427,10 +427,9 @@ def _keep_walk_before_cut(res: ScanResult, vol: Volume) -> None:
 
 def _zero_tail(arr: np.ndarray, pos: int, end: int) -> bool:
     """Zero arr[pos:end] where it is not zero already; True when a byte was
-    written.  Slices of NEXT_VALID_CHUNK bytes, CHECK_THREADS at a time (numpy
-    lets go of the GIL): a cut segment's tail of old bytes is up to a segment
-    long, and the writer that takes over waits for it."""
-    from concurrent.futures import ThreadPoolExecutor
+    written.  Slices of NEXT_VALID_CHUNK bytes over threads (`thread_map`): a
+    cut segment's tail of old bytes is up to a segment long, and the writer
+    that takes over waits for it."""
 
     def clear(lo: int) -> bool:
         part = arr[lo:min(end, lo + NEXT_VALID_CHUNK)]
@@ -439,8 +438,4 @@ def _zero_tail(arr: np.ndarray, pos: int, end: int) -> bool:
         part[:] = 0
         return True
 
-    starts = range(pos, end, NEXT_VALID_CHUNK)
-    if CHECK_THREADS < 2 or len(starts) < 2:
-        return any([clear(lo) for lo in starts])
-    with ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="concordia-cut") as pool:
-        return any(list(pool.map(clear, starts)))
+    return any(thread_map(clear, range(pos, end, NEXT_VALID_CHUNK), "concordia-cut"))

@@ -36,6 +36,16 @@ NEXT_VALID_CHUNK = 32 << 20
 NEXT_VALID_CONFIRMS = 4096
 
 
+def thread_map(fn: Callable, items, name: str) -> list:
+    """[fn(x) for x in items], on CHECK_THREADS threads when there are several
+    (numpy and crc32c let go of the GIL for large buffers), in order."""
+    items = list(items)
+    if CHECK_THREADS < 2 or len(items) < 2:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(min(CHECK_THREADS, len(items)), thread_name_prefix=name) as pool:
+        return list(pool.map(fn, items))
+
+
 @dataclass(frozen=True)
 class Dropped:
     """A byte range the reader gave up, and why.
@@ -314,25 +324,17 @@ class Scanner:
 
         starts = list(range(0, n, per))
         tried = 0
-        pool = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="concordia-scan") \
-            if CHECK_THREADS > 1 and len(starts) > 1 else None
-        try:
-            for k in range(0, len(starts), CHECK_THREADS):
-                batch = starts[k:k + CHECK_THREADS]
-                found = list(pool.map(candidates, batch)) if pool is not None else [candidates(lo) for lo in batch]
-                for cand in found:
-                    for c in cand[:NEXT_VALID_CONFIRMS - tried]:
-                        pos = start + int(c) * 64
-                        if F.check_record_header_bytes(self.mv, pos) is None:
-                            length = int(arr[pos:pos + 8].view("<u8")[0])
-                            if pos + length <= seg.offset + seg.nbytes:
-                                return pos
-                    tried += min(cand.size, NEXT_VALID_CONFIRMS - tried)
-                    if tried >= NEXT_VALID_CONFIRMS:
-                        return None
-        finally:
-            if pool is not None:
-                pool.shutdown(wait=True)
+        for k in range(0, len(starts), CHECK_THREADS):
+            for cand in thread_map(candidates, starts[k:k + CHECK_THREADS], "concordia-scan"):
+                for c in cand[:NEXT_VALID_CONFIRMS - tried]:
+                    pos = start + int(c) * 64
+                    if F.check_record_header_bytes(self.mv, pos) is None:
+                        length = int(arr[pos:pos + 8].view("<u8")[0])
+                        if pos + length <= seg.offset + seg.nbytes:
+                            return pos
+                tried += min(cand.size, NEXT_VALID_CONFIRMS - tried)
+                if tried >= NEXT_VALID_CONFIRMS:
+                    return None
         return None
 
     def _segment(self, seg: SegmentInfo, start: int | None = None, *, to_gap: bool = False) -> list:
@@ -365,9 +367,8 @@ class Scanner:
         batches = [(i, items[i].offset, items[i].header) for i in indices
                    if items[i].tag == _REC and items[i].header.type == F.REC_PAGE_BATCH]
         total = sum(h.count * h.page_bytes for _, _, h in batches)
-        if CHECK_THREADS > 1 and len(batches) > 1 and total >= PARALLEL_CHECK_BYTES:
-            with ThreadPoolExecutor(min(CHECK_THREADS, len(batches)), thread_name_prefix="concordia-check") as pool:
-                entries = list(pool.map(lambda b: self._payload_entry(*b, release_gil=True), batches))
+        if total >= PARALLEL_CHECK_BYTES:
+            entries = thread_map(lambda b: self._payload_entry(*b, release_gil=True), batches, "concordia-check")
         else:
             entries = [self._payload_entry(*b) for b in batches]
         self._check_pages(items, entries)

@@ -23,12 +23,18 @@ def adopted(log, regions, epoch: int, *, where: str) -> tuple[dict, dict]:
     if int(epoch) != latest or not latest:
         raise SessionError(f"epoch {epoch} is not the log's latest committed epoch ({latest or 'none'})",
                            where=where, hint="recover(into='registered') restores an older one")
-    commits = log.commits
+    infos = {r.name: log.regions.get(r.name) for r in regions}
+    ids = {info.id for info in infos.values() if info is not None}
+    stated: dict = {}   # region id -> its digest in the latest commit that states it, in one pass back
+    for c in reversed(log.commits):
+        for rid in ids.intersection(c.digests).difference(stated):
+            stated[rid] = c.digests[rid]
+        if len(stated) == len(ids):
+            break
     tables, how = {}, {}
     for r in regions:
-        info = log.regions.get(r.name)
-        want = None if info is None or info.page_bytes != r.page_bytes else next(
-            (c.digests[info.id] for c in reversed(commits) if info.id in c.digests), None)
+        info = infos[r.name]
+        want = None if info is None or info.page_bytes != r.page_bytes else stated.get(info.id)
         if want is None:
             how[r.name] = "whole"
             continue

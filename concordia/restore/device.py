@@ -487,16 +487,11 @@ def register_piece(backend) -> int:
 
 
 def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK_BYTES, stats: dict | None = None,
-                    registration=None, read: str = "auto", into: dict | None = None) -> dict:
+                    registration=None, read: str = "auto") -> dict:
     """Restore the regions of `plan` straight into new CuPy arrays (see the
-    module doc for the pipeline), or into the caller's device memory: `into`
-    maps region names to C-contiguous CuPy arrays of the region's layout dtype
-    and shape (a CUDA tensor seen through `cupy.from_dlpack`), which are
-    zeroed, filled page by page by the scatter kernel and returned as they
-    are (damage found part way leaves them partly written: `restore.run.restore`,
-    the product path, passes no `into`, and copies into the caller's targets
-    only once everything checked out).  The caller orders this against its own streams: the restore runs
-    on CuPy's current stream and the pipeline's own, after what the current
+    module doc for the pipeline; `restore.run.restore` copies them into a
+    caller's targets once everything checked out).  The restore runs on
+    CuPy's current stream and the pipeline's own, after what the current
     stream holds at the call.  Every page's CRC32C is checked on the device
     before it is applied and each region's digest is recomputed on the device
     and compared with its commit; any mismatch raises CorruptionError naming the
@@ -543,7 +538,7 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
         t1 = time.perf_counter()
         hosts, slots, copy_stream, stream = _staging(cp, tr.chunk_bytes)
         st["staging_alloc_s"] = time.perf_counter() - t1  # 0 when the buffers were kept from an earlier restore
-        out = _device_targets(cp, tr, into)
+        out = [cp.zeros(rp.region.pages * rp.region.page_bytes, cp.uint8) for rp in tr.regions]
         if tr.pages:
             offs_d = cp.asarray(tr.stage_off)
             ids_d = cp.asarray(tr.page_ids)
@@ -582,8 +577,7 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
             if rp.digest is not None:  # the host applier's check, on the device's digest
                 check_digest(rp.name, rp.epoch, rp.digest,
                              gpu.region_digest(gpu.crc32c_pages(flat, page_bytes=rp.region.page_bytes)))
-            result[rp.name] = (into[rp.name] if into and rp.name in into else
-                               flat.view(np.dtype(rp.region.dtype)).reshape(rp.region.shape))
+            result[rp.name] = flat.view(np.dtype(rp.region.dtype)).reshape(rp.region.shape)
         st["verify_s"] = time.perf_counter() - t2
         return result
     finally:
@@ -594,40 +588,6 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
             own_reg.unregister()
         if owned:
             os.close(fd)
-
-
-def _device_targets(cp, tr: Transfer, into: dict | None) -> list:
-    """The flat uint8 device memory each region of `tr` is restored into: a new
-    zeroed array (whole pages), or the caller's array from `into`, checked and
-    zeroed (pages the plan does not read are zero, as in a new array).  Every
-    target is checked before any is written."""
-    into = into or {}
-    from concordia.regions.errors import RecoverMismatchError
-
-    for rp in tr.regions:
-        a = into.get(rp.name)
-        if a is None:
-            continue
-        where = f"region {rp.name!r}"
-        if not isinstance(a, cp.ndarray) or not a.flags.c_contiguous:
-            raise RecoverMismatchError("a device target must be a C-contiguous CuPy array", where=where)
-        if int(a.nbytes) != rp.region.nbytes or np.dtype(a.dtype) != np.dtype(rp.region.dtype):
-            raise RecoverMismatchError(f"cannot restore {rp.region.dtype}{list(rp.region.shape)} into "
-                                       f"{a.dtype}{list(a.shape)}", where=where)
-        if a.data.ptr % 16:
-            raise RecoverMismatchError(f"the target is not 16-byte aligned (0x{a.data.ptr:x}): the scatter "
-                                       "kernel writes 16-byte words", where=where,
-                                       hint="recover into a new array and copy")
-    out = []
-    for rp in tr.regions:
-        a = into.get(rp.name)
-        if a is None:
-            out.append(cp.zeros(rp.region.pages * rp.region.page_bytes, cp.uint8))
-        else:
-            flat = a.reshape(-1).view(cp.uint8)
-            flat.fill(0)
-            out.append(flat)
-    return out
 
 
 def _pipeline(cp, gpu, tr, direct, fd, arr, hosts, slots, copy_stream, stream, out, dev_arrays, kernels, st,

@@ -123,16 +123,17 @@ def test_a_damaged_page_is_named_on_the_device_path(shm_log):
         f.seek(off)
         f.write(bytes([byte ^ 0xFF]))
     cp = pytest.importorskip("cupy")
-    from concordia.restore.device import apply_plan_cupy
+    from concordia.restore.run import restore
 
-    target = torch.zeros_like(t)
+    target = torch.full_like(t, 3.0)
     view = cp.from_dlpack(target.reshape(-1).view(torch.uint8)).view(cp.uint16)
     log = Log.open(shm_log, writable=False, check_pages=False)
     try:  # planned without page checks, so that the device pipeline is the one to find it
         with pytest.raises(CorruptionError, match="page CRC mismatch for page 0 of region 'kv'"):
-            apply_plan_cupy(log, plan(log, check_pages=False), into={"kv": view})
+            restore(log, plan=plan(log, check_pages=False), device=True, into={"kv": (view, cp)})
     finally:
         log.close()
+    assert torch.equal(target, torch.full_like(t, 3.0))   # the damage left the target as it was
     from concordia.errors import ConcordiaError
 
     with pytest.raises(ConcordiaError, match="segment|page|corrupt|damaged"):  # the product path refuses it too

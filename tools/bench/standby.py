@@ -157,12 +157,10 @@ def _standby(spec: str, device: str, follow: str = "0", then: str = "stop") -> N
         tk = sb.run(resume, timeout=120)
     finally:
         sb.close()
-    rep = {"warm": sb.warm_report, **tk.to_json()}
+    print(json.dumps({"warm": sb.warm_report, **tk.to_json()}), flush=True)
     if then != "primary":
         tk.close()
-        print(json.dumps(rep), flush=True)
         return
-    print(json.dumps(rep), flush=True)
     s = tk.session()   # the log the takeover holds, carried on
     kv = tk.arrays["kv"]
     s.register("kv", kv, kind="kv", page_bytes=PAGE_BYTES)
