@@ -320,7 +320,9 @@ def open_for_watching(spec):
 
     backend = open_backend(spec)
     try:
-        log = Log.open(backend, writable=False, check_pages=False)
+        # live: the primary may be writing an epoch now, and a walk that passed a
+        # reservation it had not yet filled reads as damage before a commit
+        log = Log.open(backend, writable=False, check_pages=False, live=True)
     except BaseException:
         backend.close()
         raise

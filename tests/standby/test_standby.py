@@ -126,6 +126,38 @@ def test_a_log_no_one_holds_is_taken_over_at_once(shm_log):
         sb.close()
 
 
+def test_the_standby_opens_a_log_whose_primary_is_mid_epoch(shm_log, monkeypatch):
+    # the standby's open met a record its primary had reserved and not yet written,
+    # then the commit the primary wrote after it: damage before a commit, which
+    # refused the warm-up; an open beside a live writer looks again
+    import concordia.wal.log as log_mod
+    from concordia.wal import format as F
+
+    s = write(shm_log, EPOCHS)
+    try:
+        off = next(r.offset for r in s.log.records() if r.epoch == EPOCHS and r.kind == F.REC_PAGE_BATCH)
+        arr = s.log.backend.array
+        header = arr[off:off + F.RECORD_HEADER_SIZE].copy()
+        arr[off:off + F.RECORD_HEADER_SIZE] = 0    # reserved: its header is not written yet
+        real_sleep = log_mod.time.sleep
+        looks = []
+
+        def finish_the_write(seconds):
+            looks.append(seconds)
+            arr[off:off + F.RECORD_HEADER_SIZE] = header   # the primary finishes it
+            real_sleep(seconds)
+
+        monkeypatch.setattr(log_mod.time, "sleep", finish_the_write)
+        sb = Standby(shm_log, device="cpu")
+        try:
+            rep = sb.warm()
+            assert rep["epoch_seen"] == EPOCHS and len(looks) == 1
+        finally:
+            sb.close()
+    finally:
+        s.close()
+
+
 def test_takeover_after_sigkill_cuts_the_tail_and_restores_exactly(any_log):
     with Primary(any_log, "--tail") as primary:
         sb = Standby(any_log, device="cpu")
