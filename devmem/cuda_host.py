@@ -39,6 +39,14 @@ class HostRegistration:
         self._keep = memoryview(backend.view)
 
     @property
+    def piece(self) -> int | None:
+        """Bytes of each registered chunk but the last (they start at byte 0),
+        or None for one chunk: a copy engine transfer reads within one chunk
+        (cudaMemcpy's source lies in one registration), so a copy across a
+        chunk end is split there."""
+        return self.chunks[0][1] if len(self.chunks) > 1 else None
+
+    @property
     def registered(self) -> bool:
         return self._keep is not None
 

@@ -551,7 +551,8 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
             st["alloc_s"] = time.perf_counter() - t1  # staging, zeroed regions, page tables on the device
             try:
                 _pipeline(cp, gpu, tr, direct, fd, arr, hosts, slots, copy_stream, stream, out,
-                          (offs_d, ids_d, crcs_d, bad_d), kernels, st, ahead)
+                          (offs_d, ids_d, crcs_d, bad_d), kernels, st, ahead,
+                          piece=registration.piece if registration is not None else None)
             except _PinRefused as exc:
                 # the driver would not pin this mapping (a page-cache file, say): copy instead
                 st["pin_refused"] = str(exc)
@@ -591,7 +592,7 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
 
 
 def _pipeline(cp, gpu, tr, direct, fd, arr, hosts, slots, copy_stream, stream, out, dev_arrays, kernels, st,
-              ahead=None):
+              ahead=None, piece=None):
     """Chunks through host buffers (or straight from a registered mapping), the
     copy engine and the scatter kernel, overlapped; see the module doc.
     st receives the seconds the loop waited for host reads (fill_wait_s: the
@@ -622,7 +623,7 @@ def _pipeline(cp, gpu, tr, direct, fd, arr, hosts, slots, copy_stream, stream, o
                     ahead.ready(j)
                 for lo, n, at in tr.copies[j].tolist():
                     # one copy reads within one registration: pieces pinned apart are split at their ends
-                    step = ahead.piece if ahead is not None else n
+                    step = ahead.piece if ahead is not None else (piece or n)
                     while n:
                         m = min(n, step - lo % step)
                         rt.memcpyAsync(slot.data.ptr + at, direct + lo, m, rt.memcpyDefault, copy_stream.ptr)

@@ -81,14 +81,18 @@ def test_memory_copy_path(persistent_log, monkeypatch):
     assert "memory copies" in st["via"]
 
 
-def test_registered_mapping_read_by_the_copy_engine(shm_log):
+@pytest.mark.parametrize("pinned_in", [None, 64 << 10])
+def test_registered_mapping_read_by_the_copy_engine(shm_log, pinned_in):
+    # pinned_in: the mapping registered in pieces of that many bytes, as a log
+    # larger than cuda_host.CHUNK is, so that copies cross the pieces' ends
     from concordia.devmem import cuda_host
 
     _history(shm_log)
     log = Log.open(shm_log, writable=True, check_pages=False)
     try:
         p = plan(log)
-        with cuda_host.register(log.backend) as reg:
+        with cuda_host.register(log.backend, **({"chunk_bytes": pinned_in} if pinned_in else {})) as reg:
+            assert reg.piece == pinned_in
             st = {}
             got = apply_plan_cupy(log, p, chunk_bytes=64 << 10, stats=st, registration=reg)
             assert reg.registered  # a caller's registration stays

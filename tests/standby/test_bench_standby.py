@@ -80,3 +80,19 @@ def test_a_child_that_ends_before_its_line_is_named_with_how_it_ended_and_its_la
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     with pytest.raises(RuntimeError, match=r"the primary gave no 'ready' \(killed by signal 9\): no message"):
         _line(p, stream, "ready", 60, "the primary")
+
+
+def test_a_child_that_raised_is_named_with_where_it_raised(tmp_path):
+    import subprocess
+    import sys
+
+    from concordia.tools.bench.standby import _line
+
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "deep.py").write_text("def copy():\n    raise ValueError('invalid argument')\n")
+    code = f"import sys; sys.path.insert(0, {str(tmp_path)!r}); from pkg import deep; deep.copy()"
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with pytest.raises(RuntimeError) as e:
+        _line(p, "out", "watching", 60, "standby 7 (hot)")
+    assert str(e.value) == ("standby 7 (hot) gave no 'watching' (exit status 1): ValueError: invalid argument "
+                            "[at pkg/deep.py:2 in copy]")

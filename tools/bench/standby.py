@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -217,7 +218,19 @@ def _line(proc, stream, what: str, within: float, who: str) -> str:
     last = next((ln.strip() for ln in reversed(said) if ln.strip()), "no message")
     how = ("still running" if code is None else f"killed by signal {-code}" if code < 0
            else f"exit status {code}")
-    raise RuntimeError(f"{who} gave no {what!r} ({how}): {last}")
+    where = _frames(said)
+    raise RuntimeError(f"{who} gave no {what!r} ({how}): {last}" + (f" [at {where}]" if where else ""))
+
+
+_FRAME = re.compile(r'File "(?:.*/)?([^/"]+/[^/"]+\.pyx?)", line (\d+), in (\S+)')
+
+
+def _frames(said: list, keep: int = 4) -> str:
+    """The innermost `keep` frames of a traceback among a child's lines, as
+    'folder/file.py:line in function' joined by ' < ' (innermost first): an
+    exception's last line alone does not say which call raised it."""
+    found = [m.groups() for m in map(_FRAME.search, said) if m]
+    return " < ".join(f"{f}:{n} in {fn}" for f, n, fn in reversed(found[-keep:]))
 
 
 def _spec(tier: str, scratch: Scratch) -> str:
