@@ -28,7 +28,7 @@ WAL=(python3 -c "import sys; from concordia.tools.wal_cli import main; sys.argv[
 
 if [ "${HOT_STANDBY_TESTS:-1}" = 1 ]; then
   timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs tests/standby/test_mirror.py \
-    tests/standby/test_bench_standby.py > "$OUT/hot-standby-tests.txt" 2>&1 || rc=1
+    tests/standby/test_bench_standby.py tests/session/test_restore_gpu.py > "$OUT/hot-standby-tests.txt" 2>&1 || rc=1
   tail -n 3 "$OUT/hot-standby-tests.txt"
 fi
 
