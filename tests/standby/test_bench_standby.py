@@ -96,3 +96,47 @@ def test_a_child_that_raised_is_named_with_where_it_raised(tmp_path):
         _line(p, "out", "watching", 60, "standby 7 (hot)")
     assert str(e.value) == ("standby 7 (hot) gave no 'watching' (exit status 1): ValueError: invalid argument "
                             "[at pkg/deep.py:2 in copy]")
+
+
+def _marked(mark: str) -> list:
+    """Pids of processes whose environment holds `mark`."""
+    import os
+
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if mark.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def test_a_bench_ended_by_sigterm_kills_its_children(tmp_path):
+    # `timeout` around the bench: its primary and standby map the log, and a
+    # bench that died at once left them running (and the log's huge pages held)
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    import uuid
+
+    mark = f"CONCORDIA_TEST_MARK={uuid.uuid4().hex}"
+    env = {**os.environ, mark.split("=")[0]: mark.split("=")[1]}
+    cmd = [sys.executable, "-c", "import sys; from concordia.tools.wal_cli import main; sys.argv[0] = 'concordia-wal'; "
+           "main()", "bench", "standby", "--quick", "--follow", "--steps-s", "600", "--trials", "1"]
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        while len([q for q in _marked(mark) if q != p.pid]) < 2:   # the primary and the first standby
+            assert p.poll() is None, p.stderr.read()
+            time.sleep(0.05)
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=60) != 0
+        assert _marked(mark) == []
+    finally:
+        if p.poll() is None:
+            p.kill()
+        for q in _marked(mark):
+            os.kill(q, signal.SIGKILL)

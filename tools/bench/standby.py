@@ -267,6 +267,10 @@ def run(nbytes: int, tier: str, device: str, scratch: Scratch, *, standbys=("war
         xp.get_default_memory_pool().free_all_blocks()
     spec = _spec(tier, scratch)
     procs, runs = [], []
+    # a `timeout` around the bench sends SIGTERM: unwind, so that the children
+    # (which map the log) are killed and the log discarded, not left behind
+    on_term = (signal.signal(signal.SIGTERM, _terminated)
+               if threading.current_thread() is threading.main_thread() else None)
     try:
         primary = _child("primary", spec, nbytes, device, "1" if steps else "0", log_ratio)
         procs.append(primary)
@@ -294,14 +298,25 @@ def run(nbytes: int, tier: str, device: str, scratch: Scratch, *, standbys=("war
                 _line(standby, "out", '"primary"', 300, f"standby {i + 1} ({kind}) as the primary")
                 _drain(standby)
             runs.append(_figures(dict(base, standby=kind), rep, t_kill, nbytes))
+            r = runs[-1]
+            # one line a takeover as it ends: a chain cut short still shows what it measured
+            print(f"standby {i + 1} ({kind}): kill to decoding {r['kill_to_decoding_s']:.3f} s (detect "
+                  f"{r['kill_to_detect_s']:.3f}, isolate {r['isolate_s']:.3f}, restore {r['restore_s']:.3f}, "
+                  f"decode {r['first_decode_s']:.4f}), epoch {r['epoch']}", file=sys.stderr, flush=True)
             primary = standby
     finally:
+        if on_term is not None:
+            signal.signal(signal.SIGTERM, on_term)
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
         scratch.discard(spec)
     return runs
+
+
+def _terminated(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 def _figures(res: dict, rep: dict, t_kill: float, nbytes: int) -> dict:
