@@ -195,20 +195,28 @@ class Mirror:
 
     def walked(self, vol) -> tuple | None:
         """For `Log.open(walked=)`: (items, lsn) where items are what a walk of
-        `vol` (`Scanner.items`) returns of its first live segments up to `lsn`:
-        the records the follower returned of each segment it has wholly read
-        (its writer had left it: every byte final), the same incarnation and
+        `vol` (`Scanner.items`) returns of its live segments up to `lsn`: the
+        records the follower returned of each segment it has read, up to where
+        it stands (every byte before that is final: the writer appends, and a
+        cut or a freed segment makes the walk stale), the same incarnation and
         header chain as `vol` lists now, those below its oldest LSN left out.
+        `lsn` is a record boundary, inside the segment the follower stands in
+        when it has read part of one (the open walks that one on from there).
         None when the first live segment is not among them, or after a cut."""
         if self._walked is None:
             return None
-        oldest = vol.superblock.oldest_lsn
+        oldest, at = vol.superblock.oldest_lsn, self.follower.lsn
         out, upto, prev = [], None, None
         for sg in vol.live_segments():
             got = self._walked.get((sg.index, sg.seq))
-            if sg.end_lsn > self.follower.lsn or not got or got[0].seg != sg or vol.check_segment_header(sg, prev):
+            if sg.base_lsn >= at or not got or got[0].seg != sg or vol.check_segment_header(sg, prev):
                 break
-            out.extend(it if it.seg is sg else it._replace(seg=sg) for it in got if it.header.lsn >= oldest)
+            mine = [it if it.seg is sg else it._replace(seg=sg) for it in got if it.header.lsn >= oldest]
+            if sg.end_lsn > at:   # the segment the follower stands in: its records before that point
+                out.extend(it for it in mine if it.header.lsn + it.header.length <= at)
+                upto = at
+                break
+            out.extend(mine)
             upto, prev = sg.end_lsn, sg
         return None if upto is None else (out, upto)
 

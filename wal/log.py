@@ -109,9 +109,10 @@ class Log:
         stands only when the damage stays where it was.
 
         walked (writable, check_pages False or "last"): a callable(Volume)
-        returning (items, lsn), the walk of the log's first live segments up
-        to `lsn` made already (a following standby's mirror, `Mirror.walked`),
-        or None; the open walks only the segments after them."""
+        returning (items, lsn), the walk of the log's live segments up to
+        `lsn` made already (a following standby's mirror, `Mirror.walked`), or
+        None; the open walks only on from `lsn` (a record boundary, which may
+        lie inside a segment)."""
         mode = RecoveryMode.parse(mode)
         if writable and mode not in (RecoveryMode.TOLERATE_TAIL, RecoveryMode.ABSOLUTE):
             raise UsageError(f"a log is opened for writing only in tolerate_tail or absolute mode, not {mode.value}",
@@ -137,7 +138,8 @@ class Log:
                     res = recover(vol, read_as, reporter, check_pages=check_pages)
                 else:
                     items, walked_to = done
-                    rest = Scanner(vol, check_pages=False).items(ScanResult(), from_lsn=walked_to)
+                    rest = Scanner(vol, check_pages=False).items(ScanResult(), from_lsn=walked_to,
+                                                                 start_lsn=walked_to)
                     res = recover(vol, read_as, reporter, check_pages=check_pages, items=items + list(rest))
             t1 = time.perf_counter()
             appender = cls._prepare_write(vol, res) if writable else None

@@ -252,7 +252,7 @@ class Scanner:
         self._shown = 0  # what progress was last told
         self._total = 0
 
-    def items(self, result: ScanResult | None = None, *, from_lsn: int = 0):
+    def items(self, result: ScanResult | None = None, *, from_lsn: int = 0, start_lsn: int = 0):
         """Every valid record and damaged range of the live segments, in LSN
         order: (0, seg, offset, raw header tuple) for a record, (1, seg,
         offset, length, reason[, hides_commit]) for damage (a live segment
@@ -262,6 +262,8 @@ class Scanner:
         keeps tailing a long log cheap); of the rest, items that end at or
         below it are left out.  Each segment is walked from its start, so
         the bytes before from_lsn in its segment are still read and checked.
+        start_lsn: a record boundary an earlier walk reached (its items before
+        it held): the segment holding it is walked from there, not its start.
         `result`, when given, collects the segments walked."""
         result = ScanResult() if result is None else result
         segs = self.vol.live_segments()
@@ -282,6 +284,8 @@ class Scanner:
                 # a valid commit among them means this damage hides committed data
                 hides_commit = any(is_commit(it) for it in self._segment(seg))
                 found = [Damaged(_DMG, seg, seg.offset, max(0, end - seg.offset), why, hides_commit)]
+            elif seg.base_lsn < start_lsn < seg.end_lsn:
+                found = self._segment(seg, start=seg.offset + (start_lsn - seg.base_lsn))
             else:
                 found = self._segment(seg)
             for it in found:

@@ -110,3 +110,24 @@ def test_the_cut_zeroes_only_what_is_not_zero(monkeypatch, threads):
     a[4096 * 3 + 9] = a[-1] = 1  # after it: zeroed
     assert log_mod._zero_tail(a, 100, a.size) is True
     assert a[50] == 7 and not a[100:].any()
+
+
+def test_a_walk_started_at_a_record_boundary_inside_a_segment_is_the_rest_of_a_whole_walk(live, monkeypatch):
+    log, reader = live
+    for e in range(1, 9):
+        _epoch(log, e)
+    vol = Volume.open(reader, writable=False)
+    whole = list(Scanner(vol, check_pages=True).items())
+    read = []
+    monkeypatch.setattr(Scanner, "_walk", lambda self, seg, out, pending, start=None, to_gap=False: (
+        read.append(start), _real_walk(self, seg, out, pending, start, to_gap))[1])
+    for k in (3, 7, len(whole) - 1):
+        at = whole[k].seg.lsn(whole[k].offset)
+        assert whole[k].seg.base_lsn < at < whole[k].seg.end_lsn   # inside its segment
+        read.clear()
+        rest = list(Scanner(vol, check_pages=True).items(from_lsn=at, start_lsn=at))
+        assert rest == whole[k:]
+        assert read[0] == whole[k].offset   # that segment walked from there, not from its start
+
+
+_real_walk = Scanner._walk
