@@ -114,6 +114,7 @@ class Mirror:
             self._adopt(info, self._zeros(info) if a is None else self._xp.ascontiguousarray(a))
         self.epoch = epoch
         self._pending: list = []
+        self._staged: dict = {}   # region id -> [(page ids, payload rows)] of epochs applied, not yet written
         self._last_commit: int | None = None   # the LSN of the last commit read (each names the one before)
         # pages are checked on arrival for the batches the mirror will apply: those of
         # epochs after the one it holds (the log before it, BASE copies: read, not hashed)
@@ -168,15 +169,20 @@ class Mirror:
             self._pending.clear()
             self._walked = None
         self._keep_walk(items)
-        for it in items:
-            if it[0] == _DMG:
-                raise CorruptionError(f"the followed log holds damage: {it.reason}", where=it.seg.where(it.offset))
-            try:
-                self._take(it)
-            except _Gap as gap:   # a commit was not read (its segment freed first): start again
-                self.last_gap = str(gap)
-                self.resync()
-                return self.epoch
+        try:
+            for it in items:
+                if it[0] == _DMG:
+                    raise CorruptionError(f"the followed log holds damage: {it.reason}",
+                                          where=it.seg.where(it.offset))
+                try:
+                    self._take(it)
+                except _Gap as gap:   # a commit was not read (its segment freed first): start again
+                    self.last_gap = str(gap)
+                    self._staged.clear()
+                    self.resync()
+                    return self.epoch
+        finally:
+            self._write_staged()   # the epochs applied before damage, too: the arrays hold self.epoch
         return self.epoch
 
     def _keep_walk(self, items: list) -> None:
@@ -259,26 +265,53 @@ class Mirror:
         mine = [p for p in self._pending if p[1] == commit.epoch and p[0] >= commit.first_lsn]
         if len(mine) != commit.record_count:   # records of the epoch in a segment freed before it was read
             raise _Gap(f"epoch {commit.epoch}'s commit counts {commit.record_count} records, {len(mine)} were read")
-        touched = set()
-        for _, _, rid, ids, crcs, payload in mine:
-            if ids is None:
-                continue
-            info = self._info.get(rid)
-            if info is None:
-                raise CorruptionError(f"epoch {commit.epoch} writes region {rid}, which no region record defines",
-                                      where=f"commit lsn 0x{commit.lsn:x}")
-            self._write_pages(info, ids, payload)
-            self._crcs[rid][ids] = crcs
+        # the epoch is checked on the CRC tables first; its pages are written with the
+        # rest of the poll's epochs (`_write_staged`), or, when it fails, not at all
+        writes, undo = [], []
+        try:
+            for _, _, rid, ids, crcs, payload in mine:
+                if ids is None:
+                    continue
+                info = self._info.get(rid)
+                if info is None:
+                    raise CorruptionError(f"epoch {commit.epoch} writes region {rid}, which no region record "
+                                          f"defines", where=f"commit lsn 0x{commit.lsn:x}")
+                undo.append((rid, ids, self._crcs[rid][ids]))
+                self._crcs[rid][ids] = crcs
+                writes.append((rid, ids, payload))
+            touched = {rid for rid, _, _ in writes}
+            for rid, want in commit.digests.items():   # the regions untouched keep the digest checked before
+                if rid in touched and F.region_digest(self._crcs[rid]) != want:
+                    raise CorruptionError(f"region {self._info[rid].name!r} differs from the digest epoch "
+                                          f"{commit.epoch} states after its pages were applied",
+                                          where=f"commit lsn 0x{commit.lsn:x}")
+        except CorruptionError:
+            for rid, ids, before in reversed(undo):
+                self._crcs[rid][ids] = before
+            raise
+        for rid, ids, payload in writes:
+            self._staged.setdefault(rid, []).append((ids, payload))
             self.pages_applied += int(ids.size)
-            touched.add(rid)
-        for rid, want in commit.digests.items():   # the regions untouched keep the digest checked before
-            if rid in touched and F.region_digest(self._crcs[rid]) != want:
-                raise CorruptionError(f"region {self._info[rid].name!r} differs from the digest epoch "
-                                      f"{commit.epoch} states after its pages were applied",
-                                      where=f"commit lsn 0x{commit.lsn:x}")
         self._pending = [p for p in self._pending if p[1] > commit.epoch]
         self.epoch = int(commit.epoch)
         self.epochs_applied += 1
+
+    def _write_staged(self) -> None:
+        """Write the pages of the epochs applied since the last write, one
+        scatter a region: a page written by several of them once, as the
+        latest wrote it (a poll that applies hundreds of epochs of a
+        primary checkpointing every step costs one transfer, not hundreds)."""
+        staged, self._staged = self._staged, {}
+        for rid, parts in staged.items():
+            info = self._info[rid]
+            if len(parts) == 1:
+                ids, rows = parts[0]
+            else:
+                ids = np.concatenate([i for i, _ in parts])
+                rows = np.concatenate([r.reshape(i.size, info.page_bytes) for i, r in parts])
+                last, at = np.unique(ids[::-1], return_index=True)   # each page's last write
+                ids, rows = last, rows[ids.size - 1 - at]
+            self._write_pages(info, ids, rows)
 
     def _write_pages(self, info: F.RegionInfo, ids: np.ndarray, payload: np.ndarray) -> None:
         """The pages `ids` (host arrays, checked on arrival) into the region:

@@ -299,3 +299,50 @@ def test_a_following_standby_on_the_gpu_takes_over_from_its_device_mirror(tmp_pa
     finally:
         tk.close()
         sb.close()
+
+
+def test_a_poll_writes_each_region_once_and_an_epoch_that_fails_its_digest_not_at_all(tmp_path, monkeypatch):
+    """Epochs of a primary checkpointing every step, read in one poll: their
+    pages reach each region in one write, a page several of them wrote as
+    the latest wrote it.  An epoch whose digest does not match leaves the
+    arrays and the page CRC tables at the epoch before it."""
+    from concordia.gpu_kernels import reference as ref
+    from concordia.wal import format as F
+
+    path = f"file:{tmp_path / 'log'}"
+    a = np.zeros((16, 1024), np.uint32)   # 16 pages of 4 KiB
+    b = np.zeros(8 * 4096, np.uint8)
+    states = {}
+    with Session(path, size=8 << 20, segment_size=1 << 20) as s:
+        s.register("a", a)
+        s.register("b", b)
+        first = s.checkpoint().epoch
+        m, failing = Mirror(open_backend(path)), Mirror(open_backend(path))
+        for i in range(9):
+            a[i % 3, i] = i + 1          # pages 0-2 of `a`, each written by three epochs
+            b[4096 * (i % 2)] = i + 1
+            states[s.checkpoint().epoch] = (a.copy(), b.copy())
+    writes = []
+    real = Mirror._write_pages
+    monkeypatch.setattr(Mirror, "_write_pages", lambda self, info, ids, rows: (
+        writes.append((info.name, [int(x) for x in ids])), real(self, info, ids, rows))[1])
+    assert m.poll() == first + 9
+    assert sorted(writes) == [("a", [0, 1, 2]), ("b", [0, 1])]
+    for k, name in enumerate("ab"):
+        np.testing.assert_array_equal(m.arrays[name], states[first + 9][k])
+    m.backend.close()
+
+    calls = []
+    real_digest = F.region_digest
+    # two regions an epoch: the 9th digest is the fifth epoch's first
+    monkeypatch.setattr(F, "region_digest", lambda crcs: real_digest(crcs) ^ (len(calls.append(1) or calls) == 9))
+    writes.clear()
+    with pytest.raises(CorruptionError, match="differs from the digest"):
+        failing.poll()
+    assert failing.epoch == first + 4 and len(writes) == 2
+    for k, name in enumerate("ab"):
+        np.testing.assert_array_equal(failing.arrays[name], states[first + 4][k])
+        info = next(i for i in failing._info.values() if i.name == name)
+        flat = failing.arrays[name].reshape(-1).view(np.uint8)
+        np.testing.assert_array_equal(failing._crcs[info.id], ref.crc32c_pages(flat, page_bytes=info.page_bytes))
+    failing.backend.close()
