@@ -379,6 +379,8 @@ class Standby:
         #: the log's regions as the warm-up read them ({name: RegionInfo})
         self.regions: dict = {}
         self._watch_log = None
+        #: (start, end) CLOCK_MONOTONIC of the mirror's last poll while watching
+        self.last_follow: tuple | None = None
 
     # -------------------------------------------------------------- warming
     def warm(self) -> dict:
@@ -524,8 +526,10 @@ class Standby:
         restores from the log instead, which decides what the damage costs."""
         if self.mirror is None:
             return
+        t0 = _now()
         try:
             self.mirror.poll()
+            self.last_follow = (t0, _now())   # when the watch's last poll ran: a death meanwhile waits on it
         except ConcordiaError as exc:
             self.mirror_error = exc.one_line()
             self.mirror = None
@@ -559,6 +563,8 @@ class Standby:
         from concordia.wal import Log
 
         stamps = {"detected": detection["detected"]}
+        if self.last_follow is not None:
+            stamps["last_poll_started"], stamps["last_poll_ended"] = self.last_follow
         pid = detection.get("primary_pid")
         if pid and pid != os.getpid():
             # the lock goes with the log's descriptor, which may close before the

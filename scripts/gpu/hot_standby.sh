@@ -40,7 +40,7 @@ import json; d=json.load(open('$OUT/${HOT_STANDBY_JSON:-standby-follow.json}'))
 for x in [d['warm']] + d['hot_trials']:
     o = x['restore'].get('open', {})
     print(x['standby'], round(x['GiB'], 2), 'GiB', x['device'], ': kill->decoding', round(x['kill_to_decoding_s'], 3),
-          's, detect', round(x['kill_to_detect_s'], 3), 'isolate', round(x['isolate_s'], 3),
+          's, detect', round(x['kill_to_detect_s'], 3), '(in a poll', x.get('detect_in_poll_s') and round(x['detect_in_poll_s'], 3), ') isolate', round(x['isolate_s'], 3),
           '(walk', round(o.get('walk_s', -1), 3), 'cut', round(o.get('cut_s', -1), 3), 'exit wait',
           round(o.get('exit_wait_s', -1), 4), ') restore', round(x['restore_s'], 3),
           'decode', round(x['first_decode_s'], 4), 'epoch', x['epoch'], '|', x['restore'].get('via'))

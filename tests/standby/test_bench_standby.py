@@ -32,11 +32,12 @@ def test_follow_chains_a_warm_and_hot_standbys_each_taking_over_from_the_last(tm
     warm, hots = rep["warm"], rep["hot_trials"]
     assert rep["hot"] == hots[0] and len(hots) == 2
     assert warm["primary"]["checkpoints_every_step"] and warm["standby"] == "warm"
-    assert "mirror" not in warm["restore"] and warm["restore_GBps"] > 0
+    assert "mirror" not in warm["restore"] and warm["restore_GBps"] > 0 and warm["detect_in_poll_s"] is None
     epochs = [warm["epoch"]]
     for hot in hots:
         assert hot["standby"] == "hot" and "mirror" in hot["restore"] and hot["restore_GBps"] is None
         assert hot["restore"]["mirror"]["epoch"] == hot["epoch"]
+        assert 0 <= hot["detect_in_poll_s"] <= hot["kill_to_detect_s"]
         epochs.append(hot["epoch"])
     # each standby took over from the one before, which had checkpointed on as the primary
     assert epochs[0] > 2 and epochs[0] < epochs[1] < epochs[2]

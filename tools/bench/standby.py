@@ -302,7 +302,9 @@ def run(nbytes: int, tier: str, device: str, scratch: Scratch, *, standbys=("war
             # one line a takeover as it ends: a chain cut short still shows what it measured
             print(f"standby {i + 1} ({kind}): kill to decoding {r['kill_to_decoding_s']:.3f} s (detect "
                   f"{r['kill_to_detect_s']:.3f}, isolate {r['isolate_s']:.3f}, restore {r['restore_s']:.3f}, "
-                  f"decode {r['first_decode_s']:.4f}), epoch {r['epoch']}", file=sys.stderr, flush=True)
+                  f"decode {r['first_decode_s']:.4f}), epoch {r['epoch']}"
+                  + ("" if r["detect_in_poll_s"] is None else f", {r['detect_in_poll_s']:.3f} s of detect in a poll"),
+                  file=sys.stderr, flush=True)
             primary = standby
     finally:
         if on_term is not None:
@@ -329,6 +331,9 @@ def _figures(res: dict, rep: dict, t_kill: float, nbytes: int) -> dict:
         "isolate_s": st["isolated"] - st["detected"],
         "restore_s": st["restored"] - st["isolated"],
         "first_decode_s": st["resumed"] - st["restored"],
+        # of the detect phase, the time a poll of the mirror that ran at the kill went on after it
+        "detect_in_poll_s": (max(0.0, st["last_poll_ended"] - max(t_kill, st["last_poll_started"]))
+                             if "last_poll_ended" in st else None),
         "epoch": rep["epoch"], "cause": rep["cause"], "timeline": rep["timeline"],
         "restore": rep["restore"], "warm": rep["warm"],
     })
