@@ -226,6 +226,10 @@ def test_bench_model_quick_json(tmp_path):
     assert [r["context"] for r in doc["recovery"]] == [64, 256]
     assert all(r["identical"] for r in doc["recovery"])
     assert all(r["recovery_vs_reprefill"] > 0 for r in doc["recovery"])
+    # the same recovery in a fresh process, at the epoch this one restored
+    assert all(r["fresh"]["epoch"] == 1 and r["fresh"]["recovery_s"] > 0 for r in doc["recovery"]), doc["recovery"]
+    assert set(doc["hf_restore_vs_reprefill"]) == {"ctx_64", "ctx_256"}
+    assert all(v > 0 for v in doc["hf_restore_vs_reprefill"].values())
     assert len(doc["kills"]) == 2 and [k["sampled"] for k in doc["kills"]] == [False, True]
     assert all(k["identical"] for k in doc["kills"]) and doc["kills_run"]["identical"]
     lr = doc["longrun"]

@@ -28,7 +28,9 @@ determinism switches.
 * recovery at each context length: the cache is prefilled with that many
   tokens and checkpointed (a base of every page), then recovered as a
   recovering program would: `Session(log, create=False)`, `protect` of a fresh
-  cache, `restore` into it (open + restore, in this process); beside it, the
+  cache, `restore` into it (open + restore, in this process), and again in a
+  fresh process (`fresh`, `hf_restore_vs_reprefill`: issue 30's measure, the
+  process's start-up and model build left out); beside it, the
   same tokens re-prefilled into an empty cache, and a cold restart (the weights
   loaded from safetensors, then re-prefill); and the KV bytes' time at pinned
   host-to-device bandwidth measured in the same run (the ceiling).
@@ -392,7 +394,8 @@ def run(shape: str, device: str, batch: int, contexts: list[int], decode_steps: 
         cache = StaticCache(config=cfg, max_cache_len=ctx + 8)
         row = {"context": ctx, "kv_bytes": kv_bytes}
         with concordia.Session(log, size=_log_size(kv_bytes)) as s:
-            guard = protect(s, cache, model, batch_size=batch)
+            # the tokens region too (max_tokens), as a generating program protects it
+            guard = protect(s, cache, model, batch_size=batch, max_tokens=ctx + 8)
             _sync(torch, device)
             t0 = time.perf_counter()
             _prefill(model, cache, ids, chunk)
@@ -408,7 +411,7 @@ def run(shape: str, device: str, batch: int, contexts: list[int], decode_steps: 
         _sync(torch, device)
         t0 = time.perf_counter()
         with concordia.Session(log, create=False) as s:
-            guard = protect(s, fresh, model, batch_size=batch)
+            guard = protect(s, fresh, model, batch_size=batch, max_tokens=ctx + 8)
             t1 = time.perf_counter()
             restore(s, guard)
             _sync(torch, device)
@@ -417,6 +420,9 @@ def run(shape: str, device: str, batch: int, contexts: list[int], decode_steps: 
                    identical=all(torch.equal(a, b.keys) for a, b in zip(want, fresh.layers[:2])))
         del fresh, want
         _empty(torch, device)
+        # the same recovery in a fresh process, as after a crash: its CUDA start-up, imports
+        # and model build left out, its first touches of everything else counted
+        row["fresh"] = _recovery_child(log, shape, device, batch, ctx + 8)
         # re-prefill the same tokens into an empty cache
         cache = StaticCache(config=cfg, max_cache_len=ctx + 8)
         cache.early_initialization(batch_size=batch, num_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
@@ -444,13 +450,17 @@ def run(shape: str, device: str, batch: int, contexts: list[int], decode_steps: 
         _empty(torch, device)
         discard(log)
         row["recovery_vs_reprefill"] = row["reprefill_s"] / row["recovery_s"]
+        fresh_s = row["fresh"].get("recovery_s")
+        row["fresh_recovery_vs_reprefill"] = row["reprefill_s"] / fresh_s if fresh_s else None
         row["recovery_vs_cold"] = row["cold_restart_s"] / row["recovery_s"]
         if h2d:
             row["h2d_s"] = kv_bytes / (h2d * 1e9)
             row["recovery_to_h2d"] = row["recovery_s"] / row["h2d_s"]
         res["recovery"].append(row)
-        key = f"recovery_vs_reprefill_{ctx // 1024}k" if ctx % 1024 == 0 else f"recovery_vs_reprefill_{ctx}"
-        res[key] = row["recovery_vs_reprefill"]
+        name = f"{ctx // 1024}k" if ctx % 1024 == 0 else f"{ctx}"
+        res[f"recovery_vs_reprefill_{name}"] = row["recovery_vs_reprefill"]
+        # issue 30's measure: restore(session, guard) in a fresh process against re-prefilling
+        res.setdefault("hf_restore_vs_reprefill", {})[f"ctx_{name}"] = row["fresh_recovery_vs_reprefill"]
     return res
 
 
