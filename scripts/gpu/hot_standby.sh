@@ -34,7 +34,7 @@ fi
 
 timeout -k 5 "${HOT_STANDBY_BENCH_S:-420}" "${WAL[@]}" bench standby --follow --gib "$gib" --tier hugetlb \
   --steps-s "${HOT_STANDBY_STEPS_S:-2}" --trials "${HOT_STANDBY_TRIALS:-10}" --log-ratio "$ratio" \
-  --json --out "$OUT/${HOT_STANDBY_JSON:-standby-follow.json}" --force > /dev/null || rc=1
+  --out "$OUT/${HOT_STANDBY_JSON:-standby-follow.json}" --force > /dev/null || rc=1   # the table to nowhere, a line a takeover to the log
 python3 -c "
 import json; d=json.load(open('$OUT/${HOT_STANDBY_JSON:-standby-follow.json}'))
 for x in [d['warm']] + d['hot_trials']:

@@ -28,6 +28,7 @@ def test_follow_chains_a_warm_and_hot_standbys_each_taking_over_from_the_last(tm
     res = CliRunner().invoke(main, ["bench", "standby", "--quick", "--follow", "--steps-s", "0.3", "--trials", "2",
                                     "--json", "--out", str(out)])
     assert res.exit_code == 0, res.output
+    assert res.stderr == ""
     rep = json.loads(out.read_text())
     warm, hots = rep["warm"], rep["hot_trials"]
     assert rep["hot"] == hots[0] and len(hots) == 2
@@ -45,8 +46,11 @@ def test_follow_chains_a_warm_and_hot_standbys_each_taking_over_from_the_last(tm
     assert rep["standby"]["kill_to_decoding_s"] == times and rep["standby"]["max_s"] == max(times)
     assert rep["standby"]["median_s"] == pytest.approx(sum(times) / 2, rel=1e-12)
     assert rep["hot_vs_warm"] == rep["standby"]["median_s"] / warm["kill_to_decoding_s"] > 0
-    assert "hot standbys in turn" in CliRunner().invoke(
-        main, ["bench", "standby", "--quick", "--follow", "--steps-s", "0.2", "--trials", "2"]).output
+    table = CliRunner().invoke(main, ["bench", "standby", "--quick", "--follow", "--steps-s", "0.2", "--trials", "2"])
+    assert "hot standbys in turn" in table.stdout
+    # without --json, a line a takeover as it ends (on stderr: the JSON run above said nothing there)
+    assert [ln.split(":")[0] for ln in table.stderr.splitlines() if "kill to decoding" in ln] == [
+        "standby 1 (warm)", "standby 2 (hot)", "standby 3 (hot)"]
 
 
 @pytest.mark.gpu

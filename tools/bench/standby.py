@@ -245,12 +245,14 @@ def _spec(tier: str, scratch: Scratch) -> str:
 
 
 def run(nbytes: int, tier: str, device: str, scratch: Scratch, *, standbys=("warm",), steps: bool = False,
-        steps_s: float = 1.0, log_ratio: float = 4.0) -> list:
+        steps_s: float = 1.0, log_ratio: float = 4.0, progress=None) -> list:
     """A primary and a chain of standbys (module doc), one figure dict per
     standby.  standbys: "warm" or "hot" (a following standby) each; every
     one but the last carries on as the primary the next one takes over from.
     steps: the primaries checkpoint every step, for steps_s seconds under the
-    watching standby before each kill, on a log of log_ratio times the state."""
+    watching standby before each kill, on a log of log_ratio times the state.
+    progress: called with one line a takeover as it ends (a chain cut short
+    still shows what it measured)."""
     from .recover import _ceiling
 
     xp = _xp(device)
@@ -299,12 +301,12 @@ def run(nbytes: int, tier: str, device: str, scratch: Scratch, *, standbys=("war
                 _drain(standby)
             runs.append(_figures(dict(base, standby=kind), rep, t_kill, nbytes))
             r = runs[-1]
-            # one line a takeover as it ends: a chain cut short still shows what it measured
-            print(f"standby {i + 1} ({kind}): kill to decoding {r['kill_to_decoding_s']:.3f} s (detect "
-                  f"{r['kill_to_detect_s']:.3f}, isolate {r['isolate_s']:.3f}, restore {r['restore_s']:.3f}, "
-                  f"decode {r['first_decode_s']:.4f}), epoch {r['epoch']}"
-                  + ("" if r["detect_in_poll_s"] is None else f", {r['detect_in_poll_s']:.3f} s of detect in a poll"),
-                  file=sys.stderr, flush=True)
+            if progress is not None:
+                progress(f"standby {i + 1} ({kind}): kill to decoding {r['kill_to_decoding_s']:.3f} s (detect "
+                         f"{r['kill_to_detect_s']:.3f}, isolate {r['isolate_s']:.3f}, restore {r['restore_s']:.3f}, "
+                         f"decode {r['first_decode_s']:.4f}), epoch {r['epoch']}"
+                         + ("" if r["detect_in_poll_s"] is None else
+                            f", {r['detect_in_poll_s']:.3f} s of detect in a poll"))
             primary = standby
     finally:
         if on_term is not None:
@@ -408,7 +410,8 @@ def command(gib, tier, quick, follow, steps_s, trials, log_ratio, as_json, out, 
             res = run(nbytes, tier, device, scratch)[0]
         else:
             runs = run(nbytes, tier, device, scratch, standbys=["warm"] + ["hot"] * trials, steps=True,
-                       steps_s=steps_s, log_ratio=log_ratio)
+                       steps_s=steps_s, log_ratio=log_ratio,
+                       progress=None if as_json else (lambda m: click.echo(m, err=True)))
             res = _follow_result(runs, device, tier, nbytes)
     report(res, as_json=as_json, out=out, table=_follow_table if follow else _table, force=force)
 
