@@ -253,7 +253,8 @@ class Session:
         batch_pages(int(page_bytes), self.log.volume.segment_bytes - fmt.SEGMENT_HEADER_SIZE, where)
         if name in self.region_set:
             raise DuplicateRegionError("a region of this name is already registered", where=where)
-        arr, xp, owner = adapt(array, where)
+        info = self.log.regions.get(name)   # a recovering session's, whose dtype was checked when written:
+        arr, xp, owner = adapt(array, where, logged := None if info is None else info.logical_dtype)
         if not arr.flags.c_contiguous:
             raise UnsupportedArrayError("the array is not C-contiguous", where=where,
                                         hint="protect the contiguous base array")
@@ -261,7 +262,7 @@ class Session:
             raise UnsupportedArrayError("the array is empty", where=where)
         if arr.dtype.kind not in "biufc":
             raise UnsupportedArrayError(f"dtype {arr.dtype} cannot be logged", where=where)
-        logical, framework = logical_of(owner)
+        logical, framework = logical_of(owner, logged)
         detect, hints = resolve_detector(kind, detect, where, arr, xp, block_tables=block_tables, seq_lens=seq_lens,
                                   block_stamp=block_stamp, seq_ids=seq_ids, slot_versions=slot_versions,
                                   pages_per_slot=pages_per_slot, check_every=check_every, length=length,
@@ -272,7 +273,6 @@ class Session:
                         framework=framework, stream=stream, check_every=hints.get("check_every", 0))
         if stream is not None:
             StreamOrder.of([(owner, stream)])  # refuse a stream of an unknown kind now
-        info = self.log.regions.get(name)
         if info is not None:
             check_same(info, region)
         if detect == "stores":

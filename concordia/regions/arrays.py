@@ -64,6 +64,25 @@ def numpy_dtype(name: str, where: str, itemsize: int | None = None) -> np.dtype:
     return dt
 
 
+def torch_numpy_dtype(name: str, where: str, itemsize: int, logged: str | None = None) -> np.dtype:
+    """The numpy dtype that stands for PyTorch dtype `name` (its layout is
+    what matters): numpy_dtype's answer, unless the log already holds this
+    region with logical dtype `name` (`logged`).  The writer checked that
+    name when it registered the region, so it is not checked again: the
+    layout is numpy's own type of that name, else the unsigned integer of
+    its width, and ml_dtypes (whose import costs a fresh recovering process
+    seconds) is not loaded to say so."""
+    if logged is None or name != logged:
+        return numpy_dtype(name, where, itemsize)
+    try:
+        dt = np.dtype(name)
+    except TypeError:
+        dt = None
+    if dt is not None and dt.name == name and dt.itemsize == itemsize and dt.type.__module__ == "numpy":
+        return dt
+    return np.dtype(f"<u{itemsize}" if itemsize > 1 else "|u1")
+
+
 def layout_of(dt: np.dtype) -> str:
     """The numpy type string of `dt`'s byte layout: its own for numpy's
     numeric types, else the unsigned integer of its width (FORMAT.md §7.1)."""
@@ -87,20 +106,21 @@ def torch_dtype(name: str, where: str, itemsize: int | None = None):
     return tdt
 
 
-def adapt(obj, where: str):
+def adapt(obj, where: str, logged: str | None = None):
     """(array, xp, owner): the numpy or CuPy array sharing obj's memory, its
     array module, and the object whose shape and storage are checked later.
     The array holds the bytes in their layout (`layout_of`): a bfloat16 tensor
     or ml_dtypes array is seen as uint16, so the page kernels, the detectors
     and the host twins never meet a dtype numpy or CuPy lacks; `logical_of`
-    says what it holds."""
+    says what it holds.  logged: the logical dtype the log holds the region
+    as, when it does (`torch_numpy_dtype`)."""
     if isinstance(obj, np.ndarray):
         return _as_layout(obj, obj.dtype, where), np, obj
     if is_cupy(obj):
         return obj, cupy_module(), obj
     if is_torch(obj):
         name = str(obj.dtype).split(".", 1)[1]
-        dt = numpy_dtype(name, where, obj.element_size())
+        dt = torch_numpy_dtype(name, where, obj.element_size(), logged)
         if obj.is_conj() or obj.is_neg():
             raise UnsupportedArrayError("the tensor is a lazy conjugate or negative view (its bytes are not its "
                                         "values)", where=where, hint="pass t.resolve_conj().resolve_neg()")
@@ -145,12 +165,13 @@ def _as_layout(a, dt: np.dtype, where: str):
     return a.view(lay) if a.ndim else a.reshape(1).view(lay).reshape(())
 
 
-def logical_of(obj) -> tuple[str, str]:
+def logical_of(obj, logged: str | None = None) -> tuple[str, str]:
     """(logical dtype name, framework) of an object `adapt` took: the name
     is "" where the layout's numpy name says it (FORMAT.md §7)."""
     if is_torch(obj):
         name = str(obj.dtype).split(".", 1)[1]
-        return ("" if np.dtype(layout_of(numpy_dtype(name, ""))).name == name else name), "torch"
+        dt = torch_numpy_dtype(name, "", obj.element_size(), logged)
+        return ("" if np.dtype(layout_of(dt)).name == name else name), "torch"
     return logical_name(np.dtype(obj.dtype)), "array"
 
 

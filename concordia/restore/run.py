@@ -257,7 +257,7 @@ def check_target(info, name, arr, device=None):
     if not contiguous:
         raise RecoverMismatchError(f"the target {kind} is not C-contiguous (a view?)", where=where,
                                    hint="recover into the contiguous base, or into a new array and copy")
-    a, xp, _ = adapt(arr, where)
+    a, xp, _ = adapt(arr, where, info.logical_dtype)
     if np.dtype(a.dtype) != np.dtype(info.dtype) or tuple(a.shape) != tuple(info.shape):
         raise RecoverMismatchError(f"cannot recover {info.dtype}{list(info.shape)} bytes into "
                                    f"{a.dtype}{list(a.shape)}", where=where)

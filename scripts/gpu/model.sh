@@ -10,6 +10,9 @@
 #     longrun   10,000 every-step checkpoints into a log of 4x the state
 #     kills     6 SIGKILLs at random moments of generate(), greedy and sampled
 #               in turn, each restored and finished in a fresh process
+#     recovery  restore at each --contexts length, in process and in a fresh
+#               process, against re-prefilling (issue 30's hf_restore_vs_reprefill:
+#               MODEL_ARGS="--contexts 512,32768")
 #   bench checkpoint --parts decode (the decode-shaped checkpoint, LoRA updated),
 #     unless MODEL_SKIP_CHECKPOINT is set.
 # Run from the repository root with $OUT set (through scripts/gpu_suite.sh);
@@ -49,5 +52,10 @@ for k in d.get("kills", []):
     print("kill", json.dumps(k))
 if "kills_run" in d:
     print("kills identical", d["kills_run"]["identical"], "wall", round(d["kills_run"]["wall_s"], 1))
+for r in d.get("recovery", []):
+    print("recovery ctx", r["context"], "in process", round(r["recovery_s"], 4), "s, fresh process", r["fresh"],
+          "re-prefill", round(r["reprefill_s"], 4), "s, identical", r["identical"])
+if "hf_restore_vs_reprefill" in d:
+    print("hf_restore_vs_reprefill", d["hf_restore_vs_reprefill"])
 PY
 exit $status

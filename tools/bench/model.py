@@ -506,13 +506,17 @@ def _table(res: dict) -> str:
                    f"log full: {lr['log_full']}, recovery at 1,000 "
                    f"{'-' if r1 is None else f'{r1:.3f} s'}, at the end {'-' if r2 is None else f'{r2:.3f} s'}")
     if res.get("recovery"):
-        out.append(f"{'context':>8} {'KV GB':>7} {'recover s':>10} {'re-prefill s':>13} {'cold s':>8} "
-                   f"{'vs re-prefill':>14} {'vs cold':>8} {'x H2D time':>11}")
+        out.append(f"{'context':>8} {'KV GB':>7} {'recover s':>10} {'fresh s':>8} {'re-prefill s':>13} "
+                   f"{'cold s':>8} {'vs re-prefill':>14} {'fresh vs':>9} {'vs cold':>8} {'x H2D time':>11}")
         for r in res["recovery"]:
             h = f"{r['recovery_to_h2d']:.2f}" if "recovery_to_h2d" in r else "-"
-            out.append(f"{r['context']:>8} {r['kv_bytes'] / 1e9:>7.2f} {r['recovery_s']:>10.3f} "
+            fs = r["fresh"].get("recovery_s")
+            fresh = ("-", "-") if fs is None else (f"{fs:.3f}", f"{r['fresh_recovery_vs_reprefill']:.1f}x")
+            out.append(f"{r['context']:>8} {r['kv_bytes'] / 1e9:>7.2f} {r['recovery_s']:>10.3f} {fresh[0]:>8} "
                        f"{r['reprefill_s']:>13.3f} {r['cold_restart_s']:>8.2f} {r['recovery_vs_reprefill']:>13.1f}x "
-                       f"{r['recovery_vs_cold']:>7.1f}x {h:>11}")
+                       f"{fresh[1]:>9} {r['recovery_vs_cold']:>7.1f}x {h:>11}")
+            if fs is None:
+                out.append(f"{'':>8} fresh process: {r['fresh'].get('error')}")
     return "\n".join(out)
 
 
