@@ -271,19 +271,19 @@ def run(nbytes: int, tier: str, device: str, scratch: Scratch, *, standbys=("war
     procs, runs = [], []
     # a `timeout` around the bench sends SIGTERM: unwind, so that the children
     # (which map the log) are killed and the log discarded, not left behind
-    on_term = (signal.signal(signal.SIGTERM, _terminated)
+    term = _Term()
+    on_term = (signal.signal(signal.SIGTERM, term.handler)
                if threading.current_thread() is threading.main_thread() else None)
     try:
-        primary = _child("primary", spec, nbytes, device, "1" if steps else "0", log_ratio)
-        procs.append(primary)
+        primary = term.spawn(procs, "primary", spec, nbytes, device, "1" if steps else "0", log_ratio)
         ready = json.loads(_line(primary, "out", "ready", 600, "the primary"))
         base["primary"] = {"write_s": ready["write_s"], "epoch": ready["epoch"], "log_bytes": ready["log_bytes"],
                            "checkpoints_every_step": steps}
         _drain(primary)
         for i, kind in enumerate(standbys):
             last = i == len(standbys) - 1
-            standby = _child("standby", spec, device, "1" if kind == "hot" else "0", "stop" if last else "primary")
-            procs.append(standby)
+            standby = term.spawn(procs, "standby", spec, device, "1" if kind == "hot" else "0",
+                                 "stop" if last else "primary")
             _line(standby, "err", "watching the primary", 600, f"standby {i + 1} ({kind})")
             if steps:
                 time.sleep(steps_s)   # the primary's steps, followed (or not) by the standby
@@ -319,8 +319,30 @@ def run(nbytes: int, tier: str, device: str, scratch: Scratch, *, standbys=("war
     return runs
 
 
-def _terminated(signum, frame):
-    raise SystemExit(128 + signum)
+class _Term:
+    """SIGTERM as an exit that unwinds (the `finally` that kills the children
+    runs), held back while a child is being started: a child forked but not
+    yet in the list would be left running."""
+
+    def __init__(self):
+        self.spawning = False
+        self.pending = False
+
+    def handler(self, signum, frame):
+        if self.spawning:
+            self.pending = True
+            return
+        raise SystemExit(128 + signum)
+
+    def spawn(self, procs: list, *args):
+        self.spawning = True
+        try:
+            procs.append(_child(*args))
+        finally:
+            self.spawning = False
+        if self.pending:
+            raise SystemExit(128 + signal.SIGTERM)
+        return procs[-1]
 
 
 def _figures(res: dict, rep: dict, t_kill: float, nbytes: int) -> dict:
