@@ -106,17 +106,7 @@ def test_memory_copy_path_when_the_tier_has_no_descriptor(persistent_log, monkey
 
 def test_a_damaged_page_names_its_region_page_and_record(file_log):
     _history(file_log, epochs=1)
-    log = Log.open(file_log, writable=False, check_pages=False)
-    p = plan(log)
-    tr = transfer_plan(log, p, chunk_bytes=64 << 10)
-    k = int(np.flatnonzero(tr.region_index == [rp.name for rp in tr.regions].index("adapter"))[3])
-    c = int(np.searchsorted(tr.page_lo, k, side="right") - 1)
-    cps = tr.copies[c]
-    at = int(tr.stage_off[k])
-    row = int(np.flatnonzero((cps[:, 2] <= at) & (at < cps[:, 2] + cps[:, 1]))[0])
-    log_off = int(cps[row, 0] + at - cps[row, 2])
-    log.close()
-    flip_byte(file_log, log_off + 5, 0x40)
+    log_off = _damaged_adapter_page(file_log)
     log = Log.open(file_log, writable=False, check_pages=False)
     try:
         # planned without page checks (the planner's own check would refuse the
@@ -141,9 +131,10 @@ def test_a_damaged_page_names_its_region_page_and_record(file_log):
     assert msg.split(": ", 1)[0].endswith(f"@ {log_off:#x}")  # the damaged page's own offset
 
 
-def _damaged_adapter_page(file_log) -> None:
+def _damaged_adapter_page(file_log) -> int:
     """Flip one byte of a page of the "adapter" region, found through the
-    transfer plan (so that the damage is in a page a restore reads)."""
+    transfer plan (so that the damage is in a page a restore reads); returns
+    that page's offset in the log."""
     log = Log.open(file_log, writable=False, check_pages=False)
     try:
         tr = transfer_plan(log, plan(log), chunk_bytes=64 << 10)
@@ -156,6 +147,7 @@ def _damaged_adapter_page(file_log) -> None:
     finally:
         log.close()
     flip_byte(file_log, log_off + 5, 0x40)
+    return log_off
 
 
 def _sentinels(log) -> dict:
