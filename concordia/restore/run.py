@@ -125,38 +125,38 @@ def restore(log, target="latest", *, mode=None, regions=None, device: bool = Fal
     arrays, via = {}, {}
     t1 = time.perf_counter()
 
-    def on_gpu(names):
+    # one pass of each applier over every region it restores; the targets are written
+    # only once everything checked out (`staged`, `host_got`: what goes into them)
+    on_gpu = list(dev) + (rest if device else [])
+    on_host = list(host) + ([] if device else rest)
+    got = {}
+    if on_gpu:
         from concordia.restore.device import apply_plan_cupy
 
-        got = apply_plan_cupy(log, plan, regions=names, stats=st, registration=registration, read=read)
+        got = apply_plan_cupy(log, plan, regions=on_gpu, stats=st, registration=registration, read=read)
         via.update(dict.fromkeys(got, "device pipeline"))
-        return got
-
-    staged = on_gpu(list(dev)) if dev else {}   # the targets are written once everything checked out
-    host_got = apply_plan_numpy(log, plan, regions=list(host)) if host else {}
-    if rest:
-        if device:
-            arrays.update(on_gpu(rest))
-        else:
-            got = apply_plan_numpy(log, plan, regions=rest)
+    if on_host:
+        got_host = apply_plan_numpy(log, plan, regions=on_host)
+        if not device and rest:
             st.setdefault("via", "numpy applier")
-            arrays.update(got)
-            via.update(dict.fromkeys(got, "host"))
+        via.update(dict.fromkeys(got_host, "host"))
+        got.update(got_host)
+    staged = {n: got.pop(n) for n in dev if n in got}   # a region given up (skip_corrupt) is not there
+    host_got = {n: got.pop(n) for n in host if n in got}
+    arrays.update(got)
     if dev:   # the decision is made: the device targets, in their streams' order
         order = StreamOrder.of([(v, None) for v in dev.values()])
         order.after_producers()
         from concordia.gpu_kernels.jit import require_cupy
 
         stream = require_cupy().cuda.get_current_stream()
-        for name, v in dev.items():
-            a = staged.pop(name)
-            v.data.copy_from_device_async(a.data, int(a.nbytes), stream)
-            arrays[name] = v
+        for name, a in staged.items():
+            dev[name].data.copy_from_device_async(a.data, int(a.nbytes), stream)
+            arrays[name] = dev[name]
         order.before_later_work()
     for name, a in host_got.items():
         host[name][...] = a
         arrays[name] = host[name]
-        via[name] = "host"
     return Restored(arrays, plan, plan_s, time.perf_counter() - t1, via, st, kept)
 
 
