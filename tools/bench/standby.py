@@ -215,11 +215,17 @@ def _line(proc, stream, what: str, within: float, who: str) -> str:
         code = None
     if stream == "out" and code is not None:   # it has ended: its stderr is whole
         said += proc.stderr.read().splitlines()
+    raise _ended(f"{who} gave no {what!r}", code, said)
+
+
+def _ended(what: str, code: int | None, said: list) -> RuntimeError:
+    """A child that stopped short: what it did not do, how it ended (exit
+    status, signal, or still running), its last words and where it raised."""
     last = next((ln.strip() for ln in reversed(said) if ln.strip()), "no message")
     how = ("still running" if code is None else f"killed by signal {-code}" if code < 0
            else f"exit status {code}")
     where = _frames(said)
-    raise RuntimeError(f"{who} gave no {what!r} ({how}): {last}" + (f" [at {where}]" if where else ""))
+    return RuntimeError(f"{what} ({how}): {last}" + (f" [at {where}]" if where else ""))
 
 
 _FRAME = re.compile(r'File "(?:.*/)?([^/"]+/[^/"]+\.pyx?)", line (\d+), in (\S+)')
@@ -293,7 +299,8 @@ def run(nbytes: int, tier: str, device: str, scratch: Scratch, *, standbys=("war
             if last:
                 out, err = standby.communicate(timeout=300)
                 if standby.returncode != 0:
-                    raise RuntimeError(f"standby failed: {(err.strip().splitlines() or ['no message'])[-1]}")
+                    raise _ended(f"standby {i + 1} ({kind}) did not take over", standby.returncode,
+                                 err.splitlines())
                 rep = json.loads(out.strip().splitlines()[-1])
             else:
                 rep = json.loads(_line(standby, "out", '"timeline"', 300, f"standby {i + 1} ({kind})"))
