@@ -58,17 +58,26 @@ COPY_THREADS = int(os.environ.get("CONCORDIA_RESTORE_THREADS", 0)) or min(12, ma
 class Transfer:
     """Where every page of a plan travels: log -> chunk staging -> region.
 
+    The plan is held as runs: pages of one record whose rows and page ids both
+    follow on (a base is a few runs, whatever its page count), so laying out a
+    restore costs per run, not per page; the per-page tables the scatter
+    kernel reads are expanded from the runs where they are used (`page_tables`,
+    on the device for the device pipeline).
+
     Pages are ordered by chunk, then region, then log offset; chunk c holds
     pages [page_lo[c], page_lo[c + 1]), its copies are copies[c] (rows of
     log offset, bytes, staging offset) and it uses used[c] staging bytes."""
 
-    regions: list                  # RegionPlan, in the order region_index refers to
+    regions: list                  # RegionPlan, in the order run_region refers to
     chunk_bytes: int
-    region_index: np.ndarray       # int32 per page
-    page_ids: np.ndarray           # uint32 per page
-    crcs: np.ndarray               # uint32 per page, as stored in the record
-    stage_off: np.ndarray          # uint64 per page, within its chunk
-    source: np.ndarray             # int64 per page: index into `sources` (for naming a bad page)
+    run_region: np.ndarray         # int32 per run
+    run_id: np.ndarray             # int64 per run: its first page id
+    run_crc: np.ndarray            # int64 per run: its first page's index into `crc_table`
+    run_stage: np.ndarray          # int64 per run: its first page's offset within its chunk
+    run_pb: np.ndarray             # int64 per run: its region's page bytes
+    run_count: np.ndarray          # int64 per run: its pages
+    run_source: np.ndarray         # int64 per run: index into `sources` (for naming a bad page)
+    crc_table: np.ndarray          # uint32: the stored CRC tables of the records read, one after another
     sources: list                  # (region name, Source)
     page_lo: np.ndarray            # int64 per chunk + 1
     copies: list = field(default_factory=list)
@@ -80,22 +89,80 @@ class Transfer:
 
     @property
     def pages(self) -> int:
-        return int(self.page_ids.size)
+        return int(self.run_count.sum())
 
     @property
     def bytes_copied(self) -> int:
         return int(sum(int(c[:, 1].sum()) for c in self.copies if c.size))
+
+    def page_tables(self, xp=np) -> tuple:
+        """(stage_off uint64, page_ids uint32, crcs uint32) per page, expanded
+        from the runs with array module `xp` (numpy, or cupy on the device:
+        the runs and CRC tables go over, the per-page tables are built there)."""
+        n = self.pages
+        if n == 0:
+            return xp.zeros(0, xp.uint64), xp.zeros(0, xp.uint32), xp.zeros(0, xp.uint32)
+        count = xp.asarray(self.run_count)
+        first = xp.cumsum(count) - count
+        mark = xp.zeros(n, xp.int64)
+        mark[first[1:]] = 1
+        run = xp.cumsum(mark)  # the run of each page
+        k = xp.arange(n, dtype=xp.int64) - first[run]
+        stage = (xp.asarray(self.run_stage)[run] + k * xp.asarray(self.run_pb)[run]).astype(xp.uint64)
+        ids = (xp.asarray(self.run_id)[run] + k).astype(xp.uint32)
+        crcs = xp.asarray(self.crc_table)[xp.asarray(self.run_crc)[run] + k]
+        return stage, ids, crcs
+
+    @property
+    def stage_off(self) -> np.ndarray:
+        return self.page_tables()[0]
+
+    @property
+    def page_ids(self) -> np.ndarray:
+        return self.page_tables()[1]
+
+    @property
+    def crcs(self) -> np.ndarray:
+        return self.page_tables()[2]
+
+    @property
+    def region_index(self) -> np.ndarray:
+        return np.repeat(self.run_region, self.run_count)
+
+    def run_of(self, k: int) -> tuple[int, int]:
+        """(run, page within it) of page k."""
+        first = np.cumsum(self.run_count) - self.run_count
+        r = int(np.searchsorted(first, k, side="right")) - 1
+        return r, k - int(first[r])
 
     def region_slices(self, c: int):
         """(region index, lo, hi) page ranges of chunk c, one per region in it."""
         lo, hi = int(self.page_lo[c]), int(self.page_lo[c + 1])
         if lo == hi:
             return []
-        ri = self.region_index[lo:hi]
+        first = np.cumsum(self.run_count) - self.run_count
+        r0, r1 = np.searchsorted(first, [lo, hi])  # the runs of the chunk (no run crosses a chunk's end)
+        ri = self.run_region[r0:r1]
         cut = np.flatnonzero(ri[1:] != ri[:-1]) + 1
-        starts = np.concatenate(([0], cut))
-        ends = np.concatenate((cut, [hi - lo]))
-        return [(int(ri[s]), lo + int(s), lo + int(e)) for s, e in zip(starts, ends)]
+        starts = np.concatenate(([0], cut)) + r0
+        ends = np.append(starts[1:], r1)
+        at = np.append(first, hi)
+        return [(int(self.run_region[s]), int(at[s]), int(at[e])) for s, e in zip(starts, ends)]
+
+
+def _runs(rows: np.ndarray, ids: np.ndarray, pb: int) -> np.ndarray:
+    """Indices where a run of the source starts: its rows and page ids both step
+    by one within a run.  Pages whose size is not a multiple of 16 are a run
+    each (their log offsets are not all 16-byte aligned: each gets its own copy)."""
+    if rows.size == 0:
+        return np.zeros(0, np.int64)
+    if pb % 16:
+        return np.arange(rows.size, dtype=np.int64)
+    if rows.size > 1 and int(rows[-1] - rows[0]) == rows.size - 1 and int(ids[-1] - ids[0]) == ids.size - 1 \
+            and (np.diff(rows) == 1).all() and (np.diff(ids) == 1).all():
+        return np.zeros(1, np.int64)
+    brk = (np.diff(rows) != 1) | (np.diff(ids) != 1)
+    return np.concatenate(([0], np.flatnonzero(brk) + 1)).astype(np.int64)
 
 
 def transfer_plan(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Transfer:
@@ -104,92 +171,132 @@ def transfer_plan(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK_B
     from concordia.wal.apply import check_source
 
     rps = [rp for name, rp in plan.regions.items() if regions is None or name in regions]
-    # per source: its rows and page ids, and scalars repeated over its pages below
-    rows_l, ids_l, tables, srcs, meta = [], [], [], [], []  # meta: region, page bytes, pages, record count, base
+    # per run: region, log offset, page id, row, page bytes, pages, source; rows and ids checked per source
+    cols = {k: [] for k in ("region", "off", "id", "crc", "pb", "count", "source")}
+    tables, srcs, table_at = [], [], 0
     for i, rp in enumerate(rps):
         pb = rp.region.page_bytes
         chunk_bytes = max(chunk_bytes, pb)
         for s in rp.sources:
             count = int(s.batch.page_ids.size)
-            rows_l.append(np.asarray(s.rows, np.int64))
-            ids_l.append(np.asarray(s.page_ids, np.int64))
+            rows = np.asarray(s.rows, np.int64)
+            ids = np.asarray(s.page_ids, np.int64)
+            if rows.size != ids.size or (rows.size and (
+                    int(rows.min()) < 0 or int(rows.max()) >= count or int(ids.min()) < 0
+                    or int(ids.max()) >= rp.pages)):
+                check_source(s.batch, rows, ids, rp.pages)  # names the bad source as the host applier does
+            st = _runs(rows, ids, pb)
+            n = np.diff(np.append(st, rows.size))
+            base = s.batch.offset + ref.payload_offset(count)
+            cols["region"].append(np.full(st.size, i, np.int64))
+            cols["off"].append(base + rows[st] * pb)
+            cols["id"].append(ids[st])
+            cols["crc"].append(table_at + rows[st])
+            cols["pb"].append(np.full(st.size, pb, np.int64))
+            cols["count"].append(n)
+            cols["source"].append(np.full(st.size, len(srcs), np.int64))
             tables.append(np.asarray(s.batch.page_crcs, np.uint32))
-            meta.append((i, pb, rp.pages, count, s.batch.offset + ref.payload_offset(count)))
+            table_at += count
             srcs.append((rp.name, s))
-    cat = (lambda xs, dt: np.concatenate(xs) if xs else np.zeros(0, dt))
-    rows, ids = cat(rows_l, np.int64), cat(ids_l, np.int64)
-    sizes = np.array([r.size for r in rows_l], np.int64)
-    m = np.array(meta, np.int64).reshape(-1, 5)
-    per = (lambda col: np.repeat(m[:, col], sizes))
-    if (sizes != np.array([i.size for i in ids_l], np.int64)).any() or (
-            (rows < 0) | (rows >= per(3)) | (ids < 0) | (ids >= per(2))).any():
-        for k, (_, s) in enumerate(srcs):  # name the first bad source as the host applier does
-            check_source(s.batch, rows_l[k], ids_l[k], int(m[k, 2]))
-    tsize = np.array([t.size for t in tables], np.int64)
-    table_base = np.cumsum(tsize) - tsize  # where each record's CRC table starts in their concatenation
-    off = per(4) + rows * per(1)
-    ln = per(1)
-    ri = per(0).astype(np.int32)
-    so = np.repeat(np.arange(len(srcs), dtype=np.int64), sizes)
-    cr = cat(tables, np.uint32)[np.repeat(table_base, sizes) + rows] if rows.size else np.zeros(0, np.uint32)
-    ids = ids.astype(np.uint32)
-    order = np.argsort(off, kind="stable")
-    off, ln, ri, ids, cr, so = off[order], ln[order], ri[order], ids[order], cr[order], so[order]
-    n = off.size
-    if n == 0:
-        return Transfer(regions=rps, chunk_bytes=int(chunk_bytes), region_index=ri, page_ids=ids, crcs=cr,
-                        stage_off=np.zeros(0, np.uint64), source=so, sources=srcs,
-                        page_lo=np.zeros(1, np.int64))
-    # A page continues the copy of the one before it when it starts at most
-    # MERGE_GAP bytes after that one ends (and never overlaps it); pages
-    # that are not 16-byte aligned in the log each get their own copy.
-    new = np.ones(n, bool)
-    if n > 1:
+    r = {k: np.concatenate(v).astype(np.int64) if v else np.zeros(0, np.int64) for k, v in cols.items()}
+    crc_table = np.concatenate(tables) if tables else np.zeros(0, np.uint32)
+    order = np.argsort(r["off"], kind="stable")
+    r = {k: v[order] for k, v in r.items()}
+    off, pb, cnt = r["off"], r["pb"], r["count"]
+    if off.size > 1 and (off[1:] < off[:-1] + cnt[:-1] * pb[:-1]).any():
+        # runs that overlap in the log (two sources reading one record): page by page, as sorted pages
+        per = {k: np.repeat(v, cnt) for k, v in r.items()}
+        k = np.arange(per["off"].size) - np.repeat(np.cumsum(cnt) - cnt, cnt)
+        per.update(off=per["off"] + k * per["pb"], id=per["id"] + k, crc=per["crc"] + k, count=np.ones_like(k))
+        order = np.argsort(per["off"], kind="stable")
+        r = {k: v[order] for k, v in per.items()}
+        off, pb, cnt = r["off"], r["pb"], r["count"]
+    R = off.size
+    if R == 0:
+        z = np.zeros(0, np.int64)
+        return Transfer(regions=rps, chunk_bytes=int(chunk_bytes), run_region=z.astype(np.int32), run_id=z,
+                        run_crc=z, run_stage=z, run_pb=z, run_count=z, run_source=z, crc_table=crc_table,
+                        sources=srcs, page_lo=np.zeros(1, np.int64))
+    ln = cnt * pb  # bytes of each run
+    # A run continues the copy of the one before it when it starts at most
+    # MERGE_GAP bytes after that one ends; runs not 16-byte aligned in the log
+    # each start their own copy (inside a run the pages follow on, see _runs).
+    new = np.ones(R, bool)
+    if R > 1:
         gap = off[1:] - (off[:-1] + ln[:-1])
         new[1:] = (gap < 0) | (gap > MERGE_GAP) | (off[1:] % 16 != 0)
+    new |= off % 16 != 0
     # Positions in one virtual staging stream: copies back to back, each from
     # a STAGE_ALIGN boundary; inside a copy the log layout is kept.
     copy_id = np.cumsum(new) - 1
     starts = np.flatnonzero(new)
-    ends = np.append(starts[1:], n)
+    ends = np.append(starts[1:], R)
     copy_lo = off[starts]
     copy_len = off[ends - 1] + ln[ends - 1] - copy_lo
     slot = -(-copy_len // STAGE_ALIGN) * STAGE_ALIGN
     copy_pos = np.cumsum(slot) - slot
-    pos = copy_pos[copy_id] + (off - copy_lo[copy_id])
+    pos = copy_pos[copy_id] + (off - copy_lo[copy_id])  # of each run's first page
     # Chunks: greedy over pages; a chunk starting at page p0 holds the pages
-    # whose stream end lies within chunk_bytes of pos[p0] (only this walk is a
-    # loop, one search per chunk).  A copy cut in two restarts at the page the
-    # new chunk begins with; within a chunk copies sit back to back, each from
-    # a STAGE_ALIGN boundary, and keep the log's layout inside.
-    end_pos = pos + ln
+    # whose stream end lies within chunk_bytes of p0's position (one search per
+    # chunk, over the runs: within a run the pages' ends step by its page bytes).
+    first = np.cumsum(cnt) - cnt  # each run's first page
+    n = int(cnt.sum())
+    first_end = pos + pb
     page_lo = [0]
     while page_lo[-1] < n:
         p0 = page_lo[-1]
-        page_lo.append(max(int(np.searchsorted(end_pos, pos[p0] + chunk_bytes, side="right")), p0 + 1))
+        q = int(np.searchsorted(first, p0, side="right")) - 1
+        limit = int(pos[q] + (p0 - first[q]) * pb[q]) + chunk_bytes
+        j = int(np.searchsorted(first_end, limit, side="right")) - 1  # the last run whose first page fits
+        fit = int(first[j]) + min(int(cnt[j]), (limit - int(pos[j])) // int(pb[j])) if j >= 0 else 0
+        page_lo.append(max(fit, p0 + 1))
     page_lo = np.asarray(page_lo, np.int64)
-    chunk_of = np.repeat(np.arange(page_lo.size - 1), np.diff(page_lo))
-    first = new.copy()  # pages that start a copy: a new copy, or a chunk's first page
-    first[page_lo[:-1]] = True
-    cs = np.flatnonzero(first)
-    ce = np.append(cs[1:], n)
+    # runs cut where a chunk begins inside them
+    cuts = page_lo[1:-1]
+    cuts = cuts[~np.isin(cuts, first)]
+    if cuts.size:
+        rr = np.searchsorted(first, cuts, side="right") - 1  # the run each cut falls in
+        k = cuts - first[rr]
+        # each piece runs to the next cut in its run, or to the run's end; the head keeps its start
+        later = np.append(rr[1:] == rr[:-1], False)
+        tail = {"region": r["region"][rr], "off": off[rr] + k * pb[rr], "id": r["id"][rr] + k,
+                "crc": r["crc"][rr] + k, "pb": pb[rr], "source": r["source"][rr],
+                "count": np.where(later, np.append(cuts[1:], 0), first[rr] + cnt[rr]) - cuts}
+        head = np.unique(rr)
+        cnt = cnt.copy()
+        cnt[head] = cuts[np.searchsorted(rr, head)] - first[head]
+        r["count"] = cnt
+        r = {key: np.insert(v, rr + 1, tail[key]) for key, v in r.items()}
+        new = np.insert(new, rr + 1, True)
+        off, pb, cnt = r["off"], r["pb"], r["count"]
+        R = off.size
+        first = np.cumsum(cnt) - cnt
+    ln = cnt * pb
+    chunk_of = np.searchsorted(page_lo, first, side="right") - 1  # per run
+    starts_c = np.zeros(R, bool)
+    starts_c[np.searchsorted(first, page_lo[:-1])] = True
+    fresh = new | starts_c  # runs that start a copy: a new copy, or a chunk's first run
+    cs = np.flatnonzero(fresh)
+    ce = np.append(cs[1:], R)
     lo = off[cs]
     clen = off[ce - 1] + ln[ce - 1] - lo
     cslot = -(-clen // STAGE_ALIGN) * STAGE_ALIGN
     ahead = np.cumsum(cslot) - cslot  # staging bytes before each copy, counted from the first chunk
-    chunk_copy0 = np.searchsorted(cs, page_lo[:-1])  # each chunk's first copy
+    chunk_copy0 = np.searchsorted(cs, np.searchsorted(first, page_lo[:-1]))  # each chunk's first copy
     cpos = ahead - ahead[chunk_copy0][chunk_of[cs]]
-    k = np.cumsum(first) - 1  # the copy of each page
-    stage = cpos[k] + (off - lo[k])
+    kc = np.cumsum(fresh) - 1  # the copy of each run
+    stage = cpos[kc] + (off - lo[kc])
     table = np.stack([lo, clen, cpos], axis=1).astype(np.int64)
     copies = np.split(table, chunk_copy0[1:])
     last = np.append(chunk_copy0[1:], cs.size) - 1
     used = (cpos[last] + clen[last]).tolist()
-    # within each chunk: pages grouped by region (one scatter launch per region), log order kept
-    regroup = np.lexsort((np.arange(n), ri, chunk_of))
-    return Transfer(regions=rps, chunk_bytes=int(chunk_bytes), region_index=ri[regroup],
-                    page_ids=ids[regroup], crcs=cr[regroup], stage_off=stage[regroup].astype(np.uint64),
-                    source=so[regroup], sources=srcs, page_lo=page_lo, copies=copies, used=used)
+    # within each chunk: runs grouped by region (one scatter launch per region), log order kept
+    regroup = np.lexsort((np.arange(R), r["region"], chunk_of))
+    g = {key: v[regroup] for key, v in r.items()}
+    return Transfer(regions=rps, chunk_bytes=int(chunk_bytes), run_region=g["region"].astype(np.int32),
+                    run_id=g["id"], run_crc=g["crc"], run_stage=stage[regroup], run_pb=g["pb"],
+                    run_count=g["count"], run_source=g["source"], crc_table=crc_table, sources=srcs,
+                    page_lo=page_lo, copies=copies, used=used)
 
 
 # --- host side: filling a staging buffer from the log -----------------------
@@ -293,15 +400,16 @@ def _apply_transfer_numpy(tr: Transfer, fd, arr, into: dict) -> dict:
 
     out = {rp.name: np.zeros(rp.region.pages * rp.region.page_bytes, np.uint8) for rp in tr.regions}
     host = np.empty(tr.chunk_bytes + 4096, np.uint8)
+    stage_off, page_ids, crcs = tr.page_tables(np)
     for c in range(tr.chunks):
         _wait(_fill(fd, arr, host, tr.copies[c]))
         for i, lo, hi in tr.region_slices(c):
             rp = tr.regions[i]
-            bad = ref.scatter_pages(host, tr.stage_off[lo:hi], tr.page_ids[lo:hi], out[rp.name],
-                                    page_bytes=rp.region.page_bytes, expected_crcs=tr.crcs[lo:hi])
+            bad = ref.scatter_pages(host, stage_off[lo:hi], page_ids[lo:hi], out[rp.name],
+                                    page_bytes=rp.region.page_bytes, expected_crcs=crcs[lo:hi])
             if bad.size:
                 k = lo + int(bad[0])
-                at = int(tr.stage_off[k])
+                at = int(stage_off[k])
                 raise _bad_page(tr, k, host[at:at + rp.region.page_bytes])
     for name, a in into.items():   # every page checked out: now the targets
         a.reshape(-1).view(np.uint8)[...] = out[name][:a.nbytes]
@@ -312,10 +420,11 @@ def _apply_transfer_numpy(tr: Transfer, fd, arr, into: dict) -> dict:
 
 def _page_of(tr: Transfer, k: int):
     """(region name, source, row in its record, page id, page bytes) of page k."""
-    name, src = tr.sources[int(tr.source[k])]
-    pid = int(tr.page_ids[k])
+    r, j = tr.run_of(k)
+    name, src = tr.sources[int(tr.run_source[r])]
+    pid = int(tr.run_id[r]) + j
     row = int(np.asarray(src.rows)[np.flatnonzero(np.asarray(src.page_ids) == pid)[0]])
-    return name, src, row, pid, tr.regions[int(tr.region_index[k])].region.page_bytes
+    return name, src, row, pid, tr.regions[int(tr.run_region[r])].region.page_bytes
 
 
 def _bad_page(tr: Transfer, k: int, page: np.ndarray):
@@ -327,7 +436,9 @@ def _bad_page(tr: Transfer, k: int, page: np.ndarray):
     from concordia.wal.apply import bad_page
 
     name, src, row, pid, pb = _page_of(tr, k)
-    return bad_page(name, src.batch, row, pid, pb, int(tr.crcs[k]), crc32c(np.ascontiguousarray(page).data))
+    r, j = tr.run_of(k)
+    return bad_page(name, src.batch, row, pid, pb, int(tr.crc_table[int(tr.run_crc[r]) + j]),
+                    crc32c(np.ascontiguousarray(page).data))
 
 
 def _bad_page_in_log(log, tr: Transfer, k: int):
@@ -540,9 +651,7 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
         st["staging_alloc_s"] = time.perf_counter() - t1  # 0 when the buffers were kept from an earlier restore
         out = [cp.zeros(rp.region.pages * rp.region.page_bytes, cp.uint8) for rp in tr.regions]
         if tr.pages:
-            offs_d = cp.asarray(tr.stage_off)
-            ids_d = cp.asarray(tr.page_ids)
-            crcs_d = cp.asarray(tr.crcs)
+            offs_d, ids_d, crcs_d = tr.page_tables(cp)  # expanded from the runs on the device
             bad_d = cp.zeros(tr.pages, cp.uint8)
             kernels = {rp.region.page_bytes: jit.function("scatter", "scatter_pages",
                                                           {"PAGE_BYTES": rp.region.page_bytes})

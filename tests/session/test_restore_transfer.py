@@ -264,3 +264,33 @@ def test_a_plan_naming_rows_a_record_lacks_is_refused_as_the_host_applier_refuse
         with pytest.raises(WalError) as h:
             apply_plan_numpy(log, p)
     assert str(e.value) == str(h.value) and "names rows or pages out of range" in str(e.value)
+
+
+def test_a_base_is_laid_out_as_runs_of_pages_cut_only_where_chunks_end(shm_log):
+    """A region of 256-byte pages (a KV row a page) is one run in its base: the
+    layout costs per run, and only chunk ends cut it; a delta's scattered rows
+    are a run each.  The per-page tables expanded from the runs restore it."""
+    kv = np.random.default_rng(3).standard_normal(16384, dtype=np.float32)  # 256 pages of 256 bytes
+    with Session(shm_log, size=LOG_SIZE, segment_size=SEGMENT, overwrite=True) as s:
+        s.register("kv", kv, kind="kv", page_bytes=256)
+        s.checkpoint()
+        log = Log.open(shm_log, writable=False, check_pages=False)
+        try:
+            tr = transfer_plan(log, plan(log), chunk_bytes=16 << 10)
+            assert tr.pages == 256 and tr.run_count.size == tr.chunks == 4  # 64 pages a chunk
+            assert apply_transfer_numpy(log, tr)["kv"].tobytes() == kv.tobytes()
+        finally:
+            log.close()
+        kv[[64 * 3, 64 * 100, 64 * 101, 64 * 200]] += 1  # pages 3, 100, 101, 200
+        s.checkpoint()
+    log = Log.open(shm_log, writable=False, check_pages=False)
+    try:
+        tr = transfer_plan(log, plan(log), chunk_bytes=1 << 20)
+        # the base's pages around the three delta runs (3, 100-101, 200), and those runs
+        assert tr.pages == 256 and tr.run_count.size == 4 + 3
+        stage, ids, crcs = tr.page_tables(np)
+        assert sorted(ids.tolist()) == list(range(256)) and stage.dtype == np.uint64 and crcs.dtype == np.uint32
+        _check_layout(tr)
+        assert apply_transfer_numpy(log, tr)["kv"].tobytes() == kv.tobytes()
+    finally:
+        log.close()
