@@ -12,6 +12,7 @@ must match), so one damaged record never hides the records after it.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -25,25 +26,34 @@ from .modes import RecoveryMode
 from .errors import CorruptionError, TornTailError, UsageError
 from .volume import SegmentInfo, Volume
 
-# check_pages_of hashes payloads on several threads (the package releases the
-# GIL) once they add up to this many bytes: a file log's mapping is faulted in
-# as it is read, about 5 GB/s on one thread.
-PARALLEL_CHECK_BYTES = 64 << 20
-CHECK_THREADS = max(1, min(8, os.cpu_count() or 1))
+# Page checks (V-P5) hash payloads and fold page CRC tables on several threads
+# (crc32c and numpy let go of the GIL for large buffers) once a segment's, or a
+# check_pages_of call's, payloads add up to this many bytes: one thread hashes
+# about 3-5 GB/s, and a log of 256-byte pages holds a CRC to fold per 256 bytes.
+PARALLEL_CHECK_BYTES = 16 << 20
+CHECK_THREADS = max(1, min(12, os.cpu_count() or 1))
+#: page CRCs folded per piece of work when the fold runs on several threads
+FOLD_PIECE_PAGES = 1 << 20
 # the search for valid records after a gap (Scanner._next_valid) reads this many
 # bytes a slice and confirms at most this many candidates by their header CRC
 NEXT_VALID_CHUNK = 32 << 20
 NEXT_VALID_CONFIRMS = 4096
 
 
+_CHECK_POOL: list = []  # one ThreadPoolExecutor of CHECK_THREADS, made on first use, kept
+
+
 def thread_map(fn: Callable, items, name: str) -> list:
     """[fn(x) for x in items], on CHECK_THREADS threads when there are several
-    (numpy and crc32c let go of the GIL for large buffers), in order."""
+    (numpy and crc32c let go of the GIL for large buffers), in order.  The
+    threads are kept between calls (a walk calls this once a segment); a call
+    made from one of them runs in the calling thread."""
     items = list(items)
-    if CHECK_THREADS < 2 or len(items) < 2:
+    if CHECK_THREADS < 2 or len(items) < 2 or threading.current_thread().name.startswith("concordia-check"):
         return [fn(x) for x in items]
-    with ThreadPoolExecutor(min(CHECK_THREADS, len(items)), thread_name_prefix=name) as pool:
-        return list(pool.map(fn, items))
+    if not _CHECK_POOL:
+        _CHECK_POOL.append(ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="concordia-check"))
+    return list(_CHECK_POOL[0].map(fn, items))
 
 
 @dataclass(frozen=True)
@@ -228,6 +238,27 @@ class ScanResult:
     tail_dropped: list = field(default_factory=list)
 
 
+def _fold(tables: np.ndarray, pb: int) -> np.ndarray:
+    """format.fold_page_crcs of (records, count) page CRCs, on CHECK_THREADS
+    threads when they describe PARALLEL_CHECK_BYTES or more: records of
+    FOLD_PIECE_PAGES pages or more are folded a piece of that many pages at a
+    time (their front padded with empty pages, which fold to nothing), then
+    the pieces' CRCs folded as pages of FOLD_PIECE_PAGES * pb bytes."""
+    r, n = tables.shape
+    if tables.size * pb < PARALLEL_CHECK_BYTES or CHECK_THREADS < 2:
+        return F.fold_page_crcs(tables, pb)
+    p = FOLD_PIECE_PAGES
+    if n >= p:
+        m = -(-n // p)
+        x = np.concatenate([np.zeros((r, m * p - n), np.uint32), tables], axis=1).reshape(r * m, p)
+        pieces = np.concatenate(thread_map(lambda lo: F.fold_page_crcs(x[lo:lo + 1], pb), range(r * m),
+                                           "concordia-check"))
+        return F.fold_page_crcs(pieces.reshape(r, m), p * pb)
+    rows = max(1, p // n)
+    return np.concatenate(thread_map(lambda lo: F.fold_page_crcs(tables[lo:lo + rows], pb), range(0, r, rows),
+                                     "concordia-check"))
+
+
 class Scanner:
     """Record-level scan of one volume (no mode logic): yields records and damaged ranges."""
 
@@ -350,7 +381,7 @@ class Scanner:
         which a full walk reads through to tell the end from a lost record)."""
         out, pending = [], []
         self._walk(seg, out, pending, start, to_gap)
-        self._check_pages(out, pending)
+        self._check_pages(out, self._entries(pending))
         self._done += max(0, min(seg.offset + seg.nbytes, self.backend.size) - seg.offset)
         if self.progress is not None:
             self._tell(self._done)
@@ -366,16 +397,18 @@ class Scanner:
     def check_pages_of(self, items: list, indices) -> None:
         """V-P5 for the page batches among items[indices] of a walk made without
         page checks, as a walk with them would have made it: a failing record
-        becomes a damaged range in `items`.  Payloads that add up to
-        PARALLEL_CHECK_BYTES or more are hashed on CHECK_THREADS threads."""
+        becomes a damaged range in `items`."""
         batches = [(i, items[i].offset, items[i].header) for i in indices
                    if items[i].tag == _REC and items[i].header.type == F.REC_PAGE_BATCH]
+        self._check_pages(items, self._entries(batches))
+
+    def _entries(self, batches: list) -> list:
+        """`_payload_entry` of each (index, offset, header): payloads that add up
+        to PARALLEL_CHECK_BYTES or more are hashed on CHECK_THREADS threads."""
         total = sum(h.count * h.page_bytes for _, _, h in batches)
         if total >= PARALLEL_CHECK_BYTES:
-            entries = thread_map(lambda b: self._payload_entry(*b, release_gil=True), batches, "concordia-check")
-        else:
-            entries = [self._payload_entry(*b) for b in batches]
-        self._check_pages(items, entries)
+            return thread_map(lambda b: self._payload_entry(*b, release_gil=True), batches, "concordia-check")
+        return [self._payload_entry(*b) for b in batches]
 
     def _check_pages(self, out: list, pending: list) -> None:
         """V-P5 for every page batch of a segment: the per-page CRC table, folded,
@@ -387,7 +420,7 @@ class Scanner:
         arr = self.arr
         for (count, pb), items in groups.items():
             tables = np.stack([F.record_body(arr, pos, 8 * count)[4 * count:] for _, pos, _, _, _ in items])
-            folded = F.fold_page_crcs(tables.view("<u4"), pb)
+            folded = _fold(tables.view("<u4"), pb)
             actual = np.fromiter((it[4] for it in items), dtype=np.uint32, count=len(items))
             for k in np.flatnonzero(folded != actual):
                 idx, pos = items[k][0], items[k][1]
@@ -468,8 +501,8 @@ class Scanner:
                     continue
                 if self.check_pages and h.type == F.REC_PAGE_BATCH and (
                         self.check_pages is True or self.check_pages(h)):
-                    # page CRCs are checked for the whole segment at once (_check_pages)
-                    pending.append(self._payload_entry(len(out), pos, h))
+                    # page CRCs are checked for the whole segment at once (_entries, _check_pages)
+                    pending.append((len(out), pos, h))
                 out.append(Found(_REC, seg, pos, h))
             pos += length
 
