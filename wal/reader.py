@@ -32,9 +32,8 @@ from .volume import SegmentInfo, Volume
 # about 3-5 GB/s, and a log of 256-byte pages holds a CRC to fold per 256 bytes.
 PARALLEL_CHECK_BYTES = 16 << 20
 CHECK_THREADS = max(1, min(12, os.cpu_count() or 1))
-#: page CRCs folded per piece of work when the fold runs on several threads (a
-#: segment of 64 MiB holds 256K pages of 256 bytes: pieces enough for every thread)
-FOLD_PIECE_PAGES = 1 << 14
+#: page CRCs folded per piece of work when the fold runs on several threads
+FOLD_PIECE_PAGES = 1 << 20
 # the search for valid records after a gap (Scanner._next_valid) reads this many
 # bytes a slice and confirms at most this many candidates by their header CRC
 NEXT_VALID_CHUNK = 32 << 20
