@@ -763,7 +763,8 @@ def _walk_of_open(log, vol, check_pages: bool, progress):
     return walk
 
 
-def scan(log, *, payload: bool = True, check_pages: bool = False, progress=None, walk: list | None = None) -> History:
+def scan(log, *, payload: bool = True, check_pages: bool = False, progress=None, walk: list | None = None,
+         walked: list | None = None) -> History:
     """Read the metadata of every record of `log` into a History.
 
     What the log commits, and what is torn or corrupt, is the reader's
@@ -777,7 +778,8 @@ def scan(log, *, payload: bool = True, check_pages: bool = False, progress=None,
     of its pages in the log mapping (no copy).  progress(done_bytes,
     total_bytes) follows the walk (reader.Scanner).  `walk`: the items of a
     walk of this volume made with the same check_pages (reader.verify's), used
-    instead of walking again."""
+    instead of walking again.  `walked`: a list that receives the items of the
+    walk the History was made from (`plan_unchecked` checks their pages after)."""
     from concordia.wal import format as F
     from concordia.wal.reader import ScanResult, Scanner, intact_header, recover
 
@@ -788,6 +790,8 @@ def scan(log, *, payload: bool = True, check_pages: bool = False, progress=None,
     items = walk if walk is not None else _walk_of_open(log, vol, check_pages, progress)
     if items is None:
         items = list(Scanner(vol, check_pages=check_pages, progress=progress).items(ScanResult()))
+    if walked is not None:
+        walked.extend(items)
     res = recover(vol, RecoveryMode.SKIP_CORRUPT, None, check_pages=bool(check_pages), items=items)
     opened = getattr(log, "_result", None)
     if walk is None and not getattr(log, "writable", True) and getattr(opened, "walk_end_lsn", None) is not None:
@@ -900,8 +904,62 @@ def plan(log, target="latest", mode=None, *, regions=None, bandwidth: float | No
     return plan_history(scan(log, check_pages=check_pages), target, mode, regions=regions, bandwidth=bandwidth)
 
 
+def plan_unchecked(log, target="latest", mode=None, *, regions=None) -> tuple[Plan, "PageCheck"]:
+    """A plan made from the log's metadata (every header, table and commit
+    checked, no page payload read), and the page checks R-D5 makes before a
+    plan is trusted, left for the caller to run where the bytes flow
+    (`PageCheck`).  The plan is the one `plan` would make whenever those checks
+    find nothing: a page that fails them changes what the log holds, and then
+    only `plan` (with its checks) decides."""
+    if mode is None:
+        mode = getattr(log, "mode", None)
+    items: list = []
+    h = scan(log, check_pages=False, walked=items)
+    return plan_history(h, target, mode, regions=regions), PageCheck(_volume(log), items)
+
+
+class PageCheck:
+    """R-D5's page checks (V-P5) of the page batches of one walk, left from
+    planning.  `run(skip, partial)` checks every batch but those whose offsets
+    are in `skip` (records an applier copies whole, checking each page as it
+    copies it); of a record in `partial` ({offset: rows an applier copies and
+    checks}) only the other rows, each against its stored CRC (every page of a
+    record matching its CRC is what V-P5's fold of the table says).  Returns
+    whether all of them passed."""
+
+    def __init__(self, vol, items: list):
+        self.vol, self.items = vol, items
+
+    def run(self, skip=frozenset(), partial: dict | None = None) -> bool:
+        from concordia.wal import format as F
+        from concordia.wal import pagecrc
+        from concordia.wal.reader import Found, Scanner
+
+        partial = partial or {}
+        arr = self.vol.backend.array
+        for it in self.items:
+            rows = partial.get(it.offset) if isinstance(it, Found) else None
+            if rows is None or it.header.type != F.REC_PAGE_BATCH:
+                continue
+            count, pb = it.header.count, it.header.page_bytes
+            left = np.ones(count, bool)
+            left[rows] = False
+            if not left.any():
+                continue
+            at = it.offset + F.page_batch_payload_offset(count)
+            pages = arr[at:at + count * pb].reshape(count, pb)[left]
+            table = F.record_body(arr, it.offset, 8 * count)[4 * count:].view("<u4")[left]
+            if not np.array_equal(pagecrc.page_crcs(pages, release_gil=True), table):
+                return False
+        items = list(self.items)   # check_pages_of puts damaged ranges in place of records
+        idx = [i for i, it in enumerate(items) if isinstance(it, Found) and it.offset not in skip
+               and it.offset not in partial]
+        Scanner(self.vol, check_pages=False).check_pages_of(items, idx)  # page batches among them
+        return all(isinstance(items[i], Found) for i in idx)
+
+
 __all__ = [
     "FLAG_BASE", "DEFAULT_BANDWIDTH", "MODES", "PlanError", "mode_name",
     "RegionMeta", "ScannedBatch", "Commit", "BaseEntry", "Damage", "History",
-    "Source", "RegionPlan", "PlanLoss", "Plan", "plan_history", "scan", "plan",
+    "Source", "RegionPlan", "PlanLoss", "Plan", "plan_history", "scan", "plan", "plan_unchecked", "PageCheck",
 ]

@@ -33,6 +33,8 @@ from concordia.regions.arrays import adapt, dtype_name, numpy_dtype, present, to
 from concordia.regions.errors import (NothingToRecoverError, RecoverMismatchError, SessionError, UnknownRegionError,
                                       UnsupportedArrayError)
 from concordia.regions.streams import StreamOrder
+from concordia.root_error import ConcordiaError
+from concordia.wal.errors import CorruptionError
 
 DEVICES = (None, "numpy", "cpu", "cupy", "cuda")
 #: what a recovery does with a region that has no state at its epoch (module doc)
@@ -103,22 +105,96 @@ def restore(log, target="latest", *, mode=None, regions=None, device: bool = Fal
     registration: the log mapping's live CUDA registration (a session's), read
     by the copy engine directly.  read and stats: as `apply_plan_cupy` takes them.
     absent: "refuse" or "keep" a region with no state at the epoch (module doc),
-    decided before anything is written."""
-    from concordia.wal.apply import apply_plan_numpy, check_present
+    decided before anything is written.
 
+    Pages are checked where the bytes flow (`_deferred`): the plan is made
+    from the log's metadata, the appliers check every page they copy (on the
+    device, or as the host copies it), and the pages of the records they do
+    not copy whole are checked on the host's threads meanwhile, before any
+    target is written.  Should either find damage, or the applier refuse, the
+    recovery starts again from a plan made with every page checked
+    (`wal.planner.plan`, FORMAT.md R-D5), so that what it restores or refuses
+    is that plan's, as every other consumer of the log meets it."""
     check_absent(absent)
     st = {} if stats is None else stats
-    t0 = time.perf_counter()
-    if plan is None:
-        from concordia.wal.planner import plan as make_plan
+    args = dict(regions=regions, device=device, into=into or {}, registration=registration, read=read, st=st,
+                absent=absent)
+    if plan is not None:
+        return _restore(log, plan, 0.0, None, **args)
+    from concordia.wal.planner import plan as make_plan, plan_unchecked
 
-        plan = make_plan(log, target=target, **({} if mode is None else {"mode": mode}))
-    plan_s = time.perf_counter() - t0
-    into = into or {}
+    t0 = time.perf_counter()
+    unchecked, pages = plan_unchecked(log, target=target, mode=mode)
+    try:
+        return _restore(log, unchecked, time.perf_counter() - t0, pages, **args)
+    except _Damaged as exc:
+        why = str(exc)
+    except ConcordiaError as exc:
+        if not isinstance(exc, CorruptionError) and pages.run():
+            raise  # no page damage anywhere: the checked plan is this one, and refuses alike
+        why = f"{type(exc).__name__}: {exc}"
+    st.clear()
+    t0 = time.perf_counter()
+    checked = make_plan(log, target=target, **({} if mode is None else {"mode": mode}))
+    out = _restore(log, checked, time.perf_counter() - t0, None, **args)
+    st["page_check"] = f"damage met while applying a plan made from metadata ({why}): planned again, every page checked"
+    return out
+
+
+class _Damaged(Exception):
+    """The host's page checks beside an unchecked plan found a damaged page."""
+
+
+def _deferred(plan, pages, names: list, st: dict):
+    """Start R-D5's page checks of what the appliers will not copy (they check
+    what they copy: records copied whole are left out, of the others only the
+    rows they leave are checked) on a thread; returns a function that waits
+    for them and raises _Damaged when one failed."""
+    import threading
+
+    whole, part = set(), {}
+    for n in names:
+        for s in plan.regions[n].sources:
+            if s.rows.size == s.batch.page_ids.size:
+                whole.add(s.batch.offset)
+            else:
+                part[s.batch.offset] = s.rows
+    done: list = []
+
+    def run():
+        t = time.perf_counter()
+        try:
+            done.append(pages.run(skip=whole, partial=part))
+        except BaseException as exc:   # raised where the caller waits
+            done.append(exc)
+        st["page_check_s"] = time.perf_counter() - t
+
+    th = threading.Thread(target=run, name="concordia-page-check", daemon=True)
+    th.start()
+    st["page_check"] = (f"deferred: {len(whole)} record(s) checked page by page by the applier, "
+                        f"the rest ({len(part)} read in part) on the host meanwhile")
+
+    def wait():
+        w = time.perf_counter()
+        th.join()
+        st["page_check_wait_s"] = time.perf_counter() - w
+        if isinstance(done[0], BaseException):
+            raise done[0]
+        if not done[0]:
+            raise _Damaged("the host's page checks found a damaged page")
+    return wait
+
+
+def _restore(log, plan, plan_s, pages, *, regions, device, into, registration, read, st, absent) -> Restored:
+    """restore() with `plan`; `pages`: the page checks left from planning
+    (`PageCheck`), or None when the plan was made with them."""
+    from concordia.wal.apply import apply_plan_numpy, check_present
+
     want = list(plan.regions) if regions is None else list(regions)
     kept = [n for n in want if n in plan.regions and plan.regions[n].absent] if absent == "keep" else []
     check_present(plan, [n for n in want if n not in kept], where=str(log.backend.where))  # before any write
     want = [n for n in want if n not in kept]
+    wait = _deferred(plan, pages, want, st) if pages is not None else (lambda: None)
     dev = {n: v for n, (v, xp) in into.items() if xp is not np and n in want}
     host = {n: v for n, (v, xp) in into.items() if xp is np and n in want}
     rest = [n for n in want if n not in dev and n not in host]
@@ -130,17 +206,20 @@ def restore(log, target="latest", *, mode=None, regions=None, device: bool = Fal
     on_gpu = list(dev) + (rest if device else [])
     on_host = list(host) + ([] if device else rest)
     got = {}
-    if on_gpu:
-        from concordia.restore.device import apply_plan_cupy
+    try:
+        if on_gpu:
+            from concordia.restore.device import apply_plan_cupy
 
-        got = apply_plan_cupy(log, plan, regions=on_gpu, stats=st, registration=registration, read=read)
-        via.update(dict.fromkeys(got, "device pipeline"))
-    if on_host:
-        got_host = apply_plan_numpy(log, plan, regions=on_host)
-        if not device and rest:
-            st.setdefault("via", "numpy applier")
-        via.update(dict.fromkeys(got_host, "host"))
-        got.update(got_host)
+            got = apply_plan_cupy(log, plan, regions=on_gpu, stats=st, registration=registration, read=read)
+            via.update(dict.fromkeys(got, "device pipeline"))
+        if on_host:
+            got_host = apply_plan_numpy(log, plan, regions=on_host)
+            if not device and rest:
+                st.setdefault("via", "numpy applier")
+            via.update(dict.fromkeys(got_host, "host"))
+            got.update(got_host)
+    finally:
+        wait()   # the page checks end before anything is written, or before an error leaves
     staged = {n: got.pop(n) for n in dev if n in got}   # a region given up (skip_corrupt) is not there
     host_got = {n: got.pop(n) for n in host if n in got}
     arrays.update(got)
@@ -217,14 +296,16 @@ def _phase(s: float, nbytes: int | None = None) -> dict:
 
 
 def phases_of(got: Restored, total_s: float) -> dict:
-    """A recovery's phases from what `restore` measured: plan (reads headers
-    and checks every page the plan decides on, FORMAT.md R-D5), then on the
-    host path one pass that reads each page from the log, checks its CRC and
-    writes it in place ("check_copy"), or on the device pipeline the transfer
-    layout ("layout"), staging and targets ("alloc"), the pipelined read, H2D,
-    CRC check and scatter ("transfer_check_scatter") and the digests
-    ("verify"); "present" is what is left (handing the arrays over as the
-    regions were registered)."""
+    """A recovery's phases from what `restore` measured: plan (reads the log's
+    metadata; with every page checked, R-D5, when the first try met damage),
+    then on the host path one pass that reads each page from the log, checks
+    its CRC and writes it in place ("check_copy"), or on the device pipeline
+    the transfer layout ("layout"), staging and targets ("alloc"), the
+    pipelined read, H2D, CRC check and scatter ("transfer_check_scatter") and
+    the digests ("verify"); "check_wait": the wait, once everything was
+    applied, for the host's checks of the pages no applier copied (its
+    "overlapped_s": how long those checks ran beside the appliers); "present"
+    is what is left (handing the arrays over as the regions were registered)."""
     st = got.stats
     nbytes = int(got.plan.bytes_to_read)
     out = {"plan": _phase(got.plan_s)}
@@ -235,7 +316,9 @@ def phases_of(got: Restored, total_s: float) -> dict:
                                                st.get("bytes_copied", nbytes))
         out["verify"] = _phase(st.get("verify_s", 0.0))
     else:
-        out["check_copy"] = _phase(got.apply_s, nbytes)
+        out["check_copy"] = _phase(max(0.0, got.apply_s - st.get("page_check_wait_s", 0.0)), nbytes)
+    if "page_check_wait_s" in st:
+        out["check_wait"] = {**_phase(st["page_check_wait_s"]), "overlapped_s": float(st.get("page_check_s", 0.0))}
     out["present"] = _phase(max(0.0, total_s - got.plan_s - got.apply_s))
     return out
 
