@@ -463,6 +463,26 @@ class _Index:
         return base, base_recs, deltas, None
 
 
+_RANGES: list = []   # the read-only int64 ranges `ascending` has handed out views of, largest last
+
+
+def ascending(lo: int, n: int) -> np.ndarray:
+    """lo, lo + 1, ..., lo + n - 1 (int64), a read-only view of one shared
+    range: a source that takes a record whole (a KV region of 256-byte pages
+    has millions) costs no memory or time per page.  `is_ascending` knows them."""
+    if not _RANGES or _RANGES[-1].size < lo + n:
+        r = np.arange(max(lo + n, 2 * _RANGES[-1].size if _RANGES else 1 << 16), dtype=np.int64)
+        r.flags.writeable = False
+        _RANGES.append(r)
+    return _RANGES[-1][lo:lo + n]
+
+
+def is_ascending(a) -> bool:
+    """Whether `a` is a view `ascending` made (consecutive by construction)."""
+    base = getattr(a, "base", None)
+    return base is not None and any(base is r for r in _RANGES) and a.ndim == 1 and a.strides == (8,)
+
+
 def _select(region: RegionMeta, base_recs: list, deltas: list):
     """Last writer per page wins: walk records newest first, give each page to
     the first record that has it.  Returns (sources oldest first, zero page ids)."""
@@ -474,13 +494,27 @@ def _select(region: RegionMeta, base_recs: list, deltas: list):
         if left == 0:
             break
         ids = b.page_ids
-        valid = ids < n
-        take = valid & ~owned[np.minimum(ids, max(n - 1, 0))] if n else valid & False
-        if not take.any():
-            continue
-        rows = np.flatnonzero(take).astype(np.int64)
-        pids = ids[rows].astype(np.int64)
-        owned[pids] = True
+        c = int(ids.size)
+        lo = int(ids[0]) if c else 0
+        if c and int(ids[-1]) - lo == c - 1 and lo + c <= n:
+            # a run of page ids (a valid record's ids strictly increase, V-P2): slices, no gathers
+            mine = ~owned[lo:lo + c]
+            if mine.all():   # the whole record: views of one shared range, no memory per page
+                rows, pids = ascending(0, c), ascending(lo, c)
+            else:
+                rows = np.flatnonzero(mine).astype(np.int64)
+                if not rows.size:
+                    continue
+                pids = rows + lo
+            owned[lo:lo + c] = True
+        else:
+            valid = ids < n
+            take = valid & ~owned[np.minimum(ids, max(n - 1, 0))] if n else valid & False
+            if not take.any():
+                continue
+            rows = np.flatnonzero(take).astype(np.int64)
+            pids = ids[rows].astype(np.int64)
+            owned[pids] = True
         left -= pids.size
         picked.append(Source(batch=b, rows=rows, page_ids=pids))
     picked.reverse()

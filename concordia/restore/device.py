@@ -158,6 +158,10 @@ def _runs(rows: np.ndarray, ids: np.ndarray, pb: int) -> np.ndarray:
         return np.zeros(0, np.int64)
     if pb % 16:
         return np.arange(rows.size, dtype=np.int64)
+    from concordia.wal.planner import is_ascending
+
+    if is_ascending(rows) and is_ascending(ids):   # a record taken whole: consecutive by construction
+        return np.zeros(1, np.int64)
     if rows.size > 1 and int(rows[-1] - rows[0]) == rows.size - 1 and int(ids[-1] - ids[0]) == ids.size - 1 \
             and (np.diff(rows) == 1).all() and (np.diff(ids) == 1).all():
         return np.zeros(1, np.int64)
@@ -169,6 +173,7 @@ def transfer_plan(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK_B
     """Lay out every page `plan` reads into staging chunks (see the module doc)."""
     from concordia.gpu_kernels import reference as ref
     from concordia.wal.apply import check_source
+    from concordia.wal.planner import is_ascending
 
     rps = [rp for name, rp in plan.regions.items() if regions is None or name in regions]
     # per run: region, log offset, page id, row, page bytes, pages, source; rows and ids checked per source
@@ -181,9 +186,9 @@ def transfer_plan(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK_B
             count = int(s.batch.page_ids.size)
             rows = np.asarray(s.rows, np.int64)
             ids = np.asarray(s.page_ids, np.int64)
+            span = (lambda a: (int(a[0]), int(a[-1])) if is_ascending(a) else (int(a.min()), int(a.max())))
             if rows.size != ids.size or (rows.size and (
-                    int(rows.min()) < 0 or int(rows.max()) >= count or int(ids.min()) < 0
-                    or int(ids.max()) >= rp.pages)):
+                    span(rows)[0] < 0 or span(rows)[1] >= count or span(ids)[0] < 0 or span(ids)[1] >= rp.pages)):
                 check_source(s.batch, rows, ids, rp.pages)  # names the bad source as the host applier does
             st = _runs(rows, ids, pb)
             n = np.diff(np.append(st, rows.size))
