@@ -440,4 +440,4 @@ def _zero_tail(arr: np.ndarray, pos: int, end: int) -> bool:
         part[:] = 0
         return True
 
-    return any(thread_map(clear, range(pos, end, NEXT_VALID_CHUNK), "concordia-cut"))
+    return any(thread_map(clear, range(pos, end, NEXT_VALID_CHUNK)))

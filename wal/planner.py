@@ -954,41 +954,33 @@ def plan_unchecked(log, target="latest", mode=None, *, regions=None) -> tuple[Pl
 
 class PageCheck:
     """R-D5's page checks (V-P5) of the page batches of one walk, left from
-    planning.  `run(skip, partial)` checks every batch but those whose offsets
-    are in `skip` (records an applier copies whole, checking each page as it
-    copies it); of a record in `partial` ({offset: rows an applier copies and
-    checks}) only the other rows, each against its stored CRC (every page of a
-    record matching its CRC is what V-P5's fold of the table says).  Returns
-    whether all of them passed."""
+    planning.  `run(read)`: `read` are the Sources whose pages an applier
+    copies, checking each against its stored CRC as it does; the rest is
+    checked here: of a record read in part, the rows no source copies, each
+    against its stored CRC (a record every page of which matches its CRC is
+    what V-P5's fold of the table says), and every other record whole.
+    Returns whether all of them passed."""
 
     def __init__(self, vol, items: list):
         self.vol, self.items = vol, items
 
-    def run(self, skip=frozenset(), partial: dict | None = None) -> bool:
-        from concordia.wal import format as F
+    def run(self, read=()) -> bool:
         from concordia.wal import pagecrc
         from concordia.wal.reader import Found, Scanner
 
-        partial = partial or {}
-        arr = self.vol.backend.array
-        for it in self.items:
-            rows = partial.get(it.offset) if isinstance(it, Found) else None
-            if rows is None or it.header.type != F.REC_PAGE_BATCH:
-                continue
-            count, pb = it.header.count, it.header.page_bytes
-            left = np.ones(count, bool)
-            left[rows] = False
-            if not left.any():
-                continue
-            at = it.offset + F.page_batch_payload_offset(count)
-            pages = arr[at:at + count * pb].reshape(count, pb)[left]
-            table = F.record_body(arr, it.offset, 8 * count)[4 * count:].view("<u4")[left]
-            if not np.array_equal(pagecrc.page_crcs(pages, release_gil=True), table):
+        left: dict = {}   # record offset -> (its batch, rows no source copies)
+        for s in read:
+            b = s.batch
+            rows = left[b.offset][1] if b.offset in left else np.ones(b.page_ids.size, bool)
+            rows[s.rows] = False
+            left[b.offset] = (b, rows)
+        for b, rows in left.values():
+            if rows.any() and not np.array_equal(pagecrc.page_crcs(b.payload[rows], release_gil=True),
+                                                 np.asarray(b.page_crcs)[rows]):
                 return False
         items = list(self.items)   # check_pages_of puts damaged ranges in place of records
-        idx = [i for i, it in enumerate(items) if isinstance(it, Found) and it.offset not in skip
-               and it.offset not in partial]
-        Scanner(self.vol, check_pages=False).check_pages_of(items, idx)  # page batches among them
+        idx = [i for i, it in enumerate(items) if isinstance(it, Found) and it.offset not in left]
+        Scanner(self.vol, check_pages=False).check_pages_of(items, idx)  # the page batches among them
         return all(isinstance(items[i], Found) for i in idx)
 
 

@@ -26,14 +26,13 @@ from .modes import RecoveryMode
 from .errors import CorruptionError, TornTailError, UsageError
 from .volume import SegmentInfo, Volume
 
-# Page checks (V-P5) hash payloads and fold page CRC tables on several threads
-# (crc32c and numpy let go of the GIL for large buffers) once a segment's, or a
-# check_pages_of call's, payloads add up to this many bytes: one thread hashes
-# about 3-5 GB/s, and a log of 256-byte pages holds a CRC to fold per 256 bytes.
+# Page checks (V-P5) hash payloads on several threads (crc32c lets go of the
+# GIL) once a segment's, or a check_pages_of call's, payloads add up to this
+# many bytes: one thread hashes about 3-5 GB/s.  (Folding the page CRC tables on
+# threads did not help on the H200: numpy's table gathers did not run side by
+# side; docs/results/recovery.md.)
 PARALLEL_CHECK_BYTES = 16 << 20
 CHECK_THREADS = max(1, min(12, os.cpu_count() or 1))
-#: page CRCs folded per piece of work when the fold runs on several threads
-FOLD_PIECE_PAGES = 1 << 20
 # the search for valid records after a gap (Scanner._next_valid) reads this many
 # bytes a slice and confirms at most this many candidates by their header CRC
 NEXT_VALID_CHUNK = 32 << 20
@@ -43,7 +42,7 @@ NEXT_VALID_CONFIRMS = 4096
 _CHECK_POOL: list = []  # one ThreadPoolExecutor of CHECK_THREADS, made on first use, kept
 
 
-def thread_map(fn: Callable, items, name: str) -> list:
+def thread_map(fn: Callable, items) -> list:
     """[fn(x) for x in items], on CHECK_THREADS threads when there are several
     (numpy and crc32c let go of the GIL for large buffers), in order.  The
     threads are kept between calls (a walk calls this once a segment); a call
@@ -238,27 +237,6 @@ class ScanResult:
     tail_dropped: list = field(default_factory=list)
 
 
-def _fold(tables: np.ndarray, pb: int) -> np.ndarray:
-    """format.fold_page_crcs of (records, count) page CRCs, on CHECK_THREADS
-    threads when they describe PARALLEL_CHECK_BYTES or more: records of
-    FOLD_PIECE_PAGES pages or more are folded a piece of that many pages at a
-    time (their front padded with empty pages, which fold to nothing), then
-    the pieces' CRCs folded as pages of FOLD_PIECE_PAGES * pb bytes."""
-    r, n = tables.shape
-    if tables.size * pb < PARALLEL_CHECK_BYTES or CHECK_THREADS < 2:
-        return F.fold_page_crcs(tables, pb)
-    p = FOLD_PIECE_PAGES
-    if n >= p:
-        m = -(-n // p)
-        x = np.concatenate([np.zeros((r, m * p - n), np.uint32), tables], axis=1).reshape(r * m, p)
-        pieces = np.concatenate(thread_map(lambda lo: F.fold_page_crcs(x[lo:lo + 1], pb), range(r * m),
-                                           "concordia-check"))
-        return F.fold_page_crcs(pieces.reshape(r, m), p * pb)
-    rows = max(1, p // n)
-    return np.concatenate(thread_map(lambda lo: F.fold_page_crcs(tables[lo:lo + rows], pb), range(0, r, rows),
-                                     "concordia-check"))
-
-
 class Scanner:
     """Record-level scan of one volume (no mode logic): yields records and damaged ranges."""
 
@@ -360,7 +338,7 @@ class Scanner:
         starts = list(range(0, n, per))
         tried = 0
         for k in range(0, len(starts), CHECK_THREADS):
-            for cand in thread_map(candidates, starts[k:k + CHECK_THREADS], "concordia-scan"):
+            for cand in thread_map(candidates, starts[k:k + CHECK_THREADS]):
                 for c in cand[:NEXT_VALID_CONFIRMS - tried]:
                     pos = start + int(c) * 64
                     if F.check_record_header_bytes(self.mv, pos) is None:
@@ -407,7 +385,7 @@ class Scanner:
         to PARALLEL_CHECK_BYTES or more are hashed on CHECK_THREADS threads."""
         total = sum(h.count * h.page_bytes for _, _, h in batches)
         if total >= PARALLEL_CHECK_BYTES:
-            return thread_map(lambda b: self._payload_entry(*b, release_gil=True), batches, "concordia-check")
+            return thread_map(lambda b: self._payload_entry(*b, release_gil=True), batches)
         return [self._payload_entry(*b) for b in batches]
 
     def _check_pages(self, out: list, pending: list) -> None:
@@ -420,7 +398,7 @@ class Scanner:
         arr = self.arr
         for (count, pb), items in groups.items():
             tables = np.stack([F.record_body(arr, pos, 8 * count)[4 * count:] for _, pos, _, _, _ in items])
-            folded = _fold(tables.view("<u4"), pb)
+            folded = F.fold_page_crcs(tables.view("<u4"), pb)
             actual = np.fromiter((it[4] for it in items), dtype=np.uint32, count=len(items))
             for k in np.flatnonzero(folded != actual):
                 idx, pos = items[k][0], items[k][1]

@@ -28,6 +28,7 @@ scatter kernel, so the chunking and the fill are tested where no GPU exists.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import dataclass, field
@@ -102,8 +103,7 @@ class Transfer:
         n = self.pages
         if n == 0:
             return xp.zeros(0, xp.uint64), xp.zeros(0, xp.uint32), xp.zeros(0, xp.uint32)
-        count = xp.asarray(self.run_count)
-        first = xp.cumsum(count) - count
+        first = xp.asarray(self.run_first)
         mark = xp.zeros(n, xp.int64)
         mark[first[1:]] = 1
         run = xp.cumsum(mark)  # the run of each page
@@ -113,34 +113,22 @@ class Transfer:
         crcs = xp.asarray(self.crc_table)[xp.asarray(self.run_crc)[run] + k]
         return stage, ids, crcs
 
-    @property
-    def stage_off(self) -> np.ndarray:
-        return self.page_tables()[0]
-
-    @property
-    def page_ids(self) -> np.ndarray:
-        return self.page_tables()[1]
-
-    @property
-    def crcs(self) -> np.ndarray:
-        return self.page_tables()[2]
-
-    @property
-    def region_index(self) -> np.ndarray:
-        return np.repeat(self.run_region, self.run_count)
+    @functools.cached_property
+    def run_first(self) -> np.ndarray:
+        """int64 per run: the index of its first page."""
+        return np.cumsum(self.run_count) - self.run_count
 
     def run_of(self, k: int) -> tuple[int, int]:
         """(run, page within it) of page k."""
-        first = np.cumsum(self.run_count) - self.run_count
-        r = int(np.searchsorted(first, k, side="right")) - 1
-        return r, k - int(first[r])
+        r = int(np.searchsorted(self.run_first, k, side="right")) - 1
+        return r, k - int(self.run_first[r])
 
     def region_slices(self, c: int):
         """(region index, lo, hi) page ranges of chunk c, one per region in it."""
         lo, hi = int(self.page_lo[c]), int(self.page_lo[c + 1])
         if lo == hi:
             return []
-        first = np.cumsum(self.run_count) - self.run_count
+        first = self.run_first
         r0, r1 = np.searchsorted(first, [lo, hi])  # the runs of the chunk (no run crosses a chunk's end)
         ri = self.run_region[r0:r1]
         cut = np.flatnonzero(ri[1:] != ri[:-1]) + 1
@@ -150,30 +138,28 @@ class Transfer:
         return [(int(self.run_region[s]), int(at[s]), int(at[e])) for s, e in zip(starts, ends)]
 
 
-def _runs(rows: np.ndarray, ids: np.ndarray, pb: int) -> np.ndarray:
-    """Indices where a run of the source starts: its rows and page ids both step
-    by one within a run.  Pages whose size is not a multiple of 16 are a run
-    each (their log offsets are not all 16-byte aligned: each gets its own copy)."""
-    if rows.size == 0:
-        return np.zeros(0, np.int64)
-    if pb % 16:
-        return np.arange(rows.size, dtype=np.int64)
+def _runs(rows: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Indices where a run of a source starts: its rows and page ids both step
+    by one within a run (a record taken whole is one: `planner.ascending`)."""
     from concordia.wal.planner import is_ascending
 
-    if is_ascending(rows) and is_ascending(ids):   # a record taken whole: consecutive by construction
-        return np.zeros(1, np.int64)
-    if rows.size > 1 and int(rows[-1] - rows[0]) == rows.size - 1 and int(ids[-1] - ids[0]) == ids.size - 1 \
-            and (np.diff(rows) == 1).all() and (np.diff(ids) == 1).all():
-        return np.zeros(1, np.int64)
+    if rows.size < 2 or (is_ascending(rows) and is_ascending(ids)):
+        return np.zeros(min(rows.size, 1), np.int64)
     brk = (np.diff(rows) != 1) | (np.diff(ids) != 1)
-    return np.concatenate(([0], np.flatnonzero(brk) + 1)).astype(np.int64)
+    return np.concatenate(([0], np.flatnonzero(brk) + 1))
+
+
+def _span(a: np.ndarray) -> tuple[int, int]:
+    """(least, greatest) of a source's rows or page ids; ends only, for `planner.ascending`'s."""
+    from concordia.wal.planner import is_ascending
+
+    return (int(a[0]), int(a[-1])) if is_ascending(a) else (int(a.min()), int(a.max()))
 
 
 def transfer_plan(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Transfer:
     """Lay out every page `plan` reads into staging chunks (see the module doc)."""
     from concordia.gpu_kernels import reference as ref
     from concordia.wal.apply import check_source
-    from concordia.wal.planner import is_ascending
 
     rps = [rp for name, rp in plan.regions.items() if regions is None or name in regions]
     # per run: region, log offset, page id, row, page bytes, pages, source; rows and ids checked per source
@@ -186,11 +172,11 @@ def transfer_plan(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK_B
             count = int(s.batch.page_ids.size)
             rows = np.asarray(s.rows, np.int64)
             ids = np.asarray(s.page_ids, np.int64)
-            span = (lambda a: (int(a[0]), int(a[-1])) if is_ascending(a) else (int(a.min()), int(a.max())))
-            if rows.size != ids.size or (rows.size and (
-                    span(rows)[0] < 0 or span(rows)[1] >= count or span(ids)[0] < 0 or span(ids)[1] >= rp.pages)):
+            (r_lo, r_hi), (i_lo, i_hi) = ((_span(rows), _span(ids)) if rows.size and rows.size == ids.size
+                                          else ((0, -1), (0, -1)))
+            if rows.size != ids.size or r_lo < 0 or r_hi >= count or i_lo < 0 or i_hi >= rp.pages:
                 check_source(s.batch, rows, ids, rp.pages)  # names the bad source as the host applier does
-            st = _runs(rows, ids, pb)
+            st = _runs(rows, ids)
             n = np.diff(np.append(st, rows.size))
             base = s.batch.offset + ref.payload_offset(count)
             cols["region"].append(np.full(st.size, i, np.int64))
@@ -208,14 +194,6 @@ def transfer_plan(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK_B
     order = np.argsort(r["off"], kind="stable")
     r = {k: v[order] for k, v in r.items()}
     off, pb, cnt = r["off"], r["pb"], r["count"]
-    if off.size > 1 and (off[1:] < off[:-1] + cnt[:-1] * pb[:-1]).any():
-        # runs that overlap in the log (two sources reading one record): page by page, as sorted pages
-        per = {k: np.repeat(v, cnt) for k, v in r.items()}
-        k = np.arange(per["off"].size) - np.repeat(np.cumsum(cnt) - cnt, cnt)
-        per.update(off=per["off"] + k * per["pb"], id=per["id"] + k, crc=per["crc"] + k, count=np.ones_like(k))
-        order = np.argsort(per["off"], kind="stable")
-        r = {k: v[order] for k, v in per.items()}
-        off, pb, cnt = r["off"], r["pb"], r["count"]
     R = off.size
     if R == 0:
         z = np.zeros(0, np.int64)
@@ -224,13 +202,12 @@ def transfer_plan(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK_B
                         sources=srcs, page_lo=np.zeros(1, np.int64))
     ln = cnt * pb  # bytes of each run
     # A run continues the copy of the one before it when it starts at most
-    # MERGE_GAP bytes after that one ends; runs not 16-byte aligned in the log
-    # each start their own copy (inside a run the pages follow on, see _runs).
+    # MERGE_GAP bytes after that one ends (and never overlaps it); runs not
+    # 16-byte aligned in the log each start their own copy.
     new = np.ones(R, bool)
     if R > 1:
         gap = off[1:] - (off[:-1] + ln[:-1])
         new[1:] = (gap < 0) | (gap > MERGE_GAP) | (off[1:] % 16 != 0)
-    new |= off % 16 != 0
     # Positions in one virtual staging stream: copies back to back, each from
     # a STAGE_ALIGN boundary; inside a copy the log layout is kept.
     copy_id = np.cumsum(new) - 1

@@ -146,41 +146,32 @@ class _Damaged(Exception):
 
 
 def _deferred(plan, pages, names: list, st: dict):
-    """Start R-D5's page checks of what the appliers will not copy (they check
-    what they copy: records copied whole are left out, of the others only the
-    rows they leave are checked) on a thread; returns a function that waits
-    for them and raises _Damaged when one failed."""
-    import threading
+    """Start R-D5's page checks of what the appliers of `names` will not copy
+    (`PageCheck.run`: they check what they copy) on a thread; returns a
+    function that waits for them and raises _Damaged when one failed."""
+    from concurrent.futures import ThreadPoolExecutor
 
-    whole, part = set(), {}
-    for n in names:
-        for s in plan.regions[n].sources:
-            if s.rows.size == s.batch.page_ids.size:
-                whole.add(s.batch.offset)
-            else:
-                part[s.batch.offset] = s.rows
-    done: list = []
+    read = [s for n in names for s in plan.regions[n].sources]
+    whole = sum(s.rows.size == s.batch.page_ids.size for s in read)
+    st["page_check"] = (f"deferred: {whole} record(s) checked page by page by the applier, "
+                        f"the rest ({len(read) - whole} read in part) on the host meanwhile")
 
     def run():
         t = time.perf_counter()
         try:
-            done.append(pages.run(skip=whole, partial=part))
-        except BaseException as exc:   # raised where the caller waits
-            done.append(exc)
-        st["page_check_s"] = time.perf_counter() - t
+            return pages.run(read)
+        finally:
+            st["page_check_s"] = time.perf_counter() - t
 
-    th = threading.Thread(target=run, name="concordia-page-check", daemon=True)
-    th.start()
-    st["page_check"] = (f"deferred: {len(whole)} record(s) checked page by page by the applier, "
-                        f"the rest ({len(part)} read in part) on the host meanwhile")
+    one = ThreadPoolExecutor(1, thread_name_prefix="concordia-page-check")
+    done = one.submit(run)
+    one.shutdown(wait=False)   # the thread ends with the checks; wait() waits for them
 
     def wait():
         w = time.perf_counter()
-        th.join()
+        ok = done.result()   # raises what the checks raised
         st["page_check_wait_s"] = time.perf_counter() - w
-        if isinstance(done[0], BaseException):
-            raise done[0]
-        if not done[0]:
+        if not ok:
             raise _Damaged("the host's page checks found a damaged page")
     return wait
 

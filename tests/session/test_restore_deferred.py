@@ -146,3 +146,30 @@ def test_damage_leaves_the_targets_as_they_were(file_log):
         with pytest.raises(ConcordiaError):
             s.recover(into={"kv": kv, "lora": lora})
     assert (kv == 7.0).all() and (lora == 7.0).all()
+
+
+def test_the_host_checks_run_beside_the_applier(file_log, monkeypatch):
+    """The host's checks are under way while the applier copies: a check that
+    waits for the applier to have started is released by it (were the two
+    run one after the other, the check would find the applier never began)."""
+    import threading
+
+    import concordia.wal.apply as apply_mod
+    from concordia.wal.planner import PageCheck
+
+    _log(file_log, deltas=2)
+    began = threading.Event()
+    check, applier = PageCheck.run, apply_mod.apply_plan_numpy
+
+    def checks(self, read=()):
+        assert began.wait(timeout=60), "the applier did not start while the host's checks ran"
+        return check(self, read)
+
+    def applies(*a, **kw):
+        began.set()
+        return applier(*a, **kw)
+
+    monkeypatch.setattr(PageCheck, "run", checks)
+    monkeypatch.setattr(apply_mod, "apply_plan_numpy", applies)
+    now, checked, st = _both(file_log)
+    assert now == checked and now[0] == "ok" and st["page_check_wait_s"] >= 0

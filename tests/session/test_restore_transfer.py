@@ -61,6 +61,8 @@ def _restore_both(spec, chunk_bytes):
 
 def _check_layout(tr):
     seen = set()
+    stage_off, page_ids, _ = tr.page_tables(np)
+    region_index = np.repeat(tr.run_region, tr.run_count)
     for c in range(tr.chunks):
         lo, hi = int(tr.page_lo[c]), int(tr.page_lo[c + 1])
         assert hi > lo
@@ -68,13 +70,13 @@ def _check_layout(tr):
         cps = tr.copies[c]
         assert (cps[:, 2] % STAGE_ALIGN == 0).all() and (cps[:, 1] > 0).all()
         for k in range(lo, hi):
-            rp = tr.regions[int(tr.region_index[k])]
-            at, pb = int(tr.stage_off[k]), rp.region.page_bytes
+            rp = tr.regions[int(region_index[k])]
+            at, pb = int(stage_off[k]), rp.region.page_bytes
             assert at % 16 == 0 and at + pb <= tr.used[c]
             inside = (cps[:, 2] <= at) & (at + pb <= cps[:, 2] + cps[:, 1])
             assert inside.sum() == 1  # each page lies in exactly one copy of its chunk
-            seen.add((int(tr.region_index[k]), int(tr.page_ids[k])))
-        ri = tr.region_index[lo:hi]
+            seen.add((int(region_index[k]), int(page_ids[k])))
+        ri = region_index[lo:hi]
         assert (np.diff(ri) >= 0).all()  # grouped by region within the chunk
     assert len(seen) == tr.pages
 
@@ -138,10 +140,11 @@ def _damaged_adapter_page(file_log) -> int:
     log = Log.open(file_log, writable=False, check_pages=False)
     try:
         tr = transfer_plan(log, plan(log), chunk_bytes=64 << 10)
-        k = int(np.flatnonzero(tr.region_index == [rp.name for rp in tr.regions].index("adapter"))[3])
+        region_index = np.repeat(tr.run_region, tr.run_count)
+        k = int(np.flatnonzero(region_index == [rp.name for rp in tr.regions].index("adapter"))[3])
         c = int(np.searchsorted(tr.page_lo, k, side="right") - 1)
         cps = tr.copies[c]
-        at = int(tr.stage_off[k])
+        at = int(tr.page_tables(np)[0][k])
         row = int(np.flatnonzero((cps[:, 2] <= at) & (at < cps[:, 2] + cps[:, 1]))[0])
         log_off = int(cps[row, 0] + at - cps[row, 2])
     finally:

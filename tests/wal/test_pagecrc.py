@@ -370,16 +370,3 @@ def test_env_keeps_the_crc32_kernel(tmp_path):
     kinds, crcs = out.stdout.splitlines()
     assert kinds == "sse4.2 crc32" and crcs == _expected()
 
-
-@pytest.mark.parametrize("records,count,pb", [(1, 1000, 256), (3, 777, 64), (50, 9, 4096), (1, 4, 256)])
-def test_the_threaded_fold_equals_the_one_thread_fold(monkeypatch, records, count, pb):
-    """The reader folds page CRC tables on several threads, a record's pieces of
-    FOLD_PIECE_PAGES at a time (front-padded): the same CRCs as format's fold."""
-    from concordia.wal import format as F
-    from concordia.wal import reader as R
-
-    monkeypatch.setattr(R, "PARALLEL_CHECK_BYTES", 1)
-    monkeypatch.setattr(R, "CHECK_THREADS", 3)
-    monkeypatch.setattr(R, "FOLD_PIECE_PAGES", 64)
-    tables = np.random.default_rng(count).integers(0, 1 << 32, (records, count), dtype=np.uint64).astype(np.uint32)
-    assert np.array_equal(R._fold(tables, pb), F.fold_page_crcs(tables, pb))
