@@ -144,7 +144,10 @@ def _standby(spec: str, device: str, follow: str = "0", then: str = "stop") -> N
     xp = _xp(device)
 
     def warm_decode(sb):   # the model hook: the decode step's kernels loaded, at its size, before the kill
-        _decode_step(xp, xp.zeros(sb.regions["kv"].nbytes // 2, xp.float16))
+        # a hot standby's mirror is read, as the step reads it: a second copy of the state
+        # beside it would not fit on the GPU at 40 GiB with a primary there too
+        held = sb.mirror.arrays.get("kv") if sb.mirror is not None else None
+        _decode_step(xp, held if held is not None else xp.zeros(sb.regions["kv"].nbytes // 2, xp.float16))
         return "decode"
 
     def resume(tk):
