@@ -45,8 +45,10 @@ import numpy as np
 
 from concordia.wal import format as F
 from concordia.wal.errors import CorruptionError, WalError
-from concordia.wal.reader import _DMG, Follower, record_kind
+from concordia.wal.reader import _DMG, _REC, Follower, Found, record_kind
 
+
+_new_tuple = tuple.__new__   # as wal.format uses it: a NamedTuple made without its constructor's frame
 
 #: reads of the log as it is, for a resync, before damage is taken for damage:
 #: beside a live writer, one read can pass a record it has reserved but not
@@ -217,12 +219,16 @@ class Mirror:
             got = self._walked.get((sg.index, sg.seq))
             if sg.base_lsn >= at or not got or got[0].seg != sg or vol.check_segment_header(sg, prev):
                 break
-            mine = [it if it.seg is sg else it._replace(seg=sg) for it in got if it.header.lsn >= oldest]
-            if sg.end_lsn > at:   # the segment the follower stands in: its records before that point
-                out.extend(it for it in mine if it.header.lsn + it.header.length <= at)
+            standing = sg.end_lsn > at   # the segment the follower stands in: its records before that point
+            if standing:
+                got = [it for it in got if it.header.lsn + it.header.length <= at]
+            # each item again with `vol`'s own segment (recover tells a walk's segments apart by
+            # identity): records only (`_keep_walk`), each made as the walk makes it;
+            # tuple.__new__ is Found's constructor without its frame, a third of _replace's cost
+            out.extend([_new_tuple(Found, (_REC, sg, it.offset, it.header)) for it in got if it.header.lsn >= oldest])
+            if standing:
                 upto = at
                 break
-            out.extend(mine)
             upto, prev = sg.end_lsn, sg
         return None if upto is None else (out, upto)
 

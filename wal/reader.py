@@ -11,6 +11,7 @@ must match), so one damaged record never hides the records after it.
 
 from __future__ import annotations
 
+import bisect
 import os
 import threading
 import time
@@ -92,9 +93,10 @@ class Record:
                  "count", "page_bytes", "aux", "body_crc", "_backend")
 
     def __init__(self, hdr: F.RecordHeader, segment: int, offset: int, backend):
-        self.length, self.type, self.flags, self.region_id = hdr.length, hdr.type, hdr.flags, hdr.region_id
-        self.lsn, self.epoch, self.body_crc = hdr.lsn, hdr.epoch, hdr.body_crc
-        self.count, self.page_bytes, self.aux = hdr.count, hdr.page_bytes, hdr.aux
+        # one unpacking, in RecordHeader's field order (a recovery makes a Record for every
+        # record it keeps); the salt and the header CRC are the walk's concern, not kept
+        (self.length, self.type, self.flags, self.region_id, self.lsn, self.epoch, _salt, self.body_crc,
+         self.count, self.page_bytes, self.aux, _header_crc) = hdr
         self.segment = segment
         self.offset = offset
         self._backend = backend
@@ -176,6 +178,9 @@ def record_kind(type_byte: int) -> int | None:
         return type_byte
     return None
 
+
+#: record_kind of every type byte, for loops over a whole walk (a lookup, not a call)
+_KIND_OF = tuple(record_kind(t) for t in range(256))
 
 #: R-F1: the flag bits each known type may carry; any other bit is a damaged record
 _KNOWN_FLAGS = {F.REC_PAGE_BATCH: F.FLAG_BASE, F.REC_COMMIT: F.FLAG_ONE_SYNC}
@@ -556,33 +561,42 @@ def recover(vol: Volume, mode: RecoveryMode = RecoveryMode.TOLERATE_TAIL,
         items = list(scanner.items(res))
     else:
         items = list(items)
-        seen = []
+        seen, seg = [], None
         for it in items:
-            if not seen or seen[-1] is not it.seg:
-                seen.append(it.seg)
+            if it.seg is not seg:
+                seg = it.seg
+                seen.append(seg)
         res.segments = seen
         res.bad_segments = {it.seg.index for it in items if it.tag == _DMG and it.offset == it.seg.offset}
     if len(items) <= WALK_KEPT_MAX:
         res.walk, res.walk_checked_pages = items, check_pages
     items = _check_regions(items, vol.backend.view)  # R-P1, R-G1
     backend = vol.backend
+    # where the commit records lie, found once: nothing below makes or unmakes a
+    # commit (a page check turns only page batches into damaged ranges)
+    commit_at = _records_of(items, F.REC_COMMIT)  # where is_commit holds
+
+    def commit_before(i: int) -> int:
+        """The index of the last commit record before items[i], or -1."""
+        k = bisect.bisect_left(commit_at, i)
+        return commit_at[k - 1] if k else -1
 
     # R-D2: the commit point is the last commit record that is a valid record (its
     # body decodes, V-C1: one that does not is a damaged range of the walk), or a
-    # damaged segment header that hides one
-    last_commit = -1
-    for i, it in enumerate(items):
-        if is_commit(it) or (it.tag == _DMG and it.hides_commit):
-            last_commit = i + 1 if it.tag == _DMG else i
-        if is_commit(it):
-            res.last_commit_record_end = it.seg.lsn(it.offset) + it.length
+    # damaged segment header that hides one (the point is then just past it)
+    last_commit = commit_at[-1] if commit_at else -1
+    if commit_at:
+        it = items[last_commit]
+        res.last_commit_record_end = it.seg.lsn(it.offset) + it.length
+    hidden = [i for i, it in enumerate(items) if it.tag == _DMG and it.hides_commit]
+    if hidden:
+        last_commit = max(last_commit, hidden[-1] + 1)
 
     # a last commit written by one sync with its records (FLAG_ONE_SYNC) is in flight
     # at a crash until that sync returns: its records' pages decide V-C4 (§10.4b)
     if (check_pages == "last" and 0 <= last_commit < len(items) and is_commit(items[last_commit])
             and items[last_commit].header.flags & F.FLAG_ONE_SYNC):
-        prev_commit = max((i for i in range(last_commit) if is_commit(items[i])), default=-1)
-        scanner.check_pages_of(items, range(prev_commit + 1, last_commit))
+        scanner.check_pages_of(items, range(commit_before(last_commit) + 1, last_commit))
     oldest = vol.superblock.oldest_lsn
     verdicts, late = _commit_verdicts(items, backend.view, oldest)
 
@@ -596,7 +610,7 @@ def recover(vol: Volume, mode: RecoveryMode = RecoveryMode.TOLERATE_TAIL,
     # persisted before it was written.
     torn_commits: dict = {}  # index -> why it is torn
     while 0 <= last_commit < len(items) and is_commit(items[last_commit]):
-        prev_commit = max((i for i in range(last_commit) if is_commit(items[i])), default=-1)
+        prev_commit = commit_before(last_commit)
         between = any(items[i].tag == _DMG for i in range(prev_commit + 1, last_commit))
         if not torn_commits and items[last_commit].header.flags & F.FLAG_ONE_SYNC and between:
             why = "written by one sync with its records, so the sync did not complete"
@@ -614,8 +628,7 @@ def recover(vol: Volume, mode: RecoveryMode = RecoveryMode.TOLERATE_TAIL,
     cat_lsn = vol.superblock.catalog_lsn
     stop_lsn = None  # POINT_IN_TIME: where a lost catalog stops the reading
     if cat_lsn:
-        at = next((i for i, it in enumerate(items)
-                   if it.seg.lsn(it.offset) <= cat_lsn < it.seg.lsn(it.offset) + it.length), None)
+        at = _first_holding(items, cat_lsn)
         named = (at is not None and items[at].tag == _REC and items[at].header.type == F.REC_CATALOG
                  and items[at].header.lsn == cat_lsn)
         # a damaged range there is reported as corruption by itself (it lies at the commit point)
@@ -646,6 +659,7 @@ def recover(vol: Volume, mode: RecoveryMode = RecoveryMode.TOLERATE_TAIL,
 
     res.bytes_checked = scanner.bytes_checked
     stats: dict[int, list] = {}  # epoch -> [count, bytes, first_lsn, seg, first_off]: the uncommitted report
+    region_records: list = []  # the region descriptors among res.records, for tail_regions
     cut = None
     stopped_at = None
 
@@ -679,7 +693,7 @@ def recover(vol: Volume, mode: RecoveryMode = RecoveryMode.TOLERATE_TAIL,
                 stopped_at = f"segment {seg.index} @ 0x{off:x}"
             continue
         rec = Record(it.header, seg.index, off, backend)
-        kind = rec.kind
+        kind = _KIND_OF[rec.type]
         if kind == F.REC_COMMIT:
             info, problem, partial = verdicts[i]
             if problem is not None and i in torn_commits:
@@ -723,6 +737,7 @@ def recover(vol: Volume, mode: RecoveryMode = RecoveryMode.TOLERATE_TAIL,
                 continue
             res.regions[rec.region_id] = info
             res.records.append(rec)
+            region_records.append(rec)
             continue
         if kind == F.REC_PAD:
             continue
@@ -759,10 +774,30 @@ def recover(vol: Volume, mode: RecoveryMode = RecoveryMode.TOLERATE_TAIL,
     res.last_commit_lsn = res.commits[-1].lsn if res.commits else 0
     res.cut = cut
     if cut is not None:
-        res.tail_regions = [r for r in res.records if r.kind == F.REC_REGION and r.lsn > res.last_commit_lsn]
+        res.tail_regions = [r for r in region_records if r.lsn > res.last_commit_lsn]
     else:
-        res.tail_regions = [r for r in res.records if r.kind == F.REC_REGION]
+        res.tail_regions = region_records
     return res
+
+
+def _records_of(items: list, type_byte: int) -> list:
+    """The indices of a walk's valid records of type `type_byte`, in order."""
+    return [i for i, it in enumerate(items) if it.tag == _REC and it.header.type == type_byte]
+
+
+def _first_holding(items: list, lsn: int) -> int | None:
+    """The index of the first item of a walk whose bytes hold `lsn`, or None:
+    `seg.lsn(offset) <= lsn < seg.lsn(offset) + length`, tested as offsets
+    (`lsn` is turned into an offset once for each run of items of one
+    segment, not an LSN computed for every item)."""
+    seg = None
+    for i, it in enumerate(items):
+        if it.seg is not seg:
+            seg = it.seg
+            at = seg.offset + (lsn - seg.base_lsn)  # where `lsn` would lie in this segment
+        if it.offset <= at < it.offset + it.length:
+            return i
+    return None
 
 
 def _unwritten_slot(vol: Volume) -> str | None:
@@ -787,9 +822,8 @@ def _check_regions(items: list, mv) -> list:
     regions: dict = {}
     out = items
     bad: dict = {}
-    for i, it in enumerate(items):
-        if it.tag != _REC or it.header.type != F.REC_REGION:
-            continue
+    for i in _records_of(items, F.REC_REGION):
+        it = items[i]
         h = it.header
         try:
             r = F.decode_region_body(F.record_body(mv, it.offset, h.count), h.region_id, h.page_bytes)
@@ -799,9 +833,8 @@ def _check_regions(items: list, mv) -> list:
         if old != r:
             bad[i] = (f"region descriptor redefines region {h.region_id} ({old.name!r}) "
                       f"with other attributes (R-G1)")
-    for i, it in enumerate(items):
-        if it.tag != _REC or it.header.type != F.REC_PAGE_BATCH:
-            continue
+    for i in _records_of(items, F.REC_PAGE_BATCH):
+        it = items[i]
         h = it.header
         r = regions.get(h.region_id)
         if r is None:
@@ -812,7 +845,10 @@ def _check_regions(items: list, mv) -> list:
             bad[i] = (f"page batch of region {r.name!r} has {h.page_bytes}-byte pages, "
                       f"its descriptor {r.page_bytes} (R-P1)")
         else:
-            last = int(np.frombuffer(mv, np.uint32, count=1, offset=it.offset + F.RECORD_HEADER_SIZE + 4 * (h.count - 1))[0])
+            # the last page id (ids increase, V-P4): a little-endian u32, read without numpy, which
+            # costs a microsecond a call and a takeover reads one per batch of the log
+            at = it.offset + F.RECORD_HEADER_SIZE + 4 * (h.count - 1)
+            last = int.from_bytes(mv[at:at + 4], "little")
             if last >= r.pages:
                 bad[i] = f"page batch of region {r.name!r} names page {last}, the region has {r.pages} (R-P1)"
     if bad:
@@ -884,12 +920,11 @@ def _commit_verdicts(items: list, mv, oldest: int) -> tuple[dict, set]:
                 damaged.setdefault(h.epoch, []).append((h.lsn, h.length, h.region_id))
             continue
         h = it.header
-        kind = record_kind(h.type)
-        if kind == F.REC_COMMIT:
+        if h.type == F.REC_COMMIT:  # is_commit (R-T1: the whole type byte)
             info = F.decode_commit_body(F.record_body(mv, it.offset, h.count), h)
             st = stats.pop(h.epoch, None)
             problem = _commit_problem(info, st, last_epoch, last_lsn, oldest)
-            known = [x for x in damaged.pop(h.epoch, ()) if info.first_lsn <= x[0] < info.lsn]
+            known = [x for x in damaged.pop(h.epoch, ()) if info.first_lsn <= x[0] < info.lsn] if damaged else []
             partial = None
             if problem is not None and known:
                 with_them = [(st[0] if st else 0) + len(known), (st[1] if st else 0) + sum(x[1] for x in known)]
@@ -899,14 +934,17 @@ def _commit_verdicts(items: list, mv, oldest: int) -> tuple[dict, set]:
             last_epoch = h.epoch if problem is None else max(last_epoch, h.epoch)
             last_lsn = h.lsn
             continue
-        if kind in (F.REC_REGION, F.REC_PAD) or not F.counted_in_epoch(h.type, h.flags):
-            continue
+        if not F.counted_in_epoch(h.type, h.flags):
+            continue  # region, pad, catalog and snapshot records, BASE batches (V-C4, V-N1)
         if h.epoch <= last_epoch and h.epoch != 0:
             late.add(i)
             continue
-        st = stats.setdefault(h.epoch, [0, 0])
-        st[0] += 1
-        st[1] += h.length
+        st = stats.get(h.epoch)
+        if st is None:
+            stats[h.epoch] = [1, h.length]
+        else:
+            st[0] += 1
+            st[1] += h.length
     return verdicts, late
 
 
