@@ -27,8 +27,8 @@ from concordia.devmem import Backend, open_backend
 from . import format as F
 from .appender import Appender
 from .errors import CorruptionError, RegionError, TornTailError, UsageError
-from .reader import (NEXT_VALID_CHUNK, Dropped, Record, RecoveryMode, ScanResult, Scanner, recover, thread_map,
-                     verify)
+from .reader import (_REC, NEXT_VALID_CHUNK, Dropped, Record, RecoveryMode, ScanResult, Scanner, recover,
+                     thread_map, verify)
 from .volume import FORMAT_ANYWAY_HINT, Volume, check_format_target
 
 
@@ -227,6 +227,24 @@ class Log:
             app.append_record(type=F.REC_REGION, epoch=0, body=body, region_id=region_id,
                               page_bytes=page_bytes)
         return app
+
+    def walk_through_commit(self) -> tuple | None:
+        """(items, commit): the open's walk (Scanner items, LSN order) from its
+        first live record through the commit record of the last committed
+        epoch, and that record; None when the open did not keep its walk
+        (`WALK_KEPT_MAX`), found damage before that commit, or commits
+        nothing.  A follower started just past `commit` (`Follower(after=)`)
+        returns every record after it, as one that walked these items would."""
+        res = self._fresh()
+        if not res.walk or not res.last_committed_epoch:
+            return None
+        for i, it in enumerate(res.walk):
+            if it.tag != _REC:
+                return None   # damage before the commit: a follower from the start says where
+            h = it.header
+            if h.type == F.REC_COMMIT and h.lsn == res.last_commit_lsn:
+                return (res.walk[:i + 1], it) if h.epoch == res.last_committed_epoch else None
+        return None
 
     # -- state ------------------------------------------------------------------------
     def _mark_stale(self):

@@ -1010,9 +1010,13 @@ class Follower:
     (`cut_at` says where; `cuts` counts them) and returns what is there now.
     """
 
-    def __init__(self, backend, *, from_lsn: int = 0, check_pages: bool | Callable = True):
+    def __init__(self, backend, *, from_lsn: int = 0, check_pages: bool | Callable = True, after=None):
         """check_pages as Scanner's: a callable(header) checks the pages of
-        the batches it is true for (a mirror: those it will apply)."""
+        the batches it is true for (a mirror: those it will apply).
+        after: a record of a walk of this log made already (a `Found` item,
+        `Log.walk_through_commit`): the follower starts just past it, as if
+        it had returned it last (and goes back to it when the log is cut
+        there, should it be a commit), instead of from `from_lsn`."""
         self.backend = backend
         self.check_pages = check_pages
         self.lsn = int(from_lsn)
@@ -1023,6 +1027,14 @@ class Follower:
         self._commit: tuple | None = None  # (lsn, resume) just after the last commit returned
         self.cuts = 0
         self.cut_at: int | None = None
+        if after is not None:
+            seg = after.seg
+            self.lsn = seg.lsn(after.offset) + after.length
+            self._resume = (seg.index, seg.seq, after.offset + after.length)
+            self._last = (seg.index, seg.seq, after.offset,
+                          bytes(F.record_header_bytes(backend.view, after.offset)), self.lsn)
+            if is_commit(after):
+                self._commit = (self.lsn, self._resume)
 
     def poll(self) -> list:
         """The items appended since the last poll (module docstring of Scanner

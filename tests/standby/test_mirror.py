@@ -98,8 +98,8 @@ def test_the_mirror_equals_a_committed_epoch_at_every_poll_through_random_kills(
     backend.close()
 
 
-@pytest.mark.parametrize("kill_at", [143, 257, 377, 401])
-def test_a_takeover_open_from_the_mirrors_walk_cuts_as_its_own_walk_would(tmp_path, kill_at):
+@pytest.mark.parametrize("kill_at,start_at", [(143, 1), (257, 1), (377, 1), (401, 1), (257, 120), (401, 200)])
+def test_a_takeover_open_from_the_mirrors_walk_cuts_as_its_own_walk_would(tmp_path, kill_at, start_at):
     """A writer with retention (segments freed and reused) kills itself at a
     point of its epochs, compaction or snapshots while a mirror follows.  The
     writable open that starts from the mirror's walk (`Log.open(walked=)`)
@@ -107,17 +107,19 @@ def test_a_takeover_open_from_the_mirrors_walk_cuts_as_its_own_walk_would(tmp_pa
     the same bytes behind.  The open takes the mirror's walk up to where the
     follower stands, inside the segment it stands in (at kill 401 the writer
     died just after taking a new segment, before a commit in it), and walks
-    on from there."""
+    on from there.  A mirror started late (`start_at` lines of the writer)
+    holds its restore's walk up to the epoch's commit, and follows from there."""
     import shutil
 
     a, b = tmp_path / "a.log", tmp_path / "b.log"
     p = subprocess.Popen([sys.executable, "-c", CHILD, f"file:{a}", str(kill_at), "100000", "any"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     mirror = None
-    for ln in p.stdout:
-        if mirror is None:
+    for n, ln in enumerate(p.stdout, 1):
+        if mirror is None and n >= start_at:
             mirror = Mirror(open_backend(f"file:{a}"))
-        mirror.poll()
+        if mirror is not None:
+            mirror.poll()
     p.communicate(timeout=30)
     assert p.returncode == -signal.SIGKILL
     mirror.poll()   # the writer is dead: to the end of what it wrote
@@ -137,6 +139,46 @@ def test_a_takeover_open_from_the_mirrors_walk_cuts_as_its_own_walk_would(tmp_pa
         theirs.close()
         mine.close()
     assert a.read_bytes() == b.read_bytes()
+
+
+def test_a_mirror_started_on_a_long_log_follows_from_the_commit_it_restored(tmp_path):
+    """The mirror's first restore walks the log once: the follower starts just
+    past the commit of the epoch restored, not at the log's start, and a
+    takeover's open from the mirror's walk matches its own walk."""
+    path = f"file:{tmp_path / 'log'}"
+    a = np.zeros((64, 256), np.uint32)
+    with Session(path, size=8 << 20, segment_size=1 << 20) as s:
+        s.register("a", a)
+        for i in range(40):
+            a[i % 64, i] = i + 1
+            s.checkpoint()
+        m = Mirror(open_backend(path))
+        log = Log.open(path, writable=False)
+        try:
+            items, commit = log.walk_through_commit()
+        finally:
+            log.close()
+        assert m.epoch == 40 and commit.header.epoch == 40 and items[-1] == commit
+        assert m.follower.lsn == commit.seg.lsn(commit.offset) + commit.length
+        assert m.follower.poll() == []   # nothing walked again
+        for i in range(40, 45):
+            a[i % 64, i] = i + 1
+            st = s.checkpoint()
+        assert m.poll() == st.epoch == 45
+        np.testing.assert_array_equal(m.arrays["a"], a)
+        now = Log.open(path, writable=False)
+        try:
+            took = m.walked(now.volume)
+        finally:
+            now.close()
+    assert took is not None and took[1] == m.follower.lsn
+    assert [it.header.lsn for it in took[0]][:len(items)] == [it.header.lsn for it in items]
+    mine = Log.open(m.backend, writable=True, check_pages="last", walked=m.walked)
+    try:
+        assert mine.open_stats["walked_before_lsn"] == m.follower.lsn
+        assert mine.last_committed_epoch == 45
+    finally:
+        mine.close()
 
 
 def test_a_mirror_follows_regions_added_and_short_last_pages(tmp_path):
