@@ -356,3 +356,21 @@ HASH int64_t concordia_copy_page_batch(uint8_t *tables, int64_t tables_bytes, ui
     lanes(1, 0, z, NULL, (size_t)(8 * count), &c);
     return (int64_t)c;
 }
+
+/* One CRC32C per row of `rows` x `count` page CRCs: the CRC of the row's pages
+ * laid end to end, each page the same length, folded from their CRCs
+ * (FORMAT.md V-P5 on a record's CRC table): acc = Z(acc) ^ crc[i] from acc = 0
+ * (an empty message), where Z appends a page of zero bytes to what acc is the
+ * CRC of, given as four 256-entry tables over acc's bytes (format's
+ * _zero_shift_tables for the page length).  Plain code: table lookups only. */
+void concordia_fold_crcs(const uint32_t *crcs, int64_t rows, int64_t count, const uint32_t *z, uint32_t *out)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        const uint32_t *c = crcs + r * count;
+        uint32_t acc = 0;
+        for (int64_t i = 0; i < count; i++)
+            acc = z[acc & 0xff] ^ z[256 + ((acc >> 8) & 0xff)] ^ z[512 + ((acc >> 16) & 0xff)] ^ z[768 + (acc >> 24)]
+                  ^ c[i];
+        out[r] = acc;
+    }
+}

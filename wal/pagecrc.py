@@ -71,6 +71,7 @@ int64_t concordia_copy_page_batch(void *tables, int64_t tables_bytes, void *payl
                                   int64_t stride, int64_t count, int64_t page_bytes, const void *ids, int ids_are_i64);
 void concordia_copy_page_crcs(void *dst, const void *src, const void *offsets, int64_t src_stride,
                               int64_t count, int64_t page_bytes, void *out);
+void concordia_fold_crcs(const void *crcs, int64_t rows, int64_t count, const void *z, void *out);
 """
 
 
@@ -148,6 +149,7 @@ else:
     _tables_c = _lib.concordia_page_batch_tables
     _copy_batch_c = _lib.concordia_copy_page_batch
     _copy_c = _lib.concordia_copy_page_crcs
+    _fold_c = _lib.concordia_fold_crcs
     _NULL = _ffi.NULL
 
 
@@ -392,3 +394,25 @@ def gather_page_crcs(dst, root, offsets, page_bytes: int, out=None, *, release_g
 
 
 __all__ = ["BACKEND", "REASON", "native", "page_crcs", "copy_page_crcs", "gather_page_crcs", "pure_page_crcs"]
+
+
+def fold_crcs(crcs: np.ndarray, shift_tables: np.ndarray) -> np.ndarray | None:
+    """Each row of `crcs` (a C-contiguous (rows, count) uint32 array of the
+    CRCs of pages of one length) folded into the CRC of the row's pages laid
+    end to end, in one call of the helper: acc = Z(acc) ^ crc from acc = 0,
+    where `shift_tables` ((4, 256) uint32, format's zero-shift tables for the
+    page length) is Z.  None when the helper is not loaded (the caller folds
+    on numpy: format.fold_page_crcs_numpy, the same values)."""
+    if _lib is None:
+        return None
+    if (not isinstance(crcs, np.ndarray) or crcs.dtype != np.uint32 or crcs.ndim != 2
+            or not crcs.flags.c_contiguous):
+        raise UsageError("crcs must be a C-contiguous 2-D uint32 array")
+    z = np.ascontiguousarray(shift_tables, dtype=np.uint32)
+    if z.shape != (4, 256):
+        raise UsageError("shift_tables must be 4 x 256 uint32")
+    rows, count = crcs.shape
+    out = np.zeros(rows, np.uint32)
+    if rows and count:
+        _fold_c(_buf(crcs), rows, count, _buf(z), _buf(out, require_writable=True))
+    return out

@@ -263,15 +263,34 @@ def test_segment_header_roundtrip():
     assert "CRC mismatch" in F.decode_segment_header(bytes(bad))[1]
 
 
+@pytest.mark.parametrize("fold", [F.fold_page_crcs, F.fold_page_crcs_numpy], ids=["helper", "numpy"])
 @pytest.mark.parametrize("count", [1, 2, 3, 7, 64, 100])
-def test_fold_page_crcs_equals_payload_crc(count):
+def test_fold_page_crcs_equals_payload_crc(count, fold):
     rng = np.random.default_rng(count)
     pages = rng.integers(0, 256, (3, count, 128), dtype=np.uint8)
     crcs = np.array([[crc_ref(pages[r, i].tobytes()) for i in range(count)] for r in range(3)], np.uint32)
-    folded = F.fold_page_crcs(crcs, 128)
+    folded = fold(crcs, 128)
     assert [int(x) for x in folded] == [crc_ref(pages[r].tobytes()) for r in range(3)]
     crcs[1, count // 2] ^= 1
-    assert F.fold_page_crcs(crcs, 128)[1] != folded[1]
+    assert fold(crcs, 128)[1] != folded[1]
+
+
+@pytest.mark.parametrize("page_bytes", [64, 256, 4096, 1 << 20])
+def test_the_helpers_fold_equals_its_numpy_twin(page_bytes):
+    """The page CRC helper folds a row page after page, numpy pairs of
+    neighbours: the same values for any count (a power of two or not), and
+    the helper's path is the one taken where it is loaded."""
+    from concordia.wal import pagecrc
+
+    rng = np.random.default_rng(page_bytes)
+    for count in (1, 2, 5, 16, 17, 1000, 4097):
+        crcs = rng.integers(0, 1 << 32, (6, count), dtype=np.uint64).astype(np.uint32)
+        want = F.fold_page_crcs_numpy(crcs, page_bytes)
+        assert np.array_equal(F.fold_page_crcs(crcs, page_bytes), want)
+        if pagecrc.native():
+            assert np.array_equal(pagecrc.fold_crcs(crcs, F._zero_shift_tables(page_bytes)), want)
+        else:
+            assert pagecrc.fold_crcs(crcs, F._zero_shift_tables(page_bytes)) is None
 
 
 def test_counted_in_epoch():
