@@ -968,15 +968,21 @@ class PageCheck:
         from concordia.wal import pagecrc
         from concordia.wal.reader import Found, Scanner
 
-        left: dict = {}   # record offset -> (its batch, rows no source copies)
+        left: dict = {}   # record offset -> (its batch, rows no source copies; None: none)
         for s in read:
             b = s.batch
-            rows = left[b.offset][1] if b.offset in left else np.ones(b.page_ids.size, bool)
+            had = left.get(b.offset)
+            if had is not None and had[1] is None:
+                continue   # copied whole already
+            if s.rows.size == b.page_ids.size:   # a source's rows are distinct: this one copies every row
+                left[b.offset] = (b, None)
+                continue
+            rows = had[1] if had is not None else np.ones(b.page_ids.size, bool)
             rows[s.rows] = False
             left[b.offset] = (b, rows)
         for b, rows in left.values():
-            if rows.any() and not np.array_equal(pagecrc.page_crcs(b.payload[rows], release_gil=True),
-                                                 np.asarray(b.page_crcs)[rows]):
+            if rows is not None and rows.any() and not np.array_equal(
+                    pagecrc.page_crcs(b.payload[rows], release_gil=True), np.asarray(b.page_crcs)[rows]):
                 return False
         items = list(self.items)   # check_pages_of puts damaged ranges in place of records
         idx = [i for i, it in enumerate(items) if isinstance(it, Found) and it.offset not in left]
