@@ -161,17 +161,35 @@ def transfer_plan(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK_B
     from concordia.gpu_kernels import reference as ref
     from concordia.wal.apply import check_source
 
+    from concordia.wal.planner import is_ascending
+
     rps = [rp for name, rp in plan.regions.items() if regions is None or name in regions]
     # per run: region, log offset, page id, row, page bytes, pages, source; rows and ids checked per source
-    cols = {k: [] for k in ("region", "off", "id", "crc", "pb", "count", "source")}
+    keys = ("region", "off", "id", "crc", "pb", "count", "source")
+    cols = {k: [] for k in keys}
+    # a source that takes a record whole (`planner.ascending` rows and ids) is one run:
+    # its figures as numbers, not arrays (a KV base of 256-byte pages has thousands)
+    whole = {k: [] for k in keys}
     tables, srcs, table_at = [], [], 0
     for i, rp in enumerate(rps):
         pb = rp.region.page_bytes
         chunk_bytes = max(chunk_bytes, pb)
         for s in rp.sources:
             count = int(s.batch.page_ids.size)
-            rows = np.asarray(s.rows, np.int64)
-            ids = np.asarray(s.page_ids, np.int64)
+            rows, ids = s.rows, s.page_ids
+            if rows.size and rows.size == ids.size and is_ascending(rows) and is_ascending(ids):
+                r_lo, i_lo, n = int(rows[0]), int(ids[0]), int(rows.size)
+                if r_lo + n > count or i_lo + n > rp.pages:
+                    check_source(s.batch, rows, ids, rp.pages)  # names the bad source as the host applier does
+                for k, v in zip(keys, (i, s.batch.offset + ref.payload_offset(count) + r_lo * pb, i_lo,
+                                       table_at + r_lo, pb, n, len(srcs))):
+                    whole[k].append(v)
+                tables.append(np.asarray(s.batch.page_crcs, np.uint32))
+                table_at += count
+                srcs.append((rp.name, s))
+                continue
+            rows = np.asarray(rows, np.int64)
+            ids = np.asarray(ids, np.int64)
             (r_lo, r_hi), (i_lo, i_hi) = ((_span(rows), _span(ids)) if rows.size and rows.size == ids.size
                                           else ((0, -1), (0, -1)))
             if rows.size != ids.size or r_lo < 0 or r_hi >= count or i_lo < 0 or i_hi >= rp.pages:
@@ -189,7 +207,7 @@ def transfer_plan(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK_B
             tables.append(np.asarray(s.batch.page_crcs, np.uint32))
             table_at += count
             srcs.append((rp.name, s))
-    r = {k: np.concatenate(v).astype(np.int64) if v else np.zeros(0, np.int64) for k, v in cols.items()}
+    r = {k: np.concatenate(v + [np.asarray(whole[k], np.int64)]).astype(np.int64) for k, v in cols.items()}
     crc_table = np.concatenate(tables) if tables else np.zeros(0, np.uint32)
     order = np.argsort(r["off"], kind="stable")
     r = {k: v[order] for k, v in r.items()}

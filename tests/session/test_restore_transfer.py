@@ -270,6 +270,25 @@ def test_a_plan_naming_rows_a_record_lacks_is_refused_as_the_host_applier_refuse
     assert str(e.value) == str(h.value) and "names rows or pages out of range" in str(e.value)
 
 
+def test_a_whole_record_source_past_its_record_is_refused_as_the_host_applier_refuses_it(shm_log):
+    """A source taken whole (shared ascending views, laid out as one run
+    without a pass over its rows) is still held to its record's rows."""
+    from concordia.wal.errors import WalError
+    from concordia.wal.planner import ascending, is_ascending
+
+    with _one_checkpoint(shm_log, 5) as (_state, log):
+        p = plan(log)
+        src = p.regions["adapter"].sources[0]
+        n = src.batch.page_ids.size
+        assert is_ascending(src.rows) and is_ascending(src.page_ids)
+        src.rows = ascending(1, n)   # rows 1..n: one past the record's last
+        with pytest.raises(WalError) as e:
+            transfer_plan(log, p)
+        with pytest.raises(WalError) as h:
+            apply_plan_numpy(log, p)
+    assert str(e.value) == str(h.value) and "names rows or pages out of range" in str(e.value)
+
+
 def test_a_base_is_laid_out_as_runs_of_pages_cut_only_where_chunks_end(shm_log):
     """A region of 256-byte pages (a KV row a page) is one run in its base: the
     layout costs per run, and only chunk ends cut it; a delta's scattered rows
