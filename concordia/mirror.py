@@ -135,6 +135,7 @@ class Mirror:
         # takeover's open starts from them (`walked`); None once a cut made them stale
         self._walked: dict | None = {}
         if done is not None:
+            self.follower.uuid = log.volume.uuid   # a log formatted again since is seen at the first poll
             self._keep_walk(done[0])   # as if the follower had returned them
             self._last_commit = int(done[1].header.lsn)
         self.resyncs += 1
