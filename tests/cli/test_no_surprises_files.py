@@ -56,6 +56,7 @@ OUTPUTS = [
     ("executor", ["--cpu", "--quick"], "--out"),
     ("executor-session", ["--cpu", "--quick"], "--out"),
     ("instrument", ["--quick"], "--out"),
+    ("into", ["--quick"], "--out"),
     ("longrun", LONGRUN, "--out"),
     ("longrun", LONGRUN, "--plot"),
     ("model", ["--quick"], "--out"),
