@@ -43,6 +43,7 @@ read-only, lock-free recovery open.
 
 from __future__ import annotations
 
+import gc
 import mmap
 import os
 import signal
@@ -269,12 +270,22 @@ class Takeover:
     registration: Any = None
     heartbeat: Heartbeat | None = None
     result: Any = None                # what `resume` returned
+    collector_held: bool = False      # Python's cyclic collector held off since the detection (`take_over`)
 
     def resumed(self) -> float:
-        """Mark the first step made from the restored state; returns the stamp."""
+        """Mark the first step made from the restored state; returns the stamp.
+        Python's cyclic collector runs again from here."""
         if "resumed" not in self.stamps:
             self.stamps["resumed"] = _now()
+        self.release_collector()
         return self.stamps["resumed"]
+
+    def release_collector(self) -> None:
+        """Let Python's cyclic collector run again, when the takeover held it
+        off (`resumed`, `session`, `close` and `Standby.run` do this)."""
+        if self.collector_held:
+            self.collector_held = False
+            gc.enable()
 
     def session(self, **kw):
         """A `Session` on the log to carry on checkpointing.  The session
@@ -284,6 +295,7 @@ class Takeover:
         changed since the takeover's epoch, not every region whole."""
         from concordia.session import Session
 
+        self.release_collector()
         if self.registration is not None:
             self.registration.unregister()
             self.registration = None
@@ -291,6 +303,7 @@ class Takeover:
 
     def close(self) -> None:
         """Give back the registration, the heartbeat and the log (the lock)."""
+        self.release_collector()
         if self.heartbeat is not None:
             self.heartbeat.stop()
             self.heartbeat = None
@@ -559,7 +572,25 @@ class Standby:
     def take_over(self, detection: dict) -> Takeover:
         """With the lock held (after `wait`): open the log for writing (cutting
         what the primary left after its last commit), restore the last
-        committed epoch, and return the Takeover."""
+        committed epoch, and return the Takeover.
+
+        Python's cyclic collector is held off from here until the caller
+        resumes (`Takeover.resumed`, `session` or `close`; `run` does it
+        after `resume`): the open makes an object for every live record, and the
+        collector's passes over them cost tens of milliseconds of the
+        takeover (measured on the host: 36 ms of 87 at 16,000 records)."""
+        held = gc.isenabled()
+        gc.disable()
+        try:
+            tk = self._take_over(detection)
+        except BaseException:
+            if held:
+                gc.enable()
+            raise
+        tk.collector_held = held
+        return tk
+
+    def _take_over(self, detection: dict) -> Takeover:
         from concordia.wal import Log
 
         stamps = {"detected": detection["detected"]}
@@ -643,13 +674,21 @@ class Standby:
     def run(self, resume: Callable[[Takeover], Any] | None = None, *, timeout: float | None = None) -> Takeover:
         """Warm, wait, take over, then `resume(takeover)` (its result in
         `takeover.result`); the reintegrate phase lasts until the caller's
-        `takeover.resumed()` or, without it, until `resume` returns."""
+        `takeover.resumed()` or, without it, until `resume` returns.  When
+        `resume` raises, the takeover is closed (the log and its lock given
+        back, cut after its last commit) before the error goes on."""
         self.warm()
         detection = self.wait(timeout)
         tk = self.take_over(detection)
-        self.progress(f"took over: {tk.cause}; epoch {tk.epoch} restored")
-        if resume is not None:
-            tk.result = resume(tk)
+        try:
+            self.progress(f"took over: {tk.cause}; epoch {tk.epoch} restored")
+            if resume is not None:
+                tk.result = resume(tk)
+        except BaseException:
+            tk.close()   # the log (its lock) is given back: the caller never got the takeover to close
+            raise
+        finally:
+            tk.release_collector()
         end = tk.stamps.get("resumed", _now())
         tk.stamps.setdefault("resumed", end)
         tk.timeline.append(Phase("reintegrate", (end - tk.stamps["restored"]) * 1e3,

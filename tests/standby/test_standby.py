@@ -126,6 +126,59 @@ def test_a_log_no_one_holds_is_taken_over_at_once(shm_log):
         sb.close()
 
 
+def test_the_collector_is_held_off_from_the_takeover_until_the_caller_resumes(shm_log):
+    """take_over holds off Python's cyclic collector (its passes over the
+    open's records cost the takeover tens of milliseconds) and gives it back
+    when the caller resumes, carries on or closes, and when run() ends,
+    whatever `resume` did (a `resume` that raises leaves the log given back);
+    a collector the caller had stopped stays stopped."""
+    import gc
+
+    write(shm_log, EPOCHS).close()
+    assert gc.isenabled()
+    sb = Standby(shm_log, device="cpu")
+    try:
+        tk = sb.take_over(sb.wait())
+        assert not gc.isenabled() and tk.collector_held
+        tk.resumed()
+        assert gc.isenabled() and not tk.collector_held
+        tk.close()
+    finally:
+        gc.enable()
+        sb.close()
+
+    sb = Standby(shm_log, device="cpu")
+    seen = []
+
+    def resume(tk):
+        seen.append(gc.isenabled())
+        raise RuntimeError("the caller's model failed")
+
+    try:
+        with pytest.raises(RuntimeError, match="model failed"):
+            sb.run(resume)
+        assert seen == [False] and gc.isenabled()
+        b = open_backend(shm_log)
+        try:
+            b.lock()   # the failed takeover gave the log back
+        finally:
+            b.close()
+    finally:
+        gc.enable()
+        sb.close()
+
+    gc.disable()
+    sb = Standby(shm_log, device="cpu")
+    try:
+        tk = sb.run()
+        assert not gc.isenabled() and not tk.collector_held   # not the takeover's to turn on
+        tk.close()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+        sb.close()
+
+
 def test_the_standby_opens_a_log_whose_primary_is_mid_epoch(shm_log, monkeypatch):
     # the standby's open met a record its primary had reserved and not yet written,
     # then the commit the primary wrote after it: damage before a commit, which
