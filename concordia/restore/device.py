@@ -140,11 +140,10 @@ class Transfer:
 
 def _runs(rows: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """Indices where a run of a source starts: its rows and page ids both step
-    by one within a run (a record taken whole is one: `planner.ascending`)."""
-    from concordia.wal.planner import is_ascending
-
-    if rows.size < 2 or (is_ascending(rows) and is_ascending(ids)):
-        return np.zeros(min(rows.size, 1), np.int64)
+    by one within a run (a record taken whole, `planner.ascending`, is one run
+    that `transfer_plan` lays out without asking)."""
+    if rows.size < 2:
+        return np.zeros(rows.size, np.int64)
     brk = (np.diff(rows) != 1) | (np.diff(ids) != 1)
     return np.concatenate(([0], np.flatnonzero(brk) + 1))
 
@@ -160,7 +159,6 @@ def transfer_plan(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK_B
     """Lay out every page `plan` reads into staging chunks (see the module doc)."""
     from concordia.gpu_kernels import reference as ref
     from concordia.wal.apply import check_source
-
     from concordia.wal.planner import is_ascending
 
     rps = [rp for name, rp in plan.regions.items() if regions is None or name in regions]
@@ -176,34 +174,29 @@ def transfer_plan(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK_B
         chunk_bytes = max(chunk_bytes, pb)
         for s in rp.sources:
             count = int(s.batch.page_ids.size)
+            base = s.batch.offset + ref.payload_offset(count)
             rows, ids = s.rows, s.page_ids
             if rows.size and rows.size == ids.size and is_ascending(rows) and is_ascending(ids):
                 r_lo, i_lo, n = int(rows[0]), int(ids[0]), int(rows.size)
                 if r_lo + n > count or i_lo + n > rp.pages:
                     check_source(s.batch, rows, ids, rp.pages)  # names the bad source as the host applier does
-                for k, v in zip(keys, (i, s.batch.offset + ref.payload_offset(count) + r_lo * pb, i_lo,
-                                       table_at + r_lo, pb, n, len(srcs))):
+                for k, v in zip(keys, (i, base + r_lo * pb, i_lo, table_at + r_lo, pb, n, len(srcs))):
                     whole[k].append(v)
-                tables.append(np.asarray(s.batch.page_crcs, np.uint32))
-                table_at += count
-                srcs.append((rp.name, s))
-                continue
-            rows = np.asarray(rows, np.int64)
-            ids = np.asarray(ids, np.int64)
-            (r_lo, r_hi), (i_lo, i_hi) = ((_span(rows), _span(ids)) if rows.size and rows.size == ids.size
-                                          else ((0, -1), (0, -1)))
-            if rows.size != ids.size or r_lo < 0 or r_hi >= count or i_lo < 0 or i_hi >= rp.pages:
-                check_source(s.batch, rows, ids, rp.pages)  # names the bad source as the host applier does
-            st = _runs(rows, ids)
-            n = np.diff(np.append(st, rows.size))
-            base = s.batch.offset + ref.payload_offset(count)
-            cols["region"].append(np.full(st.size, i, np.int64))
-            cols["off"].append(base + rows[st] * pb)
-            cols["id"].append(ids[st])
-            cols["crc"].append(table_at + rows[st])
-            cols["pb"].append(np.full(st.size, pb, np.int64))
-            cols["count"].append(n)
-            cols["source"].append(np.full(st.size, len(srcs), np.int64))
+            else:
+                rows = np.asarray(rows, np.int64)
+                ids = np.asarray(ids, np.int64)
+                (r_lo, r_hi), (i_lo, i_hi) = ((_span(rows), _span(ids)) if rows.size and rows.size == ids.size
+                                              else ((0, -1), (0, -1)))
+                if rows.size != ids.size or r_lo < 0 or r_hi >= count or i_lo < 0 or i_hi >= rp.pages:
+                    check_source(s.batch, rows, ids, rp.pages)  # names the bad source as the host applier does
+                st = _runs(rows, ids)
+                cols["region"].append(np.full(st.size, i, np.int64))
+                cols["off"].append(base + rows[st] * pb)
+                cols["id"].append(ids[st])
+                cols["crc"].append(table_at + rows[st])
+                cols["pb"].append(np.full(st.size, pb, np.int64))
+                cols["count"].append(np.diff(np.append(st, rows.size)))
+                cols["source"].append(np.full(st.size, len(srcs), np.int64))
             tables.append(np.asarray(s.batch.page_crcs, np.uint32))
             table_at += count
             srcs.append((rp.name, s))

@@ -255,33 +255,28 @@ def test_a_plan_with_no_pages_to_read_is_an_empty_transfer(shm_log):
     assert tr.pages == 0 and tr.chunks == 0 and tr.bytes_copied == 0
 
 
-def test_a_plan_naming_rows_a_record_lacks_is_refused_as_the_host_applier_refuses_it(shm_log):
+def _one_past_the_last_row(src):
+    rows = src.rows.copy()  # a record taken whole is a read-only view of a shared range
+    rows[-1] = src.batch.page_ids.size
+    return rows
+
+
+def _whole_but_shifted_by_one(src):
+    from concordia.wal.planner import ascending
+
+    return ascending(1, src.batch.page_ids.size)  # still taken whole: laid out without a pass over its rows
+
+
+@pytest.mark.parametrize("bad_rows", [_one_past_the_last_row, _whole_but_shifted_by_one])
+def test_a_plan_naming_rows_a_record_lacks_is_refused_as_the_host_applier_refuses_it(shm_log, bad_rows):
     from concordia.wal.errors import WalError
+    from concordia.wal.planner import is_ascending
 
     with _one_checkpoint(shm_log, 5) as (_state, log):
         p = plan(log)
         src = p.regions["adapter"].sources[0]
-        src.rows = src.rows.copy()  # a record taken whole is a read-only view of a shared range
-        src.rows[-1] = src.batch.page_ids.size  # one past the record's last row
-        with pytest.raises(WalError) as e:
-            transfer_plan(log, p)
-        with pytest.raises(WalError) as h:
-            apply_plan_numpy(log, p)
-    assert str(e.value) == str(h.value) and "names rows or pages out of range" in str(e.value)
-
-
-def test_a_whole_record_source_past_its_record_is_refused_as_the_host_applier_refuses_it(shm_log):
-    """A source taken whole (shared ascending views, laid out as one run
-    without a pass over its rows) is still held to its record's rows."""
-    from concordia.wal.errors import WalError
-    from concordia.wal.planner import ascending, is_ascending
-
-    with _one_checkpoint(shm_log, 5) as (_state, log):
-        p = plan(log)
-        src = p.regions["adapter"].sources[0]
-        n = src.batch.page_ids.size
         assert is_ascending(src.rows) and is_ascending(src.page_ids)
-        src.rows = ascending(1, n)   # rows 1..n: one past the record's last
+        src.rows = bad_rows(src)
         with pytest.raises(WalError) as e:
             transfer_plan(log, p)
         with pytest.raises(WalError) as h:

@@ -20,11 +20,12 @@ Three processes a tier, all through public entry points:
 
 Figures, each reader's own: `recover_s` (the `recover(into=)` call),
 `open_s`, `total_s` (open + recover: `fresh_total`), `GBps` (bytes over
-recover_s), `h2d_GBps` (pinned host-to-device copy of up to 2 GiB, best of
-5, in the same process after the recovery), `ratio_to_h2d` = GBps / h2d_GBps,
-and the recovery's own phases (`Session.last_recovery.phases`).  The tier's
-figure is its last reader's.  Without a GPU (`--quick` in CI) the same runs on
-the host with CPU tensors: memcpy is the ceiling then.
+recover_s), `h2d_GBps` (`bench recover`'s ceiling, measured in the same
+process after the recovery: pinned host-to-device copy of up to 2 GiB, best
+of 5), `ratio_to_h2d` = GBps / h2d_GBps, and the recovery's own phases
+(`Session.last_recovery.phases`).  The tier's figure is its last reader's.
+Without a GPU (`--quick` in CI) the same runs on the host with CPU tensors:
+memcpy is the ceiling then.
 """
 
 from __future__ import annotations
@@ -35,9 +36,11 @@ import sys
 import time
 
 import click
+import numpy as np
 
 from ..common import check_outputs, guarded, report
 from .files import Scratch, force_option
+from .recover import _ceiling, _gpu
 
 GIB = 1 << 30
 SEED = 30
@@ -118,26 +121,6 @@ def _writer(spec: str, nbytes: str, tensors: str, deltas: str, gpu: str) -> None
 
 
 # ---------------------------------------------------------------- the reader
-def _ceiling(torch, device: str, nbytes: int) -> dict:
-    """Pinned host-to-device copy (CUDA) or host memcpy (CPU), best of 5."""
-    n = max(1 << 20, min(nbytes, 2 * GIB))
-    if device == "cuda":
-        src = torch.ones(n, dtype=torch.uint8, pin_memory=True)
-        what = "pinned host-to-device copy"
-    else:
-        src = torch.ones(n, dtype=torch.uint8)
-        what = "host memcpy"
-    dst = torch.empty(n, dtype=torch.uint8, device=device)
-    best = None
-    for _ in range(5):
-        t0 = time.perf_counter()
-        dst.copy_(src, non_blocking=device == "cuda")
-        _sync(torch, device)
-        dt = time.perf_counter() - t0
-        best = dt if best is None else min(best, dt)
-    return {"what": what, "bytes": n, "GBps": n / best / 1e9}
-
-
 def _reader(spec: str, nbytes: str, tensors: str, deltas: str, gpu: str) -> None:
     """A fresh process's recovery into its own zeroed tensors: print the figures."""
     from concordia import Session
@@ -163,7 +146,7 @@ def _reader(spec: str, nbytes: str, tensors: str, deltas: str, gpu: str) -> None
     identical = all(torch.equal(targets[f"t{i:02d}"].view(torch.int16),
                                 _fill(torch, i, shape, device, deltas).view(torch.int16))
                     for i in range(tensors))
-    ceiling = _ceiling(torch, device, total)
+    ceiling = _ceiling((_gpu() or np) if device == "cuda" else np, total)   # bench recover's, in this process
     rate = total / (t2 - t1) / 1e9
     print(json.dumps({"open_s": t1 - t0, "recover_s": t2 - t1, "total_s": t2 - t0, "bytes": total,
                       "GBps": rate, "h2d_GBps": ceiling["GBps"], "ceiling": ceiling,
@@ -184,17 +167,6 @@ def _child(role: str, *args) -> dict:
     return json.loads(lines[-1])
 
 
-def _spec(tier: str, scratch: Scratch) -> str:
-    if tier == "hugetlb":
-        from concordia.devmem import hugetlb
-
-        where = hugetlb.default_mount()
-        if where is None:
-            raise click.UsageError("no hugetlbfs is mounted (scripts/hugepages.sh setup, as root)")
-        return scratch.log("into", "hugetlb", where)
-    return scratch.log("into", tier)
-
-
 def run(nbytes: int, tensors: int, deltas: int, tiers, gpu: bool, readers: int = 2,
         progress=None) -> dict:
     out = {"device": "gpu" if gpu else "cpu", "tensors": tensors, "dtype": "bfloat16", "deltas": deltas,
@@ -208,7 +180,7 @@ def run(nbytes: int, tensors: int, deltas: int, tiers, gpu: bool, readers: int =
            "tiers": {}}
     for tier in tiers:
         with Scratch("into") as scratch:   # the tier's log goes, however the run ends
-            spec = _spec(tier, scratch)
+            spec = scratch.log("into", tier)   # hugetlb: the default mount, or a one-line error
             wrote = _child("writer", spec, nbytes, tensors, deltas, "1" if gpu else "0")
             runs = []
             for _ in range(readers):
