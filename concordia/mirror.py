@@ -41,6 +41,8 @@ keeps a mirror while it waits and takes over from it.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from concordia.wal import format as F
@@ -80,6 +82,7 @@ class Mirror:
         self.epochs_applied = 0
         self.pages_applied = 0
         self.last_gap: str | None = None
+        self.last_poll: dict | None = None   # the last poll's phases (`poll`)
         self.resync()
 
     # -- starting (again) ---------------------------------------------------------
@@ -174,11 +177,13 @@ class Mirror:
         """Apply every epoch committed since the last poll; returns the
         epoch the mirror holds.  Raises CorruptionError when the log holds
         damage the writer has left behind (the mirror keeps its last epoch)."""
+        t0, before, resyncs = time.perf_counter(), self.epochs_applied, self.resyncs
         try:
             items = self.follower.poll()
         except WalError:   # formatted again under the follower
             self.resync()
             return self.epoch
+        t1 = time.perf_counter()
         if self.follower.cuts != self._cuts:   # the writer reopened the log: what followed its commit is gone
             self._cuts = self.follower.cuts
             self._pending.clear()
@@ -197,7 +202,12 @@ class Mirror:
                     self.resync()
                     return self.epoch
         finally:
+            t2 = time.perf_counter()
             self._write_staged()   # the epochs applied before damage, too: the arrays hold self.epoch
+            # where a poll's time went (a standby reports the one running when its primary died)
+            self.last_poll = {"read_s": t1 - t0, "apply_s": t2 - t1, "write_s": time.perf_counter() - t2,
+                              "items": len(items), "epochs": self.epochs_applied - before,
+                              "resynced": self.resyncs != resyncs}
         return self.epoch
 
     def _keep_walk(self, items: list) -> None:

@@ -394,6 +394,8 @@ class Standby:
         self._watch_log = None
         #: (start, end) CLOCK_MONOTONIC of the mirror's last poll while watching
         self.last_follow: tuple | None = None
+        #: where the time of that poll went (`Mirror.poll`'s phases)
+        self.last_poll: dict | None = None
 
     # -------------------------------------------------------------- warming
     def warm(self) -> dict:
@@ -543,6 +545,7 @@ class Standby:
         try:
             self.mirror.poll()
             self.last_follow = (t0, _now())   # when the watch's last poll ran: a death meanwhile waits on it
+            self.last_poll = self.mirror.last_poll
         except ConcordiaError as exc:
             self.mirror_error = exc.one_line()
             self.mirror = None
@@ -614,6 +617,8 @@ class Standby:
         arrays, st = {}, {"open": dict(log.open_stats)}
         if "exit_wait_s" in detection:
             st["open"]["exit_wait_s"] = detection["exit_wait_s"]
+        if self.last_poll is not None:   # the watch's last poll, which a death waited on
+            st["last_poll"] = dict(self.last_poll)
         epoch = int(log.last_committed_epoch or 0)
         if epoch and self.mirror is not None:
             self._follow()   # the cut seen: nothing after the last commit is applied

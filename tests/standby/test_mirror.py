@@ -286,6 +286,7 @@ def test_a_following_standby_takes_over_from_its_mirror_at_the_last_commit(tmp_p
         assert tk.epoch == tk.log.last_committed_epoch >= 1
         np.testing.assert_array_equal(tk.arrays["state"], state_at(tk.epoch))
         assert "held by the mirror" in tk.timeline[2].what
+        assert set(tk.restore_stats["last_poll"]) >= {"read_s", "apply_s", "write_s", "items", "epochs"}
         with tk.session() as s:                 # the log carries on from the mirror's epoch
             s.register("state", tk.arrays["state"])
             tk.arrays["state"][0, 0] = 7
@@ -370,6 +371,10 @@ def test_a_poll_writes_each_region_once_and_an_epoch_that_fails_its_digest_not_a
         writes.append((info.name, [int(x) for x in ids])), real(self, info, ids, rows))[1])
     assert m.poll() == first + 9
     assert sorted(writes) == [("a", [0, 1, 2]), ("b", [0, 1])]
+    # the poll says where its time went: 9 epochs of at least 3 records each (two batches, a commit)
+    lp = m.last_poll
+    assert (lp["epochs"], lp["resynced"]) == (9, False) and lp["items"] >= 27, lp
+    assert all(lp[k] >= 0 for k in ("read_s", "apply_s", "write_s"))
     for k, name in enumerate("ab"):
         np.testing.assert_array_equal(m.arrays[name], states[first + 9][k])
     m.backend.close()

@@ -316,7 +316,8 @@ def run(nbytes: int, tier: str, device: str, scratch: Scratch, *, standbys=("war
                          f"{r['kill_to_detect_s']:.3f}, isolate {r['isolate_s']:.3f}, restore {r['restore_s']:.3f}, "
                          f"decode {r['first_decode_s']:.4f}), epoch {r['epoch']}"
                          + ("" if r["detect_in_poll_s"] is None else
-                            f", {r['detect_in_poll_s']:.3f} s of detect in a poll"))
+                            f", {r['detect_in_poll_s']:.3f} s of detect in a poll")
+                         + _poll_phases(r["restore"].get("last_poll")))
             primary = standby
     finally:
         if on_term is not None:
@@ -353,6 +354,14 @@ class _Term:
         if self.pending:
             raise SystemExit(128 + signal.SIGTERM)
         return procs[-1]
+
+
+def _poll_phases(p: dict | None) -> str:
+    """The phases of the mirror's last poll before the takeover (`Mirror.poll`)."""
+    if not p:
+        return ""
+    return (f" (that poll: read {p['read_s']:.3f}, apply {p['apply_s']:.3f}, write {p['write_s']:.3f} s; "
+            f"{p['items']} records, {p['epochs']} epochs{', resynced' if p.get('resynced') else ''})")
 
 
 def _figures(res: dict, rep: dict, t_kill: float, nbytes: int) -> dict:
