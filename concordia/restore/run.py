@@ -241,6 +241,7 @@ def recover(log, target="latest", *, targets: dict | None = None, device=None, m
     for bfloat16 and float8), on the GPU with device="cupy".  absent: a region
     with no state at the epoch refused ("refuse"), or left as it is and
     listed in `RecoveryStats.kept` ("keep"; a new array is left out)."""
+    t_checks = time.perf_counter()
     gpu = on_device(device)
     check_absent(absent)
     where = str(log.backend.where)
@@ -274,7 +275,7 @@ def recover(log, target="latest", *, targets: dict | None = None, device=None, m
                           bytes=int(p.bytes_to_read), pages=int(sum(rp.pages_read for rp in p.regions.values())),
                           regions={n: int(a.nbytes) for n, a in got.arrays.items()},
                           dropped=[d.to_json() for d in p.dropped], via=got.via, kept=got.kept,
-                          phases=phases_of(got, total_s))
+                          phases={"targets": _phase(t0 - t_checks), **phases_of(got, total_s)})
     return out, stats
 
 
@@ -293,10 +294,14 @@ def phases_of(got: Restored, total_s: float) -> dict:
     its CRC and writes it in place ("check_copy"), or on the device pipeline
     the transfer layout ("layout"), staging and targets ("alloc"), the
     pipelined read, H2D, CRC check and scatter ("transfer_check_scatter") and
-    the digests ("verify"); "check_wait": the wait, once everything was
+    the digests ("verify"), the mapping's registration when the restore
+    made its own ("register"), the unpinning of the log pieces pinned ahead
+    of the copy engine ("unpin"), and what none of these names ("other");
+    "check_wait": the wait, once everything was
     applied, for the host's checks of the pages no applier copied (its
     "overlapped_s": how long those checks ran beside the appliers); "present"
-    is what is left (handing the arrays over as the regions were registered)."""
+    is what is left (handing the arrays over as the regions were registered).
+    `recover` puts the checks of the targets before them ("targets")."""
     st = got.stats
     nbytes = int(got.plan.bytes_to_read)
     out = {"plan": _phase(got.plan_s)}
@@ -306,10 +311,16 @@ def phases_of(got: Restored, total_s: float) -> dict:
         out["transfer_check_scatter"] = _phase(max(0.0, st["scatter_s"] - st.get("alloc_s", 0.0)),
                                                st.get("bytes_copied", nbytes))
         out["verify"] = _phase(st.get("verify_s", 0.0))
+        if st.get("register_s"):
+            out["register"] = _phase(st["register_s"])
+        if "unregister_s" in st:
+            out["unpin"] = _phase(st["unregister_s"])
     else:
         out["check_copy"] = _phase(max(0.0, got.apply_s - st.get("page_check_wait_s", 0.0)), nbytes)
     if "page_check_wait_s" in st:
         out["check_wait"] = {**_phase(st["page_check_wait_s"]), "overlapped_s": float(st.get("page_check_s", 0.0))}
+    if "scatter_s" in st:   # the device pipeline's time no phase above names (the targets' copy, the rest)
+        out["other"] = _phase(max(0.0, got.apply_s - sum(out[k]["s"] for k in out if k != "plan")))
     out["present"] = _phase(max(0.0, total_s - got.plan_s - got.apply_s))
     return out
 

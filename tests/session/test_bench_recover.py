@@ -25,7 +25,7 @@ def test_quick_json(tmp_path):
         assert row["session_open_s"] > 0 and row["session_recover_s"] > 0
         assert row["session_total_s"] == pytest.approx(row["session_open_s"] + row["session_recover_s"])
         # and where its time went, as the session reports it
-        assert list(row["session_phases"])[:2] == ["open", "plan"] and "check_copy" in row["session_phases"]
+        assert list(row["session_phases"])[:3] == ["open", "targets", "plan"] and "check_copy" in row["session_phases"]
 
 
 def test_bad_tier_is_a_usage_error():

@@ -59,3 +59,24 @@ def test_device_restore_from_hugetlb_pins_ahead(huge_dir, chunk_bytes):
         assert "pinned ahead" in st["via"], st
     finally:
         log.close()
+
+
+@pytest.mark.gpu
+def test_a_device_recovery_from_hugetlb_names_where_all_its_time_went(huge_dir):
+    """Session.recover on the device pipeline from a huge-page log: its phases
+    name the unpinning of the pieces pinned ahead and what no phase names
+    ("other"), so together they are the recovery's whole time."""
+    from concordia import Session
+
+    from .test_restore_transfer import _history
+
+    spec = f"hugetlb:{huge_dir}/log"
+    _history(spec)
+    with Session(spec, create=False) as s:
+        s.recover(device="cupy")
+        st = s.last_recovery
+    ph = st.phases
+    assert list(ph)[:3] == ["open", "targets", "plan"] and {"unpin", "other", "present"} <= set(ph), ph
+    assert all(p["s"] >= 0 for p in ph.values())
+    inside = sum(p["s"] for k, p in ph.items() if k not in ("open", "targets"))
+    assert abs(inside - (st.plan_ms + st.restore_ms) / 1e3) < 1e-5, (inside, st.plan_ms, st.restore_ms)

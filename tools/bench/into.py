@@ -188,7 +188,8 @@ def run(nbytes: int, tensors: int, deltas: int, tiers, gpu: bool, readers: int =
                 if progress:
                     r = runs[-1]
                     progress(f"{tier}: open {r['open_s']:.3f} s, recover {r['recover_s']:.3f} s "
-                             f"({r['GBps']:.1f} GB/s, {r['ratio_to_h2d']:.3f} of H2D), identical {r['identical']}")
+                             f"({r['GBps']:.1f} GB/s, {r['ratio_to_h2d']:.3f} of H2D), identical {r['identical']}; "
+                             + ", ".join(f"{k} {v['s']:.3f}" for k, v in r["phases"].items() if k != "open"))
         last = dict(runs[-1])
         last["writer"] = wrote
         last["runs"] = [{k: r[k] for k in ("open_s", "recover_s", "total_s", "ratio_to_h2d", "identical")}
