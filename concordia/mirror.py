@@ -336,10 +336,24 @@ class Mirror:
             if len(parts) == 1:
                 ids, rows = parts[0]
             else:
+                # each page's last write, found on the page ids alone; only those rows are
+                # gathered (joining every epoch's rows first copied all of them once more:
+                # most of a poll that caught up 2,000 one-page epochs)
                 ids = np.concatenate([i for i, _ in parts])
-                rows = np.concatenate([r.reshape(i.size, info.page_bytes) for i, r in parts])
-                last, at = np.unique(ids[::-1], return_index=True)   # each page's last write
-                ids, rows = last, rows[ids.size - 1 - at]
+                last, at = np.unique(ids[::-1], return_index=True)
+                pos = ids.size - 1 - at                                  # where each lies in `ids`
+                sizes = np.array([i.size for i, _ in parts], np.int64)
+                ends = np.cumsum(sizes)
+                part = np.searchsorted(ends, pos, side="right")          # the epoch's part it came from
+                row = pos - (ends - sizes)[part]                          # and its row there
+                rows = np.empty((last.size, info.page_bytes), np.uint8)
+                order = np.argsort(part, kind="stable")
+                ks, first = np.unique(part[order], return_index=True)
+                for k, lo, hi in zip(ks.tolist(), first.tolist(), [*first[1:].tolist(), order.size]):
+                    sel = order[lo:hi]
+                    i, r = parts[k]
+                    rows[sel] = r.reshape(i.size, info.page_bytes)[row[sel]]
+                ids = last
             self._write_pages(info, ids, rows)
 
     def _write_pages(self, info: F.RegionInfo, ids: np.ndarray, payload: np.ndarray) -> None:

@@ -393,3 +393,30 @@ def test_a_poll_writes_each_region_once_and_an_epoch_that_fails_its_digest_not_a
         flat = failing.arrays[name].reshape(-1).view(np.uint8)
         np.testing.assert_array_equal(failing._crcs[info.id], ref.crc32c_pages(flat, page_bytes=info.page_bytes))
     failing.backend.close()
+
+
+def test_a_poll_over_epochs_of_many_sizes_writes_each_page_as_the_last_epoch_wrote_it(tmp_path, monkeypatch):
+    """Thirty epochs, each writing a random set of pages (one to all sixteen),
+    read in one poll: the region gets one write of every page any of them
+    wrote, each with the bytes of the last epoch that wrote it."""
+    path = f"file:{tmp_path / 'log'}"
+    rng = np.random.default_rng(11)
+    a = np.zeros((16, 1024), np.uint32)   # 16 pages of 4 KiB
+    with Session(path, size=16 << 20, segment_size=1 << 20) as s:
+        s.register("a", a)
+        s.checkpoint()
+        m = Mirror(open_backend(path))
+        touched = set()
+        for e in range(30):
+            pages = rng.choice(16, size=int(rng.integers(1, 17)), replace=False)
+            a[pages, int(rng.integers(0, 1024))] = e + 1
+            touched.update(int(p) for p in pages)
+            s.checkpoint()
+    writes = []
+    real = Mirror._write_pages
+    monkeypatch.setattr(Mirror, "_write_pages", lambda self, info, ids, rows: (
+        writes.append([int(x) for x in ids]), real(self, info, ids, rows))[1])
+    m.poll()
+    assert writes == [sorted(touched)] and m.last_poll["epochs"] == 30
+    np.testing.assert_array_equal(m.arrays["a"], a)
+    m.backend.close()
