@@ -225,6 +225,12 @@ def _stat(pid: int) -> tuple[str, int] | None:
         return None
 
 
+def _exiting(pid: int) -> bool:
+    """Whether `pid` has begun to exit (in do_exit, a zombie, or gone)."""
+    st = _stat(pid)
+    return st is None or st[0] in "ZX" or bool(st[1] & PF_EXITING)
+
+
 def wait_exited(pid: int, within: float) -> float:
     """Wait while `pid` is exiting (SIGKILLed, its descriptors still closing)
     until it is a zombie or gone; a process that is not exiting (it closed the
@@ -396,6 +402,8 @@ class Standby:
         self.last_follow: tuple | None = None
         #: where the time of that poll went (`Mirror.poll`'s phases)
         self.last_poll: dict | None = None
+        #: the takeover's decision, made while the primary exited (`_predecide`)
+        self._decided = None
 
     # -------------------------------------------------------------- warming
     def warm(self) -> dict:
@@ -511,18 +519,30 @@ class Standby:
         slice_s = WATCH_SLICE_S if lease_file is None else min(WATCH_SLICE_S, self.lease_s / 4)
         if self.mirror is not None:   # the mirror is kept within a slice of the primary
             slice_s = min(slice_s, FOLLOW_SLICE_S)
+        exit_seen = None   # when the primary was first seen exiting (its lock not yet free)
         while True:
             try:
                 left = slice_s if deadline is None else max(0.0, min(slice_s, deadline - _now()))
                 b.lock(wait=max(left, 0.001))
-                return {"cause": "the primary's writer lock came free", "primary_pid": pid, "detected": _now()}
+                now = _now()
+                if exit_seen is None:
+                    return {"cause": "the primary's writer lock came free", "primary_pid": pid, "detected": now}
+                return {"cause": "the primary began exiting, then its writer lock came free",
+                        "primary_pid": pid, "detected": exit_seen, "locked": now}
             except LockedError:
                 pass
-            self._follow()
+            if exit_seen is None and pid and self.mirror is not None and _exiting(pid):
+                # a SIGKILLed primary holds the lock until its teardown (its GPU memory, its
+                # mappings) is done: a tenth of a second or more.  The decision the takeover's
+                # open makes is made meanwhile, and kept if the log stays as it was
+                exit_seen = _now()
+                self._predecide()
+                continue
+            self._follow(watching=exit_seen is None)
             holder = self.primary()
             if holder and holder != pid:
                 self.progress(f"the log is now held by pid {holder}: watching it")
-                pid = holder
+                pid, exit_seen, self._decided = holder, None, None
             now = _now()
             lease = read_lease(lease_file) if lease_file is not None else None
             if lease is not None and lease.age(now) > self.lease_s:
@@ -535,17 +555,42 @@ class Standby:
                 raise StandbyError(f"the primary (pid {pid}) still holds the log after {timeout} s",
                                    where=b.where)
 
-    def _follow(self) -> None:
+    def _predecide(self) -> None:
+        """With the primary exiting: read what it wrote until it died, then make
+        the decision of the takeover's open (`Log.decide`), which the open
+        takes once the lock is held if the follower then finds nothing new and
+        nothing cut.  A decision that raises is left for the open to make."""
+        from concordia.wal import Log
+
+        self._follow(watching=False)
+        if self.mirror is None:
+            return
+        f = self.mirror.follower
+        at = (f.lsn, f.cuts)
+
+        def holds() -> bool:
+            self._follow(watching=False)
+            return self.mirror is not None and (self.mirror.follower.lsn, self.mirror.follower.cuts) == at
+
+        try:
+            self._decided = Log.decide(self.backend, holds=holds, check_pages="last", walked=self.mirror.walked)
+        except ConcordiaError:
+            self._decided = None
+
+    def _follow(self, watching: bool = True) -> None:
         """Apply to the mirror what the primary committed since the last look.
         Damage stops the following (said in `mirror_error`): the takeover
-        restores from the log instead, which decides what the damage costs."""
+        restores from the log instead, which decides what the damage costs.
+        watching: a poll of the watch, which a death waits on (its stamps are
+        kept); the polls after the death was seen are not."""
         if self.mirror is None:
             return
         t0 = _now()
         try:
             self.mirror.poll()
-            self.last_follow = (t0, _now())   # when the watch's last poll ran: a death meanwhile waits on it
-            self.last_poll = self.mirror.last_poll
+            if watching:
+                self.last_follow = (t0, _now())   # when the watch's last poll ran: a death meanwhile waits on it
+                self.last_poll = self.mirror.last_poll
         except ConcordiaError as exc:
             self.mirror_error = exc.one_line()
             self.mirror = None
@@ -597,6 +642,8 @@ class Standby:
         from concordia.wal import Log
 
         stamps = {"detected": detection["detected"]}
+        if "locked" in detection:
+            stamps["locked"] = detection["locked"]
         if self.last_follow is not None:
             stamps["last_poll_started"], stamps["last_poll_ended"] = self.last_follow
         pid = detection.get("primary_pid")
@@ -610,8 +657,9 @@ class Standby:
         # a mirror reads what the primary wrote until it died, the tail after its last
         # commit included, and hands the open its walk of every segment wholly read
         self._follow()
+        decided, self._decided = self._decided, None
         log = Log.open(self.backend, writable=True, check_pages="last",
-                       walked=None if self.mirror is None else self.mirror.walked)
+                       walked=None if self.mirror is None else self.mirror.walked, decided=decided)
         self._watch_log = None   # superseded; it shares the backend, which `log` now owns
         stamps["isolated"] = _now()
         arrays, st = {}, {"open": dict(log.open_stats)}
@@ -656,6 +704,10 @@ class Standby:
                   f"log opened for writing at epoch {epoch} (the primary's "
                   f"uncommitted tail cut: walk {st['open'].get('walk_s', 0) * 1e3:.1f} ms, cut "
                   f"{st['open'].get('cut_s', 0) * 1e3:.1f} ms)"
+                  + (f"; the lock came free {(stamps['locked'] - stamps['detected']) * 1e3:.1f} ms after the "
+                     f"exit was seen" if "locked" in stamps else "")
+                  + (f"; the log decided meanwhile ({st['open']['decided_before_s'] * 1e3:.1f} ms), before the "
+                     f"lock" if "decided_before_s" in st["open"] else "")
                   + (f"; waited {detection['exit_wait_s'] * 1e3:.1f} ms for "
                      f"pid {pid} to finish exiting" if detection.get("exit_wait_s") else "")),
             Phase("restore", (stamps["restored"] - stamps["isolated"]) * 1e3,

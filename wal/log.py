@@ -85,7 +85,8 @@ class Log:
     @classmethod
     def open(cls, target, *, writable: bool = True, mode=RecoveryMode.TOLERATE_TAIL,
              reporter: Callable[[Dropped], None] | None = None, check_pages: bool = True,
-             live: bool = False, refuse: bool = True, walked: Callable | None = None) -> "Log":
+             live: bool = False, refuse: bool = True, walked: Callable | None = None,
+             decided: "Decided | None" = None) -> "Log":
         """Open and recover a log.  Every dropped byte range reaches `reporter`.
         With writable=True the space after the last valid commit is zeroed and
         writing continues there.
@@ -112,7 +113,12 @@ class Log:
         returning (items, lsn), the walk of the log's live segments up to
         `lsn` made already (a following standby's mirror, `Mirror.walked`), or
         None; the open walks only on from `lsn` (a record boundary, which may
-        lie inside a segment)."""
+        lie inside a segment).
+
+        decided (writable): a `Log.decide` made of this backend before the
+        lock was taken (a standby, while its primary exits); used when
+        `decided.holds()` says the log is as it was then, else the open
+        decides again."""
         mode = RecoveryMode.parse(mode)
         if writable and mode not in (RecoveryMode.TOLERATE_TAIL, RecoveryMode.ABSOLUTE):
             raise UsageError(f"a log is opened for writing only in tolerate_tail or absolute mode, not {mode.value}",
@@ -131,19 +137,21 @@ class Log:
             t0 = time.perf_counter()
             vol, res = cls._recover_live(backend, read_as, reporter, check_pages) if live else (None, None)
             walked_to = 0
-            if vol is None:
-                vol = Volume.open(backend, writable=writable)
-                done = walked(vol) if walked is not None and writable and check_pages is not True else None
-                if done is None:
-                    res = recover(vol, read_as, reporter, check_pages=check_pages)
-                else:
-                    items, walked_to = done
-                    rest = Scanner(vol, check_pages=False).items(ScanResult(), from_lsn=walked_to,
-                                                                 start_lsn=walked_to)
-                    res = recover(vol, read_as, reporter, check_pages=check_pages, items=items + list(rest))
+            reused = writable and decided is not None and decided.backend is backend and \
+                decided.mode is read_as and decided.check_pages == check_pages and decided.holds()
+            if reused:
+                vol, res, walked_to = decided.vol, decided.res, decided.walked_to
+                if reporter is not None:
+                    for d in res.dropped:
+                        reporter(d)
+            elif vol is None:
+                vol, res, walked_to = cls._decide(backend, writable, read_as, reporter, check_pages,
+                                                  walked if writable else None)
             t1 = time.perf_counter()
             appender = cls._prepare_write(vol, res) if writable else None
             timing = {"walk_s": t1 - t0, "cut_s": time.perf_counter() - t1, "walked_before_lsn": walked_to}
+            if reused:
+                timing["decided_before_s"] = decided.seconds   # the decision, made before the lock
             if writable:
                 _keep_walk_before_cut(res, vol)
             elif live:
@@ -155,6 +163,37 @@ class Log:
         log = cls(vol, res, mode, writable=writable, appender=appender)
         log.open_stats = timing
         return log
+
+    @staticmethod
+    def _decide(backend, writable: bool, mode, reporter, check_pages, walked) -> tuple:
+        """(Volume, ScanResult, walked_to): the walk and the decision of an
+        open, from `walked` (`Log.open`'s) where it gives the walk up to a point."""
+        vol = Volume.open(backend, writable=writable)
+        done = walked(vol) if walked is not None and check_pages is not True else None
+        if done is None:
+            return vol, recover(vol, mode, reporter, check_pages=check_pages), 0
+        items, walked_to = done
+        rest = Scanner(vol, check_pages=False).items(ScanResult(), from_lsn=walked_to, start_lsn=walked_to)
+        return vol, recover(vol, mode, reporter, check_pages=check_pages, items=items + list(rest)), walked_to
+
+    @classmethod
+    def decide(cls, backend, *, holds: Callable[[], bool], check_pages="last",
+               walked: Callable | None = None, mode=RecoveryMode.TOLERATE_TAIL) -> "Decided":
+        """What a writable `Log.open(backend, decided=)` would decide, made
+        now, without the lock: nothing is written.  `holds()`, asked once the
+        lock is held, says whether the log is still as it was read here (a
+        standby: its follower finds nothing new and nothing cut); only then
+        does the open take this decision instead of making its own.  Raises
+        what the open would raise for the log as it is now."""
+        t0 = time.perf_counter()
+        mode = RecoveryMode.parse(mode)
+        vol, res, walked_to = cls._decide(backend, True, mode, None, check_pages, walked)
+        seq = vol.superblock.sequence
+
+        def same() -> bool:   # a switch or a new segment writes the superblock
+            return Volume.open(backend, writable=False).superblock.sequence == seq and holds()
+
+        return Decided(backend, vol, res, walked_to, mode, check_pages, same, time.perf_counter() - t0)
 
     @staticmethod
     def _recover_live(backend, mode, reporter, check_pages):
@@ -428,6 +467,16 @@ def _tail_damage(res: ScanResult, vol: Volume, end_lsn: int) -> list:
         if it.tag == _DMG and (it.seg.index, it.offset) not in seen:
             out.append(Dropped(it.seg.index, it.offset, it.length, it.reason, "torn"))
     return out
+
+
+class Decided:
+    """A writable open's walk and decision made before its lock (`Log.decide`)."""
+
+    __slots__ = ("backend", "vol", "res", "walked_to", "mode", "check_pages", "holds", "seconds")
+
+    def __init__(self, backend, vol, res, walked_to, mode, check_pages, holds, seconds):
+        self.backend, self.vol, self.res, self.walked_to = backend, vol, res, walked_to
+        self.mode, self.check_pages, self.holds, self.seconds = mode, check_pages, holds, seconds
 
 
 def _keep_walk_before_cut(res: ScanResult, vol: Volume) -> None:

@@ -420,3 +420,84 @@ def test_a_poll_over_epochs_of_many_sizes_writes_each_page_as_the_last_epoch_wro
     assert writes == [sorted(touched)] and m.last_poll["epochs"] == 30
     np.testing.assert_array_equal(m.arrays["a"], a)
     m.backend.close()
+
+
+EXITING_PRIMARY = """
+import os, sys, time
+import numpy as np
+from concordia import Session
+spec, release = sys.argv[1], sys.argv[2]
+a = np.zeros((16, 1024), np.uint32)
+s = Session(spec, size=8 << 20, segment_size=1 << 20)
+s.register("state", a)
+s.checkpoint()
+parent = os.getpid()
+if os.fork() == 0:
+    # shares the log's descriptor, so the writer lock stays held after the primary dies,
+    # as a SIGKILLed primary holds it through its teardown, until the test says
+    while not os.path.exists(release):
+        time.sleep(0.005)
+    os._exit(0)
+e = 1
+while True:
+    e += 1
+    a[e % 16, e % 1024] = e
+    s.checkpoint()
+    print(e, flush=True)
+"""
+
+
+def _exiting_state(epoch: int) -> np.ndarray:
+    a = np.zeros((16, 1024), np.uint32)
+    for e in range(2, epoch + 1):
+        a[e % 16, e % 1024] = e
+    return a
+
+
+def test_a_following_standby_decides_the_log_while_its_primary_exits(tmp_path):
+    """A hot standby that sees its primary exiting before the writer lock comes
+    free (a SIGKILLed primary's teardown) makes the takeover's decision of the
+    log meanwhile; with the lock held and nothing new in the log, the open
+    takes that decision: the last committed epoch, exactly, and the log
+    carries on from it."""
+    from concordia.standby import Standby
+
+    path, release = f"file:{tmp_path / 'log'}", tmp_path / "release"
+    p = subprocess.Popen([sys.executable, "-c", EXITING_PRIMARY, path, str(release)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    sb, got = None, {}
+    try:
+        assert p.stdout.readline().strip().isdigit()
+        sb = Standby(path, follow=True, device="cpu")
+        sb.warm()
+        for _ in range(20):
+            assert p.stdout.readline().strip().isdigit()
+        runner = threading.Thread(target=lambda: got.update(tk=sb.run(timeout=60)))
+        runner.start()
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while sb._decided is None and runner.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert sb._decided is not None, "the standby made no decision while the lock was held"
+        release.touch()   # the lock comes free
+        runner.join(timeout=60)
+    finally:
+        release.touch()
+        p.kill()
+        p.communicate(timeout=30)
+    tk = got["tk"]
+    try:
+        assert tk.restore_stats["open"]["decided_before_s"] > 0 and "locked" in tk.stamps
+        assert tk.stamps["detected"] <= tk.stamps["locked"] <= tk.stamps["isolated"]
+        assert "mirror" in tk.restore_stats and "decided meanwhile" in tk.timeline[1].what
+        assert tk.epoch == tk.log.last_committed_epoch >= 21
+        np.testing.assert_array_equal(tk.arrays["state"], _exiting_state(tk.epoch))
+        with tk.session() as s:                 # the log carries on from the decided epoch
+            s.register("state", tk.arrays["state"])
+            tk.arrays["state"][0, 0] = 7
+            assert s.checkpoint().epoch == tk.epoch + 1
+    finally:
+        tk.close()
+        sb.close()
+    assert _last_committed(path) == tk.epoch + 1
