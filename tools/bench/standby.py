@@ -29,8 +29,12 @@ GPU's kill-to-decoding).
 
 `kill_to_decoding_s` is CLOCK_MONOTONIC from just before the kill to the end
 of that first decode step (both processes on one host read one clock);
-`kill_to_detect_s` ends when the standby holds the lock; the phases
-(isolate, restore, reintegrate) are the standby's own.  Beside them, pinned
+`kill_to_detect_s` ends when the standby holds the lock, or, for a hot
+standby that saw the primary exiting first, when it saw that (it then
+decides the log while the primary's teardown holds the lock, and isolate
+holds the wait for it); the phases (isolate, restore, reintegrate) are the
+standby's own, `restore.last_poll` the phases of the mirror's last poll
+before the takeover.  Beside them, pinned
 host-to-device bandwidth measured in the same run, and the restore's rate
 against it.  Without a GPU (`--quick` in CI) the same runs on the host.
 """
