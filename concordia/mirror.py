@@ -98,6 +98,12 @@ class Mirror:
             try:
                 log = Log.open(self.backend, writable=False, check_pages=False)   # not closed: it closes the backend
                 done = log.walk_through_commit()   # before the plan takes the walk over
+                whole = done is not None
+                if done is None and log.last_committed_epoch:
+                    # a walk too long to keep (`WALK_KEPT_MAX`): the follower still starts
+                    # past the commit (a takeover's open then walks the log itself)
+                    c = log.last_commit_record()
+                    done = None if c is None else ([], c)
                 # a region registered but not yet checkpointed has no state at the epoch:
                 # zeros here, until its first (whole) epoch comes
                 got = (restore(log, device=self.device, registration=self.registration, absent="keep")
@@ -136,7 +142,7 @@ class Mirror:
         self._cuts = 0
         # (segment index, seq) -> every item the follower returned of that segment: a
         # takeover's open starts from them (`walked`); None once a cut made them stale
-        self._walked: dict | None = {}
+        self._walked: dict | None = {} if done is None or whole else None
         if done is not None:
             self.follower.uuid = log.volume.uuid   # a log formatted again since is seen at the first poll
             self._keep_walk(done[0])   # as if the follower had returned them

@@ -285,6 +285,25 @@ class Log:
                 return (res.walk[:i + 1], it) if h.epoch == res.last_committed_epoch else None
         return None
 
+    def last_commit_record(self):
+        """The commit record of the last committed epoch as a walk's item
+        (`Found`), found from the decision alone (an open that did not keep
+        its walk, `WALK_KEPT_MAX`), or None when it commits nothing."""
+        from .reader import Found
+
+        res = self._fresh()
+        lsn = res.last_commit_lsn
+        if not res.last_committed_epoch or not lsn:
+            return None
+        seg = next((sg for sg in self.volume.live_segments() if sg.base_lsn <= lsn < sg.end_lsn), None)
+        if seg is None:
+            return None
+        off = seg.offset + lsn - seg.base_lsn
+        h = F.decode_record_header(self.volume.backend.view, off)
+        if h.type != F.REC_COMMIT or h.lsn != lsn or h.epoch != res.last_committed_epoch:
+            return None
+        return Found(_REC, seg, off, h)
+
     # -- state ------------------------------------------------------------------------
     def _mark_stale(self):
         self._stale = True

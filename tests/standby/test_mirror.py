@@ -501,3 +501,39 @@ def test_a_following_standby_decides_the_log_while_its_primary_exits(tmp_path):
         tk.close()
         sb.close()
     assert _last_committed(path) == tk.epoch + 1
+
+
+def test_a_mirror_on_a_log_too_long_to_keep_its_walk_still_follows_from_its_commit(tmp_path, monkeypatch):
+    """When the restore's open does not keep its walk (more records than
+    WALK_KEPT_MAX), the follower still starts just past the commit restored,
+    found from the decision, and a takeover's open walks the log itself."""
+    import concordia.wal.reader as R
+
+    monkeypatch.setattr(R, "WALK_KEPT_MAX", 16)
+    path = f"file:{tmp_path / 'log'}"
+    a = np.zeros((64, 256), np.uint32)
+    with Session(path, size=8 << 20, segment_size=1 << 20) as s:
+        s.register("a", a)
+        for i in range(40):
+            a[i % 64, i] = i + 1
+            s.checkpoint()
+        m = Mirror(open_backend(path))
+        log = Log.open(path, writable=False)
+        try:
+            assert log.walk_through_commit() is None   # the walk was not kept
+            commit = log.last_commit_record()
+        finally:
+            log.close()
+        assert m.epoch == 40 and commit.header.epoch == 40
+        assert m.follower.lsn == commit.seg.lsn(commit.offset) + commit.length
+        assert m.follower.poll() == []   # nothing walked again
+        for i in range(40, 45):
+            a[i % 64, i] = i + 1
+            st = s.checkpoint()
+        assert m.poll() == st.epoch == 45
+        np.testing.assert_array_equal(m.arrays["a"], a)
+    mine = Log.open(m.backend, writable=True, check_pages="last", walked=m.walked)
+    try:
+        assert mine.open_stats["walked_before_lsn"] == 0 and mine.last_committed_epoch == 45
+    finally:
+        mine.close()
