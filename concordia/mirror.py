@@ -353,10 +353,9 @@ class Mirror:
                 part = np.searchsorted(ends, pos, side="right")          # the epoch's part it came from
                 row = pos - (ends - sizes)[part]                          # and its row there
                 rows = np.empty((last.size, info.page_bytes), np.uint8)
-                order = np.argsort(part, kind="stable")
+                order = np.argsort(part, kind="stable")             # the pages, part by part
                 ks, first = np.unique(part[order], return_index=True)
-                for k, lo, hi in zip(ks.tolist(), first.tolist(), [*first[1:].tolist(), order.size]):
-                    sel = order[lo:hi]
+                for k, sel in zip(ks.tolist(), np.split(order, first[1:])):
                     i, r = parts[k]
                     rows[sel] = r.reshape(i.size, info.page_bytes)[row[sel]]
                 ids = last

@@ -17,6 +17,7 @@ or overwriting what the first one writes.  Read-only opens take no lock.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable, Iterator
 
@@ -289,7 +290,7 @@ class Log:
         """The commit record of the last committed epoch as a walk's item
         (`Found`), found from the decision alone (an open that did not keep
         its walk, `WALK_KEPT_MAX`), or None when it commits nothing."""
-        from .reader import Found
+        from .reader import Found, intact_header
 
         res = self._fresh()
         lsn = res.last_commit_lsn
@@ -299,8 +300,8 @@ class Log:
         if seg is None:
             return None
         off = seg.offset + lsn - seg.base_lsn
-        h = F.decode_record_header(self.volume.backend.view, off)
-        if h.type != F.REC_COMMIT or h.lsn != lsn or h.epoch != res.last_committed_epoch:
+        h = intact_header(seg, off, self.volume.backend.view)   # at its own LSN, in this incarnation
+        if h is None or h.type != F.REC_COMMIT or h.epoch != res.last_committed_epoch:
             return None
         return Found(_REC, seg, off, h)
 
@@ -488,14 +489,18 @@ def _tail_damage(res: ScanResult, vol: Volume, end_lsn: int) -> list:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
 class Decided:
     """A writable open's walk and decision made before its lock (`Log.decide`)."""
 
-    __slots__ = ("backend", "vol", "res", "walked_to", "mode", "check_pages", "holds", "seconds")
-
-    def __init__(self, backend, vol, res, walked_to, mode, check_pages, holds, seconds):
-        self.backend, self.vol, self.res, self.walked_to = backend, vol, res, walked_to
-        self.mode, self.check_pages, self.holds, self.seconds = mode, check_pages, holds, seconds
+    backend: Backend
+    vol: Volume
+    res: ScanResult
+    walked_to: int
+    mode: RecoveryMode
+    check_pages: bool | str
+    holds: Callable[[], bool]   # the log is still as it was read (asked with the lock held)
+    seconds: float              # how long the decision took
 
 
 def _keep_walk_before_cut(res: ScanResult, vol: Volume) -> None:

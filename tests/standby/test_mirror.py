@@ -141,10 +141,18 @@ def test_a_takeover_open_from_the_mirrors_walk_cuts_as_its_own_walk_would(tmp_pa
     assert a.read_bytes() == b.read_bytes()
 
 
-def test_a_mirror_started_on_a_long_log_follows_from_the_commit_it_restored(tmp_path):
+@pytest.mark.parametrize("kept", [True, False], ids=["walk-kept", "walk-too-long"])
+def test_a_mirror_started_on_a_long_log_follows_from_the_commit_it_restored(tmp_path, monkeypatch, kept):
     """The mirror's first restore walks the log once: the follower starts just
     past the commit of the epoch restored, not at the log's start, and a
-    takeover's open from the mirror's walk matches its own walk."""
+    takeover's open from the mirror's walk matches its own walk.  When the
+    restore's open keeps no walk (more records than WALK_KEPT_MAX) the commit
+    is found from the decision (`Log.last_commit_record`), the follower still
+    starts past it, and a takeover's open walks the log itself."""
+    import concordia.wal.reader as R
+
+    if not kept:
+        monkeypatch.setattr(R, "WALK_KEPT_MAX", 16)
     path = f"file:{tmp_path / 'log'}"
     a = np.zeros((64, 256), np.uint32)
     with Session(path, size=8 << 20, segment_size=1 << 20) as s:
@@ -155,10 +163,16 @@ def test_a_mirror_started_on_a_long_log_follows_from_the_commit_it_restored(tmp_
         m = Mirror(open_backend(path))
         log = Log.open(path, writable=False)
         try:
-            items, commit = log.walk_through_commit()
+            walk = log.walk_through_commit()
+            commit = log.last_commit_record()
         finally:
             log.close()
-        assert m.epoch == 40 and commit.header.epoch == 40 and items[-1] == commit
+        assert (walk is not None) == kept
+        if kept:   # the decision's commit is the walk's
+            items, walked = walk
+            assert items[-1] == walked and (commit.seg.index, commit.offset, commit.header) == \
+                (walked.seg.index, walked.offset, walked.header)
+        assert m.epoch == 40 and commit.header.epoch == 40
         assert m.follower.lsn == commit.seg.lsn(commit.offset) + commit.length
         assert m.follower.poll() == []   # nothing walked again
         for i in range(40, 45):
@@ -171,11 +185,14 @@ def test_a_mirror_started_on_a_long_log_follows_from_the_commit_it_restored(tmp_
             took = m.walked(now.volume)
         finally:
             now.close()
-    assert took is not None and took[1] == m.follower.lsn
-    assert [it.header.lsn for it in took[0]][:len(items)] == [it.header.lsn for it in items]
+    if kept:
+        assert took is not None and took[1] == m.follower.lsn
+        assert [it.header.lsn for it in took[0]][:len(items)] == [it.header.lsn for it in items]
+    else:
+        assert took is None   # the mirror holds no walk of what lies before the commit
     mine = Log.open(m.backend, writable=True, check_pages="last", walked=m.walked)
     try:
-        assert mine.open_stats["walked_before_lsn"] == m.follower.lsn
+        assert mine.open_stats["walked_before_lsn"] == (m.follower.lsn if kept else 0)
         assert mine.last_committed_epoch == 45
     finally:
         mine.close()
@@ -501,39 +518,3 @@ def test_a_following_standby_decides_the_log_while_its_primary_exits(tmp_path):
         tk.close()
         sb.close()
     assert _last_committed(path) == tk.epoch + 1
-
-
-def test_a_mirror_on_a_log_too_long_to_keep_its_walk_still_follows_from_its_commit(tmp_path, monkeypatch):
-    """When the restore's open does not keep its walk (more records than
-    WALK_KEPT_MAX), the follower still starts just past the commit restored,
-    found from the decision, and a takeover's open walks the log itself."""
-    import concordia.wal.reader as R
-
-    monkeypatch.setattr(R, "WALK_KEPT_MAX", 16)
-    path = f"file:{tmp_path / 'log'}"
-    a = np.zeros((64, 256), np.uint32)
-    with Session(path, size=8 << 20, segment_size=1 << 20) as s:
-        s.register("a", a)
-        for i in range(40):
-            a[i % 64, i] = i + 1
-            s.checkpoint()
-        m = Mirror(open_backend(path))
-        log = Log.open(path, writable=False)
-        try:
-            assert log.walk_through_commit() is None   # the walk was not kept
-            commit = log.last_commit_record()
-        finally:
-            log.close()
-        assert m.epoch == 40 and commit.header.epoch == 40
-        assert m.follower.lsn == commit.seg.lsn(commit.offset) + commit.length
-        assert m.follower.poll() == []   # nothing walked again
-        for i in range(40, 45):
-            a[i % 64, i] = i + 1
-            st = s.checkpoint()
-        assert m.poll() == st.epoch == 45
-        np.testing.assert_array_equal(m.arrays["a"], a)
-    mine = Log.open(m.backend, writable=True, check_pages="last", walked=m.walked)
-    try:
-        assert mine.open_stats["walked_before_lsn"] == 0 and mine.last_committed_epoch == 45
-    finally:
-        mine.close()
