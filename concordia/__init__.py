@@ -28,7 +28,7 @@ _ERRORS = (
     "ProtocolError", "ReadOnlyError", "ReadOnlyFeatureError", "RecordTooLargeError",
     "RecoverMismatchError", "RecoveryDigestError", "RegionError", "RegionMismatchError",
     "RingFullError", "RingLayoutError", "SessionClosedError", "SessionError",
-    "ShapeChangedError", "SuperblockError", "TornTailError", "UnknownRegionError",
+    "ShapeChangedError", "SuperblockError", "TakeoverRevoked", "TornTailError", "UnknownRegionError",
     "UnsupportedArrayError", "UsageError", "WalError", "WriterStoppedError",
 )
 _HOME = {"Session": ".session", "Policy": ".policy", "CheckpointStats": ".checkpoint.stats",

@@ -30,8 +30,8 @@ from concordia.instrument.errors import InstrumentError
 from concordia.regions.errors import (
     DemoError, DuplicateRegionError, LogPressureWarning, NothingToRecoverError, RecoverMismatchError,
     RecoveryDigestError,
-    RegionMismatchError, SessionClosedError, SessionError, ShapeChangedError, StandbyError, UnknownRegionError,
-    UnsupportedArrayError,
+    RegionMismatchError, SessionClosedError, SessionError, ShapeChangedError, StandbyError, TakeoverRevoked,
+    UnknownRegionError, UnsupportedArrayError,
 )
 from concordia.root_error import ConcordiaError, MissingDependencyError
 from concordia.wal.errors import (
@@ -53,6 +53,6 @@ __all__ = [
     "ProtocolError", "ReadOnlyError", "ReadOnlyFeatureError", "RecordTooLargeError",
     "RecoverMismatchError", "RecoveryDigestError", "RegionError", "RegionMismatchError",
     "RingFullError", "RingLayoutError", "SessionClosedError", "SessionError", "ShapeChangedError",
-    "SuperblockError", "TargetNotEmptyError", "TornTailError", "UnknownRegionError", "UnsupportedArrayError", "UsageError",
+    "SuperblockError", "TakeoverRevoked", "TargetNotEmptyError", "TornTailError", "UnknownRegionError", "UnsupportedArrayError", "UsageError",
     "WalError", "WriterStoppedError",
 ]

@@ -83,6 +83,7 @@ class Mirror:
         self.pages_applied = 0
         self.last_gap: str | None = None
         self.last_poll: dict | None = None   # the last poll's phases (`poll`)
+        self.stale = False          # records read and not applied (`settled`): never polled again
         self.resync()
 
     # -- starting (again) ---------------------------------------------------------
@@ -183,6 +184,9 @@ class Mirror:
         """Apply every epoch committed since the last poll; returns the
         epoch the mirror holds.  Raises CorruptionError when the log holds
         damage the writer has left behind (the mirror keeps its last epoch)."""
+        if self.stale:
+            raise WalError("this mirror read records it did not apply (an early takeover's check): "
+                           "it is not polled again", where=str(self.backend.where))
         t0, before, resyncs = time.perf_counter(), self.epochs_applied, self.resyncs
         try:
             items = self.follower.poll()
@@ -215,6 +219,23 @@ class Mirror:
                               "items": len(items), "epochs": self.epochs_applied - before,
                               "resynced": self.resyncs != resyncs}
         return self.epoch
+
+    def settled(self) -> bool:
+        """Whether the log holds nothing past what the mirror has read: an
+        early takeover asks this once its arrays are handed on (they are read
+        by the caller then, so nothing more is applied to them).  What the
+        follower finds is kept for the walk (`walked` stays the walk of the log
+        up to where the follower stands) and leaves the mirror stale:
+        `poll()` refuses afterwards."""
+        items = self.follower.poll()
+        if self.follower.cuts != self._cuts:
+            self._walked = None
+            self.stale = True
+            return False
+        self._keep_walk(items)
+        if items:
+            self.stale = True
+        return not items
 
     def _keep_walk(self, items: list) -> None:
         """Keep the items of the segments still live (retention frees the rest)."""

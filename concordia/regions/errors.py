@@ -57,6 +57,16 @@ class StandbyError(ConcordiaError):
     """A standby could not watch or take over a log (exit code 2)."""
 
 
+class TakeoverRevoked(StandbyError):
+    """An early takeover's epoch was not the one the log decided once the
+    writer lock was held (`Takeover.confirm`): what was made from it is void.
+    `Standby.run` then restores the decided epoch and resumes again."""
+
+    def __init__(self, message: str, *, log=None, epoch: int = 0, decided: int = 0, **kw):
+        super().__init__(message, **kw)
+        self.log, self.epoch, self.decided = log, epoch, decided
+
+
 class DemoError(SessionError):
     """The demo's worker or recovery process failed."""
 
@@ -70,5 +80,5 @@ class LogPressureWarning(ConcordiaError, RuntimeWarning):
 
 __all__ = ["SessionError", "SessionClosedError", "UnsupportedArrayError", "DuplicateRegionError",
            "UnknownRegionError", "ShapeChangedError", "RegionMismatchError", "RecoverMismatchError",
-           "NothingToRecoverError", "RecoveryDigestError", "StandbyError", "DemoError",
+           "NothingToRecoverError", "RecoveryDigestError", "StandbyError", "TakeoverRevoked", "DemoError",
            "LogPressureWarning"]

@@ -473,10 +473,10 @@ def _exiting_state(epoch: int) -> np.ndarray:
 
 def test_a_following_standby_decides_the_log_while_its_primary_exits(tmp_path):
     """A hot standby that sees its primary exiting before the writer lock comes
-    free (a SIGKILLed primary's teardown) makes the takeover's decision of the
-    log meanwhile; with the lock held and nothing new in the log, the open
-    takes that decision: the last committed epoch, exactly, and the log
-    carries on from it."""
+    free (a SIGKILLed primary's teardown) and waits for the lock (early=False)
+    makes the takeover's decision of the log meanwhile; with the lock held and
+    nothing new in the log, the open takes that decision: the last committed
+    epoch, exactly, and the log carries on from it."""
     from concordia.standby import Standby
 
     path, release = f"file:{tmp_path / 'log'}", tmp_path / "release"
@@ -485,7 +485,7 @@ def test_a_following_standby_decides_the_log_while_its_primary_exits(tmp_path):
     sb, got = None, {}
     try:
         assert p.stdout.readline().strip().isdigit()
-        sb = Standby(path, follow=True, device="cpu")
+        sb = Standby(path, follow=True, device="cpu", early=False)
         sb.warm()
         for _ in range(20):
             assert p.stdout.readline().strip().isdigit()
@@ -518,3 +518,136 @@ def test_a_following_standby_decides_the_log_while_its_primary_exits(tmp_path):
         tk.close()
         sb.close()
     assert _last_committed(path) == tk.epoch + 1
+
+
+def test_an_early_takeover_resumes_while_the_lock_is_held_and_confirms_after(tmp_path):
+    """A hot standby (early, the default) whose primary's every thread is
+    exiting hands the mirror's epoch to the caller while the writer lock is
+    still held (here by a child sharing the log's descriptor, as a SIGKILLed
+    primary's teardown holds it); the lock, the open and the log's decision
+    follow beside the caller, and the log carries on from that epoch."""
+    from concordia.standby import Standby
+
+    path, release = f"file:{tmp_path / 'log'}", tmp_path / "release"
+    p = subprocess.Popen([sys.executable, "-c", EXITING_PRIMARY, path, str(release)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    sb, got, seen = None, {}, []
+
+    def resume(tk):
+        # the child still holds the lock: nothing lets it go before this line
+        seen.append((tk.epoch, tk.pending is not None, tk.arrays["state"].copy()))
+        tk.resumed()
+        release.touch()
+        return "resumed"
+
+    try:
+        assert p.stdout.readline().strip().isdigit()
+        sb = Standby(path, follow=True, device="cpu")
+        sb.warm()
+        for _ in range(20):
+            assert p.stdout.readline().strip().isdigit()
+        runner = threading.Thread(target=lambda: got.update(tk=sb.run(resume, timeout=60)))
+        runner.start()
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=30)
+        runner.join(timeout=60)
+    finally:
+        release.touch()
+        p.kill()
+        p.communicate(timeout=30)
+    tk = got["tk"]
+    try:
+        assert [(e, pending) for e, pending, _ in seen] == [(tk.epoch, True)] and tk.result == "resumed"
+        np.testing.assert_array_equal(seen[0][2], _exiting_state(tk.epoch))
+        st = tk.stamps
+        assert st["detected"] <= st["isolated"] <= st["restored"] <= st["resumed"] <= st["locked"] <= st["confirmed"]
+        assert "early" in tk.restore_stats and "mirror" in tk.restore_stats
+        assert [ph.phase for ph in tk.timeline] == ["detect", "isolate", "restore", "confirm", "reintegrate"]
+        assert tk.epoch == tk.log.last_committed_epoch >= 21
+        with tk.session() as s:                 # the log carries on from the mirror's epoch
+            s.register("state", tk.arrays["state"])
+            tk.arrays["state"][0, 0] = 7
+            assert s.checkpoint().epoch == tk.epoch + 1
+    finally:
+        tk.close()
+        sb.close()
+    assert _last_committed(path) == tk.epoch + 1
+
+
+REVOKING_PRIMARY = """
+import os, sys, time
+import numpy as np
+from concordia import Session
+spec, go = sys.argv[1], sys.argv[2]
+a = np.zeros((16, 1024), np.uint32)
+s = Session(spec, size=8 << 20, segment_size=1 << 20)
+s.register("state", a)
+for e in range(1, 6):
+    a[e % 16, e % 1024] = e
+    s.checkpoint()
+if os.fork() == 0:
+    # shares the log's descriptor and its writer lock: once told, after the primary's
+    # death, it commits one more epoch (as no process of a primary could once every
+    # thread of it is exiting) and exits
+    while not os.path.exists(go):
+        time.sleep(0.005)
+    a[6 % 16, 6 % 1024] = 6
+    s.checkpoint()
+    os._exit(0)
+print(s.epoch, flush=True)
+while True:
+    time.sleep(3600)
+"""
+
+
+def test_an_early_takeover_the_log_does_not_confirm_is_resumed_again_from_the_decided_epoch(tmp_path):
+    """An early takeover resumed from epoch 5; a process sharing the dead
+    primary's descriptor then commits epoch 6 before the lock comes free.
+    The confirmation finds the log decides 6: the takeover is revoked, epoch
+    6 is restored from the log and the caller resumes again from it; the log
+    carries on from 6."""
+    from concordia.standby import Standby
+
+    path, go = f"file:{tmp_path / 'log'}", tmp_path / "go"
+    p = subprocess.Popen([sys.executable, "-c", REVOKING_PRIMARY, path, str(go)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    sb, got, seen = None, {}, []
+
+    def resume(tk):
+        seen.append((tk.epoch, tk.arrays["state"].copy()))
+        go.touch()   # the child commits epoch 6 now, then lets the lock go
+        return len(seen)
+
+    try:
+        assert p.stdout.readline().strip() == "5"
+        sb = Standby(path, follow=True, device="cpu")
+        sb.warm()
+        runner = threading.Thread(target=lambda: got.update(tk=sb.run(resume, timeout=60)))
+        runner.start()
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=30)
+        runner.join(timeout=60)
+    finally:
+        go.touch()
+        p.kill()
+        p.communicate(timeout=30)
+    tk = got["tk"]
+    try:
+        want = {e: np.zeros((16, 1024), np.uint32) for e in (5, 6)}
+        for e, a in want.items():
+            for k in range(1, e + 1):
+                a[k % 16, k % 1024] = k
+        assert [e for e, _ in seen] == [5, 6] and tk.result == 2
+        for e, a in seen:
+            np.testing.assert_array_equal(a, want[e])
+        assert tk.epoch == tk.log.last_committed_epoch == 6
+        assert "epoch 5" in tk.restore_stats["revoked"] and "epoch 6" in tk.restore_stats["revoked"]
+        np.testing.assert_array_equal(tk.arrays["state"], want[6])
+        with tk.session() as s:
+            s.register("state", tk.arrays["state"])
+            tk.arrays["state"][0, 0] = 7
+            assert s.checkpoint().epoch == 7
+    finally:
+        tk.close()
+        sb.close()
+    assert _last_committed(path) == 7
