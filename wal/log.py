@@ -50,6 +50,7 @@ class Log:
         self._appender = appender
         self._stale = False
         self._regions = {info.id: info for info in result.regions.values()}
+        self._by_name: dict | None = None   # `regions`, kept until a region is defined
         # Log.open's: seconds walking the log (walk_s) and cutting its tail (cut_s); the LSN
         # before which a walk made already was taken (walked_before_lsn, 0: none)
         self.open_stats: dict = {}
@@ -324,8 +325,11 @@ class Log:
 
     @property
     def regions(self) -> dict:
-        """{name: RegionInfo(id, name, dtype, shape, page_bytes, kind, nbytes, pages)}"""
-        return {info.name: info for info in sorted(self._regions.values(), key=lambda r: r.id)}
+        """{name: RegionInfo(id, name, dtype, shape, page_bytes, kind, nbytes, pages)}, in id
+        order: a dict of the caller's own (a recovery asks for it once a region)."""
+        if self._by_name is None:
+            self._by_name = {info.name: info for info in sorted(self._regions.values(), key=lambda r: r.id)}
+        return dict(self._by_name)
 
     def region(self, key) -> F.RegionInfo:
         """A region by name or id."""
@@ -360,6 +364,7 @@ class Log:
             self.volume.enable_incompat(F.FEATURE_LOGICAL_DTYPE)
         self.appender.append_record(type=F.REC_REGION, epoch=0, body=body, region_id=rid, page_bytes=page_bytes)
         self._regions[rid] = F.decode_region_body(body, rid, page_bytes)
+        self._by_name = None
         return rid
 
     @property

@@ -246,19 +246,20 @@ def recover(log, target="latest", *, targets: dict | None = None, device=None, m
     check_absent(absent)
     where = str(log.backend.where)
     want = regions if regions is not None else (list(targets) if targets is not None else None)
+    infos = log.regions   # a dict made afresh each time it is asked for: once here, not once a region
     if want is not None:
-        missing = [n for n in want if n not in log.regions]
+        missing = [n for n in want if n not in infos]
         if missing:
-            raise UnknownRegionError(f"the log holds no region {missing[0]!r} (it holds {sorted(log.regions)})",
+            raise UnknownRegionError(f"the log holds no region {missing[0]!r} (it holds {sorted(infos)})",
                                      where=where)
     views = {}
     if targets is not None:  # check every target before restoring anything
         targets = {n: a for n, a in targets.items() if want is None or n in want}
         for name, arr in targets.items():
-            views[name] = check_target(log.regions[name], name, arr, device)
-    for name in (want if want is not None else log.regions):
+            views[name] = check_target(infos[name], name, arr, device)
+    for name in (want if want is not None else infos):
         if name not in views:
-            check_presentable(log.regions[name], name, gpu)
+            check_presentable(infos[name], name, gpu)
     if not log.last_committed_epoch:
         raise NothingToRecoverError("the log holds no committed epoch", where=where)
     t0 = time.perf_counter()
@@ -267,7 +268,7 @@ def recover(log, target="latest", *, targets: dict | None = None, device=None, m
     out = {n: targets[n] for n in views}
     for name, a in got.arrays.items():
         if name not in views:
-            out[name] = present(a, log.regions[name], device=gpu, where=f"region {name!r}")
+            out[name] = present(a, infos[name], device=gpu, where=f"region {name!r}")
     p = got.plan
     total_s = time.perf_counter() - t0
     stats = RecoveryStats(epoch=int(p.epoch), plan_ms=got.plan_s * 1e3,
