@@ -183,12 +183,16 @@ def run_recover(args) -> None:
     sync()
     t0 = time.perf_counter()
     with Session(args.log, create=False, readonly=True) as s:
+        ta = time.perf_counter()
         guard = protect(s, cache, model, batch_size=args.batch, max_tokens=args.max_len)
         t1 = time.perf_counter()
         state = restore(s, guard)
         sync()
         t2 = time.perf_counter()
-    _say({"open_s": t1 - t0, "restore_s": t2 - t1, "recovery_s": t2 - t0, "epoch": state.epoch, "steps": state.steps})
+        phases = s.last_recovery.phases
+    # where the time went: the open of the Session and protect(), then the recovery's phases
+    _say({"open_s": t1 - t0, "restore_s": t2 - t1, "recovery_s": t2 - t0, "epoch": state.epoch, "steps": state.steps,
+          "session_s": ta - t0, "protect_s": t1 - ta, "phases": phases})
 
 
 def _spawn(role: str, args: dict):

@@ -228,6 +228,10 @@ def test_bench_model_quick_json(tmp_path):
     assert all(r["recovery_vs_reprefill"] > 0 for r in doc["recovery"])
     # the same recovery in a fresh process, at the epoch this one restored
     assert all(r["fresh"]["epoch"] == 1 and r["fresh"]["recovery_s"] > 0 for r in doc["recovery"]), doc["recovery"]
+    # where each recovery's time went: the session's open, protect(), then the recovery's phases
+    for got in [r for r in doc["recovery"]] + [r["fresh"] for r in doc["recovery"]]:
+        assert {"open", "plan", "present"} <= set(got["phases"]) and got["session_s"] > 0 and got["protect_s"] > 0
+        assert got["session_s"] + got["protect_s"] == pytest.approx(got["open_s"])
     assert set(doc["hf_restore_vs_reprefill"]) == {"ctx_64", "ctx_256"}
     assert all(v > 0 for v in doc["hf_restore_vs_reprefill"].values())
     assert len(doc["kills"]) == 2 and [k["sampled"] for k in doc["kills"]] == [False, True]

@@ -411,12 +411,14 @@ def run(shape: str, device: str, batch: int, contexts: list[int], decode_steps: 
         _sync(torch, device)
         t0 = time.perf_counter()
         with concordia.Session(log, create=False) as s:
+            ta = time.perf_counter()
             guard = protect(s, fresh, model, batch_size=batch, max_tokens=ctx + 8)
             t1 = time.perf_counter()
             restore(s, guard)
             _sync(torch, device)
             t2 = time.perf_counter()
-        row.update(open_s=t1 - t0, restore_s=t2 - t1, recovery_s=t2 - t0,
+            row["phases"] = s.last_recovery.phases   # the recovery's, from the session's open on
+        row.update(open_s=t1 - t0, restore_s=t2 - t1, recovery_s=t2 - t0, session_s=ta - t0, protect_s=t1 - ta,
                    identical=all(torch.equal(a, b.keys) for a, b in zip(want, fresh.layers[:2])))
         del fresh, want
         _empty(torch, device)
@@ -517,7 +519,16 @@ def _table(res: dict) -> str:
                        f"{fresh[1]:>9} {r['recovery_vs_cold']:>7.1f}x {h:>11}")
             if fs is None:
                 out.append(f"{'':>8} fresh process: {r['fresh'].get('error')}")
+            for who, got in (("in process", r), ("fresh", r["fresh"])):
+                if got.get("phases"):
+                    out.append(f"{'':>8} {who}: session {got['session_s']:.3f} s, protect {got['protect_s']:.3f} s; "
+                               + _phase_line(got["phases"]))
     return "\n".join(out)
+
+
+def _phase_line(phases: dict) -> str:
+    """A recovery's phases (`RecoveryStats.phases`) in seconds, on one line."""
+    return ", ".join(f"{k} {v['s']:.3f}" for k, v in phases.items() if isinstance(v, dict) and "s" in v)
 
 
 @click.command("model")
