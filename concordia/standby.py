@@ -690,7 +690,10 @@ class Standby:
         while True:
             try:
                 left = slice_s if deadline is None else max(0.0, min(slice_s, deadline - _now()))
-                b.lock(wait=max(left, 0.001))
+                # a hot standby also looks each millisecond whether the primary began exiting
+                # (an early takeover starts there, not at the end of the slice)
+                b.lock(wait=max(left, 0.001), stop=(lambda: _exiting(pid)) if exit_seen is None and pid and
+                       self.mirror is not None else None)
                 now = _now()
                 if exit_seen is None:
                     return {"cause": "the primary's writer lock came free", "primary_pid": pid, "detected": now}
@@ -850,8 +853,8 @@ class Standby:
         self.registration = self.backend = self._watch_log = None   # the takeover owns them now
         nbytes = sum(int(a.nbytes) for a in tk.arrays.values())
         tk.timeline = [
-            Phase("detect", None, detection["cause"] + " (the standby looks every "
-                  f"{FOLLOW_SLICE_S * 1e3:g} ms between polls: not timed here)"),
+            Phase("detect", None, detection["cause"] + " (looked for every millisecond between the mirror's "
+                  "polls: not timed here)"),
             Phase("isolate", (stamps["isolated"] - stamps["detected"]) * 1e3,
                   f"none of pid {pid}'s threads runs: the mirror read to the end, at epoch {tk.epoch} (the log, its "
                   f"lock and the primary's device teardown are confirmed beside the caller)"),

@@ -13,6 +13,7 @@ import enum
 import errno
 import fcntl
 import os
+from typing import Callable
 
 import numpy as np
 
@@ -163,7 +164,7 @@ class Backend(abc.ABC):
         self._close_file()
 
     # -- the writer lock ----------------------------------------------------------
-    def lock(self, wait: bool | float = False) -> None:
+    def lock(self, wait: bool | float = False, stop: Callable[[], bool] | None = None) -> None:
         """Take the log's advisory writer lock: flock(LOCK_EX | LOCK_NB) on the
         file or device under the mapping, held until `close()`.  A writer takes
         it before changing a byte, so a second writer (another process, or a
@@ -173,7 +174,9 @@ class Backend(abc.ABC):
         Taking it twice on one backend is harmless.
         wait: True blocks until the holder gives the lock back (or dies: the
         kernel drops a dead process's locks), a number waits at most that many
-        seconds; either way a holder still there raises LockedError."""
+        seconds; either way a holder still there raises LockedError.
+        stop (with a number): asked between two tries; True ends the wait
+        there, as its end would (a standby that sees its primary exiting)."""
         self.view  # raises when closed
         if self._locked or self._file_fd < 0:
             return
@@ -181,7 +184,7 @@ class Backend(abc.ABC):
             if wait is True:
                 fcntl.flock(self._file_fd, fcntl.LOCK_EX)
             elif wait:
-                _flock_within(self._file_fd, float(wait))
+                _flock_within(self._file_fd, float(wait), stop)
             else:
                 fcntl.flock(self._file_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -249,9 +252,9 @@ class Backend(abc.ABC):
         """Drop the mapping (the view is already released or still exported)."""
 
 
-def _flock_within(fd: int, seconds: float) -> None:
-    """flock(LOCK_EX) on fd, tried every millisecond for at most `seconds`;
-    BlockingIOError when still held then."""
+def _flock_within(fd: int, seconds: float, stop: Callable[[], bool] | None = None) -> None:
+    """flock(LOCK_EX) on fd, tried every millisecond for at most `seconds`, or
+    until `stop()` says so; BlockingIOError when still held then."""
     import time
 
     deadline = time.monotonic() + seconds
@@ -260,7 +263,7 @@ def _flock_within(fd: int, seconds: float) -> None:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return
         except BlockingIOError:
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline or (stop is not None and stop()):
                 raise
             time.sleep(0.001)
 

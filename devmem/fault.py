@@ -86,8 +86,8 @@ class FaultInjectingBackend(Backend):
         self.inner.close()
 
     # the writer lock belongs to the file under the wrapped backend
-    def lock(self) -> None:
-        self.inner.lock()
+    def lock(self, wait=False, stop=None) -> None:
+        self.inner.lock(wait, stop)
 
     @property
     def locked(self) -> bool:
