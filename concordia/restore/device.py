@@ -453,22 +453,35 @@ def _bad_page_in_log(log, tr: Transfer, k: int):
 # --- the device pipeline --------------------------------------------------------
 
 _STAGING: dict = {}
+_HOSTS: dict = {}
 
 
 def _staging(cp, chunk_bytes: int):
-    """Pinned host buffers, device slots and two streams for chunks of
-    `chunk_bytes`, kept between restores (pinning memory costs ~0.25 s/GiB)."""
+    """Device slots and two streams for chunks of `chunk_bytes`, kept between
+    restores."""
     key = (cp.cuda.Device().id, chunk_bytes)
     if key not in _STAGING:
         _STAGING.clear()
+        size = chunk_bytes + 4096
+        slots = [cp.empty(size, cp.uint8) for _ in range(DEVICE_SLOTS)]
+        _STAGING[key] = (slots, cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True))
+    return _STAGING[key]
+
+
+def _host_buffers(cp, chunk_bytes: int) -> list:
+    """Pinned host buffers for chunks of `chunk_bytes`, kept between restores
+    (pinning memory costs ~0.25 s/GiB); only a restore the host reads for
+    asks for them (one the copy engine reads from the mapping does not)."""
+    key = (cp.cuda.Device().id, chunk_bytes)
+    if key not in _HOSTS:
+        _HOSTS.clear()
         size = chunk_bytes + 4096
         hosts = []
         for _ in range(HOST_BUFFERS):
             mem = cp.cuda.alloc_pinned_memory(size)
             hosts.append((np.frombuffer(mem, np.uint8, size), mem))
-        slots = [cp.empty(size, cp.uint8) for _ in range(DEVICE_SLOTS)]
-        _STAGING[key] = (hosts, slots, cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True))
-    return _STAGING[key]
+        _HOSTS[key] = hosts
+    return _HOSTS[key]
 
 
 def _direct_source(log, registration, st):
@@ -640,16 +653,28 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
                  f"pinned buffers filled by {'preadv' if fd is not None else 'memory copies'}")
     try:
         t1 = time.perf_counter()
-        hosts, slots, copy_stream, stream = _staging(cp, tr.chunk_bytes)
-        st["staging_alloc_s"] = time.perf_counter() - t1  # 0 when the buffers were kept from an earlier restore
+        slots, copy_stream, stream = _staging(cp, tr.chunk_bytes)
+        hosts = _host_buffers(cp, tr.chunk_bytes) if direct is None else []
+        sync = cp.cuda.get_current_stream().synchronize
+        # the allocation's parts, each to its end on the device (a fresh process pays them all)
+        parts = st["alloc_parts"] = {"staging": time.perf_counter() - t1}  # 0 when kept from an earlier restore
+        st["staging_alloc_s"] = parts["staging"]
+        t = time.perf_counter()
         out = [cp.zeros(rp.region.pages * rp.region.page_bytes, cp.uint8) for rp in tr.regions]
+        sync()
+        parts["regions"] = time.perf_counter() - t
         if tr.pages:
+            t = time.perf_counter()
             offs_d, ids_d, crcs_d = tr.page_tables(cp)  # expanded from the runs on the device
             bad_d = cp.zeros(tr.pages, cp.uint8)
+            sync()
+            parts["page_tables"] = time.perf_counter() - t
+            t = time.perf_counter()
             kernels = {rp.region.page_bytes: jit.function("scatter", "scatter_pages",
                                                           {"PAGE_BYTES": rp.region.page_bytes})
                        for rp in tr.regions}
-            cp.cuda.get_current_stream().synchronize()  # the arrays above exist before other streams use them
+            parts["kernels"] = time.perf_counter() - t
+            sync()  # the arrays above exist before other streams use them
             st["alloc_s"] = time.perf_counter() - t1  # staging, zeroed regions, page tables on the device
             try:
                 _pipeline(cp, gpu, tr, direct, fd, arr, hosts, slots, copy_stream, stream, out,
@@ -660,6 +685,7 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
                 st["pin_refused"] = str(exc)
                 st["unregister_s"] = ahead.close()
                 ahead, direct = None, None
+                hosts = _host_buffers(cp, tr.chunk_bytes)
                 fd, arr, owned = _source_of(log)
                 st["via"] = f"pinned buffers filled by {'preadv' if fd is not None else 'memory copies'}"
                 for a in out:

@@ -309,6 +309,8 @@ def phases_of(got: Restored, total_s: float) -> dict:
     if "scatter_s" in st:   # the device pipeline
         out["layout"] = _phase(st.get("layout_s", 0.0))
         out["alloc"] = _phase(st.get("alloc_s", 0.0))
+        if st.get("alloc_parts"):   # staging, regions (zeroed), page_tables, kernels: seconds each
+            out["alloc"]["parts"] = {k: float(v) for k, v in st["alloc_parts"].items()}
         out["transfer_check_scatter"] = _phase(max(0.0, st["scatter_s"] - st.get("alloc_s", 0.0)),
                                                st.get("bytes_copied", nbytes))
         out["verify"] = _phase(st.get("verify_s", 0.0))

@@ -80,3 +80,6 @@ def test_a_device_recovery_from_hugetlb_names_where_all_its_time_went(huge_dir):
     assert all(p["s"] >= 0 for p in ph.values())
     inside = sum(p["s"] for k, p in ph.items() if k not in ("open", "targets"))
     assert abs(inside - (st.plan_ms + st.restore_ms) / 1e3) < 1e-5, (inside, st.plan_ms, st.restore_ms)
+    parts = ph["alloc"]["parts"]   # the allocation's own parts, inside it
+    assert set(parts) == {"staging", "regions", "page_tables", "kernels"}, parts
+    assert sum(parts.values()) <= ph["alloc"]["s"] + 1e-6, (parts, ph["alloc"])
