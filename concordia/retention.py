@@ -192,24 +192,38 @@ class Retention:
 
     # ------------------------------------------------------- the bookkeeping
     def _sync(self) -> None:
-        """Make the per-region slots describe the registered regions.  O(regions),
-        and only after a register: regions are only ever
-        added (register refuses a second region of a name), so their count says
-        whether the slots still hold.  A region's chain survives the rebuild."""
+        """Make the per-region slots describe the registered regions, only after
+        a register: regions are only ever added (register refuses a second
+        region of a name), so their count says whether the slots still hold,
+        and the slots of regions added since are appended (O(new regions));
+        a changed policy rebuilds them all.  A region's chain survives."""
         regions = self.regions
         key = (len(regions), self.policy.base_every_bytes)
         if key == self._key:
             return
-        old = dict(zip(self._names, zip(self._chain.tolist(), self._since.tolist(), self._pin.tolist())))
-        rs = list(regions)
-        self._names = regions.names
-        self._slot = {n: i for i, n in enumerate(self._names)}
-        self._chain = np.array([old.get(n, (0, 0, 0))[0] for n in self._names], np.int64)
-        self._since = np.array([old.get(n, (0, 0, 0))[1] for n in self._names], np.int64)
-        self._pin = np.array([old.get(n, (0, 0, 0))[2] for n in self._names], np.int64)
-        self._bounds = np.array([self.bound(r) for r in rs], np.int64)
-        self._pbytes = np.array([r.page_bytes for r in rs], np.int64)
-        self._image = np.array([record_bytes(r.array.nbytes, r.page_bytes) for r in rs], np.int64)
+        names = regions.names
+        k = len(self._names)
+        if self._key is not None and key[1] == self._key[1] and names[:k] == self._names:
+            # regions registered since (one a call while a model is protected): only theirs are
+            # worked out, so that registering n regions costs O(n), not O(n^2)
+            rs = list(regions)[k:]
+            zeros = np.zeros(len(rs), np.int64)
+            self._chain, self._since, self._pin = (np.concatenate([a, zeros]) for a in
+                                                   (self._chain, self._since, self._pin))
+        else:
+            old = dict(zip(self._names, zip(self._chain.tolist(), self._since.tolist(), self._pin.tolist())))
+            rs, k = list(regions), 0
+            self._chain = np.array([old.get(n, (0, 0, 0))[0] for n in names], np.int64)
+            self._since = np.array([old.get(n, (0, 0, 0))[1] for n in names], np.int64)
+            self._pin = np.array([old.get(n, (0, 0, 0))[2] for n in names], np.int64)
+            self._bounds = self._pbytes = self._image = np.zeros(0, np.int64)
+            self._slot = {}
+        self._names = names
+        self._slot.update((n, i) for i, n in enumerate(names[k:], k))
+        self._bounds = np.concatenate([self._bounds[:k], np.array([self.bound(r) for r in rs], np.int64)])
+        self._pbytes = np.concatenate([self._pbytes[:k], np.array([r.page_bytes for r in rs], np.int64)])
+        self._image = np.concatenate([self._image[:k], np.array([record_bytes(r.array.nbytes, r.page_bytes)
+                                                                  for r in rs], np.int64)])
         self._state = int(self._image.sum())
         self._table = None
         self._key = key
