@@ -16,7 +16,7 @@ import pytest
 
 from concordia import Session
 from concordia.errors import SessionError
-from concordia.wal import Log
+from concordia.wal import Log, compact
 
 from . import live
 
@@ -166,3 +166,38 @@ def test_a_read_only_session_refuses_to_write_and_reads_afresh(tmp_path):
             w.checkpoint()
         assert ro.recover()["r"].tobytes() == np.full_like(want, 5).tobytes()
         assert ro.last_recovery.epoch == 2 and ro.epoch == 2
+
+
+def test_a_read_only_recovery_opens_the_log_again_only_when_its_writer_moved_on(tmp_path):
+    """A recovery right after a read-only open, or after the writer only began
+    an epoch, reads the log as the open did (the log is not walked a second
+    time); a commit, or segments freed by compaction, since the open make it
+    open the log again, and it restores the newest epoch."""
+    path = f"file:{tmp_path / 'log'}"
+    a = np.zeros(64 * 1024, np.uint8)
+    with Session(path, size=16 << 20, segment_size=1 << 20) as w:
+        w.register("a", a, page_bytes=4096)
+        for e in range(1, 41):   # 40 epochs of every page: segments for compaction to free
+            a[::4096] = e
+            w.checkpoint()
+        with Session(path, create=False, readonly=True) as ro:
+            opened = ro.log
+            assert ro.recover()["a"].tobytes() == a.tobytes() and ro.log is opened   # right after the open
+            rid = w.log.regions["a"].id
+            w.log.appender.append_page_batch(41, rid, np.arange(2, dtype=np.uint32),
+                                             np.full((2, 4096), 9, np.uint8))   # an epoch begun, not committed
+            w.log.appender.sync()
+            assert ro.recover()["a"].tobytes() == a.tobytes() and ro.log is opened
+    with Session(path, create=False) as w:   # a writer again: it cuts that tail and commits epoch 41
+        w.register("a", a, page_bytes=4096)
+        with Session(path, create=False, readonly=True) as ro:
+            opened = ro.log
+            a[0] = 41
+            w.checkpoint()
+            got = ro.recover()["a"]
+            assert ro.log is not opened and ro.last_recovery.epoch == 41 and got.tobytes() == a.tobytes()
+            opened = ro.log
+            rep = compact(w.log, keep_bases=1, keep_epochs=0)   # segments freed: the superblock moves on
+            assert rep.segments_freed
+            got = ro.recover()["a"]
+            assert ro.log is not opened and ro.last_recovery.epoch == 41 and got.tobytes() == a.tobytes()
