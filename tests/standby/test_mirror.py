@@ -520,7 +520,8 @@ def test_a_following_standby_decides_the_log_while_its_primary_exits(tmp_path):
     assert _last_committed(path) == tk.epoch + 1
 
 
-def test_an_early_takeover_resumes_while_the_lock_is_held_and_confirms_after(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_an_early_takeover_resumes_while_the_lock_is_held_and_confirms_after(tmp_path, device):
     """A hot standby (early, the default) whose primary's every thread is
     exiting hands the mirror's epoch to the caller while the writer lock is
     still held (here by a child sharing the log's descriptor, as a SIGKILLed
@@ -535,14 +536,15 @@ def test_an_early_takeover_resumes_while_the_lock_is_held_and_confirms_after(tmp
 
     def resume(tk):
         # the child still holds the lock: nothing lets it go before this line
-        seen.append((tk.epoch, tk.pending is not None, tk.arrays["state"].copy()))
+        a = tk.arrays["state"]
+        seen.append((tk.epoch, tk.pending is not None, a.get() if device == "gpu" else a.copy()))
         tk.resumed()
         release.touch()
         return "resumed"
 
     try:
         assert p.stdout.readline().strip().isdigit()
-        sb = Standby(path, follow=True, device="cpu")
+        sb = Standby(path, follow=True, device=device)
         sb.warm()
         for _ in range(20):
             assert p.stdout.readline().strip().isdigit()
@@ -563,7 +565,7 @@ def test_an_early_takeover_resumes_while_the_lock_is_held_and_confirms_after(tmp
         assert st["detected"] <= st["isolated"] <= st["restored"] <= st["resumed"] <= st["locked"] <= st["confirmed"]
         assert "early" in tk.restore_stats and "mirror" in tk.restore_stats
         assert [ph.phase for ph in tk.timeline] == ["detect", "isolate", "restore", "confirm", "reintegrate"]
-        assert tk.epoch == tk.log.last_committed_epoch >= 21
+        assert tk.epoch == tk.log.last_committed_epoch >= 21 and sb.mirror.device == (device == "gpu")
         with tk.session() as s:                 # the log carries on from the mirror's epoch
             s.register("state", tk.arrays["state"])
             tk.arrays["state"][0, 0] = 7
