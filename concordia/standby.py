@@ -837,7 +837,12 @@ class Standby:
         self._follow(watching=False)   # all it wrote: it writes no more
         m, pid = self.mirror, detection["primary_pid"]
         if m is None or not m.epoch:
-            self.backend.lock(wait=CONFIRM_LOCK_S)
+            try:
+                self.backend.lock(wait=CONFIRM_LOCK_S)
+            except LockedError:
+                raise StandbyError(f"the primary (pid {pid}) began exiting and its log is still locked "
+                                   f"{CONFIRM_LOCK_S:g} s later", where=self.backend.where,
+                                   hint="another process may share its descriptor") from None
             return self._take_over(dict(detection, early=False, locked=_now(),
                                         cause=detection["cause"] + ", then its writer lock came free"))
         stamps["isolated"] = _now()

@@ -470,3 +470,29 @@ def test_exit_fence_waits_only_for_a_dying_process():
     assert wait_exited(child_pid, within=0.1) < 0.1
     child.wait()
     assert wait_exited(child_pid, within=0.1) < 0.1   # gone
+
+
+def test_every_thread_of_a_live_process_is_not_exiting_of_a_killed_one_is():
+    """An early takeover starts only when every thread of the primary is
+    exiting: a live process with a second thread is not; SIGKILLed, as a
+    zombie and once reaped, it is."""
+    from concordia.standby import _all_exiting
+
+    code = "import threading, time\nthreading.Thread(target=time.sleep, args=(3600,)).start()\nprint('up', flush=True)\ntime.sleep(3600)\n"
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "up"
+        assert len(os.listdir(f"/proc/{child.pid}/task")) >= 2 and not _all_exiting(child.pid)
+        assert not _all_exiting(os.getpid())
+        child.send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:   # a zombie until reaped
+            with open(f"/proc/{child.pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+            time.sleep(0.01)
+        assert _all_exiting(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    assert _all_exiting(child.pid)   # gone
