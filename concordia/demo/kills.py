@@ -181,6 +181,7 @@ def run_recover(args) -> None:
     cache = StaticCache(config=cfg, max_cache_len=args.max_len)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     sync()
+    loaded = set(sys.modules)
     t0 = time.perf_counter()
     with Session(args.log, create=False, readonly=True) as s:
         ta = time.perf_counter()
@@ -192,7 +193,9 @@ def run_recover(args) -> None:
         phases = s.last_recovery.phases
     # where the time went: the open of the Session and protect(), then the recovery's phases
     _say({"open_s": t1 - t0, "restore_s": t2 - t1, "recovery_s": t2 - t0, "epoch": state.epoch, "steps": state.steps,
-          "session_s": ta - t0, "protect_s": t1 - ta, "phases": phases})
+          "session_s": ta - t0, "protect_s": t1 - ta, "phases": phases,
+          # the packages first imported inside the timed recovery (their import is in it)
+          "imported": sorted({m.partition(".")[0] for m in set(sys.modules) - loaded})})
 
 
 def _spawn(role: str, args: dict):

@@ -522,7 +522,8 @@ def _table(res: dict) -> str:
             for who, got in (("in process", r), ("fresh", r["fresh"])):
                 if got.get("phases"):
                     out.append(f"{'':>8} {who}: session {got['session_s']:.3f} s, protect {got['protect_s']:.3f} s; "
-                               + _phase_line(got["phases"]))
+                               + _phase_line(got["phases"])
+                               + (f"; imported meanwhile: {', '.join(got['imported'])}" if got.get("imported") else ""))
     return "\n".join(out)
 
 
