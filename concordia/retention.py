@@ -4,7 +4,9 @@ A `Session` calls `Retention.after_commit` once after every checkpoint has
 committed.  Under the session's `Policy` it
 
   * starts a base job when a region's delta chain (payload logged since its
-    newest base, or since its first full write) would pass `base_every_bytes`
+    newest base, or since the newest epoch that wrote it whole: an adapter
+    updated at every step is an image at every checkpoint, never due) would
+    pass `base_every_bytes`
     before a base started now is in force (so that the chain a recovery reads
     stays within the bound): a `wal.compaction.Compaction` at the epoch just
     committed, for that region and every region that has no catalogued base
@@ -179,6 +181,7 @@ class Retention:
         self._bounds = np.zeros(0, np.int64)  # bound() of each region
         self._pbytes = np.zeros(0, np.int64)  # page bytes of each region
         self._image = np.zeros(0, np.int64)   # log bytes of a full image of each region
+        self._npages = np.zeros(0, np.int64)  # pages of each region
         self._state = 0                 # state_bytes() of the registered regions
         self._table: tuple | None = None  # (names of a table pass, their slots)
         self._free: tuple = (None, 0)   # (superblock, bytes of its free segments)
@@ -216,7 +219,7 @@ class Retention:
             self._chain = np.array([old.get(n, (0, 0, 0))[0] for n in names], np.int64)
             self._since = np.array([old.get(n, (0, 0, 0))[1] for n in names], np.int64)
             self._pin = np.array([old.get(n, (0, 0, 0))[2] for n in names], np.int64)
-            self._bounds = self._pbytes = self._image = np.zeros(0, np.int64)
+            self._bounds = self._pbytes = self._image = self._npages = np.zeros(0, np.int64)
             self._slot = {}
         self._names = names
         self._slot.update((n, i) for i, n in enumerate(names[k:], k))
@@ -224,6 +227,8 @@ class Retention:
         self._pbytes = np.concatenate([self._pbytes[:k], np.array([r.page_bytes for r in rs], np.int64)])
         self._image = np.concatenate([self._image[:k], np.array([record_bytes(r.array.nbytes, r.page_bytes)
                                                                   for r in rs], np.int64)])
+        self._npages = np.concatenate([self._npages[:k], np.array([-(-r.array.nbytes // r.page_bytes)
+                                                                    for r in rs], np.int64)])
         self._state = int(self._image.sum())
         self._table = None
         self._key = key
@@ -248,16 +253,23 @@ class Retention:
                 same = np.array_equal(slots, np.arange(len(self._names)))
                 t = self._table = (names, None if same else slots, self._pbytes[slots])
             add = np.multiply(n, t[2], dtype=np.int64)
-            if t[1] is None:
-                self._chain += add
-            else:
-                self._chain[t[1]] += add
+            at = np.arange(len(self._names)) if t[1] is None else t[1]
+            self._chain[at] += add
+            # a region the epoch wrote whole (an adapter updated every step): its delta is an
+            # image of it, which bounds the chain as a base does (a recovery reads nothing
+            # before it); without this such a region was due for a base at every checkpoint
+            whole = at[np.asarray(n) >= self._npages[at]]
+            self._chain[whole] = 0
+            self._since[whole] = stats.epoch
         else:
-            slot, chain, pb = self._slot, self._chain, self._pbytes
+            slot, chain, pb, npages = self._slot, self._chain, self._pbytes, self._npages
             for name, k in stats.pages.items():
                 if k:
                     i = slot[name]
                     chain[i] += int(k) * int(pb[i])
+                    if k >= npages[i]:   # written whole: an image of the region (above)
+                        chain[i] = 0
+                        self._since[i] = stats.epoch
         for name in stats.base:  # a first full write bounds the chain as a base does
             self._chain[self._slot[name]] = 0
             self._since[self._slot[name]] = stats.epoch

@@ -236,20 +236,23 @@ def test_the_kept_totals_and_chains_equal_a_recount_from_the_checkpoints(shm_log
     from concordia.retention import record_bytes
 
     rng = np.random.default_rng(7)
+    # "d" is often written whole (its four pages), as an adapter updated every step is
     arrays = {"a": np.zeros((64, 1024), np.uint32), "b": np.zeros((16, 1024), np.uint32),
-              "c": np.zeros((32, 1024), np.uint32)}
+              "c": np.zeros((32, 1024), np.uint32), "d": np.zeros((4, 1024), np.uint32)}
     policy = Policy(keep_epochs=keep, slice_bytes=32 << 10)  # on the small log the log wins over the window
     pages, chains, resets, pb, switches = [], [], [], 4096, 0
     with Session(shm_log, size=size, segment_size=1 * MiB, overwrite=True, policy=policy, staging=staging) as s:
         r = s.retention
         s.register("a", arrays["a"])
         s.register("b", arrays["b"])
+        s.register("d", arrays["d"])
         for e in range(1, 401):
             if e == 60:
                 s.register("c", arrays["c"])  # a region added after bases and switches
             for name, a in arrays.items():
                 if name in s.regions:
-                    for p in rng.choice(a.shape[0], int(rng.integers(0, most)), replace=False):
+                    n = int(rng.integers(0, most)) if name != "d" else int(rng.integers(0, 5))
+                    for p in rng.choice(a.shape[0], min(n, a.shape[0]), replace=False):
                         a[p, e % 1024] = e
             st = s.checkpoint()
             pages.append((st.epoch, dict(st.pages), list(st.base)))
@@ -265,17 +268,22 @@ def test_the_kept_totals_and_chains_equal_a_recount_from_the_checkpoints(shm_log
         if keep > 1000:  # under pressure the log keeps only its newest epochs, whatever the window
             assert s.log.volume.superblock.oldest_epoch > 350, s.log.volume.superblock.oldest_epoch
         open_job = r.job_epoch
-    # the chains counted afresh: pages since the newest reset (a base's epoch or a first full write)
+    # the chains counted afresh: pages since the newest reset (a base's epoch, or an epoch
+    # that wrote the region whole: its first full write, or every page of it since)
     since: dict = {}
+    wholes = 0
     for (epoch, got, base), (_, chain) in zip(pages, chains):
         if open_job is not None and epoch >= open_job:
             break  # that job's regions are not reported yet
         for name, n in got.items():
-            since[name] = 0 if name in base else since.get(name, 0) + n * pb
+            whole = name in base or n == arrays[name].shape[0]
+            wholes += whole and name not in base
+            since[name] = 0 if whole else since.get(name, 0) + n * pb
         for ep, name in resets:
             if ep == epoch:
                 since[name] = 0
         assert chain == since, epoch
+    assert wholes >= 20   # "d" was written whole often, after its first full write
 
 
 def test_the_chain_a_recovery_reads_stays_within_the_bound(shm_log):
@@ -379,3 +387,21 @@ def test_a_retention_step_that_fails_leaves_the_committed_checkpoint_standing(sh
         assert np.array_equal(s.recover()["state"], a)
     with Session(shm_log, create=False) as r:
         assert np.array_equal(r.recover()["state"], a)
+
+
+def test_a_region_written_whole_at_every_checkpoint_is_never_due_for_a_base(shm_log):
+    # An adapter updated at every step is written whole by each checkpoint: that delta is
+    # an image of it, which bounds its chain as a base does.  Its bases then come from the
+    # log's pacing alone (2,000 checkpoints of a 64 KiB region on a 16 MiB log: 20 jobs,
+    # where counting its deltas as a chain started one every fourth checkpoint, 500)
+    a = np.zeros((16, 1024), np.uint32)
+    with Session(shm_log, size=16 * MiB, segment_size=1 * MiB, overwrite=True) as s:
+        s.register("lora", a)
+        for e in range(1, 2001):
+            a[:, e % 1024] = e
+            s.checkpoint()
+            assert s.retention.chain == {"lora": 0}
+        counts = dict(s.retention.counts)
+        assert s.retention.error is None and counts["segments_freed"] > 0, counts
+        assert counts["jobs"] < 100, counts
+        assert np.array_equal(s.recover()["lora"], a)
