@@ -9,8 +9,9 @@ committed.  Under the session's `Policy` it
     pass `base_every_bytes`
     before a base started now is in force (so that the chain a recovery reads
     stays within the bound): a `wal.compaction.Compaction` at the epoch just
-    committed, for that region and every region that has no catalogued base
-    yet, taking the images from host copies made now (a region of at most
+    committed, for the regions due (one with no catalogued base yet gets one
+    when the log needs the space its first write holds: `stale`, below),
+    taking the images from host copies made now (a region of at most
     LIVE_COPY_BYTES; the copy is the state of the committed epoch because
     nothing ran since the commit) or else folding them from the log;
   * writes that job's BASE records, about `slice_bytes` after each
@@ -515,8 +516,11 @@ class Retention:
             return
         app = self.session.log.appender
         self.known.epochs[stats.epoch] = (self._mark, app.last_commit_lsn)
-        self.last_bytes = int(stats.log_bytes)
         if not stats.base:
+            # a checkpoint that wrote regions whole for the first time is no forecast of the
+            # next ones: counted in the reserve (four of it), a session's first checkpoint put
+            # a 4x log under pressure at once and based its whole state again
+            self.last_bytes = int(stats.log_bytes)
             self._note_rate(stats.log_bytes)
         try:
             self._after_commit(stats, moved)
@@ -672,7 +676,10 @@ class Retention:
             over = np.zeros(len(self._names), bool)
         regions = self.regions
         due = [self._names[i] for i in np.flatnonzero(over)]
-        names = regions.names if pressure else sorted(set(due) | (set(regions.names) - self.based))
+        # the due regions alone: a region with no catalogued base yet (its first full write
+        # holds it) gets one when the log needs the space it holds (`stale`), not with the
+        # first region due (a token buffer due at the second step based the whole state then)
+        names = regions.names if pressure else sorted(due)
         names = self._affordable(names)
         if not names:
             if self._affordable(regions.names) != regions.names:
