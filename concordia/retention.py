@@ -516,11 +516,8 @@ class Retention:
             return
         app = self.session.log.appender
         self.known.epochs[stats.epoch] = (self._mark, app.last_commit_lsn)
+        self.last_bytes = int(stats.log_bytes)
         if not stats.base:
-            # a checkpoint that wrote regions whole for the first time is no forecast of the
-            # next ones: counted in the reserve (four of it), a session's first checkpoint put
-            # a 4x log under pressure at once and based its whole state again
-            self.last_bytes = int(stats.log_bytes)
             self._note_rate(stats.log_bytes)
         try:
             self._after_commit(stats, moved)

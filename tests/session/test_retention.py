@@ -406,19 +406,3 @@ def test_a_region_written_whole_at_every_checkpoint_is_never_due_for_a_base(shm_
         assert counts["jobs"] < 100, counts
         assert np.array_equal(s.recover()["lora"], a)
 
-
-def test_a_first_checkpoint_puts_a_roomy_log_under_no_pressure(shm_log):
-    # The first checkpoint writes every region whole; the reserve counts four checkpoints
-    # of the last one's size, which made a log of 8x the state "under pressure" at once,
-    # and retention wrote a base of the whole state inside that checkpoint.  A full first
-    # write is no forecast of the deltas that follow: no base is written for it
-    a = np.zeros((256, 1024), np.uint32)  # 1 MiB
-    with Session(shm_log, size=8 * MiB, segment_size=1 * MiB, overwrite=True) as s:
-        s.register("state", a)
-        s.checkpoint()
-        assert s.retention.free_bytes() > s.retention.reserve() and not dict(s.retention.counts)
-        for e in range(2, 6):
-            a[e, 0] = e
-            s.checkpoint()
-        assert not dict(s.retention.counts) and s.retention.error is None
-        assert np.array_equal(s.recover()["state"], a)
