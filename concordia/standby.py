@@ -29,7 +29,9 @@ to `resume` at once, and the lock (held through a GPU process's teardown, a
 tenth of a second or more), the open and the check that the log decides that
 epoch follow beside the caller (`Takeover.confirm`, before anything is
 written).  Should the log decide otherwise, the decided epoch is restored and
-`resume` called again (`TakeoverRevoked`).
+`resume` called again (`TakeoverRevoked`).  A `resume` that goes on serving
+without checkpointing (no `session()`, no `log`) calls `takeover.confirm()`
+after its first step, so that a revoked takeover stops it there.
 
 Who watches whom rests on the writer lock alone (`Backend.lock`): exactly one
 process holds it.  Two standbys racing for one log both wait on it and the
