@@ -225,13 +225,12 @@ class Heartbeat:
 PF_EXITING = 0x4
 
 
-def _stat(pid: int) -> tuple[str, int] | None:
-    """(state letter, flags) of a process, None when there is no such process."""
+def _stat(pid: int, path: str | None = None) -> tuple[str, int] | None:
+    """(state letter, flags) of a process (or of the task at `path`, a
+    /proc/PID/task/TID/stat), None when there is no such process."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
+        with open(path or f"/proc/{pid}/stat") as f:
             raw = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
     except OSError:
         return None
     rest = raw[raw.rfind(")") + 2:].split()   # the name may hold spaces and parentheses
@@ -256,17 +255,9 @@ def _all_exiting(pid: int) -> bool:
     except OSError:
         return True   # gone
     for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                raw = f.read()
-        except OSError:
-            continue   # that thread is gone
-        rest = raw[raw.rfind(")") + 2:].split()
-        try:
-            if not (rest[0] in "ZX" or int(rest[6]) & PF_EXITING):
-                return False
-        except (IndexError, ValueError):
-            return False
+        st = _stat(pid, f"/proc/{pid}/task/{tid}/stat")
+        if st is not None and not (st[0] in "ZX" or st[1] & PF_EXITING):
+            return False   # (None: that thread is gone)
     return True
 
 
