@@ -168,6 +168,10 @@ def standby(log, device, gpu, lease_s, model, resume, timeout, hold, follow, as_
     its heartbeat stops), take the writer lock, restore the last committed
     epoch and hand it to --resume.  Prints the timeline (detect, isolate,
     restore, reintegrate).  A log no process holds is taken over at once.
+    With --follow the mirror's epoch is handed to --resume as soon as every
+    thread of the primary is exiting; the lock and the open that cuts its
+    tail follow beside it, before anything is written (the timeline's
+    confirm line).
 
     Exit 0 after a takeover; 1 when recovery of the log refuses (damage
     before its last commit); 2 on a usage or I/O error, or --timeout.
