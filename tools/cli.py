@@ -159,9 +159,13 @@ def _hook(text: str | None, what: str):
               help="A hot standby: apply each epoch the primary commits, as it is written, to a mirror of "
                    "the state on the standby's device, and take over from it (the epochs since the last look "
                    "only), with no restore from the log.")
+@click.option("--lock-first", is_flag=True,
+              help="With --follow: hand the state to --resume only once the primary's writer lock is held "
+                   "and the log opened (for a --resume whose first step must not run before), not as soon "
+                   "as every thread of the primary is exiting.")
 @click.option("--json", "as_json", is_flag=True, help="Print the takeover as JSON.")
 @guarded
-def standby(log, device, gpu, lease_s, model, resume, timeout, hold, follow, as_json):
+def standby(log, device, gpu, lease_s, model, resume, timeout, hold, follow, lock_first, as_json):
     """Stand by for the process writing LOG: open and map the log, register it
     with the GPU, compile the kernels, rehearse a restore, load the model; then
     wait for the primary to die (its writer lock comes free, or with --lease
@@ -187,8 +191,10 @@ def standby(log, device, gpu, lease_s, model, resume, timeout, hold, follow, as_
     from concordia.standby import Standby, format_timeline
 
     progress = lambda msg: click.echo(f"standby: {msg}", err=True)  # noqa: E731
+    if lock_first and not follow:
+        raise click.BadParameter("is for a hot standby: pass --follow too", param_hint="--lock-first")
     sb = Standby(log, device=device, gpu=gpu, lease_s=lease_s, load_model=_hook(model, "--model"), progress=progress,
-                 follow=follow)
+                 follow=follow, early=not lock_first)
     resume_fn = _hook(resume, "--resume")
     try:
         tk = sb.run(resume_fn, timeout=timeout)

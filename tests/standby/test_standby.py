@@ -412,9 +412,10 @@ def test_cli_takes_over_a_log_no_one_holds_and_prints_the_timeline(shm_log):
     assert [p["phase"] for p in rep["timeline"]] == ["detect", "isolate", "restore", "reintegrate"]
 
 
-def test_cli_follow_takes_over_from_the_mirror(shm_log):
+@pytest.mark.parametrize("first", [[], ["--lock-first"]], ids=["early", "lock-first"])
+def test_cli_follow_takes_over_from_the_mirror(shm_log, first):
     write(shm_log, EPOCHS).close()
-    r = subprocess.run([*CLI, "standby", shm_log, "--follow", "--device", "cpu", "--json"], capture_output=True,
+    r = subprocess.run([*CLI, "standby", shm_log, "--follow", *first, "--device", "cpu", "--json"], capture_output=True,
                        text=True,
                        env=ENV, cwd=ROOT)
     assert r.returncode == 0, r.stderr
@@ -429,6 +430,7 @@ def test_cli_follow_takes_over_from_the_mirror(shm_log):
     (["memory:"], "memory"),
     (["shm:x", "--resume", "nocolon"], "is not MODULE:FUNCTION"),
     (["shm:x", "--gpu", "1"], "GPU 1 was asked for with device 'cpu'"),
+    (["shm:x", "--lock-first"], "pass --follow too"),
 ])
 def test_cli_bad_input_is_one_line(args, needle):
     r = subprocess.run([*CLI, "standby", *args, "--device", "cpu"], capture_output=True, text=True,
