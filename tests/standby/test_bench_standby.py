@@ -56,6 +56,15 @@ def test_follow_chains_a_warm_and_hot_standbys_each_taking_over_from_the_last(tm
     assert not warm["early"] and warm["kill_to_confirmed_s"] is None
     assert rep["standby"]["early"] == sum(h["early"] for h in hots)
     assert (rep["standby"]["median_to_confirmed_s"] is None) == (rep["standby"]["early"] == 0)
+    # the rows of standby.md's table, made from that JSON (scripts/standby_rows.py)
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "standby_rows.py"
+    rows = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, check=True)
+    lines = rows.stdout.splitlines()
+    assert [ln.split(" | ")[0] for ln in lines[2:5]] == ["| warm", "| hot 1", "| hot 2"] and "median" in lines[-1]
     table = CliRunner().invoke(main, ["bench", "standby", "--quick", "--follow", "--steps-s", "0.2", "--trials", "2"])
     assert "hot standbys in turn" in table.stdout
     # without --json, a line a takeover as it ends (on stderr: the JSON run above said nothing there)
