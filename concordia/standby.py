@@ -261,6 +261,17 @@ def _all_exiting(pid: int) -> bool:
     return True
 
 
+def _lock_after_exit(backend, pid: int) -> None:
+    """Take the writer lock of a primary seen exiting (its teardown holds it
+    a while), or say in one line that it is still held CONFIRM_LOCK_S later."""
+    try:
+        backend.lock(wait=CONFIRM_LOCK_S)
+    except LockedError:
+        raise StandbyError(f"the primary (pid {pid}) began exiting and its log is still locked "
+                           f"{CONFIRM_LOCK_S:g} s later", where=backend.where,
+                           hint="another process may share its descriptor") from None
+
+
 def wait_exited(pid: int, within: float) -> float:
     """Wait while `pid` is exiting (SIGKILLed, its descriptors still closing)
     until it is a zombie or gone; a process that is not exiting (it closed the
@@ -450,12 +461,7 @@ class _Confirmation:
             except ConcordiaError:
                 decided = None   # left for the open to make (and raise)
             self.stamps["decided"] = _now()
-            try:
-                b.lock(wait=CONFIRM_LOCK_S)
-            except LockedError:
-                raise StandbyError(f"the primary (pid {self.pid}) began exiting and its log is still locked "
-                                   f"{CONFIRM_LOCK_S:g} s later", where=b.where,
-                                   hint="another process may share its descriptor") from None
+            _lock_after_exit(b, self.pid)
             self.stamps["locked"] = _now()
             exit_wait = wait_exited(self.pid, within=10.0)
             log = Log.open(b, writable=True, check_pages="last", walked=m.walked, decided=decided)
@@ -830,12 +836,7 @@ class Standby:
         self._follow(watching=False)   # all it wrote: it writes no more
         m, pid = self.mirror, detection["primary_pid"]
         if m is None or not m.epoch:
-            try:
-                self.backend.lock(wait=CONFIRM_LOCK_S)
-            except LockedError:
-                raise StandbyError(f"the primary (pid {pid}) began exiting and its log is still locked "
-                                   f"{CONFIRM_LOCK_S:g} s later", where=self.backend.where,
-                                   hint="another process may share its descriptor") from None
+            _lock_after_exit(self.backend, pid)
             return self._take_over(dict(detection, early=False, locked=_now(),
                                         cause=detection["cause"] + ", then its writer lock came free"))
         stamps["isolated"] = _now()

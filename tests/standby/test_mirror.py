@@ -471,46 +471,45 @@ def _exiting_state(epoch: int) -> np.ndarray:
     return a
 
 
-def test_a_following_standby_decides_the_log_while_its_primary_exits(tmp_path):
-    """A hot standby that sees its primary exiting before the writer lock comes
-    free (a SIGKILLed primary's teardown) and waits for the lock (early=False)
-    makes the takeover's decision of the log meanwhile; with the lock held and
-    nothing new in the log, the open takes that decision: the last committed
-    epoch, exactly, and the log carries on from it."""
+def _through_a_kill(script: str, path: str, flag, *, lines: int = 20, resume=None, while_held=None, **standby):
+    """`script` as the primary on `path` (argv: path, flag: a file it waits for
+    before letting go of the writer lock, which a forked child shares); a
+    following standby (`standby`: Standby's options, device "cpu" unless
+    given) warmed after the primary's first line, `lines` more lines read;
+    `Standby.run(resume)` on a thread; the primary SIGKILLed; then
+    `while_held(standby, runner)` and the flag made (without it, `resume`
+    makes the flag).  Returns (standby, takeover)."""
     from concordia.standby import Standby
 
-    path, release = f"file:{tmp_path / 'log'}", tmp_path / "release"
-    p = subprocess.Popen([sys.executable, "-c", EXITING_PRIMARY, path, str(release)],
+    p = subprocess.Popen([sys.executable, "-c", script, path, str(flag)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    sb, got = None, {}
+    got = {}
     try:
         assert p.stdout.readline().strip().isdigit()
-        sb = Standby(path, follow=True, device="cpu", early=False)
+        sb = Standby(path, follow=True, **{"device": "cpu", **standby})
         sb.warm()
-        for _ in range(20):
+        for _ in range(lines):
             assert p.stdout.readline().strip().isdigit()
-        runner = threading.Thread(target=lambda: got.update(tk=sb.run(timeout=60)))
+        runner = threading.Thread(target=lambda: got.update(tk=sb.run(resume, timeout=60)))
         runner.start()
         p.send_signal(signal.SIGKILL)
         p.wait(timeout=30)
-        deadline = time.monotonic() + 30
-        while sb._decided is None and runner.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert sb._decided is not None, "the standby made no decision while the lock was held"
-        release.touch()   # the lock comes free
+        if while_held is not None:
+            while_held(sb, runner)
+            flag.touch()   # the lock comes free (else `resume` makes the flag)
         runner.join(timeout=60)
     finally:
-        release.touch()
+        flag.touch()
         p.kill()
         p.communicate(timeout=30)
-    tk = got["tk"]
+    return sb, got["tk"]
+
+
+def _carries_on(path: str, sb, tk) -> None:
+    """The log carries on from the takeover's epoch: a checkpoint through
+    `tk.session()` commits the next one; then both are closed."""
     try:
-        assert tk.restore_stats["open"]["decided_before_s"] > 0 and "locked" in tk.stamps
-        assert tk.stamps["detected"] <= tk.stamps["locked"] <= tk.stamps["isolated"]
-        assert "mirror" in tk.restore_stats and "decided meanwhile" in tk.timeline[1].what
-        assert tk.epoch == tk.log.last_committed_epoch >= 21
-        np.testing.assert_array_equal(tk.arrays["state"], _exiting_state(tk.epoch))
-        with tk.session() as s:                 # the log carries on from the decided epoch
+        with tk.session() as s:
             s.register("state", tk.arrays["state"])
             tk.arrays["state"][0, 0] = 7
             assert s.checkpoint().epoch == tk.epoch + 1
@@ -518,6 +517,34 @@ def test_a_following_standby_decides_the_log_while_its_primary_exits(tmp_path):
         tk.close()
         sb.close()
     assert _last_committed(path) == tk.epoch + 1
+
+
+def test_a_following_standby_decides_the_log_while_its_primary_exits(tmp_path):
+    """A hot standby that sees its primary exiting before the writer lock comes
+    free (a SIGKILLed primary's teardown) and waits for the lock (early=False)
+    makes the takeover's decision of the log meanwhile; with the lock held and
+    nothing new in the log, the open takes that decision: the last committed
+    epoch, exactly, and the log carries on from it."""
+    path = f"file:{tmp_path / 'log'}"
+
+    def while_held(sb, runner):
+        deadline = time.monotonic() + 30
+        while sb._decided is None and runner.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert sb._decided is not None, "the standby made no decision while the lock was held"
+
+    sb, tk = _through_a_kill(EXITING_PRIMARY, path, tmp_path / "release", early=False, while_held=while_held)
+    try:
+        assert tk.restore_stats["open"]["decided_before_s"] > 0 and "locked" in tk.stamps
+        assert tk.stamps["detected"] <= tk.stamps["locked"] <= tk.stamps["isolated"]
+        assert "mirror" in tk.restore_stats and "decided meanwhile" in tk.timeline[1].what
+        assert tk.epoch == tk.log.last_committed_epoch >= 21
+        np.testing.assert_array_equal(tk.arrays["state"], _exiting_state(tk.epoch))
+    except BaseException:
+        tk.close()
+        sb.close()
+        raise
+    _carries_on(path, sb, tk)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
@@ -527,12 +554,8 @@ def test_an_early_takeover_resumes_while_the_lock_is_held_and_confirms_after(tmp
     still held (here by a child sharing the log's descriptor, as a SIGKILLed
     primary's teardown holds it); the lock, the open and the log's decision
     follow beside the caller, and the log carries on from that epoch."""
-    from concordia.standby import Standby
-
     path, release = f"file:{tmp_path / 'log'}", tmp_path / "release"
-    p = subprocess.Popen([sys.executable, "-c", EXITING_PRIMARY, path, str(release)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    sb, got, seen = None, {}, []
+    seen = []
 
     def resume(tk):
         # the child still holds the lock: nothing lets it go before this line
@@ -542,22 +565,7 @@ def test_an_early_takeover_resumes_while_the_lock_is_held_and_confirms_after(tmp
         release.touch()
         return "resumed"
 
-    try:
-        assert p.stdout.readline().strip().isdigit()
-        sb = Standby(path, follow=True, device=device)
-        sb.warm()
-        for _ in range(20):
-            assert p.stdout.readline().strip().isdigit()
-        runner = threading.Thread(target=lambda: got.update(tk=sb.run(resume, timeout=60)))
-        runner.start()
-        p.send_signal(signal.SIGKILL)
-        p.wait(timeout=30)
-        runner.join(timeout=60)
-    finally:
-        release.touch()
-        p.kill()
-        p.communicate(timeout=30)
-    tk = got["tk"]
+    sb, tk = _through_a_kill(EXITING_PRIMARY, path, release, device=device, resume=resume)
     try:
         assert [(e, pending) for e, pending, _ in seen] == [(tk.epoch, True)] and tk.result == "resumed"
         np.testing.assert_array_equal(seen[0][2], _exiting_state(tk.epoch))
@@ -566,14 +574,11 @@ def test_an_early_takeover_resumes_while_the_lock_is_held_and_confirms_after(tmp
         assert "early" in tk.restore_stats and "mirror" in tk.restore_stats
         assert [ph.phase for ph in tk.timeline] == ["detect", "isolate", "restore", "confirm", "reintegrate"]
         assert tk.epoch == tk.log.last_committed_epoch >= 21 and sb.mirror.device == (device == "gpu")
-        with tk.session() as s:                 # the log carries on from the mirror's epoch
-            s.register("state", tk.arrays["state"])
-            tk.arrays["state"][0, 0] = 7
-            assert s.checkpoint().epoch == tk.epoch + 1
-    finally:
+    except BaseException:
         tk.close()
         sb.close()
-    assert _last_committed(path) == tk.epoch + 1
+        raise
+    _carries_on(path, sb, tk)
 
 
 REVOKING_PRIMARY = """
@@ -608,32 +613,15 @@ def test_an_early_takeover_the_log_does_not_confirm_is_resumed_again_from_the_de
     The confirmation finds the log decides 6: the takeover is revoked, epoch
     6 is restored from the log and the caller resumes again from it; the log
     carries on from 6."""
-    from concordia.standby import Standby
-
     path, go = f"file:{tmp_path / 'log'}", tmp_path / "go"
-    p = subprocess.Popen([sys.executable, "-c", REVOKING_PRIMARY, path, str(go)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    sb, got, seen = None, {}, []
+    seen = []
 
     def resume(tk):
         seen.append((tk.epoch, tk.arrays["state"].copy()))
         go.touch()   # the child commits epoch 6 now, then lets the lock go
         return len(seen)
 
-    try:
-        assert p.stdout.readline().strip() == "5"
-        sb = Standby(path, follow=True, device="cpu")
-        sb.warm()
-        runner = threading.Thread(target=lambda: got.update(tk=sb.run(resume, timeout=60)))
-        runner.start()
-        p.send_signal(signal.SIGKILL)
-        p.wait(timeout=30)
-        runner.join(timeout=60)
-    finally:
-        go.touch()
-        p.kill()
-        p.communicate(timeout=30)
-    tk = got["tk"]
+    sb, tk = _through_a_kill(REVOKING_PRIMARY, path, go, lines=0, resume=resume)
     try:
         want = {e: np.zeros((16, 1024), np.uint32) for e in (5, 6)}
         for e, a in want.items():
@@ -645,11 +633,8 @@ def test_an_early_takeover_the_log_does_not_confirm_is_resumed_again_from_the_de
         assert tk.epoch == tk.log.last_committed_epoch == 6
         assert "epoch 5" in tk.restore_stats["revoked"] and "epoch 6" in tk.restore_stats["revoked"]
         np.testing.assert_array_equal(tk.arrays["state"], want[6])
-        with tk.session() as s:
-            s.register("state", tk.arrays["state"])
-            tk.arrays["state"][0, 0] = 7
-            assert s.checkpoint().epoch == 7
-    finally:
+    except BaseException:
         tk.close()
         sb.close()
-    assert _last_committed(path) == 7
+        raise
+    _carries_on(path, sb, tk)

@@ -457,18 +457,23 @@ def test_gpu_standby_restores_from_its_registered_mapping(any_log):
             sb.close()
 
 
+def _zombie(pid: int) -> None:
+    """Wait (a minute at most) until `pid`, killed or ended, is a zombie: not yet reaped."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                return
+        time.sleep(0.01)
+
+
 def test_exit_fence_waits_only_for_a_dying_process():
     from concordia.standby import wait_exited
 
     assert wait_exited(os.getpid(), within=0.1) == pytest.approx(0, abs=0.05)   # alive, not exiting
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child_pid = child.pid
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:   # a zombie until reaped
-        with open(f"/proc/{child_pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                break
-        time.sleep(0.01)
+    _zombie(child_pid)
     assert wait_exited(child_pid, within=0.1) < 0.1
     child.wait()
     assert wait_exited(child_pid, within=0.1) < 0.1   # gone
@@ -487,12 +492,7 @@ def test_every_thread_of_a_live_process_is_not_exiting_of_a_killed_one_is():
         assert len(os.listdir(f"/proc/{child.pid}/task")) >= 2 and not _all_exiting(child.pid)
         assert not _all_exiting(os.getpid())
         child.send_signal(signal.SIGKILL)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:   # a zombie until reaped
-            with open(f"/proc/{child.pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    break
-            time.sleep(0.01)
+        _zombie(child.pid)
         assert _all_exiting(child.pid)
     finally:
         child.kill()
