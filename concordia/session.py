@@ -51,7 +51,7 @@ from concordia.restore.run import RecoveryStats
 from concordia.retention import Retention
 from concordia.root_error import ConcordiaError
 from concordia.wal import format as fmt
-from concordia.session_log import moved_on, open_log as _open_log, open_read_only as _open_read_only
+from concordia.session_log import open_log as _open_log, open_read_only as _open_read_only
 from concordia.wal.log import Log
 
 #: how many checkpoints' statistics `Session.checkpoints` keeps (the newest); a
@@ -462,7 +462,7 @@ class Session:
         session's log is its own and always current."""
         self._check_open("refresh")
         self.settle()
-        if not self.log.writable and self._owns_log and moved_on(self.log):
+        if not self.log.writable and self._owns_log and self.log.moved_on():
             old = self.log
             self.log = _open_read_only(self._target)
             old.close()

@@ -22,29 +22,6 @@ def open_read_only(log):
     return Log.open(log, writable=False, check_pages="last", live=True, refuse=False)
 
 
-def moved_on(log) -> bool:
-    """Whether a log opened read-only may hold more than its open read: an
-    epoch its writer committed since (a commit past the open's last one), or
-    a superblock written since (segments added, switched or freed).  A
-    recovery opens afresh only then: a fresh process's recovery, right after
-    its open, walked the log once, not twice."""
-    from concordia.wal import format as F
-    from concordia.wal.errors import WalError
-    from concordia.wal.reader import _REC, Follower, record_kind
-    from concordia.wal.volume import Volume
-
-    try:
-        if Volume.open(log.backend, writable=False).superblock.sequence != log.volume.superblock.sequence:
-            return True
-        last = log.last_commit_record()
-        if last is None:
-            return True   # none to look past: open again
-        items = Follower(log.backend, check_pages=False, after=last).poll()
-    except WalError:
-        return True
-    return any(it[0] == _REC and record_kind(it.header.type) == F.REC_COMMIT for it in items)
-
-
 def open_log(log, *, create, size, segment_size, overwrite, readonly=False):
     """(Log, owned): open the named log, or create it where allowed.  With
     create=False a named log is opened read-only (Session's docstring), and

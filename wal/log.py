@@ -193,7 +193,7 @@ class Log:
         seq = vol.superblock.sequence
 
         def same() -> bool:   # a switch or a new segment writes the superblock
-            return Volume.open(backend, writable=False).superblock.sequence == seq and holds()
+            return _superblock_sequence(backend) == seq and holds()
 
         return Decided(backend, vol, res, walked_to, mode, check_pages, same, time.perf_counter() - t0)
 
@@ -286,6 +286,26 @@ class Log:
             if h.type == F.REC_COMMIT and h.lsn == res.last_commit_lsn:
                 return (res.walk[:i + 1], it) if h.epoch == res.last_committed_epoch else None
         return None
+
+    def moved_on(self) -> bool:
+        """Whether the log may hold more than this open read (a read-only
+        open beside a writer): an epoch committed since (a commit past the
+        last one read), or a superblock written since (segments added,
+        switched or freed).  What the tail holds beyond that (an epoch begun,
+        not committed) is not counted."""
+        from .errors import WalError
+        from .reader import Follower, record_kind
+
+        try:
+            if _superblock_sequence(self.backend) != self.volume.superblock.sequence:
+                return True
+            last = self.last_commit_record()
+            if last is None:
+                return True   # none to look past: read again
+            items = Follower(self.backend, check_pages=False, after=last).poll()
+        except WalError:
+            return True
+        return any(it[0] == _REC and record_kind(it.header.type) == F.REC_COMMIT for it in items)
 
     def last_commit_record(self):
         """The commit record of the last committed epoch as a walk's item
@@ -492,6 +512,12 @@ def _tail_damage(res: ScanResult, vol: Volume, end_lsn: int) -> list:
         if it.tag == _DMG and (it.seg.index, it.offset) not in seen:
             out.append(Dropped(it.seg.index, it.offset, it.length, it.reason, "torn"))
     return out
+
+
+def _superblock_sequence(backend) -> int:
+    """The sequence of the superblock in force now (each switch, segment added
+    or freed writes the next)."""
+    return Volume.open(backend, writable=False).superblock.sequence
 
 
 @dataclasses.dataclass(frozen=True)
