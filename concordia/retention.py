@@ -254,12 +254,15 @@ class Retention:
                 same = np.array_equal(slots, np.arange(len(self._names)))
                 t = self._table = (names, None if same else slots, self._pbytes[slots])
             add = np.multiply(n, t[2], dtype=np.int64)
-            at = np.arange(len(self._names)) if t[1] is None else t[1]
-            self._chain[at] += add
             # a region the epoch wrote whole (an adapter updated every step): its delta is an
             # image of it, which bounds the chain as a base does (a recovery reads nothing
             # before it); without this such a region was due for a base at every checkpoint
-            whole = at[np.asarray(n) >= self._npages[at]]
+            if t[1] is None:
+                self._chain += add
+                whole = np.flatnonzero(np.asarray(n) >= self._npages)
+            else:
+                self._chain[t[1]] += add
+                whole = t[1][np.asarray(n) >= self._npages[t[1]]]
             self._chain[whole] = 0
             self._since[whole] = stats.epoch
         else:
