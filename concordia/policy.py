@@ -28,8 +28,9 @@ class Policy:
     retain: automatic bases and compaction (False: the log only grows, until
     `concordia-wal compact`).  base_every_bytes: delta bytes after which a
     region gets a new base (None: a quarter of the region, so a recovery reads
-    at most 1.25 images of it); an epoch that writes the region whole counts
-    as a base.  keep_epochs / keep_seconds: the window of
+    at most 1.25 images of it, and at least a 64th of a segment, so a small
+    region is not based every few steps); an epoch that writes the region
+    whole counts as a base.  keep_epochs / keep_seconds: the window of
     epochs that stays restorable (None: no window of that kind); when the log
     cannot hold the window, the log wins and the window shrinks (older
     targets are refused, naming the oldest kept epoch).  Each switch stores

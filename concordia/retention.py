@@ -119,6 +119,12 @@ PIN_COPY_BYTES = 4 << 20
 PRESSURE_RECORD_SHARE = 64
 #: weight of the newest checkpoint in the measured rate (`Retention.rate`)
 RATE_WEIGHT = 1 / 8
+#: a region's chain may reach this share of a segment before it is due, however
+#: small the region (`Retention.bound`): a switch frees whole segments, so a
+#: base of a shorter chain frees nothing, and a few pages rewritten at every
+#: step (a decoder's token buffer and mask) would take a job, a catalog and a
+#: superblock write every few steps
+CHAIN_FLOOR_SHARE = 64
 
 
 def _pinned(nbytes: int) -> tuple:
@@ -500,8 +506,14 @@ class Retention:
         return {"kernels": st.k.name, "records": st.records, "error": st.error}
 
     def bound(self, r) -> int:
+        """Delta bytes after which `r` is due a base: the policy's
+        `base_every_bytes`, else a quarter of the region, and at least its
+        page and CHAIN_FLOOR_SHARE of a segment."""
         b = self.policy.base_every_bytes
-        return int(b) if b else max(r.page_bytes, r.array.nbytes // 4)
+        if b:
+            return int(b)
+        floor = int(self.session.log.volume.segment_bytes) // CHAIN_FLOOR_SHARE
+        return max(r.page_bytes, r.array.nbytes // 4, floor)
 
     # ---------------------------------------------------------------- the hook
     def after_commit(self, stats, moved: bool = False) -> None:

@@ -406,3 +406,45 @@ def test_a_region_written_whole_at_every_checkpoint_is_never_due_for_a_base(shm_
         assert counts["jobs"] < 100, counts
         assert np.array_equal(s.recover()["lora"], a)
 
+
+
+def test_a_small_region_rewritten_a_little_at_every_step_is_based_only_once_its_chain_passes_the_floor(shm_log):
+    # A decoder's token buffer: [batch, tokens] of int64, one column written a step, so
+    # a page per row each step (8 of its 16 pages).  A quarter of it is four pages, which
+    # every step's chain passed: it took a job (its copies, a slice, a catalog and a
+    # superblock write) every few steps.  Its bound is now at least CHAIN_FLOOR_SHARE of a segment
+    # (a switch frees whole segments), so its jobs come once per floor's worth of chain.
+    from concordia.retention import CHAIN_FLOOR_SHARE
+
+    seg = 16 * MiB
+    tokens = np.zeros((8, 1024), np.int64)             # 64 KiB, a row two pages
+    kv = np.zeros((64, 8, 4096), np.uint8)             # 2 MiB, unchanged while the tokens grow
+    steps = 96
+    with Session(shm_log, size=8 * seg, segment_size=seg, overwrite=True) as s:
+        s.register("kv", kv)
+        s.register("tokens", tokens)
+        floor = seg // CHAIN_FLOOR_SHARE
+        assert s.retention.bound(s.regions["tokens"]) == floor          # 256 KiB, not a quarter of 64 KiB
+        assert s.retention.bound(s.regions["kv"]) == max(floor, kv.nbytes // 4)
+        s.checkpoint()
+        jobs = []
+        start = s.retention._start
+
+        def count(epoch, names, live, pressure):
+            jobs.append(("tokens" in names, epoch))
+            return start(epoch, names, live, pressure)
+        s.retention._start = count
+        for t in range(steps):
+            tokens[:, t] = t + 1
+            assert not s.checkpoint().coalesced
+        # 32 KiB of chain a step against a 256 KiB floor: a job every eight steps at the
+        # most (each restarts the chain); a quarter of the region made one every fourth
+        # step (24 in 96 steps), as fast as each job's four hooks allowed
+        took = [e for with_tokens, e in jobs if with_tokens]
+        assert 1 <= len(took) <= -(-steps * 8 * 4096 // floor) == 12, jobs
+        assert s.retention.error is None
+        got = s.recover()
+        assert np.array_equal(got["tokens"], tokens) and np.array_equal(got["kv"], kv)
+    with Session(shm_log, size=8 * seg, segment_size=seg, overwrite=True, policy=Policy(base_every_bytes=4096)) as s:
+        s.register("tokens", tokens)
+        assert s.retention.bound(s.regions["tokens"]) == 4096           # the policy's bound, as set
