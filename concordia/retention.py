@@ -62,7 +62,9 @@ and each pushes retention as pressure does: the job under way is written and
 switched at once keeping the newest epoch; with none, once for each committed
 epoch, a switch keeping only it and a base of every region at it, folded
 from the log (the arrays have moved on since the commit, so no host copy is
-its state), switched at once.  A checkpoint that may coalesce leaves the room
+its state), switched at once; a coalesced checkpoint after that, with nothing
+left to free, issues a second LogPressureWarning naming the log size such
+checkpoints need (`exhausted`).  A checkpoint that may coalesce leaves the room
 that base needs, counting what the switch before it frees (`room`), so the
 log never fills past the point where retention can free it.  (A base at an
 epoch keeps that epoch's records too: a log of less than about four images
@@ -169,6 +171,9 @@ class Retention:
         self.coalescing = 0        # checkpoints coalesced since the last one that committed
         self.short = False         # the last hook found the log short (module doc)
         self._pushed = 0           # the epoch coalesced checkpoints last freed space for
+        #: coalesced checkpoints found nothing more to free: every region is based at
+        #: the newest committed epoch and only it is kept (until the next commit)
+        self.exhausted = False
         self.error: str | None = None  # the last failure (the job is dropped and retried later)
         from concordia.wal.compaction import Known
 
@@ -487,12 +492,13 @@ class Retention:
     def pacing(self) -> dict:
         """What the pacing sees now: the measured rate and peak (record bytes per
         checkpoint), the free bytes, `need` of a base of the whole state at the
-        policy's slice, the headroom, whether the log is short, and the
-        checkpoints coalesced since the last commit."""
+        policy's slice, the headroom, whether the log is short, the
+        checkpoints coalesced since the last commit, and whether those found
+        nothing more to free (`exhausted`)."""
         self._sync()
         return {"rate": int(self.rate), "peak": int(self.peak), "free": self.free_bytes(),
                 "need": self.need(self._state, self._slice(self.rate)), "headroom": self.headroom(),
-                "short": self.short, "coalescing": self.coalescing}
+                "short": self.short, "coalescing": self.coalescing, "exhausted": self.exhausted}
 
     @property
     def base_staging(self) -> dict | None:
@@ -527,6 +533,7 @@ class Retention:
             self._after_coalesced(stats)
             return
         self.coalescing = 0  # a run of coalesced checkpoints ends with a commit
+        self.exhausted = False
         if not self.policy.retain:
             return
         app = self.session.log.appender
@@ -636,10 +643,29 @@ class Retention:
                 self._pushed = latest
                 self._switch(latest, True)
                 self._fold(latest)
+            elif latest and not self.exhausted:
+                self._exhausted(latest)
         except Exception as exc:  # as in `_after_commit`
             self._failed(exc)
         finally:
             self._mark = app.write_lsn
+
+    def _exhausted(self, latest: int) -> None:
+        """Coalesced checkpoints found the log as free as retention can make
+        it (every region based at the newest committed epoch, only it kept):
+        say so once, with the size a log needs for checkpoints that rewrite
+        the state, since they coalesce until their pages fit beside a base."""
+        self.exhausted = True
+        self.counts["exhausted"] += 1
+        seg = int(self.session.log.volume.segment_bytes)
+        cap = self.capacity()
+        warnings.warn(LogPressureWarning(
+            f"retention has freed all it can (every region based at epoch {latest}, the only epoch kept; "
+            f"{_mib(cap - self.free_bytes())} of {_mib(cap)} in use): checkpoints coalesce until their pages fit "
+            "beside a base of the state",
+            where=str(self.session.log.backend.where),
+            hint=f"a log of at least {_mib(3 * self._state + 2 * seg)} for checkpoints that rewrite the whole "
+                 "state: three images of it and two segments"), stacklevel=4)
 
     def _fold(self, epoch: int) -> None:
         """A base of every region at committed `epoch` (those based there

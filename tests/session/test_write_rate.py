@@ -176,10 +176,12 @@ def test_a_checkpoint_the_log_cannot_take_coalesces_and_the_next_one_carries_its
 
 def test_coalesced_checkpoints_warn_once_per_run_and_move_no_detector(shm_log):
     # A log of three states that writes of the whole state overwhelm: every
-    # checkpoint of the burst coalesces, one warning for the run.  No detector
-    # moved meanwhile: once the arrays hold the committed bytes again the next
-    # checkpoint finds no page, commits, and ends the run; the next burst
-    # warns again.
+    # checkpoint of the burst coalesces, one warning for the run, and one more
+    # once retention has nothing left to free (every region based at the
+    # newest epoch, only it kept), naming the log such bursts need.  No
+    # detector moved meanwhile: once the arrays hold the committed bytes again
+    # the next checkpoint finds no page, commits, and ends the run; the next
+    # burst warns again.
     kv = np.zeros((512, 4096), np.uint8)  # 2 MiB
     other = np.zeros(64 << 10, np.uint8)
     with Session(shm_log, size=8 * SEGMENT, segment_size=SEGMENT, overwrite=True) as s:
@@ -201,13 +203,18 @@ def test_coalesced_checkpoints_warn_once_per_run_and_move_no_detector(shm_log):
                 if not got[-1]:  # a burst step that fitted is the newest commit
                     committed = {"kv": kv.copy(), "other": other.copy()}
         assert got[-4:] == [True] * 4 and s.retention.coalescing == got.count(True) >= 4, got
-        assert len(caught) == 1 and caught[0].category is LogPressureWarning
+        assert [w.category for w in caught] == [LogPressureWarning] * 2
+        one_line(caught[0].message, "coalesced", "bytes free")
+        need = 3 * record_bytes(kv.nbytes, 4096) + 3 * record_bytes(other.nbytes, 4096) + 2 * SEGMENT
+        one_line(caught[1].message, "freed all it can", f"based at epoch {s.epoch}",
+                 f"a log of at least {-(-need // MiB)} MiB", "three images")
+        assert s.retention.exhausted and s.retention.pacing["exhausted"] and s.retention.counts["exhausted"] == 1
         assert _same(_recover_fresh(shm_log), committed) and s.epoch == epoch + got.count(False)
         kv[:] = committed["kv"]
         other[:] = committed["other"]
         st = s.checkpoint(on_full="coalesce")
         assert not st.coalesced and st.pages == {"kv": 0, "other": 0}, st
-        assert s.retention.coalescing == 0
+        assert s.retention.coalescing == 0 and not s.retention.exhausted
         kv[:] = 7
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
