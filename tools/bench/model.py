@@ -504,8 +504,10 @@ def _table(res: dict) -> str:
         lr = res["longrun"]
         r1 = lr.get("recovery_s_at_1000")
         r2 = lr.get("recovery_s_at_end")
+        exhausted = (lr.get("retention") or {}).get("pacing", {}).get("exhausted")
+        full = f"{lr['log_full']} ({lr['coalesced']} coalesced{', retention had nothing left to free' if exhausted else ''})"
         out.append(f"longrun: {lr['steps']} steps, a checkpoint at each, log {lr['log_to_state']:.2f}x the state, "
-                   f"log full: {lr['log_full']}, recovery at 1,000 "
+                   f"log full: {full}, recovery at 1,000 "
                    f"{'-' if r1 is None else f'{r1:.3f} s'}, at the end {'-' if r2 is None else f'{r2:.3f} s'}")
     if res.get("recovery"):
         out.append(f"{'context':>8} {'KV GB':>7} {'recover s':>10} {'fresh s':>8} {'re-prefill s':>13} "
