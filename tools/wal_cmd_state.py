@@ -137,7 +137,7 @@ def snapshot_rows(vol, h=None) -> list:
         out.append({"region": r.name if r else f"#{b.region_id}", "region_id": b.region_id,
                     "epoch": b.epoch, "records": b.records, "pages": b.pages,
                     "bytes": b.pages * (r.page_bytes if r else 0), "first_lsn": b.first_lsn,
-                    "last_lsn": b.last_lsn, "digest": b.digest})
+                    "last_lsn": b.last_lsn, "digest": b.digest, "image": b.image})
     return out
 
 
@@ -177,9 +177,9 @@ def snapshot_list(log, as_json):
         click.echo("no base snapshots (every region is restored from its deltas)")
     else:
         click.echo("\n".join(R.table(
-            [[s["region"], s["epoch"], s["records"], s["pages"], R.size(s["bytes"]),
+            [[s["region"], s["epoch"], "image" if s["image"] else "base", s["records"], s["pages"], R.size(s["bytes"]),
               f"0x{s['first_lsn']:x}..0x{s['last_lsn']:x}", f"0x{s['digest']:08x}"] for s in rows],
-            ["region", "epoch", "records", "pages", "bytes", "lsn", "digest"], indent="")))
+            ["region", "epoch", "kind", "records", "pages", "bytes", "lsn", "digest"], indent="")))
     if why is not None and not as_json:
         click.echo(f"error: {why}", err=True)
     sys.exit(out.exit_code)

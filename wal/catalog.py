@@ -7,11 +7,14 @@ LSN of the catalog it replaces, `epoch` = newest base epoch listed)::
 
     head   <QIIQQ   sequence, entries, keep_bases, floor_epoch, reserved(0)   32 bytes
     entry  <IIQQQQII region_id, records, epoch, first_lsn, last_lsn, pages,
-                    digest, reserved(0)                                      48 bytes each
+                    digest, flags                                            48 bytes each
 
 A base of region R at epoch E is the set of BASE page batches of R with epoch
 E and LSN in [first_lsn, last_lsn]; there must be `records` of them, together
-covering every page of the region once; `digest` is the region digest.
+covering every page of the region once; `digest` is the region digest.  An
+image entry (flags bit 0, IMAGE) names instead the page batches without BASE
+that committed epoch E wrote of R, which together cover every page of it: an
+epoch that wrote the region whole is its base, and nothing is written twice.
 `floor_epoch` is the oldest epoch retention still restores (0 = every epoch);
 `keep_bases` the retention policy that produced the catalog (0 = keep all).
 """
@@ -30,6 +33,9 @@ CATALOG_HEAD_SIZE = 32
 CATALOG_ENTRY = struct.Struct("<IIQQQQII")
 CATALOG_ENTRY_SIZE = 48
 MAX_CATALOG_ENTRIES = 1 << 20
+#: entry flag bit 0: an image entry (the base is epoch E's own page batches)
+ENTRY_IMAGE = 0x1
+KNOWN_ENTRY_FLAGS = ENTRY_IMAGE
 
 assert CATALOG_HEAD.size == CATALOG_HEAD_SIZE and CATALOG_ENTRY.size == CATALOG_ENTRY_SIZE
 
@@ -37,7 +43,9 @@ assert CATALOG_HEAD.size == CATALOG_HEAD_SIZE and CATALOG_ENTRY.size == CATALOG_
 @dataclass(frozen=True)
 class BaseEntry:
     """A catalog entry: the base snapshot of one region at one epoch, made of the
-    BASE page batches of that region and epoch with LSN in [first_lsn, last_lsn]."""
+    BASE page batches of that region and epoch with LSN in [first_lsn, last_lsn]
+    (or, for an image entry, of the committed page batches without BASE that
+    the epoch wrote of the region, covering it whole)."""
 
     region_id: int
     epoch: int
@@ -46,6 +54,12 @@ class BaseEntry:
     records: int
     pages: int
     digest: int
+    flags: int = 0
+
+    @property
+    def image(self) -> bool:
+        """The base is the epoch's own page batches (ENTRY_IMAGE), not BASE ones."""
+        return bool(self.flags & ENTRY_IMAGE)
 
 
 @dataclass(frozen=True)
@@ -73,7 +87,7 @@ def encode_catalog_body(cat: Catalog) -> bytes:
         raise WalError(f"a catalog lists at most {MAX_CATALOG_ENTRIES} bases")
     return CATALOG_HEAD.pack(cat.sequence, len(entries), cat.keep_bases, cat.floor_epoch, 0) + b"".join(
         CATALOG_ENTRY.pack(e.region_id, e.records, e.epoch, e.first_lsn, e.last_lsn, e.pages,
-                           e.digest & 0xFFFFFFFF, 0)
+                           e.digest & 0xFFFFFFFF, e.flags)
         for e in entries
     )
 
@@ -91,8 +105,8 @@ def decode_catalog_body(body, *, lsn: int = 0) -> Catalog:
         raise CorruptionError(f"catalog lists {n} bases in a {len(body)}-byte body")
     entries = []
     for i in range(n):
-        rid, recs, ep, lo, hi, pages, dig, r = CATALOG_ENTRY.unpack_from(body, CATALOG_HEAD_SIZE + i * CATALOG_ENTRY_SIZE)
-        if r or lo > hi or recs == 0:
-            raise CorruptionError(f"catalog entry {i} is malformed (lsn {lo}..{hi}, {recs} records)")
-        entries.append(BaseEntry(rid, ep, lo, hi, recs, pages, dig))
+        rid, recs, ep, lo, hi, pages, dig, fl = CATALOG_ENTRY.unpack_from(body, CATALOG_HEAD_SIZE + i * CATALOG_ENTRY_SIZE)
+        if fl & ~KNOWN_ENTRY_FLAGS or lo > hi or recs == 0:
+            raise CorruptionError(f"catalog entry {i} is malformed (lsn {lo}..{hi}, {recs} records, flags 0x{fl:x})")
+        entries.append(BaseEntry(rid, ep, lo, hi, recs, pages, dig, fl))
     return Catalog(sequence=seq, entries=tuple(entries), keep_bases=keep, floor_epoch=floor, lsn=lsn)

@@ -86,11 +86,13 @@ class CompactReport:
     free_bytes: int = 0    # what the log can still append afterwards (`Space.bytes`)
     reserve_bytes: int = 0  # what a compaction leaves free at the least (`reserve_bytes`)
     scanned: bool = False  # the switch read the log (no `Known` covered it); not reported
+    #: regions listed with an image entry (a session's retention; `concordia-wal compact` folds): not reported
+    imaged: list = field(default_factory=list)
 
     def to_json(self) -> dict:
         """The report as `concordia-wal compact --json` prints it (docs/cli.md)."""
         out = dict(self.__dict__)
-        del out["scanned"]
+        del out["scanned"], out["imaged"]
         return out
 
 
@@ -557,8 +559,11 @@ class Compaction:
 
     def __init__(self, log, epoch: int | None = None, *, regions=None, live: dict | None = None,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, progress: Callable[[int, int], None] | None = None,
-                 digests: dict | None = None, stage: dict | None = None):
+                 digests: dict | None = None, stage: dict | None = None, images: dict | None = None):
         self.t0 = time.perf_counter()
+        #: {region name: image entry} listed as those regions' bases with the new ones
+        #: (`snapshot.image_entry`: an epoch that wrote the region whole); nothing is written for them
+        self.images = dict(images or {})
         self.log = log
         self.seconds = 0.0
         live = dict(live or {})
@@ -704,7 +709,8 @@ class Compaction:
             keep = Keep(int(keep_bases or 0), int(keep_epochs or 0))
         keep_bases, keep_epochs = keep.bases, keep.epochs
         rep.keep_bases, rep.keep_epochs = keep_bases, keep_epochs
-        new = self.new
+        new = self.new + list(self.images.values())
+        rep.imaged = list(self.images)
         replaced = {(e.region_id, e.epoch) for e in new}
         entries = [e for e in prev.entries if (e.region_id, e.epoch) not in replaced] + new
         ids = [r.id for r in log.regions.values()]
@@ -741,6 +747,8 @@ class Compaction:
             return False  # nothing changes: write nothing
 
         cat = Catalog(prev.sequence + 1, tuple(kept), keep_bases, floor)
+        if any(e.image for e in kept):  # FORMAT.md §2.3: the feature bit, durably, before the catalog needs it
+            log.volume.enable_incompat(F.FEATURE_IMAGE_BASES)
         if h is not None:
             lowest = min(h.region_lsns.values(), default=None)
             rewrite = lowest is not None and low is not None and lowest < low

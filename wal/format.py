@@ -47,9 +47,12 @@ MINOR_VERSION = 0  # `minor`; any minor of the major is read (FORMAT.md §3.1)
 #: incompat feature bit 0: region descriptors may name a logical dtype and
 #: the framework of the region (FORMAT.md §2.3, §7)
 FEATURE_LOGICAL_DTYPE = 0x1
+#: incompat feature bit 1: the snapshot catalog may list an epoch's own page
+#: batches as a region's base (an image entry, FORMAT.md §2.3, §12.2)
+FEATURE_IMAGE_BASES = 0x2
 #: feature bits this code understands (FORMAT.md §2.3)
 KNOWN_COMPAT = 0
-KNOWN_INCOMPAT = FEATURE_LOGICAL_DTYPE
+KNOWN_INCOMPAT = FEATURE_LOGICAL_DTYPE | FEATURE_IMAGE_BASES
 KNOWN_RO_COMPAT = 0
 
 VOLUME_MAGIC = b"CNCRDVOL"  # FORMAT.md §3.1

@@ -382,7 +382,11 @@ class _Index:
         self.bases = {}  # region_id -> [(BaseEntry, [ScannedBatch])] newest first
         self.damage_of_base = {}
         for e in h.bases:
-            recs = [b for b in by_key.get((e.region_id, e.epoch), ()) if e.first_lsn <= b.lsn <= e.last_lsn]
+            if e.image:  # the epoch's own committed batches of the region (FORMAT.md §12.2)
+                recs = [b for b in self.deltas.get(e.region_id, ())
+                        if b.epoch == e.epoch and e.first_lsn <= b.lsn <= e.last_lsn]
+            else:
+                recs = [b for b in by_key.get((e.region_id, e.epoch), ()) if e.first_lsn <= b.lsn <= e.last_lsn]
             self.bases.setdefault(e.region_id, []).append((e, recs))
         for lst in self.bases.values():
             lst.sort(key=lambda x: -x[0].epoch)
@@ -415,15 +419,24 @@ class _Index:
 
     def base_usable(self, entry: BaseEntry, recs: list) -> Damage | None:
         """None when the base is whole; else the damage that breaks it."""
+        image = entry.image
         for d, ep, rid, _ in self.bad:
-            if ep == entry.epoch and (rid is None or rid == entry.region_id) and (d.base or rid is None):
+            # a BASE base is broken by damage to BASE records; an image by damage to the epoch's own
+            if ep == entry.epoch and (rid is None or rid == entry.region_id) and (d.base != image or rid is None):
                 if d.lsn is None or entry.first_lsn <= d.lsn <= entry.last_lsn:
                     return d
         if len(recs) != entry.records:
             return Damage(
                 segment=-1, offset=-1, lsn=entry.first_lsn,
-                reason=f"base of region {entry.region_id} at epoch {entry.epoch} lists "
+                reason=f"{'image ' if image else ''}base of region {entry.region_id} at epoch {entry.epoch} lists "
                 f"{entry.records} records, {len(recs)} readable",
+                epoch=entry.epoch, region_id=entry.region_id,
+            )
+        if image and not _covers(recs, entry.pages, self.h.regions.get(entry.region_id)):
+            return Damage(
+                segment=-1, offset=-1, lsn=entry.first_lsn,
+                reason=f"image base of region {entry.region_id} at epoch {entry.epoch}: its records do not "
+                f"cover every page of the region",
                 epoch=entry.epoch, region_id=entry.region_id,
             )
         return None
@@ -461,6 +474,21 @@ class _Index:
             if start < ep <= target and (drid is None or drid == rid) and not d.tail and not is_base:
                 return base, base_recs, deltas, d
         return base, base_recs, deltas, None
+
+
+def _covers(recs: list, pages: int, region) -> bool:
+    """Whether the page batches `recs` together hold every page of a region of
+    `pages` pages (an image entry's rule, FORMAT.md §12.2 V-K2), and the
+    region's descriptor, when known, says as many."""
+    if region is not None and int(region.pages) != int(pages):
+        return False
+    seen = np.zeros(int(pages), bool)
+    for b in recs:
+        ids = np.asarray(b.page_ids, np.int64)
+        if ids.size and int(ids[-1]) >= pages:
+            return False
+        seen[ids] = True
+    return bool(seen.all())
 
 
 _RANGES: list = []   # the read-only int64 ranges `ascending` has handed out views of, largest last

@@ -25,6 +25,7 @@ from concordia.wal.catalog import (  # noqa: F401  (the catalog's names, for the
     CATALOG_HEAD,
     CATALOG_HEAD_SIZE,
     EMPTY_CATALOG,
+    ENTRY_IMAGE,
     MAX_CATALOG_ENTRIES,
     BaseEntry,
     Catalog,
@@ -187,6 +188,49 @@ def record_at(log, lsn: int):
     raise CorruptionError(f"lsn {lsn} lies in no live segment")
 
 
+def image_entries(log, pages: dict, epoch: int, first_lsn: int, commit_lsn: int, digests: dict) -> dict:
+    """{region id: image entry} (FORMAT.md §12.2, ENTRY_IMAGE) at committed
+    `epoch` of the regions of `pages` ({region id: its pages}) that the epoch
+    wrote whole, from one walk of the record headers in [`first_lsn`, its
+    commit at `commit_lsn`) (no payload read).  `first_lsn` is a lower bound
+    of the epoch's records (where the writer stood when the epoch began);
+    `digests`: the commit's digests.  A region whose batches there do not
+    hold each of its pages once, or whose digest the commit does not state,
+    has none.  Damage on the way raises (CorruptionError)."""
+    from concordia.wal import format as F
+
+    vol = getattr(log, "volume", log)
+    view = vol.backend.view
+    seen: dict = {}   # region id -> [records, pages, last lsn]
+    for seg in vol.live_segments():
+        if seg.end_lsn <= first_lsn or seg.base_lsn >= commit_lsn:
+            continue
+        lsn = max(int(first_lsn), seg.base_lsn + F.SEGMENT_HEADER_SIZE)
+        while lsn < min(commit_lsn, seg.end_lsn - F.RECORD_HEADER_SIZE + 1):
+            off = seg.offset + (lsn - seg.base_lsn)
+            if not int.from_bytes(view[off:off + 8], "little"):
+                break  # a zero length word: the end of this segment's records (a roll over)
+            h = F.decode_record_header(view, off, where=f"segment {seg.index} @ {off:#x}")  # damage raises
+            if h.lsn != lsn or h.salt != seg.salt:
+                break  # stale bytes past the end (FORMAT.md §5.5)
+            if (h.type == F.REC_PAGE_BATCH and h.region_id in pages and h.epoch == epoch
+                    and not h.flags & F.FLAG_BASE):
+                got = seen.setdefault(h.region_id, [0, 0, 0])
+                got[0] += 1
+                got[1] += int(h.count)
+                got[2] = lsn
+            lsn += int(h.length)
+    return {rid: BaseEntry(rid, int(epoch), int(first_lsn), last, n, int(pages[rid]),
+                           int(digests[rid]) & 0xFFFFFFFF, ENTRY_IMAGE)
+            for rid, (n, k, last) in seen.items() if k == int(pages[rid]) and rid in digests}
+
+
+def image_entry(log, region_id: int, pages: int, epoch: int, first_lsn: int, commit_lsn: int,
+                digest: int) -> BaseEntry | None:
+    """The image entry of one region (`image_entries`), or None."""
+    return image_entries(log, {region_id: pages}, epoch, first_lsn, commit_lsn, {region_id: digest}).get(region_id)
+
+
 def current_catalog(log) -> Catalog:
     """The catalog the superblock of `log` (a Log or its Volume) points at
     (EMPTY_CATALOG when none)."""
@@ -298,6 +342,7 @@ class SnapshotInfo:
     first_lsn: int
     last_lsn: int
     digest: int
+    image: bool = False  # the epoch's own page batches, not BASE ones (FORMAT.md §12.2)
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -312,12 +357,12 @@ def list_snapshots(log) -> list:
         r = names.get(e.region_id)
         out.append(SnapshotInfo(r.name if r else f"#{e.region_id}", e.region_id, e.epoch, e.records,
                                 e.pages, e.pages * (r.page_bytes if r else 0), e.first_lsn, e.last_lsn,
-                                e.digest))
+                                e.digest, e.image))
     return out
 
 
 __all__ = [
     "Catalog", "EMPTY_CATALOG", "encode_catalog_body", "decode_catalog_body", "current_catalog",
     "write_catalog", "write_base_records", "write_base_slices", "create_base_snapshot", "list_snapshots", "SnapshotInfo",
-    "base_batch_pages", "base_record_lengths",
+    "base_batch_pages", "base_record_lengths", "image_entry", "image_entries",
 ]

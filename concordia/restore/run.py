@@ -185,7 +185,8 @@ def _restore(log, plan, plan_s, pages, *, regions, device, into, registration, r
     kept = [n for n in want if n in plan.regions and plan.regions[n].absent] if absent == "keep" else []
     check_present(plan, [n for n in want if n not in kept], where=str(log.backend.where))  # before any write
     want = [n for n in want if n not in kept]
-    wait = _deferred(plan, pages, want, st) if pages is not None else (lambda: None)
+    # a region the plan gave up (skip_corrupt, damage the log's open met) has no sources to check
+    wait = _deferred(plan, pages, [n for n in want if n in plan.regions], st) if pages is not None else (lambda: None)
     dev = {n: v for n, (v, xp) in into.items() if xp is not np and n in want}
     host = {n: v for n, (v, xp) in into.items() if xp is np and n in want}
     rest = [n for n in want if n not in dev and n not in host]

@@ -335,10 +335,11 @@ def test_versions_and_feature_masks():
         rows = {r[2]: r[3] for r in _table(name)}
         assert int(rows["major"].split(";")[0]) == F.MAJOR_VERSION
         assert int(rows["minor"].split(";")[0]) == F.MINOR_VERSION
-    assert "Version 1.0 defines one bit" in SECTIONS["2.3"][1]
+    assert "Version 1.0 defines two bits" in SECTIONS["2.3"][1]
     assert F.KNOWN_COMPAT == F.KNOWN_RO_COMPAT == 0
-    assert F.KNOWN_INCOMPAT == F.FEATURE_LOGICAL_DTYPE == 0x1
+    assert F.KNOWN_INCOMPAT == F.FEATURE_LOGICAL_DTYPE | F.FEATURE_IMAGE_BASES == 0x3
     assert "| incompat | 0 (0x1) | LOGICAL_DTYPE |" in SECTIONS["2.3"][1]
+    assert "| incompat | 1 (0x2) | IMAGE_BASES |" in SECTIONS["2.3"][1]
     assert SPEC.startswith(f"# Concordia volume format, version {F.MAJOR_VERSION}.{F.MINOR_VERSION}\n")
 
 
@@ -581,7 +582,7 @@ SUPERBLOCK_CASES = [
     ("V-B2", lambda: _fix_sb_crc(_poke(_slot(), 72, "<Q", 8192)), CorruptionError, "slot size"),
     ("V-B3", lambda: _poke(_slot(), 104, "<Q", 7), CorruptionError, "CRC mismatch"),
     ("V-B4", lambda: _fix_sb_crc(_poke(_slot(), 8, "<I", 2)), FormatVersionError, "major version 2"),
-    ("V-B4", lambda: _fix_sb_crc(_poke(_slot(), 24, "<Q", 2)), FormatVersionError, "incompatible"),
+    ("V-B4", lambda: _fix_sb_crc(_poke(_slot(), 24, "<Q", 4)), FormatVersionError, "incompatible"),
     ("V-B5", lambda: _fix_sb_crc(_poke(_slot(), 200, "<B", 1)), CorruptionError, "reserved"),
     ("V-B6", lambda: _fix_sb_crc(_poke(_slot(), 88, "<Q", 3 << 19)), CorruptionError, "geometry"),
     ("V-B6", lambda: _fix_sb_crc(_poke(_slot(), 64, "<Q", 2 << 20)), CorruptionError, "geometry"),
@@ -723,7 +724,7 @@ def test_commit_and_catalog_body_conditions():
         (good + bytes(48), "lists 1 bases in a 128-byte body"),
         (bytes(_poke(bytearray(good), 8, "<I", S.MAX_CATALOG_ENTRIES + 1)), "bases"),
         (bytes(_poke(bytearray(good), 24, "<Q", 1)), "reserved"),
-        (bytes(_poke(bytearray(good), 32 + 44, "<I", 1)), "malformed"),
+        (bytes(_poke(bytearray(good), 32 + 44, "<I", 2)), "malformed"),
         (bytes(_poke(bytearray(good), 32 + 16, "<Q", 256)), "malformed"),  # first_lsn > last_lsn
         (bytes(_poke(bytearray(good), 32 + 4, "<I", 0)), "malformed"),  # records == 0
     ]:
