@@ -28,6 +28,17 @@ committed.  Under the session's `Policy` it
     epoch frees what older epochs hold) and keeps only the newest epoch:
     the checkpoint the caller relies on must not fail for want of space.
 
+Image entries.  A region an epoch wrote whole (an adapter updated at every
+step, a cache rewritten after a reset, any first write) needs no BASE record
+to be based at that epoch: its own records are an image of it, and the
+catalog lists them as its base (FORMAT.md §12.2, `wal.snapshot.image_entries`:
+one walk of that epoch's record headers).  A job at such an epoch writes
+nothing for those regions, takes no host copy of them, and counts no bytes
+for them (`_cost`); a checkpoint whose pages write a region whole leaves room
+for the base of the others only (`room`'s `whole`).  So checkpoints that
+rewrite the whole state keep a log of about three states from filling: each
+is the base the switch after it keeps.
+
 Pacing by the write rate.  The log is written in order and freed only from
 its oldest end, so a region whose newest base is old (a LoRA adapter that
 never changes has no chain and is never due) holds every byte written since,
@@ -190,6 +201,7 @@ class Retention:
         self._chain = np.zeros(0, np.int64)   # delta payload bytes since the region's newest base
         self._since = np.zeros(0, np.int64)   # the epoch its chain restarted at
         self._pin = np.zeros(0, np.int64)     # LSN its newest catalogued base starts at (0: none, the log's start)
+        self._whole = np.zeros(0, np.int64)   # the newest epoch that wrote it whole (0: none known)
         self._bounds = np.zeros(0, np.int64)  # bound() of each region
         self._pbytes = np.zeros(0, np.int64)  # page bytes of each region
         self._image = np.zeros(0, np.int64)   # log bytes of a full image of each region
@@ -223,14 +235,16 @@ class Retention:
             # worked out, so that registering n regions costs O(n), not O(n^2)
             rs = list(regions)[k:]
             zeros = np.zeros(len(rs), np.int64)
-            self._chain, self._since, self._pin = (np.concatenate([a, zeros]) for a in
-                                                   (self._chain, self._since, self._pin))
+            self._chain, self._since, self._pin, self._whole = (np.concatenate([a, zeros]) for a in
+                                                                (self._chain, self._since, self._pin, self._whole))
         else:
-            old = dict(zip(self._names, zip(self._chain.tolist(), self._since.tolist(), self._pin.tolist())))
+            old = dict(zip(self._names, zip(self._chain.tolist(), self._since.tolist(), self._pin.tolist(),
+                                            self._whole.tolist())))
             rs, k = list(regions), 0
-            self._chain = np.array([old.get(n, (0, 0, 0))[0] for n in names], np.int64)
-            self._since = np.array([old.get(n, (0, 0, 0))[1] for n in names], np.int64)
-            self._pin = np.array([old.get(n, (0, 0, 0))[2] for n in names], np.int64)
+            self._chain = np.array([old.get(n, (0, 0, 0, 0))[0] for n in names], np.int64)
+            self._since = np.array([old.get(n, (0, 0, 0, 0))[1] for n in names], np.int64)
+            self._pin = np.array([old.get(n, (0, 0, 0, 0))[2] for n in names], np.int64)
+            self._whole = np.array([old.get(n, (0, 0, 0, 0))[3] for n in names], np.int64)
             self._bounds = self._pbytes = self._image = self._npages = np.zeros(0, np.int64)
             self._slot = {}
         self._names = names
@@ -276,6 +290,7 @@ class Retention:
                 whole = t[1][np.asarray(n) >= self._npages[t[1]]]
             self._chain[whole] = 0
             self._since[whole] = stats.epoch
+            self._whole[whole] = stats.epoch
         else:
             slot, chain, pb, npages = self._slot, self._chain, self._pbytes, self._npages
             for name, k in stats.pages.items():
@@ -285,9 +300,11 @@ class Retention:
                     if k >= npages[i]:   # written whole: an image of the region (above)
                         chain[i] = 0
                         self._since[i] = stats.epoch
+                        self._whole[i] = stats.epoch
         for name in stats.base:  # a first full write bounds the chain as a base does
             self._chain[self._slot[name]] = 0
             self._since[self._slot[name]] = stats.epoch
+            self._whole[self._slot[name]] = stats.epoch
 
     # ---------------------------------------------------------------- sizes
     def capacity(self) -> int:
@@ -384,13 +401,20 @@ class Retention:
             return left
         return max(int(slice_bytes), -(-left * rate // room))
 
-    def _stale(self) -> np.ndarray:
+    def _cost(self, epoch: int) -> np.ndarray:
+        """Log bytes a base of each region at `epoch` writes: none for a region
+        that epoch wrote whole (its records are the base: an image entry,
+        FORMAT.md §12.2), else a full image."""
+        return np.where(self._whole == epoch, 0, self._image)
+
+    def _stale(self, epoch: int = 0) -> np.ndarray:
         """A mask over the slots: the regions whose bases hold the oldest part
-        of the log, where a base of them frees more than it writes.  Regions
-        are taken oldest base first (one with no base holds the log from its
-        start); a base of the first k lets a switch free the log up to where
-        the next one's starts; the k that frees the most beyond the images it
-        writes is taken (none when no k frees a segment more than it writes)."""
+        of the log, where a base of them at `epoch` frees more than it writes.
+        Regions are taken oldest base first (one with no base holds the log
+        from its start); a base of the first k lets a switch free the log up
+        to where the next one's starts; the k that frees the most beyond the
+        images it writes (`_cost`) is taken (none when no k frees a segment
+        more than it writes)."""
         pins = self._pin
         mask = np.zeros(pins.size, bool)
         if not pins.size:
@@ -399,7 +423,7 @@ class Retention:
         p = pins[order]
         low = max(int(p[0]), int(self.session.log.volume.superblock.oldest_lsn))
         upto = np.maximum(np.append(p[1:], int(self.session.log.appender.write_lsn)), low)
-        gain = (upto - low) - np.cumsum(self._image[order])
+        gain = (upto - low) - np.cumsum(self._cost(epoch)[order])
         k = int(np.argmax(gain))
         if gain[k] > int(self.session.log.volume.segment_bytes):  # a switch frees whole segments
             mask[order[:k + 1]] = True
@@ -424,42 +448,60 @@ class Retention:
         pb = int(self._pbytes.min()) if self._pbytes.size else 4096
         return F.page_batch_length(max(1, self._record_bytes() // pb), pb)
 
-    def _affordable(self, names: list) -> list:
-        """The longest run of `names`, oldest base first, whose base the free
-        space takes now (`base_fits`): a job the log cannot finish would only
-        leave its records in the way."""
+    def _records_of(self, payload: int) -> int:
+        """Log bytes of `payload` bytes of pages written as a job under pressure
+        writes them (`_record_bytes` a record, of the smallest pages): each
+        record's header and tables besides its pages.  (A job's `total` counts
+        pages only; with 256-byte pages the tables add 3%, which a log short
+        of space does not have.)"""
+        from concordia.wal import format as F
+
+        pb = int(self._pbytes.min()) if self._pbytes.size else 4096
+        per = max(1, self._record_bytes() // pb)
+        return int(payload) + -(-int(payload) // (per * pb)) * (F.page_batch_length(per, pb) - per * pb)
+
+    def _affordable(self, names: list, epoch: int = 0) -> list:
+        """The longest run of `names`, oldest base first, whose base at `epoch`
+        the free space takes now (`base_fits`, `_cost`): a job the log cannot
+        finish would only leave its records in the way."""
         from concordia.wal.compaction import free_space
 
         space = free_space(self.session.log)
         slots = sorted((self._slot[n] for n in names), key=lambda i: int(self._pin[i]))
+        cost = self._cost(epoch)
         out, image = [], 0
         for i in slots:
-            image += int(self._image[i])
+            image += int(cost[i])
             if not self.base_fits(image, space):
                 break
             out.append(self._names[i])
         return sorted(out)
 
-    def room(self, left) -> bool:
+    def room(self, left, whole=()) -> bool:
         """Whether `left` (a `wal.compaction.Space`: what a checkpoint that may
         coalesce would leave free) lets retention free space after it, so
         that the log never fills past the point where it can (`EpochRunner.room`):
         room for the rest of the job under way (or about to begin), else for a
         base of every region (`base_fits`), counting the segments a switch
-        keeping only the newest epoch frees first (`_freeable`).  Always
-        while retention is off or the log cannot hold a base beside the state."""
+        keeping only the newest epoch frees first (`_freeable`); whole: names
+        of regions the checkpoint writes whole, whose base after it is its own
+        records (an image entry) and writes nothing.  Always while retention is
+        off or the log cannot hold a base beside the state."""
         if not self.policy.retain or not self.session.log.writable or not self.can_base():
             return True
         self._sync()
         if self.job is not None:
-            return self.base_fits(max(0, int(self.job.total) - int(self.job.done_bytes)), left)
+            return self.base_fits(self._records_of(max(0, int(self.job.total) - int(self.job.done_bytes))), left)
         if self._starting is not None:
-            return self.base_fits(int(sum(int(self._image[self._slot[n]]) for n in self._starting[1])), left)
-        if self.base_fits(self._state, left):
+            imaged = self._starting[4]
+            return self.base_fits(int(sum(int(self._image[self._slot[n]]) for n in self._starting[1]
+                                          if n not in imaged)), left)
+        state = self._state - sum(int(self._image[self._slot[n]]) for n in whole if n in self._slot)
+        if self.base_fits(state, left):
             return True
         from concordia.wal.compaction import Space
 
-        return self.base_fits(self._state, Space(left.tail, left.free_segments + self._freeable(), left.capacity))
+        return self.base_fits(state, Space(left.tail, left.free_segments + self._freeable(), left.capacity))
 
     def _freeable(self) -> int:
         """Live segments a switch keeping only the newest epoch frees without a
@@ -566,7 +608,7 @@ class Retention:
             self.short = free < full
             if self.job is None and self._starting is None and self._copy_next is None:
                 # a job starts with its host copies alone; the job and its slices follow from the next hook
-                stale = self._stale() if free < 2 * full else None
+                stale = self._stale(stats.epoch) if free < 2 * full else None
                 if self._maybe_start(stats.epoch, pressure, stats.log_bytes, stale, moved) and not pressure:
                     self.last = "start"
                     return
@@ -677,7 +719,9 @@ class Retention:
         self.counts["jobs"] += 1
         self._chain[:] = 0
         self._since[:] = epoch
-        self.job = Compaction(self.session.log, epoch, live={}, chunk_bytes=int(self.policy.slice_bytes or MIN_SLICE))
+        images = self._images_at(epoch, self.regions.names)
+        self.job = Compaction(self.session.log, epoch, live={}, chunk_bytes=int(self.policy.slice_bytes or MIN_SLICE),
+                              regions=[n for n in self.regions.names if n not in images], images=images)
         self.job_pressure = True
         self.job_ready = False
         self._advance(True, 0)
@@ -718,9 +762,9 @@ class Retention:
         # holds it) gets one when the log needs the space it holds (`stale`), not with the
         # first region due (a token buffer due at the second step based the whole state then)
         names = regions.names if pressure else sorted(due)
-        names = self._affordable(names)
+        names = self._affordable(names, epoch)
         if not names:
-            if self._affordable(regions.names) != regions.names:
+            if self._affordable(regions.names, epoch) != regions.names:
                 self.error = f"no room in the log for a base ({_mib(self.free_bytes())} free): none started"
             return False
         if moved and not pressure:
@@ -732,12 +776,16 @@ class Retention:
         # under pressure after a pending epoch, none: folded from the log);
         # the job that takes them is made at the next hook (`_begin`)
         live = {} if moved else {n: self._host_copy(regions[n]) for n in names
-                                       if regions[n].nbytes <= LIVE_COPY_BYTES}
+                                       if regions[n].nbytes <= LIVE_COPY_BYTES
+                                       and self._whole[self._slot[n]] != epoch}  # an image needs no copy
         self._start(epoch, names, live, pressure)
         return True
 
     def _start(self, epoch: int, names: list, live: dict, pressure: bool) -> None:
-        self._starting = (epoch, names, live, pressure)
+        # the regions this epoch wrote whole, known now: by the job's first hook a later
+        # epoch has replaced what `_whole` says of them
+        imaged = {n for n in names if self._whole[self._slot[n]] == epoch}
+        self._starting = (epoch, names, live, pressure, imaged)
         self.counts["jobs"] += 1
         for n in names:  # the chain restarts at the base's epoch
             self._chain[self._slot[n]] = 0
@@ -794,17 +842,39 @@ class Retention:
         does not state is folded from the log instead)."""
         from concordia.wal.compaction import Compaction
 
-        epoch, names, live, pressure = self._starting
+        epoch, names, live, pressure, imaged = self._starting
         self._starting = None
         stated = self._commit_digests(self.known.epochs[epoch][1])
         regions = self.regions
-        live = {n: b for n, b in live.items() if regions[n].id in stated}
+        images = self._images_at(epoch, names, stated, imaged)
+        names = [n for n in names if n not in images]
+        live = {n: b for n, b in live.items() if regions[n].id in stated and n not in images}
         digests = {n: int(stated[regions[n].id]) for n in live}
         self.job = Compaction(self.session.log, epoch, regions=names, live=live,
                               digests=digests if len(live) == len(names) else None,
-                              chunk_bytes=int(self.policy.slice_bytes or MIN_SLICE), stage=self._stage(live))
+                              chunk_bytes=int(self.policy.slice_bytes or MIN_SLICE), stage=self._stage(live),
+                              images=images)
         self.job_pressure = pressure
         self.job_ready = False
+
+    def _images_at(self, epoch: int, names: list, stated: dict | None = None, whole: set = frozenset()) -> dict:
+        """{name: image entry} of the regions among `names` that committed
+        `epoch` wrote whole (FORMAT.md §12.2): their base at that epoch is the
+        epoch's own records, and the job writes nothing for them.  stated:
+        the epoch commit's digests (read when None); whole: names known to be
+        written whole at `epoch` besides those `_whole` still says so of."""
+        from concordia.wal.snapshot import image_entries
+
+        whole = [n for n in names if n in whole or self._whole[self._slot[n]] == epoch]
+        mark = self.known.epochs.get(epoch)
+        if not whole or mark is None:
+            return {}
+        if stated is None:
+            stated = self._commit_digests(mark[1])
+        ids = {self.regions[n].id: n for n in whole}
+        got = image_entries(self.session.log, {rid: int(self._npages[self._slot[n]]) for rid, n in ids.items()},
+                            epoch, mark[0], mark[1], stated)
+        return {ids[rid]: entry for rid, entry in got.items()}
 
     def _stage(self, live: dict) -> dict:
         """{name: BASE record writer} of the live copies the base stager can
@@ -912,12 +982,16 @@ class Retention:
         self.counts["segments_freed"] += len(rep.segments_freed)
         self.counts["scans"] += int(rep.scanned)
         self.last = "switch"
-        if rep.folded:
+        if rep.folded or rep.imaged:
             self.based.update(rep.folded)
+            self.based.update(rep.imaged)
             for name, entry in zip(rep.folded, job.new):  # where each new base starts
                 self._pin[self._slot[name]] = int(entry.first_lsn)
+            for name in rep.imaged:
+                self._pin[self._slot[name]] = int(job.images[name].first_lsn)
             self.pending_floor = job.epoch
             self.counts["bases"] += len(rep.folded)
+            self.counts["images"] += len(rep.imaged)
         if rep.floor_epoch >= self.pending_floor:
             self.pending_floor = 0
 

@@ -345,21 +345,25 @@ class EpochRunner:
             self._whole = (version, self.reservations(log, space.capacity, pages="whole"))
         n = len(self.regions)
         for plan in (self._whole[1], "most", "found"):
+            whole = set() if plan == "found" else None
             if isinstance(plan, str):
-                plan = self.reservations(log, space.capacity, pages=plan)
+                plan = self.reservations(log, space.capacity, pages=plan, whole=whole)
             left = space_after(space, plan, self.last_log_bytes, n)
-            # an epoch of no page (its commit record alone) takes nothing retention needs
-            if left is not None and (enough is None or not any(plan) or enough(left)):
+            # an epoch of no page (its commit record alone) takes nothing retention needs; the
+            # regions the pages found write whole need no base after it (their records are one)
+            if left is not None and (enough is None or not any(plan)
+                                     or (enough(left, whole) if whole else enough(left))):
                 return True
         return False
 
-    def reservations(self, log, capacity: int, *, pages: str) -> tuple:
+    def reservations(self, log, capacity: int, *, pages: str, whole: set | None = None) -> tuple:
         """(record bytes the host path reserves one by one, extent bytes the
         extent pipelines reserve) of this epoch, in the order they are made,
         for `pages`: "whole" (every page of every region), "most" (an upper
         bound that reads nothing, `detect.most_pages`) or "found" (the pages
         each detector finds now, not advanced); `capacity`: the bytes a
-        segment holds."""
+        segment holds; whole: a set given the names of the regions the epoch
+        would write whole."""
         from concordia.checkpoint.staging import EXTENT_BYTES, plan_extents, record_lengths
 
         count = {"whole": lambda r: r.pages, "most": detect.most_pages,
@@ -372,6 +376,8 @@ class EpochRunner:
                 n = count(r)
                 if n:
                     into.extend(record_lengths(r.page_bytes, n, capacity))
+                    if whole is not None and n >= r.pages:
+                        whole.add(r.name)
         extents = []
         if batches:  # packed as the extent pipeline packs them (`Stager.run`)
             cap = min(max([EXTENT_BYTES] + batches), capacity)

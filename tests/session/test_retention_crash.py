@@ -140,3 +140,78 @@ def test_kills_at_random_times_of_a_retaining_session_lose_nothing(tmp_path):
     # each child gets past its imports and a few bases, then is killed wherever it is
     path = "file:" + str(tmp_path / "log")
     assert kill_at_random_lines(CHILD, path, 5, 30, random.Random(7), _check) > 0
+
+
+# The same, with regions whose epochs are their bases (image entries, FORMAT.md §12.2):
+# "lora" is written whole at every epoch, "state" at every tenth; kills around the
+# switches that list them must lose nothing either.
+def _edit(text: str, old: str, new: str) -> str:
+    assert text.count(old) == 1, old
+    return text.replace(old, new)
+
+
+CHILD_IMAGES = _edit(_edit(CHILD, '''s.register("state", a)
+''', '''lora = np.zeros((4, 1024), np.uint32)
+s.register("state", a)
+s.register("lora", lora)
+'''), '''    s.checkpoint()
+''', '''    if e % 10 == 0:
+        a[:, 1023] = e
+    lora[:] = e
+    s.checkpoint()
+''')
+
+
+def state_with_images_at(epoch: int) -> dict:
+    a = np.zeros((PAGES, 1024), np.uint32)
+    for e in range(1, epoch + 1):
+        a[(e * 7) % PAGES, e % 1024] = e
+        a[(e * 13) % PAGES, (e * 5) % 1024] = e
+        if e % 10 == 0:
+            a[:, 1023] = e
+    return {"state": a, "lora": np.full((4, 1024), epoch, np.uint32)}
+
+
+def _check_images(path: str, seen: int) -> int:
+    log = Log.open(path, writable=False)
+    try:
+        last = int(log.last_committed_epoch or 0)
+        assert seen <= last <= seen + 1, (seen, last)
+        if last:
+            for epoch in {last, int(log.volume.superblock.oldest_epoch) or last}:
+                got = apply_plan_numpy(log, plan(log, epoch))
+                for name, want in state_with_images_at(epoch).items():
+                    np.testing.assert_array_equal(got[name], want, err_msg=f"{name} at epoch {epoch}")
+        v = log.verify()
+        assert v["corrupt"] == 0, v["problems"]
+        return last
+    finally:
+        log.close()
+
+
+@pytest.mark.slow
+def test_kills_around_switches_that_list_image_entries_lose_nothing(tmp_path):
+    path = "file:" + str(tmp_path / "log")
+    rng = random.Random(77)
+    seen, kills, images = 0, 0, 0
+    for i in range(8):
+        r, last = run_child(CHILD_IMAGES, path, rng.randint(1, 12), 120, "switch")
+        if r.returncode == -signal.SIGKILL:
+            kills += 1
+        else:
+            assert r.returncode == 0, r.stderr[-2000:]
+        if last is not None:
+            seen = last
+        seen = _check_images(path, seen)
+        with Log.open(path, writable=False) as log:
+            images += sum(x.image for x in list_snapshots(log))
+    assert kills >= 6 and images > 0, (kills, images)
+    r, last = run_child(CHILD_IMAGES, path, 0, 40, "switch")  # to the end on the same log
+    assert r.returncode == 0 and "done" in r.stdout, r.stderr[-2000:]
+    assert _check_images(path, last) == last
+
+
+@pytest.mark.slow
+def test_kills_at_random_times_of_a_session_whose_epochs_are_images_lose_nothing(tmp_path):
+    path = "file:" + str(tmp_path / "log")
+    assert kill_at_random_lines(CHILD_IMAGES, path, 5, 30, random.Random(11), _check_images) > 0

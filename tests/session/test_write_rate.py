@@ -175,7 +175,9 @@ def test_a_checkpoint_the_log_cannot_take_coalesces_and_the_next_one_carries_its
 
 
 def test_coalesced_checkpoints_warn_once_per_run_and_move_no_detector(shm_log):
-    # A log of three states that writes of the whole state overwhelm: every
+    # A log of three states that writes of nearly the whole state overwhelm (every
+    # page but the last of each region: a write of all of it is its own base, an
+    # image, and commits; the next test): every
     # checkpoint of the burst coalesces, one warning for the run, and one more
     # once retention has nothing left to free (every region based at the
     # newest epoch, only it kept), naming the log such bursts need.  No
@@ -197,8 +199,8 @@ def test_coalesced_checkpoints_warn_once_per_run_and_move_no_detector(shm_log):
             warnings.simplefilter("always")
             got = []
             for t in range(6):
-                kv[:] = 100 + t
-                other[:] = 100 + t
+                kv[:-1] = 100 + t
+                other[:-4096] = 100 + t
                 got.append(s.checkpoint(on_full="coalesce").coalesced)
                 if not got[-1]:  # a burst step that fitted is the newest commit
                     committed = {"kv": kv.copy(), "other": other.copy()}
@@ -215,12 +217,36 @@ def test_coalesced_checkpoints_warn_once_per_run_and_move_no_detector(shm_log):
         st = s.checkpoint(on_full="coalesce")
         assert not st.coalesced and st.pages == {"kv": 0, "other": 0}, st
         assert s.retention.coalescing == 0 and not s.retention.exhausted
-        kv[:] = 7
+        kv[:-1] = 7
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             assert s.checkpoint(on_full="coalesce").coalesced
         assert len(caught) == 1
         assert s.checkpoint_totals.coalesced == s.retention.counts["coalesced"] == got.count(True) + 1
+
+
+def test_checkpoints_that_rewrite_the_whole_state_commit_on_a_log_of_three_states(shm_log):
+    # The same log, the same regions, every page rewritten at every step: each
+    # such epoch is its regions' base (image entries, FORMAT.md §12.2), so a
+    # switch right after it frees everything before it and writes no BASE record:
+    # nothing coalesces, and every epoch restores exactly
+    kv = np.zeros((512, 4096), np.uint8)  # 2 MiB
+    other = np.zeros(64 << 10, np.uint8)
+    with Session(shm_log, size=8 * SEGMENT, segment_size=SEGMENT, overwrite=True) as s:
+        s.register("kv", kv)
+        s.register("other", other, detect="fingerprint")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for t in range(1, 41):
+                kv[:] = t
+                other[:] = t
+                st = s.checkpoint(on_full="coalesce")
+                assert not st.coalesced and st.epoch == t, (t, st)
+        assert not caught and s.retention.error is None
+        counts = s.retention.counts
+        assert counts["images"] >= 2 * 30 and counts["segments_freed"] > 0, dict(counts)
+        assert counts["bases"] < counts["images"], dict(counts)   # the images cost no BASE records
+        assert _same(_recover_fresh(shm_log), {"kv": kv, "other": other})
 
 
 @pytest.mark.parametrize("executor", ["host", "resident"])
