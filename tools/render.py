@@ -51,12 +51,16 @@ def hexdump(data: bytes, base: int = 0, indent: str = "    ") -> list[str]:
     return out
 
 
-def features(mask: int) -> str:
-    """A feature mask: 'none' or the set bits (version 1.0 defines none)."""
+def features(mask: int, names: dict | None = None) -> str:
+    """A feature mask: 'none' or the set bits, by name where `names` ({bit
+    value: name}, FORMAT.md §2.3) knows them."""
     if not mask:
         return "none"
-    bits = [str(b) for b in range(64) if mask >> b & 1]
-    return f"0x{mask:x} (unknown bits {', '.join(bits)})"
+    names = names or {}
+    known = [names[1 << b] for b in range(64) if mask >> b & 1 and (1 << b) in names]
+    unknown = [str(b) for b in range(64) if mask >> b & 1 and (1 << b) not in names]
+    parts = known + ([f"unknown bits {', '.join(unknown)}"] if unknown else [])
+    return f"0x{mask:x} ({', '.join(parts)})"
 
 
 #: the fixed columns of `dump` (documented in docs/cli.md)

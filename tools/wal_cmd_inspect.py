@@ -16,6 +16,9 @@ from . import render as R
 from .common import EXIT_OK, EXIT_PROBLEMS, LSN, SIZE, Where, emit_json, guarded, open_volume, unwritten_slot
 from .wal_cmd_scan import DMG, REC, as_decided, decide_walk, record_dict, region_names, walk
 
+#: the incompat feature bits by name (FORMAT.md §2.3), as `info` prints them
+INCOMPAT_NAMES = {F.FEATURE_LOGICAL_DTYPE: "LOGICAL_DTYPE", F.FEATURE_IMAGE_BASES: "IMAGE_BASES"}
+
 INFO_SCHEMA = "concordia-wal/info/1"
 DUMP_SCHEMA = "concordia-wal/dump/1"
 
@@ -250,7 +253,7 @@ def render_info(d: dict, hexdump: bool) -> list[str]:
         f"persist path  {t['writer_persist_path']}",
         f"uuid          {v['uuid']}",
         f"version       {v['major']}.{v['minor']}",
-        f"features      compat {R.features(v['compat'])}, incompat {R.features(v['incompat'])}, "
+        f"features      compat {R.features(v['compat'])}, incompat {R.features(v['incompat'], INCOMPAT_NAMES)}, "
         f"ro_compat {R.features(v['ro_compat'])}",
         f"geometry      {v['segment_count']} segments of {R.size(v['segment_bytes'])} at 0x{v['segments_off']:x}, "
         f"slots of {R.size(v['slot_bytes'])}, volume {R.size(v['volume_bytes'])}",

@@ -169,3 +169,12 @@ def test_an_unknown_entry_flag_is_a_damaged_catalog_and_an_older_reader_refuses_
     with pytest.raises(FormatVersionError) as err:
         Log.open(shm_log, writable=False)
     one_line(err.value, "0x2")
+
+
+def test_info_names_the_feature_bits_it_knows():
+    from concordia.tools import render as R
+    from concordia.tools.wal_cmd_inspect import INCOMPAT_NAMES
+
+    assert R.features(0) == "none"
+    assert R.features(0x3, INCOMPAT_NAMES) == "0x3 (LOGICAL_DTYPE, IMAGE_BASES)"
+    assert R.features(0x6, INCOMPAT_NAMES) == "0x6 (IMAGE_BASES, unknown bits 2)"
