@@ -706,8 +706,9 @@ class Retention:
             f"{_mib(cap - self.free_bytes())} of {_mib(cap)} in use): checkpoints coalesce until their pages fit "
             "beside a base of the state",
             where=str(self.session.log.backend.where),
-            hint=f"a log of at least {_mib(3 * self._state + 2 * seg)} for checkpoints that rewrite the whole "
-                 "state: three images of it and two segments"), stacklevel=4)
+            hint=f"a log of at least {_mib(3 * self._state + 2 * seg)} for checkpoints that rewrite most of "
+                 "the state (a region written whole is its own base): three images of it and two segments"),
+            stacklevel=4)
 
     def _fold(self, epoch: int) -> None:
         """A base of every region at committed `epoch` (those based there
