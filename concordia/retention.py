@@ -104,6 +104,7 @@ import collections
 import itertools
 import time
 import warnings
+from typing import NamedTuple
 
 import numpy as np
 
@@ -151,6 +152,16 @@ def _pinned(nbytes: int) -> tuple:
         return np.empty(nbytes, np.uint8), None
 
 
+class _Starting(NamedTuple):
+    """A job decided at one hook and made at the next (`Retention._begin`)."""
+
+    epoch: int      # the committed epoch its bases are of
+    names: list     # the regions it bases
+    live: dict      # name -> host copy of the region at the epoch (taken when decided)
+    pressure: bool  # written and switched at once
+    imaged: set     # the names the epoch wrote whole (their base is an image entry)
+
+
 class Retention:
     """The automatic bases and compaction of one session (see the module doc)."""
 
@@ -163,7 +174,7 @@ class Retention:
         self.job = None            # the Compaction being written, or None
         self.job_pressure = False
         self.job_ready = False     # its bases are written: the next hook switches
-        self._starting: tuple | None = None  # (epoch, names, host copies, pressure) of a job to make
+        self._starting: _Starting | None = None  # a job to make at the next hook (`_begin`)
         self.based: set | None = None  # names with a catalogued base (read at the first hook)
         self.times: collections.deque = collections.deque()  # (epoch, monotonic time) of commits
         self.opened = time.monotonic()
@@ -493,9 +504,9 @@ class Retention:
         if self.job is not None:
             return self.base_fits(self._records_of(max(0, int(self.job.total) - int(self.job.done_bytes))), left)
         if self._starting is not None:
-            imaged = self._starting[4]
-            return self.base_fits(int(sum(int(self._image[self._slot[n]]) for n in self._starting[1]
-                                          if n not in imaged)), left)
+            st = self._starting
+            return self.base_fits(int(sum(int(self._image[self._slot[n]]) for n in st.names if n not in st.imaged)),
+                                  left)
         state = self._state - sum(int(self._image[self._slot[n]]) for n in whole if n in self._slot)
         if self.base_fits(state, left):
             return True
@@ -786,7 +797,7 @@ class Retention:
         # the regions this epoch wrote whole, known now: by the job's first hook a later
         # epoch has replaced what `_whole` says of them
         imaged = {n for n in names if self._whole[self._slot[n]] == epoch}
-        self._starting = (epoch, names, live, pressure, imaged)
+        self._starting = _Starting(epoch, names, live, pressure, imaged)
         self.counts["jobs"] += 1
         for n in names:  # the chain restarts at the base's epoch
             self._chain[self._slot[n]] = 0
@@ -1014,7 +1025,7 @@ class Retention:
     def job_epoch(self) -> int | None:
         """The epoch of the base job being made or written (None: no job)."""
         if self._starting is not None:
-            return self._starting[0]
+            return self._starting.epoch
         return None if self.job is None else int(self.job.epoch)
 
     def to_json(self) -> dict:
