@@ -196,7 +196,15 @@ def image_entries(log, pages: dict, epoch: int, first_lsn: int, commit_lsn: int,
     of the epoch's records (where the writer stood when the epoch began);
     `digests`: the commit's digests.  A region whose batches there do not
     hold each of its pages once, or whose digest the commit does not state,
-    has none.  Damage on the way raises (CorruptionError)."""
+    has none.  Damage on the way raises (CorruptionError).
+
+    A bounded walk of headers, not the reader's (`reader.Scanner`, which reads
+    on to the end of the log and through the current segment's old bytes): a
+    writer's own committed range, between a record boundary and its commit.
+    It stops at a zero length word or a header of another place (FORMAT.md
+    §5.5), so it can only miss records, and a miss leaves the pages short and
+    no entry; what it counts has a valid header at its LSN.  Every read of
+    the entry checks it again as a base (V-K3, `planner._Index.base_usable`)."""
     from concordia.wal import format as F
 
     vol = getattr(log, "volume", log)
