@@ -41,7 +41,12 @@ class Policy:
     64 KiB, or twice what that checkpoint wrote when more, so that a slice
     costs about what the checkpoint did and a base outpaces the deltas); more
     when the write rate measured over the checkpoints and the free space say
-    the log would fill before the base is in force (`concordia.retention`)."""
+    the log would fill before the base is in force (`concordia.retention`).
+    image_bases: an epoch that writes a region whole is that region's base
+    (an image entry, FORMAT.md §12.2: nothing is written twice); the log
+    then carries the IMAGE_BASES feature, which readers older than it refuse
+    in one line.  False keeps the log readable by them (every base is
+    written as BASE records), for a standby or tool not yet updated."""
 
     every_steps: int | None = None
     every_ms: float | None = None
@@ -51,10 +56,12 @@ class Policy:
     keep_epochs: int | None = 64
     keep_seconds: float | None = None
     slice_bytes: int | None = None
+    image_bases: bool = True
 
     def __post_init__(self):
-        if not isinstance(self.retain, bool):
-            raise SessionError(f"retain must be True or False, not {self.retain!r}", where="policy")
+        for name in ("retain", "image_bases"):
+            if not isinstance(getattr(self, name), bool):
+                raise SessionError(f"{name} must be True or False, not {getattr(self, name)!r}", where="policy")
         for name in ("every_steps", "every_ms", "every_bytes", "base_every_bytes", "keep_epochs", "keep_seconds",
                      "slice_bytes"):
             v = getattr(self, name)
@@ -68,7 +75,8 @@ class Policy:
         """'steps=4,ms=500,bytes=64M,keep_epochs=16,slice_bytes=1M' -> Policy
         (for command lines).  Triggers: steps=, ms=, bytes=; retention: retain=
         (on/off), base_every_bytes= and slice_bytes= (sizes), keep_epochs= (a
-        whole number), keep_seconds= (seconds); `none` unsets an optional field.
+        whole number), keep_seconds= (seconds), image_bases= (on/off); `none`
+        unsets an optional field.
         Fields left out keep the constructor's defaults, and the constructor
         checks the values.  Bad text raises a one-line SessionError naming the
         field."""
@@ -84,7 +92,7 @@ class Policy:
                 raise SessionError(f"{key}= is given twice", where=f"policy {text!r}")
             if not eq:
                 raise SessionError(f"{key} has no value ({key}=...)", where=f"policy {text!r}")
-            if val.lower() == "none" and field != "retain":
+            if val.lower() == "none" and field not in ("retain", "image_bases"):
                 kw[field] = None
                 continue
             try:
@@ -146,4 +154,5 @@ _PARSE = {
     "keep_epochs": ("keep_epochs", _whole, "a whole number"),
     "keep_seconds": ("keep_seconds", _finite, "a number"),
     "slice_bytes": ("slice_bytes", parse_size, "a size (e.g. 64M)"),
+    "image_bases": ("image_bases", _on_off, "on or off"),
 }

@@ -416,6 +416,8 @@ class Retention:
         """Log bytes a base of each region at `epoch` writes: none for a region
         that epoch wrote whole (its records are the base: an image entry,
         FORMAT.md §12.2), else a full image."""
+        if not self.policy.image_bases:
+            return self._image
         return np.where(self._whole == epoch, 0, self._image)
 
     def _stale(self, epoch: int = 0) -> np.ndarray:
@@ -507,6 +509,7 @@ class Retention:
             st = self._starting
             return self.base_fits(int(sum(int(self._image[self._slot[n]]) for n in st.names if n not in st.imaged)),
                                   left)
+        whole = whole if self.policy.image_bases else ()
         state = self._state - sum(int(self._image[self._slot[n]]) for n in whole if n in self._slot)
         if self.base_fits(state, left):
             return True
@@ -787,16 +790,17 @@ class Retention:
         # the copies are the state of the epoch just committed (nothing ran since;
         # under pressure after a pending epoch, none: folded from the log);
         # the job that takes them is made at the next hook (`_begin`)
+        # (a region this epoch wrote whole needs no copy: its base is an image entry)
+        imaged = (self._whole == epoch) if self.policy.image_bases else np.zeros(len(self._names), bool)
         live = {} if moved else {n: self._host_copy(regions[n]) for n in names
-                                       if regions[n].nbytes <= LIVE_COPY_BYTES
-                                       and self._whole[self._slot[n]] != epoch}  # an image needs no copy
+                                 if regions[n].nbytes <= LIVE_COPY_BYTES and not imaged[self._slot[n]]}
         self._start(epoch, names, live, pressure)
         return True
 
     def _start(self, epoch: int, names: list, live: dict, pressure: bool) -> None:
         # the regions this epoch wrote whole, known now: by the job's first hook a later
         # epoch has replaced what `_whole` says of them
-        imaged = {n for n in names if self._whole[self._slot[n]] == epoch}
+        imaged = {n for n in names if self._whole[self._slot[n]] == epoch} if self.policy.image_bases else set()
         self._starting = _Starting(epoch, names, live, pressure, imaged)
         self.counts["jobs"] += 1
         for n in names:  # the chain restarts at the base's epoch
@@ -879,6 +883,8 @@ class Retention:
 
         whole = [n for n in names if n in whole or self._whole[self._slot[n]] == epoch]
         mark = self.known.epochs.get(epoch)
+        if not self.policy.image_bases:
+            return {}
         if not whole or mark is None:
             return {}
         if stated is None:

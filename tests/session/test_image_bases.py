@@ -178,3 +178,28 @@ def test_info_names_the_feature_bits_it_knows():
     assert R.features(0) == "none"
     assert R.features(0x3, INCOMPAT_NAMES) == "0x3 (LOGICAL_DTYPE, IMAGE_BASES)"
     assert R.features(0x6, INCOMPAT_NAMES) == "0x6 (IMAGE_BASES, unknown bits 2)"
+
+
+def test_image_bases_off_writes_every_base_and_leaves_the_feature_clear(shm_log):
+    # For a reader older than the feature (a standby not yet updated): the same
+    # whole-state rewrites, every base written as BASE records, the bit never set
+    assert Policy.parse("image_bases=off,keep_epochs=4") == Policy(image_bases=False, keep_epochs=4)
+    with pytest.raises(ConcordiaError) as err:
+        Policy.parse("image_bases=maybe")
+    one_line(err.value, "image_bases", "on or off")
+    kv = np.zeros((64, 1024), np.uint32)
+    for on in (True, False):
+        with Session(shm_log, size=16 * MiB, segment_size=1 * MiB, overwrite=True,
+                     policy=Policy(image_bases=on)) as s:
+            s.register("kv", kv)
+            for t in range(1, 61):
+                kv[:] = t
+                s.checkpoint()
+            counts = dict(s.retention.counts)
+            bit = s.log.volume.superblock.incompat & F.FEATURE_IMAGE_BASES
+            kinds = {x.image for x in list_snapshots(s.log)}
+            assert np.array_equal(s.recover()["kv"], kv)
+        if on:
+            assert counts["images"] > 0 and bit and kinds == {True}, counts
+        else:
+            assert counts.get("images", 0) == 0 and counts["bases"] > 0 and not bit and kinds == {False}, counts

@@ -175,7 +175,7 @@ def test_a_state_larger_than_the_log_is_refused_at_register_with_the_size_needed
 
 
 @pytest.mark.parametrize("bad", [dict(keep_epochs=0), dict(slice_bytes=-1), dict(base_every_bytes="1M"),
-                                 dict(retain=1)])
+                                 dict(retain=1), dict(image_bases="yes")])
 def test_bad_retention_fields_are_refused_in_one_line(bad):
     with pytest.raises(SessionError) as err:
         Policy(**bad)
