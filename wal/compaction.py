@@ -562,7 +562,7 @@ class Compaction:
                  digests: dict | None = None, stage: dict | None = None, images: dict | None = None):
         self.t0 = time.perf_counter()
         #: {region name: image entry} listed as those regions' bases with the new ones
-        #: (`snapshot.image_entry`: an epoch that wrote the region whole); nothing is written for them
+        #: (`snapshot.image_entries`: an epoch that wrote the region whole); nothing is written for them
         self.images = dict(images or {})
         self.log = log
         self.seconds = 0.0

@@ -478,7 +478,7 @@ class _Index:
 
 def _covers(recs: list, pages: int, region) -> bool:
     """Whether the page batches `recs` together hold every page of a region of
-    `pages` pages (an image entry's rule, FORMAT.md §12.2 V-K2), and the
+    `pages` pages (an image entry's rule, FORMAT.md §12.2 V-K3), and the
     region's descriptor, when known, says as many."""
     if region is not None and int(region.pages) != int(pages):
         return False
