@@ -33,6 +33,21 @@ def _epoch_range(log, epoch: int) -> tuple:
     return min(b.lsn for b in h.batches if b.epoch == epoch and not b.base), c.lsn, c.digests
 
 
+def _lora_image_at_12(log):
+    """(the image entry of "lora" at epoch 12, the epoch's first LSN and commit LSN)."""
+    rid = log.regions["lora"].id
+    first, commit, digests = _epoch_range(log, 12)
+    return image_entry(log, rid, 16, 12, first, commit, digests[rid]), first, commit
+
+
+def _switch_to(log, entry):
+    """Compact at epoch 12 keeping only it: "kv" folded, "lora" listed by `entry`."""
+    job = Compaction(log, 12, regions=["kv"], images={"lora": entry})
+    while not job.step():
+        pass
+    return job.finish(keep_epochs=1)
+
+
 def _session_with_whole_writes(log: str, epochs: int = 12):
     """A session (retention off: the switches here are the test's) whose region
     "lora" every epoch writes whole, and "kv" one page a epoch."""
@@ -52,16 +67,11 @@ def test_an_image_entry_is_the_base_a_recovery_reads_and_costs_no_record(shm_log
     s, lora, kv = _session_with_whole_writes(shm_log)
     with s:
         log = s.log
-        rid = log.regions["lora"].id
-        first, commit, digests = _epoch_range(log, 12)
-        entry = image_entry(log, rid, 16, 12, first, commit, digests[rid])
+        entry, first, commit = _lora_image_at_12(log)
         assert entry is not None and entry.image and entry.flags == ENTRY_IMAGE
         assert entry.records >= 1 and first <= entry.last_lsn < commit and entry.pages == 16
         written = log.appender.write_lsn
-        job = Compaction(log, 12, regions=["kv"], images={"lora": entry})
-        while not job.step():
-            pass
-        rep = job.finish(keep_epochs=1)
+        rep = _switch_to(log, entry)
         assert rep.imaged == ["lora"] and rep.folded == ["kv"] and rep.floor_epoch == 12
         # the kv base was written (its pages), nothing for lora: only its catalog entry
         assert rep.bytes_written == kv.nbytes and log.appender.write_lsn - written < kv.nbytes + 64 * 1024
@@ -108,10 +118,9 @@ def test_an_image_entry_that_does_not_cover_the_region_or_lists_the_wrong_record
     s, lora, kv = _session_with_whole_writes(shm_log)
     with s:
         log = s.log
-        ids = {n: log.regions[n].id for n in ("lora", "kv")}
-        first, commit, digests = _epoch_range(log, 12)
-        good = image_entry(log, ids["lora"], 16, 12, first, commit, digests[ids["lora"]])
-        lying = dataclasses.replace(good, region_id=ids["kv"], pages=64, digest=digests[ids["kv"]])
+        kv_id = log.regions["kv"].id
+        good, _, _ = _lora_image_at_12(log)
+        lying = dataclasses.replace(good, region_id=kv_id, pages=64, digest=_epoch_range(log, 12)[2][kv_id])
         _with_catalog(log, lying)
         p = plan(log)
         assert p.regions["kv"].base_epoch is None
@@ -130,14 +139,9 @@ def test_a_reclaimed_log_whose_image_is_damaged_is_refused_in_one_line(shm_log):
     s, lora, kv = _session_with_whole_writes(shm_log)
     with s:
         log = s.log
-        rid = log.regions["lora"].id
-        first, commit, digests = _epoch_range(log, 12)
-        entry = image_entry(log, rid, 16, 12, first, commit, digests[rid])
-        job = Compaction(log, 12, regions=["kv"], images={"lora": entry})
-        while not job.step():
-            pass
-        job.finish(keep_epochs=1)
-        rec = [b for b in scan(log, payload=False).batches if b.region_id == rid and b.epoch == 12][0]
+        entry, _, _ = _lora_image_at_12(log)
+        _switch_to(log, entry)
+        rec = [b for b in scan(log, payload=False).batches if b.region_id == entry.region_id and b.epoch == 12][0]
         view = log.volume.backend.view
         view[rec.offset + rec.length - 1] ^= 0xFF   # the last byte of the record's last page
     with Session(shm_log, create=False) as r:

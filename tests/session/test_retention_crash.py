@@ -105,8 +105,27 @@ def _check(path: str, seen: int) -> int:
         log.close()
 
 
-def _run(path, kill_at, epochs, where):
-    return run_child(CHILD, path, kill_at, epochs, where)
+def _kill_runs(child: str, path: str, runs: int, points: list, where: str, check, after=None) -> int:
+    """`runs` children of `child` on the log at `path`, the i-th killed at its
+    `points[i]`-th point of `where` (each goes on from what the one before left;
+    `check` after each, `after(path)` too when given), then one run to the end.
+    Returns the children killed."""
+    seen = kills = 0
+    for i in range(runs):
+        r, last = run_child(child, path, points[i], 120, where)
+        if r.returncode == -signal.SIGKILL:
+            kills += 1
+        else:
+            assert r.returncode == 0, r.stderr[-2000:]
+        if last is not None:
+            seen = last
+        seen = check(path, seen)
+        if after is not None:
+            after(path)
+    r, last = run_child(child, path, 0, 40, where)  # a last run to the end on the same log
+    assert r.returncode == 0 and "done" in r.stdout, r.stderr[-2000:]
+    assert check(path, last) == last
+    return kills
 
 
 @pytest.mark.slow
@@ -114,23 +133,9 @@ def _run(path, kill_at, epochs, where):
 def test_kills_during_automatic_bases_and_switches_lose_nothing(tmp_path, where):
     path = "file:" + str(tmp_path / "log")
     rng = random.Random(24 if where == "base" else 42)
-    seen = 0
-    kills = 0
-    for i in range(6):
-        # bases every ~3 epochs, 4 slices each, and two switches per base: points come often
-        kill_at = rng.randint(1, 40 if where == "base" else 12)
-        r, last = _run(path, kill_at, 120, where)
-        if r.returncode == -signal.SIGKILL:
-            kills += 1
-        else:
-            assert r.returncode == 0, r.stderr[-2000:]
-        if last is not None:
-            seen = last
-        seen = _check(path, seen)
-    assert kills >= 5, kills
-    r, last = _run(path, 0, 40, where)  # a last run to the end on the same log
-    assert r.returncode == 0 and "done" in r.stdout, r.stderr[-2000:]
-    assert _check(path, last) == last
+    # bases every ~3 epochs, 4 slices each, and two switches per base: points come often
+    points = [rng.randint(1, 40 if where == "base" else 12) for _ in range(6)]
+    assert _kill_runs(CHILD, path, 6, points, where, _check) >= 5
     with Log.open(path, writable=False) as log:  # retention was at work all along
         assert list_snapshots(log) and int(log.volume.superblock.oldest_epoch) > 100
 
@@ -193,22 +198,14 @@ def _check_images(path: str, seen: int) -> int:
 def test_kills_around_switches_that_list_image_entries_lose_nothing(tmp_path):
     path = "file:" + str(tmp_path / "log")
     rng = random.Random(77)
-    seen, kills, images = 0, 0, 0
-    for i in range(8):
-        r, last = run_child(CHILD_IMAGES, path, rng.randint(1, 12), 120, "switch")
-        if r.returncode == -signal.SIGKILL:
-            kills += 1
-        else:
-            assert r.returncode == 0, r.stderr[-2000:]
-        if last is not None:
-            seen = last
-        seen = _check_images(path, seen)
+    images = []
+
+    def count_images(path):
         with Log.open(path, writable=False) as log:
-            images += sum(x.image for x in list_snapshots(log))
-    assert kills >= 6 and images > 0, (kills, images)
-    r, last = run_child(CHILD_IMAGES, path, 0, 40, "switch")  # to the end on the same log
-    assert r.returncode == 0 and "done" in r.stdout, r.stderr[-2000:]
-    assert _check_images(path, last) == last
+            images.append(sum(x.image for x in list_snapshots(log)))
+    kills = _kill_runs(CHILD_IMAGES, path, 8, [rng.randint(1, 12) for _ in range(8)], "switch", _check_images,
+                       after=count_images)
+    assert kills >= 6 and sum(images) > 0, (kills, images)
 
 
 @pytest.mark.slow
