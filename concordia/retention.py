@@ -873,15 +873,15 @@ class Retention:
         self.job_pressure = pressure
         self.job_ready = False
 
-    def _images_at(self, epoch: int, names: list, stated: dict | None = None, whole: set = frozenset()) -> dict:
+    def _images_at(self, epoch: int, names: list, stated: dict | None = None, known: set = frozenset()) -> dict:
         """{name: image entry} of the regions among `names` that committed
         `epoch` wrote whole (FORMAT.md §12.2): their base at that epoch is the
         epoch's own records, and the job writes nothing for them.  stated:
-        the epoch commit's digests (read when None); whole: names known to be
+        the epoch commit's digests (read when None); known: names known to be
         written whole at `epoch` besides those `_whole` still says so of."""
         from concordia.wal.snapshot import image_entries
 
-        whole = [n for n in names if n in whole or self._whole[self._slot[n]] == epoch]
+        whole = [n for n in names if n in known or self._whole[self._slot[n]] == epoch]
         mark = self.known.epochs.get(epoch)
         if not self.policy.image_bases:
             return {}

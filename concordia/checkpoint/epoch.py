@@ -330,7 +330,9 @@ class EpochRunner:
     # -- room in the log -----------------------------------------------------------
     def room(self, log, enough=None) -> bool:
         """Whether `log` can take this epoch now, leaving space that `enough`
-        (None: any) accepts (module doc): its free space against the
+        (None: any) accepts (module doc; `enough(left, whole)`: the space left
+        and the names of the regions the epoch writes whole, known only for
+        the pages found, else empty): its free space against the
         reservations the epoch makes, for the full image of every region first
         (kept between checkpoints), else for an upper bound of its pages that
         reads nothing (`detect.most_pages`: the positions a static cache names,
@@ -352,7 +354,7 @@ class EpochRunner:
             # an epoch of no page (its commit record alone) takes nothing retention needs; the
             # regions the pages found write whole need no base after it (their records are one)
             if left is not None and (enough is None or not any(plan)
-                                     or (enough(left, whole) if whole else enough(left))):
+                                     or enough(left, whole or ())):
                 return True
         return False
 
