@@ -132,6 +132,8 @@ __device__ __forceinline__ u64 warp_sum64(u64 v) {
 // to a 64-byte boundary | payload: count pages of page_bytes.
 #define RECORD_HEADER_BYTES 64
 #define TYPE_PAGE_BATCH 0x01u
+#define TYPE_COMMIT 0x03u
+#define NO_REGION 0xFFFFFFFFu
 
 __device__ __forceinline__ u64 page_batch_payload_off(u64 count) {
     return RECORD_HEADER_BYTES + ((8 * count + 63) & ~63ull);
@@ -141,27 +143,34 @@ __device__ __forceinline__ u64 page_batch_length(u64 count, u64 page_bytes) {
     return page_batch_payload_off(count) + count * page_bytes;
 }
 
+// CRC32C of `nbytes` bytes from the raw register of those bytes fed from a zero start.
+__device__ __forceinline__ u32 crc_of_raw(u32 raw, u64 nbytes) {
+    return ~(raw ^ gf2_multmodp(xpow8n(nbytes), 0xFFFFFFFFu));
+}
+
 // The body CRC32C (over the index and CRC tables, 8 * count bytes) from the
 // raw register of those bytes fed from a zero start.
 __device__ __forceinline__ u32 page_batch_body_crc(u32 raw, u64 count) {
-    return ~(raw ^ gf2_multmodp(xpow8n(8 * count), 0xFFFFFFFFu));
+    return crc_of_raw(raw, 8 * count);
 }
 
-// The one page-batch header writer (one thread): its CRC over the first 60
-// bytes; the length word stored last, after a system-scope fence, so a reader
-// that sees it sees a whole header.
-__device__ __forceinline__ void write_page_batch_header(const u32* T, u8* rec, u64 length, u64 lsn, u64 epoch,
-                                                        u32 region_id, u32 salt, u32 flags, u64 count,
-                                                        u32 page_bytes, u32 body_crc) {
+// The one record header writer (one thread; FORMAT.md §5.1): its CRC over the
+// first 60 bytes; the length word stored last, after a system-scope fence, so
+// a reader that sees it sees a whole header (and, as the caller wrote the
+// body before calling, a whole record).
+
+__device__ __forceinline__ void write_record_header(const u32* T, u8* rec, u64 length, u32 type, u32 flags,
+                                                    u64 lsn, u64 epoch, u32 region_id, u32 salt, u32 body_crc,
+                                                    u64 count, u32 page_bytes, u64 aux) {
     u32 h[16];
     h[0] = (u32)length;          h[1] = (u32)(length >> 32);
-    h[2] = TYPE_PAGE_BATCH | ((flags & 0xFFu) << 8);   // type, flags, reserved u16
+    h[2] = (type & 0xFFu) | ((flags & 0xFFu) << 8);     // type, flags, reserved u16
     h[3] = region_id;
     h[4] = (u32)lsn;             h[5] = (u32)(lsn >> 32);
     h[6] = (u32)epoch;           h[7] = (u32)(epoch >> 32);
     h[8] = salt;                 h[9] = body_crc;
     h[10] = (u32)count;          h[11] = page_bytes;
-    h[12] = 0;                   h[13] = 0;            // aux
+    h[12] = (u32)aux;            h[13] = (u32)(aux >> 32);
     h[14] = 0;                                         // reserved
     u32 hc = 0xFFFFFFFFu;
     for (int w = 0; w < 15; ++w) hc = crc_word(T, hc, h[w]);
@@ -172,6 +181,14 @@ __device__ __forceinline__ void write_page_batch_header(const u32* T, u8* rec, u
     out[1] = make_uint4(h[4], h[5], h[6], h[7]);
     __threadfence_system();
     out[0] = make_uint4(h[0], h[1], h[2], h[3]);
+}
+
+// A page batch's header (aux 0).
+__device__ __forceinline__ void write_page_batch_header(const u32* T, u8* rec, u64 length, u64 lsn, u64 epoch,
+                                                        u32 region_id, u32 salt, u32 flags, u64 count,
+                                                        u32 page_bytes, u32 body_crc) {
+    write_record_header(T, rec, length, TYPE_PAGE_BATCH, flags, lsn, epoch, region_id, salt, body_crc, count,
+                        page_bytes, 0);
 }
 
 #ifdef PAGE_BYTES

@@ -17,6 +17,8 @@
 //       region digest moves by each changed CRC word (as stage_delta does).
 //   table_finalize  one warp per record: body CRC over the two tables, then the
 //       header, stored last (common.cuh's write_page_batch_header, as stage.cu's kernels write it).
+//   table_commit    one warp, for a pass that commits its own epoch: the commit
+//       record right after the records (its twin: HostTablePass, by wal.format).
 //
 // Records are page batches exactly as gpu_kernels/stage.cu and
 // reference.stage_page_batch write them (FORMAT.md §6).  Page sizes are read
@@ -366,4 +368,57 @@ table_finalize(const TableEntry* __restrict__ table, const u32* __restrict__ ids
                                     rec.count, e.page_bytes, page_batch_body_crc(raw, rec.count));
         }
     }
+}
+
+// ---- the commit (a pending epoch the pass commits itself) ------------------------
+
+// One warp: the epoch's commit record (FORMAT.md §8) right after its records,
+// for a pass that commits its epoch itself (a pending epoch on a tier whose
+// writes need no persist call: concordia/checkpoint/epoch.py).  Its counts
+// come from the plan, its digests are the rows' (`digests[digest_slot]`) in
+// region-id order (`order`: the rows sorted by region id), `prev_commit` is
+// the LSN of the log's last commit.  The body, its zero pad and the header
+// slot after the record (when that lies inside the extent) are written and
+// fenced before the header, stored last by the one header writer: a reader
+// sees the whole record or none.  Nothing is written when the plan did not
+// fit (the plan was given the extent less this record's length).
+extern "C" __global__ void __launch_bounds__(32)
+table_commit(const TableEntry* __restrict__ table, const u32* __restrict__ order, u32 n,
+             const u32* __restrict__ digests, const TablePlan* __restrict__ plan, u8* __restrict__ dst,
+             u64 extent_bytes, u64 lsn_base, u64 epoch, u32 salt, u64 prev_commit) {
+    __shared__ u32 T[CRC_TABLE_WORDS];
+    crc_tables_build(T);
+    const TablePlan p = *plan;
+    const u64 body = 32 + 8ull * n, length = RECORD_HEADER_BYTES + ((body + 63) & ~63ull);
+    if (!p.fits || p.bytes + length > extent_bytes) return;
+    const int lane = threadIdx.x & 31;
+    u8* rec = dst + p.bytes;
+    u32* words = reinterpret_cast<u32*>(rec + RECORD_HEADER_BYTES);
+    // body = record_count, record_bytes, first_lsn (u64 each), n_regions, 0, then (region_id, digest) pairs
+    const u64 head[4] = {p.records, p.bytes, p.records ? lsn_base : 0ull, (u64)n};
+    const u64 nw = body / 4, per = (nw + WARP - 1) / WARP;
+    u64 lo = per * lane, hi = lo + per;
+    if (lo > nw) lo = nw;
+    if (hi > nw) hi = nw;
+    u32 raw = 0;
+    for (u64 w = lo; w < hi; ++w) {
+        u32 v;
+        if (w < 8) {
+            v = (u32)(head[w >> 1] >> (32 * (w & 1)));
+        } else {
+            const TableEntry& e = table[order[(w - 8) >> 1]];
+            v = (w & 1) ? digests[e.digest_slot] : e.region_id;
+        }
+        words[w] = v;
+        raw = crc_word(T, raw, v);
+    }
+    raw = warp_xor(gf2_multmodp(xpow8n(4 * (nw - hi)), raw));
+    for (u64 w = nw + lane; w < (length - RECORD_HEADER_BYTES) / 4; w += WARP) words[w] = 0;
+    if (p.bytes + length + RECORD_HEADER_BYTES <= extent_bytes && lane < 16)
+        reinterpret_cast<u32*>(rec + length)[lane] = 0;  // a clean end after the commit until the host trims
+    __threadfence_system();
+    __syncwarp();
+    if (lane == 0)
+        write_record_header(T, rec, length, TYPE_COMMIT, 0, lsn_base + p.bytes, epoch, NO_REGION, salt,
+                            crc_of_raw(raw, body), body, 0, prev_commit);
 }

@@ -20,7 +20,7 @@ from crc32c import crc32c as _crc32c
 
 from . import format as F
 from . import pagecrc as _pagecrc
-from .errors import LogFullError, RecordTooLargeError, UsageError, WriterStoppedError
+from .errors import CorruptionError, LogFullError, RecordTooLargeError, UsageError, WalError, WriterStoppedError
 from .volume import SegmentInfo, Volume
 
 _ids = itertools.count(1)
@@ -609,6 +609,54 @@ class Appender:
         self.last_committed_epoch = epoch
         self.last_commit_lsn = lsn
         return lsn
+
+    def adopt_commit(self, epoch: int, lsn: int) -> None:
+        """Take as this writer's own the commit record of `epoch` that a
+        producer wrote at `lsn`, right after the epoch's records, into an
+        extent already finished (`finish_extent`): a pass that commits its
+        own epoch (a GPU kernel, no host step between).  Only where written
+        bytes need no persist call: there the record was durable when written,
+        as a commit's is once `commit` returns.  The record is checked as
+        `commit` would have written it (type, epoch, LSN, previous commit,
+        the epoch's record count, bytes and first LSN as the finished extents
+        counted them; V-C1..V-C4), so a producer bug is refused here with
+        nothing adopted, not found at recovery."""
+        self._check_running()
+        where = f"commit of epoch {epoch} @ lsn 0x{lsn:x}"
+        if self.backend.persist_path != "none":
+            raise UsageError(f"a commit written by a producer is adopted only where writes need no persist call, "
+                             f"not on a {self.backend.persist_path} tier", where=where)
+        if self.outstanding:
+            raise UsageError(f"commit of epoch {epoch} adopted with {len(self.outstanding)} reservations not yet "
+                             "persisted or finished", where=where, hint="finish them first")
+        if epoch <= self.last_committed_epoch:
+            raise UsageError(f"epoch {epoch} does not follow the last committed epoch {self.last_committed_epoch}",
+                             where=where)
+        seg = self.seg
+        if seg is None or not seg.base_lsn <= lsn < seg.lsn(self.pos):
+            raise UsageError("no record of the segment being written lies at that LSN", where=where)
+        off = seg.offset + (lsn - seg.base_lsn)
+        buf = self.backend.array
+        try:
+            h = F.decode_record_header(buf, off, where=where)
+            if off + h.length > self.pos:
+                raise CorruptionError(f"a record of {h.length} bytes runs past the bytes written", where=where)
+            body = F.generic_body(buf, h, off)
+            info = F.decode_commit_body(body, h)
+        except (CorruptionError, WalError) as exc:
+            raise UsageError(f"invalid commit record written by a producer: {exc}", where=where) from None
+        count, nbytes, first = self.stats.get(epoch, (0, 0, 0))
+        want = {"type": (h.type, F.REC_COMMIT), "flags": (h.flags, 0), "body_crc": (h.body_crc, _crc32c(body)), "epoch": (h.epoch, epoch),
+                "lsn": (h.lsn, lsn), "salt": (h.salt, seg.salt), "aux": (h.aux, self.last_commit_lsn),
+                "record_count": (info.record_count, count), "record_bytes": (info.record_bytes, nbytes),
+                "first_lsn": (info.first_lsn, first)}
+        wrong = [f"{k} {got:#x}, expected {exp:#x}" for k, (got, exp) in want.items() if got != exp]
+        if wrong:
+            raise UsageError(f"invalid commit record written by a producer: {'; '.join(wrong)}", where=where)
+        self.stats.pop(epoch, None)
+        self.last_committed_epoch = epoch
+        self.last_commit_lsn = lsn
+        self._wrote()
 
     @property
     def next_epoch(self) -> int:

@@ -378,7 +378,8 @@ class DeviceTablePass:
         self.mail_offsets = self.mail_host[self._at_offsets:self._at_offsets + 8 * max(1, table.max_records)].view(
             np.uint64)
         self.fn = {name: jit.function("table", name, {}) for name in
-                   ("table_mark", "table_plan", "table_stage", "table_finalize")}
+                   ("table_mark", "table_plan", "table_stage", "table_finalize", "table_commit")}
+        self.d_order = cp.asarray(table.commit_order)
         self.stage_grid = gpu.warp_grid(max(1, total))
         self.finalize_grid = gpu.warp_grid(max(1, table.max_records))
 
@@ -432,13 +433,17 @@ class DeviceTablePass:
         recs = plan_records(e, most)
         return int(recs["length"].sum()) if recs.size else 0
 
-    def _stage(self, ext, epoch: int) -> None:
-        """Queue the plan, staging and finalizing of the epoch into `ext`, and the digests' copy."""
+    def _stage(self, ext, epoch: int, prev_commit: int | None = None) -> None:
+        """Queue the plan, staging and finalizing of the epoch into `ext`, and
+        the digests' copy; with `prev_commit` (the LSN of the log's last
+        commit), its commit record after the records (`table_commit`: the
+        plan is given the extent less that record)."""
         cp, t = self.k.cp, self.table
         dst = self.registration.device_ptr + ext.offset
+        room = ext.length - (t.commit_length if prev_commit is not None else 0)
         self.fn["table_plan"]((1,), (1024,), (
             self.d_table, np.uint32(len(t)), self.flags, np.uint64(t.total_pages), self.ids, self.recs,
-            np.uint64(t.max_records), np.uint64(ext.length), self.plan,
+            np.uint64(t.max_records), np.uint64(room), self.plan,
             np.uint64(self.mail_dev.data.ptr), np.uint64(self.mail_dev.data.ptr + 64),
             np.uint64(self.mail_dev.data.ptr + self._at_offsets)))
         self.fn["table_stage"](self.stage_grid, (256,), (
@@ -446,6 +451,11 @@ class DeviceTablePass:
         self.fn["table_finalize"](self.finalize_grid, (256,), (
             self.d_table, self.ids, self.recs, self.plan, np.uint64(dst), np.uint64(ext.lsn), np.uint64(epoch),
             np.uint32(ext.salt)))
+        if prev_commit is not None:
+            self.fn["table_commit"]((1,), (32,), (
+                self.d_table, self.d_order, np.uint32(len(t)), self.d_digests, self.plan, np.uint64(dst),
+                np.uint64(ext.length), np.uint64(ext.lsn), np.uint64(epoch), np.uint32(ext.salt),
+                np.uint64(prev_commit)))
         stream = self.k.stream
         cp.cuda.runtime.memcpyAsync(self.mail_host.ctypes.data + 64 + 4 * len(t), self.d_digests.data.ptr,
                                     4 * len(t), 2, stream.ptr)
@@ -460,13 +470,16 @@ class DeviceTablePass:
         fits, nbytes, records, pages = (int(x) for x in self.mail_plan)
         return fits, nbytes, records
 
-    def launch(self, app, epoch: int, *, defer: bool = False):
+    def launch(self, app, epoch: int, *, defer: bool = False, commit: bool = False):
         """Queue the epoch's detection and staging.  defer: size the extent by
         the epoch's upper bound (`bound`) when that is at most `DEFER_BYTES`
         and a quarter of a segment (the end of a segment too short for it is
         left unused), so that `complete` never stages again and
         can come after the producers moved on; `Launched.deferred` says
-        whether it was (else `complete` must follow before they write)."""
+        whether it was (else `complete` must follow before they write).
+        commit: a deferred epoch's commit record is queued too
+        (`table_commit`): the device commits the epoch, no host step between
+        (`Launched.committed`)."""
         from concordia.checkpoint.table import Launched
 
         t = self.table
@@ -482,14 +495,17 @@ class DeviceTablePass:
             most = self.bound(listed)
             if most <= min(DEFER_BYTES, app.segment_capacity // 4):
                 size, deferred = max(64, most), True
+        committed = commit and deferred
+        if committed:
+            size = most + t.commit_length
         ext = app.reserve_extent(size)
         try:
-            self._stage(ext, epoch)
+            self._stage(ext, epoch, app.last_commit_lsn if committed else None)
             event = self.k.stream.record() if deferred else None
         except BaseException:
             self._abandon(app, ext)
             raise
-        return Launched(ext, epoch, t0, t1, time.perf_counter(), deferred, reads0=reads0, event=event)
+        return Launched(ext, epoch, t0, t1, time.perf_counter(), deferred, committed, reads0=reads0, event=event)
 
     def complete(self, app, got, verify=None):
         """Wait for the launched epoch, stage it again into a larger extent
@@ -520,9 +536,17 @@ class DeviceTablePass:
             if verify is not None:
                 verify()
             counts = self.mail_counts.astype(np.int64)
+            offsets = self.mail_offsets[:records].copy()
+            commit_lsn = 0
+            if got.committed:  # the commit record the device wrote is the extent's last record
+                commit_lsn = ext.lsn + used
+                offsets = np.append(offsets, np.uint64(used))
+                records, used = records + 1, used + t.commit_length
             # the appender checks every header the plan's offsets name and
             # that they tile the bytes used
-            app.finish_extent(ext, used, records, offsets=self.mail_offsets[:records].copy(), trim=got.deferred)
+            app.finish_extent(ext, used, records, offsets=offsets, trim=got.deferred)
+            if got.committed:
+                used -= t.commit_length
             ext = None
         except BaseException:
             self._abandon(app, ext)
@@ -531,7 +555,7 @@ class DeviceTablePass:
         t.last_bytes = used or t.last_bytes
         # staging: the launch's queueing and this wait and finish, not the time between them
         return TableResult(counts, used, got.t1 - got.t0, (got.t2 - got.t1) + (time.perf_counter() - tc),
-                           self.k.reads - got.reads0)
+                           self.k.reads - got.reads0, commit_lsn)
 
     def _abandon(self, app, ext) -> None:
         from concordia.checkpoint.table import abandon

@@ -59,6 +59,16 @@ writes.  An epoch whose bound is large (a region scanned whole by a detector
 of many pages) is waited for as before.  A crash before the commit leaves
 the epoch before it, as a crash inside a waiting checkpoint does.
 
+Where written bytes need no persist call (shared memory, huge pages: the
+backend's `persist_path` is "none"), the pass commits the epoch itself: the
+commit record follows its records in the same extent (table.cu's
+`table_commit`, the twin `table.write_commit`), written after a system-scope
+fence once the records are, so the epoch is durable when the device has run
+the pass, with no host step; `settle` checks that record and takes it on
+(`Appender.adopt_commit`).  On file and pmem tiers the host commits at
+`settle`, after its persist call.  The statistics say `pending` until the
+session has taken the commit on, whoever wrote it.
+
 A log too full to take the epoch (`on_full`, `ON_FULL`): "raise" lets the
 appender's LogFullError out (the detectors have advanced by then, so every
 region's next checkpoint writes it whole: `RegionSet.lose`).  "coalesce"
@@ -234,7 +244,8 @@ class EpochRunner:
         epoch = regions.take_epoch(log.appender.next_epoch)
         if table is not None:
             try:
-                launched = table.launch(log.appender, epoch, defer=not wait)
+                launched = table.launch(log.appender, epoch, defer=not wait,
+                                        commit=not wait and log.appender.backend.persist_path == "none")
             except BaseException:
                 order.before_later_work()
                 self.lose()
@@ -315,7 +326,10 @@ class EpochRunner:
         try:
             got = table.complete(app, launched, verify=order.verify)
             t3 = time.perf_counter()
-            self.commit(app, epoch, table.table.commit_digests())
+            if got.commit_lsn:  # the pass committed the epoch: its record is checked and taken on
+                app.adopt_commit(epoch, got.commit_lsn)
+            else:
+                self.commit(app, epoch, table.table.commit_digests())
             commit_s = time.perf_counter() - t3
         except BaseException:
             self.lose()

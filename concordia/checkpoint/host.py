@@ -114,13 +114,15 @@ class HostTablePass:
                 ids = detect.dirty_pages(t.regions[i], advance=True)
                 flags[int(first[i]) + ids.astype(np.int64)] = 1
 
-    def launch(self, app, epoch: int, *, defer: bool = False):
+    def launch(self, app, epoch: int, *, defer: bool = False, commit: bool = False):
         """Detect, plan and stage the epoch's records into one extent, left
         unfinished for `complete` (the device pass's protocol: here the
         records are written by the time this returns, so any launch may be
         deferred when asked).  An epoch larger than a segment is staged region
-        by region and finished here."""
-        from concordia.checkpoint.table import Launched, TableResult, abandon, counts_of, plan_records
+        by region and finished here.  commit (with defer): write the epoch's
+        commit record after its records as well (`table.write_commit`, the
+        twin of table.cu's table_commit); `Launched.committed` says so."""
+        from concordia.checkpoint.table import Launched, TableResult, abandon, counts_of, plan_records, write_commit
 
         t = self.table
         e = t.entries
@@ -142,8 +144,9 @@ class HostTablePass:
             return Launched(None, epoch, t0, t1, time.perf_counter(), defer, counts=counts, recs=recs, used=used,
                             done=TableResult(counts, got["log_bytes"], t1 - t0, time.perf_counter() - t1, 0))
         ext = None
-        if used:
-            ext = app.reserve_extent(used)
+        commit = commit and defer
+        if used or commit:
+            ext = app.reserve_extent(used + (t.commit_length if commit else 0))
             try:
                 cursor = ref.new_cursor()
                 first = e["first_page"].astype(np.int64)
@@ -155,10 +158,19 @@ class HostTablePass:
                     ref.stage_page_batch(r.flat, local, ext.view, cursor, page_bytes=r.page_bytes,
                                          base_lsn=ext.lsn, epoch=epoch, region_id=r.id, salt=ext.salt)
                     r.crcs[local] = page_crc_table(ext.view, off, n)
+                if commit:
+                    self._digests(counts)
+                    write_commit(t, ext.view, used, int(recs.size), lsn=ext.lsn, epoch=epoch, salt=ext.salt,
+                                 prev_commit=app.last_commit_lsn)
             except BaseException:
                 abandon(app, ext)
                 raise
-        return Launched(ext, epoch, t0, t1, time.perf_counter(), defer, counts=counts, recs=recs, used=used)
+        return Launched(ext, epoch, t0, t1, time.perf_counter(), defer, commit, counts=counts, recs=recs, used=used)
+
+    def _digests(self, counts) -> None:
+        t = self.table
+        for i in np.flatnonzero(counts).tolist():
+            t.digests[i] = ref.region_digest(t.regions[i].crcs)
 
     def complete(self, app, got, verify=None):
         """Finish the launched epoch's extent; the table's digests follow.
@@ -169,16 +181,21 @@ class HostTablePass:
             return got.done
         t = self.table
         tc = time.perf_counter()
+        commit_lsn = 0
         if got.ext is not None:
+            offsets, records, used = got.recs["offset"], int(got.recs.size), got.used
+            if got.committed:  # the commit record the launch wrote is the extent's last record
+                offsets, records, used = np.append(offsets, used), records + 1, used + t.commit_length
+                commit_lsn = got.ext.lsn + got.used
             try:
                 if verify is not None:
                     verify()
-                app.finish_extent(got.ext, got.used, int(got.recs.size), offsets=got.recs["offset"])
+                app.finish_extent(got.ext, used, records, offsets=offsets, trim=got.committed)
             except BaseException:
                 abandon(app, got.ext)
                 raise
-            for i in np.flatnonzero(got.counts).tolist():
-                t.digests[i] = ref.region_digest(t.regions[i].crcs)
+            if not got.committed:
+                self._digests(got.counts)
         t.last_bytes = got.used
-        return TableResult(got.counts, got.used, got.t1 - got.t0, (got.t2 - got.t1) + (time.perf_counter() - tc), 0)
-
+        return TableResult(got.counts, got.used, got.t1 - got.t0, (got.t2 - got.t1) + (time.perf_counter() - tc), 0,
+                           commit_lsn)

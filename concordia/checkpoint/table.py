@@ -90,6 +90,11 @@ class RegionTable:
         self.total_pages = int(pages.sum())
         self.page_bytes = e["page_bytes"].astype(np.int64)
         self.digests = np.array([r.digest for r in self.regions], np.uint32)
+        #: the rows in region-id order: a commit's digests, as a pass that
+        #: commits its own epoch writes them (`write_commit`, table.cu's table_commit)
+        self.commit_order = np.argsort(e["region_id"], kind="stable").astype(np.uint32)
+        #: bytes of this table's commit record
+        self.commit_length = fmt.record_length(fmt.COMMIT_BODY_SIZE + fmt.COMMIT_DIGEST_SIZE * n)
         #: most records an epoch can need (every page dirty)
         per = e["per_record"].astype(np.int64)
         self.max_records = int((-(-pages // per)).sum())
@@ -170,6 +175,20 @@ class RegionTable:
         owner.take_digests(self.regions, self.digests.tolist())
 
 
+def write_commit(table: RegionTable, view: np.ndarray, used: int, records: int, *, lsn: int, epoch: int,
+                 salt: int, prev_commit: int) -> None:
+    """The commit record of a pass that commits its own epoch, at `used` of
+    the extent `view` (whose byte 0 has LSN `lsn`) right after its `records`
+    records, and a zeroed header slot after it when that lies in the extent:
+    the numpy twin of table.cu's `table_commit`, by `wal.format`."""
+    body = fmt.encode_commit_body(records, used, lsn if records else 0,
+                                  (table.entries["region_id"], table.digests[table.entries["digest_slot"]]))
+    n = fmt.encode_record_into(view[used:], type=fmt.REC_COMMIT, lsn=lsn + used, epoch=epoch, salt=salt,
+                               body=body, aux=prev_commit)
+    if used + n + fmt.RECORD_HEADER_SIZE <= view.size:
+        view[used + n:used + n + fmt.RECORD_HEADER_SIZE] = 0
+
+
 def plan_records(entries: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """The records an epoch writes, given each row's dirty-page count: RECORD
     rows, region after region in table order, each region's pages cut into
@@ -198,11 +217,13 @@ def plan_records(entries: np.ndarray, counts: np.ndarray) -> np.ndarray:
 
 class TableResult:
     """What one table pass did: dirty pages per row, record bytes written,
-    seconds detecting and staging, host waits on the device."""
+    seconds detecting and staging, host waits on the device, and where the
+    commit record it wrote lies (`commit_lsn`, 0 when the host commits)."""
 
-    __slots__ = ("counts", "log_bytes", "detect_s", "stage_s", "device_reads")
+    __slots__ = ("counts", "log_bytes", "detect_s", "stage_s", "device_reads", "commit_lsn")
 
-    def __init__(self, counts, log_bytes, detect_s, stage_s, device_reads):
+    def __init__(self, counts, log_bytes, detect_s, stage_s, device_reads, commit_lsn: int = 0):
+        self.commit_lsn = commit_lsn  # the LSN of the commit record the pass wrote (0: none)
         self.counts = counts
         self.log_bytes = log_bytes
         self.detect_s = detect_s
@@ -219,7 +240,9 @@ class Launched:
     The device pass keeps its device reads so far (`reads0`) and, for a
     deferred epoch, the event recorded after its last launch; the host pass
     its plan (`counts`, `recs`, `used`) and, for an epoch staged region by
-    region and finished at launch, the result (`done`)."""
+    region and finished at launch, the result (`done`).  committed: the pass
+    wrote the epoch's commit record itself, right after its records
+    (`write_commit`); the appender adopts it (`Appender.adopt_commit`)."""
 
     ext: object
     epoch: int
@@ -227,6 +250,7 @@ class Launched:
     t1: float
     t2: float
     deferred: bool
+    committed: bool = False
     reads0: int = 0
     event: object = None
     counts: object = None

@@ -11,10 +11,16 @@ commit at the next call (`settle`).  What a caller relies on:
   * a crash before the commit leaves the epoch before it;
   * the log holds the same records as with wait=True;
   * retention goes on (its copies are taken at a launch, while the arrays
-    hold that epoch's state) and the log of four states never fills."""
+    hold that epoch's state) and the log of four states never fills;
+  * where written bytes need no persist call (shared memory), the pass writes
+    the commit record itself, so the epoch is durable once the pass has run,
+    before the next call; the session checks that record and takes it on
+    (`Appender.adopt_commit`), and refuses one that is not what its own
+    commit would have written."""
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import numpy as np
@@ -22,6 +28,10 @@ import pytest
 
 from concordia import Session
 from concordia.policy import Policy
+from tests.conftest import SHM_DIR
+
+from .conftest import _fresh_shm_log
+from .staging_cases import assert_same_log, log_contents
 
 from .test_write_rate import _recover_fresh, _same, decode_in_four_states
 
@@ -39,9 +49,12 @@ def _step(arrays: dict, t: int) -> None:
     arrays["lora"] *= np.float32(0.999)
 
 
-def _run(log: str, steps: int, *, wait: bool, crash_at: int | None = None, copy=None) -> tuple[Session, dict, list]:
+def _run(log: str, steps: int, *, wait: bool, crash_at: int | None = None, copy=None,
+         opened=None) -> tuple[Session, dict, list]:
     arrays = _state()
     s = Session(log, size=64 * MiB, segment_size=4 * MiB, staging="mapped", overwrite=True)
+    if opened is not None:
+        opened(s)
     for k, a in arrays.items():
         s.register(k, a)
     first = s.checkpoint(wait=wait)
@@ -122,16 +135,93 @@ def test_a_crash_before_the_commit_leaves_the_epoch_before_it(tmp_path):
         assert _same(r.recover(), states[stats[4].epoch - 1])
 
 
-def test_pending_epochs_write_the_records_waiting_ones_write(tmp_path):
+@pytest.mark.parametrize("tier", ["file", "shm"])
+def test_pending_epochs_write_the_records_waiting_ones_write(tmp_path, tier):
     got = {}
     for wait in (True, False):
-        s, states, stats = _run(f"file:{tmp_path / f'log-{wait}'}", 12, wait=wait)
+        names = iter([f"file:{tmp_path / f'log-{wait}'}"]) if tier == "file" else _fresh_shm_log()
+        log = next(names)
+        s, states, stats = _run(log, 12, wait=wait)
         s.settle()
         lsn = s.log.appender.last_commit_lsn
+        contents = log_contents(s.log)
         s.close()
+        next(names, None)  # the shm log's name ends: its file is removed
         got[wait] = ([(st.epoch, st.pages, st.bytes, st.log_bytes) for st in stats], s.checkpoint_totals.log_bytes,
                      lsn)
+        # the epochs' own records and commits (retention's BASE records are
+        # taken at a launch, so tagged an epoch later when pending)
+        contents["batches"] = [b for b in contents["batches"] if not b["flags"]]
+        got[wait, "log"] = contents
     assert got[True] == got[False]
+    assert_same_log(got[True, "log"], got[False, "log"])
+
+
+def test_on_shared_memory_the_pass_commits_its_epoch_before_the_next_call(tmp_path, shm_log):
+    """A crash image taken right after checkpoint(wait=False) returned holds
+    that epoch: the pass wrote its commit record (the twin writes it by the
+    time launch returns; the device once the stream reaches it).  The
+    session says the epoch before it until it has taken the commit on."""
+    image = tmp_path / "crash"
+    session, seen = [], []
+
+    def copy():
+        shutil.copyfile(os.path.join(SHM_DIR, shm_log.split(":", 1)[1]), image)
+        seen.append(session[0].epoch)
+
+    s, states, stats = _run(shm_log, 6, wait=False, crash_at=4, copy=copy, opened=session.append)
+    assert stats[4].epoch == stats[3].epoch + 1 and seen == [stats[4].epoch - 1]
+    s.close()
+    with Session(f"file:{image}", create=False) as r:  # the log as a crash after epoch 4's launch left it
+        assert r.epoch == stats[4].epoch
+        for st in stats[:5]:
+            assert _same(r.recover(st.epoch), states[st.epoch]), st.epoch
+
+
+@pytest.mark.parametrize("wrong", ["aux", "count", "epoch", "crc"])
+def test_a_commit_a_pass_wrote_wrong_is_refused_and_nothing_is_adopted(shm_log, wrong):
+    from concordia.checkpoint.table import RegionTable, write_commit
+    from concordia.errors import UsageError
+    from concordia.gpu_kernels import reference as ref
+    from concordia.wal import format as F
+
+    with Session(shm_log, size=64 * MiB, segment_size=4 * MiB, staging="mapped", overwrite=True) as s:
+        a = np.arange(8192, dtype=np.uint8)
+        s.register("a", a)
+        s.checkpoint()
+        app = s.log.appender
+        table = RegionTable(list(s.region_set))
+        epoch, prev = app.next_epoch, app.last_commit_lsn
+        r = table.regions[0]
+        ext = app.reserve_extent(F.page_batch_length(1, r.page_bytes) + table.commit_length)
+        used = records = 0
+        if wrong != "count":  # one page batch of the epoch before the commit
+            cursor = ref.new_cursor()
+            ref.stage_page_batch(r.flat, np.array([0], np.uint32), ext.view, cursor, page_bytes=r.page_bytes,
+                                 base_lsn=ext.lsn, epoch=epoch, region_id=r.id, salt=ext.salt)
+            used, records = int(cursor[ref.CURSOR_USED]), 1
+        write_commit(table, ext.view, used, 1, lsn=ext.lsn, epoch=epoch + (wrong == "epoch"), salt=ext.salt,
+                     prev_commit=prev + 64 * (wrong == "aux"))
+        if wrong == "crc":
+            ext.view[used + 64 + 36] ^= 1  # the digest's first byte
+        app.finish_extent(ext, used + table.commit_length, records + 1,
+                          offsets=np.array([0, used][-(records + 1):], np.uint64), trim=True)
+        with pytest.raises(UsageError, match="invalid commit record written by a producer") as e:
+            app.adopt_commit(epoch, ext.lsn + used)
+        assert "\n" not in str(e.value) and f"commit of epoch {epoch}" in str(e.value)
+        assert app.last_committed_epoch == epoch - 1 and app.last_commit_lsn == prev and s.epoch == epoch - 1
+
+
+def test_a_commit_is_adopted_only_where_writes_need_no_persist_call(tmp_path):
+    from concordia.errors import UsageError
+
+    with Session(f"file:{tmp_path / 'log'}", size=64 * MiB, segment_size=4 * MiB) as s:
+        s.register("a", np.zeros(4096, np.uint8))
+        s.checkpoint()
+        app = s.log.appender
+        with pytest.raises(UsageError, match="only where writes need no persist call, not on a msync tier"):
+            app.adopt_commit(app.next_epoch, app.last_commit_lsn)
+        assert s.epoch == 1
 
 
 @pytest.mark.slow
@@ -168,14 +258,19 @@ def test_device_pending_epochs_hold_their_step_and_write_what_waiting_ones_write
     checkpointed with wait=False on a shm log (the device table pass): each
     epoch is queued, reserved at its upper bound and trimmed to its records,
     so the log holds what a waiting run and the numpy twin write; writes the
-    caller queues right after the call (zeroing every array) are in no epoch."""
+    caller queues right after the call (zeroing every array) are in no epoch.
+    The device commits each epoch itself (table.cu's table_commit): once the
+    stream has run the pass, a crash image holds the epoch, before the
+    session's next call."""
+    import shutil
+
     import cupy as cp
 
     from concordia.regions.region import position_page_bytes
     from tests.conftest import shm_test_name
     from tests.session.staging_cases import assert_same_log, log_contents
 
-    def run(log, xp, wait, staging):
+    def run(log, xp, wait, staging, image=None):
         rng = np.random.default_rng(5)
         host_kv = np.zeros((4, 8, 96, 128), np.float16)
         host_ad = rng.standard_normal(16384).astype(np.float32)
@@ -203,6 +298,10 @@ def test_device_pending_epochs_hold_their_step_and_write_what_waiting_ones_write
                 kv[...] = 0  # queued after the call: the epoch must not see it
                 ad[...] = 0
                 kv[...], ad[...] = saved
+            if image is not None:  # the device has run the last pass: no host step has committed it
+                cp.cuda.get_current_stream().synchronize()
+                shutil.copyfile(f"/dev/shm/{log.split(':', 1)[1]}", image)
+                assert s.epoch == stats[-1].epoch - 1
             s.settle()
             got = {e: s.recover(e) for e in (stats[5].epoch, stats[-1].epoch)}
             return stats, log_contents(s.log), got, states, queued
@@ -214,7 +313,12 @@ def test_device_pending_epochs_hold_their_step_and_write_what_waiting_ones_write
     try:
         twin = run(f"file:{tmp_path / 'twin.log'}", np, False, "mapped")
         waiting = run(f"shm:{name}", cp, True, "auto")
-        pending = run(f"shm:{name}", cp, False, "auto")
+        pending = run(f"shm:{name}", cp, False, "auto", image=tmp_path / "image")
+        with Session(f"file:{tmp_path / 'image'}", create=False) as r:
+            last = pending[0][-1].epoch
+            assert r.epoch == last
+            arrays = r.recover(last)
+            assert host(arrays["kv"]).tobytes() == pending[3][last][0].tobytes()
         assert all(pending[4]) and not any(waiting[4]) and not any(st.pending for st in pending[0])
         assert all(set(st.via.values()) == {"gpu-mapped"} for st in pending[0][1:])
         for other in (twin, waiting):

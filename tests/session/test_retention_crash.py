@@ -212,3 +212,30 @@ def test_kills_around_switches_that_list_image_entries_lose_nothing(tmp_path):
 def test_kills_at_random_times_of_a_session_whose_epochs_are_images_lose_nothing(tmp_path):
     path = "file:" + str(tmp_path / "log")
     assert kill_at_random_lines(CHILD_IMAGES, path, 5, 30, random.Random(11), _check_images) > 0
+
+
+# Pending epochs on shared memory (`checkpoint(wait=False)`, staging="mapped",
+# the twin of the device's table pass): the pass writes each epoch's commit
+# record itself, so an epoch printed (its checkpoint call returned) is
+# committed; kills just before and after that record, around retention's
+# switches and at random times lose nothing.
+CHILD_PENDING = _edit(_edit(_edit(
+    CHILD, "policy=policy)", 'policy=policy, staging="mapped")'),
+    "    s.checkpoint()\n", "    s.checkpoint(wait=False)\n"),
+    'wrap(Volume, "write_superblock", "switch", before=False)\n',
+    'wrap(Volume, "write_superblock", "switch", before=False)\n'
+    'import concordia.checkpoint.table as T\n'
+    'wrap(T, "write_commit", "commit")                              # around the commit a pass writes\n')
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["commit", "switch"])
+def test_kills_around_the_commits_pending_passes_write_lose_nothing(shm_log, where):
+    rng = random.Random(31 if where == "commit" else 32)
+    points = [rng.randint(2, 60) if where == "commit" else rng.randint(1, 12) for _ in range(6)]
+    assert _kill_runs(CHILD_PENDING, shm_log, 6, points, where, _check) >= 5
+
+
+@pytest.mark.slow
+def test_kills_at_random_times_of_pending_epochs_lose_nothing(shm_log):
+    assert kill_at_random_lines(CHILD_PENDING, shm_log, 5, 30, random.Random(13), _check) > 0

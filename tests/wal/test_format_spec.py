@@ -31,6 +31,7 @@ SPEC = (WAL_DIR / "FORMAT.md").read_text()
 KERNEL_DIR = Path(ref.__file__).resolve().parent
 STAGE_CU = (KERNEL_DIR / "stage.cu").read_text()
 COMMON_CUH = (KERNEL_DIR / "common.cuh").read_text()
+TABLE_CU = (KERNEL_DIR / "table.cu").read_text()
 
 MODULES = {"format": F, "catalog": S}
 STRUCT_REF = re.compile(r"`(format|catalog)\.([A-Z_]+)`,\s*(\d+) bytes")
@@ -456,36 +457,51 @@ def test_stage_kernel_constants():
 
 
 def test_the_one_header_writer_writes_the_format_bytes():
-    """Evaluate the 16 header words common.cuh's write_page_batch_header (the
-    one writer: stage.cu's kernels and table.cu's call it) assembles and
-    compare the bytes with format.encode_record_header for the same fields."""
-    body = COMMON_CUH[COMMON_CUH.index("void write_page_batch_header"):]
+    """Evaluate the 16 header words common.cuh's write_record_header (the one
+    writer: write_page_batch_header for stage.cu's and table.cu's page
+    batches, table.cu's commit) assembles and compare the bytes with
+    format.encode_record_header for the same fields, page batches and commits."""
+    body = COMMON_CUH[COMMON_CUH.index("void write_record_header"):]
     body = body[:body.index("\n}\n")]
     words = dict(re.findall(r"\bh\[(\d+)\] = ([^;]+);", body))
     assert sorted(int(k) for k in words) == list(range(16)) and words["15"] == "~hc"
     n = int(_find(r"for \(int w = 0; w < (\d+); \+\+w\) hc = crc_word\(T, hc, h\[w\]\);", body).group(1))
     assert "u32 hc = 0xFFFFFFFFu;" in body and 4 * n == F.RECORD_HEADER_CRC_OFF
+    assert _cdefine(COMMON_CUH, "TYPE_COMMIT") == F.REC_COMMIT and _cdefine(COMMON_CUH, "NO_REGION") == F.NO_REGION
     rng = np.random.default_rng(11)
-    fns = {int(k): _c_expr(v, {"TYPE_PAGE_BATCH": _cdefine(COMMON_CUH, "TYPE_PAGE_BATCH")})
-           for k, v in words.items() if k != "15"}
-    for pb in (64, 4096, 1 << 20):
+    fns = {int(k): _c_expr(v, {}) for k, v in words.items() if k != "15"}
+    cases = []
+    for pb in (64, 4096, 1 << 20):  # page batches: aux 0, flags 0 or BASE
         for _ in range(20):
             count = int(rng.integers(1, 5000))
-            f = dict(length=F.page_batch_length(count, pb), lsn=int(rng.integers(1, 1 << 62)),
-                     epoch=int(rng.integers(1, 1 << 62)), region_id=int(rng.integers(0, 1 << 32)),
-                     salt=int(rng.integers(1, 1 << 32)), body_crc=int(rng.integers(0, 1 << 32)), count=count,
-                     flags=int(rng.choice([0, F.FLAG_BASE])))
-            head = struct.pack("<15I", *(fns[i](page_bytes=pb, **f) for i in range(15)))
-            head += struct.pack("<I", F.crc32c(head))
-            want = F.encode_record_header(type=F.REC_PAGE_BATCH, page_bytes=pb, **f)
-            assert head == want, (pb, f)
+            cases.append(dict(type=F.REC_PAGE_BATCH, page_bytes=pb, aux=0, length=F.page_batch_length(count, pb),
+                              count=count, flags=int(rng.choice([0, F.FLAG_BASE])),
+                              region_id=int(rng.integers(0, 1 << 32))))
+    for _ in range(20):  # commits: no region, the previous commit's LSN in aux
+        count = F.COMMIT_BODY_SIZE + F.COMMIT_DIGEST_SIZE * int(rng.integers(0, 70000))
+        cases.append(dict(type=F.REC_COMMIT, page_bytes=0, aux=int(rng.integers(0, 1 << 62)), flags=0,
+                          length=F.record_length(count), count=count, region_id=F.NO_REGION))
+    for f in cases:
+        f.update(lsn=int(rng.integers(1, 1 << 62)), epoch=int(rng.integers(1, 1 << 62)),
+                 salt=int(rng.integers(1, 1 << 32)), body_crc=int(rng.integers(0, 1 << 32)))
+        head = struct.pack("<15I", *(fns[i](**f) for i in range(15)))
+        head += struct.pack("<I", F.crc32c(head))
+        assert head == F.encode_record_header(**f), f
     # FORMAT.md §6.1: words [16, 64) first, a system fence, then [0, 16) with the length word
     stores = body[body.index("uint4* out"):]
     assert re.search(r"out\[3\].*out\[2\].*out\[1\].*__threadfence_system\(\);\s*out\[0\] =", stores, re.S)
-    # every kernel that finishes a page-batch record calls it; none assembles a header of its own
+    # a page batch's header is the one writer's with its type and aux 0
+    batch = COMMON_CUH[COMMON_CUH.index("void write_page_batch_header"):]
+    batch = batch[:batch.index("\n}\n")]
+    assert ("write_record_header(T, rec, length, TYPE_PAGE_BATCH, flags, lsn, epoch, region_id, salt, body_crc, "
+            "count,\n                        page_bytes, 0);") in batch
+    # every kernel that finishes a record calls it; none assembles a header of its own
     for name in ("stage.cu", "table.cu"):
         text = (REPO / "gpu_kernels" / name).read_text()
         assert "write_page_batch_header(" in text and not re.search(r"\bh\[0\] =", text), name
+    commit = TABLE_CU[TABLE_CU.index("table_commit("):]
+    assert ("write_record_header(T, rec, length, TYPE_COMMIT, 0, lsn_base + p.bytes, epoch, NO_REGION, salt,\n"
+            "                            crc_of_raw(raw, body), body, 0, prev_commit);") in commit
     stage = STAGE_CU[STAGE_CU.index("stage_finalize"):]
     assert "write_page_batch_header(T, dst + off, length, lsn_base + off, epoch, region_id, salt, flags, count, " \
            "PAGE_BYTES,\n                            page_batch_body_crc(raw, count));" in stage
