@@ -18,11 +18,10 @@ The session is a facade over the rooms that do the work:
     retention    automatic bases and compaction after each commit
     executor     who runs an epoch: the caller's thread, or the resident executor
 
-Regions keep their framework and dtype: a bfloat16 or float8 torch tensor is
-registered as it is (the log names its logical dtype beside the byte layout)
-and `recover()` hands back a torch tensor of that dtype.  A checkpoint is
-ordered after each region's producer stream and a recovery into device
-tensors before their later work (`regions.streams.StreamOrder`).
+Regions keep their framework and dtype: a bfloat16 or float8 torch tensor is registered as it is (the log
+names its logical dtype beside the byte layout) and `recover()` hands back a torch tensor of that dtype.  A
+checkpoint is ordered after each region's producer stream and a recovery into device tensors before their
+later work (`regions.streams.StreamOrder`).
 
 Bad input raises a one-line `SessionError` subclass before anything is written.
 """
@@ -158,15 +157,14 @@ class Session:
         self.close()
 
     def close(self) -> None:
-        """Close the log (when this session opened it).  Registered arrays are
-        left as they are; committed epochs stay in the log."""
+        """Close the log (when this session opened it); registered arrays and committed epochs stay as they are."""
         if self._closed:
             return
         try:
+            if self.resident is not None:  # no trigger epoch after this: its arena is taken on by `settle`
+                self.resident.close()
             self.settle()  # a pending epoch commits before the log closes
         finally:
-            if self.resident is not None:
-                self.resident.close()
             self._closed = True
             self._close_rest()
 
@@ -240,8 +238,7 @@ class Session:
         self.settle()
         where = f"region {name!r}"
         if not isinstance(name, str) or not name or len(name) > 255:
-            raise SessionError("a region name is a non-empty string of at most 255 characters",
-                               where=f"region {name!r}")
+            raise SessionError("a region name is a non-empty string of at most 255 characters", where=where)
         if kind not in KINDS:
             raise SessionError(f"unknown kind {kind!r} (use {', '.join(KINDS)})", where=where)
         if detect not in DETECTORS:
@@ -314,9 +311,8 @@ class Session:
             return sum(int(detect.dirty_pages(r, advance=False).size) * r.page_bytes for r in self.region_set)
 
     def before_checkpoint(self, fn) -> None:
-        """Call `fn()` at the start of every checkpoint, before any region is
-        read or ordered against its producer stream: for state an integration
-        mirrors into a registered array (the host-side counters of a
+        """Call `fn()` at the start of every checkpoint, before any region is read or ordered against its
+        producer stream: for state an integration mirrors into a registered array (the host-side counters of a
         framework's cache), queued on the caller's current stream."""
         if not callable(fn):
             raise SessionError(f"before_checkpoint takes a callable, not {fn!r}")
@@ -326,8 +322,12 @@ class Session:
         """Commit the epoch a `checkpoint(wait=False)` left pending, waiting
         for its device work (done long since, as a rule); returns its
         statistics (the object that call returned, now filled), or None when
-        nothing was pending.  Every call that reads or writes the log, or
-        changes the regions, settles first; so does `close`."""
+        nothing was pending.  Every call that reads or writes the log, or changes the regions, settles first; so
+        does `close`.  A trigger's epochs committed in an arena (checkpoint/arena.py) are taken on first."""
+        for stats in self.runner.adopt_arena(self.log):
+            self.checkpoints.append(stats)
+            self.checkpoint_totals.add(stats)
+            self.retention.after_commit(stats, moved=True)
         stats = self.runner.settle()
         if stats is not None:
             self.checkpoint_totals.add(stats)

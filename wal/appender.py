@@ -322,9 +322,11 @@ class Appender:
             raise
         self.persist(res)
 
-    def finish_extent(self, ext: Extent, used_bytes: int, records: int, offsets=None, *, trim: bool = False) -> None:
-        """The producer wrote `records` records into the first `used_bytes` of
-        `ext`; check, pad the rest, persist.  offsets: where the producer says
+    def finish_extent(self, ext: Extent, used_bytes: int, records: int | None, offsets=None, *,
+                      trim: bool = False) -> None:
+        """The producer wrote `records` records (None: as many as the walk
+        finds) into the first `used_bytes` of `ext`; check, pad the rest,
+        persist.  offsets: where the producer says
         its records start (ascending, from 0): their headers are then checked
         all at once instead of walked one by one (the same checks).
         trim: when nothing was taken after `ext`, give its unused end back
@@ -334,7 +336,7 @@ class Appender:
         self._check_running()
         if self.outstanding.pop(ext.id, None) is None:
             raise UsageError("extent already finished or not from this appender")
-        if offsets is None or records <= 8:  # a few headers: the walk costs less than the arrays
+        if offsets is None or records is None or records <= 8:  # a few headers: the walk costs less
             used = self._account(ext, F.align64(used_bytes), records)
         else:
             used = self._account_at(ext, F.align64(used_bytes), records, offsets)

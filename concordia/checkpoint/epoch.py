@@ -92,9 +92,9 @@ import time
 
 import numpy as np
 
-from concordia.checkpoint import detect
+from concordia.checkpoint import arena, detect
 from concordia.checkpoint.device import DeviceKernels
-from concordia.checkpoint.host import HostKernels
+from concordia.checkpoint.host import HostKernels, HostTablePass
 from concordia.checkpoint.staging import Stager, register_mapping, stage_region
 from concordia.checkpoint.stats import CheckpointStats
 from concordia.checkpoint.table import RegionTable
@@ -140,6 +140,9 @@ class EpochRunner:
         #: the epoch queued by run(wait=False) and not yet committed:
         #: (launched pass, table pass, its CheckpointStats, appender), or None
         self.pending = None
+        #: the arena a trigger's epochs are committed into, or None (`open_arena`); how many were opened
+        self.arena = None
+        self.arenas = 0
 
     @property
     def registration(self):
@@ -173,6 +176,73 @@ class EpochRunner:
         self._table = None
         self.regions.lose()
 
+    # -- epochs a consumer commits itself (arena.py) ---------------------------------
+    def open_arena(self, log, reason: str = "trigger") -> str | None:
+        """Reserve an arena for a trigger's epochs (`arena.Arena`); returns
+        why there is none (the epochs then go through the session), or None.
+        The caller holds the regions' lock and has settled any pending epoch."""
+        if self.arena is not None:
+            return None
+        tp = self.table_pass(log)
+        if tp is None:
+            return ("the regions take no single table pass (every region on one mapped staging path, "
+                    "each with its first epoch committed)")
+        if not isinstance(tp, HostTablePass):
+            return "the device's EPOCH handler is not built: a device table's epochs go through the session"
+        why = arena.why_not(tp.table, log.appender.backend)
+        if why is None:
+            try:
+                self.arena = arena.Arena(log.appender, tp.table,
+                                         max(self.regions.next_epoch, log.appender.next_epoch), reason=reason)
+                self.arenas += 1
+            except ValueError as exc:  # an epoch larger than the arena a segment leaves
+                why = str(exc)
+        return why
+
+    def arena_take(self) -> int | None:
+        """One epoch into the open arena (the consumer's); its number, or None
+        when the arena had no room for it (counted as missed)."""
+        tp = self._table[1]
+        if not tp.table.unchanged():
+            for r in self.regions:
+                r.check_unchanged()  # before anything is written
+        try:
+            return self.arena.take(tp)
+        except BaseException:
+            self.lose()
+            raise
+
+    def adopt_arena(self, log) -> list:
+        """Take the open arena's epochs on (`Arena.adopt`) and close it: the
+        statistics of each (the arena's reason, taken by the resident
+        executor), in order.  A failure makes every region's next checkpoint
+        whole."""
+        with self.regions.lock:
+            a, self.arena = self.arena, None
+            if a is None:
+                return []
+            try:
+                got = a.adopt(log.appender)
+            except BaseException:
+                self.lose()
+                raise
+            finally:
+                self.regions.next_epoch = max(self.regions.next_epoch, a.word("last_epoch") + 1)
+        t = a.table
+        out = []
+        for epoch, _, pages, log_bytes in got:
+            counts = np.zeros(len(t.names), np.int64)
+            for row, n in pages.items():
+                counts[row] = n
+            st = CheckpointStats.of_table(epoch, a.reason, t.names, counts, "cpu-mapped",
+                                          int(counts @ t.page_bytes), log_bytes, 0.0, 0.0, 0.0, 0)
+            st.executor = "resident"
+            out.append(st)
+            self.paths["cpu-mapped"] += len(t.names)
+        if out:
+            self.last_log_bytes = int(out[-1].log_bytes)
+        return out
+
     # -- one epoch ---------------------------------------------------------------
     @contextlib.contextmanager
     def asking(self, on_full: str):
@@ -200,7 +270,7 @@ class EpochRunner:
         if not isinstance(wait, bool):
             raise SessionError(f"wait must be True or False, not {wait!r}", where="checkpoint")
         on_full = self._asked or on_full
-        if self.pending is not None:
+        if self.pending is not None or self.arena is not None:
             raise SessionError("an epoch is still pending: settle() it first", where="checkpoint")
         try:
             stats = self._run(log, reason, stream, on_full, left, wait)

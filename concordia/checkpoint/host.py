@@ -148,16 +148,7 @@ class HostTablePass:
         if used or commit:
             ext = app.reserve_extent(used + (t.commit_length if commit else 0))
             try:
-                cursor = ref.new_cursor()
-                first = e["first_page"].astype(np.int64)
-                for rec in recs.tolist():  # (lo, offset, length, region, count)
-                    lo, off, _, row, n = rec
-                    r = t.regions[row]
-                    local = (ids[lo:lo + n] - first[row]).astype(np.uint32)
-                    cursor[ref.CURSOR_USED] = off
-                    ref.stage_page_batch(r.flat, local, ext.view, cursor, page_bytes=r.page_bytes,
-                                         base_lsn=ext.lsn, epoch=epoch, region_id=r.id, salt=ext.salt)
-                    r.crcs[local] = page_crc_table(ext.view, off, n)
+                self._stage(ext.view, ids, recs, lsn=ext.lsn, salt=ext.salt, epoch=epoch)
                 if commit:
                     self._digests(counts)
                     write_commit(t, ext.view, used, int(recs.size), lsn=ext.lsn, epoch=epoch, salt=ext.salt,
@@ -166,6 +157,42 @@ class HostTablePass:
                 abandon(app, ext)
                 raise
         return Launched(ext, epoch, t0, t1, time.perf_counter(), defer, commit, counts=counts, recs=recs, used=used)
+
+    def _stage(self, view, ids, recs, *, lsn: int, salt: int, epoch: int) -> None:
+        """The records of the plan `recs` into `view` (byte 0 at LSN `lsn`),
+        each page's CRC into its region's table."""
+        t = self.table
+        cursor = ref.new_cursor()
+        first = t.entries["first_page"].astype(np.int64)
+        for rec in recs.tolist():  # (lo, offset, length, region, count)
+            lo, off, _, row, n = rec
+            r = t.regions[row]
+            local = (ids[lo:lo + n] - first[row]).astype(np.uint32)
+            cursor[ref.CURSOR_USED] = off
+            ref.stage_page_batch(r.flat, local, view, cursor, page_bytes=r.page_bytes,
+                                 base_lsn=lsn, epoch=epoch, region_id=r.id, salt=salt)
+            r.crcs[local] = page_crc_table(view, off, n)
+
+    def stage_into(self, view, *, lsn: int, salt: int, epoch: int, prev_commit: int) -> int:
+        """One epoch into `view` (byte 0 at LSN `lsn`), with no appender:
+        detect, plan, stage, then the commit record after the records
+        (`table.write_commit`); returns the record bytes before the commit.
+        The caller made sure the most the epoch can write fits (`arena.Arena`)."""
+        from concordia.checkpoint.table import counts_of, plan_records, write_commit
+
+        t = self.table
+        self.detect()
+        ids = np.flatnonzero(self.flags)
+        counts = counts_of(t.entries, ids, t.total_pages)
+        recs = plan_records(t.entries, counts)
+        used = int(recs["length"].sum()) if recs.size else 0
+        if used + t.commit_length > view.size:
+            raise ValueError(f"an epoch of {used} record bytes does not fit the {view.size} bytes given")
+        self._stage(view, ids, recs, lsn=lsn, salt=salt, epoch=epoch)
+        self._digests(counts)
+        write_commit(t, view, used, int(recs.size), lsn=lsn, epoch=epoch, salt=salt, prev_commit=prev_commit)
+        t.last_bytes = used
+        return used
 
     def _digests(self, counts) -> None:
         t = self.table

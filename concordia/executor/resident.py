@@ -58,6 +58,17 @@ the state and each epoch records the step it holds.  That point is one of the
 caller's stream, not of its steps: it can fall between two launches of one
 step (a step boundary needs a gate).
 
+Where a trigger's epochs go.  On a tier whose writes need no persist call,
+with every region in one table pass whose detectors run without the host
+(shadow copies, fingerprints), the consumer writes each epoch, records and
+commit, into the session's arena (`checkpoint/arena.py`): an extent reserved
+ahead, no appender, no commit call, no retention, durable when written; the
+session's next call takes the epochs on (`Session.settle`).  That is the
+protocol of the device's EPOCH handler, which a GPU consumer cannot run
+otherwise; the CPU consumer also does the host's part (opening an arena,
+taking on a full one).  Otherwise (`info()["trigger"]["arena_why"]` says why)
+the epoch is the session's checkpoint run on the consumer.
+
 The limit on the CPU: the consumer is a Python thread, so it runs only while
 the caller's thread does not hold the GIL.  A caller stalled in `time.sleep`,
 in a numpy operation that releases the GIL, or in another process leaves
@@ -274,6 +285,7 @@ class Trigger:
         self.streams: list = []   # the arming thread's device and streams (resident.caller_streams)
         self.producers: list = []  # with no gate: those streams, held for each epoch (regions.streams.Holds)
         self.holds = None
+        self.in_arena = 0  # epochs it took into the session's arena (ResidentExecutor._arena_epoch)
 
     @property
     def label(self) -> str:
@@ -309,6 +321,8 @@ class ResidentExecutor:
         self._wake = threading.Event()
         self._by_kind: tuple | None = None   # (RegionSet version, regions per kind)
         self._gateless_ok = None   # the RegionSet version found all on the device (`_check_gateless`)
+        #: why a trigger's epochs go through the session, not into an arena (None: they did, or none was tried)
+        self.arena_why: str | None = None
         self.ring = Ring.allocate(capacity, where="session ring")
         self.submitter = _WakingSubmitter(self.ring, self._consumer(self._kinds_of(regions)),
                                           stall_deadline_s=STALL_DEADLINE_S, wake=self._wake)
@@ -472,6 +486,37 @@ class ResidentExecutor:
     def _epoch(self, reason: str, stream=None):
         """The epoch, on the consumer: every kind's handler from the table, then
         the session's pass and commit (`Session.checkpoint` run here)."""
+        self._run_kinds()
+        stats = self.session.checkpoint(reason=reason, stream=stream)
+        stats.executor = "resident"
+        self.epochs += 1
+        return stats
+
+    def _arena_epoch(self, reason: str) -> int | None:
+        """A trigger's epoch into the session's arena (checkpoint/arena.py), the
+        twin of the device's EPOCH handler: the table pass writes the records
+        and the commit, with no appender, commit call or retention; the
+        session's next call takes it on.  An arena is opened when none is
+        (the host's part: a GPU consumer has it opened ahead), and one with no
+        room left is taken on and replaced here (also the host's part; a CPU
+        consumer is a host thread).  Returns the epoch, or None when the
+        session's epochs cannot go into an arena (`arena_why` says why)."""
+        runner = self.session.runner
+        for _ in range(2):
+            if runner.arena is None:
+                self.arena_why = None if runner.pending is not None else runner.open_arena(self.session.log, reason)
+                if runner.arena is None:
+                    return None
+            self._run_kinds()
+            epoch = runner.arena_take()
+            if epoch is not None:
+                self.epochs += 1
+                return epoch
+            self.session.settle()  # full: its epochs taken on (retention runs), then another arena
+        return None
+
+    def _run_kinds(self) -> None:
+        """Every kind's handler from the operator table, once per epoch."""
         cached = self._by_kind
         if cached is None or cached[0] != self.regions.version:  # counted again only when the regions changed
             cached = self._by_kind = (self.regions.version, self.regions.kinds())
@@ -484,10 +529,6 @@ class ResidentExecutor:
                                     where=f"executor {self.consumer.executor_id}",
                                     hint="register regions through the Session, which swaps one in")
             fn(_KindTask(n))
-        stats = self.session.checkpoint(reason=reason, stream=stream)
-        stats.executor = "resident"
-        self.epochs += 1
-        return stats
 
     def commit(self, app, epoch: int, digests) -> None:
         """The commit of an epoch (the session's commit callable): by the consumer where it can
@@ -600,17 +641,20 @@ class ResidentExecutor:
                     with self.lock:
                         if not tr.armed:   # disarmed while this poll waited for the lock
                             return False
-                        if tr.holds is None:
+                        epoch = self._arena_epoch(tr.label) if tr.holds is None else None
+                        if epoch is None and tr.holds is None:
                             with as_caller(tr.streams):
-                                stats = self._epoch(tr.label)
+                                epoch = self._epoch(tr.label).epoch
+                        elif epoch is None:
+                            epoch = self._held_epoch(tr).epoch
                         else:
-                            stats = self._held_epoch(tr)
+                            tr.in_arena += 1
                 finally:
                     self._local.inside = False
             finally:
                 if gate is not None:
                     gate.open()
-            tr.fired.append((int(stats.epoch), count))
+            tr.fired.append((int(epoch), count))
             tr.next_at = (count // tr.every + 1) * tr.every
         except Exception as exc:  # the trigger stops and says why; the consumer goes on
             tr.errors.append(f"{type(exc).__name__}: {exc}")
@@ -640,7 +684,8 @@ class ResidentExecutor:
                 "commit_by": self.commit_by, "epochs": self.epochs, "kinds": dict(self.kinds_seen),
                 "handlers": sorted(self.kinds), "swaps": len(self.swaps),
                 "trigger": None if tr is None else {"every": tr.every, "counter": getattr(tr.counter, "kind", "?"),
-                                                    "fired": len(tr.fired), "armed": tr.armed},
+                                                    "fired": len(tr.fired), "armed": tr.armed,
+                                                    "in_arena": tr.in_arena, "arena_why": self.arena_why},
                 "device_epoch_handler": False}
 
     def _check_open(self) -> None:

@@ -262,7 +262,9 @@ def test_gil_releasing_stall_epochs_commit_at_the_trigger_rate_and_recover_ident
             np.testing.assert_array_equal(s.recover(epoch)["a"], _step_state(count), err_msg=f"epoch {epoch}")
         assert [c.reason for c in list(s.checkpoints)[1:]] == ["trigger:steps"] * fired
         assert all(c.executor == "resident" for c in s.checkpoints)
-        assert s.resident.info()["trigger"] == {"every": 6, "counter": "steps", "fired": fired, "armed": False}
+        # on shm, each epoch went into the session's arena: the device's protocol (checkpoint/arena.py)
+        assert s.resident.info()["trigger"] == {"every": 6, "counter": "steps", "fired": fired, "armed": False,
+                                                "in_arena": fired, "arena_why": None}
 
 
 def test_a_trigger_on_a_file_tier_commits_through_the_host_committer(file_log):
@@ -276,6 +278,7 @@ def test_a_trigger_on_a_file_tier_commits_through_the_host_committer(file_log):
         wait_for_epochs(s.resident, 3, 10.0)
         assert not tr.errors and len(tr.fired) >= 1
         assert s.resident._committer is not None
+        assert tr.in_arena == 0 and "msync tier needs a persist call" in s.resident.info()["trigger"]["arena_why"]
         epoch, count = tr.fired[-1]
     with new_session(file_log, create=False) as r:
         np.testing.assert_array_equal(r.recover(epoch)["a"], _step_state(count))
@@ -516,3 +519,56 @@ def test_a_trigger_epoch_whose_hold_timed_out_is_refused_not_committed(shm_log, 
         assert st.epoch > first and st.pages["a"] == a.nbytes // 4096
         got = s.recover()
         assert s.last_recovery.epoch == st.epoch and int(got["a"][0, 0]) == 2
+
+
+def test_a_triggers_epochs_are_committed_in_an_arena_with_no_host_step(shm_log, tmp_path):
+    """On shm the consumer writes each trigger epoch's records and its commit
+    into an arena reserved ahead (checkpoint/arena.py: the protocol of the
+    device's EPOCH handler, no appender, no commit call): a crash image taken
+    after the stall, before any call of the caller's, holds every epoch fired;
+    the caller's next call takes them on, and an arena that filled was taken
+    on and replaced by the consumer on the way."""
+    import os
+    import shutil
+
+    from tests.conftest import SHM_DIR
+
+    with new_session(shm_log, executor="resident", policy=None) as s:
+        a = np.zeros((32, 1024), np.uint32)
+        s.register("a", a)
+        base = s.checkpoint().epoch
+        counter, gate = StepCounter(), PauseGate()
+        tr = s.resident.trigger(every=1, counter=counter, gate=gate)
+
+        def producer():  # each step waits for its epoch (bounded), so that every step is one: no timing
+            for k in range(1, 401):
+                with gate.step():
+                    a[(k * 7) % 32, k % 1024] = k
+                    counter.add(1)
+                deadline = time.monotonic() + 30
+                while len(tr.fired) < k and not tr.errors and time.monotonic() < deadline:
+                    time.sleep(1e-4)
+
+        dev = threading.Thread(target=producer)
+        dev.start()
+        dev.join(120)
+        assert not dev.is_alive()
+        s.resident.disarm()
+        assert not tr.errors, tr.errors
+        last, count = tr.fired[-1]
+        assert [c for _, c in tr.fired] == list(range(1, 401))
+        # 400 epochs of one page each fill an arena (it keeps room for a whole-table epoch): another is opened
+        assert tr.in_arena == 400 and s.runner.arenas >= 2, s.runner.arenas
+        image = tmp_path / "image"
+        shutil.copyfile(os.path.join(SHM_DIR, shm_log.split(":", 1)[1]), image)
+        assert s.log.last_committed_epoch < last  # the open arena's epochs are not taken on yet
+        with Session(f"file:{image}", create=False) as r:  # ... but are committed in the log
+            assert r.epoch == last
+            np.testing.assert_array_equal(r.recover()["a"], _step_state(count))
+        s.settle()
+        assert s.epoch == last and s.runner.arena is None
+        kept = [c.epoch for c in s.checkpoints]  # the newest CHECKPOINTS_KEPT
+        assert kept == ([base] + [e for e, _ in tr.fired])[-len(kept):]
+        for epoch, count in tr.fired[::37]:
+            np.testing.assert_array_equal(s.recover(epoch)["a"], _step_state(count), err_msg=f"epoch {epoch}")
+        assert s.checkpoint().epoch == last + 1  # the caller's own epochs follow

@@ -1,0 +1,171 @@
+"""Epochs a consumer commits with no host step: the arena.
+
+A resident executor's trigger takes epochs while the caller's thread does
+nothing for them (it may be stalled, or hold the GIL).  Such an epoch cannot
+ask the log's appender for space or commit through it, so the space is
+reserved ahead: an arena is one extent of the log (`Appender.reserve_extent`)
+into which the consumer writes epoch after epoch, each one's page batches and
+then its own commit record (a table pass's `stage_into`, the records the
+device's table pass writes, the commit by `table.write_commit` / table.cu's
+`table_commit`).  What the consumer needs to go on lives in a few words
+(`WORDS`): the bytes used so far, the LSN of the last commit (the next one's
+`aux`), the last epoch, the epochs taken and the triggers missed for want of
+room.  A GPU consumer keeps them in memory it maps, the CPU twin in a numpy
+array; `take` is the twin of the device's EPOCH handler.
+
+An epoch is taken only when the arena still has room for the most its
+records can need (`bound`: every page of every row, all written) and its
+commit, so that detection, which moves the detectors on, never runs for an
+epoch that could not be written.  Only tables whose rows find their dirty
+pages on the device (shadow copies, fingerprints) are taken here: a row whose
+pages the host lists (a cache by positions, block tables) needs the host.
+
+The session's next call takes the arena's epochs on (`adopt`): the extent is
+finished at the bytes used (its unused end given back when nothing was
+reserved after it), every record in it checked as any producer's are, and
+each commit record, in order, checked and taken on as the appender's own
+(`Appender.adopt_commit`).  A crash before that loses nothing committed: the
+records are in the log, each commit after its records (FORMAT.md §10, 4c),
+and the slot after the last commit is zero.
+
+Only where written bytes need no persist call (shared memory, huge pages):
+there a record is durable when written."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from concordia.checkpoint.table import DET_FINGERPRINT, DET_SHADOW, plan_records
+from concordia.regions.errors import SessionError
+from concordia.wal import format as fmt
+
+#: the arena's words (64 bytes), the consumer's state between its epochs
+WORDS = np.dtype([("used", "<u8"), ("last_commit", "<u8"), ("last_epoch", "<u8"), ("epochs", "<u8"),
+                  ("missed", "<u8"), ("reserved", "<u8", (3,))])
+assert WORDS.itemsize == 64
+
+#: how many epochs of the largest size an arena is made for, and its least size
+ARENA_EPOCHS = 8
+ARENA_MIN_BYTES = 256 << 10
+
+
+def why_not(table, backend) -> str | None:
+    """Why epochs of `table` (a RegionTable) cannot be taken in an arena of a
+    log on `backend`, or None when they can."""
+    if backend.persist_path != "none":
+        return f"a {backend.persist_path} tier needs a persist call before a commit"
+    det = table.entries["detector"]
+    rows = np.flatnonzero((det != DET_SHADOW) & (det != DET_FINGERPRINT))
+    if rows.size:
+        return f"region {table.names[int(rows[0])]!r} has its dirty pages listed by the host"
+    return None
+
+
+def bound(table) -> int:
+    """Record bytes one epoch of `table` can need: every page of every row."""
+    recs = plan_records(table.entries, table.entries["pages"].astype(np.int64))
+    return int(recs["length"].sum()) if recs.size else 0
+
+
+class Arena:
+    """One extent of the log for epochs a consumer commits itself (module doc).
+    `first_epoch`: the number the first epoch takes; `reason`: what took them
+    (their statistics' reason)."""
+
+    def __init__(self, app, table, first_epoch: int, nbytes: int | None = None, *, reason: str = "trigger"):
+        self.table = table
+        self.reason = reason
+        self.bound = bound(table)
+        need = self.bound + table.commit_length
+        if nbytes is None:
+            nbytes = min(max(ARENA_EPOCHS * need, ARENA_MIN_BYTES), app.segment_capacity // 2)
+        if nbytes < need:
+            raise ValueError(f"an arena of {nbytes} bytes cannot hold one epoch of {need} bytes")
+        self.ext = app.reserve_extent(fmt.align64(nbytes))
+        self.words = np.zeros(1, WORDS)
+        w = self.words[0]
+        w["last_commit"] = app.last_commit_lsn
+        w["last_epoch"] = first_epoch - 1
+
+    def word(self, name: str) -> int:
+        return int(self.words[0][name])
+
+    @property
+    def room(self) -> bool:
+        """Whether the next epoch can be taken: the most it writes fits."""
+        return self.ext.length - self.word("used") >= self.bound + self.table.commit_length
+
+    def take(self, tpass) -> int | None:
+        """One epoch of `tpass` (a HostTablePass over this arena's table) into
+        the arena, its commit included: the twin of the device's EPOCH
+        handler.  Returns its number, or None when there was no room (the
+        miss is counted; nothing was detected)."""
+        w = self.words[0]
+        if not self.room:
+            w["missed"] += 1
+            return None
+        at, epoch = int(w["used"]), int(w["last_epoch"]) + 1
+        lsn = self.ext.lsn + at
+        used = tpass.stage_into(self.ext.view[at:], lsn=lsn, salt=self.ext.salt, epoch=epoch,
+                                prev_commit=int(w["last_commit"]))
+        w["used"] = at + used + self.table.commit_length
+        w["last_commit"] = lsn + used
+        w["last_epoch"] = epoch
+        w["epochs"] += 1
+        return epoch
+
+    def adopt(self, app) -> list:
+        """Finish the arena and take its commits on (module doc): returns
+        [(epoch, commit LSN, {row: pages}, record bytes)] in order.  What
+        follows the last commit that could be taken on (a record that is not
+        one, a commit written wrong) is covered by one pad record before the
+        refusal is raised, so the log holds no damage and no epoch of it."""
+        used = self.word("used")
+        good = self._whole_prefix(used)
+        if good < used:
+            self._pad(good, used)
+        app.finish_extent(self.ext, used, None, trim=True)
+        out, pages, nbytes, start = [], {}, 0, 0
+        view, pos = memoryview(self.ext.view), 0
+        rows = {int(rid): i for i, rid in enumerate(self.table.entries["region_id"].tolist())}
+        while pos < good:
+            h = fmt.decode_record_header(view, pos)
+            if h.kind == fmt.REC_COMMIT:
+                try:
+                    app.adopt_commit(h.epoch, self.ext.lsn + pos)
+                except BaseException:
+                    self._pad(start, used)
+                    raise
+                out.append((h.epoch, self.ext.lsn + pos, pages, nbytes))
+                pages, nbytes, start = {}, 0, pos + h.length
+            elif h.kind == fmt.REC_PAGE_BATCH:
+                row = rows[h.region_id]
+                pages[row] = pages.get(row, 0) + h.count
+                nbytes += h.length
+            pos += h.length
+        if good < used:
+            raise SessionError(f"the arena holds no whole record or commit after lsn 0x{self.ext.lsn + good:x}: "
+                               f"its last {used - good} bytes are padded over, no epoch of them taken on",
+                               where=f"segment {self.ext.segment} @ {self.ext.offset + good:#x}")
+        return out
+
+    def _whole_prefix(self, used: int) -> int:
+        """Bytes of the arena up to the end of its last commit before any
+        header that is not a record of this arena (the appender would refuse it)."""
+        view, pos, good = memoryview(self.ext.view), 0, 0
+        while pos < used:
+            if fmt.check_record_header_bytes(view, pos) is not None:
+                break
+            h = fmt.decode_record_header(view, pos, check=False)
+            if h.lsn != self.ext.lsn + pos or h.salt != self.ext.salt or pos + h.length > used:
+                break
+            pos += h.length
+            if h.kind == fmt.REC_COMMIT:
+                good = pos
+        return good
+
+    def _pad(self, start: int, end: int) -> None:
+        """One pad record over [start, end) of the arena: what it covered is no record."""
+        if end > start:
+            fmt.encode_pad_header_into(fmt.record_header_bytes(self.ext.view, start), length=end - start,
+                                       lsn=self.ext.lsn + start, epoch=0, salt=self.ext.salt)

@@ -1,0 +1,108 @@
+"""The arena (concordia/checkpoint/arena.py): an extent reserved ahead into
+which a consumer writes epochs and their commits with no appender, taken on
+by the session's next call.  What a user of the resident executor relies on:
+an epoch is taken only when the most it can write fits (so detection never
+runs for an epoch that is not written), a table whose pages the host lists is
+never taken there (the device could not), and a commit the consumer wrote
+wrong is refused in one line, nothing of it adopted, every region's next
+checkpoint then whole."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from concordia import Session
+from concordia.checkpoint import arena
+from concordia.checkpoint.table import RegionTable
+from concordia.errors import ConcordiaError
+from concordia.policy import Policy
+
+MiB = 1 << 20
+
+
+def _session(log, **kw):
+    s = Session(log, size=16 * MiB, segment_size=4 * MiB, staging="mapped", policy=Policy(retain=False), **kw)
+    a = np.zeros((32, 1024), np.uint32)
+    s.register("a", a)
+    s.checkpoint()
+    return s, a
+
+
+def test_an_epoch_is_taken_only_when_its_most_fits_and_a_miss_detects_nothing(shm_log):
+    s, a = _session(shm_log)
+    with s:
+        runner = s.runner
+        table = runner.table_pass(s.log).table
+        need = arena.bound(table) + table.commit_length
+        assert need > 32 * 4096
+        # an arena with room for one whole-table epoch and a little more
+        ar = runner.arena = arena.Arena(s.log.appender, table, s.log.appender.next_epoch, nbytes=need + 64)
+        a[3, 5] = 1
+        first = runner.arena_take()
+        assert first == 2 and ar.word("epochs") == 1 and ar.word("last_epoch") == 2
+        a[7, 9] = 2
+        assert not ar.room and runner.arena_take() is None and ar.word("missed") == 1
+        s.settle()
+        assert s.epoch == first and [c.pages["a"] for c in s.checkpoints][-1] == 1
+        stats = s.checkpoint()
+        assert stats.pages["a"] == 1  # page 7: the miss detected nothing, so it is still dirty
+        np.testing.assert_array_equal(s.recover()["a"], a)
+
+
+def test_a_table_the_host_lists_pages_of_or_a_file_log_takes_no_arena(tmp_path, shm_log):
+    s, _ = _session(f"file:{tmp_path / 'log'}")
+    with s:
+        assert "msync tier needs a persist call" in s.runner.open_arena(s.log)
+    with Session(shm_log, size=16 * MiB, segment_size=4 * MiB, staging="mapped", overwrite=True) as s:
+        kv = np.zeros((4, 64, 256), np.uint16)
+        s.register("kv", kv, kind="kv", detect="positions", length=lambda: 8)
+        s.checkpoint()
+        why = s.runner.open_arena(s.log)
+        assert why == "region 'kv' has its dirty pages listed by the host" and s.runner.arena is None
+        assert arena.why_not(RegionTable(list(s.region_set)), s.log.backend) == why
+
+
+def test_a_commit_written_wrong_is_refused_and_every_region_is_then_written_whole(shm_log):
+    s, a = _session(shm_log)
+    with s:
+        runner = s.runner
+        assert runner.open_arena(s.log) is None
+        ar = runner.arena
+        a[1, 1] = 7
+        epoch = runner.arena_take()
+        commit_at = ar.word("last_commit") - ar.ext.lsn
+        ar.ext.view[commit_at + 64 + 36] ^= 1  # the commit's digest, under its body CRC
+        with pytest.raises(ConcordiaError, match="invalid commit record written by a producer") as e:
+            s.settle()
+        assert "\n" not in str(e.value) and f"commit of epoch {epoch}" in str(e.value)
+        assert s.epoch == epoch - 1 and runner.arena is None
+        stats = s.checkpoint()
+        assert stats.epoch > epoch and stats.pages["a"] == 32  # whole again: nothing of the refused epoch counts
+        assert s.log.verify()["corrupt"] == 0  # the refused commit and its records lie under a pad
+    with Session(shm_log, create=False) as r:
+        assert r.epoch == stats.epoch
+        np.testing.assert_array_equal(r.recover()["a"], a)
+
+
+def test_what_follows_a_damaged_record_is_padded_over_and_the_epochs_before_it_stand(shm_log):
+    s, a = _session(shm_log)
+    with s:
+        runner = s.runner
+        assert runner.open_arena(s.log) is None
+        ar = runner.arena
+        a[1, 1] = 7
+        first = runner.arena_take()
+        want = a.copy()
+        second_at = ar.word("used")
+        a[2, 2] = 8
+        runner.arena_take()
+        ar.ext.view[second_at + 20] ^= 1  # the second epoch's first record header (its LSN), under its CRC
+        with pytest.raises(ConcordiaError, match="the arena holds no whole record or commit after") as e:
+            s.settle()
+        assert "\n" not in str(e.value) and s.epoch == first
+        np.testing.assert_array_equal(s.recover()["a"], want)
+        assert s.checkpoint().pages["a"] == 32  # written whole after the failure
+        assert s.log.verify()["corrupt"] == 0
+    with Session(shm_log, create=False) as r:
+        np.testing.assert_array_equal(r.recover()["a"], a)
