@@ -593,7 +593,7 @@ class Retention:
         if not self.policy.retain:
             return
         app = self.session.log.appender
-        self.known.epochs[stats.epoch] = (self._mark, app.last_commit_lsn)
+        self.known.epochs[stats.epoch] = stats.log_at or (self._mark, app.last_commit_lsn)
         self.last_bytes = int(stats.log_bytes)
         if not stats.base:
             self._note_rate(stats.log_bytes)

@@ -126,6 +126,11 @@ class Appender:
         """The largest record (or extent) one segment holds."""
         return self.vol.segment_bytes - F.SEGMENT_HEADER_SIZE
 
+    @property
+    def segment_rest(self) -> int:
+        """Bytes a reservation can take now without rolling over (0 before the first segment)."""
+        return 0 if self.seg is None else self.seg.offset + self.seg.nbytes - self.pos
+
     def _roll(self) -> None:
         old = self.seg
         if old is not None and self.pos + F.RECORD_HEADER_SIZE <= old.offset + old.nbytes:

@@ -45,6 +45,7 @@ WORDS = np.dtype([("used", "<u8"), ("last_commit", "<u8"), ("last_epoch", "<u8")
 assert WORDS.itemsize == 64
 
 #: how many epochs of the largest size an arena is made for, and its least size
+#: (less when the rest of the segment being written holds one epoch: no roll over)
 ARENA_EPOCHS = 8
 ARENA_MIN_BYTES = 256 << 10
 
@@ -77,8 +78,11 @@ class Arena:
         self.reason = reason
         self.bound = bound(table)
         need = self.bound + table.commit_length
-        if nbytes is None:
+        if nbytes is None:  # what is left of the segment being written, when one epoch fits there
             nbytes = min(max(ARENA_EPOCHS * need, ARENA_MIN_BYTES), app.segment_capacity // 2)
+            rest = app.segment_rest // fmt.RECORD_ALIGN * fmt.RECORD_ALIGN
+            if rest >= need:
+                nbytes = min(nbytes, rest)
         if nbytes < need:
             raise ValueError(f"an arena of {nbytes} bytes cannot hold one epoch of {need} bytes")
         self.ext = app.reserve_extent(fmt.align64(nbytes))
@@ -116,7 +120,8 @@ class Arena:
 
     def adopt(self, app) -> list:
         """Finish the arena and take its commits on (module doc): returns
-        [(epoch, commit LSN, {row: pages}, record bytes)] in order.  What
+        [(epoch, LSN of its first record, commit LSN, {row: pages}, record
+        bytes)] in order.  What
         follows the last commit that could be taken on (a record that is not
         one, a commit written wrong) is covered by one pad record before the
         refusal is raised, so the log holds no damage and no epoch of it."""
@@ -136,7 +141,7 @@ class Arena:
                 except BaseException:
                     self._pad(start, used)
                     raise
-                out.append((h.epoch, self.ext.lsn + pos, pages, nbytes))
+                out.append((h.epoch, self.ext.lsn + start, self.ext.lsn + pos, pages, nbytes))
                 pages, nbytes, start = {}, 0, pos + h.length
             elif h.kind == fmt.REC_PAGE_BATCH:
                 row = rows[h.region_id]

@@ -197,6 +197,8 @@ class EpochRunner:
                 self.arenas += 1
             except ValueError as exc:  # an epoch larger than the arena a segment leaves
                 why = str(exc)
+            except LogFullError:  # the next arena is tried at the next epoch, after retention ran
+                why = "the log has no room for an arena now (no free segment)"
         return why
 
     def arena_take(self) -> int | None:
@@ -230,13 +232,14 @@ class EpochRunner:
                 self.regions.next_epoch = max(self.regions.next_epoch, a.word("last_epoch") + 1)
         t = a.table
         out = []
-        for epoch, _, pages, log_bytes in got:
+        for epoch, first, commit, pages, log_bytes in got:
             counts = np.zeros(len(t.names), np.int64)
             for row, n in pages.items():
                 counts[row] = n
             st = CheckpointStats.of_table(epoch, a.reason, t.names, counts, "cpu-mapped",
                                           int(counts @ t.page_bytes), log_bytes, 0.0, 0.0, 0.0, 0)
             st.executor = "resident"
+            st.log_at = (first, commit)
             out.append(st)
             self.paths["cpu-mapped"] += len(t.names)
         if out:

@@ -40,7 +40,7 @@ class CheckpointStats:
     _FIELDS = ("epoch", "reason", "pages", "base", "bytes", "log_bytes", "detect_ms", "stage_ms", "commit_ms",
                "via", "device_reads", "table_pass", "executor", "coalesced")
     __slots__ = ("epoch", "reason", "_pages", "base", "bytes", "log_bytes", "detect_ms", "stage_ms", "commit_ms",
-                 "_via", "device_reads", "table_pass", "executor", "coalesced", "_lazy", "pending")
+                 "_via", "device_reads", "table_pass", "executor", "coalesced", "_lazy", "pending", "log_at")
 
     def __init__(self, epoch: int, reason: str, pages: dict, base: list, bytes: int, log_bytes: int,
                  detect_ms: float, stage_ms: float, commit_ms: float, via: dict | None = None,
@@ -54,6 +54,10 @@ class CheckpointStats:
         self.coalesced = False
         self._lazy = None
         self.pending = False
+        #: (LSN where the epoch's records begin, LSN of its commit) when the
+        #: session took on a commit written before the appender's last one
+        #: (an arena's: checkpoint/arena.py), else None (the appender's last)
+        self.log_at = None
 
     @classmethod
     def of_table(cls, epoch, reason, names, counts, label, nbytes, log_bytes, detect_ms, stage_ms, commit_ms,

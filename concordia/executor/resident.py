@@ -511,6 +511,9 @@ class ResidentExecutor:
             epoch = runner.arena_take()
             if epoch is not None:
                 self.epochs += 1
+                # the arrays hold this epoch until the gate opens: retention takes the copies
+                # a job decided at the last commit taken on needs now, as at a pending launch
+                self.session.retention.launched(epoch)
                 return epoch
             self.session.settle()  # full: its epochs taken on (retention runs), then another arena
         return None

@@ -18,6 +18,7 @@ import pytest
 from concordia import Session
 from concordia.errors import ExecutorError, SessionError
 from concordia.executor import Op
+from concordia.policy import Policy
 from concordia.executor.resident import AUTO_WHY, LaunchCounter, PauseGate, StepCounter, commit_by, wait_for_epochs
 
 from .state import LOG_SIZE, SEGMENT, assert_same, copy, make_state, mutate, register_all
@@ -533,7 +534,7 @@ def test_a_triggers_epochs_are_committed_in_an_arena_with_no_host_step(shm_log, 
 
     from tests.conftest import SHM_DIR
 
-    with new_session(shm_log, executor="resident", policy=None) as s:
+    with new_session(shm_log, executor="resident", policy=Policy(retain=False)) as s:  # every epoch kept
         a = np.zeros((32, 1024), np.uint32)
         s.register("a", a)
         base = s.checkpoint().epoch
@@ -572,3 +573,36 @@ def test_a_triggers_epochs_are_committed_in_an_arena_with_no_host_step(shm_log, 
         for epoch, count in tr.fired[::37]:
             np.testing.assert_array_equal(s.recover(epoch)["a"], _step_state(count), err_msg=f"epoch {epoch}")
         assert s.checkpoint().epoch == last + 1  # the caller's own epochs follow
+
+
+@pytest.mark.slow
+def test_a_trigger_at_every_step_with_retention_never_fills_a_small_shm_log(shm_log):
+    """2,000 trigger epochs, one per step, into arenas on a shm log of four
+    segments with the default retention: retention runs as each arena is
+    taken on (its epochs' commits one after another), the log never fills,
+    and the last epoch recovers the state of its step."""
+    with Session(shm_log, size=5 << 20, segment_size=1 << 20, executor="resident") as s:
+        kv = np.zeros((64, 4096), np.uint8)
+        lora = np.zeros(4096, np.float32)
+        s.register("kv", kv)
+        s.register("lora", lora, kind="adapter")
+        s.checkpoint()
+        counter, gate = StepCounter(), PauseGate()
+        tr = s.resident.trigger(every=1, counter=counter, gate=gate)
+        for k in range(1, 2001):
+            with gate.step():
+                kv[k % 64, (k * 13) % 4096] = k % 251
+                lora[:] = np.float32(k)
+                counter.add(1)
+            deadline = time.monotonic() + 30
+            while len(tr.fired) < k and not tr.errors and time.monotonic() < deadline:
+                time.sleep(1e-4)
+            assert not tr.errors, (k, tr.errors)
+        s.resident.disarm()
+        assert tr.in_arena == 2000 and s.runner.arenas > 10, s.runner.arenas
+        s.settle()
+        assert s.retention.error is None, s.retention.error
+        assert s.retention.counts["switches"] > 0, dict(s.retention.counts)
+        got = s.recover()
+        np.testing.assert_array_equal(got["kv"], kv)
+        np.testing.assert_array_equal(got["lora"], lora)
