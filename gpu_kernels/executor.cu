@@ -20,7 +20,9 @@
 // within `child_timeout_ns` fails its task with TIMEOUT and the executor with FAULT.
 //
 // -D options: CX_CHILD (0/1), CX_OPS (bit mask of op codes compiled into the
-// operator table; PING, QUIESCE and STOP are always there).
+// operator table; PING, QUIESCE and STOP are always there), CX_EPOCH (with
+// CX_CHILD and PAGE_BYTES: the EPOCH handler, a session's epoch by the table
+// pass of table.cu into an arena, below).
 // (A 32-register cap on the control warp, so that it fits beside a GEMM block
 // that fills the register file, was measured on the H200: the GEMM slowed just
 // as much, so the block slot, not registers, is what residency costs.)
@@ -32,9 +34,17 @@
 #define CX_OPS 0xFFFFu
 #endif
 
+#if defined(CX_EPOCH) && CX_CHILD
+#include "table.cu"  // the table pass's kernels (and common.cuh), launched as child grids
+#else
 typedef unsigned long long u64;
 typedef unsigned int u32;
 typedef unsigned char u8;
+
+__device__ __forceinline__ bool differs(uint4 a, uint4 b) {
+    return ((a.x ^ b.x) | (a.y ^ b.y) | (a.z ^ b.z) | (a.w ^ b.w)) != 0;
+}
+#endif
 
 // Ring layout (ring.py).
 #define CX_HDR_BYTES 256
@@ -53,7 +63,8 @@ typedef unsigned char u8;
 #define OP_SCATTER 4
 #define OP_QUIESCE 5
 #define OP_STOP 6
-// A Session's epoch and recovery (resident.py); no device handler yet: UNSUPPORTED_OP.
+// A Session's epoch (the EPOCH handler below, built with CX_EPOCH; else
+// UNSUPPORTED_OP) and recovery (no device handler yet: UNSUPPORTED_OP).
 #define OP_EPOCH 7
 #define OP_RECOVER 8
 
@@ -63,6 +74,8 @@ typedef unsigned char u8;
 #define ST_BAD_ARGS 2
 #define ST_LAUNCH_FAILED 3
 #define ST_TIMEOUT 4
+// EPOCH: the arena cannot take the most one epoch writes (nothing was detected)
+#define ST_NO_ROOM 6
 
 // Consumer state (ring.ConsumerState).
 #define CS_RUNNING 1
@@ -98,10 +111,6 @@ __device__ __forceinline__ u64 now_ns() {
     u64 t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
-}
-
-__device__ __forceinline__ bool differs(uint4 a, uint4 b) {
-    return ((a.x ^ b.x) | (a.y ^ b.y) | (a.z ^ b.z) | (a.w ^ b.w)) != 0;
 }
 
 // ---- handler bodies: one warp per page, any number of warps ------------------
@@ -249,11 +258,119 @@ __device__ __forceinline__ void reset_scratch(cx_scratch* sc) {
     __threadfence();
 }
 
+#if defined(CX_EPOCH) && CX_CHILD
+// ---- EPOCH: a session's epoch into an arena (concordia/checkpoint/arena.py) ------
+//
+// The task's a[0] is a descriptor (device memory, written by the host once per
+// arena: concordia/executor/device_epoch.py) of the session's region table,
+// the table pass's buffers, the arena (a reserved extent of the log, mapped)
+// and the arena's words (mapped host memory: the host reads them).  Lane 0
+// checks the room (the most one epoch writes, and its commit) and launches
+// one driver thread as a fire-and-forget child; the driver launches the pass
+// on its own block's stream, where launches run in the order made: one
+// detection grid per group of rows, the plan, staging, finalizing, the commit
+// (table.cu's table_commit), then `cx_epoch_close`, which moves the words on
+// and bumps the scratch counter lane 0 waits for.  No host step: the epoch is
+// durable when the commit's header is stored (tiers whose writes need no
+// persist call), and the host takes it on at its next call (`Arena.adopt`).
+#define CX_MAX_GROUPS 8
+
+struct cx_group {                   // one detection launch: rows sharing a detector and PAGE_BYTES
+    u64 rows, row_first, n_rows, pages, fingerprint;
+};
+
+struct cx_epoch_desc {              // device_epoch.EPOCH_DESC
+    u64 table, n_rows, flags, total_pages, ids, recs, max_records, plan, digests, order;
+    u64 mail_plan, mail_counts, mail_offsets;
+    u64 arena, arena_lsn, arena_bytes, salt, bound, commit_length, words;
+    u64 stage_blocks, finalize_blocks, n_groups;
+    cx_group groups[CX_MAX_GROUPS];
+};
+
+struct cx_arena_words {             // checkpoint/arena.py: WORDS
+    u64 used, last_commit, last_epoch, epochs, missed, reserved[3];
+};
+
+// One thread, after the commit: the arena's words moved on (the host reads
+// them), the pages and bytes for the completion, then the counter lane 0 waits on.
+extern "C" __global__ void cx_epoch_close(const TablePlan* plan, cx_arena_words* w, u64 at, u64 lsn, u64 epoch,
+                                          u64 commit_length, cx_scratch* sc) {
+    const TablePlan p = *plan;
+    if (p.fits) {
+        w->used = at + p.bytes + commit_length;
+        w->last_commit = lsn + p.bytes;
+        w->last_epoch = epoch;
+        w->epochs = w->epochs + 1;
+        sc->pages = p.pages;
+        sc->bytes = p.bytes;
+    } else {
+        sc->errors = 1;
+    }
+    __threadfence_system();
+    atomicAdd(&sc->done_blocks, 1u);
+}
+
+// One thread: the pass's launches, in order, on this block's stream.
+extern "C" __global__ void cx_epoch_driver(const cx_epoch_desc* d, u64 at, u64 epoch, u64 prev_commit,
+                                           cx_scratch* sc) {
+    const TableEntry* table = reinterpret_cast<const TableEntry*>(d->table);
+    u8* flags = reinterpret_cast<u8*>(d->flags);
+    u32* ids = reinterpret_cast<u32*>(d->ids);
+    TableRecord* recs = reinterpret_cast<TableRecord*>(d->recs);
+    TablePlan* plan = reinterpret_cast<TablePlan*>(d->plan);
+    u32* digests = reinterpret_cast<u32*>(d->digests);
+    u8* dst = reinterpret_cast<u8*>(d->arena) + at;
+    const u64 lsn = d->arena_lsn + at, room = d->arena_bytes - at;
+    const u32 salt = (u32)d->salt, n = (u32)d->n_rows;
+    for (u64 g = 0; g < d->n_groups && g < CX_MAX_GROUPS; ++g) {
+        const cx_group& k = d->groups[g];
+        const u32 blocks = (u32)min((k.pages + 7) / 8, (u64)65535);
+        if (k.fingerprint)
+            table_fingerprint<<<blocks, 256>>>(table, reinterpret_cast<const u32*>(k.rows),
+                                              reinterpret_cast<const u64*>(k.row_first), (u32)k.n_rows, flags);
+        else
+            table_shadow<<<blocks, 256>>>(table, reinterpret_cast<const u32*>(k.rows),
+                                         reinterpret_cast<const u64*>(k.row_first), (u32)k.n_rows, flags);
+    }
+    table_plan<<<1, 1024>>>(table, n, flags, d->total_pages, ids, recs, d->max_records, room - d->commit_length,
+                            plan, reinterpret_cast<TablePlan*>(d->mail_plan), reinterpret_cast<u32*>(d->mail_counts),
+                            reinterpret_cast<u64*>(d->mail_offsets));
+    table_stage<<<(u32)d->stage_blocks, 256>>>(table, ids, recs, plan, dst, digests);
+    table_finalize<<<(u32)d->finalize_blocks, 256>>>(table, ids, recs, plan, dst, lsn, epoch, salt);
+    table_commit<<<1, 32>>>(table, reinterpret_cast<const u32*>(d->order), n, digests, plan, dst, room, lsn, epoch,
+                            salt, prev_commit);
+    cx_epoch_close<<<1, 1>>>(plan, reinterpret_cast<cx_arena_words*>(d->words), at, lsn, epoch, d->commit_length,
+                             sc);
+}
+
+// Lane 0 only: one epoch of the descriptor `d` into its arena, waited for.
+// *lsn0 / *lsn1: where the epoch's records begin and its commit lies.
+__device__ int run_epoch(const cx_epoch_desc* d, cx_scratch* sc, u64 child_timeout_ns, u64* lsn0, u64* lsn1) {
+    volatile cx_arena_words* w = reinterpret_cast<volatile cx_arena_words*>(d->words);
+    const u64 at = w->used;
+    if (d->arena_bytes < at || d->arena_bytes - at < d->bound + d->commit_length) {
+        w->missed = w->missed + 1;
+        __threadfence_system();
+        return ST_NO_ROOM;
+    }
+    const u64 epoch = w->last_epoch + 1, prev = w->last_commit;
+    reset_scratch(sc);
+    cx_epoch_driver<<<1, 1, 0, CX_CHILD_STREAM>>>(d, at, epoch, prev, sc);
+    if (!CX_LAUNCHED()) return ST_LAUNCH_FAILED;
+    const int status = wait_children(sc, 1, child_timeout_ns);
+    if (status != ST_OK) return status;
+    if (*(volatile u32*)&sc->errors) return ST_BAD_ARGS;  // the plan did not fit: the host's bound was wrong
+    *lsn0 = d->arena_lsn + at;
+    *lsn1 = w->last_commit;
+    return ST_OK;
+}
+#endif
+
 // Runs one task's handler on the whole warp; returns the status and leaves the
 // page count in *pages, both valid in every lane (the completion is written by
 // lanes 1..7, so a value only lane 0 holds would reach the host as 0).
 __device__ int run_handler(u32 op, const u64* a, cx_scratch* sc, u32 n_sm, u64 child_timeout_ns, u32 lane,
-                           u64* pages) {
+                           u64* pages, u64* epoch_lsn) {
     int status = ST_UNSUPPORTED_OP;
     u64 found = 0;
     switch (op) {
@@ -333,12 +450,33 @@ __device__ int run_handler(u32 op, const u64* a, cx_scratch* sc, u32 n_sm, u64 c
         break;
     }
 #endif
+#if defined(CX_EPOCH) && CX_CHILD
+    case OP_EPOCH: {
+        if (a[0] == 0 || (a[0] & 7)) {
+            status = ST_BAD_ARGS;
+            break;
+        }
+        u64 l0 = 0, l1 = 0;
+        if (lane == 0) {
+            status = run_epoch(reinterpret_cast<const cx_epoch_desc*>(a[0]), sc, child_timeout_ns, &l0, &l1);
+            if (status == ST_OK) {
+                found = *(volatile u64*)&sc->pages;
+                epoch_lsn[0] = l0;
+                epoch_lsn[1] = l1;
+                epoch_lsn[2] = *(volatile u64*)&sc->bytes;
+            }
+        }
+        status = __shfl_sync(FULL, status, 0);
+        break;
+    }
+#endif
     default:
         break;
     }
     // Lane 0 waited for the child grid (or did the counting itself): it reads
     // the counter, the warp gets it from lane 0.
     if (lane == 0 && status == ST_OK && (op == OP_CHECKPOINT || op == OP_SCATTER)) found = *(volatile u64*)&sc->pages;
+    // (EPOCH: lane 0 read its pages above)
     *pages = __shfl_sync(FULL, found, 0);
     return __shfl_sync(FULL, status, 0);
 }
@@ -432,7 +570,8 @@ extern "C" __global__ void __launch_bounds__(32, 1)
         } else if (op == OP_STOP) {
             leave = CS_STOPPED;
         } else {
-            status = run_handler(op, a, sc, n_sm, child_timeout_ns, lane, &pages);
+            u64 epoch_lsn[3] = {0, 0, 0};  // EPOCH: first record, commit, record bytes (lane 0's)
+            status = run_handler(op, a, sc, n_sm, child_timeout_ns, lane, &pages, epoch_lsn);
             if (status == ST_OK) {
                 if (op == OP_CHECKPOINT) {
                     bytes = pages * a[5];
@@ -445,6 +584,10 @@ extern "C" __global__ void __launch_bounds__(32, 1)
                 } else if (op == OP_SCATTER) {
                     bytes = pages * a[4];
                     lsn0 = lsn1 = a[6];
+                } else if (op == OP_EPOCH) {  // the warp takes lane 0's
+                    lsn0 = __shfl_sync(FULL, epoch_lsn[0], 0);
+                    lsn1 = __shfl_sync(FULL, epoch_lsn[1], 0);
+                    bytes = __shfl_sync(FULL, epoch_lsn[2], 0);
                 }
             }
             if (status == ST_TIMEOUT) leave = CS_FAULT;

@@ -71,11 +71,14 @@ def bound(table) -> int:
 class Arena:
     """One extent of the log for epochs a consumer commits itself (module doc).
     `first_epoch`: the number the first epoch takes; `reason`: what took them
-    (their statistics' reason)."""
+    (their statistics' reason); `words`: a WORDS array of one row to keep
+    the words in (a GPU consumer's mapped memory), else one of its own."""
 
-    def __init__(self, app, table, first_epoch: int, nbytes: int | None = None, *, reason: str = "trigger"):
+    def __init__(self, app, table, first_epoch: int, nbytes: int | None = None, *, reason: str = "trigger",
+                 label: str = "cpu-mapped", words: np.ndarray | None = None):
         self.table = table
         self.reason = reason
+        self.label = label  # the path its epochs took (their statistics' `via`)
         self.bound = bound(table)
         need = self.bound + table.commit_length
         if nbytes is None:  # what is left of the segment being written, when one epoch fits there
@@ -86,7 +89,9 @@ class Arena:
         if nbytes < need:
             raise ValueError(f"an arena of {nbytes} bytes cannot hold one epoch of {need} bytes")
         self.ext = app.reserve_extent(fmt.align64(nbytes))
-        self.words = np.zeros(1, WORDS)
+        #: the words (one WORDS row): here, or where a GPU consumer writes them (mapped host memory)
+        self.words = np.zeros(1, WORDS) if words is None else words
+        self.words[0] = 0
         w = self.words[0]
         w["last_commit"] = app.last_commit_lsn
         w["last_epoch"] = first_epoch - 1

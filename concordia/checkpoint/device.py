@@ -350,9 +350,11 @@ class DeviceTablePass:
         self.entries = e
         self.d_table = cp.asarray(e.view(np.uint8))
         self.groups = []  # (kernel, rows, row_first, n_rows, pages)
+        self.group_detectors = []  # each group's detector code (the device EPOCH handler's descriptor)
         for (det, pb), rows in table.groups.items():
             if det == DET_LISTED:
                 continue
+            self.group_detectors.append(det)
             pages = e["pages"][rows].astype(np.uint64)
             first = np.concatenate([np.zeros(1, np.uint64), np.cumsum(pages, dtype=np.uint64)])
             fn = jit.function("table", "table_fingerprint" if det == DET_FINGERPRINT else "table_shadow",

@@ -236,12 +236,12 @@ class EpochRunner:
             counts = np.zeros(len(t.names), np.int64)
             for row, n in pages.items():
                 counts[row] = n
-            st = CheckpointStats.of_table(epoch, a.reason, t.names, counts, "cpu-mapped",
+            st = CheckpointStats.of_table(epoch, a.reason, t.names, counts, a.label,
                                           int(counts @ t.page_bytes), log_bytes, 0.0, 0.0, 0.0, 0)
             st.executor = "resident"
             st.log_at = (first, commit)
             out.append(st)
-            self.paths["cpu-mapped"] += len(t.names)
+            self.paths[a.label] += len(t.names)
         if out:
             self.last_log_bytes = int(out[-1].log_bytes)
         return out

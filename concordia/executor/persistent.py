@@ -109,10 +109,14 @@ class ExecutorModule:
         require_cupy()
         t0 = time.perf_counter()
         names = ("cx_executor", "cx_checkpoint", "cx_copy", "cx_scatter")
+        code = kernel_source()
+        if "-DCX_EPOCH" in self.options:  # the EPOCH handler launches the table pass's kernels: one module
+            code = code.replace('#include "table.cu"', jit.source("table"), 1)
+            names += ("cx_epoch_driver", "cx_epoch_close")
         try:
             while True:
                 try:
-                    mod = jit.load(kernel_source(), self.options, names, where=f"executor.cu {self.name}")
+                    mod = jit.load(code, self.options, names, where=f"executor.cu {self.name}")
                     fns = {n: mod.get_function(n) for n in names}
                     break
                 except KernelCompileError as exc:

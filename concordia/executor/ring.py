@@ -133,7 +133,11 @@ class Op(enum.IntEnum):
                 staging over its region table, then the commit (by the consumer
                 on tiers it can write, else handed to the host); the completion
                 carries the pages found and the record bytes written.
-                (`concordia.executor.resident`.)
+                (`concordia.executor.resident`.)  On the GPU (executor.cu built
+                with CX_EPOCH) the device address of an epoch descriptor
+                (`checkpoint.device_epoch.EPOCH_DESC`): the table pass into the
+                session's arena, its commit included; lsn_first / lsn_last are
+                the epoch's first record and its commit.
     RECOVER     0 recovery descriptor: a Session's recovery, run by the consumer.
     """
 
@@ -163,6 +167,7 @@ class Status(enum.IntEnum):
     LAUNCH_FAILED = 3
     TIMEOUT = 4
     HANDLER_ERROR = 5
+    NO_ROOM = 6  # EPOCH on the device: its arena cannot take the most one epoch writes (nothing detected)
 
 
 class ConsumerState(enum.IntEnum):

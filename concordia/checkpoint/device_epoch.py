@@ -1,0 +1,161 @@
+"""The device's EPOCH handler from the host: a session's epoch run by the
+persistent kernel (gpu_kernels/executor.cu built with CX_EPOCH) into an
+arena of the log (concordia/checkpoint/arena.py), with no host step.
+
+    epochs = DeviceEpochs(session)      # CuPy regions, one device table pass, a shm or hugetlb log
+    c = epochs.epoch()                  # one EPOCH task: the completion the kernel wrote
+    session.settle()                    # the arena's epochs taken on, as a CPU consumer's are
+
+What runs where.  The host builds, once per arena, a descriptor
+(`EPOCH_DESC`, the kernel's `cx_epoch_desc`) of the session's region table
+and the table pass's device buffers (`checkpoint.device.DeviceTablePass`),
+the arena (its extent's device address in the registered log mapping, LSN,
+length, salt) and the arena's words (`arena.WORDS`, in mapped host memory:
+the kernel moves them on, the host reads them).  An EPOCH task names the
+descriptor; the control warp checks the room, launches one driver thread,
+which launches the table pass (detection per group, plan, stage, finalize,
+commit) in order on its own stream, and waits for the last of them.  The
+completion says what the epoch wrote (pages, record bytes, the LSN of its
+first record and of its commit): `epoch_on_device`.
+
+What the kernel can take: every row's dirty pages found on the device
+(shadow copies, fingerprints: `arena.why_not`), one page size (the
+detection kernels are specialised by -DPAGE_BYTES), at most `MAX_GROUPS`
+detection groups (`why_not`).
+
+CuPy is imported lazily: importing this module needs no GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from concordia.checkpoint import arena as arena_mod
+from concordia.checkpoint.table import DET_FINGERPRINT
+
+from concordia.executor.errors import ExecutorError
+
+#: detection launches a descriptor holds (executor.cu: CX_MAX_GROUPS)
+MAX_GROUPS = 8
+
+GROUP = np.dtype([("rows", "<u8"), ("row_first", "<u8"), ("n_rows", "<u8"), ("pages", "<u8"),
+                  ("fingerprint", "<u8")])
+
+#: executor.cu: struct cx_epoch_desc
+EPOCH_DESC = np.dtype([(name, "<u8") for name in (
+    "table", "n_rows", "flags", "total_pages", "ids", "recs", "max_records", "plan", "digests", "order",
+    "mail_plan", "mail_counts", "mail_offsets",
+    "arena", "arena_lsn", "arena_bytes", "salt", "bound", "commit_length", "words",
+    "stage_blocks", "finalize_blocks", "n_groups")] + [("groups", GROUP, (MAX_GROUPS,))])
+
+
+def why_not(tpass, backend) -> str | None:
+    """Why the epochs of `tpass` (a table pass) cannot be run by the device's
+    EPOCH handler on a log on `backend`, or None when they can."""
+    if getattr(tpass, "label", "") != "gpu-mapped":
+        return "the regions take no device table pass (CuPy regions, one mapped staging path)"
+    why = arena_mod.why_not(tpass.table, backend)
+    if why is not None:
+        return why
+    sizes = sorted(set(tpass.table.entries["page_bytes"].tolist()))
+    if len(sizes) != 1:
+        return f"the regions have {len(sizes)} page sizes; the EPOCH handler is built for one"
+    if len(tpass.groups) > MAX_GROUPS:
+        return f"{len(tpass.groups)} detection groups; the EPOCH handler takes {MAX_GROUPS}"
+    return None
+
+
+def compile_defines(page_bytes: int) -> tuple[str, ...]:
+    """The -D options of the executor module with the EPOCH handler."""
+    return ("-DCX_EPOCH", f"-DPAGE_BYTES={int(page_bytes)}")
+
+
+def describe(tpass, ar, arena_ptr: int, words_ptr: int) -> np.ndarray:
+    """The descriptor of `tpass` (a DeviceTablePass) epochs into the arena `ar`
+    (an `arena.Arena`) whose first byte the device addresses at `arena_ptr`
+    and whose words at `words_ptr`: one EPOCH_DESC row."""
+    t = tpass.table
+    d = np.zeros(1, EPOCH_DESC)
+    r = d[0]
+    mail = tpass.mail_dev.data.ptr
+    r["table"], r["n_rows"] = tpass.d_table.data.ptr, len(t)
+    r["flags"], r["total_pages"] = tpass.flags.data.ptr, t.total_pages
+    r["ids"], r["recs"], r["max_records"] = tpass.ids.data.ptr, tpass.recs.data.ptr, t.max_records
+    r["plan"], r["digests"], r["order"] = tpass.plan.data.ptr, tpass.d_digests.data.ptr, tpass.d_order.data.ptr
+    r["mail_plan"], r["mail_counts"], r["mail_offsets"] = mail, mail + 64, mail + tpass._at_offsets
+    r["arena"], r["arena_lsn"], r["arena_bytes"], r["salt"] = arena_ptr, ar.ext.lsn, ar.ext.length, ar.ext.salt
+    r["bound"], r["commit_length"], r["words"] = ar.bound, t.commit_length, words_ptr
+    r["stage_blocks"] = tpass.stage_grid[0]
+    r["finalize_blocks"] = tpass.finalize_grid[0]
+    r["n_groups"] = len(tpass.groups)
+    for i, (fn, rows, first, n_rows, pages) in enumerate(tpass.groups):
+        g = r["groups"][i]
+        g["rows"], g["row_first"], g["n_rows"], g["pages"] = rows.data.ptr, first.data.ptr, int(n_rows), pages
+        g["fingerprint"] = int(tpass.group_detectors[i] == DET_FINGERPRINT)
+    return d
+
+
+class DeviceEpochs:
+    """A session's epochs run by the persistent kernel (module doc).  The
+    session's regions are CuPy arrays in one device table pass, its log on a
+    tier whose writes need no persist call; the session's first epoch has
+    committed (the regions have bases).  `close()` stops the kernel and takes
+    the arena's epochs on."""
+
+    def __init__(self, session, *, child_timeout_s: float = 20.0):
+        from concordia.executor.host import Submitter
+        from concordia.executor.persistent import ExecutorModule, GpuExecutor, GpuRing, MappedHostBuffer, require_cupy
+        from concordia.executor.ring import Op
+
+        cp = require_cupy()
+        self.cp, self.session, self.Op = cp, session, Op
+        session.settle()
+        runner = session.runner
+        tpass = runner.table_pass(session.log)
+        why = "no table pass" if tpass is None else why_not(tpass, session.log.backend)
+        if why is not None:
+            raise ExecutorError(f"the device cannot take this session's epochs: {why}", where="device epochs")
+        self.tpass = tpass
+        page_bytes = int(tpass.table.entries["page_bytes"][0])
+        self.module = ExecutorModule(child=True, ops=(Op.EPOCH,), extra_options=compile_defines(page_bytes)).load()
+        self.words = MappedHostBuffer(arena_mod.WORDS.itemsize, where="arena words")
+        self.gring = GpuRing(64, where="device epochs ring")
+        self.executor = GpuExecutor(self.gring, self.module, child_timeout_s=child_timeout_s, lifetime_s=600.0,
+                                    idle_s=1.0)
+        self.submitter = Submitter(self.gring.ring, self.executor)
+        self.d_desc = None
+        self._open()
+
+    def _open(self) -> None:
+        """An arena for the next epochs, its words in mapped memory, its descriptor on the device."""
+        s, runner = self.session, self.session.runner
+        words = self.words.array.view(arena_mod.WORDS)
+        ar = arena_mod.Arena(s.log.appender, self.tpass.table,
+                             max(runner.regions.next_epoch, s.log.appender.next_epoch), words=words,
+                             reason="device epoch", label=self.tpass.label)
+        runner.arena = ar
+        runner.arenas += 1
+        ptr = self.tpass.registration.device_ptr + ar.ext.offset
+        desc = describe(self.tpass, ar, ptr, self.words.ptr)
+        self.d_desc = self.cp.asarray(desc.view(np.uint8))
+        self.cp.cuda.get_current_stream().synchronize()
+
+    def epoch(self, timeout: float = 30.0):
+        """One EPOCH task; its completion (`Completion`: op, status, pages,
+        bytes, lsn0 = the epoch's first record, lsn1 = its commit).  An arena
+        with no room is taken on first (the host's part) and another opened."""
+        if self.session.runner.arena is None:
+            self._open()
+        elif not self.session.runner.arena.room:
+            self.session.settle()
+            self._open()
+        return self.submitter.call(self.Op.EPOCH, args=(self.d_desc.data.ptr,), timeout=timeout)
+
+    def close(self) -> None:
+        try:
+            self.submitter.stop(10.0)
+        finally:
+            self.executor.join(10.0)
+            self.session.settle()
+            self.gring.close()
+            self.words.close()

@@ -1,0 +1,122 @@
+"""The device's EPOCH handler (gpu_kernels/executor.cu with CX_EPOCH,
+concordia/checkpoint/device_epoch.py): the descriptor the host writes is the
+struct the kernel reads, field by field; the variant compiles with the table
+pass's kernels in its module; a session whose epochs the kernel cannot take
+is refused in one line naming why; and on the H200 the persistent kernel
+runs a session's epochs into its arena, each completion saying so, each
+epoch recovering its state."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from concordia.checkpoint import arena
+from concordia.checkpoint.device_epoch import EPOCH_DESC, GROUP, MAX_GROUPS, compile_defines, why_not
+from concordia.executor.persistent import KERNEL_SOURCE, compile_options
+from concordia.executor.ring import Op, Status
+
+CU = KERNEL_SOURCE.read_text()
+NVCC = shutil.which("nvcc")
+
+
+def _fields(struct: str) -> list[str]:
+    body = CU[CU.index(f"struct {struct} {{"):]
+    body = body[body.index("{") + 1:body.index("};")]
+    out = []
+    for decl in re.findall(r"(?:u64|cx_group)\s+([^;]+);", body):
+        out += [n.strip() for n in decl.split(",")]
+    return out
+
+
+def test_the_descriptor_and_the_words_are_the_kernels_structs():
+    assert _fields("cx_group") == list(GROUP.names)
+    desc = _fields("cx_epoch_desc")
+    assert desc[-1] == f"groups[CX_MAX_GROUPS]" and desc[:-1] == list(EPOCH_DESC.names[:-1])
+    assert re.search(rf"#define CX_MAX_GROUPS {MAX_GROUPS}\b", CU)
+    assert EPOCH_DESC.itemsize == 8 * (len(desc) - 1) + MAX_GROUPS * GROUP.itemsize
+    words = _fields("cx_arena_words")
+    assert words[:-1] == list(arena.WORDS.names[:-1]) and words[-1] == "reserved[3]"
+    assert arena.WORDS.itemsize == 64
+    assert re.search(rf"#define ST_NO_ROOM {int(Status.NO_ROOM)}\b", CU) and int(Op.EPOCH) == 7
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
+def test_the_epoch_variant_compiles_with_the_table_pass_in_its_module(tmp_path):
+    from concordia.gpu_kernels import jit
+
+    src = tmp_path / "executor_epoch.cu"
+    src.write_text(CU.replace('#include "table.cu"', jit.source("table"), 1))
+    out = tmp_path / "k.ptx"
+    opts = compile_options(child=True, ops_mask=(1 << Op.EPOCH) | (1 << Op.PING) | (1 << Op.QUIESCE)
+                           | (1 << Op.STOP)) + compile_defines(4096)
+    r = subprocess.run([NVCC, "--ptx", "-arch=sm_90", *opts, str(src), "-o", str(out)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    text = out.read_text()
+    for name in ("cx_executor", "cx_epoch_driver", "cx_epoch_close", "table_plan", "table_stage", "table_finalize",
+                 "table_commit", "table_fingerprint", "table_shadow"):
+        assert f".entry {name}(" in text, name
+    driver = text.split(".entry cx_epoch_driver(")[1].split(".entry")[0]
+    assert driver.count("LaunchDeviceV2") >= 6  # detection, plan, stage, finalize, commit, close
+
+
+def test_a_session_the_device_cannot_take_is_named(tmp_path, shm_log):
+    from concordia import Session
+
+    with Session(shm_log, size=16 << 20, segment_size=4 << 20, staging="mapped") as s:
+        s.register("a", np.zeros(8192, np.uint8))
+        s.checkpoint()
+        why = why_not(s.runner.table_pass(s.log), s.log.backend)
+        assert why == "the regions take no device table pass (CuPy regions, one mapped staging path)"
+
+
+@pytest.fixture
+def shm_log():
+    from tests.session.conftest import _fresh_shm_log
+
+    yield from _fresh_shm_log()
+
+
+@pytest.mark.gpu
+def test_the_persistent_kernel_runs_a_sessions_epochs_into_its_arena(shm_log):
+    import cupy as cp
+
+    from concordia import Session
+    from concordia.checkpoint.device_epoch import DeviceEpochs
+    from concordia.policy import Policy
+
+    rng = np.random.default_rng(3)
+    with Session(shm_log, size=64 << 20, segment_size=8 << 20, policy=Policy(retain=False)) as s:
+        kv = cp.asarray(rng.standard_normal((64, 1024)).astype(np.float32))
+        lora = cp.asarray(rng.standard_normal(8192).astype(np.float32))
+        s.register("kv", kv, detect="shadow", page_bytes=4096)
+        s.register("lora", lora, kind="adapter", detect="fingerprint", page_bytes=4096)
+        s.checkpoint()
+        cp.cuda.get_current_stream().synchronize()
+        dev = DeviceEpochs(s)
+        states, comps = {}, []
+        try:
+            for t in range(1, 9):
+                kv[t, : 16 * t] += 1
+                if t % 2:
+                    lora *= np.float32(0.5)
+                cp.cuda.get_current_stream().synchronize()
+                c = dev.epoch()
+                assert c.op == Op.EPOCH and c.status == Status.OK, (c, dev.submitter)
+                comps.append(c)
+                states[s.runner.arena.word("last_epoch")] = (kv.get(), lora.get())
+        finally:
+            dev.close()
+        assert [c.pages for c in comps[1::2]] == [1] * 4  # kv's one row (lora unchanged at even steps)
+        assert all(c.lsn_last > c.lsn_first > 0 for c in comps)
+        assert s.epoch == max(states)
+        for epoch, (k, l) in states.items():
+            got = s.recover(epoch)
+            assert np.asarray(got["kv"].get() if hasattr(got["kv"], "get") else got["kv"]).tobytes() == k.tobytes()
+            assert np.asarray(got["lora"].get() if hasattr(got["lora"], "get") else got["lora"]).tobytes() == \
+                l.tobytes()
