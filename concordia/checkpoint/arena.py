@@ -92,6 +92,8 @@ class Arena:
         #: the words (one WORDS row): here, or where a GPU consumer writes them (mapped host memory)
         self.words = np.zeros(1, WORDS) if words is None else words
         self.words[0] = 0
+        #: {region id: digest} of the last commit taken on (`adopt`): the regions' digests now
+        self.digests: dict | None = None
         w = self.words[0]
         w["last_commit"] = app.last_commit_lsn
         w["last_epoch"] = first_epoch - 1
@@ -147,6 +149,7 @@ class Arena:
                     self._pad(start, used)
                     raise
                 out.append((h.epoch, self.ext.lsn + start, self.ext.lsn + pos, pages, nbytes))
+                self.digests = fmt.decode_commit_body(fmt.generic_body(view, h, pos), h).digests
                 pages, nbytes, start = {}, 0, pos + h.length
             elif h.kind == fmt.REC_PAGE_BATCH:
                 row = rows[h.region_id]

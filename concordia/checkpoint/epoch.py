@@ -231,6 +231,8 @@ class EpochRunner:
             finally:
                 self.regions.next_epoch = max(self.regions.next_epoch, a.word("last_epoch") + 1)
         t = a.table
+        if a.digests is not None:  # the table's digests are its last commit's (a GPU consumer kept them on the device)
+            t.digests[:] = [a.digests[int(rid)] for rid in t.entries["region_id"].tolist()]
         out = []
         for epoch, first, commit, pages, log_bytes in got:
             counts = np.zeros(len(t.names), np.int64)

@@ -97,6 +97,9 @@ def test_the_persistent_kernel_runs_a_sessions_epochs_into_its_arena(shm_log):
         s.register("kv", kv, detect="shadow", page_bytes=4096)
         s.register("lora", lora, kind="adapter", detect="fingerprint", page_bytes=4096)
         s.checkpoint()
+        kv[0, :16] += 0  # CuPy's kernels used below, loaded before the executor is resident
+        lora *= np.float32(1)
+        kv.get(), lora.get()
         cp.cuda.get_current_stream().synchronize()
         dev = DeviceEpochs(s)
         states, comps = {}, []
