@@ -284,6 +284,7 @@ struct cx_epoch_desc {              // device_epoch.EPOCH_DESC
     u64 mail_plan, mail_counts, mail_offsets;
     u64 arena, arena_lsn, arena_bytes, salt, bound, commit_length, words;
     u64 stage_blocks, finalize_blocks, n_groups;
+    u64 fired, fired_cap;           // a trigger's log in mapped host memory (trigger_poll), and its room in pairs
     cx_group groups[CX_MAX_GROUPS];
 };
 
@@ -363,6 +364,89 @@ __device__ int run_epoch(const cx_epoch_desc* d, cx_scratch* sc, u64 child_timeo
     *lsn0 = d->arena_lsn + at;
     *lsn1 = w->last_commit;
     return ST_OK;
+}
+
+// ---- the device trigger: every N steps counted on the device -------------------
+//
+// The producer queues `cx_step_gate` on its stream after each decode step: it
+// counts the step (in stream order: when the step has run) and, when the
+// executor asks for a consistent point (gate[0] = 1), says it holds there
+// (gate[1] = 1) and waits, bounded, until the executor lets go.  An EPOCH
+// task with a[1] = N > 0 arms the trigger (a[2] the counter, a[3] the gate):
+// while idle, the control warp asks for the gate once the counter reaches
+// the next multiple of N, runs the epoch once the producer holds, logs
+// (epoch, count) in the descriptor's `fired`, and lets go; no host thread
+// takes part.  The executor stays resident while a trigger is armed.
+extern "C" __global__ void cx_step_gate(u64* counter, u32* gate, u64 timeout_ns) {
+    *(volatile u64*)counter = *(volatile u64*)counter + 1;
+    __threadfence();
+    if (*(volatile u32*)&gate[0]) {
+        *(volatile u32*)&gate[1] = 1;
+        __threadfence();
+        const u64 t0 = now_ns();
+        u32 nap = 32;
+        while (*(volatile u32*)&gate[0] && now_ns() - t0 < timeout_ns) {
+            __nanosleep(nap);
+            nap = min(nap * 2, 4096u);
+        }
+        *(volatile u32*)&gate[1] = 0;
+        __threadfence();
+    }
+}
+
+struct cx_trigger {  // lane 0's, in registers: what an EPOCH task with a[1] > 0 armed
+    const cx_epoch_desc* d;
+    u64 every, next_at;
+    u64* counter;
+    u32* gate;
+    int asked;
+};
+
+// Lane 0, as the executor leaves: a gate it asked for is let go (no step waits for it).
+__device__ __forceinline__ void trigger_release(cx_trigger* t) {
+    if (t->asked) {
+        t->gate[0] = 0;
+        __threadfence_system();
+        t->asked = 0;
+    }
+}
+
+// Lane 0, between polls of the ring: one step of the armed trigger.  Returns
+// whether it ran an epoch (the caller counts it as work, not idleness).
+__device__ bool trigger_poll(cx_trigger* t, cx_scratch* sc, u64 child_timeout_ns) {
+    if (t->d == nullptr) return false;
+    volatile u32* gate = t->gate;
+    if (!t->asked) {
+        if (*(volatile u64*)t->counter < t->next_at) return false;
+        gate[0] = 1;
+        __threadfence();
+        t->asked = 1;
+        return false;
+    }
+    if (gate[1] != 1) return false;  // the producer has not reached its gate yet
+    const u64 count = *(volatile u64*)t->counter;
+    u64 l0 = 0, l1 = 0;
+    const int status = run_epoch(t->d, sc, child_timeout_ns, &l0, &l1);
+    // the log: [0] epochs logged, [1] the status that stopped the trigger (0: none), then (epoch, count) pairs
+    volatile u64* fired = reinterpret_cast<volatile u64*>(t->d->fired);
+    if (status == ST_OK) {
+        const u64 k = fired[0];
+        if (k < t->d->fired_cap) {
+            fired[2 + 2 * k] = reinterpret_cast<volatile cx_arena_words*>(t->d->words)->last_epoch;
+            fired[3 + 2 * k] = count;
+            __threadfence_system();
+            fired[0] = k + 1;
+        }
+    } else if (status != ST_NO_ROOM) {  // a miss is counted in the words; anything else disarms
+        fired[1] = (u64)status;
+        t->d = nullptr;
+    }
+    __threadfence_system();
+    t->next_at = (count / t->every + 1) * t->every;
+    t->asked = 0;
+    gate[0] = 0;
+    __threadfence();
+    return true;
 }
 #endif
 
@@ -513,6 +597,9 @@ extern "C" __global__ void __launch_bounds__(32, 1)
     const u64 t_start = now_ns();
     u64 t_idle = t_start;
     u64 taken = 0;
+#if defined(CX_EPOCH) && CX_CHILD
+    cx_trigger trig = {nullptr, 0, 0, nullptr, nullptr, 0};  // lane 0's
+#endif
 
     for (;;) {
         // 1. Lane 0 waits for slot n to be published (or leaves when idle too long).
@@ -525,9 +612,20 @@ extern "C" __global__ void __launch_bounds__(32, 1)
                     cmd = 1;
                     break;
                 }
+#if defined(CX_EPOCH) && CX_CHILD
+                if (trigger_poll(&trig, sc, child_timeout_ns)) {  // an epoch ran: work, not idleness
+                    t_idle = now_ns();
+                    spins = 0;
+                    nap = 0;
+                    continue;
+                }
+                const bool armed = trig.d != nullptr;  // resident while a trigger is armed
+#else
+                const bool armed = false;
+#endif
                 const u64 t = now_ns();
                 const bool old = t - t_start > lifetime_ns;
-                if (old || t - t_idle > idle_ns) {
+                if (old || (!armed && t - t_idle > idle_ns)) {
                     *state = old ? CS_LIFETIME_EXIT : CS_IDLE_EXIT;
                     __threadfence_system();  // state store before the re-check load (handshake)
                     if (ld_acquire_sys(seqp) == n + 1) {
@@ -546,6 +644,9 @@ extern "C" __global__ void __launch_bounds__(32, 1)
             }
         }
         cmd = __shfl_sync(FULL, cmd, 0);
+#if defined(CX_EPOCH) && CX_CHILD
+        if (cmd == 2 && lane == 0) trigger_release(&trig);
+#endif
         if (cmd == 2) return;
         __syncwarp();  // orders lane 0's acquire before the other lanes' slot loads
 
@@ -569,6 +670,19 @@ extern "C" __global__ void __launch_bounds__(32, 1)
             leave = CS_QUIESCED;
         } else if (op == OP_STOP) {
             leave = CS_STOPPED;
+#if defined(CX_EPOCH) && CX_CHILD
+        } else if (op == OP_EPOCH && a[1] != 0) {  // arm the trigger (a[1] = every, a[2] counter, a[3] gate)
+            if (a[0] == 0 || a[2] == 0 || a[3] == 0) {
+                status = ST_BAD_ARGS;
+            } else if (lane == 0) {
+                trig.d = reinterpret_cast<const cx_epoch_desc*>(a[0]);
+                trig.every = a[1];
+                trig.counter = reinterpret_cast<u64*>(a[2]);
+                trig.gate = reinterpret_cast<u32*>(a[3]);
+                trig.next_at = (*(volatile u64*)trig.counter / a[1] + 1) * a[1];
+                trig.asked = 0;
+            }
+#endif
         } else {
             u64 epoch_lsn[3] = {0, 0, 0};  // EPOCH: first record, commit, record bytes (lane 0's)
             status = run_handler(op, a, sc, n_sm, child_timeout_ns, lane, &pages, epoch_lsn);
@@ -623,6 +737,9 @@ extern "C" __global__ void __launch_bounds__(32, 1)
             }
         }
         ++n;
+#if defined(CX_EPOCH) && CX_CHILD
+        if (leave && lane == 0) trigger_release(&trig);
+#endif
         if (leave) return;
         t_idle = now_ns();
     }

@@ -46,7 +46,10 @@ EPOCH_DESC = np.dtype([(name, "<u8") for name in (
     "table", "n_rows", "flags", "total_pages", "ids", "recs", "max_records", "plan", "digests", "order",
     "mail_plan", "mail_counts", "mail_offsets",
     "arena", "arena_lsn", "arena_bytes", "salt", "bound", "commit_length", "words",
-    "stage_blocks", "finalize_blocks", "n_groups")] + [("groups", GROUP, (MAX_GROUPS,))])
+    "stage_blocks", "finalize_blocks", "n_groups", "fired", "fired_cap")] + [("groups", GROUP, (MAX_GROUPS,))])
+
+#: (epoch, count) pairs a trigger's log holds (executor.cu: trigger_poll)
+FIRED_CAP = 4096
 
 
 def why_not(tpass, backend) -> str | None:
@@ -70,10 +73,11 @@ def compile_defines(page_bytes: int) -> tuple[str, ...]:
     return ("-DCX_EPOCH", f"-DPAGE_BYTES={int(page_bytes)}")
 
 
-def describe(tpass, ar, arena_ptr: int, words_ptr: int) -> np.ndarray:
+def describe(tpass, ar, arena_ptr: int, words_ptr: int, fired_ptr: int = 0) -> np.ndarray:
     """The descriptor of `tpass` (a DeviceTablePass) epochs into the arena `ar`
-    (an `arena.Arena`) whose first byte the device addresses at `arena_ptr`
-    and whose words at `words_ptr`: one EPOCH_DESC row."""
+    (an `arena.Arena`) whose first byte the device addresses at `arena_ptr`,
+    whose words at `words_ptr`, with a trigger's log at `fired_ptr`: one
+    EPOCH_DESC row."""
     t = tpass.table
     d = np.zeros(1, EPOCH_DESC)
     r = d[0]
@@ -88,6 +92,7 @@ def describe(tpass, ar, arena_ptr: int, words_ptr: int) -> np.ndarray:
     r["stage_blocks"] = tpass.stage_grid[0]
     r["finalize_blocks"] = tpass.finalize_grid[0]
     r["n_groups"] = len(tpass.groups)
+    r["fired"], r["fired_cap"] = fired_ptr, FIRED_CAP if fired_ptr else 0
     for i, (fn, rows, first, n_rows, pages) in enumerate(tpass.groups):
         g = r["groups"][i]
         g["rows"], g["row_first"], g["n_rows"], g["pages"] = rows.data.ptr, first.data.ptr, int(n_rows), pages
@@ -119,6 +124,10 @@ class DeviceEpochs:
         page_bytes = int(tpass.table.entries["page_bytes"][0])
         self.module = ExecutorModule(child=True, ops=(Op.EPOCH,), extra_options=compile_defines(page_bytes)).load()
         self.words = MappedHostBuffer(arena_mod.WORDS.itemsize, where="arena words")
+        self.log = MappedHostBuffer(8 * (2 + 2 * FIRED_CAP), where="trigger log")
+        self.log.array[:] = 0
+        self.descs: list = []   # every descriptor handed to the kernel, kept while it may read one
+        self.armed = None       # (every, counter, gate) of the trigger armed
         self.gring = GpuRing(64, where="device epochs ring")
         self.executor = GpuExecutor(self.gring, self.module, child_timeout_s=child_timeout_s, lifetime_s=600.0,
                                     idle_s=1.0)
@@ -136,9 +145,12 @@ class DeviceEpochs:
         runner.arena = ar
         runner.arenas += 1
         ptr = self.tpass.registration.device_ptr + ar.ext.offset
-        desc = describe(self.tpass, ar, ptr, self.words.ptr)
+        desc = describe(self.tpass, ar, ptr, self.words.ptr, self.log.ptr)
         self.d_desc = self.cp.asarray(desc.view(np.uint8))
+        self.descs.append(self.d_desc)
         self.cp.cuda.get_current_stream().synchronize()
+        if self.armed is not None:  # the trigger goes on into the new arena
+            self._arm(*self.armed)
 
     def epoch(self, timeout: float = 30.0):
         """One EPOCH task; its completion (`Completion`: op, status, pages,
@@ -151,6 +163,41 @@ class DeviceEpochs:
             self._open()
         return self.submitter.call(self.Op.EPOCH, args=(self.d_desc.data.ptr,), timeout=timeout)
 
+    # -- the device trigger ------------------------------------------------------
+    def trigger(self, every: int, counter, gate):
+        """Arm the trigger (executor.cu: trigger_poll): an epoch every `every`
+        counts of `counter` (a CuPy uint64 word the producer's `step_gate`
+        raises on its stream) at the point `gate` (a CuPy uint32 pair) holds
+        the producer at; no host thread takes part.  Stopped by `close()`."""
+        if isinstance(every, bool) or not isinstance(every, (int, np.integer)) or every <= 0:
+            raise ExecutorError(f"a trigger's every must be a whole number > 0, not {every!r}", where="device trigger")
+        self.armed = (int(every), counter, gate)
+        return self._arm(*self.armed)
+
+    def _arm(self, every, counter, gate):
+        c = self.submitter.call(self.Op.EPOCH, args=(self.d_desc.data.ptr, every, counter.data.ptr, gate.data.ptr),
+                                timeout=30.0)
+        if c.status != 0:
+            raise ExecutorError(f"arming the trigger failed with status {c.status.name}", where="device trigger")
+        return c
+
+    def step_gate(self, counter, gate, timeout_s: float = 10.0) -> None:
+        """The producer's part, after each step, on its current stream: the
+        step counted in stream order; held there while the trigger's epoch runs."""
+        fn = self.module.functions["cx_step_gate"]
+        fn((1,), (1,), (counter, gate, np.uint64(int(timeout_s * 1e9))))
+
+    def fired(self) -> list:
+        """The trigger's epochs so far: [(epoch, count)] in order."""
+        log = self.log.array.view(np.uint64)
+        n = int(log[0])
+        return [(int(log[2 + 2 * i]), int(log[3 + 2 * i])) for i in range(n)]
+
+    @property
+    def trigger_status(self) -> int:
+        """The status that stopped the trigger (0: none)."""
+        return int(self.log.array.view(np.uint64)[1])
+
     def close(self) -> None:
         try:
             self.submitter.stop(10.0)
@@ -159,3 +206,4 @@ class DeviceEpochs:
             self.session.settle()
             self.gring.close()
             self.words.close()
+            self.log.close()

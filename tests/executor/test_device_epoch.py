@@ -123,3 +123,50 @@ def test_the_persistent_kernel_runs_a_sessions_epochs_into_its_arena(shm_log):
             assert np.asarray(got["kv"].get() if hasattr(got["kv"], "get") else got["kv"]).tobytes() == k.tobytes()
             assert np.asarray(got["lora"].get() if hasattr(got["lora"], "get") else got["lora"]).tobytes() == \
                 l.tobytes()
+
+
+@pytest.mark.gpu
+def test_a_device_trigger_commits_epochs_while_the_caller_holds_the_gil(shm_log):
+    """64 decode steps queued on the device, each followed by the step gate;
+    the trigger armed every 8 counts; the caller then spins in pure Python
+    (holding the GIL) for 2.5 s.  Epochs commit on the device alone, each at
+    a step boundary, and each recovers the state of the step it logged."""
+    import time
+
+    import cupy as cp
+
+    from concordia import Session
+    from concordia.checkpoint.device_epoch import DeviceEpochs
+    from concordia.policy import Policy
+
+    def state(count):
+        a = np.zeros((64, 1024), np.float32)
+        for k in range(1, count + 1):
+            a[k % 64] += np.float32(k)
+        return a
+
+    with Session(shm_log, size=64 << 20, segment_size=8 << 20, policy=Policy(retain=False)) as s:
+        a = cp.zeros((64, 1024), cp.float32)
+        s.register("a", a, detect="shadow", page_bytes=4096)
+        s.checkpoint()
+        a[1] += np.float32(0)  # CuPy's kernel, loaded before the executor is resident
+        counter, gate = cp.zeros(1, cp.uint64), cp.zeros(2, cp.uint32)
+        cp.cuda.get_current_stream().synchronize()
+        dev = DeviceEpochs(s)
+        try:
+            dev.trigger(8, counter, gate)
+            for k in range(1, 65):
+                a[k % 64] += np.float32(k)
+                dev.step_gate(counter, gate)
+            t0, spins = time.perf_counter(), 0
+            while time.perf_counter() - t0 < 2.5:  # the stall: pure Python, the GIL held
+                spins += 1
+            fired = dev.fired()
+            assert dev.trigger_status == 0 and len(fired) >= 1, (fired, dev.trigger_status)
+        finally:
+            dev.close()
+        counts = [c for _, c in fired]
+        assert counts == sorted(counts) and all(c >= 8 * (i + 1) for i, c in enumerate(counts)), counts
+        for epoch, count in fired:
+            got = s.recover(epoch)["a"]
+            assert np.asarray(got.get() if hasattr(got, "get") else got).tobytes() == state(count).tobytes(), epoch
