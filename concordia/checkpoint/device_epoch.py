@@ -18,6 +18,16 @@ commit) in order on its own stream, and waits for the last of them.  The
 completion says what the epoch wrote (pages, record bytes, the LSN of its
 first record and of its commit): `epoch_on_device`.
 
+The device trigger (`trigger`, `step_gate`, `fired`).  The producer queues
+`step_gate` on its stream after each decode step: the step is counted in
+stream order, and held there while the executor asks for a consistent point.
+Armed by an EPOCH task with every = N, the control warp, between polls of
+the ring, asks for the gate at each multiple of N, runs the epoch once the
+producer holds, logs (epoch, count) in mapped memory and lets go: epochs
+commit at the trigger's rate while the caller's thread does anything at all,
+a pure-Python loop holding the GIL included.  An arena with no room misses
+epochs (counted in its words) until the host's next call opens another.
+
 What the kernel can take: every row's dirty pages found on the device
 (shadow copies, fingerprints: `arena.why_not`), one page size (the
 detection kernels are specialised by -DPAGE_BYTES), at most `MAX_GROUPS`
