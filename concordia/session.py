@@ -324,10 +324,11 @@ class Session:
         statistics (the object that call returned, now filled), or None when
         nothing was pending.  Every call that reads or writes the log, or changes the regions, settles first; so
         does `close`.  A trigger's epochs committed in an arena (checkpoint/arena.py) are taken on first."""
-        for stats in self.runner.adopt_arena(self.log):
-            self.checkpoints.append(stats)
-            self.checkpoint_totals.add(stats)
-            self.retention.after_commit(stats, moved=True)
+        with self.region_set.lock:  # not beside a trigger's epoch on the consumer, which may open another arena
+            for stats in self.runner.adopt_arena(self.log):
+                self.checkpoints.append(stats)
+                self.checkpoint_totals.add(stats)
+                self.retention.after_commit(stats, moved=True)
         stats = self.runner.settle()
         if stats is not None:
             self.checkpoint_totals.add(stats)
@@ -457,9 +458,8 @@ class Session:
             detect.reset(r, recovered=True)
 
     def refresh(self) -> int:
-        """Read a log opened read-only afresh, so that epochs committed since by
-        its writer are seen; returns the last committed epoch.  A writable
-        session's log is its own and always current."""
+        """Read a log opened read-only afresh, so that epochs committed since by its writer are seen; returns
+        the last committed epoch.  A writable session's log is its own and always current."""
         self._check_open("refresh")
         self.settle()
         if not self.log.writable and self._owns_log and self.log.moved_on():
