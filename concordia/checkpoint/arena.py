@@ -128,10 +128,10 @@ class Arena:
     def adopt(self, app) -> list:
         """Finish the arena and take its commits on (module doc): returns
         [(epoch, LSN of its first record, commit LSN, {row: pages}, record
-        bytes)] in order.  What
-        follows the last commit that could be taken on (a record that is not
-        one, a commit written wrong) is covered by one pad record before the
-        refusal is raised, so the log holds no damage and no epoch of it."""
+        bytes)] in order.  What follows the last commit that could be taken
+        on (a record that is not one, a commit written wrong) is covered by
+        one pad record before the refusal is raised, so the log holds no
+        damage and no epoch of it."""
         used = self.word("used")
         good = self._whole_prefix(used)
         if good < used:
@@ -164,14 +164,19 @@ class Arena:
 
     def _whole_prefix(self, used: int) -> int:
         """Bytes of the arena up to the end of its last commit before any
-        header that is not a record of this arena (the appender would refuse it)."""
+        header that is not a record an epoch here writes (one the appender
+        would refuse, another type, a region not in the table)."""
         view, pos, good = memoryview(self.ext.view), 0, 0
+        ids = set(self.table.entries["region_id"].tolist())
         while pos < used:
             if fmt.check_record_header_bytes(view, pos) is not None:
                 break
             h = fmt.decode_record_header(view, pos, check=False)
             if h.lsn != self.ext.lsn + pos or h.salt != self.ext.salt or pos + h.length > used:
                 break
+            if h.kind not in (fmt.REC_COMMIT, fmt.REC_PAGE_BATCH) or (h.kind == fmt.REC_PAGE_BATCH
+                                                                      and h.region_id not in ids):
+                break  # an epoch here writes its table's page batches and its commit, nothing else
             pos += h.length
             if h.kind == fmt.REC_COMMIT:
                 good = pos
