@@ -269,10 +269,13 @@ def run_device_epochs(cp, counts: list[int], log: str, quick: bool, scratch: Scr
     scratch.discard(log)
     out["latency_ms"] = {}
     reps = 5 if quick else 30
-    for count in counts:
-        out["latency_ms"][str(count)] = {"resident": _device_epoch_ms(cp, log, count, reps, scratch),
-                                         "host": _checkpoint_ms(scratch, log, count, reps, cp, "host", "auto")[
-                                             "ckpt_ms"]}
+    try:
+        for count in counts:
+            out["latency_ms"][str(count)] = {"resident": _device_epoch_ms(cp, log, count, reps, scratch),
+                                             "host": _checkpoint_ms(scratch, log, count, reps, cp, "host", "auto")[
+                                                 "ckpt_ms"]}
+    except Exception as exc:  # recorded; the epoch and the stall above stand
+        out["latency_error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
     return out
 
 
@@ -289,7 +292,7 @@ def _device_epoch_ms(cp, log: str, n: int, reps: int, scratch: Scratch) -> float
     big = cp.zeros(n * size, cp.uint8)
     need = max(64 * MiB, n * size * 4 + (reps + 4) * (n * (pb + 256) + MiB) + 16 * MiB)
     try:
-        with Session(log, overwrite=True, size=need, segment_size=64 * MiB, policy=Policy(retain=False)) as s:
+        with Session(log, overwrite=True, size=need, segment_size=16 * MiB, policy=Policy(retain=False)) as s:
             for i in range(n):
                 s.register(f"r{i:04d}", big[i * size:(i + 1) * size], page_bytes=pb, detect="shadow")
             s.checkpoint()
@@ -396,7 +399,7 @@ def run(on_gpu: bool, quick: bool, counts: list[int], scratch: Scratch) -> dict:
         if "stall" in device:
             doc["stall_variants"]["device_epoch_trigger"] = device["stall"]
             doc["stall"] = device["stall"]
-        for k in ("device_epoch", "latency_ms", "error"):
+        for k in ("device_epoch", "latency_ms", "error", "latency_error"):
             if k in device:
                 doc[k] = device[k]
         work = doc["residency"].get("workloads", {})
