@@ -290,9 +290,13 @@ def _device_epoch_ms(cp, log: str, n: int, reps: int, scratch: Scratch) -> float
     pb, pages = 4096, 16
     size = pb * pages
     big = cp.zeros(n * size, cp.uint8)
-    need = max(64 * MiB, n * size * 4 + (reps + 4) * (n * (pb + 256) + MiB) + 16 * MiB)
+    # an arena holds the most one epoch writes (every page): segments of at least twice that
+    seg = 16 * MiB
+    while seg < 2 * (n * (size + 64 * 3) + 64 * MiB // 64):
+        seg *= 2
+    need = max(3 * seg, n * size * 4 + (reps + 4) * (n * (pb + 256) + MiB) + 16 * MiB)
     try:
-        with Session(log, overwrite=True, size=need, segment_size=16 * MiB, policy=Policy(retain=False)) as s:
+        with Session(log, overwrite=True, size=need, segment_size=seg, policy=Policy(retain=False)) as s:
             for i in range(n):
                 s.register(f"r{i:04d}", big[i * size:(i + 1) * size], page_bytes=pb, detect="shadow")
             s.checkpoint()
@@ -476,8 +480,10 @@ def _table(doc: dict) -> str:
              f"resident = {doc['executor']['resident']})"]
     for k, st in doc["stall_variants"].items():
         ran = (f"{st['steps_during_stall']} steps ran" if "steps_during_stall" in st
-               else f"{st['steps_by_stall_end']} device steps by its end")
-        lines.append(f"stall {k:<17} {st['stall_s'] * 1e3:6.0f} ms: {st['epochs_committed']:3d} epochs committed "
+               else f"{st['steps_by_stall_end']} device steps by its end" if "steps_by_stall_end" in st
+               else f"the device trigger, {len(st['fired'])} epochs in all, checked in {st['checked_in']}")
+        held = st.get("stall_s", st.get("gil_held_s", 0.0))
+        lines.append(f"stall {k:<17} {held * 1e3:6.0f} ms: {st['epochs_committed']:3d} epochs committed "
                      f"(every {st['every_steps']} steps; {ran}), recovered identical: {st['recovered_identical']}")
     counts = list(doc["ckpt_ms"]["host"])
     lines.append(f"{'checkpoint ms (median)':<24}" + "".join(f"{n + ' regions':>14}" for n in counts))
