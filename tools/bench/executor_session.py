@@ -295,6 +295,7 @@ def _device_epoch_ms(cp, log: str, n: int, reps: int, scratch: Scratch) -> float
     while seg < 2 * (n * (size + 64 * 3) + 64 * MiB // 64):
         seg *= 2
     need = max(3 * seg, n * size * 4 + (reps + 4) * (n * (pb + 256) + MiB) + 16 * MiB)
+    need = -(-need // seg) * seg
     try:
         with Session(log, overwrite=True, size=need, segment_size=seg, policy=Policy(retain=False)) as s:
             for i in range(n):
