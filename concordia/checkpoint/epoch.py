@@ -188,7 +188,8 @@ class EpochRunner:
             return ("the regions take no single table pass (every region on one mapped staging path, "
                     "each with its first epoch committed)")
         if not isinstance(tp, HostTablePass):
-            return "the device's EPOCH handler is not built: a device table's epochs go through the session"
+            return ("a device table's epochs take the device's EPOCH handler (checkpoint.device_epoch), "
+                    "not this consumer's arena: they go through the session")
         why = arena.why_not(tp.table, log.appender.backend)
         if why is None:
             try:

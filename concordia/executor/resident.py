@@ -28,11 +28,12 @@ region of a new kind is registered, a consumer whose table has that kind's
 handler is swapped in (`Submitter.swap`: QUIESCE, hand-over at a slot
 boundary, nothing lost or run twice).  On the CPU a kind's handler counts that
 kind's regions in each epoch (`info()["kinds"]`); the detection itself is the
-session's pass.  On the GPU the handler of a kind would be its detection
-kernel, specialised per kind, inside the persistent kernel's module: that
-device epoch handler is not built yet (executor.cu answers EPOCH and RECOVER
-with UNSUPPORTED_OP), so a CuPy session's resident consumer is the same thread,
-driving the device passes from there.
+session's pass.  On the GPU a kind's handler is its detection kernel,
+specialised by -D inside the persistent kernel's module (the device's EPOCH
+handler, `checkpoint.device_epoch.DeviceEpochs`, executor.cu built with
+CX_EPOCH); this executor does not route a CuPy session's epochs through it
+yet, so a CuPy session's resident consumer is the same thread, driving the
+device passes from there.
 
 Device-side triggers (`Trigger`, armed by `ResidentExecutor.trigger`).  A trigger checkpoints every N counts of a
 counter the consumer polls between tasks: the launches of instrumented kernels
