@@ -1,6 +1,6 @@
 """The writer of the follower test, in a process of its own:
 
-    python -m tests.cli.follow_writer LOG EPOCHS FOLLOWER_OUT
+    python -m tests.cli.follow_writer LOG EPOCHS FOLLOWER_OUT [READY]
 
 Appends EPOCHS epochs (one page batch of PAGES pages and a commit each, about
 an eighth of a 1 MiB segment, so a roll over every few epochs) to the log the
@@ -10,7 +10,9 @@ follower has printed (the last line of FOLLOWER_OUT) are reclaimed, up to the
 oldest segment that begins with an epoch's first record (whole epochs only, as
 compaction frees them, and as few as that allows), and the writer waits for
 the follower when there are none.  Prints one JSON line of
-counts at the end."""
+counts at the end.  READY: a file made once the log is open for writing
+(the open cuts the log and writes its region descriptor again, so a
+follower started before it would see that cut and show the descriptor twice)."""
 
 from __future__ import annotations
 
@@ -47,8 +49,10 @@ def follower_lsn(path: str) -> int:
     return -1
 
 
-def main(log_name: str, epochs: int, out: str) -> None:
+def main(log_name: str, epochs: int, out: str, ready: str | None = None) -> None:
     log = Log.open(log_name, writable=True)
+    if ready:
+        open(ready, "w").close()
     app, vol = log.appender, log.volume
     info = log.region("r")
     rid = info.id
@@ -90,4 +94,4 @@ def main(log_name: str, epochs: int, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else None)

@@ -41,15 +41,26 @@ def test_follow_prints_every_record_across_roll_overs(tier, tmp_path, request):
                                   if os.path.exists(p)])
     with Log.create(log, size=32 << 20, segment_size=1 << 20) as lg:
         lg.define_region("r", np.uint8, (64 * 4096,), 4096, "opaque")
-    out = tmp_path / "follow.jsonl"
+    out, ready = tmp_path / "follow.jsonl", tmp_path / "writer-open"
+    out.touch()
+    # the follower starts once the writer has the log open: that open cuts the log and writes
+    # its region descriptor again at the same LSN, which a follower already past it would show twice
+    writer = subprocess.Popen([sys.executable, "-m", "tests.cli.follow_writer", log, str(EPOCHS), str(out), str(ready)],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not ready.exists() and writer.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
     with open(out, "w") as f:
         follow = subprocess.Popen([WAL, "dump", log, "--follow", "--json", "--interval", "0.01"],
                                   stdout=f, stderr=subprocess.PIPE, text=True)
     try:
-        writer = subprocess.run([sys.executable, "-m", "tests.cli.follow_writer", log, str(EPOCHS), str(out)],
-                                cwd=ROOT, capture_output=True, text=True, timeout=120)
-        assert writer.returncode == 0, writer.stderr
-        counts = json.loads(writer.stdout)
+        try:
+            w_out, w_err = writer.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            writer.kill()
+            raise
+        assert writer.returncode == 0, w_err
+        counts = json.loads(w_out)
         assert counts["segments_taken"] > EPOCHS // 10  # a roll over every few epochs
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
