@@ -87,6 +87,11 @@ def check_absent(absent) -> None:
                            hint="absent='keep' leaves a region with no state at the epoch as it is")
 
 
+#: staged device copies at least this large are given back to the driver once
+#: copied into their targets (`_restore`)
+RELEASE_STAGED_BYTES = 256 << 20
+
+
 def restore(log, target="latest", *, mode=None, regions=None, device: bool = False, into: dict | None = None,
             registration=None, read: str = "auto", stats: dict | None = None, plan=None,
             absent: str = "refuse") -> Restored:
@@ -220,11 +225,21 @@ def _restore(log, plan, plan_s, pages, *, regions, device, into, registration, r
         order.after_producers()
         from concordia.gpu_kernels.jit import require_cupy
 
-        stream = require_cupy().cuda.get_current_stream()
+        cp = require_cupy()
+        stream = cp.cuda.get_current_stream()
         for name, a in staged.items():
             dev[name].data.copy_from_device_async(a.data, int(a.nbytes), stream)
             arrays[name] = dev[name]
         order.before_later_work()
+        staged_bytes = sum(int(a.nbytes) for a in staged.values())
+        staged.clear()
+        a = None  # nothing here holds a staged copy now
+        if staged_bytes >= RELEASE_STAGED_BYTES:
+            # the staged copies go back to the driver, not to CuPy's pool, where the framework
+            # that owns the targets cannot use them (a cache of 30 GiB restored into torch
+            # tensors would leave 30 GiB there, out of the next prefill's reach)
+            stream.synchronize()  # the copies out of them are done
+            cp.get_default_memory_pool().free_all_blocks(stream=stream)
     for name, a in host_got.items():
         host[name][...] = a
         arrays[name] = host[name]

@@ -146,3 +146,28 @@ def test_a_restore_into_device_targets_writes_none_of_them_when_one_region_is_da
 
     damage_leaves_targets_as_they_were(file_log, lambda log, p, into: restore(
         log, plan=p, device=True, into={n: (v, cp) for n, v in into.items()}).arrays, xp=cp)
+
+
+def test_a_large_restore_into_device_targets_gives_its_staged_copies_back(shm_log):
+    """The device pipeline restores into new arrays, then copies them into the
+    targets: staged copies of at least RELEASE_STAGED_BYTES go back to the
+    driver afterwards, not to CuPy's pool, where a framework owning the
+    targets (PyTorch) could not use them."""
+    import cupy as cp
+    import numpy as np
+
+    from concordia import Session
+    from concordia.restore.run import RELEASE_STAGED_BYTES
+
+    n = RELEASE_STAGED_BYTES + (64 << 20)
+    a = cp.asarray(np.random.default_rng(1).integers(0, 256, n, dtype=np.uint8))
+    with Session(shm_log, size=4 * n + (256 << 20), segment_size=n + (64 << 20)) as s:
+        s.register("a", a, page_bytes=1 << 20)
+        s.checkpoint()
+        target = cp.zeros_like(a)
+        pool = cp.get_default_memory_pool()
+        pool.free_all_blocks()
+        s.recover(into={"a": target})
+        cp.cuda.get_current_stream().synchronize()
+        assert bool((target == a).all())
+        assert pool.free_bytes() < n // 4, pool.free_bytes()  # the staged copy of n bytes is not kept there

@@ -41,6 +41,7 @@ Prefill runs in chunks (--chunk tokens), as a server would for long contexts.
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import click
@@ -467,8 +468,11 @@ def run(shape: str, device: str, batch: int, contexts: list[int], decode_steps: 
 
 
 def _empty(torch, device):
+    """Free what PyTorch's and CuPy's pools keep between the bench's phases."""
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
+        if "cupy" in sys.modules:
+            sys.modules["cupy"].get_default_memory_pool().free_all_blocks()
 
 
 def _median(xs):
