@@ -106,3 +106,22 @@ def test_what_follows_a_damaged_record_is_padded_over_and_the_epochs_before_it_s
         assert s.log.verify()["corrupt"] == 0
     with Session(shm_log, create=False) as r:
         np.testing.assert_array_equal(r.recover()["a"], a)
+
+
+def test_a_log_with_no_room_for_an_arena_says_so_and_opens_none(shm_log):
+    """Every segment live and too little left of the one being written: no
+    arena, the reason named (a trigger's epoch then goes through the session)."""
+    from concordia.errors import LogFullError
+
+    with Session(shm_log, size=4 * MiB, segment_size=1 * MiB, staging="mapped", policy=Policy(retain=False)) as s:
+        s.register("a", np.zeros((32, 1024), np.uint32))
+        s.checkpoint()
+        app = s.log.appender
+        while True:  # fill the log with records no one will read (padding)
+            try:
+                ext = app.reserve_extent(app.segment_rest if app.segment_rest >= 4096 else app.segment_capacity)
+            except LogFullError:
+                break
+            app.finish_extent(ext, 0, 0)
+        assert s.runner.open_arena(s.log) == "the log has no room for an arena now (no free segment)"
+        assert s.runner.arena is None and not app.outstanding
