@@ -623,7 +623,7 @@ class Appender:
         extent already finished (`finish_extent`): a pass that commits its
         own epoch (a GPU kernel, no host step between).  Only where written
         bytes need no persist call: there the record was durable when written,
-        as a commit's is once `commit` returns.  The record is checked as
+        as a commit's is once `commit` returns (FORMAT.md §10, 4c).  The record is checked as
         `commit` would have written it (type, epoch, LSN, previous commit,
         the epoch's record count, bytes and first LSN as the finished extents
         counted them; V-C1..V-C4), so a producer bug is refused here with
@@ -653,7 +653,8 @@ class Appender:
         except (CorruptionError, WalError) as exc:
             raise UsageError(f"invalid commit record written by a producer: {exc}", where=where) from None
         count, nbytes, first = self.stats.get(epoch, (0, 0, 0))
-        want = {"type": (h.type, F.REC_COMMIT), "flags": (h.flags, 0), "body_crc": (h.body_crc, _crc32c(body)), "epoch": (h.epoch, epoch),
+        want = {"type": (h.type, F.REC_COMMIT), "flags": (h.flags, 0), "body_crc": (h.body_crc, _crc32c(body)),
+                "epoch": (h.epoch, epoch),
                 "lsn": (h.lsn, lsn), "salt": (h.salt, seg.salt), "aux": (h.aux, self.last_commit_lsn),
                 "record_count": (info.record_count, count), "record_bytes": (info.record_bytes, nbytes),
                 "first_lsn": (info.first_lsn, first)}

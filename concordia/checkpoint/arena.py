@@ -133,15 +133,16 @@ class Arena:
         one pad record before the refusal is raised, so the log holds no
         damage and no epoch of it."""
         used = self.word("used")
-        good = self._whole_prefix(used)
+        heads, good = self._walk(used)
+        offsets = [pos for pos, _ in heads]
         if good < used:
             self._pad(good, used)
-        app.finish_extent(self.ext, used, None, trim=True)
+            offsets.append(good)
+        # the appender checks the headers at these offsets as arrays, and that they tile the bytes used
+        app.finish_extent(self.ext, used, len(offsets), offsets=np.asarray(offsets, np.int64), trim=True)
         out, pages, nbytes, start = [], {}, 0, 0
-        view, pos = memoryview(self.ext.view), 0
         rows = {int(rid): i for i, rid in enumerate(self.table.entries["region_id"].tolist())}
-        while pos < good:
-            h = fmt.decode_record_header(view, pos)
+        for pos, h in heads:
             if h.kind == fmt.REC_COMMIT:
                 try:
                     app.adopt_commit(h.epoch, self.ext.lsn + pos)
@@ -149,24 +150,24 @@ class Arena:
                     self._pad(start, used)
                     raise
                 out.append((h.epoch, self.ext.lsn + start, self.ext.lsn + pos, pages, nbytes))
-                self.digests = fmt.decode_commit_body(fmt.generic_body(view, h, pos), h).digests
+                self.digests = fmt.decode_commit_body(fmt.generic_body(self.ext.view, h, pos), h).digests
                 pages, nbytes, start = {}, 0, pos + h.length
-            elif h.kind == fmt.REC_PAGE_BATCH:
+            else:
                 row = rows[h.region_id]
                 pages[row] = pages.get(row, 0) + h.count
                 nbytes += h.length
-            pos += h.length
         if good < used:
             raise SessionError(f"the arena holds no whole record or commit after lsn 0x{self.ext.lsn + good:x}: "
                                f"its last {used - good} bytes are padded over, no epoch of them taken on",
                                where=f"segment {self.ext.segment} @ {self.ext.offset + good:#x}")
         return out
 
-    def _whole_prefix(self, used: int) -> int:
-        """Bytes of the arena up to the end of its last commit before any
-        header that is not a record an epoch here writes (one the appender
-        would refuse, another type, a region not in the table)."""
-        view, pos, good = memoryview(self.ext.view), 0, 0
+    def _walk(self, used: int) -> tuple[list, int]:
+        """([(offset, header)] of the records up to the end of the last commit
+        before any header that is not a record an epoch here writes (one the
+        appender would refuse, another type, a region not in the table), and
+        that end."""
+        view, pos, heads, good, upto = memoryview(self.ext.view), 0, [], 0, 0
         ids = set(self.table.entries["region_id"].tolist())
         while pos < used:
             if fmt.check_record_header_bytes(view, pos) is not None:
@@ -177,10 +178,11 @@ class Arena:
             if h.kind not in (fmt.REC_COMMIT, fmt.REC_PAGE_BATCH) or (h.kind == fmt.REC_PAGE_BATCH
                                                                       and h.region_id not in ids):
                 break  # an epoch here writes its table's page batches and its commit, nothing else
+            heads.append((pos, h))
             pos += h.length
             if h.kind == fmt.REC_COMMIT:
-                good = pos
-        return good
+                good, upto = pos, len(heads)
+        return heads[:upto], good
 
     def _pad(self, start: int, end: int) -> None:
         """One pad record over [start, end) of the arena: what it covered is no record."""

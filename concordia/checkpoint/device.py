@@ -538,17 +538,13 @@ class DeviceTablePass:
             if verify is not None:
                 verify()
             counts = self.mail_counts.astype(np.int64)
-            offsets = self.mail_offsets[:records].copy()
-            commit_lsn = 0
+            offsets, finished, commit_lsn = self.mail_offsets[:records].copy(), used, 0
             if got.committed:  # the commit record the device wrote is the extent's last record
                 commit_lsn = ext.lsn + used
                 offsets = np.append(offsets, np.uint64(used))
-                records, used = records + 1, used + t.commit_length
-            # the appender checks every header the plan's offsets name and
-            # that they tile the bytes used
-            app.finish_extent(ext, used, records, offsets=offsets, trim=got.deferred)
-            if got.committed:
-                used -= t.commit_length
+                finished = used + t.commit_length
+            # the appender checks every header the offsets name and that they tile the bytes finished
+            app.finish_extent(ext, finished, offsets.size, offsets=offsets, trim=got.deferred)
             ext = None
         except BaseException:
             self._abandon(app, ext)

@@ -11,6 +11,7 @@ from concordia.checkpoint import detect
 from concordia.checkpoint.staging import page_crc_table
 from concordia.gpu_kernels import reference as ref
 from concordia.regions.arrays import to_host
+from concordia.regions.errors import SessionError
 from concordia.regions.region import Region
 
 
@@ -122,17 +123,13 @@ class HostTablePass:
         by region and finished here.  commit (with defer): write the epoch's
         commit record after its records as well (`table.write_commit`, the
         twin of table.cu's table_commit); `Launched.committed` says so."""
-        from concordia.checkpoint.table import Launched, TableResult, abandon, counts_of, plan_records, write_commit
+        from concordia.checkpoint.table import Launched, TableResult, abandon, write_commit
 
         t = self.table
         e = t.entries
         t0 = time.perf_counter()
-        self.detect()
+        ids, counts, recs, used = self._detect_and_plan()
         t1 = time.perf_counter()
-        ids = np.flatnonzero(self.flags)
-        counts = counts_of(e, ids, t.total_pages)
-        recs = plan_records(e, counts)
-        used = int(recs["length"].sum()) if recs.size else 0
         if used > app.segment_capacity and self.stager is not None:
             starts = np.cumsum(counts) - counts
             first = e["first_page"].astype(np.int64)
@@ -158,6 +155,18 @@ class HostTablePass:
                 raise
         return Launched(ext, epoch, t0, t1, time.perf_counter(), defer, commit, counts=counts, recs=recs, used=used)
 
+    def _detect_and_plan(self):
+        """(the epoch's sorted dirty pages, each row's count, its records, their bytes):
+        every detector advanced (`detect`), the records laid out (`table.plan_records`)."""
+        from concordia.checkpoint.table import counts_of, plan_records
+
+        t = self.table
+        self.detect()
+        ids = np.flatnonzero(self.flags)
+        counts = counts_of(t.entries, ids, t.total_pages)
+        recs = plan_records(t.entries, counts)
+        return ids, counts, recs, int(recs["length"].sum()) if recs.size else 0
+
     def _stage(self, view, ids, recs, *, lsn: int, salt: int, epoch: int) -> None:
         """The records of the plan `recs` into `view` (byte 0 at LSN `lsn`),
         each page's CRC into its region's table."""
@@ -178,16 +187,13 @@ class HostTablePass:
         detect, plan, stage, then the commit record after the records
         (`table.write_commit`); returns the record bytes before the commit.
         The caller made sure the most the epoch can write fits (`arena.Arena`)."""
-        from concordia.checkpoint.table import counts_of, plan_records, write_commit
+        from concordia.checkpoint.table import write_commit
 
         t = self.table
-        self.detect()
-        ids = np.flatnonzero(self.flags)
-        counts = counts_of(t.entries, ids, t.total_pages)
-        recs = plan_records(t.entries, counts)
-        used = int(recs["length"].sum()) if recs.size else 0
+        ids, counts, recs, used = self._detect_and_plan()
         if used + t.commit_length > view.size:
-            raise ValueError(f"an epoch of {used} record bytes does not fit the {view.size} bytes given")
+            raise SessionError(f"an epoch of {used} record bytes and its commit do not fit the {view.size} bytes "
+                               "given", where="arena")
         self._stage(view, ids, recs, lsn=lsn, salt=salt, epoch=epoch)
         self._digests(counts)
         write_commit(t, view, used, int(recs.size), lsn=lsn, epoch=epoch, salt=salt, prev_commit=prev_commit)

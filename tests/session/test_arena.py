@@ -29,6 +29,14 @@ def _session(log, **kw):
     return s, a
 
 
+def _one_epoch_in_an_arena(s, a):
+    """(runner, its open arena, the epoch taken there after a page of `a` was written)."""
+    runner = s.runner
+    assert runner.open_arena(s.log) is None
+    a[1, 1] = 7
+    return runner, runner.arena, runner.arena_take()
+
+
 def test_an_epoch_is_taken_only_when_its_most_fits_and_a_miss_detects_nothing(shm_log):
     s, a = _session(shm_log)
     with s:
@@ -66,11 +74,7 @@ def test_a_table_the_host_lists_pages_of_or_a_file_log_takes_no_arena(tmp_path, 
 def test_a_commit_written_wrong_is_refused_and_every_region_is_then_written_whole(shm_log):
     s, a = _session(shm_log)
     with s:
-        runner = s.runner
-        assert runner.open_arena(s.log) is None
-        ar = runner.arena
-        a[1, 1] = 7
-        epoch = runner.arena_take()
+        runner, ar, epoch = _one_epoch_in_an_arena(s, a)
         commit_at = ar.word("last_commit") - ar.ext.lsn
         ar.ext.view[commit_at + 64 + 36] ^= 1  # the commit's digest, under its body CRC
         with pytest.raises(ConcordiaError, match="invalid commit record written by a producer") as e:
@@ -88,11 +92,7 @@ def test_a_commit_written_wrong_is_refused_and_every_region_is_then_written_whol
 def test_what_follows_a_damaged_record_is_padded_over_and_the_epochs_before_it_stand(shm_log):
     s, a = _session(shm_log)
     with s:
-        runner = s.runner
-        assert runner.open_arena(s.log) is None
-        ar = runner.arena
-        a[1, 1] = 7
-        first = runner.arena_take()
+        runner, ar, first = _one_epoch_in_an_arena(s, a)
         want = a.copy()
         second_at = ar.word("used")
         a[2, 2] = 8

@@ -183,11 +183,7 @@ _FRESH_CHECK = """
 import json, sys
 import numpy as np
 from concordia import Session
-def state(count):
-    a = np.zeros((32, 1024), np.uint32)
-    for k in range(1, count + 1):
-        a[(k * 7) % 32, k % 1024] = k
-    return a
+from concordia.tools.bench.executor_session import _state_at as state
 out = {}
 with Session(sys.argv[1], create=False) as s:
     for pair in sys.argv[2:]:
@@ -281,78 +277,76 @@ def run_device_epochs(cp, counts: list[int], log: str, quick: bool, scratch: Scr
 
 def _device_epoch_ms(cp, log: str, n: int, reps: int, scratch: Scratch) -> float:
     """Median of one EPOCH task on the persistent kernel (its round trip: the
-    table pass and the commit on the device) over `n` regions of 16 pages,
-    one page of each dirtied, as `_checkpoint_ms` measures the host path."""
-    from concordia import Session
+    table pass and the commit on the device) over the regions `_per_step`
+    makes: `DeviceEpochs(session).epoch()` where the host path's row times
+    `Session.checkpoint()`."""
     from concordia.checkpoint.device_epoch import DeviceEpochs
     from concordia.policy import Policy
 
-    pb, pages = 4096, 16
-    size = pb * pages
-    big = cp.zeros(n * size, cp.uint8)
     # an arena holds the most one epoch writes (every page): segments of at least twice that
     seg = 16 * MiB
-    while seg < 2 * (n * (size + 64 * 3) + 64 * MiB // 64):
+    while seg < 2 * (n * (REGION_PAGES * PAGE + 3 * 64) + MiB):
         seg *= 2
-    need = max(3 * seg, n * size * 4 + (reps + 4) * (n * (pb + 256) + MiB) + 16 * MiB)
-    need = -(-need // seg) * seg
+    made = []
+
+    def step(s):
+        if not made:
+            made.append(DeviceEpochs(s))  # after the base, CuPy's kernels loaded by the first dirtying
+        c = made[0].epoch()
+        if c.status != 0 or c.pages != n:
+            raise ExecutorError(f"EPOCH task: status {c.status.name}, {c.pages} pages of {n}",
+                                where="bench executor-session")
+        return c
+
     try:
-        with Session(log, overwrite=True, size=need, segment_size=seg, policy=Policy(retain=False)) as s:
+        return _per_step(scratch, log, n, reps, cp, step, segment_size=seg, policy=Policy(retain=False),
+                         warm_up=True)[0]
+    finally:
+        if made:
+            made[0].close()
+
+
+REGION_PAGES, PAGE = 16, 4096
+
+
+def _per_step(scratch: Scratch, log: str, n: int, reps: int, xp, step, *, segment_size: int = 16 * MiB,
+              warm_up: bool = False, **session_kw) -> tuple:
+    """(median ms, what the last step returned): `step(session)` timed alone,
+    reps + 2 times (the first two left out), over `n` regions of REGION_PAGES
+    pages (shadow detector), one page of each dirtied before each step.
+    warm_up: a first step taken untimed (its first use of anything)."""
+    from concordia import Session
+
+    size = PAGE * REGION_PAGES
+    big = xp.zeros(n * size, xp.uint8)
+    need = max(64 * MiB, 3 * segment_size, n * size * 4 + (reps + 4) * (n * (PAGE + 256) + MiB) + 16 * MiB)
+    need = -(-need // segment_size) * segment_size
+    try:
+        with Session(log, overwrite=True, size=need, segment_size=segment_size, **session_kw) as s:
             for i in range(n):
-                s.register(f"r{i:04d}", big[i * size:(i + 1) * size], page_bytes=pb, detect="shadow")
+                s.register(f"r{i:04d}", big[i * size:(i + 1) * size], page_bytes=PAGE, detect="shadow")
             s.checkpoint()
-            at = cp.arange(n) * size + 7
-            big[at] += 1
-            cp.cuda.Device().synchronize()
-            dev = DeviceEpochs(s)
-            times = []
-            try:
-                for i in range(reps + 2):
-                    at = cp.arange(n) * size + ((i * 5) % pages) * pb + 7
-                    big[at] += 1
-                    cp.cuda.Device().synchronize()
-                    t0 = time.perf_counter()
-                    c = dev.epoch()
-                    times.append(time.perf_counter() - t0)
-                    if c.status != 0 or c.pages != n:
-                        raise ExecutorError(f"EPOCH task: status {c.status.name}, {c.pages} pages of {n}",
-                                            where="bench executor-session")
-            finally:
-                dev.close()
-            return round(statistics.median(times[2:]) * 1e3, 4)
+            times, last = [], None
+            for i in range(reps + 2 + int(warm_up)):
+                at = xp.arange(n) * size + ((i * 5) % REGION_PAGES) * PAGE + 7
+                big[at] += 1
+                if xp is not np:
+                    xp.cuda.Device().synchronize()
+                t0 = time.perf_counter()
+                last = step(s)
+                times.append(time.perf_counter() - t0)
+            times = times[2 + int(warm_up):]
+            return round(statistics.median(times) * 1e3, 4), last, round(min(times) * 1e3, 4)
     finally:
         scratch.discard(log)
 
 
 def _checkpoint_ms(scratch: Scratch, log: str, n: int, reps: int, xp, executor: str, staging: str) -> dict:
-    """Median `Session.checkpoint()` of `n` regions of 16 pages, one page of each dirtied."""
-    from concordia import Session
-
-    pb, pages = 4096, 16
-    size = pb * pages
-    big = xp.zeros(n * size, xp.uint8)
-    views = {f"r{i:04d}": big[i * size:(i + 1) * size] for i in range(n)}
-    need = max(64 * MiB, n * size * 4 + (reps + 4) * (n * (pb + 256) + MiB) + 16 * MiB)
-    try:
-        with Session(log, overwrite=True, size=need, segment_size=16 * MiB, executor=executor, staging=staging) as s:
-            for k, v in views.items():
-                s.register(k, v, page_bytes=pb, detect="shadow")
-            s.checkpoint()
-            times, last = [], None
-            for i in range(reps + 2):
-                at = xp.arange(n) * size + ((i * 5) % pages) * pb + 7
-                big[at] += 1
-                if xp is not np:
-                    xp.cuda.Device().synchronize()
-                t0 = time.perf_counter()
-                last = s.checkpoint()
-                times.append(time.perf_counter() - t0)
-            return {"ckpt_ms": round(statistics.median(times[2:]) * 1e3, 4),
-                    "ckpt_ms_min": round(min(times[2:]) * 1e3, 4), "dirty_pages": sum(last.pages.values()),
-                    "table_pass": last.table_pass, "via": sorted(set(last.via.values())),
-                    "executor": last.executor}
-    finally:
-        scratch.discard(log)
+    """Median `Session.checkpoint()` over the regions `_per_step` makes."""
+    ms, last, least = _per_step(scratch, log, n, reps, xp, lambda s: s.checkpoint(), executor=executor,
+                                staging=staging)
+    return {"ckpt_ms": ms, "ckpt_ms_min": least, "dirty_pages": sum(last.pages.values()),
+            "table_pass": last.table_pass, "via": sorted(set(last.via.values())), "executor": last.executor}
 
 
 def run(on_gpu: bool, quick: bool, counts: list[int], scratch: Scratch) -> dict:
