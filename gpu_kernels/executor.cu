@@ -285,6 +285,7 @@ struct cx_epoch_desc {              // device_epoch.EPOCH_DESC
     u64 arena, arena_lsn, arena_bytes, salt, bound, commit_length, words;
     u64 stage_blocks, finalize_blocks, n_groups;
     u64 fired, fired_cap;           // a trigger's log in mapped host memory (trigger_poll), and its room in pairs
+    u64 stamps;                     // 0, or CX_STAMPS times (ns) of the epoch's phases in mapped host memory
     cx_group groups[CX_MAX_GROUPS];
 };
 
@@ -292,10 +293,22 @@ struct cx_arena_words {             // checkpoint/arena.py: WORDS
     u64 used, last_commit, last_epoch, epochs, missed, reserved[3];
 };
 
+// The phase stamps (device_epoch.STAMPS), when a descriptor asks for them:
+// the global timer as lane 0 launches the driver, as the driver starts, after
+// detection, the plan, staging, finalizing and the commit (each a one-thread
+// kernel in the stream: it adds its own launch), as the close runs, and as
+// lane 0 has waited.  What an epoch's latency is made of, for the bench.
+#define CX_STAMPS 9
+
+extern "C" __global__ void cx_stamp(u64* at) {
+    *(volatile u64*)at = now_ns();
+}
+
 // One thread, after the commit: the arena's words moved on (the host reads
 // them), the pages and bytes for the completion, then the counter lane 0 waits on.
 extern "C" __global__ void cx_epoch_close(const TablePlan* plan, cx_arena_words* w, u64 at, u64 lsn, u64 epoch,
-                                          u64 commit_length, cx_scratch* sc) {
+                                          u64 commit_length, cx_scratch* sc, u64* stamps) {
+    if (stamps) *(volatile u64*)&stamps[7] = now_ns();
     const TablePlan p = *plan;
     if (p.fits) {
         w->used = at + p.bytes + commit_length;
@@ -323,6 +336,8 @@ extern "C" __global__ void cx_epoch_driver(const cx_epoch_desc* d, u64 at, u64 e
     u8* dst = reinterpret_cast<u8*>(d->arena) + at;
     const u64 lsn = d->arena_lsn + at, room = d->arena_bytes - at;
     const u32 salt = (u32)d->salt, n = (u32)d->n_rows;
+    u64* st = reinterpret_cast<u64*>(d->stamps);
+    if (st) *(volatile u64*)&st[1] = now_ns();
     for (u64 g = 0; g < d->n_groups && g < CX_MAX_GROUPS; ++g) {
         const cx_group& k = d->groups[g];
         const u32 blocks = (u32)min((k.pages + 7) / 8, (u64)65535);
@@ -333,15 +348,20 @@ extern "C" __global__ void cx_epoch_driver(const cx_epoch_desc* d, u64 at, u64 e
             table_shadow<<<blocks, 256>>>(table, reinterpret_cast<const u32*>(k.rows),
                                          reinterpret_cast<const u64*>(k.row_first), (u32)k.n_rows, flags);
     }
+    if (st) cx_stamp<<<1, 1>>>(st + 2);
     table_plan<<<1, 1024>>>(table, n, flags, d->total_pages, ids, recs, d->max_records, room - d->commit_length,
                             plan, reinterpret_cast<TablePlan*>(d->mail_plan), reinterpret_cast<u32*>(d->mail_counts),
                             reinterpret_cast<u64*>(d->mail_offsets));
+    if (st) cx_stamp<<<1, 1>>>(st + 3);
     table_stage<<<(u32)d->stage_blocks, 256>>>(table, ids, recs, plan, dst, digests);
+    if (st) cx_stamp<<<1, 1>>>(st + 4);
     table_finalize<<<(u32)d->finalize_blocks, 256>>>(table, ids, recs, plan, dst, lsn, epoch, salt);
+    if (st) cx_stamp<<<1, 1>>>(st + 5);
     table_commit<<<1, 32>>>(table, reinterpret_cast<const u32*>(d->order), n, digests, plan, dst, room, lsn, epoch,
                             salt, prev_commit);
+    if (st) cx_stamp<<<1, 1>>>(st + 6);
     cx_epoch_close<<<1, 1>>>(plan, reinterpret_cast<cx_arena_words*>(d->words), at, lsn, epoch, d->commit_length,
-                             sc);
+                             sc, st);
 }
 
 // Lane 0 only: one epoch of the descriptor `d` into its arena, waited for.
@@ -355,10 +375,13 @@ __device__ int run_epoch(const cx_epoch_desc* d, cx_scratch* sc, u64 child_timeo
         return ST_NO_ROOM;
     }
     const u64 epoch = w->last_epoch + 1, prev = w->last_commit;
+    volatile u64* st = reinterpret_cast<volatile u64*>(d->stamps);
     reset_scratch(sc);
+    if (st) st[0] = now_ns();
     cx_epoch_driver<<<1, 1, 0, CX_CHILD_STREAM>>>(d, at, epoch, prev, sc);
     if (!CX_LAUNCHED()) return ST_LAUNCH_FAILED;
     const int status = wait_children(sc, 1, child_timeout_ns);
+    if (st) st[8] = now_ns();
     if (status != ST_OK) return status;
     if (*(volatile u32*)&sc->errors) return ST_BAD_ARGS;  // the plan did not fit: the host's bound was wrong
     *lsn0 = d->arena_lsn + at;

@@ -56,7 +56,12 @@ EPOCH_DESC = np.dtype([(name, "<u8") for name in (
     "table", "n_rows", "flags", "total_pages", "ids", "recs", "max_records", "plan", "digests", "order",
     "mail_plan", "mail_counts", "mail_offsets",
     "arena", "arena_lsn", "arena_bytes", "salt", "bound", "commit_length", "words",
-    "stage_blocks", "finalize_blocks", "n_groups", "fired", "fired_cap")] + [("groups", GROUP, (MAX_GROUPS,))])
+    "stage_blocks", "finalize_blocks", "n_groups", "fired", "fired_cap", "stamps")]
+    + [("groups", GROUP, (MAX_GROUPS,))])
+
+#: the phase stamps a descriptor may ask for (executor.cu: CX_STAMPS), in the
+#: order the epoch takes them; each phase runs from the stamp before it
+STAMPS = ("launch", "driver", "detect", "plan", "stage", "finalize", "commit", "close", "waited")
 
 #: (epoch, count) pairs a trigger's log holds (executor.cu: trigger_poll)
 FIRED_CAP = 4096
@@ -83,11 +88,11 @@ def compile_defines(page_bytes: int) -> tuple[str, ...]:
     return ("-DCX_EPOCH", f"-DPAGE_BYTES={int(page_bytes)}")
 
 
-def describe(tpass, ar, arena_ptr: int, words_ptr: int, fired_ptr: int = 0) -> np.ndarray:
+def describe(tpass, ar, arena_ptr: int, words_ptr: int, fired_ptr: int = 0, stamps_ptr: int = 0) -> np.ndarray:
     """The descriptor of `tpass` (a DeviceTablePass) epochs into the arena `ar`
     (an `arena.Arena`) whose first byte the device addresses at `arena_ptr`,
-    whose words at `words_ptr`, with a trigger's log at `fired_ptr`: one
-    EPOCH_DESC row."""
+    whose words at `words_ptr`, with a trigger's log at `fired_ptr` and the
+    phase stamps at `stamps_ptr` (0: none): one EPOCH_DESC row."""
     t = tpass.table
     d = np.zeros(1, EPOCH_DESC)
     r = d[0]
@@ -103,6 +108,7 @@ def describe(tpass, ar, arena_ptr: int, words_ptr: int, fired_ptr: int = 0) -> n
     r["finalize_blocks"] = tpass.finalize_grid[0]
     r["n_groups"] = len(tpass.groups)
     r["fired"], r["fired_cap"] = fired_ptr, FIRED_CAP if fired_ptr else 0
+    r["stamps"] = stamps_ptr
     for i, (fn, rows, first, n_rows, pages) in enumerate(tpass.groups):
         g = r["groups"][i]
         g["rows"], g["row_first"], g["n_rows"], g["pages"] = rows.data.ptr, first.data.ptr, int(n_rows), pages
@@ -115,9 +121,10 @@ class DeviceEpochs:
     session's regions are CuPy arrays in one device table pass, its log on a
     tier whose writes need no persist call; the session's first epoch has
     committed (the regions have bases).  `close()` stops the kernel and takes
-    the arena's epochs on."""
+    the arena's epochs on.  stamps: each epoch stamps its phases (`phases()`),
+    at the cost of a one-thread launch between them."""
 
-    def __init__(self, session, *, child_timeout_s: float = 20.0):
+    def __init__(self, session, *, child_timeout_s: float = 20.0, stamps: bool = False):
         from concordia.executor.host import Submitter
         from concordia.executor.persistent import ExecutorModule, GpuExecutor, GpuRing, MappedHostBuffer, require_cupy
         from concordia.executor.ring import Op
@@ -136,6 +143,7 @@ class DeviceEpochs:
         self.words = MappedHostBuffer(arena_mod.WORDS.itemsize, where="arena words")
         self.log = MappedHostBuffer(8 * (2 + 2 * FIRED_CAP), where="trigger log")
         self.log.array[:] = 0
+        self.stamps = MappedHostBuffer(8 * len(STAMPS), where="phase stamps") if stamps else None
         self.descs: list = []   # every descriptor handed to the kernel, kept while it may read one
         self.armed = None       # (every, counter, gate) of the trigger armed
         self.gring = GpuRing(64, where="device epochs ring")
@@ -155,7 +163,8 @@ class DeviceEpochs:
         runner.arena = ar
         runner.arenas += 1
         ptr = self.tpass.registration.device_ptr + ar.ext.offset
-        desc = describe(self.tpass, ar, ptr, self.words.ptr, self.log.ptr)
+        desc = describe(self.tpass, ar, ptr, self.words.ptr, self.log.ptr,
+                        self.stamps.ptr if self.stamps is not None else 0)
         self.d_desc = self.cp.asarray(desc.view(np.uint8))
         self.descs.append(self.d_desc)
         self.cp.cuda.get_current_stream().synchronize()
@@ -203,6 +212,14 @@ class DeviceEpochs:
         n = int(log[0])
         return [(int(log[2 + 2 * i]), int(log[3 + 2 * i])) for i in range(n)]
 
+    def phases(self) -> dict:
+        """The last epoch's phases in µs ({phase: µs since the stamp before},
+        over STAMPS[1:]), when made with stamps=True."""
+        if self.stamps is None:
+            raise ExecutorError("phases need DeviceEpochs(..., stamps=True)", where="device epochs")
+        t = self.stamps.array.view(np.uint64).astype(np.int64)
+        return {name: round((int(t[i + 1]) - int(t[i])) / 1e3, 2) for i, name in enumerate(STAMPS[1:])}
+
     @property
     def trigger_status(self) -> int:
         """The status that stopped the trigger (0: none)."""
@@ -217,3 +234,5 @@ class DeviceEpochs:
             self.gring.close()
             self.words.close()
             self.log.close()
+            if self.stamps is not None:
+                self.stamps.close()

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from concordia.checkpoint import arena
-from concordia.checkpoint.device_epoch import EPOCH_DESC, GROUP, MAX_GROUPS, compile_defines, why_not
+from concordia.checkpoint.device_epoch import EPOCH_DESC, GROUP, MAX_GROUPS, STAMPS, compile_defines, why_not
 from concordia.executor.persistent import KERNEL_SOURCE, compile_options
 from concordia.executor.ring import Op, Status
 
@@ -38,6 +38,7 @@ def test_the_descriptor_and_the_words_are_the_kernels_structs():
     desc = _fields("cx_epoch_desc")
     assert desc[-1] == f"groups[CX_MAX_GROUPS]" and desc[:-1] == list(EPOCH_DESC.names[:-1])
     assert re.search(rf"#define CX_MAX_GROUPS {MAX_GROUPS}\b", CU)
+    assert re.search(rf"#define CX_STAMPS {len(STAMPS)}\b", CU)
     assert EPOCH_DESC.itemsize == 8 * (len(desc) - 1) + MAX_GROUPS * GROUP.itemsize
     words = _fields("cx_arena_words")
     assert words[:-1] == list(arena.WORDS.names[:-1]) and words[-1] == "reserved[3]"
@@ -83,7 +84,8 @@ def shm_log():
 
 
 @pytest.mark.gpu
-def test_the_persistent_kernel_runs_a_sessions_epochs_into_its_arena(shm_log):
+@pytest.mark.parametrize("stamps", [False, True], ids=["plain", "stamped"])
+def test_the_persistent_kernel_runs_a_sessions_epochs_into_its_arena(shm_log, stamps):
     import cupy as cp
 
     from concordia import Session
@@ -101,8 +103,8 @@ def test_the_persistent_kernel_runs_a_sessions_epochs_into_its_arena(shm_log):
         lora *= np.float32(1)
         kv.get(), lora.get()
         cp.cuda.get_current_stream().synchronize()
-        dev = DeviceEpochs(s)
-        states, comps = {}, []
+        dev = DeviceEpochs(s, stamps=stamps)
+        states, comps, phases = {}, [], []
         try:
             for t in range(1, 9):
                 kv[t, : 16 * t] += 1
@@ -113,8 +115,13 @@ def test_the_persistent_kernel_runs_a_sessions_epochs_into_its_arena(shm_log):
                 assert c.op == Op.EPOCH and c.status == Status.OK, (c, dev.submitter)
                 comps.append(c)
                 states[s.runner.arena.word("last_epoch")] = (kv.get(), lora.get())
+                if stamps:
+                    phases.append(dev.phases())
         finally:
             dev.close()
+        if stamps:  # every phase stamped, in order, for each epoch (a stamp left at 0 would show as negative)
+            assert len(phases) == 8 and all(list(p) == list(STAMPS[1:]) for p in phases)
+            assert all(0 <= us < 1e6 for p in phases for us in p.values()), phases
         assert [c.pages for c in comps[1::2]] == [1] * 4  # kv's one row (lora unchanged at even steps)
         assert all(c.lsn_last > c.lsn_first > 0 for c in comps)
         assert s.epoch == max(states)

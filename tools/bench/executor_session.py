@@ -270,40 +270,51 @@ def run_device_epochs(cp, counts: list[int], log: str, quick: bool, scratch: Scr
             out["latency_ms"][str(count)] = {"resident": _device_epoch_ms(cp, log, count, reps, scratch),
                                              "host": _checkpoint_ms(scratch, log, count, reps, cp, "host", "auto")[
                                                  "ckpt_ms"]}
+        out["latency_phases_us"] = {str(count): _device_epoch_ms(cp, log, count, reps, scratch, stamps=True)
+                                    for count in counts}
     except Exception as exc:  # recorded; the epoch and the stall above stand
         out["latency_error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
     return out
 
 
-def _device_epoch_ms(cp, log: str, n: int, reps: int, scratch: Scratch) -> float:
+def _device_epoch_ms(cp, log: str, n: int, reps: int, scratch: Scratch, *, stamps: bool = False):
     """Median of one EPOCH task on the persistent kernel (its round trip: the
     table pass and the commit on the device) over the regions `_per_step`
     makes: `DeviceEpochs(session).epoch()` where the host path's row times
-    `Session.checkpoint()`."""
-    from concordia.checkpoint.device_epoch import DeviceEpochs
+    `Session.checkpoint()`.  stamps: instead, each phase's median µs (the
+    kernel's stamps, device_epoch.STAMPS; each stamp adds a one-thread launch)
+    with the round trip's median as the host saw it."""
+    from concordia.checkpoint.device_epoch import STAMPS, DeviceEpochs
     from concordia.policy import Policy
 
     # an arena holds the most one epoch writes (every page): segments of at least twice that
     seg = 16 * MiB
     while seg < 2 * (n * (REGION_PAGES * PAGE + 3 * 64) + MiB):
         seg *= 2
-    made = []
+    made, seen = [], []
 
     def step(s):
         if not made:
-            made.append(DeviceEpochs(s))  # after the base, CuPy's kernels loaded by the first dirtying
+            made.append(DeviceEpochs(s, stamps=stamps))  # after the base, CuPy's kernels loaded by the first dirtying
+        t0 = time.perf_counter()
         c = made[0].epoch()
         if c.status != 0 or c.pages != n:
             raise ExecutorError(f"EPOCH task: status {c.status.name}, {c.pages} pages of {n}",
                                 where="bench executor-session")
+        if stamps:
+            seen.append({**made[0].phases(), "round_trip": round((time.perf_counter() - t0) * 1e6, 2)})
         return c
 
     try:
-        return _per_step(scratch, log, n, reps, cp, step, segment_size=seg, policy=Policy(retain=False),
-                         warm_up=True)[0]
+        ms = _per_step(scratch, log, n, reps, cp, step, segment_size=seg, policy=Policy(retain=False),
+                       warm_up=True)[0]
     finally:
         if made:
             made[0].close()
+    if not stamps:
+        return ms
+    seen = seen[3:]  # as _per_step leaves out its first steps
+    return {k: round(statistics.median(p[k] for p in seen), 2) for k in (*STAMPS[1:], "round_trip")}
 
 
 REGION_PAGES, PAGE = 16, 4096
@@ -398,7 +409,7 @@ def run(on_gpu: bool, quick: bool, counts: list[int], scratch: Scratch) -> dict:
         if "stall" in device:
             doc["stall_variants"]["device_epoch_trigger"] = device["stall"]
             doc["stall"] = device["stall"]
-        for k in ("device_epoch", "latency_ms", "error", "latency_error"):
+        for k in ("device_epoch", "latency_ms", "latency_phases_us", "error", "latency_error"):
             if k in device:
                 doc[k] = device[k]
         work = doc["residency"].get("workloads", {})
@@ -489,6 +500,8 @@ def _table(doc: dict) -> str:
                      + (f" ({doc['device_epoch']})" if "device_epoch" in doc else f" ({doc.get('error')})"))
     for n, row in doc.get("latency_ms", {}).items():
         lines.append(f"  {n:>5} regions: EPOCH task {row['resident']:.3f} ms, host checkpoint {row['host']:.3f} ms")
+    for n, row in doc.get("latency_phases_us", {}).items():
+        lines.append(f"  {n:>5} regions, stamped phases µs: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()))
     res = doc.get("residency")
     if res and "workloads" in res:
         lines.append(f"{'residency slowdown % (persistent kernel idle beside the session)':<66}"
