@@ -56,16 +56,21 @@ __device__ __forceinline__ u32 last_at_or_below(const u64* first, u32 n, u64 q) 
     return lo;
 }
 
+// This warp's index in its grid, and the grid's warps.
+__device__ __forceinline__ u64 grid_warp() { return ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; }
+__device__ __forceinline__ u64 grid_warps() { return (u64)gridDim.x * (blockDim.x >> 5); }
+
 #ifdef PAGE_BYTES
 // rows: the group's table rows; row_first: u64[n_rows + 1], the group's page
-// prefix (row_first[n_rows] = the group's pages).
-extern "C" __global__ void __launch_bounds__(256)
-table_fingerprint(const TableEntry* __restrict__ table, const u32* __restrict__ rows,
-                  const u64* __restrict__ row_first, u32 n_rows, u8* __restrict__ flags) {
+// prefix (row_first[n_rows] = the group's pages).  The bodies take the warps
+// [w0, w0 + warps) of their launch (w0 this warp's index): a kernel of its
+// own, or one block of a fused epoch (executor.cu's cx_epoch_small).
+__device__ __forceinline__ void fingerprint_rows(const TableEntry* __restrict__ table, const u32* __restrict__ rows,
+                                                 const u64* __restrict__ row_first, u32 n_rows,
+                                                 u8* __restrict__ flags, u64 w0, u64 warps) {
     const int lane = threadIdx.x & 31;
-    const u64 warps = (u64)gridDim.x * (blockDim.x >> 5);
     const u64 total = row_first[n_rows];
-    for (u64 q = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; q < total; q += warps) {
+    for (u64 q = w0; q < total; q += warps) {
         const u32 e = last_at_or_below(row_first, n_rows, q);
         const TableEntry& t = table[rows[e]];
         const u64 p = q - row_first[e];
@@ -79,13 +84,12 @@ table_fingerprint(const TableEntry* __restrict__ table, const u32* __restrict__ 
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256)
-table_shadow(const TableEntry* __restrict__ table, const u32* __restrict__ rows,
-             const u64* __restrict__ row_first, u32 n_rows, u8* __restrict__ flags) {
+__device__ __forceinline__ void shadow_rows(const TableEntry* __restrict__ table, const u32* __restrict__ rows,
+                                            const u64* __restrict__ row_first, u32 n_rows, u8* __restrict__ flags,
+                                            u64 w0, u64 warps) {
     const int lane = threadIdx.x & 31;
-    const u64 warps = (u64)gridDim.x * (blockDim.x >> 5);
     const u64 total = row_first[n_rows];
-    for (u64 q = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; q < total; q += warps) {
+    for (u64 q = w0; q < total; q += warps) {
         const u32 e = last_at_or_below(row_first, n_rows, q);
         const TableEntry& t = table[rows[e]];
         const u64 p = q - row_first[e];
@@ -93,6 +97,18 @@ table_shadow(const TableEntry* __restrict__ table, const u32* __restrict__ rows,
                                                t.nbytes, p, lane, 1);
         if (lane == 0) flags[t.first_page + p] = (u8)diff;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+table_fingerprint(const TableEntry* __restrict__ table, const u32* __restrict__ rows,
+                  const u64* __restrict__ row_first, u32 n_rows, u8* __restrict__ flags) {
+    fingerprint_rows(table, rows, row_first, n_rows, flags, grid_warp(), grid_warps());
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+table_shadow(const TableEntry* __restrict__ table, const u32* __restrict__ rows,
+             const u64* __restrict__ row_first, u32 n_rows, u8* __restrict__ flags) {
+    shadow_rows(table, rows, row_first, n_rows, flags, grid_warp(), grid_warps());
 }
 #endif  // PAGE_BYTES
 
@@ -180,11 +196,11 @@ __device__ u64 block_compact(const u8* __restrict__ flags, u64 n, u32* __restric
 // mail_plan / mail_counts / mail_offsets: pinned host memory the device
 // addresses (the host reads them after the stream's event): the plan, each
 // row's count, each record's offset (what the appender checks the extent by).
-extern "C" __global__ void __launch_bounds__(1024)
-table_plan(const TableEntry* __restrict__ table, u32 n, const u8* __restrict__ flags, u64 total_pages,
-           u32* __restrict__ ids, TableRecord* __restrict__ recs, u64 max_records, u64 dst_bytes,
-           TablePlan* __restrict__ plan, TablePlan* mail_plan, u32* mail_counts, u64* mail_offsets) {
-    __shared__ u64 sums[32];
+// The whole block (every thread) runs it; `sums` is 32 u64 of shared memory.
+__device__ void plan_block(const TableEntry* __restrict__ table, u32 n, const u8* __restrict__ flags, u64 total_pages,
+                           u32* __restrict__ ids, TableRecord* __restrict__ recs, u64 max_records, u64 dst_bytes,
+                           TablePlan* __restrict__ plan, TablePlan* mail_plan, u32* mail_counts, u64* mail_offsets,
+                           u64* sums) {
     const u64 k = block_compact(flags, total_pages, ids, sums);
     __syncthreads();  // every thread's ids written before any thread searches them
     u64 rec_base = 0, byte_base = 0;
@@ -234,6 +250,15 @@ table_plan(const TableEntry* __restrict__ table, u32 n, const u8* __restrict__ f
         *plan = out;
         *mail_plan = out;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(1024)
+table_plan(const TableEntry* __restrict__ table, u32 n, const u8* __restrict__ flags, u64 total_pages,
+           u32* __restrict__ ids, TableRecord* __restrict__ recs, u64 max_records, u64 dst_bytes,
+           TablePlan* __restrict__ plan, TablePlan* mail_plan, u32* mail_counts, u64* mail_offsets) {
+    __shared__ u64 sums[32];
+    plan_block(table, n, flags, total_pages, ids, recs, max_records, dst_bytes, plan, mail_plan, mail_counts,
+               mail_offsets, sums);
 }
 
 // ---- staging (page sizes read from the table) ----------------------------------
@@ -290,21 +315,17 @@ __device__ __forceinline__ u64 record_of(const TableRecord* recs, u64 n, u64 k) 
 }
 
 // digests: u32 per row (digest_slot), moved here by every changed page CRC.
-extern "C" __global__ void __launch_bounds__(256)
-table_stage(const TableEntry* __restrict__ table, const u32* __restrict__ ids,
-            const TableRecord* __restrict__ recs, const TablePlan* __restrict__ plan, u8* __restrict__ dst,
-            u32* __restrict__ digests) {
-    __shared__ u32 T[CRC_TABLE_WORDS];
-    if (!plan->fits) return;
+// The warps [w0, w0 + warps) of the launch stage dirty pages w0, w0 + warps, ...
+// with the CRC tables T built (by the caller, before any warp runs this).
+__device__ __forceinline__ void stage_pages(const u32* T, const TableEntry* __restrict__ table,
+                                            const u32* __restrict__ ids, const TableRecord* __restrict__ recs,
+                                            const TablePlan* __restrict__ plan, u8* __restrict__ dst,
+                                            u32* __restrict__ digests, u64 w0, u64 warps) {
     const u64 k_total = plan->pages, n_recs = plan->records;
-    const u64 first_warp = ((u64)blockIdx.x * blockDim.x) >> 5;
-    if (first_warp >= k_total) return;  // the whole block: before any barrier
-    crc_tables_build(T);
     const int lane = threadIdx.x & 31;
-    const u64 warps = (u64)gridDim.x * (blockDim.x >> 5);
     PageCrcRt crc_k;
     crc_k.page_bytes = 0;
-    for (u64 k = first_warp + (threadIdx.x >> 5); k < k_total; k += warps) {
+    for (u64 k = w0; k < k_total; k += warps) {
         const TableRecord rec = recs[record_of(recs, n_recs, k)];
         const TableEntry& e = table[rec.region];
         if (e.page_bytes != crc_k.page_bytes) crc_k = page_crc_setup_rt(e.page_bytes, lane);
@@ -332,22 +353,29 @@ table_stage(const TableEntry* __restrict__ table, const u32* __restrict__ ids,
     }
 }
 
-// The body CRC is computed from device memory (the epoch's dirty pages and
-// the regions' CRC tables, which hold what the record's tables hold), not by
-// reading the record back from a host mapping.
 extern "C" __global__ void __launch_bounds__(256)
-table_finalize(const TableEntry* __restrict__ table, const u32* __restrict__ ids,
-               const TableRecord* __restrict__ recs, const TablePlan* __restrict__ plan, u8* __restrict__ dst,
-               u64 lsn_base, u64 epoch, u32 salt) {
+table_stage(const TableEntry* __restrict__ table, const u32* __restrict__ ids,
+            const TableRecord* __restrict__ recs, const TablePlan* __restrict__ plan, u8* __restrict__ dst,
+            u32* __restrict__ digests) {
     __shared__ u32 T[CRC_TABLE_WORDS];
     if (!plan->fits) return;
-    const u64 n_recs = plan->records;
     const u64 first_warp = ((u64)blockIdx.x * blockDim.x) >> 5;
-    if (first_warp >= n_recs) return;
+    if (first_warp >= plan->pages) return;  // the whole block: before any barrier
     crc_tables_build(T);
+    stage_pages(T, table, ids, recs, plan, dst, digests, grid_warp(), grid_warps());
+}
+
+// The body CRC is computed from device memory (the epoch's dirty pages and
+// the regions' CRC tables, which hold what the record's tables hold), not by
+// reading the record back from a host mapping.  Warps [w0, w0 + warps) of
+// the launch take records w0, w0 + warps, ..., with T built.
+__device__ __forceinline__ void finalize_records(const u32* T, const TableEntry* __restrict__ table,
+                                                 const u32* __restrict__ ids, const TableRecord* __restrict__ recs,
+                                                 const TablePlan* __restrict__ plan, u8* __restrict__ dst,
+                                                 u64 lsn_base, u64 epoch, u32 salt, u64 w0, u64 warps) {
+    const u64 n_recs = plan->records;
     const int lane = threadIdx.x & 31;
-    const u64 warps = (u64)gridDim.x * (blockDim.x >> 5);
-    for (u64 i = first_warp + (threadIdx.x >> 5); i < n_recs; i += warps) {
+    for (u64 i = w0; i < n_recs; i += warps) {
         const TableRecord rec = recs[i];
         const TableEntry& e = table[rec.region];
         u8* out = dst + rec.offset;
@@ -370,6 +398,18 @@ table_finalize(const TableEntry* __restrict__ table, const u32* __restrict__ ids
     }
 }
 
+extern "C" __global__ void __launch_bounds__(256)
+table_finalize(const TableEntry* __restrict__ table, const u32* __restrict__ ids,
+               const TableRecord* __restrict__ recs, const TablePlan* __restrict__ plan, u8* __restrict__ dst,
+               u64 lsn_base, u64 epoch, u32 salt) {
+    __shared__ u32 T[CRC_TABLE_WORDS];
+    if (!plan->fits) return;
+    const u64 first_warp = ((u64)blockIdx.x * blockDim.x) >> 5;
+    if (first_warp >= plan->records) return;
+    crc_tables_build(T);
+    finalize_records(T, table, ids, recs, plan, dst, lsn_base, epoch, salt, grid_warp(), grid_warps());
+}
+
 // ---- the commit (a pending epoch the pass commits itself) ------------------------
 
 // One warp: the epoch's commit record (FORMAT.md §8) right after its records,
@@ -382,12 +422,10 @@ table_finalize(const TableEntry* __restrict__ table, const u32* __restrict__ ids
 // fenced before the header, stored last by the one header writer: a reader
 // sees the whole record or none.  Nothing is written when the plan did not
 // fit (the plan was given the extent less this record's length).
-extern "C" __global__ void __launch_bounds__(32)
-table_commit(const TableEntry* __restrict__ table, const u32* __restrict__ order, u32 n,
-             const u32* __restrict__ digests, const TablePlan* __restrict__ plan, u8* __restrict__ dst,
-             u64 extent_bytes, u64 lsn_base, u64 epoch, u32 salt, u64 prev_commit) {
-    __shared__ u32 T[CRC_TABLE_WORDS];
-    crc_tables_build(T);
+// One warp, with T built: the commit (above).
+__device__ void commit_warp(const u32* T, const TableEntry* __restrict__ table, const u32* __restrict__ order, u32 n,
+                            const u32* __restrict__ digests, const TablePlan* __restrict__ plan, u8* __restrict__ dst,
+                            u64 extent_bytes, u64 lsn_base, u64 epoch, u32 salt, u64 prev_commit) {
     const TablePlan p = *plan;
     const u64 body = 32 + 8ull * n, length = RECORD_HEADER_BYTES + ((body + 63) & ~63ull);
     if (!p.fits || p.bytes + length > extent_bytes) return;
@@ -421,4 +459,13 @@ table_commit(const TableEntry* __restrict__ table, const u32* __restrict__ order
     if (lane == 0)
         write_record_header(T, rec, length, TYPE_COMMIT, 0, lsn_base + p.bytes, epoch, NO_REGION, salt,
                             crc_of_raw(raw, body), body, 0, prev_commit);
+}
+
+extern "C" __global__ void __launch_bounds__(32)
+table_commit(const TableEntry* __restrict__ table, const u32* __restrict__ order, u32 n,
+             const u32* __restrict__ digests, const TablePlan* __restrict__ plan, u8* __restrict__ dst,
+             u64 extent_bytes, u64 lsn_base, u64 epoch, u32 salt, u64 prev_commit) {
+    __shared__ u32 T[CRC_TABLE_WORDS];
+    crc_tables_build(T);
+    commit_warp(T, table, order, n, digests, plan, dst, extent_bytes, lsn_base, epoch, salt, prev_commit);
 }
