@@ -266,11 +266,14 @@ __device__ __forceinline__ void reset_scratch(cx_scratch* sc) {
 // the table pass's buffers, the arena (a reserved extent of the log, mapped)
 // and the arena's words (mapped host memory: the host reads them).  Lane 0
 // checks the room (the most one epoch writes, and its commit) and launches
-// one driver thread as a fire-and-forget child; the driver launches the pass
-// on its own block's stream, where launches run in the order made: one
-// detection grid per group of rows, the plan, staging, finalizing, the commit
-// (table.cu's table_commit), then `cx_epoch_close`, which moves the words on
-// and bumps the scratch counter lane 0 waits for.  No host step: the epoch is
+// the epoch as a fire-and-forget child.  A table of at most d->small_pages
+// pages runs as one block (cx_epoch_small: table.cu's device functions
+// between barriers).  A larger one runs as one driver thread, which launches
+// the pass on its own block's stream, where launches run in the order made:
+// one detection grid per group of rows, the plan, staging, finalizing, the
+// commit (table.cu's table_commit), then `cx_epoch_close`.  Either ends by
+// moving the words on and bumping the scratch counter lane 0 waits for
+// (`epoch_close`).  No host step: the epoch is
 // durable when the commit's header is stored (tiers whose writes need no
 // persist call), and the host takes it on at its next call (`Arena.adopt`).
 #define CX_MAX_GROUPS 8
@@ -286,6 +289,7 @@ struct cx_epoch_desc {              // device_epoch.EPOCH_DESC
     u64 stage_blocks, finalize_blocks, n_groups;
     u64 fired, fired_cap;           // a trigger's log in mapped host memory (trigger_poll), and its room in pairs
     u64 stamps;                     // 0, or CX_STAMPS times (ns) of the epoch's phases in mapped host memory
+    u64 small_pages;                // a table of at most this many pages runs as one block (cx_epoch_small)
     cx_group groups[CX_MAX_GROUPS];
 };
 
@@ -306,8 +310,8 @@ extern "C" __global__ void cx_stamp(u64* at) {
 
 // One thread, after the commit: the arena's words moved on (the host reads
 // them), the pages and bytes for the completion, then the counter lane 0 waits on.
-extern "C" __global__ void cx_epoch_close(const TablePlan* plan, cx_arena_words* w, u64 at, u64 lsn, u64 epoch,
-                                          u64 commit_length, cx_scratch* sc, u64* stamps) {
+__device__ void epoch_close(const TablePlan* plan, cx_arena_words* w, u64 at, u64 lsn, u64 epoch, u64 commit_length,
+                            cx_scratch* sc, u64* stamps) {
     if (stamps) *(volatile u64*)&stamps[7] = now_ns();
     const TablePlan p = *plan;
     if (p.fits) {
@@ -322,6 +326,11 @@ extern "C" __global__ void cx_epoch_close(const TablePlan* plan, cx_arena_words*
     }
     __threadfence_system();
     atomicAdd(&sc->done_blocks, 1u);
+}
+
+extern "C" __global__ void cx_epoch_close(const TablePlan* plan, cx_arena_words* w, u64 at, u64 lsn, u64 epoch,
+                                          u64 commit_length, cx_scratch* sc, u64* stamps) {
+    epoch_close(plan, w, at, lsn, epoch, commit_length, sc, stamps);
 }
 
 // One thread: the pass's launches, in order, on this block's stream.
@@ -364,6 +373,63 @@ extern "C" __global__ void cx_epoch_driver(const cx_epoch_desc* d, u64 at, u64 e
                              sc, st);
 }
 
+// One block of 1024 threads: the whole epoch of a small table (at most
+// d->small_pages pages), the same device functions as the driver's launches
+// (table.cu) between the block's barriers, in one launch instead of seven.
+// Every thread fences its records at system scope before the barrier that
+// lets the commit's warp write, as the end of a kernel does for the driver.
+extern "C" __global__ void __launch_bounds__(1024)
+    cx_epoch_small(const cx_epoch_desc* d, u64 at, u64 epoch, u64 prev_commit, cx_scratch* sc) {
+    __shared__ u32 T[CRC_TABLE_WORDS];
+    __shared__ u64 sums[32];
+    const TableEntry* table = reinterpret_cast<const TableEntry*>(d->table);
+    u8* flags = reinterpret_cast<u8*>(d->flags);
+    u32* ids = reinterpret_cast<u32*>(d->ids);
+    TableRecord* recs = reinterpret_cast<TableRecord*>(d->recs);
+    TablePlan* plan = reinterpret_cast<TablePlan*>(d->plan);
+    u32* digests = reinterpret_cast<u32*>(d->digests);
+    u8* dst = reinterpret_cast<u8*>(d->arena) + at;
+    const u64 lsn = d->arena_lsn + at, room = d->arena_bytes - at;
+    const u32 salt = (u32)d->salt, n = (u32)d->n_rows;
+    volatile u64* st = reinterpret_cast<volatile u64*>(d->stamps);
+    const bool stamper = st != nullptr && threadIdx.x == 0;
+    const u64 w0 = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    if (stamper) st[1] = now_ns();
+    crc_tables_build(T);
+    for (u64 g = 0; g < d->n_groups && g < CX_MAX_GROUPS; ++g) {
+        const cx_group& k = d->groups[g];
+        if (k.fingerprint)
+            fingerprint_rows(table, reinterpret_cast<const u32*>(k.rows), reinterpret_cast<const u64*>(k.row_first),
+                             (u32)k.n_rows, flags, w0, warps);
+        else
+            shadow_rows(table, reinterpret_cast<const u32*>(k.rows), reinterpret_cast<const u64*>(k.row_first),
+                        (u32)k.n_rows, flags, w0, warps);
+    }
+    __syncthreads();
+    if (stamper) st[2] = now_ns();
+    plan_block(table, n, flags, d->total_pages, ids, recs, d->max_records, room - d->commit_length, plan,
+               reinterpret_cast<TablePlan*>(d->mail_plan), reinterpret_cast<u32*>(d->mail_counts),
+               reinterpret_cast<u64*>(d->mail_offsets), sums);
+    __syncthreads();
+    if (stamper) st[3] = now_ns();
+    const bool fits = plan->fits;
+    if (fits) stage_pages(T, table, ids, recs, plan, dst, digests, w0, warps);
+    __syncthreads();
+    if (stamper) st[4] = now_ns();
+    if (fits) finalize_records(T, table, ids, recs, plan, dst, lsn, epoch, salt, w0, warps);
+    __threadfence_system();
+    __syncthreads();
+    if (stamper) st[5] = now_ns();
+    if (threadIdx.x < 32)
+        commit_warp(T, table, reinterpret_cast<const u32*>(d->order), n, digests, plan, dst, room, lsn, epoch, salt,
+                    prev_commit);
+    __syncthreads();
+    if (stamper) st[6] = now_ns();
+    if (threadIdx.x == 0)
+        epoch_close(plan, reinterpret_cast<cx_arena_words*>(d->words), at, lsn, epoch, d->commit_length, sc,
+                    const_cast<u64*>(st));
+}
+
 // Lane 0 only: one epoch of the descriptor `d` into its arena, waited for.
 // *lsn0 / *lsn1: where the epoch's records begin and its commit lies.
 __device__ int run_epoch(const cx_epoch_desc* d, cx_scratch* sc, u64 child_timeout_ns, u64* lsn0, u64* lsn1) {
@@ -378,7 +444,10 @@ __device__ int run_epoch(const cx_epoch_desc* d, cx_scratch* sc, u64 child_timeo
     volatile u64* st = reinterpret_cast<volatile u64*>(d->stamps);
     reset_scratch(sc);
     if (st) st[0] = now_ns();
-    cx_epoch_driver<<<1, 1, 0, CX_CHILD_STREAM>>>(d, at, epoch, prev, sc);
+    if (d->total_pages <= d->small_pages)
+        cx_epoch_small<<<1, 1024, 0, CX_CHILD_STREAM>>>(d, at, epoch, prev, sc);
+    else
+        cx_epoch_driver<<<1, 1, 0, CX_CHILD_STREAM>>>(d, at, epoch, prev, sc);
     if (!CX_LAUNCHED()) return ST_LAUNCH_FAILED;
     const int status = wait_children(sc, 1, child_timeout_ns);
     if (st) st[8] = now_ns();

@@ -12,9 +12,11 @@ and the table pass's device buffers (`checkpoint.device.DeviceTablePass`),
 the arena (its extent's device address in the registered log mapping, LSN,
 length, salt) and the arena's words (`arena.WORDS`, in mapped host memory:
 the kernel moves them on, the host reads them).  An EPOCH task names the
-descriptor; the control warp checks the room, launches one driver thread,
-which launches the table pass (detection per group, plan, stage, finalize,
-commit) in order on its own stream, and waits for the last of them.  The
+descriptor; the control warp checks the room and launches the epoch: a
+table of at most SMALL_PAGES pages as one block that runs the table pass's
+device functions (detection per group, plan, stage, finalize, commit)
+between its barriers, a larger one as one driver thread that launches the
+pass's kernels in order on its own stream; it waits for the last of them.  The
 completion says what the epoch wrote (pages, record bytes, the LSN of its
 first record and of its commit): `epoch_on_device`.
 
@@ -56,8 +58,14 @@ EPOCH_DESC = np.dtype([(name, "<u8") for name in (
     "table", "n_rows", "flags", "total_pages", "ids", "recs", "max_records", "plan", "digests", "order",
     "mail_plan", "mail_counts", "mail_offsets",
     "arena", "arena_lsn", "arena_bytes", "salt", "bound", "commit_length", "words",
-    "stage_blocks", "finalize_blocks", "n_groups", "fired", "fired_cap", "stamps")]
+    "stage_blocks", "finalize_blocks", "n_groups", "fired", "fired_cap", "stamps",
+    "small_pages")]
     + [("groups", GROUP, (MAX_GROUPS,))])
+
+#: a table of at most this many pages runs its epoch as one block of the
+#: table pass's device functions (executor.cu: cx_epoch_small), in one launch;
+#: a larger one as the pass's own kernels launched in order by a driver thread
+SMALL_PAGES = 1024
 
 #: the phase stamps a descriptor may ask for (executor.cu: CX_STAMPS), in the
 #: order the epoch takes them; each phase runs from the stamp before it
@@ -88,11 +96,13 @@ def compile_defines(page_bytes: int) -> tuple[str, ...]:
     return ("-DCX_EPOCH", f"-DPAGE_BYTES={int(page_bytes)}")
 
 
-def describe(tpass, ar, arena_ptr: int, words_ptr: int, fired_ptr: int = 0, stamps_ptr: int = 0) -> np.ndarray:
+def describe(tpass, ar, arena_ptr: int, words_ptr: int, fired_ptr: int = 0, stamps_ptr: int = 0,
+             small_pages: int = SMALL_PAGES) -> np.ndarray:
     """The descriptor of `tpass` (a DeviceTablePass) epochs into the arena `ar`
     (an `arena.Arena`) whose first byte the device addresses at `arena_ptr`,
-    whose words at `words_ptr`, with a trigger's log at `fired_ptr` and the
-    phase stamps at `stamps_ptr` (0: none): one EPOCH_DESC row."""
+    whose words at `words_ptr`, with a trigger's log at `fired_ptr`, the
+    phase stamps at `stamps_ptr` (0: none) and the one-block path for tables
+    of at most `small_pages` pages (0: never): one EPOCH_DESC row."""
     t = tpass.table
     d = np.zeros(1, EPOCH_DESC)
     r = d[0]
@@ -108,7 +118,7 @@ def describe(tpass, ar, arena_ptr: int, words_ptr: int, fired_ptr: int = 0, stam
     r["finalize_blocks"] = tpass.finalize_grid[0]
     r["n_groups"] = len(tpass.groups)
     r["fired"], r["fired_cap"] = fired_ptr, FIRED_CAP if fired_ptr else 0
-    r["stamps"] = stamps_ptr
+    r["stamps"], r["small_pages"] = stamps_ptr, small_pages
     for i, (fn, rows, first, n_rows, pages) in enumerate(tpass.groups):
         g = r["groups"][i]
         g["rows"], g["row_first"], g["n_rows"], g["pages"] = rows.data.ptr, first.data.ptr, int(n_rows), pages
@@ -122,9 +132,11 @@ class DeviceEpochs:
     tier whose writes need no persist call; the session's first epoch has
     committed (the regions have bases).  `close()` stops the kernel and takes
     the arena's epochs on.  stamps: each epoch stamps its phases (`phases()`),
-    at the cost of a one-thread launch between them."""
+    at the cost of a one-thread launch between them on the driver's path.
+    small_pages: the largest table run as one block (SMALL_PAGES; 0: never)."""
 
-    def __init__(self, session, *, child_timeout_s: float = 20.0, stamps: bool = False):
+    def __init__(self, session, *, child_timeout_s: float = 20.0, stamps: bool = False,
+                 small_pages: int = SMALL_PAGES):
         from concordia.executor.host import Submitter
         from concordia.executor.persistent import ExecutorModule, GpuExecutor, GpuRing, MappedHostBuffer, require_cupy
         from concordia.executor.ring import Op
@@ -144,6 +156,9 @@ class DeviceEpochs:
         self.log = MappedHostBuffer(8 * (2 + 2 * FIRED_CAP), where="trigger log")
         self.log.array[:] = 0
         self.stamps = MappedHostBuffer(8 * len(STAMPS), where="phase stamps") if stamps else None
+        self.small_pages = int(small_pages)
+        #: which path the epochs take: one block ("small") or the driver's launches ("driver")
+        self.path = "small" if tpass.table.total_pages <= self.small_pages else "driver"
         self.descs: list = []   # every descriptor handed to the kernel, kept while it may read one
         self.armed = None       # (every, counter, gate) of the trigger armed
         self.gring = GpuRing(64, where="device epochs ring")
@@ -164,7 +179,7 @@ class DeviceEpochs:
         runner.arenas += 1
         ptr = self.tpass.registration.device_ptr + ar.ext.offset
         desc = describe(self.tpass, ar, ptr, self.words.ptr, self.log.ptr,
-                        self.stamps.ptr if self.stamps is not None else 0)
+                        self.stamps.ptr if self.stamps is not None else 0, self.small_pages)
         self.d_desc = self.cp.asarray(desc.view(np.uint8))
         self.descs.append(self.d_desc)
         self.cp.cuda.get_current_stream().synchronize()

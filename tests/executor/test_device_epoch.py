@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from concordia.checkpoint import arena
-from concordia.checkpoint.device_epoch import EPOCH_DESC, GROUP, MAX_GROUPS, STAMPS, compile_defines, why_not
+from concordia.checkpoint.device_epoch import EPOCH_DESC, GROUP, MAX_GROUPS, SMALL_PAGES, STAMPS, compile_defines, why_not
 from concordia.executor.persistent import KERNEL_SOURCE, compile_options
 from concordia.executor.ring import Op, Status
 
@@ -84,8 +84,9 @@ def shm_log():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("small_pages", [SMALL_PAGES, 0], ids=["one-block", "driver"])
 @pytest.mark.parametrize("stamps", [False, True], ids=["plain", "stamped"])
-def test_the_persistent_kernel_runs_a_sessions_epochs_into_its_arena(shm_log, stamps):
+def test_the_persistent_kernel_runs_a_sessions_epochs_into_its_arena(shm_log, stamps, small_pages):
     import cupy as cp
 
     from concordia import Session
@@ -103,7 +104,8 @@ def test_the_persistent_kernel_runs_a_sessions_epochs_into_its_arena(shm_log, st
         lora *= np.float32(1)
         kv.get(), lora.get()
         cp.cuda.get_current_stream().synchronize()
-        dev = DeviceEpochs(s, stamps=stamps)
+        dev = DeviceEpochs(s, stamps=stamps, small_pages=small_pages)
+        assert dev.path == ("small" if small_pages else "driver")
         states, comps, phases = {}, [], []
         try:
             for t in range(1, 9):
@@ -125,6 +127,7 @@ def test_the_persistent_kernel_runs_a_sessions_epochs_into_its_arena(shm_log, st
         assert [c.pages for c in comps[1::2]] == [1] * 4  # kv's one row (lora unchanged at even steps)
         assert all(c.lsn_last > c.lsn_first > 0 for c in comps)
         assert s.epoch == max(states)
+        assert s.log.verify()["corrupt"] == 0  # every page and record CRC the device wrote checks on the host
         for epoch, (k, l) in states.items():
             got = s.recover(epoch)
             assert np.asarray(got["kv"].get() if hasattr(got["kv"], "get") else got["kv"]).tobytes() == k.tobytes()

@@ -277,14 +277,16 @@ def run_device_epochs(cp, counts: list[int], log: str, quick: bool, scratch: Scr
     return out
 
 
-def _device_epoch_ms(cp, log: str, n: int, reps: int, scratch: Scratch, *, stamps: bool = False):
+def _device_epoch_ms(cp, log: str, n: int, reps: int, scratch: Scratch, *, stamps: bool = False,
+                     small_pages: int | None = None):
     """Median of one EPOCH task on the persistent kernel (its round trip: the
     table pass and the commit on the device) over the regions `_per_step`
     makes: `DeviceEpochs(session).epoch()` where the host path's row times
     `Session.checkpoint()`.  stamps: instead, each phase's median µs (the
     kernel's stamps, device_epoch.STAMPS; each stamp adds a one-thread launch)
-    with the round trip's median as the host saw it."""
-    from concordia.checkpoint.device_epoch import STAMPS, DeviceEpochs
+    with the round trip's median as the host saw it.  small_pages: the
+    largest table run as one block (device_epoch.SMALL_PAGES when None)."""
+    from concordia.checkpoint.device_epoch import SMALL_PAGES, STAMPS, DeviceEpochs
     from concordia.policy import Policy
 
     # an arena holds the most one epoch writes (every page): segments of at least twice that
@@ -294,8 +296,8 @@ def _device_epoch_ms(cp, log: str, n: int, reps: int, scratch: Scratch, *, stamp
     made, seen = [], []
 
     def step(s):
-        if not made:
-            made.append(DeviceEpochs(s, stamps=stamps))  # after the base, CuPy's kernels loaded by the first dirtying
+        if not made:  # after the base, CuPy's kernels loaded by the first dirtying
+            made.append(DeviceEpochs(s, stamps=stamps, small_pages=SMALL_PAGES if small_pages is None else small_pages))
         t0 = time.perf_counter()
         c = made[0].epoch()
         if c.status != 0 or c.pages != n:
@@ -314,7 +316,8 @@ def _device_epoch_ms(cp, log: str, n: int, reps: int, scratch: Scratch, *, stamp
     if not stamps:
         return ms
     seen = seen[3:]  # as _per_step leaves out its first steps
-    return {k: round(statistics.median(p[k] for p in seen), 2) for k in (*STAMPS[1:], "round_trip")}
+    return {"path": made[0].path, **{k: round(statistics.median(p[k] for p in seen), 2)
+                                     for k in (*STAMPS[1:], "round_trip")}}
 
 
 REGION_PAGES, PAGE = 16, 4096
@@ -501,7 +504,8 @@ def _table(doc: dict) -> str:
     for n, row in doc.get("latency_ms", {}).items():
         lines.append(f"  {n:>5} regions: EPOCH task {row['resident']:.3f} ms, host checkpoint {row['host']:.3f} ms")
     for n, row in doc.get("latency_phases_us", {}).items():
-        lines.append(f"  {n:>5} regions, stamped phases µs: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()))
+        lines.append(f"  {n:>5} regions, stamped phases µs ({row['path']}): "
+                     + ", ".join(f"{k} {v:.1f}" for k, v in row.items() if k != "path"))
     res = doc.get("residency")
     if res and "workloads" in res:
         lines.append(f"{'residency slowdown % (persistent kernel idle beside the session)':<66}"
