@@ -112,7 +112,7 @@ class ExecutorModule:
         code = kernel_source()
         if "-DCX_EPOCH" in self.options:  # the EPOCH handler launches the table pass's kernels: one module
             code = code.replace('#include "table.cu"', jit.source("table"), 1)
-            names += ("cx_epoch_driver", "cx_epoch_close", "cx_step_gate")
+            names += ("cx_epoch_driver", "cx_epoch_small", "cx_epoch_close", "cx_step_gate")
         try:
             while True:
                 try:

@@ -59,11 +59,13 @@ def test_the_epoch_variant_compiles_with_the_table_pass_in_its_module(tmp_path):
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     text = out.read_text()
-    for name in ("cx_executor", "cx_epoch_driver", "cx_epoch_close", "table_plan", "table_stage", "table_finalize",
+    for name in ("cx_executor", "cx_epoch_driver", "cx_epoch_small", "cx_epoch_close", "table_plan", "table_stage", "table_finalize",
                  "table_commit", "table_fingerprint", "table_shadow"):
         assert f".entry {name}(" in text, name
     driver = text.split(".entry cx_epoch_driver(")[1].split(".entry")[0]
     assert driver.count("LaunchDeviceV2") >= 6  # detection, plan, stage, finalize, commit, close
+    small = text.split(".entry cx_epoch_small(")[1].split(".entry")[0]
+    assert "LaunchDeviceV2" not in small and small.count("bar.sync") >= 4  # one block, phases between barriers
 
 
 def test_a_session_the_device_cannot_take_is_named(tmp_path, shm_log):
