@@ -499,7 +499,7 @@ def test_the_one_header_writer_writes_the_format_bytes():
     for name in ("stage.cu", "table.cu"):
         text = (REPO / "gpu_kernels" / name).read_text()
         assert "write_page_batch_header(" in text and not re.search(r"\bh\[0\] =", text), name
-    commit = TABLE_CU[TABLE_CU.index("table_commit("):]
+    commit = TABLE_CU[TABLE_CU.index("void commit_warp("):]  # table_commit and the one-block epoch call it
     assert ("write_record_header(T, rec, length, TYPE_COMMIT, 0, lsn_base + p.bytes, epoch, NO_REGION, salt,\n"
             "                            crc_of_raw(raw, body), body, 0, prev_commit);") in commit
     stage = STAGE_CU[STAGE_CU.index("stage_finalize"):]
