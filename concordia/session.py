@@ -16,7 +16,8 @@ The session is a facade over the rooms that do the work:
     restore      the one recover entry (`restore.run`): target checks, the plan,
                  the host or device applier
     retention    automatic bases and compaction after each commit
-    executor     who runs an epoch: the caller's thread, or the resident executor
+    executor     who runs an epoch: the caller's thread, or the resident executor (a
+                 thread, or the persistent kernel: `checkpoint.device_route`)
 
 Regions keep their framework and dtype: a bfloat16 or float8 torch tensor is registered as it is (the log
 names its logical dtype beside the byte layout) and `recover()` hands back a torch tensor of that dtype.  A
@@ -35,6 +36,7 @@ import numpy as np
 
 from concordia.checkpoint import detect
 from concordia.checkpoint.baseline import adopted
+from concordia.checkpoint.device_route import DeviceRoute
 from concordia.checkpoint.epoch import STAGING, EpochRunner
 from concordia.checkpoint.staging import batch_pages, page_crcs
 from concordia.checkpoint.stats import CheckpointStats, CheckpointTotals
@@ -113,7 +115,7 @@ class Session:
         #: the log's open (map, scan, recover its state): the first recovery's "open" phase
         self._open_s: float | None = time.perf_counter() - t_open
         #: the regions, their baselines and the epochs this session has tried
-        self.region_set = RegionSet(next_epoch=self.epoch + 1)
+        self.region_set = RegionSet(next_epoch=int(self.log.last_committed_epoch or 0) + 1)
         self.runner = EpochRunner(self.region_set, staging, self._commit, table_for_host=executor == "resident")
         #: the newest CHECKPOINTS_KEPT checkpoints' statistics (the totals: checkpoint_totals)
         self.checkpoints: collections.deque[CheckpointStats] = collections.deque(maxlen=CHECKPOINTS_KEPT)
@@ -125,7 +127,7 @@ class Session:
         #: `resident`: the executor behind the session (None: the caller's thread
         #: runs every epoch); `executor_info`: which path epochs take, and why
         try:
-            self.resident, self.executor_info = start_executor(self, self.region_set, executor)
+            self.resident, self.executor_info = start_executor(self, self.region_set, executor, DeviceRoute)
         except BaseException:
             if self._owns_log:
                 self.log.close()
@@ -186,8 +188,8 @@ class Session:
 
     @property
     def epoch(self) -> int:
-        """The last committed epoch of the log (0 when none)."""
-        return int(self.log.last_committed_epoch or 0)
+        """The last committed epoch of the log (0 when none), one in an arena not yet taken on included."""
+        return max(int(self.log.last_committed_epoch or 0), self.runner.arena_epoch())
 
     @property
     def regions(self) -> dict[str, Region]:
@@ -404,11 +406,9 @@ class Session:
         AbsentRegionError before anything is written; "keep" leaves its target untouched (a new
         array: leaves it out) and lists it in `last_recovery.kept`.
 
-        Stream order: the restore into a device target runs after the work
-        queued on that target's current stream before the call (PyTorch's
-        current stream of its device, CuPy's current stream) and before the
-        work queued there after it (an event recorded on Concordia's stream,
-        waited on by that stream).
+        Stream order: the restore into a device target runs after the work queued on that target's
+        current stream before the call (PyTorch's current stream of its device, CuPy's current stream)
+        and before the work queued there after it (an event recorded on Concordia's stream, waited on).
         """
         self._check_open("recover")
         self.settle()

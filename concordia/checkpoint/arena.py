@@ -94,6 +94,9 @@ class Arena:
         self.words[0] = 0
         #: {region id: digest} of the last commit taken on (`adopt`): the regions' digests now
         self.digests: dict | None = None
+        #: {epoch: CheckpointStats} handed out for epochs before they are taken on
+        #: (device_route.py): the runner fills and lists these instead of new ones
+        self.given: dict = {}
         w = self.words[0]
         w["last_commit"] = app.last_commit_lsn
         w["last_epoch"] = first_epoch - 1

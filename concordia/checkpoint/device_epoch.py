@@ -133,10 +133,12 @@ class DeviceEpochs:
     committed (the regions have bases).  `close()` stops the kernel and takes
     the arena's epochs on.  stamps: each epoch stamps its phases (`phases()`),
     at the cost of a one-thread launch between them on the driver's path.
-    small_pages: the largest table run as one block (SMALL_PAGES; 0: never)."""
+    small_pages: the largest table run as one block (SMALL_PAGES; 0: never).
+    idle_s: the kernel leaves after this long without a task (the next task
+    launches it again), unless a trigger is armed."""
 
     def __init__(self, session, *, child_timeout_s: float = 20.0, stamps: bool = False,
-                 small_pages: int = SMALL_PAGES):
+                 small_pages: int = SMALL_PAGES, idle_s: float = 1.0):
         from concordia.executor.host import Submitter
         from concordia.executor.persistent import ExecutorModule, GpuExecutor, GpuRing, MappedHostBuffer, require_cupy
         from concordia.executor.ring import Op
@@ -163,7 +165,7 @@ class DeviceEpochs:
         self.armed = None       # (every, counter, gate) of the trigger armed
         self.gring = GpuRing(64, where="device epochs ring")
         self.executor = GpuExecutor(self.gring, self.module, child_timeout_s=child_timeout_s, lifetime_s=600.0,
-                                    idle_s=1.0)
+                                    idle_s=idle_s)
         self.submitter = Submitter(self.gring.ring, self.executor)
         self.d_desc = None
         self._open()
@@ -190,12 +192,19 @@ class DeviceEpochs:
         """One EPOCH task; its completion (`Completion`: op, status, pages,
         bytes, lsn0 = the epoch's first record, lsn1 = its commit).  An arena
         with no room is taken on first (the host's part) and another opened."""
+        self.ensure_arena()
+        return self.submitter.call(self.Op.EPOCH, args=(self.d_desc.data.ptr,), timeout=timeout)
+
+    def ensure_arena(self) -> None:
+        """An open arena with room for the next epoch: one with no room is
+        taken on first (the host's part) and another opened.  Raises what
+        reserving it raises (LogFullError: no free segment; ValueError: the
+        rest of a segment cannot hold one epoch)."""
         if self.session.runner.arena is None:
             self._open()
         elif not self.session.runner.arena.room:
             self.session.settle()
             self._open()
-        return self.submitter.call(self.Op.EPOCH, args=(self.d_desc.data.ptr,), timeout=timeout)
 
     # -- the device trigger ------------------------------------------------------
     def trigger(self, every: int, counter, gate):

@@ -202,6 +202,11 @@ class EpochRunner:
                 why = "the log has no room for an arena now (no free segment)"
         return why
 
+    def arena_epoch(self) -> int:
+        """The last epoch committed in the open arena and not yet taken on (0: none)."""
+        a = self.arena
+        return a.word("last_epoch") if a is not None and a.word("epochs") else 0
+
     def arena_take(self) -> int | None:
         """One epoch into the open arena (the consumer's); its number, or None
         when the arena had no room for it (counted as missed)."""
@@ -239,8 +244,10 @@ class EpochRunner:
             counts = np.zeros(len(t.names), np.int64)
             for row, n in pages.items():
                 counts[row] = n
-            st = CheckpointStats.of_table(epoch, a.reason, t.names, counts, a.label,
-                                          int(counts @ t.page_bytes), log_bytes, 0.0, 0.0, 0.0, 0)
+            st = a.given.pop(epoch, None)
+            if st is None:
+                st = CheckpointStats.of_table(epoch, a.reason, t.names, counts, a.label,
+                                              int(counts @ t.page_bytes), log_bytes, 0.0, 0.0, 0.0, 0)
             st.executor = "resident"
             st.log_at = (first, commit)
             out.append(st)

@@ -133,11 +133,13 @@ def choose(executor: str) -> tuple[str, str | None]:
     return executor, None
 
 
-def start_executor(session, regions, executor: str):
+def start_executor(session, regions, executor: str, device_route=None):
     """(ResidentExecutor or None, executor_info) for Session(executor=...), over
-    the session's `RegionSet` `regions`."""
+    the session's `RegionSet` `regions`.  device_route: makes, from the
+    session, what runs a CuPy session's epochs on the persistent kernel
+    (`checkpoint.device_route.DeviceRoute`; this layer does not import it)."""
     path, why = choose(executor)
-    resident = ResidentExecutor(session, regions) if path == "resident" else None
+    resident = ResidentExecutor(session, regions, device_route=device_route) if path == "resident" else None
     info = {"executor": path, "asked": executor, "why": why}
     if resident is not None:
         info["commit_by"] = resident.commit_by
@@ -301,8 +303,10 @@ class ResidentExecutor:
     next submit relaunches it), except while a trigger is armed.  Idle, it
     waits on an event the submit sets, so a checkpoint is taken up at once."""
 
-    def __init__(self, session, regions, *, capacity: int = 64, idle_exit_s: float = 2.0):
+    def __init__(self, session, regions, *, capacity: int = 64, idle_exit_s: float = 2.0, device_route=None):
         self.session = session
+        #: where a CuPy session's epochs run on the persistent kernel (None: the consumer thread runs them all)
+        self.device = device_route(session) if device_route is not None else None
         self.regions = regions             # the session's RegionSet
         self.commit_by = commit_by(session.log.backend)
         self.idle_exit_s = idle_exit_s
@@ -410,7 +414,16 @@ class ResidentExecutor:
         return got
 
     def checkpoint(self, *, reason: str, stream=None):
-        """One epoch through the consumer (the EPOCH task)."""
+        """One epoch: an EPOCH task of the device's handler where the session's
+        regions allow it (`device`), else one through the consumer thread."""
+        if self.device is not None:
+            self._check_open()
+            tr = self.trigger_
+            with self.lock:
+                stats = self.device.checkpoint(reason, stream, armed=tr is not None and tr.armed)
+            if stats is not None:
+                self.epochs += 1
+                return stats
         return self._call(Op.EPOCH, self._epoch, reason, stream)
 
     def recover(self, *args, **kw):
@@ -580,6 +593,9 @@ class ResidentExecutor:
         self._check_open()
         if not len(self.regions):
             raise SessionError("a trigger needs a registered region", where="trigger")
+        if self.device is not None:
+            with self.lock:
+                self.device.close()   # the trigger's epochs take the session's arena
         tr = Trigger(every, StepCounter() if counter is None else counter, gate)
         tr.streams = caller_streams()   # the epochs order against the streams current here
         if gate is None:  # nothing stops the caller queueing: its streams are held for each epoch
@@ -691,7 +707,9 @@ class ResidentExecutor:
                 "trigger": None if tr is None else {"every": tr.every, "counter": getattr(tr.counter, "kind", "?"),
                                                     "fired": len(tr.fired), "armed": tr.armed,
                                                     "in_arena": tr.in_arena, "arena_why": self.arena_why},
-                "device_epoch_handler": False}
+                "device_epoch_handler": self.device is not None and self.device.active,
+                "device_epochs": 0 if self.device is None else self.device.epochs,
+                "device_why": None if self.device is None else self.device.why}
 
     def _check_open(self) -> None:
         if self._closed:
@@ -702,6 +720,9 @@ class ResidentExecutor:
         if self._closed:
             return
         self.disarm()
+        if self.device is not None:
+            with self.lock:
+                self.device.close()   # the persistent kernel stops; the arena's epochs are taken on
         try:
             self.submitter.stop(timeout)
         except ExecutorError:   # a consumer that does not stop is made to leave
