@@ -373,12 +373,17 @@ extern "C" __global__ void cx_epoch_driver(const cx_epoch_desc* d, u64 at, u64 e
                              sc, st);
 }
 
-// One block of 1024 threads: the whole epoch of a small table (at most
+// One block of CX_SMALL_THREADS: the whole epoch of a small table (at most
 // d->small_pages pages), the same device functions as the driver's launches
 // (table.cu) between the block's barriers, in one launch instead of seven.
 // Every thread fences its records at system scope before the barrier that
-// lets the commit's warp write, as the end of a kernel does for the driver.
-extern "C" __global__ void __launch_bounds__(1024)
+// lets the commit's warp write, and the commit's header is fenced before the
+// words move on, as the end of a kernel orders them for the driver.  Half an
+// SM's registers at most (two blocks fit one), so that the launch finds room
+// beside the caller's kernels.
+#define CX_SMALL_THREADS 512
+
+extern "C" __global__ void __launch_bounds__(CX_SMALL_THREADS, 2)
     cx_epoch_small(const cx_epoch_desc* d, u64 at, u64 epoch, u64 prev_commit, cx_scratch* sc) {
     __shared__ u32 T[CRC_TABLE_WORDS];
     __shared__ u64 sums[32];
@@ -425,9 +430,11 @@ extern "C" __global__ void __launch_bounds__(1024)
                     prev_commit);
     __syncthreads();
     if (stamper) st[6] = now_ns();
-    if (threadIdx.x == 0)
+    if (threadIdx.x == 0) {
+        __threadfence_system();  // the commit's header (this thread's, as lane 0 of the commit's warp) first
         epoch_close(plan, reinterpret_cast<cx_arena_words*>(d->words), at, lsn, epoch, d->commit_length, sc,
                     const_cast<u64*>(st));
+    }
 }
 
 // Lane 0 only: one epoch of the descriptor `d` into its arena, waited for.
@@ -445,7 +452,7 @@ __device__ int run_epoch(const cx_epoch_desc* d, cx_scratch* sc, u64 child_timeo
     reset_scratch(sc);
     if (st) st[0] = now_ns();
     if (d->total_pages <= d->small_pages)
-        cx_epoch_small<<<1, 1024, 0, CX_CHILD_STREAM>>>(d, at, epoch, prev, sc);
+        cx_epoch_small<<<1, CX_SMALL_THREADS, 0, CX_CHILD_STREAM>>>(d, at, epoch, prev, sc);
     else
         cx_epoch_driver<<<1, 1, 0, CX_CHILD_STREAM>>>(d, at, epoch, prev, sc);
     if (!CX_LAUNCHED()) return ST_LAUNCH_FAILED;
