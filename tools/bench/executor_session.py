@@ -17,7 +17,11 @@ Session, against the host path, through the public entry points.
   ckpt_ms   `Session.checkpoint()` of 1 and 1,024 regions, one dirty page each:
             executor="host" (the default staging), "host" with staging="mapped"
             (the same region-table pipeline the resident path takes), and
-            executor="resident"; medians in milliseconds.
+            executor="resident" (on a GPU, a CuPy session's epochs after the
+            first are EPOCH tasks of the persistent kernel:
+            checkpoint/device_route.py; `ckpt_detail` names the path each
+            took); medians in milliseconds, means beside them (the resident
+            rows' include taking a full arena on, once per arena).
   residency (GPU only) slowdown of an fp16 GEMM, a GEMV and a streaming add
             while a persistent kernel is resident and idle beside a Session
             that has committed (`bench executor`'s measurement, with the
@@ -29,9 +33,13 @@ Session, against the host path, through the public entry points.
             task's completion; the device trigger's stall (300 steps queued,
             each with the step gate, the caller in a pure-Python loop for
             GIL_HELD_S; every epoch checked in a fresh process), which becomes
-            `"stall"`; `latency_ms`: one EPOCH task against the host path's
-            `Session.checkpoint()` for each region count; `idle_slowdown`:
-            the residency rows' with the SM target, as fractions.
+            `"stall"`; `latency_ms`: `Session.checkpoint()` with
+            executor="resident" (the product path, the ckpt_ms row) against
+            executor="host" for each region count, with one EPOCH task of
+            `DeviceEpochs` beside them (`epoch_task`, a component figure)
+            and, in `latency_phases_us`, that task's phases as the device
+            stamped them; `idle_slowdown`: the residency rows' with the SM
+            target, as fractions.
 
 Without a GPU, or with `--cpu`, the numpy session and the CPU executor run;
 the JSON says which executor and which device ran.
@@ -267,9 +275,13 @@ def run_device_epochs(cp, counts: list[int], log: str, quick: bool, scratch: Scr
     reps = 5 if quick else 30
     try:
         for count in counts:
-            out["latency_ms"][str(count)] = {"resident": _device_epoch_ms(cp, log, count, reps, scratch),
-                                             "host": _checkpoint_ms(scratch, log, count, reps, cp, "host", "auto")[
-                                                 "ckpt_ms"]}
+            seg = _arena_segment(count)  # the same log shape for both: one the device's arena fits
+            resident = _checkpoint_ms(scratch, log, count, reps, cp, "resident", "auto", segment_size=seg)
+            host = _checkpoint_ms(scratch, log, count, reps, cp, "host", "auto", segment_size=seg)
+            out["latency_ms"][str(count)] = {
+                "resident": resident["ckpt_ms"], "host": host["ckpt_ms"],
+                "resident_via": resident["via"], "resident_mean": resident["ckpt_ms_mean"],
+                "epoch_task": _device_epoch_ms(cp, log, count, reps, scratch)}
         out["latency_phases_us"] = {str(count): _device_epoch_ms(cp, log, count, reps, scratch, stamps=True)
                                     for count in counts}
     except Exception as exc:  # recorded; the epoch and the stall above stand
@@ -289,10 +301,7 @@ def _device_epoch_ms(cp, log: str, n: int, reps: int, scratch: Scratch, *, stamp
     from concordia.checkpoint.device_epoch import SMALL_PAGES, STAMPS, DeviceEpochs
     from concordia.policy import Policy
 
-    # an arena holds the most one epoch writes (every page): segments of at least twice that
-    seg = 16 * MiB
-    while seg < 2 * (n * (REGION_PAGES * PAGE + 3 * 64) + MiB):
-        seg *= 2
+    seg = _arena_segment(n)
     made, seen = [], []
 
     def step(s):
@@ -323,9 +332,18 @@ def _device_epoch_ms(cp, log: str, n: int, reps: int, scratch: Scratch, *, stamp
 REGION_PAGES, PAGE = 16, 4096
 
 
+def _arena_segment(n: int) -> int:
+    """Segment bytes for `n` regions' epochs on the device: an arena holds the
+    most one epoch writes (every page), and takes at most half a segment."""
+    seg = 16 * MiB
+    while seg < 2 * (n * (REGION_PAGES * PAGE + 3 * 64) + MiB):
+        seg *= 2
+    return seg
+
+
 def _per_step(scratch: Scratch, log: str, n: int, reps: int, xp, step, *, segment_size: int = 16 * MiB,
               warm_up: bool = False, **session_kw) -> tuple:
-    """(median ms, what the last step returned): `step(session)` timed alone,
+    """(median ms, what the last step returned, least ms, mean ms): `step(session)` timed alone,
     reps + 2 times (the first two left out), over `n` regions of REGION_PAGES
     pages (shadow detector), one page of each dirtied before each step.
     warm_up: a first step taken untimed (its first use of anything)."""
@@ -350,16 +368,18 @@ def _per_step(scratch: Scratch, log: str, n: int, reps: int, xp, step, *, segmen
                 last = step(s)
                 times.append(time.perf_counter() - t0)
             times = times[2 + int(warm_up):]
-            return round(statistics.median(times) * 1e3, 4), last, round(min(times) * 1e3, 4)
+            return (round(statistics.median(times) * 1e3, 4), last, round(min(times) * 1e3, 4),
+                    round(statistics.fmean(times) * 1e3, 4))
     finally:
         scratch.discard(log)
 
 
-def _checkpoint_ms(scratch: Scratch, log: str, n: int, reps: int, xp, executor: str, staging: str) -> dict:
+def _checkpoint_ms(scratch: Scratch, log: str, n: int, reps: int, xp, executor: str, staging: str,
+                   segment_size: int = 16 * MiB) -> dict:
     """Median `Session.checkpoint()` over the regions `_per_step` makes."""
-    ms, last, least = _per_step(scratch, log, n, reps, xp, lambda s: s.checkpoint(), executor=executor,
-                                staging=staging)
-    return {"ckpt_ms": ms, "ckpt_ms_min": least, "dirty_pages": sum(last.pages.values()),
+    ms, last, least, mean = _per_step(scratch, log, n, reps, xp, lambda s: s.checkpoint(), executor=executor,
+                                      staging=staging, segment_size=segment_size)
+    return {"ckpt_ms": ms, "ckpt_ms_min": least, "ckpt_ms_mean": mean, "dirty_pages": sum(last.pages.values()),
             "table_pass": last.table_pass, "via": sorted(set(last.via.values())), "executor": last.executor}
 
 
@@ -372,7 +392,8 @@ def run(on_gpu: bool, quick: bool, counts: list[int], scratch: Scratch) -> dict:
         device = xp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     log = scratch.log("session", "shm" if os.path.isdir("/dev/shm") else "memory")
     doc = {"benchmark": "executor-session", "device": device, "quick": quick,
-           "executor": {"resident": "cpu executor thread (concordia.executor.resident)",
+           "executor": {"resident": ("concordia.executor.resident: a CuPy session's epochs after the first on the "
+                                        "persistent kernel (checkpoint/device_route.py), others on its CPU thread"),
                         "device_epoch_handler": False},
            "regions_xp": "cupy" if xp is not np else "numpy", "log_tier": log.split(":")[0],
            "python_switch_interval_s": sys.getswitchinterval()}
@@ -424,7 +445,8 @@ def run(on_gpu: bool, quick: bool, counts: list[int], scratch: Scratch) -> dict:
         goals["epoch_on_device"] = bool(doc.get("epoch_on_device"))
         goals["stall_gil_held_s>=2"] = doc["stall"].get("gil_held_s", 0) >= 2
         for n, row in doc.get("latency_ms", {}).items():
-            goals[f"device_epoch_ms<=host_{n}"] = row["resident"] <= row["host"]
+            goals[f"latency_resident<=host_{n}"] = row["resident"] <= row["host"]
+            goals[f"latency_resident_on_device_{n}"] = "device-epoch" in row.get("resident_via", [])
         for k, v in doc.get("idle_slowdown", {}).items():
             goals[f"idle_slowdown_{k}<=0.02"] = v <= 0.02
     for n in counts:
@@ -502,7 +524,8 @@ def _table(doc: dict) -> str:
         lines.append(f"epoch on device: {doc['epoch_on_device']}"
                      + (f" ({doc['device_epoch']})" if "device_epoch" in doc else f" ({doc.get('error')})"))
     for n, row in doc.get("latency_ms", {}).items():
-        lines.append(f"  {n:>5} regions: EPOCH task {row['resident']:.3f} ms, host checkpoint {row['host']:.3f} ms")
+        lines.append(f"  {n:>5} regions: resident checkpoint {row['resident']:.3f} ms (via {row['resident_via']}), "
+                     f"host checkpoint {row['host']:.3f} ms; one EPOCH task {row['epoch_task']:.3f} ms (component)")
     for n, row in doc.get("latency_phases_us", {}).items():
         lines.append(f"  {n:>5} regions, stamped phases µs ({row['path']}): "
                      + ", ".join(f"{k} {v:.1f}" for k, v in row.items() if k != "path"))
