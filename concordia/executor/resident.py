@@ -13,7 +13,10 @@ task for the epoch on the task ring (`ring.py`, through `host.Submitter`) and
 waits for its completion; the consumer (`cpu.CpuExecutor`, a thread of its
 own) runs the epoch: the session's detection and staging over its regions (the
 region table pass of `concordia.checkpoint` where it applies) and then the
-commit.  The commit record is written by the consumer itself on tiers it can
+commit.  A CuPy session whose regions the device's EPOCH handler can take
+has its epochs after the first run by the persistent kernel instead
+(`device`: `checkpoint.device_route.DeviceRoute`, which the session hands in;
+this layer does not import the checkpoint layer), one EPOCH task each.  The commit record is written by the consumer itself on tiers it can
 write without a persist call (memory, shm, hugetlb, pinned: `persist_path` is
 "none"), so an epoch commits without any host thread; on file, pmem and
 device-DAX tiers the consumer hands the commit (the persist call and the
@@ -31,9 +34,9 @@ kind's regions in each epoch (`info()["kinds"]`); the detection itself is the
 session's pass.  On the GPU a kind's handler is its detection kernel,
 specialised by -D inside the persistent kernel's module (the device's EPOCH
 handler, `checkpoint.device_epoch.DeviceEpochs`, executor.cu built with
-CX_EPOCH); this executor does not route a CuPy session's epochs through it
-yet, so a CuPy session's resident consumer is the same thread, driving the
-device passes from there.
+CX_EPOCH), through which `device` runs a CuPy session's epochs; a session it
+cannot take (`info()["device_why"]`) has the consumer thread drive the device
+passes.
 
 Device-side triggers (`Trigger`, armed by `ResidentExecutor.trigger`).  A trigger checkpoints every N counts of a
 counter the consumer polls between tasks: the launches of instrumented kernels
@@ -104,10 +107,11 @@ EXECUTORS = ("auto", "resident", "host")
 
 #: why executor="auto" takes the host path: the resident path is taken only
 #: where a measured win is recorded, and none is
-AUTO_WHY = ("the resident path a Session takes runs its epochs on a consumer thread, which adds to every "
-            "checkpoint (0.78 ms against the host's 0.39 ms for one region on the H200); the device's EPOCH "
-            "handler, faster at 1,024 regions (0.64 ms against 1.66 ms) and slower at one (0.56 against 0.22 ms), "
-            "is not yet what executor='resident' routes epochs through (docs/results/executor-session.md)")
+AUTO_WHY = ("no measured win of the resident path is recorded: its consumer thread adds to every checkpoint "
+            "(0.78 ms against the host's 0.39 ms for one region on the H200), and its route of a CuPy session's "
+            "epochs through the device's EPOCH handler (one task: 0.64 ms against 1.66 ms at 1,024 regions, "
+            "0.56 against 0.22 ms at one, before the one-block epoch) is not yet measured "
+            "(docs/results/executor-session.md)")
 
 #: op codes of the per-kind handlers: KIND_OP_BASE + the kind's index in regions.KINDS
 KIND_OP_BASE = 0x100
