@@ -333,43 +333,64 @@ extern "C" __global__ void cx_epoch_close(const TablePlan* plan, cx_arena_words*
     epoch_close(plan, w, at, lsn, epoch, commit_length, sc, stamps);
 }
 
+// One epoch's view of its descriptor, its records written at arena offset `at`.
+struct cx_epoch_at {
+    const TableEntry* table;
+    u8* flags;
+    u32* ids;
+    TableRecord* recs;
+    TablePlan* plan;
+    u32* digests;
+    u8* dst;
+    u64 lsn, room;
+    u32 salt, n;
+};
+
+__device__ __forceinline__ cx_epoch_at epoch_at(const cx_epoch_desc* d, u64 at) {
+    cx_epoch_at e;
+    e.table = reinterpret_cast<const TableEntry*>(d->table);
+    e.flags = reinterpret_cast<u8*>(d->flags);
+    e.ids = reinterpret_cast<u32*>(d->ids);
+    e.recs = reinterpret_cast<TableRecord*>(d->recs);
+    e.plan = reinterpret_cast<TablePlan*>(d->plan);
+    e.digests = reinterpret_cast<u32*>(d->digests);
+    e.dst = reinterpret_cast<u8*>(d->arena) + at;
+    e.lsn = d->arena_lsn + at;
+    e.room = d->arena_bytes - at;
+    e.salt = (u32)d->salt;
+    e.n = (u32)d->n_rows;
+    return e;
+}
+
 // One thread: the pass's launches, in order, on this block's stream.
 extern "C" __global__ void cx_epoch_driver(const cx_epoch_desc* d, u64 at, u64 epoch, u64 prev_commit,
                                            cx_scratch* sc) {
-    const TableEntry* table = reinterpret_cast<const TableEntry*>(d->table);
-    u8* flags = reinterpret_cast<u8*>(d->flags);
-    u32* ids = reinterpret_cast<u32*>(d->ids);
-    TableRecord* recs = reinterpret_cast<TableRecord*>(d->recs);
-    TablePlan* plan = reinterpret_cast<TablePlan*>(d->plan);
-    u32* digests = reinterpret_cast<u32*>(d->digests);
-    u8* dst = reinterpret_cast<u8*>(d->arena) + at;
-    const u64 lsn = d->arena_lsn + at, room = d->arena_bytes - at;
-    const u32 salt = (u32)d->salt, n = (u32)d->n_rows;
+    const cx_epoch_at e = epoch_at(d, at);
     u64* st = reinterpret_cast<u64*>(d->stamps);
     if (st) *(volatile u64*)&st[1] = now_ns();
     for (u64 g = 0; g < d->n_groups && g < CX_MAX_GROUPS; ++g) {
         const cx_group& k = d->groups[g];
         const u32 blocks = (u32)min((k.pages + 7) / 8, (u64)65535);
         if (k.fingerprint)
-            table_fingerprint<<<blocks, 256>>>(table, reinterpret_cast<const u32*>(k.rows),
-                                              reinterpret_cast<const u64*>(k.row_first), (u32)k.n_rows, flags);
+            table_fingerprint<<<blocks, 256>>>(e.table, reinterpret_cast<const u32*>(k.rows),
+                                              reinterpret_cast<const u64*>(k.row_first), (u32)k.n_rows, e.flags);
         else
-            table_shadow<<<blocks, 256>>>(table, reinterpret_cast<const u32*>(k.rows),
-                                         reinterpret_cast<const u64*>(k.row_first), (u32)k.n_rows, flags);
+            table_shadow<<<blocks, 256>>>(e.table, reinterpret_cast<const u32*>(k.rows),
+                                         reinterpret_cast<const u64*>(k.row_first), (u32)k.n_rows, e.flags);
     }
     if (st) cx_stamp<<<1, 1>>>(st + 2);
-    table_plan<<<1, 1024>>>(table, n, flags, d->total_pages, ids, recs, d->max_records, room - d->commit_length,
-                            plan, reinterpret_cast<TablePlan*>(d->mail_plan), reinterpret_cast<u32*>(d->mail_counts),
-                            reinterpret_cast<u64*>(d->mail_offsets));
+    table_plan<<<1, 1024>>>(e.table, e.n, e.flags, d->total_pages, e.ids, e.recs, d->max_records,
+                            e.room - d->commit_length, e.plan, reinterpret_cast<TablePlan*>(d->mail_plan),
+                            reinterpret_cast<u32*>(d->mail_counts), reinterpret_cast<u64*>(d->mail_offsets));
     if (st) cx_stamp<<<1, 1>>>(st + 3);
-    table_stage<<<(u32)d->stage_blocks, 256>>>(table, ids, recs, plan, dst, digests);
+    table_stage<<<(u32)d->stage_blocks, 256>>>(e.table, e.ids, e.recs, e.plan, e.dst, e.digests);
     if (st) cx_stamp<<<1, 1>>>(st + 4);
-    table_finalize<<<(u32)d->finalize_blocks, 256>>>(table, ids, recs, plan, dst, lsn, epoch, salt);
+    table_finalize<<<(u32)d->finalize_blocks, 256>>>(e.table, e.ids, e.recs, e.plan, e.dst, e.lsn, epoch, e.salt);
     if (st) cx_stamp<<<1, 1>>>(st + 5);
-    table_commit<<<1, 32>>>(table, reinterpret_cast<const u32*>(d->order), n, digests, plan, dst, room, lsn, epoch,
-                            salt, prev_commit);
+    table_commit<<<1, 32>>>(e.table, reinterpret_cast<const u32*>(d->order), e.n, e.digests, e.plan, e.dst, e.room,
+                            e.lsn, epoch, e.salt, prev_commit);
     if (st) cx_stamp<<<1, 1>>>(st + 6);
-    cx_epoch_close<<<1, 1>>>(plan, reinterpret_cast<cx_arena_words*>(d->words), at, lsn, epoch, d->commit_length,
+    cx_epoch_close<<<1, 1>>>(e.plan, reinterpret_cast<cx_arena_words*>(d->words), at, e.lsn, epoch, d->commit_length,
                              sc, st);
 }
 
@@ -387,15 +408,7 @@ extern "C" __global__ void __launch_bounds__(CX_SMALL_THREADS, 2)
     cx_epoch_small(const cx_epoch_desc* d, u64 at, u64 epoch, u64 prev_commit, cx_scratch* sc) {
     __shared__ u32 T[CRC_TABLE_WORDS];
     __shared__ u64 sums[32];
-    const TableEntry* table = reinterpret_cast<const TableEntry*>(d->table);
-    u8* flags = reinterpret_cast<u8*>(d->flags);
-    u32* ids = reinterpret_cast<u32*>(d->ids);
-    TableRecord* recs = reinterpret_cast<TableRecord*>(d->recs);
-    TablePlan* plan = reinterpret_cast<TablePlan*>(d->plan);
-    u32* digests = reinterpret_cast<u32*>(d->digests);
-    u8* dst = reinterpret_cast<u8*>(d->arena) + at;
-    const u64 lsn = d->arena_lsn + at, room = d->arena_bytes - at;
-    const u32 salt = (u32)d->salt, n = (u32)d->n_rows;
+    const cx_epoch_at e = epoch_at(d, at);
     volatile u64* st = reinterpret_cast<volatile u64*>(d->stamps);
     const bool stamper = st != nullptr && threadIdx.x == 0;
     const u64 w0 = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -404,35 +417,35 @@ extern "C" __global__ void __launch_bounds__(CX_SMALL_THREADS, 2)
     for (u64 g = 0; g < d->n_groups && g < CX_MAX_GROUPS; ++g) {
         const cx_group& k = d->groups[g];
         if (k.fingerprint)
-            fingerprint_rows(table, reinterpret_cast<const u32*>(k.rows), reinterpret_cast<const u64*>(k.row_first),
-                             (u32)k.n_rows, flags, w0, warps);
+            fingerprint_rows(e.table, reinterpret_cast<const u32*>(k.rows), reinterpret_cast<const u64*>(k.row_first),
+                             (u32)k.n_rows, e.flags, w0, warps);
         else
-            shadow_rows(table, reinterpret_cast<const u32*>(k.rows), reinterpret_cast<const u64*>(k.row_first),
-                        (u32)k.n_rows, flags, w0, warps);
+            shadow_rows(e.table, reinterpret_cast<const u32*>(k.rows), reinterpret_cast<const u64*>(k.row_first),
+                        (u32)k.n_rows, e.flags, w0, warps);
     }
     __syncthreads();
     if (stamper) st[2] = now_ns();
-    plan_block(table, n, flags, d->total_pages, ids, recs, d->max_records, room - d->commit_length, plan,
-               reinterpret_cast<TablePlan*>(d->mail_plan), reinterpret_cast<u32*>(d->mail_counts),
+    plan_block(e.table, e.n, e.flags, d->total_pages, e.ids, e.recs, d->max_records, e.room - d->commit_length,
+               e.plan, reinterpret_cast<TablePlan*>(d->mail_plan), reinterpret_cast<u32*>(d->mail_counts),
                reinterpret_cast<u64*>(d->mail_offsets), sums);
     __syncthreads();
     if (stamper) st[3] = now_ns();
-    const bool fits = plan->fits;
-    if (fits) stage_pages(T, table, ids, recs, plan, dst, digests, w0, warps);
+    const bool fits = e.plan->fits;
+    if (fits) stage_pages(T, e.table, e.ids, e.recs, e.plan, e.dst, e.digests, w0, warps);
     __syncthreads();
     if (stamper) st[4] = now_ns();
-    if (fits) finalize_records(T, table, ids, recs, plan, dst, lsn, epoch, salt, w0, warps);
+    if (fits) finalize_records(T, e.table, e.ids, e.recs, e.plan, e.dst, e.lsn, epoch, e.salt, w0, warps);
     __threadfence_system();
     __syncthreads();
     if (stamper) st[5] = now_ns();
     if (threadIdx.x < 32)
-        commit_warp(T, table, reinterpret_cast<const u32*>(d->order), n, digests, plan, dst, room, lsn, epoch, salt,
-                    prev_commit);
+        commit_warp(T, e.table, reinterpret_cast<const u32*>(d->order), e.n, e.digests, e.plan, e.dst, e.room, e.lsn,
+                    epoch, e.salt, prev_commit);
     __syncthreads();
     if (stamper) st[6] = now_ns();
     if (threadIdx.x == 0) {
         __threadfence_system();  // the commit's header (this thread's, as lane 0 of the commit's warp) first
-        epoch_close(plan, reinterpret_cast<cx_arena_words*>(d->words), at, lsn, epoch, d->commit_length, sc,
+        epoch_close(e.plan, reinterpret_cast<cx_arena_words*>(d->words), at, e.lsn, epoch, d->commit_length, sc,
                     const_cast<u64*>(st));
     }
 }
