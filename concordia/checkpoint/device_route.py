@@ -66,7 +66,11 @@ class DeviceRoute:
 
     def checkpoint(self, reason: str, stream=None, *, armed: bool = False) -> CheckpointStats | None:
         """One epoch on the device, or None (`why` says why) for the caller to
-        take its own path.  The caller holds the regions' lock."""
+        take its own path.  The caller holds the regions' lock.  A failed
+        task makes every region's next checkpoint whole and leaves the
+        regions as they are to the consumer thread."""
+        if self.dev is not None and self.version != self.session.region_set.version:
+            self.close()  # before any path of this call loads the new regions' kernels
         why = self._why_not(stream, armed)
         if why is None:
             why = self._ready()
@@ -80,10 +84,14 @@ class DeviceRoute:
             self.why = f"no arena for the epoch now: {str(exc).strip().splitlines()[0]}"
             return None
         _wait_for_producers(self.session.region_set)
-        c = dev.epoch()
-        if c.status != Status.OK:
-            raise ExecutorError(f"the device's EPOCH task failed with status {c.status.name}",
-                                where="device epoch")
+        try:
+            c = dev.epoch()
+            if c.status != Status.OK:
+                raise ExecutorError(f"the device's EPOCH task failed with status {c.status.name}",
+                                    where="device epoch")
+        except BaseException as exc:
+            self._failed(exc)
+            raise
         arena = self.session.runner.arena
         epoch = arena.word("last_epoch")
         counts = dev.tpass.mail_counts.astype(np.int64)
@@ -132,6 +140,21 @@ class DeviceRoute:
             return self.failed_why
         self.version = version
         return None
+
+    def _failed(self, exc: BaseException) -> None:
+        """After a failed EPOCH task: detection may have moved on past pages
+        no commit holds, so every region's next checkpoint writes it whole
+        (on the consumer thread: this route is off for these regions)."""
+        s = self.session
+        s.runner.lose()
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        self.failed = s.region_set.version
+        self.failed_why = f"the device's last EPOCH task failed: {type(exc).__name__}: {first}"
+        dev, self.dev, self.version = self.dev, None, None
+        try:
+            dev.close()  # what the arena committed before is taken on; the failed task's bytes are padded over
+        except Exception:  # the task's own error is the one raised
+            pass
 
     @property
     def active(self) -> bool:

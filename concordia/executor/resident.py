@@ -16,7 +16,8 @@ region table pass of `concordia.checkpoint` where it applies) and then the
 commit.  A CuPy session whose regions the device's EPOCH handler can take
 has its epochs after the first run by the persistent kernel instead
 (`device`: `checkpoint.device_route.DeviceRoute`, which the session hands in;
-this layer does not import the checkpoint layer), one EPOCH task each.  The commit record is written by the consumer itself on tiers it can
+this layer does not import the checkpoint layer), one EPOCH task each.  The
+commit record is written by the consumer itself on tiers it can
 write without a persist call (memory, shm, hugetlb, pinned: `persist_path` is
 "none"), so an epoch commits without any host thread; on file, pmem and
 device-DAX tiers the consumer hands the commit (the persist call and the

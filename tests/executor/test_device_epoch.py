@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from concordia.checkpoint import arena
-from concordia.checkpoint.device_epoch import EPOCH_DESC, GROUP, MAX_GROUPS, SMALL_PAGES, STAMPS, compile_defines, why_not
+from concordia.checkpoint.device_epoch import (EPOCH_DESC, GROUP, MAX_GROUPS, SMALL_PAGES, STAMPS, compile_defines,
+                                               why_not)
 from concordia.executor.persistent import KERNEL_SOURCE, compile_options
 from concordia.executor.ring import Op, Status
 
@@ -59,8 +60,8 @@ def test_the_epoch_variant_compiles_with_the_table_pass_in_its_module(tmp_path):
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     text = out.read_text()
-    for name in ("cx_executor", "cx_epoch_driver", "cx_epoch_small", "cx_epoch_close", "table_plan", "table_stage", "table_finalize",
-                 "table_commit", "table_fingerprint", "table_shadow"):
+    for name in ("cx_executor", "cx_epoch_driver", "cx_epoch_small", "cx_epoch_close", "table_plan", "table_stage",
+                 "table_finalize", "table_commit", "table_fingerprint", "table_shadow"):
         assert f".entry {name}(" in text, name
     driver = text.split(".entry cx_epoch_driver(")[1].split(".entry")[0]
     assert driver.count("LaunchDeviceV2") >= 6  # detection, plan, stage, finalize, commit, close

@@ -91,3 +91,45 @@ def test_a_cupy_sessions_checkpoints_run_on_the_persistent_kernel(shm_log):
             for name, w in zip(("kv", "lora", "extra"), want):
                 g = got[name]
                 assert np.asarray(g.get() if hasattr(g, "get") else g).tobytes() == w.tobytes(), (epoch, name)
+
+
+def test_a_failed_device_epoch_makes_the_next_checkpoint_whole_on_the_consumer(shm_log, monkeypatch):
+    """The route's own protocol on the CPU, the device's handler stood in for
+    by one whose task fails after detection could have moved on: the error
+    reaches the caller, every region's next checkpoint is whole, and the
+    route stays off for these regions, saying why."""
+    from concordia.checkpoint import device_epoch
+    from concordia.errors import ExecutorError
+
+    class FailingEpochs:
+        def __init__(self, session, **kw):
+            self.tpass = session.runner.table_pass(session.log)
+            self.closed = False
+
+        def ensure_arena(self):
+            pass
+
+        def epoch(self):
+            raise ExecutorError("the EPOCH task timed out", where="device epoch")
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(device_epoch, "why_not", lambda tpass, backend: None)
+    monkeypatch.setattr(device_epoch, "DeviceEpochs", FailingEpochs)
+    with Session(shm_log, size=LOG_SIZE, segment_size=SEGMENT, executor="resident") as s:
+        a = np.zeros(1 << 16, np.uint8)
+        s.register("a", a, detect="shadow", page_bytes=4096)
+        s.checkpoint()
+        a[7] = 1
+        with pytest.raises(ExecutorError, match="timed out"):
+            s.checkpoint()
+        route = s.resident.device
+        assert not route.active and route.failed == s.region_set.version
+        a[4096 * 3] = 2
+        st = s.checkpoint()
+        assert VIA not in set(st.via.values()) and st.pages["a"] == 16  # whole: 16 pages of 4 KiB
+        why = s.resident.info()["device_why"]
+        assert why.startswith("the device's last EPOCH task failed: ExecutorError") and why.endswith("timed out"), why
+        got = s.recover()["a"]
+        assert int(got[7]) == 1 and int(got[4096 * 3]) == 2
