@@ -23,7 +23,10 @@ def kill_after_lines(args: list, lines: int, pause: float, *, wait_s: float = 60
         got.append(ln.strip())
     time.sleep(pause)
     p.send_signal(signal.SIGKILL)
-    out, err = p.communicate(timeout=30)
+    # read through the same buffered reader: readline may have read further lines ahead into
+    # it, which communicate() (reading the descriptor itself) would never see
+    out, err = p.stdout.read(), p.stderr.read()
+    p.wait(timeout=30)
     assert p.returncode == -signal.SIGKILL, (out[-2000:], err[-2000:])
     return [int(x) for x in got + out.split() if x.isdigit()]
 
