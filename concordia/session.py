@@ -16,8 +16,8 @@ The session is a facade over the rooms that do the work:
     restore      the one recover entry (`restore.run`): target checks, the plan,
                  the host or device applier
     retention    automatic bases and compaction after each commit
-    executor     who runs an epoch: the caller's thread, or the resident executor (a
-                 thread, or the persistent kernel: `checkpoint.device_route`)
+    executor     who runs an epoch: the caller's thread, or the resident executor (its
+                 thread, or the persistent kernel: `checkpoint.arena_route`)
 
 Regions keep their framework and dtype: a bfloat16 or float8 torch tensor is registered as it is (the log
 names its logical dtype beside the byte layout) and `recover()` hands back a torch tensor of that dtype.  A
@@ -35,8 +35,8 @@ import time
 import numpy as np
 
 from concordia.checkpoint import detect
+from concordia.checkpoint.arena_route import ArenaRoute
 from concordia.checkpoint.baseline import adopted
-from concordia.checkpoint.device_route import DeviceRoute
 from concordia.checkpoint.epoch import STAGING, EpochRunner
 from concordia.checkpoint.staging import batch_pages, page_crcs
 from concordia.checkpoint.stats import CheckpointStats, CheckpointTotals
@@ -127,7 +127,7 @@ class Session:
         #: `resident`: the executor behind the session (None: the caller's thread
         #: runs every epoch); `executor_info`: which path epochs take, and why
         try:
-            self.resident, self.executor_info = start_executor(self, self.region_set, executor, DeviceRoute)
+            self.resident, self.executor_info = start_executor(self, self.region_set, executor, ArenaRoute)
         except BaseException:
             if self._owns_log:
                 self.log.close()

@@ -54,7 +54,7 @@ def why_not(table, backend) -> str | None:
     """Why epochs of `table` (a RegionTable) cannot be taken in an arena of a
     log on `backend`, or None when they can."""
     if backend.persist_path != "none":
-        return f"a {backend.persist_path} tier needs a persist call before a commit"
+        return f"the log's tier needs a persist call ({backend.persist_path}) before a commit"
     det = table.entries["detector"]
     rows = np.flatnonzero((det != DET_SHADOW) & (det != DET_FINGERPRINT))
     if rows.size:
@@ -95,7 +95,7 @@ class Arena:
         #: {region id: digest} of the last commit taken on (`adopt`): the regions' digests now
         self.digests: dict | None = None
         #: {epoch: CheckpointStats} handed out for epochs before they are taken on
-        #: (device_route.py): the runner fills and lists these instead of new ones
+        #: (arena_route.py): the runner fills and lists these instead of new ones
         self.given: dict = {}
         w = self.words[0]
         w["last_commit"] = app.last_commit_lsn

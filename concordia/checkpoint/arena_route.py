@@ -1,33 +1,41 @@
-"""`Session(executor="resident")`'s checkpoints on the persistent kernel: a
-CuPy session's epoch is one EPOCH task of the device's handler
-(`device_epoch.DeviceEpochs`), not a CPU thread's run of the table pass.
+"""`Session(executor="resident")`'s checkpoints as arena epochs: each one is
+written, records and commit, into the session's arena (`arena.py`) by the
+resident executor, with no appender and no commit call; durable when
+`checkpoint()` returns, taken on at the session's next call.
 
     s = Session("shm:agent-7", executor="resident")
-    s.register("kv", kv)                # CuPy arrays, shadow or fingerprint detectors
-    s.checkpoint()                      # the first epoch (the bases): the consumer thread, as before
-    st = s.checkpoint()                 # one EPOCH task: detection, staging, commit on the device
-    st.executor, st.via["kv"]           # "resident", "device-epoch"
+    s.register("kv", kv)                # shadow or fingerprint detectors
+    s.checkpoint()                      # the first epoch (the bases): the session's own path, on the consumer
+    st = s.checkpoint()                 # an arena epoch: st.via["kv"] is "device-epoch" or "consumer-arena"
+    s.epoch == st.epoch                 # durable now; s.checkpoints lists st at the session's next call
 
-What a checkpoint here is.  The caller's producer streams (its current CuPy
-and PyTorch streams, the streams given at `register`) are waited for, so that
-the epoch holds every region as of the call in stream order; then one EPOCH
-task runs the table pass and writes the commit into the session's arena
-(`arena.py`).  When the task completes the epoch is durable: its commit is
-in the log, on a tier whose writes need no persist call.  The statistics
-come from the pass's mailbox (each row's pages) and the completion (record
-bytes).  The session's next call that settles takes the arena's epochs on
-(`Session.settle`): the appender adopts them, retention counts them, and the
-statistics this returned are the ones `Session.checkpoints` lists.  Until
-then `Session.epoch` already names the epoch (the open arena's last).
+Who writes it (the engine).  A CuPy session whose regions take one device
+table pass: the persistent kernel, one EPOCH task of the device's handler
+(`device_epoch.DeviceEpochs`), submitted from the caller's thread after the
+caller's producer streams (its current CuPy and PyTorch streams, the streams
+given at `register`) are waited for, so that the epoch holds every region
+as of the call in stream order.  A host session whose regions take one host
+table pass: the consumer thread, the table pass's numpy twin writing the
+epoch into the arena (`ConsumerEpochs`, the CPU twin of the device's
+handler: the same arena, words, statistics and taking-on).  The statistics
+come from the pass's per-row counts (the device's mailbox, the twin's plan)
+and the record bytes it wrote.  The session's next call that settles takes
+the arena's epochs on (`Session.settle`): the appender adopts them,
+retention counts them, and the statistics returned here are the ones
+`Session.checkpoints` then lists.  Until then `Session.epoch` already names
+the epoch (the open arena's last).
 
-When it does not apply, the checkpoint takes the consumer thread, as before,
-and `why` says why: the session's first epoch (the regions have no base and
-no table pass), regions the device's handler cannot take
-(`device_epoch.why_not`: host arrays, host-listed pages, a tier that needs a
-persist call, several page sizes), a stream named at the call, a pending
-epoch, a trigger armed on the consumer (its epochs use the arena), or a
-region whose array changed.  After the regions change, the next checkpoint
-builds the handler's descriptor again (its module is compiled once).
+When it does not apply, the epoch is the session's checkpoint run on the
+consumer thread, as before, and `why` says why: the session's first epoch
+(the regions have no base and no single table pass), regions the arena
+cannot take (`arena.why_not`, `device_epoch.why_not`: host-listed pages, a
+tier that needs a persist call, several page sizes on the device), a stream
+named at the call, a pending epoch, a trigger armed on the consumer (its
+epochs use the arena), a region whose array changed, an arena the log has
+no room for now, or a failed task (every region's next checkpoint is then
+whole, on the consumer; the route stays off for those regions).  After the
+regions change, the next checkpoint builds the engine again (the device's
+module is compiled once).
 
 CuPy is imported lazily: importing this module needs no GPU.
 """
@@ -36,14 +44,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from concordia.checkpoint import arena as arena_mod
 from concordia.checkpoint import device_epoch
+from concordia.checkpoint.host import HostTablePass
 from concordia.checkpoint.stats import CheckpointStats
-from concordia.executor.errors import ExecutorError
-from concordia.executor.ring import Status
+from concordia.regions.errors import SessionError
 from concordia.wal.errors import LogFullError
 
-#: the statistics' `via` of an epoch the persistent kernel ran
+#: the statistics' `via` of an epoch the persistent kernel wrote
 VIA = "device-epoch"
+#: ... and of one the consumer thread wrote (the CPU twin)
+VIA_CONSUMER = "consumer-arena"
 
 #: how long the persistent kernel stays after an epoch without another (the
 #: next checkpoint launches it again): a module the caller's framework loads
@@ -51,52 +62,89 @@ VIA = "device-epoch"
 IDLE_S = 2e-3
 
 
-class DeviceRoute:
-    """The device's EPOCH handler behind a resident executor (module doc)."""
+class ConsumerEpochs:
+    """The CPU twin of `device_epoch.DeviceEpochs` behind the route: the host
+    table pass writes each epoch into the session's arena (`Arena.take`), run
+    on the resident executor's consumer thread."""
+
+    via = VIA_CONSUMER
+    where = "consumer"
+
+    def __init__(self, session, tpass):
+        self.session, self.tpass = session, tpass
+
+    def ensure_arena(self) -> None:
+        runner = self.session.runner
+        if runner.arena is not None and not runner.arena.room:
+            self.session.settle()  # full: its epochs taken on, then another
+        if runner.arena is None:
+            why = runner.open_arena(self.session.log, "checkpoint")
+            if why is not None:
+                raise ValueError(why)
+
+    def take(self) -> int:
+        """One epoch into the arena; the record bytes it wrote."""
+        if self.session.runner.arena_take() is None:
+            raise SessionError("the arena had no room for the epoch", where="arena")
+        return int(self.tpass.table.last_bytes)
+
+    def counts(self) -> np.ndarray:
+        return self.tpass.last_counts.astype(np.int64)
+
+    def close(self) -> None:
+        self.session.settle()
+
+
+class ArenaRoute:
+    """The resident executor's epochs into the session's arena (module doc)."""
 
     def __init__(self, session):
         self.session = session
-        self.dev: device_epoch.DeviceEpochs | None = None
-        self.version = None       # the RegionSet version `dev` was built for
-        self.failed = None        # the RegionSet version the handler failed to start for, and why
+        self.engine = None        # DeviceEpochs or ConsumerEpochs, for the regions as they were at `version`
+        self.version = None
+        self.failed = None        # the RegionSet version the engine failed for, and why
         self.failed_why: str | None = None
-        #: why the last checkpoint did not take the device (None: it did)
+        #: why the last checkpoint was not an arena epoch (None: it was)
         self.why: str | None = "no checkpoint yet"
         self.epochs = 0
 
-    def checkpoint(self, reason: str, stream=None, *, armed: bool = False) -> CheckpointStats | None:
-        """One epoch on the device, or None (`why` says why) for the caller to
-        take its own path.  The caller holds the regions' lock.  A failed
-        task makes every region's next checkpoint whole and leaves the
-        regions as they are to the consumer thread."""
-        if self.dev is not None and self.version != self.session.region_set.version:
+    @property
+    def via(self) -> str | None:
+        return None if self.engine is None else self.engine.via
+
+    def checkpoint(self, reason: str, stream=None, *, armed: bool = False,
+                   where: str = "caller") -> CheckpointStats | None:
+        """One arena epoch written from `where` ("caller": the device's
+        engine; "consumer": the twin's), or None (`why` says why) for the
+        caller to take its own path.  The caller holds the regions' lock."""
+        if self.engine is not None and self.version != self.session.region_set.version:
             self.close()  # before any path of this call loads the new regions' kernels
         why = self._why_not(stream, armed)
         if why is None:
             why = self._ready()
+        if why is None and self.engine.where != where:
+            why = f"its epochs are written on the {self.engine.where}"
         self.why = why
         if why is not None:
             return None
-        dev, t = self.dev, self.dev.tpass.table
+        engine, t = self.engine, self.engine.tpass.table
         try:
-            dev.ensure_arena()
-        except (LogFullError, ValueError) as exc:  # nothing written: this epoch takes the consumer's path
+            engine.ensure_arena()
+        except (LogFullError, ValueError) as exc:  # nothing written: this epoch takes the session's path
             self.why = f"no arena for the epoch now: {str(exc).strip().splitlines()[0]}"
             return None
-        _wait_for_producers(self.session.region_set)
+        if engine.where == "caller":
+            _wait_for_producers(self.session.region_set)
         try:
-            c = dev.epoch()
-            if c.status != Status.OK:
-                raise ExecutorError(f"the device's EPOCH task failed with status {c.status.name}",
-                                    where="device epoch")
+            log_bytes = engine.take()
         except BaseException as exc:
             self._failed(exc)
             raise
         arena = self.session.runner.arena
         epoch = arena.word("last_epoch")
-        counts = dev.tpass.mail_counts.astype(np.int64)
-        st = CheckpointStats.of_table(epoch, reason, t.names, counts, VIA, int(counts @ t.page_bytes), int(c.bytes),
-                                      0.0, 0.0, 0.0, 0)
+        counts = engine.counts()
+        st = CheckpointStats.of_table(epoch, reason, t.names, counts, engine.via, int(counts @ t.page_bytes),
+                                      log_bytes, 0.0, 0.0, 0.0, 0)
         st.executor = "resident"
         arena.given[epoch] = st  # filled and listed when the session takes the arena's epochs on
         # the arrays hold this epoch until the caller's next step: retention takes the copies
@@ -108,7 +156,7 @@ class DeviceRoute:
     def _why_not(self, stream, armed: bool) -> str | None:
         s = self.session
         if stream is not None:
-            return "a stream was named at the call (the device's epoch orders against the producer streams only)"
+            return "a stream was named at the call (an arena epoch orders against the producer streams only)"
         if armed:
             return "a trigger is armed on the consumer: its epochs take the arena"
         if s.runner.pending is not None:
@@ -116,23 +164,26 @@ class DeviceRoute:
         return None
 
     def _ready(self) -> str | None:
-        """Build (or keep) the handler for the regions as they are; why not."""
+        """Build (or keep) the engine for the regions as they are; why not."""
         s = self.session
         version = s.region_set.version
-        if self.dev is not None:
-            if self.version == version:
-                return None if self.dev.tpass.table.unchanged() else "a region's array changed since it was registered"
-            self.close()
+        if self.engine is not None:
+            return None if self.engine.tpass.table.unchanged() else "a region's array changed since it was registered"
         if self.failed == version:
             return self.failed_why
         tpass = s.runner.table_pass(s.log)
         if tpass is None:  # a region's first epoch (its base) is still to come, or the paths differ
             return "the regions take no single table pass (a region without its first epoch, or several paths)"
+        if isinstance(tpass, HostTablePass):
+            why = arena_mod.why_not(tpass.table, s.log.backend)
+            if why is None:
+                self.engine, self.version = ConsumerEpochs(s, tpass), version
+            return why
         why = device_epoch.why_not(tpass, s.log.backend)
         if why is not None:
             return why
         try:
-            self.dev = device_epoch.DeviceEpochs(s, idle_s=IDLE_S)
+            self.engine = device_epoch.DeviceEpochs(s, idle_s=IDLE_S)
         except Exception as exc:  # the consumer thread takes the epochs; info() says why
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             self.failed = version
@@ -142,29 +193,29 @@ class DeviceRoute:
         return None
 
     def _failed(self, exc: BaseException) -> None:
-        """After a failed EPOCH task: detection may have moved on past pages
-        no commit holds, so every region's next checkpoint writes it whole
-        (on the consumer thread: this route is off for these regions)."""
+        """After a failed epoch: detection may have moved on past pages no
+        commit holds, so every region's next checkpoint writes it whole (on
+        the consumer thread: this route is off for these regions)."""
         s = self.session
         s.runner.lose()
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         self.failed = s.region_set.version
-        self.failed_why = f"the device's last EPOCH task failed: {type(exc).__name__}: {first}"
-        dev, self.dev, self.version = self.dev, None, None
+        self.failed_why = f"the last arena epoch failed: {type(exc).__name__}: {first}"
+        engine, self.engine, self.version = self.engine, None, None
         try:
-            dev.close()  # what the arena committed before is taken on; the failed task's bytes are padded over
-        except Exception:  # the task's own error is the one raised
+            engine.close()  # what the arena committed before is taken on; the failed epoch's bytes are padded over
+        except Exception:  # the epoch's own error is the one raised
             pass
 
     @property
     def active(self) -> bool:
-        return self.dev is not None
+        return self.engine is not None
 
     def close(self) -> None:
-        """Stop the persistent kernel; the arena's epochs are taken on."""
-        dev, self.dev, self.version = self.dev, None, None
-        if dev is not None:
-            dev.close()
+        """Stop the engine (the persistent kernel); the arena's epochs are taken on."""
+        engine, self.engine, self.version = self.engine, None, None
+        if engine is not None:
+            engine.close()
 
 
 def _wait_for_producers(regions) -> None:

@@ -195,6 +195,21 @@ class DeviceEpochs:
         self.ensure_arena()
         return self.submitter.call(self.Op.EPOCH, args=(self.d_desc.data.ptr,), timeout=timeout)
 
+    # -- as an engine of the resident executor's arena route (checkpoint/arena_route.py) --
+    via = "device-epoch"
+    where = "caller"
+
+    def take(self) -> int:
+        """One EPOCH task; the record bytes it wrote (ExecutorError: it failed)."""
+        c = self.epoch()
+        if c.status != 0:
+            raise ExecutorError(f"the device's EPOCH task failed with status {c.status.name}", where="device epoch")
+        return int(c.bytes)
+
+    def counts(self) -> np.ndarray:
+        """Each table row's pages in the last epoch (the pass's mailbox)."""
+        return self.tpass.mail_counts.astype(np.int64)
+
     def ensure_arena(self) -> None:
         """An open arena with room for the next epoch: one with no room is
         taken on first (the host's part) and another opened.  Raises what

@@ -98,6 +98,7 @@ class HostTablePass:
         self.owner = owner    # the RegionSet
         self.stager = stager  # stages an epoch larger than a segment region by region
         self.flags = np.zeros(table.total_pages, np.uint8)
+        self.last_counts = np.zeros(len(table), np.int64)  # each row's pages in the last `stage_into`
 
     def detect(self) -> None:
         """flags[page space] = dirty, every detector advanced (group by group,
@@ -191,6 +192,7 @@ class HostTablePass:
 
         t = self.table
         ids, counts, recs, used = self._detect_and_plan()
+        self.last_counts = counts  # each row's pages (the device pass's mailbox counts)
         if used + t.commit_length > view.size:
             raise SessionError(f"an epoch of {used} record bytes and its commit do not fit the {view.size} bytes "
                                "given", where="arena")

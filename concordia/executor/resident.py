@@ -13,10 +13,13 @@ task for the epoch on the task ring (`ring.py`, through `host.Submitter`) and
 waits for its completion; the consumer (`cpu.CpuExecutor`, a thread of its
 own) runs the epoch: the session's detection and staging over its regions (the
 region table pass of `concordia.checkpoint` where it applies) and then the
-commit.  A CuPy session whose regions the device's EPOCH handler can take
-has its epochs after the first run by the persistent kernel instead
-(`device`: `checkpoint.device_route.DeviceRoute`, which the session hands in;
-this layer does not import the checkpoint layer), one EPOCH task each.  The
+commit.  Where the regions and the tier allow, an epoch after the first is
+an arena epoch instead (`route`: `checkpoint.arena_route.ArenaRoute`, which
+the session hands in; this layer does not import the checkpoint layer): the
+table pass writes it, records and commit, into the session's arena, taken on
+at the session's next call.  A CuPy session's is one EPOCH task of the
+persistent kernel, submitted from the caller's thread; a host session's is
+the pass's numpy twin on the consumer thread.  The
 commit record is written by the consumer itself on tiers it can
 write without a persist call (memory, shm, hugetlb, pinned: `persist_path` is
 "none"), so an epoch commits without any host thread; on file, pmem and
@@ -35,9 +38,9 @@ kind's regions in each epoch (`info()["kinds"]`); the detection itself is the
 session's pass.  On the GPU a kind's handler is its detection kernel,
 specialised by -D inside the persistent kernel's module (the device's EPOCH
 handler, `checkpoint.device_epoch.DeviceEpochs`, executor.cu built with
-CX_EPOCH), through which `device` runs a CuPy session's epochs; a session it
-cannot take (`info()["device_why"]`) has the consumer thread drive the device
-passes.
+CX_EPOCH), through which `route` runs a CuPy session's epochs; a session it
+cannot take (`info()["route"]["why"]`) has the consumer thread drive the
+device passes.
 
 Device-side triggers (`Trigger`, armed by `ResidentExecutor.trigger`).  A trigger checkpoints every N counts of a
 counter the consumer polls between tasks: the launches of instrumented kernels
@@ -138,13 +141,13 @@ def choose(executor: str) -> tuple[str, str | None]:
     return executor, None
 
 
-def start_executor(session, regions, executor: str, device_route=None):
+def start_executor(session, regions, executor: str, route=None):
     """(ResidentExecutor or None, executor_info) for Session(executor=...), over
-    the session's `RegionSet` `regions`.  device_route: makes, from the
-    session, what runs a CuPy session's epochs on the persistent kernel
-    (`checkpoint.device_route.DeviceRoute`; this layer does not import it)."""
+    the session's `RegionSet` `regions`.  route: makes, from the session,
+    what writes the executor's epochs into the session's arena
+    (`checkpoint.arena_route.ArenaRoute`; this layer does not import it)."""
     path, why = choose(executor)
-    resident = ResidentExecutor(session, regions, device_route=device_route) if path == "resident" else None
+    resident = ResidentExecutor(session, regions, route=route) if path == "resident" else None
     info = {"executor": path, "asked": executor, "why": why}
     if resident is not None:
         info["commit_by"] = resident.commit_by
@@ -308,10 +311,11 @@ class ResidentExecutor:
     next submit relaunches it), except while a trigger is armed.  Idle, it
     waits on an event the submit sets, so a checkpoint is taken up at once."""
 
-    def __init__(self, session, regions, *, capacity: int = 64, idle_exit_s: float = 2.0, device_route=None):
+    def __init__(self, session, regions, *, capacity: int = 64, idle_exit_s: float = 2.0, route=None):
         self.session = session
-        #: where a CuPy session's epochs run on the persistent kernel (None: the consumer thread runs them all)
-        self.device = device_route(session) if device_route is not None else None
+        #: what writes epochs into the session's arena, on the device or the consumer (None: the
+        #: session's own path on the consumer writes them all)
+        self.route = route(session) if route is not None else None
         self.regions = regions             # the session's RegionSet
         self.commit_by = commit_by(session.log.backend)
         self.idle_exit_s = idle_exit_s
@@ -420,16 +424,20 @@ class ResidentExecutor:
 
     def checkpoint(self, *, reason: str, stream=None):
         """One epoch: an EPOCH task of the device's handler where the session's
-        regions allow it (`device`), else one through the consumer thread."""
-        if self.device is not None:
+        regions allow it (`route`, from this thread), else one EPOCH task of
+        the consumer thread (`_epoch`)."""
+        if self.route is not None:
             self._check_open()
-            tr = self.trigger_
             with self.lock:
-                stats = self.device.checkpoint(reason, stream, armed=tr is not None and tr.armed)
+                stats = self.route.checkpoint(reason, stream, armed=self._armed(), where="caller")
             if stats is not None:
                 self.epochs += 1
                 return stats
         return self._call(Op.EPOCH, self._epoch, reason, stream)
+
+    def _armed(self) -> bool:
+        tr = self.trigger_
+        return tr is not None and tr.armed
 
     def recover(self, *args, **kw):
         """One recovery through the consumer (the RECOVER task)."""
@@ -505,8 +513,14 @@ class ResidentExecutor:
 
     def _epoch(self, reason: str, stream=None):
         """The epoch, on the consumer: every kind's handler from the table, then
-        the session's pass and commit (`Session.checkpoint` run here)."""
+        the twin's arena epoch (`route`) where the regions allow it, else the
+        session's pass and commit (`Session.checkpoint` run here)."""
         self._run_kinds()
+        if self.route is not None:
+            stats = self.route.checkpoint(reason, stream, armed=self._armed(), where="consumer")
+            if stats is not None:
+                self.epochs += 1
+                return stats
         stats = self.session.checkpoint(reason=reason, stream=stream)
         stats.executor = "resident"
         self.epochs += 1
@@ -598,9 +612,9 @@ class ResidentExecutor:
         self._check_open()
         if not len(self.regions):
             raise SessionError("a trigger needs a registered region", where="trigger")
-        if self.device is not None:
+        if self.route is not None:
             with self.lock:
-                self.device.close()   # the trigger's epochs take the session's arena
+                self.route.close()   # the trigger's epochs take the session's arena
         tr = Trigger(every, StepCounter() if counter is None else counter, gate)
         tr.streams = caller_streams()   # the epochs order against the streams current here
         if gate is None:  # nothing stops the caller queueing: its streams are held for each epoch
@@ -712,9 +726,9 @@ class ResidentExecutor:
                 "trigger": None if tr is None else {"every": tr.every, "counter": getattr(tr.counter, "kind", "?"),
                                                     "fired": len(tr.fired), "armed": tr.armed,
                                                     "in_arena": tr.in_arena, "arena_why": self.arena_why},
-                "device_epoch_handler": self.device is not None and self.device.active,
-                "device_epochs": 0 if self.device is None else self.device.epochs,
-                "device_why": None if self.device is None else self.device.why}
+                "device_epoch_handler": self.route is not None and self.route.via == "device-epoch",
+                "route": None if self.route is None else {"via": self.route.via, "epochs": self.route.epochs,
+                                                          "why": self.route.why}}
 
     def _check_open(self) -> None:
         if self._closed:
@@ -725,9 +739,9 @@ class ResidentExecutor:
         if self._closed:
             return
         self.disarm()
-        if self.device is not None:
+        if self.route is not None:
             with self.lock:
-                self.device.close()   # the persistent kernel stops; the arena's epochs are taken on
+                self.route.close()   # the persistent kernel stops; the arena's epochs are taken on
         try:
             self.submitter.stop(timeout)
         except ExecutorError:   # a consumer that does not stop is made to leave

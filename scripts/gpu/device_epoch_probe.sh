@@ -8,7 +8,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 : "${OUT:?set OUT to a folder for results}"
 python3 -m pytest -m gpu -v -p no:cacheprovider tests/executor/test_device_epoch.py \
-  tests/session/test_pending_epoch.py tests/session/test_device_route.py tests/session/test_executor_session.py \
+  tests/session/test_pending_epoch.py tests/session/test_arena_route.py tests/session/test_executor_session.py \
   > "$OUT/device-epoch.txt" 2>&1
 rc=$?
 tail -n 60 "$OUT/device-epoch.txt"

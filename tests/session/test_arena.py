@@ -61,7 +61,7 @@ def test_an_epoch_is_taken_only_when_its_most_fits_and_a_miss_detects_nothing(sh
 def test_a_table_the_host_lists_pages_of_or_a_file_log_takes_no_arena(tmp_path, shm_log):
     s, _ = _session(f"file:{tmp_path / 'log'}")
     with s:
-        assert "msync tier needs a persist call" in s.runner.open_arena(s.log)
+        assert "tier needs a persist call (msync)" in s.runner.open_arena(s.log)
     with Session(shm_log, size=16 * MiB, segment_size=4 * MiB, staging="mapped", overwrite=True) as s:
         kv = np.zeros((4, 64, 256), np.uint16)
         s.register("kv", kv, kind="kv", detect="positions", length=lambda: 8)

@@ -1,6 +1,8 @@
-"""Session(executor="resident") runs a CuPy session's checkpoints as EPOCH tasks
-of the persistent kernel (checkpoint/device_route.py); where the regions do
-not allow it, the consumer thread runs them and the executor says why."""
+"""Session(executor="resident") writes its epochs after the first into the
+session's arena (checkpoint/arena_route.py): a host session's on the consumer
+thread (the CPU twin), a CuPy session's by the persistent kernel; where the
+regions or the tier do not allow it, the session's own path runs on the
+consumer and the executor says why."""
 
 from __future__ import annotations
 
@@ -8,32 +10,108 @@ import numpy as np
 import pytest
 
 from concordia import Session
-from concordia.checkpoint.device_route import VIA, DeviceRoute
+from concordia.checkpoint.arena_route import VIA, VIA_CONSUMER, ArenaRoute
+from concordia.errors import ExecutorError
 from concordia.policy import Policy
 
 from .state import LOG_SIZE, SEGMENT
 
 
-def test_a_host_session_takes_the_consumer_thread_and_says_why(shm_log):
+def test_a_host_sessions_epochs_go_into_the_arena_on_the_consumer(shm_log):
+    """The CPU twin of the device's route: the first epoch is the session's
+    own (the bases); the next ones are arena epochs written on the consumer
+    thread, durable on return (the session's epoch names them, a fresh
+    reader of the log finds them committed), listed once the session takes
+    them on, each recovered exactly."""
+    from concordia.wal.log import Log
+
+    with Session(shm_log, size=LOG_SIZE, segment_size=SEGMENT, executor="resident",
+                 policy=Policy(retain=False)) as s:
+        a = np.zeros((16, 1024), np.uint32)
+        s.register("a", a, detect="shadow", page_bytes=4096)
+        first = s.checkpoint()
+        assert s.resident.info()["route"]["why"].startswith("the regions take no single table pass")
+        assert VIA_CONSUMER not in set(first.via.values())
+        states, given = {first.epoch: a.copy()}, []
+        for t in range(1, 6):
+            a[t, :t] = t
+            st = s.checkpoint()
+            assert st.executor == "resident" and set(st.via.values()) == {VIA_CONSUMER}, s.resident.info()
+            assert st.pages == {"a": 1} and st.epoch == first.epoch + t and s.epoch == st.epoch
+            states[st.epoch] = a.copy()
+            given.append(st)
+        info = s.resident.info()
+        assert info["route"] == {"via": VIA_CONSUMER, "epochs": 5, "why": None}
+        assert info["device_epoch_handler"] is False
+        assert len(s.checkpoints) == 1  # the arena's epochs are listed when taken on
+        reader = Log.open(shm_log, writable=False)
+        try:
+            assert int(reader.last_committed_epoch) == first.epoch + 5  # durable before the session took them on
+        finally:
+            reader.close()
+        s.settle()
+        assert list(s.checkpoints)[1:] == given  # the objects returned, listed once, in order
+        assert all(st.log_at is not None for st in given)
+        assert s.log.verify()["corrupt"] == 0
+        for epoch, want in states.items():
+            np.testing.assert_array_equal(s.recover(epoch)["a"], want, err_msg=f"epoch {epoch}")
+
+
+def test_a_file_tier_and_a_named_stream_take_the_sessions_own_path(tmp_path, shm_log):
+    with Session(f"file:{tmp_path / 'log'}", size=LOG_SIZE, segment_size=SEGMENT, executor="resident") as s:
+        a = np.zeros(1 << 16, np.uint8)
+        s.register("a", a, detect="shadow")
+        s.checkpoint()
+        a[7] = 1
+        st = s.checkpoint()
+        assert st.executor == "resident" and st.pages["a"] == 1 and VIA_CONSUMER not in set(st.via.values())
+        assert s.resident.info()["route"]["why"] == "the log's tier needs a persist call (msync) before a commit"
     with Session(shm_log, size=LOG_SIZE, segment_size=SEGMENT, executor="resident") as s:
         a = np.zeros(1 << 16, np.uint8)
         s.register("a", a, detect="shadow")
-        first = s.checkpoint()
-        assert s.resident.info()["device_why"].startswith("the regions take no single table pass")
-        a[7] = 1
-        st = s.checkpoint()
-        assert first.executor == st.executor == "resident" and st.pages["a"] == 1
-        info = s.resident.info()
-        assert info["device_epoch_handler"] is False and info["device_epochs"] == 0
-        assert info["device_why"] == "the regions take no device table pass (CuPy regions, one mapped staging path)"
-        assert VIA not in set(st.via.values())
+        s.checkpoint()
+        a[9] = 1
+        st = s.checkpoint(stream=object())  # any stream named: the host regions' path ignores it
+        assert VIA_CONSUMER not in set(st.via.values())
+        assert s.resident.info()["route"]["why"].startswith("a stream was named")
 
 
 def test_the_session_hands_the_route_to_its_resident_executor_only(shm_log):
     with Session(shm_log, size=LOG_SIZE, segment_size=SEGMENT, executor="resident") as s:
-        assert isinstance(s.resident.device, DeviceRoute) and s.resident.device.session is s
+        assert isinstance(s.resident.route, ArenaRoute) and s.resident.route.session is s
     with Session(shm_log, size=LOG_SIZE, segment_size=SEGMENT) as s:
         assert s.resident is None
+
+
+def test_a_failed_arena_epoch_makes_the_next_checkpoint_whole_on_the_sessions_path(shm_log, monkeypatch):
+    """An arena epoch that fails after detection moved on: the error reaches
+    the caller, every region's next checkpoint is whole, and the route stays
+    off for these regions, saying why."""
+    import concordia.checkpoint.table as table
+
+    with Session(shm_log, size=LOG_SIZE, segment_size=SEGMENT, executor="resident") as s:
+        a = np.zeros(1 << 16, np.uint8)
+        s.register("a", a, detect="shadow", page_bytes=4096)
+        s.checkpoint()
+        a[7] = 1
+
+        def broken(*args, **kw):
+            raise ExecutorError("the commit could not be written", where="arena")
+
+        monkeypatch.setattr(table, "write_commit", broken)
+        with pytest.raises(ExecutorError, match="could not be written"):
+            s.checkpoint()
+        monkeypatch.undo()
+        route = s.resident.route
+        assert not route.active and route.failed == s.region_set.version
+        a[4096 * 3] = 2
+        st = s.checkpoint()
+        assert VIA_CONSUMER not in set(st.via.values()) and st.pages["a"] == 16  # whole: 16 pages of 4 KiB
+        why = s.resident.info()["route"]["why"]
+        assert why.startswith("the last arena epoch failed: ExecutorError") and why.endswith("written"), why
+        assert s.log.verify()["corrupt"] == 0
+        got = s.recover()["a"]
+        assert int(got[7]) == 1 and int(got[4096 * 3]) == 2
 
 
 @pytest.mark.gpu
@@ -66,10 +144,9 @@ def test_a_cupy_sessions_checkpoints_run_on_the_persistent_kernel(shm_log):
             states[st.epoch] = (kv.get(), lora.get())
             given.append(st)
         info = s.resident.info()
-        assert info["device_epoch_handler"] is True and info["device_epochs"] == 6 and info["device_why"] is None
+        assert info["device_epoch_handler"] is True and info["route"] == {"via": VIA, "epochs": 6, "why": None}
         s.settle()
-        assert all(any(st is c for c in s.checkpoints) for st in given)  # the objects returned, listed once
-        assert len({id(c) for c in s.checkpoints}) == len(s.checkpoints)
+        assert list(s.checkpoints)[1:] == given  # the objects returned, listed once, in order
 
         extra = cp.arange(4096, dtype=cp.float32)
         s.register("extra", extra, detect="shadow", page_bytes=4096)
@@ -82,7 +159,7 @@ def test_a_cupy_sessions_checkpoints_run_on_the_persistent_kernel(shm_log):
 
         kv[9, 0] = 3
         st = s.checkpoint(stream=cp.cuda.get_current_stream())
-        assert VIA not in set(st.via.values()) and s.resident.info()["device_why"].startswith("a stream was named")
+        assert VIA not in set(st.via.values()) and s.resident.info()["route"]["why"].startswith("a stream was named")
         states[st.epoch] = (kv.get(), lora.get(), extra.get())
 
         assert s.log.verify()["corrupt"] == 0
@@ -91,45 +168,3 @@ def test_a_cupy_sessions_checkpoints_run_on_the_persistent_kernel(shm_log):
             for name, w in zip(("kv", "lora", "extra"), want):
                 g = got[name]
                 assert np.asarray(g.get() if hasattr(g, "get") else g).tobytes() == w.tobytes(), (epoch, name)
-
-
-def test_a_failed_device_epoch_makes_the_next_checkpoint_whole_on_the_consumer(shm_log, monkeypatch):
-    """The route's own protocol on the CPU, the device's handler stood in for
-    by one whose task fails after detection could have moved on: the error
-    reaches the caller, every region's next checkpoint is whole, and the
-    route stays off for these regions, saying why."""
-    from concordia.checkpoint import device_epoch
-    from concordia.errors import ExecutorError
-
-    class FailingEpochs:
-        def __init__(self, session, **kw):
-            self.tpass = session.runner.table_pass(session.log)
-            self.closed = False
-
-        def ensure_arena(self):
-            pass
-
-        def epoch(self):
-            raise ExecutorError("the EPOCH task timed out", where="device epoch")
-
-        def close(self):
-            self.closed = True
-
-    monkeypatch.setattr(device_epoch, "why_not", lambda tpass, backend: None)
-    monkeypatch.setattr(device_epoch, "DeviceEpochs", FailingEpochs)
-    with Session(shm_log, size=LOG_SIZE, segment_size=SEGMENT, executor="resident") as s:
-        a = np.zeros(1 << 16, np.uint8)
-        s.register("a", a, detect="shadow", page_bytes=4096)
-        s.checkpoint()
-        a[7] = 1
-        with pytest.raises(ExecutorError, match="timed out"):
-            s.checkpoint()
-        route = s.resident.device
-        assert not route.active and route.failed == s.region_set.version
-        a[4096 * 3] = 2
-        st = s.checkpoint()
-        assert VIA not in set(st.via.values()) and st.pages["a"] == 16  # whole: 16 pages of 4 KiB
-        why = s.resident.info()["device_why"]
-        assert why.startswith("the device's last EPOCH task failed: ExecutorError") and why.endswith("timed out"), why
-        got = s.recover()["a"]
-        assert int(got[7]) == 1 and int(got[4096 * 3]) == 2

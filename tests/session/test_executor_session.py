@@ -279,7 +279,7 @@ def test_a_trigger_on_a_file_tier_commits_through_the_host_committer(file_log):
         wait_for_epochs(s.resident, 3, 10.0)
         assert not tr.errors and len(tr.fired) >= 1
         assert s.resident._committer is not None
-        assert tr.in_arena == 0 and "msync tier needs a persist call" in s.resident.info()["trigger"]["arena_why"]
+        assert tr.in_arena == 0 and "tier needs a persist call (msync)" in s.resident.info()["trigger"]["arena_why"]
         epoch, count = tr.fired[-1]
     with new_session(file_log, create=False) as r:
         np.testing.assert_array_equal(r.recover(epoch)["a"], _step_state(count))

@@ -17,10 +17,10 @@ Session, against the host path, through the public entry points.
   ckpt_ms   `Session.checkpoint()` of 1 and 1,024 regions, one dirty page each:
             executor="host" (the default staging), "host" with staging="mapped"
             (the same region-table pipeline the resident path takes), and
-            executor="resident" (on a GPU, a CuPy session's epochs after the
-            first are EPOCH tasks of the persistent kernel:
-            checkpoint/device_route.py; `ckpt_detail` names the path each
-            took); medians in milliseconds, means beside them (the resident
+            executor="resident" (its epochs after the first are arena
+            epochs, checkpoint/arena_route.py: on a GPU, EPOCH tasks of the
+            persistent kernel; on the CPU, the consumer thread's twin;
+            `ckpt_detail` names the path each took); medians in milliseconds, means beside them (the resident
             rows' include taking a full arena on, once per arena).
   residency (GPU only) slowdown of an fp16 GEMM, a GEMV and a streaming add
             while a persistent kernel is resident and idle beside a Session
@@ -392,8 +392,9 @@ def run(on_gpu: bool, quick: bool, counts: list[int], scratch: Scratch) -> dict:
         device = xp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     log = scratch.log("session", "shm" if os.path.isdir("/dev/shm") else "memory")
     doc = {"benchmark": "executor-session", "device": device, "quick": quick,
-           "executor": {"resident": ("concordia.executor.resident: a CuPy session's epochs after the first on the "
-                                        "persistent kernel (checkpoint/device_route.py), others on its CPU thread"),
+           "executor": {"resident": ("concordia.executor.resident: epochs after the first into the session's arena "
+                                        "(checkpoint/arena_route.py): a CuPy session's by the persistent kernel, "
+                                        "a host session's by its CPU thread"),
                         "device_epoch_handler": False},
            "regions_xp": "cupy" if xp is not np else "numpy", "log_tier": log.split(":")[0],
            "python_switch_interval_s": sys.getswitchinterval()}
