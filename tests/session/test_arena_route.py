@@ -76,6 +76,21 @@ def test_a_file_tier_and_a_named_stream_take_the_sessions_own_path(tmp_path, shm
         assert s.resident.info()["route"]["why"].startswith("a stream was named")
 
 
+def test_a_table_no_arena_can_hold_takes_the_sessions_path_and_says_why(shm_log):
+    """An arena holds every page of the table once; with 1 MiB segments a
+    2 MiB region's epoch cannot have one, and the session's own path runs."""
+    with Session(shm_log, size=16 << 20, segment_size=1 << 20, executor="resident") as s:
+        a = np.zeros(2 << 20, np.uint8)
+        s.register("a", a, detect="shadow", page_bytes=4096)
+        s.checkpoint()
+        a[5] = 1
+        st = s.checkpoint()
+        assert st.pages["a"] == 1 and VIA_CONSUMER not in set(st.via.values())
+        why = s.resident.info()["route"]["why"]
+        assert why.startswith("no arena for the epoch now: an arena of") and "cannot hold one epoch" in why, why
+        assert int(s.recover()["a"][5]) == 1
+
+
 def test_the_session_hands_the_route_to_its_resident_executor_only(shm_log):
     with Session(shm_log, size=LOG_SIZE, segment_size=SEGMENT, executor="resident") as s:
         assert isinstance(s.resident.route, ArenaRoute) and s.resident.route.session is s
