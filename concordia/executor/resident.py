@@ -19,10 +19,10 @@ the session hands in; this layer does not import the checkpoint layer): the
 table pass writes it, records and commit, into the session's arena, taken on
 at the session's next call.  A CuPy session's is one EPOCH task of the
 persistent kernel, submitted from the caller's thread; a host session's is
-the pass's numpy twin on the consumer thread.  The
-commit record is written by the consumer itself on tiers it can
-write without a persist call (memory, shm, hugetlb, pinned: `persist_path` is
-"none"), so an epoch commits without any host thread; on file, pmem and
+the pass's numpy twin on the consumer thread.  Otherwise the commit record
+is written by the consumer itself on tiers it can write without a persist
+call (memory, shm, hugetlb, pinned: `persist_path` is "none"), so an epoch
+commits without any host thread; on file, pmem and
 device-DAX tiers the consumer hands the commit (the persist call and the
 commit record) to a host committer thread and waits for it, since a GPU
 consumer can neither msync nor call libpmem.  `recover()` on a host session is
