@@ -62,6 +62,16 @@ def why_not(table, backend) -> str | None:
     return None
 
 
+def too_large(table, app) -> str | None:
+    """Why no arena of the log `app` appends to can hold one epoch of `table`
+    (an arena takes at most half a segment), or None."""
+    need = bound(table) + table.commit_length
+    if need > app.segment_capacity // 2:
+        return (f"an epoch of every page of the regions ({need} bytes) needs an arena of more than half a segment "
+                f"({app.segment_capacity // 2} bytes)")
+    return None
+
+
 def bound(table) -> int:
     """Record bytes one epoch of `table` can need: every page of every row."""
     recs = plan_records(table.entries, table.entries["pages"].astype(np.int64))

@@ -175,11 +175,11 @@ class ArenaRoute:
         if tpass is None:  # a region's first epoch (its base) is still to come, or the paths differ
             return "the regions take no single table pass (a region without its first epoch, or several paths)"
         if isinstance(tpass, HostTablePass):
-            why = arena_mod.why_not(tpass.table, s.log.backend)
+            why = arena_mod.why_not(tpass.table, s.log.backend) or arena_mod.too_large(tpass.table, s.log.appender)
             if why is None:
                 self.engine, self.version = ConsumerEpochs(s, tpass), version
             return why
-        why = device_epoch.why_not(tpass, s.log.backend)
+        why = device_epoch.why_not(tpass, s.log.backend) or arena_mod.too_large(tpass.table, s.log.appender)
         if why is not None:
             return why
         try:

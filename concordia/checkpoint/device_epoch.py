@@ -168,7 +168,11 @@ class DeviceEpochs:
                                     idle_s=idle_s)
         self.submitter = Submitter(self.gring.ring, self.executor)
         self.d_desc = None
-        self._open()
+        try:
+            self._open()
+        except BaseException:  # no task was submitted: the kernel never ran, only the buffers go
+            self._release()
+            raise
 
     def _open(self) -> None:
         """An arena for the next epochs, its words in mapped memory, its descriptor on the device."""
@@ -270,8 +274,11 @@ class DeviceEpochs:
         finally:
             self.executor.join(10.0)
             self.session.settle()
-            self.gring.close()
-            self.words.close()
-            self.log.close()
-            if self.stamps is not None:
-                self.stamps.close()
+            self._release()
+
+    def _release(self) -> None:
+        self.gring.close()
+        self.words.close()
+        self.log.close()
+        if self.stamps is not None:
+            self.stamps.close()
