@@ -328,7 +328,8 @@ class Session:
         does `close`.  A trigger's epochs committed in an arena (checkpoint/arena.py) are taken on first."""
         with self.region_set.lock:  # not beside a trigger's epoch on the consumer, which may open another arena
             for stats in self.runner.adopt_arena(self.log):
-                self.checkpoints.append(stats)
+                if not stats.listed:  # a resident route's epoch was listed when checkpoint() returned it
+                    self.checkpoints.append(stats)
                 self.checkpoint_totals.add(stats)
                 self.retention.after_commit(stats, moved=True)
         stats = self.runner.settle()
@@ -356,10 +357,9 @@ class Session:
         then leaves the epoch before it.  Otherwise the checkpoint completes
         as with wait=True.
 
-        Stream order: every region is captured as of this call in its
-        producer's stream order (`stream`, else the stream given at `register`,
-        else the framework's current stream now), with events only: see
-        `regions.streams.StreamOrder`."""
+        Stream order: every region is captured as of this call in its producer's stream order (`stream`,
+        else the stream given at `register`, else the framework's current stream now), with events only:
+        see `regions.streams.StreamOrder`."""
         self._check_open("checkpoint")
         if self.resident is not None and not self.resident.inside():
             with self.runner.asking(on_full):  # for the epoch the executor runs by calling back in

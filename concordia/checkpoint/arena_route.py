@@ -7,7 +7,7 @@ resident executor, with no appender and no commit call; durable when
     s.register("kv", kv)                # shadow or fingerprint detectors
     s.checkpoint()                      # the first epoch (the bases): the session's own path, on the consumer
     st = s.checkpoint()                 # an arena epoch: st.via["kv"] is "device-epoch" or "consumer-arena"
-    s.epoch == st.epoch                 # durable now; s.checkpoints lists st at the session's next call
+    s.epoch == st.epoch                 # durable now, and s.checkpoints[-1] is st
 
 Who writes it (the engine).  A CuPy session whose regions take one device
 table pass: the persistent kernel, one EPOCH task of the device's handler
@@ -19,11 +19,10 @@ table pass: the consumer thread, the table pass's numpy twin writing the
 epoch into the arena (`ConsumerEpochs`, the CPU twin of the device's
 handler: the same arena, words, statistics and taking-on).  The statistics
 come from the pass's per-row counts (the device's mailbox, the twin's plan)
-and the record bytes it wrote.  The session's next call that settles takes
-the arena's epochs on (`Session.settle`): the appender adopts them,
-retention counts them, and the statistics returned here are the ones
-`Session.checkpoints` then lists.  Until then `Session.epoch` already names
-the epoch (the open arena's last).
+and the record bytes it wrote; `Session.checkpoints` lists them at once, and
+`Session.epoch` names the epoch (the open arena's last).  The session's next
+call that settles takes the arena's epochs on (`Session.settle`): the
+appender adopts them, retention and `checkpoint_totals` count them.
 
 When it does not apply, the epoch is the session's checkpoint run on the
 consumer thread, as before, and `why` says why: the session's first epoch
@@ -146,7 +145,9 @@ class ArenaRoute:
         st = CheckpointStats.of_table(epoch, reason, t.names, counts, engine.via, int(counts @ t.page_bytes),
                                       log_bytes, 0.0, 0.0, 0.0, 0)
         st.executor = "resident"
-        arena.given[epoch] = st  # filled and listed when the session takes the arena's epochs on
+        arena.given[epoch] = st  # filled (log_at) when the session takes the arena's epochs on
+        self.session.checkpoints.append(st)
+        st.listed = True
         # the arrays hold this epoch until the caller's next step: retention takes the copies
         # a job decided at the last commit taken on needs now, as at a pending launch
         self.session.retention.launched(epoch)

@@ -40,7 +40,8 @@ class CheckpointStats:
     _FIELDS = ("epoch", "reason", "pages", "base", "bytes", "log_bytes", "detect_ms", "stage_ms", "commit_ms",
                "via", "device_reads", "table_pass", "executor", "coalesced")
     __slots__ = ("epoch", "reason", "_pages", "base", "bytes", "log_bytes", "detect_ms", "stage_ms", "commit_ms",
-                 "_via", "device_reads", "table_pass", "executor", "coalesced", "_lazy", "pending", "log_at")
+                 "_via", "device_reads", "table_pass", "executor", "coalesced", "_lazy", "pending", "log_at",
+                 "listed")
 
     def __init__(self, epoch: int, reason: str, pages: dict, base: list, bytes: int, log_bytes: int,
                  detect_ms: float, stage_ms: float, commit_ms: float, via: dict | None = None,
@@ -58,6 +59,9 @@ class CheckpointStats:
         #: session took on a commit written before the appender's last one
         #: (an arena's: checkpoint/arena.py), else None (the appender's last)
         self.log_at = None
+        #: already in `Session.checkpoints` when the session takes its epoch on
+        #: (an arena epoch of the resident executor's route, listed when it returned)
+        self.listed = False
 
     @classmethod
     def of_table(cls, epoch, reason, names, counts, label, nbytes, log_bytes, detect_ms, stage_ms, commit_ms,

@@ -21,8 +21,8 @@ def test_a_host_sessions_epochs_go_into_the_arena_on_the_consumer(shm_log):
     """The CPU twin of the device's route: the first epoch is the session's
     own (the bases); the next ones are arena epochs written on the consumer
     thread, durable on return (the session's epoch names them, a fresh
-    reader of the log finds them committed), listed once the session takes
-    them on, each recovered exactly."""
+    reader of the log finds them committed), listed at once and counted
+    once the session takes them on, each recovered exactly."""
     from concordia.wal.log import Log
 
     with Session(shm_log, size=LOG_SIZE, segment_size=SEGMENT, executor="resident",
@@ -43,15 +43,15 @@ def test_a_host_sessions_epochs_go_into_the_arena_on_the_consumer(shm_log):
         info = s.resident.info()
         assert info["route"] == {"via": VIA_CONSUMER, "epochs": 5, "why": None}
         assert info["device_epoch_handler"] is False
-        assert len(s.checkpoints) == 1  # the arena's epochs are listed when taken on
+        assert list(s.checkpoints)[1:] == given and s.checkpoint_totals.count == 1  # counted when taken on
         reader = Log.open(shm_log, writable=False)
         try:
             assert int(reader.last_committed_epoch) == first.epoch + 5  # durable before the session took them on
         finally:
             reader.close()
         s.settle()
-        assert list(s.checkpoints)[1:] == given  # the objects returned, listed once, in order
-        assert all(st.log_at is not None for st in given)
+        assert len(s.checkpoints) == 6 and all(a is b for a, b in zip(list(s.checkpoints)[1:], given))  # listed once
+        assert all(st.log_at is not None for st in given) and s.checkpoint_totals.count == 6
         assert s.log.verify()["corrupt"] == 0
         for epoch, want in states.items():
             np.testing.assert_array_equal(s.recover(epoch)["a"], want, err_msg=f"epoch {epoch}")
@@ -133,7 +133,7 @@ def test_a_failed_arena_epoch_makes_the_next_checkpoint_whole_on_the_sessions_pa
 def test_a_cupy_sessions_checkpoints_run_on_the_persistent_kernel(shm_log):
     """The first checkpoint (the bases) takes the consumer thread; the next
     ones are EPOCH tasks: durable when they return (the session's epoch names
-    them), listed when the session takes them on, each recovered exactly; a
+    them), listed at once, each recovered exactly; a
     region registered midway builds the handler again; a named stream takes
     the consumer's path."""
     import cupy as cp
@@ -160,8 +160,9 @@ def test_a_cupy_sessions_checkpoints_run_on_the_persistent_kernel(shm_log):
             given.append(st)
         info = s.resident.info()
         assert info["device_epoch_handler"] is True and info["route"] == {"via": VIA, "epochs": 6, "why": None}
+        assert all(a is b for a, b in zip(list(s.checkpoints)[1:], given))  # listed at once
         s.settle()
-        assert list(s.checkpoints)[1:] == given  # the objects returned, listed once, in order
+        assert len(s.checkpoints) == 7  # and once
 
         extra = cp.arange(4096, dtype=cp.float32)
         s.register("extra", extra, detect="shadow", page_bytes=4096)
