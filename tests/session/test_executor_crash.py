@@ -23,11 +23,19 @@ from concordia.wal import Log
 from .kill import kill_after_lines, kill_at_random_lines, run_child
 from .state import LOG_SIZE, SEGMENT, assert_same, make_state, mutate, register_all
 from .test_retention_crash import CHILD as HOST_CHILD
-from .test_retention_crash import _check
+from .test_retention_crash import _check, _edit, _kill_runs
 from .test_session import ROOT
 
 CHILD = HOST_CHILD.replace("policy=policy)", "policy=policy, executor='resident')")
 assert CHILD != HOST_CHILD
+
+
+#: the resident child with kill points around the commit each arena epoch writes
+#: (checkpoint/arena_route.py: on shm, every epoch after the first is one)
+CHILD_ARENA = _edit(CHILD, 'wrap(Volume, "write_superblock", "switch", before=False)\n',
+                    'wrap(Volume, "write_superblock", "switch", before=False)\n'
+                    'import concordia.checkpoint.table as T\n'
+                    'wrap(T, "write_commit", "commit")\n')
 
 
 def _run(path, kill_at, epochs, where):
@@ -166,3 +174,14 @@ def test_kills_while_triggers_take_the_epochs_lose_nothing(persistent_log):
             assert count > 0
             np.testing.assert_array_equal(got_state["a"], _step_state(count))
         seen = nums[-1]
+
+
+@pytest.mark.slow
+def test_resident_kills_around_the_arena_commits_lose_nothing(shm_log):
+    """The resident executor's arena epochs on shm (its CPU twin of the device's
+    route), killed just before or just after the commit an epoch writes into
+    the arena, with retention on: every epoch the child saw returned is in the
+    log, at most the one being written is more, each restores exactly."""
+    rng = random.Random(77)
+    points = [rng.randint(2, 80) for _ in range(6)]
+    assert _kill_runs(CHILD_ARENA, shm_log, 6, points, "commit", _check) >= 5
