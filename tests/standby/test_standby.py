@@ -458,11 +458,14 @@ def test_gpu_standby_restores_from_its_registered_mapping(any_log):
 
 
 def _zombie(pid: int) -> None:
-    """Wait (a minute at most) until `pid`, killed or ended, is a zombie: not yet reaped."""
+    """Wait (a minute at most) until `pid`, killed or ended, is a zombie: not yet
+    reaped, its other threads gone.  The leader shows "Z" as soon as it has
+    exited itself, while a thread the SIGKILL has woken may not have run yet
+    (on a loaded machine), and has not begun to exit."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z" and len(os.listdir(f"/proc/{pid}/task")) == 1:
                 return
         time.sleep(0.01)
 
