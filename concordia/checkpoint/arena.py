@@ -92,6 +92,9 @@ class Arena:
         self.bound = bound(table)
         need = self.bound + table.commit_length
         if nbytes is None:  # what is left of the segment being written, when one epoch fits there
+            why = too_large(table, app)
+            if why is not None:
+                raise ValueError(why)
             nbytes = min(max(ARENA_EPOCHS * need, ARENA_MIN_BYTES), app.segment_capacity // 2)
             rest = app.segment_rest // fmt.RECORD_ALIGN * fmt.RECORD_ALIGN
             if rest >= need:

@@ -73,13 +73,10 @@ class ConsumerEpochs:
         self.session, self.tpass = session, tpass
 
     def ensure_arena(self) -> None:
-        runner = self.session.runner
-        if runner.arena is not None and not runner.arena.room:
-            self.session.settle()  # full: its epochs taken on, then another
-        if runner.arena is None:
-            why = runner.open_arena(self.session.log, "checkpoint")
-            if why is not None:
-                raise ValueError(why)
+        s = self.session
+        why = s.runner.arena_for(s.log, "checkpoint", s.settle)
+        if why is not None:
+            raise ValueError(why)
 
     def take(self) -> int:
         """One epoch into the arena; the record bytes it wrote."""

@@ -202,6 +202,19 @@ class EpochRunner:
                 why = "the log has no room for an arena now (no free segment)"
         return why
 
+    def arena_for(self, log, reason: str, settle) -> str | None:
+        """An open arena with room for the next epoch, or why there is none:
+        a full one is taken on first (`settle`, the session's: the appender
+        and retention take its epochs on) and another opened (`open_arena`).
+        The caller holds the regions' lock."""
+        if self.arena is not None and not self.arena.room:
+            settle()
+        if self.arena is not None:
+            return None
+        if self.pending is not None:
+            return "an epoch of checkpoint(wait=False) is pending"
+        return self.open_arena(log, reason)
+
     def arena_epoch(self) -> int:
         """The last epoch committed in the open arena and not yet taken on (0: none)."""
         a = self.arena

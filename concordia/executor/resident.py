@@ -536,21 +536,16 @@ class ResidentExecutor:
         consumer is a host thread).  Returns the epoch, or None when the
         session's epochs cannot go into an arena (`arena_why` says why)."""
         runner = self.session.runner
-        for _ in range(2):
-            if runner.arena is None:
-                self.arena_why = None if runner.pending is not None else runner.open_arena(self.session.log, reason)
-                if runner.arena is None:
-                    return None
-            self._run_kinds()
-            epoch = runner.arena_take()
-            if epoch is not None:
-                self.epochs += 1
-                # the arrays hold this epoch until the gate opens: retention takes the copies
-                # a job decided at the last commit taken on needs now, as at a pending launch
-                self.session.retention.launched(epoch)
-                return epoch
-            self.session.settle()  # full: its epochs taken on (retention runs), then another arena
-        return None
+        self.arena_why = runner.arena_for(self.session.log, reason, self.session.settle)
+        if self.arena_why is not None:
+            return None
+        self._run_kinds()
+        epoch = runner.arena_take()  # the arena has room for it: not None
+        self.epochs += 1
+        # the arrays hold this epoch until the gate opens: retention takes the copies
+        # a job decided at the last commit taken on needs now, as at a pending launch
+        self.session.retention.launched(epoch)
+        return epoch
 
     def _run_kinds(self) -> None:
         """Every kind's handler from the operator table, once per epoch."""

@@ -28,5 +28,7 @@ with Scratch("epoch-latency") as scratch:
             row[path + "_phases_us"] = b._device_epoch_ms(cp, log, n, reps, scratch, stamps=True, small_pages=small)
         out[str(n)] = row
         print(n, json.dumps(row), flush=True)
-        json.dump(out, open(sys.argv[1], "w"), indent=1)
+        with open(sys.argv[1] + ".part", "w") as f:  # whole or not there: a kill leaves no half file
+            json.dump(out, f, indent=1)
+        os.replace(sys.argv[1] + ".part", sys.argv[1])
 PY
