@@ -74,8 +74,11 @@ __device__ __forceinline__ bool differs(uint4 a, uint4 b) {
 #define ST_BAD_ARGS 2
 #define ST_LAUNCH_FAILED 3
 #define ST_TIMEOUT 4
-// EPOCH: the arena cannot take the most one epoch writes (nothing was detected)
+// EPOCH: the arena has no room for an epoch's bound, or lost an epoch (nothing was detected)
 #define ST_NO_ROOM 6
+// EPOCH: the epoch's records did not fit what the arena had left: the detectors
+// moved on and nothing was written; the arena takes no further epoch (`lost`)
+#define ST_LOST 7
 
 // Consumer state (ring.ConsumerState).
 #define CS_RUNNING 1
@@ -294,7 +297,7 @@ struct cx_epoch_desc {              // device_epoch.EPOCH_DESC
 };
 
 struct cx_arena_words {             // checkpoint/arena.py: WORDS
-    u64 used, last_commit, last_epoch, epochs, missed, reserved[3];
+    u64 used, last_commit, last_epoch, epochs, missed, lost, reserved[2];
 };
 
 // The phase stamps (device_epoch.STAMPS), when a descriptor asks for them:
@@ -321,7 +324,8 @@ __device__ void epoch_close(const TablePlan* plan, cx_arena_words* w, u64 at, u6
         w->epochs = w->epochs + 1;
         sc->pages = p.pages;
         sc->bytes = p.bytes;
-    } else {
+    } else {  // lost: the detectors moved on, nothing written; the host writes every region whole next
+        w->lost = epoch;
         sc->errors = 1;
     }
     __threadfence_system();
@@ -455,7 +459,7 @@ extern "C" __global__ void __launch_bounds__(CX_SMALL_THREADS, 2)
 __device__ int run_epoch(const cx_epoch_desc* d, cx_scratch* sc, u64 child_timeout_ns, u64* lsn0, u64* lsn1) {
     volatile cx_arena_words* w = reinterpret_cast<volatile cx_arena_words*>(d->words);
     const u64 at = w->used;
-    if (d->arena_bytes < at || d->arena_bytes - at < d->bound + d->commit_length) {
+    if (w->lost || d->arena_bytes < at || d->arena_bytes - at < d->bound + d->commit_length) {
         w->missed = w->missed + 1;
         __threadfence_system();
         return ST_NO_ROOM;
@@ -472,7 +476,7 @@ __device__ int run_epoch(const cx_epoch_desc* d, cx_scratch* sc, u64 child_timeo
     const int status = wait_children(sc, 1, child_timeout_ns);
     if (st) st[8] = now_ns();
     if (status != ST_OK) return status;
-    if (*(volatile u32*)&sc->errors) return ST_BAD_ARGS;  // the plan did not fit: the host's bound was wrong
+    if (*(volatile u32*)&sc->errors) return ST_LOST;  // the records did not fit what was left (arena.py)
     *lsn0 = d->arena_lsn + at;
     *lsn1 = w->last_commit;
     return ST_OK;

@@ -9,16 +9,27 @@ then its own commit record (a table pass's `stage_into`, the records the
 device's table pass writes, the commit by `table.write_commit` / table.cu's
 `table_commit`).  What the consumer needs to go on lives in a few words
 (`WORDS`): the bytes used so far, the LSN of the last commit (the next one's
-`aux`), the last epoch, the epochs taken and the triggers missed for want of
-room.  A GPU consumer keeps them in memory it maps, the CPU twin in a numpy
-array; `take` is the twin of the device's EPOCH handler.
+`aux`), the last epoch, the epochs taken, the triggers missed for want of
+room and the epoch lost (below).  A GPU consumer keeps them in memory it
+maps, the CPU twin in a numpy array; `take` is the twin of the device's EPOCH
+handler.
 
-An epoch is taken only when the arena still has room for the most its
-records can need (`bound`: every page of every row, all written) and its
-commit, so that detection, which moves the detectors on, never runs for an
-epoch that could not be written.  Only tables whose rows find their dirty
-pages on the device (shadow copies, fingerprints) are taken here: a row whose
-pages the host lists (a cache by positions, block tables) needs the host.
+An epoch is tried only when the arena still has room for `bound` record
+bytes and its commit.  Where every page of every row, all written, fits half
+a segment, `bound` is that (`full_bound`): no epoch tried then can fail to
+fit.  A larger table (a model's state, gigabytes, against a segment of
+megabytes) would never have an arena, so its `bound` is what its epochs
+write (twice the table's last epoch, at least `ARENA_MIN_BYTES`): a decode
+step's new rows, not the whole cache.  An epoch that writes more than the
+room left (a cache reset, a new prompt) is *lost*: detection, which moves
+the detectors on, has run, and nothing of it was written.  The arena then
+takes no further epoch (`lost` names it), and the session's next call takes
+the arena on and makes every region's next checkpoint whole
+(`EpochRunner.adopt_arena`): what the lost epoch would have held is in the
+next commit, and a crash before it recovers the last commit, as for a missed
+epoch.  Only tables whose rows find their dirty pages on the device (shadow
+copies, fingerprints) are taken here: a row whose pages the host lists (a
+cache by positions, block tables) needs the host.
 
 The session's next call takes the arena's epochs on (`adopt`): the extent is
 finished at the bytes used (its unused end given back when nothing was
@@ -41,7 +52,7 @@ from concordia.wal import format as fmt
 
 #: the arena's words (64 bytes), the consumer's state between its epochs
 WORDS = np.dtype([("used", "<u8"), ("last_commit", "<u8"), ("last_epoch", "<u8"), ("epochs", "<u8"),
-                  ("missed", "<u8"), ("reserved", "<u8", (3,))])
+                  ("missed", "<u8"), ("lost", "<u8"), ("reserved", "<u8", (2,))])
 assert WORDS.itemsize == 64
 
 #: how many epochs of the largest size an arena is made for, and its least size
@@ -64,18 +75,29 @@ def why_not(table, backend) -> str | None:
 
 def too_large(table, app) -> str | None:
     """Why no arena of the log `app` appends to can hold one epoch of `table`
-    (an arena takes at most half a segment), or None."""
-    need = bound(table) + table.commit_length
+    as `epoch_bound` sizes it (an arena takes at most half a segment), or None."""
+    need = epoch_bound(table, app) + table.commit_length
     if need > app.segment_capacity // 2:
-        return (f"an epoch of every page of the regions ({need} bytes) needs an arena of more than half a segment "
-                f"({app.segment_capacity // 2} bytes)")
+        return (f"an epoch of {need} bytes (twice the last one's records and its commit) needs an arena of more "
+                f"than half a segment ({app.segment_capacity // 2} bytes)")
     return None
 
 
-def bound(table) -> int:
+def full_bound(table) -> int:
     """Record bytes one epoch of `table` can need: every page of every row."""
     recs = plan_records(table.entries, table.entries["pages"].astype(np.int64))
     return int(recs["length"].sum()) if recs.size else 0
+
+
+def epoch_bound(table, app) -> int:
+    """The record bytes an epoch of `table` is tried with (module doc): every
+    page of every row where that and the commit fit half a segment of `app`
+    (no epoch is then lost), else twice the table's last epoch, at least
+    ARENA_MIN_BYTES (an epoch that writes more is lost)."""
+    full = full_bound(table)
+    if full + table.commit_length <= app.segment_capacity // 2:
+        return full
+    return min(full, max(2 * int(table.last_bytes), ARENA_MIN_BYTES))
 
 
 class Arena:
@@ -89,7 +111,9 @@ class Arena:
         self.table = table
         self.reason = reason
         self.label = label  # the path its epochs took (their statistics' `via`)
-        self.bound = bound(table)
+        #: the record bytes an epoch is tried with (`epoch_bound`): every page where
+        #: that fits, so that no epoch is lost, else twice the last epoch's
+        self.bound = epoch_bound(table, app)
         need = self.bound + table.commit_length
         if nbytes is None:  # what is left of the segment being written, when one epoch fits there
             why = too_large(table, app)
@@ -119,14 +143,21 @@ class Arena:
 
     @property
     def room(self) -> bool:
-        """Whether the next epoch can be taken: the most it writes fits."""
-        return self.ext.length - self.word("used") >= self.bound + self.table.commit_length
+        """Whether the next epoch can be tried: no epoch was lost here, and
+        `bound` record bytes and the commit fit."""
+        return not self.word("lost") and self.ext.length - self.word("used") >= self.bound + self.table.commit_length
+
+    @property
+    def lost(self) -> int:
+        """The epoch detected but not written for want of room (module doc), or 0."""
+        return self.word("lost")
 
     def take(self, tpass) -> int | None:
         """One epoch of `tpass` (a HostTablePass over this arena's table) into
         the arena, its commit included: the twin of the device's EPOCH
-        handler.  Returns its number, or None when there was no room (the
-        miss is counted; nothing was detected)."""
+        handler.  Returns its number, or None: there was no room (the miss
+        is counted; nothing was detected), or the epoch's records did not
+        fit what was left (`lost` names it; the detectors moved on)."""
         w = self.words[0]
         if not self.room:
             w["missed"] += 1
@@ -135,6 +166,9 @@ class Arena:
         lsn = self.ext.lsn + at
         used = tpass.stage_into(self.ext.view[at:], lsn=lsn, salt=self.ext.salt, epoch=epoch,
                                 prev_commit=int(w["last_commit"]))
+        if used is None:
+            w["lost"] = epoch
+            return None
         w["used"] = at + used + self.table.commit_length
         w["last_commit"] = lsn + used
         w["last_epoch"] = epoch

@@ -32,7 +32,10 @@ tier that needs a persist call, several page sizes on the device), a stream
 named at the call, a pending epoch, a trigger armed on the consumer (its
 epochs use the arena), a region whose array changed, an arena the log has
 no room for now, or a failed task (every region's next checkpoint is then
-whole, on the consumer; the route stays off for those regions).  After the
+whole, on the consumer; the route stays off for those regions).  An epoch
+whose records did not fit what its arena had left is lost (`arena.py`):
+that call's own path writes every region whole, and the route goes on with
+the next (`lost`, `lost_why`).  After the
 regions change, the next checkpoint builds the engine again (the device's
 module is compiled once).
 
@@ -78,9 +81,13 @@ class ConsumerEpochs:
         if why is not None:
             raise ValueError(why)
 
-    def take(self) -> int:
-        """One epoch into the arena; the record bytes it wrote."""
-        if self.session.runner.arena_take() is None:
+    def take(self) -> int | None:
+        """One epoch into the arena; the record bytes it wrote, or None when
+        the arena lost it (its records did not fit what was left)."""
+        runner = self.session.runner
+        if runner.arena_take() is None:
+            if runner.arena is not None and runner.arena.lost:
+                return None
             raise SessionError("the arena had no room for the epoch", where="arena")
         return int(self.tpass.table.last_bytes)
 
@@ -103,6 +110,9 @@ class ArenaRoute:
         #: why the last checkpoint was not an arena epoch (None: it was)
         self.why: str | None = "no checkpoint yet"
         self.epochs = 0
+        #: epochs the arena lost (their records did not fit what it had left), and what the last one said
+        self.lost = 0
+        self.lost_why: str | None = None
 
     @property
     def via(self) -> str | None:
@@ -136,6 +146,9 @@ class ArenaRoute:
         except BaseException as exc:
             self._failed(exc)
             raise
+        if log_bytes is None:
+            self._lost()
+            return None
         arena = self.session.runner.arena
         epoch = arena.word("last_epoch")
         counts = engine.counts()
@@ -204,6 +217,19 @@ class ArenaRoute:
             engine.close()  # what the arena committed before is taken on; the failed epoch's bytes are padded over
         except Exception:  # the epoch's own error is the one raised
             pass
+
+    def _lost(self) -> None:
+        """The arena lost the epoch (arena.py): its records did not fit what
+        was left, after detection moved on.  Taking the arena on makes every
+        region's next checkpoint whole, which this call's own path then
+        writes; the engine is built again after it (the route stays on)."""
+        ar = self.session.runner.arena
+        left = ar.ext.length - ar.word("used")
+        self.lost += 1
+        self.lost_why = (f"epoch {ar.lost} wrote more than the {left} bytes its arena had left: every region's "
+                         "next checkpoint is whole, on the session's path")
+        self.why = self.lost_why
+        self.close()
 
     @property
     def active(self) -> bool:

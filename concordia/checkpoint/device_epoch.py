@@ -141,10 +141,10 @@ class DeviceEpochs:
                  small_pages: int = SMALL_PAGES, idle_s: float = 1.0):
         from concordia.executor.host import Submitter
         from concordia.executor.persistent import ExecutorModule, GpuExecutor, GpuRing, MappedHostBuffer, require_cupy
-        from concordia.executor.ring import Op
+        from concordia.executor.ring import Op, Status
 
         cp = require_cupy()
-        self.cp, self.session, self.Op = cp, session, Op
+        self.cp, self.session, self.Op, self.Status = cp, session, Op, Status
         session.settle()
         runner = session.runner
         tpass = runner.table_pass(session.log)
@@ -203,9 +203,13 @@ class DeviceEpochs:
     via = "device-epoch"
     where = "caller"
 
-    def take(self) -> int:
-        """One EPOCH task; the record bytes it wrote (ExecutorError: it failed)."""
+    def take(self) -> int | None:
+        """One EPOCH task; the record bytes it wrote, or None when the arena
+        lost the epoch (status LOST: its records did not fit what was left;
+        arena.py).  ExecutorError: it failed."""
         c = self.epoch()
+        if c.status == self.Status.LOST:
+            return None
         if c.status != 0:
             raise ExecutorError(f"the device's EPOCH task failed with status {c.status.name}", where="device epoch")
         return int(c.bytes)
@@ -219,9 +223,14 @@ class DeviceEpochs:
         taken on first (the host's part) and another opened.  Raises what
         reserving it raises (LogFullError: no free segment; ValueError: the
         rest of a segment cannot hold one epoch)."""
-        if self.session.runner.arena is None:
+        ar = self.session.runner.arena
+        if ar is not None and ar.lost:  # taken on: every region's next checkpoint is whole, on the session's path
+            self.session.settle()
+            raise ExecutorError(f"epoch {ar.lost} did not fit what its arena had left; the regions' next "
+                                "checkpoint is whole", where="device epochs", hint="make DeviceEpochs again after it")
+        if ar is None:
             self._open()
-        elif not self.session.runner.arena.room:
+        elif not ar.room:
             self.session.settle()
             self._open()
 

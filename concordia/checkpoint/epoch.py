@@ -143,6 +143,8 @@ class EpochRunner:
         #: the arena a trigger's epochs are committed into, or None (`open_arena`); how many were opened
         self.arena = None
         self.arenas = 0
+        #: arenas closed by an epoch that did not fit (`arena.Arena.lost`)
+        self.arenas_lost = 0
 
     @property
     def registration(self):
@@ -222,7 +224,8 @@ class EpochRunner:
 
     def arena_take(self) -> int | None:
         """One epoch into the open arena (the consumer's); its number, or None
-        when the arena had no room for it (counted as missed)."""
+        when the arena had no room for it (counted as missed) or lost it
+        (`arena.lost`: the next settle makes every region's next checkpoint whole)."""
         tp = self._table[1]
         if not tp.table.unchanged():
             for r in self.regions:
@@ -236,8 +239,9 @@ class EpochRunner:
     def adopt_arena(self, log) -> list:
         """Take the open arena's epochs on (`Arena.adopt`) and close it: the
         statistics of each (the arena's reason, taken by the resident
-        executor), in order.  A failure makes every region's next checkpoint
-        whole."""
+        executor), in order.  A failure, or an epoch the arena lost (its
+        detectors moved on, nothing written), makes every region's next
+        checkpoint whole."""
         with self.regions.lock:
             a, self.arena = self.arena, None
             if a is None:
@@ -249,6 +253,9 @@ class EpochRunner:
                 raise
             finally:
                 self.regions.next_epoch = max(self.regions.next_epoch, a.word("last_epoch") + 1)
+            if a.lost:
+                self.lose()
+                self.arenas_lost += 1
         t = a.table
         if a.digests is not None:  # the table's digests are its last commit's (a GPU consumer kept them on the device)
             t.digests[:] = [a.digests[int(rid)] for rid in t.entries["region_id"].tolist()]

@@ -11,7 +11,6 @@ from concordia.checkpoint import detect
 from concordia.checkpoint.staging import page_crc_table
 from concordia.gpu_kernels import reference as ref
 from concordia.regions.arrays import to_host
-from concordia.regions.errors import SessionError
 from concordia.regions.region import Region
 
 
@@ -183,19 +182,20 @@ class HostTablePass:
                                  base_lsn=lsn, epoch=epoch, region_id=r.id, salt=salt)
             r.crcs[local] = page_crc_table(view, off, n)
 
-    def stage_into(self, view, *, lsn: int, salt: int, epoch: int, prev_commit: int) -> int:
+    def stage_into(self, view, *, lsn: int, salt: int, epoch: int, prev_commit: int) -> int | None:
         """One epoch into `view` (byte 0 at LSN `lsn`), with no appender:
         detect, plan, stage, then the commit record after the records
-        (`table.write_commit`); returns the record bytes before the commit.
-        The caller made sure the most the epoch can write fits (`arena.Arena`)."""
+        (`table.write_commit`); returns the record bytes before the commit,
+        or None when they and the commit do not fit `view`: the detectors
+        moved on and nothing was written (as table.cu's plan says `fits` 0;
+        the arena calls the epoch lost)."""
         from concordia.checkpoint.table import write_commit
 
         t = self.table
         ids, counts, recs, used = self._detect_and_plan()
         self.last_counts = counts  # each row's pages (the device pass's mailbox counts)
         if used + t.commit_length > view.size:
-            raise SessionError(f"an epoch of {used} record bytes and its commit do not fit the {view.size} bytes "
-                               "given", where="arena")
+            return None
         self._stage(view, ids, recs, lsn=lsn, salt=salt, epoch=epoch)
         self._digests(counts)
         write_commit(t, view, used, int(recs.size), lsn=lsn, epoch=epoch, salt=salt, prev_commit=prev_commit)

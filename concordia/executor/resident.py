@@ -540,7 +540,11 @@ class ResidentExecutor:
         if self.arena_why is not None:
             return None
         self._run_kinds()
-        epoch = runner.arena_take()  # the arena has room for it: not None
+        epoch = runner.arena_take()  # the arena had room for it: None only when its records did not fit
+        if epoch is None:
+            self.arena_why = f"epoch {runner.arena.lost} did not fit what its arena had left: written whole instead"
+            self.session.settle()   # the arena taken on: every region's next checkpoint is whole
+            return None
         self.epochs += 1
         # the arrays hold this epoch until the gate opens: retention takes the copies
         # a job decided at the last commit taken on needs now, as at a pending launch
@@ -723,7 +727,7 @@ class ResidentExecutor:
                                                     "in_arena": tr.in_arena, "arena_why": self.arena_why},
                 "device_epoch_handler": self.route is not None and self.route.via == "device-epoch",
                 "route": None if self.route is None else {"via": self.route.via, "epochs": self.route.epochs,
-                                                          "why": self.route.why}}
+                                                          "why": self.route.why, "lost": self.route.lost}}
 
     def _check_open(self) -> None:
         if self._closed:

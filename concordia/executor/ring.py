@@ -167,7 +167,8 @@ class Status(enum.IntEnum):
     LAUNCH_FAILED = 3
     TIMEOUT = 4
     HANDLER_ERROR = 5
-    NO_ROOM = 6  # EPOCH on the device: its arena cannot take the most one epoch writes (nothing detected)
+    NO_ROOM = 6  # EPOCH on the device: its arena has no room for an epoch's bound, or lost one (nothing detected)
+    LOST = 7     # EPOCH on the device: its records did not fit what the arena had left (detected, nothing written)
 
 
 class ConsumerState(enum.IntEnum):

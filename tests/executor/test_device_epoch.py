@@ -42,9 +42,10 @@ def test_the_descriptor_and_the_words_are_the_kernels_structs():
     assert re.search(rf"#define CX_STAMPS {len(STAMPS)}\b", CU)
     assert EPOCH_DESC.itemsize == 8 * (len(desc) - 1) + MAX_GROUPS * GROUP.itemsize
     words = _fields("cx_arena_words")
-    assert words[:-1] == list(arena.WORDS.names[:-1]) and words[-1] == "reserved[3]"
+    assert words[:-1] == list(arena.WORDS.names[:-1]) and words[-1] == "reserved[2]"
     assert arena.WORDS.itemsize == 64
     assert re.search(rf"#define ST_NO_ROOM {int(Status.NO_ROOM)}\b", CU) and int(Op.EPOCH) == 7
+    assert re.search(rf"#define ST_LOST {int(Status.LOST)}\b", CU)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")

@@ -42,7 +42,7 @@ def test_an_epoch_is_taken_only_when_its_most_fits_and_a_miss_detects_nothing(sh
     with s:
         runner = s.runner
         table = runner.table_pass(s.log).table
-        need = arena.bound(table) + table.commit_length
+        need = arena.full_bound(table) + table.commit_length
         assert need > 32 * 4096
         # an arena with room for one whole-table epoch and a little more
         ar = runner.arena = arena.Arena(s.log.appender, table, s.log.appender.next_epoch, nbytes=need + 64)
@@ -125,3 +125,36 @@ def test_a_log_with_no_room_for_an_arena_says_so_and_opens_none(shm_log):
             app.finish_extent(ext, 0, 0)
         assert s.runner.open_arena(s.log) == "the log has no room for an arena now (no free segment)"
         assert s.runner.arena is None and not app.outstanding
+
+
+def test_an_epoch_that_does_not_fit_what_is_left_is_lost_and_the_next_checkpoint_is_whole(shm_log):
+    """A table of 2 MiB against 1 MiB segments is tried with room for twice
+    its last epoch (at least ARENA_MIN_BYTES), not every page: an epoch that
+    rewrites it whole is detected, does not fit, and is lost (nothing
+    written); the arena takes nothing more (a miss) and, once taken on, every
+    region's next checkpoint is whole."""
+    with Session(shm_log, size=16 * MiB, segment_size=MiB, staging="mapped", policy=Policy(retain=False)) as s:
+        a = np.zeros(2 * MiB, np.uint8)
+        s.register("a", a, detect="shadow", page_bytes=4096)
+        s.checkpoint()
+        runner = s.runner
+        table = runner.table_pass(s.log).table
+        assert arena.full_bound(table) > MiB // 2
+        assert arena.epoch_bound(table, s.log.appender) == arena.ARENA_MIN_BYTES  # no epoch of the table yet
+        assert runner.open_arena(s.log) is None
+        ar = runner.arena
+        a[3] = 1
+        first = runner.arena_take()
+        assert first is not None and ar.lost == 0
+        a[:] = 2
+        assert runner.arena_take() is None and ar.lost == first + 1 and ar.word("missed") == 0
+        used = ar.word("used")
+        a[7] = 3
+        assert not ar.room and runner.arena_take() is None and ar.word("missed") == 1 and ar.word("used") == used
+        s.settle()
+        assert runner.arenas_lost == 1 and s.epoch == first
+        st = s.checkpoint()
+        assert st.epoch == first + 1 and st.pages["a"] == 512  # whole: what the lost epoch held is here
+        assert s.log.verify()["corrupt"] == 0
+        np.testing.assert_array_equal(s.recover(first)["a"][:8], [0, 0, 0, 1, 0, 0, 0, 0])
+        np.testing.assert_array_equal(s.recover()["a"], a)

@@ -41,7 +41,7 @@ def test_a_host_sessions_epochs_go_into_the_arena_on_the_consumer(shm_log):
             states[st.epoch] = a.copy()
             given.append(st)
         info = s.resident.info()
-        assert info["route"] == {"via": VIA_CONSUMER, "epochs": 5, "why": None}
+        assert info["route"] == {"via": VIA_CONSUMER, "epochs": 5, "why": None, "lost": 0}
         assert info["device_epoch_handler"] is False
         assert list(s.checkpoints)[1:] == given and s.checkpoint_totals.count == 1  # counted when taken on
         reader = Log.open(shm_log, writable=False)
@@ -76,19 +76,65 @@ def test_a_file_tier_and_a_named_stream_take_the_sessions_own_path(tmp_path, shm
         assert s.resident.info()["route"]["why"].startswith("a stream was named")
 
 
-def test_a_table_no_arena_can_hold_takes_the_sessions_path_and_says_why(shm_log):
-    """An arena holds every page of the table once; with 1 MiB segments a
-    2 MiB region's epoch cannot have one, and the session's own path runs."""
-    with Session(shm_log, size=16 << 20, segment_size=1 << 20, executor="resident") as s:
+@pytest.mark.parametrize("xp", ["numpy", pytest.param("cupy", marks=pytest.mark.gpu)])
+def test_a_table_larger_than_an_arena_takes_it_by_its_last_epoch_and_a_lost_epoch_is_written_whole(shm_log, xp):
+    """A 2 MiB region with 1 MiB segments: no arena holds every page of it,
+    so epochs are tried with room for twice the last one's records.  A
+    step's few pages go into the arena; an epoch that rewrites the region
+    whole does not fit what is left, is lost (detected, nothing written),
+    and that same call writes it whole on the session's path; the route goes
+    on with the next epoch.  Every epoch recovers exactly.  On the device the
+    persistent kernel's plan finds the epoch does not fit (status LOST)."""
+    xp = pytest.importorskip(xp)
+    via = VIA if xp is not np else VIA_CONSUMER
+    with Session(shm_log, size=16 << 20, segment_size=1 << 20, executor="resident",
+                 policy=Policy(retain=False)) as s:
+        a = xp.zeros(2 << 20, np.uint8)
+        s.register("a", a, detect="shadow", page_bytes=4096)
+        host = a.get if xp is not np else a.copy
+        states = {s.checkpoint().epoch: host()}
+        vias = []
+        for t, write in enumerate([lambda: a.__setitem__(5, 1), lambda: a.__setitem__(slice(None), 3),
+                                   lambda: a.__setitem__(9, 4), lambda: a.__setitem__(4096 * 7, 5)]):
+            write()
+            st = s.checkpoint()
+            states[st.epoch] = host()
+            vias.append((st.pages["a"], set(st.via.values()) == {via}))
+            if t == 1:
+                route = s.resident.info()["route"]
+                assert route["lost"] == 1 and route["why"].startswith(f"epoch {st.epoch} wrote more than"), route
+                assert route["why"].endswith("every region's next checkpoint is whole, on the session's path")
+        # the whole rewrite: lost in the arena, written whole (512 pages of 4 KiB) by the same call
+        assert vias[0] == (1, True) and vias[1] == (512, False), vias
+        assert vias[3] == (1, True), vias  # the route took the epochs on again
+        assert s.resident.info()["route"]["lost"] == 1 and s.runner.arenas_lost == 1
+        s.settle()
+        assert s.log.verify()["corrupt"] == 0
+        assert [st.epoch for st in s.checkpoints] == sorted(states)
+        for epoch, want in states.items():
+            got = s.recover(epoch)["a"]
+            np.testing.assert_array_equal(got.get() if hasattr(got, "get") else got, want, err_msg=f"epoch {epoch}")
+
+
+def test_epochs_too_large_for_any_arena_take_the_sessions_path_and_say_why(shm_log):
+    """1 MiB segments, epochs of 80 pages (320 KiB) of a 2 MiB region: an
+    arena is tried with room for twice the last epoch, which is more than
+    half a segment once one such epoch was written, so the session's own
+    path runs and the route says why; every epoch recovers exactly."""
+    with Session(shm_log, size=32 << 20, segment_size=1 << 20, executor="resident") as s:
         a = np.zeros(2 << 20, np.uint8)
         s.register("a", a, detect="shadow", page_bytes=4096)
-        s.checkpoint()
-        a[5] = 1
-        st = s.checkpoint()
-        assert st.pages["a"] == 1 and VIA_CONSUMER not in set(st.via.values())
+        states = {s.checkpoint().epoch: a.copy()}
+        for t in range(1, 5):
+            a[4096 * 80 * (t % 6):4096 * 80 * (t % 6 + 1):4096] = t
+            st = s.checkpoint()
+            assert st.pages["a"] == 80
+            states[st.epoch] = a.copy()
+        assert VIA_CONSUMER not in set(st.via.values())
         why = s.resident.info()["route"]["why"]
-        assert why.startswith("an epoch of every page of the regions") and "more than half a segment" in why, why
-        assert int(s.recover()["a"][5]) == 1
+        assert why.startswith("no arena for the epoch now: an epoch of") and "more than half a segment" in why, why
+        for epoch, want in states.items():
+            np.testing.assert_array_equal(s.recover(epoch)["a"], want, err_msg=f"epoch {epoch}")
 
 
 def test_the_session_hands_the_route_to_its_resident_executor_only(shm_log):
@@ -159,7 +205,8 @@ def test_a_cupy_sessions_checkpoints_run_on_the_persistent_kernel(shm_log):
             states[st.epoch] = (kv.get(), lora.get())
             given.append(st)
         info = s.resident.info()
-        assert info["device_epoch_handler"] is True and info["route"] == {"via": VIA, "epochs": 6, "why": None}
+        assert info["device_epoch_handler"] is True and info["route"] == {"via": VIA, "epochs": 6, "why": None,
+                                                                          "lost": 0}
         assert all(a is b for a, b in zip(list(s.checkpoints)[1:], given))  # listed at once
         s.settle()
         assert len(s.checkpoints) == 7  # and once

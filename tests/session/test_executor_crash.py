@@ -185,3 +185,60 @@ def test_resident_kills_around_the_arena_commits_lose_nothing(shm_log):
     rng = random.Random(77)
     points = [rng.randint(2, 80) for _ in range(6)]
     assert _kill_runs(CHILD_ARENA, shm_log, 6, points, "commit", _check) >= 5
+
+
+#: a resident session on shm whose one region (2 MiB) is more than an arena of
+#: its 1 MiB segments can hold whole: its epochs go into arenas sized by the
+#: last epoch, and every fifth rewrites the region whole, which its arena loses
+#: and the session's path writes (arena.py); the child prints each epoch
+#: `checkpoint()` returned, with retention on
+CHILD_LOST = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from concordia import Session
+
+    spec = sys.argv[1]
+    with Session(spec, size=24 << 20, segment_size=1 << 20, executor="resident", overwrite=True) as s:
+        a = np.zeros(2 << 20, np.uint8)
+        s.register("state", a, detect="shadow", page_bytes=4096)
+        print(s.checkpoint().epoch, flush=True)
+        for e in range(2, 100000):
+            if e % 5 == 0:
+                a[:] = e % 251
+            else:
+                a[4096 * (e % 512) + e % 4096] = e % 251
+            print(s.checkpoint().epoch, flush=True)
+""")
+
+
+def _lost_state_at(epoch: int) -> np.ndarray:
+    a = np.zeros(2 << 20, np.uint8)
+    for e in range(2, epoch + 1):
+        if e % 5 == 0:
+            a[:] = e % 251
+        else:
+            a[4096 * (e % 512) + e % 4096] = e % 251
+    return a
+
+
+def _check_lost(path: str, seen: int) -> int:
+    with Session(path, create=False, readonly=True) as r:
+        last = int(r.epoch)
+        assert seen <= last <= seen + 1, (seen, last)
+        np.testing.assert_array_equal(r.recover()["state"], _lost_state_at(last), err_msg=f"epoch {last}")
+        assert r.log.verify()["corrupt"] == 0
+        return last
+
+
+@pytest.mark.slow
+def test_resident_kills_around_epochs_their_arenas_lose_lose_nothing(shm_log):
+    """Killed at random times while arena epochs and lost ones (written whole
+    on the session's path) follow each other: the last epoch the child saw
+    returned is in the log (at most the one in flight is more), and it
+    restores exactly."""
+    from .kill import kill_after_lines
+
+    rng = random.Random(31)
+    for _ in range(4):
+        nums = kill_after_lines([sys.executable, "-c", CHILD_LOST, shm_log], rng.randint(8, 40), rng.random() * 0.05)
+        assert nums and _check_lost(shm_log, nums[-1]) >= nums[-1]

@@ -575,6 +575,41 @@ def test_a_triggers_epochs_are_committed_in_an_arena_with_no_host_step(shm_log, 
         assert s.checkpoint().epoch == last + 1  # the caller's own epochs follow
 
 
+def test_a_trigger_epoch_its_arena_loses_is_written_whole_and_the_trigger_goes_on(shm_log):
+    """A 2 MiB region with 1 MiB segments: the trigger's epochs go into
+    arenas sized by the last epoch; a step that rewrites the region whole is
+    lost there (detected, nothing written), taken on by the consumer, and
+    written whole on the session's path in the same trigger epoch; the next
+    steps go into a new arena.  Every fired epoch recovers its step's state."""
+    with Session(shm_log, size=24 << 20, segment_size=1 << 20, executor="resident",
+                 policy=Policy(retain=False)) as s:
+        a = np.zeros(2 << 20, np.uint8)
+        s.register("a", a, detect="shadow", page_bytes=4096)
+        s.checkpoint()
+        counter, gate = StepCounter(), PauseGate()
+        tr = s.resident.trigger(every=1, counter=counter, gate=gate)
+        states = {}
+        for k in range(1, 9):
+            with gate.step():
+                if k == 4:
+                    a[:] = k
+                else:
+                    a[4096 * k + k] = k
+                counter.add(1)
+                states[k] = a.copy()
+            deadline = time.monotonic() + 30
+            while len(tr.fired) < k and not tr.errors and time.monotonic() < deadline:
+                time.sleep(1e-4)
+            assert not tr.errors, (k, tr.errors)
+        s.resident.disarm()
+        assert [c for _, c in tr.fired] == list(range(1, 9))
+        assert tr.in_arena == 7 and s.runner.arenas_lost == 1, (tr.in_arena, s.runner.arenas_lost)
+        s.settle()
+        assert s.log.verify()["corrupt"] == 0
+        for epoch, count in tr.fired:
+            np.testing.assert_array_equal(s.recover(epoch)["a"], states[count], err_msg=f"epoch {epoch}")
+
+
 @pytest.mark.slow
 def test_a_trigger_at_every_step_with_retention_never_fills_a_small_shm_log(shm_log):
     """2,000 trigger epochs, one per step, into arenas on a shm log of four
