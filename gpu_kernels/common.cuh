@@ -12,6 +12,7 @@
 typedef unsigned char u8;
 typedef unsigned int u32;
 typedef unsigned long long u64;
+typedef long long i64;
 
 #define CRC_POLY 0x82F63B78u
 #define NO_SLOT 0xFFFFFFFFFFFFFFFFull

@@ -281,9 +281,13 @@ __device__ __forceinline__ void reset_scratch(cx_scratch* sc) {
 // persist call), and the host takes it on at its next call (`Arena.adopt`).
 #define CX_MAX_GROUPS 8
 
-struct cx_group {                   // one detection launch: rows sharing a detector and PAGE_BYTES
-    u64 rows, row_first, n_rows, pages, fingerprint;
+struct cx_group {                   // one detection launch: rows sharing a detector (table.py's DET_*) and page size
+    u64 rows, row_first, n_rows, pages, detector;
 };
+
+// table.py's detector codes of the groups (DET_POSITIONS: table.cu)
+#define DET_SHADOW 1
+#define DET_FINGERPRINT 2
 
 struct cx_epoch_desc {              // device_epoch.EPOCH_DESC
     u64 table, n_rows, flags, total_pages, ids, recs, max_records, plan, digests, order;
@@ -375,12 +379,15 @@ extern "C" __global__ void cx_epoch_driver(const cx_epoch_desc* d, u64 at, u64 e
     for (u64 g = 0; g < d->n_groups && g < CX_MAX_GROUPS; ++g) {
         const cx_group& k = d->groups[g];
         const u32 blocks = (u32)min((k.pages + 7) / 8, (u64)65535);
-        if (k.fingerprint)
-            table_fingerprint<<<blocks, 256>>>(e.table, reinterpret_cast<const u32*>(k.rows),
-                                              reinterpret_cast<const u64*>(k.row_first), (u32)k.n_rows, e.flags);
+        const u32* rows = reinterpret_cast<const u32*>(k.rows);
+        const u64* first = reinterpret_cast<const u64*>(k.row_first);
+        if (k.detector == DET_FINGERPRINT)
+            table_fingerprint<<<blocks, 256>>>(e.table, rows, first, (u32)k.n_rows, e.flags);
+        else if (k.detector == DET_POSITIONS)  // a thread a page
+            table_positions<<<(u32)min((k.pages + 255) / 256, (u64)65535), 256>>>(e.table, rows, first, (u32)k.n_rows,
+                                                                                 e.flags);
         else
-            table_shadow<<<blocks, 256>>>(e.table, reinterpret_cast<const u32*>(k.rows),
-                                         reinterpret_cast<const u64*>(k.row_first), (u32)k.n_rows, e.flags);
+            table_shadow<<<blocks, 256>>>(e.table, rows, first, (u32)k.n_rows, e.flags);
     }
     if (st) cx_stamp<<<1, 1>>>(st + 2);
     table_plan<<<1, 1024>>>(e.table, e.n, e.flags, d->total_pages, e.ids, e.recs, d->max_records,
@@ -420,12 +427,14 @@ extern "C" __global__ void __launch_bounds__(CX_SMALL_THREADS, 2)
     crc_tables_build(T);
     for (u64 g = 0; g < d->n_groups && g < CX_MAX_GROUPS; ++g) {
         const cx_group& k = d->groups[g];
-        if (k.fingerprint)
-            fingerprint_rows(e.table, reinterpret_cast<const u32*>(k.rows), reinterpret_cast<const u64*>(k.row_first),
-                             (u32)k.n_rows, e.flags, w0, warps);
+        const u32* rows = reinterpret_cast<const u32*>(k.rows);
+        const u64* first = reinterpret_cast<const u64*>(k.row_first);
+        if (k.detector == DET_FINGERPRINT)
+            fingerprint_rows(e.table, rows, first, (u32)k.n_rows, e.flags, w0, warps);
+        else if (k.detector == DET_POSITIONS)  // a thread a page
+            positions_rows(e.table, rows, first, (u32)k.n_rows, e.flags, threadIdx.x, blockDim.x);
         else
-            shadow_rows(e.table, reinterpret_cast<const u32*>(k.rows), reinterpret_cast<const u64*>(k.row_first),
-                        (u32)k.n_rows, e.flags, w0, warps);
+            shadow_rows(e.table, rows, first, (u32)k.n_rows, e.flags, w0, warps);
     }
     __syncthreads();
     if (stamper) st[2] = now_ns();

@@ -5,6 +5,12 @@
 //       share a detector and page size (-D PAGE_BYTES): one warp per page of
 //       the group, the row found by binary search over the group's page
 //       prefix; flags[first_page + p] = dirty, the detector state advanced.
+//   table_positions one launch per group of static-cache rows whose length
+//       (and sequence id) the caller keeps in device words: one thread per
+//       page, flagged when it holds a position in [last length, length now)
+//       of any of the row's runs, every page when the length went down or the
+//       sequence id moved (a reset, a new prompt); the plan makes the lengths
+//       read the rows' last (the twin: detect.listed_pages over the same rows).
 //   table_mark      flags of pages the host listed (block tables, versions).
 //   table_plan      one block: the flags become the epoch's sorted dirty pages
 //       (page space indices), each row's count, and the records: row after row
@@ -31,6 +37,20 @@
 struct TableEntry {
     u64 base, nbytes, state, crc_table, first_page;
     u32 pages, page_bytes, detector, region_id, digest_slot, per_record;
+};
+
+// concordia.checkpoint.table.DET_POSITIONS: TableEntry.detector of a row whose
+// state is a PositionsState
+#define DET_POSITIONS 4
+
+// concordia.checkpoint.table.POSITIONS (64 bytes): the detector state of a
+// static-cache row [..., max_len, row] whose length the caller keeps in a
+// device word (int64; `seq` likewise its sequence id, 0: none)
+struct PositionsState {
+    u64 length, seq;
+    i64 last, last_seq;  // as of the last epoch (last < 0: none yet, every page)
+    i64 now, now_seq;    // what this epoch's detection read; the plan makes them last
+    u64 max_len, row_bytes;
 };
 
 // concordia.checkpoint.table.RECORD (32 bytes)
@@ -111,6 +131,68 @@ table_shadow(const TableEntry* __restrict__ table, const u32* __restrict__ rows,
     shadow_rows(table, rows, row_first, n_rows, flags, grid_warp(), grid_warps());
 }
 #endif  // PAGE_BYTES
+
+// ---- positions: the rows of static caches, from the caller's device words ------
+
+__device__ __forceinline__ i64 positions_word(u64 addr) { return addr ? *(volatile const i64*)addr : 0; }
+
+// Whether page p (bytes [b0, b1) of the region) holds a position in [lo, hi)
+// of any run of max_len positions of row_bytes (span = max_len * row_bytes
+// bytes a run): the overlap of the page with each run it touches, as
+// positions, against [lo, hi) (detect.position_pages lists the same pages).
+__device__ __forceinline__ bool positions_page_dirty(u64 p, u64 page_bytes, u64 nbytes, u64 span, u64 row_bytes,
+                                                     i64 lo, i64 hi) {
+    if (hi <= lo) return false;
+    const u64 b0 = p * page_bytes, b1 = min(b0 + page_bytes, nbytes);
+    for (u64 r = b0 / span; r * span < b1; ++r) {
+        const u64 s0 = max(b0, r * span) - r * span, s1 = min(b1, (r + 1) * span) - r * span;
+        if ((i64)(s0 / row_bytes) < hi && (i64)((s1 - 1) / row_bytes) >= lo) return true;
+    }
+    return false;
+}
+
+// rows / row_first as for fingerprint_rows; one thread per page, over the
+// threads [t0, t0 + threads) of the launch.  The thread of each row's page 0
+// keeps what it read (now, now_seq) for the plan to advance the row by.
+__device__ __forceinline__ void positions_rows(const TableEntry* __restrict__ table, const u32* __restrict__ rows,
+                                               const u64* __restrict__ row_first, u32 n_rows, u8* __restrict__ flags,
+                                               u64 t0, u64 threads) {
+    const u64 total = row_first[n_rows];
+    for (u64 q = t0; q < total; q += threads) {
+        const u32 e = last_at_or_below(row_first, n_rows, q);
+        const TableEntry& t = table[rows[e]];
+        PositionsState* s = reinterpret_cast<PositionsState*>(t.state);
+        const u64 p = q - row_first[e];
+        const i64 read = positions_word(s->length), seq = positions_word(s->seq);
+        const i64 now = read < 0 ? 0 : (read > (i64)s->max_len ? (i64)s->max_len : read);
+        const bool whole = read != now || now < s->last || seq != s->last_seq || s->last < 0;
+        flags[t.first_page + p] =
+            (u8)(whole || positions_page_dirty(p, t.page_bytes, t.nbytes, s->max_len * s->row_bytes, s->row_bytes,
+                                               s->last, now));
+        if (p == 0) {
+            s->now = read != now ? -1 : now;  // a length out of range: every page, and again next time
+            s->now_seq = seq;
+        }
+    }
+}
+
+// The plan's first step: each positions row's detector moves to what its
+// detection read (run again by a second plan of the same epoch: the same).
+__device__ __forceinline__ void positions_advance(const TableEntry* __restrict__ table, u32 n) {
+    for (u32 r = threadIdx.x; r < n; r += blockDim.x) {
+        if (table[r].detector != DET_POSITIONS) continue;
+        PositionsState* s = reinterpret_cast<PositionsState*>(table[r].state);
+        s->last = s->now;
+        s->last_seq = s->now_seq;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+table_positions(const TableEntry* __restrict__ table, const u32* __restrict__ rows,
+                const u64* __restrict__ row_first, u32 n_rows, u8* __restrict__ flags) {
+    positions_rows(table, rows, row_first, n_rows, flags, (u64)blockIdx.x * blockDim.x + threadIdx.x,
+                   (u64)gridDim.x * blockDim.x);
+}
 
 // flags[pages[i]] = value for i < n
 extern "C" __global__ void table_mark(u8* __restrict__ flags, const u64* __restrict__ pages, u64 n, u32 value) {
@@ -201,6 +283,7 @@ __device__ void plan_block(const TableEntry* __restrict__ table, u32 n, const u8
                            u32* __restrict__ ids, TableRecord* __restrict__ recs, u64 max_records, u64 dst_bytes,
                            TablePlan* __restrict__ plan, TablePlan* mail_plan, u32* mail_counts, u64* mail_offsets,
                            u64* sums) {
+    positions_advance(table, n);
     const u64 k = block_compact(flags, total_pages, ids, sums);
     __syncthreads();  // every thread's ids written before any thread searches them
     u64 rec_base = 0, byte_base = 0;

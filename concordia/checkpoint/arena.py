@@ -28,8 +28,10 @@ the arena on and makes every region's next checkpoint whole
 (`EpochRunner.adopt_arena`): what the lost epoch would have held is in the
 next commit, and a crash before it recovers the last commit, as for a missed
 epoch.  Only tables whose rows find their dirty pages on the device (shadow
-copies, fingerprints) are taken here: a row whose pages the host lists (a
-cache by positions, block tables) needs the host.
+copies, fingerprints, a static cache's positions from length words the
+caller keeps beside it: `table.DEVICE_DETECTORS`) are taken here: a row whose
+pages the host lists (a cache whose length a callable gives, block tables)
+needs the host.
 
 The session's next call takes the arena's epochs on (`adopt`): the extent is
 finished at the bytes used (its unused end given back when nothing was
@@ -46,7 +48,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from concordia.checkpoint.table import DET_FINGERPRINT, DET_SHADOW, plan_records
+from concordia.checkpoint.table import DEVICE_DETECTORS, plan_records
 from concordia.regions.errors import SessionError
 from concordia.wal import format as fmt
 
@@ -66,8 +68,7 @@ def why_not(table, backend) -> str | None:
     log on `backend`, or None when they can."""
     if backend.persist_path != "none":
         return f"the log's tier needs a persist call ({backend.persist_path}) before a commit"
-    det = table.entries["detector"]
-    rows = np.flatnonzero((det != DET_SHADOW) & (det != DET_FINGERPRINT))
+    rows = np.flatnonzero(~np.isin(table.entries["detector"], DEVICE_DETECTORS))
     if rows.size:
         return f"region {table.names[int(rows[0])]!r} has its dirty pages listed by the host"
     return None

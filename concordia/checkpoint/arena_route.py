@@ -4,7 +4,7 @@ resident executor, with no appender and no commit call; durable when
 `checkpoint()` returns, taken on at the session's next call.
 
     s = Session("shm:agent-7", executor="resident")
-    s.register("kv", kv)                # shadow or fingerprint detectors
+    s.register("kv", kv)                # shadow, fingerprint, or positions from int64 words beside it
     s.checkpoint()                      # the first epoch (the bases): the session's own path, on the consumer
     st = s.checkpoint()                 # an arena epoch: st.via["kv"] is "device-epoch" or "consumer-arena"
     s.epoch == st.epoch                 # durable now, and s.checkpoints[-1] is st

@@ -290,6 +290,43 @@ class DeviceKernels:
         return DeviceTablePass(self, table, owner, registration, stager)
 
 
+def positions_states(cp, table, rows):
+    """The detector states (table.POSITIONS) of a table's positions rows
+    `rows`, on the device, from what their regions hold: the addresses of
+    their words, the length and sequence id of their last epoch."""
+    from concordia.checkpoint.table import POSITIONS, positions_words
+
+    host = np.zeros(max(1, rows.size), POSITIONS)
+    for k, i in enumerate(rows.tolist()):
+        r = table.regions[i]
+        length, seq = positions_words(r)
+        g = r.hints["positions"]
+        h = host[k]
+        h["length"], h["seq"] = length.data.ptr, 0 if seq is None else seq.data.ptr
+        h["last"] = int(r.length_prev)
+        h["last_seq"] = 0 if r.seq_prev is None else int(np.asarray(r.seq_prev).reshape(-1)[0])
+        h["max_len"], h["row_bytes"] = g.max_len, g.row_bytes
+    return cp.asarray(host.view(np.uint8))
+
+
+def positions_back(table, rows, states) -> None:
+    """The regions of a table's positions rows take their detectors' state
+    back from the device (another path runs next): the length and sequence
+    id of the last epoch, as the host's positions detector keeps them."""
+    from concordia.checkpoint.table import POSITIONS
+
+    if not rows.size:
+        return
+    host = states.get().view(POSITIONS)
+    for k, i in enumerate(rows.tolist()):
+        r = table.regions[i]
+        last = int(host[k]["last"])
+        # a length the device saw out of range: past max_len, so that the region is named whole next
+        r.length_prev = last if last >= 0 else r.hints["positions"].max_len + 1
+        if r.hints.get("seq_ids") is not None:
+            r.seq_prev = np.array([host[k]["last_seq"]], np.int64)
+
+
 @dataclasses.dataclass
 class _DeltaState:
     """A region's page list for `DeviceKernels.delta`: (list, count) on the
@@ -334,11 +371,14 @@ class DeviceTablePass:
     label = "gpu-mapped"  # the mapped path: records written in the log mapping itself
 
     def __init__(self, kernels, table, owner, registration, stager):
-        from concordia.checkpoint.table import DET_FINGERPRINT, DET_LISTED
+        from concordia.checkpoint.table import DET_FINGERPRINT, DET_LISTED, DET_POSITIONS
 
         cp, gpu, jit = kernels.cp, kernels.gpu, kernels.jit
         self.k, self.table, self.owner, self.registration, self.stager = kernels, table, owner, registration, stager
         e = table.entries.copy()
+        #: the detector states of the positions rows (table.POSITIONS), on the device, and their rows
+        self.positions_rows = np.flatnonzero(e["detector"] == DET_POSITIONS)
+        self.positions = positions_states(cp, table, self.positions_rows)
         for i, r in enumerate(table.regions):  # once per table, not per checkpoint
             if not isinstance(r.crcs, cp.ndarray) or r.crcs.dtype != cp.uint32 or r.crcs.size != r.pages:
                 owner.keep_table(r, cp.ascontiguousarray(cp.asarray(r.crcs, dtype=cp.uint32)))
@@ -347,6 +387,8 @@ class DeviceTablePass:
             e["nbytes"][i] = r.nbytes
             e["crc_table"][i] = r.crcs.data.ptr
             e["state"][i] = state.data.ptr if state is not None else 0
+        for k, i in enumerate(self.positions_rows.tolist()):
+            e["state"][i] = self.positions.data.ptr + 64 * k
         self.entries = e
         self.d_table = cp.asarray(e.view(np.uint8))
         self.groups = []  # (kernel, rows, row_first, n_rows, pages)
@@ -357,8 +399,11 @@ class DeviceTablePass:
             self.group_detectors.append(det)
             pages = e["pages"][rows].astype(np.uint64)
             first = np.concatenate([np.zeros(1, np.uint64), np.cumsum(pages, dtype=np.uint64)])
-            fn = jit.function("table", "table_fingerprint" if det == DET_FINGERPRINT else "table_shadow",
-                              {"PAGE_BYTES": pb})
+            if det == DET_POSITIONS:  # page size read from the table: one kernel for every size
+                fn = jit.function("table", "table_positions", {})
+            else:
+                fn = jit.function("table", "table_fingerprint" if det == DET_FINGERPRINT else "table_shadow",
+                                  {"PAGE_BYTES": pb})
             self.groups.append((fn, cp.asarray(rows), cp.asarray(first), np.uint32(rows.size), int(first[-1])))
         self.listed = table.listed()
         self.marked = None  # page-space ids of listed rows flagged at the last checkpoint (device u64)
@@ -384,6 +429,12 @@ class DeviceTablePass:
         self.d_order = cp.asarray(table.commit_order)
         self.stage_grid = gpu.warp_grid(max(1, total))
         self.finalize_grid = gpu.warp_grid(max(1, table.max_records))
+
+    def hand_back(self) -> None:
+        """Another path runs next: the regions take their digests from the
+        table and their positions detectors' state from the device."""
+        positions_back(self.table, self.positions_rows, self.positions)
+        self.table.write_back(self.owner)
 
     def _mark_listed(self) -> np.ndarray:
         """Flags of the rows whose pages the host lists: last time's cleared,
@@ -482,14 +533,15 @@ class DeviceTablePass:
         commit: a deferred epoch's commit record is queued too
         (`table_commit`): the device commits the epoch, no host step between
         (`Launched.committed`)."""
-        from concordia.checkpoint.table import Launched
+        from concordia.checkpoint.table import DET_POSITIONS, Launched
 
         t = self.table
         reads0 = self.k.reads
         self.k.order_after_producer()
         t0 = time.perf_counter()
-        for fn, rows, first, n_rows, pages in self.groups:
-            fn(self.k.gpu.warp_grid(pages), (256,), (self.d_table, rows, first, n_rows, self.flags))
+        for (fn, rows, first, n_rows, pages), det in zip(self.groups, self.group_detectors):
+            grid = (max(1, min(-(-pages // 256), 65535)),) if det == DET_POSITIONS else self.k.gpu.warp_grid(pages)
+            fn(grid, (256,), (self.d_table, rows, first, n_rows, self.flags))
         listed = self._mark_listed() if self.listed.size else np.zeros(0, np.uint64)
         t1 = time.perf_counter()
         size, deferred = max(64, t.last_bytes), False

@@ -31,9 +31,11 @@ a pure-Python loop holding the GIL included.  An arena with no room misses
 epochs (counted in its words) until the host's next call opens another.
 
 What the kernel can take: every row's dirty pages found on the device
-(shadow copies, fingerprints: `arena.why_not`), one page size (the
-detection kernels are specialised by -DPAGE_BYTES), at most `MAX_GROUPS`
-detection groups (`why_not`).
+(shadow copies, fingerprints, and static caches by positions from the
+caller's device words: `arena.why_not`), one page size among the scanned
+rows (the shadow and fingerprint kernels are specialised by -DPAGE_BYTES; a
+positions row reads its own), at most `MAX_GROUPS` detection groups
+(`why_not`).
 
 CuPy is imported lazily: importing this module needs no GPU.
 """
@@ -43,7 +45,7 @@ from __future__ import annotations
 import numpy as np
 
 from concordia.checkpoint import arena as arena_mod
-from concordia.checkpoint.table import DET_FINGERPRINT
+from concordia.checkpoint.table import DET_FINGERPRINT, DET_SHADOW
 
 from concordia.executor.errors import ExecutorError
 
@@ -51,7 +53,7 @@ from concordia.executor.errors import ExecutorError
 MAX_GROUPS = 8
 
 GROUP = np.dtype([("rows", "<u8"), ("row_first", "<u8"), ("n_rows", "<u8"), ("pages", "<u8"),
-                  ("fingerprint", "<u8")])
+                  ("detector", "<u8")])
 
 #: executor.cu: struct cx_epoch_desc
 EPOCH_DESC = np.dtype([(name, "<u8") for name in (
@@ -83,12 +85,28 @@ def why_not(tpass, backend) -> str | None:
     why = arena_mod.why_not(tpass.table, backend)
     if why is not None:
         return why
-    sizes = sorted(set(tpass.table.entries["page_bytes"].tolist()))
-    if len(sizes) != 1:
-        return f"the regions have {len(sizes)} page sizes; the EPOCH handler is built for one"
+    sizes = scanned_page_sizes(tpass.table)
+    if len(sizes) > 1:
+        return (f"the regions scanned by shadow copies or fingerprints have {len(sizes)} page sizes; the EPOCH "
+                "handler is built for one")
     if len(tpass.groups) > MAX_GROUPS:
         return f"{len(tpass.groups)} detection groups; the EPOCH handler takes {MAX_GROUPS}"
     return None
+
+
+def scanned_page_sizes(table) -> list:
+    """The page sizes of the rows a shadow or fingerprint detector scans: the
+    EPOCH handler's module is specialised for one (-DPAGE_BYTES); positions
+    rows read their page size from the table."""
+    e = table.entries
+    scanned = (e["detector"] == DET_SHADOW) | (e["detector"] == DET_FINGERPRINT)
+    return sorted(set(e["page_bytes"][scanned].tolist()))
+
+
+def module_page_bytes(table) -> int:
+    """The PAGE_BYTES the EPOCH handler's module is built with for `table`."""
+    sizes = scanned_page_sizes(table)
+    return int(sizes[0]) if sizes else int(table.entries["page_bytes"][0])
 
 
 def compile_defines(page_bytes: int) -> tuple[str, ...]:
@@ -122,7 +140,7 @@ def describe(tpass, ar, arena_ptr: int, words_ptr: int, fired_ptr: int = 0, stam
     for i, (fn, rows, first, n_rows, pages) in enumerate(tpass.groups):
         g = r["groups"][i]
         g["rows"], g["row_first"], g["n_rows"], g["pages"] = rows.data.ptr, first.data.ptr, int(n_rows), pages
-        g["fingerprint"] = int(tpass.group_detectors[i] == DET_FINGERPRINT)
+        g["detector"] = int(tpass.group_detectors[i])
     return d
 
 
@@ -152,7 +170,7 @@ class DeviceEpochs:
         if why is not None:
             raise ExecutorError(f"the device cannot take this session's epochs: {why}", where="device epochs")
         self.tpass = tpass
-        page_bytes = int(tpass.table.entries["page_bytes"][0])
+        page_bytes = module_page_bytes(tpass.table)
         self.module = ExecutorModule(child=True, ops=(Op.EPOCH,), extra_options=compile_defines(page_bytes)).load()
         self.words = MappedHostBuffer(arena_mod.WORDS.itemsize, where="arena words")
         self.log = MappedHostBuffer(8 * (2 + 2 * FIRED_CAP), where="trigger log")

@@ -538,7 +538,7 @@ class EpochRunner:
         if cached is not None and cached[0] == version:
             return cached[1]
         if cached is not None and cached[1] is not None:
-            cached[1].table.write_back(self.regions)  # the regions' digests, for whichever path runs next
+            cached[1].hand_back()  # the regions' digests and detectors, for whichever path runs next
         tp = None
         regions = list(self.regions)
         routes = self.route(log)

@@ -101,19 +101,25 @@ class HostTablePass:
 
     def detect(self) -> None:
         """flags[page space] = dirty, every detector advanced (group by group,
-        as the device launches them)."""
-        from concordia.checkpoint.table import DET_LISTED
+        as the device launches them).  Positions rows (DET_POSITIONS: their
+        length read from its word, table.cu's table_positions) name the same
+        pages as when the host lists them."""
+        from concordia.checkpoint.table import DET_LISTED, DET_POSITIONS
 
         t, flags = self.table, self.flags
         first = t.entries["first_page"]
         flags[:] = 0
         for (det, _), rows in t.groups.items():
-            if det == DET_LISTED:  # listed on the host as the device pass lists them
+            if det in (DET_LISTED, DET_POSITIONS):  # listed on the host as the device pass lists them
                 flags[detect.listed_pages([t.regions[i] for i in rows.tolist()], first[rows])] = 1
                 continue
             for i in rows.tolist():
                 ids = detect.dirty_pages(t.regions[i], advance=True)
                 flags[int(first[i]) + ids.astype(np.int64)] = 1
+
+    def hand_back(self) -> None:
+        """Another path runs next: the regions take their digests from the table."""
+        self.table.write_back(self.owner)
 
     def launch(self, app, epoch: int, *, defer: bool = False, commit: bool = False):
         """Detect, plan and stage the epoch's records into one extent, left

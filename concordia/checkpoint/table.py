@@ -51,11 +51,59 @@ DET_ALL = 0          # every page (a region without a base: not in a table)
 DET_SHADOW = 1       # shadow diff, on the device or by the twin
 DET_FINGERPRINT = 2  # fingerprints
 DET_LISTED = 3       # the region lists its pages on the host (block tables, slot versions, store tracker)
+DET_POSITIONS = 4    # a static cache's rows from a length the caller keeps in a word beside it (`positions_words`)
 DETECTOR_CODES = {"shadow": DET_SHADOW, "fingerprint": DET_FINGERPRINT}
+#: the detectors the device runs with no list from the host
+DEVICE_DETECTORS = (DET_SHADOW, DET_FINGERPRINT, DET_POSITIONS)
+
+#: a DET_POSITIONS row's detector state (table.cu: struct PositionsState): the
+#: addresses of its length and sequence words (0: no sequence word), the last
+#: epoch's values (last < 0: none yet), what this epoch's detection read, and
+#: the cache's geometry
+POSITIONS = np.dtype([("length", "<u8"), ("seq", "<u8"), ("last", "<i8"), ("last_seq", "<i8"), ("now", "<i8"),
+                      ("now_seq", "<i8"), ("max_len", "<u8"), ("row_bytes", "<u8")])
+assert POSITIONS.itemsize == 64
 
 
 def detector_code(detect: str) -> int:
     return DETECTOR_CODES.get(detect, DET_LISTED)
+
+
+def detector_of(r) -> int:
+    """The table detector of region `r`: DET_POSITIONS for a positions region
+    whose length (and sequence id, when it has one) are one-element int64
+    arrays on the region's own side (numpy beside numpy, device beside
+    device) and that asks for no cross-check, so that a pass reads them
+    where the region is, with no host step; else by its `detect`."""
+    if r.detect == "positions":
+        return DET_POSITIONS if positions_words(r) is not None else DET_LISTED
+    return detector_code(r.detect)
+
+
+def positions_words(r) -> tuple | None:
+    """(length word, sequence word or None) of positions region `r` as
+    arrays on its side (`detector_of`), or None when it has no such words."""
+    from concordia.regions.arrays import adapt
+
+    if r.check_every:
+        return None
+    h = r.hints
+    out = []
+    for key in ("length", "seq_ids"):
+        v = h.get(key)
+        if v is None and key == "seq_ids":
+            out.append(None)
+            continue
+        if v is None or callable(v) or isinstance(v, (int, np.integer)) or not hasattr(v, "shape"):
+            return None
+        try:
+            a, xp, _ = adapt(v, f"region {r.name!r}")
+        except Exception:  # an array the pass cannot read: listed by the host, as before
+            return None
+        if a.size != 1 or a.dtype != np.int64 or (xp is np) == bool(r.on_gpu) or not a.flags.c_contiguous:
+            return None
+        out.append(a)
+    return tuple(out)
 
 
 class RegionTable:
@@ -75,7 +123,7 @@ class RegionTable:
         e = np.zeros(n, ENTRY)
         e["pages"] = [r.pages for r in self.regions]
         e["page_bytes"] = [r.page_bytes for r in self.regions]
-        e["detector"] = [detector_code(r.detect) for r in self.regions]
+        e["detector"] = [detector_of(r) for r in self.regions]
         e["region_id"] = [r.id for r in self.regions]
         e["digest_slot"] = np.arange(n)
         if capacity is None:

@@ -461,3 +461,188 @@ def test_device_paths_write_the_twins_records(tmp_path):
             os.unlink(f"/dev/shm/{name}")
         except FileNotFoundError:
             pass
+
+
+# --- length words: the positions detector without the host ------------------------
+
+
+@pytest.fixture
+def shm_log():
+    from tests.session.conftest import _fresh_shm_log
+
+    yield from _fresh_shm_log()
+
+
+#: steps of the word tests: grow by n, ("restart", n) with a new sequence id, ("down", n) without one
+WORD_PLAN = [None, 3, 1, 0, ("restart", 2), 5, ("down", 1), 4, 2]
+
+
+def _word_run(log, *, words: bool, to_device=None, staging="mapped", executor=None, extra_at=None):
+    """A cache through WORD_PLAN with its length and sequence id given as
+    callables (the host lists its pages) or as int64 words beside it
+    (`table.DET_POSITIONS`); (stats, log contents, recovered epochs, detector codes)."""
+    from concordia.checkpoint.table import RegionTable
+    from tests.session.staging_cases import log_contents
+
+    cache = Cache()
+    xp = np if to_device is None else to_device
+    live = cache.a if to_device is None else xp.asarray(cache.a)
+    length, seq = xp.zeros(1, xp.int64), xp.zeros(1, xp.int64)
+    kw = dict(length=length, seq_ids=seq) if words else dict(length=lambda: cache.length,
+                                                              seq_ids=lambda: cache.generation)
+    want, stats = {}, []
+    with Session(log, size=64 << 20, segment_size=4 << 20, overwrite=True, staging=staging,
+                 **({"executor": executor} if executor else {})) as s:
+        s.register("kv", live, kind="kv", detect="positions", page_bytes=64, **kw)
+        for i, step in enumerate(WORD_PLAN):
+            if isinstance(step, tuple):
+                if step[0] == "restart":
+                    cache.restart(step[1])
+                else:  # the length goes down, the same sequence
+                    cache.a[..., step[1]:, :] = 0
+                    cache.length = step[1]
+            elif step:
+                cache.grow(step)
+            if to_device is not None:
+                live.set(cache.a)
+            length[0], seq[0] = cache.length, cache.generation
+            if extra_at == i:
+                s.register("extra", xp.zeros(4096, xp.uint8), detect="shadow", page_bytes=4096)
+            st = s.checkpoint()
+            stats.append(st)
+            want[st.epoch] = cache.a.tobytes()
+        codes = RegionTable([s.region_set["kv"]]).entries["detector"].tolist()
+        s.settle()
+        got = {e: np.asarray(_host(s.recover(e)["kv"])).tobytes() for e in want}
+        return stats, log_contents(s.log), got, want, codes
+
+
+def _host(a):
+    return a.get() if hasattr(a, "get") else a
+
+
+def test_length_words_make_a_detector_that_names_what_the_host_lists(tmp_path):
+    """A cache whose length and sequence id are int64 words beside it takes
+    the positions detector a pass runs where the region is (DET_POSITIONS;
+    the host's twin lists the same pages): the records and commits are those
+    of the same cache with callables, through a growing length, a restart
+    with a new sequence id and a length gone down; every epoch recovers."""
+    from concordia.checkpoint.table import DET_LISTED, DET_POSITIONS
+    from tests.session.staging_cases import assert_same_log
+
+    listed = _word_run(_log(tmp_path, "listed.log"), words=False)
+    worded = _word_run(_log(tmp_path, "words.log"), words=True)
+    assert listed[4] == [DET_LISTED] and worded[4] == [DET_POSITIONS]
+    assert [st.pages for st in worded[0]] == [st.pages for st in listed[0]]
+    assert [st.pages["kv"] for st in worded[0]][1:4] == [ROWS * 3, ROWS, 0]
+    assert all(st.table_pass for st in worded[0][1:])
+    assert_same_log(worded[1], listed[1])
+    assert worded[2] == worded[3]
+
+
+def test_a_cache_by_length_words_takes_the_resident_route(shm_log):
+    """With its length in words, a cache is no longer listed by the host: a
+    resident session's epochs after the first go into the arena (the CPU
+    twin of the device's EPOCH handler), each naming the new positions'
+    pages, each recovered exactly."""
+    from concordia.checkpoint.arena_route import VIA_CONSUMER
+
+    stats, _, got, want, _ = _word_run(shm_log, words=True, executor="resident")
+    assert all(set(st.via.values()) == {VIA_CONSUMER} for st in stats[1:]), [st.via for st in stats]
+    assert [st.pages["kv"] for st in stats][1:4] == [ROWS * 3, ROWS, 0]
+    assert got == want
+
+
+def test_words_that_are_not_one_int64_beside_the_region_leave_it_listed():
+    """A length the pass could not read where the region is stays the host's
+    to list: a callable, a word of another integer type, a cross-check."""
+    from concordia.checkpoint.table import DET_LISTED, detector_of
+    from concordia.regions.arrays import adapt, storage_of
+    from concordia.regions.region import Region, resolve_detector
+
+    def code(length, check_every=0):
+        a = np.zeros(SHAPE, np.float16)
+        arr, xp, owner = adapt(a, "region 'kv'")
+        det, hints = resolve_detector("kv", "positions", "kv", arr, xp, block_tables=None, seq_lens=None,
+                                      block_stamp=None, seq_ids=None, slot_versions=None, pages_per_slot=None,
+                                      check_every=check_every, length=length, page_bytes=64)
+        return detector_of(Region(name="kv", kind="kv", page_bytes=64, array=arr, xp=xp, owner=owner,
+                                  storage=storage_of(owner), detect=det, hints=hints, check_every=check_every))
+
+    assert code(np.zeros(1, np.int64)) != DET_LISTED
+    for length in (lambda: 3, np.zeros(1, np.int32), np.zeros(1, np.uint64)):
+        assert code(length) == DET_LISTED
+    assert code(np.zeros(1, np.int64), check_every=2) == DET_LISTED
+
+
+def test_the_kernels_page_rule_names_the_pages_position_pages_lists():
+    """table.cu's positions_page_dirty, as its rule reads (a page is dirty
+    when its overlap with any run of positions it touches, in positions,
+    meets [lo, hi)), names exactly the pages `position_pages` lists, over
+    geometries whose pages split rows, hold several rows, or hold the end of
+    one run and the start of the next.  The rule is restated here from the
+    kernel's source; the H200 test runs the kernel itself."""
+    import math
+
+    def dirty(p, pb, nbytes, span, rb, lo, hi):
+        if hi <= lo:
+            return False
+        b0, b1 = p * pb, min(p * pb + pb, nbytes)
+        r = b0 // span
+        while r * span < b1:
+            s0, s1 = max(b0, r * span) - r * span, min(b1, (r + 1) * span) - r * span
+            if s0 // rb < hi and (s1 - 1) // rb >= lo:
+                return True
+            r += 1
+        return False
+
+    rng = np.random.default_rng(4)
+    for rows, max_len, rb, pb in [(4, 16, 64, 64), (4, 16, 64, 256), (3, 10, 64, 128), (2, 7, 192, 64),
+                                  (5, 9, 32, 64), (2, 5, 256, 1024), (8, 12, 256, 256)]:
+        if rb % pb and pb % rb:
+            continue
+        g = PositionGeometry(rows, max_len, rb, pb)
+        nbytes = rows * max_len * rb
+        pages = math.ceil(nbytes / pb)
+        for _ in range(12):
+            lo, hi = sorted(rng.integers(0, max_len + 1, 2).tolist())
+            want = detect.position_pages(g, lo, hi).tolist()
+            got = [p for p in range(pages) if dirty(p, pb, nbytes, max_len * rb, rb, lo, hi)]
+            assert got == want, (rows, max_len, rb, pb, lo, hi)
+
+
+@pytest.mark.gpu
+def test_length_words_on_the_device_write_the_twins_records(tmp_path, shm_log):
+    """A CuPy cache with CuPy length and sequence words: the device table
+    pass (table_positions) writes the records the numpy twin writes; a
+    region registered midway rebuilds the pass, which hands its detector back
+    (the next epoch still names only the new positions); the resident route
+    runs its epochs on the persistent kernel; every epoch recovers."""
+    import cupy as cp
+
+    from concordia.checkpoint.arena_route import VIA
+    from tests.conftest import shm_test_name
+    from tests.session.staging_cases import assert_same_log
+
+    twin = _word_run(_log(tmp_path, "twin.log"), words=True)
+    name = shm_test_name("kvwords")
+    try:
+        got = _word_run(f"shm:{name}", words=True, to_device=cp, staging="auto")
+        assert all(set(st.via.values()) == {"gpu-mapped"} for st in got[0][1:]), [st.via for st in got[0]]
+        assert [st.pages for st in got[0]] == [st.pages for st in twin[0]]
+        assert_same_log(got[1], twin[1])
+        assert got[2] == got[3] == twin[2]
+        rebuilt = _word_run(f"shm:{name}", words=True, to_device=cp, staging="auto", extra_at=3)
+        assert [st.pages["kv"] for st in rebuilt[0]] == [st.pages["kv"] for st in twin[0]]
+        assert rebuilt[2] == rebuilt[3]
+    finally:
+        import os
+
+        try:
+            os.unlink(f"/dev/shm/{name}")
+        except FileNotFoundError:
+            pass
+    stats, _, got, want, _ = _word_run(shm_log, words=True, to_device=cp, staging="auto", executor="resident")
+    assert all(set(st.via.values()) == {VIA} for st in stats[1:]), [st.via for st in stats]
+    assert [st.pages["kv"] for st in stats] == [st.pages["kv"] for st in twin[0]]
+    assert got == want

@@ -19,6 +19,7 @@ from concordia.checkpoint import arena
 from concordia.checkpoint.device_epoch import (EPOCH_DESC, GROUP, MAX_GROUPS, SMALL_PAGES, STAMPS, compile_defines,
                                                why_not)
 from concordia.executor.persistent import KERNEL_SOURCE, compile_options
+from concordia.checkpoint.table import DET_FINGERPRINT, DET_POSITIONS, DET_SHADOW, POSITIONS
 from concordia.executor.ring import Op, Status
 
 CU = KERNEL_SOURCE.read_text()
@@ -46,6 +47,22 @@ def test_the_descriptor_and_the_words_are_the_kernels_structs():
     assert arena.WORDS.itemsize == 64
     assert re.search(rf"#define ST_NO_ROOM {int(Status.NO_ROOM)}\b", CU) and int(Op.EPOCH) == 7
     assert re.search(rf"#define ST_LOST {int(Status.LOST)}\b", CU)
+    assert re.search(rf"#define DET_FINGERPRINT {DET_FINGERPRINT}\b", CU) and re.search(rf"#define DET_SHADOW "
+                                                                                       rf"{DET_SHADOW}\b", CU)
+
+
+def test_a_positions_rows_state_is_the_kernels_struct():
+    from concordia.gpu_kernels import jit
+
+    table_cu = jit.source("table")
+    body = table_cu[table_cu.index("struct PositionsState {"):]
+    body = body[body.index("{") + 1:body.index("};")]
+    names = []
+    for kind, decl in re.findall(r"(u64|i64)\s+([^;]+);", body):
+        for n in decl.split(","):
+            names.append((n.strip(), "<u8" if kind == "u64" else "<i8"))
+    assert names == [(n, POSITIONS.fields[n][0].str) for n in POSITIONS.names]
+    assert re.search(rf"#define DET_POSITIONS {DET_POSITIONS}\b", table_cu)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
@@ -62,7 +79,7 @@ def test_the_epoch_variant_compiles_with_the_table_pass_in_its_module(tmp_path):
     assert r.returncode == 0, r.stderr
     text = out.read_text()
     for name in ("cx_executor", "cx_epoch_driver", "cx_epoch_small", "cx_epoch_close", "table_plan", "table_stage",
-                 "table_finalize", "table_commit", "table_fingerprint", "table_shadow"):
+                 "table_finalize", "table_commit", "table_fingerprint", "table_shadow", "table_positions"):
         assert f".entry {name}(" in text, name
     driver = text.split(".entry cx_epoch_driver(")[1].split(".entry")[0]
     assert driver.count("LaunchDeviceV2") >= 6  # detection, plan, stage, finalize, commit, close
