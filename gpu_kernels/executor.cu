@@ -301,7 +301,7 @@ struct cx_epoch_desc {              // device_epoch.EPOCH_DESC
 };
 
 struct cx_arena_words {             // checkpoint/arena.py: WORDS
-    u64 used, last_commit, last_epoch, epochs, missed, lost, reserved[2];
+    u64 used, last_commit, last_epoch, epochs, missed, lost, expect, adapt;
 };
 
 // The phase stamps (device_epoch.STAMPS), when a descriptor asks for them:
@@ -318,11 +318,12 @@ extern "C" __global__ void cx_stamp(u64* at) {
 // One thread, after the commit: the arena's words moved on (the host reads
 // them), the pages and bytes for the completion, then the counter lane 0 waits on.
 __device__ void epoch_close(const TablePlan* plan, cx_arena_words* w, u64 at, u64 lsn, u64 epoch, u64 commit_length,
-                            cx_scratch* sc, u64* stamps) {
+                            u64 bound, cx_scratch* sc, u64* stamps) {
     if (stamps) *(volatile u64*)&stamps[7] = now_ns();
     const TablePlan p = *plan;
     if (p.fits) {
         w->used = at + p.bytes + commit_length;
+        if (w->adapt) w->expect = max(2 * p.bytes, bound);  // the next epoch is tried with twice this one
         w->last_commit = lsn + p.bytes;
         w->last_epoch = epoch;
         w->epochs = w->epochs + 1;
@@ -337,8 +338,8 @@ __device__ void epoch_close(const TablePlan* plan, cx_arena_words* w, u64 at, u6
 }
 
 extern "C" __global__ void cx_epoch_close(const TablePlan* plan, cx_arena_words* w, u64 at, u64 lsn, u64 epoch,
-                                          u64 commit_length, cx_scratch* sc, u64* stamps) {
-    epoch_close(plan, w, at, lsn, epoch, commit_length, sc, stamps);
+                                          u64 commit_length, u64 bound, cx_scratch* sc, u64* stamps) {
+    epoch_close(plan, w, at, lsn, epoch, commit_length, bound, sc, stamps);
 }
 
 // One epoch's view of its descriptor, its records written at arena offset `at`.
@@ -402,7 +403,7 @@ extern "C" __global__ void cx_epoch_driver(const cx_epoch_desc* d, u64 at, u64 e
                             e.lsn, epoch, e.salt, prev_commit);
     if (st) cx_stamp<<<1, 1>>>(st + 6);
     cx_epoch_close<<<1, 1>>>(e.plan, reinterpret_cast<cx_arena_words*>(d->words), at, e.lsn, epoch, d->commit_length,
-                             sc, st);
+                             d->bound, sc, st);
 }
 
 // One block of CX_SMALL_THREADS: the whole epoch of a small table (at most
@@ -458,8 +459,8 @@ extern "C" __global__ void __launch_bounds__(CX_SMALL_THREADS, 2)
     if (stamper) st[6] = now_ns();
     if (threadIdx.x == 0) {
         __threadfence_system();  // the commit's header (this thread's, as lane 0 of the commit's warp) first
-        epoch_close(e.plan, reinterpret_cast<cx_arena_words*>(d->words), at, e.lsn, epoch, d->commit_length, sc,
-                    const_cast<u64*>(st));
+        epoch_close(e.plan, reinterpret_cast<cx_arena_words*>(d->words), at, e.lsn, epoch, d->commit_length, d->bound,
+                    sc, const_cast<u64*>(st));
     }
 }
 
@@ -468,7 +469,7 @@ extern "C" __global__ void __launch_bounds__(CX_SMALL_THREADS, 2)
 __device__ int run_epoch(const cx_epoch_desc* d, cx_scratch* sc, u64 child_timeout_ns, u64* lsn0, u64* lsn1) {
     volatile cx_arena_words* w = reinterpret_cast<volatile cx_arena_words*>(d->words);
     const u64 at = w->used;
-    if (w->lost || d->arena_bytes < at || d->arena_bytes - at < d->bound + d->commit_length) {
+    if (w->lost || d->arena_bytes < at || d->arena_bytes - at < w->expect + d->commit_length) {
         w->missed = w->missed + 1;
         __threadfence_system();
         return ST_NO_ROOM;
@@ -494,46 +495,49 @@ __device__ int run_epoch(const cx_epoch_desc* d, cx_scratch* sc, u64 child_timeo
 // ---- the device trigger: every N steps counted on the device -------------------
 //
 // The producer queues `cx_step_gate` on its stream after each decode step: it
-// counts the step (in stream order: when the step has run) and, when the
-// executor asks for a consistent point (gate[0] = 1), says it holds there
-// (gate[1] = 1) and waits, bounded, until the executor lets go.  An EPOCH
-// task with a[1] = N > 0 arms the trigger (a[2] the counter, a[3] the gate):
-// while idle, the control warp asks for the gate once the counter reaches
-// the next multiple of N, runs the epoch once the producer holds, logs
+// counts the step (in stream order: when the step has run) and, at each
+// multiple of the armed trigger's N (gate[2] = N, 0: none armed), holds there
+// (gate[1] = 1) and waits, bounded, until the executor lets go, so that the
+// epoch holds the state between that step and the next.  An EPOCH task with
+// a[1] = N > 0 arms the trigger (a[2] the counter, a[3] the gate, u32[4]):
+// while idle, the control warp runs the epoch once the producer holds, logs
 // (epoch, count) in the descriptor's `fired`, and lets go; no host thread
-// takes part.  The executor stays resident while a trigger is armed.
+// takes part.  The executor stays resident while a trigger is armed.  An
+// EPOCH task with a[1] != 0 and a[0] = 0 disarms it (the host's arena swap);
+// disarming, arming again and leaving let go of any step held.
 extern "C" __global__ void cx_step_gate(u64* counter, u32* gate, u64 timeout_ns) {
-    *(volatile u64*)counter = *(volatile u64*)counter + 1;
-    __threadfence();
-    if (*(volatile u32*)&gate[0]) {
-        *(volatile u32*)&gate[1] = 1;
-        __threadfence();
-        const u64 t0 = now_ns();
-        u32 nap = 32;
-        while (*(volatile u32*)&gate[0] && now_ns() - t0 < timeout_ns) {
-            __nanosleep(nap);
-            nap = min(nap * 2, 4096u);
-        }
-        *(volatile u32*)&gate[1] = 0;
-        __threadfence();
+    const u64 count = *(volatile u64*)counter + 1;
+    *(volatile u64*)counter = count;
+    __threadfence_system();
+    const u32 every = *(volatile u32*)&gate[2];
+    if (every == 0 || count % every) return;
+    *(volatile u32*)&gate[1] = 1;
+    __threadfence_system();
+    const u64 t0 = now_ns();
+    u32 nap = 32;
+    // let go by the executor (gate[1] = 0), or the trigger gone (gate[2] = 0): no epoch comes
+    while (*(volatile u32*)&gate[1] && *(volatile u32*)&gate[2] && now_ns() - t0 < timeout_ns) {
+        __nanosleep(nap);
+        nap = min(nap * 2, 4096u);
     }
+    *(volatile u32*)&gate[1] = 0;
+    __threadfence_system();
 }
 
 struct cx_trigger {  // lane 0's, in registers: what an EPOCH task with a[1] > 0 armed
     const cx_epoch_desc* d;
-    u64 every, next_at;
+    u64 every;
     u64* counter;
     u32* gate;
-    int asked;
 };
 
-// Lane 0, as the executor leaves: a gate it asked for is let go (no step waits for it).
+// Lane 0, as the trigger goes (disarmed, armed again, the executor leaving):
+// no step holds for it from here on, and one held now is let go.
 __device__ __forceinline__ void trigger_release(cx_trigger* t) {
-    if (t->asked) {
-        t->gate[0] = 0;
-        __threadfence_system();
-        t->asked = 0;
-    }
+    if (t->gate == nullptr) return;
+    *(volatile u32*)&t->gate[2] = 0;
+    *(volatile u32*)&t->gate[1] = 0;
+    __threadfence_system();
 }
 
 // Lane 0, between polls of the ring: one step of the armed trigger.  Returns
@@ -541,14 +545,7 @@ __device__ __forceinline__ void trigger_release(cx_trigger* t) {
 __device__ bool trigger_poll(cx_trigger* t, cx_scratch* sc, u64 child_timeout_ns) {
     if (t->d == nullptr) return false;
     volatile u32* gate = t->gate;
-    if (!t->asked) {
-        if (*(volatile u64*)t->counter < t->next_at) return false;
-        gate[0] = 1;
-        __threadfence();
-        t->asked = 1;
-        return false;
-    }
-    if (gate[1] != 1) return false;  // the producer has not reached its gate yet
+    if (gate[1] != 1) return false;  // no step holds at a multiple
     const u64 count = *(volatile u64*)t->counter;
     u64 l0 = 0, l1 = 0;
     const int status = run_epoch(t->d, sc, child_timeout_ns, &l0, &l1);
@@ -565,12 +562,12 @@ __device__ bool trigger_poll(cx_trigger* t, cx_scratch* sc, u64 child_timeout_ns
     } else if (status != ST_NO_ROOM) {  // a miss is counted in the words; anything else disarms
         fired[1] = (u64)status;
         t->d = nullptr;
+        trigger_release(t);
+        return true;
     }
     __threadfence_system();
-    t->next_at = (count / t->every + 1) * t->every;
-    t->asked = 0;
-    gate[0] = 0;
-    __threadfence();
+    gate[1] = 0;
+    __threadfence_system();
     return true;
 }
 #endif
@@ -723,7 +720,7 @@ extern "C" __global__ void __launch_bounds__(32, 1)
     u64 t_idle = t_start;
     u64 taken = 0;
 #if defined(CX_EPOCH) && CX_CHILD
-    cx_trigger trig = {nullptr, 0, 0, nullptr, nullptr, 0};  // lane 0's
+    cx_trigger trig = {nullptr, 0, nullptr, nullptr};  // lane 0's
 #endif
 
     for (;;) {
@@ -797,15 +794,24 @@ extern "C" __global__ void __launch_bounds__(32, 1)
             leave = CS_STOPPED;
 #if defined(CX_EPOCH) && CX_CHILD
         } else if (op == OP_EPOCH && a[1] != 0) {  // arm the trigger (a[1] = every, a[2] counter, a[3] gate)
-            if (a[0] == 0 || a[2] == 0 || a[3] == 0) {
+            // A trigger armed before lets go of its gate first; a[0] = 0 disarms (the host takes
+            // its arena on, then arms it again on another).
+            if (a[0] == 0) {
+                if (lane == 0) {
+                    trigger_release(&trig);
+                    trig.d = nullptr;
+                    trig.gate = nullptr;
+                }
+            } else if (a[2] == 0 || a[3] == 0) {
                 status = ST_BAD_ARGS;
             } else if (lane == 0) {
+                trigger_release(&trig);
                 trig.d = reinterpret_cast<const cx_epoch_desc*>(a[0]);
                 trig.every = a[1];
                 trig.counter = reinterpret_cast<u64*>(a[2]);
                 trig.gate = reinterpret_cast<u32*>(a[3]);
-                trig.next_at = (*(volatile u64*)trig.counter / a[1] + 1) * a[1];
-                trig.asked = 0;
+                *(volatile u32*)&trig.gate[2] = (u32)a[1];  // the producer's gate holds at its multiples now
+                __threadfence_system();
             }
 #endif
         } else {

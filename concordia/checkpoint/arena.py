@@ -20,7 +20,9 @@ a segment, `bound` is that (`full_bound`): no epoch tried then can fail to
 fit.  A larger table (a model's state, gigabytes, against a segment of
 megabytes) would never have an arena, so its `bound` is what its epochs
 write (twice the table's last epoch, at least `ARENA_MIN_BYTES`): a decode
-step's new rows, not the whole cache.  An epoch that writes more than the
+step's new rows, not the whole cache.  Such an arena is made as large as it
+may be (half a segment), and each epoch written moves the room the next is
+tried with (`expect`, a word: twice its record bytes, at least `bound`).  An epoch that writes more than the
 room left (a cache reset, a new prompt) is *lost*: detection, which moves
 the detectors on, has run, and nothing of it was written.  The arena then
 takes no further epoch (`lost` names it), and the session's next call takes
@@ -54,7 +56,7 @@ from concordia.wal import format as fmt
 
 #: the arena's words (64 bytes), the consumer's state between its epochs
 WORDS = np.dtype([("used", "<u8"), ("last_commit", "<u8"), ("last_epoch", "<u8"), ("epochs", "<u8"),
-                  ("missed", "<u8"), ("lost", "<u8"), ("reserved", "<u8", (2,))])
+                  ("missed", "<u8"), ("lost", "<u8"), ("expect", "<u8"), ("adapt", "<u8")])
 assert WORDS.itemsize == 64
 
 #: how many epochs of the largest size an arena is made for, and its least size
@@ -120,7 +122,9 @@ class Arena:
             why = too_large(table, app)
             if why is not None:
                 raise ValueError(why)
-            nbytes = min(max(ARENA_EPOCHS * need, ARENA_MIN_BYTES), app.segment_capacity // 2)
+            adapt = self.bound < full_bound(table)
+            nbytes = app.segment_capacity // 2 if adapt else min(max(ARENA_EPOCHS * need, ARENA_MIN_BYTES),
+                                                                  app.segment_capacity // 2)
             rest = app.segment_rest // fmt.RECORD_ALIGN * fmt.RECORD_ALIGN
             if rest >= need:
                 nbytes = min(nbytes, rest)
@@ -138,6 +142,8 @@ class Arena:
         w = self.words[0]
         w["last_commit"] = app.last_commit_lsn
         w["last_epoch"] = first_epoch - 1
+        w["expect"] = self.bound
+        w["adapt"] = int(self.bound < full_bound(table))
 
     def word(self, name: str) -> int:
         return int(self.words[0][name])
@@ -145,8 +151,9 @@ class Arena:
     @property
     def room(self) -> bool:
         """Whether the next epoch can be tried: no epoch was lost here, and
-        `bound` record bytes and the commit fit."""
-        return not self.word("lost") and self.ext.length - self.word("used") >= self.bound + self.table.commit_length
+        `expect` record bytes (`bound`, or twice the last epoch's) and the commit fit."""
+        return not self.word("lost") and self.ext.length - self.word("used") >= self.word("expect") + \
+            self.table.commit_length
 
     @property
     def lost(self) -> int:
@@ -171,6 +178,8 @@ class Arena:
             w["lost"] = epoch
             return None
         w["used"] = at + used + self.table.commit_length
+        if w["adapt"]:
+            w["expect"] = max(2 * used, self.bound)
         w["last_commit"] = lsn + used
         w["last_epoch"] = epoch
         w["epochs"] += 1

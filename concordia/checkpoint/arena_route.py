@@ -231,6 +231,38 @@ class ArenaRoute:
         self.why = self.lost_why
         self.close()
 
+    # -- a device trigger on the engine (executor.step_trigger) ------------------------
+    def device_engine(self):
+        """The device's EPOCH handler for the regions as they are (built when
+        needed), or None (`why` says why): what a device trigger arms."""
+        if self.engine is not None and self.version != self.session.region_set.version:
+            self.close()
+        why = self._ready()
+        if why is None and self.engine.where != "caller":
+            why = "the regions are not on the device: the consumer thread takes a trigger's epochs"
+        self.why = why
+        return None if why is not None else self.engine
+
+    def rotate(self, *, at: float = 0.5) -> bool:
+        """An armed device trigger's arena, once more than `at` of it is used
+        or an epoch was missed or lost, swapped for another (`DeviceEpochs.rotate`);
+        whether it was.  A lost epoch leaves the trigger off (ExecutorError)."""
+        engine = self.engine
+        if engine is None or engine.armed is None:
+            return False
+        if self.session.runner.arena is None:  # the session took it on (any call settles): armed again on another
+            engine.rotate()
+            return True
+        ar = self.session.runner.arena
+        if ar is not None and engine.fill <= at and not ar.word("missed") and not ar.lost:
+            return False
+        try:
+            engine.rotate()
+        except BaseException:
+            self.close()
+            raise
+        return True
+
     @property
     def active(self) -> bool:
         return self.engine is not None

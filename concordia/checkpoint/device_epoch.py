@@ -22,13 +22,15 @@ first record and of its commit): `epoch_on_device`.
 
 The device trigger (`trigger`, `step_gate`, `fired`).  The producer queues
 `step_gate` on its stream after each decode step: the step is counted in
-stream order, and held there while the executor asks for a consistent point.
-Armed by an EPOCH task with every = N, the control warp, between polls of
-the ring, asks for the gate at each multiple of N, runs the epoch once the
-producer holds, logs (epoch, count) in mapped memory and lets go: epochs
-commit at the trigger's rate while the caller's thread does anything at all,
-a pure-Python loop holding the GIL included.  An arena with no room misses
-epochs (counted in its words) until the host's next call opens another.
+stream order and, at each multiple of the armed N, held there.  Armed by an
+EPOCH task with every = N, the control warp, between polls of the ring, runs
+the epoch once a step holds, logs (epoch, count) in mapped memory and lets
+go: an epoch at every N-th step, however far ahead the producer has queued,
+while the caller's thread does anything at all, a pure-Python loop holding
+the GIL included.  An arena with no room misses epochs (counted in its
+words) until the host opens another; the host takes an arena on only after
+`pause` (the session's settle calls it: `EpochRunner.arena_pause`), and
+`rotate` moves an armed trigger onto a new one.
 
 What the kernel can take: every row's dirty pages found on the device
 (shadow copies, fingerprints, and static caches by positions from the
@@ -75,6 +77,9 @@ STAMPS = ("launch", "driver", "detect", "plan", "stage", "finalize", "commit", "
 
 #: (epoch, count) pairs a trigger's log holds (executor.cu: trigger_poll)
 FIRED_CAP = 4096
+
+#: u32 words of a trigger's gate (executor.cu: cx_step_gate): [1] a step holds, [2] the armed every (0: none)
+GATE_WORDS = 4
 
 
 def why_not(tpass, backend) -> str | None:
@@ -180,7 +185,8 @@ class DeviceEpochs:
         #: which path the epochs take: one block ("small") or the driver's launches ("driver")
         self.path = "small" if tpass.table.total_pages <= self.small_pages else "driver"
         self.descs: list = []   # every descriptor handed to the kernel, kept while it may read one
-        self.armed = None       # (every, counter, gate) of the trigger armed
+        self.armed = None       # (every, counter, gate) of the trigger armed, kept while it is paused
+        self.kernel_armed = False  # whether the kernel's trigger writes the open arena now
         self.gring = GpuRing(64, where="device epochs ring")
         self.executor = GpuExecutor(self.gring, self.module, child_timeout_s=child_timeout_s, lifetime_s=600.0,
                                     idle_s=idle_s)
@@ -201,6 +207,7 @@ class DeviceEpochs:
                              reason="device epoch", label=self.tpass.label)
         runner.arena = ar
         runner.arenas += 1
+        runner.arena_pause = self.pause  # the session takes the arena on only once the kernel writes it no more
         ptr = self.tpass.registration.device_ptr + ar.ext.offset
         desc = describe(self.tpass, ar, ptr, self.words.ptr, self.log.ptr,
                         self.stamps.ptr if self.stamps is not None else 0, self.small_pages)
@@ -256,10 +263,14 @@ class DeviceEpochs:
     def trigger(self, every: int, counter, gate):
         """Arm the trigger (executor.cu: trigger_poll): an epoch every `every`
         counts of `counter` (a CuPy uint64 word the producer's `step_gate`
-        raises on its stream) at the point `gate` (a CuPy uint32 pair) holds
+        raises on its stream) at the point `gate` (GATE_WORDS CuPy uint32) holds
         the producer at; no host thread takes part.  Stopped by `close()`."""
-        if isinstance(every, bool) or not isinstance(every, (int, np.integer)) or every <= 0:
-            raise ExecutorError(f"a trigger's every must be a whole number > 0, not {every!r}", where="device trigger")
+        if isinstance(every, bool) or not isinstance(every, (int, np.integer)) or not 0 < every < 1 << 32:
+            raise ExecutorError(f"a trigger's every must be a whole number in [1, 2**32), not {every!r}",
+                                where="device trigger")
+        if gate.size < GATE_WORDS or gate.dtype != np.uint32:
+            raise ExecutorError(f"a trigger's gate is {GATE_WORDS} uint32 words, not {gate.size} of {gate.dtype}",
+                                where="device trigger")
         self.armed = (int(every), counter, gate)
         return self._arm(*self.armed)
 
@@ -268,7 +279,44 @@ class DeviceEpochs:
                                 timeout=30.0)
         if c.status != 0:
             raise ExecutorError(f"arming the trigger failed with status {c.status.name}", where="device trigger")
+        self.kernel_armed = True
         return c
+
+    def pause(self) -> None:
+        """The kernel's trigger let go of the open arena (its gate released),
+        to be armed again on the next one (`_open`); nothing when not armed."""
+        if not self.kernel_armed:
+            return
+        self.kernel_armed = False
+        c = self.submitter.call(self.Op.EPOCH, args=(0, 1, 0, 0), timeout=30.0)
+        if c.status != 0:
+            raise ExecutorError(f"disarming the trigger failed with status {c.status.name}", where="device trigger")
+
+    def disarm(self) -> None:
+        """Stop the trigger (its gate let go): the arena is written no more."""
+        self.armed = None
+        self.pause()
+
+    @property
+    def fill(self) -> float:
+        """How much of the open arena is used (0 to 1; 1 with none open)."""
+        ar = self.session.runner.arena
+        return 1.0 if ar is None else ar.word("used") / max(1, ar.ext.length)
+
+    def rotate(self) -> None:
+        """The armed trigger onto a new arena: disarmed (the kernel writes the
+        old one no more), the old one taken on by the session, another opened
+        and the trigger armed on it.  Steps between pass their gate with no
+        epoch: the next epoch holds what they changed."""
+        self.pause()
+        ar = self.session.runner.arena
+        lost = ar is not None and ar.lost
+        self.session.settle()
+        if lost:
+            self.armed = None
+            raise ExecutorError(f"epoch {lost} did not fit what its arena had left; the regions' next checkpoint "
+                                "is whole", where="device trigger", hint="arm the trigger again after it")
+        self._open()
 
     def step_gate(self, counter, gate, timeout_s: float = 10.0) -> None:
         """The producer's part, after each step, on its current stream: the
@@ -300,6 +348,9 @@ class DeviceEpochs:
             self.submitter.stop(10.0)
         finally:
             self.executor.join(10.0)
+            self.kernel_armed = False  # the kernel left: its trigger let go of the gate
+            if self.session.runner.arena_pause == self.pause:
+                self.session.runner.arena_pause = None
             self.session.settle()
             self._release()
 

@@ -145,6 +145,8 @@ class EpochRunner:
         self.arenas = 0
         #: arenas closed by an epoch that did not fit (`arena.Arena.lost`)
         self.arenas_lost = 0
+        #: what stops the open arena's writer before it is taken on (the device's trigger), or None
+        self.arena_pause = None
 
     @property
     def registration(self):
@@ -243,6 +245,9 @@ class EpochRunner:
         detectors moved on, nothing written), makes every region's next
         checkpoint whole."""
         with self.regions.lock:
+            pause, self.arena_pause = self.arena_pause, None
+            if pause is not None and self.arena is not None:
+                pause()   # the kernel's trigger writes this arena no more
             a, self.arena = self.arena, None
             if a is None:
                 return []

@@ -107,7 +107,7 @@ def _log(args, gen: int) -> str:
 def _session(args, gen: int, **kw):
     from concordia.session import Session
 
-    return Session(_log(args, gen), size=args.size, segment_size=args.segment, **kw)
+    return Session(_log(args, gen), size=args.size, segment_size=args.segment, executor=args.executor, **kw)
 
 
 def _say(doc: dict) -> None:
@@ -220,15 +220,17 @@ def _tail(proc) -> str:
 def run_kills(log: str, plan: list[dict], *, shape: str = "tiny", device: str = "cpu", steps: int = 12,
               every: int = 1, batch: int = 2, prompt_len: int = 8, compile: str = "default",
               size: int = 64 << 20, segment: int = 8 << 20, seed: int = 0, window: float = 3.0,
-              rng: random.Random | None = None) -> dict:
+              rng: random.Random | None = None, executor: str = "host") -> dict:
     """Kill each generation of `plan` whose "kill" is true at a random moment
     of its generate() (after `min_steps` = a third of `steps`, within `window`
     step times), restore it in a fresh process and finish it; compare every
-    generation with the reference.  {"kills": [...], "identical": bool, ...}."""
+    generation with the reference.  executor: the sessions' (`Session(executor=...)`;
+    "resident": the executor's trigger takes every epoch after the first).
+    {"kills": [...], "identical": bool, ...}."""
     rng = rng or random.Random()
     common = dict(shape=shape, device=device, steps=steps, every=every, batch=batch, prompt=prompt_len,
                   compile=compile, size=size, segment=segment, seed=seed, plan=json.dumps(plan),
-                  min_steps=max(2, steps // 3))
+                  min_steps=max(2, steps // 3), executor=executor)
     ref = _spawn("reference", dict(common, log=log + ".ref"))
     refs, compiled = {}, None
     for doc in _lines(ref):
@@ -280,7 +282,7 @@ def run_kills(log: str, plan: list[dict], *, shape: str = "tiny", device: str = 
     return {"kills": out, "identical": bool(out) and all(k["identical"] for k in out) and whole,
             "compile": compiled, "generations": len(plan),
             "model": {"shape": shape, "device": device, "batch": batch, "prompt": prompt_len, "steps": steps,
-                      "every": every}}
+                      "every": every}, "executor": executor}
 
 
 def main(argv=None) -> int:
@@ -302,6 +304,7 @@ def main(argv=None) -> int:
     ap.add_argument("--resume", type=int, default=-1)
     ap.add_argument("--die-in", default="")
     ap.add_argument("--max-len", type=int, default=0)
+    ap.add_argument("--executor", default="host", choices=["host", "resident"])
     args = ap.parse_args(argv)
     {"reference": run_reference, "life": run_life, "recover": run_recover}[args.role](args)
     return 0

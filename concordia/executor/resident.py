@@ -503,6 +503,8 @@ class ResidentExecutor:
     def _gated(self, fn, *args, **kw):
         tr = self.trigger_
         gate = tr.gate if tr is not None and tr.armed else None
+        if getattr(gate, "marks_steps", False):  # its producer calls recover() itself, between two steps
+            gate = None
         if gate is not None:
             gate.close()
         try:
@@ -630,6 +632,28 @@ class ResidentExecutor:
         c.idle_wait_max_s = TRIGGER_POLL_S
         self.submitter.call(Op.PING)       # and is running now
         return tr
+
+    def step_trigger(self, every: int):
+        """A trigger for a producer that calls `step()` once per step
+        (`step_trigger.py`): the persistent kernel's, queued on the
+        producer's stream, where the device's EPOCH handler takes the
+        session's epochs; else the consumer thread's, holding the producer
+        at each epoch (`StepGate`).  Call it after the session's first epoch."""
+        from .step_trigger import CpuStepTrigger, DeviceStepTrigger
+
+        self._check_open()
+        if isinstance(every, bool) or not isinstance(every, (int, np.integer)) or every <= 0:
+            raise SessionError(f"a trigger's every must be a whole number > 0, not {every!r}", where="trigger")
+        if self.route is not None and self.regions.any_on_gpu:
+            with self.lock:
+                engine = self.route.device_engine()
+            if engine is not None:
+                return DeviceStepTrigger(self.route, engine, int(every))
+        return CpuStepTrigger(self, int(every))
+
+    def wake(self) -> None:
+        """Wake the idle consumer now (it polls a trigger's counter)."""
+        self._wake.set()
 
     def _check_gateless(self) -> None:
         """Without a gate, only device regions can be taken at one point of the

@@ -82,6 +82,10 @@ class Guard:
     _ints_last: list | None = None  # the sliding-window lengths last written into `counters`
     lengths: list | None = None  # positions each layer holds, on the host, as of the coming checkpoint
     _known_length: int | None = None  # positions every layer holds, as generate()'s tokens tell it
+    #: words mode (a resident session): an int64 word on the cache's device counting the cache's
+    #: resets (the positions detectors' sequence id), and its last value written
+    resets: object | None = None
+    _resets_last: int | None = None
 
     @property
     def names(self) -> list[str]:
@@ -173,7 +177,9 @@ class Guard:
         pos = torch.stack([layer.cumulative_length.reshape(()).to(self.counters.device, torch.int64)
                            for layer in layers])
         self.counters[:, 0].copy_(pos)
-        if self._known_length is not None:  # from generate()'s tokens: no read of the device
+        if self.resets is not None:  # words mode: the detectors read the counters where they are
+            self._known_length = None
+        elif self._known_length is not None:  # from generate()'s tokens: no read of the device
             self.lengths = [self._known_length] * len(layers)
             self._known_length = None
         else:
@@ -184,6 +190,11 @@ class Guard:
                 if self._ints_last is None or self._ints_last[i] != v:
                     self.counters[i, 1].fill_(v)
             self._ints_last = ints
+        if self.resets is not None:
+            n = int(getattr(self.cache, "concordia_resets", 0))
+            if n != self._resets_last:
+                self.resets.fill_(n)
+                self._resets_last = n
 
 
 @dataclasses.dataclass
@@ -236,7 +247,8 @@ def _lora_parameters(model) -> dict:
 
 def protect(session, cache, model=None, *, batch_size: int | None = None, max_tokens: int | None = None,
             prefix: str = PREFIX, detect: str = "fingerprint", page_bytes: int = 4096,
-            dtype=None, device=None, rng: bool = True, kv_detect: str = "positions") -> Guard:
+            dtype=None, device=None, rng: bool = True, kv_detect: str = "positions",
+            words: bool | None = None) -> Guard:
     """Register `cache` (a transformers `StaticCache`) and, when `model` carries
     PEFT adapters, their LoRA weights with `session`.  A cache not yet
     allocated is allocated here from the model's config (`batch_size` needed).
@@ -251,27 +263,41 @@ def protect(session, cache, model=None, *, batch_size: int | None = None, max_to
     When the model compiles its decode step, a resuming `generate()` call is
     arranged to take it for its first token (see the module's docstring).
     The same call in a recovering process registers the same regions, which
-    `restore` then fills.  Returns the `Guard` naming them."""
+    `restore` then fills.
+    `words` (default: whether the session has a resident executor): every
+    region is found dirty where it lives, with no host step, so that the
+    resident executor's trigger takes the epochs (`CheckpointEvery`): the
+    positions detectors read each layer's length from the counters and the
+    resets from a word beside them (`table.DET_POSITIONS`), and the small
+    regions (counters, lengths, generator) are fingerprinted at
+    `page_bytes` like the adapters.  Returns the `Guard` naming them."""
     _check_cache(cache)
     _initialise(cache, model, batch_size, dtype, device)
+    if words is None:
+        words = getattr(session, "resident", None) is not None
     kv = []
     dev = cache.layers[0].keys.device
     counters = torch.zeros((len(cache.layers), 2), dtype=torch.int64, device=dev)
     guard = Guard(session=session, cache=cache, model=model, prefix=prefix, kv=kv, lora={}, counters=counters)
-    guard._sync_counters()
     _count_resets(cache)
+    if words:
+        guard.resets = torch.zeros((1,), dtype=torch.int64, device=dev)
+    guard._sync_counters()
+    # the small regions: every page each epoch by the host, or fingerprinted beside the adapters (words)
+    small = dict(detect=detect, page_bytes=page_bytes) if words else None
     for i, layer in enumerate(cache.layers):
         k, v = f"{prefix}.kv.{i}.k", f"{prefix}.kv.{i}.v"
         for name, t in ((k, layer.keys), (v, layer.values)):
             if kv_detect == "positions" and not getattr(layer, "is_sliding", False):
                 # a decode step's new rows, from the counters: O(new tokens), one row a page
+                hints = (dict(length=_length_word(layer, counters[i, 0:1]), seq_ids=guard.resets) if words else
+                         dict(length=lambda i=i: guard.lengths[i], seq_ids=lambda: cache.concordia_resets))
                 session.register(name, t, kind="kv", detect="positions",
-                                 page_bytes=position_page_bytes(t.shape[-1] * t.element_size()),
-                                 length=lambda i=i: guard.lengths[i], seq_ids=lambda: cache.concordia_resets)
+                                 page_bytes=position_page_bytes(t.shape[-1] * t.element_size()), **hints)
             else:  # a sliding-window layer rolls every position once its window is full
                 session.register(name, t, kind="kv", detect=detect, page_bytes=page_bytes)
         kv.append((i, k, v))
-    session.register(f"{prefix}.counters", counters, kind="opaque", detect="all", page_bytes=64)
+    session.register(f"{prefix}.counters", counters, kind="opaque", **(small or dict(detect="all", page_bytes=64)))
     for name, p in _lora_parameters(model).items():
         if not p.data.is_contiguous():
             raise SessionError("the LoRA weight is not contiguous", where=f"parameter {name!r}")
@@ -285,17 +311,29 @@ def protect(session, cache, model=None, *, batch_size: int | None = None, max_to
         guard.mask = torch.zeros((b, int(max_tokens)), dtype=torch.int64, device=dev)
         session.register(f"{prefix}.tokens", guard.tokens, kind="opaque", detect=detect, page_bytes=page_bytes)
         session.register(f"{prefix}.mask", guard.mask, kind="opaque", detect=detect, page_bytes=page_bytes)
-        session.register(f"{prefix}.tokens_len", guard.tokens_len, kind="opaque", detect="all", page_bytes=64)
+        session.register(f"{prefix}.tokens_len", guard.tokens_len, kind="opaque",
+                         **(small or dict(detect="all", page_bytes=64)))
     if rng:
         # a word of length, then the state (16 bytes on CUDA, 5,056 on the CPU), on
         # the cache's device so that every region takes the same (device) path
-        words = 8 if dev.type == "cuda" else 640
-        guard.rng = torch.zeros((words,), dtype=torch.int64, device=dev)
-        session.register(f"{prefix}.rng", guard.rng, kind="opaque", detect="all", page_bytes=words * 8)
+        n = 8 if dev.type == "cuda" else 640
+        guard.rng = torch.zeros((n,), dtype=torch.int64, device=dev)
+        session.register(f"{prefix}.rng", guard.rng, kind="opaque", **(small or dict(detect="all", page_bytes=n * 8)))
     session.before_checkpoint(guard.capture)
     if model is not None:
         _resume_compiled(model)
     return guard
+
+
+def _length_word(layer, counter):
+    """A layer's length as a word the positions detector reads where the cache
+    is: the layer's own position tensor (int64, one element, updated in place
+    by every forward and zeroed by `reset`), else its row of the counters,
+    which each checkpoint writes from it."""
+    t = getattr(layer, "cumulative_length", None)
+    if isinstance(t, torch.Tensor) and t.numel() == 1 and t.dtype == torch.int64 and t.device == counter.device:
+        return t
+    return counter
 
 
 def _count_resets(cache) -> None:
@@ -401,35 +439,69 @@ class CheckpointEvery(StoppingCriteria):
     in stream order behind the step, and committed by the next checkpoint
     (or the session's next call), while the host goes on to the next step;
     its statistics are filled then.  A crash loses at most that epoch.
+    `trigger` (default: whether the session has a resident executor and
+    `wait` is False): after its first checkpoint, the epochs are taken by the
+    resident executor's trigger (`executor.step_trigger`) while this
+    criterion only writes the tokens, counters and generator state and marks
+    the step: on the device the persistent kernel takes each epoch at the
+    step's end in stream order (one launch a step from the host, no wait);
+    on the CPU the consumer thread takes it while the step holds.  Their
+    statistics come with the session's next call (`Session.checkpoints`);
+    `fired` lists (epoch, step count since arming).  Protect with the same
+    session (`protect(..., words=True)`, its default there) so that every
+    region is found dirty without the host.
 
         model.generate(ids, past_key_values=cache, stopping_criteria=[CheckpointEvery(guard, 8)])
     """
 
     def __init__(self, guard: Guard, every: int = 1, on_step=None, *, start: int = 0, after=None,
-                 attention_mask=None, wait: bool = False):
+                 attention_mask=None, wait: bool = False, trigger: bool | None = None):
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise SessionError(f"every must be a whole number >= 1, not {every!r}", where="CheckpointEvery")
         if isinstance(start, bool) or not isinstance(start, int) or start < 0:
             raise SessionError(f"start must be a whole number >= 0, not {start!r}", where="CheckpointEvery")
         if not isinstance(wait, bool):
             raise SessionError(f"wait must be True or False, not {wait!r}", where="CheckpointEvery")
+        if trigger is None:
+            trigger = getattr(guard.session, "resident", None) is not None and not wait
+        if trigger and getattr(guard.session, "resident", None) is None:
+            raise SessionError("a trigger needs a session with a resident executor", where="CheckpointEvery",
+                               hint='open the Session with executor="resident"')
         self.guard, self.every, self.on_step, self.after = guard, every, on_step, after
         self.attention_mask = attention_mask
         self.wait = wait
         self.steps = start
         self.stats = []
+        self.use_trigger = bool(trigger)
+        #: the resident executor's step trigger, armed after the first checkpoint (None before)
+        self.trigger = None
+
+    @property
+    def fired(self) -> list:
+        """[(epoch, steps counted since the trigger was armed)] of the trigger's epochs."""
+        return [] if self.trigger is None else self.trigger.fired
 
     def __call__(self, input_ids, scores, **kwargs):
         self.steps += 1
         if self.on_step is not None:
             self.on_step(self.steps, input_ids)
-        if self.steps % self.every == 0:
+        due = self.steps % self.every == 0
+        if due:
             if self.guard.tokens is not None:
                 self.guard.record_tokens(input_ids, self.attention_mask, self.steps)
             # every layer holds the positions of all tokens but the newest (not yet fed)
             self.guard._known_length = input_ids.shape[1] - 1
+        if self.trigger is not None:
+            if due:
+                self.guard.capture()  # what the session's hook would write, before the step's epoch
+            self.trigger.step()   # the step ends here: its epoch, when due, is taken by the executor
+            if due and self.after is not None:
+                self.after(self.steps, None)
+        elif due:
             st = self.guard.session.checkpoint(reason="generate", on_full="coalesce", wait=self.wait)
             self.stats.append(st)
+            if self.use_trigger:   # the first epoch is the session's own; the trigger takes the next ones
+                self.trigger = self.guard.session.resident.step_trigger(self.every)
             if self.after is not None:
                 self.after(self.steps, st)
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)

@@ -43,7 +43,7 @@ def test_the_descriptor_and_the_words_are_the_kernels_structs():
     assert re.search(rf"#define CX_STAMPS {len(STAMPS)}\b", CU)
     assert EPOCH_DESC.itemsize == 8 * (len(desc) - 1) + MAX_GROUPS * GROUP.itemsize
     words = _fields("cx_arena_words")
-    assert words[:-1] == list(arena.WORDS.names[:-1]) and words[-1] == "reserved[2]"
+    assert words == list(arena.WORDS.names)
     assert arena.WORDS.itemsize == 64
     assert re.search(rf"#define ST_NO_ROOM {int(Status.NO_ROOM)}\b", CU) and int(Op.EPOCH) == 7
     assert re.search(rf"#define ST_LOST {int(Status.LOST)}\b", CU)
@@ -63,6 +63,13 @@ def test_a_positions_rows_state_is_the_kernels_struct():
             names.append((n.strip(), "<u8" if kind == "u64" else "<i8"))
     assert names == [(n, POSITIONS.fields[n][0].str) for n in POSITIONS.names]
     assert re.search(rf"#define DET_POSITIONS {DET_POSITIONS}\b", table_cu)
+
+
+def test_the_gate_is_as_long_on_both_sides_of_the_layers():
+    from concordia.checkpoint.device_epoch import GATE_WORDS
+    from concordia.executor import step_trigger
+
+    assert step_trigger.GATE_WORDS == GATE_WORDS and "gate[2]" in CU and "gate[3]" not in CU
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
@@ -167,7 +174,7 @@ def test_a_device_trigger_commits_epochs_while_the_caller_holds_the_gil(shm_log)
     import cupy as cp
 
     from concordia import Session
-    from concordia.checkpoint.device_epoch import DeviceEpochs
+    from concordia.checkpoint.device_epoch import GATE_WORDS, DeviceEpochs
     from concordia.policy import Policy
 
     def state(count):
@@ -181,7 +188,7 @@ def test_a_device_trigger_commits_epochs_while_the_caller_holds_the_gil(shm_log)
         s.register("a", a, detect="shadow", page_bytes=4096)
         s.checkpoint()
         a[1] += np.float32(0)  # CuPy's kernel, loaded before the executor is resident
-        counter, gate = cp.zeros(1, cp.uint64), cp.zeros(2, cp.uint32)
+        counter, gate = cp.zeros(1, cp.uint64), cp.zeros(GATE_WORDS, cp.uint32)
         cp.cuda.get_current_stream().synchronize()
         dev = DeviceEpochs(s)
         try:
@@ -197,7 +204,7 @@ def test_a_device_trigger_commits_epochs_while_the_caller_holds_the_gil(shm_log)
         finally:
             dev.close()
         counts = [c for _, c in fired]
-        assert counts == sorted(counts) and all(c >= 8 * (i + 1) for i, c in enumerate(counts)), counts
+        assert counts == [8 * (i + 1) for i in range(8)], counts  # each at its multiple: the step held there
         for epoch, count in fired:
             got = s.recover(epoch)["a"]
             assert np.asarray(got.get() if hasattr(got, "get") else got).tobytes() == state(count).tobytes(), epoch

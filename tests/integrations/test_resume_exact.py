@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="the transformers integration needs torch")
@@ -22,6 +23,13 @@ from concordia.demo.kills import run_kills  # noqa: E402
 from concordia.demo.model import build, lora_update, prompt  # noqa: E402
 from concordia.errors import SessionError  # noqa: E402
 from concordia.integrations.transformers import CheckpointEvery, protect, restore  # noqa: E402
+
+
+@pytest.fixture
+def shm_log_path():
+    from tests.session.conftest import _fresh_shm_log
+
+    yield from _fresh_shm_log()
 
 PLAN = [{"seed": 11, "sample": False, "kill": True}, {"seed": 12, "sample": True, "kill": True},
         {"seed": 13, "sample": True, "kill": False}]
@@ -39,6 +47,65 @@ def test_sigkills_at_random_moments_resume_identically(tmp_path, compile_):
         assert k["restored_epoch"] >= 4 and k["resumed_at_step"] == k["restored_epoch"]  # every step commits
         assert k["tokens_identical"] and k["identical"], k
     assert rep["identical"]  # and the generation that was not killed, in the life after the last kill
+
+
+@pytest.mark.slow
+def test_sigkills_while_the_resident_trigger_takes_the_epochs_resume_identically():
+    """The same kills with a resident session on shm: after each generate()'s
+    first checkpoint the executor's trigger takes every step's epoch
+    (`CheckpointEvery`'s default there: the step holds while the consumer
+    writes it into the arena, as the persistent kernel holds the stream on
+    a GPU), with compiled decode; every resumed generation is identical."""
+    import glob
+    import os
+
+    from tests.conftest import SHM_DIR, shm_test_name
+
+    name = shm_test_name("resident-kills")
+    try:
+        rep = run_kills(f"shm:{os.path.join(SHM_DIR, name)}", PLAN, compile="on", steps=12, every=1,
+                        rng=random.Random(), executor="resident")
+    finally:
+        for path in glob.glob(os.path.join(SHM_DIR, name + "*")):
+            os.unlink(path)
+    assert rep["executor"] == "resident" and rep["compile"] is True
+    assert [k["gen"] for k in rep["kills"]] == [0, 1]
+    for k in rep["kills"]:
+        assert k["restored_epoch"] >= 4 and k["resumed_at_step"] == k["restored_epoch"]  # every step commits
+        assert k["tokens_identical"] and k["identical"], k
+    assert rep["identical"]
+
+
+def test_checkpoint_every_on_a_resident_session_hands_its_epochs_to_the_trigger(shm_log_path):
+    """CheckpointEvery on a resident session: the first checkpoint is the
+    session's own, every later one is the trigger's (into the arena, on the
+    CPU consumer), each recovering the state of its step exactly; protect()
+    there registers every region for a pass with no host step (words)."""
+    from concordia.checkpoint.table import DET_LISTED, detector_of
+
+    cfg, model, cache = _make(False)
+    ids = prompt(2, 8, cfg.vocab_size, "cpu", seed=3)
+    with concordia.Session(shm_log_path, size=64 << 20, segment_size=8 << 20, executor="resident") as s:
+        g = protect(s, cache, model, batch_size=2, max_tokens=32)
+        assert DET_LISTED not in [detector_of(r) for r in s.region_set]
+        states = {}
+        hook = CheckpointEvery(g, 1, on_step=lora_update(model),
+                               after=lambda step, st: states.__setitem__(step, _snapshot(g)))
+        model.generate(ids, past_key_values=cache, max_new_tokens=6, stopping_criteria=[hook], do_sample=False)
+        assert hook.trigger is not None and not hook.trigger.on_device and len(hook.stats) == 1
+        assert [c for _, c in hook.fired] == [1, 2, 3, 4, 5] and not hook.trigger.errors
+        s.settle()
+        assert s.resident.info()["trigger"]["in_arena"] == 5
+        assert s.log.verify()["corrupt"] == 0
+        for epoch, count in hook.fired:
+            got = s.recover(epoch)
+            for name, want in states[count + 1].items():
+                assert np.asarray(got[name]).tobytes() == want, (epoch, name)
+
+
+def _snapshot(guard) -> dict:
+    return {n: np.asarray(a.detach().cpu() if hasattr(a, "detach") else a).tobytes()
+            for n, a in ((n, guard.session.region_set[n].owner) for n in guard.names)}
 
 
 def _make(compile_):

@@ -210,9 +210,15 @@ def test_bench_model_quick_json(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     doc = json.loads(r.stdout)
     assert doc == json.loads(out.read_text())
-    assert [(d["every"], d["wait"]) for d in doc["decode"]] == [(0, False), (1, False), (8, False), (1, True)]
+    assert [(d["every"], d["wait"], d["executor"]) for d in doc["decode"]] == [
+        (0, False, "host"), (1, False, "host"), (8, False, "host"), (1, True, "host"), (1, False, "resident"),
+        (8, False, "resident")]
     assert len(doc["decode"][1]["ckpt_ms"]) == 8 and len(doc["decode"][2]["ckpt_ms"]) == 1
     assert "overhead_every_step" in doc and "overhead_every_step_waiting" in doc and doc["ckpt_ms_per_step"] > 0
+    # a resident session: the first checkpoint is CheckpointEvery's own, the trigger takes the next 7 (CPU)
+    trig = doc["decode"][4]["retention"]["trigger"]
+    assert trig == {"on_device": False, "fired": 7, "errors": []} and len(doc["decode"][4]["ckpt_ms"]) == 8
+    assert "overhead_every_step_resident" in doc and "overhead_every_8_resident" in doc
     # CPU tensors take the host path, which never leaves an epoch pending (the device table pass does)
     assert all(d["pending"] == 0 for d in doc["decode"])
     assert all(d["hook_ms_median"] > 0 for d in doc["decode"])  # the host time inside the criterion

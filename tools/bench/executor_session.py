@@ -212,7 +212,7 @@ def run_device_epochs(cp, counts: list[int], log: str, quick: bool, scratch: Scr
     import subprocess
 
     from concordia import Session
-    from concordia.checkpoint.device_epoch import DeviceEpochs
+    from concordia.checkpoint.device_epoch import GATE_WORDS, DeviceEpochs
     from concordia.policy import Policy
 
     out: dict = {}
@@ -222,7 +222,7 @@ def run_device_epochs(cp, counts: list[int], log: str, quick: bool, scratch: Scr
     x @ x
     a[1, 1] = 1
     a[1, 1] = 0
-    counter, gate = cp.zeros(1, cp.uint64), cp.zeros(2, cp.uint32)
+    counter, gate = cp.zeros(1, cp.uint64), cp.zeros(GATE_WORDS, cp.uint32)
     cp.cuda.get_current_stream().synchronize()
     with Session(log, overwrite=True, size=256 * MiB, segment_size=32 * MiB, policy=Policy(retain=False)) as s:
         s.register("a", a, detect="shadow", page_bytes=4096)

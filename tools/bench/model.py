@@ -13,9 +13,15 @@ determinism switches.
   every step and every 8 steps (`CheckpointEvery`, the stopping-criterion
   hook), and the checkpoint time per step (`CheckpointStats.total_ms`);
   `overhead_every_step` is the decode time per token lost to checkpointing
-  every step, as a fraction of the step without.  One cache serves every
-  run (compiled code is reused), each measured run after an unmeasured one,
-  the three settings interleaved `--decode-reps` times (medians);
+  every step, as a fraction of the step without; the same every step
+  waiting for each checkpoint; and every step and every 8 steps on a
+  resident session (`Session(executor="resident")`), whose CheckpointEvery
+  hands each epoch after the first to the executor's trigger: the
+  persistent kernel at the step's gate on a GPU (one launch a step from the
+  host), the consumer thread on the CPU (`overhead_every_step_resident`,
+  `overhead_every_8_resident`).  One cache serves every run (compiled code
+  is reused), each measured run after an unmeasured one, the settings
+  interleaved `--decode-reps` times (medians);
 * kills: generations SIGKILLed at random moments of generate(), each restored
   and finished in a fresh process (`concordia.demo.kills`), greedy and
   sampled alternately; tokens, final cache and LoRA weights against an
@@ -108,7 +114,7 @@ def _decode(model, guard, ids, steps, every, wait=False):
     s = guard.session
     update = _timing(lora_update(model), "update", parts)
     hook = CheckpointEvery(guard, every or 1 << 40, on_step=update, wait=wait,
-                           after=lambda step, st: queued.append(st.pending))
+                           after=lambda step, st: queued.append(bool(st is not None and st.pending)))
     host = []  # the host's seconds inside the criterion at each step (the update and the checkpoint)
     # where the checkpoint's host time goes: the epoch's launch (or whole run), the settle of
     # the pending one, retention's hook after a commit and at a launch
@@ -144,7 +150,14 @@ def _decode(model, guard, ids, steps, every, wait=False):
     # a job written at once under log pressure) weigh here as they do in tokens/s
     per_step_ms = {k: round(sum(v) / steps * 1e3, 4) for k, v in parts.items() if v}
     kept = {"counts": dict(s.retention.counts), "base_staging": s.retention.base_staging}
-    return per_step, hook.stats, sum(queued), _median(host), (phases, per_step_ms, kept)
+    if hook.trigger is not None:  # the trigger's epochs: their statistics came with the settle
+        kept["trigger"] = {"on_device": hook.trigger.on_device, "fired": len(hook.fired),
+                           "errors": list(hook.trigger.errors)[:4]}
+        hook.trigger.disarm()
+        stats = hook.stats + [st for st in list(s.checkpoints)[-len(hook.fired):] if hook.fired]
+    else:
+        stats = hook.stats
+    return per_step, stats, sum(queued), _median(host), (phases, per_step_ms, kept)
 
 
 def _by_phase(runs: list, key: str) -> dict:
@@ -163,8 +176,11 @@ def _timing(fn, name: str, into: dict):
     return timed
 
 
-#: the decode settings measured: (checkpoint every, wait); (0, False) is the baseline
-DECODE_SETTINGS = ((0, False), (1, False), (8, False), (1, True))
+#: the decode settings measured: (checkpoint every, wait, the session's executor); (0, False, "host") is the
+#: baseline.  On a resident session CheckpointEvery hands every epoch after the first to the executor's
+#: trigger (the persistent kernel's on a GPU: one launch a step from the host)
+DECODE_SETTINGS = ((0, False, "host"), (1, False, "host"), (8, False, "host"), (1, True, "host"),
+                   (1, False, "resident"), (8, False, "resident"))
 
 
 def _decode_part(model, cfg, batch, steps, prompt_len, reps, kv_per_token, log_spec, discard, device) -> dict:
@@ -186,9 +202,9 @@ def _decode_part(model, cfg, batch, steps, prompt_len, reps, kv_per_token, log_s
     ids = prompt(batch, prompt_len, cfg.vocab_size, device)
     runs = {k: [] for k in DECODE_SETTINGS}
     for rep in range(reps + 1):
-        for every, wait in DECODE_SETTINGS:
+        for every, wait, executor in DECODE_SETTINGS:
             log = log_spec("decode")
-            with concordia.Session(log, size=_log_size(kv_per_token * batch * max_len)) as s:
+            with concordia.Session(log, size=_log_size(kv_per_token * batch * max_len), executor=executor) as s:
                 guard = protect(s, cache, model, batch_size=batch, max_tokens=max_len)
                 cache.reset()
                 _prefill(model, cache, ids[:, :-1], ids.shape[1])  # generate() then starts at the last token
@@ -196,7 +212,7 @@ def _decode_part(model, cfg, batch, steps, prompt_len, reps, kv_per_token, log_s
                 per_tok, stats, pending, host_s, (phases, per_step_ms, kept) = _decode(model, guard, ids, steps,
                                                                                         every, wait)
                 if rep:  # the first round warms (compiles) every setting
-                    runs[every, wait].append({"s_per_step": per_tok, "ckpt_ms": [st.total_ms for st in stats],
+                    runs[every, wait, executor].append({"s_per_step": per_tok, "ckpt_ms": [st.total_ms for st in stats],
                                               "hook_ms": host_s * 1e3, "phases": phases,
                                               "phases_per_step": per_step_ms, "retention": kept,
                                               "regions": len(guard.names), "pending": pending,
@@ -205,10 +221,11 @@ def _decode_part(model, cfg, batch, steps, prompt_len, reps, kv_per_token, log_s
     del cache
     _empty(torch, device)
     rows = {}
-    for (every, wait), rs in runs.items():
+    for (every, wait, executor), rs in runs.items():
         per = _median([r["s_per_step"] for r in rs])
         ck = [c for r in rs for c in r["ckpt_ms"]]
-        rows[every, wait] = {"every": every, "wait": wait, "s_per_step": per, "tokens_per_s": batch / per,
+        rows[every, wait, executor] = {"every": every, "wait": wait, "executor": executor,
+                             "s_per_step": per, "tokens_per_s": batch / per,
                              "s_per_step_runs": [r["s_per_step"] for r in rs], "ckpt_ms": ck,
                              "pending": sum(r["pending"] for r in rs), "regions": rs[0]["regions"],
                              "ckpt_ms_median": _median(ck),
@@ -219,13 +236,16 @@ def _decode_part(model, cfg, batch, steps, prompt_len, reps, kv_per_token, log_s
                              "host_phases_ms_per_step": _by_phase(rs, "phases_per_step"),
                              "retention": rs[-1]["retention"],
                              "log_bytes_per_ckpt": _median([r["bytes_per_ckpt"] for r in rs if r["bytes_per_ckpt"]])}
-    base = rows[0, False]["s_per_step"]
+    base = rows[0, False, "host"]["s_per_step"]
     for r in rows.values():
         r["overhead"] = r["s_per_step"] / base - 1.0
-    return {"decode": list(rows.values()), "overhead_every_step": rows[1, False]["overhead"],
-            "overhead_every_8": rows[8, False]["overhead"],
-            "overhead_every_step_waiting": rows[1, True]["overhead"],
-            "ckpt_ms_per_step": rows[1, False]["ckpt_ms_median"], "decode_reps": reps}
+    return {"decode": list(rows.values()), "overhead_every_step": rows[1, False, "host"]["overhead"],
+            "overhead_every_8": rows[8, False, "host"]["overhead"],
+            "overhead_every_step_waiting": rows[1, True, "host"]["overhead"],
+            # the same checkpoints by the resident executor's trigger (CheckpointEvery on a resident session)
+            "overhead_every_step_resident": rows[1, False, "resident"]["overhead"],
+            "overhead_every_8_resident": rows[8, False, "resident"]["overhead"],
+            "ckpt_ms_per_step": rows[1, False, "host"]["ckpt_ms_median"], "decode_reps": reps}
 
 
 def _kills_part(shape, device, batch, kills, steps, prompt_len, log_spec, say) -> dict:
@@ -491,12 +511,14 @@ def _table(res: dict) -> str:
            f"{'compiled' if res['compile'] else 'eager'}), batch {res['batch']}, through "
            f"concordia.integrations.transformers"]
     if "decode" in res:
-        out.append(f"{'checkpoint':>14} {'tokens/s':>10} {'s/step':>9} {'overhead':>9} {'ckpt ms':>9} {'log KB':>8}")
+        out.append(f"{'checkpoint':>16} {'tokens/s':>10} {'s/step':>9} {'overhead':>9} {'ckpt ms':>9} {'log KB':>8}")
         for r in res["decode"]:
-            name = "none" if not r["every"] else f"every {r['every']}"
-            ck = "-" if r["ckpt_ms_median"] is None else f"{r['ckpt_ms_median']:.2f}"
+            name = "none" if not r["every"] else f"every {r['every']}" + (", trigger" if r.get("executor") ==
+                                                                          "resident" else "")
+            ck = "-" if r["ckpt_ms_median"] is None or r.get("executor") == "resident" else \
+                f"{r['ckpt_ms_median']:.2f}"
             kb = "-" if not r.get("log_bytes_per_ckpt") else f"{r['log_bytes_per_ckpt'] / 1024:.0f}"
-            out.append(f"{name:>14} {r['tokens_per_s']:>10.1f} {r['s_per_step']:>9.4f} {r['overhead']:>9.3f} "
+            out.append(f"{name:>16} {r['tokens_per_s']:>10.1f} {r['s_per_step']:>9.4f} {r['overhead']:>9.3f} "
                        f"{ck:>9} {kb:>8}")
         out.append(f"checkpoint per step {res['ckpt_ms_per_step']:.2f} ms")
     if "kills" in res:
@@ -549,7 +571,7 @@ def _phase_line(phases: dict) -> str:
 @click.option("--chunk", default=8192, show_default=True, type=click.IntRange(1, None),
               help="Prefill chunk in tokens.")
 @click.option("--decode-reps", default=3, show_default=True, type=click.IntRange(1, None),
-              help="Measured rounds of the three decode settings (after one unmeasured round).")
+              help="Measured rounds of the decode settings (after one unmeasured round).")
 @click.option("--kills", "n_kills", default=6, show_default=True, type=click.IntRange(1, None),
               help="Generations SIGKILLed at random moments (greedy and sampled in turn).")
 @click.option("--kill-steps", default=32, show_default=True, type=click.IntRange(6, None),

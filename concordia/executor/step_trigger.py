@@ -1,0 +1,201 @@
+"""A trigger for a producer that marks its steps with one call: `generate()`'s
+stopping criterion (`integrations.transformers.CheckpointEvery`) on a
+resident session.
+
+    tr = s.resident.step_trigger(every=1)   # after the session's first epoch
+    for step in ...:
+        ...                                 # the step's work, queued or done
+        tr.step()                           # the step ends here: counted, held while its epoch is taken
+    s.settle()                              # the epochs taken on; tr.fired: [(epoch, count)]
+
+Where the device's EPOCH handler takes the session's epochs (a CuPy or CUDA
+tensor session on shm or huge pages, every region found dirty on the device:
+`checkpoint.arena_route`), `step()` queues executor.cu's `cx_step_gate` on
+the producer's stream (PyTorch's current stream where it is in use, else
+CuPy's): the step is counted in stream order, and at each multiple of
+`every` the persistent kernel holds the stream there, writes the epoch into
+the session's arena and lets go.  The host queues one launch a step and
+waits for nothing; `step()` also swaps the arena for a new one once half of
+it is used (`ArenaRoute.rotate`: a few host milliseconds every arena).
+
+Elsewhere the CPU consumer takes the epochs, with the same protocol on the
+host (`StepGate`, the twin of `cx_step_gate`): `step()` counts the step and,
+at each multiple of `every`, holds the calling thread until the consumer has
+written the epoch (into the arena where the tier and the regions allow it,
+else by the session's own path), so that the epoch holds the state between
+two steps.
+
+Either way a crash loses at most the epochs not yet written when it came:
+each is durable once its commit is in the log, with no call of the caller's.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import numpy as np
+
+from .errors import ExecutorError
+from .persistent import require_cupy
+
+#: u32 words of a device trigger's gate (checkpoint.device_epoch.GATE_WORDS, executor.cu's cx_step_gate)
+GATE_WORDS = 4
+
+#: longest a producer holds at its gate for one epoch before it is an error
+HOLD_S = 60.0
+
+
+class StepGate:
+    """The CPU twin of executor.cu's `cx_step_gate`, for a producer that calls
+    `step()` once per step: the step is counted (`read()`, the trigger's
+    counter) and, at each multiple of `every`, the producer holds there until
+    the consumer lets it go.  The consumer's `close()` returns once the
+    producer holds (the state between two steps), `open()` lets it go.
+    `release()` stops every hold (the trigger is disarmed)."""
+
+    kind = "steps"
+    #: the producer marks its steps from its own thread, so a recovery it asks
+    #: for comes between two of them: the executor's RECOVER does not close it
+    marks_steps = True
+
+    def __init__(self, every: int, wake=None, hold_s: float = HOLD_S):
+        self.every = int(every)
+        self.word = np.zeros(1, np.uint64)
+        self._cv = threading.Condition()
+        self._held = False
+        self._off = False
+        self._wake = wake
+        self.hold_s = hold_s
+
+    def read(self) -> int:
+        return int(self.word[0])
+
+    def step(self) -> None:
+        with self._cv:
+            self.word[0] += np.uint64(1)
+            if self._off or int(self.word[0]) % self.every:
+                return
+            self._held = True
+            self._cv.notify_all()
+        if self._wake is not None:
+            self._wake()
+        with self._cv:
+            if not self._cv.wait_for(lambda: not self._held or self._off, self.hold_s):
+                self._held = False
+                raise ExecutorError(f"the epoch at step {self.read()} was not taken within {self.hold_s:.0f} s",
+                                    where="step gate")
+
+    def close(self, timeout: float = HOLD_S) -> None:
+        with self._cv:
+            if not self._cv.wait_for(lambda: self._held or self._off, timeout):
+                raise ExecutorError(f"the producer did not reach its gate within {timeout:.0f} s", where="step gate")
+
+    def open(self) -> None:
+        with self._cv:
+            self._held = False
+            self._cv.notify_all()
+
+    def release(self) -> None:
+        with self._cv:
+            self._off = True
+            self._held = False
+            self._cv.notify_all()
+
+
+class CpuStepTrigger:
+    """`step()` for the CPU consumer's trigger (`ResidentExecutor.trigger`)
+    counting on a `StepGate`."""
+
+    on_device = False
+
+    def __init__(self, executor, every: int):
+        self.gate = StepGate(every, wake=executor.wake)
+        self.trigger = executor.trigger(every, counter=self.gate, gate=self.gate)
+        self._executor = executor
+
+    def step(self) -> None:
+        self.gate.step()
+
+    @property
+    def fired(self) -> list:
+        return list(self.trigger.fired)
+
+    @property
+    def errors(self) -> list:
+        return list(self.trigger.errors)
+
+    @property
+    def armed(self) -> bool:
+        return self.trigger.armed
+
+    def disarm(self) -> None:
+        self._executor.disarm()
+        self.gate.release()
+
+
+class DeviceStepTrigger:
+    """`step()` for the persistent kernel's trigger (module doc): a counter
+    and a gate in device memory, `cx_step_gate` queued on the producer's
+    stream, the arena swapped by the host once half used."""
+
+    on_device = True
+
+    def __init__(self, route, engine, every: int):
+        cp = require_cupy()
+        self.cp, self.route, self.engine, self.every = cp, route, engine, int(every)
+        self.counter = cp.zeros(1, cp.uint64)
+        self.gate = cp.zeros(GATE_WORDS, cp.uint32)
+        cp.cuda.get_current_stream().synchronize()
+        engine.trigger(self.every, self.counter, self.gate)
+        #: what stopped the kernel's trigger and was mended (an epoch lost), one line each
+        self.errors: list[str] = []
+        self.rotations = 0
+        self._fired_before: list = []   # the epochs of engines replaced after a lost epoch
+
+    def step(self) -> None:
+        with producer_stream(self.cp):
+            self.engine.step_gate(self.counter, self.gate)
+        try:
+            if self.route.rotate():
+                self.rotations += 1
+        except ExecutorError as exc:  # an epoch its arena lost: written whole now, the trigger armed again
+            self.errors.append(str(exc))
+            self._again()
+            return
+        status = self.engine.trigger_status
+        if status:
+            raise ExecutorError(f"the device trigger stopped with status {status}", where="device trigger")
+
+    def _again(self) -> None:
+        """After an epoch the arena lost: the session's own checkpoint writes
+        every region whole (what the lost epoch held, and since), on a new
+        engine the trigger is armed again."""
+        self._fired_before += self.engine.fired()
+        self.route.session.checkpoint(reason="trigger")
+        engine = self.route.device_engine()
+        if engine is None:
+            raise ExecutorError(f"the device trigger cannot go on: {self.route.why}", where="device trigger")
+        self.engine = engine
+        engine.trigger(self.every, self.counter, self.gate)
+
+    @property
+    def fired(self) -> list:
+        return self._fired_before + self.engine.fired()
+
+    @property
+    def armed(self) -> bool:
+        return self.engine.armed is not None and self.engine.trigger_status == 0
+
+    def disarm(self) -> None:
+        if self.engine.armed is not None:
+            self.engine.disarm()
+
+
+def producer_stream(cp):
+    """PyTorch's current stream as CuPy's current one where PyTorch uses
+    CUDA (the producer's steps run there), else CuPy's current stream."""
+    torch = sys.modules.get("torch")
+    if torch is not None and getattr(torch, "cuda", None) is not None and torch.cuda.is_initialized():
+        return cp.cuda.ExternalStream(int(torch.cuda.current_stream().cuda_stream))
+    return cp.cuda.get_current_stream()

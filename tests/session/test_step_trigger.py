@@ -1,0 +1,141 @@
+"""`ResidentExecutor.step_trigger` (concordia/executor/step_trigger.py): a
+producer marks each step's end with `step()` and the executor takes an epoch
+at every `every`-th, with no other call: on the CPU the consumer thread while
+the step holds (`StepGate`), on the GPU the persistent kernel at the step's
+gate in stream order.  Every epoch holds the state of the step it was taken
+at; an epoch its arena loses is written whole and the trigger goes on."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from concordia import Session
+from concordia.errors import ExecutorError
+from concordia.executor.step_trigger import StepGate
+from concordia.policy import Policy
+
+
+def _write(a, k: int) -> None:
+    a[(k * 97) % a.shape[0], (k * 13) % a.shape[1]] = k % 251
+
+
+def _run(s, a, steps: int, every: int, *, whole_at=(), host=np.asarray):
+    """`steps` steps of the producer, step() after each; {count: state} of every step."""
+    tr = s.resident.step_trigger(every)
+    states = {}
+    for k in range(1, steps + 1):
+        if k in whole_at:
+            a[...] = k % 251
+        else:
+            _write(a, k)
+        tr.step()
+        states[k] = np.array(host(a))
+    return tr, states
+
+
+def test_the_consumer_takes_an_epoch_at_every_nth_step_while_it_holds(shm_log):
+    with Session(shm_log, size=32 << 20, segment_size=4 << 20, executor="resident",
+                 policy=Policy(retain=False)) as s:
+        a = np.zeros((64, 1024), np.uint8)
+        s.register("a", a, detect="shadow", page_bytes=4096)
+        s.checkpoint()
+        tr, states = _run(s, a, 40, 3)
+        assert not tr.on_device and not tr.errors
+        assert [c for _, c in tr.fired] == list(range(3, 41, 3))   # each at its multiple, none missed
+        assert s.resident.info()["trigger"]["in_arena"] == 13
+        tr.disarm()
+        s.settle()
+        assert s.log.verify()["corrupt"] == 0
+        for epoch, count in tr.fired:
+            np.testing.assert_array_equal(s.recover(epoch)["a"], states[count], err_msg=f"epoch {epoch}")
+
+
+def test_an_epoch_its_arena_loses_is_written_whole_in_the_same_step(shm_log):
+    """A 2 MiB region against 1 MiB segments: every step's few pages go into
+    arenas; the step that rewrites it whole is lost there and written whole
+    by the session's path, and the steps after it go into the arena again."""
+    with Session(shm_log, size=32 << 20, segment_size=1 << 20, executor="resident",
+                 policy=Policy(retain=False)) as s:
+        a = np.zeros((2048, 1024), np.uint8)
+        s.register("a", a, detect="shadow", page_bytes=4096)
+        s.checkpoint()
+        tr, states = _run(s, a, 12, 1, whole_at=(5,))
+        assert [c for _, c in tr.fired] == list(range(1, 13)) and not tr.errors
+        assert s.runner.arenas_lost == 1 and s.resident.info()["trigger"]["in_arena"] == 11
+        s.settle()
+        for epoch, count in tr.fired:
+            np.testing.assert_array_equal(s.recover(epoch)["a"], states[count], err_msg=f"epoch {epoch}")
+
+
+def test_the_producer_may_recover_between_its_steps_with_the_trigger_armed(shm_log):
+    """recover() from the producer's own thread comes between two of its
+    steps: the RECOVER task does not wait for a gate the producer would have
+    to reach."""
+    with Session(shm_log, size=32 << 20, segment_size=4 << 20, executor="resident") as s:
+        a = np.zeros((64, 1024), np.uint8)
+        s.register("a", a, detect="shadow", page_bytes=4096)
+        s.checkpoint()
+        tr, states = _run(s, a, 4, 1)
+        epoch, count = tr.fired[-1]
+        np.testing.assert_array_equal(s.recover(epoch)["a"], states[count])
+        _write(a, 5)
+        tr.step()
+        assert [c for _, c in tr.fired] == [1, 2, 3, 4, 5]
+
+
+def test_a_step_gate_holds_only_at_its_multiples_and_lets_go_when_released():
+    gate = StepGate(2, hold_s=5.0)
+    gate.step()   # 1: no hold
+    assert gate.read() == 1
+    held = threading.Event()
+
+    def consumer():
+        gate.close(timeout=5.0)   # returns once the producer holds at 2
+        held.set()
+        gate.open()
+
+    t = threading.Thread(target=consumer)
+    t.start()
+    gate.step()   # 2: holds until the consumer opens
+    t.join(5.0)
+    assert held.is_set() and gate.read() == 2
+    gate.release()
+    gate.step()
+    gate.step()   # 4: released, no hold
+    assert gate.read() == 4
+    with pytest.raises(ExecutorError, match="did not reach its gate"):
+        StepGate(2).close(timeout=0.01)
+
+
+@pytest.mark.gpu
+def test_the_persistent_kernel_takes_the_epochs_at_the_steps_gate(shm_log):
+    """A CuPy session: step() queues the gate on the producer's stream and
+    waits for nothing; the kernel takes each epoch there; the host swaps the
+    arena as it fills (small segments: several swaps); a whole rewrite is
+    lost in its arena and written whole; every epoch recovers its step."""
+    import cupy as cp
+
+    with Session(shm_log, size=64 << 20, segment_size=1 << 20, executor="resident",
+                 policy=Policy(retain=False)) as s:
+        a = cp.zeros((2048, 1024), cp.uint8)
+        s.register("a", a, detect="shadow", page_bytes=4096)
+        s.checkpoint()
+        _write(a, 0)  # CuPy's kernels loaded before the executor is resident
+        cp.cuda.get_current_stream().synchronize()
+        tr, states = _run(s, a, 120, 1, whole_at=(60,), host=lambda x: x.get())
+        cp.cuda.get_current_stream().synchronize()
+        assert tr.on_device
+        fired = tr.fired
+        tr.disarm()
+        s.settle()
+        assert tr.rotations >= 2 and len(tr.errors) == 1 and "did not fit" in tr.errors[0], (tr.rotations, tr.errors)
+        counts = [c for _, c in fired]
+        # steps pass with no epoch only while the host swaps an arena or mends the lost one
+        assert counts == sorted(set(counts)) and len(counts) >= 90, counts
+        assert s.log.verify()["corrupt"] == 0
+        for epoch, count in fired:
+            got = s.recover(epoch)["a"]
+            assert np.asarray(got.get() if hasattr(got, "get") else got).tobytes() == states[count].tobytes(), epoch
