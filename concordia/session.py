@@ -123,7 +123,7 @@ class Session:
         self.last_recovery: RecoveryStats | None = None
         #: automatic bases and compaction under the policy (concordia.retention)
         self.retention = Retention(self, self.region_set, self.policy)
-        self._before_checkpoint: list = []
+        self.checkpoint_hooks: list = []  # before_checkpoint()
         #: `resident`: the executor behind the session (None: the caller's thread
         #: runs every epoch); `executor_info`: which path epochs take, and why
         try:
@@ -318,7 +318,7 @@ class Session:
         framework's cache), queued on the caller's current stream."""
         if not callable(fn):
             raise SessionError(f"before_checkpoint takes a callable, not {fn!r}")
-        self._before_checkpoint.append(fn)
+        self.checkpoint_hooks.append(fn)
 
     def settle(self) -> CheckpointStats | None:
         """Commit the epoch a `checkpoint(wait=False)` left pending, waiting
@@ -368,7 +368,7 @@ class Session:
             raise SessionError("nothing to checkpoint: no region is registered")
         self._writer("checkpoint")
         self.settle()
-        for fn in self._before_checkpoint:
+        for fn in self.checkpoint_hooks:
             fn()
         stats = self.runner.run(self.log, reason=reason, stream=stream, on_full=on_full, left=self.retention.room,
                                 wait=wait)

@@ -134,6 +134,8 @@ class ArenaRoute:
         if why is not None:
             return None
         engine, t = self.engine, self.engine.tpass.table
+        for fn in self.session.checkpoint_hooks:  # `before_checkpoint`, as the session's own path runs them
+            fn()
         try:
             engine.ensure_arena()
         except (LogFullError, ValueError) as exc:  # nothing written: this epoch takes the session's path

@@ -231,3 +231,29 @@ def test_a_cupy_sessions_checkpoints_run_on_the_persistent_kernel(shm_log):
             for name, w in zip(("kv", "lora", "extra"), want):
                 g = got[name]
                 assert np.asarray(g.get() if hasattr(g, "get") else g).tobytes() == w.tobytes(), (epoch, name)
+
+
+def test_an_arena_epoch_runs_the_before_checkpoint_hooks_as_the_sessions_path_does(shm_log):
+    """A hook that mirrors host state into a registered array (as the
+    transformers integration writes its counters) runs before every arena
+    epoch reads the regions: each epoch holds what the hook wrote."""
+    with Session(shm_log, size=LOG_SIZE, segment_size=SEGMENT, executor="resident",
+                 policy=Policy(retain=False)) as s:
+        mirror = np.zeros(1024, np.int64)
+        count = [0]
+
+        def hook():
+            count[0] += 1
+            mirror[0] = count[0]
+
+        s.register("mirror", mirror, detect="shadow", page_bytes=4096)
+        s.before_checkpoint(hook)
+        epochs = {}
+        for _ in range(4):
+            st = s.checkpoint()
+            epochs[st.epoch] = (int(mirror[0]), set(st.via.values()))
+        assert [v[0] for v in epochs.values()] == [1, 2, 3, 4]
+        assert all(v[1] == {VIA_CONSUMER} for v in list(epochs.values())[1:]), epochs
+        s.settle()
+        for epoch, (want, _) in epochs.items():
+            assert int(s.recover(epoch)["mirror"][0]) == want, epoch
