@@ -6,7 +6,9 @@
 # generate() through concordia.integrations.transformers.
 #   bench model --parts MODEL_PARTS (default decode,longrun,kills):
 #     decode    tokens/s with no checkpoint, every step, every 8 steps (pending
-#               epochs, CheckpointEvery's default), every step waiting
+#               epochs, CheckpointEvery's default), every step waiting, and
+#               every step and every 8 on a resident session (the persistent
+#               kernel's step trigger)
 #     longrun   10,000 every-step checkpoints into a log of 4x the state
 #     kills     6 SIGKILLs at random moments of generate(), greedy and sampled
 #               in turn, each restored and finished in a fresh process

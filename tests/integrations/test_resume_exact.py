@@ -168,3 +168,63 @@ def test_protect_without_rng_registers_no_generator_region(tmp_path):
         assert "hf.rng" not in s.regions and g.rng is None
         g2_names = set(s.regions)
     assert g2_names == set(g.names)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
+def test_the_persistent_kernels_trigger_takes_generates_epochs_and_a_resume_is_identical(sample):
+    """A tiny Qwen3 on CUDA (generate()'s decode step compiled, its default)
+    with a LoRA updated online, on a resident session over shm: after
+    CheckpointEvery's first checkpoint the persistent kernel takes every
+    step's epoch at the step's gate (one launch a step from the host).  A
+    restore of the last epoch into fresh objects, continued, gives the tokens,
+    cache and LoRA weights of an uninterrupted run on a host session."""
+    import os
+
+    from concordia.demo.model import digest
+    from tests.conftest import SHM_DIR, shm_test_name
+
+    def make():
+        cfg, model = build("tiny", "cuda")
+        return cfg, model, StaticCache(config=cfg, max_cache_len=32)
+
+    def gen(model, cache, guard, ids, n, start=0, mask=None):
+        hook = CheckpointEvery(guard, 1, on_step=lora_update(model), start=start)
+        kw = {"do_sample": True, "top_k": 0} if sample else {"do_sample": False}
+        return model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=n,
+                              stopping_criteria=[hook], **kw), hook
+
+    names = [shm_test_name("hf-ref"), shm_test_name("hf-res")]
+    try:
+        cfg, model, cache = make()
+        ids = prompt(2, 8, cfg.vocab_size, "cuda", seed=3)
+        torch.manual_seed(5)
+        with concordia.Session(f"shm:{names[0]}", size=64 << 20, segment_size=8 << 20) as s:
+            g = protect(s, cache, model, batch_size=2, max_tokens=32)
+            ref, _ = gen(model, cache, g, ids, 12)
+            torch.cuda.synchronize()
+            want = digest(g)
+        cfg, model, cache = make()
+        torch.manual_seed(5)
+        with concordia.Session(f"shm:{names[1]}", size=64 << 20, segment_size=8 << 20, executor="resident") as s:
+            g = protect(s, cache, model, batch_size=2, max_tokens=32)
+            _, hook = gen(model, cache, g, ids, 7)
+            torch.cuda.synchronize()
+            assert hook.trigger is not None and hook.trigger.on_device, s.resident.info()["route"]
+            assert len(hook.fired) == 6 and not hook.trigger.errors, (hook.fired, hook.trigger.errors)
+        cfg, model, cache = make()
+        torch.manual_seed(999)  # the generator elsewhere: restore puts it back
+        with concordia.Session(f"shm:{names[1]}", create=False, executor="resident") as s:
+            g = protect(s, cache, model, batch_size=2, max_tokens=32)
+            state = restore(s, g)
+            assert state.steps == 7
+            out, _ = gen(model, cache, g, state.tokens, 12 - state.steps, start=state.steps,
+                         mask=state.attention_mask)
+            torch.cuda.synchronize()
+            assert torch.equal(out, ref) and digest(g) == want
+    finally:
+        for name in names:
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+            except FileNotFoundError:
+                pass
