@@ -271,8 +271,13 @@ class DeviceEpochs:
         if gate.size < GATE_WORDS or gate.dtype != np.uint32:
             raise ExecutorError(f"a trigger's gate is {GATE_WORDS} uint32 words, not {gate.size} of {gate.dtype}",
                                 where="device trigger")
-        self.armed = (int(every), counter, gate)
-        return self._arm(*self.armed)
+        # the arrays of a trigger armed before live until the kernel has let go of them (arming again
+        # releases the old gate, a device write to it)
+        before, self.armed = self.armed, (int(every), counter, gate)
+        try:
+            return self._arm(*self.armed)
+        finally:
+            del before
 
     def _arm(self, every, counter, gate):
         c = self.submitter.call(self.Op.EPOCH, args=(self.d_desc.data.ptr, every, counter.data.ptr, gate.data.ptr),
