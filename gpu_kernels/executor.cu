@@ -511,16 +511,23 @@ extern "C" __global__ void cx_step_gate(u64* counter, u32* gate, u64 timeout_ns)
     __threadfence_system();
     const u32 every = *(volatile u32*)&gate[2];
     if (every == 0 || count % every) return;
-    *(volatile u32*)&gate[1] = 1;
+    // gate[1]: 0 none, 1 held (this step), 2 taken (the control warp runs its epoch)
+    atomicExch(&gate[1], 1u);
     __threadfence_system();
     const u64 t0 = now_ns();
     u32 nap = 32;
-    // let go by the executor (gate[1] = 0), or the trigger gone (gate[2] = 0): no epoch comes
-    while (*(volatile u32*)&gate[1] && *(volatile u32*)&gate[2] && now_ns() - t0 < timeout_ns) {
+    for (;;) {
+        const u32 g = *(volatile u32*)&gate[1];
+        if (g == 0) break;                                // let go after its epoch (or released)
+        if (*(volatile u32*)&gate[2] == 0 && g == 1) {    // the trigger went before taking it
+            atomicCAS(&gate[1], 1u, 0u);
+            break;
+        }
+        // not taken in time: go on without an epoch; once taken, wait for it to end
+        if (now_ns() - t0 > timeout_ns && atomicCAS(&gate[1], 1u, 0u) == 1u) break;
         __nanosleep(nap);
         nap = min(nap * 2, 4096u);
     }
-    *(volatile u32*)&gate[1] = 0;
     __threadfence_system();
 }
 
@@ -531,21 +538,38 @@ struct cx_trigger {  // lane 0's, in registers: what an EPOCH task with a[1] > 0
     u32* gate;
 };
 
+// what a trigger's log says in [1] when the executor left with it armed (its lifetime, a fault):
+// not a ring status; the host arms it again (device_epoch.TRIGGER_LEFT)
+#define CX_TRIGGER_LEFT 0x100
+
 // Lane 0, as the trigger goes (disarmed, armed again, the executor leaving):
 // no step holds for it from here on, and one held now is let go.
 __device__ __forceinline__ void trigger_release(cx_trigger* t) {
     if (t->gate == nullptr) return;
     *(volatile u32*)&t->gate[2] = 0;
-    *(volatile u32*)&t->gate[1] = 0;
+    __threadfence_system();
+    atomicExch(&t->gate[1], 0u);
     __threadfence_system();
 }
 
+// Lane 0, as the executor leaves: an armed trigger says so in its log, so that
+// the host, which believes it armed, arms it again (the next task relaunches).
+__device__ __forceinline__ void trigger_leave(cx_trigger* t) {
+    if (t->d != nullptr) {
+        reinterpret_cast<volatile u64*>(t->d->fired)[1] = CX_TRIGGER_LEFT;
+        t->d = nullptr;
+    }
+    trigger_release(t);
+}
+
 // Lane 0, between polls of the ring: one step of the armed trigger.  Returns
-// whether it ran an epoch (the caller counts it as work, not idleness).
-__device__ bool trigger_poll(cx_trigger* t, cx_scratch* sc, u64 child_timeout_ns) {
-    if (t->d == nullptr) return false;
-    volatile u32* gate = t->gate;
-    if (gate[1] != 1) return false;  // no step holds at a multiple
+// 1 when it ran an epoch (the caller counts it as work, not idleness), 2 when
+// the epoch timed out (its child may still run: the executor leaves faulted),
+// else 0.
+__device__ int trigger_poll(cx_trigger* t, cx_scratch* sc, u64 child_timeout_ns) {
+    if (t->d == nullptr) return 0;
+    if (atomicCAS(&t->gate[1], 1u, 2u) != 1u) return 0;  // no step holds at a multiple (or it gave up)
+    __threadfence_system();
     const u64 count = *(volatile u64*)t->counter;
     u64 l0 = 0, l1 = 0;
     const int status = run_epoch(t->d, sc, child_timeout_ns, &l0, &l1);
@@ -563,12 +587,12 @@ __device__ bool trigger_poll(cx_trigger* t, cx_scratch* sc, u64 child_timeout_ns
         fired[1] = (u64)status;
         t->d = nullptr;
         trigger_release(t);
-        return true;
+        return status == ST_TIMEOUT ? 2 : 1;
     }
     __threadfence_system();
-    gate[1] = 0;
+    atomicExch(&t->gate[1], 0u);
     __threadfence_system();
-    return true;
+    return 1;
 }
 #endif
 
@@ -735,7 +759,14 @@ extern "C" __global__ void __launch_bounds__(32, 1)
                     break;
                 }
 #if defined(CX_EPOCH) && CX_CHILD
-                if (trigger_poll(&trig, sc, child_timeout_ns)) {  // an epoch ran: work, not idleness
+                const int polled = trigger_poll(&trig, sc, child_timeout_ns);
+                if (polled == 2) {  // its epoch timed out: leave faulted, as a timed-out task does
+                    *state = CS_FAULT;
+                    __threadfence_system();
+                    cmd = 2;
+                    break;
+                }
+                if (polled) {  // an epoch ran: work, not idleness
                     t_idle = now_ns();
                     spins = 0;
                     nap = 0;
@@ -767,7 +798,7 @@ extern "C" __global__ void __launch_bounds__(32, 1)
         }
         cmd = __shfl_sync(FULL, cmd, 0);
 #if defined(CX_EPOCH) && CX_CHILD
-        if (cmd == 2 && lane == 0) trigger_release(&trig);
+        if (cmd == 2 && lane == 0) trigger_leave(&trig);
 #endif
         if (cmd == 2) return;
         __syncwarp();  // orders lane 0's acquire before the other lanes' slot loads
@@ -869,7 +900,7 @@ extern "C" __global__ void __launch_bounds__(32, 1)
         }
         ++n;
 #if defined(CX_EPOCH) && CX_CHILD
-        if (leave && lane == 0) trigger_release(&trig);
+        if (leave && lane == 0) trigger_leave(&trig);
 #endif
         if (leave) return;
         t_idle = now_ns();

@@ -170,7 +170,9 @@ __device__ __forceinline__ void positions_rows(const TableEntry* __restrict__ ta
             (u8)(whole || positions_page_dirty(p, t.page_bytes, t.nbytes, s->max_len * s->row_bytes, s->row_bytes,
                                                s->last, now));
         if (p == 0) {
-            s->now = read != now ? -1 : now;  // a length out of range: every page, and again next time
+            // a length out of range: every page, and again next time (the host's twin refuses it in
+            // one line; the device cannot, so it writes the region whole)
+            s->now = read != now ? -1 : now;
             s->now_seq = seq;
         }
     }

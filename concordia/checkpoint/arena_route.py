@@ -50,6 +50,7 @@ from concordia.checkpoint import arena as arena_mod
 from concordia.checkpoint import device_epoch
 from concordia.checkpoint.host import HostTablePass
 from concordia.checkpoint.stats import CheckpointStats
+from concordia.executor.errors import ExecutorError
 from concordia.regions.errors import SessionError
 from concordia.wal.errors import LogFullError
 
@@ -141,6 +142,11 @@ class ArenaRoute:
         except (LogFullError, ValueError) as exc:  # nothing written: this epoch takes the session's path
             self.why = f"no arena for the epoch now: {str(exc).strip().splitlines()[0]}"
             return None
+        except ExecutorError as exc:  # a trigger's epoch the arena lost: taken on, every region whole next
+            self.lost += 1
+            self.lost_why = self.why = f"{str(exc).strip().splitlines()[0]}: written whole on the session's path"
+            self.close()
+            return None
         if engine.where == "caller":
             _wait_for_producers(self.session.region_set)
         try:
@@ -151,6 +157,7 @@ class ArenaRoute:
         if log_bytes is None:
             self._lost()
             return None
+        t.last_bytes = int(log_bytes)  # what the next arena is sized by (the twin's pass keeps it itself)
         arena = self.session.runner.arena
         epoch = arena.word("last_epoch")
         counts = engine.counts()

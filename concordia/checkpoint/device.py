@@ -474,7 +474,10 @@ class DeviceTablePass:
 
     def bound(self, listed: np.ndarray) -> int:
         """Record bytes this epoch cannot exceed: every page of the rows a
-        device detector scans, and the pages listed now of the others."""
+        device detector scans, and the pages listed now of the others.  A
+        positions row whose length is a device word (DET_POSITIONS) counts
+        every page: reading the word would wait for the producer's queued
+        steps, so a large cache by words is not deferred (`launch`)."""
         from concordia.checkpoint.table import DET_LISTED, counts_of, plan_records
 
         t = self.table

@@ -78,8 +78,13 @@ STAMPS = ("launch", "driver", "detect", "plan", "stage", "finalize", "commit", "
 #: (epoch, count) pairs a trigger's log holds (executor.cu: trigger_poll)
 FIRED_CAP = 4096
 
-#: u32 words of a trigger's gate (executor.cu: cx_step_gate): [1] a step holds, [2] the armed every (0: none)
+#: u32 words of a trigger's gate (executor.cu: cx_step_gate): [1] 0 none, 1 a step holds, 2 its epoch
+#: runs; [2] the armed every (0: none)
 GATE_WORDS = 4
+
+#: what a trigger's log says (`trigger_status`) when the executor left with it armed (its lifetime):
+#: not a ring status; it is armed again (executor.cu: CX_TRIGGER_LEFT)
+TRIGGER_LEFT = 0x100
 
 
 def why_not(tpass, backend) -> str | None:
@@ -187,6 +192,7 @@ class DeviceEpochs:
         self.descs: list = []   # every descriptor handed to the kernel, kept while it may read one
         self.armed = None       # (every, counter, gate) of the trigger armed, kept while it is paused
         self.kernel_armed = False  # whether the kernel's trigger writes the open arena now
+        self.fired_kept: list = []  # the trigger's epochs moved out of its log at each arena swap
         self.gring = GpuRing(64, where="device epochs ring")
         self.executor = GpuExecutor(self.gring, self.module, child_timeout_s=child_timeout_s, lifetime_s=600.0,
                                     idle_s=idle_s)
@@ -280,6 +286,7 @@ class DeviceEpochs:
             del before
 
     def _arm(self, every, counter, gate):
+        self.log.array.view(np.uint64)[1] = 0  # what stopped a trigger before is not this one's
         c = self.submitter.call(self.Op.EPOCH, args=(self.d_desc.data.ptr, every, counter.data.ptr, gate.data.ptr),
                                 timeout=30.0)
         if c.status != 0:
@@ -314,6 +321,7 @@ class DeviceEpochs:
         and the trigger armed on it.  Steps between pass their gate with no
         epoch: the next epoch holds what they changed."""
         self.pause()
+        self._keep_fired()
         ar = self.session.runner.arena
         lost = ar is not None and ar.lost
         self.session.settle()
@@ -333,7 +341,15 @@ class DeviceEpochs:
         """The trigger's epochs so far: [(epoch, count)] in order."""
         log = self.log.array.view(np.uint64)
         n = int(log[0])
-        return [(int(log[2 + 2 * i]), int(log[3 + 2 * i])) for i in range(n)]
+        return self.fired_kept + [(int(log[2 + 2 * i]), int(log[3 + 2 * i])) for i in range(n)]
+
+    def _keep_fired(self) -> None:
+        """With the trigger paused: its log's epochs kept here, the log emptied
+        (it holds FIRED_CAP of them)."""
+        log = self.log.array.view(np.uint64)
+        n = int(log[0])
+        self.fired_kept += [(int(log[2 + 2 * i]), int(log[3 + 2 * i])) for i in range(n)]
+        log[0] = 0
 
     def phases(self) -> dict:
         """The last epoch's phases in µs ({phase: µs since the stamp before},

@@ -279,6 +279,7 @@ class EpochRunner:
             self.paths[a.label] += len(t.names)
         if out:
             self.last_log_bytes = int(out[-1].log_bytes)
+            t.last_bytes = max(int(st.log_bytes) for st in out)  # a device consumer's epochs: the next arena's size
         return out
 
     # -- one epoch ---------------------------------------------------------------

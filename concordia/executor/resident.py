@@ -675,6 +675,7 @@ class ResidentExecutor:
         if tr is not None:
             with self.lock:   # not in the middle of one of its epochs
                 tr.armed = False
+            _release(tr.gate)
         self._relax()
 
     def _relax(self) -> None:
@@ -722,6 +723,7 @@ class ResidentExecutor:
         except Exception as exc:  # the trigger stops and says why; the consumer goes on
             tr.errors.append(f"{type(exc).__name__}: {exc}")
             tr.armed = False
+            _release(tr.gate)
             self._relax()
         return True
 
@@ -782,6 +784,14 @@ class ResidentExecutor:
             if self._committer is not None:
                 self._commits.put(None)
                 self._committer.join(timeout)
+
+
+def _release(gate) -> None:
+    """A gate whose producer holds at its steps (`step_trigger.StepGate`) lets
+    it go for good: no epoch comes for a trigger that stopped."""
+    release = getattr(gate, "release", None)
+    if release is not None:
+        release()
 
 
 def caller_streams() -> list:

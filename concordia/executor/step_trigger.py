@@ -115,6 +115,8 @@ class CpuStepTrigger:
         self._executor = executor
 
     def step(self) -> None:
+        if self.trigger.errors:  # stopped: say why rather than go on with no epochs
+            raise ExecutorError(f"the trigger stopped: {self.trigger.errors[-1]}", where="step trigger")
         self.gate.step()
 
     @property
@@ -141,6 +143,11 @@ class DeviceStepTrigger:
 
     on_device = True
 
+    #: the kernel's trigger log says it left with the trigger armed (checkpoint.device_epoch.TRIGGER_LEFT)
+    LEFT = 0x100
+    #: ... or that an epoch did not fit its arena (ring.Status.LOST)
+    LOST = 7
+
     def __init__(self, route, engine, every: int):
         cp = require_cupy()
         self.cp, self.route, self.engine, self.every = cp, route, engine, int(every)
@@ -148,29 +155,48 @@ class DeviceStepTrigger:
         self.gate = cp.zeros(GATE_WORDS, cp.uint32)
         cp.cuda.get_current_stream().synchronize()
         engine.trigger(self.every, self.counter, self.gate)
-        #: what stopped the kernel's trigger and was mended (an epoch lost), one line each
+        #: what stopped the kernel's trigger and was mended (an epoch lost, the regions changed), one line each
         self.errors: list[str] = []
         self.rotations = 0
-        self._fired_before: list = []   # the epochs of engines replaced after a lost epoch
+        self.rearmed = 0
+        self._fired_before: list = []   # the epochs of engines replaced since
+        self._stream = None             # (the producer's stream pointer, its CuPy view)
 
     def step(self) -> None:
-        with producer_stream(self.cp):
+        self._keep_armed()  # first: this step's gate then holds for an epoch, not for an arena swap
+        ptr, stream = producer_stream(self.cp, self._stream)
+        self._stream = (ptr, stream)
+        with stream:
             self.engine.step_gate(self.counter, self.gate)
+
+    def _keep_armed(self) -> None:
+        """Between two steps, on the host: the kernel's trigger armed on an
+        arena with room, on the engine that takes the session's regions as
+        they are now; what stopped it mended, or raised in one line."""
+        route, engine = self.route, self.engine
+        if route.engine is not engine or route.version != route.session.region_set.version:
+            self._again("the regions or the engine changed")
+            return
+        status = engine.trigger_status
+        if status == self.LOST:
+            self._again(f"an epoch did not fit its arena (status {status})")
+            return
+        if status == self.LEFT:  # the kernel reached its lifetime: armed again, which launches it again
+            self.rearmed += 1
+            engine.trigger(self.every, self.counter, self.gate)
+        elif status:
+            raise ExecutorError(f"the device trigger stopped with status {status}", where="device trigger")
         try:
-            if self.route.rotate():
+            if route.rotate():
                 self.rotations += 1
         except ExecutorError as exc:  # an epoch its arena lost: written whole now, the trigger armed again
-            self.errors.append(str(exc))
-            self._again()
-            return
-        status = self.engine.trigger_status
-        if status:
-            raise ExecutorError(f"the device trigger stopped with status {status}", where="device trigger")
+            self._again(str(exc))
 
-    def _again(self) -> None:
-        """After an epoch the arena lost: the session's own checkpoint writes
-        every region whole (what the lost epoch held, and since), on a new
-        engine the trigger is armed again."""
+    def _again(self, why: str) -> None:
+        """The session's own checkpoint (every region whole after a lost
+        epoch; a new region's base), then the trigger armed again on the
+        engine for the regions as they are."""
+        self.errors.append(why)
         self._fired_before += self.engine.fired()
         self.route.session.checkpoint(reason="trigger")
         engine = self.route.device_engine()
@@ -185,17 +211,23 @@ class DeviceStepTrigger:
 
     @property
     def armed(self) -> bool:
-        return self.engine.armed is not None and self.engine.trigger_status == 0
+        return self.engine.armed is not None and self.engine.trigger_status in (0, self.LEFT)
 
     def disarm(self) -> None:
         if self.engine.armed is not None:
             self.engine.disarm()
 
 
-def producer_stream(cp):
-    """PyTorch's current stream as CuPy's current one where PyTorch uses
-    CUDA (the producer's steps run there), else CuPy's current stream."""
+def producer_stream(cp, last=None):
+    """(pointer, CuPy stream) of the producer's stream: PyTorch's current
+    stream where PyTorch uses CUDA (the producer's steps run there), else
+    CuPy's current stream; `last` (the pair returned before) is reused while
+    the stream is the same."""
     torch = sys.modules.get("torch")
     if torch is not None and getattr(torch, "cuda", None) is not None and torch.cuda.is_initialized():
-        return cp.cuda.ExternalStream(int(torch.cuda.current_stream().cuda_stream))
-    return cp.cuda.get_current_stream()
+        ptr = int(torch.cuda.current_stream().cuda_stream)
+        if last is not None and last[0] == ptr:
+            return last
+        return ptr, cp.cuda.ExternalStream(ptr)
+    st = cp.cuda.get_current_stream()
+    return st.ptr, st

@@ -86,6 +86,33 @@ def test_the_producer_may_recover_between_its_steps_with_the_trigger_armed(shm_l
         assert [c for _, c in tr.fired] == [1, 2, 3, 4, 5]
 
 
+def test_a_trigger_that_stops_lets_the_held_step_go_and_the_next_step_says_why(shm_log, monkeypatch):
+    """An epoch that fails on the consumer stops the trigger: the step held
+    for it goes on at once (not after the gate's 60 s), and the producer's
+    next step raises the trigger's error in one line rather than going on
+    with no epochs."""
+    import time
+
+    from concordia.executor.resident import ResidentExecutor
+
+    with Session(shm_log, size=32 << 20, segment_size=4 << 20, executor="resident") as s:
+        a = np.zeros((64, 1024), np.uint8)
+        s.register("a", a, detect="shadow", page_bytes=4096)
+        s.checkpoint()
+        tr = s.resident.step_trigger(1)
+
+        def broken(self, reason):
+            raise RuntimeError("the arena could not be written")
+
+        monkeypatch.setattr(ResidentExecutor, "_arena_epoch", broken)
+        t0 = time.monotonic()
+        _write(a, 1)
+        tr.step()  # held, let go when the epoch fails
+        assert time.monotonic() - t0 < 30 and not tr.armed and "could not be written" in tr.errors[-1]
+        with pytest.raises(ExecutorError, match="the trigger stopped: RuntimeError: the arena could not be written"):
+            tr.step()
+
+
 def test_a_step_gate_holds_only_at_its_multiples_and_lets_go_when_released():
     gate = StepGate(2, hold_s=5.0)
     gate.step()   # 1: no hold
