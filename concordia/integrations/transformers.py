@@ -86,6 +86,8 @@ class Guard:
     #: resets (the positions detectors' sequence id), and its last value written
     resets: object | None = None
     _resets_last: int | None = None
+    _cum: list | None = None  # the layers' position tensors, when one stack takes them (`_sync_counters`)
+    _cum_buf: object | None = None
 
     @property
     def names(self) -> list[str]:
@@ -174,8 +176,17 @@ class Guard:
         # sliding-window layer also keeps a Python int that leaves them behind
         # once the window is full.  Both go into one int64 row per layer.
         layers = self.cache.layers
-        pos = torch.stack([layer.cumulative_length.reshape(()).to(self.counters.device, torch.int64)
-                           for layer in layers])
+        cum = [layer.cumulative_length for layer in layers]
+        if self._cum is None or any(a is not b for a, b in zip(cum, self._cum)):
+            # the layers' own position tensors, made once and moved in place: stacked in one call each time
+            fast = all(isinstance(t, torch.Tensor) and t.dim() == 0 and t.dtype == torch.int64
+                       and t.device == self.counters.device for t in cum)
+            self._cum = cum if fast else None
+            self._cum_buf = torch.empty(len(cum), dtype=torch.int64, device=self.counters.device) if fast else None
+        if self._cum is not None:
+            pos = torch.stack(cum, out=self._cum_buf)
+        else:
+            pos = torch.stack([t.reshape(()).to(self.counters.device, torch.int64) for t in cum])
         self.counters[:, 0].copy_(pos)
         if self.resets is not None:  # words mode: the detectors read the counters where they are
             self._known_length = None
