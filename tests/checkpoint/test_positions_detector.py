@@ -414,6 +414,9 @@ def test_bench_decode_step_registers_the_cache_by_positions():
     assert d["fingerprint_dirty_bytes_adapters_clean"] == 56 * 64 * 4096
     # the host writes retention's bases here (the device stager writes from pinned copies on a GPU)
     assert d["base_staging"] is None and isinstance(d["retention_jobs"], int) and d["retention_bases_retain_off"] == 0
+    # the same step on a resident session, its caches' length in a word: the consumer's arena epochs
+    assert d["via_resident"] == ["consumer-arena"] and d["route_resident"]["why"] is None
+    assert d["dirty_bytes_resident"] == d["dirty_bytes"] and d["ckpt_ms_mean_resident"] > 0
 
 
 # --- the device --------------------------------------------------------------------
