@@ -193,6 +193,7 @@ class DeviceEpochs:
         self.armed = None       # (every, counter, gate) of the trigger armed, kept while it is paused
         self.kernel_armed = False  # whether the kernel's trigger writes the open arena now
         self.fired_kept: list = []  # the trigger's epochs moved out of its log at each arena swap
+        self.last = None            # the completion of the last EPOCH task (`epoch`)
         self.gring = GpuRing(64, where="device epochs ring")
         self.executor = GpuExecutor(self.gring, self.module, child_timeout_s=child_timeout_s, lifetime_s=600.0,
                                     idle_s=idle_s)
@@ -228,7 +229,8 @@ class DeviceEpochs:
         bytes, lsn0 = the epoch's first record, lsn1 = its commit).  An arena
         with no room is taken on first (the host's part) and another opened."""
         self.ensure_arena()
-        return self.submitter.call(self.Op.EPOCH, args=(self.d_desc.data.ptr,), timeout=timeout)
+        self.last = self.submitter.call(self.Op.EPOCH, args=(self.d_desc.data.ptr,), timeout=timeout)
+        return self.last
 
     # -- as an engine of the resident executor's arena route (checkpoint/arena_route.py) --
     via = "device-epoch"

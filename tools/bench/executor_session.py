@@ -29,9 +29,11 @@ Session, against the host path, through the public entry points.
             on the thread consumer until the device epoch handler exists.
 
   device    (GPU only) the persistent kernel's EPOCH handler
-            (checkpoint/device_epoch.py): `epoch_on_device` from one EPOCH
-            task's completion; the device trigger's stall (300 steps queued,
-            each with the step gate, the caller in a pure-Python loop for
+            (checkpoint/device_epoch.py), through a resident Session:
+            `epoch_on_device` from the completion of the EPOCH task behind one
+            `checkpoint()`; the device trigger's stall (300 steps queued, each
+            followed by `s.resident.step_trigger(8).step()`, the step gate on
+            the caller's stream; the caller in a pure-Python loop for
             GIL_HELD_S; every epoch checked in a fresh process), which becomes
             `"stall"`; `latency_ms`: `Session.checkpoint()` with
             executor="resident" (the product path, the ckpt_ms row) against
@@ -204,15 +206,15 @@ print(json.dumps(out))
 
 
 def run_device_epochs(cp, counts: list[int], log: str, quick: bool, scratch: Scratch) -> dict:
-    """The persistent kernel's EPOCH handler (checkpoint/device_epoch.py):
-    one EPOCH task's completion (`epoch_on_device`), the device trigger while
+    """The persistent kernel's EPOCH handler (checkpoint/device_epoch.py)
+    behind a resident Session: the completion of the EPOCH task one
+    `checkpoint()` ran (`epoch_on_device`), the session's step trigger while
     the caller spins in pure Python for GIL_HELD_S (`stall`, each epoch
-    checked in a fresh process), and the latency of one EPOCH task against
-    `Session.checkpoint()` on the host path for each region count."""
+    checked in a fresh process), and the latency of `Session.checkpoint()`
+    resident against host for each region count."""
     import subprocess
 
     from concordia import Session
-    from concordia.checkpoint.device_epoch import GATE_WORDS, DeviceEpochs
     from concordia.policy import Policy
 
     out: dict = {}
@@ -222,39 +224,42 @@ def run_device_epochs(cp, counts: list[int], log: str, quick: bool, scratch: Scr
     x @ x
     a[1, 1] = 1
     a[1, 1] = 0
-    counter, gate = cp.zeros(1, cp.uint64), cp.zeros(GATE_WORDS, cp.uint32)
     cp.cuda.get_current_stream().synchronize()
-    with Session(log, overwrite=True, size=256 * MiB, segment_size=32 * MiB, policy=Policy(retain=False)) as s:
+    with Session(log, overwrite=True, size=256 * MiB, segment_size=32 * MiB, policy=Policy(retain=False),
+                 executor="resident") as s:
         s.register("a", a, detect="shadow", page_bytes=4096)
+        s.checkpoint()  # the base, on the consumer
+        a[3, 3] = 3
+        st = s.checkpoint()  # an EPOCH task of the persistent kernel (the resident route)
+        engine = s.resident.route.engine
+        c = getattr(engine, "last", None)
+        out["epoch_on_device"] = bool(c is not None and c.op == 7 and c.status == 0 and c.lsn_last > c.lsn_first > 0
+                                      and set(st.via.values()) == {"device-epoch"})
+        out["device_epoch"] = None if c is None else {
+            "op": int(c.op), "status": c.status.name, "pages": int(c.pages), "record_bytes": int(c.bytes),
+            "lsn_first": int(c.lsn_first), "lsn_commit": int(c.lsn_last), "executor_id": int(c.executor_id),
+            "via": sorted(set(st.via.values())), "route": s.resident.info()["route"]}
+        a[3, 3] = 0
         s.checkpoint()
-        dev = DeviceEpochs(s)
-        try:
-            a[3, 3] = 3
-            cp.cuda.get_current_stream().synchronize()
-            c = dev.epoch()
-            out["epoch_on_device"] = bool(c.op == 7 and c.status == 0 and c.lsn_last > c.lsn_first > 0)
-            out["device_epoch"] = {"op": int(c.op), "status": c.status.name, "pages": int(c.pages),
-                                   "record_bytes": int(c.bytes), "lsn_first": int(c.lsn_first),
-                                   "lsn_commit": int(c.lsn_last), "executor_id": int(c.executor_id)}
-            a[3, 3] = 0
-            dev.epoch()
-            cp.cuda.get_current_stream().synchronize()
-            dev.trigger(8, counter, gate)
-            t0 = time.perf_counter()
-            for k in range(1, 301):  # queued: the device runs them while the caller spins
-                a[(k * 7) % 32, k % 1024] = k
-                x @ x
-                dev.step_gate(counter, gate)
-            queued_s = time.perf_counter() - t0
-            before = len(dev.fired())
-            t1 = time.perf_counter()
-            _stall("python_busy_loop", GIL_HELD_S)
-            held_s = time.perf_counter() - t1
-            fired = dev.fired()
-            during = len(fired) - before
-            status = dev.trigger_status
-        finally:
-            dev.close()
+        cp.cuda.get_current_stream().synchronize()
+        tr = s.resident.step_trigger(8)  # the product path: the persistent kernel's trigger at each step's gate
+        t0 = time.perf_counter()
+        for k in range(1, 301):  # queued: the device runs them while the caller spins
+            a[(k * 7) % 32, k % 1024] = k
+            x @ x
+            tr.step()
+        queued_s = time.perf_counter() - t0
+        before = len(tr.fired)
+        t1 = time.perf_counter()
+        _stall("python_busy_loop", GIL_HELD_S)
+        held_s = time.perf_counter() - t1
+        fired = tr.fired
+        during = len(fired) - before
+        status = tr.engine.trigger_status if tr.on_device else None
+        on_device = tr.on_device
+        cp.cuda.get_current_stream().synchronize()
+        tr.disarm()
+        s.settle()
         epoch_now = s.epoch
     check = subprocess.run([sys.executable, "-c", _FRESH_CHECK, log, *(f"{e}:{k}" for e, k in fired)],
                            capture_output=True, text=True, timeout=600)
@@ -266,7 +271,9 @@ def run_device_epochs(cp, counts: list[int], log: str, quick: bool, scratch: Scr
                     "recovered_identical": bool(fired) and len(same) == len(fired) and all(same.values()),
                     "recovered_checked": len(same), "checked_in": "a fresh process",
                     "every_steps": 8, "fired": fired[:64], "trigger_status": status, "last_epoch": epoch_now,
-                    "producer": f"300 steps queued on the device ({n}^3 fp16 GEMM each), counted by cx_step_gate",
+                    "trigger_on_device": on_device,
+                    "producer": f"300 steps queued on the device ({n}^3 fp16 GEMM each), each followed by "
+                                "s.resident.step_trigger(8).step(): cx_step_gate on the caller's stream",
                     "point": "a step boundary: the producer held at its gate while the epoch ran",
                     "queued_s": round(queued_s, 4),
                     "fresh_check_error": None if check.returncode == 0 else check.stderr.strip()[-400:]}
