@@ -519,10 +519,8 @@ extern "C" __global__ void cx_step_gate(u64* counter, u32* gate, u64 timeout_ns)
     for (;;) {
         const u32 g = *(volatile u32*)&gate[1];
         if (g == 0) break;                                // let go after its epoch (or released)
-        if (*(volatile u32*)&gate[2] == 0 && g == 1) {    // the trigger went before taking it
-            atomicCAS(&gate[1], 1u, 0u);
-            break;
-        }
+        // the trigger went before taking it; a control warp armed again may take it meanwhile (then 2: wait)
+        if (*(volatile u32*)&gate[2] == 0 && g == 1 && atomicCAS(&gate[1], 1u, 0u) == 1u) break;
         // not taken in time: go on without an epoch; once taken, wait for it to end
         if (now_ns() - t0 > timeout_ns && atomicCAS(&gate[1], 1u, 0u) == 1u) break;
         __nanosleep(nap);

@@ -212,6 +212,10 @@ class ArenaRoute:
         self.version = version
         return None
 
+    def fail(self, exc: BaseException) -> None:
+        """What a failed epoch does, for one the device's trigger ran (`_failed`)."""
+        self._failed(exc)
+
     def _failed(self, exc: BaseException) -> None:
         """After a failed epoch: detection may have moved on past pages no
         commit holds, so every region's next checkpoint writes it whole (on
@@ -253,20 +257,24 @@ class ArenaRoute:
         return None if why is not None else self.engine
 
     def rotate(self, *, at: float = 0.5) -> bool:
-        """An armed device trigger's arena, once more than `at` of it is used
-        or an epoch was missed or lost, swapped for another (`DeviceEpochs.rotate`);
-        whether it was.  A lost epoch leaves the trigger off (ExecutorError)."""
+        """An armed device trigger's arena, once the session took it on, more
+        than `at` of it is used, an epoch was missed or lost, or the trigger's
+        log is half full, swapped for another (`DeviceEpochs.rotate`); whether
+        it was.  With no room for another now the trigger stays paused (False;
+        tried again at the next call).  A lost epoch leaves the trigger off
+        (ExecutorError)."""
         engine = self.engine
         if engine is None or engine.armed is None:
             return False
-        if self.session.runner.arena is None:  # the session took it on (any call settles): armed again on another
-            engine.rotate()
-            return True
         ar = self.session.runner.arena
-        if ar is not None and engine.fill <= at and not ar.word("missed") and not ar.lost:
+        if (ar is not None and ar is engine.arena and engine.fill <= at and not ar.word("missed") and not ar.lost
+                and engine.fired_logged <= device_epoch.FIRED_CAP // 2):
             return False
-        try:
+        try:  # taken on (any call of the session settles), half used, missed, lost, or its log half full
             engine.rotate()
+        except (LogFullError, ValueError) as exc:  # no room for an arena now: the trigger stays paused, tried again
+            self.why = f"no arena for the trigger now: {str(exc).strip().splitlines()[0]}"
+            return False
         except BaseException:
             self.close()
             raise

@@ -194,11 +194,13 @@ class DeviceEpochs:
         self.kernel_armed = False  # whether the kernel's trigger writes the open arena now
         self.fired_kept: list = []  # the trigger's epochs moved out of its log at each arena swap
         self.last = None            # the completion of the last EPOCH task (`epoch`)
+        self.closed_status = None   # once closed: the trigger's status then (its log is gone)
         self.gring = GpuRing(64, where="device epochs ring")
         self.executor = GpuExecutor(self.gring, self.module, child_timeout_s=child_timeout_s, lifetime_s=600.0,
                                     idle_s=idle_s)
         self.submitter = Submitter(self.gring.ring, self.executor)
         self.d_desc = None
+        self.arena = None  # the arena `d_desc` describes
         try:
             self._open()
         except BaseException:  # no task was submitted: the kernel never ran, only the buffers go
@@ -215,6 +217,7 @@ class DeviceEpochs:
         runner.arena = ar
         runner.arenas += 1
         runner.arena_pause = self.pause  # the session takes the arena on only once the kernel writes it no more
+        self.arena = ar
         ptr = self.tpass.registration.device_ptr + ar.ext.offset
         desc = describe(self.tpass, ar, ptr, self.words.ptr, self.log.ptr,
                         self.stamps.ptr if self.stamps is not None else 0, self.small_pages)
@@ -261,7 +264,8 @@ class DeviceEpochs:
             self.session.settle()
             raise ExecutorError(f"epoch {ar.lost} did not fit what its arena had left; the regions' next "
                                 "checkpoint is whole", where="device epochs", hint="make DeviceEpochs again after it")
-        if ar is None:
+        if ar is None or ar is not self.arena:
+            self.session.settle()
             self._open()
         elif not ar.room:
             self.session.settle()
@@ -283,6 +287,9 @@ class DeviceEpochs:
         # releases the old gate, a device write to it)
         before, self.armed = self.armed, (int(every), counter, gate)
         try:
+            if self.session.runner.arena is not self.arena:  # the session took it on: armed on a new one
+                self._open()
+                return None
             return self._arm(*self.armed)
         finally:
             del before
@@ -341,6 +348,8 @@ class DeviceEpochs:
 
     def fired(self) -> list:
         """The trigger's epochs so far: [(epoch, count)] in order."""
+        if self.closed_status is not None:
+            return list(self.fired_kept)
         log = self.log.array.view(np.uint64)
         n = int(log[0])
         return self.fired_kept + [(int(log[2 + 2 * i]), int(log[3 + 2 * i])) for i in range(n)]
@@ -362,8 +371,15 @@ class DeviceEpochs:
         return {name: round((int(t[i + 1]) - int(t[i])) / 1e3, 2) for i, name in enumerate(STAMPS[1:])}
 
     @property
+    def fired_logged(self) -> int:
+        """The (epoch, count) pairs in the trigger's log now (it holds FIRED_CAP)."""
+        return 0 if self.closed_status is not None else int(self.log.array.view(np.uint64)[0])
+
+    @property
     def trigger_status(self) -> int:
         """The status that stopped the trigger (0: none)."""
+        if self.closed_status is not None:
+            return self.closed_status
         return int(self.log.array.view(np.uint64)[1])
 
     def close(self) -> None:
@@ -374,6 +390,8 @@ class DeviceEpochs:
             self.kernel_armed = False  # the kernel left: its trigger let go of the gate
             if self.session.runner.arena_pause == self.pause:
                 self.session.runner.arena_pause = None
+            self._keep_fired()  # what the trigger's log held stays readable (`fired`)
+            self.closed_status = self.trigger_status
             self.session.settle()
             self._release()
 

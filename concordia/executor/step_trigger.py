@@ -159,51 +159,74 @@ class DeviceStepTrigger:
         self.errors: list[str] = []
         self.rotations = 0
         self.rearmed = 0
+        self.steps = 0                  # step() calls: the counter's value once the device has run them
+        self._mend: str | None = None   # why the trigger waits for a due step to be armed again
+        self._disarmed = False
         self._fired_before: list = []   # the epochs of engines replaced since
         self._stream = None             # (the producer's stream pointer, its CuPy view)
 
     def step(self) -> None:
-        self._keep_armed()  # first: this step's gate then holds for an epoch, not for an arena swap
-        ptr, stream = producer_stream(self.cp, self._stream)
-        self._stream = (ptr, stream)
-        with stream:
-            self.engine.step_gate(self.counter, self.gate)
+        """The step ends here.  First, on the host, the trigger kept armed
+        (this step's gate then holds for an epoch, not for an arena swap);
+        then the gate, queued on the producer's stream whatever happened."""
+        due = (self.steps + 1) % self.every == 0
+        try:
+            if not self._disarmed:
+                self._keep_armed(due)
+        finally:
+            ptr, stream = producer_stream(self.cp, self._stream)
+            self._stream = (ptr, stream)
+            with stream:
+                self.engine.step_gate(self.counter, self.gate)
+            self.steps += 1
 
-    def _keep_armed(self) -> None:
+    def _keep_armed(self, due: bool) -> None:
         """Between two steps, on the host: the kernel's trigger armed on an
         arena with room, on the engine that takes the session's regions as
-        they are now; what stopped it mended, or raised in one line."""
+        they are now; what stopped it mended at a due step (the caller has
+        written that step's tokens and counters), or raised in one line."""
         route, engine = self.route, self.engine
-        if route.engine is not engine or route.version != route.session.region_set.version:
-            self._again("the regions or the engine changed")
+        if self._mend is None:
+            if route.engine is not engine or route.version != route.session.region_set.version:
+                self._mend = "the regions or the engine changed"
+            else:
+                status = engine.trigger_status
+                if status == self.LOST:
+                    self._mend = f"an epoch did not fit its arena (status {status})"
+                elif status == self.LEFT:  # the kernel reached its lifetime: armed again, which launches it again
+                    self.rearmed += 1
+                    engine.trigger(self.every, self.counter, self.gate)
+                elif status:  # a fault: every region's next checkpoint whole, the route off for these regions
+                    exc = ExecutorError(f"the device trigger stopped with status {status}", where="device trigger")
+                    route.fail(exc)
+                    raise exc
+        if self._mend is not None:
+            if due:  # no epoch until then: the gates pass (the kernel's trigger is gone or paused)
+                self._again(self._mend)
             return
-        status = engine.trigger_status
-        if status == self.LOST:
-            self._again(f"an epoch did not fit its arena (status {status})")
-            return
-        if status == self.LEFT:  # the kernel reached its lifetime: armed again, which launches it again
-            self.rearmed += 1
-            engine.trigger(self.every, self.counter, self.gate)
-        elif status:
-            raise ExecutorError(f"the device trigger stopped with status {status}", where="device trigger")
         try:
             if route.rotate():
                 self.rotations += 1
-        except ExecutorError as exc:  # an epoch its arena lost: written whole now, the trigger armed again
-            self._again(str(exc))
+        except ExecutorError as exc:  # an epoch its arena lost: mended at the next due step
+            self._mend = str(exc)
+            if due:
+                self._again(self._mend)
 
     def _again(self, why: str) -> None:
         """The session's own checkpoint (every region whole after a lost
-        epoch; a new region's base), then the trigger armed again on the
-        engine for the regions as they are."""
-        self.errors.append(why)
-        self._fired_before += self.engine.fired()
-        self.route.session.checkpoint(reason="trigger")
-        engine = self.route.device_engine()
+        epoch; a new region's base) of this due step, then the trigger armed
+        again on the engine for the regions as they are."""
+        route = self.route
+        route.session.checkpoint(reason="trigger", on_full="coalesce")
+        engine = route.device_engine()
         if engine is None:
-            raise ExecutorError(f"the device trigger cannot go on: {self.route.why}", where="device trigger")
-        self.engine = engine
+            raise ExecutorError(f"the device trigger cannot go on: {route.why}", where="device trigger")
         engine.trigger(self.every, self.counter, self.gate)
+        if engine is not self.engine:
+            self._fired_before += self.engine.fired()
+            self.engine = engine
+        self.errors.append(why)
+        self._mend = None
 
     @property
     def fired(self) -> list:
@@ -211,10 +234,13 @@ class DeviceStepTrigger:
 
     @property
     def armed(self) -> bool:
-        return self.engine.armed is not None and self.engine.trigger_status in (0, self.LEFT)
+        return (not self._disarmed and self._mend is None and self.route.engine is self.engine
+                and self.engine.armed is not None and self.engine.trigger_status in (0, self.LEFT))
 
     def disarm(self) -> None:
-        if self.engine.armed is not None:
+        """No more epochs from this trigger (its steps still count)."""
+        self._disarmed = True
+        if self.route.engine is self.engine and self.engine.armed is not None:
             self.engine.disarm()
 
 

@@ -166,3 +166,133 @@ def test_the_persistent_kernel_takes_the_epochs_at_the_steps_gate(shm_log):
         for epoch, count in fired:
             got = s.recover(epoch)["a"]
             assert np.asarray(got.get() if hasattr(got, "get") else got).tobytes() == states[count].tobytes(), epoch
+
+
+class _Stream:
+    ptr = 1
+
+    def synchronize(self):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _FakeCupy:
+    """numpy arrays in CuPy's place, for the host's side of DeviceStepTrigger."""
+
+    uint64, uint32 = np.uint64, np.uint32
+    zeros = staticmethod(np.zeros)
+
+    class cuda:
+        @staticmethod
+        def get_current_stream():
+            return _Stream()
+
+
+class _Engine:
+    """A stand-in for `DeviceEpochs` as the step trigger drives it: it takes
+    an epoch at each armed multiple when its gate is queued, and can be told
+    to report a status as the kernel's log would."""
+
+    def __init__(self, name):
+        self.name, self.armed, self.status, self.log, self.arms = name, None, 0, [], 0
+
+    def trigger(self, every, counter, gate):
+        self.armed, self.status = (every, counter, gate), 0
+        self.arms += 1
+
+    def step_gate(self, counter, gate):
+        counter[0] += 1
+        if self.armed is not None and self.status == 0 and int(counter[0]) % self.armed[0] == 0:
+            self.log.append((100 + len(self.log), int(counter[0])))
+
+    def fired(self):
+        return list(self.log)
+
+    @property
+    def trigger_status(self):
+        return self.status
+
+    def disarm(self):
+        self.armed = None
+
+
+class _Route:
+    """A stand-in for ArenaRoute: the engine, the regions' version, the
+    session's own checkpoints (recorded), a new engine when asked after one
+    was dropped."""
+
+    def __init__(self):
+        self.engine, self.version, self.made = _Engine("first"), 1, 1
+        self.checkpoints, self.rotations, self.failed = [], 0, None
+        outer = self
+
+        class Session:
+            class region_set:
+                version = 1
+
+            @staticmethod
+            def checkpoint(reason, on_full):
+                outer.checkpoints.append((reason, on_full))
+
+        self.session = Session
+
+    def rotate(self):
+        return False
+
+    def device_engine(self):
+        if self.engine is None or self.version != self.session.region_set.version:
+            self.made += 1
+            self.engine, self.version = _Engine(f"engine {self.made}"), self.session.region_set.version
+        return self.engine
+
+    def fail(self, exc):
+        self.failed, self.engine = exc, None
+
+
+def test_the_device_triggers_host_side_mends_what_stopped_it_at_a_due_step(monkeypatch):
+    """The host's side of DeviceStepTrigger (no GPU here: a stand-in for the
+    device engine; the H200 test runs the kernel): the gate is queued at
+    every step whatever happens; a LOST status, a changed region set or an
+    engine the route dropped are mended only at a due step (the caller has
+    written that step's tokens), by the session's own checkpoint and the
+    trigger armed on the route's engine, once; the kernel leaving at its
+    lifetime is armed again at once; a fault fails the route and raises;
+    `fired` keeps the replaced engines' epochs; disarm sticks."""
+    import concordia.executor.step_trigger as st
+
+    monkeypatch.setattr(st, "require_cupy", lambda: _FakeCupy)
+    monkeypatch.setattr(st, "producer_stream", lambda cp, last=None: (1, _Stream()))
+    route = _Route()
+    tr = st.DeviceStepTrigger(route, route.engine, 4)
+    for _ in range(8):
+        tr.step()
+    assert [c for _, c in tr.fired] == [4, 8] and tr.armed and not tr.errors
+    route.engine.status = st.DeviceStepTrigger.LOST      # the kernel's trigger stopped: an epoch lost
+    tr.step()                                            # step 9: not due, the gate passes, nothing mended yet
+    assert route.checkpoints == [] and not tr.armed and tr.steps == 9
+    for _ in range(3):
+        tr.step()                                        # step 12 is due: mended there, and its gate holds
+    assert route.checkpoints == [("trigger", "coalesce")] and tr.errors == [
+        "an epoch did not fit its arena (status 7)"] and tr.armed
+    route.session.region_set.version = 2                 # a region registered: a new engine at the next due step
+    for _ in range(4):
+        tr.step()
+    assert tr.engine.name == "engine 2" and len(route.checkpoints) == 2
+    assert [c for _, c in tr.fired] == [4, 8, 12, 16], tr.fired  # the first engine's epochs kept
+    tr.engine.status = st.DeviceStepTrigger.LEFT         # the kernel left at its lifetime: armed again at once
+    arms = tr.engine.arms
+    tr.step()
+    assert tr.engine.arms == arms + 1 and tr.rearmed == 1 and len(route.checkpoints) == 2
+    tr.engine.status = 4                                  # a timed-out epoch: the route fails, the step says so
+    with pytest.raises(ExecutorError, match="stopped with status 4"):
+        tr.step()
+    assert route.failed is not None and tr.steps == 18    # the gate was queued all the same
+    tr.disarm()
+    for _ in range(6):
+        tr.step()                                         # disarmed: no mending, no epochs, the steps count
+    assert len(route.checkpoints) == 2 and tr.steps == 24 and not tr.armed
