@@ -529,6 +529,13 @@ extern "C" __global__ void cx_step_gate(u64* counter, u32* gate, u64 timeout_ns)
     __threadfence_system();
 }
 
+#ifndef CX_ARMED_IDLE_NS
+#define CX_ARMED_IDLE_NS (50ull * 1000 * 1000)
+#endif
+// Whether an armed trigger still keeps the executor resident: an epoch or a task
+// within CX_ARMED_IDLE_NS.
+__device__ __forceinline__ bool t_idle_armed(u64 t_idle) { return now_ns() - t_idle <= CX_ARMED_IDLE_NS; }
+
 struct cx_trigger {  // lane 0's, in registers: what an EPOCH task with a[1] > 0 armed
     const cx_epoch_desc* d;
     u64 every;
@@ -770,7 +777,11 @@ extern "C" __global__ void __launch_bounds__(32, 1)
                     nap = 0;
                     continue;
                 }
-                const bool armed = trig.d != nullptr;  // resident while a trigger is armed
+                // an armed trigger keeps the executor resident while steps come; after
+                // CX_ARMED_IDLE_NS without an epoch it leaves too (its log says so, the host's
+                // next step arms it again), so that a device-wide synchronize (a framework
+                // recording a CUDA graph) waits at most that long for it
+                const bool armed = trig.d != nullptr && t_idle_armed(t_idle);
 #else
                 const bool armed = false;
 #endif

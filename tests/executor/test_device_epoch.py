@@ -178,7 +178,7 @@ def test_a_device_trigger_commits_epochs_while_the_caller_holds_the_gil(shm_log)
     import cupy as cp
 
     from concordia import Session
-    from concordia.checkpoint.device_epoch import GATE_WORDS, DeviceEpochs
+    from concordia.checkpoint.device_epoch import GATE_WORDS, TRIGGER_LEFT, DeviceEpochs
     from concordia.policy import Policy
 
     def state(count):
@@ -204,7 +204,8 @@ def test_a_device_trigger_commits_epochs_while_the_caller_holds_the_gil(shm_log)
             while time.perf_counter() - t0 < 2.5:  # the stall: pure Python, the GIL held
                 spins += 1
             fired = dev.fired()
-            assert dev.trigger_status == 0 and len(fired) >= 1, (fired, dev.trigger_status)
+            # 0, or left once idle after its last epoch (TRIGGER_LEFT: a device-wide synchronize need not wait)
+            assert dev.trigger_status in (0, TRIGGER_LEFT) and len(fired) >= 1, (fired, dev.trigger_status)
         finally:
             dev.close()
         counts = [c for _, c in fired]
