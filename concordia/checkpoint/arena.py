@@ -92,12 +92,12 @@ def full_bound(table) -> int:
     return int(recs["length"].sum()) if recs.size else 0
 
 
-def epoch_bound(table, app) -> int:
+def epoch_bound(table, app, full: int | None = None) -> int:
     """The record bytes an epoch of `table` is tried with (module doc): every
-    page of every row where that and the commit fit half a segment of `app`
-    (no epoch is then lost), else twice the table's last epoch, at least
-    ARENA_MIN_BYTES (an epoch that writes more is lost)."""
-    full = full_bound(table)
+    page of every row (`full`, `full_bound`) where that and the commit fit
+    half a segment of `app` (no epoch is then lost), else twice the table's
+    last epoch, at least ARENA_MIN_BYTES (an epoch that writes more is lost)."""
+    full = full_bound(table) if full is None else full
     if full + table.commit_length <= app.segment_capacity // 2:
         return full
     return min(full, max(2 * int(table.last_bytes), ARENA_MIN_BYTES))
@@ -116,13 +116,14 @@ class Arena:
         self.label = label  # the path its epochs took (their statistics' `via`)
         #: the record bytes an epoch is tried with (`epoch_bound`): every page where
         #: that fits, so that no epoch is lost, else twice the last epoch's
-        self.bound = epoch_bound(table, app)
+        full = full_bound(table)
+        self.bound = epoch_bound(table, app, full)
+        adapt = self.bound < full  # the room moves with each epoch (`expect`)
         need = self.bound + table.commit_length
         if nbytes is None:  # what is left of the segment being written, when one epoch fits there
             why = too_large(table, app)
             if why is not None:
                 raise ValueError(why)
-            adapt = self.bound < full_bound(table)
             nbytes = app.segment_capacity // 2 if adapt else min(max(ARENA_EPOCHS * need, ARENA_MIN_BYTES),
                                                                   app.segment_capacity // 2)
             rest = app.segment_rest // fmt.RECORD_ALIGN * fmt.RECORD_ALIGN
@@ -143,7 +144,7 @@ class Arena:
         w["last_commit"] = app.last_commit_lsn
         w["last_epoch"] = first_epoch - 1
         w["expect"] = self.bound
-        w["adapt"] = int(self.bound < full_bound(table))
+        w["adapt"] = int(adapt)
 
     def word(self, name: str) -> int:
         return int(self.words[0][name])

@@ -152,7 +152,7 @@ class ArenaRoute:
         try:
             log_bytes = engine.take()
         except BaseException as exc:
-            self._failed(exc)
+            self.fail(exc)
             raise
         if log_bytes is None:
             self._lost()
@@ -213,10 +213,6 @@ class ArenaRoute:
         return None
 
     def fail(self, exc: BaseException) -> None:
-        """What a failed epoch does, for one the device's trigger ran (`_failed`)."""
-        self._failed(exc)
-
-    def _failed(self, exc: BaseException) -> None:
         """After a failed epoch: detection may have moved on past pages no
         commit holds, so every region's next checkpoint writes it whole (on
         the consumer thread: this route is off for these regions)."""

@@ -50,6 +50,7 @@ from concordia.checkpoint import arena as arena_mod
 from concordia.checkpoint.table import DET_FINGERPRINT, DET_SHADOW
 
 from concordia.executor.errors import ExecutorError
+from concordia.executor.step_trigger import GATE_WORDS, TRIGGER_LEFT  # noqa: F401  the gate, a trigger that left
 
 #: detection launches a descriptor holds (executor.cu: CX_MAX_GROUPS)
 MAX_GROUPS = 8
@@ -78,13 +79,6 @@ STAMPS = ("launch", "driver", "detect", "plan", "stage", "finalize", "commit", "
 #: (epoch, count) pairs a trigger's log holds (executor.cu: trigger_poll)
 FIRED_CAP = 4096
 
-#: u32 words of a trigger's gate (executor.cu: cx_step_gate): [1] 0 none, 1 a step holds, 2 its epoch
-#: runs; [2] the armed every (0: none)
-GATE_WORDS = 4
-
-#: what a trigger's log says (`trigger_status`) when the executor left with it armed (its lifetime):
-#: not a ring status; it is armed again (executor.cu: CX_TRIGGER_LEFT)
-TRIGGER_LEFT = 0x100
 
 
 def why_not(tpass, backend) -> str | None:

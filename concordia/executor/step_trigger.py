@@ -38,9 +38,15 @@ import numpy as np
 
 from .errors import ExecutorError
 from .persistent import require_cupy
+from .ring import Status
 
-#: u32 words of a device trigger's gate (checkpoint.device_epoch.GATE_WORDS, executor.cu's cx_step_gate)
+#: u32 words of a device trigger's gate (executor.cu's cx_step_gate): [1] 0 none, 1 a step holds, 2 its
+#: epoch runs; [2] the armed every (0: none)
 GATE_WORDS = 4
+
+#: what a trigger's log says (`DeviceEpochs.trigger_status`) when the executor left with it armed (idle,
+#: its lifetime): not a ring status; it is armed again (executor.cu: CX_TRIGGER_LEFT)
+TRIGGER_LEFT = 0x100
 
 #: longest a producer holds at its gate for one epoch before it is an error
 HOLD_S = 60.0
@@ -143,10 +149,6 @@ class DeviceStepTrigger:
 
     on_device = True
 
-    #: the kernel's trigger log says it left with the trigger armed (checkpoint.device_epoch.TRIGGER_LEFT)
-    LEFT = 0x100
-    #: ... or that an epoch did not fit its arena (ring.Status.LOST)
-    LOST = 7
 
     def __init__(self, route, engine, every: int):
         cp = require_cupy()
@@ -191,9 +193,9 @@ class DeviceStepTrigger:
                 self._mend = "the regions or the engine changed"
             else:
                 status = engine.trigger_status
-                if status == self.LOST:
+                if status == Status.LOST:
                     self._mend = f"an epoch did not fit its arena (status {status})"
-                elif status == self.LEFT:  # the kernel reached its lifetime: armed again, which launches it again
+                elif status == TRIGGER_LEFT:  # the kernel reached its lifetime: armed again, which launches it again
                     self.rearmed += 1
                     engine.trigger(self.every, self.counter, self.gate)
                 elif status:  # a fault: every region's next checkpoint whole, the route off for these regions
@@ -235,7 +237,7 @@ class DeviceStepTrigger:
     @property
     def armed(self) -> bool:
         return (not self._disarmed and self._mend is None and self.route.engine is self.engine
-                and self.engine.armed is not None and self.engine.trigger_status in (0, self.LEFT))
+                and self.engine.armed is not None and self.engine.trigger_status in (0, TRIGGER_LEFT))
 
     def disarm(self) -> None:
         """No more epochs from this trigger (its steps still count)."""
@@ -251,9 +253,12 @@ def producer_stream(cp, last=None):
     the stream is the same."""
     torch = sys.modules.get("torch")
     if torch is not None and getattr(torch, "cuda", None) is not None and torch.cuda.is_initialized():
-        ptr = int(torch.cuda.current_stream().cuda_stream)
+        ts = torch.cuda.current_stream()
+        ptr = int(ts.cuda_stream)
         if last is not None and last[0] == ptr:
             return last
-        return ptr, cp.cuda.ExternalStream(ptr)
+        from concordia.regions.streams import foreign_stream
+
+        return ptr, foreign_stream(cp, ptr, int(ts.device.index), ts)
     st = cp.cuda.get_current_stream()
     return st.ptr, st

@@ -473,6 +473,8 @@ class CheckpointEvery(StoppingCriteria):
             raise SessionError(f"start must be a whole number >= 0, not {start!r}", where="CheckpointEvery")
         if not isinstance(wait, bool):
             raise SessionError(f"wait must be True or False, not {wait!r}", where="CheckpointEvery")
+        if trigger is not None and not isinstance(trigger, bool):
+            raise SessionError(f"trigger must be True, False or None, not {trigger!r}", where="CheckpointEvery")
         if trigger is None:
             trigger = getattr(guard.session, "resident", None) is not None and not wait
         if trigger and getattr(guard.session, "resident", None) is None:

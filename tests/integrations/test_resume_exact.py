@@ -88,6 +88,8 @@ def test_checkpoint_every_on_a_resident_session_hands_its_epochs_to_the_trigger(
     with concordia.Session(shm_log_path, size=64 << 20, segment_size=8 << 20, executor="resident") as s:
         g = protect(s, cache, model, batch_size=2, max_tokens=32)
         assert DET_LISTED not in [detector_of(r) for r in s.region_set]
+        with pytest.raises(SessionError, match="trigger must be True, False or None"):
+            CheckpointEvery(g, 1, trigger="yes")
         states = {}
         hook = CheckpointEvery(g, 1, on_step=lora_update(model),
                                after=lambda step, st: states.__setitem__(step, _snapshot(g)))

@@ -91,8 +91,6 @@ def test_a_trigger_that_stops_lets_the_held_step_go_and_the_next_step_says_why(s
     for it goes on at once (not after the gate's 60 s), and the producer's
     next step raises the trigger's error in one line rather than going on
     with no epochs."""
-    import time
-
     from concordia.executor.resident import ResidentExecutor
 
     with Session(shm_log, size=32 << 20, segment_size=4 << 20, executor="resident") as s:
@@ -105,29 +103,28 @@ def test_a_trigger_that_stops_lets_the_held_step_go_and_the_next_step_says_why(s
             raise RuntimeError("the arena could not be written")
 
         monkeypatch.setattr(ResidentExecutor, "_arena_epoch", broken)
-        t0 = time.monotonic()
         _write(a, 1)
-        tr.step()  # held, let go when the epoch fails
-        assert time.monotonic() - t0 < 30 and not tr.armed and "could not be written" in tr.errors[-1]
+        tr.step()  # held, and let go when the epoch fails (kept holding, it would raise "not taken within")
+        assert not tr.armed and "could not be written" in tr.errors[-1]
         with pytest.raises(ExecutorError, match="the trigger stopped: RuntimeError: the arena could not be written"):
             tr.step()
 
 
 def test_a_step_gate_holds_only_at_its_multiples_and_lets_go_when_released():
-    gate = StepGate(2, hold_s=5.0)
+    gate = StepGate(2)
     gate.step()   # 1: no hold
     assert gate.read() == 1
     held = threading.Event()
 
     def consumer():
-        gate.close(timeout=5.0)   # returns once the producer holds at 2
+        gate.close()   # returns once the producer holds at 2
         held.set()
         gate.open()
 
     t = threading.Thread(target=consumer)
     t.start()
     gate.step()   # 2: holds until the consumer opens
-    t.join(5.0)
+    t.join()
     assert held.is_set() and gate.read() == 2
     gate.release()
     gate.step()
@@ -274,7 +271,7 @@ def test_the_device_triggers_host_side_mends_what_stopped_it_at_a_due_step(monke
     for _ in range(8):
         tr.step()
     assert [c for _, c in tr.fired] == [4, 8] and tr.armed and not tr.errors
-    route.engine.status = st.DeviceStepTrigger.LOST      # the kernel's trigger stopped: an epoch lost
+    route.engine.status = int(st.Status.LOST)      # the kernel's trigger stopped: an epoch lost
     tr.step()                                            # step 9: not due, the gate passes, nothing mended yet
     assert route.checkpoints == [] and not tr.armed and tr.steps == 9
     for _ in range(3):
@@ -286,7 +283,7 @@ def test_the_device_triggers_host_side_mends_what_stopped_it_at_a_due_step(monke
         tr.step()
     assert tr.engine.name == "engine 2" and len(route.checkpoints) == 2
     assert [c for _, c in tr.fired] == [4, 8, 12, 16], tr.fired  # the first engine's epochs kept
-    tr.engine.status = st.DeviceStepTrigger.LEFT         # the kernel left at its lifetime: armed again at once
+    tr.engine.status = st.TRIGGER_LEFT         # the kernel left at its lifetime: armed again at once
     arms = tr.engine.arms
     tr.step()
     assert tr.engine.arms == arms + 1 and tr.rearmed == 1 and len(route.checkpoints) == 2

@@ -136,6 +136,23 @@ def run_stall(kind: str, every: int, log: str) -> dict:
                 "commit_by": s.resident.commit_by}
 
 
+def _queued_stall(a, x, mark, fired, seconds: float) -> tuple[float, float, int]:
+    """300 steps queued on the device (a write of `a`, the GEMM `x @ x`, then
+    `mark()`: the step counted), then the caller's thread in a pure-Python
+    loop for `seconds`: (seconds queueing, seconds stalled, the trigger's
+    epochs, `fired()`, committed during the stall)."""
+    t0 = time.perf_counter()
+    for k in range(1, 301):  # queued: the device runs them during the stall
+        a[(k * 7) % 32, k % 1024] = k
+        x @ x
+        mark()
+    queued_s = time.perf_counter() - t0
+    before = len(fired())
+    t1 = time.perf_counter()
+    _stall("python_busy_loop", seconds)
+    return queued_s, time.perf_counter() - t1, len(fired()) - before
+
+
 def run_stall_device(cp, every: int, log: str, quick: bool) -> dict:
     """The GPU's stall: decode steps queued on the device and counted there
     (`DeviceStepCounter`, registered beside the state), the caller's thread in
@@ -155,17 +172,7 @@ def run_stall_device(cp, every: int, log: str, quick: bool) -> dict:
         s.register("steps", counter.word, page_bytes=64)
         s.checkpoint()
         tr = s.resident.trigger(every=every, counter=counter)
-        t0 = time.perf_counter()
-        for k in range(1, 301):                 # queued: the device runs them during the stall
-            a[(k * 7) % 32, k % 1024] = k
-            x @ x
-            counter.add()
-        queued_s = time.perf_counter() - t0
-        before = len(tr.fired)
-        t1 = time.perf_counter()
-        _stall("python_busy_loop", STALL_S)
-        stalled_s = time.perf_counter() - t1
-        during = len(tr.fired) - before
+        queued_s, stalled_s, during = _queued_stall(a, x, counter.add, lambda: tr.fired, STALL_S)
         steps_at_end = counter.read()
         cp.cuda.get_current_stream().synchronize()
         time.sleep(0.05)
@@ -243,18 +250,8 @@ def run_device_epochs(cp, counts: list[int], log: str, quick: bool, scratch: Scr
         s.checkpoint()
         cp.cuda.get_current_stream().synchronize()
         tr = s.resident.step_trigger(8)  # the product path: the persistent kernel's trigger at each step's gate
-        t0 = time.perf_counter()
-        for k in range(1, 301):  # queued: the device runs them while the caller spins
-            a[(k * 7) % 32, k % 1024] = k
-            x @ x
-            tr.step()
-        queued_s = time.perf_counter() - t0
-        before = len(tr.fired)
-        t1 = time.perf_counter()
-        _stall("python_busy_loop", GIL_HELD_S)
-        held_s = time.perf_counter() - t1
+        queued_s, held_s, during = _queued_stall(a, x, tr.step, lambda: tr.fired, GIL_HELD_S)
         fired = tr.fired
-        during = len(fired) - before
         status = tr.engine.trigger_status if tr.on_device else None
         on_device = tr.on_device
         cp.cuda.get_current_stream().synchronize()
