@@ -502,9 +502,12 @@ __device__ int run_epoch(const cx_epoch_desc* d, cx_scratch* sc, u64 child_timeo
 // a[1] = N > 0 arms the trigger (a[2] the counter, a[3] the gate, u32[4]):
 // while idle, the control warp runs the epoch once the producer holds, logs
 // (epoch, count) in the descriptor's `fired`, and lets go; no host thread
-// takes part.  The executor stays resident while a trigger is armed.  An
-// EPOCH task with a[1] != 0 and a[0] = 0 disarms it (the host's arena swap);
-// disarming, arming again and leaving let go of any step held.
+// takes part.  The executor stays resident while an armed trigger's steps
+// come (t_idle_armed).  a[4]: a host-mapped u64, the steps the host has
+// queued (0: none kept), a[5]: counts up to which a held step is let go with
+// no epoch (the host took that step's epoch itself).  An EPOCH task with
+// a[1] != 0 and a[0] = 0 disarms it (the host's arena swap); disarming,
+// arming again and leaving let go of any step held.
 extern "C" __global__ void cx_step_gate(u64* counter, u32* gate, u64 timeout_ns) {
     const u64 count = *(volatile u64*)counter + 1;
     *(volatile u64*)counter = count;
@@ -532,16 +535,33 @@ extern "C" __global__ void cx_step_gate(u64* counter, u32* gate, u64 timeout_ns)
 #ifndef CX_ARMED_IDLE_NS
 #define CX_ARMED_IDLE_NS (50ull * 1000 * 1000)
 #endif
-// Whether an armed trigger still keeps the executor resident: an epoch or a task
-// within CX_ARMED_IDLE_NS.
-__device__ __forceinline__ bool t_idle_armed(u64 t_idle) { return now_ns() - t_idle <= CX_ARMED_IDLE_NS; }
-
 struct cx_trigger {  // lane 0's, in registers: what an EPOCH task with a[1] > 0 armed
     const cx_epoch_desc* d;
     u64 every;
     u64* counter;
     u32* gate;
+    const u64* queued;  // host-mapped: the steps the host queued (nullptr: not kept)
+    u64 seen;           // the counter when last read
+    u64 skip;           // held steps up to this count are let go with no epoch
 };
+
+// Lane 0: whether an armed trigger keeps the executor resident.  It does while
+// steps come: a step run on the device (the counter moved) or a task within
+// CX_ARMED_IDLE_NS, or a step the host queued that has not run yet (its gate
+// may be due: leaving first would let it pass with no epoch, however long the
+// producer's stream takes to reach it).  Once the producer's stream drains
+// (a device-wide synchronize waits for it) the executor leaves
+// CX_ARMED_IDLE_NS later; its log says so and the host's next step arms it again.
+__device__ __forceinline__ bool trigger_keeps(cx_trigger* t, u64* t_idle) {
+    if (t->d == nullptr) return false;
+    const u64 c = *(volatile u64*)t->counter;
+    if (c != t->seen) {
+        t->seen = c;
+        *t_idle = now_ns();
+    }
+    if (t->queued != nullptr && *(volatile const u64*)t->queued > c) return true;
+    return now_ns() - *t_idle <= CX_ARMED_IDLE_NS;
+}
 
 // what a trigger's log says in [1] when the executor left with it armed (its lifetime, a fault):
 // not a ring status; the host arms it again (device_epoch.TRIGGER_LEFT)
@@ -568,7 +588,7 @@ __device__ __forceinline__ void trigger_leave(cx_trigger* t) {
 }
 
 // Lane 0, between polls of the ring: one step of the armed trigger.  Returns
-// 1 when it ran an epoch (the caller counts it as work, not idleness), 2 when
+// 1 when it let a held step go (the caller counts it as work, not idleness), 2 when
 // the epoch timed out (its child may still run: the executor leaves faulted),
 // else 0.
 __device__ int trigger_poll(cx_trigger* t, cx_scratch* sc, u64 child_timeout_ns) {
@@ -576,6 +596,11 @@ __device__ int trigger_poll(cx_trigger* t, cx_scratch* sc, u64 child_timeout_ns)
     if (atomicCAS(&t->gate[1], 1u, 2u) != 1u) return 0;  // no step holds at a multiple (or it gave up)
     __threadfence_system();
     const u64 count = *(volatile u64*)t->counter;
+    if (count <= t->skip) {  // the host took this step's epoch itself: let go, none more
+        atomicExch(&t->gate[1], 0u);
+        __threadfence_system();
+        return 1;
+    }
     u64 l0 = 0, l1 = 0;
     const int status = run_epoch(t->d, sc, child_timeout_ns, &l0, &l1);
     // the log: [0] epochs logged, [1] the status that stopped the trigger (0: none), then (epoch, count) pairs
@@ -749,7 +774,7 @@ extern "C" __global__ void __launch_bounds__(32, 1)
     u64 t_idle = t_start;
     u64 taken = 0;
 #if defined(CX_EPOCH) && CX_CHILD
-    cx_trigger trig = {nullptr, 0, nullptr, nullptr};  // lane 0's
+    cx_trigger trig = {nullptr, 0, nullptr, nullptr, nullptr, 0, 0};  // lane 0's
 #endif
 
     for (;;) {
@@ -777,11 +802,10 @@ extern "C" __global__ void __launch_bounds__(32, 1)
                     nap = 0;
                     continue;
                 }
-                // an armed trigger keeps the executor resident while steps come; after
-                // CX_ARMED_IDLE_NS without an epoch it leaves too (its log says so, the host's
-                // next step arms it again), so that a device-wide synchronize (a framework
-                // recording a CUDA graph) waits at most that long for it
-                const bool armed = trig.d != nullptr && t_idle_armed(t_idle);
+                // an armed trigger keeps the executor resident while steps come (trigger_keeps),
+                // so that a device-wide synchronize (a framework recording a CUDA graph) waits
+                // at most CX_ARMED_IDLE_NS after the producer's stream drains
+                const bool armed = trigger_keeps(&trig, &t_idle);
 #else
                 const bool armed = false;
 #endif
@@ -833,7 +857,7 @@ extern "C" __global__ void __launch_bounds__(32, 1)
         } else if (op == OP_STOP) {
             leave = CS_STOPPED;
 #if defined(CX_EPOCH) && CX_CHILD
-        } else if (op == OP_EPOCH && a[1] != 0) {  // arm the trigger (a[1] = every, a[2] counter, a[3] gate)
+        } else if (op == OP_EPOCH && a[1] != 0) {  // arm the trigger (a[1] every, a[2] counter, a[3] gate, a[4..5])
             // A trigger armed before lets go of its gate first; a[0] = 0 disarms (the host takes
             // its arena on, then arms it again on another).
             if (a[0] == 0) {
@@ -850,6 +874,9 @@ extern "C" __global__ void __launch_bounds__(32, 1)
                 trig.every = a[1];
                 trig.counter = reinterpret_cast<u64*>(a[2]);
                 trig.gate = reinterpret_cast<u32*>(a[3]);
+                trig.queued = reinterpret_cast<const u64*>(a[4]);
+                trig.seen = *(volatile u64*)trig.counter;
+                trig.skip = a[5];
                 *(volatile u32*)&trig.gate[2] = (u32)a[1];  // the producer's gate holds at its multiples now
                 __threadfence_system();
             }

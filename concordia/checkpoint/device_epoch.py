@@ -179,12 +179,15 @@ class DeviceEpochs:
         self.words = MappedHostBuffer(arena_mod.WORDS.itemsize, where="arena words")
         self.log = MappedHostBuffer(8 * (2 + 2 * FIRED_CAP), where="trigger log")
         self.log.array[:] = 0
+        #: the steps the producer has queued (`mark_queued`): an armed kernel stays for those not yet run
+        self.queued = MappedHostBuffer(8, where="queued steps")
+        self.queued.array[:] = 0
         self.stamps = MappedHostBuffer(8 * len(STAMPS), where="phase stamps") if stamps else None
         self.small_pages = int(small_pages)
         #: which path the epochs take: one block ("small") or the driver's launches ("driver")
         self.path = "small" if tpass.table.total_pages <= self.small_pages else "driver"
         self.descs: list = []   # every descriptor handed to the kernel, kept while it may read one
-        self.armed = None       # (every, counter, gate) of the trigger armed, kept while it is paused
+        self.armed = None       # (every, counter, gate, skip) of the trigger armed, kept while it is paused
         self.kernel_armed = False  # whether the kernel's trigger writes the open arena now
         self.fired_kept: list = []  # the trigger's epochs moved out of its log at each arena swap
         self.last = None            # the completion of the last EPOCH task (`epoch`)
@@ -266,11 +269,13 @@ class DeviceEpochs:
             self._open()
 
     # -- the device trigger ------------------------------------------------------
-    def trigger(self, every: int, counter, gate):
+    def trigger(self, every: int, counter, gate, skip: int = 0):
         """Arm the trigger (executor.cu: trigger_poll): an epoch every `every`
         counts of `counter` (a CuPy uint64 word the producer's `step_gate`
         raises on its stream) at the point `gate` (GATE_WORDS CuPy uint32) holds
-        the producer at; no host thread takes part.  Stopped by `close()`."""
+        the producer at; no host thread takes part.  A step held at a count up
+        to `skip` is let go with no epoch (the caller took it).  Stopped by
+        `close()`."""
         if isinstance(every, bool) or not isinstance(every, (int, np.integer)) or not 0 < every < 1 << 32:
             raise ExecutorError(f"a trigger's every must be a whole number in [1, 2**32), not {every!r}",
                                 where="device trigger")
@@ -279,7 +284,7 @@ class DeviceEpochs:
                                 where="device trigger")
         # the arrays of a trigger armed before live until the kernel has let go of them (arming again
         # releases the old gate, a device write to it)
-        before, self.armed = self.armed, (int(every), counter, gate)
+        before, self.armed = self.armed, (int(every), counter, gate, int(skip))
         try:
             if self.session.runner.arena is not self.arena:  # the session took it on: armed on a new one
                 self._open()
@@ -288,10 +293,10 @@ class DeviceEpochs:
         finally:
             del before
 
-    def _arm(self, every, counter, gate):
+    def _arm(self, every, counter, gate, skip):
         self.log.array.view(np.uint64)[1] = 0  # what stopped a trigger before is not this one's
-        c = self.submitter.call(self.Op.EPOCH, args=(self.d_desc.data.ptr, every, counter.data.ptr, gate.data.ptr),
-                                timeout=30.0)
+        c = self.submitter.call(self.Op.EPOCH, args=(self.d_desc.data.ptr, every, counter.data.ptr, gate.data.ptr,
+                                                     self.queued.ptr, skip), timeout=30.0)
         if c.status != 0:
             raise ExecutorError(f"arming the trigger failed with status {c.status.name}", where="device trigger")
         self.kernel_armed = True
@@ -339,6 +344,12 @@ class DeviceEpochs:
         step counted in stream order; held there while the trigger's epoch runs."""
         fn = self.module.functions["cx_step_gate"]
         fn((1,), (1,), (counter, gate, np.uint64(int(timeout_s * 1e9))))
+
+    def mark_queued(self, steps: int) -> None:
+        """The producer has queued `steps` step gates in all (the counter's
+        value once its stream has run them): the kernel stays while some have
+        not run, however long its stream takes to reach them."""
+        self.queued.array.view(np.uint64)[0] = steps
 
     def fired(self) -> list:
         """The trigger's epochs so far: [(epoch, count)] in order."""
@@ -393,5 +404,6 @@ class DeviceEpochs:
         self.gring.close()
         self.words.close()
         self.log.close()
+        self.queued.close()
         if self.stamps is not None:
             self.stamps.close()

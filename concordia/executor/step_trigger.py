@@ -36,6 +36,8 @@ import threading
 
 import numpy as np
 
+from concordia.root_error import ConcordiaError
+
 from .errors import ExecutorError
 from .persistent import require_cupy
 from .ring import Status
@@ -181,6 +183,7 @@ class DeviceStepTrigger:
             with stream:
                 self.engine.step_gate(self.counter, self.gate)
             self.steps += 1
+            self.engine.mark_queued(self.steps)
 
     def _keep_armed(self, due: bool) -> None:
         """Between two steps, on the host: the kernel's trigger armed on an
@@ -195,9 +198,12 @@ class DeviceStepTrigger:
                 status = engine.trigger_status
                 if status == Status.LOST:
                     self._mend = f"an epoch did not fit its arena (status {status})"
-                elif status == TRIGGER_LEFT:  # the kernel reached its lifetime: armed again, which launches it again
+                elif status == TRIGGER_LEFT:  # the kernel left (idle, its lifetime): armed again, which relaunches it
                     self.rearmed += 1
-                    engine.trigger(self.every, self.counter, self.gate)
+                    try:
+                        engine.trigger(self.every, self.counter, self.gate)
+                    except ConcordiaError as exc:  # no arena to arm on (the log full, ...): mended at a due step
+                        self._mend = f"arming the trigger again failed: {exc}"
                 elif status:  # a fault: every region's next checkpoint whole, the route off for these regions
                     exc = ExecutorError(f"the device trigger stopped with status {status}", where="device trigger")
                     route.fail(exc)
@@ -223,7 +229,8 @@ class DeviceStepTrigger:
         engine = route.device_engine()
         if engine is None:
             raise ExecutorError(f"the device trigger cannot go on: {route.why}", where="device trigger")
-        engine.trigger(self.every, self.counter, self.gate)
+        # this step's gate, queued next, is due: the kernel lets it go (the checkpoint above is its epoch)
+        engine.trigger(self.every, self.counter, self.gate, skip=self.steps + 1)
         if engine is not self.engine:
             self._fired_before += self.engine.fired()
             self.engine = engine

@@ -164,6 +164,14 @@ def test_the_persistent_kernel_runs_a_sessions_epochs_into_its_arena(shm_log, st
                 l.tobytes()
 
 
+def _rows_state(count):
+    """The (64, 1024) float32 state after steps 1..count, step k adding k to row k % 64."""
+    a = np.zeros((64, 1024), np.float32)
+    for k in range(1, count + 1):
+        a[k % 64] += np.float32(k)
+    return a
+
+
 @pytest.mark.gpu
 def test_a_device_trigger_commits_epochs_while_the_caller_holds_the_gil(shm_log):
     """64 decode steps queued on the device, each followed by the step gate;
@@ -177,12 +185,6 @@ def test_a_device_trigger_commits_epochs_while_the_caller_holds_the_gil(shm_log)
     from concordia import Session
     from concordia.checkpoint.device_epoch import GATE_WORDS, TRIGGER_LEFT, DeviceEpochs
     from concordia.policy import Policy
-
-    def state(count):
-        a = np.zeros((64, 1024), np.float32)
-        for k in range(1, count + 1):
-            a[k % 64] += np.float32(k)
-        return a
 
     with Session(shm_log, size=64 << 20, segment_size=8 << 20, policy=Policy(retain=False)) as s:
         a = cp.zeros((64, 1024), cp.float32)
@@ -209,4 +211,61 @@ def test_a_device_trigger_commits_epochs_while_the_caller_holds_the_gil(shm_log)
         assert counts == [8 * (i + 1) for i in range(8)], counts  # each at its multiple: the step held there
         for epoch, count in fired:
             got = s.recover(epoch)["a"]
-            assert np.asarray(got.get() if hasattr(got, "get") else got).tobytes() == state(count).tobytes(), epoch
+            assert np.asarray(got.get() if hasattr(got, "get") else got).tobytes() == _rows_state(count).tobytes(), epoch
+
+
+#: a one-thread kernel that holds its stream for `ns` nanoseconds (the producer's slow step)
+NAP = r"""
+extern "C" __global__ void nap(unsigned long long ns) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+        __nanosleep(1000);
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while (t - t0 < ns);
+}
+"""
+
+
+@pytest.mark.gpu
+def test_an_armed_kernel_stays_for_steps_queued_behind_slow_work_and_leaves_once_they_ran(shm_log):
+    """Steps whose work holds the producer's stream for 120 ms each, far
+    longer than an armed kernel idles (50 ms), queued all at once with the
+    host's count of them (`mark_queued`): the kernel stays until each has
+    run, so every due step gets its epoch; once the stream has drained it
+    leaves (its log says TRIGGER_LEFT), so a device-wide synchronize returns."""
+    import cupy as cp
+
+    from concordia import Session
+    from concordia.checkpoint.device_epoch import GATE_WORDS, TRIGGER_LEFT, DeviceEpochs
+    from concordia.policy import Policy
+
+    with Session(shm_log, size=64 << 20, segment_size=8 << 20, policy=Policy(retain=False)) as s:
+        a = cp.zeros((64, 1024), cp.float32)
+        s.register("a", a, detect="shadow", page_bytes=4096)
+        s.checkpoint()
+        nap = cp.RawKernel(NAP, "nap")
+        nap((1,), (1,), (np.uint64(1000),))  # the kernels loaded before the executor is resident
+        a[1] += np.float32(0)
+        counter, gate = cp.zeros(1, cp.uint64), cp.zeros(GATE_WORDS, cp.uint32)
+        cp.cuda.get_current_stream().synchronize()
+        dev = DeviceEpochs(s)
+        try:
+            dev.trigger(2, counter, gate)
+            for k in range(1, 7):
+                nap((1,), (1,), (np.uint64(120_000_000),))
+                a[k % 64] += np.float32(k)
+                dev.step_gate(counter, gate)
+                dev.mark_queued(k)
+            cp.cuda.get_current_stream().synchronize()
+            fired = dev.fired()
+            cp.cuda.Device().synchronize()  # the stream drained: the armed kernel leaves, this returns
+            status = dev.trigger_status
+        finally:
+            dev.close()
+        assert [c for _, c in fired] == [2, 4, 6], fired
+        assert status == TRIGGER_LEFT, status
+        for epoch, count in fired:
+            got = s.recover(epoch)["a"]
+            assert np.asarray(got.get() if hasattr(got, "get") else got).tobytes() == _rows_state(count).tobytes(), \
+                epoch

@@ -194,20 +194,25 @@ class _FakeCupy:
 
 class _Engine:
     """A stand-in for `DeviceEpochs` as the step trigger drives it: it takes
-    an epoch at each armed multiple when its gate is queued, and can be told
-    to report a status as the kernel's log would."""
+    an epoch at each armed multiple when its gate is queued (none up to the
+    count it was told to skip), and can be told to report a status as the
+    kernel's log would."""
 
     def __init__(self, name):
-        self.name, self.armed, self.status, self.log, self.arms = name, None, 0, [], 0
+        self.name, self.armed, self.status, self.log, self.arms, self.queued = name, None, 0, [], 0, 0
 
-    def trigger(self, every, counter, gate):
-        self.armed, self.status = (every, counter, gate), 0
+    def trigger(self, every, counter, gate, skip=0):
+        self.armed, self.status = (every, counter, gate, skip), 0
         self.arms += 1
 
     def step_gate(self, counter, gate):
         counter[0] += 1
-        if self.armed is not None and self.status == 0 and int(counter[0]) % self.armed[0] == 0:
-            self.log.append((100 + len(self.log), int(counter[0])))
+        count = int(counter[0])
+        if self.armed is not None and self.status == 0 and count % self.armed[0] == 0 and count > self.armed[3]:
+            self.log.append((100 + len(self.log), count))
+
+    def mark_queued(self, steps):
+        self.queued = steps
 
     def fired(self):
         return list(self.log)
@@ -259,8 +264,9 @@ def test_the_device_triggers_host_side_mends_what_stopped_it_at_a_due_step(monke
     every step whatever happens; a LOST status, a changed region set or an
     engine the route dropped are mended only at a due step (the caller has
     written that step's tokens), by the session's own checkpoint and the
-    trigger armed on the route's engine, once; the kernel leaving at its
-    lifetime is armed again at once; a fault fails the route and raises;
+    trigger armed on the route's engine, once, its kernel told to let that
+    step's gate go (the checkpoint is its epoch); the kernel leaving (idle,
+    its lifetime) is armed again at once; the engine knows the steps queued; a fault fails the route and raises;
     `fired` keeps the replaced engines' epochs; disarm sticks."""
     import concordia.executor.step_trigger as st
 
@@ -270,7 +276,7 @@ def test_the_device_triggers_host_side_mends_what_stopped_it_at_a_due_step(monke
     tr = st.DeviceStepTrigger(route, route.engine, 4)
     for _ in range(8):
         tr.step()
-    assert [c for _, c in tr.fired] == [4, 8] and tr.armed and not tr.errors
+    assert [c for _, c in tr.fired] == [4, 8] and tr.armed and not tr.errors and route.engine.queued == 8
     route.engine.status = int(st.Status.LOST)      # the kernel's trigger stopped: an epoch lost
     tr.step()                                            # step 9: not due, the gate passes, nothing mended yet
     assert route.checkpoints == [] and not tr.armed and tr.steps == 9
@@ -278,11 +284,12 @@ def test_the_device_triggers_host_side_mends_what_stopped_it_at_a_due_step(monke
         tr.step()                                        # step 12 is due: mended there, and its gate holds
     assert route.checkpoints == [("trigger", "coalesce")] and tr.errors == [
         "an epoch did not fit its arena (status 7)"] and tr.armed
+    assert [c for _, c in tr.fired] == [4, 8], tr.fired  # step 12's epoch is the checkpoint, not a second one
     route.session.region_set.version = 2                 # a region registered: a new engine at the next due step
-    for _ in range(4):
+    for _ in range(8):
         tr.step()
-    assert tr.engine.name == "engine 2" and len(route.checkpoints) == 2
-    assert [c for _, c in tr.fired] == [4, 8, 12, 16], tr.fired  # the first engine's epochs kept
+    assert tr.engine.name == "engine 2" and len(route.checkpoints) == 2 and tr.engine.queued == 20
+    assert [c for _, c in tr.fired] == [4, 8, 20], tr.fired  # the first engine's epochs kept
     tr.engine.status = st.TRIGGER_LEFT         # the kernel left at its lifetime: armed again at once
     arms = tr.engine.arms
     tr.step()
@@ -290,8 +297,39 @@ def test_the_device_triggers_host_side_mends_what_stopped_it_at_a_due_step(monke
     tr.engine.status = 4                                  # a timed-out epoch: the route fails, the step says so
     with pytest.raises(ExecutorError, match="stopped with status 4"):
         tr.step()
-    assert route.failed is not None and tr.steps == 18    # the gate was queued all the same
+    assert route.failed is not None and tr.steps == 22    # the gate was queued all the same
     tr.disarm()
     for _ in range(6):
         tr.step()                                         # disarmed: no mending, no epochs, the steps count
-    assert len(route.checkpoints) == 2 and tr.steps == 24 and not tr.armed
+    assert len(route.checkpoints) == 2 and tr.steps == 28 and not tr.armed
+
+
+def test_a_kernel_that_left_and_cannot_be_armed_again_is_mended_at_the_next_due_step(monkeypatch):
+    """The kernel left (idle) and arming it again finds no room (the log
+    full): the step does not raise out of the caller's loop; the trigger is
+    mended at the next due step by the session's own checkpoint."""
+    import concordia.executor.step_trigger as st
+    from concordia.errors import LogFullError
+
+    monkeypatch.setattr(st, "require_cupy", lambda: _FakeCupy)
+    monkeypatch.setattr(st, "producer_stream", lambda cp, last=None: (1, _Stream()))
+    route = _Route()
+    tr = st.DeviceStepTrigger(route, route.engine, 4)
+    for _ in range(5):
+        tr.step()
+    engine = route.engine
+    engine.status = st.TRIGGER_LEFT
+
+    def full(*args, **kw):
+        raise LogFullError("all 3 segments are live", where="log")
+
+    monkeypatch.setattr(engine, "trigger", full)
+    tr.step()                                      # step 6: the re-arm fails, nothing raised
+    assert not tr.armed and route.checkpoints == [] and tr.steps == 6
+    monkeypatch.undo()
+    monkeypatch.setattr(st, "producer_stream", lambda cp, last=None: (1, _Stream()))
+    tr.step()
+    tr.step()                                      # step 8 is due: the session's checkpoint, armed again
+    assert route.checkpoints == [("trigger", "coalesce")] and tr.armed
+    assert len(tr.errors) == 1 and "arming the trigger again failed" in tr.errors[0], tr.errors
+    assert engine.armed[3] == 8                    # step 8's gate let go: the checkpoint is its epoch
