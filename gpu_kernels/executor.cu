@@ -509,8 +509,9 @@ __device__ int run_epoch(const cx_epoch_desc* d, cx_scratch* sc, u64 child_timeo
 // a[1] != 0 and a[0] = 0 disarms it (the host's arena swap); disarming,
 // arming again and leaving let go of any step held.
 extern "C" __global__ void cx_step_gate(u64* counter, u32* gate, u64 timeout_ns) {
-    const u64 count = *(volatile u64*)counter + 1;
-    *(volatile u64*)counter = count;
+    // atomic: the producer's current stream may change between steps, and two gates on
+    // unordered streams must not lose a count (the host's `due` is counted the same way)
+    const u64 count = atomicAdd(reinterpret_cast<unsigned long long*>(counter), 1ull) + 1;
     __threadfence_system();
     const u32 every = *(volatile u32*)&gate[2];
     if (every == 0 || count % every) return;
