@@ -153,7 +153,10 @@ def _decode(model, guard, ids, steps, every, wait=False):
     kept = {"counts": dict(s.retention.counts), "base_staging": s.retention.base_staging}
     if hook.trigger is not None:  # the trigger's epochs: their statistics came with the settle
         kept["trigger"] = {"on_device": hook.trigger.on_device, "fired": len(hook.fired),
-                           "errors": list(hook.trigger.errors)[:4]}
+                           "errors": list(hook.trigger.errors)[:4],
+                           # the device's: arena swaps, and arms after the kernel left (idle: the stream drained)
+                           "rotations": getattr(hook.trigger, "rotations", None),
+                           "rearmed": getattr(hook.trigger, "rearmed", None)}
         hook.trigger.disarm()
         fired = {e for e, _ in hook.fired}
         stats = hook.stats + [st for st in s.checkpoints if st.epoch in fired]
