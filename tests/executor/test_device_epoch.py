@@ -172,6 +172,13 @@ def _rows_state(count):
     return a
 
 
+def _each_recovers_its_step(s, fired):
+    """Each (epoch, count) the trigger logged recovers region "a" as it was after step `count`."""
+    for epoch, count in fired:
+        got = s.recover(epoch)["a"]
+        assert np.asarray(got.get() if hasattr(got, "get") else got).tobytes() == _rows_state(count).tobytes(), epoch
+
+
 @pytest.mark.gpu
 def test_a_device_trigger_commits_epochs_while_the_caller_holds_the_gil(shm_log):
     """64 decode steps queued on the device, each followed by the step gate;
@@ -209,9 +216,7 @@ def test_a_device_trigger_commits_epochs_while_the_caller_holds_the_gil(shm_log)
             dev.close()
         counts = [c for _, c in fired]
         assert counts == [8 * (i + 1) for i in range(8)], counts  # each at its multiple: the step held there
-        for epoch, count in fired:
-            got = s.recover(epoch)["a"]
-            assert np.asarray(got.get() if hasattr(got, "get") else got).tobytes() == _rows_state(count).tobytes(), epoch
+        _each_recovers_its_step(s, fired)
 
 
 #: a one-thread kernel that holds its stream for `ns` nanoseconds (the producer's slow step)
@@ -265,7 +270,4 @@ def test_an_armed_kernel_stays_for_steps_queued_behind_slow_work_and_leaves_once
             dev.close()
         assert [c for _, c in fired] == [2, 4, 6], fired
         assert status == TRIGGER_LEFT, status
-        for epoch, count in fired:
-            got = s.recover(epoch)["a"]
-            assert np.asarray(got.get() if hasattr(got, "get") else got).tobytes() == _rows_state(count).tobytes(), \
-                epoch
+        _each_recovers_its_step(s, fired)
