@@ -498,7 +498,8 @@ __device__ int run_epoch(const cx_epoch_desc* d, cx_scratch* sc, u64 child_timeo
 // counts the step (in stream order: when the step has run) and, at each
 // multiple of the armed trigger's N (gate[2] = N, 0: none armed), holds there
 // (gate[1] = 1) and waits, bounded, until the executor lets go, so that the
-// epoch holds the state between that step and the next.  An EPOCH task with
+// epoch holds the state between that step and the next; it adds the hold to
+// gate[3] (steps) and gate[4..5] (ns, a u64: the gate is 16-byte aligned).  An EPOCH task with
 // a[1] = N > 0 arms the trigger (a[2] the counter, a[3] the gate, u32[4]):
 // while idle, the control warp runs the epoch once the producer holds, logs
 // (epoch, count) in the descriptor's `fired`, and lets go; no host thread
@@ -516,9 +517,9 @@ extern "C" __global__ void cx_step_gate(u64* counter, u32* gate, u64 timeout_ns)
     const u32 every = *(volatile u32*)&gate[2];
     if (every == 0 || count % every) return;
     // gate[1]: 0 none, 1 held (this step), 2 taken (the control warp runs its epoch)
+    const u64 t0 = now_ns();
     atomicExch(&gate[1], 1u);
     __threadfence_system();
-    const u64 t0 = now_ns();
     u32 nap = 32;
     for (;;) {
         const u32 g = *(volatile u32*)&gate[1];
@@ -531,6 +532,9 @@ extern "C" __global__ void cx_step_gate(u64* counter, u32* gate, u64 timeout_ns)
         nap = min(nap * 2, 4096u);
     }
     __threadfence_system();
+    // what holding cost the producer: gate[3] the steps held, gate[4..5] their ns (u64)
+    atomicAdd(&gate[3], 1u);
+    atomicAdd(reinterpret_cast<unsigned long long*>(gate + 4), (unsigned long long)(now_ns() - t0));
 }
 
 #ifndef CX_ARMED_IDLE_NS

@@ -157,6 +157,10 @@ def _decode(model, guard, ids, steps, every, wait=False):
                            # the device's: arena swaps, and arms after the kernel left (idle: the stream drained)
                            "rotations": getattr(hook.trigger, "rotations", None),
                            "rearmed": getattr(hook.trigger, "rearmed", None)}
+        if hasattr(hook.trigger, "held"):  # the device's gate: how long its epochs held the decode stream
+            n, secs = hook.trigger.held()
+            kept["trigger"].update(held_steps=n, held_ms_mean=secs / n * 1e3 if n else None,
+                                   held_ms_per_step=secs / steps * 1e3)
         hook.trigger.disarm()
         fired = {e for e, _ in hook.fired}
         stats = hook.stats + [st for st in s.checkpoints if st.epoch in fired]
