@@ -153,14 +153,11 @@ def _decode(model, guard, ids, steps, every, wait=False):
     kept = {"counts": dict(s.retention.counts), "base_staging": s.retention.base_staging}
     if hook.trigger is not None:  # the trigger's epochs: their statistics came with the settle
         kept["trigger"] = {"on_device": hook.trigger.on_device, "fired": len(hook.fired),
-                           "errors": list(hook.trigger.errors)[:4],
-                           # the device's: arena swaps, and arms after the kernel left (idle: the stream drained)
-                           "rotations": getattr(hook.trigger, "rotations", None),
-                           "rearmed": getattr(hook.trigger, "rearmed", None)}
-        if hasattr(hook.trigger, "held"):  # the device's gate: how long its epochs held the decode stream
-            n, secs = hook.trigger.held()
-            kept["trigger"].update(held_steps=n, held_ms_mean=secs / n * 1e3 if n else None,
-                                   held_ms_per_step=secs / steps * 1e3)
+                           "errors": list(hook.trigger.errors)[:4]}
+        if hook.trigger.on_device:  # arena swaps, arms after the kernel left (idle: the stream drained), and
+            n, secs = hook.trigger.held()  # how long the gate's epochs held the decode stream
+            kept["trigger"].update(rotations=hook.trigger.rotations, rearmed=hook.trigger.rearmed, held_steps=n,
+                                   held_ms_mean=secs / n * 1e3 if n else None, held_ms_per_step=secs / steps * 1e3)
         hook.trigger.disarm()
         fired = {e for e, _ in hook.fired}
         stats = hook.stats + [st for st in s.checkpoints if st.epoch in fired]
