@@ -499,7 +499,8 @@ __device__ int run_epoch(const cx_epoch_desc* d, cx_scratch* sc, u64 child_timeo
 // multiple of the armed trigger's N (gate[2] = N, 0: none armed), holds there
 // (gate[1] = 1) and waits, bounded, until the executor lets go, so that the
 // epoch holds the state between that step and the next; it adds the hold to
-// gate[3] (steps) and gate[4..5] (ns, a u64: the gate is 16-byte aligned).  An EPOCH task with
+// gate[3] (steps) and gate[4..5] (ns, a u64: the gate is 16-byte aligned), and
+// a step that gave up waiting (no epoch) to gate[0].  An EPOCH task with
 // a[1] = N > 0 arms the trigger (a[2] the counter, a[3] the gate, u32[4]):
 // while idle, the control warp runs the epoch once the producer holds, logs
 // (epoch, count) in the descriptor's `fired`, and lets go; no host thread
@@ -526,8 +527,11 @@ extern "C" __global__ void cx_step_gate(u64* counter, u32* gate, u64 timeout_ns)
         if (g == 0) break;                                // let go after its epoch (or released)
         // the trigger went before taking it; a control warp armed again may take it meanwhile (then 2: wait)
         if (*(volatile u32*)&gate[2] == 0 && g == 1 && atomicCAS(&gate[1], 1u, 0u) == 1u) break;
-        // not taken in time: go on without an epoch; once taken, wait for it to end
-        if (now_ns() - t0 > timeout_ns && atomicCAS(&gate[1], 1u, 0u) == 1u) break;
+        // not taken in time: go on without an epoch (counted in gate[0]); once taken, wait for it to end
+        if (now_ns() - t0 > timeout_ns && atomicCAS(&gate[1], 1u, 0u) == 1u) {
+            atomicAdd(&gate[0], 1u);
+            break;
+        }
         __nanosleep(nap);
         nap = min(nap * 2, 4096u);
     }

@@ -42,8 +42,9 @@ from .errors import ExecutorError
 from .persistent import require_cupy
 from .ring import Status
 
-#: u32 words of a device trigger's gate (executor.cu's cx_step_gate): [1] 0 none, 1 a step holds, 2 its
-#: epoch runs; [2] the armed every (0: none); [3] the steps held; [4..5] the ns they held (a u64)
+#: u32 words of a device trigger's gate (executor.cu's cx_step_gate): [0] the steps that gave up waiting (no
+#: epoch); [1] 0 none, 1 a step holds, 2 its epoch runs; [2] the armed every (0: none); [3] the steps held;
+#: [4..5] the ns they held (a u64)
 GATE_WORDS = 6
 
 #: what a trigger's log says (`DeviceEpochs.trigger_status`) when the executor left with it armed (idle,
@@ -241,14 +242,15 @@ class DeviceStepTrigger:
     def fired(self) -> list:
         return self._fired_before + self.engine.fired()
 
-    def held(self) -> tuple[int, float]:
+    def held(self) -> tuple[int, float, int]:
         """(steps held at the gate, seconds they held the producer's stream in
-        all), as the device counted them up to the work queued so far on the
-        producer's stream (a copy from the device, ordered after it)."""
+        all, steps among them that gave up waiting: no epoch), as the device
+        counted them up to the work queued so far on the producer's stream (a
+        copy from the device, ordered after it)."""
         ptr, stream = producer_stream(self.cp, self._stream)
         words = self.gate.get(stream=stream)
         stream.synchronize()
-        return int(words[3]), int(words[4:6].view(np.uint64)[0]) / 1e9
+        return int(words[3]), int(words[4:6].view(np.uint64)[0]) / 1e9, int(words[0])
 
     @property
     def armed(self) -> bool:

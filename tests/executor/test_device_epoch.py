@@ -69,7 +69,7 @@ def test_the_gate_is_as_long_on_both_sides_of_the_layers():
     from concordia.checkpoint.device_epoch import GATE_WORDS
     from concordia.executor import step_trigger
 
-    assert step_trigger.GATE_WORDS == GATE_WORDS == 6 and "gate + 4" in CU and "gate[4]" not in CU
+    assert step_trigger.GATE_WORDS == GATE_WORDS == 6 and "gate + 4" in CU and "gate[4]" not in CU and "gate[0]" in CU
     assert "gate + 6" not in CU and "gate[5]" not in CU  # [4..5] is one u64, the last
     assert re.search(rf"#define CX_TRIGGER_LEFT {step_trigger.TRIGGER_LEFT:#x}\b", CU)
 
@@ -273,5 +273,5 @@ def test_an_armed_kernel_stays_for_steps_queued_behind_slow_work_and_leaves_once
         assert [c for _, c in fired] == [2, 4, 6], fired
         assert status == TRIGGER_LEFT, status
         # the gate counted its holds: the three due steps, each for as long as its epoch took (> 0 ns)
-        assert int(words[3]) == 3 and int(words[4:6].view(np.uint64)[0]) > 0, words
+        assert int(words[3]) == 3 and int(words[4:6].view(np.uint64)[0]) > 0 and int(words[0]) == 0, words
         _each_recovers_its_step(s, fired)
