@@ -505,7 +505,7 @@ __device__ int run_epoch(const cx_epoch_desc* d, cx_scratch* sc, u64 child_timeo
 // while idle, the control warp runs the epoch once the producer holds, logs
 // (epoch, count) in the descriptor's `fired`, and lets go; no host thread
 // takes part.  The executor stays resident while an armed trigger's steps
-// come (t_idle_armed).  a[4]: a host-mapped u64, the steps the host has
+// come (trigger_keeps).  a[4]: a host-mapped u64, the steps the host has
 // queued (0: none kept), a[5]: counts up to which a held step is let go with
 // no epoch (the host took that step's epoch itself).  An EPOCH task with
 // a[1] != 0 and a[0] = 0 disarms it (the host's arena swap); disarming,
@@ -544,6 +544,9 @@ extern "C" __global__ void cx_step_gate(u64* counter, u32* gate, u64 timeout_ns)
 #ifndef CX_ARMED_IDLE_NS
 #define CX_ARMED_IDLE_NS (50ull * 1000 * 1000)
 #endif
+#ifndef CX_QUEUED_WAIT_NS
+#define CX_QUEUED_WAIT_NS (10ull * 1000 * 1000 * 1000)
+#endif
 struct cx_trigger {  // lane 0's, in registers: what an EPOCH task with a[1] > 0 armed
     const cx_epoch_desc* d;
     u64 every;
@@ -568,8 +571,11 @@ __device__ __forceinline__ bool trigger_keeps(cx_trigger* t, u64* t_idle) {
         t->seen = c;
         *t_idle = now_ns();
     }
-    if (t->queued != nullptr && *(volatile const u64*)t->queued > c) return true;
-    return now_ns() - *t_idle <= CX_ARMED_IDLE_NS;
+    const u64 idle = now_ns() - *t_idle;
+    // queued steps keep it for as long as a held step waits for its epoch (the gate's timeout), not for good:
+    // a count the host left behind (a trigger that took no step) lets a synchronize return after that
+    if (t->queued != nullptr && *(volatile const u64*)t->queued > c && idle <= CX_QUEUED_WAIT_NS) return true;
+    return idle <= CX_ARMED_IDLE_NS;
 }
 
 // what a trigger's log says in [1] when the executor left with it armed (its lifetime, a fault):

@@ -159,6 +159,7 @@ class DeviceStepTrigger:
         self.counter = cp.zeros(1, cp.uint64)
         self.gate = cp.zeros(GATE_WORDS, cp.uint32)
         cp.cuda.get_current_stream().synchronize()
+        engine.mark_queued(0)  # a trigger before on this engine counted its own steps: none of this one's queued
         engine.trigger(self.every, self.counter, self.gate)
         #: what stopped the kernel's trigger and was mended (an epoch lost, the regions changed), one line each
         self.errors: list[str] = []
@@ -231,6 +232,7 @@ class DeviceStepTrigger:
         if engine is None:
             raise ExecutorError(f"the device trigger cannot go on: {route.why}", where="device trigger")
         # this step's gate, queued next, is due: the kernel lets it go (the checkpoint above is its epoch)
+        engine.mark_queued(self.steps)
         engine.trigger(self.every, self.counter, self.gate, skip=self.steps + 1)
         if engine is not self.engine:
             self._fired_before += self.engine.fired()

@@ -275,7 +275,9 @@ def test_the_device_triggers_host_side_mends_what_stopped_it_at_a_due_step(monke
     monkeypatch.setattr(st, "require_cupy", lambda: _FakeCupy)
     monkeypatch.setattr(st, "producer_stream", lambda cp, last=None: (1, _Stream()))
     route = _Route()
+    route.engine.queued = 99                             # a trigger before on this engine: its count is not ours
     tr = st.DeviceStepTrigger(route, route.engine, 4)
+    assert route.engine.queued == 0
     for _ in range(8):
         tr.step()
     assert [c for _, c in tr.fired] == [4, 8] and tr.armed and not tr.errors and route.engine.queued == 8
