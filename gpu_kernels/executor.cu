@@ -602,6 +602,28 @@ __device__ __forceinline__ void trigger_leave(cx_trigger* t) {
     trigger_release(t);
 }
 
+// Lane 0, about to leave idle with a trigger armed: the handshake with the
+// host's step (Dekker's, as the ring's step 5).  The log says TRIGGER_LEFT
+// first, then the queued steps and a held step are read again.  The host's
+// `step()` writes its step to `queued` before it reads the log, and queues
+// the step's gate after: either this sees the step coming (the log goes back
+// to 0, the executor stays and takes it), or the host sees TRIGGER_LEFT and
+// arms the trigger again before it queues the gate.  The gate is released
+// only once the executor leaves (trigger_leave): a gate queued before was
+// counted in `queued` and seen here.
+__device__ bool trigger_stays(cx_trigger* t) {
+    if (t->d == nullptr) return false;
+    volatile u64* fired = reinterpret_cast<volatile u64*>(t->d->fired);
+    fired[1] = CX_TRIGGER_LEFT;
+    __threadfence_system();  // the log's store before the loads (handshake)
+    const u64 c = *(volatile u64*)t->counter;
+    const bool coming = t->queued != nullptr && *(volatile const u64*)t->queued > c;
+    if (!coming && *(volatile u32*)&t->gate[1] != 1u) return false;
+    fired[1] = 0;
+    __threadfence_system();
+    return true;
+}
+
 // Lane 0, between polls of the ring: one step of the armed trigger.  Returns
 // 1 when it let a held step go (the caller counts it as work, not idleness), 2 when
 // the epoch timed out (its child may still run: the executor leaves faulted),
@@ -827,10 +849,19 @@ extern "C" __global__ void __launch_bounds__(32, 1)
                 const u64 t = now_ns();
                 const bool old = t - t_start > lifetime_ns;
                 if (old || (!armed && t - t_idle > idle_ns)) {
+#if defined(CX_EPOCH) && CX_CHILD
+                    if (!old && trigger_stays(&trig)) {  // a step came after all
+                        t_idle = now_ns();
+                        continue;
+                    }
+#endif
                     *state = old ? CS_LIFETIME_EXIT : CS_IDLE_EXIT;
                     __threadfence_system();  // state store before the re-check load (handshake)
                     if (ld_acquire_sys(seqp) == n + 1) {
                         *state = CS_RUNNING;
+#if defined(CX_EPOCH) && CX_CHILD
+                        if (trig.d != nullptr) reinterpret_cast<volatile u64*>(trig.d->fired)[1] = 0;  // staying
+#endif
                         __threadfence_system();
                         cmd = 1;
                     } else {
@@ -884,7 +915,9 @@ extern "C" __global__ void __launch_bounds__(32, 1)
             } else if (a[2] == 0 || a[3] == 0) {
                 status = ST_BAD_ARGS;
             } else if (lane == 0) {
-                trigger_release(&trig);
+                // armed again on its gate (the host saw it leaving, or a new arena): a step held
+                // there stays held, for this trigger to take; another gate is let go first
+                if (trig.gate != reinterpret_cast<u32*>(a[3])) trigger_release(&trig);
                 trig.d = reinterpret_cast<const cx_epoch_desc*>(a[0]);
                 trig.every = a[1];
                 trig.counter = reinterpret_cast<u64*>(a[2]);

@@ -54,6 +54,10 @@ TRIGGER_LEFT = 0x100
 #: longest a producer holds at its gate for one epoch before it is an error
 HOLD_S = 60.0
 
+#: a lock whose acquire is the host's store->load fence of the trigger's
+#: handshake (x86: a locked instruction; as ring.py's step 5)
+_FENCE = threading.Lock()
+
 
 class StepGate:
     """The CPU twin of executor.cu's `cx_step_gate`, for a producer that calls
@@ -161,6 +165,7 @@ class DeviceStepTrigger:
         cp.cuda.get_current_stream().synchronize()
         engine.mark_queued(0)  # a trigger before on this engine counted its own steps: none of this one's queued
         engine.trigger(self.every, self.counter, self.gate)
+        self._skip = 0                  # held steps up to this count are the host's own epochs (a mend)
         #: what stopped the kernel's trigger and was mended (an epoch lost, the regions changed), one line each
         self.errors: list[str] = []
         self.rotations = 0
@@ -174,10 +179,19 @@ class DeviceStepTrigger:
     def step(self) -> None:
         """The step ends here.  First, on the host, the trigger kept armed
         (this step's gate then holds for an epoch, not for an arena swap);
-        then the gate, queued on the producer's stream whatever happened."""
+        then the gate, queued on the producer's stream whatever happened.
+        The step is counted in the engine's `queued` before the kernel's
+        status is read (executor.cu: trigger_stays): a kernel about to leave
+        either sees it coming and stays, or is seen leaving and armed again
+        before the gate is queued."""
         due = (self.steps + 1) % self.every == 0
         try:
             if not self._disarmed:
+                engine = self.engine
+                if engine.armed is not None and engine.armed[1] is self.counter:  # not another trigger's engine
+                    engine.mark_queued(self.steps + 1)
+                    with _FENCE:
+                        pass
                 self._keep_armed(due)
         finally:
             ptr, stream = producer_stream(self.cp, self._stream)
@@ -185,7 +199,6 @@ class DeviceStepTrigger:
             with stream:
                 self.engine.step_gate(self.counter, self.gate)
             self.steps += 1
-            self.engine.mark_queued(self.steps)
 
     def _keep_armed(self, due: bool) -> None:
         """Between two steps, on the host: the kernel's trigger armed on an
@@ -203,7 +216,7 @@ class DeviceStepTrigger:
                 elif status == TRIGGER_LEFT:  # the kernel left (idle, its lifetime): armed again, which relaunches it
                     self.rearmed += 1
                     try:
-                        engine.trigger(self.every, self.counter, self.gate)
+                        engine.trigger(self.every, self.counter, self.gate, skip=self._skip)
                     except ConcordiaError as exc:  # no arena to arm on (the log full, ...): mended at a due step
                         self._mend = f"arming the trigger again failed: {exc}"
                 elif status:  # a fault: every region's next checkpoint whole, the route off for these regions
@@ -232,8 +245,9 @@ class DeviceStepTrigger:
         if engine is None:
             raise ExecutorError(f"the device trigger cannot go on: {route.why}", where="device trigger")
         # this step's gate, queued next, is due: the kernel lets it go (the checkpoint above is its epoch)
-        engine.mark_queued(self.steps)
-        engine.trigger(self.every, self.counter, self.gate, skip=self.steps + 1)
+        self._skip = self.steps + 1
+        engine.mark_queued(self.steps + 1)
+        engine.trigger(self.every, self.counter, self.gate, skip=self._skip)
         if engine is not self.engine:
             self._fired_before += self.engine.fired()
             self.engine = engine
