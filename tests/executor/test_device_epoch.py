@@ -261,8 +261,8 @@ def test_an_armed_kernel_stays_for_steps_queued_behind_slow_work_and_leaves_once
             for k in range(1, 7):
                 nap((1,), (1,), (np.uint64(120_000_000),))
                 a[k % 64] += np.float32(k)
+                dev.mark_queued(k)  # as the step trigger does: counted before its gate is queued
                 dev.step_gate(counter, gate)
-                dev.mark_queued(k)
             cp.cuda.get_current_stream().synchronize()
             fired = dev.fired()
             words = gate.get()
