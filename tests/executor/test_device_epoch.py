@@ -173,6 +173,25 @@ def _rows_state(count):
     return a
 
 
+def _rows_and_gate(s, *load):
+    """Region "a" (the (64, 1024) float32 rows of `_rows_state`) registered in `s` and
+    checkpointed, and a trigger's counter and gate; CuPy's kernels (and each of `load`, called
+    once) loaded before the executor is resident."""
+    import cupy as cp
+
+    from concordia.checkpoint.device_epoch import GATE_WORDS
+
+    a = cp.zeros((64, 1024), cp.float32)
+    s.register("a", a, detect="shadow", page_bytes=4096)
+    s.checkpoint()
+    for fn in load:
+        fn()
+    a[1] += np.float32(0)
+    counter, gate = cp.zeros(1, cp.uint64), cp.zeros(GATE_WORDS, cp.uint32)
+    cp.cuda.get_current_stream().synchronize()
+    return a, counter, gate
+
+
 def _each_recovers_its_step(s, fired):
     """Each (epoch, count) the trigger logged recovers region "a" as it was after step `count`."""
     for epoch, count in fired:
@@ -188,19 +207,12 @@ def test_a_device_trigger_commits_epochs_while_the_caller_holds_the_gil(shm_log)
     a step boundary, and each recovers the state of the step it logged."""
     import time
 
-    import cupy as cp
-
     from concordia import Session
-    from concordia.checkpoint.device_epoch import GATE_WORDS, TRIGGER_LEFT, DeviceEpochs
+    from concordia.checkpoint.device_epoch import TRIGGER_LEFT, DeviceEpochs
     from concordia.policy import Policy
 
     with Session(shm_log, size=64 << 20, segment_size=8 << 20, policy=Policy(retain=False)) as s:
-        a = cp.zeros((64, 1024), cp.float32)
-        s.register("a", a, detect="shadow", page_bytes=4096)
-        s.checkpoint()
-        a[1] += np.float32(0)  # CuPy's kernel, loaded before the executor is resident
-        counter, gate = cp.zeros(1, cp.uint64), cp.zeros(GATE_WORDS, cp.uint32)
-        cp.cuda.get_current_stream().synchronize()
+        a, counter, gate = _rows_and_gate(s)
         dev = DeviceEpochs(s)
         try:
             dev.trigger(8, counter, gate)
@@ -243,18 +255,12 @@ def test_an_armed_kernel_stays_for_steps_queued_behind_slow_work_and_leaves_once
     import cupy as cp
 
     from concordia import Session
-    from concordia.checkpoint.device_epoch import GATE_WORDS, TRIGGER_LEFT, DeviceEpochs
+    from concordia.checkpoint.device_epoch import TRIGGER_LEFT, DeviceEpochs
     from concordia.policy import Policy
 
     with Session(shm_log, size=64 << 20, segment_size=8 << 20, policy=Policy(retain=False)) as s:
-        a = cp.zeros((64, 1024), cp.float32)
-        s.register("a", a, detect="shadow", page_bytes=4096)
-        s.checkpoint()
         nap = cp.RawKernel(NAP, "nap")
-        nap((1,), (1,), (np.uint64(1000),))  # the kernels loaded before the executor is resident
-        a[1] += np.float32(0)
-        counter, gate = cp.zeros(1, cp.uint64), cp.zeros(GATE_WORDS, cp.uint32)
-        cp.cuda.get_current_stream().synchronize()
+        a, counter, gate = _rows_and_gate(s, lambda: nap((1,), (1,), (np.uint64(1000),)))
         dev = DeviceEpochs(s)
         try:
             dev.trigger(2, counter, gate)
