@@ -593,10 +593,12 @@ __device__ __forceinline__ void trigger_release(cx_trigger* t) {
 }
 
 // Lane 0, as the executor leaves: an armed trigger says so in its log, so that
-// the host, which believes it armed, arms it again (the next task relaunches).
-__device__ __forceinline__ void trigger_leave(cx_trigger* t) {
+// the host, which believes it armed, arms it again (the next task relaunches);
+// `why`: CX_TRIGGER_LEFT, or the status of a fault the executor leaves with
+// (the host then fails the route rather than arming it again).
+__device__ __forceinline__ void trigger_leave(cx_trigger* t, u64 why) {
     if (t->d != nullptr) {
-        reinterpret_cast<volatile u64*>(t->d->fired)[1] = CX_TRIGGER_LEFT;
+        reinterpret_cast<volatile u64*>(t->d->fired)[1] = why;
         t->d = nullptr;
     }
     trigger_release(t);
@@ -610,14 +612,17 @@ __device__ __forceinline__ void trigger_leave(cx_trigger* t) {
 // to 0, the executor stays and takes it), or the host sees TRIGGER_LEFT and
 // arms the trigger again before it queues the gate.  The gate is released
 // only once the executor leaves (trigger_leave): a gate queued before was
-// counted in `queued` and seen here.
-__device__ bool trigger_stays(cx_trigger* t) {
+// counted in `queued` and seen here.  Queued steps count for as long as in
+// trigger_keeps (CX_QUEUED_WAIT_NS since the last step ran, `t_idle`): a
+// count no step catches up with does not keep the executor.
+__device__ bool trigger_stays(cx_trigger* t, u64 t_idle) {
     if (t->d == nullptr) return false;
     volatile u64* fired = reinterpret_cast<volatile u64*>(t->d->fired);
     fired[1] = CX_TRIGGER_LEFT;
     __threadfence_system();  // the log's store before the loads (handshake)
     const u64 c = *(volatile u64*)t->counter;
-    const bool coming = t->queued != nullptr && *(volatile const u64*)t->queued > c;
+    const bool coming = t->queued != nullptr && *(volatile const u64*)t->queued > c &&
+                        now_ns() - t_idle <= CX_QUEUED_WAIT_NS;
     if (!coming && *(volatile u32*)&t->gate[1] != 1u) return false;
     fired[1] = 0;
     __threadfence_system();
@@ -847,13 +852,13 @@ extern "C" __global__ void __launch_bounds__(32, 1)
                 const bool armed = false;
 #endif
                 const u64 t = now_ns();
-                const bool old = t - t_start > lifetime_ns;
+                // past its lifetime, an executor whose armed trigger's steps still come leaves once
+                // they stop, through the handshake below (leaving between them would let a due
+                // step pass with no epoch)
+                const bool old = t - t_start > lifetime_ns && !armed;
                 if (old || (!armed && t - t_idle > idle_ns)) {
 #if defined(CX_EPOCH) && CX_CHILD
-                    if (!old && trigger_stays(&trig)) {  // a step came after all
-                        t_idle = now_ns();
-                        continue;
-                    }
+                    if (trigger_stays(&trig, t_idle)) continue;  // a step came after all
 #endif
                     *state = old ? CS_LIFETIME_EXIT : CS_IDLE_EXIT;
                     __threadfence_system();  // state store before the re-check load (handshake)
@@ -877,7 +882,7 @@ extern "C" __global__ void __launch_bounds__(32, 1)
         }
         cmd = __shfl_sync(FULL, cmd, 0);
 #if defined(CX_EPOCH) && CX_CHILD
-        if (cmd == 2 && lane == 0) trigger_leave(&trig);
+        if (cmd == 2 && lane == 0) trigger_leave(&trig, CX_TRIGGER_LEFT);
 #endif
         if (cmd == 2) return;
         __syncwarp();  // orders lane 0's acquire before the other lanes' slot loads
@@ -919,6 +924,10 @@ extern "C" __global__ void __launch_bounds__(32, 1)
                 // there stays held, for this trigger to take; another gate is let go first
                 if (trig.gate != reinterpret_cast<u32*>(a[3])) trigger_release(&trig);
                 trig.d = reinterpret_cast<const cx_epoch_desc*>(a[0]);
+                // an instance that left before this one may have logged TRIGGER_LEFT after the host
+                // cleared the log for this arm: it is armed now (a fault's status stays)
+                volatile u64* log = reinterpret_cast<volatile u64*>(trig.d->fired);
+                if (log[1] == CX_TRIGGER_LEFT) log[1] = 0;
                 trig.every = a[1];
                 trig.counter = reinterpret_cast<u64*>(a[2]);
                 trig.gate = reinterpret_cast<u32*>(a[3]);
@@ -984,7 +993,7 @@ extern "C" __global__ void __launch_bounds__(32, 1)
         }
         ++n;
 #if defined(CX_EPOCH) && CX_CHILD
-        if (leave && lane == 0) trigger_leave(&trig);
+        if (leave && lane == 0) trigger_leave(&trig, leave == CS_FAULT ? (u64)ST_TIMEOUT : CX_TRIGGER_LEFT);
 #endif
         if (leave) return;
         t_idle = now_ns();

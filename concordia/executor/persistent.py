@@ -185,7 +185,9 @@ class GpuExecutor:
 
     idle_s: the kernel leaves after this long without a task (released
     residency; the host relaunches on the next submit).  lifetime_s: it leaves
-    after this long in any case.  child_timeout_s: a handler grid that runs
+    after this long in any case, or, with a device trigger armed whose steps
+    still come, once they stop (executor.cu: a due step must not pass with no
+    epoch).  child_timeout_s: a handler grid that runs
     longer fails its task and faults the executor.  poll_max_ns: longest sleep
     between two polls of host memory while idle.
 
