@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 
 import numpy as np
 
@@ -80,6 +81,9 @@ class StepGate:
         self._off = False
         self._wake = wake
         self.hold_s = hold_s
+        #: steps held, and the seconds they held the producer (cx_step_gate's gate[3..5])
+        self.held_steps = 0
+        self.held_s = 0.0
 
     def read(self) -> int:
         return int(self.word[0])
@@ -91,10 +95,14 @@ class StepGate:
                 return
             self._held = True
             self._cv.notify_all()
+        t0 = time.perf_counter()
         if self._wake is not None:
             self._wake()
         with self._cv:
-            if not self._cv.wait_for(lambda: not self._held or self._off, self.hold_s):
+            taken = self._cv.wait_for(lambda: not self._held or self._off, self.hold_s)
+            self.held_steps += 1
+            self.held_s += time.perf_counter() - t0
+            if not taken:
                 self._held = False
                 raise ExecutorError(f"the epoch at step {self.read()} was not taken within {self.hold_s:.0f} s",
                                     where="step gate")
@@ -135,6 +143,12 @@ class CpuStepTrigger:
     @property
     def fired(self) -> list:
         return list(self.trigger.fired)
+
+    def held(self) -> tuple[int, float, int]:
+        """As DeviceStepTrigger.held(): (steps held at the gate, seconds they
+        held the producer, steps that gave up waiting: none here, a step that
+        waits too long raises)."""
+        return self.gate.held_steps, self.gate.held_s, 0
 
     @property
     def errors(self) -> list:

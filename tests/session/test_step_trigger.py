@@ -126,10 +126,11 @@ def test_a_step_gate_holds_only_at_its_multiples_and_lets_go_when_released():
     gate.step()   # 2: holds until the consumer opens
     t.join()
     assert held.is_set() and gate.read() == 2
+    assert gate.held_steps == 1 and gate.held_s > 0   # counted as cx_step_gate counts its holds
     gate.release()
     gate.step()
     gate.step()   # 4: released, no hold
-    assert gate.read() == 4
+    assert gate.read() == 4 and gate.held_steps == 1
     with pytest.raises(ExecutorError, match="did not reach its gate"):
         StepGate(2).close(timeout=0.01)
 
