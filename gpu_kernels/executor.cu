@@ -557,6 +557,13 @@ struct cx_trigger {  // lane 0's, in registers: what an EPOCH task with a[1] > 0
     u64 skip;           // held steps up to this count are let go with no epoch
 };
 
+// Lane 0: steps the host queued that have not run (the counter `c` behind `queued`).  They
+// count for as long as a held step waits for its epoch (the gate's timeout) since a step last
+// ran, not for good: a count the host left behind lets a synchronize return after that.
+__device__ __forceinline__ bool steps_coming(const cx_trigger* t, u64 c, u64 t_idle) {
+    return t->queued != nullptr && *(volatile const u64*)t->queued > c && now_ns() - t_idle <= CX_QUEUED_WAIT_NS;
+}
+
 // Lane 0: whether an armed trigger keeps the executor resident.  It does while
 // steps come: a step run on the device (the counter moved) or a task within
 // CX_ARMED_IDLE_NS, or a step the host queued that has not run yet (its gate
@@ -571,15 +578,12 @@ __device__ __forceinline__ bool trigger_keeps(cx_trigger* t, u64* t_idle) {
         t->seen = c;
         *t_idle = now_ns();
     }
-    const u64 idle = now_ns() - *t_idle;
-    // queued steps keep it for as long as a held step waits for its epoch (the gate's timeout), not for good:
-    // a count the host left behind (a trigger that took no step) lets a synchronize return after that
-    if (t->queued != nullptr && *(volatile const u64*)t->queued > c && idle <= CX_QUEUED_WAIT_NS) return true;
-    return idle <= CX_ARMED_IDLE_NS;
+    if (steps_coming(t, c, *t_idle)) return true;
+    return now_ns() - *t_idle <= CX_ARMED_IDLE_NS;
 }
 
 // what a trigger's log says in [1] when the executor left with it armed (its lifetime, a fault):
-// not a ring status; the host arms it again (device_epoch.TRIGGER_LEFT)
+// not a ring status; the host arms it again (step_trigger.TRIGGER_LEFT)
 #define CX_TRIGGER_LEFT 0x100
 
 // Lane 0, as the trigger goes (disarmed, armed again, the executor leaving):
@@ -612,18 +616,15 @@ __device__ __forceinline__ void trigger_leave(cx_trigger* t, u64 why) {
 // to 0, the executor stays and takes it), or the host sees TRIGGER_LEFT and
 // arms the trigger again before it queues the gate.  The gate is released
 // only once the executor leaves (trigger_leave): a gate queued before was
-// counted in `queued` and seen here.  Queued steps count for as long as in
-// trigger_keeps (CX_QUEUED_WAIT_NS since the last step ran, `t_idle`): a
-// count no step catches up with does not keep the executor.
+// counted in `queued` and seen here (steps_coming: a count no step catches
+// up with does not keep the executor).
 __device__ bool trigger_stays(cx_trigger* t, u64 t_idle) {
     if (t->d == nullptr) return false;
     volatile u64* fired = reinterpret_cast<volatile u64*>(t->d->fired);
     fired[1] = CX_TRIGGER_LEFT;
     __threadfence_system();  // the log's store before the loads (handshake)
     const u64 c = *(volatile u64*)t->counter;
-    const bool coming = t->queued != nullptr && *(volatile const u64*)t->queued > c &&
-                        now_ns() - t_idle <= CX_QUEUED_WAIT_NS;
-    if (!coming && *(volatile u32*)&t->gate[1] != 1u) return false;
+    if (!steps_coming(t, c, t_idle) && *(volatile u32*)&t->gate[1] != 1u) return false;
     fired[1] = 0;
     __threadfence_system();
     return true;

@@ -50,7 +50,7 @@ from concordia.checkpoint import arena as arena_mod
 from concordia.checkpoint.table import DET_FINGERPRINT, DET_SHADOW
 
 from concordia.executor.errors import ExecutorError
-from concordia.executor.step_trigger import GATE_WORDS, TRIGGER_LEFT  # noqa: F401  the gate, a trigger that left
+from concordia.executor.step_trigger import GATE_WORDS
 
 #: detection launches a descriptor holds (executor.cu: CX_MAX_GROUPS)
 MAX_GROUPS = 8
@@ -182,6 +182,7 @@ class DeviceEpochs:
         #: the steps the producer has queued (`mark_queued`): an armed kernel stays for those not yet run
         self.queued = MappedHostBuffer(8, where="queued steps")
         self.queued.array[:] = 0
+        self._queued64, self._log64 = self.queued.array.view(np.uint64), self.log.array.view(np.uint64)
         self.stamps = MappedHostBuffer(8 * len(STAMPS), where="phase stamps") if stamps else None
         self.small_pages = int(small_pages)
         #: which path the epochs take: one block ("small") or the driver's launches ("driver")
@@ -261,10 +262,7 @@ class DeviceEpochs:
             self.session.settle()
             raise ExecutorError(f"epoch {ar.lost} did not fit what its arena had left; the regions' next "
                                 "checkpoint is whole", where="device epochs", hint="make DeviceEpochs again after it")
-        if ar is None or ar is not self.arena:
-            self.session.settle()
-            self._open()
-        elif not ar.room:
+        if ar is None or ar is not self.arena or not ar.room:
             self.session.settle()
             self._open()
 
@@ -296,7 +294,7 @@ class DeviceEpochs:
             del before
 
     def _arm(self, every, counter, gate, skip):
-        self.log.array.view(np.uint64)[1] = 0  # what stopped a trigger before is not this one's
+        self._log64[1] = 0  # what stopped a trigger before is not this one's
         c = self.submitter.call(self.Op.EPOCH, args=(self.d_desc.data.ptr, every, counter.data.ptr, gate.data.ptr,
                                                      self.queued.ptr, skip), timeout=30.0)
         if c.status != 0:
@@ -341,33 +339,36 @@ class DeviceEpochs:
                                 "is whole", where="device trigger", hint="arm the trigger again after it")
         self._open()
 
-    def step_gate(self, counter, gate, timeout_s: float = 10.0) -> None:
+    #: how long a step holds at its gate for an epoch not taken before it goes on with none
+    GATE_TIMEOUT_NS = np.uint64(10 * 10**9)
+
+    def step_gate(self, counter, gate) -> None:
         """The producer's part, after each step, on its current stream: the
         step counted in stream order; held there while the trigger's epoch runs."""
-        fn = self.module.functions["cx_step_gate"]
-        fn((1,), (1,), (counter, gate, np.uint64(int(timeout_s * 1e9))))
+        self.module.functions["cx_step_gate"]((1,), (1,), (counter, gate, self.GATE_TIMEOUT_NS))
 
     def mark_queued(self, steps: int) -> None:
         """The producer has queued `steps` step gates in all (the counter's
         value once its stream has run them): the kernel stays while some have
         not run, however long its stream takes to reach them."""
-        self.queued.array.view(np.uint64)[0] = steps
+        self._queued64[0] = steps
 
     def fired(self) -> list:
         """The trigger's epochs so far: [(epoch, count)] in order."""
         if self.closed_status is not None:
             return list(self.fired_kept)
-        log = self.log.array.view(np.uint64)
-        n = int(log[0])
-        return self.fired_kept + [(int(log[2 + 2 * i]), int(log[3 + 2 * i])) for i in range(n)]
+        return self.fired_kept + self._logged()
+
+    def _logged(self) -> list:
+        """The (epoch, count) pairs in the trigger's log now."""
+        log = self._log64
+        return [tuple(p) for p in log[2:2 + 2 * int(log[0])].reshape(-1, 2).tolist()]
 
     def _keep_fired(self) -> None:
         """With the trigger paused: its log's epochs kept here, the log emptied
         (it holds FIRED_CAP of them)."""
-        log = self.log.array.view(np.uint64)
-        n = int(log[0])
-        self.fired_kept += [(int(log[2 + 2 * i]), int(log[3 + 2 * i])) for i in range(n)]
-        log[0] = 0
+        self.fired_kept += self._logged()
+        self._log64[0] = 0
 
     def phases(self) -> dict:
         """The last epoch's phases in µs ({phase: µs since the stamp before},
@@ -380,14 +381,14 @@ class DeviceEpochs:
     @property
     def fired_logged(self) -> int:
         """The (epoch, count) pairs in the trigger's log now (it holds FIRED_CAP)."""
-        return 0 if self.closed_status is not None else int(self.log.array.view(np.uint64)[0])
+        return 0 if self.closed_status is not None else int(self._log64[0])
 
     @property
     def trigger_status(self) -> int:
         """The status that stopped the trigger (0: none)."""
         if self.closed_status is not None:
             return self.closed_status
-        return int(self.log.array.view(np.uint64)[1])
+        return int(self._log64[1])
 
     def close(self) -> None:
         try:

@@ -39,6 +39,7 @@ import numpy as np
 
 from concordia.root_error import ConcordiaError
 
+from .cpu import _FENCE  # the host's store->load fence of the handshake (ring.py step 5)
 from .errors import ExecutorError
 from .persistent import require_cupy
 from .ring import Status
@@ -55,9 +56,6 @@ TRIGGER_LEFT = 0x100
 #: longest a producer holds at its gate for one epoch before it is an error
 HOLD_S = 60.0
 
-#: a lock whose acquire is the host's store->load fence of the trigger's
-#: handshake (x86: a locked instruction; as ring.py's step 5)
-_FENCE = threading.Lock()
 
 
 class StepGate:

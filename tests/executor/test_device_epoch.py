@@ -208,7 +208,8 @@ def test_a_device_trigger_commits_epochs_while_the_caller_holds_the_gil(shm_log)
     import time
 
     from concordia import Session
-    from concordia.checkpoint.device_epoch import TRIGGER_LEFT, DeviceEpochs
+    from concordia.checkpoint.device_epoch import DeviceEpochs
+    from concordia.executor.step_trigger import TRIGGER_LEFT
     from concordia.policy import Policy
 
     with Session(shm_log, size=64 << 20, segment_size=8 << 20, policy=Policy(retain=False)) as s:
@@ -255,7 +256,8 @@ def test_an_armed_kernel_stays_for_steps_queued_behind_slow_work_and_leaves_once
     import cupy as cp
 
     from concordia import Session
-    from concordia.checkpoint.device_epoch import TRIGGER_LEFT, DeviceEpochs
+    from concordia.checkpoint.device_epoch import DeviceEpochs
+    from concordia.executor.step_trigger import TRIGGER_LEFT
     from concordia.policy import Policy
 
     with Session(shm_log, size=64 << 20, segment_size=8 << 20, policy=Policy(retain=False)) as s:
