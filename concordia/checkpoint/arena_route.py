@@ -135,8 +135,6 @@ class ArenaRoute:
         if why is not None:
             return None
         engine, t = self.engine, self.engine.tpass.table
-        for fn in self.session.checkpoint_hooks:  # `before_checkpoint`, as the session's own path runs them
-            fn()
         try:
             engine.ensure_arena()
         except (LogFullError, ValueError) as exc:  # nothing written: this epoch takes the session's path
@@ -147,6 +145,10 @@ class ArenaRoute:
             self.lost_why = self.why = f"{str(exc).strip().splitlines()[0]}: written whole on the session's path"
             self.close()
             return None
+        # `before_checkpoint`, as the session's own path runs them: once an arena takes the epoch (a
+        # call that returns None above leaves them to that path)
+        for fn in self.session.checkpoint_hooks:
+            fn()
         if engine.where == "caller":
             _wait_for_producers(self.session.region_set)
         try:
