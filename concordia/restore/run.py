@@ -202,12 +202,17 @@ def _restore(log, plan, plan_s, pages, *, regions, device, into, registration, r
     # only once everything checked out (`staged`, `host_got`: what goes into them)
     on_gpu = list(dev) + (rest if device else [])
     on_host = list(host) + ([] if device else rest)
-    got = {}
+    got, own = {}, False
     try:
         if on_gpu:
             from concordia.restore.device import apply_plan_cupy
 
-            got = apply_plan_cupy(log, plan, regions=on_gpu, stats=st, registration=registration, read=read)
+            # staged copies of the device targets of at least RELEASE_STAGED_BYTES: memory of their own,
+            # given back to the driver once copied (in CuPy's pool, the framework that owns the targets
+            # could not use it: a cache of 30 GiB restored into torch tensors would leave 30 GiB there)
+            own = sum(plan.regions[n].region.nbytes for n in dev if n in plan.regions) >= RELEASE_STAGED_BYTES
+            got = apply_plan_cupy(log, plan, regions=on_gpu, stats=st, registration=registration, read=read,
+                                  own_memory=own)
             via.update(dict.fromkeys(got, "device pipeline"))
         if on_host:
             got_host = apply_plan_numpy(log, plan, regions=on_host)
@@ -231,17 +236,10 @@ def _restore(log, plan, plan_s, pages, *, regions, device, into, registration, r
             dev[name].data.copy_from_device_async(a.data, int(a.nbytes), stream)
             arrays[name] = dev[name]
         order.before_later_work()
-        staged_bytes = sum(int(a.nbytes) for a in staged.values())
+        if own:
+            stream.synchronize()  # the copies out of them are done: dropped, they go back to the driver
         staged.clear()
         a = None  # nothing here holds a staged copy now
-        if staged_bytes >= RELEASE_STAGED_BYTES:
-            # the staged copies go back to the driver, not to CuPy's pool, where the framework
-            # that owns the targets cannot use them (a cache of 30 GiB restored into torch
-            # tensors would leave 30 GiB there, out of the next prefill's reach)
-            stream.synchronize()  # the copies out of them are done
-            # every stream's free blocks, not only this one's (a GPU test found 202 MiB left in
-            # the pool when only this stream's were given back)
-            cp.get_default_memory_pool().free_all_blocks()
     for name, a in host_got.items():
         host[name][...] = a
         arrays[name] = host[name]
