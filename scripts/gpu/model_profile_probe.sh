@@ -5,6 +5,7 @@
 # settle of the pending epoch, the guard's capture and retention's hook call,
 # with their cumulative times (the model's compile and the other settings are
 # in the same profile: read the callees, not the totals).
+# MODEL_PROFILE_ROWS: the settings profiled (bench model --decode-rows; the baseline always runs).
 # Writes $OUT/model-profile.txt and $OUT/model-profile.json (the bench's JSON).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -13,8 +14,10 @@ export HF_HUB_OFFLINE=1
 unset CUBLAS_WORKSPACE_CONFIG
 callees=()
 for name in "transformers.py.*__call__" "session.py.*checkpoint" "session.py.*settle" _finish_table capture \
-            after_commit _after_commit _advance launch complete _commit; do
+            after_commit _after_commit _advance launch complete _commit "step_trigger.py.*step" _keep_armed \
+            "arena_route.py.*rotate" "device_epoch.py.*rotate" step_gate; do
   callees+=(--callees "$name")
 done
 python3 scripts/gpu/profile_wal.py "$OUT/model-profile.txt" "${callees[@]}" -- bench model --parts decode \
-  --decode-reps 1 --json --out "$OUT/model-profile.json" --force
+  --decode-reps 1 --decode-rows "${MODEL_PROFILE_ROWS:-every_step,every_8,every_step_waiting,every_step_resident,every_8_resident}" \
+  --json --out "$OUT/model-profile.json" --force

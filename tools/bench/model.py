@@ -188,9 +188,13 @@ def _timing(fn, name: str, into: dict):
 #: trigger (the persistent kernel's on a GPU: one launch a step from the host)
 DECODE_SETTINGS = ((0, False, "host"), (1, False, "host"), (8, False, "host"), (1, True, "host"),
                    (1, False, "resident"), (8, False, "resident"))
+#: --decode-rows: each setting by name (the baseline always runs)
+DECODE_ROWS = {"every_step": (1, False, "host"), "every_8": (8, False, "host"), "every_step_waiting": (1, True, "host"),
+               "every_step_resident": (1, False, "resident"), "every_8_resident": (8, False, "resident")}
 
 
-def _decode_part(model, cfg, batch, steps, prompt_len, reps, kv_per_token, log_spec, discard, device) -> dict:
+def _decode_part(model, cfg, batch, steps, prompt_len, reps, kv_per_token, log_spec, discard, device,
+                 settings=DECODE_SETTINGS) -> dict:
     """Tokens/s with no checkpoint, every step and every 8 steps (as
     CheckpointEvery does by default: pending epochs), and every step waiting
     for each checkpoint, on one cache (compiled code reused), each setting's
@@ -207,9 +211,9 @@ def _decode_part(model, cfg, batch, steps, prompt_len, reps, kv_per_token, log_s
     max_len = prompt_len + steps + 1
     cache = StaticCache(config=cfg, max_cache_len=max_len)
     ids = prompt(batch, prompt_len, cfg.vocab_size, device)
-    runs = {k: [] for k in DECODE_SETTINGS}
+    runs = {k: [] for k in settings}
     for rep in range(reps + 1):
-        for every, wait, executor in DECODE_SETTINGS:
+        for every, wait, executor in settings:
             log = log_spec("decode")
             with concordia.Session(log, size=_log_size(kv_per_token * batch * max_len), executor=executor) as s:
                 guard = protect(s, cache, model, batch_size=batch, max_tokens=max_len)
@@ -250,13 +254,13 @@ def _decode_part(model, cfg, batch, steps, prompt_len, reps, kv_per_token, log_s
     base = rows[0, False, "host"]["s_per_step"]
     for r in rows.values():
         r["overhead"] = r["s_per_step"] / base - 1.0
-    return {"decode": list(rows.values()), "overhead_every_step": rows[1, False, "host"]["overhead"],
-            "overhead_every_8": rows[8, False, "host"]["overhead"],
-            "overhead_every_step_waiting": rows[1, True, "host"]["overhead"],
-            # the same checkpoints by the resident executor's trigger (CheckpointEvery on a resident session)
-            "overhead_every_step_resident": rows[1, False, "resident"]["overhead"],
-            "overhead_every_8_resident": rows[8, False, "resident"]["overhead"],
-            "ckpt_ms_per_step": rows[1, False, "host"]["ckpt_ms_median"], "decode_reps": reps}
+    # overhead_every_step_resident, overhead_every_8_resident: the same checkpoints by the resident
+    # executor's trigger (CheckpointEvery on a resident session); a row --decode-rows left out has no key
+    out = {"decode": list(rows.values()), "decode_reps": reps}
+    out.update({f"overhead_{name}": rows[k]["overhead"] for name, k in DECODE_ROWS.items() if k in rows})
+    if (1, False, "host") in rows:
+        out["ckpt_ms_per_step"] = rows[1, False, "host"]["ckpt_ms_median"]
+    return out
 
 
 def _kills_part(shape, device, batch, kills, steps, prompt_len, log_spec, say) -> dict:
@@ -371,7 +375,8 @@ def _longrun_part(model, cfg, shape, device, batch, steps, gen, prompt_len, log_
 def run(shape: str, device: str, batch: int, contexts: list[int], decode_steps: int, decode_prompt: int,
         chunk: int, workdir: str, log_spec, progress=None, discard=lambda spec: None, *,
         parts=("decode", "kills", "longrun", "recovery"), decode_reps: int = 3, kills: int = 6,
-        kill_steps: int = 32, longrun_steps: int = 10000, longrun_gen: int = 1000, longrun_log_x: float = 4.0) -> dict:
+        kill_steps: int = 32, longrun_steps: int = 10000, longrun_gen: int = 1000, longrun_log_x: float = 4.0,
+        decode_rows=tuple(DECODE_ROWS)) -> dict:
     """Measure.  `workdir` (a folder of the run's own) takes the saved weights;
     `log_spec(name)` names a new log of the run, `discard(spec)` removes it."""
     import torch
@@ -396,8 +401,9 @@ def run(shape: str, device: str, batch: int, contexts: list[int], decode_steps: 
     if "decode" in parts:
         say(f"decode: batch {batch}, {decode_steps} tokens after a {decode_prompt}-token prompt, "
             f"{decode_reps} rounds")
+        settings = ((0, False, "host"),) + tuple(DECODE_ROWS[r] for r in decode_rows)
         res.update(_decode_part(model, cfg, batch, decode_steps, decode_prompt, decode_reps, kv_per_token, log_spec, discard,
-                                device))
+                                device, settings))
     if "longrun" in parts:
         res["longrun"] = _longrun_part(model, cfg, shape, device, batch, longrun_steps, longrun_gen, decode_prompt,
                                        longrun_log_x, kv_per_token, log_spec, discard, say)
@@ -531,7 +537,8 @@ def _table(res: dict) -> str:
             kb = "-" if not r.get("log_bytes_per_ckpt") else f"{r['log_bytes_per_ckpt'] / 1024:.0f}"
             out.append(f"{name:>16} {r['tokens_per_s']:>10.1f} {r['s_per_step']:>9.4f} {r['overhead']:>9.3f} "
                        f"{ck:>9} {kb:>8}")
-        out.append(f"checkpoint per step {res['ckpt_ms_per_step']:.2f} ms")
+        if res.get("ckpt_ms_per_step") is not None:
+            out.append(f"checkpoint per step {res['ckpt_ms_per_step']:.2f} ms")
     if "kills" in res:
         ks = res["kills"]
         out.append(f"kills: {len(ks)} SIGKILLs at random moments, {sum(k['sampled'] for k in ks)} sampled, "
@@ -595,6 +602,8 @@ def _phase_line(phases: dict) -> str:
               help="The long run's log size as a multiple of the protected state.")
 @click.option("--parts", default="decode,kills,longrun,recovery", show_default=True,
               help="Which parts run: decode, kills, longrun, recovery.")
+@click.option("--decode-rows", default=",".join(DECODE_ROWS), show_default=True,
+              help="Which checkpoint settings the decode part measures against no checkpoint.")
 @click.option("--tier", type=click.Choice(["shm", "file"]), default="shm", show_default=True,
               help="Where the log lives.")
 @click.option("--dir", "workdir", type=click.Path(file_okay=False), default=None,
@@ -606,7 +615,7 @@ def _phase_line(phases: dict) -> str:
 @force_option("--out")
 @guarded
 def command(contexts, batch, decode_steps, decode_prompt, chunk, decode_reps, n_kills, kill_steps, longrun_steps,
-            longrun_gen, longrun_log_x, parts, tier, workdir, quick, as_json, out, force):
+            longrun_gen, longrun_log_x, decode_rows, parts, tier, workdir, quick, as_json, out, force):
     """Decode tokens/s of a transformers model with no checkpoint, a checkpoint
     every step and every 8 steps; SIGKILLs at random moments of generate()
     resumed in fresh processes; a long run checkpointing every step; and
@@ -641,6 +650,10 @@ def command(contexts, batch, decode_steps, decode_prompt, chunk, decode_reps, n_
     if bad or not want:
         raise click.BadParameter(f"unknown part {bad[0] if bad else parts!r} (use decode, kills, longrun, recovery)",
                                  param_hint="--parts")
+    rows = [r.strip() for r in decode_rows.split(",") if r.strip()]
+    if any(r not in DECODE_ROWS for r in rows):
+        raise click.BadParameter(f"unknown row {next(r for r in rows if r not in DECODE_ROWS)!r} "
+                                 f"(use {', '.join(DECODE_ROWS)})", param_hint="--decode-rows")
     gpu = torch.cuda.is_available() and not quick
     if quick:
         ctx, batch, decode_steps, decode_prompt, chunk = [64, 256], 2, 8, 16, 128
@@ -650,6 +663,7 @@ def command(contexts, batch, decode_steps, decode_prompt, chunk, decode_reps, n_
                   chunk, scratch.folder(workdir), lambda name: scratch.log(name, tier, workdir),
                   progress=None if as_json else (lambda m: click.echo(m, err=True)), discard=scratch.discard,
                   parts=want, decode_reps=decode_reps, kills=n_kills, kill_steps=kill_steps,
-                  longrun_steps=longrun_steps, longrun_gen=longrun_gen, longrun_log_x=longrun_log_x)
+                  longrun_steps=longrun_steps, longrun_gen=longrun_gen, longrun_log_x=longrun_log_x,
+                  decode_rows=tuple(rows))
     res["tier"] = tier
     report(res, as_json=as_json, out=out, table=_table, force=force)  # --out complete or absent
