@@ -97,7 +97,8 @@ struct cx_scratch {
     u64 bytes;        // reserved
     u32 done_blocks;  // child blocks finished
     u32 errors;       // pages rejected by bounds checks
-    u64 reserved[5];
+    u64 claim;        // an epoch's commit: 0 open, CX_CLAIM_COMMIT (its child read every region), CX_CLAIM_CANCEL
+    u64 reserved[4];
 };
 
 __device__ __forceinline__ u64 ld_acquire_sys(const u64* p) {
@@ -258,6 +259,7 @@ __device__ __forceinline__ void reset_scratch(cx_scratch* sc) {
     sc->bytes = 0;
     sc->done_blocks = 0;
     sc->errors = 0;
+    sc->claim = 0;
     __threadfence();
 }
 
@@ -313,6 +315,27 @@ struct cx_arena_words {             // checkpoint/arena.py: WORDS
 
 extern "C" __global__ void cx_stamp(u64* at) {
     *(volatile u64*)at = now_ns();
+}
+
+// An epoch's commit is claimed by its child once every region was read and
+// staged (before the commit record), or cancelled by the control warp when the
+// child outran its timeout: whichever comes first.  A cancelled epoch commits
+// nothing (its plan no longer fits: epoch_close says lost), so letting the
+// producer's gate go at a timeout never lets a commit hold pages read after it;
+// a claimed one has read everything and only its commit is left.
+#define CX_CLAIM_COMMIT 1ull
+#define CX_CLAIM_CANCEL 2ull
+
+// One thread: the commit claimed, or the plan made not to fit (cancelled).
+__device__ __forceinline__ void claim_commit(TablePlan* plan, cx_scratch* sc) {
+    if (atomicCAS(reinterpret_cast<unsigned long long*>(&sc->claim), 0ull, CX_CLAIM_COMMIT) != 0ull) {
+        plan->fits = 0;
+        __threadfence();
+    }
+}
+
+extern "C" __global__ void cx_epoch_claim(TablePlan* plan, cx_scratch* sc) {
+    claim_commit(plan, sc);
 }
 
 // One thread, after the commit: the arena's words moved on (the host reads
@@ -399,6 +422,7 @@ extern "C" __global__ void cx_epoch_driver(const cx_epoch_desc* d, u64 at, u64 e
     if (st) cx_stamp<<<1, 1>>>(st + 4);
     table_finalize<<<(u32)d->finalize_blocks, 256>>>(e.table, e.ids, e.recs, e.plan, e.dst, e.lsn, epoch, e.salt);
     if (st) cx_stamp<<<1, 1>>>(st + 5);
+    cx_epoch_claim<<<1, 1>>>(e.plan, sc);
     table_commit<<<1, 32>>>(e.table, reinterpret_cast<const u32*>(d->order), e.n, e.digests, e.plan, e.dst, e.room,
                             e.lsn, epoch, e.salt, prev_commit);
     if (st) cx_stamp<<<1, 1>>>(st + 6);
@@ -451,6 +475,8 @@ extern "C" __global__ void __launch_bounds__(CX_SMALL_THREADS, 2)
     if (fits) finalize_records(T, e.table, e.ids, e.recs, e.plan, e.dst, e.lsn, epoch, e.salt, w0, warps);
     __threadfence_system();
     __syncthreads();
+    if (threadIdx.x == 0) claim_commit(e.plan, sc);
+    __syncthreads();
     if (stamper) st[5] = now_ns();
     if (threadIdx.x < 32)
         commit_warp(T, e.table, reinterpret_cast<const u32*>(d->order), e.n, e.digests, e.plan, e.dst, e.room, e.lsn,
@@ -483,7 +509,12 @@ __device__ int run_epoch(const cx_epoch_desc* d, cx_scratch* sc, u64 child_timeo
     else
         cx_epoch_driver<<<1, 1, 0, CX_CHILD_STREAM>>>(d, at, epoch, prev, sc);
     if (!CX_LAUNCHED()) return ST_LAUNCH_FAILED;
-    const int status = wait_children(sc, 1, child_timeout_ns);
+    int status = wait_children(sc, 1, child_timeout_ns);
+    // timed out: cancelled before its commit, the child commits nothing; past its claim it read
+    // every region and only its commit is left, waited for once more
+    if (status == ST_TIMEOUT &&
+        atomicCAS(reinterpret_cast<unsigned long long*>(&sc->claim), 0ull, CX_CLAIM_CANCEL) == CX_CLAIM_COMMIT)
+        status = wait_children(sc, 1, child_timeout_ns);
     if (st) st[8] = now_ns();
     if (status != ST_OK) return status;
     if (*(volatile u32*)&sc->errors) return ST_LOST;  // the records did not fit what was left (arena.py)
@@ -624,7 +655,8 @@ __device__ bool trigger_stays(cx_trigger* t, u64 t_idle) {
     fired[1] = CX_TRIGGER_LEFT;
     __threadfence_system();  // the log's store before the loads (handshake)
     const u64 c = *(volatile u64*)t->counter;
-    if (!steps_coming(t, c, t_idle) && *(volatile u32*)&t->gate[1] != 1u) return false;
+    // a step that ran since the last poll may not have raised its gate yet (cx_step_gate counts first)
+    if (c == t->seen && !steps_coming(t, c, t_idle) && *(volatile u32*)&t->gate[1] != 1u) return false;
     fired[1] = 0;
     __threadfence_system();
     return true;

@@ -110,6 +110,12 @@ class Appender:
             raise WriterStoppedError(f"the log writer stopped after {self.stopped}", where=self.backend.where,
                                      hint="reopen the log: recovery keeps every commit that is whole on the media")
 
+    def stop_after(self, what: str, exc: BaseException) -> None:
+        """Stop the writer as a failed write does (WriterStoppedError from
+        here on): a producer that may still write into an extent it was given
+        (a device that did not finish) leaves the log as a crash would."""
+        self._stop(what, exc)
+
     def _stop(self, what: str, exc: BaseException) -> None:
         one = exc.one_line() if hasattr(exc, "one_line") else f"{type(exc).__name__}: {exc}"
         self.stopped = f"a failed {what} ({one})"

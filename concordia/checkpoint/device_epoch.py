@@ -394,14 +394,30 @@ class DeviceEpochs:
         try:
             self.submitter.stop(10.0)
         finally:
-            self.executor.join(10.0)
+            gone = self.executor.join(10.0)
             self.kernel_armed = False  # the kernel left: its trigger let go of the gate
+            if not gone:
+                self._abandon()
             if self.session.runner.arena_pause == self.pause:
                 self.session.runner.arena_pause = None
             self._keep_fired()  # what the trigger's log held stays readable (`fired`)
             self.closed_status = self.trigger_status
             self.session.settle()
             self._release()
+
+    def _abandon(self) -> None:
+        """The kernel, or an epoch's child grid after a timeout, still runs and
+        may still write into the arena: nothing of it is taken on and no byte
+        of the log after it is written again (the writer stops, as after a
+        crash: reopening the log keeps every commit whole on the media); the
+        mapped buffers it uses stay registered."""
+        exc = ExecutorError("the persistent kernel did not finish within 10 s of being stopped: the log writer "
+                            "stops (reopen the log: every epoch committed before is kept)", where="device epochs")
+        self.session.log.appender.stop_after("device epoch", exc)
+        if self.session.runner.arena_pause == self.pause:
+            self.session.runner.arena_pause = None
+        self.closed_status = self.trigger_status or int(self.Status.TIMEOUT)
+        raise exc
 
     def _release(self) -> None:
         self.gring.close()

@@ -283,3 +283,48 @@ def test_an_armed_kernel_stays_for_steps_queued_behind_slow_work_and_leaves_once
         # the gate counted its holds: the three due steps, each for as long as its epoch took (> 0 ns)
         assert int(words[3]) == 3 and int(words[4:6].view(np.uint64)[0]) > 0 and int(words[0]) == 0, words
         _each_recovers_its_step(s, fired)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("small_pages", [SMALL_PAGES, 0], ids=["one-block", "driver"])
+def test_an_epoch_that_outruns_its_timeout_commits_nothing_it_read_after(shm_log, small_pages):
+    """A child grid that outruns the control warp's timeout is cancelled
+    before its commit (executor.cu: claim_commit): the epoch commits nothing
+    and every region's next checkpoint is whole; one that claimed its commit
+    first had read every region and is waited for.  Either way the log
+    verifies and each committed epoch recovers its state."""
+    import cupy as cp
+
+    from concordia import Session
+    from concordia.checkpoint.device_epoch import DeviceEpochs
+    from concordia.policy import Policy
+    from concordia.root_error import ConcordiaError
+
+    rng = np.random.default_rng(5)
+    with Session(shm_log, size=64 << 20, segment_size=8 << 20, policy=Policy(retain=False)) as s:
+        kv = cp.asarray(rng.standard_normal((64, 1024)).astype(np.float32))
+        s.register("kv", kv, detect="shadow", page_bytes=4096)
+        s.checkpoint()
+        states = {s.epoch: kv.get()}
+        kv[1, :64] += 1
+        cp.cuda.get_current_stream().synchronize()
+        dev = DeviceEpochs(s, small_pages=small_pages, child_timeout_s=1e-9)  # a timeout no child meets
+        try:
+            c = dev.epoch()
+        finally:
+            try:
+                dev.close()
+            except ConcordiaError:  # the executor left faulted: stopping its ring says so
+                pass
+        assert c.status in (Status.TIMEOUT, Status.OK), c
+        if c.status == Status.OK:  # claimed before the timeout: committed whole
+            states[s.epoch] = kv.get()
+        else:
+            assert s.epoch == max(states)  # cancelled: nothing of it committed
+        kv[2, :64] += 1
+        s.checkpoint()  # after a cancelled epoch, every region whole
+        states[s.epoch] = kv.get()
+        assert s.log.verify()["corrupt"] == 0
+        for epoch, k in states.items():
+            got = s.recover(epoch)["kv"]
+            assert np.asarray(got.get() if hasattr(got, "get") else got).tobytes() == k.tobytes(), epoch
