@@ -198,6 +198,7 @@ class DeviceEpochs:
                                     idle_s=idle_s)
         self.submitter = Submitter(self.gring.ring, self.executor)
         self.d_desc = None
+        self._upload = None     # the stream descriptors go to the device on (`_open`)
         self.arena = None  # the arena `d_desc` describes
         try:
             self._open()
@@ -219,9 +220,15 @@ class DeviceEpochs:
         ptr = self.tpass.registration.device_ptr + ar.ext.offset
         desc = describe(self.tpass, ar, ptr, self.words.ptr, self.log.ptr,
                         self.stamps.ptr if self.stamps is not None else 0, self.small_pages)
-        self.d_desc = self.cp.asarray(desc.view(np.uint8))
+        # on a stream of its own, not the caller's current one: an arena swap inside a producer's
+        # step would otherwise wait there for every step it has queued (the legacy default stream
+        # waits for all others), and the host, which feeds a compiled decode, would stall with it
+        if self._upload is None:
+            self._upload = self.cp.cuda.Stream(non_blocking=True)
+        with self._upload:
+            self.d_desc = self.cp.asarray(desc.view(np.uint8))
         self.descs.append(self.d_desc)
-        self.cp.cuda.get_current_stream().synchronize()
+        self._upload.synchronize()
         if self.armed is not None:  # the trigger goes on into the new arena
             self._arm(*self.armed)
 
