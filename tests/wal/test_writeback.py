@@ -250,3 +250,29 @@ def test_a_close_whose_sync_fails_still_releases_the_log(tmp_path):
     again = Log.open(f"file:{tmp_path / 'log'}")   # the lock was released
     assert again.last_committed_epoch == 1
     again.close()
+
+
+def test_a_writer_stopped_for_a_producer_that_may_still_write_keeps_every_commit(tmp_path):
+    # a device that did not finish an epoch may still write into the extent it was
+    # given (checkpoint/device_epoch.py): the writer stops as after a failed write,
+    # the extent is neither finished nor trimmed, and a reopen keeps the commits before
+    from concordia.root_error import ConcordiaError
+
+    log, rid = _file_log(tmp_path)
+    app = log.appender
+    model = Model(npages=64, page_bytes=4096, batches=3, per_batch=8, seed=12)
+    model.write_epoch(log, rid, 1)
+    ext = app.reserve_extent(64 << 10)
+    app.backend.array[ext.offset:ext.offset + 256] = 0x5A  # what a late device write leaves there
+    app.stop_after("device epoch", ConcordiaError("the kernel did not finish", where="device epochs"))
+    for write in (lambda: app.finish_extent(ext, 0, 0, trim=True), app.sync,
+                  lambda: app.append_page_batch(2, rid, *next(iter(model.epoch_batches(2))))):
+        with pytest.raises(WriterStoppedError) as info:
+            write()
+        msg = info.value.one_line()
+        assert "\n" not in msg and "stopped after a failed device epoch" in msg and "did not finish" in msg
+    log.close()
+    back = Log.open(f"file:{tmp_path / 'log'}", writable=False)
+    assert back.last_committed_epoch == 1
+    assert (replay(back, model.npages, model.page_bytes) == model.state_after(1)).all()
+    back.close()
