@@ -48,11 +48,14 @@ there a record is durable when written."""
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 
 from concordia.checkpoint.table import DEVICE_DETECTORS, plan_records
 from concordia.regions.errors import SessionError
 from concordia.wal import format as fmt
+from concordia.wal.pagecrc import page_crcs
 
 #: the arena's words (64 bytes), the consumer's state between its epochs
 WORDS = np.dtype([("used", "<u8"), ("last_commit", "<u8"), ("last_epoch", "<u8"), ("epochs", "<u8"),
@@ -63,6 +66,10 @@ assert WORDS.itemsize == 64
 #: (less when the rest of the segment being written holds one epoch: no roll over)
 ARENA_EPOCHS = 8
 ARENA_MIN_BYTES = 256 << 10
+
+#: a record header's length field (FORMAT.md §5.1), read while the walk finds the records
+_LENGTH = struct.Struct("<Q")
+assert fmt.OFF_LENGTH == 0
 
 
 def why_not(table, backend) -> str | None:
@@ -194,56 +201,68 @@ class Arena:
         one pad record before the refusal is raised, so the log holds no
         damage and no epoch of it."""
         used = self.word("used")
-        heads, good = self._walk(used)
-        offsets = [pos for pos, _ in heads]
+        offs, h, good = self._walk(used)
+        offsets = offs if good == used else np.append(offs, good)
         if good < used:
             self._pad(good, used)
-            offsets.append(good)
         # the appender checks the headers at these offsets as arrays, and that they tile the bytes used
-        app.finish_extent(self.ext, used, len(offsets), offsets=np.asarray(offsets, np.int64), trim=True)
-        out, pages, nbytes, start = [], {}, 0, 0
-        rows = {int(rid): i for i, rid in enumerate(self.table.entries["region_id"].tolist())}
-        for pos, h in heads:
-            if h.kind == fmt.REC_COMMIT:
-                try:
-                    app.adopt_commit(h.epoch, self.ext.lsn + pos)
-                except BaseException:
-                    self._pad(start, used)
-                    raise
-                out.append((h.epoch, self.ext.lsn + start, self.ext.lsn + pos, pages, nbytes))
-                self.digests = fmt.decode_commit_body(fmt.generic_body(self.ext.view, h, pos), h).digests
-                pages, nbytes, start = {}, 0, pos + h.length
-            else:
-                row = rows[h.region_id]
-                pages[row] = pages.get(row, 0) + h.count
-                nbytes += h.length
+        app.finish_extent(self.ext, used, len(offsets), offsets=offsets, trim=True)
+        ids = self.table.entries["region_id"].astype(np.int64)
+        order = np.argsort(ids, kind="stable")
+        kinds = h["type"] & fmt.TYPE_MASK
+        out, i0, start = [], 0, 0
+        for ci in np.flatnonzero(kinds == fmt.REC_COMMIT).tolist():
+            pos = int(offs[ci])
+            try:
+                app.adopt_commit(int(h["epoch"][ci]), self.ext.lsn + pos)
+            except BaseException:
+                self._pad(start, used)
+                raise
+            batches = h[i0:ci]  # the epoch's page batches (`_walk`: nothing else comes before its commit)
+            rows = order[np.searchsorted(ids, batches["region_id"].astype(np.int64), sorter=order)]
+            per_row = np.bincount(rows, weights=batches["count"].astype(np.float64), minlength=len(ids))
+            pages = {int(r): int(per_row[r]) for r in np.unique(rows).tolist()}
+            out.append((int(h["epoch"][ci]), self.ext.lsn + start, self.ext.lsn + pos, pages,
+                        int(batches["length"].sum())))
+            head = fmt.decode_record_header(self.ext.view, pos, check=False)  # checked by the walk
+            self.digests = fmt.decode_commit_body(fmt.generic_body(self.ext.view, head, pos), head).digests
+            i0, start = ci + 1, pos + int(h["length"][ci])
         if good < used:
             raise SessionError(f"the arena holds no whole record or commit after lsn 0x{self.ext.lsn + good:x}: "
                                f"its last {used - good} bytes are padded over, no epoch of them taken on",
                                where=f"segment {self.ext.segment} @ {self.ext.offset + good:#x}")
         return out
 
-    def _walk(self, used: int) -> tuple[list, int]:
-        """([(offset, header)] of the records up to the end of the last commit
-        before any header that is not a record an epoch here writes (one the
-        appender would refuse, another type, a region not in the table), and
-        that end."""
-        view, pos, heads, good, upto = memoryview(self.ext.view), 0, [], 0, 0
-        ids = set(self.table.entries["region_id"].tolist())
+    def _walk(self, used: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """(offsets, headers, end) of the records up to the end of the last
+        commit before any header that is not a record an epoch here writes
+        (one the appender would refuse, another type, a region not in the
+        table): the offsets found by their lengths, then every header checked
+        at once (its CRC, reserved bytes, LSN, salt, type and region), as the
+        appender checks a producer's records (`finish_extent` with offsets)."""
+        view = self.ext.view
+        mv, offs, pos = memoryview(view).cast("B"), [], 0
+        length_at, hs, align = _LENGTH.unpack_from, fmt.RECORD_HEADER_SIZE, fmt.RECORD_ALIGN
         while pos < used:
-            if fmt.check_record_header_bytes(view, pos) is not None:
+            n = length_at(mv, pos)[0]
+            if n < hs or n % align or pos + n > used:
                 break
-            h = fmt.decode_record_header(view, pos, check=False)
-            if h.lsn != self.ext.lsn + pos or h.salt != self.ext.salt or pos + h.length > used:
-                break
-            if h.kind not in (fmt.REC_COMMIT, fmt.REC_PAGE_BATCH) or (h.kind == fmt.REC_PAGE_BATCH
-                                                                      and h.region_id not in ids):
-                break  # an epoch here writes its table's page batches and its commit, nothing else
-            heads.append((pos, h))
-            pos += h.length
-            if h.kind == fmt.REC_COMMIT:
-                good, upto = pos, len(heads)
-        return heads[:upto], good
+            offs.append(pos)
+            pos += n
+        offs = np.asarray(offs, np.int64)
+        raw = view[offs[:, None] + np.arange(hs)]
+        h = raw.view(fmt.RECORD_HEADER_DTYPE).reshape(-1)
+        kinds = h["type"] & fmt.TYPE_MASK
+        batch = kinds == fmt.REC_PAGE_BATCH
+        ok = ((page_crcs(raw[:, :fmt.RECORD_HEADER_CRC_OFF]) == h["header_crc"]) & (h["reserved0"] == 0)
+              & (h["reserved1"] == 0) & (h["lsn"] == np.uint64(self.ext.lsn) + offs.astype(np.uint64))
+              & (h["salt"] == self.ext.salt) & (batch | (kinds == fmt.REC_COMMIT))
+              & ~(batch & ~np.isin(h["region_id"], self.table.entries["region_id"])))
+        n = int(np.argmin(ok)) if not ok.all() else len(offs)
+        commits = np.flatnonzero(kinds[:n] == fmt.REC_COMMIT)
+        upto = int(commits[-1]) + 1 if commits.size else 0
+        good = int(offs[upto - 1] + h["length"][upto - 1]) if upto else 0
+        return offs[:upto], h[:upto], good
 
     def _pad(self, start: int, end: int) -> None:
         """One pad record over [start, end) of the arena: what it covered is no record."""
