@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import mmap
+import platform
 import time
 import weakref
 from pathlib import Path
@@ -137,12 +138,33 @@ class ExecutorModule:
         return self
 
 
+#: the hosts whose store order the ring's protocol with the device relies on (ring.py, "Memory
+#: ordering": plain numpy stores seen in program order, a lock acquire as the store->load fence)
+TSO_HOSTS = ("x86_64", "amd64", "i686", "i386")
+
+
+def host_order_why(machine: str | None = None) -> str | None:
+    """Why this host cannot run the persistent kernel's ring, or None: its
+    protocol assumes an x86 host's total store order (ring.py); on a weakly
+    ordered host (aarch64, ...) the device could see a task's sequence word
+    before its body."""
+    m = (platform.machine() if machine is None else machine) or "unknown"
+    if m.lower() in TSO_HOSTS:
+        return None
+    return (f"the persistent kernel's ring assumes an x86 host's store order (concordia/executor/ring.py); "
+            f"this host is {m}")
+
+
 class GpuRing:
     """A task ring in mapped pinned host memory, plus the device scratch line
     and the non-blocking stream every executor of this ring launches on (so
-    instances run strictly one after another)."""
+    instances run strictly one after another).  Refused on a host whose
+    store order the protocol does not hold on (`host_order_why`)."""
 
     def __init__(self, capacity: int = 1024, *, where: str = "gpu ring"):
+        why = host_order_why()
+        if why is not None:
+            raise ExecutorError(why, where=where)
         cupy = require_cupy()
         n = ring_bytes(capacity)
         self._mm = mmap.mmap(-1, (n + 4095) // 4096 * 4096)

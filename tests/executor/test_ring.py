@@ -118,3 +118,17 @@ def test_too_many_arguments():
     ring = Ring.allocate(4)
     with pytest.raises(ProtocolError, match="a slot holds 13"):
         ring.publish(Op.CHECKPOINT, args=tuple(range(14)))
+
+
+def test_the_gpu_ring_is_refused_in_one_line_on_a_host_whose_stores_it_cannot_order(monkeypatch):
+    # the protocol with the device relies on an x86 host's store order (module doc):
+    # on a weakly ordered host the device could read a task's seq before its body
+    from concordia.executor import persistent
+
+    assert persistent.host_order_why("x86_64") is None and persistent.host_order_why("AMD64") is None
+    why = persistent.host_order_why("aarch64")
+    assert "\n" not in why and "x86 host's store order" in why and "aarch64" in why
+    monkeypatch.setattr(persistent.platform, "machine", lambda: "aarch64")
+    with pytest.raises(persistent.ExecutorError) as info:
+        persistent.GpuRing(4)  # before CuPy is asked for: the same line with or without a GPU
+    assert "aarch64" in info.value.one_line() and "\n" not in info.value.one_line()
