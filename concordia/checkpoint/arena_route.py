@@ -51,6 +51,8 @@ from concordia.checkpoint import device_epoch
 from concordia.checkpoint.host import HostTablePass
 from concordia.checkpoint.stats import CheckpointStats
 from concordia.executor.errors import ExecutorError
+from concordia.executor.ring import ConsumerState, Status
+from concordia.executor.step_trigger import TRIGGER_LEFT
 from concordia.regions.errors import SessionError
 from concordia.wal.errors import LogFullError
 
@@ -273,6 +275,12 @@ class ArenaRoute:
         except (LogFullError, ValueError) as exc:  # no room for an arena now: the trigger stays paused, tried again
             self.why = f"no arena for the trigger now: {str(exc).strip().splitlines()[0]}"
             return False
+        except ExecutorError as exc:
+            if _faulted(engine):  # a timed-out epoch: its detection may have moved past pages no commit holds
+                self.fail(exc)
+            else:  # an epoch lost for room: taken on (every region whole next), the route stays
+                self.close()
+            raise
         except BaseException:
             self.close()
             raise
@@ -283,10 +291,28 @@ class ArenaRoute:
         return self.engine is not None
 
     def close(self) -> None:
-        """Stop the engine (the persistent kernel); the arena's epochs are taken on."""
+        """Stop the engine (the persistent kernel); the arena's epochs are taken on.
+        An engine whose trigger stopped on a fault (a timed-out epoch, whose
+        detection may have moved past pages no commit holds) makes every
+        region's next checkpoint whole, as `fail` does."""
         engine, self.engine, self.version = self.engine, None, None
-        if engine is not None:
+        if engine is None:
+            return
+        try:
             engine.close()
+        finally:
+            if _faulted(engine):
+                self.session.runner.lose()
+
+
+def _faulted(engine) -> bool:
+    """Whether a device engine's kernel stopped on a fault (its ring, or its
+    trigger's status: neither none, left nor an epoch lost for room)."""
+    ring = getattr(getattr(engine, "gring", None), "ring", None)
+    if ring is not None and ring.state == ConsumerState.FAULT:
+        return True
+    status = getattr(engine, "trigger_status", 0)
+    return status not in (0, TRIGGER_LEFT, int(Status.LOST))
 
 
 def _wait_for_producers(regions) -> None:

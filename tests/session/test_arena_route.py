@@ -258,3 +258,46 @@ def test_an_arena_epoch_runs_the_before_checkpoint_hooks_as_the_sessions_path_do
         s.settle()
         for epoch, (want, _) in epochs.items():
             assert int(s.recover(epoch)["mirror"][0]) == want, epoch
+
+
+class _StoppedEngine:
+    """A stand-in for DeviceEpochs whose armed trigger stopped with `status`
+    (no GPU here): its swap raises as DeviceEpochs.rotate does, and closing it
+    is recorded."""
+
+    gring = None
+
+    def __init__(self, status):
+        self.trigger_status, self.armed, self.closed = status, (1, None, None, 0), False
+        self.fill, self.fired_logged = 1.0, 0
+
+    def rotate(self):
+        raise ExecutorError(f"disarming the trigger failed with status {self.trigger_status}", where="device trigger")
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.mark.parametrize("status, faulted", [(4, True), (7, False)], ids=["timed-out", "lost"])
+def test_a_swap_that_finds_the_trigger_faulted_makes_every_regions_next_checkpoint_whole(shm_log, status, faulted):
+    """An arena swap that finds the kernel's trigger stopped on a fault (a
+    timed-out epoch: its detection may have moved past pages no commit holds)
+    fails the route, and every region's next checkpoint is whole; an epoch
+    lost for room closes the engine and leaves the route on."""
+    with Session(shm_log, size=LOG_SIZE, segment_size=SEGMENT, executor="resident",
+                 policy=Policy(retain=False)) as s:
+        a = np.zeros((16, 1024), np.uint32)
+        s.register("a", a, detect="shadow", page_bytes=4096)
+        s.checkpoint()
+        route = s.resident.route
+        engine = route.engine = _StoppedEngine(status)
+        route.version = s.region_set.version
+        with pytest.raises(ExecutorError, match=f"status {status}"):
+            route.rotate()
+        assert engine.closed and route.engine is None
+        assert (route.failed is not None) == faulted
+        a[3, 0] = 1
+        st = s.checkpoint()
+        if faulted:
+            assert st.pages == {"a": 16}  # whole: pages changed in the failed epoch's window are not lost
+        np.testing.assert_array_equal(s.recover()["a"], a)
