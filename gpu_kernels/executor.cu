@@ -325,6 +325,9 @@ extern "C" __global__ void cx_stamp(u64* at) {
 // a claimed one has read everything and only its commit is left.
 #define CX_CLAIM_COMMIT 1ull
 #define CX_CLAIM_CANCEL 2ull
+#ifndef CX_CLAIMED_WAIT_NS
+#define CX_CLAIMED_WAIT_NS (10ull * 1000 * 1000 * 1000)
+#endif
 
 // One thread: the commit claimed, or the plan made not to fit (cancelled).
 __device__ __forceinline__ void claim_commit(TablePlan* plan, cx_scratch* sc) {
@@ -511,10 +514,11 @@ __device__ int run_epoch(const cx_epoch_desc* d, cx_scratch* sc, u64 child_timeo
     if (!CX_LAUNCHED()) return ST_LAUNCH_FAILED;
     int status = wait_children(sc, 1, child_timeout_ns);
     // timed out: cancelled before its commit, the child commits nothing; past its claim it read
-    // every region and only its commit is left, waited for once more
+    // every region and only its commit is left, waited for once more, at least CX_CLAIMED_WAIT_NS
+    // (a TIMEOUT must mean that nothing of the epoch is committed)
     if (status == ST_TIMEOUT &&
         atomicCAS(reinterpret_cast<unsigned long long*>(&sc->claim), 0ull, CX_CLAIM_CANCEL) == CX_CLAIM_COMMIT)
-        status = wait_children(sc, 1, child_timeout_ns);
+        status = wait_children(sc, 1, max(child_timeout_ns, CX_CLAIMED_WAIT_NS));
     if (st) st[8] = now_ns();
     if (status != ST_OK) return status;
     if (*(volatile u32*)&sc->errors) return ST_LOST;  // the records did not fit what was left (arena.py)

@@ -50,7 +50,7 @@ from concordia.checkpoint import arena as arena_mod
 from concordia.checkpoint.table import DET_FINGERPRINT, DET_SHADOW
 
 from concordia.executor.errors import ExecutorError
-from concordia.executor.step_trigger import GATE_WORDS
+from concordia.executor.step_trigger import GATE_WORDS, TRIGGER_LEFT
 
 #: detection launches a descriptor holds (executor.cu: CX_MAX_GROUPS)
 MAX_GROUPS = 8
@@ -146,6 +146,10 @@ def describe(tpass, ar, arena_ptr: int, words_ptr: int, fired_ptr: int = 0, stam
         g["rows"], g["row_first"], g["n_rows"], g["pages"] = rows.data.ptr, first.data.ptr, int(n_rows), pages
         g["detector"] = int(tpass.group_detectors[i])
     return d
+
+
+#: engines whose kernel did not finish when stopped (`DeviceEpochs._abandon`), kept for good
+_ABANDONED: list = []
 
 
 class DeviceEpochs:
@@ -421,9 +425,17 @@ class DeviceEpochs:
         exc = ExecutorError("the persistent kernel did not finish within 10 s of being stopped: the log writer "
                             "stops (reopen the log: every epoch committed before is kept)", where="device epochs")
         self.session.log.appender.stop_after("device epoch", exc)
-        if self.session.runner.arena_pause == self.pause:
-            self.session.runner.arena_pause = None
-        self.closed_status = self.trigger_status or int(self.Status.TIMEOUT)
+        runner = self.session.runner
+        if runner.arena_pause == self.pause:
+            runner.arena_pause = None
+        if runner.arena is self.arena:  # not taken on: that would pad over bytes the kernel may still write
+            runner.arena = None
+        runner.lose()
+        self._keep_fired()
+        status = self.trigger_status
+        self.closed_status = status if status not in (0, TRIGGER_LEFT, int(self.Status.LOST)) \
+            else int(self.Status.TIMEOUT)
+        _ABANDONED.append(self)  # its mapped buffers and descriptors stay registered and alive for the kernel
         raise exc
 
     def _release(self) -> None:

@@ -605,16 +605,25 @@ def register_piece(backend) -> int:
 
 def _zeros(cp, nbytes: int, own_memory: bool):
     """A zeroed uint8 device array of `nbytes`, from CuPy's pool or, with
-    `own_memory`, from the driver (freed when the array is dropped)."""
+    `own_memory`, from the driver (freed when the array is dropped; the
+    pool's free blocks are given back first when the driver has no room, as
+    the pool itself does)."""
     if not own_memory or nbytes == 0:
         return cp.zeros(nbytes, cp.uint8)
-    mem = cp.cuda.Memory(nbytes)
+    rt = cp.cuda.runtime
+    try:
+        mem = cp.cuda.Memory(nbytes)
+    except (cp.cuda.memory.OutOfMemoryError, rt.CUDARuntimeError) as exc:
+        if isinstance(exc, rt.CUDARuntimeError) and exc.status != getattr(rt, "errorMemoryAllocation", 2):
+            raise
+        cp.get_default_memory_pool().free_all_blocks()
+        mem = cp.cuda.Memory(nbytes)
     mem.memset_async(0, nbytes, cp.cuda.get_current_stream())
     return cp.ndarray((nbytes,), cp.uint8, cp.cuda.MemoryPointer(mem, 0))
 
 
 def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK_BYTES, stats: dict | None = None,
-                    registration=None, read: str = "auto", own_memory: bool = False) -> dict:
+                    registration=None, read: str = "auto", own_memory=()) -> dict:
     """Restore the regions of `plan` straight into new CuPy arrays (see the
     module doc for the pipeline; `restore.run.restore` copies them into a
     caller's targets once everything checked out).  The restore runs on
@@ -636,10 +645,11 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
     mappings (hugetlb, device DAX) and copies otherwise (`pins_ahead`): on
     the H200 machine copying was measured faster for /dev/shm
     (docs/results/recover.md).
-    own_memory: each region's array gets memory of its own from the driver,
-    not from CuPy's pool, given back to the driver as the array is dropped
-    (a caller that copies them into its targets and drops them: a pool's
-    block shared with a later allocation could not be given back)."""
+    own_memory: the names of regions whose arrays get memory of their own
+    from the driver, not from CuPy's pool, given back to the driver as the
+    array is dropped (a caller that copies them into its targets and drops
+    them: a pool's block shared with a later allocation could not be given
+    back)."""
     from concordia.gpu_kernels import gpu, jit
     from concordia.wal.apply import check_digest, check_present
 
@@ -674,7 +684,7 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
         parts = st["alloc_parts"] = {"staging": time.perf_counter() - t1}  # 0 when kept from an earlier restore
         st["staging_alloc_s"] = parts["staging"]
         t = time.perf_counter()
-        out = [_zeros(cp, rp.region.pages * rp.region.page_bytes, own_memory) for rp in tr.regions]
+        out = [_zeros(cp, rp.region.pages * rp.region.page_bytes, rp.name in own_memory) for rp in tr.regions]
         sync()
         parts["regions"] = time.perf_counter() - t
         if tr.pages:

@@ -212,7 +212,7 @@ def _restore(log, plan, plan_s, pages, *, regions, device, into, registration, r
             # could not use it: a cache of 30 GiB restored into torch tensors would leave 30 GiB there)
             own = sum(plan.regions[n].region.nbytes for n in dev if n in plan.regions) >= RELEASE_STAGED_BYTES
             got = apply_plan_cupy(log, plan, regions=on_gpu, stats=st, registration=registration, read=read,
-                                  own_memory=own)
+                                  own_memory=set(dev) if own else ())
             via.update(dict.fromkeys(got, "device pipeline"))
         if on_host:
             got_host = apply_plan_numpy(log, plan, regions=on_host)
