@@ -142,7 +142,12 @@ class ArenaRoute:
         except (LogFullError, ValueError) as exc:  # nothing written: this epoch takes the session's path
             self.why = f"no arena for the epoch now: {str(exc).strip().splitlines()[0]}"
             return None
-        except ExecutorError as exc:  # a trigger's epoch the arena lost: taken on, every region whole next
+        except ExecutorError as exc:
+            if _faulted(engine):  # the kernel faulted (a timed-out epoch): the route off, every region whole next
+                self.fail(exc)
+                self.why = self.failed_why
+                return None
+            # a trigger's epoch the arena lost: taken on, every region whole next
             self.lost += 1
             self.lost_why = self.why = f"{str(exc).strip().splitlines()[0]}: written whole on the session's path"
             self.close()

@@ -271,8 +271,18 @@ class _StoppedEngine:
         self.trigger_status, self.armed, self.closed = status, (1, None, None, 0), False
         self.fill, self.fired_logged = 1.0, 0
 
+    where = "caller"
+
+    class tpass:
+        class table:
+            @staticmethod
+            def unchanged():
+                return True
+
     def rotate(self):
         raise ExecutorError(f"disarming the trigger failed with status {self.trigger_status}", where="device trigger")
+
+    ensure_arena = rotate  # an epoch's arena swap meets the same stopped trigger
 
     def close(self):
         self.closed = True
@@ -300,4 +310,13 @@ def test_a_swap_that_finds_the_trigger_faulted_makes_every_regions_next_checkpoi
         st = s.checkpoint()
         if faulted:
             assert st.pages == {"a": 16}  # whole: pages changed in the failed epoch's window are not lost
+        np.testing.assert_array_equal(s.recover()["a"], a)
+        # an epoch whose arena swap meets the stopped trigger takes the session's path, nothing raised
+        route.failed, engine = None, _StoppedEngine(status)
+        route.engine, route.version = engine, s.region_set.version
+        assert route.checkpoint("manual", where="caller") is None and engine.closed and route.engine is None
+        assert (route.failed is not None) == faulted and (route.lost == 1) != faulted
+        a[5, 0] = 1
+        st = s.checkpoint()
+        assert st.pages == {"a": 16} or not faulted
         np.testing.assert_array_equal(s.recover()["a"], a)
