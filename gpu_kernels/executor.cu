@@ -534,8 +534,9 @@ __device__ int run_epoch(const cx_epoch_desc* d, cx_scratch* sc, u64 child_timeo
 // multiple of the armed trigger's N (gate[2] = N, 0: none armed), holds there
 // (gate[1] = 1) and waits, bounded, until the executor lets go, so that the
 // epoch holds the state between that step and the next; it adds the hold to
-// gate[3] (steps) and gate[4..5] (ns, a u64: the gate is 16-byte aligned), and
-// a step that gave up waiting (no epoch) to gate[0].  An EPOCH task with
+// gate[3] (steps) and gate[4..5] (ns, a u64: the gate is 8-byte aligned), and
+// a step that gave up waiting (no epoch) to gate[0]; gate[6..7] (a u64) is the
+// count of the step that holds (what the log says the epoch holds).  An EPOCH task with
 // a[1] = N > 0 arms the trigger (a[2] the counter, a[3] the gate, u32[4]):
 // while idle, the control warp runs the epoch once the producer holds, logs
 // (epoch, count) in the descriptor's `fired`, and lets go; no host thread
@@ -554,6 +555,8 @@ extern "C" __global__ void cx_step_gate(u64* counter, u32* gate, u64 timeout_ns)
     if (every == 0 || count % every) return;
     // gate[1]: 0 none, 1 held (this step), 2 taken (the control warp runs its epoch)
     const u64 t0 = now_ns();
+    *(volatile u64*)(gate + 6) = count;  // the held step's count, before it is seen holding
+    __threadfence_system();
     atomicExch(&gate[1], 1u);
     __threadfence_system();
     u32 nap = 32;
@@ -674,7 +677,7 @@ __device__ int trigger_poll(cx_trigger* t, cx_scratch* sc, u64 child_timeout_ns)
     if (t->d == nullptr) return 0;
     if (atomicCAS(&t->gate[1], 1u, 2u) != 1u) return 0;  // no step holds at a multiple (or it gave up)
     __threadfence_system();
-    const u64 count = *(volatile u64*)t->counter;
+    const u64 count = *(volatile u64*)(t->gate + 6);  // the held step's (the counter may have moved on)
     if (count <= t->skip) {  // the host took this step's epoch itself: let go, none more
         atomicExch(&t->gate[1], 0u);
         __threadfence_system();

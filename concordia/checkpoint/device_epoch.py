@@ -291,7 +291,7 @@ class DeviceEpochs:
         if gate.size < GATE_WORDS or gate.dtype != np.uint32:
             raise ExecutorError(f"a trigger's gate is {GATE_WORDS} uint32 words, not {gate.size} of {gate.dtype}",
                                 where="device trigger")
-        if gate.data.ptr % 8 or not gate.flags.c_contiguous:  # words 4..5 are one u64 the gate adds to
+        if gate.data.ptr % 8 or not gate.flags.c_contiguous:  # words 4..5 and 6..7 are u64s
             raise ExecutorError("a trigger's gate must be contiguous and 8-byte aligned", where="device trigger")
         # the arrays of a trigger armed before live until the kernel has let go of them (arming again
         # releases the old gate, a device write to it)

@@ -46,8 +46,8 @@ from .ring import Status
 
 #: u32 words of a device trigger's gate (executor.cu's cx_step_gate): [0] the steps that gave up waiting (no
 #: epoch); [1] 0 none, 1 a step holds, 2 its epoch runs; [2] the armed every (0: none); [3] the steps held;
-#: [4..5] the ns they held (a u64)
-GATE_WORDS = 6
+#: [4..5] the ns they held (a u64); [6..7] the count of the step that holds (a u64, what the log names)
+GATE_WORDS = 8
 
 #: what a trigger's log says (`DeviceEpochs.trigger_status`) when the executor left with it armed (idle,
 #: its lifetime): not a ring status; it is armed again (executor.cu: CX_TRIGGER_LEFT)

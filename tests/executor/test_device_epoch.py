@@ -69,8 +69,9 @@ def test_the_gate_is_as_long_on_both_sides_of_the_layers():
     from concordia.checkpoint.device_epoch import GATE_WORDS
     from concordia.executor import step_trigger
 
-    assert step_trigger.GATE_WORDS == GATE_WORDS == 6 and "gate + 4" in CU and "gate[4]" not in CU and "gate[0]" in CU
-    assert "gate + 6" not in CU and "gate[5]" not in CU  # [4..5] is one u64, the last
+    assert step_trigger.GATE_WORDS == GATE_WORDS == 8 and "gate + 4" in CU and "gate[4]" not in CU and "gate[0]" in CU
+    assert "gate + 6" in CU and "gate[5]" not in CU and "gate[6]" not in CU  # [4..5] and [6..7]: u64s, the last
+    assert "gate + 8" not in CU and "gate[7]" not in CU
     assert re.search(rf"#define CX_TRIGGER_LEFT {step_trigger.TRIGGER_LEFT:#x}\b", CU)
 
 
