@@ -426,7 +426,23 @@ def check_record_header_bytes(buf, off: int = 0) -> str | None:
     V-R5 need the segment: the reader checks them), else the reason."""
     if off < 0 or off + RECORD_HEADER_SIZE > len(buf):
         return "record header runs past the end of the buffer"
-    f = RECORD_HEADER.unpack_from(buf, off)
+    return check_record_header_fields(RECORD_HEADER.unpack_from(buf, off), buf, off)
+
+
+def record_header_fields(buf, off: int = 0) -> tuple:
+    """The header's fields at buf[off:] as RECORD_HEADER unpacks them, unchecked
+    (a walk reads them once: `record_header_of`, `check_record_header_fields`)."""
+    return RECORD_HEADER.unpack_from(buf, off)
+
+
+def record_header_of(fields: tuple) -> RecordHeader:
+    """The RecordHeader of fields `record_header_fields` read."""
+    return _new_tuple(RecordHeader, _RECORD_HEADER_FIELDS(fields))
+
+
+def check_record_header_fields(f: tuple, buf, off: int) -> str | None:
+    """check_record_header_bytes on the fields already read from buf[off:]
+    (the header lies inside buf)."""
     length, stored = f[0], f[13]
     mv = buf if isinstance(buf, memoryview) else memoryview(buf)
     computed = _crc32c(mv[off:off + RECORD_HEADER_CRC_OFF])
@@ -611,9 +627,11 @@ def _u8(buf) -> np.ndarray:
     return np.frombuffer(buf, dtype=np.uint8)
 
 
-def page_batch_problem(buf, hdr: RecordHeader, off: int = 0, *, check_pages=True):
-    """None when the page batch at buf[off:] satisfies FORMAT.md §6.2 (V-P1..V-P5),
-    else (reason, byte offset of the problem relative to buf)."""
+def page_batch_shape_problem(hdr: RecordHeader, off: int, buf_len: int):
+    """The checks of `page_batch_problem` that need the header alone (V-P1,
+    the length, the bounds of a buffer of `buf_len` bytes): None, or (reason,
+    byte offset).  A reader that checks many records' tables at once
+    (reader.py) makes these first, as page_batch_problem does."""
     count, pb = hdr.count, hdr.page_bytes
     if count == 0 or count > MAX_BATCH_PAGES:
         return f"page batch count {count} out of range", off + OFF_COUNT
@@ -622,8 +640,18 @@ def page_batch_problem(buf, hdr: RecordHeader, off: int = 0, *, check_pages=True
     if page_batch_length(count, pb) != hdr.length:
         return (f"length {hdr.length} disagrees with {count} pages of {pb} bytes "
                 f"(expected {page_batch_length(count, pb)})"), off
-    if off + hdr.length > len(buf):
+    if off + hdr.length > buf_len:
         return "page batch runs past the end of the buffer", off
+    return None
+
+
+def page_batch_problem(buf, hdr: RecordHeader, off: int = 0, *, check_pages=True):
+    """None when the page batch at buf[off:] satisfies FORMAT.md §6.2 (V-P1..V-P5),
+    else (reason, byte offset of the problem relative to buf)."""
+    problem = page_batch_shape_problem(hdr, off, len(buf))
+    if problem is not None:
+        return problem
+    count, pb = hdr.count, hdr.page_bytes
     u8 = _u8(buf)
     tables = u8[off + RECORD_HEADER_SIZE: off + RECORD_HEADER_SIZE + 8 * count]
     body_crc = _crc32c(memoryview(tables))

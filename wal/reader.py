@@ -261,6 +261,8 @@ class Scanner:
         self.check_pages = check_pages
         self.oldest = vol.superblock.oldest_lsn
         self.bytes_checked = 0
+        self._tables: list = []  # a segment's page batches whose tables are checked at once (_check_tables)
+        self._arr_len = 0        # len(self.arr), read once a segment (_segment)
         self.progress = progress
         self._done = 0  # bytes of the segments walked so far (for progress)
         self._shown = 0  # what progress was last told
@@ -363,7 +365,12 @@ class Scanner:
         filling ends there for now; what lies beyond is the tail's old bytes,
         which a full walk reads through to tell the end from a lost record)."""
         out, pending = [], []
+        self._tables = []  # the page batches whose tables _walk left to _check_tables
+        self._arr_len = len(self.arr)
         self._walk(seg, out, pending, start, to_gap)
+        bad = self._check_tables(out, self._tables)
+        if bad:
+            pending = [p for p in pending if p[0] not in bad]
         self._check_pages(out, self._entries(pending))
         self._done += max(0, min(seg.offset + seg.nbytes, self.backend.size) - seg.offset)
         if self.progress is not None:
@@ -415,6 +422,39 @@ class Scanner:
                 self.bytes_checked -= hdr.length
                 out[idx] = Damaged(_DMG, item.seg, pos, hdr.length, reason)
 
+    def _check_tables(self, out: list, tables: list) -> set:
+        """The rest of V-P2..V-P4 for the page batches a walk found (`_walk`
+        checked their headers and shapes): each record's table CRC, its page
+        ids strictly increasing and its padding zero, for every record of a
+        page count at once; a record that fails becomes the damaged range
+        `page_batch_problem` names, as if the walk had found it.  Returns the
+        indices into `out` that failed."""
+        groups: dict[int, list] = {}
+        for t in tables:
+            groups.setdefault(t[2].count, []).append(t)
+        arr, failed = self.arr, set()
+        for count, items in groups.items():
+            tb, width = 8 * count, F.page_batch_tables_bytes(count)
+            rows = np.stack([arr[pos + F.RECORD_HEADER_SIZE:pos + F.RECORD_HEADER_SIZE + width]
+                             for _, pos, _ in items])
+            stored = np.fromiter((h.body_crc for _, _, h in items), dtype=np.uint32, count=len(items))
+            bad = F.page_crcs_of(rows[:, :tb]) != stored
+            if count > 1:
+                ids = rows[:, :4 * count].view("<u4")
+                bad |= ~np.all(ids[:, 1:] > ids[:, :-1], axis=1)
+            if width > tb:
+                bad |= rows[:, tb:].any(axis=1)
+            for k in np.flatnonzero(bad).tolist():
+                idx, pos, h = items[k]
+                p = F.page_batch_problem(arr, h, pos, check_pages=False)
+                if p is None:  # not reached: the checks above are page_batch_problem's
+                    continue
+                self.bytes_checked -= h.length
+                out[idx] = Damaged(_DMG, out[idx].seg, pos, h.length,
+                                   p[0] if p[1] == pos else f"{p[0]} (at 0x{p[1]:x})")
+                failed.add(idx)
+        return failed
+
     def _walk(self, seg: SegmentInfo, out: list, pending: list, start: int | None = None,
               to_gap: bool = False) -> None:
         mv = self.mv
@@ -422,7 +462,7 @@ class Scanner:
         end = min(seg_end, self.backend.size)  # a truncated volume reads as zero beyond its end
         base_rel = seg.base_lsn - seg.offset  # lsn = abs offset + base_rel
         salt = seg.salt
-        header_at = F.decode_record_header
+        fields_at, header_of, mv_len = F.record_header_fields, F.record_header_of, len(mv)
         oldest = self.oldest
         pos = seg.offset + F.SEGMENT_HEADER_SIZE if start is None else start
         # progress: checked against one number per record, told every PROGRESS_STEP
@@ -431,7 +471,8 @@ class Scanner:
             if pos >= tick:
                 self._tell(self._done + pos - seg.offset)
                 tick = pos + PROGRESS_STEP
-            h = header_at(mv, pos, check=False)  # placement first, then check_record_header_bytes
+            f = fields_at(mv, pos)  # read once: placement first, then the header's own checks
+            h = header_of(f)
             length = h.length
             if length == 0 or (h.lsn != pos + base_rel or h.salt != salt):
                 if to_gap:
@@ -453,7 +494,8 @@ class Scanner:
                     pos = nxt
                     continue
             else:
-                problem = F.check_record_header_bytes(mv, pos)
+                problem = (F.check_record_header_fields(f, mv, pos) if 0 <= pos and pos + F.RECORD_HEADER_SIZE <= mv_len
+                           else "record header runs past the end of the buffer")  # check_record_header_bytes
                 if problem is None and pos + length > seg_end:
                     problem = f"record length {length} runs past the end of the segment"
             if problem is not None:
@@ -482,6 +524,8 @@ class Scanner:
                 if record_kind(h.type) is None:
                     pos += length  # R-T1, R-T2: an unknown ignorable type, checked, is skipped
                     continue
+                if record_kind(h.type) == F.REC_PAGE_BATCH:  # its tables: the segment's at once
+                    self._tables.append((len(out), pos, h))
                 if self.check_pages and h.type == F.REC_PAGE_BATCH and (
                         self.check_pages is True or self.check_pages(h)):
                     # page CRCs are checked for the whole segment at once (_entries, _check_pages)
@@ -495,8 +539,8 @@ class Scanner:
         count = h.count
         if h.flags & ~_KNOWN_FLAGS.get(kind, 0) and kind != F.REC_PAD:
             return f"unknown record flags 0x{h.flags:02x} for type 0x{typ:02x} (R-F1)"
-        if kind == F.REC_PAGE_BATCH:
-            p = F.page_batch_problem(self.arr, h, pos, check_pages=False)  # pages: _check_pages
+        if kind == F.REC_PAGE_BATCH:  # its tables: _check_tables, its pages: _check_pages
+            p = F.page_batch_shape_problem(h, pos, self._arr_len)
             return None if p is None else (p[0] if p[1] == pos else f"{p[0]} (at 0x{p[1]:x})")
         if kind == F.REC_PAD:
             return None
