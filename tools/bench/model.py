@@ -121,13 +121,26 @@ def _decode(model, guard, ids, steps, every, wait=False):
     # the pending one, retention's hook after a commit and at a launch
     # (inside the run: its room check, and the table pass's launch when there is one)
     table = s.runner.table_pass(s.log)
+    # and on every row the guard's capture and token copy at a due step; on a resident session
+    # the trigger's step (`trigger_step`) and, inside it, the arena swap's check and swap
+    route = getattr(s.resident, "route", None)
     owners = ((s.runner, "run"), (s.runner, "settle"), (s.runner, "room"), (s.retention, "after_commit"),
-              (s.retention, "launched")) + (((table, "launch"),) if table is not None else ())
+              (s.retention, "launched"), (guard, "capture"), (guard, "record_tokens")) + \
+        (((table, "launch"),) if table is not None else ()) + (((route, "rotate"),) if route is not None else ())
     saved = {(id(obj), name): (obj, getattr(obj, name)) for obj, name in owners}
     labels = {"after_commit": "retention", "launched": "retention_copies", "room": "run_room",
-              "launch": "run_launch"}
+              "launch": "run_launch", "rotate": "trigger_rotate"}
     for obj, fn in saved.values():
         setattr(obj, fn.__name__, _timing(fn, labels.get(fn.__name__, fn.__name__), parts))
+    if s.resident is not None:  # the trigger CheckpointEvery makes at its first epoch: its step() timed
+        make = s.resident.step_trigger
+
+        def step_trigger(every, *args, **kw):
+            tr = make(every, *args, **kw)
+            tr.step = _timing(tr.step, "trigger_step", parts)
+            return tr
+
+        s.resident.step_trigger = step_trigger
 
     class Timed(StoppingCriteria):
         def __call__(self, input_ids, scores, **kwargs):
@@ -146,6 +159,8 @@ def _decode(model, guard, ids, steps, every, wait=False):
     per_step = (time.perf_counter() - t0) / steps
     for obj, fn in saved.values():  # the instance attributes go; the class's methods show again
         delattr(obj, fn.__name__)
+    if s.resident is not None:
+        del s.resident.step_trigger
     phases = {k: round(_median(v) * 1e3, 4) for k, v in parts.items() if v}
     # what each phase adds to a step on average: rare costly calls (a base job's copies,
     # a job written at once under log pressure) weigh here as they do in tokens/s
