@@ -230,6 +230,9 @@ def test_bench_model_quick_json(tmp_path):
     per_step = doc["decode"][1]["host_phases_ms_per_step"]
     assert set(per_step) == set(doc["decode"][1]["host_phases_ms"]) and all(v >= 0 for v in per_step.values())
     assert per_step["run"] > 0 and per_step["update"] > 0  # a checkpoint and an adapter update a step: never 0 ms
+    # the resident row: the guard's capture and token copy, and the trigger's step (the CPU gate's hold in it)
+    assert {"capture", "record_tokens", "trigger_step"} <= set(doc["decode"][4]["host_phases_ms"])
+    assert doc["decode"][4]["host_phases_ms_per_step"]["trigger_step"] > 0
     kept = doc["decode"][1]["retention"]
     assert kept["base_staging"] is None and kept["counts"].get("errors", 0) == 0  # the host writes CPU bases
     assert [r["context"] for r in doc["recovery"]] == [64, 256]
