@@ -255,14 +255,10 @@ class Appender:
         if offs[0] != 0 or offs[-1] + F.RECORD_HEADER_SIZE > used:
             raise UsageError("record offsets do not start at 0 and lie within the bytes used",
                              where=f"segment {res.segment} @ 0x{res.offset:x}")
-        raw = res.view[offs[:, None] + np.arange(F.RECORD_HEADER_SIZE)]
-        h = raw.view(F.RECORD_HEADER_DTYPE).reshape(-1)
+        _, h, ok = F.record_headers_at(res.view, offs, res.lsn, res.salt)
         length = h["length"].astype(np.int64)
-        computed = _pagecrc.page_crcs(raw[:, :F.RECORD_HEADER_CRC_OFF])
         ends = np.append(offs[1:], used)
-        bad = ((computed != h["header_crc"]) | (length < F.RECORD_HEADER_SIZE) | (length % F.RECORD_ALIGN != 0)
-               | (h["reserved0"] != 0) | (h["reserved1"] != 0) | (h["lsn"] != np.uint64(res.lsn) + offs.astype(np.uint64))
-               | (h["salt"] != res.salt) | (offs + length != ends))
+        bad = ~ok | (offs + length != ends)
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             pos = int(offs[i])

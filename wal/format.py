@@ -311,6 +311,22 @@ RECORD_HEADER_DTYPE = np.dtype({
                 OFF_BODY_CRC, OFF_COUNT, OFF_PAGE_BYTES, OFF_AUX, OFF_RESERVED1, OFF_HEADER_CRC],
     "itemsize": RECORD_HEADER_SIZE})
 
+def record_headers_at(view: np.ndarray, offs: np.ndarray, lsn: int, salt: int) -> tuple:
+    """(raw, headers, ok) of the record headers at `offs` (int64, ascending) of
+    an extent `view` (uint8) whose first byte has LSN `lsn`: the 64 bytes of
+    each, the same as RECORD_HEADER_DTYPE, and whether each passes V-R2..V-R4
+    and V-R1 (its header CRC, its length a positive multiple of 64, its
+    reserved bytes zero, its LSN and salt): the checks of
+    `check_record_header_bytes` and a walk's placement, as arrays."""
+    raw = view[offs[:, None] + np.arange(RECORD_HEADER_SIZE)]
+    h = raw.view(RECORD_HEADER_DTYPE).reshape(-1)
+    length = h["length"]
+    ok = ((_pagecrc.page_crcs(raw[:, :RECORD_HEADER_CRC_OFF]) == h["header_crc"]) & (length >= RECORD_HEADER_SIZE)
+          & (length % RECORD_ALIGN == 0) & (h["reserved0"] == 0) & (h["reserved1"] == 0)
+          & (h["lsn"] == np.uint64(lsn) + offs.astype(np.uint64)) & (h["salt"] == salt))
+    return raw, h, ok
+
+
 # record types (FORMAT.md §5.2)
 TYPE_IGNORABLE = 0x80  # type bit 7: an unknown type may be skipped
 TYPE_MASK = 0x7F
@@ -416,33 +432,24 @@ def decode_record_header(buf, off: int = 0, *, check: bool = True, where: str | 
         problem = check_record_header_bytes(buf, off)
         if problem:
             raise CorruptionError(problem, where=where or f"record @ 0x{off:x}")
-    # tuple.__new__ is RecordHeader._make without its frame and length check (the Struct fixes both)
-    return _new_tuple(RecordHeader, _RECORD_HEADER_FIELDS(RECORD_HEADER.unpack_from(buf, off)))
-
-
-def check_record_header_bytes(buf, off: int = 0) -> str | None:
-    """None when the header at buf[off:off+64] lies inside buf and passes V-R2..V-R4
-    (length a positive multiple of 64; its bound in the segment, V-R3, and V-R1,
-    V-R5 need the segment: the reader checks them), else the reason."""
-    if off < 0 or off + RECORD_HEADER_SIZE > len(buf):
-        return "record header runs past the end of the buffer"
-    return check_record_header_fields(RECORD_HEADER.unpack_from(buf, off), buf, off)
-
-
-def record_header_fields(buf, off: int = 0) -> tuple:
-    """The header's fields at buf[off:] as RECORD_HEADER unpacks them, unchecked
-    (a walk reads them once: `record_header_of`, `check_record_header_fields`)."""
-    return RECORD_HEADER.unpack_from(buf, off)
+    return record_header_of(RECORD_HEADER.unpack_from(buf, off))
 
 
 def record_header_of(fields: tuple) -> RecordHeader:
-    """The RecordHeader of fields `record_header_fields` read."""
+    """The RecordHeader of a header's fields as RECORD_HEADER unpacks them (a
+    walk that unpacks each header once: `check_record_header_bytes(fields=)`)."""
+    # tuple.__new__ is RecordHeader._make without its frame and length check (the Struct fixes both)
     return _new_tuple(RecordHeader, _RECORD_HEADER_FIELDS(fields))
 
 
-def check_record_header_fields(f: tuple, buf, off: int) -> str | None:
-    """check_record_header_bytes on the fields already read from buf[off:]
-    (the header lies inside buf)."""
+def check_record_header_bytes(buf, off: int = 0, *, fields: tuple | None = None) -> str | None:
+    """None when the header at buf[off:off+64] lies inside buf and passes V-R2..V-R4
+    (length a positive multiple of 64; its bound in the segment, V-R3, and V-R1,
+    V-R5 need the segment: the reader checks them), else the reason.  `fields`:
+    the header as RECORD_HEADER unpacked it already (not unpacked again)."""
+    if off < 0 or off + RECORD_HEADER_SIZE > len(buf):
+        return "record header runs past the end of the buffer"
+    f = RECORD_HEADER.unpack_from(buf, off) if fields is None else fields
     length, stored = f[0], f[13]
     mv = buf if isinstance(buf, memoryview) else memoryview(buf)
     computed = _crc32c(mv[off:off + RECORD_HEADER_CRC_OFF])
@@ -643,6 +650,22 @@ def page_batch_shape_problem(hdr: RecordHeader, off: int, buf_len: int):
     if off + hdr.length > buf_len:
         return "page batch runs past the end of the buffer", off
     return None
+
+
+def page_batch_tables_bad(rows: np.ndarray, count: int, body_crcs: np.ndarray) -> np.ndarray:
+    """`page_batch_problem`'s table checks (V-P2 the table CRC, V-P4 the ids
+    strictly increasing, the padding zero) for many page batches of `count`
+    pages at once: `rows` holds each record's page_batch_tables_bytes(count)
+    bytes after its header, `body_crcs` its header's body CRC; whether each
+    fails (page_batch_problem then names why)."""
+    tb = 8 * count
+    bad = _pagecrc.page_crcs(rows[:, :tb]) != body_crcs
+    if count > 1:
+        ids = rows[:, :4 * count].view("<u4")
+        bad |= ~np.all(ids[:, 1:] > ids[:, :-1], axis=1)
+    if rows.shape[1] > tb:
+        bad |= rows[:, tb:].any(axis=1)
+    return bad
 
 
 def page_batch_problem(buf, hdr: RecordHeader, off: int = 0, *, check_pages=True):

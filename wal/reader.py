@@ -261,8 +261,6 @@ class Scanner:
         self.check_pages = check_pages
         self.oldest = vol.superblock.oldest_lsn
         self.bytes_checked = 0
-        self._tables: list = []  # a segment's page batches whose tables are checked at once (_check_tables)
-        self._arr_len = 0        # len(self.arr), read once a segment (_segment)
         self.progress = progress
         self._done = 0  # bytes of the segments walked so far (for progress)
         self._shown = 0  # what progress was last told
@@ -364,13 +362,11 @@ class Scanner:
         looking past it for valid records (a segment its writer is still
         filling ends there for now; what lies beyond is the tail's old bytes,
         which a full walk reads through to tell the end from a lost record)."""
-        out, pending = [], []
-        self._tables = []  # the page batches whose tables _walk left to _check_tables
-        self._arr_len = len(self.arr)
-        self._walk(seg, out, pending, start, to_gap)
-        bad = self._check_tables(out, self._tables)
-        if bad:
-            pending = [p for p in pending if p[0] not in bad]
+        out, batches = [], []
+        self._walk(seg, out, batches, start, to_gap)
+        bad = self._check_tables(out, batches)
+        cp = self.check_pages
+        pending = [b for b in batches if b[0] not in bad and cp and (cp is True or cp(b[2]))]
         self._check_pages(out, self._entries(pending))
         self._done += max(0, min(seg.offset + seg.nbytes, self.backend.size) - seg.offset)
         if self.progress is not None:
@@ -417,52 +413,43 @@ class Scanner:
                 item = out[idx]
                 hdr = item.header
                 problem = F.page_batch_problem(arr, hdr, pos, check_pages=True)
-                reason = ("page CRC table does not fold to the payload CRC" if problem is None
-                          else (problem[0] if problem[1] == pos else f"{problem[0]} (at 0x{problem[1]:x})"))
+                reason = "page CRC table does not fold to the payload CRC" if problem is None else _reason(problem, pos)
                 self.bytes_checked -= hdr.length
                 out[idx] = Damaged(_DMG, item.seg, pos, hdr.length, reason)
 
-    def _check_tables(self, out: list, tables: list) -> set:
-        """The rest of V-P2..V-P4 for the page batches a walk found (`_walk`
-        checked their headers and shapes): each record's table CRC, its page
-        ids strictly increasing and its padding zero, for every record of a
-        page count at once; a record that fails becomes the damaged range
-        `page_batch_problem` names, as if the walk had found it.  Returns the
-        indices into `out` that failed."""
+    def _check_tables(self, out: list, batches: list) -> set:
+        """The rest of V-P2..V-P4 for the page batches (index, offset, header)
+        a walk found (`_walk` checked their headers and shapes), every record of
+        a page count at once (`format.page_batch_tables_bad`); a record that
+        fails becomes the damaged range `page_batch_problem` names, as if the
+        walk had found it.  Returns the indices into `out` that failed."""
         groups: dict[int, list] = {}
-        for t in tables:
-            groups.setdefault(t[2].count, []).append(t)
+        for b in batches:
+            groups.setdefault(b[2].count, []).append(b)
         arr, failed = self.arr, set()
         for count, items in groups.items():
-            tb, width = 8 * count, F.page_batch_tables_bytes(count)
-            rows = np.stack([arr[pos + F.RECORD_HEADER_SIZE:pos + F.RECORD_HEADER_SIZE + width]
-                             for _, pos, _ in items])
+            width = F.page_batch_tables_bytes(count)
+            rows = np.stack([F.record_body(arr, pos, width) for _, pos, _ in items])
             stored = np.fromiter((h.body_crc for _, _, h in items), dtype=np.uint32, count=len(items))
-            bad = F.page_crcs_of(rows[:, :tb]) != stored
-            if count > 1:
-                ids = rows[:, :4 * count].view("<u4")
-                bad |= ~np.all(ids[:, 1:] > ids[:, :-1], axis=1)
-            if width > tb:
-                bad |= rows[:, tb:].any(axis=1)
-            for k in np.flatnonzero(bad).tolist():
+            for k in np.flatnonzero(F.page_batch_tables_bad(rows, count, stored)).tolist():
                 idx, pos, h = items[k]
-                p = F.page_batch_problem(arr, h, pos, check_pages=False)
-                if p is None:  # not reached: the checks above are page_batch_problem's
-                    continue
                 self.bytes_checked -= h.length
                 out[idx] = Damaged(_DMG, out[idx].seg, pos, h.length,
-                                   p[0] if p[1] == pos else f"{p[0]} (at 0x{p[1]:x})")
+                                   _reason(F.page_batch_problem(arr, h, pos, check_pages=False), pos))
                 failed.add(idx)
         return failed
 
-    def _walk(self, seg: SegmentInfo, out: list, pending: list, start: int | None = None,
+    def _walk(self, seg: SegmentInfo, out: list, batches: list, start: int | None = None,
               to_gap: bool = False) -> None:
+        """The items of `seg` into `out`, each page batch's (index, offset,
+        header) also into `batches`: their tables and pages are checked a
+        segment at a time (`_segment`)."""
         mv = self.mv
         seg_end = seg.offset + seg.nbytes
         end = min(seg_end, self.backend.size)  # a truncated volume reads as zero beyond its end
         base_rel = seg.base_lsn - seg.offset  # lsn = abs offset + base_rel
         salt = seg.salt
-        fields_at, header_of, mv_len = F.record_header_fields, F.record_header_of, len(mv)
+        unpack, header_of = F.RECORD_HEADER.unpack_from, F.record_header_of
         oldest = self.oldest
         pos = seg.offset + F.SEGMENT_HEADER_SIZE if start is None else start
         # progress: checked against one number per record, told every PROGRESS_STEP
@@ -471,7 +458,7 @@ class Scanner:
             if pos >= tick:
                 self._tell(self._done + pos - seg.offset)
                 tick = pos + PROGRESS_STEP
-            f = fields_at(mv, pos)  # read once: placement first, then the header's own checks
+            f = unpack(mv, pos)  # read once: placement first, then the header's own checks
             h = header_of(f)
             length = h.length
             if length == 0 or (h.lsn != pos + base_rel or h.salt != salt):
@@ -494,8 +481,7 @@ class Scanner:
                     pos = nxt
                     continue
             else:
-                problem = (F.check_record_header_fields(f, mv, pos) if 0 <= pos and pos + F.RECORD_HEADER_SIZE <= mv_len
-                           else "record header runs past the end of the buffer")  # check_record_header_bytes
+                problem = F.check_record_header_bytes(mv, pos, fields=f)
                 if problem is None and pos + length > seg_end:
                     problem = f"record length {length} runs past the end of the segment"
             if problem is not None:
@@ -521,15 +507,12 @@ class Scanner:
                 out.append(Damaged(_DMG, seg, pos, length, problem))
             else:
                 self.bytes_checked += length
-                if record_kind(h.type) is None:
+                kind = record_kind(h.type)
+                if kind is None:
                     pos += length  # R-T1, R-T2: an unknown ignorable type, checked, is skipped
                     continue
-                if record_kind(h.type) == F.REC_PAGE_BATCH:  # its tables: the segment's at once
-                    self._tables.append((len(out), pos, h))
-                if self.check_pages and h.type == F.REC_PAGE_BATCH and (
-                        self.check_pages is True or self.check_pages(h)):
-                    # page CRCs are checked for the whole segment at once (_entries, _check_pages)
-                    pending.append((len(out), pos, h))
+                if kind == F.REC_PAGE_BATCH:  # its tables and pages: the segment's at once (_segment)
+                    batches.append((len(out), pos, h))
                 out.append(Found(_REC, seg, pos, h))
             pos += length
 
@@ -540,8 +523,8 @@ class Scanner:
         if h.flags & ~_KNOWN_FLAGS.get(kind, 0) and kind != F.REC_PAD:
             return f"unknown record flags 0x{h.flags:02x} for type 0x{typ:02x} (R-F1)"
         if kind == F.REC_PAGE_BATCH:  # its tables: _check_tables, its pages: _check_pages
-            p = F.page_batch_shape_problem(h, pos, self._arr_len)
-            return None if p is None else (p[0] if p[1] == pos else f"{p[0]} (at 0x{p[1]:x})")
+            p = F.page_batch_shape_problem(h, pos, len(self.arr))
+            return None if p is None else _reason(p, pos)
         if kind == F.REC_PAD:
             return None
         if kind is None and not typ & F.TYPE_IGNORABLE:
@@ -563,6 +546,12 @@ class Scanner:
             except CorruptionError as exc:
                 return f"commit of epoch {h.epoch}: {exc.message}"
         return None
+
+
+def _reason(problem: tuple, pos: int) -> str:
+    """A (reason, offset) of format's record checks as a damaged range's words:
+    the offset named when it is not the record's own."""
+    return problem[0] if problem[1] == pos else f"{problem[0]} (at 0x{problem[1]:x})"
 
 
 #: records of an open-time walk kept for the planner (beyond, it walks again):

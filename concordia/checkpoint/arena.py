@@ -55,7 +55,6 @@ import numpy as np
 from concordia.checkpoint.table import DEVICE_DETECTORS, plan_records
 from concordia.regions.errors import SessionError
 from concordia.wal import format as fmt
-from concordia.wal.pagecrc import page_crcs
 
 #: the arena's words (64 bytes), the consumer's state between its epochs
 WORDS = np.dtype([("used", "<u8"), ("last_commit", "<u8"), ("last_epoch", "<u8"), ("epochs", "<u8"),
@@ -201,7 +200,7 @@ class Arena:
         one pad record before the refusal is raised, so the log holds no
         damage and no epoch of it."""
         used = self.word("used")
-        offs, h, good = self._walk(used)
+        offs, raw, h, good = self._walk(used)
         offsets = offs if good == used else np.append(offs, good)
         if good < used:
             self._pad(good, used)
@@ -224,7 +223,7 @@ class Arena:
             pages = {int(r): int(per_row[r]) for r in np.unique(rows).tolist()}
             out.append((int(h["epoch"][ci]), self.ext.lsn + start, self.ext.lsn + pos, pages,
                         int(batches["length"].sum())))
-            head = fmt.decode_record_header(self.ext.view, pos, check=False)  # checked by the walk
+            head = fmt.record_header_of(fmt.RECORD_HEADER.unpack_from(raw[ci]))  # checked by the walk
             self.digests = fmt.decode_commit_body(fmt.generic_body(self.ext.view, head, pos), head).digests
             i0, start = ci + 1, pos + int(h["length"][ci])
         if good < used:
@@ -233,8 +232,8 @@ class Arena:
                                where=f"segment {self.ext.segment} @ {self.ext.offset + good:#x}")
         return out
 
-    def _walk(self, used: int) -> tuple[np.ndarray, np.ndarray, int]:
-        """(offsets, headers, end) of the records up to the end of the last
+    def _walk(self, used: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """(offsets, raw headers, headers, end) of the records up to the end of the last
         commit before any header that is not a record an epoch here writes
         (one the appender would refuse, another type, a region not in the
         table): the offsets found by their lengths, then every header checked
@@ -250,19 +249,16 @@ class Arena:
             offs.append(pos)
             pos += n
         offs = np.asarray(offs, np.int64)
-        raw = view[offs[:, None] + np.arange(hs)]
-        h = raw.view(fmt.RECORD_HEADER_DTYPE).reshape(-1)
+        raw, h, ok = fmt.record_headers_at(view, offs, self.ext.lsn, self.ext.salt)
         kinds = h["type"] & fmt.TYPE_MASK
         batch = kinds == fmt.REC_PAGE_BATCH
-        ok = ((page_crcs(raw[:, :fmt.RECORD_HEADER_CRC_OFF]) == h["header_crc"]) & (h["reserved0"] == 0)
-              & (h["reserved1"] == 0) & (h["lsn"] == np.uint64(self.ext.lsn) + offs.astype(np.uint64))
-              & (h["salt"] == self.ext.salt) & (batch | (kinds == fmt.REC_COMMIT))
-              & ~(batch & ~np.isin(h["region_id"], self.table.entries["region_id"])))
+        ours = np.isin(h["region_id"], self.table.entries["region_id"])
+        ok &= (batch | (kinds == fmt.REC_COMMIT)) & ~(batch & ~ours)
         n = int(np.argmin(ok)) if not ok.all() else len(offs)
         commits = np.flatnonzero(kinds[:n] == fmt.REC_COMMIT)
         upto = int(commits[-1]) + 1 if commits.size else 0
         good = int(offs[upto - 1] + h["length"][upto - 1]) if upto else 0
-        return offs[:upto], h[:upto], good
+        return offs[:upto], raw[:upto], h[:upto], good
 
     def _pad(self, start: int, end: int) -> None:
         """One pad record over [start, end) of the arena: what it covered is no record."""
