@@ -51,8 +51,6 @@ from concordia.checkpoint import device_epoch
 from concordia.checkpoint.host import HostTablePass
 from concordia.checkpoint.stats import CheckpointStats
 from concordia.executor.errors import ExecutorError
-from concordia.executor.ring import ConsumerState, Status
-from concordia.executor.step_trigger import TRIGGER_LEFT
 from concordia.regions.errors import SessionError
 from concordia.wal.errors import LogFullError
 
@@ -311,13 +309,9 @@ class ArenaRoute:
 
 
 def _faulted(engine) -> bool:
-    """Whether a device engine's kernel stopped on a fault (its ring, or its
-    trigger's status: neither none, left nor an epoch lost for room)."""
-    ring = getattr(getattr(engine, "gring", None), "ring", None)
-    if ring is not None and ring.state == ConsumerState.FAULT:
-        return True
-    status = getattr(engine, "trigger_status", 0)
-    return status not in (0, TRIGGER_LEFT, int(Status.LOST))
+    """Whether a device engine's kernel stopped on a fault (`DeviceEpochs.faulted`;
+    the consumer's twin has none)."""
+    return bool(getattr(engine, "faulted", False))
 
 
 def _wait_for_producers(regions) -> None:

@@ -50,7 +50,8 @@ from concordia.checkpoint import arena as arena_mod
 from concordia.checkpoint.table import DET_FINGERPRINT, DET_SHADOW
 
 from concordia.executor.errors import ExecutorError
-from concordia.executor.step_trigger import GATE_WORDS, TRIGGER_LEFT
+from concordia.executor.cpu import _FENCE  # the host's store->load fence (ring.py step 5)
+from concordia.executor.step_trigger import GATE_WORDS, is_fault
 
 #: detection launches a descriptor holds (executor.cu: CX_MAX_GROUPS)
 MAX_GROUPS = 8
@@ -167,10 +168,10 @@ class DeviceEpochs:
                  small_pages: int = SMALL_PAGES, idle_s: float = 1.0):
         from concordia.executor.host import Submitter
         from concordia.executor.persistent import ExecutorModule, GpuExecutor, GpuRing, MappedHostBuffer, require_cupy
-        from concordia.executor.ring import Op, Status
+        from concordia.executor.ring import ConsumerState, Op, Status
 
         cp = require_cupy()
-        self.cp, self.session, self.Op, self.Status = cp, session, Op, Status
+        self.cp, self.session, self.Op, self.Status, self.ConsumerState = cp, session, Op, Status, ConsumerState
         session.settle()
         runner = session.runner
         tpass = runner.table_pass(session.log)
@@ -202,7 +203,7 @@ class DeviceEpochs:
                                     idle_s=idle_s)
         self.submitter = Submitter(self.gring.ring, self.executor)
         self.d_desc = None
-        self._upload = None     # the stream descriptors go to the device on (`_open`)
+        self._upload = cp.cuda.Stream(non_blocking=True)  # the stream descriptors go to the device on (`_open`)
         self.arena = None  # the arena `d_desc` describes
         try:
             self._open()
@@ -227,8 +228,6 @@ class DeviceEpochs:
         # on a stream of its own, not the caller's current one: an arena swap inside a producer's
         # step would otherwise wait there for every step it has queued (the legacy default stream
         # waits for all others), and the host, which feeds a compiled decode, would stall with it
-        if self._upload is None:
-            self._upload = self.cp.cuda.Stream(non_blocking=True)
         with self._upload:
             self.d_desc = self.cp.asarray(desc.view(np.uint8))
         self.descs.append(self.d_desc)
@@ -361,8 +360,13 @@ class DeviceEpochs:
     def mark_queued(self, steps: int) -> None:
         """The producer has queued `steps` step gates in all (the counter's
         value once its stream has run them): the kernel stays while some have
-        not run, however long its stream takes to reach them."""
+        not run, however long its stream takes to reach them.  Fenced before
+        the caller reads the trigger's log (the handshake of executor.cu's
+        trigger_stays: the kernel sees the step coming, or the host sees it
+        leaving)."""
         self._queued64[0] = steps
+        with _FENCE:
+            pass
 
     def fired(self) -> list:
         """The trigger's epochs so far: [(epoch, count)] in order."""
@@ -401,17 +405,26 @@ class DeviceEpochs:
             return self.closed_status
         return int(self._log64[1])
 
+    #: how long `close` waits for the kernel (and an epoch's child grid) to finish
+    JOIN_S = 10.0
+
+    @property
+    def faulted(self) -> bool:
+        """Whether the kernel stopped on a fault: its ring says so, or its
+        trigger's status is one (`step_trigger.is_fault`)."""
+        return self.gring.ring.state == self.ConsumerState.FAULT or is_fault(self.trigger_status)
+
     def close(self) -> None:
         try:
-            self.submitter.stop(10.0)
+            self.submitter.stop(self.JOIN_S)
         finally:
-            gone = self.executor.join(10.0)
+            gone = self.executor.join(self.JOIN_S)
             self.kernel_armed = False  # the kernel left: its trigger let go of the gate
-            if not gone:
-                self._abandon()
             if self.session.runner.arena_pause == self.pause:
                 self.session.runner.arena_pause = None
             self._keep_fired()  # what the trigger's log held stays readable (`fired`)
+            if not gone:
+                self._abandon()
             self.closed_status = self.trigger_status
             self.session.settle()
             self._release()
@@ -422,19 +435,16 @@ class DeviceEpochs:
         of the log after it is written again (the writer stops, as after a
         crash: reopening the log keeps every commit whole on the media); the
         mapped buffers it uses stay registered."""
-        exc = ExecutorError("the persistent kernel did not finish within 10 s of being stopped: the log writer "
-                            "stops (reopen the log: every epoch committed before is kept)", where="device epochs")
+        exc = ExecutorError(f"the persistent kernel did not finish within {self.JOIN_S:.0f} s of being stopped: "
+                            "the log writer stops (reopen the log: every epoch committed before is kept)",
+                            where="device epochs")
         self.session.log.appender.stop_after("device epoch", exc)
         runner = self.session.runner
-        if runner.arena_pause == self.pause:
-            runner.arena_pause = None
         if runner.arena is self.arena:  # not taken on: that would pad over bytes the kernel may still write
             runner.arena = None
         runner.lose()
-        self._keep_fired()
         status = self.trigger_status
-        self.closed_status = status if status not in (0, TRIGGER_LEFT, int(self.Status.LOST)) \
-            else int(self.Status.TIMEOUT)
+        self.closed_status = status if is_fault(status) else int(self.Status.TIMEOUT)
         _ABANDONED.append(self)  # its mapped buffers and descriptors stay registered and alive for the kernel
         raise exc
 

@@ -39,7 +39,6 @@ import numpy as np
 
 from concordia.root_error import ConcordiaError
 
-from .cpu import _FENCE  # the host's store->load fence of the handshake (ring.py step 5)
 from .errors import ExecutorError
 from .persistent import require_cupy
 from .ring import Status
@@ -56,6 +55,12 @@ TRIGGER_LEFT = 0x100
 #: longest a producer holds at its gate for one epoch before it is an error
 HOLD_S = 60.0
 
+
+def is_fault(status: int) -> bool:
+    """Whether a trigger's status (`DeviceEpochs.trigger_status`) is a fault:
+    not none, not the kernel leaving (TRIGGER_LEFT: armed again) and not an
+    epoch lost for room (LOST: mended by a whole checkpoint)."""
+    return status not in (0, TRIGGER_LEFT, int(Status.LOST))
 
 
 class StepGate:
@@ -201,9 +206,7 @@ class DeviceStepTrigger:
             if not self._disarmed:
                 engine = self.engine
                 if engine.armed is not None and engine.armed[1] is self.counter:  # not another trigger's engine
-                    engine.mark_queued(self.steps + 1)
-                    with _FENCE:
-                        pass
+                    engine.mark_queued(self.steps + 1)  # fenced before the log is read (the handshake)
                 self._keep_armed(due)
         finally:
             ptr, stream = producer_stream(self.cp, self._stream)
@@ -231,7 +234,7 @@ class DeviceStepTrigger:
                         engine.trigger(self.every, self.counter, self.gate, skip=self._skip)
                     except ConcordiaError as exc:  # no arena to arm on (the log full, ...): mended at a due step
                         self._mend = f"arming the trigger again failed: {exc}"
-                elif status:  # a fault: every region's next checkpoint whole, the route off for these regions
+                elif is_fault(status):  # every region's next checkpoint whole, the route off for these regions
                     exc = ExecutorError(f"the device trigger stopped with status {status}", where="device trigger")
                     route.fail(exc)
                     raise exc
@@ -275,7 +278,7 @@ class DeviceStepTrigger:
         all, steps among them that gave up waiting: no epoch), as the device
         counted them up to the work queued so far on the producer's stream (a
         copy from the device, ordered after it)."""
-        ptr, stream = producer_stream(self.cp, self._stream)
+        _, stream = producer_stream(self.cp, self._stream)
         words = self.gate.get(stream=stream)
         stream.synchronize()
         return int(words[3]), int(words[4:6].view(np.uint64)[0]) / 1e9, int(words[0])

@@ -613,8 +613,8 @@ def _zeros(cp, nbytes: int, own_memory: bool):
     rt = cp.cuda.runtime
     try:
         mem = cp.cuda.Memory(nbytes)
-    except (cp.cuda.memory.OutOfMemoryError, rt.CUDARuntimeError) as exc:
-        if isinstance(exc, rt.CUDARuntimeError) and exc.status != getattr(rt, "errorMemoryAllocation", 2):
+    except rt.CUDARuntimeError as exc:  # the driver's malloc: no pool retry of its own
+        if exc.status != rt.errorMemoryAllocation:
             raise
         cp.get_default_memory_pool().free_all_blocks()
         mem = cp.cuda.Memory(nbytes)

@@ -265,8 +265,6 @@ class _StoppedEngine:
     (no GPU here): its swap raises as DeviceEpochs.rotate does, and closing it
     is recorded."""
 
-    gring = None
-
     def __init__(self, status):
         self.trigger_status, self.armed, self.closed = status, (1, None, None, 0), False
         self.fill, self.fired_logged = 1.0, 0
@@ -278,6 +276,12 @@ class _StoppedEngine:
             @staticmethod
             def unchanged():
                 return True
+
+    @property
+    def faulted(self):
+        from concordia.executor.step_trigger import is_fault
+
+        return is_fault(self.trigger_status)
 
     def rotate(self):
         raise ExecutorError(f"disarming the trigger failed with status {self.trigger_status}", where="device trigger")

@@ -201,11 +201,10 @@ def _timing(fn, name: str, into: dict):
 #: the decode settings measured: (checkpoint every, wait, the session's executor); (0, False, "host") is the
 #: baseline.  On a resident session CheckpointEvery hands every epoch after the first to the executor's
 #: trigger (the persistent kernel's on a GPU: one launch a step from the host)
-DECODE_SETTINGS = ((0, False, "host"), (1, False, "host"), (8, False, "host"), (1, True, "host"),
-                   (1, False, "resident"), (8, False, "resident"))
 #: --decode-rows: each setting by name (the baseline always runs)
 DECODE_ROWS = {"every_step": (1, False, "host"), "every_8": (8, False, "host"), "every_step_waiting": (1, True, "host"),
                "every_step_resident": (1, False, "resident"), "every_8_resident": (8, False, "resident")}
+DECODE_SETTINGS = ((0, False, "host"),) + tuple(DECODE_ROWS.values())
 
 
 def _decode_part(model, cfg, batch, steps, prompt_len, reps, kv_per_token, log_spec, discard, device,
@@ -416,7 +415,7 @@ def run(shape: str, device: str, batch: int, contexts: list[int], decode_steps: 
     if "decode" in parts:
         say(f"decode: batch {batch}, {decode_steps} tokens after a {decode_prompt}-token prompt, "
             f"{decode_reps} rounds")
-        settings = ((0, False, "host"),) + tuple(DECODE_ROWS[r] for r in decode_rows)
+        settings = tuple(k for k in DECODE_SETTINGS if not k[0] or k in {DECODE_ROWS[r] for r in decode_rows})
         res.update(_decode_part(model, cfg, batch, decode_steps, decode_prompt, decode_reps, kv_per_token, log_spec, discard,
                                 device, settings))
     if "longrun" in parts:
