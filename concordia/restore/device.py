@@ -618,8 +618,9 @@ def _zeros(cp, nbytes: int, own_memory: bool):
             raise
         cp.get_default_memory_pool().free_all_blocks()
         mem = cp.cuda.Memory(nbytes)
-    mem.memset_async(0, nbytes, cp.cuda.get_current_stream())
-    return cp.ndarray((nbytes,), cp.uint8, cp.cuda.MemoryPointer(mem, 0))
+    ptr = cp.cuda.MemoryPointer(mem, 0)
+    ptr.memset_async(0, nbytes, cp.cuda.get_current_stream())
+    return cp.ndarray((nbytes,), cp.uint8, ptr)
 
 
 def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK_BYTES, stats: dict | None = None,

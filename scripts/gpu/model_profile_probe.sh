@@ -15,7 +15,9 @@ unset CUBLAS_WORKSPACE_CONFIG
 callees=()
 for name in "transformers.py.*__call__" "session.py.*checkpoint" "session.py.*settle" _finish_table capture \
             after_commit _after_commit _advance launch complete _commit "step_trigger.py.*step" _keep_armed \
-            "arena_route.py.*rotate" "device_epoch.py.*rotate" step_gate; do
+            "arena_route.py.*rotate" "device_epoch.py.*rotate" step_gate adopt_arena "arena.py.*adopt" \
+            "device_epoch.py.*_open" "device_epoch.py.*pause" "device_epoch.py.*_arm" "arena.py.*__init__" describe \
+            "host.py.*call"; do
   callees+=(--callees "$name")
 done
 python3 scripts/gpu/profile_wal.py "$OUT/model-profile.txt" "${callees[@]}" -- bench model --parts decode \
