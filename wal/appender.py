@@ -619,7 +619,7 @@ class Appender:
         self.last_commit_lsn = lsn
         return lsn
 
-    def adopt_commit(self, epoch: int, lsn: int) -> None:
+    def adopt_commit(self, epoch: int, lsn: int) -> F.CommitInfo:
         """Take as this writer's own the commit record of `epoch` that a
         producer wrote at `lsn`, right after the epoch's records, into an
         extent already finished (`finish_extent`): a pass that commits its
@@ -629,7 +629,8 @@ class Appender:
         `commit` would have written it (type, epoch, LSN, previous commit,
         the epoch's record count, bytes and first LSN as the finished extents
         counted them; V-C1..V-C4), so a producer bug is refused here with
-        nothing adopted, not found at recovery."""
+        nothing adopted, not found at recovery.  Returns the record as checked
+        (its digests: the regions' state at that commit)."""
         self._check_running()
         where = f"commit of epoch {epoch} @ lsn 0x{lsn:x}"
         if self.backend.persist_path != "none":
@@ -667,6 +668,7 @@ class Appender:
         self.last_committed_epoch = epoch
         self.last_commit_lsn = lsn
         self._wrote()
+        return info
 
     @property
     def next_epoch(self) -> int:

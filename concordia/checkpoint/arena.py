@@ -194,13 +194,13 @@ class Arena:
 
     def adopt(self, app) -> list:
         """Finish the arena and take its commits on (module doc): returns
-        [(epoch, LSN of its first record, commit LSN, {row: pages}, record
-        bytes)] in order.  What follows the last commit that could be taken
+        [(epoch, LSN of its first record, commit LSN, pages per table row
+        (int64), record bytes)] in order.  What follows the last commit that could be taken
         on (a record that is not one, a commit written wrong) is covered by
         one pad record before the refusal is raised, so the log holds no
         damage and no epoch of it."""
         used = self.word("used")
-        offs, raw, h, good = self._walk(used)
+        offs, h, good = self._walk(used)
         offsets = offs if good == used else np.append(offs, good)
         if good < used:
             self._pad(good, used)
@@ -213,18 +213,16 @@ class Arena:
         for ci in np.flatnonzero(kinds == fmt.REC_COMMIT).tolist():
             pos = int(offs[ci])
             try:
-                app.adopt_commit(int(h["epoch"][ci]), self.ext.lsn + pos)
+                info = app.adopt_commit(int(h["epoch"][ci]), self.ext.lsn + pos)
             except BaseException:
                 self._pad(start, used)
                 raise
             batches = h[i0:ci]  # the epoch's page batches (`_walk`: nothing else comes before its commit)
             rows = order[np.searchsorted(ids, batches["region_id"].astype(np.int64), sorter=order)]
-            per_row = np.bincount(rows, weights=batches["count"].astype(np.float64), minlength=len(ids))
-            pages = {int(r): int(per_row[r]) for r in np.unique(rows).tolist()}
+            pages = np.bincount(rows, weights=batches["count"], minlength=len(ids)).astype(np.int64)
             out.append((int(h["epoch"][ci]), self.ext.lsn + start, self.ext.lsn + pos, pages,
                         int(batches["length"].sum())))
-            head = fmt.record_header_of(fmt.RECORD_HEADER.unpack_from(raw[ci]))  # checked by the walk
-            self.digests = fmt.decode_commit_body(fmt.generic_body(self.ext.view, head, pos), head).digests
+            self.digests = info.digests
             i0, start = ci + 1, pos + int(h["length"][ci])
         if good < used:
             raise SessionError(f"the arena holds no whole record or commit after lsn 0x{self.ext.lsn + good:x}: "
@@ -232,8 +230,8 @@ class Arena:
                                where=f"segment {self.ext.segment} @ {self.ext.offset + good:#x}")
         return out
 
-    def _walk(self, used: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-        """(offsets, raw headers, headers, end) of the records up to the end of the last
+    def _walk(self, used: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """(offsets, headers, end) of the records up to the end of the last
         commit before any header that is not a record an epoch here writes
         (one the appender would refuse, another type, a region not in the
         table): the offsets found by their lengths, then every header checked
@@ -249,7 +247,7 @@ class Arena:
             offs.append(pos)
             pos += n
         offs = np.asarray(offs, np.int64)
-        raw, h, ok = fmt.record_headers_at(view, offs, self.ext.lsn, self.ext.salt)
+        _, h, ok = fmt.record_headers_at(view, offs, self.ext.lsn, self.ext.salt)
         kinds = h["type"] & fmt.TYPE_MASK
         batch = kinds == fmt.REC_PAGE_BATCH
         ours = np.isin(h["region_id"], self.table.entries["region_id"])
@@ -258,7 +256,7 @@ class Arena:
         commits = np.flatnonzero(kinds[:n] == fmt.REC_COMMIT)
         upto = int(commits[-1]) + 1 if commits.size else 0
         good = int(offs[upto - 1] + h["length"][upto - 1]) if upto else 0
-        return offs[:upto], raw[:upto], h[:upto], good
+        return offs[:upto], h[:upto], good
 
     def _pad(self, start: int, end: int) -> None:
         """One pad record over [start, end) of the arena: what it covered is no record."""

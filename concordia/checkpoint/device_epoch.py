@@ -192,7 +192,9 @@ class DeviceEpochs:
         self.small_pages = int(small_pages)
         #: which path the epochs take: one block ("small") or the driver's launches ("driver")
         self.path = "small" if tpass.table.total_pages <= self.small_pages else "driver"
-        self.descs: list = []   # every descriptor handed to the kernel, kept while it may read one
+        #: the descriptors handed to the kernel that it may still read: the open arena's and the one
+        #: before (`_open` comes after the kernel let go of the older ones: a pause or a task returned)
+        self.descs: list = []
         self.armed = None       # (every, counter, gate, skip) of the trigger armed, kept while it is paused
         self.kernel_armed = False  # whether the kernel's trigger writes the open arena now
         self.fired_kept: list = []  # the trigger's epochs moved out of its log at each arena swap
@@ -230,7 +232,7 @@ class DeviceEpochs:
         # waits for all others), and the host, which feeds a compiled decode, would stall with it
         with self._upload:
             self.d_desc = self.cp.asarray(desc.view(np.uint8))
-        self.descs.append(self.d_desc)
+        self.descs = self.descs[-1:] + [self.d_desc]  # a swap each few steps: not one kept per swap for the run
         self._upload.synchronize()
         if self.armed is not None:  # the trigger goes on into the new arena
             self._arm(*self.armed)

@@ -265,10 +265,7 @@ class EpochRunner:
         if a.digests is not None:  # the table's digests are its last commit's (a GPU consumer kept them on the device)
             t.digests[:] = [a.digests[int(rid)] for rid in t.entries["region_id"].tolist()]
         out = []
-        for epoch, first, commit, pages, log_bytes in got:
-            counts = np.zeros(len(t.names), np.int64)
-            for row, n in pages.items():
-                counts[row] = n
+        for epoch, first, commit, counts, log_bytes in got:
             st = a.given.pop(epoch, None)
             if st is None:
                 st = CheckpointStats.of_table(epoch, a.reason, t.names, counts, a.label,

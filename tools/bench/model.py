@@ -132,6 +132,19 @@ def _decode(model, guard, ids, steps, every, wait=False):
               "launch": "run_launch", "rotate": "trigger_rotate"}
     for obj, fn in saved.values():
         setattr(obj, fn.__name__, _timing(fn, labels.get(fn.__name__, fn.__name__), parts))
+    # inside an arena swap (DeviceEpochs.rotate): the kernel's pause, the arena taken on, the next opened
+    # (inside that: the arena made, its descriptor built, the trigger armed on it)
+    swap = ()
+    if s.resident is not None:
+        from concordia.checkpoint import device_epoch
+        from concordia.checkpoint.arena import Arena
+
+        swap = ((device_epoch.DeviceEpochs, "pause", "swap_pause"), (device_epoch.DeviceEpochs, "_open", "swap_open"),
+                (Arena, "adopt", "swap_adopt"), (Arena, "__init__", "swap_open_arena"),
+                (device_epoch, "describe", "swap_open_describe"), (device_epoch.DeviceEpochs, "_arm", "swap_open_arm"))
+    swapped = [(cls, name, cls.__dict__[name]) for cls, name, _ in swap]
+    for cls, name, label in swap:
+        setattr(cls, name, _timing(cls.__dict__[name], label, parts))
     if s.resident is not None:  # the trigger CheckpointEvery makes at its first epoch: its step() timed
         make = s.resident.step_trigger
 
@@ -152,15 +165,19 @@ def _decode(model, guard, ids, steps, every, wait=False):
     dev = str(ids.device)
     _sync(torch, dev)
     t0 = time.perf_counter()
-    model.generate(input_ids=ids, max_new_tokens=steps, do_sample=False, past_key_values=guard.cache,
-                   stopping_criteria=[Timed()], min_new_tokens=steps)
-    guard.session.settle()
-    _sync(torch, dev)
+    try:
+        model.generate(input_ids=ids, max_new_tokens=steps, do_sample=False, past_key_values=guard.cache,
+                       stopping_criteria=[Timed()], min_new_tokens=steps)
+        guard.session.settle()
+        _sync(torch, dev)
+    finally:
+        for obj, fn in saved.values():  # the instance attributes go; the class's methods show again
+            delattr(obj, fn.__name__)
+        for cls, name, fn in swapped:  # the classes' own methods back
+            setattr(cls, name, fn)
+        if s.resident is not None:
+            del s.resident.step_trigger
     per_step = (time.perf_counter() - t0) / steps
-    for obj, fn in saved.values():  # the instance attributes go; the class's methods show again
-        delattr(obj, fn.__name__)
-    if s.resident is not None:
-        del s.resident.step_trigger
     phases = {k: round(_median(v) * 1e3, 4) for k, v in parts.items() if v}
     # what each phase adds to a step on average: rare costly calls (a base job's copies,
     # a job written at once under log pressure) weigh here as they do in tokens/s
