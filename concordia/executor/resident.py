@@ -114,9 +114,10 @@ EXECUTORS = ("auto", "resident", "host")
 AUTO_WHY = ("no win of the resident path is recorded on the H200: its consumer thread adds to every checkpoint "
             "(0.78 ms against the host's 0.39 ms for one region), its route of a CuPy session's epochs through "
             "the device's EPOCH handler is measured only before the one-block epoch (one task: 0.64 ms against "
-            "1.66 ms at 1,024 regions, 0.56 against 0.22 ms at one; docs/results/executor-session.md), and the "
-            "device step trigger's decode win (every-step overhead 0.45 against 2.40 for the host's pending "
-            "epochs) was measured on an H100 only (docs/results/model.md)")
+            "1.66 ms at 1,024 regions, 0.56 against 0.22 ms at one; docs/results/executor-session.md); the "
+            "device step trigger's win (every-step decode overhead 0.10 against 2.01 for the host's pending "
+            "epochs on the H200, docs/results/model.md) is CheckpointEvery's, and a session cannot tell when "
+            "it is made whether its caller will checkpoint through a step trigger")
 
 #: op codes of the per-kind handlers: KIND_OP_BASE + the kind's index in regions.KINDS
 KIND_OP_BASE = 0x100
