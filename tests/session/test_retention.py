@@ -448,3 +448,29 @@ def test_a_small_region_rewritten_a_little_at_every_step_is_based_only_once_its_
     with Session(shm_log, size=8 * seg, segment_size=seg, overwrite=True, policy=Policy(base_every_bytes=4096)) as s:
         s.register("tokens", tokens)
         assert s.retention.bound(s.regions["tokens"]) == 4096           # the policy's bound, as set
+
+
+def test_a_first_full_write_makes_the_copy_buffers_a_later_job_fills(shm_log):
+    """The first checkpoint writes every region whole, so its base job copies
+    nothing (each base is an image entry); it still makes the buffers the
+    next jobs copy into, there and not inside a later step, where making
+    them (pinning a device region's, faulting pages in) stalled a decode
+    step by a few hundred ms.  The later jobs fill the same buffers."""
+    regions = [np.zeros(MiB, np.uint8) for _ in range(8)]
+    with Session(shm_log, size=32 * MiB, segment_size=MiB) as s:
+        for i, a in enumerate(regions):
+            s.register(f"r{i}", a, page_bytes=4096)
+        s.checkpoint()
+        ret = s.retention
+        assert ret.counts["jobs"] == 1 and ret.counts["images"] == len(regions)
+        kept = dict(ret._copies)
+        assert sorted(kept) == sorted(s.regions)
+        assert all(b.nbytes == MiB for b in kept.values())
+        for e in range(200):
+            for a in regions:
+                a[(e * 4096 * 3) % MiB] = e % 251
+            s.checkpoint()
+        assert ret.counts["jobs"] > 1 and ret.counts["bases"] > 0  # later jobs copied regions
+        assert all(ret._copies[n] is b for n, b in kept.items())
+        for i, a in enumerate(regions):  # what they copied is what was checkpointed
+            assert np.array_equal(s.recover()[f"r{i}"], a)
