@@ -37,8 +37,9 @@ def main(out: str | None = None, regions: int = 173, epochs: int = 4, rounds: in
             adopt_s.append(time.perf_counter() - t)
 
     Arena.adopt = adopt
+    log = f"/dev/shm/concordia-take-on-{os.getpid()}"
     try:
-        with concordia.Session(f"shm:concordia-take-on-{os.getpid()}", size=1 << 30, executor="resident") as s:
+        with concordia.Session(f"shm:{log}", size=1 << 30, executor="resident") as s:
             for i, a in enumerate(arrays):
                 s.register(f"r{i}", a, page_bytes=4096)
             s.checkpoint()
@@ -56,6 +57,8 @@ def main(out: str | None = None, regions: int = 173, epochs: int = 4, rounds: in
             via = sorted(s.runner.paths)
     finally:
         Arena.adopt = inner
+        if os.path.exists(log):  # the probe's own log: none left behind
+            os.unlink(log)
     settle_s, adopt_s = settle_s[2:], adopt_s[-sum(taken[2:]):] if sum(taken[2:]) else []
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                           cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
