@@ -215,6 +215,8 @@ def test_bench_model_quick_json(tmp_path):
         (8, False, "resident")]
     assert len(doc["decode"][1]["ckpt_ms"]) == 8 and len(doc["decode"][2]["ckpt_ms"]) == 1
     assert "overhead_every_step" in doc and "overhead_every_step_waiting" in doc and doc["ckpt_ms_per_step"] > 0
+    # one measured run a row: the baseline's spread between runs is not known
+    assert doc["decode_steps"] == 8 and doc["baseline_spread"] is None
     # a resident session: the first checkpoint is CheckpointEvery's own, the trigger takes the next 7 (CPU)
     trig = doc["decode"][4]["retention"]["trigger"]
     held = {k: trig.pop(k) for k in ("held_steps", "held_ms_mean", "held_ms_per_step", "gave_up")}
