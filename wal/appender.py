@@ -255,7 +255,7 @@ class Appender:
         if offs[0] != 0 or offs[-1] + F.RECORD_HEADER_SIZE > used:
             raise UsageError("record offsets do not start at 0 and lie within the bytes used",
                              where=f"segment {res.segment} @ 0x{res.offset:x}")
-        _, h, ok = F.record_headers_at(res.view, offs, res.lsn, res.salt)
+        h, ok = F.record_headers_at(res.view, offs, res.lsn, res.salt)
         length = h["length"].astype(np.int64)
         ends = np.append(offs[1:], used)
         bad = ~ok | (offs + length != ends)

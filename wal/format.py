@@ -312,12 +312,13 @@ RECORD_HEADER_DTYPE = np.dtype({
     "itemsize": RECORD_HEADER_SIZE})
 
 def record_headers_at(view: np.ndarray, offs: np.ndarray, lsn: int, salt: int) -> tuple:
-    """(raw, headers, ok) of the record headers at `offs` (int64, ascending) of
-    an extent `view` (uint8) whose first byte has LSN `lsn`: the 64 bytes of
-    each, the same as RECORD_HEADER_DTYPE, and whether each passes V-R2..V-R4
-    and V-R1 (its header CRC, its length a positive multiple of 64, its
-    reserved bytes zero, its LSN and salt): the checks of
-    `check_record_header_bytes` and a walk's placement, as arrays."""
+    """(headers, ok) of the record headers at `offs` (int64, ascending) of
+    an extent `view` (uint8) whose first byte has LSN `lsn`: each as
+    RECORD_HEADER_DTYPE, and whether each passes V-R2, V-R3 without the
+    segment bound, V-R4 and V-R5 (FORMAT.md §5.5: its header CRC, its length
+    a positive multiple of 64, its reserved bytes zero, its LSN and salt):
+    the checks of `check_record_header_bytes` and a walk's placement, as
+    arrays.  The caller keeps the offsets within the extent (V-R1)."""
     if offs.size and not (offs % RECORD_HEADER_SIZE).any():  # whole 64-byte rows: gathered a row at a time
         raw = view[:len(view) // RECORD_HEADER_SIZE * RECORD_HEADER_SIZE].reshape(-1, RECORD_HEADER_SIZE)[
             offs // RECORD_HEADER_SIZE]
@@ -328,7 +329,7 @@ def record_headers_at(view: np.ndarray, offs: np.ndarray, lsn: int, salt: int) -
     ok = ((_pagecrc.page_crcs(raw[:, :RECORD_HEADER_CRC_OFF]) == h["header_crc"]) & (length >= RECORD_HEADER_SIZE)
           & (length % RECORD_ALIGN == 0) & (h["reserved0"] == 0) & (h["reserved1"] == 0)
           & (h["lsn"] == np.uint64(lsn) + offs.astype(np.uint64)) & (h["salt"] == salt))
-    return raw, h, ok
+    return h, ok
 
 
 # record types (FORMAT.md §5.2)
@@ -640,7 +641,7 @@ def _u8(buf) -> np.ndarray:
 
 def page_batch_shape_problem(hdr: RecordHeader, off: int, buf_len: int):
     """The checks of `page_batch_problem` that need the header alone (V-P1,
-    the length, the bounds of a buffer of `buf_len` bytes): None, or (reason,
+    V-P2 the length, the bounds of a buffer of `buf_len` bytes): None, or (reason,
     byte offset).  A reader that checks many records' tables at once
     (reader.py) makes these first, as page_batch_problem does."""
     count, pb = hdr.count, hdr.page_bytes
@@ -657,7 +658,7 @@ def page_batch_shape_problem(hdr: RecordHeader, off: int, buf_len: int):
 
 
 def page_batch_tables_bad(rows: np.ndarray, count: int, body_crcs: np.ndarray) -> np.ndarray:
-    """`page_batch_problem`'s table checks (V-P2 the table CRC, V-P4 the ids
+    """`page_batch_problem`'s table checks (V-P3 the table CRC, V-P4 the ids
     strictly increasing, the padding zero) for many page batches of `count`
     pages at once: `rows` holds each record's page_batch_tables_bytes(count)
     bytes after its header, `body_crcs` its header's body CRC; whether each

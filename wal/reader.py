@@ -418,7 +418,7 @@ class Scanner:
                 out[idx] = Damaged(_DMG, item.seg, pos, hdr.length, reason)
 
     def _check_tables(self, out: list, batches: list) -> set:
-        """The rest of V-P2..V-P4 for the page batches (index, offset, header)
+        """V-P3 and V-P4 for the page batches (index, offset, header)
         a walk found (`_walk` checked their headers and shapes), every record of
         a page count at once (`format.page_batch_tables_bad`); a record that
         fails becomes the damaged range `page_batch_problem` names, as if the

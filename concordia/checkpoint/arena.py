@@ -207,7 +207,7 @@ class Arena:
         # the appender checks the headers at these offsets as arrays, and that they tile the bytes used
         app.finish_extent(self.ext, used, len(offsets), offsets=offsets, trim=True)
         ids = self.table.entries["region_id"].astype(np.int64)
-        order = np.argsort(ids, kind="stable")
+        order = self.table.commit_order  # the rows in region-id order
         kinds = h["type"] & fmt.TYPE_MASK
         out, i0, start = [], 0, 0
         for ci in np.flatnonzero(kinds == fmt.REC_COMMIT).tolist():
@@ -247,7 +247,7 @@ class Arena:
             offs.append(pos)
             pos += n
         offs = np.asarray(offs, np.int64)
-        _, h, ok = fmt.record_headers_at(view, offs, self.ext.lsn, self.ext.salt)
+        h, ok = fmt.record_headers_at(view, offs, self.ext.lsn, self.ext.salt)
         kinds = h["type"] & fmt.TYPE_MASK
         batch = kinds == fmt.REC_PAGE_BATCH
         ours = np.isin(h["region_id"], self.table.entries["region_id"])

@@ -603,24 +603,28 @@ def register_piece(backend) -> int:
     return max(a, REGISTER_PIECE // a * a)
 
 
-def _zeros(cp, nbytes: int, own_memory: bool):
+def _zeros(cp, gpu, nbytes: int, own_memory: bool):
     """A zeroed uint8 device array of `nbytes`, from CuPy's pool or, with
     `own_memory`, from the driver (freed when the array is dropped; the
     pool's free blocks are given back first when the driver has no room, as
     the pool itself does)."""
     if not own_memory or nbytes == 0:
         return cp.zeros(nbytes, cp.uint8)
-    rt = cp.cuda.runtime
+    rt, pool = cp.cuda.runtime, cp.get_default_memory_pool()
     try:
         mem = cp.cuda.Memory(nbytes)
     except rt.CUDARuntimeError as exc:  # the driver's malloc: no pool retry of its own
         if exc.status != rt.errorMemoryAllocation:
             raise
-        cp.get_default_memory_pool().free_all_blocks()
-        mem = cp.cuda.Memory(nbytes)
-    ptr = cp.cuda.MemoryPointer(mem, 0)
-    ptr.memset_async(0, nbytes, cp.cuda.get_current_stream())
-    return cp.ndarray((nbytes,), cp.uint8, ptr)
+        pool.free_all_blocks()
+        try:
+            mem = cp.cuda.Memory(nbytes)
+        except rt.CUDARuntimeError as again:  # the pool's own words for it, as cp.zeros would say
+            if again.status != rt.errorMemoryAllocation:
+                raise
+            raise cp.cuda.memory.OutOfMemoryError(nbytes, pool.total_bytes(), 0) from None
+    cp.cuda.MemoryPointer(mem, 0).memset_async(0, nbytes, cp.cuda.get_current_stream())
+    return gpu.device_buffer(mem.ptr, nbytes, mem)
 
 
 def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK_BYTES, stats: dict | None = None,
@@ -685,7 +689,7 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
         parts = st["alloc_parts"] = {"staging": time.perf_counter() - t1}  # 0 when kept from an earlier restore
         st["staging_alloc_s"] = parts["staging"]
         t = time.perf_counter()
-        out = [_zeros(cp, rp.region.pages * rp.region.page_bytes, rp.name in own_memory) for rp in tr.regions]
+        out = [_zeros(cp, gpu, rp.region.pages * rp.region.page_bytes, rp.name in own_memory) for rp in tr.regions]
         sync()
         parts["regions"] = time.perf_counter() - t
         if tr.pages:

@@ -240,6 +240,8 @@ def _restore(log, plan, plan_s, pages, *, regions, device, into, registration, r
             stream.synchronize()  # the copies out of them are done: dropped, they go back to the driver
         staged.clear()
         a = None  # nothing here holds a staged copy now
+        if own:  # and the pipeline's own temporaries (page tables) leave CuPy's pool too
+            cp.get_default_memory_pool().free_all_blocks()
     for name, a in host_got.items():
         host[name][...] = a
         arrays[name] = host[name]

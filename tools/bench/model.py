@@ -47,9 +47,11 @@ Prefill runs in chunks (--chunk tokens), as a server would for long contexts.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
+from unittest import mock
 
 import click
 
@@ -127,11 +129,8 @@ def _decode(model, guard, ids, steps, every, wait=False):
     owners = ((s.runner, "run"), (s.runner, "settle"), (s.runner, "room"), (s.retention, "after_commit"),
               (s.retention, "launched"), (guard, "capture"), (guard, "record_tokens")) + \
         (((table, "launch"),) if table is not None else ()) + (((route, "rotate"),) if route is not None else ())
-    saved = {(id(obj), name): (obj, getattr(obj, name)) for obj, name in owners}
     labels = {"after_commit": "retention", "launched": "retention_copies", "room": "run_room",
               "launch": "run_launch", "rotate": "trigger_rotate"}
-    for obj, fn in saved.values():
-        setattr(obj, fn.__name__, _timing(fn, labels.get(fn.__name__, fn.__name__), parts))
     # inside an arena swap (DeviceEpochs.rotate): the kernel's pause, the arena taken on, the next opened
     # (inside that: the arena made, its descriptor built, the trigger armed on it)
     swap = ()
@@ -142,18 +141,6 @@ def _decode(model, guard, ids, steps, every, wait=False):
         swap = ((device_epoch.DeviceEpochs, "pause", "swap_pause"), (device_epoch.DeviceEpochs, "_open", "swap_open"),
                 (Arena, "adopt", "swap_adopt"), (Arena, "__init__", "swap_open_arena"),
                 (device_epoch, "describe", "swap_open_describe"), (device_epoch.DeviceEpochs, "_arm", "swap_open_arm"))
-    swapped = [(cls, name, cls.__dict__[name]) for cls, name, _ in swap]
-    for cls, name, label in swap:
-        setattr(cls, name, _timing(cls.__dict__[name], label, parts))
-    if s.resident is not None:  # the trigger CheckpointEvery makes at its first epoch: its step() timed
-        make = s.resident.step_trigger
-
-        def step_trigger(every, *args, **kw):
-            tr = make(every, *args, **kw)
-            tr.step = _timing(tr.step, "trigger_step", parts)
-            return tr
-
-        s.resident.step_trigger = step_trigger
 
     class Timed(StoppingCriteria):
         def __call__(self, input_ids, scores, **kwargs):
@@ -163,20 +150,26 @@ def _decode(model, guard, ids, steps, every, wait=False):
             return out
 
     dev = str(ids.device)
-    _sync(torch, dev)
-    t0 = time.perf_counter()
-    try:
+    # every timer is put back when the run ends, however it ends (instance attributes removed,
+    # the classes' and modules' own functions restored)
+    with contextlib.ExitStack() as timers:
+        for obj, name, label in [(obj, name, labels.get(name, name)) for obj, name in owners] + list(swap):
+            timers.enter_context(mock.patch.object(obj, name, _timing(getattr(obj, name), label, parts)))
+        if s.resident is not None:  # the trigger CheckpointEvery makes at its first epoch: its step() timed
+            make = s.resident.step_trigger
+
+            def step_trigger(every, *args, **kw):
+                tr = make(every, *args, **kw)
+                tr.step = _timing(tr.step, "trigger_step", parts)
+                return tr
+
+            timers.enter_context(mock.patch.object(s.resident, "step_trigger", step_trigger))
+        _sync(torch, dev)
+        t0 = time.perf_counter()
         model.generate(input_ids=ids, max_new_tokens=steps, do_sample=False, past_key_values=guard.cache,
                        stopping_criteria=[Timed()], min_new_tokens=steps)
         guard.session.settle()
         _sync(torch, dev)
-    finally:
-        for obj, fn in saved.values():  # the instance attributes go; the class's methods show again
-            delattr(obj, fn.__name__)
-        for cls, name, fn in swapped:  # the classes' own methods back
-            setattr(cls, name, fn)
-        if s.resident is not None:
-            del s.resident.step_trigger
     per_step = (time.perf_counter() - t0) / steps
     phases = {k: round(_median(v) * 1e3, 4) for k, v in parts.items() if v}
     # what each phase adds to a step on average: rare costly calls (a base job's copies,
@@ -622,7 +615,7 @@ def _phase_line(phases: dict) -> str:
 @click.option("--batch", default=8, show_default=True, type=click.IntRange(1, None), help="Sequences.")
 @click.option("--decode-steps", default=256, show_default=True, type=click.IntRange(8, None),
               help="Tokens generated in each decode timing (64 steps of a 6 ms step left the baseline's runs "
-                   "12%% apart: more than the goals' 3%%).")
+                   "12% apart: more than the goals' 3%).")
 @click.option("--decode-prompt", default=512, show_default=True, type=click.IntRange(1, None),
               help="Prompt tokens before the decode timing.")
 @click.option("--chunk", default=8192, show_default=True, type=click.IntRange(1, None),
