@@ -856,14 +856,11 @@ class Retention:
         self._images.pop(r.name, None)
         if sum(b.nbytes for b in self._copies.values()) + n > KEPT_COPY_BYTES:
             return None
-        if r.on_gpu and n >= PIN_COPY_BYTES:
-            buf, dev = _pinned(n)
-            if dev is not None:
-                self._images[r.name] = dev
-        else:
-            buf = np.empty(n, np.uint8)
-            if touch:
-                buf.fill(0)
+        buf, dev = _pinned(n) if r.on_gpu and n >= PIN_COPY_BYTES else (np.empty(n, np.uint8), None)
+        if dev is not None:
+            self._images[r.name] = dev
+        elif touch:  # pageable (pinning faults its pages in)
+            buf.fill(0)
         self._copies[r.name] = buf
         return buf
 
@@ -873,10 +870,9 @@ class Retention:
         next job copies them inside a step (`launched`), where making them
         (pinning costs about 3 ms a buffer, faulting pages in as much)
         stalled a decode step by 150 to 250 ms."""
-        regions = self.regions
-        for n in names:
-            if n in regions.names and regions[n].nbytes <= LIVE_COPY_BYTES:
-                self._kept(regions[n], touch=True)
+        for n in names:  # the job's names: registered regions
+            if self.regions[n].nbytes <= LIVE_COPY_BYTES:
+                self._kept(self.regions[n], touch=True)
 
     def _begin(self) -> None:
         """The job of the copies `_maybe_start` took: a `Compaction` at their

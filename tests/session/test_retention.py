@@ -466,11 +466,15 @@ def test_a_first_full_write_makes_the_copy_buffers_a_later_job_fills(shm_log):
         kept = dict(ret._copies)
         assert sorted(kept) == sorted(s.regions)
         assert all(b.nbytes == MiB for b in kept.values())
+        filled = []  # the copies each later job took
+        start = ret._start
+        ret._start = lambda epoch, names, live, pressure: (filled.append(live), start(epoch, names, live, pressure))
         for e in range(200):
             for a in regions:
                 a[(e * 4096 * 3) % MiB] = e % 251
             s.checkpoint()
         assert ret.counts["jobs"] > 1 and ret.counts["bases"] > 0  # later jobs copied regions
+        assert any(filled) and all(kept[n] is b for live in filled for n, b in live.items())
         assert all(ret._copies[n] is b for n, b in kept.items())
         for i, a in enumerate(regions):  # what they copied is what was checkpointed
             assert np.array_equal(s.recover()[f"r{i}"], a)
