@@ -115,9 +115,9 @@ AUTO_WHY = ("no win of the resident path is recorded on the H200: its consumer t
             "(0.78 ms against the host's 0.39 ms for one region), its route of a CuPy session's epochs through "
             "the device's EPOCH handler is measured only before the one-block epoch (one task: 0.64 ms against "
             "1.66 ms at 1,024 regions, 0.56 against 0.22 ms at one; docs/results/executor-session.md); the "
-            "device step trigger's win (every-step decode overhead 0.10 against 2.01 for the host's pending "
-            "epochs on the H200, docs/results/model.md) is CheckpointEvery's, and a session cannot tell when "
-            "it is made whether its caller will checkpoint through a step trigger")
+            "device step trigger's win (every-step decode overhead 0.10 on the H200, against 0.62 for the "
+            "host's pending epochs at their best, docs/results/model.md) is CheckpointEvery's, and a session "
+            "cannot tell when it is made whether its caller will checkpoint through a step trigger")
 
 #: op codes of the per-kind handlers: KIND_OP_BASE + the kind's index in regions.KINDS
 KIND_OP_BASE = 0x100
