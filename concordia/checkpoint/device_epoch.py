@@ -85,6 +85,11 @@ FIRED_CAP = 4096
 def why_not(tpass, backend) -> str | None:
     """Why the epochs of `tpass` (a table pass) cannot be run by the device's
     EPOCH handler on a log on `backend`, or None when they can."""
+    from concordia.executor.persistent import host_order_why
+
+    why = host_order_why()  # before anything is compiled or pinned for a ring this host cannot run
+    if why is not None:
+        return why
     if getattr(tpass, "label", "") != "gpu-mapped":
         return "the regions take no device table pass (CuPy regions, one mapped staging path)"
     why = arena_mod.why_not(tpass.table, backend)
@@ -418,7 +423,8 @@ class DeviceEpochs:
 
     def close(self) -> None:
         try:
-            self.submitter.stop(self.JOIN_S)
+            if self.gring.ring.state != self.ConsumerState.FAULT:  # a faulted kernel left: its ring takes no STOP
+                self.submitter.stop(self.JOIN_S)
         finally:
             gone = self.executor.join(self.JOIN_S)
             self.kernel_armed = False  # the kernel left: its trigger let go of the gate

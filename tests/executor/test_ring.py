@@ -132,3 +132,7 @@ def test_the_gpu_ring_is_refused_in_one_line_on_a_host_whose_stores_it_cannot_or
     with pytest.raises(persistent.ExecutorError) as info:
         persistent.GpuRing(4)  # before CuPy is asked for: the same line with or without a GPU
     assert "aarch64" in info.value.one_line() and "\n" not in info.value.one_line()
+    # the device's EPOCH handler is refused as early, before its module is compiled or buffers pinned
+    from concordia.checkpoint.device_epoch import why_not
+
+    assert why_not(None, None) == why
