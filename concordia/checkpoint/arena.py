@@ -208,7 +208,7 @@ class Arena:
         app.finish_extent(self.ext, used, len(offsets), offsets=offsets, trim=True)
         ids = self.table.entries["region_id"].astype(np.int64)
         order = self.table.commit_order  # the rows in region-id order
-        kinds = h["type"] & fmt.TYPE_MASK
+        kinds = h["type"]
         out, i0, start = [], 0, 0
         for ci in np.flatnonzero(kinds == fmt.REC_COMMIT).tolist():
             pos = int(offs[ci])
@@ -248,11 +248,11 @@ class Arena:
             pos += n
         offs = np.asarray(offs, np.int64)
         h, ok = fmt.record_headers_at(view, offs, self.ext.lsn, self.ext.salt)
-        kinds = h["type"] & fmt.TYPE_MASK
-        batch = kinds == fmt.REC_PAGE_BATCH
+        kinds = h["type"]  # the whole byte (R-T1): an epoch here writes page batches and commits only
         ours = np.isin(h["region_id"], self.table.entries["region_id"])
-        ok &= (batch | (kinds == fmt.REC_COMMIT)) & ~(batch & ~ours)
-        n = int(np.argmin(ok)) if not ok.all() else len(offs)
+        ok &= np.where(kinds == fmt.REC_PAGE_BATCH, ours, kinds == fmt.REC_COMMIT)
+        bad = np.flatnonzero(~ok)
+        n = int(bad[0]) if bad.size else len(offs)
         commits = np.flatnonzero(kinds[:n] == fmt.REC_COMMIT)
         upto = int(commits[-1]) + 1 if commits.size else 0
         good = int(offs[upto - 1] + h["length"][upto - 1]) if upto else 0

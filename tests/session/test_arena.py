@@ -108,6 +108,32 @@ def test_what_follows_a_damaged_record_is_padded_over_and_the_epochs_before_it_s
         np.testing.assert_array_equal(r.recover()["a"], a)
 
 
+def test_a_record_whose_type_byte_only_masks_to_an_epochs_is_not_taken_on(shm_log):
+    """R-T1: the type is the whole byte.  A page batch header with the
+    ignorable bit set (0x81), its CRC right, is no record an arena epoch
+    writes: the walk stops before it, as before any other damage."""
+    import crc32c
+
+    from concordia.wal import format as fmt
+
+    s, a = _session(shm_log)
+    with s:
+        runner, ar, first = _one_epoch_in_an_arena(s, a)
+        want = a.copy()
+        second_at = ar.word("used")
+        a[2, 2] = 8
+        runner.arena_take()
+        head = ar.ext.view[second_at:second_at + fmt.RECORD_HEADER_SIZE]
+        assert head[fmt.OFF_TYPE] == fmt.REC_PAGE_BATCH
+        head[fmt.OFF_TYPE] |= fmt.TYPE_IGNORABLE
+        head[fmt.RECORD_HEADER_CRC_OFF:].view("<u4")[0] = crc32c.crc32c(bytes(head[:fmt.RECORD_HEADER_CRC_OFF]))
+        with pytest.raises(ConcordiaError, match="the arena holds no whole record or commit after") as e:
+            s.settle()
+        assert "\n" not in str(e.value) and s.epoch == first
+        np.testing.assert_array_equal(s.recover()["a"], want)
+        assert s.log.verify()["corrupt"] == 0
+
+
 def test_a_log_with_no_room_for_an_arena_says_so_and_opens_none(shm_log):
     """Every segment live and too little left of the one being written: no
     arena, the reason named (a trigger's epoch then goes through the session)."""
