@@ -5,7 +5,7 @@
 # settle of the pending epoch, the guard's capture and retention's hook call,
 # with their cumulative times (the model's compile and the other settings are
 # in the same profile: read the callees, not the totals).
-# MODEL_PROFILE_ROWS: the settings profiled (bench model --decode-rows; the baseline always runs).
+# MODEL_PROFILE_ROWS: the settings profiled (bench model --decode-rows; all of them when unset; the baseline always runs).
 # Writes $OUT/model-profile.txt and $OUT/model-profile.json (the bench's JSON).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -21,5 +21,5 @@ for name in "transformers.py.*__call__" "session.py.*checkpoint" "session.py.*se
   callees+=(--callees "$name")
 done
 python3 scripts/gpu/profile_wal.py "$OUT/model-profile.txt" "${callees[@]}" -- bench model --parts decode \
-  --decode-reps 1 --decode-rows "${MODEL_PROFILE_ROWS:-every_step,every_8,every_step_waiting,every_step_resident,every_8_resident}" \
+  --decode-reps 1 ${MODEL_PROFILE_ROWS:+--decode-rows "$MODEL_PROFILE_ROWS"} \
   --json --out "$OUT/model-profile.json" --force
