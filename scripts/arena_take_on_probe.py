@@ -67,11 +67,13 @@ def main(out: str | None = None, regions: int = 173, epochs: int = 4, rounds: in
            "settle_ms_median": statistics.median(settle_s) * 1e3 if settle_s else None,
            "adopt_ms_median": statistics.median(adopt_s) * 1e3 if adopt_s else None}
     print(f"{'commit':>8} {'regions':>8} {'epochs':>7} {'settle ms':>10} {'adopt ms':>9} {'arenas':>7}")
-    print(f"{head:>8} {regions:>8} {epochs:>7} {res['settle_ms_median']:>10.3f} "
-          f"{res['adopt_ms_median'] or float('nan'):>9.3f} {len(adopt_s):>7}")
-    if out:
-        with open(out, "w") as f:
+    nan = float("nan")
+    print(f"{head:>8} {regions:>8} {epochs:>7} {res['settle_ms_median'] or nan:>10.3f} "
+          f"{res['adopt_ms_median'] or nan:>9.3f} {len(adopt_s):>7}")
+    if out:  # whole or not at all
+        with open(out + ".tmp", "w") as f:
             json.dump(res, f, indent=1)
+        os.replace(out + ".tmp", out)
     return res
 
 
