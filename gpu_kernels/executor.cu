@@ -343,19 +343,21 @@ extern "C" __global__ void cx_epoch_claim(TablePlan* plan, cx_scratch* sc) {
 
 // One thread, after the commit: the arena's words moved on (the host reads
 // them), the pages and bytes for the completion, then the counter lane 0 waits on.
+// `room`: the record bytes the whole arena holds beside a commit, the most the next epoch is tried with.
 __device__ void epoch_close(const TablePlan* plan, cx_arena_words* w, u64 at, u64 lsn, u64 epoch, u64 commit_length,
-                            u64 bound, cx_scratch* sc, u64* stamps) {
+                            u64 bound, u64 room, cx_scratch* sc, u64* stamps) {
     if (stamps) *(volatile u64*)&stamps[7] = now_ns();
     const TablePlan p = *plan;
     if (p.fits) {
         w->used = at + p.bytes + commit_length;
-        if (w->adapt) w->expect = max(2 * p.bytes, bound);  // the next epoch is tried with twice this one
+        if (w->adapt) w->expect = max(min(2 * p.bytes, room), bound);  // the next epoch: twice this one, at most room
         w->last_commit = lsn + p.bytes;
         w->last_epoch = epoch;
         w->epochs = w->epochs + 1;
         sc->pages = p.pages;
         sc->bytes = p.bytes;
     } else {  // lost: the detectors moved on, nothing written; the host writes every region whole next
+        w->expect = p.bytes;  // what it needed: the host sizes the next arenas by it (EpochRunner.adopt_arena)
         w->lost = epoch;
         sc->errors = 1;
     }
@@ -364,8 +366,8 @@ __device__ void epoch_close(const TablePlan* plan, cx_arena_words* w, u64 at, u6
 }
 
 extern "C" __global__ void cx_epoch_close(const TablePlan* plan, cx_arena_words* w, u64 at, u64 lsn, u64 epoch,
-                                          u64 commit_length, u64 bound, cx_scratch* sc, u64* stamps) {
-    epoch_close(plan, w, at, lsn, epoch, commit_length, bound, sc, stamps);
+                                          u64 commit_length, u64 bound, u64 room, cx_scratch* sc, u64* stamps) {
+    epoch_close(plan, w, at, lsn, epoch, commit_length, bound, room, sc, stamps);
 }
 
 // One epoch's view of its descriptor, its records written at arena offset `at`.
@@ -430,7 +432,7 @@ extern "C" __global__ void cx_epoch_driver(const cx_epoch_desc* d, u64 at, u64 e
                             e.lsn, epoch, e.salt, prev_commit);
     if (st) cx_stamp<<<1, 1>>>(st + 6);
     cx_epoch_close<<<1, 1>>>(e.plan, reinterpret_cast<cx_arena_words*>(d->words), at, e.lsn, epoch, d->commit_length,
-                             d->bound, sc, st);
+                             d->bound, d->arena_bytes - d->commit_length, sc, st);
 }
 
 // One block of CX_SMALL_THREADS: the whole epoch of a small table (at most
@@ -489,7 +491,7 @@ extern "C" __global__ void __launch_bounds__(CX_SMALL_THREADS, 2)
     if (threadIdx.x == 0) {
         __threadfence_system();  // the commit's header (this thread's, as lane 0 of the commit's warp) first
         epoch_close(e.plan, reinterpret_cast<cx_arena_words*>(d->words), at, e.lsn, epoch, d->commit_length, d->bound,
-                    sc, const_cast<u64*>(st));
+                    d->arena_bytes - d->commit_length, sc, const_cast<u64*>(st));
     }
 }
 

@@ -19,10 +19,15 @@ bytes and its commit.  Where every page of every row, all written, fits half
 a segment, `bound` is that (`full_bound`): no epoch tried then can fail to
 fit.  A larger table (a model's state, gigabytes, against a segment of
 megabytes) would never have an arena, so its `bound` is what its epochs
-write (twice the table's last epoch, at least `ARENA_MIN_BYTES`): a decode
-step's new rows, not the whole cache.  Such an arena is made as large as it
-may be (half a segment), and each epoch written moves the room the next is
-tried with (`expect`, a word: twice its record bytes, at least `bound`).  An epoch that writes more than the
+write (twice the table's last epoch, at least `ARENA_MIN_BYTES`, at most
+what half a segment holds beside a commit): a decode step's new rows, not
+the whole cache.  Such an arena is made as large as it may be (half a
+segment), and each epoch written moves the room the next is tried with
+(`expect`, a word: twice its record bytes, at least `bound`, at most what
+the whole arena holds beside a commit, so that an epoch of more than a
+quarter of a segment is still tried, in an arena of its own).  Only a table
+whose last epoch alone does not fit half a segment has no arena
+(`too_large`: its epochs take the session's path).  An epoch that writes more than the
 room left (a cache reset, a new prompt) is *lost*: detection, which moves
 the detectors on, has run, and nothing of it was written.  The arena then
 takes no further epoch (`lost` names it), and the session's next call takes
@@ -82,13 +87,17 @@ def why_not(table, backend) -> str | None:
     return None
 
 
-def too_large(table, app) -> str | None:
+def too_large(table, app, full: int | None = None) -> str | None:
     """Why no arena of the log `app` appends to can hold one epoch of `table`
-    as `epoch_bound` sizes it (an arena takes at most half a segment), or None."""
-    need = epoch_bound(table, app) + table.commit_length
-    if need > app.segment_capacity // 2:
-        return (f"an epoch of {need} bytes (twice the last one's records and its commit) needs an arena of more "
-                f"than half a segment ({app.segment_capacity // 2} bytes)")
+    (an arena takes at most half a segment): every page of every row does not
+    fit, and neither does the table's last epoch (at least ARENA_MIN_BYTES)
+    with its commit; or None.  `full`: full_bound(table), when known."""
+    half = app.segment_capacity // 2
+    full = full_bound(table) if full is None else full
+    need = min(full, max(int(table.last_bytes), ARENA_MIN_BYTES)) + table.commit_length
+    if need > half:
+        return (f"an epoch of {need} bytes (the last one's records and its commit) needs an arena of more "
+                f"than half a segment ({half} bytes)")
     return None
 
 
@@ -102,11 +111,13 @@ def epoch_bound(table, app, full: int | None = None) -> int:
     """The record bytes an epoch of `table` is tried with (module doc): every
     page of every row (`full`, `full_bound`) where that and the commit fit
     half a segment of `app` (no epoch is then lost), else twice the table's
-    last epoch, at least ARENA_MIN_BYTES (an epoch that writes more is lost)."""
+    last epoch, at least ARENA_MIN_BYTES, at most what half a segment holds
+    beside the commit (an epoch that writes more is lost)."""
     full = full_bound(table) if full is None else full
-    if full + table.commit_length <= app.segment_capacity // 2:
+    cap = app.segment_capacity // 2 - table.commit_length
+    if full <= cap:
         return full
-    return min(full, max(2 * int(table.last_bytes), ARENA_MIN_BYTES))
+    return min(full, max(2 * int(table.last_bytes), ARENA_MIN_BYTES), cap)
 
 
 class Arena:
@@ -127,7 +138,7 @@ class Arena:
         adapt = self.bound < full  # the room moves with each epoch (`expect`)
         need = self.bound + table.commit_length
         if nbytes is None:  # what is left of the segment being written, when one epoch fits there
-            why = too_large(table, app)
+            why = too_large(table, app, full)
             if why is not None:
                 raise ValueError(why)
             nbytes = app.segment_capacity // 2 if adapt else min(max(ARENA_EPOCHS * need, ARENA_MIN_BYTES),
@@ -181,12 +192,13 @@ class Arena:
         lsn = self.ext.lsn + at
         used = tpass.stage_into(self.ext.view[at:], lsn=lsn, salt=self.ext.salt, epoch=epoch,
                                 prev_commit=int(w["last_commit"]))
-        if used is None:
+        if used is None:  # what it needed in `expect`, as the device's EPOCH handler leaves it
+            w["expect"] = int(self.table.last_bytes)
             w["lost"] = epoch
             return None
         w["used"] = at + used + self.table.commit_length
-        if w["adapt"]:
-            w["expect"] = max(2 * used, self.bound)
+        if w["adapt"]:  # twice this one, at most all the arena holds (executor.cu: epoch_close)
+            w["expect"] = max(min(2 * used, self.ext.length - self.table.commit_length), self.bound)
         w["last_commit"] = lsn + used
         w["last_epoch"] = epoch
         w["epochs"] += 1

@@ -56,7 +56,9 @@ def test_the_consumer_takes_an_epoch_at_every_nth_step_while_it_holds(shm_log):
 def test_an_epoch_its_arena_loses_is_written_whole_in_the_same_step(shm_log):
     """A 2 MiB region against 1 MiB segments: every step's few pages go into
     arenas; the step that rewrites it whole is lost there and written whole
-    by the session's path, and the steps after it go into the arena again."""
+    by the session's path; the next step's epoch takes the session's path too
+    (arenas wait for an epoch of the size they hold: the lost one needed more
+    than half a segment), and the steps after it go into the arena again."""
     with Session(shm_log, size=32 << 20, segment_size=1 << 20, executor="resident",
                  policy=Policy(retain=False)) as s:
         a = np.zeros((2048, 1024), np.uint8)
@@ -64,7 +66,7 @@ def test_an_epoch_its_arena_loses_is_written_whole_in_the_same_step(shm_log):
         s.checkpoint()
         tr, states = _run(s, a, 12, 1, whole_at=(5,))
         assert [c for _, c in tr.fired] == list(range(1, 13)) and not tr.errors
-        assert s.runner.arenas_lost == 1 and s.resident.info()["trigger"]["in_arena"] == 11
+        assert s.runner.arenas_lost == 1 and s.resident.info()["trigger"]["in_arena"] == 10
         s.settle()
         for epoch, count in tr.fired:
             np.testing.assert_array_equal(s.recover(epoch)["a"], states[count], err_msg=f"epoch {epoch}")
@@ -205,15 +207,21 @@ class _Engine:
 
     def __init__(self, name):
         self.name, self.armed, self.status, self.log, self.arms, self.queued = name, None, 0, [], 0, 0
+        self.kernel_armed = False  # whether the kernel's trigger writes an arena (paused at a swap with none)
 
     def trigger(self, every, counter, gate, skip=0):
-        self.armed, self.status = (every, counter, gate, skip), 0
+        self.armed, self.status, self.kernel_armed = (every, counter, gate, skip), 0, True
         self.arms += 1
+
+    def skip_through(self, count):
+        if self.armed is not None:
+            self.armed = self.armed[:3] + (count,)
 
     def step_gate(self, counter, gate):
         counter[0] += 1
         count = int(counter[0])
-        if self.armed is not None and self.status == 0 and count % self.armed[0] == 0 and count > self.armed[3]:
+        if (self.armed is not None and self.kernel_armed and self.status == 0 and count % self.armed[0] == 0
+                and count > self.armed[3]):
             self.log.append((100 + len(self.log), count))
 
     def mark_queued(self, steps):
@@ -238,6 +246,7 @@ class _Route:
     def __init__(self):
         self.engine, self.version, self.made = _Engine("first"), 1, 1
         self.checkpoints, self.rotations, self.failed = [], 0, None
+        self.no_arena, self.why = None, None
         outer = self
 
         class Session:
@@ -251,6 +260,15 @@ class _Route:
         self.session = Session
 
     def rotate(self):
+        """As ArenaRoute.rotate: with `no_arena` set, the swap finds none (the
+        kernel's trigger stays paused, `why` says why); once it is cleared, a
+        paused trigger is armed on a new arena."""
+        if self.no_arena is not None:
+            self.engine.kernel_armed, self.why = False, self.no_arena
+            return False
+        if self.engine.armed is not None and not self.engine.kernel_armed:
+            self.engine.kernel_armed = True
+            return True
         return False
 
     def device_engine(self):
@@ -340,3 +358,33 @@ def test_a_kernel_that_left_and_cannot_be_armed_again_is_mended_at_the_next_due_
     assert route.checkpoints == [("trigger", "coalesce")] and tr.armed
     assert len(tr.errors) == 1 and "arming the trigger again failed" in tr.errors[0], tr.errors
     assert engine.armed[3] == 8                    # step 8's gate let go: the checkpoint is its epoch
+
+
+def test_a_due_step_with_no_arena_for_the_trigger_takes_the_sessions_path(monkeypatch):
+    """The arena swap finds no arena (the log full, or none holds the epochs
+    now): the kernel's trigger stays paused and passes the gates, and each due
+    step's epoch is the session's own checkpoint (coalesced under log
+    pressure), none skipped, said once (one line in `errors`, one
+    TriggerWarning) however many steps it lasts; once an arena is there again
+    the kernel takes the epochs."""
+    import concordia.executor.step_trigger as st
+    from concordia.errors import TriggerWarning
+
+    monkeypatch.setattr(st, "require_cupy", lambda: _FakeCupy)
+    monkeypatch.setattr(st, "producer_stream", lambda cp, last=None: (1, _Stream()))
+    route = _Route()
+    tr = st.DeviceStepTrigger(route, route.engine, 4)
+    for _ in range(4):
+        tr.step()
+    assert [c for _, c in tr.fired] == [4] and tr.uncovered == 0
+    route.no_arena = "no arena for the trigger now: all 40 segments are live"
+    with pytest.warns(TriggerWarning, match="no arena for the trigger") as caught:
+        for _ in range(8):
+            tr.step()                                    # steps 8 and 12 are due
+    assert len(caught) == 1 and tr.uncovered == 2 and route.checkpoints == [("trigger", "coalesce")] * 2
+    assert len(tr.errors) == 1 and tr.errors[0].startswith("step 8: no arena for the trigger"), tr.errors
+    assert [c for _, c in tr.fired] == [4] and route.engine.armed[3] == 12  # the gates passed, no epoch twice
+    route.no_arena = None
+    for _ in range(4):
+        tr.step()                                        # armed again at step 13: step 16 is the kernel's
+    assert [c for _, c in tr.fired] == [4, 16] and len(route.checkpoints) == 2 and tr.uncovered == 2
