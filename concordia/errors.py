@@ -21,7 +21,7 @@ from concordia.devmem.errors import (
 )
 from concordia.executor.errors import (
     ExecutorError, ExecutorStalledError, ExecutorStoppedError, ProtocolError, RingFullError,
-    RingLayoutError,
+    RingLayoutError, TriggerWarning,
 )
 from concordia.gpu_kernels.errors import (
     GpuUnavailableError, KernelCompileError, KernelError, KernelInputError,
@@ -50,7 +50,7 @@ __all__ = [
     "KernelCompileError", "KernelError", "KernelInputError", "LibpmemUnavailableError",
     "LockedError", "LogFullError", "LogPressureWarning", "NotADaxDeviceError", "NotALogError", "NothingToRecoverError",
     "NumaNodeError", "OutOfRangeError", "OutputExistsError", "OutputIsInputError", "PathNotFoundError", "PermissionDeniedError", "PlanError",
-    "ProtocolError", "ReadOnlyError", "ReadOnlyFeatureError", "RecordTooLargeError",
+    "ProtocolError", "TriggerWarning", "ReadOnlyError", "ReadOnlyFeatureError", "RecordTooLargeError",
     "RecoverMismatchError", "RecoveryDigestError", "RegionError", "RegionMismatchError",
     "RingFullError", "RingLayoutError", "SessionClosedError", "SessionError", "ShapeChangedError",
     "SuperblockError", "TakeoverRevoked", "TargetNotEmptyError", "TornTailError", "UnknownRegionError", "UnsupportedArrayError", "UsageError",

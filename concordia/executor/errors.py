@@ -32,3 +32,10 @@ class ExecutorStoppedError(ExecutorError):
 
 class ProtocolError(ExecutorError):
     """A slot's sequence number or a completion does not match the protocol."""
+
+
+class TriggerWarning(ExecutorError, RuntimeWarning):
+    """A warning, not raised: a device trigger found no arena for a due step
+    (the log full, or no arena holds its epochs now), so the session's own
+    path took that step's epoch, on the host and slower, none skipped.
+    Issued once per run of such steps; it renders as one line like every error."""

@@ -16,7 +16,11 @@ CuPy's): the step is counted in stream order, and at each multiple of
 `every` the persistent kernel holds the stream there, writes the epoch into
 the session's arena and lets go.  The host queues one launch a step and
 waits for nothing; `step()` also swaps the arena for a new one once half of
-it is used (`ArenaRoute.rotate`: a few host milliseconds every arena).
+it is used (`ArenaRoute.rotate`: a few host milliseconds every arena).  A
+due step that finds no arena for it (the log full, or none holds its epoch
+now) is taken by the session's own path instead, and said once
+(`DeviceStepTrigger.uncovered`, a TriggerWarning): a due step never goes
+without its epoch.
 
 Elsewhere the CPU consumer takes the epochs, with the same protocol on the
 host (`StepGate`, the twin of `cx_step_gate`): `step()` counts the step and,
@@ -34,12 +38,13 @@ from __future__ import annotations
 import sys
 import threading
 import time
+import warnings
 
 import numpy as np
 
 from concordia.root_error import ConcordiaError
 
-from .errors import ExecutorError
+from .errors import ExecutorError, TriggerWarning
 from .persistent import require_cupy
 from .ring import Status
 
@@ -187,6 +192,9 @@ class DeviceStepTrigger:
         self.errors: list[str] = []
         self.rotations = 0
         self.rearmed = 0
+        #: due steps whose epoch the session's own path took, the trigger having no arena then (`_uncover`)
+        self.uncovered = 0
+        self._uncovering = False
         self.steps = 0                  # step() calls: the counter's value once the device has run them
         self._mend: str | None = None   # why the trigger waits for a due step to be armed again
         self._disarmed = False
@@ -249,6 +257,30 @@ class DeviceStepTrigger:
             self._mend = str(exc)
             if due:
                 self._again(self._mend)
+            return
+        if self.engine.kernel_armed:
+            self._uncovering = False
+        elif due and self.engine.armed is not None:  # paused with no arena to go on into (route.why)
+            self._uncover(route.why)
+
+    def _uncover(self, why: str | None) -> None:
+        """A due step while the kernel's trigger waits for an arena (the log
+        full, or none holds its epochs now: `why`, tried again at each step):
+        the session's own path takes this step's epoch (coalesced under log
+        pressure), so no due step goes without one; a run of such steps says
+        so once (`errors`, a TriggerWarning).  Were the trigger armed again
+        on the way, this step's gate goes with no epoch (the one above is its)."""
+        self._skip = self.steps + 1
+        self.engine.skip_through(self._skip)
+        self.route.session.checkpoint(reason="trigger", on_full="coalesce")
+        self.uncovered += 1
+        if not self._uncovering:
+            self._uncovering = True
+            line = f"step {self._skip}: no arena for the trigger ({why}); due steps take the session's path"
+            self.errors.append(line)
+            warnings.warn(TriggerWarning(line, where="device trigger",
+                                         hint="a larger log or larger segments (an arena holds half a segment)"),
+                          stacklevel=5)
 
     def _again(self, why: str) -> None:
         """The session's own checkpoint (every region whole after a lost

@@ -182,8 +182,10 @@ def _decode(model, guard, ids, steps, every, wait=False):
         n, secs, gave_up = hook.trigger.held()  # how long the gate's epochs held the decode (stream or thread)
         kept["trigger"].update(held_steps=n, held_ms_mean=secs / n * 1e3 if n else None,
                                held_ms_per_step=secs / steps * 1e3, gave_up=gave_up)
-        if hook.trigger.on_device:  # arena swaps, arms after the kernel left (idle: the stream drained)
-            kept["trigger"].update(rotations=hook.trigger.rotations, rearmed=hook.trigger.rearmed)
+        if hook.trigger.on_device:  # arena swaps, arms after the kernel left (idle: the stream drained), and
+            # due steps the session's own path took for want of an arena (none is skipped)
+            kept["trigger"].update(rotations=hook.trigger.rotations, rearmed=hook.trigger.rearmed,
+                                   uncovered=hook.trigger.uncovered)
         hook.trigger.disarm()
         fired = {e for e, _ in hook.fired}
         stats = hook.stats + [st for st in s.checkpoints if st.epoch in fired]
