@@ -28,7 +28,7 @@ _ERRORS = (
     "ProtocolError", "ReadOnlyError", "ReadOnlyFeatureError", "RecordTooLargeError",
     "RecoverMismatchError", "RecoveryDigestError", "RegionError", "RegionMismatchError",
     "RingFullError", "RingLayoutError", "SessionClosedError", "SessionError",
-    "ShapeChangedError", "SuperblockError", "TakeoverRevoked", "TornTailError", "UnknownRegionError",
+    "ShapeChangedError", "SuperblockError", "TakeoverRevoked", "TornTailError", "TriggerWarning", "UnknownRegionError",
     "UnsupportedArrayError", "UsageError", "WalError", "WriterStoppedError",
 )
 _HOME = {"Session": ".session", "Policy": ".policy", "CheckpointStats": ".checkpoint.stats",

@@ -357,7 +357,6 @@ __device__ void epoch_close(const TablePlan* plan, cx_arena_words* w, u64 at, u6
         sc->pages = p.pages;
         sc->bytes = p.bytes;
     } else {  // lost: the detectors moved on, nothing written; the host writes every region whole next
-        w->expect = p.bytes;  // what it needed: the host sizes the next arenas by it (EpochRunner.adopt_arena)
         w->lost = epoch;
         sc->errors = 1;
     }

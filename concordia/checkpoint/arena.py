@@ -192,8 +192,7 @@ class Arena:
         lsn = self.ext.lsn + at
         used = tpass.stage_into(self.ext.view[at:], lsn=lsn, salt=self.ext.salt, epoch=epoch,
                                 prev_commit=int(w["last_commit"]))
-        if used is None:  # what it needed in `expect`, as the device's EPOCH handler leaves it
-            w["expect"] = int(self.table.last_bytes)
+        if used is None:
             w["lost"] = epoch
             return None
         w["used"] = at + used + self.table.commit_length

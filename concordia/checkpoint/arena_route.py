@@ -261,7 +261,8 @@ class ArenaRoute:
 
     def rotate(self, *, at: float = 0.5) -> bool:
         """An armed device trigger's arena, once the session took it on, more
-        than `at` of it is used, an epoch was missed or lost, or the trigger's
+        than `at` of it is used, it has no room for the next epoch (`Arena.room`:
+        twice the last), an epoch was missed or lost, or the trigger's
         log is half full, swapped for another (`DeviceEpochs.rotate`); whether
         it was.  With no room for another now the trigger stays paused (False;
         tried again at the next call).  A lost epoch leaves the trigger off
@@ -270,7 +271,7 @@ class ArenaRoute:
         if engine is None or engine.armed is None:
             return False
         ar = self.session.runner.arena
-        if (ar is not None and ar is engine.arena and engine.fill <= at and not ar.word("missed") and not ar.lost
+        if (ar is not None and ar is engine.arena and engine.fill <= at and ar.room and not ar.word("missed")
                 and engine.fired_logged <= device_epoch.FIRED_CAP // 2):
             return False
         try:  # taken on (any call of the session settles), half used, missed, lost, or its log half full

@@ -137,8 +137,6 @@ class EpochRunner:
         self._asked: str | None = None      # on_full of the call whose epoch another thread runs (`asking`)
         #: record bytes the last committed epoch wrote (what a table pass guesses for the next)
         self.last_log_bytes = 0
-        #: the record bytes an arena's lost epoch needed, for the next table pass's arenas (`table_pass`)
-        self.carry_bytes = 0
         #: the epoch queued by run(wait=False) and not yet committed:
         #: (launched pass, table pass, its CheckpointStats, appender), or None
         self.pending = None
@@ -260,9 +258,8 @@ class EpochRunner:
                 raise
             finally:
                 self.regions.next_epoch = max(self.regions.next_epoch, a.word("last_epoch") + 1)
-            if a.lost:  # the next table (after the whole epoch) is sized by what the lost one needed
+            if a.lost:
                 self.lose()
-                self.carry_bytes = max(self.carry_bytes, a.word("expect"))
                 self.arenas_lost += 1
         t = a.table
         if a.digests is not None:  # the table's digests are its last commit's (a GPU consumer kept them on the device)
@@ -321,18 +318,8 @@ class EpochRunner:
             # (`lose`), which carries every page the detectors passed
             return CheckpointStats.of_coalesced(reason)
         if not stats.coalesced and not stats.pending:
-            self._wrote(stats)
+            self.last_log_bytes = int(stats.log_bytes)
         return stats
-
-    def _wrote(self, stats) -> None:
-        """An epoch of the session's own path committed: its bytes are the
-        last epoch's, for the room the next one asks and the size of the next
-        arena (`arena.epoch_bound`, `too_large`: an arena's epoch lost and
-        written whole here makes the next arenas wait until epochs are small again)."""
-        self.last_log_bytes = int(stats.log_bytes)
-        cached = self._table
-        if cached is not None and cached[0] == self.regions.version and cached[1] is not None:
-            cached[1].table.last_bytes = int(stats.log_bytes)
 
     def settle(self) -> CheckpointStats | None:
         """Wait for the pending epoch (if any), finish its extent and commit
@@ -344,7 +331,7 @@ class EpochRunner:
         self.pending = None
         done = self._finish_table(app, table, launched, stats.epoch, stats.reason, order)
         stats.settle(done)
-        self._wrote(stats)
+        self.last_log_bytes = int(stats.log_bytes)
         return stats
 
     def _run(self, log, reason: str, stream, on_full: str, left, wait: bool = True) -> CheckpointStats:
@@ -564,8 +551,6 @@ class EpochRunner:
                     and all(r.crcs is not None and r.digest is not None for r in regions)):
                 tp = st.kernels.table_pass(RegionTable(regions, log.appender.segment_capacity), self.regions,
                                            st.registration, st)
-                # an arena lost an epoch of this size: the next arenas are not tried with less
-                tp.table.last_bytes, self.carry_bytes = max(int(tp.table.last_bytes), self.carry_bytes), 0
         self._table = (self.regions.version, tp)
         return tp
 

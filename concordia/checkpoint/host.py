@@ -201,7 +201,6 @@ class HostTablePass:
         ids, counts, recs, used = self._detect_and_plan()
         self.last_counts = counts  # each row's pages (the device pass's mailbox counts)
         if used + t.commit_length > view.size:
-            t.last_bytes = used  # what the lost epoch needed: the next arenas are sized by it
             return None
         self._stage(view, ids, recs, lsn=lsn, salt=salt, epoch=epoch)
         self._digests(counts)

@@ -184,3 +184,36 @@ def test_an_epoch_that_does_not_fit_what_is_left_is_lost_and_the_next_checkpoint
         assert s.log.verify()["corrupt"] == 0
         np.testing.assert_array_equal(s.recover(first)["a"][:8], [0, 0, 0, 1, 0, 0, 0, 0])
         np.testing.assert_array_equal(s.recover()["a"], a)
+
+
+def test_an_arena_is_tried_with_twice_the_last_epoch_at_most_what_half_a_segment_holds(shm_log):
+    """A table of 2 MiB against 1 MiB segments: the bound is twice the last
+    epoch (at least ARENA_MIN_BYTES) up to what half a segment holds beside
+    the commit, so an epoch of more than a quarter segment still has an
+    arena (of its own: after it, `expect` asks for the whole arena); only a
+    last epoch that alone does not fit half a segment has none (`too_large`)."""
+    with Session(shm_log, size=16 * MiB, segment_size=MiB, staging="mapped", policy=Policy(retain=False)) as s:
+        a = np.zeros(2 * MiB, np.uint8)
+        s.register("a", a, detect="shadow", page_bytes=4096)
+        s.checkpoint()
+        runner, app = s.runner, s.log.appender
+        table = runner.table_pass(s.log).table
+        half, commit = app.segment_capacity // 2, table.commit_length
+        assert arena.epoch_bound(table, app) == arena.ARENA_MIN_BYTES and arena.too_large(table, app) is None
+        table.last_bytes = 320 << 10                    # twice that is more than half a segment holds
+        assert arena.epoch_bound(table, app) == half - commit and arena.too_large(table, app) is None
+        assert runner.open_arena(s.log) is None
+        ar = runner.arena
+        assert ar.ext.length == half and ar.room
+        a[:4096 * 80:4096] = 1                          # 80 pages: 320 KiB and their headers
+        first = runner.arena_take()
+        assert first is not None and not ar.lost
+        assert ar.word("expect") == ar.ext.length - commit and not ar.room  # the next takes an arena of its own
+        s.settle()
+        np.testing.assert_array_equal(s.recover(first)["a"], a)
+        table = runner.table_pass(s.log).table
+        table.last_bytes = half - commit + 64           # an epoch that alone fills more than half a segment
+        why = arena.too_large(table, app)
+        assert why is not None and "more than half a segment" in why, why
+        with pytest.raises(ValueError, match="more than half a segment"):
+            arena.Arena(app, table, 99)

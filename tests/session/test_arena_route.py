@@ -141,36 +141,6 @@ def test_epochs_of_more_than_a_quarter_segment_take_an_arena_each(shm_log):
             np.testing.assert_array_equal(s.recover(epoch)["a"], want, err_msg=f"epoch {epoch}")
 
 
-def test_epochs_too_large_for_any_arena_take_the_sessions_path_and_say_why(shm_log):
-    """1 MiB segments, epochs of 160 pages (640 KiB) of a 2 MiB region: the
-    last epoch alone is more than half a segment (an arena's most), so the
-    session's own path runs and the route says why; every epoch recovers
-    exactly.  (The first, tried in an arena sized by ARENA_MIN_BYTES with no
-    epoch before it, is lost and written whole on the session's path.)"""
-    with Session(shm_log, size=32 << 20, segment_size=1 << 20, executor="resident",
-                 policy=Policy(retain=False)) as s:
-        a = np.zeros(2 << 20, np.uint8)
-        s.register("a", a, detect="shadow", page_bytes=4096)
-        states = {s.checkpoint().epoch: a.copy()}
-        for t in range(1, 5):
-            a[4096 * 160 * (t % 3):4096 * 160 * (t % 3 + 1):4096] = t
-            st = s.checkpoint()
-            assert st.pages["a"] == (512 if t == 1 else 160)
-            assert VIA_CONSUMER not in set(st.via.values())
-            states[st.epoch] = a.copy()
-        why = s.resident.info()["route"]["why"]
-        assert why.startswith("an epoch of") and "more than half a segment" in why, why
-        a[4096 * 5] = 9  # small epochs again: the session's path learned their size, the route takes the next
-        states[s.checkpoint().epoch] = a.copy()
-        a[4096 * 6] = 10
-        st = s.checkpoint()
-        assert set(st.via.values()) == {VIA_CONSUMER} and st.pages["a"] == 1
-        states[st.epoch] = a.copy()
-        s.settle()
-        for epoch, want in states.items():
-            np.testing.assert_array_equal(s.recover(epoch)["a"], want, err_msg=f"epoch {epoch}")
-
-
 def test_the_session_hands_the_route_to_its_resident_executor_only(shm_log):
     with Session(shm_log, size=LOG_SIZE, segment_size=SEGMENT, executor="resident") as s:
         assert isinstance(s.resident.route, ArenaRoute) and s.resident.route.session is s
