@@ -220,7 +220,9 @@ def test_bench_model_quick_json(tmp_path):
     # a resident session: the first checkpoint is CheckpointEvery's own, the trigger takes the next 7 (CPU)
     trig = doc["decode"][4]["retention"]["trigger"]
     held = {k: trig.pop(k) for k in ("held_steps", "held_ms_mean", "held_ms_per_step", "gave_up")}
-    assert trig == {"on_device": False, "fired": 7, "errors": []} and len(doc["decode"][4]["ckpt_ms"]) == 8
+    # every due step after the session's own first epoch is the trigger's: none skipped
+    assert trig == {"on_device": False, "fired": 7, "due": 7, "skipped": 0, "errors": []}
+    assert len(doc["decode"][4]["ckpt_ms"]) == 8
     # the CPU gate held the producer at each of the 7 epochs, for a time of its own
     assert held["held_steps"] == 7 and held["held_ms_mean"] > 0 and held["gave_up"] == 0, held
     assert "overhead_every_step_resident" in doc and "overhead_every_8_resident" in doc

@@ -177,7 +177,11 @@ def _decode(model, guard, ids, steps, every, wait=False):
     per_step_ms = {k: round(sum(v) / steps * 1e3, 4) for k, v in parts.items() if v}
     kept = {"counts": dict(s.retention.counts), "base_staging": s.retention.base_staging}
     if hook.trigger is not None:  # the trigger's epochs: their statistics came with the settle
-        kept["trigger"] = {"on_device": hook.trigger.on_device, "fired": len(hook.fired),
+        # due: the trigger's share of the due steps (the first is the session's own epoch); skipped: due
+        # steps with no epoch of either kind (a row with any measures fewer checkpoints than it says)
+        due = steps // (every or 1 << 40) - 1
+        kept["trigger"] = {"on_device": hook.trigger.on_device, "fired": len(hook.fired), "due": due,
+                           "skipped": max(0, due - len(hook.fired) - getattr(hook.trigger, "uncovered", 0)),
                            "errors": list(hook.trigger.errors)[:4]}
         n, secs, gave_up = hook.trigger.held()  # how long the gate's epochs held the decode (stream or thread)
         kept["trigger"].update(held_steps=n, held_ms_mean=secs / n * 1e3 if n else None,
@@ -567,6 +571,9 @@ def _table(res: dict) -> str:
             kb = "-" if not r.get("log_bytes_per_ckpt") else f"{r['log_bytes_per_ckpt'] / 1024:.0f}"
             out.append(f"{name:>16} {r['tokens_per_s']:>10.1f} {r['s_per_step']:>9.4f} {r['overhead']:>9.3f} "
                        f"{ck:>9} {kb:>8}")
+            tr = (r.get("retention") or {}).get("trigger") or {}
+            if tr.get("skipped"):
+                out.append(f"{'':>16} NOT every due step checkpointed: {tr['skipped']} of {tr['due']} skipped")
         if res.get("baseline_spread") is not None:
             out.append(f"  the baseline's runs are {res['baseline_spread']:.3f} apart (of a step, {res['decode_steps']} "
                        "steps a run): an overhead below that is within this run's noise")
