@@ -25,7 +25,8 @@ the whole cache.  Such an arena is made as large as it may be (half a
 segment), and each epoch written moves the room the next is tried with
 (`expect`, a word: twice its record bytes, at least `bound`, at most what
 the whole arena holds beside a commit, so that an epoch of more than a
-quarter of a segment is still tried, in an arena of its own).  Only a table
+quarter of a segment is still tried, in an arena of its own; an arena cut
+from the rest of a segment is smaller, and an epoch larger than it is lost).  Only a table
 whose last epoch alone does not fit half a segment has no arena
 (`too_large`: its epochs take the session's path).  An epoch that writes more than the
 room left (a cache reset, a new prompt) is *lost*: detection, which moves
@@ -132,7 +133,8 @@ class Arena:
         self.reason = reason
         self.label = label  # the path its epochs took (their statistics' `via`)
         #: the record bytes an epoch is tried with (`epoch_bound`): every page where
-        #: that fits, so that no epoch is lost, else twice the last epoch's
+        #: that fits, so that no epoch is lost, else twice the last epoch's, at most
+        #: what half a segment holds
         full = full_bound(table)
         self.bound = epoch_bound(table, app, full)
         adapt = self.bound < full  # the room moves with each epoch (`expect`)
@@ -169,7 +171,8 @@ class Arena:
     @property
     def room(self) -> bool:
         """Whether the next epoch can be tried: no epoch was lost here, and
-        `expect` record bytes (`bound`, or twice the last epoch's) and the commit fit."""
+        `expect` record bytes (`bound`, or twice the last epoch's, at most what
+        the arena holds) and the commit fit."""
         return not self.word("lost") and self.ext.length - self.word("used") >= self.word("expect") + \
             self.table.commit_length
 

@@ -34,8 +34,10 @@ class ProtocolError(ExecutorError):
     """A slot's sequence number or a completion does not match the protocol."""
 
 
-class TriggerWarning(ExecutorError, RuntimeWarning):
+class TriggerWarning(ConcordiaError, RuntimeWarning):
     """A warning, not raised: a device trigger found no arena for a due step
     (the log full, or no arena holds its epochs now), so the session's own
-    path took that step's epoch, on the host and slower, none skipped.
-    Issued once per run of such steps; it renders as one line like every error."""
+    path took that step's epoch, on the host and slower (coalesced only when
+    the log is too full for it as well).  Issued once per run of such steps;
+    it renders as one line like every error.  Not an ExecutorError: under
+    `-W error` it must not read as an engine's failure."""

@@ -19,8 +19,8 @@ waits for nothing; `step()` also swaps the arena for a new one once half of
 it is used (`ArenaRoute.rotate`: a few host milliseconds every arena).  A
 due step that finds no arena for it (the log full, or none holds its epoch
 now) is taken by the session's own path instead, and said once
-(`DeviceStepTrigger.uncovered`, a TriggerWarning): a due step never goes
-without its epoch.
+(`DeviceStepTrigger.uncovered`, a TriggerWarning); only a log too full for
+that epoch too coalesces it (`coalesced`: its pages wait for the next commit).
 
 Elsewhere the CPU consumer takes the epochs, with the same protocol on the
 host (`StepGate`, the twin of `cx_step_gate`): `step()` counts the step and,
@@ -192,8 +192,12 @@ class DeviceStepTrigger:
         self.errors: list[str] = []
         self.rotations = 0
         self.rearmed = 0
-        #: due steps whose epoch the session's own path took, the trigger having no arena then (`_uncover`)
+        #: due steps whose epoch the session's own path took, the trigger having no arena then (`_uncover`),
+        #: and those it coalesced (the log too full: no epoch; the next that commits carries their pages)
         self.uncovered = 0
+        self.coalesced = 0
+        #: due steps whose epoch the session's own path took to mend the trigger (`_again`)
+        self.mended = 0
         self._uncovering = False
         self.steps = 0                  # step() calls: the counter's value once the device has run them
         self._mend: str | None = None   # why the trigger waits for a due step to be armed again
@@ -240,7 +244,8 @@ class DeviceStepTrigger:
                     self.rearmed += 1
                     try:
                         engine.trigger(self.every, self.counter, self.gate, skip=self._skip)
-                    except ConcordiaError as exc:  # no arena to arm on (the log full, ...): mended at a due step
+                    except (ConcordiaError, ValueError) as exc:  # no arena to arm on (the log full, an epoch
+                        # larger than any arena holds: ValueError): mended at a due step
                         self._mend = f"arming the trigger again failed: {exc}"
                 elif is_fault(status):  # every region's next checkpoint whole, the route off for these regions
                     exc = ExecutorError(f"the device trigger stopped with status {status}", where="device trigger")
@@ -266,21 +271,26 @@ class DeviceStepTrigger:
     def _uncover(self, why: str | None) -> None:
         """A due step while the kernel's trigger waits for an arena (the log
         full, or none holds its epochs now: `why`, tried again at each step):
-        the session's own path takes this step's epoch (coalesced under log
-        pressure), so no due step goes without one; a run of such steps says
-        so once (`errors`, a TriggerWarning).  Were the trigger armed again
-        on the way, this step's gate goes with no epoch (the one above is its)."""
+        the session's own path takes this step's epoch (`uncovered`), or,
+        with the log too full for it, coalesces it (`coalesced`: nothing
+        written, its pages carried by the next epoch that commits; retention
+        warns of that itself).  A run of such steps says so once (`errors`, a
+        TriggerWarning).  Were the trigger armed again on the way, this
+        step's gate goes with no epoch (the one above is its)."""
         self._skip = self.steps + 1
         self.engine.skip_through(self._skip)
-        self.route.session.checkpoint(reason="trigger", on_full="coalesce")
-        self.uncovered += 1
+        st = self.route.session.checkpoint(reason="trigger", on_full="coalesce")
+        if st is not None and st.coalesced:
+            self.coalesced += 1
+        else:
+            self.uncovered += 1
         if not self._uncovering:
             self._uncovering = True
-            line = f"step {self._skip}: no arena for the trigger ({why}); due steps take the session's path"
+            line = f"step {self._skip}: {why or 'no arena for the trigger'}; due steps take the session's path"
             self.errors.append(line)
             warnings.warn(TriggerWarning(line, where="device trigger",
                                          hint="a larger log or larger segments (an arena holds half a segment)"),
-                          stacklevel=5)
+                          stacklevel=4)  # the caller of step()
 
     def _again(self, why: str) -> None:
         """The session's own checkpoint (every region whole after a lost
@@ -288,6 +298,7 @@ class DeviceStepTrigger:
         again on the engine for the regions as they are."""
         route = self.route
         route.session.checkpoint(reason="trigger", on_full="coalesce")
+        self.mended += 1
         engine = route.device_engine()
         if engine is None:
             raise ExecutorError(f"the device trigger cannot go on: {route.why}", where="device trigger")

@@ -8,6 +8,7 @@ at; an epoch its arena loses is written whole and the trigger goes on."""
 from __future__ import annotations
 
 import threading
+import types
 
 import numpy as np
 import pytest
@@ -244,7 +245,7 @@ class _Route:
     def __init__(self):
         self.engine, self.version, self.made = _Engine("first"), 1, 1
         self.checkpoints, self.rotations, self.failed = [], 0, None
-        self.no_arena, self.why = None, None
+        self.no_arena, self.why, self.coalesce = None, None, False
         outer = self
 
         class Session:
@@ -254,6 +255,7 @@ class _Route:
             @staticmethod
             def checkpoint(reason, on_full):
                 outer.checkpoints.append((reason, on_full))
+                return types.SimpleNamespace(coalesced=outer.coalesce)
 
         self.session = Session
 
@@ -386,3 +388,10 @@ def test_a_due_step_with_no_arena_for_the_trigger_takes_the_sessions_path(monkey
     for _ in range(4):
         tr.step()                                        # armed again at step 13: step 16 is the kernel's
     assert [c for _, c in tr.fired] == [4, 16] and len(route.checkpoints) == 2 and tr.uncovered == 2
+    # a second run of such steps, the log too full for the session's epoch as well: coalesced, said again
+    route.no_arena, route.coalesce = "no arena for the trigger now: all 40 segments are live", True
+    with pytest.warns(TriggerWarning, match="step 20: no arena for the trigger now") as caught:
+        for _ in range(4):
+            tr.step()
+    assert len(caught) == 1 and tr.coalesced == 1 and tr.uncovered == 2 and len(tr.errors) == 2
+    assert caught[0].filename == __file__  # it points at the caller of step()

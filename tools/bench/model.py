@@ -178,18 +178,20 @@ def _decode(model, guard, ids, steps, every, wait=False):
     kept = {"counts": dict(s.retention.counts), "base_staging": s.retention.base_staging}
     if hook.trigger is not None:  # the trigger's epochs: their statistics came with the settle
         # due: the trigger's share of the due steps (the first is the session's own epoch); skipped: due
-        # steps with no epoch of either kind (a row with any measures fewer checkpoints than it says)
+        # steps with no epoch, the trigger's or the session's (uncovered, mended; a coalesced one is
+        # skipped): a row with any measures fewer checkpoints than it says (below 0: a step took two)
         due = steps // (every or 1 << 40) - 1
+        own = getattr(hook.trigger, "uncovered", 0) + getattr(hook.trigger, "mended", 0)
         kept["trigger"] = {"on_device": hook.trigger.on_device, "fired": len(hook.fired), "due": due,
-                           "skipped": max(0, due - len(hook.fired) - getattr(hook.trigger, "uncovered", 0)),
-                           "errors": list(hook.trigger.errors)[:4]}
+                           "skipped": due - len(hook.fired) - own, "errors": list(hook.trigger.errors)[:4]}
         n, secs, gave_up = hook.trigger.held()  # how long the gate's epochs held the decode (stream or thread)
         kept["trigger"].update(held_steps=n, held_ms_mean=secs / n * 1e3 if n else None,
                                held_ms_per_step=secs / steps * 1e3, gave_up=gave_up)
         if hook.trigger.on_device:  # arena swaps, arms after the kernel left (idle: the stream drained), and
             # due steps the session's own path took for want of an arena (none is skipped)
             kept["trigger"].update(rotations=hook.trigger.rotations, rearmed=hook.trigger.rearmed,
-                                   uncovered=hook.trigger.uncovered)
+                                   uncovered=hook.trigger.uncovered, coalesced=hook.trigger.coalesced,
+                                   mended=hook.trigger.mended)
         hook.trigger.disarm()
         fired = {e for e, _ in hook.fired}
         stats = hook.stats + [st for st in s.checkpoints if st.epoch in fired]
@@ -572,8 +574,10 @@ def _table(res: dict) -> str:
             out.append(f"{name:>16} {r['tokens_per_s']:>10.1f} {r['s_per_step']:>9.4f} {r['overhead']:>9.3f} "
                        f"{ck:>9} {kb:>8}")
             tr = (r.get("retention") or {}).get("trigger") or {}
-            if tr.get("skipped"):
+            if tr.get("skipped", 0) > 0:
                 out.append(f"{'':>16} NOT every due step checkpointed: {tr['skipped']} of {tr['due']} skipped")
+            elif tr.get("skipped", 0) < 0:
+                out.append(f"{'':>16} {-tr['skipped']} due steps took two epochs")
         if res.get("baseline_spread") is not None:
             out.append(f"  the baseline's runs are {res['baseline_spread']:.3f} apart (of a step, {res['decode_steps']} "
                        "steps a run): an overhead below that is within this run's noise")
