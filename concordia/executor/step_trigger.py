@@ -217,7 +217,8 @@ class DeviceStepTrigger:
         try:
             if not self._disarmed:
                 engine = self.engine
-                if engine.armed is not None and engine.armed[1] is self.counter:  # not another trigger's engine
+                # not another trigger's engine, nor one closed (its mapped words are gone: `_again`)
+                if engine.armed is not None and engine.armed[1] is self.counter and engine.closed_status is None:
                     engine.mark_queued(self.steps + 1)  # fenced before the log is read (the handshake)
                 self._keep_armed(due)
         finally:
@@ -279,29 +280,46 @@ class DeviceStepTrigger:
         step's gate goes with no epoch (the one above is its)."""
         self._skip = self.steps + 1
         self.engine.skip_through(self._skip)
+        if self._own_epoch():
+            self.uncovered += 1
+        self._say_once(f"step {self._skip}: {why or 'no arena for the trigger'}; due steps take the session's path")
+
+    def _own_epoch(self) -> bool:
+        """The session's own checkpoint of this due step (coalesced under log
+        pressure: counted in `coalesced`); whether it wrote an epoch."""
         st = self.route.session.checkpoint(reason="trigger", on_full="coalesce")
         if st is not None and st.coalesced:
             self.coalesced += 1
-        else:
-            self.uncovered += 1
-        if not self._uncovering:
-            self._uncovering = True
-            line = f"step {self._skip}: {why or 'no arena for the trigger'}; due steps take the session's path"
-            self.errors.append(line)
-            warnings.warn(TriggerWarning(line, where="device trigger",
-                                         hint="a larger log or larger segments (an arena holds half a segment)"),
-                          stacklevel=4)  # the caller of step()
+            return False
+        return True
+
+    def _say_once(self, line: str) -> None:
+        """A line in `errors` and a TriggerWarning, once per run of due steps
+        the kernel's trigger did not take (the run ends once it is armed again)."""
+        if self._uncovering:
+            return
+        self._uncovering = True
+        self.errors.append(line)
+        warnings.warn(TriggerWarning(line, where="device trigger",
+                                     hint="a larger log or larger segments (an arena holds half a segment)"),
+                      stacklevel=5)  # the caller of step(): step, _keep_armed, _uncover or _again, here
 
     def _again(self, why: str) -> None:
         """The session's own checkpoint (every region whole after a lost
         epoch; a new region's base) of this due step, then the trigger armed
-        again on the engine for the regions as they are."""
+        again on the engine for the regions as they are.  With no engine for
+        them now (the log full, an epoch no arena holds: `route.why`) the
+        trigger stays unarmed, its gates passing (the kernel's trigger went
+        with its engine), and each due step's epoch is the session's own,
+        the engine tried again there; said once."""
         route = self.route
-        route.session.checkpoint(reason="trigger", on_full="coalesce")
-        self.mended += 1
+        if self._own_epoch():
+            self.mended += 1
         engine = route.device_engine()
         if engine is None:
-            raise ExecutorError(f"the device trigger cannot go on: {route.why}", where="device trigger")
+            self._say_once(f"step {self.steps + 1}: no engine for the trigger ({route.why}); due steps take "
+                           "the session's path")
+            return
         # this step's gate, queued next, is due: the kernel lets it go (the checkpoint above is its epoch)
         self._skip = self.steps + 1
         engine.mark_queued(self.steps + 1)

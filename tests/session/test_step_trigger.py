@@ -207,6 +207,7 @@ class _Engine:
     def __init__(self, name):
         self.name, self.armed, self.status, self.log, self.arms, self.queued = name, None, 0, [], 0, 0
         self.kernel_armed = False  # whether the kernel's trigger writes an arena (paused at a swap with none)
+        self.closed_status = None  # once closed: its mapped words are gone (no mark_queued then)
 
     def trigger(self, every, counter, gate, skip=0):
         self.armed, self.status, self.kernel_armed = (every, counter, gate, skip), 0, True
@@ -224,7 +225,11 @@ class _Engine:
             self.log.append((100 + len(self.log), count))
 
     def mark_queued(self, steps):
+        assert self.closed_status is None, "a closed engine's queued word is gone"
         self.queued = steps
+
+    def close(self):
+        self.closed_status, self.kernel_armed = 0, False
 
     def fired(self):
         return list(self.log)
@@ -245,7 +250,7 @@ class _Route:
     def __init__(self):
         self.engine, self.version, self.made = _Engine("first"), 1, 1
         self.checkpoints, self.rotations, self.failed = [], 0, None
-        self.no_arena, self.why, self.coalesce = None, None, False
+        self.no_arena, self.why, self.coalesce, self.no_engine = None, None, False, None
         outer = self
 
         class Session:
@@ -272,6 +277,13 @@ class _Route:
         return False
 
     def device_engine(self):
+        """The engine, a new one after it was dropped or the regions changed;
+        with `no_engine` set, none (the old one closed, `why` says why)."""
+        if self.no_engine is not None:
+            if self.engine is not None:
+                self.engine.close()
+            self.engine, self.why = None, self.no_engine
+            return None
         if self.engine is None or self.version != self.session.region_set.version:
             self.made += 1
             self.engine, self.version = _Engine(f"engine {self.made}"), self.session.region_set.version
@@ -395,3 +407,32 @@ def test_a_due_step_with_no_arena_for_the_trigger_takes_the_sessions_path(monkey
             tr.step()
     assert len(caught) == 1 and tr.coalesced == 1 and tr.uncovered == 2 and len(tr.errors) == 2
     assert caught[0].filename == __file__  # it points at the caller of step()
+
+
+def test_a_trigger_with_no_engine_to_mend_onto_goes_on_with_the_sessions_epochs(monkeypatch):
+    """An epoch lost, and at the due step that mends it no engine can be
+    made (the log full: `route.why`): the step does not raise out of the
+    caller's loop; the kernel's trigger went with its engine (no queued
+    word written to it), each due step's epoch is the session's own, said
+    once; once an engine can be made again the kernel takes the epochs."""
+    import concordia.executor.step_trigger as st
+    from concordia.errors import TriggerWarning
+
+    monkeypatch.setattr(st, "require_cupy", lambda: _FakeCupy)
+    monkeypatch.setattr(st, "producer_stream", lambda cp, last=None: (1, _Stream()))
+    route = _Route()
+    tr = st.DeviceStepTrigger(route, route.engine, 4)
+    for _ in range(4):
+        tr.step()
+    route.engine.status = int(st.Status.LOST)             # step 8's epoch lost
+    route.no_engine = "the device's EPOCH handler did not start: LogFullError: all 40 segments are live"
+    with pytest.warns(TriggerWarning, match="step 8: no engine for the trigger") as caught:
+        for _ in range(8):
+            tr.step()                                     # steps 8 and 12: the session's epochs, no raise
+    assert len(caught) == 1 and tr.mended == 2 and route.checkpoints == [("trigger", "coalesce")] * 2
+    assert tr.steps == 12 and not tr.armed and [c for _, c in tr.fired] == [4]
+    route.no_engine = None
+    for _ in range(8):
+        tr.step()                                         # step 16 mends onto a new engine; 20 is the kernel's
+    assert tr.engine.name == "engine 2" and tr.mended == 3 and [c for _, c in tr.fired] == [4, 20], tr.fired
+    assert len(tr.errors) == 2 and tr.armed  # the engineless run's line, then the mend's reason
