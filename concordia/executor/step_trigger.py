@@ -217,7 +217,7 @@ class DeviceStepTrigger:
         try:
             if not self._disarmed:
                 engine = self.engine
-                # not another trigger's engine, nor one closed (its mapped words are gone: `_again`)
+                # not another trigger's engine, nor one closed (its mapped words unpinned: `_again`)
                 if engine.armed is not None and engine.armed[1] is self.counter and engine.closed_status is None:
                     engine.mark_queued(self.steps + 1)  # fenced before the log is read (the handshake)
                 self._keep_armed(due)
@@ -320,13 +320,19 @@ class DeviceStepTrigger:
             self._say_once(f"step {self.steps + 1}: no engine for the trigger ({route.why}); due steps take "
                            "the session's path")
             return
-        # this step's gate, queued next, is due: the kernel lets it go (the checkpoint above is its epoch)
-        self._skip = self.steps + 1
-        engine.mark_queued(self.steps + 1)
-        engine.trigger(self.every, self.counter, self.gate, skip=self._skip)
         if engine is not self.engine:
             self._fired_before += self.engine.fired()
             self.engine = engine
+        # this step's gate, queued next, is due: the kernel lets it go (the checkpoint above is its epoch)
+        self._skip = self.steps + 1
+        engine.mark_queued(self.steps + 1)
+        try:
+            engine.trigger(self.every, self.counter, self.gate, skip=self._skip)
+        except (ConcordiaError, ValueError) as exc:  # no arena to arm on (the log full, an epoch none holds):
+            # the kernel's trigger is gone (its gates pass); mended again at the next due step
+            self._mend = f"arming the trigger again failed: {str(exc).strip().splitlines()[0]}"
+            self._say_once(f"step {self._skip}: {self._mend}; due steps take the session's path")
+            return
         self.errors.append(why)
         self._mend = None
 

@@ -436,3 +436,36 @@ def test_a_trigger_with_no_engine_to_mend_onto_goes_on_with_the_sessions_epochs(
         tr.step()                                         # step 16 mends onto a new engine; 20 is the kernel's
     assert tr.engine.name == "engine 2" and tr.mended == 3 and [c for _, c in tr.fired] == [4, 20], tr.fired
     assert len(tr.errors) == 2 and tr.armed  # the engineless run's line, then the mend's reason
+
+
+def test_a_mend_whose_arming_fails_goes_on_with_the_sessions_epochs(monkeypatch):
+    """The kernel left and arming it again finds the log full, at the due
+    step's mend as well (the route kept its engine): the step does not raise;
+    the due step's epoch is the session's own, said once, and the next due
+    step mends again, onto the same engine, once arming works."""
+    import concordia.executor.step_trigger as st
+    from concordia.errors import LogFullError, TriggerWarning
+
+    monkeypatch.setattr(st, "require_cupy", lambda: _FakeCupy)
+    monkeypatch.setattr(st, "producer_stream", lambda cp, last=None: (1, _Stream()))
+    route = _Route()
+    tr = st.DeviceStepTrigger(route, route.engine, 4)
+    for _ in range(5):
+        tr.step()
+    engine = route.engine
+    engine.status = st.TRIGGER_LEFT
+
+    def full(*args, **kw):
+        raise LogFullError("all 3 segments are live", where="log")
+
+    arm = engine.trigger
+    engine.trigger = full
+    with pytest.warns(TriggerWarning, match="step 8: arming the trigger again failed") as caught:
+        for _ in range(3):
+            tr.step()                              # steps 6 to 8: the re-arm and step 8's mend fail, no raise
+    assert len(caught) == 1 and tr.mended == 1 and route.checkpoints == [("trigger", "coalesce")]
+    assert tr.engine is engine and not tr.armed
+    engine.trigger = arm
+    for _ in range(4):
+        tr.step()                                  # step 12 mends onto the same engine, armed again
+    assert tr.mended == 2 and tr.armed and engine.armed[3] == 12 and [c for _, c in tr.fired] == [4]
