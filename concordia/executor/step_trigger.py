@@ -137,6 +137,9 @@ class CpuStepTrigger:
     counting on a `StepGate`."""
 
     on_device = False
+    #: as DeviceStepTrigger's: none here (the consumer takes every due step's epoch, by the
+    #: session's own path where there is no arena, and lists it in `fired`)
+    uncovered = coalesced = mended = 0
 
     def __init__(self, executor, every: int):
         self.gate = StepGate(every, wake=executor.wake)

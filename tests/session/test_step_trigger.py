@@ -293,6 +293,18 @@ class _Route:
         self.failed, self.engine = exc, None
 
 
+def _host_side(monkeypatch, route=None):
+    """The host's side of DeviceStepTrigger with no GPU: CuPy and the
+    producer's stream stood in for.  Returns (the module, the route (a
+    `_Route` unless given), a trigger every 4 steps on the route's engine)."""
+    import concordia.executor.step_trigger as st
+
+    monkeypatch.setattr(st, "require_cupy", lambda: _FakeCupy)
+    monkeypatch.setattr(st, "producer_stream", lambda cp, last=None: (1, _Stream()))
+    route = _Route() if route is None else route
+    return st, route, st.DeviceStepTrigger(route, route.engine, 4)
+
+
 def test_the_device_triggers_host_side_mends_what_stopped_it_at_a_due_step(monkeypatch):
     """The host's side of DeviceStepTrigger (no GPU here: a stand-in for the
     device engine; the H200 test runs the kernel): the gate is queued at
@@ -303,13 +315,9 @@ def test_the_device_triggers_host_side_mends_what_stopped_it_at_a_due_step(monke
     step's gate go (the checkpoint is its epoch); the kernel leaving (idle,
     its lifetime) is armed again at once; the engine knows the steps queued; a fault fails the route and raises;
     `fired` keeps the replaced engines' epochs; disarm sticks."""
-    import concordia.executor.step_trigger as st
-
-    monkeypatch.setattr(st, "require_cupy", lambda: _FakeCupy)
-    monkeypatch.setattr(st, "producer_stream", lambda cp, last=None: (1, _Stream()))
     route = _Route()
     route.engine.queued = 99                             # a trigger before on this engine: its count is not ours
-    tr = st.DeviceStepTrigger(route, route.engine, 4)
+    st, route, tr = _host_side(monkeypatch, route)
     assert route.engine.queued == 0
     for _ in range(8):
         tr.step()
@@ -345,13 +353,9 @@ def test_a_kernel_that_left_and_cannot_be_armed_again_is_mended_at_the_next_due_
     """The kernel left (idle) and arming it again finds no room (the log
     full): the step does not raise out of the caller's loop; the trigger is
     mended at the next due step by the session's own checkpoint."""
-    import concordia.executor.step_trigger as st
     from concordia.errors import LogFullError
 
-    monkeypatch.setattr(st, "require_cupy", lambda: _FakeCupy)
-    monkeypatch.setattr(st, "producer_stream", lambda cp, last=None: (1, _Stream()))
-    route = _Route()
-    tr = st.DeviceStepTrigger(route, route.engine, 4)
+    st, route, tr = _host_side(monkeypatch)
     for _ in range(5):
         tr.step()
     engine = route.engine
@@ -379,13 +383,9 @@ def test_a_due_step_with_no_arena_for_the_trigger_takes_the_sessions_path(monkey
     pressure), none skipped, said once (one line in `errors`, one
     TriggerWarning) however many steps it lasts; once an arena is there again
     the kernel takes the epochs."""
-    import concordia.executor.step_trigger as st
     from concordia.errors import TriggerWarning
 
-    monkeypatch.setattr(st, "require_cupy", lambda: _FakeCupy)
-    monkeypatch.setattr(st, "producer_stream", lambda cp, last=None: (1, _Stream()))
-    route = _Route()
-    tr = st.DeviceStepTrigger(route, route.engine, 4)
+    st, route, tr = _host_side(monkeypatch)
     for _ in range(4):
         tr.step()
     assert [c for _, c in tr.fired] == [4] and tr.uncovered == 0
@@ -415,13 +415,9 @@ def test_a_trigger_with_no_engine_to_mend_onto_goes_on_with_the_sessions_epochs(
     caller's loop; the kernel's trigger went with its engine (no queued
     word written to it), each due step's epoch is the session's own, said
     once; once an engine can be made again the kernel takes the epochs."""
-    import concordia.executor.step_trigger as st
     from concordia.errors import TriggerWarning
 
-    monkeypatch.setattr(st, "require_cupy", lambda: _FakeCupy)
-    monkeypatch.setattr(st, "producer_stream", lambda cp, last=None: (1, _Stream()))
-    route = _Route()
-    tr = st.DeviceStepTrigger(route, route.engine, 4)
+    st, route, tr = _host_side(monkeypatch)
     for _ in range(4):
         tr.step()
     route.engine.status = int(st.Status.LOST)             # step 8's epoch lost
@@ -443,13 +439,9 @@ def test_a_mend_whose_arming_fails_goes_on_with_the_sessions_epochs(monkeypatch)
     step's mend as well (the route kept its engine): the step does not raise;
     the due step's epoch is the session's own, said once, and the next due
     step mends again, onto the same engine, once arming works."""
-    import concordia.executor.step_trigger as st
     from concordia.errors import LogFullError, TriggerWarning
 
-    monkeypatch.setattr(st, "require_cupy", lambda: _FakeCupy)
-    monkeypatch.setattr(st, "producer_stream", lambda cp, last=None: (1, _Stream()))
-    route = _Route()
-    tr = st.DeviceStepTrigger(route, route.engine, 4)
+    st, route, tr = _host_side(monkeypatch)
     for _ in range(5):
         tr.step()
     engine = route.engine

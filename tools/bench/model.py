@@ -180,18 +180,17 @@ def _decode(model, guard, ids, steps, every, wait=False):
         # due: the trigger's share of the due steps (the first is the session's own epoch); skipped: due
         # steps with no epoch, the trigger's or the session's (uncovered, mended; a coalesced one is
         # skipped): a row with any measures fewer checkpoints than it says (below 0: a step took two)
+        tr = hook.trigger
         due = steps // (every or 1 << 40) - 1
-        own = getattr(hook.trigger, "uncovered", 0) + getattr(hook.trigger, "mended", 0)
-        kept["trigger"] = {"on_device": hook.trigger.on_device, "fired": len(hook.fired), "due": due,
-                           "skipped": due - len(hook.fired) - own, "errors": list(hook.trigger.errors)[:4]}
+        kept["trigger"] = {"on_device": tr.on_device, "fired": len(hook.fired), "due": due,
+                           "skipped": due - len(hook.fired) - tr.uncovered - tr.mended,
+                           "uncovered": tr.uncovered, "coalesced": tr.coalesced, "mended": tr.mended,
+                           "errors": list(tr.errors)[:4]}
         n, secs, gave_up = hook.trigger.held()  # how long the gate's epochs held the decode (stream or thread)
         kept["trigger"].update(held_steps=n, held_ms_mean=secs / n * 1e3 if n else None,
                                held_ms_per_step=secs / steps * 1e3, gave_up=gave_up)
-        if hook.trigger.on_device:  # arena swaps, arms after the kernel left (idle: the stream drained), and
-            # due steps the session's own path took for want of an arena (none is skipped)
-            kept["trigger"].update(rotations=hook.trigger.rotations, rearmed=hook.trigger.rearmed,
-                                   uncovered=hook.trigger.uncovered, coalesced=hook.trigger.coalesced,
-                                   mended=hook.trigger.mended)
+        if hook.trigger.on_device:  # arena swaps, arms after the kernel left (idle: the stream drained)
+            kept["trigger"].update(rotations=hook.trigger.rotations, rearmed=hook.trigger.rearmed)
         hook.trigger.disarm()
         fired = {e for e, _ in hook.fired}
         stats = hook.stats + [st for st in s.checkpoints if st.epoch in fired]
