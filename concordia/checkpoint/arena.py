@@ -26,7 +26,12 @@ segment), and each epoch written moves the room the next is tried with
 (`expect`, a word: twice its record bytes, at least `bound`, at most what
 the whole arena holds beside a commit, so that an epoch of more than a
 quarter of a segment is still tried, in an arena of its own; an arena cut
-from the rest of a segment is smaller, and an epoch larger than it is lost).  Only a table
+from the rest of a segment is smaller, and an epoch larger than it is lost,
+so the rest is taken only once the table's epochs have a size known:
+`last_epoch_bytes`, its last epoch's, or before its first, that of the epoch
+an arena lost before the table was made, the loss having made every region
+whole and the table new; without it every later epoch would be lost the
+same way, each written whole).  Only a table
 whose last epoch alone does not fit half a segment has no arena
 (`too_large`: its epochs take the session's path).  An epoch that writes more than the
 room left (a cache reset, a new prompt) is *lost*: detection, which moves
@@ -88,14 +93,28 @@ def why_not(table, backend) -> str | None:
     return None
 
 
+def records_bytes(table, counts) -> int:
+    """Record bytes of an epoch of `table` whose rows have `counts` dirty pages."""
+    recs = plan_records(table.entries, np.asarray(counts, np.int64))
+    return int(recs["length"].sum()) if recs.size else 0
+
+
+def last_epoch_bytes(table) -> int:
+    """What the next epoch of `table` is guessed to write: its last epoch's
+    record bytes; before it has one, those of the epoch an arena lost before
+    the table was made (`arena_hint`: the loss made every region whole and
+    the table new); 0: neither known."""
+    return int(table.last_bytes) or int(table.arena_hint)
+
+
 def too_large(table, app, full: int | None = None) -> str | None:
     """Why no arena of the log `app` appends to can hold one epoch of `table`
     (an arena takes at most half a segment): every page of every row does not
-    fit, and neither does the table's last epoch (at least ARENA_MIN_BYTES)
-    with its commit; or None.  `full`: full_bound(table), when known."""
+    fit, and neither does the table's last epoch (`last_epoch_bytes`, at
+    least ARENA_MIN_BYTES) with its commit; or None.  `full`: full_bound(table), when known."""
     half = app.segment_capacity // 2
     full = full_bound(table) if full is None else full
-    need = min(full, max(int(table.last_bytes), ARENA_MIN_BYTES)) + table.commit_length
+    need = min(full, max(last_epoch_bytes(table), ARENA_MIN_BYTES)) + table.commit_length
     if need > half:
         return (f"an epoch of {need} bytes (the last one's records and its commit) needs an arena of more "
                 f"than half a segment ({half} bytes)")
@@ -112,13 +131,13 @@ def epoch_bound(table, app, full: int | None = None) -> int:
     """The record bytes an epoch of `table` is tried with (module doc): every
     page of every row (`full`, `full_bound`) where that and the commit fit
     half a segment of `app` (no epoch is then lost), else twice the table's
-    last epoch, at least ARENA_MIN_BYTES, at most what half a segment holds
-    beside the commit (an epoch that writes more is lost)."""
+    last epoch (`last_epoch_bytes`), at least ARENA_MIN_BYTES, at most what
+    half a segment holds beside the commit (an epoch that writes more is lost)."""
     full = full_bound(table) if full is None else full
     cap = app.segment_capacity // 2 - table.commit_length
     if full <= cap:
         return full
-    return min(full, max(2 * int(table.last_bytes), ARENA_MIN_BYTES), cap)
+    return min(full, max(2 * last_epoch_bytes(table), ARENA_MIN_BYTES), cap)
 
 
 class Arena:
@@ -146,7 +165,9 @@ class Arena:
             nbytes = app.segment_capacity // 2 if adapt else min(max(ARENA_EPOCHS * need, ARENA_MIN_BYTES),
                                                                   app.segment_capacity // 2)
             rest = app.segment_rest // fmt.RECORD_ALIGN * fmt.RECORD_ALIGN
-            if rest >= need:
+            # the rest of the segment being written, where it holds one epoch; with no epoch of this table
+            # known (`last_epoch_bytes` 0: ARENA_MIN_BYTES is no guess), not the rest but half a segment
+            if rest >= need and (not adapt or last_epoch_bytes(table)):
                 nbytes = min(nbytes, rest)
         if nbytes < need:
             raise ValueError(f"an arena of {nbytes} bytes cannot hold one epoch of {need} bytes")

@@ -430,6 +430,12 @@ class DeviceTablePass:
         self.stage_grid = gpu.warp_grid(max(1, total))
         self.finalize_grid = gpu.warp_grid(max(1, table.max_records))
 
+    @property
+    def last_counts(self) -> np.ndarray:
+        """Each row's pages in the last epoch planned (the mailbox's counts;
+        the host pass's `last_counts`), an epoch its arena lost included."""
+        return self.mail_counts.astype(np.int64)
+
     def hand_back(self) -> None:
         """Another path runs next: the regions take their digests from the
         table and their positions detectors' state from the device."""

@@ -147,6 +147,10 @@ class EpochRunner:
         self.arenas_lost = 0
         #: what stops the open arena's writer before it is taken on (the device's trigger), or None
         self.arena_pause = None
+        #: record bytes the last epoch an arena lost needed (0: none since an arena's epoch was taken on):
+        #: the tables made after it size their arenas for it (`RegionTable.arena_hint`), so that a table
+        #: made again after the loss (every region whole next) does not lose its next epoch the same way
+        self.arena_hint = 0
 
     @property
     def registration(self):
@@ -259,8 +263,11 @@ class EpochRunner:
             finally:
                 self.regions.next_epoch = max(self.regions.next_epoch, a.word("last_epoch") + 1)
             if a.lost:
+                self.arena_hint = self._lost_bytes(a.table)
                 self.lose()
                 self.arenas_lost += 1
+            elif got:
+                self.arena_hint = 0
         t = a.table
         if a.digests is not None:  # the table's digests are its last commit's (a GPU consumer kept them on the device)
             t.digests[:] = [a.digests[int(rid)] for rid in t.entries["region_id"].tolist()]
@@ -277,7 +284,16 @@ class EpochRunner:
         if out:
             self.last_log_bytes = int(out[-1].log_bytes)
             t.last_bytes = max(int(st.log_bytes) for st in out)  # a device consumer's epochs: the next arena's size
+        t.arena_hint = self.arena_hint
         return out
+
+    def _lost_bytes(self, table) -> int:
+        """The record bytes of the epoch the open arena lost, from each row's
+        pages its table pass counted (the device's mailbox, the twin's plan)."""
+        tp = self._table[1] if self._table is not None else None
+        if tp is None or tp.table is not table:
+            return self.arena_hint
+        return arena.records_bytes(table, tp.last_counts)
 
     # -- one epoch ---------------------------------------------------------------
     @contextlib.contextmanager
@@ -551,6 +567,7 @@ class EpochRunner:
                     and all(r.crcs is not None and r.digest is not None for r in regions)):
                 tp = st.kernels.table_pass(RegionTable(regions, log.appender.segment_capacity), self.regions,
                                            st.registration, st)
+                tp.table.arena_hint = self.arena_hint
         self._table = (self.regions.version, tp)
         return tp
 

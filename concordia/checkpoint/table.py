@@ -147,6 +147,9 @@ class RegionTable:
         per = e["per_record"].astype(np.int64)
         self.max_records = int((-(-pages // per)).sum())
         self.last_bytes = 0
+        #: record bytes of the last epoch an arena lost (its records did not fit what was left), kept by
+        #: the session's runner across tables until an arena's epoch is taken on: arenas are sized for it
+        self.arena_hint = 0
         #: rows by (detector code, page bytes): one detection launch each
         self.groups: dict = {}
         keys = np.stack([e["detector"].astype(np.int64), self.page_bytes], axis=1) if n else np.zeros((0, 2), np.int64)

@@ -141,6 +141,57 @@ def test_epochs_of_more_than_a_quarter_segment_take_an_arena_each(shm_log):
             np.testing.assert_array_equal(s.recover(epoch)["a"], want, err_msg=f"epoch {epoch}")
 
 
+def _steady_epochs(shm_log, pages: int, n: int, first_small: int = 0, kib: int = 2048):
+    """A region of `kib` KiB with 1 MiB segments (no arena holds every page of it):
+    `first_small` epochs of one page, then `n` of `pages` pages each; returns
+    the session's (pages written, via the consumer's arena) per epoch, the
+    route's lost epochs, and checks every epoch recovers exactly."""
+    with Session(shm_log, size=32 << 20, segment_size=1 << 20, executor="resident",
+                 policy=Policy(retain=False)) as s:
+        a = np.zeros(kib << 10, np.uint8)
+        s.register("a", a, detect="shadow", page_bytes=4096)
+        states = {s.checkpoint().epoch: a.copy()}
+        got = []
+        for t in range(first_small + n):
+            if t < first_small:
+                a[4096 * t] += 1
+            else:
+                a[4096 * (t % 5):4096 * (t % 5 + pages):4096] += 1  # `pages` pages, shifted each epoch
+            st = s.checkpoint()
+            states[st.epoch] = a.copy()
+            got.append((st.pages["a"], set(st.via.values()) == {VIA_CONSUMER}))
+        lost = s.resident.info()["route"]["lost"]
+        s.settle()
+        assert s.log.verify()["corrupt"] == 0
+        for epoch, want in states.items():
+            np.testing.assert_array_equal(s.recover(epoch)["a"], want, err_msg=f"epoch {epoch}")
+    return got, lost
+
+
+def test_a_new_tables_first_arena_is_not_a_segments_rest_too_small_for_its_epochs(shm_log):
+    """After the bases (a new table: no epoch of it known yet) the first arena
+    is half a segment, not whatever the segment being written has left (a
+    guess of ARENA_MIN_BYTES is no guess): a 2600 KiB region, whose bases
+    leave 462 KiB of the segment, and epochs of 120 pages (480 KiB), each
+    written into an arena, none lost.  Before, the first arena was that rest,
+    the epoch was lost and written whole, the loss made the table new, and
+    every later epoch went the same way: 650 pages each."""
+    got, lost = _steady_epochs(shm_log, 120, 6, kib=2600)
+    assert got == [(120, True)] * 6 and lost == 0, (got, lost)
+
+
+def test_an_epoch_an_arena_lost_sizes_the_new_tables_arenas(shm_log):
+    """Epochs of one page, then of 150 pages (600 KiB, more than half a 1 MiB
+    segment holds): the first large one is lost in its arena and written
+    whole (512 pages); the table made after the loss knows what the lost one
+    needed (`RegionTable.arena_hint`), so no arena is tried for the next
+    ones (`too_large`): each writes its 150 pages on the session's path,
+    with no further loss.  Before, each was lost and written whole."""
+    got, lost = _steady_epochs(shm_log, 150, 4, first_small=3)
+    assert got[:3] == [(1, True)] * 3, got
+    assert got[3:] == [(512, False)] + [(150, False)] * 3 and lost == 1, (got, lost)
+
+
 def test_the_session_hands_the_route_to_its_resident_executor_only(shm_log):
     with Session(shm_log, size=LOG_SIZE, segment_size=SEGMENT, executor="resident") as s:
         assert isinstance(s.resident.route, ArenaRoute) and s.resident.route.session is s
