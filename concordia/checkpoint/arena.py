@@ -20,20 +20,21 @@ a segment, `bound` is that (`full_bound`): no epoch tried then can fail to
 fit.  A larger table (a model's state, gigabytes, against a segment of
 megabytes) would never have an arena, so its `bound` is what its epochs
 write (twice the table's last epoch, at least `ARENA_MIN_BYTES`, at most
-what half a segment holds beside a commit): a decode step's new rows, not
-the whole cache.  Such an arena is made as large as it may be (half a
-segment), and each epoch written moves the room the next is tried with
-(`expect`, a word: twice its record bytes, at least `bound`, at most what
-the whole arena holds beside a commit, so that an epoch of more than a
-quarter of a segment is still tried, in an arena of its own; an arena cut
+what a segment holds beside a commit): a decode step's new rows, not
+the whole cache.  Such an arena is made as large as it may be (a whole
+segment: each arena taken on costs its consumer a pause and the host a few
+milliseconds, so the fewer the better), and each epoch written moves the
+room the next is tried with (`expect`, a word: twice its record bytes, at
+least `bound`, at most what the whole arena holds beside a commit, so that
+an epoch of more than half a segment is still tried).  An arena cut
 from the rest of a segment is smaller, and an epoch larger than it is lost,
-so the rest is taken only once the table's epochs have a size known:
-`last_epoch_bytes`, its last epoch's, or before its first, that of the epoch
-an arena lost before the table was made, the loss having made every region
-whole and the table new; without it every later epoch would be lost the
-same way, each written whole).  Only a table
-whose last epoch alone does not fit half a segment has no arena
-(`too_large`: its epochs take the session's path).  An epoch that writes more than the
+so the rest is taken only once the table's epochs have a size known
+(`last_epoch_bytes`: its last epoch's, or before its first, that of the
+epoch an arena lost before the table was made, the loss having made every
+region whole and the table new; without it every later epoch would be lost
+the same way, each written whole).  Only a table whose last epoch alone
+does not fit a segment has no arena (`too_large`: its epochs take the
+session's path).  An epoch that writes more than the
 room left (a cache reset, a new prompt) is *lost*: detection, which moves
 the detectors on, has run, and nothing of it was written.  The arena then
 takes no further epoch (`lost` names it), and the session's next call takes
@@ -109,16 +110,21 @@ def last_epoch_bytes(table) -> int:
 
 def too_large(table, app, full: int | None = None) -> str | None:
     """Why no arena of the log `app` appends to can hold one epoch of `table`
-    (an arena takes at most half a segment): every page of every row does not
+    (an arena takes at most a segment): every page of every row does not
     fit, and neither does the table's last epoch (`last_epoch_bytes`, at
     least ARENA_MIN_BYTES) with its commit; or None.  `full`: full_bound(table), when known."""
-    half = app.segment_capacity // 2
+    whole = arena_capacity(app)
     full = full_bound(table) if full is None else full
     need = min(full, max(last_epoch_bytes(table), ARENA_MIN_BYTES)) + table.commit_length
-    if need > half:
+    if need > whole:
         return (f"an epoch of {need} bytes (the last one's records and its commit) needs an arena of more "
-                f"than half a segment ({half} bytes)")
+                f"than a segment ({whole} bytes)")
     return None
+
+
+def arena_capacity(app) -> int:
+    """The most bytes an arena of the log `app` appends to holds: a segment."""
+    return app.segment_capacity // fmt.RECORD_ALIGN * fmt.RECORD_ALIGN
 
 
 def full_bound(table) -> int:
@@ -132,12 +138,11 @@ def epoch_bound(table, app, full: int | None = None) -> int:
     page of every row (`full`, `full_bound`) where that and the commit fit
     half a segment of `app` (no epoch is then lost), else twice the table's
     last epoch (`last_epoch_bytes`), at least ARENA_MIN_BYTES, at most what
-    half a segment holds beside the commit (an epoch that writes more is lost)."""
+    a segment holds beside the commit (an epoch that writes more is lost)."""
     full = full_bound(table) if full is None else full
-    cap = app.segment_capacity // 2 - table.commit_length
-    if full <= cap:
+    if full <= app.segment_capacity // 2 - table.commit_length:
         return full
-    return min(full, max(2 * last_epoch_bytes(table), ARENA_MIN_BYTES), cap)
+    return min(full, max(2 * last_epoch_bytes(table), ARENA_MIN_BYTES), arena_capacity(app) - table.commit_length)
 
 
 class Arena:
@@ -152,8 +157,8 @@ class Arena:
         self.reason = reason
         self.label = label  # the path its epochs took (their statistics' `via`)
         #: the record bytes an epoch is tried with (`epoch_bound`): every page where
-        #: that fits, so that no epoch is lost, else twice the last epoch's, at most
-        #: what half a segment holds
+        #: that fits half a segment, so that no epoch is lost, else twice the last
+        #: epoch's, at most what a segment holds (the arena is then a segment)
         full = full_bound(table)
         self.bound = epoch_bound(table, app, full)
         adapt = self.bound < full  # the room moves with each epoch (`expect`)
@@ -162,11 +167,12 @@ class Arena:
             why = too_large(table, app, full)
             if why is not None:
                 raise ValueError(why)
-            nbytes = app.segment_capacity // 2 if adapt else min(max(ARENA_EPOCHS * need, ARENA_MIN_BYTES),
-                                                                  app.segment_capacity // 2)
+            # a table whose every page fits: ARENA_EPOCHS of them, within half a segment where one fits there
+            nbytes = arena_capacity(app) if adapt else min(max(ARENA_EPOCHS * need, ARENA_MIN_BYTES),
+                                                            max(app.segment_capacity // 2, need))
             rest = app.segment_rest // fmt.RECORD_ALIGN * fmt.RECORD_ALIGN
             # the rest of the segment being written, where it holds one epoch; with no epoch of this table
-            # known (`last_epoch_bytes` 0: ARENA_MIN_BYTES is no guess), not the rest but half a segment
+            # known (`last_epoch_bytes` 0: ARENA_MIN_BYTES is no guess), not the rest but a segment
             if rest >= need and (not adapt or last_epoch_bytes(table)):
                 nbytes = min(nbytes, rest)
         if nbytes < need:
@@ -194,8 +200,13 @@ class Arena:
         """Whether the next epoch can be tried: no epoch was lost here, and
         `expect` record bytes (`bound`, or twice the last epoch's, at most what
         the arena holds) and the commit fit."""
-        return not self.word("lost") and self.ext.length - self.word("used") >= self.word("expect") + \
-            self.table.commit_length
+        return self.holds(1)
+
+    def holds(self, epochs: int) -> bool:
+        """Whether `epochs` more epochs can be tried here, each with `expect`
+        record bytes and its commit (no epoch lost here)."""
+        return not self.word("lost") and self.ext.length - self.word("used") >= \
+            epochs * (self.word("expect") + self.table.commit_length)
 
     @property
     def lost(self) -> int:

@@ -259,22 +259,22 @@ class ArenaRoute:
         self.why = why
         return None if why is not None else self.engine
 
-    def rotate(self, *, at: float = 0.5) -> bool:
-        """An armed device trigger's arena, once the session took it on, more
-        than `at` of it is used, it has no room for the next epoch (`Arena.room`:
-        twice the last), an epoch was missed or lost, or the trigger's
-        log is half full, swapped for another (`DeviceEpochs.rotate`); whether
-        it was.  With no room for another now the trigger stays paused (False;
-        tried again at the next call).  A lost epoch leaves the trigger off
-        (ExecutorError)."""
+    def rotate(self, *, ahead: int = 1) -> bool:
+        """An armed device trigger's arena, once the session took it on, it
+        has no room for the `ahead` epochs the kernel may take before the
+        host's next call (`Arena.holds`: each twice the last), an epoch was
+        missed or lost, or the trigger's log is half full, swapped for
+        another (`DeviceEpochs.rotate`); whether it was.  With no room for
+        another now the trigger stays paused (False; tried again at the next
+        call).  A lost epoch leaves the trigger off (ExecutorError)."""
         engine = self.engine
         if engine is None or engine.armed is None:
             return False
         ar = self.session.runner.arena
-        if (ar is not None and ar is engine.arena and engine.fill <= at and ar.room and not ar.word("missed")
+        if (ar is not None and ar is engine.arena and ar.holds(ahead) and not ar.word("missed")
                 and engine.fired_logged <= device_epoch.FIRED_CAP // 2):
             return False
-        try:  # taken on (any call of the session settles), half used, missed, lost, or its log half full
+        try:  # taken on (any call of the session settles), too full, missed, lost, or its log half full
             engine.rotate()
         except (LogFullError, ValueError) as exc:  # no room for an arena now: the trigger stays paused, tried again
             self.why = f"no arena for the trigger now: {str(exc).strip().splitlines()[0]}"

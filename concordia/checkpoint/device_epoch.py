@@ -341,10 +341,12 @@ class DeviceEpochs:
         self.pause()
 
     @property
-    def fill(self) -> float:
-        """How much of the open arena is used (0 to 1; 1 with none open)."""
-        ar = self.session.runner.arena
-        return 1.0 if ar is None else ar.word("used") / max(1, ar.ext.length)
+    def last_count(self) -> int:
+        """The step count of the trigger's last epoch (0: none yet)."""
+        n = self.fired_logged
+        if n:
+            return int(self._log64[2 + 2 * n - 1])
+        return int(self.fired_kept[-1][1]) if self.fired_kept else 0
 
     def rotate(self) -> None:
         """The armed trigger onto a new arena: disarmed (the kernel writes the

@@ -15,8 +15,9 @@ the producer's stream (PyTorch's current stream where it is in use, else
 CuPy's): the step is counted in stream order, and at each multiple of
 `every` the persistent kernel holds the stream there, writes the epoch into
 the session's arena and lets go.  The host queues one launch a step and
-waits for nothing; `step()` also swaps the arena for a new one once half of
-it is used (`ArenaRoute.rotate`: a few host milliseconds every arena).  A
+waits for nothing; `step()` also swaps the arena for a new one once it has
+no room for the epochs the kernel may take before the next `step()`
+(`ArenaRoute.rotate`: a few host milliseconds every arena).  A
 due step that finds no arena for it (the log full, or none holds its epoch
 now) is taken by the session's own path instead, and said once
 (`DeviceStepTrigger.uncovered`, a TriggerWarning); only a log too full for
@@ -59,6 +60,10 @@ TRIGGER_LEFT = 0x100
 
 #: longest a producer holds at its gate for one epoch before it is an error
 HOLD_S = 60.0
+
+#: most epochs an arena is kept room for ahead of the host (`DeviceStepTrigger._ahead`): a producer
+#: whose stream runs far behind its host would otherwise have its arena swapped at every step
+AHEAD_MAX = 2
 
 
 def is_fault(status: int) -> bool:
@@ -177,7 +182,7 @@ class CpuStepTrigger:
 class DeviceStepTrigger:
     """`step()` for the persistent kernel's trigger (module doc): a counter
     and a gate in device memory, `cx_step_gate` queued on the producer's
-    stream, the arena swapped by the host once half used."""
+    stream, the arena swapped by the host before it runs out of room."""
 
     on_device = True
 
@@ -260,7 +265,7 @@ class DeviceStepTrigger:
                 self._again(self._mend)
             return
         try:
-            if route.rotate():
+            if route.rotate(ahead=self._ahead()):
                 self.rotations += 1
         except ExecutorError as exc:  # an epoch its arena lost: mended at the next due step
             self._mend = str(exc)
@@ -271,6 +276,15 @@ class DeviceStepTrigger:
             self._uncovering = False
         elif due and self.engine.armed is not None:  # paused with no arena to go on into (route.why)
             self._uncover(route.why)
+
+    def _ahead(self) -> int:
+        """The epochs the kernel may take before the host's next step():
+        those of the due gates queued since its last epoch, this step's
+        included, at least 1 and at most AHEAD_MAX (a producer whose stream
+        runs further behind has its next epoch missed at worst: the arena is
+        swapped at the next step)."""
+        due = (self.steps + 1) // self.every - self.engine.last_count // self.every
+        return min(max(due, 1), AHEAD_MAX)
 
     def _uncover(self, why: str | None) -> None:
         """A due step while the kernel's trigger waits for an arena (the log
@@ -304,7 +318,7 @@ class DeviceStepTrigger:
         self._uncovering = True
         self.errors.append(line)
         warnings.warn(TriggerWarning(line, where="device trigger",
-                                     hint="a larger log or larger segments (an arena holds half a segment)"),
+                                     hint="a larger log or larger segments (an arena holds a segment)"),
                       stacklevel=5)  # the caller of step(): step, _keep_armed, _uncover or _again, here
 
     def _again(self, why: str) -> None:

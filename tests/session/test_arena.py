@@ -186,34 +186,45 @@ def test_an_epoch_that_does_not_fit_what_is_left_is_lost_and_the_next_checkpoint
         np.testing.assert_array_equal(s.recover()["a"], a)
 
 
-def test_an_arena_is_tried_with_twice_the_last_epoch_at_most_what_half_a_segment_holds(shm_log):
+def test_an_arena_is_a_segment_tried_with_twice_the_last_epoch_at_most_what_it_holds(shm_log):
     """A table of 2 MiB against 1 MiB segments: the bound is twice the last
-    epoch (at least ARENA_MIN_BYTES) up to what half a segment holds beside
-    the commit, so an epoch of more than a quarter segment still has an
-    arena (of its own: after it, `expect` asks for the whole arena); only a
-    last epoch that alone does not fit half a segment has none (`too_large`)."""
+    epoch (at least ARENA_MIN_BYTES) up to what a segment holds beside the
+    commit, and the arena a whole segment (`arena_capacity`) or, once the
+    last epoch is known, the rest of the one being written where that holds
+    an epoch, so an epoch of 640 KiB still has one; after an epoch of 320 KiB, `expect` asks for
+    twice it, at most the whole arena; only a last epoch that alone does
+    not fit a segment has none (`too_large`)."""
     with Session(shm_log, size=16 * MiB, segment_size=MiB, staging="mapped", policy=Policy(retain=False)) as s:
         a = np.zeros(2 * MiB, np.uint8)
         s.register("a", a, detect="shadow", page_bytes=4096)
         s.checkpoint()
         runner, app = s.runner, s.log.appender
         table = runner.table_pass(s.log).table
-        half, commit = app.segment_capacity // 2, table.commit_length
+        whole, commit = arena.arena_capacity(app), table.commit_length
+        assert whole == app.segment_capacity // 64 * 64
         assert arena.epoch_bound(table, app) == arena.ARENA_MIN_BYTES and arena.too_large(table, app) is None
         table.last_bytes = 320 << 10                    # twice that is more than half a segment holds
-        assert arena.epoch_bound(table, app) == half - commit and arena.too_large(table, app) is None
-        assert runner.open_arena(s.log) is None
+        assert arena.epoch_bound(table, app) == 640 << 10 and arena.too_large(table, app) is None
+        table.last_bytes = 600 << 10                    # twice that is more than a segment holds
+        assert arena.epoch_bound(table, app) == whole - commit and arena.too_large(table, app) is None
+        table.last_bytes = 320 << 10
+        rest = app.segment_rest // 64 * 64              # more than one epoch of twice 320 KiB: the arena is that
+        assert 640 << 10 < rest < whole and runner.open_arena(s.log) is None
         ar = runner.arena
-        assert ar.ext.length == half and ar.room
+        assert ar.ext.length == rest and ar.room
         a[:4096 * 80:4096] = 1                          # 80 pages: 320 KiB and their headers
         first = runner.arena_take()
-        assert first is not None and not ar.lost
-        assert ar.word("expect") == ar.ext.length - commit and not ar.room  # the next takes an arena of its own
+        used = ar.word("used") - commit
+        assert first is not None and not ar.lost and ar.word("expect") == 2 * used
+        assert ar.room and not ar.holds(2)              # room for one more of twice it, not two
+        a[4096 * 100:4096 * 180:4096] = 2
+        second = runner.arena_take()
+        assert second == first + 1 and not ar.room      # the next takes an arena of its own
         s.settle()
-        np.testing.assert_array_equal(s.recover(first)["a"], a)
+        np.testing.assert_array_equal(s.recover(second)["a"], a)
         table = runner.table_pass(s.log).table
-        table.last_bytes = half - commit + 64           # an epoch that alone fills more than half a segment
+        table.last_bytes = whole - commit + 64          # an epoch that alone fills more than a segment
         why = arena.too_large(table, app)
-        assert why is not None and "more than half a segment" in why, why
-        with pytest.raises(ValueError, match="more than half a segment"):
+        assert why is not None and "more than a segment" in why, why
+        with pytest.raises(ValueError, match="more than a segment"):
             arena.Arena(app, table, 99)

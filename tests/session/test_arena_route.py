@@ -117,11 +117,12 @@ def test_a_table_larger_than_an_arena_takes_it_by_its_last_epoch_and_a_lost_epoc
             np.testing.assert_array_equal(got.get() if hasattr(got, "get") else got, want, err_msg=f"epoch {epoch}")
 
 
-def test_epochs_of_more_than_a_quarter_segment_take_an_arena_each(shm_log):
+def test_epochs_of_more_than_a_quarter_segment_are_tried_two_an_arena(shm_log):
     """1 MiB segments, epochs of 80 pages (320 KiB) of a 2 MiB region: twice
-    the last epoch is more than half a segment holds, so each epoch is tried
-    in an arena of its own (half a segment) rather than refused; none is
-    lost, and every epoch recovers exactly."""
+    the last epoch is more than half a segment holds, yet each epoch is tried
+    rather than refused, two in each arena (a segment: after the first, twice
+    it still fits; after the second, not, and the rest of the segment is too
+    small for another); none is lost, and every epoch recovers exactly."""
     with Session(shm_log, size=32 << 20, segment_size=1 << 20, executor="resident") as s:
         a = np.zeros(2 << 20, np.uint8)
         s.register("a", a, detect="shadow", page_bytes=4096)
@@ -135,7 +136,7 @@ def test_epochs_of_more_than_a_quarter_segment_take_an_arena_each(shm_log):
             vias.append(set(st.via.values()))
         assert all(v == {VIA_CONSUMER} for v in vias), vias
         s.settle()
-        assert s.runner.arenas >= len(vias) and s.runner.arenas_lost == 0  # one arena each: none held two
+        assert s.runner.arenas == 3 and s.runner.arenas_lost == 0  # five epochs, two an arena
         assert s.log.verify()["corrupt"] == 0
         for epoch, want in states.items():
             np.testing.assert_array_equal(s.recover(epoch)["a"], want, err_msg=f"epoch {epoch}")
@@ -181,15 +182,15 @@ def test_a_new_tables_first_arena_is_not_a_segments_rest_too_small_for_its_epoch
 
 
 def test_an_epoch_an_arena_lost_sizes_the_new_tables_arenas(shm_log):
-    """Epochs of one page, then of 150 pages (600 KiB, more than half a 1 MiB
-    segment holds): the first large one is lost in its arena and written
-    whole (512 pages); the table made after the loss knows what the lost one
-    needed (`RegionTable.arena_hint`), so no arena is tried for the next
-    ones (`too_large`): each writes its 150 pages on the session's path,
-    with no further loss.  Before, each was lost and written whole."""
-    got, lost = _steady_epochs(shm_log, 150, 4, first_small=3)
+    """A 4 MiB region, epochs of one page, then of 300 pages (1.2 MiB, more
+    than a 1 MiB segment holds): the first large one is lost in its arena
+    and written whole (1024 pages); the table made after the loss knows what
+    the lost one needed (`RegionTable.arena_hint`), so no arena is tried for
+    the next ones (`too_large`): each writes its 300 pages on the session's
+    path, with no further loss.  Before, each was lost and written whole."""
+    got, lost = _steady_epochs(shm_log, 300, 4, first_small=3, kib=4096)
     assert got[:3] == [(1, True)] * 3, got
-    assert got[3:] == [(512, False)] + [(150, False)] * 3 and lost == 1, (got, lost)
+    assert got[3:] == [(1024, False)] + [(300, False)] * 3 and lost == 1, (got, lost)
 
 
 def test_the_session_hands_the_route_to_its_resident_executor_only(shm_log):
