@@ -271,8 +271,9 @@ class ArenaRoute:
         if engine is None or engine.armed is None:
             return False
         ar = self.session.runner.arena
-        if (ar is not None and ar is engine.arena and ar.holds(ahead) and not ar.word("missed")
-                and engine.fired_logged <= device_epoch.FIRED_CAP // 2):
+        # an arena with no epoch yet is swapped only when it holds none (not again before its first epoch)
+        if (ar is not None and ar is engine.arena and ar.holds(ahead if ar.word("epochs") else 1)
+                and not ar.word("missed") and engine.fired_logged <= device_epoch.FIRED_CAP // 2):
             return False
         try:  # taken on (any call of the session settles), too full, missed, lost, or its log half full
             engine.rotate()

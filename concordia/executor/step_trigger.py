@@ -279,12 +279,13 @@ class DeviceStepTrigger:
 
     def _ahead(self) -> int:
         """The epochs the kernel may take before the host's next step():
-        those of the due gates queued since its last epoch, this step's
-        included, at least 1 and at most AHEAD_MAX (a producer whose stream
-        runs further behind has its next epoch missed at worst: the arena is
+        those of the due gates queued since its last epoch (or since the
+        last step whose epoch the host took: `_skip`), this step's included,
+        at least 1 and at most AHEAD_MAX (a producer whose stream runs
+        further behind has its next epoch missed at worst: the arena is
         swapped at the next step)."""
-        due = (self.steps + 1) // self.every - self.engine.last_count // self.every
-        return min(max(due, 1), AHEAD_MAX)
+        since = max(self.engine.last_count, self._skip)
+        return min(max((self.steps + 1) // self.every - since // self.every, 1), AHEAD_MAX)
 
     def _uncover(self, why: str | None) -> None:
         """A due step while the kernel's trigger waits for an arena (the log

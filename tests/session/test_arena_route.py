@@ -171,7 +171,7 @@ def _steady_epochs(shm_log, pages: int, n: int, first_small: int = 0, kib: int =
 
 def test_a_new_tables_first_arena_is_not_a_segments_rest_too_small_for_its_epochs(shm_log):
     """After the bases (a new table: no epoch of it known yet) the first arena
-    is half a segment, not whatever the segment being written has left (a
+    is a segment, not whatever the segment being written has left (a
     guess of ARENA_MIN_BYTES is no guess): a 2600 KiB region, whose bases
     leave 462 KiB of the segment, and epochs of 120 pages (480 KiB), each
     written into an arena, none lost.  Before, the first arena was that rest,

@@ -146,15 +146,16 @@ def test_the_persistent_kernel_takes_the_epochs_at_the_steps_gate(shm_log):
     lost in its arena and written whole; every epoch recovers its step."""
     import cupy as cp
 
-    with Session(shm_log, size=64 << 20, segment_size=1 << 20, executor="resident",
+    with Session(shm_log, size=64 << 20, segment_size=512 << 10, executor="resident",
                  policy=Policy(retain=False)) as s:
         a = cp.zeros((2048, 1024), cp.uint8)
         s.register("a", a, detect="shadow", page_bytes=4096)
         s.checkpoint()
         _write(a, 0)  # CuPy's kernels loaded before the executor is resident
         cp.cuda.get_current_stream().synchronize()
-        # one page a step into arenas of half a 1 MiB segment, swapped once half used (about 60
-        # epochs): four swaps, two on each side of the whole rewrite
+        # one page a step into arenas of a 512 KiB segment, each tried with room for ARENA_MIN_BYTES
+        # (256 KiB), swapped once they have no room for the next (about 60 epochs): about four swaps,
+        # two on each side of the whole rewrite
         tr, states = _run(s, a, 260, 1, whole_at=(130,), host=lambda x: x.get())
         cp.cuda.get_current_stream().synchronize()
         assert tr.on_device
@@ -467,3 +468,27 @@ def test_a_mend_whose_arming_fails_goes_on_with_the_sessions_epochs(monkeypatch)
     for _ in range(4):
         tr.step()                                  # step 12 mends onto the same engine, armed again
     assert tr.mended == 2 and tr.armed and engine.armed[3] == 12 and [c for _, c in tr.fired] == [4]
+
+
+def test_the_arena_is_kept_room_for_the_epochs_the_kernel_may_take_before_the_next_step(monkeypatch):
+    """The host asks the route to swap the arena when it has no room for the
+    epochs of the due gates queued since the kernel's last epoch, this
+    step's included (`_ahead`): one while the stream keeps up; more while it
+    runs behind, at most AHEAD_MAX; none before a step whose epoch the host
+    took (`_skip`) counts."""
+    st, route, tr = _host_side(monkeypatch)
+    asked = []
+    monkeypatch.setattr(route, "rotate", lambda ahead=1: asked.append(ahead) or False)
+    for _ in range(8):
+        tr.step()                                   # every 4: each due gate's epoch logged as it is queued
+    assert asked == [1] * 8 and [c for _, c in tr.fired] == [4, 8]
+    monkeypatch.setattr(route.engine, "step_gate", lambda counter, gate: None)  # the stream runs behind
+    asked.clear()
+    for _ in range(12):
+        tr.step()
+    # steps 9 to 15: the gate of 12 at most; from step 16 those of 12 and 16, then of 20 too (capped)
+    assert asked == [1] * 7 + [2] * 5 and st.AHEAD_MAX == 2, asked
+    tr._skip = 20                                   # as a mend leaves it: step 20's epoch was the host's
+    asked.clear()
+    tr.step()
+    assert asked == [1]
