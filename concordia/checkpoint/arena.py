@@ -34,7 +34,8 @@ epoch an arena lost before the table was made, the loss having made every
 region whole and the table new; without it every later epoch would be lost
 the same way, each written whole).  Only a table whose last epoch alone
 does not fit a segment has no arena (`too_large`: its epochs take the
-session's path).  An epoch that writes more than the
+session's path), or, before its first, one made after two arenas in a row
+lost an epoch larger than a segment.  An epoch that writes more than the
 room left (a cache reset, a new prompt) is *lost*: detection, which moves
 the detectors on, has run, and nothing of it was written.  The arena then
 takes no further epoch (`lost` names it), and the session's next call takes
@@ -100,22 +101,26 @@ def records_bytes(table, counts) -> int:
     return int(recs["length"].sum()) if recs.size else 0
 
 
-def last_epoch_bytes(table) -> int:
+def last_epoch_bytes(table, *, lost_again: bool = False) -> int:
     """What the next epoch of `table` is guessed to write: its last epoch's
     record bytes; before it has one, those of the epoch an arena lost before
     the table was made (`arena_hint`: the loss made every region whole and
-    the table new); 0: neither known."""
-    return int(table.last_bytes) or int(table.arena_hint)
+    the table new), with `lost_again` only once a second arena in a row lost
+    one (one loss is as often a one-off, a new prompt's cache); 0: none known."""
+    if table.last_bytes or (lost_again and table.arena_losses < 2):
+        return int(table.last_bytes)
+    return int(table.arena_hint)
 
 
 def too_large(table, app, full: int | None = None) -> str | None:
     """Why no arena of the log `app` appends to can hold one epoch of `table`
     (an arena takes at most a segment): every page of every row does not
-    fit, and neither does the table's last epoch (`last_epoch_bytes`, at
-    least ARENA_MIN_BYTES) with its commit; or None.  `full`: full_bound(table), when known."""
+    fit, and neither does the table's last epoch (`last_epoch_bytes`: after
+    two losses in a row, the lost one's; at least ARENA_MIN_BYTES) with its
+    commit; or None.  `full`: full_bound(table), when known."""
     whole = arena_capacity(app)
     full = full_bound(table) if full is None else full
-    need = min(full, max(last_epoch_bytes(table), ARENA_MIN_BYTES)) + table.commit_length
+    need = min(full, max(last_epoch_bytes(table, lost_again=True), ARENA_MIN_BYTES)) + table.commit_length
     if need > whole:
         return (f"an epoch of {need} bytes (the last one's records and its commit) needs an arena of more "
                 f"than a segment ({whole} bytes)")

@@ -147,10 +147,12 @@ class EpochRunner:
         self.arenas_lost = 0
         #: what stops the open arena's writer before it is taken on (the device's trigger), or None
         self.arena_pause = None
-        #: record bytes the last epoch an arena lost needed (0: none since an arena's epoch was taken on):
-        #: the tables made after it size their arenas for it (`RegionTable.arena_hint`), so that a table
-        #: made again after the loss (every region whole next) does not lose its next epoch the same way
+        #: record bytes the last epoch an arena lost needed, and the arenas lost in a row (0, 0: none since
+        #: an arena's epoch was taken on): the tables made after it size their arenas for it
+        #: (`RegionTable.arena_hint`), so that a table made again after the loss (every region whole
+        #: next) does not lose its next epoch the same way
         self.arena_hint = 0
+        self.arena_losses = 0
 
     @property
     def registration(self):
@@ -264,10 +266,11 @@ class EpochRunner:
                 self.regions.next_epoch = max(self.regions.next_epoch, a.word("last_epoch") + 1)
             if a.lost:
                 self.arena_hint = self._lost_bytes(a.table)
+                self.arena_losses = 1 if got else self.arena_losses + 1
                 self.lose()
                 self.arenas_lost += 1
             elif got:
-                self.arena_hint = 0
+                self.arena_hint = self.arena_losses = 0
         t = a.table
         if a.digests is not None:  # the table's digests are its last commit's (a GPU consumer kept them on the device)
             t.digests[:] = [a.digests[int(rid)] for rid in t.entries["region_id"].tolist()]
@@ -284,7 +287,7 @@ class EpochRunner:
         if out:
             self.last_log_bytes = int(out[-1].log_bytes)
             t.last_bytes = max(int(st.log_bytes) for st in out)  # a device consumer's epochs: the next arena's size
-        t.arena_hint = self.arena_hint
+        t.arena_hint, t.arena_losses = self.arena_hint, self.arena_losses
         return out
 
     def _lost_bytes(self, table) -> int:
@@ -567,7 +570,7 @@ class EpochRunner:
                     and all(r.crcs is not None and r.digest is not None for r in regions)):
                 tp = st.kernels.table_pass(RegionTable(regions, log.appender.segment_capacity), self.regions,
                                            st.registration, st)
-                tp.table.arena_hint = self.arena_hint
+                tp.table.arena_hint, tp.table.arena_losses = self.arena_hint, self.arena_losses
         self._table = (self.regions.version, tp)
         return tp
 

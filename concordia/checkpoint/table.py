@@ -147,9 +147,11 @@ class RegionTable:
         per = e["per_record"].astype(np.int64)
         self.max_records = int((-(-pages // per)).sum())
         self.last_bytes = 0
-        #: record bytes of the last epoch an arena lost (its records did not fit what was left), kept by
-        #: the session's runner across tables until an arena's epoch is taken on: arenas are sized for it
+        #: record bytes of the last epoch an arena lost (its records did not fit what was left), and the
+        #: arenas lost in a row since one's epoch was taken on: kept by the session's runner across tables
+        #: (`arena.last_epoch_bytes`: arenas are sized for it; `too_large` heeds it after a second loss)
         self.arena_hint = 0
+        self.arena_losses = 0
         #: rows by (detector code, page bytes): one detection launch each
         self.groups: dict = {}
         keys = np.stack([e["detector"].astype(np.int64), self.page_bytes], axis=1) if n else np.zeros((0, 2), np.int64)
