@@ -154,10 +154,12 @@ class Arena:
     """One extent of the log for epochs a consumer commits itself (module doc).
     `first_epoch`: the number the first epoch takes; `reason`: what took them
     (their statistics' reason); `words`: a WORDS array of one row to keep
-    the words in (a GPU consumer's mapped memory), else one of its own."""
+    the words in (a GPU consumer's mapped memory), else one of its own;
+    `least`: the epochs the rest of a segment must hold to be taken as the
+    arena (a consumer that swaps arenas with room for several kept)."""
 
     def __init__(self, app, table, first_epoch: int, nbytes: int | None = None, *, reason: str = "trigger",
-                 label: str = "cpu-mapped", words: np.ndarray | None = None):
+                 label: str = "cpu-mapped", words: np.ndarray | None = None, least: int = 1):
         self.table = table
         self.reason = reason
         self.label = label  # the path its epochs took (their statistics' `via`)
@@ -172,13 +174,14 @@ class Arena:
             why = too_large(table, app, full)
             if why is not None:
                 raise ValueError(why)
-            # a table whose every page fits: ARENA_EPOCHS of them, within half a segment where one fits there
-            nbytes = arena_capacity(app) if adapt else min(max(ARENA_EPOCHS * need, ARENA_MIN_BYTES),
-                                                            max(app.segment_capacity // 2, need))
+            # a table whose every page fits half a segment: ARENA_EPOCHS of its epochs, within half a segment
+            small = not adapt and need <= app.segment_capacity // 2
+            nbytes = min(max(ARENA_EPOCHS * need, ARENA_MIN_BYTES), app.segment_capacity // 2) if small \
+                else arena_capacity(app)
             rest = app.segment_rest // fmt.RECORD_ALIGN * fmt.RECORD_ALIGN
-            # the rest of the segment being written, where it holds one epoch; with no epoch of this table
-            # known (`last_epoch_bytes` 0: ARENA_MIN_BYTES is no guess), not the rest but a segment
-            if rest >= need and (not adapt or last_epoch_bytes(table)):
+            # the rest of the segment being written, where it holds `least` epochs; with no epoch of this
+            # table known (`last_epoch_bytes` 0: ARENA_MIN_BYTES is no guess), not the rest but a segment
+            if rest >= max(1, least) * need and (not adapt or last_epoch_bytes(table)):
                 nbytes = min(nbytes, rest)
         if nbytes < need:
             raise ValueError(f"an arena of {nbytes} bytes cannot hold one epoch of {need} bytes")

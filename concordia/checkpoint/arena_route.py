@@ -262,8 +262,9 @@ class ArenaRoute:
     def rotate(self, *, ahead: int = 1) -> bool:
         """An armed device trigger's arena, once the session took it on, it
         has no room for the `ahead` epochs the kernel may take before the
-        host's next call (`Arena.holds`: each twice the last), an epoch was
-        missed or lost, or the trigger's log is half full, swapped for
+        host's next call (`Arena.holds`: each twice the last; one while the
+        arena has none yet), an epoch was missed or lost, or the trigger's
+        log is half full, swapped for
         another (`DeviceEpochs.rotate`); whether it was.  With no room for
         another now the trigger stays paused (False; tried again at the next
         call).  A lost epoch leaves the trigger off (ExecutorError)."""

@@ -51,7 +51,7 @@ from concordia.checkpoint.table import DET_FINGERPRINT, DET_SHADOW
 
 from concordia.executor.errors import ExecutorError
 from concordia.executor.cpu import _FENCE  # the host's store->load fence (ring.py step 5)
-from concordia.executor.step_trigger import GATE_WORDS, is_fault
+from concordia.executor.step_trigger import AHEAD_MAX, GATE_WORDS, is_fault
 
 #: detection launches a descriptor holds (executor.cu: CX_MAX_GROUPS)
 MAX_GROUPS = 8
@@ -222,9 +222,10 @@ class DeviceEpochs:
         """An arena for the next epochs, its words in mapped memory, its descriptor on the device."""
         s, runner = self.session, self.session.runner
         words = self.words.array.view(arena_mod.WORDS)
+        # the rest of a segment only where it holds the epochs a trigger keeps room for (`ArenaRoute.rotate`)
         ar = arena_mod.Arena(s.log.appender, self.tpass.table,
                              max(runner.regions.next_epoch, s.log.appender.next_epoch), words=words,
-                             reason="device epoch", label=self.tpass.label)
+                             reason="device epoch", label=self.tpass.label, least=AHEAD_MAX)
         runner.arena = ar
         runner.arenas += 1
         runner.arena_pause = self.pause  # the session takes the arena on only once the kernel writes it no more

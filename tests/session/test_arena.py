@@ -228,3 +228,42 @@ def test_an_arena_is_a_segment_tried_with_twice_the_last_epoch_at_most_what_it_h
         assert why is not None and "more than a segment" in why, why
         with pytest.raises(ValueError, match="more than a segment"):
             arena.Arena(app, table, 99)
+
+
+def test_a_table_of_more_than_half_a_segment_gets_a_segment_and_a_rest_only_where_it_holds_enough(shm_log):
+    """A 768 KiB table against 1 MiB segments whose every page fits a segment
+    but not half of one, its last epoch large enough that every page is the
+    bound (no epoch lost): its arena is a whole segment (or the rest of the
+    one being written, where that holds an epoch), not one epoch's bytes.  A
+    rest is taken only where it holds `least` epochs (a device trigger keeps
+    room for two), else a whole segment."""
+    with Session(shm_log, size=16 * MiB, segment_size=MiB, staging="mapped", policy=Policy(retain=False)) as s:
+        a = np.zeros(768 << 10, np.uint8)
+        s.register("a", a, detect="shadow", page_bytes=4096)
+        s.checkpoint()
+        app = s.log.appender
+        table = s.runner.table_pass(s.log).table
+        full, commit, whole = arena.full_bound(table), table.commit_length, arena.arena_capacity(app)
+        table.last_bytes = full // 2 + 4096             # twice it is every page: no epoch can be lost
+        assert app.segment_capacity // 2 < full + commit <= whole and arena.epoch_bound(table, app) == full
+        rest = app.segment_rest // 64 * 64
+        ar = arena.Arena(app, table, 99)
+        assert ar.word("adapt") == 0 and ar.ext.length == (rest if rest >= full + commit else whole), rest
+        ar.adopt(app)
+    with Session(shm_log, size=16 * MiB, segment_size=MiB, staging="mapped", policy=Policy(retain=False),
+                 overwrite=True) as s:
+        a = np.zeros(2 * MiB, np.uint8)
+        s.register("a", a, detect="shadow", page_bytes=4096)
+        s.checkpoint()
+        app = s.log.appender
+        table = s.runner.table_pass(s.log).table
+        rest, commit = app.segment_rest // 64 * 64, table.commit_length
+        table.last_bytes = (rest * 3 // 4 - commit) // 2  # an epoch tried with three quarters of the rest
+        need = arena.epoch_bound(table, app) + commit
+        assert arena.ARENA_MIN_BYTES < need <= rest < 2 * need, (need, rest)
+        one = arena.Arena(app, table, 99)               # least=1: the rest
+        assert one.ext.length == rest
+        one.adopt(app)                                  # no epoch: given back, the same rest again
+        two = arena.Arena(app, table, 99, least=2)      # the rest holds one epoch, not two: a segment instead
+        assert two.ext.length == arena.arena_capacity(app)
+        two.adopt(app)

@@ -324,7 +324,7 @@ class _StoppedEngine:
 
     def __init__(self, status):
         self.trigger_status, self.armed, self.closed = status, (1, None, None, 0), False
-        self.fill, self.fired_logged = 1.0, 0
+        self.fired_logged = 0
 
     where = "caller"
 
