@@ -107,8 +107,10 @@ def last_epoch_bytes(table, *, lost_again: bool = False) -> int:
     the table was made (`arena_hint`: the loss made every region whole and
     the table new), with `lost_again` only once a second arena in a row lost
     one (one loss is as often a one-off, a new prompt's cache); 0: none known."""
-    if table.last_bytes or (lost_again and table.arena_losses < 2):
+    if table.last_bytes:
         return int(table.last_bytes)
+    if lost_again and table.arena_losses < 2:
+        return 0
     return int(table.arena_hint)
 
 
@@ -134,8 +136,7 @@ def arena_capacity(app) -> int:
 
 def full_bound(table) -> int:
     """Record bytes one epoch of `table` can need: every page of every row."""
-    recs = plan_records(table.entries, table.entries["pages"].astype(np.int64))
-    return int(recs["length"].sum()) if recs.size else 0
+    return records_bytes(table, table.entries["pages"])
 
 
 def epoch_bound(table, app, full: int | None = None) -> int:
@@ -181,7 +182,7 @@ class Arena:
             rest = app.segment_rest // fmt.RECORD_ALIGN * fmt.RECORD_ALIGN
             # the rest of the segment being written, where it holds `least` epochs; with no epoch of this
             # table known (`last_epoch_bytes` 0: ARENA_MIN_BYTES is no guess), not the rest but a segment
-            if rest >= max(1, least) * need and (not adapt or last_epoch_bytes(table)):
+            if rest >= least * need and (not adapt or last_epoch_bytes(table)):
                 nbytes = min(nbytes, rest)
         if nbytes < need:
             raise ValueError(f"an arena of {nbytes} bytes cannot hold one epoch of {need} bytes")

@@ -264,10 +264,10 @@ class ArenaRoute:
         has no room for the `ahead` epochs the kernel may take before the
         host's next call (`Arena.holds`: each twice the last; one while the
         arena has none yet), an epoch was missed or lost, or the trigger's
-        log is half full, swapped for
-        another (`DeviceEpochs.rotate`); whether it was.  With no room for
-        another now the trigger stays paused (False; tried again at the next
-        call).  A lost epoch leaves the trigger off (ExecutorError)."""
+        log is half full, swapped for another (`DeviceEpochs.rotate`);
+        whether it was.  With no room for another now the trigger stays
+        paused (False; tried again at the next call).  A lost epoch leaves
+        the trigger off (ExecutorError)."""
         engine = self.engine
         if engine is None or engine.armed is None:
             return False

@@ -287,7 +287,6 @@ class EpochRunner:
         if out:
             self.last_log_bytes = int(out[-1].log_bytes)
             t.last_bytes = max(int(st.log_bytes) for st in out)  # a device consumer's epochs: the next arena's size
-        t.arena_hint, t.arena_losses = self.arena_hint, self.arena_losses
         return out
 
     def _lost_bytes(self, table) -> int:

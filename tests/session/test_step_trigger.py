@@ -357,21 +357,28 @@ def test_the_device_triggers_host_side_mends_what_stopped_it_at_a_due_step(monke
     assert len(route.checkpoints) == 2 and tr.steps == 28 and not tr.armed
 
 
-def test_a_kernel_that_left_and_cannot_be_armed_again_is_mended_at_the_next_due_step(monkeypatch):
-    """The kernel left (idle) and arming it again finds no room (the log
-    full): the step does not raise out of the caller's loop; the trigger is
-    mended at the next due step by the session's own checkpoint."""
+def _left_with_the_log_full(monkeypatch):
+    """`_host_side` five steps in, the kernel having left (idle): returns
+    (the module, the route, the trigger, its engine, an arming that finds
+    the log full, for the test to put in the engine's place)."""
     from concordia.errors import LogFullError
 
     st, route, tr = _host_side(monkeypatch)
     for _ in range(5):
         tr.step()
-    engine = route.engine
-    engine.status = st.TRIGGER_LEFT
+    route.engine.status = st.TRIGGER_LEFT
 
     def full(*args, **kw):
         raise LogFullError("all 3 segments are live", where="log")
 
+    return st, route, tr, route.engine, full
+
+
+def test_a_kernel_that_left_and_cannot_be_armed_again_is_mended_at_the_next_due_step(monkeypatch):
+    """The kernel left (idle) and arming it again finds no room (the log
+    full): the step does not raise out of the caller's loop; the trigger is
+    mended at the next due step by the session's own checkpoint."""
+    st, route, tr, engine, full = _left_with_the_log_full(monkeypatch)
     monkeypatch.setattr(engine, "trigger", full)
     tr.step()                                      # step 6: the re-arm fails, nothing raised
     assert not tr.armed and route.checkpoints == [] and tr.steps == 6
@@ -447,17 +454,9 @@ def test_a_mend_whose_arming_fails_goes_on_with_the_sessions_epochs(monkeypatch)
     step's mend as well (the route kept its engine): the step does not raise;
     the due step's epoch is the session's own, said once, and the next due
     step mends again, onto the same engine, once arming works."""
-    from concordia.errors import LogFullError, TriggerWarning
+    from concordia.errors import TriggerWarning
 
-    st, route, tr = _host_side(monkeypatch)
-    for _ in range(5):
-        tr.step()
-    engine = route.engine
-    engine.status = st.TRIGGER_LEFT
-
-    def full(*args, **kw):
-        raise LogFullError("all 3 segments are live", where="log")
-
+    st, route, tr, engine, full = _left_with_the_log_full(monkeypatch)
     arm = engine.trigger
     engine.trigger = full
     with pytest.warns(TriggerWarning, match="step 8: arming the trigger again failed") as caught:
