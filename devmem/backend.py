@@ -60,6 +60,8 @@ class Backend(abc.ABC):
 
       * `lock()` takes the advisory writer lock of the file or device under the
         mapping; `close()` gives it back.
+      * `at_close(fn)`: fn() runs first at `close()` (pins of the mapping given back
+        before it is unmapped).
 
     Subclasses set the capability attributes and implement `_persist`, `_flush`,
     `_drain` and `_release`; range checking and the closed state live here.
@@ -72,6 +74,7 @@ class Backend(abc.ABC):
     gpu_mappable: bool = False
     _file_fd: int = -1
     _locked: bool = False
+    _closers: tuple = ()
 
     def __init__(self, *, path: str | None, size: int, alignment: int, view: memoryview,
                  address: int, is_pmem: bool = False, persist_path: str = "none",
@@ -149,11 +152,18 @@ class Backend(abc.ABC):
         except OSError as exc:
             raise os_error(exc, self.where, "drain failed") from None
 
+    def at_close(self, fn: Callable[[], None]) -> None:
+        """Run fn() at `close()`, before the mapping goes (once; it must not raise)."""
+        self._closers = (*self._closers, fn)
+
     def close(self) -> None:
         """Unmap (deferred while views taken from this backend are alive) and
         give back the writer lock.  Calling it twice is harmless."""
         if self._view is None:
             return
+        closers, self._closers = self._closers, ()
+        for fn in closers:
+            fn()
         self._array = None
         view, self._view = self._view, None
         try:

@@ -8,15 +8,23 @@ mappings the kernel will not pin for long (pmem files on fsdax, page-cache
 files) are refused up front with HostRegisterRefusedError, before CUDA is
 touched: callers then write through a pinned staging ring.  `pinned` backends
 are already mapped: only their device address is looked up.
+
+A restore that pins the pieces of a mapping it reads (`restore.device`) keeps
+them pinned with the mapping (`keep_pinned`): given back when the backend
+closes, or by `register`, which needs the mapping whole.  Unpinning 10 GiB
+took 0.09 s of a restore's 0.8 s; a later restore from the same mapping
+finds its pieces pinned.
 """
 
 from __future__ import annotations
+
+import threading
 
 from .backend import Backend
 from .errors import HostRegisterRefusedError
 from .pinned import cupy_or_raise
 
-__all__ = ["register", "pin", "unpin", "HostRegistration", "CHUNK"]
+__all__ = ["register", "pin", "unpin", "keep_pinned", "kept_pins", "release_kept", "HostRegistration", "CHUNK"]
 
 HOST_REGISTER_PORTABLE = 0x01    # cudaHostRegister flags
 HOST_REGISTER_MAPPED = 0x02
@@ -105,6 +113,39 @@ def unpin(addr: int) -> None:
         pass
 
 
+_kept_lock = threading.Lock()
+
+
+def keep_pinned(backend: Backend, addr: int, nbytes: int) -> None:
+    """Keep [addr, addr + nbytes) of `backend`'s mapping, pinned by `pin`,
+    pinned until the backend closes or `release_kept`."""
+    with _kept_lock:
+        kept = backend.__dict__.get("_kept_pins")
+        if kept is None:
+            kept = backend._kept_pins = {}
+            backend.at_close(lambda: release_kept(backend))
+        kept[int(addr)] = int(nbytes)
+
+
+def kept_pins(backend: Backend) -> dict:
+    """{host address: bytes} of the pieces of `backend`'s mapping kept pinned."""
+    with _kept_lock:
+        return dict(backend.__dict__.get("_kept_pins") or {})
+
+
+def release_kept(backend: Backend) -> float:
+    """Unpin every piece `keep_pinned` kept for `backend`; returns the seconds it took."""
+    import time
+
+    t0 = time.perf_counter()
+    with _kept_lock:
+        kept = backend.__dict__.get("_kept_pins") or {}
+        addrs, backend._kept_pins = list(kept), {}
+    for addr in addrs:
+        unpin(addr)
+    return time.perf_counter() - t0
+
+
 def register(backend: Backend, chunk_bytes: int = CHUNK) -> HostRegistration:
     """Pin `backend`'s mapping for the current CUDA device and return its device
     address.  Raises HostRegisterRefusedError for tiers that cannot be pinned or
@@ -125,6 +166,7 @@ def register(backend: Backend, chunk_bytes: int = CHUNK) -> HostRegistration:
                                        where=where)
     cupy = cupy_or_raise(where)
     rt = cupy.cuda.runtime
+    release_kept(backend)   # a restore's pieces: the mapping is pinned whole now
     if backend.kind == "pinned":
         return HostRegistration(backend, _device_pointer(rt, addr), size, [], rt)
     span = -(-size // PAGE) * PAGE         # the mapping covers whole pages

@@ -101,6 +101,15 @@ class BackendConformance:
             with pytest.raises(BackendClosedError):
                 use()
 
+    def test_at_close_runs_first_and_once(self, tmp_path):
+        b = self.make(tmp_path, self.size)
+        seen = []
+        b.at_close(lambda: seen.append(b.closed))   # the pins of a restore are given back here
+        b.at_close(lambda: seen.append("second"))
+        b.close()
+        b.close()
+        assert seen == [False, "second"]   # before the mapping went, each once
+
     def test_close_with_a_live_view_keeps_that_view_valid(self, tmp_path):
         b = self.make(tmp_path, self.size)
         keep = b.array[4096:8192]
