@@ -263,6 +263,37 @@ def region_digest(page_crcs) -> int:
     return int(out.get()[0])
 
 
+def expand_runs(first, run_stage, run_pb, run_id, run_crc, crc_table, n: int, *, page_bytes: int) -> tuple:
+    """(stage uint64, ids uint32, crcs uint32) CuPy arrays of pages 0..n-1 laid
+    out as runs (see reference.expand_runs), expanded on the device in one
+    launch; the runs and `crc_table` may be host or device arrays.  The kernel
+    is taken from the scatter module of `page_bytes` (the one the restore loads)."""
+    cp = _cp()
+    if n == 0:
+        return cp.zeros(0, cp.uint64), cp.zeros(0, cp.uint32), cp.zeros(0, cp.uint32)
+    runs = [cp.asarray(a, dtype=cp.int64) for a in (first, run_stage, run_pb, run_id, run_crc)]
+    table = cp.asarray(crc_table, dtype=cp.uint32)
+    stage, ids, crcs = cp.empty(n, cp.uint64), cp.empty(n, cp.uint32), cp.empty(n, cp.uint32)
+    k = jit.function("scatter", "expand_runs", {"PAGE_BYTES": ref.check_page_bytes(page_bytes)})
+    blocks = max(1, min(-(-n // THREADS), 4096))
+    k((blocks,), (THREADS,), (*runs, np.uint64(runs[0].size), table, np.uint64(n), stage, ids, crcs))
+    return stage, ids, crcs
+
+
+def region_digests(page_crcs: list) -> list[int]:
+    """region_digest of each array of page CRCs, queued together and read back
+    in one copy (one host synchronisation for every region of a restore)."""
+    cp = _cp()
+    if not page_crcs:
+        return []
+    out = cp.empty(len(page_crcs), cp.uint32)
+    k = jit.function("crc32c", "crc32c_words", {})
+    for i, c in enumerate(page_crcs):
+        crcs = _u32(c, "page_crcs")
+        k((1,), (1024,), (crcs, np.uint64(crcs.size), out[i:i + 1]))
+    return [int(x) for x in out.get()]
+
+
 # --- staging -----------------------------------------------------------------
 
 

@@ -34,7 +34,7 @@ KERNELS = {
     "fingerprint": ("fingerprint",),
     "crc32c": ("crc32c_pages", "crc32c_words"),
     "stage": ("stage_alloc", "stage_payload", "stage_finalize", "stage_delta"),
-    "scatter": ("scatter_pages",),
+    "scatter": ("scatter_pages", "expand_runs"),
     "kv_scan": ("kv_scan", "adapter_scan"),
     "table": ("table_fingerprint", "table_shadow", "table_mark", "table_plan", "table_stage", "table_finalize"),
 }

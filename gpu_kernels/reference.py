@@ -570,6 +570,27 @@ def scatter_pages(src, src_offsets, page_ids, region, *, page_bytes: int,
     return np.flatnonzero(~ok).astype(np.int64)
 
 
+def expand_runs(first, run_stage, run_pb, run_id, run_crc, crc_table, n: int) -> tuple:
+    """(stage uint64, ids uint32, crcs uint32) for pages 0..n-1 laid out as
+    runs: page k belongs to the last run r with first[r] <= k (firsts
+    ascending, first[0] == 0) and, with j = k - first[r], lands at staging
+    offset run_stage[r] + j * run_pb[r] as page id run_id[r] + j (mod 2**32),
+    its stored CRC being crc_table[run_crc[r] + j].  The int64 run arrays are
+    one entry per run."""
+    first = np.asarray(first, np.int64)
+    if n == 0:
+        return np.zeros(0, np.uint64), np.zeros(0, np.uint32), np.zeros(0, np.uint32)
+    if first.size == 0 or first[0] != 0 or (first.size > 1 and np.any(np.diff(first) < 0)):
+        raise KernelInputError("run firsts must start at 0 and ascend", where="first")
+    k = np.arange(n, dtype=np.int64)
+    run = np.searchsorted(first, k, side="right") - 1
+    j = k - first[run]
+    stage = (np.asarray(run_stage, np.int64)[run] + j * np.asarray(run_pb, np.int64)[run]).astype(np.uint64)
+    ids = (np.asarray(run_id, np.int64)[run] + j).astype(np.uint32)
+    crcs = np.asarray(crc_table, np.uint32)[np.asarray(run_crc, np.int64)[run] + j]
+    return stage, ids, crcs
+
+
 # --- holds (gpu.launch_hold and its kind): a producer stream held at one point ---
 # words[0]: holds arrived, words[1]: the newest release, words[2]: waits that
 # gave up after their timeout.  A twin does not wait: `released` / `arrived`

@@ -38,3 +38,28 @@ scatter_pages(const u8* __restrict__ src, const u64* __restrict__ src_offsets,
         }
     }
 }
+
+// The per-page tables scatter_pages reads, expanded from runs: one thread per
+// page k < n; its run r is the last whose first page is <= k (a binary search
+// over `runs` ascending firsts), j = k - first[r], and
+//   stage[k] = run_stage[r] + j * run_pb[r],  ids[k] = (u32)(run_id[r] + j),
+//   crcs[k] = crc_table[run_crc[r] + j].
+// One launch where the array library took a dozen.  Twin: reference.expand_runs.
+extern "C" __global__ void __launch_bounds__(256)
+expand_runs(const i64* __restrict__ first, const i64* __restrict__ run_stage, const i64* __restrict__ run_pb,
+            const i64* __restrict__ run_id, const i64* __restrict__ run_crc, u64 runs,
+            const u32* __restrict__ crc_table, u64 n, u64* __restrict__ stage, u32* __restrict__ ids,
+            u32* __restrict__ crcs) {
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 k = (u64)blockIdx.x * blockDim.x + threadIdx.x; k < n; k += stride) {
+        u64 lo = 0, hi = runs;   // the answer lies in [lo, hi): first[lo] <= k
+        while (hi - lo > 1) {
+            const u64 mid = lo + (hi - lo) / 2;
+            if ((u64)first[mid] <= k) lo = mid; else hi = mid;
+        }
+        const i64 j = (i64)k - first[lo];
+        stage[k] = (u64)(run_stage[lo] + j * run_pb[lo]);
+        ids[k] = (u32)(run_id[lo] + j);
+        crcs[k] = crc_table[run_crc[lo] + j];
+    }
+}

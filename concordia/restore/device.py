@@ -51,6 +51,9 @@ DEFAULT_CHUNK_BYTES = 32 << 20
 #: registering: pieces of the log pinned for the copy engine, and threads pinning them
 REGISTER_PIECE = 64 << 20
 REGISTER_THREADS = int(os.environ.get("CONCORDIA_REGISTER_THREADS", 0)) or 8
+#: a restore of at most this many bytes pins the pieces it reads on any mapping
+#: CUDA can pin (`pins_ahead`); 0 copies every such restore through pinned buffers
+PIN_SMALL_BYTES = int(os.environ.get("CONCORDIA_PIN_SMALL_BYTES", 1 << 30))
 #: host threads filling the pinned buffers (one copies a few GB/s; the bus takes 50)
 COPY_THREADS = int(os.environ.get("CONCORDIA_RESTORE_THREADS", 0)) or min(12, max(2, os.cpu_count() or 2))
 
@@ -98,20 +101,18 @@ class Transfer:
 
     def page_tables(self, xp=np) -> tuple:
         """(stage_off uint64, page_ids uint32, crcs uint32) per page, expanded
-        from the runs with array module `xp` (numpy, or cupy on the device:
-        the runs and CRC tables go over, the per-page tables are built there)."""
-        n = self.pages
-        if n == 0:
-            return xp.zeros(0, xp.uint64), xp.zeros(0, xp.uint32), xp.zeros(0, xp.uint32)
-        first = xp.asarray(self.run_first)
-        mark = xp.zeros(n, xp.int64)
-        mark[first[1:]] = 1
-        run = xp.cumsum(mark)  # the run of each page
-        k = xp.arange(n, dtype=xp.int64) - first[run]
-        stage = (xp.asarray(self.run_stage)[run] + k * xp.asarray(self.run_pb)[run]).astype(xp.uint64)
-        ids = (xp.asarray(self.run_id)[run] + k).astype(xp.uint32)
-        crcs = xp.asarray(self.crc_table)[xp.asarray(self.run_crc)[run] + k]
-        return stage, ids, crcs
+        from the runs with array module `xp`: numpy (`reference.expand_runs`),
+        or cupy, where the runs and CRC tables go over and one kernel expands
+        them on the device (`gpu.expand_runs`, its twin)."""
+        args = (self.run_first, self.run_stage, self.run_pb, self.run_id, self.run_crc, self.crc_table, self.pages)
+        if xp is np:
+            from concordia.gpu_kernels import reference as ref
+
+            return ref.expand_runs(*args)
+        from concordia.gpu_kernels import gpu
+
+        return gpu.expand_runs(*args, page_bytes=self.regions[int(self.run_region[0])].region.page_bytes
+                               if self.pages else 64)
 
     @functools.cached_property
     def run_first(self) -> np.ndarray:
@@ -512,19 +513,25 @@ class _PinRefused(Exception):
 class _RegisterAhead:
     """Pin the pieces of the log mapping a transfer reads, on a pool of threads,
     in the order the pipeline needs them, so the copy engine reads the log
-    itself while later pieces are still being pinned; unpinned at close.
-    Pinning a whole log first costs ~0.2-0.4 s/GiB on one thread before the
-    first byte moves; pieces in parallel overlap it with the transfer."""
+    itself while later pieces are still being pinned.  Pinning a whole log
+    first costs ~0.2-0.4 s/GiB on one thread before the first byte moves;
+    pieces in parallel overlap it with the transfer.  The pieces stay pinned
+    with the mapping (`cuda_host.keep_pinned`: given back when the log closes),
+    and a piece an earlier restore pinned is not pinned again."""
 
     def __init__(self, cp, backend, tr: Transfer, threads: int | None = None, piece: int | None = None):
-        from concurrent.futures import ThreadPoolExecutor
+        from concurrent.futures import Future, ThreadPoolExecutor
+
+        from concordia.devmem import cuda_host
 
         threads, piece = threads or REGISTER_THREADS, piece or REGISTER_PIECE
         self.cp = cp
+        self.backend = backend
         self.base, self.size = backend.address, backend.size
         self.read_only = bool(backend.readonly)
         self.device = cp.cuda.Device().id
         self.piece = piece
+        kept = cuda_host.kept_pins(backend)
         self.per_chunk, order, seen = [], [], set()
         for c in range(tr.chunks):
             ks = set()
@@ -535,17 +542,26 @@ class _RegisterAhead:
                 if k not in seen:
                     seen.add(k)
                     order.append(k)
+        self.done = {}
+        for k in order:
+            if kept.get(self.base + k * piece) == self._length(k):
+                self.done[k] = Future()
+                self.done[k].set_result(k)
+        self.kept = len(self.done)
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="concordia-register")
-        self.done = {k: self.pool.submit(self._register, k) for k in order}
+        self.done.update({k: self.pool.submit(self._register, k) for k in order if k not in self.done})
         self.wait_s = 0.0
+
+    def _length(self, k: int) -> int:
+        return min(self.piece, self.size - k * self.piece)
 
     def _register(self, k: int) -> int:
         from concordia.devmem import cuda_host
 
         self.cp.cuda.Device(self.device).use()
-        lo = k * self.piece
-        cuda_host.pin(self.base + lo, min(self.piece, self.size - lo), read_only=self.read_only,
-                      where=f"log piece @ {lo:#x}")
+        addr = self.base + k * self.piece
+        cuda_host.pin(addr, self._length(k), read_only=self.read_only, where=f"log piece @ {k * self.piece:#x}")
+        cuda_host.keep_pinned(self.backend, addr, self._length(k))
         return k
 
     def ready(self, c: int) -> None:
@@ -559,41 +575,32 @@ class _RegisterAhead:
         self.wait_s += time.perf_counter() - t0
 
     def close(self) -> float:
-        """Unpin every piece that was pinned; returns the seconds it took."""
+        """Stop pinning: pieces not started are left, those started end (kept
+        pinned with the mapping); returns the seconds it took."""
         t0 = time.perf_counter()
-        pinned = []
-        for k, f in self.done.items():
+        for f in self.done.values():
             f.cancel()
-        for k, f in self.done.items():
-            if not f.cancelled():
-                try:
-                    f.result()
-                    pinned.append(k)
-                except Exception:
-                    pass
-
-        def unpin(k):
-            from concordia.devmem import cuda_host
-
-            self.cp.cuda.Device(self.device).use()
-            cuda_host.unpin(self.base + k * self.piece)
-
-        list(self.pool.map(unpin, pinned))
-        self.pool.shutdown()
+        self.pool.shutdown(wait=True)
         return time.perf_counter() - t0
 
 
-def pins_ahead(backend, read: str) -> bool:
+def pins_ahead(backend, read: str, nbytes: int | None = None) -> bool:
     """Whether a restore without a live registration pins the log's mapping in
     pieces ahead of the copy engine (`_RegisterAhead`) rather than copying it
     into pinned buffers on host threads.  read="pin" asks for it on any
     mapping CUDA can pin; read="auto" takes it for mappings in huge pages
     (hugetlbfs files, device DAX): the kernel pins those at ~47 GB/s, so a few
     threads keep ahead of a 55 GB/s copy engine, where 4 KiB-page mappings
-    (/dev/shm) pin at ~13 GB/s and copying them is faster."""
+    (/dev/shm) pin at ~13 GB/s and copying them is faster; and for a restore
+    of at most PIN_SMALL_BYTES (`nbytes`) on any mapping CUDA can pin, which
+    spares it the pinned host buffers (HOST_BUFFERS of a chunk: 128 MiB,
+    ~0.09 s to allocate in a fresh process, for a restore whose copy takes
+    0.03 s)."""
     if not backend.gpu_mappable or read == "copy":
         return False
-    return read == "pin" or backend.kind == "hugetlb" or (backend.kind == "devdax" and backend.alignment >= 2 << 20)
+    small = nbytes is not None and nbytes <= PIN_SMALL_BYTES
+    return (read == "pin" or small or backend.kind == "hugetlb"
+            or (backend.kind == "devdax" and backend.alignment >= 2 << 20))
 
 
 def register_piece(backend) -> int:
@@ -647,8 +654,9 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
     the pieces of the mapping the plan reads, ahead of the copy engine, on
     several threads (shm and other mappings CUDA can pin), falling back to
     "copy" where the driver refuses; "auto" pins ahead for huge-page
-    mappings (hugetlb, device DAX) and copies otherwise (`pins_ahead`): on
-    the H200 machine copying was measured faster for /dev/shm
+    mappings (hugetlb, device DAX) and for restores of at most
+    PIN_SMALL_BYTES, and copies otherwise (`pins_ahead`): on the H200
+    machine copying was measured faster for 10 GiB from /dev/shm
     (docs/results/recover.md).
     own_memory: the names of regions whose arrays get memory of their own
     from the driver, not from CuPy's pool, given back to the driver as the
@@ -672,12 +680,14 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
 
         raise UsageError(f"unknown read mode {read!r} (use auto, pin or copy)", where="apply_plan_cupy")
     direct, own_reg = _direct_source(log, registration, st)
-    ahead = None
-    if direct is None and pins_ahead(log.backend, read) and tr.pages:
-        ahead = _RegisterAhead(cp, log.backend, tr, piece=register_piece(log.backend))
+    # pieces pinned ahead of the copy engine: pinning starts once the allocations
+    # below are made (their driver calls waited behind the pinning threads' before)
+    pin = direct is None and pins_ahead(log.backend, read, tr.bytes_copied) and tr.pages
+    if pin:
         direct = log.backend.address
+    ahead = None
     fd, arr, owned = (None, None, False) if direct is not None else _source_of(log)
-    st["via"] = ("copy engine from pieces pinned ahead" if ahead is not None else
+    st["via"] = ("copy engine from pieces pinned ahead" if pin else
                  "copy engine from the registered mapping" if direct is not None else
                  f"pinned buffers filled by {'preadv' if fd is not None else 'memory copies'}")
     try:
@@ -694,17 +704,19 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
         parts["regions"] = time.perf_counter() - t
         if tr.pages:
             t = time.perf_counter()
-            offs_d, ids_d, crcs_d = tr.page_tables(cp)  # expanded from the runs on the device
-            bad_d = cp.zeros(tr.pages, cp.uint8)
-            sync()
-            parts["page_tables"] = time.perf_counter() - t
-            t = time.perf_counter()
             kernels = {rp.region.page_bytes: jit.function("scatter", "scatter_pages",
                                                           {"PAGE_BYTES": rp.region.page_bytes})
                        for rp in tr.regions}
             parts["kernels"] = time.perf_counter() - t
+            t = time.perf_counter()
+            offs_d, ids_d, crcs_d = tr.page_tables(cp)  # expanded from the runs on the device
+            bad_d = cp.zeros(tr.pages, cp.uint8)
             sync()  # the arrays above exist before other streams use them
+            parts["page_tables"] = time.perf_counter() - t
             st["alloc_s"] = time.perf_counter() - t1  # staging, zeroed regions, page tables on the device
+            if pin:
+                ahead = _RegisterAhead(cp, log.backend, tr, piece=register_piece(log.backend))
+                st["pins_kept"] = ahead.kept
             try:
                 _pipeline(cp, gpu, tr, direct, fd, arr, hosts, slots, copy_stream, stream, out,
                           (offs_d, ids_d, crcs_d, bad_d), kernels, st, ahead,
@@ -712,7 +724,7 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
             except _PinRefused as exc:
                 # the driver would not pin this mapping (a page-cache file, say): copy instead
                 st["pin_refused"] = str(exc)
-                st["unregister_s"] = ahead.close()
+                st["register_wait_s"], st["pin_stop_s"] = ahead.wait_s, ahead.close()
                 ahead, direct = None, None
                 hosts = _host_buffers(cp, tr.chunk_bytes)
                 fd, arr, owned = _source_of(log)
@@ -724,24 +736,25 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
                 _pipeline(cp, gpu, tr, None, fd, arr, hosts, slots, copy_stream, stream, out,
                           (offs_d, ids_d, crcs_d, bad_d), kernels, st, None)
             stream.synchronize()
-            bad = cp.flatnonzero(bad_d)
-            if int(bad.size):
-                raise _bad_page_in_log(log, tr, int(bad[0].get()))
+            bad = np.flatnonzero(bad_d.get())   # a byte a page, read once (no search kernel to load)
+            if bad.size:
+                raise _bad_page_in_log(log, tr, int(bad[0]))
         t2 = time.perf_counter()
         st["scatter_s"] = t2 - t1
-        result = {}
-        for rp, dst in zip(tr.regions, out):
-            flat = dst[:rp.region.nbytes]
-            if rp.digest is not None:  # the host applier's check, on the device's digest
-                check_digest(rp.name, rp.epoch, rp.digest,
-                             gpu.region_digest(gpu.crc32c_pages(flat, page_bytes=rp.region.page_bytes)))
-            result[rp.name] = flat.view(np.dtype(rp.region.dtype)).reshape(rp.region.shape)
+        # every region's digest on the device, read back together: one synchronisation, not one a region
+        flats = [dst[:rp.region.nbytes] for rp, dst in zip(tr.regions, out)]
+        checked = [(rp, flat) for rp, flat in zip(tr.regions, flats) if rp.digest is not None]
+        digests = gpu.region_digests([gpu.crc32c_pages(flat, page_bytes=rp.region.page_bytes)
+                                      for rp, flat in checked])
+        for (rp, _), digest in zip(checked, digests):   # the host applier's check, on the device's digest
+            check_digest(rp.name, rp.epoch, rp.digest, digest)
+        result = {rp.name: flat.view(np.dtype(rp.region.dtype)).reshape(rp.region.shape)
+                  for rp, flat in zip(tr.regions, flats)}
         st["verify_s"] = time.perf_counter() - t2
         return result
     finally:
         if ahead is not None:
-            st["register_wait_s"] = ahead.wait_s
-            st["unregister_s"] = ahead.close()
+            st["register_wait_s"], st["pin_stop_s"] = ahead.wait_s, ahead.close()
         if own_reg is not None:
             own_reg.unregister()
         if owned:

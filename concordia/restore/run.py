@@ -314,8 +314,9 @@ def phases_of(got: Restored, total_s: float) -> dict:
     the transfer layout ("layout"), staging and targets ("alloc"), the
     pipelined read, H2D, CRC check and scatter ("transfer_check_scatter") and
     the digests ("verify"), the mapping's registration when the restore
-    made its own ("register"), the unpinning of the log pieces pinned ahead
-    of the copy engine ("unpin"), and what none of these names ("other");
+    made its own ("register"), and what none of these names ("other"; the log
+    pieces pinned ahead of the copy engine stay pinned with the log, see
+    `devmem.cuda_host.keep_pinned`);
     "check_wait": the wait, once everything was
     applied, for the host's checks of the pages no applier copied (its
     "overlapped_s": how long those checks ran beside the appliers); "present"
@@ -334,8 +335,6 @@ def phases_of(got: Restored, total_s: float) -> dict:
         out["verify"] = _phase(st.get("verify_s", 0.0))
         if st.get("register_s"):
             out["register"] = _phase(st["register_s"])
-        if "unregister_s" in st:
-            out["unpin"] = _phase(st["unregister_s"])
     else:
         out["check_copy"] = _phase(max(0.0, got.apply_s - st.get("page_check_wait_s", 0.0)), nbytes)
     if "page_check_wait_s" in st:

@@ -178,6 +178,23 @@ def test_scatter_restores_bit_exact_and_reports_damage(cp, gpu, pb, nbytes):
     assert np.array_equal(target.get(), twin_target)
 
 
+def test_expand_runs_matches_twin(cp, gpu):
+    from tests.gpu_kernels.test_reference import _runs_for_expand
+
+    for runs in (1, 40, 5000):   # one run; an empty run among many; more runs than a block has threads
+        args = _runs_for_expand(np.random.default_rng(runs), runs)
+        want = ref.expand_runs(*args)
+        got = gpu.expand_runs(*args, page_bytes=4096)
+        assert all(g.dtype == w.dtype and np.array_equal(g.get(), w) for g, w in zip(got, want)), runs
+
+
+def test_region_digests_read_back_together_equal_each_ones_twin(cp, gpu):
+    rng = np.random.default_rng(5)
+    crcs = [rng.integers(0, 1 << 32, size=n, dtype=np.uint32) for n in (1, 255, 4096, 70000)]
+    assert gpu.region_digests([cp.asarray(c) for c in crcs]) == [ref.region_digest(c) for c in crcs]
+    assert gpu.region_digests([]) == []
+
+
 def test_kv_scanner_matches_twin(cp, gpu):
     rng = np.random.default_rng(13)
     geo = dict(block_size=16, kv_heads=8, head_dim=128, dtype_bytes=2)

@@ -321,6 +321,37 @@ def test_scatter_restores_and_reports_bad_pages():
     assert all(np.array_equal(target[p * pb:(p + 1) * pb], region[p * pb:(p + 1) * pb]) for p in good)
 
 
+def _runs_for_expand(rng, runs: int):
+    """Random runs: counts (an empty run among them), staging offsets, page
+    sizes, page ids near 2**32 (the uint32 ids wrap) and CRC table offsets."""
+    count = rng.integers(1, 9, size=runs)
+    count[runs // 2] = 0
+    first = np.cumsum(count) - count
+    stage = rng.integers(0, 1 << 40, size=runs)
+    pb = rng.choice([64, 4096, 65536], size=runs)
+    ids = rng.integers(0, 1 << 32, size=runs) - 4
+    table = rng.integers(0, 1 << 32, size=int(count.sum()) + 64, dtype=np.uint32)
+    crc = rng.integers(0, 64, size=runs)
+    return first, stage, pb, ids, crc, table, int(count.sum())
+
+
+def test_expand_runs_lays_each_run_out_page_by_page():
+    first, stage, pb, ids, crc, table, n = _runs_for_expand(np.random.default_rng(31), 40)
+    got_stage, got_ids, got_crcs = ref.expand_runs(first, stage, pb, ids, crc, table, n)
+    want_stage, want_ids, want_crcs = [], [], []
+    for r in range(first.size):   # page by page, as the kernel's contract says
+        end = first[r + 1] if r + 1 < first.size else n
+        for j in range(int(end - first[r])):
+            want_stage.append(int(stage[r]) + j * int(pb[r]))
+            want_ids.append((int(ids[r]) + j) % (1 << 32))
+            want_crcs.append(int(table[int(crc[r]) + j]))
+    assert got_stage.dtype == np.uint64 and got_ids.dtype == np.uint32 and got_crcs.dtype == np.uint32
+    assert got_stage.tolist() == want_stage and got_ids.tolist() == want_ids and got_crcs.tolist() == want_crcs
+    assert [a.size for a in ref.expand_runs(first, stage, pb, ids, crc, table, 0)] == [0, 0, 0]
+    with pytest.raises(KernelInputError, match="run firsts"):
+        ref.expand_runs(first[::-1], stage, pb, ids, crc, table, n)
+
+
 def test_header_layout_matches_wal():
     assert ref.HEADER.format == fmt.RECORD_HEADER.format
     assert ref.TYPE_PAGE_BATCH == fmt.REC_PAGE_BATCH and ref.NO_REGION == fmt.NO_REGION

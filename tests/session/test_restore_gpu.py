@@ -28,9 +28,11 @@ def _same(got, want):
         assert g.tobytes() == want[name].tobytes(), name
 
 
-@pytest.mark.parametrize("read", ["auto", "pin"])
+@pytest.mark.parametrize("read", ["auto", "pin", "copy"])
 @pytest.mark.parametrize("chunk_bytes", [4096, 64 << 10, 32 << 20])
 def test_device_restore_equals_host_restore(persistent_log, chunk_bytes, read):
+    import concordia.restore.device as rd
+
     _history(persistent_log)
     log = Log.open(persistent_log, writable=False, check_pages=False)
     try:
@@ -40,32 +42,41 @@ def test_device_restore_equals_host_restore(persistent_log, chunk_bytes, read):
         _same(got, apply_plan_numpy(log, p))
     finally:
         log.close()
-    pinned = read == "pin" and persistent_log.startswith("shm:")
+    small = st["bytes_copied"] <= rd.PIN_SMALL_BYTES   # "auto" pins a small restore's pieces of shm
+    pinned = persistent_log.startswith("shm:") and (read == "pin" or (read == "auto" and small))
     assert ("pinned ahead" in st["via"]) if pinned else ("preadv" in st["via"]), st
     assert st["chunks"] >= 1
     if chunk_bytes == 4096:
         assert st["chunks"] > 6  # more chunks than host buffers and device slots: the ring wraps
 
 
-def test_pieces_pinned_ahead_span_many_pieces(shm_log, monkeypatch):
+def test_pieces_pinned_ahead_span_many_pieces_and_stay_pinned_with_the_log(shm_log, monkeypatch):
     import concordia.restore.device as rd
+    from concordia.devmem import cuda_host
 
     _history(shm_log)
     monkeypatch.setattr(rd, "REGISTER_PIECE", 64 << 10)  # every chunk reads several pieces
-    log = Log.open(shm_log, writable=False, check_pages=False)
+    log = Log.open(shm_log, writable=True, check_pages=False)   # writable: registered whole below
     try:
         p = plan(log)
         st = {}
         got = apply_plan_cupy(log, p, chunk_bytes=256 << 10, stats=st, read="pin")
         _same(got, apply_plan_numpy(log, p))
-        assert "pinned ahead" in st["via"] and st["unregister_s"] >= 0
-        # every piece was unpinned: pinning the first one again succeeds
-        from concordia.devmem import cuda_host
-
-        cuda_host.pin(log.backend.address, 64 << 10, read_only=True, where="the first piece again")
-        cuda_host.unpin(log.backend.address)
+        assert "pinned ahead" in st["via"] and st["pins_kept"] == 0
+        pieces = cuda_host.kept_pins(log.backend)   # kept pinned with the mapping
+        assert len(pieces) > 1 and all(n == 64 << 10 for n in pieces.values()), pieces
+        st = {}
+        _same(apply_plan_cupy(log, p, chunk_bytes=256 << 10, stats=st, read="pin"), got)
+        assert st["pins_kept"] == len(pieces), st   # a second restore finds them pinned
+        # the log registered whole (a writer's staging) gives the pieces back first
+        reg = cuda_host.register(log.backend)
+        assert cuda_host.kept_pins(log.backend) == {}
+        reg.unregister()
+        _same(apply_plan_cupy(log, p, chunk_bytes=256 << 10, stats=st, read="pin"), got)
+        assert cuda_host.kept_pins(log.backend)
     finally:
         log.close()
+    assert cuda_host.kept_pins(log.backend) == {}   # given back as the log closed
 
 
 def test_memory_copy_path(persistent_log, monkeypatch):

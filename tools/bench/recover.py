@@ -190,7 +190,8 @@ def _restore_once(xp, spec: str, registered: bool = False, read: str = "auto") -
             "staging_alloc_s": st.get("staging_alloc_s", 0.0), "scatter_s": st.get("scatter_s", restore_s),
             "verify_s": st.get("verify_s", 0.0), "via": st.get("via"), "chunks": st.get("chunks"),
             "fill_wait_s": st.get("fill_wait_s"), "copy_wait_s": st.get("copy_wait_s"),
-            "register_wait_s": st.get("register_wait_s"), "unregister_s": st.get("unregister_s"),
+            "register_wait_s": st.get("register_wait_s"), "pin_stop_s": st.get("pin_stop_s"),
+            "pins_kept": st.get("pins_kept"),
             "pin_refused": st.get("pin_refused"), "alloc_s": st.get("alloc_s"),
             "bytes": nbytes, "GBps": nbytes / restore_s / 1e9}
 
@@ -359,8 +360,8 @@ def run(sizes_bytes, tiers, quick: bool, page_bytes: int, scratch: Scratch, on_r
                 if tier == "shm" and xp is not np:  # the same log, pieces pinned ahead of the copy engine
                     _release(xp)
                     c = _restore(xp, spec, read="pin")
-                    row.update({f"pin_{k}": c[k] for k in ("total_s", "restore_s", "GBps", "via",
-                                                           "register_wait_s", "unregister_s", "pin_refused")})
+                    row.update({f"pin_{k}": c[k] for k in ("total_s", "restore_s", "GBps", "via", "register_wait_s",
+                                                           "pin_stop_s", "pins_kept", "pin_refused")})
                     row["pin_ratio_to_ceiling"] = c["GBps"] / ceiling["GBps"]
                 if tier == "hugetlb" and xp is not np:  # the same log copied by host threads instead
                     _release(xp)
