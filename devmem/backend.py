@@ -162,16 +162,18 @@ class Backend(abc.ABC):
         if self._view is None:
             return
         closers, self._closers = self._closers, ()
-        for fn in closers:
-            fn()
-        self._array = None
-        view, self._view = self._view, None
         try:
-            view.release()
-        except BufferError:
-            pass  # a caller still holds a view: the mapping goes when it does
-        self._release()
-        self._close_file()
+            for fn in closers:
+                fn()
+        finally:
+            self._array = None
+            view, self._view = self._view, None
+            try:
+                view.release()
+            except BufferError:
+                pass  # a caller still holds a view: the mapping goes when it does
+            self._release()
+            self._close_file()
 
     # -- the writer lock ----------------------------------------------------------
     def lock(self, wait: bool | float = False, stop: Callable[[], bool] | None = None) -> None:

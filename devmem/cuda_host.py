@@ -19,6 +19,7 @@ finds its pieces pinned.
 from __future__ import annotations
 
 import threading
+import weakref
 
 from .backend import Backend
 from .errors import HostRegisterRefusedError
@@ -118,13 +119,20 @@ _kept_lock = threading.Lock()
 
 def keep_pinned(backend: Backend, addr: int, nbytes: int) -> None:
     """Keep [addr, addr + nbytes) of `backend`'s mapping, pinned by `pin`,
-    pinned until the backend closes or `release_kept`."""
+    pinned until the backend closes (or is collected unclosed), or
+    `release_kept`.  A piece pinned after the backend closed is unpinned now."""
     with _kept_lock:
-        kept = backend.__dict__.get("_kept_pins")
-        if kept is None:
+        given_back = backend.__dict__.get("_kept_given_back")
+        if given_back is None and not backend.closed:
             kept = backend._kept_pins = {}
-            backend.at_close(lambda: release_kept(backend))
-        kept[int(addr)] = int(nbytes)
+            # no reference back to the backend: an unclosed one is still collected, and unpins then
+            given_back = backend._kept_given_back = weakref.finalize(backend, _unpin_all, kept)
+            given_back.atexit = False   # a process's exit takes every pin with it
+            backend.at_close(given_back)
+        if given_back is not None and given_back.alive:   # not closing, nor closed
+            backend._kept_pins[int(addr)] = int(nbytes)
+            return
+    unpin(addr)
 
 
 def kept_pins(backend: Backend) -> dict:
@@ -138,12 +146,16 @@ def release_kept(backend: Backend) -> float:
     import time
 
     t0 = time.perf_counter()
+    _unpin_all(backend.__dict__.get("_kept_pins") or {})
+    return time.perf_counter() - t0
+
+
+def _unpin_all(kept: dict) -> None:
     with _kept_lock:
-        kept = backend.__dict__.get("_kept_pins") or {}
-        addrs, backend._kept_pins = list(kept), {}
+        addrs = list(kept)
+        kept.clear()
     for addr in addrs:
         unpin(addr)
-    return time.perf_counter() - t0
 
 
 def register(backend: Backend, chunk_bytes: int = CHUNK) -> HostRegistration:

@@ -271,6 +271,8 @@ def expand_runs(first, run_stage, run_pb, run_id, run_crc, crc_table, n: int, *,
     cp = _cp()
     if n == 0:
         return cp.zeros(0, cp.uint64), cp.zeros(0, cp.uint32), cp.zeros(0, cp.uint32)
+    if all(isinstance(a, np.ndarray) for a in (first, run_crc, crc_table)):   # the twin's checks, on the host
+        ref.check_runs(first, run_crc, crc_table, n)
     runs = [cp.asarray(a, dtype=cp.int64) for a in (first, run_stage, run_pb, run_id, run_crc)]
     table = cp.asarray(crc_table, dtype=cp.uint32)
     stage, ids, crcs = cp.empty(n, cp.uint64), cp.empty(n, cp.uint32), cp.empty(n, cp.uint32)

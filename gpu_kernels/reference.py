@@ -570,6 +570,21 @@ def scatter_pages(src, src_offsets, page_ids, region, *, page_bytes: int,
     return np.flatnonzero(~ok).astype(np.int64)
 
 
+def check_runs(first, run_crc, crc_table, n: int) -> np.ndarray:
+    """`first` as int64, or a one-line KernelInputError: runs that do not start
+    at page 0 and ascend, or CRC indices past the end of `crc_table`."""
+    first = np.asarray(first, np.int64)
+    if n == 0:
+        return first
+    if first.size == 0 or first[0] != 0 or first[-1] > n or (first.size > 1 and np.any(np.diff(first) < 0)):
+        raise KernelInputError("run firsts must start at 0 and ascend within the pages", where="first")
+    ends = np.append(first[1:], n) - first   # each run's pages
+    last = np.asarray(run_crc, np.int64) + ends
+    if np.any(np.asarray(run_crc, np.int64) < 0) or (last.size and int(last.max()) > np.asarray(crc_table).size):
+        raise KernelInputError("a run's CRCs lie past the end of the CRC table", where="run_crc")
+    return first
+
+
 def expand_runs(first, run_stage, run_pb, run_id, run_crc, crc_table, n: int) -> tuple:
     """(stage uint64, ids uint32, crcs uint32) for pages 0..n-1 laid out as
     runs: page k belongs to the last run r with first[r] <= k (firsts
@@ -577,11 +592,9 @@ def expand_runs(first, run_stage, run_pb, run_id, run_crc, crc_table, n: int) ->
     offset run_stage[r] + j * run_pb[r] as page id run_id[r] + j (mod 2**32),
     its stored CRC being crc_table[run_crc[r] + j].  The int64 run arrays are
     one entry per run."""
-    first = np.asarray(first, np.int64)
+    first = check_runs(first, run_crc, crc_table, n)
     if n == 0:
         return np.zeros(0, np.uint64), np.zeros(0, np.uint32), np.zeros(0, np.uint32)
-    if first.size == 0 or first[0] != 0 or (first.size > 1 and np.any(np.diff(first) < 0)):
-        raise KernelInputError("run firsts must start at 0 and ascend", where="first")
     k = np.arange(n, dtype=np.int64)
     run = np.searchsorted(first, k, side="right") - 1
     j = k - first[run]

@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -510,6 +511,35 @@ class _PinRefused(Exception):
     read-only mapping on an old driver): the restore copies instead."""
 
 
+def pieces_read(tr: Transfer, piece: int) -> tuple[list, list]:
+    """(the pieces of `piece` bytes each chunk of `tr` reads, sorted; every
+    piece once, in the order the chunks first read them)."""
+    per_chunk, order, seen = [], [], set()
+    for c in range(tr.chunks):
+        ks = set()
+        for lo, n, _ in tr.copies[c].tolist():
+            ks.update(range(lo // piece, (lo + n - 1) // piece + 1))
+        per_chunk.append(sorted(ks))
+        for k in per_chunk[-1]:
+            if k not in seen:
+                seen.add(k)
+                order.append(k)
+    return per_chunk, order
+
+
+def bytes_to_pin(backend, tr: Transfer, piece: int) -> int:
+    """Bytes a restore of `tr` would pin: the pieces it reads not kept pinned already."""
+    from concordia.devmem import cuda_host
+
+    kept = cuda_host.kept_pins(backend)
+    lengths = {k: min(piece, backend.size - k * piece) for k in pieces_read(tr, piece)[1]}
+    return sum(n for k, n in lengths.items() if kept.get(backend.address + k * piece) != n)
+
+
+#: mappings whose pieces the driver would not pin: their restores copy from then on
+_PIN_REFUSED = weakref.WeakSet()
+
+
 class _RegisterAhead:
     """Pin the pieces of the log mapping a transfer reads, on a pool of threads,
     in the order the pipeline needs them, so the copy engine reads the log
@@ -532,16 +562,7 @@ class _RegisterAhead:
         self.device = cp.cuda.Device().id
         self.piece = piece
         kept = cuda_host.kept_pins(backend)
-        self.per_chunk, order, seen = [], [], set()
-        for c in range(tr.chunks):
-            ks = set()
-            for lo, n, _ in tr.copies[c].tolist():
-                ks.update(range(lo // piece, (lo + n - 1) // piece + 1))
-            self.per_chunk.append(sorted(ks))
-            for k in sorted(ks):
-                if k not in seen:
-                    seen.add(k)
-                    order.append(k)
+        self.per_chunk, order = pieces_read(tr, piece)
         self.done = {}
         for k in order:
             if kept.get(self.base + k * piece) == self._length(k):
@@ -592,8 +613,9 @@ def pins_ahead(backend, read: str, nbytes: int | None = None) -> bool:
     (hugetlbfs files, device DAX): the kernel pins those at ~47 GB/s, so a few
     threads keep ahead of a 55 GB/s copy engine, where 4 KiB-page mappings
     (/dev/shm) pin at ~13 GB/s and copying them is faster; and for a restore
-    of at most PIN_SMALL_BYTES (`nbytes`) on any mapping CUDA can pin, which
-    spares it the pinned host buffers (HOST_BUFFERS of a chunk: 128 MiB,
+    that would pin at most PIN_SMALL_BYTES (`nbytes`: the pieces it reads not
+    pinned already, `bytes_to_pin`) on any mapping CUDA can pin, which spares
+    it the pinned host buffers (HOST_BUFFERS of a chunk: 128 MiB,
     ~0.09 s to allocate in a fresh process, for a restore whose copy takes
     0.03 s)."""
     if not backend.gpu_mappable or read == "copy":
@@ -682,7 +704,9 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
     direct, own_reg = _direct_source(log, registration, st)
     # pieces pinned ahead of the copy engine: pinning starts once the allocations
     # below are made (their driver calls waited behind the pinning threads' before)
-    pin = direct is None and pins_ahead(log.backend, read, tr.bytes_copied) and tr.pages
+    piece = register_piece(log.backend)
+    pin = (direct is None and tr.pages and log.backend not in _PIN_REFUSED
+           and pins_ahead(log.backend, read, bytes_to_pin(log.backend, tr, piece) if read == "auto" else None))
     if pin:
         direct = log.backend.address
     ahead = None
@@ -715,7 +739,7 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
             parts["page_tables"] = time.perf_counter() - t
             st["alloc_s"] = time.perf_counter() - t1  # staging, zeroed regions, page tables on the device
             if pin:
-                ahead = _RegisterAhead(cp, log.backend, tr, piece=register_piece(log.backend))
+                ahead = _RegisterAhead(cp, log.backend, tr, piece=piece)
                 st["pins_kept"] = ahead.kept
             try:
                 _pipeline(cp, gpu, tr, direct, fd, arr, hosts, slots, copy_stream, stream, out,
@@ -724,6 +748,7 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
             except _PinRefused as exc:
                 # the driver would not pin this mapping (a page-cache file, say): copy instead
                 st["pin_refused"] = str(exc)
+                _PIN_REFUSED.add(log.backend)
                 st["register_wait_s"], st["pin_stop_s"] = ahead.wait_s, ahead.close()
                 ahead, direct = None, None
                 hosts = _host_buffers(cp, tr.chunk_bytes)

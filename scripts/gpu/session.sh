@@ -35,7 +35,7 @@ import json; d=json.load(open('$OUT/recover.json'))
 print('ceiling', round(d['ceiling']['GBps'],1), 'GB/s')
 for r in d['rows']:
     if 'error' in r: print(r['tier'], round(r['GiB'],2), 'failed:', r['error']); continue
-    print(r['tier'], round(r['GiB'],2), 'GiB total', round(r['total_s'],3), 's restore', round(r['restore_s'],3), round(100*r['ratio_to_ceiling']), '% of ceiling; open', round(r['open_s'],3), 'plan', round(r['plan_s'],3), 'host read', round(r['host_read_GBps'],1), 'GB/s waits fill/copy', r['fill_wait_s'], r['copy_wait_s'], 'via', r['via'], 'pin path', r.get('pin_restore_s'), r.get('pin_GBps'), 'reg wait', r.get('pin_register_wait_s'), 'unreg', r.get('pin_unregister_s'), 'refused', r.get('pin_pin_refused'), 'registered', r.get('registered_restore_s'), r.get('registered_GBps'), 'Session.recover', r.get('session_total_s'), 'torch.load', r['torch_load_s'])
+    print(r['tier'], round(r['GiB'],2), 'GiB total', round(r['total_s'],3), 's restore', round(r['restore_s'],3), round(100*r['ratio_to_ceiling']), '% of ceiling; open', round(r['open_s'],3), 'plan', round(r['plan_s'],3), 'host read', round(r['host_read_GBps'],1), 'GB/s waits fill/copy', r['fill_wait_s'], r['copy_wait_s'], 'via', r['via'], 'pin path', r.get('pin_restore_s'), r.get('pin_GBps'), 'reg wait', r.get('pin_register_wait_s'), 'pins kept', r.get('pin_pins_kept'), 'pin stop', r.get('pin_pin_stop_s'), 'refused', r.get('pin_pin_refused'), 'registered', r.get('registered_restore_s'), r.get('registered_GBps'), 'Session.recover', r.get('session_total_s'), 'torch.load', r['torch_load_s'])
 " || rc=1
 df -h /tmp /dev/shm | tail -2
 exit $rc

@@ -325,11 +325,13 @@ def _runs_for_expand(rng, runs: int):
     """Random runs: counts (an empty run among them), staging offsets, page
     sizes, page ids near 2**32 (the uint32 ids wrap) and CRC table offsets."""
     count = rng.integers(1, 9, size=runs)
-    count[runs // 2] = 0
+    if runs > 1:
+        count[runs // 2] = 0
     first = np.cumsum(count) - count
     stage = rng.integers(0, 1 << 40, size=runs)
     pb = rng.choice([64, 4096, 65536], size=runs)
-    ids = rng.integers(0, 1 << 32, size=runs) - 4
+    ids = (1 << 32) - rng.integers(1, 9, size=runs)   # every run's ids near the top: most wrap past 2**32
+    ids[0] = -1   # and one below zero
     table = rng.integers(0, 1 << 32, size=int(count.sum()) + 64, dtype=np.uint32)
     crc = rng.integers(0, 64, size=runs)
     return first, stage, pb, ids, crc, table, int(count.sum())
@@ -348,8 +350,11 @@ def test_expand_runs_lays_each_run_out_page_by_page():
     assert got_stage.dtype == np.uint64 and got_ids.dtype == np.uint32 and got_crcs.dtype == np.uint32
     assert got_stage.tolist() == want_stage and got_ids.tolist() == want_ids and got_crcs.tolist() == want_crcs
     assert [a.size for a in ref.expand_runs(first, stage, pb, ids, crc, table, 0)] == [0, 0, 0]
+    assert any(i > w for i, w in zip(want_ids, want_ids[1:])), "no id wrapped"
     with pytest.raises(KernelInputError, match="run firsts"):
         ref.expand_runs(first[::-1], stage, pb, ids, crc, table, n)
+    with pytest.raises(KernelInputError, match="past the end of the CRC table"):
+        ref.expand_runs(first, stage, pb, ids, crc, table[:4], n)
 
 
 def test_header_layout_matches_wal():

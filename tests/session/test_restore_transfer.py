@@ -246,6 +246,27 @@ def test_file_backed_tiers_are_read_with_preadv(persistent_log):
         log.close()
 
 
+def test_a_restore_counts_the_whole_pieces_it_would_pin(shm_log):
+    """`pins_ahead`'s small-restore rule weighs the pieces a restore pins, not
+    the bytes it reads: records spread over the log pin a piece each."""
+    from concordia.restore.device import bytes_to_pin, pieces_read
+
+    _history(shm_log)
+    log = Log.open(shm_log, writable=False, check_pages=False)
+    try:
+        tr = transfer_plan(log, plan(log), chunk_bytes=64 << 10)
+        piece = 64 << 10
+        per_chunk, order = pieces_read(tr, piece)
+        assert sorted(order) == sorted(set(order)) and set(order) == {k for ks in per_chunk for k in ks}
+        for c, ks in enumerate(per_chunk):   # each chunk's copies lie within its pieces
+            assert all(lo // piece in ks and (lo + n - 1) // piece in ks for lo, n, _ in tr.copies[c].tolist())
+        got = bytes_to_pin(log.backend, tr, piece)   # nothing kept pinned here
+        assert got == sum(min(piece, log.backend.size - k * piece) for k in order)
+        assert got >= tr.bytes_copied and len(order) > 1
+    finally:
+        log.close()
+
+
 def test_a_plan_with_no_pages_to_read_is_an_empty_transfer(shm_log):
     with _one_checkpoint(shm_log, 2) as (_state, log):
         p = plan(log)

@@ -6,7 +6,8 @@ of a device KV region of that size, then recovered as a fresh reader would:
 open the log, plan, and restore straight into device memory
 (`restore.device.apply_plan_cupy`: host threads read the log into pinned
 buffers with preadv while the copy engine and the scatter kernel move and
-apply the previous chunks), every page CRC and the region digest checked on
+apply the previous chunks; a restore of at most 1 GiB pins the pieces of the
+mapping it reads instead), every page CRC and the region digest checked on
 the device.  For shm logs up to --registered-max-gib the same log is also
 restored from a registered mapping (the copy engine reads the log itself, as
 for a live session that keeps its log registered; registering is timed apart),
