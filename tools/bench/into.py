@@ -25,12 +25,15 @@ process after the recovery: pinned host-to-device copy of up to 2 GiB, best
 of 5), `ratio_to_h2d` = GBps / h2d_GBps, and the recovery's own phases
 (`Session.last_recovery.phases`).  The tier's figure is its last reader's.
 Without a GPU (`--quick` in CI) the same runs on the host with CPU tensors:
-memcpy is the ceiling then.
+memcpy is the ceiling then.  CONCORDIA_INTO_PROFILE=FILE appends each
+reader's profile (cProfile, open and recover, the 40 costliest by cumulative
+time) to FILE.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -131,6 +134,13 @@ def _reader(spec: str, nbytes: str, tensors: str, deltas: str, gpu: str) -> None
     shape = _shape(nbytes, tensors)
     targets = {f"t{i:02d}": torch.zeros(shape, dtype=torch.bfloat16, device=device) for i in range(tensors)}
     _sync(torch, device)
+    profile = os.environ.get("CONCORDIA_INTO_PROFILE")   # a file: where this reader's profile goes
+    prof = None
+    if profile:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
     t0 = time.perf_counter()
     s = Session(spec, create=False)
     t1 = time.perf_counter()
@@ -138,6 +148,12 @@ def _reader(spec: str, nbytes: str, tensors: str, deltas: str, gpu: str) -> None
         s.recover(into=targets)
         _sync(torch, device)
         t2 = time.perf_counter()
+        if prof is not None:
+            prof.disable()
+            import pstats
+
+            with open(profile, "a") as f:
+                pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(40)
         phases = s.last_recovery.phases
         epoch = s.last_recovery.epoch
     finally:
