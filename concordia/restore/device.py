@@ -57,7 +57,7 @@ REGISTER_THREADS = int(os.environ.get("CONCORDIA_REGISTER_THREADS", 0)) or 8
 PIN_SMALL_BYTES = int(os.environ.get("CONCORDIA_PIN_SMALL_BYTES", 1 << 30))
 #: how the pinned host buffers are made: "register" (anonymous memory, cudaHostRegister) or
 #: "alloc" (cudaHostAlloc); see `_host_buffers`
-HOST_BUFFER_HOW = os.environ.get("CONCORDIA_HOST_BUFFERS", "register")
+HOST_BUFFER_HOW = os.environ.get("CONCORDIA_HOST_BUFFERS", "register").strip().lower()
 #: host threads filling the pinned buffers (one copies a few GB/s; the bus takes 50)
 COPY_THREADS = int(os.environ.get("CONCORDIA_RESTORE_THREADS", 0)) or min(12, max(2, os.cpu_count() or 2))
 
@@ -482,18 +482,27 @@ def _host_buffers(cp, chunk_bytes: int) -> list:
     cudaHostRegister (`_RegisteredBuffer`), or with HOST_BUFFER_HOW = "alloc"
     CUDA's own pinned allocation, which took 37 ms for each 32 MiB buffer in
     a fresh process on the H200 machine (0.15 s of a 1 GiB restore)."""
+    if HOST_BUFFER_HOW not in ("register", "alloc"):
+        from concordia.wal.errors import UsageError
+
+        raise UsageError(f"CONCORDIA_HOST_BUFFERS={HOST_BUFFER_HOW!r} is neither register nor alloc",
+                         where="the environment")
     key = (cp.cuda.Device().id, chunk_bytes, HOST_BUFFER_HOW)
     if key not in _HOSTS:
         _HOSTS.clear()
         size = chunk_bytes + 4096
         hosts = []
+        how = HOST_BUFFER_HOW
         for _ in range(HOST_BUFFERS):
-            if HOST_BUFFER_HOW == "alloc":
-                mem = cp.cuda.alloc_pinned_memory(size)
-                hosts.append((np.frombuffer(mem, np.uint8, size), mem))
-            else:
-                buf = _RegisteredBuffer(size)
-                hosts.append((buf.array, buf))
+            if how == "register":
+                try:
+                    buf = _RegisteredBuffer(size)
+                    hosts.append((buf.array, buf))
+                    continue
+                except ConcordiaError:   # the driver will not register host memory here: CUDA allocates it
+                    how = "alloc"
+            mem = cp.cuda.alloc_pinned_memory(size)
+            hosts.append((np.frombuffer(mem, np.uint8, size), mem))
         _HOSTS[key] = hosts
     return _HOSTS[key]
 
@@ -508,6 +517,8 @@ class _RegisteredBuffer:
         from concordia.devmem import cuda_host
 
         self.mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_DONTFORK"):   # a forked child never shares these pages copy-on-write
+            self.mapping.madvise(mmap.MADV_DONTFORK)
         self.array = np.frombuffer(self.mapping, np.uint8, size)
         addr = self.array.ctypes.data
         cuda_host.pin(addr, size, where="a restore's host buffer")
@@ -643,9 +654,9 @@ def pins_ahead(backend, read: str, nbytes: int | None = None) -> bool:
     (/dev/shm) pin at ~13 GB/s and copying them is faster; and for a restore
     that would pin at most PIN_SMALL_BYTES (`nbytes`: the pieces it reads not
     pinned already, `bytes_to_pin`) on any mapping CUDA can pin, which spares
-    it the pinned host buffers (HOST_BUFFERS of a chunk: 128 MiB,
-    ~0.09 s to allocate in a fresh process, for a restore whose copy takes
-    0.03 s)."""
+    it the pinned host buffers (HOST_BUFFERS of a chunk: 128 MiB, which took
+    0.09-0.15 s to allocate with cudaHostAlloc in a fresh process on the H200
+    machine, for a restore whose copy takes 0.03 s)."""
     if not backend.gpu_mappable or read == "copy":
         return False
     small = nbytes is not None and nbytes <= PIN_SMALL_BYTES

@@ -79,6 +79,34 @@ def test_pieces_pinned_ahead_span_many_pieces_and_stay_pinned_with_the_log(shm_l
     assert cuda_host.kept_pins(log.backend) == {}   # given back as the log closed
 
 
+@pytest.mark.parametrize("how", ["register", "alloc", "refused"])
+def test_the_host_buffers_registered_or_allocated_restore_alike(shm_log, monkeypatch, how):
+    """The copy path's pinned buffers: anonymous memory registered with CUDA,
+    or CUDA's own allocation (asked for, or where the driver refuses to
+    register host memory)."""
+    import concordia.restore.device as rd
+    from concordia.devmem import cuda_host
+    from concordia.devmem.errors import HostRegisterRefusedError
+
+    _history(shm_log)
+    monkeypatch.setattr(rd, "_HOSTS", {})
+    monkeypatch.setattr(rd, "HOST_BUFFER_HOW", "alloc" if how == "alloc" else "register")
+    if how == "refused":
+        def refuse(*_a, **_k):
+            raise HostRegisterRefusedError("cudaHostRegister refused (this test)", where="host memory")
+        monkeypatch.setattr(cuda_host, "pin", refuse)
+    log = Log.open(shm_log, writable=False, check_pages=False)
+    try:
+        p = plan(log)
+        st = {}
+        _same(apply_plan_cupy(log, p, chunk_bytes=64 << 10, stats=st, read="copy"), apply_plan_numpy(log, p))
+    finally:
+        log.close()
+    assert "preadv" in st["via"], st
+    kinds = {type(holder).__name__ for _, holder in next(iter(rd._HOSTS.values()))}
+    assert kinds == {"_RegisteredBuffer"} if how == "register" else "_RegisteredBuffer" not in kinds, kinds
+
+
 def test_memory_copy_path(persistent_log, monkeypatch):
     import concordia.restore.device as rd
 
