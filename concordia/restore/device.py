@@ -55,9 +55,9 @@ REGISTER_THREADS = int(os.environ.get("CONCORDIA_REGISTER_THREADS", 0)) or 8
 #: a restore of at most this many bytes pins the pieces it reads on any mapping
 #: CUDA can pin (`pins_ahead`); 0 copies every such restore through pinned buffers
 PIN_SMALL_BYTES = int(os.environ.get("CONCORDIA_PIN_SMALL_BYTES", 1 << 30))
-#: how the pinned host buffers are made: "register" (anonymous memory, cudaHostRegister) or
-#: "alloc" (cudaHostAlloc); see `_host_buffers`
-HOST_BUFFER_HOW = os.environ.get("CONCORDIA_HOST_BUFFERS", "register").strip().lower()
+#: how the pinned host buffers are made: "alloc" (cudaHostAlloc) or "register" (anonymous memory,
+#: cudaHostRegister); see `_host_buffers`.  "alloc" stays the default until "register" has run on a GPU.
+HOST_BUFFER_HOW = os.environ.get("CONCORDIA_HOST_BUFFERS", "alloc").strip().lower()
 #: host threads filling the pinned buffers (one copies a few GB/s; the bus takes 50)
 COPY_THREADS = int(os.environ.get("CONCORDIA_RESTORE_THREADS", 0)) or min(12, max(2, os.cpu_count() or 2))
 
@@ -478,10 +478,11 @@ def _staging(cp, chunk_bytes: int):
 def _host_buffers(cp, chunk_bytes: int) -> list:
     """Pinned host buffers for chunks of `chunk_bytes`, kept between restores;
     only a restore the host reads for asks for them (one the copy engine reads
-    from the mapping does not).  Each is anonymous memory pinned by
-    cudaHostRegister (`_RegisteredBuffer`), or with HOST_BUFFER_HOW = "alloc"
-    CUDA's own pinned allocation, which took 37 ms for each 32 MiB buffer in
-    a fresh process on the H200 machine (0.15 s of a 1 GiB restore)."""
+    from the mapping does not).  Each is CUDA's own pinned allocation, which
+    took 37 ms for each 32 MiB buffer in a fresh process on the H200 machine
+    (0.15 s of a 1 GiB restore), or with HOST_BUFFER_HOW = "register"
+    anonymous memory pinned by cudaHostRegister (`_RegisteredBuffer`; CUDA's
+    allocation where the driver refuses)."""
     if HOST_BUFFER_HOW not in ("register", "alloc"):
         from concordia.wal.errors import UsageError
 
