@@ -141,13 +141,9 @@ def kept_pins(backend: Backend) -> dict:
         return dict(backend.__dict__.get("_kept_pins") or {})
 
 
-def release_kept(backend: Backend) -> float:
-    """Unpin every piece `keep_pinned` kept for `backend`; returns the seconds it took."""
-    import time
-
-    t0 = time.perf_counter()
+def release_kept(backend: Backend) -> None:
+    """Unpin every piece `keep_pinned` kept for `backend`."""
     _unpin_all(backend.__dict__.get("_kept_pins") or {})
-    return time.perf_counter() - t0
 
 
 def _unpin_all(kept: dict) -> None:

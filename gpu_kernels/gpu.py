@@ -289,10 +289,8 @@ def region_digests(page_crcs: list) -> list[int]:
     if not page_crcs:
         return []
     out = cp.empty(len(page_crcs), cp.uint32)
-    k = jit.function("crc32c", "crc32c_words", {})
     for i, c in enumerate(page_crcs):
-        crcs = _u32(c, "page_crcs")
-        k((1,), (1024,), (crcs, np.uint64(crcs.size), out[i:i + 1]))
+        launch_region_digest(c, out[i:i + 1])
     return [int(x) for x in out.get()]
 
 

@@ -567,13 +567,18 @@ def pieces_read(tr: Transfer, piece: int) -> tuple[list, list]:
     return per_chunk, order
 
 
-def bytes_to_pin(backend, tr: Transfer, piece: int) -> int:
-    """Bytes a restore of `tr` would pin: the pieces it reads not kept pinned already."""
+def piece_bytes(backend, k: int, piece: int) -> int:
+    """Bytes of piece k of `backend`'s mapping (the last may be short)."""
+    return min(piece, backend.size - k * piece)
+
+
+def bytes_to_pin(backend, pieces: list, piece: int) -> int:
+    """Bytes a restore reading `pieces` (`pieces_read`'s order) would pin: those not kept pinned already."""
     from concordia.devmem import cuda_host
 
     kept = cuda_host.kept_pins(backend)
-    lengths = {k: min(piece, backend.size - k * piece) for k in pieces_read(tr, piece)[1]}
-    return sum(n for k, n in lengths.items() if kept.get(backend.address + k * piece) != n)
+    sizes = ((backend.address + k * piece, piece_bytes(backend, k, piece)) for k in pieces)
+    return sum(n for addr, n in sizes if kept.get(addr) != n)
 
 
 #: mappings whose pieces the driver would not pin: their restores copy from then on
@@ -589,40 +594,36 @@ class _RegisterAhead:
     with the mapping (`cuda_host.keep_pinned`: given back when the log closes),
     and a piece an earlier restore pinned is not pinned again."""
 
-    def __init__(self, cp, backend, tr: Transfer, threads: int | None = None, piece: int | None = None):
+    def __init__(self, cp, backend, pieces: tuple, piece: int, threads: int | None = None):
+        """pieces: `pieces_read(tr, piece)` of the transfer."""
         from concurrent.futures import Future, ThreadPoolExecutor
 
         from concordia.devmem import cuda_host
 
-        threads, piece = threads or REGISTER_THREADS, piece or REGISTER_PIECE
         self.cp = cp
         self.backend = backend
-        self.base, self.size = backend.address, backend.size
         self.read_only = bool(backend.readonly)
         self.device = cp.cuda.Device().id
         self.piece = piece
         kept = cuda_host.kept_pins(backend)
-        self.per_chunk, order = pieces_read(tr, piece)
+        self.per_chunk, order = pieces
         self.done = {}
         for k in order:
-            if kept.get(self.base + k * piece) == self._length(k):
+            if kept.get(backend.address + k * piece) == piece_bytes(backend, k, piece):
                 self.done[k] = Future()
                 self.done[k].set_result(k)
         self.kept = len(self.done)
-        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="concordia-register")
+        self.pool = ThreadPoolExecutor(max_workers=threads or REGISTER_THREADS, thread_name_prefix="concordia-register")
         self.done.update({k: self.pool.submit(self._register, k) for k in order if k not in self.done})
         self.wait_s = 0.0
-
-    def _length(self, k: int) -> int:
-        return min(self.piece, self.size - k * self.piece)
 
     def _register(self, k: int) -> int:
         from concordia.devmem import cuda_host
 
         self.cp.cuda.Device(self.device).use()
-        addr = self.base + k * self.piece
-        cuda_host.pin(addr, self._length(k), read_only=self.read_only, where=f"log piece @ {k * self.piece:#x}")
-        cuda_host.keep_pinned(self.backend, addr, self._length(k))
+        addr, n = self.backend.address + k * self.piece, piece_bytes(self.backend, k, self.piece)
+        cuda_host.pin(addr, n, read_only=self.read_only, where=f"log piece @ {k * self.piece:#x}")
+        cuda_host.keep_pinned(self.backend, addr, n)
         return k
 
     def ready(self, c: int) -> None:
@@ -745,8 +746,9 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
     # pieces pinned ahead of the copy engine: pinning starts once the allocations
     # below are made (their driver calls waited behind the pinning threads' before)
     piece = register_piece(log.backend)
-    pin = (direct is None and tr.pages and log.backend not in _PIN_REFUSED
-           and pins_ahead(log.backend, read, bytes_to_pin(log.backend, tr, piece) if read == "auto" else None))
+    could = direct is None and tr.pages and read != "copy" and log.backend.gpu_mappable
+    pieces = pieces_read(tr, piece) if could and log.backend not in _PIN_REFUSED else None
+    pin = pieces is not None and pins_ahead(log.backend, read, bytes_to_pin(log.backend, pieces[1], piece))
     if pin:
         direct = log.backend.address
     ahead = None
@@ -779,7 +781,7 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
             parts["page_tables"] = time.perf_counter() - t
             st["alloc_s"] = time.perf_counter() - t1  # staging, zeroed regions, page tables on the device
             if pin:
-                ahead = _RegisterAhead(cp, log.backend, tr, piece=piece)
+                ahead = _RegisterAhead(cp, log.backend, pieces, piece)
                 st["pins_kept"] = ahead.kept
             try:
                 _pipeline(cp, gpu, tr, direct, fd, arr, hosts, slots, copy_stream, stream, out,

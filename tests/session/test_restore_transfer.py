@@ -260,7 +260,7 @@ def test_a_restore_counts_the_whole_pieces_it_would_pin(shm_log):
         assert sorted(order) == sorted(set(order)) and set(order) == {k for ks in per_chunk for k in ks}
         for c, ks in enumerate(per_chunk):   # each chunk's copies lie within its pieces
             assert all(lo // piece in ks and (lo + n - 1) // piece in ks for lo, n, _ in tr.copies[c].tolist())
-        got = bytes_to_pin(log.backend, tr, piece)   # nothing kept pinned here
+        got = bytes_to_pin(log.backend, order, piece)   # nothing kept pinned here
         assert got == sum(min(piece, log.backend.size - k * piece) for k in order)
         assert got >= tr.bytes_copied and len(order) > 1
     finally:
