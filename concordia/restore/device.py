@@ -53,8 +53,10 @@ DEFAULT_CHUNK_BYTES = 32 << 20
 REGISTER_PIECE = 64 << 20
 REGISTER_THREADS = int(os.environ.get("CONCORDIA_REGISTER_THREADS", 0)) or 8
 #: a restore of at most this many bytes pins the pieces it reads on any mapping
-#: CUDA can pin (`pins_ahead`); 0 copies every such restore through pinned buffers
-PIN_SMALL_BYTES = int(os.environ.get("CONCORDIA_PIN_SMALL_BYTES", 1 << 30))
+#: CUDA can pin (`pins_ahead`); 0 copies every such restore through pinned buffers;
+#: None: the environment's value was no whole number (refused where it is used)
+PIN_SMALL_BYTES = os.environ.get("CONCORDIA_PIN_SMALL_BYTES", "").strip()
+PIN_SMALL_BYTES = int(PIN_SMALL_BYTES) if PIN_SMALL_BYTES.isdigit() else (1 << 30 if not PIN_SMALL_BYTES else None)
 #: how the pinned host buffers are made: "alloc" (cudaHostAlloc) or "register" (anonymous memory,
 #: cudaHostRegister); see `_host_buffers`.  "alloc" stays the default until "register" has run on a GPU.
 HOST_BUFFER_HOW = os.environ.get("CONCORDIA_HOST_BUFFERS", "alloc").strip().lower()
@@ -661,6 +663,11 @@ def pins_ahead(backend, read: str, nbytes: int | None = None) -> bool:
     machine, for a restore whose copy takes 0.03 s)."""
     if not backend.gpu_mappable or read == "copy":
         return False
+    if PIN_SMALL_BYTES is None:   # the environment named no whole number of bytes
+        from concordia.wal.errors import UsageError
+
+        raise UsageError(f"CONCORDIA_PIN_SMALL_BYTES={os.environ.get('CONCORDIA_PIN_SMALL_BYTES')!r} is not a "
+                         "whole number of bytes", where="the environment")
     small = nbytes is not None and nbytes <= PIN_SMALL_BYTES
     return (read == "pin" or small or backend.kind == "hugetlb"
             or (backend.kind == "devdax" and backend.alignment >= 2 << 20))

@@ -39,3 +39,11 @@ def test_an_output_that_exists_is_refused_before_any_work(tmp_path):
 def test_an_unknown_tier_is_one_line(tmp_path):
     res = CliRunner().invoke(main, ["bench", "into", "--tiers", "shm,tape"])
     assert res.exit_code == 2 and "unknown tier tape" in res.output
+
+
+def test_a_profile_file_in_no_folder_is_refused_before_any_work(tmp_path, monkeypatch):
+    monkeypatch.setenv("CONCORDIA_INTO_PROFILE", str(tmp_path / "gone" / "profile.txt"))
+    out = tmp_path / "into.json"
+    res = CliRunner().invoke(main, ["bench", "into", "--quick", "--out", str(out)])
+    assert res.exit_code == 2 and "CONCORDIA_INTO_PROFILE" in res.output and "Traceback" not in res.output
+    assert not out.exists()

@@ -267,6 +267,23 @@ def test_a_restore_counts_the_whole_pieces_it_would_pin(shm_log):
         log.close()
 
 
+def test_a_small_restore_limit_that_is_no_number_is_one_line_naming_it(shm_log, monkeypatch):
+    import concordia.restore.device as rd
+    from concordia.wal.errors import UsageError
+
+    _history(shm_log, epochs=1)
+    monkeypatch.setattr(rd, "PIN_SMALL_BYTES", None)   # what CONCORDIA_PIN_SMALL_BYTES=1G leaves
+    monkeypatch.setenv("CONCORDIA_PIN_SMALL_BYTES", "1G")
+    log = Log.open(shm_log, writable=False, check_pages=False)
+    try:
+        with pytest.raises(UsageError) as ei:
+            rd.pins_ahead(log.backend, "auto", 1)
+        assert "CONCORDIA_PIN_SMALL_BYTES='1G'" in str(ei.value) and "\n" not in str(ei.value)
+        assert not rd.pins_ahead(log.backend, "copy", 1)   # a restore that copies never asks
+    finally:
+        log.close()
+
+
 def test_a_plan_with_no_pages_to_read_is_an_empty_transfer(shm_log):
     with _one_checkpoint(shm_log, 2) as (_state, log):
         p = plan(log)

@@ -250,6 +250,9 @@ def command(gib, tensors, deltas, tiers, quick, as_json, out, force):
         concordia-wal bench into --gib 10 --tiers shm,hugetlb --out into.json
     """
     check_outputs(force, out)   # before the run: a long benchmark is not refused at its end
+    profile = os.environ.get("CONCORDIA_INTO_PROFILE")
+    if profile and not os.access(os.path.dirname(os.path.abspath(profile)), os.W_OK):
+        raise click.UsageError(f"CONCORDIA_INTO_PROFILE={profile}: its folder is not there or not writable")
     torch = _torch()
     tiers = [t.strip() for t in tiers.split(",") if t.strip()]
     bad = [t for t in tiers if t not in ("shm", "hugetlb", "file")]
