@@ -65,7 +65,7 @@ import struct
 
 import numpy as np
 
-from concordia.checkpoint.table import DEVICE_DETECTORS, plan_records
+from concordia.checkpoint.table import DEVICE_DETECTORS, records_bytes
 from concordia.regions.errors import SessionError
 from concordia.wal import format as fmt
 
@@ -95,12 +95,6 @@ def why_not(table, backend) -> str | None:
     return None
 
 
-def records_bytes(table, counts) -> int:
-    """Record bytes of an epoch of `table` whose rows have `counts` dirty pages."""
-    recs = plan_records(table.entries, np.asarray(counts, np.int64))
-    return int(recs["length"].sum()) if recs.size else 0
-
-
 def last_epoch_bytes(table, *, lost_again: bool = False) -> int:
     """What the next epoch of `table` is guessed to write: its last epoch's
     record bytes; before it has one, those of the epoch an arena lost before
@@ -120,18 +114,13 @@ def too_large(table, app, full: int | None = None) -> str | None:
     fit, and neither does the table's last epoch (`last_epoch_bytes`: after
     two losses in a row, the lost one's; at least ARENA_MIN_BYTES) with its
     commit; or None.  `full`: full_bound(table), when known."""
-    whole = arena_capacity(app)
+    whole = app.segment_capacity
     full = full_bound(table) if full is None else full
     need = min(full, max(last_epoch_bytes(table, lost_again=True), ARENA_MIN_BYTES)) + table.commit_length
     if need > whole:
         return (f"an epoch of {need} bytes (the last one's records and its commit) needs an arena of more "
                 f"than a segment ({whole} bytes)")
     return None
-
-
-def arena_capacity(app) -> int:
-    """The most bytes an arena of the log `app` appends to holds: a segment."""
-    return app.segment_capacity // fmt.RECORD_ALIGN * fmt.RECORD_ALIGN
 
 
 def full_bound(table) -> int:
@@ -148,7 +137,7 @@ def epoch_bound(table, app, full: int | None = None) -> int:
     full = full_bound(table) if full is None else full
     if full <= app.segment_capacity // 2 - table.commit_length:
         return full
-    return min(full, max(2 * last_epoch_bytes(table), ARENA_MIN_BYTES), arena_capacity(app) - table.commit_length)
+    return min(full, max(2 * last_epoch_bytes(table), ARENA_MIN_BYTES), app.segment_capacity - table.commit_length)
 
 
 class Arena:
@@ -178,7 +167,7 @@ class Arena:
             # a table whose every page fits half a segment: ARENA_EPOCHS of its epochs, within half a segment
             small = not adapt and need <= app.segment_capacity // 2
             nbytes = min(max(ARENA_EPOCHS * need, ARENA_MIN_BYTES), app.segment_capacity // 2) if small \
-                else arena_capacity(app)
+                else app.segment_capacity
             rest = app.segment_rest // fmt.RECORD_ALIGN * fmt.RECORD_ALIGN
             # the rest of the segment being written, where it holds `least` epochs; with no epoch of this
             # table known (`last_epoch_bytes` 0: ARENA_MIN_BYTES is no guess), not the rest but a segment

@@ -484,7 +484,7 @@ class DeviceTablePass:
         positions row whose length is a device word (DET_POSITIONS) counts
         every page: reading the word would wait for the producer's queued
         steps, so a large cache by words is not deferred (`launch`)."""
-        from concordia.checkpoint.table import DET_LISTED, counts_of, plan_records
+        from concordia.checkpoint.table import DET_LISTED, counts_of, records_bytes
 
         t = self.table
         e = t.entries
@@ -492,8 +492,7 @@ class DeviceTablePass:
         if self.listed.size:
             got = counts_of(e, np.sort(listed.astype(np.int64)), t.total_pages)
             most = np.where(e["detector"] == DET_LISTED, got, most)
-        recs = plan_records(e, most)
-        return int(recs["length"].sum()) if recs.size else 0
+        return records_bytes(t, most)
 
     def _stage(self, ext, epoch: int, prev_commit: int | None = None) -> None:
         """Queue the plan, staging and finalizing of the epoch into `ext`, and
@@ -598,7 +597,7 @@ class DeviceTablePass:
                                        "reserved for it", where=f"segment {ext.segment} @ {ext.offset:#x}")
             if verify is not None:
                 verify()
-            counts = self.mail_counts.astype(np.int64)
+            counts = self.last_counts
             offsets, finished, commit_lsn = self.mail_offsets[:records].copy(), used, 0
             if got.committed:  # the commit record the device wrote is the extent's last record
                 commit_lsn = ext.lsn + used
@@ -631,7 +630,7 @@ class DeviceTablePass:
         from concordia.checkpoint.table import TableResult
 
         cp, t = self.k.cp, self.table
-        counts = self.mail_counts.astype(np.int64)
+        counts = self.last_counts
         starts = np.cumsum(counts) - counts
         first = t.entries["first_page"].astype(np.int64)
         found = [((self.ids[s:s + c].astype(cp.int64) - int(f)).astype(cp.uint32), int(c))

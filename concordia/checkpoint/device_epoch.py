@@ -268,7 +268,7 @@ class DeviceEpochs:
 
     def counts(self) -> np.ndarray:
         """Each table row's pages in the last epoch (the pass's mailbox)."""
-        return self.tpass.mail_counts.astype(np.int64)
+        return self.tpass.last_counts
 
     def ensure_arena(self) -> None:
         """An open arena with room for the next epoch: one with no room is
@@ -346,7 +346,7 @@ class DeviceEpochs:
         """The step count of the trigger's last epoch (0: none yet)."""
         n = self.fired_logged
         if n:
-            return int(self._log64[2 + 2 * n - 1])
+            return self._pair(n - 1)[1]
         return int(self.fired_kept[-1][1]) if self.fired_kept else 0
 
     def rotate(self) -> None:
@@ -392,8 +392,11 @@ class DeviceEpochs:
 
     def _logged(self) -> list:
         """The (epoch, count) pairs in the trigger's log now."""
-        log = self._log64
-        return [tuple(p) for p in log[2:2 + 2 * int(log[0])].reshape(-1, 2).tolist()]
+        return [self._pair(i) for i in range(int(self._log64[0]))]
+
+    def _pair(self, i: int) -> tuple[int, int]:
+        """The i-th (epoch, count) pair of the trigger's log (words 2 + 2i, 3 + 2i)."""
+        return int(self._log64[2 + 2 * i]), int(self._log64[3 + 2 * i])
 
     def _keep_fired(self) -> None:
         """With the trigger paused: its log's epochs kept here, the log emptied

@@ -97,7 +97,7 @@ from concordia.checkpoint.device import DeviceKernels
 from concordia.checkpoint.host import HostKernels, HostTablePass
 from concordia.checkpoint.staging import Stager, register_mapping, stage_region
 from concordia.checkpoint.stats import CheckpointStats
-from concordia.checkpoint.table import RegionTable
+from concordia.checkpoint.table import RegionTable, records_bytes
 from concordia.gpu_kernels import reference as ref
 from concordia.regions.arrays import to_host
 from concordia.regions.errors import SessionError
@@ -295,7 +295,7 @@ class EpochRunner:
         tp = self._table[1] if self._table is not None else None
         if tp is None or tp.table is not table:
             return self.arena_hint
-        return arena.records_bytes(table, tp.last_counts)
+        return records_bytes(table, tp.last_counts)
 
     # -- one epoch ---------------------------------------------------------------
     @contextlib.contextmanager

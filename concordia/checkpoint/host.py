@@ -164,14 +164,14 @@ class HostTablePass:
     def _detect_and_plan(self):
         """(the epoch's sorted dirty pages, each row's count, its records, their bytes):
         every detector advanced (`detect`), the records laid out (`table.plan_records`)."""
-        from concordia.checkpoint.table import counts_of, plan_records
+        from concordia.checkpoint.table import counts_of, plan_bytes, plan_records
 
         t = self.table
         self.detect()
         ids = np.flatnonzero(self.flags)
         counts = counts_of(t.entries, ids, t.total_pages)
         recs = plan_records(t.entries, counts)
-        return ids, counts, recs, int(recs["length"].sum()) if recs.size else 0
+        return ids, counts, recs, plan_bytes(recs)
 
     def _stage(self, view, ids, recs, *, lsn: int, salt: int, epoch: int) -> None:
         """The records of the plan `recs` into `view` (byte 0 at LSN `lsn`),

@@ -268,6 +268,16 @@ def plan_records(entries: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return out
 
 
+def plan_bytes(recs: np.ndarray) -> int:
+    """The bytes of the records `plan_records` laid out."""
+    return int(recs["length"].sum()) if recs.size else 0
+
+
+def records_bytes(table, counts) -> int:
+    """Record bytes of an epoch of `table` whose rows have `counts` dirty pages."""
+    return plan_bytes(plan_records(table.entries, np.asarray(counts, np.int64)))
+
+
 class TableResult:
     """What one table pass did: dirty pages per row, record bytes written,
     seconds detecting and staging, host waits on the device, and where the

@@ -189,7 +189,7 @@ def test_an_epoch_that_does_not_fit_what_is_left_is_lost_and_the_next_checkpoint
 def test_an_arena_is_a_segment_tried_with_twice_the_last_epoch_at_most_what_it_holds(shm_log):
     """A table of 2 MiB against 1 MiB segments: the bound is twice the last
     epoch (at least ARENA_MIN_BYTES) up to what a segment holds beside the
-    commit, and the arena a whole segment (`arena_capacity`) or, once the
+    commit, and the arena a whole segment (`segment_capacity`) or, once the
     last epoch is known, the rest of the one being written where that holds
     an epoch, so an epoch of 640 KiB still has one; after an epoch of 320 KiB, `expect` asks for
     twice it, at most the whole arena; only a last epoch that alone does
@@ -200,8 +200,7 @@ def test_an_arena_is_a_segment_tried_with_twice_the_last_epoch_at_most_what_it_h
         s.checkpoint()
         runner, app = s.runner, s.log.appender
         table = runner.table_pass(s.log).table
-        whole, commit = arena.arena_capacity(app), table.commit_length
-        assert whole == app.segment_capacity // 64 * 64
+        whole, commit = app.segment_capacity, table.commit_length
         assert arena.epoch_bound(table, app) == arena.ARENA_MIN_BYTES and arena.too_large(table, app) is None
         table.last_bytes = 320 << 10                    # twice that is more than half a segment holds
         assert arena.epoch_bound(table, app) == 640 << 10 and arena.too_large(table, app) is None
@@ -243,12 +242,13 @@ def test_a_table_of_more_than_half_a_segment_gets_a_segment_and_a_rest_only_wher
         s.checkpoint()
         app = s.log.appender
         table = s.runner.table_pass(s.log).table
-        full, commit, whole = arena.full_bound(table), table.commit_length, arena.arena_capacity(app)
+        full, commit, whole = arena.full_bound(table), table.commit_length, app.segment_capacity
         table.last_bytes = full // 2 + 4096             # twice it is every page: no epoch can be lost
         assert app.segment_capacity // 2 < full + commit <= whole and arena.epoch_bound(table, app) == full
         rest = app.segment_rest // 64 * 64
+        assert rest < full + commit, rest               # the bases left too little: a segment (a rest: below)
         ar = arena.Arena(app, table, 99)
-        assert ar.word("adapt") == 0 and ar.ext.length == (rest if rest >= full + commit else whole), rest
+        assert ar.word("adapt") == 0 and ar.ext.length == whole, rest
         ar.adopt(app)
     with Session(shm_log, size=16 * MiB, segment_size=MiB, staging="mapped", policy=Policy(retain=False),
                  overwrite=True) as s:
@@ -265,5 +265,5 @@ def test_a_table_of_more_than_half_a_segment_gets_a_segment_and_a_rest_only_wher
         assert one.ext.length == rest
         one.adopt(app)                                  # no epoch: given back, the same rest again
         two = arena.Arena(app, table, 99, least=2)      # the rest holds one epoch, not two: a segment instead
-        assert two.ext.length == arena.arena_capacity(app)
+        assert two.ext.length == app.segment_capacity
         two.adopt(app)

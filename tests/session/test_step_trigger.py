@@ -155,8 +155,9 @@ def test_the_persistent_kernel_takes_the_epochs_at_the_steps_gate(shm_log):
         _write(a, 0, pages=4)  # CuPy's kernels loaded before the executor is resident
         cp.cuda.get_current_stream().synchronize()
         # four pages a step into arenas of a 1 MiB segment, each tried with room for ARENA_MIN_BYTES
-        # (256 KiB), swapped once they have no room for the next (about 45 epochs): about four swaps,
-        # two on each side of the whole rewrite
+        # (256 KiB), swapped once they have no room for the epochs the kernel may take next: several
+        # swaps over 260 steps (how many depends on how far the device runs behind the host, so only
+        # "at least two" is asserted)
         tr, states = _run(s, a, 260, 1, whole_at=(130,), host=lambda x: x.get(), pages=4)
         cp.cuda.get_current_stream().synchronize()
         assert tr.on_device
