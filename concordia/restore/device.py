@@ -53,15 +53,10 @@ DEFAULT_CHUNK_BYTES = 32 << 20
 REGISTER_PIECE = 64 << 20
 REGISTER_THREADS = int(os.environ.get("CONCORDIA_REGISTER_THREADS", 0)) or 8
 #: a restore of at most this many bytes pins the pieces it reads on any mapping
-#: CUDA can pin (`read_way`); 0 copies every such restore through pinned buffers;
+#: CUDA can pin (`pins_ahead`); 0 copies every such restore through pinned buffers;
 #: None: the environment's value was no whole number (refused where it is used)
 PIN_SMALL_BYTES = os.environ.get("CONCORDIA_PIN_SMALL_BYTES", "").strip()
 PIN_SMALL_BYTES = int(PIN_SMALL_BYTES) if PIN_SMALL_BYTES.isdigit() else (1 << 30 if not PIN_SMALL_BYTES else None)
-#: the way a large restore (beyond PIN_SMALL_BYTES) with read="auto" takes: "" (the tier's own:
-#: pinned ahead on huge pages, copied on 4 KiB pages), or "pin", "copy" or "both" (`read_way`)
-READ_LARGE = os.environ.get("CONCORDIA_RESTORE_READ", "").strip().lower()
-#: the ways a restore may be asked to read the log (`apply_plan_cupy`'s read)
-READS = ("auto", "pin", "copy", "both")
 #: how the pinned host buffers are made: "alloc" (cudaHostAlloc) or "register" (anonymous memory,
 #: cudaHostRegister); see `_host_buffers`.  "alloc" stays the default until "register" has run on a GPU.
 HOST_BUFFER_HOW = os.environ.get("CONCORDIA_HOST_BUFFERS", "alloc").strip().lower()
@@ -599,11 +594,9 @@ class _RegisterAhead:
     first costs ~0.2-0.4 s/GiB on one thread before the first byte moves;
     pieces in parallel overlap it with the transfer.  The pieces stay pinned
     with the mapping (`cuda_host.keep_pinned`: given back when the log closes),
-    and a piece an earlier restore pinned is not pinned again.
-    from_end: pin the last chunks' pieces first, for a restore whose host
-    threads copy the first chunks meanwhile (read="both", `_Route`)."""
+    and a piece an earlier restore pinned is not pinned again."""
 
-    def __init__(self, cp, backend, pieces: tuple, piece: int, threads: int | None = None, from_end: bool = False):
+    def __init__(self, cp, backend, pieces: tuple, piece: int, threads: int | None = None):
         """pieces: `pieces_read(tr, piece)` of the transfer."""
         from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -616,21 +609,14 @@ class _RegisterAhead:
         self.piece = piece
         kept = cuda_host.kept_pins(backend)
         self.per_chunk, order = pieces
-        last = {}   # piece -> the last chunk that reads it
-        for c, ks in enumerate(self.per_chunk):
-            last.update(dict.fromkeys(ks, c))
-        self.by_last = sorted(last.items(), key=lambda kc: kc[1])
-        self.dropped = 0   # pieces of by_last given up (`drop_through`)
         self.done = {}
         for k in order:
             if kept.get(backend.address + k * piece) == piece_bytes(backend, k, piece):
                 self.done[k] = Future()
                 self.done[k].set_result(k)
         self.kept = len(self.done)
-        self.refused = None   # what pinning raised, where a restore that copies as well goes on without it
         self.pool = ThreadPoolExecutor(max_workers=threads or REGISTER_THREADS, thread_name_prefix="concordia-register")
-        self.done.update({k: self.pool.submit(self._register, k)
-                          for k in (order[::-1] if from_end else order) if k not in self.done})
+        self.done.update({k: self.pool.submit(self._register, k) for k in order if k not in self.done})
         self.wait_s = 0.0
 
     def _register(self, k: int) -> int:
@@ -652,27 +638,6 @@ class _RegisterAhead:
                 raise _PinRefused(f"{type(exc).__name__}: {exc}") from exc
         self.wait_s += time.perf_counter() - t0
 
-    def pinned(self, c: int) -> bool:
-        """Whether every piece chunk c reads is pinned now (never blocks).  The
-        first refusal stops the pinning: the restore copies the rest."""
-        for k in self.per_chunk[c]:
-            f = self.done[k]
-            if not f.done() or f.cancelled():
-                return False
-            if f.exception() is not None:
-                if self.refused is None:
-                    self.refused = f"{type(f.exception()).__name__}: {f.exception()}"
-                    for g in self.done.values():
-                        g.cancel()
-                return False
-        return True
-
-    def drop_through(self, c: int) -> None:
-        """Pieces no chunk after c reads are not pinned if not begun (chunks up to c were copied)."""
-        while self.dropped < len(self.by_last) and self.by_last[self.dropped][1] <= c:
-            self.done[self.by_last[self.dropped][0]].cancel()
-            self.dropped += 1
-
     def close(self) -> float:
         """Stop pinning: pieces not started are left, those started end (kept
         pinned with the mapping); returns the seconds it took."""
@@ -683,93 +648,29 @@ class _RegisterAhead:
         return time.perf_counter() - t0
 
 
-class _Route:
-    """Which way each chunk of a restore crosses the bus: through one of
-    `buffers` pinned host buffers, filled by host threads, or by the copy
-    engine straight from the mapping (`direct(c)`: its pieces are pinned, or
-    the mapping is registered).  Decided in order, as far ahead as free
-    buffers allow, so fills run ahead of the bus as they always did; a chunk
-    whose pieces are pinned by the time it is decided needs no buffer.  With
-    pieces pinned from the end (read="both") the host threads copy from the
-    start and the two meet where their rates do."""
-
-    DIRECT = -1
-
-    def __init__(self, chunks: int, buffers: int, direct):
-        self.chunks = chunks
-        self.free = list(range(buffers))[::-1]
-        self.direct = direct
-        self.way = [None] * chunks   # a buffer's index, or DIRECT
-        self.next = 0                # the first chunk not decided
-        self.in_flight = []          # chunks copied through a buffer not yet known to have crossed, oldest first
-
-    def decide(self) -> list:
-        """Decide the chunks a free buffer or a pinned piece allows; returns
-        the (chunk, buffer) pairs newly given a buffer, to be filled."""
-        fill = []
-        while self.next < self.chunks:
-            c = self.next
-            if self.direct(c):
-                self.way[c] = self.DIRECT
-            elif self.free:
-                self.way[c] = self.free.pop()
-                fill.append((c, self.way[c]))
-            else:
-                break
-            self.next += 1
-        return fill
-
-    def sent(self, c: int) -> None:
-        """Chunk c is queued on the bus."""
-        if self.way[c] != self.DIRECT:
-            self.in_flight.append(c)
-
-    def crossed(self, c: int) -> None:
-        """Chunk c's copy is done: its buffer is free."""
-        self.in_flight.remove(c)
-        self.free.append(self.way[c])
-
-
-def read_way(backend, read: str, nbytes: int | None = None) -> str:
-    """The way a restore without a live registration reads the log's mapping:
-    "pin" (its pieces pinned ahead of the copy engine, `_RegisterAhead`),
-    "copy" (into pinned buffers on host threads), or "both" (pieces pinned
-    from the end while host threads copy from the start, `_Route`).
-    read="pin", "copy" and "both" ask for that way on any mapping CUDA can
-    pin (a mapping it cannot is copied).  read="auto" pins a restore that
-    would pin at most PIN_SMALL_BYTES (`nbytes`: the pieces it reads not
-    pinned already, `bytes_to_pin`), which spares it the pinned host buffers
-    (HOST_BUFFERS of a chunk: 128 MiB, which took 0.09-0.15 s to allocate
-    with cudaHostAlloc in a fresh process on the H200 machine, for a restore
-    whose copy takes 0.03 s); a larger one takes READ_LARGE
-    (CONCORDIA_RESTORE_READ) where set, else pins mappings in huge pages
-    (hugetlbfs files, device DAX), which the kernel pins faster than 4 KiB
-    pages, and copies the rest (/dev/shm pinned at ~13 GB/s, where copying
-    ran at 42)."""
-    if read not in READS:
-        from concordia.wal.errors import UsageError
-
-        raise UsageError(f"unknown read mode {read!r} (use {', '.join(READS)})", where="the restore")
+def pins_ahead(backend, read: str, nbytes: int | None = None) -> bool:
+    """Whether a restore without a live registration pins the log's mapping in
+    pieces ahead of the copy engine (`_RegisterAhead`) rather than copying it
+    into pinned buffers on host threads.  read="pin" asks for it on any
+    mapping CUDA can pin; read="auto" takes it for mappings in huge pages
+    (hugetlbfs files, device DAX): the kernel pins those at ~47 GB/s, so a few
+    threads keep ahead of a 55 GB/s copy engine, where 4 KiB-page mappings
+    (/dev/shm) pin at ~13 GB/s and copying them is faster; and for a restore
+    that would pin at most PIN_SMALL_BYTES (`nbytes`: the pieces it reads not
+    pinned already, `bytes_to_pin`) on any mapping CUDA can pin, which spares
+    it the pinned host buffers (HOST_BUFFERS of a chunk: 128 MiB, which took
+    0.09-0.15 s to allocate with cudaHostAlloc in a fresh process on the H200
+    machine, for a restore whose copy takes 0.03 s)."""
     if not backend.gpu_mappable or read == "copy":
-        return "copy"
-    if read != "auto":
-        return read
+        return False
     if PIN_SMALL_BYTES is None:   # the environment named no whole number of bytes
         from concordia.wal.errors import UsageError
 
         raise UsageError(f"CONCORDIA_PIN_SMALL_BYTES={os.environ.get('CONCORDIA_PIN_SMALL_BYTES')!r} is not a "
                          "whole number of bytes", where="the environment")
-    if nbytes is not None and nbytes <= PIN_SMALL_BYTES:
-        return "pin"
-    if READ_LARGE:
-        if READ_LARGE not in ("pin", "copy", "both"):
-            from concordia.wal.errors import UsageError
-
-            raise UsageError(f"CONCORDIA_RESTORE_READ={READ_LARGE!r} is none of pin, copy or both",
-                             where="the environment")
-        return READ_LARGE
-    huge = backend.kind == "hugetlb" or (backend.kind == "devdax" and backend.alignment >= 2 << 20)
-    return "pin" if huge else "copy"
+    small = nbytes is not None and nbytes <= PIN_SMALL_BYTES
+    return (read == "pin" or small or backend.kind == "hugetlb"
+            or (backend.kind == "devdax" and backend.alignment >= 2 << 20))
 
 
 def register_piece(backend) -> int:
@@ -803,13 +704,6 @@ def _zeros(cp, gpu, nbytes: int, own_memory: bool):
     return gpu.device_buffer(mem.ptr, nbytes, mem)
 
 
-def _via(way: str, fd) -> str:
-    """The restore's path in words (its stats' `via`)."""
-    host = f"pinned buffers filled by {'preadv' if fd is not None else 'memory copies'}"
-    return {"pin": "copy engine from pieces pinned ahead", "registered": "copy engine from the registered mapping",
-            "both": f"copy engine from pieces pinned from the end, {host} from the start"}.get(way, host)
-
-
 def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK_BYTES, stats: dict | None = None,
                     registration=None, read: str = "auto", own_memory=()) -> dict:
     """Restore the regions of `plan` straight into new CuPy arrays (see the
@@ -829,13 +723,11 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
     "copy" reads it into pinned buffers on host threads (preadv); "pin" pins
     the pieces of the mapping the plan reads, ahead of the copy engine, on
     several threads (shm and other mappings CUDA can pin), falling back to
-    "copy" where the driver refuses; "both" pins pieces from the end while
-    host threads copy chunks from the start, each chunk taking the way that
-    is ready first (`_Route`); "auto" pins ahead for huge-page mappings
-    (hugetlb, device DAX) and for restores of at most PIN_SMALL_BYTES, and
-    copies otherwise, unless CONCORDIA_RESTORE_READ names the way for large
-    restores (`read_way`): on the H200 machine copying was measured faster
-    for 10 GiB from /dev/shm (docs/results/recover.md).
+    "copy" where the driver refuses; "auto" pins ahead for huge-page
+    mappings (hugetlb, device DAX) and for restores of at most
+    PIN_SMALL_BYTES, and copies otherwise (`pins_ahead`): on the H200
+    machine copying was measured faster for 10 GiB from /dev/shm
+    (docs/results/recover.md).
     own_memory: the names of regions whose arrays get memory of their own
     from the driver, not from CuPy's pool, given back to the driver as the
     array is dropped (a caller that copies them into its targets and drops
@@ -853,26 +745,28 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
     tr = transfer_plan(log, plan, regions=regions, chunk_bytes=chunk_bytes)
     st["layout_s"] = time.perf_counter() - t0
     st.update(chunks=tr.chunks, pages=tr.pages, bytes_copied=tr.bytes_copied)
-    if read not in READS:   # refused before any work
+    if read not in ("auto", "pin", "copy"):
         from concordia.wal.errors import UsageError
 
-        raise UsageError(f"unknown read mode {read!r} (use {', '.join(READS)})", where="apply_plan_cupy")
+        raise UsageError(f"unknown read mode {read!r} (use auto, pin or copy)", where="apply_plan_cupy")
     direct, own_reg = _direct_source(log, registration, st)
     # pieces pinned ahead of the copy engine: pinning starts once the allocations
     # below are made (their driver calls waited behind the pinning threads' before)
     piece = register_piece(log.backend)
     could = direct is None and tr.pages and read != "copy" and log.backend.gpu_mappable
     pieces = pieces_read(tr, piece) if could and log.backend not in _PIN_REFUSED else None
-    way = read_way(log.backend, read, bytes_to_pin(log.backend, pieces[1], piece)) if pieces is not None else "copy"
-    if direct is None and way != "copy":
+    pin = pieces is not None and pins_ahead(log.backend, read, bytes_to_pin(log.backend, pieces[1], piece))
+    if pin:
         direct = log.backend.address
     ahead = None
-    fd, arr, owned = (None, None, False) if direct is not None and way != "both" else _source_of(log)
-    st["via"] = _via(way if pieces is not None else "registered" if direct is not None else "copy", fd)
+    fd, arr, owned = (None, None, False) if direct is not None else _source_of(log)
+    st["via"] = ("copy engine from pieces pinned ahead" if pin else
+                 "copy engine from the registered mapping" if direct is not None else
+                 f"pinned buffers filled by {'preadv' if fd is not None else 'memory copies'}")
     try:
         t1 = time.perf_counter()
         slots, copy_stream, stream = _staging(cp, tr.chunk_bytes)
-        hosts = _host_buffers(cp, tr.chunk_bytes) if direct is None or way == "both" else []
+        hosts = _host_buffers(cp, tr.chunk_bytes) if direct is None else []
         sync = cp.cuda.get_current_stream().synchronize
         # the allocation's parts, each to its end on the device (a fresh process pays them all)
         parts = st["alloc_parts"] = {"staging": time.perf_counter() - t1}  # 0 when kept from an earlier restore
@@ -893,8 +787,8 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
             sync()  # the arrays above exist before other streams use them
             parts["page_tables"] = time.perf_counter() - t
             st["alloc_s"] = time.perf_counter() - t1  # staging, zeroed regions, page tables on the device
-            if pieces is not None and way != "copy":
-                ahead = _RegisterAhead(cp, log.backend, pieces, piece, from_end=way == "both")
+            if pin:
+                ahead = _RegisterAhead(cp, log.backend, pieces, piece)
                 st["pins_kept"] = ahead.kept
             try:
                 _pipeline(cp, gpu, tr, direct, fd, arr, hosts, slots, copy_stream, stream, out,
@@ -908,7 +802,7 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
                 ahead, direct = None, None
                 hosts = _host_buffers(cp, tr.chunk_bytes)
                 fd, arr, owned = _source_of(log)
-                st["via"] = _via("copy", fd)
+                st["via"] = f"pinned buffers filled by {'preadv' if fd is not None else 'memory copies'}"
                 for a in out:
                     a.fill(0)
                 bad_d.fill(0)
@@ -916,9 +810,6 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
                 _pipeline(cp, gpu, tr, None, fd, arr, hosts, slots, copy_stream, stream, out,
                           (offs_d, ids_d, crcs_d, bad_d), kernels, st, None)
             stream.synchronize()
-            if ahead is not None and ahead.refused is not None:   # "both" copied what could not be pinned
-                st["pin_refused"] = ahead.refused
-                _PIN_REFUSED.add(log.backend)
             bad = np.flatnonzero(bad_d.get())   # a byte a page, read once (no search kernel to load)
             if bad.size:
                 raise _bad_page_in_log(log, tr, int(bad[0]))
@@ -946,53 +837,30 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
 
 def _pipeline(cp, gpu, tr, direct, fd, arr, hosts, slots, copy_stream, stream, out, dev_arrays, kernels, st,
               ahead=None, piece=None):
-    """Chunks through host buffers or straight from the mapping (registered,
-    or pieces pinned ahead), the copy engine and the scatter kernel,
-    overlapped; see the module doc.  Each chunk's way is `_Route`'s.
+    """Chunks through host buffers (or straight from a registered mapping), the
+    copy engine and the scatter kernel, overlapped; see the module doc.
     st receives the seconds the loop waited for host reads (fill_wait_s: the
-    host side is the bottleneck) and for transfers (copy_wait_s: the bus is),
-    and the chunks that went each way (chunks_direct, chunks_buffered)."""
+    host side is the bottleneck) and for transfers (copy_wait_s: the bus is)."""
     rt = cp.cuda.runtime
     offs_d, ids_d, crcs_d, bad_d = dev_arrays
-    C, D = tr.chunks, len(slots)
+    C, H, D = tr.chunks, len(hosts), len(slots)
     copied = [None] * C
     scattered = [None] * C
     fills = {}
     fill_wait = copy_wait = 0.0
-    if not hosts:      # every chunk from the mapping: registered, or waited for as its pieces are pinned
-        route = _Route(C, 0, lambda c: True)
-    elif direct is None:
-        route = _Route(C, len(hosts), lambda c: False)
-    else:              # "both": a chunk whose pieces are pinned by the time it is decided needs no buffer
-        route = _Route(C, len(hosts), ahead.pinned)
-
-    def fill_ahead():
-        for c, b in route.decide():
-            fills[c] = _fill(fd, arr, hosts[b][0], tr.copies[c])
-            if ahead is not None:
-                ahead.drop_through(c)   # pieces read only up to a copied chunk need no pinning
-
-    def cross(c):
-        nonlocal copy_wait
-        w0 = time.perf_counter()
-        copied[c].synchronize()
-        copy_wait += time.perf_counter() - w0
-        route.crossed(c)
-
+    if direct is None:
+        for j in range(min(H, C)):
+            fills[j] = _fill(fd, arr, hosts[j % H][0], tr.copies[j])
     try:
-        fill_ahead()
         for j in range(C):
-            while route.way[j] is None:   # no buffer free: the oldest copy gives its buffer back
-                cross(route.in_flight[0])
-                fill_ahead()
             slot = slots[j % D]
             if j >= D:
                 copy_stream.wait_event(scattered[j - D])  # the slot's previous chunk is applied
-            if route.way[j] != _Route.DIRECT:
+            if direct is None:
                 w0 = time.perf_counter()
                 _wait(fills.pop(j))
                 fill_wait += time.perf_counter() - w0
-                host = hosts[route.way[j]][0]
+                host = hosts[j % H][0]
                 rt.memcpyAsync(slot.data.ptr, host.ctypes.data, tr.used[j], rt.memcpyHostToDevice, copy_stream.ptr)
             else:
                 if ahead is not None:
@@ -1005,7 +873,6 @@ def _pipeline(cp, gpu, tr, direct, fd, arr, hosts, slots, copy_stream, stream, o
                         rt.memcpyAsync(slot.data.ptr + at, direct + lo, m, rt.memcpyDefault, copy_stream.ptr)
                         lo, n, at = lo + m, n - m, at + m
             copied[j] = copy_stream.record()
-            route.sent(j)
             stream.wait_event(copied[j])
             with stream:
                 for i, lo, hi in tr.region_slices(j):
@@ -1015,12 +882,13 @@ def _pipeline(cp, gpu, tr, direct, fd, arr, hosts, slots, copy_stream, stream, o
                         (slot, offs_d[lo:hi], ids_d[lo:hi], crcs_d[lo:hi], np.uint64(hi - lo), dst,
                          np.uint64(tr.regions[i].region.nbytes), bad_d[lo:hi]))
             scattered[j] = stream.record()
-            # a buffer is free once its chunk crossed the bus: the chunks before this one are waited for
-            while route.in_flight and route.in_flight[0] < j and route.next < C:
-                cross(route.in_flight[0])
-            fill_ahead()
-        direct_chunks = route.way.count(_Route.DIRECT)
-        st.update(chunks_direct=direct_chunks, chunks_buffered=C - direct_chunks)
+            # host buffer (j-1) % H is free once chunk j-1 crossed the bus
+            k = j - 1 + H
+            if direct is None and j >= 1 and k < C:
+                w0 = time.perf_counter()
+                copied[j - 1].synchronize()
+                copy_wait += time.perf_counter() - w0
+                fills[k] = _fill(fd, arr, hosts[k % H][0], tr.copies[k])
         st.update(fill_wait_s=fill_wait, copy_wait_s=copy_wait)
     finally:
         for fs in fills.values():  # an error above: let queued reads finish before the buffers are reused

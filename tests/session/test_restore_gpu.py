@@ -28,7 +28,7 @@ def _same(got, want):
         assert g.tobytes() == want[name].tobytes(), name
 
 
-@pytest.mark.parametrize("read", ["auto", "pin", "copy", "both"])
+@pytest.mark.parametrize("read", ["auto", "pin", "copy"])
 @pytest.mark.parametrize("chunk_bytes", [4096, 64 << 10, 32 << 20])
 def test_device_restore_equals_host_restore(persistent_log, chunk_bytes, read):
     import concordia.restore.device as rd
@@ -43,14 +43,9 @@ def test_device_restore_equals_host_restore(persistent_log, chunk_bytes, read):
     finally:
         log.close()
     small = st["bytes_copied"] <= rd.PIN_SMALL_BYTES   # "auto" pins a small restore's pieces of shm
-    shm = persistent_log.startswith("shm:")
-    pinned = shm and (read == "pin" or (read == "auto" and small))
-    if shm and read == "both":   # pieces pinned from the end, chunks copied from the start: each its way
-        assert "pinned from the end" in st["via"] and "preadv" in st["via"], st
-    else:
-        assert ("pinned ahead" in st["via"]) if pinned else ("preadv" in st["via"]), st
-    assert st["chunks"] >= 1 and st["chunks_direct"] + st["chunks_buffered"] == st["chunks"], st
-    assert st["chunks_direct"] == (st["chunks"] if pinned else 0) or (shm and read == "both"), st
+    pinned = persistent_log.startswith("shm:") and (read == "pin" or (read == "auto" and small))
+    assert ("pinned ahead" in st["via"]) if pinned else ("preadv" in st["via"]), st
+    assert st["chunks"] >= 1
     if chunk_bytes == 4096:
         assert st["chunks"] > 6  # more chunks than host buffers and device slots: the ring wraps
 
@@ -82,46 +77,6 @@ def test_pieces_pinned_ahead_span_many_pieces_and_stay_pinned_with_the_log(shm_l
     finally:
         log.close()
     assert cuda_host.kept_pins(log.backend) == {}   # given back as the log closed
-
-
-@pytest.mark.parametrize("refuse_after", [None, 0, 2])
-def test_both_ways_meet_and_a_refused_pin_leaves_the_rest_copied(shm_log, monkeypatch, refuse_after):
-    """read="both": pieces pinned from the end while chunks are copied from
-    the start; every chunk goes one way, and where the driver refuses a piece
-    (at once, or after two) the chunks not yet pinned are copied and the
-    mapping is copied from then on."""
-    import concordia.restore.device as rd
-    from concordia.devmem import cuda_host
-    from concordia.devmem.errors import HostRegisterRefusedError
-
-    _history(shm_log)
-    monkeypatch.setattr(rd, "REGISTER_PIECE", 64 << 10)   # many pieces, many chunks
-    monkeypatch.setattr(rd, "_PIN_REFUSED", type(rd._PIN_REFUSED)())
-    if refuse_after is not None:
-        pin, calls = cuda_host.pin, []
-
-        def refuse_later(*a, **k):
-            calls.append(1)
-            if len(calls) > refuse_after:
-                raise HostRegisterRefusedError("cudaHostRegister refused (this test)", where="host memory")
-            return pin(*a, **k)
-        monkeypatch.setattr(cuda_host, "pin", refuse_later)
-    log = Log.open(shm_log, writable=False, check_pages=False)
-    try:
-        p = plan(log)
-        st = {}
-        _same(apply_plan_cupy(log, p, chunk_bytes=64 << 10, stats=st, read="both"), apply_plan_numpy(log, p))
-        assert st["chunks"] > 6 and st["chunks_direct"] + st["chunks_buffered"] == st["chunks"], st
-        assert st["chunks_buffered"] >= 1, st   # the host threads start at once: chunk 0 at least is copied
-        if refuse_after is None:
-            assert "pin_refused" not in st and log.backend not in rd._PIN_REFUSED
-        elif st.get("pin_refused"):   # a refusal the route met: the mapping is copied from then on
-            assert "refused (this test)" in st["pin_refused"] and log.backend in rd._PIN_REFUSED
-            st = {}
-            _same(apply_plan_cupy(log, p, chunk_bytes=64 << 10, stats=st, read="both"), apply_plan_numpy(log, p))
-            assert st["chunks_direct"] == 0 and "pinned" not in st["via"], st
-    finally:
-        log.close()
 
 
 @pytest.mark.parametrize("how", ["register", "alloc", "refused"])

@@ -12,7 +12,7 @@ import uuid
 import pytest
 
 from concordia.devmem import open_backend
-from concordia.restore.device import read_way, register_piece
+from concordia.restore.device import pins_ahead, register_piece
 
 
 @pytest.fixture
@@ -23,30 +23,23 @@ def huge_dir(hugetlb_mount):
     shutil.rmtree(d, ignore_errors=True)
 
 
-def test_huge_page_mappings_pin_ahead_and_4k_ones_copy_unless_small(huge_dir, tmp_path, monkeypatch):
-    import concordia.restore.device as rd
+def test_huge_page_mappings_pin_ahead_and_4k_ones_copy_unless_small(huge_dir, tmp_path):
     from concordia.restore.device import PIN_SMALL_BYTES
 
     with open_backend(f"hugetlb:{huge_dir}/log", size=4 << 20, create=True) as b:
-        assert read_way(b, "auto") == "pin" and read_way(b, "pin") == "pin" and read_way(b, "copy") == "copy"
-        assert read_way(b, "both") == "both"
+        assert pins_ahead(b, "auto") and pins_ahead(b, "pin") and not pins_ahead(b, "copy")
         assert register_piece(b) % b.alignment == 0
     name = f"concordia-test-{uuid.uuid4().hex[:10]}"
     with open_backend(f"shm:{name}", size=1 << 20, create=True) as b:
         try:
-            assert read_way(b, "auto") == "copy" and read_way(b, "pin") == "pin"
+            assert not pins_ahead(b, "auto") and pins_ahead(b, "pin")
             # a small restore pins what it reads rather than allocate pinned buffers for it
-            assert read_way(b, "auto", PIN_SMALL_BYTES) == "pin"
-            assert read_way(b, "auto", PIN_SMALL_BYTES + 1) == "copy"
-            assert read_way(b, "copy", 1) == "copy"
-            # CONCORDIA_RESTORE_READ names the way of a large restore, never of a small one
-            monkeypatch.setattr(rd, "READ_LARGE", "both")
-            assert read_way(b, "auto", PIN_SMALL_BYTES + 1) == "both" and read_way(b, "auto", 1) == "pin"
+            assert pins_ahead(b, "auto", PIN_SMALL_BYTES) and not pins_ahead(b, "auto", PIN_SMALL_BYTES + 1)
+            assert not pins_ahead(b, "copy", 1)
         finally:
             os.unlink(b.path)
     with open_backend(f"file:{tmp_path}/log", size=1 << 20, create=True) as b:
-        # page cache: not pinnable, whatever is asked
-        assert {read_way(b, r, 1) for r in ("auto", "pin", "both", "copy")} == {"copy"}
+        assert not pins_ahead(b, "auto", 1) and not pins_ahead(b, "pin")   # page cache: not pinnable
 
 
 @pytest.mark.gpu

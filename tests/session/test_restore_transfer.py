@@ -247,7 +247,7 @@ def test_file_backed_tiers_are_read_with_preadv(persistent_log):
 
 
 def test_a_restore_counts_the_whole_pieces_it_would_pin(shm_log):
-    """`read_way`'s small-restore rule weighs the pieces a restore pins, not
+    """`pins_ahead`'s small-restore rule weighs the pieces a restore pins, not
     the bytes it reads: records spread over the log pin a piece each."""
     from concordia.restore.device import bytes_to_pin, pieces_read
 
@@ -277,29 +277,9 @@ def test_a_small_restore_limit_that_is_no_number_is_one_line_naming_it(shm_log, 
     log = Log.open(shm_log, writable=False, check_pages=False)
     try:
         with pytest.raises(UsageError) as ei:
-            rd.read_way(log.backend, "auto", 1)
+            rd.pins_ahead(log.backend, "auto", 1)
         assert "CONCORDIA_PIN_SMALL_BYTES='1G'" in str(ei.value) and "\n" not in str(ei.value)
-        assert rd.read_way(log.backend, "copy", 1) == "copy"   # a restore that copies never asks
-    finally:
-        log.close()
-
-
-@pytest.mark.parametrize("value", ["fast", "auto"])
-def test_a_large_restore_way_that_is_none_is_one_line_naming_it(shm_log, monkeypatch, value):
-    import concordia.restore.device as rd
-    from concordia.wal.errors import UsageError
-
-    _history(shm_log, epochs=1)
-    monkeypatch.setattr(rd, "READ_LARGE", value)   # what CONCORDIA_RESTORE_READ=fast leaves
-    log = Log.open(shm_log, writable=False, check_pages=False)
-    try:
-        with pytest.raises(UsageError) as ei:
-            rd.read_way(log.backend, "auto", rd.PIN_SMALL_BYTES + 1)
-        assert f"CONCORDIA_RESTORE_READ={value!r}" in str(ei.value) and "\n" not in str(ei.value)
-        assert rd.read_way(log.backend, "auto", 1) == "pin"   # a small restore never asks
-        with pytest.raises(UsageError) as ei:
-            rd.read_way(log.backend, "fast")
-        assert "unknown read mode 'fast'" in str(ei.value)
+        assert not rd.pins_ahead(log.backend, "copy", 1)   # a restore that copies never asks
     finally:
         log.close()
 
@@ -370,79 +350,3 @@ def test_a_base_is_laid_out_as_runs_of_pages_cut_only_where_chunks_end(shm_log):
         assert apply_transfer_numpy(log, tr)["kv"].tobytes() == kv.tobytes()
     finally:
         log.close()
-
-
-def _drive(route, chunks: int) -> list:
-    """Run `route` as the device pipeline does (decide ahead, send in order,
-    give a buffer back once its chunk crossed); returns the buffers in use at
-    every send."""
-    from concordia.restore.device import _Route
-
-    in_use, seen = set(), []
-
-    def decide():
-        for c, b in route.decide():
-            assert b not in in_use and route.way[c] == b   # a buffer holds one chunk at a time
-            in_use.add(b)
-
-    decide()
-    for j in range(chunks):
-        while route.way[j] is None:
-            c = route.in_flight[0]
-            in_use.discard(route.way[c])
-            route.crossed(c)
-            decide()
-        if route.way[j] == _Route.DIRECT:
-            assert route.direct(j)
-        route.sent(j)
-        seen.append(set(in_use))
-        while route.in_flight and route.in_flight[0] < j and route.next < chunks:
-            c = route.in_flight[0]
-            in_use.discard(route.way[c])
-            route.crossed(c)
-        decide()
-    assert route.next == chunks and None not in route.way
-    return seen
-
-
-@pytest.mark.parametrize("pin_rate", [0, 1, 3, 1000])
-def test_each_chunk_goes_one_way_and_buffers_are_never_shared(pin_rate):
-    """`_Route` on the CPU: pieces pinned from the end at `pin_rate` chunks a
-    decision (0: never) while buffers carry chunks from the start; every chunk
-    is decided once, in order, a buffer carries one chunk at a time, a chunk
-    goes straight from the mapping only once pinned, and the two ways meet:
-    copied chunks first, then pinned ones."""
-    from concordia.restore.device import HOST_BUFFERS, _Route
-
-    chunks = 40
-    clock = {"step": 0}
-    pinned_at = {c: (chunks - 1 - c) // pin_rate if pin_rate else None for c in range(chunks)}
-
-    def direct(c):
-        return pinned_at[c] is not None and pinned_at[c] <= clock["step"]
-
-    route = _Route(chunks, HOST_BUFFERS, direct)
-    orig = route.decide
-
-    def decide():
-        clock["step"] += 1
-        return orig()
-    route.decide = decide
-    seen = _drive(route, chunks)
-    assert max(len(s) for s in seen) <= HOST_BUFFERS
-    ways = [w == _Route.DIRECT for w in route.way]
-    if pin_rate == 0:
-        assert not any(ways)
-    else:
-        assert ways[0] is False or pin_rate >= chunks   # the buffers start at once
-        first = ways.index(True)
-        assert all(ways[first:]) and not any(ways[:first]), ways   # one meeting point
-        if pin_rate == 1000:
-            assert first == 0   # pinned before the first decision: no copy at all
-
-
-def test_a_route_without_buffers_sends_every_chunk_straight():
-    from concordia.restore.device import _Route
-
-    route = _Route(5, 0, lambda c: True)
-    assert route.decide() == [] and route.way == [_Route.DIRECT] * 5
