@@ -57,6 +57,9 @@ REGISTER_THREADS = int(os.environ.get("CONCORDIA_REGISTER_THREADS", 0)) or 8
 #: None: the environment's value was no whole number (refused where it is used)
 PIN_SMALL_BYTES = os.environ.get("CONCORDIA_PIN_SMALL_BYTES", "").strip()
 PIN_SMALL_BYTES = int(PIN_SMALL_BYTES) if PIN_SMALL_BYTES.isdigit() else (1 << 30 if not PIN_SMALL_BYTES else None)
+#: the way a large restore (beyond PIN_SMALL_BYTES) with read="auto" takes: "" (the tier's own:
+#: pinned ahead on huge pages, copied on 4 KiB pages), or "pin" or "copy" (`pins_ahead`)
+READ_LARGE = os.environ.get("CONCORDIA_RESTORE_READ", "").strip().lower()
 #: how the pinned host buffers are made: "alloc" (cudaHostAlloc) or "register" (anonymous memory,
 #: cudaHostRegister); see `_host_buffers`.  "alloc" stays the default until "register" has run on a GPU.
 HOST_BUFFER_HOW = os.environ.get("CONCORDIA_HOST_BUFFERS", "alloc").strip().lower()
@@ -660,7 +663,9 @@ def pins_ahead(backend, read: str, nbytes: int | None = None) -> bool:
     pinned already, `bytes_to_pin`) on any mapping CUDA can pin, which spares
     it the pinned host buffers (HOST_BUFFERS of a chunk: 128 MiB, which took
     0.09-0.15 s to allocate with cudaHostAlloc in a fresh process on the H200
-    machine, for a restore whose copy takes 0.03 s)."""
+    machine, for a restore whose copy takes 0.03 s).  CONCORDIA_RESTORE_READ
+    ("pin" or "copy", READ_LARGE) names the way of a larger read="auto"
+    restore on any mapping CUDA can pin, where it is set."""
     if not backend.gpu_mappable or read == "copy":
         return False
     if PIN_SMALL_BYTES is None:   # the environment named no whole number of bytes
@@ -668,9 +673,16 @@ def pins_ahead(backend, read: str, nbytes: int | None = None) -> bool:
 
         raise UsageError(f"CONCORDIA_PIN_SMALL_BYTES={os.environ.get('CONCORDIA_PIN_SMALL_BYTES')!r} is not a "
                          "whole number of bytes", where="the environment")
-    small = nbytes is not None and nbytes <= PIN_SMALL_BYTES
-    return (read == "pin" or small or backend.kind == "hugetlb"
-            or (backend.kind == "devdax" and backend.alignment >= 2 << 20))
+    if read == "pin" or (nbytes is not None and nbytes <= PIN_SMALL_BYTES):
+        return True
+    if READ_LARGE:   # CONCORDIA_RESTORE_READ names the way of a large restore
+        if READ_LARGE not in ("pin", "copy"):
+            from concordia.wal.errors import UsageError
+
+            raise UsageError(f"CONCORDIA_RESTORE_READ={READ_LARGE!r} is neither pin nor copy",
+                             where="the environment")
+        return READ_LARGE == "pin"
+    return backend.kind == "hugetlb" or (backend.kind == "devdax" and backend.alignment >= 2 << 20)
 
 
 def register_piece(backend) -> int:

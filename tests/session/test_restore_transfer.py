@@ -284,6 +284,26 @@ def test_a_small_restore_limit_that_is_no_number_is_one_line_naming_it(shm_log, 
         log.close()
 
 
+@pytest.mark.parametrize("value", ["both", "auto"])
+def test_a_large_restore_way_that_is_none_is_one_line_naming_it(shm_log, monkeypatch, value):
+    import concordia.restore.device as rd
+    from concordia.wal.errors import UsageError
+
+    _history(shm_log, epochs=1)
+    monkeypatch.setattr(rd, "READ_LARGE", value)   # what CONCORDIA_RESTORE_READ=both leaves
+    log = Log.open(shm_log, writable=False, check_pages=False)
+    try:
+        with pytest.raises(UsageError) as ei:
+            rd.pins_ahead(log.backend, "auto", rd.PIN_SMALL_BYTES + 1)
+        assert f"CONCORDIA_RESTORE_READ={value!r}" in str(ei.value) and "\n" not in str(ei.value)
+        assert rd.pins_ahead(log.backend, "auto", 1)   # a small restore never asks
+        for way in ("pin", "copy"):
+            monkeypatch.setattr(rd, "READ_LARGE", way)
+            assert rd.pins_ahead(log.backend, "auto", rd.PIN_SMALL_BYTES + 1) == (way == "pin")
+    finally:
+        log.close()
+
+
 def test_a_plan_with_no_pages_to_read_is_an_empty_transfer(shm_log):
     with _one_checkpoint(shm_log, 2) as (_state, log):
         p = plan(log)
