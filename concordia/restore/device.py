@@ -655,10 +655,11 @@ def pins_ahead(backend, read: str, nbytes: int | None = None) -> bool:
     """Whether a restore without a live registration pins the log's mapping in
     pieces ahead of the copy engine (`_RegisterAhead`) rather than copying it
     into pinned buffers on host threads.  read="pin" asks for it on any
-    mapping CUDA can pin; read="auto" takes it for mappings in huge pages
-    (hugetlbfs files, device DAX): the kernel pins those at ~47 GB/s, so a few
-    threads keep ahead of a 55 GB/s copy engine, where 4 KiB-page mappings
-    (/dev/shm) pin at ~13 GB/s and copying them is faster; and for a restore
+    mapping CUDA can pin; read="auto" takes it for device DAX in huge pages
+    (not measured on a GPU yet), not for hugetlbfs files, whose 10 GiB restore
+    was bound by pinning (0.47 s of transfer on an H100, against 0.24-0.26 s
+    copying, docs/results/recovery.md), nor for 4 KiB-page mappings (/dev/shm
+    pinned at ~13 GB/s, copied at 42); and for a restore
     that would pin at most PIN_SMALL_BYTES (`nbytes`: the pieces it reads not
     pinned already, `bytes_to_pin`) on any mapping CUDA can pin, which spares
     it the pinned host buffers (HOST_BUFFERS of a chunk: 128 MiB, which took
@@ -682,7 +683,9 @@ def pins_ahead(backend, read: str, nbytes: int | None = None) -> bool:
             raise UsageError(f"CONCORDIA_RESTORE_READ={READ_LARGE!r} is neither pin nor copy",
                              where="the environment")
         return READ_LARGE == "pin"
-    return backend.kind == "hugetlb" or (backend.kind == "devdax" and backend.alignment >= 2 << 20)
+    # hugetlb copies: pinning 10 GiB of it held the transfer to 0.47 s, copying took 0.24-0.26 s
+    # (H100, docs/results/recovery.md, twenty-second section); device DAX is not measured yet
+    return backend.kind == "devdax" and backend.alignment >= 2 << 20
 
 
 def register_piece(backend) -> int:
@@ -735,11 +738,11 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
     "copy" reads it into pinned buffers on host threads (preadv); "pin" pins
     the pieces of the mapping the plan reads, ahead of the copy engine, on
     several threads (shm and other mappings CUDA can pin), falling back to
-    "copy" where the driver refuses; "auto" pins ahead for huge-page
-    mappings (hugetlb, device DAX) and for restores of at most
-    PIN_SMALL_BYTES, and copies otherwise (`pins_ahead`): on the H200
-    machine copying was measured faster for 10 GiB from /dev/shm
-    (docs/results/recover.md).
+    "copy" where the driver refuses; "auto" pins ahead for device DAX in
+    huge pages and for restores of at most PIN_SMALL_BYTES, and copies
+    otherwise (`pins_ahead`): copying 10 GiB was measured faster from
+    /dev/shm (H200) and from hugetlbfs (H100) (docs/results/recover.md,
+    recovery.md).
     own_memory: the names of regions whose arrays get memory of their own
     from the driver, not from CuPy's pool, given back to the driver as the
     array is dropped (a caller that copies them into its targets and drops
