@@ -312,7 +312,8 @@ def phases_of(got: Restored, total_s: float) -> dict:
     then on the host path one pass that reads each page from the log, checks
     its CRC and writes it in place ("check_copy"), or on the device pipeline
     the transfer layout ("layout"), staging and targets ("alloc"), the
-    pipelined read, H2D, CRC check and scatter ("transfer_check_scatter") and
+    pipelined read, H2D, CRC check and scatter ("transfer_check_scatter", with
+    the way the log reached the device: "via") and
     the digests ("verify"), the mapping's registration when the restore
     made its own ("register"), and what none of these names ("other"; the log
     pieces pinned ahead of the copy engine stay pinned with the log, see
@@ -332,6 +333,8 @@ def phases_of(got: Restored, total_s: float) -> dict:
             out["alloc"]["parts"] = {k: float(v) for k, v in st["alloc_parts"].items()}
         out["transfer_check_scatter"] = _phase(max(0.0, st["scatter_s"] - st.get("alloc_s", 0.0)),
                                                st.get("bytes_copied", nbytes))
+        if st.get("via"):   # the way the log reached the device (`apply_plan_cupy`'s stats)
+            out["transfer_check_scatter"]["via"] = st["via"]
         out["verify"] = _phase(st.get("verify_s", 0.0))
         if st.get("register_s"):
             out["register"] = _phase(st["register_s"])

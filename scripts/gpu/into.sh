@@ -6,6 +6,8 @@
 # in each).  Reserves huge pages and mounts hugetlbfs (scripts/hugepages.sh),
 # and puts the setting back.  Writes $OUT/into.json.  Run with
 #   PART_LIMIT_S_into=300 bash scripts/gpu_suite.sh into
+# INTO_ARGS adds options, e.g. INTO_ARGS="--readers 3 --variant pin:CONCORDIA_RESTORE_READ=pin"
+# (readers of the same log under other settings, alternated with the default's).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 : "${OUT:?set OUT to a folder for results}"
@@ -17,4 +19,4 @@ trap 'bash scripts/hugepages.sh teardown "$mnt"' EXIT
 export CONCORDIA_HUGETLB_DIR=$mnt
 WAL=(python3 -c "import sys; from concordia.tools.wal_cli import main; sys.argv[0] = 'concordia-wal'; main()")
 timeout -k 5 "${INTO_BENCH_S:-280}" "${WAL[@]}" bench into --gib "$gib" --tiers "${INTO_TIERS:-shm,hugetlb}" \
-  --out "$OUT/into.json" --force
+  ${INTO_ARGS:-} --out "$OUT/into.json" --force

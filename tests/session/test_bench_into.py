@@ -47,3 +47,35 @@ def test_a_profile_file_in_no_folder_is_refused_before_any_work(tmp_path, monkey
     res = CliRunner().invoke(main, ["bench", "into", "--quick", "--out", str(out)])
     assert res.exit_code == 2 and "CONCORDIA_INTO_PROFILE" in res.output and "Traceback" not in res.output
     assert not out.exists()
+
+
+def test_variants_run_alternated_with_the_default_on_the_same_log(tmp_path):
+    """--variant runs readers of the same log under other environment
+    settings, a round at a time after the default's: each variant's figures
+    sit beside the default's with its ratio to them."""
+    out = tmp_path / "into.json"
+    res = CliRunner().invoke(main, ["bench", "into", "--quick", "--readers", "3", "--out", str(out),
+                                    "--variant", "copy:CONCORDIA_RESTORE_READ=copy",
+                                    "--variant", "threads:CONCORDIA_RESTORE_THREADS=2,CONCORDIA_PIN_SMALL_BYTES=0"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(out.read_text())
+    assert set(rep["variants"]) == {"copy", "threads"} and rep["identical"] is True
+    assert rep["variants"]["threads"]["env"] == {"CONCORDIA_RESTORE_THREADS": "2", "CONCORDIA_PIN_SMALL_BYTES": "0"}
+    base = rep["tiers"]["shm"]
+    assert len(base["runs"]) == 3
+    for v in rep["variants"].values():
+        t = v["tiers"]["shm"]
+        assert len(t["runs"]) == 3 and t["epoch"] == base["epoch"] and all(r["identical"] for r in t["runs"])
+        assert t["vs_default"]["recover_s"] == pytest.approx(t["recover_s"] / base["recover_s"])
+    assert "copy" in res.output and "threads" in res.output   # the table has a row each
+
+
+def test_a_variant_the_environment_would_not_take_is_refused_before_any_work(tmp_path):
+    """A variant that names no setting, a lower-case or empty variable, no name, the default's
+    name or a name used twice is one line naming the option; the output is not written."""
+    out = tmp_path / "into.json"
+    for bad in (["x:"], ["x:restore=copy"], [":A=1"], ["default:A=1"], ["x:A=1", "x:B=2"], ["x:A"]):
+        args = [a for v in bad for a in ("--variant", v)]
+        res = CliRunner().invoke(main, ["bench", "into", "--quick", "--out", str(out), *args])
+        assert res.exit_code == 2 and "--variant" in res.output and "Traceback" not in res.output, (bad, res.output)
+        assert not out.exists()

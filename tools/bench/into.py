@@ -23,7 +23,18 @@ Figures, each reader's own: `recover_s` (the `recover(into=)` call),
 recover_s), `h2d_GBps` (`bench recover`'s ceiling, measured in the same
 process after the recovery: pinned host-to-device copy of up to 2 GiB, best
 of 5), `ratio_to_h2d` = GBps / h2d_GBps, and the recovery's own phases
-(`Session.last_recovery.phases`).  The tier's figure is its last reader's.
+(`Session.last_recovery.phases`; the device pipeline's names the way it read
+the log, `transfer_check_scatter`'s `via`).  The
+tier's figure is its last reader's.  --readers sets how many readers run
+(default 2).
+
+`--variant NAME:VAR=VALUE[,VAR=VALUE...]` (repeatable) runs readers of the
+same log under other environment settings as well (a way of reading it,
+`CONCORDIA_RESTORE_READ=copy`, say): each round runs the default's reader and
+then each variant's, so the machine's drift falls on all of them alike, and
+`variants` in the JSON holds each variant's figures per tier beside the
+default's (`vs_default`: the variant's recover_s over the default's, both the
+last round's, and the same over the medians of every round).
 Without a GPU (`--quick` in CI) the same runs on the host with CPU tensors:
 memcpy is the ceiling then.  CONCORDIA_INTO_PROFILE=FILE appends each
 reader's profile (cProfile, open and recover, the 40 costliest by cumulative
@@ -171,10 +182,12 @@ def _reader(spec: str, nbytes: str, tensors: str, deltas: str, gpu: str) -> None
 
 
 # ---------------------------------------------------------------- the run
-def _child(role: str, *args) -> dict:
-    """Run `_<role>(*args)` in a fresh Python process; its last stdout line, as JSON."""
+def _child(role: str, *args, env: dict | None = None) -> dict:
+    """Run `_<role>(*args)` in a fresh Python process (with `env` added to
+    this one's environment); its last stdout line, as JSON."""
     code = f"import sys; from concordia.tools.bench import into as b; b._{role}(*sys.argv[1:])"
-    proc = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
+                          env={**os.environ, **env} if env else None)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         said = (proc.stderr.strip().splitlines() or ["(nothing on stderr)"])[-1]
@@ -183,8 +196,46 @@ def _child(role: str, *args) -> dict:
     return json.loads(lines[-1])
 
 
+def parse_variants(specs) -> dict:
+    """{name: {VAR: VALUE}} from --variant NAME:VAR=VALUE[,VAR=VALUE...]
+    options; a malformed one is a click.UsageError naming it."""
+    out = {}
+    for spec in specs:
+        name, _, settings = spec.partition(":")
+        name = name.strip()
+        env = {}
+        for item in settings.split(","):
+            var, eq, value = item.strip().partition("=")
+            if not eq or not var or not var.replace("_", "").isalnum() or not var.isupper():
+                raise click.UsageError(f"--variant {spec!r}: {item.strip() or '(nothing)'} is no VAR=VALUE "
+                                       "(an upper-case environment variable)")
+            env[var] = value
+        if not name or name == "default" or name in out:
+            raise click.UsageError(f"--variant {spec!r}: name it NAME:VAR=VALUE, a name other than "
+                                   f"'default' and the other variants'")
+        out[name] = env
+    return out
+
+
+def _say(progress, tier: str, who: str, r: dict) -> None:
+    if progress:
+        progress(f"{tier}{'' if who == 'default' else f' [{who}]'}: open {r['open_s']:.3f} s, "
+                 f"recover {r['recover_s']:.3f} s ({r['GBps']:.1f} GB/s, {r['ratio_to_h2d']:.3f} of H2D), "
+                 f"identical {r['identical']}; "
+                 + ", ".join(f"{k} {v['s']:.3f}" for k, v in r["phases"].items() if k != "open"))
+
+
+def _figure(runs: list) -> dict:
+    """A tier's figure from its readers' runs: the last reader's, with every run's summary."""
+    last = dict(runs[-1])
+    last["runs"] = [{k: r[k] for k in ("open_s", "recover_s", "total_s", "ratio_to_h2d", "identical")}
+                    for r in runs]
+    return last
+
+
 def run(nbytes: int, tensors: int, deltas: int, tiers, gpu: bool, readers: int = 2,
-        progress=None) -> dict:
+        progress=None, variants: dict | None = None) -> dict:
+    variants = variants or {}
     out = {"device": "gpu" if gpu else "cpu", "tensors": tensors, "dtype": "bfloat16", "deltas": deltas,
            "measured_through": {
                "recover_s": "Session(log, create=False).recover(into={name: tensor}) in a fresh process, "
@@ -194,33 +245,41 @@ def run(nbytes: int, tensors: int, deltas: int, tiers, gpu: bool, readers: int =
                "ratio_to_h2d": "bytes / recover_s over the pinned host-to-device copy measured in the "
                                "same process"},
            "tiers": {}}
+    if variants:
+        out["variants"] = {name: {"env": env, "tiers": {}} for name, env in variants.items()}
+    args = (nbytes, tensors, deltas, "1" if gpu else "0")
     for tier in tiers:
         with Scratch("into") as scratch:   # the tier's log goes, however the run ends
             spec = scratch.log("into", tier)   # hugetlb: the default mount, or a one-line error
-            wrote = _child("writer", spec, nbytes, tensors, deltas, "1" if gpu else "0")
-            runs = []
-            for _ in range(readers):
-                runs.append(_child("reader", spec, nbytes, tensors, deltas, "1" if gpu else "0"))
-                if progress:
-                    r = runs[-1]
-                    progress(f"{tier}: open {r['open_s']:.3f} s, recover {r['recover_s']:.3f} s "
-                             f"({r['GBps']:.1f} GB/s, {r['ratio_to_h2d']:.3f} of H2D), identical {r['identical']}; "
-                             + ", ".join(f"{k} {v['s']:.3f}" for k, v in r["phases"].items() if k != "open"))
-        last = dict(runs[-1])
-        last["writer"] = wrote
-        last["runs"] = [{k: r[k] for k in ("open_s", "recover_s", "total_s", "ratio_to_h2d", "identical")}
-                        for r in runs]
-        out["tiers"][tier] = last
-    out["identical"] = all(r["identical"] for t in out["tiers"].values() for r in t["runs"])
+            wrote = _child("writer", spec, *args)
+            runs = {name: [] for name in ("default", *variants)}
+            for _ in range(readers):   # a round: the default's reader, then each variant's
+                for name, env in (("default", None), *variants.items()):
+                    runs[name].append(_child("reader", spec, *args, env=env))
+                    _say(progress, tier, name, runs[name][-1])
+        out["tiers"][tier] = {**_figure(runs["default"]), "writer": wrote}
+        base = out["tiers"][tier]
+        for name in variants:
+            fig = _figure(runs[name])
+            med = float(np.median([r["recover_s"] for r in runs[name]]))
+            base_med = float(np.median([r["recover_s"] for r in runs["default"]]))
+            fig["vs_default"] = {"recover_s": fig["recover_s"] / base["recover_s"],
+                                 "median_recover_s": med / base_med}
+            out["variants"][name]["tiers"][tier] = fig
+    out["identical"] = all(r["identical"] for t in out["tiers"].values() for r in t["runs"]) and all(
+        r["identical"] for v in out.get("variants", {}).values() for t in v["tiers"].values() for r in t["runs"])
     return out
 
 
 def _table(r: dict) -> str:
-    lines = [f"{'tier':8} {'GiB':>6} {'open s':>8} {'recover s':>10} {'total s':>8} {'GB/s':>7} "
-             f"{'H2D GB/s':>9} {'ratio':>6} identical"]
-    for tier, t in r["tiers"].items():
-        lines.append(f"{tier:8} {t['bytes'] / GIB:6.2f} {t['open_s']:8.3f} {t['recover_s']:10.3f} "
-                     f"{t['total_s']:8.3f} {t['GBps']:7.1f} {t['h2d_GBps']:9.1f} {t['ratio_to_h2d']:6.3f} "
+    lines = [f"{'tier':8} {'variant':12} {'GiB':>6} {'open s':>8} {'recover s':>10} {'total s':>8} {'GB/s':>7} "
+             f"{'H2D GB/s':>9} {'ratio':>6} {'vs dflt':>7} identical"]
+    rows = [("default", tier, t) for tier, t in r["tiers"].items()]
+    rows += [(name, tier, t) for name, v in r.get("variants", {}).items() for tier, t in v["tiers"].items()]
+    for name, tier, t in sorted(rows, key=lambda row: list(r["tiers"]).index(row[1])):
+        vs = f"{t['vs_default']['recover_s']:7.3f}" if "vs_default" in t else f"{'':7}"
+        lines.append(f"{tier:8} {name:12} {t['bytes'] / GIB:6.2f} {t['open_s']:8.3f} {t['recover_s']:10.3f} "
+                     f"{t['total_s']:8.3f} {t['GBps']:7.1f} {t['h2d_GBps']:9.1f} {t['ratio_to_h2d']:6.3f} {vs} "
                      f"{t['identical']}")
     return "\n".join(lines)
 
@@ -234,12 +293,17 @@ def _table(r: dict) -> str:
               help="Delta checkpoints after the base.")
 @click.option("--tiers", default="shm,hugetlb", show_default=True,
               help="Comma-separated tiers of the log: shm, hugetlb, file.")
+@click.option("--readers", default=2, show_default=True, type=click.IntRange(min=1),
+              help="Fresh reader processes a tier (and a variant); the figure is the last one's.")
+@click.option("--variant", "variant_specs", multiple=True, metavar="NAME:VAR=VALUE[,VAR=VALUE...]",
+              help="Also run readers under these environment settings, alternated with the default's "
+                   "(repeatable).")
 @click.option("--quick", is_flag=True, help="A small state on the host, shm log (CI smoke test).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
 @click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
 @force_option("--out")
 @guarded
-def command(gib, tensors, deltas, tiers, quick, as_json, out, force):
+def command(gib, tensors, deltas, tiers, readers, variant_specs, quick, as_json, out, force):
     """Recover --gib GiB of state into --tensors bf16 PyTorch tensors in a
     fresh process, on each tier, against the host-to-device copy measured
     there.
@@ -248,8 +312,10 @@ def command(gib, tensors, deltas, tiers, quick, as_json, out, force):
 
     \b
         concordia-wal bench into --gib 10 --tiers shm,hugetlb --out into.json
+        concordia-wal bench into --tiers hugetlb --variant pin:CONCORDIA_RESTORE_READ=pin
     """
     check_outputs(force, out)   # before the run: a long benchmark is not refused at its end
+    variants = parse_variants(variant_specs)
     profile = os.environ.get("CONCORDIA_INTO_PROFILE")
     if profile and not os.access(os.path.dirname(os.path.abspath(profile)), os.W_OK):
         raise click.UsageError(f"CONCORDIA_INTO_PROFILE={profile}: its folder is not there or not writable")
@@ -261,6 +327,6 @@ def command(gib, tensors, deltas, tiers, quick, as_json, out, force):
     gpu = torch.cuda.is_available() and not quick
     if quick:
         gib, tensors, tiers = 4 / 1024, 4, ["shm"]
-    res = run(int(gib * GIB), tensors, deltas, tiers, gpu,
+    res = run(int(gib * GIB), tensors, deltas, tiers, gpu, readers=readers, variants=variants,
               progress=None if as_json else (lambda m: click.echo(m, err=True)))
     report(res, as_json=as_json, out=out, table=_table, force=force)
