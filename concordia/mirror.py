@@ -101,7 +101,7 @@ class Mirror:
                 done = log.walk_through_commit()   # before the plan takes the walk over
                 whole = done is not None
                 if done is None and log.last_committed_epoch:
-                    # a walk too long to keep (`WALK_KEPT_MAX`): the follower still starts
+                    # a walk too long to keep (`walk_kept`): the follower still starts
                     # past the commit (a takeover's open then walks the log itself)
                     c = log.last_commit_record()
                     done = None if c is None else ([], c)

@@ -33,7 +33,7 @@ def _recovery(out) -> dict:
 def run_verify(vol, mode: str, bar=None) -> dict:
     """The documented verify JSON (docs/cli.md) for an open volume.  `bar`
     (wal_cmd_state.Bar) follows the check, and the plan's own walk when the
-    check's was too long to keep (WALK_KEPT_MAX).  `exit_code` is the
+    check's was too long to keep (`walk_kept`).  `exit_code` is the
     decision's (R-D8)."""
     from concordia.wal.decide import counts, decide
     from concordia.wal.reader import verify

@@ -249,6 +249,34 @@ HASH void concordia_page_crcs(const uint8_t *base, int64_t stride, int64_t count
     }
 }
 
+VEC static uint32_t fold_span(const uint8_t *p, size_t n)
+{
+    return fold_page(0, p, NULL, n);
+}
+
+/* out[i] = CRC32C of the lengths[i] bytes at base + offsets[i], i < count: the
+ * payloads of many records in one call (a walk's page checks), three at a time
+ * where three spans in a row are of one length. */
+HASH void concordia_span_crcs(const uint8_t *base, const int64_t *offsets, const int64_t *lengths, int64_t count,
+                              uint32_t *out)
+{
+    int64_t i = 0;
+    while (i < count) {
+        size_t n = (size_t)lengths[i];
+        if (use_fold && n >= 256) {
+            out[i] = fold_span(base + offsets[i], n);
+            i++;
+            continue;
+        }
+        int k = 1;
+        while (k < 3 && i + k < count && (size_t)lengths[i + k] == n)
+            k++;
+        const uint8_t *s[3] = {base + offsets[i], base + offsets[i + (k > 1)], base + offsets[i + (k > 2 ? 2 : 0)]};
+        group(k, 0, s, NULL, n, out + i);
+        i += k;
+    }
+}
+
 /* Page i (i < count) of page_bytes bytes is copied to dst + i * page_bytes from
  * src + offsets[i] (or, when offsets is NULL, from src + i * src_stride), and
  * out[i] is the CRC32C of the bytes copied.  A negative offset stands for a page

@@ -273,7 +273,7 @@ class Log:
         """(items, commit): the open's walk (Scanner items, LSN order) from its
         first live record through the commit record of the last committed
         epoch, and that record; None when the open did not keep its walk
-        (`WALK_KEPT_MAX`), found damage before that commit, or commits
+        (`walk_kept`), found damage before that commit, or commits
         nothing.  A follower started just past `commit` (`Follower(after=)`)
         returns every record after it, as one that walked these items would."""
         res = self._fresh()
@@ -310,7 +310,7 @@ class Log:
     def last_commit_record(self):
         """The commit record of the last committed epoch as a walk's item
         (`Found`), found from the decision alone (an open that did not keep
-        its walk, `WALK_KEPT_MAX`), or None when it commits nothing."""
+        its walk, `walk_kept`), or None when it commits nothing."""
         from .reader import Found, intact_header
 
         res = self._fresh()

@@ -72,6 +72,7 @@ int64_t concordia_copy_page_batch(void *tables, int64_t tables_bytes, void *payl
 void concordia_copy_page_crcs(void *dst, const void *src, const void *offsets, int64_t src_stride,
                               int64_t count, int64_t page_bytes, void *out);
 void concordia_fold_crcs(const void *crcs, int64_t rows, int64_t count, const void *z, void *out);
+void concordia_span_crcs(const void *base, const void *offsets, const void *lengths, int64_t count, void *out);
 """
 
 
@@ -150,6 +151,7 @@ else:
     _copy_batch_c = _lib.concordia_copy_page_batch
     _copy_c = _lib.concordia_copy_page_crcs
     _fold_c = _lib.concordia_fold_crcs
+    _spans_c = _lib.concordia_span_crcs
     _NULL = _ffi.NULL
 
 
@@ -226,7 +228,46 @@ def pure_page_crcs(pages: np.ndarray, out=None, *, release_gil: bool = False) ->
     return out
 
 
+def pure_span_crcs(base: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, out=None) -> np.ndarray:
+    """span_crcs on the `crc32c` package: one call per span."""
+    base, offsets, lengths = _spans(base, offsets, lengths)
+    out = _out(out, offsets.size)
+    mv = memoryview(base)
+    out[:] = np.fromiter((_crc32c(mv[o:o + n]) for o, n in zip(offsets.tolist(), lengths.tolist())),
+                         dtype=np.uint32, count=offsets.size)
+    return out
+
+
+def _spans(base, offsets, lengths) -> tuple:
+    """`span_crcs`'s arguments checked: a 1-D contiguous uint8 base, and int64
+    offsets and lengths of one size whose spans lie inside it."""
+    if not isinstance(base, np.ndarray) or base.ndim != 1 or base.dtype != np.uint8 or not base.flags.c_contiguous:
+        raise UsageError("span_crcs needs a 1-D C-contiguous uint8 array to hash spans of")
+    offsets = np.ascontiguousarray(offsets, dtype=np.int64)
+    lengths = np.ascontiguousarray(lengths, dtype=np.int64)
+    if offsets.shape != lengths.shape or offsets.ndim != 1:
+        raise UsageError(f"span_crcs: {offsets.size} offsets and {lengths.size} lengths")
+    if offsets.size and (offsets.min() < 0 or lengths.min() < 0 or (offsets + lengths).max() > base.size):
+        raise UsageError(f"span_crcs: a span lies outside the {base.size} bytes given")
+    return base, offsets, lengths
+
+
 # -- the public functions ----------------------------------------------------------------
+
+
+def span_crcs(base: np.ndarray, offsets, lengths, out=None) -> np.ndarray:
+    """CRC32C of each span [offsets[i], offsets[i] + lengths[i]) of `base` (a
+    1-D C-contiguous uint8 array), as a uint32 array (`out` when given): many
+    records' payloads in one call, the GIL released while it hashes (the
+    package path makes one call per span)."""
+    if _lib is None:
+        return pure_span_crcs(base, offsets, lengths, out)
+    base, offsets, lengths = _spans(base, offsets, lengths)
+    out = _out(out, offsets.size)
+    if offsets.size:
+        _spans_c(_buf(base), _buf(offsets), _buf(lengths), offsets.size, _buf(out, require_writable=True))
+    return out
+
 
 
 def page_crcs(pages, out=None, *, release_gil: bool = False) -> np.ndarray:

@@ -795,7 +795,7 @@ def _walk_of_open(log, vol, check_pages: bool, progress):
     and what was appended since), with no compaction in between.  Handed over
     once (the Log does not keep it after).  None otherwise, and when progress
     is wanted (the walk is then shown)."""
-    from concordia.wal.reader import WALK_KEPT_MAX, ScanResult, Scanner
+    from concordia.wal.reader import ScanResult, Scanner, walk_kept
 
     res = getattr(log, "_result", None)
     walk = getattr(res, "walk", None)
@@ -808,7 +808,7 @@ def _walk_of_open(log, vol, check_pages: bool, progress):
                 if it.seg.lsn(it.offset) >= res.walk_end_lsn:
                     break
                 walk.append(it)
-            if len(walk) <= WALK_KEPT_MAX:
+            if walk_kept(len(walk), vol):
                 res.walk, res.walk_checked_pages = walk, check_pages
         return walk
     if walk is None or progress is not None:

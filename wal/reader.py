@@ -23,6 +23,7 @@ import numpy as np
 from crc32c import crc32c as _crc32c
 
 from . import format as F
+from . import pagecrc
 from .modes import RecoveryMode
 from .errors import CorruptionError, TornTailError, UsageError
 from .volume import SegmentInfo, Volume
@@ -373,13 +374,6 @@ class Scanner:
             self._tell(self._done)
         return out
 
-    def _payload_entry(self, idx: int, pos: int, h, release_gil: bool = False) -> tuple:
-        """What _check_pages needs of the page batch at `pos` (items[idx]):
-        its geometry and one CRC32C over its whole payload."""
-        poff = pos + F.page_batch_payload_offset(h.count)
-        payload = self.mv[poff:poff + h.count * h.page_bytes]
-        return idx, pos, h.count, h.page_bytes, (_crc32c(payload, 0, 1) if release_gil else _crc32c(payload))
-
     def check_pages_of(self, items: list, indices) -> None:
         """V-P5 for the page batches among items[indices] of a walk made without
         page checks, as a walk with them would have made it: a failing record
@@ -389,12 +383,33 @@ class Scanner:
         self._check_pages(items, self._entries(batches))
 
     def _entries(self, batches: list) -> list:
-        """`_payload_entry` of each (index, offset, header): payloads that add up
-        to PARALLEL_CHECK_BYTES or more are hashed on CHECK_THREADS threads."""
-        total = sum(h.count * h.page_bytes for _, _, h in batches)
-        if total >= PARALLEL_CHECK_BYTES:
-            return thread_map(lambda b: self._payload_entry(*b, release_gil=True), batches)
-        return [self._payload_entry(*b) for b in batches]
+        """What _check_pages needs of each page batch (index, offset, header):
+        (index, offset, count, page bytes, one CRC32C over its whole payload).
+        The payloads are hashed many to a call (`pagecrc.span_crcs`, the GIL
+        released), in CHECK_THREADS slices of about equal bytes on as many
+        threads where they add up to PARALLEL_CHECK_BYTES or more: a log of
+        small records (a checkpoint every decode step writes one a region)
+        costs no call, task or slice per record."""
+        if not batches:
+            return []
+        n = len(batches)
+        counts = np.fromiter((h.count for _, _, h in batches), np.int64, n)
+        lengths = counts * np.fromiter((h.page_bytes for _, _, h in batches), np.int64, n)
+        offsets = np.fromiter((pos for _, pos, _ in batches), np.int64, n) + F.RECORD_HEADER_SIZE + (
+            (8 * counts + 63) // 64 * 64)   # format.page_batch_payload_offset of each
+        size = self.arr.size   # a payload past the mapping's end hashes what is there, as a slice of it would
+        offsets = np.minimum(offsets, size)
+        lengths = np.minimum(lengths, size - offsets)
+        crcs = np.empty(n, np.uint32)
+        ends = np.cumsum(lengths)
+        if ends[-1] >= PARALLEL_CHECK_BYTES and n > 1:
+            cuts = np.searchsorted(ends, ends[-1] * np.arange(1, CHECK_THREADS) / CHECK_THREADS)
+            bounds = sorted(set([0, *cuts.tolist(), n]))
+            thread_map(lambda ab: pagecrc.span_crcs(self.arr, offsets[ab[0]:ab[1]], lengths[ab[0]:ab[1]],
+                                                    out=crcs[ab[0]:ab[1]]), list(zip(bounds, bounds[1:])))
+        else:
+            pagecrc.span_crcs(self.arr, offsets, lengths, out=crcs)
+        return [(idx, pos, h.count, h.page_bytes, c) for (idx, pos, h), c in zip(batches, crcs.tolist())]
 
     def _check_pages(self, out: list, pending: list) -> None:
         """V-P5 for every page batch of a segment: the per-page CRC table, folded,
@@ -555,9 +570,18 @@ def _reason(problem: tuple, pos: int) -> str:
 
 
 #: records of an open-time walk kept for the planner (beyond, it walks again):
-#: about 600 bytes each, so at most some 40 MB; an 8 MiB-record log of 64 K
-#: records holds 512 GiB of pages
+#: about 470-600 bytes each, so some 40 MB; an 8 MiB-record log of 64 K records
+#: holds 512 GiB of pages.  A log of small records (a checkpoint every decode
+#: step writes one a region: 1,000 steps of 65 regions are 66 K records) keeps
+#: more, up to one item per WALK_KEPT_LOG_BYTES of the log's size (a 32nd of
+#: it at 512 bytes an item): its second walk cost a recovery as much as the open's
 WALK_KEPT_MAX = 1 << 16
+WALK_KEPT_LOG_BYTES = 16 << 10
+
+
+def walk_kept(count: int, vol: Volume) -> bool:
+    """Whether an open's walk of `count` items of `vol` is kept for the planner."""
+    return count <= max(WALK_KEPT_MAX, vol.backend.size // WALK_KEPT_LOG_BYTES)
 
 
 def recover(vol: Volume, mode: RecoveryMode = RecoveryMode.TOLERATE_TAIL,
@@ -601,7 +625,7 @@ def recover(vol: Volume, mode: RecoveryMode = RecoveryMode.TOLERATE_TAIL,
                 seen.append(seg)
         res.segments = seen
         res.bad_segments = {it.seg.index for it in items if it.tag == _DMG and it.offset == it.seg.offset}
-    if len(items) <= WALK_KEPT_MAX:
+    if walk_kept(len(items), vol):
         res.walk, res.walk_checked_pages = items, check_pages
     items = _check_regions(items, vol.backend.view)  # R-P1, R-G1
     backend = vol.backend

@@ -217,3 +217,34 @@ def test_restore_into_npy_files(tmp_path):
             np.testing.assert_array_equal(got, a)
     finally:
         log.close()
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["kept-by-size", "walked-twice"])
+def test_a_log_of_many_small_records_is_walked_once_by_a_recovery(tmp_path, monkeypatch, share):
+    """A checkpoint every step writes a record a region: a recovery's open
+    keeps its walk for the planner while it is within a share of the log's
+    size (`reader.walk_kept`), so the plan does not walk the log again; beyond
+    it, the log is walked again.  Either way the state recovered is the same."""
+    import concordia.wal.reader as R
+    from concordia import Session
+
+    monkeypatch.setattr(R, "WALK_KEPT_MAX", 16)   # fewer than the log's records
+    if not share:
+        monkeypatch.setattr(R, "WALK_KEPT_LOG_BYTES", 1 << 40)
+    path = f"file:{tmp_path / 'log'}"
+    regions = {f"r{i}": np.zeros(4 * 1024, np.uint8) for i in range(6)}
+    with Session(path, size=8 << 20, segment_size=1 << 20) as s:
+        for n, a in regions.items():
+            s.register(n, a, page_bytes=4096)
+        for step in range(8):
+            for a in regions.values():
+                a[step * 512] = step + 1
+            s.checkpoint()
+    walks = []
+    real = R.Scanner.items
+    monkeypatch.setattr(R.Scanner, "items", lambda self, *a, **k: walks.append(1) or real(self, *a, **k))
+    with Session(path, create=False) as s:
+        got = s.recover()
+        st = s.last_recovery
+    assert all(np.array_equal(got[n], a) for n, a in regions.items()) and st.epoch == 8
+    assert len(walks) == 1 if share else len(walks) >= 2, walks

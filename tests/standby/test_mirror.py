@@ -146,13 +146,14 @@ def test_a_mirror_started_on_a_long_log_follows_from_the_commit_it_restored(tmp_
     """The mirror's first restore walks the log once: the follower starts just
     past the commit of the epoch restored, not at the log's start, and a
     takeover's open from the mirror's walk matches its own walk.  When the
-    restore's open keeps no walk (more records than WALK_KEPT_MAX) the commit
+    restore's open keeps no walk (more records than `walk_kept` allows) the commit
     is found from the decision (`Log.last_commit_record`), the follower still
     starts past it, and a takeover's open walks the log itself."""
     import concordia.wal.reader as R
 
     if not kept:
         monkeypatch.setattr(R, "WALK_KEPT_MAX", 16)
+        monkeypatch.setattr(R, "WALK_KEPT_LOG_BYTES", 1 << 40)
     path = f"file:{tmp_path / 'log'}"
     a = np.zeros((64, 256), np.uint32)
     with Session(path, size=8 << 20, segment_size=1 << 20) as s:
@@ -238,9 +239,9 @@ def test_a_mirror_hashes_the_pages_it_applies_and_no_others(tmp_path, monkeypatc
     path = f"file:{tmp_path / 'log'}"
     a = np.zeros((64, 1024), np.uint32)
     hashed = []
-    real = Scanner._payload_entry
-    monkeypatch.setattr(Scanner, "_payload_entry",
-                        lambda self, idx, pos, h, **kw: hashed.append(int(h.epoch)) or real(self, idx, pos, h, **kw))
+    real = Scanner._entries   # every page batch a walk hashes goes through here
+    monkeypatch.setattr(Scanner, "_entries",
+                        lambda self, batches: hashed.extend(int(h.epoch) for _, _, h in batches) or real(self, batches))
     with Session(path, size=8 << 20, segment_size=1 << 20) as s:
         s.register("a", a)
         for i in range(5):

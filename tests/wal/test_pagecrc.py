@@ -112,6 +112,31 @@ def test_page_crcs_equal_package_and_crcmod(path, pb):
         assert got.tolist() == [crc32c(p) for p in pages] == _ref(pages), (pb, count)
 
 
+def test_span_crcs_of_any_lengths_and_offsets(path):
+    """`span_crcs` hashes many spans of one buffer in a call: spans of every
+    length in SIZES (so runs of one length take the three-lane path and the
+    folding one, and the rest one lane), at odd offsets, overlapping, empty."""
+    rng = np.random.default_rng(7)
+    base = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    lengths = np.array([n for n in SIZES for _ in range(4)] + [0, 4096, 4096, 4096, 5], np.int64)
+    offsets = rng.integers(0, base.size - lengths.max(), lengths.size)
+    got = pagecrc.span_crcs(base, offsets, lengths)
+    assert got.dtype == np.uint32 and got.shape == lengths.shape
+    assert got.tolist() == [CRCMOD(bytes(base[o:o + n])) for o, n in zip(offsets.tolist(), lengths.tolist())]
+    out = np.zeros(lengths.size, np.uint32)
+    assert pagecrc.span_crcs(base, offsets, lengths, out=out) is out and out.tolist() == got.tolist()
+    assert pagecrc.span_crcs(base, [], []).size == 0
+
+
+def test_span_crcs_refuses_spans_outside_what_it_is_given():
+    base = np.zeros(4096, np.uint8)
+    for offsets, lengths in (([4000], [97]), ([-1], [4]), ([0], [-1]), ([0, 1], [1])):
+        with pytest.raises(UsageError):
+            pagecrc.span_crcs(base, offsets, lengths)
+    with pytest.raises(UsageError):
+        pagecrc.span_crcs(base.reshape(64, 64), [0], [1])   # one flat buffer only
+
+
 @pytest.mark.parametrize("shift", [1, 3, 5, 7])
 def test_unaligned_and_strided_rows(path, shift):
     rng = np.random.default_rng(shift)
