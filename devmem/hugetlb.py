@@ -4,8 +4,9 @@
 Why a tier of its own: the kernel pins a mapping for the GPU page by page, so
 `cudaHostRegister` of a hugetlbfs mapping runs some 3.5 times faster than of a
 `/dev/shm` one of 4 KiB pages (47 against 13.4 GB/s for 8 GiB on the H200
-machine), and a recovering process pins the log before the copy engine reads
-it.  Like shm, the file outlives the process that wrote it (not a reboot),
+machine), so a small restore pins the pieces it reads before the copy engine
+reads them (a large one copies: pinning bound a 10 GiB restore's transfer to
+half the copy's rate, docs/results/recovery.md).  Like shm, the file outlives the process that wrote it (not a reboot),
 nothing needs persisting for that, and the GPU can write it once registered.
 
 What hugetlbfs imposes, and how the tier meets it:

@@ -22,9 +22,10 @@ multiplication (folding) instead of the `crc32` instruction, three to four
 times faster; `KERNEL` says which ("vpclmulqdq" or "crc32", None on the
 package path), and `CONCORDIA_PAGECRC=crc32` keeps the helper on `crc32`.
 
-Every function takes uint8 numpy arrays whose rows are pages and returns (or
-fills) a uint32 array of CRCs; the C code trusts its arguments, so all shapes,
-strides and offsets are checked here first.
+Every function takes uint8 numpy arrays whose rows are pages (`span_crcs`: one
+flat array and the spans of it to hash) and returns (or fills) a uint32 array
+of CRCs; the C code trusts its arguments, so all shapes, strides and offsets
+are checked here first.
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ MIN_NATIVE_PAGES = 4
 #: ... unless the pages are this large in all: then the call's cost is nothing
 #: beside the hashing, which the helper does faster
 MIN_NATIVE_BYTES = 16 << 10
+#: `span_crcs` on the `crc32` kernel hashes spans of this many bytes or more with
+#: the package, which runs three chains of the instruction where the helper runs one
+SPAN_PACKAGE_BYTES = 64 << 10
 
 
 def _use_native(count: int, pb: int) -> bool:
@@ -243,11 +247,17 @@ def _spans(base, offsets, lengths) -> tuple:
     offsets and lengths of one size whose spans lie inside it."""
     if not isinstance(base, np.ndarray) or base.ndim != 1 or base.dtype != np.uint8 or not base.flags.c_contiguous:
         raise UsageError("span_crcs needs a 1-D C-contiguous uint8 array to hash spans of")
+    offsets, lengths = np.asarray(offsets), np.asarray(lengths)
+    for a in (offsets, lengths):
+        if a.size and a.dtype.kind not in "iu":
+            raise UsageError(f"span_crcs: offsets and lengths must be integers, not {a.dtype}")
     offsets = np.ascontiguousarray(offsets, dtype=np.int64)
     lengths = np.ascontiguousarray(lengths, dtype=np.int64)
     if offsets.shape != lengths.shape or offsets.ndim != 1:
         raise UsageError(f"span_crcs: {offsets.size} offsets and {lengths.size} lengths")
-    if offsets.size and (offsets.min() < 0 or lengths.min() < 0 or (offsets + lengths).max() > base.size):
+    # each bound on its own, so that no sum can wrap past the int64 range
+    if offsets.size and (offsets.min() < 0 or lengths.min() < 0 or lengths.max() > base.size
+                         or (offsets > base.size - lengths).any()):
         raise UsageError(f"span_crcs: a span lies outside the {base.size} bytes given")
     return base, offsets, lengths
 
@@ -264,8 +274,18 @@ def span_crcs(base: np.ndarray, offsets, lengths, out=None) -> np.ndarray:
         return pure_span_crcs(base, offsets, lengths, out)
     base, offsets, lengths = _spans(base, offsets, lengths)
     out = _out(out, offsets.size)
+    # on the crc32 instruction the helper hashes a span on one chain: the package's three chains
+    # take a large one faster (it lets go of the GIL for them too)
+    big = np.flatnonzero(lengths >= SPAN_PACKAGE_BYTES) if KERNEL != "vpclmulqdq" else np.empty(0, np.int64)
+    if big.size:
+        mv = memoryview(base)
+        done = [_crc32c(mv[o:o + n], 0, 1) for o, n in zip(offsets[big].tolist(), lengths[big].tolist())]
+        lengths = lengths.copy()
+        lengths[big] = 0
     if offsets.size:
         _spans_c(_buf(base), _buf(offsets), _buf(lengths), offsets.size, _buf(out, require_writable=True))
+    if big.size:
+        out[big] = done
     return out
 
 

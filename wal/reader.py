@@ -572,16 +572,19 @@ def _reason(problem: tuple, pos: int) -> str:
 #: records of an open-time walk kept for the planner (beyond, it walks again):
 #: about 470-600 bytes each, so some 40 MB; an 8 MiB-record log of 64 K records
 #: holds 512 GiB of pages.  A log of small records (a checkpoint every decode
-#: step writes one a region: 1,000 steps of 65 regions are 66 K records) keeps
-#: more, up to one item per WALK_KEPT_LOG_BYTES of the log's size (a 32nd of
-#: it at 512 bytes an item): its second walk cost a recovery as much as the open's
+#: step writes one a region: 1,000 steps of 64 regions are 66 K records) keeps
+#: more, up to one item per WALK_KEPT_LOG_BYTES of the volume's size (a 32nd of
+#: it at 512 bytes an item) and WALK_KEPT_CEILING items in all (some 250 MB):
+#: its second walk cost a recovery as much as the open's.  A writable open
+#: holds the walk until the planner takes it or the log closes.
 WALK_KEPT_MAX = 1 << 16
 WALK_KEPT_LOG_BYTES = 16 << 10
+WALK_KEPT_CEILING = 1 << 19
 
 
 def walk_kept(count: int, vol: Volume) -> bool:
     """Whether an open's walk of `count` items of `vol` is kept for the planner."""
-    return count <= max(WALK_KEPT_MAX, vol.backend.size // WALK_KEPT_LOG_BYTES)
+    return count <= max(WALK_KEPT_MAX, min(WALK_KEPT_CEILING, vol.backend.size // WALK_KEPT_LOG_BYTES))
 
 
 def recover(vol: Volume, mode: RecoveryMode = RecoveryMode.TOLERATE_TAIL,
@@ -1011,7 +1014,7 @@ def verify(vol: Volume, *, check_pages: bool = True,
     for data problems).  Returns a JSON-able dict: problems, counts, throughput.
     progress(done_bytes, total_bytes) is told how far the walk is, at most
     every few MiB (Scanner).  `walk`, a list, receives the walk's items when
-    they were kept (WALK_KEPT_MAX), for a `planner.scan` of the same volume."""
+    they were kept (`walk_kept`), for a `planner.scan` of the same volume."""
     t0 = time.perf_counter()
     problems: list[Dropped] = []
     res = recover(vol, RecoveryMode.SKIP_CORRUPT, problems.append, check_pages=check_pages,

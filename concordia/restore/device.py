@@ -58,7 +58,7 @@ REGISTER_THREADS = int(os.environ.get("CONCORDIA_REGISTER_THREADS", 0)) or 8
 PIN_SMALL_BYTES = os.environ.get("CONCORDIA_PIN_SMALL_BYTES", "").strip()
 PIN_SMALL_BYTES = int(PIN_SMALL_BYTES) if PIN_SMALL_BYTES.isdigit() else (1 << 30 if not PIN_SMALL_BYTES else None)
 #: the way a large restore (beyond PIN_SMALL_BYTES) with read="auto" takes: "" (the tier's own:
-#: pinned ahead on huge pages, copied on 4 KiB pages), or "pin" or "copy" (`pins_ahead`)
+#: pinned ahead on device DAX in huge pages, copied elsewhere), or "pin" or "copy" (`pins_ahead`)
 READ_LARGE = os.environ.get("CONCORDIA_RESTORE_READ", "").strip().lower()
 #: how the pinned host buffers are made: "alloc" (cudaHostAlloc) or "register" (anonymous memory,
 #: cudaHostRegister); see `_host_buffers`.  "alloc" stays the default until "register" has run on a GPU.

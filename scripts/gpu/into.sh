@@ -17,6 +17,7 @@ huge_gib=$(python3 -c "import math; print(math.ceil(1.25 * $gib) + 6)")
 bash scripts/hugepages.sh setup "$huge_gib" "$mnt" >/dev/null || { echo "into: no huge pages"; exit 2; }
 trap 'bash scripts/hugepages.sh teardown "$mnt"' EXIT
 export CONCORDIA_HUGETLB_DIR=$mnt
+read -ra extra <<< "${INTO_ARGS:-}"   # split on blanks, never globbed
 WAL=(python3 -c "import sys; from concordia.tools.wal_cli import main; sys.argv[0] = 'concordia-wal'; main()")
 timeout -k 5 "${INTO_BENCH_S:-280}" "${WAL[@]}" bench into --gib "$gib" --tiers "${INTO_TIERS:-shm,hugetlb}" \
-  ${INTO_ARGS:-} --out "$OUT/into.json" --force
+  "${extra[@]}" --out "$OUT/into.json" --force

@@ -115,10 +115,11 @@ def test_page_crcs_equal_package_and_crcmod(path, pb):
 def test_span_crcs_of_any_lengths_and_offsets(path):
     """`span_crcs` hashes many spans of one buffer in a call: spans of every
     length in SIZES (so runs of one length take the three-lane path and the
-    folding one, and the rest one lane), at odd offsets, overlapping, empty."""
+    folding one, and the rest one lane; the largest, on the crc32 kernel, the
+    package), at odd offsets, overlapping, empty."""
     rng = np.random.default_rng(7)
-    base = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
-    lengths = np.array([n for n in SIZES for _ in range(4)] + [0, 4096, 4096, 4096, 5], np.int64)
+    base = rng.integers(0, 256, 1 << 20, dtype=np.uint8)   # 300,000 > SPAN_PACKAGE_BYTES below
+    lengths = np.array([n for n in SIZES for _ in range(4)] + [0, 4096, 4096, 4096, 5, 300_000, 5], np.int64)
     offsets = rng.integers(0, base.size - lengths.max(), lengths.size)
     got = pagecrc.span_crcs(base, offsets, lengths)
     assert got.dtype == np.uint32 and got.shape == lengths.shape
@@ -130,7 +131,8 @@ def test_span_crcs_of_any_lengths_and_offsets(path):
 
 def test_span_crcs_refuses_spans_outside_what_it_is_given():
     base = np.zeros(4096, np.uint8)
-    for offsets, lengths in (([4000], [97]), ([-1], [4]), ([0], [-1]), ([0, 1], [1])):
+    for offsets, lengths in (([4000], [97]), ([-1], [4]), ([0], [-1]), ([0, 1], [1]),
+                             ([4000], [2**63 - 3999]), ([0.5], [1])):   # a sum past int64; no integers
         with pytest.raises(UsageError):
             pagecrc.span_crcs(base, offsets, lengths)
     with pytest.raises(UsageError):
