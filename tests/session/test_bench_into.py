@@ -79,3 +79,20 @@ def test_a_variant_the_environment_would_not_take_is_refused_before_any_work(tmp
         res = CliRunner().invoke(main, ["bench", "into", "--quick", "--out", str(out), *args])
         assert res.exit_code == 2 and "--variant" in res.output and "Traceback" not in res.output, (bad, res.output)
         assert not out.exists()
+
+
+def test_a_variant_whose_reader_fails_is_recorded_and_the_rest_go_on(tmp_path):
+    """A variant whose environment stops its reader (Python cannot start with
+    no standard library): its one line is kept as the variant's `error`, its
+    later rounds are not run, and the default's and other variants' figures
+    stand."""
+    out = tmp_path / "into.json"
+    res = CliRunner().invoke(main, ["bench", "into", "--quick", "--out", str(out),
+                                    "--variant", f"broken:PYTHONHOME={tmp_path / 'none'}",
+                                    "--variant", "copy:CONCORDIA_RESTORE_READ=copy"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(out.read_text())
+    broken = rep["variants"]["broken"]["tiers"]["shm"]
+    assert set(broken) == {"error"} and "the reader ended" in broken["error"] and "\n" not in broken["error"]
+    assert len(rep["variants"]["copy"]["tiers"]["shm"]["runs"]) == 2 and rep["identical"] is True
+    assert "broken" in res.output and "failed:" in res.output

@@ -34,7 +34,9 @@ same log under other environment settings as well (a way of reading it,
 then each variant's, so the machine's drift falls on all of them alike, and
 `variants` in the JSON holds each variant's figures per tier beside the
 default's (`vs_default`: the variant's recover_s over the default's, both the
-last round's, and the same over the medians of every round).
+last round's, and the same over the medians of every round).  A variant whose
+reader fails is recorded with its one-line `error` and not run again; the
+others go on.
 Without a GPU (`--quick` in CI) the same runs on the host with CPU tensors:
 memcpy is the ceiling then.  CONCORDIA_INTO_PROFILE=FILE appends each
 reader's profile (cProfile, open and recover, the 40 costliest by cumulative
@@ -253,13 +255,27 @@ def run(nbytes: int, tensors: int, deltas: int, tiers, gpu: bool, readers: int =
             spec = scratch.log("into", tier)   # hugetlb: the default mount, or a one-line error
             wrote = _child("writer", spec, *args)
             runs = {name: [] for name in ("default", *variants)}
+            failed = {}   # variant -> its reader's one line: its later rounds are not run
             for _ in range(readers):   # a round: the default's reader, then each variant's
                 for name, env in (("default", None), *variants.items()):
-                    runs[name].append(_child("reader", spec, *args, env=env))
+                    if name in failed:
+                        continue
+                    try:
+                        runs[name].append(_child("reader", spec, *args, env=env))
+                    except RuntimeError as exc:
+                        if name == "default":
+                            raise
+                        failed[name] = str(exc)
+                        if progress:
+                            progress(f"{tier} [{name}]: {exc}")
+                        continue
                     _say(progress, tier, name, runs[name][-1])
         out["tiers"][tier] = {**_figure(runs["default"]), "writer": wrote}
         base = out["tiers"][tier]
         for name in variants:
+            if name in failed:   # recorded, not a figure: the default's and the other variants' stand
+                out["variants"][name]["tiers"][tier] = {"error": failed[name]}
+                continue
             fig = _figure(runs[name])
             med = float(np.median([r["recover_s"] for r in runs[name]]))
             base_med = float(np.median([r["recover_s"] for r in runs["default"]]))
@@ -267,7 +283,8 @@ def run(nbytes: int, tensors: int, deltas: int, tiers, gpu: bool, readers: int =
                                  "median_recover_s": med / base_med}
             out["variants"][name]["tiers"][tier] = fig
     out["identical"] = all(r["identical"] for t in out["tiers"].values() for r in t["runs"]) and all(
-        r["identical"] for v in out.get("variants", {}).values() for t in v["tiers"].values() for r in t["runs"])
+        r["identical"] for v in out.get("variants", {}).values() for t in v["tiers"].values()
+        for r in t.get("runs", ()))
     return out
 
 
@@ -277,6 +294,9 @@ def _table(r: dict) -> str:
     rows = [("default", tier, t) for tier, t in r["tiers"].items()]
     rows += [(name, tier, t) for name, v in r.get("variants", {}).items() for tier, t in v["tiers"].items()]
     for name, tier, t in sorted(rows, key=lambda row: list(r["tiers"]).index(row[1])):
+        if "error" in t:
+            lines.append(f"{tier:8} {name:12} failed: {t['error']}")
+            continue
         vs = f"{t['vs_default']['recover_s']:7.3f}" if "vs_default" in t else f"{'':7}"
         lines.append(f"{tier:8} {name:12} {t['bytes'] / GIB:6.2f} {t['open_s']:8.3f} {t['recover_s']:10.3f} "
                      f"{t['total_s']:8.3f} {t['GBps']:7.1f} {t['h2d_GBps']:9.1f} {t['ratio_to_h2d']:6.3f} {vs} "
