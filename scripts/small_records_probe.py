@@ -11,7 +11,6 @@ Usage: python3 scripts/small_records_probe.py [EPOCHS] [ROUNDS] [KV] [REGIONS]""
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -59,21 +58,18 @@ def main() -> None:
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 3
     kv = int(sys.argv[3]) if len(sys.argv) > 3 else 56
     regions = int(sys.argv[4]) if len(sys.argv) > 4 else 173
-    spec = f"shm:small-records-probe-{os.getpid()}"
-    try:
+    from concordia.tools.bench.files import Scratch
+
+    with Scratch("small-records") as scratch:   # the log goes, however the run ends
+        spec = scratch.log("probe", "shm")
         print(json.dumps(write(spec, epochs, kv, regions)), flush=True)
         runs = []
         for _ in range(rounds):
             r = subprocess.run([sys.executable, __file__, "--read", spec], capture_output=True, text=True, check=True)
             runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
             print(json.dumps(runs[-1]), flush=True)
-        print(json.dumps({k: round(statistics.median(r[k] for r in runs), 4)
-                          for k in ("open_s", "recover_s", "total_s")} | {"median_of": rounds}))
-    finally:
-        try:
-            os.unlink(f"/dev/shm/small-records-probe-{os.getpid()}")
-        except FileNotFoundError:
-            pass
+    print(json.dumps({k: round(statistics.median(r[k] for r in runs), 4)
+                      for k in ("open_s", "recover_s", "total_s")} | {"median_of": rounds}))
 
 
 if __name__ == "__main__":

@@ -249,11 +249,6 @@ HASH void concordia_page_crcs(const uint8_t *base, int64_t stride, int64_t count
     }
 }
 
-VEC static uint32_t fold_span(const uint8_t *p, size_t n)
-{
-    return fold_page(0, p, NULL, n);
-}
-
 /* out[i] = CRC32C of the lengths[i] bytes at base + offsets[i], i < count: the
  * payloads of many records in one call (a walk's page checks), three at a time
  * where three spans in a row are of one length. */
@@ -264,7 +259,7 @@ HASH void concordia_span_crcs(const uint8_t *base, const int64_t *offsets, const
     while (i < count) {
         size_t n = (size_t)lengths[i];
         if (use_fold && n >= 256) {
-            out[i] = fold_span(base + offsets[i], n);
+            fold_pages(base + offsets[i], 0, 1, n, out + i);
             i++;
             continue;
         }

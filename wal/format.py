@@ -515,6 +515,8 @@ def page_batch_tables_bytes(count: int) -> int:
 
 
 def page_batch_payload_offset(count: int) -> int:
+    """Offset of the payload from the record start (FORMAT.md §6.1); of each
+    count, given an integer array."""
     return RECORD_HEADER_SIZE + page_batch_tables_bytes(count)
 
 

@@ -232,12 +232,13 @@ def pure_page_crcs(pages: np.ndarray, out=None, *, release_gil: bool = False) ->
     return out
 
 
-def pure_span_crcs(base: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, out=None) -> np.ndarray:
+def pure_span_crcs(base: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, out=None, *,
+                   release_gil: bool = False) -> np.ndarray:
     """span_crcs on the `crc32c` package: one call per span."""
     base, offsets, lengths = _spans(base, offsets, lengths)
     out = _out(out, offsets.size)
-    mv = memoryview(base)
-    out[:] = np.fromiter((_crc32c(mv[o:o + n]) for o, n in zip(offsets.tolist(), lengths.tolist())),
+    mv, mode = memoryview(base), (1 if release_gil else -1)
+    out[:] = np.fromiter((_crc32c(mv[o:o + n], 0, mode) for o, n in zip(offsets.tolist(), lengths.tolist())),
                          dtype=np.uint32, count=offsets.size)
     return out
 
@@ -278,8 +279,7 @@ def span_crcs(base: np.ndarray, offsets, lengths, out=None) -> np.ndarray:
     # take a large one faster (it lets go of the GIL for them too)
     big = np.flatnonzero(lengths >= SPAN_PACKAGE_BYTES) if KERNEL != "vpclmulqdq" else np.empty(0, np.int64)
     if big.size:
-        mv = memoryview(base)
-        done = [_crc32c(mv[o:o + n], 0, 1) for o, n in zip(offsets[big].tolist(), lengths[big].tolist())]
+        done = pure_span_crcs(base, offsets[big], lengths[big], release_gil=True)
         lengths = lengths.copy()
         lengths[big] = 0
     if offsets.size:
@@ -287,7 +287,6 @@ def span_crcs(base: np.ndarray, offsets, lengths, out=None) -> np.ndarray:
     if big.size:
         out[big] = done
     return out
-
 
 
 def page_crcs(pages, out=None, *, release_gil: bool = False) -> np.ndarray:

@@ -392,7 +392,8 @@ class DeviceEpochs:
 
     def _logged(self) -> list:
         """The (epoch, count) pairs in the trigger's log now."""
-        return [self._pair(i) for i in range(int(self._log64[0]))]
+        log = self._log64
+        return [tuple(p) for p in log[2:2 + 2 * int(log[0])].reshape(-1, 2).tolist()]
 
     def _pair(self, i: int) -> tuple[int, int]:
         """The i-th (epoch, count) pair of the trigger's log (words 2 + 2i, 3 + 2i)."""

@@ -272,13 +272,13 @@ def run(nbytes: int, tensors: int, deltas: int, tiers, gpu: bool, readers: int =
                     _say(progress, tier, name, runs[name][-1])
         out["tiers"][tier] = {**_figure(runs["default"]), "writer": wrote}
         base = out["tiers"][tier]
+        base_med = float(np.median([r["recover_s"] for r in runs["default"]]))
         for name in variants:
             if name in failed:   # recorded, not a figure: the default's and the other variants' stand
                 out["variants"][name]["tiers"][tier] = {"error": failed[name]}
                 continue
             fig = _figure(runs[name])
             med = float(np.median([r["recover_s"] for r in runs[name]]))
-            base_med = float(np.median([r["recover_s"] for r in runs["default"]]))
             fig["vs_default"] = {"recover_s": fig["recover_s"] / base["recover_s"],
                                  "median_recover_s": med / base_med}
             out["variants"][name]["tiers"][tier] = fig
