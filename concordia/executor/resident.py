@@ -109,15 +109,16 @@ from .ring import Op, Result, Ring, Status
 
 EXECUTORS = ("auto", "resident", "host")
 
-#: why executor="auto" takes the host path: the resident path is taken only
-#: where a measured win is recorded, and none is
-AUTO_WHY = ("no win of the resident path is recorded on the H200: its consumer thread adds to every checkpoint "
-            "(0.78 ms against the host's 0.39 ms for one region), its route of a CuPy session's epochs through "
-            "the device's EPOCH handler is measured only before the one-block epoch (one task: 0.64 ms against "
-            "1.66 ms at 1,024 regions, 0.56 against 0.22 ms at one; docs/results/executor-session.md); the "
-            "device step trigger's win (every-step decode overhead 0.10 on the H200, against 0.62 for the "
-            "host's pending epochs at their best, docs/results/model.md) is CheckpointEvery's, and a session "
-            "cannot tell when it is made whether its caller will checkpoint through a step trigger")
+#: why executor="auto" takes the host path: the resident path wins only where its route takes the epochs,
+#: which a session cannot tell when it is made
+AUTO_WHY = ("the resident path wins where the device's EPOCH handler takes a CuPy session's epochs (bench "
+            "executor-session at 2d997b8 on an H100, not yet on the H200: 0.186 ms a checkpoint against the host's "
+            "0.200 at one region, 0.596 against 0.750 at 1,024; docs/results/executor-session.md) and where "
+            "CheckpointEvery takes its epochs by the step trigger (decode overhead 0.10 on the H200, against 2.01 "
+            "for the host's pending epochs in the same run, docs/results/model.md); it loses where its route does "
+            "not take them, on its consumer thread: a numpy session (0.73 against 0.43 ms on the CPU), or a CuPy "
+            "table larger than half a segment (1.51 against 0.84 ms at 1,024 regions in 16 MiB segments, same "
+            "run); a session is made before its regions are registered, so it cannot tell which it will be")
 
 #: op codes of the per-kind handlers: KIND_OP_BASE + the kind's index in regions.KINDS
 KIND_OP_BASE = 0x100
@@ -134,8 +135,8 @@ STALL_DEADLINE_S = 600.0
 
 
 def choose(executor: str) -> tuple[str, str | None]:
-    """(path taken, why) for Session(executor=...): "auto" takes "host" while
-    no measured win is recorded (AUTO_WHY)."""
+    """(path taken, why) for Session(executor=...): "auto" takes "host"
+    (AUTO_WHY: the resident path's win depends on regions registered after)."""
     if executor not in EXECUTORS:
         raise SessionError(f"unknown executor {executor!r} (use {', '.join(EXECUTORS)})")
     if executor == "auto":
