@@ -1,7 +1,8 @@
 """Concordia: fault tolerance for the GPU state of long-running LLM inference.
 
 What a user needs is importable from here: `Session` (protect arrays, take
-checkpoints, recover), `Policy` (when to checkpoint), the statistics a
+checkpoints, recover), `prefetch` (a fresh process's log opened and its
+epoch read while it builds its model), `Policy` (when to checkpoint), the statistics a
 checkpoint and a recovery return (`CheckpointStats`, `RecoveryStats`) and every
 error class (`ConcordiaError` and its subclasses, from `concordia.errors`).
 They are imported on first use, so that importing a sub-package
@@ -32,11 +33,12 @@ _ERRORS = (
     "ShapeChangedError", "SuperblockError", "TakeoverRevoked", "TornTailError", "TriggerWarning",
     "UnknownRegionError", "UnsupportedArrayError", "UsageError", "WalError", "WriterStoppedError",
 )
-_HOME = {"Session": ".session", "Policy": ".policy", "CheckpointStats": ".checkpoint.stats",
+_HOME = {"Session": ".session", "prefetch": ".prefetching", "Policy": ".policy",
+         "CheckpointStats": ".checkpoint.stats",
          "RecoveryStats": ".restore.run",
          **{name: ".errors" for name in _ERRORS}}
 
-__all__ = ["Session", "Policy", "CheckpointStats", "RecoveryStats", *_ERRORS]
+__all__ = ["Session", "prefetch", "Policy", "CheckpointStats", "RecoveryStats", *_ERRORS]
 
 
 def __getattr__(name):

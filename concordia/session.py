@@ -52,8 +52,7 @@ from concordia.restore.run import RecoveryStats
 from concordia.retention import Retention
 from concordia.root_error import ConcordiaError
 from concordia.wal import format as fmt
-from concordia.session_log import open_log as _open_log, open_read_only as _open_read_only
-from concordia.wal.log import Log
+from concordia.session_log import open_log as _open_log, open_read_only as _open_read_only, writable as _writable
 
 #: how many checkpoints' statistics `Session.checkpoints` keeps (the newest); a
 #: long run's memory stays flat, and `Session.checkpoint_totals` counts them all
@@ -86,8 +85,8 @@ class Session:
     `checkpoint()` is one EPOCH task on its task ring, each `recover()` of a
     host session one RECOVER task, and `session.resident.trigger(...)`
     checkpoints every N steps or instrumented launches with no call from the
-    caller's thread.  "auto" (the default) takes "host" until a measured win
-    of the resident path is recorded (`executor_info["why"]`).
+    caller's thread.  "auto" (the default) takes "host": the resident path's
+    win depends on the regions registered later (`executor_info["why"]`).
 
         s = Session("shm:agent-7", executor="resident")
         s.register("state", a); s.checkpoint()   # stats.executor == "resident"
@@ -105,6 +104,8 @@ class Session:
             raise SessionError("a read-only session opens an existing log: pass create=False",
                                where=str(log), hint="Session(log, create=False, readonly=True)")
         self.resident = None
+        #: a read of the log ahead of the first recovery (`concordia.prefetch`): every call waits for it
+        self.ahead = None
         self._closed = False
         self.readonly = readonly
         self.policy = policy or Policy()
@@ -163,6 +164,8 @@ class Session:
         if self._closed:
             return
         try:
+            if self.ahead is not None:  # its thread reads the log until it ends; its arrays go
+                self.ahead.close()
             if self.resident is not None:  # no trigger epoch after this: its arena is taken on by `settle`
                 self.resident.close()
             self.settle()  # a pending epoch commits before the log closes
@@ -185,6 +188,8 @@ class Session:
         if self._closed:
             raise SessionClosedError(f"cannot {doing}: the session is closed",
                                      hint="open a new Session on the same log")
+        if self.ahead is not None:  # nothing reads or writes the log beside the read ahead
+            self.ahead.wait()
 
     @property
     def epoch(self) -> int:
@@ -406,6 +411,8 @@ class Session:
         AbsentRegionError before anything is written; "keep" leaves its target untouched (a new
         array: leaves it out) and lists it in `last_recovery.kept`.
 
+        A read ahead (`concordia.prefetch`) of this epoch is copied from instead of the log (`restore.ahead`).
+
         Stream order: the restore into a device target runs after the work queued on that target's
         current stream before the call (PyTorch's current stream of its device, CuPy's current stream)
         and before the work queued there after it (an event recorded on Concordia's stream, waited on).
@@ -429,10 +436,10 @@ class Session:
             targets = dict(into)
         out, self.last_recovery = restore_run.recover(self.log, target, targets=targets, device=device, mode=mode,
                                                       regions=regions, registration=self.runner.registration,
-                                                      absent=absent)
-        if self._open_s is not None:   # a fresh process's recovery: the open is part of it
+                                                      absent=absent, ahead=self.ahead)
+        if self._open_s is not None and self.ahead is None:  # a fresh process's recovery: its open is part of it
             self.last_recovery.phases = {"open": {"s": self._open_s}, **self.last_recovery.phases}
-            self._open_s = None
+        self._open_s = None  # (a read ahead's open ran on its thread: in its phase)
         if into == "registered":
             # deltas continue from the recovered state only when it is the log's
             # latest: after an older epoch the next checkpoint writes every page
@@ -468,29 +475,8 @@ class Session:
             old.close()
         return self.epoch
 
-    def _writer(self, doing: str):
-        """The log, writable: a session on a log opened read-only (create=False)
-        takes the writer lock and opens it for writing now (which cuts the
-        uncommitted tail).  When a writer committed in between, the regions'
-        CRC tables no longer describe the log's state: their next checkpoint
-        writes them whole."""
-        if self.log.writable:
-            return self.log
-        if self.readonly or not self._owns_log:
-            raise SessionError(f"cannot {doing}: the log was opened read-only",
-                               where=str(self.log_name),
-                               hint="open it with Session(log, create=False) to write" if self.readonly
-                               else "pass a Log opened with writable=True")
-        old = self.log
-        seen = (old.last_committed_epoch, old.commits[-1].lsn if old.commits else 0)
-        self.log = Log.open(self._target, writable=True, check_pages="last")
-        old.close()
-        if (self.log.last_committed_epoch, self.log.appender.last_commit_lsn) != seen:
-            self.region_set.lose()
-        else:
-            self.region_set.changed()  # cached routes and region table belong to the old open
-        self.region_set.next_epoch = max(self.region_set.next_epoch, self.epoch + 1)
-        return self.log
+    def _writer(self, doing: str):  # the log, writable (`session_log.writable`)
+        return _writable(self, doing, owns=self._owns_log, target=self._target)
 
     @property
     def log_name(self) -> str:

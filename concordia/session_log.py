@@ -1,5 +1,6 @@
 """Opening the log a `concordia.Session` works on: a named log opened or
-created as the session's arguments allow, or read-only for recovery."""
+created as the session's arguments allow, read-only for recovery, or for
+writing at a read-only session's first write."""
 
 from __future__ import annotations
 
@@ -66,3 +67,29 @@ def open_log(log, *, create, size, segment_size, overwrite, readonly=False):
 
     check_format_target(log, hint="pass overwrite=True to format it anyway")
     return Log.create(log, size=size or DEFAULT_SIZE, overwrite=True, **kw), True
+
+
+def writable(session, doing: str, *, owns: bool, target):
+    """The log, writable: a session on a log opened read-only (create=False)
+    and owned by it (`owns`; `target`: the name it opened)
+    takes the writer lock and opens it for writing now (which cuts the
+    uncommitted tail).  When a writer committed in between, the regions'
+    CRC tables no longer describe the log's state: their next checkpoint
+    writes them whole."""
+    if session.log.writable:
+        return session.log
+    if session.readonly or not owns:
+        raise SessionError(f"cannot {doing}: the log was opened read-only",
+                           where=str(session.log_name),
+                           hint="open it with Session(log, create=False) to write" if session.readonly
+                           else "pass a Log opened with writable=True")
+    old = session.log
+    seen = (old.last_committed_epoch, old.commits[-1].lsn if old.commits else 0)
+    session.log = Log.open(target, writable=True, check_pages="last")
+    old.close()
+    if (session.log.last_committed_epoch, session.log.appender.last_commit_lsn) != seen:
+        session.region_set.lose()
+    else:
+        session.region_set.changed()  # cached routes and region table belong to the old open
+    session.region_set.next_epoch = max(session.region_set.next_epoch, session.epoch + 1)
+    return session.log

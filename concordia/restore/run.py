@@ -94,7 +94,7 @@ RELEASE_STAGED_BYTES = 256 << 20
 
 def restore(log, target="latest", *, mode=None, regions=None, device: bool = False, into: dict | None = None,
             registration=None, read: str = "auto", stats: dict | None = None, plan=None,
-            absent: str = "refuse") -> Restored:
+            absent: str = "refuse", own_new: bool = False) -> Restored:
     """Plan `log` at `target` in `mode` (or take `plan`) and apply it to
     `regions` (None: every region of the plan).
 
@@ -110,7 +110,9 @@ def restore(log, target="latest", *, mode=None, regions=None, device: bool = Fal
     registration: the log mapping's live CUDA registration (a session's), read
     by the copy engine directly.  read and stats: as `apply_plan_cupy` takes them.
     absent: "refuse" or "keep" a region with no state at the epoch (module doc),
-    decided before anything is written.
+    decided before anything is written.  own_new: the new device arrays get
+    memory of their own from the driver (a read ahead's, `restore.ahead`,
+    copied into targets later and dropped), not CuPy's pool.
 
     Pages are checked where the bytes flow (`_deferred`): the plan is made
     from the log's metadata, the appliers check every page they copy (on the
@@ -123,7 +125,7 @@ def restore(log, target="latest", *, mode=None, regions=None, device: bool = Fal
     check_absent(absent)
     st = {} if stats is None else stats
     args = dict(regions=regions, device=device, into=into or {}, registration=registration, read=read, st=st,
-                absent=absent)
+                absent=absent, own_new=own_new)
     if plan is not None:
         return _restore(log, plan, 0.0, None, **args)
     from concordia.wal.planner import plan as make_plan, plan_unchecked
@@ -181,7 +183,8 @@ def _deferred(plan, pages, names: list, st: dict):
     return wait
 
 
-def _restore(log, plan, plan_s, pages, *, regions, device, into, registration, read, st, absent) -> Restored:
+def _restore(log, plan, plan_s, pages, *, regions, device, into, registration, read, st, absent,
+             own_new) -> Restored:
     """restore() with `plan`; `pages`: the page checks left from planning
     (`PageCheck`), or None when the plan was made with them."""
     from concordia.wal.apply import apply_plan_numpy, check_present
@@ -212,7 +215,7 @@ def _restore(log, plan, plan_s, pages, *, regions, device, into, registration, r
             # could not use it: a cache of 30 GiB restored into torch tensors would leave 30 GiB there)
             own = sum(plan.regions[n].region.nbytes for n in dev if n in plan.regions) >= RELEASE_STAGED_BYTES
             got = apply_plan_cupy(log, plan, regions=on_gpu, stats=st, registration=registration, read=read,
-                                  own_memory=set(dev) if own else ())
+                                  own_memory=set(on_gpu) if own_new else set(dev) if own else ())
             via.update(dict.fromkeys(got, "device pipeline"))
         if on_host:
             got_host = apply_plan_numpy(log, plan, regions=on_host)
@@ -222,10 +225,23 @@ def _restore(log, plan, plan_s, pages, *, regions, device, into, registration, r
             got.update(got_host)
     finally:
         wait()   # the page checks end before anything is written, or before an error leaves
-    staged = {n: got.pop(n) for n in dev if n in got}   # a region given up (skip_corrupt) is not there
-    host_got = {n: got.pop(n) for n in host if n in got}
+    written = into_targets(dev, host, got, own)   # the decision is made
     arrays.update(got)
-    if dev:   # the decision is made: the device targets, in their streams' order
+    arrays.update(written)
+    return Restored(arrays, plan, plan_s, time.perf_counter() - t1, via, st, kept)
+
+
+def into_targets(dev: dict, host: dict, got: dict, own: bool) -> dict:
+    """Copy what `got` holds for the device targets `dev` (in their streams'
+    order: one device-to-device copy each) and the host views `host` into
+    them, taking those arrays out of `got`; {name: target written}.  A region
+    given up (skip_corrupt) is not in `got` and its target stays as it was.
+    own: the staged copies have memory of their own, given back to the driver
+    here, with the pool's free blocks."""
+    out = {}
+    staged = {n: got.pop(n) for n in dev if n in got}
+    host_got = {n: got.pop(n) for n in host if n in got}
+    if dev:
         order = StreamOrder.of([(v, None) for v in dev.values()])
         order.after_producers()
         from concordia.gpu_kernels.jit import require_cupy
@@ -234,7 +250,7 @@ def _restore(log, plan, plan_s, pages, *, regions, device, into, registration, r
         stream = cp.cuda.get_current_stream()
         for name, a in staged.items():
             dev[name].data.copy_from_device_async(a.data, int(a.nbytes), stream)
-            arrays[name] = dev[name]
+            out[name] = dev[name]
         order.before_later_work()
         if own:
             stream.synchronize()  # the copies out of them are done: dropped, they go back to the driver
@@ -244,12 +260,12 @@ def _restore(log, plan, plan_s, pages, *, regions, device, into, registration, r
             cp.get_default_memory_pool().free_all_blocks()
     for name, a in host_got.items():
         host[name][...] = a
-        arrays[name] = host[name]
-    return Restored(arrays, plan, plan_s, time.perf_counter() - t1, via, st, kept)
+        out[name] = host[name]
+    return out
 
 
 def recover(log, target="latest", *, targets: dict | None = None, device=None, mode=None, regions=None,
-            registration=None, absent: str = "refuse") -> tuple[dict, RecoveryStats]:
+            registration=None, absent: str = "refuse", ahead=None) -> tuple[dict, RecoveryStats]:
     """({name: restored}, RecoveryStats): `Session.recover` on an open log.
 
     targets: {name: array or tensor} restored in place (each checked first:
@@ -258,7 +274,9 @@ def recover(log, target="latest", *, targets: dict | None = None, device=None, m
     registered (`present`): tensors for tensors, else numpy arrays (ml_dtypes
     for bfloat16 and float8), on the GPU with device="cupy".  absent: a region
     with no state at the epoch refused ("refuse"), or left as it is and
-    listed in `RecoveryStats.kept` ("keep"; a new array is left out)."""
+    listed in `RecoveryStats.kept` ("keep"; a new array is left out).
+    ahead: a read ahead of the log (`restore.ahead.ReadAhead`) to copy from
+    where it holds what is asked for; else the log is read, as without it."""
     t_checks = time.perf_counter()
     gpu = on_device(device)
     check_absent(absent)
@@ -281,8 +299,10 @@ def recover(log, target="latest", *, targets: dict | None = None, device=None, m
     if not log.last_committed_epoch:
         raise NothingToRecoverError("the log holds no committed epoch", where=where)
     t0 = time.perf_counter()
-    got = restore(log, target, mode=mode, regions=want, device=gpu, into=views, registration=registration,
-                  absent=absent)
+    got = None if ahead is None else ahead.take(log, target, mode, want, views, gpu, absent)
+    if got is None:
+        got = restore(log, target, mode=mode, regions=want, device=gpu, into=views, registration=registration,
+                      absent=absent)
     out = {n: targets[n] for n in views}
     for name, a in got.arrays.items():
         if name not in views:
@@ -295,6 +315,8 @@ def recover(log, target="latest", *, targets: dict | None = None, device=None, m
                           regions={n: int(a.nbytes) for n, a in got.arrays.items()},
                           dropped=[d.to_json() for d in p.dropped], via=got.via, kept=got.kept,
                           phases={"targets": _phase(t0 - t_checks), **phases_of(got, total_s)})
+    if ahead is not None and "read_ahead" not in stats.phases:  # passed over: why, beside the log's phases
+        stats.phases["read_ahead"] = ahead.phase()
     return out, stats
 
 
@@ -325,6 +347,9 @@ def phases_of(got: Restored, total_s: float) -> dict:
     `recover` puts the checks of the targets before them ("targets")."""
     st = got.stats
     nbytes = int(got.plan.bytes_to_read)
+    if "read_ahead" in st:   # read ahead (`restore.ahead`): its wait, then one copy a target
+        return {"read_ahead": st["read_ahead"], "copy": _phase(st["copy_s"], st["copy_bytes"]),
+                "present": _phase(max(0.0, total_s - got.apply_s))}
     out = {"plan": _phase(got.plan_s)}
     if "scatter_s" in st:   # the device pipeline
         out["layout"] = _phase(st.get("layout_s", 0.0))

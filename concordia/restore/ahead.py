@@ -1,0 +1,155 @@
+"""A recovery read ahead: a fresh process opens its log and restores the
+latest epoch into memory of its own while it builds its model, so that the
+recovery it asks for once the model is there only copies.
+
+    p = concordia.prefetch("shm:agent-7", device="cupy")  # concordia/prefetching.py: a thread opens and reads
+    model = load_model(); cache = StaticCache(...)         # meanwhile
+    s = p.session()                                       # the open Session (waits for the open only)
+    guard = protect(s, cache, model)                      # waits for the read to end
+    state = restore(s, guard)                             # one device-to-device copy a region
+
+What it reads.  Every region of the log at `target` ("latest": the last
+epoch the log's open decided), through `restore.run.restore` as any
+recovery does: the same plan, the same page and digest checks, the same
+decision (FORMAT.md §11).  Its arrays are its own: on the device pipeline
+with device="cupy" (memory from the driver, given back once used), else the
+host applier's.  So it holds a second copy of the state until it is used.
+
+When it is used.  The session's first call after `session()` waits for the
+read to end: nothing reads or writes the log beside it.  A `recover` of the
+same epoch (target "latest" or that epoch's number, no mode), while the log's
+last committed epoch is still the one it read, takes its arrays: targets on
+the side it read to (device or host) get one copy each, in their streams'
+order, only once every region asked for is known to have state there
+(`absent` decides as a recovery from the log does); new arrays asked for are
+its own, handed over.  Anything else (another epoch, a log committed to
+since, targets on the other side or another GPU, a read that failed) is a
+recovery from the log, as without it, and `RecoveryStats.phases
+["read_ahead"]` says it was not used and why.  A read that failed is no
+error of its own: the recovery from the log meets what it met and decides
+it as the log does.  Its arrays are dropped once a recovery took them or
+passed them over, and when the session closes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+from concordia.restore import run as restore_run
+
+
+class ReadAhead:
+    """One read of a log's epoch into arrays of its own, on the thread that
+    calls `run`; `take` hands it to one recovery."""
+
+    def __init__(self, device: bool, target="latest"):
+        self.device, self.target = bool(device), target
+        self.got = None        # restore_run.Restored, until taken or dropped
+        self.error: str | None = None
+        self.epoch_seen: int | None = None  # the log's last committed epoch when it read
+        self.done = threading.Event()
+        #: where its own time went, in seconds ("open_s" when `prefetch` opened the session)
+        self.times: dict = {}
+        self.why_not: str | None = None     # why the last recovery did not use it
+        self.used = False
+        self.device_id: int | None = None
+
+    def run(self, log, registration=None) -> None:
+        t = time.perf_counter()
+        try:
+            self.epoch_seen = int(log.last_committed_epoch or 0)
+            self.got = restore_run.restore(log, self.target, device=self.device, registration=registration,
+                                           absent="keep", own_new=True)
+            if self.device:
+                from concordia.gpu_kernels.jit import require_cupy
+
+                cp = require_cupy()
+                self.device_id = cp.cuda.Device().id
+                cp.cuda.get_current_stream().synchronize()  # its arrays are whole before any other thread reads them
+        except Exception as exc:  # the recovery from the log meets it again and decides (module doc)
+            self.error = f"{type(exc).__name__}: {_line(exc)}"
+        finally:
+            self.times["read_s"] = time.perf_counter() - t
+            self.done.set()
+
+    def fail(self, why: str) -> None:
+        self.error = why
+        self.done.set()
+
+    def wait(self) -> None:
+        """Wait for the read to end (the seconds the caller waited add up in "waited_s")."""
+        if self.done.is_set():
+            return
+        t = time.perf_counter()
+        self.done.wait()
+        self.times["waited_s"] = self.times.get("waited_s", 0.0) + time.perf_counter() - t
+
+    def close(self) -> None:
+        self.wait()
+        self.got = None
+
+    def _why_not(self, log, target, mode, want, views: dict, gpu: bool) -> str | None:
+        if self.error is not None:
+            return f"the read ahead failed ({self.error})"
+        if self.got is None:
+            return "its arrays were used or dropped already"
+        epoch = int(self.got.plan.epoch)
+        if mode is not None:
+            return f"mode={mode!r} was asked for"
+        if target != self.target and not (isinstance(target, (int, np.integer)) and int(target) == epoch):
+            return f"epoch {target!r} was asked for, it read {epoch}"
+        if int(log.last_committed_epoch or 0) != self.epoch_seen:
+            return (f"the log was committed to since it read (epoch {self.epoch_seen}, "
+                    f"now {log.last_committed_epoch})")
+        new = [n for n in (want or ()) if n not in self.got.plan.regions]
+        if new:
+            return f"region {new[0]!r} was added to the log since it read"
+        sides = {xp is not np for _, xp in views.values()}
+        if (views and sides != {self.device}) or (not views and gpu != self.device):
+            return f"it read to the {'device' if self.device else 'host'}, the recovery asks for the other side"
+        if self.device and any(v.device.id != self.device_id for v, xp in views.values()):
+            return f"it read to cuda:{self.device_id}, a target is on another GPU"
+        return None
+
+    def take(self, log, target, mode, want, views: dict, gpu: bool, absent: str):
+        """A recovery's `restore_run.Restored` from the read ahead, or None
+        (`why_not` says why) for the recovery to read the log.  Its arrays go
+        either way: copied into `views` and dropped, or handed over."""
+        from concordia.wal.apply import check_present
+
+        self.wait()
+        why = self._why_not(log, target, mode, want, views, gpu)
+        got, self.got = self.got, None
+        self.why_not, self.used = why, why is None
+        if why is not None:
+            return None
+        plan = got.plan
+        names = list(plan.regions) if want is None else list(want)
+        kept = [n for n in names if n in plan.regions and plan.regions[n].absent] if absent == "keep" else []
+        check_present(plan, [n for n in names if n not in kept], where=str(log.backend.where))  # before any write
+        names = [n for n in names if n not in kept]
+        dev = {n: v for n, (v, xp) in views.items() if xp is not np and n in names}
+        host = {n: v for n, (v, xp) in views.items() if xp is np and n in names}
+        held = {n: got.arrays[n] for n in names if n in got.arrays}
+        t = time.perf_counter()
+        nbytes = sum(int(held[n].nbytes) for n in (*dev, *host) if n in held)
+        written = restore_run.into_targets(dev, host, held, own=self.device)
+        arrays = {**held, **written}
+        stats = {"read_ahead": self.phase(), "copy_s": time.perf_counter() - t, "copy_bytes": nbytes}
+        return restore_run.Restored(arrays, plan, got.plan_s, time.perf_counter() - t,
+                                    {n: got.via[n] for n in arrays if n in got.via}, stats, kept)
+
+    def phase(self) -> dict:
+        """What `RecoveryStats.phases["read_ahead"]` says of it."""
+        out = {"s": float(self.times.get("waited_s", 0.0)), "used": self.used, "why_not": self.why_not,
+               "device": self.device, "epoch_seen": self.epoch_seen}
+        out.update({k: float(v) for k, v in self.times.items() if k != "waited_s"})
+        return out
+
+
+def _line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""

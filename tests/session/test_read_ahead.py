@@ -1,0 +1,172 @@
+"""A recovery read ahead (`concordia.prefetch`, `restore.ahead`): a fresh
+process opens its log and restores the latest epoch on a thread while it
+builds what the state goes into; the recovery it then asks for copies from
+it, and decides everything as a recovery from the log does."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import concordia
+from concordia import Session
+from concordia.root_error import ConcordiaError
+
+from .state import LOG_SIZE, SEGMENT, make_state, register_all
+from .test_restore_deferred import _flip, _page_offset
+
+
+def _written(spec, epochs: int = 3) -> dict:
+    """A log of `epochs` epochs of every kind of region; the state at the last one."""
+    state = make_state(3)
+    with Session(spec, size=LOG_SIZE, segment_size=SEGMENT, overwrite=True) as s:
+        register_all(s, state)
+        s.checkpoint()
+        for e in range(epochs - 1):
+            state["kv"].reshape(-1)[e * 300] += 1.0
+            state["sched"][e] = 1000 + e
+            s.checkpoint()
+    return {n: a.copy() for n, a in state.items()}
+
+
+def _blank(state: dict, fill=0) -> dict:
+    return {n: np.full_like(a, fill) for n, a in state.items()}
+
+
+def test_the_recovery_copies_from_the_read_ahead_and_the_session_goes_on_in_deltas(persistent_log):
+    want = _written(persistent_log)
+    p = concordia.prefetch(persistent_log)
+    targets = _blank(want)
+    s = p.session()
+    try:
+        register_all(s, targets)        # the session's first call waits for the read
+        assert s.ahead.done.is_set()
+        s.recover(into="registered")
+        for n, a in want.items():
+            assert targets[n].tobytes() == a.tobytes(), n
+        ph = s.last_recovery.phases
+        assert ph["read_ahead"]["used"] is True and ph["read_ahead"]["why_not"] is None
+        assert ph["read_ahead"]["epoch_seen"] == s.last_recovery.epoch == 3
+        assert ph["read_ahead"]["open_s"] > 0 and ph["read_ahead"]["read_s"] > 0
+        assert ph["copy"]["bytes"] == sum(a.nbytes for a in want.values())
+        assert "plan" not in ph and "open" not in ph   # the log was planned and read on the thread
+        assert s.ahead.got is None                    # its arrays went with the copy
+        # the next checkpoint continues from the recovered state: one page of one region
+        targets["sched"][7] = -5
+        st = s.checkpoint()
+        assert st.epoch == 4 and sum(st.pages.values()) == 1
+    finally:
+        s.close()
+    with Session(persistent_log, create=False, readonly=True) as r:
+        got = r.recover()
+        assert got["sched"][7] == -5 and got["kv"].tobytes() == want["kv"].tobytes()
+
+
+def test_new_arrays_are_the_read_aheads_own(shm_log):
+    want = _written(shm_log)
+    with concordia.prefetch(shm_log, readonly=True).session() as s:
+        got = s.recover()
+        assert s.last_recovery.phases["read_ahead"]["used"] is True
+        assert s.last_recovery.phases["copy"]["bytes"] == 0
+    assert {n: a.tobytes() for n, a in got.items()} == {n: a.tobytes() for n, a in want.items()}
+
+
+def test_another_epoch_or_a_mode_is_read_from_the_log(shm_log):
+    _written(shm_log)
+    with concordia.prefetch(shm_log, readonly=True).session() as s:
+        older = s.recover(2)
+        ph = s.last_recovery.phases
+        assert ph["read_ahead"]["used"] is False and "epoch 2 was asked for, it read 3" in ph["read_ahead"]["why_not"]
+        assert "plan" in ph and s.last_recovery.epoch == 2
+        assert older["sched"][1] != 1001   # epoch 2 wrote only sched[0]
+        # the read ahead's arrays went with that recovery: the next one reads the log too
+        s.recover()
+        assert s.last_recovery.phases["read_ahead"]["why_not"] == "its arrays were used or dropped already"
+    with concordia.prefetch(shm_log, readonly=True).session() as s:
+        s.recover(mode="skip_corrupt")
+        assert "mode='skip_corrupt' was asked for" in s.last_recovery.phases["read_ahead"]["why_not"]
+
+
+def test_an_epoch_committed_since_the_read_is_recovered_from_the_log(shm_log):
+    want = _written(shm_log)
+    p = concordia.prefetch(shm_log, readonly=True)
+    p.wait()
+    state = _blank(want)
+    with Session(shm_log, create=False) as w:   # a writer commits epoch 4 after the read
+        register_all(w, state)
+        w.recover(into="registered")
+        state["blob"][3] ^= 0xFF
+        assert w.checkpoint().epoch == 4
+    with p.session() as s:
+        got = s.recover()
+        ph = s.last_recovery.phases["read_ahead"]
+        assert ph["used"] is False and "committed to since it read (epoch 3, now 4)" in ph["why_not"]
+        assert s.last_recovery.epoch == 4 and got["blob"].tobytes() == state["blob"].tobytes()
+
+
+def test_damage_is_decided_as_a_recovery_from_the_log_and_leaves_the_targets(file_log):
+    """A page of the newest epoch's record damaged: the log's open decides that
+    epoch is a torn tail, and the read ahead holds the one before it, as a
+    recovery from the log does.  A damaged page that makes the log refuse
+    fails the read ahead; the recovery from the log refuses alike, and every
+    target stays as it was."""
+    want = _written(file_log)
+    _flip(file_log, _page_offset(file_log, "sched", 0, -1) + 3)
+    with Session(file_log, create=False, readonly=True) as plain:
+        expect = plain.recover()
+        expect_epoch = plain.last_recovery.epoch
+    with concordia.prefetch(file_log, readonly=True).session() as s:
+        got = s.recover()
+        ph = s.last_recovery.phases["read_ahead"]
+        assert ph["used"] is True and s.last_recovery.epoch == expect_epoch == 2
+        assert {n: a.tobytes() for n, a in got.items()} == {n: a.tobytes() for n, a in expect.items()}
+
+    _written(file_log)
+    _flip(file_log, _page_offset(file_log, "adapter", 1, 0) + 1)   # the base's page: no epoch has it whole
+    with Session(file_log, create=False, readonly=True) as plain:
+        with pytest.raises(ConcordiaError) as refused:
+            plain.recover()
+    targets = _blank(want, 7)
+    with concordia.prefetch(file_log).session() as s:
+        with pytest.raises(type(refused.value)) as again:
+            s.recover(into=targets)
+        assert str(again.value) == str(refused.value)
+        assert s.ahead.used is False and s.ahead.why_not.startswith("the read ahead failed (")
+    assert all((a == 7).all() for a in targets.values())
+
+
+def test_a_region_absent_at_the_epoch_is_refused_before_any_copy(shm_log):
+    want = _written(shm_log)
+    targets = {**_blank(want, 9), "late": np.full(64, 9, np.int32)}
+    with concordia.prefetch(shm_log).session() as s:
+        register_all(s, {n: targets[n] for n in want})
+        s.register("late", targets["late"], kind="scheduler", page_bytes=256)
+        with pytest.raises(concordia.AbsentRegionError, match="late"):
+            s.recover(into="registered")
+        # the register wrote the region's descriptor: the log holds more than the read ahead saw
+        assert s.ahead.why_not == "region 'late' was added to the log since it read"
+        assert all((a == 9).all() for a in targets.values())
+    _written(shm_log)   # afresh: no descriptor of "late" left behind
+    with concordia.prefetch(shm_log).session() as s:
+        register_all(s, {n: targets[n] for n in want})
+        s.register("late", targets["late"], kind="scheduler", page_bytes=256)
+        s.recover(into="registered", absent="keep")
+        assert s.last_recovery.kept == ["late"]
+    assert (targets["late"] == 9).all() and targets["kv"].tobytes() == want["kv"].tobytes()
+
+
+def test_a_session_closed_at_once_waits_for_the_read(shm_log):
+    _written(shm_log)
+    s = concordia.prefetch(shm_log, readonly=True).session()
+    s.close()   # before the read ended, as a rule: it waits, then the log closes
+    assert s.ahead.done.is_set() and s.ahead.got is None
+    with pytest.raises(concordia.SessionClosedError):
+        s.recover()
+
+
+def test_a_log_that_does_not_open_is_the_sessions_error(tmp_path):
+    p = concordia.prefetch(str(tmp_path / "none.log"))
+    with pytest.raises(concordia.PathNotFoundError):
+        p.session()
+    p.wait()   # and the read ahead ended, saying why
+    assert p.ahead.error.startswith("the log did not open")

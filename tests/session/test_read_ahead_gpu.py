@@ -1,0 +1,95 @@
+"""The read ahead on the GPU (`concordia.prefetch(device="cupy")`): the epoch
+restored on the device pipeline into memory of its own, then one
+device-to-device copy into each target, CuPy arrays and CUDA tensors alike;
+damage met by the read is decided by the recovery from the log, and the
+targets stay as they were."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import concordia
+from concordia import Session
+from concordia.root_error import ConcordiaError
+
+from .test_restore_deferred import _flip, _page_offset
+
+pytestmark = pytest.mark.gpu
+
+N = 1 << 20
+
+
+def _log(spec) -> dict:
+    """Two CuPy regions, a base and two deltas; the host copy of the last epoch."""
+    import cupy as cp
+
+    rng = np.random.default_rng(11)
+    a = cp.asarray(rng.integers(0, 255, N, dtype=np.uint8))
+    b = cp.asarray(rng.standard_normal(N // 4, dtype=np.float32))
+    with Session(spec, size=64 << 20, segment_size=8 << 20, overwrite=True) as s:
+        s.register("a", a, page_bytes=4096)
+        s.register("b", b, page_bytes=4096)
+        s.checkpoint()
+        for e in range(2):
+            a[e * 5000] = e + 1
+            b[e * 7000] = -e
+            s.checkpoint()
+        return {"a": a.get(), "b": b.get()}
+
+
+def test_cupy_targets_get_the_read_aheads_copies_and_the_session_goes_on(shm_log):
+    import cupy as cp
+
+    want = _log(shm_log)
+    p = concordia.prefetch(shm_log, device="cupy")
+    a, b = cp.full(N, 3, cp.uint8), cp.zeros(N // 4, cp.float32)
+    with p.session() as s:
+        s.register("a", a, page_bytes=4096)
+        s.register("b", b, page_bytes=4096)
+        s.recover(into="registered")
+        assert np.array_equal(a.get(), want["a"]) and np.array_equal(b.get(), want["b"])
+        ph = s.last_recovery.phases
+        assert ph["read_ahead"]["used"] is True and ph["read_ahead"]["device"] is True
+        assert ph["copy"]["bytes"] == a.nbytes + b.nbytes
+        assert s.last_recovery.via == {"a": "device pipeline", "b": "device pipeline"}
+        a[123] = 9
+        st = s.checkpoint()   # a delta from the recovered state: one page
+        assert st.epoch == 4 and sum(st.pages.values()) == 1
+
+
+def test_cuda_tensors_and_new_arrays(shm_log):
+    torch = pytest.importorskip("torch")
+    import cupy as cp
+
+    want = _log(shm_log)
+    a = torch.zeros(N, dtype=torch.uint8, device="cuda")
+    with concordia.prefetch(shm_log, device="cupy", readonly=True).session() as s:
+        s.recover(into={"a": a}, regions=["a"])
+        assert s.last_recovery.phases["read_ahead"]["used"] is True
+        assert np.array_equal(a.cpu().numpy(), want["a"])
+    with concordia.prefetch(shm_log, device="cupy", readonly=True).session() as s:
+        got = s.recover(device="cupy")
+        assert s.last_recovery.phases["read_ahead"]["used"] is True
+        assert isinstance(got["b"], cp.ndarray) and np.array_equal(got["b"].get(), want["b"])
+    with concordia.prefetch(shm_log, device="cupy", readonly=True).session() as s:
+        host = s.recover()   # host arrays asked for: the device read ahead is passed over, the log read
+        assert "asks for the other side" in s.last_recovery.phases["read_ahead"]["why_not"]
+        assert np.array_equal(host["a"], want["a"])
+
+
+def test_damage_the_log_refuses_leaves_the_device_targets(file_log):
+    import cupy as cp
+
+    _log(file_log)
+    _flip(file_log, _page_offset(file_log, "b", 1, 0) + 5)   # the base's page, no later epoch has it
+    with Session(file_log, create=False, readonly=True) as plain:
+        with pytest.raises(ConcordiaError) as refused:
+            plain.recover(device="cupy")
+    a, b = cp.full(N, 7, cp.uint8), cp.full(N // 4, 7, cp.float32)
+    with concordia.prefetch(file_log, device="cupy").session() as s:
+        with pytest.raises(type(refused.value)) as again:
+            s.recover(into={"a": a, "b": b})
+        assert str(again.value) == str(refused.value)
+        assert s.ahead.used is False and s.ahead.why_not.startswith("the read ahead failed (")
+    assert (a.get() == 7).all() and (b.get() == 7).all()
