@@ -8,7 +8,9 @@ per life, so the start-up (imports, model build, compile) is paid once per
 kill, not once per generation:
 
     reference   runs every generation uninterrupted, one after another
-    recover     recovers one log into a fresh cache and times it (bench model)
+    recover     recovers one log into a fresh cache and times it (bench model);
+                with --prefetch the log is opened and read ahead on a thread
+                (`concordia.prefetch`) while the model is built
     life        restores the generation the last life was killed in (if any),
                 finishes it, then starts the next ones; once a generation it
                 was told to die in has taken `min_steps` steps, it says so
@@ -177,10 +179,14 @@ def run_recover(args) -> None:
     from concordia.integrations.transformers import protect, restore
     from concordia.session import Session
 
+    if args.prefetch:
+        return _recover_read_ahead(args)
+    tb = time.perf_counter()
     cfg, model = build(args.shape, args.device, seed=args.seed)
     cache = StaticCache(config=cfg, max_cache_len=args.max_len)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     sync()
+    build_s = time.perf_counter() - tb
     loaded = set(sys.modules)
     t0 = time.perf_counter()
     with Session(args.log, create=False, readonly=True) as s:
@@ -193,9 +199,65 @@ def run_recover(args) -> None:
         phases = s.last_recovery.phases
     # where the time went: the open of the Session and protect(), then the recovery's phases
     _say({"open_s": t1 - t0, "restore_s": t2 - t1, "recovery_s": t2 - t0, "epoch": state.epoch, "steps": state.steps,
-          "session_s": ta - t0, "protect_s": t1 - ta, "phases": phases,
+          "session_s": ta - t0, "protect_s": t1 - ta, "phases": phases, "build_s": build_s,
           # the packages first imported inside the timed recovery (their import is in it)
-          "imported": sorted({m.partition(".")[0] for m in set(sys.modules) - loaded})})
+          "imported": sorted({m.partition(".")[0] for m in set(sys.modules) - loaded}), "digest": _digest(guard)})
+
+
+def _recover_read_ahead(args) -> None:
+    """run_recover as a process that knows it recovers: `concordia.prefetch`
+    first, the model built meanwhile, then protect and restore.  recovery_s
+    is what the recovery kept the caller's thread: the prefetch call, then
+    from the model's end on (waiting for the open and the read included);
+    build_s is the model's build beside the read, the read's own times are
+    in `read_ahead`."""
+    import torch
+    from transformers import StaticCache
+
+    from concordia.integrations.transformers import protect, restore
+    from concordia.prefetching import prefetch
+
+    cuda = args.device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:  # CUDA's start-up is not the recovery's, as in run_recover (whose build pays it before its clock)
+        torch.zeros(1, device=args.device)
+        sync()
+    loaded = set(sys.modules)
+    t0 = time.perf_counter()
+    p = prefetch(args.log, device="cupy" if cuda else None, readonly=True)
+    ta = time.perf_counter()
+    cfg, model = build(args.shape, args.device, seed=args.seed)
+    cache = StaticCache(config=cfg, max_cache_len=args.max_len)
+    sync()
+    tb = time.perf_counter()
+    with p.session() as s:
+        tc = time.perf_counter()
+        guard = protect(s, cache, model, batch_size=args.batch, max_tokens=args.max_len)
+        t1 = time.perf_counter()
+        state = restore(s, guard)
+        sync()
+        t2 = time.perf_counter()
+        phases = s.last_recovery.phases
+    _say({"open_s": (ta - t0) + (tc - tb), "restore_s": t2 - t1, "recovery_s": (ta - t0) + (t2 - tb),
+          "epoch": state.epoch, "steps": state.steps, "prefetch_call_s": ta - t0, "build_s": tb - ta,
+          "session_s": tc - tb, "protect_s": t1 - tc, "read_ahead": phases.get("read_ahead"), "phases": phases,
+          "imported": sorted({m.partition(".")[0] for m in set(sys.modules) - loaded}), "digest": _digest(guard)})
+
+
+#: a recovering child hashes what it restored (`digest`) up to this many bytes (sha256 on the host: about 1 GB/s)
+DIGEST_MAX_BYTES = 2 << 30
+
+
+def _digest(guard) -> str | None:
+    """One sha256 over the digests of every protected tensor, after the timed
+    recovery; None for a state above DIGEST_MAX_BYTES."""
+    import hashlib
+
+    from .model import _tensors
+
+    if sum(t.nbytes for t in _tensors(guard).values()) > DIGEST_MAX_BYTES:
+        return None
+    return hashlib.sha256(json.dumps(digest(guard), sort_keys=True).encode()).hexdigest()
 
 
 def _spawn(role: str, args: dict):
@@ -305,6 +367,7 @@ def main(argv=None) -> int:
     ap.add_argument("--die-in", default="")
     ap.add_argument("--max-len", type=int, default=0)
     ap.add_argument("--executor", default="host", choices=["host", "resident"])
+    ap.add_argument("--prefetch", action="store_true")
     args = ap.parse_args(argv)
     {"reference": run_reference, "life": run_life, "recover": run_recover}[args.role](args)
     return 0

@@ -249,6 +249,14 @@ def test_bench_model_quick_json(tmp_path):
     for got in [r for r in doc["recovery"]] + [r["fresh"] for r in doc["recovery"]]:
         assert {"open", "plan", "present"} <= set(got["phases"]) and got["session_s"] > 0 and got["protect_s"] > 0
         assert got["session_s"] + got["protect_s"] == pytest.approx(got["open_s"])
+    # ... and in a fresh process that read the log ahead while it built its model: copied, not read
+    for r in doc["recovery"]:
+        ra = r["fresh_read_ahead"]
+        assert ra["epoch"] == 1 and ra["read_ahead"]["used"] is True and ra["recovery_s"] > 0, ra
+        assert {"read_ahead", "copy", "present"} <= set(ra["phases"]) and "plan" not in ra["phases"]
+        assert ra["build_s"] > 0 and ra["read_ahead"]["open_s"] > 0 and ra["read_ahead"]["read_s"] > 0
+        assert r["read_ahead_identical"] is True   # tensor for tensor what the plain fresh recovery restored
+    assert set(doc["hf_restore_vs_reprefill_read_ahead"]) == {"ctx_64", "ctx_256"}
     assert set(doc["hf_restore_vs_reprefill"]) == {"ctx_64", "ctx_256"}
     assert all(v > 0 for v in doc["hf_restore_vs_reprefill"].values())
     assert len(doc["kills"]) == 2 and [k["sampled"] for k in doc["kills"]] == [False, True]

@@ -37,7 +37,11 @@ determinism switches.
   recovering program would: `Session(log, create=False)`, `protect` of a fresh
   cache, `restore` into it (open + restore, in this process), and again in a
   fresh process (`fresh`, `hf_restore_vs_reprefill`: issue 30's measure, the
-  process's start-up and model build left out); beside it, the
+  process's start-up and model build left out), and in a fresh process that
+  calls `concordia.prefetch` first and builds its model while the log is
+  opened and read ahead (`fresh_read_ahead`, `hf_restore_vs_reprefill_read_ahead`:
+  the seconds the recovery kept its thread, the prefetch call and everything
+  after the model's build, waits for the read included); beside it, the
   same tokens re-prefilled into an empty cache, and a cold restart (the weights
   loaded from safetensors, then re-prefill); and the KV bytes' time at pinned
   host-to-device bandwidth measured in the same run (the ceiling).
@@ -318,16 +322,18 @@ def _kills_part(shape, device, batch, kills, steps, prompt_len, log_spec, say) -
     return rep
 
 
-def _recovery_child(log: str, shape: str, device: str, batch: int, max_len: int) -> dict:
+def _recovery_child(log: str, shape: str, device: str, batch: int, max_len: int, prefetch: bool = False) -> dict:
     """A fresh process recovers the log (`python -m concordia.demo.kills
     recover`: read-only open, protect a fresh cache, restore); its times,
-    without the process's start-up."""
+    without the process's start-up.  prefetch: the process calls
+    `concordia.prefetch` first and builds its model meanwhile."""
     import json
     import subprocess
     import sys
 
     r = subprocess.run([sys.executable, "-m", "concordia.demo.kills", "recover", "--log", log, "--plan", "[]",
-                        "--shape", shape, "--device", device, "--batch", str(batch), "--max-len", str(max_len)],
+                        "--shape", shape, "--device", device, "--batch", str(batch), "--max-len", str(max_len),
+                        *(["--prefetch"] if prefetch else [])],
                        capture_output=True, text=True)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     if r.returncode != 0 or not lines:
@@ -498,6 +504,8 @@ def run(shape: str, device: str, batch: int, contexts: list[int], decode_steps: 
         # the same recovery in a fresh process, as after a crash: its CUDA start-up, imports
         # and model build left out, its first touches of everything else counted
         row["fresh"] = _recovery_child(log, shape, device, batch, ctx + 8)
+        # ... and one that knows it recovers: the log opened and read ahead while its model is built
+        row["fresh_read_ahead"] = _recovery_child(log, shape, device, batch, ctx + 8, prefetch=True)
         # re-prefill the same tokens into an empty cache
         cache = StaticCache(config=cfg, max_cache_len=ctx + 8)
         cache.early_initialization(batch_size=batch, num_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
@@ -527,6 +535,11 @@ def run(shape: str, device: str, batch: int, contexts: list[int], decode_steps: 
         row["recovery_vs_reprefill"] = row["reprefill_s"] / row["recovery_s"]
         fresh_s = row["fresh"].get("recovery_s")
         row["fresh_recovery_vs_reprefill"] = row["reprefill_s"] / fresh_s if fresh_s else None
+        # the read ahead restored what the plain recovery did, tensor for tensor (None: not hashed, a large state)
+        dg = (row["fresh"].get("digest"), row["fresh_read_ahead"].get("digest"))
+        row["read_ahead_identical"] = None if None in dg else dg[0] == dg[1]
+        ahead_s = row["fresh_read_ahead"].get("recovery_s")
+        row["fresh_read_ahead_vs_reprefill"] = row["reprefill_s"] / ahead_s if ahead_s else None
         row["recovery_vs_cold"] = row["cold_restart_s"] / row["recovery_s"]
         if h2d:
             row["h2d_s"] = kv_bytes / (h2d * 1e9)
@@ -536,6 +549,8 @@ def run(shape: str, device: str, batch: int, contexts: list[int], decode_steps: 
         res[f"recovery_vs_reprefill_{name}"] = row["recovery_vs_reprefill"]
         # issue 30's measure: restore(session, guard) in a fresh process against re-prefilling
         res.setdefault("hf_restore_vs_reprefill", {})[f"ctx_{name}"] = row["fresh_recovery_vs_reprefill"]
+        # the same with `concordia.prefetch` called at the process's start (kills.py: _recover_read_ahead)
+        res.setdefault("hf_restore_vs_reprefill_read_ahead", {})[f"ctx_{name}"] = row["fresh_read_ahead_vs_reprefill"]
     return res
 
 
@@ -608,7 +623,18 @@ def _table(res: dict) -> str:
                        f"{fresh[1]:>9} {r['recovery_vs_cold']:>7.1f}x {h:>11}")
             if fs is None:
                 out.append(f"{'':>8} fresh process: {r['fresh'].get('error')}")
-            for who, got in (("in process", r), ("fresh", r["fresh"])):
+            ra = r.get("fresh_read_ahead") or {}
+            if ra.get("recovery_s") is None:
+                out.append(f"{'':>8} fresh process, read ahead: {ra.get('error')}")
+            else:
+                rd = ra.get("read_ahead") or {}
+                out.append(f"{'':>8} fresh process, read ahead (concordia.prefetch, then the model built): "
+                           f"{ra['recovery_s']:.4f} s of the caller's, {r['fresh_read_ahead_vs_reprefill']:.1f}x "
+                           f"re-prefill; build {ra['build_s']:.3f} s (without it {r['fresh'].get('build_s', 0):.3f}), "
+                           f"the read's open {rd.get('open_s', 0):.3f} s and read {rd.get('read_s', 0):.3f} s, "
+                           f"waited {rd.get('s', 0):.4f} s, used {rd.get('used')}"
+                           + (f" ({rd.get('why_not')})" if rd.get("why_not") else ""))
+            for who, got in (("in process", r), ("fresh", r["fresh"]), ("fresh, read ahead", ra)):
                 if got.get("phases"):
                     out.append(f"{'':>8} {who}: session {got['session_s']:.3f} s, protect {got['protect_s']:.3f} s; "
                                + _phase_line(got["phases"])
