@@ -25,8 +25,8 @@ class Prefetch:
     create=False, **session_kw)` and reads its latest epoch ahead (module
     doc); `session()` waits for the open and returns the session."""
 
-    def __init__(self, log, *, device=None, target="latest", **session_kw):
-        self.ahead = ReadAhead(restore_run.on_device(device), target)
+    def __init__(self, log, *, device=None, target="latest", gpu: int | None = None, **session_kw):
+        self.ahead = ReadAhead(restore_run.on_device(device), target, gpu)
         self._session = None
         self._error: BaseException | None = None
         self._opened = threading.Event()
@@ -63,9 +63,12 @@ class Prefetch:
         self.ahead.wait()
 
 
-def prefetch(log, *, device: str | None = None, target="latest", **session_kw) -> Prefetch:
+def prefetch(log, *, device: str | None = None, target="latest", gpu: int | None = None,
+             **session_kw) -> Prefetch:
     """Open `log` and read its `target` epoch ahead, on a thread, while the
     caller builds what the state goes into (module doc).  device="cupy":
-    onto the current GPU, for CUDA tensors and CuPy arrays; else to the host.
-    session_kw: what `Session(log, create=False, ...)` takes (readonly=True)."""
-    return Prefetch(log, device=device, target=target, **session_kw)
+    onto GPU `gpu` (None: the first visible one), for CUDA tensors and CuPy
+    arrays there; else to the host.  session_kw: what `Session(log,
+    create=False, ...)` takes (readonly=True).  A session that writes to the
+    log before it recovers lets the read go (it holds a copy of the state)."""
+    return Prefetch(log, device=device, target=target, gpu=gpu, **session_kw)

@@ -83,6 +83,8 @@ def writable(session, doing: str, *, owns: bool, target):
                            where=str(session.log_name),
                            hint="open it with Session(log, create=False) to write" if session.readonly
                            else "pass a Log opened with writable=True")
+    if session.ahead is not None:  # its copy of the state is of no use once this session writes
+        session.ahead.drop("the session wrote to the log")
     old = session.log
     seen = (old.last_committed_epoch, old.commits[-1].lsn if old.commits else 0)
     session.log = Log.open(target, writable=True, check_pages="last")

@@ -33,6 +33,7 @@ passed them over, and when the session closes.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -45,31 +46,44 @@ class ReadAhead:
     """One read of a log's epoch into arrays of its own, on the thread that
     calls `run`; `take` hands it to one recovery."""
 
-    def __init__(self, device: bool, target="latest"):
-        self.device, self.target = bool(device), target
+    def __init__(self, device: bool, target="latest", gpu: int | None = None):
+        self.device, self.target, self.gpu = bool(device), target, gpu
         self.got = None        # restore_run.Restored, until taken or dropped
         self.error: str | None = None
         self.epoch_seen: int | None = None  # the log's last committed epoch when it read
+        self.names_seen: frozenset = frozenset()  # ... and the regions it held
         self.done = threading.Event()
         #: where its own time went, in seconds ("open_s" when `prefetch` opened the session)
         self.times: dict = {}
         self.why_not: str | None = None     # why the last recovery did not use it
+        self.dropped: str | None = None     # why its arrays were let go unused
         self.used = False
         self.device_id: int | None = None
 
     def run(self, log, registration=None) -> None:
+        """The read (on the calling thread).  On the device it runs on a
+        non-blocking stream of its own, on GPU `gpu` (CUDA's current one of
+        this thread when None: the first visible), so that it does not wait
+        for the caller's work on the legacy default stream (a model's build)."""
         t = time.perf_counter()
         try:
             self.epoch_seen = int(log.last_committed_epoch or 0)
-            self.got = restore_run.restore(log, self.target, device=self.device, registration=registration,
-                                           absent="keep", own_new=True)
-            if self.device:
-                from concordia.gpu_kernels.jit import require_cupy
+            self.names_seen = frozenset(log.regions)
+            with contextlib.ExitStack() as on:
+                if self.device:
+                    from concordia.gpu_kernels.jit import require_cupy
 
-                cp = require_cupy()
-                self.device_id = cp.cuda.Device().id
-                cp.cuda.get_current_stream().synchronize()  # its arrays are whole before any other thread reads them
-        except Exception as exc:  # the recovery from the log meets it again and decides (module doc)
+                    cp = require_cupy()
+                    if self.gpu is not None:
+                        on.enter_context(cp.cuda.Device(self.gpu))
+                    self.device_id = cp.cuda.Device().id
+                    stream = on.enter_context(cp.cuda.Stream(non_blocking=True))
+                self.got = restore_run.restore(log, self.target, device=self.device, registration=registration,
+                                               absent="keep", own_new=True)
+                if self.device:
+                    stream.synchronize()  # its arrays are whole before any other thread reads them
+        except BaseException as exc:  # the recovery from the log meets it again and decides (module doc)
+            self.got = None
             self.error = f"{type(exc).__name__}: {_line(exc)}"
         finally:
             self.times["read_s"] = time.perf_counter() - t
@@ -88,27 +102,35 @@ class ReadAhead:
         self.times["waited_s"] = self.times.get("waited_s", 0.0) + time.perf_counter() - t
 
     def close(self) -> None:
+        self.drop("the session closed")
+
+    def drop(self, why: str) -> None:
+        """Let its arrays go (a second copy of the state) once no recovery
+        can use them; a later recovery is told `why`."""
         self.wait()
-        self.got = None
+        if self.got is not None:
+            self.got, self.dropped = None, why
 
     def _why_not(self, log, target, mode, want, views: dict, gpu: bool) -> str | None:
         if self.error is not None:
             return f"the read ahead failed ({self.error})"
         if self.got is None:
-            return "its arrays were used or dropped already"
+            return f"its arrays were let go ({self.dropped})" if self.dropped else "its arrays were used already"
         epoch = int(self.got.plan.epoch)
         if mode is not None:
             return f"mode={mode!r} was asked for"
-        if target != self.target and not (isinstance(target, (int, np.integer)) and int(target) == epoch):
+        asked_epoch = isinstance(target, (int, np.integer)) and not isinstance(target, bool) and int(target) == epoch
+        if not asked_epoch and (target != self.target or isinstance(target, bool)):
             return f"epoch {target!r} was asked for, it read {epoch}"
         if int(log.last_committed_epoch or 0) != self.epoch_seen:
             return (f"the log was committed to since it read (epoch {self.epoch_seen}, "
                     f"now {log.last_committed_epoch})")
-        new = [n for n in (want or ()) if n not in self.got.plan.regions]
+        new = sorted(set(log.regions) - self.names_seen)
         if new:
             return f"region {new[0]!r} was added to the log since it read"
         sides = {xp is not np for _, xp in views.values()}
-        if (views and sides != {self.device}) or (not views and gpu != self.device):
+        fresh = any(n not in views for n in (self.got.plan.regions if want is None else want))  # new arrays
+        if (views and sides != {self.device}) or (fresh and gpu != self.device):
             return f"it read to the {'device' if self.device else 'host'}, the recovery asks for the other side"
         if self.device and any(v.device.id != self.device_id for v, xp in views.values()):
             return f"it read to cuda:{self.device_id}, a target is on another GPU"
@@ -121,15 +143,17 @@ class ReadAhead:
         from concordia.wal.apply import check_present
 
         self.wait()
-        why = self._why_not(log, target, mode, want, views, gpu)
-        got, self.got = self.got, None
-        self.why_not, self.used = why, why is None
+        why = self.why_not = self._why_not(log, target, mode, want, views, gpu)
         if why is not None:
+            if self.got is not None:  # passed over: the recovery reads the log, and the copy of the state goes
+                self.got, self.dropped = None, "a recovery before passed it over"
             return None
-        plan = got.plan
+        got, plan = self.got, self.got.plan
         names = list(plan.regions) if want is None else list(want)
         kept = [n for n in names if n in plan.regions and plan.regions[n].absent] if absent == "keep" else []
-        check_present(plan, [n for n in names if n not in kept], where=str(log.backend.where))  # before any write
+        # before any write, and before it is used up: a refusal leaves it for the call that follows
+        check_present(plan, [n for n in names if n not in kept], where=str(log.backend.where))
+        self.got, self.used = None, True
         names = [n for n in names if n not in kept]
         dev = {n: v for n, (v, xp) in views.items() if xp is not np and n in names}
         host = {n: v for n, (v, xp) in views.items() if xp is np and n in names}
@@ -139,7 +163,8 @@ class ReadAhead:
         written = restore_run.into_targets(dev, host, held, own=self.device)
         arrays = {**held, **written}
         stats = {"read_ahead": self.phase(), "copy_s": time.perf_counter() - t, "copy_bytes": nbytes}
-        return restore_run.Restored(arrays, plan, got.plan_s, time.perf_counter() - t,
+        # planned on its thread (its time is in the read ahead's phase): none of this call's
+        return restore_run.Restored(arrays, plan, 0.0, time.perf_counter() - t,
                                     {n: got.via[n] for n in arrays if n in got.via}, stats, kept)
 
     def phase(self) -> dict:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -466,6 +467,17 @@ def _bad_page_in_log(log, tr: Transfer, k: int):
 
 _STAGING: dict = {}
 _HOSTS: dict = {}
+#: the slots, streams and pinned buffers above are one set a process: one pipeline runs at a time (a read
+#: ahead's thread, `restore.ahead`, beside another session's recovery would share them)
+_PIPELINE = threading.RLock()
+
+
+def _one_at_a_time(fn):
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with _PIPELINE:
+            return fn(*args, **kwargs)
+    return run
 
 
 def _staging(cp, chunk_bytes: int):
@@ -719,6 +731,7 @@ def _zeros(cp, gpu, nbytes: int, own_memory: bool):
     return gpu.device_buffer(mem.ptr, nbytes, mem)
 
 
+@_one_at_a_time
 def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK_BYTES, stats: dict | None = None,
                     registration=None, read: str = "auto", own_memory=()) -> dict:
     """Restore the regions of `plan` straight into new CuPy arrays (see the

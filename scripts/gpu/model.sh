@@ -57,7 +57,11 @@ if "kills_run" in d:
 for r in d.get("recovery", []):
     print("recovery ctx", r["context"], "in process", round(r["recovery_s"], 4), "s, fresh process", r["fresh"],
           "re-prefill", round(r["reprefill_s"], 4), "s, identical", r["identical"])
-if "hf_restore_vs_reprefill" in d:
-    print("hf_restore_vs_reprefill", d["hf_restore_vs_reprefill"])
+    ra = {k: v for k, v in r.get("fresh_read_ahead", {}).items() if k not in ("phases", "imported", "digest")}
+    print("recovery ctx", r["context"], "fresh process, read ahead", ra, "identical to the plain one",
+          r.get("read_ahead_identical"))
+for k in ("hf_restore_vs_reprefill", "hf_restore_vs_reprefill_read_ahead"):
+    if k in d:
+        print(k, d[k])
 PY
 exit $status

@@ -68,6 +68,7 @@ def test_new_arrays_are_the_read_aheads_own(shm_log):
         got = s.recover()
         assert s.last_recovery.phases["read_ahead"]["used"] is True
         assert s.last_recovery.phases["copy"]["bytes"] == 0
+        assert s.last_recovery.plan_ms == 0 and s.last_recovery.restore_ms >= 0   # planned on its thread
     assert {n: a.tobytes() for n, a in got.items()} == {n: a.tobytes() for n, a in want.items()}
 
 
@@ -78,10 +79,16 @@ def test_another_epoch_or_a_mode_is_read_from_the_log(shm_log):
         ph = s.last_recovery.phases
         assert ph["read_ahead"]["used"] is False and "epoch 2 was asked for, it read 3" in ph["read_ahead"]["why_not"]
         assert "plan" in ph and s.last_recovery.epoch == 2
-        assert older["sched"][1] != 1001   # epoch 2 wrote only sched[0]
+        with Session(shm_log, create=False, readonly=True) as plain:
+            expect = plain.recover(2)
+        assert {n: a.tobytes() for n, a in older.items()} == {n: a.tobytes() for n, a in expect.items()}
         # the read ahead's arrays went with that recovery: the next one reads the log too
         s.recover()
-        assert s.last_recovery.phases["read_ahead"]["why_not"] == "its arrays were used or dropped already"
+        assert s.last_recovery.phases["read_ahead"]["why_not"] == \
+            "its arrays were let go (a recovery before passed it over)"
+    with concordia.prefetch(shm_log, readonly=True).session() as s:
+        with pytest.raises(concordia.PlanError):   # a bool is no epoch, as the log's planner says
+            s.recover(True)
     with concordia.prefetch(shm_log, readonly=True).session() as s:
         s.recover(mode="skip_corrupt")
         assert "mode='skip_corrupt' was asked for" in s.last_recovery.phases["read_ahead"]["why_not"]
@@ -143,8 +150,8 @@ def test_a_region_absent_at_the_epoch_is_refused_before_any_copy(shm_log):
         s.register("late", targets["late"], kind="scheduler", page_bytes=256)
         with pytest.raises(concordia.AbsentRegionError, match="late"):
             s.recover(into="registered")
-        # the register wrote the region's descriptor: the log holds more than the read ahead saw
-        assert s.ahead.why_not == "region 'late' was added to the log since it read"
+        # the register wrote the region's descriptor: the session let the read go
+        assert s.ahead.why_not == "its arrays were let go (the session wrote to the log)"
         assert all((a == 9).all() for a in targets.values())
     _written(shm_log)   # afresh: no descriptor of "late" left behind
     with concordia.prefetch(shm_log).session() as s:
@@ -155,11 +162,61 @@ def test_a_region_absent_at_the_epoch_is_refused_before_any_copy(shm_log):
     assert (targets["late"] == 9).all() and targets["kv"].tobytes() == want["kv"].tobytes()
 
 
-def test_a_session_closed_at_once_waits_for_the_read(shm_log):
+def test_a_refusal_leaves_the_read_ahead_for_the_call_that_follows(shm_log):
+    """A region with no state at the epoch read (registered after it): refused
+    before anything is written, and the read ahead stays for the retry with
+    absent="keep", which copies from it."""
+    want = _written(shm_log)
+    late = np.full(64, 9, np.int32)
+    with Session(shm_log, create=False) as w:   # "late" first written at epoch 4: no state at epoch 3
+        register_all(w, _blank(want))
+        w.recover(into="registered")
+        w.register("late", np.ones(64, np.int32), kind="scheduler", page_bytes=256)
+        assert w.checkpoint().epoch == 4
+    targets = _blank(want)
+    with concordia.prefetch(shm_log, readonly=True, target=3).session() as s:
+        with pytest.raises(concordia.AbsentRegionError, match="late"):
+            s.recover(3, into={**targets, "late": late})
+        assert s.ahead.used is False and s.ahead.got is not None
+        s.recover(3, into={**targets, "late": late}, absent="keep")
+        assert s.last_recovery.phases["read_ahead"]["used"] is True and s.last_recovery.kept == ["late"]
+    assert (late == 9).all() and targets["kv"].tobytes() == want["kv"].tobytes()
+
+
+def test_a_region_the_session_adds_lets_the_read_go_without_a_region_list(shm_log):
+    """No targets, no regions=: the session's register of a region the log
+    lacks writes its descriptor, so the read ahead is let go and the
+    recovery is the log's: the new region is refused, or kept."""
     _written(shm_log)
+    with concordia.prefetch(shm_log).session() as s:
+        s.register("late", np.full(64, 9, np.int32), kind="scheduler", page_bytes=256)
+        with pytest.raises(concordia.AbsentRegionError, match="late"):
+            s.recover()
+        assert s.ahead.why_not == "its arrays were let go (the session wrote to the log)"
+        got = s.recover(absent="keep")
+        assert s.last_recovery.kept == ["late"] and "late" not in got
+
+
+def test_a_session_closed_at_once_waits_for_the_read(shm_log, monkeypatch):
+    """The read is held back until close() has begun: close must wait for it."""
+    import threading
+
+    from concordia.restore import run as restore_run
+
+    _written(shm_log)
+    closing, restore = threading.Event(), restore_run.restore
+
+    def slow(*a, **kw):
+        assert closing.wait(timeout=60), "close() did not begin"
+        return restore(*a, **kw)
+
+    monkeypatch.setattr(restore_run, "restore", slow)
     s = concordia.prefetch(shm_log, readonly=True).session()
-    s.close()   # before the read ended, as a rule: it waits, then the log closes
-    assert s.ahead.done.is_set() and s.ahead.got is None
+    assert not s.ahead.done.is_set()
+    closing.set()
+    s.close()
+    assert s.ahead.done.is_set() and s.ahead.got is None and s.ahead.error is None
+    assert s.ahead.dropped == "the session closed"
     with pytest.raises(concordia.SessionClosedError):
         s.recover()
 
@@ -170,3 +227,13 @@ def test_a_log_that_does_not_open_is_the_sessions_error(tmp_path):
         p.session()
     p.wait()   # and the read ahead ended, saying why
     assert p.ahead.error.startswith("the log did not open")
+
+
+def test_a_session_that_writes_first_lets_the_read_go(shm_log):
+    want = _written(shm_log)
+    state = _blank(want)
+    with concordia.prefetch(shm_log).session() as s:
+        register_all(s, state)
+        assert s.ahead.got is not None
+        s.checkpoint()   # the session's own state, not a recovery's: the read ahead is of no use now
+        assert s.ahead.got is None and s.ahead.dropped == "the session wrote to the log"

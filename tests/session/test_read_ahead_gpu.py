@@ -76,6 +76,13 @@ def test_cuda_tensors_and_new_arrays(shm_log):
         host = s.recover()   # host arrays asked for: the device read ahead is passed over, the log read
         assert "asks for the other side" in s.last_recovery.phases["read_ahead"]["why_not"]
         assert np.array_equal(host["a"], want["a"])
+    a2 = cp.zeros(N, cp.uint8)
+    with concordia.prefetch(shm_log, device="cupy", readonly=True).session() as s:
+        # a device target, and "b" as a new array on the host: passed over too, as "b" would be on the device
+        got = s.recover(into={"a": a2}, regions=["a", "b"])
+        assert "asks for the other side" in s.last_recovery.phases["read_ahead"]["why_not"]
+        assert isinstance(got["b"], np.ndarray) and np.array_equal(got["b"], want["b"])
+        assert np.array_equal(a2.get(), want["a"])
 
 
 def test_damage_the_log_refuses_leaves_the_device_targets(file_log):
