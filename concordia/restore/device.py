@@ -707,6 +707,10 @@ def register_piece(backend) -> int:
     return max(a, REGISTER_PIECE // a * a)
 
 
+#: cudaErrorMemoryAllocation (CuPy's runtime module names no such constant)
+CUDA_ERROR_MEMORY_ALLOCATION = 2
+
+
 def _zeros(cp, gpu, nbytes: int, own_memory: bool):
     """A zeroed uint8 device array of `nbytes`, from CuPy's pool or, with
     `own_memory`, from the driver (freed when the array is dropped; the
@@ -718,13 +722,13 @@ def _zeros(cp, gpu, nbytes: int, own_memory: bool):
     try:
         mem = cp.cuda.Memory(nbytes)
     except rt.CUDARuntimeError as exc:  # the driver's malloc: no pool retry of its own
-        if exc.status != rt.errorMemoryAllocation:
+        if exc.status != CUDA_ERROR_MEMORY_ALLOCATION:
             raise
         pool.free_all_blocks()
         try:
             mem = cp.cuda.Memory(nbytes)
         except rt.CUDARuntimeError as again:  # the pool's own words for it, as cp.zeros would say
-            if again.status != rt.errorMemoryAllocation:
+            if again.status != CUDA_ERROR_MEMORY_ALLOCATION:
                 raise
             raise cp.cuda.memory.OutOfMemoryError(nbytes, pool.total_bytes(), 0) from None
     cp.cuda.MemoryPointer(mem, 0).memset_async(0, nbytes, cp.cuda.get_current_stream())

@@ -225,3 +225,19 @@ def test_a_large_restore_into_device_targets_gives_its_staged_copies_back(shm_lo
         grew = pool.total_bytes() - held
         assert grew < n // 4, (grew, pool.used_bytes(), pool.total_bytes())
         assert bool((target == a).all())
+
+
+def test_memory_the_driver_refuses_is_cupys_out_of_memory_error():
+    """A staged copy of memory of its own (`_zeros`, own_memory) that the driver
+    cannot give: the pool's free blocks go back and the driver is asked again,
+    then CuPy's OutOfMemoryError, as `cupy.zeros` says it (it was an
+    AttributeError: CuPy's runtime module names no errorMemoryAllocation)."""
+    import cupy as cp
+
+    from concordia.gpu_kernels import gpu
+    from concordia.restore.device import _zeros
+
+    too_much = 2 * cp.cuda.runtime.memGetInfo()[1]
+    with pytest.raises(cp.cuda.memory.OutOfMemoryError):
+        _zeros(cp, gpu, too_much, True)
+    assert _zeros(cp, gpu, 4096, True).nbytes == 4096   # and the next one is given
