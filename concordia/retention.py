@@ -218,6 +218,7 @@ class Retention:
         self._image = np.zeros(0, np.int64)   # log bytes of a full image of each region
         self._npages = np.zeros(0, np.int64)  # pages of each region
         self._state = 0                 # state_bytes() of the registered regions
+        self._tally = (0, 0)            # (regions, their image bytes) counted by `check_capacity`
         self._table: tuple | None = None  # (names of a table pass, their slots)
         self._free: tuple = (None, 0)   # (superblock, bytes of its free segments)
         self._copies: dict = {}         # name -> host buffer kept for its next job's copy
@@ -332,7 +333,15 @@ class Retention:
         """Refuse, before anything is written, a region with which one image of
         the state no longer fits the log (its first checkpoint writes every page)."""
         seg = int(self.session.log.volume.segment_bytes)
-        need, have = self.state_bytes(((nbytes, page_bytes),)) + seg, self.capacity()
+        # the registered regions' images, counted on from the last call: not `_sync`'s slots, which a
+        # register would rebuild for each region of a model (170 of them: 16 ms of a fresh process's protect)
+        k, total = self._tally
+        regions = list(self.regions)
+        if len(regions) < k:   # (regions are only ever added; counted afresh all the same)
+            k, total = 0, 0
+        total += sum(record_bytes(r.array.nbytes, r.page_bytes) for r in regions[k:])
+        self._tally = (len(regions), total)
+        need, have = total + record_bytes(nbytes, page_bytes) + seg, self.capacity()
         if need > have:
             raise SessionError(f"the log holds {have} bytes ({_mib(have)}) of segments, and one image of the "
                                f"registered state with this region needs {need} bytes ({_mib(need)})",

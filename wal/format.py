@@ -13,6 +13,7 @@ of a batch by `pagecrc` (many pages per call).
 
 from __future__ import annotations
 
+import functools
 import operator
 import re
 import struct
@@ -761,7 +762,14 @@ class RegionInfo(NamedTuple):
     @property
     def logical_dtype(self) -> str:
         """The logical dtype's name: `logical`, or numpy's name of `dtype` ("float16")."""
-        return self.logical or np.dtype(self.dtype).name
+        return self.logical or _dtype_name(self.dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _dtype_name(dtype: str) -> str:
+    """numpy's name of a dtype string (numpy works it out afresh each time: a model's 170 regions,
+    asked a few times each, made it milliseconds of a fresh process's recovery)."""
+    return np.dtype(dtype).name
 
 
 def region_pages(nbytes: int, page_bytes: int) -> int:
