@@ -140,8 +140,6 @@ class ReadAhead:
         """A recovery's `restore_run.Restored` from the read ahead, or None
         (`why_not` says why) for the recovery to read the log.  Its arrays go
         either way: copied into `views` and dropped, or handed over."""
-        from concordia.wal.apply import check_present
-
         self.wait()
         why = self.why_not = self._why_not(log, target, mode, want, views, gpu)
         if why is not None:
@@ -150,9 +148,8 @@ class ReadAhead:
             return None
         got, plan = self.got, self.got.plan
         names = list(plan.regions) if want is None else list(want)
-        kept = [n for n in names if n in plan.regions and plan.regions[n].absent] if absent == "keep" else []
         # before any write, and before it is used up: a refusal leaves it for the call that follows
-        check_present(plan, [n for n in names if n not in kept], where=str(log.backend.where))
+        kept = restore_run.absent_regions(plan, names, absent, where=str(log.backend.where))
         self.got, self.used = None, True
         names = [n for n in names if n not in kept]
         dev = {n: v for n, (v, xp) in views.items() if xp is not np and n in names}

@@ -183,6 +183,36 @@ def _deferred(plan, pages, names: list, st: dict):
     return wait
 
 
+def absent_regions(plan, want: list, absent: str, *, where: str) -> list:
+    """The regions of `want` with no state at `plan`'s epoch, to be left as
+    they are (absent="keep"), or the one-line refusal naming the first
+    (AbsentRegionError, "refuse"), before anything is written: those
+    registered after the epoch (`RegionPlan.absent`), and, where the mode
+    gives nothing up, those the log's open lists but no commit holds (a
+    descriptor after the last commit, a live writer's: the plan has no
+    region of that name, and restoring it would leave its target as it was,
+    unsaid)."""
+    from concordia.wal.apply import check_present
+    from concordia.wal.errors import AbsentRegionError
+
+    unsaid = [n for n in want if n not in plan.regions] if plan.mode in STRICT_MODES else []
+    if absent == "keep":
+        return [n for n in want if n in plan.regions and plan.regions[n].absent] + unsaid
+    check_present(plan, want, where=where)
+    if unsaid:
+        raise AbsentRegionError(f"region {unsaid[0]!r} has no state at epoch {plan.epoch} (no committed epoch "
+                                "holds it yet: its descriptor follows the last commit)"
+                                + (f"; and {len(unsaid) - 1} more" if len(unsaid) > 1 else ""), where=where,
+                                hint="pass absent='keep' to leave it as it is, or recover once an epoch holding it "
+                                     "has committed")
+    return []
+
+
+#: the recovery modes whose plan gives no region up: a region it lacks has no committed state
+#: (the lenient modes leave out, and list in `Plan.dropped`, the regions damage cost)
+STRICT_MODES = ("tolerate_tail", "absolute")
+
+
 def _restore(log, plan, plan_s, pages, *, regions, device, into, registration, read, st, absent,
              own_new) -> Restored:
     """restore() with `plan`; `pages`: the page checks left from planning
@@ -190,8 +220,7 @@ def _restore(log, plan, plan_s, pages, *, regions, device, into, registration, r
     from concordia.wal.apply import apply_plan_numpy, check_present
 
     want = list(plan.regions) if regions is None else list(regions)
-    kept = [n for n in want if n in plan.regions and plan.regions[n].absent] if absent == "keep" else []
-    check_present(plan, [n for n in want if n not in kept], where=str(log.backend.where))  # before any write
+    kept = absent_regions(plan, want, absent, where=str(log.backend.where))  # before any write
     want = [n for n in want if n not in kept]
     # a region the plan gave up (skip_corrupt, damage the log's open met) has no sources to check
     wait = _deferred(plan, pages, [n for n in want if n in plan.regions], st) if pages is not None else (lambda: None)

@@ -99,6 +99,29 @@ def test_into_a_dict_refuses_then_keeps_the_given_array():
             s.recover(1, into={"A": x}, absent="zero")
 
 
+def test_a_region_no_commit_holds_yet_is_refused_beside_a_live_writer(shm_log):
+    """A writer registered "late" (its descriptor follows the last commit) and
+    committed nothing since: a read-only recovery into a target for it is
+    refused, not left as it was unsaid; absent="keep" lists it in `kept`."""
+    a = np.full(N, 1, np.uint8)
+    with concordia.Session(shm_log, size=32 << 20) as w:
+        w.register("A", a)
+        w.checkpoint()
+    late = np.full(N, 9, np.uint8)
+    with concordia.Session(shm_log, create=False) as w:
+        w.register("A", np.zeros(N, np.uint8))
+        w.register("late", np.zeros(N, np.uint8))   # the descriptor is written; no epoch commits it
+    target = np.zeros(N, np.uint8)
+    with concordia.Session(shm_log, create=False, readonly=True) as r:
+        assert "late" in r.log.regions
+        with pytest.raises(AbsentRegionError) as e:
+            r.recover(into={"A": target, "late": late})
+        assert "region 'late' has no state at epoch 1 (no committed epoch holds it yet" in str(e.value)
+        assert (target == 0).all() and (late == 9).all()   # nothing written
+        r.recover(into={"A": target, "late": late}, absent="keep")
+        assert r.last_recovery.kept == ["late"] and (target == 1).all() and (late == 9).all()
+
+
 def test_a_kept_region_is_written_whole_by_the_next_checkpoint():
     """Kept at the latest epoch, the region holds what the log does not: the
     next checkpoint must write all of it, not a delta against its live bytes."""
