@@ -13,7 +13,8 @@
 A region with no state at the plan's epoch (registered after it: the
 planner's `RegionPlan.absent`) is never restored as zeros: `absent="refuse"`
 (the default) refuses the whole recovery before anything is written
-(`wal.apply.check_present`, one line naming the region and the epoch);
+(`absent_regions`, one line naming the region and the epoch; a region whose
+descriptor no commit holds yet, a live writer's, likewise);
 `absent="keep"` leaves its target as it is (a new array: leaves it out) and
 lists it in `kept`.
 
@@ -33,8 +34,8 @@ from concordia.regions.arrays import adapt, dtype_name, numpy_dtype, present, to
 from concordia.regions.errors import (NothingToRecoverError, RecoverMismatchError, SessionError, UnknownRegionError,
                                       UnsupportedArrayError)
 from concordia.regions.streams import StreamOrder
-from concordia.root_error import ConcordiaError
-from concordia.wal.errors import CorruptionError
+from concordia.root_error import ConcordiaError, Hint
+from concordia.wal.errors import AbsentRegionError, CorruptionError
 
 DEVICES = (None, "numpy", "cpu", "cupy", "cuda")
 #: what a recovery does with a region that has no state at its epoch (module doc)
@@ -185,39 +186,34 @@ def _deferred(plan, pages, names: list, st: dict):
 
 def absent_regions(plan, want: list, absent: str, *, where: str) -> list:
     """The regions of `want` with no state at `plan`'s epoch, to be left as
-    they are (absent="keep"), or the one-line refusal naming the first
-    (AbsentRegionError, "refuse"), before anything is written: those
-    registered after the epoch (`RegionPlan.absent`), and, where the mode
-    gives nothing up, those the log's open lists but no commit holds (a
-    descriptor after the last commit, a live writer's: the plan has no
-    region of that name, and restoring it would leave its target as it was,
-    unsaid)."""
-    from concordia.wal.apply import check_present
-    from concordia.wal.errors import AbsentRegionError
-
-    unsaid = [n for n in want if n not in plan.regions] if plan.mode in STRICT_MODES else []
-    if absent == "keep":
-        return [n for n in want if n in plan.regions and plan.regions[n].absent] + unsaid
-    check_present(plan, want, where=where)
-    if unsaid:
-        raise AbsentRegionError(f"region {unsaid[0]!r} has no state at epoch {plan.epoch} (no committed epoch "
-                                "holds it yet: its descriptor follows the last commit)"
-                                + (f"; and {len(unsaid) - 1} more" if len(unsaid) > 1 else ""), where=where,
-                                hint="pass absent='keep' to leave it as it is, or recover once an epoch holding it "
-                                     "has committed")
-    return []
-
-
-#: the recovery modes whose plan gives no region up: a region it lacks has no committed state
-#: (the lenient modes leave out, and list in `Plan.dropped`, the regions damage cost)
-STRICT_MODES = ("tolerate_tail", "absolute")
+    they are (absent="keep"), or the one-line refusal naming the first and
+    the others (AbsentRegionError, "refuse"), before anything is written:
+    those registered after the epoch (`RegionPlan.absent`), and those the
+    log's open lists but no commit holds: a descriptor after the last commit,
+    a live writer's, which the plan has no region for and does not list as
+    given up (`Plan.dropped`: what damage cost a lenient mode).  Restoring
+    such a region would leave its target as it was, unsaid."""
+    given_up = {n for d in plan.dropped for n in (d.gave_up_regions or ())}
+    unsaid = [n for n in want if n not in plan.regions and n not in given_up]
+    missing = [n for n in want if n in plan.regions and plan.regions[n].absent] + unsaid
+    if absent == "keep" or not missing:
+        return missing if absent == "keep" else []
+    first = missing[0]
+    text = (plan.regions[first].absent_reason() if first in plan.regions else
+            f"region {first!r} has no state at epoch {plan.epoch} (no committed epoch holds it yet)")
+    if len(missing) > 1:
+        text += f"; and {len(missing) - 1} more: {', '.join(map(repr, missing[1:]))}"
+    since = plan.regions[first].first_epoch if first in plan.regions else None
+    raise AbsentRegionError(text, where=where, hint=Hint(
+        api="pass absent='keep' to leave it as it is" + (f", or recover epoch {since} or later" if since else ""),
+        cli=f"restore --epoch {since} or later" if since else "a checkpoint must write it first"))
 
 
 def _restore(log, plan, plan_s, pages, *, regions, device, into, registration, read, st, absent,
              own_new) -> Restored:
     """restore() with `plan`; `pages`: the page checks left from planning
     (`PageCheck`), or None when the plan was made with them."""
-    from concordia.wal.apply import apply_plan_numpy, check_present
+    from concordia.wal.apply import apply_plan_numpy
 
     want = list(plan.regions) if regions is None else list(regions)
     kept = absent_regions(plan, want, absent, where=str(log.backend.where))  # before any write
@@ -299,7 +295,8 @@ def recover(log, target="latest", *, targets: dict | None = None, device=None, m
 
     targets: {name: array or tensor} restored in place (each checked first:
     `check_target`); regions: the names to restore (None: the targets', or
-    every region of the log).  New arrays come back as the regions were
+    every region of the log's plan: a region whose descriptor follows the
+    last commit, a live writer's, is not the log's yet).  New arrays come back as the regions were
     registered (`present`): tensors for tensors, else numpy arrays (ml_dtypes
     for bfloat16 and float8), on the GPU with device="cupy".  absent: a region
     with no state at the epoch refused ("refuse"), or left as it is and

@@ -99,10 +99,12 @@ def test_into_a_dict_refuses_then_keeps_the_given_array():
             s.recover(1, into={"A": x}, absent="zero")
 
 
-def test_a_region_no_commit_holds_yet_is_refused_beside_a_live_writer(shm_log):
+@pytest.mark.parametrize("mode", [None, "point_in_time", "skip_corrupt"])
+def test_a_region_no_commit_holds_yet_is_refused_beside_a_live_writer(shm_log, mode):
     """A writer registered "late" (its descriptor follows the last commit) and
     committed nothing since: a read-only recovery into a target for it is
-    refused, not left as it was unsaid; absent="keep" lists it in `kept`."""
+    refused, not left as it was unsaid, in every mode (no damage gave it up);
+    absent="keep" lists it in `kept`."""
     a = np.full(N, 1, np.uint8)
     with concordia.Session(shm_log, size=32 << 20) as w:
         w.register("A", a)
@@ -115,10 +117,10 @@ def test_a_region_no_commit_holds_yet_is_refused_beside_a_live_writer(shm_log):
     with concordia.Session(shm_log, create=False, readonly=True) as r:
         assert "late" in r.log.regions
         with pytest.raises(AbsentRegionError) as e:
-            r.recover(into={"A": target, "late": late})
-        assert "region 'late' has no state at epoch 1 (no committed epoch holds it yet" in str(e.value)
+            r.recover(into={"A": target, "late": late}, mode=mode)
+        assert "region 'late' has no state at epoch 1 (no committed epoch holds it yet)" in str(e.value)
         assert (target == 0).all() and (late == 9).all()   # nothing written
-        r.recover(into={"A": target, "late": late}, absent="keep")
+        r.recover(into={"A": target, "late": late}, absent="keep", mode=mode)
         assert r.last_recovery.kept == ["late"] and (target == 1).all() and (late == 9).all()
 
 
