@@ -173,35 +173,22 @@ def run_life(args) -> None:
 def run_recover(args) -> None:
     """A fresh process recovers `--log` read-only into a fresh cache (protect,
     restore) and says how long that took, without its start-up."""
-    import torch
-    from transformers import StaticCache
-
-    from concordia.integrations.transformers import protect, restore
     from concordia.session import Session
 
     if args.prefetch:
         return _recover_read_ahead(args)
+    sync = _sync(args)
     tb = time.perf_counter()
-    cfg, model = build(args.shape, args.device, seed=args.seed)
-    cache = StaticCache(config=cfg, max_cache_len=args.max_len)
-    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
-    sync()
+    model, cache = _model_and_cache(args, sync)
     build_s = time.perf_counter() - tb
     loaded = set(sys.modules)
     t0 = time.perf_counter()
     with Session(args.log, create=False, readonly=True) as s:
         ta = time.perf_counter()
-        guard = protect(s, cache, model, batch_size=args.batch, max_tokens=args.max_len)
-        t1 = time.perf_counter()
-        state = restore(s, guard)
-        sync()
-        t2 = time.perf_counter()
-        phases = s.last_recovery.phases
+        got = _protect_and_restore(s, args, model, cache, sync)
     # where the time went: the open of the Session and protect(), then the recovery's phases
-    _say({"open_s": t1 - t0, "restore_s": t2 - t1, "recovery_s": t2 - t0, "epoch": state.epoch, "steps": state.steps,
-          "session_s": ta - t0, "protect_s": t1 - ta, "phases": phases, "build_s": build_s,
-          # the packages first imported inside the timed recovery (their import is in it)
-          "imported": sorted({m.partition(".")[0] for m in set(sys.modules) - loaded}), "digest": _digest(guard)})
+    _say({"open_s": ta - t0 + got["protect_s"], "recovery_s": ta - t0 + got["protect_s"] + got["restore_s"],
+          "session_s": ta - t0, "build_s": build_s, **got, "imported": _imported(loaded)})
 
 
 def _recover_read_ahead(args) -> None:
@@ -212,13 +199,11 @@ def _recover_read_ahead(args) -> None:
     build_s is the model's build beside the read, the read's own times are
     in `read_ahead`."""
     import torch
-    from transformers import StaticCache
 
-    from concordia.integrations.transformers import protect, restore
     from concordia.prefetching import prefetch
 
     cuda = args.device.startswith("cuda")
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync = _sync(args)
     if cuda:  # CUDA's start-up is not the recovery's, as in run_recover (whose build pays it before its clock)
         torch.zeros(1, device=args.device)
         sync()
@@ -226,22 +211,52 @@ def _recover_read_ahead(args) -> None:
     t0 = time.perf_counter()
     p = prefetch(args.log, device="cupy" if cuda else None, readonly=True)
     ta = time.perf_counter()
-    cfg, model = build(args.shape, args.device, seed=args.seed)
-    cache = StaticCache(config=cfg, max_cache_len=args.max_len)
-    sync()
+    model, cache = _model_and_cache(args, sync)
     tb = time.perf_counter()
     with p.session() as s:
         tc = time.perf_counter()
-        guard = protect(s, cache, model, batch_size=args.batch, max_tokens=args.max_len)
-        t1 = time.perf_counter()
-        state = restore(s, guard)
-        sync()
-        t2 = time.perf_counter()
-        phases = s.last_recovery.phases
-    _say({"open_s": (ta - t0) + (tc - tb), "restore_s": t2 - t1, "recovery_s": (ta - t0) + (t2 - tb),
-          "epoch": state.epoch, "steps": state.steps, "prefetch_call_s": ta - t0, "build_s": tb - ta,
-          "session_s": tc - tb, "protect_s": t1 - tc, "read_ahead": phases.get("read_ahead"), "phases": phases,
-          "imported": sorted({m.partition(".")[0] for m in set(sys.modules) - loaded}), "digest": _digest(guard)})
+        got = _protect_and_restore(s, args, model, cache, sync)
+    waited = tc - tb + got["protect_s"] + got["restore_s"]   # everything after the build
+    _say({"open_s": ta - t0 + tc - tb + got["protect_s"], "recovery_s": ta - t0 + waited, "prefetch_call_s": ta - t0,
+          "build_s": tb - ta, "session_s": tc - tb, **got, "read_ahead": got["phases"].get("read_ahead"),
+          "imported": _imported(loaded)})
+
+
+def _sync(args):
+    import torch
+
+    return torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+
+
+def _model_and_cache(args, sync) -> tuple:
+    """The model of `--shape` and an empty StaticCache of `--max-len`, built and synchronised."""
+    from transformers import StaticCache
+
+    cfg, model = build(args.shape, args.device, seed=args.seed)
+    cache = StaticCache(config=cfg, max_cache_len=args.max_len)
+    sync()
+    return model, cache
+
+
+def _protect_and_restore(s, args, model, cache, sync) -> dict:
+    """protect() a fresh cache in session `s` and restore() into it: the
+    seconds of each, the epoch and steps restored, the recovery's phases and
+    a digest of what it restored (taken after the clock)."""
+    from concordia.integrations.transformers import protect, restore
+
+    t0 = time.perf_counter()
+    guard = protect(s, cache, model, batch_size=args.batch, max_tokens=args.max_len)
+    t1 = time.perf_counter()
+    state = restore(s, guard)
+    sync()
+    t2 = time.perf_counter()
+    return {"protect_s": t1 - t0, "restore_s": t2 - t1, "epoch": state.epoch, "steps": state.steps,
+            "phases": s.last_recovery.phases, "digest": _digest(guard)}
+
+
+def _imported(loaded: set) -> list:
+    """The packages first imported since `loaded` (inside the timed recovery: their import is in it)."""
+    return sorted({m.partition(".")[0] for m in set(sys.modules) - loaded})
 
 
 #: a recovering child hashes what it restored (`digest`) up to this many bytes (sha256 on the host: about 1 GB/s)
