@@ -127,19 +127,33 @@ def digest_mismatch(region: str, epoch: int, stated: int, restored: int) -> Corr
                            hint="the log's records disagree with its commit records")
 
 
+def absent_names(plan: Plan, regions=None) -> list:
+    """The names among `regions` (None: every region of the plan) with no
+    state at the plan's epoch: registered after it (`RegionPlan.absent`), or
+    named by the log's open but held by no commit (a descriptor after the
+    last commit, a live writer's: the plan has no such region and did not
+    give it up, `Plan.dropped`); restoring either would leave its target as
+    it was, unsaid, or a new array of zeros."""
+    if regions is None:
+        return [n for n, rp in plan.regions.items() if rp.absent]
+    given_up = {n for d in plan.dropped for n in (d.gave_up_regions or ())}
+    return [n for n in regions if (plan.regions[n].absent if n in plan.regions else n not in given_up)]
+
+
 def check_present(plan: Plan, regions=None, *, where: str | None = None) -> None:
     """The one refusal of a region with no state at its plan's epoch
-    (`RegionPlan.absent`: registered after it) among `regions` (None: every
-    region of the plan): one line naming the first and the epoch, raised
-    before anything is written.  Every applier and every recover path calls
-    it, so such a region is never restored as zeros."""
-    names = list(plan.regions) if regions is None else [n for n in regions if n in plan.regions]
-    absent = [plan.regions[n] for n in names if plan.regions[n].absent]
-    if not absent:
+    (`absent_names`) among `regions` (None: every region of the plan): one
+    line naming the first and the epoch, and the others, raised before
+    anything is written.  Every applier and every recover path calls it, so
+    such a region is never restored as zeros, nor left as it was unsaid."""
+    names = absent_names(plan, regions)
+    if not names:
         return
-    rp, more = absent[0], [r.name for r in absent[1:]]
-    first = rp.first_epoch
-    text = rp.absent_reason() + (f"; and {len(more)} more: {', '.join(map(repr, more))}" if more else "")
+    rp, more = plan.regions.get(names[0]), names[1:]
+    first = rp.first_epoch if rp is not None else None
+    text = (rp.absent_reason() if rp is not None else
+            f"region {names[0]!r} has no state at epoch {plan.epoch} (no committed epoch holds it yet)")
+    text += f"; and {len(more)} more: {', '.join(map(repr, more))}" if more else ""
     raise AbsentRegionError(text, where=where, hint=Hint(
         api="pass absent='keep' to leave it as it is" + (f", or recover epoch {first} or later" if first else ""),
         cli=f"restore --epoch {first} or later" if first else "a checkpoint must write it first"))

@@ -13,8 +13,8 @@
 A region with no state at the plan's epoch (registered after it: the
 planner's `RegionPlan.absent`) is never restored as zeros: `absent="refuse"`
 (the default) refuses the whole recovery before anything is written
-(`absent_regions`, one line naming the region and the epoch; a region whose
-descriptor no commit holds yet, a live writer's, likewise);
+(`wal.apply.check_present`, one line naming the region and the epoch; a
+region whose descriptor no commit holds yet, a live writer's, likewise);
 `absent="keep"` leaves its target as it is (a new array: leaves it out) and
 lists it in `kept`.
 
@@ -34,8 +34,8 @@ from concordia.regions.arrays import adapt, dtype_name, numpy_dtype, present, to
 from concordia.regions.errors import (NothingToRecoverError, RecoverMismatchError, SessionError, UnknownRegionError,
                                       UnsupportedArrayError)
 from concordia.regions.streams import StreamOrder
-from concordia.root_error import ConcordiaError, Hint
-from concordia.wal.errors import AbsentRegionError, CorruptionError
+from concordia.root_error import ConcordiaError
+from concordia.wal.errors import CorruptionError
 
 DEVICES = (None, "numpy", "cpu", "cupy", "cuda")
 #: what a recovery does with a region that has no state at its epoch (module doc)
@@ -185,28 +185,16 @@ def _deferred(plan, pages, names: list, st: dict):
 
 
 def absent_regions(plan, want: list, absent: str, *, where: str) -> list:
-    """The regions of `want` with no state at `plan`'s epoch, to be left as
-    they are (absent="keep"), or the one-line refusal naming the first and
-    the others (AbsentRegionError, "refuse"), before anything is written:
-    those registered after the epoch (`RegionPlan.absent`), and those the
-    log's open lists but no commit holds: a descriptor after the last commit,
-    a live writer's, which the plan has no region for and does not list as
-    given up (`Plan.dropped`: what damage cost a lenient mode).  Restoring
-    such a region would leave its target as it was, unsaid."""
-    given_up = {n for d in plan.dropped for n in (d.gave_up_regions or ())}
-    unsaid = [n for n in want if n not in plan.regions and n not in given_up]
-    missing = [n for n in want if n in plan.regions and plan.regions[n].absent] + unsaid
-    if absent == "keep" or not missing:
-        return missing if absent == "keep" else []
-    first = missing[0]
-    text = (plan.regions[first].absent_reason() if first in plan.regions else
-            f"region {first!r} has no state at epoch {plan.epoch} (no committed epoch holds it yet)")
-    if len(missing) > 1:
-        text += f"; and {len(missing) - 1} more: {', '.join(map(repr, missing[1:]))}"
-    since = plan.regions[first].first_epoch if first in plan.regions else None
-    raise AbsentRegionError(text, where=where, hint=Hint(
-        api="pass absent='keep' to leave it as it is" + (f", or recover epoch {since} or later" if since else ""),
-        cli=f"restore --epoch {since} or later" if since else "a checkpoint must write it first"))
+    """The regions of `want` with no state at `plan`'s epoch
+    (`wal.apply.absent_names`), to be left as they are (absent="keep"), or
+    the one-line refusal (`check_present`, "refuse"), before anything is
+    written."""
+    from concordia.wal.apply import absent_names, check_present
+
+    if absent == "keep":
+        return absent_names(plan, want)
+    check_present(plan, want, where=where)
+    return []
 
 
 def _restore(log, plan, plan_s, pages, *, regions, device, into, registration, read, st, absent,
