@@ -272,7 +272,7 @@ def span_crcs(base: np.ndarray, offsets, lengths, out=None) -> np.ndarray:
     records' payloads in one call, the GIL released while it hashes (the
     package path makes one call per span)."""
     if _lib is None:
-        return pure_span_crcs(base, offsets, lengths, out)
+        return pure_span_crcs(base, offsets, lengths, out, release_gil=True)
     base, offsets, lengths = _spans(base, offsets, lengths)
     out = _out(out, offsets.size)
     # on the crc32 instruction the helper hashes a span on one chain: the package's three chains

@@ -396,9 +396,6 @@ class Scanner:
         counts = np.fromiter((h.count for _, _, h in batches), np.int64, n)
         lengths = counts * np.fromiter((h.page_bytes for _, _, h in batches), np.int64, n)
         offsets = np.fromiter((pos for _, pos, _ in batches), np.int64, n) + F.page_batch_payload_offset(counts)
-        size = self.arr.size   # a payload past the mapping's end hashes what is there, as a slice of it would
-        offsets = np.minimum(offsets, size)
-        lengths = np.minimum(lengths, size - offsets)
         crcs = np.empty(n, np.uint32)
         ends = np.cumsum(lengths)
         if ends[-1] >= PARALLEL_CHECK_BYTES and n > 1:

@@ -602,6 +602,11 @@ def bytes_to_pin(backend, pieces: list, piece: int) -> int:
 _PIN_REFUSED = weakref.WeakSet()
 
 
+def _filled_by(fd) -> str:
+    """The `via` of a restore that reads the log into pinned buffers (`_source_of`'s fd, or its array)."""
+    return f"pinned buffers filled by {'preadv' if fd is not None else 'memory copies'}"
+
+
 class _RegisterAhead:
     """Pin the pieces of the log mapping a transfer reads, on a pool of threads,
     in the order the pipeline needs them, so the copy engine reads the log
@@ -611,7 +616,7 @@ class _RegisterAhead:
     with the mapping (`cuda_host.keep_pinned`: given back when the log closes),
     and a piece an earlier restore pinned is not pinned again."""
 
-    def __init__(self, cp, backend, pieces: tuple, piece: int, threads: int | None = None):
+    def __init__(self, cp, backend, pieces: tuple, piece: int):
         """pieces: `pieces_read(tr, piece)` of the transfer."""
         from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -630,7 +635,7 @@ class _RegisterAhead:
                 self.done[k] = Future()
                 self.done[k].set_result(k)
         self.kept = len(self.done)
-        self.pool = ThreadPoolExecutor(max_workers=threads or REGISTER_THREADS, thread_name_prefix="concordia-register")
+        self.pool = ThreadPoolExecutor(max_workers=REGISTER_THREADS, thread_name_prefix="concordia-register")
         self.done.update({k: self.pool.submit(self._register, k) for k in order if k not in self.done})
         self.wait_s = 0.0
 
@@ -793,8 +798,7 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
     ahead = None
     fd, arr, owned = (None, None, False) if direct is not None else _source_of(log)
     st["via"] = ("copy engine from pieces pinned ahead" if pin else
-                 "copy engine from the registered mapping" if direct is not None else
-                 f"pinned buffers filled by {'preadv' if fd is not None else 'memory copies'}")
+                 "copy engine from the registered mapping" if direct is not None else _filled_by(fd))
     try:
         t1 = time.perf_counter()
         slots, copy_stream, stream = _staging(cp, tr.chunk_bytes)
@@ -834,7 +838,7 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
                 ahead, direct = None, None
                 hosts = _host_buffers(cp, tr.chunk_bytes)
                 fd, arr, owned = _source_of(log)
-                st["via"] = f"pinned buffers filled by {'preadv' if fd is not None else 'memory copies'}"
+                st["via"] = _filled_by(fd)
                 for a in out:
                     a.fill(0)
                 bad_d.fill(0)
