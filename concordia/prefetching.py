@@ -57,6 +57,19 @@ class Prefetch:
             raise self._error
         return self._session
 
+    def close(self) -> None:
+        """Let the session and its read go without recovering (a model that
+        did not build): waits for the open, then closes the session."""
+        self._opened.wait()
+        if self._session is not None:
+            self._session.close()
+
+    def __enter__(self) -> "Prefetch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def wait(self) -> None:
         """Wait for the read too (the session's first call does)."""
         self._opened.wait()

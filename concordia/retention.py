@@ -335,12 +335,9 @@ class Retention:
         seg = int(self.session.log.volume.segment_bytes)
         # the registered regions' images, counted on from the last call: not `_sync`'s slots, which a
         # register would rebuild for each region of a model (170 of them: 16 ms of a fresh process's protect)
-        k, total = self._tally
-        regions = list(self.regions)
-        if len(regions) < k:   # (regions are only ever added; counted afresh all the same)
-            k, total = 0, 0
-        total += sum(record_bytes(r.array.nbytes, r.page_bytes) for r in regions[k:])
-        self._tally = (len(regions), total)
+        k, total = self._tally   # regions are only ever added: those since the last call are counted on
+        total += sum(record_bytes(r.array.nbytes, r.page_bytes) for r in itertools.islice(self.regions, k, None))
+        self._tally = (len(self.regions), total)
         need, have = total + record_bytes(nbytes, page_bytes) + seg, self.capacity()
         if need > have:
             raise SessionError(f"the log holds {have} bytes ({_mib(have)}) of segments, and one image of the "

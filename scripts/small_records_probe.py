@@ -65,7 +65,10 @@ def main() -> None:
         print(json.dumps(write(spec, epochs, kv, regions)), flush=True)
         runs = []
         for _ in range(rounds):
-            r = subprocess.run([sys.executable, __file__, "--read", spec], capture_output=True, text=True, check=True)
+            r = subprocess.run([sys.executable, __file__, "--read", spec], capture_output=True, text=True)
+            if r.returncode != 0:   # the reader's own last line, not a traceback of this one
+                err = [ln for ln in r.stderr.splitlines() if ln.strip()]
+                sys.exit(f"small_records_probe: the reader failed: {err[-1] if err else f'exit {r.returncode}'}")
             runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
             print(json.dumps(runs[-1]), flush=True)
     print(json.dumps({k: round(statistics.median(r[k] for r in runs), 4)

@@ -175,8 +175,6 @@ def run_recover(args) -> None:
     restore) and says how long that took, without its start-up."""
     from concordia.session import Session
 
-    if args.prefetch:
-        return _recover_read_ahead(args)
     sync = _sync(args)
     tb = time.perf_counter()
     model, cache = _model_and_cache(args, sync)
@@ -384,7 +382,8 @@ def main(argv=None) -> int:
     ap.add_argument("--executor", default="host", choices=["host", "resident"])
     ap.add_argument("--prefetch", action="store_true")
     args = ap.parse_args(argv)
-    {"reference": run_reference, "life": run_life, "recover": run_recover}[args.role](args)
+    recover = _recover_read_ahead if args.prefetch else run_recover
+    {"reference": run_reference, "life": run_life, "recover": recover}[args.role](args)
     return 0
 
 

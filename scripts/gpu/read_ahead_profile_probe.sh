@@ -12,18 +12,20 @@ cd "$(dirname "$0")/../.."
 : "${OUT:?set OUT to a folder for results}"
 export HF_HUB_OFFLINE=1
 timeout -k 5 "${READ_AHEAD_PROFILE_S:-200}" python3 - "$OUT/read_ahead_profile.txt" <<'PY'
-import cProfile, io, os, pstats, sys, time
+import cProfile, io, os, pstats, signal, sys, time
 import torch
 from transformers import StaticCache
 import concordia
 from concordia.demo.model import build, prompt
 from concordia.integrations.transformers import protect, restore
+from concordia.tools.bench.files import Scratch
 
+# `timeout` sends SIGTERM: unwind, so that the scratch log (gigabytes in /dev/shm) is removed
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 ctx, reps = int(os.environ.get("READ_AHEAD_CTX", "512")), int(os.environ.get("REPS", "3"))
 cfg, model = build("0.6b", "cuda")
-log = f"shm:concordia-read-ahead-probe-{os.getpid()}"
-out = open(sys.argv[1], "w")
-try:
+with Scratch("read-ahead-probe") as scratch, open(sys.argv[1], "w") as out:
+    log = scratch.log("probe", "shm")
     cache = StaticCache(config=cfg, max_cache_len=ctx + 8)
     with concordia.Session(log, size=8 << 30, segment_size=64 << 20) as s:
         g = protect(s, cache, model, batch_size=8, max_tokens=ctx + 8)
@@ -55,10 +57,4 @@ try:
         s.close()
         del g, fresh
         torch.cuda.empty_cache()
-finally:
-    out.close()
-    try:
-        os.unlink("/dev/shm/" + log.partition(":")[2])
-    except FileNotFoundError:
-        pass
 PY

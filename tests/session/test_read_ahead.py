@@ -237,3 +237,14 @@ def test_a_session_that_writes_first_lets_the_read_go(shm_log):
         assert s.ahead.got is not None
         s.checkpoint()   # the session's own state, not a recovery's: the read ahead is of no use now
         assert s.ahead.got is None and s.ahead.dropped == "the session wrote to the log"
+
+
+def test_a_prefetch_given_up_closes_its_session_and_lets_the_read_go(shm_log):
+    """A caller that does not recover after all (its model did not build)."""
+    _written(shm_log)
+    with concordia.prefetch(shm_log, readonly=True) as p:
+        s = p.session()
+    assert s.closed and s.ahead.got is None and s.ahead.dropped == "the session closed"
+    with concordia.prefetch(shm_log + "-none") as p:   # an open that failed: nothing to close
+        pass
+    assert p.ahead.error.startswith("the log did not open")

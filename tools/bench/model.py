@@ -538,6 +538,13 @@ def run(shape: str, device: str, batch: int, contexts: list[int], decode_steps: 
         # the read ahead restored what the plain recovery did, tensor for tensor (None: not hashed, a large state)
         dg = (row["fresh"].get("digest"), row["fresh_read_ahead"].get("digest"))
         row["read_ahead_identical"] = None if None in dg else dg[0] == dg[1]
+        # from before the model's build to restored, each child: what the read ahead saves the process,
+        # its cost to the build (the read beside it) counted
+        for who in ("fresh", "fresh_read_ahead"):
+            if row[who].get("recovery_s") is not None:
+                row[who]["total_s"] = row[who]["build_s"] + row[who]["recovery_s"]
+        if "total_s" in row["fresh"] and "total_s" in row["fresh_read_ahead"]:
+            row["read_ahead_saved_s"] = row["fresh"]["total_s"] - row["fresh_read_ahead"]["total_s"]
         ahead_s = row["fresh_read_ahead"].get("recovery_s")
         row["fresh_read_ahead_vs_reprefill"] = row["reprefill_s"] / ahead_s if ahead_s else None
         row["recovery_vs_cold"] = row["cold_restart_s"] / row["recovery_s"]
