@@ -175,6 +175,8 @@ class EpochRunner:
             if st is not None:
                 st.close()
         self.stagers.clear()
+        # the caches list regions, and regions hold the caller's arrays
+        self._producers = self._routes = self._table = self._whole = None
 
     def forget_table(self) -> None:
         """The regions' baselines are replaced from outside (a recovery into the

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
+import weakref
 
 import torch
 from transformers import DynamicCache, StaticCache, StoppingCriteria
@@ -353,12 +354,16 @@ def _count_resets(cache) -> None:
     the count moves."""
     if hasattr(cache, "concordia_resets"):
         return
-    own = cache.reset
+    # the wrapper holds the cache weakly: a cache holding a function that holds the cache
+    # would be freed (30 GB of device memory at 32k tokens) only by a garbage collection
+    ref = weakref.ref(cache)
+    own = vars(cache).get("reset")  # an instance's own reset, another wrapper's; else its class's
     cache.concordia_resets = 0
 
     def reset(*a, **kw):
-        cache.concordia_resets += 1
-        return own(*a, **kw)
+        c = ref()
+        c.concordia_resets += 1
+        return own(*a, **kw) if own is not None else type(c).reset(c, *a, **kw)
     cache.reset = reset
 
 

@@ -83,6 +83,14 @@ class RegionSet:
             self._by_name[region.name] = region
             self.version += 1
 
+    def release(self) -> None:
+        """Let go of every region (a closed session's): their arrays, shadows
+        and baselines are no longer held here, so the caller's memory is freed
+        when the caller lets go of it, without waiting for a garbage collection."""
+        with self.lock:
+            self._by_name.clear()
+            self.version += 1
+
     def changed(self) -> None:
         """The regions' checkpoint state changed other than through the methods
         below (a per-region pass may replace detector state): caches rebuild."""
