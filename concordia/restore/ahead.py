@@ -55,6 +55,7 @@ class ReadAhead:
         self.done = threading.Event()
         #: where its own time went, in seconds ("open_s" when `prefetch` opened the session)
         self.times: dict = {}
+        self.read_phases: dict | None = None  # the read's restore, phase by phase (`restore.run.phases_of`)
         self.why_not: str | None = None     # why the last recovery did not use it
         self.dropped: str | None = None     # why its arrays were let go unused
         self.used = False
@@ -78,10 +79,13 @@ class ReadAhead:
                         on.enter_context(cp.cuda.Device(self.gpu))
                     self.device_id = cp.cuda.Device().id
                     stream = on.enter_context(cp.cuda.Stream(non_blocking=True))
+                t_restore = time.perf_counter()
                 self.got = restore_run.restore(log, self.target, device=self.device, registration=registration,
                                                absent="keep", own_new=True)
                 if self.device:
                     stream.synchronize()  # its arrays are whole before any other thread reads them
+                # the read's own phases (plan, alloc, transfer, ...), as a recovery from the log reports them
+                self.read_phases = restore_run.phases_of(self.got, time.perf_counter() - t_restore)
         except BaseException as exc:  # the recovery from the log meets it again and decides (module doc)
             self.got = None
             self.error = f"{type(exc).__name__}: {_line(exc)}"
@@ -169,6 +173,8 @@ class ReadAhead:
         out = {"s": float(self.times.get("waited_s", 0.0)), "used": self.used, "why_not": self.why_not,
                "device": self.device, "epoch_seen": self.epoch_seen}
         out.update({k: float(v) for k, v in self.times.items() if k != "waited_s"})
+        if self.read_phases is not None:
+            out["read"] = self.read_phases
         return out
 
 
