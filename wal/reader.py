@@ -203,6 +203,10 @@ def settles(it) -> bool:
 
 #: a scan's progress callback is told at most this often (bytes walked)
 PROGRESS_STEP = 4 << 20
+#: segments are walked in groups of about this many bytes, each group's checks
+#: made together (`Scanner._segments`): 16 segments of 64 MiB, whose page tables
+#: (8 bytes a page) gathered for the check are at most 32 MiB at 256-byte pages
+WALK_GROUP_BYTES = 1 << 30
 
 
 @dataclass
@@ -286,6 +290,8 @@ class Scanner:
         self._total = sum(max(0, min(s.offset + s.nbytes, size) - s.offset)
                           for s in segs if s.end_lsn > from_lsn)
         prev = None
+        group: list = []   # (seg, start): walked one after another, their checks made together
+        group_bytes = 0
         for seg in segs:
             why = self.vol.check_segment_header(seg, prev)
             prev = seg
@@ -293,19 +299,23 @@ class Scanner:
                 continue
             result.segments.append(seg)
             if why:
+                yield from self._checked(group, from_lsn)
+                group, group_bytes = [], 0
                 result.bad_segments.add(seg.index)
                 end = min(seg.offset + seg.nbytes, size)
                 # records inside may still check (the table names salt and base LSN):
                 # a valid commit among them means this damage hides committed data
                 hides_commit = any(is_commit(it) for it in self._segment(seg))
-                found = [Damaged(_DMG, seg, seg.offset, max(0, end - seg.offset), why, hides_commit)]
-            elif seg.base_lsn < start_lsn < seg.end_lsn:
-                found = self._segment(seg, start=seg.offset + (start_lsn - seg.base_lsn))
-            else:
-                found = self._segment(seg)
-            for it in found:
-                if not from_lsn or seg.lsn(it.offset) + it.length > from_lsn:
-                    yield it
+                yield from _after(seg, [Damaged(_DMG, seg, seg.offset, max(0, end - seg.offset), why, hides_commit)],
+                                  from_lsn)
+                continue
+            group.append((seg, seg.offset + (start_lsn - seg.base_lsn) if seg.base_lsn < start_lsn < seg.end_lsn
+                          else None))
+            group_bytes += seg.nbytes
+            if group_bytes >= WALK_GROUP_BYTES:
+                yield from self._checked(group, from_lsn)
+                group, group_bytes = [], 0
+        yield from self._checked(group, from_lsn)
         if self.progress is not None:
             self.progress(self._total, self._total)
 
@@ -363,16 +373,36 @@ class Scanner:
         looking past it for valid records (a segment its writer is still
         filling ends there for now; what lies beyond is the tail's old bytes,
         which a full walk reads through to tell the end from a lost record)."""
-        out, batches = [], []
-        self._walk(seg, out, batches, start, to_gap)
+        return self._segments([(seg, start)], to_gap=to_gap)[0]
+
+    def _segments(self, jobs: list, *, to_gap: bool = False) -> list:
+        """`_segment` of each (seg, start) of `jobs`, walked one after another
+        into one list, their page tables and pages then checked together: a
+        few numpy and helper calls for the group, not a few a segment.  Each
+        such call lets go of the GIL, and beside a thread that runs Python (a
+        model's build beside a read ahead, `concordia.prefetch`) each costs up
+        to a switch interval (5 ms) to get it back: an open of 450 segments
+        took 8 s so, 0.8 s alone.  Every record's checks are its own, so the
+        items are those of a walk a segment at a time."""
+        out, batches, ends = [], [], []
+        for seg, start in jobs:
+            self._walk(seg, out, batches, start, to_gap)
+            ends.append(len(out))
+            self._done += max(0, min(seg.offset + seg.nbytes, self.backend.size) - seg.offset)
         bad = self._check_tables(out, batches)
         cp = self.check_pages
         pending = [b for b in batches if b[0] not in bad and cp and (cp is True or cp(b[2]))]
         self._check_pages(out, self._entries(pending))
-        self._done += max(0, min(seg.offset + seg.nbytes, self.backend.size) - seg.offset)
         if self.progress is not None:
             self._tell(self._done)
-        return out
+        return [out[a:b] for a, b in zip([0, *ends], ends)]
+
+    def _checked(self, group: list, from_lsn: int):
+        """The items of `group`'s segments (`_segments`), in order, those that end
+        at or below from_lsn left out."""
+        if group:
+            for (seg, _), found in zip(group, self._segments(group)):
+                yield from _after(seg, found, from_lsn)
 
     def check_pages_of(self, items: list, indices) -> None:
         """V-P5 for the page batches among items[indices] of a walk made without
@@ -408,7 +438,7 @@ class Scanner:
         return [(idx, pos, h.count, h.page_bytes, c) for (idx, pos, h), c in zip(batches, crcs.tolist())]
 
     def _check_pages(self, out: list, pending: list) -> None:
-        """V-P5 for every page batch of a segment: the per-page CRC table, folded,
+        """V-P5 for every page batch of a group of segments: the per-page CRC table, folded,
         must equal one CRC32C over the payload (format.fold_page_crcs); a record
         that fails is checked page by page for the exact diagnostic."""
         groups: dict[tuple, list] = {}
@@ -416,7 +446,7 @@ class Scanner:
             groups.setdefault((p[2], p[3]), []).append(p)
         arr = self.arr
         for (count, pb), items in groups.items():
-            tables = np.stack([F.record_body(arr, pos, 8 * count)[4 * count:] for _, pos, _, _, _ in items])
+            tables = _rows(self.mv, [pos + F.RECORD_HEADER_SIZE + 4 * count for _, pos, _, _, _ in items], 4 * count)
             folded = F.fold_page_crcs(tables.view("<u4"), pb)
             actual = np.fromiter((it[4] for it in items), dtype=np.uint32, count=len(items))
             for k in np.flatnonzero(folded != actual):
@@ -440,7 +470,7 @@ class Scanner:
         arr, failed = self.arr, set()
         for count, items in groups.items():
             width = F.page_batch_tables_bytes(count)
-            rows = np.stack([F.record_body(arr, pos, width) for _, pos, _ in items])
+            rows = _rows(self.mv, [pos + F.RECORD_HEADER_SIZE for _, pos, _ in items], width)
             stored = np.fromiter((h.body_crc for _, _, h in items), dtype=np.uint32, count=len(items))
             for k in np.flatnonzero(F.page_batch_tables_bad(rows, count, stored)).tolist():
                 idx, pos, h = items[k]
@@ -454,7 +484,7 @@ class Scanner:
               to_gap: bool = False) -> None:
         """The items of `seg` into `out`, each page batch's (index, offset,
         header) also into `batches`: their tables and pages are checked a
-        segment at a time (`_segment`)."""
+        group of segments at a time (`_segments`)."""
         mv = self.mv
         seg_end = seg.offset + seg.nbytes
         end = min(seg_end, self.backend.size)  # a truncated volume reads as zero beyond its end
@@ -557,6 +587,22 @@ class Scanner:
             except CorruptionError as exc:
                 return f"commit of epoch {h.epoch}: {exc.message}"
         return None
+
+
+def _rows(mv, offsets: list, width: int) -> np.ndarray:
+    """The `width` bytes at each offset of `mv`, as the rows of a read-only
+    uint8 array, copied in one call that keeps the GIL: numpy copies each row
+    in a call of its own that lets go of it (rows of more than 500 bytes), and
+    each costs up to a switch interval to get it back beside a thread that runs
+    Python (`Scanner._segments`)."""
+    return np.frombuffer(b"".join([mv[o:o + width] for o in offsets]), np.uint8).reshape(len(offsets), width)
+
+
+def _after(seg: SegmentInfo, found: list, from_lsn: int):
+    """The items of `found` (of segment `seg`) that end above from_lsn (all when 0)."""
+    for it in found:
+        if not from_lsn or seg.lsn(it.offset) + it.length > from_lsn:
+            yield it
 
 
 def _reason(problem: tuple, pos: int) -> str:
