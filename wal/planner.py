@@ -53,6 +53,7 @@ restore refuses them rather than restore zeros),
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -514,11 +515,96 @@ def is_ascending(a) -> bool:
 def _select(region: RegionMeta, base_recs: list, deltas: list):
     """Last writer per page wins: walk records newest first, give each page to
     the first record that has it.  Returns (sources oldest first, zero page ids)."""
-    n = region.pages
+    newest_first = list(reversed(deltas)) + sorted(base_recs, key=lambda b: -b.lsn)
+    runs = _runs(newest_first, region.pages)
+    if runs is not None:
+        return _select_runs(newest_first, runs, region.pages)
+    return _select_pages(newest_first, region.pages)
+
+
+def _runs(records: list, n: int) -> list | None:
+    """(first page, page count) of each record when every record's page ids
+    are one run inside the region (a valid record's ids strictly increase,
+    V-P2, so its first and last id tell); else None."""
+    out = []
+    for b in records:
+        ids = b.page_ids
+        c = int(ids.size)
+        lo = int(ids[0]) if c else 0
+        if c and (int(ids[-1]) - lo != c - 1 or lo + c > n):
+            return None
+        out.append((lo, c))
+    return out
+
+
+def _select_runs(records: list, runs: list, n: int):
+    """`_select` of records that are each one run of pages, in interval
+    arithmetic: a few integer operations a record, where `_select_pages`
+    makes several passes over an array of the region's pages (each a numpy
+    call that lets go of the GIL, and beside a thread running Python waits up
+    to a switch interval to get it back: a read ahead beside a model's build,
+    `concordia.prefetch`).  The same sources and zero pages."""
+    owned: list = []   # disjoint [a, b) intervals, sorted
+    left, picked = n, []
+    for b, (lo, c) in zip(records, runs):
+        if left == 0:
+            break
+        if not c:
+            continue
+        hi = lo + c
+        free, at = [], lo   # the parts of [lo, hi) no newer record has
+        k = bisect.bisect_right(owned, (lo, float("inf"))) - 1
+        k = max(k, 0)
+        while k < len(owned) and owned[k][0] < hi:
+            a, e = owned[k]
+            if e > at:
+                if a > at:
+                    free.append((at, a))
+                at = max(at, e)
+            k += 1
+        if at < hi:
+            free.append((at, hi))
+        if not free:
+            continue
+        if free == [(lo, hi)]:   # the whole record: views of one shared range, no memory per page
+            rows, pids = ascending(0, c), ascending(lo, c)
+        else:
+            rows = np.concatenate([np.arange(a - lo, e - lo, dtype=np.int64) for a, e in free])
+            pids = rows + lo
+        _own(owned, lo, hi)
+        left -= int(pids.size)
+        picked.append(Source(batch=b, rows=rows, page_ids=pids))
+    picked.reverse()
+    gaps, at = [], 0
+    for a, e in owned:
+        if a > at:
+            gaps.append((at, a))
+        at = e
+    if at < n:
+        gaps.append((at, n))
+    zeros = (np.concatenate([np.arange(a, e, dtype=np.int64) for a, e in gaps]) if gaps
+             else np.empty(0, np.int64))
+    return picked, zeros
+
+
+def _own(owned: list, lo: int, hi: int) -> None:
+    """Add [lo, hi) to the sorted disjoint intervals `owned`, merging."""
+    i = bisect.bisect_left(owned, (lo, lo))
+    if i and owned[i - 1][1] >= lo:
+        i -= 1
+    j = i
+    while j < len(owned) and owned[j][0] <= hi:
+        lo, hi = min(lo, owned[j][0]), max(hi, owned[j][1])
+        j += 1
+    owned[i:j] = [(lo, hi)]
+
+
+def _select_pages(records: list, n: int):
+    """`_select` over an array of the region's pages (records whose page ids are not runs)."""
     owned = np.zeros(n, dtype=bool)
     left = n
     picked = []
-    for b in list(reversed(deltas)) + sorted(base_recs, key=lambda b: -b.lsn):
+    for b in records:
         if left == 0:
             break
         ids = b.page_ids

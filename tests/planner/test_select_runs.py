@@ -1,0 +1,64 @@
+"""The planner's last-writer-wins selection of a region's pages: records that
+are each one run of page ids (a base image, a region written whole) are
+selected in interval arithmetic (`_select_runs`: a few integer operations a
+record, no pass over an array of the region's pages, none of which lets go of
+the GIL), and give the very sources and zero pages the page-array selection
+(`_select_pages`) gives."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import pytest
+
+from concordia.wal import planner
+
+
+class _Rec(NamedTuple):
+    page_ids: np.ndarray
+    lsn: int
+
+
+def _same(a, b):
+    (sa, za), (sb, zb) = a, b
+    assert [s.batch for s in sa] == [s.batch for s in sb]
+    for x, y in zip(sa, sb):
+        assert np.array_equal(x.rows, y.rows) and np.array_equal(x.page_ids, y.page_ids)
+        assert x.rows.dtype == y.rows.dtype == np.int64 and x.page_ids.dtype == np.int64
+    assert np.array_equal(za, zb) and za.dtype == zb.dtype == np.int64
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_runs_select_what_the_page_array_does(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 400))
+    recs = []
+    for k in range(int(rng.integers(0, 12))):
+        lo = int(rng.integers(0, n))
+        c = int(rng.integers(0, n - lo + 1))
+        recs.append(_Rec(np.arange(lo, lo + c, dtype=np.uint32), 1000 - k))
+    runs = planner._runs(recs, n)
+    assert runs is not None
+    _same(planner._select_runs(recs, runs, n), planner._select_pages(recs, n))
+
+
+def test_a_whole_record_is_a_view_of_the_shared_range_and_a_region_wholly_written_has_no_zeros():
+    n = 1 << 20
+    recs = [_Rec(np.arange(0, n, dtype=np.uint32), 5), _Rec(np.arange(10, 20, dtype=np.uint32), 9)]
+    picked, zeros = planner._select_runs(recs[::-1], planner._runs(recs[::-1], n), n)
+    assert zeros.size == 0 and [s.batch.lsn for s in picked] == [5, 9]
+    assert planner.is_ascending(picked[1].rows) and planner.is_ascending(picked[1].page_ids)
+    assert picked[0].rows.size == n - 10 and not planner.is_ascending(picked[0].rows)
+
+
+def test_records_that_are_not_runs_take_the_page_array():
+    n = 64
+    recs = [_Rec(np.array([1, 5, 9], dtype=np.uint32), 2), _Rec(np.arange(0, 8, dtype=np.uint32), 1)]
+    assert planner._runs(recs, n) is None
+    assert planner._runs([_Rec(np.arange(60, 70, dtype=np.uint32), 1)], n) is None   # past the region's end
+    _same(planner._select(_Region(n), [recs[1]], [recs[0]]), planner._select_pages(recs, n))
+
+
+class _Region(NamedTuple):
+    pages: int
