@@ -370,3 +370,36 @@ def test_a_base_is_laid_out_as_runs_of_pages_cut_only_where_chunks_end(shm_log):
         assert apply_transfer_numpy(log, tr)["kv"].tobytes() == kv.tobytes()
     finally:
         log.close()
+
+
+@pytest.mark.parametrize("chunk_bytes", [4096, 3 << 14, 1 << 16])
+def test_chunks_found_on_lists_are_those_numpys_searches_find(persistent_log, chunk_bytes, monkeypatch):
+    """Over few runs the layout's chunk search is `bisect` on lists, which keeps
+    the GIL (numpy's searchsorted lets go of it at every call, and beside a busy
+    thread each call waits to get it back); over many, numpy's.  The same
+    transfer either way."""
+    import concordia.restore.device as device
+
+    _history(persistent_log)
+    log = Log.open(persistent_log, writable=False)
+    p = plan(log)
+    laid = {}
+    for runs in (1 << 40, 0):   # every layout on lists, then every one on numpy's searches
+        monkeypatch.setattr(device, "LIST_SEARCH_RUNS", runs)
+        tr = transfer_plan(log, p, chunk_bytes=chunk_bytes)
+        laid[runs] = tr
+    a, b = laid[1 << 40], laid[0]
+    assert a.chunks == b.chunks > 1 and np.array_equal(a.page_lo, b.page_lo)
+    for k in ("run_region", "run_id", "run_crc", "run_stage", "run_pb", "run_count", "run_source"):
+        assert np.array_equal(getattr(a, k), getattr(b, k)), k
+    rng = np.random.default_rng(7)
+    cnt = rng.integers(1, 50, 300).astype(np.int64)
+    pb = rng.choice([64, 256, 4096], 300).astype(np.int64)
+    pos = np.cumsum(-(-(cnt * pb) // STAGE_ALIGN) * STAGE_ALIGN) - (-(-(cnt * pb) // STAGE_ALIGN) * STAGE_ALIGN)
+    first = np.cumsum(cnt) - cnt
+    n = int(cnt.sum())
+    got = {}
+    for runs in (1 << 40, 0):
+        monkeypatch.setattr(device, "LIST_SEARCH_RUNS", runs)
+        got[runs] = device._chunk_starts(first, pos + pb, pos, pb, cnt, n, chunk_bytes)
+    assert np.array_equal(got[1 << 40], got[0]) and got[0][-1] == n
