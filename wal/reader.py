@@ -271,7 +271,8 @@ class Scanner:
         self._shown = 0  # what progress was last told
         self._total = 0
 
-    def items(self, result: ScanResult | None = None, *, from_lsn: int = 0, start_lsn: int = 0):
+    def items(self, result: ScanResult | None = None, *, from_lsn: int = 0, start_lsn: int = 0,
+              until_lsn: int | None = None):
         """Every valid record and damaged range of the live segments, in LSN
         order: (0, seg, offset, raw header tuple) for a record, (1, seg,
         offset, length, reason[, hides_commit]) for damage (a live segment
@@ -283,6 +284,9 @@ class Scanner:
         the bytes before from_lsn in its segment are still read and checked.
         start_lsn: a record boundary an earlier walk reached (its items before
         it held): the segment holding it is walked from there, not its start.
+        until_lsn: a consumer that stops at the first item at or past it (a
+        read-only open beside a live writer): no segment after the one holding
+        it is walked (segments are walked and checked in groups, `_segments`).
         `result`, when given, collects the segments walked."""
         result = ScanResult() if result is None else result
         segs = self.vol.live_segments()
@@ -312,6 +316,8 @@ class Scanner:
             group.append((seg, seg.offset + (start_lsn - seg.base_lsn) if seg.base_lsn < start_lsn < seg.end_lsn
                           else None))
             group_bytes += seg.nbytes
+            if until_lsn is not None and seg.end_lsn > until_lsn:
+                break
             if group_bytes >= WALK_GROUP_BYTES:
                 yield from self._checked(group, from_lsn)
                 group, group_bytes = [], 0
@@ -552,7 +558,7 @@ class Scanner:
                 if kind is None:
                     pos += length  # R-T1, R-T2: an unknown ignorable type, checked, is skipped
                     continue
-                if kind == F.REC_PAGE_BATCH:  # its tables and pages: the segment's at once (_segment)
+                if kind == F.REC_PAGE_BATCH:  # its tables and pages: the group's at once (_segments)
                     batches.append((len(out), pos, h))
                 out.append(Found(_REC, seg, pos, h))
             pos += length

@@ -86,10 +86,12 @@ class RegionSet:
     def release(self) -> None:
         """Let go of every region (a closed session's): their arrays, shadows
         and baselines are no longer held here, so the caller's memory is freed
-        when the caller lets go of it, without waiting for a garbage collection."""
-        with self.lock:
-            self._by_name.clear()
-            self.version += 1
+        when the caller lets go of it, without waiting for a garbage collection.
+        Not under `lock`: a resident executor that could not stop holds it
+        (`Session.close` then raises its error, and must not hang here); the
+        dict is replaced, so an iteration still running goes on over the old one."""
+        self._by_name = {}
+        self.version += 1
 
     def changed(self) -> None:
         """The regions' checkpoint state changed other than through the methods

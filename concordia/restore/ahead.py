@@ -84,11 +84,15 @@ class ReadAhead:
                                                absent="keep", own_new=True)
                 if self.device:
                     stream.synchronize()  # its arrays are whole before any other thread reads them
-                # the read's own phases (plan, alloc, transfer, ...), as a recovery from the log reports them
-                self.read_phases = restore_run.phases_of(self.got, time.perf_counter() - t_restore)
+                restore_s = time.perf_counter() - t_restore
         except BaseException as exc:  # the recovery from the log meets it again and decides (module doc)
             self.got = None
             self.error = f"{type(exc).__name__}: {_line(exc)}"
+        else:
+            try:  # the read's own phases (plan, alloc, transfer, ...), as a recovery from the log reports them
+                self.read_phases = restore_run.phases_of(self.got, restore_s)
+            except Exception:  # a report, never the reason a read that succeeded goes unused
+                self.read_phases = None
         finally:
             self.times["read_s"] = time.perf_counter() - t
             self.done.set()

@@ -45,10 +45,12 @@ def _damaged_image(log) -> bytes:
     return bytes(img)
 
 
-def _walk(img: bytes, check_pages) -> list:
+def _walk(img: bytes, check_pages, **kw) -> list:
     vol = Volume.open(MemoryBackend.from_bytes(img))
-    return [(it.tag, it.seg.index, it.offset, it.length, getattr(it, "reason", None))
-            for it in Scanner(vol, check_pages=check_pages).items(ScanResult())]
+    res = ScanResult()
+    items = [(it.tag, it.seg.index, it.offset, it.length, getattr(it, "reason", None))
+             for it in Scanner(vol, check_pages=check_pages).items(res, **kw)]
+    return items + [("bad segments", sorted(res.bad_segments))]
 
 
 def _plan(img: bytes) -> str:
@@ -83,12 +85,12 @@ def test_a_group_checks_its_tables_in_one_pass(monkeypatch):
     monkeypatch.setattr(reader.Scanner, "_check_tables",
                         lambda self, out, batches: calls.append(len(batches)) or real(self, out, batches))
     monkeypatch.setattr(reader, "WALK_GROUP_BYTES", 1 << 40)
-    whole = _walk(img, True)
+    whole = _walk(img, True)[:-1]
     segments = len({w[1] for w in whole})
     assert segments >= 4 and calls == [sum(calls)]         # every segment's batches in one call
     calls.clear()
     monkeypatch.setattr(reader, "WALK_GROUP_BYTES", 1)
-    assert _walk(img, True) == whole and len(calls) == segments
+    assert _walk(img, True)[:-1] == whole and len(calls) == segments
 
 
 def test_rows_copies_the_spans_a_stack_would():
@@ -99,3 +101,33 @@ def test_rows_copies_the_spans_a_stack_would():
     assert got.shape == (4, 700) and np.array_equal(got, np.stack([buf[o:o + 700] for o in offsets]))
     assert reader._rows(memoryview(buf), offsets, 0).shape == (4, 0)
     assert reader._rows(memoryview(buf), [], 64).shape == (0, 64)
+
+
+def test_a_bad_segment_header_and_a_walk_from_or_until_an_lsn_find_the_same_whatever_the_groups(monkeypatch):
+    log, _, _ = build_log(epochs=200, size=16 << 20)
+    segs = log.volume.live_segments()
+    img = bytearray(_damaged_image(log))
+    img[segs[4].offset + 8] ^= 0x10            # segment 4's header: the whole segment one damaged range
+    img = bytes(img)
+    seg_bytes = segs[0].nbytes
+    mid = segs[6].base_lsn + 4096
+    for kw in ({}, {"from_lsn": mid}, {"start_lsn": segs[2].base_lsn + 64}):
+        walks = []
+        for per in (1, 3, 1 << 40):
+            monkeypatch.setattr(reader, "WALK_GROUP_BYTES", per * seg_bytes)
+            walks.append(_walk(img, True, **kw))
+        assert walks[0] == walks[1] == walks[2], kw
+        assert walks[0][-1] == ("bad segments", [4]) or kw.get("from_lsn")
+    # a consumer that stops at until_lsn meets the same items up to it, with no later segment walked
+    monkeypatch.setattr(reader, "WALK_GROUP_BYTES", 1 << 40)
+    whole = _walk(img, True)[:-1]
+    vol = Volume.open(MemoryBackend.from_bytes(img))
+    lsn = [s.lsn(o) for s, o in ((vol.live_segments()[w[1]], w[2]) for w in whole)]
+    before = [w for w, at in zip(whole, lsn) if at < mid]
+    res = ScanResult()
+    got = []
+    for it in Scanner(vol, check_pages=True).items(res, until_lsn=mid):
+        if it.seg.lsn(it.offset) >= mid:
+            break
+        got.append((it.tag, it.seg.index, it.offset, it.length, getattr(it, "reason", None)))
+    assert got == before and res.segments[-1].base_lsn == segs[6].base_lsn   # the one holding it, the last
