@@ -354,17 +354,36 @@ def _count_resets(cache) -> None:
     the count moves."""
     if hasattr(cache, "concordia_resets"):
         return
-    # the wrapper holds the cache weakly: a cache holding a function that holds the cache
-    # would be freed (30 GB of device memory at 32k tokens) only by a garbage collection
-    ref = weakref.ref(cache)
-    own = vars(cache).get("reset")  # an instance's own reset, another wrapper's; else its class's
     cache.concordia_resets = 0
+    cache.reset = _CountingReset(cache, vars(cache).get("reset"))
 
-    def reset(*a, **kw):
-        c = ref()
+
+class _CountingReset:
+    """A cache's `reset` that counts (`_count_resets`).  It holds the cache
+    weakly: a cache holding a function that holds the cache would be freed
+    (30 GB of device memory at 32k tokens) only by a garbage collection.  A
+    deep copy of the cache (a prompt cache copied per request, as transformers
+    documents) gets a wrapper of its own, counting and resetting the copy."""
+
+    def __init__(self, cache, own=None):
+        self.ref = weakref.ref(cache)
+        self.own = own   # an instance's own reset (another wrapper's), else None: its class's
+
+    def __call__(self, *a, **kw):
+        c = self.ref()
+        if c is None:
+            raise SessionError("this reset belongs to a cache that no longer exists",
+                               hint="call reset() on the cache itself")
         c.concordia_resets += 1
-        return own(*a, **kw) if own is not None else type(c).reset(c, *a, **kw)
-    cache.reset = reset
+        return self.own(*a, **kw) if self.own is not None else type(c).reset(c, *a, **kw)
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        cache = self.ref()
+        # the cache being copied is in memo by the time its attributes are: its copy is there
+        twin = memo.get(id(cache)) if cache is not None else None
+        return _CountingReset(twin if twin is not None else cache, copy.deepcopy(self.own, memo))
 
 
 def _generation_model(model):

@@ -52,6 +52,20 @@ def test_a_whole_record_is_a_view_of_the_shared_range_and_a_region_wholly_writte
     assert picked[0].rows.size == n - 10 and not planner.is_ascending(picked[0].rows)
 
 
+def test_runs_are_selected_without_the_page_array(monkeypatch):
+    n = 4096
+    recs = [_Rec(np.arange(0, n, dtype=np.uint32), 1), _Rec(np.arange(100, 300, dtype=np.uint32), 2)]
+    want = planner._select_pages(recs[::-1], n)
+
+    def refused(*a):
+        raise AssertionError("the page array was made for records that are runs")
+    monkeypatch.setattr(planner, "_select_pages", refused)
+    _same(planner._select(_Region(n), [recs[0]], [recs[1]]), want)
+    monkeypatch.setattr(planner, "RUN_SELECT_RECORDS", 1)   # more records than that: the page array
+    with pytest.raises(AssertionError, match="page array"):
+        planner._select(_Region(n), [recs[0]], [recs[1]])
+
+
 def test_records_that_are_not_runs_take_the_page_array():
     n = 64
     recs = [_Rec(np.array([1, 5, 9], dtype=np.uint32), 2), _Rec(np.arange(0, 8, dtype=np.uint32), 1)]

@@ -9,6 +9,7 @@ later collection: the next allocation of that size failed."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import weakref
 
@@ -37,7 +38,7 @@ def test_a_closed_session_lets_go_of_numpy_arrays_and_hooks(file_log):
         with concordia.Session(file_log, size=16 << 20) as s:
             s.register("a", a)
             s.register("b", b, kind="scheduler")
-            s.before_checkpoint(lambda: seen.append(b))  # a hook holding an array, as a guard does
+            s.before_checkpoint(functools.partial(seen.append, b))  # a hook holding an array, as a guard does
             a[:100] = 7
             s.checkpoint()
         refs = [weakref.ref(a), weakref.ref(b)]
@@ -101,3 +102,30 @@ def test_a_protected_cuda_cache_gives_its_device_memory_back_after_close(shm_log
         pytest.skip("this PyTorch build has no CUDA device")
     pytest.importorskip("cupy", reason="the device path needs CuPy")
     _tiny_cache_freed("cuda", shm_log)
+
+
+def test_a_deep_copy_of_a_protected_cache_counts_its_own_resets():
+    """The reset counter holds its cache weakly; a deep copy (a prompt cache
+    copied per request) gets a counter of its own, which resets the copy and
+    goes on working once the original is gone."""
+    pytest.importorskip("torch", reason="the transformers integration needs torch")
+    pytest.importorskip("transformers", reason="the transformers integration needs transformers")
+    import copy
+
+    from transformers import StaticCache
+
+    from concordia.demo.model import build
+    from concordia.integrations.transformers import _count_resets
+
+    cfg, _ = build("tiny", "cpu", lora=False)
+    with _no_collector():
+        cache = StaticCache(config=cfg, max_cache_len=16)
+        _count_resets(cache)
+        twin = copy.deepcopy(cache)
+        twin.reset()
+        assert (twin.concordia_resets, cache.concordia_resets) == (1, 0)
+        gone = weakref.ref(cache)
+        del cache
+        assert gone() is None
+        twin.reset()
+        assert twin.concordia_resets == 2

@@ -484,11 +484,13 @@ def run(shape: str, device: str, batch: int, contexts: list[int], decode_steps: 
             st = s.checkpoint()
             row["base_ckpt_ms"] = st.total_ms
         want = [layer.keys.clone() for layer in cache.layers[:2]]
+        gc.disable()   # what dropping them gives back by reference counting alone, no collection between
         held = _allocated(torch, device)
         del cache, guard  # the guard holds the cache's tensors: 30 GB at 32k tokens, kept beside two more
-        # what dropping them gave back by reference counting alone, the closed session `s` still in scope
-        # (no collection yet): all of the cache, where the session, its hooks and the cache hold no cycle
+        # the closed session `s` still in scope: all of the cache, where the session, its hooks and the
+        # cache hold no cycle
         row["freed_on_drop_bytes"] = held - _allocated(torch, device) if device.startswith("cuda") else None
+        gc.enable()
         _empty(torch, device)
         # recovery: open, protect a fresh cache, restore into it
         fresh = StaticCache(config=cfg, max_cache_len=ctx + 8)
