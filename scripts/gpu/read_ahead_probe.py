@@ -1,0 +1,138 @@
+"""The read-ahead probes (`concordia.prefetch`, issue 30), one question each;
+diagnostic only: the figures a claim rests on come from `bench model --parts
+recovery` (its fresh_read_ahead child).  Both write the Qwen3 0.6B shape's
+state (batch 8, a StaticCache of CTX tokens prefilled, its LoRA) into an shm
+log first (`_written`), then:
+
+  profile      in this process, REPS times: a prefetch of the log onto the
+               GPU, a fresh cache, protect() and restore() under cProfile
+               (the first rep is the process's first use of each path)
+  contention   fresh processes recover the log as the bench's children do
+               (`python -m concordia.demo.kills recover`): without a read
+               ahead, with one, and with one under each shorter GIL switch
+               interval of INTERVALS (seconds, comma-separated; CPython's
+               default is 0.005), each printing its JSON line
+
+    python3 scripts/gpu/read_ahead_probe.py profile|contention OUT_FILE
+    (CTX, REPS, INTERVALS from the environment; scripts/gpu/read_ahead_*_probe.sh)
+"""
+
+from __future__ import annotations
+
+import cProfile
+import gc
+import io
+import json
+import os
+import pstats
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+from transformers import StaticCache
+
+import concordia
+from concordia.demo.model import build, prompt
+from concordia.integrations.transformers import protect, restore
+from concordia.tools.bench.files import Scratch
+
+BATCH, CHUNK = 8, 8192
+WRAP = ("import runpy, sys; sys.setswitchinterval(float(sys.argv[1])); sys.argv = ['kills'] + sys.argv[2:]; "
+        "runpy.run_module('concordia.demo.kills', run_name='__main__', alter_sys=True)")
+
+
+def _written(log: str, cfg, model, ctx: int) -> str:
+    """The state of `ctx` tokens prefilled (in CHUNK-token pieces) and checkpointed into `log`; a line saying so."""
+    cache = StaticCache(config=cfg, max_cache_len=ctx + 8)
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2 * BATCH * ctx
+    with concordia.Session(log, size=kv + kv // 4 + (2 << 30)) as s:
+        g = protect(s, cache, model, batch_size=BATCH, max_tokens=ctx + 8)
+        ids = prompt(BATCH, ctx, cfg.vocab_size, "cuda")
+        t = time.perf_counter()
+        with torch.no_grad():
+            for a in range(0, ctx, CHUNK):
+                part = ids[:, a:a + CHUNK]
+                model(input_ids=part, past_key_values=cache, use_cache=True,
+                      cache_position=torch.arange(a, a + part.shape[1], device="cuda"))
+        torch.cuda.synchronize()
+        line = (f"ctx {ctx} x {BATCH}: prefill {time.perf_counter() - t:.3f} s, "
+                f"checkpoint {s.checkpoint().total_ms:.0f} ms, {kv / 1e9:.1f} GB of KV")
+    del g, cache, ids
+    gc.collect()
+    torch.cuda.empty_cache()
+    return line
+
+
+def profile(log: str, cfg, model, ctx: int, say, out) -> None:
+    for rep in range(int(os.environ.get("REPS", "3"))):
+        p = concordia.prefetch(log, device="cupy", readonly=True)
+        fresh = StaticCache(config=cfg, max_cache_len=ctx + 8)
+        p.wait()
+        s = p.session()
+        pr = cProfile.Profile()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        pr.enable()
+        g = protect(s, fresh, model, batch_size=BATCH, max_tokens=ctx + 8)
+        t1 = time.perf_counter()
+        restore(s, g)
+        torch.cuda.synchronize()
+        pr.disable()
+        t2 = time.perf_counter()
+        say(f"rep {rep}: protect {t1 - t0:.4f} s, restore {t2 - t1:.4f} s (under cProfile), "
+            f"regions {len(s.regions)}, read ahead used {s.last_recovery.phases['read_ahead']['used']}")
+        text = io.StringIO()
+        pstats.Stats(pr, stream=text).sort_stats("cumulative").print_stats(40)
+        out.write(text.getvalue() + "\n")
+        s.close()
+        del g, fresh
+        torch.cuda.empty_cache()
+
+
+def contention(log: str, cfg, model, ctx: int, say, out) -> None:
+    intervals = [float(x) for x in os.environ.get("INTERVALS", "0.001,0.0002").split(",") if x]
+    args = ["recover", "--log", log, "--plan", "[]", "--shape", "0.6b", "--device", "cuda", "--batch", str(BATCH),
+            "--max-len", str(ctx + 8)]
+    runs = [("plain", [sys.executable, "-m", "concordia.demo.kills", *args]),
+            ("read ahead, interval 0.005", [sys.executable, "-m", "concordia.demo.kills", *args, "--prefetch"])]
+    runs += [(f"read ahead, interval {i}", [sys.executable, "-c", WRAP, str(i), *args, "--prefetch"])
+             for i in intervals]
+    for name, cmd in runs:
+        t = time.perf_counter()
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+        if r.returncode or not lines:
+            say(f"{name}: failed (exit {r.returncode}): {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+            continue
+        d = json.loads(lines[-1])
+        d.pop("imported", None)
+        say(f"{name}: process {time.perf_counter() - t:.1f} s, build {d['build_s']:.3f} s, "
+            f"recovery {d['recovery_s']:.3f} s, build + recovery {d['build_s'] + d['recovery_s']:.3f} s")
+        say("  " + json.dumps(d.get("read_ahead") or d.get("phases")))
+
+
+def main(what: str, path: str) -> None:
+    # `timeout` sends SIGTERM: unwind, so that the scratch log (gigabytes in /dev/shm) is removed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    probe = {"profile": profile, "contention": contention}[what]
+    ctx = int(os.environ.get("CTX", "512"))
+    cfg, model = build("0.6b", "cuda")
+    with Scratch(f"read-ahead-{what}-probe") as scratch, open(path, "w") as out:
+        def say(line):
+            print(line, flush=True)
+            out.write(line + "\n")
+
+        log = scratch.log("probe", "shm")
+        say(_written(log, cfg, model, ctx))
+        if what == "contention":   # the children build their own; at 32k each needs 60 GB of the GPU
+            del model
+            gc.collect()
+            torch.cuda.empty_cache()
+            model = None
+        probe(log, cfg, model, ctx, say, out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
