@@ -312,6 +312,8 @@ class Scanner:
                 hides_commit = any(is_commit(it) for it in self._segment(seg))
                 yield from _after(seg, [Damaged(_DMG, seg, seg.offset, max(0, end - seg.offset), why, hides_commit)],
                                   from_lsn)
+                if until_lsn is not None and seg.end_lsn > until_lsn:
+                    return
                 continue
             group.append((seg, seg.offset + (start_lsn - seg.base_lsn) if seg.base_lsn < start_lsn < seg.end_lsn
                           else None))
@@ -452,7 +454,8 @@ class Scanner:
             groups.setdefault((p[2], p[3]), []).append(p)
         arr = self.arr
         for (count, pb), items in groups.items():
-            tables = _rows(self.mv, [pos + F.RECORD_HEADER_SIZE + 4 * count for _, pos, _, _, _ in items], 4 * count)
+            tables = _copied_rows(self.mv, [pos + F.RECORD_HEADER_SIZE + 4 * count for _, pos, _, _, _ in items],
+                                  4 * count)
             folded = F.fold_page_crcs(tables.view("<u4"), pb)
             actual = np.fromiter((it[4] for it in items), dtype=np.uint32, count=len(items))
             for k in np.flatnonzero(folded != actual):
@@ -476,7 +479,7 @@ class Scanner:
         arr, failed = self.arr, set()
         for count, items in groups.items():
             width = F.page_batch_tables_bytes(count)
-            rows = _rows(self.mv, [pos + F.RECORD_HEADER_SIZE for _, pos, _ in items], width)
+            rows = _copied_rows(self.mv, [pos + F.RECORD_HEADER_SIZE for _, pos, _ in items], width)
             stored = np.fromiter((h.body_crc for _, _, h in items), dtype=np.uint32, count=len(items))
             for k in np.flatnonzero(F.page_batch_tables_bad(rows, count, stored)).tolist():
                 idx, pos, h = items[k]
@@ -595,7 +598,7 @@ class Scanner:
         return None
 
 
-def _rows(mv, offsets: list, width: int) -> np.ndarray:
+def _copied_rows(mv, offsets: list, width: int) -> np.ndarray:
     """The `width` bytes at each offset of `mv`, as the rows of a read-only
     uint8 array, copied in one call that keeps the GIL: numpy copies each row
     in a call of its own that lets go of it (rows of more than 500 bytes), and

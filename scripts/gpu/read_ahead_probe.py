@@ -37,6 +37,7 @@ import concordia
 from concordia.demo.model import build, prompt
 from concordia.integrations.transformers import protect, restore
 from concordia.tools.bench.files import Scratch
+from concordia.tools.bench.model import _prefill
 
 BATCH, CHUNK = 8, 8192
 WRAP = ("import runpy, sys; sys.setswitchinterval(float(sys.argv[1])); sys.argv = ['kills'] + sys.argv[2:]; "
@@ -44,18 +45,15 @@ WRAP = ("import runpy, sys; sys.setswitchinterval(float(sys.argv[1])); sys.argv 
 
 
 def _written(log: str, cfg, model, ctx: int) -> str:
-    """The state of `ctx` tokens prefilled (in CHUNK-token pieces) and checkpointed into `log`; a line saying so."""
+    """The state of `ctx` tokens prefilled (in CHUNK-token pieces, as `bench model` does) and checkpointed into
+    `log`; a line saying so."""
     cache = StaticCache(config=cfg, max_cache_len=ctx + 8)
     kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2 * BATCH * ctx
     with concordia.Session(log, size=kv + kv // 4 + (2 << 30)) as s:
         g = protect(s, cache, model, batch_size=BATCH, max_tokens=ctx + 8)
         ids = prompt(BATCH, ctx, cfg.vocab_size, "cuda")
         t = time.perf_counter()
-        with torch.no_grad():
-            for a in range(0, ctx, CHUNK):
-                part = ids[:, a:a + CHUNK]
-                model(input_ids=part, past_key_values=cache, use_cache=True,
-                      cache_position=torch.arange(a, a + part.shape[1], device="cuda"))
+        _prefill(model, cache, ids, CHUNK)
         torch.cuda.synchronize()
         line = (f"ctx {ctx} x {BATCH}: prefill {time.perf_counter() - t:.3f} s, "
                 f"checkpoint {s.checkpoint().total_ms:.0f} ms, {kv / 1e9:.1f} GB of KV")

@@ -33,6 +33,7 @@ def _records(path) -> list:
         return [json.loads(line) for line in f if line.endswith("\n")]
 
 
+@pytest.mark.timeout(900)   # a writer stuck before it opens the log ends the test, not the run
 @pytest.mark.parametrize("tier", ["file", "shm"])
 def test_follow_prints_every_record_across_roll_overs(tier, tmp_path, request):
     name = f"concordia-test-follow-{os.getpid()}-{time.time_ns()}"

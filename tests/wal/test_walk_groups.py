@@ -97,10 +97,10 @@ def test_rows_copies_the_spans_a_stack_would():
     rng = np.random.default_rng(3)
     buf = rng.integers(0, 256, 1 << 16, dtype=np.uint8)
     offsets = [0, 17, 4096, 60000]
-    got = reader._rows(memoryview(buf), offsets, 700)
+    got = reader._copied_rows(memoryview(buf), offsets, 700)
     assert got.shape == (4, 700) and np.array_equal(got, np.stack([buf[o:o + 700] for o in offsets]))
-    assert reader._rows(memoryview(buf), offsets, 0).shape == (4, 0)
-    assert reader._rows(memoryview(buf), [], 64).shape == (0, 64)
+    assert reader._copied_rows(memoryview(buf), offsets, 0).shape == (4, 0)
+    assert reader._copied_rows(memoryview(buf), [], 64).shape == (0, 64)
 
 
 def test_a_bad_segment_header_and_a_walk_from_or_until_an_lsn_find_the_same_whatever_the_groups(monkeypatch):
@@ -131,3 +131,15 @@ def test_a_bad_segment_header_and_a_walk_from_or_until_an_lsn_find_the_same_what
             break
         got.append((it.tag, it.seg.index, it.offset, it.length, getattr(it, "reason", None)))
     assert got == before and res.segments[-1].base_lsn == segs[6].base_lsn   # the one holding it, the last
+
+
+def test_a_walk_until_an_lsn_in_a_segment_with_a_bad_header_ends_with_that_segment():
+    log, _, _ = build_log(epochs=200, size=16 << 20)
+    segs = log.volume.live_segments()
+    img = bytearray(image(log.backend))
+    img[segs[6].offset + 8] ^= 0x10
+    vol = Volume.open(MemoryBackend.from_bytes(bytes(img)))
+    res = ScanResult()
+    items = list(Scanner(vol, check_pages=False).items(res, until_lsn=segs[6].base_lsn + 4096))
+    assert res.bad_segments == {6} and res.segments[-1].base_lsn == segs[6].base_lsn
+    assert items[-1].tag == 1 and items[-1].seg.index == 6   # the bad segment, one damaged range, the last

@@ -484,13 +484,17 @@ def run(shape: str, device: str, batch: int, contexts: list[int], decode_steps: 
             st = s.checkpoint()
             row["base_ckpt_ms"] = st.total_ms
         want = [layer.keys.clone() for layer in cache.layers[:2]]
-        gc.disable()   # what dropping them gives back by reference counting alone, no collection between
-        held = _allocated(torch, device)
-        del cache, guard  # the guard holds the cache's tensors: 30 GB at 32k tokens, kept beside two more
-        # the closed session `s` still in scope: all of the cache, where the session, its hooks and the
-        # cache hold no cycle
-        row["freed_on_drop_bytes"] = held - _allocated(torch, device) if device.startswith("cuda") else None
-        gc.enable()
+        # what dropping them gives back by reference counting alone (no collection between), the closed
+        # session `s` still in scope: all of the cache, where the session, its hooks and the cache hold no cycle
+        cuda, was = device.startswith("cuda"), gc.isenabled()
+        gc.disable()
+        try:
+            held = torch.cuda.memory_allocated() if cuda else None
+            del cache, guard  # the guard holds the cache's tensors: 30 GB at 32k tokens, kept beside two more
+            row["freed_on_drop_bytes"] = held - torch.cuda.memory_allocated() if cuda else None
+        finally:
+            if was:
+                gc.enable()
         _empty(torch, device)
         # recovery: open, protect a fresh cache, restore into it
         fresh = StaticCache(config=cfg, max_cache_len=ctx + 8)
@@ -566,10 +570,6 @@ def run(shape: str, device: str, batch: int, contexts: list[int], decode_steps: 
         # the same with `concordia.prefetch` called at the process's start (kills.py: _recover_read_ahead)
         res.setdefault("hf_restore_vs_reprefill_read_ahead", {})[f"ctx_{name}"] = row["fresh_read_ahead_vs_reprefill"]
     return res
-
-
-def _allocated(torch, device) -> int:
-    return torch.cuda.memory_allocated() if device.startswith("cuda") else 0
 
 
 def _empty(torch, device):
