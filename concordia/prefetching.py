@@ -12,9 +12,11 @@ read ahead, on a thread, while the process builds what the state goes into
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 
+from concordia.regions.errors import SessionError
 from concordia.restore import run as restore_run
 from concordia.restore.ahead import ReadAhead
 from concordia.session import Session
@@ -26,6 +28,11 @@ class Prefetch:
     doc); `session()` waits for the open and returns the session."""
 
     def __init__(self, log, *, device=None, target="latest", gpu: int | None = None, **session_kw):
+        try:  # a wrong keyword is told now, not after the caller's model is built
+            inspect.signature(Session).bind(log, create=False, **session_kw)
+        except TypeError as exc:
+            raise SessionError(f"prefetch cannot open a Session with these keywords: {exc}", where=str(log),
+                               hint="pass Session's own keywords (readonly=, executor=, ...), not create") from None
         self.ahead = ReadAhead(restore_run.on_device(device), target, gpu)
         self._session = None
         self._error: BaseException | None = None

@@ -165,9 +165,9 @@ class Session:
         none of the caller's arrays (a 30 GB cache is freed when the caller drops it, not at a collection)."""
         if self._closed:
             return
+        if self.ahead is not None:  # its thread reads the log until it ends (interrupted: the session stays open)
+            self.ahead.close()
         try:
-            if self.ahead is not None:  # its thread reads the log until it ends; its arrays go
-                self.ahead.close()
             if self.resident is not None:  # no trigger epoch after this: its arena is taken on by `settle`
                 self.resident.close()
             self.settle()  # a pending epoch commits before the log closes

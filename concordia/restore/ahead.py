@@ -51,7 +51,6 @@ class ReadAhead:
         self.got = None        # restore_run.Restored, until taken or dropped
         self.error: str | None = None
         self.epoch_seen: int | None = None  # the log's last committed epoch when it read
-        self.names_seen: frozenset = frozenset()  # ... and the regions it held
         self.done = threading.Event()
         #: where its own time went, in seconds ("open_s" when `prefetch` opened the session)
         self.times: dict = {}
@@ -69,7 +68,6 @@ class ReadAhead:
         t = time.perf_counter()
         try:
             self.epoch_seen = int(log.last_committed_epoch or 0)
-            self.names_seen = frozenset(log.regions)
             with contextlib.ExitStack() as on:
                 if self.device:
                     from concordia.gpu_kernels.jit import require_cupy
@@ -127,21 +125,25 @@ class ReadAhead:
         epoch = int(self.got.plan.epoch)
         if mode is not None:
             return f"mode={mode!r} was asked for"
-        asked_epoch = isinstance(target, (int, np.integer)) and not isinstance(target, bool) and int(target) == epoch
-        if not asked_epoch and (target != self.target or isinstance(target, bool)):
-            return f"epoch {target!r} was asked for, it read {epoch}"
-        if int(log.last_committed_epoch or 0) != self.epoch_seen:
+        if int(log.last_committed_epoch or 0) != self.epoch_seen:   # (a region added since came with a commit)
             return (f"the log was committed to since it read (epoch {self.epoch_seen}, "
                     f"now {log.last_committed_epoch})")
-        new = sorted(set(log.regions) - self.names_seen)
-        if new:
-            return f"region {new[0]!r} was added to the log since it read"
+        if not (target == self.target and not isinstance(target, bool)) and self._epoch(target) != epoch:
+            return f"epoch {target!r} was asked for, it read {epoch}"
         sides = {xp is not np for _, xp in views.values()}
         fresh = any(n not in views for n in (self.got.plan.regions if want is None else want))  # new arrays
         if (views and sides != {self.device}) or (fresh and gpu != self.device):
             return f"it read to the {'device' if self.device else 'host'}, the recovery asks for the other side"
         if self.device and any(v.device.id != self.device_id for v, xp in views.values()):
             return f"it read to cuda:{self.device_id}, a target is on another GPU"
+        return None
+
+    def _epoch(self, target) -> int | None:
+        """The epoch `target` names as of the read ("latest" and None: the log's last then), None for another kind."""
+        if target is None or (isinstance(target, str) and target == "latest"):
+            return self.epoch_seen
+        if isinstance(target, (int, np.integer)) and not isinstance(target, bool):
+            return int(target)
         return None
 
     def take(self, log, target, mode, want, views: dict, gpu: bool, absent: str):
@@ -151,6 +153,7 @@ class ReadAhead:
         self.wait()
         why = self.why_not = self._why_not(log, target, mode, want, views, gpu)
         if why is not None:
+            self.used = False   # this recovery's: a later one says why it did not use it
             if self.got is not None:  # passed over: the recovery reads the log, and the copy of the state goes
                 self.got, self.dropped = None, "a recovery before passed it over"
             return None

@@ -250,3 +250,38 @@ def test_a_prefetch_given_up_closes_its_session_and_lets_the_read_go(shm_log):
     with concordia.prefetch(shm_log + "-none") as p:   # an open that failed: nothing to close
         pass
     assert p.ahead.error.startswith("the log did not open")
+
+
+def test_a_keyword_session_does_not_take_is_refused_at_the_prefetch_call(tmp_path):
+    from concordia.errors import SessionError
+
+    for kw in ({"read_only": True}, {"create": True}):
+        with pytest.raises(SessionError, match="prefetch cannot open a Session with these keywords"):
+            concordia.prefetch(f"file:{tmp_path / 'none.log'}", **kw)
+
+
+def test_a_second_recovery_reports_no_read_ahead_and_latest_by_number_takes_it(shm_log):
+    want = _written(shm_log)
+    with concordia.prefetch(shm_log, target=3, readonly=True).session() as s:
+        s.recover()   # "latest" is epoch 3, the epoch the read ahead was asked for
+        assert s.last_recovery.phases["read_ahead"]["used"] is True
+        got = s.recover()
+        ph = s.last_recovery.phases
+        assert ph["read_ahead"]["used"] is False and ph["read_ahead"]["why_not"] == "its arrays were used already"
+        assert "plan" in ph
+        assert all(got[n].tobytes() == a.tobytes() for n, a in want.items())
+
+
+def test_a_close_interrupted_while_it_waits_for_the_read_leaves_the_session_open(shm_log, monkeypatch):
+    _written(shm_log)
+    s = concordia.prefetch(shm_log, readonly=True).session()
+
+    def interrupted():
+        raise KeyboardInterrupt
+    monkeypatch.setattr(s.ahead, "close", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        s.close()
+    assert not s.closed   # its log stays open under a read that may still run
+    monkeypatch.undo()
+    s.close()
+    assert s.closed
