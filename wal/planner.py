@@ -483,6 +483,14 @@ def _covers(recs: list, pages: int, region) -> bool:
     region's descriptor, when known, says as many."""
     if region is not None and int(region.pages) != int(pages):
         return False
+    runs = _runs(recs, int(pages))
+    if runs is not None:   # records that are runs of pages: a few integer operations each (`_select_runs`)
+        at = 0
+        for lo, c in sorted(r for r in runs if r[1]):
+            if lo > at:
+                return False
+            at = max(at, lo + c)
+        return at >= int(pages)
     seen = np.zeros(int(pages), bool)
     for b in recs:
         ids = np.asarray(b.page_ids, np.int64)

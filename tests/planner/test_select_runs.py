@@ -76,3 +76,39 @@ def test_records_that_are_not_runs_take_the_page_array():
 
 class _Region(NamedTuple):
     pages: int
+
+
+def _covers_by_pages(recs, pages):
+    seen = np.zeros(pages, bool)
+    for b in recs:
+        ids = np.asarray(b.page_ids, np.int64)
+        if ids.size and ids[-1] >= pages:
+            return False
+        seen[ids] = True
+    return bool(seen.all())
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_an_image_bases_cover_in_runs_is_the_page_arrays(seed):
+    # an image base's records must hold every page (V-K3); runs decide it without the page array
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 300))
+    recs, at = [], 0
+    while at < n:   # mostly a whole cover in pieces, at times with a gap, an overlap or a run past the end
+        c = int(rng.integers(1, n - at + 1))
+        lo = at + int(rng.integers(-2, 3)) if at else 0
+        lo = max(lo, 0)
+        hi = min(lo + c, n + int(rng.integers(0, 2)))
+        recs.append(_Rec(np.arange(lo, hi, dtype=np.uint32), 0))
+        at = hi
+    rng.shuffle(recs)
+    want = _covers_by_pages(recs, n)
+    assert planner._covers(recs, n, None) is want
+    assert planner._covers(recs, n, _Region(n + 1)) is False   # the descriptor says otherwise
+
+
+def test_an_image_base_of_scattered_pages_is_covered_by_the_page_array():
+    n = 10
+    recs = [_Rec(np.array([0, 2, 4, 6, 8], dtype=np.uint32), 0), _Rec(np.array([1, 3, 5, 7, 9], dtype=np.uint32), 0)]
+    assert planner._runs(recs, n) is None and planner._covers(recs, n, None) is True
+    assert planner._covers(recs[:1], n, None) is False
