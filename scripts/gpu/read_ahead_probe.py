@@ -83,6 +83,7 @@ def profile(log: str, cfg, model, ctx: int, say, out) -> None:
             f"regions {len(s.regions)}, read ahead used {s.last_recovery.phases['read_ahead']['used']}")
         text = io.StringIO()
         pstats.Stats(pr, stream=text).sort_stats("cumulative").print_stats(40)
+        pstats.Stats(pr, stream=text).sort_stats("tottime").print_stats(30)   # where the time is spent
         out.write(text.getvalue() + "\n")
         s.close()
         del g, fresh
