@@ -431,16 +431,17 @@ class Session:
         if into is not None and not (into == "registered" or isinstance(into, dict)):
             raise SessionError("into must be None, 'registered' or a {name: array} dict")
         restore_run.on_device(device)  # an unknown device is refused before anything else
-        targets = None
+        targets = adapted = None
         if into == "registered":
             if not len(self.region_set):
                 raise SessionError("recover(into='registered') with no region registered")
             targets = {r.name: r.owner for r in self.region_set}
+            adapted = {r.name: v for r in self.region_set if (v := r.unchanged_view()) is not None}
         elif into is not None:
             targets = dict(into)
         out, self.last_recovery = restore_run.recover(self.log, target, targets=targets, device=device, mode=mode,
                                                       regions=regions, registration=self.runner.registration,
-                                                      absent=absent, ahead=self.ahead)
+                                                      absent=absent, ahead=self.ahead, adapted=adapted)
         if self._open_s is not None and self.ahead is None:  # a fresh process's recovery: its open is part of it
             self.last_recovery.phases = {"open": {"s": self._open_s}, **self.last_recovery.phases}
         self._open_s = None  # (a read ahead's open ran on its thread: in its phase)

@@ -240,6 +240,14 @@ class Region:
             raise ShapeChangedError(f"the registered array cannot be read: {why}",
                                     where=f"region {self.name!r}", hint="register a new region for the new array")
 
+    def unchanged_view(self):
+        """(layout view, xp, "tensor" or "array", logical dtype) of the registered
+        object while its storage is as registered (a recover target checked
+        without adapting it again: `restore.run.check_view`), else None."""
+        if storage_change(self.storage, storage_of(self.owner)) is not None:
+            return None
+        return self.array, self.xp, "tensor" if self.framework == "torch" else "array", self.logical_dtype
+
     def track_stores(self, check_every: int) -> None:
         """Start the PTX store tracker on this region (detect="stores"),
         cross-checked by fingerprints every `check_every` checkpoints."""

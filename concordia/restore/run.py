@@ -278,7 +278,8 @@ def into_targets(dev: dict, host: dict, got: dict, own: bool) -> dict:
 
 
 def recover(log, target="latest", *, targets: dict | None = None, device=None, mode=None, regions=None,
-            registration=None, absent: str = "refuse", ahead=None) -> tuple[dict, RecoveryStats]:
+            registration=None, absent: str = "refuse", ahead=None,
+            adapted: dict | None = None) -> tuple[dict, RecoveryStats]:
     """({name: restored}, RecoveryStats): `Session.recover` on an open log.
 
     targets: {name: array or tensor} restored in place (each checked first:
@@ -290,7 +291,10 @@ def recover(log, target="latest", *, targets: dict | None = None, device=None, m
     with no state at the epoch refused ("refuse"), or left as it is and
     listed in `RecoveryStats.kept` ("keep"; a new array is left out).
     ahead: a read ahead of the log (`restore.ahead.ReadAhead`) to copy from
-    where it holds what is asked for; else the log is read, as without it."""
+    where it holds what is asked for; else the log is read, as without it.
+    adapted: {name: (layout view, xp, kind, logical dtype)} of targets whose
+    views were made already (registered regions, `Region.unchanged_view`):
+    checked as they are (`check_view`), not adapted again."""
     t_checks = time.perf_counter()
     gpu = on_device(device)
     check_absent(absent)
@@ -305,8 +309,11 @@ def recover(log, target="latest", *, targets: dict | None = None, device=None, m
     views = {}
     if targets is not None:  # check every target before restoring anything
         targets = {n: a for n, a in targets.items() if want is None or n in want}
+        adapted = adapted or {}
         for name, arr in targets.items():
-            views[name] = check_target(infos[name], name, arr, device)
+            made = adapted.get(name)
+            views[name] = (check_target(infos[name], name, arr, device) if made is None else
+                           check_view(infos[name], name, made[0], made[1], made[2], device, logical=made[3]))
     for name in (want if want is not None else infos):
         if name not in views:
             check_presentable(infos[name], name, gpu)
@@ -405,6 +412,16 @@ def check_target(info, name, arr, device=None):
         raise RecoverMismatchError(f"the target {kind} is not C-contiguous (a view?)", where=where,
                                    hint="recover into the contiguous base, or into a new array and copy")
     a, xp, _ = adapt(arr, where, info.logical_dtype)
+    return check_view(info, name, a, xp, kind, device)
+
+
+def check_view(info, name, a, xp, kind: str = "array", device=None, logical: str | None = None):
+    """`check_target` of a target's layout view `a` (array module `xp`) made
+    already (`regions.arrays.adapt`: a registered region's, unchanged since),
+    holding logical dtype `logical` when given; (a, xp)."""
+    where = f"region {name!r}"
+    if logical is not None and logical != info.logical_dtype:
+        raise RecoverMismatchError(f"cannot recover {info.logical_dtype} data into a {logical} {kind}", where=where)
     if np.dtype(a.dtype) != np.dtype(info.dtype) or tuple(a.shape) != tuple(info.shape):
         raise RecoverMismatchError(f"cannot recover {info.dtype}{list(info.shape)} bytes into "
                                    f"{a.dtype}{list(a.shape)}", where=where)
