@@ -450,8 +450,11 @@ class Session:
             # latest: after an older epoch the next checkpoint writes every page
             latest = self.last_recovery.epoch == int(self.log.last_committed_epoch or 0)
             kept = set(self.last_recovery.kept)  # they hold what the log does not: next checkpoint writes them whole
-            self._continue_from({r.name: page_crcs(r) for r in self.region_set if latest and r.name not in kept
-                                 and r.page_bytes == self.log.regions[r.name].page_bytes})
+            seeds = self.ahead.take_seeds() if self.ahead is not None else None  # a read ahead hashed its arrays
+            seed = (lambda r: None) if seeds is None else seeds.crcs
+            self._continue_from({r.name: c if (c := seed(r)) is not None else page_crcs(r) for r in self.region_set
+                                 if latest and r.name not in kept
+                                 and r.page_bytes == self.log.regions[r.name].page_bytes}, seeds)
         return out
 
     def adopt(self, epoch: int) -> dict:
@@ -463,11 +466,11 @@ class Session:
         self._continue_from(tables)
         return how
 
-    def _continue_from(self, tables: dict) -> None:   # the CRC tables to continue from (none: whole)
+    def _continue_from(self, tables: dict, seeds=None) -> None:   # the CRC tables to continue from (none: whole)
         self.runner.forget_table()  # the CRC tables and digests are replaced below
         self.region_set.recovered(tables)
         for r in self.region_set:
-            detect.reset(r, recovered=True)
+            detect.reset(r, recovered=True, fps=None if seeds is None or r.name not in tables else seeds.fps(r))
 
     def refresh(self) -> int:
         """Read a log opened read-only afresh, so that epochs committed since by its writer are seen; returns

@@ -83,18 +83,23 @@ def fingerprints(r: Region):
     return got if not r.on_gpu else r.xp.asarray(got)
 
 
-def reset(r: Region, *, recovered: bool = False) -> None:
+def reset(r: Region, *, recovered: bool = False, fps=None) -> None:
     """The caller's array now equals the committed state: (re)arm the detector.
     recovered: the state was restored from the log, and state the caller keeps
     beside the region (a positions region's length) may be restored only after
     this call: the positions detector then takes no length as known, so its
-    next checkpoint names every position up to the length then."""
+    next checkpoint names every position up to the length then.
+    fps: the fingerprints of the array's contents, when known already (a read
+    ahead made them, `restore.ahead.Seeds`), for a detector that needs them."""
+    def fingerprints_now():
+        return fingerprints(r) if fps is None else fps
+
     if r.detect == "shadow":
         if r.shadow is None:
             r.shadow = r.xp.empty(r.nbytes, dtype=r.xp.uint8)
         r.shadow[...] = r.flat
     elif r.detect == "fingerprint":
-        r.fps = fingerprints(r)
+        r.fps = fingerprints_now()
     elif r.detect == "blocks":
         r.kv_prev = _kv_now(r)
     elif r.detect == "versions":
@@ -104,13 +109,13 @@ def reset(r: Region, *, recovered: bool = False) -> None:
         r.since_check = 0
         r.tracked_since_check = np.zeros(0, np.uint32)
         if r.check_every:
-            r.fps = fingerprints(r)
+            r.fps = fingerprints_now()
     elif r.detect == "positions":
         _, now, r.seq_prev = _positions_span(r)
         r.length_prev = r.length_checked = 0 if recovered else now
         r.since_check = 0
         if r.check_every:
-            r.fps = fingerprints(r)
+            r.fps = fingerprints_now()
 
 
 def dirty_pages(r: Region, *, advance: bool) -> np.ndarray:

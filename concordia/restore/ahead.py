@@ -42,6 +42,74 @@ import numpy as np
 from concordia.restore import run as restore_run
 
 
+#: a read ahead makes the page fingerprints of regions of at most this many bytes
+#: (an adapter's, a token buffer's): they take 8 bytes of memory a page (1/32 of a
+#: KV region of 256-byte pages), and only some detectors start from them
+SEED_FPS_BYTES = 64 << 20
+
+
+class Seeds:
+    """What a region's detector starts from after a recovery (`Session.recover`
+    into the registered arrays: the page CRC table the next checkpoint's delta
+    continues from, and the page fingerprints of a fingerprinting detector),
+    made from a read ahead's arrays on its thread while the caller builds:
+    once `take` copied an array into its target, they are the target's, and
+    the caller's recovery does not hash 173 regions again (a launch each, or
+    two).  Each is for the log's page size, on the side the read went to."""
+
+    def __init__(self, on_gpu: bool):
+        self.on_gpu = on_gpu
+        self.page_bytes: dict = {}
+        self.crc: dict = {}
+        self.fp: dict = {}
+
+    @classmethod
+    def of(cls, arrays: dict, infos: dict, on_gpu: bool) -> "Seeds":
+        from concordia.gpu_kernels import reference as ref
+
+        out = cls(on_gpu)
+        gpu = None
+        if on_gpu:
+            from concordia.gpu_kernels import gpu
+        for name, a in arrays.items():
+            info = infos.get(name)
+            if info is None:
+                continue
+            pb = int(info.page_bytes)
+            flat = a.reshape(-1).view("u1")
+            if on_gpu and flat.data.ptr % 16:
+                continue   # the page kernels read 16 bytes at a time: the caller hashes it, as without a read ahead
+            out.page_bytes[name] = pb
+            out.crc[name] = gpu.crc32c_pages(flat, page_bytes=pb) if on_gpu else ref.crc32c_pages(flat, page_bytes=pb)
+            if flat.size <= SEED_FPS_BYTES:
+                out.fp[name] = (gpu.fingerprint_pages(flat, page_bytes=pb) if on_gpu else
+                                ref.fingerprint_pages(flat, page_bytes=pb))
+        return out
+
+    def only(self, names) -> "Seeds":
+        """Those of the regions `names` (the ones a recovery copied)."""
+        out = Seeds(self.on_gpu)
+        for n in names:
+            if n in self.page_bytes:
+                out.page_bytes[n] = self.page_bytes[n]
+                out.crc[n] = self.crc[n]
+                if n in self.fp:
+                    out.fp[n] = self.fp[n]
+        return out
+
+    def _fits(self, r) -> bool:
+        return (self.page_bytes.get(r.name) == r.page_bytes and r.on_gpu == self.on_gpu
+                and (not r.on_gpu or r.device_aligned))
+
+    def crcs(self, r):
+        """Region `r`'s page CRC table, or None (the caller computes it)."""
+        return self.crc.get(r.name) if self._fits(r) else None
+
+    def fps(self, r):
+        """Region `r`'s page fingerprints, or None (the detector computes them if it needs them)."""
+        return self.fp.get(r.name) if self._fits(r) else None
+
+
 class ReadAhead:
     """One read of a log's epoch into arrays of its own, on the thread that
     calls `run`; `take` hands it to one recovery."""
@@ -59,6 +127,8 @@ class ReadAhead:
         self.dropped: str | None = None     # why its arrays were let go unused
         self.used = False
         self.device_id: int | None = None
+        self.seeds: Seeds | None = None     # of its arrays, until taken or dropped
+        self.taken: Seeds | None = None     # of the arrays the last recovery copied (`take_seeds`)
 
     def run(self, log, registration=None) -> None:
         """The read (on the calling thread).  On the device it runs on a
@@ -80,11 +150,17 @@ class ReadAhead:
                 t_restore = time.perf_counter()
                 self.got = restore_run.restore(log, self.target, device=self.device, registration=registration,
                                                absent="keep", own_new=True)
-                if self.device:
-                    stream.synchronize()  # its arrays are whole before any other thread reads them
                 restore_s = time.perf_counter() - t_restore
+                t_seeds = time.perf_counter()
+                try:
+                    self.seeds = Seeds.of(self.got.arrays, log.regions, self.device)
+                except Exception:  # the caller's recovery hashes what has none, as without a read ahead
+                    self.seeds = None
+                if self.device:
+                    stream.synchronize()  # its arrays (and seeds) are whole before any other thread reads them
+                self.times["seeds_s"] = time.perf_counter() - t_seeds
         except BaseException as exc:  # the recovery from the log meets it again and decides (module doc)
-            self.got = None
+            self.got = self.seeds = None
             self.error = f"{type(exc).__name__}: {_line(exc)}"
         else:
             try:  # the read's own phases (plan, alloc, transfer, ...), as a recovery from the log reports them
@@ -116,6 +192,7 @@ class ReadAhead:
         self.wait()
         if self.got is not None:
             self.got, self.dropped = None, why
+        self.seeds = self.taken = None
 
     def _why_not(self, log, target, mode, want, views: dict, gpu: bool) -> str | None:
         if self.error is not None:
@@ -151,11 +228,13 @@ class ReadAhead:
         (`why_not` says why) for the recovery to read the log.  Its arrays go
         either way: copied into `views` and dropped, or handed over."""
         self.wait()
+        self.taken = None
         why = self.why_not = self._why_not(log, target, mode, want, views, gpu)
         if why is not None:
             self.used = False   # this recovery's: a later one says why it did not use it
             if self.got is not None:  # passed over: the recovery reads the log, and the copy of the state goes
                 self.got, self.dropped = None, "a recovery before passed it over"
+            self.seeds = None
             return None
         got, plan = self.got, self.got.plan
         names = list(plan.regions) if want is None else list(want)
@@ -169,11 +248,18 @@ class ReadAhead:
         t = time.perf_counter()
         nbytes = sum(int(held[n].nbytes) for n in (*dev, *host) if n in held)
         written = restore_run.into_targets(dev, host, held, own=self.device)
+        if self.seeds is not None:
+            self.taken, self.seeds = self.seeds.only(written), None
         arrays = {**held, **written}
         stats = {"read_ahead": self.phase(), "copy_s": time.perf_counter() - t, "copy_bytes": nbytes}
         # planned on its thread (its time is in the read ahead's phase): none of this call's
         return restore_run.Restored(arrays, plan, 0.0, time.perf_counter() - t,
                                     {n: got.via[n] for n in arrays if n in got.via}, stats, kept)
+
+    def take_seeds(self) -> Seeds | None:
+        """The seeds of the targets the last `take` wrote, once (None: none)."""
+        out, self.taken = self.taken, None
+        return out
 
     def phase(self) -> dict:
         """What `RecoveryStats.phases["read_ahead"]` says of it."""

@@ -100,3 +100,31 @@ def test_damage_the_log_refuses_leaves_the_device_targets(file_log):
         assert str(again.value) == str(refused.value)
         assert s.ahead.used is False and s.ahead.why_not.startswith("the read ahead failed (")
     assert (a.get() == 7).all() and (b.get() == 7).all()
+
+
+def test_the_detectors_start_from_tables_the_read_ahead_made_on_the_device(shm_log, monkeypatch):
+    # restore.ahead.Seeds: CRC tables and fingerprints of its arrays, made on its stream; the caller hashes none
+    import cupy as cp
+
+    from concordia.checkpoint import detect, staging
+
+    want = _log(shm_log)
+    p = concordia.prefetch(shm_log, device="cupy")
+    a, b = cp.zeros(N, cp.uint8), cp.zeros(N // 4, cp.float32)
+    with p.session() as s:
+        s.register("a", a, page_bytes=4096, detect="fingerprint")
+        s.register("b", b, page_bytes=4096, detect="fingerprint")
+        hashed = []
+        real_crcs, real_fps = staging.page_crcs, detect.fingerprints
+        monkeypatch.setattr(concordia.session, "page_crcs", lambda r: hashed.append(r.name) or real_crcs(r))
+        monkeypatch.setattr(detect, "fingerprints", lambda r: hashed.append(r.name) or real_fps(r))
+        s.recover(into="registered")
+        monkeypatch.undo()
+        assert hashed == [] and s.last_recovery.phases["read_ahead"]["used"] is True
+        assert np.array_equal(a.get(), want["a"]) and np.array_equal(b.get(), want["b"])
+        for r in s.region_set:
+            assert isinstance(r.crcs, cp.ndarray) and cp.array_equal(r.crcs, staging.page_crcs(r)), r.name
+            assert cp.array_equal(r.fps, detect.fingerprints(r)), r.name
+        b[5] = 1.5
+        st = s.checkpoint()
+        assert st.pages == {"a": 0, "b": 1}
