@@ -445,15 +445,16 @@ class Session:
         if self._open_s is not None and self.ahead is None:  # a fresh process's recovery: its open is part of it
             self.last_recovery.phases = {"open": {"s": self._open_s}, **self.last_recovery.phases}
         self._open_s = None  # (a read ahead's open ran on its thread: in its phase)
+        seeds = self.ahead.take_seeds() if self.ahead is not None else None  # a read ahead hashed what it copied
         if into == "registered":
-            # deltas continue from the recovered state only when it is the log's
-            # latest: after an older epoch the next checkpoint writes every page
+            # deltas continue from the recovered state only when it is the log's latest (after an older
+            # epoch the next checkpoint writes every page), and only for the regions it restored: one not
+            # asked for, or kept, holds what the log may not, and the next checkpoint writes it whole
             latest = self.last_recovery.epoch == int(self.log.last_committed_epoch or 0)
-            kept = set(self.last_recovery.kept)  # they hold what the log does not: next checkpoint writes them whole
-            seeds = self.ahead.take_seeds() if self.ahead is not None else None  # a read ahead hashed its arrays
+            kept = set(self.last_recovery.kept)
             seed = (lambda r: None) if seeds is None else seeds.crcs
             self._continue_from({r.name: c if (c := seed(r)) is not None else page_crcs(r) for r in self.region_set
-                                 if latest and r.name not in kept
+                                 if latest and r.name in out and r.name not in kept
                                  and r.page_bytes == self.log.regions[r.name].page_bytes}, seeds)
         return out
 

@@ -539,7 +539,7 @@ def _select(region: RegionMeta, base_recs: list, deltas: list):
 def _runs(records: list, n: int) -> list | None:
     """(first page, page count) of each record when every record's page ids
     are one run inside the region (a valid record's ids strictly increase,
-    V-P2, so its first and last id tell); else None."""
+    V-P4, so its first and last id tell); else None."""
     out = []
     for b in records:
         ids = b.page_ids
@@ -625,7 +625,7 @@ def _select_pages(records: list, n: int):
         c = int(ids.size)
         lo = int(ids[0]) if c else 0
         if c and int(ids[-1]) - lo == c - 1 and lo + c <= n:
-            # a run of page ids (a valid record's ids strictly increase, V-P2): slices, no gathers
+            # a run of page ids (a valid record's ids strictly increase, V-P4): slices, no gathers
             mine = ~owned[lo:lo + c]
             if mine.all():   # the whole record: views of one shared range, no memory per page
                 rows, pids = ascending(0, c), ascending(lo, c)
@@ -738,8 +738,8 @@ def plan_history(
     if mode == "absolute" and h.damage:
         d = h.damage[0]
         cls = TornTailError if d.tail else CorruptionError
-        raise cls(f"{'torn tail: ' if d.tail else ''}{d.reason} (lsn {d.lsn})", where=d.where if d.segment >= 0 else None,
-                  hint=RecoveryMode.ABSOLUTE.refusal_hint)
+        raise cls(f"{'torn tail: ' if d.tail else ''}{d.reason} (lsn {d.lsn})",
+                  where=d.where if d.segment >= 0 else None, hint=RecoveryMode.ABSOLUTE.refusal_hint)
     if mode == "tolerate_tail" and corrupt:
         # R-D4: corruption before a commit point refuses the whole log, whichever
         # regions are asked for (no per-region leniency in this mode)

@@ -246,6 +246,9 @@ class Region:
         without adapting it again: `restore.run.check_view`), else None."""
         if storage_change(self.storage, storage_of(self.owner)) is not None:
             return None
+        owner = self.owner   # strides changed in place (a square tensor's t_()) are no storage change
+        if not (owner.is_contiguous() if self.framework == "torch" else owner.flags.c_contiguous):
+            return None
         return self.array, self.xp, "tensor" if self.framework == "torch" else "array", self.logical_dtype
 
     def track_stores(self, check_every: int) -> None:

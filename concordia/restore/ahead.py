@@ -68,9 +68,6 @@ class Seeds:
         from concordia.gpu_kernels import reference as ref
 
         out = cls(on_gpu)
-        gpu = None
-        if on_gpu:
-            from concordia.gpu_kernels import gpu
         for name, a in arrays.items():
             info = infos.get(name)
             if info is None:
@@ -80,10 +77,15 @@ class Seeds:
             if on_gpu and flat.data.ptr % 16:
                 continue   # the page kernels read 16 bytes at a time: the caller hashes it, as without a read ahead
             out.page_bytes[name] = pb
-            out.crc[name] = gpu.crc32c_pages(flat, page_bytes=pb) if on_gpu else ref.crc32c_pages(flat, page_bytes=pb)
-            if flat.size <= SEED_FPS_BYTES:
-                out.fp[name] = (gpu.fingerprint_pages(flat, page_bytes=pb) if on_gpu else
-                                ref.fingerprint_pages(flat, page_bytes=pb))
+            small = flat.size <= SEED_FPS_BYTES
+            if on_gpu:
+                out.crc[name], fp = _on_device(flat, pb, small)
+                if fp is not None:
+                    out.fp[name] = fp
+            else:
+                out.crc[name] = ref.crc32c_pages(flat, page_bytes=pb)
+                if small:
+                    out.fp[name] = ref.fingerprint_pages(flat, page_bytes=pb)
         return out
 
     def only(self, names) -> "Seeds":
@@ -98,6 +100,8 @@ class Seeds:
         return out
 
     def _fits(self, r) -> bool:
+        """Whether region `r`'s detector may start from its seeds: the log's page size, the same side, and
+        on the device memory the page kernels read (16-byte aligned), as `staging.page_crcs` asks."""
         return (self.page_bytes.get(r.name) == r.page_bytes and r.on_gpu == self.on_gpu
                 and (not r.on_gpu or r.device_aligned))
 
@@ -108,6 +112,26 @@ class Seeds:
     def fps(self, r):
         """Region `r`'s page fingerprints, or None (the detector computes them if it needs them)."""
         return self.fp.get(r.name) if self._fits(r) else None
+
+
+def _on_device(flat, pb: int, fingerprints: bool) -> tuple:
+    """(CRC table, fingerprints or None) of the device bytes `flat`, hashed on the
+    read ahead's stream into arrays from the default stream's arena of CuPy's
+    pool: the tables the caller makes come from there, and the read's stream
+    ends with the read (a block freed back into a stream that is gone stays
+    in its arena, where a later stream given the same handle would take it)."""
+    from concordia.gpu_kernels import gpu, reference as ref
+    from concordia.gpu_kernels.jit import require_cupy
+
+    cp = require_cupy()
+    n = ref.num_pages(int(flat.size), pb)
+    with cp.cuda.Stream.null:   # the arena only: the kernels run on the read's stream
+        crc = cp.empty(n, cp.uint32)
+        fp = cp.empty(n, cp.uint64) if fingerprints else None
+    gpu.crc32c_pages(flat, page_bytes=pb, out=crc)
+    if fp is not None:
+        gpu.fingerprint_pages(flat, page_bytes=pb, out=fp)
+    return crc, fp
 
 
 class ReadAhead:
@@ -242,14 +266,14 @@ class ReadAhead:
         kept = restore_run.absent_regions(plan, names, absent, where=str(log.backend.where))
         self.got, self.used = None, True
         names = [n for n in names if n not in kept]
-        dev = {n: v for n, (v, xp) in views.items() if xp is not np and n in names}
-        host = {n: v for n, (v, xp) in views.items() if xp is np and n in names}
+        dev, host = restore_run.split_targets(views, names)
         held = {n: got.arrays[n] for n in names if n in got.arrays}
         t = time.perf_counter()
         nbytes = sum(int(held[n].nbytes) for n in (*dev, *host) if n in held)
+        # the seeds of what is not copied go before the copies give the pool's free blocks back
+        seeds, self.seeds = (None if self.seeds is None else self.seeds.only(held)), None
         written = restore_run.into_targets(dev, host, held, own=self.device)
-        if self.seeds is not None:
-            self.taken, self.seeds = self.seeds.only(written), None
+        self.taken = None if seeds is None else seeds.only(written)
         arrays = {**held, **written}
         stats = {"read_ahead": self.phase(), "copy_s": time.perf_counter() - t, "copy_bytes": nbytes}
         # planned on its thread (its time is in the read ahead's phase): none of this call's

@@ -208,8 +208,7 @@ def _restore(log, plan, plan_s, pages, *, regions, device, into, registration, r
     want = [n for n in want if n not in kept]
     # a region the plan gave up (skip_corrupt, damage the log's open met) has no sources to check
     wait = _deferred(plan, pages, [n for n in want if n in plan.regions], st) if pages is not None else (lambda: None)
-    dev = {n: v for n, (v, xp) in into.items() if xp is not np and n in want}
-    host = {n: v for n, (v, xp) in into.items() if xp is np and n in want}
+    dev, host = split_targets(into, want)
     rest = [n for n in want if n not in dev and n not in host]
     arrays, via = {}, {}
     t1 = time.perf_counter()
@@ -242,6 +241,15 @@ def _restore(log, plan, plan_s, pages, *, regions, device, into, registration, r
     arrays.update(got)
     arrays.update(written)
     return Restored(arrays, plan, plan_s, time.perf_counter() - t1, via, st, kept)
+
+
+def split_targets(views: dict, names) -> tuple[dict, dict]:
+    """({name: device view}, {name: host view}) of the checked targets `views`
+    ({name: (view, xp)}) among `names`."""
+    names = set(names)
+    dev = {n: v for n, (v, xp) in views.items() if xp is not np and n in names}
+    host = {n: v for n, (v, xp) in views.items() if xp is np and n in names}
+    return dev, host
 
 
 def into_targets(dev: dict, host: dict, got: dict, own: bool) -> dict:

@@ -78,21 +78,32 @@ def test_the_detectors_start_from_the_read_aheads_tables_and_go_on_in_deltas(shm
     assert got["kv"].tobytes() == targets["kv"].tobytes() and got["adapter"].tobytes() == targets["adapter"].tobytes()
 
 
-def test_a_region_not_written_by_the_recovery_is_hashed_by_the_caller(shm_log):
+def test_a_region_the_recovery_did_not_write_is_written_whole_next(shm_log):
     want = _written(shm_log)
     targets = {n: np.zeros_like(a) for n, a in want.items()}
-    targets["sched"][:] = 9     # not asked for: it keeps what it holds, and its tables are of that
+    targets["sched"][:] = 9     # not asked for: it keeps what it holds, which the log never had
     s = concordia.prefetch(shm_log).session()
     try:
         _register(s, targets)
         s.recover(into="registered", regions=["kv", "adapter", "blob"])
         assert s.last_recovery.phases["read_ahead"]["used"] is True
         sched = s.region_set.get("sched")
-        assert np.array_equal(sched.crcs, staging.page_crcs(sched)) and (targets["sched"] == 9).all()
+        assert sched.crcs is None and (targets["sched"] == 9).all()   # no seed, and no table of what it holds
         targets["sched"][0] = 10
-        assert s.checkpoint().pages["sched"] == 1
+        assert s.checkpoint().pages["sched"] == sched.pages   # whole: no delta from contents the log lacks
     finally:
         s.close()
+    with Session(shm_log, create=False, readonly=True) as r:
+        got = r.recover()
+    assert got["sched"].tobytes() == targets["sched"].tobytes() and got["kv"].tobytes() == want["kv"].tobytes()
+
+
+def test_seeds_of_a_recovery_into_new_arrays_are_let_go(shm_log):
+    _written(shm_log)
+    with concordia.prefetch(shm_log, readonly=True).session() as s:
+        s.recover()   # new arrays: no detector starts from them
+        assert s.last_recovery.phases["read_ahead"]["used"] is True
+        assert s.ahead.seeds is None and s.ahead.taken is None
 
 
 def test_a_region_above_the_fingerprint_bound_is_fingerprinted_by_its_detector(shm_log, monkeypatch):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from concordia import Session
+from concordia.errors import RecoverMismatchError
 from concordia.restore import run as restore_run
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed here")
@@ -27,7 +28,7 @@ def _state(seed: int) -> dict:
     rng = np.random.default_rng(seed)
     return {"t": torch.randn((4, 300), generator=g).to(torch.bfloat16),
             "a": rng.standard_normal((5, 77)).astype(ml_dtypes.bfloat16),
-            "n": rng.integers(0, 1 << 30, (9, 11), dtype=np.int64)}
+            "n": rng.integers(0, 1 << 30, (90, 110), dtype=np.int64)}   # 20 pages
 
 
 def _same(got: dict, want: dict) -> None:
@@ -71,3 +72,35 @@ def test_a_region_whose_storage_changed_is_adapted_as_any_target(tmp_path):
         s.recover(into="registered")
     _same(fresh, want)   # restored into the storage the tensor holds now, as before
 
+
+
+def test_a_tensor_transposed_in_place_since_register_is_refused_as_before(tmp_path):
+    # t_() keeps the storage (address, bytes, shape of a square tensor): only the strides say it
+    path = str(tmp_path / "log")
+    _written(path, {"sq": torch.arange(16, dtype=torch.float32).reshape(4, 4)})
+    with Session(path, create=False) as s:
+        t = torch.zeros((4, 4))
+        s.register("sq", t)
+        t.t_()
+        with pytest.raises(RecoverMismatchError, match="not C-contiguous") as e:
+            s.recover(into="registered")
+    assert "\n" not in str(e.value) and (t == 0).all()
+
+
+def test_regions_not_asked_for_are_written_whole_by_the_next_checkpoint(tmp_path):
+    # they hold what the log may never have had: a delta against it would not add up to their digest
+    path = str(tmp_path / "log")
+    want = _state(3)
+    _written(path, want)
+    fresh = {n: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else np.zeros_like(v)) for n, v in want.items()}
+    fresh["n"][:] = 9
+    with Session(path, create=False) as s:
+        for name, a in fresh.items():
+            s.register(name, a)
+        s.recover(into="registered", regions=["t", "a"])
+        fresh["n"][0, 0] = 10
+        st = s.checkpoint()
+        assert st.pages["n"] == s.region_set.get("n").pages and st.pages["t"] == st.pages["a"] == 0
+    with Session(path, create=False, readonly=True) as r:
+        got = r.recover()
+    _same(got, fresh)
