@@ -447,15 +447,14 @@ class Session:
         self._open_s = None  # (a read ahead's open ran on its thread: in its phase)
         seeds = self.ahead.take_seeds() if self.ahead is not None else None  # a read ahead hashed what it copied
         if into == "registered":
-            # deltas continue from the recovered state only when it is the log's latest (after an older
-            # epoch the next checkpoint writes every page), and only for the regions it restored: one not
-            # asked for, or kept, holds what the log may not, and the next checkpoint writes it whole
-            latest = self.last_recovery.epoch == int(self.log.last_committed_epoch or 0)
-            kept = set(self.last_recovery.kept)
+            # a region's deltas continue from what it was restored to only when that is the log's latest epoch
+            # (after an older one, or skip_corrupt's fallback, the next checkpoint writes every page), and only
+            # where it was restored: one not asked for, kept or given up holds what the log may not
+            last, infos = int(self.log.last_committed_epoch or 0), self.log.regions
+            epochs = self.last_recovery.epochs
             seed = (lambda r: None) if seeds is None else seeds.crcs
             self._continue_from({r.name: c if (c := seed(r)) is not None else page_crcs(r) for r in self.region_set
-                                 if latest and r.name in out and r.name not in kept
-                                 and r.page_bytes == self.log.regions[r.name].page_bytes}, seeds)
+                                 if epochs.get(r.name) == last and r.page_bytes == infos[r.name].page_bytes}, seeds)
         return out
 
     def adopt(self, epoch: int) -> dict:

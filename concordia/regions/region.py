@@ -247,7 +247,9 @@ class Region:
         if storage_change(self.storage, storage_of(self.owner)) is not None:
             return None
         owner = self.owner   # strides changed in place (a square tensor's t_()) are no storage change
-        if not (owner.is_contiguous() if self.framework == "torch" else owner.flags.c_contiguous):
+        contiguous = (owner.is_contiguous() if self.framework == "torch" else
+                      getattr(getattr(owner, "flags", None), "c_contiguous", False))   # no flags: check it afresh
+        if not contiguous:
             return None
         return self.array, self.xp, "tensor" if self.framework == "torch" else "array", self.logical_dtype
 

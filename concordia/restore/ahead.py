@@ -67,7 +67,7 @@ class Seeds:
     def of(cls, arrays: dict, infos: dict, on_gpu: bool) -> "Seeds":
         from concordia.gpu_kernels import reference as ref
 
-        out = cls(on_gpu)
+        out, todo = cls(on_gpu), []
         for name, a in arrays.items():
             info = infos.get(name)
             if info is None:
@@ -77,15 +77,14 @@ class Seeds:
             if on_gpu and flat.data.ptr % 16:
                 continue   # the page kernels read 16 bytes at a time: the caller hashes it, as without a read ahead
             out.page_bytes[name] = pb
-            small = flat.size <= SEED_FPS_BYTES
-            if on_gpu:
-                out.crc[name], fp = _on_device(flat, pb, small)
-                if fp is not None:
-                    out.fp[name] = fp
-            else:
-                out.crc[name] = ref.crc32c_pages(flat, page_bytes=pb)
-                if small:
-                    out.fp[name] = ref.fingerprint_pages(flat, page_bytes=pb)
+            todo.append((name, flat, pb, flat.size <= SEED_FPS_BYTES))
+        if on_gpu:
+            _on_device(out, todo)
+            return out
+        for name, flat, pb, small in todo:
+            out.crc[name] = ref.crc32c_pages(flat, page_bytes=pb)
+            if small:
+                out.fp[name] = ref.fingerprint_pages(flat, page_bytes=pb)
         return out
 
     def only(self, names) -> "Seeds":
@@ -114,24 +113,31 @@ class Seeds:
         return self.fp.get(r.name) if self._fits(r) else None
 
 
-def _on_device(flat, pb: int, fingerprints: bool) -> tuple:
-    """(CRC table, fingerprints or None) of the device bytes `flat`, hashed on the
-    read ahead's stream into arrays from the default stream's arena of CuPy's
-    pool: the tables the caller makes come from there, and the read's stream
-    ends with the read (a block freed back into a stream that is gone stays
-    in its arena, where a later stream given the same handle would take it)."""
+def _on_device(out: Seeds, todo: list) -> None:
+    """The device seeds of `todo` ([(name, flat bytes, page bytes, with fingerprints)])
+    into `out`, hashed on the read ahead's stream.  Their arrays come from the
+    default stream's arena of CuPy's pool, as the tables the caller makes do
+    (the read's stream ends with the read; a block freed back into the arena of
+    a stream that is gone stays there, for a later stream given the same
+    handle).  That arena's blocks are handed out in the default stream's order,
+    so the read's stream first waits for what the default stream has queued
+    (work that may still use a block just freed there), then hashes."""
     from concordia.gpu_kernels import gpu, reference as ref
     from concordia.gpu_kernels.jit import require_cupy
 
     cp = require_cupy()
-    n = ref.num_pages(int(flat.size), pb)
+    made = []
     with cp.cuda.Stream.null:   # the arena only: the kernels run on the read's stream
-        crc = cp.empty(n, cp.uint32)
-        fp = cp.empty(n, cp.uint64) if fingerprints else None
-    gpu.crc32c_pages(flat, page_bytes=pb, out=crc)
-    if fp is not None:
-        gpu.fingerprint_pages(flat, page_bytes=pb, out=fp)
-    return crc, fp
+        for name, flat, pb, small in todo:
+            n = ref.num_pages(int(flat.size), pb)
+            made.append((name, flat, pb, cp.empty(n, cp.uint32), cp.empty(n, cp.uint64) if small else None))
+        queued = cp.cuda.Event(disable_timing=True)
+        queued.record()
+    cp.cuda.get_current_stream().wait_event(queued)
+    for name, flat, pb, crc, fp in made:
+        out.crc[name] = gpu.crc32c_pages(flat, page_bytes=pb, out=crc)
+        if fp is not None:
+            out.fp[name] = gpu.fingerprint_pages(flat, page_bytes=pb, out=fp)
 
 
 class ReadAhead:

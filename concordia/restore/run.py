@@ -53,6 +53,9 @@ class RecoveryStats:
     dropped: list
     via: dict = dataclasses.field(default_factory=dict)  # name -> "device pipeline" | "host"
     kept: list = dataclasses.field(default_factory=list)  # absent="keep": regions with no state there, left alone
+    #: name -> the epoch each restored region holds: the recovery's own, or an older one where
+    #: skip_corrupt fell back for it (a region given up, or kept, is not here)
+    epochs: dict = dataclasses.field(default_factory=dict)
     #: where the time went, in order: {phase: {"s": seconds, and "bytes", "GBps" where bytes flow}}
     #: (`phases_of`); "open" only in a session's first recovery after it opened the log
     phases: dict = dataclasses.field(default_factory=dict)
@@ -342,6 +345,7 @@ def recover(log, target="latest", *, targets: dict | None = None, device=None, m
                           restore_ms=(total_s - got.plan_s) * 1e3,
                           bytes=int(p.bytes_to_read), pages=int(sum(rp.pages_read for rp in p.regions.values())),
                           regions={n: int(a.nbytes) for n, a in got.arrays.items()},
+                          epochs={n: int(p.regions[n].epoch) for n in got.arrays if n in p.regions},
                           dropped=[d.to_json() for d in p.dropped], via=got.via, kept=got.kept,
                           phases={"targets": _phase(t0 - t_checks), **phases_of(got, total_s)})
     if ahead is not None and "read_ahead" not in stats.phases:  # passed over: why, beside the log's phases

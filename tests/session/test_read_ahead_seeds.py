@@ -98,12 +98,14 @@ def test_a_region_the_recovery_did_not_write_is_written_whole_next(shm_log):
     assert got["sched"].tobytes() == targets["sched"].tobytes() and got["kv"].tobytes() == want["kv"].tobytes()
 
 
-def test_seeds_of_a_recovery_into_new_arrays_are_let_go(shm_log):
-    _written(shm_log)
+def test_seeds_of_a_recovery_into_targets_of_the_callers_own_are_let_go(shm_log):
+    want = _written(shm_log)
     with concordia.prefetch(shm_log, readonly=True).session() as s:
-        s.recover()   # new arrays: no detector starts from them
+        targets = {n: np.zeros_like(a) for n, a in want.items()}   # not registered: no detector starts from them
+        s.recover(into=targets)
         assert s.last_recovery.phases["read_ahead"]["used"] is True
         assert s.ahead.seeds is None and s.ahead.taken is None
+    assert all(targets[n].tobytes() == a.tobytes() for n, a in want.items())
 
 
 def test_a_region_above_the_fingerprint_bound_is_fingerprinted_by_its_detector(shm_log, monkeypatch):

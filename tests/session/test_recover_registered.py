@@ -104,3 +104,33 @@ def test_regions_not_asked_for_are_written_whole_by_the_next_checkpoint(tmp_path
     with Session(path, create=False, readonly=True) as r:
         got = r.recover()
     _same(got, fresh)
+
+
+def test_a_region_skip_corrupt_took_back_to_an_older_epoch_is_written_whole_next(tmp_path):
+    # its restored bytes are epoch 1's while the log's latest is 3: a delta from them is no delta of the log's
+    from .test_restore_deferred import _flip, _page_offset
+
+    path = f"file:{tmp_path / 'log'}"
+    rng = np.random.default_rng(4)
+    kv, sched = rng.standard_normal(4096, dtype=np.float32), np.arange(1000, dtype=np.int64)
+    with Session(path, size=16 << 20, segment_size=1 << 20) as s:
+        s.register("kv", kv)
+        s.register("sched", sched)
+        s.checkpoint()
+        kv[3 * 1024] = 7.0   # page 3, epoch 2
+        s.checkpoint()
+        sched[0] = -1        # epoch 3: kv unchanged
+        s.checkpoint()
+    _flip(path, _page_offset(path, "kv", 3, -1))   # epoch 2's record of kv
+    fresh = {"kv": np.zeros_like(kv), "sched": np.zeros_like(sched)}
+    with Session(path, create=False) as s:
+        for name, a in fresh.items():
+            s.register(name, a)
+        s.recover(into="registered", mode="skip_corrupt")
+        assert s.last_recovery.epochs == {"kv": 1, "sched": 3}
+        assert fresh["kv"][3 * 1024] != 7.0 and fresh["sched"][0] == -1
+        fresh["kv"][0] = 1.0
+        fresh["sched"][999] = 5
+        st = s.checkpoint()
+        assert st.pages["kv"] == s.region_set.get("kv").pages   # whole
+        assert st.pages["sched"] == 1                             # a delta from the latest epoch
