@@ -484,13 +484,12 @@ def _covers(recs: list, pages: int, region) -> bool:
     if region is not None and int(region.pages) != int(pages):
         return False
     runs = _runs(recs, int(pages))
-    if runs is not None:   # records that are runs of pages: a few integer operations each (`_select_runs`)
-        at = 0
-        for lo, c in sorted(r for r in runs if r[1]):
-            if lo > at:
-                return False
-            at = max(at, lo + c)
-        return at >= int(pages)
+    if runs is not None:   # records that are runs of pages: their union in intervals (`_own`), no page array
+        owned: list = []
+        for lo, c in runs:
+            if c:
+                _own(owned, lo, lo + c)
+        return owned == ([(0, int(pages))] if pages else [])
     seen = np.zeros(int(pages), bool)
     for b in recs:
         ids = np.asarray(b.page_ids, np.int64)
@@ -536,18 +535,25 @@ def _select(region: RegionMeta, base_recs: list, deltas: list):
     return _select_pages(newest_first, region.pages)
 
 
+def _run_of(ids, n: int) -> tuple[int, int] | None:
+    """(first page, page count) when page ids `ids` are one run inside a region
+    of n pages (a valid record's ids strictly increase, V-P4, so its first and
+    last id tell; no ids: (0, 0)), else None."""
+    c = int(ids.size)
+    if not c:
+        return 0, 0
+    lo = int(ids[0])
+    return (lo, c) if int(ids[-1]) - lo == c - 1 and lo + c <= n else None
+
+
 def _runs(records: list, n: int) -> list | None:
-    """(first page, page count) of each record when every record's page ids
-    are one run inside the region (a valid record's ids strictly increase,
-    V-P4, so its first and last id tell); else None."""
+    """`_run_of` each record, or None when one of them is not a run."""
     out = []
     for b in records:
-        ids = b.page_ids
-        c = int(ids.size)
-        lo = int(ids[0]) if c else 0
-        if c and (int(ids[-1]) - lo != c - 1 or lo + c > n):
+        run = _run_of(b.page_ids, n)
+        if run is None:
             return None
-        out.append((lo, c))
+        out.append(run)
     return out
 
 
@@ -622,10 +628,9 @@ def _select_pages(records: list, n: int):
         if left == 0:
             break
         ids = b.page_ids
-        c = int(ids.size)
-        lo = int(ids[0]) if c else 0
-        if c and int(ids[-1]) - lo == c - 1 and lo + c <= n:
-            # a run of page ids (a valid record's ids strictly increase, V-P4): slices, no gathers
+        run = _run_of(ids, n)
+        if run is not None and run[1]:   # a run of page ids: slices, no gathers
+            lo, c = run
             mine = ~owned[lo:lo + c]
             if mine.all():   # the whole record: views of one shared range, no memory per page
                 rows, pids = ascending(0, c), ascending(lo, c)

@@ -112,3 +112,9 @@ def test_an_image_base_of_scattered_pages_is_covered_by_the_page_array():
     recs = [_Rec(np.array([0, 2, 4, 6, 8], dtype=np.uint32), 0), _Rec(np.array([1, 3, 5, 7, 9], dtype=np.uint32), 0)]
     assert planner._runs(recs, n) is None and planner._covers(recs, n, None) is True
     assert planner._covers(recs[:1], n, None) is False
+
+
+def test_a_cover_of_no_pages_or_no_records_is_the_page_arrays():
+    empty = _Rec(np.zeros(0, np.uint32), 0)
+    for recs, n in (([], 0), ([empty], 0), ([], 5), ([empty], 5), ([empty, _Rec(np.arange(5, dtype=np.uint32), 0)], 5)):
+        assert planner._covers(recs, n, None) is _covers_by_pages(recs, n), (len(recs), n)
