@@ -48,6 +48,7 @@ from concordia.regions.region import DETECTORS, KINDS, Region, check_same, resol
 from concordia.regions.registry import RegionSet
 from concordia.regions.streams import StreamOrder
 from concordia.restore import run as restore_run
+from concordia.restore.ahead import Seeds
 from concordia.restore.run import RecoveryStats
 from concordia.retention import Retention
 from concordia.root_error import ConcordiaError
@@ -445,15 +446,14 @@ class Session:
         if self._open_s is not None and self.ahead is None:  # a fresh process's recovery: its open is part of it
             self.last_recovery.phases = {"open": {"s": self._open_s}, **self.last_recovery.phases}
         self._open_s = None  # (a read ahead's open ran on its thread: in its phase)
-        seeds = self.ahead.take_seeds() if self.ahead is not None else None  # a read ahead hashed what it copied
+        seeds = self.ahead.take_seeds() if self.ahead is not None else Seeds()  # a read ahead hashed what it copied
         if into == "registered":
             # a region's deltas continue from what it was restored to only when that is the log's latest epoch
             # (after an older one, or skip_corrupt's fallback, the next checkpoint writes every page), and only
             # where it was restored: one not asked for, kept or given up holds what the log may not
             last, infos = int(self.log.last_committed_epoch or 0), self.log.regions
             epochs = self.last_recovery.epochs
-            seed = (lambda r: None) if seeds is None else seeds.crcs
-            self._continue_from({r.name: c if (c := seed(r)) is not None else page_crcs(r) for r in self.region_set
+            self._continue_from({r.name: seeds.crcs(r, page_crcs) for r in self.region_set
                                  if epochs.get(r.name) == last and r.page_bytes == infos[r.name].page_bytes}, seeds)
         return out
 
@@ -469,8 +469,8 @@ class Session:
     def _continue_from(self, tables: dict, seeds=None) -> None:   # the CRC tables to continue from (none: whole)
         self.runner.forget_table()  # the CRC tables and digests are replaced below
         self.region_set.recovered(tables)
-        for r in self.region_set:
-            detect.reset(r, recovered=True, fps=None if seeds is None or r.name not in tables else seeds.fps(r))
+        for r in self.region_set:  # seeds: of what a read ahead copied in (its bytes, whatever the epoch)
+            detect.reset(r, recovered=True, fps=None if seeds is None else seeds.fps(r))
 
     def refresh(self) -> int:
         """Read a log opened read-only afresh, so that epochs committed since by its writer are seen; returns

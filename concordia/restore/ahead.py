@@ -55,73 +55,63 @@ class Seeds:
     made from a read ahead's arrays on its thread while the caller builds:
     once `take` copied an array into its target, they are the target's, and
     the caller's recovery does not hash 173 regions again (a launch each, or
-    two).  Each is for the log's page size, on the side the read went to."""
+    two).  Each is for the log's page size, on the side the read went to.
+    `Seeds()`: none (every region's tables are made by the caller)."""
 
-    def __init__(self, on_gpu: bool):
+    def __init__(self, on_gpu: bool = False, held: dict | None = None):
         self.on_gpu = on_gpu
-        self.page_bytes: dict = {}
-        self.crc: dict = {}
-        self.fp: dict = {}
+        self.held = {} if held is None else held   # name -> (page bytes, CRC table, fingerprints or None)
 
     @classmethod
     def of(cls, arrays: dict, infos: dict, on_gpu: bool) -> "Seeds":
         from concordia.gpu_kernels import reference as ref
 
-        out, todo = cls(on_gpu), []
+        todo = []
         for name, a in arrays.items():
             info = infos.get(name)
-            if info is None:
-                continue
-            pb = int(info.page_bytes)
             flat = a.reshape(-1).view("u1")
-            if on_gpu and flat.data.ptr % 16:
+            if info is None or (on_gpu and flat.data.ptr % 16):
                 continue   # the page kernels read 16 bytes at a time: the caller hashes it, as without a read ahead
-            out.page_bytes[name] = pb
-            todo.append((name, flat, pb, flat.size <= SEED_FPS_BYTES))
+            todo.append((name, flat, int(info.page_bytes), flat.size <= SEED_FPS_BYTES))
         if on_gpu:
-            _on_device(out, todo)
-            return out
-        for name, flat, pb, small in todo:
-            out.crc[name] = ref.crc32c_pages(flat, page_bytes=pb)
-            if small:
-                out.fp[name] = ref.fingerprint_pages(flat, page_bytes=pb)
-        return out
+            return cls(True, _on_device(todo))
+        return cls(False, {name: (pb, ref.crc32c_pages(flat, page_bytes=pb),
+                                  ref.fingerprint_pages(flat, page_bytes=pb) if small else None)
+                           for name, flat, pb, small in todo})
 
     def only(self, names) -> "Seeds":
         """Those of the regions `names` (the ones a recovery copied)."""
-        out = Seeds(self.on_gpu)
-        for n in names:
-            if n in self.page_bytes:
-                out.page_bytes[n] = self.page_bytes[n]
-                out.crc[n] = self.crc[n]
-                if n in self.fp:
-                    out.fp[n] = self.fp[n]
-        return out
+        return Seeds(self.on_gpu, {n: self.held[n] for n in names if n in self.held})
 
-    def _fits(self, r) -> bool:
-        """Whether region `r`'s detector may start from its seeds: the log's page size, the same side, and
-        on the device memory the page kernels read (16-byte aligned), as `staging.page_crcs` asks."""
-        return (self.page_bytes.get(r.name) == r.page_bytes and r.on_gpu == self.on_gpu
-                and (not r.on_gpu or r.device_aligned))
+    def _of(self, r) -> tuple:
+        """(page bytes, CRC table, fingerprints) of region `r`, or Nones where its detector may not start
+        from them: another page size than the log's, the other side, or device memory the page kernels
+        cannot read (not 16-byte aligned), as `staging.page_crcs` asks."""
+        got = self.held.get(r.name)
+        if got is None or got[0] != r.page_bytes or r.on_gpu != self.on_gpu or (r.on_gpu and not r.device_aligned):
+            return None, None, None
+        return got
 
-    def crcs(self, r):
-        """Region `r`'s page CRC table, or None (the caller computes it)."""
-        return self.crc.get(r.name) if self._fits(r) else None
+    def crcs(self, r, otherwise):
+        """Region `r`'s page CRC table, or `otherwise(r)` (the caller makes it, `staging.page_crcs`)."""
+        got = self._of(r)[1]
+        return otherwise(r) if got is None else got
 
     def fps(self, r):
-        """Region `r`'s page fingerprints, or None (the detector computes them if it needs them)."""
-        return self.fp.get(r.name) if self._fits(r) else None
+        """Region `r`'s page fingerprints, or None (its detector makes them if it needs them)."""
+        return self._of(r)[2]
 
 
-def _on_device(out: Seeds, todo: list) -> None:
-    """The device seeds of `todo` ([(name, flat bytes, page bytes, with fingerprints)])
-    into `out`, hashed on the read ahead's stream.  Their arrays come from the
-    default stream's arena of CuPy's pool, as the tables the caller makes do
-    (the read's stream ends with the read; a block freed back into the arena of
-    a stream that is gone stays there, for a later stream given the same
-    handle).  That arena's blocks are handed out in the default stream's order,
-    so the read's stream first waits for what the default stream has queued
-    (work that may still use a block just freed there), then hashes."""
+def _on_device(todo: list) -> dict:
+    """{name: (page bytes, CRC table, fingerprints or None)} of `todo` ([(name,
+    flat device bytes, page bytes, with fingerprints)]), hashed on the read
+    ahead's stream.  Their arrays come from the default stream's arena of
+    CuPy's pool, as the tables the caller makes do (the read's stream ends
+    with the read; a block freed back into the arena of a stream that is gone
+    stays there, for a later stream given the same handle).  That arena's
+    blocks are handed out in the default stream's order, so the read's stream
+    first waits for what the default stream has queued (work that may still
+    use a block just freed there), then hashes."""
     from concordia.gpu_kernels import gpu, reference as ref
     from concordia.gpu_kernels.jit import require_cupy
 
@@ -134,10 +124,9 @@ def _on_device(out: Seeds, todo: list) -> None:
         queued = cp.cuda.Event(disable_timing=True)
         queued.record()
     cp.cuda.get_current_stream().wait_event(queued)
-    for name, flat, pb, crc, fp in made:
-        out.crc[name] = gpu.crc32c_pages(flat, page_bytes=pb, out=crc)
-        if fp is not None:
-            out.fp[name] = gpu.fingerprint_pages(flat, page_bytes=pb, out=fp)
+    return {name: (pb, gpu.crc32c_pages(flat, page_bytes=pb, out=crc),
+                   None if fp is None else gpu.fingerprint_pages(flat, page_bytes=pb, out=fp))
+            for name, flat, pb, crc, fp in made}
 
 
 class ReadAhead:
@@ -157,8 +146,8 @@ class ReadAhead:
         self.dropped: str | None = None     # why its arrays were let go unused
         self.used = False
         self.device_id: int | None = None
-        self.seeds: Seeds | None = None     # of its arrays, until taken or dropped
-        self.taken: Seeds | None = None     # of the arrays the last recovery copied (`take_seeds`)
+        self.seeds = Seeds()   # of its arrays, until taken or dropped
+        self.taken = Seeds()   # of the arrays the last recovery copied (`take_seeds`)
 
     def run(self, log, registration=None) -> None:
         """The read (on the calling thread).  On the device it runs on a
@@ -185,12 +174,12 @@ class ReadAhead:
                 try:
                     self.seeds = Seeds.of(self.got.arrays, log.regions, self.device)
                 except Exception:  # the caller's recovery hashes what has none, as without a read ahead
-                    self.seeds = None
+                    self.seeds = Seeds()
                 if self.device:
                     stream.synchronize()  # its arrays (and seeds) are whole before any other thread reads them
                 self.times["seeds_s"] = time.perf_counter() - t_seeds
         except BaseException as exc:  # the recovery from the log meets it again and decides (module doc)
-            self.got = self.seeds = None
+            self.got, self.seeds = None, Seeds()
             self.error = f"{type(exc).__name__}: {_line(exc)}"
         else:
             try:  # the read's own phases (plan, alloc, transfer, ...), as a recovery from the log reports them
@@ -222,7 +211,7 @@ class ReadAhead:
         self.wait()
         if self.got is not None:
             self.got, self.dropped = None, why
-        self.seeds = self.taken = None
+        self.seeds = self.taken = Seeds()
 
     def _why_not(self, log, target, mode, want, views: dict, gpu: bool) -> str | None:
         if self.error is not None:
@@ -258,13 +247,13 @@ class ReadAhead:
         (`why_not` says why) for the recovery to read the log.  Its arrays go
         either way: copied into `views` and dropped, or handed over."""
         self.wait()
-        self.taken = None
+        self.taken = Seeds()
         why = self.why_not = self._why_not(log, target, mode, want, views, gpu)
         if why is not None:
             self.used = False   # this recovery's: a later one says why it did not use it
             if self.got is not None:  # passed over: the recovery reads the log, and the copy of the state goes
                 self.got, self.dropped = None, "a recovery before passed it over"
-            self.seeds = None
+            self.seeds = Seeds()
             return None
         got, plan = self.got, self.got.plan
         names = list(plan.regions) if want is None else list(want)
@@ -277,18 +266,18 @@ class ReadAhead:
         t = time.perf_counter()
         nbytes = sum(int(held[n].nbytes) for n in (*dev, *host) if n in held)
         # the seeds of what is not copied go before the copies give the pool's free blocks back
-        seeds, self.seeds = (None if self.seeds is None else self.seeds.only(held)), None
+        seeds, self.seeds = self.seeds.only(held), Seeds()
         written = restore_run.into_targets(dev, host, held, own=self.device)
-        self.taken = None if seeds is None else seeds.only(written)
+        self.taken = seeds.only(written)
         arrays = {**held, **written}
         stats = {"read_ahead": self.phase(), "copy_s": time.perf_counter() - t, "copy_bytes": nbytes}
         # planned on its thread (its time is in the read ahead's phase): none of this call's
         return restore_run.Restored(arrays, plan, 0.0, time.perf_counter() - t,
                                     {n: got.via[n] for n in arrays if n in got.via}, stats, kept)
 
-    def take_seeds(self) -> Seeds | None:
-        """The seeds of the targets the last `take` wrote, once (None: none)."""
-        out, self.taken = self.taken, None
+    def take_seeds(self) -> Seeds:
+        """The seeds of the targets the last `take` wrote, once (then none)."""
+        out, self.taken = self.taken, Seeds()
         return out
 
     def phase(self) -> dict:
