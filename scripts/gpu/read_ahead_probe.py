@@ -4,9 +4,10 @@ recovery` (its fresh_read_ahead child).  Both write the Qwen3 0.6B shape's
 state (batch 8, a StaticCache of CTX tokens prefilled, its LoRA) into an shm
 log first (`_written`), then:
 
-  profile      in this process, REPS times: a prefetch of the log onto the
-               GPU, a fresh cache, protect() and restore() under cProfile
-               (the first rep is the process's first use of each path)
+  profile      in this process, PLAIN_REPS times timed without a profiler,
+               then REPS times under cProfile: a prefetch of the log onto
+               the GPU, a fresh cache, protect() and restore() (the first
+               rep is the process's first use of each path)
   contention   fresh processes recover the log as the bench's children do
                (`python -m concordia.demo.kills recover`): without a read
                ahead, with one, and with one under each shorter GIL switch
@@ -14,7 +15,7 @@ log first (`_written`), then:
                default is 0.005), each printing its JSON line
 
     python3 scripts/gpu/read_ahead_probe.py profile|contention OUT_FILE
-    (CTX, REPS, INTERVALS from the environment; scripts/gpu/read_ahead_*_probe.sh)
+    (CTX, PLAIN_REPS, REPS, INTERVALS from the environment; scripts/gpu/read_ahead_*_probe.sh)
 """
 
 from __future__ import annotations
@@ -64,23 +65,32 @@ def _written(log: str, cfg, model, ctx: int) -> str:
 
 
 def profile(log: str, cfg, model, ctx: int, say, out) -> None:
-    for rep in range(int(os.environ.get("REPS", "3"))):
+    plain = int(os.environ.get("PLAIN_REPS", "3"))   # first these, timed without cProfile
+    for rep in range(plain + int(os.environ.get("REPS", "3"))):
         p = concordia.prefetch(log, device="cupy", readonly=True)
         fresh = StaticCache(config=cfg, max_cache_len=ctx + 8)
         p.wait()
         s = p.session()
-        pr = cProfile.Profile()
+        pr = cProfile.Profile() if rep >= plain else None
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        pr.enable()
+        if pr is not None:
+            pr.enable()
         g = protect(s, fresh, model, batch_size=BATCH, max_tokens=ctx + 8)
         t1 = time.perf_counter()
         restore(s, g)
         torch.cuda.synchronize()
-        pr.disable()
+        if pr is not None:
+            pr.disable()
         t2 = time.perf_counter()
-        say(f"rep {rep}: protect {t1 - t0:.4f} s, restore {t2 - t1:.4f} s (under cProfile), "
-            f"regions {len(s.regions)}, read ahead used {s.last_recovery.phases['read_ahead']['used']}")
+        say(f"rep {rep}: protect {t1 - t0:.4f} s, restore {t2 - t1:.4f} s "
+            f"({'under cProfile' if pr else 'not profiled'}), regions {len(s.regions)}, "
+            f"read ahead used {s.last_recovery.phases['read_ahead']['used']}")
+        if pr is None:
+            s.close()
+            del g, fresh
+            torch.cuda.empty_cache()
+            continue
         text = io.StringIO()
         pstats.Stats(pr, stream=text).sort_stats("cumulative").print_stats(40)
         pstats.Stats(pr, stream=text).sort_stats("tottime").print_stats(30)   # where the time is spent

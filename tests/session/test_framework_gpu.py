@@ -172,3 +172,36 @@ def test_a_cuda_tensor_without_cupy_is_named():
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith("region 'kv': a CUDA tensor needs CuPy to be protected or restored into")
     assert "regions 0" in p.stdout
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "bool", "int64", "complex64", "float32"])
+def test_a_cuda_tensor_is_seen_in_place_in_its_layout(dtype):
+    """`adapt` views a CUDA tensor by its address: the view is the tensor's
+    bytes in their layout (a slice at an offset of its storage included), a
+    later write through PyTorch is seen, and the view keeps the tensor."""
+    cp = pytest.importorskip("cupy")
+    import gc
+    import weakref
+
+    import numpy as np
+
+    from concordia.regions.arrays import adapt
+
+    tdt = getattr(torch, dtype)
+    base = torch.arange(3 * 4096, device="cuda", dtype=torch.float32).to(tdt)
+    t = base[4096:].view(3 - 1, 4096)           # contiguous, at an offset of its storage
+    a, xp, owner = adapt(t, "region 't'")
+    assert xp is cp and owner is t and a.shape == (2, 4096) and a.data.ptr == t.data_ptr()
+    want = t.cpu().view(torch.uint8).numpy().tobytes()
+    assert a.view(np.uint8).get().tobytes() == want
+    t.fill_(1)
+    torch.cuda.synchronize()
+    assert a.view(np.uint8).get().tobytes() == t.cpu().view(torch.uint8).numpy().tobytes()
+    one = torch.full((), 7, dtype=torch.int64, device="cuda")   # a 0-dim word
+    w, _, _ = adapt(one, "region 'w'")
+    assert w.shape == () and int(w.get()) == 7
+    ref = weakref.ref(t)
+    del t, base, owner
+    gc.collect()
+    assert ref() is not None, "the view does not hold the tensor it reads"
+    assert a.view(np.uint8).get().tobytes() == ref().cpu().view(torch.uint8).numpy().tobytes()
