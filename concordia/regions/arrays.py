@@ -10,6 +10,8 @@ restored bytes back into what the region was registered as.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from concordia.regions.errors import UnsupportedArrayError
@@ -71,7 +73,20 @@ def torch_numpy_dtype(name: str, where: str, itemsize: int, logged: str | None =
     name when it registered the region, so it is not checked again: the
     layout is numpy's own type of that name, else the unsigned integer of
     its width, and ml_dtypes (whose import costs a fresh recovering process
-    seconds) is not loaded to say so."""
+    seconds) is not loaded to say so.  Answers are kept (a dtype's name is
+    worked out by numpy afresh each time: a model's 170 tensors asked it
+    700 times), refusals are not."""
+    key = (name, itemsize, logged if logged == name else None)
+    dt = _TORCH_DTYPES.get(key)
+    if dt is None:
+        dt = _TORCH_DTYPES[key] = _torch_numpy_dtype(name, where, itemsize, logged)
+    return dt
+
+
+_TORCH_DTYPES: dict = {}
+
+
+def _torch_numpy_dtype(name: str, where: str, itemsize: int, logged: str | None) -> np.dtype:
     if logged is None or name != logged:
         return numpy_dtype(name, where, itemsize)
     try:
@@ -81,6 +96,12 @@ def torch_numpy_dtype(name: str, where: str, itemsize: int, logged: str | None =
     if dt is not None and dt.name == name and dt.itemsize == itemsize and dt.type.__module__ == "numpy":
         return dt
     return np.dtype(f"<u{itemsize}" if itemsize > 1 else "|u1")
+
+
+@functools.lru_cache(maxsize=256)
+def dtype_name_of(dt: np.dtype) -> str:
+    """numpy's name of `dt`, kept (`torch_numpy_dtype`)."""
+    return dt.name
 
 
 def layout_of(dt: np.dtype) -> str:
@@ -184,7 +205,7 @@ def logical_of(obj, logged: str | None = None) -> tuple[str, str]:
     if is_torch(obj):
         name = str(obj.dtype).split(".", 1)[1]
         dt = torch_numpy_dtype(name, "", obj.element_size(), logged)
-        return ("" if np.dtype(layout_of(dt)).name == name else name), "torch"
+        return ("" if dtype_name_of(np.dtype(layout_of(dt))) == name else name), "torch"
     return logical_name(np.dtype(obj.dtype)), "array"
 
 

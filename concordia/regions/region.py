@@ -30,7 +30,7 @@ import math
 
 import numpy as np
 
-from concordia.regions.arrays import storage_change, storage_of, to_host
+from concordia.regions.arrays import dtype_name_of, storage_change, storage_of, to_host
 from concordia.regions.errors import RegionMismatchError, SessionError, ShapeChangedError
 
 KINDS = ("kv", "adapter", "scheduler", "opaque")
@@ -200,7 +200,7 @@ class Region:
     @property
     def logical_dtype(self) -> str:
         """The name of the dtype the region holds ("bfloat16", "float32")."""
-        return self.logical or self.dtype.name
+        return self.logical or dtype_name_of(self.dtype)
 
     @property
     def shape(self) -> tuple:
