@@ -106,9 +106,10 @@ def restore(log, target="latest", *, mode=None, regions=None, device: bool = Fal
     No target is written before every region asked for has checked out (its
     pages against their CRCs, its digest against its commit): device regions
     are restored by the device pipeline into new device arrays, then copied
-    into their targets (one device-to-device copy each, ordered after the work
-    queued on each target's current stream and before later work; the new
-    arrays are the size of the targets); host views get the bytes likewise.
+    into their targets (one device-to-device copy each on CuPy's current
+    stream, which `recover` orders after the work queued on each target's own
+    current stream and before later work there; the new arrays are the size
+    of the targets); host views get the bytes likewise.
     Damage found anywhere leaves every target as it was.  Regions asked for
     beyond `into` come back as new arrays, on the device when `device`.
     registration: the log mapping's live CUDA registration (a session's), read
@@ -256,9 +257,10 @@ def split_targets(views: dict, names) -> tuple[dict, dict]:
 
 
 def into_targets(dev: dict, host: dict, got: dict, own: bool) -> dict:
-    """Copy what `got` holds for the device targets `dev` (in their streams'
-    order: one device-to-device copy each) and the host views `host` into
-    them, taking those arrays out of `got`; {name: target written}.  A region
+    """Copy what `got` holds for the device targets `dev` (one
+    device-to-device copy each, on CuPy's current stream, which `recover`
+    has ordered against the targets' own streams) and the host views `host`
+    into them, taking those arrays out of `got`; {name: target written}.  A region
     given up (skip_corrupt) is not in `got` and its target stays as it was.
     own: the staged copies have memory of their own, given back to the driver
     here, with the pool's free blocks."""
@@ -266,8 +268,6 @@ def into_targets(dev: dict, host: dict, got: dict, own: bool) -> dict:
     staged = {n: got.pop(n) for n in dev if n in got}
     host_got = {n: got.pop(n) for n in host if n in got}
     if dev:
-        order = StreamOrder.of([(v, None) for v in dev.values()])
-        order.after_producers()
         from concordia.gpu_kernels.jit import require_cupy
 
         cp = require_cupy()
@@ -275,7 +275,6 @@ def into_targets(dev: dict, host: dict, got: dict, own: bool) -> dict:
         for name, a in staged.items():
             dev[name].data.copy_from_device_async(a.data, int(a.nbytes), stream)
             out[name] = dev[name]
-        order.before_later_work()
         if own:
             stream.synchronize()  # the copies out of them are done: dropped, they go back to the driver
         staged.clear()
@@ -331,10 +330,17 @@ def recover(log, target="latest", *, targets: dict | None = None, device=None, m
     if not log.last_committed_epoch:
         raise NothingToRecoverError("the log holds no committed epoch", where=where)
     t0 = time.perf_counter()
-    got = None if ahead is None else ahead.take(log, target, mode, want, views, gpu, absent)
-    if got is None:
-        got = restore(log, target, mode=mode, regions=want, device=gpu, into=views, registration=registration,
-                      absent=absent)
+    # in each device target's own stream order (PyTorch's current stream of its device, CuPy's current stream):
+    # after the work queued there before the call, before the work queued there after it
+    order = StreamOrder.of([(targets[n], None) for n, (_, xp) in views.items() if xp is not np])
+    order.after_producers()
+    try:
+        got = None if ahead is None else ahead.take(log, target, mode, want, views, gpu, absent)
+        if got is None:
+            got = restore(log, target, mode=mode, regions=want, device=gpu, into=views, registration=registration,
+                          absent=absent)
+    finally:
+        order.before_later_work()
     out = {n: targets[n] for n in views}
     for name, a in got.arrays.items():
         if name not in views:

@@ -205,3 +205,29 @@ def test_a_cuda_tensor_is_seen_in_place_in_its_layout(dtype):
     gc.collect()
     assert ref() is not None, "the view does not hold the tensor it reads"
     assert a.view(np.uint8).get().tobytes() == ref().cpu().view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize("registered", [False, True])
+def test_a_recovery_on_a_side_stream_is_ordered_in_it(shm_log, registered):
+    """recover(into=...) inside `torch.cuda.stream(side)`: the copies into
+    the tensors follow the write queued on `side` before the call (behind
+    GEMMs, not waited for) and precede the reads queued there after it."""
+    want = torch.randn(16 << 20, device="cuda").to(torch.bfloat16)   # 32 MiB
+    with Session(shm_log, size=SIZE, segment_size=SEGMENT) as s:
+        s.register("x", want, kind="kv", page_bytes=65536)
+        s.checkpoint()
+    side = torch.cuda.Stream()
+    for trial in range(3):
+        x = torch.zeros_like(want)
+        torch.cuda.synchronize()
+        with Session(shm_log, create=False) as s:
+            if registered:
+                s.register("x", x, kind="kv", page_bytes=65536)
+            keep = _queue_behind_gemms(side, x, 7.0)   # queued on side, not waited for
+            with torch.cuda.stream(side):
+                s.recover(into="registered" if registered else {"x": x})
+                got = x.view(torch.int16).clone()   # queued on side after the call
+            side.synchronize()
+            del keep
+        assert torch.equal(got, want.view(torch.int16)), f"trial {trial}: the copy and the side stream interleaved"
+        assert torch.equal(x.view(torch.int16), want.view(torch.int16)), f"trial {trial}: the fill came after"
