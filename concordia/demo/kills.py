@@ -39,7 +39,7 @@ import time
 
 from concordia.regions.errors import DemoError
 
-from .model import build, digest, lora_update, prompt
+from .model import allocated_cache, build, digest, lora_update, prompt
 
 
 def _model(args):
@@ -227,11 +227,11 @@ def _sync(args):
 
 
 def _model_and_cache(args, sync) -> tuple:
-    """The model of `--shape` and an empty StaticCache of `--max-len`, built and synchronised."""
-    from transformers import StaticCache
-
+    """The model of `--shape` and an empty StaticCache of `--max-len` for
+    `--batch` rows, its tensors allocated (`allocated_cache`: as `bench
+    model`'s re-prefill baseline finds them), built and synchronised."""
     cfg, model = build(args.shape, args.device, seed=args.seed)
-    cache = StaticCache(config=cfg, max_cache_len=args.max_len)
+    cache = allocated_cache(cfg, model, args.batch, args.max_len)
     sync()
     return model, cache
 

@@ -87,6 +87,21 @@ def lora_update(model):
     return on_step
 
 
+def allocated_cache(cfg, model, batch: int, max_len: int):
+    """A StaticCache of `max_len` tokens for `batch` rows with its tensors
+    allocated where the model is (transformers allocates them at the first
+    forward otherwise): what a server holds from its start, and what both a
+    recovery and a re-prefill begin from in `bench model`."""
+    import torch
+    from transformers import StaticCache
+
+    p = next(model.parameters())
+    cache = StaticCache(config=cfg, max_cache_len=max_len)
+    cache.early_initialization(batch_size=batch, num_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                               dtype=p.dtype, device=torch.device(p.device))
+    return cache
+
+
 def prompt(batch: int, length: int, vocab: int, device: str, seed: int = 0):
     import torch
 

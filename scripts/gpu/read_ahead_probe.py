@@ -35,7 +35,7 @@ import torch
 from transformers import StaticCache
 
 import concordia
-from concordia.demo.model import build, prompt
+from concordia.demo.model import allocated_cache, build, prompt
 from concordia.integrations.transformers import protect, restore
 from concordia.tools.bench.files import Scratch
 from concordia.tools.bench.model import _prefill
@@ -68,7 +68,7 @@ def profile(log: str, cfg, model, ctx: int, say, out) -> None:
     plain = int(os.environ.get("PLAIN_REPS", "3"))   # first these, timed without cProfile
     for rep in range(plain + int(os.environ.get("REPS", "3"))):
         p = concordia.prefetch(log, device="cupy", readonly=True)
-        fresh = StaticCache(config=cfg, max_cache_len=ctx + 8)
+        fresh = allocated_cache(cfg, model, BATCH, ctx + 8)   # as `bench model`'s children have it
         p.wait()
         s = p.session()
         pr = cProfile.Profile() if rep >= plain else None

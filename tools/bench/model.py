@@ -44,7 +44,9 @@ determinism switches.
   after the model's build, waits for the read included); beside it, the
   same tokens re-prefilled into an empty cache, and a cold restart (the weights
   loaded from safetensors, then re-prefill); and the KV bytes' time at pinned
-  host-to-device bandwidth measured in the same run (the ceiling).
+  host-to-device bandwidth measured in the same run (the ceiling).  Every
+  recovery and the re-prefill start from a cache whose tensors are allocated
+  (`demo.model.allocated_cache`, outside their clocks), as a server's are.
 
 Prefill runs in chunks (--chunk tokens), as a server would for long contexts.
 """
@@ -426,7 +428,7 @@ def run(shape: str, device: str, batch: int, contexts: list[int], decode_steps: 
     from transformers import Qwen3ForCausalLM, StaticCache
 
     import concordia
-    from concordia.demo.model import build, prompt
+    from concordia.demo.model import allocated_cache, build, prompt
     from concordia.demo.kills import compiled
     from concordia.integrations.transformers import protect, restore
 
@@ -496,8 +498,8 @@ def run(shape: str, device: str, batch: int, contexts: list[int], decode_steps: 
             if was:
                 gc.enable()
         _empty(torch, device)
-        # recovery: open, protect a fresh cache, restore into it
-        fresh = StaticCache(config=cfg, max_cache_len=ctx + 8)
+        # recovery: open, protect a fresh cache (allocated, as the re-prefill's is), restore into it
+        fresh = allocated_cache(cfg, model, batch, ctx + 8)
         _sync(torch, device)
         t0 = time.perf_counter()
         with concordia.Session(log, create=False) as s:
@@ -518,9 +520,7 @@ def run(shape: str, device: str, batch: int, contexts: list[int], decode_steps: 
         # ... and one that knows it recovers: the log opened and read ahead while its model is built
         row["fresh_read_ahead"] = _recovery_child(log, shape, device, batch, ctx + 8, prefetch=True)
         # re-prefill the same tokens into an empty cache
-        cache = StaticCache(config=cfg, max_cache_len=ctx + 8)
-        cache.early_initialization(batch_size=batch, num_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                                   dtype=next(model.parameters()).dtype, device=torch.device(device))
+        cache = allocated_cache(cfg, model, batch, ctx + 8)
         _sync(torch, device)
         t0 = time.perf_counter()
         _prefill(model, cache, ids, chunk)
