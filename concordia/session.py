@@ -262,7 +262,7 @@ class Session:
         batch_pages(int(page_bytes), self.log.volume.segment_bytes - fmt.SEGMENT_HEADER_SIZE, where)
         if name in self.region_set:
             raise DuplicateRegionError("a region of this name is already registered", where=where)
-        info = self.log.regions.get(name)   # in a recovering session: its dtype was checked when written
+        info = self.log.region_named(name)   # in a recovering session: its dtype was checked when written
         arr, xp, owner = adapt(array, where, logged := None if info is None else info.logical_dtype)
         if not arr.flags.c_contiguous:
             raise UnsupportedArrayError("the array is not C-contiguous", where=where,

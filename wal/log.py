@@ -347,9 +347,16 @@ class Log:
     def regions(self) -> dict:
         """{name: RegionInfo(id, name, dtype, shape, page_bytes, kind, nbytes, pages)}, in id
         order: a dict of the caller's own (a recovery asks for it once a region)."""
+        return dict(self._named())
+
+    def region_named(self, name: str) -> F.RegionInfo | None:
+        """The region of this name, or None (no dict made: a register asks once a region)."""
+        return self._named().get(name)
+
+    def _named(self) -> dict:
         if self._by_name is None:
             self._by_name = {info.name: info for info in sorted(self._regions.values(), key=lambda r: r.id)}
-        return dict(self._by_name)
+        return self._by_name
 
     def region(self, key) -> F.RegionInfo:
         """A region by name or id."""
