@@ -1,7 +1,8 @@
 """Arrays in and out: what Concordia accepts as a region and hands back.
 
 A region is the bytes of a C-contiguous array: numpy, CuPy, or a PyTorch
-tensor seen through DLPack, of any fixed-size dtype.  `adapt` takes what the
+tensor (a CUDA tensor seen by its address, `_cuda_view`; others through
+DLPack), of any fixed-size dtype.  `adapt` takes what the
 caller gives and returns the numpy or CuPy view of its bytes in their layout
 (`layout_of`: a bfloat16 tensor is seen as uint16), `logical_of` says what it
 holds, `storage_of` what must not change under it, and `present` turns
@@ -158,10 +159,12 @@ def adapt(obj, where: str, logged: str | None = None):
         else:
             raise UnsupportedArrayError(f"tensors on {obj.device} cannot be protected (cpu or cuda only)",
                                         where=where)
-        if xp is not np and obj.numel():
-            return _cuda_view(xp, obj, np.dtype(layout_of(dt))), xp, obj
+        torch = torch_module()
         try:
-            raw = xp.from_dlpack(obj.detach().reshape(-1).view(torch_module().uint8))
+            if xp is not np and type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.numel() and obj.data_ptr():
+                return _cuda_view(xp, obj, np.dtype(layout_of(dt))), xp, obj
+            # a CPU tensor, an empty one, or a subclass (a wrapper without storage of its own: DLPack says)
+            raw = xp.from_dlpack(obj.detach().reshape(-1).view(torch.uint8))
         except Exception as exc:
             raise UnsupportedArrayError(f"tensor cannot be shared through DLPack: {exc}", where=where) from None
         return raw.view(layout_of(dt)).reshape(tuple(obj.shape)), xp, obj
@@ -181,10 +184,12 @@ def _cuda_view(cp, t, layout: np.dtype):
     """A CuPy array of contiguous CUDA tensor `t`'s bytes in `layout`, made
     from its address and device: DLPack would ask PyTorch for its current
     stream and order two streams (0.05 ms a tensor, most of a registration),
-    where a view orders nothing (every read of a region is ordered against its
-    producer stream when it happens: `StreamOrder`).  The view holds `t`."""
+    where making a view reads nothing (checkpoints, recoveries and adoptions
+    order their reads against the producer streams: `StreamOrder`).  The
+    view holds `t` and its storage (a tensor given new storage since leaves
+    the old one alive under the view until the region is refused)."""
     nbytes = t.numel() * t.element_size()
-    mem = cp.cuda.UnownedMemory(t.data_ptr(), nbytes, t, t.device.index)
+    mem = cp.cuda.UnownedMemory(t.data_ptr(), nbytes, (t, t.untyped_storage()), t.device.index)
     return cp.ndarray(tuple(t.shape), dtype=layout, memptr=cp.cuda.MemoryPointer(mem, 0))
 
 
