@@ -210,7 +210,7 @@ class Session:
                  detect: str = "auto", block_tables=None, seq_lens=None, block_stamp=None,
                  seq_ids=None, slot_versions=None, pages_per_slot: int | None = None, length=None,
                  check_every: int | None = None, stream=None) -> Region:
-        """Protect `array` (numpy, CuPy, or a PyTorch tensor through DLPack) as
+        """Protect `array` (numpy, CuPy, a PyTorch tensor, or a DLPack array) as
         region `name`.  The array must stay the same object and be updated in
         place; its shape, dtype and storage are checked at every checkpoint (a
         tensor freed, resized or moved since is refused, naming the region).
@@ -432,17 +432,19 @@ class Session:
         if into is not None and not (into == "registered" or isinstance(into, dict)):
             raise SessionError("into must be None, 'registered' or a {name: array} dict")
         restore_run.on_device(device)  # an unknown device is refused before anything else
-        targets = adapted = None
+        targets = adapted = order = None
         if into == "registered":
             if not len(self.region_set):
                 raise SessionError("recover(into='registered') with no region registered")
             targets = {r.name: r.owner for r in self.region_set}
             adapted = {r.name: v for r in self.region_set if (v := r.unchanged_view()) is not None}
+            # in each region's producer stream (as its checkpoints): the copies and the reads below come first
+            order = restore_run.device_order((r.owner, r.stream) for r in self.region_set)
         elif into is not None:
             targets = dict(into)
         out, self.last_recovery = restore_run.recover(self.log, target, targets=targets, device=device, mode=mode,
                                                       regions=regions, registration=self.runner.registration,
-                                                      absent=absent, ahead=self.ahead, adapted=adapted)
+                                                      absent=absent, ahead=self.ahead, adapted=adapted, order=order)
         if self._open_s is not None and self.ahead is None:  # a fresh process's recovery: its open is part of it
             self.last_recovery.phases = {"open": {"s": self._open_s}, **self.last_recovery.phases}
         self._open_s = None  # (a read ahead's open ran on its thread: in its phase)
@@ -455,6 +457,7 @@ class Session:
             epochs = self.last_recovery.epochs
             self._continue_from({r.name: seeds.crcs(r, page_crcs) for r in self.region_set
                                  if epochs.get(r.name) == last and r.page_bytes == infos[r.name].page_bytes}, seeds)
+            order.before_later_work()
         return out
 
     def adopt(self, epoch: int) -> dict:

@@ -8,6 +8,7 @@ import numpy as np
 
 from concordia.checkpoint.staging import page_crcs
 from concordia.regions.errors import SessionError
+from concordia.regions.streams import StreamOrder
 from concordia.wal import format as fmt
 
 
@@ -32,6 +33,9 @@ def adopted(log, regions, epoch: int, *, where: str) -> tuple[dict, dict]:
         if len(stated) == len(ids):
             break
     tables, how = {}, {}
+    on_gpu = [r for r in regions if r.on_gpu]
+    if on_gpu:  # the hashes follow the writes queued on each region's producer stream (each read back on the host)
+        StreamOrder.for_checkpoint(on_gpu).after_producers()
     for r in regions:
         info = infos[r.name]
         want = None if info is None or info.page_bytes != r.page_bytes else stated.get(info.id)

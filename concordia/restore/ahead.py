@@ -242,10 +242,11 @@ class ReadAhead:
             return int(target)
         return None
 
-    def take(self, log, target, mode, want, views: dict, gpu: bool, absent: str):
+    def take(self, log, target, mode, want, views: dict, gpu: bool, absent: str, order=None):
         """A recovery's `restore_run.Restored` from the read ahead, or None
         (`why_not` says why) for the recovery to read the log.  Its arrays go
-        either way: copied into `views` and dropped, or handed over."""
+        either way: copied into `views` (after the work `order` names:
+        `restore_run.into_targets`) and dropped, or handed over."""
         self.wait()
         self.taken = Seeds()
         why = self.why_not = self._why_not(log, target, mode, want, views, gpu)
@@ -267,7 +268,7 @@ class ReadAhead:
         nbytes = sum(int(held[n].nbytes) for n in (*dev, *host) if n in held)
         # the seeds of what is not copied go before the copies give the pool's free blocks back
         seeds, self.seeds = self.seeds.only(held), Seeds()
-        written = restore_run.into_targets(dev, host, held, own=self.device)
+        written = restore_run.into_targets(dev, host, held, self.device, order)
         self.taken = seeds.only(written)
         arrays = {**held, **written}
         stats = {"read_ahead": self.phase(), "copy_s": time.perf_counter() - t, "copy_bytes": nbytes}

@@ -18,9 +18,11 @@ region whose descriptor no commit holds yet, a live writer's, likewise);
 `absent="keep"` leaves its target as it is (a new array: leaves it out) and
 lists it in `kept`.
 
-Host targets are restored aside and copied in only once every page and digest
-checked out, so damage leaves them as they were; device targets are written by
-the device pipeline in place, ordered against each target's current stream.
+Every target is written only once every page and digest checked out, so
+damage leaves it as it was: host targets from arrays restored aside, device
+targets by one device-to-device copy each from the pipeline's (or a read
+ahead's) arrays, queued after the work on each target's own stream and before
+the work queued there after the call (`device_order`, `into_targets`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ import time
 
 import numpy as np
 
-from concordia.regions.arrays import adapt, dtype_name, numpy_dtype, present, torch_dtype, torch_module
+from concordia.regions.arrays import (adapt, dtype_name, is_cupy, is_torch, numpy_dtype, present, torch_dtype,
+                                     torch_module)
 from concordia.regions.errors import (NothingToRecoverError, RecoverMismatchError, SessionError, UnknownRegionError,
                                       UnsupportedArrayError)
 from concordia.regions.streams import StreamOrder
@@ -98,7 +101,7 @@ RELEASE_STAGED_BYTES = 256 << 20
 
 def restore(log, target="latest", *, mode=None, regions=None, device: bool = False, into: dict | None = None,
             registration=None, read: str = "auto", stats: dict | None = None, plan=None,
-            absent: str = "refuse", own_new: bool = False) -> Restored:
+            absent: str = "refuse", own_new: bool = False, order: StreamOrder | None = None) -> Restored:
     """Plan `log` at `target` in `mode` (or take `plan`) and apply it to
     `regions` (None: every region of the plan).
 
@@ -107,9 +110,9 @@ def restore(log, target="latest", *, mode=None, regions=None, device: bool = Fal
     pages against their CRCs, its digest against its commit): device regions
     are restored by the device pipeline into new device arrays, then copied
     into their targets (one device-to-device copy each on CuPy's current
-    stream, which `recover` orders after the work queued on each target's own
-    current stream and before later work there; the new arrays are the size
-    of the targets); host views get the bytes likewise.
+    stream, after the work queued on the targets' own streams, `order`, and
+    before later work there, which `recover` orders; the new arrays are the
+    size of the targets); host views get the bytes likewise.
     Damage found anywhere leaves every target as it was.  Regions asked for
     beyond `into` come back as new arrays, on the device when `device`.
     registration: the log mapping's live CUDA registration (a session's), read
@@ -130,7 +133,7 @@ def restore(log, target="latest", *, mode=None, regions=None, device: bool = Fal
     check_absent(absent)
     st = {} if stats is None else stats
     args = dict(regions=regions, device=device, into=into or {}, registration=registration, read=read, st=st,
-                absent=absent, own_new=own_new)
+                absent=absent, own_new=own_new, order=order)
     if plan is not None:
         return _restore(log, plan, 0.0, None, **args)
     from concordia.wal.planner import plan as make_plan, plan_unchecked
@@ -202,7 +205,7 @@ def absent_regions(plan, want: list, absent: str, *, where: str) -> list:
 
 
 def _restore(log, plan, plan_s, pages, *, regions, device, into, registration, read, st, absent,
-             own_new) -> Restored:
+             own_new, order) -> Restored:
     """restore() with `plan`; `pages`: the page checks left from planning
     (`PageCheck`), or None when the plan was made with them."""
     from concordia.wal.apply import apply_plan_numpy
@@ -241,10 +244,27 @@ def _restore(log, plan, plan_s, pages, *, regions, device, into, registration, r
             got.update(got_host)
     finally:
         wait()   # the page checks end before anything is written, or before an error leaves
-    written = into_targets(dev, host, got, own)   # the decision is made
+    written = into_targets(dev, host, got, own, order)   # the decision is made
     arrays.update(got)
     arrays.update(written)
     return Restored(arrays, plan, plan_s, time.perf_counter() - t1, via, st, kept)
+
+
+def device_order(pairs) -> StreamOrder:
+    """The stream order (`StreamOrder.of`) of the device arrays and CUDA
+    tensors among `pairs` ((array or tensor, its producer stream or None));
+    none (and CuPy not imported) for host ones."""
+    dev = [(a, st) for a, st in pairs if is_cupy(a) or (is_torch(a) and a.is_cuda)]
+    return StreamOrder.of(dev) if dev else StreamOrder([])
+
+
+def later_quietly(order: StreamOrder) -> None:
+    """`order.before_later_work()` on a failing path: its own failure (a
+    device in an error state) does not replace the error being raised."""
+    try:
+        order.before_later_work()
+    except Exception:
+        pass
 
 
 def split_targets(views: dict, names) -> tuple[dict, dict]:
@@ -256,10 +276,11 @@ def split_targets(views: dict, names) -> tuple[dict, dict]:
     return dev, host
 
 
-def into_targets(dev: dict, host: dict, got: dict, own: bool) -> dict:
+def into_targets(dev: dict, host: dict, got: dict, own: bool, order: StreamOrder | None = None) -> dict:
     """Copy what `got` holds for the device targets `dev` (one
-    device-to-device copy each, on CuPy's current stream, which `recover`
-    has ordered against the targets' own streams) and the host views `host`
+    device-to-device copy each, on CuPy's current stream, after the work
+    queued on the targets' own streams, `order`: `recover` makes it and
+    orders their later work after the copies) and the host views `host`
     into them, taking those arrays out of `got`; {name: target written}.  A region
     given up (skip_corrupt) is not in `got` and its target stays as it was.
     own: the staged copies have memory of their own, given back to the driver
@@ -268,6 +289,8 @@ def into_targets(dev: dict, host: dict, got: dict, own: bool) -> dict:
     staged = {n: got.pop(n) for n in dev if n in got}
     host_got = {n: got.pop(n) for n in host if n in got}
     if dev:
+        if order is not None:
+            order.after_producers()
         from concordia.gpu_kernels.jit import require_cupy
 
         cp = require_cupy()
@@ -288,8 +311,8 @@ def into_targets(dev: dict, host: dict, got: dict, own: bool) -> dict:
 
 
 def recover(log, target="latest", *, targets: dict | None = None, device=None, mode=None, regions=None,
-            registration=None, absent: str = "refuse", ahead=None,
-            adapted: dict | None = None) -> tuple[dict, RecoveryStats]:
+            registration=None, absent: str = "refuse", ahead=None, adapted: dict | None = None,
+            order: StreamOrder | None = None) -> tuple[dict, RecoveryStats]:
     """({name: restored}, RecoveryStats): `Session.recover` on an open log.
 
     targets: {name: array or tensor} restored in place (each checked first:
@@ -304,7 +327,12 @@ def recover(log, target="latest", *, targets: dict | None = None, device=None, m
     where it holds what is asked for; else the log is read, as without it.
     adapted: {name: (layout view, xp, kind, logical dtype)} of targets whose
     views were made already (registered regions, `Region.unchanged_view`):
-    checked as they are (`check_view`), not adapted again."""
+    checked as they are (`check_view`), not adapted again.
+    order: the device targets' stream order (`device_order`; default: each
+    target's framework's current stream): the copies into them follow the
+    work queued there before the call, and, when it is given, the caller
+    orders the work queued there after (its own reads of the targets come
+    first); else this call does."""
     t_checks = time.perf_counter()
     gpu = on_device(device)
     check_absent(absent)
@@ -330,16 +358,18 @@ def recover(log, target="latest", *, targets: dict | None = None, device=None, m
     if not log.last_committed_epoch:
         raise NothingToRecoverError("the log holds no committed epoch", where=where)
     t0 = time.perf_counter()
-    # in each device target's own stream order (PyTorch's current stream of its device, CuPy's current stream):
-    # after the work queued there before the call, before the work queued there after it
-    order = StreamOrder.of([(targets[n], None) for n, (_, xp) in views.items() if xp is not np])
-    order.after_producers()
+    own_order = order is None
+    if own_order:
+        order = device_order((a, None) for a in (targets or {}).values())
     try:
-        got = None if ahead is None else ahead.take(log, target, mode, want, views, gpu, absent)
+        got = None if ahead is None else ahead.take(log, target, mode, want, views, gpu, absent, order)
         if got is None:
             got = restore(log, target, mode=mode, regions=want, device=gpu, into=views, registration=registration,
-                          absent=absent)
-    finally:
+                          absent=absent, order=order)
+    except BaseException:
+        later_quietly(order)   # copies may have been queued
+        raise
+    if own_order:
         order.before_later_work()
     out = {n: targets[n] for n in views}
     for name, a in got.arrays.items():

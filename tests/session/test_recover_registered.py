@@ -134,3 +134,25 @@ def test_a_region_skip_corrupt_took_back_to_an_older_epoch_is_written_whole_next
         st = s.checkpoint()
         assert st.pages["kv"] == s.region_set.get("kv").pages   # whole
         assert st.pages["sched"] == 1                             # a delta from the latest epoch
+
+
+@pytest.mark.parametrize("into", ["registered", "given"])
+def test_host_targets_build_no_stream_order(tmp_path, monkeypatch, into):
+    """A recovery into host arrays and CPU tensors orders no stream (nor
+    imports CuPy to say so): only device targets get a `StreamOrder`."""
+    path = f"file:{tmp_path / 'h.log'}"
+    want = _state(3)
+    _written(path, want)
+
+    def refused(*a, **kw):
+        raise AssertionError("a stream order was built for host targets")
+    monkeypatch.setattr(restore_run.StreamOrder, "of", refused)
+    fresh = {n: (torch.zeros_like(w) if isinstance(w, torch.Tensor) else np.zeros_like(w)) for n, w in want.items()}
+    with Session(path, create=False) as s:
+        if into == "registered":
+            for name, a in fresh.items():
+                s.register(name, a)
+            s.recover(into="registered")
+        else:
+            s.recover(into=fresh)
+    _same(fresh, want)
