@@ -418,9 +418,9 @@ class Session:
 
         A read ahead (`concordia.prefetch`) of this epoch is copied from instead of the log (`restore.ahead`).
 
-        Stream order: the restore into a device target runs after the work queued on that target's
-        current stream before the call (PyTorch's current stream of its device, CuPy's current stream)
-        and before the work queued there after it (an event recorded on Concordia's stream, waited on).
+        Stream order: the copy into a device target runs after the work queued on its stream before the
+        call (a registered region's register stream=, else PyTorch's current stream of its device or CuPy's)
+        and before the work queued there after it (events recorded and waited on, no host wait).
         """
         self._check_open("recover")
         self.settle()
