@@ -439,7 +439,7 @@ class Session:
             targets = {r.name: r.owner for r in self.region_set}
             adapted = {r.name: v for r in self.region_set if (v := r.unchanged_view()) is not None}
             # in each region's producer stream (as its checkpoints): the copies and the reads below come first
-            order = restore_run.device_order((r.owner, r.stream) for r in self.region_set)
+            order = StreamOrder.for_checkpoint(self.region_set)
         elif into is not None:
             targets = dict(into)
         out, self.last_recovery = restore_run.recover(self.log, target, targets=targets, device=device, mode=mode,

@@ -762,13 +762,13 @@ class RegionInfo(NamedTuple):
     @property
     def logical_dtype(self) -> str:
         """The logical dtype's name: `logical`, or numpy's name of `dtype` ("float16")."""
-        return self.logical or _dtype_name(self.dtype)
+        return self.logical or dtype_name(self.dtype)
 
 
 @functools.lru_cache(maxsize=256)
-def _dtype_name(dtype: str) -> str:
-    """numpy's name of a dtype string (numpy works it out afresh each time: a model's 170 regions,
-    asked a few times each, made it milliseconds of a fresh process's recovery)."""
+def dtype_name(dtype) -> str:
+    """numpy's name of a dtype or dtype string, kept (numpy works it out afresh each time: a model's
+    170 regions, asked a few times each, made it milliseconds of a fresh process's recovery)."""
     return np.dtype(dtype).name
 
 

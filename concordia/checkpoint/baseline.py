@@ -33,9 +33,8 @@ def adopted(log, regions, epoch: int, *, where: str) -> tuple[dict, dict]:
         if len(stated) == len(ids):
             break
     tables, how = {}, {}
-    on_gpu = [r for r in regions if r.on_gpu]
-    if on_gpu:  # the hashes follow the writes queued on each region's producer stream (each read back on the host)
-        StreamOrder.for_checkpoint(on_gpu).after_producers()
+    # the hashes follow the writes queued on each region's producer stream (each read back on the host)
+    StreamOrder.for_checkpoint(regions).after_producers()
     for r in regions:
         info = infos[r.name]
         want = None if info is None or info.page_bytes != r.page_bytes else stated.get(info.id)

@@ -11,11 +11,10 @@ restored bytes back into what the region was registered as.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
 from concordia.regions.errors import UnsupportedArrayError
+from concordia.wal import format as fmt
 
 def cupy_module():
     """CuPy, or None where it is missing or cannot start (no CUDA)."""
@@ -97,12 +96,6 @@ def _torch_numpy_dtype(name: str, where: str, itemsize: int, logged: str | None)
     if dt is not None and dt.name == name and dt.itemsize == itemsize and dt.type.__module__ == "numpy":
         return dt
     return np.dtype(f"<u{itemsize}" if itemsize > 1 else "|u1")
-
-
-@functools.lru_cache(maxsize=256)
-def dtype_name_of(dt: np.dtype) -> str:
-    """numpy's name of `dt`, kept (`torch_numpy_dtype`)."""
-    return dt.name
 
 
 def layout_of(dt: np.dtype) -> str:
@@ -210,7 +203,7 @@ def logical_of(obj, logged: str | None = None) -> tuple[str, str]:
     if is_torch(obj):
         name = str(obj.dtype).split(".", 1)[1]
         dt = torch_numpy_dtype(name, "", obj.element_size(), logged)
-        return ("" if dtype_name_of(np.dtype(layout_of(dt))) == name else name), "torch"
+        return ("" if fmt.dtype_name(layout_of(dt)) == name else name), "torch"
     return logical_name(np.dtype(obj.dtype)), "array"
 
 

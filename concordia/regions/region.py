@@ -30,8 +30,9 @@ import math
 
 import numpy as np
 
-from concordia.regions.arrays import dtype_name_of, storage_change, storage_of, to_host
+from concordia.regions.arrays import storage_change, storage_of, to_host
 from concordia.regions.errors import RegionMismatchError, SessionError, ShapeChangedError
+from concordia.wal import format as fmt
 
 KINDS = ("kv", "adapter", "scheduler", "opaque")
 DETECTORS = ("auto", "shadow", "fingerprint", "blocks", "versions", "stores", "positions", "all")
@@ -200,7 +201,7 @@ class Region:
     @property
     def logical_dtype(self) -> str:
         """The name of the dtype the region holds ("bfloat16", "float32")."""
-        return self.logical or dtype_name_of(self.dtype)
+        return self.logical or fmt.dtype_name(self.dtype)
 
     @property
     def shape(self) -> tuple:

@@ -36,9 +36,11 @@ class StreamOrder:
 
     @classmethod
     def of(cls, objs, stream=None) -> "StreamOrder":
-        """The producer streams of `objs` ((owner, register-time stream) pairs
-        of device arrays); `stream` overrides them all."""
-        cp = cupy_module()
+        """The producer streams of `objs` ((owner, register-time stream)
+        pairs); `stream` overrides them all.  Host arrays and tensors have
+        none: with no device one, the order is empty and CuPy not imported."""
+        objs = [(o, s) for o, s in objs if s is not None or stream is not None or _on_device(o)]
+        cp = cupy_module() if objs else None
         if cp is None:
             return cls([])
         out, seen, current = [], set(), {}
@@ -201,6 +203,11 @@ class HeldOrder(StreamOrder):
             self.released = True
             with cupy_module().cuda.Device(self.holds.device_id), self.holds.stream:
                 self.holds._gpu.launch_release_holds(self.holds.words, self.seq)
+
+
+def _on_device(owner) -> bool:
+    """Whether `owner` (a registered object or a recover target) is a CuPy array or a CUDA tensor."""
+    return is_cupy(owner) or (is_torch(owner) and owner.is_cuda)
 
 
 def producer_stream(owner, stream):

@@ -22,7 +22,7 @@ Every target is written only once every page and digest checked out, so
 damage leaves it as it was: host targets from arrays restored aside, device
 targets by one device-to-device copy each from the pipeline's (or a read
 ahead's) arrays, queued after the work on each target's own stream and before
-the work queued there after the call (`device_order`, `into_targets`).
+the work queued there after the call (`StreamOrder`, `into_targets`).
 """
 
 from __future__ import annotations
@@ -32,8 +32,7 @@ import time
 
 import numpy as np
 
-from concordia.regions.arrays import (adapt, dtype_name, is_cupy, is_torch, numpy_dtype, present, torch_dtype,
-                                     torch_module)
+from concordia.regions.arrays import adapt, dtype_name, numpy_dtype, present, torch_dtype, torch_module
 from concordia.regions.errors import (NothingToRecoverError, RecoverMismatchError, SessionError, UnknownRegionError,
                                       UnsupportedArrayError)
 from concordia.regions.streams import StreamOrder
@@ -250,14 +249,6 @@ def _restore(log, plan, plan_s, pages, *, regions, device, into, registration, r
     return Restored(arrays, plan, plan_s, time.perf_counter() - t1, via, st, kept)
 
 
-def device_order(pairs) -> StreamOrder:
-    """The stream order (`StreamOrder.of`) of the device arrays and CUDA
-    tensors among `pairs` ((array or tensor, its producer stream or None));
-    none (and CuPy not imported) for host ones."""
-    dev = [(a, st) for a, st in pairs if is_cupy(a) or (is_torch(a) and a.is_cuda)]
-    return StreamOrder.of(dev) if dev else StreamOrder([])
-
-
 def later_quietly(order: StreamOrder) -> None:
     """`order.before_later_work()` on a failing path: its own failure (a
     device in an error state) does not replace the error being raised."""
@@ -328,7 +319,7 @@ def recover(log, target="latest", *, targets: dict | None = None, device=None, m
     adapted: {name: (layout view, xp, kind, logical dtype)} of targets whose
     views were made already (registered regions, `Region.unchanged_view`):
     checked as they are (`check_view`), not adapted again.
-    order: the device targets' stream order (`device_order`; default: each
+    order: the device targets' stream order (`StreamOrder.of`; default: each
     target's framework's current stream): the copies into them follow the
     work queued there before the call, and, when it is given, the caller
     orders the work queued there after (its own reads of the targets come
@@ -360,7 +351,7 @@ def recover(log, target="latest", *, targets: dict | None = None, device=None, m
     t0 = time.perf_counter()
     own_order = order is None
     if own_order:
-        order = device_order((a, None) for a in (targets or {}).values())
+        order = StreamOrder.of([(a, None) for a in (targets or {}).values()])
     try:
         got = None if ahead is None else ahead.take(log, target, mode, want, views, gpu, absent, order)
         if got is None:

@@ -137,16 +137,18 @@ def test_a_region_skip_corrupt_took_back_to_an_older_epoch_is_written_whole_next
 
 
 @pytest.mark.parametrize("into", ["registered", "given"])
-def test_host_targets_build_no_stream_order(tmp_path, monkeypatch, into):
-    """A recovery into host arrays and CPU tensors orders no stream (nor
-    imports CuPy to say so): only device targets get a `StreamOrder`."""
+def test_host_targets_order_no_stream(tmp_path, monkeypatch, into):
+    """A recovery into host arrays and CPU tensors orders no stream, nor
+    looks for CuPy to say so (`StreamOrder.of` drops host objects first)."""
+    from concordia.regions import streams
+
     path = f"file:{tmp_path / 'h.log'}"
     want = _state(3)
     _written(path, want)
 
-    def refused(*a, **kw):
-        raise AssertionError("a stream order was built for host targets")
-    monkeypatch.setattr(restore_run.StreamOrder, "of", refused)
+    def refused():
+        raise AssertionError("CuPy was looked for to order host targets")
+    monkeypatch.setattr(streams, "cupy_module", refused)
     fresh = {n: (torch.zeros_like(w) if isinstance(w, torch.Tensor) else np.zeros_like(w)) for n, w in want.items()}
     with Session(path, create=False) as s:
         if into == "registered":
