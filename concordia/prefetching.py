@@ -37,11 +37,17 @@ class Prefetch:
         self._session = None
         self._error: BaseException | None = None
         self._opened = threading.Event()
+        # The thread waits for `go` before its first step: started, it would run on holding the GIL, and this
+        # call, waiting in Thread.start() for it to start, would get the GIL back only at the next switch
+        # interval (5 ms by default) or a call that lets it go; the caller's build should not wait for that.
+        self._go = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(log, session_kw), name="concordia-prefetch",
                                         daemon=True)
         self._thread.start()
+        self._go.set()
 
     def _run(self, log, session_kw) -> None:
+        self._go.wait()
         t = time.perf_counter()
         try:
             s = Session(log, create=False, **session_kw)
