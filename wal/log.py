@@ -18,6 +18,7 @@ or overwriting what the first one writes.  Read-only opens take no lock.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from typing import Callable, Iterator
 
@@ -51,6 +52,11 @@ class Log:
         self._stale = False
         self._regions = {info.id: info for info in result.regions.values()}
         self._by_name: dict | None = None   # `regions`, kept until a region is defined
+        # moved_on's: its follower past the last commit read (each call reads on from where the last one
+        # stopped) and its answer once it is yes (a log that moved on past this open stays so)
+        self._follow = None
+        self._moved = False
+        self._follow_lock = threading.Lock()
         # Log.open's: seconds walking the log (walk_s) and cutting its tail (cut_s); the LSN
         # before which a walk made already was taken (walked_before_lsn, 0: none)
         self.open_stats: dict = {}
@@ -292,20 +298,31 @@ class Log:
         open beside a writer): an epoch committed since (a commit past the
         last one read), or a superblock written since (segments added,
         switched or freed).  What the tail holds beyond that (an epoch begun,
-        not committed) is not counted."""
+        not committed) is not counted.  Each call reads on from where the
+        last one stopped (the records after the last commit are walked once:
+        a read ahead asks first, on its thread, and the recovery's own
+        question then costs a header or two); a yes is kept."""
         from .errors import WalError
         from .reader import Follower, record_kind
 
-        try:
-            if _superblock_sequence(self.backend) != self.volume.superblock.sequence:
+        with self._follow_lock:
+            if self._moved:
                 return True
-            last = self.last_commit_record()
-            if last is None:
-                return True   # none to look past: read again
-            items = Follower(self.backend, check_pages=False, after=last).poll()
-        except WalError:
-            return True
-        return any(it[0] == _REC and record_kind(it.header.type) == F.REC_COMMIT for it in items)
+            try:
+                if _superblock_sequence(self.backend) != self.volume.superblock.sequence:
+                    self._moved = True
+                    return True
+                if self._follow is None:
+                    last = self.last_commit_record()
+                    if last is None:
+                        return True   # none to look past: read again
+                    self._follow = Follower(self.backend, check_pages=False, after=last)
+                items = self._follow.poll()
+            except WalError:
+                self._moved = True
+                return True
+            self._moved = any(it[0] == _REC and record_kind(it.header.type) == F.REC_COMMIT for it in items)
+            return self._moved
 
     def last_commit_record(self):
         """The commit record of the last committed epoch as a walk's item

@@ -201,3 +201,35 @@ def test_a_read_only_recovery_opens_the_log_again_only_when_its_writer_moved_on(
             assert rep.segments_freed
             got = ro.recover()["a"]
             assert ro.log is not opened and ro.last_recovery.epoch == 41 and got.tobytes() == a.tobytes()
+
+
+def test_moved_on_reads_on_from_where_it_stopped_through_a_writers_cut(tmp_path):
+    """`Log.moved_on` keeps its place past the last commit between calls (a read
+    ahead asks first, the recovery again).  A tail it has walked that a writer
+    then cuts and writes again, with a commit, is seen; once yes, it stays yes."""
+    path = f"file:{tmp_path / 'log'}"
+    a = np.zeros(64 * 1024, np.uint8)
+    with Session(path, size=16 << 20, segment_size=1 << 20) as w:
+        w.register("a", a, page_bytes=4096)
+        w.checkpoint()
+        ro = Log.open(path, writable=False)
+        try:
+            assert ro.moved_on() is False
+            rid = w.log.regions["a"].id
+            for _ in range(3):   # an epoch begun, not committed: walked by the next question, still no
+                w.log.appender.append_page_batch(2, rid, np.arange(2, dtype=np.uint32),
+                                                 np.full((2, 4096), 9, np.uint8))
+            w.log.appender.sync()
+            assert ro.moved_on() is False and ro.moved_on() is False
+        except BaseException:
+            ro.close()
+            raise
+    try:
+        assert ro.moved_on() is False   # the writer went, nothing committed
+        with Session(path, create=False) as w:   # a writer again: it cuts that tail and commits epoch 2 there
+            w.register("a", a, page_bytes=4096)
+            a[0] = 2
+            w.checkpoint()
+        assert ro.moved_on() is True and ro.moved_on() is True
+    finally:
+        ro.close()
