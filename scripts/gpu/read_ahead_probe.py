@@ -8,14 +8,18 @@ log first (`_written`), then:
                then REPS times under cProfile: a prefetch of the log onto
                the GPU, a fresh cache, protect() and restore() (the first
                rep is the process's first use of each path)
+  fresh        FRESH_REPS fresh processes recover the log with a read ahead
+               as the bench's fresh_read_ahead child does, its protect()
+               and restore() under cProfile (the process's first use of
+               each path, which the in-process profile does not see)
   contention   fresh processes recover the log as the bench's children do
                (`python -m concordia.demo.kills recover`): without a read
                ahead, with one, and with one under each shorter GIL switch
                interval of INTERVALS (seconds, comma-separated; CPython's
                default is 0.005), each printing its JSON line
 
-    python3 scripts/gpu/read_ahead_probe.py profile|contention OUT_FILE
-    (CTX, PLAIN_REPS, REPS, INTERVALS from the environment; scripts/gpu/read_ahead_*_probe.sh)
+    python3 scripts/gpu/read_ahead_probe.py profile|fresh|contention OUT_FILE
+    (CTX, PLAIN_REPS, REPS, FRESH_REPS, INTERVALS from the environment; scripts/gpu/read_ahead_*_probe.sh)
 """
 
 from __future__ import annotations
@@ -43,6 +47,25 @@ from concordia.tools.bench.model import _prefill
 BATCH, CHUNK = 8, 8192
 WRAP = ("import runpy, sys; sys.setswitchinterval(float(sys.argv[1])); sys.argv = ['kills'] + sys.argv[2:]; "
         "runpy.run_module('concordia.demo.kills', run_name='__main__', alter_sys=True)")
+# the child of `fresh`: concordia.demo.kills with its protect() and restore() profiled into argv[1]
+PROFILED = """
+import cProfile, io, pstats, sys
+import concordia.demo.kills as k
+out, inner = sys.argv[1], k._protect_and_restore
+def profiled(*a, **kw):
+    pr = cProfile.Profile()
+    pr.enable()
+    try:
+        return inner(*a, **kw)
+    finally:
+        pr.disable()
+        t = io.StringIO()
+        pstats.Stats(pr, stream=t).sort_stats('cumulative').print_stats(45)
+        pstats.Stats(pr, stream=t).sort_stats('tottime').print_stats(30)
+        open(out, 'w').write(t.getvalue())
+k._protect_and_restore = profiled
+sys.exit(k.main(sys.argv[2:]))
+"""
 
 
 def _written(log: str, cfg, model, ctx: int) -> str:
@@ -100,6 +123,24 @@ def profile(log: str, cfg, model, ctx: int, say, out) -> None:
         torch.cuda.empty_cache()
 
 
+def fresh(log: str, cfg, model, ctx: int, say, out) -> None:
+    args = ["recover", "--log", log, "--plan", "[]", "--shape", "0.6b", "--device", "cuda", "--batch", str(BATCH),
+            "--max-len", str(ctx + 8), "--prefetch"]
+    for rep in range(int(os.environ.get("FRESH_REPS", "2"))):
+        stats = f"{out.name}.rep{rep}"
+        r = subprocess.run([sys.executable, "-c", PROFILED, stats, *args], capture_output=True, text=True)
+        lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+        if r.returncode or not lines:
+            say(f"fresh rep {rep}: failed (exit {r.returncode}): {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+            continue
+        d = json.loads(lines[-1])
+        say(f"fresh rep {rep} (under cProfile): recovery {d['recovery_s']:.4f} s, prefetch call "
+            f"{d['prefetch_call_s']:.4f} s, protect {d['protect_s']:.4f} s, restore {d['restore_s']:.4f} s")
+        with open(stats) as f:
+            out.write(f.read() + "\n")
+        os.remove(stats)
+
+
 def contention(log: str, cfg, model, ctx: int, say, out) -> None:
     intervals = [float(x) for x in os.environ.get("INTERVALS", "0.001,0.0002").split(",") if x]
     args = ["recover", "--log", log, "--plan", "[]", "--shape", "0.6b", "--device", "cuda", "--batch", str(BATCH),
@@ -125,7 +166,7 @@ def contention(log: str, cfg, model, ctx: int, say, out) -> None:
 def main(what: str, path: str) -> None:
     # `timeout` sends SIGTERM: unwind, so that the scratch log (gigabytes in /dev/shm) is removed
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    probe = {"profile": profile, "contention": contention}[what]
+    probe = {"profile": profile, "fresh": fresh, "contention": contention}[what]
     ctx = int(os.environ.get("CTX", "512"))
     cfg, model = build("0.6b", "cuda")
     with Scratch(f"read-ahead-{what}-probe") as scratch, open(path, "w") as out:
@@ -135,7 +176,7 @@ def main(what: str, path: str) -> None:
 
         log = scratch.log("probe", "shm")
         say(_written(log, cfg, model, ctx))
-        if what == "contention":   # the children build their own; at 32k each needs 60 GB of the GPU
+        if what in ("fresh", "contention"):   # the children build their own; at 32k each needs 60 GB of the GPU
             del model
             gc.collect()
             torch.cuda.empty_cache()
