@@ -47,6 +47,11 @@ determinism switches.
   host-to-device bandwidth measured in the same run (the ceiling).  Every
   recovery and the re-prefill start from a cache whose tensors are allocated
   (`demo.model.allocated_cache`, outside their clocks), as a server's are.
+  Each figure of a ratio is a median: of --recovery-reps read-ahead children
+  (their seconds in `fresh_read_ahead_runs`; the plain fresh child runs once)
+  and of --recovery-reps re-prefills after one untimed (`reprefill_runs`),
+  so that one slow sample (a GPU still at idle clocks after the children)
+  moves neither side of the ratio.
 
 Prefill runs in chunks (--chunk tokens), as a server would for long contexts.
 """
@@ -420,7 +425,7 @@ def run(shape: str, device: str, batch: int, contexts: list[int], decode_steps: 
         chunk: int, workdir: str, log_spec, progress=None, discard=lambda spec: None, *,
         parts=("decode", "kills", "longrun", "recovery"), decode_reps: int = 3, kills: int = 6,
         kill_steps: int = 32, longrun_steps: int = 10000, longrun_gen: int = 1000, longrun_log_x: float = 4.0,
-        decode_rows=tuple(DECODE_ROWS)) -> dict:
+        decode_rows=tuple(DECODE_ROWS), recovery_reps: int = 3) -> dict:
     """Measure.  `workdir` (a folder of the run's own) takes the saved weights;
     `log_spec(name)` names a new log of the run, `discard(spec)` removes it."""
     import torch
@@ -518,14 +523,25 @@ def run(shape: str, device: str, batch: int, contexts: list[int], decode_steps: 
         # and model build left out, its first touches of everything else counted
         row["fresh"] = _recovery_child(log, shape, device, batch, ctx + 8)
         # ... and one that knows it recovers: the log opened and read ahead while its model is built
-        row["fresh_read_ahead"] = _recovery_child(log, shape, device, batch, ctx + 8, prefetch=True)
-        # re-prefill the same tokens into an empty cache
+        # (the median child of several: `fresh_read_ahead_runs` has each one's seconds)
+        aheads = [_recovery_child(log, shape, device, batch, ctx + 8, prefetch=True) for _ in range(recovery_reps)]
+        done = sorted((a for a in aheads if a.get("recovery_s") is not None), key=lambda a: a["recovery_s"])
+        row["fresh_read_ahead"] = done[len(done) // 2] if done else aheads[-1]
+        row["fresh_read_ahead_runs"] = [a.get("recovery_s") for a in aheads]
+        # re-prefill the same tokens into an empty cache: one untimed (the GPU back at its clocks after the
+        # children), then the median of several
         cache = allocated_cache(cfg, model, batch, ctx + 8)
-        _sync(torch, device)
-        t0 = time.perf_counter()
-        _prefill(model, cache, ids, chunk)
-        _sync(torch, device)
-        row["reprefill_s"] = time.perf_counter() - t0
+        runs = []
+        for i in range(recovery_reps + 1):
+            if i:
+                cache.reset()   # each re-prefill into an empty cache, as the first
+            _sync(torch, device)
+            t0 = time.perf_counter()
+            _prefill(model, cache, ids, chunk)
+            _sync(torch, device)
+            if i:
+                runs.append(time.perf_counter() - t0)
+        row["reprefill_s"], row["reprefill_runs"] = _median(runs), runs
         del cache
         _empty(torch, device)
         # cold restart: weights from safetensors, then re-prefill
@@ -678,6 +694,8 @@ def _phase_line(phases: dict) -> str:
               help="Prompt tokens before the decode timing.")
 @click.option("--chunk", default=8192, show_default=True, type=click.IntRange(1, None),
               help="Prefill chunk in tokens.")
+@click.option("--recovery-reps", default=3, show_default=True, type=click.IntRange(1, None),
+              help="Read-ahead recovery children and re-prefills a context (each figure their median).")
 @click.option("--decode-reps", default=3, show_default=True, type=click.IntRange(1, None),
               help="Measured rounds of the decode settings (after one unmeasured round).")
 @click.option("--kills", "n_kills", default=6, show_default=True, type=click.IntRange(1, None),
@@ -704,7 +722,7 @@ def _phase_line(phases: dict) -> str:
 @click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
 @force_option("--out")
 @guarded
-def command(contexts, batch, decode_steps, decode_prompt, chunk, decode_reps, n_kills, kill_steps, longrun_steps,
+def command(contexts, batch, decode_steps, decode_prompt, chunk, recovery_reps, decode_reps, n_kills, kill_steps, longrun_steps,
             longrun_gen, longrun_log_x, decode_rows, parts, tier, workdir, quick, as_json, out, force):
     """Decode tokens/s of a transformers model with no checkpoint, a checkpoint
     every step and every 8 steps; SIGKILLs at random moments of generate()
@@ -747,13 +765,13 @@ def command(contexts, batch, decode_steps, decode_prompt, chunk, decode_reps, n_
     gpu = torch.cuda.is_available() and not quick
     if quick:
         ctx, batch, decode_steps, decode_prompt, chunk = [64, 256], 2, 8, 16, 128
-        decode_reps, n_kills, kill_steps, longrun_steps, longrun_gen = 1, 2, 12, 300, 100
+        decode_reps, n_kills, kill_steps, longrun_steps, longrun_gen, recovery_reps = 1, 2, 12, 300, 100, 1
     with Scratch("model") as scratch:  # its logs, weights and adapter go, however the run ends
         res = run("0.6b" if gpu else "tiny", "cuda" if gpu else "cpu", batch, ctx, decode_steps, decode_prompt,
                   chunk, scratch.folder(workdir), lambda name: scratch.log(name, tier, workdir),
                   progress=None if as_json else (lambda m: click.echo(m, err=True)), discard=scratch.discard,
                   parts=want, decode_reps=decode_reps, kills=n_kills, kill_steps=kill_steps,
                   longrun_steps=longrun_steps, longrun_gen=longrun_gen, longrun_log_x=longrun_log_x,
-                  decode_rows=tuple(rows))
+                  decode_rows=tuple(rows), recovery_reps=recovery_reps)
     res["tier"] = tier
     report(res, as_json=as_json, out=out, table=_table, force=force)  # --out complete or absent
