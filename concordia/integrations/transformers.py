@@ -439,8 +439,9 @@ def restore(session, guard: Guard, target="latest", absent: str = "refuse") -> R
     out = session.recover(target, into="registered", absent=absent)
     del out
     counters = guard.counters.cpu()
+    pos = guard.counters[:, 0]   # where the counters are: a copy a layer there, none from the host
     for i, layer in enumerate(guard.cache.layers):
-        layer.cumulative_length.copy_(counters[i, 0].to(layer.cumulative_length.device))
+        layer.cumulative_length.copy_(pos[i])
         if hasattr(layer, "cumulative_length_int"):
             layer.cumulative_length_int = int(counters[i, 1])
     tokens = mask = None
