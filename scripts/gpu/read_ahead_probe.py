@@ -49,17 +49,27 @@ WRAP = ("import runpy, sys; sys.setswitchinterval(float(sys.argv[1])); sys.argv 
         "runpy.run_module('concordia.demo.kills', run_name='__main__', alter_sys=True)")
 # the child of `fresh`: concordia.demo.kills with its protect() and restore() profiled into argv[1]
 PROFILED = """
-import cProfile, io, pstats, sys
+import cProfile, gc, io, pstats, sys, time
 import concordia.demo.kills as k
 out, inner = sys.argv[1], k._protect_and_restore
 def profiled(*a, **kw):
     pr = cProfile.Profile()
+    pauses, began = [], {}
+    def on_gc(phase, info):   # the cyclic collector's passes inside the clock: generation, seconds
+        if phase == 'start':
+            began['t'] = time.perf_counter()
+        elif 't' in began:
+            pauses.append((info['generation'], time.perf_counter() - began.pop('t')))
+    gc.callbacks.append(on_gc)
     pr.enable()
     try:
         return inner(*a, **kw)
     finally:
         pr.disable()
+        gc.callbacks.remove(on_gc)
         t = io.StringIO()
+        t.write('collections (generation, ms): %s, %.3f ms in all\\n' % (
+            [(g, round(s * 1e3, 3)) for g, s in pauses], sum(s for _, s in pauses) * 1e3))
         pstats.Stats(pr, stream=t).sort_stats('cumulative').print_stats(45)
         pstats.Stats(pr, stream=t).sort_stats('tottime').print_stats(30)
         open(out, 'w').write(t.getvalue())
