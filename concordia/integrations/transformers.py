@@ -178,24 +178,34 @@ class Guard:
         # once the window is full.  Both go into one int64 row per layer.
         layers = self.cache.layers
         cum = [layer.cumulative_length for layer in layers]
-        if self._cum is None or any(a is not b for a, b in zip(cum, self._cum)):
+        first = self._cum is None
+        if first or any(a is not b for a, b in zip(cum, self._cum)):
             # the layers' own position tensors, made once and moved in place: stacked in one call each time
             fast = all(isinstance(t, torch.Tensor) and t.dim() == 0 and t.dtype == torch.int64
                        and t.device == self.counters.device for t in cum)
             self._cum = cum if fast else None
             self._cum_buf = torch.empty(len(cum), dtype=torch.int64, device=self.counters.device) if fast else None
-        if self._cum is not None:
+        if self._cum is not None and first:
+            # protect()'s call: a copy a layer (copy-engine copies), not the stack, whose kernel a fresh
+            # process loads at its first launch (5 ms inside a recovery of a Qwen3, profiled on an H100);
+            # the first checkpoint, after the first token, loads it instead
+            for i, t in enumerate(cum):
+                self.counters[i, 0].copy_(t)
+            pos = None
+        elif self._cum is not None:
             pos = torch.stack(cum, out=self._cum_buf)
         else:
             pos = torch.stack([t.reshape(()).to(self.counters.device, torch.int64) for t in cum])
-        self.counters[:, 0].copy_(pos)
+        if pos is not None:
+            self.counters[:, 0].copy_(pos)
         if self.resets is not None:  # words mode: the detectors read the counters where they are
             self._known_length = None
         elif self._known_length is not None:  # from generate()'s tokens: no read of the device
             self.lengths = [self._known_length] * len(layers)
             self._known_length = None
         else:
-            self.lengths = [int(x) for x in pos.tolist()]
+            self.lengths = [int(row[0]) for row in self.counters.tolist()] if pos is None else \
+                [int(x) for x in pos.tolist()]
         ints = [int(getattr(layer, "cumulative_length_int", -1)) for layer in layers]
         if ints != self._ints_last:  # a kernel argument each, no copy from the host to wait for
             for i, v in enumerate(ints):
