@@ -320,6 +320,8 @@ class Session:
         self._check_open("measure dirty bytes")
         self.settle()
         with self.region_set.lock:  # not while a resident trigger's epoch advances the detectors
+            for r in self.region_set:   # a tensor freed or reallocated since is refused, as a checkpoint refuses it
+                r.check_unchanged()
             return sum(int(detect.dirty_pages(r, advance=False).size) * r.page_bytes for r in self.region_set)
 
     def before_checkpoint(self, fn) -> None:

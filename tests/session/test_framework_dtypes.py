@@ -302,14 +302,18 @@ def test_an_unrepresentable_logical_dtype_is_named(tmp_path):
     (lambda t: t.untyped_storage().resize_(0), "storage was freed or shrunk"),
     (lambda t: setattr(t, "data", t.data.clone()), "changed since registration"),
 ], ids=["resized", "freed", "reallocated"])
-def test_a_tensor_changed_after_register_is_refused(tmp_path, change, diag):
+@pytest.mark.parametrize("call", ["checkpoint", "dirty_bytes"])
+def test_a_tensor_changed_after_register_is_refused(tmp_path, change, diag, call):
+    """Nothing reads a registered tensor's memory once it changed: a checkpoint
+    and the dirty-bytes measure (which a dirty-bytes policy takes before each
+    checkpoint) refuse it alike, naming the region."""
     t = torch.zeros(4, 64, dtype=torch.bfloat16)
     with Session(f"file:{tmp_path / 'c.log'}", size=SIZE, segment_size=SEGMENT) as s:
         s.register("kv", t, page_bytes=128)
         s.checkpoint()
         change(t)
         with pytest.raises(ShapeChangedError, match=rf"^region 'kv': the registered array cannot be read: .*{diag}"):
-            s.checkpoint()
+            getattr(s, call)()
         assert s.epoch == 1  # nothing committed
 
 
