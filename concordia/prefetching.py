@@ -43,8 +43,10 @@ class Prefetch:
         self._go = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(log, session_kw), name="concordia-prefetch",
                                         daemon=True)
-        self._thread.start()
-        self._go.set()
+        try:
+            self._thread.start()
+        finally:   # never a thread left waiting for a go that does not come
+            self._go.set()
 
     def _run(self, log, session_kw) -> None:
         self._go.wait()

@@ -321,6 +321,9 @@ class Log:
             except WalError:
                 self._moved = True
                 return True
+            except BaseException:   # the follower may have passed records it did not show: start again
+                self._follow = None
+                raise
             self._moved = any(it[0] == _REC and record_kind(it.header.type) == F.REC_COMMIT for it in items)
             return self._moved
 

@@ -188,12 +188,14 @@ class ReadAhead:
                 self.read_phases = None
         finally:
             self.times["read_s"] = time.perf_counter() - t
-            if not log.writable:
-                with contextlib.suppress(Exception):   # the recovery's own refresh asks again, and decides
-                    t_follow = time.perf_counter()
-                    log.moved_on()   # the walk past the last commit, made here: the recovery reads on from it
-                    self.times["follow_s"] = time.perf_counter() - t_follow
-            self.done.set()
+            try:
+                if not log.writable:
+                    with contextlib.suppress(Exception):   # the recovery's own refresh asks again, and decides
+                        t_follow = time.perf_counter()
+                        log.moved_on()   # the walk past the last commit, made here: the recovery reads on from it
+                        self.times["follow_s"] = time.perf_counter() - t_follow
+            finally:
+                self.done.set()
 
     def fail(self, why: str) -> None:
         self.error = why
