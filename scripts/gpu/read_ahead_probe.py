@@ -142,6 +142,8 @@ def fresh(log: str, cfg, model, ctx: int, say, out) -> None:
         lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
         if r.returncode or not lines:
             say(f"fresh rep {rep}: failed (exit {r.returncode}): {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+            if os.path.exists(stats):
+                os.remove(stats)
             continue
         d = json.loads(lines[-1])
         say(f"fresh rep {rep} (under cProfile): recovery {d['recovery_s']:.4f} s, prefetch call "

@@ -245,6 +245,7 @@ def test_bench_model_quick_json(tmp_path):
     assert all(r["recovery_vs_reprefill"] > 0 for r in doc["recovery"])
     # --quick: one read-ahead child and one timed re-prefill a context, each figure the median of its runs
     assert all(r["reprefill_runs"] == [r["reprefill_s"]] and len(r["fresh_read_ahead_runs"]) == 1
+               and r["fresh_read_ahead_errors"] == []
                and r["fresh_read_ahead_runs"][0] == r["fresh_read_ahead"]["recovery_s"] for r in doc["recovery"])
     # the same recovery in a fresh process, at the epoch this one restored
     assert all(r["fresh"]["epoch"] == 1 and r["fresh"]["recovery_s"] > 0 for r in doc["recovery"]), doc["recovery"]

@@ -47,11 +47,13 @@ determinism switches.
   host-to-device bandwidth measured in the same run (the ceiling).  Every
   recovery and the re-prefill start from a cache whose tensors are allocated
   (`demo.model.allocated_cache`, outside their clocks), as a server's are.
-  Each figure of a ratio is a median: of --recovery-reps read-ahead children
-  (their seconds in `fresh_read_ahead_runs`; the plain fresh child runs once)
-  and of --recovery-reps re-prefills after one untimed (`reprefill_runs`),
-  so that one slow sample (a GPU still at idle clocks after the children)
-  moves neither side of the ratio.
+  The read-ahead ratio's figures are medians (the upper middle of an even
+  count): of --recovery-reps read-ahead children (their seconds in
+  `fresh_read_ahead_runs`, their errors in `fresh_read_ahead_errors`) and of
+  --recovery-reps re-prefills after one untimed (`reprefill_runs`), so that
+  one slow sample (a GPU still at idle clocks after the children) moves
+  neither side of it.  The in-process recovery and the plain fresh child
+  run once; every ratio is over the same median re-prefill.
 
 Prefill runs in chunks (--chunk tokens), as a server would for long contexts.
 """
@@ -528,6 +530,7 @@ def run(shape: str, device: str, batch: int, contexts: list[int], decode_steps: 
         done = sorted((a for a in aheads if a.get("recovery_s") is not None), key=lambda a: a["recovery_s"])
         row["fresh_read_ahead"] = done[len(done) // 2] if done else aheads[-1]
         row["fresh_read_ahead_runs"] = [a.get("recovery_s") for a in aheads]
+        row["fresh_read_ahead_errors"] = [a["error"] for a in aheads if a.get("error")]
         # re-prefill the same tokens into an empty cache: one untimed (the GPU back at its clocks after the
         # children), then the median of several
         cache = allocated_cache(cfg, model, batch, ctx + 8)
@@ -562,9 +565,10 @@ def run(shape: str, device: str, batch: int, contexts: list[int], decode_steps: 
         row["recovery_vs_reprefill"] = row["reprefill_s"] / row["recovery_s"]
         fresh_s = row["fresh"].get("recovery_s")
         row["fresh_recovery_vs_reprefill"] = row["reprefill_s"] / fresh_s if fresh_s else None
-        # the read ahead restored what the plain recovery did, tensor for tensor (None: not hashed, a large state)
-        dg = (row["fresh"].get("digest"), row["fresh_read_ahead"].get("digest"))
-        row["read_ahead_identical"] = None if None in dg else dg[0] == dg[1]
+        # every read ahead restored what the plain recovery did, tensor for tensor (None: not hashed, a large
+        # state, or a child that failed: `fresh_read_ahead_errors`)
+        dg = [row["fresh"].get("digest")] + [a.get("digest") for a in aheads]
+        row["read_ahead_identical"] = None if None in dg else len(set(dg)) == 1
         # from before the model's build to restored, each child: what the read ahead saves the process,
         # its cost to the build (the read beside it) counted
         for who in ("fresh", "fresh_read_ahead"):
