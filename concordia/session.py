@@ -457,9 +457,9 @@ class Session:
             # where it was restored: one not asked for, kept or given up holds what the log may not
             last, infos = int(self.log.last_committed_epoch or 0), self.log.regions
             epochs = self.last_recovery.epochs
-            self._continue_from({r.name: seeds.crcs(r, page_crcs) for r in self.region_set
-                                 if epochs.get(r.name) == last and r.page_bytes == infos[r.name].page_bytes}, seeds)
-            order.before_later_work()
+            with restore_run.ordered_after(order):   # the copies' later work waits for them, even on a failure here
+                self._continue_from({r.name: seeds.crcs(r, page_crcs) for r in self.region_set
+                                     if epochs.get(r.name) == last and r.page_bytes == infos[r.name].page_bytes}, seeds)
         return out
 
     def adopt(self, epoch: int) -> dict:

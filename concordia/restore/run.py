@@ -27,6 +27,7 @@ the work queued there after the call (`StreamOrder`, `into_targets`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
@@ -256,6 +257,19 @@ def later_quietly(order: StreamOrder) -> None:
         order.before_later_work()
     except Exception:
         pass
+
+
+@contextlib.contextmanager
+def ordered_after(order: StreamOrder):
+    """Run the block (reads of the targets just written), then
+    `order.before_later_work()`: the streams' later work follows the copies
+    whether the block ends or raises (then quietly, `later_quietly`)."""
+    try:
+        yield
+    except BaseException:
+        later_quietly(order)
+        raise
+    order.before_later_work()
 
 
 def split_targets(views: dict, names) -> tuple[dict, dict]:

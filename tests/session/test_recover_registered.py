@@ -158,3 +158,27 @@ def test_host_targets_order_no_stream(tmp_path, monkeypatch, into):
         else:
             s.recover(into=fresh)
     _same(fresh, want)
+
+
+def test_a_recovery_that_fails_after_its_copies_still_orders_the_streams_later_work(tmp_path, monkeypatch):
+    """Session.recover(into="registered") ends its stream order (the targets'
+    later work waits for the copies) after its own reads of the targets, and
+    also when those reads raise: the copies were queued either way."""
+    from concordia.regions.streams import StreamOrder
+
+    path = f"file:{tmp_path / 'f.log'}"
+    want = _state(3)
+    _written(path, want)
+    ended = []
+    monkeypatch.setattr(StreamOrder, "before_later_work", lambda self: ended.append(self))
+    fresh = {n: (torch.zeros_like(w) if isinstance(w, torch.Tensor) else np.zeros_like(w)) for n, w in want.items()}
+    with Session(path, create=False) as s:
+        for name, a in fresh.items():
+            s.register(name, a)
+        s.recover(into="registered")
+        assert len(ended) == 1
+        monkeypatch.setattr(Session, "_continue_from", lambda self, *a: (_ for _ in ()).throw(OSError("no room")))
+        with pytest.raises(OSError, match="no room"):
+            s.recover(into="registered")
+        assert len(ended) == 2
+    _same(fresh, want)
