@@ -191,12 +191,9 @@ class Guard:
             # the first checkpoint, after the first token, loads it instead
             for i, t in enumerate(cum):
                 self.counters[i, 0].copy_(t)
-            pos = None
-        elif self._cum is not None:
-            pos = torch.stack(cum, out=self._cum_buf)
         else:
-            pos = torch.stack([t.reshape(()).to(self.counters.device, torch.int64) for t in cum])
-        if pos is not None:
+            pos = (torch.stack(cum, out=self._cum_buf) if self._cum is not None else
+                   torch.stack([t.reshape(()).to(self.counters.device, torch.int64) for t in cum]))
             self.counters[:, 0].copy_(pos)
         if self.resets is not None:  # words mode: the detectors read the counters where they are
             self._known_length = None
@@ -204,8 +201,7 @@ class Guard:
             self.lengths = [self._known_length] * len(layers)
             self._known_length = None
         else:
-            self.lengths = [int(row[0]) for row in self.counters.tolist()] if pos is None else \
-                [int(x) for x in pos.tolist()]
+            self.lengths = [int(row[0]) for row in self.counters.tolist()]
         ints = [int(getattr(layer, "cumulative_length_int", -1)) for layer in layers]
         if ints != self._ints_last:  # a kernel argument each, no copy from the host to wait for
             for i, v in enumerate(ints):
