@@ -189,13 +189,19 @@ class ReadAhead:
         finally:
             self.times["read_s"] = time.perf_counter() - t
             try:
-                if not log.writable:
-                    with contextlib.suppress(Exception):   # the recovery's own refresh asks again, and decides
-                        t_follow = time.perf_counter()
-                        log.moved_on()   # the walk past the last commit, made here: the recovery reads on from it
-                        self.times["follow_s"] = time.perf_counter() - t_follow
+                self._follow(log)
             finally:
                 self.done.set()
+
+    def _follow(self, log) -> None:
+        """Walk a read-only log past its last commit here (`Log.moved_on`), so that the recovery's own
+        refresh reads on from where this walk stopped; its answer is the refresh's to act on."""
+        if log.writable:
+            return
+        t = time.perf_counter()
+        with contextlib.suppress(Exception):
+            log.moved_on()
+            self.times["follow_s"] = time.perf_counter() - t
 
     def fail(self, why: str) -> None:
         self.error = why
