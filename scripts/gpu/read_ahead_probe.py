@@ -133,19 +133,31 @@ def profile(log: str, cfg, model, ctx: int, say, out) -> None:
         torch.cuda.empty_cache()
 
 
+def _recover_args(log: str, ctx: int) -> list:
+    """`concordia.demo.kills recover`'s arguments for the probe's log, as the bench's children get them."""
+    return ["recover", "--log", log, "--plan", "[]", "--shape", "0.6b", "--device", "cuda", "--batch", str(BATCH),
+            "--max-len", str(ctx + 8)]
+
+
+def _child(name: str, cmd: list, say) -> dict | None:
+    """Run a recovering child; its JSON line, or None once its failure is said."""
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    if r.returncode or not lines:
+        say(f"{name}: failed (exit {r.returncode}): {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+        return None
+    return json.loads(lines[-1])
+
+
 def fresh(log: str, cfg, model, ctx: int, say, out) -> None:
-    args = ["recover", "--log", log, "--plan", "[]", "--shape", "0.6b", "--device", "cuda", "--batch", str(BATCH),
-            "--max-len", str(ctx + 8), "--prefetch"]
     for rep in range(int(os.environ.get("FRESH_REPS", "2"))):
         stats = f"{out.name}.rep{rep}"
-        r = subprocess.run([sys.executable, "-c", PROFILED, stats, *args], capture_output=True, text=True)
-        lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
-        if r.returncode or not lines:
-            say(f"fresh rep {rep}: failed (exit {r.returncode}): {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+        d = _child(f"fresh rep {rep}", [sys.executable, "-c", PROFILED, stats, *_recover_args(log, ctx), "--prefetch"],
+                   say)
+        if d is None:
             if os.path.exists(stats):
                 os.remove(stats)
             continue
-        d = json.loads(lines[-1])
         say(f"fresh rep {rep} (under cProfile): recovery {d['recovery_s']:.4f} s, prefetch call "
             f"{d['prefetch_call_s']:.4f} s, protect {d['protect_s']:.4f} s, restore {d['restore_s']:.4f} s")
         with open(stats) as f:
@@ -155,20 +167,16 @@ def fresh(log: str, cfg, model, ctx: int, say, out) -> None:
 
 def contention(log: str, cfg, model, ctx: int, say, out) -> None:
     intervals = [float(x) for x in os.environ.get("INTERVALS", "0.001,0.0002").split(",") if x]
-    args = ["recover", "--log", log, "--plan", "[]", "--shape", "0.6b", "--device", "cuda", "--batch", str(BATCH),
-            "--max-len", str(ctx + 8)]
+    args = _recover_args(log, ctx)
     runs = [("plain", [sys.executable, "-m", "concordia.demo.kills", *args]),
             ("read ahead, interval 0.005", [sys.executable, "-m", "concordia.demo.kills", *args, "--prefetch"])]
     runs += [(f"read ahead, interval {i}", [sys.executable, "-c", WRAP, str(i), *args, "--prefetch"])
              for i in intervals]
     for name, cmd in runs:
         t = time.perf_counter()
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
-        if r.returncode or not lines:
-            say(f"{name}: failed (exit {r.returncode}): {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+        d = _child(name, cmd, say)
+        if d is None:
             continue
-        d = json.loads(lines[-1])
         d.pop("imported", None)
         say(f"{name}: process {time.perf_counter() - t:.1f} s, build {d['build_s']:.3f} s, "
             f"recovery {d['recovery_s']:.3f} s, build + recovery {d['build_s'] + d['recovery_s']:.3f} s")

@@ -527,8 +527,8 @@ def run(shape: str, device: str, batch: int, contexts: list[int], decode_steps: 
         # ... and one that knows it recovers: the log opened and read ahead while its model is built
         # (the median child of several: `fresh_read_ahead_runs` has each one's seconds)
         aheads = [_recovery_child(log, shape, device, batch, ctx + 8, prefetch=True) for _ in range(recovery_reps)]
-        done = sorted((a for a in aheads if a.get("recovery_s") is not None), key=lambda a: a["recovery_s"])
-        row["fresh_read_ahead"] = done[len(done) // 2] if done else aheads[-1]
+        done = [a for a in aheads if a.get("recovery_s") is not None]
+        row["fresh_read_ahead"] = _median(done, key=lambda a: a["recovery_s"]) or aheads[-1]
         row["fresh_read_ahead_runs"] = [a.get("recovery_s") for a in aheads]
         row["fresh_read_ahead_errors"] = [a["error"] for a in aheads if a.get("error")]
         # re-prefill the same tokens into an empty cache: one untimed (the GPU back at its clocks after the
@@ -602,8 +602,9 @@ def _empty(torch, device):
             sys.modules["cupy"].get_default_memory_pool().free_all_blocks()
 
 
-def _median(xs):
-    xs = sorted(xs)
+def _median(xs, key=None):
+    """The middle of `xs` (the upper one of an even count), by `key`; None when empty."""
+    xs = sorted(xs, key=key)
     return xs[len(xs) // 2] if xs else None
 
 
@@ -726,8 +727,8 @@ def _phase_line(phases: dict) -> str:
 @click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
 @force_option("--out")
 @guarded
-def command(contexts, batch, decode_steps, decode_prompt, chunk, recovery_reps, decode_reps, n_kills, kill_steps, longrun_steps,
-            longrun_gen, longrun_log_x, decode_rows, parts, tier, workdir, quick, as_json, out, force):
+def command(contexts, batch, decode_steps, decode_prompt, chunk, recovery_reps, decode_reps, n_kills, kill_steps,
+            longrun_steps, longrun_gen, longrun_log_x, decode_rows, parts, tier, workdir, quick, as_json, out, force):
     """Decode tokens/s of a transformers model with no checkpoint, a checkpoint
     every step and every 8 steps; SIGKILLs at random moments of generate()
     resumed in fresh processes; a long run checkpointing every step; and
