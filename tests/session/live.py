@@ -58,9 +58,23 @@ def writer(log: str, stop: str) -> None:
 
 
 def reader(log: str, count: int, mode: str) -> None:
+    """`count` recoveries, each of a later epoch than the one before: the
+    reader waits (up to a minute) for the writer to commit past what it last
+    saw, so that the recoveries see the log grow however the machine is loaded."""
     from concordia import Session
+    from concordia.wal import Log
 
+    prev = 0
     for _ in range(count):
+        deadline = time.monotonic() + 60
+        while prev:
+            with Log.open(log, writable=False) as lg:
+                if (lg.last_committed_epoch or 0) > prev:
+                    break
+            if time.monotonic() > deadline:
+                print(f"stalled: no epoch after {prev} within a minute", flush=True)
+                return
+            time.sleep(0.002)
         if mode == "readonly":
             s = Session(log, create=False, readonly=True)
         else:
@@ -69,6 +83,7 @@ def reader(log: str, count: int, mode: str) -> None:
             got = s.recover()["r"]
             e = s.last_recovery.epoch
         want = state(e)
+        prev = e
         if got.tobytes() == want.tobytes():
             print(f"ok {e}", flush=True)
         else:
