@@ -12,13 +12,17 @@ log first (`_written`), then:
                as the bench's fresh_read_ahead child does, its protect()
                and restore() under cProfile (the process's first use of
                each path, which the in-process profile does not see)
+  stamps       FRESH_REPS fresh processes recover the log as `fresh`'s
+               children do, with the functions of the recovery clocked
+               instead of profiled (`read_ahead_stamps.py`: a microsecond a
+               call, where cProfile doubles the times)
   contention   fresh processes recover the log as the bench's children do
                (`python -m concordia.demo.kills recover`): without a read
                ahead, with one, and with one under each shorter GIL switch
                interval of INTERVALS (seconds, comma-separated; CPython's
                default is 0.005), each printing its JSON line
 
-    python3 scripts/gpu/read_ahead_probe.py profile|fresh|contention OUT_FILE
+    python3 scripts/gpu/read_ahead_probe.py profile|fresh|stamps|contention OUT_FILE
     (CTX, PLAIN_REPS, REPS, FRESH_REPS, INTERVALS from the environment; scripts/gpu/read_ahead_*_probe.sh)
 """
 
@@ -165,6 +169,21 @@ def fresh(log: str, cfg, model, ctx: int, say, out) -> None:
         os.remove(stats)
 
 
+def stamps(log: str, cfg, model, ctx: int, say, out) -> None:
+    child = os.path.join(os.path.dirname(os.path.abspath(__file__)), "read_ahead_stamps.py")
+    for rep in range(int(os.environ.get("FRESH_REPS", "2"))):
+        clocked = f"{out.name}.rep{rep}"
+        d = _child(f"stamps rep {rep}", [sys.executable, child, clocked, *_recover_args(log, ctx), "--prefetch"], say)
+        if d is not None:
+            say(f"stamps rep {rep}: recovery {d['recovery_s']:.4f} s, prefetch call {d['prefetch_call_s']:.4f} s, "
+                f"protect {d['protect_s']:.4f} s, restore {d['restore_s']:.4f} s")
+            say("  " + json.dumps({k: v for k, v in d["phases"].items() if k != "read_ahead"}))
+        if os.path.exists(clocked):
+            with open(clocked) as f:
+                out.write(f.read() + "\n")
+            os.remove(clocked)
+
+
 def contention(log: str, cfg, model, ctx: int, say, out) -> None:
     intervals = [float(x) for x in os.environ.get("INTERVALS", "0.001,0.0002").split(",") if x]
     args = _recover_args(log, ctx)
@@ -186,7 +205,7 @@ def contention(log: str, cfg, model, ctx: int, say, out) -> None:
 def main(what: str, path: str) -> None:
     # `timeout` sends SIGTERM: unwind, so that the scratch log (gigabytes in /dev/shm) is removed
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    probe = {"profile": profile, "fresh": fresh, "contention": contention}[what]
+    probe = {"profile": profile, "fresh": fresh, "stamps": stamps, "contention": contention}[what]
     ctx = int(os.environ.get("CTX", "512"))
     cfg, model = build("0.6b", "cuda")
     with Scratch(f"read-ahead-{what}-probe") as scratch, open(path, "w") as out:
@@ -196,7 +215,7 @@ def main(what: str, path: str) -> None:
 
         log = scratch.log("probe", "shm")
         say(_written(log, cfg, model, ctx))
-        if what in ("fresh", "contention"):   # the children build their own; at 32k each needs 60 GB of the GPU
+        if what in ("fresh", "stamps", "contention"):   # the children build their own; at 32k each needs 60 GB of the GPU
             del model
             gc.collect()
             torch.cuda.empty_cache()

@@ -1,0 +1,137 @@
+"""The child of `read_ahead_probe.py stamps`: `python -m concordia.demo.kills`
+with its arguments after OUT_FILE, with the functions a read-ahead recovery
+calls (STAMPED) wrapped in a clock while protect() and restore() run, so that
+the times unprofiled add up where cProfile's overhead (2x) hides them.  A
+wrapper costs about a microsecond a call; the children of a function are in its
+time (inclusive).  Writes one line a function, slowest first, to OUT_FILE.
+
+    python3 scripts/gpu/read_ahead_stamps.py OUT_FILE recover --log ... --prefetch
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import sys
+import time
+
+#: (module, attribute path) of what is clocked; a function imported by name into another module is
+#: clocked where it is called from (concordia.session's adapt, say)
+STAMPED = [
+    ("concordia.integrations.transformers", "protect"),
+    ("concordia.integrations.transformers", "restore"),
+    ("concordia.integrations.transformers", "_lora_parameters"),
+    ("concordia.integrations.transformers", "_initialise"),
+    ("concordia.integrations.transformers", "_count_resets"),
+    ("concordia.integrations.transformers", "_resume_compiled"),
+    ("concordia.integrations.transformers", "Guard._sync_counters"),
+    ("concordia.integrations.transformers", "Guard._restore_rng"),
+    ("concordia.session", "Session.register"),
+    ("concordia.session", "Session.recover"),
+    ("concordia.session", "Session.refresh"),
+    ("concordia.session", "Session.settle"),
+    ("concordia.session", "Session._continue_from"),
+    ("concordia.session", "Session.before_checkpoint"),
+    ("concordia.session", "adapt"),
+    ("concordia.session", "logical_of"),
+    ("concordia.session", "storage_of"),
+    ("concordia.session", "check_same"),
+    ("concordia.session", "resolve_detector"),
+    ("concordia.session", "batch_pages"),
+    ("concordia.session", "page_crcs"),
+    ("concordia.session", "Region.__init__"),
+    ("concordia.retention", "Retention.check_capacity"),
+    ("concordia.regions.registry", "RegionSet.add"),
+    ("concordia.regions.registry", "RegionSet.recovered"),
+    ("concordia.regions.region", "Region.unchanged_view"),
+    ("concordia.regions.streams", "StreamOrder.for_checkpoint"),
+    ("concordia.regions.streams", "StreamOrder.after_producers"),
+    ("concordia.regions.streams", "StreamOrder.before_later_work"),
+    ("concordia.checkpoint.detect", "reset"),
+    ("concordia.checkpoint.epoch", "EpochRunner.forget_table"),
+    ("concordia.restore.run", "recover"),
+    ("concordia.restore.run", "into_targets"),
+    ("concordia.restore.run", "absent_regions"),
+    ("concordia.restore.run", "split_targets"),
+    ("concordia.restore.run", "check_view"),
+    ("concordia.restore.run", "check_presentable"),
+    ("concordia.restore.run", "phases_of"),
+    ("concordia.restore.ahead", "ReadAhead.take"),
+    ("concordia.restore.ahead", "ReadAhead._why_not"),
+    ("concordia.restore.ahead", "ReadAhead.wait"),
+    ("concordia.restore.ahead", "ReadAhead.take_seeds"),
+    ("concordia.restore.ahead", "Seeds.only"),
+    ("concordia.restore.ahead", "Seeds.crcs"),
+    ("concordia.wal.log", "Log.region_named"),
+    ("concordia.wal.log", "Log.moved_on"),
+]
+#: PyTorch's tensor methods the integration calls (host reads wait for the device's queue)
+TENSOR_METHODS = ["cpu", "tolist", "clone", "copy_", "fill_", "zero_"]
+
+clock: dict = {}
+on = [False]
+
+
+def stamped(name: str, fn):
+    @functools.wraps(fn)
+    def wrapper(*a, **kw):
+        if not on[0]:
+            return fn(*a, **kw)
+        t = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            n, s = clock.get(name, (0, 0.0))
+            clock[name] = (n + 1, s + time.perf_counter() - t)
+    return wrapper
+
+
+def install() -> None:
+    for module, path in STAMPED:
+        owner = importlib.import_module(module)
+        *outer, attr = path.split(".")
+        for part in outer:
+            owner = getattr(owner, part)
+        raw = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr)
+        if isinstance(raw, (staticmethod, classmethod)):
+            setattr(owner, attr, type(raw)(stamped(f"{module}.{path}", raw.__func__)))
+        else:
+            setattr(owner, attr, stamped(f"{module}.{path}", raw if raw is not None else getattr(owner, attr)))
+    import torch
+
+    for m in TENSOR_METHODS:
+        setattr(torch.Tensor, m, stamped(f"torch.Tensor.{m}", getattr(torch.Tensor, m)))
+    sync = torch.cuda.synchronize
+    torch.cuda.synchronize = stamped("torch.cuda.synchronize", sync)
+
+
+def main(out: str, argv: list) -> int:
+    install()
+    import concordia.demo.kills as kills
+
+    inner, digest = kills._protect_and_restore, kills._digest
+    began = []
+
+    def clocked(*a, **kw):
+        on[0] = True
+        began.append(time.perf_counter())
+        try:
+            return inner(*a, **kw)
+        finally:
+            on[0] = False
+            with open(out, "w") as f:
+                for name, (n, s) in sorted(clock.items(), key=lambda kv: -kv[1][1]):
+                    f.write(f"{s * 1e3:9.3f} ms {n:6d} calls  {name}\n")
+
+    def digest_unclocked(*a, **kw):   # taken after protect() and restore(), outside their clock
+        if on[0]:
+            on[0] = False
+            clock["(protect and restore)"] = (1, time.perf_counter() - began[-1])
+        return digest(*a, **kw)
+
+    kills._protect_and_restore, kills._digest = clocked, digest_unclocked
+    return kills.main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2:]))
