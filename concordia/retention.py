@@ -329,22 +329,27 @@ class Retention:
         self._sync()
         return self._state + sum(record_bytes(n, pb) for n, pb in extra)
 
-    def check_capacity(self, name: str, nbytes: int, page_bytes: int) -> None:
-        """Refuse, before anything is written, a region with which one image of
-        the state no longer fits the log (its first checkpoint writes every page)."""
+    def check_capacity(self, regions: list) -> None:
+        """Refuse, before anything is written, regions `regions` ([(name, nbytes,
+        page_bytes)], being registered together) with which one image of the state
+        no longer fits the log (their first checkpoint writes every page); the error
+        names the first region that does not fit."""
         seg = int(self.session.log.volume.segment_bytes)
         # the registered regions' images, counted on from the last call: not `_sync`'s slots, which a
         # register would rebuild for each region of a model (170 of them: 16 ms of a fresh process's protect)
         k, total = self._tally   # regions are only ever added: those since the last call are counted on
         total += sum(record_bytes(r.array.nbytes, r.page_bytes) for r in itertools.islice(self.regions, k, None))
         self._tally = (len(self.regions), total)
-        need, have = total + record_bytes(nbytes, page_bytes) + seg, self.capacity()
-        if need > have:
-            raise SessionError(f"the log holds {have} bytes ({_mib(have)}) of segments, and one image of the "
-                               f"registered state with this region needs {need} bytes ({_mib(need)})",
-                               where=f"region {name!r}",
-                               hint=f"create a log of at least {_mib(2 * need + 2 * seg)}: two images, so that "
-                                    "retention can write a base beside the one in use")
+        have = self.capacity()
+        need = total + seg
+        for name, nbytes, page_bytes in regions:
+            need += record_bytes(nbytes, page_bytes)
+            if need > have:
+                raise SessionError(f"the log holds {have} bytes ({_mib(have)}) of segments, and one image of the "
+                                   f"registered state with this region needs {need} bytes ({_mib(need)})",
+                                   where=f"region {name!r}",
+                                   hint=f"create a log of at least {_mib(2 * need + 2 * seg)}: two images, so that "
+                                        "retention can write a base beside the one in use")
 
     def can_base(self) -> bool:
         """Whether the log holds a new base beside the state it keeps (two images and two segments)."""

@@ -32,19 +32,16 @@ from __future__ import annotations
 import collections
 import time
 
-import numpy as np
-
 from concordia.checkpoint import detect
 from concordia.checkpoint.arena_route import ArenaRoute
 from concordia.checkpoint.baseline import adopted
 from concordia.checkpoint.epoch import STAGING, EpochRunner
-from concordia.checkpoint.staging import batch_pages, page_crcs
+from concordia.checkpoint.staging import page_crcs
 from concordia.checkpoint.stats import CheckpointStats, CheckpointTotals
 from concordia.executor.resident import EXECUTORS, start_executor
 from concordia.policy import Policy
-from concordia.regions.arrays import adapt, logical_of, storage_of
-from concordia.regions.errors import DuplicateRegionError, SessionClosedError, SessionError, UnsupportedArrayError
-from concordia.regions.region import DETECTORS, KINDS, Region, check_same, resolve_detector
+from concordia.regions.errors import SessionClosedError, SessionError
+from concordia.regions.region import Region
 from concordia.regions.registry import RegionSet
 from concordia.regions.streams import StreamOrder
 from concordia.restore import run as restore_run
@@ -52,8 +49,8 @@ from concordia.restore.ahead import Seeds
 from concordia.restore.run import RecoveryStats
 from concordia.retention import Retention
 from concordia.root_error import ConcordiaError
-from concordia.wal import format as fmt
 from concordia.session_log import open_log as _open_log, open_read_only as _open_read_only, writable as _writable
+from concordia.session_register import enroll
 
 #: how many checkpoints' statistics `Session.checkpoints` keeps (the newest); a
 #: long run's memory stays flat, and `Session.checkpoint_totals` counts them all
@@ -248,58 +245,21 @@ class Session:
         """
         self._check_open(f"register region {name!r}")
         self.settle()
-        where = f"region {name!r}"
-        if not isinstance(name, str) or not name or len(name) > 255:
-            raise SessionError("a region name is a non-empty string of at most 255 characters", where=where)
-        if kind not in KINDS:
-            raise SessionError(f"unknown kind {kind!r} (use {', '.join(KINDS)})", where=where)
-        if detect not in DETECTORS:
-            raise SessionError(f"unknown detector {detect!r} (use {', '.join(DETECTORS)})", where=where)
-        if not isinstance(page_bytes, (int, np.integer)) or page_bytes <= 0 or page_bytes % 64:
-            raise SessionError(f"page_bytes must be a positive multiple of 64, not {page_bytes!r}",
-                               where=where)
-        # one page must fit a record of a segment
-        batch_pages(int(page_bytes), self.log.volume.segment_bytes - fmt.SEGMENT_HEADER_SIZE, where)
-        if name in self.region_set:
-            raise DuplicateRegionError("a region of this name is already registered", where=where)
-        info = self.log.region_named(name)   # in a recovering session: its dtype was checked when written
-        arr, xp, owner = adapt(array, where, logged := None if info is None else info.logical_dtype)
-        if not arr.flags.c_contiguous:
-            raise UnsupportedArrayError("the array is not C-contiguous", where=where,
-                                        hint="protect the contiguous base array")
-        if arr.nbytes == 0:
-            raise UnsupportedArrayError("the array is empty", where=where)
-        if arr.dtype.kind not in "biufc":
-            raise UnsupportedArrayError(f"dtype {arr.dtype} cannot be logged", where=where)
-        logical, framework = logical_of(owner, logged)
-        detect, hints = resolve_detector(kind, detect, where, arr, xp, block_tables=block_tables, seq_lens=seq_lens,
-                                  block_stamp=block_stamp, seq_ids=seq_ids, slot_versions=slot_versions,
-                                  pages_per_slot=pages_per_slot, check_every=check_every, length=length,
-                                  page_bytes=int(page_bytes))
-        self.retention.check_capacity(name, arr.nbytes, int(page_bytes))
-        region = Region(name=name, kind=kind, page_bytes=int(page_bytes), array=arr, xp=xp, owner=owner,
-                        storage=storage_of(owner), detect=detect, hints=hints, logical=logical,
-                        framework=framework, stream=stream, check_every=hints.get("check_every", 0))
-        if stream is not None:
-            StreamOrder.of([(owner, stream)])  # refuse a stream of an unknown kind now
-        if info is not None:
-            check_same(info, region)
-        if detect == "stores":
-            region.track_stores(region.check_every)
-        if info is not None:
-            region.id = int(info.id)
-        else:
-            try:
-                self._writer(f"register region {name!r}")  # the log lacks it: a descriptor is written
-                region.id = int(self.log.define_region(name, arr.dtype.str, region.shape, region.page_bytes, kind,
-                                                       logical=logical, framework=framework))
-            except BaseException:
-                region.untrack()
-                raise
-        if self.resident is not None:  # a new kind's handler is in the table before an epoch can see the region
-            self.resident.region_added(region)
-        self.region_set.add(region)
-        return region
+        return enroll(self, [dict(name=name, array=array, kind=kind, page_bytes=page_bytes, detect=detect,
+                                  block_tables=block_tables, seq_lens=seq_lens, block_stamp=block_stamp,
+                                  seq_ids=seq_ids, slot_versions=slot_versions, pages_per_slot=pages_per_slot,
+                                  length=length, check_every=check_every, stream=stream)], self._writer)[0]
+
+    def register_all(self, regions) -> list[Region]:
+        """Register several regions in one call, all or none: `regions` is a
+        list of dicts of `register`'s arguments ({"name": ..., "array": ...,
+        "kind": ..., ...}).  Each is checked, and the log's room for one image
+        of them all, before any is registered; an error (naming its region)
+        registers none.  A model's regions in one call settle and check the
+        log's room once (`concordia.session_register`)."""
+        self._check_open("register regions")
+        self.settle()
+        return enroll(self, list(regions), self._writer)
 
     # ------------------------------------------------------------ checkpoint
     def step(self, n: int = 1) -> CheckpointStats | None:

@@ -378,11 +378,11 @@ class ResidentExecutor:
             return Result(Status.OK, n)
         return handler
 
-    def region_added(self, region) -> None:
-        """A region is being registered: a kind without a handler in the
-        consumer's table gets one by a hot swap, before the session lists the
-        region (so that no epoch meets a kind its table lacks)."""
-        kinds = tuple(sorted(set(self._kinds_of(self.regions)) | {region.kind}))
+    def regions_added(self, regions) -> None:
+        """Regions are being registered (together): a kind without a handler in
+        the consumer's table gets one by one hot swap, before the session lists
+        them (so that no epoch meets a kind its table lacks)."""
+        kinds = tuple(sorted(set(self._kinds_of(self.regions)) | {r.kind for r in regions}))
         if set(kinds) <= set(self.kinds):
             return
         self.swaps.append(self.submitter.swap(self._consumer(kinds), timeout=60.0))

@@ -303,6 +303,7 @@ def protect(session, cache, model=None, *, batch_size: int | None = None, max_to
     guard._sync_counters()
     # the small regions: every page each epoch by the host, or fingerprinted beside the adapters (words)
     small = dict(detect=detect, page_bytes=page_bytes) if words else None
+    regions = []   # registered in one call, all or none: a protect() refused midway leaves none behind
     for i, layer in enumerate(cache.layers):
         k, v = f"{prefix}.kv.{i}.k", f"{prefix}.kv.{i}.v"
         for name, t in ((k, layer.keys), (v, layer.values)):
@@ -310,33 +311,44 @@ def protect(session, cache, model=None, *, batch_size: int | None = None, max_to
                 # a decode step's new rows, from the counters: O(new tokens), one row a page
                 hints = (dict(length=_length_word(layer, counters[i, 0:1]), seq_ids=guard.resets) if words else
                          dict(length=lambda i=i: guard.lengths[i], seq_ids=lambda: cache.concordia_resets))
-                session.register(name, t, kind="kv", detect="positions",
-                                 page_bytes=position_page_bytes(t.shape[-1] * t.element_size()), **hints)
+                regions.append(dict(name=name, array=t, kind="kv", detect="positions",
+                                    page_bytes=position_page_bytes(t.shape[-1] * t.element_size()), **hints))
             else:  # a sliding-window layer rolls every position once its window is full
-                session.register(name, t, kind="kv", detect=detect, page_bytes=page_bytes)
+                regions.append(dict(name=name, array=t, kind="kv", detect=detect, page_bytes=page_bytes))
         kv.append((i, k, v))
-    session.register(f"{prefix}.counters", counters, kind="opaque", **(small or dict(detect="all", page_bytes=64)))
+    regions.append(dict(name=f"{prefix}.counters", array=counters, kind="opaque",
+                        **(small or dict(detect="all", page_bytes=64))))
+    lora = {}
     for name, p in _lora_parameters(model).items():
         if not p.data.is_contiguous():
             raise SessionError("the LoRA weight is not contiguous", where=f"parameter {name!r}")
         region = f"{prefix}.lora.{name}"
-        session.register(region, p.data, kind="adapter", detect=detect, page_bytes=page_bytes)
-        guard.lora[region] = p
+        regions.append(dict(name=region, array=p.data, kind="adapter", detect=detect, page_bytes=page_bytes))
+        lora[region] = p
+    tokens = {}
     if max_tokens is not None:
         b = cache.layers[0].keys.shape[0]
-        guard.tokens = torch.zeros((b, int(max_tokens)), dtype=torch.int64, device=dev)
-        guard.tokens_len = torch.zeros((8,), dtype=torch.int64, device=dev)
-        guard.mask = torch.zeros((b, int(max_tokens)), dtype=torch.int64, device=dev)
-        session.register(f"{prefix}.tokens", guard.tokens, kind="opaque", detect=detect, page_bytes=page_bytes)
-        session.register(f"{prefix}.mask", guard.mask, kind="opaque", detect=detect, page_bytes=page_bytes)
-        session.register(f"{prefix}.tokens_len", guard.tokens_len, kind="opaque",
-                         **(small or dict(detect="all", page_bytes=64)))
+        tokens = dict(tokens=torch.zeros((b, int(max_tokens)), dtype=torch.int64, device=dev),
+                      mask=torch.zeros((b, int(max_tokens)), dtype=torch.int64, device=dev),
+                      tokens_len=torch.zeros((8,), dtype=torch.int64, device=dev))
+        for part in ("tokens", "mask"):
+            regions.append(dict(name=f"{prefix}.{part}", array=tokens[part], kind="opaque", detect=detect,
+                                page_bytes=page_bytes))
+        regions.append(dict(name=f"{prefix}.tokens_len", array=tokens["tokens_len"], kind="opaque",
+                            **(small or dict(detect="all", page_bytes=64))))
+    rng_words = None
     if rng:
         # a word of length, then the state (16 bytes on CUDA, 5,056 on the CPU), on
         # the cache's device so that every region takes the same (device) path
         n = 8 if dev.type == "cuda" else 640
-        guard.rng = torch.zeros((n,), dtype=torch.int64, device=dev)
-        session.register(f"{prefix}.rng", guard.rng, kind="opaque", **(small or dict(detect="all", page_bytes=n * 8)))
+        rng_words = torch.zeros((n,), dtype=torch.int64, device=dev)
+        regions.append(dict(name=f"{prefix}.rng", array=rng_words, kind="opaque",
+                            **(small or dict(detect="all", page_bytes=n * 8))))
+    session.register_all(regions)
+    guard.lora.update(lora)
+    if tokens:
+        guard.tokens, guard.mask, guard.tokens_len = tokens["tokens"], tokens["mask"], tokens["tokens_len"]
+    guard.rng = rng_words
     session.before_checkpoint(guard.capture)
     if model is not None:
         _resume_compiled(model)

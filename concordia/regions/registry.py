@@ -79,8 +79,13 @@ class RegionSet:
 
     def add(self, region: Region) -> None:
         """List a new region (the caller checked its name is free)."""
+        self.add_all([region])
+
+    def add_all(self, regions) -> None:
+        """List new regions, in order (the caller checked their names are free)."""
         with self.lock:
-            self._by_name[region.name] = region
+            for region in regions:
+                self._by_name[region.name] = region
             self.version += 1
 
     def release(self) -> None:

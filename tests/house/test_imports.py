@@ -35,6 +35,7 @@ RUNTIME = LAYERS[LAYERS.index("instrument"):LAYERS.index("face") + 1]
 #: modules of the runtime folder that are not a package of their own, by layer
 ROOMS = {"concordia.root_error": "root", "concordia.lazy": "root", "concordia.sizes": "root",
          "concordia.retention": "restore", "concordia.session": "session", "concordia.session_log": "session",
+         "concordia.session_register": "session",
          "concordia.policy": "session", "concordia.prefetching": "session",
          "concordia.group": "group", "concordia.standby": "group", "concordia.mirror": "group", "concordia": "face", "concordia.errors": "face"}
 GPU = ("cupy", "cupyx", "cuda")                                   # wal never imports these

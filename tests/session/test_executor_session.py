@@ -126,16 +126,33 @@ def test_a_new_kind_is_in_the_table_before_an_epoch_can_see_its_region(file_log)
         ex = s.resident
         s.register("a", np.zeros(8192, np.uint8))
         seen = []
-        swap = ex.region_added
+        swap = ex.regions_added
 
-        def watched(region):
-            swap(region)
-            seen.append((region.name in s.region_set, ex.consumer.table.get(0x100) is not None))
+        def watched(regions):
+            swap(regions)
+            seen.append([(r.name in s.region_set, ex.consumer.table.get(0x100) is not None) for r in regions])
 
-        ex.region_added = watched
+        ex.regions_added = watched
         s.register("kv", np.full(4096, 3, np.uint8), kind="kv")
-        assert seen == [(False, True)]   # the kv handler (KINDS[0]) first, then the region
+        assert seen == [[(False, True)]]   # the kv handler (KINDS[0]) first, then the region
         assert s.checkpoint().executor == "resident"
+
+
+def test_regions_of_new_kinds_registered_together_get_every_handler_in_one_swap(file_log):
+    """`register_all` of regions of two kinds the table lacks: one swap brings both handlers, before either is
+    listed, and an epoch over them runs on the resident executor."""
+    with new_session(file_log, executor="resident") as s:
+        ex = s.resident
+        s.register("a", np.zeros(8192, np.uint8))
+        swaps = len(ex.swaps)
+        s.register_all([dict(name="kv", array=np.full(4096, 3, np.uint8), kind="kv"),
+                        dict(name="lora", array=np.full(4096, 5, np.uint8), kind="adapter")])
+        assert len(ex.swaps) == swaps + 1
+        assert {"kv", "adapter"} <= set(ex.kinds)
+        st = s.checkpoint()
+        assert st.executor == "resident" and sorted(st.base) == ["a", "kv", "lora"]
+        got = s.recover()
+        assert (got["kv"] == 3).all() and (got["lora"] == 5).all()
 
 
 def test_an_epoch_of_a_kind_without_a_handler_is_refused_naming_it(file_log):
