@@ -400,6 +400,35 @@ def compact_flags(flags, positions, count: int):
     return out[1:]
 
 
+def copy_spans(pairs, *, piece: int = ref.COPY_PIECE) -> None:
+    """Copy every (src, dst) pair of device arrays in one launch on CuPy's
+    current stream (one row table copied there first): what one
+    cudaMemcpyAsync a pair does, without a driver call a pair.  Twin:
+    reference.copy_spans (same rows, same bytes)."""
+    cp = _cp()
+    flat = []
+    for i, (a, b) in enumerate(pairs):
+        a, b = _bytes_of(a, f"pairs[{i}] source"), _bytes_of(b, f"pairs[{i}] target")
+        if a.size != b.size:
+            raise KernelInputError(f"pairs[{i}]: {a.size} bytes into {b.size}", where="pairs")
+        flat.append((a, b))
+    span, offset, nbytes = ref.span_rows([a.size for a, _ in flat], piece)
+    if not span.size:
+        return
+    src = np.array([a.data.ptr for a, _ in flat], np.uint64)[span] + offset.astype(np.uint64)
+    dst = np.array([b.data.ptr for _, b in flat], np.uint64)[span] + offset.astype(np.uint64)
+    table = cp.asarray(np.concatenate([src, dst, nbytes.astype(np.uint64)]))
+    rows = int(span.size)
+    k = jit.function("copy", "copy_spans")
+    k((max(1, min(rows, _sm_count(cp.cuda.Device().id) * 16)),), (THREADS,), (table, np.uint64(rows)))
+
+
+def copy_spans_ready() -> None:
+    """Load `copy_spans` on this device now (a thread that reads ahead does,
+    so that the recovery's first batched copy pays no module load)."""
+    jit.function("copy", "copy_spans")
+
+
 def launch_region_digest(page_crcs, out) -> None:
     """Queue `region_digest(page_crcs)` into out[0] (device uint32) without
     synchronising; the checkpoint reads every region's digest in one fetch."""

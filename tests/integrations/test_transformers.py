@@ -67,6 +67,22 @@ def test_an_unallocated_cache_without_the_model_is_refused(tmp_path):
         assert not s.regions  # nothing registered
 
 
+def test_a_protect_refused_midway_registers_nothing_and_can_be_made_again(tmp_path):
+    """A refusal after the cache's regions were made (a log too small for the cache and the adapter together)
+    leaves no region behind: the same protect() on a log that fits then registers them all, where a second
+    call used to meet DuplicateRegionError."""
+    cfg, model = build("tiny", "cpu")
+    cache = StaticCache(config=cfg, max_cache_len=16384)   # 16 MiB of keys and values for two rows
+    with concordia.Session(_log(tmp_path, "small.log"), size=8 << 20, segment_size=1 << 20) as s:
+        with pytest.raises(SessionError) as e:
+            protect(s, cache, model, batch_size=2, max_tokens=32)
+        assert "\n" not in str(e.value) and "the log holds" in str(e.value)
+        assert not s.regions and not s.log.regions   # nothing registered, no descriptor written
+    with _session(tmp_path) as s:
+        g = protect(s, cache, model, batch_size=2, max_tokens=32)
+        assert set(s.regions) == set(g.names)
+
+
 def test_checkpoint_every_n_tokens_from_generate(tmp_path):
     cfg, model = build("tiny", "cpu")
     cache = StaticCache(config=cfg, max_cache_len=40)

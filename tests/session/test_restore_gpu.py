@@ -228,16 +228,43 @@ def test_a_large_restore_into_device_targets_gives_its_staged_copies_back(shm_lo
 
 
 def test_memory_the_driver_refuses_is_cupys_out_of_memory_error():
-    """A staged copy of memory of its own (`_zeros`, own_memory) that the driver
+    """Staged copies of memory of their own (`_zeroed_arrays`, own_memory) that the driver
     cannot give: the pool's free blocks go back and the driver is asked again,
     then CuPy's OutOfMemoryError, as `cupy.zeros` says it (it was an
     AttributeError: CuPy's runtime module names no errorMemoryAllocation)."""
     import cupy as cp
 
     from concordia.gpu_kernels import gpu
-    from concordia.restore.device import _zeros
+    from concordia.restore.device import _zeroed_arrays
 
     too_much = 2 * cp.cuda.runtime.memGetInfo()[1]
     with pytest.raises(cp.cuda.memory.OutOfMemoryError):
-        _zeros(cp, gpu, too_much, True)
-    assert _zeros(cp, gpu, 4096, True).nbytes == 4096   # and the next one is given
+        _zeroed_arrays(cp, gpu, [too_much // 2, too_much // 2], [True, True])
+    assert [a.nbytes for a in _zeroed_arrays(cp, gpu, [4096], [True])] == [4096]   # and the next one is given
+
+
+def test_arrays_of_memory_of_their_own_are_one_zeroed_block_each_aligned():
+    """`_zeroed_arrays`: the arrays of memory of their own are carved from one
+    block from the driver (one free once all are dropped, not one an array),
+    each zeroed, apart and 512-byte aligned (the page kernels read 16 bytes
+    at a time); the others come from CuPy's pool."""
+    import cupy as cp
+
+    from concordia.gpu_kernels import gpu
+    from concordia.restore.device import OWN_ALIGN, _zeroed_arrays
+
+    junk = cp.full(1 << 20, 7, cp.uint8)   # memory that held something before
+    del junk
+    sizes, own = [64, 4096, 0, 100_000, 256], [True, False, True, True, True]
+    got = _zeroed_arrays(cp, gpu, sizes, own)
+    cp.cuda.get_current_stream().synchronize()
+    assert [a.nbytes for a in got] == sizes
+    assert all(int(a.sum()) == 0 for a in got)
+    mine = [a for a, n, o in zip(got, sizes, own) if o and n]
+    assert all(a.data.ptr % OWN_ALIGN == 0 for a in mine)
+    assert len({id(a.data.mem._owner) for a in mine}) == 1   # one block holds them all
+    spans = sorted((a.data.ptr, a.data.ptr + a.nbytes) for a in mine)
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))   # apart
+    got[3][:] = 9
+    assert int(got[0].sum()) == 0 and int(got[4].sum()) == 0 and int(got[3].sum()) == 9 * 100_000
+    assert not isinstance(got[1].data.mem, cp.cuda.UnownedMemory)   # the pool's
