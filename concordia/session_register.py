@@ -29,6 +29,7 @@ from concordia.wal import format as fmt
 #: what `register` takes beside name and array, with its defaults
 OPTIONS = dict(kind="opaque", page_bytes=4096, detect="auto", block_tables=None, seq_lens=None, block_stamp=None,
                seq_ids=None, slot_versions=None, pages_per_slot=None, length=None, check_every=None, stream=None)
+ARGUMENTS = frozenset(OPTIONS) | {"name", "array"}
 
 
 def enroll(session, specs: list, writer) -> list[Region]:
@@ -73,7 +74,7 @@ def _made(log, spec: dict, capacity: int, fits: set, taken) -> tuple:
     """(Region, the log's descriptor of it or None) of one `register`
     call's arguments, each checked (`taken(name)`: whether the name is
     registered already); nothing is started or written."""
-    unknown = set(spec) - set(OPTIONS) - {"name", "array"}
+    unknown = spec.keys() - ARGUMENTS
     if unknown or "name" not in spec or "array" not in spec:
         what = f"unknown argument {sorted(unknown)[0]!r}" if unknown else "a region needs a name and an array"
         raise SessionError(what, where=f"region {spec.get('name')!r}")

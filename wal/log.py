@@ -309,7 +309,8 @@ class Log:
             if self._moved:
                 return True
             try:
-                if _superblock_sequence(self.backend) != self.volume.superblock.sequence:
+                now = Volume.open(self.backend, writable=False)   # one open, for the question and the walk
+                if now.superblock.sequence != self.volume.superblock.sequence:
                     self._moved = True
                     return True
                 if self._follow is None:
@@ -317,7 +318,7 @@ class Log:
                     if last is None:
                         return True   # none to look past: read again
                     self._follow = Follower(self.backend, check_pages=False, after=last)
-                items = self._follow.poll()
+                items = self._follow.poll(now)
             except WalError:
                 self._moved = True
                 return True

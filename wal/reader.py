@@ -1147,12 +1147,15 @@ class Follower:
             if is_commit(after):
                 self._commit = (self.lsn, self._resume)
 
-    def poll(self) -> list:
+    def poll(self, vol: Volume | None = None) -> list:
         """The items appended since the last poll (module docstring of Scanner
-        for their form).  Raises WalError when the log was formatted again."""
+        for their form).  Raises WalError when the log was formatted again.
+        vol: the volume opened just now by the caller (read-only, of this
+        backend), instead of opening it again here."""
         from .errors import WalError
 
-        vol = Volume.open(self.backend, writable=False)
+        if vol is None:
+            vol = Volume.open(self.backend, writable=False)
         if self.uuid is None:
             self.uuid = vol.uuid
         elif vol.uuid != self.uuid:

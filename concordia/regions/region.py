@@ -230,8 +230,9 @@ class Region:
 
     @property
     def device_aligned(self) -> bool:
-        """The page kernels read regions with 16-byte loads."""
-        return not self.on_gpu or self.flat.data.ptr % 16 == 0
+        """The page kernels read regions with 16-byte loads (the array's address is its flat view's: asked
+        of it, no view is made)."""
+        return not self.on_gpu or self.array.data.ptr % 16 == 0
 
     def check_unchanged(self) -> None:
         """Refuse (one line naming the region) an array or tensor freed,
