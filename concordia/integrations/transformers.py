@@ -295,8 +295,12 @@ def protect(session, cache, model=None, *, batch_size: int | None = None, max_to
         words = getattr(session, "resident", None) is not None
     kv = []
     dev = cache.layers[0].keys.device
-    counters = torch.zeros((len(cache.layers), 2), dtype=torch.int64, device=dev)
-    guard = Guard(session=session, cache=cache, model=model, prefix=prefix, kv=kv, lora={}, counters=counters)
+    # the sliding-window lengths (a Python int a layer) go in with the allocation: one copy from the host,
+    # not a fill a layer (`_sync_counters` writes only those that change)
+    ints = [int(getattr(layer, "cumulative_length_int", -1)) for layer in cache.layers]
+    counters = torch.tensor([[0, v] for v in ints], dtype=torch.int64, device=dev)
+    guard = Guard(session=session, cache=cache, model=model, prefix=prefix, kv=kv, lora={}, counters=counters,
+                  _ints_last=ints)
     _count_resets(cache)
     if words:
         guard.resets = torch.zeros((1,), dtype=torch.int64, device=dev)
