@@ -52,15 +52,15 @@ def enroll(session, specs: list, writer) -> list[Region]:
             if region.detect == "stores":
                 region.track_stores(region.check_every)
                 started.append(region)
-        for region, info in made:
+        if session.resident is not None:  # a new kind's handler is in the table before an epoch can see it
+            session.resident.regions_added([region for region, _ in made])   # (a handler unused is harmless)
+        for region, info in made:   # last: a descriptor written stays in the log
             if info is not None:
                 region.id = int(info.id)
             else:  # the log lacks it: a descriptor is written
                 region.id = int(writer(f"register region {region.name!r}").define_region(
                     region.name, region.array.dtype.str, region.shape, region.page_bytes, region.kind,
                     logical=region.logical, framework=region.framework))
-        if session.resident is not None:  # a new kind's handler is in the table before an epoch can see it
-            session.resident.regions_added([region for region, _ in made])
     except BaseException:
         for region in started:
             region.untrack()

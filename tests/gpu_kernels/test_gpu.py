@@ -191,16 +191,18 @@ def test_expand_runs_matches_twin(cp, gpu):
 def _spans(rng):
     """(sources, target sizes and offsets) of spans of every alignment: sizes around a piece and a 16-byte word,
     starting at odd offsets of one buffer, one empty."""
-    sizes = [0, 1, 15, 16, 17, 4095, 5000, 3 * 4096 + 7, 70_000]
-    shifts = [0, 3, 16, 1, 8, 0, 5, 0, 11]
+    sizes = [0, 1, 15, 16, 17, 4095, 5000, 3 * 4096 + 7, 70_000, 300_001]
+    shifts = [0, 3, 16, 1, 8, 0, 5, 0, 11, 16]
     return [rand_region(rng, n) for n in sizes], sizes, shifts
 
 
 def _targets(xp, sizes, shifts):
-    """Target views at `shifts` into one poisoned buffer (each apart from the others)."""
-    buf = xp.full(sum(sizes) + sum(shifts) + 64 * len(sizes), 0xA5, xp.uint8)
+    """Target views at `shifts` past 16-byte boundaries of one poisoned buffer (each apart from the others):
+    a shift of 0 or 16 is an aligned target, which with an aligned source takes the kernel's 16-byte path."""
+    buf = xp.full(sum(sizes) + sum(shifts) + 80 * len(sizes), 0xA5, xp.uint8)
     out, at = [], 0
     for n, k in zip(sizes, shifts):
+        at = -(-at // 16) * 16
         out.append(buf[at + k:at + k + n])
         at += k + n + 64
     return buf, out
@@ -211,7 +213,8 @@ def test_copy_spans_matches_twin_at_every_alignment(cp, gpu):
     twin, and nothing between the targets written."""
     rng = np.random.default_rng(21)
     srcs, sizes, shifts = _spans(rng)
-    for piece in (4096, 1 << 20):   # rows of many spans cut in pieces; one row a span
+    # rows of many spans cut in pieces (at 64: more rows than the grid has blocks); one row a span
+    for piece in (64, 4096, 1 << 20):
         hbuf, htargets = _targets(np, sizes, shifts)
         ref.copy_spans(list(zip(srcs, htargets)), piece=piece)
         dbuf, dtargets = _targets(cp, sizes, shifts)
@@ -223,6 +226,10 @@ def test_copy_spans_matches_twin_at_every_alignment(cp, gpu):
         gpu.copy_spans(list(zip(dsrcs, dtargets)), piece=piece)
         assert np.array_equal(dbuf.get(), hbuf), piece
         assert all(np.array_equal(t, a) for t, a in zip(htargets, srcs))
+    aligned = [n for n, t, s in zip(sizes, dtargets, dsrcs) if n and (t.data.ptr | s.data.ptr) % 16 == 0]
+    assert any(n % 16 for n in aligned) and any(n >= 4096 for n in aligned)   # 16-byte words with a byte tail
+    rows = ref.span_rows(sizes, 64)[0].size
+    assert rows > gpu._sm_count(cp.cuda.Device().id) * 16   # the blocks stride over rows
 
 
 def test_copy_spans_refuses_pairs_of_other_sizes_naming_the_pair(cp, gpu):

@@ -253,8 +253,10 @@ def test_arrays_of_memory_of_their_own_are_one_zeroed_block_each_aligned():
     from concordia.gpu_kernels import gpu
     from concordia.restore.device import OWN_ALIGN, _zeroed_arrays
 
-    junk = cp.full(1 << 20, 7, cp.uint8)   # memory that held something before
+    junk = cp.full(64 << 20, 7, cp.uint8)   # memory that held something before, given back to the driver
+    cp.cuda.get_current_stream().synchronize()
     del junk
+    cp.get_default_memory_pool().free_all_blocks()
     sizes, own = [64, 4096, 0, 100_000, 256], [True, False, True, True, True]
     got = _zeroed_arrays(cp, gpu, sizes, own)
     cp.cuda.get_current_stream().synchronize()
