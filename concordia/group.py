@@ -127,6 +127,9 @@ class GroupSession:
     def register(self, *a, **kw):
         return self.session.register(*a, **kw)
 
+    def register_all(self, regions):
+        return self.session.register_all(regions)
+
     @property
     def epoch(self) -> int:
         """This rank's last committed epoch (may be ahead of the group's)."""

@@ -255,9 +255,14 @@ class Session:
         list of dicts of `register`'s arguments ({"name": ..., "array": ...,
         "kind": ..., ...}).  Each is checked, and the log's room for one image
         of them all, before any is registered; an error (naming its region)
-        registers none.  A model's regions in one call settle and check the
-        log's room once (`concordia.session_register`)."""
+        registers none (a descriptor written for the log before a later
+        failure, a rare I/O error, stays there, uncommitted until the next
+        commit, as a failed `register`'s would).  A model's regions in one
+        call settle and check the log's room once (`concordia.session_register`)."""
         self._check_open("register regions")
+        if isinstance(regions, dict):
+            raise SessionError("register_all takes a list of dicts, one a region, not one dict",
+                               hint='register_all([{"name": "kv", "array": kv}, ...])')
         self.settle()
         return enroll(self, list(regions), self._writer)
 

@@ -66,7 +66,8 @@ def enroll(session, specs: list, writer) -> list[Region]:
             region.untrack()
         raise
     out = [region for region, _ in made]
-    known.add_all(out)
+    if out:   # (none: the cached routes stay as they are)
+        known.add_all(out)
     return out
 
 
@@ -74,6 +75,9 @@ def _made(log, spec: dict, capacity: int, fits: set, taken) -> tuple:
     """(Region, the log's descriptor of it or None) of one `register`
     call's arguments, each checked (`taken(name)`: whether the name is
     registered already); nothing is started or written."""
+    if not isinstance(spec, dict):
+        raise SessionError(f"a region to register is a dict of register's arguments, not a {type(spec).__name__}",
+                           hint='register_all([{"name": "kv", "array": kv, "kind": "kv"}, ...])')
     unknown = spec.keys() - ARGUMENTS
     if unknown or "name" not in spec or "array" not in spec:
         what = f"unknown argument {sorted(unknown)[0]!r}" if unknown else "a region needs a name and an array"

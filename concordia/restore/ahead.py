@@ -297,6 +297,10 @@ class ReadAhead:
         seeds, self.seeds = self.seeds.only(held), Seeds()
         written = restore_run.into_targets(dev, host, held, self.device, order)
         self.taken = seeds.only(written)
+        if self.device and written and held:
+            # arrays handed over beside targets written: copies in CuPy's pool, so that the read's one
+            # block of memory (`restore.device._zeroed_arrays`) goes back with the arrays copied from
+            held = {n: a.copy() for n, a in held.items()}
         arrays = {**held, **written}
         stats = {"read_ahead": self.phase(), "copy_s": time.perf_counter() - t, "copy_bytes": nbytes}
         # planned on its thread (its time is in the read ahead's phase): none of this call's

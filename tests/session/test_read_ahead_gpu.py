@@ -162,3 +162,20 @@ def test_many_targets_take_the_read_aheads_arrays_in_one_batched_copy(shm_log, m
         targets[4][10] ^= 1
         st = s.checkpoint()
         assert st.epoch == 2 and st.pages.get("r4") == 1 and sum(st.pages.values()) == 1
+
+
+def test_arrays_handed_over_beside_targets_written_do_not_hold_the_reads_block(shm_log):
+    """A recovery that writes one target and hands another region over as a new array: the new array is a
+    copy in CuPy's pool, so the read's one block of memory goes back with the array copied from (a small
+    array handed over kept a model-sized block alive)."""
+    import cupy as cp
+
+    want = _log(shm_log)
+    p = concordia.prefetch(shm_log, device="cupy")
+    a = cp.zeros(N, cp.uint8)
+    with p.session() as s:
+        out = s.recover(into={"a": a}, regions=["a", "b"], device="cupy")
+        assert s.last_recovery.phases["read_ahead"]["used"] is True
+        assert out["a"] is a and np.array_equal(a.get(), want["a"])
+        assert np.array_equal(cp.asnumpy(out["b"]), want["b"])
+        assert not isinstance(out["b"].data.mem, cp.cuda.UnownedMemory)   # the pool's, not a view of the block

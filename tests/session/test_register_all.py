@@ -87,3 +87,16 @@ def test_a_recovering_session_finds_the_regions_the_log_holds(file_log):
         with pytest.raises(SessionError) as err:   # held to the log's descriptor, as register() is
             s.register_all(mismatched)
         one_line(err.value, "region 'r0'", "shape")
+
+
+def test_a_dict_for_the_list_or_an_entry_that_is_not_a_dict_is_one_line(file_log):
+    with Session(file_log, size=16 * MiB) as s:
+        with pytest.raises(SessionError) as err:
+            s.register_all(_regions()[0])
+        one_line(err.value, "a list of dicts")
+        with pytest.raises(SessionError) as err:
+            s.register_all([_regions()[0], ("r9", np.zeros(64, np.uint8))])
+        one_line(err.value, "not a tuple")
+        version = s.region_set.version
+        assert s.register_all([]) == [] and s.region_set.version == version   # nothing to list: nothing rebuilt
+        assert s.region_set.names == []
