@@ -53,7 +53,6 @@ STAMPED = [
     ("concordia.checkpoint.epoch", "EpochRunner.forget_table"),
     ("concordia.restore.run", "recover"),
     ("concordia.restore.run", "into_targets"),
-    ("concordia.gpu_kernels.gpu", "copy_spans"),
     ("concordia.restore.run", "absent_regions"),
     ("concordia.restore.run", "split_targets"),
     ("concordia.restore.run", "check_view"),
