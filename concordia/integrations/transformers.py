@@ -322,37 +322,30 @@ def protect(session, cache, model=None, *, batch_size: int | None = None, max_to
         kv.append((i, k, v))
     regions.append(dict(name=f"{prefix}.counters", array=counters, kind="opaque",
                         **(small or dict(detect="all", page_bytes=64))))
-    lora = {}
     for name, p in _lora_parameters(model).items():
         if not p.data.is_contiguous():
             raise SessionError("the LoRA weight is not contiguous", where=f"parameter {name!r}")
         region = f"{prefix}.lora.{name}"
         regions.append(dict(name=region, array=p.data, kind="adapter", detect=detect, page_bytes=page_bytes))
-        lora[region] = p
-    tokens = {}
+        guard.lora[region] = p
     if max_tokens is not None:
         b = cache.layers[0].keys.shape[0]
-        tokens = dict(tokens=torch.zeros((b, int(max_tokens)), dtype=torch.int64, device=dev),
-                      mask=torch.zeros((b, int(max_tokens)), dtype=torch.int64, device=dev),
-                      tokens_len=torch.zeros((8,), dtype=torch.int64, device=dev))
-        for part in ("tokens", "mask"):
-            regions.append(dict(name=f"{prefix}.{part}", array=tokens[part], kind="opaque", detect=detect,
-                                page_bytes=page_bytes))
-        regions.append(dict(name=f"{prefix}.tokens_len", array=tokens["tokens_len"], kind="opaque",
-                            **(small or dict(detect="all", page_bytes=64))))
-    rng_words = None
+        guard.tokens = torch.zeros((b, int(max_tokens)), dtype=torch.int64, device=dev)
+        guard.tokens_len = torch.zeros((8,), dtype=torch.int64, device=dev)
+        guard.mask = torch.zeros((b, int(max_tokens)), dtype=torch.int64, device=dev)
+        regions += [dict(name=f"{prefix}.tokens", array=guard.tokens, kind="opaque", detect=detect,
+                         page_bytes=page_bytes),
+                    dict(name=f"{prefix}.mask", array=guard.mask, kind="opaque", detect=detect, page_bytes=page_bytes),
+                    dict(name=f"{prefix}.tokens_len", array=guard.tokens_len, kind="opaque",
+                         **(small or dict(detect="all", page_bytes=64)))]
     if rng:
         # a word of length, then the state (16 bytes on CUDA, 5,056 on the CPU), on
         # the cache's device so that every region takes the same (device) path
         n = 8 if dev.type == "cuda" else 640
-        rng_words = torch.zeros((n,), dtype=torch.int64, device=dev)
-        regions.append(dict(name=f"{prefix}.rng", array=rng_words, kind="opaque",
+        guard.rng = torch.zeros((n,), dtype=torch.int64, device=dev)
+        regions.append(dict(name=f"{prefix}.rng", array=guard.rng, kind="opaque",
                             **(small or dict(detect="all", page_bytes=n * 8))))
-    session.register_all(regions)
-    guard.lora.update(lora)
-    if tokens:
-        guard.tokens, guard.mask, guard.tokens_len = tokens["tokens"], tokens["mask"], tokens["tokens_len"]
-    guard.rng = rng_words
+    session.register_all(regions)   # (refused: the guard, never returned, goes with the error)
     session.before_checkpoint(guard.capture)
     if model is not None:
         _resume_compiled(model)
