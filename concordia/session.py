@@ -43,7 +43,6 @@ from concordia.policy import Policy
 from concordia.regions.errors import SessionClosedError, SessionError
 from concordia.regions.region import Region
 from concordia.regions.registry import RegionSet
-from concordia.regions.streams import StreamOrder
 from concordia.restore import run as restore_run
 from concordia.restore.ahead import Seeds
 from concordia.restore.run import RecoveryStats
@@ -405,8 +404,9 @@ class Session:
                 raise SessionError("recover(into='registered') with no region registered")
             targets = {r.name: r.owner for r in self.region_set}
             adapted = {r.name: v for r in self.region_set if (v := r.unchanged_view()) is not None}
-            # in each region's producer stream (as its checkpoints): the copies and the reads below come first
-            order = StreamOrder.for_checkpoint(self.region_set)
+            # in each region's producer stream (as its checkpoints, whose representatives it shares and keeps for
+            # the first of them): the copies and the reads below come first
+            order = self.runner.stream_order(None)
         elif into is not None:
             targets = dict(into)
         out, self.last_recovery = restore_run.recover(self.log, target, targets=targets, device=device, mode=mode,

@@ -539,7 +539,9 @@ class EpochRunner:
             for r in self.regions:
                 if not r.on_gpu:
                     continue
-                key = (("given", id(r.stream)) if r.stream is not None else
+                # (a tensor's device is PyTorch's object, equal exactly when its name is: no name made a region)
+                key = (("given", id(r.stream)) if r.stream is not None else ("torch", r.owner.device)
+                       if r.framework == "torch" else
                        (type(r.owner).__module__.split(".")[0], str(getattr(r.owner, "device", ""))))
                 if key not in seen:
                     seen.add(key)

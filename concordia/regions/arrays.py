@@ -134,8 +134,7 @@ def adapt(obj, where: str, logged: str | None = None):
     if is_cupy(obj):
         return obj, cupy_module(), obj
     if is_torch(obj):
-        name = str(obj.dtype).split(".", 1)[1]
-        dt = torch_numpy_dtype(name, where, obj.element_size(), logged)
+        _, dt, layout, _ = _torch_layout(obj, where, logged)
         if obj.is_conj() or obj.is_neg():
             raise UnsupportedArrayError("the tensor is a lazy conjugate or negative view (its bytes are not its "
                                         "values)", where=where, hint="pass t.resolve_conj().resolve_neg()")
@@ -155,12 +154,12 @@ def adapt(obj, where: str, logged: str | None = None):
         torch = torch_module()
         try:
             if xp is not np and type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.numel() and obj.data_ptr():
-                return _cuda_view(xp, obj, np.dtype(layout_of(dt))), xp, obj
+                return _cuda_view(xp, obj, layout), xp, obj
             # a CPU tensor, an empty one, or a subclass (a wrapper without storage of its own: DLPack says)
             raw = xp.from_dlpack(obj.detach().reshape(-1).view(torch.uint8))
         except Exception as exc:
             raise UnsupportedArrayError(f"tensor cannot be shared through DLPack: {exc}", where=where) from None
-        return raw.view(layout_of(dt)).reshape(tuple(obj.shape)), xp, obj
+        return raw.view(layout).reshape(tuple(obj.shape)), xp, obj
     if hasattr(obj, "__dlpack__"):
         for mod in (np, cupy_module()):
             if mod is None:
@@ -201,10 +200,27 @@ def logical_of(obj, logged: str | None = None) -> tuple[str, str]:
     """(logical dtype name, framework) of an object `adapt` took: the name
     is "" where the layout's numpy name says it (FORMAT.md §7)."""
     if is_torch(obj):
-        name = str(obj.dtype).split(".", 1)[1]
-        dt = torch_numpy_dtype(name, "", obj.element_size(), logged)
-        return ("" if fmt.dtype_name(layout_of(dt)) == name else name), "torch"
+        return _torch_layout(obj, "", logged)[3], "torch"
     return logical_name(np.dtype(obj.dtype)), "array"
+
+
+def _torch_layout(t, where: str, logged: str | None) -> tuple:
+    """(name, numpy dtype, layout dtype, logical name recorded) of tensor `t`'s
+    dtype (`torch_numpy_dtype`, `layout_of`), worked out once a dtype: a
+    model's regions share two or three."""
+    key = (t.dtype, logged)
+    got = _TORCH_LAYOUTS.get(key)
+    if got is None:
+        name = str(t.dtype).split(".", 1)[1]
+        dt = torch_numpy_dtype(name, where, t.element_size(), logged)
+        layout = np.dtype(layout_of(dt))
+        got = (name, dt, layout, "" if fmt.dtype_name(layout.str) == name else name)
+        if logged is None or logged == name:   # (another logged name is a refusal to come: not kept)
+            _TORCH_LAYOUTS[key] = got
+    return got
+
+
+_TORCH_LAYOUTS: dict = {}
 
 
 def present(flat_or_array, info, *, device: bool, where: str):
@@ -233,14 +249,17 @@ def present(flat_or_array, info, *, device: bool, where: str):
 
 
 def storage_of(owner) -> tuple:
-    """(shape, dtype string, data address, device, storage bytes): what must
-    not change under a registered region."""
+    """(shape, dtype, data address, device, storage bytes): what must not
+    change under a registered region.  A tensor's dtype and device are
+    PyTorch's objects (equal exactly when their names are, and printed as
+    them), not their names: a name is a string made afresh at each call, a
+    few microseconds a region at every registration and recovery."""
     if is_torch(owner):
         try:
             held = owner.untyped_storage().nbytes()
         except Exception:  # a tensor without storage (a tensor subclass, say)
             held = -1
-        return tuple(owner.shape), str(owner.dtype), owner.data_ptr(), str(owner.device), held
+        return tuple(owner.shape), owner.dtype, owner.data_ptr(), owner.device, held
     if is_cupy(owner):
         return tuple(owner.shape), owner.dtype.str, owner.data.ptr, f"cuda:{owner.device.id}", int(owner.nbytes)
     return tuple(owner.shape), owner.dtype.str, owner.__array_interface__["data"][0], "cpu", int(owner.nbytes)

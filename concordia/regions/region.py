@@ -193,23 +193,24 @@ class Region:
     stream: object = None               # the producer stream given at register (None: the framework's current)
     _flat: object = dataclasses.field(default=None, repr=False, compare=False)
 
+    # the array is numpy's or CuPy's: its dtype is numpy's, its shape a tuple of ints, its nbytes an int
     @property
     def dtype(self) -> np.dtype:
         """The dtype of the byte layout (uint16 for bfloat16)."""
-        return np.dtype(self.array.dtype)
+        return self.array.dtype
 
     @property
     def logical_dtype(self) -> str:
         """The name of the dtype the region holds ("bfloat16", "float32")."""
-        return self.logical or fmt.dtype_name(self.dtype)
+        return self.logical or fmt.dtype_name(self.array.dtype)
 
     @property
     def shape(self) -> tuple:
-        return tuple(int(n) for n in self.array.shape)
+        return self.array.shape
 
     @property
     def nbytes(self) -> int:
-        return int(self.array.nbytes)
+        return self.array.nbytes
 
     @property
     def pages(self) -> int:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 
 import numpy as np
@@ -475,7 +476,7 @@ def check_view(info, name, a, xp, kind: str = "array", device=None, logical: str
     where = f"region {name!r}"
     if logical is not None and logical != info.logical_dtype:
         raise RecoverMismatchError(f"cannot recover {info.logical_dtype} data into a {logical} {kind}", where=where)
-    if np.dtype(a.dtype) != np.dtype(info.dtype) or tuple(a.shape) != tuple(info.shape):
+    if a.dtype != dtype_of(info.dtype) or tuple(a.shape) != tuple(info.shape):
         raise RecoverMismatchError(f"cannot recover {info.dtype}{list(info.shape)} bytes into "
                                    f"{a.dtype}{list(a.shape)}", where=where)
     if not a.flags.c_contiguous:
@@ -485,11 +486,17 @@ def check_view(info, name, a, xp, kind: str = "array", device=None, logical: str
         raise RecoverMismatchError(f"the target {kind} is on {'a GPU' if on_gpu else 'the host'}, device={device!r} "
                                    f"was asked for", where=where)
     if on_gpu:
-        here = xp.cuda.Device().id
+        here = xp.cuda.runtime.getDevice()
         if a.device.id != here:
             raise RecoverMismatchError(f"the target {kind} is on cuda:{a.device.id}, the restore runs on cuda:{here}",
                                        where=where, hint="call recover inside cupy.cuda.Device(n) of the targets")
     return a, xp
+
+
+@functools.lru_cache(maxsize=64)
+def dtype_of(name: str) -> np.dtype:
+    """numpy's dtype of a descriptor's layout string ("<u2"), parsed once."""
+    return np.dtype(name)
 
 
 def check_presentable(info, name, gpu: bool) -> None:

@@ -51,6 +51,7 @@ STAMPED = [
     ("concordia.regions.streams", "StreamOrder.before_later_work"),
     ("concordia.checkpoint.detect", "reset"),
     ("concordia.checkpoint.epoch", "EpochRunner.forget_table"),
+    ("concordia.checkpoint.epoch", "EpochRunner.stream_order"),
     ("concordia.restore.run", "recover"),
     ("concordia.restore.run", "into_targets"),
     ("concordia.restore.run", "absent_regions"),
