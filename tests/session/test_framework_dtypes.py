@@ -317,6 +317,20 @@ def test_a_tensor_changed_after_register_is_refused(tmp_path, change, diag, call
         assert s.epoch == 1  # nothing committed
 
 
+def test_a_changed_tensor_is_named_by_its_dtype_and_shape_before_and_after(tmp_path):
+    """The refusal's words name the tensor as PyTorch does (dtype and device
+    are held as PyTorch's objects, not their names: `storage_of`)."""
+    t = torch.zeros(4, 64, dtype=torch.bfloat16)
+    with Session(f"file:{tmp_path / 'c.log'}", size=SIZE, segment_size=SEGMENT) as s:
+        s.register("kv", t, page_bytes=128)
+        s.checkpoint()
+        t.resize_(8, 64)
+        with pytest.raises(ShapeChangedError, match=r"^region 'kv': the registered array cannot be read: it "
+                                                    r"changed since registration: was torch\.bfloat16\[4, 64\] "
+                                                    r"at 0x[0-9a-f]+, now torch\.bfloat16\[8, 64\] at 0x[0-9a-f]+ \(register a new"):
+            s.checkpoint()
+
+
 def test_bf16_into_an_old_log_sets_the_feature_and_old_regions_still_read(tmp_path):
     import gzip
     import pathlib
