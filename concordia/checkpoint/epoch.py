@@ -539,8 +539,10 @@ class EpochRunner:
             for r in self.regions:
                 if not r.on_gpu:
                     continue
-                # (a tensor's device is PyTorch's object, equal exactly when its name is: no name made a region)
-                key = (("given", id(r.stream)) if r.stream is not None else ("torch", r.owner.device)
+                # a tensor's device as registered (`storage_of`: PyTorch's object, no name made a region), so
+                # the representatives are the same whenever they are chosen; one moved since is refused
+                # (`Region.check_unchanged`), and a recovery walks every region then (`Session.recover`)
+                key = (("given", id(r.stream)) if r.stream is not None else ("torch", r.storage[3])
                        if r.framework == "torch" else
                        (type(r.owner).__module__.split(".")[0], str(getattr(r.owner, "device", ""))))
                 if key not in seen:

@@ -248,3 +248,28 @@ def test_a_recovery_on_a_side_stream_is_ordered_in_it(shm_log, monkeypatch, regi
         side.synchronize()
     assert torch.equal(got, want.view(torch.int16)), "a read queued after the recovery ran before its copy"
     assert torch.equal(x.view(torch.int16), want.view(torch.int16)), "the write queued before it came after"
+
+
+def test_a_recovery_waits_for_the_stream_of_a_device_whose_representative_moved(shm_log):
+    """A recovery into the registered tensors orders its copies by the
+    checkpoints' producer streams, one region standing for each device.  When
+    that region's tensor has moved to the host since, the other tensors of
+    its device still take their stream's order: the copy into `b` follows a
+    write queued on the side stream before the call."""
+    a = torch.zeros(1 << 20, dtype=torch.bfloat16, device="cuda")
+    want = torch.randn(16 << 20, device="cuda").to(torch.bfloat16)   # 32 MiB
+    b = want.clone()
+    side = torch.cuda.Stream()
+    with Session(shm_log, size=SIZE, segment_size=SEGMENT) as s:
+        s.register("a", a, page_bytes=65536)   # first: cuda:0's representative
+        s.register("b", b, kind="kv", page_bytes=65536)
+        s.checkpoint()
+        a.data = a.data.cpu()   # moved since
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(HOLD_CYCLES)
+            b.fill_(7.0)   # queued on side before the call, not waited for
+            s.recover(into="registered", regions=["b"])
+            got = b.view(torch.int16).clone()   # queued on side after the call
+        side.synchronize()
+    assert torch.equal(got, want.view(torch.int16)), "the write queued before the recovery came after its copy"
