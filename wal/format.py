@@ -766,6 +766,13 @@ class RegionInfo(NamedTuple):
 
 
 @functools.lru_cache(maxsize=256)
+def layout_dtype(dtype: str) -> np.dtype:
+    """numpy's dtype of a descriptor's layout string ("<u2"), parsed once (a
+    recovery compares every region's target with it)."""
+    return np.dtype(dtype)
+
+
+@functools.lru_cache(maxsize=256)
 def dtype_name(dtype) -> str:
     """numpy's name of a dtype or dtype string, kept (numpy works it out afresh each time: a model's
     170 regions, asked a few times each, made it milliseconds of a fresh process's recovery)."""

@@ -271,9 +271,8 @@ def _lora_parameters(model) -> dict:
     `named_parameters` itself."""
     if model is None:
         return {}
-    if any(getattr(type(model), f) is not getattr(torch.nn.Module, f)
-           for f in ("named_parameters", "_named_members", "named_modules")):
-        return _lora_named(model.named_parameters())
+    if any(getattr(type(model), f) is not getattr(torch.nn.Module, f) for f in ("named_parameters", "_named_members")):
+        return _lora_named(model.named_parameters())   # (every module's own named_modules: in the walk)
     out, seen_modules, seen_params, plain = {}, set(), set(), set()   # plain: classes with nn.Module's walk
     stack = [(model, None, False)]   # (module, (its parent's entry, its name) or None, under a "lora_" part)
     while stack:

@@ -73,20 +73,7 @@ def torch_numpy_dtype(name: str, where: str, itemsize: int, logged: str | None =
     name when it registered the region, so it is not checked again: the
     layout is numpy's own type of that name, else the unsigned integer of
     its width, and ml_dtypes (whose import costs a fresh recovering process
-    seconds) is not loaded to say so.  Answers are kept (a dtype's name is
-    worked out by numpy afresh each time: a model's 170 tensors asked it
-    700 times), refusals are not."""
-    key = (name, itemsize, logged if logged == name else None)
-    dt = _TORCH_DTYPES.get(key)
-    if dt is None:
-        dt = _TORCH_DTYPES[key] = _torch_numpy_dtype(name, where, itemsize, logged)
-    return dt
-
-
-_TORCH_DTYPES: dict = {}
-
-
-def _torch_numpy_dtype(name: str, where: str, itemsize: int, logged: str | None) -> np.dtype:
+    seconds) is not loaded to say so.  Kept a dtype by `_torch_layout`."""
     if logged is None or name != logged:
         return numpy_dtype(name, where, itemsize)
     try:
@@ -207,7 +194,8 @@ def logical_of(obj, logged: str | None = None) -> tuple[str, str]:
 def _torch_layout(t, where: str, logged: str | None) -> tuple:
     """(name, numpy dtype, layout dtype, logical name recorded) of tensor `t`'s
     dtype (`torch_numpy_dtype`, `layout_of`), worked out once a dtype: a
-    model's regions share two or three."""
+    model's regions share two or three, and numpy works a dtype's name out
+    afresh each time.  Answers are kept, refusals are not."""
     key = (t.dtype, logged)
     got = _TORCH_LAYOUTS.get(key)
     if got is None:

@@ -337,7 +337,7 @@ def resolve_detector(kind: str, detect: str, where: str, arr, xp, *, block_table
 def check_same(info, r: Region) -> None:
     """A region already in the log must be the same region."""
     diffs = []
-    if info.logical_dtype != r.logical_dtype or np.dtype(info.dtype) != r.dtype:
+    if info.logical_dtype != r.logical_dtype or fmt.layout_dtype(info.dtype) != r.dtype:
         diffs.append(f"dtype {info.logical_dtype} vs {r.logical_dtype}")
     if tuple(info.shape) != r.shape:
         diffs.append(f"shape {list(info.shape)} vs {list(r.shape)}")

@@ -77,10 +77,6 @@ class RegionSet:
     def any_on_gpu(self) -> bool:
         return any(r.on_gpu for r in self._by_name.values())
 
-    def add(self, region: Region) -> None:
-        """List a new region (the caller checked its name is free)."""
-        self.add_all([region])
-
     def add_all(self, regions) -> None:
         """List new regions, in order (the caller checked their names are free)."""
         with self.lock:

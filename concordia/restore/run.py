@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import time
 
 import numpy as np
@@ -39,6 +38,7 @@ from concordia.regions.errors import (NothingToRecoverError, RecoverMismatchErro
                                       UnsupportedArrayError)
 from concordia.regions.streams import StreamOrder
 from concordia.root_error import ConcordiaError
+from concordia.wal import format as fmt
 from concordia.wal.errors import CorruptionError
 
 DEVICES = (None, "numpy", "cpu", "cupy", "cuda")
@@ -476,7 +476,7 @@ def check_view(info, name, a, xp, kind: str = "array", device=None, logical: str
     where = f"region {name!r}"
     if logical is not None and logical != info.logical_dtype:
         raise RecoverMismatchError(f"cannot recover {info.logical_dtype} data into a {logical} {kind}", where=where)
-    if a.dtype != dtype_of(info.dtype) or tuple(a.shape) != tuple(info.shape):
+    if a.dtype != fmt.layout_dtype(info.dtype) or tuple(a.shape) != tuple(info.shape):
         raise RecoverMismatchError(f"cannot recover {info.dtype}{list(info.shape)} bytes into "
                                    f"{a.dtype}{list(a.shape)}", where=where)
     if not a.flags.c_contiguous:
@@ -491,12 +491,6 @@ def check_view(info, name, a, xp, kind: str = "array", device=None, logical: str
             raise RecoverMismatchError(f"the target {kind} is on cuda:{a.device.id}, the restore runs on cuda:{here}",
                                        where=where, hint="call recover inside cupy.cuda.Device(n) of the targets")
     return a, xp
-
-
-@functools.lru_cache(maxsize=64)
-def dtype_of(name: str) -> np.dtype:
-    """numpy's dtype of a descriptor's layout string ("<u2"), parsed once."""
-    return np.dtype(name)
 
 
 def check_presentable(info, name, gpu: bool) -> None:

@@ -43,7 +43,7 @@ STAMPED = [
     ("concordia.session", "page_crcs"),
     ("concordia.session_register", "Region.__init__"),
     ("concordia.retention", "Retention.check_capacity"),
-    ("concordia.regions.registry", "RegionSet.add"),
+    ("concordia.regions.registry", "RegionSet.add_all"),
     ("concordia.regions.registry", "RegionSet.recovered"),
     ("concordia.regions.region", "Region.unchanged_view"),
     ("concordia.regions.streams", "StreamOrder.for_checkpoint"),

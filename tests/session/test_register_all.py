@@ -100,3 +100,15 @@ def test_a_dict_for_the_list_or_an_entry_that_is_not_a_dict_is_one_line(file_log
         version = s.region_set.version
         assert s.register_all([]) == [] and s.region_set.version == version   # nothing to list: nothing rebuilt
         assert s.region_set.names == []
+
+
+def test_register_all_takes_registers_arguments_with_its_defaults():
+    """One list of register's arguments and their defaults: register_all's
+    (`session_register.OPTIONS`) is held to `Session.register`'s signature."""
+    import inspect
+
+    from concordia.session_register import ARGUMENTS, OPTIONS
+
+    params = inspect.signature(Session.register).parameters
+    assert ARGUMENTS == set(params) - {"self"}
+    assert OPTIONS == {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty}
