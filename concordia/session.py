@@ -43,7 +43,6 @@ from concordia.policy import Policy
 from concordia.regions.errors import SessionClosedError, SessionError
 from concordia.regions.region import Region
 from concordia.regions.registry import RegionSet
-from concordia.regions.streams import StreamOrder
 from concordia.restore import run as restore_run
 from concordia.restore.ahead import Seeds
 from concordia.restore.run import RecoveryStats
@@ -405,11 +404,8 @@ class Session:
                 raise SessionError("recover(into='registered') with no region registered")
             targets = {r.name: r.owner for r in self.region_set}
             adapted = {r.name: v for r in self.region_set if (v := r.unchanged_view()) is not None}
-            # in each region's producer stream (as its checkpoints): the copies and the reads below come first;
-            # the checkpoints' representatives (one region a framework and device) while every region is as
-            # registered, else every region's stream (one moved may have been its device's representative)
-            order = (self.runner.stream_order(None) if len(adapted) == len(self.region_set) else
-                     StreamOrder.for_checkpoint(self.region_set))
+            # in each region's producer stream (as its checkpoints): the copies and the reads below come first
+            order = self.runner.stream_order(None)
         elif into is not None:
             targets = dict(into)
         out, self.last_recovery = restore_run.recover(self.log, target, targets=targets, device=device, mode=mode,

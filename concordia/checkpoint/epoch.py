@@ -99,7 +99,7 @@ from concordia.checkpoint.staging import Stager, register_mapping, stage_region
 from concordia.checkpoint.stats import CheckpointStats
 from concordia.checkpoint.table import RegionTable, records_bytes
 from concordia.gpu_kernels import reference as ref
-from concordia.regions.arrays import to_host
+from concordia.regions.arrays import storage_of, to_host
 from concordia.regions.errors import SessionError
 from concordia.regions.registry import RegionSet
 from concordia.regions.streams import StreamOrder
@@ -529,7 +529,10 @@ class EpochRunner:
     def stream_order(self, stream) -> StreamOrder:
         """The producer streams of this checkpoint (`StreamOrder.for_checkpoint`),
         from one representative region per framework, device and given stream,
-        chosen again only when the regions change: no Python per region.
+        chosen again only when the regions change: no Python per region.  A
+        representative stands for its group while it is as registered; one
+        given new storage since (a tensor moved to the host, say) may not, and
+        every region's stream is taken then.
         A StreamOrder given as `stream` is the order itself (`HeldOrder`)."""
         if isinstance(stream, StreamOrder):
             return stream
@@ -540,8 +543,7 @@ class EpochRunner:
                 if not r.on_gpu:
                     continue
                 # a tensor's device as registered (`storage_of`: PyTorch's object, no name made a region), so
-                # the representatives are the same whenever they are chosen; one moved since is refused
-                # (`Region.check_unchanged`), and a recovery walks every region then (`Session.recover`)
+                # the representatives are the same whenever they are chosen
                 key = (("given", id(r.stream)) if r.stream is not None else ("torch", r.storage[3])
                        if r.framework == "torch" else
                        (type(r.owner).__module__.split(".")[0], str(getattr(r.owner, "device", ""))))
@@ -552,7 +554,10 @@ class EpochRunner:
             cached = self._producers = (self.regions.version, reps, StreamOrder([]) if not reps else None)
         if stream is None and cached[2] is not None:
             return cached[2]
-        return StreamOrder.for_checkpoint(cached[1], stream)
+        reps = cached[1]
+        if any(storage_of(r.owner) != r.storage for r in reps):
+            reps = self.regions
+        return StreamOrder.for_checkpoint(reps, stream)
 
     # -- routes and the table pass -----------------------------------------------
     def table_pass(self, log):
