@@ -281,17 +281,23 @@ class ReadAhead:
         nbytes = sum(int(held[n].nbytes) for n in (*dev, *host) if n in held)
         # the seeds of what is not copied go before the copies give the pool's free blocks back
         seeds, self.seeds = self.seeds.only(held), Seeds()
-        written = restore_run.into_targets(dev, host, held, self.device, order)
+        parts: dict = {}
+        written = restore_run.into_targets(dev, host, held, self.device, order, parts)
         self.taken = seeds.only(written)
         if self.device and written and held:
             # arrays handed over beside targets written: copies in CuPy's pool, so that the read's one
             # block of memory (`restore.device._zeroed_arrays`) goes back with the arrays copied from
             held = {n: a.copy() for n, a in held.items()}
+        t_release = time.perf_counter()
+        via = {n: got.via[n] for n in (*held, *written) if n in got.via}
+        got = None   # the read's arrays go now (their block's free is this phase's)
+        if parts:
+            parts["release_s"] = time.perf_counter() - t_release
         arrays = {**held, **written}
-        stats = {"read_ahead": self.phase(), "copy_s": time.perf_counter() - t, "copy_bytes": nbytes}
+        stats = {"read_ahead": self.phase(), "copy_s": time.perf_counter() - t, "copy_bytes": nbytes,
+                 "copy_parts": parts}
         # planned on its thread (its time is in the read ahead's phase): none of this call's
-        return restore_run.Restored(arrays, plan, 0.0, time.perf_counter() - t,
-                                    {n: got.via[n] for n in arrays if n in got.via}, stats, kept)
+        return restore_run.Restored(arrays, plan, 0.0, time.perf_counter() - t, via, stats, kept)
 
     def take_seeds(self) -> Seeds:
         """The seeds of the targets the last `take` wrote, once (then none)."""

@@ -282,7 +282,8 @@ def split_targets(views: dict, names) -> tuple[dict, dict]:
     return dev, host
 
 
-def into_targets(dev: dict, host: dict, got: dict, own: bool, order: StreamOrder | None = None) -> dict:
+def into_targets(dev: dict, host: dict, got: dict, own: bool, order: StreamOrder | None = None,
+                 parts: dict | None = None) -> dict:
     """Copy what `got` holds for the device targets `dev` (one
     device-to-device copy each, on CuPy's current stream, after the work
     queued on the targets' own streams, `order`: `recover` makes it and
@@ -290,8 +291,11 @@ def into_targets(dev: dict, host: dict, got: dict, own: bool, order: StreamOrder
     into them, taking those arrays out of `got`; {name: target written}.  A region
     given up (skip_corrupt) is not in `got` and its target stays as it was.
     own: the staged copies have memory of their own, given back to the driver
-    here, with the pool's free blocks."""
-    out = {}
+    here, with the pool's free blocks.  parts: where given, the seconds of
+    the device copies' queueing ("queue_s"), the host's wait for them
+    ("wait_s") and the pool's free blocks given back ("pool_free_s")."""
+    out, t = {}, time.perf_counter()
+    clock = {}
     staged = {n: got.pop(n) for n in dev if n in got}
     host_got = {n: got.pop(n) for n in host if n in got}
     if dev:
@@ -304,15 +308,20 @@ def into_targets(dev: dict, host: dict, got: dict, own: bool, order: StreamOrder
         for name, a in staged.items():
             dev[name].data.copy_from_device_async(a.data, int(a.nbytes), stream)
             out[name] = dev[name]
+        clock["queue_s"], t = time.perf_counter() - t, time.perf_counter()
         if own:
             stream.synchronize()  # the copies out of them are done: dropped, they go back to the driver
+        clock["wait_s"], t = time.perf_counter() - t, time.perf_counter()
         staged.clear()
         a = None  # nothing here holds a staged copy now
         if own:  # and the pipeline's own temporaries (page tables) leave CuPy's pool too
             cp.get_default_memory_pool().free_all_blocks()
+        clock["pool_free_s"] = time.perf_counter() - t
     for name, a in host_got.items():
         host[name][...] = a
         out[name] = host[name]
+    if parts is not None:
+        parts.update(clock)
     return out
 
 
@@ -423,7 +432,10 @@ def phases_of(got: Restored, total_s: float) -> dict:
     st = got.stats
     nbytes = int(got.plan.bytes_to_read)
     if "read_ahead" in st:   # read ahead (`restore.ahead`): its wait, then one copy a target
-        return {"read_ahead": st["read_ahead"], "copy": _phase(st["copy_s"], st["copy_bytes"]),
+        copy = _phase(st["copy_s"], st["copy_bytes"])
+        if st.get("copy_parts"):   # queue, wait, pool_free, release: seconds each
+            copy["parts"] = {k: float(v) for k, v in st["copy_parts"].items()}
+        return {"read_ahead": st["read_ahead"], "copy": copy,
                 "present": _phase(max(0.0, total_s - got.apply_s))}
     out = {"plan": _phase(got.plan_s)}
     if "scatter_s" in st:   # the device pipeline

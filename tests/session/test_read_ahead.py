@@ -49,6 +49,7 @@ def test_the_recovery_copies_from_the_read_ahead_and_the_session_goes_on_in_delt
         assert ph["read_ahead"]["epoch_seen"] == s.last_recovery.epoch == 3
         assert ph["read_ahead"]["open_s"] > 0 and ph["read_ahead"]["read_s"] > 0
         assert ph["copy"]["bytes"] == sum(a.nbytes for a in want.values())
+        assert "parts" not in ph["copy"]               # host targets: no device copies to wait for
         assert "plan" not in ph and "open" not in ph   # the log was planned and read on the thread
         read = ph["read_ahead"]["read"]                # ... and there, phase by phase, as a recovery says
         assert set(read) >= {"plan", "check_copy", "present"} and read["check_copy"]["bytes"] > 0

@@ -52,6 +52,9 @@ def test_cupy_targets_get_the_read_aheads_copies_and_the_session_goes_on(shm_log
         ph = s.last_recovery.phases
         assert ph["read_ahead"]["used"] is True and ph["read_ahead"]["device"] is True
         assert ph["copy"]["bytes"] == a.nbytes + b.nbytes
+        # where the copy's time goes: queueing the copies, the wait for them, the pool's blocks, the read's block
+        assert set(ph["copy"]["parts"]) == {"queue_s", "wait_s", "pool_free_s", "release_s"}
+        assert all(v >= 0 for v in ph["copy"]["parts"].values())
         assert s.last_recovery.via == {"a": "device pipeline", "b": "device pipeline"}
         a[123] = 9
         st = s.checkpoint()   # a delta from the recovered state: one page
