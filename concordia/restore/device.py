@@ -745,12 +745,65 @@ CUDA_ERROR_MEMORY_ALLOCATION = 2
 OWN_ALIGN = 512
 
 
+#: cudaDevAttrMemoryPoolsSupported: the device allocates in stream order (cudaMallocAsync)
+MEMORY_POOLS_SUPPORTED = 115
+
+
+class OwnBlock:
+    """One block of device memory of a restore's own (`_zeroed_arrays`),
+    given back to the driver once every array carved from it is dropped.
+    Allocated in stream order (cudaMallocAsync) where the device has memory
+    pools, so that it can be freed in stream order too: behind the reads of
+    it queued last on the stream `free_after` names (`restore.run.into_targets`'
+    copies into the targets), without a host wait for them, where cudaFree
+    waits for all of the device's work.  Without that stream it is freed as
+    cudaFree frees, after the device's work."""
+
+    def __init__(self, cp, nbytes: int, stream):
+        rt = cp.cuda.runtime
+        dev = cp.cuda.Device().id
+        self.rt, self.ptr, self.stream = rt, 0, None
+        self.in_order = bool(rt.deviceGetAttribute(MEMORY_POOLS_SUPPORTED, dev))
+        self.ptr = rt.mallocAsync(nbytes, stream.ptr) if self.in_order else rt.malloc(nbytes)
+
+    def free_after(self, stream) -> bool:
+        """Free it on `stream`, behind the work queued there (every other use
+        of it has ended: the restore that wrote it waited for its streams);
+        False where it was not allocated in stream order."""
+        if self.in_order:
+            self.stream = stream
+        return self.in_order
+
+    def __del__(self):
+        if not self.ptr:
+            return
+        ptr, self.ptr = self.ptr, 0
+        try:
+            if self.stream is not None:
+                self.rt.freeAsync(ptr, self.stream.ptr)
+            else:
+                self.rt.free(ptr)   # waits for the device's work first
+        except Exception:   # a device already in an error state, or the interpreter's exit
+            pass
+
+
+def free_after(arrays, stream) -> bool:
+    """Free the blocks of their own (`OwnBlock`) of `arrays` on `stream`,
+    behind the reads of them queued there; False where one has memory of
+    another kind, which the caller waits for before dropping it."""
+    ok = True
+    for a in arrays:
+        owner = getattr(a.data.mem, "_owner", None)
+        ok = isinstance(owner, OwnBlock) and owner.free_after(stream) and ok
+    return ok
+
+
 def _zeroed_arrays(cp, gpu, sizes: list, own: list) -> list:
     """Zeroed uint8 device arrays of `sizes` bytes: from CuPy's pool, or, where
     `own` says so, carved from one block of memory of their own from the
-    driver, freed once every array of it is dropped (one free, not one an
-    array: a recovery that copies 173 arrays into its targets and drops them
-    paid 3 ms of frees, on an H100).  When the driver has no room, the pool's
+    driver (`OwnBlock`), freed once every array of it is dropped (one free,
+    not one an array: a recovery that copies 173 arrays into its targets and
+    drops them paid 3 ms of frees, on an H100).  When the driver has no room, the pool's
     free blocks are given back first, as the pool itself does."""
     out = [None if o and n else cp.zeros(n, cp.uint8) for n, o in zip(sizes, own)]
     starts, total = [], 0
@@ -760,20 +813,21 @@ def _zeroed_arrays(cp, gpu, sizes: list, own: list) -> list:
             total += -(-int(n) // OWN_ALIGN) * OWN_ALIGN
     if not total:
         return out
-    rt, pool = cp.cuda.runtime, cp.get_default_memory_pool()
+    rt, pool, stream = cp.cuda.runtime, cp.get_default_memory_pool(), cp.cuda.get_current_stream()
     try:
-        mem = cp.cuda.Memory(total)
+        mem = OwnBlock(cp, total, stream)
     except rt.CUDARuntimeError as exc:  # the driver's malloc: no pool retry of its own
         if exc.status != CUDA_ERROR_MEMORY_ALLOCATION:
             raise
         pool.free_all_blocks()
         try:
-            mem = cp.cuda.Memory(total)
+            mem = OwnBlock(cp, total, stream)
         except rt.CUDARuntimeError as again:  # the pool's own words for it, as cp.zeros would say
             if again.status != CUDA_ERROR_MEMORY_ALLOCATION:
                 raise
             raise cp.cuda.memory.OutOfMemoryError(total, pool.total_bytes(), 0) from None
-    cp.cuda.MemoryPointer(mem, 0).memset_async(0, total, cp.cuda.get_current_stream())
+    # (the caller waits for this stream before any other uses the arrays)
+    rt.memsetAsync(mem.ptr, 0, total, stream.ptr)
     for i, (n, o) in enumerate(zip(sizes, own)):
         if o and n:
             out[i] = gpu.device_buffer(mem.ptr + starts[i], n, mem)

@@ -98,6 +98,10 @@ def check_absent(absent) -> None:
 #: staged device copies at least this large are given back to the driver once
 #: copied into their targets (`_restore`)
 RELEASE_STAGED_BYTES = 256 << 20
+#: after copies into targets out of memory of their own, CuPy's pool gives its free blocks back to the driver
+#: when they hold this many bytes (a restore's page tables: 16 bytes a page); fewer stay for the checkpoints
+#: that follow, since giving them back (cudaFree) waits for the device's work, the copies included
+RELEASE_POOL_BYTES = 64 << 20
 
 
 def restore(log, target="latest", *, mode=None, regions=None, device: bool = False, into: dict | None = None,
@@ -290,10 +294,14 @@ def into_targets(dev: dict, host: dict, got: dict, own: bool, order: StreamOrder
     orders their later work after the copies) and the host views `host`
     into them, taking those arrays out of `got`; {name: target written}.  A region
     given up (skip_corrupt) is not in `got` and its target stays as it was.
-    own: the staged copies have memory of their own, given back to the driver
-    here, with the pool's free blocks.  parts: where given, the seconds of
-    the device copies' queueing ("queue_s"), the host's wait for them
-    ("wait_s") and the pool's free blocks given back ("pool_free_s")."""
+    own: the staged copies have memory of their own (`restore.device.OwnBlock`),
+    given back to the driver once dropped: in stream order behind the copies
+    out of them, or, where it cannot be, after the host waited for the
+    copies; the pool's free blocks go too once they hold RELEASE_POOL_BYTES
+    (giving them back waits for the device's work).  parts: where given, the
+    seconds of the device copies' queueing ("queue_s"), the host's wait for
+    them ("wait_s", none when freed in stream order) and the pool's free
+    blocks given back ("pool_free_s")."""
     out, t = {}, time.perf_counter()
     clock = {}
     staged = {n: got.pop(n) for n in dev if n in got}
@@ -310,12 +318,16 @@ def into_targets(dev: dict, host: dict, got: dict, own: bool, order: StreamOrder
             out[name] = dev[name]
         clock["queue_s"], t = time.perf_counter() - t, time.perf_counter()
         if own:
-            stream.synchronize()  # the copies out of them are done: dropped, they go back to the driver
+            from concordia.restore.device import free_after
+
+            if not free_after(staged.values(), stream):
+                stream.synchronize()  # the copies out of them are done: dropped, they go back to the driver
         clock["wait_s"], t = time.perf_counter() - t, time.perf_counter()
         staged.clear()
         a = None  # nothing here holds a staged copy now
-        if own:  # and the pipeline's own temporaries (page tables) leave CuPy's pool too
-            cp.get_default_memory_pool().free_all_blocks()
+        pool = cp.get_default_memory_pool()
+        if own and pool.free_bytes() >= RELEASE_POOL_BYTES:
+            pool.free_all_blocks()   # and the pipeline's own temporaries (page tables) leave CuPy's pool too
         clock["pool_free_s"] = time.perf_counter() - t
     for name, a in host_got.items():
         host[name][...] = a

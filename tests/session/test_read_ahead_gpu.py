@@ -173,3 +173,52 @@ def test_arrays_handed_over_beside_targets_written_do_not_hold_the_reads_block(s
         assert out["a"] is a and np.array_equal(a.get(), want["a"])
         assert np.array_equal(cp.asnumpy(out["b"]), want["b"])
         assert not isinstance(out["b"].data.mem, cp.cuda.UnownedMemory)   # the pool's, not a view of the block
+
+
+def test_the_reads_block_is_freed_behind_the_copies_and_goes_back_to_the_driver(shm_log, monkeypatch):
+    """The read's one block of memory (`restore.device.OwnBlock`, allocated in stream order) is freed on the
+    stream of the copies into the targets, behind them, with no host wait for them; every target gets its
+    epoch, the block's memory goes back to the driver once the device is synchronised, and the next
+    checkpoint is a delta."""
+    import cupy as cp
+
+    from concordia.restore import device
+
+    n = 128 << 20
+    rng = np.random.default_rng(5)
+    src = cp.asarray(rng.integers(0, 255, n, dtype=np.uint8))
+    with Session(shm_log, size=4 * n, segment_size=n + (8 << 20), overwrite=True) as s:
+        s.register("a", src, page_bytes=4096)
+        s.checkpoint()
+    streams = []
+    real = device.OwnBlock.free_after
+
+    def seen(block, stream):
+        streams.append(stream.ptr)
+        return real(block, stream)
+
+    monkeypatch.setattr(device.OwnBlock, "free_after", seen)
+    target = cp.full(n, 7, cp.uint8)
+    pool = cp.get_default_memory_pool()
+    for round_ in range(2):   # the first loads the kernels and makes the pipeline's slots, kept after
+        cp.cuda.Device().synchronize()
+        pool.free_all_blocks()
+        free_before = cp.cuda.runtime.memGetInfo()[0]
+        p = concordia.prefetch(shm_log, device="cupy")
+        with p.session() as s:
+            s.register("a", target, page_bytes=4096)
+            s.recover(into="registered")
+            parts = s.last_recovery.phases["copy"]["parts"]
+            # the block is freed behind the copies, on their stream, in stream order on this device
+            assert streams == [cp.cuda.get_current_stream().ptr] * (round_ + 1)
+            assert device.OwnBlock(cp, 4096, cp.cuda.get_current_stream()).in_order
+            cp.cuda.Device().synchronize()
+            assert bool((target == src).all())
+            assert parts["release_s"] >= 0 and parts["wait_s"] >= 0
+            pool.free_all_blocks()
+            if round_:   # the block (n bytes) is back with the driver; slack for the driver's granularity
+                assert cp.cuda.runtime.memGetInfo()[0] >= free_before - n // 2
+            target[12345 + round_] ^= 1
+            st = s.checkpoint()
+            assert st.pages == {"a": 1}
+        src[12345 + round_] ^= 1
