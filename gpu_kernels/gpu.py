@@ -400,6 +400,43 @@ def compact_flags(flags, positions, count: int):
     return out[1:]
 
 
+def copy_spans(pairs, *, piece: int = ref.COPY_PIECE) -> None:
+    """Copy every (src, dst) pair of device arrays in one launch on CuPy's
+    current stream (one row table copied there first): what one
+    cudaMemcpyAsync a pair does, without a driver call a pair.  Twin:
+    reference.copy_spans (same rows, same bytes)."""
+    cp = _cp()
+    # addresses and sizes only: a flat view of each array would cost more than the copies' driver calls
+    # this launch replaces (a CuPy view is microseconds; a model has hundreds of tensors)
+    ptrs, sizes = [], []
+    for i, pair in enumerate(pairs):
+        for a, what in zip(pair, ("source", "target")):
+            if not isinstance(a, cp.ndarray):
+                raise KernelInputError(f"pairs[{i}] {what} must be a CuPy array, got {type(a).__name__}",
+                                       where=f"pairs[{i}] {what}")
+            if not a.flags.c_contiguous:
+                raise KernelInputError(f"pairs[{i}] {what} must be C-contiguous", where=f"pairs[{i}] {what}")
+        a, b = pair
+        if a.nbytes != b.nbytes:
+            raise KernelInputError(f"pairs[{i}]: {a.nbytes} bytes into {b.nbytes}", where="pairs")
+        ptrs.append((a.data.ptr, b.data.ptr))
+        sizes.append(a.nbytes)
+    span, offset, nbytes = ref.span_rows(sizes, piece)
+    if not span.size:
+        return
+    ends = np.array(ptrs, np.uint64).reshape(-1, 2)[span] + offset.astype(np.uint64)[:, None]
+    table = cp.asarray(np.concatenate([ends[:, 0], ends[:, 1], nbytes.astype(np.uint64)]))
+    rows = int(span.size)
+    k = jit.function("copy", "copy_spans")
+    k((max(1, min(rows, _sm_count(cp.cuda.Device().id) * 16)),), (THREADS,), (table, np.uint64(rows)))
+
+
+def copy_spans_ready() -> None:
+    """Load `copy_spans` on this device now (a thread that reads ahead does,
+    so that the recovery's first batched copy pays no module load)."""
+    jit.function("copy", "copy_spans")
+
+
 def launch_region_digest(page_crcs, out) -> None:
     """Queue `region_digest(page_crcs)` into out[0] (device uint32) without
     synchronising; the checkpoint reads every region's digest in one fetch."""

@@ -37,6 +37,7 @@ KERNELS = {
     "scatter": ("scatter_pages", "expand_runs"),
     "kv_scan": ("kv_scan", "adapter_scan"),
     "table": ("table_fingerprint", "table_shadow", "table_mark", "table_plan", "table_stage", "table_finalize"),
+    "copy": ("copy_spans",),
 }
 
 # -D constants each module needs
@@ -48,6 +49,7 @@ REQUIRED = {
     "scatter": ("PAGE_BYTES",),
     "kv_scan": (),
     "table": (),
+    "copy": (),
 }
 # modules whose source lives outside SOURCE_DIR (`register`): the benchmarks' own kernels
 _SOURCE_DIRS: dict[str, pathlib.Path] = {}
@@ -90,7 +92,7 @@ CI_SPECS = (
     page_specs(64) + page_specs(4096) + page_specs(65536)
     + [kv_spec(page_bytes=4096, block_size=16, kv_heads=8, head_dim=128, dtype_bytes=2),
        kv_spec(page_bytes=32768, block_size=16, kv_heads=4, head_dim=64, dtype_bytes=4),
-       ("crc32c", {}), ("kv_scan", {}), ("table", {})]
+       ("crc32c", {}), ("kv_scan", {}), ("table", {}), ("copy", {})]
 )
 
 

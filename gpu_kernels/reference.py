@@ -612,6 +612,46 @@ def expand_runs(first, run_stage, run_pb, run_id, run_crc, crc_table, n: int) ->
 HOLD_ARRIVED, HOLD_RELEASE, HOLD_BROKEN = 0, 1, 2
 
 
+#: the most bytes one row of a batched copy moves (one block of `copy_spans` a row)
+COPY_PIECE = 1 << 20
+
+
+def span_rows(sizes, piece: int = COPY_PIECE) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(span, offset, bytes) of each row the spans of `sizes` bytes are cut into,
+    at most `piece` bytes a row, in order (int64 arrays; an empty span has none)."""
+    if piece <= 0:
+        raise KernelInputError(f"a piece of {piece} bytes", where="piece")
+    sizes = np.asarray(sizes, np.int64).reshape(-1)
+    counts = -(-sizes // piece)
+    span = np.repeat(np.arange(sizes.size, dtype=np.int64), counts)
+    first = np.cumsum(counts) - counts
+    offset = (np.arange(span.size, dtype=np.int64) - np.repeat(first, counts)) * piece
+    return span, offset, np.minimum(piece, sizes[span] - offset)
+
+
+def copy_pairs(pairs, what: str = "pairs") -> list:
+    """[(src bytes, dst bytes)] of `pairs` ([(src, dst)] arrays of equal byte
+    sizes, each C-contiguous), or a one-line KernelInputError naming the pair."""
+    out = []
+    for i, (src, dst) in enumerate(pairs):
+        a, b = _bytes_of(src, f"{what}[{i}] source"), _bytes_of(dst, f"{what}[{i}] target")
+        if a.size != b.size:
+            raise KernelInputError(f"{what}[{i}]: {a.size} bytes into {b.size}", where=what)
+        out.append((a, b))
+    return out
+
+
+def copy_spans(pairs, *, piece: int = COPY_PIECE) -> None:
+    """Copy every (src, dst) pair of `pairs` (C-contiguous arrays of equal byte
+    sizes, none overlapping another's target), row by row as the kernel cuts
+    them (`span_rows`)."""
+    flat = copy_pairs(pairs)
+    span, offset, nbytes = span_rows([a.size for a, _ in flat], piece)
+    for i, o, n in zip(span.tolist(), offset.tolist(), nbytes.tolist()):
+        a, b = flat[i]
+        b[o:o + n] = a[o:o + n]
+
+
 def hold_stream(words, seq: int, *, timed_out: bool = False) -> None:
     """The hold's effect on `words` (uint64[3]): it arrives, and either its
     release came (words[1] >= seq) or its wait timed out (broken)."""

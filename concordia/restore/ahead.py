@@ -129,6 +129,15 @@ def _on_device(todo: list) -> dict:
             for name, flat, pb, crc, fp in made}
 
 
+def _copy_ready() -> None:
+    """Load the batched copy's kernel here, on the read's thread: `take` copies with it, and a fresh
+    process's first launch of a kernel loads its module (a millisecond or more of the caller's clock)."""
+    from concordia.gpu_kernels import gpu
+
+    with contextlib.suppress(Exception):   # where it cannot load, the caller's copy meets the same, and says so
+        gpu.copy_spans_ready()
+
+
 class ReadAhead:
     """One read of a log's epoch into arrays of its own, on the thread that
     calls `run`; `take` hands it to one recovery."""
@@ -175,6 +184,11 @@ class ReadAhead:
                     self.seeds = Seeds.of(self.got.arrays, log.regions, self.device)
                 except Exception:  # the caller's recovery hashes what has none, as without a read ahead
                     self.seeds = Seeds()
+                if self.device and len(self.got.arrays) >= restore_run.BATCHED_COPIES:
+                    t_kernel = time.perf_counter()
+                    _copy_ready()
+                    self.times["copy_kernel_s"] = time.perf_counter() - t_kernel
+                    t_seeds += self.times["copy_kernel_s"]
                 if self.device:
                     stream.synchronize()  # its arrays (and seeds) are whole before any other thread reads them
                 self.times["seeds_s"] = time.perf_counter() - t_seeds

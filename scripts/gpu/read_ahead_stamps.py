@@ -54,6 +54,7 @@ STAMPED = [
     ("concordia.checkpoint.epoch", "EpochRunner.stream_order"),
     ("concordia.restore.run", "recover"),
     ("concordia.restore.run", "into_targets"),
+    ("concordia.gpu_kernels.gpu", "copy_spans"),
     ("concordia.restore.run", "absent_regions"),
     ("concordia.restore.run", "split_targets"),
     ("concordia.restore.run", "check_view"),

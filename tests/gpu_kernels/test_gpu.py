@@ -188,6 +188,57 @@ def test_expand_runs_matches_twin(cp, gpu):
         assert all(g.dtype == w.dtype and np.array_equal(g.get(), w) for g, w in zip(got, want)), runs
 
 
+def _spans(rng):
+    """(sources, target sizes and offsets) of spans of every alignment: sizes around a piece and a 16-byte word,
+    starting at odd offsets of one buffer, one empty."""
+    sizes = [0, 1, 15, 16, 17, 4095, 5000, 3 * 4096 + 7, 70_000, 300_001]
+    shifts = [0, 3, 16, 1, 8, 0, 5, 0, 11, 16]
+    return [rand_region(rng, n) for n in sizes], sizes, shifts
+
+
+def _targets(xp, sizes, shifts):
+    """Target views at `shifts` past 16-byte boundaries of one poisoned buffer (each apart from the others):
+    a shift of 0 or 16 is an aligned target, which with an aligned source takes the kernel's 16-byte path."""
+    buf = xp.full(sum(sizes) + sum(shifts) + 80 * len(sizes), 0xA5, xp.uint8)
+    out, at = [], 0
+    for n, k in zip(sizes, shifts):
+        at = -(-at // 16) * 16
+        out.append(buf[at + k:at + k + n])
+        at += k + n + 64
+    return buf, out
+
+
+def test_copy_spans_matches_twin_at_every_alignment(cp, gpu):
+    """One launch copies every pair, aligned or not, cut into rows of a piece or less: the same bytes as the
+    twin, and nothing between the targets written."""
+    rng = np.random.default_rng(21)
+    srcs, sizes, shifts = _spans(rng)
+    # rows of many spans cut in pieces (at 64: more rows than the grid has blocks); one row a span
+    for piece in (64, 4096, 1 << 20):
+        hbuf, htargets = _targets(np, sizes, shifts)
+        ref.copy_spans(list(zip(srcs, htargets)), piece=piece)
+        dbuf, dtargets = _targets(cp, sizes, shifts)
+        dsrcs = []
+        for a, k in zip(srcs, shifts):   # sources at odd addresses as well
+            host = np.zeros(a.size + k, np.uint8)
+            host[k:] = a
+            dsrcs.append(cp.asarray(host)[k:])
+        gpu.copy_spans(list(zip(dsrcs, dtargets)), piece=piece)
+        assert np.array_equal(dbuf.get(), hbuf), piece
+        assert all(np.array_equal(t, a) for t, a in zip(htargets, srcs))
+    aligned = [n for n, t, s in zip(sizes, dtargets, dsrcs) if n and (t.data.ptr | s.data.ptr) % 16 == 0]
+    assert any(n % 16 for n in aligned) and any(n >= 4096 for n in aligned)   # 16-byte words with a byte tail
+    rows = ref.span_rows(sizes, 64)[0].size
+    assert rows > gpu._sm_count(cp.cuda.Device().id) * 16   # the blocks stride over rows
+
+
+def test_copy_spans_refuses_pairs_of_other_sizes_naming_the_pair(cp, gpu):
+    from concordia.gpu_kernels.errors import KernelInputError
+
+    with pytest.raises(KernelInputError, match=r"pairs\[1\]: 8 bytes into 9"):
+        gpu.copy_spans([(cp.zeros(4, cp.uint8), cp.zeros(4, cp.uint8)), (cp.zeros(8, cp.uint8), cp.zeros(9, cp.uint8))])
+
+
 def test_region_digests_read_back_together_equal_each_ones_twin(cp, gpu):
     rng = np.random.default_rng(5)
     crcs = [rng.integers(0, 1 << 32, size=n, dtype=np.uint32) for n in (1, 255, 4096, 70000)]

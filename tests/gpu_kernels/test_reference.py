@@ -437,3 +437,26 @@ def test_the_holds_twin_counts_arrivals_releases_and_timeouts():
     ref.release_holds(w, 4)                     # a release never goes back
     ref.hold_stream(w, 3, timed_out=True)       # released already
     assert w.tolist() == [3, 5, 2]
+
+
+def test_span_rows_cut_each_span_into_pieces_in_order():
+    span, offset, nbytes = ref.span_rows([0, 5, 10, 3], 4)
+    assert span.tolist() == [1, 1, 2, 2, 2, 3]
+    assert offset.tolist() == [0, 4, 0, 4, 8, 0]
+    assert nbytes.tolist() == [4, 1, 4, 4, 2, 3]
+    assert [a.size for a in ref.span_rows([], 4)] == [0, 0, 0]
+    with pytest.raises(KernelInputError, match="a piece of 0 bytes"):
+        ref.span_rows([1], 0)
+
+
+def test_copy_spans_twin_copies_every_pair_and_refuses_other_sizes():
+    rng = np.random.default_rng(4)
+    srcs = [rng.integers(0, 256, n, dtype=np.uint8) for n in (0, 1, 17, 4096, 10_001)]
+    dsts = [np.zeros(a.size // 2, np.uint16) if a.size and a.size % 2 == 0 else np.zeros(a.size, np.uint8)
+            for a in srcs]   # targets of another dtype where the bytes allow it
+    ref.copy_spans(list(zip(srcs, dsts)), piece=1000)
+    assert all(np.array_equal(d.reshape(-1).view(np.uint8), a) for a, d in zip(srcs, dsts))
+    with pytest.raises(KernelInputError, match=r"pairs\[0\]: 4 bytes into 5"):
+        ref.copy_spans([(np.zeros(4, np.uint8), np.zeros(5, np.uint8))])
+    with pytest.raises(KernelInputError, match="C-contiguous"):
+        ref.copy_spans([(np.zeros(8, np.uint8)[::2], np.zeros(4, np.uint8))])
