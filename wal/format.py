@@ -238,6 +238,9 @@ SEGMENT_HEADER = struct.Struct(
 )
 SEGMENT_HEADER_SIZE = 256  # records start at offset 256 of a segment (FORMAT.md §4)
 SEGMENT_HEADER_CRC_OFF = 252  # header_crc covers [0, 252) (FORMAT.md §4)
+#: where prev_seq lies in a segment header (u64, little-endian): a scan for the segment that continues a
+#: chain reads this word before it decodes a header (tests/wal/test_format.py holds it to SEGMENT_HEADER)
+SEGMENT_OFF_PREV_SEQ = 88
 
 
 class SegmentHeader(NamedTuple):

@@ -37,6 +37,16 @@ def test_struct_sizes():
     assert F.slot_bytes_for(121) == 8192
 
 
+def test_segment_header_prev_seq_word_is_where_the_chain_scan_reads_it():
+    """`Volume._adopt` reads prev_seq at SEGMENT_OFF_PREV_SEQ before it decodes a header."""
+    h = F.SegmentHeader(uuid=bytes(range(16)), seq=7, base_lsn=4096, segment_bytes=1 << 20, index=3,
+                        salt=0xABCD, prev_seq=0x0102030405060708, prev_header_crc=9, created_ns=11)
+    raw = F.encode_segment_header(h)
+    at = F.SEGMENT_OFF_PREV_SEQ
+    assert int.from_bytes(raw[at:at + 8], "little") == h.prev_seq
+    assert F.decode_segment_header(raw)[0].prev_seq == h.prev_seq
+
+
 def test_record_header_field_offsets():
     """The offsets docs/internals.md fixes for GPU kernels."""
     raw = F.encode_record_header(length=0x1122334455667740, type=0x81, flags=0x01, region_id=0xAABBCCDD,
