@@ -403,9 +403,12 @@ def compact_flags(flags, positions, count: int):
 def copy_spans(pairs, *, piece: int = ref.COPY_PIECE) -> None:
     """Copy every (src, dst) pair of device arrays in one launch on CuPy's
     current stream (one row table copied there first): what one
-    cudaMemcpyAsync a pair does, without a driver call a pair.  Twin:
-    reference.copy_spans (same rows, same bytes)."""
+    cudaMemcpyAsync a pair does, without a driver call a pair.  A pair whose
+    two addresses are not both 16-byte aligned (the kernel would copy it a
+    byte at a time) is copied by the copy engine instead, on the same
+    stream.  Twin: reference.copy_spans (same rows, same bytes)."""
     cp = _cp()
+    engine = []   # misaligned pairs
     # addresses and sizes only: a flat view of each array would cost more than the copies' driver calls
     # this launch replaces (a CuPy view is microseconds; a model has hundreds of tensors)
     ptrs, sizes = [], []
@@ -419,8 +422,16 @@ def copy_spans(pairs, *, piece: int = ref.COPY_PIECE) -> None:
         a, b = pair
         if a.nbytes != b.nbytes:
             raise KernelInputError(f"pairs[{i}]: {a.nbytes} bytes into {b.nbytes}", where="pairs")
-        ptrs.append((a.data.ptr, b.data.ptr))
+        pa, pb = a.data.ptr, b.data.ptr
+        if (pa | pb) & 15:
+            engine.append((a, b))
+            continue
+        ptrs.append((pa, pb))
         sizes.append(a.nbytes)
+    if engine:
+        stream = cp.cuda.get_current_stream()
+        for a, b in engine:
+            b.data.copy_from_device_async(a.data, int(a.nbytes), stream)
     span, offset, nbytes = ref.span_rows(sizes, piece)
     if not span.size:
         return

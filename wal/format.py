@@ -230,17 +230,19 @@ def decode_superblock(buf, *, where: str = "superblock") -> Superblock:
 # --------------------------------------------------------------------------
 # Segment header (FORMAT.md §4)
 
-SEGMENT_HEADER = struct.Struct(
+_SEGMENT_HEADER_TO_PREV_SEQ = (
     "<8sIIQQQ16s"  # magic, major, minor, compat, incompat, ro_compat, uuid   0..56
     "QQQII"  # seq, base_lsn, segment_bytes, index, salt                    56..88
-    "QIIQ"  # prev_seq, prev_header_crc, reserved0, created_ns              88..112
-    "140sI"  # reserved (zero), header_crc                                 112..256
+)
+SEGMENT_HEADER = struct.Struct(
+    _SEGMENT_HEADER_TO_PREV_SEQ
+    + "QIIQ"  # prev_seq, prev_header_crc, reserved0, created_ns            88..112
+    + "140sI"  # reserved (zero), header_crc                               112..256
 )
 SEGMENT_HEADER_SIZE = 256  # records start at offset 256 of a segment (FORMAT.md §4)
 SEGMENT_HEADER_CRC_OFF = 252  # header_crc covers [0, 252) (FORMAT.md §4)
-#: where prev_seq lies in a segment header (u64, little-endian): a scan for the segment that continues a
-#: chain reads this word before it decodes a header (tests/wal/test_format.py holds it to SEGMENT_HEADER)
-SEGMENT_OFF_PREV_SEQ = 88
+#: where prev_seq lies in a segment header (FORMAT.md §4; u64, little-endian): `segment_prev_seq`
+SEGMENT_PREV_SEQ_OFF = struct.calcsize(_SEGMENT_HEADER_TO_PREV_SEQ)
 
 
 class SegmentHeader(NamedTuple):
@@ -267,6 +269,15 @@ def encode_segment_header(h: SegmentHeader) -> bytes:
     )
     crc = crc32c(body[:SEGMENT_HEADER_CRC_OFF])
     return body[:SEGMENT_HEADER_CRC_OFF] + struct.pack("<I", crc)
+
+
+def segment_prev_seq(arr, off: int) -> int:
+    """The prev_seq word of the segment header at byte `off` of `arr`, read
+    without decoding (or checking) the header: a scan for the segment that
+    continues a chain (`Volume._adopt`) decodes only the headers whose word
+    names the chain's last segment."""
+    at = off + SEGMENT_PREV_SEQ_OFF
+    return int.from_bytes(arr[at:at + 8], "little")
 
 
 def decode_segment_header(buf) -> tuple[SegmentHeader | None, str | None]:

@@ -338,7 +338,7 @@ class Volume:
         """R-B3, R-S1: a free segment whose valid header continues the chain of the newest live
         one was taken into use by a superblock write that is not in force (a crash
         between header and superblock, or the newer slot lost): list it as live."""
-        live, arr, at = self.live_segments(), self.backend.array, F.SEGMENT_OFF_PREV_SEQ
+        live, arr = self.live_segments(), self.backend.array
         while live:
             last = live[-1]
             nxt = None
@@ -350,7 +350,7 @@ class Volume:
                     continue
                 # only a header whose chain word names the newest live segment can continue it; the others
                 # (zero, or an earlier use's: most of a log's free segments) are not decoded
-                if int.from_bytes(arr[off + at:off + at + 8], "little") != last.seq:
+                if F.segment_prev_seq(arr, off) != last.seq:
                     continue
                 hdr, why = F.decode_segment_header(memoryview(self.backend.array[off:off + F.SEGMENT_HEADER_SIZE]))
                 # FORMAT.md R-S1: seq may jump (a cut frees segments whose numbers

@@ -6,7 +6,7 @@ recovery it asks for once the model is there only copies.
     model = load_model(); cache = StaticCache(...)         # meanwhile
     s = p.session()                                       # the open Session (waits for the open only)
     guard = protect(s, cache, model)                      # waits for the read to end
-    state = restore(s, guard)                             # one device-to-device copy a region
+    state = restore(s, guard)                             # device-to-device copies into the tensors
 
 What it reads.  Every region of the log at `target` ("latest": the last
 epoch the log's open decided), through `restore.run.restore` as any
@@ -19,8 +19,9 @@ When it is used.  The session's first call after `session()` waits for the
 read to end: nothing reads or writes the log beside it.  A `recover` of the
 same epoch (target "latest" or that epoch's number, no mode), while the log's
 last committed epoch is still the one it read, takes its arrays: targets on
-the side it read to (device or host) get one copy each, in their streams'
-order, only once every region asked for is known to have state there
+the side it read to (device or host) get a copy each (on the device, one
+launch for many: `restore.run.into_targets`), in their streams' order, only
+once every region asked for is known to have state there
 (`absent` decides as a recovery from the log does); new arrays asked for are
 its own, handed over.  Anything else (another epoch, a log committed to
 since, targets on the other side or another GPU, a read that failed) is a

@@ -752,24 +752,30 @@ MEMORY_POOLS_SUPPORTED = 115
 class OwnBlock:
     """One block of device memory of a restore's own (`_zeroed_arrays`),
     given back to the driver once every array carved from it is dropped.
-    Allocated in stream order (cudaMallocAsync) where the device has memory
-    pools, so that it can be freed in stream order too: behind the reads of
-    it queued last on the stream `free_after` names (`restore.run.into_targets`'
-    copies into the targets), without a host wait for them, where cudaFree
-    waits for all of the device's work.  Without that stream it is freed as
-    cudaFree frees, after the device's work."""
+    Allocated in stream order (cudaMallocAsync, `in_order`) where the device
+    has memory pools and its pool gives freed memory back to the driver at
+    the next synchronisation (a release threshold of 0, CUDA's default), so
+    that it can be freed in stream order too: behind the reads of it queued
+    last on the stream `free_after` names (`restore.run.into_targets`' copies
+    into the targets), without a host wait for them, where cudaFree waits
+    for all of the device's work.  Else, and where no such stream was named
+    (arrays of it handed to a caller, a restore that failed midway), it is
+    freed after the device's work, as cudaFree frees cudaMalloc's memory
+    (cudaFree does not wait for the reads of cudaMallocAsync's: the device
+    is synchronised first)."""
 
     def __init__(self, cp, nbytes: int, stream):
         rt = cp.cuda.runtime
-        dev = cp.cuda.Device().id
-        self.rt, self.ptr, self.stream = rt, 0, None
-        self.in_order = bool(rt.deviceGetAttribute(MEMORY_POOLS_SUPPORTED, dev))
+        self.rt, self.ptr, self.stream, self.device = rt, 0, None, cp.cuda.Device().id
+        self.in_order = _frees_in_order(rt, self.device)
         self.ptr = rt.mallocAsync(nbytes, stream.ptr) if self.in_order else rt.malloc(nbytes)
 
     def free_after(self, stream) -> bool:
-        """Free it on `stream`, behind the work queued there (every other use
-        of it has ended: the restore that wrote it waited for its streams);
-        False where it was not allocated in stream order."""
+        """Free it on `stream`, behind the work queued there; False where it
+        was not allocated in stream order.  The caller vouches that every
+        other use of the whole block has ended or is queued there too: the
+        restore that wrote it waited for its own streams, and `ReadAhead.take`
+        copies what it hands over on the same stream before the block goes."""
         if self.in_order:
             self.stream = stream
         return self.in_order
@@ -781,18 +787,46 @@ class OwnBlock:
         try:
             if self.stream is not None:
                 self.rt.freeAsync(ptr, self.stream.ptr)
-            else:
-                self.rt.free(ptr)   # waits for the device's work first
+                return
+            if self.in_order:
+                here = self.rt.getDevice()
+                self.rt.setDevice(self.device)
+                try:
+                    self.rt.deviceSynchronize()
+                finally:
+                    self.rt.setDevice(here)
+            self.rt.free(ptr)   # (cudaMalloc's memory: cudaFree waits for the device's work itself)
         except Exception:   # a device already in an error state, or the interpreter's exit
             pass
+
+
+#: cudaMemPoolAttrReleaseThreshold: the bytes a memory pool keeps from the driver past a synchronisation
+POOL_RELEASE_THRESHOLD = 4
+
+
+def _frees_in_order(rt, device: int) -> bool:
+    """Whether a block on `device` is allocated and freed in stream order:
+    the device has memory pools, and the pool cudaMallocAsync takes from
+    gives freed memory back to the driver (a threshold of 0, unless another
+    library raised it); else cudaMalloc and cudaFree, as before."""
+    try:
+        if not rt.deviceGetAttribute(MEMORY_POOLS_SUPPORTED, device):
+            return False
+        pool = rt.deviceGetMemPool(device)
+        return int(rt.memPoolGetAttribute(pool, POOL_RELEASE_THRESHOLD)) == 0
+    except Exception:   # a CuPy without these calls, or a driver that refuses them: the old way
+        return False
 
 
 def free_after(arrays, stream) -> bool:
     """Free the blocks of their own (`OwnBlock`) of `arrays` on `stream`,
     behind the reads of them queued there; False where one has memory of
-    another kind, which the caller waits for before dropping it."""
+    another kind, which the caller waits for before dropping it.  An empty
+    array reads nothing (and comes from CuPy's pool)."""
     ok = True
     for a in arrays:
+        if not a.nbytes:
+            continue
         owner = getattr(a.data.mem, "_owner", None)
         ok = isinstance(owner, OwnBlock) and owner.free_after(stream) and ok
     return ok

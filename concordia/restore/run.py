@@ -20,9 +20,10 @@ lists it in `kept`.
 
 Every target is written only once every page and digest checked out, so
 damage leaves it as it was: host targets from arrays restored aside, device
-targets by one device-to-device copy each from the pipeline's (or a read
-ahead's) arrays, queued after the work on each target's own stream and before
-the work queued there after the call (`StreamOrder`, `into_targets`).
+targets by device-to-device copies from the pipeline's (or a read ahead's)
+arrays (one a target, or one launch for many: `into_targets`), queued after
+the work on each target's own stream and before the work queued there after
+the call (`StreamOrder`).
 """
 
 from __future__ import annotations
@@ -118,9 +119,9 @@ def restore(log, target="latest", *, mode=None, regions=None, device: bool = Fal
     No target is written before every region asked for has checked out (its
     pages against their CRCs, its digest against its commit): device regions
     are restored by the device pipeline into new device arrays, then copied
-    into their targets (one device-to-device copy each on CuPy's current
-    stream, after the work queued on the targets' own streams, `order`, and
-    before later work there, which `recover` orders; the new arrays are the
+    into their targets (`into_targets`: on CuPy's current stream, after the
+    work queued on the targets' own streams, `order`, and before later work
+    there, which `recover` orders; the new arrays are the
     size of the targets); host views get the bytes likewise.
     Damage found anywhere leaves every target as it was.  Regions asked for
     beyond `into` come back as new arrays, on the device when `device`.
@@ -318,11 +319,16 @@ def into_targets(dev: dict, host: dict, got: dict, own: bool, order: StreamOrder
 
         cp = require_cupy()
         stream = cp.cuda.get_current_stream()
-        if len(staged) >= BATCHED_COPIES:   # one launch, not a driver call a region
+        batched = len(staged) >= BATCHED_COPIES   # one launch, not a driver call a region
+        if batched:
             from concordia.gpu_kernels import gpu
+            from concordia.gpu_kernels.errors import KernelCompileError
 
-            gpu.copy_spans([(a, dev[name]) for name, a in staged.items()])
-        else:
+            try:
+                gpu.copy_spans([(a, dev[name]) for name, a in staged.items()])
+            except KernelCompileError:   # (the kernel could not be built here: nothing was launched)
+                batched = False
+        if not batched:
             for name, a in staged.items():
                 dev[name].data.copy_from_device_async(a.data, int(a.nbytes), stream)
         out.update((name, dev[name]) for name in staged)
@@ -454,7 +460,8 @@ def phases_of(got: Restored, total_s: float) -> dict:
     st = got.stats
     nbytes = int(got.plan.bytes_to_read)
     if "read_ahead" in st:   # read ahead (`restore.ahead`): its wait, then one copy a target
-        copy = _phase(st["copy_s"], st["copy_bytes"])
+        # the host's seconds: the device copies run on after it (ordered before the targets' later work)
+        copy = {"s": float(st["copy_s"]), "bytes": int(st["copy_bytes"])}
         if st.get("copy_parts"):   # queue, wait, pool_free, release: seconds each
             copy["parts"] = {k: float(v) for k, v in st["copy_parts"].items()}
         return {"read_ahead": st["read_ahead"], "copy": copy,

@@ -54,7 +54,6 @@ def test_cupy_targets_get_the_read_aheads_copies_and_the_session_goes_on(shm_log
         assert ph["copy"]["bytes"] == a.nbytes + b.nbytes
         # where the copy's time goes: queueing the copies, the wait for them, the pool's blocks, the read's block
         assert set(ph["copy"]["parts"]) == {"queue_s", "wait_s", "pool_free_s", "release_s"}
-        assert all(v >= 0 for v in ph["copy"]["parts"].values())
         assert s.last_recovery.via == {"a": "device pipeline", "b": "device pipeline"}
         a[123] = 9
         st = s.checkpoint()   # a delta from the recovered state: one page
@@ -203,8 +202,8 @@ def test_the_reads_block_is_freed_behind_the_copies_and_goes_back_to_the_driver(
     real = device.OwnBlock.free_after
 
     def seen(block, stream):
-        streams.append(stream.ptr)
-        return real(block, stream)
+        streams.append((stream.ptr, real(block, stream)))
+        return streams[-1][1]
 
     monkeypatch.setattr(device.OwnBlock, "free_after", seen)
     target = cp.full(n, 7, cp.uint8)
@@ -217,13 +216,11 @@ def test_the_reads_block_is_freed_behind_the_copies_and_goes_back_to_the_driver(
         with p.session() as s:
             s.register("a", target, page_bytes=4096)
             s.recover(into="registered")
-            parts = s.last_recovery.phases["copy"]["parts"]
-            # the block is freed behind the copies, on their stream, in stream order on this device
-            assert streams == [cp.cuda.get_current_stream().ptr] * (round_ + 1)
-            assert device.OwnBlock(cp, 4096, cp.cuda.get_current_stream()).in_order
+            assert set(s.last_recovery.phases["copy"]["parts"]) == {"queue_s", "wait_s", "pool_free_s", "release_s"}
+            # the block is freed behind the copies, on their stream, in stream order (True: no host wait)
+            assert streams == [(cp.cuda.get_current_stream().ptr, True)] * (round_ + 1)
             cp.cuda.Device().synchronize()
             assert bool((target == src).all())
-            assert parts["release_s"] >= 0 and parts["wait_s"] >= 0
             pool.free_all_blocks()
             if round_:   # the block (n bytes) is back with the driver; the shadow detector's copy of the
                 # region (n bytes, in use in CuPy's pool) is not, nor should it be; slack for the driver's granularity

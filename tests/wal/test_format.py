@@ -38,13 +38,12 @@ def test_struct_sizes():
 
 
 def test_segment_header_prev_seq_word_is_where_the_chain_scan_reads_it():
-    """`Volume._adopt` reads prev_seq at SEGMENT_OFF_PREV_SEQ before it decodes a header."""
+    """`Volume._adopt` reads prev_seq (`segment_prev_seq`) before it decodes a header."""
     h = F.SegmentHeader(uuid=bytes(range(16)), seq=7, base_lsn=4096, segment_bytes=1 << 20, index=3,
                         salt=0xABCD, prev_seq=0x0102030405060708, prev_header_crc=9, created_ns=11)
-    raw = F.encode_segment_header(h)
-    at = F.SEGMENT_OFF_PREV_SEQ
-    assert int.from_bytes(raw[at:at + 8], "little") == h.prev_seq
-    assert F.decode_segment_header(raw)[0].prev_seq == h.prev_seq
+    raw = np.frombuffer(bytes(100) + F.encode_segment_header(h), np.uint8)
+    assert F.SEGMENT_PREV_SEQ_OFF == 88   # FORMAT.md §4
+    assert F.segment_prev_seq(raw, 100) == h.prev_seq == F.decode_segment_header(raw[100:])[0].prev_seq
 
 
 def test_record_header_field_offsets():
