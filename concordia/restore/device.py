@@ -837,8 +837,9 @@ def _zeroed_arrays(cp, gpu, sizes: list, own: list) -> list:
     `own` says so, carved from one block of memory of their own from the
     driver (`OwnBlock`), freed once every array of it is dropped (one free,
     not one an array: a recovery that copies 173 arrays into its targets and
-    drops them paid 3 ms of frees, on an H100).  When the driver has no room, the pool's
-    free blocks are given back first, as the pool itself does."""
+    drops them paid 3 ms of frees, on an H100).  When the driver has no
+    room, the pool's free blocks are given back first, as the pool itself
+    does."""
     out = [None if o and n else cp.zeros(n, cp.uint8) for n, o in zip(sizes, own)]
     starts, total = [], 0
     for n, o in zip(sizes, own):

@@ -121,8 +121,8 @@ def restore(log, target="latest", *, mode=None, regions=None, device: bool = Fal
     are restored by the device pipeline into new device arrays, then copied
     into their targets (`into_targets`: on CuPy's current stream, after the
     work queued on the targets' own streams, `order`, and before later work
-    there, which `recover` orders; the new arrays are the
-    size of the targets); host views get the bytes likewise.
+    there, which `recover` orders; the new arrays are the size of the
+    targets); host views get the bytes likewise.
     Damage found anywhere leaves every target as it was.  Regions asked for
     beyond `into` come back as new arrays, on the device when `device`.
     registration: the log mapping's live CUDA registration (a session's), read
