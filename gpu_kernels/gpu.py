@@ -406,7 +406,8 @@ def copy_spans(pairs, *, piece: int = ref.COPY_PIECE) -> None:
     cudaMemcpyAsync a pair does, without a driver call a pair.  A pair whose
     two addresses are not both 16-byte aligned (the kernel would copy it a
     byte at a time) is copied by the copy engine instead, on the same
-    stream.  Twin: reference.copy_spans (same rows, same bytes)."""
+    stream.  KernelCompileError, with nothing queued, where the kernel
+    cannot be built.  Twin: reference.copy_spans (same rows, same bytes)."""
     cp = _cp()
     engine = []   # misaligned pairs
     # addresses and sizes only: a flat view of each array would cost more than the copies' driver calls
@@ -428,18 +429,27 @@ def copy_spans(pairs, *, piece: int = ref.COPY_PIECE) -> None:
             continue
         ptrs.append((pa, pb))
         sizes.append(a.nbytes)
-    if engine:
-        stream = cp.cuda.get_current_stream()
-        for a, b in engine:
-            b.data.copy_from_device_async(a.data, int(a.nbytes), stream)
     span, offset, nbytes = ref.span_rows(sizes, piece)
-    if not span.size:
+    k = jit.function("copy", "copy_spans") if span.size else None   # (KernelCompileError: nothing queued yet)
+    copy_engine(engine)
+    if k is None:
         return
     ends = np.array(ptrs, np.uint64).reshape(-1, 2)[span] + offset.astype(np.uint64)[:, None]
     table = cp.asarray(np.concatenate([ends[:, 0], ends[:, 1], nbytes.astype(np.uint64)]))
     rows = int(span.size)
-    k = jit.function("copy", "copy_spans")
     k((max(1, min(rows, _sm_count(cp.cuda.Device().id) * 16)),), (THREADS,), (table, np.uint64(rows)))
+
+
+def copy_engine(pairs) -> None:
+    """Copy every (src, dst) pair of C-contiguous device arrays of equal byte
+    sizes with the copy engine, one cudaMemcpyAsync a pair, on CuPy's current
+    stream: `copy_spans`' misaligned pairs, and every pair where its kernel
+    cannot be built."""
+    if not pairs:
+        return
+    stream = _cp().cuda.get_current_stream()
+    for a, b in pairs:
+        b.data.copy_from_device_async(a.data, int(a.nbytes), stream)
 
 
 def copy_spans_ready() -> None:

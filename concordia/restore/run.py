@@ -309,28 +309,28 @@ def into_targets(dev: dict, host: dict, got: dict, own: bool, order: StreamOrder
     them ("wait_s", none when freed in stream order) and the pool's free
     blocks given back ("pool_free_s")."""
     out, t = {}, time.perf_counter()
-    clock = {}
+    clock = {}   # parts' seconds
     staged = {n: got.pop(n) for n in dev if n in got}
     host_got = {n: got.pop(n) for n in host if n in got}
     if dev:
         if order is not None:
             order.after_producers()
+        from concordia.gpu_kernels import gpu
+        from concordia.gpu_kernels.errors import KernelCompileError
         from concordia.gpu_kernels.jit import require_cupy
 
         cp = require_cupy()
         stream = cp.cuda.get_current_stream()
-        batched = len(staged) >= BATCHED_COPIES   # one launch, not a driver call a region
+        pairs = [(a, dev[name]) for name, a in staged.items()]
+        batched = len(pairs) >= BATCHED_COPIES   # one launch, not a driver call a region
         if batched:
-            from concordia.gpu_kernels import gpu
-            from concordia.gpu_kernels.errors import KernelCompileError
-
             try:
-                gpu.copy_spans([(a, dev[name]) for name, a in staged.items()])
-            except KernelCompileError:   # (the kernel could not be built here: nothing was launched)
+                gpu.copy_spans(pairs)
+            except KernelCompileError:   # (the kernel could not be built here: nothing was queued)
                 batched = False
         if not batched:
-            for name, a in staged.items():
-                dev[name].data.copy_from_device_async(a.data, int(a.nbytes), stream)
+            gpu.copy_engine(pairs)
+        pairs = None   # (it holds the staged copies)
         out.update((name, dev[name]) for name in staged)
         clock["queue_s"], t = time.perf_counter() - t, time.perf_counter()
         if own:
@@ -339,8 +339,7 @@ def into_targets(dev: dict, host: dict, got: dict, own: bool, order: StreamOrder
             if not free_after(staged.values(), stream):
                 stream.synchronize()  # the copies out of them are done: dropped, they go back to the driver
         clock["wait_s"], t = time.perf_counter() - t, time.perf_counter()
-        staged.clear()
-        a = None  # nothing here holds a staged copy now
+        staged.clear()   # nothing here holds a staged copy now
         pool = cp.get_default_memory_pool()
         if own and pool.free_bytes() >= RELEASE_POOL_BYTES:
             pool.free_all_blocks()   # and the pipeline's own temporaries (page tables) leave CuPy's pool too

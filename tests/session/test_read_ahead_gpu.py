@@ -229,3 +229,84 @@ def test_the_reads_block_is_freed_behind_the_copies_and_goes_back_to_the_driver(
             st = s.checkpoint()
             assert st.pages == {"a": 1}
         src[12345 + round_] ^= 1
+
+
+def _many(shm_log, count: int) -> list:
+    """A log of `count` CuPy regions of mixed sizes (odd ones among them), one epoch; their arrays."""
+    import cupy as cp
+
+    rng = np.random.default_rng(count)
+    sizes = [64 * (k + 1) + (k % 3) * 4096 for k in range(count)]
+    src = [cp.asarray(rng.integers(0, 255, n, dtype=np.uint8)) for n in sizes]
+    with Session(shm_log, size=64 << 20, segment_size=8 << 20, overwrite=True) as s:
+        s.register_all([dict(name=f"r{i}", array=a, page_bytes=64) for i, a in enumerate(src)])
+        s.checkpoint()
+    return src
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["one-copy-a-target", "batched"])
+def test_a_recovery_queues_its_copies_behind_the_targets_work_and_the_host_does_not_wait(shm_log, batched):
+    """Work queued on the targets' stream before the recovery (a hold, released from another stream only
+    once the call has returned) keeps the copies behind it on the device, not the host: recover() returns
+    while the hold still holds, and once it is released every target equals its epoch.  Had the call waited
+    for the device, it would have returned only at the hold's timeout, which the hold counts."""
+    import cupy as cp
+
+    from concordia.gpu_kernels import gpu
+    from concordia.restore.run import BATCHED_COPIES
+
+    src = _many(shm_log, BATCHED_COPIES + 3 if batched else 2)
+    p = concordia.prefetch(shm_log, device="cupy")
+    p.wait()   # the read is whole, on its own stream
+    held, other = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    with held:
+        targets = [cp.full(a.size, 7, cp.uint8) for a in src]
+        words = cp.zeros(3, cp.uint64)
+        with p.session() as s:
+            s.register_all([dict(name=f"r{i}", array=t, page_bytes=64) for i, t in enumerate(targets)])
+            held.synchronize()   # the targets and the words are written; from here on the hold holds the stream
+            gpu.launch_hold(words, 1, 60 * 10**9)
+            s.recover(into="registered")
+            behind = held.record()
+            assert s.last_recovery.phases["read_ahead"]["used"] is True
+            assert not behind.done   # the hold still holds: the call queued the copies behind it and left
+            with other:
+                gpu.launch_release_holds(words, 1)
+            held.synchronize()
+            assert cp.asnumpy(words).tolist() == [1, 1, 0]   # it arrived, was released, and did not time out
+            assert all(bool((t == a).all()) for t, a in zip(targets, src))
+            targets[1][3] ^= 1
+            st = s.checkpoint()
+            assert st.pages.get("r1") == 1 and sum(st.pages.values()) == 1
+
+
+def test_a_batched_copy_whose_kernel_cannot_be_built_copies_with_the_copy_engine(shm_log, monkeypatch):
+    """Where the batched copy's kernel cannot be built (KernelCompileError, nothing queued), every target
+    is copied by the copy engine instead, and equals its epoch."""
+    import cupy as cp
+
+    from concordia.gpu_kernels import gpu, jit
+    from concordia.gpu_kernels.errors import KernelCompileError
+    from concordia.restore.run import BATCHED_COPIES
+
+    src = _many(shm_log, BATCHED_COPIES + 3)
+    real, tried = jit.function, []
+
+    def function(name, kernel, *args, **kw):
+        if (name, kernel) == ("copy", "copy_spans"):
+            tried.append(kernel)
+            raise KernelCompileError("no compiler here", where="copy")
+        return real(name, kernel, *args, **kw)
+
+    monkeypatch.setattr(jit, "function", function)
+    engine = []
+    real_engine = gpu.copy_engine
+    monkeypatch.setattr(gpu, "copy_engine", lambda pairs: engine.append(len(pairs)) or real_engine(pairs))
+    p = concordia.prefetch(shm_log, device="cupy")
+    targets = [cp.full(a.size, 7, cp.uint8) for a in src]
+    with p.session() as s:
+        s.register_all([dict(name=f"r{i}", array=t, page_bytes=64) for i, t in enumerate(targets)])
+        s.recover(into="registered")
+        assert s.last_recovery.phases["read_ahead"]["used"] is True
+        assert tried and engine == [len(src)]   # the kernel was asked for, then every pair went to the engine
+        assert all(bool((t == a).all()) for t, a in zip(targets, src))
