@@ -249,35 +249,42 @@ def test_a_recovery_queues_its_copies_behind_the_targets_work_and_the_host_does_
     """Work queued on the targets' stream before the recovery (a hold, released from another stream only
     once the call has returned) keeps the copies behind it on the device, not the host: recover() returns
     while the hold still holds, and once it is released every target equals its epoch.  Had the call waited
-    for the device, it would have returned only at the hold's timeout, which the hold counts."""
+    for the device, it would have returned only at the hold's timeout, which the hold counts.  A first
+    round without the hold loads every kernel the recovery launches (a lazily loaded module may wait for
+    the device)."""
     import cupy as cp
 
     from concordia.gpu_kernels import gpu
     from concordia.restore.run import BATCHED_COPIES
 
     src = _many(shm_log, BATCHED_COPIES + 3 if batched else 2)
-    p = concordia.prefetch(shm_log, device="cupy")
-    p.wait()   # the read is whole, on its own stream
     held, other = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
-    with held:
-        targets = [cp.full(a.size, 7, cp.uint8) for a in src]
-        words = cp.zeros(3, cp.uint64)
-        with p.session() as s:
-            s.register_all([dict(name=f"r{i}", array=t, page_bytes=64) for i, t in enumerate(targets)])
-            held.synchronize()   # the targets and the words are written; from here on the hold holds the stream
-            gpu.launch_hold(words, 1, 60 * 10**9)
-            s.recover(into="registered")
-            behind = held.record()
-            assert s.last_recovery.phases["read_ahead"]["used"] is True
-            assert not behind.done   # the hold still holds: the call queued the copies behind it and left
-            with other:
-                gpu.launch_release_holds(words, 1)
-            held.synchronize()
-            assert cp.asnumpy(words).tolist() == [1, 1, 0]   # it arrived, was released, and did not time out
-            assert all(bool((t == a).all()) for t, a in zip(targets, src))
-            targets[1][3] ^= 1
-            st = s.checkpoint()
-            assert st.pages.get("r1") == 1 and sum(st.pages.values()) == 1
+    for hold in (False, True):
+        p = concordia.prefetch(shm_log, device="cupy")
+        p.wait()   # the read is whole, on its own stream
+        with held:
+            targets = [cp.full(a.size, 7, cp.uint8) for a in src]
+            words = cp.zeros(3, cp.uint64)
+            gpu.launch_release_holds(words, 0)   # (its module loaded before any hold)
+            with p.session() as s:
+                s.register_all([dict(name=f"r{i}", array=t, page_bytes=64) for i, t in enumerate(targets)])
+                held.synchronize()   # the targets and the words are written; from here the hold holds the stream
+                if hold:
+                    gpu.launch_hold(words, 1, 20 * 10**9)
+                s.recover(into="registered")
+                behind = held.record()
+                assert s.last_recovery.phases["read_ahead"]["used"] is True
+                if hold:
+                    assert not behind.done   # the hold still holds: the call queued the copies behind it and left
+                    with other:
+                        gpu.launch_release_holds(words, 1)
+                held.synchronize()
+                assert cp.asnumpy(words).tolist() == ([1, 1, 0] if hold else [0, 0, 0])   # released, not timed out
+                assert all(bool((t == a).all()) for t, a in zip(targets, src))
+                targets[1][3] ^= 1
+                st = s.checkpoint()
+                assert st.pages.get("r1") == 1 and sum(st.pages.values()) == 1
+        src[1][3] ^= 1   # what the log's latest epoch now holds
 
 
 def test_a_batched_copy_whose_kernel_cannot_be_built_copies_with_the_copy_engine(shm_log, monkeypatch):
