@@ -157,6 +157,7 @@ class ReadAhead:
         self.used = False
         self.device_id: int | None = None
         self.seeds = Seeds()   # of its arrays, until taken or dropped
+        self.pool_free = 0     # the free bytes CuPy's pool held before the read (`restore_run.into_targets`)
         self.taken = Seeds()   # of the arrays the last recovery copied (`take_seeds`)
 
     def run(self, log, registration=None) -> None:
@@ -176,6 +177,7 @@ class ReadAhead:
                         on.enter_context(cp.cuda.Device(self.gpu))
                     self.device_id = cp.cuda.Device().id
                     stream = on.enter_context(cp.cuda.Stream(non_blocking=True))
+                self.pool_free = restore_run.pool_free_bytes() if self.device else 0   # (not the read's)
                 t_restore = time.perf_counter()
                 self.got = restore_run.restore(log, self.target, device=self.device, registration=registration,
                                                absent="keep", own_new=True)
@@ -297,7 +299,7 @@ class ReadAhead:
         # the seeds of what is not copied go before the copies give the pool's free blocks back
         seeds, self.seeds = self.seeds.only(held), Seeds()
         parts: dict = {}
-        written = restore_run.into_targets(dev, host, held, self.device, order, parts)
+        written = restore_run.into_targets(dev, host, held, self.device, order, parts, pool_free=self.pool_free)
         self.taken = seeds.only(written)
         if self.device and written and held:
             # arrays handed over beside targets written: copies in CuPy's pool, so that the read's one

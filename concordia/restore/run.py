@@ -100,9 +100,19 @@ def check_absent(absent) -> None:
 #: copied into their targets (`_restore`)
 RELEASE_STAGED_BYTES = 256 << 20
 #: after copies into targets out of memory of their own, CuPy's pool gives its free blocks back to the driver
-#: when they hold this many bytes (a restore's page tables: 16 bytes a page); fewer stay for the checkpoints
-#: that follow, since giving them back (cudaFree) waits for the device's work, the copies included
+#: when the restore added this many free bytes to it (a restore's page tables: 16 bytes a page); fewer stay
+#: for the checkpoints that follow, since giving them back (cudaFree) waits for the device's work, the copies
+#: included.  What the pool held free before the restore is not its doing, and makes no one wait.
 RELEASE_POOL_BYTES = 64 << 20
+
+
+def pool_free_bytes() -> int:
+    """The free bytes CuPy's pool holds now (0 where CuPy is not loaded): a
+    restore's baseline for `into_targets`' release."""
+    import sys
+
+    cp = sys.modules.get("cupy")
+    return int(cp.get_default_memory_pool().free_bytes()) if cp is not None else 0
 
 #: device targets from this many on are copied into by one launch (`into_targets`): a read ahead's 173
 #: copies into a Qwen3's tensors, one driver call each, took 1.6 ms of the caller's time (H100)
@@ -234,7 +244,7 @@ def _restore(log, plan, plan_s, pages, *, regions, device, into, registration, r
     # only once everything checked out (`staged`, `host_got`: what goes into them)
     on_gpu = list(dev) + (rest if device else [])
     on_host = list(host) + ([] if device else rest)
-    got, own = {}, False
+    got, own, pool_free = {}, False, 0
     try:
         if on_gpu:
             from concordia.restore.device import apply_plan_cupy
@@ -243,6 +253,7 @@ def _restore(log, plan, plan_s, pages, *, regions, device, into, registration, r
             # given back to the driver once copied (in CuPy's pool, the framework that owns the targets
             # could not use it: a cache of 30 GiB restored into torch tensors would leave 30 GiB there)
             own = sum(plan.regions[n].region.nbytes for n in dev if n in plan.regions) >= RELEASE_STAGED_BYTES
+            pool_free = pool_free_bytes()
             got = apply_plan_cupy(log, plan, regions=on_gpu, stats=st, registration=registration, read=read,
                                   own_memory=set(on_gpu) if own_new else set(dev) if own else ())
             via.update(dict.fromkeys(got, "device pipeline"))
@@ -254,7 +265,7 @@ def _restore(log, plan, plan_s, pages, *, regions, device, into, registration, r
             got.update(got_host)
     finally:
         wait()   # the page checks end before anything is written, or before an error leaves
-    written = into_targets(dev, host, got, own, order)   # the decision is made
+    written = into_targets(dev, host, got, own, order, pool_free=pool_free)   # the decision is made
     arrays.update(got)
     arrays.update(written)
     return Restored(arrays, plan, plan_s, time.perf_counter() - t1, via, st, kept)
@@ -292,7 +303,7 @@ def split_targets(views: dict, names) -> tuple[dict, dict]:
 
 
 def into_targets(dev: dict, host: dict, got: dict, own: bool, order: StreamOrder | None = None,
-                 parts: dict | None = None) -> dict:
+                 parts: dict | None = None, pool_free: int = 0) -> dict:
     """Copy what `got` holds for the device targets `dev` (one
     device-to-device copy each, or one batched copy for BATCHED_COPIES or more
     (`gpu_kernels.gpu.copy_spans`), on CuPy's current stream, after the work
@@ -303,8 +314,9 @@ def into_targets(dev: dict, host: dict, got: dict, own: bool, order: StreamOrder
     own: the staged copies have memory of their own (`restore.device.OwnBlock`),
     given back to the driver once dropped: in stream order behind the copies
     out of them, or, where it cannot be, after the host waited for the
-    copies; the pool's free blocks go too once they hold RELEASE_POOL_BYTES
-    (giving them back waits for the device's work).  parts: where given, the
+    copies; the pool's free blocks go too once the restore added
+    RELEASE_POOL_BYTES to the `pool_free` bytes they held before it
+    (`pool_free_bytes`; giving them back waits for the device's work).  parts: where given, the
     seconds of the device copies' queueing ("queue_s"), the host's wait for
     them ("wait_s", none when freed in stream order) and the pool's free
     blocks given back ("pool_free_s")."""
@@ -341,7 +353,7 @@ def into_targets(dev: dict, host: dict, got: dict, own: bool, order: StreamOrder
         clock["wait_s"], t = time.perf_counter() - t, time.perf_counter()
         staged.clear()   # nothing here holds a staged copy now
         pool = cp.get_default_memory_pool()
-        if own and pool.free_bytes() >= RELEASE_POOL_BYTES:
+        if own and pool.free_bytes() - pool_free >= RELEASE_POOL_BYTES:
             pool.free_all_blocks()   # and the pipeline's own temporaries (page tables) leave CuPy's pool too
         clock["pool_free_s"] = time.perf_counter() - t
     for name, a in host_got.items():

@@ -251,14 +251,18 @@ def test_a_recovery_queues_its_copies_behind_the_targets_work_and_the_host_does_
     while the hold still holds, and once it is released every target equals its epoch.  Had the call waited
     for the device, it would have returned only at the hold's timeout, which the hold counts.  A first
     round without the hold loads every kernel the recovery launches (a lazily loaded module may wait for
-    the device)."""
+    the device).  CuPy's pool holds free blocks from before (a long-running process's): they are not the
+    recovery's to give back, and giving them back (cudaFree) would wait for the device."""
     import cupy as cp
 
     from concordia.gpu_kernels import gpu
-    from concordia.restore.run import BATCHED_COPIES
+    from concordia.restore.run import BATCHED_COPIES, RELEASE_POOL_BYTES
 
     src = _many(shm_log, BATCHED_COPIES + 3 if batched else 2)
     held, other = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    spare = cp.empty(2 * RELEASE_POOL_BYTES, cp.uint8)
+    del spare
+    assert cp.get_default_memory_pool().free_bytes() >= 2 * RELEASE_POOL_BYTES
     for hold in (False, True):
         p = concordia.prefetch(shm_log, device="cupy")
         p.wait()   # the read is whole, on its own stream
