@@ -157,7 +157,7 @@ class ReadAhead:
         self.used = False
         self.device_id: int | None = None
         self.seeds = Seeds()   # of its arrays, until taken or dropped
-        self.pool_free = 0     # the free bytes CuPy's pool held before the read (`restore_run.into_targets`)
+        self.pool_added = 0    # the free bytes the read left in CuPy's pool (`restore_run.into_targets`)
         self.taken = Seeds()   # of the arrays the last recovery copied (`take_seeds`)
 
     def run(self, log, registration=None) -> None:
@@ -177,7 +177,7 @@ class ReadAhead:
                         on.enter_context(cp.cuda.Device(self.gpu))
                     self.device_id = cp.cuda.Device().id
                     stream = on.enter_context(cp.cuda.Stream(non_blocking=True))
-                self.pool_free = restore_run.pool_free_bytes() if self.device else 0   # (not the read's)
+                pool_before = restore_run.pool_free_bytes() if self.device else 0
                 t_restore = time.perf_counter()
                 self.got = restore_run.restore(log, self.target, device=self.device, registration=registration,
                                                absent="keep", own_new=True)
@@ -194,6 +194,8 @@ class ReadAhead:
                     t_seeds += self.times["copy_kernel_s"]
                 if self.device:
                     stream.synchronize()  # its arrays (and seeds) are whole before any other thread reads them
+                    # the free blocks the read left in CuPy's pool (its temporaries), not the caller's meanwhile
+                    self.pool_added = max(0, restore_run.pool_free_bytes() - pool_before)
                 self.times["seeds_s"] = time.perf_counter() - t_seeds
         except BaseException as exc:  # the recovery from the log meets it again and decides (module doc)
             self.got, self.seeds = None, Seeds()
@@ -299,7 +301,8 @@ class ReadAhead:
         # the seeds of what is not copied go before the copies give the pool's free blocks back
         seeds, self.seeds = self.seeds.only(held), Seeds()
         parts: dict = {}
-        written = restore_run.into_targets(dev, host, held, self.device, order, parts, pool_free=self.pool_free)
+        written = restore_run.into_targets(dev, host, held, self.device, order, parts,
+                                           pool_free=max(0, restore_run.pool_free_bytes() - self.pool_added))
         self.taken = seeds.only(written)
         if self.device and written and held:
             # arrays handed over beside targets written: copies in CuPy's pool, so that the read's one

@@ -102,17 +102,24 @@ RELEASE_STAGED_BYTES = 256 << 20
 #: after copies into targets out of memory of their own, CuPy's pool gives its free blocks back to the driver
 #: when the restore added this many free bytes to it (a restore's page tables: 16 bytes a page); fewer stay
 #: for the checkpoints that follow, since giving them back (cudaFree) waits for the device's work, the copies
-#: included.  What the pool held free before the restore is not its doing, and makes no one wait.
+#: included.  What the pool held free before the restore is not its doing and makes no one wait; once the
+#: restore added enough, every free block goes (CuPy gives back all or none), those from before too.
 RELEASE_POOL_BYTES = 64 << 20
 
 
 def pool_free_bytes() -> int:
-    """The free bytes CuPy's pool holds now (0 where CuPy is not loaded): a
-    restore's baseline for `into_targets`' release."""
+    """The free bytes CuPy's pool holds now (0 where CuPy is not loaded, or
+    has no device to ask): a restore's baseline for `into_targets`' release."""
     import sys
 
     cp = sys.modules.get("cupy")
-    return int(cp.get_default_memory_pool().free_bytes()) if cp is not None else 0
+    if cp is None:
+        return 0
+    try:
+        return int(cp.get_default_memory_pool().free_bytes())
+    except Exception:   # CuPy without a usable device: a host restore has no pool to give back
+        return 0
+
 
 #: device targets from this many on are copied into by one launch (`into_targets`): a read ahead's 173
 #: copies into a Qwen3's tensors, one driver call each, took 1.6 ms of the caller's time (H100)
@@ -152,8 +159,9 @@ def restore(log, target="latest", *, mode=None, regions=None, device: bool = Fal
     is that plan's, as every other consumer of the log meets it."""
     check_absent(absent)
     st = {} if stats is None else stats
+    # CuPy's free blocks before the restore (once: a second plan's restore follows the first's temporaries)
     args = dict(regions=regions, device=device, into=into or {}, registration=registration, read=read, st=st,
-                absent=absent, own_new=own_new, order=order)
+                absent=absent, own_new=own_new, order=order, pool_free=pool_free_bytes())
     if plan is not None:
         return _restore(log, plan, 0.0, None, **args)
     from concordia.wal.planner import plan as make_plan, plan_unchecked
@@ -225,9 +233,10 @@ def absent_regions(plan, want: list, absent: str, *, where: str) -> list:
 
 
 def _restore(log, plan, plan_s, pages, *, regions, device, into, registration, read, st, absent,
-             own_new, order) -> Restored:
+             own_new, order, pool_free) -> Restored:
     """restore() with `plan`; `pages`: the page checks left from planning
-    (`PageCheck`), or None when the plan was made with them."""
+    (`PageCheck`), or None when the plan was made with them; `pool_free`:
+    CuPy's free bytes before the restore (`into_targets`)."""
     from concordia.wal.apply import apply_plan_numpy
 
     want = list(plan.regions) if regions is None else list(regions)
@@ -244,7 +253,7 @@ def _restore(log, plan, plan_s, pages, *, regions, device, into, registration, r
     # only once everything checked out (`staged`, `host_got`: what goes into them)
     on_gpu = list(dev) + (rest if device else [])
     on_host = list(host) + ([] if device else rest)
-    got, own, pool_free = {}, False, 0
+    got, own = {}, False
     try:
         if on_gpu:
             from concordia.restore.device import apply_plan_cupy
@@ -253,7 +262,6 @@ def _restore(log, plan, plan_s, pages, *, regions, device, into, registration, r
             # given back to the driver once copied (in CuPy's pool, the framework that owns the targets
             # could not use it: a cache of 30 GiB restored into torch tensors would leave 30 GiB there)
             own = sum(plan.regions[n].region.nbytes for n in dev if n in plan.regions) >= RELEASE_STAGED_BYTES
-            pool_free = pool_free_bytes()
             got = apply_plan_cupy(log, plan, regions=on_gpu, stats=st, registration=registration, read=read,
                                   own_memory=set(on_gpu) if own_new else set(dev) if own else ())
             via.update(dict.fromkeys(got, "device pipeline"))
@@ -308,18 +316,18 @@ def into_targets(dev: dict, host: dict, got: dict, own: bool, order: StreamOrder
     device-to-device copy each, or one batched copy for BATCHED_COPIES or more
     (`gpu_kernels.gpu.copy_spans`), on CuPy's current stream, after the work
     queued on the targets' own streams, `order`: `recover` makes it and
-    orders their later work after the copies) and the host views `host`
-    into them, taking those arrays out of `got`; {name: target written}.  A region
+    orders their later work after the copies) and the host views `host` into
+    them, taking those arrays out of `got`; {name: target written}.  A region
     given up (skip_corrupt) is not in `got` and its target stays as it was.
     own: the staged copies have memory of their own (`restore.device.OwnBlock`),
     given back to the driver once dropped: in stream order behind the copies
     out of them, or, where it cannot be, after the host waited for the
     copies; the pool's free blocks go too once the restore added
     RELEASE_POOL_BYTES to the `pool_free` bytes they held before it
-    (`pool_free_bytes`; giving them back waits for the device's work).  parts: where given, the
-    seconds of the device copies' queueing ("queue_s"), the host's wait for
-    them ("wait_s", none when freed in stream order) and the pool's free
-    blocks given back ("pool_free_s")."""
+    (`pool_free_bytes`; giving them back waits for the device's work).
+    parts: where given, the seconds of the device copies' queueing
+    ("queue_s"), the host's wait for them ("wait_s", none when freed in
+    stream order) and the pool's free blocks given back ("pool_free_s")."""
     out, t = {}, time.perf_counter()
     clock = {}   # parts' seconds
     staged = {n: got.pop(n) for n in dev if n in got}

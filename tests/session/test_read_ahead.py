@@ -286,3 +286,22 @@ def test_a_close_interrupted_while_it_waits_for_the_read_leaves_the_session_open
     monkeypatch.undo()
     s.close()
     assert s.closed
+
+
+def test_the_pools_free_bytes_are_zero_where_cupy_is_not_loaded_or_has_no_device(monkeypatch):
+    """A restore's baseline of CuPy's free blocks (`restore.run.pool_free_bytes`): 0 where CuPy is not
+    imported (nothing of it to give back), and 0, not an error, where CuPy is imported but has no
+    device to ask (a host restore)."""
+    import sys
+    import types
+
+    from concordia.restore import run
+
+    monkeypatch.delitem(sys.modules, "cupy", raising=False)
+    assert run.pool_free_bytes() == 0
+
+    def no_device():
+        raise RuntimeError("cudaErrorNoDevice: no CUDA-capable device is detected")
+
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(get_default_memory_pool=no_device))
+    assert run.pool_free_bytes() == 0
