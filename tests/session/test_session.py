@@ -250,6 +250,33 @@ def test_torch_cpu_tensors_through_dlpack(file_log):
     assert got.numpy().tobytes() == t.numpy().tobytes()
 
 
+def test_a_cpu_tensor_is_seen_in_its_own_memory_with_the_bytes_dlpack_gives():
+    """A CPU tensor of every width is seen as numpy sees it (`numpy()` of the integer of its width, then
+    its layout), in its own memory: the same dtype, shape and bytes as a DLPack export gives, writes
+    through it land in the tensor; a width no integer has (complex128) still goes through DLPack."""
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed here")
+    pytest.importorskip("ml_dtypes")
+    from concordia.regions.arrays import _torch_layout, adapt
+
+    g = torch.Generator().manual_seed(3)
+    cases = [torch.randn(3, 4, dtype=torch.bfloat16, generator=g), torch.randn(5, generator=g).to(torch.float8_e4m3fn),
+             torch.tensor([True, False, True]), torch.arange(6, dtype=torch.int8).reshape(2, 3),
+             torch.randn(2, 2, generator=g), torch.randn(3, dtype=torch.complex64, generator=g),
+             torch.randn(2, dtype=torch.complex128, generator=g), torch.tensor(3.5), torch.zeros(0, 4),
+             torch.nn.Parameter(torch.ones(4)), torch.arange(10.0)[2:8], torch.arange(4, dtype=torch.uint8)]
+    for t in cases:
+        a, xp, owner = adapt(t, "t")
+        layout = _torch_layout(t, "t", None)[2]
+        exported = np.from_dlpack(t.detach().reshape(-1).view(torch.uint8)).view(layout).reshape(tuple(t.shape))
+        assert xp is np and owner is t
+        assert (a.dtype, a.shape, a.tobytes()) == (exported.dtype, exported.shape, exported.tobytes()), t.dtype
+        if a.size:
+            assert a.__array_interface__["data"][0] == t.data_ptr(), t.dtype
+            before = exported.tobytes()
+            a.reshape(-1)[:1].view(np.uint8)[0] ^= 0xFF   # a write through the view is the tensor's
+            assert exported.tobytes() != before and exported.tobytes() == a.tobytes(), t.dtype
+
+
 def test_device_dax_tier_through_an_emulated_device(tmp_path):
     """dax: logs go through DevDaxBackend; where no /dev/dax exists, a file
     stands in for the device (whole-device mapping, sysfs geometry replaced by
