@@ -2,8 +2,8 @@
 (`regions.arrays.adapt`): `protect()` of the Qwen3-0.6B shape (fp32 on the CPU,
 B=8, a StaticCache of 72 positions and a PEFT LoRA: 173 tensors) into a log
 that holds them already, as a recovering process does, alternated between
-`numpy()` of the integer of each tensor's width (the default) and a DLPack
-export (`_SAME_WIDTH_INT` emptied).  Prints each way's median, least and most
+each tensor seen by its address (`_HostBytes`, the default) and a DLPack
+export (`_HOST_VIEWS` off).  Prints each way's median, least and most
 of REPS calls.  A component figure: the product's recovery is `bench model
 --parts recovery`, and on the GPU a tensor is seen by its address.
 Usage: python3 scripts/protect_views_probe.py [REPS]"""
@@ -29,18 +29,16 @@ try:
     with concordia.Session(log, size=1 << 30) as s:
         protect(s, allocated_cache(cfg, model, batch, ctx + 8), model, batch_size=batch, max_tokens=ctx + 8)
         s.checkpoint()
-    fast = dict(arrays._SAME_WIDTH_INT)
-    took = {"numpy": [], "dlpack": []}
+    took = {"address": [], "dlpack": []}
     fresh = allocated_cache(cfg, model, batch, ctx + 8)
     for rep in range(reps):
-        way = "numpy" if rep % 2 else "dlpack"
-        arrays._SAME_WIDTH_INT.clear()
-        arrays._SAME_WIDTH_INT.update(fast if way == "numpy" else {})
+        way = "address" if rep % 2 else "dlpack"
+        arrays._HOST_VIEWS = way == "address"
         with concordia.Session(log, create=False, readonly=True) as s:
             t = time.perf_counter()
             protect(s, fresh, model, batch_size=batch, max_tokens=ctx + 8)
             took[way].append(time.perf_counter() - t)
-    arrays._SAME_WIDTH_INT.update(fast)
+    arrays._HOST_VIEWS = True
     for way, ts in took.items():
         ts.sort()
         print(f"{way:7s} protect: median {ts[len(ts) // 2] * 1e3:.2f} ms, least {ts[0] * 1e3:.2f}, "

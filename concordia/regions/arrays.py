@@ -143,11 +143,9 @@ def adapt(obj, where: str, logged: str | None = None):
             if type(obj) in (torch.Tensor, torch.nn.Parameter):
                 if xp is not np and obj.numel() and obj.data_ptr():
                     return _cuda_view(xp, obj, layout), xp, obj
-                same = _SAME_WIDTH_INT.get(obj.element_size()) if xp is np else None
-                if same is not None:
-                    return obj.detach().view(getattr(torch, same)).numpy().view(layout), xp, obj
-            # an empty CUDA tensor, a subclass (a wrapper without storage of its own: DLPack says), or a
-            # CPU tensor of a width no integer has
+                if xp is np and obj.numel() and obj.data_ptr() and _HOST_VIEWS:
+                    return np.asarray(_HostBytes(obj, layout)), xp, obj
+            # an empty tensor, or a subclass (a wrapper without storage of its own: DLPack says)
             raw = xp.from_dlpack(obj.detach().reshape(-1).view(torch.uint8))
         except Exception as exc:
             raise UnsupportedArrayError(f"tensor cannot be shared through DLPack: {exc}", where=where) from None
@@ -164,9 +162,22 @@ def adapt(obj, where: str, logged: str | None = None):
                                 "give a numpy or CuPy array or a DLPack tensor", where=where)
 
 
-#: the integer dtype PyTorch has of each element width: a CPU tensor seen as it is seen by numpy's own
-#: `numpy()` (a few microseconds a tensor; DLPack's export took 20, most of a CPU model's registration)
-_SAME_WIDTH_INT = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+#: a CPU tensor is seen by its address (`_HostBytes`); False: through a DLPack export, as before (its
+#: cost, 10 to 20 microseconds a tensor, was most of a CPU model's registration)
+_HOST_VIEWS = True
+
+
+class _HostBytes:
+    """Contiguous CPU tensor `t`'s bytes as numpy takes them
+    (`__array_interface__`: its address, shape and layout), holding `t` and
+    its storage for the array made from it.  Not `Tensor.numpy()`: that
+    marks the storage as never to be resized, and a registered tensor's
+    storage may be (resized or freed: a refusal to name, `storage_change`)."""
+
+    def __init__(self, t, layout: np.dtype):
+        self.held = (t, t.untyped_storage())
+        self.__array_interface__ = {"data": (t.data_ptr(), False), "shape": tuple(t.shape),
+                                    "typestr": layout.str, "version": 3}
 
 
 def _cuda_view(cp, t, layout: np.dtype):

@@ -251,9 +251,9 @@ def test_torch_cpu_tensors_through_dlpack(file_log):
 
 
 def test_a_cpu_tensor_is_seen_in_its_own_memory_with_the_bytes_dlpack_gives():
-    """A CPU tensor of every width is seen as numpy sees it (`numpy()` of the integer of its width, then
-    its layout), in its own memory: the same dtype, shape and bytes as a DLPack export gives, writes
-    through it land in the tensor; a width no integer has (complex128) still goes through DLPack."""
+    """A CPU tensor of every width is seen by its address in its layout: the same dtype, shape and bytes
+    as a DLPack export gives, in the tensor's own memory (writes through it land in the tensor), kept
+    alive by the view, and its storage can still be resized (numpy() would have forbidden it)."""
     torch = pytest.importorskip("torch", reason="PyTorch is not installed here")
     pytest.importorskip("ml_dtypes")
     from concordia.regions.arrays import _torch_layout, adapt
@@ -275,6 +275,19 @@ def test_a_cpu_tensor_is_seen_in_its_own_memory_with_the_bytes_dlpack_gives():
             before = exported.tobytes()
             a.reshape(-1)[:1].view(np.uint8)[0] ^= 0xFF   # a write through the view is the tensor's
             assert exported.tobytes() != before and exported.tobytes() == a.tobytes(), t.dtype
+            assert t.untyped_storage().resizable(), t.dtype
+    t = torch.arange(64, dtype=torch.float32)
+    a, _, _ = adapt(t, "t")
+    want = a.tobytes()
+    del t
+    import gc
+
+    gc.collect()
+    assert a.tobytes() == want   # the view holds the tensor's memory
+    t = torch.zeros(4, 64, dtype=torch.bfloat16)
+    adapt(t, "t")
+    t.resize_(8, 64)   # a registered tensor may still be resized (the session names the change)
+    t.untyped_storage().resize_(0)
 
 
 def test_device_dax_tier_through_an_emulated_device(tmp_path):
