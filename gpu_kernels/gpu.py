@@ -402,17 +402,10 @@ def compact_flags(flags, positions, count: int):
 
 def copy_spans(pairs, *, piece: int = ref.COPY_PIECE) -> None:
     """Copy every (src, dst) pair of device arrays in one launch on CuPy's
-    current stream (one row table copied there first): what one
-    cudaMemcpyAsync a pair does, without a driver call a pair.  A pair whose
-    two addresses are not both 16-byte aligned (the kernel would copy it a
-    byte at a time) is copied by the copy engine instead, on the same
-    stream.  KernelCompileError, with nothing queued, where the kernel
-    cannot be built.  Twin: reference.copy_spans (same rows, same bytes)."""
+    current stream: each pair checked (CuPy arrays, C-contiguous, of equal
+    byte sizes; a one-line KernelInputError naming the pair), then
+    `copy_checked_spans`.  Twin: reference.copy_spans (same rows, same bytes)."""
     cp = _cp()
-    engine = []   # misaligned pairs
-    # addresses and sizes only: a flat view of each array would cost more than the copies' driver calls
-    # this launch replaces (a CuPy view is microseconds; a model has hundreds of tensors)
-    ptrs, sizes = [], []
     for i, pair in enumerate(pairs):
         for a, what in zip(pair, ("source", "target")):
             if not isinstance(a, cp.ndarray):
@@ -420,9 +413,25 @@ def copy_spans(pairs, *, piece: int = ref.COPY_PIECE) -> None:
                                        where=f"pairs[{i}] {what}")
             if not a.flags.c_contiguous:
                 raise KernelInputError(f"pairs[{i}] {what} must be C-contiguous", where=f"pairs[{i}] {what}")
-        a, b = pair
-        if a.nbytes != b.nbytes:
-            raise KernelInputError(f"pairs[{i}]: {a.nbytes} bytes into {b.nbytes}", where="pairs")
+        if pair[0].nbytes != pair[1].nbytes:
+            raise KernelInputError(f"pairs[{i}]: {pair[0].nbytes} bytes into {pair[1].nbytes}", where="pairs")
+    copy_checked_spans(pairs, piece=piece)
+
+
+def copy_checked_spans(pairs, *, piece: int = ref.COPY_PIECE) -> None:
+    """`copy_spans` of pairs its caller checked already (a restore's targets
+    are checked against the log, its arrays made to their size): one launch
+    (one row table copied there first), what one cudaMemcpyAsync a pair
+    does without a driver call a pair.  A pair whose two addresses are not
+    both 16-byte aligned (the kernel would copy it a byte at a time) is
+    copied by the copy engine instead, on the same stream.
+    KernelCompileError, with nothing queued, where the kernel cannot be built."""
+    cp = _cp()
+    engine = []   # misaligned pairs
+    # addresses and sizes only: a flat view of each array would cost more than the copies' driver calls
+    # this launch replaces (a CuPy view is microseconds; a model has hundreds of tensors)
+    ptrs, sizes = [], []
+    for a, b in pairs:
         pa, pb = a.data.ptr, b.data.ptr
         if (pa | pb) & 15:
             engine.append((a, b))

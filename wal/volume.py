@@ -352,7 +352,7 @@ class Volume:
                 # (zero, or an earlier use's: most of a log's free segments) are not decoded
                 if F.segment_prev_seq(arr, off) != last.seq:
                     continue
-                hdr, why = F.decode_segment_header(memoryview(self.backend.array[off:off + F.SEGMENT_HEADER_SIZE]))
+                hdr, why = F.decode_segment_header(memoryview(arr[off:off + F.SEGMENT_HEADER_SIZE]))
                 # FORMAT.md R-S1: seq may jump (a cut frees segments whose numbers
                 # are not reissued); the chain words decide, not seq + 1
                 if (why is None and hdr.uuid == self._sb.uuid and hdr.seq > last.seq

@@ -314,7 +314,7 @@ def into_targets(dev: dict, host: dict, got: dict, own: bool, order: StreamOrder
                  parts: dict | None = None, pool_free: int = 0) -> dict:
     """Copy what `got` holds for the device targets `dev` (one
     device-to-device copy each, or one batched copy for BATCHED_COPIES or more
-    (`gpu_kernels.gpu.copy_spans`), on CuPy's current stream, after the work
+    (`gpu_kernels.gpu.copy_checked_spans`), on CuPy's current stream, after the work
     queued on the targets' own streams, `order`: `recover` makes it and
     orders their later work after the copies) and the host views `host` into
     them, taking those arrays out of `got`; {name: target written}.  A region
@@ -329,7 +329,7 @@ def into_targets(dev: dict, host: dict, got: dict, own: bool, order: StreamOrder
     ("queue_s"), the host's wait for them ("wait_s", none when freed in
     stream order) and the pool's free blocks given back ("pool_free_s")."""
     out, t = {}, time.perf_counter()
-    clock = {}   # parts' seconds
+    clock = parts if parts is not None else {}
     staged = {n: got.pop(n) for n in dev if n in got}
     host_got = {n: got.pop(n) for n in host if n in got}
     if dev:
@@ -344,8 +344,8 @@ def into_targets(dev: dict, host: dict, got: dict, own: bool, order: StreamOrder
         pairs = [(a, dev[name]) for name, a in staged.items()]
         batched = len(pairs) >= BATCHED_COPIES   # one launch, not a driver call a region
         if batched:
-            try:
-                gpu.copy_spans(pairs)
+            try:   # (checked already: each target against the log, each staged copy made to its size)
+                gpu.copy_checked_spans(pairs)
             except KernelCompileError:   # (the kernel could not be built here: nothing was queued)
                 batched = False
         if not batched:
@@ -367,8 +367,6 @@ def into_targets(dev: dict, host: dict, got: dict, own: bool, order: StreamOrder
     for name, a in host_got.items():
         host[name][...] = a
         out[name] = host[name]
-    if parts is not None:
-        parts.update(clock)
     return out
 
 

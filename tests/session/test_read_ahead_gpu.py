@@ -149,8 +149,9 @@ def test_many_targets_take_the_read_aheads_arrays_in_one_batched_copy(shm_log, m
     from concordia.gpu_kernels import gpu
 
     launches = []
-    real = gpu.copy_spans
-    monkeypatch.setattr(gpu, "copy_spans", lambda pairs, **kw: launches.append(len(pairs)) or real(pairs, **kw))
+    real = gpu.copy_checked_spans
+    monkeypatch.setattr(gpu, "copy_checked_spans",
+                        lambda pairs, **kw: launches.append(len(pairs)) or real(pairs, **kw))
     p = concordia.prefetch(shm_log, device="cupy")
     targets = [cp.full(n, 7, cp.uint8) for n in sizes]
     with p.session() as s:
@@ -281,7 +282,7 @@ def test_a_recovery_queues_its_copies_behind_the_targets_work_and_the_host_does_
                 s.register_all([dict(name=f"r{i}", array=t, page_bytes=64) for i, t in enumerate(targets)])
                 held.synchronize()   # the targets and the words are written; from here the hold holds the stream
                 if hold:
-                    gpu.launch_hold(words, 1, 20 * 10**9)
+                    gpu.launch_hold(words, 1, 60 * 10**9)   # (released at once: the bound only ends a defect's wait)
                 s.recover(into="registered")
                 behind = held.record()
                 assert s.last_recovery.phases["read_ahead"]["used"] is True
