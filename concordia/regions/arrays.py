@@ -168,16 +168,16 @@ _HOST_VIEWS = True
 
 
 class _HostBytes:
-    """Contiguous CPU tensor `t`'s bytes as numpy takes them
-    (`__array_interface__`: its address, shape and layout), holding `t` and
+    """CPU tensor `t`'s bytes as numpy takes them (`__array_interface__`: its
+    address, shape, layout and byte strides, None where contiguous), holding `t` and
     its storage for the array made from it.  Not `Tensor.numpy()`: that
     marks the storage as never to be resized, and a registered tensor's
     storage may be (resized or freed: a refusal to name, `storage_change`)."""
 
-    def __init__(self, t, layout: np.dtype):
+    def __init__(self, t, layout: np.dtype, strides: tuple | None = None):
         self.held = (t, t.untyped_storage())
         self.__array_interface__ = {"data": (t.data_ptr(), False), "shape": tuple(t.shape),
-                                    "typestr": layout.str, "version": 3}
+                                    "typestr": layout.str, "strides": strides, "version": 3}
 
 
 def _cuda_view(cp, t, layout: np.dtype):
@@ -288,11 +288,23 @@ def storage_change(was: tuple, now: tuple) -> str | None:
 
 def to_host(a) -> np.ndarray:
     """A host numpy array of `a` (numpy as it is, CuPy copied, a torch tensor
-    such as a block table seen or copied through numpy)."""
+    such as a block table copied from the device, or seen where it is on the
+    CPU).  A CPU tensor is seen by its address (`_HostBytes`), not
+    `Tensor.numpy()`, which would mark the caller's storage as never to be
+    resized: a hint tensor read at every checkpoint is the caller's."""
     if isinstance(a, np.ndarray):
         return a
     if is_torch(a):
-        return a.detach().cpu().numpy()
+        t = a.detach()
+        if t.device.type != "cpu":
+            return t.cpu().numpy()   # a copy of our own
+        t = t.resolve_conj().resolve_neg()
+        torch = torch_module()
+        if type(t) in (torch.Tensor, torch.nn.Parameter) and t.numel() and t.data_ptr():
+            dt = _torch_layout(t, "", None)[1]
+            strides = tuple(s * t.element_size() for s in t.stride())
+            return np.asarray(_HostBytes(t, dt, strides))
+        return t.clone().numpy()   # empty, or a subclass: a copy of our own
     return a.get()
 
 

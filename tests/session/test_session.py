@@ -290,6 +290,43 @@ def test_a_cpu_tensor_is_seen_in_its_own_memory_with_the_bytes_dlpack_gives():
     t.untyped_storage().resize_(0)
 
 
+def test_a_cpu_hint_tensor_is_read_in_its_own_memory_and_stays_resizable(tmp_path):
+    """A hint read on the host (`to_host`: a length, a sequence id, slot versions) from a CPU tensor is
+    its values in its own dtype, strided or not, and leaves the caller's storage resizable: numpy()
+    would have marked it never to be resized, and a caller's block table or length may be.  Through the
+    product path: a positions region whose length= and seq_ids= are CPU tensors, checkpointed, then
+    the hint tensors resized."""
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed here")
+    from concordia.regions.arrays import to_host
+    from concordia.regions.region import position_page_bytes
+
+    base = torch.arange(24, dtype=torch.int32).reshape(4, 6)
+    cases = [base, base[:, 1::2], base.t(), torch.tensor(7), torch.tensor([True, False]),
+             torch.arange(3, dtype=torch.int64).expand(2, 3), torch.zeros(0, 3, dtype=torch.int64),
+             torch.nn.Parameter(torch.ones(3), requires_grad=False), torch.tensor([2.5, -1.0], dtype=torch.float64)]
+    for t in cases:
+        got = to_host(t)
+        want = t.detach().clone().numpy()
+        assert (got.dtype, got.shape) == (want.dtype, want.shape) and np.array_equal(got, want), t
+        if t.numel():
+            assert got.__array_interface__["data"][0] == t.data_ptr()
+        assert t.untyped_storage().resizable(), t
+    kv = np.zeros((2, 2, 16, 32), np.float16)
+    length, seq = torch.tensor([0], dtype=torch.int64), torch.tensor([1], dtype=torch.int64)
+    with Session(f"file:{tmp_path / 'hints.log'}", size=16 << 20) as s:
+        s.register("kv", kv, kind="kv", detect="positions", page_bytes=position_page_bytes(64),
+                   length=length, seq_ids=seq)
+        for n in (3, 7):
+            kv[..., length.item():n, :] = n
+            length.fill_(n)
+            s.checkpoint()
+        assert length.untyped_storage().resizable() and seq.untyped_storage().resizable()
+        length.resize_(4)   # the caller's tensors are still its own to resize
+        seq.untyped_storage().resize_(64)
+    with Session(f"file:{tmp_path / 'hints.log'}", create=False) as r:
+        assert r.recover()["kv"].tobytes() == kv.tobytes()
+
+
 def test_device_dax_tier_through_an_emulated_device(tmp_path):
     """dax: logs go through DevDaxBackend; where no /dev/dax exists, a file
     stands in for the device (whole-device mapping, sysfs geometry replaced by
