@@ -36,8 +36,19 @@ What is registered, by name under `prefix` (default "hf"):
 - `hf.counters`: one int64 row per layer (the position tensor and the host-side
   length a sliding-window layer keeps), written from the cache by the
   session's pre-checkpoint hook, so a plain `session.checkpoint()` captures it;
-- `hf.lora.<parameter>`: every LoRA weight of a PEFT model (kind "adapter"),
-  updated in place by online adaptation or not;
+- `hf.lora`: every LoRA weight of a PEFT model in one region (kind
+  "adapter"), updated in place by online adaptation or not.  `protect` moves
+  the weights into one tensor (`lora_layout="flat"`, where they share a
+  dtype and a device): each parameter becomes a view of it (`p.data`), the
+  same parameter object with the same values, as a flat-parameter trainer
+  lays them out, so that a checkpoint and a recovery meet one region where
+  they met one a weight (a Qwen3's 112: each costs the host tens of
+  microseconds at every registration, epoch and recovery).  As with a
+  region a weight, a weight given new storage afterwards (`p.data = ...`)
+  is no longer the one protected: protect again.
+  `lora_layout="tensors"` registers `hf.lora.<parameter>` a weight, as
+  logs written before the flat layout hold them: "auto" takes that layout
+  when the session's log holds it;
 - `hf.tokens` / `hf.mask` / `hf.tokens_len`, when `max_tokens` is given: the
   tokens generated so far, their attention mask, their count and the steps
   taken, so that `generate()` can continue after a restore;
@@ -73,7 +84,7 @@ class Guard:
     model: object | None
     prefix: str
     kv: list  # [(layer index, keys name, values name)]
-    lora: dict  # region name -> parameter
+    lora: dict  # "<prefix>.lora.<parameter name>" -> parameter
     counters: object  # int64 tensor [layers, 2]
     tokens: object | None = None  # int64 tensor [batch, max_tokens]
     tokens_len: object | None = None  # int64 tensor [8]: tokens so far, steps taken
@@ -89,10 +100,12 @@ class Guard:
     _resets_last: int | None = None
     _cum: list | None = None  # the layers' position tensors, when one stack takes them (`_sync_counters`)
     _cum_buf: object | None = None
+    #: the regions holding the LoRA weights: ["<prefix>.lora"] (flat), their names a weight (tensors), or []
+    lora_regions: list = dataclasses.field(default_factory=list)
 
     @property
     def names(self) -> list[str]:
-        out = [n for _, k, v in self.kv for n in (k, v)] + [f"{self.prefix}.counters"] + list(self.lora)
+        out = [n for _, k, v in self.kv for n in (k, v)] + [f"{self.prefix}.counters"] + list(self.lora_regions)
         if self.tokens is not None:
             out += [f"{self.prefix}.tokens", f"{self.prefix}.mask", f"{self.prefix}.tokens_len"]
         if self.rng is not None:
@@ -309,10 +322,61 @@ def _lora_named(named) -> dict:
     return {name: p for name, p in named if ".lora_" in name or name.startswith("lora_")}
 
 
+#: each weight of the flat LoRA tensor starts at a multiple of this many bytes (the batched copy's and
+#: the page kernels' alignment)
+LORA_ALIGN = 256
+
+
+def _lora_flat(session, lora: dict, prefix: str, layout: str):
+    """The one tensor holding every weight of `lora` ({name: parameter}),
+    each parameter made a view of it at its offset, in order, each at a
+    multiple of LORA_ALIGN bytes (`protect`'s `lora_layout`), or None: a
+    region a weight.  None where the layout is "tensors", where "auto" finds
+    the session's log holding the weights a region each, or where the
+    weights differ in dtype or device or share storage (a view each would
+    untie them).  Weights this function laid out already (an earlier
+    protect of the same model) are taken where they are: compiled code that
+    holds their addresses keeps them."""
+    names, ps = list(lora), [p.data for p in lora.values()]
+    if layout == "tensors" or (layout == "auto" and session.log.region_named(f"{prefix}.lora.{names[0]}")):
+        return None
+    dt, dev = ps[0].dtype, ps[0].device
+    if any(p.dtype != dt or p.device != dev for p in ps):
+        if layout == "flat":
+            raise SessionError("the LoRA weights differ in dtype or device: they cannot share one tensor",
+                               where="protect", hint='lora_layout="tensors" registers a region a weight')
+        return None
+    align = max(1, LORA_ALIGN // ps[0].element_size())
+    offsets, total = [], 0
+    for p in ps:
+        offsets.append(total)
+        total += -(-p.numel() // align) * align
+    storage = ps[0].untyped_storage()
+    if (storage.nbytes() == total * ps[0].element_size()
+            and all(p.untyped_storage().data_ptr() == storage.data_ptr() and p.storage_offset() == o
+                    for p, o in zip(ps, offsets))):
+        return torch.empty(0, dtype=dt, device=dev).set_(storage, 0, (total,))   # laid out already
+    if len({p.untyped_storage().data_ptr() for p in ps}) < len(ps):
+        if layout == "flat":
+            raise SessionError("LoRA weights share storage: a view each would untie them", where="protect",
+                               hint='lora_layout="tensors" registers a region a weight')
+        return None
+    flat = torch.zeros(total, dtype=dt, device=dev)
+    views = [flat[o:o + p.numel()].view(p.shape) for p, o in zip(ps, offsets)]
+    if all(p.numel() % align == 0 for p in ps):   # no gaps: one copy
+        torch.cat([p.reshape(-1) for p in ps], out=flat)
+    else:
+        for v, p in zip(views, ps):
+            v.copy_(p)
+    for param, v in zip(lora.values(), views):
+        param.data = v
+    return flat
+
+
 def protect(session, cache, model=None, *, batch_size: int | None = None, max_tokens: int | None = None,
             prefix: str = PREFIX, detect: str = "fingerprint", page_bytes: int = 4096,
             dtype=None, device=None, rng: bool = True, kv_detect: str = "positions",
-            words: bool | None = None) -> Guard:
+            words: bool | None = None, lora_layout: str = "auto") -> Guard:
     """Register `cache` (a transformers `StaticCache`) and, when `model` carries
     PEFT adapters, their LoRA weights with `session`.  A cache not yet
     allocated is allocated here from the model's config (`batch_size` needed).
@@ -322,6 +386,9 @@ def protect(session, cache, model=None, *, batch_size: int | None = None, max_to
     the cache's counters otherwise); sliding-window layers, the LoRA weights
     and the token buffer by `detect`.  A `cache.reset()` is counted, so the
     next checkpoint writes the cache whole.
+    `lora_layout` ("auto", "flat" or "tensors"): how the LoRA weights are
+    registered (the module's docstring: one region holding them all, their
+    parameters made views of it, or a region a weight as before).
     `max_tokens` adds a protected buffer of the tokens generated so far and
     their attention mask; `rng` protects the sampling generator's state.
     When the model compiles its decode step, a resuming `generate()` call is
@@ -336,6 +403,8 @@ def protect(session, cache, model=None, *, batch_size: int | None = None, max_to
     regions (counters, lengths, generator) are fingerprinted at
     `page_bytes` like the adapters.  Returns the `Guard` naming them."""
     _check_cache(cache)
+    if lora_layout not in ("auto", "flat", "tensors"):
+        raise SessionError(f"lora_layout must be 'auto', 'flat' or 'tensors', not {lora_layout!r}", where="protect")
     _initialise(cache, model, batch_size, dtype, device)
     if words is None:
         words = getattr(session, "resident", None) is not None
@@ -368,12 +437,19 @@ def protect(session, cache, model=None, *, batch_size: int | None = None, max_to
         kv.append((i, k, v))
     regions.append(dict(name=f"{prefix}.counters", array=counters, kind="opaque",
                         **(small or dict(detect="all", page_bytes=64))))
-    for name, p in _lora_parameters(model).items():
+    lora = _lora_parameters(model)
+    for name, p in lora.items():
         if not p.data.is_contiguous():
             raise SessionError("the LoRA weight is not contiguous", where=f"parameter {name!r}")
-        region = f"{prefix}.lora.{name}"
-        regions.append(dict(name=region, array=p.data, kind="adapter", detect=detect, page_bytes=page_bytes))
-        guard.lora[region] = p
+        guard.lora[f"{prefix}.lora.{name}"] = p
+    flat = _lora_flat(session, lora, prefix, lora_layout) if lora else None
+    if flat is not None:
+        guard.lora_regions = [f"{prefix}.lora"]
+        regions.append(dict(name=f"{prefix}.lora", array=flat, kind="adapter", detect=detect, page_bytes=page_bytes))
+    else:
+        guard.lora_regions = list(guard.lora)
+        regions += [dict(name=region, array=p.data, kind="adapter", detect=detect, page_bytes=page_bytes)
+                    for region, p in guard.lora.items()]
     if max_tokens is not None:
         b = cache.layers[0].keys.shape[0]
         guard.tokens = torch.zeros((b, int(max_tokens)), dtype=torch.int64, device=dev)

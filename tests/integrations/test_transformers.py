@@ -41,14 +41,112 @@ def test_protect_registers_every_layer_counter_and_lora_weight(tmp_path):
         assert len(lora) == 2 * 2 * cfg.num_hidden_layers  # q and v, A and B, per layer
         assert set(s.regions) == set(g.names)
         # counters; tokens, their mask and count; the sampling generator's state
-        assert len(g.names) == 2 * cfg.num_hidden_layers + 1 + len(lora) + 3 + 1
+        assert len(g.names) == 2 * cfg.num_hidden_layers + 1 + 1 + 3 + 1   # the LoRA weights: one region
         assert {s.regions[k].kind for _, k, _ in g.kv} == {"kv"}
-        assert {s.regions[n].kind for n in g.lora} == {"adapter"}
+        assert g.lora_regions == ["hf.lora"] and s.regions["hf.lora"].kind == "adapter"
+        assert sorted(g.lora) == sorted(f"hf.lora.{n}" for n in lora)
         # registered as they are: the cache's own tensors, not copies
         assert s.regions["hf.kv.0.k"].owner is cache.layers[0].keys
         # the cache by the positions its steps write, one row a page
         assert {s.regions[k].detect for _, k, _ in g.kv} == {"positions"}
         assert s.regions["hf.kv.0.k"].page_bytes == cfg.head_dim * 4  # fp32 rows of 16 on the CPU
+
+
+def _lora_of(model) -> dict:
+    return {n: p for n, p in model.named_parameters() if ".lora_" in n}
+
+
+def test_the_lora_weights_become_views_of_one_region_with_their_values_and_parameters_kept(tmp_path):
+    """protect() moves a PEFT model's LoRA weights into one tensor (the "hf.lora" region): each
+    parameter is the same object, with the same values and shape, now a view of it at an aligned
+    offset; an update through a parameter is the region's; a second protect of the same model takes
+    the weights where they are (no new addresses); a recovery fills them."""
+    cfg, model = build("tiny", "cpu")
+    lora = _lora_of(model)
+    before = {n: (p, p.detach().clone()) for n, p in lora.items()}
+    with _session(tmp_path) as s:
+        g = protect(s, StaticCache(config=cfg, max_cache_len=16), model, batch_size=1)
+        flat = s.regions["hf.lora"].owner
+        assert flat.dim() == 1 and flat.dtype == next(iter(lora.values())).dtype
+        for n, p in _lora_of(model).items():
+            was, values = before[n]
+            assert p is was and torch.equal(p.detach(), values), n
+            assert p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr(), n
+            assert (p.data_ptr() - flat.data_ptr()) % 256 == 0 and p.is_contiguous(), n
+        addresses = {n: p.data_ptr() for n, p in lora.items()}
+        lora_update(model)(1, None)
+        s.checkpoint()
+        want = {n: p.detach().clone() for n, p in lora.items()}
+    with concordia.Session(_log(tmp_path), create=False) as r:   # a second protect of the same model
+        g2 = protect(r, StaticCache(config=cfg, max_cache_len=16), model, batch_size=1)
+        assert {n: p.data_ptr() for n, p in lora.items()} == addresses
+        with torch.no_grad():
+            for p in lora.values():
+                p.zero_()
+        restore(r, g2)
+        for n, p in lora.items():
+            assert torch.equal(p.detach(), want[n]), n
+        assert g2.lora_regions == g.lora_regions
+
+
+def test_a_fresh_model_recovers_its_lora_weights_from_the_flat_region(tmp_path):
+    """A fresh model of the same shape (other weights) takes the log's LoRA weights through its
+    own protect() and restore(), byte for byte."""
+    cfg, model = build("tiny", "cpu")
+    with _session(tmp_path) as s:
+        protect(s, StaticCache(config=cfg, max_cache_len=16), model, batch_size=1)
+        lora_update(model)(3, None)
+        s.checkpoint()
+        want = {n: p.detach().clone() for n, p in _lora_of(model).items()}
+    _, fresh = build("tiny", "cpu", seed=5)
+    assert any(not torch.equal(p.detach(), want[n]) for n, p in _lora_of(fresh).items())
+    with concordia.Session(_log(tmp_path), create=False) as r:
+        restore(r, protect(r, StaticCache(config=cfg, max_cache_len=16), fresh, batch_size=1))
+    for n, p in _lora_of(fresh).items():
+        assert torch.equal(p.detach(), want[n]), n
+
+
+def test_a_log_of_a_region_a_lora_weight_is_recovered_in_that_layout(tmp_path):
+    """lora_layout="tensors" registers a region a weight (the layout of logs written before the flat
+    one) and leaves the parameters' storage alone; "auto" in a session whose log holds that layout
+    takes it, so such a log still restores; an unknown layout is refused in one line."""
+    cfg, model = build("tiny", "cpu")
+    ptrs = {n: p.data_ptr() for n, p in _lora_of(model).items()}
+    with _session(tmp_path) as s:
+        g = protect(s, StaticCache(config=cfg, max_cache_len=16), model, batch_size=1, lora_layout="tensors")
+        assert {n: p.data_ptr() for n, p in _lora_of(model).items()} == ptrs
+        assert sorted(g.lora_regions) == sorted(g.lora) and "hf.lora" not in s.regions
+        lora_update(model)(2, None)
+        s.checkpoint()
+        want = {n: p.detach().clone() for n, p in _lora_of(model).items()}
+    _, fresh = build("tiny", "cpu", seed=5)
+    with concordia.Session(_log(tmp_path), create=False) as r:
+        g2 = protect(r, StaticCache(config=cfg, max_cache_len=16), fresh, batch_size=1)
+        assert sorted(g2.lora_regions) == sorted(g.lora_regions)
+        restore(r, g2)
+    for n, p in _lora_of(fresh).items():
+        assert torch.equal(p.detach(), want[n]), n
+    with concordia.Session(_log(tmp_path, "other.log"), size=64 << 20, segment_size=8 << 20) as s:
+        with pytest.raises(SessionError) as e:
+            protect(s, StaticCache(config=cfg, max_cache_len=16), model, batch_size=1, lora_layout="packed")
+        assert "\n" not in str(e.value) and "lora_layout" in str(e.value)
+        assert not s.regions
+
+
+def test_lora_weights_of_two_dtypes_keep_a_region_each_and_flat_is_refused(tmp_path):
+    """Weights of differing dtypes cannot share one tensor: "auto" registers a region a weight,
+    "flat" is refused in one line with nothing registered."""
+    cfg, model = build("tiny", "cpu")
+    first = next(iter(_lora_of(model).values()))
+    first.data = first.data.to(torch.float64)
+    with _session(tmp_path) as s:
+        g = protect(s, StaticCache(config=cfg, max_cache_len=16), model, batch_size=1)
+        assert "hf.lora" not in s.regions and len(g.lora_regions) == len(g.lora)
+    with concordia.Session(_log(tmp_path, "flat.log"), size=64 << 20, segment_size=8 << 20) as s:
+        with pytest.raises(SessionError) as e:
+            protect(s, StaticCache(config=cfg, max_cache_len=16), model, batch_size=1, lora_layout="flat")
+        assert "\n" not in str(e.value) and "dtype or device" in str(e.value)
+        assert not s.regions
 
 
 def test_dynamic_cache_is_refused_in_one_line(tmp_path):
@@ -205,7 +303,7 @@ def test_cli_model_demo_json(tmp_path):
     rep = json.loads(r.stdout)
     assert rep["identical"] is True and rep["resumed_at_step"] == 4
     assert rep["worker"]["killed_after_step"] == 7  # --kill-at N: after step N, as in the reference demo
-    assert rep["model"]["regions"] == 2 * 2 + 1 + 8 + 3 + 1
+    assert rep["model"]["regions"] == 2 * 2 + 1 + 1 + 3 + 1   # keys and values, counters, the LoRA, tokens, rng
 
 
 @pytest.mark.parametrize("kill_at", ["0", "12"])
