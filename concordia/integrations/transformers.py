@@ -361,9 +361,10 @@ def _lora_flat(session, lora: dict, prefix: str, layout: str):
             raise SessionError("LoRA weights share storage: a view each would untie them", where="protect",
                                hint='lora_layout="tensors" registers a region a weight')
         return None
-    flat = torch.zeros(total, dtype=dt, device=dev)
+    gapless = all(p.numel() % align == 0 for p in ps)
+    flat = (torch.empty if gapless else torch.zeros)(total, dtype=dt, device=dev)   # (the gaps: zeros)
     views = [flat[o:o + p.numel()].view(p.shape) for p, o in zip(ps, offsets)]
-    if all(p.numel() % align == 0 for p in ps):   # no gaps: one copy
+    if gapless:   # one copy
         torch.cat([p.reshape(-1) for p in ps], out=flat)
     else:
         for v, p in zip(views, ps):

@@ -133,6 +133,42 @@ def test_a_log_of_a_region_a_lora_weight_is_recovered_in_that_layout(tmp_path):
         assert not s.regions
 
 
+class _OddAdapters(torch.nn.Module):
+    """LoRA weights whose sizes are not multiples of the flat tensor's 256-byte alignment."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(11)
+        self.lora_A = torch.nn.Parameter(torch.randn(3, 5, generator=g))
+        self.lora_B = torch.nn.Parameter(torch.randn(7, generator=g))
+        self.lora_C = torch.nn.Parameter(torch.randn(64, generator=g))
+
+
+def test_lora_weights_of_odd_sizes_sit_at_aligned_offsets_with_zeros_between(tmp_path):
+    """Weights whose sizes leave gaps at the 256-byte alignment keep their values, each starts on an
+    aligned offset, the gaps are zeros, and a recovery gives each its bytes back."""
+    cfg, model = build("tiny", "cpu")
+    cache = StaticCache(config=cfg, max_cache_len=16)
+    odd = _OddAdapters()
+    want = {n: p.detach().clone() for n, p in odd.named_parameters()}
+    with _session(tmp_path) as s:
+        protect(s, cache, model, batch_size=1)   # the cache allocated; then the odd module's weights
+        g = protect(s, cache, odd, prefix="odd", lora_layout="flat")
+        flat = s.regions["odd.lora"].owner
+        assert flat.numel() == 64 + 64 + 64   # 15, 7 and 64 floats, each from a 64-float boundary
+        assert [p.data_ptr() - flat.data_ptr() for p in odd.parameters()] == [0, 256, 512]
+        assert torch.count_nonzero(flat[15:64]) == 0 and torch.count_nonzero(flat[64 + 7:128]) == 0
+        for n, p in odd.named_parameters():
+            assert torch.equal(p.detach(), want[n]), n
+        s.checkpoint()
+        with torch.no_grad():
+            for p in odd.parameters():
+                p.fill_(-1.0)
+        restore(s, g)
+    for n, p in odd.named_parameters():
+        assert torch.equal(p.detach(), want[n]), n
+
+
 def test_lora_weights_of_two_dtypes_keep_a_region_each_and_flat_is_refused(tmp_path):
     """Weights of differing dtypes cannot share one tensor: "auto" registers a region a weight,
     "flat" is refused in one line with nothing registered."""
