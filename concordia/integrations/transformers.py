@@ -36,19 +36,30 @@ What is registered, by name under `prefix` (default "hf"):
 - `hf.counters`: one int64 row per layer (the position tensor and the host-side
   length a sliding-window layer keeps), written from the cache by the
   session's pre-checkpoint hook, so a plain `session.checkpoint()` captures it;
-- `hf.lora`: every LoRA weight of a PEFT model in one region (kind
-  "adapter"), updated in place by online adaptation or not.  `protect` moves
-  the weights into one tensor (`lora_layout="flat"`, where they share a
-  dtype and a device): each parameter becomes a view of it (`p.data`), the
-  same parameter object with the same values, as a flat-parameter trainer
-  lays them out, so that a checkpoint and a recovery meet one region where
-  they met one a weight (a Qwen3's 112: each costs the host tens of
-  microseconds at every registration, epoch and recovery).  As with a
-  region a weight, a weight given new storage afterwards (`p.data = ...`)
+- `hf.lora@<digest>`: every LoRA weight of a PEFT model in one region (kind
+  "adapter"), updated in place by online adaptation or not; the digest is
+  of the weights' names, shapes and dtype, so that a log of another set of
+  adapters (other layers, other modules) is refused in one line as absent
+  rather than poured into these.  `protect` moves the weights into one
+  tensor (`lora_layout="flat"`, where they share a dtype and a device and
+  no storage): each parameter becomes a view of it (`p.data`), the same
+  parameter object with the same values, each at a multiple of 256 bytes
+  from the tensor's start, as a flat-parameter trainer lays them out, so
+  that a checkpoint and a recovery meet one region where they met one a
+  weight (a Qwen3's 112: each costs the host tens of microseconds at every
+  registration, epoch and recovery).  Their addresses change once, at the
+  first protect (a later one takes them where they are): protect before
+  capturing a CUDA graph of your own that reads them, and before the first
+  compiled step (a compiled step recorded before records again).  As with
+  a region a weight, a weight given new storage afterwards (`p.data = ...`)
   is no longer the one protected: protect again.
   `lora_layout="tensors"` registers `hf.lora.<parameter>` a weight, as
-  logs written before the flat layout hold them: "auto" takes that layout
-  when the session's log holds it;
+  logs written before the flat layout hold them; "auto" (the default)
+  takes that layout when the session's log holds these weights so, and
+  where they cannot share one tensor.  Adapters added after a log was
+  written: with absent="keep" a restore to an earlier epoch keeps every
+  LoRA weight as it is (one region), where a region a weight kept only the
+  new ones;
 - `hf.tokens` / `hf.mask` / `hf.tokens_len`, when `max_tokens` is given: the
   tokens generated so far, their attention mask, their count and the steps
   taken, so that `generate()` can continue after a restore;
@@ -63,6 +74,7 @@ transformers and peft are imported only here.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import types
 import weakref
 
@@ -322,56 +334,75 @@ def _lora_named(named) -> dict:
     return {name: p for name, p in named if ".lora_" in name or name.startswith("lora_")}
 
 
-#: each weight of the flat LoRA tensor starts at a multiple of this many bytes (the batched copy's and
-#: the page kernels' alignment)
+#: each weight of the flat LoRA tensor starts at a multiple of this many bytes from its start (the
+#: batched copy's and the page kernels' alignment)
 LORA_ALIGN = 256
 
 
 def _lora_flat(session, lora: dict, prefix: str, layout: str):
-    """The one tensor holding every weight of `lora` ({name: parameter}),
-    each parameter made a view of it at its offset, in order, each at a
-    multiple of LORA_ALIGN bytes (`protect`'s `lora_layout`), or None: a
-    region a weight.  None where the layout is "tensors", where "auto" finds
-    the session's log holding the weights a region each, or where the
-    weights differ in dtype or device or share storage (a view each would
-    untie them).  Weights this function laid out already (an earlier
-    protect of the same model) are taken where they are: compiled code that
-    holds their addresses keeps them."""
+    """(region name, the one tensor holding every weight of `lora` ({name:
+    parameter}), [each weight's view of it], or None where the parameters
+    are its views already), or None: a region a weight (`protect`'s
+    `lora_layout`).  The weights lie in order, each at a
+    multiple of LORA_ALIGN bytes, the gaps zero; the values are copied in
+    here, and the caller makes each parameter its view once the regions are
+    registered (a refused protect() moves nothing).  The name is
+    "<prefix>.lora@<digest>", the digest of the names, shapes and dtype: a
+    log written by another set of adapters of the same size holds another
+    name, so a recovery refuses it in one line (absent) rather than pour
+    one adapter's weights into another's.
+    None where the layout is "tensors"; where "auto" finds the log holding
+    this set's weights a region each (and not flat); where the weights
+    differ in dtype or device, or share storage (a view each would untie
+    them; "flat" refuses these).  Weights this function laid out already
+    (an earlier protect of the same model) are taken where they are:
+    compiled code that holds their addresses keeps them."""
     names, ps = list(lora), [p.data for p in lora.values()]
-    if layout == "tensors" or (layout == "auto" and session.log.region_named(f"{prefix}.lora.{names[0]}")):
-        return None
     dt, dev = ps[0].dtype, ps[0].device
-    if any(p.dtype != dt or p.device != dev for p in ps):
-        if layout == "flat":
-            raise SessionError("the LoRA weights differ in dtype or device: they cannot share one tensor",
-                               where="protect", hint='lora_layout="tensors" registers a region a weight')
+    key = hashlib.sha256(repr([str(dt), LORA_ALIGN] + [(n, tuple(p.shape)) for n, p in zip(names, ps)]).encode())
+    name = f"{prefix}.lora@{key.hexdigest()[:16]}"
+    if layout == "tensors":
         return None
+    log = session.log
+    if layout == "auto" and log.region_named(name) is None and any(
+            log.region_named(f"{prefix}.lora.{n}") is not None for n in names):
+        return None   # a log of a region a weight: recovered in its layout
     align = max(1, LORA_ALIGN // ps[0].element_size())
     offsets, total = [], 0
     for p in ps:
         offsets.append(total)
         total += -(-p.numel() // align) * align
-    storage = ps[0].untyped_storage()
-    if (storage.nbytes() == total * ps[0].element_size()
-            and all(p.untyped_storage().data_ptr() == storage.data_ptr() and p.storage_offset() == o
-                    for p, o in zip(ps, offsets))):
-        return torch.empty(0, dtype=dt, device=dev).set_(storage, 0, (total,))   # laid out already
-    if len({p.untyped_storage().data_ptr() for p in ps}) < len(ps):
+    mixed = any(p.dtype != dt or p.device != dev for p in ps)
+    if not mixed and _laid_out(ps, offsets, total):   # by an earlier protect: no move
+        return name, torch.empty(0, dtype=dt, device=dev).set_(ps[0].untyped_storage(), 0, (total,)), None
+    why = ("the LoRA weights differ in dtype or device" if mixed else
+           "LoRA weights share storage (a view each would untie them, or take them from another's buffer)"
+           if len({p.untyped_storage().data_ptr() for p in ps}) < len(ps) else None)
+    if why is not None:
         if layout == "flat":
-            raise SessionError("LoRA weights share storage: a view each would untie them", where="protect",
+            raise SessionError(f"{why}: they cannot be held in one tensor", where="protect",
                                hint='lora_layout="tensors" registers a region a weight')
         return None
     gapless = all(p.numel() % align == 0 for p in ps)
-    flat = (torch.empty if gapless else torch.zeros)(total, dtype=dt, device=dev)   # (the gaps: zeros)
-    views = [flat[o:o + p.numel()].view(p.shape) for p, o in zip(ps, offsets)]
-    if gapless:   # one copy
-        torch.cat([p.reshape(-1) for p in ps], out=flat)
-    else:
-        for v, p in zip(views, ps):
-            v.copy_(p)
-    for param, v in zip(lora.values(), views):
-        param.data = v
-    return flat
+    with torch.inference_mode(False):   # (an inference tensor's views could not be trained)
+        flat = (torch.empty if gapless else torch.zeros)(total, dtype=dt, device=dev)   # (the gaps: zeros)
+        views = [flat[o:o + p.numel()].view(p.shape) for p, o in zip(ps, offsets)]
+        if gapless:   # one copy
+            torch.cat([p.reshape(-1) for p in ps], out=flat)
+        else:
+            for v, p in zip(views, ps):
+                v.copy_(p)
+    return name, flat, views
+
+
+def _laid_out(ps: list, offsets: list, total: int) -> bool:
+    """Whether weights `ps` are views of one storage of `total` elements, each
+    at its offset of `offsets`, as `_lora_flat` lays them out."""
+    storage = ps[0].untyped_storage()
+    if any(p.untyped_storage().data_ptr() != storage.data_ptr() for p in ps):
+        return False
+    return (storage.nbytes() == total * ps[0].element_size()
+            and all(p.storage_offset() == o and p.is_contiguous() for p, o in zip(ps, offsets)))
 
 
 def protect(session, cache, model=None, *, batch_size: int | None = None, max_tokens: int | None = None,
@@ -445,8 +476,8 @@ def protect(session, cache, model=None, *, batch_size: int | None = None, max_to
         guard.lora[f"{prefix}.lora.{name}"] = p
     flat = _lora_flat(session, lora, prefix, lora_layout) if lora else None
     if flat is not None:
-        guard.lora_regions = [f"{prefix}.lora"]
-        regions.append(dict(name=f"{prefix}.lora", array=flat, kind="adapter", detect=detect, page_bytes=page_bytes))
+        guard.lora_regions = [flat[0]]
+        regions.append(dict(name=flat[0], array=flat[1], kind="adapter", detect=detect, page_bytes=page_bytes))
     else:
         guard.lora_regions = list(guard.lora)
         regions += [dict(name=region, array=p.data, kind="adapter", detect=detect, page_bytes=page_bytes)
@@ -469,6 +500,9 @@ def protect(session, cache, model=None, *, batch_size: int | None = None, max_to
         regions.append(dict(name=f"{prefix}.rng", array=guard.rng, kind="opaque",
                             **(small or dict(detect="all", page_bytes=n * 8))))
     session.register_all(regions)   # (refused: the guard, never returned, goes with the error)
+    if flat is not None and flat[2] is not None:   # each LoRA parameter now a view of the region (same values)
+        for param, view in zip(lora.values(), flat[2]):
+            param.data = view
     session.before_checkpoint(guard.capture)
     if model is not None:
         _resume_compiled(model)

@@ -300,12 +300,33 @@ def to_host(a) -> np.ndarray:
             return t.cpu().numpy()   # a copy of our own
         t = t.resolve_conj().resolve_neg()
         torch = torch_module()
+        dt = _host_dtype(t.dtype, t.element_size())
         if type(t) in (torch.Tensor, torch.nn.Parameter) and t.numel() and t.data_ptr():
-            dt = _torch_layout(t, "", None)[1]
             strides = tuple(s * t.element_size() for s in t.stride())
             return np.asarray(_HostBytes(t, dt, strides))
-        return t.clone().numpy()   # empty, or a subclass: a copy of our own
+        if not t.numel():
+            return np.empty(tuple(t.shape), dt)
+        return t.clone().numpy()   # a subclass: a copy of our own
     return a.get()
+
+
+def _host_dtype(tdt, itemsize: int) -> np.dtype:
+    """The numpy dtype numpy's own conversion gives PyTorch dtype `tdt`, else
+    (bfloat16, float8: none of numpy's) raw bytes of its width, which a hint
+    reader refuses in one line; worked out once a dtype, without ml_dtypes
+    (whose import costs a fresh recovering process seconds)."""
+    got = _HOST_DTYPES.get(tdt)
+    if got is None:
+        torch = torch_module()
+        try:
+            got = torch.empty(0, dtype=tdt).numpy().dtype
+        except TypeError:
+            got = np.dtype(f"V{itemsize}")
+        _HOST_DTYPES[tdt] = got
+    return got
+
+
+_HOST_DTYPES: dict = {}
 
 
 def dtype_name(obj) -> str:

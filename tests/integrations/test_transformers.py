@@ -10,6 +10,7 @@ import random
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="the transformers integration needs torch")
@@ -43,7 +44,8 @@ def test_protect_registers_every_layer_counter_and_lora_weight(tmp_path):
         # counters; tokens, their mask and count; the sampling generator's state
         assert len(g.names) == 2 * cfg.num_hidden_layers + 1 + 1 + 3 + 1   # the LoRA weights: one region
         assert {s.regions[k].kind for _, k, _ in g.kv} == {"kv"}
-        assert g.lora_regions == ["hf.lora"] and s.regions["hf.lora"].kind == "adapter"
+        (flat,) = g.lora_regions
+        assert flat.startswith("hf.lora@") and s.regions[flat].kind == "adapter"
         assert sorted(g.lora) == sorted(f"hf.lora.{n}" for n in lora)
         # registered as they are: the cache's own tensors, not copies
         assert s.regions["hf.kv.0.k"].owner is cache.layers[0].keys
@@ -52,12 +54,21 @@ def test_protect_registers_every_layer_counter_and_lora_weight(tmp_path):
         assert s.regions["hf.kv.0.k"].page_bytes == cfg.head_dim * 4  # fp32 rows of 16 on the CPU
 
 
+def _adapted(targets: tuple, seed: int = 0):
+    """(config, the tiny Qwen3 with a LoRA adapter of rank 8 on `targets`), its weights drawn from `seed`."""
+    from peft import LoraConfig, get_peft_model
+
+    cfg, model = build("tiny", "cpu", lora=False, seed=seed)
+    torch.manual_seed(seed + 1)
+    return cfg, get_peft_model(model, LoraConfig(r=8, target_modules=list(targets), init_lora_weights=False)).eval()
+
+
 def _lora_of(model) -> dict:
     return {n: p for n, p in model.named_parameters() if ".lora_" in n}
 
 
 def test_the_lora_weights_become_views_of_one_region_with_their_values_and_parameters_kept(tmp_path):
-    """protect() moves a PEFT model's LoRA weights into one tensor (the "hf.lora" region): each
+    """protect() moves a PEFT model's LoRA weights into one tensor (the "hf.lora@<digest>" region): each
     parameter is the same object, with the same values and shape, now a view of it at an aligned
     offset; an update through a parameter is the region's; a second protect of the same model takes
     the weights where they are (no new addresses); a recovery fills them."""
@@ -66,7 +77,7 @@ def test_the_lora_weights_become_views_of_one_region_with_their_values_and_param
     before = {n: (p, p.detach().clone()) for n, p in lora.items()}
     with _session(tmp_path) as s:
         g = protect(s, StaticCache(config=cfg, max_cache_len=16), model, batch_size=1)
-        flat = s.regions["hf.lora"].owner
+        flat = s.regions[g.lora_regions[0]].owner
         assert flat.dim() == 1 and flat.dtype == next(iter(lora.values())).dtype
         for n, p in _lora_of(model).items():
             was, values = before[n]
@@ -115,7 +126,7 @@ def test_a_log_of_a_region_a_lora_weight_is_recovered_in_that_layout(tmp_path):
     with _session(tmp_path) as s:
         g = protect(s, StaticCache(config=cfg, max_cache_len=16), model, batch_size=1, lora_layout="tensors")
         assert {n: p.data_ptr() for n, p in _lora_of(model).items()} == ptrs
-        assert sorted(g.lora_regions) == sorted(g.lora) and "hf.lora" not in s.regions
+        assert sorted(g.lora_regions) == sorted(g.lora) and not any("@" in n for n in s.regions)
         lora_update(model)(2, None)
         s.checkpoint()
         want = {n: p.detach().clone() for n, p in _lora_of(model).items()}
@@ -154,7 +165,7 @@ def test_lora_weights_of_odd_sizes_sit_at_aligned_offsets_with_zeros_between(tmp
     with _session(tmp_path) as s:
         protect(s, cache, model, batch_size=1)   # the cache allocated; then the odd module's weights
         g = protect(s, cache, odd, prefix="odd", lora_layout="flat")
-        flat = s.regions["odd.lora"].owner
+        flat = s.regions[g.lora_regions[0]].owner
         assert flat.numel() == 64 + 64 + 64   # 15, 7 and 64 floats, each from a 64-float boundary
         assert [p.data_ptr() - flat.data_ptr() for p in odd.parameters()] == [0, 256, 512]
         assert torch.count_nonzero(flat[15:64]) == 0 and torch.count_nonzero(flat[64 + 7:128]) == 0
@@ -177,12 +188,86 @@ def test_lora_weights_of_two_dtypes_keep_a_region_each_and_flat_is_refused(tmp_p
     first.data = first.data.to(torch.float64)
     with _session(tmp_path) as s:
         g = protect(s, StaticCache(config=cfg, max_cache_len=16), model, batch_size=1)
-        assert "hf.lora" not in s.regions and len(g.lora_regions) == len(g.lora)
+        assert not any("@" in n for n in s.regions) and len(g.lora_regions) == len(g.lora)
     with concordia.Session(_log(tmp_path, "flat.log"), size=64 << 20, segment_size=8 << 20) as s:
         with pytest.raises(SessionError) as e:
             protect(s, StaticCache(config=cfg, max_cache_len=16), model, batch_size=1, lora_layout="flat")
         assert "\n" not in str(e.value) and "dtype or device" in str(e.value)
         assert not s.regions
+
+
+def test_a_log_of_another_set_of_adapters_of_the_same_size_is_refused_with_nothing_written(tmp_path):
+    """Adapters on k_proj written, a model adapting v_proj (the same shapes in a grouped-query model)
+    recovering: the flat region's name says whose weights it holds, so the recovery refuses it in
+    one line as absent before it writes anything, rather than pour k's weights into v."""
+    from concordia.errors import AbsentRegionError
+
+    _, on_k = _adapted(("k_proj",))
+    cfg, on_v = _adapted(("v_proj",), seed=3)
+    assert [p.shape for p in _lora_of(on_k).values()] == [p.shape for p in _lora_of(on_v).values()]
+    with _session(tmp_path) as s:
+        protect(s, StaticCache(config=cfg, max_cache_len=16), on_k, batch_size=1)
+        s.checkpoint()
+    before = {n: p.detach().clone() for n, p in _lora_of(on_v).items()}
+    with concordia.Session(_log(tmp_path), create=False) as r:
+        g = protect(r, StaticCache(config=cfg, max_cache_len=16), on_v, batch_size=1)
+        with pytest.raises(AbsentRegionError) as e:
+            restore(r, g)
+        assert "\n" not in str(e.value) and g.lora_regions[0] in str(e.value)
+    for n, p in _lora_of(on_v).items():
+        assert torch.equal(p.detach(), before[n]), n
+
+
+def test_a_refused_protect_leaves_the_lora_weights_where_they_were(tmp_path):
+    """A protect() refused at registration (a region of its names registered already) moves no
+    parameter: the weights keep their storage, addresses and values."""
+    cfg, model = build("tiny", "cpu")
+    lora = _lora_of(model)
+    ptrs = {n: p.data_ptr() for n, p in lora.items()}
+    with _session(tmp_path) as s:
+        s.register("hf.rng", np.zeros(4, np.int64))   # protect's own name, taken
+        with pytest.raises(SessionError):
+            protect(s, StaticCache(config=cfg, max_cache_len=16), model, batch_size=1)
+        assert {n: p.data_ptr() for n, p in lora.items()} == ptrs
+
+
+def test_protect_under_inference_mode_leaves_the_adapters_trainable(tmp_path):
+    """protect() called under torch.inference_mode(): the LoRA weights, moved into the flat tensor,
+    are ordinary tensors still, and a backward pass through them gives gradients."""
+    cfg, model = build("tiny", "cpu")
+    with _session(tmp_path) as s, torch.inference_mode():
+        protect(s, StaticCache(config=cfg, max_cache_len=16), model, batch_size=1)
+    lora = _lora_of(model)
+    assert not any(p.is_inference() for p in lora.values())
+    for p in lora.values():
+        p.requires_grad_(True)
+    out = model(torch.tensor([[1, 2, 3]])).logits.sum()
+    out.backward()
+    assert all(p.grad is not None for p in lora.values())
+
+
+def test_an_old_log_of_fewer_adapters_a_region_each_is_recovered_in_that_layout(tmp_path):
+    """A log of a region a weight (lora_layout="tensors") written by a model adapting v_proj, recovered
+    by one adapting q_proj and v_proj whose first weight the log lacks: "auto" still takes the layout
+    the log holds, so the v weights are restored and the q weights are the ones named absent."""
+    from concordia.errors import AbsentRegionError
+
+    _, on_v = _adapted(("v_proj",))
+    cfg, on_qv = _adapted(("q_proj", "v_proj"), seed=3)
+    with _session(tmp_path) as s:
+        protect(s, StaticCache(config=cfg, max_cache_len=16), on_v, batch_size=1, lora_layout="tensors")
+        s.checkpoint()
+    want = {n: p.detach().clone() for n, p in _lora_of(on_v).items()}
+    with concordia.Session(_log(tmp_path), create=False) as r:
+        g = protect(r, StaticCache(config=cfg, max_cache_len=16), on_qv, batch_size=1)
+        assert not any("@" in n for n in g.lora_regions)
+        with pytest.raises(AbsentRegionError) as e:
+            restore(r, g)
+        assert ".q_proj." in str(e.value)
+        restore(r, g, absent="keep")
+    got = _lora_of(on_qv)
+    for n, w in want.items():
+        assert torch.equal(got[n].detach(), w), n
 
 
 def test_dynamic_cache_is_refused_in_one_line(tmp_path):

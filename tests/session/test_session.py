@@ -311,6 +311,8 @@ def test_a_cpu_hint_tensor_is_read_in_its_own_memory_and_stays_resizable(tmp_pat
         if t.numel():
             assert got.__array_interface__["data"][0] == t.data_ptr()
         assert t.untyped_storage().resizable(), t
+    raw = to_host(torch.ones(2, dtype=torch.bfloat16))   # no numpy type of its own: raw bytes, no ml_dtypes
+    assert raw.dtype == np.dtype("V2") and raw.shape == (2,)
     kv = np.zeros((2, 2, 16, 32), np.float16)
     length, seq = torch.tensor([0], dtype=torch.int64), torch.tensor([1], dtype=torch.int64)
     with Session(f"file:{tmp_path / 'hints.log'}", size=16 << 20) as s:
