@@ -1,7 +1,7 @@
 """What the LoRA weights' layout costs a CPU model's registration and
 checkpoints (`protect(lora_layout=)`): the Qwen3-0.6B shape (fp32 on the CPU,
 B=8, a StaticCache of 72 positions, a PEFT LoRA of 112 weights), two logs
-written once each, "flat" (one region `hf.lora`) and "tensors" (a region a
+written once each, "flat" (one region `hf.lora@<digest>`) and "tensors" (a region a
 weight).  Then REPS rounds, the layouts alternated:
   protect   protect() of a fresh cache and the model into the log that holds
             it (`Session(create=False)`, as a recovering process), each weight
@@ -25,6 +25,7 @@ import torch
 
 import concordia
 from concordia.demo.model import allocated_cache, build, lora_update
+from concordia.integrations import transformers as transformers_integration
 from concordia.integrations.transformers import protect
 
 reps = int(sys.argv[1]) if len(sys.argv) > 1 else 12
@@ -36,9 +37,10 @@ where = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 logs = {way: os.path.join(where, f"lora-layout-probe-{way}-{os.getpid()}.wal") for way in ("flat", "tensors")}
 
 
-def own_storage():   # each weight in storage of its own, as a freshly built model holds it
+def own_storage():   # each weight in storage of its own and held by no registration, as a fresh process's
     for p in lora:
         p.data = p.data.clone()
+    transformers_integration._HELD.clear()
 
 
 took = {(way, what): [] for way in logs for what in ("protect", "epoch")}

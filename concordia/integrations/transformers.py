@@ -48,9 +48,11 @@ What is registered, by name under `prefix` (default "hf"):
   that a checkpoint and a recovery meet one region where they met one a
   weight (a Qwen3's 112: each costs the host tens of microseconds at every
   registration, epoch and recovery).  Their addresses change once, at the
-  first protect (a later one takes them where they are): protect before
-  capturing a CUDA graph of your own that reads them, and before the first
-  compiled step (a compiled step recorded before records again).  As with
+  first protect of the model (a later one takes them where they are, or,
+  where adapters were added since, registers a region a weight rather than
+  move what an earlier registration holds): protect before capturing a
+  CUDA graph of your own that reads them, and before the first compiled
+  step (a compiled step recorded before records again).  As with
   a region a weight, a weight given new storage afterwards (`p.data = ...`)
   is no longer the one protected: protect again.
   `lora_layout="tensors"` registers `hf.lora.<parameter>` a weight, as
@@ -112,7 +114,7 @@ class Guard:
     _resets_last: int | None = None
     _cum: list | None = None  # the layers' position tensors, when one stack takes them (`_sync_counters`)
     _cum_buf: object | None = None
-    #: the regions holding the LoRA weights: ["<prefix>.lora"] (flat), their names a weight (tensors), or []
+    #: the regions holding the LoRA weights: ["<prefix>.lora@<digest>"] (flat), a name a weight (tensors), or []
     lora_regions: list = dataclasses.field(default_factory=list)
 
     @property
@@ -352,11 +354,13 @@ def _lora_flat(session, lora: dict, prefix: str, layout: str):
     name, so a recovery refuses it in one line (absent) rather than pour
     one adapter's weights into another's.
     None where the layout is "tensors"; where "auto" finds the log holding
-    this set's weights a region each (and not flat); where the weights
-    differ in dtype or device, or share storage (a view each would untie
-    them; "flat" refuses these).  Weights this function laid out already
-    (an earlier protect of the same model) are taken where they are:
-    compiled code that holds their addresses keeps them."""
+    any of these weights a region each (and not this flat region); where
+    the weights differ in dtype or device, or share storage (a view each
+    would untie them), or where a registration holds any of them where
+    they are (`_HELD`: moving them would leave it reading memory they left);
+    "flat" refuses these in one line.  Weights this function laid out
+    already (an earlier protect of the same model) are taken where they
+    are: compiled code that holds their addresses keeps them."""
     names, ps = list(lora), [p.data for p in lora.values()]
     dt, dev = ps[0].dtype, ps[0].device
     key = hashlib.sha256(repr([str(dt), LORA_ALIGN] + [(n, tuple(p.shape)) for n, p in zip(names, ps)]).encode())
@@ -374,10 +378,14 @@ def _lora_flat(session, lora: dict, prefix: str, layout: str):
         total += -(-p.numel() // align) * align
     mixed = any(p.dtype != dt or p.device != dev for p in ps)
     if not mixed and _laid_out(ps, offsets, total):   # by an earlier protect: no move
-        return name, torch.empty(0, dtype=dt, device=dev).set_(ps[0].untyped_storage(), 0, (total,)), None
+        with torch.inference_mode(False):
+            return name, torch.empty(0, dtype=dt, device=dev).set_(ps[0].untyped_storage(), 0, (total,)), None
+    held = [n for n, p in lora.items() if _held(p)]
     why = ("the LoRA weights differ in dtype or device" if mixed else
            "LoRA weights share storage (a view each would untie them, or take them from another's buffer)"
-           if len({p.untyped_storage().data_ptr() for p in ps}) < len(ps) else None)
+           if len({p.untyped_storage().data_ptr() for p in ps}) < len(ps) else
+           f"LoRA weight {held[0]!r} is registered where it is by an earlier protect (a move would leave that "
+           "registration reading memory it left)" if held else None)
     if why is not None:
         if layout == "flat":
             raise SessionError(f"{why}: they cannot be held in one tensor", where="protect",
@@ -393,6 +401,16 @@ def _lora_flat(session, lora: dict, prefix: str, layout: str):
             for v, p in zip(views, ps):
                 v.copy_(p)
     return name, flat, views
+
+
+#: id -> weak reference of each LoRA parameter some protect() registered where it is (a tensor's == is
+#: elementwise, so no WeakSet; a parameter freed leaves)
+_HELD: dict = {}
+
+
+def _held(param) -> bool:
+    ref = _HELD.get(id(param))
+    return ref is not None and ref() is param
 
 
 def _laid_out(ps: list, offsets: list, total: int) -> bool:
@@ -503,6 +521,8 @@ def protect(session, cache, model=None, *, batch_size: int | None = None, max_to
     if flat is not None and flat[2] is not None:   # each LoRA parameter now a view of the region (same values)
         for param, view in zip(lora.values(), flat[2]):
             param.data = view
+    for param in lora.values():   # registered where they are now: no later protect moves them
+        _HELD[id(param)] = weakref.ref(param, lambda ref, key=id(param): _HELD.pop(key, None))
     session.before_checkpoint(guard.capture)
     if model is not None:
         _resume_compiled(model)

@@ -297,7 +297,7 @@ def to_host(a) -> np.ndarray:
     if is_torch(a):
         t = a.detach()
         if t.device.type != "cpu":
-            return t.cpu().numpy()   # a copy of our own
+            t = t.cpu()   # a copy of our own, seen as a CPU tensor is
         t = t.resolve_conj().resolve_neg()
         torch = torch_module()
         dt = _host_dtype(t.dtype, t.element_size())

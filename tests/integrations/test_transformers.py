@@ -231,6 +231,32 @@ def test_a_refused_protect_leaves_the_lora_weights_where_they_were(tmp_path):
         assert {n: p.data_ptr() for n, p in lora.items()} == ptrs
 
 
+def test_weights_an_earlier_protect_holds_where_they_are_are_not_moved_by_a_later_one(tmp_path):
+    """A protect() of a region a weight holds the parameters where they are; a later protect of the
+    same model (another prefix, another session) must not move them, or the first registration would
+    log memory they left: "auto" registers a region a weight there too, "flat" is refused in one line,
+    and both registrations log the weights an update writes."""
+    cfg, model = build("tiny", "cpu")
+    lora = _lora_of(model)
+    ptrs = {n: p.data_ptr() for n, p in lora.items()}
+    cache = StaticCache(config=cfg, max_cache_len=16)
+    with _session(tmp_path) as s:
+        protect(s, cache, model, batch_size=1, prefix="a", lora_layout="tensors")
+        with pytest.raises(SessionError) as e:
+            protect(s, cache, model, prefix="b", lora_layout="flat")
+        assert "\n" not in str(e.value) and "earlier protect" in str(e.value)
+        g = protect(s, cache, model, prefix="c")
+        assert not any("@" in n for n in g.lora_regions)
+        assert {n: p.data_ptr() for n, p in lora.items()} == ptrs
+        lora_update(model)(4, None)
+        s.checkpoint()
+        want = {n: p.detach().clone() for n, p in lora.items()}
+    with concordia.Session(_log(tmp_path), create=False) as r:
+        got = r.recover()
+    for n, w in want.items():
+        assert torch.equal(got[f"a.lora.{n}"], w) and torch.equal(got[f"c.lora.{n}"], w), n
+
+
 def test_protect_under_inference_mode_leaves_the_adapters_trainable(tmp_path):
     """protect() called under torch.inference_mode(): the LoRA weights, moved into the flat tensor,
     are ordinary tensors still, and a backward pass through them gives gradients."""
