@@ -380,12 +380,7 @@ def _lora_flat(session, lora: dict, prefix: str, layout: str):
     if not mixed and _laid_out(ps, offsets, total):   # by an earlier protect: no move
         with torch.inference_mode(False):
             return name, torch.empty(0, dtype=dt, device=dev).set_(ps[0].untyped_storage(), 0, (total,)), None
-    held = [n for n, p in lora.items() if _held(p)]
-    why = ("the LoRA weights differ in dtype or device" if mixed else
-           "LoRA weights share storage (a view each would untie them, or take them from another's buffer)"
-           if len({p.untyped_storage().data_ptr() for p in ps}) < len(ps) else
-           f"LoRA weight {held[0]!r} is registered where it is by an earlier protect (a move would leave that "
-           "registration reading memory it left)" if held else None)
+    why = _unmovable(lora, ps, mixed)
     if why is not None:
         if layout == "flat":
             raise SessionError(f"{why}: they cannot be held in one tensor", where="protect",
@@ -401,6 +396,19 @@ def _lora_flat(session, lora: dict, prefix: str, layout: str):
             for v, p in zip(views, ps):
                 v.copy_(p)
     return name, flat, views
+
+
+def _unmovable(lora: dict, ps: list, mixed: bool) -> str | None:
+    """Why weights `lora` (their tensors `ps`) cannot be moved into one tensor, or None."""
+    if mixed:
+        return "the LoRA weights differ in dtype or device"
+    if len({p.untyped_storage().data_ptr() for p in ps}) < len(ps):
+        return "LoRA weights share storage (a view each would untie them, or take them from another's buffer)"
+    held = next((n for n, p in lora.items() if _held(p)), None)
+    if held is not None:
+        return (f"LoRA weight {held!r} is registered where it is by an earlier protect (a move would leave "
+                "that registration reading memory it left)")
+    return None
 
 
 #: id -> weak reference of each LoRA parameter some protect() registered where it is (a tensor's == is
@@ -493,9 +501,11 @@ def protect(session, cache, model=None, *, batch_size: int | None = None, max_to
             raise SessionError("the LoRA weight is not contiguous", where=f"parameter {name!r}")
         guard.lora[f"{prefix}.lora.{name}"] = p
     flat = _lora_flat(session, lora, prefix, lora_layout) if lora else None
+    views = None   # the parameters' views of the flat tensor, where they are to move into it
     if flat is not None:
-        guard.lora_regions = [flat[0]]
-        regions.append(dict(name=flat[0], array=flat[1], kind="adapter", detect=detect, page_bytes=page_bytes))
+        flat_name, flat_tensor, views = flat
+        guard.lora_regions = [flat_name]
+        regions.append(dict(name=flat_name, array=flat_tensor, kind="adapter", detect=detect, page_bytes=page_bytes))
     else:
         guard.lora_regions = list(guard.lora)
         regions += [dict(name=region, array=p.data, kind="adapter", detect=detect, page_bytes=page_bytes)
@@ -518,8 +528,8 @@ def protect(session, cache, model=None, *, batch_size: int | None = None, max_to
         regions.append(dict(name=f"{prefix}.rng", array=guard.rng, kind="opaque",
                             **(small or dict(detect="all", page_bytes=n * 8))))
     session.register_all(regions)   # (refused: the guard, never returned, goes with the error)
-    if flat is not None and flat[2] is not None:   # each LoRA parameter now a view of the region (same values)
-        for param, view in zip(lora.values(), flat[2]):
+    if views is not None:   # each LoRA parameter now a view of the region (the same values)
+        for param, view in zip(lora.values(), views):
             param.data = view
     for param in lora.values():   # registered where they are now: no later protect moves them
         _HELD[id(param)] = weakref.ref(param, lambda ref, key=id(param): _HELD.pop(key, None))
