@@ -417,6 +417,10 @@ def test_bench_decode_step_registers_the_cache_by_positions():
     # the same step on a resident session, its caches' length in a word: the consumer's arena epochs
     assert d["via_resident"] == ["consumer-arena"] and d["route_resident"]["why"] is None
     assert d["dirty_bytes_resident"] == d["dirty_bytes"] and d["ckpt_ms_mean_resident"] > 0
+    # the adapters in one region, as protect() lays them out, and a region each for comparison: every
+    # adapter page written either way (each adapter's size is a whole number of pages)
+    assert d["adapter_regions"] == 1 and d["ckpt_ms_lora_tensors"] > 0
+    assert d["dirty_bytes_lora_tensors"] == d["dirty_bytes"]
 
 
 # --- the device --------------------------------------------------------------------

@@ -30,7 +30,10 @@ Four parts (GPU):
            are registered as a static cache is (detect="positions", one
            256-byte row a page, the length advanced by each step; the
            adapters by fingerprints), and again with fingerprints and the
-           bench's page size for comparison (keys `fingerprint_*`).
+           bench's page size for comparison (keys `fingerprint_*`).  The
+           adapters lie in one tensor registered as one region, as protect()
+           lays out a PEFT model's LoRA weights; keys `*_lora_tensors` register
+           them a region each, as protect() did before.
 Device times come from CUDA events (median of repeats after warm-up);
 end-to-end times from the host clock around whole checkpoints.
 
@@ -296,48 +299,80 @@ def _decode_part(runner, max_len: int, rng, reps: int) -> dict:
     for i in range(d["adapter_tensors"]):
         shape = (d["rank"], d["hidden"]) if i % 2 == 0 else (d["hidden"] * (1 + (i // 2) % 2), d["rank"])
         ad[f"lora{i:03d}"] = runner.xp.asarray(np.random.default_rng(i).standard_normal(shape, dtype=np.float32))
-    arrays = {**kv, **ad}
+    flat, views = _flat_adapters(runner.xp, ad)
+    # the adapters as protect() registers a PEFT model's: one region holding them all (keys without a
+    # suffix), and a region each (keys `*_lora_tensors`), for comparison
+    layouts = {"flat": ({**kv, "lora": flat}, views), "tensors": ({**kv, **ad}, list(ad.values()))}
+    arrays = layouts["flat"][0]
     row_page = position_page_bytes(d["head_dim"] * 2)
     length = [0]  # positions holding data: the length hint of every KV tensor
     positions = {k: {"kind": "kv", "detect": "positions", "page_bytes": row_page, "length": lambda: length[0]}
                  for k in kv}
-    out = {"kv_tensors": d["kv_tensors"], "adapter_tensors": d["adapter_tensors"], "max_len": max_len,
+    out = {"kv_tensors": d["kv_tensors"], "adapter_tensors": d["adapter_tensors"], "adapter_regions": 1,
+           "adapter_layout": f"one region, each adapter at a multiple of {FLAT_ALIGN} bytes (protect()'s); "
+                             "keys *_lora_tensors: a region each",
+           "max_len": max_len,
            "kv_dtype": "int16 (2 bytes, bf16-sized)", "state_bytes": sum(int(a.nbytes) for a in arrays.values()),
            "kv_detector": "positions", "kv_page_bytes": row_page, "fingerprint_page_bytes": runner.pb}
     # the same caches with their length in a word beside them (a resident session's device pass reads it)
     word = runner.xp.zeros(1, runner.xp.int64)
     words = {k: {"kind": "kv", "detect": "positions", "page_bytes": row_page, "length": word} for k in kv}
-    # (KV options, key prefix, adapters rewritten, key suffix, retention on, wait, executor)
-    runs = [(positions, "", True, "", True, True, "host"), (positions, "", False, "_adapters_clean", True, True, "host"),
-            (positions, "", True, "_retain_off", False, True, "host"),
-            (positions, "", True, "_pending", True, False, "host"),
-            (words, "", True, "_resident", True, True, "resident"),
-            (None, "fingerprint_", True, "", True, True, "host"),
-            (None, "fingerprint_", False, "_adapters_clean", True, True, "host")]
-    for options, prefix, touched, key, retain, wait, executor in runs:
+    # (KV options, key prefix, adapters rewritten, key suffix, retention on, wait, executor, adapters' layout)
+    runs = [(positions, "", True, "", True, True, "host", "flat"),
+            (positions, "", False, "_adapters_clean", True, True, "host", "flat"),
+            (positions, "", True, "_retain_off", False, True, "host", "flat"),
+            (positions, "", True, "_pending", True, False, "host", "flat"),
+            (words, "", True, "_resident", True, True, "resident", "flat"),
+            (positions, "", True, "_lora_tensors", True, True, "host", "tensors"),
+            (None, "fingerprint_", True, "", True, True, "host", "flat"),
+            (None, "fingerprint_", False, "_adapters_clean", True, True, "host", "flat")]
+    for options, prefix, touched, key, retain, wait, executor, layout in runs:
+        regions, adapters = layouts[layout]
         start = 0 if touched else reps + 2
         length[0] = start  # the base checkpoint holds every position; new ones are written from here
         word[0] = start
 
-        def step(i, touched=touched, start=start):
+        def step(i, touched=touched, start=start, adapters=adapters):
             pos = (i + start) % max_len  # past max_len: a new prompt, the length goes down
             for a in kv.values():
                 a[:, :, pos, :] += 1
             length[0] = pos + 1
             word[0] = pos + 1
-            if touched:
-                for a in ad.values():
+            if touched:   # an optimizer's step: each weight on its own
+                for a in adapters:
                     a *= 0.999
-        got = _session_steps(runner, arrays, step, reps, staging=runner.staging, tag="d", options=options,
+        got = _session_steps(runner, regions, step, reps, staging=runner.staging, tag="d", options=options,
                              retain=retain, wait=wait, executor=executor)
         for k, v in got.items():
             out[prefix + k + key] = v
     ceil = runner.ceilings(None) or runner.ceilings(next(iter(kv.values())).reshape(-1).view(runner.xp.uint8))
     if "dirty_bytes" in out:
         out["floor_ms"] = (out["state_bytes"] / ceil["hbm_read_Bps"] + out["dirty_bytes"] / ceil["d2h_Bps"]) * 1e3
-    del kv, ad, arrays
+    del kv, ad, arrays, layouts, flat, views
     runner.free()
     return out
+
+
+#: each adapter of the flat layout starts at a multiple of this many bytes (protect()'s LORA_ALIGN)
+FLAT_ALIGN = 256
+
+
+def _flat_adapters(xp, ad: dict):
+    """(one float32 array holding every adapter of `ad` in order, each at a
+    multiple of FLAT_ALIGN bytes, the gaps zero; [each adapter's view of
+    it]): the layout protect() gives a PEFT model's LoRA weights."""
+    align = FLAT_ALIGN // 4
+    offsets, total = [], 0
+    for a in ad.values():
+        offsets.append(total)
+        total += -(-int(a.size) // align) * align
+    flat = xp.zeros(total, xp.float32)
+    views = []
+    for a, o in zip(ad.values(), offsets):
+        v = flat[o:o + a.size].reshape(a.shape)
+        v[...] = a
+        views.append(v)
+    return flat, views
 
 
 # --- GPU -----------------------------------------------------------------------
@@ -901,7 +936,8 @@ def _table(result: dict) -> str:
                             f"{d.get(prefix + 'log_bytes', 0) / MiB:.2f} MiB logged"
                             if prefix + "ckpt_ms" in d else d.get(prefix + "error", "?")))
         for key, what in (("", "adapters updated"), ("_adapters_clean", "adapters clean"),
-                          ("_retain_off", "adapters updated, retention off")):
+                          ("_retain_off", "adapters updated, retention off"),
+                          ("_lora_tensors", "adapters updated, a region each")):
             if "detect_ms" + key in d:
                 lines.append(f"  positions, {what}: {d['ckpt_ms' + key]:.3f} ms = detect {d['detect_ms' + key]:.3f}"
                              f" + stage {d['stage_ms' + key]:.3f} + commit {d['commit_ms' + key]:.3f}"
