@@ -640,10 +640,12 @@ def restore(session, guard: Guard, target="latest", absent: str = "refuse") -> R
     weights as they are and lists it in `stats.kept` (`Session.recover`)."""
     out = session.recover(target, into="registered", absent=absent)
     del out
-    counters = guard.counters.cpu()
     pos = guard.counters[:, 0]   # where the counters are: a copy a layer there, none from the host
+    for layer, at in zip(guard.cache.layers, pos):
+        layer.cumulative_length.copy_(at)
+    # queued behind the recovery's copies; only now does the host wait for them (a read of the counters)
+    counters = guard.counters.cpu()
     for i, layer in enumerate(guard.cache.layers):
-        layer.cumulative_length.copy_(pos[i])
         if hasattr(layer, "cumulative_length_int"):
             layer.cumulative_length_int = int(counters[i, 1])
     tokens = mask = None
