@@ -61,6 +61,21 @@ def _u32(a, what: str):
     return cp.ascontiguousarray(a.reshape(-1))
 
 
+def upload(host: np.ndarray):
+    """A CuPy copy of the small host array `host`, queued on CuPy's current
+    stream straight from its pageable memory: the driver stages it before
+    returning, with no wait for the device.  cp.asarray of a numpy array
+    takes a buffer from CuPy's pinned pool instead (cudaHostAlloc in a fresh
+    process, a block of each size) and records an event for it: a cost a
+    recovery's one table should not pay."""
+    cp = _cp()
+    host = np.ascontiguousarray(host)
+    out = cp.empty(host.shape, host.dtype)
+    if host.nbytes:
+        out.data.copy_from_host_async(host.ctypes.data, host.nbytes, cp.cuda.get_current_stream())
+    return out
+
+
 def _null():
     return np.uint64(0)
 
@@ -444,7 +459,7 @@ def copy_checked_spans(pairs, *, piece: int = ref.COPY_PIECE) -> None:
     if k is None:
         return
     ends = np.array(ptrs, np.uint64).reshape(-1, 2)[span] + offset.astype(np.uint64)[:, None]
-    table = cp.asarray(np.concatenate([ends[:, 0], ends[:, 1], nbytes.astype(np.uint64)]))
+    table = upload(np.concatenate([ends[:, 0], ends[:, 1], nbytes.astype(np.uint64)]))
     rows = int(span.size)
     k((max(1, min(rows, _sm_count(cp.cuda.Device().id) * 16)),), (THREADS,), (table, np.uint64(rows)))
 

@@ -232,6 +232,28 @@ def test_copy_spans_matches_twin_at_every_alignment(cp, gpu):
     assert rows > gpu._sm_count(cp.cuda.Device().id) * 16   # the blocks stride over rows
 
 
+def test_copy_spans_uploads_its_table_without_cupys_pinned_pool(cp, gpu):
+    """The row table goes up from pageable memory (`gpu.upload`): a pinned allocator that refuses every
+    call is never asked, and the copies and the uploaded values are right."""
+    def refuse(size):
+        raise AssertionError(f"CuPy's pinned pool was asked for {size} bytes")
+
+    rng = np.random.default_rng(22)
+    srcs = [cp.asarray(rng.integers(0, 256, n, dtype=np.uint8)) for n in (16, 4096, 70000)]
+    dsts = [cp.zeros_like(a) for a in srcs]
+    host = rng.integers(0, 1 << 63, 1000, dtype=np.uint64)
+    cp.cuda.set_pinned_memory_allocator(refuse)
+    try:
+        gpu.copy_spans(list(zip(srcs, dsts)), piece=1024)
+        up = gpu.upload(host[::2])   # a strided array goes up as its contiguous copy
+        empty = gpu.upload(np.zeros(0, np.int64))
+    finally:
+        cp.cuda.set_pinned_memory_allocator(cp.get_default_pinned_memory_pool().malloc)
+    assert all(cp.array_equal(a, b) for a, b in zip(srcs, dsts))
+    assert up.dtype == np.uint64 and np.array_equal(up.get(), host[::2])
+    assert empty.shape == (0,) and empty.dtype == np.int64
+
+
 def test_copy_spans_refuses_pairs_of_other_sizes_naming_the_pair(cp, gpu):
     from concordia.gpu_kernels.errors import KernelInputError
 
