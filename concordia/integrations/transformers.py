@@ -390,11 +390,11 @@ def _lora_flat(session, lora: dict, prefix: str, layout: str):
     with torch.inference_mode(False):   # (an inference tensor's views could not be trained)
         flat = (torch.empty if gapless else torch.zeros)(total, dtype=dt, device=dev)   # (the gaps: zeros)
         views = [flat[o:o + p.numel()].view(p.shape) for p, o in zip(ps, offsets)]
-        if gapless:   # one copy
-            torch.cat([p.reshape(-1) for p in ps], out=flat)
-        else:
-            for v, p in zip(views, ps):
-                v.copy_(p)
+        # a copy a weight: on CUDA each is a copy-engine copy (contiguous, one dtype), where one torch.cat
+        # would be a kernel that a fresh process loads at its first launch (about 7 ms of a Qwen3's
+        # recovery on an H100, as torch.stack's in `_sync_counters`)
+        for v, p in zip(views, ps):
+            v.copy_(p)
     return name, flat, views
 
 
@@ -641,7 +641,7 @@ def restore(session, guard: Guard, target="latest", absent: str = "refuse") -> R
     out = session.recover(target, into="registered", absent=absent)
     del out
     pos = guard.counters[:, 0]   # where the counters are: a copy a layer there, none from the host
-    for layer, at in zip(guard.cache.layers, pos):
+    for layer, at in zip(guard.cache.layers, pos, strict=True):
         layer.cumulative_length.copy_(at)
     # queued behind the recovery's copies; only now does the host wait for them (a read of the counters)
     counters = guard.counters.cpu()
