@@ -419,7 +419,7 @@ def test_bench_decode_step_registers_the_cache_by_positions():
     assert d["dirty_bytes_resident"] == d["dirty_bytes"] and d["ckpt_ms_mean_resident"] > 0
     # the adapters in one region, as protect() lays them out, and a region each for comparison: every
     # adapter page written either way (each adapter's size is a whole number of pages)
-    assert d["adapter_regions"] == 1 and d["ckpt_ms_lora_tensors"] > 0
+    assert d["adapter_regions"] == 1 and d["adapter_regions_lora_tensors"] == 112 and d["ckpt_ms_lora_tensors"] > 0
     assert d["dirty_bytes_lora_tensors"] == d["dirty_bytes"]
 
 

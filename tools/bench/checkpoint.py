@@ -288,7 +288,9 @@ def _decode_part(runner, max_len: int, rng, reps: int) -> dict:
     sequence (every head), then every adapter tensor is rewritten or none.
     The KV tensors are registered as the product registers a static cache
     (detect="positions", the length the step advanced; keys as they were),
-    then with fingerprints (keys `fingerprint_*`), for comparison."""
+    then with fingerprints (keys `fingerprint_*`), for comparison.  The
+    adapters lie in one tensor registered as one region, as protect() lays
+    out LoRA weights; keys `*_lora_tensors` register them a region each."""
     from concordia.regions.region import position_page_bytes
 
     d = DECODE
@@ -308,7 +310,9 @@ def _decode_part(runner, max_len: int, rng, reps: int) -> dict:
     length = [0]  # positions holding data: the length hint of every KV tensor
     positions = {k: {"kind": "kv", "detect": "positions", "page_bytes": row_page, "length": lambda: length[0]}
                  for k in kv}
-    out = {"kv_tensors": d["kv_tensors"], "adapter_tensors": d["adapter_tensors"], "adapter_regions": 1,
+    out = {"kv_tensors": d["kv_tensors"], "adapter_tensors": d["adapter_tensors"],
+           "adapter_regions": len(layouts["flat"][0]) - len(kv),
+           "adapter_regions_lora_tensors": len(layouts["tensors"][0]) - len(kv),
            "adapter_layout": f"one region, each adapter at a multiple of {FLAT_ALIGN} bytes (protect()'s); "
                              "keys *_lora_tensors: a region each",
            "max_len": max_len,
@@ -348,7 +352,7 @@ def _decode_part(runner, max_len: int, rng, reps: int) -> dict:
     ceil = runner.ceilings(None) or runner.ceilings(next(iter(kv.values())).reshape(-1).view(runner.xp.uint8))
     if "dirty_bytes" in out:
         out["floor_ms"] = (out["state_bytes"] / ceil["hbm_read_Bps"] + out["dirty_bytes"] / ceil["d2h_Bps"]) * 1e3
-    del kv, ad, arrays, layouts, flat, views
+    del kv, ad, arrays, layouts, flat, views, regions, adapters, step   # (the loop's last layout's too)
     runner.free()
     return out
 
