@@ -15,6 +15,7 @@ for benchmarks and for work queued without any host synchronisation.
 
 from __future__ import annotations
 
+import collections
 import functools
 
 import numpy as np
@@ -61,18 +62,27 @@ def _u32(a, what: str):
     return cp.ascontiguousarray(a.reshape(-1))
 
 
+#: (event, host array) of each `upload` whose copy may still read its host array
+_UPLOADS: collections.deque = collections.deque()
+
+
 def upload(host: np.ndarray):
     """A CuPy copy of the small host array `host`, queued on CuPy's current
-    stream straight from its pageable memory: the driver stages it before
-    returning, with no wait for the device.  cp.asarray of a numpy array
+    stream straight from its pageable memory.  cp.asarray of a numpy array
     takes a buffer from CuPy's pinned pool instead (cudaHostAlloc in a fresh
-    process, a block of each size) and records an event for it: a cost a
-    recovery's one table should not pay."""
+    process, a block of each size): a cost a recovery's one table should not
+    pay.  CUDA says only that a copy from pageable memory may be synchronous
+    with the host, so the host array is held until an event behind its copy
+    has passed (`_UPLOADS`, let go at later uploads)."""
     cp = _cp()
-    host = np.ascontiguousarray(host)
+    while _UPLOADS and _UPLOADS[0][0].done:
+        _UPLOADS.popleft()
+    host = np.require(host, requirements="C")
     out = cp.empty(host.shape, host.dtype)
     if host.nbytes:
-        out.data.copy_from_host_async(host.ctypes.data, host.nbytes, cp.cuda.get_current_stream())
+        stream = cp.cuda.get_current_stream()
+        out.data.copy_from_host_async(host.ctypes.data, host.nbytes, stream)
+        _UPLOADS.append((stream.record(), host))
     return out
 
 

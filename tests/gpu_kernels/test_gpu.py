@@ -247,11 +247,13 @@ def test_copy_spans_uploads_its_table_without_cupys_pinned_pool(cp, gpu):
         gpu.copy_spans(list(zip(srcs, dsts)), piece=1024)
         up = gpu.upload(host[::2])   # a strided array goes up as its contiguous copy
         empty = gpu.upload(np.zeros(0, np.int64))
+        scalar = gpu.upload(np.array(5, np.int64))
     finally:
         cp.cuda.set_pinned_memory_allocator(cp.get_default_pinned_memory_pool().malloc)
     assert all(cp.array_equal(a, b) for a, b in zip(srcs, dsts))
     assert up.dtype == np.uint64 and np.array_equal(up.get(), host[::2])
     assert empty.shape == (0,) and empty.dtype == np.int64
+    assert scalar.shape == () and int(scalar) == 5
 
 
 def test_copy_spans_refuses_pairs_of_other_sizes_naming_the_pair(cp, gpu):
