@@ -84,7 +84,7 @@ import torch
 from transformers import DynamicCache, StaticCache, StoppingCriteria
 
 from concordia.regions.errors import SessionError
-from concordia.regions.region import position_page_bytes
+from concordia.regions.region import FLAT_ALIGN, flat_layout, position_page_bytes
 
 PREFIX = "hf"
 
@@ -336,17 +336,12 @@ def _lora_named(named) -> dict:
     return {name: p for name, p in named if ".lora_" in name or name.startswith("lora_")}
 
 
-#: each weight of the flat LoRA tensor starts at a multiple of this many bytes from its start (the
-#: batched copy's and the page kernels' alignment)
-LORA_ALIGN = 256
-
-
 def _lora_flat(session, lora: dict, prefix: str, layout: str):
     """(region name, the one tensor holding every weight of `lora` ({name:
     parameter}), [each weight's view of it], or None where the parameters
     are its views already), or None: a region a weight (`protect`'s
     `lora_layout`).  The weights lie in order, each at a
-    multiple of LORA_ALIGN bytes, the gaps zero; the values are copied in
+    multiple of FLAT_ALIGN bytes (`flat_layout`), the gaps zero; the values are copied in
     here, and the caller makes each parameter its view once the regions are
     registered (a refused protect() moves nothing).  The name is
     "<prefix>.lora@<digest>", the digest of the names, shapes and dtype: a
@@ -361,21 +356,17 @@ def _lora_flat(session, lora: dict, prefix: str, layout: str):
     "flat" refuses these in one line.  Weights this function laid out
     already (an earlier protect of the same model) are taken where they
     are: compiled code that holds their addresses keeps them."""
-    names, ps = list(lora), [p.data for p in lora.values()]
-    dt, dev = ps[0].dtype, ps[0].device
-    key = hashlib.sha256(repr([str(dt), LORA_ALIGN] + [(n, tuple(p.shape)) for n, p in zip(names, ps)]).encode())
-    name = f"{prefix}.lora@{key.hexdigest()[:16]}"
     if layout == "tensors":
         return None
+    names, ps = list(lora), [p.data for p in lora.values()]
+    dt, dev = ps[0].dtype, ps[0].device
+    key = hashlib.sha256(repr([str(dt), FLAT_ALIGN] + [(n, tuple(p.shape)) for n, p in zip(names, ps)]).encode())
+    name = f"{prefix}.lora@{key.hexdigest()[:16]}"
     log = session.log
     if layout == "auto" and log.region_named(name) is None and any(
             log.region_named(f"{prefix}.lora.{n}") is not None for n in names):
         return None   # a log of a region a weight: recovered in its layout
-    align = max(1, LORA_ALIGN // ps[0].element_size())
-    offsets, total = [], 0
-    for p in ps:
-        offsets.append(total)
-        total += -(-p.numel() // align) * align
+    offsets, total = flat_layout([p.numel() for p in ps], ps[0].element_size())
     mixed = any(p.dtype != dt or p.device != dev for p in ps)
     if not mixed and _laid_out(ps, offsets, total):   # by an earlier protect: no move
         with torch.inference_mode(False):
@@ -386,7 +377,7 @@ def _lora_flat(session, lora: dict, prefix: str, layout: str):
             raise SessionError(f"{why}: they cannot be held in one tensor", where="protect",
                                hint='lora_layout="tensors" registers a region a weight')
         return None
-    gapless = all(p.numel() % align == 0 for p in ps)
+    gapless = total == sum(p.numel() for p in ps)
     with torch.inference_mode(False):   # (an inference tensor's views could not be trained)
         flat = (torch.empty if gapless else torch.zeros)(total, dtype=dt, device=dev)   # (the gaps: zeros)
         views = [flat[o:o + p.numel()].view(p.shape) for p, o in zip(ps, offsets)]

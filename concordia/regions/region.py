@@ -80,6 +80,23 @@ def position_page_bytes(row_bytes: int) -> int:
     return math.lcm(int(row_bytes), 64)
 
 
+#: a flat region holds each of its arrays at a multiple of this many bytes from its start (the batched
+#: copy's 16-byte path and the page kernels' alignment): how protect() lays out a model's LoRA weights
+FLAT_ALIGN = 256
+
+
+def flat_layout(counts, itemsize: int) -> tuple[list[int], int]:
+    """([each array's first element], elements in all) of arrays of `counts`
+    elements of `itemsize` bytes held in order in one flat array, each at a
+    multiple of FLAT_ALIGN bytes; the gaps are the elements past the sum."""
+    align = max(1, FLAT_ALIGN // int(itemsize))
+    offsets, total = [], 0
+    for n in counts:
+        offsets.append(total)
+        total += -(-int(n) // align) * align
+    return offsets, total
+
+
 @dataclasses.dataclass(frozen=True)
 class PositionGeometry:
     """A static cache seen by `detect="positions"`: [..., max_len, row], the

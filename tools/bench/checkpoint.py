@@ -291,7 +291,7 @@ def _decode_part(runner, max_len: int, rng, reps: int) -> dict:
     then with fingerprints (keys `fingerprint_*`), for comparison.  The
     adapters lie in one tensor registered as one region, as protect() lays
     out LoRA weights; keys `*_lora_tensors` register them a region each."""
-    from concordia.regions.region import position_page_bytes
+    from concordia.regions.region import FLAT_ALIGN, position_page_bytes
 
     d = DECODE
     kv = {f"kv{i:02d}": runner.random_region(d["batch"] * d["kv_heads"] * max_len * d["head_dim"] * 2)
@@ -357,19 +357,13 @@ def _decode_part(runner, max_len: int, rng, reps: int) -> dict:
     return out
 
 
-#: each adapter of the flat layout starts at a multiple of this many bytes (protect()'s LORA_ALIGN)
-FLAT_ALIGN = 256
-
-
 def _flat_adapters(xp, ad: dict):
-    """(one float32 array holding every adapter of `ad` in order, each at a
-    multiple of FLAT_ALIGN bytes, the gaps zero; [each adapter's view of
-    it]): the layout protect() gives a PEFT model's LoRA weights."""
-    align = FLAT_ALIGN // 4
-    offsets, total = [], 0
-    for a in ad.values():
-        offsets.append(total)
-        total += -(-int(a.size) // align) * align
+    """(one float32 array holding every adapter of `ad` in order, the gaps
+    zero; [each adapter's view of it]): the layout protect() gives a PEFT
+    model's LoRA weights (`flat_layout`)."""
+    from concordia.regions.region import flat_layout
+
+    offsets, total = flat_layout([int(a.size) for a in ad.values()], 4)
     flat = xp.zeros(total, xp.float32)
     views = []
     for a, o in zip(ad.values(), offsets):
