@@ -116,7 +116,12 @@ def install() -> None:
         else:
             setattr(owner, attr, stamped(f"{module}.{path}", raw if raw is not None else getattr(owner, attr)))
     import torch
+    import torch.utils._device
 
+    # `with torch.device(...)` places what torch's constructors make by their identity, in a set built once, at
+    # its first use: built after the wrapping it would miss the real torch.zeros and torch.empty, and every
+    # tensor made under it (the demo's model and cache) would land on the CPU; built now, it holds them
+    torch.utils._device._device_constructors()
     for m in TENSOR_METHODS:
         setattr(torch.Tensor, m, stamped(f"torch.Tensor.{m}", getattr(torch.Tensor, m)))
     for f in TORCH_FUNCTIONS:
