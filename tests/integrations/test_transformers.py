@@ -508,6 +508,11 @@ def test_bench_model_quick_json(tmp_path):
     assert all(r["reprefill_runs"] == [r["reprefill_s"]] and len(r["fresh_read_ahead_runs"]) == 1
                and r["fresh_read_ahead_errors"] == []
                and r["fresh_read_ahead_runs"][0] == r["fresh_read_ahead"]["recovery_s"] for r in doc["recovery"])
+    # each read-ahead child counts the collector's passes inside its protect() and restore()
+    for r in doc["recovery"]:
+        (passes,) = r["fresh_read_ahead_gc"]
+        assert passes == r["fresh_read_ahead"]["gc"] and set(passes) == {"passes", "s", "full"}
+        assert 0 <= passes["full"] <= passes["passes"] and passes["s"] >= 0
     # the same recovery in a fresh process, at the epoch this one restored
     assert all(r["fresh"]["epoch"] == 1 and r["fresh"]["recovery_s"] > 0 for r in doc["recovery"]), doc["recovery"]
     # where each recovery's time went: the session's open, protect(), then the recovery's phases

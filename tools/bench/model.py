@@ -53,7 +53,10 @@ determinism switches.
   --recovery-reps re-prefills after one untimed (`reprefill_runs`), so that
   one slow sample (a GPU still at idle clocks after the children) moves
   neither side of it.  The in-process recovery and the plain fresh child
-  run once; every ratio is over the same median re-prefill.
+  run once; every ratio is over the same median re-prefill.  A read-ahead
+  child freezes its built model's objects (`gc.freeze()`, as the README's
+  recipe does) and counts the collector's passes inside its protect() and
+  restore() (`fresh_read_ahead_gc`).
 
 Prefill runs in chunks (--chunk tokens), as a server would for long contexts.
 """
@@ -531,6 +534,7 @@ def run(shape: str, device: str, batch: int, contexts: list[int], decode_steps: 
         row["fresh_read_ahead"] = _median(done, key=lambda a: a["recovery_s"]) or aheads[-1]
         row["fresh_read_ahead_runs"] = [a.get("recovery_s") for a in aheads]
         row["fresh_read_ahead_errors"] = [a["error"] for a in aheads if a.get("error")]
+        row["fresh_read_ahead_gc"] = [a.get("gc") for a in aheads]   # the collector's passes in each one's clock
         # re-prefill the same tokens into an empty cache: one untimed (the GPU back at its clocks after the
         # children), then the median of several
         cache = allocated_cache(cfg, model, batch, ctx + 8)
@@ -675,6 +679,11 @@ def _table(res: dict) -> str:
                            f"the read's open {rd.get('open_s', 0):.3f} s and read {rd.get('read_s', 0):.3f} s, "
                            f"waited {rd.get('s', 0):.4f} s, used {rd.get('used')}"
                            + (f" ({rd.get('why_not')})" if rd.get("why_not") else ""))
+                passes = [g for g in r.get("fresh_read_ahead_gc") or [] if g]
+                if passes:
+                    out.append(f"{'':>8} the collector inside the read-ahead children's clocks: "
+                               + ", ".join(f"{g['passes']} passes ({g['full']} full) {g['s'] * 1e3:.1f} ms"
+                                           for g in passes))
             for who, got in (("in process", r), ("fresh", r["fresh"]), ("fresh, read ahead", ra)):
                 if got.get("phases"):
                     out.append(f"{'':>8} {who}: session {got['session_s']:.3f} s, protect {got['protect_s']:.3f} s; "
