@@ -466,12 +466,50 @@ def copy_checked_spans(pairs, *, piece: int = ref.COPY_PIECE) -> None:
     span, offset, nbytes = ref.span_rows(sizes, piece)
     k = jit.function("copy", "copy_spans") if span.size else None   # (KernelCompileError: nothing queued yet)
     copy_engine(engine)
-    if k is None:
-        return
+    if k is not None:
+        _copy_rows(cp, k, ptrs, span, offset, nbytes)
+
+
+def _copy_rows(cp, k, ptrs, span, offset, nbytes) -> None:
+    """Launch `copy_spans` (`k`) over the rows `ref.span_rows` cut the
+    (source, target) addresses `ptrs` into, on CuPy's current stream."""
     ends = np.array(ptrs, np.uint64).reshape(-1, 2)[span] + offset.astype(np.uint64)[:, None]
     table = upload(np.concatenate([ends[:, 0], ends[:, 1], nbytes.astype(np.uint64)]))
     rows = int(span.size)
     k((max(1, min(rows, _sm_count(cp.cuda.Device().id) * 16)),), (THREADS,), (table, np.uint64(rows)))
+
+
+def copy_addresses(pairs, sizes, *, piece: int = ref.COPY_PIECE) -> bool:
+    """Copy sizes[i] bytes from device address pairs[i][0] to pairs[i][1]
+    (ints; none overlapping another's target), on CuPy's current stream and
+    device, in one launch of `copy_spans` where that kernel is loaded there
+    already (a read ahead loads it: `copy_spans_ready`).  Pairs whose two
+    addresses are not both 16-byte aligned go by the copy engine.  False,
+    with nothing queued, where the kernel is not loaded: its first load
+    costs more than the copies it would save, and the caller copies as it
+    would have.  For a caller whose arrays are not CuPy's (a framework's
+    tensors): no wrapper an array.  Twin: reference.copy_spans of the same
+    bytes."""
+    cp = _cp()
+    if len(pairs) != len(sizes):
+        raise KernelInputError(f"{len(pairs)} address pairs and {len(sizes)} sizes", where="sizes")
+    if not jit.is_loaded("copy"):
+        return False
+    k = jit.function("copy", "copy_spans")
+    aligned, kept = [], []
+    stream = cp.cuda.get_current_stream()
+    for (src, dst), n in zip(pairs, sizes):
+        if n <= 0:
+            continue
+        if (int(src) | int(dst)) & 15:
+            cp.cuda.runtime.memcpyAsync(int(dst), int(src), int(n), cp.cuda.runtime.memcpyDeviceToDevice, stream.ptr)
+            continue
+        aligned.append((int(src), int(dst)))
+        kept.append(int(n))
+    span, offset, nbytes = ref.span_rows(kept, piece)
+    if span.size:
+        _copy_rows(cp, k, aligned, span, offset, nbytes)
+    return True
 
 
 def copy_engine(pairs) -> None:

@@ -204,6 +204,14 @@ def loaded() -> list[tuple]:
     return sorted(_modules)
 
 
+def is_loaded(name: str, defines: dict | None = None, device: int | None = None) -> bool:
+    """Whether `module(name, defines, device)` is made already (a call would
+    compile and load nothing)."""
+    cupy = require_cupy()
+    dev = device if device is not None else cupy.cuda.Device().id
+    return (int(dev), name, _check(name, defines or {})) in _modules
+
+
 def nvcc_ptx(name: str, defines: dict | None = None, *, arch: str = "sm_90", nvcc: str | None = None) -> str:
     """PTX of `name` specialised by `defines`, compiled by `nvcc --ptx` (CI's
     check that every source compiles for Hopper)."""

@@ -256,6 +256,41 @@ def test_copy_spans_uploads_its_table_without_cupys_pinned_pool(cp, gpu):
     assert scalar.shape == () and int(scalar) == 5
 
 
+def test_copy_addresses_copies_raw_pairs_once_the_kernel_is_loaded(cp, gpu, monkeypatch):
+    """Raw (source, target) addresses, aligned or not, a zero size among them: the twin's bytes, in one launch
+    where copy_spans is loaded; False and nothing written where it is not, as a caller that then copies
+    itself needs."""
+    from concordia.gpu_kernels import jit
+    from concordia.gpu_kernels.errors import KernelInputError
+
+    rng = np.random.default_rng(23)
+    srcs, sizes, shifts = _spans(rng)
+    hbuf, htargets = _targets(np, sizes, shifts)
+    ref.copy_spans(list(zip(srcs, htargets)), piece=4096)
+    dbuf, dtargets = _targets(cp, sizes, shifts)
+    dsrcs = []
+    for a, k in zip(srcs, shifts):
+        host = np.zeros(a.size + k, np.uint8)
+        host[k:] = a
+        dsrcs.append(cp.asarray(host)[k:])
+    pairs = [(a.data.ptr, b.data.ptr) for a, b in zip(dsrcs, dtargets)]
+    before = dbuf.copy()
+    monkeypatch.setattr(jit, "is_loaded", lambda *a, **k: False)
+    assert gpu.copy_addresses(pairs, sizes, piece=4096) is False
+    cp.cuda.get_current_stream().synchronize()
+    assert cp.array_equal(dbuf, before)   # nothing queued
+    monkeypatch.undo()
+    gpu.copy_spans_ready()
+    launches = []
+    real = gpu._copy_rows
+    monkeypatch.setattr(gpu, "_copy_rows", lambda *a: launches.append(1) or real(*a))
+    assert gpu.copy_addresses(pairs, sizes, piece=4096) is True
+    assert np.array_equal(dbuf.get(), hbuf) and launches == [1]
+    assert any((s | t) % 16 for s, t in pairs) and 0 in sizes   # the copy engine's pairs, and an empty one
+    with pytest.raises(KernelInputError, match="2 address pairs and 1 sizes"):
+        gpu.copy_addresses(pairs[:2], sizes[:1])
+
+
 def test_copy_spans_refuses_pairs_of_other_sizes_naming_the_pair(cp, gpu):
     from concordia.gpu_kernels.errors import KernelInputError
 

@@ -100,6 +100,33 @@ def test_the_lora_weights_become_views_of_one_region_with_their_values_and_param
         assert g2.lora_regions == g.lora_regions
 
 
+@pytest.mark.gpu
+def test_on_cuda_the_lora_weights_go_into_their_region_in_one_launch_once_loaded(tmp_path, monkeypatch):
+    """On CUDA, with gpu_kernels' batched copy loaded (as a read ahead loads it), protect() copies every
+    LoRA weight into the flat region in one launch on torch's current stream (here a side stream): the
+    values are kept, the parameters are the region's views."""
+    from concordia.gpu_kernels import gpu
+
+    gpu.copy_spans_ready()
+    calls, real = [], gpu.copy_addresses
+    monkeypatch.setattr(gpu, "copy_addresses",
+                        lambda pairs, sizes, **kw: calls.append(len(pairs)) or real(pairs, sizes, **kw))
+    cfg, model = build("tiny", "cuda")
+    lora = _lora_of(model)
+    before = {n: p.detach().clone() for n, p in lora.items()}
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with _session(tmp_path) as s:
+        with torch.cuda.stream(side):
+            g = protect(s, StaticCache(config=cfg, max_cache_len=16), model, batch_size=1)
+        side.synchronize()
+        flat = s.regions[g.lora_regions[0]].owner
+        assert calls == [len(lora)]
+        for n, p in _lora_of(model).items():
+            assert torch.equal(p.detach(), before[n]), n
+            assert p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr(), n
+
+
 def test_a_fresh_model_recovers_its_lora_weights_from_the_flat_region(tmp_path):
     """A fresh model of the same shape (other weights) takes the log's LoRA weights through its
     own protect() and restore(), byte for byte."""
