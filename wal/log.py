@@ -57,6 +57,7 @@ class Log:
         self._follow = None
         self._moved = False
         self._follow_lock = threading.Lock()
+        self._reopened: tuple | None = None   # moved_on's last read-only open and the bytes it read (_open_reads)
         # Log.open's: seconds walking the log (walk_s) and cutting its tail (cut_s); the LSN
         # before which a walk made already was taken (walked_before_lsn, 0: none)
         self.open_stats: dict = {}
@@ -301,7 +302,9 @@ class Log:
         not committed) is not counted.  Each call reads on from where the
         last one stopped (the records after the last commit are walked once:
         a read ahead asks first, on its thread, and the recovery's own
-        question then costs a header or two); a yes is kept."""
+        question then costs a header or two, and no open of the volume
+        where none of the bytes an open reads changed, `_volume_now`); a yes
+        is kept."""
         from .errors import WalError
         from .reader import Follower, record_kind
 
@@ -309,7 +312,7 @@ class Log:
             if self._moved:
                 return True
             try:
-                now = Volume.open(self.backend, writable=False)   # one open, for the question and the walk
+                now = self._volume_now()   # the volume as an open makes it now, for the question and the walk
                 if now.superblock.sequence != self.volume.superblock.sequence:
                     self._moved = True
                     return True
@@ -327,6 +330,27 @@ class Log:
                 raise
             self._moved = any(it[0] == _REC and record_kind(it.header.type) == F.REC_COMMIT for it in items)
             return self._moved
+
+    def _volume_now(self) -> Volume:
+        """The volume `Volume.open(self.backend, writable=False)` makes now,
+        without that open where it need not be made.  A read-only open decodes
+        both superblock slots and reads segment headers (`Volume._adopt`): a
+        function of those bytes alone (the backend's size is fixed), so while
+        they are the bytes an earlier open read, its volume is the one a new
+        open would make (the sequence, the segments adopted and all).  An open
+        is kept only where it read no other bytes: both slots valid (a bad one
+        has slot B searched for and live segments' headers read), in the
+        geometry of this log's superblock (the ranges `_open_reads` copies),
+        and the bytes the same before and after it (so that it read those,
+        not a change a writer made while it read)."""
+        seen = _open_reads(self.volume)
+        if seen is not None and self._reopened is not None and self._reopened[1] == seen:
+            return self._reopened[0]
+        now = Volume.open(self.backend, writable=False)
+        keep = (seen is not None and not now.slot_problems and _geometry(now) == _geometry(self.volume)
+                and _open_reads(self.volume) == seen)
+        self._reopened = (now, seen) if keep else None
+        return now
 
     def last_commit_record(self):
         """The commit record of the last committed epoch as a walk's item
@@ -540,6 +564,26 @@ def _tail_damage(res: ScanResult, vol: Volume, end_lsn: int) -> list:
         if it.tag == _DMG and (it.seg.index, it.offset) not in seen:
             out.append(Dropped(it.seg.index, it.offset, it.length, it.reason, "torn"))
     return out
+
+
+def _geometry(vol: Volume) -> tuple:
+    """Where a volume's superblock slots and segment headers lie (FORMAT.md §2)."""
+    sb = vol.superblock
+    return sb.slot_bytes, sb.segments_off, sb.segment_bytes, sb.segment_count
+
+
+def _open_reads(vol: Volume) -> bytes | None:
+    """A copy of the bytes a read-only `Volume.open` of `vol`'s backend reads
+    when both slots are valid and state `vol`'s geometry: both superblock
+    slots, [0, 2*slot_bytes), and the header of every segment (FORMAT.md §2);
+    None when the media end before the last segment."""
+    slot_bytes, off, seg_bytes, count = _geometry(vol)
+    arr = vol.backend.array
+    end = off + count * seg_bytes
+    if end > arr.size:
+        return None
+    heads = arr[off:end].reshape(count, seg_bytes)[:, :F.SEGMENT_HEADER_SIZE]
+    return arr[:2 * slot_bytes].tobytes() + heads.tobytes()
 
 
 def _superblock_sequence(backend) -> int:
