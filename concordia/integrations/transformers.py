@@ -216,8 +216,7 @@ class Guard:
             # protect()'s call: a copy a layer (copy-engine copies), not the stack, whose kernel a fresh
             # process loads at its first launch (5 ms inside a recovery of a Qwen3, profiled on an H100);
             # the first checkpoint, after the first token, loads it instead
-            for i, t in enumerate(cum):
-                self.counters[i, 0].copy_(t)
+            _copy_each([(t, self.counters[i, 0]) for i, t in enumerate(cum)])
         else:
             pos = (torch.stack(cum, out=self._cum_buf) if self._cum is not None else
                    torch.stack([t.reshape(()).to(self.counters.device, torch.int64) for t in cum]))
@@ -384,31 +383,39 @@ def _lora_flat(session, lora: dict, prefix: str, layout: str):
         # one launch of the batched copy a read ahead has loaded, or a copy a weight: on CUDA each is a
         # copy-engine copy (contiguous, one dtype), where one torch.cat would be a kernel that a fresh
         # process loads at its first launch (about 7 ms of a Qwen3's recovery on an H100)
-        if not _copied_at_once(views, ps, dev):
-            for v, p in zip(views, ps):
-                v.copy_(p)
+        _copy_each(list(zip(ps, views)))
     return name, flat, views
 
 
-def _copied_at_once(views: list, ps: list, dev) -> bool:
-    """Copy each tensor of `ps` into its view in `views` in one launch of
-    gpu_kernels' `copy_spans`, on torch's current stream, where the tensors
-    are contiguous CUDA tensors, CuPy is imported and that kernel is loaded
-    on their device already (a read ahead loads it: 112 copies of a Qwen3's
-    adapters took 1.4 ms of a fresh recovery's host one at a time); False,
-    with nothing copied, otherwise."""
+def _copy_each(pairs: list) -> None:
+    """dst.copy_(src) for each (src, dst) tensor pair of `pairs`: in one
+    launch of gpu_kernels' `copy_spans` on torch's current stream, where
+    every tensor is a contiguous CUDA tensor on one device, each pair of one
+    dtype and size, CuPy is imported and that kernel is loaded there already
+    (a read ahead loads it: the 112 copies of a Qwen3's adapters took 1.4 ms
+    of a fresh recovery's host one at a time, its 28 layers' counters 0.2 ms
+    twice); a copy a pair otherwise."""
     import sys
 
-    if dev.type != "cuda" or "cupy" not in sys.modules or not all(p.is_contiguous() for p in ps):
-        return False
+    dev = pairs[0][1].device if pairs else None
+    if (dev is None or dev.type != "cuda" or "cupy" not in sys.modules
+            or not all(s.device == dev and d.device == dev and s.dtype == d.dtype and s.numel() == d.numel()
+                       and s.is_contiguous() and d.is_contiguous() for s, d in pairs)
+            or not _copied_at_once(pairs, dev)):
+        for src, dst in pairs:
+            dst.copy_(src)
+
+
+def _copied_at_once(pairs: list, dev) -> bool:
+    """`_copy_each`'s one launch; False, with nothing queued, where the kernel is not loaded."""
     import cupy
 
     from concordia.gpu_kernels import gpu
     from concordia.regions.streams import producer_stream
 
-    with cupy.cuda.Device(views[0].device.index), producer_stream(views[0], None):   # torch's current stream
-        return gpu.copy_addresses([(p.data_ptr(), v.data_ptr()) for v, p in zip(views, ps)],
-                                  [p.numel() * p.element_size() for p in ps])
+    with cupy.cuda.Device(dev.index), producer_stream(pairs[0][1], None):   # torch's current stream there
+        return gpu.copy_addresses([(s.data_ptr(), d.data_ptr()) for s, d in pairs],
+                                  [s.numel() * s.element_size() for s, _ in pairs])
 
 
 def _unmovable(lora: dict, ps: list, mixed: bool) -> str | None:
@@ -654,8 +661,7 @@ def restore(session, guard: Guard, target="latest", absent: str = "refuse") -> R
     out = session.recover(target, into="registered", absent=absent)
     del out
     pos = guard.counters[:, 0]   # where the counters are: a copy a layer there, none from the host
-    for layer, at in zip(guard.cache.layers, pos, strict=True):
-        layer.cumulative_length.copy_(at)
+    _copy_each([(at, layer.cumulative_length) for layer, at in zip(guard.cache.layers, pos, strict=True)])
     # queued behind the recovery's copies; only now does the host wait for them (a read of the counters)
     counters = guard.counters.cpu()
     for i, layer in enumerate(guard.cache.layers):

@@ -101,30 +101,51 @@ def test_the_lora_weights_become_views_of_one_region_with_their_values_and_param
 
 
 @pytest.mark.gpu
-def test_on_cuda_the_lora_weights_go_into_their_region_in_one_launch_once_loaded(tmp_path, monkeypatch):
+def test_on_cuda_the_lora_move_and_the_counters_go_in_one_launch_each_once_loaded(tmp_path, monkeypatch):
     """On CUDA, with gpu_kernels' batched copy loaded (as a read ahead loads it), protect() copies every
-    LoRA weight into the flat region in one launch on torch's current stream (here a side stream): the
-    values are kept, the parameters are the region's views."""
+    LoRA weight into the flat region in one launch on torch's current stream (here a side stream), and
+    its layers' position counters in another; restore() puts the counters back into the layers in one.
+    The values are kept, the parameters are the region's views, the positions are the epoch's."""
     from concordia.gpu_kernels import gpu
 
     gpu.copy_spans_ready()
     calls, real = [], gpu.copy_addresses
-    monkeypatch.setattr(gpu, "copy_addresses",
-                        lambda pairs, sizes, **kw: calls.append(len(pairs)) or real(pairs, sizes, **kw))
+
+    def spy(pairs, sizes, **kw):
+        done = real(pairs, sizes, **kw)
+        calls.append((len(pairs), done))
+        return done
+
+    monkeypatch.setattr(gpu, "copy_addresses", spy)
     cfg, model = build("tiny", "cuda")
+    layers = cfg.num_hidden_layers
     lora = _lora_of(model)
     before = {n: p.detach().clone() for n, p in lora.items()}
     torch.cuda.synchronize()
     side = torch.cuda.Stream()
+    cache = StaticCache(config=cfg, max_cache_len=16)
     with _session(tmp_path) as s:
         with torch.cuda.stream(side):
-            g = protect(s, StaticCache(config=cfg, max_cache_len=16), model, batch_size=1)
+            g = protect(s, cache, model, batch_size=1)
         side.synchronize()
+        assert (len(lora), True) in calls and (layers, True) in calls
         flat = s.regions[g.lora_regions[0]].owner
-        assert calls == [len(lora)]
         for n, p in _lora_of(model).items():
             assert torch.equal(p.detach(), before[n]), n
             assert p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr(), n
+        with torch.no_grad():
+            model(prompt(1, 5, cfg.vocab_size, "cuda"), past_key_values=cache, use_cache=True)
+        torch.cuda.synchronize()
+        s.checkpoint()
+        want = [int(layer.cumulative_length) for layer in cache.layers]
+    assert want == [5] * layers
+    calls.clear()
+    with concordia.Session(_log(tmp_path), create=False) as r:
+        fresh = StaticCache(config=cfg, max_cache_len=16)
+        g2 = protect(r, fresh, model, batch_size=1)
+        restore(r, g2)
+        assert [int(layer.cumulative_length) for layer in fresh.layers] == want
+    assert calls.count((layers, True)) == 2   # the fresh cache's counters at protect, the layers' at restore
 
 
 def test_a_fresh_model_recovers_its_lora_weights_from_the_flat_region(tmp_path):
