@@ -342,7 +342,12 @@ class Log:
         has slot B searched for and live segments' headers read), in the
         geometry of this log's superblock (the ranges `_open_reads` copies),
         and the bytes the same before and after it (so that it read those,
-        not a change a writer made while it read)."""
+        not a change a writer made while it read).  A header a writer
+        prepared and withdrew again while the open read (a commit's, then a
+        sync's) may stand adopted in a kept volume: harmless, as the
+        follower passes over a segment whose header is not intact and its
+        poll stops there.  Logs whose slots and headers pass _REOPEN_MAX_BYTES
+        are opened afresh each time (the copy would cost more than the open)."""
         seen = _open_reads(self.volume)
         if seen is not None and self._reopened is not None and self._reopened[1] == seen:
             return self._reopened[0]
@@ -566,6 +571,11 @@ def _tail_damage(res: ScanResult, vol: Volume, end_lsn: int) -> list:
     return out
 
 
+#: the most bytes `_open_reads` copies to compare (both slots and every segment header: some 16,000
+#: segments); a log of more is opened afresh at each `moved_on`, as before
+_REOPEN_MAX_BYTES = 4 << 20
+
+
 def _geometry(vol: Volume) -> tuple:
     """Where a volume's superblock slots and segment headers lie (FORMAT.md §2)."""
     sb = vol.superblock
@@ -576,11 +586,12 @@ def _open_reads(vol: Volume) -> bytes | None:
     """A copy of the bytes a read-only `Volume.open` of `vol`'s backend reads
     when both slots are valid and state `vol`'s geometry: both superblock
     slots, [0, 2*slot_bytes), and the header of every segment (FORMAT.md §2);
-    None when the media end before the last segment."""
+    None when the media end before the last segment, or the bytes pass
+    _REOPEN_MAX_BYTES."""
     slot_bytes, off, seg_bytes, count = _geometry(vol)
     arr = vol.backend.array
     end = off + count * seg_bytes
-    if end > arr.size:
+    if end > arr.size or 2 * slot_bytes + count * F.SEGMENT_HEADER_SIZE > _REOPEN_MAX_BYTES:
         return None
     heads = arr[off:end].reshape(count, seg_bytes)[:, :F.SEGMENT_HEADER_SIZE]
     return arr[:2 * slot_bytes].tobytes() + heads.tobytes()

@@ -190,3 +190,16 @@ def test_a_volume_opened_while_a_writer_wrote_is_not_kept(pair, monkeypatch):
     assert ro.moved_on() is False
     assert _same_volume(ro._volume_now(), Volume.open(ro.backend, writable=False))
     assert not ro._volume_now().adopted
+
+
+def test_a_log_of_too_many_headers_to_copy_is_opened_afresh_each_time(pair, opens, monkeypatch):
+    """Past _REOPEN_MAX_BYTES of slots and headers nothing is copied or kept: each question opens the
+    volume, as before the reuse, and the answers are the same."""
+    from concordia.wal import log as log_mod
+
+    monkeypatch.setattr(log_mod, "_REOPEN_MAX_BYTES", 1024)
+    w, ro = pair
+    assert ro.moved_on() is False and ro.moved_on() is False and len(opens) == 2
+    assert ro._reopened is None
+    _epoch(w, 2)
+    assert ro.moved_on() is True
