@@ -179,6 +179,7 @@ def run_recover(args) -> None:
     sync = _sync(args)
     tb = time.perf_counter()
     model, cache = _model_and_cache(args, sync)
+    gc.freeze()   # as the read-ahead child (and the README's recipe): the built model out of the collector's walks
     build_s = time.perf_counter() - tb
     loaded = set(sys.modules)
     t0 = time.perf_counter()

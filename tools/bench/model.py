@@ -53,10 +53,11 @@ determinism switches.
   --recovery-reps re-prefills after one untimed (`reprefill_runs`), so that
   one slow sample (a GPU still at idle clocks after the children) moves
   neither side of it.  The in-process recovery and the plain fresh child
-  run once; every ratio is over the same median re-prefill.  A read-ahead
+  run once; every ratio is over the same median re-prefill.  Each fresh
   child freezes its built model's objects (`gc.freeze()`, as the README's
   recipe does) and counts the collector's passes inside its protect() and
-  restore() (`fresh_read_ahead_gc`).
+  restore() (`gc` in its figures; the read-ahead children's in
+  `fresh_read_ahead_gc`).
 
 Prefill runs in chunks (--chunk tokens), as a server would for long contexts.
 """
