@@ -384,6 +384,9 @@ def _lora_flat(session, lora: dict, prefix: str, layout: str):
         # copy-engine copy (contiguous, one dtype), where one torch.cat would be a kernel that a fresh
         # process loads at its first launch (about 7 ms of a Qwen3's recovery on an H100)
         _copy_each(list(zip(ps, views)))
+        if dev.type == "cuda" and torch.cuda.current_stream(dev) != torch.cuda.default_stream(dev):
+            for p in ps:   # the old weights go once their parameters move: not before a side stream read them
+                p.record_stream(torch.cuda.current_stream(dev))
     return name, flat, views
 
 

@@ -112,6 +112,9 @@ def test_on_cuda_the_lora_move_and_the_counters_go_in_one_launch_each_once_loade
     calls, real = [], gpu.copy_addresses
 
     def spy(pairs, sizes, **kw):
+        import cupy
+
+        assert cupy.cuda.get_current_stream().ptr == torch.cuda.current_stream().cuda_stream   # torch's stream
         done = real(pairs, sizes, **kw)
         calls.append((len(pairs), done))
         return done
