@@ -390,18 +390,24 @@ def _lora_flat(session, lora: dict, prefix: str, layout: str):
     return name, flat, views
 
 
+#: the fewest pairs `_copy_each` copies in one launch: its fixed cost (the stream's view, the row table's
+#: upload, the launch; about 0.2 ms of host on an H100's) is some 25 copy_ calls' (8 microseconds each)
+BATCH_FROM = 64
+
+
 def _copy_each(pairs: list) -> None:
     """dst.copy_(src) for each (src, dst) tensor pair of `pairs`: in one
     launch of gpu_kernels' `copy_spans` on torch's current stream, where
-    every tensor is a contiguous CUDA tensor on one device, each pair of one
-    dtype and size, CuPy is imported and that kernel is loaded there already
-    (a read ahead loads it: the 112 copies of a Qwen3's adapters took 1.4 ms
-    of a fresh recovery's host one at a time, its 28 layers' counters 0.2 ms
-    twice); a copy a pair otherwise."""
+    there are BATCH_FROM pairs or more, every tensor is a contiguous CUDA
+    tensor on one device, each pair of one dtype and size, CuPy is imported
+    and that kernel is loaded there already (a read ahead loads it: the 112
+    copies of a Qwen3's adapters took 1.4 ms of a fresh recovery's host one
+    at a time); a copy a pair otherwise (a Qwen3's 28 counters: one launch
+    cost as much as their copies, H100 stamps at `7c38424`)."""
     import sys
 
     dev = pairs[0][1].device if pairs else None
-    if (dev is None or dev.type != "cuda" or "cupy" not in sys.modules
+    if (dev is None or len(pairs) < BATCH_FROM or dev.type != "cuda" or "cupy" not in sys.modules
             or not all(s.device == dev and d.device == dev and s.dtype == d.dtype and s.numel() == d.numel()
                        and s.is_contiguous() and d.is_contiguous() for s, d in pairs)
             or not _copied_at_once(pairs, dev)):

@@ -104,10 +104,13 @@ def test_the_lora_weights_become_views_of_one_region_with_their_values_and_param
 def test_on_cuda_the_lora_move_and_the_counters_go_in_one_launch_each_once_loaded(tmp_path, monkeypatch):
     """On CUDA, with gpu_kernels' batched copy loaded (as a read ahead loads it), protect() copies every
     LoRA weight into the flat region in one launch on torch's current stream (here a side stream), and
-    its layers' position counters in another; restore() puts the counters back into the layers in one.
-    The values are kept, the parameters are the region's views, the positions are the epoch's."""
+    its layers' position counters in another; restore() puts the counters back into the layers in one
+    (this tiny model's few pairs batched as a Qwen3's 112 adapters are: BATCH_FROM lowered).  The values
+    are kept, the parameters are the region's views, the positions are the epoch's."""
     from concordia.gpu_kernels import gpu
+    from concordia.integrations import transformers as hf
 
+    monkeypatch.setattr(hf, "BATCH_FROM", 1)
     gpu.copy_spans_ready()
     calls, real = [], gpu.copy_addresses
 
