@@ -21,6 +21,13 @@ crc_ref = crcmod.predefined.mkCrcFun("crc-32c")
 MiB = 1 << 20
 
 
+def commit_pages(log, e, pages=8, page_bytes=4096):
+    """Epoch `e` of region 0: its first `pages` pages, each filled with e % 256, committed."""
+    ids = np.arange(pages, dtype=np.uint32)
+    log.appender.append_page_batch(e, 0, ids, np.full((pages, page_bytes), e % 256, np.uint8))
+    return log.appender.commit(e, digests={0: 0})
+
+
 class Model:
     """A region of `npages` pages; epoch e writes pages chosen by a seed of e."""
 

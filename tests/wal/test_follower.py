@@ -15,14 +15,10 @@ from concordia.wal import log as log_mod
 from concordia.wal.errors import CorruptionError, WalError
 from concordia.wal.reader import Follower, Scanner
 
+from .helpers import commit_pages
+
 MiB = 1 << 20
 PAGE = 4096
-
-
-def _epoch(log, e, pages=8):
-    ids = np.arange(pages, dtype=np.uint32)
-    log.appender.append_page_batch(e, 0, ids, np.full((pages, PAGE), e % 256, np.uint8))
-    return log.appender.commit(e, digests={0: 0})
 
 
 def _kinds(items):
@@ -45,11 +41,11 @@ def test_each_record_once_in_order_across_polls(live):
     f = Follower(reader)
     assert _kinds(f.poll()) == [("rec", "region", 0)]
     for e in (1, 2):
-        _epoch(log, e)
+        commit_pages(log, e)
     assert _kinds(f.poll()) == [("rec", "page_batch", 1), ("rec", "commit", 1),
                                 ("rec", "page_batch", 2), ("rec", "commit", 2)]
     assert f.poll() == []
-    _epoch(log, 3)
+    commit_pages(log, 3)
     assert _kinds(f.poll()) == [("rec", "page_batch", 3), ("rec", "commit", 3)]
     assert f.lsn == log.appender.write_lsn
 
@@ -64,7 +60,7 @@ def test_a_segment_is_left_only_after_a_commit_in_the_next_one(live, monkeypatch
     e = 0
     while log.appender.pos + 3 * F.page_batch_length(8, PAGE) < log.appender.seg.offset + MiB:
         e += 1
-        _epoch(log, e)
+        commit_pages(log, e)
     f = Follower(reader)
     f.poll()
     assert log.appender._prepared is not None  # the next header is on the media, in a free segment
@@ -77,7 +73,7 @@ def test_a_segment_is_left_only_after_a_commit_in_the_next_one(live, monkeypatch
         if seg.index == 0 and not ran:  # the writer finishes segment 0 and commits in segment 1
             ran.append(True)
             for k in range(1, 5):
-                _epoch(log, e + k)
+                commit_pages(log, e + k)
         return out
 
     monkeypatch.setattr(Scanner, "_segment", racing)
@@ -90,10 +86,10 @@ def test_a_segment_is_left_only_after_a_commit_in_the_next_one(live, monkeypatch
 
 def test_a_record_in_flight_is_waited_for_and_damage_behind_the_writer_is_shown(live):
     log, reader = live
-    _epoch(log, 1)
+    commit_pages(log, 1)
     f = Follower(reader)
     f.poll()
-    lsn = _epoch(log, 2)
+    lsn = commit_pages(log, 2)
     seg = log.appender.seg
     # tear epoch 2's batch: the writer could still be writing it
     off = next(r.offset for r in log.records() if r.epoch == 2 and r.kind == F.REC_PAGE_BATCH)
@@ -120,7 +116,7 @@ def test_a_live_open_looks_again_at_damage(monkeypatch, tmp_path):
     path = f"file:{tmp_path / 'l.log'}"
     with Log.create(path, size=8 * MiB, segment_size=MiB) as log:
         log.define_region("r", np.uint8, (64 * PAGE,), PAGE, "opaque")
-        _epoch(log, 1)
+        commit_pages(log, 1)
     real = log_mod.recover
     calls = []
 
@@ -151,7 +147,7 @@ def test_a_writer_reopening_the_log_cuts_what_the_follower_showed_after_the_last
     path = f"file:{tmp_path / 'c.log'}"
     log = Log.create(path, size=8 * MiB, segment_size=MiB)
     log.define_region("r", np.uint8, (64 * PAGE,), PAGE, "opaque")
-    end1 = _epoch(log, 1)
+    end1 = commit_pages(log, 1)
     log.appender.append_page_batch(2, 0, np.arange(4, dtype=np.uint32), np.full((4, PAGE), 2, np.uint8))
     log.appender.sync()  # a writer that dies here: epoch 2 has records, no commit
     reader = open_backend(path, readonly=True)

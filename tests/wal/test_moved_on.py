@@ -13,14 +13,10 @@ from concordia.wal import Log
 from concordia.wal import format as F
 from concordia.wal.volume import Volume
 
+from .helpers import commit_pages
+
 MiB = 1 << 20
 PAGE = 4096
-
-
-def _epoch(log, e, pages=8):
-    ids = np.arange(pages, dtype=np.uint32)
-    log.appender.append_page_batch(e, 0, ids, np.full((pages, PAGE), e % 256, np.uint8))
-    return log.appender.commit(e, digests={0: 0})
 
 
 @pytest.fixture
@@ -29,7 +25,7 @@ def pair(tmp_path):
     path = f"file:{tmp_path / 'm.log'}"
     w = Log.create(path, size=8 * MiB, segment_size=MiB)
     w.define_region("r", np.uint8, (64 * PAGE,), PAGE, "opaque")
-    _epoch(w, 1)
+    commit_pages(w, 1)
     ro = Log.open(path, writable=False)
     yield w, ro
     ro.close()
@@ -72,7 +68,7 @@ def test_nothing_new_is_no_and_the_volume_is_not_opened_again(pair, opens):
 def test_a_commit_since_is_yes_and_a_yes_is_kept(pair):
     w, ro = pair
     assert ro.moved_on() is False
-    _epoch(w, 2)
+    commit_pages(w, 2)
     assert ro.moved_on() is True
     w.close()
     assert ro.moved_on() is True and ro.moved_on() is True
@@ -101,7 +97,7 @@ def test_a_log_formatted_again_under_it_is_yes(pair, tmp_path):
     w.close()
     again = Log.create(f"file:{tmp_path / 'm.log'}", size=8 * MiB, segment_size=MiB, overwrite=True)
     again.define_region("r", np.uint8, (64 * PAGE,), PAGE, "opaque")
-    _epoch(again, 1)
+    commit_pages(again, 1)
     assert again.volume.superblock.sequence == seq   # the same sequence: only the uuid tells
     assert ro.moved_on() is True
     again.close()
@@ -201,5 +197,5 @@ def test_a_log_of_too_many_headers_to_copy_is_opened_afresh_each_time(pair, open
     w, ro = pair
     assert ro.moved_on() is False and ro.moved_on() is False and len(opens) == 2
     assert ro._reopened is None
-    _epoch(w, 2)
+    commit_pages(w, 2)
     assert ro.moved_on() is True
