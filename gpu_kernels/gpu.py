@@ -451,32 +451,46 @@ def copy_checked_spans(pairs, *, piece: int = ref.COPY_PIECE) -> None:
     both 16-byte aligned (the kernel would copy it a byte at a time) is
     copied by the copy engine instead, on the same stream.
     KernelCompileError, with nothing queued, where the kernel cannot be built."""
-    cp = _cp()
-    engine = []   # misaligned pairs
     # addresses and sizes only: a flat view of each array would cost more than the copies' driver calls
     # this launch replaces (a CuPy view is microseconds; a model has hundreds of tensors)
-    ptrs, sizes = [], []
-    for a, b in pairs:
-        pa, pb = a.data.ptr, b.data.ptr
-        if (pa | pb) & 15:
-            engine.append((a, b))
-            continue
-        ptrs.append((pa, pb))
-        sizes.append(a.nbytes)
-    span, offset, nbytes = ref.span_rows(sizes, piece)
-    k = jit.function("copy", "copy_spans") if span.size else None   # (KernelCompileError: nothing queued yet)
-    copy_engine(engine)
+    _queue_copies([(a.data.ptr, b.data.ptr) for a, b in pairs], [a.nbytes for a, _ in pairs], piece,
+                  lambda: jit.function("copy", "copy_spans"))
+
+
+def copy_plan(ptrs, sizes, piece: int = ref.COPY_PIECE) -> tuple[np.ndarray, np.ndarray, int]:
+    """How the copies of `sizes[i]` bytes from address ptrs[i][0] to
+    ptrs[i][1] are made: ([(source, target, bytes)] uint64 of the pairs the
+    copy engine takes, whose two addresses are not both 16-byte aligned;
+    the batched copy's row table, uint64, every row's source address, then
+    every row's target address, then every row's bytes (`copy_spans`' rows,
+    `ref.span_rows`); its row count).  Empty pairs are in neither.  Numpy
+    only: the host's half of `copy_checked_spans` and `copy_addresses`."""
+    ptrs = np.asarray(ptrs, np.uint64).reshape(-1, 2)
+    sizes = np.asarray(sizes, np.int64).reshape(-1)
+    if len(ptrs) != len(sizes):
+        raise KernelInputError(f"{len(ptrs)} address pairs and {len(sizes)} sizes", where="sizes")
+    some = sizes > 0
+    odd = ((ptrs[:, 0] | ptrs[:, 1]) & np.uint64(15)) != 0
+    engine = np.column_stack([ptrs[some & odd], sizes[some & odd].astype(np.uint64)])
+    keep = some & ~odd
+    span, offset, nbytes = ref.span_rows(sizes[keep], piece)
+    ends = ptrs[keep][span] + offset.astype(np.uint64)[:, None]
+    return engine, np.concatenate([ends[:, 0], ends[:, 1], nbytes.astype(np.uint64)]), int(span.size)
+
+
+def _queue_copies(ptrs, sizes, piece: int, kernel) -> None:
+    """Queue `copy_plan`'s copies on CuPy's current stream: the batched
+    copy's kernel asked for first (`kernel()`, where there are rows: a
+    KernelCompileError leaves nothing queued), then a cudaMemcpyAsync for
+    each of the copy engine's pairs, then one launch over the rows."""
+    cp = _cp()
+    engine, table, rows = copy_plan(ptrs, sizes, piece)
+    k = kernel() if rows else None
+    stream = cp.cuda.get_current_stream()
+    for src, dst, n in engine.tolist():
+        cp.cuda.runtime.memcpyAsync(dst, src, n, cp.cuda.runtime.memcpyDeviceToDevice, stream.ptr)
     if k is not None:
-        _copy_rows(cp, k, ptrs, span, offset, nbytes)
-
-
-def _copy_rows(cp, k, ptrs, span, offset, nbytes) -> None:
-    """Launch `copy_spans` (`k`) over the rows `ref.span_rows` cut the
-    (source, target) addresses `ptrs` into, on CuPy's current stream."""
-    ends = np.array(ptrs, np.uint64).reshape(-1, 2)[span] + offset.astype(np.uint64)[:, None]
-    table = upload(np.concatenate([ends[:, 0], ends[:, 1], nbytes.astype(np.uint64)]))
-    rows = int(span.size)
-    k((max(1, min(rows, _sm_count(cp.cuda.Device().id) * 16)),), (THREADS,), (table, np.uint64(rows)))
+        k((max(1, min(rows, _sm_count(cp.cuda.Device().id) * 16)),), (THREADS,), (upload(table), np.uint64(rows)))
 
 
 def copy_addresses(pairs, sizes, *, piece: int = ref.COPY_PIECE) -> bool:
@@ -490,25 +504,11 @@ def copy_addresses(pairs, sizes, *, piece: int = ref.COPY_PIECE) -> bool:
     would have.  For a caller whose arrays are not CuPy's (a framework's
     tensors): no wrapper an array.  Twin: reference.copy_spans of the same
     bytes."""
-    cp = _cp()
     if len(pairs) != len(sizes):
         raise KernelInputError(f"{len(pairs)} address pairs and {len(sizes)} sizes", where="sizes")
     if not jit.is_loaded("copy"):
         return False
-    k = jit.function("copy", "copy_spans")
-    aligned, kept = [], []
-    stream = cp.cuda.get_current_stream()
-    for (src, dst), n in zip(pairs, sizes):
-        if n <= 0:
-            continue
-        if (int(src) | int(dst)) & 15:
-            cp.cuda.runtime.memcpyAsync(int(dst), int(src), int(n), cp.cuda.runtime.memcpyDeviceToDevice, stream.ptr)
-            continue
-        aligned.append((int(src), int(dst)))
-        kept.append(int(n))
-    span, offset, nbytes = ref.span_rows(kept, piece)
-    if span.size:
-        _copy_rows(cp, k, aligned, span, offset, nbytes)
+    _queue_copies(pairs, sizes, piece, lambda: jit.function("copy", "copy_spans"))
     return True
 
 

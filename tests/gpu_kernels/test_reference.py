@@ -460,3 +460,40 @@ def test_copy_spans_twin_copies_every_pair_and_refuses_other_sizes():
         ref.copy_spans([(np.zeros(4, np.uint8), np.zeros(5, np.uint8))])
     with pytest.raises(KernelInputError, match="C-contiguous"):
         ref.copy_spans([(np.zeros(8, np.uint8)[::2], np.zeros(4, np.uint8))])
+
+
+def test_the_batched_copys_plan_copies_what_the_twin_copies():
+    """gpu.copy_plan, the host's half of the batched copy (numpy only), carried out on one byte array as
+    the device would (a memcpy a copy-engine pair, a row at a time from the table): the twin's bytes. A
+    pair goes to the copy engine where either address is not 16-byte aligned; empty pairs go nowhere."""
+    from concordia.gpu_kernels import gpu
+
+    rng = np.random.default_rng(24)
+    sizes = [0, 1, 15, 16, 17, 4095, 5000, 3 * 4096 + 7, 70_000, 0]
+    src_shift = [0, 3, 16, 0, 8, 0, 5, 0, 11, 7]
+    dst_shift = [0, 0, 16, 1, 8, 0, 0, 0, 11, 0]
+    mem = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    ptrs, at = [], 4096
+    for n, a, b in zip(sizes, src_shift, dst_shift):
+        src = -(-at // 16) * 16 + a
+        dst = -(-(src + n + 64) // 16) * 16 + b
+        ptrs.append((src, dst))
+        at = dst + n + 64
+    want = mem.copy()
+    ref.copy_spans([(want[s:s + n].copy(), want[d:d + n]) for (s, d), n in zip(ptrs, sizes)], piece=4096)
+    engine, table, rows = gpu.copy_plan(ptrs, sizes, piece=4096)
+    got = mem.copy()
+    for s, d, n in engine.tolist():
+        got[d:d + n] = got[s:s + n]
+    srcs, dsts, nbytes = table.reshape(3, rows).tolist()
+    for s, d, n in zip(srcs, dsts, nbytes):
+        assert s % 16 == 0 and d % 16 == 0 and 0 < n <= 4096
+        got[d:d + n] = got[s:s + n]
+    assert np.array_equal(got, want)
+    odd = {(s, d) for (s, d), n in zip(ptrs, sizes) if n and (s | d) % 16}
+    assert {(s, d) for s, d, _ in engine.tolist()} == odd and len(odd) >= 3
+    assert rows == ref.span_rows([n for (s, d), n in zip(ptrs, sizes) if n and not (s | d) % 16], 4096)[0].size
+    with pytest.raises(KernelInputError, match="2 address pairs and 1 sizes"):
+        gpu.copy_plan(ptrs[:2], sizes[:1])
+    empty = gpu.copy_plan([], [])
+    assert empty[0].shape == (0, 3) and empty[1].size == 0 and empty[2] == 0
