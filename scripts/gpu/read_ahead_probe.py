@@ -175,8 +175,9 @@ def stamps(log: str, cfg, model, ctx: int, say, out) -> None:
         clocked = f"{out.name}.rep{rep}"
         d = _child(f"stamps rep {rep}", [sys.executable, child, clocked, *_recover_args(log, ctx), "--prefetch"], say)
         if d is not None:
+            # (the collector's passes inside protect() and restore(): the child counts them, `gc`)
             say(f"stamps rep {rep}: recovery {d['recovery_s']:.4f} s, prefetch call {d['prefetch_call_s']:.4f} s, "
-                f"protect {d['protect_s']:.4f} s, restore {d['restore_s']:.4f} s")
+                f"protect {d['protect_s']:.4f} s, restore {d['restore_s']:.4f} s, collector {d.get('gc')}")
             say("  " + json.dumps({k: v for k, v in d["phases"].items() if k != "read_ahead"}))
         if os.path.exists(clocked):
             with open(clocked) as f:

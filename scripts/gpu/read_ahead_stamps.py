@@ -11,7 +11,6 @@ time (inclusive).  Writes one line a function, slowest first, to OUT_FILE.
 from __future__ import annotations
 
 import functools
-import gc
 import importlib
 import sys
 import time
@@ -89,7 +88,6 @@ TORCH_FUNCTIONS = ["cat", "stack", "zeros", "empty"]
 
 clock: dict = {}
 on = [False]
-gc_began: list = []
 
 
 def stamped(name: str, fn):
@@ -106,20 +104,7 @@ def stamped(name: str, fn):
     return wrapper
 
 
-def _on_gc(phase: str, info: dict) -> None:
-    """The cyclic collector's passes while the clock runs, as 'gc generation N' lines: a pass that falls
-    inside a clocked function is in its time too, and is the likeliest of what its stamped children leave
-    unexplained (one of 270 ms in _lora_flat at 6ba5ebc, 1.4 ms of it in its copies)."""
-    if phase == "start":
-        gc_began[:] = [time.perf_counter()] if on[0] else []
-    elif gc_began:
-        name = f"gc generation {info.get('generation')}"
-        n, s = clock.get(name, (0, 0.0))
-        clock[name] = (n + 1, s + time.perf_counter() - gc_began.pop())
-
-
 def install() -> None:
-    gc.callbacks.append(_on_gc)
     for module, path in STAMPED:
         owner = importlib.import_module(module)
         *outer, attr = path.split(".")
