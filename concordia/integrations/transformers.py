@@ -400,28 +400,32 @@ BATCH_FROM = 64
 
 def _copy_each(pairs: list, alike: bool = False) -> None:
     """dst.copy_(src) for each (src, dst) tensor pair of `pairs`: in one
-    launch of gpu_kernels' `copy_spans` on torch's current stream, where
-    there are BATCH_FROM pairs or more, every tensor is a contiguous CUDA
-    tensor on one device, each pair of one dtype and size, CuPy is imported
-    and that kernel is loaded there already (a read ahead loads it: the 112
-    copies of a Qwen3's adapters took 1.4 ms of a fresh recovery's host one
-    at a time); a copy a pair otherwise (a Qwen3's 28 counters: one launch
-    cost as much as their copies, H100 stamps at `7c38424`).  `alike`: the
-    caller made every pair so (one device, dtype and size, contiguous), and
-    it is not checked again."""
-    import sys
-
-    dev = pairs[0][1].device if pairs else None
-    if (dev is None or len(pairs) < BATCH_FROM or dev.type != "cuda" or "cupy" not in sys.modules
-            or not (alike or all(s.device == dev and d.device == dev and s.dtype == d.dtype and s.numel() == d.numel()
-                                 and s.is_contiguous() and d.is_contiguous() for s, d in pairs))
-            or not _copied_at_once(pairs, dev)):
+    launch where `_copied_at_once` can, a copy a pair otherwise."""
+    if not _copied_at_once(pairs, alike):
         for src, dst in pairs:
             dst.copy_(src)
 
 
-def _copied_at_once(pairs: list, dev) -> bool:
-    """`_copy_each`'s one launch; False, with nothing queued, where the kernel is not loaded."""
+def _copied_at_once(pairs: list, alike: bool) -> bool:
+    """Queue `_copy_each`'s copies as one launch of gpu_kernels' `copy_spans`
+    on torch's current stream, where there are BATCH_FROM pairs or more,
+    every tensor is a contiguous CUDA tensor on one device, each pair of one
+    dtype and size (`alike`: the caller made them so, not checked again),
+    CuPy is imported and that kernel is loaded there already (a read ahead
+    loads it: the 112 copies of a Qwen3's adapters took 1.4 ms of a fresh
+    recovery's host one at a time; its 28 counters stay a copy a pair, one
+    launch cost as much as their copies, H100 stamps at `7c38424`).  False,
+    with nothing queued, otherwise."""
+    import sys
+
+    if len(pairs) < BATCH_FROM or "cupy" not in sys.modules:
+        return False
+    dev = pairs[0][1].device
+    if dev.type != "cuda":
+        return False
+    if not alike and not all(s.device == dev and d.device == dev and s.dtype == d.dtype and s.numel() == d.numel()
+                             and s.is_contiguous() and d.is_contiguous() for s, d in pairs):
+        return False
     import cupy
 
     from concordia.gpu_kernels import gpu
@@ -674,7 +678,7 @@ def restore(session, guard: Guard, target="latest", absent: str = "refuse") -> R
     weights as they are and lists it in `stats.kept` (`Session.recover`)."""
     out = session.recover(target, into="registered", absent=absent)
     del out
-    pos = guard.counters[:, 0]   # where the counters are: a copy a layer there, none from the host
+    pos = guard.counters[:, 0]   # where the counters are: copies on the device, none from the host
     _copy_each([(at, layer.cumulative_length) for layer, at in zip(guard.cache.layers, pos, strict=True)])
     # queued behind the recovery's copies; only now does the host wait for them (a read of the counters)
     counters = guard.counters.cpu()
