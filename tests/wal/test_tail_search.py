@@ -14,7 +14,8 @@ from concordia.wal import log as log_mod
 from concordia.wal import reader as reader_mod
 from concordia.wal.reader import Follower, Scanner
 from concordia.wal.volume import Volume
-from tests.wal.test_follower import _epoch, live  # noqa: F401 (live: the fixture)
+from tests.wal.helpers import commit_pages
+from tests.wal.test_follower import live  # noqa: F401 (the fixture)
 
 
 
@@ -35,7 +36,7 @@ def test_the_search_after_a_gap_finds_what_a_slot_by_slot_reading_finds(live, mo
                                                                          threads):
     log, reader = live
     for e in range(1, 12):
-        _epoch(log, e)
+        commit_pages(log, e)
     seg = log.appender.seg
     end_of_records = log.appender.pos
     arr = log.backend.array
@@ -63,7 +64,7 @@ def test_the_search_after_a_gap_finds_what_a_slot_by_slot_reading_finds(live, mo
 def test_a_lost_record_is_found_across_slices(live, monkeypatch):
     log, reader = live
     for e in range(1, 9):
-        _epoch(log, e)
+        commit_pages(log, e)
     items = Scanner(Volume.open(reader, writable=False), check_pages=False)._segment(log.appender.seg)
     lost = items[5]
     log.backend.array[lost.offset:lost.offset + 8] = 0   # its length word: a record lost here
@@ -78,7 +79,7 @@ def test_a_lost_record_is_found_across_slices(live, monkeypatch):
 
 def test_a_follower_stops_at_the_gap_of_the_segment_being_written(live, monkeypatch):
     log, reader = live
-    _epoch(log, 1)
+    commit_pages(log, 1)
     f = Follower(reader)
     assert len(f.poll()) == 3   # region, batch, commit
     # the rest of the segment holds old bytes (a reused segment): a poll reads none of them
@@ -90,7 +91,7 @@ def test_a_follower_stops_at_the_gap_of_the_segment_being_written(live, monkeypa
     real = Scanner._next_valid
     monkeypatch.setattr(Scanner, "_next_valid", lambda self, *a: searched.append(a) or real(self, *a))
     assert f.poll() == [] and searched == []
-    _epoch(log, 2)
+    commit_pages(log, 2)
     got = f.poll()
     assert [it.header.epoch for it in got] == [2, 2] and searched == []
     # a full walk of the same segment still reads past its end to tell the end from a loss
@@ -115,7 +116,7 @@ def test_the_cut_zeroes_only_what_is_not_zero(monkeypatch, threads):
 def test_a_walk_started_at_a_record_boundary_inside_a_segment_is_the_rest_of_a_whole_walk(live, monkeypatch):
     log, reader = live
     for e in range(1, 9):
-        _epoch(log, e)
+        commit_pages(log, e)
     vol = Volume.open(reader, writable=False)
     whole = list(Scanner(vol, check_pages=True).items())
     read = []
