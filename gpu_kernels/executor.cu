@@ -275,8 +275,10 @@ __device__ __forceinline__ void reset_scratch(cx_scratch* sc) {
 // pages runs as one block (cx_epoch_small: table.cu's device functions
 // between barriers).  A larger one runs as one driver thread, which launches
 // the pass on its own block's stream, where launches run in the order made:
-// one detection grid per group of rows, the plan, staging, finalizing, the
-// commit (table.cu's table_commit), then `cx_epoch_close`.  Either ends by
+// one detection grid per group of rows, the plan, staging (into the
+// snapshot where the epoch fits it: via_snapshot), the claim of the commit
+// (which lets a trigger's gate go), a snapshot's copy into the arena,
+// finalizing, the commit (table.cu's table_commit), then `cx_epoch_close`.  Either ends by
 // moving the words on and bumping the scratch counter lane 0 waits for
 // (`epoch_close`).  No host step: the epoch is
 // durable when the commit's header is stored (tiers whose writes need no
@@ -299,6 +301,8 @@ struct cx_epoch_desc {              // device_epoch.EPOCH_DESC
     u64 fired, fired_cap;           // a trigger's log in mapped host memory (trigger_poll), and its room in pairs
     u64 stamps;                     // 0, or CX_STAMPS times (ns) of the epoch's phases in mapped host memory
     u64 small_pages;                // a table of at most this many pages runs as one block (cx_epoch_small)
+    u64 snap, snap_bytes;           // 0, or device memory an epoch of at most snap_bytes record bytes is staged in
+    u64 snapped;                    // 0, or a mapped host u64: the epochs staged through the snapshot
     cx_group groups[CX_MAX_GROUPS];
 };
 
@@ -337,8 +341,44 @@ __device__ __forceinline__ void claim_commit(TablePlan* plan, cx_scratch* sc) {
     }
 }
 
-extern "C" __global__ void cx_epoch_claim(TablePlan* plan, cx_scratch* sc) {
-    claim_commit(plan, sc);
+// The snapshot (d->snap): an epoch whose records fit it is staged there, in
+// device memory, at HBM speed; its commit is claimed then (every region is
+// read), so a trigger's gate goes (run_epoch) before the records cross the
+// bus into the arena; they are copied there, their headers written and the
+// commit stored while the producer's next step runs.  The arena's bytes are
+// the same either way.  A larger epoch, or a descriptor with none, is staged
+// straight into the arena and claims its commit after staging.
+__device__ __forceinline__ bool via_snapshot(const cx_epoch_desc* d, const TablePlan* plan) {
+    return d->snap != 0 && plan->fits && plan->bytes <= d->snap_bytes;
+}
+
+// The warps [w0, w0 + warps) of the launch, once staging has ended: in a
+// snapshot, each record's header slot zeroed (a reader of the arena finds
+// none until finalize writes it).
+__device__ __forceinline__ void snapshot_headers(const cx_epoch_desc* d, const TableRecord* recs,
+                                                 const TablePlan* plan, u64 w0, u64 warps) {
+    const int lane = threadIdx.x & 31;
+    u8* snap = reinterpret_cast<u8*>(d->snap);
+    for (u64 i = w0; i < plan->records; i += warps)
+        if (lane < RECORD_HEADER_BYTES / 4) reinterpret_cast<u32*>(snap + recs[i].offset)[lane] = 0u;
+}
+
+// One thread, once the commit is claimed: an epoch staged in the snapshot counted in d->snapped.
+__device__ __forceinline__ void snapshot_count(const cx_epoch_desc* d, const TablePlan* plan) {
+    if (d->snapped && via_snapshot(d, plan)) atomicAdd(reinterpret_cast<unsigned long long*>(d->snapped), 1ull);
+}
+
+// Threads [t0, t0 + threads) of the launch: the snapshot's records into the
+// arena at `dst` (16-byte words, as staging writes them; a tail byte by
+// byte), fenced at system scope before the headers are written.
+__device__ __forceinline__ void snapshot_copy(const cx_epoch_desc* d, const TablePlan* plan, u8* dst, u64 t0,
+                                              u64 threads) {
+    const u8* snap = reinterpret_cast<const u8*>(d->snap);
+    const uint4* src = reinterpret_cast<const uint4*>(snap);
+    const u64 words = plan->bytes / 16;
+    for (u64 i = t0; i < words; i += threads) reinterpret_cast<uint4*>(dst)[i] = src[i];
+    for (u64 i = 16 * words + t0; i < plan->bytes; i += threads) dst[i] = snap[i];
+    __threadfence_system();
 }
 
 // One thread, after the commit: the arena's words moved on (the host reads
@@ -398,6 +438,37 @@ __device__ __forceinline__ cx_epoch_at epoch_at(const cx_epoch_desc* d, u64 at) 
     return e;
 }
 
+// The driver's staging: table_stage's work, into the snapshot where the epoch fits it (via_snapshot).
+extern "C" __global__ void __launch_bounds__(256) cx_epoch_stage(const cx_epoch_desc* d, u64 at) {
+    __shared__ u32 T[CRC_TABLE_WORDS];
+    const cx_epoch_at e = epoch_at(d, at);
+    if (!e.plan->fits) return;
+    const u64 first_warp = ((u64)blockIdx.x * blockDim.x) >> 5;
+    if (first_warp >= e.plan->pages) return;  // the whole block: before any barrier
+    crc_tables_build(T);
+    u8* dst = via_snapshot(d, e.plan) ? reinterpret_cast<u8*>(d->snap) : e.dst;
+    stage_pages(T, e.table, e.ids, e.recs, e.plan, dst, e.digests, grid_warp(), grid_warps());
+}
+
+// One block, once staging has ended (every region read): a snapshot's headers
+// zeroed, then the commit claimed (which lets a trigger's gate go: run_epoch).
+extern "C" __global__ void __launch_bounds__(256) cx_epoch_read(const cx_epoch_desc* d, u64 at, cx_scratch* sc) {
+    const cx_epoch_at e = epoch_at(d, at);
+    if (via_snapshot(d, e.plan)) snapshot_headers(d, e.recs, e.plan, threadIdx.x >> 5, blockDim.x >> 5);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        claim_commit(e.plan, sc);
+        snapshot_count(d, e.plan);
+    }
+}
+
+// The driver's copy of a snapshot into the arena (nothing for an epoch staged there).
+extern "C" __global__ void __launch_bounds__(256) cx_epoch_copy(const cx_epoch_desc* d, u64 at) {
+    const cx_epoch_at e = epoch_at(d, at);
+    if (!via_snapshot(d, e.plan)) return;
+    snapshot_copy(d, e.plan, e.dst, (u64)blockIdx.x * blockDim.x + threadIdx.x, (u64)gridDim.x * blockDim.x);
+}
+
 // One thread: the pass's launches, in order, on this block's stream.
 extern "C" __global__ void cx_epoch_driver(const cx_epoch_desc* d, u64 at, u64 epoch, u64 prev_commit,
                                            cx_scratch* sc) {
@@ -422,11 +493,12 @@ extern "C" __global__ void cx_epoch_driver(const cx_epoch_desc* d, u64 at, u64 e
                             e.room - d->commit_length, e.plan, reinterpret_cast<TablePlan*>(d->mail_plan),
                             reinterpret_cast<u32*>(d->mail_counts), reinterpret_cast<u64*>(d->mail_offsets));
     if (st) cx_stamp<<<1, 1>>>(st + 3);
-    table_stage<<<(u32)d->stage_blocks, 256>>>(e.table, e.ids, e.recs, e.plan, e.dst, e.digests);
+    cx_epoch_stage<<<(u32)d->stage_blocks, 256>>>(d, at);
     if (st) cx_stamp<<<1, 1>>>(st + 4);
+    cx_epoch_read<<<1, 256>>>(d, at, sc);
+    cx_epoch_copy<<<(u32)d->stage_blocks, 256>>>(d, at);
     table_finalize<<<(u32)d->finalize_blocks, 256>>>(e.table, e.ids, e.recs, e.plan, e.dst, e.lsn, epoch, e.salt);
     if (st) cx_stamp<<<1, 1>>>(st + 5);
-    cx_epoch_claim<<<1, 1>>>(e.plan, sc);
     table_commit<<<1, 32>>>(e.table, reinterpret_cast<const u32*>(d->order), e.n, e.digests, e.plan, e.dst, e.room,
                             e.lsn, epoch, e.salt, prev_commit);
     if (st) cx_stamp<<<1, 1>>>(st + 6);
@@ -472,14 +544,24 @@ extern "C" __global__ void __launch_bounds__(CX_SMALL_THREADS, 2)
                reinterpret_cast<u64*>(d->mail_offsets), sums);
     __syncthreads();
     if (stamper) st[3] = now_ns();
-    const bool fits = e.plan->fits;
-    if (fits) stage_pages(T, e.table, e.ids, e.recs, e.plan, e.dst, e.digests, w0, warps);
+    const bool snapped = via_snapshot(d, e.plan);
+    if (e.plan->fits)
+        stage_pages(T, e.table, e.ids, e.recs, e.plan, snapped ? reinterpret_cast<u8*>(d->snap) : e.dst, e.digests,
+                    w0, warps);
     __syncthreads();
     if (stamper) st[4] = now_ns();
+    if (snapped) snapshot_headers(d, e.recs, e.plan, w0, warps);
+    __syncthreads();
+    if (threadIdx.x == 0) {  // every region read: a trigger's gate may go (run_epoch)
+        claim_commit(e.plan, sc);
+        snapshot_count(d, e.plan);
+    }
+    __syncthreads();
+    const bool fits = e.plan->fits;  // 0 once cancelled by the control warp
+    if (fits && snapped) snapshot_copy(d, e.plan, e.dst, threadIdx.x, blockDim.x);
+    __syncthreads();
     if (fits) finalize_records(T, e.table, e.ids, e.recs, e.plan, e.dst, e.lsn, epoch, e.salt, w0, warps);
     __threadfence_system();
-    __syncthreads();
-    if (threadIdx.x == 0) claim_commit(e.plan, sc);
     __syncthreads();
     if (stamper) st[5] = now_ns();
     if (threadIdx.x < 32)
@@ -494,9 +576,35 @@ extern "C" __global__ void __launch_bounds__(CX_SMALL_THREADS, 2)
     }
 }
 
-// Lane 0 only: one epoch of the descriptor `d` into its arena, waited for.
-// *lsn0 / *lsn1: where the epoch's records begin and its commit lies.
-__device__ int run_epoch(const cx_epoch_desc* d, cx_scratch* sc, u64 child_timeout_ns, u64* lsn0, u64* lsn1) {
+// Lane 0: wait_children for an epoch's child, which also lets a trigger's
+// gate go (gate[1] = 0; `gate` nullptr: none) once the child claims its
+// commit: every region is read then, and what is left of the epoch (a
+// snapshot's copy into the arena, the headers, the commit) runs beside the
+// producer's next step.  *released: whether it let the gate go.
+__device__ int wait_epoch(cx_scratch* sc, u64 timeout_ns, u32* gate, bool* released) {
+    const u64 t0 = now_ns();
+    u32 nap = 0;
+    while (*(volatile u32*)&sc->done_blocks < 1) {
+        if (gate != nullptr && !*released && *(volatile u64*)&sc->claim == CX_CLAIM_COMMIT) {
+            __threadfence_system();
+            atomicExch(&gate[1], 0u);
+            __threadfence_system();
+            *released = true;
+        }
+        if (now_ns() - t0 > timeout_ns) return ST_TIMEOUT;
+        nap = nap ? min(nap * 2, 1024u) : 32u;
+        __nanosleep(nap);
+    }
+    __threadfence();
+    return ST_OK;
+}
+
+// Lane 0 only: one epoch of the descriptor `d` into its arena, waited for;
+// a trigger's gate (`gate`, else nullptr) let go once every region is read
+// (wait_epoch; *released says so).  *lsn0 / *lsn1: where the epoch's records
+// begin and its commit lies.
+__device__ int run_epoch(const cx_epoch_desc* d, cx_scratch* sc, u64 child_timeout_ns, u64* lsn0, u64* lsn1,
+                         u32* gate, bool* released) {
     volatile cx_arena_words* w = reinterpret_cast<volatile cx_arena_words*>(d->words);
     const u64 at = w->used;
     if (w->lost || d->arena_bytes < at || d->arena_bytes - at < w->expect + d->commit_length) {
@@ -513,13 +621,13 @@ __device__ int run_epoch(const cx_epoch_desc* d, cx_scratch* sc, u64 child_timeo
     else
         cx_epoch_driver<<<1, 1, 0, CX_CHILD_STREAM>>>(d, at, epoch, prev, sc);
     if (!CX_LAUNCHED()) return ST_LAUNCH_FAILED;
-    int status = wait_children(sc, 1, child_timeout_ns);
+    int status = wait_epoch(sc, child_timeout_ns, gate, released);
     // timed out: cancelled before its commit, the child commits nothing; past its claim it read
     // every region and only its commit is left, waited for once more, at least CX_CLAIMED_WAIT_NS
     // (a TIMEOUT must mean that nothing of the epoch is committed)
     if (status == ST_TIMEOUT &&
         atomicCAS(reinterpret_cast<unsigned long long*>(&sc->claim), 0ull, CX_CLAIM_CANCEL) == CX_CLAIM_COMMIT)
-        status = wait_children(sc, 1, max(child_timeout_ns, CX_CLAIMED_WAIT_NS));
+        status = wait_epoch(sc, max(child_timeout_ns, CX_CLAIMED_WAIT_NS), gate, released);
     if (st) st[8] = now_ns();
     if (status != ST_OK) return status;
     if (*(volatile u32*)&sc->errors) return ST_LOST;  // the records did not fit what was left (arena.py)
@@ -685,7 +793,8 @@ __device__ int trigger_poll(cx_trigger* t, cx_scratch* sc, u64 child_timeout_ns)
         return 1;
     }
     u64 l0 = 0, l1 = 0;
-    const int status = run_epoch(t->d, sc, child_timeout_ns, &l0, &l1);
+    bool released = false;  // the gate went once the epoch had read every region: a later step may hold now
+    const int status = run_epoch(t->d, sc, child_timeout_ns, &l0, &l1, t->gate, &released);
     // the log: [0] epochs logged, [1] the status that stopped the trigger (0: none), then (epoch, count) pairs
     volatile u64* fired = reinterpret_cast<volatile u64*>(t->d->fired);
     if (status == ST_OK) {
@@ -703,7 +812,7 @@ __device__ int trigger_poll(cx_trigger* t, cx_scratch* sc, u64 child_timeout_ns)
         return status == ST_TIMEOUT ? 2 : 1;
     }
     __threadfence_system();
-    atomicExch(&t->gate[1], 0u);
+    if (!released) atomicExch(&t->gate[1], 0u);
     __threadfence_system();
     return 1;
 }
@@ -801,7 +910,9 @@ __device__ int run_handler(u32 op, const u64* a, cx_scratch* sc, u32 n_sm, u64 c
         }
         u64 l0 = 0, l1 = 0;
         if (lane == 0) {
-            status = run_epoch(reinterpret_cast<const cx_epoch_desc*>(a[0]), sc, child_timeout_ns, &l0, &l1);
+            bool released = false;  // no gate: a task's epoch is waited for whole
+            status = run_epoch(reinterpret_cast<const cx_epoch_desc*>(a[0]), sc, child_timeout_ns, &l0, &l1,
+                               nullptr, &released);
             if (status == ST_OK) {
                 found = *(volatile u64*)&sc->pages;
                 epoch_lsn[0] = l0;

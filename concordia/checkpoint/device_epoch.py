@@ -16,7 +16,13 @@ descriptor; the control warp checks the room and launches the epoch: a
 table of at most SMALL_PAGES pages as one block that runs the table pass's
 device functions (detection per group, plan, stage, finalize, commit)
 between its barriers, a larger one as one driver thread that launches the
-pass's kernels in order on its own stream; it waits for the last of them.  The
+pass's kernels in order on its own stream; it waits for the last of them.  An
+epoch whose records fit the engine's snapshot (device memory, at most
+SNAPSHOT_MAX_BYTES) is staged there first, at HBM speed, then copied into the
+arena: its commit is claimed once it is staged (every region read), and a
+trigger's gate goes then, so the producer's next step runs while the records
+cross the bus, their headers are written and the commit stored.  The arena's
+bytes are the same either way (`snapshot_epochs` counts those staged so).  The
 completion says what the epoch wrote (pages, record bytes, the LSN of its
 first record and of its commit): `epoch_on_device`.
 
@@ -65,13 +71,18 @@ EPOCH_DESC = np.dtype([(name, "<u8") for name in (
     "mail_plan", "mail_counts", "mail_offsets",
     "arena", "arena_lsn", "arena_bytes", "salt", "bound", "commit_length", "words",
     "stage_blocks", "finalize_blocks", "n_groups", "fired", "fired_cap", "stamps",
-    "small_pages")]
+    "small_pages", "snap", "snap_bytes", "snapped")]
     + [("groups", GROUP, (MAX_GROUPS,))])
 
 #: a table of at most this many pages runs its epoch as one block of the
 #: table pass's device functions (executor.cu: cx_epoch_small), in one launch;
 #: a larger one as the pass's own kernels launched in order by a driver thread
 SMALL_PAGES = 1024
+
+#: the most device memory an engine keeps as its snapshot (executor.cu: via_snapshot): an epoch of at most
+#: this many record bytes (and at most its arena's `bound`) is staged there, and a trigger's gate goes once it is
+#: (every region read), before the records cross the bus; a larger one holds the gate until it is in the arena
+SNAPSHOT_MAX_BYTES = 64 << 20
 
 #: the phase stamps a descriptor may ask for (executor.cu: CX_STAMPS), in the
 #: order the epoch takes them; each phase runs from the stamp before it
@@ -125,12 +136,14 @@ def compile_defines(page_bytes: int) -> tuple[str, ...]:
 
 
 def describe(tpass, ar, arena_ptr: int, words_ptr: int, fired_ptr: int = 0, stamps_ptr: int = 0,
-             small_pages: int = SMALL_PAGES) -> np.ndarray:
+             small_pages: int = SMALL_PAGES, snap: tuple = (0, 0, 0)) -> np.ndarray:
     """The descriptor of `tpass` (a DeviceTablePass) epochs into the arena `ar`
     (an `arena.Arena`) whose first byte the device addresses at `arena_ptr`,
     whose words at `words_ptr`, with a trigger's log at `fired_ptr`, the
-    phase stamps at `stamps_ptr` (0: none) and the one-block path for tables
-    of at most `small_pages` pages (0: never): one EPOCH_DESC row."""
+    phase stamps at `stamps_ptr` (0: none), the one-block path for tables
+    of at most `small_pages` pages (0: never) and the snapshot `snap`
+    (device pointer, bytes, the mapped u64 counting its epochs; 0s: none):
+    one EPOCH_DESC row."""
     t = tpass.table
     d = np.zeros(1, EPOCH_DESC)
     r = d[0]
@@ -147,6 +160,7 @@ def describe(tpass, ar, arena_ptr: int, words_ptr: int, fired_ptr: int = 0, stam
     r["n_groups"] = len(tpass.groups)
     r["fired"], r["fired_cap"] = fired_ptr, FIRED_CAP if fired_ptr else 0
     r["stamps"], r["small_pages"] = stamps_ptr, small_pages
+    r["snap"], r["snap_bytes"], r["snapped"] = snap
     for i, (fn, rows, first, n_rows, pages) in enumerate(tpass.groups):
         g = r["groups"][i]
         g["rows"], g["row_first"], g["n_rows"], g["pages"] = rows.data.ptr, first.data.ptr, int(n_rows), pages
@@ -167,10 +181,12 @@ class DeviceEpochs:
     at the cost of a one-thread launch between them on the driver's path.
     small_pages: the largest table run as one block (SMALL_PAGES; 0: never).
     idle_s: the kernel leaves after this long without a task (the next task
-    launches it again), unless a trigger is armed."""
+    launches it again), unless a trigger is armed.  snapshot_max: the most
+    device memory the snapshot takes (SNAPSHOT_MAX_BYTES; 0: none, every
+    epoch staged straight into its arena with the gate held)."""
 
     def __init__(self, session, *, child_timeout_s: float = 20.0, stamps: bool = False,
-                 small_pages: int = SMALL_PAGES, idle_s: float = 1.0):
+                 small_pages: int = SMALL_PAGES, idle_s: float = 1.0, snapshot_max: int | None = None):
         from concordia.executor.host import Submitter
         from concordia.executor.persistent import ExecutorModule, GpuExecutor, GpuRing, MappedHostBuffer, require_cupy
         from concordia.executor.ring import ConsumerState, Op, Status
@@ -195,6 +211,11 @@ class DeviceEpochs:
         self._queued64, self._log64 = self.queued.array.view(np.uint64), self.log.array.view(np.uint64)
         self.stamps = MappedHostBuffer(8 * len(STAMPS), where="phase stamps") if stamps else None
         self.small_pages = int(small_pages)
+        self.snapshot_max = SNAPSHOT_MAX_BYTES if snapshot_max is None else int(snapshot_max)
+        #: the epochs staged through the snapshot (`snapshot_epochs`), counted by the device
+        self.snapped = MappedHostBuffer(8, where="snapshot epochs")
+        self.snapped.array[:] = 0
+        self.snap = None  # the snapshot (CuPy uint8) the open arena's descriptor names
         #: which path the epochs take: one block ("small") or the driver's launches ("driver")
         self.path = "small" if tpass.table.total_pages <= self.small_pages else "driver"
         #: the descriptors handed to the kernel that it may still read: the open arena's and the one
@@ -232,16 +253,37 @@ class DeviceEpochs:
         self.arena = ar
         ptr = self.tpass.registration.device_ptr + ar.ext.offset
         desc = describe(self.tpass, ar, ptr, self.words.ptr, self.log.ptr,
-                        self.stamps.ptr if self.stamps is not None else 0, self.small_pages)
+                        self.stamps.ptr if self.stamps is not None else 0, self.small_pages, self._snapshot(ar))
         # on a stream of its own, not the caller's current one: an arena swap inside a producer's
         # step would otherwise wait there for every step it has queued (the legacy default stream
         # waits for all others), and the host, which feeds a compiled decode, would stall with it
         with self._upload:
             self.d_desc = self.cp.asarray(desc.view(np.uint8))
-        self.descs = self.descs[-1:] + [self.d_desc]  # a swap each few steps: not one kept per swap for the run
+        # a swap each few steps: not one kept per swap for the run (each with the snapshot it names)
+        self.descs = self.descs[-1:] + [(self.d_desc, self.snap)]
         self._upload.synchronize()
         if self.armed is not None:  # the trigger goes on into the new arena
             self._arm(*self.armed)
+
+    def _snapshot(self, ar) -> tuple:
+        """(device pointer, bytes, counter) of the snapshot for the arena `ar`:
+        room for its `bound` record bytes, at most `snapshot_max`; the one
+        before is kept while it holds as many (an arena's bound moves with
+        the epochs' sizes), else another is made.  (0, 0, 0): none."""
+        want = min(int(ar.bound), self.snapshot_max)
+        if want <= 0:
+            self.snap = None
+            return (0, 0, 0)
+        if self.snap is None or self.snap.size < want:
+            self.snap = self.cp.empty(-(-want // 256) * 256, self.cp.uint8)  # the kernel reads the one before
+        return (self.snap.data.ptr, self.snap.size, self.snapped.ptr)
+
+    @property
+    def snapshot_epochs(self) -> int:
+        """The epochs staged through the snapshot so far (the device counts them)."""
+        if self.closed_status is not None:
+            return self._snapped_kept
+        return int(self.snapped.array.view(np.uint64)[0])
 
     def epoch(self, timeout: float = 30.0):
         """One EPOCH task; its completion (`Completion`: op, status, pages,
@@ -444,6 +486,7 @@ class DeviceEpochs:
             if self.session.runner.arena_pause == self.pause:
                 self.session.runner.arena_pause = None
             self._keep_fired()  # what the trigger's log held stays readable (`fired`)
+            self._snapped_kept = self.snapshot_epochs  # the count outlives its mapped word
             if not gone:
                 self._abandon()
             self.closed_status = self.trigger_status
@@ -474,5 +517,6 @@ class DeviceEpochs:
         self.words.close()
         self.log.close()
         self.queued.close()
+        self.snapped.close()
         if self.stamps is not None:
             self.stamps.close()

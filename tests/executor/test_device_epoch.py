@@ -88,11 +88,12 @@ def test_the_epoch_variant_compiles_with_the_table_pass_in_its_module(tmp_path):
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     text = out.read_text()
-    for name in ("cx_executor", "cx_epoch_driver", "cx_epoch_small", "cx_epoch_close", "table_plan", "table_stage",
-                 "table_finalize", "table_commit", "table_fingerprint", "table_shadow", "table_positions"):
+    for name in ("cx_executor", "cx_epoch_driver", "cx_epoch_small", "cx_epoch_close", "cx_epoch_stage",
+                 "cx_epoch_read", "cx_epoch_copy", "table_plan", "table_finalize", "table_commit",
+                 "table_fingerprint", "table_shadow", "table_positions"):
         assert f".entry {name}(" in text, name
     driver = text.split(".entry cx_epoch_driver(")[1].split(".entry")[0]
-    assert driver.count("LaunchDeviceV2") >= 6  # detection, plan, stage, finalize, commit, close
+    assert driver.count("LaunchDeviceV2") >= 8  # detection, plan, stage, read, copy, finalize, commit, close
     small = text.split(".entry cx_epoch_small(")[1].split(".entry")[0]
     assert "LaunchDeviceV2" not in small and small.count("bar.sync") >= 4  # one block, phases between barriers
 
@@ -152,6 +153,7 @@ def test_the_persistent_kernel_runs_a_sessions_epochs_into_its_arena(shm_log, st
                     phases.append(dev.phases())
         finally:
             dev.close()
+        assert dev.snapshot_epochs == 8  # each epoch's records fit the snapshot: staged there, then copied
         if stamps:  # every phase stamped, in order, for each epoch (a stamp left at 0 would show as negative)
             assert len(phases) == 8 and all(list(p) == list(STAMPS[1:]) for p in phases)
             assert all(0 <= us < 1e6 for p in phases for us in p.values()), phases
@@ -201,11 +203,15 @@ def _each_recovers_its_step(s, fired):
 
 
 @pytest.mark.gpu
-def test_a_device_trigger_commits_epochs_while_the_caller_holds_the_gil(shm_log):
+@pytest.mark.parametrize("snapshot_max", [None, 0], ids=["snapshot", "no-snapshot"])
+def test_a_device_trigger_commits_epochs_while_the_caller_holds_the_gil(shm_log, snapshot_max):
     """64 decode steps queued on the device, each followed by the step gate;
     the trigger armed every 8 counts; the caller then spins in pure Python
     (holding the GIL) for 2.5 s.  Epochs commit on the device alone, each at
-    a step boundary, and each recovers the state of the step it logged."""
+    a step boundary, and each recovers the state of the step it logged:
+    through the snapshot (the gate let go before the records reach the
+    arena, the next steps queued behind it running at once) or, with none,
+    staged straight into the arena with the gate held."""
     import time
 
     import cupy as cp
@@ -217,7 +223,7 @@ def test_a_device_trigger_commits_epochs_while_the_caller_holds_the_gil(shm_log)
 
     with Session(shm_log, size=64 << 20, segment_size=8 << 20, policy=Policy(retain=False)) as s:
         a, counter, gate = _rows_and_gate(s)
-        dev = DeviceEpochs(s)
+        dev = DeviceEpochs(s, snapshot_max=snapshot_max)
         try:
             dev.trigger(8, counter, gate)
             for k in range(1, 65):
@@ -231,12 +237,53 @@ def test_a_device_trigger_commits_epochs_while_the_caller_holds_the_gil(shm_log)
             assert dev.trigger_status in (0, TRIGGER_LEFT) and len(fired) >= 1, (fired, dev.trigger_status)
             # the rest, however loaded the device: each gate lets its step go once its epoch is taken
             cp.cuda.get_current_stream().synchronize()
-            fired = dev.fired()
         finally:
-            dev.close()
+            dev.close()  # the last epoch may still be crossing the bus when the stream has run: closing waits
+        fired, snapped = dev.fired(), dev.snapshot_epochs
         counts = [c for _, c in fired]
         assert counts == [8 * (i + 1) for i in range(8)], counts  # each at its multiple: the step held there
+        assert snapped == (8 if snapshot_max is None else 0), snapped
         _each_recovers_its_step(s, fired)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("small_pages", [SMALL_PAGES, 0], ids=["one-block", "driver"])
+def test_a_step_that_rewrites_everything_once_the_gate_goes_leaves_the_epoch_before_it_whole(shm_log, small_pages):
+    """Each step rewrites the whole 4 MiB region and the trigger takes every
+    step.  The gate goes once the epoch is staged in the snapshot, so the
+    next step's rewrite runs while the records are still crossing the bus
+    into the arena: each epoch holds its own step's values, every page."""
+    import cupy as cp
+
+    from concordia import Session
+    from concordia.checkpoint.device_epoch import GATE_WORDS, DeviceEpochs
+    from concordia.policy import Policy
+
+    n = 1 << 20  # float32: 1,024 pages of 4 KiB, the most the one-block path takes
+    with Session(shm_log, size=512 << 20, segment_size=64 << 20, policy=Policy(retain=False)) as s:
+        a = cp.zeros(n, cp.float32)
+        s.register("a", a, detect="shadow", page_bytes=4096)
+        s.checkpoint()
+        a += np.float32(0)  # CuPy's kernel loaded before the executor is resident
+        counter, gate = cp.zeros(1, cp.uint64), cp.zeros(GATE_WORDS, cp.uint32)
+        cp.cuda.get_current_stream().synchronize()
+        dev = DeviceEpochs(s, small_pages=small_pages)
+        assert dev.path == ("small" if small_pages else "driver")
+        try:
+            dev.trigger(1, counter, gate)
+            for _ in range(4):
+                a += np.float32(1)
+                dev.step_gate(counter, gate)
+            cp.cuda.get_current_stream().synchronize()
+        finally:
+            dev.close()
+        fired = dev.fired()
+        assert [c for _, c in fired] == [1, 2, 3, 4] and dev.snapshot_epochs == 4, (fired, dev.snapshot_epochs)
+        assert s.log.verify()["corrupt"] == 0
+        for epoch, count in fired:
+            got = s.recover(epoch)["a"]
+            got = np.asarray(got.get() if hasattr(got, "get") else got)
+            assert np.array_equal(got, np.full(n, count, np.float32)), (epoch, count, np.unique(got)[:8])
 
 
 #: a one-thread kernel that holds its stream for `ns` nanoseconds (the producer's slow step)
@@ -278,10 +325,10 @@ def test_an_armed_kernel_stays_for_steps_queued_behind_slow_work_and_leaves_once
                 dev.mark_queued(k)  # as the step trigger does: counted before its gate is queued
                 dev.step_gate(counter, gate)
             cp.cuda.get_current_stream().synchronize()
-            fired = dev.fired()
             words = gate.get()
             cp.cuda.Device().synchronize()  # the stream drained: the armed kernel leaves, this returns
-            status = dev.trigger_status
+            # read once it left: the stream runs on once the last epoch has read every region
+            fired, status = dev.fired(), dev.trigger_status
         finally:
             dev.close()
         assert [c for _, c in fired] == [2, 4, 6], fired

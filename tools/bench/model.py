@@ -20,7 +20,11 @@ determinism switches.
   persistent kernel at the step's gate on a GPU (one launch a step from the
   host), the consumer thread on the CPU (`overhead_every_step_resident`,
   `overhead_every_8_resident`; the executor's engine is built by one
-  checkpoint before the timed steps, as once a session).  One cache serves every run (compiled code
+  checkpoint before the timed steps, as once a session); asked for by
+  `--decode-rows`, `every_step_resident_held` is every step on a resident
+  session whose engine takes no snapshot (each epoch staged straight into
+  its arena while the gate holds the step: the snapshot's baseline, in the
+  same run).  One cache serves every run (compiled code
   is reused), each measured run after an unmeasured one, the settings
   interleaved `--decode-reps` times (medians);
 * kills: generations SIGKILLed at random moments of generate(), each restored
@@ -207,8 +211,10 @@ def _decode(model, guard, ids, steps, every, wait=False):
         n, secs, gave_up = hook.trigger.held()  # how long the gate's epochs held the decode (stream or thread)
         kept["trigger"].update(held_steps=n, held_ms_mean=secs / n * 1e3 if n else None,
                                held_ms_per_step=secs / steps * 1e3, gave_up=gave_up)
-        if hook.trigger.on_device:  # arena swaps, arms after the kernel left (idle: the stream drained)
-            kept["trigger"].update(rotations=hook.trigger.rotations, rearmed=hook.trigger.rearmed)
+        if hook.trigger.on_device:  # arena swaps, arms after the kernel left (idle: the stream drained); the
+            # epochs its engine (the last, where a mend replaced one) staged through the snapshot
+            kept["trigger"].update(rotations=hook.trigger.rotations, rearmed=hook.trigger.rearmed,
+                                   snapshot_epochs=hook.trigger.engine.snapshot_epochs)
         hook.trigger.disarm()
         fired = {e for e, _ in hook.fired}
         stats = hook.stats + [st for st in s.checkpoints if st.epoch in fired]
@@ -237,9 +243,14 @@ def _timing(fn, name: str, into: dict):
 #: baseline.  On a resident session CheckpointEvery hands every epoch after the first to the executor's
 #: trigger (the persistent kernel's on a GPU: one launch a step from the host)
 #: --decode-rows: each setting by name (the baseline always runs)
+#: "resident-held": the resident trigger with no snapshot (DeviceEpochs(snapshot_max=0)): each epoch staged
+#: straight into its arena while the gate holds the step, as before the snapshot; the snapshot's baseline
 DECODE_ROWS = {"every_step": (1, False, "host"), "every_8": (8, False, "host"), "every_step_waiting": (1, True, "host"),
-               "every_step_resident": (1, False, "resident"), "every_8_resident": (8, False, "resident")}
+               "every_step_resident": (1, False, "resident"), "every_8_resident": (8, False, "resident"),
+               "every_step_resident_held": (1, False, "resident-held")}
 DECODE_SETTINGS = ((0, False, "host"),) + tuple(DECODE_ROWS.values())
+#: the rows run unless --decode-rows names others (the snapshot's baseline only when asked for)
+DEFAULT_DECODE_ROWS = tuple(r for r in DECODE_ROWS if r != "every_step_resident_held")
 
 
 def _decode_part(model, cfg, batch, steps, prompt_len, reps, kv_per_token, log_spec, discard, device,
@@ -264,12 +275,18 @@ def _decode_part(model, cfg, batch, steps, prompt_len, reps, kv_per_token, log_s
     for rep in range(reps + 1):
         for every, wait, executor in settings:
             log = log_spec("decode")
-            with concordia.Session(log, size=_log_size(kv_per_token * batch * max_len), executor=executor) as s:
+            with contextlib.ExitStack() as held:
+                if executor == "resident-held":  # the engine the next checkpoint builds takes no snapshot
+                    from concordia.checkpoint import device_epoch
+
+                    held.enter_context(mock.patch.object(device_epoch, "SNAPSHOT_MAX_BYTES", 0))
+                s = held.enter_context(concordia.Session(log, size=_log_size(kv_per_token * batch * max_len),
+                                                         executor=executor.split("-")[0]))
                 guard = protect(s, cache, model, batch_size=batch, max_tokens=max_len)
                 cache.reset()
                 _prefill(model, cache, ids[:, :-1], ids.shape[1])  # generate() then starts at the last token
                 s.checkpoint()  # the base
-                if executor == "resident":  # its next epoch builds the executor's engine, once a session, as a
+                if executor != "host":  # its next epoch builds the executor's engine, once a session, as a
                     s.checkpoint()          # user's first generate() would: outside the timed steps
                 per_tok, stats, pending, host_s, (phases, per_step_ms, kept) = _decode(model, guard, ids, steps,
                                                                                         every, wait)
@@ -431,7 +448,7 @@ def run(shape: str, device: str, batch: int, contexts: list[int], decode_steps: 
         chunk: int, workdir: str, log_spec, progress=None, discard=lambda spec: None, *,
         parts=("decode", "kills", "longrun", "recovery"), decode_reps: int = 3, kills: int = 6,
         kill_steps: int = 32, longrun_steps: int = 10000, longrun_gen: int = 1000, longrun_log_x: float = 4.0,
-        decode_rows=tuple(DECODE_ROWS), recovery_reps: int = 3) -> dict:
+        decode_rows=DEFAULT_DECODE_ROWS, recovery_reps: int = 3) -> dict:
     """Measure.  `workdir` (a folder of the run's own) takes the saved weights;
     `log_spec(name)` names a new log of the run, `discard(spec)` removes it."""
     import torch
@@ -626,9 +643,9 @@ def _table(res: dict) -> str:
     if "decode" in res:
         out.append(f"{'checkpoint':>16} {'tokens/s':>10} {'s/step':>9} {'overhead':>9} {'ckpt ms':>9} {'log KB':>8}")
         for r in res["decode"]:
-            name = "none" if not r["every"] else f"every {r['every']}" + (", trigger" if r.get("executor") ==
-                                                                          "resident" else "")
-            ck = "-" if r["ckpt_ms_median"] is None or r.get("executor") == "resident" else \
+            trig = {"resident": ", trigger", "resident-held": ", held"}.get(r.get("executor"), "")
+            name = "none" if not r["every"] else f"every {r['every']}{trig}"
+            ck = "-" if r["ckpt_ms_median"] is None or r.get("executor") != "host" else \
                 f"{r['ckpt_ms_median']:.2f}"
             kb = "-" if not r.get("log_bytes_per_ckpt") else f"{r['log_bytes_per_ckpt'] / 1024:.0f}"
             out.append(f"{name:>16} {r['tokens_per_s']:>10.1f} {r['s_per_step']:>9.4f} {r['overhead']:>9.3f} "
@@ -725,7 +742,7 @@ def _phase_line(phases: dict) -> str:
               help="The long run's log size as a multiple of the protected state.")
 @click.option("--parts", default="decode,kills,longrun,recovery", show_default=True,
               help="Which parts run: decode, kills, longrun, recovery.")
-@click.option("--decode-rows", default=",".join(DECODE_ROWS), show_default=True,
+@click.option("--decode-rows", default=",".join(DEFAULT_DECODE_ROWS), show_default=True,
               help="Which checkpoint settings the decode part measures against no checkpoint.")
 @click.option("--tier", type=click.Choice(["shm", "file"]), default="shm", show_default=True,
               help="Where the log lives.")
