@@ -333,9 +333,12 @@ extern "C" __global__ void cx_stamp(u64* at) {
 #define CX_CLAIMED_WAIT_NS (10ull * 1000 * 1000 * 1000)
 #endif
 
-// One thread: the commit claimed, or the plan made not to fit (cancelled).
+// One thread: the commit claimed, or the plan made not to fit (cancelled);
+// once claimed, claiming again changes nothing.
 __device__ __forceinline__ void claim_commit(TablePlan* plan, cx_scratch* sc) {
-    if (atomicCAS(reinterpret_cast<unsigned long long*>(&sc->claim), 0ull, CX_CLAIM_COMMIT) != 0ull) {
+    __threadfence();  // the epoch's reads of the regions before the claim other grids act on
+    const u64 was = atomicCAS(reinterpret_cast<unsigned long long*>(&sc->claim), 0ull, CX_CLAIM_COMMIT);
+    if (was != 0ull && was != CX_CLAIM_COMMIT) {
         plan->fits = 0;
         __threadfence();
     }
@@ -347,7 +350,8 @@ __device__ __forceinline__ void claim_commit(TablePlan* plan, cx_scratch* sc) {
 // bus into the arena; they are copied there, their headers written and the
 // commit stored while the producer's next step runs.  The arena's bytes are
 // the same either way.  A larger epoch, or a descriptor with none, is staged
-// straight into the arena and claims its commit after staging.
+// straight into the arena and claims its commit once its headers are written,
+// as before the snapshot: the gate holds the step until then.
 __device__ __forceinline__ bool via_snapshot(const cx_epoch_desc* d, const TablePlan* plan) {
     return d->snap != 0 && plan->fits && plan->bytes <= d->snap_bytes;
 }
@@ -450,16 +454,23 @@ extern "C" __global__ void __launch_bounds__(256) cx_epoch_stage(const cx_epoch_
     stage_pages(T, e.table, e.ids, e.recs, e.plan, dst, e.digests, grid_warp(), grid_warps());
 }
 
-// One block, once staging has ended (every region read): a snapshot's headers
-// zeroed, then the commit claimed (which lets a trigger's gate go: run_epoch).
+// One block, once staging has ended (every region read): an epoch staged in
+// the snapshot has its headers there zeroed, then claims its commit (which
+// lets a trigger's gate go: run_epoch).
 extern "C" __global__ void __launch_bounds__(256) cx_epoch_read(const cx_epoch_desc* d, u64 at, cx_scratch* sc) {
     const cx_epoch_at e = epoch_at(d, at);
-    if (via_snapshot(d, e.plan)) snapshot_headers(d, e.recs, e.plan, threadIdx.x >> 5, blockDim.x >> 5);
+    if (!via_snapshot(d, e.plan)) return;  // the whole block: before the barrier
+    snapshot_headers(d, e.recs, e.plan, threadIdx.x >> 5, blockDim.x >> 5);
     __syncthreads();
     if (threadIdx.x == 0) {
         claim_commit(e.plan, sc);
         snapshot_count(d, e.plan);
     }
+}
+
+// One thread, before the commit: the commit claimed (changes nothing once a snapshot's epoch claimed it).
+extern "C" __global__ void cx_epoch_claim(TablePlan* plan, cx_scratch* sc) {
+    claim_commit(plan, sc);
 }
 
 // The driver's copy of a snapshot into the arena (nothing for an epoch staged there).
@@ -499,6 +510,7 @@ extern "C" __global__ void cx_epoch_driver(const cx_epoch_desc* d, u64 at, u64 e
     cx_epoch_copy<<<(u32)d->stage_blocks, 256>>>(d, at);
     table_finalize<<<(u32)d->finalize_blocks, 256>>>(e.table, e.ids, e.recs, e.plan, e.dst, e.lsn, epoch, e.salt);
     if (st) cx_stamp<<<1, 1>>>(st + 5);
+    cx_epoch_claim<<<1, 1>>>(e.plan, sc);  // an epoch staged straight into the arena (a snapshot's: claimed)
     table_commit<<<1, 32>>>(e.table, reinterpret_cast<const u32*>(d->order), e.n, e.digests, e.plan, e.dst, e.room,
                             e.lsn, epoch, e.salt, prev_commit);
     if (st) cx_stamp<<<1, 1>>>(st + 6);
@@ -550,18 +562,21 @@ extern "C" __global__ void __launch_bounds__(CX_SMALL_THREADS, 2)
                     w0, warps);
     __syncthreads();
     if (stamper) st[4] = now_ns();
-    if (snapped) snapshot_headers(d, e.recs, e.plan, w0, warps);
-    __syncthreads();
-    if (threadIdx.x == 0) {  // every region read: a trigger's gate may go (run_epoch)
-        claim_commit(e.plan, sc);
-        snapshot_count(d, e.plan);
+    if (snapped) {  // every region read: the commit claimed, a trigger's gate may go (run_epoch)
+        snapshot_headers(d, e.recs, e.plan, w0, warps);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            claim_commit(e.plan, sc);
+            snapshot_count(d, e.plan);
+        }
+        __syncthreads();
+        if (e.plan->fits) snapshot_copy(d, e.plan, e.dst, threadIdx.x, blockDim.x);  // fits: 0 once cancelled
+        __syncthreads();
     }
-    __syncthreads();
-    const bool fits = e.plan->fits;  // 0 once cancelled by the control warp
-    if (fits && snapped) snapshot_copy(d, e.plan, e.dst, threadIdx.x, blockDim.x);
-    __syncthreads();
-    if (fits) finalize_records(T, e.table, e.ids, e.recs, e.plan, e.dst, e.lsn, epoch, e.salt, w0, warps);
+    if (e.plan->fits) finalize_records(T, e.table, e.ids, e.recs, e.plan, e.dst, e.lsn, epoch, e.salt, w0, warps);
     __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) claim_commit(e.plan, sc);  // staged straight into the arena (a snapshot's: claimed)
     __syncthreads();
     if (stamper) st[5] = now_ns();
     if (threadIdx.x < 32)

@@ -216,6 +216,7 @@ class DeviceEpochs:
         self.snapped = MappedHostBuffer(8, where="snapshot epochs")
         self.snapped.array[:] = 0
         self.snap = None  # the snapshot (CuPy uint8) the open arena's descriptor names
+        self.snapshot_why: str | None = None  # why the open arena's epochs have none (out of device memory)
         #: which path the epochs take: one block ("small") or the driver's launches ("driver")
         self.path = "small" if tpass.table.total_pages <= self.small_pages else "driver"
         #: the descriptors handed to the kernel that it may still read: the open arena's and the one
@@ -275,7 +276,13 @@ class DeviceEpochs:
             self.snap = None
             return (0, 0, 0)
         if self.snap is None or self.snap.size < want:
-            self.snap = self.cp.empty(-(-want // 256) * 256, self.cp.uint8)  # the kernel reads the one before
+            try:
+                self.snap = self.cp.empty(-(-want // 256) * 256, self.cp.uint8)  # the kernel reads the one before
+            except self.cp.cuda.memory.OutOfMemoryError:  # the epochs go straight into the arena, the gate held
+                self.snap = None
+                self.snapshot_why = f"no device memory for a snapshot of {want} bytes"
+                return (0, 0, 0)
+        self.snapshot_why = None
         return (self.snap.data.ptr, self.snap.size, self.snapped.ptr)
 
     @property
@@ -489,6 +496,7 @@ class DeviceEpochs:
             self._snapped_kept = self.snapshot_epochs  # the count outlives its mapped word
             if not gone:
                 self._abandon()
+            self.snap, self.descs, self.d_desc = None, [], None  # the kernel left: its device buffers go
             self.closed_status = self.trigger_status
             self.session.settle()
             self._release()

@@ -161,11 +161,11 @@ def test_the_persistent_kernel_takes_the_epochs_at_the_steps_gate(shm_log):
         tr, states = _run(s, a, 260, 1, whole_at=(130,), host=lambda x: x.get(), pages=4)
         cp.cuda.get_current_stream().synchronize()
         assert tr.on_device
-        fired = tr.fired
         held, held_s, gave_up = tr.held()  # the due steps the gate held (not those passed during a swap)
-        assert len(fired) <= held <= 260 and held_s > 0 and gave_up == 0, (held, held_s, gave_up, len(fired))
         tr.disarm()
         s.settle()
+        fired = tr.fired  # once settled: the last epoch's commit may follow its step's gate (the snapshot)
+        assert len(fired) <= held <= 260 and held_s > 0 and gave_up == 0, (held, held_s, gave_up, len(fired))
         assert tr.rotations >= 2 and len(tr.errors) == 1 and "did not fit" in tr.errors[0], (tr.rotations, tr.errors)
         # the descriptors of arenas swapped out are given back (a swap each few steps of a long run)
         assert len(tr.engine.descs) <= 2, len(tr.engine.descs)

@@ -214,7 +214,8 @@ def _decode(model, guard, ids, steps, every, wait=False):
         if hook.trigger.on_device:  # arena swaps, arms after the kernel left (idle: the stream drained); the
             # epochs its engine (the last, where a mend replaced one) staged through the snapshot
             kept["trigger"].update(rotations=hook.trigger.rotations, rearmed=hook.trigger.rearmed,
-                                   snapshot_epochs=hook.trigger.engine.snapshot_epochs)
+                                   snapshot_epochs=hook.trigger.engine.snapshot_epochs,
+                                   snapshot_why=hook.trigger.engine.snapshot_why)
         hook.trigger.disarm()
         fired = {e for e, _ in hook.fired}
         stats = hook.stats + [st for st in s.checkpoints if st.epoch in fired]
@@ -244,7 +245,8 @@ def _timing(fn, name: str, into: dict):
 #: trigger (the persistent kernel's on a GPU: one launch a step from the host)
 #: --decode-rows: each setting by name (the baseline always runs)
 #: "resident-held": the resident trigger with no snapshot (DeviceEpochs(snapshot_max=0)): each epoch staged
-#: straight into its arena while the gate holds the step, as before the snapshot; the snapshot's baseline
+#: straight into its arena, the gate holding the step until its headers are written, as before the snapshot;
+#: the snapshot's baseline
 DECODE_ROWS = {"every_step": (1, False, "host"), "every_8": (8, False, "host"), "every_step_waiting": (1, True, "host"),
                "every_step_resident": (1, False, "resident"), "every_8_resident": (8, False, "resident"),
                "every_step_resident_held": (1, False, "resident-held")}
