@@ -1,0 +1,64 @@
+"""Where the device trigger's hold of a decode step goes (issue 32):
+`bench model --parts decode` on ROWS (default every_step_resident, one
+measured round of STEPS steps), each engine made with phase stamps
+(`DeviceEpochs(stamps=True)`: on the driver's path each stamp adds a
+one-thread launch), the last epoch's phases read after each trigger step.
+The host runs ahead of the device, so a read can catch an epoch half
+stamped: such samples (a phase below 0 or above 100 ms) are left out and
+counted.  Prints the medians and 90th percentiles of each phase (µs) beside
+the row's hold at the gate.  Diagnostic only: the figures a claim rests on
+come from the bench.  Runs the Qwen3-0.6B shape on CUDA, the tiny model on
+the CPU (where no engine is made: no phases).
+Usage: python3 scripts/trigger_phases_probe.py [ROWS] [STEPS]"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import concordia.tools.bench.model as bench
+from concordia.checkpoint import device_epoch
+from concordia.executor import step_trigger
+from concordia.tools.bench.files import Scratch
+
+rows = tuple((sys.argv[1] if len(sys.argv) > 1 else "every_step_resident").split(","))
+steps = int(sys.argv[2]) if len(sys.argv) > 2 else 128
+gpu = torch.cuda.is_available()
+samples: list = []
+torn = 0
+init, step = device_epoch.DeviceEpochs.__init__, step_trigger.DeviceStepTrigger.step
+
+
+def stamped_init(self, session, **kw):
+    kw["stamps"] = True
+    init(self, session, **kw)
+
+
+def sampled_step(self):
+    global torn
+    step(self)
+    p = self.engine.phases() if self.engine.stamps is not None else None
+    if p is None:
+        return
+    if all(0 <= us < 1e5 for us in p.values()):
+        samples.append(p)
+    else:
+        torn += 1
+
+
+device_epoch.DeviceEpochs.__init__ = stamped_init
+step_trigger.DeviceStepTrigger.step = sampled_step
+with Scratch("model") as scratch:
+    res = bench.run("0.6b" if gpu else "tiny", "cuda" if gpu else "cpu", 8 if gpu else 2, [64], steps,
+                    512 if gpu else 16, 8192, scratch.folder(None), lambda name: scratch.log(name, "shm", None),
+                    progress=None, discard=scratch.discard, parts={"decode"}, decode_reps=1, kills=1, kill_steps=12,
+                    longrun_steps=10, longrun_gen=10, longrun_log_x=4.0, decode_rows=rows)
+for r in res["decode"]:
+    t = (r["retention"] or {}).get("trigger")
+    print(f"every {r['every']} {r['executor']}: overhead {r['overhead']:.4f}, trigger {t}")
+print(f"phase samples: {len(samples)} kept, {torn} torn (read while the device stamped)")
+for name in device_epoch.STAMPS[1:]:
+    xs = sorted(p[name] for p in samples)
+    if xs:
+        print(f"  {name:>9}: median {xs[len(xs) // 2]:9.1f} us, p90 {xs[int(len(xs) * 0.9)]:9.1f} us")
