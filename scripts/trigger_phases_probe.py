@@ -25,7 +25,7 @@ from concordia.tools.bench.files import Scratch
 rows = tuple((sys.argv[1] if len(sys.argv) > 1 else "every_step_resident").split(","))
 steps = int(sys.argv[2]) if len(sys.argv) > 2 else 128
 gpu = torch.cuda.is_available()
-samples: list = []
+samples: dict = {}  # the engine's snapshot_max (0: the held row) -> [phases]
 torn = 0
 init, step = device_epoch.DeviceEpochs.__init__, step_trigger.DeviceStepTrigger.step
 
@@ -42,7 +42,7 @@ def sampled_step(self):
     if p is None:
         return
     if all(0 <= us < 1e5 for us in p.values()):
-        samples.append(p)
+        samples.setdefault(self.engine.snapshot_max, []).append(p)
     else:
         torn += 1
 
@@ -57,8 +57,9 @@ with Scratch("model") as scratch:
 for r in res["decode"]:
     t = (r["retention"] or {}).get("trigger")
     print(f"every {r['every']} {r['executor']}: overhead {r['overhead']:.4f}, trigger {t}")
-print(f"phase samples: {len(samples)} kept, {torn} torn (read while the device stamped)")
-for name in device_epoch.STAMPS[1:]:
-    xs = sorted(p[name] for p in samples)
-    if xs:
+print(f"phase samples: {sum(map(len, samples.values()))} kept, {torn} torn (read while the device stamped)")
+for snap, ps in sorted(samples.items()):
+    print(f"engines with a snapshot of at most {snap} bytes ({len(ps)} samples, both rounds)")
+    for name in device_epoch.STAMPS[1:]:
+        xs = sorted(p[name] for p in ps)
         print(f"  {name:>9}: median {xs[len(xs) // 2]:9.1f} us, p90 {xs[int(len(xs) * 0.9)]:9.1f} us")
