@@ -93,15 +93,27 @@ def gf2_multmodp(a: int, b: int) -> int:
     return p
 
 
+def _x8_pow2() -> tuple[int, ...]:
+    """x^(8 * 2^i) modulo the polynomial (reflected) for i = 0..63, each the square of the one before."""
+    powers = [1 << 23]  # x^8
+    for _ in range(63):
+        powers.append(gf2_multmodp(powers[-1], powers[-1]))
+    return tuple(powers)
+
+
+#: common.cuh's X8_POW2: the powers xpow8n multiplies in, one a set bit of n
+X8_POW2 = _x8_pow2()
+
+
 def xpow8n(n: int) -> int:
     """x^(8n) modulo the polynomial (reflected): the operator that shifts a raw
-    CRC register over n zero bytes."""
-    result, base = 1 << 31, 1 << 23  # x^0, x^8
+    CRC register over n zero bytes (as common.cuh computes it)."""
+    result, i = 1 << 31, 0  # x^0
     while n:
         if n & 1:
-            result = gf2_multmodp(result, base)
-        base = gf2_multmodp(base, base)
+            result = gf2_multmodp(result, X8_POW2[i])
         n >>= 1
+        i += 1
     return result
 
 

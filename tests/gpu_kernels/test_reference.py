@@ -46,6 +46,33 @@ def test_shift_is_feeding_zero_bytes():
         assert ref.crc32c_shift(raw, n) == ref.crc32c_raw(bytes(n), raw)
 
 
+def test_the_kernels_powers_of_x_are_the_twins_and_shift_as_squaring_does():
+    """common.cuh's X8_POW2 literal is reference.X8_POW2, each power the square of
+    the one before; xpow8n from them equals x^(8n) by repeated squaring, which
+    the kernels computed before, up to exponents past a region of 2^40 bytes."""
+    import re
+
+    text = (pathlib.Path(ref.__file__).parent / "common.cuh").read_text()
+    body = text[text.index("X8_POW2[64] = {"):]
+    body = body[body.index("{") + 1:body.index("};")]
+    assert [int(v, 16) for v in re.findall(r"0x([0-9A-F]{8})u", body)] == list(ref.X8_POW2)
+    assert ref.X8_POW2[0] == 1 << 23 and all(ref.X8_POW2[i + 1] == ref.gf2_multmodp(p, p)
+                                             for i, p in enumerate(ref.X8_POW2[:-1]))
+
+    def by_squaring(n: int) -> int:
+        result, base = 1 << 31, 1 << 23
+        while n:
+            if n & 1:
+                result = ref.gf2_multmodp(result, base)
+            base = ref.gf2_multmodp(base, base)
+            n >>= 1
+        return result
+
+    rng = np.random.default_rng(7)
+    for n in list(range(0, 300)) + [int(x) for x in rng.integers(0, 2**42, 200)] + [2**63 + 5]:
+        assert ref.xpow8n(n) == by_squaring(n), n
+
+
 def _slicing8(data: bytes) -> int:
     """The kernels' slicing-by-8 step (common.cuh crc_tables_build/crc_dword),
     replayed on the host: a check of its table indexing."""
