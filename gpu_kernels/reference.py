@@ -107,7 +107,7 @@ X8_POW2 = _x8_pow2()
 
 def xpow8n(n: int) -> int:
     """x^(8n) modulo the polynomial (reflected): the operator that shifts a raw
-    CRC register over n zero bytes (as common.cuh computes it)."""
+    CRC register over n zero bytes (as common.cuh computes it), n in [0, 2^64)."""
     result, i = 1 << 31, 0  # x^0
     while n:
         if n & 1:
