@@ -61,7 +61,7 @@ extern "C" __global__ void staging_math(u32 pages, u32 region_pages, u32 pb, int
     out[w * 32 + lane] = acc;
 }
 """
-mod = cp.RawModule(code=code)
+mod = jit.load(code, jit.NVRTC_OPTIONS, ("empty_grid", "staging_math"), where="gf2_cost_probe")
 empty, math = mod.get_function("empty_grid"), mod.get_function("staging_math")
 out = cp.zeros(pages * 32, cp.uint32)
 grid = ((pages + 7) // 8,)

@@ -12,15 +12,11 @@ import collections
 import sys
 import traceback
 
-import torch
-
 import concordia.tools.bench.model as bench
 from concordia.checkpoint import device_epoch
-from concordia.tools.bench.files import Scratch
 
 rows = tuple((sys.argv[1] if len(sys.argv) > 1 else "every_8_resident").split(","))
 steps = int(sys.argv[2]) if len(sys.argv) > 2 else 128
-gpu = torch.cuda.is_available()
 refused: collections.Counter = collections.Counter()
 first: dict = {}
 engine_rotate = device_epoch.DeviceEpochs.rotate
@@ -37,11 +33,7 @@ def watched_engine_rotate(self):
 
 
 device_epoch.DeviceEpochs.rotate = watched_engine_rotate
-with Scratch("model") as scratch:
-    res = bench.run("0.6b" if gpu else "tiny", "cuda" if gpu else "cpu", 8 if gpu else 2, [64], steps,
-                    512 if gpu else 16, 8192, scratch.folder(None), lambda name: scratch.log(name, "shm", None),
-                    progress=None, discard=scratch.discard, parts={"decode"}, decode_reps=1, kills=1, kill_steps=12,
-                    longrun_steps=10, longrun_gen=10, longrun_log_x=4.0, decode_rows=rows)
+res = bench.probe_decode(rows, steps)
 for r in res["decode"]:
     t = r["retention"].get("trigger")
     due = steps // r["every"] if r["every"] else 0

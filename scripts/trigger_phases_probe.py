@@ -15,16 +15,12 @@ from __future__ import annotations
 
 import sys
 
-import torch
-
 import concordia.tools.bench.model as bench
 from concordia.checkpoint import device_epoch
 from concordia.executor import step_trigger
-from concordia.tools.bench.files import Scratch
 
 rows = tuple((sys.argv[1] if len(sys.argv) > 1 else "every_step_resident").split(","))
 steps = int(sys.argv[2]) if len(sys.argv) > 2 else 128
-gpu = torch.cuda.is_available()
 samples: dict = {}  # the engine's snapshot_max (0: the held row) -> [phases]
 torn = 0
 init, step = device_epoch.DeviceEpochs.__init__, step_trigger.DeviceStepTrigger.step
@@ -49,11 +45,7 @@ def sampled_step(self):
 
 device_epoch.DeviceEpochs.__init__ = stamped_init
 step_trigger.DeviceStepTrigger.step = sampled_step
-with Scratch("model") as scratch:
-    res = bench.run("0.6b" if gpu else "tiny", "cuda" if gpu else "cpu", 8 if gpu else 2, [64], steps,
-                    512 if gpu else 16, 8192, scratch.folder(None), lambda name: scratch.log(name, "shm", None),
-                    progress=None, discard=scratch.discard, parts={"decode"}, decode_reps=1, kills=1, kill_steps=12,
-                    longrun_steps=10, longrun_gen=10, longrun_log_x=4.0, decode_rows=rows)
+res = bench.probe_decode(rows, steps)
 for r in res["decode"]:
     t = (r["retention"] or {}).get("trigger")
     print(f"every {r['every']} {r['executor']}: overhead {r['overhead']:.4f}, trigger {t}")

@@ -446,6 +446,22 @@ def _longrun_part(model, cfg, shape, device, batch, steps, gen, prompt_len, log_
     return out
 
 
+def probe_decode(rows: tuple, steps: int) -> dict:
+    """`run`'s decode part alone on the decode `rows` (DECODE_ROWS names),
+    one measured round of `steps` steps after a warm one, in a scratch
+    folder with shm logs: the Qwen3-0.6B shape, batch 8, a 512-token prompt
+    on CUDA, the tiny shape, batch 2, 16 tokens on the CPU.  The run the
+    trigger probes watch (scripts/trigger_*_probe.py)."""
+    import torch
+
+    gpu = torch.cuda.is_available()
+    with Scratch("model") as scratch:
+        return run("0.6b" if gpu else "tiny", "cuda" if gpu else "cpu", 8 if gpu else 2, [64], steps,
+                   512 if gpu else 16, 8192, scratch.folder(None), lambda name: scratch.log(name, "shm", None),
+                   progress=None, discard=scratch.discard, parts={"decode"}, decode_reps=1, kills=1, kill_steps=12,
+                   longrun_steps=10, longrun_gen=10, longrun_log_x=4.0, decode_rows=tuple(rows))
+
+
 def run(shape: str, device: str, batch: int, contexts: list[int], decode_steps: int, decode_prompt: int,
         chunk: int, workdir: str, log_spec, progress=None, discard=lambda spec: None, *,
         parts=("decode", "kills", "longrun", "recovery"), decode_reps: int = 3, kills: int = 6,
