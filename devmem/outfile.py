@@ -22,7 +22,7 @@ its work starts (a long benchmark is not run only to be refused at the end)
 and `OutputFile` checks again as it writes.
 
 Ctrl-C: the two steps that make a name and remember it (creating the
-temporary, putting the output in place) hold SIGINT back until both are done
+temporary, putting the output in place) hold SIGINT and SIGTERM back until both are done
 (`hold_interrupts`), so an interrupt never leaves a temporary that nothing
 remembers to remove, nor an output in place that is then called unwritten.
 """
@@ -98,27 +98,30 @@ def check_output(path, *, replace: bool = False, inputs=(), what: str = "the log
 
 @contextlib.contextmanager
 def hold_interrupts():
-    """SIGINT held back for the block and delivered when it ends (Python's
-    handler, or the command line's, then raises KeyboardInterrupt there).
-    Only in the main thread and only where SIGINT runs a Python handler;
-    elsewhere the block runs as it is."""
+    """SIGINT and SIGTERM held back for the block and delivered when it ends
+    (Python's handler, or the command line's, then raises KeyboardInterrupt
+    there).  Only in the main thread, and for each signal only where it runs a
+    Python handler; elsewhere the block runs as it is."""
     try:
-        old = signal.getsignal(signal.SIGINT)
-        if threading.current_thread() is not threading.main_thread() or not callable(old):
-            old = None
+        main = threading.current_thread() is threading.main_thread()
+        olds = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
     except ValueError:
-        old = None
-    if old is None:
+        olds = {}
+    olds = {sig: h for sig, h in olds.items() if callable(h)}
+    if not olds:
         yield
         return
     held = []
-    signal.signal(signal.SIGINT, lambda signum, frame: held.append((signum, frame)))
+    for sig in olds:
+        signal.signal(sig, lambda signum, frame: held.append((signum, frame)))
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, old)
+        for sig, old in olds.items():
+            signal.signal(sig, old)
         if held:
-            old(*held[0])
+            signum, frame = held[0]
+            olds[signum](signum, frame)
 
 
 class OutputFile:

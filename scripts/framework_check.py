@@ -161,8 +161,8 @@ def recover_into(torch, cp, gib: int, page_bytes: int = 65536) -> dict:
 def bench_pipeline(gib: int) -> dict:
     """`concordia-wal bench recover` at the same size on shm (its public entry point)."""
     path = os.path.join(tempfile.mkdtemp(prefix="concordia-framework-"), "recover.json")
-    cmd = [sys.executable, "-c", "import sys; from concordia.tools.wal_cli import main; "
-           "sys.argv[0] = 'concordia-wal'; main()", "bench", "recover", "--sizes", str(gib), "--tiers", "shm",
+    cmd = [sys.executable, "-c", "import sys; from concordia.tools.entry import concordia_wal; "
+           "sys.argv[0] = 'concordia-wal'; concordia_wal()", "bench", "recover", "--sizes", str(gib), "--tiers", "shm",
            "--no-torch", "--registered-max-gib", "0", "--json", "--out", path]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     if p.returncode != 0:

@@ -11,6 +11,13 @@ imports start, with nothing but the standard library:
   files removed, a benchmark's logs deleted); later ones are ignored, so that
   the cleanup is not cut short.  A SIGINT that was ignored when the process
   started (a background job) stays ignored.
+* SIGTERM (`timeout`, a service manager's stop, `kill`) ends a command the
+  same way: it unwinds through the same cleanups (a benchmark's scratch logs
+  in /dev/shm are removed, a half-written output is dropped), then the one
+  line `error: terminated` and exit 143 (128 + SIGTERM), as a shell reports
+  a command ended by it.  Once either signal has landed, both are ignored
+  until the command ends.  A SIGTERM that was ignored, or that the program
+  embedding the command handles itself, is left as it was.
 * A missing package.  Every command needs the packages the library depends
   on (`crc32c` for the log's checksums, numpy, ...), most of them only once
   the command runs, when a plain import would end in a traceback midway.  The
@@ -26,20 +33,31 @@ import importlib
 import signal
 import sys
 
-__all__ = ["concordia", "concordia_wal", "interrupted", "was_interrupted", "EXIT_INTERRUPTED"]
+__all__ = ["concordia", "concordia_wal", "interrupted", "was_interrupted", "EXIT_INTERRUPTED", "EXIT_TERMINATED",
+           "Terminated"]
 
 EXIT_USAGE = 2  # tools.common.EXIT_USAGE, which cannot be imported without the library
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
+EXIT_TERMINATED = 143  # 128 + SIGTERM
+
+_stopped_by: list[int] = []  # the signal that stopped the command, once one has
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the command was, so that it unwinds as Ctrl-C
+    does (every `except KeyboardInterrupt` that cleans up runs for it too)."""
 
 
 def interrupted() -> None:
-    """End the command after Ctrl-C: one line on stderr, exit 130."""
+    """End the command after Ctrl-C (one line on stderr, exit 130) or
+    SIGTERM (`error: terminated`, exit 143)."""
+    term = bool(_stopped_by) and _stopped_by[0] == signal.SIGTERM
     try:
-        sys.stderr.write("error: interrupted\n")
+        sys.stderr.write("error: terminated\n" if term else "error: interrupted\n")
         sys.stderr.flush()
     except (OSError, ValueError):
         pass
-    sys.exit(EXIT_INTERRUPTED)
+    sys.exit(EXIT_TERMINATED if term else EXIT_INTERRUPTED)
 
 
 def was_interrupted(exc: BaseException | None) -> bool:
@@ -56,18 +74,36 @@ def was_interrupted(exc: BaseException | None) -> bool:
     return False
 
 
+def _stop(signum: int) -> None:
+    # the first of Ctrl-C and SIGTERM stops the command; the cleanup it unwinds through runs to its end
+    _stopped_by.append(signum)
+    for sig, handler in _installed.items():
+        if signal.getsignal(sig) is handler:
+            signal.signal(sig, signal.SIG_IGN)
+
+
 def _on_sigint(signum, frame):
-    # the first Ctrl-C stops the command; the cleanup it unwinds through runs to its end
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _stop(signum)
     raise KeyboardInterrupt
 
 
+def _on_sigterm(signum, frame):
+    _stop(signum)
+    raise Terminated
+
+
+_installed = {signal.SIGINT: _on_sigint, signal.SIGTERM: _on_sigterm}
+
+
 def _catch_interrupts() -> None:
-    """Install `_on_sigint` where SIGINT has Python's own handler (not where
-    it was ignored at start, nor where an embedding program set another)."""
+    """Install `_on_sigint` where SIGINT has Python's own handler, and
+    `_on_sigterm` where SIGTERM has the default action (not where either was
+    ignored at start, nor where an embedding program set another)."""
     try:
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
             signal.signal(signal.SIGINT, _on_sigint)
+        if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _on_sigterm)
     except ValueError:  # not the main thread of the main interpreter
         pass
 

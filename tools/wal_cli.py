@@ -27,7 +27,7 @@ def main():
     A LOG is named the same way everywhere: dax:/dev/dax0.0, pmem:/mnt/pmem/log,
     shm:NAME, file:PATH, or a plain path (the tier is detected).
 
-    Exit codes: 0 clean, 1 problems found, 2 usage or I/O error, 130 interrupted.
+    Exit codes: 0 clean, 1 problems found, 2 usage or I/O error, 130 interrupted, 143 terminated.
     """
 
 

@@ -16,7 +16,7 @@ timeout -k 5 130 python3 -m pytest tests/session/test_gpu_table.py tests/session
   -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/checkpoint-table-tests.txt" | tail -25
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 # shellcheck disable=SC2086  # TABLE_BENCH_ARGS: extra options, split on purpose
-timeout -k 5 150 python3 -c "from concordia.tools.wal_cli import main; main()" bench checkpoint --json \
+timeout -k 5 150 python3 -c "import sys; from concordia.tools.entry import concordia_wal; sys.argv[0] = 'concordia-wal'; concordia_wal()" bench checkpoint --json \
   --out "$OUT/checkpoint.json" --force --reps 10 --parts "${TABLE_PARTS:-regions,decode,e2e}" \
   --e2e-sizes "${TABLE_E2E_SIZES:-256M,1G,4G,8G}" ${TABLE_BENCH_ARGS:-} >/dev/null 2>"$OUT/checkpoint.err"
 rc=$?

@@ -8,7 +8,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 : "${OUT:?set OUT to a folder for results}"
-wal=(python3 -c "import sys; from concordia.tools.wal_cli import main; sys.argv[0] = 'concordia-wal'; main()")
+wal=(python3 -c "import sys; from concordia.tools.entry import concordia_wal; sys.argv[0] = 'concordia-wal'; concordia_wal()")
 status=0
 "${wal[@]}" bench checkpoint --parts decode --reps 20 --json --out "$OUT/checkpoint-decode.json" --force \
   > /dev/null || status=1

@@ -8,6 +8,6 @@ status=0
 python3 -m pytest -q -p no:cacheprovider -o addopts= -m gpu \
   tests/devmem/test_cuda_host.py "tests/devmem/test_conformance.py::TestPinned" \
   --junitxml="$out/pytest-gpu.xml" 2>&1 | tee "$out/pytest-gpu.txt" || status=1
-python3 -c "from concordia.tools.wal_cli import main; main()" bench devmem --json --out "$out/bench-devmem.json" --force \
+python3 -c "import sys; from concordia.tools.entry import concordia_wal; sys.argv[0] = 'concordia-wal'; concordia_wal()" bench devmem --json --out "$out/bench-devmem.json" --force \
   > "$out/bench-devmem.stdout.json" 2> "$out/bench-devmem.stderr.txt" || status=1
 exit $status

@@ -18,7 +18,7 @@ timeout -k 5 100 python3 -m pytest tests/executor -m gpu -q -p no:cacheprovider 
   --junitxml="$OUT/executor-pytest.xml" 2>&1 | tee "$OUT/executor-tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 if [ "${EXECUTOR_BENCH:-1}" != 0 ]; then  # EXECUTOR_BENCH=0: the tests alone
-  timeout -k 5 120 python3 -c "from concordia.tools.wal_cli import main; main()" bench executor \
+  timeout -k 5 120 python3 -c "import sys; from concordia.tools.entry import concordia_wal; sys.argv[0] = 'concordia-wal'; concordia_wal()" bench executor \
     --out "$OUT/executor.json" --force 2> "$OUT/executor-bench.err" | tee "$OUT/executor-bench.txt"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   cat "$OUT/executor-bench.err"

@@ -20,7 +20,7 @@ status=0
 timeout -k 5 60 python3 -m pytest tests/session/test_executor_session.py -m gpu -q -p no:cacheprovider -o addopts= -rs \
   --junitxml="$OUT/executor-session-pytest.xml" 2>&1 | tee "$OUT/executor-session-tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-timeout -k 5 "${EXECUTOR_SESSION_BENCH_S:-170}" python3 -c "from concordia.tools.wal_cli import main; main()" bench executor-session \
+timeout -k 5 "${EXECUTOR_SESSION_BENCH_S:-170}" python3 -c "import sys; from concordia.tools.entry import concordia_wal; sys.argv[0] = 'concordia-wal'; concordia_wal()" bench executor-session \
   --out "$OUT/executor-session.json" --force 2> "$OUT/executor-session-bench.err" | tee "$OUT/executor-session-bench.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 cat "$OUT/executor-session-bench.err"

@@ -24,7 +24,7 @@ bash scripts/hugepages.sh setup "$huge_gib" "$mnt" >/dev/null || { echo "hot_sta
 trap 'bash scripts/hugepages.sh teardown "$mnt"' EXIT
 export CONCORDIA_HUGETLB_DIR=$mnt
 rc=0
-WAL=(python3 -c "import sys; from concordia.tools.wal_cli import main; sys.argv[0] = 'concordia-wal'; main()")
+WAL=(python3 -c "import sys; from concordia.tools.entry import concordia_wal; sys.argv[0] = 'concordia-wal'; concordia_wal()")
 
 if [ "${HOT_STANDBY_TESTS:-1}" = 1 ]; then
   timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs tests/standby/test_mirror.py \

@@ -54,7 +54,7 @@ bench() {  # bench NAME TREE ROUND ARGS...
   local path=$after_path
   [ "$tree" = before ] && path=$before_path
   PYTHONPATH=$path timeout -k 5 "${HOUSE_BENCH_S:-200}" python3 -c \
-    "import sys; from concordia.tools.wal_cli import main; sys.argv[0] = 'concordia-wal'; main()" \
+    "import sys; from concordia.tools.entry import concordia_wal; sys.argv[0] = 'concordia-wal'; concordia_wal()" \
     bench "$name" "$@" --json --out "$OUT/house-$name-$tree-$round.json" > /dev/null 2> "$OUT/house-$name-$tree-$round.err"
   local rc=$?
   echo "house: bench $name $tree round $round rc=$rc"

@@ -26,7 +26,7 @@ trap 'bash scripts/hugepages.sh teardown "$mnt"' EXIT
 export CONCORDIA_HUGETLB_DIR=$mnt
 grep -i '^HugePages_' /proc/meminfo
 rc=0
-WAL=(python3 -c "import sys; from concordia.tools.wal_cli import main; sys.argv[0] = 'concordia-wal'; main()")
+WAL=(python3 -c "import sys; from concordia.tools.entry import concordia_wal; sys.argv[0] = 'concordia-wal'; concordia_wal()")
 
 timeout 90 python3 -m pytest tests/session/test_restore_hugetlb.py tests/devmem/test_conformance.py \
   tests/standby/test_standby.py -k "hugetlb or Hugetlb or gpu_standby" -q -p no:cacheprovider \

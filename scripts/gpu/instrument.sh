@@ -20,7 +20,7 @@ timeout -k 5 35 python3 tests/instrument/gpu_probe.py 2>&1 | tee "$OUT/instrumen
 timeout -k 5 100 python3 -m pytest tests/instrument -m gpu -q -p no:cacheprovider -o addopts= -rs \
   --junitxml="$OUT/instrument-pytest.xml" 2>&1 | tee "$OUT/instrument-tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-timeout -k 5 90 python3 -c "from concordia.tools.wal_cli import main; main()" bench instrument --json \
+timeout -k 5 90 python3 -c "import sys; from concordia.tools.entry import concordia_wal; sys.argv[0] = 'concordia-wal'; concordia_wal()" bench instrument --json \
   --out "$OUT/instrument.json" --force > /dev/null 2> "$OUT/instrument-bench.err" || status=1
 cat "$OUT/instrument-bench.err"
 exit $status

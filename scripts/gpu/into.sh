@@ -18,6 +18,6 @@ bash scripts/hugepages.sh setup "$huge_gib" "$mnt" >/dev/null || { echo "into: n
 trap 'bash scripts/hugepages.sh teardown "$mnt"' EXIT
 export CONCORDIA_HUGETLB_DIR=$mnt
 read -ra extra <<< "${INTO_ARGS:-}"   # split on blanks, never globbed
-WAL=(python3 -c "import sys; from concordia.tools.wal_cli import main; sys.argv[0] = 'concordia-wal'; main()")
+WAL=(python3 -c "import sys; from concordia.tools.entry import concordia_wal; sys.argv[0] = 'concordia-wal'; concordia_wal()")
 timeout -k 5 "${INTO_BENCH_S:-280}" "${WAL[@]}" bench into --gib "$gib" --tiers "${INTO_TIERS:-shm,hugetlb}" \
   "${extra[@]}" --out "$OUT/into.json" --force

@@ -15,7 +15,7 @@ status=0
   2>&1 | tee "$OUT/kernels-tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 # shellcheck disable=SC2086  # CHECKPOINT_ARGS: extra options, split on purpose
-timeout -k 5 150 python3 -c "from concordia.tools.wal_cli import main; main()" bench checkpoint --json --out "$OUT/checkpoint.json" --force \
+timeout -k 5 150 python3 -c "import sys; from concordia.tools.entry import concordia_wal; sys.argv[0] = 'concordia-wal'; concordia_wal()" bench checkpoint --json --out "$OUT/checkpoint.json" --force \
   --plot "$OUT/checkpoint.png" --reps 10 --parts "${CHECKPOINT_PARTS:-detect,stage,e2e,kv}" ${CHECKPOINT_ARGS:-} \
   >/dev/null 2>"$OUT/checkpoint.err"
 rc=$?

@@ -8,7 +8,7 @@ set -uo pipefail
 OUT=${OUT:-./gpu-out}
 mkdir -p "$OUT"
 rc=0
-timeout -k 5 220 python3 -c "import sys; from concordia.tools.wal_cli import main; sys.argv[0] = 'concordia-wal'; main()" \
+timeout -k 5 220 python3 -c "import sys; from concordia.tools.entry import concordia_wal; sys.argv[0] = 'concordia-wal'; concordia_wal()" \
   bench longrun --epochs "${LONGRUN_EPOCHS:-100000}" --noretain-epochs 20000 --seconds "${LONGRUN_SECONDS:-100}" \
   --json --out "$OUT/longrun.json" --force --plot "$OUT/longrun.png" > /dev/null || rc=1
 python3 -c "

@@ -26,7 +26,7 @@ cd "$(dirname "$0")/../.."
 export HF_HUB_OFFLINE=1
 unset CUBLAS_WORKSPACE_CONFIG
 status=0
-wal=(python3 -c "import sys; from concordia.tools.wal_cli import main; sys.argv[0] = 'concordia-wal'; main()")
+wal=(python3 -c "import sys; from concordia.tools.entry import concordia_wal; sys.argv[0] = 'concordia-wal'; concordia_wal()")
 if [ -z "${MODEL_SKIP_CHECKPOINT:-}" ]; then
   timeout -k 5 "${MODEL_CHECKPOINT_S:-120}" "${wal[@]}" bench checkpoint --parts decode --reps 20 --json \
     --out "$OUT/checkpoint-decode.json" --force > /dev/null || status=1

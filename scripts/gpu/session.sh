@@ -28,7 +28,7 @@ rm -rf "$OUT/demo-work"
 [ -n "${SESSION_SKIP_DEMO:-}" ] || python3 -c "import json; d=json.load(open('$OUT/demo.json')); print('demo identical:', d['identical'], 'timeline ms:', [(p['phase'], round(p['ms'],1)) for p in d['timeline']], 'warm ms:', round(d['recovery'].get('warm_ms', 0)), 'waited', round(d['recovery'].get('warm_wait_ms', 0)))" || rc=1
 left=$(( budget - ($(date +%s) - start) - 5 ))
 echo "bench recover: ${left}s left"
-timeout -k 5 "$left" python3 -c "import sys; from concordia.tools.wal_cli import main; sys.argv[0] = 'concordia-wal'; main()" bench recover --sizes "${RECOVER_SIZES:-1,10,40}" \
+timeout -k 5 "$left" python3 -c "import sys; from concordia.tools.entry import concordia_wal; sys.argv[0] = 'concordia-wal'; concordia_wal()" bench recover --sizes "${RECOVER_SIZES:-1,10,40}" \
   ${RECOVER_ARGS:-} --json --plot --out "$OUT/recover.json" --force > /dev/null || rc=1
 python3 -c "
 import json; d=json.load(open('$OUT/recover.json'))

@@ -5,7 +5,9 @@ program is doing, never by a delay.
 
     python interrupt_child.py POINT NOTES PROGRAM ARG...
 
-POINT is one of POINTS; PROGRAM is `concordia-wal` or `concordia`.  The
+POINT is one of POINTS, or `term:` and one of them for a SIGTERM (what
+`timeout` and a service manager send) in place of the SIGINT; PROGRAM is
+`concordia-wal` or `concordia`.  The
 point writes what it saw (the path of a file the command had made, say) to
 the file NOTES, one line each, so the test can look for it afterwards.
 Nothing of the project is imported before the point is set up, so that the
@@ -19,6 +21,7 @@ import signal
 import sys
 
 NOTES = None
+SIGNAL = signal.SIGINT
 
 
 def note(text: str) -> None:
@@ -29,7 +32,7 @@ def note(text: str) -> None:
 def ctrl_c(where: str) -> None:
     """The interrupt, here and now (the handler runs before this returns)."""
     note(f"interrupted {where}")
-    signal.raise_signal(signal.SIGINT)
+    signal.raise_signal(SIGNAL)
 
 
 class _OnImport(importlib.abc.MetaPathFinder):
@@ -150,8 +153,10 @@ POINTS = {
 
 
 def main() -> None:
-    global NOTES
+    global NOTES, SIGNAL
     point, NOTES, program, *args = sys.argv[1:]
+    if point.startswith("term:"):
+        point, SIGNAL = point[len("term:"):], signal.SIGTERM
     POINTS[point]()
     sys.argv = [program, *args]
     from concordia.tools import entry

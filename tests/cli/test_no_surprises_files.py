@@ -9,6 +9,9 @@
   what it is doing (tests/cli/interrupt_child.py, never a delay): exit 130,
   the one line `error: interrupted`, no traceback, no file left that the
   command made (`dump --follow` ends on it, exit 0, as documented).
+* SIGTERM (`timeout`'s, a service manager's), sent the same way: exit 143,
+  the one line `error: terminated`, and nothing left either (a benchmark's
+  scratch log in /dev/shm included).
 """
 
 from __future__ import annotations
@@ -218,6 +221,33 @@ def test_ctrl_c_is_exit_130_one_line_and_nothing_left(point, program, args, abse
         assert check.exit_code == 0, check.output
     else:
         assert _sha(workdir / "concordia-data" / "demo.log") == before
+
+
+TERMS = [
+    ("imports", "concordia-wal", ["info", LOG], []),
+    ("log-created", "concordia-wal", ["bench", "append", "--quick", "--medium", "shm", "--pages", "1"], []),
+    ("output-write", "concordia-wal", ["bench", "compact", "--quick", "--out", "old.json", "--force"],
+     [".old.json.tmp-*"]),
+    ("output-write", "concordia-wal", ["restore", LOG, "--region", "kv", "--out", "kv.npy"], ["kv.npy", ".kv.npy.*"]),
+]
+
+
+@pytest.mark.parametrize("point,program,args,absent", TERMS, ids=[f"{p}:{' '.join(a[:2])}" for p, _, a, _ in TERMS])
+def test_sigterm_is_exit_143_one_line_and_nothing_left(point, program, args, absent, workdir, request):
+    notes = workdir / "notes"
+    request.addfinalizer(lambda: _clean(notes))
+    (workdir / "old.json").write_text('{"old": true}')
+    before = _sha(workdir / "concordia-data" / "demo.log")
+    res = _interrupt(f"term:{point}", program, args, workdir, notes)
+    assert "interrupted " in notes.read_text(), (point, res.stderr)  # the signal landed where asked
+    assert res.returncode == 143, res.stderr
+    assert _one_line(res.stderr) == "error: terminated" and res.stdout == ""
+    if point == "log-created":  # the benchmark's own log, in its folder in /dev/shm, was made
+        assert [p for p in _noted(notes) if os.path.basename(os.path.dirname(p)).startswith("concordia-bench-")]
+    assert _left(notes) == [], "left behind"
+    assert not [p for pattern in absent for p in workdir.glob(pattern)]
+    assert (workdir / "old.json").read_text() == '{"old": true}'
+    assert _sha(workdir / "concordia-data" / "demo.log") == before
 
 
 # the same rule for the other commands that write, which kept it before these changes

@@ -9,7 +9,7 @@ baselines' files (SQLite, LMDB, torch.save), its folders.  They live in
 private folders the run makes (`tempfile.mkdtemp`: in /dev/shm for shm logs,
 on a hugetlbfs mount for hugetlb ones, in the temporary folder or under
 `--dir` for files) and are removed when the run ends, however it ends (an
-error, Ctrl-C).  A log path the user names (`bench longrun --log`) is
+error, Ctrl-C, SIGTERM).  A log path the user names (`bench longrun --log`) is
 `claim`ed: refused when it holds anything (a Concordia log, any nonzero
 byte: `wal.volume.check_format_target`, the rule every format follows),
 created empty when absent and then removed at the end; an existing one that
