@@ -98,10 +98,12 @@ def check_output(path, *, replace: bool = False, inputs=(), what: str = "the log
 
 @contextlib.contextmanager
 def hold_interrupts():
-    """SIGINT and SIGTERM held back for the block and delivered when it ends
-    (Python's handler, or the command line's, then raises KeyboardInterrupt
-    there).  Only in the main thread, and for each signal only where it runs a
-    Python handler; elsewhere the block runs as it is."""
+    """SIGINT and SIGTERM held back for the block and delivered when it ends,
+    each signal that landed once, in the order they landed (Python's handler,
+    or the command line's, then raises KeyboardInterrupt there, and the rest
+    are not delivered).  Only in the main thread, and for each signal only
+    where it runs a Python handler; elsewhere the block runs as it is.  Every
+    handler is put back, even when a signal pending at that moment raises."""
     try:
         main = threading.current_thread() is threading.main_thread()
         olds = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
@@ -111,16 +113,27 @@ def hold_interrupts():
     if not olds:
         yield
         return
-    held = []
+    held = {}   # signal -> frame, in the order they landed
+
+    def hold(signum, frame):
+        held.setdefault(signum, frame)
+
     for sig in olds:
-        signal.signal(sig, lambda signum, frame: held.append((signum, frame)))
+        signal.signal(sig, hold)
     try:
         yield
     finally:
+        raised = None
         for sig, old in olds.items():
-            signal.signal(sig, old)
-        if held:
-            signum, frame = held[0]
+            while True:   # signal.signal first runs the handlers of signals pending then, which may raise
+                try:
+                    signal.signal(sig, old)
+                    break
+                except BaseException as exc:  # noqa: BLE001 - put back every handler, then raise
+                    raised = raised or exc
+        if raised is not None:
+            raise raised
+        for signum, frame in list(held.items()):
             olds[signum](signum, frame)
 
 

@@ -15,9 +15,13 @@ imports start, with nothing but the standard library:
   same way: it unwinds through the same cleanups (a benchmark's scratch logs
   in /dev/shm are removed, a half-written output is dropped), then the one
   line `error: terminated` and exit 143 (128 + SIGTERM), as a shell reports
-  a command ended by it.  Once either signal has landed, both are ignored
-  until the command ends.  A SIGTERM that was ignored, or that the program
-  embedding the command handles itself, is left as it was.
+  a command ended by it (`timeout` itself exits 124 unless given
+  --preserve-status).  Once either signal has landed, both are let go until
+  the command ends (`stopping`).  A SIGTERM that was ignored, or that the
+  program embedding the command handles itself, is left as it was, and a
+  command that returns puts back the handlers it replaced.  `dump --follow`
+  ends on either as on its normal end (exit 0); `standby --hold` gives its
+  log back on SIGTERM (exit 0).
 * A missing package.  Every command needs the packages the library depends
   on (`crc32c` for the log's checksums, numpy, ...), most of them only once
   the command runs, when a plain import would end in a traceback midway.  The
@@ -33,8 +37,8 @@ import importlib
 import signal
 import sys
 
-__all__ = ["concordia", "concordia_wal", "interrupted", "was_interrupted", "EXIT_INTERRUPTED", "EXIT_TERMINATED",
-           "Terminated"]
+__all__ = ["concordia", "concordia_wal", "interrupted", "was_interrupted", "stopping", "EXIT_INTERRUPTED",
+           "EXIT_TERMINATED", "Terminated"]
 
 EXIT_USAGE = 2  # tools.common.EXIT_USAGE, which cannot be imported without the library
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
@@ -74,42 +78,67 @@ def was_interrupted(exc: BaseException | None) -> bool:
     return False
 
 
-def _stop(signum: int) -> None:
-    # the first of Ctrl-C and SIGTERM stops the command; the cleanup it unwinds through runs to its end
+def _after_stop(signum, frame):
+    """A Ctrl-C or SIGTERM that lands once the command is stopping: let go,
+    so that the cleanup runs to its end.  A handler that does nothing rather
+    than SIG_IGN: a signal already pending when its handler changes is still
+    handled without error, and a child started during the cleanup starts with
+    the default action."""
+
+
+def stopping(signum: int) -> KeyboardInterrupt:
+    """Record that `signum` (SIGINT or SIGTERM) stops the command, let every
+    later one of the two go (`_after_stop`, where this module's handler or
+    the caller's for `signum` is installed) and return what to raise:
+    `Terminated` for SIGTERM, KeyboardInterrupt for SIGINT.  When both land
+    together, Python runs SIGINT's handler first, and the command says
+    `interrupted`.  For a command with a handler of its own (`bench
+    standby`'s), so that it ends as every other does."""
     _stopped_by.append(signum)
-    for sig, handler in _installed.items():
-        if signal.getsignal(sig) is handler:
-            signal.signal(sig, signal.SIG_IGN)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        if sig == signum or signal.getsignal(sig) in (_on_sigint, _on_sigterm):
+            signal.signal(sig, _after_stop)
+    return Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
 
 
 def _on_sigint(signum, frame):
-    _stop(signum)
-    raise KeyboardInterrupt
+    raise stopping(signum)
 
 
 def _on_sigterm(signum, frame):
-    _stop(signum)
-    raise Terminated
+    raise stopping(signum)
 
 
-_installed = {signal.SIGINT: _on_sigint, signal.SIGTERM: _on_sigterm}
-
-
-def _catch_interrupts() -> None:
+def _catch_interrupts() -> dict:
     """Install `_on_sigint` where SIGINT has Python's own handler, and
     `_on_sigterm` where SIGTERM has the default action (not where either was
-    ignored at start, nor where an embedding program set another)."""
+    ignored at start, nor where an embedding program set another).  Returns
+    the handlers replaced, {signal: handler}."""
+    replaced = {}
     try:
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-            signal.signal(signal.SIGINT, _on_sigint)
+            replaced[signal.SIGINT] = signal.signal(signal.SIGINT, _on_sigint)
         if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
-            signal.signal(signal.SIGTERM, _on_sigterm)
+            replaced[signal.SIGTERM] = signal.signal(signal.SIGTERM, _on_sigterm)
     except ValueError:  # not the main thread of the main interpreter
         pass
+    return replaced
+
+
+def _put_back(replaced: dict) -> None:
+    """The handlers `_catch_interrupts` replaced, back where the command
+    left its own in place (a program that runs a command in-process gets its
+    signals back).  Not after a stop: the signals stay let go until the end."""
+    if _stopped_by:
+        return
+    for sig, old in replaced.items():
+        if signal.getsignal(sig) in (_on_sigint, _on_sigterm):
+            signal.signal(sig, old)
 
 
 def _run(program: str, module: str) -> None:
-    _catch_interrupts()
+    del _stopped_by[:]
+    replaced = _catch_interrupts()
     try:
         try:
             main = importlib.import_module(module, __package__).main
@@ -124,6 +153,8 @@ def _run(program: str, module: str) -> None:
         main()
     except KeyboardInterrupt:
         interrupted()
+    finally:
+        _put_back(replaced)
 
 
 def concordia() -> None:

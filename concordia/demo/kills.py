@@ -29,6 +29,7 @@ compiled code is reused.  Every role prints JSON lines; the parent
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -313,6 +314,20 @@ def _spawn(role: str, args: dict):
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@contextlib.contextmanager
+def _reaped(proc):
+    """`proc` killed and waited for when the block is left by an exception
+    (Ctrl-C or SIGTERM to this process alone): no child outlives the run,
+    holding its log's memory mapped."""
+    try:
+        yield proc
+    except BaseException:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        raise
+
+
 def _lines(proc):
     for line in proc.stdout:
         if line.startswith("{"):
@@ -339,34 +354,36 @@ def run_kills(log: str, plan: list[dict], *, shape: str = "tiny", device: str = 
     common = dict(shape=shape, device=device, steps=steps, every=every, batch=batch, prompt=prompt_len,
                   compile=compile, size=size, segment=segment, seed=seed, plan=json.dumps(plan),
                   min_steps=max(2, steps // 3), executor=executor)
-    ref = _spawn("reference", dict(common, log=log + ".ref"))
     refs, compiled = {}, None
-    for doc in _lines(ref):
-        if "compiled" in doc:
-            compiled = doc["compiled"]
-        else:
-            refs[doc["gen"]] = doc
-    if ref.wait() != 0 or len(refs) != len(plan):
+    with _reaped(_spawn("reference", dict(common, log=log + ".ref"))) as ref:
+        for doc in _lines(ref):
+            if "compiled" in doc:
+                compiled = doc["compiled"]
+            else:
+                refs[doc["gen"]] = doc
+        ref.wait()
+    if ref.returncode != 0 or len(refs) != len(plan):
         raise DemoError(f"the reference run failed (exit {ref.returncode}): {_tail(ref)}", where="kills")
     die = [i for i, g in enumerate(plan) if g.get("kill")]
     results, kills, resume = {}, [], -1
     while True:
-        life = _spawn("life", dict(common, log=log, resume=resume, die_in=",".join(str(i) for i in die)))
         killed = None
-        for doc in _lines(life):
-            if "kill_me" in doc:
-                per = doc["step_s"] or 0.01
-                delay = rng.uniform(0, window * per)
-                time.sleep(delay)
-                life.send_signal(signal.SIGKILL)
-                killed = {"gen": doc["kill_me"], "signalled_at_step": doc["step"], "delay_s": delay}
-            elif "finished_before_kill" in doc:
-                pass  # known below: its result came before the kill
-            elif "restored" in doc:
-                kills[-1].update(restored_epoch=doc["epoch"], resumed_at_step=doc["steps"])
-            elif "gen" in doc:
-                results[doc["gen"]] = doc
-        rc = life.wait()
+        with _reaped(_spawn("life", dict(common, log=log, resume=resume,
+                                         die_in=",".join(str(i) for i in die)))) as life:
+            for doc in _lines(life):
+                if "kill_me" in doc:
+                    per = doc["step_s"] or 0.01
+                    delay = rng.uniform(0, window * per)
+                    time.sleep(delay)
+                    life.send_signal(signal.SIGKILL)
+                    killed = {"gen": doc["kill_me"], "signalled_at_step": doc["step"], "delay_s": delay}
+                elif "finished_before_kill" in doc:
+                    pass  # known below: its result came before the kill
+                elif "restored" in doc:
+                    kills[-1].update(restored_epoch=doc["epoch"], resumed_at_step=doc["steps"])
+                elif "gen" in doc:
+                    results[doc["gen"]] = doc
+            rc = life.wait()
         if killed is None:
             if rc != 0:
                 raise DemoError(f"a life ended with exit {rc}: {_tail(life)}", where="kills")

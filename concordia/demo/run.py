@@ -241,7 +241,12 @@ def _child(mode: str, argv: list[str], **popen):
 
 def _run_child(mode: str, argv: list[str]) -> dict:
     proc = _child(mode, argv)
-    stdout, stderr = proc.communicate()
+    try:
+        stdout, stderr = proc.communicate()
+    except BaseException:  # Ctrl-C or SIGTERM here: the child does not outlive the run
+        proc.kill()
+        proc.wait()
+        raise
     if proc.returncode != 0:
         raise DemoError(f"{mode} process failed (exit {proc.returncode}): {_last_line(stderr)}")
     return [json.loads(x) for x in stdout.splitlines() if x.startswith("{")][-1]

@@ -6,7 +6,9 @@ program is doing, never by a delay.
     python interrupt_child.py POINT NOTES PROGRAM ARG...
 
 POINT is one of POINTS, or `term:` and one of them for a SIGTERM (what
-`timeout` and a service manager send) in place of the SIGINT; PROGRAM is
+`timeout` and a service manager send) in place of the SIGINT, or `both:` and
+one of them for the two landing at once (both raised while blocked, then let
+through together, as when they arrive during a long call into C); PROGRAM is
 `concordia-wal` or `concordia`.  The
 point writes what it saw (the path of a file the command had made, say) to
 the file NOTES, one line each, so the test can look for it afterwards.
@@ -32,6 +34,13 @@ def note(text: str) -> None:
 def ctrl_c(where: str) -> None:
     """The interrupt, here and now (the handler runs before this returns)."""
     note(f"interrupted {where}")
+    if SIGNAL == "both":
+        both = {signal.SIGINT, signal.SIGTERM}
+        signal.pthread_sigmask(signal.SIG_BLOCK, both)
+        signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGINT)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, both)   # both pending: Python runs SIGINT's handler first
+        return
     signal.raise_signal(SIGNAL)
 
 
@@ -157,6 +166,8 @@ def main() -> None:
     point, NOTES, program, *args = sys.argv[1:]
     if point.startswith("term:"):
         point, SIGNAL = point[len("term:"):], signal.SIGTERM
+    elif point.startswith("both:"):
+        point, SIGNAL = point[len("both:"):], "both"
     POINTS[point]()
     sys.argv = [program, *args]
     from concordia.tools import entry

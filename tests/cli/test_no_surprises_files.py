@@ -250,6 +250,40 @@ def test_sigterm_is_exit_143_one_line_and_nothing_left(point, program, args, abs
     assert _sha(workdir / "concordia-data" / "demo.log") == before
 
 
+def test_ctrl_c_and_sigterm_at_once_are_one_stop(workdir, request):
+    # the two land together (during a long call into C, say): the first handler lets the second go,
+    # with no "signal ignored due to race condition" traceback; Ctrl-C's is handled first
+    notes = workdir / "notes"
+    request.addfinalizer(lambda: _clean(notes))
+    res = _interrupt("both:log-created", "concordia-wal",
+                     ["bench", "append", "--quick", "--medium", "shm", "--pages", "1"], workdir, notes)
+    assert "interrupted " in notes.read_text(), res.stderr
+    assert res.returncode == 130, res.stderr
+    assert _one_line(res.stderr) == "error: interrupted" and res.stdout == ""
+    assert _left(notes) == [], "left behind"
+
+
+def test_sigterm_ends_dump_follow_as_ctrl_c_does(workdir, request):
+    notes = workdir / "notes"
+    request.addfinalizer(lambda: _clean(notes))
+    res = _interrupt("term:follow-poll", "concordia-wal", ["dump", LOG, "--follow"], workdir, notes)
+    assert "interrupted " in notes.read_text(), res.stderr
+    assert res.returncode == 0 and res.stderr == ""
+
+
+def test_a_command_run_in_process_puts_the_signal_handlers_back(monkeypatch):
+    import signal
+
+    from concordia.tools import entry
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    monkeypatch.setattr(sys, "argv", ["concordia-wal", "--help"])
+    with pytest.raises(SystemExit) as e:
+        entry.concordia_wal()
+    assert e.value.code == 0
+    assert {sig: signal.getsignal(sig) for sig in before} == before
+
+
 # the same rule for the other commands that write, which kept it before these changes
 HELD_BEFORE = [
     ("output-write", "concordia-wal", ["restore", LOG, "--region", "kv", "--out", "kv.npy"], ["kv.npy", ".kv.npy.*"],

@@ -149,15 +149,17 @@ def test_a_bench_ended_by_sigterm_kills_its_children(tmp_path):
 
     mark = f"CONCORDIA_TEST_MARK={uuid.uuid4().hex}"
     env = {**os.environ, mark.split("=")[0]: mark.split("=")[1]}
-    cmd = [sys.executable, "-c", "import sys; from concordia.tools.wal_cli import main; sys.argv[0] = 'concordia-wal'; "
-           "main()", "bench", "standby", "--quick", "--follow", "--steps-s", "600", "--trials", "1"]
+    cmd = [sys.executable, "-c", "import sys; from concordia.tools.entry import concordia_wal; "
+           "sys.argv[0] = 'concordia-wal'; concordia_wal()",
+           "bench", "standby", "--quick", "--follow", "--steps-s", "600", "--trials", "1"]
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         while len([q for q in _marked(mark) if q != p.pid]) < 2:   # the primary and the first standby
             assert p.poll() is None, p.stderr.read()
             time.sleep(0.05)
         p.send_signal(signal.SIGTERM)
-        assert p.wait(timeout=60) != 0
+        assert p.wait(timeout=60) == 143   # the command line's stop: unwound, one line
+        assert p.stderr.read().strip().splitlines()[-1] == "error: terminated"
         assert _marked(mark) == []
     finally:
         if p.poll() is None:
@@ -172,6 +174,7 @@ def test_a_sigterm_while_a_child_starts_is_held_until_the_child_is_listed(monkey
     # bench kills on its way out
     import signal
 
+    from concordia.tools import entry
     from concordia.tools.bench import standby as b
 
     term = b._Term()
@@ -183,9 +186,18 @@ def test_a_sigterm_while_a_child_starts_is_held_until_the_child_is_listed(monkey
         return "the child"
 
     monkeypatch.setattr(b, "_child", child)
-    procs = []
-    with pytest.raises(SystemExit) as e:
-        term.spawn(procs, "standby", "shm:x")
-    assert e.value.code == 128 + signal.SIGTERM and procs == ["the child"] and started == [("standby", "shm:x")]
-    with pytest.raises(SystemExit):   # outside a start, at once
-        term.handler(signal.SIGTERM, None)
+    monkeypatch.setattr(entry, "_stopped_by", [])
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        signal.signal(signal.SIGTERM, term.handler)
+        procs = []
+        with pytest.raises(entry.Terminated):
+            term.spawn(procs, "standby", "shm:x")
+        assert procs == ["the child"] and started == [("standby", "shm:x")]
+        assert entry._stopped_by == [signal.SIGTERM]   # the command line then says `error: terminated`, 143
+        assert signal.getsignal(signal.SIGTERM) is entry._after_stop   # a second SIGTERM is let go
+        with pytest.raises(entry.Terminated):   # outside a start, at once
+            term.handler(signal.SIGTERM, None)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)

@@ -54,6 +54,7 @@ import click
 import numpy as np
 
 from ..common import check_outputs, guarded, report
+from ..entry import stopping
 from .files import Scratch, force_option
 
 GIB = 1 << 30
@@ -327,20 +328,22 @@ def run(nbytes: int, tier: str, device: str, scratch: Scratch, *, standbys=("war
                          + _poll_phases(r["restore"].get("last_poll")))
             primary = standby
     finally:
-        if on_term is not None:
-            signal.signal(signal.SIGTERM, on_term)
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
         scratch.discard(spec)
+        if on_term is not None and signal.getsignal(signal.SIGTERM) is term.handler:  # not once stopped by it
+            signal.signal(signal.SIGTERM, on_term)
     return runs
 
 
 class _Term:
-    """SIGTERM as an exit that unwinds (the `finally` that kills the children
-    runs), held back while a child is being started: a child forked but not
-    yet in the list would be left running."""
+    """SIGTERM as the command line's stop (`entry.stopping`: it unwinds, the
+    `finally` that kills the children runs, later signals are let go, and the
+    command ends with `error: terminated`, exit 143), held back while a child
+    is being started: a child forked but not yet in the list would be left
+    running."""
 
     def __init__(self):
         self.spawning = False
@@ -350,7 +353,7 @@ class _Term:
         if self.spawning:
             self.pending = True
             return
-        raise SystemExit(128 + signum)
+        raise stopping(signum)
 
     def spawn(self, procs: list, *args):
         self.spawning = True
@@ -359,7 +362,7 @@ class _Term:
         finally:
             self.spawning = False
         if self.pending:
-            raise SystemExit(128 + signal.SIGTERM)
+            raise stopping(signal.SIGTERM)
         return procs[-1]
 
 
