@@ -12,6 +12,13 @@ cd "$(dirname "$0")/.."
 final_out=$OUT
 export OUT=/tmp/gpu-out
 rm -rf "$OUT"; mkdir -p "$OUT"
+# A benchmark cut by SIGKILL (its part's `timeout -k` running out before its
+# cleanup ended) leaves its scratch folder in /dev/shm, holding memory that a
+# later part needs (huge pages for a 40 GiB state).  This machine runs one
+# command at a time, so any such folder now is a leftover of an earlier call.
+for d in /dev/shm/concordia-bench-*; do
+  [ -e "$d" ] && { echo "gpu_suite: removing $d, left by a cut run"; rm -rf "$d"; }
+done
 trap 'tar -C "$OUT" -czf "$final_out/results.tgz" . ; cp "$OUT/summary.txt" "$final_out/" 2>/dev/null' EXIT
 export PYTHONUNBUFFERED=1
 site=/tmp/site

@@ -14,7 +14,8 @@
 #               in turn, each restored and finished in a fresh process
 #     recovery  restore at each --contexts length, in process and in a fresh
 #               process, against re-prefilling (issue 30's hf_restore_vs_reprefill:
-#               MODEL_ARGS="--contexts 512,32768")
+#               MODEL_ARGS="--contexts 512,32768"; on the H200 ctx 512 takes about
+#               60 s and 32k about 200 s, so give both MODEL_BENCH_S=330 or more)
 #   bench checkpoint --parts decode (the decode-shaped checkpoint, LoRA updated),
 #     unless MODEL_SKIP_CHECKPOINT is set.
 # Run from the repository root with $OUT set (through scripts/gpu_suite.sh);

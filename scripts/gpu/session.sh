@@ -22,7 +22,7 @@ rc=0
 timeout 150 python3 -m pytest ${SESSION_TESTS:-tests/session/test_gpu.py tests/session/test_gpu_staging.py tests/session/test_restore_gpu.py} -q -m gpu \
   -p no:cacheprovider --junitxml="$OUT/session-tests.xml" 2>&1 | tail -25
 [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
-[ -n "${SESSION_SKIP_DEMO:-}" ] || timeout 60 python3 -m concordia.tools.cli demo --device gpu --steps 160 --json \
+[ -n "${SESSION_SKIP_DEMO:-}" ] || timeout 60 python3 -c "import sys; from concordia.tools.entry import concordia; sys.argv[0] = 'concordia'; concordia()" demo --device gpu --steps 160 --json \
   --log "file:$OUT/demo-work/demo.log" > "$OUT/demo.json" || rc=1
 rm -rf "$OUT/demo-work"
 [ -n "${SESSION_SKIP_DEMO:-}" ] || python3 -c "import json; d=json.load(open('$OUT/demo.json')); print('demo identical:', d['identical'], 'timeline ms:', [(p['phase'], round(p['ms'],1)) for p in d['timeline']], 'warm ms:', round(d['recovery'].get('warm_ms', 0)), 'waited', round(d['recovery'].get('warm_wait_ms', 0)))" || rc=1
