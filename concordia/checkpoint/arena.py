@@ -178,6 +178,8 @@ class Arena:
         self.ext = app.reserve_extent(fmt.align64(nbytes))
         #: the words (one WORDS row): here, or where a GPU consumer writes them (mapped host memory)
         self.words = np.zeros(1, WORDS) if words is None else words
+        #: the epochs `take` wrote through a snapshot (the CPU twin of the device's `snapshot_epochs`)
+        self.snapshot_epochs = 0
         self.words[0] = 0
         #: {region id: digest} of the last commit taken on (`adopt`): the regions' digests now
         self.digests: dict | None = None
@@ -211,30 +213,59 @@ class Arena:
         """The epoch detected but not written for want of room (module doc), or 0."""
         return self.word("lost")
 
-    def take(self, tpass) -> int | None:
+    def take(self, tpass, *, snapshot=None, release=None) -> int | None:
         """One epoch of `tpass` (a HostTablePass over this arena's table) into
         the arena, its commit included: the twin of the device's EPOCH
         handler.  Returns its number, or None: there was no room (the miss
         is counted; nothing was detected), or the epoch's records did not
-        fit what was left (`lost` names it; the detectors moved on)."""
+        fit what was left (`lost` names it; the detectors moved on).
+
+        With `release` (a trigger's: `release(epoch)` lets its producer go)
+        and `snapshot` (`snapshot(nbytes)`: a host buffer of that many bytes,
+        or None where the epoch is too large for one), the twin of the
+        device's snapshot (executor.cu: via_snapshot): the epoch, records and
+        commit, is written into the snapshot, `release` is called once every
+        region has been read, and the bytes are then copied into the arena,
+        the commit last, while the producer goes on.  An epoch too large for
+        the snapshot is written into the arena, `release` not called: the
+        caller lets its producer go after, as without one.  The arena's bytes
+        are the same either way."""
         w = self.words[0]
         if not self.room:
             w["missed"] += 1
             return None
         at, epoch = int(w["used"]), int(w["last_epoch"]) + 1
         lsn = self.ext.lsn + at
-        used = tpass.stage_into(self.ext.view[at:], lsn=lsn, salt=self.ext.salt, epoch=epoch,
-                                prev_commit=int(w["last_commit"]))
-        if used is None:
+        view, commit = self.ext.view[at:], self.table.commit_length
+        plan = tpass.plan_epoch()
+        used = int(plan[3])
+        if used + commit > view.size:
             w["lost"] = epoch
             return None
-        w["used"] = at + used + self.table.commit_length
+        snap = snapshot(used + commit) if snapshot is not None and release is not None else None
+        kw = dict(lsn=lsn, salt=self.ext.salt, epoch=epoch, prev_commit=int(w["last_commit"]))
+        if snap is not None:
+            tpass.write_epoch(plan, snap, **kw)
+            release(epoch)   # every region read: the producer goes on while the epoch crosses into the arena
+            self._cross(view, snap, used, commit)
+            self.snapshot_epochs += 1
+        else:
+            tpass.write_epoch(plan, view, **kw)
+        w["used"] = at + used + commit
         if w["adapt"]:  # twice this one, at most all the arena holds (executor.cu: epoch_close)
             w["expect"] = max(min(2 * used, self.ext.length - self.table.commit_length), self.bound)
         w["last_commit"] = lsn + used
         w["last_epoch"] = epoch
         w["epochs"] += 1
         return epoch
+
+    @staticmethod
+    def _cross(view, snap, used: int, commit: int) -> None:
+        """A snapshot's epoch into the arena: its records, then its commit
+        (FORMAT.md §10, 4c: a crash between them leaves records no commit
+        covers, which recovery ignores)."""
+        view[:used] = snap[:used]
+        view[used:used + commit] = snap[used:used + commit]
 
     def adopt(self, app) -> list:
         """Finish the arena and take its commits on (module doc): returns

@@ -57,7 +57,7 @@ from concordia.checkpoint.table import DET_FINGERPRINT, DET_SHADOW
 
 from concordia.executor.errors import ExecutorError
 from concordia.executor.cpu import _FENCE  # the host's store->load fence (ring.py step 5)
-from concordia.executor.step_trigger import AHEAD_MAX, GATE_WORDS, is_fault
+from concordia.executor.step_trigger import AHEAD_MAX, GATE_WORDS, SNAPSHOT_MAX_BYTES, is_fault
 
 #: detection launches a descriptor holds (executor.cu: CX_MAX_GROUPS)
 MAX_GROUPS = 8
@@ -79,10 +79,8 @@ EPOCH_DESC = np.dtype([(name, "<u8") for name in (
 #: a larger one as the pass's own kernels launched in order by a driver thread
 SMALL_PAGES = 1024
 
-#: the most device memory an engine keeps as its snapshot (executor.cu: via_snapshot): an epoch of at most
-#: this many record bytes (and at most its arena's `bound`) is staged there, and a trigger's gate goes once it is
-#: (every region read), before the records cross the bus; a larger one holds the gate until it is in the arena
-SNAPSHOT_MAX_BYTES = 64 << 20
+# SNAPSHOT_MAX_BYTES (step_trigger's): the most device memory an engine keeps as its snapshot (executor.cu:
+# via_snapshot); the name is this module's too, read at each engine's making (`bench model`'s held row sets it 0)
 
 #: the phase stamps a descriptor may ask for (executor.cu: CX_STAMPS), in the
 #: order the epoch takes them; each phase runs from the stamp before it

@@ -232,16 +232,17 @@ class EpochRunner:
         a = self.arena
         return a.word("last_epoch") if a is not None and a.word("epochs") else 0
 
-    def arena_take(self) -> int | None:
+    def arena_take(self, *, snapshot=None, release=None) -> int | None:
         """One epoch into the open arena (the consumer's); its number, or None
         when the arena had no room for it (counted as missed) or lost it
-        (`arena.lost`: the next settle makes every region's next checkpoint whole)."""
+        (`arena.lost`: the next settle makes every region's next checkpoint whole).
+        snapshot, release: a trigger's (`Arena.take`)."""
         tp = self._table[1]
         if not tp.table.unchanged():
             for r in self.regions:
                 r.check_unchanged()  # before anything is written
         try:
-            return self.arena.take(tp)
+            return self.arena.take(tp, snapshot=snapshot, release=release)
         except BaseException:
             self.lose()
             raise

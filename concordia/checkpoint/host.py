@@ -195,13 +195,26 @@ class HostTablePass:
         or None when they and the commit do not fit `view`: the detectors
         moved on and nothing was written (as table.cu's plan says `fits` 0;
         the arena calls the epoch lost)."""
+        plan = self.plan_epoch()
+        if plan[3] + self.table.commit_length > view.size:
+            return None
+        return self.write_epoch(plan, view, lsn=lsn, salt=salt, epoch=epoch, prev_commit=prev_commit)
+
+    def plan_epoch(self) -> tuple:
+        """`stage_into`'s first half: the detectors moved on and the records
+        laid out; (ids, counts, records, their bytes), for `write_epoch`."""
+        plan = self._detect_and_plan()
+        self.last_counts = plan[1]  # each row's pages (the device pass's mailbox counts)
+        return plan
+
+    def write_epoch(self, plan: tuple, view, *, lsn: int, salt: int, epoch: int, prev_commit: int) -> int:
+        """`stage_into`'s second half: the planned records and then the commit
+        into `view` (byte 0 at LSN `lsn`, room checked by the caller); the
+        record bytes before the commit."""
         from concordia.checkpoint.table import write_commit
 
         t = self.table
-        ids, counts, recs, used = self._detect_and_plan()
-        self.last_counts = counts  # each row's pages (the device pass's mailbox counts)
-        if used + t.commit_length > view.size:
-            return None
+        ids, counts, recs, used = plan
         self._stage(view, ids, recs, lsn=lsn, salt=salt, epoch=epoch)
         self._digests(counts)
         write_commit(t, view, used, int(recs.size), lsn=lsn, epoch=epoch, salt=salt, prev_commit=prev_commit)

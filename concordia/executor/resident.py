@@ -106,6 +106,7 @@ from .errors import ExecutorError
 from .host import Submitter
 from .persistent import require_cupy
 from .ring import Op, Result, Ring, Status
+from .step_trigger import SNAPSHOT_MAX_BYTES
 
 EXECUTORS = ("auto", "resident", "host")
 
@@ -301,6 +302,8 @@ class Trigger:
         self.producers: list = []  # with no gate: those streams, held for each epoch (regions.streams.Holds)
         self.holds = None
         self.in_arena = 0  # epochs it took into the session's arena (ResidentExecutor._arena_epoch)
+        #: of those, the epochs whose gate went before they reached the arena (through the snapshot)
+        self.snapshot_epochs = 0
 
     @property
     def label(self) -> str:
@@ -341,6 +344,10 @@ class ResidentExecutor:
         self._gateless_ok = None   # the RegionSet version found all on the device (`_check_gateless`)
         #: why a trigger's epochs go through the session, not into an arena (None: they did, or none was tried)
         self.arena_why: str | None = None
+        #: the most host memory a trigger's arena epochs are written through before its gate goes (the twin of
+        #: the device's snapshot, `Arena.take`); 0: none, the gate holds until the epoch is in the arena
+        self.snapshot_max = SNAPSHOT_MAX_BYTES
+        self._snap = np.empty(0, np.uint8)
         self.ring = Ring.allocate(capacity, where="session ring")
         self.submitter = _WakingSubmitter(self.ring, self._consumer(self._kinds_of(regions)),
                                           stall_deadline_s=STALL_DEADLINE_S, wake=self._wake)
@@ -531,30 +538,53 @@ class ResidentExecutor:
         self.epochs += 1
         return stats
 
-    def _arena_epoch(self, reason: str) -> int | None:
+    def _arena_epoch(self, reason: str, release=None) -> int | None:
         """A trigger's epoch into the session's arena (checkpoint/arena.py), the
         twin of the device's EPOCH handler: the table pass writes the records
         and the commit, with no appender, commit call or retention; the
         session's next call takes it on.  An arena is opened when none is
         (the host's part: a GPU consumer has it opened ahead), and one with no
         room left is taken on and replaced here (also the host's part; a CPU
-        consumer is a host thread).  Returns the epoch, or None when the
-        session's epochs cannot go into an arena (`arena_why` says why)."""
+        consumer is a host thread).  release(): the trigger's gate let go,
+        called once every region is read (through the snapshot, as the device
+        does: `Arena.take`), not at all when the epoch is not written here.
+        Returns the epoch, or None when the session's epochs cannot go into an
+        arena (`arena_why` says why)."""
         runner = self.session.runner
         self.arena_why = runner.arena_for(self.session.log, reason, self.session.settle)
         if self.arena_why is not None:
             return None
         self._run_kinds()
-        epoch = runner.arena_take()  # the arena had room for it: None only when its records did not fit
+
+        went = []
+
+        def let_go(epoch: int) -> None:
+            # the arrays hold this epoch until the gate opens: retention takes the copies
+            # a job decided at the last commit taken on needs now, as at a pending launch
+            self.session.retention.launched(epoch)
+            went.append(epoch)
+            release(epoch)
+
+        # the arena had room for it: None only when its records did not fit
+        epoch = (runner.arena_take(snapshot=self._snapshot, release=let_go) if release is not None
+                 else runner.arena_take())
         if epoch is None:
             self.arena_why = f"epoch {runner.arena.lost} did not fit what its arena had left: written whole instead"
             self.session.settle()   # the arena taken on: every region's next checkpoint is whole
             return None
         self.epochs += 1
-        # the arrays hold this epoch until the gate opens: retention takes the copies
-        # a job decided at the last commit taken on needs now, as at a pending launch
-        self.session.retention.launched(epoch)
+        if not went:   # written straight into the arena, the gate still closed: as above
+            self.session.retention.launched(epoch)
         return epoch
+
+    def _snapshot(self, nbytes: int):
+        """A host buffer of `nbytes` for one arena epoch, kept from epoch to
+        epoch; None above `snapshot_max`."""
+        if nbytes > self.snapshot_max:
+            return None
+        if self._snap.size < nbytes:
+            self._snap = np.empty(min(max(nbytes, 2 * self._snap.size), self.snapshot_max), np.uint8)
+        return self._snap[:nbytes]
 
     def _run_kinds(self) -> None:
         """Every kind's handler from the operator table, once per epoch."""
@@ -693,6 +723,16 @@ class ResidentExecutor:
         tr = self.trigger_
         if tr is None or not tr.armed:
             return False
+        released = []   # the epoch whose arena write let the gate go once it had read every region
+
+        def release(epoch: int) -> None:
+            # listed before the producer goes on, as the device logs its epoch before its gate goes
+            tr.fired.append((int(epoch), count))
+            tr.in_arena += 1
+            tr.snapshot_epochs += 1
+            released.append(epoch)
+            gate.open()
+
         try:
             if tr.counter.read() < tr.next_at:
                 return False
@@ -701,6 +741,7 @@ class ResidentExecutor:
                 self._check_gateless()   # a host region registered since the trigger was armed
             else:
                 gate.close()
+
             try:
                 count = tr.counter.read()    # the gate is closed: no step moves it now
                 self._local.inside = True
@@ -708,22 +749,28 @@ class ResidentExecutor:
                     with self.lock:
                         if not tr.armed:   # disarmed while this poll waited for the lock
                             return False
-                        epoch = self._arena_epoch(tr.label) if tr.holds is None else None
+                        epoch = (self._arena_epoch(tr.label, release if gate is not None else None)
+                                 if tr.holds is None else None)
                         if epoch is None and tr.holds is None:
                             with as_caller(tr.streams):
                                 epoch = self._epoch(tr.label).epoch
                         elif epoch is None:
                             epoch = self._held_epoch(tr).epoch
-                        else:
+                        elif not released:
                             tr.in_arena += 1
                 finally:
                     self._local.inside = False
             finally:
-                if gate is not None:
+                if gate is not None and not released:   # once: an open after the producer's next hold lets it go
                     gate.open()
-            tr.fired.append((int(epoch), count))
+            if not released:
+                tr.fired.append((int(epoch), count))
             tr.next_at = (count // tr.every + 1) * tr.every
         except Exception as exc:  # the trigger stops and says why; the consumer goes on
+            if released and (int(released[0]), count) in tr.fired:   # listed at its release, never committed
+                tr.fired.remove((int(released[0]), count))
+                tr.in_arena -= 1
+                tr.snapshot_epochs -= 1
             tr.errors.append(f"{type(exc).__name__}: {exc}")
             tr.armed = False
             _release(tr.gate)
@@ -753,7 +800,8 @@ class ResidentExecutor:
                 "handlers": sorted(self.kinds), "swaps": len(self.swaps),
                 "trigger": None if tr is None else {"every": tr.every, "counter": getattr(tr.counter, "kind", "?"),
                                                     "fired": len(tr.fired), "armed": tr.armed,
-                                                    "in_arena": tr.in_arena, "arena_why": self.arena_why},
+                                                    "in_arena": tr.in_arena, "arena_why": self.arena_why,
+                                                    "snapshot_epochs": tr.snapshot_epochs},
                 "device_epoch_handler": self.route is not None and self.route.via == "device-epoch",
                 "route": None if self.route is None else {"via": self.route.via, "epochs": self.route.epochs,
                                                           "why": self.route.why, "lost": self.route.lost}}

@@ -26,9 +26,16 @@ that epoch too coalesces it (`coalesced`: its pages wait for the next commit).
 Elsewhere the CPU consumer takes the epochs, with the same protocol on the
 host (`StepGate`, the twin of `cx_step_gate`): `step()` counts the step and,
 at each multiple of `every`, holds the calling thread until the consumer has
-written the epoch (into the arena where the tier and the regions allow it,
-else by the session's own path), so that the epoch holds the state between
-two steps.
+read the epoch (into the arena where the tier and the regions allow it, else
+by the session's own path), so that the epoch holds the state between two
+steps.  An arena epoch of at most SNAPSHOT_MAX_BYTES is written into a host
+snapshot first, and the step goes once it is (every region read), while the
+consumer copies it into the arena, its commit last: the twin of the device's
+snapshot (`Arena.take`; `snapshot_epochs` counts them).  Such an epoch is in
+`fired` once its step goes, and durable once its commit is in (the session's
+settle waits for that).  A larger one, or
+`ResidentExecutor.snapshot_max = 0`, holds the step until its commit is in
+the arena.
 
 Either way a crash loses at most the epochs not yet written when it came:
 each is durable once its commit is in the log, with no call of the caller's.
@@ -64,6 +71,12 @@ HOLD_S = 60.0
 #: most epochs an arena is kept room for ahead of the host (`DeviceStepTrigger._ahead`): a producer
 #: whose stream runs far behind its host would otherwise have its arena swapped at every step
 AHEAD_MAX = 2
+
+#: the most memory an epoch is staged through before a trigger's gate goes (the device's snapshot, in device
+#: memory, executor.cu: via_snapshot; its CPU twin's, in host memory, `Arena.take`): an epoch of at most this
+#: many bytes (and, on the device, at most its arena's `bound`) is staged there, and the gate goes once it is
+#: (every region read), before the records reach the arena; a larger one holds the gate until it is in the arena
+SNAPSHOT_MAX_BYTES = 64 << 20
 
 
 def is_fault(status: int) -> bool:
@@ -159,6 +172,12 @@ class CpuStepTrigger:
     @property
     def fired(self) -> list:
         return list(self.trigger.fired)
+
+    @property
+    def snapshot_epochs(self) -> int:
+        """The epochs whose gate went once they were read, before they reached
+        the arena (the twin of the device engine's `snapshot_epochs`)."""
+        return self.trigger.snapshot_epochs
 
     def held(self) -> tuple[int, float, int]:
         """As DeviceStepTrigger.held(): (steps held at the gate, seconds they

@@ -281,8 +281,9 @@ def test_gil_releasing_stall_epochs_commit_at_the_trigger_rate_and_recover_ident
         assert [c.reason for c in list(s.checkpoints)[1:]] == ["trigger:steps"] * fired
         assert all(c.executor == "resident" for c in s.checkpoints)
         # on shm, each epoch went into the session's arena: the device's protocol (checkpoint/arena.py)
+        # and each let the producer go once it had read the regions (the twin of the device's snapshot)
         assert s.resident.info()["trigger"] == {"every": 6, "counter": "steps", "fired": fired, "armed": False,
-                                                "in_arena": fired, "arena_why": None}
+                                                "in_arena": fired, "arena_why": None, "snapshot_epochs": fired}
 
 
 def test_a_trigger_on_a_file_tier_commits_through_the_host_committer(file_log):

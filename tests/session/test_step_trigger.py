@@ -103,7 +103,7 @@ def test_a_trigger_that_stops_lets_the_held_step_go_and_the_next_step_says_why(s
         s.checkpoint()
         tr = s.resident.step_trigger(1)
 
-        def broken(self, reason):
+        def broken(self, reason, release=None):
             raise RuntimeError("the arena could not be written")
 
         monkeypatch.setattr(ResidentExecutor, "_arena_epoch", broken)

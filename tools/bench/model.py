@@ -216,6 +216,8 @@ def _decode(model, guard, ids, steps, every, wait=False):
             kept["trigger"].update(rotations=hook.trigger.rotations, rearmed=hook.trigger.rearmed,
                                    snapshot_epochs=hook.trigger.engine.snapshot_epochs,
                                    snapshot_why=hook.trigger.engine.snapshot_why)
+        else:  # the CPU twin's epochs whose gate went through its snapshot
+            kept["trigger"].update(snapshot_epochs=hook.trigger.snapshot_epochs)
         hook.trigger.disarm()
         fired = {e for e, _ in hook.fired}
         stats = hook.stats + [st for st in s.checkpoints if st.epoch in fired]
@@ -284,6 +286,8 @@ def _decode_part(model, cfg, batch, steps, prompt_len, reps, kv_per_token, log_s
                     held.enter_context(mock.patch.object(device_epoch, "SNAPSHOT_MAX_BYTES", 0))
                 s = held.enter_context(concordia.Session(log, size=_log_size(kv_per_token * batch * max_len),
                                                          executor=executor.split("-")[0]))
+                if executor == "resident-held":  # nor its CPU twin (a host session's trigger epochs)
+                    s.resident.snapshot_max = 0
                 guard = protect(s, cache, model, batch_size=batch, max_tokens=max_len)
                 cache.reset()
                 _prefill(model, cache, ids[:, :-1], ids.shape[1])  # generate() then starts at the last token
