@@ -838,6 +838,14 @@ class Retention:
             return
         self._start(epoch, [n for n in names if n in regions.names], live, pressure)
 
+    def not_committed(self, epoch: int) -> None:
+        """Epoch `epoch`, `launched`, will not commit (a trigger's arena epoch
+        that failed after its step went): the copies taken for it are
+        dropped, and the job is decided again at the next commit.  Its
+        number may name another epoch later."""
+        if self._starting is not None and self._starting.epoch == epoch:
+            self._starting = None
+
     def _host_copy(self, r) -> np.ndarray:
         """The bytes of region `r` as they are now, in a buffer of this
         session's: the one of the region's last job (that job is over) while

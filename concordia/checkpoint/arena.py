@@ -5,9 +5,10 @@ nothing for them (it may be stalled, or hold the GIL).  Such an epoch cannot
 ask the log's appender for space or commit through it, so the space is
 reserved ahead: an arena is one extent of the log (`Appender.reserve_extent`)
 into which the consumer writes epoch after epoch, each one's page batches and
-then its own commit record (a table pass's `stage_into`, the records the
-device's table pass writes, the commit by `table.write_commit` / table.cu's
-`table_commit`).  What the consumer needs to go on lives in a few words
+then its own commit record (a table pass's `plan_epoch` and `write_epoch`,
+the records the device's table pass writes, the commit by
+`table.write_commit` / table.cu's `table_commit`; with a trigger's snapshot,
+through a host buffer first: `take`).  What the consumer needs to go on lives in a few words
 (`WORDS`): the bytes used so far, the LSN of the last commit (the next one's
 `aux`), the last epoch, the epochs taken, the triggers missed for want of
 room and the epoch lost (below).  A GPU consumer keeps them in memory it
@@ -178,8 +179,6 @@ class Arena:
         self.ext = app.reserve_extent(fmt.align64(nbytes))
         #: the words (one WORDS row): here, or where a GPU consumer writes them (mapped host memory)
         self.words = np.zeros(1, WORDS) if words is None else words
-        #: the epochs `take` wrote through a snapshot (the CPU twin of the device's `snapshot_epochs`)
-        self.snapshot_epochs = 0
         self.words[0] = 0
         #: {region id: digest} of the last commit taken on (`adopt`): the regions' digests now
         self.digests: dict | None = None
@@ -248,7 +247,6 @@ class Arena:
             tpass.write_epoch(plan, snap, **kw)
             release(epoch)   # every region read: the producer goes on while the epoch crosses into the arena
             self._cross(view, snap, used, commit)
-            self.snapshot_epochs += 1
         else:
             tpass.write_epoch(plan, view, **kw)
         w["used"] = at + used + commit
@@ -261,11 +259,16 @@ class Arena:
 
     @staticmethod
     def _cross(view, snap, used: int, commit: int) -> None:
-        """A snapshot's epoch into the arena: its records, then its commit
-        (FORMAT.md §10, 4c: a crash between them leaves records no commit
-        covers, which recovery ignores)."""
+        """A snapshot's epoch into the arena: its records, the header slot
+        after its commit zeroed where it lies in the extent (as
+        `table.write_commit` leaves it), then the commit (FORMAT.md §10, 4c:
+        a crash before it leaves records no commit covers, which recovery
+        ignores, and the slot after a commit is zero once the commit is there)."""
         view[:used] = snap[:used]
-        view[used:used + commit] = snap[used:used + commit]
+        end = used + commit
+        if end + fmt.RECORD_HEADER_SIZE <= view.size:
+            view[end:end + fmt.RECORD_HEADER_SIZE] = 0
+        view[used:end] = snap[used:end]
 
     def adopt(self, app) -> list:
         """Finish the arena and take its commits on (module doc): returns

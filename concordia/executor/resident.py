@@ -283,8 +283,10 @@ class LaunchCounter:
 class Trigger:
     """Checkpoint every `every` counts of `counter` (a StepCounter, a
     LaunchCounter or anything with `read()`), at the pause gate `gate` when
-    given.  `fired`: (epoch, count) of every epoch it took; `errors`: why it
-    stopped, one line each."""
+    given.  `fired`: (epoch, count) of every epoch it took, listed when its
+    step goes (an arena epoch through the snapshot: before its commit is in,
+    which the session's next call waits for); `errors`: why it stopped, one
+    line each."""
 
     def __init__(self, every: int, counter, gate=None):
         if isinstance(every, bool) or not isinstance(every, (int, np.integer)) or every <= 0:
@@ -545,9 +547,10 @@ class ResidentExecutor:
         session's next call takes it on.  An arena is opened when none is
         (the host's part: a GPU consumer has it opened ahead), and one with no
         room left is taken on and replaced here (also the host's part; a CPU
-        consumer is a host thread).  release(): the trigger's gate let go,
-        called once every region is read (through the snapshot, as the device
-        does: `Arena.take`), not at all when the epoch is not written here.
+        consumer is a host thread).  release(epoch): the trigger's gate let
+        go once every region is read (through the snapshot, as the device
+        does: `Arena.take`); not called when the epoch is not written here,
+        nor when it is too large for the snapshot (the caller lets go after).
         Returns the epoch, or None when the session's epochs cannot go into an
         arena (`arena_why` says why)."""
         runner = self.session.runner
@@ -578,8 +581,9 @@ class ResidentExecutor:
         return epoch
 
     def _snapshot(self, nbytes: int):
-        """A host buffer of `nbytes` for one arena epoch, kept from epoch to
-        epoch; None above `snapshot_max`."""
+        """A host buffer of `nbytes` for one arena epoch (its records and
+        commit), kept from epoch to epoch while a trigger is armed; None above
+        `snapshot_max`."""
         if nbytes > self.snapshot_max:
             return None
         if self._snap.size < nbytes:
@@ -708,6 +712,7 @@ class ResidentExecutor:
         if tr is not None:
             with self.lock:   # not in the middle of one of its epochs
                 tr.armed = False
+                self._snap = np.empty(0, np.uint8)   # the snapshot's memory back
             _release(tr.gate)
         self._relax()
 
@@ -771,6 +776,7 @@ class ResidentExecutor:
                 tr.fired.remove((int(released[0]), count))
                 tr.in_arena -= 1
                 tr.snapshot_epochs -= 1
+                self.session.retention.not_committed(int(released[0]))
             tr.errors.append(f"{type(exc).__name__}: {exc}")
             tr.armed = False
             _release(tr.gate)

@@ -171,6 +171,9 @@ class CpuStepTrigger:
 
     @property
     def fired(self) -> list:
+        """[(epoch, count)] of the trigger's epochs, each listed when its step
+        goes (through the snapshot: before its commit is in, which the
+        session's next call waits for)."""
         return list(self.trigger.fired)
 
     @property

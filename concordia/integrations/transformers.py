@@ -757,7 +757,8 @@ class CheckpointEvery(StoppingCriteria):
 
     @property
     def fired(self) -> list:
-        """[(epoch, steps counted since the trigger was armed)] of the trigger's epochs."""
+        """[(epoch, steps counted since the trigger was armed)] of the trigger's epochs, each listed
+        when its step goes; durable once its commit is in, which the session's next call waits for."""
         return [] if self.trigger is None else self.trigger.fired
 
     def __call__(self, input_ids, scores, **kwargs):

@@ -24,8 +24,11 @@ WAIT_S = 60   # what a step that has been let go needs to write (it never comes 
 
 
 def _write(a, k: int) -> None:
-    """Step `k`'s writes: one byte in one page."""
+    """Step `k`'s writes: one byte in a page of its own, and one in the first
+    page, which every epoch writes (so that a read after the release would
+    take the next step's byte there)."""
     a[(k * 97) % a.shape[0], (k * 13) % a.shape[1]] = k % 251
+    a[0, k % a.shape[1]] = k % 251
 
 
 def _state(k: int) -> np.ndarray:
@@ -40,19 +43,23 @@ def _session(log: str) -> Session:
 
 
 def _watch_crossings(monkeypatch, s, written, crossed):
-    """Each arena epoch that lets its step go: after the release, wait until
-    the producer has written its next step, then let the epoch cross."""
+    """Each arena epoch that lets its step go: at the release, whether the
+    arena still lacks it; after, wait until the producer has written its next
+    step, then let the epoch cross."""
     take = Arena.take
 
     def watched(self, tpass, *, snapshot=None, release=None):
         if release is None:
             return take(self, tpass, snapshot=snapshot, release=release)
+        at = self.word("used")
+        before = bytes(self.ext.view[at:at + 64])   # where the epoch's first record goes
 
         def late(epoch):
             count = s.resident.trigger_.counter.read()   # the gate is closed: the step it holds
+            not_in_arena = bytes(self.ext.view[at:at + 64]) == before
             release(epoch)
             went_on = count >= STEPS or written[count + 1].wait(WAIT_S)
-            crossed.append((epoch, count, went_on))
+            crossed.append((epoch, count, not_in_arena and went_on))
 
         return take(self, tpass, snapshot=snapshot, release=late)
 
@@ -105,6 +112,52 @@ def test_with_no_snapshot_the_step_holds_until_its_commit_is_in_the_arena(shm_lo
             np.testing.assert_array_equal(s.recover(epoch)["a"], _state(count), err_msg=f"epoch {epoch}")
 
 
+class _Writes(np.ndarray):
+    """An arena view that notes each slice written into it, in order."""
+
+    def __setitem__(self, key, value):
+        self.order.append((key.start or 0, key.stop))
+        super().__setitem__(key, value)
+
+
+def test_an_epoch_crosses_records_first_then_the_zeroed_slot_then_its_commit():
+    arena = np.full(1024, 0xEE, np.uint8).view(_Writes)
+    arena.order = []
+    snap = np.arange(300, dtype=np.uint8)
+    Arena._cross(arena, snap, 200, 100)
+    assert arena.order == [(0, 200), (300, 364), (200, 300)]
+    assert bytes(arena[:300]) == bytes(snap) and not arena[300:364].any() and (arena[364:] == 0xEE).all()
+
+
+def test_an_epoch_that_fails_after_its_step_went_is_not_listed_and_the_log_keeps_the_one_before(
+        shm_log, monkeypatch):
+    cross, seen = Arena._cross, []
+
+    def failing(view, snap, used, commit):
+        seen.append(used)
+        if len(seen) == 3:
+            raise OSError("the arena could not be written")
+        cross(view, snap, used, commit)
+
+    monkeypatch.setattr(Arena, "_cross", staticmethod(failing))
+    with _session(shm_log) as s:
+        a = np.zeros((64, 1024), np.uint8)
+        s.register("a", a, detect="shadow", page_bytes=4096)
+        s.checkpoint()
+        tr = s.resident.step_trigger(1)
+        for k in range(1, 4):
+            _write(a, k)
+            tr.step()
+        s.settle()   # the consumer is done with the failed epoch
+        assert not tr.armed and "could not be written" in tr.errors[-1]
+        assert [c for _, c in tr.fired] == [1, 2] and tr.snapshot_epochs == 2
+        assert s.log.verify()["corrupt"] == 0
+        np.testing.assert_array_equal(s.recover()["a"], _state(2))
+        np.testing.assert_array_equal(s.recover(tr.fired[-1][0])["a"], _state(2))
+        st = s.checkpoint()   # every region whole after the failure: the state as it is now
+        np.testing.assert_array_equal(s.recover(st.epoch)["a"], _state(3))
+
+
 CHILD = r"""
 import os, signal, sys, threading
 import numpy as np
@@ -129,10 +182,16 @@ def watched(self, tpass, *, snapshot=None, release=None):
             armed.append(epoch)
     return take(self, tpass, snapshot=snapshot, release=late if release is not None else None)
 
+class KillAtCommit(np.ndarray):
+    def __setitem__(self, key, value):
+        if key.start == self.commit_at:   # the records and the slot after the commit are in, not the commit
+            os.kill(os.getpid(), signal.SIGKILL)
+        super().__setitem__(key, value)
+
 def crossing(view, snap, used, commit):
-    if armed:   # the epoch of step kill_at, its step let go
-        view[:used] = snap[:used]   # the records in the arena, not the commit
-        os.kill(os.getpid(), signal.SIGKILL)
+    if armed:   # the epoch of step kill_at, its step let go: the real crossing, cut at its commit
+        view = view.view(KillAtCommit)
+        view.commit_at = used
     cross(view, snap, used, commit)
 
 Arena.take, Arena._cross = watched, staticmethod(crossing)
