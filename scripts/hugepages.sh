@@ -18,6 +18,17 @@ NR=/proc/sys/vm/nr_hugepages
 cmd=${1:-}
 die() { echo "hugepages: $*" >&2; exit 2; }
 free_pages() { cat /sys/kernel/mm/hugepages/hugepages-2048kB/free_hugepages; }
+# What shared memory holds, and the largest entry of /dev/shm: a log left there
+# by a run cut short (a SIGKILL after timeout's grace) is the usual taker.
+shm_held() {
+  local kib top
+  kib=$(awk '/^Shmem:/ {print $2}' /proc/meminfo)
+  top=$(du -sk /dev/shm/* 2>/dev/null | sort -n | tail -n 1)
+  awk -v k="${kib:-0}" 'BEGIN { printf "shared memory holds %.1f GiB", k / 1048576 }'
+  [ -n "$top" ] && awk -v k="${top%%[[:space:]]*}" -v p="${top#*[[:space:]]}" \
+    'BEGIN { printf ", the most of it %.1f GiB in %s", k / 1048576, p }'
+  return 0
+}
 
 case "$cmd" in
 setup)
@@ -32,7 +43,7 @@ setup)
   got=$(( $(cat "$NR") - before ))
   if [ "$got" -lt "$want" ]; then
     echo "$before" > "$NR"
-    die "the kernel found $got of the $want huge pages asked for (memory is taken or fragmented)"
+    die "the kernel found $got of the $want huge pages asked for (memory is taken or fragmented; $(shm_held))"
   fi
   mkdir -p "$mnt"
   if ! mount -t hugetlbfs -o pagesize=2M,mode=1777 none "$mnt"; then
