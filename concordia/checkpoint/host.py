@@ -97,7 +97,7 @@ class HostTablePass:
         self.owner = owner    # the RegionSet
         self.stager = stager  # stages an epoch larger than a segment region by region
         self.flags = np.zeros(table.total_pages, np.uint8)
-        self.last_counts = np.zeros(len(table), np.int64)  # each row's pages in the last `stage_into`
+        self.last_counts = np.zeros(len(table), np.int64)  # each row's pages in the last `plan_epoch`
 
     def detect(self) -> None:
         """flags[page space] = dirty, every detector advanced (group by group,
@@ -188,29 +188,21 @@ class HostTablePass:
                                  base_lsn=lsn, epoch=epoch, region_id=r.id, salt=salt)
             r.crcs[local] = page_crc_table(view, off, n)
 
-    def stage_into(self, view, *, lsn: int, salt: int, epoch: int, prev_commit: int) -> int | None:
-        """One epoch into `view` (byte 0 at LSN `lsn`), with no appender:
-        detect, plan, stage, then the commit record after the records
-        (`table.write_commit`); returns the record bytes before the commit,
-        or None when they and the commit do not fit `view`: the detectors
-        moved on and nothing was written (as table.cu's plan says `fits` 0;
-        the arena calls the epoch lost)."""
-        plan = self.plan_epoch()
-        if plan[3] + self.table.commit_length > view.size:
-            return None
-        return self.write_epoch(plan, view, lsn=lsn, salt=salt, epoch=epoch, prev_commit=prev_commit)
-
     def plan_epoch(self) -> tuple:
-        """`stage_into`'s first half: the detectors moved on and the records
-        laid out; (ids, counts, records, their bytes), for `write_epoch`."""
+        """An arena epoch's first half (`Arena.take`), with no appender: the
+        detectors moved on and the records laid out; (ids, counts, records,
+        their bytes), for `write_epoch`.  Records and commit that do not fit
+        the arena are not written (as table.cu's plan says `fits` 0; the arena
+        calls the epoch lost)."""
         plan = self._detect_and_plan()
         self.last_counts = plan[1]  # each row's pages (the device pass's mailbox counts)
         return plan
 
     def write_epoch(self, plan: tuple, view, *, lsn: int, salt: int, epoch: int, prev_commit: int) -> int:
-        """`stage_into`'s second half: the planned records and then the commit
-        into `view` (byte 0 at LSN `lsn`, room checked by the caller); the
-        record bytes before the commit."""
+        """An arena epoch's second half: the planned records and then the
+        commit record after them (`table.write_commit`) into `view` (byte 0
+        at LSN `lsn`, room checked by the caller); the record bytes before
+        the commit."""
         from concordia.checkpoint.table import write_commit
 
         t = self.table

@@ -29,7 +29,6 @@ compiled code is reused.  Every role prints JSON lines; the parent
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
@@ -42,6 +41,7 @@ import time
 from concordia.regions.errors import DemoError
 
 from .model import allocated_cache, build, digest, lora_update, prompt
+from .run import reaped
 
 
 def _model(args):
@@ -314,20 +314,6 @@ def _spawn(role: str, args: dict):
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-@contextlib.contextmanager
-def _reaped(proc):
-    """`proc` killed and waited for when the block is left by an exception
-    (Ctrl-C or SIGTERM to this process alone): no child outlives the run,
-    holding its log's memory mapped."""
-    try:
-        yield proc
-    except BaseException:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        raise
-
-
 def _lines(proc):
     for line in proc.stdout:
         if line.startswith("{"):
@@ -355,7 +341,7 @@ def run_kills(log: str, plan: list[dict], *, shape: str = "tiny", device: str = 
                   compile=compile, size=size, segment=segment, seed=seed, plan=json.dumps(plan),
                   min_steps=max(2, steps // 3), executor=executor)
     refs, compiled = {}, None
-    with _reaped(_spawn("reference", dict(common, log=log + ".ref"))) as ref:
+    with reaped(_spawn("reference", dict(common, log=log + ".ref"))) as ref:
         for doc in _lines(ref):
             if "compiled" in doc:
                 compiled = doc["compiled"]
@@ -368,7 +354,7 @@ def run_kills(log: str, plan: list[dict], *, shape: str = "tiny", device: str = 
     results, kills, resume = {}, [], -1
     while True:
         killed = None
-        with _reaped(_spawn("life", dict(common, log=log, resume=resume,
+        with reaped(_spawn("life", dict(common, log=log, resume=resume,
                                          die_in=",".join(str(i) for i in die)))) as life:
             for doc in _lines(life):
                 if "kill_me" in doc:

@@ -22,6 +22,7 @@ worker|resume ...`); they speak JSON lines on stdout.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -239,14 +240,23 @@ def _child(mode: str, argv: list[str], **popen):
     return subprocess.Popen(cmd, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, **popen)
 
 
-def _run_child(mode: str, argv: list[str]) -> dict:
-    proc = _child(mode, argv)
+@contextlib.contextmanager
+def reaped(proc):
+    """`proc` killed and waited for when the block is left by an exception
+    (Ctrl-C or SIGTERM to this process alone): no child outlives the run,
+    holding its log's memory mapped."""
     try:
-        stdout, stderr = proc.communicate()
-    except BaseException:  # Ctrl-C or SIGTERM here: the child does not outlive the run
-        proc.kill()
+        yield proc
+    except BaseException:
+        if proc.poll() is None:
+            proc.kill()
         proc.wait()
         raise
+
+
+def _run_child(mode: str, argv: list[str]) -> dict:
+    with reaped(_child(mode, argv)) as proc:
+        stdout, stderr = proc.communicate()
     if proc.returncode != 0:
         raise DemoError(f"{mode} process failed (exit {proc.returncode}): {_last_line(stderr)}")
     return [json.loads(x) for x in stdout.splitlines() if x.startswith("{")][-1]

@@ -42,10 +42,21 @@ def _session(log: str) -> Session:
     return Session(log, size=32 << 20, segment_size=4 << 20, executor="resident", policy=Policy(retain=False))
 
 
-def _watch_crossings(monkeypatch, s, written, crossed):
+def _region(s) -> np.ndarray:
+    """The region the producer writes, registered, with its base committed."""
+    a = np.zeros((64, 1024), np.uint8)
+    s.register("a", a, detect="shadow", page_bytes=4096)
+    s.checkpoint()
+    return a
+
+
+def _watch_crossings(monkeypatch, s):
     """Each arena epoch that lets its step go: at the release, whether the
     arena still lacks it; after, wait until the producer has written its next
-    step, then let the epoch cross."""
+    step, then let the epoch cross.  Returns ({step: written}, [(epoch,
+    count, both held)])."""
+    written = {k: threading.Event() for k in range(1, STEPS + 2)}
+    crossed = []
     take = Arena.take
 
     def watched(self, tpass, *, snapshot=None, release=None):
@@ -64,6 +75,7 @@ def _watch_crossings(monkeypatch, s, written, crossed):
         return take(self, tpass, snapshot=snapshot, release=late)
 
     monkeypatch.setattr(Arena, "take", watched)
+    return written, crossed
 
 
 def _produce(s, a, written):
@@ -76,13 +88,9 @@ def _produce(s, a, written):
 
 
 def test_the_step_goes_once_its_epoch_is_read_and_the_epoch_keeps_what_it_read(shm_log, monkeypatch):
-    written = {k: threading.Event() for k in range(1, STEPS + 2)}
-    crossed = []
     with _session(shm_log) as s:
-        a = np.zeros((64, 1024), np.uint8)
-        s.register("a", a, detect="shadow", page_bytes=4096)
-        s.checkpoint()
-        _watch_crossings(monkeypatch, s, written, crossed)
+        a = _region(s)
+        written, crossed = _watch_crossings(monkeypatch, s)
         tr = _produce(s, a, written)
         assert not tr.errors and [c for _, c in tr.fired] == list(range(1, STEPS + 1))
         tr.disarm()
@@ -96,14 +104,10 @@ def test_the_step_goes_once_its_epoch_is_read_and_the_epoch_keeps_what_it_read(s
 
 
 def test_with_no_snapshot_the_step_holds_until_its_commit_is_in_the_arena(shm_log, monkeypatch):
-    written = {k: threading.Event() for k in range(1, STEPS + 2)}
-    crossed = []
     with _session(shm_log) as s:
-        a = np.zeros((64, 1024), np.uint8)
-        s.register("a", a, detect="shadow", page_bytes=4096)
-        s.checkpoint()
+        a = _region(s)
         s.resident.snapshot_max = 0
-        _watch_crossings(monkeypatch, s, written, crossed)
+        written, crossed = _watch_crossings(monkeypatch, s)
         tr = _produce(s, a, written)
         tr.disarm()
         s.settle()
@@ -141,9 +145,7 @@ def test_an_epoch_that_fails_after_its_step_went_is_not_listed_and_the_log_keeps
 
     monkeypatch.setattr(Arena, "_cross", staticmethod(failing))
     with _session(shm_log) as s:
-        a = np.zeros((64, 1024), np.uint8)
-        s.register("a", a, detect="shadow", page_bytes=4096)
-        s.checkpoint()
+        a = _region(s)
         tr = s.resident.step_trigger(1)
         for k in range(1, 4):
             _write(a, k)
@@ -162,7 +164,7 @@ CHILD = r"""
 import os, signal, sys, threading
 import numpy as np
 sys.path.insert(0, sys.argv[4])
-from tests.session.test_step_snapshot import _session, _write, STEPS
+from tests.session.test_step_snapshot import _region, _session, _write, STEPS
 from concordia.checkpoint.arena import Arena
 
 log, kill_at, where = sys.argv[1], int(sys.argv[2]), sys.argv[3]
@@ -196,9 +198,7 @@ def crossing(view, snap, used, commit):
 
 Arena.take, Arena._cross = watched, staticmethod(crossing)
 s = _session(log)
-a = np.zeros((64, 1024), np.uint8)
-s.register("a", a, detect="shadow", page_bytes=4096)
-s.checkpoint()
+a = _region(s)
 print("base", s.epoch, flush=True)
 tr = s.resident.step_trigger(1)
 for k in range(1, STEPS + 1):

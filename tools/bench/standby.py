@@ -54,6 +54,8 @@ import click
 import numpy as np
 
 from ..common import check_outputs, guarded, report
+from concordia.devmem.outfile import hold_interrupts
+
 from ..entry import stopping
 from .files import Scratch, force_option
 
@@ -283,20 +285,21 @@ def run(nbytes: int, tier: str, device: str, scratch: Scratch, *, standbys=("war
         xp.get_default_memory_pool().free_all_blocks()
     spec = _spec(tier, scratch)
     procs, runs = [], []
-    # a `timeout` around the bench sends SIGTERM: unwind, so that the children
-    # (which map the log) are killed and the log discarded, not left behind
-    term = _Term()
-    on_term = (signal.signal(signal.SIGTERM, term.handler)
-               if threading.current_thread() is threading.main_thread() else None)
+    # a `timeout` around the bench sends SIGTERM: it unwinds, as the command line's stop
+    # (`entry`), so that the children (which map the log) are killed and the log discarded,
+    # not left behind; run without the entry point, the bench installs that stop itself
+    on_term = (signal.signal(signal.SIGTERM, _stop)
+               if threading.current_thread() is threading.main_thread()
+               and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL else None)
     try:
-        primary = term.spawn(procs, "primary", spec, nbytes, device, "1" if steps else "0", log_ratio)
+        primary = _spawn(procs, "primary", spec, nbytes, device, "1" if steps else "0", log_ratio)
         ready = json.loads(_line(primary, "out", "ready", 600, "the primary"))
         base["primary"] = {"write_s": ready["write_s"], "epoch": ready["epoch"], "log_bytes": ready["log_bytes"],
                            "checkpoints_every_step": steps}
         _drain(primary)
         for i, kind in enumerate(standbys):
             last = i == len(standbys) - 1
-            standby = term.spawn(procs, "standby", spec, device, "1" if kind == "hot" else "0",
+            standby = _spawn(procs, "standby", spec, device, "1" if kind == "hot" else "0",
                                  "stop" if last else "primary")
             _line(standby, "err", "watching the primary", 600, f"standby {i + 1} ({kind})")
             if steps:
@@ -333,37 +336,24 @@ def run(nbytes: int, tier: str, device: str, scratch: Scratch, *, standbys=("war
                 p.kill()
                 p.wait()
         scratch.discard(spec)
-        if on_term is not None and signal.getsignal(signal.SIGTERM) is term.handler:  # not once stopped by it
+        if on_term is not None and signal.getsignal(signal.SIGTERM) is _stop:  # not once stopped by it
             signal.signal(signal.SIGTERM, on_term)
     return runs
 
 
-class _Term:
-    """SIGTERM as the command line's stop (`entry.stopping`: it unwinds, the
-    `finally` that kills the children runs, later signals are let go, and the
-    command ends with `error: terminated`, exit 143), held back while a child
-    is being started: a child forked but not yet in the list would be left
-    running."""
+def _stop(signum, frame):
+    """SIGTERM as the command line's stop (`entry.stopping`: it unwinds, later
+    signals are let go, and the command ends with `error: terminated`, exit 143)."""
+    raise stopping(signum)
 
-    def __init__(self):
-        self.spawning = False
-        self.pending = False
 
-    def handler(self, signum, frame):
-        if self.spawning:
-            self.pending = True
-            return
-        raise stopping(signum)
-
-    def spawn(self, procs: list, *args):
-        self.spawning = True
-        try:
-            procs.append(_child(*args))
-        finally:
-            self.spawning = False
-        if self.pending:
-            raise stopping(signal.SIGTERM)
-        return procs[-1]
+def _spawn(procs: list, *args):
+    """A child started and listed with Ctrl-C and SIGTERM held back
+    (`hold_interrupts`): a child forked but not yet in the list would be left
+    running by the `finally` that kills them."""
+    with hold_interrupts():
+        procs.append(_child(*args))
+    return procs[-1]
 
 
 def _poll_phases(p: dict | None) -> str:
