@@ -22,7 +22,9 @@
 // -D options: CX_CHILD (0/1), CX_OPS (bit mask of op codes compiled into the
 // operator table; PING, QUIESCE and STOP are always there), CX_EPOCH (with
 // CX_CHILD and PAGE_BYTES: the EPOCH handler, a session's epoch by the table
-// pass of table.cu into an arena, below).
+// pass of table.cu into an arena, below), CX_RECOVER (with CX_CHILD: the RECOVER
+// handler, a recovery's pages from the registered log mapping into device
+// arrays, each checked against its stored CRC32C, below).
 // (A 32-register cap on the control warp, so that it fits beside a GEMM block
 // that fills the register file, was measured on the H200: the GEMM slowed just
 // as much, so the block slot, not registers, is what residency costs.)
@@ -34,7 +36,7 @@
 #define CX_OPS 0xFFFFu
 #endif
 
-#if defined(CX_EPOCH) && CX_CHILD
+#if (defined(CX_EPOCH) || defined(CX_RECOVER)) && CX_CHILD
 #include "table.cu"  // the table pass's kernels (and common.cuh), launched as child grids
 #else
 typedef unsigned long long u64;
@@ -64,7 +66,8 @@ __device__ __forceinline__ bool differs(uint4 a, uint4 b) {
 #define OP_QUIESCE 5
 #define OP_STOP 6
 // A Session's epoch (the EPOCH handler below, built with CX_EPOCH; else
-// UNSUPPORTED_OP) and recovery (no device handler yet: UNSUPPORTED_OP).
+// UNSUPPORTED_OP) and a recovery's pages (the RECOVER handler, built with
+// CX_RECOVER; else UNSUPPORTED_OP).
 #define OP_EPOCH 7
 #define OP_RECOVER 8
 
@@ -94,9 +97,9 @@ __device__ __forceinline__ bool differs(uint4 a, uint4 b) {
 // Device-memory scratch shared by the control warp and its child grids.
 struct cx_scratch {
     u64 pages;        // pages found / applied (atomicAdd by handler warps)
-    u64 bytes;        // reserved
+    u64 bytes;        // a RECOVER's bytes read (atomicAdd by its warps)
     u32 done_blocks;  // child blocks finished
-    u32 errors;       // pages rejected by bounds checks
+    u32 errors;       // pages rejected by bounds checks (SCATTER, RECOVER)
     u64 claim;        // an epoch's commit: 0 open, CX_CLAIM_COMMIT (its child read every region), CX_CLAIM_CANCEL
     u64 reserved[4];
 };
@@ -211,6 +214,89 @@ extern "C" __global__ void cx_scatter(uint4* dst, const uint4* src, const u32* i
                  threadIdx.x & 31);
     block_done(sc);
 }
+
+#if defined(CX_RECOVER) && CX_CHILD
+// ---- RECOVER: a recovery's pages, from the log mapping into device arrays -----
+//
+// The task's a[0] is a descriptor (device memory: concordia/executor/recover.py,
+// RECOVER_DESC) of the pages a recovery plan reads, as runs: pages of one
+// record whose log rows and page ids both follow on (restore/device.py's
+// transfer layout).  Page k of the plan belongs to the last run whose first
+// page is <= k.  One warp a page: the page's bytes go from the log (`log`,
+// the device address of the registered mapping's byte 0; read over the bus
+// once) to page `id` of its region's array (whole pages: the arrays hold
+// every page padded), then the warp computes the page's CRC32C from what it
+// wrote (device memory) and compares it with the stored one; bad[k] says
+// whether it differed.  The arrays are a recovery's own, never the caller's
+// targets: the host copies them there only once every page and digest
+// checked out.  The completion counts the pages applied, the bytes read and
+// (as lsn_first) the pages damaged; a page outside the log or its region is
+// refused (BAD_ARGS).
+// Twin: concordia/executor/recover.py (apply_runs).
+struct cx_recover_run {             // recover.RUN
+    u64 first, off, id, crc, page_bytes, region;
+};
+
+struct cx_recover_desc {            // recover.RECOVER_DESC
+    u64 log, log_bytes, runs, n_runs, pages, crc_table, regions, n_regions, bad;
+};
+
+extern "C" __global__ void __launch_bounds__(256) cx_recover(const cx_recover_desc* d, cx_scratch* sc) {
+    __shared__ u32 T[CRC_TABLE_WORDS];
+    crc_tables_build(T);
+    const int lane = threadIdx.x & 31;
+    const u64 warps = (u64)gridDim.x * (blockDim.x >> 5);
+    const cx_recover_run* runs = reinterpret_cast<const cx_recover_run*>(d->runs);
+    const u64* regions = reinterpret_cast<const u64*>(d->regions);   // (base, bytes) a region
+    const u32* stored = reinterpret_cast<const u32*>(d->crc_table);
+    u8* bad = reinterpret_cast<u8*>(d->bad);
+    const u64 n_runs = d->n_runs, pages = d->pages;
+    PageCrcRt k;
+    k.page_bytes = 0;
+    u64 applied = 0, bytes = 0, damaged = 0;
+    for (u64 p = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; p < pages; p += warps) {
+        u64 lo = 0, hi = n_runs;   // the run of page p: the last whose first page is <= p
+        while (hi - lo > 1) {
+            const u64 mid = (lo + hi) >> 1;
+            if (runs[mid].first <= p) lo = mid;
+            else hi = mid;
+        }
+        const cx_recover_run r = runs[lo];
+        const u64 j = p - r.first;
+        const u32 pb = (u32)r.page_bytes, chunks = pb / 16;
+        if (pb == 0 || (pb & 15) || r.region >= d->n_regions || r.off + (j + 1) * pb > d->log_bytes ||
+            (r.id + j + 1) * pb > regions[2 * r.region + 1]) {   // outside the log or the region: refused
+            if (lane == 0) atomicAdd(&sc->errors, 1u);
+            continue;
+        }
+        if (pb != k.page_bytes) k = page_crc_setup_rt(pb, lane);
+        const uint4* src = reinterpret_cast<const uint4*>(d->log + r.off + j * pb);
+        u8* page = reinterpret_cast<u8*>(regions[2 * r.region]) + (r.id + j) * pb;
+        uint4* out = reinterpret_cast<uint4*>(page);
+        for (u32 c = lane; c < chunks; c += WARP) out[c] = __ldcs(src + c);
+        __syncwarp();   // the page written, by every lane, before the lanes read their slices of it
+        const u32 step = crc_step_of(pb);
+        u32 a = (u32)lane * step, b = a + step;
+        if (a > pb) a = pb;
+        if (b > pb) b = pb;
+        u32 raw = 0;
+        for (u32 off = a; off < b; off += 16) raw = crc_chunk(T, raw, __ldcg(reinterpret_cast<const uint4*>(page + off)));
+        raw = gf2_multmodp(k.lane_shift, raw);
+        const u32 crc = warp_xor(raw) ^ k.finish;
+        const bool ok = crc == stored[r.crc + j];
+        if (lane == 0) bad[p] = (u8)!ok;
+        applied += ok;
+        damaged += !ok;
+        bytes += pb;
+    }
+    if (lane == 0) {
+        if (applied) atomicAdd(&sc->pages, applied);
+        if (bytes) atomicAdd(&sc->bytes, bytes);
+        if (damaged) atomicAdd(&sc->reserved[0], damaged);
+    }
+    block_done(sc);
+}
+#endif
 
 // ---- the control warp -------------------------------------------------------
 
@@ -917,6 +1003,31 @@ __device__ int run_handler(u32 op, const u64* a, cx_scratch* sc, u32 n_sm, u64 c
         break;
     }
 #endif
+#if defined(CX_RECOVER) && CX_CHILD
+    case OP_RECOVER: {
+        if (a[0] == 0 || (a[0] & 7)) {
+            status = ST_BAD_ARGS;
+            break;
+        }
+        if (lane == 0) {
+            const cx_recover_desc* d = reinterpret_cast<const cx_recover_desc*>(a[0]);
+            reset_scratch(sc);
+            sc->reserved[0] = 0;
+            __threadfence();
+            const u32 g = child_grid(d->pages, n_sm);
+            cx_recover<<<g, CHILD_THREADS, 0, CX_CHILD_STREAM>>>(d, sc);
+            status = CX_LAUNCHED() ? wait_children(sc, g, child_timeout_ns) : ST_LAUNCH_FAILED;
+            if (status == ST_OK && *(volatile u32*)&sc->errors) status = ST_BAD_ARGS;
+            if (status == ST_OK) {
+                found = *(volatile u64*)&sc->pages;
+                epoch_lsn[0] = *(volatile u64*)&sc->reserved[0];
+                epoch_lsn[2] = *(volatile u64*)&sc->bytes;
+            }
+        }
+        status = __shfl_sync(FULL, status, 0);
+        break;
+    }
+#endif
 #if defined(CX_EPOCH) && CX_CHILD
     case OP_EPOCH: {
         if (a[0] == 0 || (a[0] & 7)) {
@@ -1120,6 +1231,9 @@ extern "C" __global__ void __launch_bounds__(32, 1)
                 } else if (op == OP_SCATTER) {
                     bytes = pages * a[4];
                     lsn0 = lsn1 = a[6];
+                } else if (op == OP_RECOVER) {  // pages applied, bytes read, pages damaged (lane 0's)
+                    bytes = __shfl_sync(FULL, epoch_lsn[2], 0);
+                    lsn0 = __shfl_sync(FULL, epoch_lsn[0], 0);
                 } else if (op == OP_EPOCH) {  // the warp takes lane 0's
                     lsn0 = __shfl_sync(FULL, epoch_lsn[0], 0);
                     lsn1 = __shfl_sync(FULL, epoch_lsn[1], 0);

@@ -4,7 +4,7 @@ persistent kernel does, dispatching through an operator table.
 It runs everywhere (CI has no GPU), so the protocol — wrap-around,
 back-pressure, idle exit and lazy relaunch, QUIESCE / STOP, hot swap — is
 tested on it.  Handlers are Python callables ``handler(task: TaskView) -> Result``;
-`numpy_operators()` gives real CHECKPOINT / APPEND_LOG / SCATTER handlers over
+`numpy_operators()` gives real CHECKPOINT / APPEND_LOG / SCATTER / RECOVER handlers over
 host memory addressed the way the GPU handlers are (raw addresses in the args).
 """
 
@@ -18,6 +18,7 @@ import time
 import numpy as np
 
 from .errors import ExecutorError
+from .recover import RECOVER_DESC, RUN, apply_runs, counts, out_of_bounds
 from .ring import CONTROL_OPS, ConsumerState, Op, Result, Ring, Status, TaskView
 
 _FENCE = threading.Lock()      # acquire = a locked instruction = a full fence on x86
@@ -257,7 +258,31 @@ def scatter_handler(task: TaskView) -> Result:
     return Result(Status.OK, count, count * page_bytes, chunk, chunk)
 
 
+def recover_handler(task) -> Result:
+    """RECOVER over raw host addresses (the CPU executor's, `cpu.numpy_operators`):
+    args[0] is the address of a `RECOVER_DESC`; the completion carries the
+    pages applied, the bytes read and (as lsn_first) the pages damaged."""
+    addr = int(task.args[0])
+    if addr == 0 or addr % 8:
+        return Result(Status.BAD_ARGS)
+    d = host_view(addr, RECOVER_DESC.itemsize).view(RECOVER_DESC)[0]
+    n_runs, pages, n_regions = int(d["n_runs"]), int(d["pages"]), int(d["n_regions"])
+    runs = host_view(int(d["runs"]), n_runs * RUN.itemsize).view(RUN) if n_runs else np.zeros(0, RUN)
+    table = (host_view(int(d["regions"]), 16 * n_regions).view("<u8").reshape(-1, 2) if n_regions
+             else np.zeros((0, 2), np.uint64))
+    if out_of_bounds(runs, pages, int(d["log_bytes"]), table[:, 1].astype(np.int64)):
+        return Result(Status.BAD_ARGS)
+    regions = [host_view(int(base), int(nbytes)) for base, nbytes in table.tolist()]
+    n = counts(runs, pages)
+    crcs_n = int((runs["crc"].astype(np.int64) + n).max()) if n_runs else 0
+    crc_table = host_view(int(d["crc_table"]), 4 * crcs_n).view("<u4") if crcs_n else np.zeros(0, np.uint32)
+    bad = host_view(int(d["bad"]), pages) if pages else np.zeros(0, np.uint8)
+    log = host_view(int(d["log"]), int(d["log_bytes"])) if int(d["log_bytes"]) else np.zeros(0, np.uint8)
+    applied, read, damaged = apply_runs(log, runs, crc_table, regions, bad)
+    return Result(Status.OK, applied, read, damaged, 0)
+
+
 def numpy_operators() -> OperatorTable:
     """The operator table of the CPU executor's real handlers."""
     return OperatorTable({Op.CHECKPOINT: checkpoint_handler, Op.APPEND_LOG: append_log_handler,
-                          Op.SCATTER: scatter_handler})
+                          Op.SCATTER: scatter_handler, Op.RECOVER: recover_handler})

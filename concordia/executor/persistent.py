@@ -111,9 +111,13 @@ class ExecutorModule:
         t0 = time.perf_counter()
         names = ("cx_executor", "cx_checkpoint", "cx_copy", "cx_scatter")
         code = kernel_source()
-        if "-DCX_EPOCH" in self.options:  # the EPOCH handler launches the table pass's kernels: one module
+        if "-DCX_EPOCH" in self.options or "-DCX_RECOVER" in self.options:
+            # the EPOCH handler launches the table pass's kernels, RECOVER its page CRCs: one module
             code = code.replace('#include "table.cu"', jit.source("table"), 1)
+        if "-DCX_EPOCH" in self.options:
             names += ("cx_epoch_driver", "cx_epoch_small", "cx_epoch_close", "cx_step_gate")
+        if "-DCX_RECOVER" in self.options:
+            names += ("cx_recover",)
         try:
             while True:
                 try:
