@@ -410,7 +410,8 @@ class Session:
             targets = dict(into)
         out, self.last_recovery = restore_run.recover(self.log, target, targets=targets, device=device, mode=mode,
                                                       regions=regions, registration=self.runner.registration,
-                                                      absent=absent, ahead=self.ahead, adapted=adapted, order=order)
+                                                      absent=absent, ahead=self.ahead, adapted=adapted, order=order,
+                                                      ring=restore_run.ring_of(ex, self.log))
         if self._open_s is not None and self.ahead is None:  # a fresh process's recovery: its open is part of it
             self.last_recovery.phases = {"open": {"s": self._open_s}, **self.last_recovery.phases}
         self._open_s = None  # (a read ahead's open ran on its thread: in its phase)

@@ -199,7 +199,9 @@ class DeviceEpochs:
             raise ExecutorError(f"the device cannot take this session's epochs: {why}", where="device epochs")
         self.tpass = tpass
         page_bytes = module_page_bytes(tpass.table)
-        self.module = ExecutorModule(child=True, ops=(Op.EPOCH,), extra_options=compile_defines(page_bytes)).load()
+        # RECOVER beside EPOCH: a resident session's device recoveries are tasks of this kernel (`recover_task`)
+        self.module = ExecutorModule(child=True, ops=(Op.EPOCH, Op.RECOVER),
+                                     extra_options=compile_defines(page_bytes) + ("-DCX_RECOVER",)).load()
         self.words = MappedHostBuffer(arena_mod.WORDS.itemsize, where="arena words")
         self.log = MappedHostBuffer(8 * (2 + 2 * FIRED_CAP), where="trigger log")
         self.log.array[:] = 0
@@ -297,6 +299,12 @@ class DeviceEpochs:
         self.ensure_arena()
         self.last = self.submitter.call(self.Op.EPOCH, args=(self.d_desc.data.ptr,), timeout=timeout)
         return self.last
+
+    def recover_task(self, desc_ptr: int, timeout: float = 60.0):
+        """One RECOVER task (`restore.ring`: a recovery's pages from the log
+        mapping into device arrays, checked there) between this kernel's
+        epochs; its completion."""
+        return self.submitter.call(self.Op.RECOVER, args=(int(desc_ptr),), timeout=timeout)
 
     # -- as an engine of the resident executor's arena route (checkpoint/arena_route.py) --
     via = "device-epoch"

@@ -6,7 +6,7 @@
     steps = StepCounter(); gate = PauseGate()
     s.resident.trigger(every=8, counter=steps, gate=gate)
     ...                             # the producer: `with gate.step(): ...; steps.add()`
-    s.recover()                     # one RECOVER task
+    s.recover()                     # one RECOVER task (of the consumer; on the device, of a persistent kernel)
 
 What runs where.  `checkpoint()` on the caller's thread publishes one EPOCH
 task for the epoch on the task ring (`ring.py`, through `host.Submitter`) and
@@ -26,7 +26,10 @@ commits without any host thread; on file, pmem and
 device-DAX tiers the consumer hands the commit (the persist call and the
 commit record) to a host committer thread and waits for it, since a GPU
 consumer can neither msync nor call libpmem.  `recover()` on a host session is
-one RECOVER task, so a recovery never interleaves with an epoch.
+one RECOVER task, so a recovery never interleaves with an epoch; a recovery
+onto the device is planned on the caller's thread and its pages are one
+RECOVER task of a persistent kernel (`restore.ring`, kept here as
+`device_recovery`), read from the log mapping and checked on the device.
 
 Handlers per region kind.  The operator table of the consumer holds EPOCH,
 RECOVER and one handler per region kind present (`kind_op`); an epoch whose
@@ -343,6 +346,9 @@ class ResidentExecutor:
         self._commits: queue.Queue | None = None
         self._wake = threading.Event()
         self._by_kind: tuple | None = None   # (RegionSet version, regions per kind)
+        #: the persistent kernel of the session's device recoveries (`restore.ring.RingRecovery`, made by
+        #: the restore layer at the first one; this layer only closes it)
+        self.device_recovery = None
         self._gateless_ok = None   # the RegionSet version found all on the device (`_check_gateless`)
         #: why a trigger's epochs go through the session, not into an arena (None: they did, or none was tried)
         self.arena_why: str | None = None
@@ -455,11 +461,22 @@ class ResidentExecutor:
         """One recovery through the consumer (the RECOVER task)."""
         return self._call(Op.RECOVER, self.session.recover, *args, **kw)
 
+    def epoch_kernel(self):
+        """The device epoch engine whose persistent kernel runs this session's
+        epochs now (the route's, on the caller's side), or None: its module
+        carries the RECOVER handler too, so a device recovery is a task of
+        that kernel, between its epochs (`restore.ring`)."""
+        engine = getattr(self.route, "engine", None) if self.route is not None else None
+        if getattr(engine, "where", None) != "caller" or not hasattr(engine, "recover_task"):
+            return None
+        return engine
+
     def routes_recover(self, device, into) -> bool:
         """Whether recover() goes through the consumer: on host sessions.  A
         recovery onto the device orders itself against the caller's current
-        stream, which is the caller thread's own: it stays there until the
-        device RECOVER handler exists."""
+        stream, which is the caller thread's own: the caller plans it and its
+        pages are one RECOVER task of a persistent kernel
+        (`restore.ring`, `device_recovery`), not a task of this consumer."""
         if device in ("cupy", "cuda"):
             return False
         if self.regions.any_on_gpu:
@@ -821,6 +838,8 @@ class ResidentExecutor:
         if self._closed:
             return
         self.disarm()
+        if self.device_recovery is not None:
+            self.device_recovery.close()
         if self.route is not None:
             with self.lock:
                 self.route.close()   # the persistent kernel stops; the arena's epochs are taken on

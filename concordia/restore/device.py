@@ -869,6 +869,24 @@ def _zeroed_arrays(cp, gpu, sizes: list, own: list) -> list:
     return out
 
 
+def checked_arrays(tr: Transfer, out: list) -> dict:
+    """{name: array of the region's dtype and shape} of the device arrays `out`
+    (one a region of `tr`, every page whole) once each region's digest,
+    computed on the device, matches its commit (CorruptionError naming the
+    region otherwise); the digests are read back together (one
+    synchronisation, not one a region)."""
+    from concordia.gpu_kernels import gpu
+    from concordia.wal.apply import check_digest
+
+    flats = [dst[:rp.region.nbytes] for rp, dst in zip(tr.regions, out)]
+    checked = [(rp, flat) for rp, flat in zip(tr.regions, flats) if rp.digest is not None]
+    digests = gpu.region_digests([gpu.crc32c_pages(flat, page_bytes=rp.region.page_bytes) for rp, flat in checked])
+    for (rp, _), digest in zip(checked, digests):   # the host applier's check, on the device's digest
+        check_digest(rp.name, rp.epoch, rp.digest, digest)
+    return {rp.name: flat.view(np.dtype(rp.region.dtype)).reshape(rp.region.shape)
+            for rp, flat in zip(tr.regions, flats)}
+
+
 @_one_at_a_time
 def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK_BYTES, stats: dict | None = None,
                     registration=None, read: str = "auto", own_memory=()) -> dict:
@@ -900,7 +918,7 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
     them into its targets and drops them: a pool's block shared with a later
     allocation could not be given back)."""
     from concordia.gpu_kernels import gpu, jit
-    from concordia.wal.apply import check_digest, check_present
+    from concordia.wal.apply import check_present
 
     cp = jit.require_cupy()  # one line naming why, where CuPy or CUDA is missing
     check_present(plan, regions)  # a region with no state at the epoch: refused, never zeroed on the device
@@ -981,15 +999,7 @@ def apply_plan_cupy(log, plan, *, regions=None, chunk_bytes: int = DEFAULT_CHUNK
                 raise _bad_page_in_log(log, tr, int(bad[0]))
         t2 = time.perf_counter()
         st["scatter_s"] = t2 - t1
-        # every region's digest on the device, read back together: one synchronisation, not one a region
-        flats = [dst[:rp.region.nbytes] for rp, dst in zip(tr.regions, out)]
-        checked = [(rp, flat) for rp, flat in zip(tr.regions, flats) if rp.digest is not None]
-        digests = gpu.region_digests([gpu.crc32c_pages(flat, page_bytes=rp.region.page_bytes)
-                                      for rp, flat in checked])
-        for (rp, _), digest in zip(checked, digests):   # the host applier's check, on the device's digest
-            check_digest(rp.name, rp.epoch, rp.digest, digest)
-        result = {rp.name: flat.view(np.dtype(rp.region.dtype)).reshape(rp.region.shape)
-                  for rp, flat in zip(tr.regions, flats)}
+        result = checked_arrays(tr, out)
         st["verify_s"] = time.perf_counter() - t2
         return result
     finally:

@@ -128,7 +128,8 @@ BATCHED_COPIES = 8
 
 def restore(log, target="latest", *, mode=None, regions=None, device: bool = False, into: dict | None = None,
             registration=None, read: str = "auto", stats: dict | None = None, plan=None,
-            absent: str = "refuse", own_new: bool = False, order: StreamOrder | None = None) -> Restored:
+            absent: str = "refuse", own_new: bool = False, order: StreamOrder | None = None,
+            ring=None) -> Restored:
     """Plan `log` at `target` in `mode` (or take `plan`) and apply it to
     `regions` (None: every region of the plan).
 
@@ -145,7 +146,11 @@ def restore(log, target="latest", *, mode=None, regions=None, device: bool = Fal
     registration: the log mapping's live CUDA registration (a session's), read
     by the copy engine directly.  read and stats: as `apply_plan_cupy` takes them.
     absent: "refuse" or "keep" a region with no state at the epoch (module doc),
-    decided before anything is written.  own_new: the new device arrays get
+    decided before anything is written.  ring: where given (`ring_of`: a
+    resident executor's), the device regions' pages are one RECOVER task of
+    a persistent kernel (`restore.ring`) instead of the caller's pipeline,
+    which a recovery that cannot take it takes (its stats say why:
+    "ring_why").  own_new: the new device arrays get
     memory of their own from the driver (a read ahead's, `restore.ahead`,
     copied into targets later and dropped), not CuPy's pool.
 
@@ -161,7 +166,7 @@ def restore(log, target="latest", *, mode=None, regions=None, device: bool = Fal
     st = {} if stats is None else stats
     # CuPy's free blocks before the restore (once: a second plan's restore follows the first's temporaries)
     args = dict(regions=regions, device=device, into=into or {}, registration=registration, read=read, st=st,
-                absent=absent, own_new=own_new, order=order, pool_free=pool_free_bytes())
+                absent=absent, own_new=own_new, order=order, pool_free=pool_free_bytes(), ring=ring)
     if plan is not None:
         return _restore(log, plan, 0.0, None, **args)
     from concordia.wal.planner import plan as make_plan, plan_unchecked
@@ -233,7 +238,7 @@ def absent_regions(plan, want: list, absent: str, *, where: str) -> list:
 
 
 def _restore(log, plan, plan_s, pages, *, regions, device, into, registration, read, st, absent,
-             own_new, order, pool_free) -> Restored:
+             own_new, order, pool_free, ring) -> Restored:
     """restore() with `plan`; `pages`: the page checks left from planning
     (`PageCheck`), or None when the plan was made with them; `pool_free`:
     CuPy's free bytes before the restore (`into_targets`)."""
@@ -262,9 +267,20 @@ def _restore(log, plan, plan_s, pages, *, regions, device, into, registration, r
             # given back to the driver once copied (in CuPy's pool, the framework that owns the targets
             # could not use it: a cache of 30 GiB restored into torch tensors would leave 30 GiB there)
             own = sum(plan.regions[n].region.nbytes for n in dev if n in plan.regions) >= RELEASE_STAGED_BYTES
-            got = apply_plan_cupy(log, plan, regions=on_gpu, stats=st, registration=registration, read=read,
-                                  own_memory=set(on_gpu) if own_new else set(dev) if own else ())
-            via.update(dict.fromkeys(got, "device pipeline"))
+            own_memory = set(on_gpu) if own_new else set(dev) if own else ()
+            got, engine = None, None
+            if ring is not None:   # a resident executor's persistent kernel, where it can take it
+                engine, why = ring()
+                if engine is not None:
+                    got = engine.apply(log, plan, regions=on_gpu, stats=st, registration=registration,
+                                       own_memory=own_memory)
+                else:
+                    st["ring_why"] = why
+            if got is None:
+                got = apply_plan_cupy(log, plan, regions=on_gpu, stats=st, registration=registration, read=read,
+                                      own_memory=own_memory)
+                engine = None
+            via.update(dict.fromkeys(got, "persistent kernel" if engine is not None else "device pipeline"))
         if on_host:
             got_host = apply_plan_numpy(log, plan, regions=on_host)
             if not device and rest:
@@ -277,6 +293,20 @@ def _restore(log, plan, plan_s, pages, *, regions, device, into, registration, r
     arrays.update(got)
     arrays.update(written)
     return Restored(arrays, plan, plan_s, time.perf_counter() - t1, via, st, kept)
+
+
+def ring_of(holder, log):
+    """What `restore` takes as `ring` for a session whose resident executor is
+    `holder` (None: no ring): a callable giving (`restore.ring.RingRecovery`
+    it keeps, or None, why not), asked only by a recovery onto the device."""
+    if holder is None:
+        return None
+
+    def engine():
+        from concordia.restore.ring import engine_for
+
+        return engine_for(holder, log)
+    return engine
 
 
 def later_quietly(order: StreamOrder) -> None:
@@ -372,7 +402,7 @@ def into_targets(dev: dict, host: dict, got: dict, own: bool, order: StreamOrder
 
 def recover(log, target="latest", *, targets: dict | None = None, device=None, mode=None, regions=None,
             registration=None, absent: str = "refuse", ahead=None, adapted: dict | None = None,
-            order: StreamOrder | None = None) -> tuple[dict, RecoveryStats]:
+            order: StreamOrder | None = None, ring=None) -> tuple[dict, RecoveryStats]:
     """({name: restored}, RecoveryStats): `Session.recover` on an open log.
 
     targets: {name: array or tensor} restored in place (each checked first:
@@ -392,7 +422,7 @@ def recover(log, target="latest", *, targets: dict | None = None, device=None, m
     target's framework's current stream): the copies into them follow the
     work queued there before the call, and, when it is given, the caller
     orders the work queued there after (its own reads of the targets come
-    first); else this call does."""
+    first); else this call does.  ring: as `restore` takes it (`ring_of`)."""
     t_checks = time.perf_counter()
     gpu = on_device(device)
     check_absent(absent)
@@ -425,7 +455,7 @@ def recover(log, target="latest", *, targets: dict | None = None, device=None, m
         got = None if ahead is None else ahead.take(log, target, mode, want, views, gpu, absent, order)
         if got is None:
             got = restore(log, target, mode=mode, regions=want, device=gpu, into=views, registration=registration,
-                          absent=absent, order=order)
+                          absent=absent, order=order, ring=ring)
     except BaseException:
         later_quietly(order)   # copies may have been queued
         raise
@@ -491,8 +521,10 @@ def phases_of(got: Restored, total_s: float) -> dict:
             out["alloc"]["parts"] = {k: float(v) for k, v in st["alloc_parts"].items()}
         out["transfer_check_scatter"] = _phase(max(0.0, st["scatter_s"] - st.get("alloc_s", 0.0)),
                                                st.get("bytes_copied", nbytes))
-        if st.get("via"):   # the way the log reached the device (`apply_plan_cupy`'s stats)
+        if st.get("via"):   # the way the log reached the device (`apply_plan_cupy`'s or the ring's stats)
             out["transfer_check_scatter"]["via"] = st["via"]
+        if st.get("ring_why"):   # a resident executor's recovery that could not take its persistent kernel
+            out["transfer_check_scatter"]["ring_why"] = st["ring_why"]
         out["verify"] = _phase(st.get("verify_s", 0.0))
         if st.get("register_s"):
             out["register"] = _phase(st["register_s"])

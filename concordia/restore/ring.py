@@ -1,0 +1,317 @@
+"""RECOVER on the device: a recovery's pages applied by a persistent kernel.
+
+Where a Session has a resident executor (`Session(executor="resident")`), a
+recovery onto the device is one RECOVER task on the task ring of a
+persistent kernel (gpu_kernels/executor.cu built with CX_RECOVER;
+`RingRecovery`, kept by the resident executor for the session's later
+recoveries):
+
+1. the caller's thread plans from the log's metadata and lays the plan out
+   as runs (`runs_of`: pages of one record whose rows and page ids follow
+   on, with their log offsets and stored CRCs), and makes the recovery's own
+   device arrays (zeroed, every page whole);
+2. the kernel's control warp takes the task and launches one warp a page:
+   the page crosses the bus once, from the log mapping (registered with
+   CUDA by the session's checkpoint path, else the pieces the plan reads
+   pinned ahead and kept pinned with the log: `restore.device`) into its
+   region's array, and its CRC32C is computed there and held to the stored
+   one (`executor.recover`);
+3. once the task completed, the host reads the damaged-page flags once,
+   checks each region's digest on the device (`restore.device.checked_arrays`)
+   and hands the arrays to `restore.run`, which copies them into the targets:
+   damage leaves every target as it was, as on the caller's pipeline.
+
+A recovery that cannot take the ring (a log CUDA cannot map, CuPy without a
+device, a module that cannot load while another persistent kernel is
+resident: `RingRecovery.why_not`) takes the caller's pipeline
+(`restore.device.apply_plan_cupy`) and says why in its stats (`ring_why`).
+
+`apply_plan_ring_host` runs the same descriptor through a CPU executor's
+RECOVER handler (`executor.cpu.recover_handler`, the kernel's numpy twin)
+over host memory: the protocol and the twin, where no GPU exists.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from concordia.executor.recover import RECOVER_DESC, RUN, runs_table
+from concordia.executor.ring import Op, Status
+from concordia.root_error import ConcordiaError
+
+#: the transfer layout's chunk for a ring recovery: one chunk, the whole plan
+ONE_CHUNK = 1 << 62
+#: what a recovery's stats say of the way it took (`via`)
+VIA = "persistent kernel (RECOVER task) from the log mapping"
+
+
+def runs_of(tr) -> np.ndarray:
+    """The `RUN` rows of a one-chunk transfer layout `tr`
+    (`restore.device.transfer_plan` with ONE_CHUNK): each run's log offset
+    from the chunk's copies (log offset, bytes, staging offset)."""
+    if not tr.pages:
+        return np.zeros(0, RUN)
+    if tr.chunks != 1:
+        raise ValueError(f"a ring recovery's layout is one chunk, not {tr.chunks}")
+    copies = tr.copies[0]
+    at = copies[:, 2]
+    k = np.searchsorted(at, tr.run_stage, side="right") - 1
+    off = copies[k, 0] + (tr.run_stage - at[k])
+    return runs_table(tr.run_first, off, tr.run_id, tr.run_crc, tr.run_pb, tr.run_region)
+
+
+def describe(log_ptr: int, log_bytes: int, runs_ptr: int, n_runs: int, pages: int, crc_ptr: int,
+             regions_ptr: int, n_regions: int, bad_ptr: int) -> np.ndarray:
+    """One `RECOVER_DESC` (a numpy record of one element)."""
+    d = np.zeros(1, RECOVER_DESC)
+    for name, v in zip(RECOVER_DESC.names, (log_ptr, log_bytes, runs_ptr, n_runs, pages, crc_ptr, regions_ptr,
+                                            n_regions, bad_ptr)):
+        d[name] = int(v)
+    return d
+
+
+def _layout(log, plan, regions):
+    from concordia.restore.device import transfer_plan
+
+    tr = transfer_plan(log, plan, regions=regions, chunk_bytes=ONE_CHUNK)
+    return tr, runs_of(tr)
+
+
+def _damaged(log, tr, bad: np.ndarray):
+    """The CorruptionError naming the first damaged page (`restore.device`'s words for it)."""
+    from concordia.restore.device import _bad_page_in_log
+
+    return _bad_page_in_log(log, tr, int(np.flatnonzero(bad)[0]))
+
+
+def apply_plan_ring_host(log, plan, *, regions=None, submitter=None, timeout: float = 60.0) -> dict:
+    """The ring recovery on the host: the same layout and descriptor over host
+    memory, run by the RECOVER handler of a CPU executor
+    (`executor.cpu.numpy_operators`; `submitter`: a `Submitter` of one, else
+    one made for this call and stopped after it).  Returns {name: numpy
+    array of the region's layout dtype and shape}; damage is the
+    CorruptionError the host applier raises."""
+    from concordia.executor.cpu import CpuExecutor, numpy_operators
+    from concordia.executor.host import Submitter
+    from concordia.executor.ring import Ring
+    from concordia.wal.apply import check_digest, check_present
+    from concordia.gpu_kernels import reference as ref
+
+    check_present(plan, regions)
+    tr, runs = _layout(log, plan, regions)
+    outs = [np.zeros(rp.region.pages * rp.region.page_bytes, np.uint8) for rp in tr.regions]
+    table = np.array([[o.ctypes.data, o.size] for o in outs], np.uint64).reshape(-1, 2)
+    crcs = np.ascontiguousarray(tr.crc_table, np.uint32)
+    bad = np.zeros(max(tr.pages, 1), np.uint8)
+    src = log.backend.array
+    desc = describe(src.ctypes.data, src.size, runs.ctypes.data, runs.size, tr.pages, crcs.ctypes.data,
+                    table.ctypes.data, len(outs), bad.ctypes.data)
+    own = submitter is None
+    if own:
+        ring = Ring.allocate(8)
+        submitter = Submitter(ring, CpuExecutor(ring, numpy_operators(), idle_exit_s=1.0))
+    try:
+        c = submitter.call(Op.RECOVER, args=(desc.ctypes.data,), timeout=timeout)
+    finally:
+        if own:
+            submitter.stop()
+    _check_completion(c, tr)
+    if c.lsn_first:
+        raise _damaged(log, tr, bad[:tr.pages])
+    out = {}
+    for rp, o in zip(tr.regions, outs):
+        flat = o[:rp.region.nbytes]
+        if rp.digest is not None:
+            check_digest(rp.name, rp.epoch, rp.digest,
+                         ref.region_digest(ref.crc32c_pages(flat, page_bytes=rp.region.page_bytes)))
+        out[rp.name] = flat.view(np.dtype(rp.region.dtype)).reshape(rp.region.shape)
+    return out
+
+
+def _check_completion(c, tr) -> None:
+    """Refuse a RECOVER completion that is not OK, or counted other pages than the layout's."""
+    from concordia.executor.errors import ExecutorError
+
+    if c.status != Status.OK:
+        raise ExecutorError(f"the RECOVER task failed with status {Status(c.status).name}", where="recovery ring")
+    if c.pages + c.lsn_first != tr.pages:
+        raise ExecutorError(f"the RECOVER task counted {c.pages + c.lsn_first} pages of {tr.pages}",
+                            where="recovery ring")
+
+
+class RingRecovery:
+    """A persistent kernel for a session's device recoveries (module doc).
+
+    kernel: the session's device epoch engine (`checkpoint.device_epoch.DeviceEpochs`,
+    whose module carries the RECOVER handler beside EPOCH), whose kernel takes
+    the task between its epochs; else (None) a kernel of this engine's own:
+    its module (executor.cu with CX_RECOVER), ring and executor, made once
+    and kept, resident only while a recovery runs (launched for its task,
+    made to leave with QUIESCE once it completed, so that no module load
+    elsewhere meets it resident).  `close()` lets its ring go."""
+
+    JOIN_S = 10.0
+
+    def __init__(self, *, kernel=None, child_timeout_s: float = 60.0):
+        from concordia.executor.persistent import require_cupy
+
+        self.cp = require_cupy()
+        self.device = self.cp.cuda.Device().id
+        self.kernel = kernel
+        self.recoveries = 0
+        self.closed = False
+        self._left = False   # the own kernel left at a QUIESCE: the next task launches it again
+        if kernel is not None:
+            return
+        from concordia.executor.host import Submitter
+        from concordia.executor.persistent import ExecutorModule, GpuExecutor, GpuRing
+
+        self.module = ExecutorModule(child=True, ops=(Op.RECOVER,), extra_options=("-DCX_RECOVER",)).load()
+        self.gring = GpuRing(16, where="recovery ring")
+        self.executor = GpuExecutor(self.gring, self.module, child_timeout_s=child_timeout_s, idle_s=1.0,
+                                    lifetime_s=600.0, sm_carveout=0)
+        self.submitter = Submitter(self.gring.ring, self.executor)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.kernel is None and self.executor.join(self.JOIN_S):   # (it left after its last task)
+            self.gring.close()
+
+    def run(self, desc_ptr: int):
+        """One RECOVER task of the descriptor at device address `desc_ptr`; its
+        completion.  The own kernel is launched for it and leaves after it."""
+        timeout = self.JOIN_S + 60.0
+        if self.kernel is not None:
+            return self.kernel.recover_task(desc_ptr, timeout)
+        if self._left:
+            self.submitter.launch()
+        self._left = False
+        try:
+            return self.submitter.call(Op.RECOVER, args=(desc_ptr,), timeout=timeout)
+        finally:
+            from concordia.executor.ring import ConsumerState
+
+            if self.gring.ring.state == ConsumerState.FAULT:   # (a child outran its timeout): not used again
+                self.closed = True
+            else:
+                self.submitter.quiesce(self.JOIN_S)
+            self._left = True
+
+    def apply(self, log, plan, *, regions=None, stats: dict | None = None, registration=None,
+              own_memory=()) -> dict:
+        """`restore.device.apply_plan_cupy` as one RECOVER task: {name: CuPy
+        array of the region's layout dtype and shape}, every page checked
+        against its CRC32C and every region's digest against its commit
+        (CorruptionError naming the page or region otherwise); None, with
+        nothing written and `stats["ring_why"]` saying why, where the driver
+        would not pin the log's mapping (the caller's pipeline copies it).  `stats`
+        receives the phases `restore.run.phases_of` reads (layout_s, alloc_s,
+        scatter_s: the task and the allocations, verify_s) and `via`."""
+        from concordia.executor.errors import ExecutorError
+        from concordia.gpu_kernels import gpu
+        from concordia.restore.device import _zeroed_arrays, checked_arrays
+        from concordia.wal.apply import check_present
+
+        cp = self.cp
+        if cp.cuda.Device().id != self.device:
+            raise ExecutorError(f"the recovery ring is on cuda:{self.device}, the recovery on "
+                                f"cuda:{cp.cuda.Device().id}", where="recovery ring")
+        check_present(plan, regions)
+        st = stats if stats is not None else {}
+        st.update(register_s=0.0, scatter_s=0.0, verify_s=0.0, via=VIA)
+        t0 = time.perf_counter()
+        tr, runs = _layout(log, plan, regions)
+        st["layout_s"] = time.perf_counter() - t0
+        st.update(chunks=tr.chunks, pages=tr.pages, bytes_copied=tr.pages and int(runs_bytes(runs, tr.pages)))
+        t1 = time.perf_counter()
+        base = self._source(log, registration, tr, st)
+        if base is None:   # (st["ring_why"] says why)
+            return None
+        out = _zeroed_arrays(cp, gpu, [rp.region.pages * rp.region.page_bytes for rp in tr.regions],
+                             [rp.name in own_memory for rp in tr.regions])
+        if tr.pages:
+            table = np.array([[a.data.ptr, a.nbytes] for a in out], np.uint64).reshape(-1, 2)
+            d_runs, d_crcs, d_table = cp.asarray(runs.view(np.uint8)), cp.asarray(tr.crc_table), cp.asarray(table)
+            d_bad = cp.zeros(tr.pages, cp.uint8)
+            desc = describe(base, log.backend.size, d_runs.data.ptr, runs.size, tr.pages, d_crcs.data.ptr,
+                            d_table.data.ptr, len(out), d_bad.data.ptr)
+            d_desc = cp.asarray(desc.view(np.uint8))
+            cp.cuda.get_current_stream().synchronize()   # the arrays and tables exist before the kernel's stream uses them
+            st["alloc_s"] = time.perf_counter() - t1
+            c = self.run(d_desc.data.ptr)
+            self.recoveries += 1
+            _check_completion(c, tr)
+            if c.lsn_first:
+                raise _damaged(log, tr, d_bad.get())
+        else:
+            cp.cuda.get_current_stream().synchronize()
+            st["alloc_s"] = time.perf_counter() - t1
+        t2 = time.perf_counter()
+        st["scatter_s"] = t2 - t1
+        result = checked_arrays(tr, out)
+        st["verify_s"] = time.perf_counter() - t2
+        return result
+
+    def _source(self, log, registration, tr, st) -> int | None:
+        """The device address of the log mapping's byte 0, every piece the
+        plan reads registered with CUDA: the session's registration, a
+        pinned tier's own, or the pieces pinned ahead (kept with the log);
+        None where the driver would not pin them (`st["ring_why"]`)."""
+        if registration is not None:
+            return int(registration.device_ptr)
+        backend = log.backend
+        if backend.kind == "pinned" or not tr.pages:
+            return int(backend.address)
+        from concordia.restore.device import _PinRefused, _RegisterAhead, pieces_read, register_piece
+
+        piece = register_piece(backend)
+        t = time.perf_counter()
+        ahead = _RegisterAhead(self.cp, backend, pieces_read(tr, piece), piece)
+        try:
+            ahead.ready(0)
+        except _PinRefused as exc:
+            st["ring_why"] = f"the log mapping could not be pinned: {exc}"
+            return None
+        finally:
+            st["register_wait_s"], st["pin_stop_s"] = ahead.wait_s, ahead.close()
+            st["pins_kept"] = ahead.kept
+        st["register_s"] = time.perf_counter() - t
+        return int(backend.address)
+
+
+def runs_bytes(runs: np.ndarray, pages: int) -> int:
+    """Bytes the runs read from the log."""
+    from concordia.executor.recover import counts
+
+    return int((counts(runs, pages) * runs["page_bytes"].astype(np.int64)).sum())
+
+
+def why_not(log) -> str | None:
+    """Why a device recovery of `log` cannot take the ring, or None."""
+    if not log.backend.gpu_mappable:
+        return f"a {log.backend.kind} log cannot be mapped for the GPU"
+    return None
+
+
+def engine_for(holder, log) -> tuple:
+    """(a RingRecovery for a device recovery of the session whose resident
+    executor is `holder`, or None, why not): on the kernel of the session's
+    device epochs where it runs (`holder.epoch_kernel()`), else on one of
+    its own, made at the first recovery and kept by `holder`."""
+    why = why_not(log)
+    if why is not None:
+        return None, why
+    try:
+        kernel = holder.epoch_kernel()
+        if kernel is not None:
+            return RingRecovery(kernel=kernel), None
+        engine = holder.device_recovery
+        if engine is None or engine.closed:
+            engine = holder.device_recovery = RingRecovery()
+    except ConcordiaError as exc:   # no CuPy or device, a module refused while another kernel is resident
+        return None, f"{type(exc).__name__}: {exc}"
+    return engine, None

@@ -1,0 +1,186 @@
+"""RECOVER on the device, where no GPU exists: the descriptor the host writes
+is the struct the kernel reads; a recovery laid out as runs and run by a CPU
+executor's RECOVER handler (the kernel's numpy twin) over the task ring
+restores what the host applier restores, region for region, on every tier
+and page size; a damaged page is named as the host applier names it; a
+descriptor reaching outside the log or a region is refused with nothing
+written; and a session with no resident executor has no ring to offer."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from concordia.executor.cpu import CpuExecutor, numpy_operators, recover_handler
+from concordia.executor.host import Submitter
+from concordia.executor.persistent import KERNEL_SOURCE
+from concordia.executor.recover import RECOVER_DESC, RUN, apply_runs, runs_table
+from concordia.executor.ring import Op, Ring, Status, TaskView
+from concordia.restore.ring import ONE_CHUNK, apply_plan_ring_host, describe, runs_of
+from concordia.restore.device import transfer_plan
+from concordia.restore.run import ring_of
+from concordia.wal import Log
+from concordia.wal.apply import apply_plan_numpy
+from concordia.wal.errors import CorruptionError
+from concordia.wal.planner import plan
+
+from .test_restore_transfer import _damaged_adapter_page, _history, _one_checkpoint
+
+CU = KERNEL_SOURCE.read_text()
+
+
+def _fields(struct: str) -> list[str]:
+    body = CU[CU.index(f"struct {struct} {{"):]
+    body = body[body.index("{") + 1:body.index("};")]
+    out = []
+    for decl in re.findall(r"u64\s+([^;]+);", body):
+        out += [n.strip() for n in decl.split(",")]
+    return out
+
+
+def test_the_descriptor_and_the_runs_are_the_kernels_structs():
+    assert _fields("cx_recover_run") == list(RUN.names) and RUN.itemsize == 8 * len(RUN.names)
+    assert _fields("cx_recover_desc") == list(RECOVER_DESC.names)
+    assert RECOVER_DESC.itemsize == 8 * len(RECOVER_DESC.names)
+    assert re.search(rf"#define OP_RECOVER {int(Op.RECOVER)}\b", CU)
+
+
+def _same(got: dict, want: dict) -> None:
+    assert set(got) == set(want)
+    for name in want:
+        assert got[name].dtype == want[name].dtype and got[name].shape == want[name].shape, name
+        assert got[name].tobytes() == want[name].tobytes(), name
+
+
+def test_a_ring_recovery_restores_what_the_host_applier_restores(persistent_log):
+    _history(persistent_log)
+    log = Log.open(persistent_log, writable=False, check_pages=False)
+    try:
+        p = plan(log)
+        _same(apply_plan_ring_host(log, p), apply_plan_numpy(log, p))
+        tr = transfer_plan(log, p, chunk_bytes=ONE_CHUNK)
+        runs = runs_of(tr)
+        # every run reads pages of its region's size from a 64-byte aligned offset, in the plan's page order
+        assert tr.chunks == 1 and runs.size >= len(tr.regions) and (runs["off"] % 64 == 0).all()
+        assert (np.diff(runs["first"].astype(np.int64)) > 0).all() and int(runs["first"][0]) == 0
+    finally:
+        log.close()
+
+
+def test_a_ring_recovery_of_some_regions_restores_only_those(shm_log):
+    with _one_checkpoint(shm_log, 1) as (state, log):
+        got = apply_plan_ring_host(log, plan(log), regions=["sched"])
+    assert list(got) == ["sched"] and got["sched"].tobytes() == state["sched"].tobytes()
+
+
+def test_a_damaged_page_is_named_as_the_host_applier_names_it(file_log):
+    _history(file_log, epochs=1)
+    log_off = _damaged_adapter_page(file_log)
+    log = Log.open(file_log, writable=False, check_pages=False)
+    try:
+        p = plan(log, check_pages=False)   # the recovery is the one to meet the damage
+        with pytest.raises(CorruptionError) as ring:
+            apply_plan_ring_host(log, p)
+        with pytest.raises(CorruptionError) as host:
+            apply_plan_numpy(log, p)
+    finally:
+        log.close()
+    assert str(ring.value) == str(host.value) and f"@ {log_off:#x}" in str(ring.value)
+
+
+def test_the_twin_flags_the_damaged_page_and_counts_it():
+    """apply_runs on hand-made runs: two regions, two page sizes, a run read
+    from the middle of a record; one page's stored CRC is wrong."""
+    from concordia.gpu_kernels import reference as ref
+
+    rng = np.random.default_rng(5)
+    log = rng.integers(0, 256, 1 << 16, dtype=np.uint8)
+    runs = runs_table([0, 3, 5], [4096, 1024, 8192], [1, 0, 4], [0, 3, 5], [256, 512, 256], [0, 1, 0])
+    pages = 7
+    crcs = np.concatenate([ref.crc32c_pages(log[4096:4096 + 768], page_bytes=256),
+                           ref.crc32c_pages(log[1024:2048], page_bytes=512),
+                           ref.crc32c_pages(log[8192:8704], page_bytes=256)]).astype(np.uint32)
+    crcs[4] ^= 1
+    regions = [np.zeros(6 * 256, np.uint8), np.zeros(2 * 512, np.uint8)]
+    bad = np.zeros(pages, np.uint8)
+    assert apply_runs(log, runs, crcs, regions, bad) == (6, 3 * 256 + 2 * 512 + 2 * 256, 1)
+    assert bad.tolist() == [0, 0, 0, 0, 1, 0, 0]
+    assert regions[0][256:1024].tobytes() == log[4096:4864].tobytes()
+    assert regions[0][1024:1536].tobytes() == log[8192:8704].tobytes() and not regions[0][:256].any()
+    assert regions[1].tobytes() == log[1024:2048].tobytes()
+
+
+@pytest.mark.parametrize("case", ["past the log", "past the region", "a page size not of 16 bytes",
+                                  "no region", "runs not from page 0"])
+def test_a_descriptor_reaching_outside_the_log_or_a_region_is_refused_with_nothing_written(case):
+    log = np.arange(8192, dtype=np.uint32).view(np.uint8)[:8192].copy()
+    region = np.zeros(4096, np.uint8)
+    table = np.array([[region.ctypes.data, region.size]], np.uint64)
+    first, off, pid, pb, reg = 0, 0, 0, 1024, 0
+    if case == "past the log":
+        off = 8192 - 1024
+    elif case == "past the region":
+        pid = 3
+    elif case == "a page size not of 16 bytes":
+        pb = 1000
+    elif case == "no region":
+        reg = 1
+    else:
+        first = 1
+    runs = runs_table([first], [off], [pid], [0], [pb], [reg])
+    crcs = np.zeros(2, np.uint32)
+    bad = np.zeros(2, np.uint8)
+    desc = describe(log.ctypes.data, log.size, runs.ctypes.data, runs.size, 2, crcs.ctypes.data,
+                    table.ctypes.data, 1, bad.ctypes.data)
+    r = recover_handler(TaskView(1, int(Op.RECOVER), 0, 0, 0, (desc.ctypes.data,) + (0,) * 6))
+    assert r.status == Status.BAD_ARGS
+    assert not region.any() and not bad.any()
+
+
+def test_the_cpu_executors_ring_carries_a_recover_task_and_its_counts(shm_log):
+    """The protocol: one RECOVER task on a CPU executor's ring, its completion
+    counting the pages applied, the bytes read and none damaged."""
+    with _one_checkpoint(shm_log, 2) as (state, log):
+        ring = Ring.allocate(8)
+        sub = Submitter(ring, CpuExecutor(ring, numpy_operators(), idle_exit_s=1.0))
+        try:
+            got = apply_plan_ring_host(log, plan(log), submitter=sub)
+            c = sub.call(Op.PING)
+        finally:
+            sub.stop()
+    assert c.status == Status.OK
+    for name, a in state.items():
+        assert got[name].tobytes() == np.ascontiguousarray(a).tobytes(), name
+
+
+def test_a_session_without_a_resident_executor_has_no_ring():
+    assert ring_of(None, object()) is None
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+@pytest.mark.parametrize("with_epoch", [False, True], ids=["recover", "recover+epoch"])
+def test_the_recover_variant_compiles_with_the_table_pass_in_its_module(tmp_path, with_epoch):
+    """executor.cu with CX_RECOVER (alone, and beside CX_EPOCH as one module):
+    the control warp launches cx_recover as a child grid."""
+    from concordia.checkpoint.device_epoch import compile_defines
+    from concordia.executor.persistent import compile_options
+    from concordia.gpu_kernels import jit
+
+    src = tmp_path / "executor_recover.cu"
+    src.write_text(CU.replace('#include "table.cu"', jit.source("table"), 1))
+    ops = (1 << Op.RECOVER) | (1 << Op.PING) | (1 << Op.QUIESCE) | (1 << Op.STOP)
+    opts = compile_options(child=True, ops_mask=ops | ((1 << Op.EPOCH) if with_epoch else 0)) + ("-DCX_RECOVER",)
+    if with_epoch:
+        opts += compile_defines(4096)
+    out = tmp_path / "k.ptx"
+    r = subprocess.run([shutil.which("nvcc"), "--ptx", "-arch=sm_90", *opts, str(src), "-o", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    text = out.read_text()
+    assert ".entry cx_recover(" in text and (".entry cx_epoch_driver(" in text) == with_epoch
+    control = text.split(".entry cx_executor(")[1].split(".entry")[0]
+    assert "LaunchDeviceV2" in control
