@@ -34,3 +34,19 @@ def test_cpu_quick_json_says_what_ran_and_recovers_identical(tmp_path):
 def test_a_bad_regions_list_is_a_usage_error():
     r = CliRunner().invoke(main, ["bench", "executor-session", "--cpu", "--regions", "1,x"])
     assert r.exit_code == 2 and "is not a list of region counts" in r.output
+
+
+def test_parts_run_only_what_they_name_and_an_unknown_part_is_a_usage_error():
+    r = CliRunner().invoke(main, ["bench", "executor-session", "--cpu", "--quick", "--regions", "1",
+                                  "--parts", "ckpt", "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    assert doc["parts"] == ["ckpt"] and "stall" not in doc and set(doc["ckpt_ms"]) == {"host", "host_mapped", "resident"}
+    assert set(doc["goals"]) == {"resident_ckpt<=host_1"}
+    # the GPU's parts name nothing on the CPU: no row, no goal
+    r = CliRunner().invoke(main, ["bench", "executor-session", "--cpu", "--quick", "--parts", "recover", "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    assert "recover" not in doc and doc["goals"] == {}
+    r = CliRunner().invoke(main, ["bench", "executor-session", "--cpu", "--parts", "stall,recoverr"])
+    assert r.exit_code == 2 and "unknown part 'recoverr'" in r.output

@@ -184,3 +184,16 @@ def test_the_recover_variant_compiles_with_the_table_pass_in_its_module(tmp_path
     assert ".entry cx_recover(" in text and (".entry cx_epoch_driver(" in text) == with_epoch
     control = text.split(".entry cx_executor(")[1].split(".entry")[0]
     assert "LaunchDeviceV2" in control
+
+
+def test_a_file_log_has_no_ring_and_says_why(file_log):
+    """A page-cache file cannot be mapped for the GPU: its device recovery
+    takes the caller's pipeline, and `why_not` names the tier."""
+    from concordia.restore.ring import why_not
+
+    _history(file_log, epochs=1)
+    log = Log.open(file_log, writable=False, check_pages=False)
+    try:
+        assert why_not(log) == "a file log cannot be mapped for the GPU"
+    finally:
+        log.close()

@@ -42,6 +42,13 @@ Session, against the host path, through the public entry points.
             and, in `latency_phases_us`, that task's phases as the device
             stamped them; `idle_slowdown`: the residency rows' with the SM
             target, as fractions.
+  recover   (GPU only) a resident session's recovery onto the device, one
+            RECOVER task of a persistent kernel (restore/ring.py), against
+            the host path's pipeline, both `Session.recover(into=)` of CuPy
+            targets at 64 MiB and 1 GiB (`run_recover`); `recover_on_device`
+            says whether every resident recovery took the kernel.
+
+`--parts` names which of these run (all by default).
 
 Without a GPU, or with `--cpu`, the numpy session and the CPU executor run;
 the JSON says which executor and which device ran.
@@ -65,6 +72,9 @@ from ..common import check_outputs, guarded, report, require_cupy
 from .files import Scratch, force_option
 
 MiB = 1 << 20
+#: what a run measures (`--parts`): the stalls, the checkpoint rows, residency, the device's EPOCH handler,
+#: the device's RECOVER handler
+PARTS = ("stall", "ckpt", "residency", "device", "recover")
 STALL_S = 0.2
 #: how long the caller holds the GIL in the device stall (the issue asks for at least 2 s)
 GIL_HELD_S = 2.5
@@ -387,15 +397,96 @@ def _checkpoint_ms(scratch: Scratch, log: str, n: int, reps: int, xp, executor: 
             "table_pass": last.table_pass, "via": sorted(set(last.via.values())), "executor": last.executor}
 
 
-def run(on_gpu: bool, quick: bool, counts: list[int], scratch: Scratch) -> dict:
-    """Measure; the log is the run's own (`scratch`), formatted afresh by each
-    step (overwrite=True) and removed after it."""
+RECOVER_REGIONS = 8
+
+
+def run_recover(cp, log: str, quick: bool, scratch: Scratch) -> dict:
+    """A resident session's recovery onto the device, one RECOVER task of a
+    persistent kernel (restore/ring.py), against the host path's
+    (executor="host": the caller's pipeline), both through
+    `Session.recover(into=)` of CuPy targets: for each state size, a log
+    written by a resident session (a base and two deltas), then blocks of
+    recoveries by a fresh session of each kind, alternated; medians of the
+    recover call's seconds, with the way each took (`via`) and whether
+    every target equals the state written.  `live`: a recovery inside the
+    writing session, whose device epochs' kernel takes the task."""
+    from concordia import Session
+
+    sizes = [16 * MiB] if quick else [64 * MiB, 1024 * MiB]
+    reps = 3 if quick else 7
+    out = {"measure": ("Session(log, create=False, executor=...).recover(into={name: CuPy array}) of "
+                       f"{RECOVER_REGIONS} float32 regions, synchronized; median of {reps} in each of two "
+                       "alternated blocks a path (the first recovery of each session left out)"),
+           "sizes": {}}
+    for size in sizes:
+        n = size // RECOVER_REGIONS // 4
+        rng = np.random.default_rng(size)
+        state = [cp.asarray(rng.standard_normal(n, dtype=np.float32)) for _ in range(RECOVER_REGIONS)]
+        seg = 64 * MiB
+        need = -(-(size * 3 + 8 * seg) // seg) * seg
+        row = {"bytes": size}
+        try:
+            with Session(log, overwrite=True, size=need, segment_size=seg, executor="resident") as s:
+                for i, a in enumerate(state):
+                    s.register(f"w{i}", a, kind="adapter")
+                s.checkpoint()
+                for k in range(2):
+                    for a in state:
+                        a[k * 4099::65_537] += 1
+                    s.checkpoint()
+                cp.cuda.Device().synchronize()
+                targets = {f"w{i}": cp.empty_like(a) for i, a in enumerate(state)}
+                t = time.perf_counter()
+                s.recover(into=targets)
+                cp.cuda.Device().synchronize()
+                row["live"] = {"s": round(time.perf_counter() - t, 6),
+                               "via": sorted(set(s.last_recovery.via.values())),
+                               "kernel": ("the session's device epochs'" if s.resident.epoch_kernel() is not None
+                                          else "the recovery's own"),
+                               "identical": all(bool(cp.array_equal(targets[f"w{i}"], a)) for i, a in enumerate(state))}
+            times = {"resident": [], "host": []}
+            via, same = {}, {}
+            for block in range(2):
+                for executor in ("resident", "host") if block == 0 else ("host", "resident"):
+                    with Session(log, create=False, executor=executor) as s:
+                        targets = {f"w{i}": cp.empty_like(a) for i, a in enumerate(state)}
+                        for r in range(reps + 1):
+                            for t_ in targets.values():
+                                t_.fill(0)
+                            cp.cuda.Device().synchronize()
+                            t0 = time.perf_counter()
+                            s.recover(into=targets)
+                            cp.cuda.Device().synchronize()
+                            if r:
+                                times[executor].append(time.perf_counter() - t0)
+                        via[executor] = sorted(set(s.last_recovery.via.values()))
+                        phase = s.last_recovery.phases.get("transfer_check_scatter", {})
+                        via[executor + "_how"] = phase.get("via", ""), phase.get("ring_why", "")
+                        same[executor] = all(bool(cp.array_equal(targets[f"w{i}"], a)) for i, a in enumerate(state))
+        finally:
+            scratch.discard(log)
+        ring, host = statistics.median(times["resident"]), statistics.median(times["host"])
+        row.update(resident_s=round(ring, 6), host_s=round(host, 6), host_over_resident=round(host / ring, 3),
+                   resident_GBps=round(size / ring / 1e9, 2), host_GBps=round(size / host / 1e9, 2),
+                   via=via, identical=same)
+        out["sizes"][f"{size // MiB}MiB"] = row
+    rows = out["sizes"].values()
+    out["recover_on_device"] = all(r["via"]["resident"] == ["persistent kernel"]
+                                   and r["live"]["via"] == ["persistent kernel"] for r in rows)
+    out["identical"] = all(all(r["identical"].values()) and r["live"]["identical"] for r in rows)
+    return out
+
+
+def run(on_gpu: bool, quick: bool, counts: list[int], scratch: Scratch, parts: tuple = PARTS) -> dict:
+    """Measure `parts` (PARTS; the GPU's only where one runs); the log is the
+    run's own (`scratch`), formatted afresh by each step (overwrite=True)
+    and removed after it."""
     xp, device = np, "cpu"
     if on_gpu:
         xp = require_cupy(ExecutorError, where="bench executor-session", hint="use --cpu for the numpy session")
         device = xp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     log = scratch.log("session", "shm" if os.path.isdir("/dev/shm") else "memory")
-    doc = {"benchmark": "executor-session", "device": device, "quick": quick,
+    doc = {"benchmark": "executor-session", "device": device, "quick": quick, "parts": list(parts),
            "executor": {"resident": ("concordia.executor.resident: epochs after the first into the session's arena "
                                         "(checkpoint/arena_route.py): a CuPy session's by the persistent kernel, "
                                         "a host session's by its CPU thread"),
@@ -403,29 +494,35 @@ def run(on_gpu: bool, quick: bool, counts: list[int], scratch: Scratch) -> dict:
            "regions_xp": "cupy" if xp is not np else "numpy", "log_tier": log.split(":")[0],
            "python_switch_interval_s": sys.getswitchinterval()}
     every = 8
-    try:
-        stalls = {k: run_stall(k, every, log) for k in ("time.sleep", "python_busy_loop")}
-    finally:
-        scratch.discard(log)
-    if on_gpu:
+    if "stall" in parts:
         try:
-            stalls["device_steps"] = run_stall_device(xp, every, log, quick)
+            stalls = {k: run_stall(k, every, log) for k in ("time.sleep", "python_busy_loop")}
         finally:
             scratch.discard(log)
-    doc["stall"] = stalls["device_steps" if on_gpu else "python_busy_loop"]
-    doc["stall_variants"] = stalls
-    reps = 5 if quick else 30
-    doc["ckpt_ms"], doc["ckpt_detail"] = {}, {}
-    for label, executor, staging in (("host", "host", "auto"), ("host_mapped", "host", "mapped"),
-                                     ("resident", "resident", "auto")):
-        doc["ckpt_ms"][label], doc["ckpt_detail"][label] = {}, {}
-        for n in counts:
-            got = _checkpoint_ms(scratch, log, n, reps, xp, executor, staging)
-            doc["ckpt_ms"][label][str(n)] = got["ckpt_ms"]
-            doc["ckpt_detail"][label][str(n)] = got
-    doc["ckpt_reps"] = reps
-    if on_gpu:
+        if on_gpu:
+            try:
+                stalls["device_steps"] = run_stall_device(xp, every, log, quick)
+            finally:
+                scratch.discard(log)
+        doc["stall"] = stalls["device_steps" if on_gpu else "python_busy_loop"]
+        doc["stall_variants"] = stalls
+    if "ckpt" in parts:
+        reps = 5 if quick else 30
+        doc["ckpt_ms"], doc["ckpt_detail"] = {}, {}
+        for label, executor, staging in (("host", "host", "auto"), ("host_mapped", "host", "mapped"),
+                                         ("resident", "resident", "auto")):
+            doc["ckpt_ms"][label], doc["ckpt_detail"][label] = {}, {}
+            for n in counts:
+                got = _checkpoint_ms(scratch, log, n, reps, xp, executor, staging)
+                doc["ckpt_ms"][label][str(n)] = got["ckpt_ms"]
+                doc["ckpt_detail"][label][str(n)] = got
+        doc["ckpt_reps"] = reps
+    if on_gpu and "residency" in parts:
         doc["residency"] = _residency_in_session(xp, quick, log, scratch)
+        work = doc["residency"].get("workloads", {})
+        doc["idle_slowdown"] = {key: round(v["executor_resident_idle_sm_target_pct"] / 100.0, 4)
+                                for name, v in work.items() for key in ("gemm", "gemv", "stream") if key in name}
+    if on_gpu and "device" in parts:
         try:
             device = run_device_epochs(xp, counts, log, quick, scratch)
         except Exception as exc:  # recorded; the rest of the run stands
@@ -436,32 +533,49 @@ def run(on_gpu: bool, quick: bool, counts: list[int], scratch: Scratch) -> dict:
         doc["epoch_on_device"] = device.get("epoch_on_device", False)
         doc["executor"]["device_epoch_handler"] = True
         if "stall" in device:
-            doc["stall_variants"]["device_epoch_trigger"] = device["stall"]
+            doc.setdefault("stall_variants", {})["device_epoch_trigger"] = device["stall"]
             doc["stall"] = device["stall"]
         for k in ("device_epoch", "latency_ms", "latency_phases_us", "error", "latency_error"):
             if k in device:
                 doc[k] = device[k]
-        work = doc["residency"].get("workloads", {})
-        doc["idle_slowdown"] = {key: round(v["executor_resident_idle_sm_target_pct"] / 100.0, 4)
-                                for name, v in work.items() for key in ("gemm", "gemv", "stream") if key in name}
-    goals = {"stall_epochs_committed>0": doc["stall"]["epochs_committed"] > 0,
-             "stall_recovered_identical": doc["stall"]["recovered_identical"]}
-    if on_gpu:
+    if on_gpu and "recover" in parts:
+        try:
+            doc["recover"] = run_recover(xp, log, quick, scratch)
+        except Exception as exc:  # recorded; the rest of the run stands
+            doc["recover"] = {"error": f"{type(exc).__name__}: "
+                                       f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}",
+                              "recover_on_device": False, "identical": False}
+        doc["recover_on_device"] = doc["recover"]["recover_on_device"]
+    doc["goals"] = _goals(doc, on_gpu, counts)
+    return doc
+
+
+def _goals(doc: dict, on_gpu: bool, counts: list[int]) -> dict:
+    """Each measured part's goals: met or not."""
+    goals = {}
+    if "stall" in doc:
+        goals["stall_epochs_committed>0"] = doc["stall"]["epochs_committed"] > 0
+        goals["stall_recovered_identical"] = doc["stall"]["recovered_identical"]
+        if on_gpu and "epoch_on_device" in doc:
+            goals["stall_gil_held_s>=2"] = doc["stall"].get("gil_held_s", 0) >= 2
+    if on_gpu and "epoch_on_device" in doc:
         goals["epoch_on_device"] = bool(doc.get("epoch_on_device"))
-        goals["stall_gil_held_s>=2"] = doc["stall"].get("gil_held_s", 0) >= 2
         for n, row in doc.get("latency_ms", {}).items():
             goals[f"latency_resident<=host_{n}"] = row["resident"] <= row["host"]
             goals[f"latency_resident_on_device_{n}"] = "device-epoch" in row.get("resident_via", [])
-        for k, v in doc.get("idle_slowdown", {}).items():
-            goals[f"idle_slowdown_{k}<=0.02"] = v <= 0.02
-    for n in counts:
-        goals[f"resident_ckpt<=host_{n}"] = doc["ckpt_ms"]["resident"][str(n)] <= doc["ckpt_ms"]["host"][str(n)]
+    for k, v in doc.get("idle_slowdown", {}).items():
+        goals[f"idle_slowdown_{k}<=0.02"] = v <= 0.02
+    if "ckpt_ms" in doc:
+        for n in counts:
+            goals[f"resident_ckpt<=host_{n}"] = doc["ckpt_ms"]["resident"][str(n)] <= doc["ckpt_ms"]["host"][str(n)]
     if "residency" in doc and "workloads" in doc["residency"]:
         # the GpuExecutor's default: cuBLAS told to leave its one SM free (sm_carveout=1)
         goals["resident_idle_slowdown_with_sm_target<=2%"] = all(
             v["executor_resident_idle_sm_target_pct"] <= 2.0 for v in doc["residency"]["workloads"].values())
-    doc["goals"] = goals
-    return doc
+    if "recover" in doc:
+        goals["recover_on_device"] = bool(doc["recover"]["recover_on_device"])
+        goals["recover_identical"] = bool(doc["recover"]["identical"])
+    return goals
 
 
 def _residency_in_session(cp, quick: bool, log: str, scratch: Scratch) -> dict:
@@ -514,17 +628,18 @@ def _residency_in_session(cp, quick: bool, log: str, scratch: Scratch) -> dict:
 def _table(doc: dict) -> str:
     lines = [f"executor-session on {doc['device']} ({doc['regions_xp']} regions, {doc['log_tier']} log; "
              f"resident = {doc['executor']['resident']})"]
-    for k, st in doc["stall_variants"].items():
+    for k, st in doc.get("stall_variants", {}).items():
         ran = (f"{st['steps_during_stall']} steps ran" if "steps_during_stall" in st
                else f"{st['steps_by_stall_end']} device steps by its end" if "steps_by_stall_end" in st
                else f"the device trigger, {len(st['fired'])} epochs in all, checked in {st['checked_in']}")
         held = st.get("stall_s", st.get("gil_held_s", 0.0))
         lines.append(f"stall {k:<17} {held * 1e3:6.0f} ms: {st['epochs_committed']:3d} epochs committed "
                      f"(every {st['every_steps']} steps; {ran}), recovered identical: {st['recovered_identical']}")
-    counts = list(doc["ckpt_ms"]["host"])
-    lines.append(f"{'checkpoint ms (median)':<24}" + "".join(f"{n + ' regions':>14}" for n in counts))
-    for label, row in doc["ckpt_ms"].items():
-        lines.append(f"  {label:<22}" + "".join(f"{row[n]:>14.3f}" for n in counts))
+    if "ckpt_ms" in doc:
+        counts = list(doc["ckpt_ms"]["host"])
+        lines.append(f"{'checkpoint ms (median)':<24}" + "".join(f"{n + ' regions':>14}" for n in counts))
+        for label, row in doc["ckpt_ms"].items():
+            lines.append(f"  {label:<22}" + "".join(f"{row[n]:>14.3f}" for n in counts))
     if "epoch_on_device" in doc:
         lines.append(f"epoch on device: {doc['epoch_on_device']}"
                      + (f" ({doc['device_epoch']})" if "device_epoch" in doc else f" ({doc.get('error')})"))
@@ -543,6 +658,16 @@ def _table(doc: dict) -> str:
                          f"{v['executor_resident_idle_sm_target_pct']:>11.2f}{v['executor_released_pct']:>10.2f}")
     elif res:
         lines.append(f"residency: {res.get('error')}")
+    rec = doc.get("recover")
+    if rec and "sizes" in rec:
+        lines.append("recovery onto the device (Session.recover into CuPy targets; median s)")
+        for label, r in rec["sizes"].items():
+            lines.append(f"  {label:>8}: resident {r['resident_s']:.4f} s ({r['resident_GBps']} GB/s, via "
+                         f"{'/'.join(r['via']['resident'])}), host {r['host_s']:.4f} s ({r['host_GBps']} GB/s, "
+                         f"via {'/'.join(r['via']['host'])}); host/resident {r['host_over_resident']}; live "
+                         f"{r['live']['s']:.4f} s via {'/'.join(r['live']['via'])}; identical {r['identical']}")
+    elif rec:
+        lines.append(f"recovery onto the device: {rec.get('error')}")
     lines.append("goals  " + "  ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in doc["goals"].items()))
     return "\n".join(lines)
 
@@ -551,11 +676,13 @@ def _table(doc: dict) -> str:
 @click.option("--cpu", "on_cpu", is_flag=True, help="numpy session and the CPU executor (the default without a GPU)")
 @click.option("--quick", is_flag=True, help="few repetitions (CI smoke run)")
 @click.option("--regions", default="1,1024", show_default=True, help="region counts of the checkpoint rows")
+@click.option("--parts", default=",".join(PARTS), show_default=True,
+              help="what to measure: stall, ckpt, residency, device, recover (the last three on a GPU only)")
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of the table")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="also write JSON here")
 @force_option("--out")
 @guarded
-def command(on_cpu, quick, regions, as_json, out, force):
+def command(on_cpu, quick, regions, parts, as_json, out, force):
     """The resident executor driving a Session: epochs committed by its trigger
     while the caller stalls, checkpoint latency against the host path for 1
     and 1,024 regions, and (on a GPU) idle residency inside a Session.
@@ -574,6 +701,11 @@ def command(on_cpu, quick, regions, as_json, out, force):
     except ValueError:
         raise click.BadParameter(f"{regions!r} is not a list of region counts such as 1,1024",
                                  param_hint="--regions") from None
+    chosen = tuple(p.strip() for p in parts.split(",") if p.strip())
+    unknown = [p for p in chosen if p not in PARTS]
+    if unknown or not chosen:
+        raise click.BadParameter(f"{parts!r}: {'unknown part ' + repr(unknown[0]) if unknown else 'no part'} "
+                                 f"(use {', '.join(PARTS)})", param_hint="--parts")
     on_gpu = False
     if not on_cpu:
         try:
@@ -583,5 +715,5 @@ def command(on_cpu, quick, regions, as_json, out, force):
         except Exception:
             on_gpu = False
     with Scratch("executor-session") as scratch:  # its log goes, however the run ends
-        doc = run(on_gpu, quick, counts, scratch)
+        doc = run(on_gpu, quick, counts, scratch, chosen)
     report(doc, as_json=as_json, out=out, table=_table, force=force)
