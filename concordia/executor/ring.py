@@ -139,6 +139,12 @@ class Op(enum.IntEnum):
                 session's arena, its commit included; lsn_first / lsn_last are
                 the epoch's first record and its commit.
     RECOVER     0 recovery descriptor: a Session's recovery, run by the consumer.
+                On the GPU (executor.cu built with CX_RECOVER) and the CPU
+                executor's numpy handlers, the address of a
+                `recover.RECOVER_DESC`: a recovery's pages copied from the log
+                mapping into its own arrays, each checked against its stored
+                CRC32C; pages = pages applied, bytes = bytes read, lsn_first =
+                pages damaged (restore/ring.py).
     """
 
     PING = 1
