@@ -230,8 +230,10 @@ extern "C" __global__ void cx_scatter(uint4* dst, const uint4* src, const u32* i
 // whether it differed.  The arrays are a recovery's own, never the caller's
 // targets: the host copies them there only once every page and digest
 // checked out.  The completion counts the pages applied, the bytes read and
-// (as lsn_first) the pages damaged; a page outside the log or its region is
-// refused (BAD_ARGS).
+// (as lsn_first) the pages damaged.  A descriptor whose runs do not start at
+// page 0 is refused whole (BAD_ARGS, nothing launched); a page outside the log
+// or its region, or not 16-byte aligned, is refused (BAD_ARGS once the task
+// ends: the other pages are in the recovery's own arrays, never a target).
 // Twin: concordia/executor/recover.py (apply_runs).
 struct cx_recover_run {             // recover.RUN
     u64 first, off, id, crc, page_bytes, region;
@@ -262,13 +264,22 @@ extern "C" __global__ void __launch_bounds__(256) cx_recover(const cx_recover_de
             else hi = mid;
         }
         const cx_recover_run r = runs[lo];
+        // refused (counted, nothing of the page read or written): a page before its run (runs not from
+        // page 0), a page size not a multiple of 16 below 2^31, no such region, a page past the log's end
+        // or its region's, or a source or target not 16-byte aligned; the products below cannot overflow
+        const u64 pb64 = r.page_bytes;
+        bool refused = p < r.first || pb64 == 0 || (pb64 & 15) || pb64 >= (1ull << 31) || r.region >= d->n_regions;
         const u64 j = p - r.first;
-        const u32 pb = (u32)r.page_bytes, chunks = pb / 16;
-        if (pb == 0 || (pb & 15) || r.region >= d->n_regions || r.off + (j + 1) * pb > d->log_bytes ||
-            (r.id + j + 1) * pb > regions[2 * r.region + 1]) {   // outside the log or the region: refused
+        if (!refused) {
+            const u64 fit = regions[2 * r.region + 1] / pb64;   // whole pages the region holds
+            refused = r.off > d->log_bytes || j >= (d->log_bytes - r.off) / pb64 || r.id >= fit ||
+                      j >= fit - r.id || ((d->log + r.off) & 15) || (regions[2 * r.region] & 15);
+        }
+        if (refused) {
             if (lane == 0) atomicAdd(&sc->errors, 1u);
             continue;
         }
+        const u32 pb = (u32)pb64, chunks = pb / 16;
         if (pb != k.page_bytes) k = page_crc_setup_rt(pb, lane);
         const uint4* src = reinterpret_cast<const uint4*>(d->log + r.off + j * pb);
         u8* page = reinterpret_cast<u8*>(regions[2 * r.region]) + (r.id + j) * pb;
@@ -280,7 +291,8 @@ extern "C" __global__ void __launch_bounds__(256) cx_recover(const cx_recover_de
         if (a > pb) a = pb;
         if (b > pb) b = pb;
         u32 raw = 0;
-        for (u32 off = a; off < b; off += 16) raw = crc_chunk(T, raw, __ldcg(reinterpret_cast<const uint4*>(page + off)));
+        for (u32 off = a; off < b; off += 16)
+            raw = crc_chunk(T, raw, __ldcg(reinterpret_cast<const uint4*>(page + off)));
         raw = gf2_multmodp(k.lane_shift, raw);
         const u32 crc = warp_xor(raw) ^ k.finish;
         const bool ok = crc == stored[r.crc + j];
@@ -1009,11 +1021,20 @@ __device__ int run_handler(u32 op, const u64* a, cx_scratch* sc, u32 n_sm, u64 c
             status = ST_BAD_ARGS;
             break;
         }
+        u32 refuse = 0;   // pages and no runs, or runs not from page 0: nothing launched
         if (lane == 0) {
             const cx_recover_desc* d = reinterpret_cast<const cx_recover_desc*>(a[0]);
             reset_scratch(sc);
             sc->reserved[0] = 0;
             __threadfence();
+            refuse = d->pages && (!d->n_runs || reinterpret_cast<const cx_recover_run*>(d->runs)[0].first != 0);
+        }
+        if (__shfl_sync(FULL, refuse, 0)) {
+            status = ST_BAD_ARGS;
+            break;
+        }
+        if (lane == 0) {
+            const cx_recover_desc* d = reinterpret_cast<const cx_recover_desc*>(a[0]);
             const u32 g = child_grid(d->pages, n_sm);
             cx_recover<<<g, CHILD_THREADS, 0, CX_CHILD_STREAM>>>(d, sc);
             status = CX_LAUNCHED() ? wait_children(sc, g, child_timeout_ns) : ST_LAUNCH_FAILED;

@@ -270,7 +270,8 @@ def recover_handler(task) -> Result:
     runs = host_view(int(d["runs"]), n_runs * RUN.itemsize).view(RUN) if n_runs else np.zeros(0, RUN)
     table = (host_view(int(d["regions"]), 16 * n_regions).view("<u8").reshape(-1, 2) if n_regions
              else np.zeros((0, 2), np.uint64))
-    if out_of_bounds(runs, pages, int(d["log_bytes"]), table[:, 1].astype(np.int64)):
+    if out_of_bounds(runs, pages, int(d["log_bytes"]), table[:, 1].astype(np.int64), int(d["log"]),
+                     table[:, 0].tolist()):
         return Result(Status.BAD_ARGS)
     regions = [host_view(int(base), int(nbytes)) for base, nbytes in table.tolist()]
     n = counts(runs, pages)

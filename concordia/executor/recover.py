@@ -44,21 +44,34 @@ def counts(runs: np.ndarray, pages: int) -> np.ndarray:
     return np.diff(np.append(runs["first"].astype(np.int64), pages))
 
 
-def out_of_bounds(runs: np.ndarray, pages: int, log_bytes: int, region_bytes) -> bool:
+def out_of_bounds(runs: np.ndarray, pages: int, log_bytes: int, region_bytes, log_at: int = 0,
+                  region_at=None) -> bool:
     """Whether a run reads past the log or writes past its region (`region_bytes`
-    a region), or the runs do not tile pages 0..pages-1: the handler refuses
-    such a descriptor (BAD_ARGS) and writes nothing."""
+    a region), a page size is not a multiple of 16 below 2^31, a source or
+    target is not 16-byte aligned (`log_at`, `region_at`: the addresses of
+    the log's byte 0 and of each region), or the runs do not tile pages
+    0..pages-1.  The twin refuses such a descriptor whole (BAD_ARGS) and
+    writes nothing; the kernel refuses it too (a descriptor not from page 0
+    before launching, else each such page, the others landing in the
+    recovery's own arrays, never a target)."""
     if not runs.size:
         return pages != 0
     first = runs["first"].astype(np.int64)
     n = counts(runs, pages)
-    pb = runs["page_bytes"].astype(np.int64)
-    region = runs["region"].astype(np.int64)
-    if first[0] != 0 or (n <= 0).any() or (pb <= 0).any() or (pb % 16).any() or region.max() >= len(region_bytes):
+    pb = runs["page_bytes"].astype(np.uint64)
+    region = runs["region"].astype(np.uint64)
+    if (first[0] != 0 or (n <= 0).any() or (pb == 0).any() or (pb % 16).any() or (pb >= 1 << 31).any()
+            or int(region.max()) >= len(region_bytes)):
         return True
-    ends = (runs["id"].astype(np.int64) + n) * pb
-    return bool((runs["off"].astype(np.int64) + n * pb > log_bytes).any()
-                or (ends > np.asarray(region_bytes, np.int64)[region]).any())
+    pb, region = pb.astype(np.int64), region.astype(np.int64)
+    off, ids = runs["off"].astype(object), runs["id"].astype(object)   # (Python integers: no overflow)
+    ends = [(i + c) * b for i, c, b in zip(ids, n.tolist(), pb.tolist())]
+    if any(o + c * b > log_bytes for o, c, b in zip(off, n.tolist(), pb.tolist())):
+        return True
+    if any(e > int(region_bytes[g]) for e, g in zip(ends, region.tolist())):
+        return True
+    at = [int(log_at) + int(o) for o in off]
+    return any(a % 16 for a in at) or (region_at is not None and any(int(r) % 16 for r in region_at))
 
 
 def apply_runs(log: np.ndarray, runs: np.ndarray, crc_table: np.ndarray, regions: list, bad: np.ndarray) -> tuple:
@@ -70,7 +83,8 @@ def apply_runs(log: np.ndarray, runs: np.ndarray, crc_table: np.ndarray, regions
     does; None, with nothing written, for runs `out_of_bounds` refuses."""
     from concordia.gpu_kernels import reference as ref
 
-    if out_of_bounds(runs, bad.size, log.size, [r.size for r in regions]):
+    if out_of_bounds(runs, bad.size, log.size, [r.size for r in regions], log.ctypes.data,
+                     [r.ctypes.data for r in regions]):
         return None
     applied = read = damaged = 0
     for r, n in zip(runs.tolist(), counts(runs, bad.size).tolist()):

@@ -469,6 +469,8 @@ class ResidentExecutor:
         engine = getattr(self.route, "engine", None) if self.route is not None else None
         if getattr(engine, "where", None) != "caller" or not hasattr(engine, "recover_task"):
             return None
+        if engine.faulted or engine.closed_status is not None:   # (its kernel takes no task)
+            return None
         return engine
 
     def routes_recover(self, device, into) -> bool:

@@ -33,6 +33,7 @@ over host memory: the protocol and the twin, where no GPU exists.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -45,6 +46,11 @@ from concordia.root_error import ConcordiaError
 ONE_CHUNK = 1 << 62
 #: what a recovery's stats say of the way it took (`via`)
 VIA = "persistent kernel (RECOVER task) from the log mapping"
+#: engines whose kernel faulted, and the device buffers a task of theirs was given: a child grid that
+#: outran its timeout may still write them, so they stay allocated and registered for the process's life
+_ABANDONED: list = []
+#: one engine made at a time for a holder (`engine_for`)
+_MAKING = threading.Lock()
 
 
 def runs_of(tr) -> np.ndarray:
@@ -158,11 +164,14 @@ class RingRecovery:
         from concordia.executor.persistent import require_cupy
 
         self.cp = require_cupy()
-        self.device = self.cp.cuda.Device().id
+        # the device the kernel runs on: the epoch engine's (its scratch's), else the current one
+        self.device = kernel.gring.scratch.device.id if kernel is not None else self.cp.cuda.Device().id
         self.kernel = kernel
         self.recoveries = 0
         self.closed = False
+        self.faulted = False   # a task timed out or the kernel faulted: this engine is not used again
         self._left = False   # the own kernel left at a QUIESCE: the next task launches it again
+        self._lock = threading.Lock()   # one task at a time: its launch, call and QUIESCE together
         if kernel is not None:
             return
         from concordia.executor.host import Submitter
@@ -175,31 +184,48 @@ class RingRecovery:
         self.submitter = Submitter(self.gring.ring, self.executor)
 
     def close(self) -> None:
+        """Let the own kernel's ring go (it left after its last task); an engine
+        whose kernel faulted keeps it registered (`_ABANDONED`): a child grid
+        may still run."""
         if self.closed:
             return
         self.closed = True
-        if self.kernel is None and self.executor.join(self.JOIN_S):   # (it left after its last task)
-            self.gring.close()
+        if self.kernel is not None:
+            return
+        if self.faulted or not self.executor.join(self.JOIN_S):
+            _ABANDONED.append(self)
+            return
+        self.gring.close()
 
     def run(self, desc_ptr: int):
         """One RECOVER task of the descriptor at device address `desc_ptr`; its
-        completion.  The own kernel is launched for it and leaves after it."""
+        completion.  The own kernel is launched for it and leaves after it
+        (QUIESCE); a task that timed out, or a kernel that faulted or would
+        not leave, marks the engine `faulted`."""
+        from concordia.executor.errors import ExecutorError
+        from concordia.executor.ring import ConsumerState
+
         timeout = self.JOIN_S + 60.0
         if self.kernel is not None:
             return self.kernel.recover_task(desc_ptr, timeout)
-        if self._left:
-            self.submitter.launch()
-        self._left = False
-        try:
-            return self.submitter.call(Op.RECOVER, args=(desc_ptr,), timeout=timeout)
-        finally:
-            from concordia.executor.ring import ConsumerState
-
-            if self.gring.ring.state == ConsumerState.FAULT:   # (a child outran its timeout): not used again
-                self.closed = True
-            else:
-                self.submitter.quiesce(self.JOIN_S)
-            self._left = True
+        with self._lock:
+            if self._left:
+                self.submitter.launch()
+            self._left = False
+            try:
+                return self.submitter.call(Op.RECOVER, args=(desc_ptr,), timeout=timeout)
+            except ExecutorError:
+                self.faulted = True
+                raise
+            finally:
+                self._left = True
+                if self.gring.ring.state == ConsumerState.FAULT:
+                    self.faulted = True
+                elif not self.faulted:
+                    try:
+                        self.submitter.quiesce(self.JOIN_S)
+                    except ExecutorError:   # (the task's own outcome stands; the engine is not used again)
+                        self.faulted = True
 
     def apply(self, log, plan, *, regions=None, stats: dict | None = None, registration=None,
               own_memory=()) -> dict:
@@ -227,10 +253,10 @@ class RingRecovery:
         tr, runs = _layout(log, plan, regions)
         st["layout_s"] = time.perf_counter() - t0
         st.update(chunks=tr.chunks, pages=tr.pages, bytes_copied=tr.pages and int(runs_bytes(runs, tr.pages)))
-        t1 = time.perf_counter()
         base = self._source(log, registration, tr, st)
         if base is None:   # (st["ring_why"] says why)
             return None
+        t1 = time.perf_counter()
         out = _zeroed_arrays(cp, gpu, [rp.region.pages * rp.region.page_bytes for rp in tr.regions],
                              [rp.name in own_memory for rp in tr.regions])
         if tr.pages:
@@ -240,9 +266,14 @@ class RingRecovery:
             desc = describe(base, log.backend.size, d_runs.data.ptr, runs.size, tr.pages, d_crcs.data.ptr,
                             d_table.data.ptr, len(out), d_bad.data.ptr)
             d_desc = cp.asarray(desc.view(np.uint8))
-            cp.cuda.get_current_stream().synchronize()   # the arrays and tables exist before the kernel's stream uses them
+            cp.cuda.get_current_stream().synchronize()   # the arrays and tables exist before the kernel uses them
             st["alloc_s"] = time.perf_counter() - t1
-            c = self.run(d_desc.data.ptr)
+            try:
+                c = self.run(d_desc.data.ptr)
+            except BaseException:
+                if self.faulted or getattr(self.kernel, "faulted", False):   # a child grid may still write them
+                    _ABANDONED.append((out, d_runs, d_crcs, d_table, d_bad, d_desc))
+                raise
             self.recoveries += 1
             _check_completion(c, tr)
             if c.lsn_first:
@@ -274,6 +305,9 @@ class RingRecovery:
         try:
             ahead.ready(0)
         except _PinRefused as exc:
+            from concordia.restore.device import _PIN_REFUSED
+
+            _PIN_REFUSED.add(backend)   # the pipeline copies it, without trying to pin it again
             st["ring_why"] = f"the log mapping could not be pinned: {exc}"
             return None
         finally:
@@ -301,17 +335,25 @@ def engine_for(holder, log) -> tuple:
     """(a RingRecovery for a device recovery of the session whose resident
     executor is `holder`, or None, why not): on the kernel of the session's
     device epochs where it runs (`holder.epoch_kernel()`), else on one of
-    its own, made at the first recovery and kept by `holder`."""
+    its own, made at the first recovery and kept by `holder` (made again
+    after one that faulted); the kernel is on CuPy's current device."""
     why = why_not(log)
     if why is not None:
         return None, why
     try:
         kernel = holder.epoch_kernel()
         if kernel is not None:
-            return RingRecovery(kernel=kernel), None
-        engine = holder.device_recovery
-        if engine is None or engine.closed:
-            engine = holder.device_recovery = RingRecovery()
+            engine = RingRecovery(kernel=kernel)
+        else:
+            with _MAKING:
+                engine = holder.device_recovery
+                if engine is None or engine.closed or engine.faulted:
+                    if engine is not None:
+                        engine.close()
+                    engine = holder.device_recovery = RingRecovery()
     except ConcordiaError as exc:   # no CuPy or device, a module refused while another kernel is resident
         return None, f"{type(exc).__name__}: {exc}"
+    here = engine.cp.cuda.Device().id
+    if engine.device != here:
+        return None, f"the persistent kernel is on cuda:{engine.device}, the recovery on cuda:{here}"
     return engine, None

@@ -34,6 +34,7 @@ import time
 
 import numpy as np
 
+from concordia.executor.errors import ExecutorError
 from concordia.regions.arrays import adapt, dtype_name, numpy_dtype, present, torch_dtype, torch_module
 from concordia.regions.errors import (NothingToRecoverError, RecoverMismatchError, SessionError, UnknownRegionError,
                                       UnsupportedArrayError)
@@ -272,8 +273,11 @@ def _restore(log, plan, plan_s, pages, *, regions, device, into, registration, r
             if ring is not None:   # a resident executor's persistent kernel, where it can take it
                 engine, why = ring()
                 if engine is not None:
-                    got = engine.apply(log, plan, regions=on_gpu, stats=st, registration=registration,
-                                       own_memory=own_memory)
+                    try:
+                        got = engine.apply(log, plan, regions=on_gpu, stats=st, registration=registration,
+                                           own_memory=own_memory)
+                    except ExecutorError as exc:   # the kernel failed the task: the caller's pipeline takes it
+                        got, st["ring_why"] = None, f"the RECOVER task failed: {exc}"
                 else:
                     st["ring_why"] = why
             if got is None:

@@ -115,7 +115,8 @@ def test_the_twin_flags_the_damaged_page_and_counts_it():
 
 
 @pytest.mark.parametrize("case", ["past the log", "past the region", "a page size not of 16 bytes",
-                                  "no region", "runs not from page 0"])
+                                  "a page size of 2^31", "no region", "runs not from page 0",
+                                  "a source not 16-byte aligned"])
 def test_a_descriptor_reaching_outside_the_log_or_a_region_is_refused_with_nothing_written(case):
     log = np.arange(8192, dtype=np.uint32).view(np.uint8)[:8192].copy()
     region = np.zeros(4096, np.uint8)
@@ -127,10 +128,14 @@ def test_a_descriptor_reaching_outside_the_log_or_a_region_is_refused_with_nothi
         pid = 3
     elif case == "a page size not of 16 bytes":
         pb = 1000
+    elif case == "a page size of 2^31":
+        pb = 1 << 31
     elif case == "no region":
         reg = 1
-    else:
+    elif case == "runs not from page 0":
         first = 1
+    else:
+        off = 8
     runs = runs_table([first], [off], [pid], [0], [pb], [reg])
     crcs = np.zeros(2, np.uint32)
     bad = np.zeros(2, np.uint8)
@@ -141,24 +146,53 @@ def test_a_descriptor_reaching_outside_the_log_or_a_region_is_refused_with_nothi
     assert not region.any() and not bad.any()
 
 
-def test_the_cpu_executors_ring_carries_a_recover_task_and_its_counts(shm_log):
-    """The protocol: one RECOVER task on a CPU executor's ring, its completion
-    counting the pages applied, the bytes read and none damaged."""
-    with _one_checkpoint(shm_log, 2) as (state, log):
-        ring = Ring.allocate(8)
-        sub = Submitter(ring, CpuExecutor(ring, numpy_operators(), idle_exit_s=1.0))
-        try:
-            got = apply_plan_ring_host(log, plan(log), submitter=sub)
-            c = sub.call(Op.PING)
-        finally:
-            sub.stop()
-    assert c.status == Status.OK
-    for name, a in state.items():
-        assert got[name].tobytes() == np.ascontiguousarray(a).tobytes(), name
+def test_the_cpu_executors_ring_carries_a_recover_task_and_its_counts():
+    """The protocol: RECOVER tasks on a CPU executor's ring, each completion
+    counting the pages applied, the bytes read and (lsn_first) the pages
+    damaged; a refused descriptor's completion says BAD_ARGS."""
+    from concordia.gpu_kernels import reference as ref
+
+    rng = np.random.default_rng(9)
+    log = rng.integers(0, 256, 1 << 15, dtype=np.uint8)
+    runs = runs_table([0, 2], [1024, 4096], [0, 2], [0, 2], [512, 512], [0, 0])
+    crcs = np.concatenate([ref.crc32c_pages(log[1024:2048], page_bytes=512),
+                           ref.crc32c_pages(log[4096:5120], page_bytes=512)]).astype(np.uint32)
+    region = np.zeros(4 * 512, np.uint8)
+    table = np.array([[region.ctypes.data, region.size]], np.uint64)
+    bad = np.zeros(4, np.uint8)
+    desc = describe(log.ctypes.data, log.size, runs.ctypes.data, runs.size, 4, crcs.ctypes.data,
+                    table.ctypes.data, 1, bad.ctypes.data)
+    ring = Ring.allocate(8)
+    sub = Submitter(ring, CpuExecutor(ring, numpy_operators(), idle_exit_s=1.0))
+    try:
+        ok = sub.call(Op.RECOVER, args=(desc.ctypes.data,))
+        crcs[3] ^= 1
+        damaged = sub.call(Op.RECOVER, args=(desc.ctypes.data,))
+        desc["log_bytes"] = 4096   # the second run now reads past the log's end
+        refused = sub.call(Op.RECOVER, args=(desc.ctypes.data,))
+    finally:
+        sub.stop()
+    assert (ok.status, ok.pages, ok.bytes, ok.lsn_first) == (Status.OK, 4, 2048, 0)
+    assert (damaged.status, damaged.pages, damaged.bytes, damaged.lsn_first) == (Status.OK, 3, 2048, 1)
+    assert bad.tolist() == [0, 0, 0, 1] and region[:1024].tobytes() == log[1024:2048].tobytes()
+    assert refused.status == Status.BAD_ARGS
 
 
-def test_a_session_without_a_resident_executor_has_no_ring():
+def test_a_session_asks_its_resident_executor_for_a_ring(shm_log, file_log):
+    """`ring_of`: no resident executor, no ring; with one, an engine where CuPy
+    and a device are there, else why not; a file log: why, naming its tier."""
+    from concordia import Session
+    from concordia.restore.ring import RingRecovery
+
     assert ring_of(None, object()) is None
+    with Session(shm_log, size=16 << 20, segment_size=4 << 20, executor="resident") as s:
+        engine, why = ring_of(s.resident, s.log)()
+        if engine is not None:   # a GPU: the session's own kernel, kept for its next recoveries
+            assert isinstance(engine, RingRecovery) and why is None and s.resident.device_recovery is engine
+        else:
+            assert "CuPy" in why or "CUDA" in why, why
+    with Session(file_log, size=16 << 20, segment_size=4 << 20, executor="resident") as s:
+        assert ring_of(s.resident, s.log)() == (None, "a file log cannot be mapped for the GPU")
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")

@@ -105,9 +105,12 @@ def test_a_live_session_recovers_through_its_own_registration(shm_log):
         s.checkpoint()
         want = {k: cp.asnumpy(v) for k, v in state.items()}
         registered = s.runner.registration is not None
+        # the session's device epochs run on a persistent kernel: the recovery is a task of that kernel
+        assert s.resident.epoch_kernel() is not None
         targets = {n: cp.zeros_like(a) for n, a in state.items()}
         s.recover(into=targets)
         assert set(s.last_recovery.via.values()) == {"persistent kernel"}
+        assert s.resident.device_recovery is None   # no kernel of its own was made
         assert ("register" in s.last_recovery.phases) != registered   # pinned ahead only without one
         for name, a in want.items():
             assert cp.asnumpy(targets[name]).tobytes() == a.tobytes(), name
@@ -148,3 +151,66 @@ def _damaged_adapter_page_shm(shm_log: str) -> int:
     from tests.conftest import SHM_DIR
 
     return _damaged_adapter_page(f"file:{os.path.join(SHM_DIR, shm_log.partition(':')[2])}")
+
+
+def test_a_recovery_the_ring_cannot_take_takes_the_pipeline_and_says_why(shm_log, monkeypatch):
+    import cupy as cp
+
+    from concordia.executor.errors import ExecutorError
+    from concordia.restore import ring
+
+    def refused(self, **kw):
+        raise ExecutorError("module load while a persistent executor is resident", where="module child")
+
+    want = _write(shm_log, seed=6)
+    monkeypatch.setattr(ring.RingRecovery, "__init__", refused)
+    with Session(shm_log, create=False, executor="resident") as s:
+        targets = {n: cp.zeros(a.shape, a.dtype) for n, a in want.items()}
+        s.recover(into=targets)
+        st = s.last_recovery
+        assert set(st.via.values()) == {"device pipeline"}
+        assert "module load while a persistent executor is resident" in st.phases["transfer_check_scatter"]["ring_why"]
+        for name, a in want.items():
+            assert cp.asnumpy(targets[name]).tobytes() == a.tobytes(), name
+
+
+@pytest.mark.parametrize("case", ["past the log", "past the region", "runs not from page 0",
+                                  "a source not 16-byte aligned", "a page size of 2^31"])
+def test_the_kernel_refuses_a_descriptor_reaching_outside_the_log_or_a_region(case):
+    """The twin's refusal cases on the kernel: BAD_ARGS, and no byte written
+    outside the region (guard bytes on both sides of it stay as they were)."""
+    import cupy as cp
+
+    from concordia.executor.recover import runs_table
+    from concordia.executor.ring import Status
+    from concordia.restore.ring import describe
+
+    engine = RingRecovery()
+    try:
+        log = cp.arange(8192, dtype=cp.uint8)
+        space = cp.full(3 * 4096, 0xA5, cp.uint8)   # the region is the middle 4 KiB, guards on both sides
+        base = space.data.ptr + 4096
+        first, off, pid, pb = 0, 0, 0, 1024
+        if case == "past the log":
+            off = 8192 - 1024
+        elif case == "past the region":
+            pid = 3
+        elif case == "runs not from page 0":
+            first = 1
+        elif case == "a source not 16-byte aligned":
+            off = 8
+        else:
+            pb = 1 << 31
+        runs = cp.asarray(runs_table([first], [off], [pid], [0], [pb], [0]).view(np.uint8))
+        table = cp.asarray(np.array([[base, 4096]], np.uint64))
+        crcs, bad = cp.zeros(2, cp.uint32), cp.zeros(2, cp.uint8)
+        desc = cp.asarray(describe(log.data.ptr, log.size, runs.data.ptr, 1, 2, crcs.data.ptr, table.data.ptr, 1,
+                                   bad.data.ptr).view(np.uint8))
+        cp.cuda.Device().synchronize()
+        c = engine.run(desc.data.ptr)
+        assert c.status == Status.BAD_ARGS
+        got = cp.asnumpy(space)
+        assert (got[:4096] == 0xA5).all() and (got[8192:] == 0xA5).all()
+        assert not engine.faulted
+    finally:
+        engine.close()
