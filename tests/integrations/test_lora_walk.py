@@ -98,3 +98,53 @@ def test_a_module_holding_its_parent_is_walked_once():
     model[0].lora_A = nn.Linear(2, 2)
     model[0].add_module("up", model)   # a cycle: named_modules meets the model once
     assert len(_same(model)) == 2
+
+
+def _peft(model_kind: str = "tiny", **config):
+    """The demo's tiny Qwen3 under a PEFT LoRA of `config` (q and v, r=4, by default)."""
+    from peft import LoraConfig, get_peft_model
+
+    from concordia.demo.model import SHAPES
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    base = Qwen3ForCausalLM(Qwen3Config(**SHAPES[model_kind]))
+    return get_peft_model(base, LoraConfig(**{"r": 4, "target_modules": ["q_proj", "v_proj"], **config}))
+
+
+def test_a_peft_models_adapters_are_found_from_its_targets_as_the_walk_finds_them():
+    """The PEFT path (`_peft_lora`: the targets PEFT lists, not every module)
+    finds what the whole walk and `named_parameters` find, in their order."""
+    from concordia.integrations.transformers import _lora_walk, _peft_lora
+
+    _, model = build("tiny", "cpu")
+    fast = _peft_lora(model)
+    assert fast is not None and list(fast.items()) == list(_lora_walk(model).items())
+    assert [n for n in fast] == [n for n, _ in _filtered(model)]
+    # embeddings adapted too (lora_embedding_A, parameters of a ParameterDict), and a LoRA bias: the same
+    for config in (dict(target_modules=["q_proj", "v_proj", "embed_tokens"]), dict(lora_bias=True)):
+        model = _peft(**config)
+        fast = _peft_lora(model)
+        assert fast is not None and list(fast.items()) == list(_lora_walk(model).items())
+        assert list(_lora_parameters(model)) == [n for n, _ in _filtered(model)]
+        assert any("lora_embedding_A" in n or "lora_B.default.bias" in n for n in fast)
+
+
+@pytest.mark.parametrize("config", [dict(modules_to_save=["lm_head"])], ids=["modules_to_save"])
+def test_a_peft_model_whose_weights_lie_outside_its_targets_is_walked_whole(config):
+    from concordia.integrations.transformers import _peft_lora
+
+    model = _peft(**config)
+    assert _peft_lora(model) is None
+    _same(model)
+
+
+def test_a_second_adapter_is_walked_whole():
+    from peft import LoraConfig
+
+    from concordia.integrations.transformers import _peft_lora
+
+    model = _peft()
+    model.add_adapter("other", LoraConfig(r=2, target_modules=["k_proj", "q_proj"]))
+    assert _peft_lora(model) is None
+    _same(model)
