@@ -471,9 +471,10 @@ def recover(log, target="latest", *, targets: dict | None = None, device=None, m
             out[name] = present(a, infos[name], device=gpu, where=f"region {name!r}")
     p = got.plan
     total_s = time.perf_counter() - t0
+    read = [(rp.pages_read, rp.region.page_bytes) for rp in p.regions.values()]   # one pass over the sources
     stats = RecoveryStats(epoch=int(p.epoch), plan_ms=got.plan_s * 1e3,
                           restore_ms=(total_s - got.plan_s) * 1e3,
-                          bytes=int(p.bytes_to_read), pages=int(sum(rp.pages_read for rp in p.regions.values())),
+                          bytes=sum(n * pb for n, pb in read), pages=sum(n for n, _ in read),
                           regions={n: int(a.nbytes) for n, a in got.arrays.items()},
                           epochs={n: int(p.regions[n].epoch) for n in got.arrays if n in p.regions},
                           dropped=[d.to_json() for d in p.dropped], via=got.via, kept=got.kept,
@@ -509,7 +510,6 @@ def phases_of(got: Restored, total_s: float) -> dict:
     is what is left (handing the arrays over as the regions were registered).
     `recover` puts the checks of the targets before them ("targets")."""
     st = got.stats
-    nbytes = int(got.plan.bytes_to_read)
     if "read_ahead" in st:   # read ahead (`restore.ahead`): its wait, then one copy a target
         # the host's seconds: the device copies run on after it (ordered before the targets' later work)
         copy = {"s": float(st["copy_s"]), "bytes": int(st["copy_bytes"])}
@@ -517,6 +517,7 @@ def phases_of(got: Restored, total_s: float) -> dict:
             copy["parts"] = {k: float(v) for k, v in st["copy_parts"].items()}
         return {"read_ahead": st["read_ahead"], "copy": copy,
                 "present": _phase(max(0.0, total_s - got.apply_s))}
+    nbytes = int(got.plan.bytes_to_read)   # (a pass over every source: not for a read ahead's copy)
     out = {"plan": _phase(got.plan_s)}
     if "scatter_s" in st:   # the device pipeline
         out["layout"] = _phase(st.get("layout_s", 0.0))
