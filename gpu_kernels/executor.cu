@@ -230,18 +230,37 @@ extern "C" __global__ void cx_scatter(uint4* dst, const uint4* src, const u32* i
 // whether it differed.  The arrays are a recovery's own, never the caller's
 // targets: the host copies them there only once every page and digest
 // checked out.  The completion counts the pages applied, the bytes read and
-// (as lsn_first) the pages damaged.  A descriptor whose runs do not start at
-// page 0 is refused whole (BAD_ARGS, nothing launched); a page outside the log
-// or its region, or not 16-byte aligned, is refused (BAD_ARGS once the task
-// ends: the other pages are in the recovery's own arrays, never a target).
+// (as lsn_first) the pages damaged.  A descriptor whose runs do not tile the
+// pages from 0, or with a region not 16-byte aligned, is refused whole
+// (recover_refused: BAD_ARGS, nothing launched); a page outside the log, its
+// region or the CRC table, or read from an address not 16-byte aligned, is
+// refused (BAD_ARGS once the task ends: the other pages are in the
+// recovery's own arrays, never a target).
 // Twin: concordia/executor/recover.py (apply_runs).
 struct cx_recover_run {             // recover.RUN
     u64 first, off, id, crc, page_bytes, region;
 };
 
 struct cx_recover_desc {            // recover.RECOVER_DESC
-    u64 log, log_bytes, runs, n_runs, pages, crc_table, regions, n_regions, bad;
+    u64 log, log_bytes, runs, n_runs, pages, crc_table, n_crcs, regions, n_regions, bad;
 };
+
+// Whether a RECOVER descriptor's runs and regions are refused whole, before
+// any launch (lane 0; O(runs + regions)): pages and no runs, runs present and
+// no pages, runs whose first pages do not start at 0 and rise strictly below
+// `pages`, or a region not 16-byte aligned.  (recover.out_of_bounds: the twin.)
+__device__ bool recover_refused(const cx_recover_desc* d) {
+    const cx_recover_run* runs = reinterpret_cast<const cx_recover_run*>(d->runs);
+    const u64* regions = reinterpret_cast<const u64*>(d->regions);
+    if (!d->n_runs) return d->pages != 0;
+    if (runs[0].first != 0) return true;
+    for (u64 i = 1; i < d->n_runs; ++i)
+        if (runs[i].first <= runs[i - 1].first) return true;
+    if (runs[d->n_runs - 1].first >= d->pages) return true;
+    for (u64 r = 0; r < d->n_regions; ++r)
+        if (regions[2 * r] & 15) return true;
+    return false;
+}
 
 extern "C" __global__ void __launch_bounds__(256) cx_recover(const cx_recover_desc* d, cx_scratch* sc) {
     __shared__ u32 T[CRC_TABLE_WORDS];
@@ -264,16 +283,16 @@ extern "C" __global__ void __launch_bounds__(256) cx_recover(const cx_recover_de
             else hi = mid;
         }
         const cx_recover_run r = runs[lo];
-        // refused (counted, nothing of the page read or written): a page before its run (runs not from
-        // page 0), a page size not a multiple of 16 below 2^31, no such region, a page past the log's end
-        // or its region's, or a source or target not 16-byte aligned; the products below cannot overflow
+        // refused (counted, nothing of the page read or written): a page before its run, a page size not
+        // a multiple of 16 below 2^31, no such region, a page past the log's end, its region's or the CRC
+        // table's, or a source not 16-byte aligned (recover_refused saw to the rest); nothing here overflows
         const u64 pb64 = r.page_bytes;
         bool refused = p < r.first || pb64 == 0 || (pb64 & 15) || pb64 >= (1ull << 31) || r.region >= d->n_regions;
         const u64 j = p - r.first;
         if (!refused) {
             const u64 fit = regions[2 * r.region + 1] / pb64;   // whole pages the region holds
             refused = r.off > d->log_bytes || j >= (d->log_bytes - r.off) / pb64 || r.id >= fit ||
-                      j >= fit - r.id || ((d->log + r.off) & 15) || (regions[2 * r.region] & 15);
+                      j >= fit - r.id || ((d->log + r.off) & 15) || r.crc >= d->n_crcs || j >= d->n_crcs - r.crc;
         }
         if (refused) {
             if (lane == 0) atomicAdd(&sc->errors, 1u);
@@ -1021,13 +1040,13 @@ __device__ int run_handler(u32 op, const u64* a, cx_scratch* sc, u32 n_sm, u64 c
             status = ST_BAD_ARGS;
             break;
         }
-        u32 refuse = 0;   // pages and no runs, or runs not from page 0: nothing launched
+        u32 refuse = 0;   // (recover_refused: nothing launched)
         if (lane == 0) {
             const cx_recover_desc* d = reinterpret_cast<const cx_recover_desc*>(a[0]);
             reset_scratch(sc);
             sc->reserved[0] = 0;
             __threadfence();
-            refuse = d->pages && (!d->n_runs || reinterpret_cast<const cx_recover_run*>(d->runs)[0].first != 0);
+            refuse = recover_refused(d);
         }
         if (__shfl_sync(FULL, refuse, 0)) {
             status = ST_BAD_ARGS;

@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from .errors import ExecutorError
-from .recover import RECOVER_DESC, RUN, apply_runs, counts, out_of_bounds
+from .recover import RECOVER_DESC, RUN, apply_runs, out_of_bounds
 from .ring import CONTROL_OPS, ConsumerState, Op, Result, Ring, Status, TaskView
 
 _FENCE = threading.Lock()      # acquire = a locked instruction = a full fence on x86
@@ -270,13 +270,12 @@ def recover_handler(task) -> Result:
     runs = host_view(int(d["runs"]), n_runs * RUN.itemsize).view(RUN) if n_runs else np.zeros(0, RUN)
     table = (host_view(int(d["regions"]), 16 * n_regions).view("<u8").reshape(-1, 2) if n_regions
              else np.zeros((0, 2), np.uint64))
-    if out_of_bounds(runs, pages, int(d["log_bytes"]), table[:, 1].astype(np.int64), int(d["log"]),
-                     table[:, 0].tolist()):
+    n_crcs = int(d["n_crcs"])
+    if out_of_bounds(runs, pages, int(d["log_bytes"]), table[:, 1].tolist(), int(d["log"]), table[:, 0].tolist(),
+                     n_crcs):
         return Result(Status.BAD_ARGS)
     regions = [host_view(int(base), int(nbytes)) for base, nbytes in table.tolist()]
-    n = counts(runs, pages)
-    crcs_n = int((runs["crc"].astype(np.int64) + n).max()) if n_runs else 0
-    crc_table = host_view(int(d["crc_table"]), 4 * crcs_n).view("<u4") if crcs_n else np.zeros(0, np.uint32)
+    crc_table = host_view(int(d["crc_table"]), 4 * n_crcs).view("<u4") if n_crcs else np.zeros(0, np.uint32)
     bad = host_view(int(d["bad"]), pages) if pages else np.zeros(0, np.uint8)
     log = host_view(int(d["log"]), int(d["log_bytes"])) if int(d["log_bytes"]) else np.zeros(0, np.uint8)
     applied, read, damaged = apply_runs(log, runs, crc_table, regions, bad)

@@ -28,7 +28,7 @@ RUN = np.dtype([(name, "<u8") for name in ("first", "off", "id", "crc", "page_by
 
 #: executor.cu: struct cx_recover_desc
 RECOVER_DESC = np.dtype([(name, "<u8") for name in (
-    "log", "log_bytes", "runs", "n_runs", "pages", "crc_table", "regions", "n_regions", "bad")])
+    "log", "log_bytes", "runs", "n_runs", "pages", "crc_table", "n_crcs", "regions", "n_regions", "bad")])
 
 
 def runs_table(first, off, page_id, crc, page_bytes, region) -> np.ndarray:
@@ -45,15 +45,19 @@ def counts(runs: np.ndarray, pages: int) -> np.ndarray:
 
 
 def out_of_bounds(runs: np.ndarray, pages: int, log_bytes: int, region_bytes, log_at: int = 0,
-                  region_at=None) -> bool:
-    """Whether a run reads past the log or writes past its region (`region_bytes`
-    a region), a page size is not a multiple of 16 below 2^31, a source or
-    target is not 16-byte aligned (`log_at`, `region_at`: the addresses of
-    the log's byte 0 and of each region), or the runs do not tile pages
-    0..pages-1.  The twin refuses such a descriptor whole (BAD_ARGS) and
-    writes nothing; the kernel refuses it too (a descriptor not from page 0
-    before launching, else each such page, the others landing in the
-    recovery's own arrays, never a target)."""
+                  region_at=None, n_crcs: int | None = None) -> bool:
+    """Whether a run reads past the log, writes past its region (`region_bytes`
+    a region) or reads past the CRC table (`n_crcs` entries), a page size is
+    not a multiple of 16 below 2^31, a source or region is not 16-byte
+    aligned (`log_at`, `region_at`: the addresses of the log's byte 0 and of
+    each region), or the runs do not tile pages 0..pages-1 (first pages from
+    0, rising strictly below `pages`).  The twin refuses such a descriptor
+    whole (BAD_ARGS) and writes nothing; the kernel refuses it too: the
+    tiling and the regions' alignment before launching (`recover_refused`),
+    the rest page by page, the other pages landing in the recovery's own
+    arrays, never a target."""
+    if region_at is not None and any(int(r) % 16 for r in region_at):
+        return True
     if not runs.size:
         return pages != 0
     first = runs["first"].astype(np.int64)
@@ -65,13 +69,15 @@ def out_of_bounds(runs: np.ndarray, pages: int, log_bytes: int, region_bytes, lo
         return True
     pb, region = pb.astype(np.int64), region.astype(np.int64)
     off, ids = runs["off"].astype(object), runs["id"].astype(object)   # (Python integers: no overflow)
+    crc = runs["crc"].astype(object)
     ends = [(i + c) * b for i, c, b in zip(ids, n.tolist(), pb.tolist())]
     if any(o + c * b > log_bytes for o, c, b in zip(off, n.tolist(), pb.tolist())):
         return True
     if any(e > int(region_bytes[g]) for e, g in zip(ends, region.tolist())):
         return True
-    at = [int(log_at) + int(o) for o in off]
-    return any(a % 16 for a in at) or (region_at is not None and any(int(r) % 16 for r in region_at))
+    if n_crcs is not None and any(k + c > n_crcs for k, c in zip(crc, n.tolist())):
+        return True
+    return any((int(log_at) + int(o)) % 16 for o in off)
 
 
 def apply_runs(log: np.ndarray, runs: np.ndarray, crc_table: np.ndarray, regions: list, bad: np.ndarray) -> tuple:
@@ -84,7 +90,7 @@ def apply_runs(log: np.ndarray, runs: np.ndarray, crc_table: np.ndarray, regions
     from concordia.gpu_kernels import reference as ref
 
     if out_of_bounds(runs, bad.size, log.size, [r.size for r in regions], log.ctypes.data,
-                     [r.ctypes.data for r in regions]):
+                     [r.ctypes.data for r in regions], crc_table.size):
         return None
     applied = read = damaged = 0
     for r, n in zip(runs.tolist(), counts(runs, bad.size).tolist()):

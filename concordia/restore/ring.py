@@ -68,12 +68,14 @@ def runs_of(tr) -> np.ndarray:
     return runs_table(tr.run_first, off, tr.run_id, tr.run_crc, tr.run_pb, tr.run_region)
 
 
-def describe(log_ptr: int, log_bytes: int, runs_ptr: int, n_runs: int, pages: int, crc_ptr: int,
-             regions_ptr: int, n_regions: int, bad_ptr: int) -> np.ndarray:
-    """One `RECOVER_DESC` (a numpy record of one element)."""
+def describe(**fields) -> np.ndarray:
+    """One `RECOVER_DESC` (a numpy record of one element) of its fields by name
+    (addresses and counts: log, log_bytes, runs, n_runs, pages, crc_table,
+    n_crcs, regions, n_regions, bad), every one of them given."""
+    if set(fields) != set(RECOVER_DESC.names):
+        raise TypeError(f"a RECOVER descriptor names {sorted(RECOVER_DESC.names)}, not {sorted(fields)}")
     d = np.zeros(1, RECOVER_DESC)
-    for name, v in zip(RECOVER_DESC.names, (log_ptr, log_bytes, runs_ptr, n_runs, pages, crc_ptr, regions_ptr,
-                                            n_regions, bad_ptr)):
+    for name, v in fields.items():
         d[name] = int(v)
     return d
 
@@ -112,8 +114,9 @@ def apply_plan_ring_host(log, plan, *, regions=None, submitter=None, timeout: fl
     crcs = np.ascontiguousarray(tr.crc_table, np.uint32)
     bad = np.zeros(max(tr.pages, 1), np.uint8)
     src = log.backend.array
-    desc = describe(src.ctypes.data, src.size, runs.ctypes.data, runs.size, tr.pages, crcs.ctypes.data,
-                    table.ctypes.data, len(outs), bad.ctypes.data)
+    desc = describe(log=src.ctypes.data, log_bytes=src.size, runs=runs.ctypes.data, n_runs=runs.size, pages=tr.pages,
+                    crc_table=crcs.ctypes.data, n_crcs=crcs.size, regions=table.ctypes.data, n_regions=len(outs),
+                    bad=bad.ctypes.data)
     own = submitter is None
     if own:
         ring = Ring.allocate(8)
@@ -181,21 +184,23 @@ class RingRecovery:
         self.gring = GpuRing(16, where="recovery ring")
         self.executor = GpuExecutor(self.gring, self.module, child_timeout_s=child_timeout_s, idle_s=1.0,
                                     lifetime_s=600.0, sm_carveout=0)
-        self.submitter = Submitter(self.gring.ring, self.executor)
+        # the host gives a task up only after the kernel would have given its child grid up
+        self.submitter = Submitter(self.gring.ring, self.executor, stall_deadline_s=child_timeout_s + self.JOIN_S)
 
     def close(self) -> None:
         """Let the own kernel's ring go (it left after its last task); an engine
         whose kernel faulted keeps it registered (`_ABANDONED`): a child grid
-        may still run."""
-        if self.closed:
-            return
-        self.closed = True
-        if self.kernel is not None:
-            return
-        if self.faulted or not self.executor.join(self.JOIN_S):
-            _ABANDONED.append(self)
-            return
-        self.gring.close()
+        may still run.  Waits for a task in flight."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            if self.kernel is not None:
+                return
+            if self.faulted or not self.executor.join(self.JOIN_S):
+                _ABANDONED.append(self)
+                return
+            self.gring.close()
 
     def run(self, desc_ptr: int):
         """One RECOVER task of the descriptor at device address `desc_ptr`; its
@@ -209,6 +214,8 @@ class RingRecovery:
         if self.kernel is not None:
             return self.kernel.recover_task(desc_ptr, timeout)
         with self._lock:
+            if self.closed or self.faulted:
+                raise ExecutorError("this recovery kernel is closed or faulted", where="recovery ring")
             if self._left:
                 self.submitter.launch()
             self._left = False
@@ -263,19 +270,25 @@ class RingRecovery:
             table = np.array([[a.data.ptr, a.nbytes] for a in out], np.uint64).reshape(-1, 2)
             d_runs, d_crcs, d_table = cp.asarray(runs.view(np.uint8)), cp.asarray(tr.crc_table), cp.asarray(table)
             d_bad = cp.zeros(tr.pages, cp.uint8)
-            desc = describe(base, log.backend.size, d_runs.data.ptr, runs.size, tr.pages, d_crcs.data.ptr,
-                            d_table.data.ptr, len(out), d_bad.data.ptr)
+            desc = describe(log=base, log_bytes=log.backend.size, runs=d_runs.data.ptr, n_runs=runs.size,
+                            pages=tr.pages, crc_table=d_crcs.data.ptr, n_crcs=d_crcs.size, regions=d_table.data.ptr,
+                            n_regions=len(out), bad=d_bad.data.ptr)
             d_desc = cp.asarray(desc.view(np.uint8))
             cp.cuda.get_current_stream().synchronize()   # the arrays and tables exist before the kernel uses them
             st["alloc_s"] = time.perf_counter() - t1
+            c = None
             try:
                 c = self.run(d_desc.data.ptr)
+                _check_completion(c, tr)
             except BaseException:
-                if self.faulted or getattr(self.kernel, "faulted", False):   # a child grid may still write them
+                # no completion (the host gave up, or an interrupt), a child grid that timed out, or a
+                # faulted kernel: a child may still read the descriptor and write the arrays, so none of
+                # them goes back to the pool
+                if (c is None or c.status == Status.TIMEOUT or self.faulted
+                        or getattr(self.kernel, "faulted", False)):
                     _ABANDONED.append((out, d_runs, d_crcs, d_table, d_bad, d_desc))
                 raise
             self.recoveries += 1
-            _check_completion(c, tr)
             if c.lsn_first:
                 raise _damaged(log, tr, d_bad.get())
         else:

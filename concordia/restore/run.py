@@ -273,11 +273,16 @@ def _restore(log, plan, plan_s, pages, *, regions, device, into, registration, r
             if ring is not None:   # a resident executor's persistent kernel, where it can take it
                 engine, why = ring()
                 if engine is not None:
+                    ring_st = {}   # (the pipeline's own figures stand alone where it takes the recovery)
                     try:
-                        got = engine.apply(log, plan, regions=on_gpu, stats=st, registration=registration,
+                        got = engine.apply(log, plan, regions=on_gpu, stats=ring_st, registration=registration,
                                            own_memory=own_memory)
                     except ExecutorError as exc:   # the kernel failed the task: the caller's pipeline takes it
-                        got, st["ring_why"] = None, f"the RECOVER task failed: {exc}"
+                        got, ring_st = None, {"ring_why": f"the RECOVER task failed: {exc}"}
+                    if got is not None:
+                        st.update(ring_st)
+                    else:
+                        st["ring_why"] = ring_st.get("ring_why", "")
                 else:
                     st["ring_why"] = why
             if got is None:

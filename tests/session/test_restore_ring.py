@@ -139,8 +139,9 @@ def test_a_descriptor_reaching_outside_the_log_or_a_region_is_refused_with_nothi
     runs = runs_table([first], [off], [pid], [0], [pb], [reg])
     crcs = np.zeros(2, np.uint32)
     bad = np.zeros(2, np.uint8)
-    desc = describe(log.ctypes.data, log.size, runs.ctypes.data, runs.size, 2, crcs.ctypes.data,
-                    table.ctypes.data, 1, bad.ctypes.data)
+    desc = describe(log=log.ctypes.data, log_bytes=log.size, runs=runs.ctypes.data, n_runs=runs.size, pages=2,
+                    crc_table=crcs.ctypes.data, n_crcs=crcs.size, regions=table.ctypes.data, n_regions=1,
+                    bad=bad.ctypes.data)
     r = recover_handler(TaskView(1, int(Op.RECOVER), 0, 0, 0, (desc.ctypes.data,) + (0,) * 6))
     assert r.status == Status.BAD_ARGS
     assert not region.any() and not bad.any()
@@ -160,8 +161,9 @@ def test_the_cpu_executors_ring_carries_a_recover_task_and_its_counts():
     region = np.zeros(4 * 512, np.uint8)
     table = np.array([[region.ctypes.data, region.size]], np.uint64)
     bad = np.zeros(4, np.uint8)
-    desc = describe(log.ctypes.data, log.size, runs.ctypes.data, runs.size, 4, crcs.ctypes.data,
-                    table.ctypes.data, 1, bad.ctypes.data)
+    desc = describe(log=log.ctypes.data, log_bytes=log.size, runs=runs.ctypes.data, n_runs=runs.size, pages=4,
+                    crc_table=crcs.ctypes.data, n_crcs=crcs.size, regions=table.ctypes.data, n_regions=1,
+                    bad=bad.ctypes.data)
     ring = Ring.allocate(8)
     sub = Submitter(ring, CpuExecutor(ring, numpy_operators(), idle_exit_s=1.0))
     try:

@@ -204,8 +204,9 @@ def test_the_kernel_refuses_a_descriptor_reaching_outside_the_log_or_a_region(ca
         runs = cp.asarray(runs_table([first], [off], [pid], [0], [pb], [0]).view(np.uint8))
         table = cp.asarray(np.array([[base, 4096]], np.uint64))
         crcs, bad = cp.zeros(2, cp.uint32), cp.zeros(2, cp.uint8)
-        desc = cp.asarray(describe(log.data.ptr, log.size, runs.data.ptr, 1, 2, crcs.data.ptr, table.data.ptr, 1,
-                                   bad.data.ptr).view(np.uint8))
+        desc = cp.asarray(describe(log=log.data.ptr, log_bytes=log.size, runs=runs.data.ptr, n_runs=1, pages=2,
+                                   crc_table=crcs.data.ptr, n_crcs=crcs.size, regions=table.data.ptr, n_regions=1,
+                                   bad=bad.data.ptr).view(np.uint8))
         cp.cuda.Device().synchronize()
         c = engine.run(desc.data.ptr)
         assert c.status == Status.BAD_ARGS
