@@ -314,8 +314,8 @@ def _peft_lora(model) -> dict | None:
     model: a Qwen3's 56 targets, not its thousand modules (1.3 ms of a
     recovery's protect() on a CI host).  Each target is walked as the whole
     model would be, its own "lora_" parameters then its "lora_" children's, in
-    its order; the targets come in the order PEFT met them, which is the
-    order of `named_modules` (it injects the adapters walking it).  None
+    its order; the targets are taken in the order of `named_modules` (each
+    module's place among its parent's children), once each.  None
     where the model is not that: not a PEFT model over a LoRA tuner with one
     adapter, an adapter that saves whole modules, tokens or targets
     parameters (their weights lie outside the targets), or a class on the
@@ -333,14 +333,27 @@ def _peft_lora(model) -> dict | None:
         return None
     if not (_plain(type(model)) and _plain(type(base)) and _plain(type(inner))):
         return None
-    out, seen_modules, seen_params, plain = {}, set(), set(), set()   # plain: classes with nn.Module's walk
-    walk = torch.nn.Module.named_modules
+    found, places = [], {}   # (each part's place among its parent's children, target, module): named_modules' order
     for target in targets:
-        module = inner
+        module, at = inner, []
         for part in target.split("."):
-            module = module._modules.get(part) if module is not None else None
+            children = module._modules if module is not None else {}
+            if part not in children or part.startswith("lora_"):   # ("lora_" parts: the whole walk names them)
+                return None
+            place = places.get(id(module))
+            if place is None:
+                place = places[id(module)] = {name: i for i, name in enumerate(children)}
+            at.append(place[part])
+            module = children[part]
         if module is None:
             return None
+        found.append((tuple(at), target, module))
+    # PEFT lists them as it met them; a second adapter's, added then the first deleted, come after the
+    # first's (and stay listed): in the order of the modules, each once
+    found = sorted({at: (at, t, m) for at, t, m in found}.values(), key=lambda f: f[0])
+    out, seen_modules, seen_params, plain = {}, set(), set(), set()   # plain: classes with nn.Module's walk
+    walk = torch.nn.Module.named_modules
+    for _, target, module in found:
         stack = [(module, "base_model.model." + target, False)]
         while stack:   # (a module met again, checked as it is taken, as the whole walk does)
             m, path, under = stack.pop()

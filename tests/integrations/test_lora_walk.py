@@ -112,6 +112,7 @@ def _peft(model_kind: str = "tiny", **config):
     return get_peft_model(base, LoraConfig(**{"r": 4, "target_modules": ["q_proj", "v_proj"], **config}))
 
 
+@pytest.mark.filterwarnings("ignore:`lora_bias=True` was passed")   # (PEFT's: the base layers have no bias)
 def test_a_peft_models_adapters_are_found_from_its_targets_as_the_walk_finds_them():
     """The PEFT path (`_peft_lora`: the targets PEFT lists, not every module)
     finds what the whole walk and `named_parameters` find, in their order."""
@@ -148,3 +149,19 @@ def test_a_second_adapter_is_walked_whole():
     model.add_adapter("other", LoraConfig(r=2, target_modules=["k_proj", "q_proj"]))
     assert _peft_lora(model) is None
     _same(model)
+
+
+def test_an_adapter_added_then_the_first_deleted_is_found_in_the_modules_order():
+    """PEFT lists a second adapter's targets after the first's and keeps the
+    first's listed once it is deleted: the targets are taken in the order
+    of the modules, as the walk takes them."""
+    from peft import LoraConfig
+
+    from concordia.integrations.transformers import _lora_walk, _peft_lora
+
+    model = _peft()
+    model.add_adapter("other", LoraConfig(r=2, target_modules=["k_proj", "q_proj"]))
+    model.delete_adapter("default")
+    fast = _peft_lora(model)
+    assert fast is not None and list(fast.items()) == list(_lora_walk(model).items())
+    assert list(fast) == [n for n, _ in _filtered(model)] and any(".k_proj." in n for n in fast)
