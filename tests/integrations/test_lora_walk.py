@@ -161,6 +161,7 @@ def test_an_adapter_added_then_the_first_deleted_is_found_in_the_modules_order()
 
     model = _peft()
     model.add_adapter("other", LoraConfig(r=2, target_modules=["k_proj", "q_proj"]))
+    model.set_adapter("other")   # (the active one is not deleted)
     model.delete_adapter("default")
     fast = _peft_lora(model)
     assert fast is not None and list(fast.items()) == list(_lora_walk(model).items())
