@@ -346,7 +346,7 @@ class ResidentExecutor:
         self._commits: queue.Queue | None = None
         self._wake = threading.Event()
         self._by_kind: tuple | None = None   # (RegionSet version, regions per kind)
-        #: the persistent kernel of the session's device recoveries (`restore.ring.RingRecovery`, made by
+        #: the persistent kernel of the session's device recoveries (`restore.ring.OwnKernel`, made by
         #: the restore layer at the first one; this layer only closes it)
         self.device_recovery = None
         self._gateless_ok = None   # the RegionSet version found all on the device (`_check_gateless`)

@@ -3,8 +3,9 @@
 Where a Session has a resident executor (`Session(executor="resident")`), a
 recovery onto the device is one RECOVER task on the task ring of a
 persistent kernel (gpu_kernels/executor.cu built with CX_RECOVER;
-`RingRecovery`, kept by the resident executor for the session's later
-recoveries):
+`RingRecovery`): the kernel of the session's device epochs where they run,
+else an `OwnKernel` the resident executor keeps for the session's later
+recoveries:
 
 1. the caller's thread plans from the log's metadata and lays the plan out
    as runs (`runs_of`: pages of one record whose rows and page ids follow
@@ -104,8 +105,8 @@ def apply_plan_ring_host(log, plan, *, regions=None, submitter=None, timeout: fl
     from concordia.executor.cpu import CpuExecutor, numpy_operators
     from concordia.executor.host import Submitter
     from concordia.executor.ring import Ring
-    from concordia.wal.apply import check_digest, check_present
-    from concordia.gpu_kernels import reference as ref
+    from concordia.restore.device import checked_arrays
+    from concordia.wal.apply import check_present
 
     check_present(plan, regions)
     tr, runs = _layout(log, plan, regions)
@@ -129,14 +130,7 @@ def apply_plan_ring_host(log, plan, *, regions=None, submitter=None, timeout: fl
     _check_completion(c, tr)
     if c.lsn_first:
         raise _damaged(log, tr, bad[:tr.pages])
-    out = {}
-    for rp, o in zip(tr.regions, outs):
-        flat = o[:rp.region.nbytes]
-        if rp.digest is not None:
-            check_digest(rp.name, rp.epoch, rp.digest,
-                         ref.region_digest(ref.crc32c_pages(flat, page_bytes=rp.region.page_bytes)))
-        out[rp.name] = flat.view(np.dtype(rp.region.dtype)).reshape(rp.region.shape)
-    return out
+    return checked_arrays(tr, outs)
 
 
 def _check_completion(c, tr) -> None:
@@ -150,33 +144,17 @@ def _check_completion(c, tr) -> None:
                             where="recovery ring")
 
 
-class RingRecovery:
-    """A persistent kernel for a session's device recoveries (module doc).
-
-    kernel: the session's device epoch engine (`checkpoint.device_epoch.DeviceEpochs`,
-    whose module carries the RECOVER handler beside EPOCH), whose kernel takes
-    the task between its epochs; else (None) a kernel of this engine's own:
-    its module (executor.cu with CX_RECOVER), ring and executor, made once
-    and kept, resident only while a recovery runs (launched for its task,
-    made to leave with QUIESCE once it completed, so that no module load
-    elsewhere meets it resident).  `close()` lets its ring go."""
+class OwnKernel:
+    """A persistent kernel of a session's device recoveries' own, for where no
+    device epoch engine runs: its module (executor.cu with CX_RECOVER), ring
+    and executor, made once and kept (`ResidentExecutor.device_recovery`),
+    resident only while a task runs: launched for it, made to leave with
+    QUIESCE once it completed, so that no module load elsewhere meets it
+    resident.  It takes RECOVER tasks as `DeviceEpochs.recover_task` does."""
 
     JOIN_S = 10.0
 
-    def __init__(self, *, kernel=None, child_timeout_s: float = 60.0):
-        from concordia.executor.persistent import require_cupy
-
-        self.cp = require_cupy()
-        # the device the kernel runs on: the epoch engine's (its scratch's), else the current one
-        self.device = kernel.gring.scratch.device.id if kernel is not None else self.cp.cuda.Device().id
-        self.kernel = kernel
-        self.recoveries = 0
-        self.closed = False
-        self.faulted = False   # a task timed out or the kernel faulted: this engine is not used again
-        self._left = False   # the own kernel left at a QUIESCE: the next task launches it again
-        self._lock = threading.Lock()   # one task at a time: its launch, call and QUIESCE together
-        if kernel is not None:
-            return
+    def __init__(self, *, child_timeout_s: float = 60.0):
         from concordia.executor.host import Submitter
         from concordia.executor.persistent import ExecutorModule, GpuExecutor, GpuRing
 
@@ -186,53 +164,77 @@ class RingRecovery:
                                     lifetime_s=600.0, sm_carveout=0)
         # the host gives a task up only after the kernel would have given its child grid up
         self.submitter = Submitter(self.gring.ring, self.executor, stall_deadline_s=child_timeout_s + self.JOIN_S)
+        self.closed = False
+        #: a task timed out or the kernel faulted or would not leave: it takes no task again
+        self.faulted = False
+        self._lock = threading.Lock()   # one task at a time: its launch, call and QUIESCE together
 
-    def close(self) -> None:
-        """Let the own kernel's ring go (it left after its last task); an engine
-        whose kernel faulted keeps it registered (`_ABANDONED`): a child grid
-        may still run.  Waits for a task in flight."""
-        with self._lock:
-            if self.closed:
-                return
-            self.closed = True
-            if self.kernel is not None:
-                return
-            if self.faulted or not self.executor.join(self.JOIN_S):
-                _ABANDONED.append(self)
-                return
-            self.gring.close()
-
-    def run(self, desc_ptr: int):
-        """One RECOVER task of the descriptor at device address `desc_ptr`; its
-        completion.  The own kernel is launched for it and leaves after it
-        (QUIESCE); a task that timed out, or a kernel that faulted or would
-        not leave, marks the engine `faulted`."""
+    def recover_task(self, desc_ptr: int, timeout: float):
+        """One RECOVER task of the descriptor at device address `desc_ptr`; its completion."""
         from concordia.executor.errors import ExecutorError
         from concordia.executor.ring import ConsumerState
 
-        timeout = self.JOIN_S + 60.0
-        if self.kernel is not None:
-            return self.kernel.recover_task(desc_ptr, timeout)
         with self._lock:
             if self.closed or self.faulted:
                 raise ExecutorError("this recovery kernel is closed or faulted", where="recovery ring")
-            if self._left:
+            if self.gring.ring.state == ConsumerState.QUIESCED:   # it left after the last task
                 self.submitter.launch()
-            self._left = False
             try:
                 return self.submitter.call(Op.RECOVER, args=(desc_ptr,), timeout=timeout)
             except ExecutorError:
                 self.faulted = True
                 raise
             finally:
-                self._left = True
                 if self.gring.ring.state == ConsumerState.FAULT:
                     self.faulted = True
                 elif not self.faulted:
                     try:
                         self.submitter.quiesce(self.JOIN_S)
-                    except ExecutorError:   # (the task's own outcome stands; the engine is not used again)
+                    except ExecutorError:   # (the task's own outcome stands; the kernel takes no task again)
                         self.faulted = True
+
+    def close(self) -> None:
+        """Let the ring go once the kernel left; a kernel that faulted keeps it
+        registered (`_ABANDONED`): a child grid may still run.  Waits for a
+        task in flight."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            if self.faulted or not self.executor.join(self.JOIN_S):
+                _ABANDONED.append(self)
+                return
+            self.gring.close()
+
+
+class RingRecovery:
+    """A session's device recoveries as RECOVER tasks of a persistent kernel
+    (module doc): `kernel`, the session's device epoch engine
+    (`checkpoint.device_epoch.DeviceEpochs`, whose module carries the RECOVER
+    handler beside EPOCH, its task run between its epochs), else an
+    `OwnKernel` made here (closed by `close()`)."""
+
+    TASK_S = 70.0   # the most a RECOVER task is waited for
+
+    def __init__(self, *, kernel=None):
+        from concordia.executor.persistent import require_cupy
+
+        self.cp = require_cupy()
+        self.own = kernel is None
+        self.kernel = OwnKernel() if kernel is None else kernel
+        self.device = self.kernel.gring.scratch.device.id   # the device the kernel runs on
+
+    @property
+    def faulted(self) -> bool:
+        return bool(self.kernel.faulted)
+
+    def close(self) -> None:
+        if self.own:
+            self.kernel.close()
+
+    def run(self, desc_ptr: int):
+        """One RECOVER task of the descriptor at device address `desc_ptr`; its completion."""
+        return self.kernel.recover_task(desc_ptr, self.TASK_S)
 
     def apply(self, log, plan, *, regions=None, stats: dict | None = None, registration=None,
               own_memory=()) -> dict:
@@ -284,11 +286,9 @@ class RingRecovery:
                 # no completion (the host gave up, or an interrupt), a child grid that timed out, or a
                 # faulted kernel: a child may still read the descriptor and write the arrays, so none of
                 # them goes back to the pool
-                if (c is None or c.status == Status.TIMEOUT or self.faulted
-                        or getattr(self.kernel, "faulted", False)):
+                if c is None or c.status == Status.TIMEOUT or self.faulted:
                     _ABANDONED.append((out, d_runs, d_crcs, d_table, d_bad, d_desc))
                 raise
-            self.recoveries += 1
             if c.lsn_first:
                 raise _damaged(log, tr, d_bad.get())
         else:
@@ -344,29 +344,48 @@ def why_not(log) -> str | None:
     return None
 
 
+def attempt(ring, log, plan, st: dict, **apply) -> dict | None:
+    """`RingRecovery.apply` of the engine `ring()` gives (`restore.run.ring_of`),
+    its figures into `st`; None, with `st["ring_why"]` saying why, where there
+    is no engine or its task failed (the caller's pipeline takes the
+    recovery then, its figures alone in `st`).  Damage is raised as ever."""
+    from concordia.executor.errors import ExecutorError
+
+    engine, why = ring()
+    if engine is None:
+        st["ring_why"] = why
+        return None
+    own = {}
+    try:
+        got = engine.apply(log, plan, stats=own, **apply)
+    except ExecutorError as exc:
+        got, own = None, {"ring_why": f"the RECOVER task failed: {exc}"}
+    if got is None:
+        st["ring_why"] = own.get("ring_why", "")
+        return None
+    st.update(own)
+    return got
+
+
 def engine_for(holder, log) -> tuple:
     """(a RingRecovery for a device recovery of the session whose resident
     executor is `holder`, or None, why not): on the kernel of the session's
-    device epochs where it runs (`holder.epoch_kernel()`), else on one of
-    its own, made at the first recovery and kept by `holder` (made again
-    after one that faulted); the kernel is on CuPy's current device."""
+    device epochs where it runs (`holder.epoch_kernel()`), else on an
+    `OwnKernel` made at the first recovery and kept by `holder` (made again
+    after one that faulted).  A kernel on another device than the recovery's
+    refuses the task (`RingRecovery.apply`), and the pipeline takes it."""
     why = why_not(log)
     if why is not None:
         return None, why
     try:
         kernel = holder.epoch_kernel()
-        if kernel is not None:
-            engine = RingRecovery(kernel=kernel)
-        else:
+        if kernel is None:
             with _MAKING:
-                engine = holder.device_recovery
-                if engine is None or engine.closed or engine.faulted:
-                    if engine is not None:
-                        engine.close()
-                    engine = holder.device_recovery = RingRecovery()
+                kernel = holder.device_recovery
+                if kernel is None or kernel.closed or kernel.faulted:
+                    if kernel is not None:
+                        kernel.close()
+                    kernel = holder.device_recovery = OwnKernel()
+        return RingRecovery(kernel=kernel), None
     except ConcordiaError as exc:   # no CuPy or device, a module refused while another kernel is resident
         return None, f"{type(exc).__name__}: {exc}"
-    here = engine.cp.cuda.Device().id
-    if engine.device != here:
-        return None, f"the persistent kernel is on cuda:{engine.device}, the recovery on cuda:{here}"
-    return engine, None

@@ -34,7 +34,6 @@ import time
 
 import numpy as np
 
-from concordia.executor.errors import ExecutorError
 from concordia.regions.arrays import adapt, dtype_name, numpy_dtype, present, torch_dtype, torch_module
 from concordia.regions.errors import (NothingToRecoverError, RecoverMismatchError, SessionError, UnknownRegionError,
                                       UnsupportedArrayError)
@@ -269,27 +268,16 @@ def _restore(log, plan, plan_s, pages, *, regions, device, into, registration, r
             # could not use it: a cache of 30 GiB restored into torch tensors would leave 30 GiB there)
             own = sum(plan.regions[n].region.nbytes for n in dev if n in plan.regions) >= RELEASE_STAGED_BYTES
             own_memory = set(on_gpu) if own_new else set(dev) if own else ()
-            got, engine = None, None
+            got = None
             if ring is not None:   # a resident executor's persistent kernel, where it can take it
-                engine, why = ring()
-                if engine is not None:
-                    ring_st = {}   # (the pipeline's own figures stand alone where it takes the recovery)
-                    try:
-                        got = engine.apply(log, plan, regions=on_gpu, stats=ring_st, registration=registration,
-                                           own_memory=own_memory)
-                    except ExecutorError as exc:   # the kernel failed the task: the caller's pipeline takes it
-                        got, ring_st = None, {"ring_why": f"the RECOVER task failed: {exc}"}
-                    if got is not None:
-                        st.update(ring_st)
-                    else:
-                        st["ring_why"] = ring_st.get("ring_why", "")
-                else:
-                    st["ring_why"] = why
+                from concordia.restore.ring import attempt
+
+                got = attempt(ring, log, plan, st, regions=on_gpu, registration=registration, own_memory=own_memory)
+            via.update(dict.fromkeys(got or (), "persistent kernel"))
             if got is None:
                 got = apply_plan_cupy(log, plan, regions=on_gpu, stats=st, registration=registration, read=read,
                                       own_memory=own_memory)
-                engine = None
-            via.update(dict.fromkeys(got, "persistent kernel" if engine is not None else "device pipeline"))
+                via.update(dict.fromkeys(got, "device pipeline"))
         if on_host:
             got_host = apply_plan_numpy(log, plan, regions=on_host)
             if not device and rest:
