@@ -56,28 +56,26 @@ def out_of_bounds(runs: np.ndarray, pages: int, log_bytes: int, region_bytes, lo
     tiling and the regions' alignment before launching (`recover_refused`),
     the rest page by page, the other pages landing in the recovery's own
     arrays, never a target."""
-    if region_at is not None and any(int(r) % 16 for r in region_at):
+    if region_at is not None and (np.asarray(region_at, np.uint64) % 16).any():
         return True
     if not runs.size:
         return pages != 0
-    first = runs["first"].astype(np.int64)
-    n = counts(runs, pages)
-    pb = runs["page_bytes"].astype(np.uint64)
-    region = runs["region"].astype(np.uint64)
-    if (first[0] != 0 or (n <= 0).any() or (pb == 0).any() or (pb % 16).any() or (pb >= 1 << 31).any()
-            or int(region.max()) >= len(region_bytes)):
+    # the kernel's checks (recover_refused, then cx_recover's for each page j < n of a run) in its
+    # unsigned arithmetic, a run at a time: n <= (L - off) / pb for j < (L - off) / pb, and so on
+    u = np.uint64
+    first, pb, region = runs["first"], runs["page_bytes"], runs["region"]
+    if (first[0] != 0 or (first[1:] <= first[:-1]).any() or first[-1] >= u(pages) or (pb == 0).any()
+            or (pb % 16).any() or (pb >= u(1 << 31)).any() or (region >= u(len(region_bytes))).any()):
         return True
-    pb, region = pb.astype(np.int64), region.astype(np.int64)
-    off, ids = runs["off"].astype(object), runs["id"].astype(object)   # (Python integers: no overflow)
-    crc = runs["crc"].astype(object)
-    ends = [(i + c) * b for i, c, b in zip(ids, n.tolist(), pb.tolist())]
-    if any(o + c * b > log_bytes for o, c, b in zip(off, n.tolist(), pb.tolist())):
-        return True
-    if any(e > int(region_bytes[g]) for e, g in zip(ends, region.tolist())):
-        return True
-    if n_crcs is not None and any(k + c > n_crcs for k, c in zip(crc, n.tolist())):
-        return True
-    return any((int(log_at) + int(o)) % 16 for o in off)
+    n = counts(runs, pages).astype(u)
+    off, ids, crc = runs["off"], runs["id"], runs["crc"]
+    with np.errstate(over="ignore"):   # (a wrapped difference is masked where its operand is out of range)
+        room = np.where(off <= u(log_bytes), (u(log_bytes) - off) // pb, u(0))
+        fit = np.asarray(region_bytes, u)[region.astype(np.intp)] // pb
+        crcs = u(n_crcs if n_crcs is not None else 1 << 63)
+        return bool((off > u(log_bytes)).any() or (n > room).any() or (ids >= fit).any()
+                    or (n > np.where(ids < fit, fit - ids, u(0))).any() or (crc >= crcs).any()
+                    or (n > np.where(crc < crcs, crcs - crc, u(0))).any() or ((u(log_at) + off) % u(16)).any())
 
 
 def apply_runs(log: np.ndarray, runs: np.ndarray, crc_table: np.ndarray, regions: list, bad: np.ndarray) -> tuple:

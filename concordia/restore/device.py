@@ -870,17 +870,24 @@ def _zeroed_arrays(cp, gpu, sizes: list, own: list) -> list:
 
 
 def checked_arrays(tr: Transfer, out: list) -> dict:
-    """{name: array of the region's dtype and shape} of the device arrays `out`
-    (one a region of `tr`, every page whole) once each region's digest,
-    computed on the device, matches its commit (CorruptionError naming the
-    region otherwise); the digests are read back together (one
-    synchronisation, not one a region)."""
-    from concordia.gpu_kernels import gpu
+    """{name: array of the region's dtype and shape} of the arrays `out` (one a
+    region of `tr`, every page whole) once each region's digest matches its
+    commit (CorruptionError naming the region otherwise).  Device arrays'
+    digests are computed on the device and read back together (one
+    synchronisation, not one a region); numpy arrays' by the kernels' twins."""
     from concordia.wal.apply import check_digest
 
     flats = [dst[:rp.region.nbytes] for rp, dst in zip(tr.regions, out)]
     checked = [(rp, flat) for rp, flat in zip(tr.regions, flats) if rp.digest is not None]
-    digests = gpu.region_digests([gpu.crc32c_pages(flat, page_bytes=rp.region.page_bytes) for rp, flat in checked])
+    if all(isinstance(flat, np.ndarray) for _, flat in checked):
+        from concordia.gpu_kernels import reference as ref
+
+        digests = [ref.region_digest(ref.crc32c_pages(flat, page_bytes=rp.region.page_bytes)) for rp, flat in checked]
+    else:
+        from concordia.gpu_kernels import gpu
+
+        digests = gpu.region_digests([gpu.crc32c_pages(flat, page_bytes=rp.region.page_bytes)
+                                      for rp, flat in checked])
     for (rp, _), digest in zip(checked, digests):   # the host applier's check, on the device's digest
         check_digest(rp.name, rp.epoch, rp.digest, digest)
     return {rp.name: flat.view(np.dtype(rp.region.dtype)).reshape(rp.region.shape)
