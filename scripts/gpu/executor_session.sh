@@ -10,18 +10,25 @@
 # fp16 GEMM / GEMV / streaming slowdown with a persistent kernel resident and
 # idle beside the Session.
 # Run from the repo root with $OUT set; under four minutes, every step bounded.
+# Another selection (scripts/gpu/executor_recover.sh is one): EXECUTOR_SESSION_TESTS,
+# the pytest arguments; EXECUTOR_SESSION_PARTS, the bench's --parts; EXECUTOR_SESSION_NAME,
+# the name of its outputs under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 : "${OUT:?set OUT to a folder for results}"
 mkdir -p "$OUT"
 # Modules load at cuModuleLoad time, never lazily beside a resident kernel.
 export CUDA_MODULE_LOADING=EAGER
+name=${EXECUTOR_SESSION_NAME:-executor-session}
+parts=()
+[ -n "${EXECUTOR_SESSION_PARTS:-}" ] && parts=(--parts "$EXECUTOR_SESSION_PARTS")
 status=0
-timeout -k 5 60 python3 -m pytest tests/session/test_executor_session.py -m gpu -q -p no:cacheprovider -o addopts= -rs \
-  --junitxml="$OUT/executor-session-pytest.xml" 2>&1 | tee "$OUT/executor-session-tests.txt"
+# (the test arguments are split into words)
+timeout -k 5 "${EXECUTOR_SESSION_TESTS_S:-60}" python3 -m pytest ${EXECUTOR_SESSION_TESTS:-tests/session/test_executor_session.py -m gpu} \
+  -q -p no:cacheprovider -o addopts= -rs --junitxml="$OUT/$name-pytest.xml" 2>&1 | tee "$OUT/$name-tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 timeout -k 5 "${EXECUTOR_SESSION_BENCH_S:-170}" python3 -c "import sys; from concordia.tools.entry import concordia_wal; sys.argv[0] = 'concordia-wal'; concordia_wal()" bench executor-session \
-  --out "$OUT/executor-session.json" --force 2> "$OUT/executor-session-bench.err" | tee "$OUT/executor-session-bench.txt"
+  "${parts[@]}" --out "$OUT/$name.json" --force 2> "$OUT/$name-bench.err" | tee "$OUT/$name-bench.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-cat "$OUT/executor-session-bench.err"
+cat "$OUT/$name-bench.err"
 exit $status

@@ -18,31 +18,23 @@ import pytest
 from concordia.checkpoint import arena
 from concordia.checkpoint.device_epoch import (EPOCH_DESC, GROUP, MAX_GROUPS, SMALL_PAGES, STAMPS, compile_defines,
                                                why_not)
-from concordia.executor.persistent import KERNEL_SOURCE, compile_options
+from concordia.executor.persistent import compile_options
 from concordia.checkpoint.table import DET_FINGERPRINT, DET_POSITIONS, DET_SHADOW, POSITIONS
 from concordia.executor.ring import Op, Status
 
-CU = KERNEL_SOURCE.read_text()
+from .kernel_structs import CU, struct_fields
+
 NVCC = shutil.which("nvcc")
 
 
-def _fields(struct: str) -> list[str]:
-    body = CU[CU.index(f"struct {struct} {{"):]
-    body = body[body.index("{") + 1:body.index("};")]
-    out = []
-    for decl in re.findall(r"(?:u64|cx_group)\s+([^;]+);", body):
-        out += [n.strip() for n in decl.split(",")]
-    return out
-
-
 def test_the_descriptor_and_the_words_are_the_kernels_structs():
-    assert _fields("cx_group") == list(GROUP.names)
-    desc = _fields("cx_epoch_desc")
+    assert struct_fields("cx_group") == list(GROUP.names)
+    desc = struct_fields("cx_epoch_desc")
     assert desc[-1] == f"groups[CX_MAX_GROUPS]" and desc[:-1] == list(EPOCH_DESC.names[:-1])
     assert re.search(rf"#define CX_MAX_GROUPS {MAX_GROUPS}\b", CU)
     assert re.search(rf"#define CX_STAMPS {len(STAMPS)}\b", CU)
     assert EPOCH_DESC.itemsize == 8 * (len(desc) - 1) + MAX_GROUPS * GROUP.itemsize
-    words = _fields("cx_arena_words")
+    words = struct_fields("cx_arena_words")
     assert words == list(arena.WORDS.names)
     assert arena.WORDS.itemsize == 64
     assert re.search(rf"#define ST_NO_ROOM {int(Status.NO_ROOM)}\b", CU) and int(Op.EPOCH) == 7

@@ -17,7 +17,6 @@ import pytest
 
 from concordia.executor.cpu import CpuExecutor, numpy_operators, recover_handler
 from concordia.executor.host import Submitter
-from concordia.executor.persistent import KERNEL_SOURCE
 from concordia.executor.recover import RECOVER_DESC, RUN, apply_runs, runs_table
 from concordia.executor.ring import Op, Ring, Status, TaskView
 from concordia.restore.ring import ONE_CHUNK, apply_plan_ring_host, describe, runs_of
@@ -28,23 +27,13 @@ from concordia.wal.apply import apply_plan_numpy
 from concordia.wal.errors import CorruptionError
 from concordia.wal.planner import plan
 
+from tests.executor.kernel_structs import CU, struct_fields
+
 from .test_restore_transfer import _damaged_adapter_page, _history, _one_checkpoint
 
-CU = KERNEL_SOURCE.read_text()
-
-
-def _fields(struct: str) -> list[str]:
-    body = CU[CU.index(f"struct {struct} {{"):]
-    body = body[body.index("{") + 1:body.index("};")]
-    out = []
-    for decl in re.findall(r"u64\s+([^;]+);", body):
-        out += [n.strip() for n in decl.split(",")]
-    return out
-
-
 def test_the_descriptor_and_the_runs_are_the_kernels_structs():
-    assert _fields("cx_recover_run") == list(RUN.names) and RUN.itemsize == 8 * len(RUN.names)
-    assert _fields("cx_recover_desc") == list(RECOVER_DESC.names)
+    assert struct_fields("cx_recover_run") == list(RUN.names) and RUN.itemsize == 8 * len(RUN.names)
+    assert struct_fields("cx_recover_desc") == list(RECOVER_DESC.names)
     assert RECOVER_DESC.itemsize == 8 * len(RECOVER_DESC.names)
     assert re.search(rf"#define OP_RECOVER {int(Op.RECOVER)}\b", CU)
 
@@ -77,19 +66,31 @@ def test_a_ring_recovery_of_some_regions_restores_only_those(shm_log):
     assert list(got) == ["sched"] and got["sched"].tobytes() == state["sched"].tobytes()
 
 
-def test_a_damaged_page_is_named_as_the_host_applier_names_it(file_log):
-    _history(file_log, epochs=1)
-    log_off = _damaged_adapter_page(file_log)
-    log = Log.open(file_log, writable=False, check_pages=False)
+def damage_is_named_as_the_host_names_it(spec: str, apply) -> None:
+    """On a log of `_history` with one page of "adapter" damaged (`spec`: a
+    file: or shm: log), `apply(log, plan)` raises the host applier's
+    CorruptionError word for word, naming the damaged page's offset."""
+    import os
+
+    from tests.conftest import SHM_DIR
+
+    _history(spec, epochs=1)
+    kind, _, name = spec.partition(":")
+    log_off = _damaged_adapter_page(spec if kind == "file" else f"file:{os.path.join(SHM_DIR, name)}")
+    log = Log.open(spec, writable=False, check_pages=False)
     try:
         p = plan(log, check_pages=False)   # the recovery is the one to meet the damage
-        with pytest.raises(CorruptionError) as ring:
-            apply_plan_ring_host(log, p)
+        with pytest.raises(CorruptionError) as got:
+            apply(log, p)
         with pytest.raises(CorruptionError) as host:
             apply_plan_numpy(log, p)
     finally:
         log.close()
-    assert str(ring.value) == str(host.value) and f"@ {log_off:#x}" in str(ring.value)
+    assert str(got.value) == str(host.value) and f"@ {log_off:#x}" in str(got.value)
+
+
+def test_a_damaged_page_is_named_as_the_host_applier_names_it(file_log):
+    damage_is_named_as_the_host_names_it(file_log, apply_plan_ring_host)
 
 
 def test_the_twin_flags_the_damaged_page_and_counts_it():
@@ -114,29 +115,26 @@ def test_the_twin_flags_the_damaged_page_and_counts_it():
     assert regions[1].tobytes() == log[1024:2048].tobytes()
 
 
-@pytest.mark.parametrize("case", ["past the log", "past the region", "a page size not of 16 bytes",
-                                  "a page size of 2^31", "no region", "runs not from page 0",
-                                  "a source not 16-byte aligned"])
+#: descriptors of one run of two 1 KiB pages into one 4 KiB region, each reaching outside the log (8 KiB),
+#: its region or the CRC table (two entries), or not laid out as the kernel takes them: what differs
+#: from the one that fits (first 0, off 0, id 0, crc 0, page bytes 1024, region 0)
+REFUSED = {"past the log": dict(off=8192 - 1024), "past the region": dict(id=3), "a CRC past the table": dict(crc=1),
+           "a page size not of 16 bytes": dict(page_bytes=1000), "a page size of 2^31": dict(page_bytes=1 << 31),
+           "no region": dict(region=1), "runs not from page 0": dict(first=1), "a source not 16-byte aligned": dict(off=8)}
+
+
+def refused_runs(case: str) -> np.ndarray:
+    """The one run of REFUSED[case] (`RUN`)."""
+    run = {"first": 0, "off": 0, "id": 0, "crc": 0, "page_bytes": 1024, "region": 0, **REFUSED[case]}
+    return runs_table(*([run[k]] for k in RUN.names))
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
 def test_a_descriptor_reaching_outside_the_log_or_a_region_is_refused_with_nothing_written(case):
     log = np.arange(8192, dtype=np.uint32).view(np.uint8)[:8192].copy()
     region = np.zeros(4096, np.uint8)
     table = np.array([[region.ctypes.data, region.size]], np.uint64)
-    first, off, pid, pb, reg = 0, 0, 0, 1024, 0
-    if case == "past the log":
-        off = 8192 - 1024
-    elif case == "past the region":
-        pid = 3
-    elif case == "a page size not of 16 bytes":
-        pb = 1000
-    elif case == "a page size of 2^31":
-        pb = 1 << 31
-    elif case == "no region":
-        reg = 1
-    elif case == "runs not from page 0":
-        first = 1
-    else:
-        off = 8
-    runs = runs_table([first], [off], [pid], [0], [pb], [reg])
+    runs = refused_runs(case)
     crcs = np.zeros(2, np.uint32)
     bad = np.zeros(2, np.uint8)
     desc = describe(log=log.ctypes.data, log_bytes=log.size, runs=runs.ctypes.data, n_runs=runs.size, pages=2,
@@ -189,8 +187,8 @@ def test_a_session_asks_its_resident_executor_for_a_ring(shm_log, file_log):
     assert ring_of(None, object()) is None
     with Session(shm_log, size=16 << 20, segment_size=4 << 20, executor="resident") as s:
         engine, why = ring_of(s.resident, s.log)()
-        if engine is not None:   # a GPU: the session's own kernel, kept for its next recoveries
-            assert isinstance(engine, RingRecovery) and why is None and s.resident.device_recovery is engine
+        if engine is not None:   # a GPU: a kernel of the recoveries' own, kept for the session's next ones
+            assert isinstance(engine, RingRecovery) and why is None and s.resident.device_recovery is engine.kernel
         else:
             assert "CuPy" in why or "CUDA" in why, why
     with Session(file_log, size=16 << 20, segment_size=4 << 20, executor="resident") as s:

@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 
 from concordia import Session
-from concordia.restore.ring import VIA, RingRecovery, apply_plan_ring_host
+from concordia.restore.ring import VIA, OwnKernel, RingRecovery, apply_plan_ring_host
 from concordia.wal import Log
 from concordia.wal.apply import apply_plan_numpy
 from concordia.wal.errors import CorruptionError
 from concordia.wal.planner import plan
 
-from .test_restore_transfer import _damaged_adapter_page, _history, _sentinels
+from .test_restore_ring import REFUSED, damage_is_named_as_the_host_names_it, refused_runs
+from .test_restore_transfer import _history, _sentinels
 
 pytestmark = pytest.mark.gpu
 
@@ -63,11 +64,12 @@ def test_a_resident_sessions_device_recovery_is_one_recover_task_of_a_persistent
         assert st.phases["transfer_check_scatter"]["via"] == VIA
         for name, a in want.items():
             assert cp.asnumpy(targets[name]).tobytes() == a.tobytes(), name
-        engine = s.resident.device_recovery
-        assert isinstance(engine, RingRecovery) and engine.recoveries == 1
-        assert not engine.executor.is_resident()   # it left once its task completed
+        kernel = s.resident.device_recovery
+        assert isinstance(kernel, OwnKernel) and kernel.executor.launches == 1
+        assert not kernel.executor.is_resident()   # it left once its task completed
         s.recover(into=targets)   # launched again for the next
-        assert engine.recoveries == 2 and set(s.last_recovery.via.values()) == {"persistent kernel"}
+        assert kernel.executor.launches == 2 and set(s.last_recovery.via.values()) == {"persistent kernel"}
+        assert s.resident.device_recovery is kernel
 
 
 def test_the_kernel_restores_byte_for_byte_what_the_twin_and_the_host_applier_restore(shm_log):
@@ -119,38 +121,25 @@ def test_a_live_session_recovers_through_its_own_registration(shm_log):
 def test_a_damaged_page_is_named_and_leaves_every_target_as_it_was(shm_log):
     import cupy as cp
 
-    _history(shm_log, epochs=1)
-    log_off = _damaged_adapter_page_shm(shm_log)
-    log = Log.open(shm_log, writable=False, check_pages=False)
-    try:
-        p = plan(log, check_pages=False)   # the kernel is the one to meet the damage
-        with pytest.raises(CorruptionError) as host:
-            apply_plan_numpy(log, p)
+    def on_the_kernel(log, p):
         engine = RingRecovery()
         try:
-            with pytest.raises(CorruptionError) as ring:
-                engine.apply(log, p)
+            return engine.apply(log, p)
         finally:
             engine.close()
+
+    damage_is_named_as_the_host_names_it(shm_log, on_the_kernel)
+    log = Log.open(shm_log, writable=False, check_pages=False)
+    try:
         sent = _sentinels(log)
     finally:
         log.close()
-    assert str(ring.value) == str(host.value) and f"@ {log_off:#x}" in str(ring.value)
     with Session(shm_log, create=False, executor="resident") as s:   # through the session: no target written
         into = {n: cp.asarray(a) for n, a in sent.items()}
         with pytest.raises(CorruptionError, match="page CRC mismatch"):
             s.recover(into=into)
         for name, v in into.items():
             assert cp.asnumpy(v).tobytes() == sent[name].tobytes(), name
-
-
-def _damaged_adapter_page_shm(shm_log: str) -> int:
-    """`_damaged_adapter_page` on a shm: log (its file in /dev/shm)."""
-    import os
-
-    from tests.conftest import SHM_DIR
-
-    return _damaged_adapter_page(f"file:{os.path.join(SHM_DIR, shm_log.partition(':')[2])}")
 
 
 def test_a_recovery_the_ring_cannot_take_takes_the_pipeline_and_says_why(shm_log, monkeypatch):
@@ -174,14 +163,12 @@ def test_a_recovery_the_ring_cannot_take_takes_the_pipeline_and_says_why(shm_log
             assert cp.asnumpy(targets[name]).tobytes() == a.tobytes(), name
 
 
-@pytest.mark.parametrize("case", ["past the log", "past the region", "runs not from page 0",
-                                  "a source not 16-byte aligned", "a page size of 2^31"])
+@pytest.mark.parametrize("case", sorted(REFUSED))
 def test_the_kernel_refuses_a_descriptor_reaching_outside_the_log_or_a_region(case):
     """The twin's refusal cases on the kernel: BAD_ARGS, and no byte written
     outside the region (guard bytes on both sides of it stay as they were)."""
     import cupy as cp
 
-    from concordia.executor.recover import runs_table
     from concordia.executor.ring import Status
     from concordia.restore.ring import describe
 
@@ -190,18 +177,7 @@ def test_the_kernel_refuses_a_descriptor_reaching_outside_the_log_or_a_region(ca
         log = cp.arange(8192, dtype=cp.uint8)
         space = cp.full(3 * 4096, 0xA5, cp.uint8)   # the region is the middle 4 KiB, guards on both sides
         base = space.data.ptr + 4096
-        first, off, pid, pb = 0, 0, 0, 1024
-        if case == "past the log":
-            off = 8192 - 1024
-        elif case == "past the region":
-            pid = 3
-        elif case == "runs not from page 0":
-            first = 1
-        elif case == "a source not 16-byte aligned":
-            off = 8
-        else:
-            pb = 1 << 31
-        runs = cp.asarray(runs_table([first], [off], [pid], [0], [pb], [0]).view(np.uint8))
+        runs = cp.asarray(refused_runs(case).view(np.uint8))
         table = cp.asarray(np.array([[base, 4096]], np.uint64))
         crcs, bad = cp.zeros(2, cp.uint32), cp.zeros(2, cp.uint8)
         desc = cp.asarray(describe(log=log.data.ptr, log_bytes=log.size, runs=runs.data.ptr, n_runs=1, pages=2,
