@@ -242,14 +242,20 @@ __device__ __forceinline__ u32 warp_page_crc(const u32* T, const u8* page, u32 v
     return warp_xor(raw) ^ k.finish;
 }
 
+#endif  // PAGE_BYTES
+
 // ---- per-page detectors (one warp per page; every lane returns the result) ----
+// Templates on the page size PB (a positive multiple of 64), so that one module
+// may hold the detectors of several page sizes (executor.cu's EPOCH handler:
+// PAGE_BYTES and CX_PAGE_BYTES_1..3); page_fingerprint and page_shadow_diff are
+// those of PAGE_BYTES.
 #ifndef UNROLL
 #define UNROLL 8
 #endif
 
 // Page fingerprint (fingerprint.cu; twin reference.fingerprint_pages): for the
 // page's little-endian u64 words w_j (zero-padded last page),
-// x_j = (w_j ^ j*K1) * K2, x_j ^= x_j >> 29, fp = fmix64((sum_j x_j) ^ PAGE_BYTES).
+// x_j = (w_j ^ j*K1) * K2, x_j ^= x_j >> 29, fp = fmix64((sum_j x_j) ^ page bytes).
 #define FP_K1 0x9E3779B97F4A7C15ull
 #define FP_K2 0xBF58476D1CE4E5B9ull
 #define FP_M1 0xBF58476D1CE4E5B9ull
@@ -273,50 +279,56 @@ __device__ __forceinline__ u64 fmix64(u64 z) {
     return z ^ (z >> 31);
 }
 
-__device__ __forceinline__ u64 page_fingerprint(const u8* region, u64 region_bytes, u64 p, int lane) {
-    const u64 base = p * PAGE_BYTES;
+template <u32 PB>
+__device__ __forceinline__ u64 page_fingerprint_pb(const u8* region, u64 region_bytes, u64 p, int lane) {
+    static_assert(PB > 0 && PB % 64 == 0, "a page size must be a positive multiple of 64");
+    constexpr int chunks = (int)(PB / 16), lane_chunks = (chunks + WARP - 1) / WARP;
+    const u64 base = p * PB;
     const u8* r = region + base;
     u64 sum = 0;
-    if (base + PAGE_BYTES <= region_bytes) {
+    if (base + PB <= region_bytes) {
 #pragma unroll 1
-        for (int k0 = 0; k0 < LANE_CHUNKS; k0 += UNROLL) {
+        for (int k0 = 0; k0 < lane_chunks; k0 += UNROLL) {
             uint4 a[UNROLL];
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
                 const int c = lane + WARP * (k0 + u);
-                if (k0 + u < LANE_CHUNKS && c < PAGE_CHUNKS)
+                if (k0 + u < lane_chunks && c < chunks)
                     a[u] = __ldcs(reinterpret_cast<const uint4*>(r) + c);
             }
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
                 const int c = lane + WARP * (k0 + u);
-                if (k0 + u < LANE_CHUNKS && c < PAGE_CHUNKS) sum += fp_chunk(a[u], (u32)c);
+                if (k0 + u < lane_chunks && c < chunks) sum += fp_chunk(a[u], (u32)c);
             }
         }
     } else {
         const u32 valid = (u32)(region_bytes - base);
-        for (u32 c = lane; c < PAGE_CHUNKS; c += WARP) sum += fp_chunk(load16(r, c * 16, valid), c);
+        for (u32 c = lane; c < (u32)chunks; c += WARP) sum += fp_chunk(load16(r, c * 16, valid), c);
     }
-    return fmix64(warp_sum64(sum) ^ (u64)PAGE_BYTES);
+    return fmix64(warp_sum64(sum) ^ (u64)PB);
 }
 
 // Whether page p of `region` differs from `shadow` (shadow_diff.cu; twin
 // reference.shadow_diff); with `update` the differing 16-byte chunks are
 // stored into the shadow from registers.
-__device__ __forceinline__ unsigned page_shadow_diff(const u8* region, u8* shadow, u64 region_bytes, u64 p,
-                                                     int lane, int update) {
-    const u64 base = p * PAGE_BYTES;
+template <u32 PB>
+__device__ __forceinline__ unsigned page_shadow_diff_pb(const u8* region, u8* shadow, u64 region_bytes, u64 p,
+                                                        int lane, int update) {
+    static_assert(PB > 0 && PB % 64 == 0, "a page size must be a positive multiple of 64");
+    constexpr int chunks = (int)(PB / 16), lane_chunks = (chunks + WARP - 1) / WARP;
+    const u64 base = p * PB;
     const u8* r = region + base;
     u8* s = shadow + base;
     unsigned diff = 0;
-    if (base + PAGE_BYTES <= region_bytes) {
+    if (base + PB <= region_bytes) {
 #pragma unroll 1
-        for (int k0 = 0; k0 < LANE_CHUNKS; k0 += UNROLL) {
+        for (int k0 = 0; k0 < lane_chunks; k0 += UNROLL) {
             uint4 a[UNROLL], b[UNROLL];
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
                 const int c = lane + WARP * (k0 + u);
-                if (k0 + u < LANE_CHUNKS && c < PAGE_CHUNKS) {
+                if (k0 + u < lane_chunks && c < chunks) {
                     a[u] = __ldcs(reinterpret_cast<const uint4*>(r) + c);
                     b[u] = __ldcs(reinterpret_cast<const uint4*>(s) + c);
                 }
@@ -324,7 +336,7 @@ __device__ __forceinline__ unsigned page_shadow_diff(const u8* region, u8* shado
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
                 const int c = lane + WARP * (k0 + u);
-                if (k0 + u < LANE_CHUNKS && c < PAGE_CHUNKS && differs(a[u], b[u])) {
+                if (k0 + u < lane_chunks && c < chunks && differs(a[u], b[u])) {
                     diff = 1;
                     if (update) reinterpret_cast<uint4*>(s)[c] = a[u];
                 }
@@ -344,6 +356,16 @@ __device__ __forceinline__ unsigned page_shadow_diff(const u8* region, u8* shado
         }
     }
     return __any_sync(FULL_MASK, diff);
+}
+
+#ifdef PAGE_BYTES
+__device__ __forceinline__ u64 page_fingerprint(const u8* region, u64 region_bytes, u64 p, int lane) {
+    return page_fingerprint_pb<PAGE_BYTES>(region, region_bytes, p, lane);
+}
+
+__device__ __forceinline__ unsigned page_shadow_diff(const u8* region, u8* shadow, u64 region_bytes, u64 p,
+                                                     int lane, int update) {
+    return page_shadow_diff_pb<PAGE_BYTES>(region, shadow, region_bytes, p, lane, update);
 }
 #endif  // PAGE_BYTES
 

@@ -22,7 +22,8 @@
 // -D options: CX_CHILD (0/1), CX_OPS (bit mask of op codes compiled into the
 // operator table; PING, QUIESCE and STOP are always there), CX_EPOCH (with
 // CX_CHILD and PAGE_BYTES: the EPOCH handler, a session's epoch by the table
-// pass of table.cu into an arena, below), CX_RECOVER (with CX_CHILD: the RECOVER
+// pass of table.cu into an arena, below; CX_PAGE_BYTES_1..3, other page sizes
+// its shadow and fingerprint groups may have), CX_RECOVER (with CX_CHILD: the RECOVER
 // handler, a recovery's pages from the registered log mapping into device
 // arrays, each checked against its stored CRC32C, below).
 // (A 32-register cap on the control warp, so that it fits beside a GEMM block
@@ -403,12 +404,72 @@ __device__ __forceinline__ void reset_scratch(cx_scratch* sc) {
 #define CX_MAX_GROUPS 8
 
 struct cx_group {                   // one detection launch: rows sharing a detector (table.py's DET_*) and page size
-    u64 rows, row_first, n_rows, pages, detector;
+    u64 rows, row_first, n_rows, pages, detector, page_bytes;
 };
 
 // table.py's detector codes of the groups (DET_POSITIONS: table.cu)
 #define DET_SHADOW 1
 #define DET_FINGERPRINT 2
+
+// The page sizes this module's shadow and fingerprint detection is built for
+// (device_epoch.compile_defines: PAGE_BYTES, then CX_PAGE_BYTES_1..3 for a
+// table of several).  A group of another size (none, as the host builds the
+// module for its table's sizes) is written whole: every page dirty, its
+// detector's state left as it was, never a page missed.
+template <u32 PB>
+__device__ __forceinline__ bool cx_detect_launch(const cx_group& k, const TableEntry* table, u8* flags) {
+    if (k.page_bytes != PB) return false;
+    const u32 blocks = (u32)min((k.pages + 7) / 8, (u64)65535);
+    const u32* rows = reinterpret_cast<const u32*>(k.rows);
+    const u64* first = reinterpret_cast<const u64*>(k.row_first);
+    if (k.detector == DET_FINGERPRINT) table_fingerprint_pb<PB><<<blocks, 256>>>(table, rows, first, (u32)k.n_rows, flags);
+    else table_shadow_pb<PB><<<blocks, 256>>>(table, rows, first, (u32)k.n_rows, flags);
+    return true;
+}
+
+template <u32 PB>
+__device__ __forceinline__ bool cx_detect_block(const cx_group& k, const TableEntry* table, u8* flags, u64 w0,
+                                                u64 warps) {
+    if (k.page_bytes != PB) return false;
+    const u32* rows = reinterpret_cast<const u32*>(k.rows);
+    const u64* first = reinterpret_cast<const u64*>(k.row_first);
+    if (k.detector == DET_FINGERPRINT) fingerprint_rows_pb<PB>(table, rows, first, (u32)k.n_rows, flags, w0, warps);
+    else shadow_rows_pb<PB>(table, rows, first, (u32)k.n_rows, flags, w0, warps);
+    return true;
+}
+
+// A shadow or fingerprint group's detection as a child grid of the driver.
+__device__ __forceinline__ void cx_detect_group(const cx_group& k, const TableEntry* table, u8* flags) {
+    if (cx_detect_launch<PAGE_BYTES>(k, table, flags)) return;
+#ifdef CX_PAGE_BYTES_1
+    if (cx_detect_launch<CX_PAGE_BYTES_1>(k, table, flags)) return;
+#endif
+#ifdef CX_PAGE_BYTES_2
+    if (cx_detect_launch<CX_PAGE_BYTES_2>(k, table, flags)) return;
+#endif
+#ifdef CX_PAGE_BYTES_3
+    if (cx_detect_launch<CX_PAGE_BYTES_3>(k, table, flags)) return;
+#endif
+    table_all_dirty<<<(u32)min((k.pages + 255) / 256, (u64)65535), 256>>>(
+        table, reinterpret_cast<const u32*>(k.rows), reinterpret_cast<const u64*>(k.row_first), (u32)k.n_rows, flags);
+}
+
+// ... and by warps [w0, w0 + warps) of one block (cx_epoch_small).
+__device__ __forceinline__ void cx_detect_group_block(const cx_group& k, const TableEntry* table, u8* flags, u64 w0,
+                                                      u64 warps) {
+    if (cx_detect_block<PAGE_BYTES>(k, table, flags, w0, warps)) return;
+#ifdef CX_PAGE_BYTES_1
+    if (cx_detect_block<CX_PAGE_BYTES_1>(k, table, flags, w0, warps)) return;
+#endif
+#ifdef CX_PAGE_BYTES_2
+    if (cx_detect_block<CX_PAGE_BYTES_2>(k, table, flags, w0, warps)) return;
+#endif
+#ifdef CX_PAGE_BYTES_3
+    if (cx_detect_block<CX_PAGE_BYTES_3>(k, table, flags, w0, warps)) return;
+#endif
+    all_rows_dirty(table, reinterpret_cast<const u32*>(k.rows), reinterpret_cast<const u64*>(k.row_first),
+                   (u32)k.n_rows, flags, threadIdx.x, blockDim.x);
+}
 
 struct cx_epoch_desc {              // device_epoch.EPOCH_DESC
     u64 table, n_rows, flags, total_pages, ids, recs, max_records, plan, digests, order;
@@ -605,16 +666,12 @@ extern "C" __global__ void cx_epoch_driver(const cx_epoch_desc* d, u64 at, u64 e
     if (st) *(volatile u64*)&st[1] = now_ns();
     for (u64 g = 0; g < d->n_groups && g < CX_MAX_GROUPS; ++g) {
         const cx_group& k = d->groups[g];
-        const u32 blocks = (u32)min((k.pages + 7) / 8, (u64)65535);
-        const u32* rows = reinterpret_cast<const u32*>(k.rows);
-        const u64* first = reinterpret_cast<const u64*>(k.row_first);
-        if (k.detector == DET_FINGERPRINT)
-            table_fingerprint<<<blocks, 256>>>(e.table, rows, first, (u32)k.n_rows, e.flags);
-        else if (k.detector == DET_POSITIONS)  // a thread a page
-            table_positions<<<(u32)min((k.pages + 255) / 256, (u64)65535), 256>>>(e.table, rows, first, (u32)k.n_rows,
-                                                                                 e.flags);
+        if (k.detector == DET_POSITIONS)  // a thread a page, the page size read from the table
+            table_positions<<<(u32)min((k.pages + 255) / 256, (u64)65535), 256>>>(
+                e.table, reinterpret_cast<const u32*>(k.rows), reinterpret_cast<const u64*>(k.row_first),
+                (u32)k.n_rows, e.flags);
         else
-            table_shadow<<<blocks, 256>>>(e.table, rows, first, (u32)k.n_rows, e.flags);
+            cx_detect_group(k, e.table, e.flags);
     }
     if (st) cx_stamp<<<1, 1>>>(st + 2);
     table_plan<<<1, 1024>>>(e.table, e.n, e.flags, d->total_pages, e.ids, e.recs, d->max_records,
@@ -657,14 +714,11 @@ extern "C" __global__ void __launch_bounds__(CX_SMALL_THREADS, 2)
     crc_tables_build(T);
     for (u64 g = 0; g < d->n_groups && g < CX_MAX_GROUPS; ++g) {
         const cx_group& k = d->groups[g];
-        const u32* rows = reinterpret_cast<const u32*>(k.rows);
-        const u64* first = reinterpret_cast<const u64*>(k.row_first);
-        if (k.detector == DET_FINGERPRINT)
-            fingerprint_rows(e.table, rows, first, (u32)k.n_rows, e.flags, w0, warps);
-        else if (k.detector == DET_POSITIONS)  // a thread a page
-            positions_rows(e.table, rows, first, (u32)k.n_rows, e.flags, threadIdx.x, blockDim.x);
+        if (k.detector == DET_POSITIONS)  // a thread a page
+            positions_rows(e.table, reinterpret_cast<const u32*>(k.rows), reinterpret_cast<const u64*>(k.row_first),
+                           (u32)k.n_rows, e.flags, threadIdx.x, blockDim.x);
         else
-            shadow_rows(e.table, rows, first, (u32)k.n_rows, e.flags, w0, warps);
+            cx_detect_group_block(k, e.table, e.flags, w0, warps);
     }
     __syncthreads();
     if (stamper) st[2] = now_ns();

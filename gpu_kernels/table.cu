@@ -2,7 +2,8 @@
 // of an epoch in a few launches on one stream, with no host round trip:
 //
 //   table_fingerprint / table_shadow   one launch per group of table rows that
-//       share a detector and page size (-D PAGE_BYTES): one warp per page of
+//       share a detector and page size (-D PAGE_BYTES; templates on the page
+//       size for a module of several, executor.cu's): one warp per page of
 //       the group, the row found by binary search over the group's page
 //       prefix; flags[first_page + p] = dirty, the detector state advanced.
 //   table_positions one launch per group of static-cache rows whose length
@@ -80,21 +81,22 @@ __device__ __forceinline__ u32 last_at_or_below(const u64* first, u32 n, u64 q) 
 __device__ __forceinline__ u64 grid_warp() { return ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; }
 __device__ __forceinline__ u64 grid_warps() { return (u64)gridDim.x * (blockDim.x >> 5); }
 
-#ifdef PAGE_BYTES
 // rows: the group's table rows; row_first: u64[n_rows + 1], the group's page
 // prefix (row_first[n_rows] = the group's pages).  The bodies take the warps
 // [w0, w0 + warps) of their launch (w0 this warp's index): a kernel of its
-// own, or one block of a fused epoch (executor.cu's cx_epoch_small).
-__device__ __forceinline__ void fingerprint_rows(const TableEntry* __restrict__ table, const u32* __restrict__ rows,
-                                                 const u64* __restrict__ row_first, u32 n_rows,
-                                                 u8* __restrict__ flags, u64 w0, u64 warps) {
+// own, or one block of a fused epoch (executor.cu's cx_epoch_small).  PB: the
+// group's page size (every row's), known when the module is built.
+template <u32 PB>
+__device__ __forceinline__ void fingerprint_rows_pb(const TableEntry* __restrict__ table, const u32* __restrict__ rows,
+                                                    const u64* __restrict__ row_first, u32 n_rows,
+                                                    u8* __restrict__ flags, u64 w0, u64 warps) {
     const int lane = threadIdx.x & 31;
     const u64 total = row_first[n_rows];
     for (u64 q = w0; q < total; q += warps) {
         const u32 e = last_at_or_below(row_first, n_rows, q);
         const TableEntry& t = table[rows[e]];
         const u64 p = q - row_first[e];
-        const u64 h = page_fingerprint(reinterpret_cast<const u8*>(t.base), t.nbytes, p, lane);
+        const u64 h = page_fingerprint_pb<PB>(reinterpret_cast<const u8*>(t.base), t.nbytes, p, lane);
         if (lane == 0) {
             u64* fps = reinterpret_cast<u64*>(t.state);
             const u64 old = fps[p];
@@ -104,31 +106,68 @@ __device__ __forceinline__ void fingerprint_rows(const TableEntry* __restrict__ 
     }
 }
 
-__device__ __forceinline__ void shadow_rows(const TableEntry* __restrict__ table, const u32* __restrict__ rows,
-                                            const u64* __restrict__ row_first, u32 n_rows, u8* __restrict__ flags,
-                                            u64 w0, u64 warps) {
+template <u32 PB>
+__device__ __forceinline__ void shadow_rows_pb(const TableEntry* __restrict__ table, const u32* __restrict__ rows,
+                                               const u64* __restrict__ row_first, u32 n_rows, u8* __restrict__ flags,
+                                               u64 w0, u64 warps) {
     const int lane = threadIdx.x & 31;
     const u64 total = row_first[n_rows];
     for (u64 q = w0; q < total; q += warps) {
         const u32 e = last_at_or_below(row_first, n_rows, q);
         const TableEntry& t = table[rows[e]];
         const u64 p = q - row_first[e];
-        const unsigned diff = page_shadow_diff(reinterpret_cast<const u8*>(t.base), reinterpret_cast<u8*>(t.state),
-                                               t.nbytes, p, lane, 1);
+        const unsigned diff = page_shadow_diff_pb<PB>(reinterpret_cast<const u8*>(t.base),
+                                                      reinterpret_cast<u8*>(t.state), t.nbytes, p, lane, 1);
         if (lane == 0) flags[t.first_page + p] = (u8)diff;
     }
 }
 
+// The same as kernels of their own, for a page size PB (executor.cu launches them from the device).
+template <u32 PB>
+__global__ void __launch_bounds__(256)
+table_fingerprint_pb(const TableEntry* __restrict__ table, const u32* __restrict__ rows,
+                     const u64* __restrict__ row_first, u32 n_rows, u8* __restrict__ flags) {
+    fingerprint_rows_pb<PB>(table, rows, row_first, n_rows, flags, grid_warp(), grid_warps());
+}
+
+template <u32 PB>
+__global__ void __launch_bounds__(256)
+table_shadow_pb(const TableEntry* __restrict__ table, const u32* __restrict__ rows,
+                const u64* __restrict__ row_first, u32 n_rows, u8* __restrict__ flags) {
+    shadow_rows_pb<PB>(table, rows, row_first, n_rows, flags, grid_warp(), grid_warps());
+}
+
+// Every page of a group dirty, its detector's state left as it was: the epoch
+// writes the group whole (executor.cu, for a group whose page size its module
+// was not built for).  Threads [t0, t0 + threads) of the launch, one a page.
+__device__ __forceinline__ void all_rows_dirty(const TableEntry* __restrict__ table, const u32* __restrict__ rows,
+                                               const u64* __restrict__ row_first, u32 n_rows,
+                                               u8* __restrict__ flags, u64 t0, u64 threads) {
+    const u64 total = row_first[n_rows];
+    for (u64 q = t0; q < total; q += threads) {
+        const u32 e = last_at_or_below(row_first, n_rows, q);
+        flags[table[rows[e]].first_page + (q - row_first[e])] = 1;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+table_all_dirty(const TableEntry* __restrict__ table, const u32* __restrict__ rows,
+                const u64* __restrict__ row_first, u32 n_rows, u8* __restrict__ flags) {
+    all_rows_dirty(table, rows, row_first, n_rows, flags, (u64)blockIdx.x * blockDim.x + threadIdx.x,
+                   (u64)gridDim.x * blockDim.x);
+}
+
+#ifdef PAGE_BYTES
 extern "C" __global__ void __launch_bounds__(256)
 table_fingerprint(const TableEntry* __restrict__ table, const u32* __restrict__ rows,
                   const u64* __restrict__ row_first, u32 n_rows, u8* __restrict__ flags) {
-    fingerprint_rows(table, rows, row_first, n_rows, flags, grid_warp(), grid_warps());
+    fingerprint_rows_pb<PAGE_BYTES>(table, rows, row_first, n_rows, flags, grid_warp(), grid_warps());
 }
 
 extern "C" __global__ void __launch_bounds__(256)
 table_shadow(const TableEntry* __restrict__ table, const u32* __restrict__ rows,
              const u64* __restrict__ row_first, u32 n_rows, u8* __restrict__ flags) {
-    shadow_rows(table, rows, row_first, n_rows, flags, grid_warp(), grid_warps());
+    shadow_rows_pb<PAGE_BYTES>(table, rows, row_first, n_rows, flags, grid_warp(), grid_warps());
 }
 #endif  // PAGE_BYTES
 
@@ -151,7 +190,7 @@ __device__ __forceinline__ bool positions_page_dirty(u64 p, u64 page_bytes, u64 
     return false;
 }
 
-// rows / row_first as for fingerprint_rows; one thread per page, over the
+// rows / row_first as for fingerprint_rows_pb; one thread per page, over the
 // threads [t0, t0 + threads) of the launch.  The thread of each row's page 0
 // keeps what it read (now, now_seq) for the plan to advance the row by.
 __device__ __forceinline__ void positions_rows(const TableEntry* __restrict__ table, const u32* __restrict__ rows,

@@ -28,7 +28,7 @@ When it does not apply, the epoch is the session's checkpoint run on the
 consumer thread, as before, and `why` says why: the session's first epoch
 (the regions have no base and no single table pass), regions the arena
 cannot take (`arena.why_not`, `device_epoch.why_not`: host-listed pages, a
-tier that needs a persist call, several page sizes on the device), a stream
+tier that needs a persist call, more page sizes than a device module takes), a stream
 named at the call, a pending epoch, a trigger armed on the consumer (its
 epochs use the arena), a region whose array changed, an arena the log has
 no room for now, or a failed task (every region's next checkpoint is then

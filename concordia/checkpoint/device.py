@@ -393,10 +393,12 @@ class DeviceTablePass:
         self.d_table = cp.asarray(e.view(np.uint8))
         self.groups = []  # (kernel, rows, row_first, n_rows, pages)
         self.group_detectors = []  # each group's detector code (the device EPOCH handler's descriptor)
+        self.group_page_bytes = []  # ... and its rows' page size
         for (det, pb), rows in table.groups.items():
             if det == DET_LISTED:
                 continue
             self.group_detectors.append(det)
+            self.group_page_bytes.append(int(pb))
             pages = e["pages"][rows].astype(np.uint64)
             first = np.concatenate([np.zeros(1, np.uint64), np.cumsum(pages, dtype=np.uint64)])
             if det == DET_POSITIONS:  # page size read from the table: one kernel for every size

@@ -40,10 +40,13 @@ words) until the host opens another; the host takes an arena on only after
 
 What the kernel can take: every row's dirty pages found on the device
 (shadow copies, fingerprints, and static caches by positions from the
-caller's device words: `arena.why_not`), one page size among the scanned
-rows (the shadow and fingerprint kernels are specialised by -DPAGE_BYTES; a
-positions row reads its own), at most `MAX_GROUPS` detection groups
-(`why_not`).
+caller's device words: `arena.why_not`), at most `MAX_PAGE_SIZES` page
+sizes among the scanned rows (the shadow and fingerprint kernels are
+specialised by the page size: the module is built with one of each for the
+table's sizes, `compile_defines`; a positions row reads its own), at most
+`MAX_GROUPS` detection groups (`why_not`).  A region of a new page size
+registered later changes the regions: the route builds the engine again, its
+module built for the sizes then (the operator table swapped with the kernel).
 
 CuPy is imported lazily: importing this module needs no GPU.
 """
@@ -63,7 +66,11 @@ from concordia.executor.step_trigger import AHEAD_MAX, GATE_WORDS, SNAPSHOT_MAX_
 MAX_GROUPS = 8
 
 GROUP = np.dtype([("rows", "<u8"), ("row_first", "<u8"), ("n_rows", "<u8"), ("pages", "<u8"),
-                  ("detector", "<u8")])
+                  ("detector", "<u8"), ("page_bytes", "<u8")])
+
+#: page sizes of shadow and fingerprint rows one EPOCH module detects (executor.cu: PAGE_BYTES and
+#: CX_PAGE_BYTES_1..3)
+MAX_PAGE_SIZES = 4
 
 #: executor.cu: struct cx_epoch_desc
 EPOCH_DESC = np.dtype([(name, "<u8") for name in (
@@ -105,9 +112,9 @@ def why_not(tpass, backend) -> str | None:
     if why is not None:
         return why
     sizes = scanned_page_sizes(tpass.table)
-    if len(sizes) > 1:
+    if len(sizes) > MAX_PAGE_SIZES:
         return (f"the regions scanned by shadow copies or fingerprints have {len(sizes)} page sizes; the EPOCH "
-                "handler is built for one")
+                f"handler is built for at most {MAX_PAGE_SIZES}")
     if len(tpass.groups) > MAX_GROUPS:
         return f"{len(tpass.groups)} detection groups; the EPOCH handler takes {MAX_GROUPS}"
     return None
@@ -115,22 +122,30 @@ def why_not(tpass, backend) -> str | None:
 
 def scanned_page_sizes(table) -> list:
     """The page sizes of the rows a shadow or fingerprint detector scans: the
-    EPOCH handler's module is specialised for one (-DPAGE_BYTES); positions
-    rows read their page size from the table."""
+    EPOCH handler's module is specialised for each (`compile_defines`);
+    positions rows read their page size from the table."""
     e = table.entries
     scanned = (e["detector"] == DET_SHADOW) | (e["detector"] == DET_FINGERPRINT)
     return sorted(set(e["page_bytes"][scanned].tolist()))
 
 
-def module_page_bytes(table) -> int:
-    """The PAGE_BYTES the EPOCH handler's module is built with for `table`."""
+def module_page_sizes(table) -> tuple[int, ...]:
+    """The page sizes the EPOCH handler's module is built with for `table`:
+    its scanned rows' (`scanned_page_sizes`), or its first row's when none is
+    scanned (PAGE_BYTES is always defined)."""
     sizes = scanned_page_sizes(table)
-    return int(sizes[0]) if sizes else int(table.entries["page_bytes"][0])
+    return tuple(int(b) for b in sizes) if sizes else (int(table.entries["page_bytes"][0]),)
 
 
-def compile_defines(page_bytes: int) -> tuple[str, ...]:
-    """The -D options of the executor module with the EPOCH handler."""
-    return ("-DCX_EPOCH", f"-DPAGE_BYTES={int(page_bytes)}")
+def compile_defines(page_sizes) -> tuple[str, ...]:
+    """The -D options of the executor module with the EPOCH handler, its
+    detection built for `page_sizes` (one page size, or up to MAX_PAGE_SIZES
+    of them): PAGE_BYTES the first, CX_PAGE_BYTES_1.. the others."""
+    sizes = (int(page_sizes),) if isinstance(page_sizes, (int, np.integer)) else tuple(int(b) for b in page_sizes)
+    if not 1 <= len(sizes) <= MAX_PAGE_SIZES or len(set(sizes)) != len(sizes):
+        raise ValueError(f"an EPOCH module is built for 1 to {MAX_PAGE_SIZES} distinct page sizes, not {sizes}")
+    return (("-DCX_EPOCH", f"-DPAGE_BYTES={sizes[0]}")
+            + tuple(f"-DCX_PAGE_BYTES_{i}={b}" for i, b in enumerate(sizes[1:], 1)))
 
 
 def describe(tpass, ar, arena_ptr: int, words_ptr: int, fired_ptr: int = 0, stamps_ptr: int = 0,
@@ -163,6 +178,7 @@ def describe(tpass, ar, arena_ptr: int, words_ptr: int, fired_ptr: int = 0, stam
         g = r["groups"][i]
         g["rows"], g["row_first"], g["n_rows"], g["pages"] = rows.data.ptr, first.data.ptr, int(n_rows), pages
         g["detector"] = int(tpass.group_detectors[i])
+        g["page_bytes"] = int(tpass.group_page_bytes[i])
     return d
 
 
@@ -198,10 +214,11 @@ class DeviceEpochs:
         if why is not None:
             raise ExecutorError(f"the device cannot take this session's epochs: {why}", where="device epochs")
         self.tpass = tpass
-        page_bytes = module_page_bytes(tpass.table)
+        #: the page sizes the module's detection is built for (the table's scanned rows')
+        self.page_sizes = module_page_sizes(tpass.table)
         # RECOVER beside EPOCH: a resident session's device recoveries are tasks of this kernel (`recover_task`)
         self.module = ExecutorModule(child=True, ops=(Op.EPOCH, Op.RECOVER),
-                                     extra_options=compile_defines(page_bytes) + ("-DCX_RECOVER",)).load()
+                                     extra_options=compile_defines(self.page_sizes) + ("-DCX_RECOVER",)).load()
         self.words = MappedHostBuffer(arena_mod.WORDS.itemsize, where="arena words")
         self.log = MappedHostBuffer(8 * (2 + 2 * FIRED_CAP), where="trigger log")
         self.log.array[:] = 0

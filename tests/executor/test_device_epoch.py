@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from concordia.checkpoint import arena
-from concordia.checkpoint.device_epoch import (EPOCH_DESC, GROUP, MAX_GROUPS, SMALL_PAGES, STAMPS, compile_defines,
-                                               why_not)
+from concordia.checkpoint.device_epoch import (EPOCH_DESC, GROUP, MAX_GROUPS, MAX_PAGE_SIZES, SMALL_PAGES, STAMPS,
+                                               compile_defines, module_page_sizes, why_not)
 from concordia.executor.persistent import compile_options
 from concordia.checkpoint.table import DET_FINGERPRINT, DET_POSITIONS, DET_SHADOW, POSITIONS
 from concordia.executor.ring import Op, Status
@@ -68,14 +68,15 @@ def test_the_gate_is_as_long_on_both_sides_of_the_layers():
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
-def test_the_epoch_variant_compiles_with_the_table_pass_in_its_module(tmp_path):
+@pytest.mark.parametrize("sizes", [(4096,), (1024, 4096, 65536, 64)], ids=["one-size", "four-sizes"])
+def test_the_epoch_variant_compiles_with_the_table_pass_in_its_module(tmp_path, sizes):
     from concordia.gpu_kernels import jit
 
     src = tmp_path / "executor_epoch.cu"
     src.write_text(CU.replace('#include "table.cu"', jit.source("table"), 1))
     out = tmp_path / "k.ptx"
     opts = compile_options(child=True, ops_mask=(1 << Op.EPOCH) | (1 << Op.PING) | (1 << Op.QUIESCE)
-                           | (1 << Op.STOP)) + compile_defines(4096)
+                           | (1 << Op.STOP)) + compile_defines(sizes)
     r = subprocess.run([NVCC, "--ptx", "-arch=sm_90", *opts, str(src), "-o", str(out)], capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -88,6 +89,34 @@ def test_the_epoch_variant_compiles_with_the_table_pass_in_its_module(tmp_path):
     assert driver.count("LaunchDeviceV2") >= 8  # detection, plan, stage, read, copy, finalize, commit, close
     small = text.split(".entry cx_epoch_small(")[1].split(".entry")[0]
     assert "LaunchDeviceV2" not in small and small.count("bar.sync") >= 4  # one block, phases between barriers
+    # the detection of each page size the module is built for, a kernel of its own each, and no other
+    built = sorted(int(n) for n in re.findall(r"\.entry _Z\d+table_fingerprint_pbILj(\d+)E", text))
+    assert built == sorted(sizes) == sorted(int(n) for n in re.findall(r"\.entry _Z\d+table_shadow_pbILj(\d+)E", text))
+    assert ".entry table_all_dirty(" in text  # a group of a size it was not built for: written whole
+
+
+def test_an_epoch_module_is_built_for_each_page_size_its_table_scans(tmp_path):
+    """compile_defines names PAGE_BYTES and then CX_PAGE_BYTES_1..3 (the
+    executor's dispatch takes no more), each size once; module_page_sizes
+    are the sizes of a table's shadow and fingerprint rows, not those of
+    rows whose pages the host lists."""
+    from concordia import Session
+    from concordia.checkpoint.table import RegionTable
+
+    assert compile_defines(4096) == ("-DCX_EPOCH", "-DPAGE_BYTES=4096")
+    assert compile_defines((1024, 65536)) == ("-DCX_EPOCH", "-DPAGE_BYTES=1024", "-DCX_PAGE_BYTES_1=65536")
+    for bad in [(), (64, 64), tuple(64 * (i + 1) for i in range(MAX_PAGE_SIZES + 1))]:
+        with pytest.raises(ValueError, match=f"1 to {MAX_PAGE_SIZES} distinct page sizes"):
+            compile_defines(bad)
+    assert f"#ifdef CX_PAGE_BYTES_{MAX_PAGE_SIZES - 1}" in CU and f"CX_PAGE_BYTES_{MAX_PAGE_SIZES}" not in CU
+    with Session(f"file:{tmp_path / 'p.log'}", size=16 << 20, segment_size=4 << 20) as s:
+        s.register("a", np.zeros(8192, np.uint8), detect="shadow", page_bytes=1024)
+        s.register("b", np.zeros(8192, np.uint8), detect="fingerprint", page_bytes=4096)
+        s.register("c", np.zeros(1 << 17, np.uint8), detect="shadow", page_bytes=65536)
+        s.register("d", np.zeros(8192, np.uint8), kind="adapter", page_bytes=512,
+                   slot_versions=np.zeros(4, np.uint64), pages_per_slot=4)
+        s.checkpoint()  # the regions' digests, which a table starts from
+        assert module_page_sizes(RegionTable(list(s.region_set))) == (1024, 4096, 65536)
 
 
 def test_a_session_the_device_cannot_take_is_named(tmp_path, shm_log):
@@ -158,6 +187,111 @@ def test_the_persistent_kernel_runs_a_sessions_epochs_into_its_arena(shm_log, st
             assert np.asarray(got["kv"].get() if hasattr(got["kv"], "get") else got["kv"]).tobytes() == k.tobytes()
             assert np.asarray(got["lora"].get() if hasattr(got["lora"], "get") else got["lora"]).tobytes() == \
                 l.tobytes()
+
+
+def _three_sizes(s, cp):
+    """Regions of three page sizes, two detectors (1 KiB shadow, 4 KiB fingerprint, 64 KiB shadow: 16
+    pages each) registered in `s` and checkpointed, CuPy's kernels loaded before an executor is resident."""
+    regions = {"small": (cp.zeros(4096, cp.float32), "shadow", 1024),
+               "mid": (cp.zeros(1 << 14, cp.float32), "fingerprint", 4096),
+               "big": (cp.zeros(1 << 18, cp.float32), "shadow", 65536)}
+    for name, (a, detect, pb) in regions.items():
+        s.register(name, a, detect=detect, page_bytes=pb)
+    s.checkpoint()
+    for a, _, _ in regions.values():
+        a[1] += np.float32(0)
+    cp.cuda.get_current_stream().synchronize()
+    return {name: (a, pb) for name, (a, _, pb) in regions.items()}
+
+
+def _touch_one_page_each(regions, t, cp) -> dict:
+    """Page t % 16 of every region changed (one element); what each holds now."""
+    for a, pb in regions.values():
+        a[(t % 16) * (pb // 4)] += np.float32(t)
+    cp.cuda.get_current_stream().synchronize()
+    return {name: a.get() for name, (a, _) in regions.items()}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("small_pages", [SMALL_PAGES, 0], ids=["one-block", "driver"])
+def test_one_epoch_module_detects_regions_of_several_page_sizes(shm_log, small_pages):
+    """Three page sizes among the scanned rows: one module, its detection
+    built for each (`compile_defines`), takes every epoch on the device, one
+    page a region each time, and each recovers its state."""
+    import cupy as cp
+
+    from concordia import Session
+    from concordia.checkpoint.device_epoch import DeviceEpochs
+    from concordia.policy import Policy
+
+    with Session(shm_log, size=64 << 20, segment_size=8 << 20, policy=Policy(retain=False)) as s:
+        regions = _three_sizes(s, cp)
+        assert why_not(s.runner.table_pass(s.log), s.log.backend) is None
+        dev = DeviceEpochs(s, small_pages=small_pages)
+        assert dev.page_sizes == (1024, 4096, 65536) and dev.path == ("small" if small_pages else "driver")
+        states, comps = {}, []
+        try:
+            for t in range(1, 7):
+                want = _touch_one_page_each(regions, t, cp)
+                c = dev.epoch()
+                assert c.op == Op.EPOCH and c.status == Status.OK, (c, dev.submitter)
+                comps.append(c)
+                states[s.runner.arena.word("last_epoch")] = want
+        finally:
+            dev.close()
+        assert [c.pages for c in comps] == [3] * 6  # the changed page of each region, no other
+        assert s.log.verify()["corrupt"] == 0
+        for epoch, want in states.items():
+            got = s.recover(epoch)
+            for name, a in want.items():
+                g = got[name]
+                assert np.asarray(g.get() if hasattr(g, "get") else g).tobytes() == a.tobytes(), (epoch, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("small_pages", [SMALL_PAGES, 0], ids=["one-block", "driver"])
+def test_a_group_of_a_page_size_the_module_lacks_is_written_whole(shm_log, small_pages, monkeypatch):
+    """A descriptor whose 64 KiB group names a size the module was not built
+    for (as no host builds it): the kernel finds no detector for it and marks
+    every page of the group dirty, so each epoch writes that region whole
+    (16 pages) beside the others' one page, and every epoch still recovers
+    its state: written whole, never a page missed."""
+    import cupy as cp
+
+    from concordia import Session
+    from concordia.checkpoint import device_epoch
+    from concordia.policy import Policy
+
+    real = device_epoch.describe
+
+    def unbuilt(tpass, *args, **kw):
+        d = real(tpass, *args, **kw)
+        for g in d[0]["groups"][:int(d[0]["n_groups"])]:
+            if int(g["page_bytes"]) == 65536:
+                g["page_bytes"] = 32768
+        return d
+
+    monkeypatch.setattr(device_epoch, "describe", unbuilt)
+    with Session(shm_log, size=64 << 20, segment_size=8 << 20, policy=Policy(retain=False)) as s:
+        regions = _three_sizes(s, cp)
+        dev = device_epoch.DeviceEpochs(s, small_pages=small_pages)
+        states, comps = {}, []
+        try:
+            for t in range(1, 4):
+                want = _touch_one_page_each(regions, t, cp)
+                c = dev.epoch()
+                assert c.status == Status.OK, (c, dev.submitter)
+                comps.append(c)
+                states[s.runner.arena.word("last_epoch")] = want
+        finally:
+            dev.close()
+        assert [c.pages for c in comps] == [1 + 1 + 16] * 3
+        assert s.log.verify()["corrupt"] == 0
+        for epoch, want in states.items():
+            got = s.recover(epoch)
+            for name, a in want.items():
+                g = got[name]
+                assert np.asarray(g.get() if hasattr(g, "get") else g).tobytes() == a.tobytes(), (epoch, name)
 
 
 def _rows_state(count):

@@ -238,8 +238,8 @@ def test_a_cupy_sessions_checkpoints_run_on_the_persistent_kernel(shm_log):
     """The first checkpoint (the bases) takes the consumer thread; the next
     ones are EPOCH tasks: durable when they return (the session's epoch names
     them), listed at once, each recovered exactly; a
-    region registered midway builds the handler again; a named stream takes
-    the consumer's path."""
+    region of a new page size registered midway builds the handler again,
+    for both sizes; a named stream takes the consumer's path."""
     import cupy as cp
 
     rng = np.random.default_rng(5)
@@ -269,13 +269,15 @@ def test_a_cupy_sessions_checkpoints_run_on_the_persistent_kernel(shm_log):
         s.settle()
         assert len(s.checkpoints) == 7  # and once
 
-        extra = cp.arange(4096, dtype=cp.float32)
-        s.register("extra", extra, detect="shadow", page_bytes=4096)
+        extra = cp.arange(1 << 16, dtype=cp.float32)   # of a page size the handler was not built for
+        s.register("extra", extra, detect="shadow", page_bytes=65536)
         st = s.checkpoint()  # the new region's base: the consumer thread
         states[st.epoch] = (kv.get(), lora.get(), extra.get())
         extra[5] = -1
+        kv[10, 0] = 2
         st = s.checkpoint()
-        assert set(st.via.values()) == {VIA} and st.pages["extra"] == 1
+        assert set(st.via.values()) == {VIA} and st.pages["extra"] == 1 and st.pages["kv"] == 1, st.pages
+        assert s.resident.route.engine.page_sizes == (4096, 65536)  # one module, a detector for each size
         states[st.epoch] = (kv.get(), lora.get(), extra.get())
 
         kv[9, 0] = 3
