@@ -413,9 +413,25 @@ struct cx_group {                   // one detection launch: rows sharing a dete
 
 // The page sizes this module's shadow and fingerprint detection is built for
 // (device_epoch.compile_defines: PAGE_BYTES, then CX_PAGE_BYTES_1..3 for a
-// table of several).  A group of another size (none, as the host builds the
-// module for its table's sizes) is written whole: every page dirty, its
-// detector's state left as it was, never a page missed.
+// table of several), one instance of table.cu's detectors each.  A
+// descriptor with a group of another size, or more groups than it holds, is
+// refused before anything is launched (epoch_refused: BAD_ARGS, nothing
+// detected or written, every detector's state as it was); the host builds the
+// module for its table's sizes, so none comes.
+__device__ __forceinline__ bool cx_size_built(u64 pb) {
+    bool built = pb == PAGE_BYTES;
+#ifdef CX_PAGE_BYTES_1
+    built = built || pb == CX_PAGE_BYTES_1;
+#endif
+#ifdef CX_PAGE_BYTES_2
+    built = built || pb == CX_PAGE_BYTES_2;
+#endif
+#ifdef CX_PAGE_BYTES_3
+    built = built || pb == CX_PAGE_BYTES_3;
+#endif
+    return built;
+}
+
 template <u32 PB>
 __device__ __forceinline__ bool cx_detect_launch(const cx_group& k, const TableEntry* table, u8* flags) {
     if (k.page_bytes != PB) return false;
@@ -438,7 +454,8 @@ __device__ __forceinline__ bool cx_detect_block(const cx_group& k, const TableEn
     return true;
 }
 
-// A shadow or fingerprint group's detection as a child grid of the driver.
+// A shadow or fingerprint group's detection as a child grid of the driver
+// (its size one the module is built for: epoch_refused saw to it).
 __device__ __forceinline__ void cx_detect_group(const cx_group& k, const TableEntry* table, u8* flags) {
     if (cx_detect_launch<PAGE_BYTES>(k, table, flags)) return;
 #ifdef CX_PAGE_BYTES_1
@@ -448,10 +465,8 @@ __device__ __forceinline__ void cx_detect_group(const cx_group& k, const TableEn
     if (cx_detect_launch<CX_PAGE_BYTES_2>(k, table, flags)) return;
 #endif
 #ifdef CX_PAGE_BYTES_3
-    if (cx_detect_launch<CX_PAGE_BYTES_3>(k, table, flags)) return;
+    cx_detect_launch<CX_PAGE_BYTES_3>(k, table, flags);
 #endif
-    table_all_dirty<<<(u32)min((k.pages + 255) / 256, (u64)65535), 256>>>(
-        table, reinterpret_cast<const u32*>(k.rows), reinterpret_cast<const u64*>(k.row_first), (u32)k.n_rows, flags);
 }
 
 // ... and by warps [w0, w0 + warps) of one block (cx_epoch_small).
@@ -465,10 +480,8 @@ __device__ __forceinline__ void cx_detect_group_block(const cx_group& k, const T
     if (cx_detect_block<CX_PAGE_BYTES_2>(k, table, flags, w0, warps)) return;
 #endif
 #ifdef CX_PAGE_BYTES_3
-    if (cx_detect_block<CX_PAGE_BYTES_3>(k, table, flags, w0, warps)) return;
+    cx_detect_block<CX_PAGE_BYTES_3>(k, table, flags, w0, warps);
 #endif
-    all_rows_dirty(table, reinterpret_cast<const u32*>(k.rows), reinterpret_cast<const u64*>(k.row_first),
-                   (u32)k.n_rows, flags, threadIdx.x, blockDim.x);
 }
 
 struct cx_epoch_desc {              // device_epoch.EPOCH_DESC
@@ -785,12 +798,23 @@ __device__ int wait_epoch(cx_scratch* sc, u64 timeout_ns, u32* gate, bool* relea
     return ST_OK;
 }
 
+// Whether the descriptor asks what this module cannot run: more detection
+// groups than it holds, or a shadow or fingerprint group of a page size its
+// detection is not built for (cx_size_built).  Refused before anything is launched.
+__device__ bool epoch_refused(const cx_epoch_desc* d) {
+    if (d->n_groups > CX_MAX_GROUPS) return true;
+    for (u64 g = 0; g < d->n_groups; ++g)
+        if (d->groups[g].detector != DET_POSITIONS && !cx_size_built(d->groups[g].page_bytes)) return true;
+    return false;
+}
+
 // Lane 0 only: one epoch of the descriptor `d` into its arena, waited for;
 // a trigger's gate (`gate`, else nullptr) let go once every region is read
 // (wait_epoch; *released says so).  *lsn0 / *lsn1: where the epoch's records
 // begin and its commit lies.
 __device__ int run_epoch(const cx_epoch_desc* d, cx_scratch* sc, u64 child_timeout_ns, u64* lsn0, u64* lsn1,
                          u32* gate, bool* released) {
+    if (epoch_refused(d)) return ST_BAD_ARGS;  // nothing detected, nothing written
     volatile cx_arena_words* w = reinterpret_cast<volatile cx_arena_words*>(d->words);
     const u64 at = w->used;
     if (w->lost || d->arena_bytes < at || d->arena_bytes - at < w->expect + d->commit_length) {

@@ -36,8 +36,7 @@ KERNELS = {
     "stage": ("stage_alloc", "stage_payload", "stage_finalize", "stage_delta"),
     "scatter": ("scatter_pages", "expand_runs"),
     "kv_scan": ("kv_scan", "adapter_scan"),
-    "table": ("table_fingerprint", "table_shadow", "table_mark", "table_plan", "table_stage", "table_finalize",
-              "table_all_dirty"),
+    "table": ("table_fingerprint", "table_shadow", "table_mark", "table_plan", "table_stage", "table_finalize"),
     "copy": ("copy_spans",),
 }
 

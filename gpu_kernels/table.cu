@@ -137,26 +137,6 @@ table_shadow_pb(const TableEntry* __restrict__ table, const u32* __restrict__ ro
     shadow_rows_pb<PB>(table, rows, row_first, n_rows, flags, grid_warp(), grid_warps());
 }
 
-// Every page of a group dirty, its detector's state left as it was: the epoch
-// writes the group whole (executor.cu, for a group whose page size its module
-// was not built for).  Threads [t0, t0 + threads) of the launch, one a page.
-__device__ __forceinline__ void all_rows_dirty(const TableEntry* __restrict__ table, const u32* __restrict__ rows,
-                                               const u64* __restrict__ row_first, u32 n_rows,
-                                               u8* __restrict__ flags, u64 t0, u64 threads) {
-    const u64 total = row_first[n_rows];
-    for (u64 q = t0; q < total; q += threads) {
-        const u32 e = last_at_or_below(row_first, n_rows, q);
-        flags[table[rows[e]].first_page + (q - row_first[e])] = 1;
-    }
-}
-
-extern "C" __global__ void __launch_bounds__(256)
-table_all_dirty(const TableEntry* __restrict__ table, const u32* __restrict__ rows,
-                const u64* __restrict__ row_first, u32 n_rows, u8* __restrict__ flags) {
-    all_rows_dirty(table, rows, row_first, n_rows, flags, (u64)blockIdx.x * blockDim.x + threadIdx.x,
-                   (u64)gridDim.x * blockDim.x);
-}
-
 #ifdef PAGE_BYTES
 extern "C" __global__ void __launch_bounds__(256)
 table_fingerprint(const TableEntry* __restrict__ table, const u32* __restrict__ rows,

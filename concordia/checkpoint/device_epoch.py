@@ -44,9 +44,11 @@ caller's device words: `arena.why_not`), at most `MAX_PAGE_SIZES` page
 sizes among the scanned rows (the shadow and fingerprint kernels are
 specialised by the page size: the module is built with one of each for the
 table's sizes, `compile_defines`; a positions row reads its own), at most
-`MAX_GROUPS` detection groups (`why_not`).  A region of a new page size
-registered later changes the regions: the route builds the engine again, its
-module built for the sizes then (the operator table swapped with the kernel).
+`MAX_GROUPS` detection groups (`why_not`: four sizes of both detectors
+already make eight).  A region of a new page size registered later changes
+the regions: the route closes the engine and builds another, its module built
+for the sizes then.  The kernel refuses, before it launches anything, a
+descriptor naming a size its module lacks (executor.cu: epoch_refused).
 
 CuPy is imported lazily: importing this module needs no GPU.
 """

@@ -92,7 +92,6 @@ def test_the_epoch_variant_compiles_with_the_table_pass_in_its_module(tmp_path, 
     # the detection of each page size the module is built for, a kernel of its own each, and no other
     built = sorted(int(n) for n in re.findall(r"\.entry _Z\d+table_fingerprint_pbILj(\d+)E", text))
     assert built == sorted(sizes) == sorted(int(n) for n in re.findall(r"\.entry _Z\d+table_shadow_pbILj(\d+)E", text))
-    assert ".entry table_all_dirty(" in text  # a group of a size it was not built for: written whole
 
 
 def test_an_epoch_module_is_built_for_each_page_size_its_table_scans(tmp_path):
@@ -117,6 +116,39 @@ def test_an_epoch_module_is_built_for_each_page_size_its_table_scans(tmp_path):
                    slot_versions=np.zeros(4, np.uint64), pages_per_slot=4)
         s.checkpoint()  # the regions' digests, which a table starts from
         assert module_page_sizes(RegionTable(list(s.region_set))) == (1024, 4096, 65536)
+
+
+@pytest.mark.parametrize("sizes, positions, why", [
+    ((1024, 4096, 65536, 64), False, None),
+    ((1024, 4096, 65536, 64, 128), False, "have 5 page sizes; the EPOCH handler is built for at most 4"),
+    ((1024, 4096, 65536, 64), True, "9 detection groups; the EPOCH handler takes 8")],
+    ids=["four-sizes", "five-sizes", "nine-groups"])
+def test_what_one_epoch_module_cannot_detect_is_named(tmp_path, sizes, positions, why, monkeypatch):
+    """why_not over a device table pass's table (here a stand-in with the
+    label and groups a DeviceTablePass has): at most MAX_PAGE_SIZES page
+    sizes of scanned rows, and at most MAX_GROUPS detection groups, four
+    sizes of both detectors already making eight (a positions group is a
+    ninth)."""
+    import types
+
+    from concordia import Session
+    from concordia.checkpoint.table import RegionTable
+    from concordia.executor import persistent
+
+    monkeypatch.setattr(persistent, "host_order_why", lambda: None)  # any host: the table is what is checked
+    with Session(f"file:{tmp_path / 'w.log'}", size=32 << 20, segment_size=8 << 20) as s:
+        for pb in sizes:
+            s.register(f"s{pb}", np.zeros(4 * pb, np.uint8), detect="shadow", page_bytes=pb)
+            s.register(f"f{pb}", np.zeros(4 * pb, np.uint8), detect="fingerprint", page_bytes=pb)
+        s.checkpoint()
+        table = RegionTable(list(s.region_set))
+    # a static cache's rows by positions: a group of their own (page sizes read from the table)
+    groups = list(table.groups) + ([(DET_POSITIONS, 4096)] if positions else [])
+    tpass = types.SimpleNamespace(label="gpu-mapped", table=table, groups=groups)
+    assert len(tpass.groups) == 2 * len(sizes) + positions
+    assert why_not(tpass, types.SimpleNamespace(persist_path="none")) == (
+        None if why is None else f"the regions scanned by shadow copies or fingerprints {why}" if "sizes" in why
+        else why)
 
 
 def test_a_session_the_device_cannot_take_is_named(tmp_path, shm_log):
@@ -250,24 +282,26 @@ def test_one_epoch_module_detects_regions_of_several_page_sizes(shm_log, small_p
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("small_pages", [SMALL_PAGES, 0], ids=["one-block", "driver"])
-def test_a_group_of_a_page_size_the_module_lacks_is_written_whole(shm_log, small_pages, monkeypatch):
+def test_a_descriptor_naming_a_page_size_the_module_lacks_is_refused_before_launch(shm_log, small_pages,
+                                                                                  monkeypatch):
     """A descriptor whose 64 KiB group names a size the module was not built
-    for (as no host builds it): the kernel finds no detector for it and marks
-    every page of the group dirty, so each epoch writes that region whole
-    (16 pages) beside the others' one page, and every epoch still recovers
-    its state: written whole, never a page missed."""
+    for (as no host builds it): the kernel refuses the epoch before it
+    launches anything (BAD_ARGS), so nothing is detected or written and the
+    arena's words stay as they were; the next, true descriptor's epoch then
+    finds each region's changed page, as the detectors' state was untouched,
+    and recovers its state."""
     import cupy as cp
 
     from concordia import Session
     from concordia.checkpoint import device_epoch
     from concordia.policy import Policy
 
-    real = device_epoch.describe
+    real, bad = device_epoch.describe, [True]
 
     def unbuilt(tpass, *args, **kw):
         d = real(tpass, *args, **kw)
         for g in d[0]["groups"][:int(d[0]["n_groups"])]:
-            if int(g["page_bytes"]) == 65536:
+            if bad[0] and int(g["page_bytes"]) == 65536:
                 g["page_bytes"] = 32768
         return d
 
@@ -275,23 +309,27 @@ def test_a_group_of_a_page_size_the_module_lacks_is_written_whole(shm_log, small
     with Session(shm_log, size=64 << 20, segment_size=8 << 20, policy=Policy(retain=False)) as s:
         regions = _three_sizes(s, cp)
         dev = device_epoch.DeviceEpochs(s, small_pages=small_pages)
-        states, comps = {}, []
         try:
-            for t in range(1, 4):
-                want = _touch_one_page_each(regions, t, cp)
-                c = dev.epoch()
-                assert c.status == Status.OK, (c, dev.submitter)
-                comps.append(c)
-                states[s.runner.arena.word("last_epoch")] = want
+            want = _touch_one_page_each(regions, 1, cp)
+            words = s.runner.arena.words.copy()
+            c = dev.epoch()
+            assert c.status == Status.BAD_ARGS and c.pages == 0, c
+            assert s.runner.arena.words.tobytes() == words.tobytes()   # nothing written, the words as they were
         finally:
             dev.close()
-        assert [c.pages for c in comps] == [1 + 1 + 16] * 3
+        bad[0] = False
+        dev = device_epoch.DeviceEpochs(s, small_pages=small_pages)   # a true descriptor this time
+        try:
+            c = dev.epoch()
+            assert c.status == Status.OK and c.pages == 3, (c, dev.submitter)
+            epoch = s.runner.arena.word("last_epoch")
+        finally:
+            dev.close()
         assert s.log.verify()["corrupt"] == 0
-        for epoch, want in states.items():
-            got = s.recover(epoch)
-            for name, a in want.items():
-                g = got[name]
-                assert np.asarray(g.get() if hasattr(g, "get") else g).tobytes() == a.tobytes(), (epoch, name)
+        got = s.recover(epoch)
+        for name, a in want.items():
+            g = got[name]
+            assert np.asarray(g.get() if hasattr(g, "get") else g).tobytes() == a.tobytes(), name
 
 
 def _rows_state(count):
