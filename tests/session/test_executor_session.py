@@ -230,8 +230,11 @@ def _step_state(count: int) -> np.ndarray:
     return a
 
 
-def _producer(a, steps, gate, counter, n, stop):
-    """The 'device': decode steps, each inside the gate, each counted."""
+def _producer(a, steps, gate, counter, n, stop, epochs=None, every=0):
+    """The 'device': decode steps, each inside the gate, each counted.  With
+    `epochs` (how many the trigger has fired so far), the producer waits after
+    each multiple of `every` until its epoch has fired (as a device step waits
+    at its gate), however late the consumer comes to it."""
     for k in range(1, n + 1):
         if stop.is_set():
             return
@@ -240,14 +243,18 @@ def _producer(a, steps, gate, counter, n, stop):
             np.dot(np.ones((64, 64)), np.ones((64, 64)))  # a numpy step (releases the GIL)
             steps[0] = k
             counter.add(1)
+        deadline = time.monotonic() + 60
+        while epochs is not None and k % every == 0 and epochs() < k // every and time.monotonic() < deadline:
+            time.sleep(1e-4)
         time.sleep(5e-4)
 
 
 @pytest.mark.parametrize("stall", ["time.sleep", "numpy"])
 def test_gil_releasing_stall_epochs_commit_at_the_trigger_rate_and_recover_identical(shm_log, stall):
     """The caller's thread is stalled (sleep or a long numpy operation: both release
-    the GIL, see the module docstring) while the producer runs 60 steps; the
-    trigger commits an epoch every 6 steps from the consumer alone."""
+    the GIL, see the module docstring) while the producer runs 60 steps,
+    waiting after every sixth for its epoch; the trigger commits each of
+    them from the consumer alone, at its step."""
     with new_session(shm_log, executor="resident", policy=None) as s:
         a = np.zeros((32, 1024), np.uint32)
         s.register("a", a)
@@ -255,7 +262,7 @@ def test_gil_releasing_stall_epochs_commit_at_the_trigger_rate_and_recover_ident
         counter, gate = StepCounter(), PauseGate()
         tr = s.resident.trigger(every=6, counter=counter, gate=gate)
         steps, stop = [0], threading.Event()
-        dev = threading.Thread(target=_producer, args=(a, steps, gate, counter, 60, stop))
+        dev = threading.Thread(target=_producer, args=(a, steps, gate, counter, 60, stop, lambda: len(tr.fired), 6))
         calls = s.resident.submitter.completed
         dev.start()
         deadline = time.monotonic() + 60
@@ -267,15 +274,13 @@ def test_gil_releasing_stall_epochs_commit_at_the_trigger_rate_and_recover_ident
                 for _ in range(8):
                     m = m @ m / 400.0
         stop.set()
-        dev.join(10)
-        fired = wait_for_epochs(s.resident, 60 // 6, 2.0)
+        dev.join(60)
+        wait_for_epochs(s.resident, 60 // 6, 60.0)
+        s.resident.disarm()
+        fired = len(tr.fired)
         assert not tr.errors, tr.errors
         assert s.resident.submitter.completed == calls       # no task came from the caller
-        assert fired >= 2, tr.fired                          # epochs kept committing during the stall
-        assert all(c >= 6 * (i + 1) for i, (_, c) in enumerate(tr.fired))  # the i-th was due at 6 (i + 1) steps
-        counts = [c for _, c in tr.fired]
-        assert counts == sorted(counts) and counts[-1] <= 60
-        s.resident.disarm()
+        assert [c for _, c in tr.fired] == [6 * (i + 1) for i in range(10)], tr.fired  # each at its step
         for epoch, count in tr.fired:
             np.testing.assert_array_equal(s.recover(epoch)["a"], _step_state(count), err_msg=f"epoch {epoch}")
         assert [c.reason for c in list(s.checkpoints)[1:]] == ["trigger:steps"] * fired
@@ -294,7 +299,7 @@ def test_a_trigger_on_a_file_tier_commits_through_the_host_committer(file_log):
         tr = s.resident.trigger(every=4, counter=counter, gate=gate)
         steps, stop = [0], threading.Event()
         _producer(a, steps, gate, counter, 12, stop)   # the producer on this thread; the epochs on the consumer
-        wait_for_epochs(s.resident, 3, 10.0)
+        wait_for_epochs(s.resident, 3, 60.0)
         assert not tr.errors and len(tr.fired) >= 1
         assert s.resident._committer is not None
         assert tr.in_arena == 0 and "tier needs a persist call (msync)" in s.resident.info()["trigger"]["arena_why"]
@@ -316,7 +321,7 @@ def test_a_failing_trigger_epoch_stops_the_trigger_and_says_why(file_log):
 
         s.log.appender.commit = broken
         counter.add(1)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while tr.armed and time.monotonic() < deadline:
             time.sleep(1e-3)
         assert not tr.armed and tr.errors and "Input/output error" in tr.errors[0]
@@ -348,7 +353,7 @@ def test_a_trigger_without_a_gate_refuses_host_regions(file_log):
         counter = StepCounter()
         tr = s.resident.trigger(every=1, counter=counter, gate=PauseGate())   # with a gate: taken
         counter.add(1)
-        wait_for_epochs(s.resident, 1, 10.0)
+        wait_for_epochs(s.resident, 1, 60.0)
         assert tr.fired and not tr.errors
         s.resident.disarm()
 
@@ -450,7 +455,7 @@ def test_device_counted_steps_trigger_epochs_that_each_hold_the_step_they_record
         while time.perf_counter() < end:        # pure Python
             pass
         cp.cuda.get_current_stream().synchronize()
-        wait_for_epochs(s.resident, 1, 10.0)
+        wait_for_epochs(s.resident, 1, 60.0)
         s.resident.disarm()
         assert not tr.errors, tr.errors
         assert tr.fired

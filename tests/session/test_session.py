@@ -180,13 +180,22 @@ def test_policy_every_dirty_bytes(file_log):
         assert st is not None and st.reason == "bytes" and st.pages["kv"] == 3
 
 
-def test_policy_every_t_milliseconds(file_log):
+def test_policy_every_t_milliseconds(file_log, monkeypatch):
+    """The policy's clock is faked (however slow the machine, a step 10 ms
+    after the checkpoint is not due, one 50 ms after is)."""
+    import types
+
+    import concordia.policy
+
+    now = [1000.0]
+    monkeypatch.setattr(concordia.policy, "time", types.SimpleNamespace(monotonic=lambda: now[0]))  # its clock only
     state = make_state()
     with new_session(file_log, policy=Policy(every_ms=30)) as s:
         register_all(s, state)
         s.checkpoint()
+        now[0] += 0.010
         assert s.step() is None
-        time.sleep(0.05)
+        now[0] += 0.040
         st = s.step()
         assert st is not None and st.reason == "time"
 
