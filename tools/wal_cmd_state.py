@@ -100,7 +100,8 @@ def compact_cmd(log, upto, keep, dry_run, as_json):
             click.echo(f"room {would}switch first with no new base, freeing segments for the new ones")
         click.echo(f"compact {would}fold epoch {rep['epoch']}: "
                    f"{', '.join(rep['folded']) or 'nothing'} ({R.size(rep['bytes_written'])} of new bases)"
-                   + (f"; already based: {', '.join(rep['unchanged'])}" if rep["unchanged"] else ""))
+                   + (f"; already based: {', '.join(rep['unchanged'])}" if rep["unchanged"] else "")
+                   + (f"; no state at the epoch, so no base: {', '.join(rep['absent'])}" if rep["absent"] else ""))
         click.echo(f"retention {would}keep {rep['bases_kept']} bases, drop {rep['bases_dropped']} "
                    f"(keeps {policy}); restorable from epoch {rep['floor_epoch'] or 1}")
         freed = rep["segments_freed"]
@@ -220,6 +221,7 @@ def snapshot_create(log, regions, epoch):
     \b
         concordia-wal snapshot create file:./concordia-data/demo.log --region kv
     """
+    from concordia.wal.apply import check_present
     from concordia.wal.compaction import check_snapshot_room, fold_source
     from concordia.wal.planner import plan_history, scan
     from concordia.wal.snapshot import create_base_snapshot
@@ -233,6 +235,11 @@ def snapshot_create(log, regions, epoch):
                                  where=lg.backend.where)
         names = list(regions) or known
         p = plan_history(scan(lg), "latest" if epoch is None else epoch, "tolerate_tail", regions=names)
+        if regions:   # a region named with no state at the epoch: refused, as restore refuses it
+            check_present(p, names, where=lg.backend.where)
+        # (every region: those with no state at the epoch, registered later, get no base: it would be invented)
+        absent = [n for n in names if p.regions[n].absent]
+        names = [n for n in names if n not in absent]
         check_snapshot_room(lg, names)  # every base and catalog, before the first is written
         total = sum(p.regions[n].region.pages * p.regions[n].region.page_bytes for n in names)
         made = []
@@ -246,6 +253,8 @@ def snapshot_create(log, regions, epoch):
     for name, e in made:
         click.echo(f"snapshot {name} at epoch {e.epoch}: {e.pages} pages in {e.records} records, "
                    f"lsn 0x{e.first_lsn:x}..0x{e.last_lsn:x}, digest 0x{e.digest:08x}")
+    for name in absent:
+        click.echo(f"snapshot {name}: no state at epoch {p.epoch} (registered later), so no base")
 
 
 # --------------------------------------------------------------------------- restore

@@ -83,6 +83,8 @@ class CompactReport:
     keep_bases: int = 0    # the retention applied (0: no limit of that kind)
     keep_epochs: int = 0
     reclaim_first: bool = False  # a switch with no new base made room for the bases first
+    #: regions with no state at the epoch (registered later): given no base, which would be invented
+    absent: list = field(default_factory=list)
     free_bytes: int = 0    # what the log can still append afterwards (`Space.bytes`)
     reserve_bytes: int = 0  # what a compaction leaves free at the least (`reserve_bytes`)
     scanned: bool = False  # the switch read the log (no `Known` covered it); not reported
@@ -285,6 +287,7 @@ class Decision:
     first: tuple | None    # (kept, floor, cut) of a switch with no new base to run first, making room
     free_bytes: int        # what the log can append once it has switched
     reserve_bytes: int
+    absent: list = field(default_factory=list)  # regions with no state at the epoch: no base for them
 
     def report(self) -> CompactReport:
         return CompactReport(epoch=self.epoch, source="log", folded=list(self.fold), unchanged=list(self.unchanged),
@@ -292,7 +295,7 @@ class Decision:
                              bases_dropped=self.bases_dropped, floor_epoch=self.floor_epoch,
                              segments_freed=list(self.segments_freed), keep_bases=self.keep.bases,
                              keep_epochs=self.keep.epochs, reclaim_first=self.first is not None,
-                             free_bytes=self.free_bytes, reserve_bytes=self.reserve_bytes)
+                             free_bytes=self.free_bytes, reserve_bytes=self.reserve_bytes, absent=list(self.absent))
 
 
 def _freed(log, low) -> list:
@@ -320,6 +323,10 @@ def decide(log, epoch: int | None = None, *, keep: Keep, regions=None, upto_name
     prev = current_catalog(log)
     infos = log.regions
     names = list(infos) if regions is None else list(regions)
+    # a region with no state at the epoch (registered after it) gets no base there: one would be
+    # invented (zeros), and a recovery of the epoch would hand it back instead of refusing the region
+    absent = [n for n in names if p.regions[n].absent]
+    names = [n for n in names if n not in absent]
     fold = [n for n in names if p.regions[n].base_epoch != p.epoch or n in live]
     unchanged = [n for n in names if n not in fold]
     # the new bases lie above every record there is: next_lsn stands for where
@@ -378,7 +385,7 @@ def decide(log, epoch: int | None = None, *, keep: Keep, regions=None, upto_name
                              if keep != Keep(1, 0) else "create a larger log"))
     return Decision(p.epoch, keep, fold, unchanged,
                     sum(infos[n].pages * infos[n].page_bytes for n in fold), len(kept),
-                    len(old) + len(fold) - len(kept), floor, freed, first, after.bytes, reserve)
+                    len(old) + len(fold) - len(kept), floor, freed, first, after.bytes, reserve, absent)
 
 
 def check_snapshot_room(log, names, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
@@ -530,6 +537,7 @@ def compact(log, epoch: int | None = None, *, live: dict | None = None, keep_bas
         pass
     rep = job.finish(keep_bases=keep.bases, keep_epochs=keep.epochs, reclaim=reclaim)
     rep.unchanged = list(d.unchanged)
+    rep.absent = list(d.absent)
     rep.segments_freed = freed_first + rep.segments_freed
     rep.reclaim_first = d.first is not None
     rep.free_bytes = free_space(log).bytes
@@ -594,6 +602,9 @@ class Compaction:
                 self._todo.append([info, _page_source(info, live[name]), want_digest, stage.get(name)])
                 continue
             rp = self.plan.regions[name]
+            if rp.absent:   # no state at the epoch (registered later): no base is invented for it
+                self.report.absent.append(name)
+                continue
             if rp.base_epoch == self.epoch:
                 self.report.unchanged.append(name)  # its newest base already is the state at the epoch
                 continue

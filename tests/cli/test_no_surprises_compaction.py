@@ -320,3 +320,52 @@ def test_a_young_session_stores_every_epoch_as_zero(tmp_path):
     w = _session_log(tmp_path, 40)
     with Log.open(w.spec, writable=False) as log:
         assert log.volume.superblock.retain_epochs == 0 and log.volume.superblock.catalog_lsn
+
+
+def _later_region(path, *, later_epochs: int = 0) -> str:
+    """A log whose region "lora" was registered after epoch 2 ("kv": epochs 1
+    and 2), then checkpointed `later_epochs` times (0: never)."""
+    spec = f"file:{path}"
+    kv, lora = np.arange(4096, dtype=np.uint32), np.full(1000, 7, np.float32)
+    with Session(spec, size=16 * MiB, policy=Policy(retain=False)) as s:
+        s.register("kv", kv)
+        s.checkpoint()
+        kv[3] = 9
+        s.checkpoint()
+        s.register("lora", lora)
+        for t in range(later_epochs):
+            lora[t] = t
+            s.checkpoint()
+    return spec
+
+
+@pytest.mark.parametrize("later_epochs", [0, 2], ids=["never-saved", "saved-later"])
+def test_compact_and_snapshot_invent_no_base_for_a_region_without_state_at_the_epoch(tmp_path, later_epochs):
+    """A region registered after the epoch folded has no state there: `compact`
+    and `snapshot create` give it no base (one would be zeros, and a recovery
+    of the epoch would hand them back where it refuses the region), say so,
+    and a recovery of the epoch still refuses it; named with --region, the
+    snapshot is refused in one line, exit 1, the log untouched."""
+    spec = _later_region(tmp_path / "a.log", later_epochs=later_epochs)
+    before = sha(tmp_path / "a.log")
+    res = wal("snapshot", "create", spec, "--epoch", 2, "--region", "lora", code=(1,))
+    assert "region 'lora' has no state at epoch 2" in res.stderr
+    assert sha(tmp_path / "a.log") == before
+    res = wal("snapshot", "create", spec, "--epoch", 2)
+    assert "snapshot kv at epoch 2" in res.stdout and "snapshot lora: no state at epoch 2" in res.stdout
+    res = wal("compact", spec, "--upto", 2, "--keep", 0, "--json")
+    rep = json.loads(res.stdout)
+    assert rep["epoch"] == 2 and rep["absent"] == ["lora"] and "lora" not in rep["folded"] + rep["unchanged"]
+    res = wal("restore", spec, "--region", "lora", "--epoch", 2, "--out", tmp_path / "l.npy", code=(1,))
+    assert "region 'lora' has no state at epoch 2" in res.stderr and not (tmp_path / "l.npy").exists()
+    with Session(spec, create=False) as s:
+        with pytest.raises(Exception, match="region 'lora' has no state at epoch 2"):
+            s.recover(2)
+        if later_epochs:   # its own epochs are whole and recover as they were
+            got = s.recover(2 + later_epochs)["lora"]
+            want = np.full(1000, 7, np.float32)
+            want[:later_epochs] = np.arange(later_epochs)
+            np.testing.assert_array_equal(got, want)
+    spec2 = _later_region(tmp_path / "b.log", later_epochs=later_epochs)
+    res = wal("compact", spec2, "--keep", 1)   # the latest epoch: with no later save "lora" has none there
+    assert ("no state at the epoch, so no base: lora" in res.stdout) == (later_epochs == 0), res.stdout
