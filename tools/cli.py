@@ -9,7 +9,7 @@ import click
 
 from concordia import __version__
 
-from .common import EXIT_OK, EXIT_PROBLEMS, OneLineGroup, emit_json, guarded
+from .common import EXIT_OK, EXIT_PROBLEMS, FiniteRange, OneLineGroup, emit_json, guarded
 
 
 @click.group(cls=OneLineGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -143,14 +143,14 @@ def _hook(text: str | None, what: str):
               help="Where to restore (auto: the GPU when CuPy finds one).")
 @click.option("--gpu", "gpu", type=click.IntRange(min=0), default=None,
               help="The GPU to stand by on (a spare one; default: the current device).")
-@click.option("--lease", "lease_s", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--lease", "lease_s", type=FiniteRange(min=0, min_open=True), default=None,
               help="Also watch the primary's heartbeat; a beat older than this many seconds counts "
                    "as a hung primary, which is SIGKILLed.  Default: the writer lock alone.")
 @click.option("--model", "model", metavar="MODULE:FUNCTION", default=None,
               help="Called as FUNCTION(standby) while warming; its result is standby.model.")
 @click.option("--resume", "resume", metavar="MODULE:FUNCTION", default=None,
               help="Called as FUNCTION(takeover) after the restore, to carry on.")
-@click.option("--timeout", type=click.FloatRange(min=0), default=None,
+@click.option("--timeout", type=FiniteRange(min=0), default=None,
               help="Give up (exit 2) when the primary still holds the log after this many seconds.")
 @click.option("--hold", is_flag=True,
               help="After taking over, keep the log (and its writer lock) until interrupted, as the "

@@ -275,6 +275,19 @@ class SizeType(click.ParamType):
 SIZE = SizeType()
 
 
+class FiniteRange(click.FloatRange):
+    """click.FloatRange that also refuses nan and inf (a comparison with nan
+    is false, so FloatRange lets it through), as a usage error."""
+
+    def convert(self, value, param, ctx):
+        import math
+
+        v = super().convert(value, param, ctx)
+        if not math.isfinite(v):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return v
+
+
 class LsnType(click.ParamType):
     """An LSN as a person types it: decimal or 0x-prefixed hex."""
 

@@ -13,7 +13,8 @@ from concordia.wal import format as F
 from concordia.wal.errors import UsageError
 
 from . import render as R
-from .common import EXIT_OK, EXIT_PROBLEMS, LSN, SIZE, Where, emit_json, guarded, open_volume, unwritten_slot
+from .common import (EXIT_OK, EXIT_PROBLEMS, LSN, SIZE, FiniteRange, Where, emit_json, guarded, open_volume,
+                     unwritten_slot)
 from .wal_cmd_scan import DMG, REC, as_decided, decide_walk, record_dict, region_names, walk
 
 #: the incompat feature bits by name (FORMAT.md §2.3), as `info` prints them
@@ -458,7 +459,7 @@ def _dump_stats(recs: list) -> dict:
 @click.option("--json", "as_json", is_flag=True,
               help="Print the documented JSON (with --follow: one JSON object per line).")
 @click.option("--follow", is_flag=True, help="Keep printing records as a live writer appends them (Ctrl-C stops).")
-@click.option("--interval", type=click.FloatRange(0.01, 60), default=0.25, show_default=True,
+@click.option("--interval", type=FiniteRange(0.01, 60), default=0.25, show_default=True,
               help="Seconds between polls with --follow.")
 @guarded
 def dump_cmd(log, start, end, region, typ, epoch, limit, stats, as_json, follow, interval):

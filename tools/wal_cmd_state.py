@@ -39,7 +39,7 @@ COMPACT_SCHEMA = "concordia-wal/compact/1"
 @click.argument("log")
 @click.option("--upto", type=click.IntRange(1, None), default=None,
               help="Committed epoch to fold into new base snapshots (default: the latest).")
-@click.option("--keep", type=click.IntRange(0, None), default=None,
+@click.option("--keep", type=click.IntRange(0, 0xFFFFFFFF), default=None,
               help="Keep the K newest base snapshots of each region and drop everything older "
                    "(0 = keep everything; default: the policy the log already has).")
 @click.option("--dry-run", "dry_run", is_flag=True, help="Say what would be written and freed; change nothing.")

@@ -53,7 +53,7 @@ from concordia.root_error import Hint
 from concordia.wal import format as F
 from concordia.wal.apply import check_pages, page_crcs, take_rows
 from concordia.wal.catalog import CATALOG_ENTRY_SIZE, CATALOG_HEAD_SIZE, BaseEntry
-from concordia.wal.errors import CorruptionError, LogFullError, WalError
+from concordia.wal.errors import CorruptionError, LogFullError, UsageError, WalError
 from concordia.wal.planner import History, RegionPlan, plan_history, scan
 from concordia.wal.snapshot import (
     DEFAULT_CHUNK_BYTES,
@@ -139,13 +139,22 @@ def stored_keep(log) -> Keep:
     return Keep.stored(log.volume.superblock, current_catalog(log))
 
 
+#: the most bases of each region a policy keeps (the catalog's head holds it in 32 bits)
+MAX_KEEP_BASES = 0xFFFFFFFF
+
+
 def resolve_keep(log, keep_bases: int | None = None, keep_epochs: int | None = None) -> Keep:
     """The policy a compaction applies: the log's own (`stored_keep`) when
     neither limit is given, else the limits given (one left out is 0: no
     limit of that kind)."""
     if keep_bases is None and keep_epochs is None:
         return stored_keep(log)
-    return Keep(int(keep_bases or 0), int(keep_epochs or 0))
+    bases, epochs = int(keep_bases or 0), int(keep_epochs or 0)
+    # stored before anything is written: the catalog's head holds keep_bases in 32 bits (FORMAT.md §12.2)
+    if not 0 <= bases <= MAX_KEEP_BASES or epochs < 0:
+        raise UsageError(f"keep_bases must lie in [0, {MAX_KEEP_BASES}] and keep_epochs be at least 0, not "
+                         f"{keep_bases!r} and {keep_epochs!r}; nothing was written", where=log.backend.where)
+    return Keep(bases, epochs)
 
 
 def record_bytes(nbytes: int, page_bytes: int) -> int:

@@ -217,6 +217,10 @@ def decode_superblock(buf, *, where: str = "superblock") -> Superblock:
         raise CorruptionError(
             f"next_segment_seq {next_seq} is not above live segment seq {max(e.seq for e in live)}",
             where=where)
+    for name, lsn in (("oldest_lsn", oldest_lsn), ("catalog_lsn", catalog_lsn)):
+        if lsn > next_lsn:  # V-B9: what it states reclaimed, or its catalog, lies beyond any LSN issued
+            raise CorruptionError(f"{name} 0x{lsn:x} lies beyond next_lsn 0x{next_lsn:x}, past every LSN issued",
+                                  where=where)
     return Superblock(
         uuid=bytes(uuid), sequence=sequence, volume_bytes=volume_bytes, slot_bytes=slot_bytes,
         segments_off=segments_off, segment_bytes=segment_bytes, segment_count=segment_count,

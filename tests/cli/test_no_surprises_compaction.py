@@ -369,3 +369,17 @@ def test_compact_and_snapshot_invent_no_base_for_a_region_without_state_at_the_e
     spec2 = _later_region(tmp_path / "b.log", later_epochs=later_epochs)
     res = wal("compact", spec2, "--keep", 1)   # the latest epoch: with no later save "lora" has none there
     assert ("no state at the epoch, so no base: lora" in res.stdout) == (later_epochs == 0), res.stdout
+
+
+def test_a_policy_the_catalog_cannot_hold_is_refused_before_anything_is_written(tmp_path):
+    """keep_bases is stored in 32 bits: 2^32 is refused in one line, the log as it was
+    (it was written into the log, then failed on packing the catalog)."""
+    from concordia.wal.compaction import compact
+    from concordia.wal.errors import UsageError
+
+    spec = _later_region(tmp_path / "k.log", later_epochs=1)
+    before = sha(tmp_path / "k.log")
+    with Log.open(spec, writable=True) as lg:
+        with pytest.raises(UsageError, match=r"keep_bases must lie in \[0, 4294967295\]"):
+            compact(lg, keep_bases=1 << 32)
+    assert sha(tmp_path / "k.log") == before

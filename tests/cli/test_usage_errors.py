@@ -30,6 +30,18 @@ def _run(program, *args):
     ("concordia", ["demo", "--kill-at", "soon"], "concordia demo", "is neither a step number nor 'random'"),
     ("concordia", ["standby", "shm:x", "--resume", "nocolon", "--device", "cpu"], "concordia standby",
      "is not MODULE:FUNCTION"),
+    # a number that is no number: refused as a value, never taken as "no limit" or met later as damage
+    ("concordia", ["standby", "shm:x", "--device", "cpu", "--lease", "nan"], "concordia standby",
+     "'nan' is not a finite number"),
+    ("concordia", ["standby", "shm:x", "--device", "cpu", "--timeout", "inf"], "concordia standby",
+     "'inf' is not a finite number"),
+    ("concordia-wal", ["dump", "file:x.log", "--follow", "--interval", "nan"], "concordia-wal dump",
+     "'nan' is not a finite number"),
+    ("concordia-wal", ["compact", "file:x.log", "--keep", str(1 << 32)], "concordia-wal compact",
+     "is not in the range 0<=x<=4294967295"),
+    ("concordia-wal", ["bench", "restore", "--threads", "0"], "concordia-wal bench restore", "x>=1"),
+    ("concordia-wal", ["bench", "standby", "--gib", "nan"], "concordia-wal bench standby",
+     "'nan' is not a finite number"),
 ])
 def test_a_usage_error_is_one_line_and_exit_2(program, args, where, says):
     r = _run(program, *args)

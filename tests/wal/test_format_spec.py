@@ -611,6 +611,9 @@ SUPERBLOCK_CASES = [
                                                        F.SegmentEntry(0, 0, 0, 0, 0)), next_lsn=2 << 20,
                                                        next_segment_seq=2), 112, "<Q", 1)),
      CorruptionError, "next_segment_seq 1"),
+    ("V-B9", lambda: _fix_sb_crc(_poke(_slot(), 120, "<Q", (1 << 63) - 1)), CorruptionError,
+     "oldest_lsn 0x7fffffffffffffff lies beyond next_lsn"),
+    ("V-B9", lambda: _fix_sb_crc(_poke(_slot(), 136, "<Q", 1 << 40)), CorruptionError, "catalog_lsn .* beyond next_lsn"),
 ]
 
 

@@ -54,7 +54,7 @@ import time
 import click
 import numpy as np
 
-from ..common import check_outputs, guarded, report
+from ..common import FiniteRange, check_outputs, guarded, report
 from .files import Scratch, force_option
 from .recover import _ceiling, _gpu
 
@@ -305,7 +305,7 @@ def _table(r: dict) -> str:
 
 
 @click.command("into")
-@click.option("--gib", default=10.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+@click.option("--gib", default=10.0, show_default=True, type=FiniteRange(min=0, min_open=True),
               help="State to protect and recover, in GiB.")
 @click.option("--tensors", default=40, show_default=True, type=click.IntRange(min=1),
               help="bf16 tensors the state is split into.")

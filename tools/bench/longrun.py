@@ -30,7 +30,7 @@ import time
 import click
 import numpy as np
 
-from ..common import SIZE, check_outputs, guarded, report
+from ..common import SIZE, FiniteRange, check_outputs, guarded, report
 from .files import Scratch, force_option, save_figure
 
 
@@ -232,7 +232,7 @@ def _plot(doc: dict, path: str, *, replace: bool) -> None:
 @click.command("longrun")
 @click.option("--epochs", type=click.IntRange(min=2), default=100_000, show_default=True,
               help="checkpoints with retention on")
-@click.option("--seconds", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--seconds", type=FiniteRange(min=0, min_open=True), default=None,
               help="stop each configuration after this long instead (whichever comes first)")
 @click.option("--noretain-epochs", type=click.IntRange(min=0), default=20_000, show_default=True,
               help="checkpoints without retention (0: skip; the run stops where the log is full)")

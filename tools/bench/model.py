@@ -77,7 +77,7 @@ from unittest import mock
 
 import click
 
-from ..common import check_outputs, guarded, report
+from ..common import FiniteRange, check_outputs, guarded, report
 from .files import Scratch, force_option
 
 
@@ -760,7 +760,7 @@ def _phase_line(phases: dict) -> str:
               help="Steps of the long run, a checkpoint at each.")
 @click.option("--longrun-gen", default=1000, show_default=True, type=click.IntRange(1, None),
               help="Steps of each generation of the long run (one cache, reset between).")
-@click.option("--longrun-log-x", default=4.0, show_default=True, type=click.FloatRange(1.0, None),
+@click.option("--longrun-log-x", default=4.0, show_default=True, type=FiniteRange(1.0, None),
               help="The long run's log size as a multiple of the protected state.")
 @click.option("--parts", default="decode,kills,longrun,recovery", show_default=True,
               help="Which parts run: decode, kills, longrun, recovery.")

@@ -39,7 +39,7 @@ import time
 import click
 import numpy as np
 
-from ..common import check_outputs, emit_json, guarded, write_output
+from ..common import FiniteRange, check_outputs, emit_json, guarded, write_output
 from .files import SHM_DIR, Scratch, force_option, save_figure
 
 GIB = 1 << 30
@@ -484,9 +484,9 @@ def _plot(res: dict, path: str, *, replace: bool) -> None:
 @click.option("--page-bytes", default=65536, show_default=True, type=int, help="Page size of the KV region.")
 @click.option("--torch/--no-torch", "with_torch", default=True, show_default=True,
               help="Time torch.save/torch.load of the same bytes.")
-@click.option("--torch-max-gib", default=10.0, show_default=True, type=float,
+@click.option("--torch-max-gib", default=10.0, show_default=True, type=FiniteRange(min=0),
               help="Largest size at which torch.save/torch.load are timed (they take ~2.5 s per GiB).")
-@click.option("--registered-max-gib", default=10.0, show_default=True, type=float,
+@click.option("--registered-max-gib", default=10.0, show_default=True, type=FiniteRange(min=0),
               help="Largest shm size also restored from a registered mapping (registering takes ~0.25 s/GiB).")
 @click.option("--quick", is_flag=True, help="Small sizes (CI smoke test; runs on the CPU).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")

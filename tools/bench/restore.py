@@ -21,7 +21,7 @@ import time
 import click
 import numpy as np
 
-from ..common import SIZE, check_outputs, guarded, report
+from ..common import SIZE, FiniteRange, check_outputs, guarded, report
 from .files import force_option
 
 
@@ -32,7 +32,7 @@ def log_options(epochs_help: str):
         for opt in reversed([
             click.option("--size", type=SIZE, default="256M", show_default=True, help="bytes of region state"),
             click.option("--epochs", type=int, default=16, show_default=True, help=epochs_help),
-            click.option("--dirty", type=float, default=0.1, show_default=True,
+            click.option("--dirty", type=FiniteRange(0, 1), default=0.1, show_default=True,
                          help="fraction of pages each epoch rewrites"),
             click.option("--page-bytes", type=SIZE, default="4096", show_default=True),
         ]):
@@ -199,7 +199,8 @@ def _table(doc: dict) -> str:
 @click.command("restore")
 @log_options("committed epochs")
 @click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True, help="timed passes (best kept)")
-@click.option("--threads", type=int, default=None, help="applier threads (default: the applier's pool)")
+@click.option("--threads", type=click.IntRange(1, None), default=None,
+              help="applier threads (default: the applier's pool)")
 @click.option("--quick", is_flag=True, help="8 MiB, 6 epochs, one pass (CI smoke run)")
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of the table")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="also write JSON here")

@@ -53,7 +53,7 @@ import time
 import click
 import numpy as np
 
-from ..common import check_outputs, guarded, report
+from ..common import FiniteRange, check_outputs, guarded, report
 from concordia.devmem.outfile import hold_interrupts
 
 from ..entry import stopping
@@ -413,7 +413,7 @@ def _table(r: dict, standby: str = "warm") -> str:
 
 
 @click.command("standby")
-@click.option("--gib", default=10.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+@click.option("--gib", default=10.0, show_default=True, type=FiniteRange(min=0, min_open=True),
               help="KV state to protect and recover, in GiB.")
 @click.option("--tier", type=click.Choice(["hugetlb", "shm"]), default="hugetlb", show_default=True,
               help="Where the log lives (hugetlb: $CONCORDIA_HUGETLB_DIR or the first hugetlbfs mounted).")
@@ -421,11 +421,11 @@ def _table(r: dict, standby: str = "warm") -> str:
 @click.option("--follow", is_flag=True,
               help="A primary checkpointing every step, and both standbys on it in one run: warm, and hot "
                    "(Standby(follow=True)); reports their ratio.")
-@click.option("--steps-s", default=1.0, show_default=True, type=click.FloatRange(min=0),
+@click.option("--steps-s", default=1.0, show_default=True, type=FiniteRange(min=0),
               help="With --follow: seconds the primary checkpoints under the standby before the kill.")
 @click.option("--trials", default=1, show_default=True, type=click.IntRange(min=1),
               help="With --follow: hot standbys in the chain, each killed in turn once the next one follows it.")
-@click.option("--log-ratio", default=4.0, show_default=True, type=click.FloatRange(min=1.5),
+@click.option("--log-ratio", default=4.0, show_default=True, type=FiniteRange(min=1.5),
               help="With --follow: the log's size over the state's (8 segments added), for retention.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
 @click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON here.")
