@@ -76,8 +76,10 @@ def check_output(path, *, replace: bool = False, inputs=(), what: str = "the log
     (`check_not_input`), something other than a regular file, (without
     `replace`) an existing file, or a path in a folder that does not exist.
     Returns (absolute path, its stat or None where it does not exist).
+    A symbolic link is followed: the file it names is the output (written
+    beside it and renamed over it), never the link itself.
     Creates and changes nothing."""
-    path = os.path.abspath(os.fspath(path))
+    path = os.path.realpath(os.path.abspath(os.fspath(path)))
     check_not_input(path, inputs, what=what)
     try:
         st = os.stat(path)

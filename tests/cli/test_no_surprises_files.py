@@ -104,6 +104,30 @@ def test_force_replaces_a_benchmark_output_whole(bench, args, workdir):
     assert sorted(os.listdir(workdir)) == ["bench.json", "concordia-data"]  # no temporary beside it
 
 
+def test_an_output_that_is_a_symbolic_link_is_written_through_it(workdir, log_path):
+    """`--out` naming a symbolic link writes the file it names (replaced whole
+    with --force), never the link itself: the link stays, pointing at the new
+    file, nothing is left beside either; a dangling link's file is made."""
+    import numpy as np
+
+    real = workdir / "real.npy"
+    real.write_text("my notes\n")
+    link = workdir / "link.npy"
+    link.symlink_to(real)
+    res = CliRunner().invoke(main, ["restore", log_path, "--region", "kv", "--out", str(link)])
+    assert res.exit_code == 2 and "the output exists" in _one_line(res.stderr) and real.read_text() == "my notes\n"
+    res = CliRunner().invoke(main, ["restore", log_path, "--region", "kv", "--out", str(link), "--force"])
+    assert res.exit_code == 0, res.output
+    assert link.is_symlink() and os.readlink(link) == str(real)
+    assert np.load(real).shape == (64, 1024)
+    dangling = workdir / "dangling.npy"
+    dangling.symlink_to(workdir / "made.npy")
+    res = CliRunner().invoke(main, ["restore", log_path, "--region", "kv", "--out", str(dangling)])
+    assert res.exit_code == 0, res.output
+    assert dangling.is_symlink() and np.load(workdir / "made.npy").shape == (64, 1024)
+    assert sorted(os.listdir(workdir)) == ["concordia-data", "dangling.npy", "link.npy", "made.npy", "real.npy"]
+
+
 def test_verify_repair_force_replaces_an_existing_backup(workdir, log_path):
     from .conftest import zero
 
