@@ -112,6 +112,11 @@ def decide(log, mode=None, *, target="latest", regions=None, check_pages: bool =
     problems = [d for d in dropped if counts(d.kind, mode)]
     last = res.last_committed_epoch if res is not None else max(h.commits, default=0)
     out = Outcome(mode, None, last, problems=problems, dropped=dropped, history=h)
+    newest = max(h.commits, default=0)
+    if h.floor_epoch > newest:   # a compaction raises the floor to an epoch it committed, never past the last
+        out.error = (f"the oldest restorable epoch the log states ({h.floor_epoch}) lies beyond its last commit "
+                     f"({newest or 'none'}): no epoch is restorable")
+        return out
     if not h.committed_epochs() and target in (None, "latest") and not problems:
         return out  # nothing committed, nothing damaged: recovery restores nothing, cleanly
     try:

@@ -658,6 +658,10 @@ def _resolve_target(h: History, idx: _Index, target) -> int:
     committed = idx.committed
     if target is None or target == "latest":
         if not committed:
+            newest = max(h.commits, default=0)
+            if h.floor_epoch > newest:   # (wal.decide says the same for every command line)
+                raise PlanError(f"the oldest restorable epoch the log states ({h.floor_epoch}) lies beyond its "
+                                f"last commit ({newest or 'none'}): no epoch is restorable")
             raise PlanError("the log holds no committed epoch", hint="nothing to restore")
         return committed[-1]
     if isinstance(target, tuple) and len(target) == 2 and target[0] == "lsn":

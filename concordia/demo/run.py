@@ -304,8 +304,8 @@ def run_demo(*, log: str = DEFAULT_LOG, steps: int = DEFAULT_STEPS, kill_at="ran
 
     # the worker formats the log (Session(overwrite=True)): the same check as every create path first
     check_format_target(log, overwrite=force, allow_log=True, hint="pass --force to overwrite it")
+    xp = array_module(device)   # a device it cannot use is refused before any folder is made
     _prepare_log_dir(log)
-    xp = array_module(device)
     dev = "gpu" if xp is not np else "cpu"
     cfg = WorkloadConfig(seed=seed)
     common = ["--log", log, "--steps", str(steps), "--seed", str(seed), "--every", str(every), "--device", dev]

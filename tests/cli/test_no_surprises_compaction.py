@@ -18,6 +18,7 @@ on the CPU."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -383,3 +384,23 @@ def test_a_policy_the_catalog_cannot_hold_is_refused_before_anything_is_written(
         with pytest.raises(UsageError, match=r"keep_bases must lie in \[0, 4294967295\]"):
             compact(lg, keep_bases=1 << 32)
     assert sha(tmp_path / "k.log") == before
+
+
+def test_a_floor_beyond_the_last_commit_is_refused_by_every_reader_not_read_as_an_empty_log(tmp_path):
+    """A superblock (checksum whole) whose oldest restorable epoch lies beyond
+    the last commit: every epoch read as reclaimed.  Recovery refuses, naming
+    both epochs, in every reader (plan, verify, info, restore, the Session),
+    rather than reporting a log with nothing committed."""
+    spec = _later_region(tmp_path / "f.log", later_epochs=1)
+    with Log.open(spec, writable=True) as log:
+        log.volume.write_superblock(oldest_epoch=(1 << 64) - 1)
+    says = f"the oldest restorable epoch the log states ({(1 << 64) - 1}) lies beyond its last commit (3)"
+    for args in (["recover", spec, "--plan"], ["restore", spec, "--region", "kv", "--out", tmp_path / "kv.npy"]):
+        assert says in wal(*args, code=(1,)).stderr
+    for cmd in ("verify", "info"):   # (their report on stdout says why they exit 1)
+        res = CliRunner().invoke(main, [cmd, spec])
+        assert res.exit_code == 1 and says in res.stdout, res.output
+    assert not (tmp_path / "kv.npy").exists()
+    with Session(spec, create=False, readonly=True) as s:
+        with pytest.raises(Exception, match=re.escape(says)):
+            s.recover()

@@ -73,6 +73,20 @@ def test_cli_bad_input_is_one_line(tmp_path, argv, words):
         assert w in err[0]
 
 
+def test_a_gpu_demo_without_a_gpu_is_refused_before_any_folder_is_made(tmp_path):
+    try:
+        import cupy  # noqa: F401
+
+        pytest.skip("CuPy is importable here: the GPU demo runs (GPU tests cover it)")
+    except Exception:
+        pass
+    res = CliRunner().invoke(main, ["demo", "--log", f"file:{tmp_path / 'a' / 'b' / 'x.log'}", "--device", "gpu"])
+    assert res.exit_code == 2
+    err = res.output.strip().splitlines()
+    assert len(err) == 1 and "no usable GPU" in err[0] and "use --device cpu" in err[0]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_demo_error_is_a_concordia_error():
     with pytest.raises(DemoError):
         run_demo(steps=1, device="cpu")
