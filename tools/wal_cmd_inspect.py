@@ -478,6 +478,8 @@ def dump_cmd(log, start, end, region, typ, epoch, limit, stats, as_json, follow,
         concordia-wal dump file:./concordia-data/demo.log --region kv --stats
     """
     typ = _type_filter(typ)
+    if not follow and click.get_current_context().get_parameter_source("interval").name != "DEFAULT":
+        raise click.UsageError("--interval is how often --follow looks: give it with --follow")
     if follow:
         if stats:
             raise click.UsageError("--stats and --follow do not go together")

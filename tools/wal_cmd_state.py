@@ -261,7 +261,7 @@ def snapshot_create(log, regions, epoch):
 
 @click.command("restore")
 @click.argument("log")
-@click.option("--region", required=True, help="Region to restore.")
+@click.option("--region", required=True, multiple=True, help="Region to restore (one).")
 @click.option("--epoch", type=click.IntRange(1, None), default=None, help="Committed epoch (default: the latest).")
 @click.option("--out", "out", required=True, type=click.Path(dir_okay=False),
               help="The .npy file to write (dtype and shape of the region).")
@@ -294,6 +294,9 @@ def restore_cmd(log, region, epoch, out, mode, force, verbose):
         concordia-wal restore file:./concordia-data/demo.log --region kv --out kv.npy --force
         concordia-wal restore file:./concordia-data/demo.log --region adapter --out adapter.npy --mode point-in-time -v
     """
+    if len(region) > 1:   # (a second --region would otherwise replace the first, unsaid)
+        raise click.UsageError(f"restore writes one region to one file, not {len(region)}: give --region once")
+    region = region[0]
     import numpy as np
 
     from concordia.devmem.outfile import check_not_input

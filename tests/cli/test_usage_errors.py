@@ -42,6 +42,12 @@ def _run(program, *args):
     ("concordia-wal", ["bench", "restore", "--threads", "0"], "concordia-wal bench restore", "x>=1"),
     ("concordia-wal", ["bench", "standby", "--gib", "nan"], "concordia-wal bench standby",
      "'nan' is not a finite number"),
+    ("concordia-wal", ["bench", "recover", "--quick", "--sizes", "0"], "concordia-wal bench recover",
+     "not a list of sizes in GiB above 0: '0'"),
+    # what would be silently ignored or taken to mean nothing
+    ("concordia-wal", ["restore", "file:x.log", "--region", "kv", "--region", "adapter", "--out", "x.npy"],
+     "concordia-wal restore", "give --region once"),
+    ("concordia-wal", ["dump", "file:x.log", "--interval", "5"], "concordia-wal dump", "give it with --follow"),
 ])
 def test_a_usage_error_is_one_line_and_exit_2(program, args, where, says):
     r = _run(program, *args)

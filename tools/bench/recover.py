@@ -33,6 +33,7 @@ applier, memcpy as the ceiling, the model on numpy.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -509,7 +510,9 @@ def command(sizes, tiers, page_bytes, with_torch, torch_max_gib, registered_max_
     try:
         gib = [float(x) for x in sizes.split(",") if x.strip()]
     except ValueError:
-        raise click.BadParameter(f"not a list of GiB: {sizes!r}", param_hint="--sizes") from None
+        gib = []
+    if not gib or not all(math.isfinite(g) and g > 0 for g in gib):   # nan, inf, 0, negatives, nothing
+        raise click.BadParameter(f"not a list of sizes in GiB above 0: {sizes!r}", param_hint="--sizes")
     tier_list = [t.strip() for t in tiers.split(",") if t.strip()]
     bad = [t for t in tier_list if t not in ("shm", "file", "hugetlb")]
     if bad or not tier_list:
