@@ -346,8 +346,11 @@ _HINTS = {
 }
 
 
-def os_error(exc: OSError, where: str, doing: str) -> DevmemError:
-    """Map an OSError to the DevmemError subclass for its errno, with a remedy hint."""
+def os_error(exc: OSError, where: str, doing: str, *, of: str = "the log") -> DevmemError:
+    """Map an OSError to the DevmemError subclass for its errno, with a remedy
+    hint; `of` names what a permission hint is about (the log, an output)."""
     cls, hint = _HINTS.get(exc.errno, (DevmemError, None))
+    if exc.errno in (errno.EACCES, errno.EPERM) and of != "the log":
+        hint = f"write {of} where you may, or fix the permissions of its folder"
     reason = exc.strerror or str(exc)
     return cls(f"{doing}: {reason}", where=where, hint=hint)

@@ -89,7 +89,7 @@ def check_output(path, *, replace: bool = False, inputs=(), what: str = "the log
                                     hint="create it, or name a file in a folder that exists") from None
         return path, None
     except OSError as exc:
-        raise os_error(exc, path, "cannot look at the output") from None
+        raise os_error(exc, path, "cannot look at the output", of="the output") from None
     if not stat.S_ISREG(st.st_mode):
         raise BadSpecError("the output exists and is not a regular file", where=path,
                            hint="name a file to write")
@@ -178,7 +178,7 @@ class OutputFile:
                 except FileExistsError:
                     continue
                 except OSError as exc:
-                    raise os_error(exc, self.path, "cannot create the output") from None
+                    raise os_error(exc, self.path, "cannot create the output", of="the output") from None
                 self.tmp_path = tmp
             return
         raise DevmemError("cannot find a free temporary name beside the output", where=self.path)
@@ -236,7 +236,7 @@ class OutputFile:
                 self.committed = True
         except OSError as exc:
             self.abort()
-            raise os_error(exc, self.path, "cannot complete the output") from None
+            raise os_error(exc, self.path, "cannot complete the output", of="the output") from None
         except BaseException:
             self.abort()
             raise

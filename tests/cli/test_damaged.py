@@ -219,6 +219,24 @@ def test_no_permission_as_nobody(log_path):
         shutil.rmtree(d)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch to the user nobody")
+def test_an_output_folder_without_permission_is_named_as_the_outputs(log_path):
+    d = tempfile.mkdtemp(prefix="concordia-cli-perm-")
+    try:
+        os.chmod(d, 0o755)
+        p = os.path.join(d, "demo.log")
+        shutil.copyfile(log_path, p)
+        os.chmod(p, 0o644)               # nobody may read the log
+        out = os.path.join(d, "ro")
+        os.mkdir(out, 0o555)              # but not write in the output's folder
+        code, _, err = as_nobody(["restore", p, "--region", "kv", "--out", os.path.join(out, "kv.npy")])
+        assert code == 2 and len(err.splitlines()) == 1, err
+        assert "cannot create the output: Permission denied (write the output where you may" in err, err
+        assert "log's owner" not in err and os.listdir(out) == []
+    finally:
+        shutil.rmtree(d)
+
+
 def test_repair_cuts_only_a_torn_tail(log_path, tmp_path):
     lay = layout(log_path)
     seg, off = lay["last_commit"]
