@@ -45,9 +45,14 @@ def format_cmd(log, size, segment_size, force):
     \b
         concordia-wal format file:./concordia-data/scratch.log --size 64M --segment-size 8M
     """
+    from concordia.devmem.opener import parse_spec
     from concordia.wal import Log
 
     Where.target = log
+    if parse_spec(log).kind in ("memory", "pinned"):   # a log of this process: it would end with the command
+        raise UsageError("a log in the memory of the process that opens it: formatted here it would be gone "
+                         "when this command ends", where=log, hint="format a log that outlives it: shm:NAME, "
+                         "file:PATH, hugetlb:PATH or a device")
     # a refused target's hint speaks the command line's words (`--force`), as every error here does
     new = Log.create(log, size=size, segment_size=segment_size, overwrite=force)
     try:

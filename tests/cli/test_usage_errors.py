@@ -50,7 +50,18 @@ def _run(program, *args):
     ("concordia-wal", ["dump", "file:x.log", "--interval", "5"], "concordia-wal dump", "give it with --follow"),
 ])
 def test_a_usage_error_is_one_line_and_exit_2(program, args, where, says):
-    r = _run(program, *args)
+    _one_usage_line(_run(program, *args), where, says)
+
+
+@pytest.mark.parametrize("spec", ["memory:", "pinned:"])
+def test_format_refuses_a_log_that_would_end_with_the_command(spec):
+    r = _run("concordia-wal", "format", spec, "--size", "16M")
+    assert r.returncode == 2 and r.stderr.splitlines() == [
+        f"error: {spec}: a log in the memory of the process that opens it: formatted here it would be gone when "
+        "this command ends (format a log that outlives it: shm:NAME, file:PATH, hugetlb:PATH or a device)"], r.stderr
+
+
+def _one_usage_line(r, where, says):
     assert r.returncode == 2, r.stderr
     lines = r.stderr.splitlines()
     assert len(lines) == 1, r.stderr
