@@ -259,20 +259,29 @@ def _jsonable(o):
 
 
 class SizeType(click.ParamType):
-    """A byte count (`concordia.sizes.parse_size`: 4096, 64M, 1GiB)."""
+    """A byte count (`concordia.sizes.parse_size`: 4096, 64M, 1GiB); with
+    `positive`, 0 is refused (a benchmark's bytes, not an optional limit)."""
 
     name = "SIZE"
+
+    def __init__(self, positive: bool = False):
+        self.positive = positive
 
     def convert(self, value, param, ctx):
         if isinstance(value, int) and not isinstance(value, bool):
             value = str(value)
         try:
-            return parse_size(value)
+            n = parse_size(value)
         except ValueError as exc:
             self.fail(str(exc), param, ctx)
+        if self.positive and n <= 0:
+            self.fail(f"{value!r} is no bytes: give a size above 0", param, ctx)
+        return n
 
 
 SIZE = SizeType()
+#: a size that must be above 0
+BYTES = SizeType(positive=True)
 
 
 class FiniteRange(click.FloatRange):

@@ -48,6 +48,9 @@ def _run(program, *args):
     ("concordia-wal", ["restore", "file:x.log", "--region", "kv", "--region", "adapter", "--out", "x.npy"],
      "concordia-wal restore", "give --region once"),
     ("concordia-wal", ["dump", "file:x.log", "--interval", "5"], "concordia-wal dump", "give it with --follow"),
+    ("concordia-wal", ["bench", "append", "--quick", "--total", "0"], "concordia-wal bench append",
+     "'0' is no bytes: give a size above 0"),
+    ("concordia-wal", ["bench", "restore", "--quick", "--epochs", "-1"], "concordia-wal bench restore", "x>=1"),
 ])
 def test_a_usage_error_is_one_line_and_exit_2(program, args, where, says):
     _one_usage_line(_run(program, *args), where, says)

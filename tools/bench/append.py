@@ -44,7 +44,7 @@ from crc32c import crc32c
 from concordia.devmem import open_backend
 from concordia.wal import Log, pagecrc
 
-from ..common import SIZE, check_outputs, guarded, report
+from ..common import BYTES, SIZE, check_outputs, guarded, report
 from .files import SHM_DIR, Scratch, force_option
 
 PAGE = 4096
@@ -323,15 +323,15 @@ def _table(doc: dict) -> str:
 
 
 @click.command("append")
-@click.option("--total", type=SIZE, default="256M", show_default=True, help="payload bytes per measurement")
-@click.option("--pages", "sizes", type=int, multiple=True,
+@click.option("--total", type=BYTES, default="256M", show_default=True, help="payload bytes per measurement")
+@click.option("--pages", "sizes", type=click.IntRange(min=1), multiple=True,
               help=f"pages per record (repeatable; default {', '.join(map(str, SIZES))})")
 @click.option("--commit-every", "commit_bytes", type=SIZE, default="4M", show_default=True,
               help="payload bytes between commits")
 @click.option("--medium", "media", type=click.Choice(MEDIA), multiple=True, help="shm, file (default both)")
 @click.option("--dir", "workdir", type=click.Path(file_okay=False), default=None,
               help="where the file logs go, in a folder of the run's own (default: the temporary folder)")
-@click.option("--repeat", type=int, default=1, show_default=True, help="timed passes (best kept)")
+@click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True, help="timed passes (best kept)")
 @click.option("--quick", is_flag=True, help="16 MiB, three record sizes (CI smoke run)")
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of the table")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="also write JSON here")

@@ -19,7 +19,7 @@ import numpy as np
 
 from concordia.devmem import libpmem, open_backend
 
-from ..common import SIZE, check_outputs, guarded, report
+from ..common import BYTES, SIZE, check_outputs, guarded, report
 from .files import SHM_DIR, Scratch, force_option
 
 TIERS = ("memory", "shm", "file", "pmem", "pmem-nolibpmem", "devdax-emulated", "pinned")
@@ -142,9 +142,9 @@ def _table(doc: dict) -> str:
 
 
 @click.command("devmem")
-@click.option("--size", type=SIZE, default="256M", show_default=True, help="bytes written per pass")
+@click.option("--size", type=BYTES, default="256M", show_default=True, help="bytes written per pass")
 @click.option("--chunk", type=SIZE, default="1M", show_default=True, help="bytes per persist")
-@click.option("--repeat", type=int, default=3, show_default=True, help="timed passes (best kept)")
+@click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True, help="timed passes (best kept)")
 @click.option("--tier", "tiers", multiple=True, type=click.Choice(TIERS),
               help="tiers to measure (default: all that exist here)")
 @click.option("--dir", "workdir", type=click.Path(file_okay=False), default=None,

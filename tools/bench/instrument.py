@@ -36,7 +36,7 @@ import numpy as np
 
 from concordia.instrument.errors import InstrumentError
 
-from ..common import SIZE, check_outputs, guarded, report, require_cupy
+from ..common import BYTES, check_outputs, guarded, report, require_cupy
 from .files import force_option
 
 SRC = r"""
@@ -233,7 +233,7 @@ def _table(res: dict) -> str:
 
 
 @click.command("instrument")
-@click.option("--size", type=SIZE, default="256M", show_default=True, help="bytes per array")
+@click.option("--size", type=BYTES, default="256M", show_default=True, help="bytes per array")
 @click.option("--repeat", type=click.IntRange(min=1), default=50, show_default=True, help="timed launches per round")
 @click.option("--quick", is_flag=True, help="small and fast (CI smoke test)")
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of the table")

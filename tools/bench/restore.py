@@ -21,7 +21,7 @@ import time
 import click
 import numpy as np
 
-from ..common import SIZE, FiniteRange, check_outputs, guarded, report
+from ..common import BYTES, SIZE, FiniteRange, check_outputs, guarded, report
 from .files import force_option
 
 
@@ -30,8 +30,8 @@ def log_options(epochs_help: str):
     bench compact; `check_log_options` checks their values."""
     def wrap(fn):
         for opt in reversed([
-            click.option("--size", type=SIZE, default="256M", show_default=True, help="bytes of region state"),
-            click.option("--epochs", type=int, default=16, show_default=True, help=epochs_help),
+            click.option("--size", type=BYTES, default="256M", show_default=True, help="bytes of region state"),
+            click.option("--epochs", type=click.IntRange(min=1), default=16, show_default=True, help=epochs_help),
             click.option("--dirty", type=FiniteRange(0, 1), default=0.1, show_default=True,
                          help="fraction of pages each epoch rewrites"),
             click.option("--page-bytes", type=SIZE, default="4096", show_default=True),
