@@ -350,7 +350,10 @@ def os_error(exc: OSError, where: str, doing: str, *, of: str = "the log") -> De
     """Map an OSError to the DevmemError subclass for its errno, with a remedy
     hint; `of` names what a permission hint is about (the log, an output)."""
     cls, hint = _HINTS.get(exc.errno, (DevmemError, None))
-    if exc.errno in (errno.EACCES, errno.EPERM) and of != "the log":
-        hint = f"write {of} where you may, or fix the permissions of its folder"
+    if of != "the log":   # the hints above speak of a log; these of an output
+        hint = {errno.EACCES: f"write {of} where you may, or fix the permissions of its folder",
+                errno.EPERM: f"write {of} where you may, or fix the permissions of its folder",
+                errno.ENOENT: f"check the path of {of}",
+                errno.EROFS: f"the file system is mounted read-only: write {of} elsewhere"}.get(exc.errno, hint)
     reason = exc.strerror or str(exc)
     return cls(f"{doing}: {reason}", where=where, hint=hint)

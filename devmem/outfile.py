@@ -76,14 +76,18 @@ def check_output(path, *, replace: bool = False, inputs=(), what: str = "the log
     (`check_not_input`), something other than a regular file, (without
     `replace`) an existing file, or a path in a folder that does not exist.
     Returns (absolute path, its stat or None where it does not exist).
-    A symbolic link is followed: the file it names is the output (written
-    beside it and renamed over it), never the link itself.
+    A symbolic link to a regular file is followed: that file is the output
+    (written beside it and renamed over it), never the link itself; a link
+    to nothing is refused (it would make a file wherever it points).
     Creates and changes nothing."""
-    path = os.path.realpath(os.path.abspath(os.fspath(path)))
+    path = os.path.abspath(os.fspath(path))
     check_not_input(path, inputs, what=what)
     try:
         st = os.stat(path)
     except FileNotFoundError:
+        if os.path.islink(path):
+            raise BadSpecError(f"the output is a symbolic link to nothing ({os.readlink(path)})", where=path,
+                               hint="name the file to write itself") from None
         if not os.path.isdir(os.path.dirname(path)):  # found now, not after a long run
             raise PathNotFoundError("no such folder for the output", where=os.path.dirname(path),
                                     hint="create it, or name a file in a folder that exists") from None
@@ -95,7 +99,7 @@ def check_output(path, *, replace: bool = False, inputs=(), what: str = "the log
                            hint="name a file to write")
     if not replace:
         raise OutputExistsError("the output exists", where=path, hint=OVERWRITE_HINT)
-    return path, st
+    return os.path.realpath(path), st
 
 
 @contextlib.contextmanager

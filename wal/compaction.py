@@ -139,8 +139,10 @@ def stored_keep(log) -> Keep:
     return Keep.stored(log.volume.superblock, current_catalog(log))
 
 
-#: the most bases of each region a policy keeps (the catalog's head holds it in 32 bits)
+#: the most bases of each region a policy keeps (the catalog's head holds it in 32 bits), and the most
+#: epochs (the superblock's retain_epochs: 64 bits)
 MAX_KEEP_BASES = 0xFFFFFFFF
+MAX_KEEP_EPOCHS = 0xFFFFFFFFFFFFFFFF
 
 
 def resolve_keep(log, keep_bases: int | None = None, keep_epochs: int | None = None) -> Keep:
@@ -151,9 +153,9 @@ def resolve_keep(log, keep_bases: int | None = None, keep_epochs: int | None = N
         return stored_keep(log)
     bases, epochs = int(keep_bases or 0), int(keep_epochs or 0)
     # stored before anything is written: the catalog's head holds keep_bases in 32 bits (FORMAT.md §12.2)
-    if not 0 <= bases <= MAX_KEEP_BASES or epochs < 0:
-        raise UsageError(f"keep_bases must lie in [0, {MAX_KEEP_BASES}] and keep_epochs be at least 0, not "
-                         f"{keep_bases!r} and {keep_epochs!r}; nothing was written", where=log.backend.where)
+    if not 0 <= bases <= MAX_KEEP_BASES or not 0 <= epochs <= MAX_KEEP_EPOCHS:
+        raise UsageError(f"keep_bases must lie in [0, {MAX_KEEP_BASES}] and keep_epochs in [0, {MAX_KEEP_EPOCHS}], "
+                         f"not {keep_bases!r} and {keep_epochs!r}; nothing was written", where=log.backend.where)
     return Keep(bases, epochs)
 
 
@@ -346,7 +348,8 @@ def decide(log, epoch: int | None = None, *, keep: Keep, regions=None, upto_name
     ids = [r.id for r in h.regions.values()]
     committed = h.committed_epochs()
 
-    kept, floor, cut = retention(old + list(new.values()), committed, keep.bases, keep.epochs, ids)
+    kept, floor, cut = retention(old + list(new.values()), committed, keep.bases, keep.epochs, ids,
+                                 first_delta_epochs(h))
     floor = max(floor, prev.floor_epoch)
     freed = _freed(log, needed_from(h, kept, cut, floor)) if reclaim else []
     # the base of each region at the epoch (new, or there already) that the retention drops at once
@@ -459,9 +462,25 @@ def fold_source(rp: RegionPlan) -> Callable[[int, int], np.ndarray]:
     return pages
 
 
-def retention(entries, committed: list, keep_bases: int, keep_epochs: int, region_ids) -> tuple:
+def first_delta_epochs(h: History) -> dict:
+    """{region id: the oldest epoch of a delta record of it} over a scan (`retention`'s `first`)."""
+    first: dict = {}
+    for b in h.batches:
+        if not b.base and b.epoch < first.get(b.region_id, b.epoch + 1):
+            first[b.region_id] = b.epoch
+    return first
+
+
+def retention(entries, committed: list, keep_bases: int, keep_epochs: int, region_ids,
+              first: dict | None = None) -> tuple:
     """(kept entries, floor epoch, cut per region) for catalog `entries` under
-    the policy (see the module doc).  Pure."""
+    the policy (see the module doc).  Pure.
+
+    A region with no base (registered after the epoch of the last fold, which
+    invents none for it) restores from its deltas: its cut keeps every one,
+    from the oldest in `first` ({region id: oldest delta epoch},
+    `first_delta_epochs`), at the floor where it has none; unknown (`first`
+    None), at 0, which keeps every epoch."""
     by_region = {rid: sorted((e for e in entries if e.region_id == rid), key=lambda e: -e.epoch)
                  for rid in region_ids}
     if not keep_bases and not keep_epochs:
@@ -478,10 +497,16 @@ def retention(entries, committed: list, keep_bases: int, keep_epochs: int, regio
             cut[rid] = min(c_b, c_e)
         else:
             cut[rid] = c_b if keep_bases else c_e
-    floor = max(cut.values(), default=0)
-    # every region may drop up to its newest base at or before the floor
+    floor = max((c for rid, c in cut.items() if by_region[rid]), default=0)
+    # every region may drop up to its newest base at or before the floor; one with no base
+    # keeps every delta of it (those below the floor too: a region restores from them alone)
     for rid, bases in by_region.items():
-        cut[rid] = max((e.epoch for e in bases if e.epoch <= floor), default=0)
+        if bases:
+            cut[rid] = max((e.epoch for e in bases if e.epoch <= floor), default=0)
+        elif first is not None:
+            cut[rid] = min(first[rid] - 1, floor) if rid in first else floor
+        else:
+            cut[rid] = 0
     kept = [e for e in entries if e.epoch >= cut.get(e.region_id, 0)]
     return kept, floor, cut
 
@@ -754,7 +779,7 @@ class Compaction:
             rep.scanned = True
             h = scan(log, payload=False)
             kept, floor, cut = retention(entries, h.committed_epochs(), keep_bases, keep_epochs,
-                                         [r.id for r in h.regions.values()])
+                                         [r.id for r in h.regions.values()], first_delta_epochs(h))
             floor = max(floor, prev.floor_epoch)
             low = needed_from(h, kept, cut, floor) if reclaim else None
         rep.bases_kept, rep.bases_dropped, rep.floor_epoch = len(kept), len(entries) - len(kept), floor

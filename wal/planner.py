@@ -659,7 +659,7 @@ def _resolve_target(h: History, idx: _Index, target) -> int:
     if target is None or target == "latest":
         if not committed:
             newest = max(h.commits, default=0)
-            if h.floor_epoch > newest:   # (wal.decide says the same for every command line)
+            if h.floor_epoch > newest and not h.damage:   # (wal.decide says the same for every command line)
                 raise PlanError(f"the oldest restorable epoch the log states ({h.floor_epoch}) lies beyond its "
                                 f"last commit ({newest or 'none'}): no epoch is restorable")
             raise PlanError("the log holds no committed epoch", hint="nothing to restore")

@@ -381,7 +381,7 @@ def test_a_policy_the_catalog_cannot_hold_is_refused_before_anything_is_written(
     spec = _later_region(tmp_path / "k.log", later_epochs=1)
     before = sha(tmp_path / "k.log")
     with Log.open(spec, writable=True) as lg:
-        with pytest.raises(UsageError, match=r"keep_bases must lie in \[0, 4294967295\]"):
+        with pytest.raises(UsageError, match=r"keep_bases must lie in \[0, 4294967295\] and keep_epochs"):
             compact(lg, keep_bases=1 << 32)
     assert sha(tmp_path / "k.log") == before
 
@@ -404,3 +404,35 @@ def test_a_floor_beyond_the_last_commit_is_refused_by_every_reader_not_read_as_a
     with Session(spec, create=False, readonly=True) as s:
         with pytest.raises(Exception, match=re.escape(says)):
             s.recover()
+
+
+@pytest.mark.parametrize("later_epochs", [0, 3], ids=["never-saved", "saved-later"])
+def test_a_region_without_a_base_still_lets_the_compaction_free_what_others_no_longer_need(tmp_path,
+                                                                                       later_epochs):
+    """A region with no state at the folded epoch gets no base, and so no cut
+    of its own: its deltas (all after the epoch) are kept, and the others'
+    older segments are still freed; every epoch kept recovers exactly."""
+    from concordia.wal.compaction import compact
+
+    spec = f"file:{tmp_path / 'f.log'}"
+    kv, lora = np.arange(1 << 18, dtype=np.uint32), np.full(1000, 7, np.float32)   # kv: 1 MiB
+    with Session(spec, size=64 * MiB, segment_size=1 * MiB, policy=Policy(retain=False)) as s:
+        s.register("kv", kv)
+        for i in range(8):
+            kv[i * 1000:i * 1000 + 60000] += 1
+            s.checkpoint()
+        s.register("lora", lora)
+        for t in range(later_epochs):
+            lora[t] = t
+            kv[5] += 1
+            s.checkpoint()
+    last = 8 + later_epochs
+    with Session(spec, create=False) as s:
+        want = {e: {k: np.array(v) for k, v in s.recover(e, absent="keep").items()} for e in range(8, last + 1)}
+    with Log.open(spec, writable=True) as log:
+        rep = compact(log, 8, keep_bases=1, upto_named=True)
+    assert rep.absent == ["lora"] and rep.folded == ["kv"] and rep.segments_freed, rep
+    with Session(spec, create=False) as s:
+        for e, w in want.items():
+            got = s.recover(e, absent="keep")
+            assert all(np.array_equal(np.array(got[k]), w[k]) for k in w), e

@@ -105,9 +105,10 @@ def test_force_replaces_a_benchmark_output_whole(bench, args, workdir):
 
 
 def test_an_output_that_is_a_symbolic_link_is_written_through_it(workdir, log_path):
-    """`--out` naming a symbolic link writes the file it names (replaced whole
-    with --force), never the link itself: the link stays, pointing at the new
-    file, nothing is left beside either; a dangling link's file is made."""
+    """`--out` naming a symbolic link to a file writes that file (replaced
+    whole with --force), never the link itself: the link stays, pointing at
+    the new file, nothing is left beside either; a link to nothing, or to what
+    is not a regular file (a pipe: /dev/stdout), is refused, naming the path given."""
     import numpy as np
 
     real = workdir / "real.npy"
@@ -120,12 +121,22 @@ def test_an_output_that_is_a_symbolic_link_is_written_through_it(workdir, log_pa
     assert res.exit_code == 0, res.output
     assert link.is_symlink() and os.readlink(link) == str(real)
     assert np.load(real).shape == (64, 1024)
+    # a link to nothing would make a file wherever it points (a link planted in a shared folder): refused
     dangling = workdir / "dangling.npy"
     dangling.symlink_to(workdir / "made.npy")
-    res = CliRunner().invoke(main, ["restore", log_path, "--region", "kv", "--out", str(dangling)])
-    assert res.exit_code == 0, res.output
-    assert dangling.is_symlink() and np.load(workdir / "made.npy").shape == (64, 1024)
-    assert sorted(os.listdir(workdir)) == ["concordia-data", "dangling.npy", "link.npy", "made.npy", "real.npy"]
+    for force in ([], ["--force"]):
+        res = CliRunner().invoke(main, ["restore", log_path, "--region", "kv", "--out", str(dangling), *force])
+        assert res.exit_code == 2 and _one_line(res.stderr) == (
+            f"error: {dangling}: the output is a symbolic link to nothing ({workdir / 'made.npy'}) "
+            "(name the file to write itself)")
+    fifo, to_fifo = workdir / "fifo", workdir / "to-fifo.npy"
+    os.mkfifo(fifo)
+    to_fifo.symlink_to(fifo)
+    res = CliRunner().invoke(main, ["restore", log_path, "--region", "kv", "--out", str(to_fifo), "--force"])
+    assert res.exit_code == 2 and _one_line(res.stderr) == (
+        f"error: {to_fifo}: the output exists and is not a regular file (name a file to write)")
+    assert sorted(os.listdir(workdir)) == ["concordia-data", "dangling.npy", "fifo", "link.npy", "real.npy",
+                                           "to-fifo.npy"]
 
 
 def test_verify_repair_force_replaces_an_existing_backup(workdir, log_path):
