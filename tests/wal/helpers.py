@@ -98,7 +98,7 @@ def fix_segment_crc(img, off):
     struct.pack_into("<I", img, off + 252, crc_ref(bytes(img[off:off + 252])))
 
 
-def kill_writer_after(spec, model, delay, *, region=0, prepare=None, from_writing=False):
+def kill_writer_after(spec, model, delay, *, region=0, prepare=None, from_writing=False, mid_epoch=False):
     """Fork a writer that commits epoch after epoch of `model` into `spec`,
     SIGKILL it after `delay` seconds, and return the epochs whose commit had
     returned (the writer reports an epoch only after `commit` came back).
@@ -106,7 +106,9 @@ def kill_writer_after(spec, model, delay, *, region=0, prepare=None, from_writin
     `from_writing` the delay counts from the moment the writer has opened the
     log and starts its first epoch, so that on a loaded machine (where fork
     and open can take longer than the delay) the kill still lands among the
-    writes rather than before them."""
+    writes rather than before them.  With `mid_epoch` the kill lands inside an
+    epoch by construction, however slow the machine: the writer commits one
+    epoch, appends the next one's records, says so and waits there."""
     r, w = os.pipe()
     ready_r, ready_w = os.pipe()
     pid = os.fork()
@@ -119,6 +121,13 @@ def kill_writer_after(spec, model, delay, *, region=0, prepare=None, from_writin
                 prepare(log)
             e = log.last_committed_epoch + 1
             os.write(ready_w, b"w")
+            if mid_epoch:
+                model.write_epoch(log, region, e)
+                os.write(w, struct.pack("<Q", e))
+                for ids, pages in model.epoch_batches(e + 1):   # its records, no commit
+                    log.appender.append_page_batch(e + 1, region, ids, pages)
+                os.write(ready_w, b"m")
+                time.sleep(3600)
             os.close(ready_w)
             while True:
                 model.write_epoch(log, region, e)
@@ -128,9 +137,12 @@ def kill_writer_after(spec, model, delay, *, region=0, prepare=None, from_writin
             os._exit(3)
     os.close(w)
     os.close(ready_w)
-    if from_writing:
+    if from_writing or mid_epoch:
         os.read(ready_r, 1)  # b"" when the writer died before it started: the assert below says so
-    time.sleep(delay)
+    if mid_epoch:
+        os.read(ready_r, 1)  # its next epoch's records are written, its commit is not
+    else:
+        time.sleep(delay)
     os.kill(pid, signal.SIGKILL)
     _, status = os.waitpid(pid, 0)
     os.close(ready_r)  # open until the writer is gone, so that its one byte never meets a closed pipe
