@@ -346,14 +346,17 @@ _HINTS = {
 }
 
 
-def os_error(exc: OSError, where: str, doing: str, *, of: str = "the log") -> DevmemError:
+#: the hints of `_HINTS` that speak of a log, as they read for an output file (`outfile.output_error`)
+OUTPUT_HINTS = {errno.EACCES: "write the output where you may, or fix the permissions of its folder",
+                errno.EPERM: "write the output where you may, or fix the permissions of its folder",
+                errno.ENOENT: "check the path of the output",
+                errno.EROFS: "the file system is mounted read-only: write the output elsewhere"}
+
+
+def os_error(exc: OSError, where: str, doing: str, *, hints: dict | None = None) -> DevmemError:
     """Map an OSError to the DevmemError subclass for its errno, with a remedy
-    hint; `of` names what a permission hint is about (the log, an output)."""
+    hint (`hints`: {errno: hint} taking the place of the log's)."""
     cls, hint = _HINTS.get(exc.errno, (DevmemError, None))
-    if of != "the log":   # the hints above speak of a log; these of an output
-        hint = {errno.EACCES: f"write {of} where you may, or fix the permissions of its folder",
-                errno.EPERM: f"write {of} where you may, or fix the permissions of its folder",
-                errno.ENOENT: f"check the path of {of}",
-                errno.EROFS: f"the file system is mounted read-only: write {of} elsewhere"}.get(exc.errno, hint)
+    hint = (hints or {}).get(exc.errno, hint)
     reason = exc.strerror or str(exc)
     return cls(f"{doing}: {reason}", where=where, hint=hint)

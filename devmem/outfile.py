@@ -38,7 +38,7 @@ import threading
 
 from concordia.root_error import Hint
 
-from .backend import os_error
+from .backend import OUTPUT_HINTS, os_error
 from .dirsync import sync_parent
 from .errors import BadSpecError, DevmemError, OutputExistsError, OutputIsInputError, PathNotFoundError
 
@@ -47,6 +47,11 @@ __all__ = ["OutputFile", "check_not_input", "check_output", "hold_interrupts", "
 #: how to replace an existing output: `replace=True` in Python; every command
 #: line that writes an output file takes `--force` for it
 OVERWRITE_HINT = Hint(api="pass replace=True to overwrite it", cli="pass --force to overwrite it")
+
+
+def output_error(exc: OSError, where: str, doing: str):
+    """`os_error` for an output file: its hints speak of the output, not of a log."""
+    return os_error(exc, where, doing, hints=OUTPUT_HINTS)
 
 
 def _identity(path: str):
@@ -93,7 +98,7 @@ def check_output(path, *, replace: bool = False, inputs=(), what: str = "the log
                                     hint="create it, or name a file in a folder that exists") from None
         return path, None
     except OSError as exc:
-        raise os_error(exc, path, "cannot look at the output", of="the output") from None
+        raise output_error(exc, path, "cannot look at the output") from None
     if not stat.S_ISREG(st.st_mode):
         raise BadSpecError("the output exists and is not a regular file", where=path,
                            hint="name a file to write")
@@ -182,7 +187,7 @@ class OutputFile:
                 except FileExistsError:
                     continue
                 except OSError as exc:
-                    raise os_error(exc, self.path, "cannot create the output", of="the output") from None
+                    raise output_error(exc, self.path, "cannot create the output") from None
                 self.tmp_path = tmp
             return
         raise DevmemError("cannot find a free temporary name beside the output", where=self.path)
@@ -202,9 +207,9 @@ class OutputFile:
                     try:
                         os.ftruncate(self.fd, int(size))
                     except OSError as exc2:
-                        raise os_error(exc2, path, f"cannot make the output {size} bytes") from None
+                        raise output_error(exc2, path, f"cannot make the output {size} bytes") from None
                 else:
-                    raise os_error(exc, path, f"cannot reserve {size} bytes for the output") from None
+                    raise output_error(exc, path, f"cannot reserve {size} bytes for the output") from None
 
     def __enter__(self) -> "OutputFile":
         return self
@@ -220,7 +225,7 @@ class OutputFile:
             try:
                 n = os.pwrite(self.fd, view, offset)
             except OSError as exc:
-                raise os_error(exc, f"{self.path} @ {offset:#x}", "write failed") from None
+                raise output_error(exc, f"{self.path} @ {offset:#x}", "write failed") from None
             view, offset = view[n:], offset + n
 
     def commit(self, *, expect_size: int | None = None) -> str:
@@ -240,7 +245,7 @@ class OutputFile:
                 self.committed = True
         except OSError as exc:
             self.abort()
-            raise os_error(exc, self.path, "cannot complete the output", of="the output") from None
+            raise output_error(exc, self.path, "cannot complete the output") from None
         except BaseException:
             self.abort()
             raise

@@ -418,70 +418,63 @@ struct cx_group {                   // one detection launch: rows sharing a dete
 // refused before anything is launched (epoch_refused: BAD_ARGS, nothing
 // detected or written, every detector's state as it was); the host builds the
 // module for its table's sizes, so none comes.
-__device__ __forceinline__ bool cx_size_built(u64 pb) {
-    bool built = pb == PAGE_BYTES;
 #ifdef CX_PAGE_BYTES_1
-    built = built || pb == CX_PAGE_BYTES_1;
+#define CX_SIZE_1(X) X(CX_PAGE_BYTES_1)
+#else
+#define CX_SIZE_1(X)
 #endif
 #ifdef CX_PAGE_BYTES_2
-    built = built || pb == CX_PAGE_BYTES_2;
+#define CX_SIZE_2(X) X(CX_PAGE_BYTES_2)
+#else
+#define CX_SIZE_2(X)
 #endif
 #ifdef CX_PAGE_BYTES_3
-    built = built || pb == CX_PAGE_BYTES_3;
+#define CX_SIZE_3(X) X(CX_PAGE_BYTES_3)
+#else
+#define CX_SIZE_3(X)
 #endif
-    return built;
+// X(size) for each page size the module's detection is built for
+#define CX_EACH_SIZE(X) X(PAGE_BYTES) CX_SIZE_1(X) CX_SIZE_2(X) CX_SIZE_3(X)
+
+__device__ __forceinline__ bool cx_size_built(u64 pb) {
+#define CX_BUILT(PB) if (pb == (PB)) return true;
+    CX_EACH_SIZE(CX_BUILT)
+#undef CX_BUILT
+    return false;
 }
 
+// A shadow or fingerprint group's detection as a child grid of the driver
+// (its size one the module is built for: epoch_refused saw to it).
 template <u32 PB>
-__device__ __forceinline__ bool cx_detect_launch(const cx_group& k, const TableEntry* table, u8* flags) {
-    if (k.page_bytes != PB) return false;
+__device__ __forceinline__ void cx_detect_launch(const cx_group& k, const TableEntry* table, u8* flags) {
     const u32 blocks = (u32)min((k.pages + 7) / 8, (u64)65535);
     const u32* rows = reinterpret_cast<const u32*>(k.rows);
     const u64* first = reinterpret_cast<const u64*>(k.row_first);
     if (k.detector == DET_FINGERPRINT) table_fingerprint_pb<PB><<<blocks, 256>>>(table, rows, first, (u32)k.n_rows, flags);
     else table_shadow_pb<PB><<<blocks, 256>>>(table, rows, first, (u32)k.n_rows, flags);
-    return true;
 }
 
+__device__ __forceinline__ void cx_detect_group(const cx_group& k, const TableEntry* table, u8* flags) {
+#define CX_LAUNCH(PB) if (k.page_bytes == (PB)) { cx_detect_launch<PB>(k, table, flags); return; }
+    CX_EACH_SIZE(CX_LAUNCH)
+#undef CX_LAUNCH
+}
+
+// ... and by warps [w0, w0 + warps) of one block (cx_epoch_small).
 template <u32 PB>
-__device__ __forceinline__ bool cx_detect_block(const cx_group& k, const TableEntry* table, u8* flags, u64 w0,
+__device__ __forceinline__ void cx_detect_block(const cx_group& k, const TableEntry* table, u8* flags, u64 w0,
                                                 u64 warps) {
-    if (k.page_bytes != PB) return false;
     const u32* rows = reinterpret_cast<const u32*>(k.rows);
     const u64* first = reinterpret_cast<const u64*>(k.row_first);
     if (k.detector == DET_FINGERPRINT) fingerprint_rows_pb<PB>(table, rows, first, (u32)k.n_rows, flags, w0, warps);
     else shadow_rows_pb<PB>(table, rows, first, (u32)k.n_rows, flags, w0, warps);
-    return true;
 }
 
-// A shadow or fingerprint group's detection as a child grid of the driver
-// (its size one the module is built for: epoch_refused saw to it).
-__device__ __forceinline__ void cx_detect_group(const cx_group& k, const TableEntry* table, u8* flags) {
-    if (cx_detect_launch<PAGE_BYTES>(k, table, flags)) return;
-#ifdef CX_PAGE_BYTES_1
-    if (cx_detect_launch<CX_PAGE_BYTES_1>(k, table, flags)) return;
-#endif
-#ifdef CX_PAGE_BYTES_2
-    if (cx_detect_launch<CX_PAGE_BYTES_2>(k, table, flags)) return;
-#endif
-#ifdef CX_PAGE_BYTES_3
-    cx_detect_launch<CX_PAGE_BYTES_3>(k, table, flags);
-#endif
-}
-
-// ... and by warps [w0, w0 + warps) of one block (cx_epoch_small).
 __device__ __forceinline__ void cx_detect_group_block(const cx_group& k, const TableEntry* table, u8* flags, u64 w0,
                                                       u64 warps) {
-    if (cx_detect_block<PAGE_BYTES>(k, table, flags, w0, warps)) return;
-#ifdef CX_PAGE_BYTES_1
-    if (cx_detect_block<CX_PAGE_BYTES_1>(k, table, flags, w0, warps)) return;
-#endif
-#ifdef CX_PAGE_BYTES_2
-    if (cx_detect_block<CX_PAGE_BYTES_2>(k, table, flags, w0, warps)) return;
-#endif
-#ifdef CX_PAGE_BYTES_3
-    cx_detect_block<CX_PAGE_BYTES_3>(k, table, flags, w0, warps);
-#endif
+#define CX_RUN(PB) if (k.page_bytes == (PB)) { cx_detect_block<PB>(k, table, flags, w0, warps); return; }
+    CX_EACH_SIZE(CX_RUN)
+#undef CX_RUN
 }
 
 struct cx_epoch_desc {              // device_epoch.EPOCH_DESC

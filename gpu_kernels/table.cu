@@ -137,7 +137,7 @@ table_shadow_pb(const TableEntry* __restrict__ table, const u32* __restrict__ ro
     shadow_rows_pb<PB>(table, rows, row_first, n_rows, flags, grid_warp(), grid_warps());
 }
 
-#ifdef PAGE_BYTES
+#if defined(PAGE_BYTES) && !defined(CX_EPOCH)  // (the EPOCH handler launches the templates above)
 extern "C" __global__ void __launch_bounds__(256)
 table_fingerprint(const TableEntry* __restrict__ table, const u32* __restrict__ rows,
                   const u64* __restrict__ row_first, u32 n_rows, u8* __restrict__ flags) {

@@ -8,6 +8,7 @@ import sys
 
 import click
 
+from concordia.wal.catalog import MAX_KEEP_BASES
 from concordia.wal.errors import UsageError
 
 from . import render as R
@@ -39,7 +40,7 @@ COMPACT_SCHEMA = "concordia-wal/compact/1"
 @click.argument("log")
 @click.option("--upto", type=click.IntRange(1, None), default=None,
               help="Committed epoch to fold into new base snapshots (default: the latest).")
-@click.option("--keep", type=click.IntRange(0, 0xFFFFFFFF), default=None,
+@click.option("--keep", type=click.IntRange(0, MAX_KEEP_BASES), default=None,
               help="Keep the K newest base snapshots of each region and drop everything older "
                    "(0 = keep everything; default: the policy the log already has).")
 @click.option("--dry-run", "dry_run", is_flag=True, help="Say what would be written and freed; change nothing.")
@@ -221,7 +222,7 @@ def snapshot_create(log, regions, epoch):
     \b
         concordia-wal snapshot create file:./concordia-data/demo.log --region kv
     """
-    from concordia.wal.apply import check_present
+    from concordia.wal.apply import absent_names, check_present
     from concordia.wal.compaction import check_snapshot_room, fold_source
     from concordia.wal.planner import plan_history, scan
     from concordia.wal.snapshot import create_base_snapshot
@@ -238,7 +239,7 @@ def snapshot_create(log, regions, epoch):
         if regions:   # a region named with no state at the epoch: refused, as restore refuses it
             check_present(p, names, where=lg.backend.where)
         # (every region: those with no state at the epoch, registered later, get no base: it would be invented)
-        absent = [n for n in names if p.regions[n].absent]
+        absent = absent_names(p, names)
         names = [n for n in names if n not in absent]
         check_snapshot_room(lg, names)  # every base and catalog, before the first is written
         total = sum(p.regions[n].region.pages * p.regions[n].region.page_bytes for n in names)

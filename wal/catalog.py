@@ -32,6 +32,8 @@ CATALOG_HEAD = struct.Struct("<QIIQQ")
 CATALOG_HEAD_SIZE = 32
 CATALOG_ENTRY = struct.Struct("<IIQQQQII")
 CATALOG_ENTRY_SIZE = 48
+#: the most bases of each region a retention policy keeps: the head's keep_bases field is 32 bits
+MAX_KEEP_BASES = 0xFFFFFFFF
 MAX_CATALOG_ENTRIES = 1 << 20
 #: entry flag bit 0: an image entry (the base is epoch E's own page batches)
 ENTRY_IMAGE = 0x1

@@ -51,8 +51,8 @@ import numpy as np
 
 from concordia.root_error import Hint
 from concordia.wal import format as F
-from concordia.wal.apply import check_pages, page_crcs, take_rows
-from concordia.wal.catalog import CATALOG_ENTRY_SIZE, CATALOG_HEAD_SIZE, BaseEntry
+from concordia.wal.apply import absent_names, check_pages, page_crcs, take_rows
+from concordia.wal.catalog import CATALOG_ENTRY_SIZE, CATALOG_HEAD_SIZE, MAX_KEEP_BASES, BaseEntry
 from concordia.wal.errors import CorruptionError, LogFullError, UsageError, WalError
 from concordia.wal.planner import History, RegionPlan, plan_history, scan
 from concordia.wal.snapshot import (
@@ -139,9 +139,7 @@ def stored_keep(log) -> Keep:
     return Keep.stored(log.volume.superblock, current_catalog(log))
 
 
-#: the most bases of each region a policy keeps (the catalog's head holds it in 32 bits), and the most
-#: epochs (the superblock's retain_epochs: 64 bits)
-MAX_KEEP_BASES = 0xFFFFFFFF
+#: the most epochs a policy keeps restorable (the superblock's retain_epochs: 64 bits); MAX_KEEP_BASES: catalog.py
 MAX_KEEP_EPOCHS = 0xFFFFFFFFFFFFFFFF
 
 
@@ -336,7 +334,7 @@ def decide(log, epoch: int | None = None, *, keep: Keep, regions=None, upto_name
     names = list(infos) if regions is None else list(regions)
     # a region with no state at the epoch (registered after it) gets no base there: one would be
     # invented (zeros), and a recovery of the epoch would hand it back instead of refusing the region
-    absent = [n for n in names if p.regions[n].absent]
+    absent = absent_names(p, names)
     names = [n for n in names if n not in absent]
     fold = [n for n in names if p.regions[n].base_epoch != p.epoch or n in live]
     unchanged = [n for n in names if n not in fold]
@@ -751,7 +749,7 @@ class Compaction:
         if keep_bases is None and keep_epochs is None:
             keep = Keep.stored(sb, prev)
         else:
-            keep = Keep(int(keep_bases or 0), int(keep_epochs or 0))
+            keep = resolve_keep(log, keep_bases, keep_epochs)   # bounded as every policy is
         keep_bases, keep_epochs = keep.bases, keep.epochs
         rep.keep_bases, rep.keep_epochs = keep_bases, keep_epochs
         new = self.new + list(self.images.values())

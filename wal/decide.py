@@ -112,12 +112,9 @@ def decide(log, mode=None, *, target="latest", regions=None, check_pages: bool =
     problems = [d for d in dropped if counts(d.kind, mode)]
     last = res.last_committed_epoch if res is not None else max(h.commits, default=0)
     out = Outcome(mode, None, last, problems=problems, dropped=dropped, history=h)
-    newest = max(h.commits, default=0)
-    # a compaction raises the floor to an epoch it committed, never past the last; where the walk met
-    # damage (a log moving under a live reader's walk, a lost segment), the damage is the answer
-    if h.floor_epoch > newest and not dropped and not h.damage:
-        out.error = (f"the oldest restorable epoch the log states ({h.floor_epoch}) lies beyond its last commit "
-                     f"({newest or 'none'}): no epoch is restorable")
+    past = h.floor_past_last()
+    if past is not None:
+        out.error = past
         return out
     if not h.committed_epochs() and target in (None, "latest") and not problems:
         return out  # nothing committed, nothing damaged: recovery restores nothing, cleanly

@@ -182,6 +182,17 @@ class History:
         eps.update(b.epoch for b in self.bases)
         return sorted(e for e in eps if e >= self.floor_epoch)
 
+    def floor_past_last(self) -> str | None:
+        """Why no epoch is restorable when the floor the log states lies beyond
+        its last commit (R-D5: a compaction raises it only to an epoch it
+        committed), or None; None too where the walk met damage, which is
+        then the answer (a log moving under a live reader's walk)."""
+        newest = max(self.commits, default=0)
+        if self.floor_epoch <= newest or self.damage or (self.result is not None and self.result.dropped):
+            return None
+        return (f"the oldest restorable epoch the log states ({self.floor_epoch}) lies beyond its last commit "
+                f"({newest or 'none'}): no epoch is restorable")
+
 
 # --------------------------------------------------------------------------- plan objects
 
@@ -658,11 +669,8 @@ def _resolve_target(h: History, idx: _Index, target) -> int:
     committed = idx.committed
     if target is None or target == "latest":
         if not committed:
-            newest = max(h.commits, default=0)
-            if h.floor_epoch > newest and not h.damage:   # (wal.decide says the same for every command line)
-                raise PlanError(f"the oldest restorable epoch the log states ({h.floor_epoch}) lies beyond its "
-                                f"last commit ({newest or 'none'}): no epoch is restorable")
-            raise PlanError("the log holds no committed epoch", hint="nothing to restore")
+            past = h.floor_past_last()
+            raise PlanError(past or "the log holds no committed epoch", hint=None if past else "nothing to restore")
         return committed[-1]
     if isinstance(target, tuple) and len(target) == 2 and target[0] == "lsn":
         n = int(target[1])

@@ -83,8 +83,10 @@ def test_the_epoch_variant_compiles_with_the_table_pass_in_its_module(tmp_path, 
     text = out.read_text()
     for name in ("cx_executor", "cx_epoch_driver", "cx_epoch_small", "cx_epoch_close", "cx_epoch_stage",
                  "cx_epoch_read", "cx_epoch_copy", "table_plan", "table_finalize", "table_commit",
-                 "table_fingerprint", "table_shadow", "table_positions"):
+                 "table_positions"):
         assert f".entry {name}(" in text, name
+    # the detectors are the templates' instances: the host pass's kernels of one size are not built here
+    assert ".entry table_fingerprint(" not in text and ".entry table_shadow(" not in text
     driver = text.split(".entry cx_epoch_driver(")[1].split(".entry")[0]
     assert driver.count("LaunchDeviceV2") >= 8  # detection, plan, stage, read, copy, finalize, commit, close
     small = text.split(".entry cx_epoch_small(")[1].split(".entry")[0]

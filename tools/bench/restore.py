@@ -32,7 +32,7 @@ def log_options(epochs_help: str):
         for opt in reversed([
             click.option("--size", type=BYTES, default="256M", show_default=True, help="bytes of region state"),
             click.option("--epochs", type=click.IntRange(min=1), default=16, show_default=True, help=epochs_help),
-            click.option("--dirty", type=FiniteRange(0, 1), default=0.1, show_default=True,
+            click.option("--dirty", type=FiniteRange(0, 1, min_open=True), default=0.1, show_default=True,
                          help="fraction of pages each epoch rewrites"),
             click.option("--page-bytes", type=SIZE, default="4096", show_default=True),
         ]):
