@@ -99,6 +99,29 @@ class ConsumerEpochs:
         self.session.settle()
 
 
+def handler_why_not(session) -> str | None:
+    """Why the device's EPOCH handler would not take `session`'s epochs with
+    its regions as they are now (None: it would), building nothing: what
+    `Session(executor="auto")` asks once its first epoch has committed
+    (`executor.resident.decide_auto`)."""
+    s = session
+    host = [r.name for r in s.region_set if not r.on_gpu]
+    if host:
+        return f"region {host[0]!r} is in host memory (the device's EPOCH handler takes regions on the device)"
+    tpass = s.runner.table_pass(s.log)
+    if tpass is None or isinstance(tpass, HostTablePass):
+        return "the regions take no single device table pass (a region without its first epoch, or several paths)"
+    why = device_epoch.why_not(tpass, s.log.backend)
+    if why is not None:
+        return why
+    # an epoch of every page that does not fit half a segment is tried by the last epoch's size and may be lost
+    t, half = tpass.table, s.log.appender.segment_capacity // 2
+    need = arena_mod.full_bound(t) + t.commit_length
+    if need > half:
+        return f"an epoch of every page ({need} bytes with its commit) needs more than half a segment ({half} bytes)"
+    return None
+
+
 class ArenaRoute:
     """The resident executor's epochs into the session's arena (module doc)."""
 
@@ -201,6 +224,8 @@ class ArenaRoute:
         tpass = s.runner.table_pass(s.log)
         if tpass is None:  # a region's first epoch (its base) is still to come, or the paths differ
             return "the regions take no single table pass (a region without its first epoch, or several paths)"
+        if not tpass.table.unchanged():  # the session's own path names the region (Region.check_unchanged)
+            return "a region's array changed since it was registered"
         if isinstance(tpass, HostTablePass):
             why = arena_mod.why_not(tpass.table, s.log.backend) or arena_mod.too_large(tpass.table, s.log.appender)
             if why is None:
