@@ -33,12 +33,12 @@ import collections
 import time
 
 from concordia.checkpoint import detect
-from concordia.checkpoint.arena_route import ArenaRoute
+from concordia.checkpoint.arena_route import ArenaRoute, handler_why_not
 from concordia.checkpoint.baseline import adopted
 from concordia.checkpoint.epoch import STAGING, EpochRunner
 from concordia.checkpoint.staging import page_crcs
 from concordia.checkpoint.stats import CheckpointStats, CheckpointTotals
-from concordia.executor.resident import EXECUTORS, start_executor
+from concordia.executor.resident import EXECUTORS, decide_auto, start_executor
 from concordia.policy import Policy
 from concordia.regions.errors import SessionClosedError, SessionError
 from concordia.regions.region import Region
@@ -82,8 +82,10 @@ class Session:
     `checkpoint()` is one EPOCH task on its task ring, each `recover()` of a
     host session one RECOVER task, and `session.resident.trigger(...)`
     checkpoints every N steps or instrumented launches with no call from the
-    caller's thread.  "auto" (the default) takes "host": the resident path's
-    win depends on the regions registered later (`executor_info["why"]`).
+    caller's thread.  "auto" (the default) runs the first epoch on the
+    caller's thread, then takes "resident" where the device's EPOCH handler
+    takes the regions' epochs (a CuPy session on shm, hugetlb or memory),
+    else "host" for good (`executor_info["why"]`).
 
         s = Session("shm:agent-7", executor="resident")
         s.register("state", a); s.checkpoint()   # stats.executor == "resident"
@@ -355,6 +357,9 @@ class Session:
             return stats
         self.checkpoint_totals.add(stats)
         self.retention.after_commit(stats)  # bases and compaction, one bounded slice (or a coalesced one's push)
+        if not self.executor_info["decided"] and stats.epoch is not None:  # "auto": its first epoch is in
+            self.resident, self.executor_info = decide_auto(self, self.region_set, ArenaRoute, handler_why_not,
+                                                            stats.epoch)
         return stats
 
     # ------------------------------------------------------------ recover

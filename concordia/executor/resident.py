@@ -87,7 +87,7 @@ epochs committing at the trigger rate; a caller stalled in a pure-Python busy
 loop holds the GIL and stops this consumer too.  The GIL-holding stall is the
 H200's check, for a persistent kernel that needs no host thread.
 
-Why "auto" takes the host path today: `AUTO_WHY`.
+What "auto" takes, and when it decides: `AUTO_WHY` (`decide_auto`).
 """
 
 from __future__ import annotations
@@ -113,16 +113,23 @@ from .step_trigger import SNAPSHOT_MAX_BYTES
 
 EXECUTORS = ("auto", "resident", "host")
 
-#: why executor="auto" takes the host path: the resident path wins only where its route takes the epochs,
-#: which a session cannot tell when it is made
-AUTO_WHY = ("the resident path wins where the device's EPOCH handler takes a CuPy session's epochs (bench "
-            "executor-session at 2d997b8 on an H100, not yet on the H200: 0.186 ms a checkpoint against the host's "
-            "0.200 at one region, 0.596 against 0.750 at 1,024; docs/results/executor-session.md) and where "
-            "CheckpointEvery takes its epochs by the step trigger (decode overhead 0.10 on the H200, against 2.01 "
-            "for the host's pending epochs in the same run, docs/results/model.md); it loses where its route does "
-            "not take them, on its consumer thread: a numpy session (0.73 against 0.43 ms on the CPU), or a CuPy "
-            "table larger than half a segment (1.51 against 0.84 ms at 1,024 regions in 16 MiB segments, same "
-            "run); a session is made before its regions are registered, so it cannot tell which it will be")
+#: what executor="auto" decides by, and when: the resident path wins where the device's EPOCH handler takes the
+#: session's epochs, which depends on the regions, registered after the session is made; so "auto" runs its
+#: first epoch on the caller's thread and decides once it has committed (`decide_auto`)
+AUTO_WHY = ("auto: the caller's thread until the session's first epoch has committed; then the resident path if "
+            "the device's EPOCH handler takes the session's epochs (a CuPy session on shm, hugetlb or memory whose "
+            "regions are found dirty on the device), else the caller's thread for good")
+
+#: why "auto" took the resident path (bench executor-session on the H200 at c14b186, docs/results/executor-session.md)
+AUTO_RESIDENT_WHY = ("the device's EPOCH handler takes this session's epochs, where the resident path wins: on the "
+                     "H200, 0.247 ms a checkpoint against the host's 0.282 at one region, 0.647 against 0.721 at "
+                     "1,024 (bench executor-session, c14b186)")
+
+#: why "auto" kept the caller's thread, after the handler's own reason: where the resident path's epochs are its
+#: consumer thread's, they cost more than the caller's own
+AUTO_HOST_WHY = ("the resident path would run the epochs on its consumer thread, which loses to the caller's: "
+                 "0.73 against 0.43 ms a checkpoint for a numpy session on the CPU, 1.51 against 0.84 ms for a "
+                 "CuPy table larger than half a segment (docs/results/executor-session.md)")
 
 #: op codes of the per-kind handlers: KIND_OP_BASE + the kind's index in regions.KINDS
 KIND_OP_BASE = 0x100
@@ -139,8 +146,8 @@ STALL_DEADLINE_S = 600.0
 
 
 def choose(executor: str) -> tuple[str, str | None]:
-    """(path taken, why) for Session(executor=...): "auto" takes "host"
-    (AUTO_WHY: the resident path's win depends on regions registered after)."""
+    """(path taken now, why) for Session(executor=...): "auto" takes "host"
+    until the session's first epoch (AUTO_WHY; `decide_auto` then)."""
     if executor not in EXECUTORS:
         raise SessionError(f"unknown executor {executor!r} (use {', '.join(EXECUTORS)})")
     if executor == "auto":
@@ -152,13 +159,33 @@ def start_executor(session, regions, executor: str, route=None):
     """(ResidentExecutor or None, executor_info) for Session(executor=...), over
     the session's `RegionSet` `regions`.  route: makes, from the session,
     what writes the executor's epochs into the session's arena
-    (`checkpoint.arena_route.ArenaRoute`; this layer does not import it)."""
+    (`checkpoint.arena_route.ArenaRoute`; this layer does not import it).
+    executor_info["decided"]: False while "auto" waits for its first epoch."""
     path, why = choose(executor)
     resident = ResidentExecutor(session, regions, route=route) if path == "resident" else None
-    info = {"executor": path, "asked": executor, "why": why}
+    info = {"executor": path, "asked": executor, "why": why, "decided": executor != "auto"}
     if resident is not None:
         info["commit_by"] = resident.commit_by
     return resident, info
+
+
+def decide_auto(session, regions, route, why_not, epoch: int):
+    """(ResidentExecutor or None, executor_info) for an "auto" session whose
+    first epoch, `epoch`, has committed: the resident path where the device's
+    EPOCH handler takes its epochs (`why_not(session)` None: the route's
+    `handler_why_not`, asked for its regions as they are now), else the
+    caller's thread, for good.  Regions registered later do not change it; a
+    resident path that does not start leaves the caller's, saying why."""
+    base = {"asked": "auto", "decided": True, "decided_at": int(epoch)}
+    try:
+        why = why_not(session)
+        if why is None:
+            resident = ResidentExecutor(session, regions, route=route)
+            return resident, dict(base, executor="resident", why=AUTO_RESIDENT_WHY, commit_by=resident.commit_by)
+    except Exception as exc:  # the epoch is committed: the session goes on on the caller's thread
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        why = f"the resident path did not start ({type(exc).__name__}: {first})"
+    return None, dict(base, executor="host", why=f"{why}; {AUTO_HOST_WHY}")
 
 
 def kind_op(kind: str) -> int:

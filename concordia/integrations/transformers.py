@@ -797,7 +797,8 @@ class CheckpointEvery(StoppingCriteria):
     in stream order behind the step, and committed by the next checkpoint
     (or the session's next call), while the host goes on to the next step;
     its statistics are filled then.  A crash loses at most that epoch.
-    `trigger` (default: whether the session has a resident executor and
+    `trigger` (default: whether the session has a resident executor once
+    the first checkpoint is in, which an "auto" session decides then, and
     `wait` is False): after its first checkpoint, the epochs are taken by the
     resident executor's trigger (`executor.step_trigger`) while this
     criterion only writes the tokens, counters and generator state and marks
@@ -822,8 +823,6 @@ class CheckpointEvery(StoppingCriteria):
             raise SessionError(f"wait must be True or False, not {wait!r}", where="CheckpointEvery")
         if trigger is not None and not isinstance(trigger, bool):
             raise SessionError(f"trigger must be True, False or None, not {trigger!r}", where="CheckpointEvery")
-        if trigger is None:
-            trigger = getattr(guard.session, "resident", None) is not None and not wait
         if trigger and getattr(guard.session, "resident", None) is None:
             raise SessionError("a trigger needs a session with a resident executor", where="CheckpointEvery",
                                hint='open the Session with executor="resident"')
@@ -832,7 +831,9 @@ class CheckpointEvery(StoppingCriteria):
         self.wait = wait
         self.steps = start
         self.stats = []
-        self.use_trigger = bool(trigger)
+        #: None (the default): whether the session has a resident executor once the first checkpoint is in
+        #: (an "auto" session decides then)
+        self.use_trigger = trigger
         #: the resident executor's step trigger, armed after the first checkpoint (None before)
         self.trigger = None
 
@@ -861,6 +862,8 @@ class CheckpointEvery(StoppingCriteria):
         elif due:
             st = self.guard.session.checkpoint(reason="generate", on_full="coalesce", wait=self.wait)
             self.stats.append(st)
+            if self.use_trigger is None:
+                self.use_trigger = getattr(self.guard.session, "resident", None) is not None and not self.wait
             if self.use_trigger:   # the first epoch is the session's own; the trigger takes the next ones
                 self.trigger = self.guard.session.resident.step_trigger(self.every)
             if self.after is not None:

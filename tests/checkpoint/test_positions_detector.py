@@ -635,12 +635,12 @@ def test_length_words_on_the_device_write_the_twins_records(tmp_path, shm_log):
     twin = _word_run(_log(tmp_path, "twin.log"), words=True)
     name = shm_test_name("kvwords")
     try:
-        got = _word_run(f"shm:{name}", words=True, to_device=cp, staging="auto")
+        got = _word_run(f"shm:{name}", words=True, to_device=cp, staging="auto", executor="host")
         assert all(set(st.via.values()) == {"gpu-mapped"} for st in got[0][1:]), [st.via for st in got[0]]
         assert [st.pages for st in got[0]] == [st.pages for st in twin[0]]
         assert_same_log(got[1], twin[1])
         assert got[2] == got[3] == twin[2]
-        rebuilt = _word_run(f"shm:{name}", words=True, to_device=cp, staging="auto", extra_at=3)
+        rebuilt = _word_run(f"shm:{name}", words=True, to_device=cp, staging="auto", extra_at=3, executor="host")
         assert [st.pages["kv"] for st in rebuilt[0]] == [st.pages["kv"] for st in twin[0]]
         assert rebuilt[2] == rebuilt[3]
     finally:

@@ -21,7 +21,8 @@ def run_workload(log, *, staging="auto", to_device=None, seed=0, detect=None, re
     state = make_state(seed)
     arrays = {k: (to_device(v) if to_device else v) for k, v in state.items()}
     stats = []
-    with Session(log, size=LOG_SIZE, segment_size=SEGMENT, overwrite=True, staging=staging) as s:
+    with Session(log, size=LOG_SIZE, segment_size=SEGMENT, overwrite=True, staging=staging,
+                 executor="host") as s:  # the staging paths are the caller's thread's
         for name, arr in arrays.items():
             s.register(name, arr, kind=KINDS[name], page_bytes=PAGE[name], detect=(detect or {}).get(name, "auto"))
         for epoch in range(1, EPOCHS + 1):

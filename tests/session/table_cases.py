@@ -63,7 +63,7 @@ def run(log, specs, *, epochs: int = 4, staging="auto", to_device=None, retain: 
     stats = []
     size = -(-max(64 << 20, 8 * total) // (16 << 20)) * (16 << 20)
     with Session(log, size=size, segment_size=16 << 20, overwrite=True, staging=staging,
-                 policy=Policy(retain=retain)) as ses:
+                 policy=Policy(retain=retain), executor="host") as ses:  # the table pass of the caller's thread
         for s in specs:
             kw = {}
             if s["detect"] == "versions":

@@ -278,7 +278,7 @@ def test_device_targets_refuse_then_keep(shm_log):
 
     from concordia.restore.device import apply_plan_cupy
 
-    with concordia.Session(shm_log, size=32 << 20) as s:
+    with concordia.Session(shm_log, size=32 << 20, executor="host") as s:  # the caller's pipeline
         a = cp.full(N, 1, cp.uint8)
         s.register("A", a)
         s.checkpoint()

@@ -293,6 +293,43 @@ def test_a_cupy_sessions_checkpoints_run_on_the_persistent_kernel(shm_log):
                 assert np.asarray(g.get() if hasattr(g, "get") else g).tobytes() == w.tobytes(), (epoch, name)
 
 
+@pytest.mark.gpu
+def test_auto_takes_the_resident_path_after_the_first_epoch_where_the_device_handler_takes_the_regions(
+        shm_log, tmp_path):
+    """executor="auto" (the default): the first epoch on the caller's
+    thread, then the persistent kernel's EPOCH handler for a CuPy session on
+    shm, each epoch recovered exactly; on a file the tier needs a persist
+    call, and the session keeps the caller's thread, saying why."""
+    import cupy as cp
+
+    from concordia.executor.resident import AUTO_HOST_WHY, AUTO_RESIDENT_WHY
+
+    rng = np.random.default_rng(9)
+    with Session(shm_log, size=64 << 20, segment_size=8 << 20, policy=Policy(retain=False)) as s:
+        kv = cp.asarray(rng.standard_normal((64, 1024)).astype(np.float32))
+        s.register("kv", kv, detect="shadow", page_bytes=4096)
+        first = s.checkpoint()
+        assert first.executor == "host" and s.resident is not None
+        assert s.executor_info == {"asked": "auto", "decided": True, "decided_at": first.epoch,
+                                   "executor": "resident", "why": AUTO_RESIDENT_WHY, "commit_by": "executor"}
+        states = {first.epoch: kv.get()}
+        for t in range(1, 5):
+            kv[t, :8] += 1
+            st = s.checkpoint()
+            assert st.executor == "resident" and set(st.via.values()) == {VIA}, (st.via, s.resident.info())
+            assert st.pages["kv"] == 1 and s.epoch == st.epoch
+            states[st.epoch] = kv.get()
+        assert s.log.verify()["corrupt"] == 0
+        for epoch, want in states.items():
+            g = s.recover(epoch)["kv"]
+            assert np.asarray(g.get() if hasattr(g, "get") else g).tobytes() == want.tobytes(), epoch
+    with Session(f"file:{tmp_path / 'f.log'}", size=64 << 20, segment_size=8 << 20) as s:
+        s.register("kv", cp.zeros(1 << 16, cp.float32), detect="shadow")
+        s.checkpoint()
+        assert s.resident is None and s.executor_info["executor"] == "host"
+        assert s.executor_info["why"].endswith(AUTO_HOST_WHY) and s.checkpoint().executor == "host"
+
+
 def test_an_arena_epoch_runs_the_before_checkpoint_hooks_as_the_sessions_path_does(shm_log):
     """A hook that mirrors host state into a registered array (as the
     transformers integration writes its counters) runs before every arena

@@ -118,7 +118,7 @@ def test_the_device_stager_writes_the_records_the_host_writes(shm_log):
     def run(device: bool):
         a = cp.zeros((2048, 1024), cp.uint32)  # 8 MiB: a pinned kept copy
         seen = []
-        with Session(shm_log, size=96 * MiB, segment_size=8 * MiB, overwrite=True) as s:
+        with Session(shm_log, size=96 * MiB, segment_size=8 * MiB, overwrite=True, executor="host") as s:
             s.register("a", a)
             s.checkpoint()
             if not device:

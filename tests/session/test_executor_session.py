@@ -19,7 +19,8 @@ from concordia import Session
 from concordia.errors import ExecutorError, SessionError
 from concordia.executor import Op
 from concordia.policy import Policy
-from concordia.executor.resident import AUTO_WHY, LaunchCounter, PauseGate, StepCounter, commit_by, wait_for_epochs
+from concordia.executor.resident import (AUTO_HOST_WHY, AUTO_WHY, LaunchCounter, PauseGate, StepCounter, commit_by,
+                                         decide_auto, wait_for_epochs)
 
 from .state import LOG_SIZE, SEGMENT, assert_same, copy, make_state, mutate, register_all
 
@@ -31,11 +32,51 @@ def new_session(log, **kw):
 def test_the_default_is_the_host_path_and_says_why(file_log):
     with new_session(file_log) as s:
         assert s.resident is None
-        assert s.executor_info == {"executor": "host", "asked": "auto", "why": AUTO_WHY}
+        assert s.executor_info == {"executor": "host", "asked": "auto", "why": AUTO_WHY, "decided": False}
         s.register("a", np.zeros(4096, np.uint8))
         assert s.checkpoint().executor == "host"
+        # decided once the first epoch is in: a numpy session on a file keeps the caller's thread, for good
+        info = s.executor_info
+        assert info["decided"] is True and info["decided_at"] == 1 and info["executor"] == "host"
+        assert info["why"].endswith(AUTO_HOST_WHY) and s.resident is None
+        assert s.checkpoint().executor == "host" and s.resident is None
     with new_session(file_log, create=False, executor="host") as s:
-        assert s.executor_info["why"] is None and s.resident is None
+        assert s.executor_info["why"] is None and s.resident is None and s.executor_info["decided"] is True
+
+
+def test_auto_keeps_a_host_sessions_epochs_on_the_callers_thread_and_names_why(shm_log):
+    """On a tier the resident path could write (shm), a numpy session's
+    epochs would be its consumer thread's, which loses: auto says so after
+    the first epoch; a session that never checkpoints never decides."""
+    with new_session(shm_log) as s:
+        a = np.zeros(1 << 16, np.uint8)
+        s.register("a", a, detect="shadow")
+        s.checkpoint()
+        why = s.executor_info["why"]
+        assert s.executor_info["executor"] == "host" and s.resident is None
+        assert why.startswith("region 'a' is in host memory") and why.endswith(AUTO_HOST_WHY), why
+        a[5] = 1
+        st = s.checkpoint()
+        assert st.executor == "host" and st.pages["a"] == 1
+    with new_session(shm_log, create=False) as s:
+        s.register("a", np.zeros(1 << 16, np.uint8))
+        assert int(s.recover()["a"][5]) == 1
+        assert s.executor_info["decided"] is False and s.resident is None
+
+
+def test_an_auto_decision_that_fails_leaves_the_callers_thread_and_says_why(shm_log):
+    """The first epoch is committed when auto decides: an error while
+    deciding leaves the session on the caller's thread, naming it."""
+    with new_session(shm_log) as s:
+        s.register("a", np.zeros(4096, np.uint8))
+        s.checkpoint()
+
+        def broken(session):
+            raise RuntimeError("no device\nmore")
+
+        resident, info = decide_auto(s, s.region_set, None, broken, 1)
+        assert resident is None and info["executor"] == "host" and info["decided_at"] == 1
+        assert info["why"].startswith("the resident path did not start (RuntimeError: no device); ")
 
 
 def test_an_unknown_executor_is_one_line_and_opens_nothing(tmp_path):

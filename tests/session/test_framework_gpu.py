@@ -38,7 +38,7 @@ def _queue_behind_gemms(side, x, value, n=4, dim=8192):
 def test_a_write_queued_on_a_side_stream_is_in_the_checkpoint(shm_log):
     x = torch.zeros(16 << 20, dtype=torch.bfloat16, device="cuda")  # 32 MiB
     side = torch.cuda.Stream()
-    with Session(shm_log, size=SIZE, segment_size=SEGMENT) as s:
+    with Session(shm_log, size=SIZE, segment_size=SEGMENT, executor="host") as s:
         s.register("x", x, kind="kv", page_bytes=65536)
         s.checkpoint()
         for trial in range(1, 6):
@@ -57,7 +57,7 @@ def test_a_stream_given_at_checkpoint_orders_a_cupy_producer(shm_log):
     side = cp.cuda.Stream(non_blocking=True)
     a = cp.random.standard_normal((8192, 8192), dtype=cp.float32)
     cp.cuda.get_current_stream().synchronize()
-    with Session(shm_log, size=SIZE, segment_size=SEGMENT) as s:
+    with Session(shm_log, size=SIZE, segment_size=SEGMENT, executor="host") as s:
         s.register("x", x, page_bytes=65536)
         s.checkpoint()
         with side:
@@ -143,7 +143,7 @@ def test_a_damaged_page_is_named_on_the_device_path(shm_log):
 
 def test_device_mismatches_are_refused_naming_the_region(shm_log):
     t = torch.zeros(4096, device="cuda", dtype=torch.bfloat16)
-    with Session(shm_log, size=SIZE, segment_size=SEGMENT) as s:
+    with Session(shm_log, size=SIZE, segment_size=SEGMENT, executor="host") as s:
         s.register("kv", t, page_bytes=4096)
         s.checkpoint()
         with pytest.raises(RecoverMismatchError, match=r"^region 'kv': the target tensor is on a GPU, "

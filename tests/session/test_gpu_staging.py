@@ -118,7 +118,7 @@ def test_kv_block_table_scanner_feeds_the_device_staging(cp, tmp_path, shm_log):
 def _recover_then_continue(log, to_device):
     state = make_state(7)
     arrays = {k: (to_device(v) if to_device else v) for k, v in state.items()}
-    with Session(log, size=LOG_SIZE, segment_size=SEGMENT, overwrite=True) as s:
+    with Session(log, size=LOG_SIZE, segment_size=SEGMENT, overwrite=True, executor="host") as s:
         for name, arr in arrays.items():
             s.register(name, arr, kind=KINDS[name], page_bytes=PAGE[name])
         s.checkpoint()
@@ -155,7 +155,7 @@ def test_recover_into_registered_then_delta_on_the_device(cp, tmp_path, shm_log)
 def test_recover_on_device_reuses_the_kept_registration(cp, shm_log):
     state = make_state(2)
     a = cp.asarray(state["adapter"])
-    with Session(shm_log, size=LOG_SIZE, segment_size=SEGMENT) as s:
+    with Session(shm_log, size=LOG_SIZE, segment_size=SEGMENT, executor="host") as s:
         s.register("adapter", a, kind="adapter", page_bytes=4096)
         s.checkpoint()
         a[1, 1, 3] = 9.0
@@ -216,7 +216,7 @@ def _transitions(log, to_device, detect):
     arr = to_device(truth) if to_device else truth
     arr2 = to_device(other) if to_device else other
     stats = []
-    with Session(log, size=LOG_SIZE, segment_size=SEGMENT, overwrite=True) as s:
+    with Session(log, size=LOG_SIZE, segment_size=SEGMENT, overwrite=True, executor="host") as s:
         s.register("r", arr, page_bytes=pb, detect=detect)
         s.register("o", arr2, page_bytes=1024, detect=detect)
         s.checkpoint()

@@ -56,7 +56,7 @@ def test_device_epoch_larger_than_a_segment_goes_region_by_region(cp, two_shm_lo
         live = [to_device(a) if to_device else a for a in arrays]
         out = []
         with Session(log, size=64 << 20, segment_size=4 << 20, overwrite=True, staging="auto"
-                     if to_device else "mapped") as s:
+                     if to_device else "mapped", executor="host") as s:
             for i, a in enumerate(live):
                 s.register(f"r{i}", a, page_bytes=4096, detect="fingerprint")
             s.checkpoint()

@@ -205,7 +205,8 @@ def test_a_large_restore_into_device_targets_gives_its_staged_copies_back(shm_lo
     n = RELEASE_STAGED_BYTES + (64 << 20)
     a = cp.asarray(np.random.default_rng(1).integers(0, 256, n, dtype=np.uint8))
     # no retention: its jobs would free device buffers of their own at moments of their own
-    with Session(shm_log, size=4 * n + (256 << 20), segment_size=n + (64 << 20), policy=Policy(retain=False)) as s:
+    with Session(shm_log, size=4 * n + (256 << 20), segment_size=n + (64 << 20), policy=Policy(retain=False),
+                 executor="host") as s:  # the caller's pipeline and its staged copies
         s.register("a", a, page_bytes=1 << 20)
         s.checkpoint()
         s.settle()

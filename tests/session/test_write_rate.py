@@ -304,7 +304,7 @@ def test_device_regions_coalesce_and_are_carried_as_host_ones_are(shm_log, tmp_p
 
     kv = cp.zeros((1024, 4096), cp.uint8)  # 4 MiB on the device
     log = shm_log if tier == "shm" else f"file:{tmp_path / 'gpu.log'}"
-    with Session(log, size=17 * SEGMENT, segment_size=SEGMENT, overwrite=True) as s:
+    with Session(log, size=17 * SEGMENT, segment_size=SEGMENT, overwrite=True, executor="host") as s:
         s.register("kv", kv)
         _fill_until_the_whole_state_no_longer_fits(s, kv)
         committed, epoch = cp.asnumpy(kv), s.epoch

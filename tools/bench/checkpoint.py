@@ -686,7 +686,7 @@ class _Gpu:
             else:
                 def dirty():
                     self.dirty(region, npages, 1, rng)
-            with Session(log, size=need, segment_size=seg) as s:
+            with Session(log, size=need, segment_size=seg, executor="host") as s:  # the caller's passes
                 s.register("r", region, page_bytes=self.pb, detect=detector)
                 s.checkpoint()
                 times, reads, via = [], [], None
