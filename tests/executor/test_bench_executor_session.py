@@ -24,10 +24,11 @@ def test_cpu_quick_json_says_what_ran_and_recovers_identical(tmp_path):
     # a stall that releases the GIL leaves the consumer committing; every epoch checked recovers exactly
     assert doc["stall_variants"]["time.sleep"]["epochs_committed"] > 0
     assert all(v["recovered_identical"] and not v["errors"] for v in doc["stall_variants"].values())
-    assert set(doc["ckpt_ms"]) == {"host", "host_mapped", "resident"}
+    assert set(doc["ckpt_ms"]) == {"host", "host_mapped", "resident", "auto"}
     assert all(set(row) == {"1", "8"} and all(x > 0 for x in row.values()) for row in doc["ckpt_ms"].values())
     assert doc["ckpt_detail"]["resident"]["8"]["executor"] == "resident"
     assert doc["ckpt_detail"]["host"]["8"]["executor"] == "host"
+    assert doc["ckpt_detail"]["auto"]["8"]["executor"] == "host"  # a numpy session: auto keeps the caller's thread
     assert "residency" not in doc
 
 
@@ -41,7 +42,8 @@ def test_parts_run_only_what_they_name_and_an_unknown_part_is_a_usage_error():
                                   "--parts", "ckpt", "--json"])
     assert r.exit_code == 0, r.output
     doc = json.loads(r.output)
-    assert doc["parts"] == ["ckpt"] and "stall" not in doc and set(doc["ckpt_ms"]) == {"host", "host_mapped", "resident"}
+    assert doc["parts"] == ["ckpt"] and "stall" not in doc
+    assert set(doc["ckpt_ms"]) == {"host", "host_mapped", "resident", "auto"}
     assert set(doc["goals"]) == {"resident_ckpt<=host_1"}
     # the GPU's parts name nothing on the CPU: no row, no goal
     r = CliRunner().invoke(main, ["bench", "executor-session", "--cpu", "--quick", "--parts", "recover", "--json"])

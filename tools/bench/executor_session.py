@@ -19,8 +19,9 @@ Session, against the host path, through the public entry points.
             (the same region-table pipeline the resident path takes), and
             executor="resident" (its epochs after the first are arena
             epochs, checkpoint/arena_route.py: on a GPU, EPOCH tasks of the
-            persistent kernel; on the CPU, the consumer thread's twin;
-            `ckpt_detail` names the path each took); medians in milliseconds, means beside them (the resident
+            persistent kernel; on the CPU, the consumer thread's twin), and
+            executor="auto", the default, on the path it decided on after its
+            first epoch (`ckpt_detail` names the path each took); medians in milliseconds, means beside them (the resident
             rows' include taking a full arena on, once per arena).
   residency (GPU only) slowdown of an fp16 GEMM, a GEMV and a streaming add
             while a persistent kernel is resident and idle beside a Session
@@ -37,7 +38,9 @@ Session, against the host path, through the public entry points.
             GIL_HELD_S; every epoch checked in a fresh process), which becomes
             `"stall"`; `latency_ms`: `Session.checkpoint()` with
             executor="resident" (the product path, the ckpt_ms row) against
-            executor="host" for each region count, with one EPOCH task of
+            executor="host" for each region count, and the default
+            executor="auto" (`auto_took`: the path it decided on; a goal
+            says whether that was the faster one), with one EPOCH task of
             `DeviceEpochs` beside them (`epoch_task`, a component figure)
             and, in `latency_phases_us`, that task's phases as the device
             stamped them; `idle_slowdown`: the residency rows' with the SM
@@ -292,9 +295,12 @@ def run_device_epochs(cp, counts: list[int], log: str, quick: bool, scratch: Scr
             seg = _arena_segment(count)  # the same log shape for both: one the device's arena fits
             resident = _checkpoint_ms(scratch, log, count, reps, cp, "resident", "auto", segment_size=seg)
             host = _checkpoint_ms(scratch, log, count, reps, cp, "host", "auto", segment_size=seg)
+            auto = _checkpoint_ms(scratch, log, count, reps, cp, "auto", "auto", segment_size=seg)
             out["latency_ms"][str(count)] = {
                 "resident": resident["ckpt_ms"], "host": host["ckpt_ms"],
                 "resident_via": resident["via"], "resident_mean": resident["ckpt_ms_mean"],
+                # the default session: the path it decided on after its first epoch, and what that cost
+                "auto": auto["ckpt_ms"], "auto_took": auto["executor"], "auto_via": auto["via"],
                 "epoch_task": _device_epoch_ms(cp, log, count, reps, scratch)}
         out["latency_phases_us"] = {str(count): _device_epoch_ms(cp, log, count, reps, scratch, stamps=True)
                                     for count in counts}
@@ -516,7 +522,7 @@ def run(on_gpu: bool, quick: bool, counts: list[int], scratch: Scratch, parts: t
         reps = 5 if quick else 30
         doc["ckpt_ms"], doc["ckpt_detail"] = {}, {}
         for label, executor, staging in (("host", "host", "auto"), ("host_mapped", "host", "mapped"),
-                                         ("resident", "resident", "auto")):
+                                         ("resident", "resident", "auto"), ("auto", "auto", "auto")):
             doc["ckpt_ms"][label], doc["ckpt_detail"][label] = {}, {}
             for n in counts:
                 got = _checkpoint_ms(scratch, log, n, reps, xp, executor, staging)
@@ -569,6 +575,9 @@ def _goals(doc: dict, on_gpu: bool, counts: list[int]) -> dict:
         for n, row in doc.get("latency_ms", {}).items():
             goals[f"latency_resident<=host_{n}"] = row["resident"] <= row["host"]
             goals[f"latency_resident_on_device_{n}"] = "device-epoch" in row.get("resident_via", [])
+            if "auto_took" in row:  # the default takes the path that won (resident where it did)
+                won = "resident" if row["resident"] <= row["host"] else "host"
+                goals[f"latency_auto_took_{won}_{n}"] = row["auto_took"] == won
     for k, v in doc.get("idle_slowdown", {}).items():
         goals[f"idle_slowdown_{k}<=0.02"] = v <= 0.02
     if "ckpt_ms" in doc:
@@ -651,7 +660,8 @@ def _table(doc: dict) -> str:
                      + (f" ({doc['device_epoch']})" if "device_epoch" in doc else f" ({doc.get('error')})"))
     for n, row in doc.get("latency_ms", {}).items():
         lines.append(f"  {n:>5} regions: resident checkpoint {row['resident']:.3f} ms (via {row['resident_via']}), "
-                     f"host checkpoint {row['host']:.3f} ms; one EPOCH task {row['epoch_task']:.3f} ms (component)")
+                     f"host checkpoint {row['host']:.3f} ms; one EPOCH task {row['epoch_task']:.3f} ms (component)"
+                     + (f"; auto took {row['auto_took']}: {row['auto']:.3f} ms" if "auto_took" in row else ""))
     for n, row in doc.get("latency_phases_us", {}).items():
         lines.append(f"  {n:>5} regions, stamped phases µs ({row['path']}): "
                      + ", ".join(f"{k} {v:.1f}" for k, v in row.items() if k != "path"))
