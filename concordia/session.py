@@ -341,7 +341,9 @@ class Session:
         self._check_open("checkpoint")
         if self.resident is not None and not self.resident.inside():
             with self.runner.asking(on_full):  # for the epoch the executor runs by calling back in
-                return self.resident.checkpoint(reason=reason, stream=stream)
+                stats = self.resident.checkpoint(reason=reason, stream=stream)
+            self.policy.reset()  # (an arena epoch does not call back in)
+            return stats
         if not len(self.region_set):
             raise SessionError("nothing to checkpoint: no region is registered")
         self._writer("checkpoint")
@@ -356,10 +358,10 @@ class Session:
             self.retention.launched(stats.epoch)
             return stats
         self.checkpoint_totals.add(stats)
-        self.retention.after_commit(stats)  # bases and compaction, one bounded slice (or a coalesced one's push)
         if not self.executor_info["decided"] and stats.epoch is not None:  # "auto": its first epoch is in
             self.resident, self.executor_info = decide_auto(self, self.region_set, ArenaRoute, handler_why_not,
                                                             stats.epoch)
+        self.retention.after_commit(stats)  # bases and compaction, one bounded slice (or a coalesced one's push)
         return stats
 
     # ------------------------------------------------------------ recover

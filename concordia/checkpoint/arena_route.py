@@ -101,7 +101,9 @@ class ConsumerEpochs:
 
 def handler_why_not(session) -> str | None:
     """Why the device's EPOCH handler would not take `session`'s epochs with
-    its regions as they are now (None: it would), building nothing: what
+    its regions as they are now (None: it would), from the runner's table
+    pass (the one its next epoch takes, built if it was not) without starting
+    the handler: what
     `Session(executor="auto")` asks once its first epoch has committed
     (`executor.resident.decide_auto`)."""
     s = session

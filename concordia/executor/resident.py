@@ -173,18 +173,29 @@ def decide_auto(session, regions, route, why_not, epoch: int):
     """(ResidentExecutor or None, executor_info) for an "auto" session whose
     first epoch, `epoch`, has committed: the resident path where the device's
     EPOCH handler takes its epochs (`why_not(session)` None: the route's
-    `handler_why_not`, asked for its regions as they are now), else the
-    caller's thread, for good.  Regions registered later do not change it; a
-    resident path that does not start leaves the caller's, saying why."""
+    `handler_why_not`, asked for its regions as they are now, and the
+    handler then built), else the caller's thread, for good.  Regions
+    registered later do not change it; a resident path that does not start
+    leaves the caller's, saying why."""
     base = {"asked": "auto", "decided": True, "decided_at": int(epoch)}
+    resident = None
     try:
         why = why_not(session)
         if why is None:
             resident = ResidentExecutor(session, regions, route=route)
-            return resident, dict(base, executor="resident", why=AUTO_RESIDENT_WHY, commit_by=resident.commit_by)
+            # the handler built now, not at the next epoch: one that does not start leaves the caller's thread
+            if resident.route is not None and resident.route.device_engine() is None:
+                why = resident.route.why
+            else:
+                return resident, dict(base, executor="resident", why=AUTO_RESIDENT_WHY, commit_by=resident.commit_by)
     except Exception as exc:  # the epoch is committed: the session goes on on the caller's thread
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         why = f"the resident path did not start ({type(exc).__name__}: {first})"
+    if resident is not None:
+        try:
+            resident.close()
+        except Exception:  # the reason above is the one to give
+            pass
     return None, dict(base, executor="host", why=f"{why}; {AUTO_HOST_WHY}")
 
 

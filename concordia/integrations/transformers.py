@@ -799,7 +799,8 @@ class CheckpointEvery(StoppingCriteria):
     its statistics are filled then.  A crash loses at most that epoch.
     `trigger` (default: whether the session has a resident executor once
     the first checkpoint is in, which an "auto" session decides then, and
-    `wait` is False): after its first checkpoint, the epochs are taken by the
+    `wait` is False; `trigger=True` needs a session that has one now):
+    after its first checkpoint, the epochs are taken by the
     resident executor's trigger (`executor.step_trigger`) while this
     criterion only writes the tokens, counters and generator state and marks
     the step: on the device the persistent kernel takes each epoch at the
@@ -862,7 +863,8 @@ class CheckpointEvery(StoppingCriteria):
         elif due:
             st = self.guard.session.checkpoint(reason="generate", on_full="coalesce", wait=self.wait)
             self.stats.append(st)
-            if self.use_trigger is None:
+            # an "auto" session decides at its first committed epoch (not at a coalesced one)
+            if self.use_trigger is None and getattr(self.guard.session, "executor_info", {}).get("decided", True):
                 self.use_trigger = getattr(self.guard.session, "resident", None) is not None and not self.wait
             if self.use_trigger:   # the first epoch is the session's own; the trigger takes the next ones
                 self.trigger = self.guard.session.resident.step_trigger(self.every)

@@ -156,7 +156,7 @@ def test_what_one_epoch_module_cannot_detect_is_named(tmp_path, sizes, positions
 def test_a_session_the_device_cannot_take_is_named(tmp_path, shm_log):
     from concordia import Session
 
-    with Session(shm_log, size=16 << 20, segment_size=4 << 20, staging="mapped") as s:
+    with Session(shm_log, size=16 << 20, segment_size=4 << 20, staging="mapped", executor="host") as s:
         s.register("a", np.zeros(8192, np.uint8))
         s.checkpoint()
         why = why_not(s.runner.table_pass(s.log), s.log.backend)
@@ -181,7 +181,7 @@ def test_the_persistent_kernel_runs_a_sessions_epochs_into_its_arena(shm_log, st
     from concordia.policy import Policy
 
     rng = np.random.default_rng(3)
-    with Session(shm_log, size=64 << 20, segment_size=8 << 20, policy=Policy(retain=False)) as s:
+    with Session(shm_log, size=64 << 20, segment_size=8 << 20, policy=Policy(retain=False), executor="host") as s:
         kv = cp.asarray(rng.standard_normal((64, 1024)).astype(np.float32))
         lora = cp.asarray(rng.standard_normal(8192).astype(np.float32))
         s.register("kv", kv, detect="shadow", page_bytes=4096)
@@ -258,7 +258,7 @@ def test_one_epoch_module_detects_regions_of_several_page_sizes(shm_log, small_p
     from concordia.checkpoint.device_epoch import DeviceEpochs
     from concordia.policy import Policy
 
-    with Session(shm_log, size=64 << 20, segment_size=8 << 20, policy=Policy(retain=False)) as s:
+    with Session(shm_log, size=64 << 20, segment_size=8 << 20, policy=Policy(retain=False), executor="host") as s:
         regions = _three_sizes(s, cp)
         assert why_not(s.runner.table_pass(s.log), s.log.backend) is None
         dev = DeviceEpochs(s, small_pages=small_pages)
@@ -308,7 +308,7 @@ def test_a_descriptor_naming_a_page_size_the_module_lacks_is_refused_before_laun
         return d
 
     monkeypatch.setattr(device_epoch, "describe", unbuilt)
-    with Session(shm_log, size=64 << 20, segment_size=8 << 20, policy=Policy(retain=False)) as s:
+    with Session(shm_log, size=64 << 20, segment_size=8 << 20, policy=Policy(retain=False), executor="host") as s:
         regions = _three_sizes(s, cp)
         dev = device_epoch.DeviceEpochs(s, small_pages=small_pages)
         try:
@@ -387,7 +387,7 @@ def test_a_device_trigger_commits_epochs_while_the_caller_holds_the_gil(shm_log,
     from concordia.executor.step_trigger import TRIGGER_LEFT
     from concordia.policy import Policy
 
-    with Session(shm_log, size=64 << 20, segment_size=8 << 20, policy=Policy(retain=False)) as s:
+    with Session(shm_log, size=64 << 20, segment_size=8 << 20, policy=Policy(retain=False), executor="host") as s:
         a, counter, gate = _rows_and_gate(s)
         dev = DeviceEpochs(s, snapshot_max=snapshot_max)
         try:
@@ -426,7 +426,7 @@ def test_a_step_that_rewrites_everything_once_the_gate_goes_leaves_the_epoch_bef
     from concordia.policy import Policy
 
     n = 1 << 20  # float32: 1,024 pages of 4 KiB, the most the one-block path takes
-    with Session(shm_log, size=512 << 20, segment_size=64 << 20, policy=Policy(retain=False)) as s:
+    with Session(shm_log, size=512 << 20, segment_size=64 << 20, policy=Policy(retain=False), executor="host") as s:
         a = cp.zeros(n, cp.float32)
         s.register("a", a, detect="shadow", page_bytes=4096)
         s.checkpoint()
@@ -479,7 +479,7 @@ def test_an_armed_kernel_stays_for_steps_queued_behind_slow_work_and_leaves_once
     from concordia.executor.step_trigger import TRIGGER_LEFT
     from concordia.policy import Policy
 
-    with Session(shm_log, size=64 << 20, segment_size=8 << 20, policy=Policy(retain=False)) as s:
+    with Session(shm_log, size=64 << 20, segment_size=8 << 20, policy=Policy(retain=False), executor="host") as s:
         nap = cp.RawKernel(NAP, "nap")
         a, counter, gate = _rows_and_gate(s, lambda: nap((1,), (1,), (np.uint64(1000),)))
         dev = DeviceEpochs(s)
@@ -520,7 +520,7 @@ def test_an_epoch_that_outruns_its_timeout_commits_nothing_it_read_after(shm_log
     from concordia.policy import Policy
 
     rng = np.random.default_rng(5)
-    with Session(shm_log, size=64 << 20, segment_size=8 << 20, policy=Policy(retain=False)) as s:
+    with Session(shm_log, size=64 << 20, segment_size=8 << 20, policy=Policy(retain=False), executor="host") as s:
         kv = cp.asarray(rng.standard_normal((64, 1024)).astype(np.float32))
         s.register("kv", kv, detect="shadow", page_bytes=4096)
         s.checkpoint()

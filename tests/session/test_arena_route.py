@@ -330,6 +330,26 @@ def test_auto_takes_the_resident_path_after_the_first_epoch_where_the_device_han
         assert s.executor_info["why"].endswith(AUTO_HOST_WHY) and s.checkpoint().executor == "host"
 
 
+@pytest.mark.parametrize("executor", ["host", "resident"])
+def test_the_step_policy_counts_from_each_checkpoint_whichever_path_takes_it(shm_log, executor):
+    """Policy(every_steps=3): step() checkpoints at steps 3, 6, 9 and 12 on
+    both paths; an arena epoch (which never calls back into the session's
+    own path) resets the policy as the session's path does."""
+    with Session(shm_log, size=LOG_SIZE, segment_size=SEGMENT, executor=executor,
+                 policy=Policy(every_steps=3)) as s:
+        a = np.zeros(1 << 16, np.uint8)
+        s.register("a", a, detect="shadow")
+        at = []
+        for step in range(1, 13):
+            a[step] = step
+            if s.step() is not None:
+                at.append(step)
+        assert at == [3, 6, 9, 12]
+        if executor == "resident":
+            assert s.checkpoints[-1].via["a"] == VIA_CONSUMER  # the arena epochs were among them
+        assert int(s.recover()["a"][12]) == 12
+
+
 def test_an_arena_epoch_runs_the_before_checkpoint_hooks_as_the_sessions_path_does(shm_log):
     """A hook that mirrors host state into a registered array (as the
     transformers integration writes its counters) runs before every arena
