@@ -11,6 +11,7 @@ import click
 
 from concordia.wal import format as F
 from concordia.wal.errors import UsageError
+from concordia.wal.volume import settled_slot_copy
 
 from . import render as R
 from .common import (EXIT_OK, EXIT_PROBLEMS, LSN, SIZE, FiniteRange, Where, emit_json, guarded, open_volume,
@@ -75,15 +76,14 @@ def _slot_report(vol, i: int, off: int, hexdump: bool) -> dict:
     if off + F.SUPERBLOCK_SIZE > arr.size:
         out["problem"] = "slot lies past the end of the target"
         return out
-    head = bytes(arr[off:off + F.SUPERBLOCK_SIZE])
+    # one settled copy, as the open reads it: a writer beside this reader may be rewriting the slot
+    raw = settled_slot_copy(arr, off, where)
+    head = raw[:F.SUPERBLOCK_SIZE]
     out["crc_stored"] = int.from_bytes(head[F.SUPERBLOCK_CRC_OFF:F.SUPERBLOCK_CRC_OFF + 4], "little")
     count = int.from_bytes(head[96:100], "little")
-    if 0 < count <= F.MAX_SEGMENTS and off + F.slot_bytes_for(count) <= arr.size:
-        table = bytes(arr[off + F.SUPERBLOCK_SIZE:off + F.SUPERBLOCK_SIZE + F.SEGMENT_ENTRY_SIZE * count])
-        out["crc_computed"] = F.crc32c(table, F.crc32c(head[:F.SUPERBLOCK_CRC_OFF]))
-        buf = memoryview(arr[off:off + F.slot_bytes_for(count)])
-    else:
-        buf = memoryview(arr[off:off + F.SUPERBLOCK_SIZE])
+    if 0 < count <= F.MAX_SEGMENTS and len(raw) == F.SUPERBLOCK_SIZE + F.SEGMENT_ENTRY_SIZE * count:
+        out["crc_computed"] = F.crc32c(raw[F.SUPERBLOCK_SIZE:], F.crc32c(head[:F.SUPERBLOCK_CRC_OFF]))
+    buf = memoryview(raw)
     if unwritten_slot(vol) == name:
         out.update(ok=None, problem="never written (the volume has not been updated since it was formatted)")
         return out

@@ -38,6 +38,13 @@ from .errors import (
 #: superblock fields callers may change through write_superblock
 SETTABLE = ("catalog_lsn", "oldest_lsn", "oldest_epoch", "retain_epochs", "retain_bytes")
 
+#: a superblock slot that does not decode is read again, SLOT_SETTLE_S apart, until SLOT_QUIET reads in a row
+#: find the same bytes (at most SLOT_READS reads in all) before it counts as damaged: a writer beside a read-only
+#: open may be rewriting it, and its bytes then change between two reads
+SLOT_QUIET = 20
+SLOT_SETTLE_S = 0.001
+SLOT_READS = 1000
+
 
 @dataclass(frozen=True)
 class SegmentInfo:
@@ -213,6 +220,58 @@ READ_IT_HINT = Hint(api="open it read-only (writable=False)",
                     cli="info, dump, verify and restore read it without writing")
 TRUNCATED_HINT = Hint(api="open it read-only (writable=False) to read what is left, or put back a copy of it",
                       cli="info, dump, verify and restore read what is left; or put back a copy of it")
+
+
+def slot_copy(arr, off: int) -> bytes:
+    """One copy of the bytes of the superblock slot at `off` of the mapping
+    `arr`: its header and, where the header's segment count is in range, its
+    segment table (a count changed by a writer meanwhile fails the decode)."""
+    head = bytes(arr[off:off + F.SUPERBLOCK_SIZE])
+    count = int.from_bytes(head[96:100], "little") if len(head) == F.SUPERBLOCK_SIZE else 0
+    if head[:8] != F.VOLUME_MAGIC or not 0 < count <= F.MAX_SEGMENTS:
+        return head
+    return bytes(arr[off:off + F.SUPERBLOCK_SIZE + F.SEGMENT_ENTRY_SIZE * count])
+
+
+def settled_slot_copy(arr, off: int, where: str) -> bytes:
+    """A copy of slot `off` of the mapping `arr` (`slot_copy`) that decodes,
+    or whose bytes stayed the same for SLOT_QUIET reads SLOT_SETTLE_S apart
+    (then the slot is damaged, and decoding it says how).  One copy, not
+    reads of the mapping field by field: a writer rewriting the slot while it
+    is read gives a copy that fails its CRC, never fields of two versions
+    that pass it; and that copy is taken again until the writer is done
+    (R-B4)."""
+    raw, quiet = slot_copy(arr, off), 0
+    for _ in range(SLOT_READS):
+        try:
+            decode_slot_copy(raw, arr.size, off, where)
+            return raw
+        except (CorruptionError, NotALogError):
+            if quiet >= SLOT_QUIET:
+                return raw
+        time.sleep(SLOT_SETTLE_S)
+        again = slot_copy(arr, off)
+        quiet = quiet + 1 if again == raw else 0
+        raw = again
+    return raw  # still changing after SLOT_READS reads: as it reads now
+
+
+def decode_slot_copy(raw: bytes, size: int, off: int, where: str) -> F.Superblock:
+    """The superblock in `raw` (`slot_copy` of slot `off` of a target of `size`
+    bytes), or the error naming why it is not one."""
+    if off + F.SUPERBLOCK_SIZE > size:
+        if off < size and raw[:8] != F.VOLUME_MAGIC[:min(8, size - off)]:
+            # a file shorter than a superblock (any length is read, V-B8) without its magic
+            raise NotALogError("no superblock magic", where=where)
+        raise CorruptionError("slot lies past the end of the target", where=where)
+    if raw[:8] != F.VOLUME_MAGIC:
+        return F.decode_superblock(memoryview(raw), where=where)  # raises with the reason
+    count = int.from_bytes(raw[96:100], "little")
+    if not 0 < count <= F.MAX_SEGMENTS:
+        raise CorruptionError(f"segment count {count} out of range", where=where)
+    if off + F.SUPERBLOCK_SIZE + F.SEGMENT_ENTRY_SIZE * count > size:
+        raise CorruptionError("segment table runs past the end of the target", where=where)
+    return F.decode_superblock(memoryview(raw), where=where)
 
 
 class Volume:
@@ -395,21 +454,9 @@ class Volume:
 
     @staticmethod
     def _decode_slot(arr, off, where) -> F.Superblock:
-        if off + F.SUPERBLOCK_SIZE > arr.size:
-            if off < arr.size and bytes(arr[off:off + 8]) != F.VOLUME_MAGIC[:min(8, arr.size - off)]:
-                # a file shorter than a superblock (any length is read, V-B8) without its magic
-                raise NotALogError("no superblock magic", where=where)
-            raise CorruptionError("slot lies past the end of the target", where=where)
-        head = memoryview(arr[off:off + F.SUPERBLOCK_SIZE])
-        if bytes(head[:8]) != F.VOLUME_MAGIC:
-            return F.decode_superblock(head, where=where)  # raises with the reason
-        count = int.from_bytes(head[96:100], "little")
-        if not 0 < count <= F.MAX_SEGMENTS:
-            raise CorruptionError(f"segment count {count} out of range", where=where)
-        n = F.SUPERBLOCK_SIZE + F.SEGMENT_ENTRY_SIZE * count
-        if off + n > arr.size:
-            raise CorruptionError("segment table runs past the end of the target", where=where)
-        return F.decode_superblock(memoryview(arr[off:off + n]), where=where)
+        """Slot `off` of the mapping `arr`, decoded from one settled copy of
+        its bytes (`settled_slot_copy`)."""
+        return decode_slot_copy(settled_slot_copy(arr, off, where), arr.size, off, where)
 
     @staticmethod
     def _find_slot_b(arr) -> int:
