@@ -163,7 +163,8 @@ def decode_superblock(buf, *, where: str = "superblock") -> Superblock:
     CorruptionError (or NotALogError / FormatVersionError) naming the problem."""
     from .errors import FormatVersionError, NotALogError
 
-    buf = memoryview(buf).cast("B") if not isinstance(buf, memoryview) else buf.cast("B")
+    # one copy: fields and CRC of one version, however the media change meanwhile (R-B4)
+    buf = memoryview(bytes(memoryview(buf).cast("B")))
     if len(buf) < SUPERBLOCK_SIZE:
         raise CorruptionError(f"superblock truncated to {len(buf)} bytes", where=where)
     f = SUPERBLOCK.unpack_from(buf, 0)
@@ -286,8 +287,10 @@ def segment_prev_seq(arr, off: int) -> int:
 
 def decode_segment_header(buf) -> tuple[SegmentHeader | None, str | None]:
     """(header, None) when valid per FORMAT.md §4 V-S1..V-S2, else (None, reason).
-    V-S3..V-S5 need the superblock: Volume.check_segment_header checks them."""
-    buf = memoryview(buf).cast("B")
+    V-S3..V-S5 need the superblock: Volume.check_segment_header checks them.
+    Decoded from one copy of the bytes: a writer beside a reader may be
+    writing the header of a segment it takes into use (R-B4's reason)."""
+    buf = memoryview(bytes(memoryview(buf).cast("B")[:SEGMENT_HEADER_SIZE]))
     if len(buf) < SEGMENT_HEADER_SIZE:
         return None, "segment header truncated"
     f = SEGMENT_HEADER.unpack_from(buf, 0)
