@@ -315,7 +315,8 @@ def _freed(log, low) -> list:
 
 
 def decide(log, epoch: int | None = None, *, keep: Keep, regions=None, upto_named: bool = False,
-           live=(), reclaim: bool = True, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Decision:
+           live=(), reclaim: bool = True, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+           walked: list | None = None) -> Decision:
     """What compacting `log` at committed `epoch` (default: the latest) under
     `keep` does: the bases it writes, what it keeps and frees, and whether it
     must switch once first to make room (module doc, "Space").  Pure but for
@@ -325,9 +326,11 @@ def decide(log, epoch: int | None = None, *, keep: Keep, regions=None, upto_name
     base at an epoch the caller named (`upto_named`) would be dropped by the
     retention at once (WalError).  live: names of regions whose image the
     caller hands in (given a new base even when their newest one is at the
-    epoch, as `Compaction` does).  reclaim=False: the switch frees nothing."""
+    epoch, as `Compaction` does).  reclaim=False: the switch frees nothing.
+    walked: a list that receives the items of the walk decided from (`scan`),
+    for a `Compaction` made before anything is written to walk no more."""
     where = log.backend.where
-    h = scan(log, payload=False)
+    h = scan(log, payload=False, walked=walked)
     p = plan_history(h, "latest" if epoch is None else int(epoch), "tolerate_tail", regions=regions)
     prev = current_catalog(log)
     infos = log.regions
@@ -557,14 +560,17 @@ def compact(log, epoch: int | None = None, *, live: dict | None = None, keep_bas
     against the commit before anything is switched).
     progress(done_bytes, total_bytes) is called after every chunk written."""
     keep = resolve_keep(log, keep_bases, keep_epochs)
+    walked: list = []   # decide's walk: the compaction's, while nothing has been written since
     d = decide(log, epoch, keep=keep, upto_named=upto_named, live=set(live or ()), reclaim=reclaim,
-               chunk_bytes=chunk_bytes)
+               chunk_bytes=chunk_bytes, walked=walked)
     freed_first = []
     if d.first is not None:
         first = Compaction(log, d.epoch, regions=[], live={}, digests={})
         first.prepare(keep_bases=keep.bases, keep_epochs=keep.epochs, decided=d.first)
         freed_first = first.switch().segments_freed
-    job = Compaction(log, d.epoch, regions=d.fold, live=live, chunk_bytes=chunk_bytes, progress=progress)
+        walked = None   # the switch freed segments: walk again
+    job = Compaction(log, d.epoch, regions=d.fold, live=live, chunk_bytes=chunk_bytes, progress=progress,
+                     walk=walked)
     while not job.step():
         pass
     rep = job.finish(keep_bases=keep.bases, keep_epochs=keep.epochs, reclaim=reclaim)
@@ -595,11 +601,15 @@ class Compaction:
     records another writer may write from the same image (a device reading
     it: `snapshot._append_base_batch`'s `stage`).  Each new base's digest is
     checked against the commit before `finish` switches.  The log must not be compacted by anyone
-    else between the steps (the folded sources read records in place)."""
+    else between the steps (the folded sources read records in place).
+    walk: the items of a walk of the log as it is now (`decide`'s `walked`),
+    taken instead of walking it again; `finish` then walks only what the
+    compaction appended (`_walk_on`)."""
 
     def __init__(self, log, epoch: int | None = None, *, regions=None, live: dict | None = None,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, progress: Callable[[int, int], None] | None = None,
-                 digests: dict | None = None, stage: dict | None = None, images: dict | None = None):
+                 digests: dict | None = None, stage: dict | None = None, images: dict | None = None,
+                 walk: list | None = None):
         self.t0 = time.perf_counter()
         #: {region name: image entry} listed as those regions' bases with the new ones
         #: (`snapshot.image_entries`: an epoch that wrote the region whole); nothing is written for them
@@ -614,8 +624,14 @@ class Compaction:
         want = list(known) if regions is None else list(regions)
         folded = [n for n in want if n not in live]
         self.plan = None
+        #: the walk this compaction planned from, where its bytes begin (the appender's LSN then) and the
+        #: oldest LSN then: what `finish` walks on from while only this compaction has appended (`_walk_on`)
+        self._walk, self._walk_from, self._walk_oldest = None, 0, 0
         if folded or epoch is None or digests is None:
-            h = scan(log)
+            walked: list = []
+            self._walk_from, self._walk_oldest = log.appender.write_lsn, log.volume.superblock.oldest_lsn
+            h = scan(log, walk=walk or None, walked=walked)
+            self._walk = walked
             p = plan_history(h, "latest" if epoch is None else int(epoch), "tolerate_tail",
                              regions=folded or None)
             self.plan = p
@@ -727,6 +743,17 @@ class Compaction:
         """`prepare` ran and `switch` is still to run."""
         return self._switch is not None
 
+    def _walk_on(self) -> list | None:
+        """The log's walk now, from the one this compaction planned from and a
+        walk of what was appended after it, or None (walk the log) when that
+        walk was not kept or segments were freed since."""
+        log = self.log
+        if self._walk is None or log.volume.superblock.oldest_lsn != self._walk_oldest:
+            return None
+        from concordia.wal.reader import ScanResult, Scanner
+
+        return self._walk + list(Scanner(log.volume, check_pages=False).items(ScanResult(), from_lsn=self._walk_from))
+
     def prepare(self, *, keep_bases: int | None = None, keep_epochs: int | None = None,
                 reclaim: bool = True, known: "Known | None" = None, decided: tuple | None = None) -> bool:
         """The first half of `finish`: decide what the new catalog keeps and
@@ -775,7 +802,7 @@ class Compaction:
             known = None
         if known is None and decided is None:
             rep.scanned = True
-            h = scan(log, payload=False)
+            h = scan(log, payload=False, walk=self._walk_on())
             kept, floor, cut = retention(entries, h.committed_epochs(), keep_bases, keep_epochs,
                                          [r.id for r in h.regions.values()], first_delta_epochs(h))
             floor = max(floor, prev.floor_epoch)

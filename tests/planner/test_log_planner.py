@@ -132,6 +132,34 @@ def test_retention_reclaims_segments_and_keeps_younger_epochs_exact():
         log.close()
 
 
+def test_a_compaction_walks_the_log_once_and_then_only_what_it_appended(monkeypatch):
+    """compact(): decide, the fold and the switch take one walk of the log
+    (decide's) and a walk of the bases it appended; the result is what a
+    compaction that walked three times made (the same restores)."""
+    from concordia.wal import reader
+
+    log = new_log(size=24 << 20, segment=1 << 20)
+    try:
+        oracle = _history(log, 12)
+        walks = []
+        real = reader.Scanner.items
+
+        def counted(self, result=None, **kw):
+            walks.append(kw.get("from_lsn", 0))
+            return real(self, result, **kw)
+
+        monkeypatch.setattr(reader.Scanner, "items", counted)
+        start = log.appender.write_lsn
+        rep = compact(log, 6, keep_bases=1)
+        monkeypatch.undo()
+        assert rep.floor_epoch == 6 and rep.segments_freed
+        assert len([w for w in walks if w == 0]) <= 1 and [w for w in walks if w] == [start], walks
+        assert_restores(log, oracle, range(6, 13))
+        assert log.verify()["corrupt"] == 0
+    finally:
+        log.close()
+
+
 def test_compaction_reads_far_less_than_replay_and_reports_progress():
     log = new_log()
     try:
