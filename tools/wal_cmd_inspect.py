@@ -11,7 +11,7 @@ import click
 
 from concordia.wal import format as F
 from concordia.wal.errors import UsageError
-from concordia.wal.volume import settled_slot_copy
+from concordia.wal.volume import read_slot, slot_copy
 
 from . import render as R
 from .common import (EXIT_OK, EXIT_PROBLEMS, LSN, SIZE, FiniteRange, Where, emit_json, guarded, open_volume,
@@ -76,15 +76,19 @@ def _slot_report(vol, i: int, off: int, hexdump: bool) -> dict:
     if off + F.SUPERBLOCK_SIZE > arr.size:
         out["problem"] = "slot lies past the end of the target"
         return out
-    # one settled copy, as the open reads it: a writer beside this reader may be rewriting the slot
-    raw = settled_slot_copy(arr, off, where)
+    # one copy, as the open reads it (a writer beside this reader may be rewriting the slot), taken again
+    # while it changes; a slot known never written is not
+    unused = unwritten_slot(vol) == name
+    raw = slot_copy(arr, off) if unused else read_slot(arr, off, where)[0]
     head = raw[:F.SUPERBLOCK_SIZE]
     out["crc_stored"] = int.from_bytes(head[F.SUPERBLOCK_CRC_OFF:F.SUPERBLOCK_CRC_OFF + 4], "little")
     count = int.from_bytes(head[96:100], "little")
-    if 0 < count <= F.MAX_SEGMENTS and len(raw) == F.SUPERBLOCK_SIZE + F.SEGMENT_ENTRY_SIZE * count:
-        out["crc_computed"] = F.crc32c(raw[F.SUPERBLOCK_SIZE:], F.crc32c(head[:F.SUPERBLOCK_CRC_OFF]))
+    if 0 < count <= F.MAX_SEGMENTS and off + F.slot_bytes_for(count) <= arr.size:
+        table = raw[F.SUPERBLOCK_SIZE:] if len(raw) > F.SUPERBLOCK_SIZE else bytes(
+            arr[off + F.SUPERBLOCK_SIZE:off + F.SUPERBLOCK_SIZE + F.SEGMENT_ENTRY_SIZE * count])  # (no magic)
+        out["crc_computed"] = F.crc32c(table, F.crc32c(head[:F.SUPERBLOCK_CRC_OFF]))
     buf = memoryview(raw)
-    if unwritten_slot(vol) == name:
+    if unused:
         out.update(ok=None, problem="never written (the volume has not been updated since it was formatted)")
         return out
     try:

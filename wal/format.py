@@ -164,7 +164,7 @@ def decode_superblock(buf, *, where: str = "superblock") -> Superblock:
     from .errors import FormatVersionError, NotALogError
 
     # one copy: fields and CRC of one version, however the media change meanwhile (R-B4)
-    buf = memoryview(bytes(memoryview(buf).cast("B")))
+    buf = memoryview(buf if isinstance(buf, bytes) else bytes(memoryview(buf).cast("B")))
     if len(buf) < SUPERBLOCK_SIZE:
         raise CorruptionError(f"superblock truncated to {len(buf)} bytes", where=where)
     f = SUPERBLOCK.unpack_from(buf, 0)

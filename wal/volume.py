@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,12 +39,11 @@ from .errors import (
 #: superblock fields callers may change through write_superblock
 SETTABLE = ("catalog_lsn", "oldest_lsn", "oldest_epoch", "retain_epochs", "retain_bytes")
 
-#: a superblock slot that does not decode is read again, SLOT_SETTLE_S apart, until SLOT_QUIET reads in a row
-#: find the same bytes (at most SLOT_READS reads in all) before it counts as damaged: a writer beside a read-only
-#: open may be rewriting it, and its bytes then change between two reads
-SLOT_QUIET = 20
-SLOT_SETTLE_S = 0.001
-SLOT_READS = 1000
+#: a superblock slot that holds the magic and does not decode is read again by a read-only open, SLOT_SETTLE_S
+#: apart, while its bytes change (at most SLOT_READS reads); two reads alike make it damaged: a writer beside
+#: the open may be rewriting it (`read_slot`, R-B4)
+SLOT_SETTLE_S = 0.002
+SLOT_READS = 100
 
 
 @dataclass(frozen=True)
@@ -222,38 +222,55 @@ TRUNCATED_HINT = Hint(api="open it read-only (writable=False) to read what is le
                       cli="info, dump, verify and restore read what is left; or put back a copy of it")
 
 
+#: {backend: {slot offset: bytes}} of slots found damaged, so that a volume opened again and again (a
+#: follower's poll) settles a damaged slot once, not at every open
+_BAD_SLOTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _bad_slots(backend) -> dict | None:
+    try:
+        return _BAD_SLOTS.setdefault(backend, {})
+    except TypeError:  # a backend that cannot be weakly referenced: settled at every open
+        return None
+
+
 def slot_copy(arr, off: int) -> bytes:
     """One copy of the bytes of the superblock slot at `off` of the mapping
     `arr`: its header and, where the header's segment count is in range, its
     segment table (a count changed by a writer meanwhile fails the decode)."""
     head = bytes(arr[off:off + F.SUPERBLOCK_SIZE])
     count = int.from_bytes(head[96:100], "little") if len(head) == F.SUPERBLOCK_SIZE else 0
-    if head[:8] != F.VOLUME_MAGIC or not 0 < count <= F.MAX_SEGMENTS:
+    if head[:8] != F.VOLUME_MAGIC or not 0 < count <= F.MAX_SEGMENTS:  # (not a table to read)
         return head
     return bytes(arr[off:off + F.SUPERBLOCK_SIZE + F.SEGMENT_ENTRY_SIZE * count])
 
 
-def settled_slot_copy(arr, off: int, where: str) -> bytes:
-    """A copy of slot `off` of the mapping `arr` (`slot_copy`) that decodes,
-    or whose bytes stayed the same for SLOT_QUIET reads SLOT_SETTLE_S apart
-    (then the slot is damaged, and decoding it says how).  One copy, not
-    reads of the mapping field by field: a writer rewriting the slot while it
-    is read gives a copy that fails its CRC, never fields of two versions
-    that pass it; and that copy is taken again until the writer is done
-    (R-B4)."""
-    raw, quiet = slot_copy(arr, off), 0
+def read_slot(arr, off: int, where: str, *, settle: bool = True, bad: dict | None = None) -> tuple:
+    """(bytes, Superblock or None, the error or None) of slot `off` of the
+    mapping `arr`, decoded from one copy (`slot_copy`), not field by field: a
+    writer rewriting the slot while it is read gives a copy that fails its
+    CRC, never fields of two versions that pass it.  settle: a copy that
+    holds the magic and does not decode is taken again, SLOT_SETTLE_S apart,
+    while the bytes keep changing (a writer is rewriting it; at most
+    SLOT_READS copies); two copies alike make it damage (R-B4).  bad: {offset:
+    bytes} of slots of this target found damaged before, not settled again
+    (a follower opens the volume at every poll), and updated."""
+    raw = slot_copy(arr, off)
     for _ in range(SLOT_READS):
         try:
-            decode_slot_copy(raw, arr.size, off, where)
-            return raw
-        except (CorruptionError, NotALogError):
-            if quiet >= SLOT_QUIET:
-                return raw
+            return raw, decode_slot_copy(raw, arr.size, off, where), None
+        except (CorruptionError, NotALogError) as exc:
+            err = exc
+        if not settle or raw[:8] != F.VOLUME_MAGIC or (bad is not None and bad.get(off) == raw):
+            break
         time.sleep(SLOT_SETTLE_S)
         again = slot_copy(arr, off)
-        quiet = quiet + 1 if again == raw else 0
+        if again == raw:
+            break
         raw = again
-    return raw  # still changing after SLOT_READS reads: as it reads now
+    if bad is not None:
+        bad[off] = raw
+    return raw, None, err
 
 
 def decode_slot_copy(raw: bytes, size: int, off: int, where: str) -> F.Superblock:
@@ -265,13 +282,13 @@ def decode_slot_copy(raw: bytes, size: int, off: int, where: str) -> F.Superbloc
             raise NotALogError("no superblock magic", where=where)
         raise CorruptionError("slot lies past the end of the target", where=where)
     if raw[:8] != F.VOLUME_MAGIC:
-        return F.decode_superblock(memoryview(raw), where=where)  # raises with the reason
+        return F.decode_superblock(raw, where=where)  # raises with the reason
     count = int.from_bytes(raw[96:100], "little")
     if not 0 < count <= F.MAX_SEGMENTS:
         raise CorruptionError(f"segment count {count} out of range", where=where)
     if off + F.SUPERBLOCK_SIZE + F.SEGMENT_ENTRY_SIZE * count > size:
         raise CorruptionError("segment table runs past the end of the target", where=where)
-    return F.decode_superblock(memoryview(raw), where=where)
+    return F.decode_superblock(raw, where=where)
 
 
 class Volume:
@@ -349,7 +366,8 @@ class Volume:
             off = 0 if i == 0 else slot_guess
             where = f"superblock slot {'AB'[i]} @ 0x{off:x}"
             try:
-                sb = cls._decode_slot(arr, off, where)
+                # a writable open holds the writer lock: no writer rewrites a slot beside it
+                sb = cls._decode_slot(arr, off, where, settle=not writable, bad=_bad_slots(backend))
                 if sb.sequence % 2 != i:  # V-B7
                     raise CorruptionError(f"slot holds sequence {sb.sequence}, which belongs to the other slot",
                                           where=where)
@@ -453,10 +471,13 @@ class Volume:
         return sb._replace(segments=tuple(entries)) if changed else sb
 
     @staticmethod
-    def _decode_slot(arr, off, where) -> F.Superblock:
-        """Slot `off` of the mapping `arr`, decoded from one settled copy of
-        its bytes (`settled_slot_copy`)."""
-        return decode_slot_copy(settled_slot_copy(arr, off, where), arr.size, off, where)
+    def _decode_slot(arr, off, where, *, settle: bool = True, bad: dict | None = None) -> F.Superblock:
+        """Slot `off` of the mapping `arr`, decoded from one copy of its bytes
+        (`read_slot`); raises the error that names why it is not valid."""
+        _, sb, err = read_slot(arr, off, where, settle=settle, bad=bad)
+        if err is not None:
+            raise err
+        return sb
 
     @staticmethod
     def _find_slot_b(arr) -> int:

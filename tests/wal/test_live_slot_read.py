@@ -71,26 +71,44 @@ def test_a_slot_rewritten_between_its_header_and_its_table_reads_as_one_version(
                                                               (old.sequence, old.next_lsn, old.segments)}
 
 
-def test_a_copy_torn_by_the_rewrite_is_taken_again_until_the_writer_is_done(two_versions, monkeypatch):
-    before, after = two_versions
+def _torn(before: bytes, after: bytes, upto: int) -> bytes:
+    """`after`'s slot A with its table's bytes from `upto` on still `before`'s: a rewrite under way."""
     n = len(V.slot_copy(np.frombuffer(after, np.uint8), 0))
     torn = bytearray(after)
-    torn[F.SUPERBLOCK_SIZE:n] = before[F.SUPERBLOCK_SIZE:n]  # the new header over the old table
-    with pytest.raises(CorruptionError, match="CRC mismatch"):
-        F.decode_superblock(memoryview(V.slot_copy(np.frombuffer(bytes(torn), np.uint8), 0)))
+    torn[upto:n] = before[upto:n]
+    return bytes(torn)
+
+
+def test_a_copy_torn_by_the_rewrite_is_taken_again_while_the_writer_writes(two_versions, monkeypatch):
+    before, after = two_versions
+    n = len(V.slot_copy(np.frombuffer(after, np.uint8), 0))
+    # the new header over the old table, then the new table under the old header
+    early, later = _torn(before, after, F.SUPERBLOCK_SIZE), before[:F.SUPERBLOCK_SIZE] + after[F.SUPERBLOCK_SIZE:]
+    assert early != later and len(later) == len(after) >= n
+    for torn in (early, later):
+        with pytest.raises(CorruptionError, match="CRC mismatch"):
+            F.decode_superblock(V.slot_copy(np.frombuffer(torn, np.uint8), 0))
     monkeypatch.setattr(V, "SLOT_SETTLE_S", 0.0)
-    arr = Rewritten(torn, torn, torn, after)  # torn while the writer writes, then whole
+    # each copy is two reads (the header, then the slot): torn early, torn later, then whole
+    arr = Rewritten(early, early, later, later, after)
     got = Volume._decode_slot(arr, 0, "superblock slot A @ 0x0")
-    assert got.sequence == F.decode_superblock(memoryview(V.slot_copy(np.frombuffer(after, np.uint8), 0))).sequence
+    assert got.sequence == F.decode_superblock(V.slot_copy(np.frombuffer(after, np.uint8), 0)).sequence
 
 
-def test_a_slot_that_stays_torn_is_damage_after_it_settles(two_versions, monkeypatch):
+def test_a_slot_that_reads_the_same_twice_is_damage_and_is_not_settled_again(two_versions, monkeypatch):
     before, after = two_versions
-    n = len(V.slot_copy(np.frombuffer(after, np.uint8), 0))
-    torn = bytearray(after)
-    torn[F.SUPERBLOCK_SIZE:n] = before[F.SUPERBLOCK_SIZE:n]
+    torn = _torn(before, after, F.SUPERBLOCK_SIZE)
     monkeypatch.setattr(V, "SLOT_SETTLE_S", 0.0)
+    bad = {}
     arr = Rewritten(torn)
     with pytest.raises(CorruptionError, match="superblock CRC mismatch"):
-        Volume._decode_slot(arr, 0, "superblock slot A @ 0x0")
-    assert arr.reads == 2 * (V.SLOT_QUIET + 1)  # a header and a whole copy each time, until SLOT_QUIET agree
+        Volume._decode_slot(arr, 0, "superblock slot A @ 0x0", bad=bad)
+    assert arr.reads == 4 and bad == {0: V.slot_copy(arr, 0)}  # two copies alike: damage, remembered
+    arr.reads = 0
+    with pytest.raises(CorruptionError, match="superblock CRC mismatch"):
+        Volume._decode_slot(arr, 0, "superblock slot A @ 0x0", bad=bad)
+    assert arr.reads == 2  # the same bytes found damaged before: one copy (a follower's next poll)
+    arr.reads = 0
+    with pytest.raises(CorruptionError, match="superblock CRC mismatch"):
+        Volume._decode_slot(arr, 0, "superblock slot A @ 0x0", settle=False)  # a writable open
+    assert arr.reads == 2
