@@ -624,14 +624,20 @@ class Compaction:
         want = list(known) if regions is None else list(regions)
         folded = [n for n in want if n not in live]
         self.plan = None
-        #: the walk this compaction planned from, where its bytes begin (the appender's LSN then) and the
-        #: oldest LSN then: what `finish` walks on from while only this compaction has appended (`_walk_on`)
+        #: the walk this compaction planned from (kept only when the caller handed one in, as `compact` does,
+        #: and within the reader's bound), where it ended and the oldest LSN then: what `finish` walks on
+        #: from while nothing has been freed (`_walk_on`)
         self._walk, self._walk_from, self._walk_oldest = None, 0, 0
         if folded or epoch is None or digests is None:
+            from concordia.wal.reader import walk_kept
+
             walked: list = []
-            self._walk_from, self._walk_oldest = log.appender.write_lsn, log.volume.superblock.oldest_lsn
+            oldest = log.volume.superblock.oldest_lsn
             h = scan(log, walk=walk or None, walked=walked)
-            self._walk = walked
+            if walk and walked and walk_kept(len(walked), log.volume):
+                last = walked[-1]
+                self._walk, self._walk_oldest = walked, oldest
+                self._walk_from = last.seg.lsn(last.offset) + last.length
             p = plan_history(h, "latest" if epoch is None else int(epoch), "tolerate_tail",
                              regions=folded or None)
             self.plan = p
@@ -721,6 +727,7 @@ class Compaction:
             self._writer.close()
         self._writer = None
         self._todo = []
+        self._walk = None
         self._switch = None   # a prepared catalog is never switched to after this
 
     def finish(self, *, keep_bases: int | None = None, keep_epochs: int | None = None,
@@ -747,12 +754,12 @@ class Compaction:
         """The log's walk now, from the one this compaction planned from and a
         walk of what was appended after it, or None (walk the log) when that
         walk was not kept or segments were freed since."""
-        log = self.log
-        if self._walk is None or log.volume.superblock.oldest_lsn != self._walk_oldest:
-            return None
         from concordia.wal.reader import ScanResult, Scanner
 
-        return self._walk + list(Scanner(log.volume, check_pages=False).items(ScanResult(), from_lsn=self._walk_from))
+        log, walk, self._walk = self.log, self._walk, None   # used once
+        if walk is None or log.volume.superblock.oldest_lsn != self._walk_oldest:
+            return None
+        return walk + list(Scanner(log.volume, check_pages=False).items(ScanResult(), from_lsn=self._walk_from))
 
     def prepare(self, *, keep_bases: int | None = None, keep_epochs: int | None = None,
                 reclaim: bool = True, known: "Known | None" = None, decided: tuple | None = None) -> bool:
@@ -807,6 +814,7 @@ class Compaction:
                                          [r.id for r in h.regions.values()], first_delta_epochs(h))
             floor = max(floor, prev.floor_epoch)
             low = needed_from(h, kept, cut, floor) if reclaim else None
+        self._walk = None   # (whichever way it decided)
         rep.bases_kept, rep.bases_dropped, rep.floor_epoch = len(kept), len(entries) - len(kept), floor
         if (not new and len(kept) == len(prev.entries) and floor == prev.floor_epoch
                 and keep == Keep.stored(sb, prev)):
