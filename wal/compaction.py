@@ -54,7 +54,7 @@ from concordia.wal import format as F
 from concordia.wal.apply import absent_names, check_pages, page_crcs, take_rows
 from concordia.wal.catalog import CATALOG_ENTRY_SIZE, CATALOG_HEAD_SIZE, MAX_KEEP_BASES, BaseEntry
 from concordia.wal.errors import CorruptionError, LogFullError, UsageError, WalError
-from concordia.wal.planner import History, RegionPlan, plan_history, scan
+from concordia.wal.planner import History, RegionPlan, plan_history, scan, walk_on
 from concordia.wal.snapshot import (
     DEFAULT_CHUNK_BYTES,
     Catalog,
@@ -604,7 +604,7 @@ class Compaction:
     else between the steps (the folded sources read records in place).
     walk: the items of a walk of the log as it is now (`decide`'s `walked`),
     taken instead of walking it again; `finish` then walks only what the
-    compaction appended (`_walk_on`)."""
+    compaction appended (`planner.walk_on`)."""
 
     def __init__(self, log, epoch: int | None = None, *, regions=None, live: dict | None = None,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, progress: Callable[[int, int], None] | None = None,
@@ -626,7 +626,7 @@ class Compaction:
         self.plan = None
         #: the walk this compaction planned from (kept only when the caller handed one in, as `compact` does,
         #: and within the reader's bound), where it ended and the oldest LSN then: what `finish` walks on
-        #: from while nothing has been freed (`_walk_on`)
+        #: from while nothing has been freed (`planner.walk_on`)
         self._walk, self._walk_from, self._walk_oldest = None, 0, 0
         if folded or epoch is None or digests is None:
             from concordia.wal.reader import walk_kept
@@ -750,17 +750,6 @@ class Compaction:
         """`prepare` ran and `switch` is still to run."""
         return self._switch is not None
 
-    def _walk_on(self) -> list | None:
-        """The log's walk now, from the one this compaction planned from and a
-        walk of what was appended after it, or None (walk the log) when that
-        walk was not kept or segments were freed since."""
-        from concordia.wal.reader import ScanResult, Scanner
-
-        log, walk, self._walk = self.log, self._walk, None   # used once
-        if walk is None or log.volume.superblock.oldest_lsn != self._walk_oldest:
-            return None
-        return walk + list(Scanner(log.volume, check_pages=False).items(ScanResult(), from_lsn=self._walk_from))
-
     def prepare(self, *, keep_bases: int | None = None, keep_epochs: int | None = None,
                 reclaim: bool = True, known: "Known | None" = None, decided: tuple | None = None) -> bool:
         """The first half of `finish`: decide what the new catalog keeps and
@@ -809,7 +798,7 @@ class Compaction:
             known = None
         if known is None and decided is None:
             rep.scanned = True
-            h = scan(log, payload=False, walk=self._walk_on())
+            h = scan(log, payload=False, walk=walk_on(log.volume, self._walk, self._walk_from, self._walk_oldest))
             kept, floor, cut = retention(entries, h.committed_epochs(), keep_bases, keep_epochs,
                                          [r.id for r in h.regions.values()], first_delta_epochs(h))
             floor = max(floor, prev.floor_epoch)

@@ -903,6 +903,18 @@ def _volume(log):
     return vol
 
 
+def walk_on(vol, walk: list | None, from_lsn: int, oldest_lsn: int, check_pages: bool = False) -> list | None:
+    """A walk of `vol` now, from `walk` (one made before, which ended at
+    `from_lsn` with the volume's oldest LSN `oldest_lsn`) and a walk of what
+    was appended after it; None (walk it all) when there is none, or when
+    segments were freed since (the oldest LSN moved)."""
+    from concordia.wal.reader import ScanResult, Scanner
+
+    if walk is None or vol.superblock.oldest_lsn != oldest_lsn:
+        return None
+    return walk + list(Scanner(vol, check_pages=check_pages).items(ScanResult(), from_lsn=from_lsn))
+
+
 def _walk_of_open(log, vol, check_pages: bool, progress):
     """The walk a Log made when it opened, when it answers this scan exactly.
     Read-only: nothing can have been appended since, and it checked pages as
@@ -932,11 +944,10 @@ def _walk_of_open(log, vol, check_pages: bool, progress):
     if walk is None or progress is not None:
         return None
     if getattr(log, "writable", True):
-        if (res.walk_end_lsn is None or vol.superblock.oldest_lsn != res.walk_oldest_lsn
-                or (check_pages and res.walk_checked_pages is not True)):
+        if res.walk_end_lsn is None or (check_pages and res.walk_checked_pages is not True):
             return None
         res.walk = None
-        return walk + list(Scanner(vol, check_pages=check_pages).items(ScanResult(), from_lsn=res.walk_end_lsn))
+        return walk_on(vol, walk, res.walk_end_lsn, res.walk_oldest_lsn, check_pages)
     if res.walk_checked_pages is not True and res.walk_checked_pages != check_pages:
         return None  # a walk with page checks answers one without them too
     res.walk = None
