@@ -301,6 +301,11 @@ def run_device_epochs(cp, counts: list[int], log: str, quick: bool, scratch: Scr
                 "resident_via": resident["via"], "resident_mean": resident["ckpt_ms_mean"],
                 # the default session: the path it decided on after its first epoch, and what that cost
                 "auto": auto["ckpt_ms"], "auto_took": auto["executor"], "auto_via": auto["via"],
+                "host_mean": host["ckpt_ms_mean"], "auto_mean": auto["ckpt_ms_mean"],
+                # each timed call, and the arenas each session opened: where a median sits between two modes
+                "runs_ms": {"resident": resident["ckpt_ms_runs"], "host": host["ckpt_ms_runs"],
+                            "auto": auto["ckpt_ms_runs"]},
+                "arenas": {"resident": resident["arenas"], "auto": auto["arenas"]},
                 "epoch_task": _device_epoch_ms(cp, log, count, reps, scratch)}
         out["latency_phases_us"] = {str(count): _device_epoch_ms(cp, log, count, reps, scratch, stamps=True)
                                     for count in counts}
@@ -362,11 +367,13 @@ def _arena_segment(n: int) -> int:
 
 
 def _per_step(scratch: Scratch, log: str, n: int, reps: int, xp, step, *, segment_size: int = 16 * MiB,
-              warm_up: bool = False, **session_kw) -> tuple:
+              warm_up: bool = False, seen: dict | None = None, **session_kw) -> tuple:
     """(median ms, what the last step returned, least ms, mean ms): `step(session)` timed alone,
     reps + 2 times (the first two left out), over `n` regions of REGION_PAGES
     pages (shadow detector), one page of each dirtied before each step.
-    warm_up: a first step taken untimed (its first use of anything)."""
+    warm_up: a first step taken untimed (its first use of anything).  seen:
+    filled with each timed step's ms (`runs_ms`) and the arenas the session
+    opened in all (`arenas`: a swap costs a step more than its epoch)."""
     from concordia import Session
 
     size = PAGE * REGION_PAGES
@@ -388,6 +395,8 @@ def _per_step(scratch: Scratch, log: str, n: int, reps: int, xp, step, *, segmen
                 last = step(s)
                 times.append(time.perf_counter() - t0)
             times = times[2 + int(warm_up):]
+            if seen is not None:
+                seen.update(runs_ms=[round(t * 1e3, 4) for t in times], arenas=s.runner.arenas)
             return (round(statistics.median(times) * 1e3, 4), last, round(min(times) * 1e3, 4),
                     round(statistics.fmean(times) * 1e3, 4))
     finally:
@@ -397,9 +406,11 @@ def _per_step(scratch: Scratch, log: str, n: int, reps: int, xp, step, *, segmen
 def _checkpoint_ms(scratch: Scratch, log: str, n: int, reps: int, xp, executor: str, staging: str,
                    segment_size: int = 16 * MiB) -> dict:
     """Median `Session.checkpoint()` over the regions `_per_step` makes."""
+    seen: dict = {}
     ms, last, least, mean = _per_step(scratch, log, n, reps, xp, lambda s: s.checkpoint(), executor=executor,
-                                      staging=staging, segment_size=segment_size)
-    return {"ckpt_ms": ms, "ckpt_ms_min": least, "ckpt_ms_mean": mean, "dirty_pages": sum(last.pages.values()),
+                                      staging=staging, segment_size=segment_size, seen=seen)
+    return {"ckpt_ms": ms, "ckpt_ms_min": least, "ckpt_ms_mean": mean, "ckpt_ms_runs": seen["runs_ms"],
+            "arenas": seen["arenas"], "dirty_pages": sum(last.pages.values()),
             "table_pass": last.table_pass, "via": sorted(set(last.via.values())), "executor": last.executor}
 
 
