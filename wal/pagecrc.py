@@ -36,6 +36,7 @@ import os
 import pathlib
 import platform
 import shutil
+import struct
 import subprocess
 import tempfile
 
@@ -43,6 +44,9 @@ import numpy as np
 from crc32c import crc32c as _crc32c
 
 from .errors import UsageError
+
+#: a header's length word (FORMAT.md §5.1: its first eight bytes)
+_LENGTH = struct.Struct("<Q")
 
 #: a record's header bytes (FORMAT.md §5.1; format.RECORD_HEADER_SIZE, whose
 #: module imports this one, holds the two equal)
@@ -77,6 +81,7 @@ void concordia_copy_page_crcs(void *dst, const void *src, const void *offsets, i
                               int64_t count, int64_t page_bytes, void *out);
 void concordia_fold_crcs(const void *crcs, int64_t rows, int64_t count, const void *z, void *out);
 void concordia_span_crcs(const void *base, const void *offsets, const void *lengths, int64_t count, void *out);
+int64_t concordia_walk_lengths(const void *base, int64_t used, int64_t min_len, int64_t align, void *out, int64_t cap);
 """
 
 
@@ -156,6 +161,7 @@ else:
     _copy_c = _lib.concordia_copy_page_crcs
     _fold_c = _lib.concordia_fold_crcs
     _spans_c = _lib.concordia_span_crcs
+    _walk_c = _lib.concordia_walk_lengths
     _NULL = _ffi.NULL
 
 
@@ -287,6 +293,37 @@ def span_crcs(base: np.ndarray, offsets, lengths, out=None) -> np.ndarray:
     if big.size:
         out[big] = done
     return out
+
+
+def walk_lengths(view: np.ndarray, used: int) -> np.ndarray:
+    """The offsets (int64) of the records laid back to back from byte 0 of
+    `view` (a 1-D C-contiguous uint8 array), found by each header's length
+    word (FORMAT.md §5.1, its first eight bytes) up to `used` bytes: the walk
+    stops before a length under HEADER, not a multiple of HEADER, or running
+    past `used`.  The headers' own checks are the caller's.  One call of the
+    helper; without it, a loop here with the same result."""
+    if not isinstance(view, np.ndarray) or view.ndim != 1 or view.dtype != np.uint8 or not view.flags.c_contiguous:
+        raise UsageError("walk_lengths takes a 1-D C-contiguous uint8 array")
+    used = min(int(used), view.size)
+    if _lib is None or used < HEADER:
+        return pure_walk_lengths(view, used)
+    out = np.empty(used // HEADER, np.int64)
+    n = _walk_c(_buf(view), used, HEADER, HEADER, _buf(out, require_writable=True), out.size)
+    return out[:n]
+
+
+def pure_walk_lengths(view: np.ndarray, used: int) -> np.ndarray:
+    """`walk_lengths` in Python (no helper)."""
+    used = min(int(used), view.size)
+    mv, offs, pos = memoryview(view).cast("B"), [], 0
+    length_at = _LENGTH.unpack_from
+    while pos + 8 <= used:
+        n = length_at(mv, pos)[0]
+        if n < HEADER or n % HEADER or n > used - pos:
+            break
+        offs.append(pos)
+        pos += n
+    return np.asarray(offs, np.int64)
 
 
 def page_crcs(pages, out=None, *, release_gil: bool = False) -> np.ndarray:

@@ -62,13 +62,12 @@ there a record is durable when written."""
 
 from __future__ import annotations
 
-import struct
-
 import numpy as np
 
 from concordia.checkpoint.table import DEVICE_DETECTORS, records_bytes
 from concordia.regions.errors import SessionError
 from concordia.wal import format as fmt
+from concordia.wal import pagecrc
 
 #: the arena's words (64 bytes), the consumer's state between its epochs
 WORDS = np.dtype([("used", "<u8"), ("last_commit", "<u8"), ("last_epoch", "<u8"), ("epochs", "<u8"),
@@ -79,10 +78,6 @@ assert WORDS.itemsize == 64
 #: (less when the rest of the segment being written holds one epoch: no roll over)
 ARENA_EPOCHS = 8
 ARENA_MIN_BYTES = 256 << 10
-
-#: a record header's length field (FORMAT.md §5.1), read while the walk finds the records
-_LENGTH = struct.Struct("<Q")
-assert fmt.OFF_LENGTH == 0
 
 
 def why_not(table, backend) -> str | None:
@@ -316,15 +311,7 @@ class Arena:
         at once (its CRC, reserved bytes, LSN, salt, type and region), as the
         appender checks a producer's records (`finish_extent` with offsets)."""
         view = self.ext.view
-        mv, offs, pos = memoryview(view).cast("B"), [], 0
-        length_at, hs, align = _LENGTH.unpack_from, fmt.RECORD_HEADER_SIZE, fmt.RECORD_ALIGN
-        while pos < used:
-            n = length_at(mv, pos)[0]
-            if n < hs or n % align or pos + n > used:
-                break
-            offs.append(pos)
-            pos += n
-        offs = np.asarray(offs, np.int64)
+        offs = pagecrc.walk_lengths(view, used)  # one call of the helper for an arena's thousands of records
         h, ok = fmt.record_headers_at(view, offs, self.ext.lsn, self.ext.salt)
         kinds = h["type"]  # the whole byte (R-T1): an epoch here writes page batches and commits only
         ours = np.isin(h["region_id"], self.table.entries["region_id"])

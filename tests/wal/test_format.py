@@ -22,6 +22,7 @@ def test_struct_sizes():
     from concordia.wal import pagecrc
 
     assert pagecrc.HEADER == F.RECORD_HEADER_SIZE  # the page helper sits below format, with its own name
+    assert F.RECORD_ALIGN == pagecrc.HEADER and F.OFF_LENGTH == 0  # what pagecrc.walk_lengths reads
     body = np.arange(200, dtype=np.uint8)
     assert F.record_body(body, 8, 10).tolist() == list(range(72, 82))
     assert F.record_header_bytes(body, 8).tolist() == list(range(8, 72))

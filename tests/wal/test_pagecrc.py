@@ -397,3 +397,45 @@ def test_env_keeps_the_crc32_kernel(tmp_path):
     kinds, crcs = out.stdout.splitlines()
     assert kinds == "sse4.2 crc32" and crcs == _expected()
 
+
+
+def _chain(rng, lengths: list[int], size: int) -> np.ndarray:
+    """A buffer of `size` random bytes with `lengths` written as length words back to back from 0."""
+    buf = rng.integers(0, 256, size, dtype=np.uint8)
+    pos = 0
+    for n in lengths:
+        if pos + 8 > size:
+            break
+        buf[pos:pos + 8] = np.frombuffer(int(n).to_bytes(8, "little"), np.uint8)
+        pos += max(int(n), 64)
+    return buf
+
+
+@pytest.mark.parametrize("tail", ["end", "short", "unaligned", "overrun", "zero", "huge"])
+def test_walk_lengths_follows_the_chain_and_stops_where_the_python_walk_stops(tail):
+    """The helper's walk (arena.Arena._walk's) and the pure loop give the same
+    offsets: records laid back to back, then each way a walk stops."""
+    rng = np.random.default_rng(sum(map(ord, tail)))
+    lengths = [64 * int(k) for k in rng.integers(1, 40, 300)]
+    stop = {"end": [], "short": [32], "unaligned": [64 * 3 + 8], "overrun": [1 << 20], "zero": [0],
+            "huge": [(1 << 64) - 64]}[tail]
+    size = sum(lengths) + 64 * 64
+    buf = _chain(rng, lengths + stop, size)
+    used = sum(lengths) if tail == "end" else size
+    want = np.cumsum([0] + lengths[:-1]).astype(np.int64)
+    for walk in (pagecrc.walk_lengths, pagecrc.pure_walk_lengths):
+        got = walk(buf, used)
+        assert got.dtype == np.int64
+        assert got.tolist() == want.tolist()
+    # a `used` inside a record stops before it; past the buffer it is the buffer
+    k = next(i for i in range(100, len(lengths)) if lengths[i] > 64)
+    cut = int(want[k]) + 64
+    assert pagecrc.walk_lengths(buf, cut).tolist() == want[:k].tolist() == pagecrc.pure_walk_lengths(buf, cut).tolist()
+    assert pagecrc.walk_lengths(buf, 10 * size).tolist() == pagecrc.pure_walk_lengths(buf, 10 * size).tolist()
+    assert pagecrc.walk_lengths(buf, 0).size == 0 == pagecrc.walk_lengths(buf, 63).size
+
+
+def test_walk_lengths_takes_one_flat_byte_array():
+    for bad in (np.zeros((2, 64), np.uint8), np.zeros(128, np.uint16), np.zeros(256, np.uint8)[::2], b"x" * 128):
+        with pytest.raises(UsageError):
+            pagecrc.walk_lengths(bad, 128)
