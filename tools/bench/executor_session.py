@@ -672,7 +672,11 @@ def _table(doc: dict) -> str:
     for n, row in doc.get("latency_ms", {}).items():
         lines.append(f"  {n:>5} regions: resident checkpoint {row['resident']:.3f} ms (via {row['resident_via']}), "
                      f"host checkpoint {row['host']:.3f} ms; one EPOCH task {row['epoch_task']:.3f} ms (component)"
-                     + (f"; auto took {row['auto_took']}: {row['auto']:.3f} ms" if "auto_took" in row else ""))
+                     + (f"; auto took {row['auto_took']}: {row['auto']:.3f} ms" if "auto_took" in row else "")
+                     + ("; means: " + ", ".join(f"{k} {row[k + '_mean']:.3f}" for k in ("resident", "host", "auto")
+                                                if k + "_mean" in row) if "auto_mean" in row else "")
+                     + ("; arenas: " + ", ".join(f"{k} {v}" for k, v in row["arenas"].items()) if "arenas" in row
+                        else ""))
     for n, row in doc.get("latency_phases_us", {}).items():
         lines.append(f"  {n:>5} regions, stamped phases µs ({row['path']}): "
                      + ", ".join(f"{k} {v:.1f}" for k, v in row.items() if k != "path"))
