@@ -6,7 +6,10 @@ per page above the hash itself, as much again as hashing a 4 KiB page, so the
 log's CPU paths (append, restore, verify) spend half their time in calls.
 `_pagecrc.c` hashes all pages of a record in one call (three pages at a time on
 the SSE4.2 `crc32` instruction), and can copy each page while hashing it, so a
-restore reads the log once and checks exactly the bytes it writes.
+restore reads the log once and checks exactly the bytes it writes.  It also
+finds the records a producer laid back to back by their length words
+(`walk_lengths`: an arena's thousands of records in one call, not a loop a
+record).
 
 The C file is compiled with the system C compiler on first use into
 `$XDG_CACHE_HOME/concordia` (default `~/.cache/concordia`), named by the hash of
