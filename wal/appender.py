@@ -238,9 +238,12 @@ class Appender:
                              where=f"segment {res.segment} @ 0x{res.offset:x}")
         return pos
 
-    def _account_at(self, res: Reservation, used: int, records: int, offsets) -> int:
+    def _account_at(self, res: Reservation, used: int, records: int, offsets, checked=None) -> int:
         """`_account` for records at known offsets: the headers are gathered and
-        checked as arrays, and must tile [0, used) exactly as a walk would."""
+        checked as arrays, and must tile [0, used) exactly as a walk would.
+        checked: those headers as `format.record_headers_at` returned them for
+        `res`, every one passing (the caller's own walk): not gathered and
+        checked again; the tiling and the counts are still this call's."""
         offs = np.asarray(offsets, dtype=np.int64).reshape(-1)
         if used % 64 or not 0 <= used <= res.length:
             raise UsageError(f"used bytes {used} must be a multiple of 64 within the {res.length}-byte reservation")
@@ -255,7 +258,10 @@ class Appender:
         if offs[0] != 0 or offs[-1] + F.RECORD_HEADER_SIZE > used:
             raise UsageError("record offsets do not start at 0 and lie within the bytes used",
                              where=f"segment {res.segment} @ 0x{res.offset:x}")
-        h, ok = F.record_headers_at(res.view, offs, res.lsn, res.salt)
+        if checked is not None and len(checked) == offs.size:
+            h, ok = checked, np.ones(offs.size, bool)
+        else:
+            h, ok = F.record_headers_at(res.view, offs, res.lsn, res.salt)
         length = h["length"].astype(np.int64)
         ends = np.append(offs[1:], used)
         bad = ~ok | (offs + length != ends)
@@ -271,11 +277,14 @@ class Appender:
             raise UsageError(f"invalid record written into a reservation: {problem}",
                              where=f"segment {res.segment} @ 0x{res.offset + pos:x}")
         counted = F.counted_in_epoch_mask(h["type"], h["flags"])
-        for epoch in np.unique(h["epoch"][counted]).tolist():
-            mine = counted & (h["epoch"] == epoch)
+        # each epoch's records, bytes and first LSN, one pass for all (an arena holds many epochs)
+        epochs, first, which = np.unique(h["epoch"][counted], return_index=True, return_inverse=True)
+        counts = np.bincount(which, minlength=epochs.size)
+        sums = np.zeros(epochs.size, np.int64)
+        np.add.at(sums, which, length[counted])
+        firsts = h["lsn"][counted][first]
+        for epoch, n, nbytes, first in zip(epochs.tolist(), counts.tolist(), sums.tolist(), firsts.tolist()):
             st = self.stats.get(epoch)
-            first = int(h["lsn"][mine][0])
-            n, nbytes = int(mine.sum()), int(length[mine].sum())
             if st is None:
                 self.stats[epoch] = [n, nbytes, first]
             else:
@@ -330,12 +339,14 @@ class Appender:
         self.persist(res)
 
     def finish_extent(self, ext: Extent, used_bytes: int, records: int | None, offsets=None, *,
-                      trim: bool = False) -> None:
+                      trim: bool = False, checked=None) -> None:
         """The producer wrote `records` records (None: as many as the walk
         finds) into the first `used_bytes` of `ext`; check, pad the rest,
         persist.  offsets: where the producer says
         its records start (ascending, from 0): their headers are then checked
-        all at once instead of walked one by one (the same checks).
+        all at once instead of walked one by one (the same checks); checked:
+        their headers as the caller gathered and checked them already
+        (`format.record_headers_at`, every one passing), not read again.
         trim: when nothing was taken after `ext`, give its unused end back
         instead of padding it (a producer that reserved an upper bound), so
         the log holds what an extent of `used_bytes` would have held
@@ -346,7 +357,7 @@ class Appender:
         if offsets is None or records is None or records <= 8:  # a few headers: the walk costs less
             used = self._account(ext, F.align64(used_bytes), records)
         else:
-            used = self._account_at(ext, F.align64(used_bytes), records, offsets)
+            used = self._account_at(ext, F.align64(used_bytes), records, offsets, checked)
         if trim and used < ext.length and self.seg is not None and self.seg.index == ext.segment \
                 and self.pos == ext.offset + ext.length:
             self.pos = ext.offset + used

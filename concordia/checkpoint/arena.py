@@ -277,8 +277,10 @@ class Arena:
         offsets = offs if good == used else np.append(offs, good)
         if good < used:
             self._pad(good, used)
-        # the appender checks the headers at these offsets as arrays, and that they tile the bytes used
-        app.finish_extent(self.ext, used, len(offsets), offsets=offsets, trim=True)
+        # the appender checks that the records at these offsets tile the bytes used, and counts them; their
+        # headers, checked by the walk, it reads again only where a pad follows them
+        app.finish_extent(self.ext, used, len(offsets), offsets=offsets, trim=True,
+                          checked=h if good == used else None)
         ids = self.table.entries["region_id"].astype(np.int64)
         order = self.table.commit_order  # the rows in region-id order
         kinds = h["type"]
