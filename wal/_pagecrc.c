@@ -398,20 +398,23 @@ void concordia_fold_crcs(const uint32_t *crcs, int64_t rows, int64_t count, cons
     }
 }
 
-/* The records laid back to back from byte 0 of `base` (FORMAT.md §5.1: each
+/* The records laid back to back from byte `start` of `base` (FORMAT.md §5.1: each
  * header's first eight bytes its length), walked by their lengths up to `used`
  * bytes: their offsets into `out` (room for `cap`), stopping before a length
  * under `min_len`, not a multiple of `align`, or running past `used`, or once
- * `out` is full.  Returns how many; the header checks are the caller's.  The
- * caller keeps `used` + 8 within the buffer or stops at `used` - 8 bytes. */
-int64_t concordia_walk_lengths(const uint8_t *base, int64_t used, int64_t min_len, int64_t align, int64_t *out,
-                               int64_t cap)
+ * `out` is full.  Returns how many; the header checks are the caller's.  With
+ * `headers` (room for `cap` x `min_len` bytes), each record's first `min_len`
+ * bytes (its header) are copied there too, in order. */
+int64_t concordia_walk_lengths(const uint8_t *base, int64_t start, int64_t used, int64_t min_len, int64_t align,
+                               int64_t *out, int64_t cap, uint8_t *headers)
 {
-    int64_t pos = 0, n = 0;
+    int64_t pos = start, n = 0;
     while (pos + 8 <= used && n < cap) {
         uint64_t len = load64(base + pos);
         if (len < (uint64_t)min_len || len % (uint64_t)align || len > (uint64_t)(used - pos))
             break;
+        if (headers)  /* the header's bytes while they are at hand: no second pass over scattered lines */
+            memcpy(headers + n * min_len, base + pos, (size_t)min_len);
         out[n++] = pos;
         pos += (int64_t)len;
     }

@@ -333,15 +333,19 @@ RECORD_HEADER_DTYPE = np.dtype({
                 OFF_BODY_CRC, OFF_COUNT, OFF_PAGE_BYTES, OFF_AUX, OFF_RESERVED1, OFF_HEADER_CRC],
     "itemsize": RECORD_HEADER_SIZE})
 
-def record_headers_at(view: np.ndarray, offs: np.ndarray, lsn: int, salt: int) -> tuple:
+def record_headers_at(view: np.ndarray, offs: np.ndarray, lsn: int, salt: int, *, rows=None) -> tuple:
     """(headers, ok) of the record headers at `offs` (int64, ascending) of
     an extent `view` (uint8) whose first byte has LSN `lsn`: each as
     RECORD_HEADER_DTYPE, and whether each passes V-R2, V-R3 without the
     segment bound, V-R4 and V-R5 (FORMAT.md §5.5: its header CRC, its length
     a positive multiple of 64, its reserved bytes zero, its LSN and salt):
     the checks of `check_record_header_bytes` and a walk's placement, as
-    arrays.  The caller keeps the offsets within the extent (V-R1)."""
-    if offs.size and not (offs % RECORD_HEADER_SIZE).any():  # whole 64-byte rows: gathered a row at a time
+    arrays.  The caller keeps the offsets within the extent (V-R1).  rows:
+    those headers' bytes, gathered already (an (n, 64) uint8 array:
+    `pagecrc.walk_lengths(headers=True)`), not read from `view` again."""
+    if rows is not None:
+        raw = rows
+    elif offs.size and not (offs % RECORD_HEADER_SIZE).any():  # whole 64-byte rows: gathered a row at a time
         raw = view[:len(view) // RECORD_HEADER_SIZE * RECORD_HEADER_SIZE].reshape(-1, RECORD_HEADER_SIZE)[
             offs // RECORD_HEADER_SIZE]
     else:

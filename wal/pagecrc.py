@@ -48,6 +48,9 @@ from crc32c import crc32c as _crc32c
 
 from .errors import UsageError
 
+#: records `walk_lengths` finds in one call of the helper (then it calls again from there)
+WALK_CHUNK = 4096
+
 #: a header's length word (FORMAT.md §5.1: its first eight bytes)
 _LENGTH = struct.Struct("<Q")
 
@@ -84,7 +87,8 @@ void concordia_copy_page_crcs(void *dst, const void *src, const void *offsets, i
                               int64_t count, int64_t page_bytes, void *out);
 void concordia_fold_crcs(const void *crcs, int64_t rows, int64_t count, const void *z, void *out);
 void concordia_span_crcs(const void *base, const void *offsets, const void *lengths, int64_t count, void *out);
-int64_t concordia_walk_lengths(const void *base, int64_t used, int64_t min_len, int64_t align, void *out, int64_t cap);
+int64_t concordia_walk_lengths(const void *base, int64_t start, int64_t used, int64_t min_len, int64_t align,
+                               void *out, int64_t cap, void *headers);
 """
 
 
@@ -298,25 +302,42 @@ def span_crcs(base: np.ndarray, offsets, lengths, out=None) -> np.ndarray:
     return out
 
 
-def walk_lengths(view: np.ndarray, used: int) -> np.ndarray:
+def walk_lengths(view: np.ndarray, used: int, *, headers: bool = False):
     """The offsets (int64) of the records laid back to back from byte 0 of
     `view` (a 1-D C-contiguous uint8 array), found by each header's length
     word (FORMAT.md §5.1, its first eight bytes) up to `used` bytes: the walk
     stops before a length under HEADER, not a multiple of HEADER, or running
-    past `used`.  The headers' own checks are the caller's.  One call of the
-    helper; without it, a loop here with the same result."""
+    past `used`.  The headers' own checks are the caller's.  headers: also
+    return their bytes, (offsets, an (n, HEADER) uint8 array), copied as the
+    walk meets them (`format.record_headers_at(rows=)` checks them there).
+    One call of the helper; without it, a loop here with the same result."""
     if not isinstance(view, np.ndarray) or view.ndim != 1 or view.dtype != np.uint8 or not view.flags.c_contiguous:
         raise UsageError("walk_lengths takes a 1-D C-contiguous uint8 array")
     used = min(int(used), view.size)
     if _lib is None or used < HEADER:
-        return pure_walk_lengths(view, used)
-    out = np.empty(used // HEADER, np.int64)
-    n = _walk_c(_buf(view), used, HEADER, HEADER, _buf(out, require_writable=True), out.size)
-    return out[:n]
+        offs = pure_walk_lengths(view, used)
+        return (offs, view[offs[:, None] + np.arange(HEADER)]) if headers else offs
+    offs, heads, start, base = [], [], 0, _buf(view)
+    while True:  # a few thousand records a call: room for them, not for every 64 bytes of `used`
+        cap = min(WALK_CHUNK, (used - start) // HEADER)
+        out = np.empty(cap, np.int64)
+        rows = np.empty((cap, HEADER), np.uint8) if headers else None
+        n = _walk_c(base, start, used, HEADER, HEADER, _buf(out, require_writable=True), cap,
+                    _buf(rows, require_writable=True) if headers else _NULL)
+        offs.append(out[:n])
+        if headers:
+            heads.append(rows[:n])
+        if n < cap or n == 0:
+            break
+        start = int(out[n - 1]) + int(view[out[n - 1]:out[n - 1] + 8].view("<u8")[0])
+    offs = offs[0] if len(offs) == 1 else np.concatenate(offs)
+    if not headers:
+        return offs
+    return offs, heads[0] if len(heads) == 1 else np.concatenate(heads)
 
 
 def pure_walk_lengths(view: np.ndarray, used: int) -> np.ndarray:
-    """`walk_lengths` in Python (no helper)."""
+    """`walk_lengths` in Python (no helper), the offsets alone."""
     used = min(int(used), view.size)
     mv, offs, pos = memoryview(view).cast("B"), [], 0
     length_at = _LENGTH.unpack_from

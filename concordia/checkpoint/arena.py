@@ -313,8 +313,9 @@ class Arena:
         at once (its CRC, reserved bytes, LSN, salt, type and region), as the
         appender checks a producer's records (`finish_extent` with offsets)."""
         view = self.ext.view
-        offs = pagecrc.walk_lengths(view, used)  # one call of the helper for an arena's thousands of records
-        h, ok = fmt.record_headers_at(view, offs, self.ext.lsn, self.ext.salt)
+        # one call of the helper for an arena's thousands of records, their headers copied as it meets them
+        offs, rows = pagecrc.walk_lengths(view, used, headers=True)
+        h, ok = fmt.record_headers_at(view, offs, self.ext.lsn, self.ext.salt, rows=rows)
         kinds = h["type"]  # the whole byte (R-T1): an epoch here writes page batches and commits only
         ours = np.isin(h["region_id"], self.table.entries["region_id"])
         ok &= np.where(kinds == fmt.REC_PAGE_BATCH, ours, kinds == fmt.REC_COMMIT)

@@ -427,6 +427,9 @@ def test_walk_lengths_follows_the_chain_and_stops_where_the_python_walk_stops(ta
         got = walk(buf, used)
         assert got.dtype == np.int64
         assert got.tolist() == want.tolist()
+    offs, rows = pagecrc.walk_lengths(buf, used, headers=True)   # each header's bytes, as the walk met them
+    assert offs.tolist() == want.tolist() and rows.shape == (want.size, 64)
+    assert np.array_equal(rows, buf[want[:, None] + np.arange(64)])
     # a `used` inside a record stops before it; past the buffer it is the buffer
     k = next(i for i in range(100, len(lengths)) if lengths[i] > 64)
     cut = int(want[k]) + 64
@@ -439,3 +442,17 @@ def test_walk_lengths_takes_one_flat_byte_array():
     for bad in (np.zeros((2, 64), np.uint8), np.zeros(128, np.uint16), np.zeros(256, np.uint8)[::2], b"x" * 128):
         with pytest.raises(UsageError):
             pagecrc.walk_lengths(bad, 128)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 300, 4096])
+def test_walk_lengths_in_chunks_finds_what_one_call_finds(monkeypatch, chunk):
+    """The helper finds WALK_CHUNK records a call and goes on from the last:
+    the offsets and header bytes are those of one walk, whatever the chunk."""
+    rng = np.random.default_rng(7)
+    lengths = [64 * int(k) for k in rng.integers(1, 9, 300)]
+    buf = _chain(rng, lengths + [0], sum(lengths) + 4096)
+    want = np.cumsum([0] + lengths[:-1]).astype(np.int64)
+    monkeypatch.setattr(pagecrc, "WALK_CHUNK", chunk)
+    offs, rows = pagecrc.walk_lengths(buf, buf.size, headers=True)
+    assert offs.tolist() == want.tolist() == pagecrc.walk_lengths(buf, buf.size).tolist()
+    assert np.array_equal(rows, buf[want[:, None] + np.arange(64)])
