@@ -404,9 +404,10 @@ void concordia_fold_crcs(const uint32_t *crcs, int64_t rows, int64_t count, cons
  * under `min_len`, not a multiple of `align`, or running past `used`, or once
  * `out` is full.  Returns how many; the header checks are the caller's.  With
  * `headers` (room for `cap` x `min_len` bytes), each record's first `min_len`
- * bytes (its header) are copied there too, in order. */
+ * bytes (its header) are copied there too, in order.  `*end`: where the walk
+ * stopped (the next record's offset when `out` filled up). */
 int64_t concordia_walk_lengths(const uint8_t *base, int64_t start, int64_t used, int64_t min_len, int64_t align,
-                               int64_t *out, int64_t cap, uint8_t *headers)
+                               int64_t *out, int64_t cap, uint8_t *headers, int64_t *end)
 {
     int64_t pos = start, n = 0;
     while (pos + 8 <= used && n < cap) {
@@ -418,5 +419,6 @@ int64_t concordia_walk_lengths(const uint8_t *base, int64_t start, int64_t used,
         out[n++] = pos;
         pos += (int64_t)len;
     }
+    *end = pos;
     return n;
 }

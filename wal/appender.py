@@ -258,8 +258,12 @@ class Appender:
         if offs[0] != 0 or offs[-1] + F.RECORD_HEADER_SIZE > used:
             raise UsageError("record offsets do not start at 0 and lie within the bytes used",
                              where=f"segment {res.segment} @ 0x{res.offset:x}")
-        if checked is not None and len(checked) == offs.size:
-            h, ok = checked, np.ones(offs.size, bool)
+        if checked is not None:  # the caller's checks, tied to this extent: its offsets, LSNs and salt
+            if len(checked) != offs.size:
+                raise UsageError(f"{len(checked)} checked headers for {offs.size} records",
+                                 where=f"segment {res.segment} @ 0x{res.offset:x}")
+            h = checked
+            ok = (h["lsn"] == np.uint64(res.lsn) + offs.astype(np.uint64)) & (h["salt"] == res.salt)
         else:
             h, ok = F.record_headers_at(res.view, offs, res.lsn, res.salt)
         length = h["length"].astype(np.int64)
@@ -278,11 +282,11 @@ class Appender:
                              where=f"segment {res.segment} @ 0x{res.offset + pos:x}")
         counted = F.counted_in_epoch_mask(h["type"], h["flags"])
         # each epoch's records, bytes and first LSN, one pass for all (an arena holds many epochs)
-        epochs, first, which = np.unique(h["epoch"][counted], return_index=True, return_inverse=True)
+        epochs, at, which = np.unique(h["epoch"][counted], return_index=True, return_inverse=True)
         counts = np.bincount(which, minlength=epochs.size)
         sums = np.zeros(epochs.size, np.int64)
         np.add.at(sums, which, length[counted])
-        firsts = h["lsn"][counted][first]
+        firsts = h["lsn"][counted][at]   # each epoch's first record in the extent (np.unique's first index)
         for epoch, n, nbytes, first in zip(epochs.tolist(), counts.tolist(), sums.tolist(), firsts.tolist()):
             st = self.stats.get(epoch)
             if st is None:

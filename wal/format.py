@@ -344,6 +344,9 @@ def record_headers_at(view: np.ndarray, offs: np.ndarray, lsn: int, salt: int, *
     those headers' bytes, gathered already (an (n, 64) uint8 array:
     `pagecrc.walk_lengths(headers=True)`), not read from `view` again."""
     if rows is not None:
+        if rows.shape != (offs.size, RECORD_HEADER_SIZE):
+            raise ValueError(f"header rows of shape {rows.shape} for {offs.size} offsets of "
+                             f"{RECORD_HEADER_SIZE}-byte headers")
         raw = rows
     elif offs.size and not (offs % RECORD_HEADER_SIZE).any():  # whole 64-byte rows: gathered a row at a time
         raw = view[:len(view) // RECORD_HEADER_SIZE * RECORD_HEADER_SIZE].reshape(-1, RECORD_HEADER_SIZE)[

@@ -88,7 +88,7 @@ void concordia_copy_page_crcs(void *dst, const void *src, const void *offsets, i
 void concordia_fold_crcs(const void *crcs, int64_t rows, int64_t count, const void *z, void *out);
 void concordia_span_crcs(const void *base, const void *offsets, const void *lengths, int64_t count, void *out);
 int64_t concordia_walk_lengths(const void *base, int64_t start, int64_t used, int64_t min_len, int64_t align,
-                               void *out, int64_t cap, void *headers);
+                               void *out, int64_t cap, void *headers, void *end);
 """
 
 
@@ -310,7 +310,8 @@ def walk_lengths(view: np.ndarray, used: int, *, headers: bool = False):
     past `used`.  The headers' own checks are the caller's.  headers: also
     return their bytes, (offsets, an (n, HEADER) uint8 array), copied as the
     walk meets them (`format.record_headers_at(rows=)` checks them there).
-    One call of the helper; without it, a loop here with the same result."""
+    A call of the helper a WALK_CHUNK records; without it, a loop here with
+    the same result."""
     if not isinstance(view, np.ndarray) or view.ndim != 1 or view.dtype != np.uint8 or not view.flags.c_contiguous:
         raise UsageError("walk_lengths takes a 1-D C-contiguous uint8 array")
     used = min(int(used), view.size)
@@ -318,18 +319,19 @@ def walk_lengths(view: np.ndarray, used: int, *, headers: bool = False):
         offs = pure_walk_lengths(view, used)
         return (offs, view[offs[:, None] + np.arange(HEADER)]) if headers else offs
     offs, heads, start, base = [], [], 0, _buf(view)
+    end = np.zeros(1, np.int64)
     while True:  # a few thousand records a call: room for them, not for every 64 bytes of `used`
         cap = min(WALK_CHUNK, (used - start) // HEADER)
         out = np.empty(cap, np.int64)
         rows = np.empty((cap, HEADER), np.uint8) if headers else None
         n = _walk_c(base, start, used, HEADER, HEADER, _buf(out, require_writable=True), cap,
-                    _buf(rows, require_writable=True) if headers else _NULL)
+                    _buf(rows, require_writable=True) if headers else _NULL, _buf(end, require_writable=True))
         offs.append(out[:n])
         if headers:
             heads.append(rows[:n])
         if n < cap or n == 0:
             break
-        start = int(out[n - 1]) + int(view[out[n - 1]:out[n - 1] + 8].view("<u8")[0])
+        start = int(end[0])  # where the helper stopped: the next record, its length word not read again here
     offs = offs[0] if len(offs) == 1 else np.concatenate(offs)
     if not headers:
         return offs

@@ -272,7 +272,8 @@ class Arena:
         on (a record that is not one, a commit written wrong) is covered by
         one pad record before the refusal is raised, so the log holds no
         damage and no epoch of it."""
-        used = self.word("used")
+        said = self.word("used")
+        used = min(said, self.ext.length)  # a word past the extent (a producer's fault): the extent is all there is
         offs, h, good = self._walk(used)
         offsets = offs if good == used else np.append(offs, good)
         if good < used:
@@ -299,6 +300,10 @@ class Arena:
                         int(batches["length"].sum())))
             self.digests = info.digests
             i0, start = ci + 1, pos + int(h["length"][ci])
+        if said > used:  # the cause, whatever the walk found within the extent
+            raise SessionError(f"the arena's words say {said} bytes were written into its extent of {used}: "
+                               f"its epochs up to lsn 0x{self.ext.lsn + good:x} are taken on, the rest padded over",
+                               where=f"segment {self.ext.segment} @ {self.ext.offset:#x}")
         if good < used:
             raise SessionError(f"the arena holds no whole record or commit after lsn 0x{self.ext.lsn + good:x}: "
                                f"its last {used - good} bytes are padded over, no epoch of them taken on",

@@ -108,6 +108,24 @@ def test_what_follows_a_damaged_record_is_padded_over_and_the_epochs_before_it_s
         np.testing.assert_array_equal(r.recover()["a"], a)
 
 
+def test_a_used_word_past_the_extent_takes_on_the_epochs_within_it_and_refuses_in_one_line(shm_log):
+    """The arena's `used` word is the consumer's (the device's, in mapped
+    memory).  One past the extent is a fault: the walk reads the extent and no
+    byte past it, its epochs are taken on, and the refusal is one line."""
+    s, a = _session(shm_log)
+    with s:
+        runner, ar, first = _one_epoch_in_an_arena(s, a)
+        ar.words[0]["used"] = ar.ext.length + 4096
+        after = ar.ext.offset + ar.ext.length
+        past = s.log.backend.array[after:after + 4096].copy()
+        with pytest.raises(ConcordiaError, match="words say .* bytes were written into its extent") as e:
+            s.settle()
+        assert "\n" not in str(e.value) and s.epoch == first
+        np.testing.assert_array_equal(s.log.backend.array[after:after + 4096], past)
+        np.testing.assert_array_equal(s.recover()["a"], a)
+        assert s.log.verify()["corrupt"] == 0
+
+
 def test_a_record_whose_type_byte_only_masks_to_an_epochs_is_not_taken_on(shm_log):
     """R-T1: the type is the whole byte.  A page batch header with the
     ignorable bit set (0x81), its CRC right, is no record an arena epoch

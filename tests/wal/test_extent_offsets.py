@@ -36,7 +36,7 @@ def test_commit_digests_as_arrays_encode_as_the_dict():
         F.encode_commit_body(3, 4, 5, (np.array([1, 1]), np.array([2, 3])))
 
 
-def _extent_of_records(n=20, pb=256, epochs=None):
+def _extent_of_records(n=20, pb=256, epochs=None, flags=None):
     log = Log.create("memory:", size=64 << 20, segment_size=8 << 20)
     rid = log.define_region("r", "uint8", (n * pb,), pb, "opaque")
     region = np.random.default_rng(1).integers(0, 255, n * pb, dtype=np.uint8)
@@ -49,7 +49,8 @@ def _extent_of_records(n=20, pb=256, epochs=None):
         offsets.append(int(cursor[ref.CURSOR_USED]))
         ids = np.arange(1 + i % 3, dtype=np.uint32)  # pages 0.. of the region, 1 to 3 of them
         ref.stage_page_batch(region, ids, ext.view, cursor, page_bytes=pb, base_lsn=ext.lsn,
-                             epoch=1 if epochs is None else epochs[i], region_id=rid, salt=ext.salt)
+                             epoch=1 if epochs is None else epochs[i], region_id=rid, salt=ext.salt,
+                             flags=0 if flags is None else flags[i])
     return log, app, ext, np.array(offsets), int(cursor[ref.CURSOR_USED])
 
 
@@ -70,9 +71,10 @@ def test_headers_the_caller_checked_count_as_the_walk_for_many_epochs():
     the walk, the appender counts each epoch's records, bytes and first LSN
     alike (one epoch's records need not be together)."""
     epochs = [1, 1, 2, 2, 2, 3, 4, 4, 3, 5, 5, 5, 5, 6, 7, 7, 8, 8, 9, 9]
+    base = [0, F.FLAG_BASE, 0, 0, 0, F.FLAG_BASE, 0, 0, 0, F.FLAG_BASE, F.FLAG_BASE] + [0] * 9  # BASE: not counted
     got = []
     for how in ("checked", "offsets", "walk"):
-        log, app, ext, offsets, used = _extent_of_records(epochs=epochs)
+        log, app, ext, offsets, used = _extent_of_records(epochs=epochs, flags=base)
         if how == "checked":
             h, ok = F.record_headers_at(ext.view, offsets, ext.lsn, ext.salt)
             assert ok.all()
@@ -83,15 +85,24 @@ def test_headers_the_caller_checked_count_as_the_walk_for_many_epochs():
             app.finish_extent(ext, used, offsets.size)
         got.append(dict(app.stats))
     assert got[0] == got[1] == got[2]
-    assert sorted(got[0]) == list(range(1, 10)) and got[0][3][0] == 2 and got[0][5][0] == 4
-    assert sum(st[1] for st in got[0].values()) == used
+    # epoch 3: its first record is BASE (not counted), so its first LSN is its second record's
+    assert sorted(got[0]) == list(range(1, 10)) and got[0][3][0] == 1 and got[0][5][0] == 2
+    assert got[0][3][2] == ext.lsn + int(offsets[8]) and got[0][1][0] == 1
+    lengths = np.diff(np.append(offsets, used))
+    assert sum(st[1] for st in got[0].values()) == int(lengths[np.array(base) == 0].sum())
 
 
-def test_checked_headers_still_have_to_tile_the_bytes_used():
+def test_checked_headers_still_have_to_tile_the_bytes_used_and_be_this_extents():
     log, app, ext, offsets, used = _extent_of_records()
     h, _ = F.record_headers_at(ext.view, offsets, ext.lsn, ext.salt)
     with pytest.raises(UsageError, match="does not end where the next begins"):
         app.finish_extent(ext, used - 64, offsets.size, offsets=offsets, checked=h)
+    log, app, ext, offsets, used = _extent_of_records()
+    with pytest.raises(UsageError, match="checked headers for"):
+        app.finish_extent(ext, used, offsets.size, offsets=offsets, checked=h[:-1])
+    log, app, ext, offsets, used = _extent_of_records()   # another extent's headers: its LSNs and salt
+    with pytest.raises(UsageError, match="names lsn"):
+        app.finish_extent(ext, used, offsets.size, offsets=offsets, checked=h)
 
 
 @pytest.mark.parametrize("damage, problem", [

@@ -412,7 +412,7 @@ def _chain(rng, lengths: list[int], size: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("tail", ["end", "short", "unaligned", "overrun", "zero", "huge"])
-def test_walk_lengths_follows_the_chain_and_stops_where_the_python_walk_stops(tail):
+def test_walk_lengths_follows_the_chain_and_stops_where_the_python_walk_stops(path, tail):
     """The helper's walk (arena.Arena._walk's) and the pure loop give the same
     offsets: records laid back to back, then each way a walk stops."""
     rng = np.random.default_rng(sum(map(ord, tail)))
@@ -445,14 +445,18 @@ def test_walk_lengths_takes_one_flat_byte_array():
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 300, 4096])
-def test_walk_lengths_in_chunks_finds_what_one_call_finds(monkeypatch, chunk):
-    """The helper finds WALK_CHUNK records a call and goes on from the last:
-    the offsets and header bytes are those of one walk, whatever the chunk."""
+@pytest.mark.parametrize("to_end", [False, True])
+def test_walk_lengths_in_chunks_finds_what_one_call_finds(path, monkeypatch, chunk, to_end):
+    """The helper finds WALK_CHUNK records a call and goes on from where it
+    stopped: the offsets and header bytes are those of one walk, whatever the
+    chunk, a chunk ending where `used` does included (`to_end`)."""
     rng = np.random.default_rng(7)
     lengths = [64 * int(k) for k in rng.integers(1, 9, 300)]
     buf = _chain(rng, lengths + [0], sum(lengths) + 4096)
+    used = sum(lengths) if to_end else buf.size
     want = np.cumsum([0] + lengths[:-1]).astype(np.int64)
     monkeypatch.setattr(pagecrc, "WALK_CHUNK", chunk)
-    offs, rows = pagecrc.walk_lengths(buf, buf.size, headers=True)
-    assert offs.tolist() == want.tolist() == pagecrc.walk_lengths(buf, buf.size).tolist()
+    offs, rows = pagecrc.walk_lengths(buf, used, headers=True)
+    assert offs.tolist() == want.tolist() == pagecrc.walk_lengths(buf, used).tolist()
+    assert offs.tolist() == pagecrc.pure_walk_lengths(buf, used).tolist()
     assert np.array_equal(rows, buf[want[:, None] + np.arange(64)])
