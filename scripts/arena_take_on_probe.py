@@ -4,9 +4,10 @@ inside it `Arena.adopt` (a component figure: the walk, the appender's checks,
 each commit taken on).  On the CPU the epochs are the consumer thread's (the
 device's EPOCH handler writes the same records); the arena swap of a GPU's step
 trigger takes its arena on the same way (`DeviceEpochs.rotate`).
-Usage: python3 scripts/arena_take_on_probe.py [OUT.json] [REGIONS] [EPOCHS] [ROUNDS]
+Usage: python3 scripts/arena_take_on_probe.py [OUT.json] [REGIONS] [EPOCHS] [ROUNDS] [REGION_KIB]
 (defaults: no JSON, 173 regions (a Qwen3-0.6B's protected state with a LoRA on
-q and v), 4 epochs an arena, 40 rounds)."""
+q and v), 4 epochs an arena, 40 rounds, 1024 KiB a region; the log is 1 GiB,
+or four times the state where that is more)."""
 
 from __future__ import annotations
 
@@ -23,9 +24,10 @@ import concordia
 from concordia.checkpoint.arena import Arena
 
 
-def main(out: str | None = None, regions: int = 173, epochs: int = 4, rounds: int = 40) -> dict:
+def main(out: str | None = None, regions: int = 173, epochs: int = 4, rounds: int = 40, region_kib: int = 1024) -> dict:
     rng = np.random.default_rng(0)
-    arrays = [rng.integers(0, 255, 1 << 20, dtype=np.uint8) for _ in range(regions)]
+    arrays = [rng.integers(0, 255, region_kib << 10, dtype=np.uint8) for _ in range(regions)]
+    size = max(1 << 30, -(-4 * regions * (region_kib << 10) // (64 << 20)) * (64 << 20))
     adopt_s, settle_s, taken = [], [], []
     inner = Arena.adopt
 
@@ -39,7 +41,7 @@ def main(out: str | None = None, regions: int = 173, epochs: int = 4, rounds: in
     Arena.adopt = adopt
     log = f"/dev/shm/concordia-take-on-{os.getpid()}"
     try:
-        with concordia.Session(f"shm:{log}", size=1 << 30, executor="resident") as s:
+        with concordia.Session(f"shm:{log}", size=size, executor="resident") as s:
             for i, a in enumerate(arrays):
                 s.register(f"r{i}", a, page_bytes=4096)
             s.checkpoint()
@@ -62,7 +64,8 @@ def main(out: str | None = None, regions: int = 173, epochs: int = 4, rounds: in
     settle_s, adopt_s = settle_s[2:], adopt_s[-sum(taken[2:]):] if sum(taken[2:]) else []
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                           cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    res = {"probe": "arena_take_on", "commit": head, "regions": regions, "epochs_per_round": epochs,
+    res = {"probe": "arena_take_on", "commit": head, "regions": regions, "region_kib": region_kib,
+           "epochs_per_round": epochs,
            "rounds": rounds, "via": via, "arenas_taken_on": len(adopt_s),
            "settle_ms_median": statistics.median(settle_s) * 1e3 if settle_s else None,
            "adopt_ms_median": statistics.median(adopt_s) * 1e3 if adopt_s else None}
@@ -79,4 +82,4 @@ def main(out: str | None = None, regions: int = 173, epochs: int = 4, rounds: in
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    main(args[0] if args else None, *(int(x) for x in args[1:4]))
+    main(args[0] or None if args else None, *(int(x) for x in args[1:5]))
