@@ -7,9 +7,4 @@
 # through Session.recover(into=) of CuPy targets, at 64 MiB and 1 GiB.
 # Run from the repo root with $OUT set:
 #   PART_LIMIT_S_executor_recover=200 bash scripts/gpu_suite.sh executor_recover
-set -uo pipefail
-cd "$(dirname "$0")/../.."
-EXECUTOR_SESSION_NAME=executor-recover EXECUTOR_SESSION_PARTS=recover \
-  EXECUTOR_SESSION_TESTS="tests/session/test_restore_ring_gpu.py tests/session/test_restore_ring.py" \
-  EXECUTOR_SESSION_TESTS_S="${EXECUTOR_RECOVER_TESTS_S:-90}" EXECUTOR_SESSION_BENCH_S="${EXECUTOR_RECOVER_BENCH_S:-100}" \
-  exec bash scripts/gpu/executor_session.sh
+exec bash "$(dirname "$0")/executor_session.sh" recover
