@@ -23,7 +23,7 @@ import numpy as np
 from crc32c import crc32c as _crc32c
 
 from . import pagecrc as _pagecrc
-from .errors import CorruptionError, WalError
+from .errors import CorruptionError, UsageError, WalError
 
 # --------------------------------------------------------------------------
 # Checksums (FORMAT.md §1)
@@ -345,7 +345,7 @@ def record_headers_at(view: np.ndarray, offs: np.ndarray, lsn: int, salt: int, *
     `pagecrc.walk_lengths(headers=True)`), not read from `view` again."""
     if rows is not None:
         if rows.shape != (offs.size, RECORD_HEADER_SIZE):
-            raise ValueError(f"header rows of shape {rows.shape} for {offs.size} offsets of "
+            raise UsageError(f"header rows of shape {rows.shape} for {offs.size} offsets of "
                              f"{RECORD_HEADER_SIZE}-byte headers")
         raw = rows
     elif offs.size and not (offs % RECORD_HEADER_SIZE).any():  # whole 64-byte rows: gathered a row at a time

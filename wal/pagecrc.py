@@ -332,10 +332,7 @@ def walk_lengths(view: np.ndarray, used: int, *, headers: bool = False):
         if n < cap or n == 0:
             break
         start = int(end[0])  # where the helper stopped: the next record, its length word not read again here
-    offs = offs[0] if len(offs) == 1 else np.concatenate(offs)
-    if not headers:
-        return offs
-    return offs, heads[0] if len(heads) == 1 else np.concatenate(heads)
+    return (np.concatenate(offs), np.concatenate(heads)) if headers else np.concatenate(offs)
 
 
 def pure_walk_lengths(view: np.ndarray, used: int) -> np.ndarray:
