@@ -672,15 +672,14 @@ extern "C" __global__ void cx_epoch_driver(const cx_epoch_desc* d, u64 at, u64 e
     if (st) *(volatile u64*)&st[1] = now_ns();
     for (u64 g = 0; g < d->n_groups && g < CX_MAX_GROUPS; ++g) {
         const cx_group& k = d->groups[g];
-        if (k.detector == DET_POSITIONS)  // a thread a page, the page size read from the table
-            table_positions<<<(u32)min((k.pages + 255) / 256, (u64)65535), 256>>>(
-                e.table, reinterpret_cast<const u32*>(k.rows), reinterpret_cast<const u64*>(k.row_first),
-                (u32)k.n_rows, e.flags);
+        if (k.detector == DET_POSITIONS)  // a warp a row: its words and its new pages' count, no page read
+            table_positions<<<(u32)min((k.n_rows + 7) / 8, (u64)65535), 256>>>(
+                e.table, reinterpret_cast<const u32*>(k.rows), (u32)k.n_rows);
         else
             cx_detect_group(k, e.table, e.flags);
     }
     if (st) cx_stamp<<<1, 1>>>(st + 2);
-    table_plan<<<1, 1024>>>(e.table, e.n, e.flags, d->total_pages, e.ids, e.recs, d->max_records,
+    table_plan<<<1, 1024>>>(e.table, e.n, e.flags, e.ids, e.recs, d->max_records,
                             e.room - d->commit_length, e.plan, reinterpret_cast<TablePlan*>(d->mail_plan),
                             reinterpret_cast<u32*>(d->mail_counts), reinterpret_cast<u64*>(d->mail_offsets));
     if (st) cx_stamp<<<1, 1>>>(st + 3);
@@ -720,15 +719,14 @@ extern "C" __global__ void __launch_bounds__(CX_SMALL_THREADS, 2)
     crc_tables_build(T);
     for (u64 g = 0; g < d->n_groups && g < CX_MAX_GROUPS; ++g) {
         const cx_group& k = d->groups[g];
-        if (k.detector == DET_POSITIONS)  // a thread a page
-            positions_rows(e.table, reinterpret_cast<const u32*>(k.rows), reinterpret_cast<const u64*>(k.row_first),
-                           (u32)k.n_rows, e.flags, threadIdx.x, blockDim.x);
+        if (k.detector == DET_POSITIONS)  // a warp a row
+            positions_rows(e.table, reinterpret_cast<const u32*>(k.rows), (u32)k.n_rows, w0, warps);
         else
             cx_detect_group_block(k, e.table, e.flags, w0, warps);
     }
     __syncthreads();
     if (stamper) st[2] = now_ns();
-    plan_block(e.table, e.n, e.flags, d->total_pages, e.ids, e.recs, d->max_records, e.room - d->commit_length,
+    plan_block(e.table, e.n, e.flags, e.ids, e.recs, d->max_records, e.room - d->commit_length,
                e.plan, reinterpret_cast<TablePlan*>(d->mail_plan), reinterpret_cast<u32*>(d->mail_counts),
                reinterpret_cast<u64*>(d->mail_offsets), sums);
     __syncthreads();

@@ -7,14 +7,17 @@
 //       the group, the row found by binary search over the group's page
 //       prefix; flags[first_page + p] = dirty, the detector state advanced.
 //   table_positions one launch per group of static-cache rows whose length
-//       (and sequence id) the caller keeps in device words: one thread per
-//       page, flagged when it holds a position in [last length, length now)
-//       of any of the row's runs, every page when the length went down or the
-//       sequence id moved (a reset, a new prompt); the plan makes the lengths
-//       read the rows' last (the twin: detect.listed_pages over the same rows).
+//       (and sequence id) the caller keeps in device words: a warp per row
+//       reads them and counts the pages holding a position in [last length,
+//       length now) of any of the row's runs, every page when the length went
+//       down or the sequence id moved (a reset, a new prompt); no page is read
+//       or flagged (the twin: detect.listed_pages over the same rows).
 //   table_mark      flags of pages the host listed (block tables, versions).
-//   table_plan      one block: the flags become the epoch's sorted dirty pages
-//       (page space indices), each row's count, and the records: row after row
+//   table_plan      one block: the epoch's sorted dirty pages (page space
+//       indices), from the flags of the flagged rows and, for positions rows,
+//       from their counts (their lengths then become the rows' last), so that
+//       a decode step costs its new rows, not the cache; each row's count, and
+//       the records: row after row
 //       in table order, each row's pages cut into records of per_record pages,
 //       back to back from offset 0 of the extent (the twin is
 //       table.plan_records).  When they need more than the extent holds, or
@@ -50,8 +53,10 @@ struct TableEntry {
 struct PositionsState {
     u64 length, seq;
     i64 last, last_seq;  // as of the last epoch (last < 0: none yet, every page)
-    i64 now, now_seq;    // what this epoch's detection read; the plan makes them last
+    i64 now, now_seq;    // what this epoch's detection read (now < 0: out of range); the plan makes them last
     u64 max_len, row_bytes;
+    i64 lo, lo_seq;      // last and last_seq as this epoch's detection found them: its baseline
+    u64 count, at;       // the pages this epoch writes (detection), where its ids start (the plan)
 };
 
 // concordia.checkpoint.table.RECORD (32 bytes)
@@ -152,67 +157,97 @@ table_shadow(const TableEntry* __restrict__ table, const u32* __restrict__ rows,
 #endif  // PAGE_BYTES
 
 // ---- positions: the rows of static caches, from the caller's device words ------
+//
+// A decode step adds one position to every run of a cache's rows: a handful of
+// pages among the hundreds of thousands the cache holds.  Detection reads each
+// row's words and counts its dirty pages (a warp a row, a lane a run); the plan
+// writes their ids from the same arithmetic.  No page is read or flagged: the
+// cost is the rows' and the new pages', not the cache's (the host's twin,
+// detect.position_pages, lists the same pages).
 
 __device__ __forceinline__ i64 positions_word(u64 addr) { return addr ? *(volatile const i64*)addr : 0; }
 
-// Whether page p (bytes [b0, b1) of the region) holds a position in [lo, hi)
-// of any run of max_len positions of row_bytes (span = max_len * row_bytes
-// bytes a run): the overlap of the page with each run it touches, as
-// positions, against [lo, hi) (detect.position_pages lists the same pages).
-__device__ __forceinline__ bool positions_page_dirty(u64 p, u64 page_bytes, u64 nbytes, u64 span, u64 row_bytes,
-                                                     i64 lo, i64 hi) {
-    if (hi <= lo) return false;
-    const u64 b0 = p * page_bytes, b1 = min(b0 + page_bytes, nbytes);
-    for (u64 r = b0 / span; r * span < b1; ++r) {
-        const u64 s0 = max(b0, r * span) - r * span, s1 = min(b1, (r + 1) * span) - r * span;
-        if ((i64)(s0 / row_bytes) < hi && (i64)((s1 - 1) / row_bytes) >= lo) return true;
-    }
-    return false;
+__device__ __forceinline__ PositionsState* positions_state(const TableEntry& t) {
+    return reinterpret_cast<PositionsState*>(t.state);
 }
 
-// rows / row_first as for fingerprint_rows_pb; one thread per page, over the
-// threads [t0, t0 + threads) of the launch.  The thread of each row's page 0
-// keeps what it read (now, now_seq) for the plan to advance the row by.
+// Whether this epoch writes the row whole: a length out of range (now < 0), one
+// that went down, a sequence id that moved (a reset, a new prompt), or no epoch
+// before (lo < 0).
+__device__ __forceinline__ bool positions_whole(i64 lo, i64 lo_seq, i64 now, i64 now_seq) {
+    return now < 0 || now < lo || now_seq != lo_seq || lo < 0;
+}
+
+// The pages of run m of a row (positions [lo, hi) of its max_len, each row_bytes:
+// bytes [m * span + lo * row_bytes, m * span + hi * row_bytes) of the region)
+// that the run before did not already name: [*first, *first + count).  Pages
+// may straddle two runs, whose ranges then meet at that page.  hi > lo.
+__device__ __forceinline__ u64 run_pages(u64 m, u64 span, u64 row_bytes, u64 page_bytes, i64 lo, i64 hi,
+                                         u64* first) {
+    const u64 end = m * span + (u64)hi * row_bytes - 1;
+    u64 start = (m * span + (u64)lo * row_bytes) / page_bytes;
+    if (m) {
+        const u64 before = ((m - 1) * span + (u64)hi * row_bytes - 1) / page_bytes + 1;
+        if (before > start) start = before;
+    }
+    *first = start;
+    return end / page_bytes >= start ? end / page_bytes - start + 1 : 0;
+}
+
+// Each lane's runs of row `t` (positions [lo, hi)), for a warp.
+__device__ __forceinline__ u64 positions_runs(const TableEntry& t, u64 max_len, u64 row_bytes) {
+    const u64 span = max_len * row_bytes;
+    return span ? t.nbytes / span : 0;
+}
+
+// rows: the group's table rows; the warps [w0, w0 + warps) of the launch take a
+// row each in turn.  Each row's state takes what its words say now (now,
+// now_seq), its last epoch's as this epoch's baseline (lo, lo_seq: a second
+// plan of the same epoch reads the same), and the number of pages this epoch
+// writes (count).
 __device__ __forceinline__ void positions_rows(const TableEntry* __restrict__ table, const u32* __restrict__ rows,
-                                               const u64* __restrict__ row_first, u32 n_rows, u8* __restrict__ flags,
-                                               u64 t0, u64 threads) {
-    const u64 total = row_first[n_rows];
-    for (u64 q = t0; q < total; q += threads) {
-        const u32 e = last_at_or_below(row_first, n_rows, q);
+                                               u32 n_rows, u64 w0, u64 warps) {
+    const int lane = threadIdx.x & 31;
+    for (u64 e = w0; e < n_rows; e += warps) {
         const TableEntry& t = table[rows[e]];
-        PositionsState* s = reinterpret_cast<PositionsState*>(t.state);
-        const u64 p = q - row_first[e];
-        const i64 read = positions_word(s->length), seq = positions_word(s->seq);
-        const i64 now = read < 0 ? 0 : (read > (i64)s->max_len ? (i64)s->max_len : read);
-        const bool whole = read != now || now < s->last || seq != s->last_seq || s->last < 0;
-        flags[t.first_page + p] =
-            (u8)(whole || positions_page_dirty(p, t.page_bytes, t.nbytes, s->max_len * s->row_bytes, s->row_bytes,
-                                               s->last, now));
-        if (p == 0) {
+        PositionsState* s = positions_state(t);
+        i64 lo = 0, lo_seq = 0, now = 0, now_seq = 0;
+        if (lane == 0) {
+            const i64 read = positions_word(s->length);
+            now_seq = positions_word(s->seq);
+            now = read < 0 ? 0 : (read > (i64)s->max_len ? (i64)s->max_len : read);
             // a length out of range: every page, and again next time (the host's twin refuses it in
             // one line; the device cannot, so it writes the region whole)
-            s->now = read != now ? -1 : now;
-            s->now_seq = seq;
+            if (read != now) now = -1;
+            lo = s->last;
+            lo_seq = s->last_seq;
+            s->lo = lo;
+            s->lo_seq = lo_seq;
+            s->now = now;
+            s->now_seq = now_seq;
         }
+        lo = (i64)__shfl_sync(FULL_MASK, (unsigned long long)lo, 0);
+        lo_seq = (i64)__shfl_sync(FULL_MASK, (unsigned long long)lo_seq, 0);
+        now = (i64)__shfl_sync(FULL_MASK, (unsigned long long)now, 0);
+        now_seq = (i64)__shfl_sync(FULL_MASK, (unsigned long long)now_seq, 0);
+        u64 c = 0;
+        if (positions_whole(lo, lo_seq, now, now_seq)) {
+            c = lane == 0 ? t.pages : 0;
+        } else if (now > lo) {
+            const u64 runs = positions_runs(t, s->max_len, s->row_bytes);
+            u64 first;
+            for (u64 m = lane; m < runs; m += WARP) c += run_pages(m, s->max_len * s->row_bytes, s->row_bytes,
+                                                                   t.page_bytes, lo, now, &first);
+        }
+        c = warp_sum64(c);
+        if (lane == 0) s->count = c;
     }
 }
 
-// The plan's first step: each positions row's detector moves to what its
-// detection read (run again by a second plan of the same epoch: the same).
-__device__ __forceinline__ void positions_advance(const TableEntry* __restrict__ table, u32 n) {
-    for (u32 r = threadIdx.x; r < n; r += blockDim.x) {
-        if (table[r].detector != DET_POSITIONS) continue;
-        PositionsState* s = reinterpret_cast<PositionsState*>(table[r].state);
-        s->last = s->now;
-        s->last_seq = s->now_seq;
-    }
-}
-
+// A warp a row of the group (the host launches it with a warp per row).
 extern "C" __global__ void __launch_bounds__(256)
-table_positions(const TableEntry* __restrict__ table, const u32* __restrict__ rows,
-                const u64* __restrict__ row_first, u32 n_rows, u8* __restrict__ flags) {
-    positions_rows(table, rows, row_first, n_rows, flags, (u64)blockIdx.x * blockDim.x + threadIdx.x,
-                   (u64)gridDim.x * blockDim.x);
+table_positions(const TableEntry* __restrict__ table, const u32* __restrict__ rows, u32 n_rows) {
+    positions_rows(table, rows, n_rows, grid_warp(), grid_warps());
 }
 
 // flags[pages[i]] = value for i < n
@@ -261,14 +296,15 @@ __device__ __forceinline__ u64 lower_bound_u32(const u32* ids, u64 n, u64 v) {
     return lo;
 }
 
-// Sorted positions of the set flags into ids; returns their number (every
-// thread).  Tiles of 64 flags per thread, a block scan of the per-thread counts.
-__device__ u64 block_compact(const u8* __restrict__ flags, u64 n, u32* __restrict__ ids, u64* sums) {
+// Sorted positions in [from, to) of the set flags into ids; returns their
+// number (every thread).  Tiles of 64 flags per thread (from `from` rounded
+// down to a multiple of 64), a block scan of the per-thread counts.
+__device__ u64 block_compact(const u8* __restrict__ flags, u64 from, u64 to, u32* __restrict__ ids, u64* sums) {
     u64 base = 0;
-    for (u64 tile = 0; tile < n; tile += (u64)blockDim.x * 64) {
+    for (u64 tile = from & ~63ull; tile < to; tile += (u64)blockDim.x * 64) {
         const u64 lo = tile + (u64)threadIdx.x * 64;
         u64 bits = 0;
-        if (lo + 64 <= n) {
+        if (lo >= from && lo + 64 <= to) {
             const uint4* p = reinterpret_cast<const uint4*>(flags + lo);
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
@@ -282,7 +318,7 @@ __device__ u64 block_compact(const u8* __restrict__ flags, u64 n, u32* __restric
             }
         } else {
             for (int k = 0; k < 64; ++k)
-                if (lo + k < n && flags[lo + k]) bits |= 1ull << k;
+                if (lo + k >= from && lo + k < to && flags[lo + k]) bits |= 1ull << k;
         }
         u64 tile_total;
         u64 off = base + block_exclusive_scan((u64)__popcll(bits), sums, &tile_total);
@@ -296,16 +332,105 @@ __device__ u64 block_compact(const u8* __restrict__ flags, u64 n, u32* __restric
     return base;
 }
 
+__device__ __forceinline__ bool is_positions(const TableEntry* table, u32 r) {
+    return table[r].detector == DET_POSITIONS;
+}
+
+// The first row after r0 whose kind (positions or not) is not r0's, or n: the
+// block searches together (every thread; `found` a u32 of shared memory).
+__device__ u32 kind_end(const TableEntry* __restrict__ table, u32 n, u32 r0, u32* found) {
+    const bool kind = is_positions(table, r0);
+    if (threadIdx.x == 0) *found = n;
+    __syncthreads();
+    for (u32 r = r0 + 1 + threadIdx.x; r < n && r < *(volatile u32*)found; r += blockDim.x)
+        if (is_positions(table, r) != kind) {
+            atomicMin(found, r);
+            break;
+        }
+    __syncthreads();
+    const u32 end = *found;
+    __syncthreads();  // every thread has read it before it is written again
+    return end;
+}
+
+// The plan's part for positions rows [r0, r1): each row's dirty pages, in
+// order, into ids from `base` on, row after row (each row's first at `at` in
+// its state); returns base plus their number.  The whole block runs it.
+__device__ u64 positions_ids(const TableEntry* __restrict__ table, u32 r0, u32 r1, u32* __restrict__ ids, u64 base,
+                             u64* sums) {
+    for (u32 tile = r0; tile < r1; tile += blockDim.x) {
+        const u32 r = tile + threadIdx.x;
+        const u64 c = r < r1 ? positions_state(table[r])->count : 0;
+        u64 total;
+        const u64 off = block_exclusive_scan(c, sums, &total);
+        if (r < r1) positions_state(table[r])->at = base + off;
+        base += total;
+    }
+    __syncthreads();  // every row's `at` before the warps write from it
+    const int lane = threadIdx.x & 31;
+    for (u32 r = r0 + (threadIdx.x >> 5); r < r1; r += blockDim.x >> 5) {
+        const TableEntry& t = table[r];
+        const PositionsState* s = positions_state(t);
+        u64 at = s->at;
+        const i64 lo = s->lo, now = s->now;
+        if (positions_whole(lo, s->lo_seq, now, s->now_seq)) {
+            for (u64 j = lane; j < t.pages; j += WARP) ids[at + j] = (u32)(t.first_page + j);
+            continue;
+        }
+        if (now <= lo) continue;
+        const u64 runs = positions_runs(t, s->max_len, s->row_bytes), span = s->max_len * s->row_bytes;
+        for (u64 m0 = 0; m0 < runs; m0 += WARP) {
+            const u64 m = m0 + lane;
+            u64 first = 0;
+            const u64 c = m < runs ? run_pages(m, span, s->row_bytes, t.page_bytes, lo, now, &first) : 0;
+            u64 incl = c;
+#pragma unroll
+            for (int d = 1; d < 32; d <<= 1) {
+                const u64 x = __shfl_up_sync(FULL_MASK, incl, d);
+                if (lane >= d) incl += x;
+            }
+            for (u64 j = 0; j < c; ++j) ids[at + incl - c + j] = (u32)(t.first_page + first + j);
+            at += __shfl_sync(FULL_MASK, incl, 31);
+        }
+    }
+    __syncthreads();  // the ids written before anything reads them
+    return base;
+}
+
+// The plan's last step for positions rows: each detector moves to what its
+// detection read (run again by a second plan of the same epoch: the same).
+__device__ __forceinline__ void positions_advance(const TableEntry* __restrict__ table, u32 n) {
+    for (u32 r = threadIdx.x; r < n; r += blockDim.x) {
+        if (table[r].detector != DET_POSITIONS) continue;
+        PositionsState* s = positions_state(table[r]);
+        s->last = s->now;
+        s->last_seq = s->now_seq;
+    }
+}
+
 // mail_plan / mail_counts / mail_offsets: pinned host memory the device
 // addresses (the host reads them after the stream's event): the plan, each
 // row's count, each record's offset (what the appender checks the extent by).
 // The whole block (every thread) runs it; `sums` is 32 u64 of shared memory.
-__device__ void plan_block(const TableEntry* __restrict__ table, u32 n, const u8* __restrict__ flags, u64 total_pages,
+__device__ void plan_block(const TableEntry* __restrict__ table, u32 n, const u8* __restrict__ flags,
                            u32* __restrict__ ids, TableRecord* __restrict__ recs, u64 max_records, u64 dst_bytes,
                            TablePlan* __restrict__ plan, TablePlan* mail_plan, u32* mail_counts, u64* mail_offsets,
                            u64* sums) {
+    // the sorted dirty pages, run of rows by run of rows: the flags of rows a detector flagged, the
+    // positions rows' pages from their counts (never flagged: no pass over the cache's pages)
+    __shared__ u32 found;
+    u64 k = 0;
+    for (u32 r0 = 0; r0 < n;) {
+        const u32 r1 = kind_end(table, n, r0, &found);
+        if (is_positions(table, r0)) {
+            k = positions_ids(table, r0, r1, ids, k, sums);
+        } else {
+            const TableEntry& last = table[r1 - 1];
+            k += block_compact(flags, table[r0].first_page, last.first_page + last.pages, ids + k, sums);
+        }
+        r0 = r1;
+    }
     positions_advance(table, n);
-    const u64 k = block_compact(flags, total_pages, ids, sums);
     __syncthreads();  // every thread's ids written before any thread searches them
     u64 rec_base = 0, byte_base = 0;
     for (u32 tile = 0; tile < n; tile += blockDim.x) {
@@ -357,11 +482,11 @@ __device__ void plan_block(const TableEntry* __restrict__ table, u32 n, const u8
 }
 
 extern "C" __global__ void __launch_bounds__(1024)
-table_plan(const TableEntry* __restrict__ table, u32 n, const u8* __restrict__ flags, u64 total_pages,
+table_plan(const TableEntry* __restrict__ table, u32 n, const u8* __restrict__ flags,
            u32* __restrict__ ids, TableRecord* __restrict__ recs, u64 max_records, u64 dst_bytes,
            TablePlan* __restrict__ plan, TablePlan* mail_plan, u32* mail_counts, u64* mail_offsets) {
     __shared__ u64 sums[32];
-    plan_block(table, n, flags, total_pages, ids, recs, max_records, dst_bytes, plan, mail_plan, mail_counts,
+    plan_block(table, n, flags, ids, recs, max_records, dst_bytes, plan, mail_plan, mail_counts,
                mail_offsets, sums);
 }
 

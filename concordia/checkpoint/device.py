@@ -371,7 +371,7 @@ class DeviceTablePass:
     label = "gpu-mapped"  # the mapped path: records written in the log mapping itself
 
     def __init__(self, kernels, table, owner, registration, stager):
-        from concordia.checkpoint.table import DET_FINGERPRINT, DET_LISTED, DET_POSITIONS
+        from concordia.checkpoint.table import DET_FINGERPRINT, DET_LISTED, DET_POSITIONS, POSITIONS
 
         cp, gpu, jit = kernels.cp, kernels.gpu, kernels.jit
         self.k, self.table, self.owner, self.registration, self.stager = kernels, table, owner, registration, stager
@@ -388,7 +388,7 @@ class DeviceTablePass:
             e["crc_table"][i] = r.crcs.data.ptr
             e["state"][i] = state.data.ptr if state is not None else 0
         for k, i in enumerate(self.positions_rows.tolist()):
-            e["state"][i] = self.positions.data.ptr + 64 * k
+            e["state"][i] = self.positions.data.ptr + POSITIONS.itemsize * k
         self.entries = e
         self.d_table = cp.asarray(e.view(np.uint8))
         self.groups = []  # (kernel, rows, row_first, n_rows, pages)
@@ -505,7 +505,7 @@ class DeviceTablePass:
         dst = self.registration.device_ptr + ext.offset
         room = ext.length - (t.commit_length if prev_commit is not None else 0)
         self.fn["table_plan"]((1,), (1024,), (
-            self.d_table, np.uint32(len(t)), self.flags, np.uint64(t.total_pages), self.ids, self.recs,
+            self.d_table, np.uint32(len(t)), self.flags, self.ids, self.recs,
             np.uint64(t.max_records), np.uint64(room), self.plan,
             np.uint64(self.mail_dev.data.ptr), np.uint64(self.mail_dev.data.ptr + 64),
             np.uint64(self.mail_dev.data.ptr + self._at_offsets)))
@@ -550,8 +550,10 @@ class DeviceTablePass:
         self.k.order_after_producer()
         t0 = time.perf_counter()
         for (fn, rows, first, n_rows, pages), det in zip(self.groups, self.group_detectors):
-            grid = (max(1, min(-(-pages // 256), 65535)),) if det == DET_POSITIONS else self.k.gpu.warp_grid(pages)
-            fn(grid, (256,), (self.d_table, rows, first, n_rows, self.flags))
+            if det == DET_POSITIONS:  # a warp a row (eight a block): no page is read
+                fn((max(1, min(-(-int(n_rows) // 8), 65535)),), (256,), (self.d_table, rows, n_rows))
+            else:
+                fn(self.k.gpu.warp_grid(pages), (256,), (self.d_table, rows, first, n_rows, self.flags))
         listed = self._mark_listed() if self.listed.size else np.zeros(0, np.uint64)
         t1 = time.perf_counter()
         size, deferred = max(64, t.last_bytes), False

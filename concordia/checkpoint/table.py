@@ -58,11 +58,13 @@ DEVICE_DETECTORS = (DET_SHADOW, DET_FINGERPRINT, DET_POSITIONS)
 
 #: a DET_POSITIONS row's detector state (table.cu: struct PositionsState): the
 #: addresses of its length and sequence words (0: no sequence word), the last
-#: epoch's values (last < 0: none yet), what this epoch's detection read, and
-#: the cache's geometry
+#: epoch's values (last < 0: none yet), what this epoch's detection read, the
+#: cache's geometry, then the detection's baseline (the last values as it
+#: found them), the pages it counted and where the plan put their ids
 POSITIONS = np.dtype([("length", "<u8"), ("seq", "<u8"), ("last", "<i8"), ("last_seq", "<i8"), ("now", "<i8"),
-                      ("now_seq", "<i8"), ("max_len", "<u8"), ("row_bytes", "<u8")])
-assert POSITIONS.itemsize == 64
+                      ("now_seq", "<i8"), ("max_len", "<u8"), ("row_bytes", "<u8"), ("lo", "<i8"),
+                      ("lo_seq", "<i8"), ("count", "<u8"), ("at", "<u8")])
+assert POSITIONS.itemsize == 96
 
 
 def detector_code(detect: str) -> int:

@@ -584,39 +584,45 @@ def test_words_that_are_not_one_int64_beside_the_region_leave_it_listed():
 
 
 def test_the_kernels_page_rule_names_the_pages_position_pages_lists():
-    """table.cu's positions_page_dirty, as its rule reads (a page is dirty
-    when its overlap with any run of positions it touches, in positions,
-    meets [lo, hi)), names exactly the pages `position_pages` lists, over
-    geometries whose pages split rows, hold several rows, or hold the end of
-    one run and the start of the next.  The rule is restated here from the
-    kernel's source; the H200 test runs the kernel itself."""
-    import math
+    """table.cu's positions rows, as their arithmetic reads: detection counts
+    each run's pages (`run_pages`: the pages positions [lo, hi) of run m
+    cover, less any the run before already named) a lane a run, and the
+    plan writes them run after run from a scan of those counts.  Restated
+    here from the kernel's source, the count and the ids are exactly what
+    `position_pages` lists, over geometries whose pages split rows, hold
+    several rows, or hold the end of one run and the start of the next, for
+    one new position, several, none and every one.  The H200 test runs the
+    kernel itself."""
 
-    def dirty(p, pb, nbytes, span, rb, lo, hi):
-        if hi <= lo:
-            return False
-        b0, b1 = p * pb, min(p * pb + pb, nbytes)
-        r = b0 // span
-        while r * span < b1:
-            s0, s1 = max(b0, r * span) - r * span, min(b1, (r + 1) * span) - r * span
-            if s0 // rb < hi and (s1 - 1) // rb >= lo:
-                return True
-            r += 1
-        return False
+    def run_pages(m, span, rb, pb, lo, hi):
+        end = m * span + hi * rb - 1
+        start = (m * span + lo * rb) // pb
+        if m:
+            start = max(start, ((m - 1) * span + hi * rb - 1) // pb + 1)
+        return start, (end // pb - start + 1 if end // pb >= start else 0)
 
     rng = np.random.default_rng(4)
     for rows, max_len, rb, pb in [(4, 16, 64, 64), (4, 16, 64, 256), (3, 10, 64, 128), (2, 7, 192, 64),
-                                  (5, 9, 32, 64), (2, 5, 256, 1024), (8, 12, 256, 256)]:
+                                  (5, 9, 32, 64), (2, 5, 256, 1024), (8, 12, 256, 256), (64, 641, 256, 256),
+                                  (64, 641, 256, 1024), (3, 3, 64, 256)]:
         if rb % pb and pb % rb:
             continue
         g = PositionGeometry(rows, max_len, rb, pb)
-        nbytes = rows * max_len * rb
-        pages = math.ceil(nbytes / pb)
-        for _ in range(12):
-            lo, hi = sorted(rng.integers(0, max_len + 1, 2).tolist())
+        span = max_len * rb
+        runs = g.rows  # the kernel's nbytes / span
+        cases = [(0, max_len), (max_len - 1, max_len), (0, 1), (3, 3)] + [
+            tuple(sorted(rng.integers(0, max_len + 1, 2).tolist())) for _ in range(12)]
+        for lo, hi in cases:
+            if lo >= max_len or hi > max_len:
+                continue
             want = detect.position_pages(g, lo, hi).tolist()
-            got = [p for p in range(pages) if dirty(p, pb, nbytes, max_len * rb, rb, lo, hi)]
+            got = []
+            if hi > lo:
+                for m in range(runs):  # lanes over runs; the plan's scan puts each run's pages after the last
+                    first, count = run_pages(m, span, rb, pb, lo, hi)
+                    got += range(first, first + count)
             assert got == want, (rows, max_len, rb, pb, lo, hi)
+            assert sum(run_pages(m, span, rb, pb, lo, hi)[1] for m in range(runs)) * (hi > lo) == len(want)
 
 
 @pytest.mark.gpu
