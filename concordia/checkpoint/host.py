@@ -86,8 +86,9 @@ class HostKernels:
 
 
 class HostTablePass:
-    """The numpy twin of `device.DeviceTablePass`: the same table, flags,
-    plan and records, region by region where the device works in one launch.
+    """The numpy twin of `device.DeviceTablePass`: the same table, dirty
+    pages, plan and records, region by region where the device works in one
+    launch.
     Regions are numpy arrays whose CRC tables (`Region.crcs`) are numpy."""
 
     label = "cpu-mapped"  # the mapped path: records written in the log mapping itself
@@ -96,26 +97,38 @@ class HostTablePass:
         self.table = table
         self.owner = owner    # the RegionSet
         self.stager = stager  # stages an epoch larger than a segment region by region
-        self.flags = np.zeros(table.total_pages, np.uint8)
         self.last_counts = np.zeros(len(table), np.int64)  # each row's pages in the last `plan_epoch`
 
-    def detect(self) -> None:
-        """flags[page space] = dirty, every detector advanced (group by group,
-        as the device launches them).  Positions rows (DET_POSITIONS: their
-        length read from its word, table.cu's table_positions) name the same
-        pages as when the host lists them."""
+    def dirty(self) -> np.ndarray:
+        """The epoch's dirty pages (sorted page-space ids, int64), every
+        detector advanced (group by group, as the device launches them).
+        Positions rows (DET_POSITIONS: their length read from its word,
+        table.cu's table_positions) name the same pages as when the host lists
+        them.  Each row's pages are found, never scanned for: a decode step
+        costs its new pages, not the cache's (as on the device)."""
         from concordia.checkpoint.table import DET_LISTED, DET_POSITIONS
 
-        t, flags = self.table, self.flags
+        t = self.table
         first = t.entries["first_page"]
-        flags[:] = 0
+        parts = []
         for (det, _), rows in t.groups.items():
             if det in (DET_LISTED, DET_POSITIONS):  # listed on the host as the device pass lists them
-                flags[detect.listed_pages([t.regions[i] for i in rows.tolist()], first[rows])] = 1
+                parts.append(detect.listed_pages([t.regions[i] for i in rows.tolist()], first[rows]).astype(np.int64))
                 continue
             for i in rows.tolist():
-                ids = detect.dirty_pages(t.regions[i], advance=True)
-                flags[int(first[i]) + ids.astype(np.int64)] = 1
+                parts.append(int(first[i]) + detect.dirty_pages(t.regions[i], advance=True).astype(np.int64))
+        if not parts:
+            return np.zeros(0, np.int64)
+        # rows hold disjoint pages, each row's mostly in order: a merge of sorted runs, a page named twice
+        # (a listing may repeat one) kept once, as a flag would keep it
+        ids = np.sort(np.concatenate(parts), kind="stable")
+        if ids.size > 1:
+            keep = np.empty(ids.size, bool)
+            keep[0] = True
+            np.not_equal(ids[1:], ids[:-1], out=keep[1:])
+            if not keep.all():
+                ids = ids[keep]
+        return ids
 
     def hand_back(self) -> None:
         """Another path runs next: the regions take their digests from the table."""
@@ -167,8 +180,7 @@ class HostTablePass:
         from concordia.checkpoint.table import counts_of, plan_bytes, plan_records
 
         t = self.table
-        self.detect()
-        ids = np.flatnonzero(self.flags)
+        ids = self.dirty()
         counts = counts_of(t.entries, ids, t.total_pages)
         recs = plan_records(t.entries, counts)
         return ids, counts, recs, plan_bytes(recs)
