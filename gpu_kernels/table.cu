@@ -47,7 +47,7 @@ struct TableEntry {
 // state is a PositionsState
 #define DET_POSITIONS 4
 
-// concordia.checkpoint.table.POSITIONS (64 bytes): the detector state of a
+// concordia.checkpoint.table.POSITIONS (96 bytes): the detector state of a
 // static-cache row [..., max_len, row] whose length the caller keeps in a
 // device word (int64; `seq` likewise its sequence id, 0: none)
 struct PositionsState {

@@ -660,3 +660,93 @@ def test_length_words_on_the_device_write_the_twins_records(tmp_path, shm_log):
     assert all(set(st.via.values()) == {VIA} for st in stats[1:]), [st.via for st in stats]
     assert [st.pages["kv"] for st in stats] == [st.pages["kv"] for st in twin[0]]
     assert got == want
+
+
+def _interleaved_run(log, *, to_device=None, executor=None):
+    """Three caches by length words (each its own geometry, one of pages that
+    straddle its runs) between a shadow-copied and a fingerprinted region, so
+    that the table's rows alternate between positions rows and flagged ones,
+    through WORD_PLAN; (stats, log contents, recovered epochs, expected)."""
+    from tests.session.staging_cases import log_contents
+
+    xp = np if to_device is None else to_device
+    caches = [Cache(SHAPE, seed=1), Cache((3, 2, 15, 32), seed=2), Cache((1, 3, 9, 48), seed=3)]
+    pages = [64, 64, 192]   # the third: rows of 96 bytes, two to a page, nine to a run: pages straddle runs
+    live = [c.a if to_device is None else xp.asarray(c.a) for c in caches]
+    words = [(xp.zeros(1, xp.int64), xp.zeros(1, xp.int64)) for _ in caches]
+    rng = np.random.default_rng(5)
+    flagged = {"shadowed": np.zeros(3 * 4096, np.uint8), "printed": np.zeros(5 * 4096, np.uint8)}
+    flagged_live = {k: v if to_device is None else xp.asarray(v) for k, v in flagged.items()}
+    want, stats = {}, []
+    with Session(log, size=64 << 20, segment_size=4 << 20, overwrite=True, staging="auto" if to_device else "mapped",
+                 **({"executor": executor} if executor else {})) as s:
+        s.register("kv0", live[0], kind="kv", detect="positions", page_bytes=pages[0], length=words[0][0],
+                   seq_ids=words[0][1])
+        s.register("shadowed", flagged_live["shadowed"], detect="shadow", page_bytes=4096)
+        s.register("kv1", live[1], kind="kv", detect="positions", page_bytes=pages[1], length=words[1][0],
+                   seq_ids=words[1][1])
+        s.register("printed", flagged_live["printed"], detect="fingerprint", page_bytes=4096)
+        s.register("kv2", live[2], kind="kv", detect="positions", page_bytes=pages[2], length=words[2][0],
+                   seq_ids=words[2][1])
+        for i, step in enumerate(WORD_PLAN):
+            for c in caches:
+                top = c.a.shape[-2]
+                if isinstance(step, tuple):
+                    if step[0] == "restart":
+                        c.restart(min(step[1], top))
+                    else:
+                        c.a[..., step[1]:, :] = 0
+                        c.length = step[1]
+                elif step:
+                    c.grow(min(step, top - c.length))
+            for k, a in flagged.items():  # a page or two of each, some steps none
+                for p in rng.choice(a.size // 4096, int(rng.integers(0, 3)), replace=False):
+                    a[p * 4096 + int(rng.integers(0, 4096))] += 1
+            for c, a, (length, seq) in zip(caches, live, words):
+                if to_device is not None:
+                    a.set(c.a)
+                length[0], seq[0] = c.length, c.generation
+            for k, a in flagged.items():
+                if to_device is not None:
+                    flagged_live[k].set(a)
+            st = s.checkpoint()
+            stats.append(st)
+            want[st.epoch] = [c.a.tobytes() for c in caches] + [a.tobytes() for a in flagged.values()]
+        s.settle()
+        names = ["kv0", "kv1", "kv2", "shadowed", "printed"]
+        got = {}
+        for e in want:
+            out = s.recover(e)
+            got[e] = [np.asarray(_host(out[n])).tobytes() for n in names]
+        return stats, log_contents(s.log), got, want
+
+
+def test_a_table_of_alternating_positions_and_flagged_rows_recovers_every_epoch(tmp_path):
+    """The twin's side of the H200 test below: every epoch of the interleaved
+    table recovers byte for byte on the host's pass."""
+    stats, _, got, want = _interleaved_run(_log(tmp_path, "mixed.log"))
+    assert got == want
+    assert all(st.table_pass for st in stats[1:]), [st.table_pass for st in stats]
+
+
+@pytest.mark.gpu
+def test_alternating_positions_and_flagged_rows_on_the_device_write_the_twins_records(tmp_path, shm_log):
+    """A table whose rows alternate between positions rows (three caches by
+    length words, one with pages straddling its runs) and rows a detector
+    flags (a shadow copy, fingerprints): the plan's runs of rows of one kind
+    (table.cu: kind_end, block_compact over a run's pages, positions_ids)
+    give the device's pass the records the numpy twin writes, on the host's
+    launches and on the persistent kernel, and every epoch recovers."""
+    import cupy as cp
+
+    from tests.session.staging_cases import assert_same_log
+
+    twin = _interleaved_run(_log(tmp_path, "twin.log"))
+    got = _interleaved_run(shm_log, to_device=cp, executor="host")
+    assert all(set(st.via.values()) == {"gpu-mapped"} for st in got[0][1:]), [st.via for st in got[0]]
+    assert [st.pages for st in got[0]] == [st.pages for st in twin[0]]
+    assert_same_log(got[1], twin[1])
+    assert got[2] == got[3] == twin[2]
+    resident = _interleaved_run(shm_log, to_device=cp, executor="resident")
+    assert [st.pages for st in resident[0]] == [st.pages for st in twin[0]]
+    assert resident[2] == resident[3]
