@@ -194,7 +194,7 @@ __device__ __forceinline__ u64 run_pages(u64 m, u64 span, u64 row_bytes, u64 pag
     return end / page_bytes >= start ? end / page_bytes - start + 1 : 0;
 }
 
-// Each lane's runs of row `t` (positions [lo, hi)), for a warp.
+// The runs of positions row `t`: its leading dimensions (batch x heads), each max_len positions.
 __device__ __forceinline__ u64 positions_runs(const TableEntry& t, u64 max_len, u64 row_bytes) {
     const u64 span = max_len * row_bytes;
     return span ? t.nbytes / span : 0;

@@ -124,11 +124,17 @@ def main() -> None:
             row = {"ctx": ctx, "error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    if out:
-        with open(out + ".tmp", "w") as f:
-            f.write(json.dumps({"probe": "table_plan", "device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
-                                "rows": rows}, indent=1) + "\n")
-        os.replace(out + ".tmp", out)
+    if out:  # whole or not at all
+        device = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+        try:
+            with open(out + ".tmp", "w") as f:
+                f.write(json.dumps({"probe": "table_plan", "device": device, "rows": rows}, indent=1) + "\n")
+            os.replace(out + ".tmp", out)
+        finally:
+            if os.path.exists(out + ".tmp"):
+                os.unlink(out + ".tmp")
+    if any("error" in row for row in rows):  # a size that failed fails the part (its line says why)
+        sys.exit(1)
 
 
 if __name__ == "__main__":
